@@ -1,0 +1,28 @@
+# Two commands for a fresh machine (see README.md):
+#   make demo   set up .venv, run the main job
+#   make test   set up .venv, regenerate-and-check the notebooks, run every test and notebook
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup demo test export lint
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(PY) -m jupyter nbconvert --to notebook --execute notebooks/01_layers.ipynb --output-dir build/notebooks
+	@echo "executed notebook: build/notebooks/01_layers.ipynb"
+	@echo "figures:"; ls -1 build/figures/*.png | sed 's/^/  /'
+
+export: setup
+	$(PY) tools/export.py
+
+test: setup
+	$(PY) tools/export.py --check
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q --nbval-lax --nbval-current-env tests notebooks solutions

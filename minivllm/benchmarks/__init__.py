@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m minivllm.benchmarks.NAME`. Speed is measured here, never in tests."""

@@ -1,0 +1,1 @@
+"""Transformer layers, exported from notebooks/01_layers.py."""
