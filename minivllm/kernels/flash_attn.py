@@ -121,9 +121,8 @@ def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k) -> None:
 def _launch_config(head_dim: int, device: torch.device) -> dict:
     if device.type == "cpu":  # the interpreter: small tiles keep it quick
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
-    if head_dim <= 64:
-        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
-    return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+    # The fastest tile of a sweep on an H200 (python -m minivllm.benchmarks.prefill --sweep), head_dim 128, bf16
+    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
 
 
 def flash_attn_varlen_func(

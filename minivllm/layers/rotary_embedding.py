@@ -11,7 +11,7 @@ def rope_parameters(config: Any) -> dict:
     """RoPE settings from a transformers config of any version: {'rope_type', 'rope_theta', ...scaling keys}."""
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    params["rope_type"] = params.pop("type", None) or params.get("rope_type", "default")  # "type": pre-4.45 configs
     if params["rope_type"] not in ("default", "llama3"):
         raise ValueError(f"rope_type={params['rope_type']!r} is not supported (supported: 'default', 'llama3')")
     return params

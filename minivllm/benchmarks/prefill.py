@@ -1,0 +1,132 @@
+"""Prefill attention: our Triton FlashAttention vs PyTorch SDPA (flash, cuDNN) and a naive O(N²) version.
+
+    python -m minivllm.benchmarks.prefill [--seqlens 1024 4096 16384] [--out notebooks/figures] [--sweep]
+
+One causal prompt (batch 1), 16 query / 8 KV heads, head_dim 128, bf16: Qwen3-0.6B's attention.
+Writes prefill.json + prefill.png. --sweep also times every tile configuration of our kernel and prints the best.
+"""
+
+import argparse
+import itertools
+from pathlib import Path
+
+import torch
+
+from minivllm.benchmarks.common import FIGURES, gpu_ms, result, save
+from minivllm.kernels import flash_attn
+from minivllm.kernels.flash_attn import flash_attn_varlen_func
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
+
+
+def causal_tflops(seqlen: int, ms: float, batch: int = 1) -> float:
+    flops = 4 * batch * seqlen * seqlen * NUM_HEADS * HEAD_DIM / 2  # two matmuls, half the square is masked
+    return flops / (ms * 1e-3) / 1e12
+
+
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # (1, heads, N, D)
+    scores = (q @ k.transpose(-1, -2)) * HEAD_DIM**-0.5  # (1, heads, N, N): the O(N²) tensor
+    n = q.shape[-2]
+    scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+
+
+def implementations(seqlen: int, dtype: torch.dtype = torch.bfloat16) -> dict:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(seqlen, NUM_HEADS, HEAD_DIM, dtype=dtype, device="cuda")
+    k = torch.randn(seqlen, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device="cuda")
+    v = torch.randn_like(k)
+    cu = torch.tensor([0, seqlen], dtype=torch.int32, device="cuda")
+    group = NUM_HEADS // NUM_KV_HEADS
+    # SDPA and the naive version get the KV heads already expanded (outside the timing): GQA costs them nothing
+    qb, kb, vb = (t.transpose(0, 1)[None] for t in (q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)))
+
+    def sdpa(backend):
+        def run():
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True)
+        return run
+
+    impls = {
+        "minivllm-triton": lambda: flash_attn_varlen_func(q, k, v, cu, cu, seqlen, seqlen, causal=True),
+        "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION),
+        "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
+        "naive-torch": lambda: naive_attention(qb, kb, vb),
+    }
+    reference = impls["sdpa-flash"]()[0].transpose(0, 1)
+    torch.testing.assert_close(impls["minivllm-triton"](), reference, atol=2e-2, rtol=2e-2)
+    return impls
+
+
+def run_prefill_benchmark(seqlens=(1024, 4096, 16384), module: str = "minivllm.benchmarks.prefill") -> dict:
+    rows = []
+    for seqlen in seqlens:
+        for impl, fn in implementations(seqlen).items():
+            try:
+                ms = gpu_ms(fn)
+            except (RuntimeError, torch.OutOfMemoryError) as e:  # e.g. a backend that rejects the shape
+                print(f"{impl} N={seqlen}: skipped ({str(e).splitlines()[0]})")
+                continue
+            rows.append(dict(impl=impl, seqlen=seqlen, batch=1, ms=ms, tflops=causal_tflops(seqlen, ms)))
+            print(f"{impl:>16} N={seqlen:>6}: {ms:8.3f} ms {rows[-1]['tflops']:7.1f} TFLOP/s")
+    return result(module, rows, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
+                  dtype="bfloat16", causal=True, config=flash_attn._launch_config(HEAD_DIM, torch.device("cuda")))
+
+
+def sweep(seqlens) -> None:
+    """Time our kernel under every tile configuration; print the five best per length."""
+    default = flash_attn._launch_config
+    space = list(itertools.product((64, 128), (64, 128), (4, 8), (2, 3)))
+    try:
+        for seqlen in seqlens:
+            flash_attn._launch_config = default
+            fn = implementations(seqlen)["minivllm-triton"]
+            timings = []
+            for block_m, block_n, warps, stages in space:
+                config = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+                flash_attn._launch_config = lambda *_, c=config: c
+                try:
+                    timings.append((gpu_ms(fn), config))
+                except Exception as e:  # out of shared memory or registers for this tile
+                    print(f"  {config}: {type(e).__name__}")
+            for ms, config in sorted(timings, key=lambda t: t[0])[:5]:
+                print(f"sweep N={seqlen}: {config} {ms:.3f} ms {causal_tflops(seqlen, ms):.1f} TFLOP/s")
+    finally:
+        flash_attn._launch_config = default
+
+
+def plot_prefill(data: dict):
+    import matplotlib.pyplot as plt
+
+    impls = list(dict.fromkeys(r["impl"] for r in data["rows"]))
+    seqlens = sorted({r["seqlen"] for r in data["rows"]})
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    width = 0.8 / len(impls)
+    for i, impl in enumerate(impls):
+        rows = {r["seqlen"]: r["tflops"] for r in data["rows"] if r["impl"] == impl}
+        ax.bar([j + i * width for j in range(len(seqlens))], [rows.get(s, 0) for s in seqlens], width, label=impl)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(seqlens))], [f"{s // 1024}k" for s in seqlens])
+    ax.set_xlabel("prompt length (causal, batch 1, 16/8 heads, d=128, bf16)")
+    ax.set_ylabel("TFLOP/s")
+    ax.set_title(f"Prefill attention on {data['device']}")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--out", type=Path, default=FIGURES)
+    parser.add_argument("--sweep", action="store_true", help="also time every tile configuration of our kernel")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a CUDA GPU")
+    if args.sweep:
+        sweep(args.seqlens)
+    data = run_prefill_benchmark(args.seqlens)
+    save("prefill", data, plot_prefill(data), args.out)
+
+
+if __name__ == "__main__":
+    main()
