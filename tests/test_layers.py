@@ -140,7 +140,7 @@ def test_tensor_parallel_2_equals_1():
     single = tp_forward(0)
     ranks = run_on_ranks(tp_forward, 2, 0)
     for name in ("attn_out", "mlp", "embed", "logits"):
-        for rank, result in enumerate(ranks):
+        for result in ranks:
             torch.testing.assert_close(result[name], single[name], rtol=1e-5, atol=1e-4)  # partial sums add in another order
     torch.testing.assert_close(torch.cat([r["col"] for r in ranks], -1), single["col"])
     assert ranks[0]["col"].shape[-1] == 12  # each rank really held half
@@ -201,7 +201,7 @@ def test_attention_ref_matches_sdpa(causal, group):
     out = attention_ref(q, k, v, cu, cu, causal=causal)
     for i, n in enumerate(lens):
         s = slice(cu[i].item(), cu[i].item() + n)
-        expand = lambda t: t[s].repeat_interleave(group, 1).transpose(0, 1)
+        expand = lambda t, s=s: t[s].repeat_interleave(group, 1).transpose(0, 1)
         ref = F.scaled_dot_product_attention(q[s].transpose(0, 1), expand(k), expand(v), is_causal=causal)
         torch.testing.assert_close(out[s], ref.transpose(0, 1), rtol=1e-5, atol=1e-5)
 

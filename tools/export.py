@@ -49,7 +49,8 @@ def read(path: Path) -> nbformat.NotebookNode:
 
 
 def write_ipynb(nb: nbformat.NotebookNode, path: Path) -> None:
-    for cell in nb.cells:
+    for i, cell in enumerate(nb.cells):
+        cell.id = f"cell-{i:03d}"  # nbformat would draw random ids: regenerating must give the same bytes
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
     nb.metadata.setdefault("jupytext", {})["formats"] = "ipynb,py:percent"
@@ -159,10 +160,10 @@ def check_import_order(exports: list[Export], folders: tuple[str, ...] = ("noteb
             for cell in read(path).cells:
                 if cell.cell_type != "code":
                     continue
-                for name in imported_modules(cell.source):
-                    owner = exported_by.get(name, exported_by.get(name.rpartition(".")[0], 0))
-                    if owner > number:
-                        errors.append(f"{folder}/{path.name} imports {name}, exported later by notebook {owner:02d}")
+                names = imported_modules(cell.source)
+                modules = {n if n in exported_by else n.rpartition(".")[0] for n in names}  # `from m import x`
+                for module in sorted(m for m in modules if exported_by.get(m, 0) > number):
+                    errors.append(f"{folder}/{path.name} imports {module}, exported later by notebook {exported_by[module]:02d}")
     return errors
 
 
@@ -201,7 +202,8 @@ def main() -> None:
     if errors:
         sys.exit(1)
     n_modules = sum(len(e.modules) for e in exports)
-    print(f"exported {len(exports)} notebooks into {n_modules} modules; exercises from {len(notebook_sources('solutions'))} solutions")
+    n_solutions = len(notebook_sources("solutions"))
+    print(f"exported {len(exports)} notebooks into {n_modules} modules; exercises from {n_solutions} solutions")
 
 
 if __name__ == "__main__":
