@@ -683,21 +683,23 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def _attend_block(
-    acc, m_i, l_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, k_len, shift, qk_scale,
-    stride_kt, stride_vt,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-):
-    """One step of online softmax over keys [start_n, start_n + BLOCK_N) for a tile of queries."""
-    offs_key = start_n + offs_n  # (BLOCK_N,)
-    if MASKED:
-        k = tl.load(k_ptrs + start_n * stride_kt, mask=(offs_key < k_len)[None, :], other=0.0)  # (D, BLOCK_N)
-        v = tl.load(v_ptrs + start_n * stride_vt, mask=(offs_key < k_len)[:, None], other=0.0)  # (BLOCK_N, D)
+def load_tile(ptrs, mask, UPCAST: tl.constexpr):
+    """Load a K or V tile; zeros where masked. The CPU interpreter computes bf16 wrongly, so it upcasts."""
+    if mask is None:
+        x = tl.load(ptrs)
     else:
-        k = tl.load(k_ptrs + start_n * stride_kt)
-        v = tl.load(v_ptrs + start_n * stride_vt)
-    if UPCAST:  # the CPU interpreter computes bf16 wrongly; do its arithmetic in fp32
-        k, v = k.to(tl.float32), v.to(tl.float32)
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def attend_block(
+    acc, m_i, l_i, q, k, v, offs_key, offs_m, k_len, shift, qk_scale,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One step of online softmax: fold keys `offs_key` (k: (D, BLOCK_N), v: (BLOCK_N, D)) into a query tile."""
     s = tl.dot(q, k, input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
     if MASKED:
         visible = (offs_key < k_len)[None, :]
@@ -711,6 +713,18 @@ def _attend_block(
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
     return acc, m_new, l_i
+
+
+@triton.jit
+def causal_bounds(start_m, k_len, shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """Keys [0, unmasked) are seen by every query of the tile (whole blocks); keys >= hi by none."""
+    if CAUSAL:
+        hi = tl.minimum(k_len, (start_m + 1) * BLOCK_M + shift)
+        unmasked = tl.maximum(tl.minimum(hi, start_m * BLOCK_M + shift + 1), 0)
+    else:
+        hi = k_len
+        unmasked = k_len
+    return (unmasked // BLOCK_N) * BLOCK_N, hi
 
 
 @triton.jit
@@ -733,31 +747,27 @@ def _prefill_kernel(
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-                mask=(offs_m < q_len)[:, None], other=0.0)  # (BLOCK_M, D)
-    if UPCAST:
-        q = q.to(tl.float32)
-    k_ptrs = K + k_start * stride_kt + kv_head * stride_kh + offs_n[None, :] * stride_kt + offs_d[:, None]  # (D, BLOCK_N)
-    v_ptrs = V + k_start * stride_vt + kv_head * stride_vh + offs_n[:, None] * stride_vt + offs_d[None, :]  # (BLOCK_N, D)
+    q = load_tile(Q + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                  (offs_m < q_len)[:, None], UPCAST)  # (BLOCK_M, D)
+    k_ptrs = K + (k_start + offs_n)[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None]  # (D, BLOCK_N)
+    v_ptrs = V + (k_start + offs_n)[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :]  # (BLOCK_N, D)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-
     shift = k_len - q_len  # bottom-right causal: query i sees keys j <= i + shift
-    if CAUSAL:
-        hi = tl.minimum(k_len, (start_m + 1) * BLOCK_M + shift)  # no query of the tile sees a key >= hi
-        unmasked = tl.maximum(tl.minimum(hi, start_m * BLOCK_M + shift + 1), 0)  # every query sees keys < this
-    else:
-        hi = k_len
-        unmasked = k_len
-    unmasked = (unmasked // BLOCK_N) * BLOCK_N
+    unmasked, hi = causal_bounds(start_m, k_len, shift, BLOCK_M, BLOCK_N, CAUSAL)
     for start_n in range(0, unmasked, BLOCK_N):  # phase 1: whole blocks every query sees, no masks
-        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, k_len, shift,
-                                      qk_scale, stride_kt, stride_vt, False, CAUSAL, UPCAST, PRECISION)
+        k = load_tile(k_ptrs + start_n * stride_kt, None, UPCAST)
+        v = load_tile(v_ptrs + start_n * stride_vt, None, UPCAST)
+        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, start_n + offs_n, offs_m, k_len, shift, qk_scale,
+                                     False, CAUSAL, PRECISION)
     for start_n in range(unmasked, hi, BLOCK_N):  # phase 2: the diagonal and the ragged end, masked
-        acc, m_i, l_i = _attend_block(acc, m_i, l_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, k_len, shift,
-                                      qk_scale, stride_kt, stride_vt, True, CAUSAL, UPCAST, PRECISION)
+        in_range = start_n + offs_n < k_len
+        k = load_tile(k_ptrs + start_n * stride_kt, in_range[None, :], UPCAST)
+        v = load_tile(v_ptrs + start_n * stride_vt, in_range[:, None], UPCAST)
+        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, start_n + offs_n, offs_m, k_len, shift, qk_scale,
+                                     True, CAUSAL, PRECISION)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # a query that sees no key outputs zeros
     tl.store(O + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
