@@ -11,7 +11,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from minivllm.kernels.flash_attn import flash_attn_varlen_func  # noqa: E402
+from minivllm.kernels.paged_attn import flash_attn_varlen_func, flash_attn_with_kvcache, store_kvcache  # noqa: E402
 from minivllm.kernels.reference import attention_ref  # noqa: E402
 
-__all__ = ["attention_ref", "flash_attn_varlen_func"]
+__all__ = ["attention_ref", "flash_attn_varlen_func", "flash_attn_with_kvcache", "store_kvcache"]

@@ -145,11 +145,10 @@ def flash_attn_varlen_func(
     max_seqlen_k: int,
     softmax_scale: float | None = None,
     causal: bool = False,
-    block_table: torch.Tensor | None = None,
 ) -> torch.Tensor:  # (total_q, num_heads, head_dim)
-    """FlashAttention over packed variable-length sequences, with flash-attn's signature."""
-    if block_table is not None:
-        raise NotImplementedError("attention over a paged KV cache (block_table) is built in notebook 04")
+    """FlashAttention over packed variable-length sequences, with flash-attn's signature.
+
+    Notebook 04 adds `block_table=`, for keys and values that live in a paged KV cache."""
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
     if max_seqlen_q < 1 or max_seqlen_k < 0:
         raise ValueError(f"max_seqlen_q must be >= 1 and max_seqlen_k >= 0, got {max_seqlen_q}, {max_seqlen_k}")

@@ -1,0 +1,119 @@
+"""Paged decode attention: our Triton kernel vs a naive gather + SDPA, and vs our prefill kernel used for decode.
+
+    python -m minivllm.benchmarks.decode [--out notebooks/figures]
+
+Qwen3-0.6B's attention (16 query / 8 KV heads, head_dim 128, bf16), one new query per sequence, the context
+spread over a shuffled block table. Bandwidth counts the bytes of K and V read: batch × context × 8 × 128 × 2 × 2.
+Writes decode.json + decode.png, with the device's copy bandwidth (read + write) as the ceiling.
+"""
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from minivllm.benchmarks.common import FIGURES, gpu_ms, result, save
+from minivllm.kernels import flash_attn_varlen_func, flash_attn_with_kvcache
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
+SHAPES = [(1, 16384), (8, 8192), (64, 4096), (256, 1024)]  # (batch, context_len)
+
+
+def paged_inputs(batch: int, context_len: int, block_size: int, dtype=torch.bfloat16) -> dict:
+    blocks_per_seq = context_len // block_size
+    num_blocks = batch * blocks_per_seq
+    k_cache = torch.randn(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device="cuda")
+    arange = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    return dict(
+        context_len=context_len, cu_seqlens_q=arange, cu_seqlens_k=arange * context_len,
+        q=torch.randn(batch, 1, NUM_HEADS, HEAD_DIM, dtype=dtype, device="cuda"),
+        k_cache=k_cache, v_cache=torch.randn_like(k_cache),
+        block_table=torch.randperm(num_blocks, device="cuda").view(batch, blocks_per_seq).int(),
+        cache_seqlens=torch.full((batch,), context_len, dtype=torch.int32, device="cuda"),
+    )
+
+
+def naive_gather_sdpa(x: dict) -> torch.Tensor:
+    """Copy each sequence's blocks into a contiguous tensor, then PyTorch SDPA (all sequences equally long)."""
+    q, k_cache, v_cache, block_table = x["q"], x["k_cache"], x["v_cache"], x["block_table"]
+    batch = q.shape[0]
+    k = k_cache[block_table].view(batch, -1, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2)  # (batch, kv_heads, ctx, D)
+    v = v_cache[block_table].view(batch, -1, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2)
+    return torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k, v, enable_gqa=True)
+
+
+def prefill_kernel_as_decode(x: dict) -> torch.Tensor:
+    """Notebook 01's design used for decode: a 64-query tile holding 1 query, one program per query head."""
+    return flash_attn_varlen_func(x["q"][:, 0], x["k_cache"], x["v_cache"], x["cu_seqlens_q"], x["cu_seqlens_k"],
+                                  1, x["context_len"], causal=True, block_table=x["block_table"])
+
+
+IMPLS = {
+    "minivllm-triton": lambda x: flash_attn_with_kvcache(x["q"], x["k_cache"], x["v_cache"], x["cache_seqlens"],
+                                                         x["block_table"]),
+    "minivllm-prefill-kernel": prefill_kernel_as_decode,
+    "naive-gather-sdpa": naive_gather_sdpa,
+}
+
+
+def copy_tbps() -> float:
+    x = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    return 2 * x.numel() / (gpu_ms(lambda: y.copy_(x)) * 1e-3) / 1e12
+
+
+def run_decode_benchmark(shapes=SHAPES, block_sizes=(16, 256), module: str = "minivllm.benchmarks.decode") -> dict:
+    rows = []
+    for block_size in block_sizes:
+        for batch, context_len in shapes:
+            x = paged_inputs(batch, context_len, block_size)
+            ref = naive_gather_sdpa(x).transpose(1, 2)
+            nbytes = 2 * batch * context_len * NUM_KV_HEADS * HEAD_DIM * x["k_cache"].element_size()
+            for impl, fn in IMPLS.items():
+                torch.testing.assert_close(fn(x).view_as(ref), ref, atol=2e-2, rtol=2e-2)
+                ms = gpu_ms(lambda fn=fn, x=x: fn(x))
+                rows.append(dict(impl=impl, batch=batch, context_len=context_len, block_size=block_size, ms=ms,
+                                 tbps=nbytes / (ms * 1e-3) / 1e12))
+                print(f"{impl:>24} bs={block_size:>3} batch={batch:>3} ctx={context_len:>5}: "
+                      f"{ms * 1e3:8.1f} µs {rows[-1]['tbps']:5.2f} TB/s")
+            del x
+    return result(module, rows, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
+                  dtype="bfloat16", copy_tbps=copy_tbps())
+
+
+def plot_decode(data: dict):
+    import matplotlib.pyplot as plt
+
+    block_sizes = sorted({r["block_size"] for r in data["rows"]})
+    impls = list(dict.fromkeys(r["impl"] for r in data["rows"]))
+    fig, axes = plt.subplots(1, len(block_sizes), figsize=(5.5 * len(block_sizes), 3.8), sharey=True)
+    for ax, block_size in zip(axes, block_sizes):
+        rows = [r for r in data["rows"] if r["block_size"] == block_size]
+        shapes = list(dict.fromkeys((r["batch"], r["context_len"]) for r in rows))
+        width = 0.8 / len(impls)
+        for i, impl in enumerate(impls):
+            tbps = {(r["batch"], r["context_len"]): r["tbps"] for r in rows if r["impl"] == impl}
+            ax.bar([j + i * width for j in range(len(shapes))], [tbps.get(s, 0) for s in shapes], width, label=impl)
+        ax.axhline(data["copy_tbps"], color="grey", ls=":", label=f"copy bandwidth {data['copy_tbps']:.2f} TB/s")
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], [f"{b}×{c // 1024}k" for b, c in shapes])
+        ax.set_xlabel("batch × context")
+        ax.set_title(f"block size {block_size}")
+    axes[0].set_ylabel("TB/s of K and V read")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"Paged decode attention on {data['device']} (16/8 heads, d=128, bf16)")
+    fig.tight_layout()
+    return fig
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=FIGURES)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a CUDA GPU")
+    data = run_decode_benchmark()
+    save("decode", data, plot_decode(data), args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Paged KV-cache kernels (notebook 04) against the reference attention, under the interpreter and on a GPU."""
+
+import random
+
+import pytest
+import torch
+
+from minivllm.kernels import attention_ref, flash_attn_varlen_func, flash_attn_with_kvcache, store_kvcache
+from minivllm.kernels import paged_attn
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def paged_cache(seq_lens, num_kv_heads, head_dim, block_size, dtype=torch.float32, seed=0):
+    """Random K/V per sequence scattered over shuffled blocks; also returned contiguous with cu_seqlens."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    free = torch.randperm(sum(blocks_per_seq) + 2, generator=gen).tolist()
+    k_cache = torch.zeros(len(free), block_size, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    block_table = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32, device=DEVICE)
+    ks, vs = [], []
+    for i, n in enumerate(seq_lens):
+        blocks = [free.pop() for _ in range(blocks_per_seq[i])]
+        block_table[i, : len(blocks)] = torch.tensor(blocks)
+        k, v = (torch.randn(n, num_kv_heads, head_dim, generator=gen).to(DEVICE, dtype) for _ in range(2))
+        slots = torch.tensor([blocks[t // block_size] * block_size + t % block_size for t in range(n)], device=DEVICE)
+        store_kvcache(k, v, k_cache, v_cache, slots)
+        ks.append(k)
+        vs.append(v)
+    cu_k = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    return k_cache, v_cache, block_table, torch.cat(ks), torch.cat(vs), cu_k
+
+
+def check_decode(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype=torch.float32, tol=1e-4):
+    k_cache, v_cache, block_table, k, v, cu_k = paged_cache(seq_lens, num_kv_heads, head_dim, block_size, dtype)
+    q = torch.randn(len(seq_lens), 1, num_heads, head_dim, device=DEVICE).to(dtype)
+    seqlens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, block_table)
+    cu_q = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)
+    ref = attention_ref(q[:, 0], k, v, cu_q, cu_k)
+    torch.testing.assert_close(out[:, 0].float(), ref.float(), rtol=tol, atol=tol)
+
+
+def test_store_kvcache_writes_slots_and_skips_padding():
+    k_cache = torch.zeros(3, 16, 2, 8, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    k, v = torch.randn(4, 2, 8, device=DEVICE), torch.randn(4, 2, 8, device=DEVICE)
+    store_kvcache(k, v, k_cache, v_cache, torch.tensor([47, -1, 0, 16], device=DEVICE))
+    flat_k, flat_v = k_cache.view(48, 2, 8), v_cache.view(48, 2, 8)
+    for slot, i in ((47, 0), (0, 2), (16, 3)):
+        torch.testing.assert_close(flat_k[slot], k[i])
+        torch.testing.assert_close(flat_v[slot], v[i])
+    assert flat_k.abs().sum(dim=(1, 2)).count_nonzero() == 3
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 256])
+@pytest.mark.parametrize("group", [1, 2, 8])
+def test_decode_matches_reference(block_size, group):
+    rng = random.Random(f"{block_size}-{group}")
+    seq_lens = [1, block_size, block_size + 1] + [rng.randint(1, 300) for _ in range(3)]
+    check_decode(seq_lens, num_heads=8, num_kv_heads=8 // group, head_dim=32, block_size=block_size)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 7])
+def test_decode_split_k_combines_exactly(monkeypatch, num_splits):
+    """Split-K runs on a GPU at small batch; force it here too, including splits that get no tokens."""
+    monkeypatch.setattr(paged_attn, "decode_num_splits", lambda *_: num_splits)
+    check_decode([1, 5, 100, 257], num_heads=4, num_kv_heads=2, head_dim=32, block_size=16)
+
+
+def test_decode_half_precision():
+    check_decode([33, 100], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.bfloat16, tol=2e-2)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_paged_prefill_attends_to_the_cached_prefix(block_size, causal):
+    k_lens, q_lens = [40, 17, 300, 1], [5, 17, 64, 1]  # cached prefix + new tokens; none cached; ...
+    k_cache, v_cache, block_table, k, v, cu_k = paged_cache(k_lens, 2, 32, block_size)
+    q = torch.randn(sum(q_lens), 4, 32, device=DEVICE)
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    out = flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max(q_lens), max(k_lens), causal=causal,
+                                 block_table=block_table)
+    torch.testing.assert_close(out, attention_ref(q, k, v, cu_q, cu_k, causal=causal), rtol=1e-4, atol=1e-4)
+
+
+def test_bad_decode_input_raises_value_error():
+    k_cache = torch.zeros(2, 16, 2, 32)
+    q, seqlens, table = torch.randn(1, 1, 4, 32), torch.tensor([5], dtype=torch.int32), torch.zeros(1, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="q must be"):
+        flash_attn_with_kvcache(q[0], k_cache, k_cache, seqlens, table)
+    with pytest.raises(ValueError, match="k_cache"):
+        flash_attn_with_kvcache(q, k_cache.half(), k_cache, seqlens, table)
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        flash_attn_with_kvcache(q, k_cache, k_cache, seqlens.long(), table)
+    with pytest.raises(ValueError, match="block_table"):
+        flash_attn_with_kvcache(q, k_cache, k_cache, seqlens, None)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        store_kvcache(torch.randn(3, 2, 32), torch.randn(3, 2, 32), k_cache, k_cache, torch.zeros(2, dtype=torch.long))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("group", [1, 2, 8])
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_decode_bf16_on_gpu(batch, group, block_size):
+    rng = random.Random(f"gpu-{batch}-{group}-{block_size}")
+    seq_lens = [rng.randint(1, 5000) for _ in range(batch)]
+    check_decode(seq_lens, num_heads=16, num_kv_heads=16 // group, head_dim=128, block_size=block_size,
+                 dtype=torch.bfloat16, tol=2e-2)
+
+
+@pytest.mark.gpu
+def test_paged_prefill_bf16_on_gpu():
+    k_lens, q_lens = [3000, 700, 129], [1000, 700, 1]
+    k_cache, v_cache, block_table, k, v, cu_k = paged_cache(k_lens, 8, 128, 16, torch.bfloat16)
+    q = torch.randn(sum(q_lens), 16, 128, device=DEVICE, dtype=torch.bfloat16)
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    out = flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max(q_lens), max(k_lens), causal=True,
+                                 block_table=block_table)
+    ref = attention_ref(q, k, v, cu_q, cu_k, causal=True)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
