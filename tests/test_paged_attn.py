@@ -5,8 +5,7 @@ import random
 import pytest
 import torch
 
-from minivllm.kernels import attention_ref, flash_attn_varlen_func, flash_attn_with_kvcache, store_kvcache
-from minivllm.kernels import paged_attn
+from minivllm.kernels import attention_ref, flash_attn_varlen_func, flash_attn_with_kvcache, paged_attn, store_kvcache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

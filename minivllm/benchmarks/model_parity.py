@@ -1,0 +1,127 @@
+"""Our Qwen3 against transformers' in bfloat16, under teacher forcing, on the `qwen3-0.6b` preset.
+
+    python -m minivllm.benchmarks.model_parity [--out notebooks/figures] [--num-tokens 1024]
+
+Writes the preset to a temporary folder (timed), loads it with `minivllm.load_model` (timed; the folder was just
+written, so it is read from the page cache) and with transformers,
+runs one prompt of random token ids through both and compares the logits at every position. transformers in
+float32 is the reference that tells how far bfloat16 rounding alone moves the logits: the same comparison is made
+for transformers' own bfloat16 model. Writes OUT/model_parity.json.
+"""
+
+import argparse
+import json
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from minivllm.checkpoint import write_checkpoint
+from minivllm.layers.rotary_embedding import rope_parameters
+from minivllm.models.loader import load_model
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(on: torch.device, fn, *args, **kwargs):
+    """fn(*args, **kwargs) and its wall time in seconds (synchronised on a GPU)."""
+    _sync(on)
+    start = time.perf_counter()
+    result = fn(*args, **kwargs)
+    _sync(on)
+    return result, time.perf_counter() - start
+
+
+def compare(logits: torch.Tensor, ref: torch.Tensor) -> dict:
+    """Max and mean |difference| and top-1 agreement of two (num_tokens, vocab_size) logit tensors."""
+    logits, ref = logits.float(), ref.float()
+    diff = (logits - ref).abs()
+    return dict(max_abs_logit_error=diff.max().item(), mean_abs_logit_error=diff.mean().item(),
+                top1_agreement=(logits.argmax(-1) == ref.argmax(-1)).float().mean().item())
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def run_model_parity(preset: str = "qwen3-0.6b", num_tokens: int = 1024, seed: int = 0,
+                     device: str | None = None, attn_implementation: str = "sdpa") -> dict:
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        torch.zeros(1, device=device)  # create the CUDA context outside the timings
+    logits, load_s = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path, write_s = _timed(device, write_checkpoint, Path(tmp) / preset, preset, seed)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        rope_theta = rope_parameters(AutoConfig.from_pretrained(path))["rope_theta"]
+        generator = torch.Generator().manual_seed(seed)
+        token_ids = torch.randint(0, len(tokenizer), (num_tokens,), generator=generator).tolist()
+        for dtype in (torch.bfloat16, torch.float32):
+            model, load_s[dtype] = _timed(device, load_model, path, dtype=dtype, device=device)
+            model.prompt_logits(token_ids[:16])  # warm-up: compiles the Triton kernel on a GPU
+            logits["minivllm", dtype] = model.prompt_logits(token_ids).cpu()
+            del model
+            hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+            hf = hf.to(device).eval()
+            with torch.inference_mode():
+                logits["transformers", dtype] = hf(torch.tensor([token_ids], device=device)).logits[0].cpu()
+            del hf
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    bf16, fp32 = torch.bfloat16, torch.float32
+    ref = logits["transformers", fp32]
+    top2 = ref.float().topk(2, dim=-1).values
+    ours_vs_hf = compare(logits["minivllm", bf16], logits["transformers", bf16])
+    return {
+        "device": device_name(device),
+        "command": f"python -m minivllm.benchmarks.model_parity --preset {preset} --num-tokens {num_tokens} "
+                   f"--seed {seed}",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "preset": preset,
+        "num_tokens": num_tokens,
+        "seed": seed,
+        "attn_implementation": attn_implementation,
+        "rope_theta": rope_theta,
+        "write_checkpoint_s": round(write_s, 2),
+        "load_model_bf16_s": round(load_s[torch.bfloat16], 2),
+        **ours_vs_hf,  # the headline: minivllm bf16 vs transformers bf16
+        "rows": [
+            {"impl": "minivllm-bf16", "reference": "transformers-bf16", **ours_vs_hf},
+            {"impl": "minivllm-bf16", "reference": "transformers-fp32", **compare(logits["minivllm", bf16], ref)},
+            {"impl": "transformers-bf16", "reference": "transformers-fp32",
+             **compare(logits["transformers", bf16], ref)},
+            {"impl": "minivllm-fp32", "reference": "transformers-fp32", **compare(logits["minivllm", fp32], ref)},
+        ],
+        "reference_top1_margin_median": (top2[:, 0] - top2[:, 1]).median().item(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="notebooks/figures", help="folder for model_parity.json")
+    parser.add_argument("--preset", default="qwen3-0.6b")
+    parser.add_argument("--num-tokens", type=int, default=1024)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    args = parser.parse_args()
+    result = run_model_parity(args.preset, args.num_tokens, args.seed, args.device)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "model_parity.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    print(f"wrote {out / 'model_parity.json'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,3 @@
+from minivllm.checkpoint.maker import main
+
+main()

@@ -1,0 +1,95 @@
+"""`python -m minivllm.checkpoint`: a HuggingFace folder, deterministic bytes, a tokenizer that fits the model."""
+
+import hashlib
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoTokenizer
+
+from minivllm.checkpoint import PRESETS, main, preset_config, write_checkpoint
+
+
+def hashes(path) -> dict[str, str]:
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(path.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ckpt") / "tiny"
+    main(["--preset", "tiny", "--out", str(out)])
+    return out
+
+
+def test_cli_runs_as_a_module(tmp_path):
+    out = tmp_path / "cli"
+    subprocess.run([sys.executable, "-m", "minivllm.checkpoint", "--preset", "tiny", "--out", str(out), "--seed", "3"],
+                   check=True, capture_output=True)
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+
+
+def test_writes_a_huggingface_folder(tiny):
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+            "tokenizer_config.json"} <= {f.name for f in tiny.iterdir()}
+    config = AutoConfig.from_pretrained(tiny)
+    assert config.architectures == ["Qwen3ForCausalLM"]
+    for key, value in PRESETS["tiny"].items():
+        assert str(getattr(config, key)).removeprefix("torch.") == str(value), key
+    generation = json.loads((tiny / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [2, 0]
+    with safe_open(tiny / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+        assert f.metadata() == {"format": "pt"}  # nothing time-dependent
+    assert "lm_head.weight" not in names  # tied, as transformers saves it
+    assert len(names) == 2 + 11 * config.num_hidden_layers
+
+
+def test_same_seed_same_bytes(tmp_path, tiny):
+    again = write_checkpoint(tmp_path / "again", "tiny", seed=0)
+    other = write_checkpoint(tmp_path / "other", "tiny", seed=1)
+    assert hashes(again) == hashes(tiny)
+    assert hashes(other)["model.safetensors"] != hashes(tiny)["model.safetensors"]
+    assert hashes(other)["tokenizer.json"] == hashes(tiny)["tokenizer.json"]
+
+
+def test_norm_weights_are_not_all_ones(tiny):
+    with safe_open(tiny / "model.safetensors", "pt") as f:
+        q_norm = f.get_tensor("model.layers.0.self_attn.q_norm.weight")
+        k_norm = f.get_tensor("model.layers.0.self_attn.k_norm.weight")
+    assert not torch.equal(q_norm, k_norm) and (q_norm - 1).abs().max() > 0.05
+
+
+def test_tokenizer_fits_the_model_and_speaks_chatml(tiny):
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    config = AutoConfig.from_pretrained(tiny)
+    assert len(tokenizer) <= config.vocab_size
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == config.eos_token_id
+    text = "Hello, world! Ünïcödé, 東京 and emoji 🙂 survive a byte-level round trip."
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert chat == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_qwen3_0_6b_preset_has_the_real_shapes():
+    config = preset_config("qwen3-0.6b")
+    assert (config.num_hidden_layers, config.hidden_size, config.intermediate_size) == (28, 1024, 3072)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (16, 8, 128)
+    assert config.vocab_size == 151936 and config.tie_word_embeddings
+    assert config.rope_parameters["rope_theta"] == 1e6 and config.max_position_embeddings == 40960
+    assert config.dtype == torch.bfloat16
+
+
+def test_tiny_preset_fits_the_kernels_and_tp2():
+    config = preset_config("tiny")
+    assert config.head_dim in (16, 32, 64, 128, 256)
+    assert config.num_attention_heads > config.num_key_value_heads > 1  # GQA
+    assert config.vocab_size % 2 == 0 and config.max_position_embeddings >= 2048
+
+
+def test_unknown_preset():
+    with pytest.raises(ValueError, match="qwen3-0.6b"):
+        preset_config("gpt-5")

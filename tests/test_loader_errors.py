@@ -1,0 +1,135 @@
+"""Every bad checkpoint gets a clear ValueError / FileNotFoundError, raised before any weight is loaded."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import minivllm.models.loader as loader
+from minivllm import load_model
+from minivllm.checkpoint import write_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", "tiny", seed=0)
+
+
+@pytest.fixture(autouse=True)
+def no_loading(monkeypatch):
+    """Any error must come before the first weight is copied: loading at all fails these tests."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("load_weights ran: the error came too late")
+
+    monkeypatch.setattr(loader, "load_weights", refuse)
+
+
+def copy(tiny, tmp_path, config_edit=None, tensors_edit=None):
+    path = tmp_path / "broken"
+    shutil.copytree(tiny, path)
+    if config_edit:
+        config = json.loads((path / "config.json").read_text())
+        config_edit(config)
+        (path / "config.json").write_text(json.dumps(config))
+    if tensors_edit:
+        tensors = load_file(path / "model.safetensors")
+        tensors_edit(tensors)
+        save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def test_missing_folder(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_model(tmp_path / "nowhere")
+
+
+def test_file_instead_of_folder(tiny):
+    with pytest.raises(FileNotFoundError, match="not a folder"):
+        load_model(tiny / "config.json")
+
+
+def test_folder_without_config(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(tmp_path)
+
+
+def test_unreadable_config(tiny, tmp_path):
+    path = copy(tiny, tmp_path)
+    (path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not readable JSON"):
+        load_model(path)
+
+
+@pytest.mark.parametrize("architectures", [["LlamaForCausalLM"], ["MambaForCausalLM"], None])
+def test_unknown_architecture_names_the_supported_ones(tiny, tmp_path, architectures):
+    path = copy(tiny, tmp_path, config_edit=lambda c: c.update(architectures=architectures))
+    with pytest.raises(ValueError, match=r"not supported; supported architectures: \['Qwen3ForCausalLM'\]"):
+        load_model(path)
+
+
+def test_no_safetensors(tiny, tmp_path):
+    path = copy(tiny, tmp_path)
+    (path / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        load_model(path)
+
+
+def test_index_names_a_missing_shard(tiny, tmp_path):
+    path = copy(tiny, tmp_path)
+    index = {"metadata": {}, "weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors"):
+        load_model(path)
+
+
+def test_unreadable_safetensors(tiny, tmp_path):
+    path = copy(tiny, tmp_path)
+    (path / "model.safetensors").write_bytes(b"this is not a safetensors file")
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        load_model(path)
+
+
+def test_missing_tensor(tiny, tmp_path):
+    path = copy(tiny, tmp_path, tensors_edit=lambda t: t.pop("model.layers.2.mlp.gate_proj.weight"))
+    with pytest.raises(ValueError, match="missing 1 tensor.*model.layers.2.mlp.gate_proj.weight"):
+        load_model(path)
+
+
+def test_untied_config_needs_lm_head(tiny, tmp_path):
+    path = copy(tiny, tmp_path, config_edit=lambda c: c.update(tie_word_embeddings=False))
+    with pytest.raises(ValueError, match="missing 1 tensor.*lm_head.weight"):
+        load_model(path)
+
+
+def test_unexpected_tensor(tiny, tmp_path):
+    path = copy(tiny, tmp_path, tensors_edit=lambda t: t.update({"model.layers.0.mlp.extra.weight": torch.zeros(3)}))
+    with pytest.raises(ValueError, match="unexpected tensor.*model.layers.0.mlp.extra.weight"):
+        load_model(path)
+
+
+@pytest.mark.parametrize("name, shape, expected", [
+    ("model.layers.1.self_attn.v_proj.weight", (32, 128), (64, 128)),
+    ("model.layers.0.mlp.up_proj.weight", (384, 64), (384, 128)),
+    ("model.layers.3.mlp.down_proj.weight", (128, 385), (128, 384)),
+    ("model.layers.0.self_attn.q_norm.weight", (16,), (32,)),
+    ("model.embed_tokens.weight", (2000, 128), (2048, 128)),
+])
+def test_shape_mismatch_names_tensor_and_shapes(tiny, tmp_path, name, shape, expected):
+    path = copy(tiny, tmp_path, tensors_edit=lambda t: t.update({name: torch.zeros(shape)}))
+    with pytest.raises(ValueError) as e:
+        load_model(path)
+    assert name in str(e.value) and f"expected shape {expected}" in str(e.value) and f"got {shape}" in str(e.value)
+
+
+def test_bad_dtype(tiny):
+    with pytest.raises(ValueError, match="dtype must be"):
+        load_model(tiny, dtype=torch.int8)
+
+
+def test_unsupported_config_values(tiny, tmp_path):
+    path = copy(tiny, tmp_path, config_edit=lambda c: c.update(hidden_act="gelu"))
+    with pytest.raises(ValueError, match="hidden_act='gelu'"):
+        load_model(path)
