@@ -439,3 +439,1073 @@ for block_size in (16, 256):
                                  block_table=block_table)
     torch.testing.assert_close(out, attention_ref(q, k, v, cu_q, cu_k, causal=True), rtol=1e-4, atol=1e-4)
 print("paged prefill matches the reference")
+
+# %% [markdown]
+# ## Sampling: from logits to the next token
+# The model ends with one row of logits per sequence in the batch: a score for every token of the vocabulary
+# (151,936 of them for Qwen3). The sampler turns each row into one token id. How it does so is up to each
+# request's `SamplingParams` (notebook 03), and one batch mixes them: a greedy request next to one at
+# temperature 0.8 with top-p 0.95, next to a seeded one that must give the same answer every time it is sent.
+#
+# Per row there are three steps:
+#
+# 1. **temperature** reshapes the distribution (0 means greedy: take the most likely token);
+# 2. **filters** (top-k, top-p, min-p) drop the unlikely tail;
+# 3. **a draw** picks a token from what is left.
+#
+# Each step is a few tensor operations over the whole batch, with every row's settings held in per-row
+# tensors: the sampler runs the same kernels whatever the mix of settings, and never loops over rows in
+# Python (except over seeded rows, for a reason we will see). All of it runs in float32, whatever the model's
+# dtype: in bfloat16 the probabilities of a 151,936-token vocabulary would keep only about 3 significant digits.
+#
+# We follow one small distribution through the steps: a model's guesses for the word after
+# "The cat sat on the". The sampler is cheap next to the model, so this section runs on the CPU.
+
+# %%
+import matplotlib.pyplot as plt
+import torch
+
+words = ["mat", "floor", "sofa", "bed", "chair", "roof", "table", "rug", "fence", "keyboard", "moon", "piano"]
+cat_logits = torch.tensor([4.0, 3.1, 2.6, 2.2, 1.9, 1.4, 1.2, 1.0, 0.6, 0.1, -0.5, -1.5])  # most likely first
+
+
+def show_probs(probs: torch.Tensor, label: str) -> None:
+    print(f"{label:>6}: " + " ".join(f"{w} {p:.2f}" for w, p in zip(words, probs.tolist()) if p >= 0.005))
+
+
+# %% [markdown]
+# ### Temperature
+# The probabilities are `softmax(logits / T)`. A temperature below 1 sharpens the distribution (the likely
+# get likelier), above 1 flattens it; it never changes the ranking.
+
+# %%
+for T in (0.25, 0.5, 1.0, 2.0):
+    show_probs(torch.softmax(cat_logits / T, dim=-1), f"T={T}")
+max_probs = [torch.softmax(cat_logits / T, dim=-1).max().item() for T in (0.25, 0.5, 1.0, 2.0)]
+assert max_probs == sorted(max_probs, reverse=True)  # hotter is flatter
+assert all(torch.softmax(cat_logits / T, dim=-1).argmax() == 0 for T in (0.25, 0.5, 1.0, 2.0))
+
+# %% [markdown]
+# As `T` goes to 0, all the mass goes to the largest logit. Temperature 0 is defined as that limit:
+# **greedy** decoding, computed as the argmax of the raw logits (dividing by 0 would give infinities and NaNs).
+# Greedy rows are what we compare token for token with transformers, so they must not depend on anything
+# random, nor on the other rows of the batch.
+
+# %%
+show_probs(torch.softmax(cat_logits / 0.01, dim=-1), "T=0.01")
+assert torch.softmax(cat_logits / 0.01, dim=-1)[0] > 0.999
+
+# %% [markdown]
+# ### Cutting the tail: top-k, top-p, min-p
+# Even a sharp distribution leaves its tail real mass: 150,000 unlikely tokens at one in a million each add
+# up to 15%. Draw enough tokens and one of them comes out, and one nonsense token derails everything written
+# after it. The filters drop the tail before the draw. We keep vLLM's definitions, applied in vLLM's order:
+#
+# * **top-k** keeps the `k` most likely tokens (`-1` is off);
+# * **top-p** (nucleus sampling) keeps the smallest set of most likely tokens whose probabilities add up to at
+#   least `p` (`1` is off). It adapts: few tokens when the model is sure, many when it is not, and never
+#   fewer than one. Like vLLM, it measures what top-k left: the survivors' probabilities, renormalized;
+# * **min-p** keeps the tokens at least `min_p` times as likely as the most likely one (`0` is off), measured
+#   on the temperature-scaled distribution. A ratio to the maximum does not change when the others are
+#   renormalized, so min-p gives the same answer wherever it stands in the order.
+#
+# All three look at ranks and running sums, so **one sort serves all three**. Sort each row of probabilities
+# once, largest first; then each filter is one comparison of the `(batch, vocab)` sorted tensor with a
+# per-row threshold broadcast along the row: the token's rank with `k`, the mass of the tokens before it
+# with `p`, its probability with `min_p ×` the row's first entry. A disabled filter is a threshold that keeps
+# everything. The mask is computed in sorted order, then scattered back to vocabulary order.
+
+# %% tags=["export"] module="minivllm.layers.sampler"
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from minivllm.engine.sequence import Sequence
+
+
+def keep_mask(sorted_probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
+    """Which tokens top-k, then top-p, then min-p keep; each row of sorted_probs is sorted largest first."""
+    ranks = torch.arange(sorted_probs.shape[-1], device=sorted_probs.device)  # (vocab,)
+    keep = (top_ks[:, None] < 0) | (ranks < top_ks[:, None])  # top-k  (batch, vocab)
+    cum = (sorted_probs * keep).cumsum(dim=-1)  # (batch, vocab), running mass of what top-k kept
+    before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1)  # mass of the more likely tokens
+    # top-p, on top-k's renormalized distribution; p = 1 keeps all, even the tail a float32 sum no longer sees
+    keep &= (before < top_ps[:, None] * cum[:, -1:]) | (top_ps[:, None] >= 1)
+    keep &= sorted_probs >= min_ps[:, None] * sorted_probs[:, :1]  # min-p, relative to the most likely token
+    return keep
+
+
+def filter_probs(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
+    """probs (batch, vocab) with the tokens the filters drop set to 0, not renormalized; one sort for the batch."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)  # (batch, vocab)
+    keep = keep_mask(sorted_probs, top_ks, top_ps, min_ps)
+    keep = torch.empty_like(keep).scatter_(-1, order, keep)  # back to vocabulary order
+    return probs.masked_fill(~keep, 0.0)
+
+# %% [markdown]
+# Check the definitions on a hand example, probabilities `[0.5, 0.3, 0.15, 0.05]`. Top-p 0.8 stops at two
+# tokens, because 0.5 + 0.3 *reaches* 0.8; top-p 0.81 needs a third. After top-k 3 the survivors are
+# renormalized (0.5 + 0.3 is then 0.84 of the mass), so top-p 0.82 stops at two instead of three.
+
+# %%
+from minivllm.layers.sampler import filter_probs, keep_mask
+
+hand = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+
+
+def num_kept(top_k: int = -1, top_p: float = 1.0, min_p: float = 0.0) -> int:
+    return int(keep_mask(hand, torch.tensor([top_k]), torch.tensor([top_p]), torch.tensor([min_p])).sum())
+
+
+assert num_kept() == 4  # every filter off
+assert num_kept(top_p=0.8) == 2 and num_kept(top_p=0.81) == 3 and num_kept(top_p=0.01) == 1
+assert num_kept(top_k=3) == 3 and num_kept(top_k=1) == 1
+assert num_kept(top_p=0.82) == 3 and num_kept(top_k=3, top_p=0.82) == 2  # top-p measures what top-k left
+assert num_kept(min_p=0.3) == 3 and num_kept(min_p=0.31) == 2  # keep p ≥ min_p × 0.5
+
+# %% [markdown]
+# One call filters a whole batch, each row with its own settings: here the cat distribution four times,
+# with top-k 3, top-p 0.8, min-p 0.1, and no filter at all.
+
+# %%
+cat_probs = torch.softmax(cat_logits, dim=-1)
+filtered = filter_probs(
+    cat_probs.expand(4, -1),
+    top_ks=torch.tensor([3, -1, -1, -1]),
+    top_ps=torch.tensor([1.0, 0.8, 1.0, 1.0]),
+    min_ps=torch.tensor([0.0, 0.0, 0.1, 0.0]),
+)
+for name, row in zip(["top-k", "top-p", "min-p", "none"], filtered):
+    show_probs(row, name)
+assert (filtered > 0).sum(dim=-1).tolist() == [3, 4, 5, 12]
+assert torch.equal(filtered[3], cat_probs)
+
+# %% [markdown]
+# The same in a picture: temperature reshapes the distribution; each filter keeps the coloured bars.
+
+# %%
+fig, axes = plt.subplots(1, 4, figsize=(17, 3.6), sharey=True)
+x = torch.arange(len(words))
+for T, style in ((0.5, "v--"), (2.0, "^:")):
+    axes[0].plot(x, torch.softmax(cat_logits / T, dim=-1), style, color="k", label=f"T = {T}")
+axes[0].bar(x, cat_probs, color="tab:blue", label="T = 1")
+axes[0].legend()
+axes[0].set_title("temperature")
+cum = cat_probs.cumsum(dim=-1)
+for ax, row, title in zip(axes[1:], filtered, ["top-k = 3", "top-p = 0.8", "min-p = 0.1"]):
+    ax.bar(x, cat_probs, color=["tab:blue" if p > 0 else "lightgrey" for p in row.tolist()])
+    ax.set_title(f"{title}: keeps {int((row > 0).sum())} of {len(words)}")
+axes[2].plot(x, cum, ".-", color="tab:orange", label="cumulative probability")
+axes[2].axhline(0.8, color="tab:orange", ls=":", label="p = 0.8")
+axes[2].legend(loc="center right")
+axes[3].axhline(0.1 * cat_probs.max(), color="tab:red", ls=":", label="0.1 × max probability")
+axes[3].legend()
+for ax in axes:
+    ax.set_xticks(x, words, rotation=60)
+axes[0].set_ylabel("probability")
+fig.suptitle('Next word after "The cat sat on the": what temperature and each filter do')
+fig.tight_layout()
+fig.savefig(FIGURES / "04_sampling.png", dpi=120)
+
+# %% [markdown]
+# ### Drawing a token: the exponential race
+# `torch.multinomial` draws from a distribution, but it is awkward here: on a GPU it makes the CPU wait for
+# the GPU (vLLM replaced it for that reason), and it draws every row from one generator, so a row cannot have
+# its own seed. A simpler trick draws from any number of rows at once.
+#
+# Give every token `i` an independent alarm clock that rings after `q_i / p_i` seconds, with `q_i ~ Exp(1)`;
+# the clock of token `i` is exponential with rate `p_i`. Of independent exponential clocks, the one with rate
+# `p_i` rings first with probability `p_i / Σ_j p_j`: exactly the distribution we want. So the token is
+# `argmax(p / q)`: one division and one argmax over the batch, no cumulative sums, nothing to wait for.
+# The `p` need not sum to 1, so the filtered probabilities are used as they are, and a dropped token
+# (`p = 0`) never wins. (This is the Gumbel-max trick in another form: `-log q` is Gumbel noise, and
+# `argmax(log p - log q)` is the same token.)
+#
+# Check it: 200,000 races on unnormalized probabilities with one dropped token.
+
+# %%
+gen = torch.Generator().manual_seed(0)
+p = torch.tensor([0.1, 0.0, 0.3, 0.2])
+q = torch.empty(200_000, 4).exponential_(generator=gen)  # (draws, tokens)
+freq = torch.bincount((p / q).argmax(dim=-1), minlength=4) / len(q)
+print("frequencies:", [f"{f:.3f}" for f in freq.tolist()], " p / sum(p):", [f"{f:.3f}" for f in (p / p.sum()).tolist()])
+assert freq[1] == 0
+torch.testing.assert_close(freq, p / p.sum(), atol=0.005, rtol=0)
+
+# %% [markdown]
+# ### Seeds: the same request, the same tokens
+# `SamplingParams(seed=...)` promises that the same request with the same seed gets the same completion.
+# That must hold whatever the scheduler does: the other requests in the batch, the row a request lands in
+# and the batch size change at every step, and a preempted request (notebook 05) is recomputed later, in a
+# different batch, and must go on exactly as it would have.
+#
+# One generator for the whole batch cannot keep that promise. Row `r` takes the `r`-th slice of the random
+# stream, so a request's noise depends on its row and on who came before it: the same request, the same
+# logits, the same generator seed, and a different token as soon as it moves down one row.
+
+# %%
+flat = torch.softmax(torch.randn(1000, generator=gen), dim=-1)  # a request's distribution over 1,000 tokens
+other = torch.softmax(torch.randn(1000, generator=gen), dim=-1)  # another request's
+
+
+def shared_generator_draw(probs: torch.Tensor, seed: int) -> torch.Tensor:  # probs: (batch, vocab)
+    q = torch.empty_like(probs).exponential_(generator=torch.Generator().manual_seed(seed))
+    return (probs / q).argmax(dim=-1)  # (batch,)
+
+
+alone = shared_generator_draw(flat[None], seed=42)[0]
+second = shared_generator_draw(torch.stack([other, flat]), seed=42)[1]
+print(f"alone: token {alone.item()}, in row 1: token {second.item()}")
+assert alone != second
+
+# %% [markdown]
+# So each seeded row draws its noise from **its own generator, seeded by a function of (request seed, step)**,
+# where the step is the index of the token being drawn: `seq.num_completion_tokens`. The noise for token `n`
+# of a request then depends on its seed and on `n`, and on nothing else:
+#
+# * not on the batch: no other row touches that generator;
+# * not on history: nothing is carried from one step to the next, so nothing needs storing, and nothing needs
+#   rewinding when a step's work is thrown away. A per-request generator that advanced at every draw would
+#   need both;
+# * not on preemption: a preempted sequence keeps the tokens it generated, so when it comes back its next
+#   token is still token `n`, drawn with the same noise. Given the same logits it is the same token.
+#
+# The mixing function is `(seed × 1,000,003 + step) mod 2⁶³`: steps below 1,000,003 never collide within a
+# request. Unseeded rows share one draw from the default generator (which the engine seeds once with
+# `LLM(seed=...)`). The price of seeds is a Python loop over the *seeded* rows only: one small generator and
+# one vocabulary-sized draw each. Generators live on the logits' device; CPU and CUDA generators give
+# different streams for the same seed, so a seed repeats its tokens on the same kind of device.
+
+# %% tags=["export"]
+NOISE_SEED_MULTIPLIER = 1_000_003  # odd: distinct seeds start apart; above any step: one seed's steps never collide
+
+
+def noise_seed(seed: int, step: int) -> int:
+    """The generator seed for the noise of token `step` of a request seeded with `seed`."""
+    return (seed * NOISE_SEED_MULTIPLIER + step) % 2**63
+
+
+def exponential_noise(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """Exp(1) noise shaped like probs (batch, vocab); a seeded row's depends only on its (seed, step)."""
+    q = torch.empty_like(probs).exponential_()  # (batch, vocab), one draw from the default generator
+    for row in (seeds >= 0).nonzero().flatten().tolist():
+        gen = torch.Generator(probs.device).manual_seed(noise_seed(int(seeds[row]), int(steps[row])))
+        q[row].exponential_(generator=gen)
+    return q.clamp_min_(1e-10)  # a 0 would make p / q infinite, or NaN for a dropped token
+
+# %% [markdown]
+# A request seeded with 42 at step 7 gets the same noise alone or in row 2 of a batch; the row beside it,
+# another seed at the same step, gets different noise, and so does step 8 of the same request.
+
+# %%
+from minivllm.layers.sampler import exponential_noise
+
+ones = torch.ones(3, 1000)
+alone = exponential_noise(ones[:1], seeds=torch.tensor([42]), steps=torch.tensor([7]))[0]
+batch = exponential_noise(ones, seeds=torch.tensor([-1, 5, 42]), steps=torch.tensor([3, 7, 7]))
+later = exponential_noise(ones[:1], seeds=torch.tensor([42]), steps=torch.tensor([8]))[0]
+assert torch.equal(alone, batch[2])
+assert not torch.equal(batch[1], batch[2]) and not torch.equal(alone, later)
+
+# %% [markdown]
+# ### The batch's settings as tensors
+# Before each step the model runner gathers the batch's sampling parameters into `SamplingTensors`, one
+# tensor per field and one entry per row. Building them is cheap: one Python list per field, one tensor per
+# list. On a GPU each list becomes a *pinned* (page-locked) CPU tensor copied with `non_blocking=True`, so
+# the copy overlaps the CPU's next work instead of stalling it. `seeds` and `steps` stay on the CPU: only the
+# host reads them, to seed generators, and reading them back from the GPU would make the CPU wait for the
+# model. A seed may be any Python integer; it is folded into `[0, 2⁶³)` so that `-1` can mean "no seed".
+#
+# `filtering` records whether any random row uses a filter at all. A plain `temperature=0.6` workload
+# (nano-vllm's benchmark, for one) uses none, and then the sampler skips the sort, its most expensive step.
+
+# %% tags=["export"]
+@dataclass(slots=True)
+class SamplingTensors:
+    """The batch's sampling parameters, one entry per row."""
+
+    temperatures: torch.Tensor  # (batch,) float32; 0 = greedy
+    top_ks: torch.Tensor  # (batch,) int64; -1 = off
+    top_ps: torch.Tensor  # (batch,) float32; 1 = off
+    min_ps: torch.Tensor  # (batch,) float32; 0 = off
+    seeds: torch.Tensor  # (batch,) int64, on the CPU; -1 = no seed
+    steps: torch.Tensor  # (batch,) int64, on the CPU; tokens generated so far = index of the token being drawn
+    filtering: bool = True  # some random row uses top-k, top-p or min-p; if none does, the sort is skipped
+
+    @classmethod
+    def from_seqs(cls, seqs: list[Sequence], device: torch.device | str = "cpu") -> "SamplingTensors":
+        params = [seq.sampling_params for seq in seqs]
+        pin = torch.device(device).type == "cuda"
+
+        def to_device(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
+
+        return cls(
+            temperatures=to_device([p.temperature for p in params], torch.float32),
+            top_ks=to_device([p.top_k for p in params], torch.int64),
+            top_ps=to_device([p.top_p for p in params], torch.float32),
+            min_ps=to_device([p.min_p for p in params], torch.float32),
+            seeds=torch.tensor([-1 if p.seed is None else p.seed % 2**63 for p in params], dtype=torch.int64),
+            steps=torch.tensor([seq.num_completion_tokens for seq in seqs], dtype=torch.int64),
+            filtering=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in params),
+        )
+
+# %%
+from minivllm.engine.sequence import Sequence
+from minivllm.layers.sampler import SamplingTensors
+from minivllm.sampling_params import SamplingParams
+
+seqs = [Sequence([1, 2, 3], SamplingParams(temperature=0)), Sequence([4, 5], SamplingParams(top_k=20, seed=7))]
+seqs[1].append_token(6)  # the second request has generated one token
+sampling = SamplingTensors.from_seqs(seqs)
+print(sampling)
+assert sampling.temperatures.dtype == torch.float32 and sampling.top_ks.dtype == torch.int64
+assert sampling.seeds.tolist() == [-1, 7] and sampling.steps.tolist() == [0, 1] and sampling.filtering
+assert not SamplingTensors.from_seqs(seqs[:1]).filtering
+
+# %% [markdown]
+# ### The sampler
+# Everything together. Greedy rows take the argmax of the raw logits; their temperature is replaced by 1 so
+# the division stays finite, and their (unused) random draw is thrown away by the final `torch.where`, so
+# nothing another row does can change them. Random rows go through temperature, the filters and the race.
+# The caller's logits are never written to (`.float()` returns the same tensor when they already are float32).
+
+# %% tags=["export"]
+class Sampler(nn.Module):
+    """One token id per row of logits: the argmax where temperature is 0, else a draw from the filtered distribution."""
+
+    def forward(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:  # logits: (batch, vocab)
+        logits = logits.float()
+        greedy = t.temperatures == 0  # (batch,)
+        temperatures = torch.where(greedy, 1.0, t.temperatures)[:, None]  # (batch, 1)
+        probs = torch.softmax(logits / temperatures, dim=-1)  # (batch, vocab)
+        if t.filtering:
+            probs = filter_probs(probs, t.top_ks, t.top_ps, t.min_ps)
+        sampled = probs.div_(exponential_noise(probs, t.seeds, t.steps)).argmax(dim=-1)  # (batch,)
+        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+
+# %% [markdown]
+# Check: 20,000 rows of the cat distribution in one batch, at temperatures 1 and 0.5, no filter. The
+# frequencies of the drawn words match `softmax(logits / T)`, and greedy rows always say "mat".
+
+# %%
+from minivllm.layers.sampler import Sampler
+
+sampler = Sampler()
+torch.manual_seed(0)
+for T in (1.0, 0.5):
+    many = [Sequence([0], SamplingParams(temperature=T)) for _ in range(20_000)]
+    tokens = sampler(cat_logits.expand(len(many), -1), SamplingTensors.from_seqs(many))
+    freq = torch.bincount(tokens, minlength=len(words)) / len(tokens)
+    show_probs(freq, f"T={T}")
+    torch.testing.assert_close(freq, torch.softmax(cat_logits / T, dim=-1), atol=0.01, rtol=0)
+mixed = [Sequence([0], SamplingParams(temperature=T, top_p=0.5)) for T in (0.0, 1.5, 0.0, 3.0)]
+assert sampler(cat_logits.expand(4, -1), SamplingTensors.from_seqs(mixed))[[0, 2]].tolist() == [0, 0]
+
+# %% [markdown]
+# And the promise of seeds, end to end with `Sequence`s. A toy "model" gives next-token logits from the last
+# token. A seeded request generates 8 tokens alone; then the same request runs with other requests: 4 tokens
+# in row 1 of a batch of 3, a preemption, then 4 more tokens in row 0 of a batch of 2 with new neighbours.
+# Its completion is the same; an unseeded twin's is not.
+
+# %%
+vocab = 500
+toy_table = 3 * torch.randn(vocab, vocab, generator=gen)  # next-token logits given the last token
+
+
+def decode_step(batch: list[Sequence]) -> None:
+    logits = toy_table[[seq.last_token for seq in batch]]  # (batch, vocab)
+    for seq, token in zip(batch, sampler(logits, SamplingTensors.from_seqs(batch)).tolist()):
+        seq.append_token(token)
+
+
+def request(seed: int | None) -> Sequence:
+    return Sequence([1, 2, 3], SamplingParams(temperature=1.0, top_p=0.9, seed=seed))
+
+
+solo = request(seed=1234)
+for _ in range(8):
+    decode_step([solo])
+crowded, unseeded = request(seed=1234), request(seed=None)
+for _ in range(4):
+    decode_step([request(seed=None), crowded, request(seed=99)])
+# preempted here: its KV is dropped, its tokens are kept; later it is recomputed and decodes in a new batch
+for _ in range(4):
+    decode_step([crowded, request(seed=5)])
+for _ in range(8):
+    decode_step([unseeded])
+print("alone:   ", solo.completion_token_ids)
+print("crowded: ", crowded.completion_token_ids)
+print("unseeded:", unseeded.completion_token_ids)
+assert crowded.completion_token_ids == solo.completion_token_ids
+assert unseeded.completion_token_ids != solo.completion_token_ids
+
+# %% [markdown]
+# ## Paged attention without a GPU
+# The Triton kernels run on a CPU only in Triton's interpreter: exact, but thousands of times slower than
+# PyTorch. So on a CPU the engine uses the same three operations written with PyTorch indexing: a store is
+# an indexed assignment, attention gathers each sequence's rows through its block table and calls the
+# reference attention of notebook 01. They are also a second, independent implementation to test the kernels
+# against.
+
+# %% tags=["export"] module="minivllm.kernels.paged_reference"
+import torch
+
+from minivllm.kernels.reference import attention_ref
+
+
+def store_kvcache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    keep = slot_mapping >= 0  # (num_tokens,): -1 marks padding
+    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping[keep]] = k[keep]
+    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping[keep]] = v[keep]
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """A sequence's first `num_tokens` rows of a paged cache, contiguous: (num_tokens, num_kv_heads, head_dim)."""
+    num_blocks = -(-num_tokens // cache.shape[1])
+    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:num_tokens]
+
+
+def paged_attention_ref(
+    q: torch.Tensor,  # (total_q, num_heads, head_dim)
+    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,  # (batch + 1,)
+    cu_seqlens_k: torch.Tensor,  # (batch + 1,): tokens in each sequence's cache, the new ones included
+    block_table: torch.Tensor,  # (batch, max_blocks)
+    softmax_scale: float | None = None,
+) -> torch.Tensor:  # (total_q, num_heads, head_dim)
+    """Causal attention of new tokens over their sequence's whole cache: decode is the case of one new token."""
+    k_lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist()
+    k = torch.cat([gather_kv(k_cache, block_table[i], n) for i, n in enumerate(k_lens)])
+    v = torch.cat([gather_kv(v_cache, block_table[i], n) for i, n in enumerate(k_lens)])
+    return attention_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal=True)
+
+# %% [markdown]
+# Check: the reference and the kernels agree on a random paged cache (decode and prefill-after-prefix).
+
+# %%
+from minivllm.kernels.paged_reference import paged_attention_ref
+
+seq_lens = [1, 17, 300, 64]
+k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache(seq_lens, 2, 32, 16)
+q = torch.randn(len(seq_lens), 1, 8, 32, device=DEVICE)
+cu_q = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)
+torch.testing.assert_close(
+    paged_attention_ref(q[:, 0], k_cache, v_cache, cu_q, cu_k, block_table),
+    flash_attn_with_kvcache(q, k_cache, v_cache, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+                            block_table)[:, 0], rtol=1e-4, atol=1e-4)
+
+# %% [markdown]
+# ## A forward pass over the paged cache
+# Notebook 02's model does not know about KV caches: each attention layer hands its `q`, `k`, `v` to an
+# `AttentionContext` and gets the output back. So paging is one new context, built once per step:
+#
+# * **prefill**: store the new tokens' `k`, `v` into their slots; if no prompt in the batch had a prefix-cache
+#   hit, attend over the new `k`, `v` directly (notebook 01's kernel); otherwise attend through the block
+#   tables over cached prefix + new tokens;
+# * **decode**: store the one new token per sequence, then the decode kernel over each whole cache.
+#
+# The KV cache of a layer hangs on its `Attention` module (`k_cache`, `v_cache`), set once by the runner.
+
+# %% tags=["export"] module="minivllm.engine.context"
+from dataclasses import dataclass
+
+import torch
+
+from minivllm.kernels.paged_attn import flash_attn_varlen_func, flash_attn_with_kvcache, store_kvcache
+from minivllm.kernels.paged_reference import paged_attention_ref, store_kvcache_ref
+from minivllm.kernels.reference import attention_ref
+from minivllm.layers.attention import Attention
+
+
+@dataclass(slots=True)
+class PagedContext:
+    """How one step attends: which tokens are new, where their KV goes, and which cached KV they read."""
+
+    is_prefill: bool
+    slot_mapping: torch.Tensor  # (num_tokens,): cache slot of each new token's KV; -1 = padding
+    block_tables: torch.Tensor | None  # (num_seqs, max_blocks) int32; None in a prefill without cached prefixes
+    cu_seqlens_q: torch.Tensor | None = None  # prefill: (num_seqs + 1,) int32, new tokens
+    cu_seqlens_k: torch.Tensor | None = None  # prefill: (num_seqs + 1,) int32, cached + new tokens
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+    context_lens: torch.Tensor | None = None  # decode: (num_seqs,) int32, tokens in each cache (new one included)
+    use_triton: bool = True  # False: the PyTorch reference ops (a CPU without the interpreter's patience)
+
+    def attend(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: (num_tokens, num_heads, head_dim); k, v: (num_tokens, num_kv_heads, head_dim)
+        (store_kvcache if self.use_triton else store_kvcache_ref)(k, v, layer.k_cache, layer.v_cache, self.slot_mapping)
+        if self.is_prefill:
+            return self.prefill(layer, q, k, v)
+        if self.use_triton:
+            return flash_attn_with_kvcache(q.unsqueeze(1), layer.k_cache, layer.v_cache, self.context_lens,
+                                           self.block_tables, layer.scale).squeeze(1)
+        cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+        cu_k = torch.nn.functional.pad(self.context_lens.cumsum(0, dtype=torch.int32), (1, 0))
+        return paged_attention_ref(q, layer.k_cache, layer.v_cache, cu_q, cu_k, self.block_tables, layer.scale)
+
+    def prefill(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cu_q, cu_k = self.cu_seqlens_q, self.cu_seqlens_k
+        if self.block_tables is None:  # nothing cached: the new tokens are whole prompts
+            if self.use_triton:
+                return flash_attn_varlen_func(q, k, v, cu_q, cu_q, self.max_seqlen_q, self.max_seqlen_q,
+                                              layer.scale, causal=True)
+            return attention_ref(q, k, v, cu_q, cu_q, layer.scale, causal=True)
+        if self.use_triton:
+            return flash_attn_varlen_func(q, layer.k_cache, layer.v_cache, cu_q, cu_k, self.max_seqlen_q,
+                                          self.max_seqlen_k, layer.scale, causal=True, block_table=self.block_tables)
+        return paged_attention_ref(q, layer.k_cache, layer.v_cache, cu_q, cu_k, self.block_tables, layer.scale)
+
+# %% [markdown]
+# ## The engine's settings
+# One dataclass holds everything the runner, the scheduler (notebook 05) and the engine (notebook 06) are
+# configured with; the names and defaults are vLLM's. It checks every value before anything is built, and
+# says which field is wrong and what it may be.
+
+# %% tags=["export"] module="minivllm.config"
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from minivllm.models.loader import read_config
+
+
+@dataclass(slots=True)
+class Config:
+    model: str | Path  # a HuggingFace checkpoint folder
+    tensor_parallel_size: int = 1
+    dtype: str | torch.dtype = "auto"  # the checkpoint's dtype on a GPU, float32 on a CPU
+    block_size: int = 16  # tokens per KV block
+    max_num_seqs: int = 256  # sequences in one batch at most
+    max_num_batched_tokens: int = 8192  # new tokens in one prefill step at most
+    max_model_len: int | None = None  # prompt + completion tokens at most; None: the model's context length
+    num_kvcache_blocks: int | None = None  # None: as many as gpu_memory_utilization allows (on a CPU: see below)
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False  # True: no CUDA graphs
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    device: str | None = None  # None: cuda if available, else cpu
+    hf_config: Any = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.model = Path(self.model)
+        self.hf_config = read_config(self.model)  # FileNotFoundError / ValueError for a bad folder
+        self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        context_len = self.hf_config.max_position_embeddings
+        self.max_model_len = min(self.max_model_len or context_len, context_len)
+        checks = {
+            "tensor_parallel_size": (self.tensor_parallel_size >= 1, ">= 1"),
+            "block_size": (self.block_size in (16, 32, 64, 128, 256), "16, 32, 64, 128 or 256"),
+            "max_num_seqs": (self.max_num_seqs >= 1, ">= 1"),
+            "max_num_batched_tokens": (self.max_num_batched_tokens >= 1, ">= 1"),
+            "max_model_len": (self.max_model_len >= 1, f"in [1, {context_len}] (the model's context length)"),
+            "num_kvcache_blocks": (self.num_kvcache_blocks is None or self.num_kvcache_blocks >= 1, "None or >= 1"),
+            "gpu_memory_utilization": (0 < self.gpu_memory_utilization <= 1, "in (0, 1]"),
+            "device": (self.device in ("cpu", "cuda"), "'cpu' or 'cuda'"),
+        }
+        for name, (ok, allowed) in checks.items():
+            if not ok:
+                raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+        if self.device == "cuda" and self.tensor_parallel_size > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size must be <= {torch.cuda.device_count()} (the GPUs present), "
+                             f"got {self.tensor_parallel_size}")
+
+# %% [markdown]
+# ## The model runner
+# Each step the scheduler (notebook 05) hands the runner a list of sequences and says whether it is a prefill
+# or a decode step. The runner:
+#
+# 1. **prepares** the step's inputs on the host, from the sequences' tokens and block tables:
+#    * prefill: every sequence's *uncached* tokens packed end to end, their positions, the slot of each new
+#      token, `cu_seqlens_q` (new tokens) and `cu_seqlens_k` (cached + new), and the block tables when some
+#      prefix is cached;
+#    * decode: each sequence's last token, its position, its slot, the length of its cache, the block tables;
+# 2. copies them to the device (from pinned memory, without waiting), runs the model with a `PagedContext`,
+#    keeps the last position of each sequence (the only logits a step needs), and computes the logits;
+# 3. samples one token per sequence.
+#
+# Preparation is NumPy over whole arrays: at 256 sequences of 1,000 tokens a Python loop per token would cost
+# more than the GPU's step. The result is a `StepInputs` of plain arrays, which is also exactly what rank 0
+# sends to the other ranks under tensor parallelism.
+
+# %% tags=["export"] module="minivllm.engine.model_runner"
+import atexit
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from minivllm.config import Config
+from minivllm.engine.context import PagedContext
+from minivllm.engine.sequence import Sequence
+from minivllm.layers.attention import Attention, PrefillContext
+from minivllm.layers.sampler import Sampler, SamplingTensors
+from minivllm.models.loader import load_model
+from minivllm.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """One step's inputs as host arrays."""
+
+    is_prefill: bool
+    input_ids: np.ndarray  # (num_tokens,) int64
+    positions: np.ndarray  # (num_tokens,) int64
+    slot_mapping: np.ndarray  # (num_tokens,) int64
+    block_tables: np.ndarray | None  # (num_seqs, max_blocks) int32; None: a prefill with nothing cached
+    cu_seqlens_q: np.ndarray | None = None  # prefill: (num_seqs + 1,) int32
+    cu_seqlens_k: np.ndarray | None = None  # prefill: (num_seqs + 1,) int32
+    context_lens: np.ndarray | None = None  # decode: (num_seqs,) int32
+
+
+def block_tables_array(seqs: list[Sequence]) -> np.ndarray:  # (num_seqs, max_blocks) int32, zero-padded
+    tables = np.zeros((len(seqs), max(len(seq.block_table) for seq in seqs)), dtype=np.int32)
+    for i, seq in enumerate(seqs):
+        tables[i, : len(seq.block_table)] = seq.block_table
+    return tables
+
+
+def token_slots(block_table: list[int], start: int, end: int, block_size: int) -> np.ndarray:
+    """Cache slots of a sequence's tokens start..end-1: block_table[t // block_size] * block_size + t % block_size."""
+    t = np.arange(start, end)
+    return np.asarray(block_table, dtype=np.int64)[t // block_size] * block_size + t % block_size
+
+
+def prepare_prefill(seqs: list[Sequence], block_size: int) -> StepInputs:
+    """The tokens the prefix cache does not hold, of every sequence, packed end to end."""
+    starts, ends = [seq.num_cached_tokens for seq in seqs], [len(seq) for seq in seqs]
+    spans = list(zip(seqs, starts, ends))
+    return StepInputs(
+        is_prefill=True,
+        input_ids=np.concatenate([np.asarray(seq.token_ids[s:e], dtype=np.int64) for seq, s, e in spans]),
+        positions=np.concatenate([np.arange(s, e) for s, e in zip(starts, ends)]),
+        slot_mapping=np.concatenate([token_slots(seq.block_table, s, e, block_size) for seq, s, e in spans]),
+        block_tables=block_tables_array(seqs) if any(starts) else None,
+        cu_seqlens_q=np.cumsum([0, *(e - s for s, e in zip(starts, ends))], dtype=np.int32),
+        cu_seqlens_k=np.cumsum([0, *ends], dtype=np.int32),
+    )
+
+
+def prepare_decode(seqs: list[Sequence], block_size: int) -> StepInputs:
+    """Each sequence's newest token, which attends to its whole cache (itself included)."""
+    context_lens = np.array([len(seq) for seq in seqs], dtype=np.int32)
+    block_tables = block_tables_array(seqs)
+    last = context_lens.astype(np.int64) - 1  # the new token's position
+    slots = block_tables[np.arange(len(seqs)), last // block_size].astype(np.int64) * block_size + last % block_size
+    return StepInputs(False, np.array([seq.last_token for seq in seqs], dtype=np.int64), last, slots, block_tables,
+                      context_lens=context_lens)
+
+# %% [markdown]
+# Check: three sequences, one of which found its first block in the prefix cache. Prefill computes only
+# its last 4 tokens, at positions 16..19, writing them to slots of its second block; decode then sends one
+# token per sequence.
+
+# %%
+from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.model_runner import prepare_decode, prepare_prefill
+from minivllm.engine.sequence import Sequence
+
+bm = BlockManager(num_blocks=8, block_size=16)
+first = Sequence(list(range(100, 120)), block_size=16)  # 20 tokens: blocks 0 (full) and 1
+bm.allocate(first)
+again = Sequence(list(range(100, 116)) + [7, 7, 7, 7], block_size=16)  # same first block, then different
+bm.allocate(again)
+short = Sequence([5, 6, 7], block_size=16)
+bm.allocate(short)
+step = prepare_prefill([first, again, short], block_size=16)
+print("cached tokens:", [s.num_cached_tokens for s in (first, again, short)])
+print("cu_seqlens_q:", step.cu_seqlens_q, " cu_seqlens_k:", step.cu_seqlens_k)
+print("positions of `again`:", step.positions[20:24], " slots:", step.slot_mapping[20:24])
+assert again.num_cached_tokens == 16 and again.block_table[0] == first.block_table[0]
+assert list(step.cu_seqlens_q) == [0, 20, 24, 27] and list(step.cu_seqlens_k) == [0, 20, 40, 43]
+assert list(step.positions[20:24]) == [16, 17, 18, 19]
+assert list(step.slot_mapping[20:24]) == [again.block_table[1] * 16 + i for i in range(4)]
+for seq, token in zip((first, again, short), (1, 2, 3)):
+    seq.append_token(token)
+    bm.may_append(seq)
+decode = prepare_decode([first, again, short], block_size=16)
+assert list(decode.input_ids) == [1, 2, 3] and list(decode.context_lens) == [21, 21, 4]
+assert list(decode.slot_mapping) == [first.block_table[1] * 16 + 4, again.block_table[1] * 16 + 4, short.block_table[0] * 16 + 3]
+
+# %% [markdown]
+# ### How big can the KV cache be?
+# Every token of every running sequence keeps, in every layer, one key and one value per KV head:
+# `2 × num_layers × num_kv_heads × head_dim × dtype bytes`. On a GPU the runner first runs the largest step it
+# will ever run (a prefill of `max_num_batched_tokens` tokens, then the sampler on `max_num_seqs` rows) and
+# records the peak memory that took; whatever `gpu_memory_utilization` leaves after the weights and that peak
+# becomes KV blocks. On a CPU there is no such budget to discover, so the size is explicit
+# (`num_kvcache_blocks`), by default enough for `max_num_seqs` sequences of `max_model_len` tokens, up to 1 GiB.
+
+# %%
+from minivllm.checkpoint import preset_config
+
+cfg = preset_config("qwen3-0.6b")
+per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2  # K and V, bf16
+weights = 0.6e9 * 2  # ≈ 0.6 B parameters in bf16 (the embedding is tied)
+h200 = 141e9 * 0.9 - weights - 4e9  # gpu_memory_utilization 0.9, minus weights and ~4 GB of activations
+print(f"{per_token / 1024:.0f} KiB per token ({cfg.num_hidden_layers} layers × {cfg.num_key_value_heads} KV heads × "
+      f"{cfg.head_dim} dims × K and V × 2 bytes)")
+print(f"an H200 holds ≈ {h200 / per_token / 1e6:.2f} M tokens of KV: {h200 / per_token / 40960:.0f} sequences at "
+      f"the full 40,960-token context, {h200 / per_token / 2048:.0f} at 2,048")
+assert per_token == 112 * 1024
+
+# %% tags=["export"]
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kv_block_bytes(layers: list[Attention], block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block in every layer: the unit the cache is sized in."""
+    return 2 * sum(layer.num_kv_heads * layer.head_dim for layer in layers) * block_size * dtype.itemsize
+
+
+def gpu_free_blocks(block_bytes: int, gpu_memory_utilization: float) -> int:
+    """KV blocks that fit in the GPU's share, after the weights and the peak of the profiling step just run."""
+    free, total = torch.cuda.mem_get_info()
+    stats = torch.cuda.memory_stats()
+    step_peak = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
+    return int(total * gpu_memory_utilization - (total - free) - step_peak) // block_bytes
+
+# %% [markdown]
+# ### CUDA graphs for decode
+# A decode step of Qwen3-0.6B launches a few hundred small kernels (28 layers × norms, projections, RoPE,
+# attention, MLP), each doing microseconds of work; launching them from Python costs more than running them.
+# A CUDA graph records the launches once and replays them with one call. The price: everything must have
+# fixed shapes and addresses. So we capture one graph per batch size (1, 2, 4, 8, then every 16 up to
+# `max_num_seqs`), all reading from the same static input tensors; a step copies its inputs into them,
+# pads the batch up to the next captured size (padding rows have slot −1 and an empty cache, so they write and
+# read nothing), and replays. The split count of the decode kernel depends on the batch size only, so it too
+# is fixed per graph. Larger graphs are captured first and share one memory pool with the smaller ones.
+
+# %% tags=["export"]
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    return [b for b in (1, 2, 4, 8) if b < max_num_seqs] + [b for b in range(16, max_num_seqs + 1, 16)] or [max_num_seqs]
+
+
+class DecodeGraphs:
+    """One captured decode step per batch size, over shared static inputs."""
+
+    def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_blocks: int, hidden_size: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.batch_sizes = graph_batch_sizes(max_num_seqs)
+        n = self.batch_sizes[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
+        self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        pool = None
+        for bs in reversed(self.batch_sizes):  # the largest first: the others fit in its memory pool
+            context = PagedContext(False, self.slot_mapping[:bs], self.block_tables[:bs],
+                                   context_lens=self.context_lens[:bs])
+            self.hidden[:bs] = model(self.input_ids[:bs], self.positions[:bs], context)  # warm-up: compile kernels
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool):
+                self.hidden[:bs] = model(self.input_ids[:bs], self.positions[:bs], context)
+            pool = pool or graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize(device)
+
+    def fits(self, batch: int) -> bool:
+        return batch <= self.batch_sizes[-1]
+
+    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, context: PagedContext) -> torch.Tensor:
+        bs = input_ids.shape[0]
+        self.input_ids[:bs], self.positions[:bs] = input_ids, positions
+        self.slot_mapping.fill_(-1)
+        self.slot_mapping[:bs] = context.slot_mapping
+        self.context_lens.zero_()
+        self.context_lens[:bs] = context.context_lens
+        self.block_tables[:bs, : context.block_tables.shape[1]] = context.block_tables
+        self.graphs[next(b for b in self.batch_sizes if b >= bs)].replay()
+        return self.hidden[:bs]  # (bs, hidden_size)
+
+# %% [markdown]
+# ### Tensor parallelism: one process per GPU
+# With `tensor_parallel_size=N` the runner of rank 0 (the engine's process) starts N−1 worker processes, each
+# holding its slice of every weight (notebook 01's parallel layers) and its slice of the KV cache (its KV
+# heads). Every step, rank 0 prepares the `StepInputs` and broadcasts them; all ranks run the same forward,
+# meeting at the all-reduces inside the model; rank 0 samples. Workers have no scheduler and no sequences.
+#
+# Processes are where engines hang. The rules we follow:
+#
+# * workers are `spawn`ed (a forked CUDA context is unusable) with a module-level target (a notebook cell
+#   cannot be imported by a spawned process), and `daemon=True`, so they die with a normal exit of rank 0;
+# * each worker watches its parent and exits if it is gone, even after a `kill -9` of rank 0;
+# * `init_process_group` has a timeout, and rank 0 checks its workers are alive before waiting on them;
+# * `close()` (also run at exit) sends every worker an `exit` message, joins them, and terminates any straggler.
+#
+# Control messages go over a gloo group (CPU sockets); on GPUs the tensors go over NCCL.
+
+# %% tags=["export"]
+def exit_with_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(0.5)
+    os._exit(1)  # rank 0 is gone: nobody will send "exit"
+
+
+def worker_main(config: Config, rank: int, port: int) -> None:
+    threading.Thread(target=exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    runner = ModelRunner(config, rank, port)
+    try:
+        runner.serve()
+    finally:
+        runner.close()
+
+# %% [markdown]
+# ### Putting it together
+# `ModelRunner(config)` loads the model (this rank's slice), sizes and allocates the KV cache, captures the
+# decode graphs, and then serves `run(seqs, is_prefill) -> token ids`. `step_logits` is the same step without
+# the sampler: what the tests compare with `prompt_logits`.
+
+# %% tags=["export"]
+class ModelRunner:
+    def __init__(self, config: Config, rank: int = 0, port: int | None = None):
+        self.config, self.rank, self.world_size = config, rank, config.tensor_parallel_size
+        self.block_size = config.block_size
+        self.device = torch.device(f"cuda:{rank}" if config.device == "cuda" else "cpu")
+        self.use_triton = self.device.type == "cuda"
+        self.workers: list[mp.Process] = []
+        self.graphs: DecodeGraphs | None = None
+        self.closed = False
+        if rank == 0:
+            atexit.register(self.close)
+        try:
+            self.init_distributed(port)
+            torch.manual_seed(config.seed)
+            self.model = load_model(config.model, config.dtype, self.device)
+            self.dtype = self.model.lm_head.weight.dtype
+            self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+            self.sampler = Sampler()
+            self.num_kvcache_blocks = self.allocate_kv_cache()
+            if self.device.type == "cuda" and not config.enforce_eager:
+                max_blocks = -(-config.max_model_len // self.block_size)
+                self.graphs = DecodeGraphs(self.model, config.max_num_seqs, max_blocks,
+                                           config.hf_config.hidden_size, self.dtype, self.device)
+        except BaseException:
+            self.close()
+            raise
+
+    # --- processes -------------------------------------------------------------------------------------------
+    def init_distributed(self, port: int | None) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if self.world_size == 1:
+            return
+        if self.rank == 0:
+            port = free_port()
+            spawn = mp.get_context("spawn")
+            self.workers = [spawn.Process(target=worker_main, args=(self.config, r, port), daemon=True)
+                            for r in range(1, self.world_size)]
+            for worker in self.workers:
+                worker.start()
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=self.rank,
+                                world_size=self.world_size, timeout=timedelta(seconds=300))
+        self.control = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
+
+    def call(self, method: str, *args):
+        """Run a method on every rank (rank 0 tells the others first); rank 0's result."""
+        if self.world_size > 1:
+            if dead := [w.pid for w in self.workers if not w.is_alive()]:
+                raise RuntimeError(f"tensor-parallel worker process(es) {dead} died")
+            dist.broadcast_object_list([(method, args)], src=0, group=self.control)
+        return getattr(self, method)(*args)
+
+    def serve(self) -> None:
+        """A worker's loop: do what rank 0 says until it says exit."""
+        while True:
+            message = [None]
+            dist.broadcast_object_list(message, src=0, group=self.control)
+            method, args = message[0]
+            if method == "exit":
+                return
+            getattr(self, method)(*args)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.world_size > 1 and dist.is_initialized():
+            if self.rank == 0 and all(w.is_alive() for w in self.workers):
+                try:
+                    dist.broadcast_object_list([("exit", ())], src=0, group=self.control)
+                except RuntimeError:  # a worker is already going (it failed too): it is joined below
+                    pass
+            for worker in self.workers:
+                worker.join(timeout=30)
+                if worker.is_alive():
+                    worker.terminate()
+            dist.destroy_process_group()
+        for worker in self.workers:  # a failure before init_process_group finished
+            if worker.is_alive():
+                worker.terminate()
+        if self.rank == 0:
+            atexit.unregister(self.close)
+
+    # --- memory ----------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def profile_step(self) -> None:
+        """The largest step the engine will run: a full prefill, then sampling for max_num_seqs rows."""
+        config = self.config
+        num_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * config.max_model_len)
+        lens = [config.max_model_len] * (num_tokens // config.max_model_len) + [num_tokens % config.max_model_len]
+        lens = [n for n in lens if n][: config.max_num_seqs]
+        input_ids = torch.zeros(sum(lens), dtype=torch.int64, device=self.device)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
+        hidden = self.model(input_ids, positions, PrefillContext.from_lens(lens, self.device))
+        logits = self.model.compute_logits(hidden[-1:].expand(config.max_num_seqs, -1))
+        seqs = [Sequence([0], SamplingParams(temperature=1.0, top_p=0.9)) for _ in range(config.max_num_seqs)]
+        self.sampler(logits, SamplingTensors.from_seqs(seqs, self.device))
+
+    def allocate_kv_cache(self) -> int:
+        config = self.config
+        block_bytes = kv_block_bytes(self.attention_layers, self.block_size, self.dtype)
+        if config.num_kvcache_blocks:
+            num_blocks = config.num_kvcache_blocks
+        elif self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.profile_step()
+            num_blocks = gpu_free_blocks(block_bytes, config.gpu_memory_utilization)
+        else:
+            wanted = config.max_num_seqs * -(-config.max_model_len // self.block_size)
+            num_blocks = min(wanted, 2**30 // block_bytes)
+        if self.world_size > 1:  # every rank must agree: the block manager is one for all
+            agreed = torch.tensor([num_blocks], device=self.device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+            num_blocks = int(agreed.item())
+        if num_blocks < 1:
+            raise ValueError(f"no room for a KV cache: gpu_memory_utilization={config.gpu_memory_utilization} "
+                             f"leaves less than one block ({block_bytes} bytes) after the weights and activations")
+        layer = self.attention_layers[0]
+        kv = torch.zeros(2, len(self.attention_layers), num_blocks, self.block_size, layer.num_kv_heads,
+                         layer.head_dim, dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(self.attention_layers):
+            layer.k_cache, layer.v_cache = kv[0, i], kv[1, i]  # (num_blocks, block_size, num_kv_heads, head_dim)
+        return num_blocks
+
+    # --- a step ----------------------------------------------------------------------------------------------
+    def to_device(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, PagedContext]:
+        def put(a: np.ndarray | None) -> torch.Tensor | None:
+            if a is None:
+                return None
+            t = torch.from_numpy(a)
+            return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
+
+        context = PagedContext(step.is_prefill, put(step.slot_mapping), put(step.block_tables),
+                               put(step.cu_seqlens_q), put(step.cu_seqlens_k), context_lens=put(step.context_lens),
+                               use_triton=self.use_triton)
+        if step.is_prefill:
+            context.max_seqlen_q = int(np.diff(step.cu_seqlens_q).max())
+            context.max_seqlen_k = int(np.diff(step.cu_seqlens_k).max())
+        return put(step.input_ids), put(step.positions), context
+
+    @torch.inference_mode()
+    def execute(self, step: StepInputs) -> torch.Tensor:  # (num_seqs, vocab_size) logits
+        input_ids, positions, context = self.to_device(step)
+        if not step.is_prefill and self.graphs is not None and self.graphs.fits(input_ids.shape[0]):
+            hidden = self.graphs.replay(input_ids, positions, context)
+        else:
+            hidden = self.model(input_ids, positions, context)  # (num_tokens, hidden_size)
+        if step.is_prefill:
+            hidden = hidden[context.cu_seqlens_q[1:] - 1]  # each sequence's last token: (num_seqs, hidden_size)
+        return self.model.compute_logits(hidden)
+
+    def step_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
+        prepare = prepare_prefill if is_prefill else prepare_decode
+        return self.call("execute", prepare(seqs, self.block_size))
+
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+        """One step for these sequences: the next token of each."""
+        sampling = SamplingTensors.from_seqs(seqs, self.device)
+        return self.sampler(self.step_logits(seqs, is_prefill), sampling).tolist()
+
+# %% [markdown]
+# ## Every path gives the logits of a from-scratch forward
+# The claim of this notebook, on the tiny checkpoint of notebook 02: prompts are prefilled through the paged
+# path, then decoded token by token, each step writing one token's KV and reading the whole cache through
+# shuffled block tables; at every step the logits must equal those `prompt_logits` computes for the whole
+# sequence from scratch, with no cache at all.
+
+# %%
+from minivllm.checkpoint import write_checkpoint
+from minivllm.config import Config
+from minivllm.engine.model_runner import ModelRunner
+from minivllm.models.loader import load_model
+
+CHECKPOINTS = Path(os.environ.get("MINIVLLM_CHECKPOINTS", "../build/checkpoints")).resolve()
+tiny_path = write_checkpoint(CHECKPOINTS / "tiny", "tiny", seed=0)
+reference = load_model(tiny_path, dtype=torch.float32, device=DEVICE)
+
+
+def check_steps(runner: ModelRunner, prompts: list[list[int]], num_decode_steps: int, shuffle: bool = True) -> float:
+    """Prefill `prompts`, decode greedily; compare every step's logits with prompt_logits. Worst |error|."""
+    bm = BlockManager(runner.num_kvcache_blocks, runner.block_size)
+    if shuffle:  # hand out blocks in a random order: block tables far from contiguous
+        random.shuffle(bm.free_block_ids)
+    seqs = [Sequence(p, block_size=runner.block_size) for p in prompts]
+    for seq in seqs:
+        bm.allocate(seq)
+    worst, is_prefill = 0.0, True
+    for _ in range(num_decode_steps + 1):
+        logits = runner.step_logits(seqs, is_prefill)
+        for seq, row in zip(seqs, logits):
+            worst = max(worst, (row - reference.prompt_logits(seq.token_ids)[-1]).abs().max().item())
+            seq.append_token(int(row.argmax()))
+            bm.may_append(seq)
+        is_prefill = False
+    for seq in seqs:
+        bm.deallocate(seq)
+    return worst
+
+
+runner = ModelRunner(Config(tiny_path, num_kvcache_blocks=64, dtype=torch.float32, max_num_seqs=8))
+prompts = [random.choices(range(2048), k=n) for n in (1, 15, 16, 17, 100)]
+worst = check_steps(runner, prompts, num_decode_steps=40)
+print(f"5 prompts, prefill + 40 decode steps, shuffled blocks: worst logit error {worst:.1e}")
+assert worst < 1e-4
+
+# %% [markdown]
+# The same through the Triton kernels (on a CPU, in the interpreter, so fewer steps):
+
+# %%
+runner.use_triton = True
+worst = check_steps(runner, prompts[:3], num_decode_steps=3)
+print(f"Triton kernels: worst logit error {worst:.1e}")
+assert worst < 1e-4
+runner.use_triton = DEVICE == "cuda"
+
+# %% [markdown]
+# And the path teaching engines get wrong: a second request whose first blocks are a prefix-cache hit.
+# Its prefill computes only the new tokens, whose queries must attend to the cached prefix through the block
+# table. Its logits must equal those of the same request with caching off.
+
+# %%
+system_prompt = random.choices(range(2048), k=48)  # three full blocks of 16
+bm = BlockManager(runner.num_kvcache_blocks, runner.block_size)
+first = Sequence(system_prompt + [1, 2, 3], block_size=16)
+second = Sequence(system_prompt + [4, 5, 6, 7], block_size=16)
+bm.allocate(first)
+runner.step_logits([first], is_prefill=True)
+bm.allocate(second)
+assert second.num_cached_tokens == 48  # three blocks reused: prefill computes 4 tokens, not 52
+hit = runner.step_logits([second], is_prefill=True)[0]
+error = (hit - reference.prompt_logits(second.token_ids)[-1]).abs().max().item()
+print(f"prefix-cache hit: {second.num_cached_tokens} of {len(second)} tokens reused, logit error {error:.1e}")
+assert error < 1e-4

@@ -1,0 +1,202 @@
+"""The model runner (notebook 04): every paged path gives the logits of a from-scratch forward; TP; shutdown."""
+
+import os
+import random
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from minivllm.checkpoint import write_checkpoint
+from minivllm.config import Config
+from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.model_runner import ModelRunner, graph_batch_sizes
+from minivllm.engine.sequence import Sequence
+from minivllm.models.loader import load_model
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", "tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny):
+    return load_model(tiny, dtype=torch.float32, device=DEVICE)
+
+
+@pytest.fixture(scope="module")
+def runner(tiny):
+    runner = ModelRunner(Config(tiny, dtype=torch.float32, num_kvcache_blocks=128, max_num_seqs=16))
+    yield runner
+    runner.close()
+
+
+def run_steps(runner, prompts, num_decode_steps, shuffle=True, seed=0, bm=None):
+    """Prefill then greedy decode: the sequences, every step's logits per sequence ((steps, vocab) tensors), and
+    how many prompt tokens each found in the prefix cache."""
+    bm = bm or BlockManager(runner.num_kvcache_blocks, runner.block_size)
+    if shuffle:
+        random.Random(seed).shuffle(bm.free_block_ids)
+    seqs = [Sequence(p, block_size=runner.block_size) for p in prompts]
+    for seq in seqs:
+        bm.allocate(seq)
+    cached = [seq.num_cached_tokens for seq in seqs]
+    history = [[] for _ in seqs]
+    for step in range(num_decode_steps + 1):
+        logits = runner.step_logits(seqs, is_prefill=step == 0)
+        for i, (seq, row) in enumerate(zip(seqs, logits)):
+            history[i].append(row.float().cpu())
+            seq.append_token(int(row.argmax()))
+            bm.may_append(seq)
+    for seq in seqs:
+        bm.deallocate(seq)
+    return seqs, [torch.stack(h) for h in history], cached
+
+
+def assert_matches_from_scratch(reference, seqs, history, tol=1e-4):
+    for seq, logits in zip(seqs, history):
+        full = reference.prompt_logits(seq.token_ids).float().cpu()  # (len, vocab): every position at once
+        expected = full[seq.num_prompt_tokens - 1 : len(seq) - 1]  # the positions that predicted each new token
+        torch.testing.assert_close(logits, expected, rtol=tol, atol=tol)
+
+
+def test_prefill_then_many_decode_steps_equal_prompt_logits(runner, reference):
+    prompts = [random.Random(n).choices(range(2048), k=n) for n in (1, 15, 16, 17, 31, 100, 250)]
+    seqs, history, _ = run_steps(runner, prompts, num_decode_steps=60)
+    assert all(len(seq.block_table) == 0 for seq in seqs)
+    assert_matches_from_scratch(reference, seqs, history)
+
+
+def test_block_tables_are_really_shuffled_and_contiguous_order_gives_the_same(runner):
+    prompts = [list(range(40)), list(range(5, 70))]
+    _, shuffled, _ = run_steps(runner, prompts, 20, shuffle=True)
+    _, ordered, _ = run_steps(runner, prompts, 20, shuffle=False)
+    for a, b in zip(shuffled, ordered):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_triton_kernels_in_the_runner(runner, reference):
+    """The same steps through the Triton kernels (the interpreter on a CPU): store, paged prefill, decode."""
+    runner.use_triton = True
+    try:
+        seqs, history, _ = run_steps(runner, [list(range(3, 20)), [7] * 33], num_decode_steps=3)
+    finally:
+        runner.use_triton = DEVICE == "cuda"
+    assert_matches_from_scratch(reference, seqs, history)
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_prefix_cache_hit_gives_the_logits_of_no_caching(runner, reference, use_triton):
+    runner.use_triton = use_triton or DEVICE == "cuda"
+    try:
+        system = random.Random(1).choices(range(2048), k=48)  # three full blocks
+        bm = BlockManager(runner.num_kvcache_blocks, runner.block_size)
+        run_steps(runner, [system + [1, 2]], 0, bm=bm)  # fills the cache; its blocks stay cached when freed
+        seqs, hit, cached = run_steps(runner, [system + [9, 8, 7, 6, 5]], 4, bm=bm)
+        assert cached == [48]
+        _, plain, _ = run_steps(runner, [system + [9, 8, 7, 6, 5]], 4, bm=BlockManager(128, 16, enable_prefix_caching=False))
+        torch.testing.assert_close(hit[0], plain[0], rtol=1e-4, atol=1e-4)
+        assert_matches_from_scratch(reference, seqs, hit)
+    finally:
+        runner.use_triton = DEVICE == "cuda"
+
+
+def test_run_samples_greedy_tokens(runner, reference):
+    from minivllm.sampling_params import SamplingParams
+
+    bm = BlockManager(runner.num_kvcache_blocks, runner.block_size)
+    seq = Sequence([5, 6, 7, 8], SamplingParams(temperature=0), block_size=runner.block_size)
+    bm.allocate(seq)
+    token = runner.run([seq], is_prefill=True)[0]
+    assert token == int(reference.prompt_logits(seq.token_ids)[-1].argmax())
+    bm.deallocate(seq)
+
+
+def test_graph_batch_sizes():
+    assert graph_batch_sizes(256) == [1, 2, 4, 8, *range(16, 257, 16)]
+    assert graph_batch_sizes(20) == [1, 2, 4, 8, 16]
+    assert graph_batch_sizes(1) == [1]
+
+
+def test_config_names_the_bad_field(tiny):
+    for bad, field in [(dict(block_size=24), "block_size"), (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+                       (dict(max_num_seqs=0), "max_num_seqs"), (dict(tensor_parallel_size=0), "tensor_parallel_size")]:
+        with pytest.raises(ValueError, match=field):
+            Config(tiny, **bad)
+    with pytest.raises(FileNotFoundError):
+        Config("/no/such/checkpoint")
+
+
+# --- tensor parallelism over gloo, and clean shutdown ---------------------------------------------------------
+
+@pytest.mark.slow
+def test_tensor_parallel_2_equals_1(tiny, runner):
+    prompts = [list(range(1, 40)), [3] * 17]
+    _, single, _ = run_steps(runner, prompts, 8)
+    tp = ModelRunner(Config(tiny, dtype=torch.float32, num_kvcache_blocks=128, max_num_seqs=16,
+                            tensor_parallel_size=2, device="cpu"))
+    try:
+        assert len(tp.workers) == 1 and tp.workers[0].is_alive()
+        _, double, _ = run_steps(tp, prompts, 8)
+    finally:
+        tp.close()
+    for a, b in zip(single, double):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert not tp.workers[0].is_alive()  # close() ended the worker
+
+
+def test_a_failing_start_leaves_no_worker(tiny):
+    """tensor_parallel_size=4 cannot split the tiny model's 2 KV heads: every rank fails, none is left behind."""
+    import multiprocessing
+
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        ModelRunner(Config(tiny, dtype=torch.float32, num_kvcache_blocks=16, tensor_parallel_size=4, device="cpu"))
+    deadline = time.time() + 30
+    while multiprocessing.active_children() and time.time() < deadline:
+        time.sleep(0.2)
+    assert not multiprocessing.active_children()
+
+
+SCRIPT = """
+import os, sys, time, torch
+from minivllm.config import Config
+from minivllm.engine.model_runner import ModelRunner
+runner = ModelRunner(Config(sys.argv[1], dtype=torch.float32, num_kvcache_blocks=16, tensor_parallel_size=2,
+                            device="cpu"))
+print(runner.workers[0].pid, flush=True)
+{ending}
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead too
+        return f.read().split()[2] != "Z"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ending", ["pass", "raise RuntimeError('boom')", "raise KeyboardInterrupt",
+                                    "os.kill(os.getpid(), 9)"])
+def test_workers_exit_with_the_engine(tiny, ending):
+    """Normal exit, an exception, Ctrl-C, and even kill -9 of rank 0: the worker is gone within seconds."""
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(SCRIPT).format(ending=ending), str(tiny)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    worker_pid = int(proc.stdout.readline())
+    proc.wait(timeout=120)
+    deadline = time.time() + 20
+    while alive(worker_pid) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not alive(worker_pid), f"worker {worker_pid} outlived its engine ({ending})"
+    if ending != "pass":
+        assert proc.returncode != 0
+    proc.stdout.close()
+    proc.stderr.close()

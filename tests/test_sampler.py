@@ -1,0 +1,298 @@
+"""Sampler (notebook 04): greedy rows, the top-k / top-p / min-p filters, the exponential race and per-request seeds.
+
+Many draws of one distribution are taken in one call, by repeating its row of logits down the batch.
+"""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minivllm.engine.sequence import Sequence
+from minivllm.layers.sampler import Sampler, SamplingTensors, exponential_noise, keep_mask, noise_seed
+from minivllm.sampling_params import SamplingParams
+
+sampler = Sampler()
+DRAWS = 400  # rows per hypothesis example
+
+
+def seqs_for(params: list[SamplingParams], steps: list[int] | None = None) -> list[Sequence]:
+    seqs = [Sequence([0], p) for p in params]
+    for seq, step in zip(seqs, steps or [0] * len(seqs)):
+        for _ in range(step):
+            seq.append_token(0)
+    return seqs
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int] | None = None) -> torch.Tensor:
+    return sampler(logits, SamplingTensors.from_seqs(seqs_for(params, steps)))
+
+
+def random_logits(seed: int, vocab: int, scale: float, rows: int = 1) -> torch.Tensor:
+    return scale * torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed))
+
+
+def draws(logits: torch.Tensor, params: SamplingParams, seed: int) -> torch.Tensor:
+    """DRAWS tokens of one row of logits (1, vocab), deterministically."""
+    torch.manual_seed(seed)
+    return sample(logits.expand(DRAWS, -1), [params] * DRAWS)
+
+
+logit_rows = dict(seed=st.integers(0, 2**32 - 1), vocab=st.integers(2, 60), scale=st.floats(0.1, 4.0))
+
+
+# --- SamplingTensors ---------------------------------------------------------------------------------------
+
+
+def test_from_seqs_fields():
+    params = [SamplingParams(temperature=0), SamplingParams(0.7, top_p=0.9, top_k=5, min_p=0.1, seed=3),
+              SamplingParams(seed=-1), SamplingParams(seed=2**70 + 1)]
+    t = SamplingTensors.from_seqs(seqs_for(params, steps=[0, 2, 5, 1]))
+    assert t.temperatures.dtype == t.top_ps.dtype == t.min_ps.dtype == torch.float32
+    assert t.top_ks.dtype == t.seeds.dtype == t.steps.dtype == torch.int64
+    torch.testing.assert_close(t.temperatures, torch.tensor([0.0, 0.7, 1.0, 1.0]))
+    assert t.top_ks.tolist() == [-1, 5, -1, -1]
+    torch.testing.assert_close(t.top_ps, torch.tensor([1.0, 0.9, 1.0, 1.0]))
+    torch.testing.assert_close(t.min_ps, torch.tensor([0.0, 0.1, 0.0, 0.0]))
+    assert t.seeds.tolist() == [-1, 3, 2**63 - 1, (2**70 + 1) % 2**63]  # any int is a seed; -1 is "none"
+    assert t.steps.tolist() == [0, 2, 5, 1]
+    assert t.filtering
+
+
+def test_filtering_flag_only_for_random_rows_with_a_filter():
+    def filtering(*params: SamplingParams) -> bool:
+        return SamplingTensors.from_seqs(seqs_for(list(params))).filtering
+
+    assert not filtering(SamplingParams(), SamplingParams(temperature=0.6, seed=1))
+    assert not filtering(SamplingParams(temperature=0, top_k=3))  # greedy ignores filters
+    assert filtering(SamplingParams(), SamplingParams(top_k=3))
+    assert filtering(SamplingParams(top_p=0.5)) and filtering(SamplingParams(min_p=0.2))
+
+
+# --- greedy ------------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), vocab=st.integers(2, 300), greedy=st.lists(st.booleans(), min_size=1, max_size=12),
+       top_k=st.integers(-1, 5), top_p=st.floats(0.05, 1.0), temperature=st.floats(0.05, 5.0))
+def test_greedy_rows_are_the_argmax_of_the_raw_logits(seed, vocab, greedy, top_k, top_p, temperature):
+    logits = random_logits(seed, vocab, 3.0, rows=len(greedy))
+    top_k = -1 if top_k < 1 else top_k
+    params = [SamplingParams(temperature=0.0 if g else temperature, top_k=top_k, top_p=top_p) for g in greedy]
+    torch.manual_seed(seed)
+    tokens = sample(logits, params)
+    rows = torch.tensor(greedy)
+    assert torch.equal(tokens[rows], logits.argmax(dim=-1)[rows])
+
+
+def test_greedy_rows_ignore_the_rest_of_the_batch():
+    logits = random_logits(0, 1000, 0.01, rows=6)  # nearly flat: a random draw would almost never be the argmax
+    alone = [sample(logits[i : i + 1], [SamplingParams(temperature=0)]).item() for i in (0, 3)]
+    params = [SamplingParams(temperature=0 if i in (0, 3) else 2.0, top_k=1 + i) for i in range(6)]
+    mixed = sample(logits, params)
+    assert mixed[[0, 3]].tolist() == alone == logits[[0, 3]].argmax(dim=-1).tolist()
+    assert (mixed[[1, 2, 4, 5]] != logits[[1, 2, 4, 5]].argmax(dim=-1)).any()
+
+
+def test_dtypes_and_caller_logits_untouched():
+    logits = random_logits(1, 50, 2.0, rows=4)
+    before = logits.clone()
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        tokens = sample(logits.to(dtype), [SamplingParams(top_k=5, seed=1)] * 4)
+        assert tokens.dtype == torch.int64 and tokens.shape == (4,)
+    assert torch.equal(logits, before)
+
+
+# --- filters -----------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(**logit_rows, k=st.integers(1, 10), temperature=st.floats(0.2, 3.0))
+def test_top_k_never_returns_a_token_outside_the_top_k(seed, vocab, scale, k, temperature):
+    logits = random_logits(seed, vocab, scale)
+    tokens = draws(logits, SamplingParams(temperature=temperature, top_k=k), seed)
+    kth_largest = logits[0].topk(min(k, vocab)).values[-1]
+    assert (logits[0, tokens] >= kth_largest).all()
+
+
+@settings(max_examples=200, deadline=None)
+@given(**logit_rows, top_p=st.floats(0.01, 1.0), temperature=st.floats(0.2, 3.0))
+def test_top_p_returns_a_token_of_the_smallest_set_reaching_p(seed, vocab, scale, top_p, temperature):
+    logits = random_logits(seed, vocab, scale)
+    probs = torch.softmax(logits[0].double() / temperature, dim=-1)
+    tokens = draws(logits, SamplingParams(temperature=temperature, top_p=top_p), seed)
+    # a token is in that set iff the tokens strictly more likely than it hold less than p
+    mass_before = torch.stack([probs[probs > probs[tok]].sum() for tok in tokens.unique()])
+    assert (mass_before < top_p + 1e-5).all()
+
+
+@settings(max_examples=200, deadline=None)
+@given(**logit_rows, min_p=st.floats(0.0, 1.0), temperature=st.floats(0.2, 3.0))
+def test_min_p_never_returns_a_token_below_min_p_times_the_max(seed, vocab, scale, min_p, temperature):
+    logits = random_logits(seed, vocab, scale)
+    probs = torch.softmax(logits[0].double() / temperature, dim=-1)
+    tokens = draws(logits, SamplingParams(temperature=temperature, min_p=min_p), seed)
+    assert (probs[tokens] >= min_p * probs.max() * (1 - 1e-5)).all()
+
+
+@pytest.mark.parametrize(
+    "top_k, top_p, min_p, kept",
+    [(-1, 1.0, 0.0, 4), (-1, 0.8, 0.0, 2), (-1, 0.81, 0.0, 3), (-1, 0.01, 0.0, 1), (3, 1.0, 0.0, 3), (1, 1.0, 0.0, 1),
+     (-1, 0.82, 0.0, 3), (3, 0.82, 0.0, 2), (-1, 1.0, 0.3, 3), (-1, 1.0, 0.31, 2), (-1, 1.0, 1.0, 1)],
+)
+def test_keep_mask_on_a_hand_example(top_k, top_p, min_p, kept):
+    """probs [0.5, 0.3, 0.15, 0.05]: top-p 0.8 is reached by 2 tokens; after top-k 3, 0.5 + 0.3 is 0.84 of the mass."""
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    mask = keep_mask(probs, torch.tensor([top_k]), torch.tensor([top_p]), torch.tensor([min_p]))
+    assert mask[0].tolist() == [True] * kept + [False] * (4 - kept)
+
+
+def reference_kept(probs: list[float], top_k: int, top_p: float, min_p: float) -> int:
+    """How many of the sorted (largest first) probs survive top-k, top-p and min-p, one row in plain Python."""
+    kept = probs[:top_k] if top_k > 0 else probs
+    total, mass, n = sum(kept), 0.0, 0
+    while n < len(kept) and (top_p >= 1 or mass < top_p * total):
+        mass, n = mass + kept[n], n + 1
+    return sum(p >= min_p * probs[0] for p in kept[:n])
+
+
+@settings(max_examples=200, deadline=None)
+@given(**logit_rows, rows=st.lists(st.tuples(st.integers(-1, 8), st.floats(0.01, 1.0), st.floats(0.0, 1.0)),
+                                   min_size=1, max_size=6))
+def test_keep_mask_matches_a_per_row_reference(seed, vocab, scale, rows):
+    logits = random_logits(seed, vocab, scale, rows=len(rows))
+    sorted_probs = torch.softmax(logits, dim=-1).sort(dim=-1, descending=True).values
+    top_ks = torch.tensor([k if k >= 1 else -1 for k, _, _ in rows])
+    top_ps, min_ps = torch.tensor([p for _, p, _ in rows]), torch.tensor([m for _, _, m in rows])
+    mask = keep_mask(sorted_probs, top_ks, top_ps, min_ps)
+    for i in range(len(rows)):
+        probs = sorted_probs[i].double().tolist()
+        kept = int(mask[i].sum())
+        assert mask[i, :kept].all()  # the kept tokens are the most likely ones
+        expected = {reference_kept(probs, int(top_ks[i]), float(top_ps[i]) + d, float(min_ps[i]) + e)
+                    for d in (-1e-5, 0, 1e-5) for e in (-1e-5, 0, 1e-5)}  # float32 may round either way at a boundary
+        assert kept in expected
+
+
+def test_top_p_1_keeps_a_tail_too_small_for_a_float32_sum():
+    probs = torch.cat([torch.tensor([1.0]), torch.full((200_000,), 1e-9)])[None]  # 1 + 1e-9 == 1 in float32
+    mask = keep_mask(probs, torch.tensor([-1]), torch.tensor([1.0]), torch.tensor([0.0]))
+    assert mask.all()
+
+
+# --- the draw ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
+def test_frequencies_match_the_softmax(temperature):
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
+    n = 20_000
+    torch.manual_seed(0)
+    tokens = sample(logits.expand(n, -1), [SamplingParams(temperature=temperature)] * n)
+    freq = torch.bincount(tokens, minlength=5) / n
+    torch.testing.assert_close(freq, torch.softmax(logits[0] / temperature, dim=-1), atol=0.012, rtol=0)
+
+
+def test_seeded_frequencies_match_the_softmax_too():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
+    n = 20_000
+    tokens = sample(logits.expand(n, -1), [SamplingParams(seed=s) for s in range(n)])
+    freq = torch.bincount(tokens, minlength=5) / n
+    torch.testing.assert_close(freq, torch.softmax(logits[0], dim=-1), atol=0.012, rtol=0)
+
+
+def test_filtered_frequencies_are_the_renormalized_survivors():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
+    n = 20_000
+    torch.manual_seed(0)
+    tokens = sample(logits.expand(n, -1), [SamplingParams(top_k=3)] * n)
+    freq = torch.bincount(tokens, minlength=5) / n
+    torch.testing.assert_close(freq, torch.softmax(logits[0].masked_fill(torch.arange(5) >= 3, -torch.inf), dim=-1),
+                               atol=0.012, rtol=0)
+
+
+# --- seeds -------------------------------------------------------------------------------------------------
+
+
+def seeded_tokens(seed: int, logits_row: torch.Tensor, row: int, batch: int, steps: range) -> list[int]:
+    """The tokens of a request seeded with `seed` at each step, placed at `row` of a batch of random neighbours."""
+    out = []
+    for step in steps:
+        logits = random_logits(1000 + step, logits_row.shape[-1], 1.0, rows=batch)
+        logits[row] = logits_row
+        params = [SamplingParams(seed=seed if i == row else (None if i % 2 else 500 + i)) for i in range(batch)]
+        out.append(sample(logits, params, steps=[step if i == row else 3 * i for i in range(batch)])[row].item())
+    return out
+
+
+def test_same_seed_same_tokens_whatever_the_batch():
+    logits_row = random_logits(7, 1000, 0.5)[0]
+    torch.manual_seed(0)
+    alone = seeded_tokens(42, logits_row, row=0, batch=1, steps=range(20))
+    torch.manual_seed(1)
+    crowded = seeded_tokens(42, logits_row, row=3, batch=8, steps=range(20))
+    torch.manual_seed(2)
+    crowded_again = seeded_tokens(42, logits_row, row=1, batch=5, steps=range(20))
+    assert alone == crowded == crowded_again
+    assert len(set(alone)) > 10  # the token changes with the step
+
+
+def test_different_seeds_give_different_tokens():
+    logits_row = random_logits(7, 1000, 0.5)[0]
+    a = seeded_tokens(1, logits_row, row=0, batch=2, steps=range(10))
+    b = seeded_tokens(2, logits_row, row=0, batch=2, steps=range(10))
+    assert sum(x != y for x, y in zip(a, b)) >= 8
+
+
+def test_unseeded_rows_do_not_disturb_seeded_ones():
+    logits = random_logits(3, 1000, 0.5, rows=6)
+    params = [SamplingParams(seed=None if i % 2 else 10 + i) for i in range(6)]
+    torch.manual_seed(0)
+    first = sample(logits, params, steps=[4] * 6)
+    torch.manual_seed(1)
+    second = sample(logits, params, steps=[4] * 6)
+    assert torch.equal(first[::2], second[::2])
+    assert not torch.equal(first[1::2], second[1::2])  # the unseeded rows did draw anew
+
+
+def test_a_preempted_request_regenerates_its_tokens():
+    """Same seed, same prompt: decoded alone, or in two different batches around a preemption."""
+    table = 2 * random_logits(11, 300, 1.0, rows=300)  # toy model: next-token logits from the last token
+
+    def decode(batch: list[Sequence]) -> None:
+        tokens = sampler(table[[s.last_token for s in batch]], SamplingTensors.from_seqs(batch))
+        for seq, token in zip(batch, tokens.tolist()):
+            seq.append_token(token)
+
+    def request(seed: int | None) -> Sequence:
+        return Sequence([5, 6], SamplingParams(temperature=1.2, top_k=50, seed=seed))
+
+    solo, crowded = request(77), request(77)
+    for _ in range(10):
+        decode([solo])
+    for _ in range(5):
+        decode([request(None), request(3), crowded])
+    for _ in range(5):  # after the preemption: other neighbours, another row
+        decode([crowded, request(None)])
+    assert crowded.completion_token_ids == solo.completion_token_ids
+
+
+def test_noise_depends_only_on_seed_and_step():
+    ones = torch.ones(4, 100)
+    noise = exponential_noise(ones, torch.tensor([9, 9, 9, -1]), torch.tensor([0, 1, 0, 0]))
+    assert torch.equal(noise[0], noise[2]) and not torch.equal(noise[0], noise[1])
+    expected = torch.empty(100).exponential_(generator=torch.Generator().manual_seed(noise_seed(9, 1)))
+    assert torch.equal(noise[1], expected)
+    assert len({noise_seed(s, step) for s in range(50) for step in range(1000)}) == 50 * 1000
+
+
+@pytest.mark.gpu
+def test_cuda_matches_the_contract():
+    logits = random_logits(5, 32_000, 1.0, rows=4).cuda()
+    params = [SamplingParams(temperature=0), SamplingParams(seed=8, top_p=0.9), SamplingParams(top_k=5),
+              SamplingParams(seed=8, top_p=0.9)]
+    tokens = sampler(logits, SamplingTensors.from_seqs(seqs_for(params), device="cuda"))
+    assert tokens.device.type == "cuda" and tokens[0] == logits[0].argmax()
+    assert tokens[1] == tokens[3]
+    again = sampler(logits[1:2], SamplingTensors.from_seqs(seqs_for(params[1:2]), device="cuda"))
+    assert again[0] == tokens[1]
