@@ -900,5 +900,5 @@ else:
     raise AssertionError("a mis-shaped v_proj was accepted")
 
 # %% [markdown]
-# **Exercise.** `exercises/02_llama.ipynb` (to come): write `LlamaForCausalLM` from the same layers (no q/k norms),
+# **Exercise.** `exercises/02_llama.ipynb`: write `LlamaForCausalLM` from the same layers (no q/k norms),
 # register it in `MODELS`, and check it against transformers' Llama on a random checkpoint.

@@ -1050,7 +1050,10 @@ import torch.multiprocessing as mp
 from minivllm.config import Config
 from minivllm.engine.context import PagedContext
 from minivllm.engine.sequence import Sequence
+from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.attention import Attention, PrefillContext
+from minivllm.layers.layernorm import RMSNorm
+from minivllm.layers.rotary_embedding import RotaryEmbedding
 from minivllm.layers.sampler import Sampler, SamplingTensors
 from minivllm.models.loader import load_model
 from minivllm.sampling_params import SamplingParams
@@ -1237,6 +1240,24 @@ class DecodeGraphs:
         return self.hidden[:bs]  # (bs, hidden_size)
 
 # %% [markdown]
+# A graph removes the *launch* cost of each kernel, not the kernel: a graph of Qwen3-0.6B's decode step as the
+# layers of notebooks 01–02 write it still runs about 880 kernels, most of them a single elementwise operation
+# of RMSNorm (cast, square, mean, rsqrt, multiply, cast, multiply) or RoPE, each a few microseconds of GPU time
+# for almost no work. On an H200 a whole decode step at batch 1 took 4.7 ms that way, 2.1 ms with the change
+# below (and 11.3 → 8.1 ms at batch 256; `decode_step.json` holds the latter figures). So on a GPU the
+# runner compiles the small layers with `torch.compile` (notebook 01's experiment: fusion pays when there is
+# overhead to remove), before capturing: each norm, each RoPE and each gated activation becomes one kernel.
+
+# %% tags=["export"]
+def compile_small_layers(model: torch.nn.Module) -> None:
+    """Fuse each RMSNorm, RoPE and SiluAndMul into one generated kernel. Shapes are dynamic, but 2-D and 3-D
+    inputs, with and without a residual, one token or many, still make a dozen variants of RMSNorm."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, RotaryEmbedding, SiluAndMul)):
+            module.forward = torch.compile(module.forward, dynamic=True, fullgraph=True)
+
+# %% [markdown]
 # ### Tensor parallelism: one process per GPU
 # With `tensor_parallel_size=N` the runner of rank 0 (the engine's process) starts N−1 worker processes, each
 # holding its slice of every weight (notebook 01's parallel layers) and its slice of the KV cache (its KV
@@ -1291,6 +1312,8 @@ class ModelRunner:
             torch.manual_seed(config.seed)
             self.model = load_model(config.model, config.dtype, self.device)
             self.dtype = self.model.lm_head.weight.dtype
+            if self.device.type == "cuda":
+                compile_small_layers(self.model)
             self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
             self.sampler = Sampler()
             self.num_kvcache_blocks = self.allocate_kv_cache()
@@ -1509,3 +1532,87 @@ hit = runner.step_logits([second], is_prefill=True)[0]
 error = (hit - reference.prompt_logits(second.token_ids)[-1]).abs().max().item()
 print(f"prefix-cache hit: {second.num_cached_tokens} of {len(second)} tokens reused, logit error {error:.1e}")
 assert error < 1e-4
+
+# %% [markdown]
+# ## Measured on an H200
+# `python -m minivllm.benchmarks.decode` times three ways to run decode attention for Qwen3-0.6B's heads
+# (batch × context from 1 × 16k to 256 × 1k, blocks of 16 and 256), as bandwidth: bytes of K and V read per
+# second. Decode is memory-bound, so the ceiling is the GPU's copy bandwidth:
+#
+# * `minivllm-triton`: the decode kernel above;
+# * `minivllm-prefill-kernel`: our *prefill* kernel given the same paged cache, one query per sequence;
+# * `naive-gather-sdpa`: copy each sequence's blocks into a contiguous tensor, then PyTorch's attention.
+#
+# On a GPU this cell re-measures a subset; without one it shows the committed H200 results.
+
+# %%
+import json
+
+from minivllm.benchmarks.decode import plot_decode, run_decode_benchmark
+
+if DEVICE == "cuda":
+    decode_data = run_decode_benchmark(shapes=[(1, 16384), (64, 4096)], block_sizes=(16,))
+else:
+    decode_data = json.loads(Path("figures/decode.json").read_text())
+fig = plot_decode(decode_data)
+fig.savefig(FIGURES / "04_decode.png", dpi=120)
+tbps = {(r["impl"], r["batch"], r["context_len"], r["block_size"]): r["tbps"] for r in decode_data["rows"]}
+for key in sorted(tbps):
+    print(f"{key[0]:>24} batch {key[1]:>3} × {key[2]:>5} tokens, blocks of {key[3]:>3}: {tbps[key]:.2f} TB/s")
+print(f"copy bandwidth: {decode_data['copy_tbps']:.2f} TB/s")
+
+# %% [markdown]
+# **Why do prefill and decode need different attention kernels?** In these numbers: at 64 sequences × 4k
+# tokens the decode kernel reads the cache at the copy bandwidth, while the prefill kernel, given the same work,
+# reaches half of it. The prefill kernel's tile holds 64 query rows of which decode fills one, it reads each KV
+# block once per *query* head (twice for Qwen3's GQA), and with one program per sequence and head it cannot
+# fill the GPU when the batch is small: at 1 × 16k it reaches under 5% of the bandwidth, the decode kernel
+# about 65%. The decode kernel packs a KV head's query heads into one tile, so each byte is read once, and
+# splits long contexts over many programs.
+
+# %%
+best = lambda impl, batch, ctx: max(v for (i, b, c, _), v in tbps.items() if (i, b, c) == (impl, batch, ctx))
+assert best("minivllm-triton", 64, 4096) > 1.5 * best("minivllm-prefill-kernel", 64, 4096)
+assert best("minivllm-triton", 1, 16384) > 3 * best("minivllm-prefill-kernel", 1, 16384)
+
+# %% [markdown]
+# ### A whole decode step: eager vs CUDA graph
+# `python -m minivllm.benchmarks.decode_step` times `runner.run(seqs, is_prefill=False)` for the 0.6B preset,
+# host-side preparation and sampling included, with and without CUDA graphs, and records the KV cache the
+# runner sized on that GPU.
+
+# %%
+from minivllm.benchmarks.decode_step import plot_decode_step, run_decode_step_benchmark
+
+if DEVICE == "cuda":
+    step_data = run_decode_step_benchmark(batch_sizes=(1, 8, 64))
+else:
+    step_data = json.loads(Path("figures/decode_step.json").read_text())
+fig = plot_decode_step(step_data)
+fig.savefig(FIGURES / "04_decode_step.png", dpi=120)
+rows = {(r["impl"], r["batch"]): r["ms"] for r in step_data["rows"]}
+for batch in sorted({b for _, b in rows}):
+    print(f"batch {batch:>3}: graph {rows['minivllm', batch]:6.2f} ms, eager {rows['minivllm-eager', batch]:6.2f} ms")
+print(f"KV cache on {step_data['device']}: {step_data['num_kvcache_blocks']} blocks of {step_data['block_size']} = "
+      f"{step_data['kv_cache_tokens'] / 1e6:.2f} M tokens")
+assert rows["minivllm", 1] < rows["minivllm-eager", 1]
+
+# %% [markdown]
+# The eager step costs about 30 ms at *every* batch size: it is bound by Python launching hundreds of kernels
+# one by one, not by the GPU. The graph replays them in one call; what is left grows with the batch, because
+# the KV cache read grows with it (at 256 sequences of 513 tokens, 15 GB per step).
+#
+# ## Check yourself
+# * A sequence of 37 tokens with blocks of 16 and block table `[7, 2, 9]` decodes its 38th token. Which slot
+#   does its KV go to, and what `context_len` does the decode kernel see?
+# * Why may a prefill with a prefix-cache hit *not* use notebook 01's kernel on the new tokens' `k` and `v`?
+# * Why does the decode kernel compute `num_splits` from the batch size only, never from the context lengths?
+#
+# The cell below asserts the first answer.
+
+# %%
+seq = Sequence(list(range(37)), block_size=16)
+seq.block_table = [7, 2, 9]
+seq.append_token(0)
+check = prepare_decode([seq], block_size=16)
+assert list(check.slot_mapping) == [9 * 16 + 5] and list(check.context_lens) == [38]

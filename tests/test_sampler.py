@@ -289,6 +289,7 @@ def test_noise_depends_only_on_seed_and_step():
 @pytest.mark.gpu
 def test_cuda_matches_the_contract():
     logits = random_logits(5, 32_000, 1.0, rows=4).cuda()
+    logits[3] = logits[1]  # the same row twice, with the same seed: the same token
     params = [SamplingParams(temperature=0), SamplingParams(seed=8, top_p=0.9), SamplingParams(top_k=5),
               SamplingParams(seed=8, top_p=0.9)]
     tokens = sampler(logits, SamplingTensors.from_seqs(seqs_for(params), device="cuda"))

@@ -17,6 +17,15 @@ def gpu_ms(fn, warmup: int = 5, rep: int = 30) -> float:
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
+def graph_ms(fn, rep: int = 30) -> float:
+    """Median time of fn() in ms, replayed from a CUDA graph: the kernels' time without Python's launch overhead
+    (which an engine's decode step, itself a graph, does not pay either)."""
+    import triton
+
+    fn()  # compile outside the capture
+    return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
+
+
 def result(module: str, rows: list[dict], **extra) -> dict:
     """The schema of DESIGN.md: device, the command that made it, versions, then rows."""
     import triton

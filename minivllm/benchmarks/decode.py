@@ -4,7 +4,8 @@
 
 Qwen3-0.6B's attention (16 query / 8 KV heads, head_dim 128, bf16), one new query per sequence, the context
 spread over a shuffled block table. Bandwidth counts the bytes of K and V read: batch × context × 8 × 128 × 2 × 2.
-Writes decode.json + decode.png, with the device's copy bandwidth (read + write) as the ceiling.
+Each call is timed from a CUDA graph, as the engine's decode step runs. Writes decode.json + decode.png, with the
+device's copy bandwidth (read + write) as the ceiling.
 """
 
 import argparse
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from minivllm.benchmarks.common import FIGURES, gpu_ms, result, save
+from minivllm.benchmarks.common import FIGURES, gpu_ms, graph_ms, result, save
 from minivllm.kernels import flash_attn_varlen_func, flash_attn_with_kvcache
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
@@ -71,14 +72,14 @@ def run_decode_benchmark(shapes=SHAPES, block_sizes=(16, 256), module: str = "mi
             nbytes = 2 * batch * context_len * NUM_KV_HEADS * HEAD_DIM * x["k_cache"].element_size()
             for impl, fn in IMPLS.items():
                 torch.testing.assert_close(fn(x).view_as(ref), ref, atol=2e-2, rtol=2e-2)
-                ms = gpu_ms(lambda fn=fn, x=x: fn(x))
+                ms = graph_ms(lambda fn=fn, x=x: fn(x))
                 rows.append(dict(impl=impl, batch=batch, context_len=context_len, block_size=block_size, ms=ms,
                                  tbps=nbytes / (ms * 1e-3) / 1e12))
                 print(f"{impl:>24} bs={block_size:>3} batch={batch:>3} ctx={context_len:>5}: "
                       f"{ms * 1e3:8.1f} µs {rows[-1]['tbps']:5.2f} TB/s")
             del x
     return result(module, rows, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
-                  dtype="bfloat16", copy_tbps=copy_tbps())
+                  dtype="bfloat16", copy_tbps=copy_tbps(), timing="CUDA graph replay (triton.testing.do_bench_cudagraph)")
 
 
 def plot_decode(data: dict):
@@ -86,7 +87,8 @@ def plot_decode(data: dict):
 
     block_sizes = sorted({r["block_size"] for r in data["rows"]})
     impls = list(dict.fromkeys(r["impl"] for r in data["rows"]))
-    fig, axes = plt.subplots(1, len(block_sizes), figsize=(5.5 * len(block_sizes), 3.8), sharey=True)
+    fig, axes = plt.subplots(1, len(block_sizes), figsize=(5.5 * len(block_sizes), 3.8), sharey=True, squeeze=False)
+    axes = axes[0]
     for ax, block_size in zip(axes, block_sizes):
         rows = [r for r in data["rows"] if r["block_size"] == block_size]
         shapes = list(dict.fromkeys((r["batch"], r["context_len"]) for r in rows))

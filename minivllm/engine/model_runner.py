@@ -16,7 +16,10 @@ import torch.multiprocessing as mp
 from minivllm.config import Config
 from minivllm.engine.context import PagedContext
 from minivllm.engine.sequence import Sequence
+from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.attention import Attention, PrefillContext
+from minivllm.layers.layernorm import RMSNorm
+from minivllm.layers.rotary_embedding import RotaryEmbedding
 from minivllm.layers.sampler import Sampler, SamplingTensors
 from minivllm.models.loader import load_model
 from minivllm.sampling_params import SamplingParams
@@ -138,6 +141,15 @@ class DecodeGraphs:
         return self.hidden[:bs]  # (bs, hidden_size)
 
 
+def compile_small_layers(model: torch.nn.Module) -> None:
+    """Fuse each RMSNorm, RoPE and SiluAndMul into one generated kernel. Shapes are dynamic, but 2-D and 3-D
+    inputs, with and without a residual, one token or many, still make a dozen variants of RMSNorm."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, RotaryEmbedding, SiluAndMul)):
+            module.forward = torch.compile(module.forward, dynamic=True, fullgraph=True)
+
+
 def exit_with_parent(parent_pid: int) -> None:
     while os.getppid() == parent_pid:
         time.sleep(0.5)
@@ -169,6 +181,8 @@ class ModelRunner:
             torch.manual_seed(config.seed)
             self.model = load_model(config.model, config.dtype, self.device)
             self.dtype = self.model.lm_head.weight.dtype
+            if self.device.type == "cuda":
+                compile_small_layers(self.model)
             self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
             self.sampler = Sampler()
             self.num_kvcache_blocks = self.allocate_kv_cache()

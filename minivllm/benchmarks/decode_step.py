@@ -1,0 +1,103 @@
+"""A whole decode step of Qwen3-0.6B, eager vs CUDA graph, for batch sizes 1..256.
+
+    python -m minivllm.benchmarks.decode_step [--context-len 512] [--out notebooks/figures]
+
+Writes the qwen3-0.6b preset (random weights, bf16) to a temporary folder, starts a ModelRunner, prefills
+`batch` sequences of `context_len` random tokens, then times `runner.run(seqs, is_prefill=False)`: host-side
+input preparation, the forward, the sampler and the copy of the tokens back, as the engine pays it. The same
+runner replays its CUDA graphs, or runs eagerly with them switched off. Writes decode_step.json + .png, with the
+KV cache the runner sized on this GPU.
+"""
+
+import argparse
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from minivllm.benchmarks.common import FIGURES, result, save
+from minivllm.checkpoint import write_checkpoint
+from minivllm.config import Config
+from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.model_runner import ModelRunner
+from minivllm.engine.sequence import Sequence
+from minivllm.sampling_params import SamplingParams
+
+BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def step_ms(runner: ModelRunner, seqs: list[Sequence], steps: int = 20) -> float:
+    """Median wall time of one decode step (the token is not appended: every step is the same step)."""
+    times = []
+    for _ in range(steps + 3):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        runner.run(seqs, is_prefill=False)
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times[3:])[steps // 2]
+
+
+def run_decode_step_benchmark(context_len: int = 512, batch_sizes=BATCH_SIZES,
+                              module: str = "minivllm.benchmarks.decode_step") -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_checkpoint(Path(tmp) / "qwen3-0.6b", "qwen3-0.6b", seed=0)
+        runner = ModelRunner(Config(path, max_num_seqs=max(batch_sizes), max_model_len=4096))
+    rng = random.Random(0)
+    bm = BlockManager(runner.num_kvcache_blocks, runner.block_size, enable_prefix_caching=False)
+    rows = []
+    for batch in batch_sizes:
+        seqs = [Sequence(rng.choices(range(10000), k=context_len), SamplingParams(temperature=0.6),
+                         runner.block_size) for _ in range(batch)]
+        for seq in seqs:
+            bm.allocate(seq)
+        for i in range(0, batch, 16):  # prefill, 16 sequences a step
+            for seq, token in zip(seqs[i : i + 16], runner.run(seqs[i : i + 16], is_prefill=True)):
+                seq.append_token(token)
+                bm.may_append(seq)
+        graphs = runner.graphs
+        for impl in ("minivllm", "minivllm-eager"):
+            runner.graphs = graphs if impl == "minivllm" else None
+            ms = step_ms(runner, seqs)
+            rows.append(dict(impl=impl, batch=batch, context_len=context_len + 1, ms=ms))
+            print(f"{impl:>15} batch {batch:>3}: {ms:7.2f} ms per decode step")
+        runner.graphs = graphs
+        for seq in seqs:
+            bm.deallocate(seq)
+    kv_tokens = runner.num_kvcache_blocks * runner.block_size
+    runner.close()
+    return result(module, rows, preset="qwen3-0.6b", dtype="bfloat16", num_kvcache_blocks=runner.num_kvcache_blocks,
+                  block_size=runner.block_size, kv_cache_tokens=kv_tokens, gpu_memory_utilization=0.9,
+                  total_memory_gib=torch.cuda.get_device_properties(0).total_memory / 2**30)
+
+
+def plot_decode_step(data: dict):
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    for impl, label in (("minivllm", "CUDA graph"), ("minivllm-eager", "eager (enforce_eager=True)")):
+        rows = [r for r in data["rows"] if r["impl"] == impl]
+        ax.plot([r["batch"] for r in rows], [r["ms"] for r in rows], "o-", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size (sequences decoding)")
+    ax.set_ylabel("ms per decode step")
+    ax.set_title(f"Qwen3-0.6B decode step on {data['device']} (context {data['rows'][0]['context_len']})")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    return fig
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--context-len", type=int, default=512)
+    parser.add_argument("--out", type=Path, default=FIGURES)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a CUDA GPU")
+    data = run_decode_step_benchmark(args.context_len)
+    save("decode_step", data, plot_decode_step(data), args.out)
+
+
+if __name__ == "__main__":
+    main()
