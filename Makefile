@@ -1,11 +1,11 @@
 # Two commands for a fresh machine (see README.md):
-#   make demo   set up .venv, run the main job
+#   make demo   set up .venv, run the main job (the engine on the preset that suits this machine)
 #   make test   set up .venv, regenerate-and-check the notebooks, run every test and notebook
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test export lint
+.PHONY: setup demo notebooks test export
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,9 +15,11 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 demo: setup
-	$(PY) -m jupyter nbconvert --to notebook --execute notebooks/01_layers.ipynb --output-dir build/notebooks
-	@echo "executed notebook: build/notebooks/01_layers.ipynb"
-	@echo "figures:"; ls -1 build/figures/*.png | sed 's/^/  /'
+	$(PY) -m minivllm
+
+notebooks: setup
+	$(PY) -m jupyter nbconvert --to notebook --execute notebooks/0*.ipynb --output-dir build/notebooks
+	@echo "executed notebooks: build/notebooks/; figures:"; ls -1 build/figures/*.png | sed 's/^/  /'
 
 export: setup
 	$(PY) tools/export.py

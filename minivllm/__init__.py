@@ -5,7 +5,12 @@ import importlib
 __version__ = "0.1.0"
 
 # public name -> module that defines it; imported on first use, so `import minivllm` stays light
-_LAZY = {"load_model": "minivllm.models.loader", "SamplingParams": "minivllm.sampling_params"}
+_LAZY = {
+    "LLM": "minivllm.llm",
+    "SamplingParams": "minivllm.sampling_params",
+    "RequestOutput": "minivllm.outputs",
+    "load_model": "minivllm.models.loader",
+}
 
 
 def __getattr__(name: str):

@@ -134,9 +134,11 @@ for bad in (dict(max_tokens=0), dict(temperature=-0.5), dict(top_p=0.0), dict(to
 #   completion as it is generated, and how many of them are the prompt;
 # * its **status**: *waiting* for a prefill (new, or preempted), *running* (it holds KV blocks and decodes),
 #   or *finished*;
-# * its **block table**, and `num_cached_tokens`: how many prompt tokens already had their KV in the prefix
-#   cache when it was allocated, so prefill can skip them;
-# * its **sampling parameters**.
+# * its **block table**, and `num_cached_tokens`: how many of its leading tokens already have their KV in the
+#   cache (found in the prefix cache when it was allocated, then every token a step computes), so a step skips
+#   them; `num_scheduled_tokens`, how many the current step computes (the scheduler sets it, notebook 05);
+# * its **sampling parameters**, and once finished its `finish_reason`: `"stop"` (an end-of-sequence or stop
+#   token) or `"length"` (`max_tokens` or the context length), as in vLLM.
 #
 # Its helpers cut the token ids into blocks: `num_blocks`, `block(i)`, and `last_block_num_tokens` (how full
 # the last block is). Every sequence gets a global id from a counter, so outputs can be matched to requests.
@@ -170,10 +172,12 @@ class Sequence:
         self.last_token = self.token_ids[-1]
         self.num_tokens = len(self.token_ids)
         self.num_prompt_tokens = self.num_tokens
-        self.num_cached_tokens = 0  # leading tokens whose KV came from the prefix cache at allocation
+        self.num_cached_tokens = 0  # leading tokens whose KV is in the cache: prefix hits, then computed ones
+        self.num_scheduled_tokens = 0  # tokens the current step computes, after the cached ones (set by the scheduler)
         self.block_size = block_size
         self.block_table: list[int] = []  # logical block i -> physical block id
         self.sampling_params = sampling_params or SamplingParams()
+        self.finish_reason: str | None = None  # "stop" or "length" once finished
 
     def __len__(self) -> int:
         return self.num_tokens
@@ -288,11 +292,13 @@ assert compute_hash(b, h_a) == compute_hash(list(b), compute_hash(list(a)))  # d
 # %% [markdown]
 # ## The BlockManager
 # The block manager owns `num_blocks` blocks (their KV tensors live in the model runner, notebook 04; here a
-# block is only an id and some bookkeeping). The scheduler (notebook 05) talks to it in five calls:
+# block is only an id and some bookkeeping). The scheduler (notebook 05) talks to it in six calls:
 #
 # * `can_allocate(seq)`, then `allocate(seq)` for a waiting sequence: a block for each of its blocks,
 #   reusing cached ones for the longest run of leading full blocks found in the cache; `seq.num_cached_tokens`
 #   tells prefill how many tokens it may skip.
+# * `cache_blocks(seq, num_tokens)` in the step that computes the KV of the sequence's first `num_tokens`
+#   tokens: their full blocks enter the cache (are hashed), so later requests can hit them.
 # * `can_append(seq)`, then `may_append(seq)` after each decoded token: a new block exactly when the token
 #   starts one, and the last block is hashed (cached) the moment it becomes full.
 # * `deallocate(seq)` when a sequence finishes or is preempted (preemption = deallocate and set it waiting;
@@ -321,12 +327,15 @@ assert compute_hash(b, h_a) == compute_hash(list(b), compute_hash(list(a)))  # d
 # The copy has the same hash as the cached block (so may two requests that generate the same tokens): the
 # cache index keeps pointing at the first one, and a duplicate goes to the empty list when it is freed.
 #
-# **When is a block cached?** At `allocate` (every full prompt block) and `may_append` (a block just
-# filled), i.e. when its KV is *scheduled*, not yet computed. That is safe because a sequence's whole prompt
-# is computed in the step that allocates it, and within a step every layer writes the new KV before any
-# attention reads it, so a request that hits a block in the same step still reads finished KV. (Chunked
-# prefill, notebook 05, computes a prompt over several steps; it must then only let requests hit blocks
-# that are already computed.)
+# **When is a block cached?** Never before the step that computes its KV: a cached block can be hit by any
+# later request, which then reads its KV instead of computing it. So `allocate` caches nothing new; the
+# scheduler calls `cache_blocks(seq, n)` for the tokens a prefill step computes, and `may_append` caches a
+# block filled by the token the coming decode step computes. Caching *in* the computing step, rather than
+# after it, is safe: within a step every layer writes the new KV before any attention reads it, so a request
+# that hits the block in that same step still reads finished KV; and it lets requests that arrive together
+# share a prefix from their first step. Why not simply cache a prompt's blocks at `allocate`? Because a long
+# prompt may be computed over several steps (chunked prefill, notebook 05): a request arriving in between
+# would hit blocks whose KV nobody has written yet, and silently compute with garbage.
 
 # %% tags=["export"]
 class BlockManager:
@@ -353,12 +362,6 @@ class BlockManager:
     @property
     def num_cached_free_blocks(self) -> int:
         return len(self.cached_block_ids)
-
-    def _hash(self, token_ids: list[int], parent_hash: int) -> int:
-        """The block's chained hash, or -1 when it is not cacheable (partial, or caching is off)."""
-        if not self.enable_prefix_caching or len(token_ids) < self.block_size:
-            return -1
-        return compute_hash(token_ids, parent_hash)
 
     def _lookup(self, h: int, token_ids: list[int]) -> Block | None:
         block_id = self.hash_to_block_id.get(h)
@@ -401,26 +404,37 @@ class BlockManager:
         return self.num_free_blocks >= seq.num_blocks
 
     def allocate(self, seq: Sequence) -> None:
-        """Blocks for all tokens of a waiting sequence; leading full blocks found in the cache are shared."""
+        """Blocks for all tokens of a waiting sequence: the longest run of leading full blocks found in the cache is
+        shared (`seq.num_cached_tokens` counts their tokens), the others are fresh."""
         assert not seq.block_table and seq.num_cached_tokens == 0, f"sequence {seq.seq_id} already holds blocks"
         assert seq.block_size == self.block_size, f"sequence block_size {seq.block_size} != {self.block_size}"
         assert self.can_allocate(seq), "allocate() without room: ask can_allocate() first"
-        max_hits = (seq.num_tokens - 1) // self.block_size  # the last token is always computed
+        max_hits = (seq.num_tokens - 1) // self.block_size if self.enable_prefix_caching else 0  # last token computed
         parent_hash = -1
-        for i in range(seq.num_blocks):
+        for i in range(max_hits):
             token_ids = seq.block(i)
-            h = self._hash(token_ids, parent_hash)
-            hit = self._lookup(h, token_ids) if i == seq.num_cached_blocks and i < max_hits else None
-            if hit is not None:  # every block before it hit too
-                self._share(hit)
-                seq.num_cached_tokens += self.block_size
-                block = hit
-            else:
-                block = self._take_free_block()
-                if h != -1:
-                    self._cache(block, h, token_ids)
-            seq.block_table.append(block.block_id)
-            parent_hash = h
+            parent_hash = compute_hash(token_ids, parent_hash)
+            hit = self._lookup(parent_hash, token_ids)
+            if hit is None:
+                break
+            self._share(hit)
+            seq.block_table.append(hit.block_id)
+        seq.num_cached_tokens = len(seq.block_table) * self.block_size
+        while len(seq.block_table) < seq.num_blocks:
+            seq.block_table.append(self._take_free_block().block_id)
+
+    def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Cache the full blocks among seq's first `num_tokens` tokens that are not cached yet. Call it in the step
+        that computes their KV, never earlier: from now on any request may hit them and read that KV."""
+        assert seq.num_cached_tokens <= num_tokens <= seq.num_tokens
+        if not self.enable_prefix_caching:
+            return
+        for i in range(seq.num_cached_blocks, num_tokens // self.block_size):  # blocks before are cached already
+            block = self.blocks[seq.block_table[i]]
+            assert block.hash == -1 and block.ref_count == 1, "only its own sequence writes a block being computed"
+            parent_hash = self.blocks[seq.block_table[i - 1]].hash if i else -1
+            token_ids = seq.block(i)
+            self._cache(block, compute_hash(token_ids, parent_hash), token_ids)
 
     def can_append(self, seq: Sequence) -> bool:
         """After append_token: is there a free block in case the new token starts one?"""
@@ -468,7 +482,23 @@ system = [1, 2, 3, 4, 5, 6, 7, 8]  # two full blocks every request starts with
 s1 = Sequence(system + [30, 31], block_size=4)
 bm.allocate(s1)
 show(bm, f"s1 table {s1.block_table}, cached tokens {s1.num_cached_tokens}")
-assert s1.block_table == [0, 1, 2] and s1.num_cached_tokens == 0
+assert s1.block_table == [0, 1, 2] and s1.num_cached_tokens == 0 and all(b.hash == -1 for b in bm.blocks)
+
+# %% [markdown]
+# Allocation caches nothing: no KV has been computed yet. The prefill step that computes all 10 tokens caches
+# the two full blocks (the partial third one stays private). Until notebook 05's scheduler does this, a helper
+# plays the part of a one-step prefill:
+
+# %%
+def admit(bm: BlockManager, seq: Sequence) -> None:
+    """Allocate, then cache the full blocks, as the step that prefills the whole prompt at once does."""
+    bm.allocate(seq)
+    bm.cache_blocks(seq, len(seq))
+
+
+bm.cache_blocks(s1, len(s1))
+show(bm, "s1's prompt computed")
+assert [bm.blocks[i].hash != -1 for i in s1.block_table] == [True, True, False]
 
 # %% [markdown]
 # Decode: the 11th and 12th tokens fill block 2 (it gets hashed the moment it is full); the 13th opens
@@ -488,7 +518,7 @@ assert s1.block_table == [0, 1, 2, 3] and bm.blocks[2].hash != -1 and bm.blocks[
 
 # %%
 s2 = Sequence(system + [40, 41, 42], block_size=4)
-bm.allocate(s2)
+admit(bm, s2)
 show(bm, f"s2 table {s2.block_table}, cached tokens {s2.num_cached_tokens}")
 assert s2.block_table[:2] == [0, 1] and s2.num_cached_tokens == 8
 assert bm.blocks[0].ref_count == bm.blocks[1].ref_count == 2
@@ -502,7 +532,7 @@ bm.deallocate(s1)
 bm.deallocate(s2)
 show(bm, "after both finished")
 s3 = Sequence([50, 51, 52, 53, 54], block_size=4)
-bm.allocate(s3)
+admit(bm, s3)
 show(bm, f"s3 table {s3.block_table}")
 assert not {0, 1, 2} & set(s3.block_table) and bm.num_cached_free_blocks >= 3
 
@@ -512,7 +542,7 @@ assert not {0, 1, 2} & set(s3.block_table) and bm.num_cached_free_blocks >= 3
 
 # %%
 s4 = Sequence(system + [60], block_size=4)
-bm.allocate(s4)
+admit(bm, s4)
 show(bm, f"s4 table {s4.block_table}, cached tokens {s4.num_cached_tokens}")
 assert s4.block_table[:2] == [0, 1] and s4.num_cached_tokens == 8
 
@@ -523,7 +553,7 @@ assert s4.block_table[:2] == [0, 1] and s4.num_cached_tokens == 8
 
 # %%
 s5 = Sequence(system + [30, 31, 32, 33], block_size=4)
-bm.allocate(s5)
+admit(bm, s5)
 show(bm, f"s5 table {s5.block_table}, cached tokens {s5.num_cached_tokens}")
 assert s5.num_cached_tokens == 8 == len(s5) - bm.block_size and s5.block_table[2] != 2
 
@@ -542,9 +572,31 @@ else:
 
 plain = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
 for seq in (Sequence(system + [1], block_size=4), Sequence(system + [1], block_size=4)):
-    plain.allocate(seq)
+    admit(plain, seq)
     assert seq.num_cached_tokens == 0
 assert all(b.hash == -1 for b in plain.blocks) and plain.num_used_blocks == 6
+
+# %% [markdown]
+# Now the reason `allocate` caches nothing. A long prompt may be prefilled in chunks over several steps
+# (notebook 05). Here `long` has 17 tokens (four full blocks) and its first step computes only 8. A request
+# with the same first 16 tokens arriving now must hit the two blocks already computed, and not the two whose
+# KV no step has written yet:
+
+# %%
+chunked = BlockManager(num_blocks=16, block_size=4)
+long = Sequence(list(range(1, 18)), block_size=4)
+chunked.allocate(long)
+chunked.cache_blocks(long, 8)  # the first chunk: tokens 0..7
+long.num_cached_tokens = 8  # what the scheduler records once that step has run
+same_start = Sequence(list(range(1, 17)) + [99], block_size=4)
+admit(chunked, same_start)
+print(f"after the first chunk: {same_start.num_cached_tokens} tokens hit")
+assert same_start.num_cached_tokens == 8
+chunked.cache_blocks(long, 17)  # the second chunk computes the rest
+later = Sequence(list(range(1, 17)) + [99], block_size=4)
+admit(chunked, later)
+print(f"after the second chunk: {later.num_cached_tokens} tokens hit")
+assert later.num_cached_tokens == 16
 
 # %% [markdown]
 # ## Why does PagedAttention reduce fragmentation? A simulated workload
@@ -562,7 +614,7 @@ assert all(b.hash == -1 for b in plain.blocks) and plain.num_used_blocks == 6
 #   differ, so we place them first-fit in one address space, and holes between them appear;
 # * **paged** (our `BlockManager`) with blocks of 256, 64 and 16 slots.
 #
-# The contiguous allocators get the same five calls as the block manager, so one loop drives them all: a
+# The contiguous allocators get the same six calls as the block manager, so one loop drives them all: a
 # continuous-batching scheduler in miniature (notebook 05 builds the real one). Each step admits waiting
 # requests first-come first-served while memory allows, then every running request decodes one token;
 # a paged request that finds no free block for its next token preempts the newest running request.
@@ -584,7 +636,7 @@ def make_workload(n: int, prompt_len=(16, 512), mean_output=300, prefix: list[in
 class ContiguousAllocator:
     """One contiguous slot range per sequence, `reserve(seq)` slots long, placed first-fit.
 
-    It answers the block manager's five calls; to the simulation it is a block manager whose blocks are single
+    It answers the block manager's six calls; to the simulation it is a block manager whose blocks are single
     slots, except that a sequence must get all of its slots, in one piece, up front.
     """
 
@@ -607,6 +659,9 @@ class ContiguousAllocator:
 
     def allocate(self, seq) -> None:
         self.ranges[seq.seq_id] = (self._first_fit(self.reserve(seq)), self.reserve(seq))
+
+    def cache_blocks(self, seq, num_tokens: int) -> None:
+        pass  # no prefix caching
 
     def can_append(self, seq) -> bool:
         return True  # the reservation already covers every token the request may produce
@@ -632,6 +687,7 @@ def simulate(workload, allocator, block_size: int = 16, snapshot=None) -> list[d
         while waiting and allocator.can_allocate(waiting[0]):  # admit first come, first served
             seq = waiting.popleft()
             allocator.allocate(seq)
+            allocator.cache_blocks(seq, len(seq))  # the whole prompt is computed in this step
             seq.status = SequenceStatus.RUNNING
             prefilled.append(len(seq) - seq.num_cached_tokens)
             running.append(seq)
@@ -873,7 +929,7 @@ def hit_rates_one_at_a_time(num_blocks: int) -> np.ndarray:
     rates = []
     for prompt, _ in chat_workload:
         seq = Sequence(prompt, block_size=16)
-        bm.allocate(seq)
+        admit(bm, seq)
         rates.append(seq.num_cached_tokens / len(seq))
         bm.deallocate(seq)
     return np.array(rates)
@@ -962,12 +1018,12 @@ assert (q.num_blocks, q.last_block_num_tokens) == (3, 16)
 # 2) the first 32 tokens are two cached full blocks; the 8 tokens of the partial block are prefilled
 check = BlockManager(num_blocks=16, block_size=16)
 first, second = Sequence(list(range(40)), block_size=16), Sequence(list(range(40)), block_size=16)
-check.allocate(first)
-check.allocate(second)
+admit(check, first)
+admit(check, second)
 assert len(second) - second.num_cached_tokens == 8
 # 3) the same block after different prefixes holds different KV; the chained hash tells them apart
 x, y, z = [1] * 16, [2] * 16, [3] * 16
-check.allocate(Sequence(x + z + [0], block_size=16))
+admit(check, Sequence(x + z + [0], block_size=16))
 other = Sequence(y + z + [0], block_size=16)
-check.allocate(other)
+admit(check, other)
 assert other.num_cached_tokens == 0  # z after y is not z after x

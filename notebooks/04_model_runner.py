@@ -1021,9 +1021,10 @@ class Config:
 # or a decode step. The runner:
 #
 # 1. **prepares** the step's inputs on the host, from the sequences' tokens and block tables:
-#    * prefill: every sequence's *uncached* tokens packed end to end, their positions, the slot of each new
-#      token, `cu_seqlens_q` (new tokens) and `cu_seqlens_k` (cached + new), and the block tables when some
-#      prefix is cached;
+#    * prefill: every sequence's `num_scheduled_tokens` tokens after its `num_cached_tokens` cached ones (the
+#      rest of its prompt, or one chunk of a long prompt: the scheduler decides, notebook 05), packed end to
+#      end, their positions, the slot of each new token, `cu_seqlens_q` (new tokens) and `cu_seqlens_k`
+#      (cached + new), and the block tables when some sequence has tokens in the cache already;
 #    * decode: each sequence's last token, its position, its slot, the length of its cache, the block tables;
 # 2. copies them to the device (from pinned memory, without waiting), runs the model with a `PagedContext`,
 #    keeps the last position of each sequence (the only logits a step needs), and computes the logits;
@@ -1087,9 +1088,11 @@ def token_slots(block_table: list[int], start: int, end: int, block_size: int) -
 
 
 def prepare_prefill(seqs: list[Sequence], block_size: int) -> StepInputs:
-    """The tokens the prefix cache does not hold, of every sequence, packed end to end."""
-    starts, ends = [seq.num_cached_tokens for seq in seqs], [len(seq) for seq in seqs]
+    """Each sequence's scheduled tokens, those after its cached ones, packed end to end."""
+    starts = [seq.num_cached_tokens for seq in seqs]
+    ends = [seq.num_cached_tokens + seq.num_scheduled_tokens for seq in seqs]
     spans = list(zip(seqs, starts, ends))
+    assert all(s < e <= len(seq) for seq, s, e in spans), "a prefill computes 1..len(seq) - num_cached_tokens tokens"
     return StepInputs(
         is_prefill=True,
         input_ids=np.concatenate([np.asarray(seq.token_ids[s:e], dtype=np.int64) for seq, s, e in spans]),
@@ -1113,20 +1116,29 @@ def prepare_decode(seqs: list[Sequence], block_size: int) -> StepInputs:
 # %% [markdown]
 # Check: three sequences, one of which found its first block in the prefix cache. Prefill computes only
 # its last 4 tokens, at positions 16..19, writing them to slots of its second block; decode then sends one
-# token per sequence.
+# token per sequence. Until notebook 05 builds the scheduler, `admit` does its part for a prompt prefilled in
+# one step: allocate blocks, cache the full ones (their KV is computed in this step), and schedule every
+# uncached token.
 
 # %%
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.model_runner import prepare_decode, prepare_prefill
 from minivllm.engine.sequence import Sequence
 
+
+def admit(bm: BlockManager, seq: Sequence) -> None:
+    bm.allocate(seq)
+    bm.cache_blocks(seq, len(seq))
+    seq.num_scheduled_tokens = len(seq) - seq.num_cached_tokens
+
+
 bm = BlockManager(num_blocks=8, block_size=16)
 first = Sequence(list(range(100, 120)), block_size=16)  # 20 tokens: blocks 0 (full) and 1
-bm.allocate(first)
+admit(bm, first)
 again = Sequence(list(range(100, 116)) + [7, 7, 7, 7], block_size=16)  # same first block, then different
-bm.allocate(again)
+admit(bm, again)
 short = Sequence([5, 6, 7], block_size=16)
-bm.allocate(short)
+admit(bm, short)
 step = prepare_prefill([first, again, short], block_size=16)
 print("cached tokens:", [s.num_cached_tokens for s in (first, again, short)])
 print("cu_seqlens_q:", step.cu_seqlens_q, " cu_seqlens_k:", step.cu_seqlens_k)
@@ -1484,7 +1496,7 @@ def check_steps(runner: ModelRunner, prompts: list[list[int]], num_decode_steps:
         random.shuffle(bm.free_block_ids)
     seqs = [Sequence(p, block_size=runner.block_size) for p in prompts]
     for seq in seqs:
-        bm.allocate(seq)
+        admit(bm, seq)
     worst, is_prefill = 0.0, True
     for _ in range(num_decode_steps + 1):
         logits = runner.step_logits(seqs, is_prefill)
@@ -1524,13 +1536,30 @@ system_prompt = random.choices(range(2048), k=48)  # three full blocks of 16
 bm = BlockManager(runner.num_kvcache_blocks, runner.block_size)
 first = Sequence(system_prompt + [1, 2, 3], block_size=16)
 second = Sequence(system_prompt + [4, 5, 6, 7], block_size=16)
-bm.allocate(first)
+admit(bm, first)
 runner.step_logits([first], is_prefill=True)
-bm.allocate(second)
+admit(bm, second)
 assert second.num_cached_tokens == 48  # three blocks reused: prefill computes 4 tokens, not 52
 hit = runner.step_logits([second], is_prefill=True)[0]
 error = (hit - reference.prompt_logits(second.token_ids)[-1]).abs().max().item()
 print(f"prefix-cache hit: {second.num_cached_tokens} of {len(second)} tokens reused, logit error {error:.1e}")
+assert error < 1e-4
+
+# %% [markdown]
+# The same path serves a prompt prefilled in *chunks* over several steps (chunked prefill, notebook 05): each
+# step computes `num_scheduled_tokens` tokens, whose queries attend to the chunks before them through the
+# block table, exactly as after a prefix hit. Only the last chunk's logits predict a new token.
+
+# %%
+long = Sequence(random.choices(range(2048), k=100), block_size=16)
+bm.allocate(long)
+for end in (37, 64, 100):  # three steps: tokens 0..36, 37..63, 64..99
+    bm.cache_blocks(long, end)
+    long.num_scheduled_tokens = end - long.num_cached_tokens
+    logits = runner.step_logits([long], is_prefill=True)[0]
+    long.num_cached_tokens = end  # the step has run: these tokens' KV is in the cache
+error = (logits - reference.prompt_logits(long.token_ids)[-1]).abs().max().item()
+print(f"100 tokens in chunks of 37, 27, 36: logit error {error:.1e}")
 assert error < 1e-4
 
 # %% [markdown]

@@ -1,4 +1,5 @@
-"""BlockManager (notebook 03): edge cases, and a hypothesis state machine over allocate / append / free / preempt.
+"""BlockManager (notebook 03): edge cases, and a hypothesis state machine over allocate / chunked prefill / append /
+free / preempt.
 
 The state machine keeps a shadow model of the KV cache: for every physical block, the token prefix whose KV
 was last written into it. A sequence must only ever read blocks whose shadow equals its own prefix, which is
@@ -18,9 +19,11 @@ from minivllm.engine.sequence import Sequence, SequenceStatus
 
 
 def allocate(bm: BlockManager, tokens: list[int]) -> Sequence:
+    """Allocate, then cache the full blocks, as a step that prefills the whole prompt does."""
     seq = Sequence(tokens, block_size=bm.block_size)
     assert bm.can_allocate(seq)
     bm.allocate(seq)
+    bm.cache_blocks(seq, len(seq))
     return seq
 
 
@@ -41,6 +44,43 @@ def test_prompt_of_exactly_one_block():
     assert b.num_cached_tokens == 0 and b.block_table == [1]  # the last token is always computed
     decode(bm, a)
     assert a.block_table == [0, 2] and a.last_block_num_tokens == 1  # the 5th token opens a block
+
+
+def test_allocate_caches_nothing_until_its_kv_is_computed():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    a = Sequence(list(range(9)), block_size=4)
+    bm.allocate(a)
+    assert all(block.hash == -1 for block in bm.blocks)
+    assert allocate(bm, list(range(9))).num_cached_tokens == 0  # nothing to hit yet
+    bm.cache_blocks(a, 9)
+    assert [bm.blocks[i].hash != -1 for i in a.block_table] == [True, True, False]
+
+
+def test_a_request_only_hits_the_chunks_already_computed():
+    """A prompt prefilled in chunks: a request sharing its prefix must not hit blocks a later chunk computes.
+    (Caching every full prompt block at allocate would give it 16 cached tokens after the first chunk.)"""
+    bm = BlockManager(num_blocks=16, block_size=4)
+    long = Sequence(list(range(1, 18)), block_size=4)  # 4 full blocks + 1 token
+    bm.allocate(long)
+
+    def hit_tokens() -> int:  # what a request with the same first 16 tokens would find now
+        seq = Sequence(list(range(1, 17)) + [0], block_size=4)
+        bm.allocate(seq)
+        hit = seq.num_cached_tokens
+        bm.deallocate(seq)
+        return hit
+
+    for end, expected in ((6, 4), (13, 12), (17, 16)):  # chunks 0..5, 6..12, 13..16
+        bm.cache_blocks(long, end)
+        long.num_cached_tokens = end  # the scheduler records it once the step has run
+        assert hit_tokens() == expected
+
+
+def test_cache_blocks_twice_is_an_assertion():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    a = allocate(bm, list(range(5)))
+    with pytest.raises(AssertionError, match="being computed"):
+        bm.cache_blocks(a, 5)  # a's num_cached_tokens was not advanced: block 0 is cached already
 
 
 def test_one_token_past_a_block():
@@ -220,9 +260,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.running: list[Sequence] = []
         self.kv: dict[int, tuple[int, ...]] = {}  # block id -> the token prefix whose KV was last written there
 
-    def prefix_of(self, seq: Sequence, i: int) -> tuple[int, ...]:
-        """The tokens whose KV block i of seq must hold: all of them up to the block's end."""
-        return tuple(seq.token_ids[: min((i + 1) * self.bm.block_size, len(seq))])
+    def prefix_of(self, seq: Sequence, i: int, end: int | None = None) -> tuple[int, ...]:
+        """The tokens whose KV block i of seq holds once its first `end` tokens (default: all) are computed."""
+        return tuple(seq.token_ids[: min((i + 1) * self.bm.block_size, len(seq) if end is None else end)])
 
     @rule(tokens=prompts)
     def add_request(self, tokens):
@@ -238,20 +278,31 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm.allocate(seq)
         bs = self.bm.block_size
         assert seq.num_cached_tokens % bs == 0 and seq.num_cached_tokens < len(seq)
-        for i, block_id in enumerate(seq.block_table):
-            if i < seq.num_cached_blocks:  # a hit: the block already holds exactly this prefix's KV
-                assert self.bm.blocks[block_id].token_ids == seq.block(i)
-                assert self.kv[block_id] == self.prefix_of(seq, i), "a hit on KV of another prefix"
-            else:  # prefill writes it
-                self.kv[block_id] = self.prefix_of(seq, i)
+        for i, block_id in enumerate(seq.block_table[: seq.num_cached_blocks]):  # hits: this prefix's KV, computed
+            assert self.bm.blocks[block_id].token_ids == seq.block(i)
+            assert self.kv[block_id] == self.prefix_of(seq, i), "a hit on KV of another prefix, or not computed yet"
         self.waiting.remove(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
+        self.compute_chunk(data, seq)
 
-    @precondition(lambda self: self.running)
+    @precondition(lambda self: any(seq.num_cached_tokens < len(seq) for seq in self.running))
+    @rule(data=st.data())
+    def continue_prefill(self, data):
+        self.compute_chunk(data, data.draw(st.sampled_from([s for s in self.running if s.num_cached_tokens < len(s)])))
+
+    def compute_chunk(self, data, seq: Sequence) -> None:
+        """One prefill step for seq: a chunk of its uncomputed tokens (all of them, or fewer)."""
+        end = data.draw(st.integers(seq.num_cached_tokens + 1, len(seq)))
+        self.bm.cache_blocks(seq, end)
+        for i in range(seq.num_cached_tokens // self.bm.block_size, -(-end // self.bm.block_size)):
+            self.kv[seq.block_table[i]] = self.prefix_of(seq, i, end)  # the step writes the chunk's KV
+        seq.num_cached_tokens = end
+
+    @precondition(lambda self: any(seq.num_cached_tokens == len(seq) for seq in self.running))
     @rule(data=st.data(), token=st.integers(0, 2))
     def append(self, data, token):
-        seq = data.draw(st.sampled_from(self.running))
+        seq = data.draw(st.sampled_from([s for s in self.running if s.num_cached_tokens == len(s)]))
         seq.append_token(token)
         if not self.bm.can_append(seq):  # out of blocks: the scheduler preempts it
             assert self.bm.num_free_blocks == 0 and seq.last_block_num_tokens == 1
@@ -259,6 +310,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         self.bm.may_append(seq)
         self.kv[seq.block_table[-1]] = self.prefix_of(seq, seq.num_blocks - 1)  # decode writes the new token
+        seq.num_cached_tokens = len(seq)
 
     @precondition(lambda self: self.running)
     @rule(data=st.data())
@@ -311,8 +363,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def every_sequence_reads_its_own_kv(self):
         for seq in self.running:
             assert len(seq.block_table) == seq.num_blocks and len(set(seq.block_table)) == seq.num_blocks
-            for i, block_id in enumerate(seq.block_table):
-                assert self.kv[block_id] == self.prefix_of(seq, i), f"seq {seq.seq_id} block {i}"
+            computed = seq.num_cached_tokens
+            for i, block_id in enumerate(seq.block_table[: -(-computed // self.bm.block_size)]):
+                assert self.kv[block_id] == self.prefix_of(seq, i, computed), f"seq {seq.seq_id} block {i}"
             if seq.last_block_num_tokens < self.bm.block_size:  # a block still being written is never shared
                 assert self.bm.blocks[seq.block_table[-1]].ref_count == 1
 

@@ -37,6 +37,13 @@ def runner(tiny):
     runner.close()
 
 
+def admit(bm: BlockManager, seq: Sequence) -> None:
+    """The scheduler's part for a prompt prefilled in one step: blocks, cache the full ones, schedule the rest."""
+    bm.allocate(seq)
+    bm.cache_blocks(seq, len(seq))
+    seq.num_scheduled_tokens = len(seq) - seq.num_cached_tokens
+
+
 def run_steps(runner, prompts, num_decode_steps, shuffle=True, seed=0, bm=None, force=None):
     """Prefill then greedy decode: the sequences, every step's logits per sequence ((steps, vocab) tensors), and
     how many prompt tokens each found in the prefix cache. `force`: per sequence, the tokens to append instead."""
@@ -45,7 +52,7 @@ def run_steps(runner, prompts, num_decode_steps, shuffle=True, seed=0, bm=None, 
         random.Random(seed).shuffle(bm.free_block_ids)
     seqs = [Sequence(p, block_size=runner.block_size) for p in prompts]
     for seq in seqs:
-        bm.allocate(seq)
+        admit(bm, seq)
     cached = [seq.num_cached_tokens for seq in seqs]
     history = [[] for _ in seqs]
     for step in range(num_decode_steps + 1):
@@ -107,12 +114,38 @@ def test_prefix_cache_hit_gives_the_logits_of_no_caching(runner, reference, use_
         runner.use_triton = DEVICE == "cuda"
 
 
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_chunked_prefill_gives_the_logits_of_one_step(runner, reference, use_triton):
+    """A prompt prefilled over several steps, chunks ending inside and on block boundaries, with and without a
+    prefix hit: each chunk reads the ones before through the block table; the last one's logits are exact."""
+    runner.use_triton = use_triton or DEVICE == "cuda"
+    try:
+        prompt = random.Random(2).choices(range(2048), k=90)
+        expected = reference.prompt_logits(prompt)[-1].float().cpu()
+        for hit, ends in ((False, [1, 2, 50, 90]), (False, [16, 32, 89, 90]), (True, [33, 90]), (True, [48, 89, 90])):
+            bm = BlockManager(runner.num_kvcache_blocks, runner.block_size)
+            if hit:
+                run_steps(runner, [prompt[:40]], 0, bm=bm)  # caches the prompt's first two blocks
+            seq = Sequence(prompt, block_size=runner.block_size)
+            bm.allocate(seq)
+            assert seq.num_cached_tokens == (32 if hit else 0)
+            for end in ends:
+                bm.cache_blocks(seq, end)
+                seq.num_scheduled_tokens = end - seq.num_cached_tokens
+                logits = runner.step_logits([seq], is_prefill=True)[0].float().cpu()
+                seq.num_cached_tokens = end  # the step has run
+            torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+            bm.deallocate(seq)
+    finally:
+        runner.use_triton = DEVICE == "cuda"
+
+
 def test_run_samples_greedy_tokens(runner, reference):
     from minivllm.sampling_params import SamplingParams
 
     bm = BlockManager(runner.num_kvcache_blocks, runner.block_size)
     seq = Sequence([5, 6, 7, 8], SamplingParams(temperature=0), block_size=runner.block_size)
-    bm.allocate(seq)
+    admit(bm, seq)
     token = runner.run([seq], is_prefill=True)[0]
     assert token == int(reference.prompt_logits(seq.token_ids)[-1].argmax())
     bm.deallocate(seq)

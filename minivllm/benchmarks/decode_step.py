@@ -52,6 +52,7 @@ def run_decode_step_benchmark(context_len: int = 512, batch_sizes=BATCH_SIZES,
                          runner.block_size) for _ in range(batch)]
         for seq in seqs:
             bm.allocate(seq)
+            seq.num_scheduled_tokens = len(seq)  # the whole prompt in one prefill step
         for i in range(0, batch, 16):  # prefill, 16 sequences a step
             for seq, token in zip(seqs[i : i + 16], runner.run(seqs[i : i + 16], is_prefill=True)):
                 seq.append_token(token)

@@ -51,12 +51,6 @@ class BlockManager:
     def num_cached_free_blocks(self) -> int:
         return len(self.cached_block_ids)
 
-    def _hash(self, token_ids: list[int], parent_hash: int) -> int:
-        """The block's chained hash, or -1 when it is not cacheable (partial, or caching is off)."""
-        if not self.enable_prefix_caching or len(token_ids) < self.block_size:
-            return -1
-        return compute_hash(token_ids, parent_hash)
-
     def _lookup(self, h: int, token_ids: list[int]) -> Block | None:
         block_id = self.hash_to_block_id.get(h)
         if block_id is None or self.blocks[block_id].token_ids != token_ids:  # a 64-bit hash can collide
@@ -98,26 +92,37 @@ class BlockManager:
         return self.num_free_blocks >= seq.num_blocks
 
     def allocate(self, seq: Sequence) -> None:
-        """Blocks for all tokens of a waiting sequence; leading full blocks found in the cache are shared."""
+        """Blocks for all tokens of a waiting sequence: the longest run of leading full blocks found in the cache is
+        shared (`seq.num_cached_tokens` counts their tokens), the others are fresh."""
         assert not seq.block_table and seq.num_cached_tokens == 0, f"sequence {seq.seq_id} already holds blocks"
         assert seq.block_size == self.block_size, f"sequence block_size {seq.block_size} != {self.block_size}"
         assert self.can_allocate(seq), "allocate() without room: ask can_allocate() first"
-        max_hits = (seq.num_tokens - 1) // self.block_size  # the last token is always computed
+        max_hits = (seq.num_tokens - 1) // self.block_size if self.enable_prefix_caching else 0  # last token computed
         parent_hash = -1
-        for i in range(seq.num_blocks):
+        for i in range(max_hits):
             token_ids = seq.block(i)
-            h = self._hash(token_ids, parent_hash)
-            hit = self._lookup(h, token_ids) if i == seq.num_cached_blocks and i < max_hits else None
-            if hit is not None:  # every block before it hit too
-                self._share(hit)
-                seq.num_cached_tokens += self.block_size
-                block = hit
-            else:
-                block = self._take_free_block()
-                if h != -1:
-                    self._cache(block, h, token_ids)
-            seq.block_table.append(block.block_id)
-            parent_hash = h
+            parent_hash = compute_hash(token_ids, parent_hash)
+            hit = self._lookup(parent_hash, token_ids)
+            if hit is None:
+                break
+            self._share(hit)
+            seq.block_table.append(hit.block_id)
+        seq.num_cached_tokens = len(seq.block_table) * self.block_size
+        while len(seq.block_table) < seq.num_blocks:
+            seq.block_table.append(self._take_free_block().block_id)
+
+    def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Cache the full blocks among seq's first `num_tokens` tokens that are not cached yet. Call it in the step
+        that computes their KV, never earlier: from now on any request may hit them and read that KV."""
+        assert seq.num_cached_tokens <= num_tokens <= seq.num_tokens
+        if not self.enable_prefix_caching:
+            return
+        for i in range(seq.num_cached_blocks, num_tokens // self.block_size):  # blocks before are cached already
+            block = self.blocks[seq.block_table[i]]
+            assert block.hash == -1 and block.ref_count == 1, "only its own sequence writes a block being computed"
+            parent_hash = self.blocks[seq.block_table[i - 1]].hash if i else -1
+            token_ids = seq.block(i)
+            self._cache(block, compute_hash(token_ids, parent_hash), token_ids)
 
     def can_append(self, seq: Sequence) -> bool:
         """After append_token: is there a free block in case the new token starts one?"""

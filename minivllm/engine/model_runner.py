@@ -53,9 +53,11 @@ def token_slots(block_table: list[int], start: int, end: int, block_size: int) -
 
 
 def prepare_prefill(seqs: list[Sequence], block_size: int) -> StepInputs:
-    """The tokens the prefix cache does not hold, of every sequence, packed end to end."""
-    starts, ends = [seq.num_cached_tokens for seq in seqs], [len(seq) for seq in seqs]
+    """Each sequence's scheduled tokens, those after its cached ones, packed end to end."""
+    starts = [seq.num_cached_tokens for seq in seqs]
+    ends = [seq.num_cached_tokens + seq.num_scheduled_tokens for seq in seqs]
     spans = list(zip(seqs, starts, ends))
+    assert all(s < e <= len(seq) for seq, s, e in spans), "a prefill computes 1..len(seq) - num_cached_tokens tokens"
     return StepInputs(
         is_prefill=True,
         input_ids=np.concatenate([np.asarray(seq.token_ids[s:e], dtype=np.int64) for seq, s, e in spans]),

@@ -28,10 +28,12 @@ class Sequence:
         self.last_token = self.token_ids[-1]
         self.num_tokens = len(self.token_ids)
         self.num_prompt_tokens = self.num_tokens
-        self.num_cached_tokens = 0  # leading tokens whose KV came from the prefix cache at allocation
+        self.num_cached_tokens = 0  # leading tokens whose KV is in the cache: prefix hits, then computed ones
+        self.num_scheduled_tokens = 0  # tokens the current step computes, after the cached ones (set by the scheduler)
         self.block_size = block_size
         self.block_table: list[int] = []  # logical block i -> physical block id
         self.sampling_params = sampling_params or SamplingParams()
+        self.finish_reason: str | None = None  # "stop" or "length" once finished
 
     def __len__(self) -> int:
         return self.num_tokens

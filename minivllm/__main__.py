@@ -1,0 +1,76 @@
+"""`python -m minivllm`: generate with a checkpoint folder or a preset, and print the outputs and throughput.
+
+    python -m minivllm                                  # the preset that suits this machine, a few prompts
+    python -m minivllm --preset tiny "Once upon a time" "The engine"
+    python -m minivllm --model path/to/Qwen3-0.6B --temperature 0.7 --top-p 0.9 --max-tokens 64 --tp 2
+
+With no --model, the preset's random-weight checkpoint is written once (qwen3-0.6b on a GPU, tiny on a CPU) to
+~/.cache/minivllm/checkpoints/ (or $MINIVLLM_CHECKPOINTS). Random weights make random text: the point is the
+engine, not the words.
+"""
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import torch
+
+DEFAULT_PROMPTS = ["The capital of France is", "A paged KV cache", "Once upon a time", "def fibonacci(n):"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m minivllm", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("prompts", nargs="*", help="prompts (default: a few examples)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", help="a HuggingFace checkpoint folder")
+    source.add_argument("--preset", choices=["tiny", "qwen3-0.6b"], help="a random-weight preset (default: by device)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=-1)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=None, help="per-request seed")
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    return parser.parse_args(argv)
+
+
+def checkpoint_for(preset: str) -> Path:
+    from minivllm.checkpoint import write_checkpoint
+
+    root = Path(os.environ.get("MINIVLLM_CHECKPOINTS", Path.home() / ".cache" / "minivllm" / "checkpoints"))
+    path = root / preset
+    if not (path / "config.json").is_file():
+        print(f"writing the {preset} preset (random weights) to {path}")
+        write_checkpoint(path, preset, seed=0)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    from minivllm import LLM, SamplingParams
+
+    args = parse_args(argv)
+    model = args.model or checkpoint_for(args.preset or ("qwen3-0.6b" if torch.cuda.is_available() else "tiny"))
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                            max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
+    with LLM(str(model), tensor_parallel_size=args.tp, enforce_eager=args.enforce_eager,
+             max_model_len=args.max_model_len) as llm:
+        start = time.perf_counter()
+        outputs = llm.generate(args.prompts or DEFAULT_PROMPTS, params)
+        seconds = time.perf_counter() - start
+    for out in outputs:
+        completion = out.outputs[0]
+        print(f"\n--- {out.prompt!r} ({len(out.prompt_token_ids)} tokens)")
+        print(f"{completion.text!r}  [{len(completion.token_ids)} tokens, {completion.finish_reason}, "
+              f"TTFT {out.metrics.time_to_first_token * 1e3:.0f} ms]")
+    num_tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
+    print(f"\n{len(outputs)} requests, {num_tokens} output tokens in {seconds:.2f} s: "
+          f"{num_tokens / seconds:,.0f} tokens/s on {torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}")
+
+
+if __name__ == "__main__":
+    main()

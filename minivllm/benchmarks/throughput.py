@@ -1,0 +1,147 @@
+"""End-to-end throughput on nano-vllm's benchmark workload: minivllm (CUDA graphs and eager) vs transformers.
+
+    python -m minivllm.benchmarks.throughput [--num-seqs 256] [--preset qwen3-0.6b] [--out notebooks/figures]
+
+The workload (nano-vllm's bench.py, `random.seed(0)`): `num_seqs` prompts of random token ids < 10,000 with
+lengths uniform in [100, 1024], each generating a length uniform in [100, 1024] (temperature 0.6, ignore_eos).
+The preset is written with random weights in bf16. Throughput counts output tokens. For minivllm it also
+reports where a step's time goes: the scheduler (host), preparing the step's inputs (host), and the rest of
+the runner's step, which waits for the GPU. transformers runs the same requests through its continuous-batching
+manager (`generate_batch`'s machinery, with per-request `max_new_tokens`). Writes throughput.json + .png.
+"""
+
+import argparse
+import random
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from minivllm.benchmarks.common import FIGURES, result, save
+from minivllm.checkpoint import write_checkpoint
+from minivllm.engine import model_runner
+from minivllm.llm import LLM
+from minivllm.sampling_params import SamplingParams
+
+
+def workload(num_seqs: int = 256, min_len: int = 100, max_len: int = 1024) -> tuple[list[list[int]], list[int]]:
+    """nano-vllm's bench.py: prompts first, then output lengths, from one random.seed(0) stream."""
+    random.seed(0)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(min_len, max_len))] for _ in range(num_seqs)]
+    output_lens = [random.randint(min_len, max_len) for _ in range(num_seqs)]
+    return prompts, output_lens
+
+
+class StepTimer:
+    """Wall time spent in the scheduler, in step preparation and in the runner's step, summed over a run."""
+
+    def __init__(self, llm: LLM):
+        self.totals: dict[str, float] = defaultdict(float)
+        self.counts: dict[str, int] = defaultdict(int)
+        engine = llm.engine
+        self.wrap(engine.scheduler, "schedule", "scheduler")
+        self.wrap(engine.scheduler, "postprocess", "scheduler")
+        self.wrap(engine.runner, "run", "runner.run")
+        for name in ("prepare_prefill", "prepare_decode"):  # module functions the runner calls by name
+            original = getattr(model_runner, name)
+            setattr(model_runner, name, self.timed(original, "prepare (in runner.run)"))
+
+    def timed(self, fn, key: str):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.totals[key] += time.perf_counter() - start
+                self.counts[key] += 1
+        return wrapper
+
+    def wrap(self, obj, method: str, key: str) -> None:
+        setattr(obj, method, self.timed(getattr(obj, method), key))
+
+
+def run_minivllm(path: Path, prompts, output_lens, enforce_eager: bool) -> tuple[dict, dict]:
+    llm = LLM(str(path), enforce_eager=enforce_eager, max_model_len=4096)
+    llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)  # warm-up
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens]
+    timer = StepTimer(llm)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    output_tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
+    assert output_tokens == sum(output_lens)
+    llm.close()
+    breakdown = {k: dict(seconds=v, calls=timer.counts[k]) for k, v in timer.totals.items()}
+    return dict(output_tokens=output_tokens, seconds=seconds, tok_per_s=output_tokens / seconds), breakdown
+
+
+def run_transformers(path: Path, prompts, output_lens) -> dict:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda" if torch.cuda.is_available() else "cpu")
+    config = GenerationConfig(do_sample=True, temperature=0.6, top_k=0, top_p=1.0, max_new_tokens=max(output_lens),
+                              eos_token_id=None, pad_token_id=0)
+    start = time.perf_counter()
+    with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=5) as manager:
+        ids = [manager.add_request(p, max_new_tokens=n) for p, n in zip(prompts, output_lens)]
+        done = {}
+        while len(done) < len(ids):
+            out = manager.get_result(timeout=1)
+            if out is not None and out.is_finished():
+                done[out.request_id] = len(out.generated_tokens)
+            elif out is None and not manager.is_running():
+                raise RuntimeError("transformers' continuous-batching manager stopped before finishing")
+    seconds = time.perf_counter() - start
+    output_tokens = sum(done.values())
+    return dict(output_tokens=output_tokens, seconds=seconds, tok_per_s=output_tokens / seconds)
+
+
+def run_throughput_benchmark(num_seqs: int = 256, preset: str = "qwen3-0.6b", impls=("minivllm", "minivllm-eager",
+                             "transformers-generate-batch"), module: str = "minivllm.benchmarks.throughput") -> dict:
+    prompts, output_lens = workload(num_seqs)
+    rows, breakdowns = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_checkpoint(Path(tmp) / preset, preset, seed=0)
+        for impl in impls:
+            if impl == "transformers-generate-batch":
+                row = run_transformers(path, prompts, output_lens)
+            else:
+                row, breakdowns[impl] = run_minivllm(path, prompts, output_lens, enforce_eager=impl.endswith("eager"))
+            rows.append(dict(impl=impl, num_seqs=num_seqs, **row))
+            print(f"{impl:>28}: {row['output_tokens']} tokens in {row['seconds']:.1f} s = {row['tok_per_s']:,.0f} tok/s")
+            for key, part in breakdowns.get(impl, {}).items():
+                print(f"{'':>30}{key}: {part['seconds']:.2f} s over {part['calls']} calls")
+    return result(module, rows, preset=preset, dtype="bfloat16", workload="nano-vllm bench.py: random.seed(0), "
+                  "prompt and output lengths uniform in [100, 1024], token ids < 10000, temperature 0.6, ignore_eos",
+                  step_breakdown=breakdowns)
+
+
+def plot_throughput(data: dict):
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.5))
+    rows = data["rows"]
+    ax.barh([r["impl"] for r in rows], [r["tok_per_s"] for r in rows], color=["C0", "C1", "C2"][: len(rows)])
+    for i, r in enumerate(rows):
+        ax.text(r["tok_per_s"], i, f" {r['tok_per_s']:,.0f}", va="center")
+    ax.set_xlabel("output tokens / s")
+    ax.set_title(f"{rows[0]['num_seqs']} requests, {data['preset']} ({data['device']})")
+    ax.invert_yaxis()
+    return fig
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--preset", default="qwen3-0.6b")
+    parser.add_argument("--impls", nargs="+", default=["minivllm", "minivllm-eager", "transformers-generate-batch"])
+    parser.add_argument("--out", type=Path, default=FIGURES)
+    args = parser.parse_args()
+    data = run_throughput_benchmark(args.num_seqs, args.preset, args.impls)
+    save("throughput", data, plot_throughput(data), args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,754 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 05 · The scheduler: continuous batching, prefill first, preemption, chunked prefill
+#
+# **What this notebook builds.** The `Scheduler`, which decides what the model computes at every step: which
+# waiting requests join the batch, whether the step is a prefill or a decode, which request gives its KV
+# blocks back when the cache is full, how a prompt too long for one step is cut into chunks, and when a
+# request is done. With it the whole engine is a three-line loop; notebook 06 wraps that loop in vLLM's API.
+#
+# **What it assumes.** Notebook 03's `Sequence` and `BlockManager` (blocks, prefix caching, and
+# `cache_blocks`, which publishes a block only in the step that computes it) and notebook 04's `ModelRunner`:
+# `run(seqs, is_prefill)` computes each sequence's `num_scheduled_tokens` tokens after its `num_cached_tokens`
+# cached ones and samples one token per sequence.
+#
+# **What you will see.** The tiny model's greedy tokens equal to transformers' `generate` while requests are
+# preempted, chunked and sharing prefixes; a timeline of a bursty workload; time to first token with and
+# without prefill priority (the answer to "why does the scheduler put prefill before decode?", measured);
+# and continuous against static batching on the same requests.
+
+# %%
+import dataclasses
+import json
+import os
+import random
+import time
+from collections import deque
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+
+FIGURES = Path(os.environ.get("MINIVLLM_FIGURES", "../build/figures")).resolve()
+FIGURES.mkdir(parents=True, exist_ok=True)
+CHECKPOINTS = Path(os.environ.get("MINIVLLM_CHECKPOINTS", "../build/checkpoints")).resolve()
+random.seed(0)
+rng = np.random.default_rng(0)
+
+# %% [markdown]
+# ## A step, and why it is one kind or the other
+# The engine repeats one step until every request is done:
+#
+# ```python
+# seqs, is_prefill = scheduler.schedule()         # what to compute
+# token_ids = runner.run(seqs, is_prefill)        # one forward pass, one sampled token per sequence
+# finished = scheduler.postprocess(seqs, token_ids)
+# ```
+#
+# A **prefill** computes the KV of new prompts (thousands of tokens, compute-bound on a GPU) and gives each
+# its first token. A **decode** computes one token for each running request (a few hundred tokens at most,
+# memory-bound: notebook 04). Our steps are one kind or the other, as in nano-vllm and vLLM before v1:
+#
+# * each kind has its own attention path (varlen FlashAttention over new tokens, or PagedAttention with one
+#   query per sequence), so a step runs one well-tuned kernel;
+# * a decode step has a fixed shape (one token per sequence), which is what lets notebook 04 replay it as a
+#   CUDA graph; a batch mixing a 700-token prompt with 30 decodes has a new shape every step;
+# * the step's cost is easy to predict, and the scheduler stays short.
+#
+# The price: while a prefill step runs, every decoding request waits. **vLLM's mixed batches** (v1, and v0
+# with chunked prefill on) remove that: each step has one token budget, every running request takes one token
+# of it, and prompt chunks fill the rest. One varlen attention kernel serves both (a decode is a query of
+# length one, notebook 04 did exactly that for a prefix hit), decodes never stall longer than one step, and the
+# compute-bound prefill hides under the memory-bound decode. It costs a kernel that handles both shapes and
+# piecewise CUDA graphs.
+#
+# What does a step cost? We time `runner.run` on this CPU (the tiny model, the PyTorch reference attention)
+# for decode batches and prefills of several shapes, keeping the fastest of ten runs of each:
+
+# %%
+from minivllm.checkpoint import write_checkpoint
+from minivllm.config import Config
+from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.model_runner import ModelRunner
+from minivllm.engine.sequence import Sequence, SequenceStatus
+from minivllm.sampling_params import SamplingParams
+
+tiny_path = write_checkpoint(CHECKPOINTS / "tiny", "tiny", seed=0)
+base_config = Config(tiny_path, dtype=torch.float32, num_kvcache_blocks=2048, max_num_seqs=64)
+runner = ModelRunner(base_config)  # one KV cache of 2,048 blocks; each scheduler below uses some of them
+
+
+def step_shape(seqs: list[Sequence], is_prefill: bool) -> tuple[int, int, int]:
+    """What a step's cost depends on: sequences, new tokens, and query × key pairs of attention."""
+    if is_prefill:
+        new = [seq.num_scheduled_tokens for seq in seqs]
+        return len(seqs), sum(new), sum(n * (seq.num_cached_tokens + n) for seq, n in zip(seqs, new))
+    return len(seqs), len(seqs), sum(len(seq) for seq in seqs)  # one query over each whole sequence
+
+
+def time_step(num_seqs: int, num_tokens: int, is_prefill: bool) -> tuple[tuple[int, int, int], float]:
+    """The shape and the fastest of ten runs (seconds) of one step over num_seqs sequences of num_tokens tokens."""
+    bm = BlockManager(runner.num_kvcache_blocks, runner.block_size)
+    seqs = [Sequence(list(range(num_tokens)), SamplingParams(temperature=0), runner.block_size) for _ in range(num_seqs)]
+    for seq in seqs:
+        bm.allocate(seq)
+        seq.num_scheduled_tokens = num_tokens
+    runner.run(seqs, is_prefill)  # warm-up
+    times = []
+    for _ in range(10):
+        start = time.perf_counter()
+        runner.run(seqs, is_prefill)
+        times.append(time.perf_counter() - start)
+    return step_shape(seqs, is_prefill), min(times)
+
+
+decode_grid = [(b, n) for b in (1, 4, 16, 64) for n in (64, 512)]
+prefill_grid = [(1, 16), (1, 64), (1, 256), (1, 512), (4, 16), (4, 64), (16, 16)]
+measured = {(False, b, n): time_step(b, n, False) for b, n in decode_grid}
+measured |= {(True, b, n): time_step(b, n, True) for b, n in prefill_grid}
+for (is_prefill, b, n), (_, seconds) in measured.items():
+    kind = f"prefill of {b:2d} prompts of {n:3d} tokens" if is_prefill else f"decode of {b:2d} sequences of {n:3d} tokens"
+    print(f"{kind}: {seconds * 1e3:5.1f} ms, {seconds * 1e3 / (b * n if is_prefill else b):5.2f} ms per new token")
+
+# %% [markdown]
+# A step has a large fixed cost (every layer's operations are launched whatever the batch), so a decode token
+# is several times cheaper in a batch of 16 than alone. On a GPU the effect is far stronger: a decode step reads
+# all the weights whatever the batch. Notebook 04's measurement on an H200 (Qwen3-0.6B, CUDA graphs):
+
+# %%
+h200 = {r["batch"]: r["ms"] for r in json.loads(Path("figures/decode_step.json").read_text())["rows"]
+        if r["impl"] == "minivllm"}
+print("H200 decode step:", ", ".join(f"batch {b}: {ms:.1f} ms" for b, ms in h200.items() if b in (1, 16, 64, 256)))
+cpu = {b: measured[False, b, 64][1] for b in (1, 16)}
+assert cpu[16] / 16 < cpu[1] / 2 and h200[64] < 2 * h200[1]  # a token in a batch is much cheaper than alone
+
+# %% [markdown]
+# The scheduler's first job is therefore to keep the batch full.
+#
+# **A clock for the experiments.** Below we compare scheduling policies by the time their requests wait. Time
+# on a shared 2-core machine jitters by tens of percent from run to run, more than some of the differences we
+# want to see, so the experiments keep time with a *cost model* of a step fitted to the measurements above
+# (least squares on relative error): a fixed cost, plus a cost per sequence, per new token (prefill) and per
+# query × key pair of attention, separately for prefill and decode steps. Every experiment then runs the real
+# scheduler, step by step, and adds up the modelled step times: deterministic, and calibrated to this machine.
+# (The parity checks run the real model.)
+
+# %%
+def features(shape: tuple[int, int, int], is_prefill: bool) -> np.ndarray:
+    num_seqs, num_tokens, pairs = shape
+    return np.array([1.0, num_seqs, num_tokens, pairs] if is_prefill else [1.0, num_seqs, pairs])
+
+
+cost_coef = {}
+for kind in (True, False):
+    shapes, seconds = map(np.array, zip(*[v for (is_prefill, *_), v in measured.items() if is_prefill == kind]))
+    x = np.stack([features(sh, kind) for sh in shapes])
+    coef, *_ = np.linalg.lstsq(x / seconds[:, None], np.ones(len(seconds)), rcond=None)  # relative error
+    cost_coef[kind] = np.clip(coef, 0, None)  # no negative costs
+    terms = zip(cost_coef[kind] * 1e3, ["ms", "ms/sequence", "ms/token", "ms/pair"] if kind else ["ms", "ms/sequence", "ms/pair"])
+    print(f"{'prefill' if kind else 'decode '} step = " + " + ".join(f"{c:.2g} {unit}" for c, unit in terms)
+          + f"; worst error {np.max(np.abs(x @ cost_coef[kind] / seconds - 1)):.0%}")
+
+
+def step_cost(seqs: list[Sequence], is_prefill: bool) -> float:
+    """Modelled seconds of one step on this machine (call it before postprocess)."""
+    return float(features(step_shape(seqs, is_prefill), is_prefill) @ cost_coef[is_prefill])
+
+# %% [markdown]
+# ## Continuous batching
+# **Static batching** (what `transformers.generate` does with a list of prompts) forms a batch, runs it until
+# its *longest* request ends, then forms the next. A request that finishes early leaves its seat empty, and a
+# request that arrives meanwhile waits for the whole batch. **Continuous batching** (Orca, 2022) forms the batch
+# anew at every step: a finished request leaves at once, and a waiting one takes its seat at the next step.
+# That needs KV memory that can be handed out and taken back per request: notebook 03's blocks.
+#
+# The scheduler keeps two queues: `waiting` (first come, first served) and `running` (admission order). Its
+# rules, one per concern:
+#
+# **1. Prefill first.** If a waiting request can join (or a chunked prompt has more to compute, rule 2), the step
+# is a prefill; otherwise it is a decode of every running request. Requests join in arrival order while three limits allow: `max_num_seqs` running requests,
+# `max_num_batched_tokens` tokens in the step (the *token budget*), and free KV blocks for the whole prompt
+# (`BlockManager.can_allocate`, asked first). The budget counts only tokens to compute: a prompt whose first
+# 512 tokens are a prefix-cache hit costs only the rest. The first request that does not fit stops admission:
+# nobody overtakes it, since a stream of small requests passing a big one could starve it forever.
+#
+# **2. Chunked prefill.** A prompt bigger than what is left of the budget is not turned away: it gets what is
+# left, and the rest in the next steps (where it goes first). So any prompt runs, however small the budget,
+# and no step computes more than `max_num_batched_tokens` tokens, the size notebook 04 measured the
+# activation memory for. The runner computes each chunk through the block table, reading the chunks before it
+# as it reads a prefix hit. A chunk's sampled token is thrown away, since its last token is not the prompt's
+# end. Each chunk publishes to the prefix cache only the blocks it completes (`cache_blocks`): a request
+# arriving mid-prompt must not hit blocks no step has written yet.
+#
+# **3. Decode and preemption.** Every running request decodes one token. A token that starts a new block needs
+# a free one; if there is none, the scheduler *preempts* the most recently admitted request: frees its blocks
+# and puts it back at the front of `waiting`. Requests are visited oldest first and victims taken newest first,
+# so the oldest request always makes progress (it can take every block) and the engine never deadlocks.
+# vLLM calls this preemption by **recompute**: the victim keeps its tokens, prompt and generated ones alike,
+# and when it is admitted again they are all its prompt, prefilled in one step (or chunks), mostly from its own
+# blocks still in the prefix cache. Its next token is then exactly the one it would have produced. (vLLM v0 could
+# also swap the victim's KV out to CPU memory; v1 only recomputes, which costs it less than the copy.)
+#
+# **4. Postprocess.** Append each sampled token, then finish a request on its end-of-sequence token (unless
+# `ignore_eos`) or one of its `stop_token_ids` (`finish_reason="stop"`), or when it has `max_tokens` tokens or
+# reached `max_model_len` (`"length"`), and free its blocks at once for the next step's admissions.
+#
+# **5. Admission checks.** A prompt that could never run is refused by `add`, with a `ValueError` that names the
+# numbers, before anything changes: the prompt plus one generated token must fit in `max_model_len` and in the
+# whole KV cache. A request that outgrows the whole cache while running stops there with `"length"`, as at
+# `max_model_len`; otherwise it would preempt itself forever.
+#
+# One consequence is worth seeing before the code. After a prefill, a request has exactly one token whose KV
+# is not computed yet: the one just sampled. A chunked prompt with one token left is in the same state, so it
+# simply joins the next decode: a decode is a prefill of one token. (vLLM v1 takes this all the way: it tracks
+# only `num_computed_tokens` per request and has no prefill or decode phase at all.)
+
+# %% tags=["export"] module="minivllm.engine.scheduler"
+from collections import deque
+
+from minivllm.config import Config
+from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.sequence import Sequence, SequenceStatus
+
+
+class Scheduler:
+    """Continuous batching: every step is a prefill (first, if any request can join) or a decode of all running
+    requests; chunked prefill for prompts beyond the token budget; preemption by recompute when blocks run out."""
+
+    def __init__(self, config: Config, num_kvcache_blocks: int, eos_token_id: int | None):
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_model_len = config.max_model_len
+        self.eos_token_id = eos_token_id
+        self.block_manager = BlockManager(num_kvcache_blocks, config.block_size, config.enable_prefix_caching)
+        self.num_kvcache_blocks = num_kvcache_blocks
+        self.max_len = min(self.max_model_len, num_kvcache_blocks * config.block_size)  # tokens a sequence may hold
+        self.waiting: deque[Sequence] = deque()  # first come, first served; the preempted go back in front
+        self.running: deque[Sequence] = deque()  # admission order: the newest is preempted first
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request; ValueError, changing nothing, if it could never run."""
+        block_size = self.block_manager.block_size
+        if seq.block_size != block_size:
+            raise ValueError(f"the sequence's block_size must be the engine's {block_size}, got {seq.block_size}")
+        if len(seq) + 1 > self.max_model_len:
+            raise ValueError(f"prompt has {len(seq)} tokens; with one generated token it exceeds "
+                             f"max_model_len={self.max_model_len}")
+        if len(seq) + 1 > self.num_kvcache_blocks * block_size:
+            raise ValueError(f"prompt has {len(seq)} tokens; with one generated token it exceeds the whole KV cache, "
+                             f"{self.num_kvcache_blocks} blocks of {block_size} = {self.num_kvcache_blocks * block_size} "
+                             f"tokens: it can never run")
+        assert seq.status == SequenceStatus.WAITING and not seq.block_table, f"sequence {seq.seq_id} was added before"
+        self.waiting.append(seq)
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        """This step's sequences, and whether it is a prefill."""
+        if seqs := self.schedule_prefill():
+            return seqs, True
+        return self.schedule_decode(), False
+
+    def schedule_prefill(self) -> list[Sequence]:
+        budget, seqs = self.max_num_batched_tokens, []
+        if self.running and len(self.running[-1]) - self.running[-1].num_cached_tokens > 1:
+            seqs.append(self.running[-1])  # a prompt part-way through a chunked prefill goes on first
+            budget -= self.schedule_chunk(self.running[-1], budget)
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.block_manager.can_allocate(seq):
+                break  # no overtaking: the head of the queue waits for blocks
+            self.waiting.popleft()
+            self.block_manager.allocate(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            seqs.append(seq)
+            budget -= self.schedule_chunk(seq, budget)
+        return seqs
+
+    def schedule_chunk(self, seq: Sequence, budget: int) -> int:
+        """Schedule as many of seq's uncomputed tokens as the budget allows; publish the blocks they complete."""
+        seq.num_scheduled_tokens = min(len(seq) - seq.num_cached_tokens, budget)
+        self.block_manager.cache_blocks(seq, seq.num_cached_tokens + seq.num_scheduled_tokens)
+        return seq.num_scheduled_tokens
+
+    def schedule_decode(self) -> list[Sequence]:
+        seqs, candidates = [], self.running
+        self.running = deque()
+        while candidates:
+            seq = candidates.popleft()  # oldest first
+            assert len(seq) - seq.num_cached_tokens == 1, "a decode computes exactly the newest token"
+            while not self.block_manager.can_append(seq):  # its newest token needs a block and none is free
+                self.preempt(candidates.pop() if candidates else seq)  # the most recently admitted one
+                if seq.status == SequenceStatus.WAITING:
+                    break
+            else:
+                self.block_manager.may_append(seq)
+                seq.num_scheduled_tokens = 1
+                seqs.append(seq)
+                self.running.append(seq)
+        assert seqs, "the oldest request always fits once the others are preempted"
+        return seqs
+
+    def preempt(self, seq: Sequence) -> None:
+        """Recompute later: free its blocks and queue it first. Its tokens, the generated ones too, are kept."""
+        self.block_manager.deallocate(seq)  # also resets num_cached_tokens
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
+        """Record a step that ran: computed tokens, sampled ones; free and return the sequences that finished."""
+        finished = []
+        for seq, token_id in zip(seqs, token_ids, strict=True):
+            seq.num_cached_tokens += seq.num_scheduled_tokens
+            if seq.num_cached_tokens < len(seq):
+                continue  # a chunk short of the prompt's end: its sample means nothing
+            seq.append_token(token_id)
+            seq.finish_reason = self.finish_reason(seq, token_id)
+            if seq.finish_reason is not None:
+                seq.status = SequenceStatus.FINISHED
+                self.block_manager.deallocate(seq)
+                self.running.remove(seq)
+                finished.append(seq)
+        return finished
+
+    def finish_reason(self, seq: Sequence, token_id: int) -> str | None:
+        params = seq.sampling_params
+        if (token_id == self.eos_token_id and not params.ignore_eos) or token_id in params.stop_token_ids:
+            return "stop"
+        if seq.num_completion_tokens >= params.max_tokens or len(seq) >= self.max_len:
+            return "length"
+        return None
+
+# %% [markdown]
+# ## Watch it: a small cache, step by step
+# Five requests on a cache of 10 blocks of 16 tokens (160 token slots), a budget of 48 tokens per step.
+# Request 0 has a 100-token prompt, so it is prefilled in chunks; requests 2, 3 and 4 start with the same 32
+# tokens. `serve` is the engine loop: it adds each request once the clock passes its arrival time (all arrive at
+# once here), steps until everything is done, and records each step. With `log=True` it prints a step's kind,
+# each sequence as `request:tokens computed` (`+` for a prompt chunk short of the end), and the queues after it;
+# decode steps that change nothing else are skipped.
+
+# %%
+from minivllm.engine.scheduler import Scheduler
+
+
+def make_scheduler(num_blocks: int, eos_token_id: int | None = None, cls: type = Scheduler, **limits) -> Scheduler:
+    """A scheduler over the first num_blocks blocks of the runner's cache, with other limits than base_config's."""
+    return cls(dataclasses.replace(base_config, **limits), num_blocks, eos_token_id)
+
+
+def request(prompt: list[int], max_tokens: int, **params) -> Sequence:
+    return Sequence(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **params),
+                    runner.block_size)
+
+
+def serve(scheduler: Scheduler, seqs: list[Sequence], arrivals: np.ndarray | None = None, model: bool = True,
+          log: bool = False) -> dict:
+    """The engine loop over seqs, arriving at `arrivals` (seconds; default all at 0), timed by the cost model. With
+    model=False the runner is skipped and every sampled token is 0 (the schedule of ignore_eos requests does not
+    depend on the tokens). Returns per-step rows and per-request times."""
+    arrivals = np.zeros(len(seqs)) if arrivals is None else arrivals
+    arriving = deque(np.argsort(arrivals, kind="stable"))
+    index = {seq.seq_id: i for i, seq in enumerate(seqs)}
+    ids = lambda queue: [index[seq.seq_id] for seq in queue]
+    first_token, finished_at = np.full(len(seqs), np.nan), np.full(len(seqs), np.nan)
+    clock, rows, hit_tokens, last = 0.0, [], 0, None
+    while arriving or not scheduler.is_finished():
+        while arriving and arrivals[arriving[0]] <= clock:
+            scheduler.add(seqs[arriving.popleft()])
+        if scheduler.is_finished():
+            clock = arrivals[arriving[0]]  # idle until the next request arrives
+            continue
+        waiting = set(ids(scheduler.waiting))
+        batch, is_prefill = scheduler.schedule()
+        hit_tokens += sum(seq.num_cached_tokens for seq in batch if is_prefill and index[seq.seq_id] in waiting)
+        duration, lens = step_cost(batch, is_prefill), [len(seq) for seq in batch]
+        token_ids = runner.run(batch, is_prefill) if model else [0] * len(batch)
+        finished = scheduler.postprocess(batch, token_ids)
+        clock += duration
+        unfinished = [len(seq) == n for seq, n in zip(batch, lens)]  # a prompt chunk short of the end: no token
+        for seq in batch:
+            if np.isnan(first_token[index[seq.seq_id]]) and seq.num_completion_tokens:
+                first_token[index[seq.seq_id]] = clock
+        for seq in finished:
+            finished_at[index[seq.seq_id]] = clock
+        rows.append(dict(time=clock, duration=duration, is_prefill=is_prefill, num_seqs=len(batch),
+                         num_tokens=sum(seq.num_scheduled_tokens for seq in batch), chunks=sum(unfinished),
+                         running=len(scheduler.running), waiting=len(scheduler.waiting),
+                         used_blocks=scheduler.block_manager.num_used_blocks, preemptions=scheduler.num_preemptions))
+        state = (ids(scheduler.running), ids(scheduler.waiting), scheduler.block_manager.num_free_blocks)
+        if log and (is_prefill or state != last):
+            done = " ".join(f"{index[s.seq_id]}:{s.num_scheduled_tokens}{'+' * u}" for s, u in zip(batch, unfinished))
+            print(f"step {len(rows):2d} {'prefill' if is_prefill else 'decode '} {done:<20} running {state[0]}, "
+                  f"waiting {state[1]}, free blocks {state[2]}, preemptions {scheduler.num_preemptions}")
+        last = state
+    assert scheduler.block_manager.num_free_blocks == scheduler.num_kvcache_blocks, "KV blocks leaked"
+    return dict(rows=rows, ttft=first_token - arrivals, latency=finished_at - arrivals, seconds=clock,
+                tok_per_s=sum(seq.num_completion_tokens for seq in seqs) / clock,
+                preemptions=scheduler.num_preemptions, hit_tokens=hit_tokens)
+
+
+shared = random.choices(range(3, 2048), k=32)
+small_seqs = [request(random.choices(range(3, 2048), k=100), 8), request(random.choices(range(3, 2048), k=20), 24),
+              request(shared + [5, 6, 7], 24), request(shared + [8, 9], 30), request(shared + [10], 30)]
+small = serve(make_scheduler(10, max_num_batched_tokens=48), small_seqs, log=True)
+
+# %% [markdown]
+# Read it from the top:
+#
+# * Steps 1 and 2 spend the whole budget on request 0's first 96 tokens. Step 3 computes its last 4 and, with
+#   the budget left, admits request 1. Request 2 needs 3 blocks and only one is free: it waits, and so does
+#   everyone behind it.
+# * Request 0 finishes (8 tokens) and frees 7 blocks; the very next step is a prefill that admits requests 2, 3
+#   and 4 together. Request 2 computes its 35 tokens and publishes its two full blocks in that same step, so
+#   requests 3 and 4 find the shared 32 tokens in the cache and compute only 2 and 1 tokens. (Within the step,
+#   every layer writes request 2's KV before any attention reads it.)
+# * When a token needs a new block and none is free, the newest request (4) is preempted. It rejoins at the next
+#   step with a prefill of its prompt *and* its generated tokens, of which it computes a single one: the rest
+#   are its own blocks, still in the prefix cache.
+#
+# Every block is free at the end (`serve` asserts it), and no token was lost: the same tokens as transformers,
+# checked next.
+
+# %%
+rows = small["rows"]
+assert [r["num_tokens"] for r in rows[:3]] == [48, 48, 24] and small["preemptions"] == 1
+assert small["hit_tokens"] == 2 * 32 + 48  # requests 3 and 4 on request 2's blocks, then 4 on its own
+assert all(seq.finish_reason == "length" and seq.num_completion_tokens == seq.sampling_params.max_tokens
+           for seq in small_seqs)
+
+# %% [markdown]
+# ## The same tokens as transformers, under pressure
+# The oracle is transformers' `generate` on the same checkpoint, greedy, float32. We run 48 requests through
+# one scheduler with every hazard at once: a KV cache of 24 blocks (384 token slots) so requests are preempted
+# again and again, a budget of 64 tokens so most prompts are chunked, and a third of the prompts starting with
+# the same 48-token system prompt so the prefix cache hits. Every request must produce exactly the tokens
+# `generate` produces for it alone.
+
+# %%
+from transformers import Qwen3ForCausalLM
+
+hf_model = Qwen3ForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).eval()
+hf_model.generation_config.eos_token_id = None  # ignore_eos: always max_new_tokens tokens
+
+
+def hf_generate(prompt: list[int], max_new_tokens: int) -> list[int]:
+    input_ids = torch.tensor([prompt])
+    out = hf_model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                            max_new_tokens=max_new_tokens, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
+
+
+system_prompt = random.choices(range(3, 2048), k=48)
+prompts = [(system_prompt if i % 3 == 0 else []) + random.choices(range(3, 2048), k=random.randint(4, 150))
+           for i in range(48)]
+max_tokens = [random.randint(8, 48) for _ in prompts]
+expected = [hf_generate(p, n) for p, n in zip(prompts, max_tokens)]
+parity_seqs = [request(p, n) for p, n in zip(prompts, max_tokens)]
+parity = serve(make_scheduler(24, max_num_seqs=16, max_num_batched_tokens=64), parity_seqs)
+matches = sum(seq.completion_token_ids == e for seq, e in zip(parity_seqs, expected))
+print(f"{len(parity['rows'])} steps, {parity['preemptions']} preemptions, "
+      f"{sum(r['chunks'] for r in parity['rows'])} prompt chunks short of the end, "
+      f"{parity['hit_tokens']} prompt tokens read from the prefix cache")
+print(f"{matches} of {len(prompts)} requests give exactly transformers' tokens")
+
+# %%
+assert matches == len(prompts)
+assert parity["preemptions"] >= 10 and sum(r["chunks"] for r in parity["rows"]) >= 20 and parity["hit_tokens"] >= 500
+
+# %% [markdown]
+# Why must a preempted request keep its generated tokens? Try the slip of treating it as new: recompute its
+# prompt only and drop what it had generated. With greedy decoding it regenerates the very same tokens, so the
+# replies would not even change; the damage is elsewhere. Every dropped token costs a decode step again instead
+# of a share of one prefill, and a client streaming the reply has already shown those tokens: with sampling, the
+# regenerated ones need not be the same. Because this bug hides from a greedy comparison, `tests/test_scheduler.py`
+# also checks, at every step, that a reply only ever grows.
+
+# %%
+class ForgetfulScheduler(Scheduler):
+    """A wrong preemption, for this demonstration only: the victim loses its generated tokens."""
+
+    def preempt(self, seq: Sequence) -> None:
+        super().preempt(seq)
+        del seq.token_ids[seq.num_prompt_tokens :]
+        seq.num_tokens, seq.last_token = seq.num_prompt_tokens, seq.token_ids[-1]
+
+
+forgetful_seqs = [request(p, n) for p, n in zip(prompts, max_tokens)]
+forgetful = serve(make_scheduler(24, cls=ForgetfulScheduler, max_num_seqs=16, max_num_batched_tokens=64),
+                  forgetful_seqs)
+same = sum(seq.completion_token_ids == e for seq, e in zip(forgetful_seqs, expected))
+decode_tokens = {name: sum(r["num_tokens"] for r in run["rows"] if not r["is_prefill"])
+                 for name, run in (("keep", parity), ("drop", forgetful))}
+print(f"dropping generated tokens: {same} of {len(prompts)} greedy replies unchanged, but {decode_tokens['drop']} "
+      f"decode tokens computed instead of {decode_tokens['keep']}")
+assert same == len(prompts) and decode_tokens["drop"] > decode_tokens["keep"]
+
+# %% [markdown]
+# ## A bursty workload: the timeline
+# Three bursts of 16 requests, one second apart (prompts of 16 to 200 tokens, one in ten of 400 to 600; replies
+# of 16 to 96 tokens), on a cache of 128 blocks (2,048 token slots), at most 16 running, 256 tokens per step.
+# Each step is one bar, as wide as its modelled time: the tokens it computed (prefill or decode), then the
+# queues, then the KV blocks in use and the preemptions.
+
+# %%
+def bursty_workload(num_bursts: int = 3, per_burst: int = 16, gap: float = 1.0) -> tuple[list[Sequence], np.ndarray]:
+    n = num_bursts * per_burst
+    lens = [int(rng.integers(400, 601)) if rng.random() < 0.1 else int(rng.integers(16, 201)) for _ in range(n)]
+    seqs = [request(rng.integers(3, 2048, k).tolist(), int(rng.integers(16, 97))) for k in lens]
+    return seqs, np.repeat(np.arange(num_bursts) * gap, per_burst) + rng.uniform(0, 0.05, n)
+
+
+burst_seqs, burst_arrivals = bursty_workload()
+burst = serve(make_scheduler(128, max_num_seqs=16, max_num_batched_tokens=256), burst_seqs, burst_arrivals,
+              model=False)
+steps = burst["rows"]
+t = np.array([r["time"] for r in steps])
+is_prefill = np.array([r["is_prefill"] for r in steps])
+print(f"{len(steps)} steps ({is_prefill.sum()} prefill) in {burst['seconds']:.2f} s; {burst['preemptions']} "
+      f"preemptions; {sum(r['chunks'] for r in steps)} prompt chunks short of the end; "
+      f"median time to first token {np.median(burst['ttft']) * 1e3:.0f} ms")
+
+# %%
+fig, axes = plt.subplots(3, 1, figsize=(14, 8.5), sharex=True)
+duration = np.array([r["duration"] for r in steps])
+for kind, color in ((True, "tab:blue"), (False, "tab:orange")):
+    m = is_prefill == kind
+    axes[0].bar(t[m], np.array([r["num_tokens"] for r in steps])[m], width=-duration[m], align="edge", color=color,
+                label="prefill step" if kind else "decode step")
+axes[0].set_yscale("log")
+axes[0].set_ylabel("tokens computed (log)")
+axes[0].legend(loc="upper right")
+axes[0].set_title("One bar per step, as wide as the step takes")
+axes[1].step(t, [r["running"] for r in steps], where="pre", color="tab:green", label="running")
+axes[1].step(t, [r["waiting"] for r in steps], where="pre", color="tab:red", label="waiting")
+axes[1].set_ylabel("requests")
+axes[1].legend(loc="upper right")
+axes[2].fill_between(t, [r["used_blocks"] for r in steps], step="pre", color="tab:purple", alpha=0.5,
+                     label="KV blocks in use")
+axes[2].axhline(128, color="k", ls=":", lw=1)
+preempted = np.diff(np.concatenate([[0], [r["preemptions"] for r in steps]])) > 0
+axes[2].plot(t[preempted], np.full(preempted.sum(), 132), "rv", ms=5, label="a preemption")
+axes[2].set_ylabel("blocks (of 128)")
+axes[2].set_xlabel("time (s, modelled)")
+axes[2].legend(loc="lower right")
+for ax in axes:
+    for a in np.unique(np.round(burst_arrivals, 1)):
+        ax.axvline(a, color="grey", lw=0.8, ls="--")
+fig.suptitle("Three bursts of 16 requests (dashed lines): continuous batching, prefill first, preemption when the cache is full")
+fig.tight_layout()
+fig.savefig(FIGURES / "05_timeline.png", dpi=120)
+
+# %% [markdown]
+# **Reading the timeline.** Each burst starts with prefill steps (blue) that fill the batch, a long prompt
+# spread over several budget-sized chunks; then decode steps (orange), one token per running request. When a
+# request finishes, a waiting one joins at the very next step (a thin blue bar among the orange), so the batch
+# stays full and the queue drains request by request, not batch by batch. When the KV blocks reach the ceiling,
+# decodes preempt the newest requests, which rejoin as soon as blocks come free.
+#
+# Chunking keeps every step at most 256 tokens, so a 600-token prompt costs a few bounded steps instead of one
+# long one, and a prompt longer than the budget runs at all. It does not make the decodes wait less: with one
+# kind of step, the running requests sit out every chunk. That stall is what vLLM's mixed batches remove.
+
+# %%
+assert max(r["num_tokens"] for r in steps) <= 256
+assert burst["preemptions"] > 0 and sum(r["chunks"] for r in steps) > 0
+assert max(r["running"] for r in steps) > 8
+
+# %% [markdown]
+# ## Why does the scheduler put prefill before decode?
+# Turn the rule around: **decode first**, admitting new requests only when nobody can decode. With one kind of
+# batch per step that means admitting only when the batch is empty, so decode first *is* static batching.
+# Requests arrive at random (a Poisson process, 20 per second on average); for both orders, on the same
+# requests, we measure each one's **time to first token** (TTFT: from arrival to its first token, which needs
+# its prefill) and **time per output token** (TPOT: the pace of the rest of its reply).
+
+# %%
+class DecodeFirstScheduler(Scheduler):
+    """Decode whenever a request can; admit new ones only when none can (this notebook's comparison only)."""
+
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        if self.running and len(self.running[-1]) - self.running[-1].num_cached_tokens == 1:
+            return self.schedule_decode(), False
+        return self.schedule_prefill(), True
+
+
+online_requests = [(rng.integers(3, 2048, int(rng.integers(16, 129))).tolist(), int(rng.integers(16, 129)))
+                   for _ in range(120)]
+online_arrivals = np.cumsum(rng.exponential(1 / 20, len(online_requests)))
+orders = {}
+for name, cls in (("prefill first", Scheduler), ("decode first", DecodeFirstScheduler)):
+    run = serve(make_scheduler(256, cls=cls, max_num_seqs=16, max_num_batched_tokens=512),
+                [request(p, n) for p, n in online_requests], online_arrivals, model=False)
+    run["tpot"] = (run["latency"] - run["ttft"]) / np.array([n - 1 for _, n in online_requests])
+    orders[name] = run
+    print(f"{name:>13}: TTFT median {np.median(run['ttft']) * 1e3:5.0f} ms, p90 {np.percentile(run['ttft'], 90) * 1e3:5.0f} ms; "
+          f"TPOT median {np.median(run['tpot']) * 1e3:4.1f} ms; {run['tok_per_s']:4.0f} output tokens/s; "
+          f"all done at {run['seconds']:.1f} s")
+
+# %%
+fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
+colors = {"prefill first": "tab:blue", "decode first": "tab:red"}
+for name, run in orders.items():
+    ttft_ms = np.sort(run["ttft"] * 1e3)
+    axes[0].plot(ttft_ms, np.arange(1, len(ttft_ms) + 1) / len(ttft_ms), color=colors[name], label=name)
+    axes[1].scatter(online_arrivals, run["ttft"] * 1e3, s=8, color=colors[name], label=name)
+    decode_rows = [r for r in run["rows"] if not r["is_prefill"]]
+    axes[2].step([r["time"] for r in decode_rows], [r["num_seqs"] for r in decode_rows], where="pre",
+                 color=colors[name], lw=0.8, label=name)
+axes[0].set_xscale("log")
+axes[0].set_xlabel("time to first token (ms, log scale)")
+axes[0].set_ylabel("share of requests")
+axes[0].set_title("TTFT distribution")
+axes[0].legend()
+axes[1].set_xlabel("arrival time (s)")
+axes[1].set_ylabel("TTFT (ms)")
+axes[1].set_title("TTFT of each request")
+axes[2].set_xlim(2, 4)
+axes[2].set_xlabel("time (s)")
+axes[2].set_ylabel("sequences per decode step")
+axes[2].set_title("Decode batch size (two seconds of it)")
+axes[2].legend()
+fig.suptitle(f"{len(online_requests)} requests arriving at 20/s: prefill first vs decode first "
+             "(the tiny model's step costs on this CPU)")
+fig.tight_layout()
+fig.savefig(FIGURES / "05_ttft.png", dpi=120)
+
+# %%
+pf, df = orders["prefill first"], orders["decode first"]
+ttft_ratio = np.median(df["ttft"]) / np.median(pf["ttft"])
+print(f"Why prefill first? A new request waits {np.median(pf['ttft']) * 1e3:.0f} ms (median) for its first token "
+      f"when prefills go first, {np.median(df['ttft']) * 1e3:.0f} ms when decodes go first: {ttft_ratio:.0f}x longer. "
+      f"The price: a running request's time per output token is {np.median(pf['tpot']) * 1e3:.1f} ms instead of "
+      f"{np.median(df['tpot']) * 1e3:.1f} ms, because prefill steps interrupt its decodes.")
+
+# %% [markdown]
+# **The answer, in these numbers.** A prefill is one step, and until it runs a new request has nothing to show.
+# Prefill first runs it at the next step, so every request's TTFT is about one decode step plus its own prefill:
+# a few milliseconds, whenever it arrives (the flat blue band in the middle). Decode first makes it wait until
+# every running request has finished its whole reply, so its TTFT is whatever is left of the longest reply in
+# flight: anything from nothing to half a second, by luck of timing. Meanwhile the batch drains down to a
+# single straggler before anyone new may join (right panel), which also costs throughput (next section).
+#
+# The price of prefill first is paid by the running requests: a prefill step is a step in which they produce no
+# token, so their time per output token rises. With heavy arrivals or long prompts those stalls grow; chunking
+# bounds each one (no step computes more than the budget) and vLLM's mixed batches remove them (decodes ride
+# along in every prefill step).
+
+# %%
+assert ttft_ratio > 5
+assert np.percentile(df["ttft"], 90) > 5 * np.percentile(pf["ttft"], 90)
+assert np.median(pf["tpot"]) >= np.median(df["tpot"])
+
+# %% [markdown]
+# ## Continuous vs static batching on the same requests
+# Now an offline job: 128 requests all there at the start, with replies of 8 to 160 tokens. Static batching (the
+# decode-first scheduler above) fills the batch, runs it until its longest reply is done, then fills it again;
+# continuous batching refills every seat the step after it empties. We compare output tokens per second for
+# batches of up to 4, 8, 16 and 32 requests.
+
+# %%
+offline_requests = [(rng.integers(3, 2048, int(rng.integers(16, 65))).tolist(), int(rng.integers(8, 161)))
+                    for _ in range(128)]
+batching = {}
+for name, cls in (("continuous", Scheduler), ("static", DecodeFirstScheduler)):
+    for max_num_seqs in (4, 8, 16, 32):
+        run = serve(make_scheduler(512, cls=cls, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048),
+                    [request(p, n) for p, n in offline_requests], model=False)
+        decode_rows = [r for r in run["rows"] if not r["is_prefill"]]
+        batching[name, max_num_seqs] = dict(tok_per_s=run["tok_per_s"], steps=len(run["rows"]),
+                                            batch=np.mean([r["num_seqs"] for r in decode_rows]))
+        print(f"{name:>10}, up to {max_num_seqs:2d}: {run['tok_per_s']:5.0f} tokens/s, {len(run['rows']):4d} steps, "
+              f"{batching[name, max_num_seqs]['batch']:4.1f} sequences per decode step on average")
+
+# %%
+fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+sizes = (4, 8, 16, 32)
+for name, color in (("continuous", "tab:blue"), ("static", "tab:red")):
+    axes[0].plot(sizes, [batching[name, s]["tok_per_s"] for s in sizes], "o-", color=color, label=name)
+    axes[1].plot(sizes, [batching[name, s]["batch"] for s in sizes], "o-", color=color, label=name)
+axes[1].plot(sizes, sizes, ":", color="grey", label="max_num_seqs")
+for ax in axes:
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes, [str(s) for s in sizes])
+    ax.set_xlabel("max_num_seqs")
+    ax.legend()
+axes[0].set_ylabel("output tokens / s")
+axes[0].set_title("Throughput (the tiny model's step costs on this CPU)")
+axes[1].set_ylabel("sequences per decode step")
+axes[1].set_title("Average decode batch")
+fig.suptitle("128 requests, replies of 8 to 160 tokens: continuous vs static batching")
+fig.tight_layout()
+fig.savefig(FIGURES / "05_batching.png", dpi=120)
+
+# %% [markdown]
+# Static batching keeps its seats filled only until the first reply ends; from then on its batch shrinks towards
+# the one longest reply, so on average it runs well below `max_num_seqs` and needs more steps for the same
+# tokens. Continuous batching keeps the batch at `max_num_seqs` until the queue runs out. On this CPU a decode
+# step's cost grows with the batch (the reference attention loops over sequences), so the gap in tokens per
+# second is smaller than the gap in batch size; on a GPU, where a decode step costs nearly the same for 1 or 64
+# sequences (the H200 numbers above), throughput follows the batch size.
+
+# %%
+for size in (8, 16, 32):
+    assert batching["continuous", size]["batch"] > 1.2 * batching["static", size]["batch"]
+    assert batching["continuous", size]["tok_per_s"] > batching["static", size]["tok_per_s"]
+
+# %% [markdown]
+# ## Check yourself
+# * With `max_num_batched_tokens=64`, nothing cached and nothing else running, how many prefill steps does a
+#   150-token prompt take, and how many tokens does each compute?
+# * A 40-token prompt whose first 32 tokens are a prefix-cache hit: how much of the budget does it use?
+# * Requests a, b, c were admitted in that order; the cache is full and a's next token starts a block. Who is
+#   preempted, where does it go, and what happens to its generated tokens?
+# * Why must a prompt chunk publish only the blocks it completes, and not the whole prompt's?
+# * Why does decode first, with one kind of batch per step, turn into static batching?
+#
+# The cells below assert the first three answers (the scheduler alone: the "model" samples token 0).
+
+# %%
+def step(scheduler: Scheduler) -> tuple[list[int], bool]:
+    seqs, is_prefill = scheduler.schedule()
+    scheduled = [seq.num_scheduled_tokens for seq in seqs]
+    scheduler.postprocess(seqs, [0] * len(seqs))
+    return scheduled, is_prefill
+
+
+# 1) 64 + 64 + 22 tokens, in three prefill steps
+check = make_scheduler(64, max_num_batched_tokens=64)
+check.add(request(list(range(1, 151)), 4))
+assert [step(check) for _ in range(3)] == [([64], True), ([64], True), ([22], True)]
+# 2) 8 tokens of the budget: the prefix hit is free
+check = make_scheduler(64, max_num_batched_tokens=64)
+first, second = request(list(range(1, 41)), 4), request(list(range(1, 33)) + [9] * 8, 4)
+check.add(first)
+step(check)
+check.add(second)
+assert step(check) == ([8], True) and second.num_cached_tokens == 40
+# 3) c, the newest, is preempted (then b, to make room for a): back at the front of waiting, tokens kept
+check = make_scheduler(3, max_num_seqs=3)
+a, b, c = (request([i] * 16, 8) for i in (1, 2, 3))  # one full block each: the next token needs a new block
+for seq in (a, b, c):
+    check.add(seq)
+step(check)  # prefill of all three; each appends its first token
+c_tokens = list(c.token_ids)
+assert step(check) == ([1], False)  # only a decodes
+assert list(check.waiting) == [b, c] and c.token_ids == c_tokens and c.block_table == [] and c.num_cached_tokens == 0
+assert c.status == SequenceStatus.WAITING and check.num_preemptions == 2

@@ -1,0 +1,500 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 06 · The engine: vLLM's offline API, end to end
+#
+# **What this notebook builds.** The layer a user touches: `LLM(model=...).generate(prompts, sampling_params)`,
+# with vLLM's names, arguments and outputs. Under it, `LLMEngine` turns prompts into `Sequence`s, loops
+# `schedule → run → postprocess` until every request is done, and returns text, token ids, the reason each
+# request stopped, and its timings.
+#
+# **What it assumes.** Everything before: the model (02), the KV cache (03), the runner (04), the scheduler (05).
+#
+# **What you will see.** The engine's greedy output equal to transformers' `generate`, KV-block occupancy over
+# a whole run, and the course's final figures: FlashAttention vs PagedAttention, and throughput.
+
+# %%
+import json
+import os
+import random
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FIGURES = Path(os.environ.get("MINIVLLM_FIGURES", "../build/figures")).resolve()
+FIGURES.mkdir(parents=True, exist_ok=True)
+CHECKPOINTS = Path(os.environ.get("MINIVLLM_CHECKPOINTS", "../build/checkpoints")).resolve()
+random.seed(0)
+
+# %% [markdown]
+# ## What a request gives back
+# vLLM's `RequestOutput`: the prompt (text and token ids) and, per completion, its text, token ids and
+# `finish_reason` ("stop": an end-of-sequence or stop token; "length": `max_tokens` or the context length).
+# We add the two timings a serving engine is judged by: **time to first token** (TTFT: how long the user waits
+# before anything appears, mostly queueing and prefill) and **time per output token** (TPOT: the decode pace).
+
+# %% tags=["export"] module="minivllm.outputs"
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop", "length", or None while running
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    arrival_time: float  # time.perf_counter() seconds
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    def time_per_output_token(self, num_tokens: int) -> float | None:
+        if self.finished_time is None or self.first_token_time is None or num_tokens < 2:
+            return None
+        return (self.finished_time - self.first_token_time) / (num_tokens - 1)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics = field(repr=False)
+
+# %% [markdown]
+# ## The engine
+# `LLMEngine` owns one `ModelRunner` (and through it any tensor-parallel workers), one `Scheduler`, and a
+# tokenizer. It keeps vLLM's split between adding work and doing it:
+#
+# * `add_request(prompt, sampling_params)` checks the request, tokenizes it and queues a `Sequence`;
+# * `step()` runs one scheduler step (a prefill or a decode batch) and returns the requests that finished.
+#
+# **Bad input never gets in.** Every check runs before the request touches any state, and raises a
+# `ValueError` that names the field and the allowed range: an empty prompt, a prompt too long for
+# `max_model_len` (prompt plus at least one generated token must fit) or for the whole KV cache, a token id
+# outside the vocabulary. `SamplingParams` checks its own fields when it is built. `LLM.generate` checks a
+# whole list of requests before adding the first one, so one bad prompt fails the call and leaves the engine
+# exactly as it was.
+#
+# End-of-sequence: the tokenizer's EOS token stops a request unless `ignore_eos`; a checkpoint's
+# `generation_config.json` may list more EOS ids (Qwen3 has two), which we add to each request's stop tokens.
+
+# %% tags=["export"] module="minivllm.engine.llm_engine"
+import time
+from itertools import count
+from pathlib import Path
+
+from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+
+from minivllm.config import Config
+from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.model_runner import ModelRunner
+from minivllm.engine.scheduler import Scheduler
+from minivllm.engine.sequence import Sequence, SequenceStatus
+from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from minivllm.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+def load_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
+    """The checkpoint's tokenizer, or None when the folder has none (token-id prompts still work)."""
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        return None
+
+
+def eos_token_ids(path: Path, tokenizer: PreTrainedTokenizerBase | None, hf_config) -> list[int]:
+    """Every end-of-sequence id: the tokenizer's first, then generation_config.json's, then config.json's."""
+    ids = [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []
+    try:
+        extra = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:
+        extra = getattr(hf_config, "eos_token_id", None)
+    ids += extra if isinstance(extra, list) else [extra] if extra is not None else []
+    return list(dict.fromkeys(ids))
+
+
+class LLMEngine:
+    def __init__(self, model: str | Path, **kwargs):
+        self.config = Config(model, **kwargs)
+        self.tokenizer = load_tokenizer(self.config.model)
+        self.eos_token_ids = eos_token_ids(self.config.model, self.tokenizer, self.config.hf_config)
+        self.runner = ModelRunner(self.config)
+        eos = self.eos_token_ids[0] if self.eos_token_ids else None
+        self.scheduler = Scheduler(self.config, self.runner.num_kvcache_blocks, eos)
+        self.requests: dict[int, tuple[str, str | None, RequestMetrics]] = {}  # seq_id -> id, prompt, metrics
+        self.request_counter = count()
+
+    # --- requests in ---------------------------------------------------------------------------------------
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"prompt is text, but {self.config.model} has no tokenizer: pass token ids")
+            return self.tokenizer.encode(prompt)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ValueError("prompt must be a str or a list of int token ids")
+        return list(prompt)
+
+    def check_request(self, token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError if this request cannot run; changes nothing."""
+        config, vocab_size = self.config, self.config.hf_config.vocab_size
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        if not token_ids:
+            raise ValueError("prompt is empty: it must hold at least one token")
+        if len(token_ids) >= config.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; it must be shorter than max_model_len="
+                             f"{config.max_model_len} (prompt + at least one generated token)")
+        cache_tokens = self.runner.num_kvcache_blocks * config.block_size
+        if len(token_ids) + 1 > cache_tokens:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; the whole KV cache holds {cache_tokens} "
+                             f"({self.runner.num_kvcache_blocks} blocks of {config.block_size}): it can never run")
+        if bad := next((t for t in token_ids if not 0 <= t < vocab_size), None):
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+
+    def with_eos(self, params: SamplingParams) -> SamplingParams:
+        """A copy of params whose stop tokens include the checkpoint's extra EOS ids (unless ignore_eos)."""
+        extra = [] if params.ignore_eos else self.eos_token_ids[1:]
+        stops = list(dict.fromkeys([*params.stop_token_ids, *extra]))
+        return SamplingParams(params.temperature, params.top_p, params.top_k, params.min_p, params.max_tokens,
+                              params.ignore_eos, params.seed, stops)
+
+    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = sampling_params or SamplingParams()
+        token_ids = self.tokenize(prompt)
+        self.check_request(token_ids, params)
+        return self.enqueue(prompt, token_ids, params, request_id)
+
+    def enqueue(self, prompt: Prompt, token_ids: list[int], params: SamplingParams, request_id: str | None) -> str:
+        seq = Sequence(token_ids, self.with_eos(params), self.config.block_size)
+        request_id = request_id if request_id is not None else str(next(self.request_counter))
+        self.requests[seq.seq_id] = (request_id, prompt if isinstance(prompt, str) else None,
+                                     RequestMetrics(time.perf_counter()))
+        self.scheduler.add(seq)
+        return request_id
+
+    # --- the loop ------------------------------------------------------------------------------------------
+    def step(self) -> tuple[list[RequestOutput], int]:
+        """One scheduler step: the requests that finished, and the tokens it computed (> 0 prefill, < 0 decode)."""
+        seqs, is_prefill = self.scheduler.schedule()
+        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
+        token_ids = self.runner.run(seqs, is_prefill)
+        finished = self.scheduler.postprocess(seqs, token_ids)
+        now = time.perf_counter()
+        for seq in seqs:
+            metrics = self.requests[seq.seq_id][2]
+            if metrics.first_token_time is None and seq.num_completion_tokens > 0:
+                metrics.first_token_time = now
+        for seq in finished:
+            self.requests[seq.seq_id][2].finished_time = now
+        return [self.output(seq) for seq in finished], num_tokens
+
+    def output(self, seq: Sequence) -> RequestOutput:
+        request_id, prompt, metrics = self.requests.pop(seq.seq_id)
+        token_ids = seq.completion_token_ids
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+        return RequestOutput(request_id, prompt, seq.prompt_token_ids,
+                             [CompletionOutput(0, text, token_ids, seq.finish_reason)], True, metrics)
+
+    def has_unfinished_requests(self) -> bool:
+        return not self.scheduler.is_finished()
+
+    def abort_all(self) -> None:
+        """Drop every unfinished request. A step cut short may have published prefix-cache blocks whose KV it
+        never wrote, so the block manager starts afresh: with no request left, only cached prefixes are lost."""
+        for seq in (*self.scheduler.waiting, *self.scheduler.running):
+            seq.status = SequenceStatus.FINISHED
+            self.requests.pop(seq.seq_id, None)
+        self.scheduler.waiting.clear()
+        self.scheduler.running.clear()
+        self.scheduler.block_manager = BlockManager(self.runner.num_kvcache_blocks, self.config.block_size,
+                                                    self.config.enable_prefix_caching)
+
+    def close(self) -> None:
+        self.runner.close()
+
+# %% [markdown]
+# ## `LLM`: vLLM's offline API
+# `LLM(model, ...)` takes the engine's settings as keyword arguments (vLLM's names: `tensor_parallel_size`,
+# `max_num_seqs`, `gpu_memory_utilization`, `enforce_eager`, ...). `generate` accepts a str, a list of str, or
+# a list of token-id lists, with one `SamplingParams` for all or one per prompt; it checks every request, then
+# adds them all, steps until they are done, and returns the outputs in the prompts' order. A progress bar
+# shows finished requests and the prefill and decode token rates. If the loop is interrupted (an exception,
+# Ctrl-C), the call's unfinished requests are dropped and their KV blocks freed, so the engine can serve the
+# next call.
+
+# %% tags=["export"] module="minivllm.llm"
+import time
+from collections.abc import Sequence as SequenceOf
+
+from tqdm.auto import tqdm
+
+from minivllm.engine.llm_engine import LLMEngine, Prompt
+from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str, tensor_parallel_size: int = 1, dtype: str = "auto", block_size: int = 16,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
+                 num_kvcache_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
+                 enforce_eager: bool = False, enable_prefix_caching: bool = True, seed: int = 0, **kwargs):
+        self.engine = LLMEngine(
+            model, tensor_parallel_size=tensor_parallel_size, dtype=dtype, block_size=block_size,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+            num_kvcache_blocks=num_kvcache_blocks, gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching, seed=seed, **kwargs)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | SequenceOf[Prompt],
+                 sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        engine = self.engine
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt, as text or as token ids
+        params = sampling_params if isinstance(sampling_params, list | tuple) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+        params = [p or SamplingParams() for p in params]
+        token_ids = [engine.tokenize(p) for p in prompts]
+        for ids, p in zip(token_ids, params):  # every request is checked before any is added
+            engine.check_request(ids, p)
+        ids = [engine.enqueue(prompt, t, p, None) for prompt, t, p in zip(prompts, token_ids, params)]
+        try:
+            outputs = self.run(len(ids), use_tqdm)
+        except BaseException:
+            self.abort()
+            raise
+        order = {request_id: i for i, request_id in enumerate(ids)}
+        return sorted(outputs, key=lambda out: order[out.request_id])
+
+    def run(self, num_requests: int, use_tqdm: bool) -> list[RequestOutput]:
+        outputs = []
+        with tqdm(total=num_requests, desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
+            prefill_rate = decode_rate = 0.0
+            while self.engine.has_unfinished_requests():
+                start = time.perf_counter()
+                finished, num_tokens = self.engine.step()
+                rate = abs(num_tokens) / (time.perf_counter() - start)
+                prefill_rate, decode_rate = (rate, decode_rate) if num_tokens > 0 else (prefill_rate, rate)
+                bar.set_postfix_str(f"prefill {prefill_rate:,.0f} tok/s, decode {decode_rate:,.0f} tok/s")
+                outputs += finished
+                bar.update(len(finished))
+        return outputs
+
+    def abort(self) -> None:
+        """Drop every unfinished request and free its KV blocks."""
+        self.engine.abort_all()
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+# %% [markdown]
+# ## Qwen3 end to end
+# On a GPU this runs the `qwen3-0.6b` preset (random weights, Qwen3-0.6B's exact shapes); on a CPU the tiny one.
+# Random weights write random text: what matters here is that every token is the one the model computes.
+
+# %%
+from minivllm import LLM, SamplingParams
+from minivllm.checkpoint import write_checkpoint
+
+preset = "qwen3-0.6b" if DEVICE == "cuda" else "tiny"
+path = write_checkpoint(CHECKPOINTS / preset, preset, seed=0)
+llm = LLM(str(path), max_model_len=1024, max_num_seqs=32, **({} if DEVICE == "cuda" else {"num_kvcache_blocks": 256}))
+outputs = llm.generate(["The capital of France is", "A paged KV cache", "Once upon a time"],
+                       [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, seed=i) for i in range(3)])
+for out in outputs:
+    done = out.outputs[0]
+    print(f"{out.prompt!r} -> {done.text!r}\n    {len(done.token_ids)} tokens, finish_reason={done.finish_reason}, "
+          f"TTFT {out.metrics.time_to_first_token * 1e3:.1f} ms, "
+          f"TPOT {out.metrics.time_per_output_token(len(done.token_ids)) * 1e3:.2f} ms")
+
+# %% [markdown]
+# ### The same tokens as transformers
+# Greedy decoding must reproduce transformers' `generate` token for token: a batch of prompts of mixed lengths,
+# some sharing a prefix (prefix-cache hits), all through the paged engine. (On a CPU both run in float32; in
+# bfloat16 on a GPU, notebook 02 explains why exact equality is not the right test.)
+
+# %%
+from transformers import AutoModelForCausalLM
+
+cpu_llm = llm if DEVICE == "cpu" else LLM(str(write_checkpoint(CHECKPOINTS / "tiny", "tiny", seed=0)),
+                                          device="cpu", num_kvcache_blocks=256, max_num_seqs=32)
+tiny_path = cpu_llm.engine.config.model
+hf = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
+shared = random.choices(range(2048), k=40)
+prompts = [random.choices(range(2048), k=n) for n in (1, 5, 17, 64)] + [shared + [1, 2], shared + [3]]
+greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+ours = [out.outputs[0].token_ids for out in cpu_llm.generate(prompts, greedy, use_tqdm=False)]
+for prompt, tokens in zip(prompts, ours):
+    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, len(prompt):].tolist()
+    assert tokens == expected, (prompt[:5], tokens, expected)
+print(f"{len(prompts)} prompts, greedy: identical to transformers' generate")
+
+# %% [markdown]
+# ### Bad input is refused, and changes nothing
+# Each of these raises a `ValueError` naming the field; the call that contains it adds none of its requests,
+# and the engine serves the next call as if nothing happened.
+
+# %%
+vocab = cpu_llm.engine.config.hf_config.vocab_size
+bad_requests = {
+    "empty prompt": ([[]], greedy),
+    "token id outside the vocabulary": ([[1, 2, vocab]], greedy),
+    "prompt longer than max_model_len": ([[1] * cpu_llm.engine.config.max_model_len], greedy),
+    "one bad prompt among good ones": ([[1, 2, 3], [], [4, 5]], greedy),
+}
+for name, (bad_prompts, params) in bad_requests.items():
+    try:
+        cpu_llm.generate(bad_prompts, params, use_tqdm=False)
+    except ValueError as e:
+        print(f"{name:>34}: {e}")
+    else:
+        raise AssertionError(f"{name} was accepted")
+for param, value in [("temperature", -1), ("top_p", 0), ("top_k", 0), ("min_p", 2), ("max_tokens", 0)]:
+    try:
+        SamplingParams(**{param: value})
+    except ValueError as e:
+        print(f"{param + '=' + str(value):>34}: {e}")
+assert not cpu_llm.engine.has_unfinished_requests()
+assert cpu_llm.engine.scheduler.block_manager.num_used_blocks == 0
+after = cpu_llm.generate([[1, 2, 3]], greedy, use_tqdm=False)[0].outputs[0].token_ids  # the engine still serves
+assert after == hf.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=20, do_sample=False, eos_token_id=None,
+                            pad_token_id=0)[0, 3:].tolist()
+
+# %% [markdown]
+# ## KV blocks over a whole run
+# Notebook 03 simulated block occupancy; here is the real engine's. We drive `LLMEngine` step by step on a
+# workload that fills the cache: 48 requests, a third of them behind a shared system prompt, and record after
+# every step how many blocks hold running sequences' KV, how many are free but still hold a cached prefix, and
+# how many are empty.
+
+# %%
+engine = cpu_llm.engine
+bm = engine.scheduler.block_manager
+system_prompt = random.choices(range(2048), k=64)
+for i in range(48):
+    prompt = (system_prompt if i % 3 == 0 else []) + random.choices(range(2048), k=random.randint(16, 160))
+    engine.add_request(prompt, SamplingParams(temperature=0.8, max_tokens=random.randint(16, 96), ignore_eos=True))
+occupancy, kinds = [], []
+while engine.has_unfinished_requests():
+    _, num_tokens = engine.step()
+    occupancy.append((bm.num_used_blocks, bm.num_cached_free_blocks, bm.num_free_blocks - bm.num_cached_free_blocks))
+    kinds.append("prefill" if num_tokens > 0 else "decode")
+used, cached, empty = map(list, zip(*occupancy))
+fig, ax = plt.subplots(figsize=(8, 3.5))
+ax.stackplot(range(len(used)), used, cached, empty, labels=["used by running requests", "free, prefix cached", "free"],
+             colors=["C0", "C2", "0.85"])
+for step, kind in enumerate(kinds):
+    if kind == "prefill":
+        ax.axvline(step, color="C3", lw=0.4, alpha=0.5)
+ax.set_xlabel("engine step (red lines: prefill steps)")
+ax.set_ylabel(f"KV blocks (of {bm.num_free_blocks + bm.num_used_blocks})")
+ax.set_title(f"KV block occupancy over a run: 48 requests, {engine.scheduler.num_preemptions} preemptions")
+ax.legend(loc="upper right", fontsize=8)
+fig.tight_layout()
+fig.savefig(FIGURES / "06_kv_occupancy.png", dpi=120)
+print(f"{len(used)} steps, peak {max(used)} blocks used, {engine.scheduler.num_preemptions} preemptions")
+assert bm.num_used_blocks == 0 and max(used) > 0.8 * (bm.num_free_blocks + bm.num_used_blocks) - 1
+
+# %% [markdown]
+# ## The course's final figures
+# **FlashAttention (prefill) vs PagedAttention (decode)**, measured on an H200 by `python -m
+# minivllm.benchmarks.prefill` and `python -m minivllm.benchmarks.decode` (notebooks 01 and 04). Prefill is
+# judged in TFLOP/s, because it is compute-bound; decode in TB/s, because it is memory-bound. The same attention
+# arithmetic, two different limits, two different kernels.
+
+# %%
+figures = Path("figures")
+prefill, decode = (json.loads((figures / f"{name}.json").read_text()) for name in ("prefill", "decode"))
+fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
+impls = list(dict.fromkeys(r["impl"] for r in prefill["rows"]))
+seqlens = sorted({r["seqlen"] for r in prefill["rows"]})
+for i, impl in enumerate(impls):
+    tflops = {r["seqlen"]: r["tflops"] for r in prefill["rows"] if r["impl"] == impl}
+    left.bar([j + 0.2 * i for j in range(len(seqlens))], [tflops.get(n, 0) for n in seqlens], 0.2, label=impl)
+left.set_xticks([j + 0.3 for j in range(len(seqlens))], [f"{n // 1024}k tokens" for n in seqlens])
+left.set_ylabel("TFLOP/s")
+left.set_title("prefill: FlashAttention, causal, batch 1")
+left.legend(fontsize=7)
+rows = [r for r in decode["rows"] if r["block_size"] == 16]
+impls = list(dict.fromkeys(r["impl"] for r in rows))
+shapes = list(dict.fromkeys((r["batch"], r["context_len"]) for r in rows))
+for i, impl in enumerate(impls):
+    tbps = {(r["batch"], r["context_len"]): r["tbps"] for r in rows if r["impl"] == impl}
+    right.bar([j + 0.25 * i for j in range(len(shapes))], [tbps[s] for s in shapes], 0.25, label=impl)
+right.axhline(decode["copy_tbps"], color="grey", ls=":", label="copy bandwidth")
+right.set_xticks([j + 0.25 for j in range(len(shapes))], [f"{b}×{c // 1024}k" for b, c in shapes])
+right.set_ylabel("TB/s of KV read")
+right.set_title("decode: PagedAttention, blocks of 16")
+right.legend(fontsize=7, loc="lower right")
+fig.suptitle(f"Attention kernels on {prefill['device']}, Qwen3-0.6B heads (16/8 × 128), bf16")
+fig.tight_layout()
+fig.savefig(FIGURES / "06_attention_kernels.png", dpi=120)
+
+# %% [markdown]
+# **Throughput** on nano-vllm's benchmark workload (256 requests, prompts and outputs of 100–1024 tokens),
+# minivllm against transformers' own continuous batching, from `python -m minivllm.benchmarks.throughput`:
+
+# %%
+throughput_file = figures / "throughput.json"
+if throughput_file.exists():
+    from minivllm.benchmarks.throughput import plot_throughput
+
+    throughput = json.loads(throughput_file.read_text())
+    plot_throughput(throughput).savefig(FIGURES / "06_throughput.png", dpi=120)
+    for row in throughput["rows"]:
+        print(f"{row['impl']:>28}: {row['tok_per_s']:,.0f} output tokens/s")
+else:
+    print("no H200 throughput measurement committed yet: run `python -m minivllm.benchmarks.throughput` on a GPU")
+
+# %% [markdown]
+# ## Check yourself
+# * Which two timings does a `RequestOutput` carry, and which part of the engine sets each one's size?
+# * Why must `generate` check every request before adding the first?
+# * In the occupancy figure, what are the green blocks, and what would happen to them if a new request arrived
+#   with the system prompt?
+#
+# The cell below asserts the second answer: a bad request in the middle of a list adds nothing.
+
+# %%
+before = engine.scheduler.block_manager.num_free_blocks
+try:
+    cpu_llm.generate([[1, 2], [vocab + 5], [3, 4]], greedy, use_tqdm=False)
+except ValueError:
+    pass
+assert not engine.has_unfinished_requests() and engine.scheduler.block_manager.num_free_blocks == before

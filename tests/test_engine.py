@@ -1,0 +1,156 @@
+"""The engine and vLLM's offline API (notebook 06): parity with transformers, stopping, validation, recovery, CLI."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from minivllm import LLM, SamplingParams
+from minivllm.checkpoint import write_checkpoint
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", "tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny):
+    with LLM(str(tiny), num_kvcache_blocks=256, max_num_seqs=16, max_model_len=512) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def hf(tiny):
+    return AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+
+
+def hf_greedy(hf, prompt: list[int], max_tokens: int) -> list[int]:
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
+                      pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_generate_equals_transformers_greedy_for_mixed_prompts(llm, hf, tiny):
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    shared = list(range(100, 150))
+    prompts = ["Once upon a time", [7], list(range(3, 40)), shared + [1], shared + [2, 3], "A paged KV cache is"]
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.prompt for o in outputs] == [p if isinstance(p, str) else None for p in prompts]
+    for prompt, out in zip(prompts, outputs):
+        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        assert out.prompt_token_ids == ids
+        assert out.outputs[0].token_ids == hf_greedy(hf, ids, 24)
+        assert out.outputs[0].finish_reason == "length" and out.finished
+        assert out.outputs[0].text == tokenizer.decode(out.outputs[0].token_ids, skip_special_tokens=True)
+        assert out.metrics.time_to_first_token > 0 and out.metrics.time_per_output_token(24) > 0
+
+
+def test_single_prompt_forms(llm):
+    by_text = llm.generate("Hello", GREEDY, use_tqdm=False)
+    by_ids = llm.generate(by_text[0].prompt_token_ids, GREEDY, use_tqdm=False)
+    assert len(by_text) == len(by_ids) == 1
+    assert by_text[0].outputs[0].token_ids == by_ids[0].outputs[0].token_ids
+
+
+def test_stop_token_ids_and_eos(llm, tiny, tmp_path):
+    tokens = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    stop = tokens[5]
+    first = tokens.index(stop)
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == tokens[: first + 1] and out.finish_reason == "stop"
+
+    # an end-of-sequence id from generation_config.json stops a request, unless ignore_eos
+    eos_folder = tmp_path / "eos"
+    shutil.copytree(tiny, eos_folder)
+    generation_config = json.loads((eos_folder / "generation_config.json").read_text())
+    generation_config["eos_token_id"] = [generation_config["eos_token_id"][0], stop]
+    (eos_folder / "generation_config.json").write_text(json.dumps(generation_config))
+    with LLM(str(eos_folder), num_kvcache_blocks=64, max_num_seqs=4, max_model_len=256) as eos_llm:
+        stopped = eos_llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+        ignored = eos_llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    assert stopped[0].outputs[0].token_ids == tokens[: first + 1] and stopped[0].outputs[0].finish_reason == "stop"
+    assert ignored[0].outputs[0].token_ids == tokens
+
+
+def test_max_tokens_and_max_model_len_finish_with_length(llm):
+    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3 and out[0].outputs[0].finish_reason == "length"
+    long = llm.generate([[1] * 500], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False)
+    assert len(long[0].outputs[0].token_ids) == 12 and long[0].outputs[0].finish_reason == "length"  # 512 in all
+
+
+@pytest.mark.parametrize("prompts, params, field", [
+    ([[]], GREEDY, "prompt is empty"),
+    ([[1, 2, 10**6]], GREEDY, "token id 1000000 is outside the vocabulary"),
+    ([[1] * 512], GREEDY, "max_model_len"),
+    ([[1, 2], [1, -3], [4]], GREEDY, "token id -3"),
+    ([[1, 2]], [GREEDY, GREEDY], "sampling_params has 2 entries"),
+    ([[1, 2]], "greedy", "sampling_params must be SamplingParams"),
+])
+def test_bad_requests_raise_and_change_nothing(llm, prompts, params, field):
+    free = llm.engine.scheduler.block_manager.num_free_blocks
+    with pytest.raises(ValueError, match=field):
+        llm.generate(prompts, params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.scheduler.block_manager.num_free_blocks == free
+    assert llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0].outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=0), "top_k"), (dict(top_k=-2), "top_k"), (dict(min_p=1.5), "min_p"), (dict(max_tokens=0), "max_tokens"),
+])
+def test_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_a_cache_too_small_for_the_prompt(tiny):
+    with LLM(str(tiny), num_kvcache_blocks=2, max_num_seqs=4, max_model_len=256) as small:
+        with pytest.raises(ValueError, match="KV cache holds 32"):
+            small.generate([[1] * 40], GREEDY, use_tqdm=False)
+        assert small.generate([[1] * 20], SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_missing_model_folder():
+    with pytest.raises(FileNotFoundError):
+        LLM("/no/such/folder")
+
+
+def test_an_interrupted_generate_leaves_the_engine_usable(llm, hf):
+    runner = llm.engine.runner
+    original, calls = runner.run, []
+
+    def failing_run(seqs, is_prefill):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return original(seqs, is_prefill)
+
+    runner.run = failing_run
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([list(range(10, 30)), [3, 4]], GREEDY, use_tqdm=False)
+    finally:
+        runner.run = original
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.scheduler.block_manager.num_used_blocks == 0
+    out = llm.generate([[3, 4]], GREEDY, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == hf_greedy(hf, [3, 4], 24)
+
+
+def test_cli_runs_the_tiny_preset(tmp_path):
+    env = dict(os.environ, MINIVLLM_CHECKPOINTS=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "minivllm", "--preset", "tiny", "--max-tokens", "8", "Hello there"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "'Hello there'" in proc.stdout and "output tokens in" in proc.stdout and "tokens/s" in proc.stdout
