@@ -211,11 +211,8 @@ print(f"saved {FIGURES / '01_compile_vs_eager.png'}")
 # Read the figure: on a single token the compiled call is no faster (there is almost no data to save
 # traffic on, and the guard check is pure overhead); on 8,192 tokens fusion saves whole passes over memory.
 # This is why engines compile the layers once and then capture whole decode steps in CUDA graphs
-# (notebook 04): the per-call overhead, not the arithmetic, dominates small batches.
-
-# %%
-large = [r for r in compile_rows if r["num_tokens"] == 8192]
-assert all(r["compiled"] < r["eager"] for r in large), large
+# (notebook 04): the per-call overhead, not the arithmetic, dominates small batches. (Timings move from run to
+# run and machine to machine, so this cell prints them rather than asserting them.)
 
 # %% [markdown]
 # ## Tensor-parallel linear layers
