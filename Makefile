@@ -1,6 +1,6 @@
 # Two commands for a fresh machine (see README.md):
 #   make demo   set up .venv, run the main job (the engine on the preset that suits this machine)
-#   make test   set up .venv, regenerate-and-check the notebooks, run every test and notebook
+#   make test   bash .ci/run: set up .venv, check the export, lint, run every test, notebook and solution
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -24,7 +24,5 @@ notebooks: setup
 export: setup
 	$(PY) tools/export.py
 
-test: setup
-	$(PY) tools/export.py --check
-	$(PY) -m ruff check .
-	$(PY) -m pytest -q --nbval-lax --nbval-current-env tests notebooks solutions
+test:
+	bash .ci/run

@@ -11,15 +11,12 @@ from minivllm.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str, tensor_parallel_size: int = 1, dtype: str = "auto", block_size: int = 16,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
-                 num_kvcache_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
-                 enforce_eager: bool = False, enable_prefix_caching: bool = True, seed: int = 0, **kwargs):
-        self.engine = LLMEngine(
-            model, tensor_parallel_size=tensor_parallel_size, dtype=dtype, block_size=block_size,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            num_kvcache_blocks=num_kvcache_blocks, gpu_memory_utilization=gpu_memory_utilization,
-            enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching, seed=seed, **kwargs)
+    """vLLM's offline entry point. Keyword arguments are `Config`'s fields, with its defaults (notebook 04):
+    tensor_parallel_size, dtype, block_size, max_num_seqs, max_num_batched_tokens, max_model_len,
+    num_kvcache_blocks, gpu_memory_utilization, enforce_eager, enable_prefix_caching, seed, device."""
+
+    def __init__(self, model: str, **kwargs):
+        self.engine = LLMEngine(model, **kwargs)
 
     def get_tokenizer(self):
         return self.engine.tokenizer

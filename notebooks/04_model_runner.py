@@ -59,6 +59,7 @@ random.seed(0)
 # Storing is a scatter of whole rows: one program per token copies `num_kv_heads * head_dim` values.
 
 # %% tags=["export"] module="minivllm.kernels.paged_attn"
+import functools
 import math
 
 import torch
@@ -235,13 +236,17 @@ def _combine_splits_kernel(
     tl.store(O + seq * stride_ob + head * stride_oh + offs_d, out.to(O.dtype.element_ty))
 
 
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
     """Enough programs to fill the GPU twice over; depends on the batch only, so a CUDA graph can fix it."""
     if device.type == "cpu":
         return 1
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     programs = batch * num_kv_heads
-    return 1 if programs >= num_sms else min(128, 2 * triton.cdiv(2 * num_sms, programs))
+    return 1 if programs >= num_sms(device) else min(128, 2 * triton.cdiv(2 * num_sms(device), programs))
 
 
 def flash_attn_with_kvcache(
@@ -1253,12 +1258,28 @@ class DecodeGraphs:
 
 # %% [markdown]
 # A graph removes the *launch* cost of each kernel, not the kernel: a graph of Qwen3-0.6B's decode step as the
-# layers of notebooks 01–02 write it still runs about 880 kernels, most of them a single elementwise operation
-# of RMSNorm (cast, square, mean, rsqrt, multiply, cast, multiply) or RoPE, each a few microseconds of GPU time
-# for almost no work. On an H200 a whole decode step at batch 1 took 4.7 ms that way, 2.1 ms with the change
-# below (and 11.3 → 8.1 ms at batch 256; `decode_step.json` holds the latter figures). So on a GPU the
+# layers of notebooks 01–02 write it still runs hundreds of kernels (the cell below counts the operations of one
+# forward), most of them a single elementwise operation of RMSNorm (cast, square, mean, rsqrt, multiply, cast,
+# multiply) or RoPE, each a few microseconds of GPU time
+# for almost no work; profiling a graph step on an H200 found most of its time in them. So on a GPU the
 # runner compiles the small layers with `torch.compile` (notebook 01's experiment: fusion pays when there is
 # overhead to remove), before capturing: each norm, each RoPE and each gated activation becomes one kernel.
+
+# %%
+from minivllm.checkpoint import preset_config
+from minivllm.models.qwen3 import Qwen3ForCausalLM
+
+with torch.device("meta"):  # the 0.6B's shapes, no memory
+    meta_model = Qwen3ForCausalLM(preset_config("qwen3-0.6b"))
+x, residual = torch.empty(1, 1024, device="meta"), torch.empty(1, 1024, device="meta")  # one decoding token
+positions, q, k = (torch.zeros(1, dtype=torch.long, device="meta"), torch.empty(1, 16, 128, device="meta"),
+                   torch.empty(1, 8, 128, device="meta"))
+with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    meta_model.model.norm(x, residual)
+    meta_model.model.layers[0].self_attn.rotary_emb(positions, q, k)
+ops = [e.name.removeprefix("aten::") for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None]
+print(f"one fused-residual RMSNorm and one RoPE: {len(ops)} operations: {' '.join(ops)}")
+assert len(ops) >= 30  # most launch a kernel of their own in eager mode; each layer has 4 norms and a RoPE
 
 # %% tags=["export"]
 def compile_small_layers(model: torch.nn.Module) -> None:

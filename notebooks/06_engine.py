@@ -102,6 +102,7 @@ class RequestOutput:
 # `generation_config.json` may list more EOS ids (Qwen3 has two), which we add to each request's stop tokens.
 
 # %% tags=["export"] module="minivllm.engine.llm_engine"
+import dataclasses
 import time
 from itertools import count
 from pathlib import Path
@@ -179,9 +180,7 @@ class LLMEngine:
     def with_eos(self, params: SamplingParams) -> SamplingParams:
         """A copy of params whose stop tokens include the checkpoint's extra EOS ids (unless ignore_eos)."""
         extra = [] if params.ignore_eos else self.eos_token_ids[1:]
-        stops = list(dict.fromkeys([*params.stop_token_ids, *extra]))
-        return SamplingParams(params.temperature, params.top_p, params.top_k, params.min_p, params.max_tokens,
-                              params.ignore_eos, params.seed, stops)
+        return dataclasses.replace(params, stop_token_ids=list(dict.fromkeys([*params.stop_token_ids, *extra])))
 
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
@@ -240,10 +239,10 @@ class LLMEngine:
 
 # %% [markdown]
 # ## `LLM`: vLLM's offline API
-# `LLM(model, ...)` takes the engine's settings as keyword arguments (vLLM's names: `tensor_parallel_size`,
-# `max_num_seqs`, `gpu_memory_utilization`, `enforce_eager`, ...). `generate` accepts a str, a list of str, or
-# a list of token-id lists, with one `SamplingParams` for all or one per prompt; it checks every request, then
-# adds them all, steps until they are done, and returns the outputs in the prompts' order. A progress bar
+# `LLM(model, ...)` takes the engine's settings as keyword arguments: the fields of notebook 04's `Config`,
+# with vLLM's names and defaults (`tensor_parallel_size`, `max_num_seqs`, `gpu_memory_utilization`, ...).
+# `generate` accepts a str, a list of str, or a list of token-id lists, with one `SamplingParams` for all or
+# one per prompt; it checks every request, then adds them all, steps until they are done, and returns the outputs in the prompts' order. A progress bar
 # shows finished requests and the prefill and decode token rates. If the loop is interrupted (an exception,
 # Ctrl-C), the call's unfinished requests are dropped and their KV blocks freed, so the engine can serve the
 # next call.
@@ -260,15 +259,12 @@ from minivllm.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str, tensor_parallel_size: int = 1, dtype: str = "auto", block_size: int = 16,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, max_model_len: int | None = None,
-                 num_kvcache_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
-                 enforce_eager: bool = False, enable_prefix_caching: bool = True, seed: int = 0, **kwargs):
-        self.engine = LLMEngine(
-            model, tensor_parallel_size=tensor_parallel_size, dtype=dtype, block_size=block_size,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            num_kvcache_blocks=num_kvcache_blocks, gpu_memory_utilization=gpu_memory_utilization,
-            enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching, seed=seed, **kwargs)
+    """vLLM's offline entry point. Keyword arguments are `Config`'s fields, with its defaults (notebook 04):
+    tensor_parallel_size, dtype, block_size, max_num_seqs, max_num_batched_tokens, max_model_len,
+    num_kvcache_blocks, gpu_memory_utilization, enforce_eager, enable_prefix_caching, seed, device."""
+
+    def __init__(self, model: str, **kwargs):
+        self.engine = LLMEngine(model, **kwargs)
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -1,7 +1,6 @@
 """Run a function on N CPU ranks over gloo, the way tensor-parallel workers run, and collect what each returns."""
 
 import os
-import socket
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -10,11 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from minivllm.engine.model_runner import free_port
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out: str) -> None:

@@ -35,18 +35,27 @@ def workload(num_seqs: int = 256, min_len: int = 100, max_len: int = 1024) -> tu
 
 
 class StepTimer:
-    """Wall time spent in the scheduler, in step preparation and in the runner's step, summed over a run."""
+    """Wall time spent in the scheduler, in step preparation and in the runner's step, summed over a run; a
+    context manager that wraps those functions on entry and puts the originals back on exit."""
 
     def __init__(self, llm: LLM):
+        engine = llm.engine
         self.totals: dict[str, float] = defaultdict(float)
         self.counts: dict[str, int] = defaultdict(int)
-        engine = llm.engine
-        self.wrap(engine.scheduler, "schedule", "scheduler")
-        self.wrap(engine.scheduler, "postprocess", "scheduler")
-        self.wrap(engine.runner, "run", "runner.run")
-        for name in ("prepare_prefill", "prepare_decode"):  # module functions the runner calls by name
-            original = getattr(model_runner, name)
-            setattr(model_runner, name, self.timed(original, "prepare (in runner.run)"))
+        self.targets = [(engine.scheduler, "schedule", "scheduler"), (engine.scheduler, "postprocess", "scheduler"),
+                        (engine.runner, "run", "runner.run"),
+                        (model_runner, "prepare_prefill", "prepare (in runner.run)"),  # module functions the
+                        (model_runner, "prepare_decode", "prepare (in runner.run)")]  # runner calls by name
+
+    def __enter__(self) -> "StepTimer":
+        self.originals = [getattr(obj, name) for obj, name, _ in self.targets]
+        for (obj, name, key), fn in zip(self.targets, self.originals):
+            setattr(obj, name, self.timed(fn, key))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for (obj, name, _), fn in zip(self.targets, self.originals):
+            setattr(obj, name, fn)
 
     def timed(self, fn, key: str):
         def wrapper(*args, **kwargs):
@@ -58,18 +67,15 @@ class StepTimer:
                 self.counts[key] += 1
         return wrapper
 
-    def wrap(self, obj, method: str, key: str) -> None:
-        setattr(obj, method, self.timed(getattr(obj, method), key))
-
 
 def run_minivllm(path: Path, prompts, output_lens, enforce_eager: bool) -> tuple[dict, dict]:
     llm = LLM(str(path), enforce_eager=enforce_eager, max_model_len=4096)
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)  # warm-up
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens]
-    timer = StepTimer(llm)
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
+    with StepTimer(llm) as timer:
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
     output_tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
     assert output_tokens == sum(output_lens)
     llm.close()
