@@ -16,7 +16,7 @@ class Config:
     dtype: str | torch.dtype = "auto"  # the checkpoint's dtype on a GPU, float32 on a CPU
     block_size: int = 16  # tokens per KV block
     max_num_seqs: int = 256  # sequences in one batch at most
-    max_num_batched_tokens: int = 8192  # new tokens in one prefill step at most
+    max_num_batched_tokens: int = 16384  # new tokens in one prefill step at most
     max_model_len: int | None = None  # prompt + completion tokens at most; None: the model's context length
     num_kvcache_blocks: int | None = None  # None: as many as gpu_memory_utilization allows (on a CPU: see below)
     gpu_memory_utilization: float = 0.9

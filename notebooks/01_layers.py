@@ -668,6 +668,11 @@ print(f"at N=32k: naive {naive_bytes[-1] / 2**30:.0f} GiB vs flash {flash_bytes[
 #
 # Triton only gets pointers and strides: we do the address arithmetic by hand (no block pointers), which
 # works on every Triton from 3.6 on.
+#
+# **One compile, not one per step.** Triton compiles a kernel the first time it sees a new *specialization*
+# of its integer arguments: a value of 1, or a multiple of 16, gets code of its own. `num_m_blocks` changes
+# with every batch of prompts, so an engine would stall for a fresh compile mid-run whenever it crossed
+# such a value. `do_not_specialize` tells Triton to treat it as a plain runtime integer.
 
 # %% tags=["export"] module="minivllm.kernels.flash_attn"
 import math
@@ -724,7 +729,7 @@ def causal_bounds(start_m, k_len, shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.cons
     return (unmasked // BLOCK_N) * BLOCK_N, hi
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_m_blocks"])  # changes every step: one compiled kernel for all values
 def _prefill_kernel(
     Q, K, V, O, cu_seqlens_q, cu_seqlens_k, qk_scale, num_m_blocks,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,

@@ -180,7 +180,7 @@ def paged_rows(block_table_row, tok, valid, BLOCK_SIZE: tl.constexpr):
     return block.to(tl.int64) * BLOCK_SIZE + tok % BLOCK_SIZE
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])  # vary from step to step (notebook 01)
 def _decode_kernel(
     Q, K, V, partial_out, partial_lse, cache_seqlens, block_table, qk_scale, num_splits,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_bt,
@@ -218,7 +218,7 @@ def _decode_kernel(
     tl.store(partial_lse + seq * stride_lb + heads * stride_lh + split, lse, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _combine_splits_kernel(
     partial_out, partial_lse, O, num_splits, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     stride_ob, stride_oh, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
@@ -351,9 +351,13 @@ for block_size, num_heads, num_kv_heads in ((16, 8, 2), (32, 8, 8), (256, 8, 1))
 # new tokens, `cu_seqlens_k`) through its block table, with the bottom-right causal mask of notebook 01, so
 # new token `i` sees every cached token and the new tokens up to itself. It is notebook 01's kernel with the
 # key rows looked up instead of computed.
+#
+# Two of its integers change from step to step: `num_m_blocks`, as in notebook 01, and the block table's row
+# stride (the longest sequence's block count). Neither is specialized on, so Triton compiles the kernel once
+# (the decode kernel, which the model runner also calls eagerly, gets the same treatment).
 
 # %% tags=["export"]
-@triton.jit
+@triton.jit(do_not_specialize=["num_m_blocks", "stride_bt"])
 def _paged_prefill_kernel(
     Q, K, V, O, cu_seqlens_q, cu_seqlens_k, block_table, qk_scale, num_m_blocks,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt,
@@ -722,8 +726,10 @@ assert not torch.equal(batch[1], batch[2]) and not torch.equal(alone, later)
 # host reads them, to seed generators, and reading them back from the GPU would make the CPU wait for the
 # model. A seed may be any Python integer; it is folded into `[0, 2⁶³)` so that `-1` can mean "no seed".
 #
-# `filtering` records whether any random row uses a filter at all. A plain `temperature=0.6` workload
-# (nano-vllm's benchmark, for one) uses none, and then the sampler skips the sort, its most expensive step.
+# Three flags, read on the host, let the sampler skip work the batch does not need. `filtering` records
+# whether any random row uses a filter at all: a plain `temperature=0.6` workload (nano-vllm's benchmark,
+# for one) uses none, and then the sampler skips the sort, its most expensive step. `all_greedy` (nothing
+# to draw) and `any_greedy` (an argmax to merge in) save whole passes over the `(batch, vocab)` logits.
 
 # %% tags=["export"]
 @dataclass(slots=True)
@@ -737,6 +743,8 @@ class SamplingTensors:
     seeds: torch.Tensor  # (batch,) int64, on the CPU; -1 = no seed
     steps: torch.Tensor  # (batch,) int64, on the CPU; tokens generated so far = index of the token being drawn
     filtering: bool = True  # some random row uses top-k, top-p or min-p; if none does, the sort is skipped
+    any_greedy: bool = True  # some row has temperature 0
+    all_greedy: bool = False  # every row has: no random draw at all
 
     @classmethod
     def from_seqs(cls, seqs: list[Sequence], device: torch.device | str = "cpu") -> "SamplingTensors":
@@ -754,6 +762,8 @@ class SamplingTensors:
             seeds=torch.tensor([-1 if p.seed is None else p.seed % 2**63 for p in params], dtype=torch.int64),
             steps=torch.tensor([seq.num_completion_tokens for seq in seqs], dtype=torch.int64),
             filtering=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in params),
+            any_greedy=any(p.temperature == 0 for p in params),
+            all_greedy=all(p.temperature == 0 for p in params),
         )
 
 # %%
@@ -767,28 +777,32 @@ sampling = SamplingTensors.from_seqs(seqs)
 print(sampling)
 assert sampling.temperatures.dtype == torch.float32 and sampling.top_ks.dtype == torch.int64
 assert sampling.seeds.tolist() == [-1, 7] and sampling.steps.tolist() == [0, 1] and sampling.filtering
-assert not SamplingTensors.from_seqs(seqs[:1]).filtering
+assert sampling.any_greedy and not sampling.all_greedy
+assert not SamplingTensors.from_seqs(seqs[:1]).filtering and SamplingTensors.from_seqs(seqs[:1]).all_greedy
+assert not SamplingTensors.from_seqs(seqs[1:]).any_greedy
 
 # %% [markdown]
 # ### The sampler
 # Everything together. Greedy rows take the argmax of the raw logits; their temperature is replaced by 1 so
 # the division stays finite, and their (unused) random draw is thrown away by the final `torch.where`, so
 # nothing another row does can change them. Random rows go through temperature, the filters and the race.
-# The caller's logits are never written to (`.float()` returns the same tensor when they already are float32).
+# The caller's logits are never written to: dividing them (bf16 on a GPU) by the float32 temperatures makes
+# a new float32 tensor, with no separate upcast pass. A batch of greedy rows only needs the argmax.
 
 # %% tags=["export"]
 class Sampler(nn.Module):
     """One token id per row of logits: the argmax where temperature is 0, else a draw from the filtered distribution."""
 
     def forward(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:  # logits: (batch, vocab)
-        logits = logits.float()
+        if t.all_greedy:
+            return logits.argmax(dim=-1)
         greedy = t.temperatures == 0  # (batch,)
-        temperatures = torch.where(greedy, 1.0, t.temperatures)[:, None]  # (batch, 1)
-        probs = torch.softmax(logits / temperatures, dim=-1)  # (batch, vocab)
+        temperatures = torch.where(greedy, 1.0, t.temperatures)[:, None]  # (batch, 1) float32
+        probs = torch.softmax(logits / temperatures, dim=-1)  # (batch, vocab) float32
         if t.filtering:
             probs = filter_probs(probs, t.top_ks, t.top_ps, t.min_ps)
         sampled = probs.div_(exponential_noise(probs, t.seeds, t.steps)).argmax(dim=-1)  # (batch,)
-        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+        return torch.where(greedy, logits.argmax(dim=-1), sampled) if t.any_greedy else sampled
 
 # %% [markdown]
 # Check: 20,000 rows of the cat distribution in one batch, at temperatures 1 and 0.5, no filter. The
@@ -987,7 +1001,7 @@ class Config:
     dtype: str | torch.dtype = "auto"  # the checkpoint's dtype on a GPU, float32 on a CPU
     block_size: int = 16  # tokens per KV block
     max_num_seqs: int = 256  # sequences in one batch at most
-    max_num_batched_tokens: int = 8192  # new tokens in one prefill step at most
+    max_num_batched_tokens: int = 16384  # new tokens in one prefill step at most
     max_model_len: int | None = None  # prompt + completion tokens at most; None: the model's context length
     num_kvcache_blocks: int | None = None  # None: as many as gpu_memory_utilization allows (on a CPU: see below)
     gpu_memory_utilization: float = 0.9
@@ -1182,6 +1196,14 @@ print(f"an H200 holds ≈ {h200 / per_token / 1e6:.2f} M tokens of KV: {h200 / p
 assert per_token == 112 * 1024
 
 # %% tags=["export"]
+def prefix_hit_step(block_size: int) -> StepInputs:
+    """A prefill of 2 new tokens after block_size - 2 cached ones, all in block 0: the shape of a prefix-cache
+    hit or a chunked prompt's next chunk, run once at start-up (the cache holds nothing yet)."""
+    positions = np.arange(block_size - 2, block_size)
+    return StepInputs(True, np.zeros(2, dtype=np.int64), positions, positions.copy(), np.zeros((1, 1), np.int32),
+                      cu_seqlens_q=np.array([0, 2], np.int32), cu_seqlens_k=np.array([0, block_size], np.int32))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -1324,8 +1346,10 @@ def worker_main(config: Config, rank: int, port: int) -> None:
 
 # %% [markdown]
 # ### Putting it together
-# `ModelRunner(config)` loads the model (this rank's slice), sizes and allocates the KV cache, captures the
-# decode graphs, and then serves `run(seqs, is_prefill) -> token ids`. `step_logits` is the same step without
+# `ModelRunner(config)` loads the model (this rank's slice), sizes and allocates the KV cache, runs one
+# prefill after a cached prefix (so Triton compiles the paged prefill kernel at start-up rather than in the
+# middle of a request), captures the decode graphs, and then serves `run(seqs, is_prefill) -> token ids`.
+# `run` queues the forward before it builds the sampling tensors, so the host does that while the GPU works. `step_logits` is the same step without
 # the sampler: what the tests compare with `prompt_logits`.
 
 # %% tags=["export"]
@@ -1350,6 +1374,8 @@ class ModelRunner:
             self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
             self.sampler = Sampler()
             self.num_kvcache_blocks = self.allocate_kv_cache()
+            if self.device.type == "cuda":  # compile the paged prefill kernel now, not in the first request
+                self.execute(prefix_hit_step(self.block_size))
             if self.device.type == "cuda" and not config.enforce_eager:
                 max_blocks = -(-config.max_model_len // self.block_size)
                 self.graphs = DecodeGraphs(self.model, config.max_num_seqs, max_blocks,
@@ -1489,8 +1515,9 @@ class ModelRunner:
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         """One step for these sequences: the next token of each."""
-        sampling = SamplingTensors.from_seqs(seqs, self.device)
-        return self.sampler(self.step_logits(seqs, is_prefill), sampling).tolist()
+        logits = self.step_logits(seqs, is_prefill)  # queued on the GPU: the host goes on
+        sampling = SamplingTensors.from_seqs(seqs, self.device)  # built while the GPU computes the logits
+        return self.sampler(logits, sampling).tolist()
 
 # %% [markdown]
 # ## Every path gives the logits of a from-scratch forward

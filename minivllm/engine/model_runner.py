@@ -79,6 +79,14 @@ def prepare_decode(seqs: list[Sequence], block_size: int) -> StepInputs:
                       context_lens=context_lens)
 
 
+def prefix_hit_step(block_size: int) -> StepInputs:
+    """A prefill of 2 new tokens after block_size - 2 cached ones, all in block 0: the shape of a prefix-cache
+    hit or a chunked prompt's next chunk, run once at start-up (the cache holds nothing yet)."""
+    positions = np.arange(block_size - 2, block_size)
+    return StepInputs(True, np.zeros(2, dtype=np.int64), positions, positions.copy(), np.zeros((1, 1), np.int32),
+                      cu_seqlens_q=np.array([0, 2], np.int32), cu_seqlens_k=np.array([0, block_size], np.int32))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -188,6 +196,8 @@ class ModelRunner:
             self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
             self.sampler = Sampler()
             self.num_kvcache_blocks = self.allocate_kv_cache()
+            if self.device.type == "cuda":  # compile the paged prefill kernel now, not in the first request
+                self.execute(prefix_hit_step(self.block_size))
             if self.device.type == "cuda" and not config.enforce_eager:
                 max_blocks = -(-config.max_model_len // self.block_size)
                 self.graphs = DecodeGraphs(self.model, config.max_num_seqs, max_blocks,
@@ -327,5 +337,6 @@ class ModelRunner:
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         """One step for these sequences: the next token of each."""
-        sampling = SamplingTensors.from_seqs(seqs, self.device)
-        return self.sampler(self.step_logits(seqs, is_prefill), sampling).tolist()
+        logits = self.step_logits(seqs, is_prefill)  # queued on the GPU: the host goes on
+        sampling = SamplingTensors.from_seqs(seqs, self.device)  # built while the GPU computes the logits
+        return self.sampler(logits, sampling).tolist()

@@ -54,7 +54,7 @@ def causal_bounds(start_m, k_len, shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.cons
     return (unmasked // BLOCK_N) * BLOCK_N, hi
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_m_blocks"])  # changes every step: one compiled kernel for all values
 def _prefill_kernel(
     Q, K, V, O, cu_seqlens_q, cu_seqlens_k, qk_scale, num_m_blocks,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,

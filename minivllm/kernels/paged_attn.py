@@ -68,7 +68,7 @@ def paged_rows(block_table_row, tok, valid, BLOCK_SIZE: tl.constexpr):
     return block.to(tl.int64) * BLOCK_SIZE + tok % BLOCK_SIZE
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_bt"])  # vary from step to step (notebook 01)
 def _decode_kernel(
     Q, K, V, partial_out, partial_lse, cache_seqlens, block_table, qk_scale, num_splits,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_bt,
@@ -106,7 +106,7 @@ def _decode_kernel(
     tl.store(partial_lse + seq * stride_lb + heads * stride_lh + split, lse, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _combine_splits_kernel(
     partial_out, partial_lse, O, num_splits, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
     stride_ob, stride_oh, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
@@ -185,7 +185,7 @@ def flash_attn_with_kvcache(
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_m_blocks", "stride_bt"])
 def _paged_prefill_kernel(
     Q, K, V, O, cu_seqlens_q, cu_seqlens_k, block_table, qk_scale, num_m_blocks,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt,

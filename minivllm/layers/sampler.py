@@ -56,6 +56,8 @@ class SamplingTensors:
     seeds: torch.Tensor  # (batch,) int64, on the CPU; -1 = no seed
     steps: torch.Tensor  # (batch,) int64, on the CPU; tokens generated so far = index of the token being drawn
     filtering: bool = True  # some random row uses top-k, top-p or min-p; if none does, the sort is skipped
+    any_greedy: bool = True  # some row has temperature 0
+    all_greedy: bool = False  # every row has: no random draw at all
 
     @classmethod
     def from_seqs(cls, seqs: list[Sequence], device: torch.device | str = "cpu") -> "SamplingTensors":
@@ -73,6 +75,8 @@ class SamplingTensors:
             seeds=torch.tensor([-1 if p.seed is None else p.seed % 2**63 for p in params], dtype=torch.int64),
             steps=torch.tensor([seq.num_completion_tokens for seq in seqs], dtype=torch.int64),
             filtering=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in params),
+            any_greedy=any(p.temperature == 0 for p in params),
+            all_greedy=all(p.temperature == 0 for p in params),
         )
 
 
@@ -80,11 +84,12 @@ class Sampler(nn.Module):
     """One token id per row of logits: the argmax where temperature is 0, else a draw from the filtered distribution."""
 
     def forward(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:  # logits: (batch, vocab)
-        logits = logits.float()
+        if t.all_greedy:
+            return logits.argmax(dim=-1)
         greedy = t.temperatures == 0  # (batch,)
-        temperatures = torch.where(greedy, 1.0, t.temperatures)[:, None]  # (batch, 1)
-        probs = torch.softmax(logits / temperatures, dim=-1)  # (batch, vocab)
+        temperatures = torch.where(greedy, 1.0, t.temperatures)[:, None]  # (batch, 1) float32
+        probs = torch.softmax(logits / temperatures, dim=-1)  # (batch, vocab) float32
         if t.filtering:
             probs = filter_probs(probs, t.top_ks, t.top_ps, t.min_ps)
         sampled = probs.div_(exponential_noise(probs, t.seeds, t.steps)).argmax(dim=-1)  # (batch,)
-        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+        return torch.where(greedy, logits.argmax(dim=-1), sampled) if t.any_greedy else sampled
