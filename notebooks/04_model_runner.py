@@ -1055,6 +1055,7 @@ class Config:
 
 # %% tags=["export"] module="minivllm.engine.model_runner"
 import atexit
+import gc
 import os
 import socket
 import threading
@@ -1326,6 +1327,7 @@ def compile_small_layers(model: torch.nn.Module) -> None:
 # * each worker watches its parent and exits if it is gone, even after a `kill -9` of rank 0;
 # * `init_process_group` has a timeout, and rank 0 checks its workers are alive before waiting on them;
 # * `close()` (also run at exit) sends every worker an `exit` message, joins them, and terminates any straggler.
+#   It also hands the KV cache back to the GPU, so one process can run one engine after another.
 #
 # Control messages go over a gloo group (CPU sockets); on GPUs the tensors go over NCCL.
 
@@ -1438,8 +1440,20 @@ class ModelRunner:
         for worker in self.workers:  # a failure before init_process_group finished
             if worker.is_alive():
                 worker.terminate()
+        self.free_gpu_memory()
         if self.rank == 0:
             atexit.unregister(self.close)
+
+    def free_gpu_memory(self) -> None:
+        """Give the KV cache and the graphs' memory back to the GPU, so a next engine in this process can size
+        its own cache: PyTorch's allocator keeps freed blocks reserved until `empty_cache()`."""
+        if self.device.type != "cuda":
+            return
+        for layer in getattr(self, "attention_layers", []):
+            layer.k_cache = layer.v_cache = None
+        self.graphs = None
+        gc.collect()
+        torch.cuda.empty_cache()
 
     # --- memory ----------------------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -265,3 +265,16 @@ def test_cuda_graph_replay_equals_eager(tiny, batch):
     for g, e in zip(graph, eager):  # a padded batch may change the decode split count: equal up to bf16 rounding
         torch.testing.assert_close(g, e, rtol=2e-2, atol=2e-2)
         assert (g.argmax(-1) == e.argmax(-1)).float().mean() > 0.9
+
+
+@pytest.mark.gpu
+def test_close_gives_the_kv_cache_back_to_the_gpu(tiny):
+    """A second engine in the same process gets (about) the cache the first one had."""
+    first = ModelRunner(Config(tiny, dtype=torch.bfloat16, gpu_memory_utilization=0.5, max_num_seqs=16))
+    blocks = first.num_kvcache_blocks
+    first.close()
+    second = ModelRunner(Config(tiny, dtype=torch.bfloat16, gpu_memory_utilization=0.5, max_num_seqs=16))
+    try:
+        assert second.num_kvcache_blocks >= 0.95 * blocks
+    finally:
+        second.close()
