@@ -125,16 +125,30 @@ def run_throughput_benchmark(num_seqs: int = 256, preset: str = "qwen3-0.6b", im
 
 
 def plot_throughput(data: dict):
+    """Output tokens/s per implementation; beside it, where minivllm's run time goes."""
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.5, 3.5))
+    fig, (ax, split) = plt.subplots(1, 2, figsize=(11, 3.5), gridspec_kw=dict(width_ratios=[3, 2]))
     rows = data["rows"]
-    ax.barh([r["impl"] for r in rows], [r["tok_per_s"] for r in rows], color=["C0", "C1", "C2"][: len(rows)])
+    ax.barh([r["impl"] for r in rows], [r["tok_per_s"] for r in rows], color=[f"C{i}" for i in range(len(rows))])
     for i, r in enumerate(rows):
         ax.text(r["tok_per_s"], i, f" {r['tok_per_s']:,.0f}", va="center")
     ax.set_xlabel("output tokens / s")
     ax.set_title(f"{rows[0]['num_seqs']} requests, {data['preset']} ({data['device']})")
     ax.invert_yaxis()
+    for i, (impl, parts) in enumerate(data.get("step_breakdown", {}).items()):
+        total = next(r["seconds"] for r in rows if r["impl"] == impl)
+        host = parts["scheduler"]["seconds"] + parts["prepare (in runner.run)"]["seconds"]
+        gpu = parts["runner.run"]["seconds"] - parts["prepare (in runner.run)"]["seconds"]
+        left = 0.0
+        for j, (label, sec) in enumerate([("scheduler + step inputs (host)", host),
+                                          ("forward + sampler", gpu), ("rest (engine)", total - host - gpu)]):
+            split.barh(impl, sec / total, left=left, color=f"C{j + 4}", label=label if i == 0 else None)
+            left += sec / total
+    split.set_xlabel("share of the run's wall time")
+    split.invert_yaxis()
+    split.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=2)
+    fig.tight_layout()
     return fig
 
 
