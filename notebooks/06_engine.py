@@ -322,6 +322,8 @@ class LLM:
 # ## Qwen3 end to end
 # On a GPU this runs the `qwen3-0.6b` preset (random weights, Qwen3-0.6B's exact shapes); on a CPU the tiny one.
 # Random weights write random text: what matters here is that every token is the one the model computes.
+# The presets share a small tokenizer that knows only ids below 2,048, so on the 0.6B preset (151,936 ids)
+# most tokens have no text at all: the first token ids are printed too.
 
 # %%
 from minivllm import LLM, SamplingParams
@@ -334,7 +336,8 @@ outputs = llm.generate(["The capital of France is", "A paged KV cache", "Once up
                        [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, seed=i) for i in range(3)])
 for out in outputs:
     done = out.outputs[0]
-    print(f"{out.prompt!r} -> {done.text!r}\n    {len(done.token_ids)} tokens, finish_reason={done.finish_reason}, "
+    print(f"{out.prompt!r} -> {done.text!r} (token ids {done.token_ids[:6]}...)\n"
+          f"    {len(done.token_ids)} tokens, finish_reason={done.finish_reason}, "
           f"TTFT {out.metrics.time_to_first_token * 1e3:.1f} ms, "
           f"TPOT {out.metrics.time_per_output_token(len(done.token_ids)) * 1e3:.2f} ms")
 
