@@ -17,7 +17,7 @@ class Sequence:
 
     counter = count()
 
-    def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None, block_size: int = 256):
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None, block_size: int = 16):
         if len(token_ids) == 0:
             raise ValueError("token_ids must hold at least one token, got an empty prompt")
         if block_size < 1:
