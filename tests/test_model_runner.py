@@ -278,3 +278,50 @@ def test_close_gives_the_kv_cache_back_to_the_gpu(tiny):
         assert second.num_kvcache_blocks >= 0.95 * blocks
     finally:
         second.close()
+
+
+# --- on two GPUs: tensor parallelism over NCCL -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def qwen3_06b(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen3-0.6b", "qwen3-0.6b", seed=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism over NCCL needs two GPUs")
+def test_gpu_tensor_parallel_2_agrees_with_1_in_bf16(qwen3_06b):
+    """Teacher forcing on the 0.6B preset: TP 2 (CUDA graphs, NCCL) differs from TP 1 by bf16 rounding only,
+    no more than TP 1 differs from float32; and close() ends the worker and the process group."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    prompts = [random.Random(n).choices(range(10000), k=n) for n in (7, 100, 513)]
+    config = dict(dtype=torch.bfloat16, gpu_memory_utilization=0.3, max_num_seqs=16, max_model_len=1024)
+    single_runner = ModelRunner(Config(qwen3_06b, **config))
+    try:
+        seqs, single, _ = run_steps(single_runner, prompts, num_decode_steps=16)
+    finally:
+        single_runner.close()
+    tokens = [seq.completion_token_ids for seq in seqs]
+    tp = ModelRunner(Config(qwen3_06b, tensor_parallel_size=2, **config))
+    replays = []
+    try:
+        assert tp.graphs is not None
+        replay = tp.graphs.replay
+        tp.graphs.replay = lambda *args: replays.append(1) or replay(*args)
+        _, double, _ = run_steps(tp, prompts, num_decode_steps=16, force=tokens)
+    finally:
+        tp.close()
+    assert len(replays) == 16  # every decode step went through a CUDA graph
+    assert not tp.workers[0].is_alive() and not dist.is_initialized()
+    reference = load_model(qwen3_06b, dtype=torch.float32, device="cuda")
+    fp32 = [reference.prompt_logits(seq.token_ids).float().cpu()[seq.num_prompt_tokens - 1 : len(seq) - 1]
+            for seq in seqs]
+    single, double, fp32 = torch.cat(single), torch.cat(double), torch.cat(fp32)
+    tp_error, bf16_error = (double - single).abs().max().item(), (single - fp32).abs().max().item()
+    top2 = fp32.topk(2, dim=-1).values
+    decisive = top2[:, 0] - top2[:, 1] > 0.1
+    agree = (double.argmax(-1) == single.argmax(-1)).float().mean().item()
+    print(f"TP 2 vs 1: max |Δ| {tp_error:.4f}, top-1 agreement {agree:.1%}; TP 1 bf16 vs fp32: max |Δ| {bf16_error:.4f}")
+    assert tp_error <= 2 * bf16_error
+    assert (double.argmax(-1) == fp32.argmax(-1))[decisive].all()

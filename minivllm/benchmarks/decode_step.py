@@ -39,37 +39,47 @@ def step_ms(runner: ModelRunner, seqs: list[Sequence], steps: int = 20) -> float
     return sorted(times[3:])[steps // 2]
 
 
+def decode_step_rows(path: Path, context_len: int, batch_sizes, impls=("minivllm", "minivllm-eager"),
+                     **config) -> tuple[list[dict], dict]:
+    """Median decode-step times of a runner on checkpoint `path` (Config fields in `config`) per batch size and
+    impl, and the size of the runner's KV cache. "minivllm-eager" switches the graphs off (one GPU only:
+    workers of a tensor-parallel runner keep theirs)."""
+    runner = ModelRunner(Config(path, max_num_seqs=max(batch_sizes), max_model_len=4096, **config))
+    try:
+        rng = random.Random(0)
+        bm = BlockManager(runner.num_kvcache_blocks, runner.block_size, enable_prefix_caching=False)
+        rows = []
+        for batch in batch_sizes:
+            seqs = [Sequence(rng.choices(range(10000), k=context_len), SamplingParams(temperature=0.6),
+                             runner.block_size) for _ in range(batch)]
+            for seq in seqs:
+                bm.allocate(seq)
+                seq.num_scheduled_tokens = len(seq)  # the whole prompt in one prefill step
+            for i in range(0, batch, 16):  # prefill, 16 sequences a step
+                for seq, token in zip(seqs[i : i + 16], runner.run(seqs[i : i + 16], is_prefill=True)):
+                    seq.append_token(token)
+                    bm.may_append(seq)
+            graphs = runner.graphs
+            for impl in impls:
+                runner.graphs = graphs if impl == "minivllm" else None
+                ms = step_ms(runner, seqs)
+                rows.append(dict(impl=impl, batch=batch, context_len=context_len + 1, ms=ms))
+                print(f"{impl:>15} batch {batch:>3}: {ms:7.2f} ms per decode step")
+            runner.graphs = graphs
+            for seq in seqs:
+                bm.deallocate(seq)
+        blocks, block_size = runner.num_kvcache_blocks, runner.block_size
+        return rows, dict(num_kvcache_blocks=blocks, block_size=block_size, kv_cache_tokens=blocks * block_size)
+    finally:
+        runner.close()
+
+
 def run_decode_step_benchmark(context_len: int = 512, batch_sizes=BATCH_SIZES,
                               module: str = "minivllm.benchmarks.decode_step") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = write_checkpoint(Path(tmp) / "qwen3-0.6b", "qwen3-0.6b", seed=0)
-        runner = ModelRunner(Config(path, max_num_seqs=max(batch_sizes), max_model_len=4096))
-    rng = random.Random(0)
-    bm = BlockManager(runner.num_kvcache_blocks, runner.block_size, enable_prefix_caching=False)
-    rows = []
-    for batch in batch_sizes:
-        seqs = [Sequence(rng.choices(range(10000), k=context_len), SamplingParams(temperature=0.6),
-                         runner.block_size) for _ in range(batch)]
-        for seq in seqs:
-            bm.allocate(seq)
-            seq.num_scheduled_tokens = len(seq)  # the whole prompt in one prefill step
-        for i in range(0, batch, 16):  # prefill, 16 sequences a step
-            for seq, token in zip(seqs[i : i + 16], runner.run(seqs[i : i + 16], is_prefill=True)):
-                seq.append_token(token)
-                bm.may_append(seq)
-        graphs = runner.graphs
-        for impl in ("minivllm", "minivllm-eager"):
-            runner.graphs = graphs if impl == "minivllm" else None
-            ms = step_ms(runner, seqs)
-            rows.append(dict(impl=impl, batch=batch, context_len=context_len + 1, ms=ms))
-            print(f"{impl:>15} batch {batch:>3}: {ms:7.2f} ms per decode step")
-        runner.graphs = graphs
-        for seq in seqs:
-            bm.deallocate(seq)
-    kv_tokens = runner.num_kvcache_blocks * runner.block_size
-    runner.close()
-    return result(module, rows, preset="qwen3-0.6b", dtype="bfloat16", num_kvcache_blocks=runner.num_kvcache_blocks,
-                  block_size=runner.block_size, kv_cache_tokens=kv_tokens, gpu_memory_utilization=0.9,
+        rows, cache = decode_step_rows(path, context_len, batch_sizes)
+    return result(module, rows, preset="qwen3-0.6b", dtype="bfloat16", **cache, gpu_memory_utilization=0.9,
                   total_memory_gib=torch.cuda.get_device_properties(0).total_memory / 2**30)
 
 

@@ -68,17 +68,17 @@ class StepTimer:
         return wrapper
 
 
-def run_minivllm(path: Path, prompts, output_lens, enforce_eager: bool) -> tuple[dict, dict]:
-    llm = LLM(str(path), enforce_eager=enforce_eager, max_model_len=4096)
-    llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)  # warm-up
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens]
-    with StepTimer(llm) as timer:
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - start
+def run_minivllm(path: Path, prompts, output_lens, **config) -> tuple[dict, dict]:
+    """Output tokens/s of an LLM on checkpoint `path` (Config fields in `config`), and its step breakdown."""
+    with LLM(str(path), max_model_len=4096, **config) as llm:
+        llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)  # warm-up
+        params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens]
+        with StepTimer(llm) as timer:
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            seconds = time.perf_counter() - start
     output_tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
     assert output_tokens == sum(output_lens)
-    llm.close()
     breakdown = {k: dict(seconds=v, calls=timer.counts[k]) for k, v in timer.totals.items()}
     return dict(output_tokens=output_tokens, seconds=seconds, tok_per_s=output_tokens / seconds), breakdown
 

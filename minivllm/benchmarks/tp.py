@@ -1,0 +1,83 @@
+"""Tensor parallelism 1 vs 2 (or more) on one machine: decode step time and end-to-end throughput, in one run.
+
+    python -m minivllm.benchmarks.tp [--tp 1 2] [--context-len 512] [--out notebooks/figures]
+
+Writes the qwen3-0.6b preset (random weights, bf16) once, then for each tensor-parallel size: the decode step
+of `decode_step` (CUDA graphs; batch sizes 1..256 at one context length) and the throughput run of `throughput`
+(nano-vllm's workload). NVLink multicast stays off (NCCL_NVLS_ENABLE=0 unless already set): on a shared host it
+can take GPUs out of service, and all-reduces of a 0.6B model's activations gain nothing from it.
+Writes tp.json + .png.
+"""
+
+import argparse
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from minivllm.benchmarks.common import FIGURES, result, save
+from minivllm.benchmarks.decode_step import decode_step_rows
+from minivllm.benchmarks.throughput import run_minivllm, workload
+from minivllm.checkpoint import write_checkpoint
+
+BATCH_SIZES = (1, 16, 64, 256)
+
+
+def run_tp_benchmark(tp_sizes=(1, 2), context_len: int = 512, batch_sizes=BATCH_SIZES,
+                     module: str = "minivllm.benchmarks.tp") -> dict:
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # read by NCCL in every process the runner spawns
+    prompts, output_lens = workload(256)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_checkpoint(Path(tmp) / "qwen3-0.6b", "qwen3-0.6b", seed=0)
+        for tp in tp_sizes:
+            steps, cache = decode_step_rows(path, context_len, batch_sizes, impls=("minivllm",), tensor_parallel_size=tp)
+            rows += [dict(kind="decode_step", tp=tp, batch=r["batch"], context_len=r["context_len"], ms=r["ms"],
+                          kv_cache_tokens=cache["kv_cache_tokens"]) for r in steps]
+            row, breakdown = run_minivllm(path, prompts, output_lens, tensor_parallel_size=tp)
+            rows.append(dict(kind="throughput", tp=tp, **row, step_breakdown=breakdown))
+            print(f"tp={tp}: {row['output_tokens']} tokens in {row['seconds']:.1f} s = {row['tok_per_s']:,.0f} tok/s")
+    return result(module, rows, preset="qwen3-0.6b", dtype="bfloat16", num_gpus=torch.cuda.device_count(),
+                  nccl_nvls_enable=os.environ["NCCL_NVLS_ENABLE"])
+
+
+def plot_tp(data: dict):
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw=dict(width_ratios=[3, 2]))
+    steps = [r for r in data["rows"] if r["kind"] == "decode_step"]
+    for tp in sorted({r["tp"] for r in steps}):
+        rows = [r for r in steps if r["tp"] == tp]
+        left.plot([r["batch"] for r in rows], [r["ms"] for r in rows], "o-", label=f"tensor parallel {tp}")
+    left.set_xscale("log", base=2)
+    left.set_xlabel("batch size (sequences decoding)")
+    left.set_ylabel("ms per decode step (CUDA graph)")
+    left.set_title(f"decode step, context {steps[0]['context_len']}")
+    left.set_ylim(bottom=0)
+    left.legend()
+    runs = [r for r in data["rows"] if r["kind"] == "throughput"]
+    right.bar([f"TP {r['tp']}" for r in runs], [r["tok_per_s"] for r in runs], color=[f"C{i}" for i in range(len(runs))])
+    for i, r in enumerate(runs):
+        right.text(i, r["tok_per_s"], f"{r['tok_per_s']:,.0f}", ha="center", va="bottom")
+    right.set_ylabel("output tokens / s")
+    right.set_title("nano-vllm's workload, 256 requests")
+    fig.suptitle(f"Qwen3-0.6B, bf16, on {data['num_gpus']} × {data['device']}")
+    fig.tight_layout()
+    return fig
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--context-len", type=int, default=512)
+    parser.add_argument("--out", type=Path, default=FIGURES)
+    args = parser.parse_args()
+    if torch.cuda.device_count() < max(args.tp):
+        raise SystemExit(f"tensor parallel {max(args.tp)} needs as many CUDA GPUs; {torch.cuda.device_count()} found")
+    data = run_tp_benchmark(args.tp, args.context_len)
+    save("tp", data, plot_tp(data), args.out)
+
+
+if __name__ == "__main__":
+    main()
