@@ -301,13 +301,17 @@ def flash_attn_with_kvcache(
 # Random sequences of 1 to ~300 tokens, scattered over a shuffled block table, for several block sizes and
 # GQA ratios: the kernel must give what notebook 01's reference gives on the same keys laid out contiguously.
 
-# %%
-from minivllm.kernels.paged_attn import flash_attn_with_kvcache
+# %% tags=["export"] module="minivllm.kernels.paged_reference"
+import torch
+
+from minivllm.kernels.paged_attn import store_kvcache
 from minivllm.kernels.reference import attention_ref
 
 
-def scatter_into_cache(seq_lens, num_kv_heads, head_dim, block_size, dtype=torch.float32, device=DEVICE, seed=0):
-    """Random K/V per sequence, written to shuffled blocks of a paged cache; also returned contiguous."""
+def scatter_into_cache(seq_lens: list[int], num_kv_heads: int, head_dim: int, block_size: int,
+                       device: torch.device | str, dtype: torch.dtype = torch.float32, seed: int = 0):
+    """Random K/V per sequence, written to shuffled blocks of a paged cache; also returned contiguous:
+    k_cache, v_cache, block_table, k, v (total_tokens, num_kv_heads, head_dim), cu_seqlens_k."""
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + 3
@@ -324,13 +328,15 @@ def scatter_into_cache(seq_lens, num_kv_heads, head_dim, block_size, dtype=torch
         store_kvcache(k, v, k_cache, v_cache, slots)
         ks.append(k)
         vs.append(v)
-    cu_k = torch.tensor([0, *np.cumsum(seq_lens)], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
     return k_cache, v_cache, block_table, torch.cat(ks), torch.cat(vs), cu_k
 
+# %%
+from minivllm.kernels.paged_attn import flash_attn_with_kvcache
 
 for block_size, num_heads, num_kv_heads in ((16, 8, 2), (32, 8, 8), (256, 8, 1)):
     seq_lens = [1, 17, 300, 64]
-    k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache(seq_lens, num_kv_heads, 32, block_size)
+    k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache(seq_lens, num_kv_heads, 32, block_size, DEVICE)
     q = torch.randn(len(seq_lens), 1, num_heads, 32, device=DEVICE)
     cache_seqlens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table)
@@ -356,7 +362,7 @@ for block_size, num_heads, num_kv_heads in ((16, 8, 2), (32, 8, 8), (256, 8, 1))
 # stride (the longest sequence's block count). Neither is specialized on, so Triton compiles the kernel once
 # (the decode kernel, which the model runner also calls eagerly, gets the same treatment).
 
-# %% tags=["export"]
+# %% tags=["export"] module="minivllm.kernels.paged_attn"
 @triton.jit(do_not_specialize=["num_m_blocks", "stride_bt"])
 def _paged_prefill_kernel(
     Q, K, V, O, cu_seqlens_q, cu_seqlens_k, block_table, qk_scale, num_m_blocks,
@@ -441,7 +447,7 @@ from minivllm.kernels.paged_attn import flash_attn_varlen_func
 
 for block_size in (16, 256):
     k_lens, q_lens = [40, 17, 300], [5, 17, 64]  # 35 cached tokens + 5 new; no cache; 236 cached + 64 new
-    k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache(k_lens, 2, 32, block_size)
+    k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache(k_lens, 2, 32, block_size, DEVICE)
     q = torch.randn(sum(q_lens), 4, 32, device=DEVICE)
     cu_q = torch.tensor([0, *np.cumsum(q_lens)], dtype=torch.int32, device=DEVICE)
     out = flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max(q_lens), max(k_lens), causal=True,
@@ -754,16 +760,17 @@ class SamplingTensors:
         def to_device(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
 
+        temperatures = [p.temperature for p in params]
         return cls(
-            temperatures=to_device([p.temperature for p in params], torch.float32),
+            temperatures=to_device(temperatures, torch.float32),
             top_ks=to_device([p.top_k for p in params], torch.int64),
             top_ps=to_device([p.top_p for p in params], torch.float32),
             min_ps=to_device([p.min_p for p in params], torch.float32),
             seeds=torch.tensor([-1 if p.seed is None else p.seed % 2**63 for p in params], dtype=torch.int64),
             steps=torch.tensor([seq.num_completion_tokens for seq in seqs], dtype=torch.int64),
             filtering=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in params),
-            any_greedy=any(p.temperature == 0 for p in params),
-            all_greedy=all(p.temperature == 0 for p in params),
+            any_greedy=0 in temperatures,
+            all_greedy=not any(temperatures),
         )
 
 # %%
@@ -869,11 +876,6 @@ assert unseeded.completion_token_ids != solo.completion_token_ids
 # against.
 
 # %% tags=["export"] module="minivllm.kernels.paged_reference"
-import torch
-
-from minivllm.kernels.reference import attention_ref
-
-
 def store_kvcache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slot_mapping: torch.Tensor) -> None:
     keep = slot_mapping >= 0  # (num_tokens,): -1 marks padding
@@ -909,7 +911,7 @@ def paged_attention_ref(
 from minivllm.kernels.paged_reference import paged_attention_ref
 
 seq_lens = [1, 17, 300, 64]
-k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache(seq_lens, 2, 32, 16)
+k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache(seq_lens, 2, 32, 16, DEVICE)
 q = torch.randn(len(seq_lens), 1, 8, 32, device=DEVICE)
 cu_q = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)
 torch.testing.assert_close(

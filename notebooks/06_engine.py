@@ -500,18 +500,22 @@ for row in throughput["rows"]:
 
 # %% [markdown]
 # How far is that from the hardware's limit? Every decode step reads all the weights once, and each running
-# request's whole KV cache: 2 (K and V) × layers × KV heads × head_dim values of 2 bytes per token, 112 KiB
-# for Qwen3-0.6B. Add it up over the workload and divide by the copy bandwidth notebook 04 measured: no
-# engine can decode this workload faster (prefill's compute, a small share here, is left out).
+# request's whole KV cache: 2 (K and V) × layers × KV heads × head_dim values of 2 bytes per token, the
+# bytes of a one-token block in notebook 04's `kv_block_bytes`. Add it up over the workload and divide by the
+# copy bandwidth notebook 04 measured: no engine can decode this workload faster (prefill's arithmetic is
+# left out, so the real limit is lower still).
 
 # %%
 from minivllm.checkpoint.maker import preset_config
+from minivllm.engine.model_runner import kv_block_bytes
+from minivllm.layers.attention import Attention
 from minivllm.models.qwen3 import Qwen3ForCausalLM
 
-config = preset_config("qwen3-0.6b")
 with torch.device("meta"):  # shapes only: count the parameters without allocating them
-    num_params = sum(p.numel() for p in Qwen3ForCausalLM(config).parameters())
-kv_bytes_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2
+    model = Qwen3ForCausalLM(preset_config("qwen3-0.6b"))
+num_params = sum(p.numel() for p in model.parameters())
+kv_bytes_per_token = kv_block_bytes([m for m in model.modules() if isinstance(m, Attention)], 1, torch.bfloat16)
+print(f"{num_params / 1e6:.0f}M parameters, {kv_bytes_per_token / 1024:.0f} KiB of KV cache per token")
 prompts, output_lens = workload(256)
 kv_reads = kv_bytes_per_token * sum(len(p) + t for p, n in zip(prompts, output_lens) for t in range(1, n))
 weight_reads = num_params * 2 * (max(output_lens) - 1)  # bf16 weights, once per decode step

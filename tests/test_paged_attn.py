@@ -6,33 +6,13 @@ import pytest
 import torch
 
 from minivllm.kernels import attention_ref, flash_attn_varlen_func, flash_attn_with_kvcache, paged_attn, store_kvcache
+from minivllm.kernels.paged_reference import scatter_into_cache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def paged_cache(seq_lens, num_kv_heads, head_dim, block_size, dtype=torch.float32, seed=0):
-    """Random K/V per sequence scattered over shuffled blocks; also returned contiguous with cu_seqlens."""
-    gen = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
-    free = torch.randperm(sum(blocks_per_seq) + 2, generator=gen).tolist()
-    k_cache = torch.zeros(len(free), block_size, num_kv_heads, head_dim, dtype=dtype, device=DEVICE)
-    v_cache = torch.zeros_like(k_cache)
-    block_table = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32, device=DEVICE)
-    ks, vs = [], []
-    for i, n in enumerate(seq_lens):
-        blocks = [free.pop() for _ in range(blocks_per_seq[i])]
-        block_table[i, : len(blocks)] = torch.tensor(blocks)
-        k, v = (torch.randn(n, num_kv_heads, head_dim, generator=gen).to(DEVICE, dtype) for _ in range(2))
-        slots = torch.tensor([blocks[t // block_size] * block_size + t % block_size for t in range(n)], device=DEVICE)
-        store_kvcache(k, v, k_cache, v_cache, slots)
-        ks.append(k)
-        vs.append(v)
-    cu_k = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
-    return k_cache, v_cache, block_table, torch.cat(ks), torch.cat(vs), cu_k
-
-
 def check_decode(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype=torch.float32, tol=1e-4):
-    k_cache, v_cache, block_table, k, v, cu_k = paged_cache(seq_lens, num_kv_heads, head_dim, block_size, dtype)
+    k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache(seq_lens, num_kv_heads, head_dim, block_size, DEVICE, dtype)
     q = torch.randn(len(seq_lens), 1, num_heads, head_dim, device=DEVICE).to(dtype)
     seqlens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     out = flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, block_table)
@@ -76,7 +56,7 @@ def test_decode_half_precision():
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_paged_prefill_attends_to_the_cached_prefix(block_size, causal):
     k_lens, q_lens = [40, 17, 300, 1], [5, 17, 64, 1]  # cached prefix + new tokens; none cached; ...
-    k_cache, v_cache, block_table, k, v, cu_k = paged_cache(k_lens, 2, 32, block_size)
+    k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache(k_lens, 2, 32, block_size, DEVICE)
     q = torch.randn(sum(q_lens), 4, 32, device=DEVICE)
     cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     out = flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max(q_lens), max(k_lens), causal=causal,
@@ -113,7 +93,7 @@ def test_decode_bf16_on_gpu(batch, group, block_size):
 @pytest.mark.gpu
 def test_paged_prefill_bf16_on_gpu():
     k_lens, q_lens = [3000, 700, 129], [1000, 700, 1]
-    k_cache, v_cache, block_table, k, v, cu_k = paged_cache(k_lens, 8, 128, 16, torch.bfloat16)
+    k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache(k_lens, 8, 128, 16, DEVICE, torch.bfloat16)
     q = torch.randn(sum(q_lens), 16, 128, device=DEVICE, dtype=torch.bfloat16)
     cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     out = flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max(q_lens), max(k_lens), causal=True,

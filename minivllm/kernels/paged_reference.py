@@ -2,7 +2,32 @@
 
 import torch
 
+from minivllm.kernels.paged_attn import store_kvcache
 from minivllm.kernels.reference import attention_ref
+
+
+def scatter_into_cache(seq_lens: list[int], num_kv_heads: int, head_dim: int, block_size: int,
+                       device: torch.device | str, dtype: torch.dtype = torch.float32, seed: int = 0):
+    """Random K/V per sequence, written to shuffled blocks of a paged cache; also returned contiguous:
+    k_cache, v_cache, block_table, k, v (total_tokens, num_kv_heads, head_dim), cu_seqlens_k."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    block_table = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32, device=device)
+    ks, vs = [], []
+    for i, n in enumerate(seq_lens):
+        blocks = [free.pop() for _ in range(blocks_per_seq[i])]
+        block_table[i, : len(blocks)] = torch.tensor(blocks)
+        k, v = (torch.randn(n, num_kv_heads, head_dim, generator=gen).to(device, dtype) for _ in range(2))
+        slots = torch.tensor([blocks[t // block_size] * block_size + t % block_size for t in range(n)], device=device)
+        store_kvcache(k, v, k_cache, v_cache, slots)
+        ks.append(k)
+        vs.append(v)
+    cu_k = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    return k_cache, v_cache, block_table, torch.cat(ks), torch.cat(vs), cu_k
 
 
 def store_kvcache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -67,16 +67,17 @@ class SamplingTensors:
         def to_device(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
 
+        temperatures = [p.temperature for p in params]
         return cls(
-            temperatures=to_device([p.temperature for p in params], torch.float32),
+            temperatures=to_device(temperatures, torch.float32),
             top_ks=to_device([p.top_k for p in params], torch.int64),
             top_ps=to_device([p.top_p for p in params], torch.float32),
             min_ps=to_device([p.min_p for p in params], torch.float32),
             seeds=torch.tensor([-1 if p.seed is None else p.seed % 2**63 for p in params], dtype=torch.int64),
             steps=torch.tensor([seq.num_completion_tokens for seq in seqs], dtype=torch.int64),
             filtering=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in params),
-            any_greedy=any(p.temperature == 0 for p in params),
-            all_greedy=all(p.temperature == 0 for p in params),
+            any_greedy=0 in temperatures,
+            all_greedy=not any(temperatures),
         )
 
 
