@@ -17,6 +17,12 @@ def tiny(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", "tiny", seed=0)
 
 
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    """The same weights as `tiny`, in several shards with a model.safetensors.index.json."""
+    return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "sharded", "tiny", seed=0, max_shard_size="1MB")
+
+
 @pytest.fixture(autouse=True)
 def no_loading(monkeypatch):
     """Any error must come before the first weight is copied: loading at all fails these tests."""
@@ -70,6 +76,13 @@ def test_unknown_architecture_names_the_supported_ones(tiny, tmp_path, architect
         load_model(path)
 
 
+def test_config_that_is_not_an_object(tiny, tmp_path):
+    path = copy(tiny, tmp_path)
+    (path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"config.json must hold a JSON object"):
+        load_model(path)
+
+
 def test_no_safetensors(tiny, tmp_path):
     path = copy(tiny, tmp_path)
     (path / "model.safetensors").unlink()
@@ -82,6 +95,89 @@ def test_index_names_a_missing_shard(tiny, tmp_path):
     index = {"metadata": {}, "weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors"):
+        load_model(path)
+
+
+def shards(path):
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    return index, sorted(set(index["weight_map"].values()))
+
+
+def edit_index(path, edit):
+    index, _ = shards(path)
+    edit(index)
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def test_unreadable_index(sharded, tmp_path):
+    path = copy(sharded, tmp_path)
+    (path / "model.safetensors.index.json").write_text('{"weight_map": {')
+    with pytest.raises(ValueError, match=r"model.safetensors.index.json is not readable JSON"):
+        load_model(path)
+
+
+@pytest.mark.parametrize("index", [{"metadata": {}}, {"weight_map": []}, {"weight_map": {}},
+                                   {"weight_map": {"model.norm.weight": 3}}, ["weight_map"]])
+def test_index_without_a_weight_map(sharded, tmp_path, index):
+    path = copy(sharded, tmp_path)
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"model.safetensors.index.json"):
+        load_model(path)
+
+
+def test_tensor_in_two_files_names_both(tiny, tmp_path):
+    """A stray file beside the weights (an old copy, another run's shard) must not silently override them."""
+    path = copy(tiny, tmp_path)
+    save_file({"model.norm.weight": torch.zeros(128)}, path / "old.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError) as e:
+        load_model(path)
+    assert "model.norm.weight" in str(e.value)
+    assert "old.safetensors" in str(e.value) and "model.safetensors" in str(e.value).replace("old.safetensors", "")
+
+
+def test_shards_without_index_beside_an_old_single_file(sharded, tiny, tmp_path):
+    path = copy(sharded, tmp_path)
+    (path / "model.safetensors.index.json").unlink()
+    shutil.copy(tiny / "model.safetensors", path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model-0000\d-of-0000\d.safetensors") as e:
+        load_model(path)
+    assert "/model.safetensors" in str(e.value)
+
+
+def test_index_beside_a_single_file_it_does_not_name(sharded, tiny, tmp_path):
+    """transformers would load model.safetensors, vLLM the indexed shards: no silent pick between the two."""
+    path = copy(sharded, tmp_path)
+    shutil.copy(tiny / "model.safetensors", path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"model.safetensors.*model.safetensors.index.json"):
+        load_model(path)
+
+
+def test_two_indexed_shards_hold_one_tensor(sharded, tmp_path):
+    path = copy(sharded, tmp_path)
+    index, files = shards(path)
+    first, last = path / files[0], path / files[-1]
+    name = next(n for n, f in index["weight_map"].items() if f == files[0])
+    tensors = load_file(last)
+    tensors[name] = load_file(first)[name]
+    save_file(tensors, last, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"{name}.*{files[0]}.*{files[-1]}"):
+        load_model(path)
+
+
+def test_index_puts_a_tensor_in_the_wrong_file(sharded, tmp_path):
+    path = copy(sharded, tmp_path)
+    index, files = shards(path)
+    elsewhere = next(f for f in files if f != index["weight_map"]["model.norm.weight"])
+    edit_index(path, lambda i: i["weight_map"].update({"model.norm.weight": elsewhere}))
+    with pytest.raises(ValueError, match=r"index.json.*model.norm.weight"):
+        load_model(path)
+
+
+def test_index_names_a_tensor_no_file_holds(sharded, tmp_path):
+    path = copy(sharded, tmp_path)
+    _, files = shards(path)
+    edit_index(path, lambda i: i["weight_map"].update({"model.layers.0.mlp.extra.weight": files[0]}))
+    with pytest.raises(ValueError, match=r"index.json.*model.layers.0.mlp.extra.weight"):
         load_model(path)
 
 

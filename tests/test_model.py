@@ -87,6 +87,17 @@ def test_sharded_checkpoint_with_index_loads(checkpoints, tmp_path):
                                load_model(checkpoints["tied-gqa"]).prompt_logits(token_ids), rtol=0, atol=0)
 
 
+def test_sharded_checkpoint_follows_its_index(checkpoints, tmp_path):
+    """A stray file beside indexed shards (here: other weights) is not read, by us or by transformers."""
+    sharded = write_checkpoint(tmp_path / "sharded", VARIANTS["tied-gqa"], seed=0, max_shard_size="1MB")
+    other = write_checkpoint(tmp_path / "other", VARIANTS["tied-gqa"], seed=7)
+    (sharded / "model-00009-of-00009.safetensors").write_bytes((other / "model.safetensors").read_bytes())
+    token_ids = prompt(50)
+    ours = load_model(sharded).prompt_logits(token_ids)
+    torch.testing.assert_close(ours, load_model(checkpoints["tied-gqa"]).prompt_logits(token_ids), rtol=0, atol=0)
+    torch.testing.assert_close(ours, hf_logits(sharded, token_ids), rtol=1e-4, atol=1e-4)
+
+
 def test_tied_checkpoint_that_also_stores_lm_head_loads(checkpoints, tmp_path):
     from safetensors.torch import load_file, save_file
 

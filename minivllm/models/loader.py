@@ -18,17 +18,23 @@ INDEX_FILE = "model.safetensors.index.json"
 ShardId = str | int | None
 
 
+def read_json(file: Path) -> dict:
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file} is not readable JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{file} must hold a JSON object, got a {type(raw).__name__}")
+    return raw
+
+
 def read_config(path: Path) -> PretrainedConfig:
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint folder {path} does not exist or is not a folder")
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file} not found: a checkpoint folder needs a config.json")
-    try:
-        raw = json.loads(config_file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{config_file} is not readable JSON: {e}") from None
-    architectures = raw.get("architectures") or []
+    architectures = read_json(config_file).get("architectures") or []
     if not any(a in MODELS for a in architectures):
         raise ValueError(f"{config_file}: architectures={architectures} is not supported; "
                          f"supported architectures: {sorted(MODELS)}")
@@ -39,29 +45,52 @@ def model_class(config: PretrainedConfig) -> type[nn.Module]:
     return next(MODELS[a] for a in config.architectures if a in MODELS)
 
 
-def checkpoint_files(path: Path) -> list[Path]:
-    """The safetensors files: those the index names (a sharded checkpoint), else every *.safetensors file."""
+def read_index(path: Path) -> dict[str, Path] | None:
+    """A sharded checkpoint's index: tensor name -> the file that holds it; None when there is no index."""
     index = path / INDEX_FILE
-    if index.is_file():
-        files = sorted({path / name for name in json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()})
-        if missing := [f.name for f in files if not f.is_file()]:
-            raise FileNotFoundError(f"{index} names {missing}, missing from {path}")
-    else:
+    if not index.is_file():
+        return None
+    weight_map = read_json(index).get("weight_map")
+    if not weight_map or not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise ValueError(f"{index}: 'weight_map' must be a non-empty object of tensor name -> file name")
+    return {name: path / file for name, file in weight_map.items()}
+
+
+def checkpoint_files(path: Path, weight_map: dict[str, Path] | None = None) -> list[Path]:
+    """The safetensors files: exactly those the index names (a sharded checkpoint), else every *.safetensors file."""
+    if weight_map is None:
         files = sorted(path.glob("*.safetensors"))
+    else:
+        files = sorted(set(weight_map.values()))
+        if missing := [f.name for f in files if not f.is_file()]:
+            raise FileNotFoundError(f"{path / INDEX_FILE} names {missing}, missing from {path}")
+        if (single := path / "model.safetensors").is_file() and single not in files:
+            raise ValueError(f"{path} holds both {single.name} and {INDEX_FILE}, which does not name it: transformers "
+                             "would load the first, vLLM the files the index names; delete the stale one")
     if not files:
         raise FileNotFoundError(f"no *.safetensors file in {path}")
     return files
 
 
-def tensor_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
-    """Every tensor's name and shape, from the safetensors headers: no weight is read."""
-    shapes = {}
+def tensor_shapes(files: list[Path], weight_map: dict[str, Path] | None = None) -> dict[str, tuple[int, ...]]:
+    """Every tensor's name and shape, from the safetensors headers (no weight is read). Each tensor must be in
+    exactly one file, the one the index (if any) names: otherwise which copy wins would be an accident."""
+    shapes, owner = {}, {}
     for file in files:
         try:
             with safe_open(file, "pt") as f:
-                shapes |= {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+                header = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
         except SafetensorError as e:
             raise ValueError(f"{file} is not a readable safetensors file: {e}") from None
+        if twice := sorted(header.keys() & owner.keys()):
+            raise ValueError(f"tensor {twice[0]} is in both {owner[twice[0]]} and {file} ({len(twice)} tensor(s) "
+                             "in two files): a stray old shard? Keep one copy")
+        shapes |= header
+        owner |= dict.fromkeys(header, file)
+    for name, file in (weight_map or {}).items():
+        if owner.get(name) != file:
+            where = f"it is in {owner[name]}" if name in owner else "no file holds it"
+            raise ValueError(f"{file.parent / INDEX_FILE} puts tensor {name} in {file.name}, but {where}")
     return shapes
 
 
@@ -156,9 +185,9 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: torch.device | str = "cpu") -> nn.Module:
     """Build the model a HuggingFace checkpoint folder describes and load its weights (this rank's slice)."""
     path, device = Path(path), torch.device(device)
-    config = read_config(path)
-    files = checkpoint_files(path)
-    shapes = tensor_shapes(files)
+    config, weight_map = read_config(path), read_index(path)
+    files = checkpoint_files(path, weight_map)
+    shapes = tensor_shapes(files, weight_map)
     dtype = resolve_dtype(dtype, config, device)
     with torch.device("meta"):  # every check runs on a model that holds no memory
         check_checkpoint(model_class(config)(config), shapes, config)
