@@ -82,16 +82,74 @@ assert slot == 9 * 16 + 5
 # vLLM's names and defaults (`temperature=0` means greedy: always the most likely token), and reject bad
 # values *when the request is made*, naming the field and the allowed range, so nothing downstream ever sees
 # them. The sampler that uses them is built in notebook 04.
+#
+# "Bad" includes the wrong kind of number. Counts and token ids must be integers: a NumPy or PyTorch integer
+# scalar is accepted (and stored as a Python `int`), but `2.0`, `True` or `"3"` is refused rather than guessed
+# at. The three real-valued knobs must be finite: a NaN or an infinity would otherwise reach the sampler and
+# come out as garbage tokens, without an error.
+#
+# **Tiny temperatures are greedy.** The sampler divides the logits by the temperature in float32. Below about
+# 1e-38 the divisor is 0 or subnormal and the logits become infinite (softmax of them is NaN); long before that
+# the distribution is already one-hot. So, as vLLM does, any temperature below `1e-5` is stored as `0`: greedy,
+# exactly and cheaply, never a NaN.
 
 # %% tags=["export"] module="minivllm.sampling_params"
+import math
 from dataclasses import dataclass
+
+GREEDY_BELOW = 1e-5  # a temperature below this is greedy (vLLM's _SAMPLING_EPS)
+MAX_INT64 = 2**63 - 1  # top_k travels to the sampler as int64
+
+
+def scalar(value):
+    """A NumPy or PyTorch 0-d value as the Python number it holds; anything else unchanged."""
+    return value.item() if getattr(value, "ndim", None) == 0 and hasattr(value, "item") else value
+
+
+def as_int(value, name: str) -> int:
+    """value as a Python int: ints and NumPy/PyTorch integer scalars. Floats, bools, None, text: ValueError."""
+    number = scalar(value)
+    if not isinstance(number, int) or isinstance(number, bool):
+        raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    return number
+
+
+def as_real(value, name: str) -> float:
+    """value as a finite Python float: ints, floats and NumPy/PyTorch real scalars. NaN, infinities: ValueError."""
+    number = scalar(value)
+    if not isinstance(number, int | float) or isinstance(number, bool):
+        raise ValueError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(number):  # ints too: float(10**400) would overflow
+        raise ValueError(f"{name} must be finite, got {number}")
+    return float(number)
+
+
+def as_bool(value, name: str) -> bool:
+    number = scalar(value)
+    if not isinstance(number, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+    return number
+
+
+def as_token_ids(value, name: str) -> list[int]:
+    """A list or tuple of ints, or a 1-D integer NumPy array or PyTorch tensor, as a new list of Python ints."""
+    if getattr(value, "ndim", 1) != 1:
+        raise ValueError(f"{name} must be 1-D token ids, got shape {tuple(value.shape)}")
+    if hasattr(value, "tolist") and hasattr(value, "dtype"):
+        value = value.tolist()  # a float or bool array gives floats or bools, refused below
+    if not isinstance(value, list | tuple):
+        raise ValueError(f"{name} must be a list of int token ids, got {type(value).__name__}")
+    if all(type(t) is int for t in value):  # the common case, fast
+        return list(value)
+    return [as_int(t, f"{name}[{i}]") for i, t in enumerate(value)]
 
 
 @dataclass(slots=True)
 class SamplingParams:
-    """How to pick each next token of a request, and when to stop (vLLM's names and defaults)."""
+    """How to pick each next token of a request, and when to stop (vLLM's names and defaults). Every field is
+    checked and converted to a plain Python value when it is made (and again by `dataclasses.replace`)."""
 
-    temperature: float = 1.0  # 0 is greedy
+    temperature: float = 1.0  # 0 is greedy; below 1e-5 is stored as 0
     top_p: float = 1.0  # keep the most likely tokens whose probabilities add up to top_p
     top_k: int = -1  # keep the k most likely tokens; -1 keeps all
     min_p: float = 0.0  # drop tokens less likely than min_p × the most likely one
@@ -101,24 +159,40 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None  # extra tokens that finish the request
 
     def __post_init__(self):
-        # written as `not (good)` so that NaN is rejected too
-        if not self.max_tokens >= 1:
+        self.convert()
+        if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not self.temperature >= 0:
+        if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not (self.top_k == -1 or self.top_k >= 1):
-            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if not (self.top_k == -1 or 1 <= self.top_k <= MAX_INT64):
+            raise ValueError(f"top_k must be -1 (off) or in [1, 2**63), got {self.top_k}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        self.stop_token_ids = list(self.stop_token_ids or [])  # our own copy
+        if bad := [t for t in self.stop_token_ids if t < 0]:
+            raise ValueError(f"stop_token_ids must be token ids >= 0, got {bad[0]}")
+        if self.temperature < GREEDY_BELOW:
+            self.temperature = 0.0  # greedy: dividing logits by it in float32 would overflow to inf, then NaN
+
+    def convert(self) -> None:
+        """Every field as a plain Python value of its type (our own copies); ValueError naming a field that is not."""
+        self.temperature, self.top_p, self.min_p = (as_real(getattr(self, name), name)
+                                                    for name in ("temperature", "top_p", "min_p"))
+        self.top_k, self.max_tokens = as_int(self.top_k, "top_k"), as_int(self.max_tokens, "max_tokens")
+        self.seed = None if self.seed is None else as_int(self.seed, "seed")
+        self.ignore_eos = as_bool(self.ignore_eos, "ignore_eos")
+        self.stop_token_ids = [] if self.stop_token_ids is None else as_token_ids(self.stop_token_ids, "stop_token_ids")
 
 # %%
 from minivllm.sampling_params import SamplingParams
 
 print(SamplingParams(temperature=0, max_tokens=64))
-for bad in (dict(max_tokens=0), dict(temperature=-0.5), dict(top_p=0.0), dict(top_k=0), dict(min_p=1.5)):
+with np.errstate(over="ignore"):
+    print(f"a logit of 10 over a temperature of 1e-45, in float32: {np.float32(10) / np.float32(1e-45)}")
+print(SamplingParams(temperature=1e-6), "<- a temperature below 1e-5 is greedy")
+for bad in (dict(max_tokens=0), dict(temperature=-0.5), dict(top_p=0.0), dict(top_k=0), dict(min_p=1.5),
+            dict(max_tokens=2.0), dict(temperature=float("nan")), dict(top_p=float("inf")), dict(stop_token_ids=[[1]])):
     try:
         SamplingParams(**bad)
     except ValueError as e:
@@ -303,6 +377,8 @@ assert compute_hash(b, h_a) == compute_hash(list(b), compute_hash(list(a)))  # d
 #   starts one, and the last block is hashed (cached) the moment it becomes full.
 # * `deallocate(seq)` when a sequence finishes or is preempted (preemption = deallocate and set it waiting;
 #   its tokens, generated ones included, are kept and recomputed later, mostly from the cache).
+# * `discard(seq)` when a sequence is dropped in a step that failed (notebook 05's abort): the blocks that step
+#   cached may hold KV it never wrote, so they leave the cache before they are freed.
 #
 # The `can_*` checks are cheap and conservative (they ignore possible cache hits), so the scheduler can ask
 # them for every candidate; the real calls assert them.
@@ -461,6 +537,16 @@ class BlockManager:
             self._release(self.blocks[block_id])
         seq.num_cached_tokens = 0
         seq.block_table.clear()
+
+    def discard(self, seq: Sequence) -> None:
+        """Give back the blocks of a sequence dropped part-way through a step. Its blocks past its computed tokens
+        (`num_cached_tokens`) may be cached already, though their KV was never written: they leave the cache first,
+        so no request can hit them."""
+        for block_id in seq.block_table[seq.num_cached_tokens // self.block_size:]:
+            block = self.blocks[block_id]
+            if self.hash_to_block_id.get(block.hash) == block_id:
+                del self.hash_to_block_id[block.hash]
+        self.deallocate(seq)
 
 # %% [markdown]
 # ## Watch it work

@@ -211,6 +211,10 @@ def step_cost(seqs: list[Sequence], is_prefill: bool) -> float:
 # whole KV cache. A request that outgrows the whole cache while running stops there with `"length"`, as at
 # `max_model_len`; otherwise it would preempt itself forever.
 #
+# **6. Abort.** `abort` drops a request wherever it is, even in the middle of a step that failed: the step may
+# have published blocks to the prefix cache whose KV the model never wrote, so those leave the cache with it
+# (`BlockManager.discard`, notebook 03). The engine uses it when the model raises (notebook 06).
+#
 # One consequence is worth seeing before the code. After a prefill, a request has exactly one token whose KV
 # is not computed yet: the one just sampled. A chunked prompt with one token left is in the same state, so it
 # simply joins the next decode: a decode is a prefill of one token. (vLLM v1 takes this all the way: it tracks
@@ -335,6 +339,18 @@ class Scheduler:
         if seq.num_completion_tokens >= params.max_tokens or len(seq) >= self.max_len:
             return "length"
         return None
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop a request, waiting or running, even one whose step failed part-way: free its blocks, and forget the
+        cached ones whose KV that step may not have written."""
+        if seq.status == SequenceStatus.FINISHED:
+            return
+        for queue in (self.waiting, self.running):
+            if seq in queue:
+                queue.remove(seq)
+        if seq.block_table:
+            self.block_manager.discard(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
 
 # %% [markdown]
 # ## Watch it: a small cache, step by step

@@ -321,6 +321,32 @@ def test_the_budget_counts_only_uncached_tokens():
     assert is_prefill and batch == again and scheduled == [1, 1, 1]
 
 
+def test_abort_mid_step_frees_blocks_and_forgets_the_unwritten_cache():
+    scheduler = make_scheduler(max_num_batched_tokens=40)
+    bm = scheduler.block_manager
+    done, chunked, waiting = request(list(range(1, 34)), 5), request(list(range(100, 164)), 5), request([7] * 5, 5)
+    scheduler.add(done)
+    step(scheduler)  # 33 tokens: blocks 0 and 1 computed and cached
+    scheduler.add(chunked)
+    scheduler.add(waiting)
+    batch, is_prefill = scheduler.schedule()  # done's decode would come later; this prefill publishes 2 blocks of
+    assert is_prefill and batch[0] is chunked and chunked.num_scheduled_tokens == 40  # chunked's first chunk...
+    published = [b for b in chunked.block_table[:2] if bm.blocks[b].hash in bm.hash_to_block_id]
+    assert len(published) == 2
+    scheduler.abort(chunked)  # ...but the step fails before the model writes their KV
+    scheduler.abort(waiting)
+    assert chunked.is_finished and chunked.finish_reason == "abort" and not chunked.block_table
+    assert list(scheduler.waiting) == [] and list(scheduler.running) == [done]
+    assert not any(bm.blocks[b].hash in bm.hash_to_block_id for b in published)  # nothing can hit them
+    assert bm.num_used_blocks == len(done.block_table) and bm.num_cached_free_blocks == 0
+    again = request(list(range(100, 164)), 5)
+    scheduler.add(again)
+    batch, _ = scheduler.schedule()
+    assert batch == [again] and again.num_cached_tokens == 0  # a fresh prefill, no hit on unwritten KV
+    scheduler.abort(done)  # an abort between steps keeps what was computed in the cache
+    assert bm.num_cached_free_blocks == 2
+
+
 def test_preemption_takes_the_newest_and_keeps_its_tokens():
     scheduler = make_scheduler(num_kvcache_blocks=4)
     seqs = [request([i] * 16, 20) for i in range(1, 5)]  # one full block each

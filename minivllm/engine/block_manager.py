@@ -149,3 +149,13 @@ class BlockManager:
             self._release(self.blocks[block_id])
         seq.num_cached_tokens = 0
         seq.block_table.clear()
+
+    def discard(self, seq: Sequence) -> None:
+        """Give back the blocks of a sequence dropped part-way through a step. Its blocks past its computed tokens
+        (`num_cached_tokens`) may be cached already, though their KV was never written: they leave the cache first,
+        so no request can hit them."""
+        for block_id in seq.block_table[seq.num_cached_tokens // self.block_size:]:
+            block = self.blocks[block_id]
+            if self.hash_to_block_id.get(block.hash) == block_id:
+                del self.hash_to_block_id[block.hash]
+        self.deallocate(seq)

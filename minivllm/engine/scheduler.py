@@ -118,3 +118,15 @@ class Scheduler:
         if seq.num_completion_tokens >= params.max_tokens or len(seq) >= self.max_len:
             return "length"
         return None
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop a request, waiting or running, even one whose step failed part-way: free its blocks, and forget the
+        cached ones whose KV that step may not have written."""
+        if seq.status == SequenceStatus.FINISHED:
+            return
+        for queue in (self.waiting, self.running):
+            if seq in queue:
+                queue.remove(seq)
+        if seq.block_table:
+            self.block_manager.discard(seq)
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
