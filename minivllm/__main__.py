@@ -10,6 +10,7 @@ engine, not the words.
 """
 
 import argparse
+import math
 import os
 import time
 from pathlib import Path
@@ -19,24 +20,63 @@ import torch
 DEFAULT_PROMPTS = ["The capital of France is", "A paged KV cache", "Once upon a time", "def fibonacci(n):"]
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1; argparse turns the error into a usage error naming the flag."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}")
+    return value
+
+
+def finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m minivllm", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("prompts", nargs="*", help="prompts (default: a few examples)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", help="a HuggingFace checkpoint folder")
     source.add_argument("--preset", choices=["tiny", "qwen3-0.6b"], help="a random-weight preset (default: by device)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--temperature", type=finite_float, default=0.0, help="0 is greedy (default)")
+    parser.add_argument("--top-p", type=finite_float, default=1.0)
     parser.add_argument("--top-k", type=int, default=-1)
-    parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--min-p", type=finite_float, default=0.0)
+    parser.add_argument("--max-tokens", type=positive_int, default=32)
     parser.add_argument("--seed", type=int, default=None, help="per-request seed")
     parser.add_argument("--ignore-eos", action="store_true")
-    parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    parser.add_argument("--tp", type=positive_int, default=1, help="tensor_parallel_size")
     parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--max-model-len", type=int, default=4096)
-    return parser.parse_args(argv)
+    parser.add_argument("--max-model-len", type=positive_int, default=4096)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked: a bad value exits with a one-line usage error (exit code 2), before any work."""
+    from minivllm.sampling_params import SamplingParams
+
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if args.model is not None and not Path(args.model).is_dir():
+        parser.error(f"--model {args.model}: no such folder")
+    try:
+        args.sampling_params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                              min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed,
+                                              ignore_eos=args.ignore_eos)
+    except ValueError as e:
+        parser.error(str(e))
+    args.parser = parser
+    return args
 
 
 def checkpoint_for(preset: str) -> Path:
@@ -51,17 +91,18 @@ def checkpoint_for(preset: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from minivllm import LLM, SamplingParams
+    from minivllm import LLM
 
     args = parse_args(argv)
     model = args.model or checkpoint_for(args.preset or ("qwen3-0.6b" if torch.cuda.is_available() else "tiny"))
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                            max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
-    with LLM(str(model), tensor_parallel_size=args.tp, enforce_eager=args.enforce_eager,
-             max_model_len=args.max_model_len) as llm:
-        start = time.perf_counter()
-        outputs = llm.generate(args.prompts or DEFAULT_PROMPTS, params)
-        seconds = time.perf_counter() - start
+    try:  # what the engine refuses (a prompt too long, a checkpoint it cannot load) is a usage error too
+        with LLM(str(model), tensor_parallel_size=args.tp, enforce_eager=args.enforce_eager,
+                 max_model_len=args.max_model_len) as llm:
+            start = time.perf_counter()
+            outputs = llm.generate(args.prompts or DEFAULT_PROMPTS, args.sampling_params)
+            seconds = time.perf_counter() - start
+    except (ValueError, FileNotFoundError) as e:
+        args.parser.error(str(e).splitlines()[0] if str(e) else type(e).__name__)
     for out in outputs:
         completion = out.outputs[0]
         print(f"\n--- {out.prompt!r} ({len(out.prompt_token_ids)} tokens)")

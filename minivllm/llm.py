@@ -7,13 +7,22 @@ from tqdm.auto import tqdm
 
 from minivllm.engine.llm_engine import LLMEngine, Prompt
 from minivllm.outputs import RequestOutput
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import SamplingParams, scalar
+
+
+def is_one_prompt(prompts) -> bool:
+    """A str, an array or tensor, or a list of token ids (not a list of prompts)."""
+    if isinstance(prompts, str) or hasattr(prompts, "ndim"):
+        return True
+    return isinstance(prompts, list | tuple) and len(prompts) > 0 and isinstance(scalar(prompts[0]), int | float)
 
 
 class LLM:
     """vLLM's offline entry point. Keyword arguments are `Config`'s fields, with its defaults (notebook 04):
     tensor_parallel_size, dtype, block_size, max_num_seqs, max_num_batched_tokens, max_model_len,
-    num_kvcache_blocks, gpu_memory_utilization, enforce_eager, enable_prefix_caching, seed, device."""
+    num_kvcache_blocks, gpu_memory_utilization, enforce_eager, enable_prefix_caching, seed, device.
+
+    Thread-safe: concurrent `generate` calls run one after another, each returning what it would return alone."""
 
     def __init__(self, model: str, **kwargs):
         self.engine = LLMEngine(model, **kwargs)
@@ -24,32 +33,33 @@ class LLM:
     def generate(self, prompts: Prompt | SequenceOf[Prompt],
                  sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        engine = self.engine
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # one prompt, as text or as token ids
+        """One output per prompt, in order. Only this call's requests are returned (see the notebook's contract)."""
+        if is_one_prompt(prompts):
+            prompts = [prompts]
+        if not isinstance(prompts, list | tuple):
+            raise ValueError(f"prompts must be a str, token ids, or a list of them; got {type(prompts).__name__}")
         params = sampling_params if isinstance(sampling_params, list | tuple) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
-        params = [p or SamplingParams() for p in params]
-        token_ids = [engine.tokenize(p) for p in prompts]
-        for ids, p in zip(token_ids, params):  # every request is checked before any is added
-            engine.check_request(ids, p)
-        ids = [engine.enqueue(prompt, t, p, None) for prompt, t, p in zip(prompts, token_ids, params)]
-        try:
-            outputs = self.run(len(ids), use_tqdm)
-        except BaseException:
-            self.abort()
-            raise
+        with self.engine.lock:
+            ids = self.engine.add_requests(list(prompts), list(params))
+            try:
+                outputs = self.run(ids, use_tqdm)
+            except BaseException:
+                self.engine.abort_request(ids)
+                raise
         order = {request_id: i for i, request_id in enumerate(ids)}
         return sorted(outputs, key=lambda out: order[out.request_id])
 
-    def run(self, num_requests: int, use_tqdm: bool) -> list[RequestOutput]:
-        outputs = []
-        with tqdm(total=num_requests, desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
+    def run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Step until these requests have finished; their outputs."""
+        outputs, wanted = [], set(request_ids)
+        with tqdm(total=len(wanted), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
             prefill_rate = decode_rate = 0.0
-            while self.engine.has_unfinished_requests():
+            while len(outputs) < len(wanted):
                 start = time.perf_counter()
-                finished, num_tokens = self.engine.step()
+                finished, num_tokens = self.engine.step(wanted)
+                assert num_tokens != 0 or finished, "requests outstanding, but no step to run"
                 rate = abs(num_tokens) / (time.perf_counter() - start)
                 prefill_rate, decode_rate = (rate, decode_rate) if num_tokens > 0 else (prefill_rate, rate)
                 bar.set_postfix_str(f"prefill {prefill_rate:,.0f} tok/s, decode {decode_rate:,.0f} tok/s")

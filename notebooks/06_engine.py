@@ -88,22 +88,43 @@ class RequestOutput:
 # `LLMEngine` owns one `ModelRunner` (and through it any tensor-parallel workers), one `Scheduler`, and a
 # tokenizer. It keeps vLLM's split between adding work and doing it:
 #
-# * `add_request(prompt, sampling_params)` checks the request, tokenizes it and queues a `Sequence`;
-# * `step()` runs one scheduler step (a prefill or a decode batch) and returns the requests that finished.
+# * `add_request(prompt, sampling_params, request_id=None)` checks the request, tokenizes it and queues a
+#   `Sequence`; `abort_request(request_ids)` drops requests;
+# * `step()` runs one scheduler step (a prefill or a decode batch) and returns the requests that finished. With
+#   nothing queued it does nothing and returns no outputs.
 #
 # **Bad input never gets in.** Every check runs before the request touches any state, and raises a
 # `ValueError` that names the field and the allowed range: an empty prompt, a prompt too long for
 # `max_model_len` (prompt plus at least one generated token must fit) or for the whole KV cache, a token id
-# outside the vocabulary. `SamplingParams` checks its own fields when it is built. `LLM.generate` checks a
-# whole list of requests before adding the first one, so one bad prompt fails the call and leaves the engine
-# exactly as it was.
+# outside the vocabulary or one that is not an integer (NumPy and PyTorch integer arrays and scalars are
+# welcome; floats, bools and nested lists are not), a `request_id` already in use. The engine keeps its own
+# checked copy of each request's `SamplingParams` (made with `dataclasses.replace`, which runs every check of
+# notebook 03 again), so parameters changed after they were made are caught too, and changing them later does
+# not reach a queued request. `add_requests` checks a whole list of requests before adding the first one, so
+# one bad request fails the call and leaves the engine exactly as it was.
+#
+# **A checkpoint without a tokenizer.** Token-id prompts still work; a text prompt is refused. transformers may
+# build an *empty* tokenizer from a folder without tokenizer files (it knows only a special token and encodes
+# text to nothing), so a tokenizer with no ordinary token counts as none.
+#
+# **When the model fails.** If a step raises (an error on the device, Ctrl-C), the requests that step was running
+# are aborted, their blocks freed and dropped from the prefix cache (their KV may be half written), before the
+# error goes on to the caller; the other requests are untouched and the next `step()` serves them. (Should a
+# step fail while scheduling, before its batch is known, every request is aborted.)
+#
+# **Threads.** One lock serialises `add_request`, `abort_request`, `step` and `LLM.generate`: the engine serves
+# one call at a time, and two threads calling `generate` on one `LLM` each get the outputs they would get
+# alone, one after the other.
 #
 # End-of-sequence: the tokenizer's EOS token stops a request unless `ignore_eos`; a checkpoint's
 # `generation_config.json` may list more EOS ids (Qwen3 has two), which we add to each request's stop tokens.
 
 # %% tags=["export"] module="minivllm.engine.llm_engine"
 import dataclasses
+import threading
 import time
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
 from itertools import count
 from pathlib import Path
 
@@ -115,17 +136,19 @@ from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.scheduler import Scheduler
 from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import SamplingParams, as_token_ids
 
-Prompt = str | list[int]
+Prompt = str | list[int]  # text, or token ids: a list or tuple of ints, or a 1-D integer NumPy array / PyTorch tensor
 
 
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
-    """The checkpoint's tokenizer, or None when the folder has none (token-id prompts still work)."""
+    """The checkpoint's tokenizer, or None when the folder has none (token-id prompts still work). transformers may
+    build an empty tokenizer from a folder without tokenizer files: one that knows only special tokens is none."""
     try:
-        return AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError):
         return None
+    return tokenizer if set(tokenizer.get_vocab()) - set(tokenizer.all_special_tokens) else None
 
 
 def eos_token_ids(path: Path, tokenizer: PreTrainedTokenizerBase | None, hf_config) -> list[int]:
@@ -139,7 +162,18 @@ def eos_token_ids(path: Path, tokenizer: PreTrainedTokenizerBase | None, hf_conf
     return list(dict.fromkeys(ids))
 
 
+@dataclass(slots=True)
+class Request:
+    request_id: str
+    prompt: str | None  # the text, when the prompt was text
+    seq: Sequence
+    metrics: RequestMetrics
+
+
 class LLMEngine:
+    """Requests in (`add_request`, `add_requests`), steps (`step`), outputs out. Thread-safe: one lock serialises
+    every call that changes the engine, and `LLM.generate` holds it for its whole run."""
+
     def __init__(self, model: str | Path, **kwargs):
         self.config = Config(model, **kwargs)
         self.tokenizer = load_tokenizer(self.config.model)
@@ -147,24 +181,22 @@ class LLMEngine:
         self.runner = ModelRunner(self.config)
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
         self.scheduler = Scheduler(self.config, self.runner.num_kvcache_blocks, eos)
-        self.requests: dict[int, tuple[str, str | None, RequestMetrics]] = {}  # seq_id -> id, prompt, metrics
+        self.requests: dict[int, Request] = {}  # seq_id -> request, until it finishes or is aborted
+        self.finished: list[RequestOutput] = []  # finished, not returned yet (kept back by a step given request_ids)
         self.request_counter = count()
+        self.lock = threading.RLock()  # reentrant: LLM.generate holds it while it adds requests and steps
 
     # --- requests in ---------------------------------------------------------------------------------------
-    def tokenize(self, prompt: Prompt) -> list[int]:
+    def tokenize(self, prompt: Prompt, name: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"prompt is text, but {self.config.model} has no tokenizer: pass token ids")
+                raise ValueError(f"{name} is text, but {self.config.model} has no tokenizer: pass token ids")
             return self.tokenizer.encode(prompt)
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            raise ValueError("prompt must be a str or a list of int token ids")
-        return list(prompt)
+        return as_token_ids(prompt, name)
 
     def check_request(self, token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError if this request cannot run; changes nothing."""
         config, vocab_size = self.config, self.config.hf_config.vocab_size
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         if not token_ids:
             raise ValueError("prompt is empty: it must hold at least one token")
         if len(token_ids) >= config.max_model_len:
@@ -174,65 +206,132 @@ class LLMEngine:
         if len(token_ids) + 1 > cache_tokens:
             raise ValueError(f"prompt has {len(token_ids)} tokens; the whole KV cache holds {cache_tokens} "
                              f"({self.runner.num_kvcache_blocks} blocks of {config.block_size}): it can never run")
-        if bad := next((t for t in token_ids if not 0 <= t < vocab_size), None):
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+        if bad := [t for t in token_ids if not 0 <= t < vocab_size]:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
 
-    def with_eos(self, params: SamplingParams) -> SamplingParams:
-        """A copy of params whose stop tokens include the checkpoint's extra EOS ids (unless ignore_eos)."""
+    def request_params(self, params: SamplingParams | None) -> SamplingParams:
+        """The request's own checked copy of params, whose stop tokens include the checkpoint's extra EOS ids
+        (unless ignore_eos). `dataclasses.replace` runs SamplingParams' checks again: fields may have changed."""
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        params = dataclasses.replace(params)
         extra = [] if params.ignore_eos else self.eos_token_ids[1:]
         return dataclasses.replace(params, stop_token_ids=list(dict.fromkeys([*params.stop_token_ids, *extra])))
 
+    def new_request_ids(self, request_ids: list[str | None]) -> list[str]:
+        """The given ids, checked to be strings no live request uses; None gets the next unused number."""
+        taken = {r.request_id for r in self.requests.values()} | {out.request_id for out in self.finished}
+        ids = []
+        for request_id in request_ids:
+            if request_id is None:
+                request_id = next(i for i in map(str, self.request_counter) if i not in taken)
+            elif not isinstance(request_id, str):
+                raise ValueError(f"request_id must be a str, got {request_id!r} ({type(request_id).__name__})")
+            elif request_id in taken:
+                raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
+            taken.add(request_id)
+            ids.append(request_id)
+        return ids
+
+    def make_request(self, prompt: Prompt, params: SamplingParams | None, request_id: str, name: str) -> Request:
+        """Tokenize and check one request; changes nothing."""
+        params = self.request_params(params)
+        token_ids = self.tokenize(prompt, name)
+        self.check_request(token_ids, params)
+        seq = Sequence(token_ids, params, self.config.block_size)
+        return Request(request_id, prompt if isinstance(prompt, str) else None, seq, RequestMetrics(time.perf_counter()))
+
+    def add_requests(self, prompts: list[Prompt], sampling_params: list[SamplingParams | None],
+                     request_ids: list[str | None] | None = None) -> list[str]:
+        """Check every request, then queue them all: if one is bad, ValueError and none is queued. Their ids."""
+        with self.lock:
+            ids = self.new_request_ids(request_ids or [None] * len(prompts))
+            names = ["prompt"] if len(prompts) == 1 else [f"prompts[{i}]" for i in range(len(prompts))]
+            requests = [self.make_request(*args) for args in zip(prompts, sampling_params, ids, names, strict=True)]
+            for request in requests:
+                self.scheduler.add(request.seq)
+                self.requests[request.seq.seq_id] = request
+            return ids
+
     def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
-        params = sampling_params or SamplingParams()
-        token_ids = self.tokenize(prompt)
-        self.check_request(token_ids, params)
-        return self.enqueue(prompt, token_ids, params, request_id)
+        return self.add_requests([prompt], [sampling_params], [request_id])[0]
 
-    def enqueue(self, prompt: Prompt, token_ids: list[int], params: SamplingParams, request_id: str | None) -> str:
-        seq = Sequence(token_ids, self.with_eos(params), self.config.block_size)
-        request_id = request_id if request_id is not None else str(next(self.request_counter))
-        self.requests[seq.seq_id] = (request_id, prompt if isinstance(prompt, str) else None,
-                                     RequestMetrics(time.perf_counter()))
-        self.scheduler.add(seq)
-        return request_id
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Drop these requests, unfinished or finished but not returned yet, and free their KV blocks."""
+        ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
+        with self.lock:
+            for request in [r for r in self.requests.values() if r.request_id in ids]:
+                self.scheduler.abort(request.seq)
+                del self.requests[request.seq.seq_id]
+            self.finished = [out for out in self.finished if out.request_id not in ids]
 
     # --- the loop ------------------------------------------------------------------------------------------
-    def step(self) -> tuple[list[RequestOutput], int]:
-        """One scheduler step: the requests that finished, and the tokens it computed (> 0 prefill, < 0 decode)."""
-        seqs, is_prefill = self.scheduler.schedule()
-        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
-        token_ids = self.runner.run(seqs, is_prefill)
-        finished = self.scheduler.postprocess(seqs, token_ids)
+    def step(self, request_ids: Collection[str] | None = None) -> tuple[list[RequestOutput], int]:
+        """One scheduler step, if any request is queued. Returns the outputs of the requests that finished (only those
+        in request_ids when given: the others are kept for a later step) and the tokens the step computed (> 0 a
+        prefill, < 0 a decode, 0 no step). If the model raises, the step's requests are aborted first."""
+        with self.lock:
+            num_tokens = 0 if self.scheduler.is_finished() else self.run_step()
+            mine = [out for out in self.finished if request_ids is None or out.request_id in request_ids]
+            self.finished = [out for out in self.finished if not (request_ids is None or out.request_id in request_ids)]
+            return mine, num_tokens
+
+    def run_step(self) -> int:
+        seqs = None
+        try:
+            seqs, is_prefill = self.scheduler.schedule()
+            token_ids = self.runner.run(seqs, is_prefill)
+            finished = self.scheduler.postprocess(seqs, token_ids)
+        except BaseException as e:
+            aborted = self.abort_step(seqs)
+            e.add_note(f"minivllm: the step failed; these requests were aborted: {aborted}")
+            raise
         now = time.perf_counter()
         for seq in seqs:
-            metrics = self.requests[seq.seq_id][2]
+            metrics = self.requests[seq.seq_id].metrics
             if metrics.first_token_time is None and seq.num_completion_tokens > 0:
                 metrics.first_token_time = now
         for seq in finished:
-            self.requests[seq.seq_id][2].finished_time = now
-        return [self.output(seq) for seq in finished], num_tokens
+            self.requests[seq.seq_id].metrics.finished_time = now
+            self.finished.append(self.output(self.requests.pop(seq.seq_id)))
+        return sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
 
-    def output(self, seq: Sequence) -> RequestOutput:
-        request_id, prompt, metrics = self.requests.pop(seq.seq_id)
+    def abort_step(self, seqs: list[Sequence] | None) -> list[str]:
+        """After a failed step: abort its requests (all of them if it failed before its batch was known)."""
+        if seqs is None:
+            aborted = [r.request_id for r in self.requests.values()]
+            self.abort_all()
+            return aborted
+        requests = [self.requests[seq.seq_id] for seq in seqs if seq.seq_id in self.requests]
+        self.abort_request(r.request_id for r in requests)
+        return [r.request_id for r in requests]
+
+    def output(self, request: Request) -> RequestOutput:
+        seq = request.seq
         token_ids = seq.completion_token_ids
         text = self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
-        return RequestOutput(request_id, prompt, seq.prompt_token_ids,
-                             [CompletionOutput(0, text, token_ids, seq.finish_reason)], True, metrics)
+        return RequestOutput(request.request_id, request.prompt, seq.prompt_token_ids,
+                             [CompletionOutput(0, text, token_ids, seq.finish_reason)], True, request.metrics)
 
     def has_unfinished_requests(self) -> bool:
-        return not self.scheduler.is_finished()
+        """Whether step() has more to give: requests to run, or outputs it kept back."""
+        return bool(self.finished) or not self.scheduler.is_finished()
 
     def abort_all(self) -> None:
-        """Drop every unfinished request. A step cut short may have published prefix-cache blocks whose KV it
-        never wrote, so the block manager starts afresh: with no request left, only cached prefixes are lost."""
-        for seq in (*self.scheduler.waiting, *self.scheduler.running):
-            seq.status = SequenceStatus.FINISHED
-            self.requests.pop(seq.seq_id, None)
-        self.scheduler.waiting.clear()
-        self.scheduler.running.clear()
-        self.scheduler.block_manager = BlockManager(self.runner.num_kvcache_blocks, self.config.block_size,
-                                                    self.config.enable_prefix_caching)
+        """Drop every request and kept output. A step cut short may have left the block manager half updated, so it
+        starts afresh: with no request left, only cached prefixes are lost."""
+        with self.lock:
+            for request in self.requests.values():
+                request.seq.status = SequenceStatus.FINISHED
+            self.requests.clear()
+            self.finished.clear()
+            self.scheduler.waiting.clear()
+            self.scheduler.running.clear()
+            self.scheduler.block_manager = BlockManager(self.runner.num_kvcache_blocks, self.config.block_size,
+                                                        self.config.enable_prefix_caching)
 
     def close(self) -> None:
         self.runner.close()
@@ -241,11 +340,19 @@ class LLMEngine:
 # ## `LLM`: vLLM's offline API
 # `LLM(model, ...)` takes the engine's settings as keyword arguments: the fields of notebook 04's `Config`,
 # with vLLM's names and defaults (`tensor_parallel_size`, `max_num_seqs`, `gpu_memory_utilization`, ...).
-# `generate` accepts a str, a list of str, or a list of token-id lists, with one `SamplingParams` for all or
-# one per prompt; it checks every request, then adds them all, steps until they are done, and returns the outputs in the prompts' order. A progress bar
-# shows finished requests and the prefill and decode token rates. If the loop is interrupted (an exception,
-# Ctrl-C), the call's unfinished requests are dropped and their KV blocks freed, so the engine can serve the
-# next call.
+# `generate` accepts a str, a list of str, or token ids (one list of ints, a 1-D integer array or tensor, or a
+# list of those), with one `SamplingParams` for all or one per prompt; it checks every request, then adds them
+# all, steps until they are done, and returns their outputs in the prompts' order. A progress bar shows finished
+# requests and the prefill and decode token rates.
+#
+# The contract with the rest of the engine:
+#
+# * `generate` holds the engine's lock for its whole run, so calls from several threads run one after another;
+# * it returns only its own requests. Requests queued earlier with `engine.add_request` run alongside (they
+#   share the batches) but are not returned: those that finish are kept, and the next `engine.step()` returns
+#   them; those that do not go on in later steps;
+# * if the loop is interrupted (an exception, Ctrl-C), the call's unfinished requests are aborted and their KV
+#   blocks freed, so the engine can serve the next call.
 
 # %% tags=["export"] module="minivllm.llm"
 import time
@@ -255,13 +362,22 @@ from tqdm.auto import tqdm
 
 from minivllm.engine.llm_engine import LLMEngine, Prompt
 from minivllm.outputs import RequestOutput
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import SamplingParams, scalar
+
+
+def is_one_prompt(prompts) -> bool:
+    """A str, an array or tensor, or a list of token ids (not a list of prompts)."""
+    if isinstance(prompts, str) or hasattr(prompts, "ndim"):
+        return True
+    return isinstance(prompts, list | tuple) and len(prompts) > 0 and isinstance(scalar(prompts[0]), int | float)
 
 
 class LLM:
     """vLLM's offline entry point. Keyword arguments are `Config`'s fields, with its defaults (notebook 04):
     tensor_parallel_size, dtype, block_size, max_num_seqs, max_num_batched_tokens, max_model_len,
-    num_kvcache_blocks, gpu_memory_utilization, enforce_eager, enable_prefix_caching, seed, device."""
+    num_kvcache_blocks, gpu_memory_utilization, enforce_eager, enable_prefix_caching, seed, device.
+
+    Thread-safe: concurrent `generate` calls run one after another, each returning what it would return alone."""
 
     def __init__(self, model: str, **kwargs):
         self.engine = LLMEngine(model, **kwargs)
@@ -272,32 +388,33 @@ class LLM:
     def generate(self, prompts: Prompt | SequenceOf[Prompt],
                  sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        engine = self.engine
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # one prompt, as text or as token ids
+        """One output per prompt, in order. Only this call's requests are returned (see the notebook's contract)."""
+        if is_one_prompt(prompts):
+            prompts = [prompts]
+        if not isinstance(prompts, list | tuple):
+            raise ValueError(f"prompts must be a str, token ids, or a list of them; got {type(prompts).__name__}")
         params = sampling_params if isinstance(sampling_params, list | tuple) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
-        params = [p or SamplingParams() for p in params]
-        token_ids = [engine.tokenize(p) for p in prompts]
-        for ids, p in zip(token_ids, params):  # every request is checked before any is added
-            engine.check_request(ids, p)
-        ids = [engine.enqueue(prompt, t, p, None) for prompt, t, p in zip(prompts, token_ids, params)]
-        try:
-            outputs = self.run(len(ids), use_tqdm)
-        except BaseException:
-            self.abort()
-            raise
+        with self.engine.lock:
+            ids = self.engine.add_requests(list(prompts), list(params))
+            try:
+                outputs = self.run(ids, use_tqdm)
+            except BaseException:
+                self.engine.abort_request(ids)
+                raise
         order = {request_id: i for i, request_id in enumerate(ids)}
         return sorted(outputs, key=lambda out: order[out.request_id])
 
-    def run(self, num_requests: int, use_tqdm: bool) -> list[RequestOutput]:
-        outputs = []
-        with tqdm(total=num_requests, desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
+    def run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Step until these requests have finished; their outputs."""
+        outputs, wanted = [], set(request_ids)
+        with tqdm(total=len(wanted), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
             prefill_rate = decode_rate = 0.0
-            while self.engine.has_unfinished_requests():
+            while len(outputs) < len(wanted):
                 start = time.perf_counter()
-                finished, num_tokens = self.engine.step()
+                finished, num_tokens = self.engine.step(wanted)
+                assert num_tokens != 0 or finished, "requests outstanding, but no step to run"
                 rate = abs(num_tokens) / (time.perf_counter() - start)
                 prefill_rate, decode_rate = (rate, decode_rate) if num_tokens > 0 else (prefill_rate, rate)
                 bar.set_postfix_str(f"prefill {prefill_rate:,.0f} tok/s, decode {decode_rate:,.0f} tok/s")
@@ -376,6 +493,8 @@ bad_requests = {
     "token id outside the vocabulary": ([[1, 2, vocab]], greedy),
     "prompt longer than max_model_len": ([[1] * cpu_llm.engine.config.max_model_len], greedy),
     "one bad prompt among good ones": ([[1, 2, 3], [], [4, 5]], greedy),
+    "a float token id": ([[1, 2.0]], greedy),
+    "a nested list": ([[1, [2, 3]]], greedy),
 }
 for name, (bad_prompts, params) in bad_requests.items():
     try:
@@ -384,7 +503,8 @@ for name, (bad_prompts, params) in bad_requests.items():
         print(f"{name:>34}: {e}")
     else:
         raise AssertionError(f"{name} was accepted")
-for param, value in [("temperature", -1), ("top_p", 0), ("top_k", 0), ("min_p", 2), ("max_tokens", 0)]:
+for param, value in [("temperature", -1), ("top_p", 0), ("top_k", 0), ("min_p", 2), ("max_tokens", 0),
+                     ("temperature", float("inf")), ("max_tokens", 2.0), ("stop_token_ids", [[1]])]:
     try:
         SamplingParams(**{param: value})
     except ValueError as e:
@@ -394,6 +514,39 @@ assert cpu_llm.engine.scheduler.block_manager.num_used_blocks == 0
 after = cpu_llm.generate([[1, 2, 3]], greedy, use_tqdm=False)[0].outputs[0].token_ids  # the engine still serves
 assert after == hf.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=20, do_sample=False, eos_token_id=None,
                             pad_token_id=0)[0, 3:].tolist()
+
+# %% [markdown]
+# ### Sharing one engine
+# Integer arrays and tensors are token ids too. `step()` with nothing queued gives nothing back. A request queued
+# with `add_request` shares the batches of a later `generate` but is not among its outputs: the engine keeps it
+# for the next `step()`. And two threads calling `generate` at once take turns, each getting exactly what it would
+# get alone.
+
+# %%
+import threading
+
+import numpy as np
+
+alone = [out.outputs[0].token_ids for out in cpu_llm.generate([np.array([5, 6, 7]), torch.tensor([8, 9])], greedy,
+                                                               use_tqdm=False)]
+assert cpu_llm.engine.step() == ([], 0)
+cpu_llm.engine.add_request([1, 2, 3], greedy, request_id="queued earlier")
+mine = cpu_llm.generate([[5, 6, 7]], greedy, use_tqdm=False)
+assert [out.outputs[0].token_ids for out in mine] == alone[:1]
+kept, _ = cpu_llm.engine.step()
+assert [out.request_id for out in kept] == ["queued earlier"]
+print(f"generate returned its own request; the next step() returned {[out.request_id for out in kept]}")
+results = {}
+threads = [threading.Thread(target=lambda i=i: results.update({i: cpu_llm.generate([[5, 6, 7], [8, 9]], greedy,
+                                                                                   use_tqdm=False)}))
+           for i in range(2)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+assert all([out.outputs[0].token_ids for out in results[i]] == alone for i in range(2))
+assert not cpu_llm.engine.has_unfinished_requests() and not cpu_llm.engine.requests
+print("two threads, one engine: each got the outputs it gets alone")
 
 # %% [markdown]
 # ## KV blocks over a whole run
