@@ -31,13 +31,13 @@ class Config:
         self.hf_config = read_config(self.model)  # FileNotFoundError / ValueError for a bad folder
         self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         context_len = self.hf_config.max_position_embeddings
-        self.max_model_len = min(self.max_model_len or context_len, context_len)
+        self.max_model_len = context_len if self.max_model_len is None else self.max_model_len
         checks = {
             "tensor_parallel_size": (self.tensor_parallel_size >= 1, ">= 1"),
             "block_size": (self.block_size in (16, 32, 64, 128, 256), "16, 32, 64, 128 or 256"),
             "max_num_seqs": (self.max_num_seqs >= 1, ">= 1"),
             "max_num_batched_tokens": (self.max_num_batched_tokens >= 1, ">= 1"),
-            "max_model_len": (self.max_model_len >= 1, f"in [1, {context_len}] (the model's context length)"),
+            "max_model_len": (1 <= self.max_model_len <= context_len, f"in [1, {context_len}] (the model's context length)"),
             "num_kvcache_blocks": (self.num_kvcache_blocks is None or self.num_kvcache_blocks >= 1, "None or >= 1"),
             "gpu_memory_utilization": (0 < self.gpu_memory_utilization <= 1, "in (0, 1]"),
             "device": (self.device in ("cpu", "cuda"), "'cpu' or 'cuda'"),

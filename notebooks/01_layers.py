@@ -229,19 +229,50 @@ print(f"saved {FIGURES / '01_compile_vs_eager.png'}")
 # (`q_proj`, `k_proj`, `v_proj`, `gate_proj`, `up_proj`); each parameter therefore carries a
 # `weight_loader` that takes the full tensor and copies in this rank's slice, at the right offset when
 # several HF tensors are packed into one of ours.
+#
+# Which rank am I, and of how many? A layer learns it when it is built, from the `TPGroup` of the
+# `with tensor_parallel(...)` block around the model's construction, and keeps it: the group its all-reduces
+# run on belongs to that model, so two engines in one process (one split over two GPUs, one not) never mix
+# up their ranks. Outside such a block a layer is whole: rank 0 of 1.
 
 # %% tags=["export"] module="minivllm.layers.linear"
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 
-def tp_rank_and_size() -> tuple[int, int]:
-    """This process's tensor-parallel rank and the world size (0, 1 when torch.distributed is not set up)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+@dataclass(frozen=True, slots=True)
+class TPGroup:
+    """The ranks one model is split over: this process's rank, how many there are, and the process group their
+    collectives run on (None for a single rank: no communication)."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None  # a torch.distributed process group (or backend) of `size` ranks
+
+
+_building = TPGroup()  # the group of the layers being built now
+
+
+@contextmanager
+def tensor_parallel(tp: TPGroup) -> Iterator[TPGroup]:
+    """Layers built inside this block split themselves over `tp` and keep it: each model owns its group."""
+    global _building
+    outer, _building = _building, tp
+    try:
+        yield tp
+    finally:
+        _building = outer
+
+
+def tp_group() -> TPGroup:
+    return _building
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -260,7 +291,8 @@ class LinearBase(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_dim: int | None = None):
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank_and_size()
+        self.tp = tp_group()
+        self.tp_rank, self.tp_size = self.tp.rank, self.tp.size
         self.tp_dim = tp_dim
         self.weight = nn.Parameter(torch.empty(output_size, input_size))
         self.weight.weight_loader = self.weight_loader
@@ -294,7 +326,7 @@ class ColumnParallelLinear(LinearBase):
     """Output features split across ranks: each computes y[:, its slice]; no communication."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(input_size, divide(output_size, tp_rank_and_size()[1]), bias, tp_dim=0)
+        super().__init__(input_size, divide(output_size, tp_group().size), bias, tp_dim=0)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -317,7 +349,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections in one weight; each rank keeps its attention heads (and their KV heads)."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
-        tp_size = tp_rank_and_size()[1]
+        tp_size = tp_group().size
         self.head_dim = head_dim
         self.num_heads = divide(num_heads, tp_size)
         self.num_kv_heads = divide(num_kv_heads, tp_size)
@@ -336,12 +368,12 @@ class RowParallelLinear(LinearBase):
     """Input features split across ranks: each computes a partial sum, then an all-reduce adds them."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(divide(input_size, tp_rank_and_size()[1]), output_size, bias, tp_dim=1)
+        super().__init__(divide(input_size, tp_group().size), output_size, bias, tp_dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (num_tokens, input_size / tp)
         y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         if self.tp_size > 1:
-            dist.all_reduce(y)
+            dist.all_reduce(y, group=self.tp.group)
         return y  # (num_tokens, output_size)
 
 # %% [markdown]
@@ -396,13 +428,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.layers.linear import check_shape, divide, tp_rank_and_size
+from minivllm.layers.linear import check_shape, divide, tp_group
 
 
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank_and_size()
+        self.tp = tp_group()
+        self.tp_rank, self.tp_size = self.tp.rank, self.tp.size
         self.num_embeddings = num_embeddings
         per_rank = divide(num_embeddings, self.tp_size)
         self.vocab_start, self.vocab_end = self.tp_rank * per_rank, (self.tp_rank + 1) * per_rank
@@ -418,7 +451,7 @@ class VocabParallelEmbedding(nn.Module):
             return F.embedding(token_ids, self.weight)
         mine = (token_ids >= self.vocab_start) & (token_ids < self.vocab_end)
         y = F.embedding((token_ids - self.vocab_start) * mine, self.weight) * mine.unsqueeze(-1)
-        dist.all_reduce(y)
+        dist.all_reduce(y, group=self.tp.group)
         return y  # (num_tokens, embedding_dim)
 
 
@@ -430,7 +463,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.tp_size == 1:
             return logits
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
-        dist.all_gather(parts, logits)
+        dist.all_gather(parts, logits, group=self.tp.group)
         return torch.cat(parts, dim=-1)  # (num_tokens, vocab_size)
 
 # %%

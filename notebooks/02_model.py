@@ -306,8 +306,9 @@ class PrefillContext:
 # three or two. `packed_modules_mapping` records which checkpoint tensors go where; the loader reads it.
 #
 # RoPE's cos/sin table (40,960 positions for the 0.6B) is built once and shared by all layers. With tensor
-# parallelism every rank builds the same model with `1/tp` of the heads and of the MLP columns: the layers read
-# the rank and world size from `torch.distributed`, so the model code has no TP logic of its own.
+# parallelism every rank builds the same model with `1/tp` of the heads and of the MLP columns: the layers take
+# their rank and group from the `with tensor_parallel(...)` block the model is built in (notebook 01), so the
+# model code has no TP logic of its own.
 
 # %% tags=["export"] module="minivllm.models.qwen3"
 from typing import Any

@@ -1018,13 +1018,13 @@ class Config:
         self.hf_config = read_config(self.model)  # FileNotFoundError / ValueError for a bad folder
         self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         context_len = self.hf_config.max_position_embeddings
-        self.max_model_len = min(self.max_model_len or context_len, context_len)
+        self.max_model_len = context_len if self.max_model_len is None else self.max_model_len
         checks = {
             "tensor_parallel_size": (self.tensor_parallel_size >= 1, ">= 1"),
             "block_size": (self.block_size in (16, 32, 64, 128, 256), "16, 32, 64, 128 or 256"),
             "max_num_seqs": (self.max_num_seqs >= 1, ">= 1"),
             "max_num_batched_tokens": (self.max_num_batched_tokens >= 1, ">= 1"),
-            "max_model_len": (self.max_model_len >= 1, f"in [1, {context_len}] (the model's context length)"),
+            "max_model_len": (1 <= self.max_model_len <= context_len, f"in [1, {context_len}] (the model's context length)"),
             "num_kvcache_blocks": (self.num_kvcache_blocks is None or self.num_kvcache_blocks >= 1, "None or >= 1"),
             "gpu_memory_utilization": (0 < self.gpu_memory_utilization <= 1, "in (0, 1]"),
             "device": (self.device in ("cpu", "cuda"), "'cpu' or 'cuda'"),
@@ -1059,23 +1059,24 @@ class Config:
 import atexit
 import gc
 import os
-import socket
+import signal
 import threading
 import time
 from dataclasses import dataclass
-from datetime import timedelta
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from minivllm.config import Config
 from minivllm.engine.context import PagedContext
 from minivllm.engine.sequence import Sequence
+from minivllm.engine.workers import START_TIMEOUT, Workers, broadcast_object, close_groups, make_groups, sigint_held
 from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.attention import Attention, PrefillContext
 from minivllm.layers.layernorm import RMSNorm
+from minivllm.layers.linear import TPGroup, tensor_parallel
 from minivllm.layers.rotary_embedding import RotaryEmbedding
 from minivllm.layers.sampler import Sampler, SamplingTensors
 from minivllm.models.loader import load_model
@@ -1207,12 +1208,6 @@ def prefix_hit_step(block_size: int) -> StepInputs:
                       cu_seqlens_q=np.array([0, 2], np.int32), cu_seqlens_k=np.array([0, block_size], np.int32))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def kv_block_bytes(layers: list[Attention], block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one KV block in every layer: the unit the cache is sized in."""
     return 2 * sum(layer.num_kv_heads * layer.head_dim for layer in layers) * block_size * dtype.itemsize
@@ -1223,7 +1218,9 @@ def gpu_free_blocks(block_bytes: int, gpu_memory_utilization: float) -> int:
     free, total = torch.cuda.mem_get_info()
     stats = torch.cuda.memory_stats()
     step_peak = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
-    return int(total * gpu_memory_utilization - (total - free) - step_peak) // block_bytes
+    cached = stats["reserved_bytes.all.current"] - stats["allocated_bytes.all.current"]  # PyTorch's, free to reuse
+    used = total - free - cached
+    return int(total * gpu_memory_utilization - used - step_peak) // block_bytes
 
 # %% [markdown]
 # ### CUDA graphs for decode
@@ -1322,31 +1319,215 @@ def compile_small_layers(model: torch.nn.Module) -> None:
 # heads). Every step, rank 0 prepares the `StepInputs` and broadcasts them; all ranks run the same forward,
 # meeting at the all-reduces inside the model; rank 0 samples. Workers have no scheduler and no sequences.
 #
-# Processes are where engines hang. The rules we follow:
+# Processes are where engines hang, and a hang is worse than a crash: nobody learns why. The rules we follow:
 #
-# * workers are `spawn`ed (a forked CUDA context is unusable) with a module-level target (a notebook cell
-#   cannot be imported by a spawned process), and `daemon=True`, so they die with a normal exit of rank 0;
-# * each worker watches its parent and exits if it is gone, even after a `kill -9` of rank 0;
-# * `init_process_group` has a timeout, and rank 0 checks its workers are alive before waiting on them;
-# * `close()` (also run at exit) sends every worker an `exit` message, joins them, and terminates any straggler.
-#   It also hands the KV cache back to the GPU, so one process can run one engine after another.
-#
-# Control messages go over a gloo group (CPU sockets); on GPUs the tensors go over NCCL.
+# * **Each engine owns its groups.** Rank 0 opens a `TCPStore` on a free port; every rank builds two groups
+#   over it: `control` (gloo, CPU sockets) for rank 0's messages and `tp` for the model's all-reduces (NCCL on
+#   GPUs). There is no `torch.distributed` default group, so two engines in one process never share one.
+# * **Workers are `spawn`ed** (a forked CUDA context is unusable) with a module-level target (a notebook cell
+#   cannot be imported by a spawned process), as daemons, ignoring Ctrl-C (rank 0 decides when they stop),
+#   and each watches its parent and exits if it is gone, even after a `kill -9` of rank 0.
+# * **Rank 0 never waits blindly.** It waits for each worker to check in while watching that the process is
+#   alive, and a thread keeps watching: a worker that dies becomes an error naming it within a second (one that
+#   died before it even started was most likely a script without a main guard: the error says so).
+# * **A step is never cut in half.** Ctrl-C during a step is held until the step ends, so every rank stays in
+#   step and the engine stays usable; anything else that breaks a step makes the engine refuse further steps,
+#   with the reason, instead of hanging in the next collective.
+# * **`close()` frees the CUDA graphs before the groups** (an NCCL group waits for the graphs that captured its
+#   all-reduces before it shuts down: closing in the other order hangs), then joins the workers and kills
+#   stragglers. It also hands the KV cache back to the GPU, so one process can run one engine after another.
 
-# %% tags=["export"]
+# %% tags=["export"] module="minivllm.engine.workers"
+import pickle
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from minivllm.layers.linear import TPGroup
+
+START_TIMEOUT = timedelta(seconds=300)  # a worker imports torch and loads its slice: minutes on a slow disk
+STEP_TIMEOUT = timedelta(seconds=600)  # one rank may compile kernels in a first step while the others wait
+MAIN_GUARD = ("Workers are spawned: each re-imports your main script, so a script that creates an LLM with "
+              "tensor_parallel_size > 1 must do it under `if __name__ == \"__main__\":`.")
+
+
+def make_groups(store: Any, rank: int, world_size: int, device: torch.device) -> tuple[TPGroup, Any]:
+    """This rank's groups over the engine's own store: `control` (gloo) carries rank 0's messages, the TPGroup's
+    group the model's all-reduces (NCCL on GPUs; on CPUs the gloo group again)."""
+    control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, world_size, STEP_TIMEOUT)
+    if device.type != "cuda":
+        return TPGroup(rank, world_size, control), control
+    nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, world_size)
+    nccl.eager_connect_single_device(device)  # connect now, while rank 0 watches its workers
+    return TPGroup(rank, world_size, nccl), control
+
+
+def close_groups(groups: list[Any], abort: bool) -> None:
+    """Shut each group down with the other ranks; abort it when one of them is gone (shutdown would wait)."""
+    for group in dict.fromkeys(groups):
+        group.abort() if abort else group.shutdown()
+
+
+def broadcast_object(obj: Any, group: Any, rank: int) -> Any:
+    """Rank 0's `obj` on every rank (the others pass None), pickled over a gloo group."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if rank == 0 else None
+    size = torch.tensor([0 if data is None else data.numel()])
+    group.broadcast(size, 0).wait()
+    if data is None:
+        data = torch.empty(int(size), dtype=torch.uint8)
+    group.broadcast(data, 0).wait()
+    return obj if rank == 0 else pickle.loads(data.numpy().tobytes())
+
+
+@contextmanager
+def sigint_held() -> Iterator[None]:
+    """Hold Ctrl-C until the block ends: rank 0 never leaves the other ranks halfway through a step. A second
+    Ctrl-C stops at once (the engine is then out of step and refuses further steps)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+
+    def hold(signum, frame):
+        if pending:
+            raise KeyboardInterrupt
+        pending.append(signum)
+
+    previous = signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
+    if pending:
+        raise KeyboardInterrupt
+
+
+class Workers:
+    """Rank 0's side of the other ranks: spawns them, waits for them while watching them, says why one is gone."""
+
+    def __init__(self, target: Callable, args: tuple, world_size: int, device: torch.device):
+        self.store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                                   timeout=START_TIMEOUT)
+        spawn = mp.get_context("spawn")
+        self.started = [spawn.Event() for _ in range(1, world_size)]  # set by each worker as its first act
+        self.processes = [spawn.Process(target=target, args=(*args, rank, self.store.port, started), daemon=True)
+                          for rank, started in enumerate(self.started, start=1)]
+        self.failure: str | None = None  # why the ranks can no longer work together
+        self.stopping = False
+        for process in self.processes:
+            process.start()
+        try:
+            self.tp, self.control = self.wait(lambda: make_groups(self.store, 0, world_size, device))
+        except BaseException:
+            self.join(timeout=0)
+            raise
+        threading.Thread(target=self.watch, daemon=True).start()
+
+    def dead(self) -> str | None:
+        """Why a worker is gone, if one is."""
+        for rank, (process, started) in enumerate(zip(self.processes, self.started), start=1):
+            if process.exitcode is None:
+                continue
+            if not started.is_set():
+                return f"tensor-parallel worker rank {rank} exited (code {process.exitcode}) before it started. " + MAIN_GUARD
+            return f"tensor-parallel worker rank {rank} (pid {process.pid}) died (exit code {process.exitcode})"
+        return None
+
+    def wait(self, fn: Callable[[], Any]) -> Any:
+        """fn() (which waits for the workers) on a daemon thread; RuntimeError as soon as a worker is gone (the
+        thread, blocked for good, is left behind: a daemon does not keep the process alive)."""
+        done: list[tuple[Any, BaseException | None]] = []
+
+        def target() -> None:
+            try:
+                done.append((fn(), None))
+            except BaseException as e:
+                done.append((None, e))
+
+        thread = threading.Thread(target=target, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + START_TIMEOUT.total_seconds()
+        while thread.is_alive() and time.monotonic() < deadline:
+            thread.join(timeout=0.1)
+            if thread.is_alive() and (reason := self.dead()):
+                raise RuntimeError(reason)
+        if not done:
+            raise RuntimeError(f"tensor-parallel workers did not start within {START_TIMEOUT}")
+        result, error = done[0]
+        if error is not None:
+            raise error
+        return result
+
+    def watch(self) -> None:
+        """A worker that dies mid-step would leave rank 0 in a collective for ever: abort the groups instead."""
+        while not self.stopping:
+            if reason := self.dead():
+                self.failure = self.failure or reason
+                close_groups([self.tp.group, self.control], abort=True)
+                return
+            time.sleep(0.2)
+
+    def fail(self, error: BaseException) -> bool:
+        """A step broke: the ranks are out of step for good. Whether a worker died (it may take a moment to see)."""
+        deadline = time.monotonic() + 2
+        while (reason := self.dead()) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.failure = self.failure or reason or f"a step failed on rank 0 ({type(error).__name__}: {error})"
+        return reason is not None
+
+    def check(self) -> None:
+        if self.failure is None:
+            self.failure = self.dead()
+        if self.failure is not None:
+            raise RuntimeError(f"the tensor-parallel engine cannot run: {self.failure}. Create a new LLM.")
+
+    def join(self, timeout: float = 10) -> None:
+        """Wait for the workers to exit (after "exit"), killing those still there after `timeout` seconds."""
+        self.stopping = True
+        for process in self.processes:
+            process.join(timeout=timeout)
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+# %% [markdown]
+# A worker's life: check in (so that rank 0 can tell "never started" from "died"), connect to rank 0's store,
+# build its groups, load its slice, then do what rank 0 says until it says `exit`.
+
+# %% tags=["export"] module="minivllm.engine.model_runner"
 def exit_with_parent(parent_pid: int) -> None:
     while os.getppid() == parent_pid:
         time.sleep(0.5)
     os._exit(1)  # rank 0 is gone: nobody will send "exit"
 
 
-def worker_main(config: Config, rank: int, port: int) -> None:
+def rank_device(config: Config, rank: int) -> torch.device:
+    return torch.device(f"cuda:{rank}" if config.device == "cuda" else "cpu")
+
+
+def worker_main(config: Config, rank: int, port: int, started: Any) -> None:
+    started.set()  # this module imported: rank 0 can tell "died" from "never started"
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it tells the workers to exit
     threading.Thread(target=exit_with_parent, args=(os.getppid(),), daemon=True).start()
-    runner = ModelRunner(config, rank, port)
+    device = rank_device(config, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False, timeout=START_TIMEOUT)
+    runner = ModelRunner(config, rank, make_groups(store, rank, config.tensor_parallel_size, device))
     try:
         runner.serve()
-    finally:
-        runner.close()
+    except BaseException:
+        runner.close(abort=True)
+        raise
+    runner.close()
 
 # %% [markdown]
 # ### Putting it together
@@ -1358,20 +1539,26 @@ def worker_main(config: Config, rank: int, port: int) -> None:
 
 # %% tags=["export"]
 class ModelRunner:
-    def __init__(self, config: Config, rank: int = 0, port: int | None = None):
+    def __init__(self, config: Config, rank: int = 0, groups: tuple[TPGroup, Any] | None = None):
         self.config, self.rank, self.world_size = config, rank, config.tensor_parallel_size
         self.block_size = config.block_size
-        self.device = torch.device(f"cuda:{rank}" if config.device == "cuda" else "cpu")
+        self.device = rank_device(config, rank)
         self.use_triton = self.device.type == "cuda"
-        self.workers: list[mp.Process] = []
+        self.workers: Workers | None = None  # rank 0 of several: the other ranks
+        self.tp, self.control = groups or (TPGroup(), None)
         self.graphs: DecodeGraphs | None = None
         self.closed = False
         if rank == 0:
             atexit.register(self.close)
         try:
-            self.init_distributed(port)
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            if rank == 0 and self.world_size > 1:
+                self.workers = Workers(worker_main, (config,), self.world_size, self.device)
+                self.tp, self.control = self.workers.tp, self.workers.control
             torch.manual_seed(config.seed)
-            self.model = load_model(config.model, config.dtype, self.device)
+            with tensor_parallel(self.tp):  # the layers keep this engine's group
+                self.model = load_model(config.model, config.dtype, self.device)
             self.dtype = self.model.lm_head.weight.dtype
             if self.device.type == "cuda":
                 compile_small_layers(self.model)
@@ -1384,76 +1571,62 @@ class ModelRunner:
                 max_blocks = -(-config.max_model_len // self.block_size)
                 self.graphs = DecodeGraphs(self.model, config.max_num_seqs, max_blocks,
                                            config.hf_config.hidden_size, self.dtype, self.device)
-        except BaseException:
-            self.close()
+        except BaseException as e:
+            self.close(abort=True)
+            if self.workers is not None and self.workers.failure:
+                raise RuntimeError(self.workers.failure) from e
             raise
 
     # --- processes -------------------------------------------------------------------------------------------
-    def init_distributed(self, port: int | None) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        if self.world_size == 1:
-            return
-        if self.rank == 0:
-            port = free_port()
-            spawn = mp.get_context("spawn")
-            self.workers = [spawn.Process(target=worker_main, args=(self.config, r, port), daemon=True)
-                            for r in range(1, self.world_size)]
-            for worker in self.workers:
-                worker.start()
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=self.rank,
-                                world_size=self.world_size, timeout=timedelta(seconds=300))
-        self.control = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
-
     def call(self, method: str, *args):
         """Run a method on every rank (rank 0 tells the others first); rank 0's result."""
-        if self.world_size > 1:
-            if dead := [w.pid for w in self.workers if not w.is_alive()]:
-                raise RuntimeError(f"tensor-parallel worker process(es) {dead} died")
-            dist.broadcast_object_list([(method, args)], src=0, group=self.control)
-        return getattr(self, method)(*args)
+        if self.workers is None:
+            return getattr(self, method)(*args)
+        self.workers.check()
+        with sigint_held():  # Ctrl-C lands between steps, with every rank in step
+            try:
+                broadcast_object((method, args), self.control, 0)
+                return getattr(self, method)(*args)
+            except BaseException as e:
+                if self.workers.fail(e):  # the step broke because a worker died: say that, not "connection reset"
+                    raise RuntimeError(self.workers.failure) from e
+                raise
 
     def serve(self) -> None:
         """A worker's loop: do what rank 0 says until it says exit."""
         while True:
-            message = [None]
-            dist.broadcast_object_list(message, src=0, group=self.control)
-            method, args = message[0]
+            method, args = broadcast_object(None, self.control, self.rank)
             if method == "exit":
                 return
             getattr(self, method)(*args)
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
+        """Stop the workers, free the GPU memory (CUDA graphs before the groups), close the groups."""
         if self.closed:
             return
         self.closed = True
-        if self.world_size > 1 and dist.is_initialized():
-            if self.rank == 0 and all(w.is_alive() for w in self.workers):
-                try:
-                    dist.broadcast_object_list([("exit", ())], src=0, group=self.control)
-                except RuntimeError:  # a worker is already going (it failed too): it is joined below
-                    pass
-            for worker in self.workers:
-                worker.join(timeout=30)
-                if worker.is_alive():
-                    worker.terminate()
-            dist.destroy_process_group()
-        for worker in self.workers:  # a failure before init_process_group finished
-            if worker.is_alive():
-                worker.terminate()
+        workers = self.workers
+        if workers is not None:
+            workers.stopping = True
+            abort = abort or workers.failure is not None or workers.dead() is not None
+            if not abort:
+                broadcast_object(("exit", ()), self.control, 0)
         self.free_gpu_memory()
+        if self.control is not None:
+            close_groups([self.tp.group, self.control], abort)
+        if workers is not None:
+            workers.join()
         if self.rank == 0:
             atexit.unregister(self.close)
 
     def free_gpu_memory(self) -> None:
-        """Give the KV cache and the graphs' memory back to the GPU, so a next engine in this process can size
-        its own cache: PyTorch's allocator keeps freed blocks reserved until `empty_cache()`."""
+        """Give the weights, the KV cache and the graphs' memory back to the GPU, so a next engine in this process
+        can size its own cache: PyTorch's allocator keeps freed blocks reserved until `empty_cache()`."""
         if self.device.type != "cuda":
             return
         for layer in getattr(self, "attention_layers", []):
             layer.k_cache = layer.v_cache = None
-        self.graphs = None
+        self.graphs = self.model = None
         gc.collect()
         torch.cuda.empty_cache()
 
@@ -1485,8 +1658,8 @@ class ModelRunner:
             wanted = config.max_num_seqs * -(-config.max_model_len // self.block_size)
             num_blocks = min(wanted, 2**30 // block_bytes)
         if self.world_size > 1:  # every rank must agree: the block manager is one for all
-            agreed = torch.tensor([num_blocks], device=self.device)
-            dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+            agreed = torch.tensor([num_blocks])
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.control)
             num_blocks = int(agreed.item())
         if num_blocks < 1:
             raise ValueError(f"no room for a KV cache: gpu_memory_utilization={config.gpu_memory_utilization} "
@@ -1533,7 +1706,10 @@ class ModelRunner:
         """One step for these sequences: the next token of each."""
         logits = self.step_logits(seqs, is_prefill)  # queued on the GPU: the host goes on
         sampling = SamplingTensors.from_seqs(seqs, self.device)  # built while the GPU computes the logits
-        return self.sampler(logits, sampling).tolist()
+        token_ids = self.sampler(logits, sampling).tolist()
+        if self.workers is not None:
+            self.workers.check()  # a worker died during the step: its all-reduces were aborted, the tokens are junk
+        return token_ids
 
 # %% [markdown]
 # ## Every path gives the logits of a from-scratch forward
@@ -1689,6 +1865,45 @@ for batch in sorted({b for _, b in rows}):
 print(f"KV cache on {step_data['device']}: {step_data['num_kvcache_blocks']} blocks of {step_data['block_size']} = "
       f"{step_data['kv_cache_tokens'] / 1e6:.2f} M tokens")
 assert rows["minivllm", 1] < rows["minivllm-eager", 1]
+
+# %% [markdown]
+# ### Tensor parallelism on two H200s: when does it pay?
+# `python -m minivllm.benchmarks.tp` runs the same decode step and the same throughput workload with the model
+# on one GPU and split over two (NCCL). Splitting halves each GPU's share of the weights and of every KV read,
+# but adds two all-reduces per layer, each a round trip between the GPUs. Which wins for a 0.6B model?
+
+# %%
+from minivllm.benchmarks.tp import plot_tp
+
+tp_data = json.loads(Path("figures/tp.json").read_text())  # needs two GPUs to re-measure: the committed run
+fig = plot_tp(tp_data)
+fig.savefig(FIGURES / "04_tp.png", dpi=120)
+step = {(r["tp"], r["batch"]): r["ms"] for r in tp_data["rows"] if r["kind"] == "decode_step"}
+run = {r["tp"]: r for r in tp_data["rows"] if r["kind"] == "throughput"}
+for batch in sorted({b for _, b in step}):
+    print(f"decode step, batch {batch:>3}: TP 1 {step[1, batch]:.2f} ms, TP 2 {step[2, batch]:.2f} ms")
+for tp, r in run.items():
+    print(f"TP {tp}: {r['tok_per_s']:,.0f} output tok/s, KV cache {r['kv_cache_tokens'] / 1e6:.2f} M tokens")
+
+# %% [markdown]
+# Work it out: Qwen3-0.6B has 28 layers, so a TP-2 forward makes 2 × 28 all-reduces (plus the embedding's and
+# the LM head's gather). At batch 1, when the step is all latency, what does one cost?
+
+# %%
+num_allreduces = 2 * 28
+per_allreduce_us = (step[2, 1] - step[1, 1]) / num_allreduces * 1e3
+weight_read_ms = 596e6 * 2 / (decode_data["copy_tbps"] * 1e12) * 1e3  # 596 M bf16 parameters at copy bandwidth
+print(f"TP 2 adds {step[2, 1] - step[1, 1]:.2f} ms at batch 1: ≈ {per_allreduce_us:.0f} µs per all-reduce")
+print(f"reading all the weights once takes {weight_read_ms:.2f} ms on one GPU; the all-reduces add "
+      f"{num_allreduces * per_allreduce_us / 1e3:.2f} ms")
+
+# %% [markdown]
+# For a 0.6B model TP 2 does not pay in speed: one GPU reads all 1.2 GB of weights in under 0.3 ms, a quarter
+# of what the all-reduces add, so halving that read cannot make up for them and every step gets slower (most at small batches, where latency is
+# all there is) and throughput drops a little. What it does buy is memory: the KV cache doubles (each GPU holds
+# half of the KV heads), so twice the tokens fit. TP pays when the weights or the KV cache do not fit one GPU,
+# or when reading a GPU's share of the weights takes much longer than the all-reduces: tens of billions of
+# parameters, not 0.6.
 
 # %% [markdown]
 # The eager step costs about 30 ms at *every* batch size: it is bound by Python launching hundreds of kernels

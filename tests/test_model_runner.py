@@ -1,11 +1,6 @@
 """The model runner (notebook 04): every paged path gives the logits of a from-scratch forward; TP; shutdown."""
 
-import os
 import random
-import subprocess
-import sys
-import textwrap
-import time
 
 import pytest
 import torch
@@ -159,80 +154,12 @@ def test_graph_batch_sizes():
 
 def test_config_names_the_bad_field(tiny):
     for bad, field in [(dict(block_size=24), "block_size"), (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
-                       (dict(max_num_seqs=0), "max_num_seqs"), (dict(tensor_parallel_size=0), "tensor_parallel_size")]:
+                       (dict(max_num_seqs=0), "max_num_seqs"), (dict(tensor_parallel_size=0), "tensor_parallel_size"),
+                       (dict(max_model_len=0), "max_model_len"), (dict(max_model_len=4097), "max_model_len")]:
         with pytest.raises(ValueError, match=field):
             Config(tiny, **bad)
     with pytest.raises(FileNotFoundError):
         Config("/no/such/checkpoint")
-
-
-# --- tensor parallelism over gloo, and clean shutdown ---------------------------------------------------------
-
-@pytest.mark.slow
-def test_tensor_parallel_2_equals_1(tiny, runner):
-    prompts = [list(range(1, 40)), [3] * 17]
-    _, single, _ = run_steps(runner, prompts, 8)
-    tp = ModelRunner(Config(tiny, dtype=torch.float32, num_kvcache_blocks=128, max_num_seqs=16,
-                            tensor_parallel_size=2, device="cpu"))
-    try:
-        assert len(tp.workers) == 1 and tp.workers[0].is_alive()
-        _, double, _ = run_steps(tp, prompts, 8)
-    finally:
-        tp.close()
-    for a, b in zip(single, double):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    assert not tp.workers[0].is_alive()  # close() ended the worker
-
-
-def test_a_failing_start_leaves_no_worker(tiny):
-    """tensor_parallel_size=4 cannot split the tiny model's 2 KV heads: every rank fails, none is left behind."""
-    import multiprocessing
-
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        ModelRunner(Config(tiny, dtype=torch.float32, num_kvcache_blocks=16, tensor_parallel_size=4, device="cpu"))
-    deadline = time.time() + 30
-    while multiprocessing.active_children() and time.time() < deadline:
-        time.sleep(0.2)
-    assert not multiprocessing.active_children()
-
-
-SCRIPT = """
-import os, sys, time, torch
-from minivllm.config import Config
-from minivllm.engine.model_runner import ModelRunner
-runner = ModelRunner(Config(sys.argv[1], dtype=torch.float32, num_kvcache_blocks=16, tensor_parallel_size=2,
-                            device="cpu"))
-print(runner.workers[0].pid, flush=True)
-{ending}
-"""
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead too
-        return f.read().split()[2] != "Z"
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("ending", ["pass", "raise RuntimeError('boom')", "raise KeyboardInterrupt",
-                                    "os.kill(os.getpid(), 9)"])
-def test_workers_exit_with_the_engine(tiny, ending):
-    """Normal exit, an exception, Ctrl-C, and even kill -9 of rank 0: the worker is gone within seconds."""
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(SCRIPT).format(ending=ending), str(tiny)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    worker_pid = int(proc.stdout.readline())
-    proc.wait(timeout=120)
-    deadline = time.time() + 20
-    while alive(worker_pid) and time.time() < deadline:
-        time.sleep(0.2)
-    assert not alive(worker_pid), f"worker {worker_pid} outlived its engine ({ending})"
-    if ending != "pass":
-        assert proc.returncode != 0
-    proc.stdout.close()
-    proc.stderr.close()
 
 
 # --- on a GPU: the Triton paths and CUDA graphs ----------------------------------------------------------------
@@ -269,59 +196,16 @@ def test_cuda_graph_replay_equals_eager(tiny, batch):
 
 @pytest.mark.gpu
 def test_close_gives_the_kv_cache_back_to_the_gpu(tiny):
-    """A second engine in the same process gets (about) the cache the first one had."""
-    first = ModelRunner(Config(tiny, dtype=torch.bfloat16, gpu_memory_utilization=0.5, max_num_seqs=16))
-    blocks = first.num_kvcache_blocks
+    """A second engine in the same process gets the cache the first one had, even when memory the first one freed
+    is still reserved by PyTorch's allocator (here: its graph pool, released only after it was measured)."""
+    config = Config(tiny, dtype=torch.bfloat16, gpu_memory_utilization=0.5, max_num_seqs=16)
+    first = ModelRunner(config)
+    blocks, graphs = first.num_kvcache_blocks, first.graphs
     first.close()
-    second = ModelRunner(Config(tiny, dtype=torch.bfloat16, gpu_memory_utilization=0.5, max_num_seqs=16))
+    del graphs  # freed after close's empty_cache(): the allocator keeps it reserved
+    second = ModelRunner(config)
     try:
-        assert second.num_kvcache_blocks >= 0.95 * blocks
+        print(f"KV blocks: first engine {blocks}, second {second.num_kvcache_blocks}")
+        assert abs(second.num_kvcache_blocks - blocks) <= 0.01 * blocks
     finally:
         second.close()
-
-
-# --- on two GPUs: tensor parallelism over NCCL -----------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def qwen3_06b(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen3-0.6b", "qwen3-0.6b", seed=0)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism over NCCL needs two GPUs")
-def test_gpu_tensor_parallel_2_agrees_with_1_in_bf16(qwen3_06b):
-    """Teacher forcing on the 0.6B preset: TP 2 (CUDA graphs, NCCL) differs from TP 1 by bf16 rounding only,
-    no more than TP 1 differs from float32; and close() ends the worker and the process group."""
-    import torch.distributed as dist
-
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    prompts = [random.Random(n).choices(range(10000), k=n) for n in (7, 100, 513)]
-    config = dict(dtype=torch.bfloat16, gpu_memory_utilization=0.3, max_num_seqs=16, max_model_len=1024)
-    single_runner = ModelRunner(Config(qwen3_06b, **config))
-    try:
-        seqs, single, _ = run_steps(single_runner, prompts, num_decode_steps=16)
-    finally:
-        single_runner.close()
-    tokens = [seq.completion_token_ids for seq in seqs]
-    tp = ModelRunner(Config(qwen3_06b, tensor_parallel_size=2, **config))
-    replays = []
-    try:
-        assert tp.graphs is not None
-        replay = tp.graphs.replay
-        tp.graphs.replay = lambda *args: replays.append(1) or replay(*args)
-        _, double, _ = run_steps(tp, prompts, num_decode_steps=16, force=tokens)
-    finally:
-        tp.close()
-    assert len(replays) == 16  # every decode step went through a CUDA graph
-    assert not tp.workers[0].is_alive() and not dist.is_initialized()
-    reference = load_model(qwen3_06b, dtype=torch.float32, device="cuda")
-    fp32 = [reference.prompt_logits(seq.token_ids).float().cpu()[seq.num_prompt_tokens - 1 : len(seq) - 1]
-            for seq in seqs]
-    single, double, fp32 = torch.cat(single), torch.cat(double), torch.cat(fp32)
-    tp_error, bf16_error = (double - single).abs().max().item(), (single - fp32).abs().max().item()
-    top2 = fp32.topk(2, dim=-1).values
-    decisive = top2[:, 0] - top2[:, 1] > 0.1
-    agree = (double.argmax(-1) == single.argmax(-1)).float().mean().item()
-    print(f"TP 2 vs 1: max |Δ| {tp_error:.4f}, top-1 agreement {agree:.1%}; TP 1 bf16 vs fp32: max |Δ| {bf16_error:.4f}")
-    assert tp_error <= 2 * bf16_error
-    assert (double.argmax(-1) == fp32.argmax(-1))[decisive].all()

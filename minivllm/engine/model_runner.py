@@ -3,23 +3,24 @@
 import atexit
 import gc
 import os
-import socket
+import signal
 import threading
 import time
 from dataclasses import dataclass
-from datetime import timedelta
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from minivllm.config import Config
 from minivllm.engine.context import PagedContext
 from minivllm.engine.sequence import Sequence
+from minivllm.engine.workers import START_TIMEOUT, Workers, broadcast_object, close_groups, make_groups, sigint_held
 from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.attention import Attention, PrefillContext
 from minivllm.layers.layernorm import RMSNorm
+from minivllm.layers.linear import TPGroup, tensor_parallel
 from minivllm.layers.rotary_embedding import RotaryEmbedding
 from minivllm.layers.sampler import Sampler, SamplingTensors
 from minivllm.models.loader import load_model
@@ -88,12 +89,6 @@ def prefix_hit_step(block_size: int) -> StepInputs:
                       cu_seqlens_q=np.array([0, 2], np.int32), cu_seqlens_k=np.array([0, block_size], np.int32))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def kv_block_bytes(layers: list[Attention], block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one KV block in every layer: the unit the cache is sized in."""
     return 2 * sum(layer.num_kv_heads * layer.head_dim for layer in layers) * block_size * dtype.itemsize
@@ -104,7 +99,9 @@ def gpu_free_blocks(block_bytes: int, gpu_memory_utilization: float) -> int:
     free, total = torch.cuda.mem_get_info()
     stats = torch.cuda.memory_stats()
     step_peak = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
-    return int(total * gpu_memory_utilization - (total - free) - step_peak) // block_bytes
+    cached = stats["reserved_bytes.all.current"] - stats["allocated_bytes.all.current"]  # PyTorch's, free to reuse
+    used = total - free - cached
+    return int(total * gpu_memory_utilization - used - step_peak) // block_bytes
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -167,30 +164,48 @@ def exit_with_parent(parent_pid: int) -> None:
     os._exit(1)  # rank 0 is gone: nobody will send "exit"
 
 
-def worker_main(config: Config, rank: int, port: int) -> None:
+def rank_device(config: Config, rank: int) -> torch.device:
+    return torch.device(f"cuda:{rank}" if config.device == "cuda" else "cpu")
+
+
+def worker_main(config: Config, rank: int, port: int, started: Any) -> None:
+    started.set()  # this module imported: rank 0 can tell "died" from "never started"
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it tells the workers to exit
     threading.Thread(target=exit_with_parent, args=(os.getppid(),), daemon=True).start()
-    runner = ModelRunner(config, rank, port)
+    device = rank_device(config, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False, timeout=START_TIMEOUT)
+    runner = ModelRunner(config, rank, make_groups(store, rank, config.tensor_parallel_size, device))
     try:
         runner.serve()
-    finally:
-        runner.close()
+    except BaseException:
+        runner.close(abort=True)
+        raise
+    runner.close()
 
 
 class ModelRunner:
-    def __init__(self, config: Config, rank: int = 0, port: int | None = None):
+    def __init__(self, config: Config, rank: int = 0, groups: tuple[TPGroup, Any] | None = None):
         self.config, self.rank, self.world_size = config, rank, config.tensor_parallel_size
         self.block_size = config.block_size
-        self.device = torch.device(f"cuda:{rank}" if config.device == "cuda" else "cpu")
+        self.device = rank_device(config, rank)
         self.use_triton = self.device.type == "cuda"
-        self.workers: list[mp.Process] = []
+        self.workers: Workers | None = None  # rank 0 of several: the other ranks
+        self.tp, self.control = groups or (TPGroup(), None)
         self.graphs: DecodeGraphs | None = None
         self.closed = False
         if rank == 0:
             atexit.register(self.close)
         try:
-            self.init_distributed(port)
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            if rank == 0 and self.world_size > 1:
+                self.workers = Workers(worker_main, (config,), self.world_size, self.device)
+                self.tp, self.control = self.workers.tp, self.workers.control
             torch.manual_seed(config.seed)
-            self.model = load_model(config.model, config.dtype, self.device)
+            with tensor_parallel(self.tp):  # the layers keep this engine's group
+                self.model = load_model(config.model, config.dtype, self.device)
             self.dtype = self.model.lm_head.weight.dtype
             if self.device.type == "cuda":
                 compile_small_layers(self.model)
@@ -203,76 +218,62 @@ class ModelRunner:
                 max_blocks = -(-config.max_model_len // self.block_size)
                 self.graphs = DecodeGraphs(self.model, config.max_num_seqs, max_blocks,
                                            config.hf_config.hidden_size, self.dtype, self.device)
-        except BaseException:
-            self.close()
+        except BaseException as e:
+            self.close(abort=True)
+            if self.workers is not None and self.workers.failure:
+                raise RuntimeError(self.workers.failure) from e
             raise
 
     # --- processes -------------------------------------------------------------------------------------------
-    def init_distributed(self, port: int | None) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        if self.world_size == 1:
-            return
-        if self.rank == 0:
-            port = free_port()
-            spawn = mp.get_context("spawn")
-            self.workers = [spawn.Process(target=worker_main, args=(self.config, r, port), daemon=True)
-                            for r in range(1, self.world_size)]
-            for worker in self.workers:
-                worker.start()
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=self.rank,
-                                world_size=self.world_size, timeout=timedelta(seconds=300))
-        self.control = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
-
     def call(self, method: str, *args):
         """Run a method on every rank (rank 0 tells the others first); rank 0's result."""
-        if self.world_size > 1:
-            if dead := [w.pid for w in self.workers if not w.is_alive()]:
-                raise RuntimeError(f"tensor-parallel worker process(es) {dead} died")
-            dist.broadcast_object_list([(method, args)], src=0, group=self.control)
-        return getattr(self, method)(*args)
+        if self.workers is None:
+            return getattr(self, method)(*args)
+        self.workers.check()
+        with sigint_held():  # Ctrl-C lands between steps, with every rank in step
+            try:
+                broadcast_object((method, args), self.control, 0)
+                return getattr(self, method)(*args)
+            except BaseException as e:
+                if self.workers.fail(e):  # the step broke because a worker died: say that, not "connection reset"
+                    raise RuntimeError(self.workers.failure) from e
+                raise
 
     def serve(self) -> None:
         """A worker's loop: do what rank 0 says until it says exit."""
         while True:
-            message = [None]
-            dist.broadcast_object_list(message, src=0, group=self.control)
-            method, args = message[0]
+            method, args = broadcast_object(None, self.control, self.rank)
             if method == "exit":
                 return
             getattr(self, method)(*args)
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
+        """Stop the workers, free the GPU memory (CUDA graphs before the groups), close the groups."""
         if self.closed:
             return
         self.closed = True
-        if self.world_size > 1 and dist.is_initialized():
-            if self.rank == 0 and all(w.is_alive() for w in self.workers):
-                try:
-                    dist.broadcast_object_list([("exit", ())], src=0, group=self.control)
-                except RuntimeError:  # a worker is already going (it failed too): it is joined below
-                    pass
-            for worker in self.workers:
-                worker.join(timeout=30)
-                if worker.is_alive():
-                    worker.terminate()
-            dist.destroy_process_group()
-        for worker in self.workers:  # a failure before init_process_group finished
-            if worker.is_alive():
-                worker.terminate()
+        workers = self.workers
+        if workers is not None:
+            workers.stopping = True
+            abort = abort or workers.failure is not None or workers.dead() is not None
+            if not abort:
+                broadcast_object(("exit", ()), self.control, 0)
         self.free_gpu_memory()
+        if self.control is not None:
+            close_groups([self.tp.group, self.control], abort)
+        if workers is not None:
+            workers.join()
         if self.rank == 0:
             atexit.unregister(self.close)
 
     def free_gpu_memory(self) -> None:
-        """Give the KV cache and the graphs' memory back to the GPU, so a next engine in this process can size
-        its own cache: PyTorch's allocator keeps freed blocks reserved until `empty_cache()`."""
+        """Give the weights, the KV cache and the graphs' memory back to the GPU, so a next engine in this process
+        can size its own cache: PyTorch's allocator keeps freed blocks reserved until `empty_cache()`."""
         if self.device.type != "cuda":
             return
         for layer in getattr(self, "attention_layers", []):
             layer.k_cache = layer.v_cache = None
-        self.graphs = None
+        self.graphs = self.model = None
         gc.collect()
         torch.cuda.empty_cache()
 
@@ -304,8 +305,8 @@ class ModelRunner:
             wanted = config.max_num_seqs * -(-config.max_model_len // self.block_size)
             num_blocks = min(wanted, 2**30 // block_bytes)
         if self.world_size > 1:  # every rank must agree: the block manager is one for all
-            agreed = torch.tensor([num_blocks], device=self.device)
-            dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+            agreed = torch.tensor([num_blocks])
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.control)
             num_blocks = int(agreed.item())
         if num_blocks < 1:
             raise ValueError(f"no room for a KV cache: gpu_memory_utilization={config.gpu_memory_utilization} "
@@ -352,4 +353,7 @@ class ModelRunner:
         """One step for these sequences: the next token of each."""
         logits = self.step_logits(seqs, is_prefill)  # queued on the GPU: the host goes on
         sampling = SamplingTensors.from_seqs(seqs, self.device)  # built while the GPU computes the logits
-        return self.sampler(logits, sampling).tolist()
+        token_ids = self.sampler(logits, sampling).tolist()
+        if self.workers is not None:
+            self.workers.check()  # a worker died during the step: its all-reduces were aborted, the tokens are junk
+        return token_ids

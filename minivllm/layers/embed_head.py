@@ -5,13 +5,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.layers.linear import check_shape, divide, tp_rank_and_size
+from minivllm.layers.linear import check_shape, divide, tp_group
 
 
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank_and_size()
+        self.tp = tp_group()
+        self.tp_rank, self.tp_size = self.tp.rank, self.tp.size
         self.num_embeddings = num_embeddings
         per_rank = divide(num_embeddings, self.tp_size)
         self.vocab_start, self.vocab_end = self.tp_rank * per_rank, (self.tp_rank + 1) * per_rank
@@ -27,7 +28,7 @@ class VocabParallelEmbedding(nn.Module):
             return F.embedding(token_ids, self.weight)
         mine = (token_ids >= self.vocab_start) & (token_ids < self.vocab_end)
         y = F.embedding((token_ids - self.vocab_start) * mine, self.weight) * mine.unsqueeze(-1)
-        dist.all_reduce(y)
+        dist.all_reduce(y, group=self.tp.group)
         return y  # (num_tokens, embedding_dim)
 
 
@@ -39,5 +40,5 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.tp_size == 1:
             return logits
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
-        dist.all_gather(parts, logits)
+        dist.all_gather(parts, logits, group=self.tp.group)
         return torch.cat(parts, dim=-1)  # (num_tokens, vocab_size)
