@@ -66,6 +66,7 @@ def decode_step_rows(path: Path, context_len: int, batch_sizes, impls=("minivllm
                 rows.append(dict(impl=impl, batch=batch, context_len=context_len + 1, ms=ms))
                 print(f"{impl:>15} batch {batch:>3}: {ms:7.2f} ms per decode step")
             runner.graphs = graphs
+            del graphs  # no reference may outlive close(): the pool would stay reserved for the next engine
             for seq in seqs:
                 bm.deallocate(seq)
         blocks, block_size = runner.num_kvcache_blocks, runner.block_size

@@ -69,18 +69,28 @@ class StepTimer:
 
 
 def run_minivllm(path: Path, prompts, output_lens, **config) -> tuple[dict, dict]:
-    """Output tokens/s of an LLM on checkpoint `path` (Config fields in `config`), and its step breakdown."""
-    with LLM(str(path), max_model_len=4096, **config) as llm:
+    """Output tokens/s of an LLM on checkpoint `path` (Config fields in `config`), and its step breakdown; also
+    how long the LLM took to start and to close, and the tokens its KV cache holds."""
+    start = time.perf_counter()
+    llm = LLM(str(path), max_model_len=4096, **config)
+    startup_seconds = time.perf_counter() - start
+    try:
         llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)  # warm-up
         params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens]
         with StepTimer(llm) as timer:
             start = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
             seconds = time.perf_counter() - start
+        kv_cache_tokens = llm.engine.runner.num_kvcache_blocks * llm.engine.config.block_size
+    finally:
+        start = time.perf_counter()
+        llm.close()
+        close_seconds = time.perf_counter() - start
     output_tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
     assert output_tokens == sum(output_lens)
     breakdown = {k: dict(seconds=v, calls=timer.counts[k]) for k, v in timer.totals.items()}
-    return dict(output_tokens=output_tokens, seconds=seconds, tok_per_s=output_tokens / seconds), breakdown
+    return dict(output_tokens=output_tokens, seconds=seconds, tok_per_s=output_tokens / seconds,
+                startup_seconds=startup_seconds, close_seconds=close_seconds, kv_cache_tokens=kv_cache_tokens), breakdown
 
 
 def run_transformers(path: Path, prompts, output_lens) -> dict:

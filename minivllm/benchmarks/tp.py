@@ -37,7 +37,9 @@ def run_tp_benchmark(tp_sizes=(1, 2), context_len: int = 512, batch_sizes=BATCH_
                           kv_cache_tokens=cache["kv_cache_tokens"]) for r in steps]
             row, breakdown = run_minivllm(path, prompts, output_lens, tensor_parallel_size=tp)
             rows.append(dict(kind="throughput", tp=tp, **row, step_breakdown=breakdown))
-            print(f"tp={tp}: {row['output_tokens']} tokens in {row['seconds']:.1f} s = {row['tok_per_s']:,.0f} tok/s")
+            print(f"tp={tp}: {row['output_tokens']} tokens in {row['seconds']:.1f} s = {row['tok_per_s']:,.0f} tok/s; "
+                  f"start-up {row['startup_seconds']:.1f} s, close {row['close_seconds']:.2f} s, "
+                  f"KV cache {row['kv_cache_tokens']:,} tokens")
     return result(module, rows, preset="qwen3-0.6b", dtype="bfloat16", num_gpus=torch.cuda.device_count(),
                   nccl_nvls_enable=os.environ["NCCL_NVLS_ENABLE"])
 
@@ -45,7 +47,7 @@ def run_tp_benchmark(tp_sizes=(1, 2), context_len: int = 512, batch_sizes=BATCH_
 def plot_tp(data: dict):
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw=dict(width_ratios=[3, 2]))
+    fig, (left, right, times) = plt.subplots(1, 3, figsize=(14, 3.8), gridspec_kw=dict(width_ratios=[3, 2, 2]))
     steps = [r for r in data["rows"] if r["kind"] == "decode_step"]
     for tp in sorted({r["tp"] for r in steps}):
         rows = [r for r in steps if r["tp"] == tp]
@@ -62,6 +64,14 @@ def plot_tp(data: dict):
         right.text(i, r["tok_per_s"], f"{r['tok_per_s']:,.0f}", ha="center", va="bottom")
     right.set_ylabel("output tokens / s")
     right.set_title("nano-vllm's workload, 256 requests")
+    x = range(len(runs))
+    times.bar([i - 0.2 for i in x], [r["startup_seconds"] for r in runs], 0.4, label="start-up (LLM(...))")
+    times.bar([i + 0.2 for i in x], [r["close_seconds"] for r in runs], 0.4, label="close()")
+    times.set_xticks(list(x), [f"TP {r['tp']}" for r in runs])
+    times.set_ylabel("seconds")
+    times.set_title("LLM start and close (after a TP-1 runner ran\nin this process; TP 2 also starts a fresh worker)",
+                    fontsize=9)
+    times.legend(loc="upper left")
     fig.suptitle(f"Qwen3-0.6B, bf16, on {data['num_gpus']} × {data['device']}")
     fig.tight_layout()
     return fig
