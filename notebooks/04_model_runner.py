@@ -536,7 +536,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from minivllm.engine.sequence import Sequence
+from minivllm.sampling_params import SamplingParams
 
 
 def keep_mask(sorted_probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
@@ -731,6 +731,8 @@ assert not torch.equal(batch[1], batch[2]) and not torch.equal(alone, later)
 # the copy overlaps the CPU's next work instead of stalling it. `seeds` and `steps` stay on the CPU: only the
 # host reads them, to seed generators, and reading them back from the GPU would make the CPU wait for the
 # model. A seed may be any Python integer; it is folded into `[0, 2⁶³)` so that `-1` can mean "no seed".
+# The sampler is a layer: it takes tensors and plain parameters, and knows nothing of sequences or the engine
+# (as vLLM's `Sampler.forward(logits, sampling_metadata)`); the runner reads them off its sequences.
 #
 # Three flags, read on the host, let the sampler skip work the batch does not need. `filtering` records
 # whether any random row uses a filter at all: a plain `temperature=0.6` workload (nano-vllm's benchmark,
@@ -753,8 +755,9 @@ class SamplingTensors:
     all_greedy: bool = False  # every row has: no random draw at all
 
     @classmethod
-    def from_seqs(cls, seqs: list[Sequence], device: torch.device | str = "cpu") -> "SamplingTensors":
-        params = [seq.sampling_params for seq in seqs]
+    def from_params(cls, params: list[SamplingParams], steps: list[int],
+                    device: torch.device | str = "cpu") -> "SamplingTensors":
+        """One row per request: its parameters, and how many tokens it has generated (seeded draws depend on it)."""
         pin = torch.device(device).type == "cuda"
 
         def to_device(values: list, dtype: torch.dtype) -> torch.Tensor:
@@ -767,7 +770,7 @@ class SamplingTensors:
             top_ps=to_device([p.top_p for p in params], torch.float32),
             min_ps=to_device([p.min_p for p in params], torch.float32),
             seeds=torch.tensor([-1 if p.seed is None else p.seed % 2**63 for p in params], dtype=torch.int64),
-            steps=torch.tensor([seq.num_completion_tokens for seq in seqs], dtype=torch.int64),
+            steps=torch.tensor(steps, dtype=torch.int64),
             filtering=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in params),
             any_greedy=0 in temperatures,
             all_greedy=not any(temperatures),
@@ -778,15 +781,20 @@ from minivllm.engine.sequence import Sequence
 from minivllm.layers.sampler import SamplingTensors
 from minivllm.sampling_params import SamplingParams
 
+
+def tensors_of(seqs: list[Sequence]) -> SamplingTensors:  # what the runner does for its batch
+    return SamplingTensors.from_params([seq.sampling_params for seq in seqs], [seq.num_completion_tokens for seq in seqs])
+
+
 seqs = [Sequence([1, 2, 3], SamplingParams(temperature=0)), Sequence([4, 5], SamplingParams(top_k=20, seed=7))]
 seqs[1].append_token(6)  # the second request has generated one token
-sampling = SamplingTensors.from_seqs(seqs)
+sampling = tensors_of(seqs)
 print(sampling)
 assert sampling.temperatures.dtype == torch.float32 and sampling.top_ks.dtype == torch.int64
 assert sampling.seeds.tolist() == [-1, 7] and sampling.steps.tolist() == [0, 1] and sampling.filtering
 assert sampling.any_greedy and not sampling.all_greedy
-assert not SamplingTensors.from_seqs(seqs[:1]).filtering and SamplingTensors.from_seqs(seqs[:1]).all_greedy
-assert not SamplingTensors.from_seqs(seqs[1:]).any_greedy
+assert not tensors_of(seqs[:1]).filtering and tensors_of(seqs[:1]).all_greedy
+assert not tensors_of(seqs[1:]).any_greedy
 
 # %% [markdown]
 # ### The sampler
@@ -822,12 +830,12 @@ sampler = Sampler()
 torch.manual_seed(0)
 for T in (1.0, 0.5):
     many = [Sequence([0], SamplingParams(temperature=T)) for _ in range(20_000)]
-    tokens = sampler(cat_logits.expand(len(many), -1), SamplingTensors.from_seqs(many))
+    tokens = sampler(cat_logits.expand(len(many), -1), tensors_of(many))
     freq = torch.bincount(tokens, minlength=len(words)) / len(tokens)
     show_probs(freq, f"T={T}")
     torch.testing.assert_close(freq, torch.softmax(cat_logits / T, dim=-1), atol=0.01, rtol=0)
 mixed = [Sequence([0], SamplingParams(temperature=T, top_p=0.5)) for T in (0.0, 1.5, 0.0, 3.0)]
-assert sampler(cat_logits.expand(4, -1), SamplingTensors.from_seqs(mixed))[[0, 2]].tolist() == [0, 0]
+assert sampler(cat_logits.expand(4, -1), tensors_of(mixed))[[0, 2]].tolist() == [0, 0]
 
 # %% [markdown]
 # And the promise of seeds, end to end with `Sequence`s. A toy "model" gives next-token logits from the last
@@ -842,7 +850,7 @@ toy_table = 3 * torch.randn(vocab, vocab, generator=gen)  # next-token logits gi
 
 def decode_step(batch: list[Sequence]) -> None:
     logits = toy_table[[seq.last_token for seq in batch]]  # (batch, vocab)
-    for seq, token in zip(batch, sampler(logits, SamplingTensors.from_seqs(batch)).tolist()):
+    for seq, token in zip(batch, sampler(logits, tensors_of(batch)).tolist()):
         seq.append_token(token)
 
 
@@ -1642,8 +1650,8 @@ class ModelRunner:
         positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
         hidden = self.model(input_ids, positions, PrefillContext.from_lens(lens, self.device))
         logits = self.model.compute_logits(hidden[-1:].expand(config.max_num_seqs, -1))
-        seqs = [Sequence([0], SamplingParams(temperature=1.0, top_p=0.9)) for _ in range(config.max_num_seqs)]
-        self.sampler(logits, SamplingTensors.from_seqs(seqs, self.device))
+        params = [SamplingParams(temperature=1.0, top_p=0.9)] * config.max_num_seqs
+        self.sampler(logits, SamplingTensors.from_params(params, [0] * config.max_num_seqs, self.device))
 
     def allocate_kv_cache(self) -> int:
         config = self.config
@@ -1705,7 +1713,8 @@ class ModelRunner:
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         """One step for these sequences: the next token of each."""
         logits = self.step_logits(seqs, is_prefill)  # queued on the GPU: the host goes on
-        sampling = SamplingTensors.from_seqs(seqs, self.device)  # built while the GPU computes the logits
+        sampling = SamplingTensors.from_params([seq.sampling_params for seq in seqs],  # built while the GPU
+                                               [seq.num_completion_tokens for seq in seqs], self.device)  # computes
         token_ids = self.sampler(logits, sampling).tolist()
         if self.workers is not None:
             self.workers.check()  # a worker died during the step: its all-reduces were aborted, the tokens are junk

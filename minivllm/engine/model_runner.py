@@ -289,8 +289,8 @@ class ModelRunner:
         positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
         hidden = self.model(input_ids, positions, PrefillContext.from_lens(lens, self.device))
         logits = self.model.compute_logits(hidden[-1:].expand(config.max_num_seqs, -1))
-        seqs = [Sequence([0], SamplingParams(temperature=1.0, top_p=0.9)) for _ in range(config.max_num_seqs)]
-        self.sampler(logits, SamplingTensors.from_seqs(seqs, self.device))
+        params = [SamplingParams(temperature=1.0, top_p=0.9)] * config.max_num_seqs
+        self.sampler(logits, SamplingTensors.from_params(params, [0] * config.max_num_seqs, self.device))
 
     def allocate_kv_cache(self) -> int:
         config = self.config
@@ -352,7 +352,8 @@ class ModelRunner:
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         """One step for these sequences: the next token of each."""
         logits = self.step_logits(seqs, is_prefill)  # queued on the GPU: the host goes on
-        sampling = SamplingTensors.from_seqs(seqs, self.device)  # built while the GPU computes the logits
+        sampling = SamplingTensors.from_params([seq.sampling_params for seq in seqs],  # built while the GPU
+                                               [seq.num_completion_tokens for seq in seqs], self.device)  # computes
         token_ids = self.sampler(logits, sampling).tolist()
         if self.workers is not None:
             self.workers.check()  # a worker died during the step: its all-reduces were aborted, the tokens are junk

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from minivllm.engine.sequence import Sequence
+from minivllm.sampling_params import SamplingParams
 
 
 def keep_mask(sorted_probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
@@ -60,8 +60,9 @@ class SamplingTensors:
     all_greedy: bool = False  # every row has: no random draw at all
 
     @classmethod
-    def from_seqs(cls, seqs: list[Sequence], device: torch.device | str = "cpu") -> "SamplingTensors":
-        params = [seq.sampling_params for seq in seqs]
+    def from_params(cls, params: list[SamplingParams], steps: list[int],
+                    device: torch.device | str = "cpu") -> "SamplingTensors":
+        """One row per request: its parameters, and how many tokens it has generated (seeded draws depend on it)."""
         pin = torch.device(device).type == "cuda"
 
         def to_device(values: list, dtype: torch.dtype) -> torch.Tensor:
@@ -74,7 +75,7 @@ class SamplingTensors:
             top_ps=to_device([p.top_p for p in params], torch.float32),
             min_ps=to_device([p.min_p for p in params], torch.float32),
             seeds=torch.tensor([-1 if p.seed is None else p.seed % 2**63 for p in params], dtype=torch.int64),
-            steps=torch.tensor([seq.num_completion_tokens for seq in seqs], dtype=torch.int64),
+            steps=torch.tensor(steps, dtype=torch.int64),
             filtering=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in params),
             any_greedy=0 in temperatures,
             all_greedy=not any(temperatures),
