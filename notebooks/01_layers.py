@@ -809,7 +809,7 @@ def _prefill_kernel(
              out.to(O.dtype.element_ty), mask=(offs_m < q_len)[:, None])
 
 
-def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k) -> None:
+def check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 3:
             raise ValueError(f"{name} must be (total_tokens, num_heads, head_dim), got shape {tuple(t.shape)}")
@@ -836,14 +836,14 @@ def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k) -> None:
                          f"got {cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
 
 
-def _launch_config(head_dim: int, device: torch.device) -> dict:
+def launch_config(head_dim: int, device: torch.device) -> dict:
     if device.type == "cpu":  # the interpreter: small tiles keep it quick
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
     # The fastest tile of a sweep on an H200 (python -m minivllm.benchmarks.prefill --sweep), head_dim 128, bf16
     return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
 
 
-def flash_attn_varlen_func(
+def flash_attn_varlen_contiguous(
     q: torch.Tensor,  # (total_q, num_heads, head_dim)
     k: torch.Tensor,  # (total_k, num_kv_heads, head_dim)
     v: torch.Tensor,  # (total_k, num_kv_heads, head_dim)
@@ -854,16 +854,16 @@ def flash_attn_varlen_func(
     softmax_scale: float | None = None,
     causal: bool = False,
 ) -> torch.Tensor:  # (total_q, num_heads, head_dim)
-    """FlashAttention over packed variable-length sequences, with flash-attn's signature.
-
-    Notebook 04 adds `block_table=`, for keys and values that live in a paged KV cache."""
-    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    """FlashAttention over packed variable-length sequences, with the signature of flash-attn's
+    `flash_attn_varlen_func`, for keys and values stored contiguously. Notebook 04's `flash_attn_varlen_func`
+    adds `block_table=`, for keys and values that live in a paged KV cache, and calls this one without it."""
+    check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
     if max_seqlen_q < 1 or max_seqlen_k < 0:
         raise ValueError(f"max_seqlen_q must be >= 1 and max_seqlen_k >= 0, got {max_seqlen_q}, {max_seqlen_k}")
     head_dim = q.shape[2]
     scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
     out = torch.empty_like(q)
-    config = _launch_config(head_dim, q.device)
+    config = launch_config(head_dim, q.device)
     num_m_blocks = triton.cdiv(max_seqlen_q, config["BLOCK_M"])
     grid = (num_m_blocks, q.shape[1], cu_seqlens_q.numel() - 1)
     _prefill_kernel[grid](
@@ -882,7 +882,7 @@ def flash_attn_varlen_func(
 # in the Triton interpreter, so it is slow but exact; the test suite runs many more shapes.
 
 # %%
-from minivllm.kernels.flash_attn import flash_attn_varlen_func
+from minivllm.kernels.flash_attn import flash_attn_varlen_contiguous
 
 
 def random_varlen(q_lens, k_lens, num_heads, num_kv_heads, head_dim, dtype=torch.float32, device=DEVICE):
@@ -898,7 +898,7 @@ q_lens = [1, 15, 16, 17, 64, 5]
 k_lens = [1, 15, 16, 17, 64, 40]  # the last sequence continues after 35 cached tokens
 q, k, v, cu_q, cu_k = random_varlen(q_lens, k_lens, num_heads=4, num_kv_heads=2, head_dim=32)
 for causal in (True, False):
-    ours = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), causal=causal)
+    ours = flash_attn_varlen_contiguous(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), causal=causal)
     ref = attention_ref(q, k, v, cu_q, cu_k, causal=causal)
     print(f"causal={causal}: max abs error {(ours - ref).abs().max().item():.2e}")
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
@@ -910,7 +910,7 @@ for causal in (True, False):
 for bad in (dict(k=k[:, :, :16]), dict(cu_seqlens_q=cu_q.long()), dict(v=v.double())):
     args = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=64, max_seqlen_k=64) | bad
     try:
-        flash_attn_varlen_func(**args)
+        flash_attn_varlen_contiguous(**args)
     except ValueError as e:
         print("ValueError:", e)
     else:
@@ -951,7 +951,7 @@ for row in prefill["rows"]:
 q1, k1, v1, cu_q1, cu_k1 = random_varlen([100], [160], 2, 1, 16)
 v1 = torch.zeros_like(v1)
 v1[:61] = 1.0
-first = flash_attn_varlen_func(q1, k1, v1, cu_q1, cu_k1, 100, 160, causal=True)[0]
+first = flash_attn_varlen_contiguous(q1, k1, v1, cu_q1, cu_k1, 100, 160, causal=True)[0]
 torch.testing.assert_close(first, torch.ones_like(first))  # it averaged only keys whose value is 1
 # 3) 16 heads × 32768² × 4 bytes × 28 layers
 assert 16 * 32768**2 * 4 * 28 > 10 * 141e9  # 1.9 TB: more than ten H200s hold

@@ -247,16 +247,11 @@ print(json.dumps(a, indent=1))
 # does not. There the engine passes a different context with the same `attend` method; the model code stays as
 # it is.
 
-# %% tags=["export"] module="minivllm.layers.attention"
-from dataclasses import dataclass
-from itertools import accumulate
+# %% tags=["export"] module="minivllm.attention.layer"
 from typing import Protocol
 
 import torch
 from torch import nn
-
-from minivllm.kernels.flash_attn import flash_attn_varlen_func  # the package sets up Triton's CPU interpreter
-from minivllm.kernels.reference import attention_ref
 
 
 class AttentionContext(Protocol):
@@ -278,6 +273,20 @@ class Attention(nn.Module):
         # q: (num_tokens, num_heads, head_dim); k, v: (num_tokens, num_kv_heads, head_dim)
         return context.attend(self, q, k, v)  # (num_tokens, num_heads, head_dim)
 
+# %% [markdown]
+# The context of this notebook: whole prompts, no cache. (Notebook 04 adds the paged one; all three live in
+# `minivllm.attention`.)
+
+# %% tags=["export"] module="minivllm.attention.prefill"
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+
+from minivllm.attention.layer import Attention
+from minivllm.kernels.flash_attn import flash_attn_varlen_contiguous  # the package sets up Triton's CPU interpreter
+from minivllm.kernels.reference import attention_ref
+
 
 @dataclass(slots=True)
 class PrefillContext:
@@ -294,7 +303,7 @@ class PrefillContext:
     def attend(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cu = self.cu_seqlens
         if q.is_cuda:
-            return flash_attn_varlen_func(q, k, v, cu, cu, self.max_seqlen, self.max_seqlen,
+            return flash_attn_varlen_contiguous(q, k, v, cu, cu, self.max_seqlen, self.max_seqlen,
                                           softmax_scale=layer.scale, causal=True)
         return attention_ref(q, k, v, cu, cu, softmax_scale=layer.scale, causal=True)
 
@@ -316,8 +325,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from minivllm.attention.layer import Attention, AttentionContext
+from minivllm.attention.prefill import PrefillContext
 from minivllm.layers.activation import SiluAndMul
-from minivllm.layers.attention import Attention, AttentionContext, PrefillContext
 from minivllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from minivllm.layers.layernorm import RMSNorm
 from minivllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -826,7 +836,7 @@ assert worst < 1e-4, worst
 # token's attention inside its prompt (and `positions` restart at 0 for each).
 
 # %%
-from minivllm.layers.attention import PrefillContext
+from minivllm.attention.prefill import PrefillContext
 
 a, b = text_ids[:40], text_ids[100:163]
 input_ids = torch.tensor(a + b, device=DEVICE)

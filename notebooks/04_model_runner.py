@@ -66,8 +66,14 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels.flash_attn import _check_inputs, _launch_config, attend_block, causal_bounds, load_tile
-from minivllm.kernels.flash_attn import flash_attn_varlen_func as flash_attn_varlen_contiguous
+from minivllm.kernels.flash_attn import (
+    attend_block,
+    causal_bounds,
+    check_inputs,
+    flash_attn_varlen_contiguous,
+    launch_config,
+    load_tile,
+)
 
 
 @triton.jit
@@ -421,11 +427,11 @@ def flash_attn_varlen_func(
     check_cache("v_cache", v, q)
     check_index("block_table", block_table, 2, q.device)
     num_kv_heads, head_dim = k.shape[2], k.shape[3]
-    _check_inputs(q, k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim), cu_seqlens_q, cu_seqlens_k)
+    check_inputs(q, k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim), cu_seqlens_q, cu_seqlens_k)
     if block_table.shape[0] != cu_seqlens_q.numel() - 1:
         raise ValueError(f"block_table has {block_table.shape[0]} rows for {cu_seqlens_q.numel() - 1} sequences")
     scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
-    config = _launch_config(head_dim, q.device)
+    config = launch_config(head_dim, q.device)
     kf, vf = k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)
     out = torch.empty_like(q)
     num_m_blocks = triton.cdiv(max_seqlen_q, config["BLOCK_M"])
@@ -939,15 +945,15 @@ torch.testing.assert_close(
 #
 # The KV cache of a layer hangs on its `Attention` module (`k_cache`, `v_cache`), set once by the runner.
 
-# %% tags=["export"] module="minivllm.engine.context"
+# %% tags=["export"] module="minivllm.attention.paged"
 from dataclasses import dataclass
 
 import torch
 
+from minivllm.attention.layer import Attention
 from minivllm.kernels.paged_attn import flash_attn_varlen_func, flash_attn_with_kvcache, store_kvcache
 from minivllm.kernels.paged_reference import paged_attention_ref, store_kvcache_ref
 from minivllm.kernels.reference import attention_ref
-from minivllm.layers.attention import Attention
 
 
 @dataclass(slots=True)
@@ -1077,12 +1083,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from minivllm.attention.layer import Attention
+from minivllm.attention.paged import PagedContext
+from minivllm.attention.prefill import PrefillContext
 from minivllm.config import Config
-from minivllm.engine.context import PagedContext
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.workers import START_TIMEOUT, Workers, broadcast_object, close_groups, make_groups, sigint_held
 from minivllm.layers.activation import SiluAndMul
-from minivllm.layers.attention import Attention, PrefillContext
 from minivllm.layers.layernorm import RMSNorm
 from minivllm.layers.linear import TPGroup, tensor_parallel
 from minivllm.layers.rotary_embedding import RotaryEmbedding

@@ -70,8 +70,8 @@ from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from minivllm import load_model
+from minivllm.attention.layer import Attention, AttentionContext
 from minivllm.layers.activation import SiluAndMul
-from minivllm.layers.attention import Attention, AttentionContext
 from minivllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from minivllm.layers.layernorm import RMSNorm
 from minivllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear

@@ -10,8 +10,8 @@ from distributed import run_on_ranks
 from transformers import AutoModelForCausalLM
 
 from minivllm import load_model
+from minivllm.attention.prefill import PrefillContext
 from minivllm.checkpoint import preset_config, write_checkpoint
-from minivllm.layers.attention import PrefillContext
 
 LENGTHS = [1, 15, 16, 17, 255, 256, 257, 400]  # around block sizes 16 and 256, and a few hundred
 

@@ -14,7 +14,7 @@ import torch
 
 from minivllm.benchmarks.common import FIGURES, gpu_ms, result, save
 from minivllm.kernels import flash_attn
-from minivllm.kernels.flash_attn import flash_attn_varlen_func
+from minivllm.kernels.flash_attn import flash_attn_varlen_contiguous
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
 
@@ -49,7 +49,7 @@ def implementations(seqlen: int, dtype: torch.dtype = torch.bfloat16) -> dict:
         return run
 
     impls = {
-        "minivllm-triton": lambda: flash_attn_varlen_func(q, k, v, cu, cu, seqlen, seqlen, causal=True),
+        "minivllm-triton": lambda: flash_attn_varlen_contiguous(q, k, v, cu, cu, seqlen, seqlen, causal=True),
         "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION),
         "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
         "naive-torch": lambda: naive_attention(qb, kb, vb),
@@ -71,21 +71,21 @@ def run_prefill_benchmark(seqlens=(1024, 4096, 16384), module: str = "minivllm.b
             rows.append(dict(impl=impl, seqlen=seqlen, batch=1, ms=ms, tflops=causal_tflops(seqlen, ms)))
             print(f"{impl:>16} N={seqlen:>6}: {ms:8.3f} ms {rows[-1]['tflops']:7.1f} TFLOP/s")
     return result(module, rows, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
-                  dtype="bfloat16", causal=True, config=flash_attn._launch_config(HEAD_DIM, torch.device("cuda")))
+                  dtype="bfloat16", causal=True, config=flash_attn.launch_config(HEAD_DIM, torch.device("cuda")))
 
 
 def sweep(seqlens) -> None:
     """Time our kernel under every tile configuration; print the five best per length."""
-    default = flash_attn._launch_config
+    default = flash_attn.launch_config
     space = list(itertools.product((64, 128), (64, 128), (4, 8), (2, 3)))
     try:
         for seqlen in seqlens:
-            flash_attn._launch_config = default
+            flash_attn.launch_config = default
             fn = implementations(seqlen)["minivllm-triton"]
             timings = []
             for block_m, block_n, warps, stages in space:
                 config = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
-                flash_attn._launch_config = lambda *_, c=config: c
+                flash_attn.launch_config = lambda *_, c=config: c
                 try:
                     timings.append((gpu_ms(fn), config))
                 except Exception as e:  # out of shared memory or registers for this tile
@@ -93,7 +93,7 @@ def sweep(seqlens) -> None:
             for ms, config in sorted(timings, key=lambda t: t[0])[:5]:
                 print(f"sweep N={seqlen}: {config} {ms:.3f} ms {causal_tflops(seqlen, ms):.1f} TFLOP/s")
     finally:
-        flash_attn._launch_config = default
+        flash_attn.launch_config = default
 
 
 def plot_prefill(data: dict):

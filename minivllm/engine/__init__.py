@@ -1,1 +1,2 @@
-"""The engine's bookkeeping: sequences, KV block management, and (later) the scheduler and the engine loop."""
+"""The engine: sequences and KV blocks (notebook 03), the model runner, its step inputs, CUDA graphs and
+tensor-parallel workers (notebook 04), the scheduler (notebook 05) and the engine loop (notebook 06)."""

@@ -13,12 +13,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from minivllm.attention.layer import Attention
+from minivllm.attention.paged import PagedContext
+from minivllm.attention.prefill import PrefillContext
 from minivllm.config import Config
-from minivllm.engine.context import PagedContext
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.workers import START_TIMEOUT, Workers, broadcast_object, close_groups, make_groups, sigint_held
 from minivllm.layers.activation import SiluAndMul
-from minivllm.layers.attention import Attention, PrefillContext
 from minivllm.layers.layernorm import RMSNorm
 from minivllm.layers.linear import TPGroup, tensor_parallel
 from minivllm.layers.rotary_embedding import RotaryEmbedding

@@ -101,7 +101,7 @@ def _prefill_kernel(
              out.to(O.dtype.element_ty), mask=(offs_m < q_len)[:, None])
 
 
-def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k) -> None:
+def check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 3:
             raise ValueError(f"{name} must be (total_tokens, num_heads, head_dim), got shape {tuple(t.shape)}")
@@ -128,14 +128,14 @@ def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k) -> None:
                          f"got {cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
 
 
-def _launch_config(head_dim: int, device: torch.device) -> dict:
+def launch_config(head_dim: int, device: torch.device) -> dict:
     if device.type == "cpu":  # the interpreter: small tiles keep it quick
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
     # The fastest tile of a sweep on an H200 (python -m minivllm.benchmarks.prefill --sweep), head_dim 128, bf16
     return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
 
 
-def flash_attn_varlen_func(
+def flash_attn_varlen_contiguous(
     q: torch.Tensor,  # (total_q, num_heads, head_dim)
     k: torch.Tensor,  # (total_k, num_kv_heads, head_dim)
     v: torch.Tensor,  # (total_k, num_kv_heads, head_dim)
@@ -146,16 +146,16 @@ def flash_attn_varlen_func(
     softmax_scale: float | None = None,
     causal: bool = False,
 ) -> torch.Tensor:  # (total_q, num_heads, head_dim)
-    """FlashAttention over packed variable-length sequences, with flash-attn's signature.
-
-    Notebook 04 adds `block_table=`, for keys and values that live in a paged KV cache."""
-    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    """FlashAttention over packed variable-length sequences, with the signature of flash-attn's
+    `flash_attn_varlen_func`, for keys and values stored contiguously. Notebook 04's `flash_attn_varlen_func`
+    adds `block_table=`, for keys and values that live in a paged KV cache, and calls this one without it."""
+    check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
     if max_seqlen_q < 1 or max_seqlen_k < 0:
         raise ValueError(f"max_seqlen_q must be >= 1 and max_seqlen_k >= 0, got {max_seqlen_q}, {max_seqlen_k}")
     head_dim = q.shape[2]
     scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
     out = torch.empty_like(q)
-    config = _launch_config(head_dim, q.device)
+    config = launch_config(head_dim, q.device)
     num_m_blocks = triton.cdiv(max_seqlen_q, config["BLOCK_M"])
     grid = (num_m_blocks, q.shape[1], cu_seqlens_q.numel() - 1)
     _prefill_kernel[grid](

@@ -1,1 +1,1 @@
-"""Transformer layers, exported from notebooks/01_layers.py (and attention.py from notebooks/02_model.py)."""
+"""Transformer layers and the sampler: tensors in, tensors out, nothing of the engine (notebooks 01 and 04)."""

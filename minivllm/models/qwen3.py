@@ -5,8 +5,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from minivllm.attention.layer import Attention, AttentionContext
+from minivllm.attention.prefill import PrefillContext
 from minivllm.layers.activation import SiluAndMul
-from minivllm.layers.attention import Attention, AttentionContext, PrefillContext
 from minivllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from minivllm.layers.layernorm import RMSNorm
 from minivllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear

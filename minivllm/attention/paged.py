@@ -4,10 +4,10 @@ from dataclasses import dataclass
 
 import torch
 
+from minivllm.attention.layer import Attention
 from minivllm.kernels.paged_attn import flash_attn_varlen_func, flash_attn_with_kvcache, store_kvcache
 from minivllm.kernels.paged_reference import paged_attention_ref, store_kvcache_ref
 from minivllm.kernels.reference import attention_ref
-from minivllm.layers.attention import Attention
 
 
 @dataclass(slots=True)
