@@ -723,10 +723,12 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: torch.device | str = "cpu") -> nn.Module:
-    """Build the model a HuggingFace checkpoint folder describes and load its weights (this rank's slice)."""
+def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: torch.device | str = "cpu",
+               config: PretrainedConfig | None = None) -> nn.Module:
+    """Build the model a HuggingFace checkpoint folder describes and load its weights (this rank's slice).
+    `config`: the folder's config.json, when the caller has read it already (the engine's Config has)."""
     path, device = Path(path), torch.device(device)
-    config, weight_map = read_config(path), read_index(path)
+    config, weight_map = config or read_config(path), read_index(path)
     files = checkpoint_files(path, weight_map)
     shapes = tensor_shapes(files, weight_map)
     dtype = resolve_dtype(dtype, config, device)

@@ -1573,7 +1573,7 @@ class ModelRunner:
                 self.tp, self.control = self.workers.tp, self.workers.control
             torch.manual_seed(config.seed)
             with tensor_parallel(self.tp):  # the layers keep this engine's group
-                self.model = load_model(config.model, config.dtype, self.device)
+                self.model = load_model(config.model, config.dtype, self.device, config.hf_config)
             self.dtype = self.model.lm_head.weight.dtype
             if self.device.type == "cuda":
                 compile_small_layers(self.model)

@@ -209,3 +209,14 @@ def test_close_gives_the_kv_cache_back_to_the_gpu(tiny):
         assert abs(second.num_kvcache_blocks - blocks) <= 0.01 * blocks
     finally:
         second.close()
+
+
+def test_config_json_is_read_once(tiny):
+    """Config reads it; the runner passes it down to load_model instead of reading the folder again."""
+    from unittest import mock
+
+    from transformers import AutoConfig
+
+    with mock.patch("minivllm.models.loader.AutoConfig.from_pretrained", wraps=AutoConfig.from_pretrained) as read:
+        ModelRunner(Config(tiny, dtype=torch.float32, num_kvcache_blocks=16)).close()
+    assert read.call_count == 1
