@@ -1,6 +1,7 @@
 """pytest set-up for tests/, notebooks/ and solutions/ (nbval)."""
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,3 +19,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny preset's checkpoint (random weights, seed 0), written once per session. Tests that change a
+    checkpoint change a copy."""
+    from minivllm.checkpoint import write_checkpoint
+
+    return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", "tiny", seed=0)

@@ -18,7 +18,8 @@ def hashes(path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def cli_tiny(tmp_path_factory):
+    """The tiny preset written by the command line (the session's `tiny` is written by write_checkpoint)."""
     out = tmp_path_factory.mktemp("ckpt") / "tiny"
     main(["--preset", "tiny", "--out", str(out)])
     return out
@@ -31,28 +32,28 @@ def test_cli_runs_as_a_module(tmp_path):
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
 
 
-def test_writes_a_huggingface_folder(tiny):
+def test_writes_a_huggingface_folder(cli_tiny):
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-            "tokenizer_config.json"} <= {f.name for f in tiny.iterdir()}
-    config = AutoConfig.from_pretrained(tiny)
+            "tokenizer_config.json"} <= {f.name for f in cli_tiny.iterdir()}
+    config = AutoConfig.from_pretrained(cli_tiny)
     assert config.architectures == ["Qwen3ForCausalLM"]
     for key, value in PRESETS["tiny"].items():
         assert str(getattr(config, key)).removeprefix("torch.") == str(value), key
-    generation = json.loads((tiny / "generation_config.json").read_text())
+    generation = json.loads((cli_tiny / "generation_config.json").read_text())
     assert generation["eos_token_id"] == [2, 0]
-    with safe_open(tiny / "model.safetensors", "pt") as f:
+    with safe_open(cli_tiny / "model.safetensors", "pt") as f:
         names = set(f.keys())
         assert f.metadata() == {"format": "pt"}  # nothing time-dependent
     assert "lm_head.weight" not in names  # tied, as transformers saves it
     assert len(names) == 2 + 11 * config.num_hidden_layers
 
 
-def test_same_seed_same_bytes(tmp_path, tiny):
+def test_same_seed_same_bytes(tmp_path, cli_tiny):
     again = write_checkpoint(tmp_path / "again", "tiny", seed=0)
     other = write_checkpoint(tmp_path / "other", "tiny", seed=1)
-    assert hashes(again) == hashes(tiny)
-    assert hashes(other)["model.safetensors"] != hashes(tiny)["model.safetensors"]
-    assert hashes(other)["tokenizer.json"] == hashes(tiny)["tokenizer.json"]
+    assert hashes(again) == hashes(cli_tiny)
+    assert hashes(other)["model.safetensors"] != hashes(cli_tiny)["model.safetensors"]
+    assert hashes(other)["tokenizer.json"] == hashes(cli_tiny)["tokenizer.json"]
 
 
 def test_norm_weights_are_not_all_ones(tiny):

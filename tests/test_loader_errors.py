@@ -13,11 +13,6 @@ from minivllm.checkpoint import write_checkpoint
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", "tiny", seed=0)
-
-
-@pytest.fixture(scope="module")
 def sharded(tmp_path_factory):
     """The same weights as `tiny`, in several shards with a model.safetensors.index.json."""
     return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "sharded", "tiny", seed=0, max_shard_size="1MB")

@@ -5,7 +5,6 @@ import random
 import pytest
 import torch
 
-from minivllm.checkpoint import write_checkpoint
 from minivllm.config import Config
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.model_runner import ModelRunner, graph_batch_sizes
@@ -13,11 +12,6 @@ from minivllm.engine.sequence import Sequence
 from minivllm.models.loader import load_model
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", "tiny", seed=0)
 
 
 @pytest.fixture(scope="module")

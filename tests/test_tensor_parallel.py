@@ -28,11 +28,6 @@ PROMPTS = [list(range(1, 40)), [3] * 17, [5, 6, 7]]
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off, in this process and those it spawns
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", "tiny", seed=0)
-
-
 def small_llm(tiny, tp: int, device: str = "cpu") -> LLM:
     return LLM(str(tiny), tensor_parallel_size=tp, device=device, num_kvcache_blocks=256, max_num_seqs=8,
                max_model_len=4096, dtype=torch.float32 if device == "cpu" else torch.bfloat16)
