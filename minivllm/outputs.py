@@ -28,6 +28,22 @@ class RequestMetrics:
 
 
 @dataclass(slots=True)
+class StepStats:
+    """What one engine step did, and its phases' wall times in seconds (time.perf_counter())."""
+
+    kind: str  # "prefill", "decode", or "idle" (nothing queued: no step ran)
+    num_seqs: int = 0  # sequences in the batch
+    num_tokens: int = 0  # tokens computed: prompt tokens in a prefill, one per sequence in a decode
+    schedule_seconds: float = 0.0  # Scheduler.schedule
+    run_seconds: float = 0.0  # ModelRunner.run: step inputs, forward, sampler
+    postprocess_seconds: float = 0.0  # Scheduler.postprocess
+
+    @property
+    def seconds(self) -> float:
+        return self.schedule_seconds + self.run_seconds + self.postprocess_seconds
+
+
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None

@@ -216,6 +216,13 @@ for bad in (dict(max_tokens=0), dict(temperature=-0.5), dict(top_p=0.0), dict(to
 #
 # Its helpers cut the token ids into blocks: `num_blocks`, `block(i)`, and `last_block_num_tokens` (how full
 # the last block is). Every sequence gets a global id from a counter, so outputs can be matched to requests.
+#
+# **Whose is `block_size`?** The block manager's: it hands out the blocks, so it decides their size (from the
+# engine's config). A sequence needs the number only to cut its tokens into blocks for those helpers, so it is
+# given the block manager's value when it is made (the engine passes `block_manager.block_size`), and
+# `BlockManager.allocate` asserts that the two agree. A sequence checks nothing else: by the time one is made,
+# the engine has already refused every bad request (notebook 06), so a broken sequence is a bug, caught by an
+# `assert`, not a user's mistake.
 
 # %% tags=["export"] module="minivllm.engine.sequence"
 from enum import Enum, auto
@@ -236,10 +243,7 @@ class Sequence:
     counter = count()
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None, block_size: int = 16):
-        if len(token_ids) == 0:
-            raise ValueError("token_ids must hold at least one token, got an empty prompt")
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        assert len(token_ids) > 0 and block_size >= 1, "the engine refuses empty prompts; block_size is the block manager's"
         self.seq_id = next(Sequence.counter)
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)  # our own copy
@@ -248,7 +252,7 @@ class Sequence:
         self.num_prompt_tokens = self.num_tokens
         self.num_cached_tokens = 0  # leading tokens whose KV is in the cache: prefix hits, then computed ones
         self.num_scheduled_tokens = 0  # tokens the current step computes, after the cached ones (set by the scheduler)
-        self.block_size = block_size
+        self.block_size = block_size  # the block manager's, to cut token_ids into blocks
         self.block_table: list[int] = []  # logical block i -> physical block id
         self.sampling_params = sampling_params or SamplingParams()
         self.finish_reason: str | None = None  # "stop" or "length" once finished
@@ -366,7 +370,8 @@ assert compute_hash(b, h_a) == compute_hash(list(b), compute_hash(list(a)))  # d
 # %% [markdown]
 # ## The BlockManager
 # The block manager owns `num_blocks` blocks (their KV tensors live in the model runner, notebook 04; here a
-# block is only an id and some bookkeeping). The scheduler (notebook 05) talks to it in six calls:
+# block is only an id and some bookkeeping). It owns the block size too: everyone else (the scheduler, each
+# sequence) reads it from here. The scheduler (notebook 05) talks to it in seven calls:
 #
 # * `can_allocate(seq)`, then `allocate(seq)` for a waiting sequence: a block for each of its blocks,
 #   reusing cached ones for the longest run of leading full blocks found in the cache; `seq.num_cached_tokens`
@@ -379,6 +384,9 @@ assert compute_hash(b, h_a) == compute_hash(list(b), compute_hash(list(a)))  # d
 #   its tokens, generated ones included, are kept and recomputed later, mostly from the cache).
 # * `discard(seq)` when a sequence is dropped in a step that failed (notebook 05's abort): the blocks that step
 #   cached may hold KV it never wrote, so they leave the cache before they are freed.
+# * `reset()` when every request is dropped at once (notebook 05's `abort_all`): all blocks free and empty, the
+#   prefix cache forgotten. It trusts none of the bookkeeping, so it is safe even after a step that failed half-way
+#   through it.
 #
 # The `can_*` checks are cheap and conservative (they ignore possible cache hits), so the scheduler can ask
 # them for every candidate; the real calls assert them.
@@ -420,12 +428,22 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
-        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.block_size = block_size  # the one owner: sequences and the scheduler read it from here
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.reset()
+
+    def reset(self) -> None:
+        """Every block free and empty, nothing cached: the state of a new block manager. Trusts nothing it held."""
+        self.blocks = [Block(i) for i in range(self.num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
-        self.free_block_ids: deque[int] = deque(range(num_blocks))  # free, nothing worth keeping
+        self.free_block_ids: deque[int] = deque(range(self.num_blocks))  # free, nothing worth keeping
         self.cached_block_ids: OrderedDict[int, None] = OrderedDict()  # free but cached; least recently freed first
+
+    @property
+    def num_slots(self) -> int:
+        """Tokens the whole cache holds."""
+        return self.num_blocks * self.block_size
 
     @property
     def num_free_blocks(self) -> int:
@@ -433,7 +451,7 @@ class BlockManager:
 
     @property
     def num_used_blocks(self) -> int:
-        return len(self.blocks) - self.num_free_blocks
+        return self.num_blocks - self.num_free_blocks
 
     @property
     def num_cached_free_blocks(self) -> int:
@@ -661,6 +679,19 @@ for seq in (Sequence(system + [1], block_size=4), Sequence(system + [1], block_s
     admit(plain, seq)
     assert seq.num_cached_tokens == 0
 assert all(b.hash == -1 for b in plain.blocks) and plain.num_used_blocks == 6
+
+# %% [markdown]
+# `reset()` forgets everything at once: every allocation and every cached prefix. The sequences that held blocks
+# must be dropped with it (their block tables now point at blocks that belong to nobody); notebook 05's
+# `abort_all` does both.
+
+# %%
+show(bm, "before reset")
+bm.reset()
+show(bm, "after reset")
+s6 = Sequence(system + [70], block_size=bm.block_size)
+admit(bm, s6)
+assert bm.num_free_blocks == bm.num_blocks - 3 and s6.num_cached_tokens == 0  # the system prompt is forgotten
 
 # %% [markdown]
 # Now the reason `allocate` caches nothing. A long prompt may be prefilled in chunks over several steps

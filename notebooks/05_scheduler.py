@@ -102,7 +102,7 @@ def step_shape(seqs: list[Sequence], is_prefill: bool) -> tuple[int, int, int]:
 def time_step(num_seqs: int, num_tokens: int, is_prefill: bool) -> tuple[tuple[int, int, int], float]:
     """The shape and the fastest of ten runs (seconds) of one step over num_seqs sequences of num_tokens tokens."""
     bm = BlockManager(runner.num_kvcache_blocks, runner.block_size)
-    seqs = [Sequence(list(range(num_tokens)), SamplingParams(temperature=0), runner.block_size) for _ in range(num_seqs)]
+    seqs = [Sequence(list(range(num_tokens)), SamplingParams(temperature=0), bm.block_size) for _ in range(num_seqs)]
     for seq in seqs:
         bm.allocate(seq)
         seq.num_scheduled_tokens = num_tokens
@@ -203,18 +203,24 @@ def step_cost(seqs: list[Sequence], is_prefill: bool) -> float:
 # blocks still in the prefix cache. Its next token is then exactly the one it would have produced. (vLLM v0 could
 # also swap the victim's KV out to CPU memory; v1 only recomputes, which costs it less than the copy.)
 #
-# **4. Postprocess.** Append each sampled token, then finish a request on its end-of-sequence token (unless
-# `ignore_eos`) or one of its `stop_token_ids` (`finish_reason="stop"`), or when it has `max_tokens` tokens or
-# reached `max_model_len` (`"length"`), and free its blocks at once for the next step's admissions.
+# **4. Postprocess.** Append each sampled token, then finish a request on one of its `stop_token_ids`
+# (`finish_reason="stop"`), or when it has `max_tokens` tokens or reached `max_model_len` (`"length"`), and free
+# its blocks at once for the next step's admissions. There is one stop mechanism: the scheduler does not know
+# which token is the model's end-of-sequence; the engine puts the model's EOS ids into each request's stop tokens
+# unless the request says `ignore_eos` (notebook 06).
 #
-# **5. Admission checks.** A prompt that could never run is refused by `add`, with a `ValueError` that names the
-# numbers, before anything changes: the prompt plus one generated token must fit in `max_model_len` and in the
-# whole KV cache. A request that outgrows the whole cache while running stops there with `"length"`, as at
-# `max_model_len`; otherwise it would preempt itself forever.
+# **5. Admission.** Every request that reaches `add` can run: the prompt plus one generated token fits in
+# `max_model_len` and in the whole KV cache. The engine checks that, with a `ValueError` naming the numbers, before
+# the request touches any state (notebook 06); here it is only an `assert`, an invariant, as is everything the
+# scheduler takes on trust. A request that outgrows the whole cache while running stops there with `"length"`,
+# as at `max_model_len`; otherwise it would preempt itself forever.
 #
 # **6. Abort.** `abort` drops a request wherever it is, even in the middle of a step that failed: the step may
 # have published blocks to the prefix cache whose KV the model never wrote, so those leave the cache with it
-# (`BlockManager.discard`, notebook 03). The engine uses it when the model raises (notebook 06).
+# (`BlockManager.discard`, notebook 03). The engine uses it when the model raises (notebook 06). `abort_all`
+# drops every request at once and resets the block manager, for a step that failed where nothing can be trusted.
+# So that `abort_all` finds every request, a sequence is always in one of the two queues, even while `schedule`
+# moves it from one to the other.
 #
 # One consequence is worth seeing before the code. After a prefill, a request has exactly one token whose KV
 # is not computed yet: the one just sampled. A chunked prompt with one token left is in the same state, so it
@@ -233,31 +239,19 @@ class Scheduler:
     """Continuous batching: every step is a prefill (first, if any request can join) or a decode of all running
     requests; chunked prefill for prompts beyond the token budget; preemption by recompute when blocks run out."""
 
-    def __init__(self, config: Config, num_kvcache_blocks: int, eos_token_id: int | None):
+    def __init__(self, config: Config, num_kvcache_blocks: int):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.max_model_len = config.max_model_len
-        self.eos_token_id = eos_token_id
         self.block_manager = BlockManager(num_kvcache_blocks, config.block_size, config.enable_prefix_caching)
-        self.num_kvcache_blocks = num_kvcache_blocks
-        self.max_len = min(self.max_model_len, num_kvcache_blocks * config.block_size)  # tokens a sequence may hold
+        self.max_len = min(config.max_model_len, self.block_manager.num_slots)  # tokens a sequence may hold
         self.waiting: deque[Sequence] = deque()  # first come, first served; the preempted go back in front
         self.running: deque[Sequence] = deque()  # admission order: the newest is preempted first
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new request; ValueError, changing nothing, if it could never run."""
-        block_size = self.block_manager.block_size
-        if seq.block_size != block_size:
-            raise ValueError(f"the sequence's block_size must be the engine's {block_size}, got {seq.block_size}")
-        if len(seq) + 1 > self.max_model_len:
-            raise ValueError(f"prompt has {len(seq)} tokens; with one generated token it exceeds "
-                             f"max_model_len={self.max_model_len}")
-        if len(seq) + 1 > self.num_kvcache_blocks * block_size:
-            raise ValueError(f"prompt has {len(seq)} tokens; with one generated token it exceeds the whole KV cache, "
-                             f"{self.num_kvcache_blocks} blocks of {block_size} = {self.num_kvcache_blocks * block_size} "
-                             f"tokens: it can never run")
+        """Queue a new request. The engine has checked that it can run (notebook 06)."""
         assert seq.status == SequenceStatus.WAITING and not seq.block_table, f"sequence {seq.seq_id} was added before"
+        assert len(seq) + 1 <= self.max_len, f"a prompt of {len(seq)} tokens can never run (max_len {self.max_len})"
         self.waiting.append(seq)
 
     def is_finished(self) -> bool:
@@ -278,10 +272,9 @@ class Scheduler:
             seq = self.waiting[0]
             if not self.block_manager.can_allocate(seq):
                 break  # no overtaking: the head of the queue waits for blocks
-            self.waiting.popleft()
             self.block_manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self.running.append(self.waiting.popleft())
             seqs.append(seq)
             budget -= self.schedule_chunk(seq, budget)
         return seqs
@@ -293,25 +286,25 @@ class Scheduler:
         return seq.num_scheduled_tokens
 
     def schedule_decode(self) -> list[Sequence]:
-        seqs, candidates = [], self.running
-        self.running = deque()
-        while candidates:
-            seq = candidates.popleft()  # oldest first
+        seqs = []
+        for seq in list(self.running):  # oldest first
+            if seq.status == SequenceStatus.WAITING:
+                continue  # preempted below, to make room for an older one
             assert len(seq) - seq.num_cached_tokens == 1, "a decode computes exactly the newest token"
             while not self.block_manager.can_append(seq):  # its newest token needs a block and none is free
-                self.preempt(candidates.pop() if candidates else seq)  # the most recently admitted one
+                self.preempt(self.running.pop())  # the most recently admitted one; seq itself once it is the newest
                 if seq.status == SequenceStatus.WAITING:
                     break
             else:
                 self.block_manager.may_append(seq)
                 seq.num_scheduled_tokens = 1
                 seqs.append(seq)
-                self.running.append(seq)
         assert seqs, "the oldest request always fits once the others are preempted"
         return seqs
 
     def preempt(self, seq: Sequence) -> None:
-        """Recompute later: free its blocks and queue it first. Its tokens, the generated ones too, are kept."""
+        """Recompute later: free its blocks and queue it first. Its tokens, the generated ones too, are kept. The
+        caller has taken it out of `running`."""
         self.block_manager.deallocate(seq)  # also resets num_cached_tokens
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
@@ -335,7 +328,7 @@ class Scheduler:
 
     def finish_reason(self, seq: Sequence, token_id: int) -> str | None:
         params = seq.sampling_params
-        if (token_id == self.eos_token_id and not params.ignore_eos) or token_id in params.stop_token_ids:
+        if token_id in params.stop_token_ids:  # the engine's EOS ids are among them unless ignore_eos
             return "stop"
         if seq.num_completion_tokens >= params.max_tokens or len(seq) >= self.max_len:
             return "length"
@@ -353,6 +346,17 @@ class Scheduler:
             self.block_manager.discard(seq)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
 
+    def abort_all(self) -> None:
+        """Drop every request and reset the block manager: safe after a step that failed anywhere, even half-way
+        through the block manager's bookkeeping, since nothing of it is kept. Only cached prefixes are lost."""
+        for seq in (*self.waiting, *self.running):
+            seq.block_table.clear()
+            seq.num_cached_tokens = 0
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        self.waiting.clear()
+        self.running.clear()
+        self.block_manager.reset()
+
 # %% [markdown]
 # ## Watch it: a small cache, step by step
 # Five requests on a cache of 10 blocks of 16 tokens (160 token slots), a budget of 48 tokens per step.
@@ -366,14 +370,14 @@ class Scheduler:
 from minivllm.engine.scheduler import Scheduler
 
 
-def make_scheduler(num_blocks: int, eos_token_id: int | None = None, cls: type = Scheduler, **limits) -> Scheduler:
+def make_scheduler(num_blocks: int, cls: type = Scheduler, **limits) -> Scheduler:
     """A scheduler over the first num_blocks blocks of the runner's cache, with other limits than base_config's."""
-    return cls(dataclasses.replace(base_config, **limits), num_blocks, eos_token_id)
+    return cls(dataclasses.replace(base_config, **limits), num_blocks)
 
 
 def request(prompt: list[int], max_tokens: int, **params) -> Sequence:
     return Sequence(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **params),
-                    runner.block_size)
+                    base_config.block_size)  # the block size of every scheduler's block manager here
 
 
 def serve(scheduler: Scheduler, seqs: list[Sequence], arrivals: np.ndarray | None = None, model: bool = True,
@@ -416,7 +420,7 @@ def serve(scheduler: Scheduler, seqs: list[Sequence], arrivals: np.ndarray | Non
             print(f"step {len(rows):2d} {'prefill' if is_prefill else 'decode '} {done:<20} running {state[0]}, "
                   f"waiting {state[1]}, free blocks {state[2]}, preemptions {scheduler.num_preemptions}")
         last = state
-    assert scheduler.block_manager.num_free_blocks == scheduler.num_kvcache_blocks, "KV blocks leaked"
+    assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks, "KV blocks leaked"
     return dict(rows=rows, ttft=first_token - arrivals, latency=finished_at - arrivals, seconds=clock,
                 tok_per_s=sum(seq.num_completion_tokens for seq in seqs) / clock,
                 preemptions=scheduler.num_preemptions, hit_tokens=hit_tokens)
@@ -450,6 +454,25 @@ assert [r["num_tokens"] for r in rows[:3]] == [48, 48, 24] and small["preemption
 assert small["hit_tokens"] == 2 * 32 + 48  # requests 3 and 4 on request 2's blocks, then 4 on its own
 assert all(seq.finish_reason == "length" and seq.num_completion_tokens == seq.sampling_params.max_tokens
            for seq in small_seqs)
+
+# %% [markdown]
+# `abort_all` drops everything at once: here after two steps, with one prompt half-way through its chunks and two
+# requests still waiting. Afterwards nothing is queued, every block is free, and nothing is cached.
+
+# %%
+busy = make_scheduler(10, max_num_batched_tokens=48)
+dropped = [request(random.choices(range(3, 2048), k=n), 8) for n in (100, 20, 35)]
+for seq in dropped:
+    busy.add(seq)
+for _ in range(2):
+    batch, is_prefill = busy.schedule()
+    busy.postprocess(batch, [0] * len(batch))
+print(f"before: running {len(busy.running)}, waiting {len(busy.waiting)}, used blocks {busy.block_manager.num_used_blocks}")
+busy.abort_all()
+print(f"after:  running {len(busy.running)}, waiting {len(busy.waiting)}, used blocks {busy.block_manager.num_used_blocks}")
+assert busy.is_finished() and busy.block_manager.num_free_blocks == 10 == busy.block_manager.num_blocks
+assert busy.block_manager.num_cached_free_blocks == 0
+assert all(seq.finish_reason == "abort" and seq.is_finished and not seq.block_table for seq in dropped)
 
 # %% [markdown]
 # ## The same tokens as transformers, under pressure

@@ -45,6 +45,13 @@ random.seed(0)
 # `finish_reason` ("stop": an end-of-sequence or stop token; "length": `max_tokens` or the context length).
 # We add the two timings a serving engine is judged by: **time to first token** (TTFT: how long the user waits
 # before anything appears, mostly queueing and prefill) and **time per output token** (TPOT: the decode pace).
+#
+# A step gives back one more thing, a `StepStats`: what kind of step it was (`"prefill"`, `"decode"`, or
+# `"idle"` when nothing was queued), how many sequences and tokens it computed, and how long each of its three
+# phases took: `schedule` (the scheduler picks the batch), `run` (the model runner builds the step's inputs, runs
+# the forward and samples; it waits for the GPU) and `postprocess` (the scheduler appends tokens and frees blocks).
+# The progress bar reads it for its token rates, and the throughput benchmark for where the time goes, so neither
+# has to wrap the engine's functions to time them.
 
 # %% tags=["export"] module="minivllm.outputs"
 from dataclasses import dataclass, field
@@ -75,6 +82,22 @@ class RequestMetrics:
 
 
 @dataclass(slots=True)
+class StepStats:
+    """What one engine step did, and its phases' wall times in seconds (time.perf_counter())."""
+
+    kind: str  # "prefill", "decode", or "idle" (nothing queued: no step ran)
+    num_seqs: int = 0  # sequences in the batch
+    num_tokens: int = 0  # tokens computed: prompt tokens in a prefill, one per sequence in a decode
+    schedule_seconds: float = 0.0  # Scheduler.schedule
+    run_seconds: float = 0.0  # ModelRunner.run: step inputs, forward, sampler
+    postprocess_seconds: float = 0.0  # Scheduler.postprocess
+
+    @property
+    def seconds(self) -> float:
+        return self.schedule_seconds + self.run_seconds + self.postprocess_seconds
+
+
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -90,18 +113,23 @@ class RequestOutput:
 #
 # * `add_request(prompt, sampling_params, request_id=None)` checks the request, tokenizes it and queues a
 #   `Sequence`; `abort_request(request_ids)` drops requests;
-# * `step()` runs one scheduler step (a prefill or a decode batch) and returns the requests that finished. With
-#   nothing queued it does nothing and returns no outputs.
+# * `step()` runs one scheduler step (a prefill or a decode batch) and returns the requests that finished, with
+#   the step's `StepStats`. With nothing queued it does nothing and returns no outputs and an `"idle"` record.
 #
-# **Bad input never gets in.** Every check runs before the request touches any state, and raises a
-# `ValueError` that names the field and the allowed range: an empty prompt, a prompt too long for
+# vLLM's `LLMEngine.step()` returns only the list of `RequestOutput`s and hands its statistics to loggers it
+# owns. We return the stats beside the outputs instead: a caller that wants to know where a step's time went reads
+# the record it was handed, and the engine keeps no history of its own.
+#
+# **Bad input never gets in.** The engine is the one place that checks a request. Every check runs before the
+# request touches any state, and raises a `ValueError` that names the field and the allowed range: an empty prompt, a prompt too long for
 # `max_model_len` (prompt plus at least one generated token must fit) or for the whole KV cache, a token id
 # outside the vocabulary or one that is not an integer (NumPy and PyTorch integer arrays and scalars are
 # welcome; floats, bools and nested lists are not), a `request_id` already in use. The engine keeps its own
 # checked copy of each request's `SamplingParams` (made with `dataclasses.replace`, which runs every check of
 # notebook 03 again), so parameters changed after they were made are caught too, and changing them later does
 # not reach a queued request. `add_requests` checks a whole list of requests before adding the first one, so
-# one bad request fails the call and leaves the engine exactly as it was.
+# one bad request fails the call and leaves the engine exactly as it was. Below the engine, the scheduler and the
+# sequence trust what they are given and only `assert` their invariants (a failed assert there is a bug).
 #
 # **A checkpoint without a tokenizer.** Token-id prompts still work; a text prompt is refused. transformers may
 # build an *empty* tokenizer from a folder without tokenizer files (it knows only a special token and encodes
@@ -110,14 +138,19 @@ class RequestOutput:
 # **When the model fails.** If a step raises (an error on the device, Ctrl-C), the requests that step was running
 # are aborted, their blocks freed and dropped from the prefix cache (their KV may be half written), before the
 # error goes on to the caller; the other requests are untouched and the next `step()` serves them. (Should a
-# step fail while scheduling, before its batch is known, every request is aborted.)
+# step fail while scheduling, before its batch is known, every request is aborted: `Scheduler.abort_all`, which
+# also resets the block manager, since that step may have left it half updated.)
 #
 # **Threads.** One lock serialises `add_request`, `abort_request`, `step` and `LLM.generate`: the engine serves
 # one call at a time, and two threads calling `generate` on one `LLM` each get the outputs they would get
 # alone, one after the other.
 #
-# End-of-sequence: the tokenizer's EOS token stops a request unless `ignore_eos`; a checkpoint's
-# `generation_config.json` may list more EOS ids (Qwen3 has two), which we add to each request's stop tokens.
+# **End-of-sequence.** A model may have several EOS ids: the tokenizer's, and more in the checkpoint's
+# `generation_config.json` (Qwen3 has two). Unless a request says `ignore_eos`, the engine adds them all to the
+# request's own stop tokens, so the scheduler needs a single rule: a stop token finishes a request.
+#
+# **Block size.** The block manager owns it (from `Config`); the engine reads it there to cut each new sequence
+# into blocks and to know how many tokens the whole KV cache holds.
 
 # %% tags=["export"] module="minivllm.engine.llm_engine"
 import dataclasses
@@ -131,11 +164,10 @@ from pathlib import Path
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from minivllm.config import Config
-from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.scheduler import Scheduler
-from minivllm.engine.sequence import Sequence, SequenceStatus
-from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from minivllm.engine.sequence import Sequence
+from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepStats
 from minivllm.sampling_params import SamplingParams, as_token_ids
 
 Prompt = str | list[int]  # text, or token ids: a list or tuple of ints, or a 1-D integer NumPy array / PyTorch tensor
@@ -179,8 +211,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.config.model)
         self.eos_token_ids = eos_token_ids(self.config.model, self.tokenizer, self.config.hf_config)
         self.runner = ModelRunner(self.config)
-        eos = self.eos_token_ids[0] if self.eos_token_ids else None
-        self.scheduler = Scheduler(self.config, self.runner.num_kvcache_blocks, eos)
+        self.scheduler = Scheduler(self.config, self.runner.num_kvcache_blocks)
         self.requests: dict[int, Request] = {}  # seq_id -> request, until it finishes or is aborted
         self.finished: list[RequestOutput] = []  # finished, not returned yet (kept back by a step given request_ids)
         self.request_counter = count()
@@ -202,23 +233,23 @@ class LLMEngine:
         if len(token_ids) >= config.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens; it must be shorter than max_model_len="
                              f"{config.max_model_len} (prompt + at least one generated token)")
-        cache_tokens = self.runner.num_kvcache_blocks * config.block_size
-        if len(token_ids) + 1 > cache_tokens:
-            raise ValueError(f"prompt has {len(token_ids)} tokens; the whole KV cache holds {cache_tokens} "
-                             f"({self.runner.num_kvcache_blocks} blocks of {config.block_size}): it can never run")
+        bm = self.scheduler.block_manager
+        if len(token_ids) + 1 > bm.num_slots:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; the whole KV cache holds {bm.num_slots} "
+                             f"({bm.num_blocks} blocks of {bm.block_size}): it can never run")
         if bad := [t for t in token_ids if not 0 <= t < vocab_size]:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
 
     def request_params(self, params: SamplingParams | None) -> SamplingParams:
-        """The request's own checked copy of params, whose stop tokens include the checkpoint's extra EOS ids
-        (unless ignore_eos). `dataclasses.replace` runs SamplingParams' checks again: fields may have changed."""
+        """The request's own checked copy of params, whose stop tokens include every EOS id (unless ignore_eos): the
+        scheduler's only stop rule. `dataclasses.replace` runs SamplingParams' checks again: fields may have changed."""
         if params is None:
             params = SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         params = dataclasses.replace(params)
-        extra = [] if params.ignore_eos else self.eos_token_ids[1:]
-        return dataclasses.replace(params, stop_token_ids=list(dict.fromkeys([*params.stop_token_ids, *extra])))
+        eos = [] if params.ignore_eos else self.eos_token_ids
+        return dataclasses.replace(params, stop_token_ids=list(dict.fromkeys([*params.stop_token_ids, *eos])))
 
     def new_request_ids(self, request_ids: list[str | None]) -> list[str]:
         """The given ids, checked to be strings no live request uses; None gets the next unused number."""
@@ -240,7 +271,7 @@ class LLMEngine:
         params = self.request_params(params)
         token_ids = self.tokenize(prompt, name)
         self.check_request(token_ids, params)
-        seq = Sequence(token_ids, params, self.config.block_size)
+        seq = Sequence(token_ids, params, self.scheduler.block_manager.block_size)
         return Request(request_id, prompt if isinstance(prompt, str) else None, seq, RequestMetrics(time.perf_counter()))
 
     def add_requests(self, prompts: list[Prompt], sampling_params: list[SamplingParams | None],
@@ -269,27 +300,36 @@ class LLMEngine:
             self.finished = [out for out in self.finished if out.request_id not in ids]
 
     # --- the loop ------------------------------------------------------------------------------------------
-    def step(self, request_ids: Collection[str] | None = None) -> tuple[list[RequestOutput], int]:
+    def step(self, request_ids: Collection[str] | None = None) -> tuple[list[RequestOutput], StepStats]:
         """One scheduler step, if any request is queued. Returns the outputs of the requests that finished (only those
-        in request_ids when given: the others are kept for a later step) and the tokens the step computed (> 0 a
-        prefill, < 0 a decode, 0 no step). If the model raises, the step's requests are aborted first."""
+        in request_ids when given: the others are kept for a later step) and the step's stats (kind "idle": no step
+        ran). If the model raises, the step's requests are aborted first."""
         with self.lock:
-            num_tokens = 0 if self.scheduler.is_finished() else self.run_step()
+            stats = StepStats("idle") if self.scheduler.is_finished() else self.run_step()
             mine = [out for out in self.finished if request_ids is None or out.request_id in request_ids]
             self.finished = [out for out in self.finished if not (request_ids is None or out.request_id in request_ids)]
-            return mine, num_tokens
+            return mine, stats
 
-    def run_step(self) -> int:
+    def run_step(self) -> StepStats:
         seqs = None
         try:
+            start = time.perf_counter()
             seqs, is_prefill = self.scheduler.schedule()
+            scheduled = time.perf_counter()
             token_ids = self.runner.run(seqs, is_prefill)
+            ran = time.perf_counter()
             finished = self.scheduler.postprocess(seqs, token_ids)
+            now = time.perf_counter()
         except BaseException as e:
             aborted = self.abort_step(seqs)
             e.add_note(f"minivllm: the step failed; these requests were aborted: {aborted}")
             raise
-        now = time.perf_counter()
+        self.record(seqs, finished, now)
+        return StepStats("prefill" if is_prefill else "decode", len(seqs), sum(seq.num_scheduled_tokens for seq in seqs),
+                         scheduled - start, ran - scheduled, now - ran)
+
+    def record(self, seqs: list[Sequence], finished: list[Sequence], now: float) -> None:
+        """After a step: first-token and finish times, and the finished requests' outputs."""
         for seq in seqs:
             metrics = self.requests[seq.seq_id].metrics
             if metrics.first_token_time is None and seq.num_completion_tokens > 0:
@@ -297,7 +337,6 @@ class LLMEngine:
         for seq in finished:
             self.requests[seq.seq_id].metrics.finished_time = now
             self.finished.append(self.output(self.requests.pop(seq.seq_id)))
-        return sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
 
     def abort_step(self, seqs: list[Sequence] | None) -> list[str]:
         """After a failed step: abort its requests (all of them if it failed before its batch was known)."""
@@ -321,17 +360,12 @@ class LLMEngine:
         return bool(self.finished) or not self.scheduler.is_finished()
 
     def abort_all(self) -> None:
-        """Drop every request and kept output. A step cut short may have left the block manager half updated, so it
-        starts afresh: with no request left, only cached prefixes are lost."""
+        """Drop every request and kept output. The scheduler resets its block manager too (a step cut short may have
+        left it half updated): with no request left, only cached prefixes are lost."""
         with self.lock:
-            for request in self.requests.values():
-                request.seq.status = SequenceStatus.FINISHED
+            self.scheduler.abort_all()
             self.requests.clear()
             self.finished.clear()
-            self.scheduler.waiting.clear()
-            self.scheduler.running.clear()
-            self.scheduler.block_manager = BlockManager(self.runner.num_kvcache_blocks, self.config.block_size,
-                                                        self.config.enable_prefix_caching)
 
     def close(self) -> None:
         self.runner.close()
@@ -355,7 +389,6 @@ class LLMEngine:
 #   blocks freed, so the engine can serve the next call.
 
 # %% tags=["export"] module="minivllm.llm"
-import time
 from collections.abc import Sequence as SequenceOf
 
 from tqdm.auto import tqdm
@@ -410,14 +443,13 @@ class LLM:
         """Step until these requests have finished; their outputs."""
         outputs, wanted = [], set(request_ids)
         with tqdm(total=len(wanted), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
-            prefill_rate = decode_rate = 0.0
+            rates = {"prefill": 0.0, "decode": 0.0}  # tokens per second of the latest step of each kind
             while len(outputs) < len(wanted):
-                start = time.perf_counter()
-                finished, num_tokens = self.engine.step(wanted)
-                assert num_tokens != 0 or finished, "requests outstanding, but no step to run"
-                rate = abs(num_tokens) / (time.perf_counter() - start)
-                prefill_rate, decode_rate = (rate, decode_rate) if num_tokens > 0 else (prefill_rate, rate)
-                bar.set_postfix_str(f"prefill {prefill_rate:,.0f} tok/s, decode {decode_rate:,.0f} tok/s")
+                finished, stats = self.engine.step(wanted)
+                assert stats.kind != "idle" or finished, "requests outstanding, but no step to run"
+                if stats.kind != "idle":
+                    rates[stats.kind] = stats.num_tokens / max(stats.seconds, 1e-9)
+                bar.set_postfix_str(f"prefill {rates['prefill']:,.0f} tok/s, decode {rates['decode']:,.0f} tok/s")
                 outputs += finished
                 bar.update(len(finished))
         return outputs
@@ -529,7 +561,8 @@ import numpy as np
 
 alone = [out.outputs[0].token_ids for out in cpu_llm.generate([np.array([5, 6, 7]), torch.tensor([8, 9])], greedy,
                                                                use_tqdm=False)]
-assert cpu_llm.engine.step() == ([], 0)
+nothing, idle = cpu_llm.engine.step()
+assert nothing == [] and idle.kind == "idle" and idle.num_tokens == 0
 cpu_llm.engine.add_request([1, 2, 3], greedy, request_id="queued earlier")
 mine = cpu_llm.generate([[5, 6, 7]], greedy, use_tqdm=False)
 assert [out.outputs[0].token_ids for out in mine] == alone[:1]
@@ -562,11 +595,12 @@ system_prompt = random.choices(range(2048), k=64)
 for i in range(48):
     prompt = (system_prompt if i % 3 == 0 else []) + random.choices(range(2048), k=random.randint(16, 160))
     engine.add_request(prompt, SamplingParams(temperature=0.8, max_tokens=random.randint(16, 96), ignore_eos=True))
-occupancy, kinds = [], []
+occupancy, steps = [], []
 while engine.has_unfinished_requests():
-    _, num_tokens = engine.step()
+    _, stats = engine.step()
     occupancy.append((bm.num_used_blocks, bm.num_cached_free_blocks, bm.num_free_blocks - bm.num_cached_free_blocks))
-    kinds.append("prefill" if num_tokens > 0 else "decode")
+    steps.append(stats)
+kinds = [stats.kind for stats in steps]
 used, cached, empty = map(list, zip(*occupancy))
 fig, ax = plt.subplots(figsize=(8, 3.5))
 ax.stackplot(range(len(used)), used, cached, empty, labels=["used by running requests", "free, prefix cached", "free"],
@@ -575,13 +609,25 @@ for step, kind in enumerate(kinds):
     if kind == "prefill":
         ax.axvline(step, color="C3", lw=0.4, alpha=0.5)
 ax.set_xlabel("engine step (red lines: prefill steps)")
-ax.set_ylabel(f"KV blocks (of {bm.num_free_blocks + bm.num_used_blocks})")
+ax.set_ylabel(f"KV blocks (of {bm.num_blocks})")
 ax.set_title(f"KV block occupancy over a run: 48 requests, {engine.scheduler.num_preemptions} preemptions")
 ax.legend(loc="upper right", fontsize=8)
 fig.tight_layout()
 fig.savefig(FIGURES / "06_kv_occupancy.png", dpi=120)
 print(f"{len(used)} steps, peak {max(used)} blocks used, {engine.scheduler.num_preemptions} preemptions")
-assert bm.num_used_blocks == 0 and max(used) > 0.8 * (bm.num_free_blocks + bm.num_used_blocks) - 1
+assert bm.num_used_blocks == 0 and max(used) > 0.8 * bm.num_blocks - 1
+
+# %% [markdown]
+# Each `step()` also handed back its `StepStats`. Added up, they say what the run computed and where its time went:
+
+# %%
+for kind in ("prefill", "decode"):
+    of_kind = [stats for stats in steps if stats.kind == kind]
+    print(f"{len(of_kind):4d} {kind} steps: {sum(s.num_tokens for s in of_kind):6,} tokens; "
+          + ", ".join(f"{phase} {sum(getattr(s, phase + '_seconds') for s in of_kind):.2f} s"
+                      for phase in ("schedule", "run", "postprocess")))
+assert sum(s.num_tokens for s in steps if s.kind == "decode") == sum(s.num_seqs for s in steps if s.kind == "decode")
+assert all(s.kind in ("prefill", "decode") and s.num_seqs > 0 for s in steps)
 
 # %% [markdown]
 # ## The course's final figures
@@ -659,9 +705,9 @@ for row in throughput["rows"]:
 # left out, so the real limit is lower still).
 
 # %%
+from minivllm.attention.layer import Attention
 from minivllm.checkpoint.maker import preset_config
 from minivllm.engine.model_runner import kv_block_bytes
-from minivllm.layers.attention import Attention
 from minivllm.models.qwen3 import Qwen3ForCausalLM
 
 with torch.device("meta"):  # shapes only: count the parameters without allocating them

@@ -216,6 +216,20 @@ def test_block_size_one():
     assert b.num_cached_tokens == 2
 
 
+def test_reset_forgets_every_allocation_and_every_cached_prefix():
+    bm = BlockManager(num_blocks=6, block_size=2)
+    a = allocate(bm, [1, 2, 3, 4, 5])
+    bm.deallocate(allocate(bm, [7, 7, 8]))
+    assert bm.num_used_blocks == 3 and bm.num_cached_free_blocks == 1
+    bm.blocks[a.block_table[0]].ref_count = 7  # half-updated bookkeeping, as a failed step may leave it
+    bm.free_block_ids.append(a.block_table[1])
+    bm.reset()
+    assert bm.num_free_blocks == bm.num_blocks == 6 and bm.num_used_blocks == 0 and bm.num_slots == 12
+    assert not bm.hash_to_block_id and not bm.cached_block_ids and list(bm.free_block_ids) == list(range(6))
+    assert all(block.ref_count == 0 and block.hash == -1 for block in bm.blocks)
+    assert allocate(bm, [1, 2, 3, 4, 5]).num_cached_tokens == 0  # the prefix is gone
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="num_blocks"):
         BlockManager(num_blocks=0, block_size=16)

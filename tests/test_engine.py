@@ -148,6 +148,35 @@ def test_an_interrupted_generate_leaves_the_engine_usable(llm, hf):
     assert out[0].outputs[0].token_ids == hf_greedy(hf, [3, 4], 24)
 
 
+def test_each_step_returns_its_stats(llm):
+    engine = llm.engine
+    engine.add_request(list(range(700, 720)), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), "s")  # uncached
+    steps, outputs = [], []
+    while engine.has_unfinished_requests():
+        finished, stats = engine.step()
+        outputs += finished
+        steps.append(stats)
+    assert [(s.kind, s.num_seqs, s.num_tokens) for s in steps] == [("prefill", 1, 20), ("decode", 1, 1), ("decode", 1, 1)]
+    assert all(s.schedule_seconds >= 0 and s.run_seconds > 0 and s.postprocess_seconds >= 0 for s in steps)
+    assert all(s.seconds == s.schedule_seconds + s.run_seconds + s.postprocess_seconds for s in steps)
+    assert [o.request_id for o in outputs] == ["s"] and len(outputs[0].outputs[0].token_ids) == 3
+    assert engine.step()[1].kind == "idle"
+
+
+def test_abort_drops_every_request_and_the_engine_goes_on(llm, hf):
+    engine = llm.engine
+    for i, prompt in enumerate([list(range(10, 50)), [3, 4, 5], list(range(60, 100))]):
+        engine.add_request(prompt, GREEDY, f"abort-{i}")
+    engine.step()  # one prefill: all three now hold blocks
+    assert engine.scheduler.block_manager.num_used_blocks > 0
+    llm.abort()
+    assert not engine.has_unfinished_requests() and not engine.requests
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and bm.num_cached_free_blocks == 0
+    out = llm.generate([list(range(10, 50))], GREEDY, use_tqdm=False)  # the same prompt, from scratch
+    assert out[0].outputs[0].token_ids == hf_greedy(hf, list(range(10, 50)), 24)
+
+
 def test_cli_runs_the_tiny_preset(tmp_path):
     env = dict(os.environ, MINIVLLM_CHECKPOINTS=str(tmp_path))
     proc = subprocess.run([sys.executable, "-m", "minivllm", "--preset", "tiny", "--max-tokens", "8", "Hello there"],

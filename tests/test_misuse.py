@@ -15,6 +15,7 @@ import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.checkpoint import write_checkpoint
+from minivllm.outputs import StepStats
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -54,7 +55,8 @@ def assert_idle(llm: LLM) -> None:
     assert not engine.has_unfinished_requests()
     assert not engine.requests
     assert engine.scheduler.block_manager.num_used_blocks == 0
-    assert engine.step() == ([], 0)
+    outputs, stats = engine.step()
+    assert outputs == [] and stats.kind == "idle" and stats.num_tokens == 0
 
 
 # --- 1. concurrent generate calls ----------------------------------------------------------------------------------
@@ -216,8 +218,9 @@ def drain(llm: LLM) -> list:
 
 
 def test_a_step_with_nothing_queued_returns_no_outputs(llm):
-    assert llm.engine.step() == ([], 0)
-    assert llm.engine.step() == ([], 0)
+    for _ in range(2):
+        outputs, stats = llm.engine.step()
+        assert outputs == [] and stats == StepStats("idle")
 
 
 def test_duplicate_request_ids_are_refused(llm):

@@ -66,14 +66,16 @@ def limits(num_kvcache_blocks=256, max_num_seqs=16, max_num_batched_tokens=8192,
                            enable_prefix_caching=enable_prefix_caching), num_kvcache_blocks
 
 
-def make_scheduler(eos_token_id=None, **kwargs) -> Scheduler:
+def make_scheduler(**kwargs) -> Scheduler:
     config, num_blocks = limits(**kwargs)
-    return Scheduler(config, num_blocks, eos_token_id)
+    return Scheduler(config, num_blocks)
 
 
-def request(prompt, max_tokens, ignore_eos=True, **params) -> Sequence:
-    return Sequence(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos, **params),
-                    BLOCK)
+def request(prompt, max_tokens, ignore_eos=True, eos=None, stop_token_ids=None, **params) -> Sequence:
+    """A greedy request. As the engine does, the end-of-sequence id `eos` joins its stop tokens unless ignore_eos."""
+    stops = list(stop_token_ids or []) + ([eos] if eos is not None and not ignore_eos else [])
+    return Sequence(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos,
+                                           stop_token_ids=stops, **params), BLOCK)
 
 
 def serve(scheduler: Scheduler, seqs: list[Sequence], model, arrivals: list[int] | None = None) -> Counter:
@@ -106,7 +108,7 @@ def serve(scheduler: Scheduler, seqs: list[Sequence], model, arrivals: list[int]
         for seq in seqs:  # a reply only ever grows: a streaming client has already shown its tokens
             assert seq.num_completion_tokens >= replies[seq.seq_id], f"sequence {seq.seq_id} lost tokens"
             replies[seq.seq_id] = seq.num_completion_tokens
-    assert scheduler.block_manager.num_free_blocks == scheduler.num_kvcache_blocks, "KV blocks leaked"
+    assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks, "KV blocks leaked"
     assert all(seq.is_finished for seq in seqs)
     stats["preemptions"] = scheduler.num_preemptions
     return stats
@@ -220,11 +222,12 @@ def test_eos_and_stop_tokens_finish_with_stop(runner, greedy):
     counts = Counter(t for reply, ignore in zip(full, ignore_eos) if not ignore for t in set(reply[1:]))
     eos = counts.most_common(1)[0][0]  # a token that ends some replies early
     stops = [[reply[i % 7 + 2]] if i % 2 else None for i, reply in enumerate(full)]  # each its own stop token
-    seqs = [request(p, 32, ignore_eos=ignore, stop_token_ids=stop) for p, ignore, stop in zip(prompts, ignore_eos, stops)]
-    serve(make_scheduler(eos_token_id=eos), seqs, runner.run)
+    seqs = [request(p, 32, ignore_eos=ignore, eos=eos, stop_token_ids=stop)
+            for p, ignore, stop in zip(prompts, ignore_eos, stops)]
+    serve(make_scheduler(), seqs, runner.run)
     reasons = Counter()
-    for seq, reply in zip(seqs, full):
-        ends = set(seq.sampling_params.stop_token_ids) | ({eos} if not seq.sampling_params.ignore_eos else set())
+    for seq, reply, stop, ignore in zip(seqs, full, stops, ignore_eos):
+        ends = set(stop or []) | ({eos} if not ignore else set())
         cut = next((i + 1 for i, t in enumerate(reply) if t in ends), None)
         assert seq.completion_token_ids == reply[:cut]
         assert seq.finish_reason == ("length" if cut is None else "stop")
@@ -251,15 +254,18 @@ def test_a_request_that_outgrows_the_whole_cache_stops_there(runner, greedy):
     assert len(seq) == 64 and seq.finish_reason == "length" and seq.completion_token_ids == greedy(prompt, 44)
 
 
-def test_requests_that_can_never_run_are_refused_and_the_others_complete(runner, greedy):
+def test_a_request_that_can_never_run_is_an_assertion_and_the_others_complete(runner, greedy):
+    """The engine refuses such requests with a ValueError (test_engine.py); reaching the scheduler, one is a bug."""
     scheduler = make_scheduler(num_kvcache_blocks=8, max_model_len=200)
-    with pytest.raises(ValueError, match=r"128 tokens.*8 blocks of 16 = 128 tokens"):
+    assert scheduler.max_len == 128  # 8 blocks of 16 tokens, below max_model_len
+    with pytest.raises(AssertionError, match="can never run"):
         scheduler.add(request(list(range(3, 131)), 4))  # 128 + 1 > 128 slots
-    with pytest.raises(ValueError, match=r"max_model_len=200"):
+    with pytest.raises(AssertionError, match="can never run"):
         make_scheduler(max_model_len=200).add(request(list(range(3, 203)), 4))
-    with pytest.raises(ValueError, match="block_size"):
+    with pytest.raises(AssertionError, match="block_size"):  # the block manager's block size is the only one
         scheduler.add(Sequence([1, 2, 3], block_size=32))
-    assert scheduler.is_finished() and scheduler.block_manager.num_free_blocks == 8  # nothing changed
+        scheduler.schedule()
+    scheduler = make_scheduler(num_kvcache_blocks=8, max_model_len=200)
     prompts = random_prompts(10, 6, (4, 40)) + [random.Random(11).choices(range(3, 2048), k=127)]
     seqs = [request(p, 10) for p in prompts]
     serve(scheduler, seqs, runner.run)
@@ -345,6 +351,40 @@ def test_abort_mid_step_frees_blocks_and_forgets_the_unwritten_cache():
     assert batch == [again] and again.num_cached_tokens == 0  # a fresh prefill, no hit on unwritten KV
     scheduler.abort(done)  # an abort between steps keeps what was computed in the cache
     assert bm.num_cached_free_blocks == 2
+
+
+def test_abort_all_after_a_failure_inside_schedule_drops_every_request():
+    """A decode step that fails half-way through its bookkeeping (here: the block manager raises on the second
+    sequence): abort_all still finds every request, and the block manager starts afresh."""
+    scheduler = make_scheduler(num_kvcache_blocks=8, max_num_batched_tokens=40)
+    bm = scheduler.block_manager
+    seqs = [request([i] * 16, 8) for i in range(1, 4)] + [request(list(range(100, 160)), 8)]  # the last is chunked
+    for seq in seqs:
+        scheduler.add(seq)
+    step(scheduler)  # prefill of the first two and a chunk of the third
+    original, calls = bm.may_append, []
+
+    def failing_may_append(seq):
+        calls.append(seq)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        original(seq)
+
+    bm.may_append = failing_may_append
+    while not calls:  # the third's remaining chunk, then the decode that fails
+        try:
+            step(scheduler)
+        except KeyboardInterrupt:
+            break
+    del bm.may_append
+    assert len(calls) == 2 and any(seq.block_table for seq in seqs)
+    scheduler.abort_all()
+    assert scheduler.is_finished() and not scheduler.waiting and not scheduler.running
+    assert all(seq.finish_reason == "abort" and seq.is_finished and not seq.block_table for seq in seqs)
+    assert bm.num_free_blocks == bm.num_blocks == 8 and bm.num_cached_free_blocks == 0 and not bm.hash_to_block_id
+    again = request([1] * 16 + [5], 4)  # the same first block as before: not in the cache any more
+    scheduler.add(again)
+    assert scheduler.schedule()[0] == [again] and again.num_cached_tokens == 0
 
 
 def test_preemption_takes_the_newest_and_keeps_its_tokens():
@@ -452,14 +492,12 @@ workloads = st.fixed_dictionaries(dict(
 def test_random_workloads_against_a_shadow_kv_cache(workload):
     requests = workload["requests"]
     config, num_blocks = limits(**{k: v for k, v in workload.items() if k != "requests"})
-    scheduler = Scheduler(config, num_blocks, eos_token_id=0)
+    scheduler = Scheduler(config, num_blocks)
     seqs, arrivals = [], []
     for prefix, suffix, max_tokens, ignore_eos, arrival in requests:
-        seq = request(list(prefix) + suffix, max_tokens, ignore_eos=ignore_eos, stop_token_ids=[6])
+        seq = request(list(prefix) + suffix, max_tokens, ignore_eos=ignore_eos, eos=0, stop_token_ids=[6])
         if len(seq) + 1 > min(config.max_model_len, num_blocks * BLOCK):
-            with pytest.raises(ValueError):
-                scheduler.add(seq)
-            continue
+            continue  # the engine refuses it
         seqs.append(seq)
         arrivals.append(arrival)
     if not seqs:

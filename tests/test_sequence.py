@@ -79,8 +79,9 @@ def test_sequence_ids_are_unique_and_increasing():
     assert b.seq_id > a.seq_id
 
 
-def test_sequence_rejects_bad_input():
-    with pytest.raises(ValueError, match="token_ids"):
+def test_a_broken_sequence_is_an_assertion():
+    """The engine refuses bad requests before it makes a Sequence; inside, these are invariants."""
+    with pytest.raises(AssertionError, match="empty prompts"):
         Sequence([])
-    with pytest.raises(ValueError, match="block_size"):
+    with pytest.raises(AssertionError, match="block_size"):
         Sequence([1], block_size=0)

@@ -32,12 +32,22 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
-        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.block_size = block_size  # the one owner: sequences and the scheduler read it from here
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.reset()
+
+    def reset(self) -> None:
+        """Every block free and empty, nothing cached: the state of a new block manager. Trusts nothing it held."""
+        self.blocks = [Block(i) for i in range(self.num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
-        self.free_block_ids: deque[int] = deque(range(num_blocks))  # free, nothing worth keeping
+        self.free_block_ids: deque[int] = deque(range(self.num_blocks))  # free, nothing worth keeping
         self.cached_block_ids: OrderedDict[int, None] = OrderedDict()  # free but cached; least recently freed first
+
+    @property
+    def num_slots(self) -> int:
+        """Tokens the whole cache holds."""
+        return self.num_blocks * self.block_size
 
     @property
     def num_free_blocks(self) -> int:
@@ -45,7 +55,7 @@ class BlockManager:
 
     @property
     def num_used_blocks(self) -> int:
-        return len(self.blocks) - self.num_free_blocks
+        return self.num_blocks - self.num_free_blocks
 
     @property
     def num_cached_free_blocks(self) -> int:

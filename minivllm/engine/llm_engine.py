@@ -11,11 +11,10 @@ from pathlib import Path
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from minivllm.config import Config
-from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.scheduler import Scheduler
-from minivllm.engine.sequence import Sequence, SequenceStatus
-from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from minivllm.engine.sequence import Sequence
+from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepStats
 from minivllm.sampling_params import SamplingParams, as_token_ids
 
 Prompt = str | list[int]  # text, or token ids: a list or tuple of ints, or a 1-D integer NumPy array / PyTorch tensor
@@ -59,8 +58,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.config.model)
         self.eos_token_ids = eos_token_ids(self.config.model, self.tokenizer, self.config.hf_config)
         self.runner = ModelRunner(self.config)
-        eos = self.eos_token_ids[0] if self.eos_token_ids else None
-        self.scheduler = Scheduler(self.config, self.runner.num_kvcache_blocks, eos)
+        self.scheduler = Scheduler(self.config, self.runner.num_kvcache_blocks)
         self.requests: dict[int, Request] = {}  # seq_id -> request, until it finishes or is aborted
         self.finished: list[RequestOutput] = []  # finished, not returned yet (kept back by a step given request_ids)
         self.request_counter = count()
@@ -82,23 +80,23 @@ class LLMEngine:
         if len(token_ids) >= config.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens; it must be shorter than max_model_len="
                              f"{config.max_model_len} (prompt + at least one generated token)")
-        cache_tokens = self.runner.num_kvcache_blocks * config.block_size
-        if len(token_ids) + 1 > cache_tokens:
-            raise ValueError(f"prompt has {len(token_ids)} tokens; the whole KV cache holds {cache_tokens} "
-                             f"({self.runner.num_kvcache_blocks} blocks of {config.block_size}): it can never run")
+        bm = self.scheduler.block_manager
+        if len(token_ids) + 1 > bm.num_slots:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; the whole KV cache holds {bm.num_slots} "
+                             f"({bm.num_blocks} blocks of {bm.block_size}): it can never run")
         if bad := [t for t in token_ids if not 0 <= t < vocab_size]:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
 
     def request_params(self, params: SamplingParams | None) -> SamplingParams:
-        """The request's own checked copy of params, whose stop tokens include the checkpoint's extra EOS ids
-        (unless ignore_eos). `dataclasses.replace` runs SamplingParams' checks again: fields may have changed."""
+        """The request's own checked copy of params, whose stop tokens include every EOS id (unless ignore_eos): the
+        scheduler's only stop rule. `dataclasses.replace` runs SamplingParams' checks again: fields may have changed."""
         if params is None:
             params = SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         params = dataclasses.replace(params)
-        extra = [] if params.ignore_eos else self.eos_token_ids[1:]
-        return dataclasses.replace(params, stop_token_ids=list(dict.fromkeys([*params.stop_token_ids, *extra])))
+        eos = [] if params.ignore_eos else self.eos_token_ids
+        return dataclasses.replace(params, stop_token_ids=list(dict.fromkeys([*params.stop_token_ids, *eos])))
 
     def new_request_ids(self, request_ids: list[str | None]) -> list[str]:
         """The given ids, checked to be strings no live request uses; None gets the next unused number."""
@@ -120,7 +118,7 @@ class LLMEngine:
         params = self.request_params(params)
         token_ids = self.tokenize(prompt, name)
         self.check_request(token_ids, params)
-        seq = Sequence(token_ids, params, self.config.block_size)
+        seq = Sequence(token_ids, params, self.scheduler.block_manager.block_size)
         return Request(request_id, prompt if isinstance(prompt, str) else None, seq, RequestMetrics(time.perf_counter()))
 
     def add_requests(self, prompts: list[Prompt], sampling_params: list[SamplingParams | None],
@@ -149,27 +147,36 @@ class LLMEngine:
             self.finished = [out for out in self.finished if out.request_id not in ids]
 
     # --- the loop ------------------------------------------------------------------------------------------
-    def step(self, request_ids: Collection[str] | None = None) -> tuple[list[RequestOutput], int]:
+    def step(self, request_ids: Collection[str] | None = None) -> tuple[list[RequestOutput], StepStats]:
         """One scheduler step, if any request is queued. Returns the outputs of the requests that finished (only those
-        in request_ids when given: the others are kept for a later step) and the tokens the step computed (> 0 a
-        prefill, < 0 a decode, 0 no step). If the model raises, the step's requests are aborted first."""
+        in request_ids when given: the others are kept for a later step) and the step's stats (kind "idle": no step
+        ran). If the model raises, the step's requests are aborted first."""
         with self.lock:
-            num_tokens = 0 if self.scheduler.is_finished() else self.run_step()
+            stats = StepStats("idle") if self.scheduler.is_finished() else self.run_step()
             mine = [out for out in self.finished if request_ids is None or out.request_id in request_ids]
             self.finished = [out for out in self.finished if not (request_ids is None or out.request_id in request_ids)]
-            return mine, num_tokens
+            return mine, stats
 
-    def run_step(self) -> int:
+    def run_step(self) -> StepStats:
         seqs = None
         try:
+            start = time.perf_counter()
             seqs, is_prefill = self.scheduler.schedule()
+            scheduled = time.perf_counter()
             token_ids = self.runner.run(seqs, is_prefill)
+            ran = time.perf_counter()
             finished = self.scheduler.postprocess(seqs, token_ids)
+            now = time.perf_counter()
         except BaseException as e:
             aborted = self.abort_step(seqs)
             e.add_note(f"minivllm: the step failed; these requests were aborted: {aborted}")
             raise
-        now = time.perf_counter()
+        self.record(seqs, finished, now)
+        return StepStats("prefill" if is_prefill else "decode", len(seqs), sum(seq.num_scheduled_tokens for seq in seqs),
+                         scheduled - start, ran - scheduled, now - ran)
+
+    def record(self, seqs: list[Sequence], finished: list[Sequence], now: float) -> None:
+        """After a step: first-token and finish times, and the finished requests' outputs."""
         for seq in seqs:
             metrics = self.requests[seq.seq_id].metrics
             if metrics.first_token_time is None and seq.num_completion_tokens > 0:
@@ -177,7 +184,6 @@ class LLMEngine:
         for seq in finished:
             self.requests[seq.seq_id].metrics.finished_time = now
             self.finished.append(self.output(self.requests.pop(seq.seq_id)))
-        return sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
 
     def abort_step(self, seqs: list[Sequence] | None) -> list[str]:
         """After a failed step: abort its requests (all of them if it failed before its batch was known)."""
@@ -201,17 +207,12 @@ class LLMEngine:
         return bool(self.finished) or not self.scheduler.is_finished()
 
     def abort_all(self) -> None:
-        """Drop every request and kept output. A step cut short may have left the block manager half updated, so it
-        starts afresh: with no request left, only cached prefixes are lost."""
+        """Drop every request and kept output. The scheduler resets its block manager too (a step cut short may have
+        left it half updated): with no request left, only cached prefixes are lost."""
         with self.lock:
-            for request in self.requests.values():
-                request.seq.status = SequenceStatus.FINISHED
+            self.scheduler.abort_all()
             self.requests.clear()
             self.finished.clear()
-            self.scheduler.waiting.clear()
-            self.scheduler.running.clear()
-            self.scheduler.block_manager = BlockManager(self.runner.num_kvcache_blocks, self.config.block_size,
-                                                        self.config.enable_prefix_caching)
 
     def close(self) -> None:
         self.runner.close()

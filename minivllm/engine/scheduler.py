@@ -11,31 +11,19 @@ class Scheduler:
     """Continuous batching: every step is a prefill (first, if any request can join) or a decode of all running
     requests; chunked prefill for prompts beyond the token budget; preemption by recompute when blocks run out."""
 
-    def __init__(self, config: Config, num_kvcache_blocks: int, eos_token_id: int | None):
+    def __init__(self, config: Config, num_kvcache_blocks: int):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.max_model_len = config.max_model_len
-        self.eos_token_id = eos_token_id
         self.block_manager = BlockManager(num_kvcache_blocks, config.block_size, config.enable_prefix_caching)
-        self.num_kvcache_blocks = num_kvcache_blocks
-        self.max_len = min(self.max_model_len, num_kvcache_blocks * config.block_size)  # tokens a sequence may hold
+        self.max_len = min(config.max_model_len, self.block_manager.num_slots)  # tokens a sequence may hold
         self.waiting: deque[Sequence] = deque()  # first come, first served; the preempted go back in front
         self.running: deque[Sequence] = deque()  # admission order: the newest is preempted first
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new request; ValueError, changing nothing, if it could never run."""
-        block_size = self.block_manager.block_size
-        if seq.block_size != block_size:
-            raise ValueError(f"the sequence's block_size must be the engine's {block_size}, got {seq.block_size}")
-        if len(seq) + 1 > self.max_model_len:
-            raise ValueError(f"prompt has {len(seq)} tokens; with one generated token it exceeds "
-                             f"max_model_len={self.max_model_len}")
-        if len(seq) + 1 > self.num_kvcache_blocks * block_size:
-            raise ValueError(f"prompt has {len(seq)} tokens; with one generated token it exceeds the whole KV cache, "
-                             f"{self.num_kvcache_blocks} blocks of {block_size} = {self.num_kvcache_blocks * block_size} "
-                             f"tokens: it can never run")
+        """Queue a new request. The engine has checked that it can run (notebook 06)."""
         assert seq.status == SequenceStatus.WAITING and not seq.block_table, f"sequence {seq.seq_id} was added before"
+        assert len(seq) + 1 <= self.max_len, f"a prompt of {len(seq)} tokens can never run (max_len {self.max_len})"
         self.waiting.append(seq)
 
     def is_finished(self) -> bool:
@@ -56,10 +44,9 @@ class Scheduler:
             seq = self.waiting[0]
             if not self.block_manager.can_allocate(seq):
                 break  # no overtaking: the head of the queue waits for blocks
-            self.waiting.popleft()
             self.block_manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            self.running.append(self.waiting.popleft())
             seqs.append(seq)
             budget -= self.schedule_chunk(seq, budget)
         return seqs
@@ -71,25 +58,25 @@ class Scheduler:
         return seq.num_scheduled_tokens
 
     def schedule_decode(self) -> list[Sequence]:
-        seqs, candidates = [], self.running
-        self.running = deque()
-        while candidates:
-            seq = candidates.popleft()  # oldest first
+        seqs = []
+        for seq in list(self.running):  # oldest first
+            if seq.status == SequenceStatus.WAITING:
+                continue  # preempted below, to make room for an older one
             assert len(seq) - seq.num_cached_tokens == 1, "a decode computes exactly the newest token"
             while not self.block_manager.can_append(seq):  # its newest token needs a block and none is free
-                self.preempt(candidates.pop() if candidates else seq)  # the most recently admitted one
+                self.preempt(self.running.pop())  # the most recently admitted one; seq itself once it is the newest
                 if seq.status == SequenceStatus.WAITING:
                     break
             else:
                 self.block_manager.may_append(seq)
                 seq.num_scheduled_tokens = 1
                 seqs.append(seq)
-                self.running.append(seq)
         assert seqs, "the oldest request always fits once the others are preempted"
         return seqs
 
     def preempt(self, seq: Sequence) -> None:
-        """Recompute later: free its blocks and queue it first. Its tokens, the generated ones too, are kept."""
+        """Recompute later: free its blocks and queue it first. Its tokens, the generated ones too, are kept. The
+        caller has taken it out of `running`."""
         self.block_manager.deallocate(seq)  # also resets num_cached_tokens
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
@@ -113,7 +100,7 @@ class Scheduler:
 
     def finish_reason(self, seq: Sequence, token_id: int) -> str | None:
         params = seq.sampling_params
-        if (token_id == self.eos_token_id and not params.ignore_eos) or token_id in params.stop_token_ids:
+        if token_id in params.stop_token_ids:  # the engine's EOS ids are among them unless ignore_eos
             return "stop"
         if seq.num_completion_tokens >= params.max_tokens or len(seq) >= self.max_len:
             return "length"
@@ -130,3 +117,14 @@ class Scheduler:
         if seq.block_table:
             self.block_manager.discard(seq)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+
+    def abort_all(self) -> None:
+        """Drop every request and reset the block manager: safe after a step that failed anywhere, even half-way
+        through the block manager's bookkeeping, since nothing of it is kept. Only cached prefixes are lost."""
+        for seq in (*self.waiting, *self.running):
+            seq.block_table.clear()
+            seq.num_cached_tokens = 0
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+        self.waiting.clear()
+        self.running.clear()
+        self.block_manager.reset()

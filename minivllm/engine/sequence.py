@@ -18,10 +18,7 @@ class Sequence:
     counter = count()
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None, block_size: int = 16):
-        if len(token_ids) == 0:
-            raise ValueError("token_ids must hold at least one token, got an empty prompt")
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        assert len(token_ids) > 0 and block_size >= 1, "the engine refuses empty prompts; block_size is the block manager's"
         self.seq_id = next(Sequence.counter)
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)  # our own copy
@@ -30,7 +27,7 @@ class Sequence:
         self.num_prompt_tokens = self.num_tokens
         self.num_cached_tokens = 0  # leading tokens whose KV is in the cache: prefix hits, then computed ones
         self.num_scheduled_tokens = 0  # tokens the current step computes, after the cached ones (set by the scheduler)
-        self.block_size = block_size
+        self.block_size = block_size  # the block manager's, to cut token_ids into blocks
         self.block_table: list[int] = []  # logical block i -> physical block id
         self.sampling_params = sampling_params or SamplingParams()
         self.finish_reason: str | None = None  # "stop" or "length" once finished
