@@ -1,19 +1,22 @@
 """Block manager micro-benchmark: µs per allocate / append / free, and hashing cost per token.
 
-    python -m minivllm.benchmarks.block_manager [--num-seqs 10000] [--block-size 16]
+    python -m minivllm.benchmarks.block_manager [--num-seqs 10000] [--block-size 16] [--out figures]
 
 Sequences of about 1k tokens go through the block manager in waves: allocate (cache misses), 64 decode
 steps, free, then allocate the same prompts again (cache hits) and free. Each call must cost time in
 proportion to the blocks it touches, not to the size of the cache, so the work is repeated with caches of
 very different sizes (the µs-per-block columns must stay flat), and with prompts of different lengths
-(µs per call must grow with the blocks, µs per block must not).
+(µs per call must grow with the blocks, µs per block must not). Writes block_manager.json (and .png when
+matplotlib is installed) to --out: ./figures by default.
 """
 
 import argparse
 import time
+from pathlib import Path
 
 import numpy as np
 
+from minivllm.benchmarks.common import OUT, cpu_name, result, save
 from minivllm.engine.block_manager import BlockManager, compute_hash
 from minivllm.engine.sequence import Sequence
 
@@ -100,21 +103,60 @@ def print_table(rows: list[dict]) -> None:
               f"{r['append_us']:9.2f} | {r['free_us']:8.1f} {r['free_us_per_block']:8.2f}")
 
 
+def plot_block_manager(data: dict):
+    """µs per block of each call against the cache size and the prompt length: flat lines are the claim."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.5), sharey=True)
+    for ax, experiment, x in zip(axes, ("cache size", "prompt length"), ("num_blocks", "prompt_len")):
+        rows = [r for r in data["rows"] if r["experiment"] == experiment]
+        for key, label in (("allocate_us_per_block", "allocate (miss)"), ("allocate_hit_us_per_block", "allocate (hit)"),
+                           ("free_us_per_block", "free")):
+            ax.plot([r[x] for r in rows], [r[key] for r in rows], "o-", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("blocks in the cache" if x == "num_blocks" else "prompt tokens")
+        ax.set_title(f"µs per block as the {experiment} grows")
+    axes[0].set_ylabel("µs per block")
+    axes[0].set_ylim(bottom=0)
+    axes[0].legend()
+    fig.suptitle(f"BlockManager bookkeeping on {data['device']} (block_size {data['block_size']})")
+    fig.tight_layout()
+    return fig
+
+
+def figure_or_none(data: dict):
+    """The figure, or None without matplotlib (it is not one of the package's dependencies)."""
+    try:
+        return plot_block_manager(data)
+    except ImportError:
+        print("matplotlib is not installed: no block_manager.png")
+        return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-seqs", type=int, default=10_000)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--out", type=Path, default=OUT, help="folder for block_manager.json and .png (default: ./figures)")
     args = parser.parse_args()
     bs = args.block_size
     print(f"BlockManager micro-benchmark: {args.num_seqs:,} sequences of ~1k tokens (U[896, 1152]), block_size {bs}, "
           f"{WAVE} alive at once, 64 decode steps each; 'allocate (hit)' re-allocates the same prompts\n")
     print("Cache size grows 256x; cost per block must not:")
-    print_table([run_benchmark(n, args.num_seqs, bs) for n in (4_096, 65_536, 1_048_576)])
+    by_cache = [run_benchmark(n, args.num_seqs, bs) for n in (4_096, 65_536, 1_048_576)]
+    print_table(by_cache)
     print("\nPrompt length grows 16x at a fixed cache size; cost per call grows with the blocks, per block it does not:")
-    print_table([run_benchmark(65_536, max(args.num_seqs // 4, WAVE), bs, prompt_len=n) for n in (256, 1024, 4096)])
+    by_prompt = [run_benchmark(65_536, max(args.num_seqs // 4, WAVE), bs, prompt_len=n) for n in (256, 1024, 4096)]
+    print_table(by_prompt)
     print("\nHashing (xxh64 of parent hash + int64 token ids):")
-    for size in (16, 256):
-        print(f"  block_size {size:>3}: {hash_ns_per_token(size):6.1f} ns per token")
+    hash_ns = {size: hash_ns_per_token(size) for size in (16, 256)}
+    for size, ns in hash_ns.items():
+        print(f"  block_size {size:>3}: {ns:6.1f} ns per token")
+    rows = ([dict(impl="minivllm", experiment="cache size", **r) for r in by_cache]
+            + [dict(impl="minivllm", experiment="prompt length", **r) for r in by_prompt])
+    data = result("minivllm.benchmarks.block_manager", rows, device=cpu_name(), block_size=bs,
+                  hash_ns_per_token={str(size): ns for size, ns in hash_ns.items()})
+    save("block_manager", data, figure_or_none(data), args.out)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,13 @@
 """What every benchmark shares: GPU timing, and the JSON + PNG files of DESIGN.md's schema."""
 
 import json
+import platform
 import shlex
 import sys
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-import torch
-
-FIGURES = Path(__file__).resolve().parents[2] / "notebooks" / "figures"
+OUT = Path("figures")  # every benchmark's default --out: under the current directory, never inside the package
 
 
 def gpu_ms(fn, warmup: int = 5, rep: int = 30) -> float:
@@ -26,22 +26,46 @@ def graph_ms(fn, rep: int = 30) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
 
 
-def result(module: str, rows: list[dict], **extra) -> dict:
-    """The schema of DESIGN.md: device, the command that made it, versions, then rows."""
-    import triton
+def package_version(name: str) -> str | None:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
 
+
+def result(module: str, rows: list[dict], device: str | None = None, **extra) -> dict:
+    """The schema of DESIGN.md: device (default: the GPU, else "cpu"), the command that made it, versions, rows."""
+    import torch
+
+    if device is None:
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return {
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "device": device,
         "command": " ".join(["python -m", module, *map(shlex.quote, sys.argv[1:])]),
         "torch": torch.__version__,
-        "triton": triton.__version__,
+        "triton": package_version("triton"),
         **extra,
         "rows": rows,
     }
 
 
-def save(name: str, data: dict, fig, out: Path = FIGURES) -> None:
+def cpu_name() -> str:
+    """The host CPU's model name, for benchmarks that run on it."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def save(name: str, data: dict, fig=None, out: Path = OUT) -> None:
+    """Write out/NAME.json, and out/NAME.png when there is a figure; `out` is created if missing."""
+    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
-    fig.savefig(out / f"{name}.png", dpi=130, bbox_inches="tight")
-    print(f"wrote {out / name}.json and {out / name}.png")
+    written = [out / f"{name}.json"]
+    if fig is not None:
+        fig.savefig(out / f"{name}.png", dpi=130, bbox_inches="tight")
+        written.append(out / f"{name}.png")
+    print("wrote " + " and ".join(map(str, written)))

@@ -1,6 +1,6 @@
 """Paged decode attention: our Triton kernel vs a naive gather + SDPA, and vs our prefill kernel used for decode.
 
-    python -m minivllm.benchmarks.decode [--out notebooks/figures]
+    python -m minivllm.benchmarks.decode [--out figures]
 
 Qwen3-0.6B's attention (16 query / 8 KV heads, head_dim 128, bf16), one new query per sequence, the context
 spread over a shuffled block table. Bandwidth counts the bytes of K and V read: batch × context × 8 × 128 × 2 × 2.
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from minivllm.benchmarks.common import FIGURES, gpu_ms, graph_ms, result, save
+from minivllm.benchmarks.common import OUT, gpu_ms, graph_ms, result, save
 from minivllm.kernels import flash_attn_varlen_func, flash_attn_with_kvcache
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
@@ -109,7 +109,7 @@ def plot_decode(data: dict):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=FIGURES)
+    parser.add_argument("--out", type=Path, default=OUT, help="folder for decode.json and .png (default: ./figures)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")

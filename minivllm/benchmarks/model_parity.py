@@ -1,6 +1,6 @@
 """Our Qwen3 against transformers' in bfloat16, under teacher forcing, on the `qwen3-0.6b` preset.
 
-    python -m minivllm.benchmarks.model_parity [--out notebooks/figures] [--num-tokens 1024]
+    python -m minivllm.benchmarks.model_parity [--out figures] [--num-tokens 1024]
 
 Writes the preset to a temporary folder (timed), loads it with `minivllm.load_model` (timed; the folder was just
 written, so it is read from the page cache) and with transformers,
@@ -20,6 +20,7 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from minivllm.benchmarks.common import OUT
 from minivllm.checkpoint import write_checkpoint
 from minivllm.layers.rotary_embedding import rope_parameters
 from minivllm.models.loader import load_model
@@ -118,14 +119,14 @@ def run_model_parity(preset: str = "qwen3-0.6b", num_tokens: int = 1024, seed: i
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="notebooks/figures", help="folder for model_parity.json")
+    parser.add_argument("--out", type=Path, default=OUT, help="folder for model_parity.json (default: ./figures)")
     parser.add_argument("--preset", default="qwen3-0.6b")
     parser.add_argument("--num-tokens", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     args = parser.parse_args()
     result = run_model_parity(args.preset, args.num_tokens, args.seed, args.device)
-    out = Path(args.out)
+    out = args.out
     out.mkdir(parents=True, exist_ok=True)
     (out / "model_parity.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

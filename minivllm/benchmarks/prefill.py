@@ -1,6 +1,6 @@
 """Prefill attention: our Triton FlashAttention vs PyTorch SDPA (flash, cuDNN) and a naive O(N²) version.
 
-    python -m minivllm.benchmarks.prefill [--seqlens 1024 4096 16384] [--out notebooks/figures] [--sweep]
+    python -m minivllm.benchmarks.prefill [--seqlens 1024 4096 16384] [--out figures] [--sweep]
 
 One causal prompt (batch 1), 16 query / 8 KV heads, head_dim 128, bf16: Qwen3-0.6B's attention.
 Writes prefill.json + prefill.png. --sweep also times every tile configuration of our kernel and prints the best.
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from minivllm.benchmarks.common import FIGURES, gpu_ms, result, save
+from minivllm.benchmarks.common import OUT, gpu_ms, result, save
 from minivllm.kernels import flash_attn
 from minivllm.kernels.flash_attn import flash_attn_varlen_contiguous
 
@@ -117,7 +117,7 @@ def plot_prefill(data: dict):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
-    parser.add_argument("--out", type=Path, default=FIGURES)
+    parser.add_argument("--out", type=Path, default=OUT, help="folder for prefill.json and .png (default: ./figures)")
     parser.add_argument("--sweep", action="store_true", help="also time every tile configuration of our kernel")
     args = parser.parse_args()
     if not torch.cuda.is_available():

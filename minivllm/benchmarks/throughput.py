@@ -1,12 +1,12 @@
 """End-to-end throughput on nano-vllm's benchmark workload: minivllm (CUDA graphs and eager) vs transformers.
 
-    python -m minivllm.benchmarks.throughput [--num-seqs 256] [--preset qwen3-0.6b] [--out notebooks/figures]
+    python -m minivllm.benchmarks.throughput [--num-seqs 256] [--preset qwen3-0.6b] [--out figures]
 
 The workload (nano-vllm's bench.py, `random.seed(0)`): `num_seqs` prompts of random token ids < 10,000 with
 lengths uniform in [100, 1024], each generating a length uniform in [100, 1024] (temperature 0.6, ignore_eos).
 The preset is written with random weights in bf16. Throughput counts output tokens. For minivllm it also
-reports where a step's time goes: the scheduler (host), preparing the step's inputs (host), and the rest of
-the runner's step, which waits for the GPU. transformers runs the same requests through its continuous-batching
+reports where the run's time goes, from the `StepStats` each engine step returns: the scheduler (host: schedule
+and postprocess) and the model runner's step (step inputs, forward and sampler; it waits for the GPU). transformers runs the same requests through its continuous-batching
 manager (`generate_batch`'s machinery, with per-request `max_new_tokens`). Writes throughput.json + .png.
 """
 
@@ -14,15 +14,14 @@ import argparse
 import random
 import tempfile
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 
-from minivllm.benchmarks.common import FIGURES, result, save
+from minivllm.benchmarks.common import OUT, result, save
 from minivllm.checkpoint import write_checkpoint
-from minivllm.engine import model_runner
 from minivllm.llm import LLM
+from minivllm.outputs import RequestOutput, StepStats
 from minivllm.sampling_params import SamplingParams
 
 
@@ -34,38 +33,23 @@ def workload(num_seqs: int = 256, min_len: int = 100, max_len: int = 1024) -> tu
     return prompts, output_lens
 
 
-class StepTimer:
-    """Wall time spent in the scheduler, in step preparation and in the runner's step, summed over a run; a
-    context manager that wraps those functions on entry and puts the originals back on exit."""
+def step_breakdown(steps: list[StepStats]) -> dict:
+    """Seconds and calls per part of the engine step, summed over a run: "scheduler" (Scheduler.schedule and
+    Scheduler.postprocess, two calls a step) and "runner.run" (ModelRunner.run: step inputs, forward, sampler)."""
+    ran = [stats for stats in steps if stats.kind != "idle"]
+    return {"scheduler": dict(seconds=sum(s.schedule_seconds + s.postprocess_seconds for s in ran), calls=2 * len(ran)),
+            "runner.run": dict(seconds=sum(s.run_seconds for s in ran), calls=len(ran))}
 
-    def __init__(self, llm: LLM):
-        engine = llm.engine
-        self.totals: dict[str, float] = defaultdict(float)
-        self.counts: dict[str, int] = defaultdict(int)
-        self.targets = [(engine.scheduler, "schedule", "scheduler"), (engine.scheduler, "postprocess", "scheduler"),
-                        (engine.runner, "run", "runner.run"),
-                        (model_runner, "prepare_prefill", "prepare (in runner.run)"),  # module functions the
-                        (model_runner, "prepare_decode", "prepare (in runner.run)")]  # runner calls by name
 
-    def __enter__(self) -> "StepTimer":
-        self.originals = [getattr(obj, name) for obj, name, _ in self.targets]
-        for (obj, name, key), fn in zip(self.targets, self.originals):
-            setattr(obj, name, self.timed(fn, key))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for (obj, name, _), fn in zip(self.targets, self.originals):
-            setattr(obj, name, fn)
-
-    def timed(self, fn, key: str):
-        def wrapper(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.totals[key] += time.perf_counter() - start
-                self.counts[key] += 1
-        return wrapper
+def run_engine(llm: LLM, prompts, params) -> tuple[list[RequestOutput], list[StepStats]]:
+    """`llm.generate`'s loop, keeping each step's stats."""
+    engine, outputs, steps = llm.engine, [], []
+    engine.add_requests(prompts, params)
+    while engine.has_unfinished_requests():
+        finished, stats = engine.step()
+        outputs += finished
+        steps.append(stats)
+    return outputs, steps
 
 
 def run_minivllm(path: Path, prompts, output_lens, **config) -> tuple[dict, dict]:
@@ -77,18 +61,17 @@ def run_minivllm(path: Path, prompts, output_lens, **config) -> tuple[dict, dict
     try:
         llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)  # warm-up
         params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens]
-        with StepTimer(llm) as timer:
-            start = time.perf_counter()
-            outputs = llm.generate(prompts, params, use_tqdm=False)
-            seconds = time.perf_counter() - start
-        kv_cache_tokens = llm.engine.runner.num_kvcache_blocks * llm.engine.config.block_size
+        start = time.perf_counter()
+        outputs, steps = run_engine(llm, prompts, params)
+        seconds = time.perf_counter() - start
+        kv_cache_tokens = llm.engine.scheduler.block_manager.num_slots
     finally:
         start = time.perf_counter()
         llm.close()
         close_seconds = time.perf_counter() - start
     output_tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
     assert output_tokens == sum(output_lens)
-    breakdown = {k: dict(seconds=v, calls=timer.counts[k]) for k, v in timer.totals.items()}
+    breakdown = step_breakdown(steps)
     return dict(output_tokens=output_tokens, seconds=seconds, tok_per_s=output_tokens / seconds,
                 startup_seconds=startup_seconds, close_seconds=close_seconds, kv_cache_tokens=kv_cache_tokens), breakdown
 
@@ -148,11 +131,13 @@ def plot_throughput(data: dict):
     ax.invert_yaxis()
     for i, (impl, parts) in enumerate(data.get("step_breakdown", {}).items()):
         total = next(r["seconds"] for r in rows if r["impl"] == impl)
-        host = parts["scheduler"]["seconds"] + parts["prepare (in runner.run)"]["seconds"]
-        gpu = parts["runner.run"]["seconds"] - parts["prepare (in runner.run)"]["seconds"]
+        prepare = parts.get("prepare (in runner.run)", {}).get("seconds")  # only in JSON made before StepStats
+        host = parts["scheduler"]["seconds"] + (prepare or 0.0)
+        gpu = parts["runner.run"]["seconds"] - (prepare or 0.0)
+        labels = (("scheduler + step inputs (host)", "forward + sampler") if prepare is not None
+                  else ("scheduler (host)", "runner.run (step inputs, forward, sampler)"))
         left = 0.0
-        for j, (label, sec) in enumerate([("scheduler + step inputs (host)", host),
-                                          ("forward + sampler", gpu), ("rest (engine)", total - host - gpu)]):
+        for j, (label, sec) in enumerate([(labels[0], host), (labels[1], gpu), ("rest (engine)", total - host - gpu)]):
             split.barh(impl, sec / total, left=left, color=f"C{j + 4}", label=label if i == 0 else None)
             left += sec / total
     split.set_xlabel("share of the run's wall time")
@@ -167,7 +152,7 @@ def main() -> None:
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--preset", default="qwen3-0.6b")
     parser.add_argument("--impls", nargs="+", default=["minivllm", "minivllm-eager", "transformers-generate-batch"])
-    parser.add_argument("--out", type=Path, default=FIGURES)
+    parser.add_argument("--out", type=Path, default=OUT, help="folder for throughput.json and .png (default: ./figures)")
     args = parser.parse_args()
     data = run_throughput_benchmark(args.num_seqs, args.preset, args.impls)
     save("throughput", data, plot_throughput(data), args.out)

@@ -1,6 +1,6 @@
 """Tensor parallelism 1 vs 2 (or more) on one machine: decode step time and end-to-end throughput, in one run.
 
-    python -m minivllm.benchmarks.tp [--tp 1 2] [--context-len 512] [--out notebooks/figures]
+    python -m minivllm.benchmarks.tp [--tp 1 2] [--context-len 512] [--out figures]
 
 Writes the qwen3-0.6b preset (random weights, bf16) once, then for each tensor-parallel size: the decode step
 of `decode_step` (CUDA graphs; batch sizes 1..256 at one context length) and the throughput run of `throughput`
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from minivllm.benchmarks.common import FIGURES, result, save
+from minivllm.benchmarks.common import OUT, result, save
 from minivllm.benchmarks.decode_step import decode_step_rows
 from minivllm.benchmarks.throughput import run_minivllm, workload
 from minivllm.checkpoint import write_checkpoint
@@ -81,7 +81,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--context-len", type=int, default=512)
-    parser.add_argument("--out", type=Path, default=FIGURES)
+    parser.add_argument("--out", type=Path, default=OUT, help="folder for tp.json and .png (default: ./figures)")
     args = parser.parse_args()
     if torch.cuda.device_count() < max(args.tp):
         raise SystemExit(f"tensor parallel {max(args.tp)} needs as many CUDA GPUs; {torch.cuda.device_count()} found")
