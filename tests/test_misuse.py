@@ -14,15 +14,9 @@ import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
-from minivllm.checkpoint import write_checkpoint
 from minivllm.outputs import StepStats
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", "tiny", seed=0)
 
 
 @pytest.fixture(scope="module")

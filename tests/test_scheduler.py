@@ -15,7 +15,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minivllm.checkpoint import write_checkpoint
 from minivllm.config import Config
 from minivllm.engine.model_runner import ModelRunner, prepare_decode, prepare_prefill
 from minivllm.engine.scheduler import Scheduler
@@ -23,11 +22,6 @@ from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.sampling_params import SamplingParams
 
 BLOCK = 16
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", "tiny", seed=0)
 
 
 @pytest.fixture(scope="module")
