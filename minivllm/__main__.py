@@ -42,8 +42,9 @@ def finite_float(text: str) -> float:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m minivllm", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m minivllm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("prompts", nargs="*", help="prompts (default: a few examples)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", help="a HuggingFace checkpoint folder")
@@ -70,9 +71,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.model is not None and not Path(args.model).is_dir():
         parser.error(f"--model {args.model}: no such folder")
     try:
-        args.sampling_params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                              min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed,
-                                              ignore_eos=args.ignore_eos)
+        args.sampling_params = SamplingParams(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+            max_tokens=args.max_tokens,
+            seed=args.seed,
+            ignore_eos=args.ignore_eos,
+        )
     except ValueError as e:
         parser.error(str(e))
     args.parser = parser
@@ -96,8 +103,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     model = args.model or checkpoint_for(args.preset or ("qwen3-0.6b" if torch.cuda.is_available() else "tiny"))
     try:  # what the engine refuses (a prompt too long, a checkpoint it cannot load) is a usage error too
-        with LLM(str(model), tensor_parallel_size=args.tp, enforce_eager=args.enforce_eager,
-                 max_model_len=args.max_model_len) as llm:
+        with LLM(
+            str(model), tensor_parallel_size=args.tp, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len
+        ) as llm:
             start = time.perf_counter()
             outputs = llm.generate(args.prompts or DEFAULT_PROMPTS, args.sampling_params)
             seconds = time.perf_counter() - start
@@ -106,11 +114,15 @@ def main(argv: list[str] | None = None) -> None:
     for out in outputs:
         completion = out.outputs[0]
         print(f"\n--- {out.prompt!r} ({len(out.prompt_token_ids)} tokens)")
-        print(f"{completion.text!r}  [{len(completion.token_ids)} tokens, {completion.finish_reason}, "
-              f"TTFT {out.metrics.time_to_first_token * 1e3:.0f} ms]")
+        print(
+            f"{completion.text!r}  [{len(completion.token_ids)} tokens, {completion.finish_reason}, "
+            f"TTFT {out.metrics.time_to_first_token * 1e3:.0f} ms]"
+        )
     num_tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
-    print(f"\n{len(outputs)} requests, {num_tokens} output tokens in {seconds:.2f} s: "
-          f"{num_tokens / seconds:,.0f} tokens/s on {torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}")
+    print(
+        f"\n{len(outputs)} requests, {num_tokens} output tokens in {seconds:.2f} s: "
+        f"{num_tokens / seconds:,.0f} tokens/s on {torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}"
+    )
 
 
 if __name__ == "__main__":

@@ -37,7 +37,10 @@ class Config:
             "block_size": (self.block_size in (16, 32, 64, 128, 256), "16, 32, 64, 128 or 256"),
             "max_num_seqs": (self.max_num_seqs >= 1, ">= 1"),
             "max_num_batched_tokens": (self.max_num_batched_tokens >= 1, ">= 1"),
-            "max_model_len": (1 <= self.max_model_len <= context_len, f"in [1, {context_len}] (the model's context length)"),
+            "max_model_len": (
+                1 <= self.max_model_len <= context_len,
+                f"in [1, {context_len}] (the model's context length)",
+            ),
             "num_kvcache_blocks": (self.num_kvcache_blocks is None or self.num_kvcache_blocks >= 1, "None or >= 1"),
             "gpu_memory_utilization": (0 < self.gpu_memory_utilization <= 1, "in (0, 1]"),
             "device": (self.device in ("cpu", "cuda"), "'cpu' or 'cuda'"),
@@ -46,5 +49,7 @@ class Config:
             if not ok:
                 raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
         if self.device == "cuda" and self.tensor_parallel_size > torch.cuda.device_count():
-            raise ValueError(f"tensor_parallel_size must be <= {torch.cuda.device_count()} (the GPUs present), "
-                             f"got {self.tensor_parallel_size}")
+            raise ValueError(
+                f"tensor_parallel_size must be <= {torch.cuda.device_count()} (the GPUs present), "
+                f"got {self.tensor_parallel_size}"
+            )

@@ -83,8 +83,9 @@ class SamplingParams:
 
     def convert(self) -> None:
         """Every field as a plain Python value of its type (our own copies); ValueError naming a field that is not."""
-        self.temperature, self.top_p, self.min_p = (as_real(getattr(self, name), name)
-                                                    for name in ("temperature", "top_p", "min_p"))
+        self.temperature, self.top_p, self.min_p = (
+            as_real(getattr(self, name), name) for name in ("temperature", "top_p", "min_p")
+        )
         self.top_k, self.max_tokens = as_int(self.top_k, "top_k"), as_int(self.max_tokens, "max_tokens")
         self.seed = None if self.seed is None else as_int(self.seed, "seed")
         self.ignore_eos = as_bool(self.ignore_eos, "ignore_eos")

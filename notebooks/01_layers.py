@@ -69,6 +69,7 @@ class SiluAndMul(nn.Module):
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up  # (num_tokens, intermediate_size)
 
+
 # %% [markdown]
 # Check: our formulas are PyTorch's, and `SiluAndMul` is what transformers' Qwen3 MLP computes from
 # separate `gate` and `up` vectors.
@@ -118,6 +119,7 @@ class RMSNorm(nn.Module):
         if residual is None:
             return self.rms_forward(x)
         return self.add_rms_forward(x, residual)
+
 
 # %% [markdown]
 # Check yourself: the same numbers as transformers' `Qwen3RMSNorm`, in float32 and in bfloat16, and the
@@ -172,7 +174,10 @@ hidden, intermediate = 1024, 3072  # Qwen3-0.6B's sizes
 norm = RMSNorm(hidden).to(DEVICE)
 act = SiluAndMul().to(DEVICE)
 ops = {
-    "RMSNorm + residual": (norm, lambda n: (torch.randn(n, hidden, device=DEVICE), torch.randn(n, hidden, device=DEVICE))),
+    "RMSNorm + residual": (
+        norm,
+        lambda n: (torch.randn(n, hidden, device=DEVICE), torch.randn(n, hidden, device=DEVICE)),
+    ),
     "SiluAndMul": (act, lambda n: (torch.randn(n, 2 * intermediate, device=DEVICE),)),
 }
 compile_rows = []
@@ -182,7 +187,12 @@ with torch.no_grad():
         for num_tokens in (1, 8192):
             inputs = make_inputs(num_tokens)
             compile_rows.append(
-                dict(op=name, num_tokens=num_tokens, eager=bench_ms(module, *inputs), compiled=bench_ms(compiled, *inputs))
+                dict(
+                    op=name,
+                    num_tokens=num_tokens,
+                    eager=bench_ms(module, *inputs),
+                    compiled=bench_ms(compiled, *inputs),
+                )
             )
 for r in compile_rows:
     print(f"{r['op']:>20} {r['num_tokens']:>5} tokens: eager {r['eager']:.3f} ms, compiled {r['compiled']:.3f} ms")
@@ -376,6 +386,7 @@ class RowParallelLinear(LinearBase):
             dist.all_reduce(y, group=self.tp.group)
         return y  # (num_tokens, output_size)
 
+
 # %% [markdown]
 # Check: with one rank, each layer loaded from HF-shaped tensors computes exactly `torch.nn.functional.linear`
 # with those tensors concatenated the way we packed them. (The test suite repeats this with two ranks over
@@ -386,7 +397,11 @@ from minivllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 
 hidden, head_dim, num_heads, num_kv_heads = 64, 16, 4, 2
 x = torch.randn(3, hidden)
-wq, wk, wv = torch.randn(num_heads * head_dim, hidden), torch.randn(num_kv_heads * head_dim, hidden), torch.randn(num_kv_heads * head_dim, hidden)
+wq, wk, wv = (
+    torch.randn(num_heads * head_dim, hidden),
+    torch.randn(num_kv_heads * head_dim, hidden),
+    torch.randn(num_kv_heads * head_dim, hidden),
+)
 qkv = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads)
 for shard_id, w in zip("qkv", (wq, wk, wv)):
     qkv.weight.weight_loader(qkv.weight, w, shard_id)
@@ -466,6 +481,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         dist.all_gather(parts, logits, group=self.tp.group)
         return torch.cat(parts, dim=-1)  # (num_tokens, vocab_size)
 
+
 # %%
 from minivllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 
@@ -543,6 +559,7 @@ class RotaryEmbedding(nn.Module):
 def get_rope(config: Any, head_dim: int) -> RotaryEmbedding:
     return RotaryEmbedding(head_dim, config.max_position_embeddings, rope_parameters(config))
 
+
 # %% [markdown]
 # Check yourself: transformers' own RoPE (its `Qwen3RotaryEmbedding` and `apply_rotary_pos_emb`) on the same
 # positions gives the same rotated queries and keys, for Qwen3's default RoPE and for Llama-3.2's scaled one.
@@ -554,11 +571,23 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply
 
 from minivllm.layers.rotary_embedding import get_rope
 
-llama32_rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+llama32_rope = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 configs = {
-    "qwen3": (Qwen3Config(head_dim=64, num_attention_heads=4, max_position_embeddings=4096, rope_theta=1e6), Qwen3RotaryEmbedding),
-    "llama3.2": (LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=4096, rope_parameters=llama32_rope), LlamaRotaryEmbedding),
+    "qwen3": (
+        Qwen3Config(head_dim=64, num_attention_heads=4, max_position_embeddings=4096, rope_theta=1e6),
+        Qwen3RotaryEmbedding,
+    ),
+    "llama3.2": (
+        LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=4096, rope_parameters=llama32_rope),
+        LlamaRotaryEmbedding,
+    ),
 }
 positions = torch.tensor([0, 1, 7, 100, 4095])
 for name, (config, hf_rope) in configs.items():
@@ -615,6 +644,7 @@ def attention_ref(
         out[qs:qe] = (probs @ vi).transpose(0, 1).to(q.dtype)
     return out
 
+
 # %% [markdown]
 # Check: for one sequence, the reference equals PyTorch's `scaled_dot_product_attention` with the KV heads
 # expanded for GQA, causal and not.
@@ -626,7 +656,10 @@ q, k, v = torch.randn(37, 8, 32), torch.randn(37, 2, 32), torch.randn(37, 2, 32)
 cu = torch.tensor([0, 37], dtype=torch.int32)
 for causal in (False, True):
     sdpa = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1), k.repeat_interleave(4, 1).transpose(0, 1), v.repeat_interleave(4, 1).transpose(0, 1), is_causal=causal
+        q.transpose(0, 1),
+        k.repeat_interleave(4, 1).transpose(0, 1),
+        v.repeat_interleave(4, 1).transpose(0, 1),
+        is_causal=causal,
     ).transpose(0, 1)
     torch.testing.assert_close(attention_ref(q, k, v, cu, cu, causal=causal), sdpa, rtol=1e-5, atol=1e-5)
 
@@ -645,8 +678,14 @@ original_softmax = torch.softmax
 torch.softmax = lambda x, dim: (seen.append(x.shape), original_softmax(x, dim=dim))[1]  # record the scores' shape
 try:
     n = 512
-    attention_ref(torch.randn(n, 16, 128), torch.randn(n, 8, 128), torch.randn(n, 8, 128),
-                  torch.tensor([0, n]), torch.tensor([0, n]), causal=True)
+    attention_ref(
+        torch.randn(n, 16, 128),
+        torch.randn(n, 8, 128),
+        torch.randn(n, 8, 128),
+        torch.tensor([0, n]),
+        torch.tensor([0, n]),
+        causal=True,
+    )
 finally:
     torch.softmax = original_softmax
 assert seen == [(16, n, n)], seen
@@ -731,8 +770,20 @@ def load_tile(ptrs, mask, UPCAST: tl.constexpr):
 
 @triton.jit
 def attend_block(
-    acc, m_i, l_i, q, k, v, offs_key, offs_m, k_len, shift, qk_scale,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    acc,
+    m_i,
+    l_i,
+    q,
+    k,
+    v,
+    offs_key,
+    offs_m,
+    k_len,
+    shift,
+    qk_scale,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """One step of online softmax: fold keys `offs_key` (k: (D, BLOCK_N), v: (BLOCK_N, D)) into a query tile."""
     s = tl.dot(q, k, input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
@@ -764,10 +815,29 @@ def causal_bounds(start_m, k_len, shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.cons
 
 @triton.jit(do_not_specialize=["num_m_blocks"])  # changes every step: one compiled kernel for all values
 def _prefill_kernel(
-    Q, K, V, O, cu_seqlens_q, cu_seqlens_k, qk_scale, num_m_blocks,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    Q,
+    K,
+    V,
+    O,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    qk_scale,
+    num_m_blocks,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     start_m = num_m_blocks - 1 - tl.program_id(0)  # longest causal tiles first
     head, seq = tl.program_id(1), tl.program_id(2)
@@ -782,8 +852,11 @@ def _prefill_kernel(
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    q = load_tile(Q + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-                  (offs_m < q_len)[:, None], UPCAST)  # (BLOCK_M, D)
+    q = load_tile(
+        Q + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+        (offs_m < q_len)[:, None],
+        UPCAST,
+    )  # (BLOCK_M, D)
     k_ptrs = K + (k_start + offs_n)[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None]  # (D, BLOCK_N)
     v_ptrs = V + (k_start + offs_n)[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :]  # (BLOCK_N, D)
 
@@ -795,18 +868,23 @@ def _prefill_kernel(
     for start_n in range(0, unmasked, BLOCK_N):  # phase 1: whole blocks every query sees, no masks
         k = load_tile(k_ptrs + start_n * stride_kt, None, UPCAST)
         v = load_tile(v_ptrs + start_n * stride_vt, None, UPCAST)
-        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, start_n + offs_n, offs_m, k_len, shift, qk_scale,
-                                     False, CAUSAL, PRECISION)
+        acc, m_i, l_i = attend_block(
+            acc, m_i, l_i, q, k, v, start_n + offs_n, offs_m, k_len, shift, qk_scale, False, CAUSAL, PRECISION
+        )
     for start_n in range(unmasked, hi, BLOCK_N):  # phase 2: the diagonal and the ragged end, masked
         in_range = start_n + offs_n < k_len
         k = load_tile(k_ptrs + start_n * stride_kt, in_range[None, :], UPCAST)
         v = load_tile(v_ptrs + start_n * stride_vt, in_range[:, None], UPCAST)
-        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, start_n + offs_n, offs_m, k_len, shift, qk_scale,
-                                     True, CAUSAL, PRECISION)
+        acc, m_i, l_i = attend_block(
+            acc, m_i, l_i, q, k, v, start_n + offs_n, offs_m, k_len, shift, qk_scale, True, CAUSAL, PRECISION
+        )
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # a query that sees no key outputs zeros
-    tl.store(O + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-             out.to(O.dtype.element_ty), mask=(offs_m < q_len)[:, None])
+    tl.store(
+        O + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+        out.to(O.dtype.element_ty),
+        mask=(offs_m < q_len)[:, None],
+    )
 
 
 def check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k) -> None:
@@ -830,10 +908,14 @@ def check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k) -> None:
         raise ValueError(f"num_heads ({q.shape[1]}) must be a multiple of num_kv_heads ({k.shape[1]})")
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if cu.dim() != 1 or cu.dtype != torch.int32 or cu.device != q.device:
-            raise ValueError(f"{name} must be a 1-D int32 tensor on {q.device}, got {cu.dtype} {tuple(cu.shape)} on {cu.device}")
+            raise ValueError(
+                f"{name} must be a 1-D int32 tensor on {q.device}, got {cu.dtype} {tuple(cu.shape)} on {cu.device}"
+            )
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), "
-                         f"got {cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), "
+            f"got {cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}"
+        )
 
 
 def launch_config(head_dim: int, device: torch.device) -> dict:
@@ -867,13 +949,31 @@ def flash_attn_varlen_contiguous(
     num_m_blocks = triton.cdiv(max_seqlen_q, config["BLOCK_M"])
     grid = (num_m_blocks, q.shape[1], cu_seqlens_q.numel() - 1)
     _prefill_kernel[grid](
-        q, k, v, out, cu_seqlens_q, cu_seqlens_k, scale * math.log2(math.e), num_m_blocks,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        GROUP=q.shape[1] // k.shape[1], HEAD_DIM=head_dim, CAUSAL=causal,
+        q,
+        k,
+        v,
+        out,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        scale * math.log2(math.e),
+        num_m_blocks,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        GROUP=q.shape[1] // k.shape[1],
+        HEAD_DIM=head_dim,
+        CAUSAL=causal,
         UPCAST=q.device.type == "cpu" and q.dtype != torch.float32,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **config,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        **config,
     )
     return out
+
 
 # %% [markdown]
 # ### Check the kernel against the reference

@@ -81,12 +81,30 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 PRESETS = {
-    "tiny": dict(vocab_size=2048, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
-                 tie_word_embeddings=True, dtype="float32"),
-    "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                       tie_word_embeddings=True, dtype="bfloat16"),
+    "tiny": dict(
+        vocab_size=2048,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        dtype="float32",
+    ),
+    "qwen3-0.6b": dict(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
+        dtype="bfloat16",
+    ),
 }
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
 TOKENIZER_VOCAB_SIZE = 2048
@@ -108,11 +126,16 @@ def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE) -> PreTrainedTokeniz
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(text.splitlines(keepends=True), trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   chat_template=CHAT_TEMPLATE)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
+    )
 
 
 def random_model(config: Qwen3Config, seed: int) -> Qwen3ForCausalLM:
@@ -125,8 +148,10 @@ def random_model(config: Qwen3Config, seed: int) -> Qwen3ForCausalLM:
     generator = torch.Generator().manual_seed(seed)
     params = list(model.named_parameters())  # tied weights appear once
     total = sum(p.numel() for _, p in params)
-    with torch.no_grad(), tqdm(total=total, unit="param", unit_scale=True, desc="random weights",
-                               disable=total < 10**8) as bar:
+    with (
+        torch.no_grad(),
+        tqdm(total=total, unit="param", unit_scale=True, desc="random weights", disable=total < 10**8) as bar,
+    ):
         for name, param in params:
             if name.endswith("norm.weight"):
                 param.normal_(1.0, 0.1, generator=generator)
@@ -136,8 +161,9 @@ def random_model(config: Qwen3Config, seed: int) -> Qwen3ForCausalLM:
     return model
 
 
-def write_checkpoint(out: str | Path, preset: str | Qwen3Config = "tiny", seed: int = 0,
-                     max_shard_size: str | int | None = None) -> Path:
+def write_checkpoint(
+    out: str | Path, preset: str | Qwen3Config = "tiny", seed: int = 0, max_shard_size: str | int | None = None
+) -> Path:
     """Write a HuggingFace checkpoint folder: config, generation config, safetensors weights, tokenizer."""
     config = preset_config(preset) if isinstance(preset, str) else preset
     tokenizer = train_tokenizer()
@@ -154,8 +180,10 @@ def write_checkpoint(out: str | Path, preset: str | Qwen3Config = "tiny", seed: 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m minivllm.checkpoint",
-                                     description="Write a random-weight HuggingFace checkpoint of a named preset.")
+    parser = argparse.ArgumentParser(
+        prog="python -m minivllm.checkpoint",
+        description="Write a random-weight HuggingFace checkpoint of a named preset.",
+    )
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     parser.add_argument("--out", required=True, help="folder to write (created if missing)")
     parser.add_argument("--seed", type=int, default=0)
@@ -163,6 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     out = write_checkpoint(args.out, args.preset, args.seed)
     print(f"wrote {args.preset} (seed {args.seed}) to {out} in {time.perf_counter() - start:.1f} s")
+
 
 # %% [markdown]
 # `python -m minivllm.checkpoint --preset tiny --out DIR` runs `main`. Here we call the function directly and
@@ -199,13 +228,19 @@ tokenizer = AutoTokenizer.from_pretrained(tiny_path)
 ids = tokenizer.encode("The lighthouse keeper counted 270 litres of oil. Ünïcödé works too: 東京")
 assert tokenizer.decode(ids) == "The lighthouse keeper counted 270 litres of oil. Ünïcödé works too: 東京"
 print(len(tokenizer), "tokens in the vocabulary;", len(ids), "tokens for that sentence")
-print(repr(tokenizer.apply_chat_template([{"role": "user", "content": "Hello!"}], tokenize=False,
-                                         add_generation_prompt=True)))
+print(
+    repr(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Hello!"}], tokenize=False, add_generation_prompt=True
+        )
+    )
+)
 print("eos:", tokenizer.eos_token, tokenizer.eos_token_id)
 
 # %% [markdown]
 # Same seed, same bytes: write the checkpoint twice and compare file hashes. (A different seed changes the
 # weights but not the tokenizer.)
+
 
 # %%
 def folder_hashes(path: Path) -> dict[str, str]:
@@ -273,6 +308,7 @@ class Attention(nn.Module):
         # q: (num_tokens, num_heads, head_dim); k, v: (num_tokens, num_kv_heads, head_dim)
         return context.attend(self, q, k, v)  # (num_tokens, num_heads, head_dim)
 
+
 # %% [markdown]
 # The context of this notebook: whole prompts, no cache. (Notebook 04 adds the paged one; all three live in
 # `minivllm.attention`.)
@@ -303,9 +339,11 @@ class PrefillContext:
     def attend(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cu = self.cu_seqlens
         if q.is_cuda:
-            return flash_attn_varlen_contiguous(q, k, v, cu, cu, self.max_seqlen, self.max_seqlen,
-                                          softmax_scale=layer.scale, causal=True)
+            return flash_attn_varlen_contiguous(
+                q, k, v, cu, cu, self.max_seqlen, self.max_seqlen, softmax_scale=layer.scale, causal=True
+            )
         return attention_ref(q, k, v, cu, cu, softmax_scale=layer.scale, causal=True)
+
 
 # %% [markdown]
 # ### The model
@@ -342,12 +380,18 @@ class Qwen3Attention(nn.Module):
     def __init__(self, config: Any, rotary_emb: RotaryEmbedding, layer_idx: int):
         super().__init__()
         head_dim = head_dim_of(config)
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, bias=config.attention_bias)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=config.attention_bias,
+        )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
         self.head_dim = head_dim
-        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size,
-                                        bias=config.attention_bias)
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * head_dim, config.hidden_size, bias=config.attention_bias
+        )
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
         self.rotary_emb = rotary_emb
@@ -418,8 +462,11 @@ class Qwen3Model(nn.Module):
 class Qwen3ForCausalLM(nn.Module):
     # checkpoint module name -> (our packed module, shard id): what the loader packs where
     packed_modules_mapping = {
-        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
     }
 
     def __init__(self, config: Any):
@@ -454,6 +501,7 @@ class Qwen3ForCausalLM(nn.Module):
         positions = torch.arange(len(token_ids), device=device)
         context = PrefillContext.from_lens([len(token_ids)], device)
         return self.compute_logits(self(input_ids, positions, context))
+
 
 # %% [markdown]
 # ### Where the parameters go
@@ -577,8 +625,9 @@ def read_config(path: Path) -> PretrainedConfig:
         raise FileNotFoundError(f"{config_file} not found: a checkpoint folder needs a config.json")
     architectures = read_json(config_file).get("architectures") or []
     if not any(a in MODELS for a in architectures):
-        raise ValueError(f"{config_file}: architectures={architectures} is not supported; "
-                         f"supported architectures: {sorted(MODELS)}")
+        raise ValueError(
+            f"{config_file}: architectures={architectures} is not supported; supported architectures: {sorted(MODELS)}"
+        )
     return AutoConfig.from_pretrained(path)
 
 
@@ -606,8 +655,10 @@ def checkpoint_files(path: Path, weight_map: dict[str, Path] | None = None) -> l
         if missing := [f.name for f in files if not f.is_file()]:
             raise FileNotFoundError(f"{path / INDEX_FILE} names {missing}, missing from {path}")
         if (single := path / "model.safetensors").is_file() and single not in files:
-            raise ValueError(f"{path} holds both {single.name} and {INDEX_FILE}, which does not name it: transformers "
-                             "would load the first, vLLM the files the index names; delete the stale one")
+            raise ValueError(
+                f"{path} holds both {single.name} and {INDEX_FILE}, which does not name it: transformers "
+                "would load the first, vLLM the files the index names; delete the stale one"
+            )
     if not files:
         raise FileNotFoundError(f"no *.safetensors file in {path}")
     return files
@@ -624,8 +675,10 @@ def tensor_shapes(files: list[Path], weight_map: dict[str, Path] | None = None) 
         except SafetensorError as e:
             raise ValueError(f"{file} is not a readable safetensors file: {e}") from None
         if twice := sorted(header.keys() & owner.keys()):
-            raise ValueError(f"tensor {twice[0]} is in both {owner[twice[0]]} and {file} ({len(twice)} tensor(s) "
-                             "in two files): a stray old shard? Keep one copy")
+            raise ValueError(
+                f"tensor {twice[0]} is in both {owner[twice[0]]} and {file} ({len(twice)} tensor(s) "
+                "in two files): a stray old shard? Keep one copy"
+            )
         shapes |= header
         owner |= dict.fromkeys(header, file)
     for name, file in (weight_map or {}).items():
@@ -676,11 +729,15 @@ def check_checkpoint(model: nn.Module, shapes: dict[str, tuple[int, ...]], confi
     needed = checkpoint_names(model)
     present = {name for name in shapes if not is_ignored(name, config)}
     if missing := sorted(needed.keys() - present):
-        raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {', '.join(missing[:5])}"
-                         + (", ..." if len(missing) > 5 else ""))
+        raise ValueError(
+            f"checkpoint is missing {len(missing)} tensor(s): {', '.join(missing[:5])}"
+            + (", ..." if len(missing) > 5 else "")
+        )
     if unexpected := sorted(present - needed.keys()):
-        raise ValueError(f"checkpoint has {len(unexpected)} unexpected tensor(s): {', '.join(unexpected[:5])}"
-                         + (", ..." if len(unexpected) > 5 else ""))
+        raise ValueError(
+            f"checkpoint has {len(unexpected)} unexpected tensor(s): {', '.join(unexpected[:5])}"
+            + (", ..." if len(unexpected) > 5 else "")
+        )
     params = dict(model.named_parameters())
     for name in sorted(present):  # rehearse each copy on the meta device: the loaders' own shape checks
         param_name, shard_id = needed[name]
@@ -701,7 +758,7 @@ def load_weights(model: nn.Module, files: list[Path], config: PretrainedConfig) 
 
 
 def resolve_dtype(dtype: torch.dtype | str, config: PretrainedConfig, device: torch.device) -> torch.dtype:
-    """"auto": the checkpoint's dtype on a GPU, float32 on a CPU."""
+    """ "auto": the checkpoint's dtype on a GPU, float32 on a CPU."""
     if dtype == "auto":
         if device.type == "cpu":
             return torch.float32
@@ -723,8 +780,12 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: torch.device | str = "cpu",
-               config: PretrainedConfig | None = None) -> nn.Module:
+def load_model(
+    path: str | Path,
+    dtype: torch.dtype | str = "auto",
+    device: torch.device | str = "cpu",
+    config: PretrainedConfig | None = None,
+) -> nn.Module:
     """Build the model a HuggingFace checkpoint folder describes and load its weights (this rank's slice).
     `config`: the folder's config.json, when the caller has read it already (the engine's Config has)."""
     path, device = Path(path), torch.device(device)
@@ -738,6 +799,7 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: torc
         model = model_class(config)(config)
     load_weights(model, files, config)
     return model.eval()
+
 
 # %% [markdown]
 # The map from checkpoint names to ours, for one layer of the tiny model:
@@ -789,13 +851,17 @@ def with_stray_file(tmp: Path) -> Path:  # an old file beside the weights, holdi
 cases = {
     "missing folder": lambda tmp: Path(tmp) / "nowhere",
     "unknown architecture": lambda tmp: broken_copy(
-        tmp, "a", config_edit=lambda c: c.update(architectures=["MambaForCausalLM"])),
+        tmp, "a", config_edit=lambda c: c.update(architectures=["MambaForCausalLM"])
+    ),
     "missing tensor": lambda tmp: broken_copy(
-        tmp, "b", tensors_edit=lambda t: t.pop("model.layers.1.self_attn.k_norm.weight")),
+        tmp, "b", tensors_edit=lambda t: t.pop("model.layers.1.self_attn.k_norm.weight")
+    ),
     "unexpected tensor": lambda tmp: broken_copy(
-        tmp, "c", tensors_edit=lambda t: t.update({"model.layers.9.mlp.up_proj.weight": torch.zeros(1)})),
+        tmp, "c", tensors_edit=lambda t: t.update({"model.layers.9.mlp.up_proj.weight": torch.zeros(1)})
+    ),
     "shape mismatch": lambda tmp: broken_copy(
-        tmp, "d", tensors_edit=lambda t: t.update({"model.layers.0.self_attn.k_proj.weight": torch.zeros(32, 128)})),
+        tmp, "d", tensors_edit=lambda t: t.update({"model.layers.0.self_attn.k_proj.weight": torch.zeros(32, 128)})
+    ),
     "tensor in two files": with_stray_file,
 }
 with tempfile.TemporaryDirectory() as tmp:
@@ -857,10 +923,12 @@ print("packed batch of 2 prompts == each prompt alone")
 # %%
 tp = 2
 config = preset_config("tiny")
-print(f"query heads {config.num_attention_heads // tp} of {config.num_attention_heads}, "
-      f"KV heads {config.num_key_value_heads // tp} of {config.num_key_value_heads}, "
-      f"MLP columns {config.intermediate_size // tp} of {config.intermediate_size}, "
-      f"vocabulary rows {config.vocab_size // tp} of {config.vocab_size}")
+print(
+    f"query heads {config.num_attention_heads // tp} of {config.num_attention_heads}, "
+    f"KV heads {config.num_key_value_heads // tp} of {config.num_key_value_heads}, "
+    f"MLP columns {config.intermediate_size // tp} of {config.intermediate_size}, "
+    f"vocabulary rows {config.vocab_size // tp} of {config.vocab_size}"
+)
 
 # %% [markdown]
 # Running two processes needs `torch.distributed` and a spawn target defined in a module, so that check lives in
@@ -890,9 +958,11 @@ bf16_rows = {
     "transformers bf16 vs transformers fp32": compare(ref_bf16, ref_fp32, decisive),
 }
 for name, row in bf16_rows.items():
-    print(f"{name:>40}: max |Δ| {row['max_abs_logit_error']:.4f}, mean |Δ| {row['mean_abs_logit_error']:.5f}, "
-          f"top-1 agreement {100 * row['top1_agreement']:.1f}% "
-          f"({100 * row['top1_agreement_decisive']:.1f}% at the {int(decisive.sum())} decisive positions)")
+    print(
+        f"{name:>40}: max |Δ| {row['max_abs_logit_error']:.4f}, mean |Δ| {row['mean_abs_logit_error']:.5f}, "
+        f"top-1 agreement {100 * row['top1_agreement']:.1f}% "
+        f"({100 * row['top1_agreement_decisive']:.1f}% at the {int(decisive.sum())} decisive positions)"
+    )
 ours, theirs = bf16_rows["minivllm bf16 vs transformers fp32"], bf16_rows["transformers bf16 vs transformers fp32"]
 assert ours["mean_abs_logit_error"] <= 1.5 * theirs["mean_abs_logit_error"]
 assert ours["top1_agreement"] >= theirs["top1_agreement"] - 0.02
@@ -912,12 +982,16 @@ parity_file = Path("figures/model_parity.json")
 if parity_file.exists():
     parity = json.loads(parity_file.read_text())
     print(f"{parity['device']}: {parity['command']}")
-    print(f"write the checkpoint {parity['write_checkpoint_s']} s, load it (bf16) {parity['load_model_bf16_s']} s; "
-          f"median gap between the top two fp32 logits {parity['reference_top1_margin_median']:.3f}")
+    print(
+        f"write the checkpoint {parity['write_checkpoint_s']} s, load it (bf16) {parity['load_model_bf16_s']} s; "
+        f"median gap between the top two fp32 logits {parity['reference_top1_margin_median']:.3f}"
+    )
     for row in parity["rows"]:
-        print(f"{row['impl']:>18} vs {row['reference']:<18}: max |Δ| {row['max_abs_logit_error']:.4f}, "
-              f"mean |Δ| {row['mean_abs_logit_error']:.5f}, top-1 agreement {100 * row['top1_agreement']:.1f}% "
-              f"({100 * row['top1_agreement_decisive']:.1f}% at {parity['decisive_positions']} decisive positions)")
+        print(
+            f"{row['impl']:>18} vs {row['reference']:<18}: max |Δ| {row['max_abs_logit_error']:.4f}, "
+            f"mean |Δ| {row['mean_abs_logit_error']:.5f}, top-1 agreement {100 * row['top1_agreement']:.1f}% "
+            f"({100 * row['top1_agreement_decisive']:.1f}% at {parity['decisive_positions']} decisive positions)"
+        )
 else:
     print("no GPU result yet: run `python -m minivllm.benchmarks.model_parity` on a GPU")
 

@@ -53,8 +53,10 @@ kv_bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * dtype_bytes  # K
 max_model_len = 40_960  # Qwen3-0.6B's context length
 print(f"KV per token: {kv_bytes_per_token / 2**10:.0f} KiB")
 print(f"one sequence at full context: {max_model_len * kv_bytes_per_token / 2**30:.1f} GiB")
-print(f"sequences an H200 (141 GB, ~1.2 GB of weights) holds at full context: "
-      f"{int((141e9 - 1.2e9) // (max_model_len * kv_bytes_per_token))}")
+print(
+    f"sequences an H200 (141 GB, ~1.2 GB of weights) holds at full context: "
+    f"{int((141e9 - 1.2e9) // (max_model_len * kv_bytes_per_token))}"
+)
 
 # %% [markdown]
 # A request does not know in advance how long it will run: it stops at an end-of-sequence token or at
@@ -177,12 +179,14 @@ class SamplingParams:
 
     def convert(self) -> None:
         """Every field as a plain Python value of its type (our own copies); ValueError naming a field that is not."""
-        self.temperature, self.top_p, self.min_p = (as_real(getattr(self, name), name)
-                                                    for name in ("temperature", "top_p", "min_p"))
+        self.temperature, self.top_p, self.min_p = (
+            as_real(getattr(self, name), name) for name in ("temperature", "top_p", "min_p")
+        )
         self.top_k, self.max_tokens = as_int(self.top_k, "top_k"), as_int(self.max_tokens, "max_tokens")
         self.seed = None if self.seed is None else as_int(self.seed, "seed")
         self.ignore_eos = as_bool(self.ignore_eos, "ignore_eos")
         self.stop_token_ids = [] if self.stop_token_ids is None else as_token_ids(self.stop_token_ids, "stop_token_ids")
+
 
 # %%
 from minivllm.sampling_params import SamplingParams
@@ -191,8 +195,17 @@ print(SamplingParams(temperature=0, max_tokens=64))
 with np.errstate(over="ignore"):
     print(f"a logit of 10 over a temperature of 1e-45, in float32: {np.float32(10) / np.float32(1e-45)}")
 print(SamplingParams(temperature=1e-6), "<- a temperature below 1e-5 is greedy")
-for bad in (dict(max_tokens=0), dict(temperature=-0.5), dict(top_p=0.0), dict(top_k=0), dict(min_p=1.5),
-            dict(max_tokens=2.0), dict(temperature=float("nan")), dict(top_p=float("inf")), dict(stop_token_ids=[[1]])):
+for bad in (
+    dict(max_tokens=0),
+    dict(temperature=-0.5),
+    dict(top_p=0.0),
+    dict(top_k=0),
+    dict(min_p=1.5),
+    dict(max_tokens=2.0),
+    dict(temperature=float("nan")),
+    dict(top_p=float("inf")),
+    dict(stop_token_ids=[[1]]),
+):
     try:
         SamplingParams(**bad)
     except ValueError as e:
@@ -243,7 +256,9 @@ class Sequence:
     counter = count()
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None, block_size: int = 16):
-        assert len(token_ids) > 0 and block_size >= 1, "the engine refuses empty prompts; block_size is the block manager's"
+        assert len(token_ids) > 0 and block_size >= 1, (
+            "the engine refuses empty prompts; block_size is the block manager's"
+        )
         self.seq_id = next(Sequence.counter)
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)  # our own copy
@@ -261,8 +276,10 @@ class Sequence:
         return self.num_tokens
 
     def __repr__(self) -> str:
-        return (f"Sequence(seq_id={self.seq_id}, {self.status.name}, num_tokens={self.num_tokens}, "
-                f"num_cached_tokens={self.num_cached_tokens}, block_table={self.block_table})")
+        return (
+            f"Sequence(seq_id={self.seq_id}, {self.status.name}, num_tokens={self.num_tokens}, "
+            f"num_cached_tokens={self.num_cached_tokens}, block_table={self.block_table})"
+        )
 
     @property
     def is_finished(self) -> bool:
@@ -301,6 +318,7 @@ class Sequence:
         self.token_ids.append(token_id)
         self.last_token = token_id
         self.num_tokens += 1
+
 
 # %% [markdown]
 # A prompt of 10 tokens with blocks of 4 needs 3 blocks, the last one half full; generated tokens go to the
@@ -356,6 +374,7 @@ class Block:
     ref_count: int = 0  # live sequences whose block table holds this block
     hash: int = -1  # chained hash once full and cached; -1 otherwise
     token_ids: list[int] = field(default_factory=list)  # the tokens behind `hash`, to verify a hit
+
 
 # %%
 from minivllm.engine.block_manager import compute_hash
@@ -420,6 +439,7 @@ assert compute_hash(b, h_a) == compute_hash(list(b), compute_hash(list(a)))  # d
 # share a prefix from their first step. Why not simply cache a prompt's blocks at `allocate`? Because a long
 # prompt may be computed over several steps (chunked prefill, notebook 05): a request arriving in between
 # would hit blocks whose KV nobody has written yet, and silently compute with garbage.
+
 
 # %% tags=["export"]
 class BlockManager:
@@ -560,11 +580,12 @@ class BlockManager:
         """Give back the blocks of a sequence dropped part-way through a step. Its blocks past its computed tokens
         (`num_cached_tokens`) may be cached already, though their KV was never written: they leave the cache first,
         so no request can hit them."""
-        for block_id in seq.block_table[seq.num_cached_tokens // self.block_size:]:
+        for block_id in seq.block_table[seq.num_cached_tokens // self.block_size :]:
             block = self.blocks[block_id]
             if self.hash_to_block_id.get(block.hash) == block_id:
                 del self.hash_to_block_id[block.hash]
         self.deallocate(seq)
+
 
 # %% [markdown]
 # ## Watch it work
@@ -577,8 +598,11 @@ from minivllm.engine.block_manager import BlockManager
 
 def show(bm: BlockManager, note: str = "") -> None:
     cells = [f"{b.block_id}:{b.ref_count if b.ref_count else '.'}{'#' if b.hash != -1 else ' '}" for b in bm.blocks]
-    print(" ".join(cells), f"| used {bm.num_used_blocks}, free {bm.num_free_blocks} "
-          f"({bm.num_cached_free_blocks} cached)", note)
+    print(
+        " ".join(cells),
+        f"| used {bm.num_used_blocks}, free {bm.num_free_blocks} ({bm.num_cached_free_blocks} cached)",
+        note,
+    )
 
 
 bm = BlockManager(num_blocks=8, block_size=4)
@@ -592,6 +616,7 @@ assert s1.block_table == [0, 1, 2] and s1.num_cached_tokens == 0 and all(b.hash 
 # Allocation caches nothing: no KV has been computed yet. The prefill step that computes all 10 tokens caches
 # the two full blocks (the partial third one stays private). Until notebook 05's scheduler does this, a helper
 # plays the part of a one-step prefill:
+
 
 # %%
 def admit(bm: BlockManager, seq: Sequence) -> None:
@@ -827,11 +852,18 @@ def simulate(workload, allocator, block_size: int = 16, snapshot=None) -> list[d
                     break
             else:
                 allocator.may_append(seq)
-        rows.append(dict(tokens=sum(len(s) for s in running), reserved=allocator.num_used_blocks * allocator.block_size,
-                         running=len(running), prefilled=prefilled))
+        rows.append(
+            dict(
+                tokens=sum(len(s) for s in running),
+                reserved=allocator.num_used_blocks * allocator.block_size,
+                running=len(running),
+                prefilled=prefilled,
+            )
+        )
         if snapshot:
             snapshot(len(rows) - 1, running)
     return rows
+
 
 # %%
 import time
@@ -840,7 +872,8 @@ workload = make_workload(600)
 schemes = {
     "contiguous, max length": lambda: ContiguousAllocator(NUM_SLOTS, lambda s: MAX_MODEL_LEN),
     "contiguous, prompt + max_tokens": lambda: ContiguousAllocator(
-        NUM_SLOTS, lambda s: s.num_prompt_tokens + s.sampling_params.max_tokens),
+        NUM_SLOTS, lambda s: s.num_prompt_tokens + s.sampling_params.max_tokens
+    ),
     **{f"paged, block {bs}": (lambda bs=bs: BlockManager(NUM_SLOTS // bs, bs)) for bs in (256, 64, 16)},
 }
 runs = {}
@@ -854,9 +887,11 @@ for name, make in schemes.items():
         batch=np.mean([r["running"] for r in rows]),
         steps=len(rows),
     )
-    print(f"{name:>32}: {runs[name]['occupancy']:6.1%} of reserved KV holds tokens, "
-          f"{runs[name]['batch']:5.1f} requests at once on average, {len(rows):5d} steps "
-          f"({time.perf_counter() - t0:.1f} s to simulate)")
+    print(
+        f"{name:>32}: {runs[name]['occupancy']:6.1%} of reserved KV holds tokens, "
+        f"{runs[name]['batch']:5.1f} requests at once on average, {len(rows):5d} steps "
+        f"({time.perf_counter() - t0:.1f} s to simulate)"
+    )
 
 # %%
 colors = dict(zip(runs, ["tab:red", "tab:orange", "tab:olive", "tab:green", "tab:blue"]))
@@ -934,7 +969,8 @@ def block_owners(bm: BlockManager, running: list[Sequence]) -> np.ndarray:
 small_bm = BlockManager(num_blocks=96, block_size=16)
 system_prompt = rng.integers(0, VOCAB, 64).tolist()
 small_workload = make_workload(32, prompt_len=(16, 200), mean_output=80) + make_workload(
-    16, prompt_len=(8, 64), mean_output=80, prefix=system_prompt)
+    16, prompt_len=(8, 64), mean_output=80, prefix=system_prompt
+)
 random.Random(0).shuffle(small_workload)
 frames, usage = [], []
 
@@ -946,8 +982,10 @@ def snapshot(step: int, running: list[Sequence]) -> None:
 
 small_rows = simulate(small_workload, small_bm, block_size=16, snapshot=snapshot)
 frames, usage = np.array(frames), np.array(usage)  # (steps, num_blocks), (steps, 3)
-print(f"{len(frames)} steps; peak {usage[:, 0].max()} of 96 blocks in use; "
-      f"{sum(r['running'] for r in small_rows) / len(small_rows):.1f} requests running on average")
+print(
+    f"{len(frames)} steps; peak {usage[:, 0].max()} of 96 blocks in use; "
+    f"{sum(r['running'] for r in small_rows) / len(small_rows):.1f} requests running on average"
+)
 
 
 def frame_colors(frame: np.ndarray) -> np.ndarray:
@@ -973,8 +1011,14 @@ ax_map.set_xlabel("step")
 ax_map.set_ylabel("physical block")
 ax_map.set_title("Owner of each block over time (colour = request, black = shared, grey = free but cached)")
 ax_use = fig.add_subplot(grid[0, 2])
-ax_use.stackplot(range(len(usage)), usage.T, labels=["used", "free, cached", "free, empty"],
-                 colors=["tab:blue", "0.75", "white"], edgecolor="0.5", lw=0.3)
+ax_use.stackplot(
+    range(len(usage)),
+    usage.T,
+    labels=["used", "free, cached", "free, empty"],
+    colors=["tab:blue", "0.75", "white"],
+    edgecolor="0.5",
+    lw=0.3,
+)
 ax_use.set_xlabel("step")
 ax_use.set_ylabel("blocks")
 ax_use.set_title("Blocks in use vs free")
@@ -1028,9 +1072,11 @@ for caching in (True, False):
     rows = simulate(chat_workload, BlockManager(NUM_SLOTS // 16, 16, enable_prefix_caching=caching))
     prefix_runs[caching] = np.cumsum([n for r in rows for n in r["prefilled"]])  # over admissions, in order
     prefix_batch[caching] = max(r["running"] for r in rows)
-    print(f"prefix caching {'on ' if caching else 'off'}: {len(prefix_runs[caching])} admissions "
-          f"(preempted requests come back), prefill computed {prefix_runs[caching][-1]:,} tokens, "
-          f"up to {prefix_batch[caching]} requests at once")
+    print(
+        f"prefix caching {'on ' if caching else 'off'}: {len(prefix_runs[caching])} admissions "
+        f"(preempted requests come back), prefill computed {prefix_runs[caching][-1]:,} tokens, "
+        f"up to {prefix_batch[caching]} requests at once"
+    )
 computed_on, computed_off = prefix_runs[True][-1], prefix_runs[False][-1]
 print(f"prompt tokens: {sum(len(p) for p, _ in chat_workload):,}; prefill saved: {1 - computed_on / computed_off:.0%}")
 
@@ -1039,6 +1085,7 @@ print(f"prompt tokens: {sum(len(p) for p, _ in chat_workload):,}; prefill saved:
 # at a time and free each right after its prefill, so every hit comes from a block whose owner has finished
 # and that the LRU kept. The four system prompts need 4 × 32 = 128 blocks; we try caches from a third of that
 # to eight times that.
+
 
 # %%
 def hit_rates_one_at_a_time(num_blocks: int) -> np.ndarray:

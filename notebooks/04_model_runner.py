@@ -78,8 +78,17 @@ from minivllm.kernels.flash_attn import (
 
 @triton.jit
 def _store_kvcache_kernel(
-    k, v, k_cache, v_cache, slot_mapping, stride_kt, stride_vt, stride_kc, stride_vc,
-    KV_SIZE: tl.constexpr, BLOCK: tl.constexpr,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    stride_kt,
+    stride_vt,
+    stride_kc,
+    stride_vc,
+    KV_SIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping + token)
@@ -93,14 +102,18 @@ def _store_kvcache_kernel(
 
 def check_cache(name: str, cache: torch.Tensor, q: torch.Tensor) -> None:
     if cache.dim() != 4 or cache.dtype != q.dtype or cache.device != q.device or not cache.is_contiguous():
-        raise ValueError(f"{name} must be a contiguous (num_blocks, block_size, num_kv_heads, head_dim) tensor of "
-                         f"{q.dtype} on {q.device}, got {cache.dtype} {tuple(cache.shape)} on {cache.device}")
+        raise ValueError(
+            f"{name} must be a contiguous (num_blocks, block_size, num_kv_heads, head_dim) tensor of "
+            f"{q.dtype} on {q.device}, got {cache.dtype} {tuple(cache.shape)} on {cache.device}"
+        )
 
 
 def check_index(name: str, t: torch.Tensor, dim: int, device: torch.device, dtypes=(torch.int32,)) -> None:
     if t.dim() != dim or t.dtype not in dtypes or t.device != device:
-        raise ValueError(f"{name} must be a {dim}-D {' or '.join(map(str, dtypes))} tensor on {device}, "
-                         f"got {t.dtype} {tuple(t.shape)} on {t.device}")
+        raise ValueError(
+            f"{name} must be a {dim}-D {' or '.join(map(str, dtypes))} tensor on {device}, "
+            f"got {t.dtype} {tuple(t.shape)} on {t.device}"
+        )
 
 
 def store_kvcache(
@@ -115,15 +128,27 @@ def store_kvcache(
     check_cache("v_cache", v_cache, v)
     check_index("slot_mapping", slot_mapping, 1, k.device, (torch.int32, torch.int64))
     if k.shape != v.shape or k.shape[1:] != k_cache.shape[2:] or slot_mapping.numel() != k.shape[0]:
-        raise ValueError(f"k, v {tuple(k.shape)}, {tuple(v.shape)} must match the cache's (num_kv_heads, head_dim) "
-                         f"{tuple(k_cache.shape[2:])} and slot_mapping's {slot_mapping.numel()} tokens")
+        raise ValueError(
+            f"k, v {tuple(k.shape)}, {tuple(v.shape)} must match the cache's (num_kv_heads, head_dim) "
+            f"{tuple(k_cache.shape[2:])} and slot_mapping's {slot_mapping.numel()} tokens"
+        )
     if k.stride(-1) != 1 or k.stride(-2) != k.shape[-1] or v.stride(-1) != 1 or v.stride(-2) != v.shape[-1]:
         raise ValueError("each token's k and v must be contiguous (num_kv_heads, head_dim) rows")
     kv_size = k.shape[1] * k.shape[2]
     _store_kvcache_kernel[(k.shape[0],)](
-        k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), k_cache.stride(1), v_cache.stride(1),
-        KV_SIZE=kv_size, BLOCK=triton.next_power_of_2(kv_size),
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        v.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(1),
+        KV_SIZE=kv_size,
+        BLOCK=triton.next_power_of_2(kv_size),
     )
+
 
 # %% [markdown]
 # Check: stored rows land in their slots, and padding (`-1`) writes nothing.
@@ -147,6 +172,7 @@ assert flat_k.abs().sum(dim=(1, 2)).count_nonzero() == 2  # nothing else was wri
 # whole `BLOCK_M` tile of them: many FLOPs per byte, so the tensor cores set the speed (notebook 01).
 # In decode each sequence brings **one** query per head. Every byte of its KV cache is read to do 2 FLOPs
 # (a multiply-add for `q·k`, one for `p·v`) per query head that shares it. Count it:
+
 
 # %%
 def flops_per_byte(num_queries: int, group: int = 2, head_dim: int = 128, dtype_bytes: int = 2) -> float:
@@ -178,6 +204,7 @@ assert flops_per_byte(1) < 10 < h200_ridge < flops_per_byte(4096)
 # The inner step is notebook 01's `attend_block`, unchanged: the online softmax does not care where the
 # keys came from.
 
+
 # %% tags=["export"]
 @triton.jit
 def paged_rows(block_table_row, tok, valid, BLOCK_SIZE: tl.constexpr):
@@ -188,11 +215,34 @@ def paged_rows(block_table_row, tok, valid, BLOCK_SIZE: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])  # vary from step to step (notebook 01)
 def _decode_kernel(
-    Q, K, V, partial_out, partial_lse, cache_seqlens, block_table, qk_scale, num_splits,
-    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_bt,
-    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    Q,
+    K,
+    V,
+    partial_out,
+    partial_lse,
+    cache_seqlens,
+    block_table,
+    qk_scale,
+    num_splits,
+    stride_qb,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_bt,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seqlen = tl.load(cache_seqlens + seq)
@@ -203,8 +253,9 @@ def _decode_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
     heads = kv_head * GROUP + offs_g
-    q = load_tile(Q + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                  (offs_g < GROUP)[:, None], UPCAST)  # (GROUP_PAD, D)
+    q = load_tile(
+        Q + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], (offs_g < GROUP)[:, None], UPCAST
+    )  # (GROUP_PAD, D)
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
@@ -219,25 +270,43 @@ def _decode_kernel(
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))  # log2 units
     mask = offs_g < GROUP
-    tl.store(partial_out + seq * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :],
-             out, mask=mask[:, None])
+    tl.store(
+        partial_out + seq * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :],
+        out,
+        mask=mask[:, None],
+    )
     tl.store(partial_lse + seq * stride_lb + heads * stride_lh + split, lse, mask=mask)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _combine_splits_kernel(
-    partial_out, partial_lse, O, num_splits, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    stride_ob, stride_oh, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    partial_out,
+    partial_lse,
+    O,
+    num_splits,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
 ):
     seq, head = tl.program_id(0), tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
-    lse = tl.load(partial_lse + seq * stride_lb + head * stride_lh + offs_s, mask=offs_s < num_splits,
-                  other=float("-inf"))  # (SPLITS_PAD,)
+    lse = tl.load(
+        partial_lse + seq * stride_lb + head * stride_lh + offs_s, mask=offs_s < num_splits, other=float("-inf")
+    )  # (SPLITS_PAD,)
     m = tl.max(lse, 0)
     weights = tl.math.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
-    parts = tl.load(partial_out + seq * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
-                    mask=(offs_s < num_splits)[:, None], other=0.0)  # (SPLITS_PAD, D)
+    parts = tl.load(
+        partial_out + seq * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
+        mask=(offs_s < num_splits)[:, None],
+        other=0.0,
+    )  # (SPLITS_PAD, D)
     out = tl.sum(parts * weights[:, None], 0) / tl.maximum(tl.sum(weights, 0), 1e-30)
     tl.store(O + seq * stride_ob + head * stride_oh + offs_d, out.to(O.dtype.element_ty))
 
@@ -276,8 +345,10 @@ def flash_attn_with_kvcache(
     batch, _, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     if k_cache.shape[3] != head_dim or num_heads % num_kv_heads or head_dim not in (16, 32, 64, 128, 256):
-        raise ValueError(f"head_dim {head_dim} (16..256, a power of two) must match the cache's {k_cache.shape[3]}, "
-                         f"and num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+        raise ValueError(
+            f"head_dim {head_dim} (16..256, a power of two) must match the cache's {k_cache.shape[3]}, "
+            f"and num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}"
+        )
     if cache_seqlens.shape[0] != batch or block_table.shape[0] != batch:
         raise ValueError(f"cache_seqlens and block_table need one row per sequence ({batch})")
     scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
@@ -289,18 +360,48 @@ def flash_attn_with_kvcache(
     partial_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     group = num_heads // num_kv_heads
     _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k, v, partial_out, partial_lse, cache_seqlens, block_table, scale * math.log2(math.e), num_splits,
-        q.stride(0), q.stride(2), k.stride(0), k.stride(1), v.stride(0), v.stride(1), block_table.stride(0),
-        *partial_out.stride()[:3], *partial_lse.stride()[:2],
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_N=16 if on_cpu else 64, UPCAST=on_cpu and q.dtype != torch.float32,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=1 if on_cpu else 2,
+        q,
+        k,
+        v,
+        partial_out,
+        partial_lse,
+        cache_seqlens,
+        block_table,
+        scale * math.log2(math.e),
+        num_splits,
+        q.stride(0),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        block_table.stride(0),
+        *partial_out.stride()[:3],
+        *partial_lse.stride()[:2],
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_N=16 if on_cpu else 64,
+        UPCAST=on_cpu and q.dtype != torch.float32,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4,
+        num_stages=1 if on_cpu else 2,
     )  # tile sizes: the fastest of a sweep on an H200 (bf16, head_dim 128, block sizes 16 and 256)
     _combine_splits_kernel[(batch, num_heads)](
-        partial_out, partial_lse, out, num_splits, *partial_out.stride()[:3], *partial_lse.stride()[:2],
-        out.stride(0), out.stride(2), HEAD_DIM=head_dim, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+        partial_out,
+        partial_lse,
+        out,
+        num_splits,
+        *partial_out.stride()[:3],
+        *partial_lse.stride()[:2],
+        out.stride(0),
+        out.stride(2),
+        HEAD_DIM=head_dim,
+        SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
     )
     return out
+
 
 # %% [markdown]
 # ### Check the decode kernel against the reference
@@ -314,8 +415,15 @@ from minivllm.kernels.paged_attn import store_kvcache
 from minivllm.kernels.reference import attention_ref
 
 
-def scatter_into_cache(seq_lens: list[int], num_kv_heads: int, head_dim: int, block_size: int,
-                       device: torch.device | str, dtype: torch.dtype = torch.float32, seed: int = 0):
+def scatter_into_cache(
+    seq_lens: list[int],
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    device: torch.device | str,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+):
     """Random K/V per sequence, written to shuffled blocks of a paged cache; also returned contiguous:
     k_cache, v_cache, block_table, k, v (total_tokens, num_kv_heads, head_dim), cu_seqlens_k."""
     gen = torch.Generator().manual_seed(seed)
@@ -336,6 +444,7 @@ def scatter_into_cache(seq_lens: list[int], num_kv_heads: int, head_dim: int, bl
         vs.append(v)
     cu_k = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
     return k_cache, v_cache, block_table, torch.cat(ks), torch.cat(vs), cu_k
+
 
 # %%
 from minivllm.kernels.paged_attn import flash_attn_with_kvcache
@@ -368,13 +477,36 @@ for block_size, num_heads, num_kv_heads in ((16, 8, 2), (32, 8, 8), (256, 8, 1))
 # stride (the longest sequence's block count). Neither is specialized on, so Triton compiles the kernel once
 # (the decode kernel, which the model runner also calls eagerly, gets the same treatment).
 
+
 # %% tags=["export"] module="minivllm.kernels.paged_attn"
 @triton.jit(do_not_specialize=["num_m_blocks", "stride_bt"])
 def _paged_prefill_kernel(
-    Q, K, V, O, cu_seqlens_q, cu_seqlens_k, block_table, qk_scale, num_m_blocks,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    Q,
+    K,
+    V,
+    O,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    block_table,
+    qk_scale,
+    num_m_blocks,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     start_m = num_m_blocks - 1 - tl.program_id(0)  # longest causal tiles first
     head, seq = tl.program_id(1), tl.program_id(2)
@@ -387,8 +519,11 @@ def _paged_prefill_kernel(
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    q = load_tile(Q + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-                  (offs_m < q_len)[:, None], UPCAST)  # (BLOCK_M, D)
+    q = load_tile(
+        Q + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+        (offs_m < q_len)[:, None],
+        UPCAST,
+    )  # (BLOCK_M, D)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -400,11 +535,15 @@ def _paged_prefill_kernel(
         rows = paged_rows(block_table + seq * stride_bt, tok, valid, BLOCK_SIZE)
         k = load_tile(K + rows[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None], valid[None, :], UPCAST)
         v = load_tile(V + rows[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :], valid[:, None], UPCAST)
-        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, tok, offs_m, k_len, shift, qk_scale,
-                                     start_n >= unmasked, CAUSAL, PRECISION)
+        acc, m_i, l_i = attend_block(
+            acc, m_i, l_i, q, k, v, tok, offs_m, k_len, shift, qk_scale, start_n >= unmasked, CAUSAL, PRECISION
+        )
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(O + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-             out.to(O.dtype.element_ty), mask=(offs_m < q_len)[:, None])
+    tl.store(
+        O + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+        out.to(O.dtype.element_ty),
+        mask=(offs_m < q_len)[:, None],
+    )
 
 
 def flash_attn_varlen_func(
@@ -421,8 +560,9 @@ def flash_attn_varlen_func(
 ) -> torch.Tensor:  # (total_q, num_heads, head_dim)
     """flash-attn's varlen attention; with `block_table`, keys and values are read from a paged cache."""
     if block_table is None:
-        return flash_attn_varlen_contiguous(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                            softmax_scale, causal)
+        return flash_attn_varlen_contiguous(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal
+        )
     check_cache("k_cache", k, q)
     check_cache("v_cache", v, q)
     check_index("block_table", block_table, 2, q.device)
@@ -436,13 +576,34 @@ def flash_attn_varlen_func(
     out = torch.empty_like(q)
     num_m_blocks = triton.cdiv(max_seqlen_q, config["BLOCK_M"])
     _paged_prefill_kernel[(num_m_blocks, q.shape[1], cu_seqlens_q.numel() - 1)](
-        q, kf, vf, out, cu_seqlens_q, cu_seqlens_k, block_table, scale * math.log2(math.e), num_m_blocks,
-        q.stride(0), q.stride(1), kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1), out.stride(0),
-        out.stride(1), block_table.stride(0), GROUP=q.shape[1] // num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_SIZE=k.shape[1], CAUSAL=causal, UPCAST=q.device.type == "cpu" and q.dtype != torch.float32,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **config,
+        q,
+        kf,
+        vf,
+        out,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        block_table,
+        scale * math.log2(math.e),
+        num_m_blocks,
+        q.stride(0),
+        q.stride(1),
+        kf.stride(0),
+        kf.stride(1),
+        vf.stride(0),
+        vf.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_table.stride(0),
+        GROUP=q.shape[1] // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=k.shape[1],
+        CAUSAL=causal,
+        UPCAST=q.device.type == "cpu" and q.dtype != torch.float32,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        **config,
     )
     return out
+
 
 # %% [markdown]
 # Check: new tokens after a cached prefix, read through a shuffled block table, give exactly what the
@@ -456,8 +617,9 @@ for block_size in (16, 256):
     k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache(k_lens, 2, 32, block_size, DEVICE)
     q = torch.randn(sum(q_lens), 4, 32, device=DEVICE)
     cu_q = torch.tensor([0, *np.cumsum(q_lens)], dtype=torch.int32, device=DEVICE)
-    out = flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max(q_lens), max(k_lens), causal=True,
-                                 block_table=block_table)
+    out = flash_attn_varlen_func(
+        q, k_cache, v_cache, cu_q, cu_k, max(q_lens), max(k_lens), causal=True, block_table=block_table
+    )
     torch.testing.assert_close(out, attention_ref(q, k, v, cu_q, cu_k, causal=True), rtol=1e-4, atol=1e-4)
 print("paged prefill matches the reference")
 
@@ -545,7 +707,9 @@ from torch import nn
 from minivllm.sampling_params import SamplingParams
 
 
-def keep_mask(sorted_probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
+def keep_mask(
+    sorted_probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor
+) -> torch.Tensor:
     """Which tokens top-k, then top-p, then min-p keep; each row of sorted_probs is sorted largest first."""
     ranks = torch.arange(sorted_probs.shape[-1], device=sorted_probs.device)  # (vocab,)
     keep = (top_ks[:, None] < 0) | (ranks < top_ks[:, None])  # top-k  (batch, vocab)
@@ -563,6 +727,7 @@ def filter_probs(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor
     keep = keep_mask(sorted_probs, top_ks, top_ps, min_ps)
     keep = torch.empty_like(keep).scatter_(-1, order, keep)  # back to vocabulary order
     return probs.masked_fill(~keep, 0.0)
+
 
 # %% [markdown]
 # Check the definitions on a hand example, probabilities `[0.5, 0.3, 0.15, 0.05]`. Top-p 0.8 stops at two
@@ -715,6 +880,7 @@ def exponential_noise(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Ten
         q[row].exponential_(generator=gen)
     return q.clamp_min_(1e-10)  # a 0 would make p / q infinite, or NaN for a dropped token
 
+
 # %% [markdown]
 # A request seeded with 42 at step 7 gets the same noise alone or in row 2 of a batch; the row beside it,
 # another seed at the same step, gets different noise, and so does step 8 of the same request.
@@ -745,6 +911,7 @@ assert not torch.equal(batch[1], batch[2]) and not torch.equal(alone, later)
 # for one) uses none, and then the sampler skips the sort, its most expensive step. `all_greedy` (nothing
 # to draw) and `any_greedy` (an argmax to merge in) save whole passes over the `(batch, vocab)` logits.
 
+
 # %% tags=["export"]
 @dataclass(slots=True)
 class SamplingTensors:
@@ -761,8 +928,9 @@ class SamplingTensors:
     all_greedy: bool = False  # every row has: no random draw at all
 
     @classmethod
-    def from_params(cls, params: list[SamplingParams], steps: list[int],
-                    device: torch.device | str = "cpu") -> "SamplingTensors":
+    def from_params(
+        cls, params: list[SamplingParams], steps: list[int], device: torch.device | str = "cpu"
+    ) -> "SamplingTensors":
         """One row per request: its parameters, and how many tokens it has generated (seeded draws depend on it)."""
         pin = torch.device(device).type == "cuda"
 
@@ -782,6 +950,7 @@ class SamplingTensors:
             all_greedy=not any(temperatures),
         )
 
+
 # %%
 from minivllm.engine.sequence import Sequence
 from minivllm.layers.sampler import SamplingTensors
@@ -789,7 +958,9 @@ from minivllm.sampling_params import SamplingParams
 
 
 def tensors_of(seqs: list[Sequence]) -> SamplingTensors:  # what the runner does for its batch
-    return SamplingTensors.from_params([seq.sampling_params for seq in seqs], [seq.num_completion_tokens for seq in seqs])
+    return SamplingTensors.from_params(
+        [seq.sampling_params for seq in seqs], [seq.num_completion_tokens for seq in seqs]
+    )
 
 
 seqs = [Sequence([1, 2, 3], SamplingParams(temperature=0)), Sequence([4, 5], SamplingParams(top_k=20, seed=7))]
@@ -810,6 +981,7 @@ assert not tensors_of(seqs[1:]).any_greedy
 # The caller's logits are never written to: dividing them (bf16 on a GPU) by the float32 temperatures makes
 # a new float32 tensor, with no separate upcast pass. A batch of greedy rows only needs the argmax.
 
+
 # %% tags=["export"]
 class Sampler(nn.Module):
     """One token id per row of logits: the argmax where temperature is 0, else a draw from the filtered distribution."""
@@ -824,6 +996,7 @@ class Sampler(nn.Module):
             probs = filter_probs(probs, t.top_ks, t.top_ps, t.min_ps)
         sampled = probs.div_(exponential_noise(probs, t.seeds, t.steps)).argmax(dim=-1)  # (batch,)
         return torch.where(greedy, logits.argmax(dim=-1), sampled) if t.any_greedy else sampled
+
 
 # %% [markdown]
 # Check: 20,000 rows of the cat distribution in one batch, at temperatures 1 and 0.5, no filter. The
@@ -889,9 +1062,11 @@ assert unseeded.completion_token_ids != solo.completion_token_ids
 # reference attention of notebook 01. They are also a second, independent implementation to test the kernels
 # against.
 
+
 # %% tags=["export"] module="minivllm.kernels.paged_reference"
-def store_kvcache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
+def store_kvcache_ref(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     keep = slot_mapping >= 0  # (num_tokens,): -1 marks padding
     k_cache.view(-1, *k_cache.shape[2:])[slot_mapping[keep]] = k[keep]
     v_cache.view(-1, *v_cache.shape[2:])[slot_mapping[keep]] = v[keep]
@@ -918,6 +1093,7 @@ def paged_attention_ref(
     v = torch.cat([gather_kv(v_cache, block_table[i], n) for i, n in enumerate(k_lens)])
     return attention_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal=True)
 
+
 # %% [markdown]
 # Check: the reference and the kernels agree on a random paged cache (decode and prefill-after-prefix).
 
@@ -930,8 +1106,12 @@ q = torch.randn(len(seq_lens), 1, 8, 32, device=DEVICE)
 cu_q = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)
 torch.testing.assert_close(
     paged_attention_ref(q[:, 0], k_cache, v_cache, cu_q, cu_k, block_table),
-    flash_attn_with_kvcache(q, k_cache, v_cache, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-                            block_table)[:, 0], rtol=1e-4, atol=1e-4)
+    flash_attn_with_kvcache(q, k_cache, v_cache, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), block_table)[
+        :, 0
+    ],
+    rtol=1e-4,
+    atol=1e-4,
+)
 
 # %% [markdown]
 # ## A forward pass over the paged cache
@@ -976,8 +1156,9 @@ class PagedContext:
         if self.is_prefill:
             return self.prefill(layer, q, k, v)
         if self.use_triton:
-            return flash_attn_with_kvcache(q.unsqueeze(1), layer.k_cache, layer.v_cache, self.context_lens,
-                                           self.block_tables, layer.scale).squeeze(1)
+            return flash_attn_with_kvcache(
+                q.unsqueeze(1), layer.k_cache, layer.v_cache, self.context_lens, self.block_tables, layer.scale
+            ).squeeze(1)
         cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
         cu_k = torch.nn.functional.pad(self.context_lens.cumsum(0, dtype=torch.int32), (1, 0))
         return paged_attention_ref(q, layer.k_cache, layer.v_cache, cu_q, cu_k, self.block_tables, layer.scale)
@@ -986,13 +1167,25 @@ class PagedContext:
         cu_q, cu_k = self.cu_seqlens_q, self.cu_seqlens_k
         if self.block_tables is None:  # nothing cached: the new tokens are whole prompts
             if self.use_triton:
-                return flash_attn_varlen_func(q, k, v, cu_q, cu_q, self.max_seqlen_q, self.max_seqlen_q,
-                                              layer.scale, causal=True)
+                return flash_attn_varlen_func(
+                    q, k, v, cu_q, cu_q, self.max_seqlen_q, self.max_seqlen_q, layer.scale, causal=True
+                )
             return attention_ref(q, k, v, cu_q, cu_q, layer.scale, causal=True)
         if self.use_triton:
-            return flash_attn_varlen_func(q, layer.k_cache, layer.v_cache, cu_q, cu_k, self.max_seqlen_q,
-                                          self.max_seqlen_k, layer.scale, causal=True, block_table=self.block_tables)
+            return flash_attn_varlen_func(
+                q,
+                layer.k_cache,
+                layer.v_cache,
+                cu_q,
+                cu_k,
+                self.max_seqlen_q,
+                self.max_seqlen_k,
+                layer.scale,
+                causal=True,
+                block_table=self.block_tables,
+            )
         return paged_attention_ref(q, layer.k_cache, layer.v_cache, cu_q, cu_k, self.block_tables, layer.scale)
+
 
 # %% [markdown]
 # ## The engine's settings
@@ -1038,7 +1231,10 @@ class Config:
             "block_size": (self.block_size in (16, 32, 64, 128, 256), "16, 32, 64, 128 or 256"),
             "max_num_seqs": (self.max_num_seqs >= 1, ">= 1"),
             "max_num_batched_tokens": (self.max_num_batched_tokens >= 1, ">= 1"),
-            "max_model_len": (1 <= self.max_model_len <= context_len, f"in [1, {context_len}] (the model's context length)"),
+            "max_model_len": (
+                1 <= self.max_model_len <= context_len,
+                f"in [1, {context_len}] (the model's context length)",
+            ),
             "num_kvcache_blocks": (self.num_kvcache_blocks is None or self.num_kvcache_blocks >= 1, "None or >= 1"),
             "gpu_memory_utilization": (0 < self.gpu_memory_utilization <= 1, "in (0, 1]"),
             "device": (self.device in ("cpu", "cuda"), "'cpu' or 'cuda'"),
@@ -1047,8 +1243,11 @@ class Config:
             if not ok:
                 raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
         if self.device == "cuda" and self.tensor_parallel_size > torch.cuda.device_count():
-            raise ValueError(f"tensor_parallel_size must be <= {torch.cuda.device_count()} (the GPUs present), "
-                             f"got {self.tensor_parallel_size}")
+            raise ValueError(
+                f"tensor_parallel_size must be <= {torch.cuda.device_count()} (the GPUs present), "
+                f"got {self.tensor_parallel_size}"
+            )
+
 
 # %% [markdown]
 # ## The model runner
@@ -1148,8 +1347,15 @@ def prepare_decode(seqs: list[Sequence], block_size: int) -> StepInputs:
     block_tables = block_tables_array(seqs)
     last = context_lens.astype(np.int64) - 1  # the new token's position
     slots = block_tables[np.arange(len(seqs)), last // block_size].astype(np.int64) * block_size + last % block_size
-    return StepInputs(False, np.array([seq.last_token for seq in seqs], dtype=np.int64), last, slots, block_tables,
-                      context_lens=context_lens)
+    return StepInputs(
+        False,
+        np.array([seq.last_token for seq in seqs], dtype=np.int64),
+        last,
+        slots,
+        block_tables,
+        context_lens=context_lens,
+    )
+
 
 # %% [markdown]
 # Check: three sequences, one of which found its first block in the prefix cache. Prefill computes only
@@ -1190,7 +1396,11 @@ for seq, token in zip((first, again, short), (1, 2, 3)):
     bm.may_append(seq)
 decode = prepare_decode([first, again, short], block_size=16)
 assert list(decode.input_ids) == [1, 2, 3] and list(decode.context_lens) == [21, 21, 4]
-assert list(decode.slot_mapping) == [first.block_table[1] * 16 + 4, again.block_table[1] * 16 + 4, short.block_table[0] * 16 + 3]
+assert list(decode.slot_mapping) == [
+    first.block_table[1] * 16 + 4,
+    again.block_table[1] * 16 + 4,
+    short.block_table[0] * 16 + 3,
+]
 
 # %% [markdown]
 # ### How big can the KV cache be?
@@ -1208,19 +1418,31 @@ cfg = preset_config("qwen3-0.6b")
 per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2  # K and V, bf16
 weights = 0.6e9 * 2  # ≈ 0.6 B parameters in bf16 (the embedding is tied)
 h200 = 141e9 * 0.9 - weights - 4e9  # gpu_memory_utilization 0.9, minus weights and ~4 GB of activations
-print(f"{per_token / 1024:.0f} KiB per token ({cfg.num_hidden_layers} layers × {cfg.num_key_value_heads} KV heads × "
-      f"{cfg.head_dim} dims × K and V × 2 bytes)")
-print(f"an H200 holds ≈ {h200 / per_token / 1e6:.2f} M tokens of KV: {h200 / per_token / 40960:.0f} sequences at "
-      f"the full 40,960-token context, {h200 / per_token / 2048:.0f} at 2,048")
+print(
+    f"{per_token / 1024:.0f} KiB per token ({cfg.num_hidden_layers} layers × {cfg.num_key_value_heads} KV heads × "
+    f"{cfg.head_dim} dims × K and V × 2 bytes)"
+)
+print(
+    f"an H200 holds ≈ {h200 / per_token / 1e6:.2f} M tokens of KV: {h200 / per_token / 40960:.0f} sequences at "
+    f"the full 40,960-token context, {h200 / per_token / 2048:.0f} at 2,048"
+)
 assert per_token == 112 * 1024
+
 
 # %% tags=["export"]
 def prefix_hit_step(block_size: int) -> StepInputs:
     """A prefill of 2 new tokens after block_size - 2 cached ones, all in block 0: the shape of a prefix-cache
     hit or a chunked prompt's next chunk, run once at start-up (the cache holds nothing yet)."""
     positions = np.arange(block_size - 2, block_size)
-    return StepInputs(True, np.zeros(2, dtype=np.int64), positions, positions.copy(), np.zeros((1, 1), np.int32),
-                      cu_seqlens_q=np.array([0, 2], np.int32), cu_seqlens_k=np.array([0, block_size], np.int32))
+    return StepInputs(
+        True,
+        np.zeros(2, dtype=np.int64),
+        positions,
+        positions.copy(),
+        np.zeros((1, 1), np.int32),
+        cu_seqlens_q=np.array([0, 2], np.int32),
+        cu_seqlens_k=np.array([0, block_size], np.int32),
+    )
 
 
 def kv_block_bytes(layers: list[Attention], block_size: int, dtype: torch.dtype) -> int:
@@ -1237,6 +1459,7 @@ def gpu_free_blocks(block_bytes: int, gpu_memory_utilization: float) -> int:
     used = total - free - cached
     return int(total * gpu_memory_utilization - used - step_peak) // block_bytes
 
+
 # %% [markdown]
 # ### CUDA graphs for decode
 # A decode step of Qwen3-0.6B launches a few hundred small kernels (28 layers × norms, projections, RoPE,
@@ -1248,16 +1471,25 @@ def gpu_free_blocks(block_bytes: int, gpu_memory_utilization: float) -> int:
 # read nothing), and replays. The split count of the decode kernel depends on the batch size only, so it too
 # is fixed per graph. Larger graphs are captured first and share one memory pool with the smaller ones.
 
+
 # %% tags=["export"]
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    return [b for b in (1, 2, 4, 8) if b < max_num_seqs] + [b for b in range(16, max_num_seqs + 1, 16)] or [max_num_seqs]
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + [b for b in range(16, max_num_seqs + 1, 16)]
+    return sizes or [max_num_seqs]
 
 
 class DecodeGraphs:
     """One captured decode step per batch size, over shared static inputs."""
 
-    def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_blocks: int, hidden_size: int,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        max_num_seqs: int,
+        max_blocks: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         self.batch_sizes = graph_batch_sizes(max_num_seqs)
         n = self.batch_sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
@@ -1269,8 +1501,9 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         pool = None
         for bs in reversed(self.batch_sizes):  # the largest first: the others fit in its memory pool
-            context = PagedContext(False, self.slot_mapping[:bs], self.block_tables[:bs],
-                                   context_lens=self.context_lens[:bs])
+            context = PagedContext(
+                False, self.slot_mapping[:bs], self.block_tables[:bs], context_lens=self.context_lens[:bs]
+            )
             self.hidden[:bs] = model(self.input_ids[:bs], self.positions[:bs], context)  # warm-up: compile kernels
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
@@ -1293,6 +1526,7 @@ class DecodeGraphs:
         self.graphs[next(b for b in self.batch_sizes if b >= bs)].replay()
         return self.hidden[:bs]  # (bs, hidden_size)
 
+
 # %% [markdown]
 # A graph removes the *launch* cost of each kernel, not the kernel: a graph of Qwen3-0.6B's decode step as the
 # layers of notebooks 01–02 write it still runs hundreds of kernels (the cell below counts the operations of one
@@ -1309,14 +1543,18 @@ from minivllm.models.qwen3 import Qwen3ForCausalLM
 with torch.device("meta"):  # the 0.6B's shapes, no memory
     meta_model = Qwen3ForCausalLM(preset_config("qwen3-0.6b"))
 x, residual = torch.empty(1, 1024, device="meta"), torch.empty(1, 1024, device="meta")  # one decoding token
-positions, q, k = (torch.zeros(1, dtype=torch.long, device="meta"), torch.empty(1, 16, 128, device="meta"),
-                   torch.empty(1, 8, 128, device="meta"))
+positions, q, k = (
+    torch.zeros(1, dtype=torch.long, device="meta"),
+    torch.empty(1, 16, 128, device="meta"),
+    torch.empty(1, 8, 128, device="meta"),
+)
 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
     meta_model.model.norm(x, residual)
     meta_model.model.layers[0].self_attn.rotary_emb(positions, q, k)
 ops = [e.name.removeprefix("aten::") for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None]
 print(f"one fused-residual RMSNorm and one RoPE: {len(ops)} operations: {' '.join(ops)}")
 assert len(ops) >= 30  # most launch a kernel of their own in eager mode; each layer has 4 norms and a RoPE
+
 
 # %% tags=["export"]
 def compile_small_layers(model: torch.nn.Module) -> None:
@@ -1326,6 +1564,7 @@ def compile_small_layers(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, (RMSNorm, RotaryEmbedding, SiluAndMul)):
             module.forward = torch.compile(module.forward, dynamic=True, fullgraph=True)
+
 
 # %% [markdown]
 # ### Tensor parallelism: one process per GPU
@@ -1370,8 +1609,10 @@ from minivllm.layers.linear import TPGroup
 
 START_TIMEOUT = timedelta(seconds=300)  # a worker imports torch and loads its slice: minutes on a slow disk
 STEP_TIMEOUT = timedelta(seconds=600)  # one rank may compile kernels in a first step while the others wait
-MAIN_GUARD = ("Workers are spawned: each re-imports your main script, so a script that creates an LLM with "
-              "tensor_parallel_size > 1 must do it under `if __name__ == \"__main__\":`.")
+MAIN_GUARD = (
+    "Workers are spawned: each re-imports your main script, so a script that creates an LLM with "
+    'tensor_parallel_size > 1 must do it under `if __name__ == "__main__":`.'
+)
 
 
 def make_groups(store: Any, rank: int, world_size: int, device: torch.device) -> tuple[TPGroup, Any]:
@@ -1429,12 +1670,15 @@ class Workers:
     """Rank 0's side of the other ranks: spawns them, waits for them while watching them, says why one is gone."""
 
     def __init__(self, target: Callable, args: tuple, world_size: int, device: torch.device):
-        self.store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
-                                   timeout=START_TIMEOUT)
+        self.store = dist.TCPStore(
+            "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=START_TIMEOUT
+        )
         spawn = mp.get_context("spawn")
         self.started = [spawn.Event() for _ in range(1, world_size)]  # set by each worker as its first act
-        self.processes = [spawn.Process(target=target, args=(*args, rank, self.store.port, started), daemon=True)
-                          for rank, started in enumerate(self.started, start=1)]
+        self.processes = [
+            spawn.Process(target=target, args=(*args, rank, self.store.port, started), daemon=True)
+            for rank, started in enumerate(self.started, start=1)
+        ]
         self.failure: str | None = None  # why the ranks can no longer work together
         self.stopping = False
         for process in self.processes:
@@ -1452,7 +1696,10 @@ class Workers:
             if process.exitcode is None:
                 continue
             if not started.is_set():
-                return f"tensor-parallel worker rank {rank} exited (code {process.exitcode}) before it started. " + MAIN_GUARD
+                return (
+                    f"tensor-parallel worker rank {rank} exited (code {process.exitcode}) before it started. "
+                    + MAIN_GUARD
+                )
             return f"tensor-parallel worker rank {rank} (pid {process.pid}) died (exit code {process.exitcode})"
         return None
 
@@ -1513,9 +1760,11 @@ class Workers:
                 process.kill()
                 process.join()
 
+
 # %% [markdown]
 # A worker's life: check in (so that rank 0 can tell "never started" from "died"), connect to rank 0's store,
 # build its groups, load its slice, then do what rank 0 says until it says `exit`.
+
 
 # %% tags=["export"] module="minivllm.engine.model_runner"
 def exit_with_parent(parent_pid: int) -> None:
@@ -1544,6 +1793,7 @@ def worker_main(config: Config, rank: int, port: int, started: Any) -> None:
         raise
     runner.close()
 
+
 # %% [markdown]
 # ### Putting it together
 # `ModelRunner(config)` loads the model (this rank's slice), sizes and allocates the KV cache, runs one
@@ -1551,6 +1801,7 @@ def worker_main(config: Config, rank: int, port: int, started: Any) -> None:
 # middle of a request), captures the decode graphs, and then serves `run(seqs, is_prefill) -> token ids`.
 # `run` queues the forward before it builds the sampling tensors, so the host does that while the GPU works. `step_logits` is the same step without
 # the sampler: what the tests compare with `prompt_logits`.
+
 
 # %% tags=["export"]
 class ModelRunner:
@@ -1584,8 +1835,9 @@ class ModelRunner:
                 self.execute(prefix_hit_step(self.block_size))
             if self.device.type == "cuda" and not config.enforce_eager:
                 max_blocks = -(-config.max_model_len // self.block_size)
-                self.graphs = DecodeGraphs(self.model, config.max_num_seqs, max_blocks,
-                                           config.hf_config.hidden_size, self.dtype, self.device)
+                self.graphs = DecodeGraphs(
+                    self.model, config.max_num_seqs, max_blocks, config.hf_config.hidden_size, self.dtype, self.device
+                )
         except BaseException as e:
             self.close(abort=True)
             if self.workers is not None and self.workers.failure:
@@ -1677,11 +1929,21 @@ class ModelRunner:
             dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.control)
             num_blocks = int(agreed.item())
         if num_blocks < 1:
-            raise ValueError(f"no room for a KV cache: gpu_memory_utilization={config.gpu_memory_utilization} "
-                             f"leaves less than one block ({block_bytes} bytes) after the weights and activations")
+            raise ValueError(
+                f"no room for a KV cache: gpu_memory_utilization={config.gpu_memory_utilization} "
+                f"leaves less than one block ({block_bytes} bytes) after the weights and activations"
+            )
         layer = self.attention_layers[0]
-        kv = torch.zeros(2, len(self.attention_layers), num_blocks, self.block_size, layer.num_kv_heads,
-                         layer.head_dim, dtype=self.dtype, device=self.device)
+        kv = torch.zeros(
+            2,
+            len(self.attention_layers),
+            num_blocks,
+            self.block_size,
+            layer.num_kv_heads,
+            layer.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = kv[0, i], kv[1, i]  # (num_blocks, block_size, num_kv_heads, head_dim)
         return num_blocks
@@ -1694,9 +1956,15 @@ class ModelRunner:
             t = torch.from_numpy(a)
             return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
 
-        context = PagedContext(step.is_prefill, put(step.slot_mapping), put(step.block_tables),
-                               put(step.cu_seqlens_q), put(step.cu_seqlens_k), context_lens=put(step.context_lens),
-                               use_triton=self.use_triton)
+        context = PagedContext(
+            step.is_prefill,
+            put(step.slot_mapping),
+            put(step.block_tables),
+            put(step.cu_seqlens_q),
+            put(step.cu_seqlens_k),
+            context_lens=put(step.context_lens),
+            use_triton=self.use_triton,
+        )
         if step.is_prefill:
             context.max_seqlen_q = int(np.diff(step.cu_seqlens_q).max())
             context.max_seqlen_k = int(np.diff(step.cu_seqlens_k).max())
@@ -1720,12 +1988,14 @@ class ModelRunner:
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         """One step for these sequences: the next token of each."""
         logits = self.step_logits(seqs, is_prefill)  # queued on the GPU: the host goes on
-        sampling = SamplingTensors.from_params([seq.sampling_params for seq in seqs],  # built while the GPU
-                                               [seq.num_completion_tokens for seq in seqs], self.device)  # computes
+        sampling = SamplingTensors.from_params(  # built while the GPU computes
+            [seq.sampling_params for seq in seqs], [seq.num_completion_tokens for seq in seqs], self.device
+        )
         token_ids = self.sampler(logits, sampling).tolist()
         if self.workers is not None:
             self.workers.check()  # a worker died during the step: its all-reduces were aborted, the tokens are junk
         return token_ids
+
 
 # %% [markdown]
 # ## Every path gives the logits of a from-scratch forward
@@ -1878,8 +2148,10 @@ fig.savefig(FIGURES / "04_decode_step.png", dpi=120)
 rows = {(r["impl"], r["batch"]): r["ms"] for r in step_data["rows"]}
 for batch in sorted({b for _, b in rows}):
     print(f"batch {batch:>3}: graph {rows['minivllm', batch]:6.2f} ms, eager {rows['minivllm-eager', batch]:6.2f} ms")
-print(f"KV cache on {step_data['device']}: {step_data['num_kvcache_blocks']} blocks of {step_data['block_size']} = "
-      f"{step_data['kv_cache_tokens'] / 1e6:.2f} M tokens")
+print(
+    f"KV cache on {step_data['device']}: {step_data['num_kvcache_blocks']} blocks of {step_data['block_size']} = "
+    f"{step_data['kv_cache_tokens'] / 1e6:.2f} M tokens"
+)
 assert rows["minivllm", 1] < rows["minivllm-eager", 1]
 
 # %% [markdown]
@@ -1910,8 +2182,10 @@ num_allreduces = 2 * 28
 per_allreduce_us = (step[2, 1] - step[1, 1]) / num_allreduces * 1e3
 weight_read_ms = 596e6 * 2 / (decode_data["copy_tbps"] * 1e12) * 1e3  # 596 M bf16 parameters at copy bandwidth
 print(f"TP 2 adds {step[2, 1] - step[1, 1]:.2f} ms at batch 1: ≈ {per_allreduce_us:.0f} µs per all-reduce")
-print(f"reading all the weights once takes {weight_read_ms:.2f} ms on one GPU; the all-reduces add "
-      f"{num_allreduces * per_allreduce_us / 1e3:.2f} ms")
+print(
+    f"reading all the weights once takes {weight_read_ms:.2f} ms on one GPU; the all-reduces add "
+    f"{num_allreduces * per_allreduce_us / 1e3:.2f} ms"
+)
 
 # %% [markdown]
 # For a 0.6B model TP 2 does not pay in speed: one GPU reads all 1.2 GB of weights in under 0.3 ms, a quarter

@@ -120,7 +120,9 @@ prefill_grid = [(1, 16), (1, 64), (1, 256), (1, 512), (4, 16), (4, 64), (16, 16)
 measured = {(False, b, n): time_step(b, n, False) for b, n in decode_grid}
 measured |= {(True, b, n): time_step(b, n, True) for b, n in prefill_grid}
 for (is_prefill, b, n), (_, seconds) in measured.items():
-    kind = f"prefill of {b:2d} prompts of {n:3d} tokens" if is_prefill else f"decode of {b:2d} sequences of {n:3d} tokens"
+    kind = (
+        f"prefill of {b:2d} prompts of {n:3d} tokens" if is_prefill else f"decode of {b:2d} sequences of {n:3d} tokens"
+    )
     print(f"{kind}: {seconds * 1e3:5.1f} ms, {seconds * 1e3 / (b * n if is_prefill else b):5.2f} ms per new token")
 
 # %% [markdown]
@@ -129,8 +131,11 @@ for (is_prefill, b, n), (_, seconds) in measured.items():
 # all the weights whatever the batch. Notebook 04's measurement on an H200 (Qwen3-0.6B, CUDA graphs):
 
 # %%
-h200 = {r["batch"]: r["ms"] for r in json.loads(Path("figures/decode_step.json").read_text())["rows"]
-        if r["impl"] == "minivllm"}
+h200 = {
+    r["batch"]: r["ms"]
+    for r in json.loads(Path("figures/decode_step.json").read_text())["rows"]
+    if r["impl"] == "minivllm"
+}
 print("H200 decode step:", ", ".join(f"batch {b}: {ms:.1f} ms" for b, ms in h200.items() if b in (1, 16, 64, 256)))
 cpu = {b: measured[False, b, 64][1] for b in (1, 16)}
 print(f"this CPU: a decode token costs {cpu[1] * 1e3:.1f} ms alone, {cpu[16] / 16 * 1e3:.2f} ms in a batch of 16")
@@ -147,6 +152,7 @@ assert h200[64] < 2 * h200[1]  # 64 tokens in one step cost less than two steps 
 # scheduler, step by step, and adds up the modelled step times: deterministic, and calibrated to this machine.
 # (The parity checks run the real model.)
 
+
 # %%
 def features(shape: tuple[int, int, int], is_prefill: bool) -> np.ndarray:
     num_seqs, num_tokens, pairs = shape
@@ -159,14 +165,21 @@ for kind in (True, False):
     x = np.stack([features(sh, kind) for sh in shapes])
     coef, *_ = np.linalg.lstsq(x / seconds[:, None], np.ones(len(seconds)), rcond=None)  # relative error
     cost_coef[kind] = np.clip(coef, 0, None)  # no negative costs
-    terms = zip(cost_coef[kind] * 1e3, ["ms", "ms/sequence", "ms/token", "ms/pair"] if kind else ["ms", "ms/sequence", "ms/pair"])
-    print(f"{'prefill' if kind else 'decode '} step = " + " + ".join(f"{c:.2g} {unit}" for c, unit in terms)
-          + f"; worst error {np.max(np.abs(x @ cost_coef[kind] / seconds - 1)):.0%}")
+    terms = zip(
+        cost_coef[kind] * 1e3,
+        ["ms", "ms/sequence", "ms/token", "ms/pair"] if kind else ["ms", "ms/sequence", "ms/pair"],
+    )
+    print(
+        f"{'prefill' if kind else 'decode '} step = "
+        + " + ".join(f"{c:.2g} {unit}" for c, unit in terms)
+        + f"; worst error {np.max(np.abs(x @ cost_coef[kind] / seconds - 1)):.0%}"
+    )
 
 
 def step_cost(seqs: list[Sequence], is_prefill: bool) -> float:
     """Modelled seconds of one step on this machine (call it before postprocess)."""
     return float(features(step_shape(seqs, is_prefill), is_prefill) @ cost_coef[is_prefill])
+
 
 # %% [markdown]
 # ## Continuous batching
@@ -357,6 +370,7 @@ class Scheduler:
         self.running.clear()
         self.block_manager.reset()
 
+
 # %% [markdown]
 # ## Watch it: a small cache, step by step
 # Five requests on a cache of 10 blocks of 16 tokens (160 token slots), a budget of 48 tokens per step.
@@ -376,12 +390,17 @@ def make_scheduler(num_blocks: int, cls: type = Scheduler, **limits) -> Schedule
 
 
 def request(prompt: list[int], max_tokens: int, **params) -> Sequence:
-    return Sequence(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **params),
-                    base_config.block_size)  # the block size of every scheduler's block manager here
+    sampling = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **params)
+    return Sequence(prompt, sampling, base_config.block_size)  # the block size of every scheduler's block manager here
 
 
-def serve(scheduler: Scheduler, seqs: list[Sequence], arrivals: np.ndarray | None = None, model: bool = True,
-          log: bool = False) -> dict:
+def serve(
+    scheduler: Scheduler,
+    seqs: list[Sequence],
+    arrivals: np.ndarray | None = None,
+    model: bool = True,
+    log: bool = False,
+) -> dict:
     """The engine loop over seqs, arriving at `arrivals` (seconds; default all at 0), timed by the cost model. With
     model=False the runner is skipped and every sampled token is 0 (the schedule of ignore_eos requests does not
     depend on the tokens). Returns per-step rows and per-request times."""
@@ -410,25 +429,48 @@ def serve(scheduler: Scheduler, seqs: list[Sequence], arrivals: np.ndarray | Non
                 first_token[index[seq.seq_id]] = clock
         for seq in finished:
             finished_at[index[seq.seq_id]] = clock
-        rows.append(dict(time=clock, duration=duration, is_prefill=is_prefill, num_seqs=len(batch),
-                         num_tokens=sum(seq.num_scheduled_tokens for seq in batch), chunks=sum(unfinished),
-                         running=len(scheduler.running), waiting=len(scheduler.waiting),
-                         used_blocks=scheduler.block_manager.num_used_blocks, preemptions=scheduler.num_preemptions))
+        rows.append(
+            dict(
+                time=clock,
+                duration=duration,
+                is_prefill=is_prefill,
+                num_seqs=len(batch),
+                num_tokens=sum(seq.num_scheduled_tokens for seq in batch),
+                chunks=sum(unfinished),
+                running=len(scheduler.running),
+                waiting=len(scheduler.waiting),
+                used_blocks=scheduler.block_manager.num_used_blocks,
+                preemptions=scheduler.num_preemptions,
+            )
+        )
         state = (ids(scheduler.running), ids(scheduler.waiting), scheduler.block_manager.num_free_blocks)
         if log and (is_prefill or state != last):
             done = " ".join(f"{index[s.seq_id]}:{s.num_scheduled_tokens}{'+' * u}" for s, u in zip(batch, unfinished))
-            print(f"step {len(rows):2d} {'prefill' if is_prefill else 'decode '} {done:<20} running {state[0]}, "
-                  f"waiting {state[1]}, free blocks {state[2]}, preemptions {scheduler.num_preemptions}")
+            print(
+                f"step {len(rows):2d} {'prefill' if is_prefill else 'decode '} {done:<20} running {state[0]}, "
+                f"waiting {state[1]}, free blocks {state[2]}, preemptions {scheduler.num_preemptions}"
+            )
         last = state
     assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks, "KV blocks leaked"
-    return dict(rows=rows, ttft=first_token - arrivals, latency=finished_at - arrivals, seconds=clock,
-                tok_per_s=sum(seq.num_completion_tokens for seq in seqs) / clock,
-                preemptions=scheduler.num_preemptions, hit_tokens=hit_tokens)
+    return dict(
+        rows=rows,
+        ttft=first_token - arrivals,
+        latency=finished_at - arrivals,
+        seconds=clock,
+        tok_per_s=sum(seq.num_completion_tokens for seq in seqs) / clock,
+        preemptions=scheduler.num_preemptions,
+        hit_tokens=hit_tokens,
+    )
 
 
 shared = random.choices(range(3, 2048), k=32)
-small_seqs = [request(random.choices(range(3, 2048), k=100), 8), request(random.choices(range(3, 2048), k=20), 24),
-              request(shared + [5, 6, 7], 24), request(shared + [8, 9], 30), request(shared + [10], 30)]
+small_seqs = [
+    request(random.choices(range(3, 2048), k=100), 8),
+    request(random.choices(range(3, 2048), k=20), 24),
+    request(shared + [5, 6, 7], 24),
+    request(shared + [8, 9], 30),
+    request(shared + [10], 30),
+]
 small = serve(make_scheduler(10, max_num_batched_tokens=48), small_seqs, log=True)
 
 # %% [markdown]
@@ -452,8 +494,9 @@ small = serve(make_scheduler(10, max_num_batched_tokens=48), small_seqs, log=Tru
 rows = small["rows"]
 assert [r["num_tokens"] for r in rows[:3]] == [48, 48, 24] and small["preemptions"] == 1
 assert small["hit_tokens"] == 2 * 32 + 48  # requests 3 and 4 on request 2's blocks, then 4 on its own
-assert all(seq.finish_reason == "length" and seq.num_completion_tokens == seq.sampling_params.max_tokens
-           for seq in small_seqs)
+assert all(
+    seq.finish_reason == "length" and seq.num_completion_tokens == seq.sampling_params.max_tokens for seq in small_seqs
+)
 
 # %% [markdown]
 # `abort_all` drops everything at once: here after two steps, with one prompt half-way through its chunks and two
@@ -467,9 +510,13 @@ for seq in dropped:
 for _ in range(2):
     batch, is_prefill = busy.schedule()
     busy.postprocess(batch, [0] * len(batch))
-print(f"before: running {len(busy.running)}, waiting {len(busy.waiting)}, used blocks {busy.block_manager.num_used_blocks}")
+print(
+    f"before: running {len(busy.running)}, waiting {len(busy.waiting)}, used blocks {busy.block_manager.num_used_blocks}"
+)
 busy.abort_all()
-print(f"after:  running {len(busy.running)}, waiting {len(busy.waiting)}, used blocks {busy.block_manager.num_used_blocks}")
+print(
+    f"after:  running {len(busy.running)}, waiting {len(busy.waiting)}, used blocks {busy.block_manager.num_used_blocks}"
+)
 assert busy.is_finished() and busy.block_manager.num_free_blocks == 10 == busy.block_manager.num_blocks
 assert busy.block_manager.num_cached_free_blocks == 0
 assert all(seq.finish_reason == "abort" and seq.is_finished and not seq.block_table for seq in dropped)
@@ -491,22 +538,30 @@ hf_model.generation_config.eos_token_id = None  # ignore_eos: always max_new_tok
 
 def hf_generate(prompt: list[int], max_new_tokens: int) -> list[int]:
     input_ids = torch.tensor([prompt])
-    out = hf_model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                            max_new_tokens=max_new_tokens, pad_token_id=0)
+    out = hf_model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=0,
+    )
     return out[0, len(prompt) :].tolist()
 
 
 system_prompt = random.choices(range(3, 2048), k=48)
-prompts = [(system_prompt if i % 3 == 0 else []) + random.choices(range(3, 2048), k=random.randint(4, 150))
-           for i in range(48)]
+prompts = [
+    (system_prompt if i % 3 == 0 else []) + random.choices(range(3, 2048), k=random.randint(4, 150)) for i in range(48)
+]
 max_tokens = [random.randint(8, 48) for _ in prompts]
 expected = [hf_generate(p, n) for p, n in zip(prompts, max_tokens)]
 parity_seqs = [request(p, n) for p, n in zip(prompts, max_tokens)]
 parity = serve(make_scheduler(24, max_num_seqs=16, max_num_batched_tokens=64), parity_seqs)
 matches = sum(seq.completion_token_ids == e for seq, e in zip(parity_seqs, expected))
-print(f"{len(parity['rows'])} steps, {parity['preemptions']} preemptions, "
-      f"{sum(r['chunks'] for r in parity['rows'])} prompt chunks short of the end, "
-      f"{parity['hit_tokens']} prompt tokens read from the prefix cache")
+print(
+    f"{len(parity['rows'])} steps, {parity['preemptions']} preemptions, "
+    f"{sum(r['chunks'] for r in parity['rows'])} prompt chunks short of the end, "
+    f"{parity['hit_tokens']} prompt tokens read from the prefix cache"
+)
 print(f"{matches} of {len(prompts)} requests give exactly transformers' tokens")
 
 # %%
@@ -521,6 +576,7 @@ assert parity["preemptions"] >= 10 and sum(r["chunks"] for r in parity["rows"]) 
 # regenerated ones need not be the same. Because this bug hides from a greedy comparison, `tests/test_scheduler.py`
 # also checks, at every step, that a reply only ever grows.
 
+
 # %%
 class ForgetfulScheduler(Scheduler):
     """A wrong preemption, for this demonstration only: the victim loses its generated tokens."""
@@ -532,13 +588,18 @@ class ForgetfulScheduler(Scheduler):
 
 
 forgetful_seqs = [request(p, n) for p, n in zip(prompts, max_tokens)]
-forgetful = serve(make_scheduler(24, cls=ForgetfulScheduler, max_num_seqs=16, max_num_batched_tokens=64),
-                  forgetful_seqs)
+forgetful = serve(
+    make_scheduler(24, cls=ForgetfulScheduler, max_num_seqs=16, max_num_batched_tokens=64), forgetful_seqs
+)
 same = sum(seq.completion_token_ids == e for seq, e in zip(forgetful_seqs, expected))
-decode_tokens = {name: sum(r["num_tokens"] for r in run["rows"] if not r["is_prefill"])
-                 for name, run in (("keep", parity), ("drop", forgetful))}
-print(f"dropping generated tokens: {same} of {len(prompts)} greedy replies unchanged, but {decode_tokens['drop']} "
-      f"decode tokens computed instead of {decode_tokens['keep']}")
+decode_tokens = {
+    name: sum(r["num_tokens"] for r in run["rows"] if not r["is_prefill"])
+    for name, run in (("keep", parity), ("drop", forgetful))
+}
+print(
+    f"dropping generated tokens: {same} of {len(prompts)} greedy replies unchanged, but {decode_tokens['drop']} "
+    f"decode tokens computed instead of {decode_tokens['keep']}"
+)
 assert same == len(prompts) and decode_tokens["drop"] > decode_tokens["keep"]
 
 # %% [markdown]
@@ -547,6 +608,7 @@ assert same == len(prompts) and decode_tokens["drop"] > decode_tokens["keep"]
 # of 16 to 96 tokens), on a cache of 128 blocks (2,048 token slots), at most 16 running, 256 tokens per step.
 # Each step is one bar, as wide as its modelled time: the tokens it computed (prefill or decode), then the
 # queues, then the KV blocks in use and the preemptions.
+
 
 # %%
 def bursty_workload(num_bursts: int = 3, per_burst: int = 16, gap: float = 1.0) -> tuple[list[Sequence], np.ndarray]:
@@ -557,22 +619,29 @@ def bursty_workload(num_bursts: int = 3, per_burst: int = 16, gap: float = 1.0) 
 
 
 burst_seqs, burst_arrivals = bursty_workload()
-burst = serve(make_scheduler(128, max_num_seqs=16, max_num_batched_tokens=256), burst_seqs, burst_arrivals,
-              model=False)
+burst = serve(make_scheduler(128, max_num_seqs=16, max_num_batched_tokens=256), burst_seqs, burst_arrivals, model=False)
 steps = burst["rows"]
 t = np.array([r["time"] for r in steps])
 is_prefill = np.array([r["is_prefill"] for r in steps])
-print(f"{len(steps)} steps ({is_prefill.sum()} prefill) in {burst['seconds']:.2f} s; {burst['preemptions']} "
-      f"preemptions; {sum(r['chunks'] for r in steps)} prompt chunks short of the end; "
-      f"median time to first token {np.median(burst['ttft']) * 1e3:.0f} ms")
+print(
+    f"{len(steps)} steps ({is_prefill.sum()} prefill) in {burst['seconds']:.2f} s; {burst['preemptions']} "
+    f"preemptions; {sum(r['chunks'] for r in steps)} prompt chunks short of the end; "
+    f"median time to first token {np.median(burst['ttft']) * 1e3:.0f} ms"
+)
 
 # %%
 fig, axes = plt.subplots(3, 1, figsize=(14, 8.5), sharex=True)
 duration = np.array([r["duration"] for r in steps])
 for kind, color in ((True, "tab:blue"), (False, "tab:orange")):
     m = is_prefill == kind
-    axes[0].bar(t[m], np.array([r["num_tokens"] for r in steps])[m], width=-duration[m], align="edge", color=color,
-                label="prefill step" if kind else "decode step")
+    axes[0].bar(
+        t[m],
+        np.array([r["num_tokens"] for r in steps])[m],
+        width=-duration[m],
+        align="edge",
+        color=color,
+        label="prefill step" if kind else "decode step",
+    )
 axes[0].set_yscale("log")
 axes[0].set_ylabel("tokens computed (log)")
 axes[0].legend(loc="upper right")
@@ -581,8 +650,9 @@ axes[1].step(t, [r["running"] for r in steps], where="pre", color="tab:green", l
 axes[1].step(t, [r["waiting"] for r in steps], where="pre", color="tab:red", label="waiting")
 axes[1].set_ylabel("requests")
 axes[1].legend(loc="upper right")
-axes[2].fill_between(t, [r["used_blocks"] for r in steps], step="pre", color="tab:purple", alpha=0.5,
-                     label="KV blocks in use")
+axes[2].fill_between(
+    t, [r["used_blocks"] for r in steps], step="pre", color="tab:purple", alpha=0.5, label="KV blocks in use"
+)
 axes[2].axhline(128, color="k", ls=":", lw=1)
 preempted = np.diff(np.concatenate([[0], [r["preemptions"] for r in steps]])) > 0
 axes[2].plot(t[preempted], np.full(preempted.sum(), 132), "rv", ms=5, label="a preemption")
@@ -592,7 +662,9 @@ axes[2].legend(loc="lower right")
 for ax in axes:
     for a in np.unique(np.round(burst_arrivals, 1)):
         ax.axvline(a, color="grey", lw=0.8, ls="--")
-fig.suptitle("Three bursts of 16 requests (dashed lines): continuous batching, prefill first, preemption when the cache is full")
+fig.suptitle(
+    "Three bursts of 16 requests (dashed lines): continuous batching, prefill first, preemption when the cache is full"
+)
 fig.tight_layout()
 fig.savefig(FIGURES / "05_timeline.png", dpi=120)
 
@@ -622,6 +694,7 @@ assert max(r["running"] for r in steps) > 8
 # requests, we measure each one's **time to first token** (TTFT: from arrival to its first token, which needs
 # its prefill) and **time per output token** (TPOT: the pace of the rest of its reply).
 
+
 # %%
 class DecodeFirstScheduler(Scheduler):
     """Decode whenever a request can; admit new ones only when none can (this notebook's comparison only)."""
@@ -632,22 +705,35 @@ class DecodeFirstScheduler(Scheduler):
         return self.schedule_prefill(), True
 
 
-online_requests = [(rng.integers(3, 2048, int(rng.integers(16, 129))).tolist(), int(rng.integers(16, 129)))
-                   for _ in range(120)]
-capacity = len(online_requests) / serve(make_scheduler(256, max_num_seqs=16, max_num_batched_tokens=512),
-                                       [request(p, n) for p, n in online_requests], model=False)["seconds"]
+online_requests = [
+    (rng.integers(3, 2048, int(rng.integers(16, 129))).tolist(), int(rng.integers(16, 129))) for _ in range(120)
+]
+capacity = (
+    len(online_requests)
+    / serve(
+        make_scheduler(256, max_num_seqs=16, max_num_batched_tokens=512),
+        [request(p, n) for p, n in online_requests],
+        model=False,
+    )["seconds"]
+)
 arrival_rate = 0.5 * capacity  # requests per second: half of what the engine can serve
 print(f"this machine serves {capacity:.1f} requests/s (cost model); they arrive at {arrival_rate:.1f}/s")
 online_arrivals = np.cumsum(rng.exponential(1 / arrival_rate, len(online_requests)))
 orders = {}
 for name, cls in (("prefill first", Scheduler), ("decode first", DecodeFirstScheduler)):
-    run = serve(make_scheduler(256, cls=cls, max_num_seqs=16, max_num_batched_tokens=512),
-                [request(p, n) for p, n in online_requests], online_arrivals, model=False)
+    run = serve(
+        make_scheduler(256, cls=cls, max_num_seqs=16, max_num_batched_tokens=512),
+        [request(p, n) for p, n in online_requests],
+        online_arrivals,
+        model=False,
+    )
     run["tpot"] = (run["latency"] - run["ttft"]) / np.array([n - 1 for _, n in online_requests])
     orders[name] = run
-    print(f"{name:>13}: TTFT median {np.median(run['ttft']) * 1e3:5.0f} ms, p90 {np.percentile(run['ttft'], 90) * 1e3:5.0f} ms; "
-          f"TPOT median {np.median(run['tpot']) * 1e3:4.1f} ms; {run['tok_per_s']:4.0f} output tokens/s; "
-          f"all done at {run['seconds']:.1f} s")
+    print(
+        f"{name:>13}: TTFT median {np.median(run['ttft']) * 1e3:5.0f} ms, p90 {np.percentile(run['ttft'], 90) * 1e3:5.0f} ms; "
+        f"TPOT median {np.median(run['tpot']) * 1e3:4.1f} ms; {run['tok_per_s']:4.0f} output tokens/s; "
+        f"all done at {run['seconds']:.1f} s"
+    )
 
 # %%
 fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
@@ -657,8 +743,14 @@ for name, run in orders.items():
     axes[0].plot(ttft_ms, np.arange(1, len(ttft_ms) + 1) / len(ttft_ms), color=colors[name], label=name)
     axes[1].scatter(online_arrivals, run["ttft"] * 1e3, s=8, color=colors[name], label=name)
     decode_rows = [r for r in run["rows"] if not r["is_prefill"]]
-    axes[2].step([r["time"] for r in decode_rows], [r["num_seqs"] for r in decode_rows], where="pre",
-                 color=colors[name], lw=0.8, label=name)
+    axes[2].step(
+        [r["time"] for r in decode_rows],
+        [r["num_seqs"] for r in decode_rows],
+        where="pre",
+        color=colors[name],
+        lw=0.8,
+        label=name,
+    )
 axes[0].set_xscale("log")
 axes[0].set_xlabel("time to first token (ms, log scale)")
 axes[0].set_ylabel("share of requests")
@@ -672,18 +764,22 @@ axes[2].set_xlabel("time (s)")
 axes[2].set_ylabel("sequences per decode step")
 axes[2].set_title("Decode batch size (a fifth of the run)")
 axes[2].legend()
-fig.suptitle(f"{len(online_requests)} requests arriving at {arrival_rate:.1f}/s: prefill first vs decode first "
-             "(the tiny model's step costs on this CPU)")
+fig.suptitle(
+    f"{len(online_requests)} requests arriving at {arrival_rate:.1f}/s: prefill first vs decode first "
+    "(the tiny model's step costs on this CPU)"
+)
 fig.tight_layout()
 fig.savefig(FIGURES / "05_ttft.png", dpi=120)
 
 # %%
 pf, df = orders["prefill first"], orders["decode first"]
 ttft_ratio = np.median(df["ttft"]) / np.median(pf["ttft"])
-print(f"Why prefill first? A new request waits {np.median(pf['ttft']) * 1e3:.0f} ms (median) for its first token "
-      f"when prefills go first, {np.median(df['ttft']) * 1e3:.0f} ms when decodes go first: {ttft_ratio:.0f}x longer. "
-      f"The price: a running request's time per output token is {np.median(pf['tpot']) * 1e3:.1f} ms instead of "
-      f"{np.median(df['tpot']) * 1e3:.1f} ms, because prefill steps interrupt its decodes.")
+print(
+    f"Why prefill first? A new request waits {np.median(pf['ttft']) * 1e3:.0f} ms (median) for its first token "
+    f"when prefills go first, {np.median(df['ttft']) * 1e3:.0f} ms when decodes go first: {ttft_ratio:.0f}x longer. "
+    f"The price: a running request's time per output token is {np.median(pf['tpot']) * 1e3:.1f} ms instead of "
+    f"{np.median(df['tpot']) * 1e3:.1f} ms, because prefill steps interrupt its decodes."
+)
 
 # %% [markdown]
 # **The answer, in these numbers.** A prefill is one step, and until it runs a new request has nothing to show.
@@ -711,18 +807,25 @@ assert np.median(pf["tpot"]) >= np.median(df["tpot"])
 # batches of up to 4, 8, 16 and 32 requests.
 
 # %%
-offline_requests = [(rng.integers(3, 2048, int(rng.integers(16, 65))).tolist(), int(rng.integers(8, 161)))
-                    for _ in range(128)]
+offline_requests = [
+    (rng.integers(3, 2048, int(rng.integers(16, 65))).tolist(), int(rng.integers(8, 161))) for _ in range(128)
+]
 batching = {}
 for name, cls in (("continuous", Scheduler), ("static", DecodeFirstScheduler)):
     for max_num_seqs in (4, 8, 16, 32):
-        run = serve(make_scheduler(512, cls=cls, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048),
-                    [request(p, n) for p, n in offline_requests], model=False)
+        run = serve(
+            make_scheduler(512, cls=cls, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048),
+            [request(p, n) for p, n in offline_requests],
+            model=False,
+        )
         decode_rows = [r for r in run["rows"] if not r["is_prefill"]]
-        batching[name, max_num_seqs] = dict(tok_per_s=run["tok_per_s"], steps=len(run["rows"]),
-                                            batch=np.mean([r["num_seqs"] for r in decode_rows]))
-        print(f"{name:>10}, up to {max_num_seqs:2d}: {run['tok_per_s']:5.0f} tokens/s, {len(run['rows']):4d} steps, "
-              f"{batching[name, max_num_seqs]['batch']:4.1f} sequences per decode step on average")
+        batching[name, max_num_seqs] = dict(
+            tok_per_s=run["tok_per_s"], steps=len(run["rows"]), batch=np.mean([r["num_seqs"] for r in decode_rows])
+        )
+        print(
+            f"{name:>10}, up to {max_num_seqs:2d}: {run['tok_per_s']:5.0f} tokens/s, {len(run['rows']):4d} steps, "
+            f"{batching[name, max_num_seqs]['batch']:4.1f} sequences per decode step on average"
+        )
 
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(12, 4))
@@ -768,6 +871,7 @@ for size in (8, 16, 32):
 # * Why does decode first, with one kind of batch per step, turn into static batching?
 #
 # The cells below assert the first three answers (the scheduler alone: the "model" samples token 0).
+
 
 # %%
 def step(scheduler: Scheduler) -> tuple[list[int], bool]:

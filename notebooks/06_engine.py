@@ -106,6 +106,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics = field(repr=False)
 
+
 # %% [markdown]
 # ## The engine
 # `LLMEngine` owns one `ModelRunner` (and through it any tensor-parallel workers), one `Scheduler`, and a
@@ -231,12 +232,16 @@ class LLMEngine:
         if not token_ids:
             raise ValueError("prompt is empty: it must hold at least one token")
         if len(token_ids) >= config.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens; it must be shorter than max_model_len="
-                             f"{config.max_model_len} (prompt + at least one generated token)")
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; it must be shorter than max_model_len="
+                f"{config.max_model_len} (prompt + at least one generated token)"
+            )
         bm = self.scheduler.block_manager
         if len(token_ids) + 1 > bm.num_slots:
-            raise ValueError(f"prompt has {len(token_ids)} tokens; the whole KV cache holds {bm.num_slots} "
-                             f"({bm.num_blocks} blocks of {bm.block_size}): it can never run")
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; the whole KV cache holds {bm.num_slots} "
+                f"({bm.num_blocks} blocks of {bm.block_size}): it can never run"
+            )
         if bad := [t for t in token_ids if not 0 <= t < vocab_size]:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
 
@@ -272,10 +277,16 @@ class LLMEngine:
         token_ids = self.tokenize(prompt, name)
         self.check_request(token_ids, params)
         seq = Sequence(token_ids, params, self.scheduler.block_manager.block_size)
-        return Request(request_id, prompt if isinstance(prompt, str) else None, seq, RequestMetrics(time.perf_counter()))
+        return Request(
+            request_id, prompt if isinstance(prompt, str) else None, seq, RequestMetrics(time.perf_counter())
+        )
 
-    def add_requests(self, prompts: list[Prompt], sampling_params: list[SamplingParams | None],
-                     request_ids: list[str | None] | None = None) -> list[str]:
+    def add_requests(
+        self,
+        prompts: list[Prompt],
+        sampling_params: list[SamplingParams | None],
+        request_ids: list[str | None] | None = None,
+    ) -> list[str]:
         """Check every request, then queue them all: if one is bad, ValueError and none is queued. Their ids."""
         with self.lock:
             ids = self.new_request_ids(request_ids or [None] * len(prompts))
@@ -286,8 +297,9 @@ class LLMEngine:
                 self.requests[request.seq.seq_id] = request
             return ids
 
-    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+    def add_request(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
         return self.add_requests([prompt], [sampling_params], [request_id])[0]
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
@@ -325,8 +337,14 @@ class LLMEngine:
             e.add_note(f"minivllm: the step failed; these requests were aborted: {aborted}")
             raise
         self.record(seqs, finished, now)
-        return StepStats("prefill" if is_prefill else "decode", len(seqs), sum(seq.num_scheduled_tokens for seq in seqs),
-                         scheduled - start, ran - scheduled, now - ran)
+        return StepStats(
+            "prefill" if is_prefill else "decode",
+            len(seqs),
+            sum(seq.num_scheduled_tokens for seq in seqs),
+            scheduled - start,
+            ran - scheduled,
+            now - ran,
+        )
 
     def record(self, seqs: list[Sequence], finished: list[Sequence], now: float) -> None:
         """After a step: first-token and finish times, and the finished requests' outputs."""
@@ -352,8 +370,14 @@ class LLMEngine:
         seq = request.seq
         token_ids = seq.completion_token_ids
         text = self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
-        return RequestOutput(request.request_id, request.prompt, seq.prompt_token_ids,
-                             [CompletionOutput(0, text, token_ids, seq.finish_reason)], True, request.metrics)
+        return RequestOutput(
+            request.request_id,
+            request.prompt,
+            seq.prompt_token_ids,
+            [CompletionOutput(0, text, token_ids, seq.finish_reason)],
+            True,
+            request.metrics,
+        )
 
     def has_unfinished_requests(self) -> bool:
         """Whether step() has more to give: requests to run, or outputs it kept back."""
@@ -369,6 +393,7 @@ class LLMEngine:
 
     def close(self) -> None:
         self.runner.close()
+
 
 # %% [markdown]
 # ## `LLM`: vLLM's offline API
@@ -418,9 +443,12 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | SequenceOf[Prompt],
-                 sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | SequenceOf[Prompt],
+        sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """One output per prompt, in order. Only this call's requests are returned (see the notebook's contract)."""
         if is_one_prompt(prompts):
             prompts = [prompts]
@@ -467,6 +495,7 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.close()
 
+
 # %% [markdown]
 # ## Qwen3 end to end
 # On a GPU this runs the `qwen3-0.6b` preset (random weights, Qwen3-0.6B's exact shapes); on a CPU the tiny one.
@@ -481,14 +510,18 @@ from minivllm.checkpoint import write_checkpoint
 preset = "qwen3-0.6b" if DEVICE == "cuda" else "tiny"
 path = write_checkpoint(CHECKPOINTS / preset, preset, seed=0)
 llm = LLM(str(path), max_model_len=1024, max_num_seqs=32, **({} if DEVICE == "cuda" else {"num_kvcache_blocks": 256}))
-outputs = llm.generate(["The capital of France is", "A paged KV cache", "Once upon a time"],
-                       [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, seed=i) for i in range(3)])
+outputs = llm.generate(
+    ["The capital of France is", "A paged KV cache", "Once upon a time"],
+    [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, seed=i) for i in range(3)],
+)
 for out in outputs:
     done = out.outputs[0]
-    print(f"{out.prompt!r} -> {done.text!r} (token ids {done.token_ids[:6]}...)\n"
-          f"    {len(done.token_ids)} tokens, finish_reason={done.finish_reason}, "
-          f"TTFT {out.metrics.time_to_first_token * 1e3:.1f} ms, "
-          f"TPOT {out.metrics.time_per_output_token(len(done.token_ids)) * 1e3:.2f} ms")
+    print(
+        f"{out.prompt!r} -> {done.text!r} (token ids {done.token_ids[:6]}...)\n"
+        f"    {len(done.token_ids)} tokens, finish_reason={done.finish_reason}, "
+        f"TTFT {out.metrics.time_to_first_token * 1e3:.1f} ms, "
+        f"TPOT {out.metrics.time_per_output_token(len(done.token_ids)) * 1e3:.2f} ms"
+    )
 
 # %% [markdown]
 # ### The same tokens as transformers
@@ -499,8 +532,16 @@ for out in outputs:
 # %%
 from transformers import AutoModelForCausalLM
 
-cpu_llm = llm if DEVICE == "cpu" else LLM(str(write_checkpoint(CHECKPOINTS / "tiny", "tiny", seed=0)),
-                                          device="cpu", num_kvcache_blocks=256, max_num_seqs=32)
+cpu_llm = (
+    llm
+    if DEVICE == "cpu"
+    else LLM(
+        str(write_checkpoint(CHECKPOINTS / "tiny", "tiny", seed=0)),
+        device="cpu",
+        num_kvcache_blocks=256,
+        max_num_seqs=32,
+    )
+)
 tiny_path = cpu_llm.engine.config.model
 hf = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
 shared = random.choices(range(2048), k=40)
@@ -508,8 +549,9 @@ prompts = [random.choices(range(2048), k=n) for n in (1, 5, 17, 64)] + [shared +
 greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 ours = [out.outputs[0].token_ids for out in cpu_llm.generate(prompts, greedy, use_tqdm=False)]
 for prompt, tokens in zip(prompts, ours):
-    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None,
-                           pad_token_id=0)[0, len(prompt):].tolist()
+    expected = hf.generate(
+        torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0
+    )[0, len(prompt) :].tolist()
     assert tokens == expected, (prompt[:5], tokens, expected)
 print(f"{len(prompts)} prompts, greedy: identical to transformers' generate")
 
@@ -535,8 +577,16 @@ for name, (bad_prompts, params) in bad_requests.items():
         print(f"{name:>34}: {e}")
     else:
         raise AssertionError(f"{name} was accepted")
-for param, value in [("temperature", -1), ("top_p", 0), ("top_k", 0), ("min_p", 2), ("max_tokens", 0),
-                     ("temperature", float("inf")), ("max_tokens", 2.0), ("stop_token_ids", [[1]])]:
+for param, value in [
+    ("temperature", -1),
+    ("top_p", 0),
+    ("top_k", 0),
+    ("min_p", 2),
+    ("max_tokens", 0),
+    ("temperature", float("inf")),
+    ("max_tokens", 2.0),
+    ("stop_token_ids", [[1]]),
+]:
     try:
         SamplingParams(**{param: value})
     except ValueError as e:
@@ -544,8 +594,12 @@ for param, value in [("temperature", -1), ("top_p", 0), ("top_k", 0), ("min_p", 
 assert not cpu_llm.engine.has_unfinished_requests()
 assert cpu_llm.engine.scheduler.block_manager.num_used_blocks == 0
 after = cpu_llm.generate([[1, 2, 3]], greedy, use_tqdm=False)[0].outputs[0].token_ids  # the engine still serves
-assert after == hf.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=20, do_sample=False, eos_token_id=None,
-                            pad_token_id=0)[0, 3:].tolist()
+assert (
+    after
+    == hf.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)[
+        0, 3:
+    ].tolist()
+)
 
 # %% [markdown]
 # ### Sharing one engine
@@ -559,8 +613,10 @@ import threading
 
 import numpy as np
 
-alone = [out.outputs[0].token_ids for out in cpu_llm.generate([np.array([5, 6, 7]), torch.tensor([8, 9])], greedy,
-                                                               use_tqdm=False)]
+alone = [
+    out.outputs[0].token_ids
+    for out in cpu_llm.generate([np.array([5, 6, 7]), torch.tensor([8, 9])], greedy, use_tqdm=False)
+]
 nothing, idle = cpu_llm.engine.step()
 assert nothing == [] and idle.kind == "idle" and idle.num_tokens == 0
 cpu_llm.engine.add_request([1, 2, 3], greedy, request_id="queued earlier")
@@ -570,9 +626,12 @@ kept, _ = cpu_llm.engine.step()
 assert [out.request_id for out in kept] == ["queued earlier"]
 print(f"generate returned its own request; the next step() returned {[out.request_id for out in kept]}")
 results = {}
-threads = [threading.Thread(target=lambda i=i: results.update({i: cpu_llm.generate([[5, 6, 7], [8, 9]], greedy,
-                                                                                   use_tqdm=False)}))
-           for i in range(2)]
+threads = [
+    threading.Thread(
+        target=lambda i=i: results.update({i: cpu_llm.generate([[5, 6, 7], [8, 9]], greedy, use_tqdm=False)})
+    )
+    for i in range(2)
+]
 for thread in threads:
     thread.start()
 for thread in threads:
@@ -603,8 +662,14 @@ while engine.has_unfinished_requests():
 kinds = [stats.kind for stats in steps]
 used, cached, empty = map(list, zip(*occupancy))
 fig, ax = plt.subplots(figsize=(8, 3.5))
-ax.stackplot(range(len(used)), used, cached, empty, labels=["used by running requests", "free, prefix cached", "free"],
-             colors=["C0", "C2", "0.85"])
+ax.stackplot(
+    range(len(used)),
+    used,
+    cached,
+    empty,
+    labels=["used by running requests", "free, prefix cached", "free"],
+    colors=["C0", "C2", "0.85"],
+)
 for step, kind in enumerate(kinds):
     if kind == "prefill":
         ax.axvline(step, color="C3", lw=0.4, alpha=0.5)
@@ -623,9 +688,13 @@ assert bm.num_used_blocks == 0 and max(used) > 0.8 * bm.num_blocks - 1
 # %%
 for kind in ("prefill", "decode"):
     of_kind = [stats for stats in steps if stats.kind == kind]
-    print(f"{len(of_kind):4d} {kind} steps: {sum(s.num_tokens for s in of_kind):6,} tokens; "
-          + ", ".join(f"{phase} {sum(getattr(s, phase + '_seconds') for s in of_kind):.2f} s"
-                      for phase in ("schedule", "run", "postprocess")))
+    print(
+        f"{len(of_kind):4d} {kind} steps: {sum(s.num_tokens for s in of_kind):6,} tokens; "
+        + ", ".join(
+            f"{phase} {sum(getattr(s, phase + '_seconds') for s in of_kind):.2f} s"
+            for phase in ("schedule", "run", "postprocess")
+        )
+    )
 assert sum(s.num_tokens for s in steps if s.kind == "decode") == sum(s.num_seqs for s in steps if s.kind == "decode")
 assert all(s.kind in ("prefill", "decode") and s.num_seqs > 0 for s in steps)
 
@@ -721,8 +790,10 @@ weight_reads = num_params * 2 * (max(output_lens) - 1)  # bf16 weights, once per
 seconds = (kv_reads + weight_reads) / (decode["copy_tbps"] * 1e12)
 roofline = sum(output_lens) / seconds
 ours = next(r["tok_per_s"] for r in throughput["rows"] if r["impl"] == "minivllm")
-print(f"KV reads {kv_reads / 1e12:.1f} TB + weight reads {weight_reads / 1e12:.1f} TB at {decode['copy_tbps']:.2f} TB/s:"
-      f" {seconds:.2f} s, at most {roofline:,.0f} tok/s; minivllm reaches {ours / roofline:.0%} of it")
+print(
+    f"KV reads {kv_reads / 1e12:.1f} TB + weight reads {weight_reads / 1e12:.1f} TB at {decode['copy_tbps']:.2f} TB/s:"
+    f" {seconds:.2f} s, at most {roofline:,.0f} tok/s; minivllm reaches {ours / roofline:.0%} of it"
+)
 assert kv_reads > 10 * weight_reads  # at this batch size the KV cache, not the weights, is what decode reads
 
 # %% [markdown]

@@ -97,11 +97,26 @@ TMP = Path(tmp_dir.name)
 
 # %%
 TINY_LLAMA = dict(
-    vocab_size=2048, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=131072,
-    rms_norm_eps=1e-5, tie_word_embeddings=True, attention_bias=False, mlp_bias=False,
-    rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0,
-                         high_freq_factor=4.0, original_max_position_embeddings=8192),
+    vocab_size=2048,
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    attention_bias=False,
+    mlp_bias=False,
+    rope_parameters=dict(
+        rope_type="llama3",
+        rope_theta=500000.0,
+        factor=32.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    ),
 )
 
 
@@ -190,14 +205,16 @@ fig.tight_layout()
 #
 # The MLP is given, as an example of a bias flag: Qwen3's MLP with `bias=config.mlp_bias` on its linears.
 
+
 # %%
 class LlamaMLP(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"hidden_act={config.hidden_act!r} is not supported (supported: 'silu')")
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2,
-                                                       bias=config.mlp_bias)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [config.intermediate_size] * 2, bias=config.mlp_bias
+        )
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.act_fn = SiluAndMul()
 
@@ -215,18 +232,25 @@ class LlamaMLP(nn.Module):
 # In `forward`, project, split into q, k and v, view them as heads, rotate q and k with RoPE, attend through
 # `self.attn` (which hands the work to the context), and project back. Unlike Qwen3: no norm on q or k.
 
+
 # %%
 class LlamaAttention(nn.Module):
     def __init__(self, config: LlamaConfig, rotary_emb: RotaryEmbedding, layer_idx: int):
         super().__init__()
         head_dim = head_dim_of(config)
         # BEGIN SOLUTION
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, bias=config.attention_bias)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=config.attention_bias,
+        )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
         self.head_dim = head_dim
-        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size,
-                                        bias=config.attention_bias)
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * head_dim, config.hidden_size, bias=config.attention_bias
+        )
         # END SOLUTION
         self.rotary_emb = rotary_emb  # shared by all layers: one cos/sin table
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, layer_idx)
@@ -261,6 +285,7 @@ class LlamaAttention(nn.Module):
 # Then wire `LlamaModel.__init__`: the token embedding (`VocabParallelEmbedding`), **one** RoPE table from
 # `get_rope(config, head_dim)` shared by every layer, `config.num_hidden_layers` decoder layers in an
 # `nn.ModuleList`, and the final norm. Its `forward` is given.
+
 
 # %%
 class LlamaDecoderLayer(nn.Module):
@@ -314,13 +339,17 @@ class LlamaModel(nn.Module):
 # which shard: `q_proj` into `qkv_proj` as `"q"`, … , `gate_proj` into `gate_up_proj` as shard 0, `up_proj` as 1.
 # Write it out (rather than inherit Qwen3's): it is this class's contract with Llama checkpoints.
 
+
 # %%
 class LlamaForCausalLM(Qwen3ForCausalLM):
     # checkpoint module name -> (our packed module, shard id)
     # BEGIN SOLUTION
     packed_modules_mapping = {
-        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
     }
     # END SOLUTION
 
@@ -354,8 +383,9 @@ print(sorted(MODELS))
 with torch.device("meta"):
     meta_llama = LlamaForCausalLM(config)
 check_checkpoint(meta_llama, tensor_shapes([llama_path / "model.safetensors"]), config)
-assert not any("norm" in name for name, _ in meta_llama.named_parameters() if ".self_attn." in name), \
+assert not any("norm" in name for name, _ in meta_llama.named_parameters() if ".self_attn." in name), (
     "Llama has no q/k norm"
+)
 n_ours = sum(p.numel() for p in meta_llama.parameters())
 n_theirs = sum(p.numel() for p in hf_llama.parameters())
 assert n_ours == n_theirs, (n_ours, n_theirs)
@@ -366,6 +396,7 @@ print(f"every checkpoint tensor has its place; {n_ours:,} parameters, as in tran
 # transformers; the same prompts (random token ids; lengths 1, 17 and 300) through both, in float32. They must
 # agree to float32 rounding and pick the same top token at every position. Three checkpoints: Llama-3.2's shape
 # (tied head), an untied head (the loader then copies `lm_head.weight`), and both bias flags set.
+
 
 # %%
 def check_against_transformers(path: Path, hf_model: HFLlamaForCausalLM, lengths=(1, 17, 300)) -> float:
@@ -431,8 +462,12 @@ slowdown = wavelength_llama3 / wavelength  # per frequency pair
 assert torch.allclose(slowdown[wavelength < 2048], torch.tensor(1.0))
 assert torch.allclose(slowdown[wavelength > 8192], torch.tensor(32.0))
 assert ((slowdown > 1) & (slowdown < 32)).sum() == 1  # the one pair in between is blended
-print("unchanged pairs:", (slowdown == 1).nonzero().flatten().tolist(), "slowed 32x:",
-      (slowdown > 31.99).nonzero().flatten().tolist())
+print(
+    "unchanged pairs:",
+    (slowdown == 1).nonzero().flatten().tolist(),
+    "slowed 32x:",
+    (slowdown > 31.99).nonzero().flatten().tolist(),
+)
 
 plain = LlamaConfig(**(TINY_LLAMA | {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}))
 hf_plain = HFLlamaForCausalLM(plain).eval()

@@ -214,7 +214,9 @@ def check_invariants(bm: SimpleBlockManager, live: list[Sequence], num_blocks: i
     tables = [block_id for seq in live for block_id in seq.block_table]
     assert len(tables) == len(set(tables)), f"a block is in two tables: {[s.block_table for s in live]}"
     assert all(0 <= b < num_blocks for b in tables), f"block id out of range: {tables}"
-    assert bm.num_free_blocks + len(tables) == num_blocks, f"free {bm.num_free_blocks} + used {len(tables)} != {num_blocks}"
+    assert bm.num_free_blocks + len(tables) == num_blocks, (
+        f"free {bm.num_free_blocks} + used {len(tables)} != {num_blocks}"
+    )
     for seq in live:
         assert len(seq.block_table) == seq.num_blocks, f"{seq.num_tokens} tokens in {len(seq.block_table)} blocks"
 
@@ -271,7 +273,10 @@ from minivllm.engine.block_manager import BlockManager
 
 def cross_check(num_blocks: int, block_size: int, steps: int, seed: int) -> int:
     rng = random.Random(seed)
-    ours, ref = SimpleBlockManager(num_blocks, block_size), BlockManager(num_blocks, block_size, enable_prefix_caching=False)
+    ours, ref = (
+        SimpleBlockManager(num_blocks, block_size),
+        BlockManager(num_blocks, block_size, enable_prefix_caching=False),
+    )
     live: list[tuple[Sequence, Sequence]] = []
     admitted = 0
     for _ in range(steps):
@@ -304,7 +309,9 @@ def cross_check(num_blocks: int, block_size: int, steps: int, seed: int) -> int:
             pair = live.pop(rng.randrange(len(live)))
             ours.deallocate(pair[0])
             ref.deallocate(pair[1])
-        assert ours.num_free_blocks == ref.num_free_blocks, f"free blocks: {ours.num_free_blocks} vs {ref.num_free_blocks}"
+        assert ours.num_free_blocks == ref.num_free_blocks, (
+            f"free blocks: {ours.num_free_blocks} vs {ref.num_free_blocks}"
+        )
         for a, b in live:
             assert len(a.block_table) == len(b.block_table) == a.num_blocks, "blocks per sequence differ"
     return admitted
@@ -312,7 +319,9 @@ def cross_check(num_blocks: int, block_size: int, steps: int, seed: int) -> int:
 
 for num_blocks, block_size in [(8, 1), (16, 4), (64, 16), (32, 3)]:
     admitted = cross_check(num_blocks, block_size, steps=3000, seed=num_blocks + block_size)
-    print(f"{num_blocks:3d} blocks of {block_size:2d}: {admitted} sequences admitted, same as BlockManager at every step")
+    print(
+        f"{num_blocks:3d} blocks of {block_size:2d}: {admitted} sequences admitted, same as BlockManager at every step"
+    )
 
 # %% [markdown]
 # ## What's next

@@ -240,8 +240,11 @@ def test_bad_arguments():
 
 
 @settings(max_examples=500, deadline=None)
-@given(st.lists(st.integers(0, 3), min_size=1, max_size=8), st.lists(st.integers(0, 3), min_size=1, max_size=8),
-       st.lists(st.integers(0, 3), min_size=1, max_size=8))
+@given(
+    st.lists(st.integers(0, 3), min_size=1, max_size=8),
+    st.lists(st.integers(0, 3), min_size=1, max_size=8),
+    st.lists(st.integers(0, 3), min_size=1, max_size=8),
+)
 def test_chained_hash_tells_prefixes_apart(first, other, block):
     h = compute_hash(block, compute_hash(first))
     assert h == compute_hash(list(block), compute_hash(list(first)))
@@ -258,16 +261,23 @@ def test_benchmark_runs():
 # ---------------------------------------------------------------- random interleavings
 
 PREFIXES = [(), (0, 1, 2, 0, 1, 2), (0, 1, 2, 0, 1, 1), (2, 2, 2, 2), (1, 2, 0, 1, 2, 0, 1, 2)]
-prompts = st.builds(lambda prefix, suffix: list(prefix) + suffix,
-                    st.sampled_from(PREFIXES), st.lists(st.integers(0, 2), min_size=1, max_size=9))
+prompts = st.builds(
+    lambda prefix, suffix: list(prefix) + suffix,
+    st.sampled_from(PREFIXES),
+    st.lists(st.integers(0, 2), min_size=1, max_size=9),
+)
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
     """Random allocate / append / free / preempt over prompts from a 3-token vocabulary, many of them sharing
     prefixes, so equal blocks after different prefixes are common."""
 
-    @initialize(num_blocks=st.integers(1, 24), block_size=st.integers(1, 4), caching=st.sampled_from([True, True, False]),
-                first=st.lists(prompts, min_size=1, max_size=4))
+    @initialize(
+        num_blocks=st.integers(1, 24),
+        block_size=st.integers(1, 4),
+        caching=st.sampled_from([True, True, False]),
+        first=st.lists(prompts, min_size=1, max_size=4),
+    )
     def setup(self, num_blocks, block_size, caching, first):
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
         self.waiting = [Sequence(tokens, block_size=block_size) for tokens in first]

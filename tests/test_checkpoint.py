@@ -27,14 +27,22 @@ def cli_tiny(tmp_path_factory):
 
 def test_cli_runs_as_a_module(tmp_path):
     out = tmp_path / "cli"
-    subprocess.run([sys.executable, "-m", "minivllm.checkpoint", "--preset", "tiny", "--out", str(out), "--seed", "3"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "minivllm.checkpoint", "--preset", "tiny", "--out", str(out), "--seed", "3"],
+        check=True,
+        capture_output=True,
+    )
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
 
 
 def test_writes_a_huggingface_folder(cli_tiny):
-    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-            "tokenizer_config.json"} <= {f.name for f in cli_tiny.iterdir()}
+    assert {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    } <= {f.name for f in cli_tiny.iterdir()}
     config = AutoConfig.from_pretrained(cli_tiny)
     assert config.architectures == ["Qwen3ForCausalLM"]
     for key, value in PRESETS["tiny"].items():

@@ -27,9 +27,10 @@ def hf(tiny):
 
 
 def hf_greedy(hf, prompt: list[int], max_tokens: int) -> list[int]:
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
-                      pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = hf.generate(
+        torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def test_generate_equals_transformers_greedy_for_mixed_prompts(llm, hf, tiny):
@@ -58,8 +59,9 @@ def test_stop_token_ids_and_eos(llm, tiny, tmp_path):
     tokens = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     stop = tokens[5]
     first = tokens.index(stop)
-    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop]),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop]), use_tqdm=False
+    )[0].outputs[0]
     assert out.token_ids == tokens[: first + 1] and out.finish_reason == "stop"
 
     # an end-of-sequence id from generation_config.json stops a request, unless ignore_eos
@@ -82,14 +84,17 @@ def test_max_tokens_and_max_model_len_finish_with_length(llm):
     assert len(long[0].outputs[0].token_ids) == 12 and long[0].outputs[0].finish_reason == "length"  # 512 in all
 
 
-@pytest.mark.parametrize("prompts, params, field", [
-    ([[]], GREEDY, "prompt is empty"),
-    ([[1, 2, 10**6]], GREEDY, "token id 1000000 is outside the vocabulary"),
-    ([[1] * 512], GREEDY, "max_model_len"),
-    ([[1, 2], [1, -3], [4]], GREEDY, "token id -3"),
-    ([[1, 2]], [GREEDY, GREEDY], "sampling_params has 2 entries"),
-    ([[1, 2]], "greedy", "sampling_params must be SamplingParams"),
-])
+@pytest.mark.parametrize(
+    "prompts, params, field",
+    [
+        ([[]], GREEDY, "prompt is empty"),
+        ([[1, 2, 10**6]], GREEDY, "token id 1000000 is outside the vocabulary"),
+        ([[1] * 512], GREEDY, "max_model_len"),
+        ([[1, 2], [1, -3], [4]], GREEDY, "token id -3"),
+        ([[1, 2]], [GREEDY, GREEDY], "sampling_params has 2 entries"),
+        ([[1, 2]], "greedy", "sampling_params must be SamplingParams"),
+    ],
+)
 def test_bad_requests_raise_and_change_nothing(llm, prompts, params, field):
     free = llm.engine.scheduler.block_manager.num_free_blocks
     with pytest.raises(ValueError, match=field):
@@ -99,10 +104,18 @@ def test_bad_requests_raise_and_change_nothing(llm, prompts, params, field):
     assert llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0].outputs[0].finish_reason == "length"
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
-    (dict(top_k=0), "top_k"), (dict(top_k=-2), "top_k"), (dict(min_p=1.5), "min_p"), (dict(max_tokens=0), "max_tokens"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(temperature=-0.1), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=0), "top_k"),
+        (dict(top_k=-2), "top_k"),
+        (dict(min_p=1.5), "min_p"),
+        (dict(max_tokens=0), "max_tokens"),
+    ],
+)
 def test_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
@@ -144,13 +157,18 @@ def test_an_interrupted_generate_leaves_the_engine_usable(llm, hf):
 
 def test_each_step_returns_its_stats(llm):
     engine = llm.engine
-    engine.add_request(list(range(700, 720)), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), "s")  # uncached
+    uncached = list(range(700, 720))
+    engine.add_request(uncached, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), "s")
     steps, outputs = [], []
     while engine.has_unfinished_requests():
         finished, stats = engine.step()
         outputs += finished
         steps.append(stats)
-    assert [(s.kind, s.num_seqs, s.num_tokens) for s in steps] == [("prefill", 1, 20), ("decode", 1, 1), ("decode", 1, 1)]
+    assert [(s.kind, s.num_seqs, s.num_tokens) for s in steps] == [
+        ("prefill", 1, 20),
+        ("decode", 1, 1),
+        ("decode", 1, 1),
+    ]
     assert all(s.schedule_seconds >= 0 and s.run_seconds > 0 and s.postprocess_seconds >= 0 for s in steps)
     assert all(s.seconds == s.schedule_seconds + s.run_seconds + s.postprocess_seconds for s in steps)
     assert [o.request_id for o in outputs] == ["s"] and len(outputs[0].outputs[0].token_ids) == 3
@@ -173,7 +191,12 @@ def test_abort_drops_every_request_and_the_engine_goes_on(llm, hf):
 
 def test_cli_runs_the_tiny_preset(tmp_path):
     env = dict(os.environ, MINIVLLM_CHECKPOINTS=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-m", "minivllm", "--preset", "tiny", "--max-tokens", "8", "Hello there"],
-                          capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "minivllm", "--preset", "tiny", "--max-tokens", "8", "Hello there"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "'Hello there'" in proc.stdout and "output tokens in" in proc.stdout and "tokens/s" in proc.stdout

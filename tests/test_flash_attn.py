@@ -15,7 +15,13 @@ def varlen_batch(q_lens, k_lens, num_heads, num_kv_heads, head_dim, dtype=torch.
     gen = torch.Generator().manual_seed(seed)
     cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
     make = lambda n, h: torch.randn(n, h, head_dim, generator=gen).to(dtype=dtype, device=device)
-    return make(sum(q_lens), num_heads), make(sum(k_lens), num_kv_heads), make(sum(k_lens), num_kv_heads), cu(q_lens), cu(k_lens)
+    return (
+        make(sum(q_lens), num_heads),
+        make(sum(k_lens), num_kv_heads),
+        make(sum(k_lens), num_kv_heads),
+        cu(q_lens),
+        cu(k_lens),
+    )
 
 
 def check(q_lens, k_lens, num_heads, num_kv_heads, head_dim, causal, dtype=torch.float32, tol=2e-5, seed=0):
@@ -51,7 +57,9 @@ def test_kernel_softmax_scale_and_strided_inputs():
     q, k, v = qkv.split([4, 2, 2], dim=1)
     cu = torch.tensor([0, 20, 50], dtype=torch.int32, device=DEVICE)
     out = flash_attn_varlen_func(q, k, v, cu, cu, 30, 30, softmax_scale=0.3, causal=True)
-    torch.testing.assert_close(out, attention_ref(q, k, v, cu, cu, softmax_scale=0.3, causal=True), rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(
+        out, attention_ref(q, k, v, cu, cu, softmax_scale=0.3, causal=True), rtol=2e-5, atol=2e-5
+    )
 
 
 @pytest.mark.parametrize(
@@ -70,9 +78,18 @@ def test_kernel_softmax_scale_and_strided_inputs():
     ],
 )
 def test_bad_input_raises_value_error_naming_the_argument(bad, argument):
-    args = dict(q=torch.randn(10, 4, 32), k=torch.randn(10, 2, 32), v=torch.randn(10, 2, 32),
-                cu_seqlens_q=torch.tensor([0, 10], dtype=torch.int32), cu_seqlens_k=torch.tensor([0, 10], dtype=torch.int32),
-                max_seqlen_q=10, max_seqlen_k=10) | bad
+    args = (
+        dict(
+            q=torch.randn(10, 4, 32),
+            k=torch.randn(10, 2, 32),
+            v=torch.randn(10, 2, 32),
+            cu_seqlens_q=torch.tensor([0, 10], dtype=torch.int32),
+            cu_seqlens_k=torch.tensor([0, 10], dtype=torch.int32),
+            max_seqlen_q=10,
+            max_seqlen_k=10,
+        )
+        | bad
+    )
     with pytest.raises(ValueError, match=argument):
         flash_attn_varlen_func(**args)
 
@@ -85,8 +102,16 @@ def test_kernel_bf16_on_gpu(group, head_dim, causal):
     rng = random.Random(f"gpu-{group}-{head_dim}-{causal}")
     q_lens = BOUNDARY_LENGTHS + [rng.randint(129, 3000) for _ in range(4)]
     k_lens = [n + rng.choice([0, 0, 7, 300]) for n in q_lens]  # some sequences continue after a cached prefix
-    check(q_lens, k_lens, num_heads=16, num_kv_heads=16 // group, head_dim=head_dim, causal=causal,
-          dtype=torch.bfloat16, tol=2e-2)
+    check(
+        q_lens,
+        k_lens,
+        num_heads=16,
+        num_kv_heads=16 // group,
+        head_dim=head_dim,
+        causal=causal,
+        dtype=torch.bfloat16,
+        tol=2e-2,
+    )
 
 
 @pytest.mark.gpu

@@ -49,7 +49,11 @@ def test_rmsnorm_matches_qwen3_bitwise(dtype):
 def test_linears_load_hf_tensors():
     hidden, head_dim, heads, kv_heads = 64, 16, 8, 2
     x = torch.randn(5, hidden)
-    wq, wk, wv = torch.randn(heads * head_dim, hidden), torch.randn(kv_heads * head_dim, hidden), torch.randn(kv_heads * head_dim, hidden)
+    wq, wk, wv = (
+        torch.randn(heads * head_dim, hidden),
+        torch.randn(kv_heads * head_dim, hidden),
+        torch.randn(kv_heads * head_dim, hidden),
+    )
     qkv = QKVParallelLinear(hidden, head_dim, heads, kv_heads)
     for shard_id, w in zip("qkv", (wq, wk, wv)):
         qkv.weight.weight_loader(qkv.weight, w, shard_id)
@@ -99,11 +103,20 @@ HIDDEN, HEAD_DIM, HEADS, KV_HEADS, INTER, VOCAB = 32, 8, 4, 2, 48, 64
 def tp_forward(seed: int) -> dict:
     """Build the layers on this rank from the same full HF-shaped tensors and run them; full outputs per layer."""
     gen = torch.Generator().manual_seed(seed)
-    w = {name: torch.randn(*shape, generator=gen) for name, shape in dict(
-        q=(HEADS * HEAD_DIM, HIDDEN), k=(KV_HEADS * HEAD_DIM, HIDDEN), v=(KV_HEADS * HEAD_DIM, HIDDEN),
-        o=(HIDDEN, HEADS * HEAD_DIM), gate=(INTER, HIDDEN), up=(INTER, HIDDEN), down=(HIDDEN, INTER),
-        embed=(VOCAB, HIDDEN), col=(24, HIDDEN),
-    ).items()}
+    w = {
+        name: torch.randn(*shape, generator=gen)
+        for name, shape in dict(
+            q=(HEADS * HEAD_DIM, HIDDEN),
+            k=(KV_HEADS * HEAD_DIM, HIDDEN),
+            v=(KV_HEADS * HEAD_DIM, HIDDEN),
+            o=(HIDDEN, HEADS * HEAD_DIM),
+            gate=(INTER, HIDDEN),
+            up=(INTER, HIDDEN),
+            down=(HIDDEN, INTER),
+            embed=(VOCAB, HIDDEN),
+            col=(24, HIDDEN),
+        ).items()
+    }
     x = torch.randn(6, HIDDEN, generator=gen)
     ids = torch.randint(0, VOCAB, (10,), generator=gen)
 
@@ -141,12 +154,14 @@ def test_tensor_parallel_2_equals_1():
     ranks = run_on_ranks(tp_forward, 2, 0)
     for name in ("attn_out", "mlp", "embed", "logits"):
         for result in ranks:
-            torch.testing.assert_close(result[name], single[name], rtol=1e-5, atol=1e-4)  # partial sums add in another order
+            # partial sums add in another order
+            torch.testing.assert_close(result[name], single[name], rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(torch.cat([r["col"] for r in ranks], -1), single["col"])
     assert ranks[0]["col"].shape[-1] == 12  # each rank really held half
 
 
 # --- RoPE ------------------------------------------------------------------------------------------------
+
 
 def hf_rotate(config, rope_cls, q, k, positions):
     cos, sin = rope_cls(config)(q, positions[None])
@@ -166,22 +181,36 @@ def test_rope_matches_qwen3(head_dim):
 
 
 def test_rope_llama3_scaling_matches_transformers():
-    params = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
-              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    params = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 32.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     config = LlamaConfig(hidden_size=512, num_attention_heads=8, max_position_embeddings=16384, rope_parameters=params)
     inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
     rope = get_rope(config, 64)
     positions = torch.arange(0, 16384, 1000)
     torch.testing.assert_close(rope.cos[positions], (positions[:, None].float() * inv_freq).cos())
-    default = get_rope(LlamaConfig(hidden_size=512, num_attention_heads=8, max_position_embeddings=16384, rope_theta=500000.0), 64)
+    default = get_rope(
+        LlamaConfig(hidden_size=512, num_attention_heads=8, max_position_embeddings=16384, rope_theta=500000.0), 64
+    )
     assert not torch.allclose(rope.cos[positions], default.cos[positions]), "llama3 scaling changed nothing"
 
 
 def test_rope_reads_old_and_new_config_styles():
     scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    old = SimpleNamespace(rope_theta=500000.0, rope_scaling={"rope_type": "llama3", **scaling}, max_position_embeddings=128)
-    older = SimpleNamespace(rope_theta=500000.0, rope_scaling={"type": "llama3", **scaling}, max_position_embeddings=128)
-    new = SimpleNamespace(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, **scaling}, max_position_embeddings=128)
+    old = SimpleNamespace(
+        rope_theta=500000.0, rope_scaling={"rope_type": "llama3", **scaling}, max_position_embeddings=128
+    )
+    older = SimpleNamespace(
+        rope_theta=500000.0, rope_scaling={"type": "llama3", **scaling}, max_position_embeddings=128
+    )
+    new = SimpleNamespace(
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, **scaling}, max_position_embeddings=128
+    )
     bare = SimpleNamespace(max_position_embeddings=128)
     assert rope_parameters(old) == rope_parameters(new) == rope_parameters(older)
     assert rope_parameters(bare) == {"rope_theta": 10000.0, "rope_type": "default"}
@@ -191,6 +220,7 @@ def test_rope_reads_old_and_new_config_styles():
 
 
 # --- reference attention ----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("group", [1, 2, 4])

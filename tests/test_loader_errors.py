@@ -111,8 +111,16 @@ def test_unreadable_index(sharded, tmp_path):
         load_model(path)
 
 
-@pytest.mark.parametrize("index", [{"metadata": {}}, {"weight_map": []}, {"weight_map": {}},
-                                   {"weight_map": {"model.norm.weight": 3}}, ["weight_map"]])
+@pytest.mark.parametrize(
+    "index",
+    [
+        {"metadata": {}},
+        {"weight_map": []},
+        {"weight_map": {}},
+        {"weight_map": {"model.norm.weight": 3}},
+        ["weight_map"],
+    ],
+)
 def test_index_without_a_weight_map(sharded, tmp_path, index):
     path = copy(sharded, tmp_path)
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
@@ -201,13 +209,16 @@ def test_unexpected_tensor(tiny, tmp_path):
         load_model(path)
 
 
-@pytest.mark.parametrize("name, shape, expected", [
-    ("model.layers.1.self_attn.v_proj.weight", (32, 128), (64, 128)),
-    ("model.layers.0.mlp.up_proj.weight", (384, 64), (384, 128)),
-    ("model.layers.3.mlp.down_proj.weight", (128, 385), (128, 384)),
-    ("model.layers.0.self_attn.q_norm.weight", (16,), (32,)),
-    ("model.embed_tokens.weight", (2000, 128), (2048, 128)),
-])
+@pytest.mark.parametrize(
+    "name, shape, expected",
+    [
+        ("model.layers.1.self_attn.v_proj.weight", (32, 128), (64, 128)),
+        ("model.layers.0.mlp.up_proj.weight", (384, 64), (384, 128)),
+        ("model.layers.3.mlp.down_proj.weight", (128, 385), (128, 384)),
+        ("model.layers.0.self_attn.q_norm.weight", (16,), (32,)),
+        ("model.embed_tokens.weight", (2000, 128), (2048, 128)),
+    ],
+)
 def test_shape_mismatch_names_tensor_and_shapes(tiny, tmp_path, name, shape, expected):
     path = copy(tiny, tmp_path, tensors_edit=lambda t: t.update({name: torch.zeros(shape)}))
     with pytest.raises(ValueError) as e:

@@ -33,9 +33,10 @@ def hf(tiny):
 
 
 def hf_greedy(hf, prompt: list[int], max_tokens: int) -> list[int]:
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
-                      pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = hf.generate(
+        torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def greedy_tokens(llm: LLM, prompt: list[int], max_tokens: int = 8) -> list[int]:
@@ -54,6 +55,7 @@ def assert_idle(llm: LLM) -> None:
 
 
 # --- 1. concurrent generate calls ----------------------------------------------------------------------------------
+
 
 def test_concurrent_generate_calls_are_serialised(llm):
     batches = [[[i + 1, i + 2, i + 3], list(range(10 + i, 30 + i))] for i in range(3)]
@@ -80,6 +82,7 @@ def test_concurrent_generate_calls_are_serialised(llm):
 
 # --- 2. a checkpoint without a tokenizer ---------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("dropped", [("tokenizer.json", "tokenizer_config.json"), ("tokenizer.json",)])
 def test_a_checkpoint_without_tokenizer_files_refuses_text(tiny, tmp_path, llm, dropped):
     folder = tmp_path / "no_tokenizer"
@@ -97,38 +100,80 @@ def test_a_checkpoint_without_tokenizer_files_refuses_text(tiny, tmp_path, llm, 
 
 # --- 3. validation covers every field, and a call is atomic --------------------------------------------------------
 
-@pytest.mark.parametrize("field, value", [
-    ("max_tokens", 1.5), ("max_tokens", 2.0), ("max_tokens", "3"), ("max_tokens", None), ("max_tokens", True),
-    ("max_tokens", np.float64(2)),
-    ("seed", 1.5), ("seed", "7"), ("seed", True),
-    ("top_k", 2.0), ("top_k", None), ("top_k", True), ("top_k", 2**63),  # top_k travels to the sampler as int64
-    ("stop_token_ids", [[1]]), ("stop_token_ids", [1.0]), ("stop_token_ids", [None]), ("stop_token_ids", [True]),
-    ("stop_token_ids", 5), ("stop_token_ids", "ab"), ("stop_token_ids", [-1]), ("stop_token_ids", (i for i in [1])),
-    ("temperature", None), ("temperature", "0.5"), ("temperature", True), ("temperature", math.inf),
-    ("temperature", -math.inf), ("temperature", 1j),
-    ("top_p", None), ("top_p", math.inf), ("top_p", "1"),
-    ("min_p", None), ("min_p", math.inf), ("min_p", -math.inf),
-    ("ignore_eos", "yes"), ("ignore_eos", None),
-])
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("max_tokens", 1.5),
+        ("max_tokens", 2.0),
+        ("max_tokens", "3"),
+        ("max_tokens", None),
+        ("max_tokens", True),
+        ("max_tokens", np.float64(2)),
+        ("seed", 1.5),
+        ("seed", "7"),
+        ("seed", True),
+        ("top_k", 2.0),
+        ("top_k", None),
+        ("top_k", True),
+        ("top_k", 2**63),  # top_k travels to the sampler as int64
+        ("stop_token_ids", [[1]]),
+        ("stop_token_ids", [1.0]),
+        ("stop_token_ids", [None]),
+        ("stop_token_ids", [True]),
+        ("stop_token_ids", 5),
+        ("stop_token_ids", "ab"),
+        ("stop_token_ids", [-1]),
+        ("stop_token_ids", (i for i in [1])),
+        ("temperature", None),
+        ("temperature", "0.5"),
+        ("temperature", True),
+        ("temperature", math.inf),
+        ("temperature", -math.inf),
+        ("temperature", 1j),
+        ("top_p", None),
+        ("top_p", math.inf),
+        ("top_p", "1"),
+        ("min_p", None),
+        ("min_p", math.inf),
+        ("min_p", -math.inf),
+        ("ignore_eos", "yes"),
+        ("ignore_eos", None),
+    ],
+)
 def test_sampling_params_reject_wrong_types(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
 
 
 def test_sampling_params_accept_numpy_and_torch_scalars():
-    p = SamplingParams(max_tokens=np.int64(3), seed=torch.tensor(5), top_k=np.int32(4), temperature=np.float32(0.5),
-                       top_p=torch.tensor(0.75), min_p=np.float64(0.125), stop_token_ids=(np.int64(1), torch.tensor(2)),
-                       ignore_eos=np.bool_(True))
+    p = SamplingParams(
+        max_tokens=np.int64(3),
+        seed=torch.tensor(5),
+        top_k=np.int32(4),
+        temperature=np.float32(0.5),
+        top_p=torch.tensor(0.75),
+        min_p=np.float64(0.125),
+        stop_token_ids=(np.int64(1), torch.tensor(2)),
+        ignore_eos=np.bool_(True),
+    )
     assert (p.max_tokens, p.seed, p.top_k, p.temperature, p.top_p, p.min_p) == (3, 5, 4, 0.5, 0.75, 0.125)
     assert p.stop_token_ids == [1, 2] and p.ignore_eos is True
     assert all(type(v) is int for v in (p.max_tokens, p.seed, p.top_k, *p.stop_token_ids))
     assert all(type(v) is float for v in (p.temperature, p.top_p, p.min_p))
 
 
-@pytest.mark.parametrize("prompt", [
-    np.array([5, 6, 7]), torch.tensor([5, 6, 7]), np.array([5, 6, 7], dtype=np.int32), (5, 6, 7),
-    [np.int64(5), 6, torch.tensor(7)], torch.tensor([5, 6, 7], dtype=torch.int32),
-])
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        np.array([5, 6, 7]),
+        torch.tensor([5, 6, 7]),
+        np.array([5, 6, 7], dtype=np.int32),
+        (5, 6, 7),
+        [np.int64(5), 6, torch.tensor(7)],
+        torch.tensor([5, 6, 7], dtype=torch.int32),
+    ],
+)
 def test_integer_arrays_and_scalars_are_prompts(llm, prompt):
     out = llm.generate(prompt, GREEDY, use_tqdm=False)
     assert len(out) == 1 and out[0].prompt_token_ids == [5, 6, 7]
@@ -138,11 +183,28 @@ def test_integer_arrays_and_scalars_are_prompts(llm, prompt):
     assert both[0].outputs[0].token_ids == both[1].outputs[0].token_ids
 
 
-@pytest.mark.parametrize("prompts", [
-    [[1.0, 2.0]], [[1, None]], [[1, [2]]], [[True, 2]], [[1, 2], [3.5]], np.array([1.0, 2.0]),
-    np.array([[1, 2]]), torch.tensor([[1, 2]]), torch.tensor([1.0, 2.0]), np.array([True, False]),
-    (t for t in [1, 2]), [(t for t in [1, 2])], None, [None], 5, [[1, 2], 3], [[1, 2], b"ab"],
-])
+@pytest.mark.parametrize(
+    "prompts",
+    [
+        [[1.0, 2.0]],
+        [[1, None]],
+        [[1, [2]]],
+        [[True, 2]],
+        [[1, 2], [3.5]],
+        np.array([1.0, 2.0]),
+        np.array([[1, 2]]),
+        torch.tensor([[1, 2]]),
+        torch.tensor([1.0, 2.0]),
+        np.array([True, False]),
+        (t for t in [1, 2]),
+        [(t for t in [1, 2])],
+        None,
+        [None],
+        5,
+        [[1, 2], 3],
+        [[1, 2], b"ab"],
+    ],
+)
 def test_bad_prompts_raise_and_change_nothing(llm, prompts):
     with pytest.raises(ValueError, match="prompt"):
         llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -174,10 +236,20 @@ def test_a_request_keeps_its_own_copy_of_the_parameters(llm):
 
 # --- 4. numeric edges ----------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("field, value", [
-    ("temperature", math.nan), ("temperature", math.inf), ("top_p", math.nan), ("top_p", math.inf),
-    ("min_p", math.nan), ("min_p", math.inf), ("temperature", np.float32("nan")), ("top_p", torch.tensor(math.nan)),
-])
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", math.nan),
+        ("temperature", math.inf),
+        ("top_p", math.nan),
+        ("top_p", math.inf),
+        ("min_p", math.nan),
+        ("min_p", math.inf),
+        ("temperature", np.float32("nan")),
+        ("top_p", torch.tensor(math.nan)),
+    ],
+)
 def test_non_finite_sampling_params_are_refused(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
@@ -188,7 +260,10 @@ def test_temperatures_below_1e_5_are_greedy(llm, temperature):
     params = SamplingParams(temperature=temperature, max_tokens=8, ignore_eos=True, seed=3)
     assert params.temperature == 0.0
     out = llm.generate([[5, 6, 7], list(range(40, 60))], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in out] == [greedy_tokens(llm, [5, 6, 7]), greedy_tokens(llm, list(range(40, 60)))]
+    assert [o.outputs[0].token_ids for o in out] == [
+        greedy_tokens(llm, [5, 6, 7]),
+        greedy_tokens(llm, list(range(40, 60))),
+    ]
 
 
 @pytest.mark.parametrize("temperature", [1e-5, 1e-4, 1e30, float(np.finfo(np.float32).max), 1e300])
@@ -203,6 +278,7 @@ def test_extreme_temperatures_sample_valid_tokens(llm, temperature):
 
 
 # --- 5. the LLMEngine API ------------------------------------------------------------------------------------------
+
 
 def drain(llm: LLM) -> list:
     outputs = []
@@ -299,19 +375,31 @@ def test_a_failed_decode_step_aborts_its_requests(llm, hf):
 
 # --- 6. the command line -------------------------------------------------------------------------------------------
 
+
 def run_cli(tmp_path, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, MINIVLLM_CHECKPOINTS=str(tmp_path))
-    return subprocess.run([sys.executable, "-m", "minivllm", *args], capture_output=True, text=True, timeout=300,
-                          env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "minivllm", *args], capture_output=True, text=True, timeout=300, env=env
+    )
 
 
-@pytest.mark.parametrize("args, field", [
-    (["--max-tokens", "0"], "max-tokens"), (["--max-tokens", "-2"], "max-tokens"),
-    (["--max-tokens", "1.5"], "max-tokens"), (["--model", "/no/such/folder"], "model"),
-    (["--temperature", "nan"], "temperature"), (["--temperature", "-1"], "temperature"),
-    (["--top-p", "2"], "top_p"), (["--top-p", "inf"], "top"), (["--min-p", "nan"], "min"), (["--top-k", "0"], "top_k"),
-    (["--tp", "0"], "tp"), (["--max-model-len", "0"], "max-model-len"),
-])
+@pytest.mark.parametrize(
+    "args, field",
+    [
+        (["--max-tokens", "0"], "max-tokens"),
+        (["--max-tokens", "-2"], "max-tokens"),
+        (["--max-tokens", "1.5"], "max-tokens"),
+        (["--model", "/no/such/folder"], "model"),
+        (["--temperature", "nan"], "temperature"),
+        (["--temperature", "-1"], "temperature"),
+        (["--top-p", "2"], "top_p"),
+        (["--top-p", "inf"], "top"),
+        (["--min-p", "nan"], "min"),
+        (["--top-k", "0"], "top_k"),
+        (["--tp", "0"], "tp"),
+        (["--max-model-len", "0"], "max-model-len"),
+    ],
+)
 def test_cli_bad_values_are_usage_errors(tmp_path, args, field):
     proc = run_cli(tmp_path, "--preset", "tiny", *args) if "--model" not in args else run_cli(tmp_path, *args)
     assert proc.returncode == 2, proc.stderr

@@ -83,8 +83,12 @@ def test_sharded_checkpoint_with_index_loads(checkpoints, tmp_path):
     assert len(set(index["weight_map"].values())) > 1 and "lm_head.weight" not in index["weight_map"]
     assert not (sharded / "model.safetensors").exists()
     token_ids = prompt(50)
-    torch.testing.assert_close(load_model(sharded).prompt_logits(token_ids),
-                               load_model(checkpoints["tied-gqa"]).prompt_logits(token_ids), rtol=0, atol=0)
+    torch.testing.assert_close(
+        load_model(sharded).prompt_logits(token_ids),
+        load_model(checkpoints["tied-gqa"]).prompt_logits(token_ids),
+        rtol=0,
+        atol=0,
+    )
 
 
 def test_sharded_checkpoint_follows_its_index(checkpoints, tmp_path):
@@ -109,8 +113,9 @@ def test_tied_checkpoint_that_also_stores_lm_head_loads(checkpoints, tmp_path):
     tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     token_ids = prompt(20)
-    torch.testing.assert_close(load_model(path).prompt_logits(token_ids), hf_logits(path, token_ids),
-                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        load_model(path).prompt_logits(token_ids), hf_logits(path, token_ids), rtol=1e-4, atol=1e-4
+    )
 
 
 def test_transformers_4_config_keys_load(checkpoints, tmp_path):
@@ -127,8 +132,12 @@ def test_transformers_4_config_keys_load(checkpoints, tmp_path):
     config["transformers_version"] = "4.51.0"
     (path / "config.json").write_text(json.dumps(config))
     token_ids = prompt(30)
-    torch.testing.assert_close(load_model(path).prompt_logits(token_ids),
-                               load_model(checkpoints["untied-gqa"]).prompt_logits(token_ids), rtol=0, atol=0)
+    torch.testing.assert_close(
+        load_model(path).prompt_logits(token_ids),
+        load_model(checkpoints["untied-gqa"]).prompt_logits(token_ids),
+        rtol=0,
+        atol=0,
+    )
 
 
 def test_bfloat16_checkpoint_upcasts_to_float32(tmp_path):
@@ -147,8 +156,15 @@ def test_default_dtype_is_restored(checkpoints):
     assert torch.get_default_dtype() == torch.float32
 
 
-@pytest.mark.parametrize("token_ids, match", [([], "empty"), ([0, 2048], "2048 is outside the vocabulary"),
-                                              ([-1], "-1 is outside"), ([1] * 4097, "max_position_embeddings")])
+@pytest.mark.parametrize(
+    "token_ids, match",
+    [
+        ([], "empty"),
+        ([0, 2048], "2048 is outside the vocabulary"),
+        ([-1], "-1 is outside"),
+        ([1] * 4097, "max_position_embeddings"),
+    ],
+)
 def test_bad_prompts(checkpoints, token_ids, match):
     model = load_model(checkpoints["tied-gqa"])
     with pytest.raises(ValueError, match=match):

@@ -96,7 +96,9 @@ def test_prefix_cache_hit_gives_the_logits_of_no_caching(runner, reference, use_
         run_steps(runner, [system + [1, 2]], 0, bm=bm)  # fills the cache; its blocks stay cached when freed
         seqs, hit, cached = run_steps(runner, [system + [9, 8, 7, 6, 5]], 4, bm=bm)
         assert cached == [48]
-        _, plain, _ = run_steps(runner, [system + [9, 8, 7, 6, 5]], 4, bm=BlockManager(128, 16, enable_prefix_caching=False))
+        _, plain, _ = run_steps(
+            runner, [system + [9, 8, 7, 6, 5]], 4, bm=BlockManager(128, 16, enable_prefix_caching=False)
+        )
         torch.testing.assert_close(hit[0], plain[0], rtol=1e-4, atol=1e-4)
         assert_matches_from_scratch(reference, seqs, hit)
     finally:
@@ -147,9 +149,14 @@ def test_graph_batch_sizes():
 
 
 def test_config_names_the_bad_field(tiny):
-    for bad, field in [(dict(block_size=24), "block_size"), (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
-                       (dict(max_num_seqs=0), "max_num_seqs"), (dict(tensor_parallel_size=0), "tensor_parallel_size"),
-                       (dict(max_model_len=0), "max_model_len"), (dict(max_model_len=4097), "max_model_len")]:
+    for bad, field in [
+        (dict(block_size=24), "block_size"),
+        (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+        (dict(max_num_seqs=0), "max_num_seqs"),
+        (dict(tensor_parallel_size=0), "tensor_parallel_size"),
+        (dict(max_model_len=0), "max_model_len"),
+        (dict(max_model_len=4097), "max_model_len"),
+    ]:
         with pytest.raises(ValueError, match=field):
             Config(tiny, **bad)
     with pytest.raises(FileNotFoundError):
@@ -157,6 +164,7 @@ def test_config_names_the_bad_field(tiny):
 
 
 # --- on a GPU: the Triton paths and CUDA graphs ----------------------------------------------------------------
+
 
 @pytest.mark.gpu
 def test_gpu_fp32_paged_steps_equal_prompt_logits(tiny, reference):

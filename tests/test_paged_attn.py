@@ -12,7 +12,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def check_decode(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype=torch.float32, tol=1e-4):
-    k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache(seq_lens, num_kv_heads, head_dim, block_size, DEVICE, dtype)
+    k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache(
+        seq_lens, num_kv_heads, head_dim, block_size, DEVICE, dtype
+    )
     q = torch.randn(len(seq_lens), 1, num_heads, head_dim, device=DEVICE).to(dtype)
     seqlens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     out = flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, block_table)
@@ -59,14 +61,19 @@ def test_paged_prefill_attends_to_the_cached_prefix(block_size, causal):
     k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache(k_lens, 2, 32, block_size, DEVICE)
     q = torch.randn(sum(q_lens), 4, 32, device=DEVICE)
     cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
-    out = flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max(q_lens), max(k_lens), causal=causal,
-                                 block_table=block_table)
+    out = flash_attn_varlen_func(
+        q, k_cache, v_cache, cu_q, cu_k, max(q_lens), max(k_lens), causal=causal, block_table=block_table
+    )
     torch.testing.assert_close(out, attention_ref(q, k, v, cu_q, cu_k, causal=causal), rtol=1e-4, atol=1e-4)
 
 
 def test_bad_decode_input_raises_value_error():
     k_cache = torch.zeros(2, 16, 2, 32)
-    q, seqlens, table = torch.randn(1, 1, 4, 32), torch.tensor([5], dtype=torch.int32), torch.zeros(1, 2, dtype=torch.int32)
+    q, seqlens, table = (
+        torch.randn(1, 1, 4, 32),
+        torch.tensor([5], dtype=torch.int32),
+        torch.zeros(1, 2, dtype=torch.int32),
+    )
     with pytest.raises(ValueError, match="q must be"):
         flash_attn_with_kvcache(q[0], k_cache, k_cache, seqlens, table)
     with pytest.raises(ValueError, match="k_cache"):
@@ -86,8 +93,15 @@ def test_bad_decode_input_raises_value_error():
 def test_decode_bf16_on_gpu(batch, group, block_size):
     rng = random.Random(f"gpu-{batch}-{group}-{block_size}")
     seq_lens = [rng.randint(1, 5000) for _ in range(batch)]
-    check_decode(seq_lens, num_heads=16, num_kv_heads=16 // group, head_dim=128, block_size=block_size,
-                 dtype=torch.bfloat16, tol=2e-2)
+    check_decode(
+        seq_lens,
+        num_heads=16,
+        num_kv_heads=16 // group,
+        head_dim=128,
+        block_size=block_size,
+        dtype=torch.bfloat16,
+        tol=2e-2,
+    )
 
 
 @pytest.mark.gpu
@@ -96,7 +110,8 @@ def test_paged_prefill_bf16_on_gpu():
     k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache(k_lens, 8, 128, 16, DEVICE, torch.bfloat16)
     q = torch.randn(sum(q_lens), 16, 128, device=DEVICE, dtype=torch.bfloat16)
     cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
-    out = flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max(q_lens), max(k_lens), causal=True,
-                                 block_table=block_table)
+    out = flash_attn_varlen_func(
+        q, k_cache, v_cache, cu_q, cu_k, max(q_lens), max(k_lens), causal=True, block_table=block_table
+    )
     ref = attention_ref(q, k, v, cu_q, cu_k, causal=True)
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)

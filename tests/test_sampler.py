@@ -41,8 +41,12 @@ logit_rows = dict(seed=st.integers(0, 2**32 - 1), vocab=st.integers(2, 60), scal
 
 
 def test_from_params_fields():
-    params = [SamplingParams(temperature=0), SamplingParams(0.7, top_p=0.9, top_k=5, min_p=0.1, seed=3),
-              SamplingParams(seed=-1), SamplingParams(seed=2**70 + 1)]
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(0.7, top_p=0.9, top_k=5, min_p=0.1, seed=3),
+        SamplingParams(seed=-1),
+        SamplingParams(seed=2**70 + 1),
+    ]
     t = tensors(params, steps=[0, 2, 5, 1])
     assert t.temperatures.dtype == t.top_ps.dtype == t.min_ps.dtype == torch.float32
     assert t.top_ks.dtype == t.seeds.dtype == t.steps.dtype == torch.int64
@@ -69,8 +73,14 @@ def test_filtering_flag_only_for_random_rows_with_a_filter():
 
 
 @settings(max_examples=200, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), vocab=st.integers(2, 300), greedy=st.lists(st.booleans(), min_size=1, max_size=12),
-       top_k=st.integers(-1, 5), top_p=st.floats(0.05, 1.0), temperature=st.floats(0.05, 5.0))
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    vocab=st.integers(2, 300),
+    greedy=st.lists(st.booleans(), min_size=1, max_size=12),
+    top_k=st.integers(-1, 5),
+    top_p=st.floats(0.05, 1.0),
+    temperature=st.floats(0.05, 5.0),
+)
 def test_greedy_rows_are_the_argmax_of_the_raw_logits(seed, vocab, greedy, top_k, top_p, temperature):
     logits = random_logits(seed, vocab, 3.0, rows=len(greedy))
     top_k = -1 if top_k < 1 else top_k
@@ -133,8 +143,19 @@ def test_min_p_never_returns_a_token_below_min_p_times_the_max(seed, vocab, scal
 
 @pytest.mark.parametrize(
     "top_k, top_p, min_p, kept",
-    [(-1, 1.0, 0.0, 4), (-1, 0.8, 0.0, 2), (-1, 0.81, 0.0, 3), (-1, 0.01, 0.0, 1), (3, 1.0, 0.0, 3), (1, 1.0, 0.0, 1),
-     (-1, 0.82, 0.0, 3), (3, 0.82, 0.0, 2), (-1, 1.0, 0.3, 3), (-1, 1.0, 0.31, 2), (-1, 1.0, 1.0, 1)],
+    [
+        (-1, 1.0, 0.0, 4),
+        (-1, 0.8, 0.0, 2),
+        (-1, 0.81, 0.0, 3),
+        (-1, 0.01, 0.0, 1),
+        (3, 1.0, 0.0, 3),
+        (1, 1.0, 0.0, 1),
+        (-1, 0.82, 0.0, 3),
+        (3, 0.82, 0.0, 2),
+        (-1, 1.0, 0.3, 3),
+        (-1, 1.0, 0.31, 2),
+        (-1, 1.0, 1.0, 1),
+    ],
 )
 def test_keep_mask_on_a_hand_example(top_k, top_p, min_p, kept):
     """probs [0.5, 0.3, 0.15, 0.05]: top-p 0.8 is reached by 2 tokens; after top-k 3, 0.5 + 0.3 is 0.84 of the mass."""
@@ -153,8 +174,10 @@ def reference_kept(probs: list[float], top_k: int, top_p: float, min_p: float) -
 
 
 @settings(max_examples=200, deadline=None)
-@given(**logit_rows, rows=st.lists(st.tuples(st.integers(-1, 8), st.floats(0.01, 1.0), st.floats(0.0, 1.0)),
-                                   min_size=1, max_size=6))
+@given(
+    **logit_rows,
+    rows=st.lists(st.tuples(st.integers(-1, 8), st.floats(0.01, 1.0), st.floats(0.0, 1.0)), min_size=1, max_size=6),
+)
 def test_keep_mask_matches_a_per_row_reference(seed, vocab, scale, rows):
     logits = random_logits(seed, vocab, scale, rows=len(rows))
     sorted_probs = torch.softmax(logits, dim=-1).sort(dim=-1, descending=True).values
@@ -165,9 +188,13 @@ def test_keep_mask_matches_a_per_row_reference(seed, vocab, scale, rows):
         probs = sorted_probs[i].double().tolist()
         kept = int(mask[i].sum())
         assert mask[i, :kept].all()  # the kept tokens are the most likely ones
-        bounds = [reference_kept(probs, int(top_ks[i]), float(top_ps[i]) + d, float(min_ps[i]) + e)
-                  for d in (-1e-5, 1e-5) for e in (-1e-5, 1e-5)]  # float32 sums may round either way at a boundary:
-        assert min(bounds) <= kept <= max(bounds)  # the count is that of a threshold within 1e-5 of the given one
+        bounds = [
+            reference_kept(probs, int(top_ks[i]), float(top_ps[i]) + d, float(min_ps[i]) + e)
+            for d in (-1e-5, 1e-5)
+            for e in (-1e-5, 1e-5)
+        ]
+        # float32 sums may round either way at a boundary: the count is that of a threshold within 1e-5 of the given one
+        assert min(bounds) <= kept <= max(bounds)
 
 
 def test_top_p_1_keeps_a_tail_too_small_for_a_float32_sum():
@@ -203,8 +230,9 @@ def test_filtered_frequencies_are_the_renormalized_survivors():
     torch.manual_seed(0)
     tokens = sample(logits.expand(n, -1), [SamplingParams(top_k=3)] * n)
     freq = torch.bincount(tokens, minlength=5) / n
-    torch.testing.assert_close(freq, torch.softmax(logits[0].masked_fill(torch.arange(5) >= 3, -torch.inf), dim=-1),
-                               atol=0.012, rtol=0)
+    torch.testing.assert_close(
+        freq, torch.softmax(logits[0].masked_fill(torch.arange(5) >= 3, -torch.inf), dim=-1), atol=0.012, rtol=0
+    )
 
 
 # --- seeds -------------------------------------------------------------------------------------------------
@@ -256,8 +284,10 @@ def test_a_preempted_request_regenerates_its_tokens():
     table = 2 * random_logits(11, 300, 1.0, rows=300)  # toy model: next-token logits from the last token
 
     def decode(batch: list[Sequence]) -> None:
-        tokens = sampler(table[[s.last_token for s in batch]],
-                         tensors([s.sampling_params for s in batch], [s.num_completion_tokens for s in batch]))
+        tokens = sampler(
+            table[[s.last_token for s in batch]],
+            tensors([s.sampling_params for s in batch], [s.num_completion_tokens for s in batch]),
+        )
         for seq, token in zip(batch, tokens.tolist()):
             seq.append_token(token)
 
@@ -287,8 +317,12 @@ def test_noise_depends_only_on_seed_and_step():
 def test_cuda_matches_the_contract():
     logits = random_logits(5, 32_000, 1.0, rows=4).cuda()
     logits[3] = logits[1]  # the same row twice, with the same seed: the same token
-    params = [SamplingParams(temperature=0), SamplingParams(seed=8, top_p=0.9), SamplingParams(top_k=5),
-              SamplingParams(seed=8, top_p=0.9)]
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(seed=8, top_p=0.9),
+        SamplingParams(top_k=5),
+        SamplingParams(seed=8, top_p=0.9),
+    ]
     tokens = sampler(logits, tensors(params, device="cuda"))
     assert tokens.device.type == "cuda" and tokens[0] == logits[0].argmax()
     assert tokens[1] == tokens[3]

@@ -43,8 +43,9 @@ def greedy(tiny):
     def generate(prompt: list[int], max_new_tokens: int) -> list[int]:
         if len(memo.get(tuple(prompt), ())) < max_new_tokens:
             ids = torch.tensor([prompt])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=max_new_tokens, pad_token_id=0)
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0
+            )
             memo[tuple(prompt)] = out[0, len(prompt) :].tolist()
         return memo[tuple(prompt)][:max_new_tokens]
 
@@ -52,12 +53,17 @@ def greedy(tiny):
     return generate
 
 
-def limits(num_kvcache_blocks=256, max_num_seqs=16, max_num_batched_tokens=8192, max_model_len=4096,
-           enable_prefix_caching=True):
+def limits(
+    num_kvcache_blocks=256, max_num_seqs=16, max_num_batched_tokens=8192, max_model_len=4096, enable_prefix_caching=True
+):
     """What the scheduler reads from a Config."""
-    return SimpleNamespace(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                           max_model_len=max_model_len, block_size=BLOCK,
-                           enable_prefix_caching=enable_prefix_caching), num_kvcache_blocks
+    return SimpleNamespace(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        block_size=BLOCK,
+        enable_prefix_caching=enable_prefix_caching,
+    ), num_kvcache_blocks
 
 
 def make_scheduler(**kwargs) -> Scheduler:
@@ -68,8 +74,11 @@ def make_scheduler(**kwargs) -> Scheduler:
 def request(prompt, max_tokens, ignore_eos=True, eos=None, stop_token_ids=None, **params) -> Sequence:
     """A greedy request. As the engine does, the end-of-sequence id `eos` joins its stop tokens unless ignore_eos."""
     stops = list(stop_token_ids or []) + ([eos] if eos is not None and not ignore_eos else [])
-    return Sequence(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos,
-                                           stop_token_ids=stops, **params), BLOCK)
+    return Sequence(
+        prompt,
+        SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos, stop_token_ids=stops, **params),
+        BLOCK,
+    )
 
 
 def serve(scheduler: Scheduler, seqs: list[Sequence], model, arrivals: list[int] | None = None) -> Counter:
@@ -119,8 +128,11 @@ def check_parity(runner, greedy, scheduler, prompts, max_tokens) -> Counter:
 
 def random_prompts(seed, n, lens, prefixes=()):
     rng = random.Random(seed)
-    return [(list(rng.choice(prefixes)) if prefixes and rng.random() < 0.5 else [])
-            + rng.choices(range(3, 2048), k=rng.randint(*lens)) for _ in range(n)]
+    return [
+        (list(rng.choice(prefixes)) if prefixes and rng.random() < 0.5 else [])
+        + rng.choices(range(3, 2048), k=rng.randint(*lens))
+        for _ in range(n)
+    ]
 
 
 # --- the same tokens as transformers ---------------------------------------------------------------------------
@@ -201,8 +213,10 @@ def test_a_mixed_run_of_120_requests(runner, greedy):
     stats = serve(scheduler, seqs, runner.run, arrivals)
     for seq, prompt, n in zip(seqs, prompts, max_tokens):
         assert seq.completion_token_ids == greedy(prompt, n)
-    print(f"\nmixed run: {len(seqs)} requests, {stats['steps']} steps, {stats['preemptions']} preemptions, "
-          f"{stats['chunks']} prompt chunks short of the end, {stats['hit_tokens']} prefix-cache hit tokens")
+    print(
+        f"\nmixed run: {len(seqs)} requests, {stats['steps']} steps, {stats['preemptions']} preemptions, "
+        f"{stats['chunks']} prompt chunks short of the end, {stats['hit_tokens']} prefix-cache hit tokens"
+    )
     assert stats["preemptions"] >= 20 and stats["chunks"] >= 50 and stats["hit_tokens"] >= 1000
 
 
@@ -216,8 +230,10 @@ def test_eos_and_stop_tokens_finish_with_stop(runner, greedy):
     counts = Counter(t for reply, ignore in zip(full, ignore_eos) if not ignore for t in set(reply[1:]))
     eos = counts.most_common(1)[0][0]  # a token that ends some replies early
     stops = [[reply[i % 7 + 2]] if i % 2 else None for i, reply in enumerate(full)]  # each its own stop token
-    seqs = [request(p, 32, ignore_eos=ignore, eos=eos, stop_token_ids=stop)
-            for p, ignore, stop in zip(prompts, ignore_eos, stops)]
+    seqs = [
+        request(p, 32, ignore_eos=ignore, eos=eos, stop_token_ids=stop)
+        for p, ignore, stop in zip(prompts, ignore_eos, stops)
+    ]
     serve(make_scheduler(), seqs, runner.run)
     reasons = Counter()
     for seq, reply, stop, ignore in zip(seqs, full, stops, ignore_eos):
@@ -229,8 +245,14 @@ def test_eos_and_stop_tokens_finish_with_stop(runner, greedy):
     assert reasons["eos"] >= 1 and reasons["stop"] >= 5 and reasons["length"] >= 1
     for seq in seqs[2::6]:  # EOS on, no stop tokens: transformers, told the same EOS, stops at the same token
         ids = torch.tensor([seq.prompt_token_ids])
-        out = greedy.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=32,
-                                    eos_token_id=eos, pad_token_id=0)
+        out = greedy.model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=32,
+            eos_token_id=eos,
+            pad_token_id=0,
+        )
         assert out[0, ids.shape[1] :].tolist() == seq.completion_token_ids
 
 
@@ -447,8 +469,12 @@ class ShadowRunner:
 
     def __call__(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         step = (prepare_prefill if is_prefill else prepare_decode)(seqs, BLOCK)
-        spans = [(seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens) if is_prefill
-                 else (len(seq) - 1, len(seq)) for seq in seqs]
+        spans = [
+            (seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens)
+            if is_prefill
+            else (len(seq) - 1, len(seq))
+            for seq in seqs
+        ]
         names = [prefix_hashes(seq.token_ids) for seq in seqs]
         slots = iter(step.slot_mapping.tolist())
         for (start, end), name in zip(spans, names):
@@ -472,13 +498,26 @@ def reference_reply(prompt: list[int], params: SamplingParams, eos: int, max_len
             return tokens[len(prompt) :], "length"
 
 
-workloads = st.fixed_dictionaries(dict(
-    num_kvcache_blocks=st.integers(2, 16), max_num_seqs=st.integers(1, 8), max_num_batched_tokens=st.integers(1, 80),
-    max_model_len=st.integers(20, 200), enable_prefix_caching=st.booleans(),
-    requests=st.lists(st.tuples(st.sampled_from([(), (1, 2, 3) * 6, (4,) * 33, (4,) * 33 + (5,) * 16]),  # prefixes
-                                st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40),
-                                st.integers(1, 60), st.booleans(), st.integers(0, 20)), min_size=1, max_size=12),
-))
+workloads = st.fixed_dictionaries(
+    dict(
+        num_kvcache_blocks=st.integers(2, 16),
+        max_num_seqs=st.integers(1, 8),
+        max_num_batched_tokens=st.integers(1, 80),
+        max_model_len=st.integers(20, 200),
+        enable_prefix_caching=st.booleans(),
+        requests=st.lists(
+            st.tuples(
+                st.sampled_from([(), (1, 2, 3) * 6, (4,) * 33, (4,) * 33 + (5,) * 16]),  # prefixes
+                st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40),
+                st.integers(1, 60),
+                st.booleans(),
+                st.integers(0, 20),
+            ),
+            min_size=1,
+            max_size=12,
+        ),
+    )
+)
 
 
 @settings(max_examples=300, deadline=None)

@@ -17,11 +17,19 @@ def test_sampling_params_defaults_match_vllm():
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("max_tokens", 0), ("max_tokens", -3),
-        ("temperature", -0.01), ("temperature", math.nan),
-        ("top_p", 0.0), ("top_p", 1.01), ("top_p", -1.0), ("top_p", math.nan),
-        ("top_k", 0), ("top_k", -2),
-        ("min_p", -0.1), ("min_p", 1.5), ("min_p", math.nan),
+        ("max_tokens", 0),
+        ("max_tokens", -3),
+        ("temperature", -0.01),
+        ("temperature", math.nan),
+        ("top_p", 0.0),
+        ("top_p", 1.01),
+        ("top_p", -1.0),
+        ("top_p", math.nan),
+        ("top_k", 0),
+        ("top_k", -2),
+        ("min_p", -0.1),
+        ("min_p", 1.5),
+        ("min_p", math.nan),
     ],
 )
 def test_sampling_params_rejects_out_of_range(field, value):
@@ -31,8 +39,16 @@ def test_sampling_params_rejects_out_of_range(field, value):
 
 @pytest.mark.parametrize(
     "field, value",
-    [("max_tokens", 1), ("temperature", 0.0), ("top_p", 1.0), ("top_p", 1e-6), ("top_k", -1), ("top_k", 1),
-     ("min_p", 0.0), ("min_p", 1.0)],
+    [
+        ("max_tokens", 1),
+        ("temperature", 0.0),
+        ("top_p", 1.0),
+        ("top_p", 1e-6),
+        ("top_k", -1),
+        ("top_k", 1),
+        ("min_p", 0.0),
+        ("min_p", 1.0),
+    ],
 )
 def test_sampling_params_accepts_range_ends(field, value):
     assert getattr(SamplingParams(**{field: value}), field) == value

@@ -29,8 +29,15 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off, in this 
 
 
 def small_llm(tiny, tp: int, device: str = "cpu") -> LLM:
-    return LLM(str(tiny), tensor_parallel_size=tp, device=device, num_kvcache_blocks=256, max_num_seqs=8,
-               max_model_len=4096, dtype=torch.float32 if device == "cpu" else torch.bfloat16)
+    return LLM(
+        str(tiny),
+        tensor_parallel_size=tp,
+        device=device,
+        num_kvcache_blocks=256,
+        max_num_seqs=8,
+        max_model_len=4096,
+        dtype=torch.float32 if device == "cpu" else torch.bfloat16,
+    )
 
 
 def greedy_tokens(llm: LLM, prompts=PROMPTS) -> list[list[int]]:
@@ -51,6 +58,7 @@ def expected(tiny):
 
 
 # --- TP 2 = TP 1 ---------------------------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_tensor_parallel_2_equals_1(tiny):
@@ -74,6 +82,7 @@ def test_tensor_parallel_2_equals_1(tiny):
 
 # --- each engine owns its groups ---------------------------------------------------------------------------
 
+
 def test_an_engine_made_beside_a_tensor_parallel_one_is_whole(tiny, expected):
     """Ranks used to come from torch.distributed's global group: a TP 1 engine made while a TP 2 one was alive
     was built with half of each weight (and hung)."""
@@ -92,6 +101,7 @@ def test_two_tensor_parallel_engines_at_once(tiny, expected):
 
 
 # --- no failure hangs --------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("when", ["between steps", "during a generate"])
@@ -142,8 +152,9 @@ def test_ctrl_c_during_a_tensor_parallel_generate_leaves_the_engine_usable(tiny,
     """It used to leave rank 0 and the worker out of step: the next generate hung for 300 s."""
     script = tmp_path / "ctrl_c.py"
     script.write_text(textwrap.dedent(CTRL_C))
-    done = subprocess.run([sys.executable, str(script), str(tiny)], capture_output=True, text=True, timeout=120,
-                          start_new_session=True)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tiny)], capture_output=True, text=True, timeout=120, start_new_session=True
+    )
     assert done.stdout.split("\n")[:2] == ["interrupted", "same tokens"], done.stdout + done.stderr
     assert done.returncode == 0
 
@@ -203,8 +214,11 @@ def alive(pid: int) -> bool:
         return f.read().split()[2] != "Z"
 
 
-ON_TWO_GPUS = ("close", "exception", "Ctrl-C", "worker killed")  # each start costs a minute there: the cases NCCL changes
-CASES = [(ending, "cpu") for ending in ENDINGS] + [pytest.param(ending, "cuda", marks=TWO_GPUS) for ending in ON_TWO_GPUS]
+# each start costs a minute there: the cases NCCL changes
+ON_TWO_GPUS = ("close", "exception", "Ctrl-C", "worker killed")
+CASES = [(ending, "cpu") for ending in ENDINGS] + [
+    pytest.param(ending, "cuda", marks=TWO_GPUS) for ending in ON_TWO_GPUS
+]
 
 
 @pytest.mark.slow
@@ -213,8 +227,9 @@ def test_the_engine_and_its_workers_end_in_seconds(tiny, tmp_path, ending, devic
     """However rank 0 ends, it ends (with CUDA graphs on GPUs, where close() used to hang) and so does its worker."""
     script = tmp_path / "engine.py"
     script.write_text(textwrap.dedent(ENGINE).format(ending=ENDINGS[ending]))
-    proc = subprocess.Popen([sys.executable, str(script), str(tiny), device], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(tiny), device], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     worker_pid = int(proc.stdout.readline())
     start = time.monotonic()
     _, stderr = proc.communicate(timeout=240)
@@ -228,6 +243,7 @@ def test_the_engine_and_its_workers_end_in_seconds(tiny, tmp_path, ending, devic
 
 
 # --- on two GPUs: bf16 agreement ------------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def qwen3_06b(tmp_path_factory):
@@ -261,13 +277,16 @@ def test_gpu_tensor_parallel_2_agrees_with_1_in_bf16(qwen3_06b):
     assert len(replays) == 16  # every decode step went through a CUDA graph
     assert not tp.workers.processes[0].is_alive()
     reference = load_model(qwen3_06b, dtype=torch.float32, device="cuda")
-    fp32 = [reference.prompt_logits(seq.token_ids).float().cpu()[seq.num_prompt_tokens - 1 : len(seq) - 1]
-            for seq in seqs]
+    fp32 = [
+        reference.prompt_logits(seq.token_ids).float().cpu()[seq.num_prompt_tokens - 1 : len(seq) - 1] for seq in seqs
+    ]
     single, double, fp32 = torch.cat(single), torch.cat(double), torch.cat(fp32)
     tp_error, bf16_error = (double - single).abs().max().item(), (single - fp32).abs().max().item()
     top2 = fp32.topk(2, dim=-1).values
     decisive = top2[:, 0] - top2[:, 1] > 0.1
     agree = (double.argmax(-1) == single.argmax(-1)).float().mean().item()
-    print(f"TP 2 vs 1: max |Δ| {tp_error:.4f}, top-1 agreement {agree:.1%}; TP 1 bf16 vs fp32: max |Δ| {bf16_error:.4f}")
+    print(
+        f"TP 2 vs 1: max |Δ| {tp_error:.4f}, top-1 agreement {agree:.1%}; TP 1 bf16 vs fp32: max |Δ| {bf16_error:.4f}"
+    )
     assert tp_error <= 2 * bf16_error
     assert (double.argmax(-1) == fp32.argmax(-1))[decisive].all()

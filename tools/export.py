@@ -163,7 +163,9 @@ def check_import_order(exports: list[Export], folders: tuple[str, ...] = ("noteb
                 names = imported_modules(cell.source)
                 modules = {n if n in exported_by else n.rpartition(".")[0] for n in names}  # `from m import x`
                 for module in sorted(m for m in modules if exported_by.get(m, 0) > number):
-                    errors.append(f"{folder}/{path.name} imports {module}, exported later by notebook {exported_by[module]:02d}")
+                    errors.append(
+                        f"{folder}/{path.name} imports {module}, exported later by notebook {exported_by[module]:02d}"
+                    )
     return errors
 
 
@@ -179,7 +181,10 @@ def check_no_outputs() -> list[str]:
 def git_changes() -> list[str]:
     out = subprocess.run(
         ["git", "status", "--porcelain", "--untracked-files=all", "--", "notebooks", "solutions", "exercises", PACKAGE],
-        cwd=ROOT, capture_output=True, text=True, check=True,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     return [line for line in out.splitlines() if line.strip()]
 

@@ -30,8 +30,9 @@ class PagedContext:
         if self.is_prefill:
             return self.prefill(layer, q, k, v)
         if self.use_triton:
-            return flash_attn_with_kvcache(q.unsqueeze(1), layer.k_cache, layer.v_cache, self.context_lens,
-                                           self.block_tables, layer.scale).squeeze(1)
+            return flash_attn_with_kvcache(
+                q.unsqueeze(1), layer.k_cache, layer.v_cache, self.context_lens, self.block_tables, layer.scale
+            ).squeeze(1)
         cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
         cu_k = torch.nn.functional.pad(self.context_lens.cumsum(0, dtype=torch.int32), (1, 0))
         return paged_attention_ref(q, layer.k_cache, layer.v_cache, cu_q, cu_k, self.block_tables, layer.scale)
@@ -40,10 +41,21 @@ class PagedContext:
         cu_q, cu_k = self.cu_seqlens_q, self.cu_seqlens_k
         if self.block_tables is None:  # nothing cached: the new tokens are whole prompts
             if self.use_triton:
-                return flash_attn_varlen_func(q, k, v, cu_q, cu_q, self.max_seqlen_q, self.max_seqlen_q,
-                                              layer.scale, causal=True)
+                return flash_attn_varlen_func(
+                    q, k, v, cu_q, cu_q, self.max_seqlen_q, self.max_seqlen_q, layer.scale, causal=True
+                )
             return attention_ref(q, k, v, cu_q, cu_q, layer.scale, causal=True)
         if self.use_triton:
-            return flash_attn_varlen_func(q, layer.k_cache, layer.v_cache, cu_q, cu_k, self.max_seqlen_q,
-                                          self.max_seqlen_k, layer.scale, causal=True, block_table=self.block_tables)
+            return flash_attn_varlen_func(
+                q,
+                layer.k_cache,
+                layer.v_cache,
+                cu_q,
+                cu_k,
+                self.max_seqlen_q,
+                self.max_seqlen_k,
+                layer.scale,
+                causal=True,
+                block_table=self.block_tables,
+            )
         return paged_attention_ref(q, layer.k_cache, layer.v_cache, cu_q, cu_k, self.block_tables, layer.scale)

@@ -25,6 +25,7 @@ class PrefillContext:
     def attend(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cu = self.cu_seqlens
         if q.is_cuda:
-            return flash_attn_varlen_contiguous(q, k, v, cu, cu, self.max_seqlen, self.max_seqlen,
-                                          softmax_scale=layer.scale, causal=True)
+            return flash_attn_varlen_contiguous(
+                q, k, v, cu, cu, self.max_seqlen, self.max_seqlen, softmax_scale=layer.scale, causal=True
+            )
         return attention_ref(q, k, v, cu, cu, softmax_scale=layer.scale, causal=True)

@@ -25,7 +25,11 @@ WAVE = 32  # sequences alive at once
 
 
 def run_benchmark(
-    num_blocks: int, num_seqs: int = 10_000, block_size: int = 16, prompt_len: int = 1024, decode_steps: int = 64,
+    num_blocks: int,
+    num_seqs: int = 10_000,
+    block_size: int = 16,
+    prompt_len: int = 1024,
+    decode_steps: int = 64,
     seed: int = 0,
 ) -> dict:
     """Time every BlockManager call over `num_seqs` sequences: µs per call and per block of each operation."""
@@ -71,7 +75,10 @@ def run_benchmark(
     assert bm.num_free_blocks == num_blocks
     us = 1e6
     return dict(
-        num_blocks=num_blocks, num_seqs=num_seqs, block_size=block_size, prompt_len=prompt_len,
+        num_blocks=num_blocks,
+        num_seqs=num_seqs,
+        block_size=block_size,
+        prompt_len=prompt_len,
         allocate_us=seconds["allocate"] / num_seqs * us,
         allocate_us_per_block=seconds["allocate"] / blocks["allocate"] * us,
         allocate_hit_us=seconds["allocate_hit"] / num_seqs * us,
@@ -93,14 +100,20 @@ def hash_ns_per_token(block_size: int, num_blocks: int = 20_000) -> float:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'num_blocks':>10} {'prompt':>6} | {'allocate (miss)':>17} | {'allocate (hit)':>23} | "
-          f"{'append':>9} | {'free':>17}")
-    print(f"{'':>10} {'tokens':>6} | {'µs/call':>8} {'µs/blk':>8} | {'µs/call':>8} {'µs/blk':>8} {'hits':>5} | "
-          f"{'µs/token':>9} | {'µs/call':>8} {'µs/blk':>8}")
+    print(
+        f"{'num_blocks':>10} {'prompt':>6} | {'allocate (miss)':>17} | {'allocate (hit)':>23} | "
+        f"{'append':>9} | {'free':>17}"
+    )
+    print(
+        f"{'':>10} {'tokens':>6} | {'µs/call':>8} {'µs/blk':>8} | {'µs/call':>8} {'µs/blk':>8} {'hits':>5} | "
+        f"{'µs/token':>9} | {'µs/call':>8} {'µs/blk':>8}"
+    )
     for r in rows:
-        print(f"{r['num_blocks']:>10,} {r['prompt_len']:>6} | {r['allocate_us']:8.1f} {r['allocate_us_per_block']:8.2f} | "
-              f"{r['allocate_hit_us']:8.1f} {r['allocate_hit_us_per_block']:8.2f} {r['hit_rate']:5.0%} | "
-              f"{r['append_us']:9.2f} | {r['free_us']:8.1f} {r['free_us_per_block']:8.2f}")
+        print(
+            f"{r['num_blocks']:>10,} {r['prompt_len']:>6} | {r['allocate_us']:8.1f} {r['allocate_us_per_block']:8.2f} | "
+            f"{r['allocate_hit_us']:8.1f} {r['allocate_hit_us_per_block']:8.2f} {r['hit_rate']:5.0%} | "
+            f"{r['append_us']:9.2f} | {r['free_us']:8.1f} {r['free_us_per_block']:8.2f}"
+        )
 
 
 def plot_block_manager(data: dict):
@@ -110,8 +123,11 @@ def plot_block_manager(data: dict):
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.5), sharey=True)
     for ax, experiment, x in zip(axes, ("cache size", "prompt length"), ("num_blocks", "prompt_len")):
         rows = [r for r in data["rows"] if r["experiment"] == experiment]
-        for key, label in (("allocate_us_per_block", "allocate (miss)"), ("allocate_hit_us_per_block", "allocate (hit)"),
-                           ("free_us_per_block", "free")):
+        for key, label in (
+            ("allocate_us_per_block", "allocate (miss)"),
+            ("allocate_hit_us_per_block", "allocate (hit)"),
+            ("free_us_per_block", "free"),
+        ):
             ax.plot([r[x] for r in rows], [r[key] for r in rows], "o-", label=label)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("blocks in the cache" if x == "num_blocks" else "prompt tokens")
@@ -137,25 +153,37 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-seqs", type=int, default=10_000)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--out", type=Path, default=OUT, help="folder for block_manager.json and .png (default: ./figures)")
+    parser.add_argument(
+        "--out", type=Path, default=OUT, help="folder for block_manager.json and .png (default: ./figures)"
+    )
     args = parser.parse_args()
     bs = args.block_size
-    print(f"BlockManager micro-benchmark: {args.num_seqs:,} sequences of ~1k tokens (U[896, 1152]), block_size {bs}, "
-          f"{WAVE} alive at once, 64 decode steps each; 'allocate (hit)' re-allocates the same prompts\n")
+    print(
+        f"BlockManager micro-benchmark: {args.num_seqs:,} sequences of ~1k tokens (U[896, 1152]), block_size {bs}, "
+        f"{WAVE} alive at once, 64 decode steps each; 'allocate (hit)' re-allocates the same prompts\n"
+    )
     print("Cache size grows 256x; cost per block must not:")
     by_cache = [run_benchmark(n, args.num_seqs, bs) for n in (4_096, 65_536, 1_048_576)]
     print_table(by_cache)
-    print("\nPrompt length grows 16x at a fixed cache size; cost per call grows with the blocks, per block it does not:")
+    print(
+        "\nPrompt length grows 16x at a fixed cache size; cost per call grows with the blocks, per block it does not:"
+    )
     by_prompt = [run_benchmark(65_536, max(args.num_seqs // 4, WAVE), bs, prompt_len=n) for n in (256, 1024, 4096)]
     print_table(by_prompt)
     print("\nHashing (xxh64 of parent hash + int64 token ids):")
     hash_ns = {size: hash_ns_per_token(size) for size in (16, 256)}
     for size, ns in hash_ns.items():
         print(f"  block_size {size:>3}: {ns:6.1f} ns per token")
-    rows = ([dict(impl="minivllm", experiment="cache size", **r) for r in by_cache]
-            + [dict(impl="minivllm", experiment="prompt length", **r) for r in by_prompt])
-    data = result("minivllm.benchmarks.block_manager", rows, device=cpu_name(), block_size=bs,
-                  hash_ns_per_token={str(size): ns for size, ns in hash_ns.items()})
+    rows = [dict(impl="minivllm", experiment="cache size", **r) for r in by_cache] + [
+        dict(impl="minivllm", experiment="prompt length", **r) for r in by_prompt
+    ]
+    data = result(
+        "minivllm.benchmarks.block_manager",
+        rows,
+        device=cpu_name(),
+        block_size=bs,
+        hash_ns_per_token={str(size): ns for size, ns in hash_ns.items()},
+    )
     save("block_manager", data, figure_or_none(data), args.out)
 
 

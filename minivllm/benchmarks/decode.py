@@ -26,9 +26,12 @@ def paged_inputs(batch: int, context_len: int, block_size: int, dtype=torch.bflo
     k_cache = torch.randn(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device="cuda")
     arange = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
     return dict(
-        context_len=context_len, cu_seqlens_q=arange, cu_seqlens_k=arange * context_len,
+        context_len=context_len,
+        cu_seqlens_q=arange,
+        cu_seqlens_k=arange * context_len,
         q=torch.randn(batch, 1, NUM_HEADS, HEAD_DIM, dtype=dtype, device="cuda"),
-        k_cache=k_cache, v_cache=torch.randn_like(k_cache),
+        k_cache=k_cache,
+        v_cache=torch.randn_like(k_cache),
         block_table=torch.randperm(num_blocks, device="cuda").view(batch, blocks_per_seq).int(),
         cache_seqlens=torch.full((batch,), context_len, dtype=torch.int32, device="cuda"),
     )
@@ -45,13 +48,23 @@ def naive_gather_sdpa(x: dict) -> torch.Tensor:
 
 def prefill_kernel_as_decode(x: dict) -> torch.Tensor:
     """Notebook 01's design used for decode: a 64-query tile holding 1 query, one program per query head."""
-    return flash_attn_varlen_func(x["q"][:, 0], x["k_cache"], x["v_cache"], x["cu_seqlens_q"], x["cu_seqlens_k"],
-                                  1, x["context_len"], causal=True, block_table=x["block_table"])
+    return flash_attn_varlen_func(
+        x["q"][:, 0],
+        x["k_cache"],
+        x["v_cache"],
+        x["cu_seqlens_q"],
+        x["cu_seqlens_k"],
+        1,
+        x["context_len"],
+        causal=True,
+        block_table=x["block_table"],
+    )
 
 
 IMPLS = {
-    "minivllm-triton": lambda x: flash_attn_with_kvcache(x["q"], x["k_cache"], x["v_cache"], x["cache_seqlens"],
-                                                         x["block_table"]),
+    "minivllm-triton": lambda x: flash_attn_with_kvcache(
+        x["q"], x["k_cache"], x["v_cache"], x["cache_seqlens"], x["block_table"]
+    ),
     "minivllm-prefill-kernel": prefill_kernel_as_decode,
     "naive-gather-sdpa": naive_gather_sdpa,
 }
@@ -73,13 +86,31 @@ def run_decode_benchmark(shapes=SHAPES, block_sizes=(16, 256), module: str = "mi
             for impl, fn in IMPLS.items():
                 torch.testing.assert_close(fn(x).view_as(ref), ref, atol=2e-2, rtol=2e-2)
                 ms = graph_ms(lambda fn=fn, x=x: fn(x))
-                rows.append(dict(impl=impl, batch=batch, context_len=context_len, block_size=block_size, ms=ms,
-                                 tbps=nbytes / (ms * 1e-3) / 1e12))
-                print(f"{impl:>24} bs={block_size:>3} batch={batch:>3} ctx={context_len:>5}: "
-                      f"{ms * 1e3:8.1f} µs {rows[-1]['tbps']:5.2f} TB/s")
+                rows.append(
+                    dict(
+                        impl=impl,
+                        batch=batch,
+                        context_len=context_len,
+                        block_size=block_size,
+                        ms=ms,
+                        tbps=nbytes / (ms * 1e-3) / 1e12,
+                    )
+                )
+                print(
+                    f"{impl:>24} bs={block_size:>3} batch={batch:>3} ctx={context_len:>5}: "
+                    f"{ms * 1e3:8.1f} µs {rows[-1]['tbps']:5.2f} TB/s"
+                )
             del x
-    return result(module, rows, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
-                  dtype="bfloat16", copy_tbps=copy_tbps(), timing="CUDA graph replay (triton.testing.do_bench_cudagraph)")
+    return result(
+        module,
+        rows,
+        num_heads=NUM_HEADS,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        dtype="bfloat16",
+        copy_tbps=copy_tbps(),
+        timing="CUDA graph replay (triton.testing.do_bench_cudagraph)",
+    )
 
 
 def plot_decode(data: dict):

@@ -39,17 +39,23 @@ def step_ms(runner: ModelRunner, seqs: list[Sequence], steps: int = 20) -> float
     return sorted(times[3:])[steps // 2]
 
 
-def decode_step_rows(path: Path, context_len: int, batch_sizes, impls=("minivllm", "minivllm-eager"),
-                     **config) -> tuple[list[dict], dict]:
+def decode_step_rows(
+    path: Path, context_len: int, batch_sizes, impls=("minivllm", "minivllm-eager"), **config
+) -> tuple[list[dict], dict]:
     """Median decode-step times of a runner on checkpoint `path` (Config fields in `config`) per batch size and
     impl ("minivllm-eager": a runner made with enforce_eager=True), and the size of the (first) runner's KV cache."""
     rows, cache = [], None
     for impl in impls:
-        runner = ModelRunner(Config(path, max_num_seqs=max(batch_sizes), max_model_len=4096,
-                                    enforce_eager=impl.endswith("eager"), **config))
+        runner = ModelRunner(
+            Config(
+                path, max_num_seqs=max(batch_sizes), max_model_len=4096, enforce_eager=impl.endswith("eager"), **config
+            )
+        )
         try:
-            rows += [dict(impl=impl, batch=batch, context_len=context_len + 1, ms=ms)
-                     for batch, ms in runner_rows(runner, context_len, batch_sizes, impl)]
+            rows += [
+                dict(impl=impl, batch=batch, context_len=context_len + 1, ms=ms)
+                for batch, ms in runner_rows(runner, context_len, batch_sizes, impl)
+            ]
             blocks, block_size = runner.num_kvcache_blocks, runner.block_size
             cache = cache or dict(num_kvcache_blocks=blocks, block_size=block_size, kv_cache_tokens=blocks * block_size)
         finally:
@@ -63,8 +69,10 @@ def runner_rows(runner: ModelRunner, context_len: int, batch_sizes, impl: str) -
     bm = BlockManager(runner.num_kvcache_blocks, runner.block_size, enable_prefix_caching=False)
     rows = []
     for batch in batch_sizes:
-        seqs = [Sequence(rng.choices(range(10000), k=context_len), SamplingParams(temperature=0.6), bm.block_size)
-                for _ in range(batch)]
+        seqs = [
+            Sequence(rng.choices(range(10000), k=context_len), SamplingParams(temperature=0.6), bm.block_size)
+            for _ in range(batch)
+        ]
         for seq in seqs:
             bm.allocate(seq)
             seq.num_scheduled_tokens = len(seq)  # the whole prompt in one prefill step
@@ -79,13 +87,21 @@ def runner_rows(runner: ModelRunner, context_len: int, batch_sizes, impl: str) -
     return rows
 
 
-def run_decode_step_benchmark(context_len: int = 512, batch_sizes=BATCH_SIZES,
-                              module: str = "minivllm.benchmarks.decode_step") -> dict:
+def run_decode_step_benchmark(
+    context_len: int = 512, batch_sizes=BATCH_SIZES, module: str = "minivllm.benchmarks.decode_step"
+) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         path = write_checkpoint(Path(tmp) / "qwen3-0.6b", "qwen3-0.6b", seed=0)
         rows, cache = decode_step_rows(path, context_len, batch_sizes)
-    return result(module, rows, preset="qwen3-0.6b", dtype="bfloat16", **cache, gpu_memory_utilization=0.9,
-                  total_memory_gib=torch.cuda.get_device_properties(0).total_memory / 2**30)
+    return result(
+        module,
+        rows,
+        preset="qwen3-0.6b",
+        dtype="bfloat16",
+        **cache,
+        gpu_memory_utilization=0.9,
+        total_memory_gib=torch.cuda.get_device_properties(0).total_memory / 2**30,
+    )
 
 
 def plot_decode_step(data: dict):
@@ -107,7 +123,9 @@ def plot_decode_step(data: dict):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--context-len", type=int, default=512)
-    parser.add_argument("--out", type=Path, default=OUT, help="folder for decode_step.json and .png (default: ./figures)")
+    parser.add_argument(
+        "--out", type=Path, default=OUT, help="folder for decode_step.json and .png (default: ./figures)"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")

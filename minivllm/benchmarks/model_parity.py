@@ -49,9 +49,12 @@ def compare(logits: torch.Tensor, ref: torch.Tensor, decisive: torch.Tensor) -> 
     logits, ref = logits.float(), ref.float()
     diff = (logits - ref).abs()
     agree = logits.argmax(-1) == ref.argmax(-1)
-    return dict(max_abs_logit_error=diff.max().item(), mean_abs_logit_error=diff.mean().item(),
-                top1_agreement=agree.float().mean().item(),
-                top1_agreement_decisive=agree[decisive].float().mean().item())
+    return dict(
+        max_abs_logit_error=diff.max().item(),
+        mean_abs_logit_error=diff.mean().item(),
+        top1_agreement=agree.float().mean().item(),
+        top1_agreement_decisive=agree[decisive].float().mean().item(),
+    )
 
 
 def device_name(device: torch.device) -> str:
@@ -60,8 +63,13 @@ def device_name(device: torch.device) -> str:
     return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
-def run_model_parity(preset: str = "qwen3-0.6b", num_tokens: int = 1024, seed: int = 0,
-                     device: str | None = None, attn_implementation: str = "sdpa") -> dict:
+def run_model_parity(
+    preset: str = "qwen3-0.6b",
+    num_tokens: int = 1024,
+    seed: int = 0,
+    device: str | None = None,
+    attn_implementation: str = "sdpa",
+) -> dict:
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
         torch.zeros(1, device=device)  # create the CUDA context outside the timings
@@ -93,7 +101,7 @@ def run_model_parity(preset: str = "qwen3-0.6b", num_tokens: int = 1024, seed: i
     return {
         "device": device_name(device),
         "command": f"python -m minivllm.benchmarks.model_parity --preset {preset} --num-tokens {num_tokens} "
-                   f"--seed {seed}",
+        f"--seed {seed}",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "preset": preset,
@@ -106,10 +114,21 @@ def run_model_parity(preset: str = "qwen3-0.6b", num_tokens: int = 1024, seed: i
         **ours_vs_hf,  # the headline: minivllm bf16 vs transformers bf16
         "rows": [
             {"impl": "minivllm-bf16", "reference": "transformers-bf16", **ours_vs_hf},
-            {"impl": "minivllm-bf16", "reference": "transformers-fp32", **compare(logits["minivllm", bf16], ref, decisive)},
-            {"impl": "transformers-bf16", "reference": "transformers-fp32",
-             **compare(logits["transformers", bf16], ref, decisive)},
-            {"impl": "minivllm-fp32", "reference": "transformers-fp32", **compare(logits["minivllm", fp32], ref, decisive)},
+            {
+                "impl": "minivllm-bf16",
+                "reference": "transformers-fp32",
+                **compare(logits["minivllm", bf16], ref, decisive),
+            },
+            {
+                "impl": "transformers-bf16",
+                "reference": "transformers-fp32",
+                **compare(logits["transformers", bf16], ref, decisive),
+            },
+            {
+                "impl": "minivllm-fp32",
+                "reference": "transformers-fp32",
+                **compare(logits["minivllm", fp32], ref, decisive),
+            },
         ],
         "reference_top1_margin_median": (top2[:, 0] - top2[:, 1]).median().item(),
         "decisive_margin": DECISIVE_MARGIN,

@@ -46,6 +46,7 @@ def implementations(seqlen: int, dtype: torch.dtype = torch.bfloat16) -> dict:
         def run():
             with sdpa_kernel(backend):
                 return torch.nn.functional.scaled_dot_product_attention(qb, kb, vb, is_causal=True)
+
         return run
 
     impls = {
@@ -70,8 +71,16 @@ def run_prefill_benchmark(seqlens=(1024, 4096, 16384), module: str = "minivllm.b
                 continue
             rows.append(dict(impl=impl, seqlen=seqlen, batch=1, ms=ms, tflops=causal_tflops(seqlen, ms)))
             print(f"{impl:>16} N={seqlen:>6}: {ms:8.3f} ms {rows[-1]['tflops']:7.1f} TFLOP/s")
-    return result(module, rows, num_heads=NUM_HEADS, num_kv_heads=NUM_KV_HEADS, head_dim=HEAD_DIM,
-                  dtype="bfloat16", causal=True, config=flash_attn.launch_config(HEAD_DIM, torch.device("cuda")))
+    return result(
+        module,
+        rows,
+        num_heads=NUM_HEADS,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=HEAD_DIM,
+        dtype="bfloat16",
+        causal=True,
+        config=flash_attn.launch_config(HEAD_DIM, torch.device("cuda")),
+    )
 
 
 def sweep(seqlens) -> None:

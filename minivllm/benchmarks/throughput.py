@@ -37,8 +37,10 @@ def step_breakdown(steps: list[StepStats]) -> dict:
     """Seconds and calls per part of the engine step, summed over a run: "scheduler" (Scheduler.schedule and
     Scheduler.postprocess, two calls a step) and "runner.run" (ModelRunner.run: step inputs, forward, sampler)."""
     ran = [stats for stats in steps if stats.kind != "idle"]
-    return {"scheduler": dict(seconds=sum(s.schedule_seconds + s.postprocess_seconds for s in ran), calls=2 * len(ran)),
-            "runner.run": dict(seconds=sum(s.run_seconds for s in ran), calls=len(ran))}
+    return {
+        "scheduler": dict(seconds=sum(s.schedule_seconds + s.postprocess_seconds for s in ran), calls=2 * len(ran)),
+        "runner.run": dict(seconds=sum(s.run_seconds for s in ran), calls=len(ran)),
+    }
 
 
 def run_engine(llm: LLM, prompts, params) -> tuple[list[RequestOutput], list[StepStats]]:
@@ -72,16 +74,31 @@ def run_minivllm(path: Path, prompts, output_lens, **config) -> tuple[dict, dict
     output_tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
     assert output_tokens == sum(output_lens)
     breakdown = step_breakdown(steps)
-    return dict(output_tokens=output_tokens, seconds=seconds, tok_per_s=output_tokens / seconds,
-                startup_seconds=startup_seconds, close_seconds=close_seconds, kv_cache_tokens=kv_cache_tokens), breakdown
+    return dict(
+        output_tokens=output_tokens,
+        seconds=seconds,
+        tok_per_s=output_tokens / seconds,
+        startup_seconds=startup_seconds,
+        close_seconds=close_seconds,
+        kv_cache_tokens=kv_cache_tokens,
+    ), breakdown
 
 
 def run_transformers(path: Path, prompts, output_lens) -> dict:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to("cuda" if torch.cuda.is_available() else "cpu")
-    config = GenerationConfig(do_sample=True, temperature=0.6, top_k=0, top_p=1.0, max_new_tokens=max(output_lens),
-                              eos_token_id=None, pad_token_id=0)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(
+        "cuda" if torch.cuda.is_available() else "cpu"
+    )
+    config = GenerationConfig(
+        do_sample=True,
+        temperature=0.6,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=max(output_lens),
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     start = time.perf_counter()
     with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=5) as manager:
         ids = [manager.add_request(p, max_new_tokens=n) for p, n in zip(prompts, output_lens)]
@@ -97,8 +114,12 @@ def run_transformers(path: Path, prompts, output_lens) -> dict:
     return dict(output_tokens=output_tokens, seconds=seconds, tok_per_s=output_tokens / seconds)
 
 
-def run_throughput_benchmark(num_seqs: int = 256, preset: str = "qwen3-0.6b", impls=("minivllm", "minivllm-eager",
-                             "transformers-generate-batch"), module: str = "minivllm.benchmarks.throughput") -> dict:
+def run_throughput_benchmark(
+    num_seqs: int = 256,
+    preset: str = "qwen3-0.6b",
+    impls=("minivllm", "minivllm-eager", "transformers-generate-batch"),
+    module: str = "minivllm.benchmarks.throughput",
+) -> dict:
     prompts, output_lens = workload(num_seqs)
     rows, breakdowns = [], {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -109,12 +130,20 @@ def run_throughput_benchmark(num_seqs: int = 256, preset: str = "qwen3-0.6b", im
             else:
                 row, breakdowns[impl] = run_minivllm(path, prompts, output_lens, enforce_eager=impl.endswith("eager"))
             rows.append(dict(impl=impl, num_seqs=num_seqs, **row))
-            print(f"{impl:>28}: {row['output_tokens']} tokens in {row['seconds']:.1f} s = {row['tok_per_s']:,.0f} tok/s")
+            print(
+                f"{impl:>28}: {row['output_tokens']} tokens in {row['seconds']:.1f} s = {row['tok_per_s']:,.0f} tok/s"
+            )
             for key, part in breakdowns.get(impl, {}).items():
                 print(f"{'':>30}{key}: {part['seconds']:.2f} s over {part['calls']} calls")
-    return result(module, rows, preset=preset, dtype="bfloat16", workload="nano-vllm bench.py: random.seed(0), "
-                  "prompt and output lengths uniform in [100, 1024], token ids < 10000, temperature 0.6, ignore_eos",
-                  step_breakdown=breakdowns)
+    return result(
+        module,
+        rows,
+        preset=preset,
+        dtype="bfloat16",
+        workload="nano-vllm bench.py: random.seed(0), "
+        "prompt and output lengths uniform in [100, 1024], token ids < 10000, temperature 0.6, ignore_eos",
+        step_breakdown=breakdowns,
+    )
 
 
 def plot_throughput(data: dict):
@@ -134,8 +163,11 @@ def plot_throughput(data: dict):
         prepare = parts.get("prepare (in runner.run)", {}).get("seconds")  # only in JSON made before StepStats
         host = parts["scheduler"]["seconds"] + (prepare or 0.0)
         gpu = parts["runner.run"]["seconds"] - (prepare or 0.0)
-        labels = (("scheduler + step inputs (host)", "forward + sampler") if prepare is not None
-                  else ("scheduler (host)", "runner.run (step inputs, forward, sampler)"))
+        labels = (
+            ("scheduler + step inputs (host)", "forward + sampler")
+            if prepare is not None
+            else ("scheduler (host)", "runner.run (step inputs, forward, sampler)")
+        )
         left = 0.0
         for j, (label, sec) in enumerate([(labels[0], host), (labels[1], gpu), ("rest (engine)", total - host - gpu)]):
             split.barh(impl, sec / total, left=left, color=f"C{j + 4}", label=label if i == 0 else None)
@@ -152,7 +184,9 @@ def main() -> None:
     parser.add_argument("--num-seqs", type=int, default=256)
     parser.add_argument("--preset", default="qwen3-0.6b")
     parser.add_argument("--impls", nargs="+", default=["minivllm", "minivllm-eager", "transformers-generate-batch"])
-    parser.add_argument("--out", type=Path, default=OUT, help="folder for throughput.json and .png (default: ./figures)")
+    parser.add_argument(
+        "--out", type=Path, default=OUT, help="folder for throughput.json and .png (default: ./figures)"
+    )
     args = parser.parse_args()
     data = run_throughput_benchmark(args.num_seqs, args.preset, args.impls)
     save("throughput", data, plot_throughput(data), args.out)

@@ -24,24 +24,44 @@ from minivllm.checkpoint import write_checkpoint
 BATCH_SIZES = (1, 16, 64, 256)
 
 
-def run_tp_benchmark(tp_sizes=(1, 2), context_len: int = 512, batch_sizes=BATCH_SIZES,
-                     module: str = "minivllm.benchmarks.tp") -> dict:
+def run_tp_benchmark(
+    tp_sizes=(1, 2), context_len: int = 512, batch_sizes=BATCH_SIZES, module: str = "minivllm.benchmarks.tp"
+) -> dict:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # read by NCCL in every process the runner spawns
     prompts, output_lens = workload(256)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         path = write_checkpoint(Path(tmp) / "qwen3-0.6b", "qwen3-0.6b", seed=0)
         for tp in tp_sizes:
-            steps, cache = decode_step_rows(path, context_len, batch_sizes, impls=("minivllm",), tensor_parallel_size=tp)
-            rows += [dict(kind="decode_step", tp=tp, batch=r["batch"], context_len=r["context_len"], ms=r["ms"],
-                          kv_cache_tokens=cache["kv_cache_tokens"]) for r in steps]
+            steps, cache = decode_step_rows(
+                path, context_len, batch_sizes, impls=("minivllm",), tensor_parallel_size=tp
+            )
+            rows += [
+                dict(
+                    kind="decode_step",
+                    tp=tp,
+                    batch=r["batch"],
+                    context_len=r["context_len"],
+                    ms=r["ms"],
+                    kv_cache_tokens=cache["kv_cache_tokens"],
+                )
+                for r in steps
+            ]
             row, breakdown = run_minivllm(path, prompts, output_lens, tensor_parallel_size=tp)
             rows.append(dict(kind="throughput", tp=tp, **row, step_breakdown=breakdown))
-            print(f"tp={tp}: {row['output_tokens']} tokens in {row['seconds']:.1f} s = {row['tok_per_s']:,.0f} tok/s; "
-                  f"start-up {row['startup_seconds']:.1f} s, close {row['close_seconds']:.2f} s, "
-                  f"KV cache {row['kv_cache_tokens']:,} tokens")
-    return result(module, rows, preset="qwen3-0.6b", dtype="bfloat16", num_gpus=torch.cuda.device_count(),
-                  nccl_nvls_enable=os.environ["NCCL_NVLS_ENABLE"])
+            print(
+                f"tp={tp}: {row['output_tokens']} tokens in {row['seconds']:.1f} s = {row['tok_per_s']:,.0f} tok/s; "
+                f"start-up {row['startup_seconds']:.1f} s, close {row['close_seconds']:.2f} s, "
+                f"KV cache {row['kv_cache_tokens']:,} tokens"
+            )
+    return result(
+        module,
+        rows,
+        preset="qwen3-0.6b",
+        dtype="bfloat16",
+        num_gpus=torch.cuda.device_count(),
+        nccl_nvls_enable=os.environ["NCCL_NVLS_ENABLE"],
+    )
 
 
 def plot_tp(data: dict):
@@ -59,7 +79,9 @@ def plot_tp(data: dict):
     left.set_ylim(bottom=0)
     left.legend()
     runs = [r for r in data["rows"] if r["kind"] == "throughput"]
-    right.bar([f"TP {r['tp']}" for r in runs], [r["tok_per_s"] for r in runs], color=[f"C{i}" for i in range(len(runs))])
+    right.bar(
+        [f"TP {r['tp']}" for r in runs], [r["tok_per_s"] for r in runs], color=[f"C{i}" for i in range(len(runs))]
+    )
     for i, r in enumerate(runs):
         right.text(i, r["tok_per_s"], f"{r['tok_per_s']:,.0f}", ha="center", va="bottom")
     right.set_ylabel("output tokens / s")
@@ -69,8 +91,9 @@ def plot_tp(data: dict):
     times.bar([i + 0.2 for i in x], [r["close_seconds"] for r in runs], 0.4, label="close()")
     times.set_xticks(list(x), [f"TP {r['tp']}" for r in runs])
     times.set_ylabel("seconds")
-    times.set_title("LLM start and close (after a TP-1 runner ran\nin this process; TP 2 also starts a fresh worker)",
-                    fontsize=9)
+    times.set_title(
+        "LLM start and close (after a TP-1 runner ran\nin this process; TP 2 also starts a fresh worker)", fontsize=9
+    )
     times.legend(loc="upper left")
     fig.suptitle(f"Qwen3-0.6B, bf16, on {data['num_gpus']} × {data['device']}")
     fig.tight_layout()

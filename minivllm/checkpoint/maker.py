@@ -11,12 +11,30 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
 PRESETS = {
-    "tiny": dict(vocab_size=2048, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=4096,
-                 tie_word_embeddings=True, dtype="float32"),
-    "qwen3-0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                       tie_word_embeddings=True, dtype="bfloat16"),
+    "tiny": dict(
+        vocab_size=2048,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        dtype="float32",
+    ),
+    "qwen3-0.6b": dict(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
+        dtype="bfloat16",
+    ),
 }
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
 TOKENIZER_VOCAB_SIZE = 2048
@@ -38,11 +56,16 @@ def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE) -> PreTrainedTokeniz
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(text.splitlines(keepends=True), trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   chat_template=CHAT_TEMPLATE)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
+    )
 
 
 def random_model(config: Qwen3Config, seed: int) -> Qwen3ForCausalLM:
@@ -55,8 +78,10 @@ def random_model(config: Qwen3Config, seed: int) -> Qwen3ForCausalLM:
     generator = torch.Generator().manual_seed(seed)
     params = list(model.named_parameters())  # tied weights appear once
     total = sum(p.numel() for _, p in params)
-    with torch.no_grad(), tqdm(total=total, unit="param", unit_scale=True, desc="random weights",
-                               disable=total < 10**8) as bar:
+    with (
+        torch.no_grad(),
+        tqdm(total=total, unit="param", unit_scale=True, desc="random weights", disable=total < 10**8) as bar,
+    ):
         for name, param in params:
             if name.endswith("norm.weight"):
                 param.normal_(1.0, 0.1, generator=generator)
@@ -66,8 +91,9 @@ def random_model(config: Qwen3Config, seed: int) -> Qwen3ForCausalLM:
     return model
 
 
-def write_checkpoint(out: str | Path, preset: str | Qwen3Config = "tiny", seed: int = 0,
-                     max_shard_size: str | int | None = None) -> Path:
+def write_checkpoint(
+    out: str | Path, preset: str | Qwen3Config = "tiny", seed: int = 0, max_shard_size: str | int | None = None
+) -> Path:
     """Write a HuggingFace checkpoint folder: config, generation config, safetensors weights, tokenizer."""
     config = preset_config(preset) if isinstance(preset, str) else preset
     tokenizer = train_tokenizer()
@@ -84,8 +110,10 @@ def write_checkpoint(out: str | Path, preset: str | Qwen3Config = "tiny", seed: 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m minivllm.checkpoint",
-                                     description="Write a random-weight HuggingFace checkpoint of a named preset.")
+    parser = argparse.ArgumentParser(
+        prog="python -m minivllm.checkpoint",
+        description="Write a random-weight HuggingFace checkpoint of a named preset.",
+    )
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     parser.add_argument("--out", required=True, help="folder to write (created if missing)")
     parser.add_argument("--seed", type=int, default=0)

@@ -164,7 +164,7 @@ class BlockManager:
         """Give back the blocks of a sequence dropped part-way through a step. Its blocks past its computed tokens
         (`num_cached_tokens`) may be cached already, though their KV was never written: they leave the cache first,
         so no request can hit them."""
-        for block_id in seq.block_table[seq.num_cached_tokens // self.block_size:]:
+        for block_id in seq.block_table[seq.num_cached_tokens // self.block_size :]:
             block = self.blocks[block_id]
             if self.hash_to_block_id.get(block.hash) == block_id:
                 del self.hash_to_block_id[block.hash]

@@ -78,12 +78,16 @@ class LLMEngine:
         if not token_ids:
             raise ValueError("prompt is empty: it must hold at least one token")
         if len(token_ids) >= config.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens; it must be shorter than max_model_len="
-                             f"{config.max_model_len} (prompt + at least one generated token)")
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; it must be shorter than max_model_len="
+                f"{config.max_model_len} (prompt + at least one generated token)"
+            )
         bm = self.scheduler.block_manager
         if len(token_ids) + 1 > bm.num_slots:
-            raise ValueError(f"prompt has {len(token_ids)} tokens; the whole KV cache holds {bm.num_slots} "
-                             f"({bm.num_blocks} blocks of {bm.block_size}): it can never run")
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; the whole KV cache holds {bm.num_slots} "
+                f"({bm.num_blocks} blocks of {bm.block_size}): it can never run"
+            )
         if bad := [t for t in token_ids if not 0 <= t < vocab_size]:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
 
@@ -119,10 +123,16 @@ class LLMEngine:
         token_ids = self.tokenize(prompt, name)
         self.check_request(token_ids, params)
         seq = Sequence(token_ids, params, self.scheduler.block_manager.block_size)
-        return Request(request_id, prompt if isinstance(prompt, str) else None, seq, RequestMetrics(time.perf_counter()))
+        return Request(
+            request_id, prompt if isinstance(prompt, str) else None, seq, RequestMetrics(time.perf_counter())
+        )
 
-    def add_requests(self, prompts: list[Prompt], sampling_params: list[SamplingParams | None],
-                     request_ids: list[str | None] | None = None) -> list[str]:
+    def add_requests(
+        self,
+        prompts: list[Prompt],
+        sampling_params: list[SamplingParams | None],
+        request_ids: list[str | None] | None = None,
+    ) -> list[str]:
         """Check every request, then queue them all: if one is bad, ValueError and none is queued. Their ids."""
         with self.lock:
             ids = self.new_request_ids(request_ids or [None] * len(prompts))
@@ -133,8 +143,9 @@ class LLMEngine:
                 self.requests[request.seq.seq_id] = request
             return ids
 
-    def add_request(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+    def add_request(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
         return self.add_requests([prompt], [sampling_params], [request_id])[0]
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
@@ -172,8 +183,14 @@ class LLMEngine:
             e.add_note(f"minivllm: the step failed; these requests were aborted: {aborted}")
             raise
         self.record(seqs, finished, now)
-        return StepStats("prefill" if is_prefill else "decode", len(seqs), sum(seq.num_scheduled_tokens for seq in seqs),
-                         scheduled - start, ran - scheduled, now - ran)
+        return StepStats(
+            "prefill" if is_prefill else "decode",
+            len(seqs),
+            sum(seq.num_scheduled_tokens for seq in seqs),
+            scheduled - start,
+            ran - scheduled,
+            now - ran,
+        )
 
     def record(self, seqs: list[Sequence], finished: list[Sequence], now: float) -> None:
         """After a step: first-token and finish times, and the finished requests' outputs."""
@@ -199,8 +216,14 @@ class LLMEngine:
         seq = request.seq
         token_ids = seq.completion_token_ids
         text = self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
-        return RequestOutput(request.request_id, request.prompt, seq.prompt_token_ids,
-                             [CompletionOutput(0, text, token_ids, seq.finish_reason)], True, request.metrics)
+        return RequestOutput(
+            request.request_id,
+            request.prompt,
+            seq.prompt_token_ids,
+            [CompletionOutput(0, text, token_ids, seq.finish_reason)],
+            True,
+            request.metrics,
+        )
 
     def has_unfinished_requests(self) -> bool:
         """Whether step() has more to give: requests to run, or outputs it kept back."""

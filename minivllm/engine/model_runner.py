@@ -78,16 +78,29 @@ def prepare_decode(seqs: list[Sequence], block_size: int) -> StepInputs:
     block_tables = block_tables_array(seqs)
     last = context_lens.astype(np.int64) - 1  # the new token's position
     slots = block_tables[np.arange(len(seqs)), last // block_size].astype(np.int64) * block_size + last % block_size
-    return StepInputs(False, np.array([seq.last_token for seq in seqs], dtype=np.int64), last, slots, block_tables,
-                      context_lens=context_lens)
+    return StepInputs(
+        False,
+        np.array([seq.last_token for seq in seqs], dtype=np.int64),
+        last,
+        slots,
+        block_tables,
+        context_lens=context_lens,
+    )
 
 
 def prefix_hit_step(block_size: int) -> StepInputs:
     """A prefill of 2 new tokens after block_size - 2 cached ones, all in block 0: the shape of a prefix-cache
     hit or a chunked prompt's next chunk, run once at start-up (the cache holds nothing yet)."""
     positions = np.arange(block_size - 2, block_size)
-    return StepInputs(True, np.zeros(2, dtype=np.int64), positions, positions.copy(), np.zeros((1, 1), np.int32),
-                      cu_seqlens_q=np.array([0, 2], np.int32), cu_seqlens_k=np.array([0, block_size], np.int32))
+    return StepInputs(
+        True,
+        np.zeros(2, dtype=np.int64),
+        positions,
+        positions.copy(),
+        np.zeros((1, 1), np.int32),
+        cu_seqlens_q=np.array([0, 2], np.int32),
+        cu_seqlens_k=np.array([0, block_size], np.int32),
+    )
 
 
 def kv_block_bytes(layers: list[Attention], block_size: int, dtype: torch.dtype) -> int:
@@ -106,14 +119,22 @@ def gpu_free_blocks(block_bytes: int, gpu_memory_utilization: float) -> int:
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    return [b for b in (1, 2, 4, 8) if b < max_num_seqs] + [b for b in range(16, max_num_seqs + 1, 16)] or [max_num_seqs]
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + [b for b in range(16, max_num_seqs + 1, 16)]
+    return sizes or [max_num_seqs]
 
 
 class DecodeGraphs:
     """One captured decode step per batch size, over shared static inputs."""
 
-    def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_blocks: int, hidden_size: int,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        max_num_seqs: int,
+        max_blocks: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         self.batch_sizes = graph_batch_sizes(max_num_seqs)
         n = self.batch_sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
@@ -125,8 +146,9 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         pool = None
         for bs in reversed(self.batch_sizes):  # the largest first: the others fit in its memory pool
-            context = PagedContext(False, self.slot_mapping[:bs], self.block_tables[:bs],
-                                   context_lens=self.context_lens[:bs])
+            context = PagedContext(
+                False, self.slot_mapping[:bs], self.block_tables[:bs], context_lens=self.context_lens[:bs]
+            )
             self.hidden[:bs] = model(self.input_ids[:bs], self.positions[:bs], context)  # warm-up: compile kernels
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
@@ -217,8 +239,9 @@ class ModelRunner:
                 self.execute(prefix_hit_step(self.block_size))
             if self.device.type == "cuda" and not config.enforce_eager:
                 max_blocks = -(-config.max_model_len // self.block_size)
-                self.graphs = DecodeGraphs(self.model, config.max_num_seqs, max_blocks,
-                                           config.hf_config.hidden_size, self.dtype, self.device)
+                self.graphs = DecodeGraphs(
+                    self.model, config.max_num_seqs, max_blocks, config.hf_config.hidden_size, self.dtype, self.device
+                )
         except BaseException as e:
             self.close(abort=True)
             if self.workers is not None and self.workers.failure:
@@ -310,11 +333,21 @@ class ModelRunner:
             dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.control)
             num_blocks = int(agreed.item())
         if num_blocks < 1:
-            raise ValueError(f"no room for a KV cache: gpu_memory_utilization={config.gpu_memory_utilization} "
-                             f"leaves less than one block ({block_bytes} bytes) after the weights and activations")
+            raise ValueError(
+                f"no room for a KV cache: gpu_memory_utilization={config.gpu_memory_utilization} "
+                f"leaves less than one block ({block_bytes} bytes) after the weights and activations"
+            )
         layer = self.attention_layers[0]
-        kv = torch.zeros(2, len(self.attention_layers), num_blocks, self.block_size, layer.num_kv_heads,
-                         layer.head_dim, dtype=self.dtype, device=self.device)
+        kv = torch.zeros(
+            2,
+            len(self.attention_layers),
+            num_blocks,
+            self.block_size,
+            layer.num_kv_heads,
+            layer.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
         for i, layer in enumerate(self.attention_layers):
             layer.k_cache, layer.v_cache = kv[0, i], kv[1, i]  # (num_blocks, block_size, num_kv_heads, head_dim)
         return num_blocks
@@ -327,9 +360,15 @@ class ModelRunner:
             t = torch.from_numpy(a)
             return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
 
-        context = PagedContext(step.is_prefill, put(step.slot_mapping), put(step.block_tables),
-                               put(step.cu_seqlens_q), put(step.cu_seqlens_k), context_lens=put(step.context_lens),
-                               use_triton=self.use_triton)
+        context = PagedContext(
+            step.is_prefill,
+            put(step.slot_mapping),
+            put(step.block_tables),
+            put(step.cu_seqlens_q),
+            put(step.cu_seqlens_k),
+            context_lens=put(step.context_lens),
+            use_triton=self.use_triton,
+        )
         if step.is_prefill:
             context.max_seqlen_q = int(np.diff(step.cu_seqlens_q).max())
             context.max_seqlen_k = int(np.diff(step.cu_seqlens_k).max())
@@ -353,8 +392,9 @@ class ModelRunner:
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         """One step for these sequences: the next token of each."""
         logits = self.step_logits(seqs, is_prefill)  # queued on the GPU: the host goes on
-        sampling = SamplingTensors.from_params([seq.sampling_params for seq in seqs],  # built while the GPU
-                                               [seq.num_completion_tokens for seq in seqs], self.device)  # computes
+        sampling = SamplingTensors.from_params(  # built while the GPU computes
+            [seq.sampling_params for seq in seqs], [seq.num_completion_tokens for seq in seqs], self.device
+        )
         token_ids = self.sampler(logits, sampling).tolist()
         if self.workers is not None:
             self.workers.check()  # a worker died during the step: its all-reduces were aborted, the tokens are junk

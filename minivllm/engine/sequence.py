@@ -18,7 +18,9 @@ class Sequence:
     counter = count()
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None, block_size: int = 16):
-        assert len(token_ids) > 0 and block_size >= 1, "the engine refuses empty prompts; block_size is the block manager's"
+        assert len(token_ids) > 0 and block_size >= 1, (
+            "the engine refuses empty prompts; block_size is the block manager's"
+        )
         self.seq_id = next(Sequence.counter)
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)  # our own copy
@@ -36,8 +38,10 @@ class Sequence:
         return self.num_tokens
 
     def __repr__(self) -> str:
-        return (f"Sequence(seq_id={self.seq_id}, {self.status.name}, num_tokens={self.num_tokens}, "
-                f"num_cached_tokens={self.num_cached_tokens}, block_table={self.block_table})")
+        return (
+            f"Sequence(seq_id={self.seq_id}, {self.status.name}, num_tokens={self.num_tokens}, "
+            f"num_cached_tokens={self.num_cached_tokens}, block_table={self.block_table})"
+        )
 
     @property
     def is_finished(self) -> bool:

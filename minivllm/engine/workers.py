@@ -17,8 +17,10 @@ from minivllm.layers.linear import TPGroup
 
 START_TIMEOUT = timedelta(seconds=300)  # a worker imports torch and loads its slice: minutes on a slow disk
 STEP_TIMEOUT = timedelta(seconds=600)  # one rank may compile kernels in a first step while the others wait
-MAIN_GUARD = ("Workers are spawned: each re-imports your main script, so a script that creates an LLM with "
-              "tensor_parallel_size > 1 must do it under `if __name__ == \"__main__\":`.")
+MAIN_GUARD = (
+    "Workers are spawned: each re-imports your main script, so a script that creates an LLM with "
+    'tensor_parallel_size > 1 must do it under `if __name__ == "__main__":`.'
+)
 
 
 def make_groups(store: Any, rank: int, world_size: int, device: torch.device) -> tuple[TPGroup, Any]:
@@ -76,12 +78,15 @@ class Workers:
     """Rank 0's side of the other ranks: spawns them, waits for them while watching them, says why one is gone."""
 
     def __init__(self, target: Callable, args: tuple, world_size: int, device: torch.device):
-        self.store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
-                                   timeout=START_TIMEOUT)
+        self.store = dist.TCPStore(
+            "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=START_TIMEOUT
+        )
         spawn = mp.get_context("spawn")
         self.started = [spawn.Event() for _ in range(1, world_size)]  # set by each worker as its first act
-        self.processes = [spawn.Process(target=target, args=(*args, rank, self.store.port, started), daemon=True)
-                          for rank, started in enumerate(self.started, start=1)]
+        self.processes = [
+            spawn.Process(target=target, args=(*args, rank, self.store.port, started), daemon=True)
+            for rank, started in enumerate(self.started, start=1)
+        ]
         self.failure: str | None = None  # why the ranks can no longer work together
         self.stopping = False
         for process in self.processes:
@@ -99,7 +104,10 @@ class Workers:
             if process.exitcode is None:
                 continue
             if not started.is_set():
-                return f"tensor-parallel worker rank {rank} exited (code {process.exitcode}) before it started. " + MAIN_GUARD
+                return (
+                    f"tensor-parallel worker rank {rank} exited (code {process.exitcode}) before it started. "
+                    + MAIN_GUARD
+                )
             return f"tensor-parallel worker rank {rank} (pid {process.pid}) died (exit code {process.exitcode})"
         return None
 

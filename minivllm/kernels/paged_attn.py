@@ -19,8 +19,17 @@ from minivllm.kernels.flash_attn import (
 
 @triton.jit
 def _store_kvcache_kernel(
-    k, v, k_cache, v_cache, slot_mapping, stride_kt, stride_vt, stride_kc, stride_vc,
-    KV_SIZE: tl.constexpr, BLOCK: tl.constexpr,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    stride_kt,
+    stride_vt,
+    stride_kc,
+    stride_vc,
+    KV_SIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping + token)
@@ -34,14 +43,18 @@ def _store_kvcache_kernel(
 
 def check_cache(name: str, cache: torch.Tensor, q: torch.Tensor) -> None:
     if cache.dim() != 4 or cache.dtype != q.dtype or cache.device != q.device or not cache.is_contiguous():
-        raise ValueError(f"{name} must be a contiguous (num_blocks, block_size, num_kv_heads, head_dim) tensor of "
-                         f"{q.dtype} on {q.device}, got {cache.dtype} {tuple(cache.shape)} on {cache.device}")
+        raise ValueError(
+            f"{name} must be a contiguous (num_blocks, block_size, num_kv_heads, head_dim) tensor of "
+            f"{q.dtype} on {q.device}, got {cache.dtype} {tuple(cache.shape)} on {cache.device}"
+        )
 
 
 def check_index(name: str, t: torch.Tensor, dim: int, device: torch.device, dtypes=(torch.int32,)) -> None:
     if t.dim() != dim or t.dtype not in dtypes or t.device != device:
-        raise ValueError(f"{name} must be a {dim}-D {' or '.join(map(str, dtypes))} tensor on {device}, "
-                         f"got {t.dtype} {tuple(t.shape)} on {t.device}")
+        raise ValueError(
+            f"{name} must be a {dim}-D {' or '.join(map(str, dtypes))} tensor on {device}, "
+            f"got {t.dtype} {tuple(t.shape)} on {t.device}"
+        )
 
 
 def store_kvcache(
@@ -56,14 +69,25 @@ def store_kvcache(
     check_cache("v_cache", v_cache, v)
     check_index("slot_mapping", slot_mapping, 1, k.device, (torch.int32, torch.int64))
     if k.shape != v.shape or k.shape[1:] != k_cache.shape[2:] or slot_mapping.numel() != k.shape[0]:
-        raise ValueError(f"k, v {tuple(k.shape)}, {tuple(v.shape)} must match the cache's (num_kv_heads, head_dim) "
-                         f"{tuple(k_cache.shape[2:])} and slot_mapping's {slot_mapping.numel()} tokens")
+        raise ValueError(
+            f"k, v {tuple(k.shape)}, {tuple(v.shape)} must match the cache's (num_kv_heads, head_dim) "
+            f"{tuple(k_cache.shape[2:])} and slot_mapping's {slot_mapping.numel()} tokens"
+        )
     if k.stride(-1) != 1 or k.stride(-2) != k.shape[-1] or v.stride(-1) != 1 or v.stride(-2) != v.shape[-1]:
         raise ValueError("each token's k and v must be contiguous (num_kv_heads, head_dim) rows")
     kv_size = k.shape[1] * k.shape[2]
     _store_kvcache_kernel[(k.shape[0],)](
-        k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), k_cache.stride(1), v_cache.stride(1),
-        KV_SIZE=kv_size, BLOCK=triton.next_power_of_2(kv_size),
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        v.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(1),
+        KV_SIZE=kv_size,
+        BLOCK=triton.next_power_of_2(kv_size),
     )
 
 
@@ -76,11 +100,34 @@ def paged_rows(block_table_row, tok, valid, BLOCK_SIZE: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])  # vary from step to step (notebook 01)
 def _decode_kernel(
-    Q, K, V, partial_out, partial_lse, cache_seqlens, block_table, qk_scale, num_splits,
-    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_bt,
-    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    Q,
+    K,
+    V,
+    partial_out,
+    partial_lse,
+    cache_seqlens,
+    block_table,
+    qk_scale,
+    num_splits,
+    stride_qb,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_bt,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seqlen = tl.load(cache_seqlens + seq)
@@ -91,8 +138,9 @@ def _decode_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
     heads = kv_head * GROUP + offs_g
-    q = load_tile(Q + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-                  (offs_g < GROUP)[:, None], UPCAST)  # (GROUP_PAD, D)
+    q = load_tile(
+        Q + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], (offs_g < GROUP)[:, None], UPCAST
+    )  # (GROUP_PAD, D)
     m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
@@ -107,25 +155,43 @@ def _decode_kernel(
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))  # log2 units
     mask = offs_g < GROUP
-    tl.store(partial_out + seq * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :],
-             out, mask=mask[:, None])
+    tl.store(
+        partial_out + seq * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :],
+        out,
+        mask=mask[:, None],
+    )
     tl.store(partial_lse + seq * stride_lb + heads * stride_lh + split, lse, mask=mask)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _combine_splits_kernel(
-    partial_out, partial_lse, O, num_splits, stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    stride_ob, stride_oh, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    partial_out,
+    partial_lse,
+    O,
+    num_splits,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
 ):
     seq, head = tl.program_id(0), tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
-    lse = tl.load(partial_lse + seq * stride_lb + head * stride_lh + offs_s, mask=offs_s < num_splits,
-                  other=float("-inf"))  # (SPLITS_PAD,)
+    lse = tl.load(
+        partial_lse + seq * stride_lb + head * stride_lh + offs_s, mask=offs_s < num_splits, other=float("-inf")
+    )  # (SPLITS_PAD,)
     m = tl.max(lse, 0)
     weights = tl.math.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
-    parts = tl.load(partial_out + seq * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
-                    mask=(offs_s < num_splits)[:, None], other=0.0)  # (SPLITS_PAD, D)
+    parts = tl.load(
+        partial_out + seq * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
+        mask=(offs_s < num_splits)[:, None],
+        other=0.0,
+    )  # (SPLITS_PAD, D)
     out = tl.sum(parts * weights[:, None], 0) / tl.maximum(tl.sum(weights, 0), 1e-30)
     tl.store(O + seq * stride_ob + head * stride_oh + offs_d, out.to(O.dtype.element_ty))
 
@@ -164,8 +230,10 @@ def flash_attn_with_kvcache(
     batch, _, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     if k_cache.shape[3] != head_dim or num_heads % num_kv_heads or head_dim not in (16, 32, 64, 128, 256):
-        raise ValueError(f"head_dim {head_dim} (16..256, a power of two) must match the cache's {k_cache.shape[3]}, "
-                         f"and num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+        raise ValueError(
+            f"head_dim {head_dim} (16..256, a power of two) must match the cache's {k_cache.shape[3]}, "
+            f"and num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}"
+        )
     if cache_seqlens.shape[0] != batch or block_table.shape[0] != batch:
         raise ValueError(f"cache_seqlens and block_table need one row per sequence ({batch})")
     scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
@@ -177,26 +245,77 @@ def flash_attn_with_kvcache(
     partial_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     group = num_heads // num_kv_heads
     _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k, v, partial_out, partial_lse, cache_seqlens, block_table, scale * math.log2(math.e), num_splits,
-        q.stride(0), q.stride(2), k.stride(0), k.stride(1), v.stride(0), v.stride(1), block_table.stride(0),
-        *partial_out.stride()[:3], *partial_lse.stride()[:2],
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=k_cache.shape[1], BLOCK_N=16 if on_cpu else 64, UPCAST=on_cpu and q.dtype != torch.float32,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=1 if on_cpu else 2,
+        q,
+        k,
+        v,
+        partial_out,
+        partial_lse,
+        cache_seqlens,
+        block_table,
+        scale * math.log2(math.e),
+        num_splits,
+        q.stride(0),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        block_table.stride(0),
+        *partial_out.stride()[:3],
+        *partial_lse.stride()[:2],
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_N=16 if on_cpu else 64,
+        UPCAST=on_cpu and q.dtype != torch.float32,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4,
+        num_stages=1 if on_cpu else 2,
     )  # tile sizes: the fastest of a sweep on an H200 (bf16, head_dim 128, block sizes 16 and 256)
     _combine_splits_kernel[(batch, num_heads)](
-        partial_out, partial_lse, out, num_splits, *partial_out.stride()[:3], *partial_lse.stride()[:2],
-        out.stride(0), out.stride(2), HEAD_DIM=head_dim, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+        partial_out,
+        partial_lse,
+        out,
+        num_splits,
+        *partial_out.stride()[:3],
+        *partial_lse.stride()[:2],
+        out.stride(0),
+        out.stride(2),
+        HEAD_DIM=head_dim,
+        SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
     )
     return out
 
 
 @triton.jit(do_not_specialize=["num_m_blocks", "stride_bt"])
 def _paged_prefill_kernel(
-    Q, K, V, O, cu_seqlens_q, cu_seqlens_k, block_table, qk_scale, num_m_blocks,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    Q,
+    K,
+    V,
+    O,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    block_table,
+    qk_scale,
+    num_m_blocks,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     start_m = num_m_blocks - 1 - tl.program_id(0)  # longest causal tiles first
     head, seq = tl.program_id(1), tl.program_id(2)
@@ -209,8 +328,11 @@ def _paged_prefill_kernel(
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    q = load_tile(Q + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-                  (offs_m < q_len)[:, None], UPCAST)  # (BLOCK_M, D)
+    q = load_tile(
+        Q + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+        (offs_m < q_len)[:, None],
+        UPCAST,
+    )  # (BLOCK_M, D)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -222,11 +344,15 @@ def _paged_prefill_kernel(
         rows = paged_rows(block_table + seq * stride_bt, tok, valid, BLOCK_SIZE)
         k = load_tile(K + rows[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None], valid[None, :], UPCAST)
         v = load_tile(V + rows[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :], valid[:, None], UPCAST)
-        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, tok, offs_m, k_len, shift, qk_scale,
-                                     start_n >= unmasked, CAUSAL, PRECISION)
+        acc, m_i, l_i = attend_block(
+            acc, m_i, l_i, q, k, v, tok, offs_m, k_len, shift, qk_scale, start_n >= unmasked, CAUSAL, PRECISION
+        )
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(O + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-             out.to(O.dtype.element_ty), mask=(offs_m < q_len)[:, None])
+    tl.store(
+        O + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+        out.to(O.dtype.element_ty),
+        mask=(offs_m < q_len)[:, None],
+    )
 
 
 def flash_attn_varlen_func(
@@ -243,8 +369,9 @@ def flash_attn_varlen_func(
 ) -> torch.Tensor:  # (total_q, num_heads, head_dim)
     """flash-attn's varlen attention; with `block_table`, keys and values are read from a paged cache."""
     if block_table is None:
-        return flash_attn_varlen_contiguous(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                            softmax_scale, causal)
+        return flash_attn_varlen_contiguous(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal
+        )
     check_cache("k_cache", k, q)
     check_cache("v_cache", v, q)
     check_index("block_table", block_table, 2, q.device)
@@ -258,10 +385,30 @@ def flash_attn_varlen_func(
     out = torch.empty_like(q)
     num_m_blocks = triton.cdiv(max_seqlen_q, config["BLOCK_M"])
     _paged_prefill_kernel[(num_m_blocks, q.shape[1], cu_seqlens_q.numel() - 1)](
-        q, kf, vf, out, cu_seqlens_q, cu_seqlens_k, block_table, scale * math.log2(math.e), num_m_blocks,
-        q.stride(0), q.stride(1), kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1), out.stride(0),
-        out.stride(1), block_table.stride(0), GROUP=q.shape[1] // num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_SIZE=k.shape[1], CAUSAL=causal, UPCAST=q.device.type == "cpu" and q.dtype != torch.float32,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **config,
+        q,
+        kf,
+        vf,
+        out,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        block_table,
+        scale * math.log2(math.e),
+        num_m_blocks,
+        q.stride(0),
+        q.stride(1),
+        kf.stride(0),
+        kf.stride(1),
+        vf.stride(0),
+        vf.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_table.stride(0),
+        GROUP=q.shape[1] // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=k.shape[1],
+        CAUSAL=causal,
+        UPCAST=q.device.type == "cpu" and q.dtype != torch.float32,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        **config,
     )
     return out

@@ -6,8 +6,15 @@ from minivllm.kernels.paged_attn import store_kvcache
 from minivllm.kernels.reference import attention_ref
 
 
-def scatter_into_cache(seq_lens: list[int], num_kv_heads: int, head_dim: int, block_size: int,
-                       device: torch.device | str, dtype: torch.dtype = torch.float32, seed: int = 0):
+def scatter_into_cache(
+    seq_lens: list[int],
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    device: torch.device | str,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+):
     """Random K/V per sequence, written to shuffled blocks of a paged cache; also returned contiguous:
     k_cache, v_cache, block_table, k, v (total_tokens, num_kv_heads, head_dim), cu_seqlens_k."""
     gen = torch.Generator().manual_seed(seed)
@@ -30,8 +37,9 @@ def scatter_into_cache(seq_lens: list[int], num_kv_heads: int, head_dim: int, bl
     return k_cache, v_cache, block_table, torch.cat(ks), torch.cat(vs), cu_k
 
 
-def store_kvcache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
+def store_kvcache_ref(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     keep = slot_mapping >= 0  # (num_tokens,): -1 marks padding
     k_cache.view(-1, *k_cache.shape[2:])[slot_mapping[keep]] = k[keep]
     v_cache.view(-1, *v_cache.shape[2:])[slot_mapping[keep]] = v[keep]

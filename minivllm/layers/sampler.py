@@ -8,7 +8,9 @@ from torch import nn
 from minivllm.sampling_params import SamplingParams
 
 
-def keep_mask(sorted_probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
+def keep_mask(
+    sorted_probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor
+) -> torch.Tensor:
     """Which tokens top-k, then top-p, then min-p keep; each row of sorted_probs is sorted largest first."""
     ranks = torch.arange(sorted_probs.shape[-1], device=sorted_probs.device)  # (vocab,)
     keep = (top_ks[:, None] < 0) | (ranks < top_ks[:, None])  # top-k  (batch, vocab)
@@ -60,8 +62,9 @@ class SamplingTensors:
     all_greedy: bool = False  # every row has: no random draw at all
 
     @classmethod
-    def from_params(cls, params: list[SamplingParams], steps: list[int],
-                    device: torch.device | str = "cpu") -> "SamplingTensors":
+    def from_params(
+        cls, params: list[SamplingParams], steps: list[int], device: torch.device | str = "cpu"
+    ) -> "SamplingTensors":
         """One row per request: its parameters, and how many tokens it has generated (seeded draws depend on it)."""
         pin = torch.device(device).type == "cuda"
 

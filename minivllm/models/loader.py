@@ -36,8 +36,9 @@ def read_config(path: Path) -> PretrainedConfig:
         raise FileNotFoundError(f"{config_file} not found: a checkpoint folder needs a config.json")
     architectures = read_json(config_file).get("architectures") or []
     if not any(a in MODELS for a in architectures):
-        raise ValueError(f"{config_file}: architectures={architectures} is not supported; "
-                         f"supported architectures: {sorted(MODELS)}")
+        raise ValueError(
+            f"{config_file}: architectures={architectures} is not supported; supported architectures: {sorted(MODELS)}"
+        )
     return AutoConfig.from_pretrained(path)
 
 
@@ -65,8 +66,10 @@ def checkpoint_files(path: Path, weight_map: dict[str, Path] | None = None) -> l
         if missing := [f.name for f in files if not f.is_file()]:
             raise FileNotFoundError(f"{path / INDEX_FILE} names {missing}, missing from {path}")
         if (single := path / "model.safetensors").is_file() and single not in files:
-            raise ValueError(f"{path} holds both {single.name} and {INDEX_FILE}, which does not name it: transformers "
-                             "would load the first, vLLM the files the index names; delete the stale one")
+            raise ValueError(
+                f"{path} holds both {single.name} and {INDEX_FILE}, which does not name it: transformers "
+                "would load the first, vLLM the files the index names; delete the stale one"
+            )
     if not files:
         raise FileNotFoundError(f"no *.safetensors file in {path}")
     return files
@@ -83,8 +86,10 @@ def tensor_shapes(files: list[Path], weight_map: dict[str, Path] | None = None) 
         except SafetensorError as e:
             raise ValueError(f"{file} is not a readable safetensors file: {e}") from None
         if twice := sorted(header.keys() & owner.keys()):
-            raise ValueError(f"tensor {twice[0]} is in both {owner[twice[0]]} and {file} ({len(twice)} tensor(s) "
-                             "in two files): a stray old shard? Keep one copy")
+            raise ValueError(
+                f"tensor {twice[0]} is in both {owner[twice[0]]} and {file} ({len(twice)} tensor(s) "
+                "in two files): a stray old shard? Keep one copy"
+            )
         shapes |= header
         owner |= dict.fromkeys(header, file)
     for name, file in (weight_map or {}).items():
@@ -135,11 +140,15 @@ def check_checkpoint(model: nn.Module, shapes: dict[str, tuple[int, ...]], confi
     needed = checkpoint_names(model)
     present = {name for name in shapes if not is_ignored(name, config)}
     if missing := sorted(needed.keys() - present):
-        raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {', '.join(missing[:5])}"
-                         + (", ..." if len(missing) > 5 else ""))
+        raise ValueError(
+            f"checkpoint is missing {len(missing)} tensor(s): {', '.join(missing[:5])}"
+            + (", ..." if len(missing) > 5 else "")
+        )
     if unexpected := sorted(present - needed.keys()):
-        raise ValueError(f"checkpoint has {len(unexpected)} unexpected tensor(s): {', '.join(unexpected[:5])}"
-                         + (", ..." if len(unexpected) > 5 else ""))
+        raise ValueError(
+            f"checkpoint has {len(unexpected)} unexpected tensor(s): {', '.join(unexpected[:5])}"
+            + (", ..." if len(unexpected) > 5 else "")
+        )
     params = dict(model.named_parameters())
     for name in sorted(present):  # rehearse each copy on the meta device: the loaders' own shape checks
         param_name, shard_id = needed[name]
@@ -160,7 +169,7 @@ def load_weights(model: nn.Module, files: list[Path], config: PretrainedConfig) 
 
 
 def resolve_dtype(dtype: torch.dtype | str, config: PretrainedConfig, device: torch.device) -> torch.dtype:
-    """"auto": the checkpoint's dtype on a GPU, float32 on a CPU."""
+    """ "auto": the checkpoint's dtype on a GPU, float32 on a CPU."""
     if dtype == "auto":
         if device.type == "cpu":
             return torch.float32
@@ -182,8 +191,12 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def load_model(path: str | Path, dtype: torch.dtype | str = "auto", device: torch.device | str = "cpu",
-               config: PretrainedConfig | None = None) -> nn.Module:
+def load_model(
+    path: str | Path,
+    dtype: torch.dtype | str = "auto",
+    device: torch.device | str = "cpu",
+    config: PretrainedConfig | None = None,
+) -> nn.Module:
     """Build the model a HuggingFace checkpoint folder describes and load its weights (this rank's slice).
     `config`: the folder's config.json, when the caller has read it already (the engine's Config has)."""
     path, device = Path(path), torch.device(device)

@@ -22,12 +22,18 @@ class Qwen3Attention(nn.Module):
     def __init__(self, config: Any, rotary_emb: RotaryEmbedding, layer_idx: int):
         super().__init__()
         head_dim = head_dim_of(config)
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, bias=config.attention_bias)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=config.attention_bias,
+        )
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
         self.head_dim = head_dim
-        self.o_proj = RowParallelLinear(config.num_attention_heads * head_dim, config.hidden_size,
-                                        bias=config.attention_bias)
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * head_dim, config.hidden_size, bias=config.attention_bias
+        )
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
         self.rotary_emb = rotary_emb
@@ -98,8 +104,11 @@ class Qwen3Model(nn.Module):
 class Qwen3ForCausalLM(nn.Module):
     # checkpoint module name -> (our packed module, shard id): what the loader packs where
     packed_modules_mapping = {
-        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
     }
 
     def __init__(self, config: Any):
