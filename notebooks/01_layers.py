@@ -304,11 +304,12 @@ class LinearBase(nn.Module):
         self.tp = tp_group()
         self.tp_rank, self.tp_size = self.tp.rank, self.tp.size
         self.tp_dim = tp_dim
+        # a hook the checkpoint loader calls (notebook 02); mypy: Parameter declares no such attribute
         self.weight = nn.Parameter(torch.empty(output_size, input_size))
-        self.weight.weight_loader = self.weight_loader
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size))
-            self.bias.weight_loader = self.weight_loader
+            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
         else:
             self.register_parameter("bias", None)
 
@@ -346,7 +347,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+    # the loader passes a packed layer its shard id: a signature LinearBase's loader does not have
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:  # type: ignore[override]
         full = list(self.full_shape(param))
         full[0] = self.output_sizes[shard_id]
         check_shape(f"{type(self).__name__}[{shard_id}]", loaded, tuple(full))
@@ -365,7 +367,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_kv_heads = divide(num_kv_heads, tp_size)
         super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:  # type: ignore[override]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
         full = list(param.shape)
@@ -455,7 +457,7 @@ class VocabParallelEmbedding(nn.Module):
         per_rank = divide(num_embeddings, self.tp_size)
         self.vocab_start, self.vocab_end = self.tp_rank * per_rank, (self.tp_rank + 1) * per_rank
         self.weight = nn.Parameter(torch.empty(per_rank, embedding_dim))
-        self.weight.weight_loader = self.weight_loader
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]  # the loader's hook, as above
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         check_shape(type(self).__name__, loaded, (self.num_embeddings, param.shape[1]))
@@ -536,6 +538,9 @@ def llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    cos: torch.Tensor  # buffers, registered below: (max_position, head_dim / 2)
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, max_position: int, params: dict):
         super().__init__()
         inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))

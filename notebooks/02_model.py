@@ -74,13 +74,14 @@ import argparse
 import time
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-PRESETS = {
+PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(
         vocab_size=2048,
         hidden_size=128,
@@ -117,7 +118,8 @@ CHAT_TEMPLATE = (
 def preset_config(name: str) -> Qwen3Config:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-    return Qwen3Config(**PRESETS[name], rope_theta=1e6, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=2)
+    # rope_theta: transformers 4's keyword, which 5 still takes (into rope_parameters) but no longer declares
+    return Qwen3Config(**PRESETS[name], rope_theta=1e6, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=2)  # type: ignore[call-arg]
 
 
 def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE) -> PreTrainedTokenizerFast:
@@ -142,7 +144,9 @@ def random_model(config: Qwen3Config, seed: int) -> Qwen3ForCausalLM:
     """transformers' Qwen3 with seeded random weights, ready to save (its RoPE buffer is left unset: not saved)."""
     dtype = getattr(torch, config.dtype) if isinstance(config.dtype, str) else config.dtype
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(config).to(dtype)  # its names and shapes are those of a real checkpoint
+        # its names and shapes are those of a real checkpoint. (mypy: transformers' `to` is a functools.wraps
+        # wrapper, which mypy does not bind as a method)
+        model = Qwen3ForCausalLM(config).to(dtype)  # type: ignore[arg-type]
     model.to_empty(device="cpu")  # allocate, uninitialised; this gives a tied head its own storage, so:
     model.tie_weights()
     generator = torch.Generator().manual_seed(seed)
@@ -174,7 +178,8 @@ def write_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     model = random_model(config, seed)
     model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=[2, 0], pad_token_id=0)
-    model.save_pretrained(out, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    options: dict[str, Any] = {"max_shard_size": max_shard_size} if max_shard_size else {}  # {}: transformers' default
+    model.save_pretrained(out, **options)
     tokenizer.save_pretrained(out)
     return out
 
@@ -297,6 +302,9 @@ class AttentionContext(Protocol):
 
 class Attention(nn.Module):
     """Causal self-attention of one layer, over this rank's heads; the context does the attending."""
+
+    k_cache: torch.Tensor  # this layer's paged KV cache, bound by the model runner (notebook 04):
+    v_cache: torch.Tensor  # (num_blocks, block_size, num_kv_heads, head_dim)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int):
         super().__init__()
@@ -461,7 +469,7 @@ class Qwen3Model(nn.Module):
 
 class Qwen3ForCausalLM(nn.Module):
     # checkpoint module name -> (our packed module, shard id): what the loader packs where
-    packed_modules_mapping = {
+    packed_modules_mapping: dict[str, tuple[str, str | int]] = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
         "v_proj": ("qkv_proj", "v"),
@@ -590,9 +598,10 @@ fig.savefig(FIGURES / "02_parameters.png", dpi=120)
 
 # %% tags=["export"] module="minivllm.models.loader"
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import cast
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -602,7 +611,7 @@ from transformers import AutoConfig, PretrainedConfig
 from minivllm.layers.linear import check_shape
 from minivllm.models.qwen3 import Qwen3ForCausalLM
 
-MODELS: dict[str, type[nn.Module]] = {"Qwen3ForCausalLM": Qwen3ForCausalLM}
+MODELS: dict[str, type[Qwen3ForCausalLM]] = {"Qwen3ForCausalLM": Qwen3ForCausalLM}
 INDEX_FILE = "model.safetensors.index.json"
 ShardId = str | int | None
 
@@ -631,7 +640,8 @@ def read_config(path: Path) -> PretrainedConfig:
     return AutoConfig.from_pretrained(path)
 
 
-def model_class(config: PretrainedConfig) -> type[nn.Module]:
+def model_class(config: PretrainedConfig) -> type[Qwen3ForCausalLM]:
+    assert config.architectures is not None, "read_config checks the architectures"
     return next(MODELS[a] for a in config.architectures if a in MODELS)
 
 
@@ -667,7 +677,8 @@ def checkpoint_files(path: Path, weight_map: dict[str, Path] | None = None) -> l
 def tensor_shapes(files: list[Path], weight_map: dict[str, Path] | None = None) -> dict[str, tuple[int, ...]]:
     """Every tensor's name and shape, from the safetensors headers (no weight is read). Each tensor must be in
     exactly one file, the one the index (if any) names: otherwise which copy wins would be an accident."""
-    shapes, owner = {}, {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    owner: dict[str, Path] = {}
     for file in files:
         try:
             with safe_open(file, "pt") as f:
@@ -688,12 +699,12 @@ def tensor_shapes(files: list[Path], weight_map: dict[str, Path] | None = None) 
     return shapes
 
 
-def checkpoint_names(model: nn.Module) -> dict[str, tuple[str, ShardId]]:
+def checkpoint_names(model: Qwen3ForCausalLM) -> dict[str, tuple[str, ShardId]]:
     """Checkpoint tensor name -> (our parameter name, shard id), for every tensor the model needs."""
-    sources: dict[str, list[tuple[str, ShardId]]] = {}
+    sources: dict[str, list[tuple[str, str | int]]] = {}
     for hf_module, (ours, shard_id) in model.packed_modules_mapping.items():
         sources.setdefault(ours, []).append((hf_module, shard_id))
-    names = {}
+    names: dict[str, tuple[str, ShardId]] = {}
     for name, _ in model.named_parameters():  # a tied lm_head is not listed: it is the embedding
         parts = name.split(".")
         packed = [i for i, part in enumerate(parts) if part in sources]
@@ -717,14 +728,14 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
 
 
 def load_tensor(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId) -> None:
-    loader = getattr(param, "weight_loader", default_weight_loader)
+    loader: Callable[..., None] = getattr(param, "weight_loader", default_weight_loader)
     if shard_id is None:
         loader(param, loaded)
     else:
         loader(param, loaded, shard_id)
 
 
-def check_checkpoint(model: nn.Module, shapes: dict[str, tuple[int, ...]], config: PretrainedConfig) -> None:
+def check_checkpoint(model: Qwen3ForCausalLM, shapes: dict[str, tuple[int, ...]], config: PretrainedConfig) -> None:
     """Raise if the checkpoint lacks a tensor, has one too many, or has one of the wrong shape."""
     needed = checkpoint_names(model)
     present = {name for name in shapes if not is_ignored(name, config)}
@@ -747,7 +758,7 @@ def check_checkpoint(model: nn.Module, shapes: dict[str, tuple[int, ...]], confi
             raise ValueError(f"checkpoint tensor {name}: {e}") from None
 
 
-def load_weights(model: nn.Module, files: list[Path], config: PretrainedConfig) -> None:
+def load_weights(model: Qwen3ForCausalLM, files: list[Path], config: PretrainedConfig) -> None:
     needed, params = checkpoint_names(model), dict(model.named_parameters())
     for file in files:
         with safe_open(file, "pt") as f:
@@ -764,7 +775,7 @@ def resolve_dtype(dtype: torch.dtype | str, config: PretrainedConfig, device: to
             return torch.float32
         dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
     if isinstance(dtype, str):
-        dtype = getattr(torch, dtype, None)
+        dtype = cast(torch.dtype, getattr(torch, dtype, None))  # or None, or not a dtype: refused below
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype must be 'auto', torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
     return dtype
@@ -785,7 +796,7 @@ def load_model(
     dtype: torch.dtype | str = "auto",
     device: torch.device | str = "cpu",
     config: PretrainedConfig | None = None,
-) -> nn.Module:
+) -> Qwen3ForCausalLM:
     """Build the model a HuggingFace checkpoint folder describes and load its weights (this rank's slice).
     `config`: the folder's config.json, when the caller has read it already (the engine's Config has)."""
     path, device = Path(path), torch.device(device)

@@ -161,6 +161,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from itertools import count
 from pathlib import Path
+from typing import cast
 
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
@@ -174,7 +175,7 @@ from minivllm.sampling_params import SamplingParams, as_token_ids
 Prompt = str | list[int]  # text, or token ids: a list or tuple of ints, or a 1-D integer NumPy array / PyTorch tensor
 
 
-def load_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase | None:
     """The checkpoint's tokenizer, or None when the folder has none (token-id prompts still work). transformers may
     build an empty tokenizer from a folder without tokenizer files: one that knows only special tokens is none."""
     try:
@@ -184,7 +185,7 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
     return tokenizer if set(tokenizer.get_vocab()) - set(tokenizer.all_special_tokens) else None
 
 
-def eos_token_ids(path: Path, tokenizer: PreTrainedTokenizerBase | None, hf_config) -> list[int]:
+def eos_token_ids(path: str | Path, tokenizer: PreTrainedTokenizerBase | None, hf_config) -> list[int]:
     """Every end-of-sequence id: the tokenizer's first, then generation_config.json's, then config.json's."""
     ids = [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []
     try:
@@ -231,6 +232,7 @@ class LLMEngine:
         config, vocab_size = self.config, self.config.hf_config.vocab_size
         if not token_ids:
             raise ValueError("prompt is empty: it must hold at least one token")
+        assert config.max_model_len is not None  # Config resolved it
         if len(token_ids) >= config.max_model_len:
             raise ValueError(
                 f"prompt has {len(token_ids)} tokens; it must be shorter than max_model_len="
@@ -253,6 +255,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         params = dataclasses.replace(params)
+        assert params.stop_token_ids is not None  # SamplingParams made it a list
         eos = [] if params.ignore_eos else self.eos_token_ids
         return dataclasses.replace(params, stop_token_ids=list(dict.fromkeys([*params.stop_token_ids, *eos])))
 
@@ -369,7 +372,9 @@ class LLMEngine:
     def output(self, request: Request) -> RequestOutput:
         seq = request.seq
         token_ids = seq.completion_token_ids
-        text = self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+        text = ""
+        if self.tokenizer is not None:  # decode gives one str for one sequence of ids
+            text = cast(str, self.tokenizer.decode(token_ids, skip_special_tokens=True))
         return RequestOutput(
             request.request_id,
             request.prompt,
@@ -415,6 +420,7 @@ class LLMEngine:
 
 # %% tags=["export"] module="minivllm.llm"
 from collections.abc import Sequence as SequenceOf
+from typing import TypeGuard, cast
 
 from tqdm.auto import tqdm
 
@@ -423,7 +429,7 @@ from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams, scalar
 
 
-def is_one_prompt(prompts) -> bool:
+def is_one_prompt(prompts) -> TypeGuard[Prompt]:
     """A str, an array or tensor, or a list of token ids (not a list of prompts)."""
     if isinstance(prompts, str) or hasattr(prompts, "ndim"):
         return True
@@ -458,7 +464,10 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
         with self.engine.lock:
-            ids = self.engine.add_requests(list(prompts), list(params))
+            # a list of prompts and their SamplingParams (or None) now, which mypy cannot tell; add_requests checks each
+            ids = self.engine.add_requests(
+                cast(list[Prompt], list(prompts)), cast(list[SamplingParams | None], list(params))
+            )
             try:
                 outputs = self.run(ids, use_tqdm)
             except BaseException:
@@ -469,7 +478,8 @@ class LLM:
 
     def run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         """Step until these requests have finished; their outputs."""
-        outputs, wanted = [], set(request_ids)
+        outputs: list[RequestOutput] = []
+        wanted = set(request_ids)
         with tqdm(total=len(wanted), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
             rates = {"prefill": 0.0, "decode": 0.0}  # tokens per second of the latest step of each kind
             while len(outputs) < len(wanted):

@@ -15,6 +15,9 @@ class AttentionContext(Protocol):
 class Attention(nn.Module):
     """Causal self-attention of one layer, over this rank's heads; the context does the attending."""
 
+    k_cache: torch.Tensor  # this layer's paged KV cache, bound by the model runner (notebook 04):
+    v_cache: torch.Tensor  # (num_blocks, block_size, num_kv_heads, head_dim)
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim

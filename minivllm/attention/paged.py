@@ -33,12 +33,14 @@ class PagedContext:
             return flash_attn_with_kvcache(
                 q.unsqueeze(1), layer.k_cache, layer.v_cache, self.context_lens, self.block_tables, layer.scale
             ).squeeze(1)
+        assert self.context_lens is not None and self.block_tables is not None  # a decode step has both
         cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
         cu_k = torch.nn.functional.pad(self.context_lens.cumsum(0, dtype=torch.int32), (1, 0))
         return paged_attention_ref(q, layer.k_cache, layer.v_cache, cu_q, cu_k, self.block_tables, layer.scale)
 
     def prefill(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cu_q, cu_k = self.cu_seqlens_q, self.cu_seqlens_k
+        assert cu_q is not None and cu_k is not None  # a prefill step has both
         if self.block_tables is None:  # nothing cached: the new tokens are whole prompts
             if self.use_triton:
                 return flash_attn_varlen_func(

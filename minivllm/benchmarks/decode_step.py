@@ -60,6 +60,7 @@ def decode_step_rows(
             cache = cache or dict(num_kvcache_blocks=blocks, block_size=block_size, kv_cache_tokens=blocks * block_size)
         finally:
             runner.close()
+    assert cache is not None, "impls must name at least one runner"
     return rows, cache
 
 

@@ -67,7 +67,7 @@ def run_model_parity(
     preset: str = "qwen3-0.6b",
     num_tokens: int = 1024,
     seed: int = 0,
-    device: str | None = None,
+    device: str | torch.device | None = None,
     attn_implementation: str = "sdpa",
 ) -> dict:
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -86,7 +86,7 @@ def run_model_parity(
             logits["minivllm", dtype] = model.prompt_logits(token_ids).cpu()
             del model
             hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
-            hf = hf.to(device).eval()
+            hf = hf.to(device).eval()  # type: ignore[arg-type]  # transformers' `to`: see checkpoint/maker.py
             with torch.inference_mode():
                 logits["transformers", dtype] = hf(torch.tensor([token_ids], device=device)).logits[0].cpu()
             del hf

@@ -87,8 +87,9 @@ def run_minivllm(path: Path, prompts, output_lens, **config) -> tuple[dict, dict
 def run_transformers(path: Path, prompts, output_lens) -> dict:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
+    # mypy: transformers' `to` is a functools.wraps wrapper, which mypy does not bind as a method
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(
-        "cuda" if torch.cuda.is_available() else "cpu"
+        "cuda" if torch.cuda.is_available() else "cpu"  # type: ignore[arg-type]
     )
     config = GenerationConfig(
         do_sample=True,
@@ -102,7 +103,7 @@ def run_transformers(path: Path, prompts, output_lens) -> dict:
     start = time.perf_counter()
     with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=5) as manager:
         ids = [manager.add_request(p, max_new_tokens=n) for p, n in zip(prompts, output_lens)]
-        done = {}
+        done: dict[str, int] = {}  # request id -> generated tokens
         while len(done) < len(ids):
             out = manager.get_result(timeout=1)
             if out is not None and out.is_finished():

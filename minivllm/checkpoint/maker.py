@@ -4,13 +4,14 @@ import argparse
 import time
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-PRESETS = {
+PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(
         vocab_size=2048,
         hidden_size=128,
@@ -47,7 +48,8 @@ CHAT_TEMPLATE = (
 def preset_config(name: str) -> Qwen3Config:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-    return Qwen3Config(**PRESETS[name], rope_theta=1e6, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=2)
+    # rope_theta: transformers 4's keyword, which 5 still takes (into rope_parameters) but no longer declares
+    return Qwen3Config(**PRESETS[name], rope_theta=1e6, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=2)  # type: ignore[call-arg]
 
 
 def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE) -> PreTrainedTokenizerFast:
@@ -72,7 +74,9 @@ def random_model(config: Qwen3Config, seed: int) -> Qwen3ForCausalLM:
     """transformers' Qwen3 with seeded random weights, ready to save (its RoPE buffer is left unset: not saved)."""
     dtype = getattr(torch, config.dtype) if isinstance(config.dtype, str) else config.dtype
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(config).to(dtype)  # its names and shapes are those of a real checkpoint
+        # its names and shapes are those of a real checkpoint. (mypy: transformers' `to` is a functools.wraps
+        # wrapper, which mypy does not bind as a method)
+        model = Qwen3ForCausalLM(config).to(dtype)  # type: ignore[arg-type]
     model.to_empty(device="cpu")  # allocate, uninitialised; this gives a tied head its own storage, so:
     model.tie_weights()
     generator = torch.Generator().manual_seed(seed)
@@ -104,7 +108,8 @@ def write_checkpoint(
     out.mkdir(parents=True, exist_ok=True)
     model = random_model(config, seed)
     model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=[2, 0], pad_token_id=0)
-    model.save_pretrained(out, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    options: dict[str, Any] = {"max_shard_size": max_shard_size} if max_shard_size else {}  # {}: transformers' default
+    model.save_pretrained(out, **options)
     tokenizer.save_pretrained(out)
     return out
 

@@ -7,6 +7,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from itertools import count
 from pathlib import Path
+from typing import cast
 
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
@@ -20,7 +21,7 @@ from minivllm.sampling_params import SamplingParams, as_token_ids
 Prompt = str | list[int]  # text, or token ids: a list or tuple of ints, or a 1-D integer NumPy array / PyTorch tensor
 
 
-def load_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase | None:
     """The checkpoint's tokenizer, or None when the folder has none (token-id prompts still work). transformers may
     build an empty tokenizer from a folder without tokenizer files: one that knows only special tokens is none."""
     try:
@@ -30,7 +31,7 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase | None:
     return tokenizer if set(tokenizer.get_vocab()) - set(tokenizer.all_special_tokens) else None
 
 
-def eos_token_ids(path: Path, tokenizer: PreTrainedTokenizerBase | None, hf_config) -> list[int]:
+def eos_token_ids(path: str | Path, tokenizer: PreTrainedTokenizerBase | None, hf_config) -> list[int]:
     """Every end-of-sequence id: the tokenizer's first, then generation_config.json's, then config.json's."""
     ids = [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []
     try:
@@ -77,6 +78,7 @@ class LLMEngine:
         config, vocab_size = self.config, self.config.hf_config.vocab_size
         if not token_ids:
             raise ValueError("prompt is empty: it must hold at least one token")
+        assert config.max_model_len is not None  # Config resolved it
         if len(token_ids) >= config.max_model_len:
             raise ValueError(
                 f"prompt has {len(token_ids)} tokens; it must be shorter than max_model_len="
@@ -99,6 +101,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         params = dataclasses.replace(params)
+        assert params.stop_token_ids is not None  # SamplingParams made it a list
         eos = [] if params.ignore_eos else self.eos_token_ids
         return dataclasses.replace(params, stop_token_ids=list(dict.fromkeys([*params.stop_token_ids, *eos])))
 
@@ -215,7 +218,9 @@ class LLMEngine:
     def output(self, request: Request) -> RequestOutput:
         seq = request.seq
         token_ids = seq.completion_token_ids
-        text = self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+        text = ""
+        if self.tokenizer is not None:  # decode gives one str for one sequence of ids
+            text = cast(str, self.tokenizer.decode(token_ids, skip_special_tokens=True))
         return RequestOutput(
             request.request_id,
             request.prompt,

@@ -25,6 +25,7 @@ from minivllm.layers.linear import TPGroup, tensor_parallel
 from minivllm.layers.rotary_embedding import RotaryEmbedding
 from minivllm.layers.sampler import Sampler, SamplingTensors
 from minivllm.models.loader import load_model
+from minivllm.models.qwen3 import Qwen3ForCausalLM
 from minivllm.sampling_params import SamplingParams
 
 
@@ -162,6 +163,7 @@ class DecodeGraphs:
 
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, context: PagedContext) -> torch.Tensor:
         bs = input_ids.shape[0]
+        assert context.context_lens is not None and context.block_tables is not None  # a decode step has both
         self.input_ids[:bs], self.positions[:bs] = input_ids, positions
         self.slot_mapping.fill_(-1)
         self.slot_mapping[:bs] = context.slot_mapping
@@ -178,7 +180,7 @@ def compile_small_layers(model: torch.nn.Module) -> None:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
     for module in model.modules():
         if isinstance(module, (RMSNorm, RotaryEmbedding, SiluAndMul)):
-            module.forward = torch.compile(module.forward, dynamic=True, fullgraph=True)
+            module.forward = torch.compile(module.forward, dynamic=True, fullgraph=True)  # type: ignore[method-assign]
 
 
 def exit_with_parent(parent_pid: int) -> None:
@@ -215,7 +217,9 @@ class ModelRunner:
         self.device = rank_device(config, rank)
         self.use_triton = self.device.type == "cuda"
         self.workers: Workers | None = None  # rank 0 of several: the other ranks
+        self.control: Any  # the gloo group that carries rank 0's messages; None for one rank
         self.tp, self.control = groups or (TPGroup(), None)
+        self.model: Qwen3ForCausalLM | None  # loaded below; None once the GPU memory is freed
         self.graphs: DecodeGraphs | None = None
         self.closed = False
         if rank == 0:
@@ -238,6 +242,7 @@ class ModelRunner:
             if self.device.type == "cuda":  # compile the paged prefill kernel now, not in the first request
                 self.execute(prefix_hit_step(self.block_size))
             if self.device.type == "cuda" and not config.enforce_eager:
+                assert config.max_model_len is not None  # Config resolved it
                 max_blocks = -(-config.max_model_len // self.block_size)
                 self.graphs = DecodeGraphs(
                     self.model, config.max_num_seqs, max_blocks, config.hf_config.hidden_size, self.dtype, self.device
@@ -306,6 +311,7 @@ class ModelRunner:
     def profile_step(self) -> None:
         """The largest step the engine will run: a full prefill, then sampling for max_num_seqs rows."""
         config = self.config
+        assert config.max_model_len is not None and self.model is not None  # Config resolved it; the runner is open
         num_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * config.max_model_len)
         lens = [config.max_model_len] * (num_tokens // config.max_model_len) + [num_tokens % config.max_model_len]
         lens = [n for n in lens if n][: config.max_num_seqs]
@@ -326,6 +332,7 @@ class ModelRunner:
             self.profile_step()
             num_blocks = gpu_free_blocks(block_bytes, config.gpu_memory_utilization)
         else:
+            assert config.max_model_len is not None  # Config resolved it
             wanted = config.max_num_seqs * -(-config.max_model_len // self.block_size)
             num_blocks = min(wanted, 2**30 // block_bytes)
         if self.world_size > 1:  # every rank must agree: the block manager is one for all
@@ -354,34 +361,38 @@ class ModelRunner:
 
     # --- a step ----------------------------------------------------------------------------------------------
     def to_device(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, PagedContext]:
-        def put(a: np.ndarray | None) -> torch.Tensor | None:
-            if a is None:
-                return None
+        def put(a: np.ndarray) -> torch.Tensor:
             t = torch.from_numpy(a)
             return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
+
+        def put_optional(a: np.ndarray | None) -> torch.Tensor | None:
+            return None if a is None else put(a)
 
         context = PagedContext(
             step.is_prefill,
             put(step.slot_mapping),
-            put(step.block_tables),
-            put(step.cu_seqlens_q),
-            put(step.cu_seqlens_k),
-            context_lens=put(step.context_lens),
+            put_optional(step.block_tables),
+            put_optional(step.cu_seqlens_q),
+            put_optional(step.cu_seqlens_k),
+            context_lens=put_optional(step.context_lens),
             use_triton=self.use_triton,
         )
         if step.is_prefill:
+            assert step.cu_seqlens_q is not None and step.cu_seqlens_k is not None  # a prefill step has both
             context.max_seqlen_q = int(np.diff(step.cu_seqlens_q).max())
             context.max_seqlen_k = int(np.diff(step.cu_seqlens_k).max())
         return put(step.input_ids), put(step.positions), context
 
     @torch.inference_mode()
     def execute(self, step: StepInputs) -> torch.Tensor:  # (num_seqs, vocab_size) logits
+        assert self.model is not None, "the runner is closed"
         input_ids, positions, context = self.to_device(step)
         if not step.is_prefill and self.graphs is not None and self.graphs.fits(input_ids.shape[0]):
             hidden = self.graphs.replay(input_ids, positions, context)
         else:
             hidden = self.model(input_ids, positions, context)  # (num_tokens, hidden_size)
         if step.is_prefill:
+            assert context.cu_seqlens_q is not None  # a prefill step has it
             hidden = hidden[context.cu_seqlens_q[1:] - 1]  # each sequence's last token: (num_seqs, hidden_size)
         return self.model.compute_logits(hidden)
 

@@ -17,7 +17,7 @@ class VocabParallelEmbedding(nn.Module):
         per_rank = divide(num_embeddings, self.tp_size)
         self.vocab_start, self.vocab_end = self.tp_rank * per_rank, (self.tp_rank + 1) * per_rank
         self.weight = nn.Parameter(torch.empty(per_rank, embedding_dim))
-        self.weight.weight_loader = self.weight_loader
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]  # the loader's hook, as above
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         check_shape(type(self).__name__, loaded, (self.num_embeddings, param.shape[1]))

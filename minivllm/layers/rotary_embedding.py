@@ -30,6 +30,9 @@ def llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    cos: torch.Tensor  # buffers, registered below: (max_position, head_dim / 2)
+    sin: torch.Tensor
+
     def __init__(self, head_dim: int, max_position: int, params: dict):
         super().__init__()
         inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))

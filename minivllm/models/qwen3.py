@@ -103,7 +103,7 @@ class Qwen3Model(nn.Module):
 
 class Qwen3ForCausalLM(nn.Module):
     # checkpoint module name -> (our packed module, shard id): what the loader packs where
-    packed_modules_mapping = {
+    packed_modules_mapping: dict[str, tuple[str, str | int]] = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
         "v_proj": ("qkv_proj", "v"),
