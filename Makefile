@@ -1,11 +1,14 @@
 # Two commands for a fresh machine (see README.md):
 #   make demo   set up .venv, run the main job (the engine on the preset that suits this machine)
 #   make test   bash .ci/run: set up .venv, check the export, lint, run every test, notebook and solution
+# and, while editing:
+#   make lint   CI's checks without the tests: export --check (of committed work), ruff check, ruff format --check, mypy
+#   make fmt    ruff format, then regenerate the modules and .ipynb files from the reformatted notebooks
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo notebooks test export
+.PHONY: setup demo notebooks test export lint fmt
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +25,16 @@ notebooks: setup
 	@echo "executed notebooks: build/notebooks/; figures:"; ls -1 build/figures/*.png | sed 's/^/  /'
 
 export: setup
+	$(PY) tools/export.py
+
+lint: setup
+	$(PY) tools/export.py --check
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
+
+fmt: setup
+	$(PY) -m ruff format .
 	$(PY) tools/export.py
 
 test:
