@@ -1566,7 +1566,7 @@ def compile_small_layers(model: torch.nn.Module) -> None:
     inputs, with and without a residual, one token or many, still make a dozen variants of RMSNorm."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
     for module in model.modules():
-        if isinstance(module, (RMSNorm, RotaryEmbedding, SiluAndMul)):
+        if isinstance(module, (RMSNorm, RotaryEmbedding, SiluAndMul)):  # this instance's forward, on purpose:
             module.forward = torch.compile(module.forward, dynamic=True, fullgraph=True)  # type: ignore[method-assign]
 
 
@@ -1625,7 +1625,7 @@ def make_groups(store: Any, rank: int, world_size: int, device: torch.device) ->
     control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, world_size, STEP_TIMEOUT)
     if device.type != "cuda":
         return TPGroup(rank, world_size, control), control
-    # torch's stub makes `options` required; the binding has a default (Options()), which we want
+    # torch's stub lists only the (store, rank, size, options) form; the binding also has (store, rank, size[, timeout])
     nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, world_size)  # type: ignore[call-arg]
     nccl.eager_connect_single_device(device)  # connect now, while rank 0 watches its workers
     return TPGroup(rank, world_size, nccl), control

@@ -179,7 +179,7 @@ def compile_small_layers(model: torch.nn.Module) -> None:
     inputs, with and without a residual, one token or many, still make a dozen variants of RMSNorm."""
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
     for module in model.modules():
-        if isinstance(module, (RMSNorm, RotaryEmbedding, SiluAndMul)):
+        if isinstance(module, (RMSNorm, RotaryEmbedding, SiluAndMul)):  # this instance's forward, on purpose:
             module.forward = torch.compile(module.forward, dynamic=True, fullgraph=True)  # type: ignore[method-assign]
 
 

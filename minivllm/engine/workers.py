@@ -29,7 +29,7 @@ def make_groups(store: Any, rank: int, world_size: int, device: torch.device) ->
     control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, world_size, STEP_TIMEOUT)
     if device.type != "cuda":
         return TPGroup(rank, world_size, control), control
-    # torch's stub makes `options` required; the binding has a default (Options()), which we want
+    # torch's stub lists only the (store, rank, size, options) form; the binding also has (store, rank, size[, timeout])
     nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, world_size)  # type: ignore[call-arg]
     nccl.eager_connect_single_device(device)  # connect now, while rank 0 watches its workers
     return TPGroup(rank, world_size, nccl), control
