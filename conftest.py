@@ -28,3 +28,19 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from minivllm.checkpoint import write_checkpoint
 
     return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(tiny: Path):
+    """The oracle: transformers' greedy continuation of a prompt on the tiny checkpoint, `max_tokens` token ids."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+
+    def greedy(prompt: list[int], max_tokens: int) -> list[int]:
+        out = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+        return out[0, len(prompt) :].tolist()
+
+    return greedy

@@ -7,8 +7,7 @@ import subprocess
 import sys
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from minivllm import LLM, SamplingParams
 
@@ -21,19 +20,7 @@ def llm(tiny):
         yield llm
 
 
-@pytest.fixture(scope="module")
-def hf(tiny):
-    return AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
-
-
-def hf_greedy(hf, prompt: list[int], max_tokens: int) -> list[int]:
-    out = hf.generate(
-        torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
-    )
-    return out[0, len(prompt) :].tolist()
-
-
-def test_generate_equals_transformers_greedy_for_mixed_prompts(llm, hf, tiny):
+def test_generate_equals_transformers_greedy_for_mixed_prompts(llm, hf_greedy, tiny):
     tokenizer = AutoTokenizer.from_pretrained(tiny)
     shared = list(range(100, 150))
     prompts = ["Once upon a time", [7], list(range(3, 40)), shared + [1], shared + [2, 3], "A paged KV cache is"]
@@ -42,7 +29,7 @@ def test_generate_equals_transformers_greedy_for_mixed_prompts(llm, hf, tiny):
     for prompt, out in zip(prompts, outputs):
         ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         assert out.prompt_token_ids == ids
-        assert out.outputs[0].token_ids == hf_greedy(hf, ids, 24)
+        assert out.outputs[0].token_ids == hf_greedy(ids, 24)
         assert out.outputs[0].finish_reason == "length" and out.finished
         assert out.outputs[0].text == tokenizer.decode(out.outputs[0].token_ids, skip_special_tokens=True)
         assert out.metrics.time_to_first_token > 0 and out.metrics.time_per_output_token(24) > 0
@@ -133,7 +120,7 @@ def test_missing_model_folder():
         LLM("/no/such/folder")
 
 
-def test_an_interrupted_generate_leaves_the_engine_usable(llm, hf):
+def test_an_interrupted_generate_leaves_the_engine_usable(llm, hf_greedy):
     runner = llm.engine.runner
     original, calls = runner.run, []
 
@@ -152,7 +139,7 @@ def test_an_interrupted_generate_leaves_the_engine_usable(llm, hf):
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.scheduler.block_manager.num_used_blocks == 0
     out = llm.generate([[3, 4]], GREEDY, use_tqdm=False)
-    assert out[0].outputs[0].token_ids == hf_greedy(hf, [3, 4], 24)
+    assert out[0].outputs[0].token_ids == hf_greedy([3, 4], 24)
 
 
 def test_each_step_returns_its_stats(llm):
@@ -175,7 +162,7 @@ def test_each_step_returns_its_stats(llm):
     assert engine.step()[1].kind == "idle"
 
 
-def test_abort_drops_every_request_and_the_engine_goes_on(llm, hf):
+def test_abort_drops_every_request_and_the_engine_goes_on(llm, hf_greedy):
     engine = llm.engine
     for i, prompt in enumerate([list(range(10, 50)), [3, 4, 5], list(range(60, 100))]):
         engine.add_request(prompt, GREEDY, f"abort-{i}")
@@ -186,7 +173,7 @@ def test_abort_drops_every_request_and_the_engine_goes_on(llm, hf):
     bm = engine.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_blocks and bm.num_cached_free_blocks == 0
     out = llm.generate([list(range(10, 50))], GREEDY, use_tqdm=False)  # the same prompt, from scratch
-    assert out[0].outputs[0].token_ids == hf_greedy(hf, list(range(10, 50)), 24)
+    assert out[0].outputs[0].token_ids == hf_greedy(list(range(10, 50)), 24)
 
 
 def test_cli_runs_the_tiny_preset(tmp_path):

@@ -25,20 +25,6 @@ def llm(tiny):
         yield llm
 
 
-@pytest.fixture(scope="module")
-def hf(tiny):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
-
-
-def hf_greedy(hf, prompt: list[int], max_tokens: int) -> list[int]:
-    out = hf.generate(
-        torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
-    )
-    return out[0, len(prompt) :].tolist()
-
-
 def greedy_tokens(llm: LLM, prompt: list[int], max_tokens: int = 8) -> list[int]:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     return llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
@@ -321,10 +307,10 @@ def test_requests_added_earlier_survive_a_generate(llm):
     assert_idle(llm)
 
 
-def test_a_failed_step_aborts_its_requests_and_the_engine_goes_on(llm, hf):
+def test_a_failed_step_aborts_its_requests_and_the_engine_goes_on(llm, hf_greedy):
     engine, runner = llm.engine, llm.engine.runner
     long_a, long_b = list(range(100, 140)), list(range(200, 250))  # full blocks never seen before: cacheable
-    expected = {p[0]: hf_greedy(hf, p, 16) for p in ([1, 2, 3], long_a, long_b)}
+    expected = {p[0]: hf_greedy(p, 16) for p in ([1, 2, 3], long_a, long_b)}
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     engine.add_request([1, 2, 3], params, "survivor")
     engine.step()  # its prefill
@@ -350,10 +336,10 @@ def test_a_failed_step_aborts_its_requests_and_the_engine_goes_on(llm, hf):
     assert_idle(llm)
 
 
-def test_a_failed_decode_step_aborts_its_requests(llm, hf):
+def test_a_failed_decode_step_aborts_its_requests(llm, hf_greedy):
     engine, runner = llm.engine, llm.engine.runner
     prompt = list(range(300, 331))  # 31 tokens: the first decode fills the second block, which is then cached
-    expected = hf_greedy(hf, prompt, 8)
+    expected = hf_greedy(prompt, 8)
     engine.add_request(prompt, GREEDY, "d")
     engine.step()  # prefill
     original, calls = runner.run, []
