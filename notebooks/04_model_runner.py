@@ -1586,7 +1586,7 @@ def compile_small_layers(model: torch.nn.Module) -> None:
 #   cannot be imported by a spawned process), as daemons, ignoring Ctrl-C (rank 0 decides when they stop),
 #   and each watches its parent and exits if it is gone, even after a `kill -9` of rank 0.
 # * **Rank 0 never waits blindly.** It waits for each worker to check in while watching that the process is
-#   alive, and a thread keeps watching: a worker that dies becomes an error naming it within a second (one that
+#   alive, and a thread keeps watching: a worker that dies becomes an error naming it within seconds (one that
 #   died before it even started was most likely a script without a main guard: the error says so).
 # * **A step is never cut in half.** Ctrl-C during a step is held until the step ends, so every rank stays in
 #   step and the engine stays usable; anything else that breaks a step makes the engine refuse further steps,
@@ -1634,7 +1634,10 @@ def make_groups(store: Any, rank: int, world_size: int, device: torch.device) ->
 def close_groups(groups: list[Any], abort: bool) -> None:
     """Shut each group down with the other ranks; abort it when one of them is gone (shutdown would wait)."""
     for group in dict.fromkeys(groups):
-        group.abort() if abort else group.shutdown()
+        if abort:
+            group.abort()
+        else:
+            group.shutdown()
 
 
 def broadcast_object(obj: Any, group: Any, rank: int) -> Any:
@@ -2169,6 +2172,11 @@ print(
 assert rows["minivllm", 1] < rows["minivllm-eager", 1]
 
 # %% [markdown]
+# The eager step costs about 30 ms at *every* batch size: it is bound by Python launching hundreds of kernels
+# one by one, not by the GPU. The graph replays them in one call; what is left grows with the batch, because
+# the KV cache read grows with it (at 256 sequences of 513 tokens, 15 GB per step).
+
+# %% [markdown]
 # ### Tensor parallelism on two H200s: when does it pay?
 # `python -m minivllm.benchmarks.tp` runs the same decode step and the same throughput workload with the model
 # on one GPU and split over two (NCCL). Splitting halves each GPU's share of the weights and of every KV read,
@@ -2189,31 +2197,27 @@ for tp, r in run.items():
 
 # %% [markdown]
 # Work it out: Qwen3-0.6B has 28 layers, so a TP-2 forward makes 2 × 28 all-reduces (plus the embedding's and
-# the LM head's gather). At batch 1, when the step is all latency, what does one cost?
+# the LM head's gather, and rank 0's message that tells the worker what to run). At batch 1, when the step is all
+# latency, what is the most one all-reduce can cost?
 
 # %%
 num_allreduces = 2 * 28
 per_allreduce_us = (step[2, 1] - step[1, 1]) / num_allreduces * 1e3
 weight_read_ms = 596e6 * 2 / (decode_data["copy_tbps"] * 1e12) * 1e3  # 596 M bf16 parameters at copy bandwidth
-print(f"TP 2 adds {step[2, 1] - step[1, 1]:.2f} ms at batch 1: ≈ {per_allreduce_us:.0f} µs per all-reduce")
+print(f"TP 2 adds {step[2, 1] - step[1, 1]:.2f} ms at batch 1: at most {per_allreduce_us:.0f} µs per all-reduce")
 print(
-    f"reading all the weights once takes {weight_read_ms:.2f} ms on one GPU; the all-reduces add "
-    f"{num_allreduces * per_allreduce_us / 1e3:.2f} ms"
+    f"reading all the weights once takes {weight_read_ms:.2f} ms on one GPU, {weight_read_ms / (step[2, 1] - step[1, 1]):.0%} of what TP 2 adds"
 )
 
 # %% [markdown]
 # For a 0.6B model TP 2 does not pay in speed: one GPU reads all 1.2 GB of weights in under 0.3 ms, a quarter
-# of what the all-reduces add, so halving that read cannot make up for them and every step gets slower (most at small batches, where latency is
-# all there is) and throughput drops a little. What it does buy is memory: the KV cache doubles (each GPU holds
+# of what the communication adds, so halving that read cannot make up for it. Every step gets slower (most at
+# small batches, where latency is all there is) and throughput drops a little. What it does buy is memory: the KV cache doubles (each GPU holds
 # half of the KV heads), so twice the tokens fit. TP pays when the weights or the KV cache do not fit one GPU,
 # or when reading a GPU's share of the weights takes much longer than the all-reduces: tens of billions of
 # parameters, not 0.6.
 
 # %% [markdown]
-# The eager step costs about 30 ms at *every* batch size: it is bound by Python launching hundreds of kernels
-# one by one, not by the GPU. The graph replays them in one call; what is left grows with the batch, because
-# the KV cache read grows with it (at 256 sequences of 513 tokens, 15 GB per step).
-#
 # ## Check yourself
 # * A sequence of 37 tokens with blocks of 16 and block table `[7, 2, 9]` decodes its 38th token. Which slot
 #   does its KV go to, and what `context_len` does the decode kernel see?

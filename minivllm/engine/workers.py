@@ -38,7 +38,10 @@ def make_groups(store: Any, rank: int, world_size: int, device: torch.device) ->
 def close_groups(groups: list[Any], abort: bool) -> None:
     """Shut each group down with the other ranks; abort it when one of them is gone (shutdown would wait)."""
     for group in dict.fromkeys(groups):
-        group.abort() if abort else group.shutdown()
+        if abort:
+            group.abort()
+        else:
+            group.shutdown()
 
 
 def broadcast_object(obj: Any, group: Any, rank: int) -> Any:
