@@ -16,7 +16,8 @@
 #
 # **What this notebook builds.** Qwen3, the model the engine serves, assembled from the layers of notebook 01;
 # a loader that reads a HuggingFace checkpoint folder (config.json + safetensors) into it, including the
-# tensor-parallel slices; and a maker of random-weight checkpoints, because this machine cannot download one.
+# tensor-parallel slices; a maker of random-weight checkpoints, because this machine cannot download one; and
+# `SamplingParams`, what a request asks to be done with the model's logits.
 #
 # **What it assumes.** Notebook 01 (the layers and the attention functions). No GPU: on a CPU the model uses the
 # plain PyTorch attention, on a GPU our Triton FlashAttention kernel.
@@ -33,6 +34,7 @@ from importlib import resources
 from pathlib import Path
 
 import matplotlib.pyplot as plt
+import numpy as np
 import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -372,7 +374,6 @@ import torch
 from torch import nn
 
 from minivllm.attention.layer import Attention, AttentionContext
-from minivllm.attention.prefill import PrefillContext
 from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from minivllm.layers.layernorm import RMSNorm
@@ -490,25 +491,6 @@ class Qwen3ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:  # (num_tokens, hidden_size)
         return self.lm_head(hidden_states)  # (num_tokens, vocab_size)
-
-    def check_prompt(self, token_ids: list[int]) -> None:
-        vocab_size, max_len = self.config.vocab_size, self.config.max_position_embeddings
-        if not token_ids:
-            raise ValueError("token_ids is empty: a prompt needs at least one token")
-        if len(token_ids) > max_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens; max_position_embeddings is {max_len}")
-        if bad := [t for t in token_ids if not 0 <= t < vocab_size]:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-
-    @torch.inference_mode()
-    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
-        """Run one prompt through the model, no KV cache: the logits at every position, (len, vocab_size)."""
-        self.check_prompt(token_ids)
-        device = self.lm_head.weight.device
-        input_ids = torch.tensor(token_ids, dtype=torch.long, device=device)
-        positions = torch.arange(len(token_ids), device=device)
-        context = PrefillContext.from_lens([len(token_ids)], device)
-        return self.compute_logits(self(input_ids, positions, context))
 
 
 # %% [markdown]
@@ -889,9 +871,17 @@ with tempfile.TemporaryDirectory() as tmp:
 # The real test: load the tiny checkpoint with our loader and with transformers, run the same prompts through
 # both in float32, compare the logits at every position. Prompt lengths: 1, around 16 and 256 (block sizes the
 # KV cache will use), and a few hundred.
+#
+# `minivllm.testing.prompt_logits(model, token_ids)` is the one-prompt forward of the cells above, with the
+# prompt checked first (not empty, inside the vocabulary and the context): `positions = arange(len)`, one
+# `PrefillContext`, `compute_logits` at every position. With no KV cache it is the oracle that every cached path
+# of notebooks 03–05 is compared with. It lives in `testing`, beside the other helpers that tests and notebooks
+# share, not on the model: the engine never calls it.
 
 # %%
 from transformers import AutoModelForCausalLM
+
+from minivllm.testing import prompt_logits
 
 model = load_model(tiny_path, dtype=torch.float32, device=DEVICE)
 hf_model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).to(DEVICE)
@@ -901,7 +891,7 @@ text_ids = tokenizer.encode(corpus)  # 3,969 tokens of the tokenizer's own train
 worst = 0.0
 for n in (1, 15, 16, 17, 255, 256, 257, 700):
     token_ids = text_ids[:n]
-    ours = model.prompt_logits(token_ids)  # (n, vocab_size)
+    ours = prompt_logits(model, token_ids)  # (n, vocab_size)
     with torch.no_grad():
         ref = hf_model(torch.tensor([token_ids], device=DEVICE)).logits[0]
     error = (ours - ref).abs().max().item()
@@ -922,8 +912,8 @@ input_ids = torch.tensor(a + b, device=DEVICE)
 positions = torch.tensor(list(range(len(a))) + list(range(len(b))), device=DEVICE)
 with torch.inference_mode():
     packed = model.compute_logits(model(input_ids, positions, PrefillContext.from_lens([len(a), len(b)], DEVICE)))
-torch.testing.assert_close(packed[: len(a)], model.prompt_logits(a), rtol=1e-5, atol=1e-5)
-torch.testing.assert_close(packed[len(a) :], model.prompt_logits(b), rtol=1e-5, atol=1e-5)
+torch.testing.assert_close(packed[: len(a)], prompt_logits(model, a), rtol=1e-5, atol=1e-5)
+torch.testing.assert_close(packed[len(a) :], prompt_logits(model, b), rtol=1e-5, atol=1e-5)
 print("packed batch of 2 prompts == each prompt alone")
 
 # %% [markdown]
@@ -956,7 +946,7 @@ print(
 from minivllm.benchmarks.model_parity import compare
 
 token_ids = text_ids[:1000]
-ours_bf16 = load_model(tiny_path, dtype=torch.bfloat16, device=DEVICE).prompt_logits(token_ids)
+ours_bf16 = prompt_logits(load_model(tiny_path, dtype=torch.bfloat16, device=DEVICE), token_ids)
 hf_bf16 = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.bfloat16).to(DEVICE)
 with torch.no_grad():
     ref_bf16 = hf_bf16(torch.tensor([token_ids], device=DEVICE)).logits[0]
@@ -1005,6 +995,142 @@ if parity_file.exists():
         )
 else:
     print("no GPU result yet: run `python -m minivllm.benchmarks.model_parity` on a GPU")
+
+# %% [markdown]
+# ## Sampling parameters: what a request does with the logits
+# The model ends in logits over the vocabulary; a request says how to pick its next token from them. Each
+# request carries its own settings, so one batch can mix greedy and creative requests. We keep vLLM's names
+# and defaults (`temperature=0` means greedy: always the most likely token), and reject bad
+# values *when the request is made*, naming the field and the allowed range, so nothing downstream ever sees
+# them. The sampler that uses them is built in notebook 04.
+#
+# "Bad" includes the wrong kind of number. Counts and token ids must be integers: a NumPy or PyTorch integer
+# scalar is accepted (and stored as a Python `int`), but `2.0`, `True` or `"3"` is refused rather than guessed
+# at. The three real-valued knobs must be finite: a NaN or an infinity would otherwise reach the sampler and
+# come out as garbage tokens, without an error.
+#
+# **Tiny temperatures are greedy.** The sampler divides the logits by the temperature in float32. Below about
+# 1e-38 the divisor is 0 or subnormal and the logits become infinite (softmax of them is NaN); long before that
+# the distribution is already one-hot. So, as vLLM does, any temperature below `1e-5` is stored as `0`: greedy,
+# exactly and cheaply, never a NaN.
+
+# %% tags=["export"] module="minivllm.sampling_params"
+import math
+from dataclasses import dataclass
+
+GREEDY_BELOW = 1e-5  # a temperature below this is greedy (vLLM's _SAMPLING_EPS)
+MAX_INT64 = 2**63 - 1  # top_k travels to the sampler as int64
+
+
+def scalar(value):
+    """A NumPy or PyTorch 0-d value as the Python number it holds; anything else unchanged."""
+    return value.item() if getattr(value, "ndim", None) == 0 and hasattr(value, "item") else value
+
+
+def as_int(value, name: str) -> int:
+    """value as a Python int: ints and NumPy/PyTorch integer scalars. Floats, bools, None, text: ValueError."""
+    number = scalar(value)
+    if not isinstance(number, int) or isinstance(number, bool):
+        raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    return number
+
+
+def as_real(value, name: str) -> float:
+    """value as a finite Python float: ints, floats and NumPy/PyTorch real scalars. NaN, infinities: ValueError."""
+    number = scalar(value)
+    if not isinstance(number, int | float) or isinstance(number, bool):
+        raise ValueError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
+    if not math.isfinite(number):  # ints too: float(10**400) would overflow
+        raise ValueError(f"{name} must be finite, got {number}")
+    return float(number)
+
+
+def as_bool(value, name: str) -> bool:
+    number = scalar(value)
+    if not isinstance(number, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+    return number
+
+
+def as_token_ids(value, name: str) -> list[int]:
+    """A list or tuple of ints, or a 1-D integer NumPy array or PyTorch tensor, as a new list of Python ints."""
+    if getattr(value, "ndim", 1) != 1:
+        raise ValueError(f"{name} must be 1-D token ids, got shape {tuple(value.shape)}")
+    if hasattr(value, "tolist") and hasattr(value, "dtype"):
+        value = value.tolist()  # a float or bool array gives floats or bools, refused below
+    if not isinstance(value, list | tuple):
+        raise ValueError(f"{name} must be a list of int token ids, got {type(value).__name__}")
+    if all(type(t) is int for t in value):  # the common case, fast
+        return list(value)
+    return [as_int(t, f"{name}[{i}]") for i, t in enumerate(value)]
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick each next token of a request, and when to stop (vLLM's names and defaults). Every field is
+    checked and converted to a plain Python value when it is made (and again by `dataclasses.replace`)."""
+
+    temperature: float = 1.0  # 0 is greedy; below 1e-5 is stored as 0
+    top_p: float = 1.0  # keep the most likely tokens whose probabilities add up to top_p
+    top_k: int = -1  # keep the k most likely tokens; -1 keeps all
+    min_p: float = 0.0  # drop tokens less likely than min_p × the most likely one
+    max_tokens: int = 16  # completion tokens at most
+    ignore_eos: bool = False  # keep going after the end-of-sequence token
+    seed: int | None = None  # per-request random seed; None draws from the engine's generator
+    stop_token_ids: list[int] | None = None  # extra tokens that finish the request
+
+    def __post_init__(self):
+        self.convert()
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (self.top_k == -1 or 1 <= self.top_k <= MAX_INT64):
+            raise ValueError(f"top_k must be -1 (off) or in [1, 2**63), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if bad := [t for t in self.stop_token_ids if t < 0]:
+            raise ValueError(f"stop_token_ids must be token ids >= 0, got {bad[0]}")
+        if self.temperature < GREEDY_BELOW:
+            self.temperature = 0.0  # greedy: dividing logits by it in float32 would overflow to inf, then NaN
+
+    def convert(self) -> None:
+        """Every field as a plain Python value of its type (our own copies); ValueError naming a field that is not."""
+        self.temperature, self.top_p, self.min_p = (
+            as_real(getattr(self, name), name) for name in ("temperature", "top_p", "min_p")
+        )
+        self.top_k, self.max_tokens = as_int(self.top_k, "top_k"), as_int(self.max_tokens, "max_tokens")
+        self.seed = None if self.seed is None else as_int(self.seed, "seed")
+        self.ignore_eos = as_bool(self.ignore_eos, "ignore_eos")
+        self.stop_token_ids = [] if self.stop_token_ids is None else as_token_ids(self.stop_token_ids, "stop_token_ids")
+
+
+# %%
+from minivllm.sampling_params import SamplingParams
+
+print(SamplingParams(temperature=0, max_tokens=64))
+with np.errstate(over="ignore"):
+    print(f"a logit of 10 over a temperature of 1e-45, in float32: {np.float32(10) / np.float32(1e-45)}")
+print(SamplingParams(temperature=1e-6), "<- a temperature below 1e-5 is greedy")
+for bad in (
+    dict(max_tokens=0),
+    dict(temperature=-0.5),
+    dict(top_p=0.0),
+    dict(top_k=0),
+    dict(min_p=1.5),
+    dict(max_tokens=2.0),
+    dict(temperature=float("nan")),
+    dict(top_p=float("inf")),
+    dict(stop_token_ids=[[1]]),
+):
+    try:
+        SamplingParams(**bad)
+    except ValueError as e:
+        print("ValueError:", e)
+    else:
+        raise AssertionError(f"accepted {bad}")
 
 # %% [markdown]
 # ## Check yourself

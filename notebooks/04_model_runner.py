@@ -12,17 +12,17 @@
 # ---
 
 # %% [markdown]
-# # 04 · The model runner: paged KV kernels, sampling, CUDA graphs, tensor parallelism
+# # 04 · The model runner: a step on the paged cache, sampling, CUDA graphs, tensor parallelism
 #
 # **What this notebook builds.** The part of the engine that turns a batch of `Sequence`s (notebook 03) into
-# next tokens on the device: the flat inputs and slot mappings of a step, the Triton kernels that write keys
-# and values into the paged KV cache and read them back (for decode, and for a prefill that continues after a
-# cached prefix), the sampler, CUDA graphs for decode, and tensor-parallel worker processes.
+# next tokens on the device: the flat inputs and slot mappings of a step, the attention context that routes
+# each layer to notebook 03's paged kernels, the sampler, the KV-cache sizing, CUDA graphs for decode, and
+# tensor-parallel worker processes.
 #
-# **What it assumes.** Notebook 01's FlashAttention kernel (online softmax), notebook 02's Qwen3 and its
-# `AttentionContext`, notebook 03's `Sequence` and `BlockManager` (block tables, slots, prefix hits).
+# **What it assumes.** Notebook 02's Qwen3 and its `AttentionContext`, notebook 03's `Sequence`,
+# `BlockManager` (block tables, slots, prefix hits) and paged kernels.
 #
-# **The one rule of this notebook.** Every path must give the same logits as `prompt_logits` over the whole
+# **The one rule of this notebook.** Every path must give the same logits as `testing.prompt_logits` over the whole
 # sequence, computed from scratch: a prefix-cache hit, a long decode, a shuffled block table. A paged engine
 # that gets this wrong does not crash; it silently writes different text.
 
@@ -44,584 +44,6 @@ FIGURES = Path(os.environ.get("MINIVLLM_FIGURES", "../build/figures")).resolve()
 FIGURES.mkdir(parents=True, exist_ok=True)
 torch.manual_seed(0)
 random.seed(0)
-
-# %% [markdown]
-# ## The KV cache in memory
-# For each layer the cache is two tensors, `k_cache` and `v_cache`, shaped
-# `(num_blocks, block_size, num_kv_heads, head_dim)`: flash-attn's layout. A token's *slot* is
-# `block_id * block_size + offset`, so viewing the cache as `(num_blocks * block_size, num_kv_heads, head_dim)`
-# makes the slot a plain row index. Two operations touch it every step:
-#
-# * **store**: after computing `k` and `v` for the step's new tokens, write each token's row to its slot
-#   (`slot_mapping[i]`, `-1` for padding that must not be written);
-# * **attend**: each query reads the rows of its sequence's tokens, following its block table.
-#
-# Storing is a scatter of whole rows: one program per token copies `num_kv_heads * head_dim` values.
-
-# %% tags=["export"] module="minivllm.kernels.paged_attn"
-import functools
-import math
-
-import torch
-import triton
-import triton.language as tl
-
-from minivllm.kernels.flash_attn import (
-    attend_block,
-    causal_bounds,
-    check_inputs,
-    flash_attn_varlen_contiguous,
-    launch_config,
-    load_tile,
-)
-
-
-@triton.jit
-def _store_kvcache_kernel(
-    k,
-    v,
-    k_cache,
-    v_cache,
-    slot_mapping,
-    stride_kt,
-    stride_vt,
-    stride_kc,
-    stride_vc,
-    KV_SIZE: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    token = tl.program_id(0)
-    slot = tl.load(slot_mapping + token)
-    if slot < 0:  # a padding token: nothing to store
-        return
-    offs = tl.arange(0, BLOCK)
-    mask = offs < KV_SIZE
-    tl.store(k_cache + slot * stride_kc + offs, tl.load(k + token * stride_kt + offs, mask=mask), mask=mask)
-    tl.store(v_cache + slot * stride_vc + offs, tl.load(v + token * stride_vt + offs, mask=mask), mask=mask)
-
-
-def check_cache(name: str, cache: torch.Tensor, q: torch.Tensor) -> None:
-    if cache.dim() != 4 or cache.dtype != q.dtype or cache.device != q.device or not cache.is_contiguous():
-        raise ValueError(
-            f"{name} must be a contiguous (num_blocks, block_size, num_kv_heads, head_dim) tensor of "
-            f"{q.dtype} on {q.device}, got {cache.dtype} {tuple(cache.shape)} on {cache.device}"
-        )
-
-
-def check_index(name: str, t: torch.Tensor, dim: int, device: torch.device, dtypes=(torch.int32,)) -> None:
-    if t.dim() != dim or t.dtype not in dtypes or t.device != device:
-        raise ValueError(
-            f"{name} must be a {dim}-D {' or '.join(map(str, dtypes))} tensor on {device}, "
-            f"got {t.dtype} {tuple(t.shape)} on {t.device}"
-        )
-
-
-def store_kvcache(
-    k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
-    v: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
-    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,  # (num_tokens,) int32/int64; -1 = do not store
-) -> None:
-    """Write each token's key and value into its slot of the paged cache."""
-    check_cache("k_cache", k_cache, k)
-    check_cache("v_cache", v_cache, v)
-    check_index("slot_mapping", slot_mapping, 1, k.device, (torch.int32, torch.int64))
-    if k.shape != v.shape or k.shape[1:] != k_cache.shape[2:] or slot_mapping.numel() != k.shape[0]:
-        raise ValueError(
-            f"k, v {tuple(k.shape)}, {tuple(v.shape)} must match the cache's (num_kv_heads, head_dim) "
-            f"{tuple(k_cache.shape[2:])} and slot_mapping's {slot_mapping.numel()} tokens"
-        )
-    if k.stride(-1) != 1 or k.stride(-2) != k.shape[-1] or v.stride(-1) != 1 or v.stride(-2) != v.shape[-1]:
-        raise ValueError("each token's k and v must be contiguous (num_kv_heads, head_dim) rows")
-    kv_size = k.shape[1] * k.shape[2]
-    _store_kvcache_kernel[(k.shape[0],)](
-        k,
-        v,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        k.stride(0),
-        v.stride(0),
-        k_cache.stride(1),
-        v_cache.stride(1),
-        KV_SIZE=kv_size,
-        BLOCK=triton.next_power_of_2(kv_size),
-    )
-
-
-# %% [markdown]
-# Check: stored rows land in their slots, and padding (`-1`) writes nothing.
-
-# %%
-from minivllm.kernels.paged_attn import store_kvcache
-
-k_cache = torch.zeros(4, 16, 2, 32, device=DEVICE)  # 4 blocks of 16 slots
-v_cache = torch.zeros_like(k_cache)
-k, v = torch.randn(3, 2, 32, device=DEVICE), torch.randn(3, 2, 32, device=DEVICE)
-slot_mapping = torch.tensor([37, -1, 5], device=DEVICE)  # block 2 offset 5; padding; block 0 offset 5
-store_kvcache(k, v, k_cache, v_cache, slot_mapping)
-flat_k = k_cache.view(-1, 2, 32)
-torch.testing.assert_close(flat_k[37], k[0])
-torch.testing.assert_close(flat_k[5], k[2])
-assert flat_k.abs().sum(dim=(1, 2)).count_nonzero() == 2  # nothing else was written
-
-# %% [markdown]
-# ## Why decode needs its own attention kernel
-# In prefill a sequence brings thousands of queries, and every key/value block the kernel loads is used by a
-# whole `BLOCK_M` tile of them: many FLOPs per byte, so the tensor cores set the speed (notebook 01).
-# In decode each sequence brings **one** query per head. Every byte of its KV cache is read to do 2 FLOPs
-# (a multiply-add for `q·k`, one for `p·v`) per query head that shares it. Count it:
-
-
-# %%
-def flops_per_byte(num_queries: int, group: int = 2, head_dim: int = 128, dtype_bytes: int = 2) -> float:
-    """Attention FLOPs per byte of K and V read, for `num_queries` queries per KV head group member."""
-    flops = 4 * num_queries * group * head_dim  # q·k and p·v for each query head, per key
-    return flops / (2 * head_dim * dtype_bytes)  # one key and one value row per key
-
-
-h200_ridge = 989e12 / 4.8e12  # dense bf16 FLOP/s over HBM bytes/s: below this a kernel waits on memory
-for name, n in (("decode (1 query)", 1), ("prefill of 4,096 tokens", 4096)):
-    print(f"{name:>24}: {flops_per_byte(n):7.0f} FLOP/byte (H200 ridge point ≈ {h200_ridge:.0f})")
-assert flops_per_byte(1) < 10 < h200_ridge < flops_per_byte(4096)
-
-# %% [markdown]
-# Decode sits far below the ridge: it is **memory-bound**, and a good decode kernel is one that streams the
-# KV cache at full HBM bandwidth. That changes the design:
-#
-# * **GQA packing.** Qwen3-0.6B's 16 query heads share 8 KV heads. One program handles *all* query heads of
-#   a KV head, so each KV block is read once, not twice. (The prefill kernel, one program per query head,
-#   reads it once per query head; there it does not matter, here it halves the traffic.)
-# * **Split-K (flash-decoding).** One sequence × 8 KV heads is only 8 programs, on a GPU with 132
-#   multiprocessors. So we also cut the context into `num_splits` chunks, each program reduces its chunk
-#   with online softmax and writes a partial output plus its log-sum-exp; a second tiny kernel combines them:
-#   `out = Σ_s exp(lse_s − lse) · out_s` with `lse = log Σ_s exp(lse_s)`.
-# * **Paging.** A program finds token `t`'s row through the block table:
-#   `block_table[seq, t // block_size] * block_size + t % block_size`. Blocks of 16 tokens are gathered 4 at a
-#   time (64 keys per step), blocks of 256 are read in 4 steps each; the kernel works for any block size.
-#
-# The inner step is notebook 01's `attend_block`, unchanged: the online softmax does not care where the
-# keys came from.
-
-
-# %% tags=["export"]
-@triton.jit
-def paged_rows(block_table_row, tok, valid, BLOCK_SIZE: tl.constexpr):
-    """Rows of tokens `tok` in the cache viewed as (num_blocks * block_size, ...): block base + offset."""
-    block = tl.load(block_table_row + tok // BLOCK_SIZE, mask=valid, other=0)
-    return block.to(tl.int64) * BLOCK_SIZE + tok % BLOCK_SIZE
-
-
-@triton.jit(do_not_specialize=["num_splits", "stride_bt"])  # vary from step to step (notebook 01)
-def _decode_kernel(
-    Q,
-    K,
-    V,
-    partial_out,
-    partial_lse,
-    cache_seqlens,
-    block_table,
-    qk_scale,
-    num_splits,
-    stride_qb,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_bt,
-    stride_pb,
-    stride_ph,
-    stride_ps,
-    stride_lb,
-    stride_lh,
-    GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    seqlen = tl.load(cache_seqlens + seq)
-    chunk = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
-    lo = split * chunk
-    hi = tl.minimum(lo + chunk, seqlen)
-    offs_g = tl.arange(0, GROUP_PAD)  # the query heads of this KV head (padded: tl.dot needs 16 rows)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_n = tl.arange(0, BLOCK_N)
-    heads = kv_head * GROUP + offs_g
-    q = load_tile(
-        Q + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], (offs_g < GROUP)[:, None], UPCAST
-    )  # (GROUP_PAD, D)
-    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        tok = start + offs_n  # (BLOCK_N,)
-        valid = tok < hi
-        rows = paged_rows(block_table + seq * stride_bt, tok, valid, BLOCK_SIZE)
-        k = load_tile(K + rows[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None], valid[None, :], UPCAST)
-        v = load_tile(V + rows[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :], valid[:, None], UPCAST)
-        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, tok, offs_g, hi, 0, qk_scale, True, False, PRECISION)
-    empty = l_i == 0.0  # a split past the end of a short sequence
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))  # log2 units
-    mask = offs_g < GROUP
-    tl.store(
-        partial_out + seq * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :],
-        out,
-        mask=mask[:, None],
-    )
-    tl.store(partial_lse + seq * stride_lb + heads * stride_lh + split, lse, mask=mask)
-
-
-@triton.jit(do_not_specialize=["num_splits"])
-def _combine_splits_kernel(
-    partial_out,
-    partial_lse,
-    O,
-    num_splits,
-    stride_pb,
-    stride_ph,
-    stride_ps,
-    stride_lb,
-    stride_lh,
-    stride_ob,
-    stride_oh,
-    HEAD_DIM: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-):
-    seq, head = tl.program_id(0), tl.program_id(1)
-    offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
-    lse = tl.load(
-        partial_lse + seq * stride_lb + head * stride_lh + offs_s, mask=offs_s < num_splits, other=float("-inf")
-    )  # (SPLITS_PAD,)
-    m = tl.max(lse, 0)
-    weights = tl.math.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
-    parts = tl.load(
-        partial_out + seq * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
-        mask=(offs_s < num_splits)[:, None],
-        other=0.0,
-    )  # (SPLITS_PAD, D)
-    out = tl.sum(parts * weights[:, None], 0) / tl.maximum(tl.sum(weights, 0), 1e-30)
-    tl.store(O + seq * stride_ob + head * stride_oh + offs_d, out.to(O.dtype.element_ty))
-
-
-@functools.cache
-def num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
-    """Enough programs to fill the GPU twice over; depends on the batch only, so a CUDA graph can fix it."""
-    if device.type == "cpu":
-        return 1
-    programs = batch * num_kv_heads
-    return 1 if programs >= num_sms(device) else min(128, 2 * triton.cdiv(2 * num_sms(device), programs))
-
-
-def flash_attn_with_kvcache(
-    q: torch.Tensor,  # (batch, 1, num_heads, head_dim): one new query per sequence
-    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
-    v_cache: torch.Tensor,
-    cache_seqlens: torch.Tensor | None = None,  # (batch,) int32: tokens in each sequence's cache
-    block_table: torch.Tensor | None = None,  # (batch, max_blocks) int32
-    softmax_scale: float | None = None,
-    causal: bool = False,  # one query that sees its whole cache: causal or not is the same thing
-) -> torch.Tensor:  # (batch, 1, num_heads, head_dim)
-    """Decode attention over a paged KV cache, with flash-attn's signature (GQA-packed, split-K)."""
-    if q.dim() != 4 or q.shape[1] != 1:
-        raise ValueError(f"q must be (batch, 1, num_heads, head_dim), got {tuple(q.shape)}")
-    check_cache("k_cache", k_cache, q)
-    check_cache("v_cache", v_cache, q)
-    if cache_seqlens is None or block_table is None:
-        raise ValueError("cache_seqlens and block_table are required: the cache is paged")
-    check_index("cache_seqlens", cache_seqlens, 1, q.device)
-    check_index("block_table", block_table, 2, q.device)
-    batch, _, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    if k_cache.shape[3] != head_dim or num_heads % num_kv_heads or head_dim not in (16, 32, 64, 128, 256):
-        raise ValueError(
-            f"head_dim {head_dim} (16..256, a power of two) must match the cache's {k_cache.shape[3]}, "
-            f"and num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}"
-        )
-    if cache_seqlens.shape[0] != batch or block_table.shape[0] != batch:
-        raise ValueError(f"cache_seqlens and block_table need one row per sequence ({batch})")
-    scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
-    on_cpu = q.device.type == "cpu"
-    num_splits = decode_num_splits(batch, num_kv_heads, q.device)
-    k, v = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
-    out = torch.empty_like(q)
-    partial_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-    partial_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    group = num_heads // num_kv_heads
-    _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q,
-        k,
-        v,
-        partial_out,
-        partial_lse,
-        cache_seqlens,
-        block_table,
-        scale * math.log2(math.e),
-        num_splits,
-        q.stride(0),
-        q.stride(2),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        block_table.stride(0),
-        *partial_out.stride()[:3],
-        *partial_lse.stride()[:2],
-        GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim,
-        BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_N=16 if on_cpu else 64,
-        UPCAST=on_cpu and q.dtype != torch.float32,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4,
-        num_stages=1 if on_cpu else 2,
-    )  # tile sizes: the fastest of a sweep on an H200 (bf16, head_dim 128, block sizes 16 and 256)
-    _combine_splits_kernel[(batch, num_heads)](
-        partial_out,
-        partial_lse,
-        out,
-        num_splits,
-        *partial_out.stride()[:3],
-        *partial_lse.stride()[:2],
-        out.stride(0),
-        out.stride(2),
-        HEAD_DIM=head_dim,
-        SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
-    )
-    return out
-
-
-# %% [markdown]
-# ### Check the decode kernel against the reference
-# Random sequences of 1 to ~300 tokens, scattered over a shuffled block table, for several block sizes and
-# GQA ratios: the kernel must give what notebook 01's reference gives on the same keys laid out contiguously.
-
-# %% tags=["export"] module="minivllm.kernels.paged_reference"
-import torch
-
-from minivllm.kernels.paged_attn import store_kvcache
-from minivllm.kernels.reference import attention_ref
-
-
-def scatter_into_cache(
-    seq_lens: list[int],
-    num_kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    device: torch.device | str,
-    dtype: torch.dtype = torch.float32,
-    seed: int = 0,
-):
-    """Random K/V per sequence, written to shuffled blocks of a paged cache; also returned contiguous:
-    k_cache, v_cache, block_table, k, v (total_tokens, num_kv_heads, head_dim), cu_seqlens_k."""
-    gen = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(blocks_per_seq) + 3
-    free = torch.randperm(num_blocks, generator=gen).tolist()
-    k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
-    v_cache = torch.zeros_like(k_cache)
-    block_table = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32, device=device)
-    ks, vs = [], []
-    for i, n in enumerate(seq_lens):
-        blocks = [free.pop() for _ in range(blocks_per_seq[i])]
-        block_table[i, : len(blocks)] = torch.tensor(blocks)
-        k, v = (torch.randn(n, num_kv_heads, head_dim, generator=gen).to(device, dtype) for _ in range(2))
-        slots = torch.tensor([blocks[t // block_size] * block_size + t % block_size for t in range(n)], device=device)
-        store_kvcache(k, v, k_cache, v_cache, slots)
-        ks.append(k)
-        vs.append(v)
-    cu_k = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    return k_cache, v_cache, block_table, torch.cat(ks), torch.cat(vs), cu_k
-
-
-# %%
-from minivllm.kernels.paged_attn import flash_attn_with_kvcache
-
-for block_size, num_heads, num_kv_heads in ((16, 8, 2), (32, 8, 8), (256, 8, 1)):
-    seq_lens = [1, 17, 300, 64]
-    k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache(seq_lens, num_kv_heads, 32, block_size, DEVICE)
-    q = torch.randn(len(seq_lens), 1, num_heads, 32, device=DEVICE)
-    cache_seqlens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table)
-    cu_q = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)
-    ref = attention_ref(q[:, 0], k, v, cu_q, cu_k)
-    print(f"block_size {block_size:>3}, GQA {num_heads // num_kv_heads}: max error {(out[:, 0] - ref).abs().max():.1e}")
-    torch.testing.assert_close(out[:, 0], ref, rtol=1e-4, atol=1e-4)
-
-# %% [markdown]
-# ## Prefill after a prefix-cache hit
-# When notebook 03's block manager finds a request's first blocks in the cache, the request's prefill
-# computes only the **new** tokens, but their queries must still attend to the cached prefix. A teaching
-# engine that runs plain prefill attention over the new tokens alone (as some do) silently drops the prefix
-# from attention: the output changes and nothing crashes.
-#
-# So prefill gets a paged form too: `flash_attn_varlen_func(..., block_table=...)`. The new tokens' keys and
-# values are first stored into the cache; then the kernel reads *all* keys of a sequence (cached prefix +
-# new tokens, `cu_seqlens_k`) through its block table, with the bottom-right causal mask of notebook 01, so
-# new token `i` sees every cached token and the new tokens up to itself. It is notebook 01's kernel with the
-# key rows looked up instead of computed.
-#
-# Two of its integers change from step to step: `num_m_blocks`, as in notebook 01, and the block table's row
-# stride (the longest sequence's block count). Neither is specialized on, so Triton compiles the kernel once
-# (the decode kernel, which the model runner also calls eagerly, gets the same treatment).
-
-
-# %% tags=["export"] module="minivllm.kernels.paged_attn"
-@triton.jit(do_not_specialize=["num_m_blocks", "stride_bt"])
-def _paged_prefill_kernel(
-    Q,
-    K,
-    V,
-    O,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    block_table,
-    qk_scale,
-    num_m_blocks,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_ot,
-    stride_oh,
-    stride_bt,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    start_m = num_m_blocks - 1 - tl.program_id(0)  # longest causal tiles first
-    head, seq = tl.program_id(1), tl.program_id(2)
-    q_start = tl.load(cu_seqlens_q + seq)
-    q_len = tl.load(cu_seqlens_q + seq + 1) - q_start
-    if start_m * BLOCK_M >= q_len:
-        return
-    k_len = tl.load(cu_seqlens_k + seq + 1) - tl.load(cu_seqlens_k + seq)
-    kv_head = head // GROUP
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    q = load_tile(
-        Q + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-        (offs_m < q_len)[:, None],
-        UPCAST,
-    )  # (BLOCK_M, D)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    shift = k_len - q_len  # the cached prefix: new query i sees keys j <= i + shift
-    unmasked, hi = causal_bounds(start_m, k_len, shift, BLOCK_M, BLOCK_N, CAUSAL)
-    for start_n in range(0, hi, BLOCK_N):
-        tok = start_n + offs_n
-        valid = tok < k_len
-        rows = paged_rows(block_table + seq * stride_bt, tok, valid, BLOCK_SIZE)
-        k = load_tile(K + rows[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None], valid[None, :], UPCAST)
-        v = load_tile(V + rows[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :], valid[:, None], UPCAST)
-        acc, m_i, l_i = attend_block(
-            acc, m_i, l_i, q, k, v, tok, offs_m, k_len, shift, qk_scale, start_n >= unmasked, CAUSAL, PRECISION
-        )
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(
-        O + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-        out.to(O.dtype.element_ty),
-        mask=(offs_m < q_len)[:, None],
-    )
-
-
-def flash_attn_varlen_func(
-    q: torch.Tensor,  # (total_q, num_heads, head_dim)
-    k: torch.Tensor,  # (total_k, num_kv_heads, head_dim), or the k_cache when block_table is given
-    v: torch.Tensor,  # likewise
-    cu_seqlens_q: torch.Tensor,  # (batch + 1,) int32
-    cu_seqlens_k: torch.Tensor,  # (batch + 1,) int32: with a block table, cached + new tokens per sequence
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    block_table: torch.Tensor | None = None,  # (batch, max_blocks) int32
-) -> torch.Tensor:  # (total_q, num_heads, head_dim)
-    """flash-attn's varlen attention; with `block_table`, keys and values are read from a paged cache."""
-    if block_table is None:
-        return flash_attn_varlen_contiguous(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal
-        )
-    check_cache("k_cache", k, q)
-    check_cache("v_cache", v, q)
-    check_index("block_table", block_table, 2, q.device)
-    num_kv_heads, head_dim = k.shape[2], k.shape[3]
-    check_inputs(q, k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim), cu_seqlens_q, cu_seqlens_k)
-    if block_table.shape[0] != cu_seqlens_q.numel() - 1:
-        raise ValueError(f"block_table has {block_table.shape[0]} rows for {cu_seqlens_q.numel() - 1} sequences")
-    scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
-    config = launch_config(head_dim, q.device)
-    kf, vf = k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)
-    out = torch.empty_like(q)
-    num_m_blocks = triton.cdiv(max_seqlen_q, config["BLOCK_M"])
-    _paged_prefill_kernel[(num_m_blocks, q.shape[1], cu_seqlens_q.numel() - 1)](
-        q,
-        kf,
-        vf,
-        out,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        block_table,
-        scale * math.log2(math.e),
-        num_m_blocks,
-        q.stride(0),
-        q.stride(1),
-        kf.stride(0),
-        kf.stride(1),
-        vf.stride(0),
-        vf.stride(1),
-        out.stride(0),
-        out.stride(1),
-        block_table.stride(0),
-        GROUP=q.shape[1] // num_kv_heads,
-        HEAD_DIM=head_dim,
-        BLOCK_SIZE=k.shape[1],
-        CAUSAL=causal,
-        UPCAST=q.device.type == "cpu" and q.dtype != torch.float32,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        **config,
-    )
-    return out
-
-
-# %% [markdown]
-# Check: new tokens after a cached prefix, read through a shuffled block table, give exactly what the
-# reference gives on the whole sequence's keys laid out contiguously.
-
-# %%
-from minivllm.kernels.paged_attn import flash_attn_varlen_func
-
-for block_size in (16, 256):
-    k_lens, q_lens = [40, 17, 300], [5, 17, 64]  # 35 cached tokens + 5 new; no cache; 236 cached + 64 new
-    k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache(k_lens, 2, 32, block_size, DEVICE)
-    q = torch.randn(sum(q_lens), 4, 32, device=DEVICE)
-    cu_q = torch.tensor([0, *np.cumsum(q_lens)], dtype=torch.int32, device=DEVICE)
-    out = flash_attn_varlen_func(
-        q, k_cache, v_cache, cu_q, cu_k, max(q_lens), max(k_lens), causal=True, block_table=block_table
-    )
-    torch.testing.assert_close(out, attention_ref(q, k, v, cu_q, cu_k, causal=True), rtol=1e-4, atol=1e-4)
-print("paged prefill matches the reference")
 
 # %% [markdown]
 # ## Sampling: from logits to the next token
@@ -1055,65 +477,6 @@ assert crowded.completion_token_ids == solo.completion_token_ids
 assert unseeded.completion_token_ids != solo.completion_token_ids
 
 # %% [markdown]
-# ## Paged attention without a GPU
-# The Triton kernels run on a CPU only in Triton's interpreter: exact, but thousands of times slower than
-# PyTorch. So on a CPU the engine uses the same three operations written with PyTorch indexing: a store is
-# an indexed assignment, attention gathers each sequence's rows through its block table and calls the
-# reference attention of notebook 01. They are also a second, independent implementation to test the kernels
-# against.
-
-
-# %% tags=["export"] module="minivllm.kernels.paged_reference"
-def store_kvcache_ref(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    keep = slot_mapping >= 0  # (num_tokens,): -1 marks padding
-    k_cache.view(-1, *k_cache.shape[2:])[slot_mapping[keep]] = k[keep]
-    v_cache.view(-1, *v_cache.shape[2:])[slot_mapping[keep]] = v[keep]
-
-
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """A sequence's first `num_tokens` rows of a paged cache, contiguous: (num_tokens, num_kv_heads, head_dim)."""
-    num_blocks = -(-num_tokens // cache.shape[1])
-    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:num_tokens]
-
-
-def paged_attention_ref(
-    q: torch.Tensor,  # (total_q, num_heads, head_dim)
-    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
-    v_cache: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,  # (batch + 1,)
-    cu_seqlens_k: torch.Tensor,  # (batch + 1,): tokens in each sequence's cache, the new ones included
-    block_table: torch.Tensor,  # (batch, max_blocks)
-    softmax_scale: float | None = None,
-) -> torch.Tensor:  # (total_q, num_heads, head_dim)
-    """Causal attention of new tokens over their sequence's whole cache: decode is the case of one new token."""
-    k_lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist()
-    k = torch.cat([gather_kv(k_cache, block_table[i], n) for i, n in enumerate(k_lens)])
-    v = torch.cat([gather_kv(v_cache, block_table[i], n) for i, n in enumerate(k_lens)])
-    return attention_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal=True)
-
-
-# %% [markdown]
-# Check: the reference and the kernels agree on a random paged cache (decode and prefill-after-prefix).
-
-# %%
-from minivllm.kernels.paged_reference import paged_attention_ref
-
-seq_lens = [1, 17, 300, 64]
-k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache(seq_lens, 2, 32, 16, DEVICE)
-q = torch.randn(len(seq_lens), 1, 8, 32, device=DEVICE)
-cu_q = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)
-torch.testing.assert_close(
-    paged_attention_ref(q[:, 0], k_cache, v_cache, cu_q, cu_k, block_table),
-    flash_attn_with_kvcache(q, k_cache, v_cache, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), block_table)[
-        :, 0
-    ],
-    rtol=1e-4,
-    atol=1e-4,
-)
-
-# %% [markdown]
 # ## A forward pass over the paged cache
 # Notebook 02's model does not know about KV caches: each attention layer hands its `q`, `k`, `v` to an
 # `AttentionContext` and gets the output back. So paging is one new context, built once per step:
@@ -1273,10 +636,6 @@ class Config:
 # %% tags=["export"] module="minivllm.engine.model_runner"
 import atexit
 import gc
-import os
-import signal
-import threading
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -1289,7 +648,6 @@ from minivllm.attention.paged import PagedContext
 from minivllm.attention.prefill import PrefillContext
 from minivllm.config import Config
 from minivllm.engine.sequence import Sequence
-from minivllm.engine.workers import START_TIMEOUT, Workers, broadcast_object, close_groups, make_groups, sigint_held
 from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.layernorm import RMSNorm
 from minivllm.layers.linear import TPGroup, tensor_parallel
@@ -1570,236 +928,9 @@ def compile_small_layers(model: torch.nn.Module) -> None:
             module.forward = torch.compile(module.forward, dynamic=True, fullgraph=True)  # type: ignore[method-assign]
 
 
-# %% [markdown]
-# ### Tensor parallelism: one process per GPU
-# With `tensor_parallel_size=N` the runner of rank 0 (the engine's process) starts N−1 worker processes, each
-# holding its slice of every weight (notebook 01's parallel layers) and its slice of the KV cache (its KV
-# heads). Every step, rank 0 prepares the `StepInputs` and broadcasts them; all ranks run the same forward,
-# meeting at the all-reduces inside the model; rank 0 samples. Workers have no scheduler and no sequences.
-#
-# Processes are where engines hang, and a hang is worse than a crash: nobody learns why. The rules we follow:
-#
-# * **Each engine owns its groups.** Rank 0 opens a `TCPStore` on a free port; every rank builds two groups
-#   over it: `control` (gloo, CPU sockets) for rank 0's messages and `tp` for the model's all-reduces (NCCL on
-#   GPUs). There is no `torch.distributed` default group, so two engines in one process never share one.
-# * **Workers are `spawn`ed** (a forked CUDA context is unusable) with a module-level target (a notebook cell
-#   cannot be imported by a spawned process), as daemons, ignoring Ctrl-C (rank 0 decides when they stop),
-#   and each watches its parent and exits if it is gone, even after a `kill -9` of rank 0.
-# * **Rank 0 never waits blindly.** It waits for each worker to check in while watching that the process is
-#   alive, and a thread keeps watching: a worker that dies becomes an error naming it within seconds (one that
-#   died before it even started was most likely a script without a main guard: the error says so).
-# * **A step is never cut in half.** Ctrl-C during a step is held until the step ends, so every rank stays in
-#   step and the engine stays usable; anything else that breaks a step makes the engine refuse further steps,
-#   with the reason, instead of hanging in the next collective.
-# * **`close()` frees the CUDA graphs before the groups** (an NCCL group waits for the graphs that captured its
-#   all-reduces before it shuts down: closing in the other order hangs), then joins the workers and kills
-#   stragglers. It also hands the KV cache back to the GPU, so one process can run one engine after another.
-
-# %% tags=["export"] module="minivllm.engine.workers"
-import pickle
-import signal
-import threading
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from datetime import timedelta
-from typing import Any
-
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-
-from minivllm.layers.linear import TPGroup
-
-START_TIMEOUT = timedelta(seconds=300)  # a worker imports torch and loads its slice: minutes on a slow disk
-STEP_TIMEOUT = timedelta(seconds=600)  # one rank may compile kernels in a first step while the others wait
-MAIN_GUARD = (
-    "Workers are spawned: each re-imports your main script, so a script that creates an LLM with "
-    'tensor_parallel_size > 1 must do it under `if __name__ == "__main__":`.'
-)
-
-
-def make_groups(store: Any, rank: int, world_size: int, device: torch.device) -> tuple[TPGroup, Any]:
-    """This rank's groups over the engine's own store: `control` (gloo) carries rank 0's messages, the TPGroup's
-    group the model's all-reduces (NCCL on GPUs; on CPUs the gloo group again)."""
-    control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, world_size, STEP_TIMEOUT)
-    if device.type != "cuda":
-        return TPGroup(rank, world_size, control), control
-    # torch's stub lists only the (store, rank, size, options) form; the binding also has (store, rank, size[, timeout])
-    nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, world_size)  # type: ignore[call-arg]
-    nccl.eager_connect_single_device(device)  # connect now, while rank 0 watches its workers
-    return TPGroup(rank, world_size, nccl), control
-
-
-def close_groups(groups: list[Any], abort: bool) -> None:
-    """Shut each group down with the other ranks; abort it when one of them is gone (shutdown would wait)."""
-    for group in dict.fromkeys(groups):
-        if abort:
-            group.abort()
-        else:
-            group.shutdown()
-
-
-def broadcast_object(obj: Any, group: Any, rank: int) -> Any:
-    """Rank 0's `obj` on every rank (the others pass None), pickled over a gloo group."""
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if rank == 0 else None
-    size = torch.tensor([0 if data is None else data.numel()])
-    group.broadcast(size, 0).wait()
-    if data is None:
-        data = torch.empty(int(size), dtype=torch.uint8)
-    group.broadcast(data, 0).wait()
-    return obj if rank == 0 else pickle.loads(data.numpy().tobytes())
-
-
-@contextmanager
-def sigint_held() -> Iterator[None]:
-    """Hold Ctrl-C until the block ends: rank 0 never leaves the other ranks halfway through a step. A second
-    Ctrl-C stops at once (the engine is then out of step and refuses further steps)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    pending: list[int] = []
-
-    def hold(signum, frame):
-        if pending:
-            raise KeyboardInterrupt
-        pending.append(signum)
-
-    previous = signal.signal(signal.SIGINT, hold)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
-    if pending:
-        raise KeyboardInterrupt
-
-
-class Workers:
-    """Rank 0's side of the other ranks: spawns them, waits for them while watching them, says why one is gone."""
-
-    def __init__(self, target: Callable, args: tuple, world_size: int, device: torch.device):
-        self.store = dist.TCPStore(
-            "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=START_TIMEOUT
-        )
-        spawn = mp.get_context("spawn")
-        self.started = [spawn.Event() for _ in range(1, world_size)]  # set by each worker as its first act
-        self.processes = [
-            spawn.Process(target=target, args=(*args, rank, self.store.port, started), daemon=True)
-            for rank, started in enumerate(self.started, start=1)
-        ]
-        self.failure: str | None = None  # why the ranks can no longer work together
-        self.stopping = False
-        for process in self.processes:
-            process.start()
-        try:
-            self.tp, self.control = self.wait(lambda: make_groups(self.store, 0, world_size, device))
-        except BaseException:
-            self.join(timeout=0)
-            raise
-        threading.Thread(target=self.watch, daemon=True).start()
-
-    def dead(self) -> str | None:
-        """Why a worker is gone, if one is."""
-        for rank, (process, started) in enumerate(zip(self.processes, self.started), start=1):
-            if process.exitcode is None:
-                continue
-            if not started.is_set():
-                return (
-                    f"tensor-parallel worker rank {rank} exited (code {process.exitcode}) before it started. "
-                    + MAIN_GUARD
-                )
-            return f"tensor-parallel worker rank {rank} (pid {process.pid}) died (exit code {process.exitcode})"
-        return None
-
-    def wait(self, fn: Callable[[], Any]) -> Any:
-        """fn() (which waits for the workers) on a daemon thread; RuntimeError as soon as a worker is gone (the
-        thread, blocked for good, is left behind: a daemon does not keep the process alive)."""
-        done: list[tuple[Any, BaseException | None]] = []
-
-        def target() -> None:
-            try:
-                done.append((fn(), None))
-            except BaseException as e:
-                done.append((None, e))
-
-        thread = threading.Thread(target=target, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + START_TIMEOUT.total_seconds()
-        while thread.is_alive() and time.monotonic() < deadline:
-            thread.join(timeout=0.1)
-            if thread.is_alive() and (reason := self.dead()):
-                raise RuntimeError(reason)
-        if not done:
-            raise RuntimeError(f"tensor-parallel workers did not start within {START_TIMEOUT}")
-        result, error = done[0]
-        if error is not None:
-            raise error
-        return result
-
-    def watch(self) -> None:
-        """A worker that dies mid-step would leave rank 0 in a collective for ever: abort the groups instead."""
-        while not self.stopping:
-            if reason := self.dead():
-                self.failure = self.failure or reason
-                close_groups([self.tp.group, self.control], abort=True)
-                return
-            time.sleep(0.2)
-
-    def fail(self, error: BaseException) -> bool:
-        """A step broke: the ranks are out of step for good. Whether a worker died (it may take a moment to see)."""
-        deadline = time.monotonic() + 2
-        while (reason := self.dead()) is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        self.failure = self.failure or reason or f"a step failed on rank 0 ({type(error).__name__}: {error})"
-        return reason is not None
-
-    def check(self) -> None:
-        if self.failure is None:
-            self.failure = self.dead()
-        if self.failure is not None:
-            raise RuntimeError(f"the tensor-parallel engine cannot run: {self.failure}. Create a new LLM.")
-
-    def join(self, timeout: float = 10) -> None:
-        """Wait for the workers to exit (after "exit"), killing those still there after `timeout` seconds."""
-        self.stopping = True
-        for process in self.processes:
-            process.join(timeout=timeout)
-            if process.is_alive():
-                process.kill()
-                process.join()
-
-
-# %% [markdown]
-# A worker's life: check in (so that rank 0 can tell "never started" from "died"), connect to rank 0's store,
-# build its groups, load its slice, then do what rank 0 says until it says `exit`.
-
-
 # %% tags=["export"] module="minivllm.engine.model_runner"
-def exit_with_parent(parent_pid: int) -> None:
-    while os.getppid() == parent_pid:
-        time.sleep(0.5)
-    os._exit(1)  # rank 0 is gone: nobody will send "exit"
-
-
 def rank_device(config: Config, rank: int) -> torch.device:
     return torch.device(f"cuda:{rank}" if config.device == "cuda" else "cpu")
-
-
-def worker_main(config: Config, rank: int, port: int, started: Any) -> None:
-    started.set()  # this module imported: rank 0 can tell "died" from "never started"
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it tells the workers to exit
-    threading.Thread(target=exit_with_parent, args=(os.getppid(),), daemon=True).start()
-    device = rank_device(config, rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False, timeout=START_TIMEOUT)
-    runner = ModelRunner(config, rank, make_groups(store, rank, config.tensor_parallel_size, device))
-    try:
-        runner.serve()
-    except BaseException:
-        runner.close(abort=True)
-        raise
-    runner.close()
 
 
 # %% [markdown]
@@ -1813,25 +944,27 @@ def worker_main(config: Config, rank: int, port: int, started: Any) -> None:
 
 # %% tags=["export"]
 class ModelRunner:
+    """One rank's runner. Alone (`groups=None`) it holds the whole model; given a tensor-parallel rank's groups
+    (notebook 06 starts those processes) it holds that rank's slice and meets the other ranks in the model."""
+
     def __init__(self, config: Config, rank: int = 0, groups: tuple[TPGroup, Any] | None = None):
+        if groups is None and config.tensor_parallel_size > 1:
+            raise ValueError(
+                f"tensor_parallel_size={config.tensor_parallel_size} needs one process per rank: "
+                "use minivllm.engine.workers.make_runner(config), or LLM"
+            )
         self.config, self.rank, self.world_size = config, rank, config.tensor_parallel_size
         self.block_size = config.block_size
         self.device = rank_device(config, rank)
         self.use_triton = self.device.type == "cuda"
-        self.workers: Workers | None = None  # rank 0 of several: the other ranks
         self.control: Any  # the gloo group that carries rank 0's messages; None for one rank
         self.tp, self.control = groups or (TPGroup(), None)
         self.model: Qwen3ForCausalLM | None  # loaded below; None once the GPU memory is freed
         self.graphs: DecodeGraphs | None = None
         self.closed = False
-        if rank == 0:
-            atexit.register(self.close)
         try:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
-            if rank == 0 and self.world_size > 1:
-                self.workers = Workers(worker_main, (config,), self.world_size, self.device)
-                self.tp, self.control = self.workers.tp, self.workers.control
             torch.manual_seed(config.seed)
             with tensor_parallel(self.tp):  # the layers keep this engine's group
                 self.model = load_model(config.model, config.dtype, self.device, config.hf_config)
@@ -1849,51 +982,23 @@ class ModelRunner:
                 self.graphs = DecodeGraphs(
                     self.model, config.max_num_seqs, max_blocks, config.hf_config.hidden_size, self.dtype, self.device
                 )
-        except BaseException as e:
-            self.close(abort=True)
-            if self.workers is not None and self.workers.failure:
-                raise RuntimeError(self.workers.failure) from e
+        except BaseException:
+            self.free_gpu_memory()
             raise
+        if rank == 0:
+            atexit.register(self.close)
 
-    # --- processes -------------------------------------------------------------------------------------------
     def call(self, method: str, *args):
-        """Run a method on every rank (rank 0 tells the others first); rank 0's result."""
-        if self.workers is None:
-            return getattr(self, method)(*args)
-        self.workers.check()
-        with sigint_held():  # Ctrl-C lands between steps, with every rank in step
-            try:
-                broadcast_object((method, args), self.control, 0)
-                return getattr(self, method)(*args)
-            except BaseException as e:
-                if self.workers.fail(e):  # the step broke because a worker died: say that, not "connection reset"
-                    raise RuntimeError(self.workers.failure) from e
-                raise
+        """Run a method on every rank, rank 0's result. One rank just runs it; notebook 06's tensor-parallel
+        runner tells the other ranks first."""
+        return getattr(self, method)(*args)
 
-    def serve(self) -> None:
-        """A worker's loop: do what rank 0 says until it says exit."""
-        while True:
-            method, args = broadcast_object(None, self.control, self.rank)
-            if method == "exit":
-                return
-            getattr(self, method)(*args)
-
-    def close(self, abort: bool = False) -> None:
-        """Stop the workers, free the GPU memory (CUDA graphs before the groups), close the groups."""
+    def close(self) -> None:
+        """Free the GPU memory: the weights, the KV cache, the CUDA graphs."""
         if self.closed:
             return
         self.closed = True
-        workers = self.workers
-        if workers is not None:
-            workers.stopping = True
-            abort = abort or workers.failure is not None or workers.dead() is not None
-            if not abort:
-                broadcast_object(("exit", ()), self.control, 0)
         self.free_gpu_memory()
-        if self.control is not None:
-            close_groups([self.tp.group, self.control], abort)
-        if workers is not None:
-            workers.join()
         if self.rank == 0:
             atexit.unregister(self.close)
 
@@ -2008,10 +1113,7 @@ class ModelRunner:
         sampling = SamplingTensors.from_params(  # built while the GPU computes
             [seq.sampling_params for seq in seqs], [seq.num_completion_tokens for seq in seqs], self.device
         )
-        token_ids = self.sampler(logits, sampling).tolist()
-        if self.workers is not None:
-            self.workers.check()  # a worker died during the step: its all-reduces were aborted, the tokens are junk
-        return token_ids
+        return self.sampler(logits, sampling).tolist()
 
 
 # %% [markdown]
@@ -2026,6 +1128,7 @@ from minivllm.checkpoint import write_checkpoint
 from minivllm.config import Config
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.models.loader import load_model
+from minivllm.testing import prompt_logits
 
 CHECKPOINTS = Path(os.environ.get("MINIVLLM_CHECKPOINTS", "../build/checkpoints")).resolve()
 tiny_path = write_checkpoint(CHECKPOINTS / "tiny", "tiny", seed=0)
@@ -2044,7 +1147,7 @@ def check_steps(runner: ModelRunner, prompts: list[list[int]], num_decode_steps:
     for _ in range(num_decode_steps + 1):
         logits = runner.step_logits(seqs, is_prefill)
         for seq, row in zip(seqs, logits):
-            worst = max(worst, (row - reference.prompt_logits(seq.token_ids)[-1]).abs().max().item())
+            worst = max(worst, (row - prompt_logits(reference, seq.token_ids)[-1]).abs().max().item())
             seq.append_token(int(row.argmax()))
             bm.may_append(seq)
         is_prefill = False
@@ -2084,7 +1187,7 @@ runner.step_logits([first], is_prefill=True)
 admit(bm, second)
 assert second.num_cached_tokens == 48  # three blocks reused: prefill computes 4 tokens, not 52
 hit = runner.step_logits([second], is_prefill=True)[0]
-error = (hit - reference.prompt_logits(second.token_ids)[-1]).abs().max().item()
+error = (hit - prompt_logits(reference, second.token_ids)[-1]).abs().max().item()
 print(f"prefix-cache hit: {second.num_cached_tokens} of {len(second)} tokens reused, logit error {error:.1e}")
 assert error < 1e-4
 
@@ -2101,51 +1204,9 @@ for end in (37, 64, 100):  # three steps: tokens 0..36, 37..63, 64..99
     long.num_scheduled_tokens = end - long.num_cached_tokens
     logits = runner.step_logits([long], is_prefill=True)[0]
     long.num_cached_tokens = end  # the step has run: these tokens' KV is in the cache
-error = (logits - reference.prompt_logits(long.token_ids)[-1]).abs().max().item()
+error = (logits - prompt_logits(reference, long.token_ids)[-1]).abs().max().item()
 print(f"100 tokens in chunks of 37, 27, 36: logit error {error:.1e}")
 assert error < 1e-4
-
-# %% [markdown]
-# ## Measured on an H200
-# `python -m minivllm.benchmarks.decode` times three ways to run decode attention for Qwen3-0.6B's heads
-# (batch × context from 1 × 16k to 256 × 1k, blocks of 16 and 256), as bandwidth: bytes of K and V read per
-# second. Decode is memory-bound, so the ceiling is the GPU's copy bandwidth:
-#
-# * `minivllm-triton`: the decode kernel above;
-# * `minivllm-prefill-kernel`: our *prefill* kernel given the same paged cache, one query per sequence;
-# * `naive-gather-sdpa`: copy each sequence's blocks into a contiguous tensor, then PyTorch's attention.
-#
-# On a GPU this cell re-measures a subset; without one it shows the committed H200 results.
-
-# %%
-import json
-
-from minivllm.benchmarks.decode import plot_decode, run_decode_benchmark
-
-if DEVICE == "cuda":
-    decode_data = run_decode_benchmark(shapes=[(1, 16384), (64, 4096)], block_sizes=(16,))
-else:
-    decode_data = json.loads(Path("figures/decode.json").read_text())
-fig = plot_decode(decode_data)
-fig.savefig(FIGURES / "04_decode.png", dpi=120)
-tbps = {(r["impl"], r["batch"], r["context_len"], r["block_size"]): r["tbps"] for r in decode_data["rows"]}
-for key in sorted(tbps):
-    print(f"{key[0]:>24} batch {key[1]:>3} × {key[2]:>5} tokens, blocks of {key[3]:>3}: {tbps[key]:.2f} TB/s")
-print(f"copy bandwidth: {decode_data['copy_tbps']:.2f} TB/s")
-
-# %% [markdown]
-# **Why do prefill and decode need different attention kernels?** In these numbers: at 64 sequences × 4k
-# tokens the decode kernel reads the cache at the copy bandwidth, while the prefill kernel, given the same work,
-# reaches half of it. The prefill kernel's tile holds 64 query rows of which decode fills one, it reads each KV
-# block once per *query* head (twice for Qwen3's GQA), and with one program per sequence and head it cannot
-# fill the GPU when the batch is small: at 1 × 16k it reaches under 5% of the bandwidth, the decode kernel
-# about 65%. The decode kernel packs a KV head's query heads into one tile, so each byte is read once, and
-# splits long contexts over many programs.
-
-# %%
-best = lambda impl, batch, ctx: max(v for (i, b, c, _), v in tbps.items() if (i, b, c) == (impl, batch, ctx))
-assert best("minivllm-triton", 64, 4096) > 1.5 * best("minivllm-prefill-kernel", 64, 4096)
-assert best("minivllm-triton", 1, 16384) > 3 * best("minivllm-prefill-kernel", 1, 16384)
 
 # %% [markdown]
 # ### A whole decode step: eager vs CUDA graph
@@ -2154,6 +1215,8 @@ assert best("minivllm-triton", 1, 16384) > 3 * best("minivllm-prefill-kernel", 1
 # runner sized on that GPU.
 
 # %%
+import json
+
 from minivllm.benchmarks.decode_step import plot_decode_step, run_decode_step_benchmark
 
 if DEVICE == "cuda":
@@ -2175,47 +1238,6 @@ assert rows["minivllm", 1] < rows["minivllm-eager", 1]
 # The eager step costs about 30 ms at *every* batch size: it is bound by Python launching hundreds of kernels
 # one by one, not by the GPU. The graph replays them in one call; what is left grows with the batch, because
 # the KV cache read grows with it (at 256 sequences of 513 tokens, 15 GB per step).
-
-# %% [markdown]
-# ### Tensor parallelism on two H200s: when does it pay?
-# `python -m minivllm.benchmarks.tp` runs the same decode step and the same throughput workload with the model
-# on one GPU and split over two (NCCL). Splitting halves each GPU's share of the weights and of every KV read,
-# but adds two all-reduces per layer, each a round trip between the GPUs. Which wins for a 0.6B model?
-
-# %%
-from minivllm.benchmarks.tp import plot_tp
-
-tp_data = json.loads(Path("figures/tp.json").read_text())  # needs two GPUs to re-measure: the committed run
-fig = plot_tp(tp_data)
-fig.savefig(FIGURES / "04_tp.png", dpi=120)
-step = {(r["tp"], r["batch"]): r["ms"] for r in tp_data["rows"] if r["kind"] == "decode_step"}
-run = {r["tp"]: r for r in tp_data["rows"] if r["kind"] == "throughput"}
-for batch in sorted({b for _, b in step}):
-    print(f"decode step, batch {batch:>3}: TP 1 {step[1, batch]:.2f} ms, TP 2 {step[2, batch]:.2f} ms")
-for tp, r in run.items():
-    print(f"TP {tp}: {r['tok_per_s']:,.0f} output tok/s, KV cache {r['kv_cache_tokens'] / 1e6:.2f} M tokens")
-
-# %% [markdown]
-# Work it out: Qwen3-0.6B has 28 layers, so a TP-2 forward makes 2 × 28 all-reduces (plus the embedding's and
-# the LM head's gather, and rank 0's message that tells the worker what to run). At batch 1, when the step is all
-# latency, what is the most one all-reduce can cost?
-
-# %%
-num_allreduces = 2 * 28
-per_allreduce_us = (step[2, 1] - step[1, 1]) / num_allreduces * 1e3
-weight_read_ms = 596e6 * 2 / (decode_data["copy_tbps"] * 1e12) * 1e3  # 596 M bf16 parameters at copy bandwidth
-print(f"TP 2 adds {step[2, 1] - step[1, 1]:.2f} ms at batch 1: at most {per_allreduce_us:.0f} µs per all-reduce")
-print(
-    f"reading all the weights once takes {weight_read_ms:.2f} ms on one GPU, {weight_read_ms / (step[2, 1] - step[1, 1]):.0%} of what TP 2 adds"
-)
-
-# %% [markdown]
-# For a 0.6B model TP 2 does not pay in speed: one GPU reads all 1.2 GB of weights in under 0.3 ms, a quarter
-# of what the communication adds, so halving that read cannot make up for it. Every step gets slower (most at
-# small batches, where latency is all there is) and throughput drops a little. What it does buy is memory: the KV cache doubles (each GPU holds
-# half of the KV heads), so twice the tokens fit. TP pays when the weights or the KV cache do not fit one GPU,
-# or when reading a GPU's share of the weights takes much longer than the all-reduces: tens of billions of
-# parameters, not 0.6.
 
 # %% [markdown]
 # ## Check yourself

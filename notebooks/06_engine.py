@@ -108,6 +108,341 @@ class RequestOutput:
 
 
 # %% [markdown]
+# ## Tensor parallelism: one runner per GPU
+# Notebook 04's `ModelRunner` is one rank: given a rank's groups it holds that rank's slice of every weight
+# (notebook 01's parallel layers) and of the KV cache (its KV heads), and meets the other ranks at the
+# all-reduces inside the model. What it does not do is start those ranks. With `tensor_parallel_size=N` the
+# engine makes a `TPModelRunner` instead (vLLM's multiprocess executor): rank 0's runner, in the engine's
+# process, which starts N−1 worker processes, each running a plain `ModelRunner`. Every step rank 0 prepares
+# the `StepInputs` and broadcasts them; all ranks run the same forward; rank 0 samples. Workers have no
+# scheduler and no sequences.
+#
+# Processes are where engines hang, and a hang is worse than a crash: nobody learns why. The rules we follow:
+#
+# * **Each engine owns its groups.** Rank 0 opens a `TCPStore` on a free port; every rank builds two groups
+#   over it: `control` (gloo, CPU sockets) for rank 0's messages and `tp` for the model's all-reduces (NCCL on
+#   GPUs). There is no `torch.distributed` default group, so two engines in one process never share one.
+# * **Workers are `spawn`ed** (a forked CUDA context is unusable) with a module-level target (a notebook cell
+#   cannot be imported by a spawned process), as daemons, ignoring Ctrl-C (rank 0 decides when they stop),
+#   and each watches its parent and exits if it is gone, even after a `kill -9` of rank 0.
+# * **Rank 0 never waits blindly.** It waits for each worker to check in while watching that the process is
+#   alive, and a thread keeps watching: a worker that dies becomes an error naming it within seconds (one that
+#   died before it even started was most likely a script without a main guard: the error says so).
+# * **A step is never cut in half.** Ctrl-C during a step is held until the step ends, so every rank stays in
+#   step and the engine stays usable; anything else that breaks a step makes the engine refuse further steps,
+#   with the reason, instead of hanging in the next collective.
+# * **`close()` frees the CUDA graphs before the groups** (an NCCL group waits for the graphs that captured its
+#   all-reduces before it shuts down: closing in the other order hangs), then joins the workers and kills
+#   stragglers. It also hands the KV cache back to the GPU, so one process can run one engine after another.
+
+# %% tags=["export"] module="minivllm.engine.workers"
+import os
+import pickle
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from minivllm.config import Config
+from minivllm.engine.model_runner import ModelRunner, rank_device
+from minivllm.engine.sequence import Sequence
+from minivllm.layers.linear import TPGroup
+
+START_TIMEOUT = timedelta(seconds=300)  # a worker imports torch and loads its slice: minutes on a slow disk
+STEP_TIMEOUT = timedelta(seconds=600)  # one rank may compile kernels in a first step while the others wait
+MAIN_GUARD = (
+    "Workers are spawned: each re-imports your main script, so a script that creates an LLM with "
+    'tensor_parallel_size > 1 must do it under `if __name__ == "__main__":`.'
+)
+
+
+def make_groups(store: Any, rank: int, world_size: int, device: torch.device) -> tuple[TPGroup, Any]:
+    """This rank's groups over the engine's own store: `control` (gloo) carries rank 0's messages, the TPGroup's
+    group the model's all-reduces (NCCL on GPUs; on CPUs the gloo group again)."""
+    control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, world_size, STEP_TIMEOUT)
+    if device.type != "cuda":
+        return TPGroup(rank, world_size, control), control
+    # torch's stub lists only the (store, rank, size, options) form; the binding also has (store, rank, size[, timeout])
+    nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, world_size)  # type: ignore[call-arg]
+    nccl.eager_connect_single_device(device)  # connect now, while rank 0 watches its workers
+    return TPGroup(rank, world_size, nccl), control
+
+
+def close_groups(groups: list[Any], abort: bool) -> None:
+    """Shut each group down with the other ranks; abort it when one of them is gone (shutdown would wait)."""
+    for group in dict.fromkeys(groups):
+        if abort:
+            group.abort()
+        else:
+            group.shutdown()
+
+
+def broadcast_object(obj: Any, group: Any, rank: int) -> Any:
+    """Rank 0's `obj` on every rank (the others pass None), pickled over a gloo group."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if rank == 0 else None
+    size = torch.tensor([0 if data is None else data.numel()])
+    group.broadcast(size, 0).wait()
+    if data is None:
+        data = torch.empty(int(size), dtype=torch.uint8)
+    group.broadcast(data, 0).wait()
+    return obj if rank == 0 else pickle.loads(data.numpy().tobytes())
+
+
+@contextmanager
+def sigint_held() -> Iterator[None]:
+    """Hold Ctrl-C until the block ends: rank 0 never leaves the other ranks halfway through a step. A second
+    Ctrl-C stops at once (the engine is then out of step and refuses further steps)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending: list[int] = []
+
+    def hold(signum, frame):
+        if pending:
+            raise KeyboardInterrupt
+        pending.append(signum)
+
+    previous = signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
+    if pending:
+        raise KeyboardInterrupt
+
+
+class Workers:
+    """Rank 0's side of the other ranks: spawns them, waits for them while watching them, says why one is gone."""
+
+    def __init__(self, target: Callable, args: tuple, world_size: int, device: torch.device):
+        self.store = dist.TCPStore(
+            "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=START_TIMEOUT
+        )
+        spawn = mp.get_context("spawn")
+        self.started = [spawn.Event() for _ in range(1, world_size)]  # set by each worker as its first act
+        self.processes = [
+            spawn.Process(target=target, args=(*args, rank, self.store.port, started), daemon=True)
+            for rank, started in enumerate(self.started, start=1)
+        ]
+        self.failure: str | None = None  # why the ranks can no longer work together
+        self.stopping = False
+        for process in self.processes:
+            process.start()
+        try:
+            self.tp, self.control = self.wait(lambda: make_groups(self.store, 0, world_size, device))
+        except BaseException:
+            self.join(timeout=0)
+            raise
+        threading.Thread(target=self.watch, daemon=True).start()
+
+    def dead(self) -> str | None:
+        """Why a worker is gone, if one is."""
+        for rank, (process, started) in enumerate(zip(self.processes, self.started), start=1):
+            if process.exitcode is None:
+                continue
+            if not started.is_set():
+                return (
+                    f"tensor-parallel worker rank {rank} exited (code {process.exitcode}) before it started. "
+                    + MAIN_GUARD
+                )
+            return f"tensor-parallel worker rank {rank} (pid {process.pid}) died (exit code {process.exitcode})"
+        return None
+
+    def wait(self, fn: Callable[[], Any]) -> Any:
+        """fn() (which waits for the workers) on a daemon thread; RuntimeError as soon as a worker is gone (the
+        thread, blocked for good, is left behind: a daemon does not keep the process alive)."""
+        done: list[tuple[Any, BaseException | None]] = []
+
+        def target() -> None:
+            try:
+                done.append((fn(), None))
+            except BaseException as e:
+                done.append((None, e))
+
+        thread = threading.Thread(target=target, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + START_TIMEOUT.total_seconds()
+        while thread.is_alive() and time.monotonic() < deadline:
+            thread.join(timeout=0.1)
+            if thread.is_alive() and (reason := self.dead()):
+                raise RuntimeError(reason)
+        if not done:
+            raise RuntimeError(f"tensor-parallel workers did not start within {START_TIMEOUT}")
+        result, error = done[0]
+        if error is not None:
+            raise error
+        return result
+
+    def watch(self) -> None:
+        """A worker that dies mid-step would leave rank 0 in a collective for ever: abort the groups instead."""
+        while not self.stopping:
+            if reason := self.dead():
+                self.failure = self.failure or reason
+                close_groups([self.tp.group, self.control], abort=True)
+                return
+            time.sleep(0.2)
+
+    def fail(self, error: BaseException) -> bool:
+        """A step broke: the ranks are out of step for good. Whether a worker died (it may take a moment to see)."""
+        deadline = time.monotonic() + 2
+        while (reason := self.dead()) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.failure = self.failure or reason or f"a step failed on rank 0 ({type(error).__name__}: {error})"
+        return reason is not None
+
+    def check(self) -> None:
+        if self.failure is None:
+            self.failure = self.dead()
+        if self.failure is not None:
+            raise RuntimeError(f"the tensor-parallel engine cannot run: {self.failure}. Create a new LLM.")
+
+    def join(self, timeout: float = 10) -> None:
+        """Wait for the workers to exit (after "exit"), killing those still there after `timeout` seconds."""
+        self.stopping = True
+        for process in self.processes:
+            process.join(timeout=timeout)
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+
+# %% [markdown]
+# A worker's life: check in (so that rank 0 can tell "never started" from "died"), connect to rank 0's store,
+# build its groups, load its slice into a `ModelRunner`, then do what rank 0 says until it says `exit`. Rank 0's
+# side is the same runner with three methods changed: `call` tells the workers before it runs a method (and
+# holds Ctrl-C until every rank is through), `run` checks that no worker died during the step, and `close`
+# sends `exit`, frees the graphs, closes the groups and joins the workers.
+
+
+# %% tags=["export"] module="minivllm.engine.workers"
+def exit_with_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(0.5)
+    os._exit(1)  # rank 0 is gone: nobody will send "exit"
+
+
+def worker_main(config: Config, rank: int, port: int, started: Any) -> None:
+    started.set()  # this module imported: rank 0 can tell "died" from "never started"
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it tells the workers to exit
+    threading.Thread(target=exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    device = rank_device(config, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False, timeout=START_TIMEOUT)
+    tp, control = make_groups(store, rank, config.tensor_parallel_size, device)
+    aborted = True
+    try:
+        runner = ModelRunner(config, rank, (tp, control))
+        try:
+            while (message := broadcast_object(None, control, rank))[0] != "exit":
+                method, args = message
+                getattr(runner, method)(*args)
+            aborted = False
+        finally:
+            runner.close()  # the CUDA graphs before the groups
+    finally:
+        close_groups([tp.group, control], aborted)
+
+
+class TPModelRunner(ModelRunner):
+    """Rank 0 of `tensor_parallel_size` ranks: starts the others, tells them every call, never hangs on them."""
+
+    def __init__(self, config: Config):
+        device = rank_device(config, 0)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        self.workers = Workers(worker_main, (config,), config.tensor_parallel_size, device)
+        try:
+            super().__init__(config, 0, (self.workers.tp, self.workers.control))
+        except BaseException as e:
+            self.close(abort=True)
+            if self.workers.failure:
+                raise RuntimeError(self.workers.failure) from e
+            raise
+
+    def call(self, method: str, *args):
+        self.workers.check()
+        with sigint_held():  # Ctrl-C lands between steps, with every rank in step
+            try:
+                broadcast_object((method, args), self.control, 0)
+                return getattr(self, method)(*args)
+            except BaseException as e:
+                if self.workers.fail(e):  # the step broke because a worker died: say that, not "connection reset"
+                    raise RuntimeError(self.workers.failure) from e
+                raise
+
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+        token_ids = super().run(seqs, is_prefill)
+        self.workers.check()  # a worker died during the step: its all-reduces were aborted, the tokens are junk
+        return token_ids
+
+    def close(self, abort: bool = False) -> None:
+        if self.closed:
+            return
+        self.workers.stopping = True
+        abort = abort or self.workers.failure is not None or self.workers.dead() is not None
+        if not abort:
+            broadcast_object(("exit", ()), self.control, 0)
+        super().close()  # the CUDA graphs before the groups: an NCCL group waits for the graphs that captured it
+        close_groups([self.tp.group, self.control], abort)
+        self.workers.join()
+
+
+def make_runner(config: Config) -> ModelRunner:
+    """The engine's runner: one rank, or rank 0 of several."""
+    return TPModelRunner(config) if config.tensor_parallel_size > 1 else ModelRunner(config)
+
+
+# %% [markdown]
+# ### On two H200s: when does it pay?
+# `python -m minivllm.benchmarks.tp` runs the same decode step and the same throughput workload with the model
+# on one GPU and split over two (NCCL). Splitting halves each GPU's share of the weights and of every KV read,
+# but adds two all-reduces per layer, each a round trip between the GPUs. Which wins for a 0.6B model?
+
+# %%
+from minivllm.benchmarks.tp import plot_tp
+
+tp_data = json.loads(Path("figures/tp.json").read_text())  # needs two GPUs to re-measure: the committed run
+fig = plot_tp(tp_data)
+fig.savefig(FIGURES / "06_tp.png", dpi=120)
+step = {(r["tp"], r["batch"]): r["ms"] for r in tp_data["rows"] if r["kind"] == "decode_step"}
+run = {r["tp"]: r for r in tp_data["rows"] if r["kind"] == "throughput"}
+for batch in sorted({b for _, b in step}):
+    print(f"decode step, batch {batch:>3}: TP 1 {step[1, batch]:.2f} ms, TP 2 {step[2, batch]:.2f} ms")
+for tp, r in run.items():
+    print(f"TP {tp}: {r['tok_per_s']:,.0f} output tok/s, KV cache {r['kv_cache_tokens'] / 1e6:.2f} M tokens")
+
+# %% [markdown]
+# Work it out: Qwen3-0.6B has 28 layers, so a TP-2 forward makes 2 × 28 all-reduces (plus the embedding's and
+# the LM head's gather, and rank 0's message that tells the worker what to run). At batch 1, when the step is all
+# latency, what is the most one all-reduce can cost?
+
+# %%
+num_allreduces = 2 * 28
+per_allreduce_us = (step[2, 1] - step[1, 1]) / num_allreduces * 1e3
+copy_tbps = json.loads(Path("figures/decode.json").read_text())["copy_tbps"]  # the H200's copy bandwidth
+weight_read_ms = 596e6 * 2 / (copy_tbps * 1e12) * 1e3  # 596 M bf16 parameters, read once
+print(f"TP 2 adds {step[2, 1] - step[1, 1]:.2f} ms at batch 1: at most {per_allreduce_us:.0f} µs per all-reduce")
+print(
+    f"reading all the weights once takes {weight_read_ms:.2f} ms on one GPU, {weight_read_ms / (step[2, 1] - step[1, 1]):.0%} of what TP 2 adds"
+)
+
+# %% [markdown]
+# For a 0.6B model TP 2 does not pay in speed: one GPU reads all 1.2 GB of weights in under 0.3 ms, a quarter
+# of what the communication adds, so halving that read cannot make up for it. Every step gets slower (most at
+# small batches, where latency is all there is) and throughput drops a little. What it does buy is memory: the KV cache doubles (each GPU holds
+# half of the KV heads), so twice the tokens fit. TP pays when the weights or the KV cache do not fit one GPU,
+# or when reading a GPU's share of the weights takes much longer than the all-reduces: tens of billions of
+# parameters, not 0.6.
+
+# %% [markdown]
 # ## The engine
 # `LLMEngine` owns one `ModelRunner` (and through it any tensor-parallel workers), one `Scheduler`, and a
 # tokenizer. It keeps vLLM's split between adding work and doing it:
@@ -166,9 +501,9 @@ from typing import cast
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from minivllm.config import Config
-from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.scheduler import Scheduler
 from minivllm.engine.sequence import Sequence
+from minivllm.engine.workers import make_runner
 from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepStats
 from minivllm.sampling_params import SamplingParams, as_token_ids
 
@@ -212,7 +547,7 @@ class LLMEngine:
         self.config = Config(model, **kwargs)
         self.tokenizer = load_tokenizer(self.config.model)
         self.eos_token_ids = eos_token_ids(self.config.model, self.tokenizer, self.config.hf_config)
-        self.runner = ModelRunner(self.config)
+        self.runner = make_runner(self.config)  # one rank, or rank 0 of tensor_parallel_size
         self.scheduler = Scheduler(self.config, self.runner.num_kvcache_blocks)
         self.requests: dict[int, Request] = {}  # seq_id -> request, until it finishes or is aborted
         self.finished: list[RequestOutput] = []  # finished, not returned yet (kept back by a step given request_ids)

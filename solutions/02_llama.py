@@ -78,6 +78,7 @@ from minivllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from minivllm.layers.rotary_embedding import RotaryEmbedding, get_rope, llama3_inv_freq, rope_parameters
 from minivllm.models.loader import MODELS, check_checkpoint, tensor_shapes
 from minivllm.models.qwen3 import Qwen3ForCausalLM, head_dim_of
+from minivllm.testing import prompt_logits
 
 tmp_dir = tempfile.TemporaryDirectory(prefix="minivllm-llama-")  # deleted when the kernel exits
 TMP = Path(tmp_dir.name)
@@ -330,7 +331,7 @@ class LlamaModel(nn.Module):
 
 # %% [markdown]
 # ### The causal LM, and its checkpoint names
-# `LlamaForCausalLM` inherits `forward`, `compute_logits`, `check_prompt` and `prompt_logits` from Qwen3's class:
+# `LlamaForCausalLM` inherits `forward` and `compute_logits` from Qwen3's class (so `prompt_logits` works on it):
 # they only use `self.model`, `self.lm_head` and `self.config`. Its `__init__` skips Qwen3's (which would build a
 # Qwen3 model) and builds ours: store the config, create `self.model` and `self.lm_head` (a `ParallelLMHead`), and
 # tie the head to the embedding when `config.tie_word_embeddings` says so.
@@ -409,7 +410,7 @@ def check_against_transformers(path: Path, hf_model: HFLlamaForCausalLM, lengths
     worst = 0.0
     for n in lengths:
         token_ids = torch.randint(hf_model.config.vocab_size, (n,), generator=generator).tolist()
-        ours = model.prompt_logits(token_ids)  # (n, vocab_size)
+        ours = prompt_logits(model, token_ids)  # (n, vocab_size)
         with torch.no_grad():
             ref = hf_model(torch.tensor([token_ids])).logits[0]
         error = (ours - ref).abs().max().item()

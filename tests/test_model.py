@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from minivllm import load_model
 from minivllm.attention.prefill import PrefillContext
 from minivllm.checkpoint import preset_config, write_checkpoint
+from minivllm.testing import prompt_logits
 
 LENGTHS = [1, 15, 16, 17, 255, 256, 257, 400]  # around block sizes 16 and 256, and a few hundred
 
@@ -51,7 +52,7 @@ def test_logits_equal_transformers(checkpoints, name):
     hf = AutoModelForCausalLM.from_pretrained(checkpoints[name], dtype=torch.float32)
     for n in LENGTHS:
         token_ids = prompt(n, seed=n)
-        ours = model.prompt_logits(token_ids)
+        ours = prompt_logits(model, token_ids)
         with torch.no_grad():
             ref = hf(torch.tensor([token_ids])).logits[0]
         assert ours.shape == (n, VARIANTS[name].vocab_size)
@@ -74,7 +75,7 @@ def test_packed_prompts_equal_separate_prompts(checkpoints):
     with torch.inference_mode():
         packed = model.compute_logits(model(input_ids, positions, PrefillContext.from_lens(lens, "cpu")))
     for p, logits in zip(prompts, packed.split(lens), strict=True):
-        torch.testing.assert_close(logits, model.prompt_logits(p), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(logits, prompt_logits(model, p), rtol=1e-5, atol=1e-5)
 
 
 def test_sharded_checkpoint_with_index_loads(checkpoints, tmp_path):
@@ -84,8 +85,8 @@ def test_sharded_checkpoint_with_index_loads(checkpoints, tmp_path):
     assert not (sharded / "model.safetensors").exists()
     token_ids = prompt(50)
     torch.testing.assert_close(
-        load_model(sharded).prompt_logits(token_ids),
-        load_model(checkpoints["tied-gqa"]).prompt_logits(token_ids),
+        prompt_logits(load_model(sharded), token_ids),
+        prompt_logits(load_model(checkpoints["tied-gqa"]), token_ids),
         rtol=0,
         atol=0,
     )
@@ -97,8 +98,8 @@ def test_sharded_checkpoint_follows_its_index(checkpoints, tmp_path):
     other = write_checkpoint(tmp_path / "other", VARIANTS["tied-gqa"], seed=7)
     (sharded / "model-00009-of-00009.safetensors").write_bytes((other / "model.safetensors").read_bytes())
     token_ids = prompt(50)
-    ours = load_model(sharded).prompt_logits(token_ids)
-    torch.testing.assert_close(ours, load_model(checkpoints["tied-gqa"]).prompt_logits(token_ids), rtol=0, atol=0)
+    ours = prompt_logits(load_model(sharded), token_ids)
+    torch.testing.assert_close(ours, prompt_logits(load_model(checkpoints["tied-gqa"]), token_ids), rtol=0, atol=0)
     torch.testing.assert_close(ours, hf_logits(sharded, token_ids), rtol=1e-4, atol=1e-4)
 
 
@@ -114,7 +115,7 @@ def test_tied_checkpoint_that_also_stores_lm_head_loads(checkpoints, tmp_path):
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     token_ids = prompt(20)
     torch.testing.assert_close(
-        load_model(path).prompt_logits(token_ids), hf_logits(path, token_ids), rtol=1e-4, atol=1e-4
+        prompt_logits(load_model(path), token_ids), hf_logits(path, token_ids), rtol=1e-4, atol=1e-4
     )
 
 
@@ -133,8 +134,8 @@ def test_transformers_4_config_keys_load(checkpoints, tmp_path):
     (path / "config.json").write_text(json.dumps(config))
     token_ids = prompt(30)
     torch.testing.assert_close(
-        load_model(path).prompt_logits(token_ids),
-        load_model(checkpoints["untied-gqa"]).prompt_logits(token_ids),
+        prompt_logits(load_model(path), token_ids),
+        prompt_logits(load_model(checkpoints["untied-gqa"]), token_ids),
         rtol=0,
         atol=0,
     )
@@ -147,7 +148,7 @@ def test_bfloat16_checkpoint_upcasts_to_float32(tmp_path):
     assert load_model(path, dtype="auto", device="cpu").lm_head.weight.dtype == torch.float32  # auto on CPU: fp32
     assert load_model(path, dtype=torch.bfloat16).lm_head.weight.dtype == torch.bfloat16
     token_ids = prompt(64)
-    ours, ref = model.prompt_logits(token_ids), hf_logits(path, token_ids)
+    ours, ref = prompt_logits(model, token_ids), hf_logits(path, token_ids)
     assert (ours - ref).abs().max().item() < 1e-4 and torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
@@ -168,7 +169,7 @@ def test_default_dtype_is_restored(checkpoints):
 def test_bad_prompts(checkpoints, token_ids, match):
     model = load_model(checkpoints["tied-gqa"])
     with pytest.raises(ValueError, match=match):
-        model.prompt_logits(token_ids)
+        prompt_logits(model, token_ids)
 
 
 def test_import_minivllm_is_light():
@@ -187,7 +188,7 @@ def tp_run(paths: dict, token_ids: list[int]) -> dict:
     results = {}
     for name, path in paths.items():
         model = load_model(path, dtype=torch.float32)
-        results[name] = model.prompt_logits(token_ids), {n: tuple(p.shape) for n, p in model.named_parameters()}
+        results[name] = prompt_logits(model, token_ids), {n: tuple(p.shape) for n, p in model.named_parameters()}
     return results
 
 
@@ -198,7 +199,7 @@ def tp2(checkpoints):
 
 @pytest.mark.parametrize("name", TP_VARIANTS)
 def test_tensor_parallel_2_equals_1(checkpoints, tp2, name):
-    expected = load_model(checkpoints[name]).prompt_logits(TP_PROMPT)
+    expected = prompt_logits(load_model(checkpoints[name]), TP_PROMPT)
     for rank in tp2:
         torch.testing.assert_close(rank[name][0], expected, rtol=1e-5, atol=1e-5)
 

@@ -10,6 +10,7 @@ from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.model_runner import ModelRunner, graph_batch_sizes
 from minivllm.engine.sequence import Sequence
 from minivllm.models.loader import load_model
+from minivllm.testing import prompt_logits
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -57,7 +58,7 @@ def run_steps(runner, prompts, num_decode_steps, shuffle=True, seed=0, bm=None, 
 
 def assert_matches_from_scratch(reference, seqs, history, tol=1e-4):
     for seq, logits in zip(seqs, history):
-        full = reference.prompt_logits(seq.token_ids).float().cpu()  # (len, vocab): every position at once
+        full = prompt_logits(reference, seq.token_ids).float().cpu()  # (len, vocab): every position at once
         expected = full[seq.num_prompt_tokens - 1 : len(seq) - 1]  # the positions that predicted each new token
         torch.testing.assert_close(logits, expected, rtol=tol, atol=tol)
 
@@ -112,7 +113,7 @@ def test_chunked_prefill_gives_the_logits_of_one_step(runner, reference, use_tri
     runner.use_triton = use_triton or DEVICE == "cuda"
     try:
         prompt = random.Random(2).choices(range(2048), k=90)
-        expected = reference.prompt_logits(prompt)[-1].float().cpu()
+        expected = prompt_logits(reference, prompt)[-1].float().cpu()
         for hit, ends in ((False, [1, 2, 50, 90]), (False, [16, 32, 89, 90]), (True, [33, 90]), (True, [48, 89, 90])):
             bm = BlockManager(runner.num_kvcache_blocks, runner.block_size)
             if hit:
@@ -138,7 +139,7 @@ def test_run_samples_greedy_tokens(runner, reference):
     seq = Sequence([5, 6, 7, 8], SamplingParams(temperature=0), block_size=runner.block_size)
     admit(bm, seq)
     token = runner.run([seq], is_prefill=True)[0]
-    assert token == int(reference.prompt_logits(seq.token_ids)[-1].argmax())
+    assert token == int(prompt_logits(reference, seq.token_ids)[-1].argmax())
     bm.deallocate(seq)
 
 

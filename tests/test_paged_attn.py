@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from minivllm.kernels import attention_ref, flash_attn_varlen_func, flash_attn_with_kvcache, paged_attn, store_kvcache
-from minivllm.kernels.paged_reference import scatter_into_cache
+from minivllm.testing import scatter_into_cache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -19,7 +19,9 @@ from minivllm import LLM, SamplingParams
 from minivllm.checkpoint import write_checkpoint
 from minivllm.config import Config
 from minivllm.engine.model_runner import ModelRunner
+from minivllm.engine.workers import TPModelRunner
 from minivllm.models.loader import load_model
+from minivllm.testing import prompt_logits
 
 TWO_GPUS = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
 DEVICES = ["cpu", pytest.param("cuda", marks=TWO_GPUS)]
@@ -69,7 +71,7 @@ def test_tensor_parallel_2_equals_1(tiny):
         _, single, _ = run_steps(single_runner, prompts, 8)
     finally:
         single_runner.close()
-    tp = ModelRunner(Config(tiny, tensor_parallel_size=2, **config))
+    tp = TPModelRunner(Config(tiny, tensor_parallel_size=2, **config))
     try:
         assert len(tp.workers.processes) == 1 and tp.workers.processes[0].is_alive()
         _, double, _ = run_steps(tp, prompts, 8)
@@ -101,6 +103,13 @@ def test_two_tensor_parallel_engines_at_once(tiny, expected):
 
 
 # --- no failure hangs --------------------------------------------------------------------------------------
+
+
+def test_a_plain_runner_refuses_tensor_parallelism_without_its_ranks(tiny):
+    """ModelRunner is one rank: asked for two without the groups of a rank, it says what to use instead of
+    quietly running the whole model as one rank."""
+    with pytest.raises(ValueError, match="make_runner"):
+        ModelRunner(Config(tiny, dtype=torch.float32, num_kvcache_blocks=16, tensor_parallel_size=2, device="cpu"))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -179,18 +188,18 @@ def test_a_script_without_main_guard_fails_fast_and_says_why(tiny, tmp_path):
 def test_a_failing_start_leaves_no_worker(tiny):
     """tensor_parallel_size=4 cannot split the tiny model's 2 KV heads: every rank fails, none is left behind."""
     with pytest.raises(ValueError, match="tensor_parallel_size"):
-        ModelRunner(Config(tiny, dtype=torch.float32, num_kvcache_blocks=16, tensor_parallel_size=4, device="cpu"))
+        TPModelRunner(Config(tiny, dtype=torch.float32, num_kvcache_blocks=16, tensor_parallel_size=4, device="cpu"))
     assert no_children_left()
 
 
 ENGINE = """
 import os, signal, sys, time, torch
 from minivllm.config import Config
-from minivllm.engine.model_runner import ModelRunner
+from minivllm.engine.workers import TPModelRunner
 
 if __name__ == "__main__":
     device = sys.argv[2]
-    runner = ModelRunner(Config(sys.argv[1], dtype=torch.float32 if device == "cpu" else torch.bfloat16,
+    runner = TPModelRunner(Config(sys.argv[1], dtype=torch.float32 if device == "cpu" else torch.bfloat16,
                                 num_kvcache_blocks=64, max_num_seqs=16, tensor_parallel_size=2, device=device))
     print(runner.workers.processes[0].pid, flush=True)
     {ending}
@@ -263,7 +272,7 @@ def test_gpu_tensor_parallel_2_agrees_with_1_in_bf16(qwen3_06b):
     finally:
         single_runner.close()
     tokens = [seq.completion_token_ids for seq in seqs]
-    tp = ModelRunner(Config(qwen3_06b, tensor_parallel_size=2, **config))
+    tp = TPModelRunner(Config(qwen3_06b, tensor_parallel_size=2, **config))
     replays = []
     try:
         assert tp.graphs is not None
@@ -278,7 +287,7 @@ def test_gpu_tensor_parallel_2_agrees_with_1_in_bf16(qwen3_06b):
     assert not tp.workers.processes[0].is_alive()
     reference = load_model(qwen3_06b, dtype=torch.float32, device="cuda")
     fp32 = [
-        reference.prompt_logits(seq.token_ids).float().cpu()[seq.num_prompt_tokens - 1 : len(seq) - 1] for seq in seqs
+        prompt_logits(reference, seq.token_ids).float().cpu()[seq.num_prompt_tokens - 1 : len(seq) - 1] for seq in seqs
     ]
     single, double, fp32 = torch.cat(single), torch.cat(double), torch.cat(fp32)
     tp_error, bf16_error = (double - single).abs().max().item(), (single - fp32).abs().max().item()

@@ -23,6 +23,7 @@ from minivllm.config import Config
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.sequence import Sequence
+from minivllm.engine.workers import make_runner
 from minivllm.sampling_params import SamplingParams
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -46,7 +47,7 @@ def decode_step_rows(
     impl ("minivllm-eager": a runner made with enforce_eager=True), and the size of the (first) runner's KV cache."""
     rows, cache = [], None
     for impl in impls:
-        runner = ModelRunner(
+        runner = make_runner(
             Config(
                 path, max_num_seqs=max(batch_sizes), max_model_len=4096, enforce_eager=impl.endswith("eager"), **config
             )

@@ -24,6 +24,7 @@ from minivllm.benchmarks.common import OUT
 from minivllm.checkpoint import write_checkpoint
 from minivllm.layers.rotary_embedding import rope_parameters
 from minivllm.models.loader import load_model
+from minivllm.testing import prompt_logits
 
 
 def _sync(device: torch.device) -> None:
@@ -82,8 +83,8 @@ def run_model_parity(
         token_ids = torch.randint(0, len(tokenizer), (num_tokens,), generator=generator).tolist()
         for dtype in (torch.bfloat16, torch.float32):
             model, load_s[dtype] = _timed(device, load_model, path, dtype=dtype, device=device)
-            model.prompt_logits(token_ids[:16])  # warm-up: compiles the Triton kernel on a GPU
-            logits["minivllm", dtype] = model.prompt_logits(token_ids).cpu()
+            prompt_logits(model, token_ids[:16])  # warm-up: compiles the Triton kernel on a GPU
+            logits["minivllm", dtype] = prompt_logits(model, token_ids).cpu()
             del model
             hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
             hf = hf.to(device).eval()  # type: ignore[arg-type]  # transformers' `to`: see checkpoint/maker.py

@@ -12,9 +12,9 @@ from typing import cast
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from minivllm.config import Config
-from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.scheduler import Scheduler
 from minivllm.engine.sequence import Sequence
+from minivllm.engine.workers import make_runner
 from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepStats
 from minivllm.sampling_params import SamplingParams, as_token_ids
 
@@ -58,7 +58,7 @@ class LLMEngine:
         self.config = Config(model, **kwargs)
         self.tokenizer = load_tokenizer(self.config.model)
         self.eos_token_ids = eos_token_ids(self.config.model, self.tokenizer, self.config.hf_config)
-        self.runner = ModelRunner(self.config)
+        self.runner = make_runner(self.config)  # one rank, or rank 0 of tensor_parallel_size
         self.scheduler = Scheduler(self.config, self.runner.num_kvcache_blocks)
         self.requests: dict[int, Request] = {}  # seq_id -> request, until it finishes or is aborted
         self.finished: list[RequestOutput] = []  # finished, not returned yet (kept back by a step given request_ids)

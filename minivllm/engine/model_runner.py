@@ -2,10 +2,6 @@
 
 import atexit
 import gc
-import os
-import signal
-import threading
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +14,6 @@ from minivllm.attention.paged import PagedContext
 from minivllm.attention.prefill import PrefillContext
 from minivllm.config import Config
 from minivllm.engine.sequence import Sequence
-from minivllm.engine.workers import START_TIMEOUT, Workers, broadcast_object, close_groups, make_groups, sigint_held
 from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.layernorm import RMSNorm
 from minivllm.layers.linear import TPGroup, tensor_parallel
@@ -183,53 +178,32 @@ def compile_small_layers(model: torch.nn.Module) -> None:
             module.forward = torch.compile(module.forward, dynamic=True, fullgraph=True)  # type: ignore[method-assign]
 
 
-def exit_with_parent(parent_pid: int) -> None:
-    while os.getppid() == parent_pid:
-        time.sleep(0.5)
-    os._exit(1)  # rank 0 is gone: nobody will send "exit"
-
-
 def rank_device(config: Config, rank: int) -> torch.device:
     return torch.device(f"cuda:{rank}" if config.device == "cuda" else "cpu")
 
 
-def worker_main(config: Config, rank: int, port: int, started: Any) -> None:
-    started.set()  # this module imported: rank 0 can tell "died" from "never started"
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it tells the workers to exit
-    threading.Thread(target=exit_with_parent, args=(os.getppid(),), daemon=True).start()
-    device = rank_device(config, rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False, timeout=START_TIMEOUT)
-    runner = ModelRunner(config, rank, make_groups(store, rank, config.tensor_parallel_size, device))
-    try:
-        runner.serve()
-    except BaseException:
-        runner.close(abort=True)
-        raise
-    runner.close()
-
-
 class ModelRunner:
+    """One rank's runner. Alone (`groups=None`) it holds the whole model; given a tensor-parallel rank's groups
+    (notebook 06 starts those processes) it holds that rank's slice and meets the other ranks in the model."""
+
     def __init__(self, config: Config, rank: int = 0, groups: tuple[TPGroup, Any] | None = None):
+        if groups is None and config.tensor_parallel_size > 1:
+            raise ValueError(
+                f"tensor_parallel_size={config.tensor_parallel_size} needs one process per rank: "
+                "use minivllm.engine.workers.make_runner(config), or LLM"
+            )
         self.config, self.rank, self.world_size = config, rank, config.tensor_parallel_size
         self.block_size = config.block_size
         self.device = rank_device(config, rank)
         self.use_triton = self.device.type == "cuda"
-        self.workers: Workers | None = None  # rank 0 of several: the other ranks
         self.control: Any  # the gloo group that carries rank 0's messages; None for one rank
         self.tp, self.control = groups or (TPGroup(), None)
         self.model: Qwen3ForCausalLM | None  # loaded below; None once the GPU memory is freed
         self.graphs: DecodeGraphs | None = None
         self.closed = False
-        if rank == 0:
-            atexit.register(self.close)
         try:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
-            if rank == 0 and self.world_size > 1:
-                self.workers = Workers(worker_main, (config,), self.world_size, self.device)
-                self.tp, self.control = self.workers.tp, self.workers.control
             torch.manual_seed(config.seed)
             with tensor_parallel(self.tp):  # the layers keep this engine's group
                 self.model = load_model(config.model, config.dtype, self.device, config.hf_config)
@@ -247,51 +221,23 @@ class ModelRunner:
                 self.graphs = DecodeGraphs(
                     self.model, config.max_num_seqs, max_blocks, config.hf_config.hidden_size, self.dtype, self.device
                 )
-        except BaseException as e:
-            self.close(abort=True)
-            if self.workers is not None and self.workers.failure:
-                raise RuntimeError(self.workers.failure) from e
+        except BaseException:
+            self.free_gpu_memory()
             raise
+        if rank == 0:
+            atexit.register(self.close)
 
-    # --- processes -------------------------------------------------------------------------------------------
     def call(self, method: str, *args):
-        """Run a method on every rank (rank 0 tells the others first); rank 0's result."""
-        if self.workers is None:
-            return getattr(self, method)(*args)
-        self.workers.check()
-        with sigint_held():  # Ctrl-C lands between steps, with every rank in step
-            try:
-                broadcast_object((method, args), self.control, 0)
-                return getattr(self, method)(*args)
-            except BaseException as e:
-                if self.workers.fail(e):  # the step broke because a worker died: say that, not "connection reset"
-                    raise RuntimeError(self.workers.failure) from e
-                raise
+        """Run a method on every rank, rank 0's result. One rank just runs it; notebook 06's tensor-parallel
+        runner tells the other ranks first."""
+        return getattr(self, method)(*args)
 
-    def serve(self) -> None:
-        """A worker's loop: do what rank 0 says until it says exit."""
-        while True:
-            method, args = broadcast_object(None, self.control, self.rank)
-            if method == "exit":
-                return
-            getattr(self, method)(*args)
-
-    def close(self, abort: bool = False) -> None:
-        """Stop the workers, free the GPU memory (CUDA graphs before the groups), close the groups."""
+    def close(self) -> None:
+        """Free the GPU memory: the weights, the KV cache, the CUDA graphs."""
         if self.closed:
             return
         self.closed = True
-        workers = self.workers
-        if workers is not None:
-            workers.stopping = True
-            abort = abort or workers.failure is not None or workers.dead() is not None
-            if not abort:
-                broadcast_object(("exit", ()), self.control, 0)
         self.free_gpu_memory()
-        if self.control is not None:
-            close_groups([self.tp.group, self.control], abort)
-        if workers is not None:
-            workers.join()
         if self.rank == 0:
             atexit.unregister(self.close)
 
@@ -406,7 +352,4 @@ class ModelRunner:
         sampling = SamplingTensors.from_params(  # built while the GPU computes
             [seq.sampling_params for seq in seqs], [seq.num_completion_tokens for seq in seqs], self.device
         )
-        token_ids = self.sampler(logits, sampling).tolist()
-        if self.workers is not None:
-            self.workers.check()  # a worker died during the step: its all-reduces were aborted, the tokens are junk
-        return token_ids
+        return self.sampler(logits, sampling).tolist()

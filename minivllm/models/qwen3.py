@@ -6,7 +6,6 @@ import torch
 from torch import nn
 
 from minivllm.attention.layer import Attention, AttentionContext
-from minivllm.attention.prefill import PrefillContext
 from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from minivllm.layers.layernorm import RMSNorm
@@ -124,22 +123,3 @@ class Qwen3ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:  # (num_tokens, hidden_size)
         return self.lm_head(hidden_states)  # (num_tokens, vocab_size)
-
-    def check_prompt(self, token_ids: list[int]) -> None:
-        vocab_size, max_len = self.config.vocab_size, self.config.max_position_embeddings
-        if not token_ids:
-            raise ValueError("token_ids is empty: a prompt needs at least one token")
-        if len(token_ids) > max_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens; max_position_embeddings is {max_len}")
-        if bad := [t for t in token_ids if not 0 <= t < vocab_size]:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-
-    @torch.inference_mode()
-    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
-        """Run one prompt through the model, no KV cache: the logits at every position, (len, vocab_size)."""
-        self.check_prompt(token_ids)
-        device = self.lm_head.weight.device
-        input_ids = torch.tensor(token_ids, dtype=torch.long, device=device)
-        positions = torch.arange(len(token_ids), device=device)
-        context = PrefillContext.from_lens([len(token_ids)], device)
-        return self.compute_logits(self(input_ids, positions, context))

@@ -1,0 +1,60 @@
+"""What tests and notebooks share, never the engine's hot path: the teacher-forced logits of one prompt
+(the oracle every KV-cache path is compared with) and a builder of random paged KV caches."""
+
+import torch
+
+from minivllm.attention.prefill import PrefillContext
+from minivllm.kernels.paged_attn import store_kvcache
+from minivllm.models.qwen3 import Qwen3ForCausalLM
+
+
+def check_prompt(model: Qwen3ForCausalLM, token_ids: list[int]) -> None:
+    vocab_size, max_len = model.config.vocab_size, model.config.max_position_embeddings
+    if not token_ids:
+        raise ValueError("token_ids is empty: a prompt needs at least one token")
+    if len(token_ids) > max_len:
+        raise ValueError(f"prompt has {len(token_ids)} tokens; max_position_embeddings is {max_len}")
+    if bad := [t for t in token_ids if not 0 <= t < vocab_size]:
+        raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+
+
+@torch.inference_mode()
+def prompt_logits(model: Qwen3ForCausalLM, token_ids: list[int]) -> torch.Tensor:
+    """Run one prompt through the model, no KV cache: the logits at every position, (len, vocab_size)."""
+    check_prompt(model, token_ids)
+    device = model.lm_head.weight.device
+    input_ids = torch.tensor(token_ids, dtype=torch.long, device=device)
+    positions = torch.arange(len(token_ids), device=device)
+    context = PrefillContext.from_lens([len(token_ids)], device)
+    return model.compute_logits(model(input_ids, positions, context))
+
+
+def scatter_into_cache(
+    seq_lens: list[int],
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    device: torch.device | str,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+):
+    """Random K/V per sequence, written to shuffled blocks of a paged cache; also returned contiguous:
+    k_cache, v_cache, block_table, k, v (total_tokens, num_kv_heads, head_dim), cu_seqlens_k."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    block_table = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32, device=device)
+    ks, vs = [], []
+    for i, n in enumerate(seq_lens):
+        blocks = [free.pop() for _ in range(blocks_per_seq[i])]
+        block_table[i, : len(blocks)] = torch.tensor(blocks)
+        k, v = (torch.randn(n, num_kv_heads, head_dim, generator=gen).to(device, dtype) for _ in range(2))
+        slots = torch.tensor([blocks[t // block_size] * block_size + t % block_size for t in range(n)], device=device)
+        store_kvcache(k, v, k_cache, v_cache, slots)
+        ks.append(k)
+        vs.append(v)
+    cu_k = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    return k_cache, v_cache, block_table, torch.cat(ks), torch.cat(vs), cu_k
