@@ -997,6 +997,78 @@ else:
     print("no GPU result yet: run `python -m minivllm.benchmarks.model_parity` on a GPU")
 
 # %% [markdown]
+# ## The engine's settings
+# One dataclass holds everything the runner (notebook 04), the scheduler (05) and the engine (06) are
+# configured with; the names and defaults are vLLM's. It reads the checkpoint's config.json once, with
+# `read_config` above, and everything downstream (the model included) is built from `config.hf_config`. It
+# checks every value before anything is built, and says which field is wrong and what it may be.
+
+# %% tags=["export"] module="minivllm.config"
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from minivllm.models.loader import read_config
+
+
+@dataclass(slots=True)
+class Config:
+    model: str | Path  # a HuggingFace checkpoint folder
+    tensor_parallel_size: int = 1
+    dtype: str | torch.dtype = "auto"  # the checkpoint's dtype on a GPU, float32 on a CPU
+    block_size: int = 16  # tokens per KV block
+    max_num_seqs: int = 256  # sequences in one batch at most
+    max_num_batched_tokens: int = 16384  # new tokens in one prefill step at most
+    max_model_len: int | None = None  # prompt + completion tokens at most; None: the model's context length
+    num_kvcache_blocks: int | None = None  # None: as many as gpu_memory_utilization allows (on a CPU: see below)
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False  # True: no CUDA graphs
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    device: str | None = None  # None: cuda if available, else cpu
+    hf_config: Any = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.model = Path(self.model)
+        self.hf_config = read_config(self.model)  # FileNotFoundError / ValueError for a bad folder
+        self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        context_len = self.hf_config.max_position_embeddings
+        self.max_model_len = context_len if self.max_model_len is None else self.max_model_len
+        checks = {
+            "tensor_parallel_size": (self.tensor_parallel_size >= 1, ">= 1"),
+            "block_size": (self.block_size in (16, 32, 64, 128, 256), "16, 32, 64, 128 or 256"),
+            "max_num_seqs": (self.max_num_seqs >= 1, ">= 1"),
+            "max_num_batched_tokens": (self.max_num_batched_tokens >= 1, ">= 1"),
+            "max_model_len": (
+                1 <= self.max_model_len <= context_len,
+                f"in [1, {context_len}] (the model's context length)",
+            ),
+            "num_kvcache_blocks": (self.num_kvcache_blocks is None or self.num_kvcache_blocks >= 1, "None or >= 1"),
+            "gpu_memory_utilization": (0 < self.gpu_memory_utilization <= 1, "in (0, 1]"),
+            "device": (self.device in ("cpu", "cuda"), "'cpu' or 'cuda'"),
+        }
+        for name, (ok, allowed) in checks.items():
+            if not ok:
+                raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+        if self.device == "cuda" and self.tensor_parallel_size > torch.cuda.device_count():
+            raise ValueError(
+                f"tensor_parallel_size must be <= {torch.cuda.device_count()} (the GPUs present), "
+                f"got {self.tensor_parallel_size}"
+            )
+
+
+# %%
+from minivllm.config import Config
+
+print(Config(tiny_path, max_model_len=1024))
+try:
+    Config(tiny_path, block_size=24)
+except ValueError as e:
+    print("ValueError:", e)
+
+# %% [markdown]
 # ## Sampling parameters: what a request does with the logits
 # The model ends in logits over the vocabulary; a request says how to pick its next token from them. Each
 # request carries its own settings, so one batch can mix greedy and creative requests. We keep vLLM's names

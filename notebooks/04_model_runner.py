@@ -553,68 +553,6 @@ class PagedContext:
 
 
 # %% [markdown]
-# ## The engine's settings
-# One dataclass holds everything the runner, the scheduler (notebook 05) and the engine (notebook 06) are
-# configured with; the names and defaults are vLLM's. It checks every value before anything is built, and
-# says which field is wrong and what it may be.
-
-# %% tags=["export"] module="minivllm.config"
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
-
-import torch
-
-from minivllm.models.loader import read_config
-
-
-@dataclass(slots=True)
-class Config:
-    model: str | Path  # a HuggingFace checkpoint folder
-    tensor_parallel_size: int = 1
-    dtype: str | torch.dtype = "auto"  # the checkpoint's dtype on a GPU, float32 on a CPU
-    block_size: int = 16  # tokens per KV block
-    max_num_seqs: int = 256  # sequences in one batch at most
-    max_num_batched_tokens: int = 16384  # new tokens in one prefill step at most
-    max_model_len: int | None = None  # prompt + completion tokens at most; None: the model's context length
-    num_kvcache_blocks: int | None = None  # None: as many as gpu_memory_utilization allows (on a CPU: see below)
-    gpu_memory_utilization: float = 0.9
-    enforce_eager: bool = False  # True: no CUDA graphs
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    device: str | None = None  # None: cuda if available, else cpu
-    hf_config: Any = field(init=False, repr=False)
-
-    def __post_init__(self):
-        self.model = Path(self.model)
-        self.hf_config = read_config(self.model)  # FileNotFoundError / ValueError for a bad folder
-        self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        context_len = self.hf_config.max_position_embeddings
-        self.max_model_len = context_len if self.max_model_len is None else self.max_model_len
-        checks = {
-            "tensor_parallel_size": (self.tensor_parallel_size >= 1, ">= 1"),
-            "block_size": (self.block_size in (16, 32, 64, 128, 256), "16, 32, 64, 128 or 256"),
-            "max_num_seqs": (self.max_num_seqs >= 1, ">= 1"),
-            "max_num_batched_tokens": (self.max_num_batched_tokens >= 1, ">= 1"),
-            "max_model_len": (
-                1 <= self.max_model_len <= context_len,
-                f"in [1, {context_len}] (the model's context length)",
-            ),
-            "num_kvcache_blocks": (self.num_kvcache_blocks is None or self.num_kvcache_blocks >= 1, "None or >= 1"),
-            "gpu_memory_utilization": (0 < self.gpu_memory_utilization <= 1, "in (0, 1]"),
-            "device": (self.device in ("cpu", "cuda"), "'cpu' or 'cuda'"),
-        }
-        for name, (ok, allowed) in checks.items():
-            if not ok:
-                raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
-        if self.device == "cuda" and self.tensor_parallel_size > torch.cuda.device_count():
-            raise ValueError(
-                f"tensor_parallel_size must be <= {torch.cuda.device_count()} (the GPUs present), "
-                f"got {self.tensor_parallel_size}"
-            )
-
-
-# %% [markdown]
 # ## The model runner
 # Each step the scheduler (notebook 05) hands the runner a list of sequences and says whether it is a prefill
 # or a decode step. The runner:
@@ -764,6 +702,38 @@ assert list(decode.slot_mapping) == [
 ]
 
 # %% [markdown]
+# Step 2 puts those arrays on the device: from pinned host memory, without waiting, so the copies overlap what
+# the GPU is still doing; the `PagedContext` of the step wraps them.
+
+
+# %% tags=["export"]
+def step_to_device(
+    step: StepInputs, device: torch.device, use_triton: bool
+) -> tuple[torch.Tensor, torch.Tensor, PagedContext]:  # input_ids, positions, the attention context
+    def put(a: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(a)
+        return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+    def put_optional(a: np.ndarray | None) -> torch.Tensor | None:
+        return None if a is None else put(a)
+
+    context = PagedContext(
+        step.is_prefill,
+        put(step.slot_mapping),
+        put_optional(step.block_tables),
+        put_optional(step.cu_seqlens_q),
+        put_optional(step.cu_seqlens_k),
+        context_lens=put_optional(step.context_lens),
+        use_triton=use_triton,
+    )
+    if step.is_prefill:
+        assert step.cu_seqlens_q is not None and step.cu_seqlens_k is not None  # a prefill step has both
+        context.max_seqlen_q = int(np.diff(step.cu_seqlens_q).max())
+        context.max_seqlen_k = int(np.diff(step.cu_seqlens_k).max())
+    return put(step.input_ids), put(step.positions), context
+
+
+# %% [markdown]
 # ### How big can the KV cache be?
 # Every token of every running sequence keeps, in every layer, one key and one value per KV head:
 # `2 × num_layers × num_kv_heads × head_dim × dtype bytes`. On a GPU the runner first runs the largest step it
@@ -811,6 +781,21 @@ def kv_block_bytes(layers: list[Attention], block_size: int, dtype: torch.dtype)
     return 2 * sum(layer.num_kv_heads * layer.head_dim for layer in layers) * block_size * dtype.itemsize
 
 
+@torch.inference_mode()
+def profile_step(model: Qwen3ForCausalLM, sampler: Sampler, config: Config, device: torch.device) -> None:
+    """The largest step the engine will run: a full prefill, then sampling for max_num_seqs rows."""
+    assert config.max_model_len is not None  # Config resolved it
+    num_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * config.max_model_len)
+    lens = [config.max_model_len] * (num_tokens // config.max_model_len) + [num_tokens % config.max_model_len]
+    lens = [n for n in lens if n][: config.max_num_seqs]
+    input_ids = torch.zeros(sum(lens), dtype=torch.int64, device=device)
+    positions = torch.cat([torch.arange(n, device=device) for n in lens])
+    hidden = model(input_ids, positions, PrefillContext.from_lens(lens, device))
+    logits = model.compute_logits(hidden[-1:].expand(config.max_num_seqs, -1))
+    params = [SamplingParams(temperature=1.0, top_p=0.9)] * config.max_num_seqs
+    sampler(logits, SamplingTensors.from_params(params, [0] * config.max_num_seqs, device))
+
+
 def gpu_free_blocks(block_bytes: int, gpu_memory_utilization: float) -> int:
     """KV blocks that fit in the GPU's share, after the weights and the peak of the profiling step just run."""
     free, total = torch.cuda.mem_get_info()
@@ -819,6 +804,18 @@ def gpu_free_blocks(block_bytes: int, gpu_memory_utilization: float) -> int:
     cached = stats["reserved_bytes.all.current"] - stats["allocated_bytes.all.current"]  # PyTorch's, free to reuse
     used = total - free - cached
     return int(total * gpu_memory_utilization - used - step_peak) // block_bytes
+
+
+def bind_kv_cache(
+    layers: list[Attention], num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> None:
+    """One tensor for the whole cache; each layer gets its K and V views, (num_blocks, block_size, kv_heads, d)."""
+    layer = layers[0]
+    kv = torch.zeros(
+        2, len(layers), num_blocks, block_size, layer.num_kv_heads, layer.head_dim, dtype=dtype, device=device
+    )
+    for i, layer in enumerate(layers):
+        layer.k_cache, layer.v_cache = kv[0, i], kv[1, i]
 
 
 # %% [markdown]
@@ -1013,22 +1010,6 @@ class ModelRunner:
         gc.collect()
         torch.cuda.empty_cache()
 
-    # --- memory ----------------------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def profile_step(self) -> None:
-        """The largest step the engine will run: a full prefill, then sampling for max_num_seqs rows."""
-        config = self.config
-        assert config.max_model_len is not None and self.model is not None  # Config resolved it; the runner is open
-        num_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * config.max_model_len)
-        lens = [config.max_model_len] * (num_tokens // config.max_model_len) + [num_tokens % config.max_model_len]
-        lens = [n for n in lens if n][: config.max_num_seqs]
-        input_ids = torch.zeros(sum(lens), dtype=torch.int64, device=self.device)
-        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
-        hidden = self.model(input_ids, positions, PrefillContext.from_lens(lens, self.device))
-        logits = self.model.compute_logits(hidden[-1:].expand(config.max_num_seqs, -1))
-        params = [SamplingParams(temperature=1.0, top_p=0.9)] * config.max_num_seqs
-        self.sampler(logits, SamplingTensors.from_params(params, [0] * config.max_num_seqs, self.device))
-
     def allocate_kv_cache(self) -> int:
         config = self.config
         block_bytes = kv_block_bytes(self.attention_layers, self.block_size, self.dtype)
@@ -1036,7 +1017,8 @@ class ModelRunner:
             num_blocks = config.num_kvcache_blocks
         elif self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-            self.profile_step()
+            assert self.model is not None  # loaded before the cache is sized
+            profile_step(self.model, self.sampler, config, self.device)
             num_blocks = gpu_free_blocks(block_bytes, config.gpu_memory_utilization)
         else:
             assert config.max_model_len is not None  # Config resolved it
@@ -1051,49 +1033,14 @@ class ModelRunner:
                 f"no room for a KV cache: gpu_memory_utilization={config.gpu_memory_utilization} "
                 f"leaves less than one block ({block_bytes} bytes) after the weights and activations"
             )
-        layer = self.attention_layers[0]
-        kv = torch.zeros(
-            2,
-            len(self.attention_layers),
-            num_blocks,
-            self.block_size,
-            layer.num_kv_heads,
-            layer.head_dim,
-            dtype=self.dtype,
-            device=self.device,
-        )
-        for i, layer in enumerate(self.attention_layers):
-            layer.k_cache, layer.v_cache = kv[0, i], kv[1, i]  # (num_blocks, block_size, num_kv_heads, head_dim)
+        bind_kv_cache(self.attention_layers, num_blocks, self.block_size, self.dtype, self.device)
         return num_blocks
 
-    # --- a step ----------------------------------------------------------------------------------------------
-    def to_device(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, PagedContext]:
-        def put(a: np.ndarray) -> torch.Tensor:
-            t = torch.from_numpy(a)
-            return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
-
-        def put_optional(a: np.ndarray | None) -> torch.Tensor | None:
-            return None if a is None else put(a)
-
-        context = PagedContext(
-            step.is_prefill,
-            put(step.slot_mapping),
-            put_optional(step.block_tables),
-            put_optional(step.cu_seqlens_q),
-            put_optional(step.cu_seqlens_k),
-            context_lens=put_optional(step.context_lens),
-            use_triton=self.use_triton,
-        )
-        if step.is_prefill:
-            assert step.cu_seqlens_q is not None and step.cu_seqlens_k is not None  # a prefill step has both
-            context.max_seqlen_q = int(np.diff(step.cu_seqlens_q).max())
-            context.max_seqlen_k = int(np.diff(step.cu_seqlens_k).max())
-        return put(step.input_ids), put(step.positions), context
-
+    # --- a step ---------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, step: StepInputs) -> torch.Tensor:  # (num_seqs, vocab_size) logits
         assert self.model is not None, "the runner is closed"
-        input_ids, positions, context = self.to_device(step)
+        input_ids, positions, context = step_to_device(step, self.device, self.use_triton)
         if not step.is_prefill and self.graphs is not None and self.graphs.fits(input_ids.shape[0]):
             hidden = self.graphs.replay(input_ids, positions, context)
         else:

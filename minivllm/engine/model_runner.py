@@ -84,6 +84,32 @@ def prepare_decode(seqs: list[Sequence], block_size: int) -> StepInputs:
     )
 
 
+def step_to_device(
+    step: StepInputs, device: torch.device, use_triton: bool
+) -> tuple[torch.Tensor, torch.Tensor, PagedContext]:  # input_ids, positions, the attention context
+    def put(a: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(a)
+        return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+    def put_optional(a: np.ndarray | None) -> torch.Tensor | None:
+        return None if a is None else put(a)
+
+    context = PagedContext(
+        step.is_prefill,
+        put(step.slot_mapping),
+        put_optional(step.block_tables),
+        put_optional(step.cu_seqlens_q),
+        put_optional(step.cu_seqlens_k),
+        context_lens=put_optional(step.context_lens),
+        use_triton=use_triton,
+    )
+    if step.is_prefill:
+        assert step.cu_seqlens_q is not None and step.cu_seqlens_k is not None  # a prefill step has both
+        context.max_seqlen_q = int(np.diff(step.cu_seqlens_q).max())
+        context.max_seqlen_k = int(np.diff(step.cu_seqlens_k).max())
+    return put(step.input_ids), put(step.positions), context
+
+
 def prefix_hit_step(block_size: int) -> StepInputs:
     """A prefill of 2 new tokens after block_size - 2 cached ones, all in block 0: the shape of a prefix-cache
     hit or a chunked prompt's next chunk, run once at start-up (the cache holds nothing yet)."""
@@ -104,6 +130,21 @@ def kv_block_bytes(layers: list[Attention], block_size: int, dtype: torch.dtype)
     return 2 * sum(layer.num_kv_heads * layer.head_dim for layer in layers) * block_size * dtype.itemsize
 
 
+@torch.inference_mode()
+def profile_step(model: Qwen3ForCausalLM, sampler: Sampler, config: Config, device: torch.device) -> None:
+    """The largest step the engine will run: a full prefill, then sampling for max_num_seqs rows."""
+    assert config.max_model_len is not None  # Config resolved it
+    num_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * config.max_model_len)
+    lens = [config.max_model_len] * (num_tokens // config.max_model_len) + [num_tokens % config.max_model_len]
+    lens = [n for n in lens if n][: config.max_num_seqs]
+    input_ids = torch.zeros(sum(lens), dtype=torch.int64, device=device)
+    positions = torch.cat([torch.arange(n, device=device) for n in lens])
+    hidden = model(input_ids, positions, PrefillContext.from_lens(lens, device))
+    logits = model.compute_logits(hidden[-1:].expand(config.max_num_seqs, -1))
+    params = [SamplingParams(temperature=1.0, top_p=0.9)] * config.max_num_seqs
+    sampler(logits, SamplingTensors.from_params(params, [0] * config.max_num_seqs, device))
+
+
 def gpu_free_blocks(block_bytes: int, gpu_memory_utilization: float) -> int:
     """KV blocks that fit in the GPU's share, after the weights and the peak of the profiling step just run."""
     free, total = torch.cuda.mem_get_info()
@@ -112,6 +153,18 @@ def gpu_free_blocks(block_bytes: int, gpu_memory_utilization: float) -> int:
     cached = stats["reserved_bytes.all.current"] - stats["allocated_bytes.all.current"]  # PyTorch's, free to reuse
     used = total - free - cached
     return int(total * gpu_memory_utilization - used - step_peak) // block_bytes
+
+
+def bind_kv_cache(
+    layers: list[Attention], num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> None:
+    """One tensor for the whole cache; each layer gets its K and V views, (num_blocks, block_size, kv_heads, d)."""
+    layer = layers[0]
+    kv = torch.zeros(
+        2, len(layers), num_blocks, block_size, layer.num_kv_heads, layer.head_dim, dtype=dtype, device=device
+    )
+    for i, layer in enumerate(layers):
+        layer.k_cache, layer.v_cache = kv[0, i], kv[1, i]
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -252,22 +305,6 @@ class ModelRunner:
         gc.collect()
         torch.cuda.empty_cache()
 
-    # --- memory ----------------------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def profile_step(self) -> None:
-        """The largest step the engine will run: a full prefill, then sampling for max_num_seqs rows."""
-        config = self.config
-        assert config.max_model_len is not None and self.model is not None  # Config resolved it; the runner is open
-        num_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * config.max_model_len)
-        lens = [config.max_model_len] * (num_tokens // config.max_model_len) + [num_tokens % config.max_model_len]
-        lens = [n for n in lens if n][: config.max_num_seqs]
-        input_ids = torch.zeros(sum(lens), dtype=torch.int64, device=self.device)
-        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
-        hidden = self.model(input_ids, positions, PrefillContext.from_lens(lens, self.device))
-        logits = self.model.compute_logits(hidden[-1:].expand(config.max_num_seqs, -1))
-        params = [SamplingParams(temperature=1.0, top_p=0.9)] * config.max_num_seqs
-        self.sampler(logits, SamplingTensors.from_params(params, [0] * config.max_num_seqs, self.device))
-
     def allocate_kv_cache(self) -> int:
         config = self.config
         block_bytes = kv_block_bytes(self.attention_layers, self.block_size, self.dtype)
@@ -275,7 +312,8 @@ class ModelRunner:
             num_blocks = config.num_kvcache_blocks
         elif self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-            self.profile_step()
+            assert self.model is not None  # loaded before the cache is sized
+            profile_step(self.model, self.sampler, config, self.device)
             num_blocks = gpu_free_blocks(block_bytes, config.gpu_memory_utilization)
         else:
             assert config.max_model_len is not None  # Config resolved it
@@ -290,49 +328,14 @@ class ModelRunner:
                 f"no room for a KV cache: gpu_memory_utilization={config.gpu_memory_utilization} "
                 f"leaves less than one block ({block_bytes} bytes) after the weights and activations"
             )
-        layer = self.attention_layers[0]
-        kv = torch.zeros(
-            2,
-            len(self.attention_layers),
-            num_blocks,
-            self.block_size,
-            layer.num_kv_heads,
-            layer.head_dim,
-            dtype=self.dtype,
-            device=self.device,
-        )
-        for i, layer in enumerate(self.attention_layers):
-            layer.k_cache, layer.v_cache = kv[0, i], kv[1, i]  # (num_blocks, block_size, num_kv_heads, head_dim)
+        bind_kv_cache(self.attention_layers, num_blocks, self.block_size, self.dtype, self.device)
         return num_blocks
 
-    # --- a step ----------------------------------------------------------------------------------------------
-    def to_device(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, PagedContext]:
-        def put(a: np.ndarray) -> torch.Tensor:
-            t = torch.from_numpy(a)
-            return t.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else t
-
-        def put_optional(a: np.ndarray | None) -> torch.Tensor | None:
-            return None if a is None else put(a)
-
-        context = PagedContext(
-            step.is_prefill,
-            put(step.slot_mapping),
-            put_optional(step.block_tables),
-            put_optional(step.cu_seqlens_q),
-            put_optional(step.cu_seqlens_k),
-            context_lens=put_optional(step.context_lens),
-            use_triton=self.use_triton,
-        )
-        if step.is_prefill:
-            assert step.cu_seqlens_q is not None and step.cu_seqlens_k is not None  # a prefill step has both
-            context.max_seqlen_q = int(np.diff(step.cu_seqlens_q).max())
-            context.max_seqlen_k = int(np.diff(step.cu_seqlens_k).max())
-        return put(step.input_ids), put(step.positions), context
-
+    # --- a step ---------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, step: StepInputs) -> torch.Tensor:  # (num_seqs, vocab_size) logits
         assert self.model is not None, "the runner is closed"
-        input_ids, positions, context = self.to_device(step)
+        input_ids, positions, context = step_to_device(step, self.device, self.use_triton)
         if not step.is_prefill and self.graphs is not None and self.graphs.fits(input_ids.shape[0]):
             hidden = self.graphs.replay(input_ids, positions, context)
         else:
