@@ -940,9 +940,11 @@ def flash_attn_varlen_contiguous(
     max_seqlen_k: int,
     softmax_scale: float | None = None,
     causal: bool = False,
+    *,
+    tile: dict | None = None,  # BLOCK_M, BLOCK_N, num_warps, num_stages; None: launch_config's (a sweep passes its own)
 ) -> torch.Tensor:  # (total_q, num_heads, head_dim)
     """FlashAttention over packed variable-length sequences, with the signature of flash-attn's
-    `flash_attn_varlen_func`, for keys and values stored contiguously. Notebook 04's `flash_attn_varlen_func`
+    `flash_attn_varlen_func`, for keys and values stored contiguously. Notebook 03's `flash_attn_varlen_func`
     adds `block_table=`, for keys and values that live in a paged KV cache, and calls this one without it."""
     check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
     if max_seqlen_q < 1 or max_seqlen_k < 0:
@@ -950,7 +952,7 @@ def flash_attn_varlen_contiguous(
     head_dim = q.shape[2]
     scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
     out = torch.empty_like(q)
-    config = launch_config(head_dim, q.device)
+    config = tile or launch_config(head_dim, q.device)
     num_m_blocks = triton.cdiv(max_seqlen_q, config["BLOCK_M"])
     grid = (num_m_blocks, q.shape[1], cu_seqlens_q.numel() - 1)
     _prefill_kernel[grid](

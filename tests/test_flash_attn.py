@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from minivllm.kernels import attention_ref, flash_attn_varlen_func
+from minivllm.kernels.flash_attn import flash_attn_varlen_contiguous
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BOUNDARY_LENGTHS = [1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128]
@@ -50,6 +51,18 @@ def test_kernel_with_cached_prefix_and_fewer_keys_than_queries(causal):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_kernel_half_precision(dtype):
     check([33, 16, 7], [33, 16, 7], num_heads=4, num_kv_heads=1, head_dim=64, causal=True, dtype=dtype, tol=2e-2)
+
+
+@pytest.mark.parametrize("block_m, block_n", [(32, 16), (16, 64)])
+def test_a_tile_given_by_the_caller_is_used_and_exact(block_m, block_n):
+    """The benchmark's sweep passes tiles instead of patching the module: each must give the same attention."""
+    q_lens = [1, 40, 17]
+    q, k, v, cu_q, cu_k = varlen_batch(q_lens, q_lens, 4, 2, 32)
+    tile = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=1, num_stages=1)
+    out = flash_attn_varlen_contiguous(q, k, v, cu_q, cu_k, 40, 40, causal=True, tile=tile)
+    torch.testing.assert_close(out, attention_ref(q, k, v, cu_q, cu_k, causal=True), rtol=2e-5, atol=2e-5)
+    with pytest.raises(KeyError):  # the tile really reaches the launch: one without BLOCK_M cannot run
+        flash_attn_varlen_contiguous(q, k, v, cu_q, cu_k, 40, 40, causal=True, tile=dict(BLOCK_N=16))
 
 
 def test_kernel_softmax_scale_and_strided_inputs():

@@ -13,8 +13,7 @@ from pathlib import Path
 import torch
 
 from minivllm.benchmarks.common import OUT, gpu_ms, result, save
-from minivllm.kernels import flash_attn
-from minivllm.kernels.flash_attn import flash_attn_varlen_contiguous
+from minivllm.kernels.flash_attn import flash_attn_varlen_contiguous, launch_config
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
 
@@ -31,7 +30,7 @@ def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
 
 
-def implementations(seqlen: int, dtype: torch.dtype = torch.bfloat16) -> dict:
+def implementations(seqlen: int, dtype: torch.dtype = torch.bfloat16, tile: dict | None = None) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     q = torch.randn(seqlen, NUM_HEADS, HEAD_DIM, dtype=dtype, device="cuda")
@@ -50,7 +49,9 @@ def implementations(seqlen: int, dtype: torch.dtype = torch.bfloat16) -> dict:
         return run
 
     impls = {
-        "minivllm-triton": lambda: flash_attn_varlen_contiguous(q, k, v, cu, cu, seqlen, seqlen, causal=True),
+        "minivllm-triton": lambda: flash_attn_varlen_contiguous(
+            q, k, v, cu, cu, seqlen, seqlen, causal=True, tile=tile
+        ),
         "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION),
         "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
         "naive-torch": lambda: naive_attention(qb, kb, vb),
@@ -79,30 +80,23 @@ def run_prefill_benchmark(seqlens=(1024, 4096, 16384), module: str = "minivllm.b
         head_dim=HEAD_DIM,
         dtype="bfloat16",
         causal=True,
-        config=flash_attn.launch_config(HEAD_DIM, torch.device("cuda")),
+        config=launch_config(HEAD_DIM, torch.device("cuda")),
     )
 
 
 def sweep(seqlens) -> None:
     """Time our kernel under every tile configuration; print the five best per length."""
-    default = flash_attn.launch_config
     space = list(itertools.product((64, 128), (64, 128), (4, 8), (2, 3)))
-    try:
-        for seqlen in seqlens:
-            flash_attn.launch_config = default
-            fn = implementations(seqlen)["minivllm-triton"]
-            timings = []
-            for block_m, block_n, warps, stages in space:
-                config = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
-                flash_attn.launch_config = lambda *_, c=config: c
-                try:
-                    timings.append((gpu_ms(fn), config))
-                except Exception as e:  # out of shared memory or registers for this tile
-                    print(f"  {config}: {type(e).__name__}")
-            for ms, config in sorted(timings, key=lambda t: t[0])[:5]:
-                print(f"sweep N={seqlen}: {config} {ms:.3f} ms {causal_tflops(seqlen, ms):.1f} TFLOP/s")
-    finally:
-        flash_attn.launch_config = default
+    for seqlen in seqlens:
+        timings = []
+        for block_m, block_n, warps, stages in space:
+            config = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+            try:
+                timings.append((gpu_ms(implementations(seqlen, tile=config)["minivllm-triton"]), config))
+            except Exception as e:  # out of shared memory or registers for this tile
+                print(f"  {config}: {type(e).__name__}")
+        for ms, config in sorted(timings, key=lambda t: t[0])[:5]:
+            print(f"sweep N={seqlen}: {config} {ms:.3f} ms {causal_tflops(seqlen, ms):.1f} TFLOP/s")
 
 
 def plot_prefill(data: dict):
