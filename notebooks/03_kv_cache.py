@@ -25,10 +25,10 @@
 # its FlashAttention kernel (online softmax), which the paged kernels reuse. Notebook 02's `SamplingParams`.
 # The block manager never looks at a tensor, only at token ids, so our requests are random integers.
 #
-# **What you will see.** Why paging wastes almost no memory where reserving a maximum length per request
-# wastes most of it (the answer to "why does PagedAttention reduce fragmentation?", in numbers), a map of
-# which request owns which block over time, how much prefill work a shared system prompt saves, and why decode
-# needs its own attention kernel.
+# **What you will see.** Prefix-cache hits block by block; why paging wastes almost no memory where reserving
+# a maximum length per request wastes most of it (the answer to "why does PagedAttention reduce
+# fragmentation?", in numbers); and why decode needs its own attention kernel. (Notebook 05, with the real
+# scheduler, maps which request owns which block over time and measures what a shared system prompt saves.)
 
 # %%
 import os
@@ -38,7 +38,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit runs: the kernels at the end
 import json
-import random
+import time
 from collections import deque
 from pathlib import Path
 
@@ -49,7 +49,6 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FIGURES = Path(os.environ.get("MINIVLLM_FIGURES", "../build/figures")).resolve()
 FIGURES.mkdir(parents=True, exist_ok=True)
 rng = np.random.default_rng(0)
-random.seed(0)
 torch.manual_seed(0)
 
 # %% [markdown]
@@ -63,10 +62,8 @@ kv_bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * dtype_bytes  # K
 max_model_len = 40_960  # Qwen3-0.6B's context length
 print(f"KV per token: {kv_bytes_per_token / 2**10:.0f} KiB")
 print(f"one sequence at full context: {max_model_len * kv_bytes_per_token / 2**30:.1f} GiB")
-print(
-    f"sequences an H200 (141 GB, ~1.2 GB of weights) holds at full context: "
-    f"{int((141e9 - 1.2e9) // (max_model_len * kv_bytes_per_token))}"
-)
+full_context_seqs = int((141e9 - 1.2e9) // (max_model_len * kv_bytes_per_token))
+print(f"sequences an H200 (141 GB, ~1.2 GB of weights) holds at full context: {full_context_seqs}")
 
 # %% [markdown]
 # A request does not know in advance how long it will run: it stops at an end-of-sequence token or at
@@ -76,14 +73,12 @@ print(
 #
 # **Paging** is the operating-system answer. Cut the KV cache into fixed-size *blocks* of `block_size`
 # token slots; give a request a block only when it needs one; keep a per-request *block table* mapping its
-# logical block *i* to a physical block anywhere in memory. Token *t* of a request then lives at slot
-# `block_table[t // block_size] * block_size + t % block_size`. The attention kernel (notebook 04) follows the
-# table; nothing needs to be contiguous. A request wastes at most the unfilled end of its last block.
+# logical block *i* to a physical block anywhere in memory. Token *t* then lives at slot
+# `block_table[t // block_size] * block_size + t % block_size`, which the attention kernels (at the end) follow;
+# nothing needs to be contiguous, and a request wastes at most the unfilled end of its last block.
 
 # %%
-block_size = 16
-block_table = [7, 2, 9]  # logical block i -> physical block
-t = 37  # token 37 is in logical block 2, position 5
+block_size, block_table, t = 16, [7, 2, 9], 37  # logical block i -> physical block; token 37: block 2, offset 5
 slot = block_table[t // block_size] * block_size + t % block_size
 print(f"token {t} -> physical block {block_table[t // block_size]}, slot {slot}")
 assert slot == 9 * 16 + 5
@@ -94,23 +89,20 @@ assert slot == 9 * 16 + 5
 #
 # * its **token ids** (a copy: the caller's list must never change under us), the prompt first and then the
 #   completion as it is generated, and how many of them are the prompt;
-# * its **status**: *waiting* for a prefill (new, or preempted), *running* (it holds KV blocks and decodes),
-#   or *finished*;
+# * its **status**: *waiting* for a prefill (new, or preempted), *running* (it holds KV blocks), or *finished*;
 # * its **block table**, and `num_cached_tokens`: how many of its leading tokens already have their KV in the
 #   cache (found in the prefix cache when it was allocated, then every token a step computes), so a step skips
 #   them; `num_scheduled_tokens`, how many the current step computes (the scheduler sets it, notebook 05);
 # * its **sampling parameters**, and once finished its `finish_reason`: `"stop"` (an end-of-sequence or stop
 #   token) or `"length"` (`max_tokens` or the context length), as in vLLM.
 #
-# Its helpers cut the token ids into blocks: `num_blocks`, `block(i)`, and `last_block_num_tokens` (how full
-# the last block is). Every sequence gets a global id from a counter, so outputs can be matched to requests.
+# Helpers cut the token ids into blocks (`num_blocks`, `block(i)`, `last_block_num_tokens`), and a global id
+# from a counter lets outputs be matched to requests.
 #
-# **Whose is `block_size`?** The block manager's: it hands out the blocks, so it decides their size (from the
-# engine's config). A sequence needs the number only to cut its tokens into blocks for those helpers, so it is
-# given the block manager's value when it is made (the engine passes `block_manager.block_size`), and
-# `BlockManager.allocate` asserts that the two agree. A sequence checks nothing else: by the time one is made,
-# the engine has already refused every bad request (notebook 06), so a broken sequence is a bug, caught by an
-# `assert`, not a user's mistake.
+# **Whose is `block_size`?** The block manager's: it hands out the blocks. A sequence is given the same value
+# (the engine passes `block_manager.block_size`) only to cut its tokens into blocks, and `BlockManager.allocate`
+# asserts that the two agree. The engine refuses bad requests before a sequence is made (notebook 06), so a
+# broken sequence is a bug, caught by an `assert`, not a user's mistake.
 
 # %% tags=["export"] module="minivllm.engine.sequence"
 from enum import Enum, auto
@@ -214,15 +206,13 @@ assert seq.status == SequenceStatus.WAITING and not seq.is_finished
 # %% [markdown]
 # ## Prefix caching: naming a block by everything before it
 # Many requests start the same way: a system prompt, a few-shot preamble, the earlier turns of a chat, or a
-# preempted request coming back. Their KV is identical, so a block computed once could be shared.
-#
-# But a block's KV depends on *every* earlier token, not only on its own: attention mixed the whole prefix
-# into it. So a block is named by a **chained hash**: the hash of (the previous block's hash, this block's
-# token ids). Two blocks with the same hash hold the same tokens *after the same prefix*, and the same tokens
-# after a different prefix get a different name. We use xxHash (xxh64): fast and well distributed; it is not
-# cryptographic, so a hit is also checked against the token ids stored with the block.
-#
-# Only *full* blocks are hashed and shared: a partial block is still being written by its own request.
+# preempted request coming back. Their KV is identical, so a block computed once could be shared. But a
+# block's KV depends on *every* earlier token, not only on its own: attention mixed the whole prefix into it.
+# So a block is named by a **chained hash**: the hash of (the previous block's hash, this block's token ids).
+# Two blocks with the same hash hold the same tokens *after the same prefix*, and the same tokens after a
+# different prefix get a different name. We use xxHash (xxh64): fast and well distributed; it is not
+# cryptographic, so a hit is also checked against the token ids stored with the block. Only *full* blocks are
+# hashed and shared: a partial block is still being written by its own request.
 
 # %% tags=["export"] module="minivllm.engine.block_manager"
 from array import array
@@ -256,64 +246,53 @@ from minivllm.engine.block_manager import compute_hash
 
 a, b = [1, 2, 3, 4], [5, 6, 7, 8]
 h_a, h_b = compute_hash(a), compute_hash(b)
-print(f"hash(b after a) = {compute_hash(b, h_a):#018x}")
-print(f"hash(b after b) = {compute_hash(b, h_b):#018x}")
+print(f"hash(b after a) = {compute_hash(b, h_a):#018x}, hash(b after b) = {compute_hash(b, h_b):#018x}")
 assert compute_hash(b, h_a) != compute_hash(b, h_b)  # same tokens, different prefix: different blocks
 assert compute_hash(b, h_a) == compute_hash(list(b), compute_hash(list(a)))  # deterministic
 
 # %% [markdown]
 # ## The BlockManager
 # The block manager owns `num_blocks` blocks (their KV tensors live in the model runner, notebook 04; here a
-# block is only an id and some bookkeeping). It owns the block size too: everyone else (the scheduler, each
-# sequence) reads it from here. The scheduler (notebook 05) talks to it in seven calls:
+# block is only an id and some bookkeeping) and their size, which the scheduler and every sequence read from
+# here. The scheduler (notebook 05) talks to it in seven calls:
 #
-# * `can_allocate(seq)`, then `allocate(seq)` for a waiting sequence: a block for each of its blocks,
-#   reusing cached ones for the longest run of leading full blocks found in the cache; `seq.num_cached_tokens`
-#   tells prefill how many tokens it may skip.
+# * `can_allocate(seq)`, then `allocate(seq)` for a waiting sequence: a block for each of its blocks, sharing
+#   cached ones for the longest run of leading full blocks found in the cache (`seq.num_cached_tokens` tells
+#   prefill how many tokens it may skip).
 # * `cache_blocks(seq, num_tokens)` in the step that computes the KV of the sequence's first `num_tokens`
 #   tokens: their full blocks enter the cache (are hashed), so later requests can hit them.
 # * `can_append(seq)`, then `may_append(seq)` after each decoded token: a new block exactly when the token
-#   starts one, and the last block is hashed (cached) the moment it becomes full.
-# * `deallocate(seq)` when a sequence finishes or is preempted (preemption = deallocate and set it waiting;
-#   its tokens, generated ones included, are kept and recomputed later, mostly from the cache).
-# * `discard(seq)` when a sequence is dropped in a step that failed (notebook 05's abort): the blocks that step
+#   starts one, and the last block is cached the moment it becomes full.
+# * `deallocate(seq)` when a sequence finishes or is preempted (its tokens are kept, to be recomputed later,
+#   mostly from the cache).
+# * `discard(seq)` for a sequence dropped in a step that failed (notebook 05's `abort`): the blocks that step
 #   cached may hold KV it never wrote, so they leave the cache before they are freed.
-# * `reset()` when every request is dropped at once (notebook 05's `abort_all`): all blocks free and empty, the
-#   prefix cache forgotten. It trusts none of the bookkeeping, so it is safe even after a step that failed half-way
-#   through it.
+# * `reset()` when every request is dropped at once (`abort_all`): all blocks free and empty, nothing cached.
+#   It trusts none of the bookkeeping, so it is safe even after a step that failed half-way through it.
 #
-# The `can_*` checks are cheap and conservative (they ignore possible cache hits), so the scheduler can ask
-# them for every candidate; the real calls assert them.
-#
-# **Ref counts.** A block shared by three sequences has `ref_count == 3`; it is free only at 0.
+# The `can_*` checks are cheap and conservative (they ignore possible cache hits); the real calls assert them.
+# A block shared by three sequences has `ref_count == 3`; it is free only at 0.
 #
 # **Two free lists.** A freed full block keeps its hash and its KV: a later request with the same prefix can
-# still hit it. So free blocks are kept in two lists, and a block for new KV is taken from the first one that
-# has any:
-# 1. `free_block_ids`, blocks holding nothing worth keeping (never filled, or partial);
-# 2. `cached_block_ids`, free blocks still in the cache, least recently freed first (an LRU). Taking one
-#    evicts its hash. A sequence frees its blocks tail first, so a shared head outlives the tails behind it.
+# still hit it. So a block for new KV comes from `free_block_ids` (blocks holding nothing worth keeping) while
+# it has any, and only then from `cached_block_ids`, the free blocks still in the cache, least recently freed
+# first (an LRU; taking one evicts its hash). A sequence frees its blocks tail first, so a shared head outlives
+# the tails behind it. Both lists are O(1) per block (a `deque` and an `OrderedDict`).
 #
-# Both are O(1) per block (a `deque` and an `OrderedDict`), so every call costs time in proportion to the
-# blocks it touches, never to the size of the cache.
+# **The last token is always computed**, since prefill must produce its logits. If a whole prompt is cached,
+# its last block does not count as a hit (vLLM's rule: hits are looked up only among the blocks wholly inside
+# the first `num_tokens - 1` tokens): it gets a fresh copy and is recomputed. So `num_cached_tokens` is a
+# multiple of `block_size` below `num_tokens`, and a request never writes into a block another reads. The copy
+# has the same hash as the cached block (as may the blocks of two requests that generate the same tokens): the
+# cache index keeps pointing at the first, and a duplicate goes to the empty list when it is freed.
 #
-# **The last token is always computed.** Prefill must produce logits for the last prompt token, so it needs
-# at least that token's query. If a whole prompt is cached, we do not count its last block as a hit
-# (vLLM's rule: hits are looked up only among the blocks wholly inside the first `num_tokens - 1` tokens).
-# That block gets a fresh copy and is recomputed; so `num_cached_tokens` is always a multiple of
-# `block_size` and less than `num_tokens`, and a request never writes into a block another request reads.
-# The copy has the same hash as the cached block (so may two requests that generate the same tokens): the
-# cache index keeps pointing at the first one, and a duplicate goes to the empty list when it is freed.
-#
-# **When is a block cached?** Never before the step that computes its KV: a cached block can be hit by any
-# later request, which then reads its KV instead of computing it. So `allocate` caches nothing new; the
-# scheduler calls `cache_blocks(seq, n)` for the tokens a prefill step computes, and `may_append` caches a
-# block filled by the token the coming decode step computes. Caching *in* the computing step, rather than
-# after it, is safe: within a step every layer writes the new KV before any attention reads it, so a request
-# that hits the block in that same step still reads finished KV; and it lets requests that arrive together
-# share a prefix from their first step. Why not simply cache a prompt's blocks at `allocate`? Because a long
-# prompt may be computed over several steps (chunked prefill, notebook 05): a request arriving in between
-# would hit blocks whose KV nobody has written yet, and silently compute with garbage.
+# **When is a block cached?** In the step that computes its KV, never before: from then on any request may hit
+# it and read that KV instead of computing it. So `allocate` caches nothing new; `cache_blocks(seq, n)` caches
+# the tokens a prefill step computes, `may_append` a block filled by the token the coming decode step computes.
+# That is safe (every layer writes the step's new KV before any attention reads it) and lets requests arriving
+# together share a prefix from their first step. Caching a prompt's blocks at `allocate` is not: a long prompt
+# may be computed over several steps (chunked prefill, notebook 05), and a request arriving in between would
+# hit blocks whose KV nobody has written yet, and silently compute with garbage.
 
 
 # %% tags=["export"]
@@ -465,7 +444,10 @@ class BlockManager:
 # %% [markdown]
 # ## Watch it work
 # A tiny cache, 8 blocks of 4 slots, and a helper that prints each block as `id:ref_count`, with `#` for a
-# cached (hashed) block and `.` for a free one.
+# cached (hashed) block and `.` for a free one. Allocating `s1` caches nothing, since no KV is computed yet;
+# the prefill step that computes its 10 tokens caches its two full blocks, not the partial third (`admit` plays
+# that one-step prefill until notebook 05's scheduler does). Then `s1` decodes: tokens 11 and 12 fill block 2
+# (hashed the moment it is full); the 13th opens block 3, and not a token earlier.
 
 # %%
 from minivllm.engine.block_manager import BlockManager
@@ -473,11 +455,14 @@ from minivllm.engine.block_manager import BlockManager
 
 def show(bm: BlockManager, note: str = "") -> None:
     cells = [f"{b.block_id}:{b.ref_count if b.ref_count else '.'}{'#' if b.hash != -1 else ' '}" for b in bm.blocks]
-    print(
-        " ".join(cells),
-        f"| used {bm.num_used_blocks}, free {bm.num_free_blocks} ({bm.num_cached_free_blocks} cached)",
-        note,
-    )
+    used = f"| used {bm.num_used_blocks}, free {bm.num_free_blocks} ({bm.num_cached_free_blocks} cached)"
+    print(" ".join(cells), used, note)
+
+
+def admit(bm: BlockManager, seq: Sequence) -> None:
+    """Allocate, then cache the full blocks, as the step that prefills the whole prompt at once does."""
+    bm.allocate(seq)
+    bm.cache_blocks(seq, len(seq))
 
 
 bm = BlockManager(num_blocks=8, block_size=4)
@@ -486,29 +471,9 @@ s1 = Sequence(system + [30, 31], block_size=4)
 bm.allocate(s1)
 show(bm, f"s1 table {s1.block_table}, cached tokens {s1.num_cached_tokens}")
 assert s1.block_table == [0, 1, 2] and s1.num_cached_tokens == 0 and all(b.hash == -1 for b in bm.blocks)
-
-# %% [markdown]
-# Allocation caches nothing: no KV has been computed yet. The prefill step that computes all 10 tokens caches
-# the two full blocks (the partial third one stays private). Until notebook 05's scheduler does this, a helper
-# plays the part of a one-step prefill:
-
-
-# %%
-def admit(bm: BlockManager, seq: Sequence) -> None:
-    """Allocate, then cache the full blocks, as the step that prefills the whole prompt at once does."""
-    bm.allocate(seq)
-    bm.cache_blocks(seq, len(seq))
-
-
 bm.cache_blocks(s1, len(s1))
 show(bm, "s1's prompt computed")
 assert [bm.blocks[i].hash != -1 for i in s1.block_table] == [True, True, False]
-
-# %% [markdown]
-# Decode: the 11th and 12th tokens fill block 2 (it gets hashed the moment it is full); the 13th opens
-# block 3, and not a token earlier.
-
-# %%
 for token in (32, 33, 34):
     s1.append_token(token)
     assert bm.can_append(s1)
@@ -529,23 +494,17 @@ assert bm.blocks[0].ref_count == bm.blocks[1].ref_count == 2
 
 # %% [markdown]
 # Both finish. Their full blocks keep their hashes and wait, as free *cached* blocks, at the back of the free
-# order; partial blocks (3 and 5) are simply free. A new, unrelated request takes the empty blocks first...
+# order; partial blocks (3 and 5) are simply free. A new, unrelated request `s3` takes the empty blocks first,
+# so the system prompt is still cached when `s4` arrives with it, long after the first two finished.
 
 # %%
 bm.deallocate(s1)
 bm.deallocate(s2)
 show(bm, "after both finished")
-s3 = Sequence([50, 51, 52, 53, 54], block_size=4)
+s3, s4 = Sequence([50, 51, 52, 53, 54], block_size=4), Sequence(system + [60], block_size=4)
 admit(bm, s3)
 show(bm, f"s3 table {s3.block_table}")
 assert not {0, 1, 2} & set(s3.block_table) and bm.num_cached_free_blocks >= 3
-
-# %% [markdown]
-# ...so the system prompt is still cached when the next request with it arrives, long after the first two
-# finished:
-
-# %%
-s4 = Sequence(system + [60], block_size=4)
 admit(bm, s4)
 show(bm, f"s4 table {s4.block_table}, cached tokens {s4.num_cached_tokens}")
 assert s4.block_table[:2] == [0, 1] and s4.num_cached_tokens == 8
@@ -553,19 +512,17 @@ assert s4.block_table[:2] == [0, 1] and s4.num_cached_tokens == 8
 # %% [markdown]
 # When a whole prompt is cached, the last block is still recomputed, in a fresh block: prefill needs the last
 # token's logits, and the shared copy is never written to. `s5` repeats `s1`'s first 12 tokens, whose three
-# blocks are all cached:
+# blocks are all cached. Freeing `s5` twice is a bug in the caller (the blocks may already belong to someone
+# else), so it stops the engine at once. With prefix caching off nothing is ever hashed or shared. And
+# `reset()` forgets every allocation and every cached prefix at once; the sequences that held blocks must be
+# dropped with it (their block tables now point at blocks that belong to nobody), as notebook 05's `abort_all`
+# does.
 
 # %%
 s5 = Sequence(system + [30, 31, 32, 33], block_size=4)
 admit(bm, s5)
 show(bm, f"s5 table {s5.block_table}, cached tokens {s5.num_cached_tokens}")
 assert s5.num_cached_tokens == 8 == len(s5) - bm.block_size and s5.block_table[2] != 2
-
-# %% [markdown]
-# Freeing twice is a bug in the caller (the blocks may already belong to someone else), so it stops the
-# engine at once; with prefix caching off nothing is ever hashed or shared.
-
-# %%
 bm.deallocate(s5)
 try:
     bm.deallocate(s5)
@@ -580,12 +537,6 @@ for seq in (Sequence(system + [1], block_size=4), Sequence(system + [1], block_s
     assert seq.num_cached_tokens == 0
 assert all(b.hash == -1 for b in plain.blocks) and plain.num_used_blocks == 6
 
-# %% [markdown]
-# `reset()` forgets everything at once: every allocation and every cached prefix. The sequences that held blocks
-# must be dropped with it (their block tables now point at blocks that belong to nobody); notebook 05's
-# `abort_all` does both.
-
-# %%
 show(bm, "before reset")
 bm.reset()
 show(bm, "after reset")
@@ -594,47 +545,39 @@ admit(bm, s6)
 assert bm.num_free_blocks == bm.num_blocks - 3 and s6.num_cached_tokens == 0  # the system prompt is forgotten
 
 # %% [markdown]
-# Now the reason `allocate` caches nothing. A long prompt may be prefilled in chunks over several steps
-# (notebook 05). Here `long` has 17 tokens (four full blocks) and its first step computes only 8. A request
-# with the same first 16 tokens arriving now must hit the two blocks already computed, and not the two whose
-# KV no step has written yet:
+# Now the reason `allocate` caches nothing. `long` has 17 tokens (four full blocks), prefilled in chunks, and
+# its first step computes only 8. A request with the same first 16 tokens arriving now must hit the two blocks
+# already computed, and not the two whose KV no step has written yet:
 
 # %%
-chunked = BlockManager(num_blocks=16, block_size=4)
-long = Sequence(list(range(1, 18)), block_size=4)
+chunked, long = BlockManager(num_blocks=16, block_size=4), Sequence(list(range(1, 18)), block_size=4)
 chunked.allocate(long)
 chunked.cache_blocks(long, 8)  # the first chunk: tokens 0..7
 long.num_cached_tokens = 8  # what the scheduler records once that step has run
 same_start = Sequence(list(range(1, 17)) + [99], block_size=4)
 admit(chunked, same_start)
-print(f"after the first chunk: {same_start.num_cached_tokens} tokens hit")
-assert same_start.num_cached_tokens == 8
 chunked.cache_blocks(long, 17)  # the second chunk computes the rest
 later = Sequence(list(range(1, 17)) + [99], block_size=4)
 admit(chunked, later)
-print(f"after the second chunk: {later.num_cached_tokens} tokens hit")
-assert later.num_cached_tokens == 16
+print(f"tokens hit: {same_start.num_cached_tokens} after the first chunk, {later.num_cached_tokens} after the second")
+assert same_start.num_cached_tokens == 8 and later.num_cached_tokens == 16
 
 # %% [markdown]
 # ## Why does PagedAttention reduce fragmentation? A simulated workload
 # Now the question this notebook is for. We replay one workload against a fixed KV memory of 65,536 token
 # slots (about 7 GiB for Qwen3-0.6B) with different allocators, and measure, at every step, the share of
-# *reserved* KV memory that actually holds a token.
+# *reserved* KV memory that actually holds a token. The workload: 600 chat-like requests, prompts of 16 to 512
+# tokens, `max_tokens=1024`, `max_model_len = 2048`; each really stops after an exponentially distributed
+# number of tokens (mean 300), as if it met its end-of-sequence token. The allocators:
 #
-# The workload: 600 chat-like requests, prompts of 16 to 512 tokens, `max_tokens=1024`, served with
-# `max_model_len = 2048`; each request really stops after an exponentially distributed number of tokens
-# (mean 300), as if it met its end-of-sequence token. The allocators:
-#
-# * **contiguous, max length**: each request reserves `max_model_len` slots up front (what engines did
-#   before paging);
+# * **contiguous, max length**: each request reserves `max_model_len` slots up front (engines before paging);
 # * **contiguous, prompt + max_tokens**: a tighter reservation that uses the request's own limit; sizes now
 #   differ, so we place them first-fit in one address space, and holes between them appear;
 # * **paged** (our `BlockManager`) with blocks of 256, 64 and 16 slots.
 #
-# The contiguous allocators get the same six calls as the block manager, so one loop drives them all: a
-# continuous-batching scheduler in miniature (notebook 05 builds the real one). Each step admits waiting
-# requests first-come first-served while memory allows, then every running request decodes one token;
-# a paged request that finds no free block for its next token preempts the newest running request.
+# One loop drives them all, a continuous-batching scheduler in miniature (notebook 05 builds the real one):
+# each step admits waiting requests first come, first served while memory allows, then every running request
+# decodes one token; a request that finds no free block for its next token preempts the newest running one.
 
 # %%
 from minivllm.engine.sequence import SequenceStatus
@@ -643,21 +586,19 @@ VOCAB = 151_936
 NUM_SLOTS, MAX_TOKENS, MAX_MODEL_LEN = 65_536, 1024, 2048
 
 
-def make_workload(n: int, prompt_len=(16, 512), mean_output=300, prefix: list[int] | None = None) -> list[tuple]:
-    """n (prompt token ids, real output length) pairs; `prefix` is put in front of every prompt."""
+def make_workload(n: int, prompt_len=(16, 512), mean_output=300) -> list[tuple]:
+    """n (prompt token ids, real output length) pairs."""
     prompt_lens = rng.integers(prompt_len[0], prompt_len[1] + 1, n)
     output_lens = np.clip(rng.exponential(mean_output, n).astype(int), 1, MAX_TOKENS)
-    return [((prefix or []) + rng.integers(0, VOCAB, p).tolist(), int(o)) for p, o in zip(prompt_lens, output_lens)]
+    return [(rng.integers(0, VOCAB, p).tolist(), int(o)) for p, o in zip(prompt_lens, output_lens)]
 
 
 class ContiguousAllocator:
-    """One contiguous slot range per sequence, `reserve(seq)` slots long, placed first-fit.
-
-    It answers the block manager's six calls; to the simulation it is a block manager whose blocks are single
-    slots, except that a sequence must get all of its slots, in one piece, up front.
-    """
+    """Blocks of one slot, but a sequence gets all its `reserve(seq)` slots up front, in one piece, first-fit."""
 
     block_size = 1
+    cache_blocks = may_append = lambda self, *args: None  # no prefix caching, no blocks to add
+    can_append = lambda self, seq: True  # the reservation already covers every token the request may produce
 
     def __init__(self, num_slots: int, reserve):
         self.num_slots, self.reserve = num_slots, reserve
@@ -677,15 +618,6 @@ class ContiguousAllocator:
     def allocate(self, seq) -> None:
         self.ranges[seq.seq_id] = (self._first_fit(self.reserve(seq)), self.reserve(seq))
 
-    def cache_blocks(self, seq, num_tokens: int) -> None:
-        pass  # no prefix caching
-
-    def can_append(self, seq) -> bool:
-        return True  # the reservation already covers every token the request may produce
-
-    def may_append(self, seq) -> None:
-        pass
-
     def deallocate(self, seq) -> None:
         del self.ranges[seq.seq_id]
 
@@ -694,19 +626,17 @@ class ContiguousAllocator:
         return sum(n for _, n in self.ranges.values())
 
 
-def simulate(workload, allocator, block_size: int = 16, snapshot=None) -> list[dict]:
-    """Replay the workload with one allocator; one row of stats per step (`snapshot(step, running)` is optional)."""
+def simulate(workload, allocator, block_size: int = 16) -> list[dict]:
+    """Replay the workload with one allocator; one row of stats per step."""
     waiting = deque(Sequence(p, SamplingParams(max_tokens=o, ignore_eos=True), block_size) for p, o in workload)
     running: list[Sequence] = []
-    rows = []
+    rows: list[dict] = []
     while waiting or running:
-        prefilled = []  # tokens each admitted request must prefill
         while waiting and allocator.can_allocate(waiting[0]):  # admit first come, first served
             seq = waiting.popleft()
             allocator.allocate(seq)
             allocator.cache_blocks(seq, len(seq))  # the whole prompt is computed in this step
             seq.status = SequenceStatus.RUNNING
-            prefilled.append(len(seq) - seq.num_cached_tokens)
             running.append(seq)
         assert running, "the cache cannot hold even one request"
         for seq in list(running):  # decode one token each
@@ -727,45 +657,28 @@ def simulate(workload, allocator, block_size: int = 16, snapshot=None) -> list[d
                     break
             else:
                 allocator.may_append(seq)
-        rows.append(
-            dict(
-                tokens=sum(len(s) for s in running),
-                reserved=allocator.num_used_blocks * allocator.block_size,
-                running=len(running),
-                prefilled=prefilled,
-            )
-        )
-        if snapshot:
-            snapshot(len(rows) - 1, running)
+        tokens, reserved = sum(len(s) for s in running), allocator.num_used_blocks * allocator.block_size
+        rows.append(dict(tokens=tokens, reserved=reserved, running=len(running)))
     return rows
 
 
 # %%
-import time
-
 workload = make_workload(600)
+own_limit = lambda s: s.num_prompt_tokens + s.sampling_params.max_tokens
 schemes = {
     "contiguous, max length": lambda: ContiguousAllocator(NUM_SLOTS, lambda s: MAX_MODEL_LEN),
-    "contiguous, prompt + max_tokens": lambda: ContiguousAllocator(
-        NUM_SLOTS, lambda s: s.num_prompt_tokens + s.sampling_params.max_tokens
-    ),
+    "contiguous, prompt + max_tokens": lambda: ContiguousAllocator(NUM_SLOTS, own_limit),
     **{f"paged, block {bs}": (lambda bs=bs: BlockManager(NUM_SLOTS // bs, bs)) for bs in (256, 64, 16)},
 }
 runs = {}
 for name, make in schemes.items():
     t0 = time.perf_counter()
-    bs = int(name.split()[-1]) if name.startswith("paged") else 16
-    rows = simulate(workload, make(), block_size=bs)
-    runs[name] = dict(
-        rows=rows,
-        occupancy=sum(r["tokens"] for r in rows) / sum(r["reserved"] for r in rows),
-        batch=np.mean([r["running"] for r in rows]),
-        steps=len(rows),
-    )
+    rows = simulate(workload, make(), block_size=int(name.split()[-1]) if name.startswith("paged") else 16)
+    occupancy = sum(r["tokens"] for r in rows) / sum(r["reserved"] for r in rows)
+    runs[name] = dict(rows=rows, occupancy=occupancy, batch=np.mean([r["running"] for r in rows]), steps=len(rows))
     print(
-        f"{name:>32}: {runs[name]['occupancy']:6.1%} of reserved KV holds tokens, "
-        f"{runs[name]['batch']:5.1f} requests at once on average, {len(rows):5d} steps "
-        f"({time.perf_counter() - t0:.1f} s to simulate)"
+        f"{name:>32}: {occupancy:6.1%} of reserved KV holds tokens, {runs[name]['batch']:5.1f} requests at once "
+        f"on average, {len(rows):5d} steps ({time.perf_counter() - t0:.1f} s to simulate)"
     )
 
 # %%
@@ -775,41 +688,32 @@ names = list(runs)
 axes[0].barh(names, [runs[n]["occupancy"] for n in names], color=[colors[n] for n in names])
 for y, n in enumerate(names):
     axes[0].text(runs[n]["occupancy"] + 0.01, y, f"{runs[n]['occupancy']:.0%}", va="center")
-axes[0].set_xlim(0, 1.15)
 axes[0].invert_yaxis()
-axes[0].set_xlabel("share of reserved KV memory holding tokens")
-axes[0].set_title("Occupancy over the whole run")
+axes[0].set(xlim=(0, 1.15), xlabel="share of reserved KV memory holding tokens", title="Occupancy over the whole run")
 for n in names:
     rows = runs[n]["rows"]
     occ = [r["tokens"] / r["reserved"] if r["reserved"] else np.nan for r in rows]
     axes[1].plot(occ, color=colors[n], lw=1, label=n)
     axes[2].plot([r["running"] for r in rows], color=colors[n], lw=1, label=n)
-axes[1].set_ylim(0, 1.02)
-axes[1].set_xlabel("step")
-axes[1].set_ylabel("tokens / reserved slots")
-axes[1].set_title("Occupancy per step")
-axes[2].set_xlabel("step")
-axes[2].set_ylabel("requests running")
-axes[2].set_title("Batch size (workload done at the line's end)")
+axes[1].set(ylim=(0, 1.02), xlabel="step", ylabel="tokens / reserved slots", title="Occupancy per step")
+axes[2].set(xlabel="step", ylabel="requests running", title="Batch size (workload done at the line's end)")
 axes[2].legend(fontsize=8)
 fig.suptitle(f"600 requests on {NUM_SLOTS:,} KV slots: contiguous reservation vs paged blocks")
 fig.tight_layout()
 fig.savefig(FIGURES / "03_fragmentation.png", dpi=120)
 
 # %% [markdown]
-# **Reading the figure.** With a max-length reservation most of the reserved memory never holds a token:
-# a request uses its prompt plus a few hundred tokens of a 2,048-slot region. Reserving `prompt + max_tokens`
-# is tighter but still pays for 1,024 completion tokens most requests never produce, and its variable sizes
-# leave holes between reservations (external fragmentation). Paged blocks are handed out as tokens arrive,
-# so the only waste is the unfilled end of each request's last block, at most `block_size - 1` slots per
-# request (internal fragmentation): 16-slot blocks leave almost nothing empty, 256-slot blocks leave about
-# 128 slots per request.
+# **Reading the figure.** With a max-length reservation most of the reserved memory never holds a token: a
+# request uses its prompt plus a few hundred tokens of a 2,048-slot region. Reserving `prompt + max_tokens` is
+# tighter but still pays for 1,024 completion tokens most requests never produce, and its variable sizes leave
+# holes between reservations (external fragmentation). Paged blocks are handed out as tokens arrive, so the only
+# waste is the unfilled end of each request's last block, at most `block_size - 1` slots (internal
+# fragmentation): 16-slot blocks leave almost nothing empty, 256-slot blocks about 128 slots per request.
 #
 # Memory not wasted is memory for more requests: with 16-slot blocks the same memory keeps about three times
-# as many requests in flight as the max-length reservation, and finishes the workload in about a third of the
-# steps. That batch size is where PagedAttention's throughput
-# comes from. (Smaller blocks are not free either: the attention kernel reads one block table entry per block,
-# and 16 is vLLM's default for that reason.)
+# as many requests in flight as the max-length reservation and finishes the workload in about a third of the
+# steps: PagedAttention's throughput comes from that batch size. (Smaller blocks cost something too: the
+# attention kernel reads one block table entry per block; 16 is vLLM's default.)
 
 # %%
 occupancy = {n: r["occupancy"] for n, r in runs.items()}
@@ -819,215 +723,11 @@ assert runs["paged, block 16"]["batch"] > 2.5 * runs["contiguous, max length"]["
 assert runs["paged, block 16"]["steps"] < runs["contiguous, max length"]["steps"] / 2.5
 
 # %% [markdown]
-# ## The block map over time
-# Which request owns which block? We replay a small run (96 blocks of 16 slots, 48 requests, a third of them
-# sharing a 64-token system prompt) and take a picture of the blocks at every step: one colour per request,
-# black for a block shared by several, grey for a free block that is still cached, white for an empty one.
-
-# %%
-from matplotlib.colors import ListedColormap
-
-SHARED, CACHED, EMPTY = -1, -2, -3
-
-
-def block_owners(bm: BlockManager, running: list[Sequence]) -> np.ndarray:
-    """Per block: the owning seq_id, SHARED, CACHED (free, still hashed) or EMPTY."""
-    owners = np.full(len(bm.blocks), EMPTY)
-    for block_id in bm.cached_block_ids:
-        owners[block_id] = CACHED
-    for seq in running:
-        for block_id in seq.block_table:
-            owners[block_id] = seq.seq_id if bm.blocks[block_id].ref_count == 1 else SHARED
-    return owners
-
-
-small_bm = BlockManager(num_blocks=96, block_size=16)
-system_prompt = rng.integers(0, VOCAB, 64).tolist()
-small_workload = make_workload(32, prompt_len=(16, 200), mean_output=80) + make_workload(
-    16, prompt_len=(8, 64), mean_output=80, prefix=system_prompt
-)
-random.Random(0).shuffle(small_workload)
-frames, usage = [], []
-
-
-def snapshot(step: int, running: list[Sequence]) -> None:
-    frames.append(block_owners(small_bm, running))
-    usage.append((small_bm.num_used_blocks, small_bm.num_cached_free_blocks, len(small_bm.free_block_ids)))
-
-
-small_rows = simulate(small_workload, small_bm, block_size=16, snapshot=snapshot)
-frames, usage = np.array(frames), np.array(usage)  # (steps, num_blocks), (steps, 3)
-print(
-    f"{len(frames)} steps; peak {usage[:, 0].max()} of 96 blocks in use; "
-    f"{sum(r['running'] for r in small_rows) / len(small_rows):.1f} requests running on average"
-)
-
-
-def frame_colors(frame: np.ndarray) -> np.ndarray:
-    """RGB per block: special states fixed, requests cycling through a qualitative palette."""
-    palette = [c for i, c in enumerate(plt.get_cmap("tab20").colors) if i not in (14, 15)]  # no greys
-    special = {SHARED: (0, 0, 0), CACHED: (0.8, 0.8, 0.8), EMPTY: (1, 1, 1)}
-    return np.array([special.get(o, palette[o % len(palette)]) for o in frame])
-
-
-def draw_blocks(ax, step: int, cols: int = 16) -> None:
-    ax.imshow(frame_colors(frames[step]).reshape(-1, cols, 3), interpolation="nearest")
-    used, cached, empty = usage[step]
-    ax.set_title(f"step {step}: {used} used, {cached} free+cached, {empty} empty", fontsize=9)
-    ax.set_xticks([])
-    ax.set_yticks([])
-
-
-fig = plt.figure(figsize=(14, 7.5))
-grid = fig.add_gridspec(2, 3, height_ratios=[1.3, 1])
-ax_map = fig.add_subplot(grid[0, :2])
-ax_map.imshow(np.stack([frame_colors(f) for f in frames], axis=1), aspect="auto", interpolation="nearest")
-ax_map.set_xlabel("step")
-ax_map.set_ylabel("physical block")
-ax_map.set_title("Owner of each block over time (colour = request, black = shared, grey = free but cached)")
-ax_use = fig.add_subplot(grid[0, 2])
-ax_use.stackplot(
-    range(len(usage)),
-    usage.T,
-    labels=["used", "free, cached", "free, empty"],
-    colors=["tab:blue", "0.75", "white"],
-    edgecolor="0.5",
-    lw=0.3,
-)
-ax_use.set_xlabel("step")
-ax_use.set_ylabel("blocks")
-ax_use.set_title("Blocks in use vs free")
-ax_use.legend(loc="lower right", fontsize=8)
-for k, step in enumerate(np.linspace(0, len(frames) - 1, 5)[1:4].astype(int)):
-    draw_blocks(fig.add_subplot(grid[1, k]), step)
-fig.tight_layout()
-fig.savefig(FIGURES / "03_block_map.png", dpi=120)
-
-# %% [markdown]
-# Each column of the map is one step. Requests' blocks are scattered wherever a free block was, and
-# that costs nothing: the block table is the only thing that knows the order. The black band is the system
-# prompt, stored once and shared by every request that starts with it. When the cache is full the newest
-# request is preempted and its blocks go back to the pool, and grey blocks (free but cached) are used only
-# once the empty ones run out.
-#
-# Drag the slider to step through time (the picture is static in a rendered copy; the three snapshots
-# above are the same view).
-
-# %%
-import ipywidgets as widgets
-
-
-def show_step(step: int) -> None:
-    fig, ax = plt.subplots(figsize=(6, 3))
-    draw_blocks(ax, step)
-    plt.show()
-
-
-slider = widgets.interact(show_step, step=widgets.IntSlider(value=len(frames) // 2, min=0, max=len(frames) - 1))
-
-# %%
-assert usage[:, 0].max() == 96  # the run filled the cache...
-assert (frames == SHARED).any() and (frames == CACHED).any()  # ...shared blocks, and kept freed ones cached
-assert (usage.sum(axis=1) == 96).all()  # used + free = total, at every step
-
-# %% [markdown]
-# ## Prefix caching: work saved by a shared system prompt
-# A chat service puts the same system prompt in front of every conversation. With prefix caching, only the
-# first request with a given system prompt computes its KV; the others reuse those blocks and prefill only
-# their own part. Here: 200 requests, each starting with one of 4 system prompts of 512 tokens (the first
-# used by half the requests, the last by a tenth), then 16 to 256 tokens of its own. Same memory as above,
-# blocks of 16; we count the prefill tokens computed with caching on and off.
-
-# %%
-system_prompts = [rng.integers(0, VOCAB, 512).tolist() for _ in range(4)]
-which = rng.choice(4, size=200, p=[0.5, 0.25, 0.15, 0.1])
-chat_workload = [make_workload(1, prompt_len=(16, 256), prefix=system_prompts[w])[0] for w in which]
-prefix_runs, prefix_batch = {}, {}
-for caching in (True, False):
-    rows = simulate(chat_workload, BlockManager(NUM_SLOTS // 16, 16, enable_prefix_caching=caching))
-    prefix_runs[caching] = np.cumsum([n for r in rows for n in r["prefilled"]])  # over admissions, in order
-    prefix_batch[caching] = max(r["running"] for r in rows)
-    print(
-        f"prefix caching {'on ' if caching else 'off'}: {len(prefix_runs[caching])} admissions "
-        f"(preempted requests come back), prefill computed {prefix_runs[caching][-1]:,} tokens, "
-        f"up to {prefix_batch[caching]} requests at once"
-    )
-computed_on, computed_off = prefix_runs[True][-1], prefix_runs[False][-1]
-print(f"prompt tokens: {sum(len(p) for p, _ in chat_workload):,}; prefill saved: {1 - computed_on / computed_off:.0%}")
-
-# %% [markdown]
-# A hit needs the blocks to still be there. To see the cache's memory alone, we allocate the same requests one
-# at a time and free each right after its prefill, so every hit comes from a block whose owner has finished
-# and that the LRU kept. The four system prompts need 4 × 32 = 128 blocks; we try caches from a third of that
-# to eight times that.
-
-
-# %%
-def hit_rates_one_at_a_time(num_blocks: int) -> np.ndarray:
-    bm = BlockManager(num_blocks=num_blocks, block_size=16)
-    rates = []
-    for prompt, _ in chat_workload:
-        seq = Sequence(prompt, block_size=16)
-        admit(bm, seq)
-        rates.append(seq.num_cached_tokens / len(seq))
-        bm.deallocate(seq)
-    return np.array(rates)
-
-
-pool_sizes = [48, 64, 96, 128, 192, 256, 512, 1024]
-mean_hit = {n: hit_rates_one_at_a_time(n).mean() for n in pool_sizes}
-hit_rates = hit_rates_one_at_a_time(1024)
-print("mean hit rate by cache size:", {n: f"{r:.0%}" for n, r in mean_hit.items()})
-
-# %%
-fig, axes = plt.subplots(1, 3, figsize=(16, 4))
-for caching, label in ((False, "prefix caching off"), (True, "prefix caching on")):
-    axes[0].plot(prefix_runs[caching] / 1e3, label=label)
-axes[0].set_xlabel("requests admitted (a preempted one counts again)")
-axes[0].set_ylabel("prefill tokens computed (thousands)")
-axes[0].set_title(f"Prefill work: {1 - computed_on / computed_off:.0%} saved")
-axes[0].legend()
-for w in range(4):
-    idx = np.flatnonzero(which == w)
-    axes[1].scatter(idx, hit_rates[idx], s=10, label=f"system prompt {w}")
-axes[1].set_xlabel("request")
-axes[1].set_ylabel("share of the prompt read from the cache")
-axes[1].set_title("Hit rate per request (1,024 blocks, freed after prefill)")
-axes[1].legend(fontsize=8, loc="lower right")
-axes[2].semilogx(pool_sizes, [mean_hit[n] for n in pool_sizes], "o-", base=2)
-axes[2].axvline(128, color="grey", ls=":", label="4 system prompts")
-axes[2].set_xlabel("cache size (blocks of 16)")
-axes[2].set_ylabel("mean hit rate")
-axes[2].set_title("Hits need room to keep freed blocks")
-axes[2].legend()
-fig.tight_layout()
-fig.savefig(FIGURES / "03_prefix_cache.png", dpi=120)
-
-# %% [markdown]
-# Every request after the first with its system prompt reads the 512 shared tokens (32 blocks) from the
-# cache, about 80% of its prompt, and computes only its own part. The hit outlives the request that computed
-# the blocks, because a freed block keeps its hash and is reused last. In a cache too small to keep all four
-# system prompts, the LRU evicts the least recently used blocks (a prompt's tail before its head), and the
-# requests that needed them lose part or all of their hit.
-#
-# Sharing saves memory as well as work: a system prompt's blocks are stored once however many requests
-# read them, so with caching on far more requests fit at once (printed above), and fewer are preempted.
-
-# %%
-assert computed_on < 0.4 * computed_off
-assert prefix_batch[True] > 1.5 * prefix_batch[False]
-firsts = {int(np.argmax(which == w)) for w in range(4)}
-assert all(hit_rates[i] == 0 for i in firsts)
-assert all(hit_rates[i] == 512 / len(chat_workload[i][0]) for i in range(200) if i not in firsts)
-assert mean_hit[48] < mean_hit[128] < mean_hit[1024]
-
-# %% [markdown]
 # ## How fast is the bookkeeping?
-# The block manager runs on the CPU between GPU steps, so its cost adds to every step. Each call touches
-# only the blocks of the sequence it is given, through O(1) `deque` and `OrderedDict` operations and one
-# dictionary lookup per block, so its cost must not grow with the size of the cache.
-# `python -m minivllm.benchmarks.block_manager` measures it on 10,000 sequences of about 1,000 tokens; here
-# is a smaller run, with two cache sizes 64 times apart.
+# The block manager runs on the CPU between GPU steps, so its cost adds to every step. Each call touches only
+# the blocks of the sequence it is given, so its cost must not grow with the size of the cache.
+# `python -m minivllm.benchmarks.block_manager` measures it on 10,000 sequences of about 1,000 tokens; here is
+# a smaller run, with two cache sizes 64 times apart.
 
 # %%
 from minivllm.benchmarks.block_manager import print_table, run_benchmark
@@ -1040,13 +740,10 @@ print_table(bench)
 # For each layer the cache is two tensors, `k_cache` and `v_cache`, shaped
 # `(num_blocks, block_size, num_kv_heads, head_dim)`: flash-attn's layout. A token's *slot* is
 # `block_id * block_size + offset`, so viewing the cache as `(num_blocks * block_size, num_kv_heads, head_dim)`
-# makes the slot a plain row index. Two operations touch it every step:
-#
-# * **store**: after computing `k` and `v` for the step's new tokens, write each token's row to its slot
-#   (`slot_mapping[i]`, `-1` for padding that must not be written);
-# * **attend**: each query reads the rows of its sequence's tokens, following its block table.
-#
-# Storing is a scatter of whole rows: one program per token copies `num_kv_heads * head_dim` values.
+# makes the slot a plain row index. Every step, after computing `k` and `v` for its new tokens, the model
+# **stores** each token's row in its slot (`slot_mapping[i]`, `-1` for padding that must not be written), then
+# each query **attends** to the rows of its sequence's tokens, following its block table. Storing is a scatter
+# of whole rows: one program per token copies `num_kv_heads * head_dim` values.
 
 # %% tags=["export"] module="minivllm.kernels.paged_attn"
 import functools
@@ -1068,18 +765,9 @@ from minivllm.kernels.flash_attn import (
 
 @triton.jit
 def _store_kvcache_kernel(
-    k,
-    v,
-    k_cache,
-    v_cache,
-    slot_mapping,
-    stride_kt,
-    stride_vt,
-    stride_kc,
-    stride_vc,
-    KV_SIZE: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+    k, v, k_cache, v_cache, slot_mapping, stride_kt, stride_vt, stride_kc, stride_vc,
+    KV_SIZE: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
     token = tl.program_id(0)
     slot = tl.load(slot_mapping + token)
     if slot < 0:  # a padding token: nothing to store
@@ -1126,18 +814,9 @@ def store_kvcache(
         raise ValueError("each token's k and v must be contiguous (num_kv_heads, head_dim) rows")
     kv_size = k.shape[1] * k.shape[2]
     _store_kvcache_kernel[(k.shape[0],)](
-        k,
-        v,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        k.stride(0),
-        v.stride(0),
-        k_cache.stride(1),
-        v_cache.stride(1),
-        KV_SIZE=kv_size,
-        BLOCK=triton.next_power_of_2(kv_size),
-    )
+        k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), k_cache.stride(1), v_cache.stride(1),
+        KV_SIZE=kv_size, BLOCK=triton.next_power_of_2(kv_size),
+    )  # fmt: skip
 
 
 # %% [markdown]
@@ -1146,22 +825,20 @@ def store_kvcache(
 # %%
 from minivllm.kernels.paged_attn import store_kvcache
 
-k_cache = torch.zeros(4, 16, 2, 32, device=DEVICE)  # 4 blocks of 16 slots
-v_cache = torch.zeros_like(k_cache)
-k, v = torch.randn(3, 2, 32, device=DEVICE), torch.randn(3, 2, 32, device=DEVICE)
+k_cache, v_cache = torch.zeros(2, 4, 16, 2, 32, device=DEVICE)  # 4 blocks of 16 slots each
+k, v = torch.randn(2, 3, 2, 32, device=DEVICE)
 slot_mapping = torch.tensor([37, -1, 5], device=DEVICE)  # block 2 offset 5; padding; block 0 offset 5
 store_kvcache(k, v, k_cache, v_cache, slot_mapping)
 flat_k = k_cache.view(-1, 2, 32)
-torch.testing.assert_close(flat_k[37], k[0])
-torch.testing.assert_close(flat_k[5], k[2])
+torch.testing.assert_close(flat_k[[37, 5]], k[[0, 2]])
 assert flat_k.abs().sum(dim=(1, 2)).count_nonzero() == 2  # nothing else was written
 
 # %% [markdown]
 # ## Why decode needs its own attention kernel
-# In prefill a sequence brings thousands of queries, and every key/value block the kernel loads is used by a
-# whole `BLOCK_M` tile of them: many FLOPs per byte, so the tensor cores set the speed (notebook 01).
-# In decode each sequence brings **one** query per head. Every byte of its KV cache is read to do 2 FLOPs
-# (a multiply-add for `q·k`, one for `p·v`) per query head that shares it. Count it:
+# In prefill every key/value block the kernel loads serves a whole `BLOCK_M` tile of queries: many FLOPs per
+# byte, so the tensor cores set the speed (notebook 01). In decode each sequence brings **one** query per head,
+# and every byte of its KV cache is read to do 2 FLOPs (a multiply-add for `q·k`, one for `p·v`) per query
+# head that shares it. Count it:
 
 
 # %%
@@ -1181,18 +858,15 @@ assert flops_per_byte(1) < 10 < h200_ridge < flops_per_byte(4096)
 # KV cache at full HBM bandwidth. That changes the design:
 #
 # * **GQA packing.** Qwen3-0.6B's 16 query heads share 8 KV heads. One program handles *all* query heads of
-#   a KV head, so each KV block is read once, not twice. (The prefill kernel, one program per query head,
-#   reads it once per query head; there it does not matter, here it halves the traffic.)
+#   a KV head, so each KV block is read once, not twice (the prefill kernel, one program per query head,
+#   reads it once per query head: harmless there, twice the traffic here).
 # * **Split-K (flash-decoding).** One sequence × 8 KV heads is only 8 programs, on a GPU with 132
 #   multiprocessors. So we also cut the context into `num_splits` chunks, each program reduces its chunk
 #   with online softmax and writes a partial output plus its log-sum-exp; a second tiny kernel combines them:
 #   `out = Σ_s exp(lse_s − lse) · out_s` with `lse = log Σ_s exp(lse_s)`.
-# * **Paging.** A program finds token `t`'s row through the block table:
-#   `block_table[seq, t // block_size] * block_size + t % block_size`. Blocks of 16 tokens are gathered 4 at a
-#   time (64 keys per step), blocks of 256 are read in 4 steps each; the kernel works for any block size.
-#
-# The inner step is notebook 01's `attend_block`, unchanged: the online softmax does not care where the
-# keys came from.
+# * **Paging.** A program finds token `t`'s row through the block table (`paged_rows`). Blocks of 16 tokens are
+#   gathered 4 at a time (64 keys per step), blocks of 256 are read in 4 steps each: any block size works. The
+#   inner step is notebook 01's `attend_block`, unchanged: online softmax does not care where keys come from.
 
 
 # %% tags=["export"]
@@ -1205,35 +879,12 @@ def paged_rows(block_table_row, tok, valid, BLOCK_SIZE: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])  # vary from step to step (notebook 01)
 def _decode_kernel(
-    Q,
-    K,
-    V,
-    partial_out,
-    partial_lse,
-    cache_seqlens,
-    block_table,
-    qk_scale,
-    num_splits,
-    stride_qb,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_bt,
-    stride_pb,
-    stride_ph,
-    stride_ps,
-    stride_lb,
-    stride_lh,
-    GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+    Q, K, V, partial_out, partial_lse, cache_seqlens, block_table, qk_scale, num_splits,  # tensors, scalars
+    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_bt,  # strides of q, k, v, block_table
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,  # strides of partial_out, partial_lse
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seqlen = tl.load(cache_seqlens + seq)
     chunk = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
@@ -1270,20 +921,10 @@ def _decode_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _combine_splits_kernel(
-    partial_out,
-    partial_lse,
-    O,
-    num_splits,
-    stride_pb,
-    stride_ph,
-    stride_ps,
-    stride_lb,
-    stride_lh,
-    stride_ob,
-    stride_oh,
-    HEAD_DIM: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-):
+    partial_out, partial_lse, O, num_splits,  # tensors, scalar
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,  # strides
+    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):  # fmt: skip
     seq, head = tl.program_id(0), tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -1301,6 +942,8 @@ def _combine_splits_kernel(
     tl.store(O + seq * stride_ob + head * stride_oh + offs_d, out.to(O.dtype.element_ty))
 
 
+# %% tags=["export"]
+# The host side: check the inputs, pick num_splits, launch both kernels.
 @functools.cache
 def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -1349,54 +992,26 @@ def flash_attn_with_kvcache(
     partial_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     partial_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     group = num_heads // num_kv_heads
+    # tile sizes: the fastest of a sweep on an H200 (bf16, head_dim 128, block sizes 16 and 256)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q,
-        k,
-        v,
-        partial_out,
-        partial_lse,
-        cache_seqlens,
-        block_table,
-        scale * math.log2(math.e),
-        num_splits,
-        q.stride(0),
-        q.stride(2),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        block_table.stride(0),
-        *partial_out.stride()[:3],
-        *partial_lse.stride()[:2],
-        GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim,
-        BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_N=16 if on_cpu else 64,
-        UPCAST=on_cpu and q.dtype != torch.float32,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4,
-        num_stages=1 if on_cpu else 2,
-    )  # tile sizes: the fastest of a sweep on an H200 (bf16, head_dim 128, block sizes 16 and 256)
+        q, k, v, partial_out, partial_lse, cache_seqlens, block_table, scale * math.log2(math.e), num_splits,
+        q.stride(0), q.stride(2), k.stride(0), k.stride(1), v.stride(0), v.stride(1), block_table.stride(0),
+        *partial_out.stride()[:3], *partial_lse.stride()[:2],
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_N=16 if on_cpu else 64, UPCAST=on_cpu and q.dtype != torch.float32,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=1 if on_cpu else 2,
+    )  # fmt: skip
     _combine_splits_kernel[(batch, num_heads)](
-        partial_out,
-        partial_lse,
-        out,
-        num_splits,
-        *partial_out.stride()[:3],
-        *partial_lse.stride()[:2],
-        out.stride(0),
-        out.stride(2),
-        HEAD_DIM=head_dim,
-        SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
-    )
+        partial_out, partial_lse, out, num_splits, *partial_out.stride()[:3], *partial_lse.stride()[:2],
+        out.stride(0), out.stride(2), HEAD_DIM=head_dim, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+    )  # fmt: skip
     return out
 
 
 # %% [markdown]
 # ### Check the decode kernel against the reference
-# Random sequences of 1 to ~300 tokens, scattered over a shuffled block table, for several block sizes and
-# GQA ratios: the kernel must give what notebook 01's reference gives on the same keys laid out contiguously.
+# On sequences of 1 to 300 random tokens in shuffled blocks, for several block sizes and GQA ratios, the kernel
+# must give what notebook 01's reference gives on the same keys laid out contiguously.
 
 # %%
 from minivllm.kernels.paged_attn import flash_attn_with_kvcache
@@ -1416,52 +1031,27 @@ for block_size, num_heads, num_kv_heads in ((16, 8, 2), (32, 8, 8), (256, 8, 1))
 
 # %% [markdown]
 # ## Prefill after a prefix-cache hit
-# When notebook 03's block manager finds a request's first blocks in the cache, the request's prefill
-# computes only the **new** tokens, but their queries must still attend to the cached prefix. A teaching
-# engine that runs plain prefill attention over the new tokens alone (as some do) silently drops the prefix
-# from attention: the output changes and nothing crashes.
+# When the block manager finds a request's first blocks in the cache, its prefill computes only the **new**
+# tokens, whose queries must still attend to the cached prefix. Plain prefill attention over the new tokens
+# alone (as some teaching engines run it) silently drops the prefix: the output changes, nothing crashes.
 #
 # So prefill gets a paged form too: `flash_attn_varlen_func(..., block_table=...)`. The new tokens' keys and
-# values are first stored into the cache; then the kernel reads *all* keys of a sequence (cached prefix +
-# new tokens, `cu_seqlens_k`) through its block table, with the bottom-right causal mask of notebook 01, so
-# new token `i` sees every cached token and the new tokens up to itself. It is notebook 01's kernel with the
-# key rows looked up instead of computed.
-#
-# Two of its integers change from step to step: `num_m_blocks`, as in notebook 01, and the block table's row
-# stride (the longest sequence's block count). Neither is specialized on, so Triton compiles the kernel once
-# (the decode kernel, which the model runner also calls eagerly, gets the same treatment).
+# values are first stored into the cache; then the kernel reads *all* keys of a sequence (cached prefix + new
+# tokens, `cu_seqlens_k`) through its block table, with notebook 01's bottom-right causal mask, so new token
+# `i` sees every cached token and the new tokens up to itself: notebook 01's kernel with the key rows looked
+# up instead of computed. Two of its integers change from step to step, `num_m_blocks` and the block table's
+# row stride (the longest sequence's block count); neither is specialized on, so Triton compiles the kernel
+# once (as for the decode kernel, which the model runner also calls eagerly).
 
 
 # %% tags=["export"] module="minivllm.kernels.paged_attn"
 @triton.jit(do_not_specialize=["num_m_blocks", "stride_bt"])
 def _paged_prefill_kernel(
-    Q,
-    K,
-    V,
-    O,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    block_table,
-    qk_scale,
-    num_m_blocks,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_ot,
-    stride_oh,
-    stride_bt,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+    Q, K, V, O, cu_seqlens_q, cu_seqlens_k, block_table, qk_scale, num_m_blocks,  # tensors, scalars
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt,  # strides
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
     start_m = num_m_blocks - 1 - tl.program_id(0)  # longest causal tiles first
     head, seq = tl.program_id(1), tl.program_id(2)
     q_start = tl.load(cu_seqlens_q + seq)
@@ -1500,6 +1090,7 @@ def _paged_prefill_kernel(
     )
 
 
+# %% tags=["export"]
 def flash_attn_varlen_func(
     q: torch.Tensor,  # (total_q, num_heads, head_dim)
     k: torch.Tensor,  # (total_k, num_kv_heads, head_dim), or the k_cache when block_table is given
@@ -1530,32 +1121,13 @@ def flash_attn_varlen_func(
     out = torch.empty_like(q)
     num_m_blocks = triton.cdiv(max_seqlen_q, config["BLOCK_M"])
     _paged_prefill_kernel[(num_m_blocks, q.shape[1], cu_seqlens_q.numel() - 1)](
-        q,
-        kf,
-        vf,
-        out,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        block_table,
-        scale * math.log2(math.e),
-        num_m_blocks,
-        q.stride(0),
-        q.stride(1),
-        kf.stride(0),
-        kf.stride(1),
-        vf.stride(0),
-        vf.stride(1),
-        out.stride(0),
-        out.stride(1),
+        q, kf, vf, out, cu_seqlens_q, cu_seqlens_k, block_table, scale * math.log2(math.e), num_m_blocks,
+        q.stride(0), q.stride(1), kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1), out.stride(0), out.stride(1),
         block_table.stride(0),
-        GROUP=q.shape[1] // num_kv_heads,
-        HEAD_DIM=head_dim,
-        BLOCK_SIZE=k.shape[1],
-        CAUSAL=causal,
+        GROUP=q.shape[1] // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k.shape[1], CAUSAL=causal,
         UPCAST=q.device.type == "cpu" and q.dtype != torch.float32,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        **config,
-    )
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **config,
+    )  # fmt: skip
     return out
 
 
@@ -1580,10 +1152,9 @@ print("paged prefill matches the reference")
 # %% [markdown]
 # ## Paged attention without a GPU
 # The Triton kernels run on a CPU only in Triton's interpreter: exact, but thousands of times slower than
-# PyTorch. So on a CPU the engine uses the same three operations written with PyTorch indexing: a store is
-# an indexed assignment, attention gathers each sequence's rows through its block table and calls the
-# reference attention of notebook 01. They are also a second, independent implementation to test the kernels
-# against.
+# PyTorch. So on a CPU the engine uses the same operations written with PyTorch indexing: a store is an indexed
+# assignment; attention gathers each sequence's rows through its block table and calls notebook 01's reference
+# attention. They are also a second, independent implementation to test the kernels against.
 
 
 # %% tags=["export"] module="minivllm.kernels.paged_reference"
@@ -1623,39 +1194,33 @@ def paged_attention_ref(
 
 
 # %% [markdown]
-# Check: the reference and the kernels agree on a random paged cache (decode and prefill-after-prefix).
+# Check: the reference and the kernels agree on a random paged cache, for new tokens after a cached prefix
+# (prefill) and for each sequence's newest token alone (decode: the reference's case of one new token).
 
 # %%
 from minivllm.kernels.paged_reference import paged_attention_ref
 
-seq_lens = [1, 17, 300, 64]
+seq_lens, q_lens = [1, 17, 300, 64], [1, 5, 64, 17]  # tokens in the cache; the new ones among them
 k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache(seq_lens, 2, 32, 16, DEVICE)
-q = torch.randn(len(seq_lens), 1, 8, 32, device=DEVICE)
-cu_q = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)
-torch.testing.assert_close(
-    paged_attention_ref(q[:, 0], k_cache, v_cache, cu_q, cu_k, block_table),
-    flash_attn_with_kvcache(q, k_cache, v_cache, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), block_table)[
-        :, 0
-    ],
-    rtol=1e-4,
-    atol=1e-4,
-)
+q = torch.randn(sum(q_lens), 8, 32, device=DEVICE)
+cu_q = torch.tensor([0, *np.cumsum(q_lens)], dtype=torch.int32, device=DEVICE)
+ref = paged_attention_ref(q, k_cache, v_cache, cu_q, cu_k, block_table)
+prefill = flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 64, 300, causal=True, block_table=block_table)
+torch.testing.assert_close(prefill, ref, rtol=1e-4, atol=1e-4)
+newest, cache_seqlens = cu_q[1:] - 1, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+decode = flash_attn_with_kvcache(q[newest, None], k_cache, v_cache, cache_seqlens, block_table)[:, 0]
+torch.testing.assert_close(decode, ref[newest], rtol=1e-4, atol=1e-4)
 
 # %% [markdown]
 # ## Measured on an H200
 # `python -m minivllm.benchmarks.decode` times three ways to run decode attention for Qwen3-0.6B's heads
-# (batch × context from 1 × 16k to 256 × 1k, blocks of 16 and 256), as bandwidth: bytes of K and V read per
-# second. Decode is memory-bound, so the ceiling is the GPU's copy bandwidth:
-#
-# * `minivllm-triton`: the decode kernel above;
-# * `minivllm-prefill-kernel`: our *prefill* kernel given the same paged cache, one query per sequence;
-# * `naive-gather-sdpa`: copy each sequence's blocks into a contiguous tensor, then PyTorch's attention.
-#
-# On a GPU this cell re-measures a subset; without one it shows the committed H200 results.
+# (batch × context from 1 × 16k to 256 × 1k, blocks of 16 and 256) as bandwidth, bytes of K and V read per
+# second, whose ceiling is the GPU's copy bandwidth: `minivllm-triton`, the decode kernel above;
+# `minivllm-prefill-kernel`, our *prefill* kernel given the same paged cache, one query per sequence; and
+# `naive-gather-sdpa`, each sequence's blocks copied into a contiguous tensor, then PyTorch's attention. On a
+# GPU this cell re-measures a subset; without one it shows the committed H200 results.
 
 # %%
-import json
-
 from minivllm.benchmarks.decode import plot_decode, run_decode_benchmark
 
 if DEVICE == "cuda":
@@ -1671,12 +1236,11 @@ print(f"copy bandwidth: {decode_data['copy_tbps']:.2f} TB/s")
 
 # %% [markdown]
 # **Why do prefill and decode need different attention kernels?** In these numbers: at 64 sequences × 4k
-# tokens the decode kernel reads the cache at the copy bandwidth, while the prefill kernel, given the same work,
-# reaches half of it. The prefill kernel's tile holds 64 query rows of which decode fills one, it reads each KV
-# block once per *query* head (twice for Qwen3's GQA), and with one program per sequence and head it cannot
-# fill the GPU when the batch is small: at 1 × 16k it reaches under 5% of the bandwidth, the decode kernel
-# about 65%. The decode kernel packs a KV head's query heads into one tile, so each byte is read once, and
-# splits long contexts over many programs.
+# tokens the decode kernel reads the cache at the copy bandwidth, the prefill kernel, given the same work, at
+# half of it. The prefill kernel's tile holds 64 query rows of which decode fills one, it reads each KV block
+# once per *query* head (twice for Qwen3's GQA), and with one program per sequence and head it cannot fill the
+# GPU when the batch is small: at 1 × 16k it reaches under 5% of the bandwidth, the decode kernel about 65%,
+# because it packs a KV head's query heads into one tile and splits long contexts over many programs.
 
 # %%
 best = lambda impl, batch, ctx: max(v for (i, b, c, _), v in tbps.items() if (i, b, c) == (impl, batch, ctx))

@@ -15,9 +15,9 @@
 # # 04 · The model runner: a step on the paged cache, sampling, CUDA graphs, tensor parallelism
 #
 # **What this notebook builds.** The part of the engine that turns a batch of `Sequence`s (notebook 03) into
-# next tokens on the device: the flat inputs and slot mappings of a step, the attention context that routes
-# each layer to notebook 03's paged kernels, the sampler, the KV-cache sizing, CUDA graphs for decode, and
-# tensor-parallel worker processes.
+# next tokens on the device: the sampler, the flat inputs and slot mappings of a step, the attention context
+# that routes each layer to notebook 03's paged kernels, the KV-cache sizing, CUDA graphs for decode, and a
+# runner that can hold one tensor-parallel rank's slice (notebook 06 starts the processes).
 #
 # **What it assumes.** Notebook 02's Qwen3 and its `AttentionContext`, notebook 03's `Sequence`,
 # `BlockManager` (block tables, slots, prefix hits) and paged kernels.
@@ -37,7 +37,6 @@ import random
 from pathlib import Path
 
 import matplotlib.pyplot as plt
-import numpy as np
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FIGURES = Path(os.environ.get("MINIVLLM_FIGURES", "../build/figures")).resolve()
@@ -47,29 +46,18 @@ random.seed(0)
 
 # %% [markdown]
 # ## Sampling: from logits to the next token
-# The model ends with one row of logits per sequence in the batch: a score for every token of the vocabulary
-# (151,936 of them for Qwen3). The sampler turns each row into one token id. How it does so is up to each
-# request's `SamplingParams` (notebook 03), and one batch mixes them: a greedy request next to one at
-# temperature 0.8 with top-p 0.95, next to a seeded one that must give the same answer every time it is sent.
+# The model ends with one row of logits per sequence: a score for each of Qwen3's 151,936 tokens. The sampler
+# turns each row into one token id, as the request's `SamplingParams` (notebook 03) say, and one batch mixes
+# them: a greedy request next to one at temperature 0.8 with top-p 0.95, next to a seeded one that must give
+# the same answer every time it is sent. Per row, **temperature** reshapes the distribution (0 means greedy:
+# take the most likely token), **filters** (top-k, top-p, min-p) drop the unlikely tail, and **a draw** picks
+# a token from what is left.
 #
-# Per row there are three steps:
-#
-# 1. **temperature** reshapes the distribution (0 means greedy: take the most likely token);
-# 2. **filters** (top-k, top-p, min-p) drop the unlikely tail;
-# 3. **a draw** picks a token from what is left.
-#
-# Each step is a few tensor operations over the whole batch, with every row's settings held in per-row
-# tensors: the sampler runs the same kernels whatever the mix of settings, and never loops over rows in
-# Python (except over seeded rows, for a reason we will see). All of it runs in float32, whatever the model's
-# dtype: in bfloat16 the probabilities of a 151,936-token vocabulary would keep only about 3 significant digits.
-#
-# We follow one small distribution through the steps: a model's guesses for the word after
-# "The cat sat on the". The sampler is cheap next to the model, so this section runs on the CPU.
+# Each step is a few tensor operations over the batch, with per-row settings in per-row tensors: no Python loop
+# over rows (except seeded ones, as we will see). All in float32: bfloat16 keeps about 3 significant digits.
+# We follow one small distribution, a model's guesses for the word after "The cat sat on the", on the CPU.
 
 # %%
-import matplotlib.pyplot as plt
-import torch
-
 words = ["mat", "floor", "sofa", "bed", "chair", "roof", "table", "rug", "fence", "keyboard", "moon", "piano"]
 cat_logits = torch.tensor([4.0, 3.1, 2.6, 2.2, 1.9, 1.4, 1.2, 1.0, 0.6, 0.1, -0.5, -1.5])  # most likely first
 
@@ -80,45 +68,36 @@ def show_probs(probs: torch.Tensor, label: str) -> None:
 
 # %% [markdown]
 # ### Temperature
-# The probabilities are `softmax(logits / T)`. A temperature below 1 sharpens the distribution (the likely
-# get likelier), above 1 flattens it; it never changes the ranking.
-
-# %%
-for T in (0.25, 0.5, 1.0, 2.0):
-    show_probs(torch.softmax(cat_logits / T, dim=-1), f"T={T}")
-max_probs = [torch.softmax(cat_logits / T, dim=-1).max().item() for T in (0.25, 0.5, 1.0, 2.0)]
-assert max_probs == sorted(max_probs, reverse=True)  # hotter is flatter
-assert all(torch.softmax(cat_logits / T, dim=-1).argmax() == 0 for T in (0.25, 0.5, 1.0, 2.0))
-
-# %% [markdown]
-# As `T` goes to 0, all the mass goes to the largest logit. Temperature 0 is defined as that limit:
-# **greedy** decoding, computed as the argmax of the raw logits (dividing by 0 would give infinities and NaNs).
-# Greedy rows are what we compare token for token with transformers, so they must not depend on anything
+# The probabilities are `softmax(logits / T)`. A temperature below 1 sharpens the distribution, above 1
+# flattens it; it never changes the ranking. As `T` goes to 0 all the mass goes to the largest logit, so
+# temperature 0 is defined as that limit: **greedy**, the argmax of the raw logits (dividing by 0 would give
+# NaNs). Greedy rows are what we compare token for token with transformers, so they must depend on nothing
 # random, nor on the other rows of the batch.
 
 # %%
-show_probs(torch.softmax(cat_logits / 0.01, dim=-1), "T=0.01")
-assert torch.softmax(cat_logits / 0.01, dim=-1)[0] > 0.999
+probs_at = {T: torch.softmax(cat_logits / T, dim=-1) for T in (0.01, 0.25, 0.5, 1.0, 2.0)}
+for T, probs in probs_at.items():
+    show_probs(probs, f"T={T}")
+max_probs = [probs.max().item() for probs in probs_at.values()]
+assert max_probs == sorted(max_probs, reverse=True)  # hotter is flatter
+assert all(probs.argmax() == 0 for probs in probs_at.values())  # the ranking stays
+assert probs_at[0.01][0] > 0.999  # almost greedy
 
 # %% [markdown]
 # ### Cutting the tail: top-k, top-p, min-p
-# Even a sharp distribution leaves its tail real mass: 150,000 unlikely tokens at one in a million each add
-# up to 15%. Draw enough tokens and one of them comes out, and one nonsense token derails everything written
-# after it. The filters drop the tail before the draw. We keep vLLM's definitions, applied in vLLM's order:
+# Even a sharp distribution leaves its tail real mass: 150,000 tokens at one in a million each add up to 15%.
+# Draw enough tokens and one comes out, and one nonsense token derails all the text after it. The filters
+# drop the tail before the draw, with vLLM's definitions in vLLM's order:
 #
 # * **top-k** keeps the `k` most likely tokens (`-1` is off);
-# * **top-p** (nucleus sampling) keeps the smallest set of most likely tokens whose probabilities add up to at
-#   least `p` (`1` is off). It adapts: few tokens when the model is sure, many when it is not, and never
-#   fewer than one. Like vLLM, it measures what top-k left: the survivors' probabilities, renormalized;
-# * **min-p** keeps the tokens at least `min_p` times as likely as the most likely one (`0` is off), measured
-#   on the temperature-scaled distribution. A ratio to the maximum does not change when the others are
-#   renormalized, so min-p gives the same answer wherever it stands in the order.
+# * **top-p** (nucleus) keeps the smallest set of most likely tokens whose mass reaches `p` (`1` is off): few
+#   when the model is sure, many when it is not, never none. It measures what top-k left, renormalized;
+# * **min-p** keeps the tokens at least `min_p` times as likely as the most likely one (`0` is off). A ratio
+#   to the maximum survives renormalization, so min-p's place in the order does not matter.
 #
-# All three look at ranks and running sums, so **one sort serves all three**. Sort each row of probabilities
-# once, largest first; then each filter is one comparison of the `(batch, vocab)` sorted tensor with a
-# per-row threshold broadcast along the row: the token's rank with `k`, the mass of the tokens before it
-# with `p`, its probability with `min_p ×` the row's first entry. A disabled filter is a threshold that keeps
-# everything. The mask is computed in sorted order, then scattered back to vocabulary order.
+# All three look at ranks and running sums, so **one sort serves all three**: sort each row once, largest
+# first, and each filter is one comparison of the sorted `(batch, vocab)` tensor with a per-row threshold
+# (a disabled filter's threshold keeps everything). The mask is then scattered back to vocabulary order.
 
 # %% tags=["export"] module="minivllm.layers.sampler"
 from dataclasses import dataclass
@@ -152,9 +131,8 @@ def filter_probs(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor
 
 
 # %% [markdown]
-# Check the definitions on a hand example, probabilities `[0.5, 0.3, 0.15, 0.05]`. Top-p 0.8 stops at two
-# tokens, because 0.5 + 0.3 *reaches* 0.8; top-p 0.81 needs a third. After top-k 3 the survivors are
-# renormalized (0.5 + 0.3 is then 0.84 of the mass), so top-p 0.82 stops at two instead of three.
+# A hand example, `[0.5, 0.3, 0.15, 0.05]`: top-p 0.8 stops at two tokens, as 0.5 + 0.3 *reaches* 0.8; 0.81
+# needs a third. After top-k 3, 0.5 + 0.3 is 0.84 of what is left, so top-p 0.82 stops at two, not three.
 
 # %%
 from minivllm.layers.sampler import filter_probs, keep_mask
@@ -173,8 +151,8 @@ assert num_kept(top_p=0.82) == 3 and num_kept(top_k=3, top_p=0.82) == 2  # top-p
 assert num_kept(min_p=0.3) == 3 and num_kept(min_p=0.31) == 2  # keep p ≥ min_p × 0.5
 
 # %% [markdown]
-# One call filters a whole batch, each row with its own settings: here the cat distribution four times,
-# with top-k 3, top-p 0.8, min-p 0.1, and no filter at all.
+# One call filters a batch, each row with its own settings: the cat distribution with top-k 3, top-p 0.8,
+# min-p 0.1, and no filter. Then a picture of temperature and each filter (coloured bars are kept).
 
 # %%
 cat_probs = torch.softmax(cat_logits, dim=-1)
@@ -189,28 +167,23 @@ for name, row in zip(["top-k", "top-p", "min-p", "none"], filtered):
 assert (filtered > 0).sum(dim=-1).tolist() == [3, 4, 5, 12]
 assert torch.equal(filtered[3], cat_probs)
 
-# %% [markdown]
-# The same in a picture: temperature reshapes the distribution; each filter keeps the coloured bars.
-
 # %%
 fig, axes = plt.subplots(1, 4, figsize=(17, 3.6), sharey=True)
 x = torch.arange(len(words))
 for T, style in ((0.5, "v--"), (2.0, "^:")):
     axes[0].plot(x, torch.softmax(cat_logits / T, dim=-1), style, color="k", label=f"T = {T}")
 axes[0].bar(x, cat_probs, color="tab:blue", label="T = 1")
-axes[0].legend()
 axes[0].set_title("temperature")
-cum = cat_probs.cumsum(dim=-1)
 for ax, row, title in zip(axes[1:], filtered, ["top-k = 3", "top-p = 0.8", "min-p = 0.1"]):
     ax.bar(x, cat_probs, color=["tab:blue" if p > 0 else "lightgrey" for p in row.tolist()])
     ax.set_title(f"{title}: keeps {int((row > 0).sum())} of {len(words)}")
-axes[2].plot(x, cum, ".-", color="tab:orange", label="cumulative probability")
+axes[2].plot(x, cat_probs.cumsum(dim=-1), ".-", color="tab:orange", label="cumulative probability")
 axes[2].axhline(0.8, color="tab:orange", ls=":", label="p = 0.8")
-axes[2].legend(loc="center right")
 axes[3].axhline(0.1 * cat_probs.max(), color="tab:red", ls=":", label="0.1 × max probability")
-axes[3].legend()
 for ax in axes:
     ax.set_xticks(x, words, rotation=60)
+for ax, loc in ((axes[0], "best"), (axes[2], "center right"), (axes[3], "best")):
+    ax.legend(loc=loc)
 axes[0].set_ylabel("probability")
 fig.suptitle('Next word after "The cat sat on the": what temperature and each filter do')
 fig.tight_layout()
@@ -218,39 +191,29 @@ fig.savefig(FIGURES / "04_sampling.png", dpi=120)
 
 # %% [markdown]
 # ### Drawing a token: the exponential race
-# `torch.multinomial` draws from a distribution, but it is awkward here: on a GPU it makes the CPU wait for
-# the GPU (vLLM replaced it for that reason), and it draws every row from one generator, so a row cannot have
-# its own seed. A simpler trick draws from any number of rows at once.
-#
-# Give every token `i` an independent alarm clock that rings after `q_i / p_i` seconds, with `q_i ~ Exp(1)`;
-# the clock of token `i` is exponential with rate `p_i`. Of independent exponential clocks, the one with rate
-# `p_i` rings first with probability `p_i / Σ_j p_j`: exactly the distribution we want. So the token is
-# `argmax(p / q)`: one division and one argmax over the batch, no cumulative sums, nothing to wait for.
-# The `p` need not sum to 1, so the filtered probabilities are used as they are, and a dropped token
-# (`p = 0`) never wins. (This is the Gumbel-max trick in another form: `-log q` is Gumbel noise, and
-# `argmax(log p - log q)` is the same token.)
-#
-# Check it: 200,000 races on unnormalized probabilities with one dropped token.
+# `torch.multinomial` is awkward here: on a GPU it makes the CPU wait (vLLM replaced it for that reason), and
+# it draws every row from one generator, so a row cannot have its own seed. A simpler trick: give token `i`
+# an exponential alarm clock of rate `p_i`, ringing after `q_i / p_i` seconds with `q_i ~ Exp(1)`. Clock `i`
+# rings first with probability `p_i / Σ_j p_j`, so the token is `argmax(p / q)`: one division and one argmax,
+# nothing to wait for. The `p` need not sum to 1, and a dropped token (`p = 0`) never wins. (It is the
+# Gumbel-max trick in another form: `-log q` is Gumbel noise.)
 
 # %%
-gen = torch.Generator().manual_seed(0)
+gen = torch.Generator().manual_seed(0)  # 200,000 races on unnormalized probabilities with one dropped token
 p = torch.tensor([0.1, 0.0, 0.3, 0.2])
 q = torch.empty(200_000, 4).exponential_(generator=gen)  # (draws, tokens)
 freq = torch.bincount((p / q).argmax(dim=-1), minlength=4) / len(q)
-print("frequencies:", [f"{f:.3f}" for f in freq.tolist()], " p / sum(p):", [f"{f:.3f}" for f in (p / p.sum()).tolist()])
+print(f"frequencies: {freq.numpy().round(3)}, p / sum(p): {(p / p.sum()).numpy().round(3)}")
 assert freq[1] == 0
 torch.testing.assert_close(freq, p / p.sum(), atol=0.005, rtol=0)
 
 # %% [markdown]
 # ### Seeds: the same request, the same tokens
-# `SamplingParams(seed=...)` promises that the same request with the same seed gets the same completion.
-# That must hold whatever the scheduler does: the other requests in the batch, the row a request lands in
-# and the batch size change at every step, and a preempted request (notebook 05) is recomputed later, in a
-# different batch, and must go on exactly as it would have.
-#
-# One generator for the whole batch cannot keep that promise. Row `r` takes the `r`-th slice of the random
-# stream, so a request's noise depends on its row and on who came before it: the same request, the same
-# logits, the same generator seed, and a different token as soon as it moves down one row.
+# `SamplingParams(seed=...)` promises the same completion for the same request and seed, whatever the
+# scheduler does: the batch, the request's row in it and its neighbours change at every step, and a
+# preempted request (notebook 05) is recomputed later in another batch. One generator for the whole batch
+# cannot keep that promise: row `r` takes the `r`-th slice of the stream, so the same request with the same
+# logits and generator seed draws another token as soon as it moves down one row.
 
 # %%
 flat = torch.softmax(torch.randn(1000, generator=gen), dim=-1)  # a request's distribution over 1,000 tokens
@@ -268,22 +231,14 @@ print(f"alone: token {alone.item()}, in row 1: token {second.item()}")
 assert alone != second
 
 # %% [markdown]
-# So each seeded row draws its noise from **its own generator, seeded by a function of (request seed, step)**,
-# where the step is the index of the token being drawn: `seq.num_completion_tokens`. The noise for token `n`
-# of a request then depends on its seed and on `n`, and on nothing else:
-#
-# * not on the batch: no other row touches that generator;
-# * not on history: nothing is carried from one step to the next, so nothing needs storing, and nothing needs
-#   rewinding when a step's work is thrown away. A per-request generator that advanced at every draw would
-#   need both;
-# * not on preemption: a preempted sequence keeps the tokens it generated, so when it comes back its next
-#   token is still token `n`, drawn with the same noise. Given the same logits it is the same token.
-#
-# The mixing function is `(seed × 1,000,003 + step) mod 2⁶³`: steps below 1,000,003 never collide within a
-# request. Unseeded rows share one draw from the default generator (which the engine seeds once with
-# `LLM(seed=...)`). The price of seeds is a Python loop over the *seeded* rows only: one small generator and
-# one vocabulary-sized draw each. Generators live on the logits' device; CPU and CUDA generators give
-# different streams for the same seed, so a seed repeats its tokens on the same kind of device.
+# So each seeded row draws from **its own generator, seeded by a function of (request seed, step)**, the step
+# being the index of the token drawn (`seq.num_completion_tokens`). Token `n`'s noise then depends on the
+# seed and `n` only: not on the batch (no other row touches that generator), not on history (nothing to
+# store, nothing to rewind when a step's work is thrown away), not on preemption (a preempted sequence keeps
+# its tokens, so its next token is still token `n`, with the same noise). The mix is `(seed × 1,000,003 +
+# step) mod 2⁶³`: steps below 1,000,003 never collide. Unseeded rows share one draw from the default
+# generator (seeded by `LLM(seed=...)`); seeded rows cost a Python loop, one small generator each. CPU and
+# CUDA generators give different streams for one seed, so a seed repeats its tokens on the same kind of device.
 
 # %% tags=["export"]
 NOISE_SEED_MULTIPLIER = 1_000_003  # odd: distinct seeds start apart; above any step: one seed's steps never collide
@@ -303,13 +258,10 @@ def exponential_noise(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Ten
     return q.clamp_min_(1e-10)  # a 0 would make p / q infinite, or NaN for a dropped token
 
 
-# %% [markdown]
-# A request seeded with 42 at step 7 gets the same noise alone or in row 2 of a batch; the row beside it,
-# another seed at the same step, gets different noise, and so does step 8 of the same request.
-
 # %%
 from minivllm.layers.sampler import exponential_noise
 
+# seed 42 at step 7: the same noise alone or in row 2 of a batch; seed 5 at step 7 and seed 42 at step 8 differ
 ones = torch.ones(3, 1000)
 alone = exponential_noise(ones[:1], seeds=torch.tensor([42]), steps=torch.tensor([7]))[0]
 batch = exponential_noise(ones, seeds=torch.tensor([-1, 5, 42]), steps=torch.tensor([3, 7, 7]))
@@ -319,19 +271,14 @@ assert not torch.equal(batch[1], batch[2]) and not torch.equal(alone, later)
 
 # %% [markdown]
 # ### The batch's settings as tensors
-# Before each step the model runner gathers the batch's sampling parameters into `SamplingTensors`, one
-# tensor per field and one entry per row. Building them is cheap: one Python list per field, one tensor per
-# list. On a GPU each list becomes a *pinned* (page-locked) CPU tensor copied with `non_blocking=True`, so
-# the copy overlaps the CPU's next work instead of stalling it. `seeds` and `steps` stay on the CPU: only the
-# host reads them, to seed generators, and reading them back from the GPU would make the CPU wait for the
-# model. A seed may be any Python integer; it is folded into `[0, 2⁶³)` so that `-1` can mean "no seed".
-# The sampler is a layer: it takes tensors and plain parameters, and knows nothing of sequences or the engine
-# (as vLLM's `Sampler.forward(logits, sampling_metadata)`); the runner reads them off its sequences.
+# Each step the runner gathers the batch's parameters into `SamplingTensors`, one entry per row (the sampler,
+# like vLLM's, knows nothing of sequences), copied from *pinned* memory with `non_blocking=True` so as not to
+# stall the CPU. `seeds` and `steps` stay on the CPU, the only side that reads them. A seed is folded into
+# `[0, 2⁶³)` so that `-1` means "no seed".
 #
-# Three flags, read on the host, let the sampler skip work the batch does not need. `filtering` records
-# whether any random row uses a filter at all: a plain `temperature=0.6` workload (nano-vllm's benchmark,
-# for one) uses none, and then the sampler skips the sort, its most expensive step. `all_greedy` (nothing
-# to draw) and `any_greedy` (an argmax to merge in) save whole passes over the `(batch, vocab)` logits.
+# Three host-side flags skip work: `filtering` is false when no random row uses a filter (a plain
+# `temperature=0.6` workload, like nano-vllm's benchmark), and the sampler skips the sort, its most expensive
+# step; `all_greedy` (nothing to draw) and `any_greedy` (an argmax to merge in) save passes over the logits.
 
 
 # %% tags=["export"]
@@ -380,9 +327,7 @@ from minivllm.sampling_params import SamplingParams
 
 
 def tensors_of(seqs: list[Sequence]) -> SamplingTensors:  # what the runner does for its batch
-    return SamplingTensors.from_params(
-        [seq.sampling_params for seq in seqs], [seq.num_completion_tokens for seq in seqs]
-    )
+    return SamplingTensors.from_params([s.sampling_params for s in seqs], [s.num_completion_tokens for s in seqs])
 
 
 seqs = [Sequence([1, 2, 3], SamplingParams(temperature=0)), Sequence([4, 5], SamplingParams(top_k=20, seed=7))]
@@ -391,17 +336,14 @@ sampling = tensors_of(seqs)
 print(sampling)
 assert sampling.temperatures.dtype == torch.float32 and sampling.top_ks.dtype == torch.int64
 assert sampling.seeds.tolist() == [-1, 7] and sampling.steps.tolist() == [0, 1] and sampling.filtering
-assert sampling.any_greedy and not sampling.all_greedy
+assert sampling.any_greedy and not sampling.all_greedy and not tensors_of(seqs[1:]).any_greedy
 assert not tensors_of(seqs[:1]).filtering and tensors_of(seqs[:1]).all_greedy
-assert not tensors_of(seqs[1:]).any_greedy
 
 # %% [markdown]
 # ### The sampler
-# Everything together. Greedy rows take the argmax of the raw logits; their temperature is replaced by 1 so
-# the division stays finite, and their (unused) random draw is thrown away by the final `torch.where`, so
-# nothing another row does can change them. Random rows go through temperature, the filters and the race.
-# The caller's logits are never written to: dividing them (bf16 on a GPU) by the float32 temperatures makes
-# a new float32 tensor, with no separate upcast pass. A batch of greedy rows only needs the argmax.
+# Greedy rows take the argmax of the raw logits: their temperature becomes 1 so the division stays finite, and
+# the final `torch.where` throws their random draw away, so no other row can change them. Dividing the
+# caller's logits (bf16 on a GPU) by float32 temperatures makes a new float32 tensor, with no upcast pass.
 
 
 # %% tags=["export"]
@@ -420,13 +362,10 @@ class Sampler(nn.Module):
         return torch.where(greedy, logits.argmax(dim=-1), sampled) if t.any_greedy else sampled
 
 
-# %% [markdown]
-# Check: 20,000 rows of the cat distribution in one batch, at temperatures 1 and 0.5, no filter. The
-# frequencies of the drawn words match `softmax(logits / T)`, and greedy rows always say "mat".
-
 # %%
 from minivllm.layers.sampler import Sampler
 
+# 20,000 rows of the cat distribution draw words as often as softmax(logits / T) says; greedy rows say "mat"
 sampler = Sampler()
 torch.manual_seed(0)
 for T in (1.0, 0.5):
@@ -439,14 +378,11 @@ mixed = [Sequence([0], SamplingParams(temperature=T, top_p=0.5)) for T in (0.0, 
 assert sampler(cat_logits.expand(4, -1), tensors_of(mixed))[[0, 2]].tolist() == [0, 0]
 
 # %% [markdown]
-# And the promise of seeds, end to end with `Sequence`s. A toy "model" gives next-token logits from the last
-# token. A seeded request generates 8 tokens alone; then the same request runs with other requests: 4 tokens
-# in row 1 of a batch of 3, a preemption, then 4 more tokens in row 0 of a batch of 2 with new neighbours.
-# Its completion is the same; an unseeded twin's is not.
+# The promise of seeds, end to end, with a toy "model". A seeded request generates 8 tokens alone; its twin 4
+# in row 1 of a batch of 3, is preempted, then 4 more in row 0 of a batch of 2. An unseeded twin differs.
 
 # %%
-vocab = 500
-toy_table = 3 * torch.randn(vocab, vocab, generator=gen)  # next-token logits given the last token
+toy_table = 3 * torch.randn(500, 500, generator=gen)  # next-token logits given the last token, 500 tokens
 
 
 def decode_step(batch: list[Sequence]) -> None:
@@ -459,34 +395,29 @@ def request(seed: int | None) -> Sequence:
     return Sequence([1, 2, 3], SamplingParams(temperature=1.0, top_p=0.9, seed=seed))
 
 
-solo = request(seed=1234)
+solo, crowded, unseeded = request(seed=1234), request(seed=1234), request(seed=None)
 for _ in range(8):
     decode_step([solo])
-crowded, unseeded = request(seed=1234), request(seed=None)
+    decode_step([unseeded])
 for _ in range(4):
     decode_step([request(seed=None), crowded, request(seed=99)])
 # preempted here: its KV is dropped, its tokens are kept; later it is recomputed and decodes in a new batch
 for _ in range(4):
     decode_step([crowded, request(seed=5)])
-for _ in range(8):
-    decode_step([unseeded])
-print("alone:   ", solo.completion_token_ids)
-print("crowded: ", crowded.completion_token_ids)
-print("unseeded:", unseeded.completion_token_ids)
+for name, seq in (("alone", solo), ("crowded", crowded), ("unseeded", unseeded)):
+    print(f"{name:>8}: {seq.completion_token_ids}")
 assert crowded.completion_token_ids == solo.completion_token_ids
 assert unseeded.completion_token_ids != solo.completion_token_ids
 
 # %% [markdown]
 # ## A forward pass over the paged cache
-# Notebook 02's model does not know about KV caches: each attention layer hands its `q`, `k`, `v` to an
-# `AttentionContext` and gets the output back. So paging is one new context, built once per step:
+# Notebook 02's attention layers hand `q`, `k`, `v` to an `AttentionContext`, so paging is one new context,
+# built once per step. Each layer's cache hangs on its `Attention` module (`k_cache`, `v_cache`).
 #
-# * **prefill**: store the new tokens' `k`, `v` into their slots; if no prompt in the batch had a prefix-cache
-#   hit, attend over the new `k`, `v` directly (notebook 01's kernel); otherwise attend through the block
-#   tables over cached prefix + new tokens;
-# * **decode**: store the one new token per sequence, then the decode kernel over each whole cache.
-#
-# The KV cache of a layer hangs on its `Attention` module (`k_cache`, `v_cache`), set once by the runner.
+# * **prefill**: store the new tokens' `k`, `v` into their slots; with no prefix-cache hit in the batch,
+#   attend over the new `k`, `v` directly (notebook 01's kernel), else through the block tables over cached
+#   prefix + new tokens;
+# * **decode**: store each sequence's one new token, then the decode kernel over each whole cache.
 
 # %% tags=["export"] module="minivllm.attention.paged"
 from dataclasses import dataclass
@@ -554,22 +485,19 @@ class PagedContext:
 
 # %% [markdown]
 # ## The model runner
-# Each step the scheduler (notebook 05) hands the runner a list of sequences and says whether it is a prefill
-# or a decode step. The runner:
+# The scheduler (notebook 05) hands the runner some sequences for a prefill or a decode step. The runner:
 #
-# 1. **prepares** the step's inputs on the host, from the sequences' tokens and block tables:
-#    * prefill: every sequence's `num_scheduled_tokens` tokens after its `num_cached_tokens` cached ones (the
-#      rest of its prompt, or one chunk of a long prompt: the scheduler decides, notebook 05), packed end to
-#      end, their positions, the slot of each new token, `cu_seqlens_q` (new tokens) and `cu_seqlens_k`
-#      (cached + new), and the block tables when some sequence has tokens in the cache already;
-#    * decode: each sequence's last token, its position, its slot, the length of its cache, the block tables;
-# 2. copies them to the device (from pinned memory, without waiting), runs the model with a `PagedContext`,
-#    keeps the last position of each sequence (the only logits a step needs), and computes the logits;
+# 1. **prepares** the inputs on the host:
+#    * prefill: each sequence's `num_scheduled_tokens` tokens after its `num_cached_tokens` cached ones (the
+#      rest of its prompt, or one chunk of it), packed end to end, with positions, slots, `cu_seqlens_q` (new
+#      tokens), `cu_seqlens_k` (cached + new), and block tables when something is cached already;
+#    * decode: each sequence's last token, its position, its slot, its cache length, the block tables;
+# 2. copies them to the device (from pinned memory, without waiting for the GPU), runs the model with a
+#    `PagedContext`, and computes the logits of each sequence's last position (the only ones a step needs);
 # 3. samples one token per sequence.
 #
-# Preparation is NumPy over whole arrays: at 256 sequences of 1,000 tokens a Python loop per token would cost
-# more than the GPU's step. The result is a `StepInputs` of plain arrays, which is also exactly what rank 0
-# sends to the other ranks under tensor parallelism.
+# Preparation is NumPy over whole arrays (at 256 sequences of 1,000 tokens a Python loop per token would cost
+# more than the GPU's step), into a `StepInputs` of plain arrays: what rank 0 sends the other ranks under TP.
 
 # %% tags=["export"] module="minivllm.engine.model_runner"
 import atexit
@@ -656,56 +584,6 @@ def prepare_decode(seqs: list[Sequence], block_size: int) -> StepInputs:
     )
 
 
-# %% [markdown]
-# Check: three sequences, one of which found its first block in the prefix cache. Prefill computes only
-# its last 4 tokens, at positions 16..19, writing them to slots of its second block; decode then sends one
-# token per sequence. Until notebook 05 builds the scheduler, `admit` does its part for a prompt prefilled in
-# one step: allocate blocks, cache the full ones (their KV is computed in this step), and schedule every
-# uncached token.
-
-# %%
-from minivllm.engine.block_manager import BlockManager
-from minivllm.engine.model_runner import prepare_decode, prepare_prefill
-from minivllm.engine.sequence import Sequence
-
-
-def admit(bm: BlockManager, seq: Sequence) -> None:
-    bm.allocate(seq)
-    bm.cache_blocks(seq, len(seq))
-    seq.num_scheduled_tokens = len(seq) - seq.num_cached_tokens
-
-
-bm = BlockManager(num_blocks=8, block_size=16)
-first = Sequence(list(range(100, 120)), block_size=16)  # 20 tokens: blocks 0 (full) and 1
-admit(bm, first)
-again = Sequence(list(range(100, 116)) + [7, 7, 7, 7], block_size=16)  # same first block, then different
-admit(bm, again)
-short = Sequence([5, 6, 7], block_size=16)
-admit(bm, short)
-step = prepare_prefill([first, again, short], block_size=16)
-print("cached tokens:", [s.num_cached_tokens for s in (first, again, short)])
-print("cu_seqlens_q:", step.cu_seqlens_q, " cu_seqlens_k:", step.cu_seqlens_k)
-print("positions of `again`:", step.positions[20:24], " slots:", step.slot_mapping[20:24])
-assert again.num_cached_tokens == 16 and again.block_table[0] == first.block_table[0]
-assert list(step.cu_seqlens_q) == [0, 20, 24, 27] and list(step.cu_seqlens_k) == [0, 20, 40, 43]
-assert list(step.positions[20:24]) == [16, 17, 18, 19]
-assert list(step.slot_mapping[20:24]) == [again.block_table[1] * 16 + i for i in range(4)]
-for seq, token in zip((first, again, short), (1, 2, 3)):
-    seq.append_token(token)
-    bm.may_append(seq)
-decode = prepare_decode([first, again, short], block_size=16)
-assert list(decode.input_ids) == [1, 2, 3] and list(decode.context_lens) == [21, 21, 4]
-assert list(decode.slot_mapping) == [
-    first.block_table[1] * 16 + 4,
-    again.block_table[1] * 16 + 4,
-    short.block_table[0] * 16 + 3,
-]
-
-# %% [markdown]
-# Step 2 puts those arrays on the device: from pinned host memory, without waiting, so the copies overlap what
-# the GPU is still doing; the `PagedContext` of the step wraps them.
-
-
 # %% tags=["export"]
 def step_to_device(
     step: StepInputs, device: torch.device, use_triton: bool
@@ -734,29 +612,63 @@ def step_to_device(
 
 
 # %% [markdown]
+# Check: three sequences, the second of which finds its first block in the prefix cache, so prefill computes
+# only its last 4 tokens, at positions 16..19, in its second block. Until notebook 05's scheduler, `admit`
+# does its part for a one-step prefill: allocate blocks, cache the full ones, schedule every uncached token.
+
+# %%
+from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.model_runner import prepare_decode, prepare_prefill
+
+
+def admit(bm: BlockManager, seq: Sequence) -> None:
+    bm.allocate(seq)
+    bm.cache_blocks(seq, len(seq))
+    seq.num_scheduled_tokens = len(seq) - seq.num_cached_tokens
+
+
+bm = BlockManager(num_blocks=8, block_size=16)
+first = Sequence(list(range(100, 120)), block_size=16)  # 20 tokens: blocks 0 (full) and 1
+again = Sequence(list(range(100, 116)) + [7, 7, 7, 7], block_size=16)  # same first block, then different
+short = Sequence([5, 6, 7], block_size=16)
+for seq in (first, again, short):
+    admit(bm, seq)
+step = prepare_prefill([first, again, short], block_size=16)
+print("cached tokens:", [s.num_cached_tokens for s in (first, again, short)])
+print("cu_seqlens_q:", step.cu_seqlens_q, " cu_seqlens_k:", step.cu_seqlens_k)
+print("positions of `again`:", step.positions[20:24], " slots:", step.slot_mapping[20:24])
+assert again.num_cached_tokens == 16 and again.block_table[0] == first.block_table[0]
+assert list(step.cu_seqlens_q) == [0, 20, 24, 27] and list(step.cu_seqlens_k) == [0, 20, 40, 43]
+assert list(step.positions[20:24]) == [16, 17, 18, 19]
+assert list(step.slot_mapping[20:24]) == [again.block_table[1] * 16 + i for i in range(4)]
+for seq, token in zip((first, again, short), (1, 2, 3)):
+    seq.append_token(token)
+    bm.may_append(seq)
+decode = prepare_decode([first, again, short], block_size=16)
+assert list(decode.input_ids) == [1, 2, 3] and list(decode.context_lens) == [21, 21, 4]
+assert list(decode.slot_mapping) == [
+    s.block_table[b] * 16 + i for s, b, i in ((first, 1, 4), (again, 1, 4), (short, 0, 3))
+]
+
+# %% [markdown]
 # ### How big can the KV cache be?
-# Every token of every running sequence keeps, in every layer, one key and one value per KV head:
-# `2 × num_layers × num_kv_heads × head_dim × dtype bytes`. On a GPU the runner first runs the largest step it
-# will ever run (a prefill of `max_num_batched_tokens` tokens, then the sampler on `max_num_seqs` rows) and
-# records the peak memory that took; whatever `gpu_memory_utilization` leaves after the weights and that peak
-# becomes KV blocks. On a CPU there is no such budget to discover, so the size is explicit
-# (`num_kvcache_blocks`), by default enough for `max_num_seqs` sequences of `max_model_len` tokens, up to 1 GiB.
+# Every cached token holds, in every layer, a key and a value per KV head: `2 × num_layers × num_kv_heads ×
+# head_dim × dtype bytes`. On a GPU the runner first runs the largest step it will run (a prefill of
+# `max_num_batched_tokens` tokens, then sampling `max_num_seqs` rows) and records its peak memory; what
+# `gpu_memory_utilization` leaves after the weights and that peak becomes KV blocks. On a CPU the size is
+# `num_kvcache_blocks`, by default enough for `max_num_seqs` sequences of `max_model_len` tokens, up to 1 GiB.
 
 # %%
 from minivllm.checkpoint import preset_config
 
 cfg = preset_config("qwen3-0.6b")
-per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2  # K and V, bf16
+layers, heads, dims = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+per_token = 2 * layers * heads * dims * 2  # K and V, bf16
 weights = 0.6e9 * 2  # ≈ 0.6 B parameters in bf16 (the embedding is tied)
 h200 = 141e9 * 0.9 - weights - 4e9  # gpu_memory_utilization 0.9, minus weights and ~4 GB of activations
-print(
-    f"{per_token / 1024:.0f} KiB per token ({cfg.num_hidden_layers} layers × {cfg.num_key_value_heads} KV heads × "
-    f"{cfg.head_dim} dims × K and V × 2 bytes)"
-)
-print(
-    f"an H200 holds ≈ {h200 / per_token / 1e6:.2f} M tokens of KV: {h200 / per_token / 40960:.0f} sequences at "
-    f"the full 40,960-token context, {h200 / per_token / 2048:.0f} at 2,048"
-)
+tokens = h200 / per_token
+print(f"{per_token // 1024} KiB per token: {layers} layers × {heads} KV heads × {dims} dims × K, V × 2 bytes")
+print(f"H200: ≈ {tokens / 1e6:.2f} M tokens, {tokens / 40960:.0f} sequences of 40,960 or {tokens / 2048:.0f} of 2,048")
 assert per_token == 112 * 1024
 
 
@@ -821,13 +733,12 @@ def bind_kv_cache(
 # %% [markdown]
 # ### CUDA graphs for decode
 # A decode step of Qwen3-0.6B launches a few hundred small kernels (28 layers × norms, projections, RoPE,
-# attention, MLP), each doing microseconds of work; launching them from Python costs more than running them.
-# A CUDA graph records the launches once and replays them with one call. The price: everything must have
-# fixed shapes and addresses. So we capture one graph per batch size (1, 2, 4, 8, then every 16 up to
-# `max_num_seqs`), all reading from the same static input tensors; a step copies its inputs into them,
-# pads the batch up to the next captured size (padding rows have slot −1 and an empty cache, so they write and
-# read nothing), and replays. The split count of the decode kernel depends on the batch size only, so it too
-# is fixed per graph. Larger graphs are captured first and share one memory pool with the smaller ones.
+# attention, MLP), each microseconds of work: launching them from Python costs more than running them. A
+# CUDA graph records the launches once and replays them in one call, at the price of fixed shapes and
+# addresses. So we capture one graph per batch size (1, 2, 4, 8, then every 16 up to `max_num_seqs`) over
+# shared static inputs; a step copies its inputs in, pads the batch to the next captured size (padding rows
+# have slot −1 and an empty cache: they write and read nothing), and replays. The decode kernel's split count
+# depends on the batch size only, so it is fixed per graph too; the smaller graphs share the largest's memory.
 
 
 # %% tags=["export"]
@@ -887,26 +798,19 @@ class DecodeGraphs:
 
 
 # %% [markdown]
-# A graph removes the *launch* cost of each kernel, not the kernel: a graph of Qwen3-0.6B's decode step as the
-# layers of notebooks 01–02 write it still runs hundreds of kernels (the cell below counts the operations of one
-# forward), most of them a single elementwise operation of RMSNorm (cast, square, mean, rsqrt, multiply, cast,
-# multiply) or RoPE, each a few microseconds of GPU time
-# for almost no work; profiling a graph step on an H200 found most of its time in them. So on a GPU the
-# runner compiles the small layers with `torch.compile` (notebook 01's experiment: fusion pays when there is
-# overhead to remove), before capturing: each norm, each RoPE and each gated activation becomes one kernel.
+# A graph removes each kernel's *launch* cost, not the kernel. Notebooks 01–02's layers still make hundreds of
+# kernels per step (the cell below counts one norm's and one RoPE's operations), most a single elementwise
+# operation costing microseconds for almost no work: most of a graph step's time on an H200. So on a GPU the
+# runner first fuses each norm, RoPE and gated activation into one kernel with `torch.compile` (notebook 01).
 
 # %%
-from minivllm.checkpoint import preset_config
 from minivllm.models.qwen3 import Qwen3ForCausalLM
 
 with torch.device("meta"):  # the 0.6B's shapes, no memory
     meta_model = Qwen3ForCausalLM(preset_config("qwen3-0.6b"))
 x, residual = torch.empty(1, 1024, device="meta"), torch.empty(1, 1024, device="meta")  # one decoding token
-positions, q, k = (
-    torch.zeros(1, dtype=torch.long, device="meta"),
-    torch.empty(1, 16, 128, device="meta"),
-    torch.empty(1, 8, 128, device="meta"),
-)
+positions = torch.zeros(1, dtype=torch.long, device="meta")
+q, k = torch.empty(1, 16, 128, device="meta"), torch.empty(1, 8, 128, device="meta")
 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
     meta_model.model.norm(x, residual)
     meta_model.model.layers[0].self_attn.rotary_emb(positions, q, k)
@@ -932,11 +836,10 @@ def rank_device(config: Config, rank: int) -> torch.device:
 
 # %% [markdown]
 # ### Putting it together
-# `ModelRunner(config)` loads the model (this rank's slice), sizes and allocates the KV cache, runs one
-# prefill after a cached prefix (so Triton compiles the paged prefill kernel at start-up rather than in the
-# middle of a request), captures the decode graphs, and then serves `run(seqs, is_prefill) -> token ids`.
-# `run` queues the forward before it builds the sampling tensors, so the host does that while the GPU works. `step_logits` is the same step without
-# the sampler: what the tests compare with `prompt_logits`.
+# `ModelRunner(config)` loads the model (this rank's slice), sizes the KV cache, runs one prefill after a
+# cached prefix (so Triton compiles that kernel at start-up, not in a request), captures the decode graphs,
+# then serves `run(seqs, is_prefill) -> token ids`, building the sampling tensors while the GPU runs the
+# forward. `step_logits` is the step without the sampler: what the tests compare with `prompt_logits`.
 
 
 # %% tags=["export"]
@@ -1065,10 +968,9 @@ class ModelRunner:
 
 # %% [markdown]
 # ## Every path gives the logits of a from-scratch forward
-# The claim of this notebook, on the tiny checkpoint of notebook 02: prompts are prefilled through the paged
-# path, then decoded token by token, each step writing one token's KV and reading the whole cache through
-# shuffled block tables; at every step the logits must equal those `prompt_logits` computes for the whole
-# sequence from scratch, with no cache at all.
+# The claim of this notebook, on notebook 02's tiny checkpoint: prompts are prefilled through the paged path,
+# then decoded through shuffled block tables; at every step the logits must equal `prompt_logits` over the
+# whole sequence, from scratch.
 
 # %%
 from minivllm.checkpoint import write_checkpoint
@@ -1090,14 +992,12 @@ def check_steps(runner: ModelRunner, prompts: list[list[int]], num_decode_steps:
     seqs = [Sequence(p, block_size=runner.block_size) for p in prompts]
     for seq in seqs:
         admit(bm, seq)
-    worst, is_prefill = 0.0, True
-    for _ in range(num_decode_steps + 1):
-        logits = runner.step_logits(seqs, is_prefill)
-        for seq, row in zip(seqs, logits):
+    worst = 0.0
+    for step in range(num_decode_steps + 1):
+        for seq, row in zip(seqs, runner.step_logits(seqs, is_prefill=step == 0)):
             worst = max(worst, (row - prompt_logits(reference, seq.token_ids)[-1]).abs().max().item())
             seq.append_token(int(row.argmax()))
             bm.may_append(seq)
-        is_prefill = False
     for seq in seqs:
         bm.deallocate(seq)
     return worst
@@ -1109,20 +1009,16 @@ worst = check_steps(runner, prompts, num_decode_steps=40)
 print(f"5 prompts, prefill + 40 decode steps, shuffled blocks: worst logit error {worst:.1e}")
 assert worst < 1e-4
 
-# %% [markdown]
-# The same through the Triton kernels (on a CPU, in the interpreter, so fewer steps):
-
 # %%
-runner.use_triton = True
+runner.use_triton = True  # the same through the Triton kernels (on a CPU, in the interpreter, so fewer steps)
 worst = check_steps(runner, prompts[:3], num_decode_steps=3)
 print(f"Triton kernels: worst logit error {worst:.1e}")
 assert worst < 1e-4
 runner.use_triton = DEVICE == "cuda"
 
 # %% [markdown]
-# And the path teaching engines get wrong: a second request whose first blocks are a prefix-cache hit.
-# Its prefill computes only the new tokens, whose queries must attend to the cached prefix through the block
-# table. Its logits must equal those of the same request with caching off.
+# And the path teaching engines get wrong: a prefix-cache hit. The second request's prefill computes only its
+# new tokens, whose queries must attend to the cached prefix through the block table.
 
 # %%
 system_prompt = random.choices(range(2048), k=48)  # three full blocks of 16
@@ -1138,12 +1034,8 @@ error = (hit - prompt_logits(reference, second.token_ids)[-1]).abs().max().item(
 print(f"prefix-cache hit: {second.num_cached_tokens} of {len(second)} tokens reused, logit error {error:.1e}")
 assert error < 1e-4
 
-# %% [markdown]
-# The same path serves a prompt prefilled in *chunks* over several steps (chunked prefill, notebook 05): each
-# step computes `num_scheduled_tokens` tokens, whose queries attend to the chunks before them through the
-# block table, exactly as after a prefix hit. Only the last chunk's logits predict a new token.
-
 # %%
+# chunked prefill (notebook 05): each chunk's queries attend to the chunks before it, as after a prefix hit
 long = Sequence(random.choices(range(2048), k=100), block_size=16)
 bm.allocate(long)
 for end in (37, 64, 100):  # three steps: tokens 0..36, 37..63, 64..99
@@ -1158,8 +1050,7 @@ assert error < 1e-4
 # %% [markdown]
 # ### A whole decode step: eager vs CUDA graph
 # `python -m minivllm.benchmarks.decode_step` times `runner.run(seqs, is_prefill=False)` for the 0.6B preset,
-# host-side preparation and sampling included, with and without CUDA graphs, and records the KV cache the
-# runner sized on that GPU.
+# preparation and sampling included, with and without CUDA graphs, and records the KV cache it sized.
 
 # %%
 import json
@@ -1170,21 +1061,19 @@ if DEVICE == "cuda":
     step_data = run_decode_step_benchmark(batch_sizes=(1, 8, 64))
 else:
     step_data = json.loads(Path("figures/decode_step.json").read_text())
-fig = plot_decode_step(step_data)
-fig.savefig(FIGURES / "04_decode_step.png", dpi=120)
+plot_decode_step(step_data).savefig(FIGURES / "04_decode_step.png", dpi=120)
 rows = {(r["impl"], r["batch"]): r["ms"] for r in step_data["rows"]}
 for batch in sorted({b for _, b in rows}):
-    print(f"batch {batch:>3}: graph {rows['minivllm', batch]:6.2f} ms, eager {rows['minivllm-eager', batch]:6.2f} ms")
-print(
-    f"KV cache on {step_data['device']}: {step_data['num_kvcache_blocks']} blocks of {step_data['block_size']} = "
-    f"{step_data['kv_cache_tokens'] / 1e6:.2f} M tokens"
-)
+    graph, eager = rows["minivllm", batch], rows["minivllm-eager", batch]
+    print(f"batch {batch:>3}: graph {graph:5.2f} ms, eager {eager:5.2f} ms: the graph {eager / graph:4.1f}× faster")
+print(f"KV cache on {step_data['device']}: {step_data['kv_cache_tokens'] / 1e6:.2f} M tokens")
 assert rows["minivllm", 1] < rows["minivllm-eager", 1]
 
 # %% [markdown]
-# The eager step costs about 30 ms at *every* batch size: it is bound by Python launching hundreds of kernels
-# one by one, not by the GPU. The graph replays them in one call; what is left grows with the batch, because
-# the KV cache read grows with it (at 256 sequences of 513 tokens, 15 GB per step).
+# In the committed H200 run the eager step barely notices the batch: 30–38 ms up to 32 sequences, 52–55 ms
+# from 64 to 256. It is bound by Python launching hundreds of kernels one by one, not by the GPU. The graph
+# replays them in one call: 2.0 ms at batch 1, 15× faster, growing to 8.1 ms at 256 (still 6.5× faster) as
+# the KV cache read grows (at 256 sequences of 513 tokens, 15 GB per step).
 
 # %% [markdown]
 # ## Check yourself
@@ -1192,11 +1081,9 @@ assert rows["minivllm", 1] < rows["minivllm-eager", 1]
 #   does its KV go to, and what `context_len` does the decode kernel see?
 # * Why may a prefill with a prefix-cache hit *not* use notebook 01's kernel on the new tokens' `k` and `v`?
 # * Why does the decode kernel compute `num_splits` from the batch size only, never from the context lengths?
-#
-# The cell below asserts the first answer.
 
 # %%
-seq = Sequence(list(range(37)), block_size=16)
+seq = Sequence(list(range(37)), block_size=16)  # the first answer
 seq.block_table = [7, 2, 9]
 seq.append_token(0)
 check = prepare_decode([seq], block_size=16)

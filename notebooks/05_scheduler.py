@@ -25,9 +25,10 @@
 # cached ones and samples one token per sequence.
 #
 # **What you will see.** The tiny model's greedy tokens equal to transformers' `generate` while requests are
-# preempted, chunked and sharing prefixes; a timeline of a bursty workload; time to first token with and
-# without prefill priority (the answer to "why does the scheduler put prefill before decode?", measured);
-# and continuous against static batching on the same requests.
+# preempted, chunked and sharing prefixes; a timeline of a bursty workload, and a map of which request owns
+# which KV block over time; how much prefill work and memory a shared system prompt saves; time to first token
+# with and without prefill priority (the answer to "why does the scheduler put prefill before decode?",
+# measured); and continuous against static batching on the same requests.
 
 # %%
 import dataclasses
@@ -685,6 +686,192 @@ fig.savefig(FIGURES / "05_timeline.png", dpi=120)
 assert max(r["num_tokens"] for r in steps) <= 256
 assert burst["preemptions"] > 0 and sum(r["chunks"] for r in steps) > 0
 assert max(r["running"] for r in steps) > 8
+
+# %% [markdown]
+# ## The block map over time
+# Which request owns which block? We run the scheduler alone (every sampled token is 0, as with `model=False`)
+# on 96 blocks of 16 slots and 48 requests, a third of them behind one 64-token system prompt, and take a picture
+# of the blocks after every step: one colour per request, black for a block shared by several, grey for a free
+# block that is still cached, white for an empty one.
+
+# %%
+SHARED, CACHED, EMPTY = -1, -2, -3
+
+
+def block_owners(scheduler: Scheduler) -> np.ndarray:
+    """Per block: the seq_id of the one running request holding it, SHARED, CACHED (free, still hashed) or EMPTY."""
+    bm = scheduler.block_manager
+    owners = np.full(bm.num_blocks, EMPTY)
+    owners[list(bm.cached_block_ids)] = CACHED
+    for seq in scheduler.running:
+        for block_id in seq.block_table:
+            owners[block_id] = seq.seq_id if bm.blocks[block_id].ref_count == 1 else SHARED
+    return owners
+
+
+map_rng = np.random.default_rng(1)  # its own draws, so the sections below keep theirs
+map_prompt = map_rng.integers(3, 2048, 64).tolist()
+map_scheduler = make_scheduler(96, max_num_batched_tokens=256)
+for i in range(48):
+    prompt = (map_prompt if i % 3 == 0 else []) + map_rng.integers(3, 2048, int(map_rng.integers(16, 201))).tolist()
+    map_scheduler.add(request(prompt, int(map_rng.integers(16, 161))))
+frames, usage = [], []  # per step: each block's owner; blocks used, free but cached, empty
+while not map_scheduler.is_finished():
+    batch, _ = map_scheduler.schedule()
+    map_scheduler.postprocess(batch, [0] * len(batch))
+    frames.append(block_owners(map_scheduler))
+    bm = map_scheduler.block_manager
+    usage.append((bm.num_used_blocks, bm.num_cached_free_blocks, len(bm.free_block_ids)))
+frames, usage = np.array(frames), np.array(usage)  # (steps, num_blocks), (steps, 3)
+print(f"{len(frames)} steps; peak {usage[:, 0].max()} of 96 blocks in use; {map_scheduler.num_preemptions} preemptions")
+
+
+def frame_colors(frame: np.ndarray) -> np.ndarray:
+    """RGB per block: special states fixed, requests cycling through a qualitative palette."""
+    palette = [c for i, c in enumerate(plt.get_cmap("tab20").colors) if i not in (14, 15)]  # no greys
+    special = {SHARED: (0, 0, 0), CACHED: (0.8, 0.8, 0.8), EMPTY: (1, 1, 1)}
+    return np.array([special.get(o, palette[o % len(palette)]) for o in frame])
+
+
+def draw_blocks(ax, step: int, cols: int = 16) -> None:
+    ax.imshow(frame_colors(frames[step]).reshape(-1, cols, 3), interpolation="nearest")
+    used, cached, empty = usage[step]
+    ax.set(xticks=[], yticks=[])
+    ax.set_title(f"step {step}: {used} used, {cached} free+cached, {empty} empty", fontsize=9)
+
+
+fig = plt.figure(figsize=(14, 7.5))
+grid = fig.add_gridspec(2, 3, height_ratios=[1.3, 1])
+ax_map = fig.add_subplot(grid[0, :2])
+ax_map.imshow(np.stack([frame_colors(f) for f in frames], axis=1), aspect="auto", interpolation="nearest")
+ax_map.set(xlabel="step", ylabel="physical block")
+ax_map.set_title("Owner of each block over time (colour = request, black = shared, grey = free but cached)")
+ax_use = fig.add_subplot(grid[0, 2])
+labels, colours = ["used", "free, cached", "free, empty"], ["tab:blue", "0.75", "white"]
+ax_use.stackplot(range(len(usage)), usage.T, labels=labels, colors=colours, edgecolor="0.5", lw=0.3)
+ax_use.set(xlabel="step", ylabel="blocks", title="Blocks in use vs free")
+ax_use.legend(loc="lower right", fontsize=8)
+for k, step in enumerate(np.linspace(0, len(frames) - 1, 5)[1:4].astype(int)):
+    draw_blocks(fig.add_subplot(grid[1, k]), step)
+fig.tight_layout()
+fig.savefig(FIGURES / "05_block_map.png", dpi=120)
+
+# %% [markdown]
+# Each column of the map is one step. Requests' blocks are scattered wherever a free block was, and that costs
+# nothing: the block table is the only thing that knows the order. The black band is the system prompt, stored
+# once and shared by every request that starts with it. When the cache is full the newest request is preempted
+# and its blocks go back to the pool, and grey blocks (free but cached) are used only once the empty ones run
+# out. Drag the slider to step through time (the picture is static in a rendered copy; the three snapshots
+# above are the same view).
+
+# %%
+import ipywidgets as widgets
+
+
+def show_step(step: int) -> None:
+    fig, ax = plt.subplots(figsize=(6, 3))
+    draw_blocks(ax, step)
+    plt.show()
+
+
+slider = widgets.interact(show_step, step=widgets.IntSlider(value=len(frames) // 2, min=0, max=len(frames) - 1))
+assert usage[:, 0].max() == 96  # the run filled the cache...
+assert (frames == SHARED).any() and (frames == CACHED).any()  # ...shared blocks, and kept freed ones cached
+assert (usage.sum(axis=1) == 96).all()  # used + free = total, at every step
+
+# %% [markdown]
+# ## Prefix caching: work saved by a shared system prompt
+# A chat service puts the same system prompt in front of every conversation. With prefix caching (notebook 03),
+# only the first request with a given system prompt computes its KV; the others reuse those blocks and prefill
+# only their own part. Here: 200 requests, all there at the start, each starting with one of 4 system prompts of
+# 512 tokens (the first used by half the requests, the last by a tenth), then 16 to 256 tokens of its own and a
+# reply of 16 to 128 tokens. We serve them on 2,048 blocks of 16, with caching on and off, and count the prefill
+# tokens computed.
+
+# %%
+chat_rng = np.random.default_rng(2)  # its own draws, so the sections below keep theirs
+system_prompts = [chat_rng.integers(3, 2048, 512).tolist() for _ in range(4)]
+which = chat_rng.choice(4, size=200, p=[0.5, 0.25, 0.15, 0.1])
+own_parts = [chat_rng.integers(3, 2048, int(chat_rng.integers(16, 257))).tolist() for _ in which]
+chat_requests = [(system_prompts[w] + own, int(chat_rng.integers(16, 129))) for w, own in zip(which, own_parts)]
+prefix_runs = {}
+for caching in (True, False):
+    scheduler = make_scheduler(2048, max_num_seqs=256, enable_prefix_caching=caching)
+    prefix_runs[caching] = run = serve(scheduler, [request(p, n) for p, n in chat_requests], model=False)
+    prefill_rows = [r for r in run["rows"] if r["is_prefill"]]
+    run["prefilled"] = np.cumsum([r["num_tokens"] for r in prefill_rows])
+    run["prefill_time"] = [r["time"] for r in prefill_rows]
+    run["batch"] = max(r["running"] for r in run["rows"])
+    print(
+        f"prefix caching {'on ' if caching else 'off'}: prefill computed {run['prefilled'][-1]:,} tokens, up to "
+        f"{run['batch']} requests at once, {run['preemptions']} preemptions, all done at {run['seconds']:.1f} s"
+    )
+computed_on, computed_off = prefix_runs[True]["prefilled"][-1], prefix_runs[False]["prefilled"][-1]
+print(f"prompt tokens: {sum(len(p) for p, _ in chat_requests):,}; prefill saved: {1 - computed_on / computed_off:.0%}")
+
+# %% [markdown]
+# A hit needs the blocks to still be there. To see the cache's memory alone, we allocate the same requests one
+# at a time and free each right after its prefill, so every hit comes from a block whose owner has finished
+# and that the LRU kept. The four system prompts need 4 × 32 = 128 blocks; we try caches from a third of that
+# to eight times that.
+
+
+# %%
+def hit_rates_one_at_a_time(num_blocks: int) -> np.ndarray:
+    bm = BlockManager(num_blocks, base_config.block_size)
+    rates = []
+    for prompt, _ in chat_requests:
+        seq = request(prompt, 1)
+        bm.allocate(seq)
+        bm.cache_blocks(seq, len(seq))  # its prefill
+        rates.append(seq.num_cached_tokens / len(seq))
+        bm.deallocate(seq)
+    return np.array(rates)
+
+
+pool_sizes = [48, 64, 96, 128, 192, 256, 512, 1024]
+mean_hit = {n: hit_rates_one_at_a_time(n).mean() for n in pool_sizes}
+hit_rates = hit_rates_one_at_a_time(1024)
+print("mean hit rate by cache size:", {n: f"{r:.0%}" for n, r in mean_hit.items()})
+
+fig, axes = plt.subplots(1, 3, figsize=(16, 4))
+for caching, label in ((False, "prefix caching off"), (True, "prefix caching on")):
+    run = prefix_runs[caching]
+    axes[0].step(run["prefill_time"], run["prefilled"] / 1e3, where="post", label=label)
+axes[0].set(xlabel="time (s, modelled)", ylabel="prefill tokens computed (thousands)")
+axes[0].set_title(f"Prefill work: {1 - computed_on / computed_off:.0%} saved")
+axes[0].legend()
+for w in range(4):
+    idx = np.flatnonzero(which == w)
+    axes[1].scatter(idx, hit_rates[idx], s=10, label=f"system prompt {w}")
+axes[1].set(xlabel="request", ylabel="share of the prompt read from the cache")
+axes[1].set_title("Hit rate per request (1,024 blocks, freed after prefill)")
+axes[1].legend(fontsize=8, loc="lower right")
+axes[2].semilogx(pool_sizes, [mean_hit[n] for n in pool_sizes], "o-", base=2)
+axes[2].axvline(128, color="grey", ls=":", label="4 system prompts")
+axes[2].set(xlabel="cache size (blocks of 16)", ylabel="mean hit rate", title="Hits need room to keep freed blocks")
+axes[2].legend()
+fig.tight_layout()
+fig.savefig(FIGURES / "05_prefix_cache.png", dpi=120)
+
+# %% [markdown]
+# Every request after the first with its system prompt reads the 512 shared tokens (32 blocks) from the
+# cache, about 80% of its prompt, and computes only its own part. The hit outlives the request that computed
+# the blocks, because a freed block keeps its hash and is reused last. In a cache too small to keep all four
+# system prompts, the LRU evicts the least recently used blocks (a prompt's tail before its head), and the
+# requests that needed them lose part or all of their hit.
+#
+# Sharing saves memory as well as work: a system prompt's blocks are stored once however many requests read
+# them, so with caching on far more requests fit at once (printed above), fewer are preempted, and the whole
+# workload is done sooner.
+
+# %%
+assert computed_on < 0.4 * computed_off and prefix_runs[True]["seconds"] < prefix_runs[False]["seconds"]
+assert prefix_runs[True]["batch"] > 1.5 * prefix_runs[False]["batch"]
+firsts = {int(np.argmax(which == w)) for w in range(4)}
+assert all(hit_rates[i] == 0 for i in firsts)
+assert all(hit_rates[i] == 512 / len(chat_requests[i][0]) for i in range(200) if i not in firsts)
+assert mean_hit[48] < mean_hit[128] < mean_hit[1024]
 
 # %% [markdown]
 # ## Why does the scheduler put prefill before decode?

@@ -19,18 +19,9 @@ from minivllm.kernels.flash_attn import (
 
 @triton.jit
 def _store_kvcache_kernel(
-    k,
-    v,
-    k_cache,
-    v_cache,
-    slot_mapping,
-    stride_kt,
-    stride_vt,
-    stride_kc,
-    stride_vc,
-    KV_SIZE: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+    k, v, k_cache, v_cache, slot_mapping, stride_kt, stride_vt, stride_kc, stride_vc,
+    KV_SIZE: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
     token = tl.program_id(0)
     slot = tl.load(slot_mapping + token)
     if slot < 0:  # a padding token: nothing to store
@@ -77,18 +68,9 @@ def store_kvcache(
         raise ValueError("each token's k and v must be contiguous (num_kv_heads, head_dim) rows")
     kv_size = k.shape[1] * k.shape[2]
     _store_kvcache_kernel[(k.shape[0],)](
-        k,
-        v,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        k.stride(0),
-        v.stride(0),
-        k_cache.stride(1),
-        v_cache.stride(1),
-        KV_SIZE=kv_size,
-        BLOCK=triton.next_power_of_2(kv_size),
-    )
+        k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), k_cache.stride(1), v_cache.stride(1),
+        KV_SIZE=kv_size, BLOCK=triton.next_power_of_2(kv_size),
+    )  # fmt: skip
 
 
 @triton.jit
@@ -100,35 +82,12 @@ def paged_rows(block_table_row, tok, valid, BLOCK_SIZE: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])  # vary from step to step (notebook 01)
 def _decode_kernel(
-    Q,
-    K,
-    V,
-    partial_out,
-    partial_lse,
-    cache_seqlens,
-    block_table,
-    qk_scale,
-    num_splits,
-    stride_qb,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_bt,
-    stride_pb,
-    stride_ph,
-    stride_ps,
-    stride_lb,
-    stride_lh,
-    GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+    Q, K, V, partial_out, partial_lse, cache_seqlens, block_table, qk_scale, num_splits,  # tensors, scalars
+    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_bt,  # strides of q, k, v, block_table
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,  # strides of partial_out, partial_lse
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seqlen = tl.load(cache_seqlens + seq)
     chunk = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
@@ -165,20 +124,10 @@ def _decode_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _combine_splits_kernel(
-    partial_out,
-    partial_lse,
-    O,
-    num_splits,
-    stride_pb,
-    stride_ph,
-    stride_ps,
-    stride_lb,
-    stride_lh,
-    stride_ob,
-    stride_oh,
-    HEAD_DIM: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
-):
+    partial_out, partial_lse, O, num_splits,  # tensors, scalar
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,  # strides
+    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):  # fmt: skip
     seq, head = tl.program_id(0), tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -196,6 +145,7 @@ def _combine_splits_kernel(
     tl.store(O + seq * stride_ob + head * stride_oh + offs_d, out.to(O.dtype.element_ty))
 
 
+# The host side: check the inputs, pick num_splits, launch both kernels.
 @functools.cache
 def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -244,79 +194,29 @@ def flash_attn_with_kvcache(
     partial_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     partial_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     group = num_heads // num_kv_heads
+    # tile sizes: the fastest of a sweep on an H200 (bf16, head_dim 128, block sizes 16 and 256)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q,
-        k,
-        v,
-        partial_out,
-        partial_lse,
-        cache_seqlens,
-        block_table,
-        scale * math.log2(math.e),
-        num_splits,
-        q.stride(0),
-        q.stride(2),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        block_table.stride(0),
-        *partial_out.stride()[:3],
-        *partial_lse.stride()[:2],
-        GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim,
-        BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_N=16 if on_cpu else 64,
-        UPCAST=on_cpu and q.dtype != torch.float32,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4,
-        num_stages=1 if on_cpu else 2,
-    )  # tile sizes: the fastest of a sweep on an H200 (bf16, head_dim 128, block sizes 16 and 256)
+        q, k, v, partial_out, partial_lse, cache_seqlens, block_table, scale * math.log2(math.e), num_splits,
+        q.stride(0), q.stride(2), k.stride(0), k.stride(1), v.stride(0), v.stride(1), block_table.stride(0),
+        *partial_out.stride()[:3], *partial_lse.stride()[:2],
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_N=16 if on_cpu else 64, UPCAST=on_cpu and q.dtype != torch.float32,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=1 if on_cpu else 2,
+    )  # fmt: skip
     _combine_splits_kernel[(batch, num_heads)](
-        partial_out,
-        partial_lse,
-        out,
-        num_splits,
-        *partial_out.stride()[:3],
-        *partial_lse.stride()[:2],
-        out.stride(0),
-        out.stride(2),
-        HEAD_DIM=head_dim,
-        SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
-    )
+        partial_out, partial_lse, out, num_splits, *partial_out.stride()[:3], *partial_lse.stride()[:2],
+        out.stride(0), out.stride(2), HEAD_DIM=head_dim, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+    )  # fmt: skip
     return out
 
 
 @triton.jit(do_not_specialize=["num_m_blocks", "stride_bt"])
 def _paged_prefill_kernel(
-    Q,
-    K,
-    V,
-    O,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    block_table,
-    qk_scale,
-    num_m_blocks,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_ot,
-    stride_oh,
-    stride_bt,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+    Q, K, V, O, cu_seqlens_q, cu_seqlens_k, block_table, qk_scale, num_m_blocks,  # tensors, scalars
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt,  # strides
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
     start_m = num_m_blocks - 1 - tl.program_id(0)  # longest causal tiles first
     head, seq = tl.program_id(1), tl.program_id(2)
     q_start = tl.load(cu_seqlens_q + seq)
@@ -385,30 +285,11 @@ def flash_attn_varlen_func(
     out = torch.empty_like(q)
     num_m_blocks = triton.cdiv(max_seqlen_q, config["BLOCK_M"])
     _paged_prefill_kernel[(num_m_blocks, q.shape[1], cu_seqlens_q.numel() - 1)](
-        q,
-        kf,
-        vf,
-        out,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        block_table,
-        scale * math.log2(math.e),
-        num_m_blocks,
-        q.stride(0),
-        q.stride(1),
-        kf.stride(0),
-        kf.stride(1),
-        vf.stride(0),
-        vf.stride(1),
-        out.stride(0),
-        out.stride(1),
+        q, kf, vf, out, cu_seqlens_q, cu_seqlens_k, block_table, scale * math.log2(math.e), num_m_blocks,
+        q.stride(0), q.stride(1), kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1), out.stride(0), out.stride(1),
         block_table.stride(0),
-        GROUP=q.shape[1] // num_kv_heads,
-        HEAD_DIM=head_dim,
-        BLOCK_SIZE=k.shape[1],
-        CAUSAL=causal,
+        GROUP=q.shape[1] // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k.shape[1], CAUSAL=causal,
         UPCAST=q.device.type == "cpu" and q.dtype != torch.float32,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        **config,
-    )
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **config,
+    )  # fmt: skip
     return out
