@@ -93,7 +93,9 @@ assert probs_at[0.01][0] > 0.999  # almost greedy
 # * **top-p** (nucleus) keeps the smallest set of most likely tokens whose mass reaches `p` (`1` is off): few
 #   when the model is sure, many when it is not, never none. It measures what top-k left, renormalized;
 # * **min-p** keeps the tokens at least `min_p` times as likely as the most likely one (`0` is off). A ratio
-#   to the maximum survives renormalization, so min-p's place in the order does not matter.
+#   to the maximum survives renormalization, so min-p cuts the same tokens wherever it stands; but top-p
+#   measured *after* it would see a different mass, so the order still matters: min-p goes last (vLLM v0's
+#   order; vLLM v1 applies min-p first).
 #
 # All three look at ranks and running sums, so **one sort serves all three**: sort each row once, largest
 # first, and each filter is one comparison of the sorted `(batch, vocab)` tensor with a per-row threshold
