@@ -71,3 +71,13 @@ def exercise(part: str) -> Iterator[None]:
         yield
     except NotImplementedError:
         raise AssertionError(f"{part} is not written yet: replace `raise NotImplementedError` in its cell") from None
+
+
+def check_answer(answer: object, expected: object, question: str) -> None:
+    """A "check yourself" cell: compare the learner's `answer` with the value computed from the objects. None
+    means not answered yet (the cell says so and the notebook goes on: the worked answer is one cell below)."""
+    if answer is None:
+        print(f"{question}: not answered yet (set `answer` above; the worked answer is below)")
+        return
+    assert answer == expected, f"{question}: your answer is {answer!r}, the objects say {expected!r}"
+    print(f"{question}: {answer!r}, right")
