@@ -58,6 +58,7 @@
 # with a flag set, the checkpoint holds `….bias` tensors, and our linears must have somewhere to load them.
 
 # %%
+import re
 import tempfile
 from pathlib import Path
 
@@ -71,14 +72,15 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from minivllm import load_model
 from minivllm.attention.layer import Attention, AttentionContext
+from minivllm.attention.prefill import PrefillContext
 from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from minivllm.layers.layernorm import RMSNorm
 from minivllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from minivllm.layers.rotary_embedding import RotaryEmbedding, get_rope, llama3_inv_freq, rope_parameters
-from minivllm.models.loader import MODELS, check_checkpoint, tensor_shapes
+from minivllm.models.loader import MODELS, check_checkpoint, load_tensor, tensor_shapes
 from minivllm.models.qwen3 import Qwen3ForCausalLM, head_dim_of
-from minivllm.testing import prompt_logits
+from minivllm.testing import exercise, prompt_logits
 
 tmp_dir = tempfile.TemporaryDirectory(prefix="minivllm-llama-")  # deleted when the kernel exits
 TMP = Path(tmp_dir.name)
@@ -171,7 +173,8 @@ ours_rope = get_rope(config, head_dim_of(config))
 positions = torch.arange(config.max_position_embeddings)
 cos, sin = LlamaRotaryEmbedding(config)(torch.zeros(1), positions[None])  # (1, positions, head_dim), halves repeated
 half = head_dim_of(config) // 2
-assert torch.equal(ours_rope.cos, cos[0, :, :half]) and torch.equal(ours_rope.sin, sin[0, :, :half])
+assert torch.equal(ours_rope.cos, cos[0, :, :half]), "llama3 RoPE: cos differs from transformers'"
+assert torch.equal(ours_rope.sin, sin[0, :, :half]), "llama3 RoPE: sin differs from transformers'"
 print("llama3 RoPE: our cos/sin tables equal transformers'")
 
 # %% [markdown]
@@ -204,6 +207,70 @@ fig.tight_layout()
 # `model.norm`, `lm_head`. Open `minivllm/models/qwen3.py` next to this notebook: most of what you write is a
 # Qwen3 class with something taken out or a flag passed through.
 #
+# Each class is checked in the cell after it, against its counterpart in transformers' model: the check copies
+# transformers' weights into your module (through the loader's `load_tensor`, so q/k/v and gate/up land in their
+# packed shards) and feeds it the very hidden states that transformers' module received on a 17-token prompt.
+# The two helpers below record those hidden states and copy the weights.
+
+# %%
+PROMPT = torch.randint(TINY_LLAMA["vocab_size"], (17,), generator=torch.Generator().manual_seed(1))
+positions = torch.arange(len(PROMPT))  # (num_tokens,)
+context = PrefillContext.from_lens([len(PROMPT)], "cpu")  # one prompt, causal, no KV cache (notebook 02)
+
+
+def trace_transformers(hf_model: HFLlamaForCausalLM, token_ids: torch.Tensor) -> dict[str, tuple]:
+    """Run transformers' model on one prompt; return (input, output) hidden states, (num_tokens, hidden_size),
+    of every decoder layer ("layers.N") and attention ("layers.N.self_attn"); and the model's, "model":
+    (token ids, final hidden states)."""
+    trace = {}
+
+    def record(name):
+        def hook(module, args, kwargs, output):
+            x = args[0] if args else kwargs["hidden_states"]
+            y = output[0] if isinstance(output, tuple) else output
+            trace[name] = (x[0], y[0])  # drop the batch dimension
+
+        return hook
+
+    modules = [(n, m) for n, m in hf_model.model.named_modules() if re.fullmatch(r"layers\.\d+(\.self_attn)?", n)]
+    handles = [m.register_forward_hook(record(n), with_kwargs=True) for n, m in modules]
+    with torch.no_grad():
+        trace["model"] = (token_ids, hf_model.model(token_ids[None]).last_hidden_state[0])
+    for handle in handles:
+        handle.remove()
+    return trace
+
+
+def copy_weights(ours: nn.Module, theirs: nn.Module) -> None:
+    """Load transformers' module's weights into ours, the module at the same place in the tree. q/k/v and
+    gate/up go into their packed shards, as `Qwen3ForCausalLM.packed_modules_mapping` says (the same names)."""
+    packed = Qwen3ForCausalLM.packed_modules_mapping
+    params, loaded = dict(ours.named_parameters()), set()
+    for name, tensor in theirs.named_parameters():
+        *path, module, kind = name.split(".")  # e.g. layers.0.self_attn, q_proj, weight
+        target, shard_id = packed.get(module, (module, None))
+        ours_name = ".".join([*path, target, kind])
+        assert ours_name in params, f"transformers' {name} has no place in your module: it has no {ours_name}"
+        try:
+            load_tensor(params[ours_name], tensor.detach(), shard_id)
+        except ValueError as e:
+            raise AssertionError(f"loading transformers' {name} into your {ours_name}: {e}") from None
+        loaded.add(ours_name)
+    extra = sorted(params.keys() - loaded)
+    assert not extra, f"your module has parameters that transformers' has not: {extra}"
+
+
+def check_close(got: torch.Tensor, expected: torch.Tensor, case: str) -> None:
+    assert got.shape == expected.shape, f"{case}: shape {tuple(got.shape)}, expected {tuple(expected.shape)}"
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4, msg=lambda m: f"{case}: {m}")
+
+
+hf_trace = trace_transformers(hf_llama, PROMPT)
+for name, (x, y) in hf_trace.items():
+    if name.startswith("layers.0") or name == "model":
+        print(f"{name:18} in {tuple(x.shape)}, out {tuple(y.shape)}")
+
+# %% [markdown]
 # The MLP is given, as an example of a bias flag: Qwen3's MLP with `bias=config.mlp_bias` on its linears.
 
 
@@ -271,7 +338,28 @@ class LlamaAttention(nn.Module):
 
 
 # %% [markdown]
-# ### Decoder layer and model
+# Check: your attention, with layer 0's weights, on the input transformers' layer 0 attention received, gives its
+# output; and with `attention_bias=True`, both projections have a bias to load.
+
+# %%
+with exercise("LlamaAttention"):
+    rotary_emb = get_rope(config, head_dim_of(config))
+    attn = LlamaAttention(config, rotary_emb, layer_idx=0)
+    heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
+    assert heads == (4, 2, 32), f"(num_heads, num_kv_heads, head_dim) = {heads}, expected (4, 2, 32)"
+    norms = [name for name, _ in attn.named_parameters() if "norm" in name]
+    assert not norms, f"Llama has no q/k norm, but your attention has {norms}"
+    copy_weights(attn, hf_llama.model.layers[0].self_attn)
+    x, expected = hf_trace["layers.0.self_attn"]
+    with torch.no_grad():
+        check_close(attn(positions, x, context), expected, "layer 0 attention on a 17-token prompt")
+    biased = LlamaAttention(LlamaConfig(**(TINY_LLAMA | {"attention_bias": True})), rotary_emb, layer_idx=0)
+    no_bias = [name for name in ("qkv_proj", "o_proj") if getattr(biased, name).bias is None]
+    assert not no_bias, f"attention_bias=True, but {no_bias} have no bias: pass bias=config.attention_bias"
+print("LlamaAttention: the same output as transformers' layer 0 attention")
+
+# %% [markdown]
+# ### Decoder layer
 # The decoder layer is the pre-norm block of notebook 02:
 #
 # ```
@@ -280,12 +368,8 @@ class LlamaAttention(nn.Module):
 # ```
 #
 # written, as in Qwen3, with the fused residual: `RMSNorm(x, residual)` adds `x` to the residual stream, normalises
-# the sum and returns both. The first layer gets `residual=None` and starts the stream with its input, the
-# embedding. Write `LlamaDecoderLayer.forward`.
-#
-# Then wire `LlamaModel.__init__`: the token embedding (`VocabParallelEmbedding`), **one** RoPE table from
-# `get_rope(config, head_dim)` shared by every layer, `config.num_hidden_layers` decoder layers in an
-# `nn.ModuleList`, and the final norm. Its `forward` is given.
+# the sum and returns both. The layer returns `(mlp output, residual stream)`, whose sum is `y`. The first layer
+# gets `residual=None` and starts the stream with its input, the embedding. Write `LlamaDecoderLayer.forward`.
 
 
 # %%
@@ -311,6 +395,32 @@ class LlamaDecoderLayer(nn.Module):
         # END SOLUTION
 
 
+# %% [markdown]
+# Check: layers 0 and 1 with transformers' weights, layer 0 on the embedding (`residual=None`), layer 1 on layer
+# 0's `(x, residual)`. After each, `x + residual` is transformers' layer output `y`, and `residual` is `h`.
+
+# %%
+with exercise("LlamaDecoderLayer"):
+    layers = [LlamaDecoderLayer(config, rotary_emb, i) for i in range(2)]
+    x, residual = hf_trace["layers.0"][0], None  # the embedding of the prompt
+    for i, layer in enumerate(layers):
+        copy_weights(layer, hf_llama.model.layers[i])
+        layer_in, layer_out = hf_trace[f"layers.{i}"]
+        with torch.no_grad():
+            x, residual = layer(positions, x, residual, context)
+        case = f"layer {i} ({'residual=None' if i == 0 else 'residual from layer 0'})"
+        check_close(residual, layer_in + hf_trace[f"layers.{i}.self_attn"][1], f"{case}: residual, h = x + attn")
+        check_close(x + residual, layer_out, f"{case}: x + residual, the layer's output")
+print("LlamaDecoderLayer: layers 0 and 1 give transformers' hidden states")
+
+# %% [markdown]
+# ### Model
+# Wire `LlamaModel.__init__`: the token embedding (`VocabParallelEmbedding`), **one** RoPE table from
+# `get_rope(config, head_dim)` shared by every layer, `config.num_hidden_layers` decoder layers in an
+# `nn.ModuleList`, and the final norm. Its `forward` is given.
+
+
+# %%
 class LlamaModel(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
@@ -329,6 +439,18 @@ class LlamaModel(nn.Module):
         return x  # (num_tokens, hidden_size)
 
 
+# %%
+with exercise("LlamaModel"):
+    llama_model = LlamaModel(config)
+    n_layers = len(getattr(llama_model, "layers", []))
+    assert n_layers == config.num_hidden_layers, f"{n_layers} layers, expected {config.num_hidden_layers}"
+    tables = {id(layer.self_attn.rotary_emb) for layer in llama_model.layers}
+    assert len(tables) == 1, f"{len(tables)} RoPE tables: build one with get_rope and give it to every layer"
+    copy_weights(llama_model, hf_llama.model)
+    with torch.no_grad():
+        check_close(llama_model(PROMPT, positions, context), hf_trace["model"][1], "final hidden states, 17 tokens")
+print("LlamaModel: the same final hidden states as transformers' LlamaModel")
+
 # %% [markdown]
 # ### The causal LM, and its checkpoint names
 # `LlamaForCausalLM` inherits `forward` and `compute_logits` from Qwen3's class (so `prompt_logits` works on it):
@@ -338,21 +460,24 @@ class LlamaModel(nn.Module):
 #
 # `packed_modules_mapping` tells the loader which checkpoint module goes into which of our packed modules, and as
 # which shard: `q_proj` into `qkv_proj` as `"q"`, … , `gate_proj` into `gate_up_proj` as shard 0, `up_proj` as 1.
-# Write it out (rather than inherit Qwen3's): it is this class's contract with Llama checkpoints.
+# Write it out (rather than inherit Qwen3's): it is this class's contract with Llama checkpoints. (Here it is a
+# property, so that the class can be defined before you write it; in a module it would be a class attribute.)
 
 
 # %%
 class LlamaForCausalLM(Qwen3ForCausalLM):
-    # checkpoint module name -> (our packed module, shard id)
-    # BEGIN SOLUTION
-    packed_modules_mapping = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
-    # END SOLUTION
+    @property
+    def packed_modules_mapping(self) -> dict[str, tuple[str, str | int]]:
+        """checkpoint module name -> (our packed module, shard id)"""
+        # BEGIN SOLUTION
+        return {
+            "q_proj": ("qkv_proj", "q"),
+            "k_proj": ("qkv_proj", "k"),
+            "v_proj": ("qkv_proj", "v"),
+            "gate_proj": ("gate_up_proj", 0),
+            "up_proj": ("gate_up_proj", 1),
+        }
+        # END SOLUTION
 
     def __init__(self, config: LlamaConfig):
         nn.Module.__init__(self)  # not Qwen3ForCausalLM.__init__: that would build a Qwen3 model
@@ -377,19 +502,17 @@ print(sorted(MODELS))
 # %% [markdown]
 # ## Check
 # First the names and shapes, without any weights: build the model on the `meta` device and run the loader's own
-# check against the checkpoint's safetensors header. A misnamed attribute shows up here as a missing or unexpected
-# tensor, a wrong size as a shape mismatch.
+# check against the checkpoint's safetensors header. A misnamed attribute or a wrong mapping shows up here as a
+# missing or unexpected tensor, a wrong size as a shape mismatch.
 
 # %%
-with torch.device("meta"):
-    meta_llama = LlamaForCausalLM(config)
-check_checkpoint(meta_llama, tensor_shapes([llama_path / "model.safetensors"]), config)
-assert not any("norm" in name for name, _ in meta_llama.named_parameters() if ".self_attn." in name), (
-    "Llama has no q/k norm"
-)
-n_ours = sum(p.numel() for p in meta_llama.parameters())
-n_theirs = sum(p.numel() for p in hf_llama.parameters())
-assert n_ours == n_theirs, (n_ours, n_theirs)
+with exercise("LlamaForCausalLM"):
+    with torch.device("meta"):
+        meta_llama = LlamaForCausalLM(config)
+    check_checkpoint(meta_llama, tensor_shapes([llama_path / "model.safetensors"]), config)
+    n_ours = sum(p.numel() for p in meta_llama.parameters())
+    n_theirs = sum(p.numel() for p in hf_llama.parameters())
+    assert n_ours == n_theirs, f"{n_ours:,} parameters, transformers' model has {n_theirs:,}"
 print(f"every checkpoint tensor has its place; {n_ours:,} parameters, as in transformers' model")
 
 # %% [markdown]
@@ -403,9 +526,11 @@ print(f"every checkpoint tensor has its place; {n_ours:,} parameters, as in tran
 def check_against_transformers(path: Path, hf_model: HFLlamaForCausalLM, lengths=(1, 17, 300)) -> float:
     """Load `path` with minivllm, compare prompt logits with transformers'; return the worst |difference|."""
     model = load_model(path, dtype=torch.float32)
-    assert isinstance(model, LlamaForCausalLM), type(model)
+    assert isinstance(model, LlamaForCausalLM), f"load_model built a {type(model).__name__}, not LlamaForCausalLM"
     tied = model.lm_head.weight is model.model.embed_tokens.weight
-    assert tied == hf_model.config.tie_word_embeddings, "lm_head should be tied exactly when the config says so"
+    assert tied == hf_model.config.tie_word_embeddings, (
+        f"lm_head tied: {tied}, but tie_word_embeddings={hf_model.config.tie_word_embeddings}"
+    )
     generator = torch.Generator().manual_seed(1)
     worst = 0.0
     for n in lengths:
@@ -415,9 +540,10 @@ def check_against_transformers(path: Path, hf_model: HFLlamaForCausalLM, lengths
             ref = hf_model(torch.tensor([token_ids])).logits[0]
         error = (ours - ref).abs().max().item()
         worst = max(worst, error)
-        assert torch.equal(ours.argmax(-1), ref.argmax(-1)), f"{n} tokens: argmax differs"
+        differ = (ours.argmax(-1) != ref.argmax(-1)).nonzero().flatten().tolist()
+        assert not differ, f"{path.name}, {n} tokens: the top token differs at positions {differ[:10]}"
         print(f"  {n:4} tokens: max |logit difference| {error:.1e}, argmax identical at every position")
-    assert worst < 1e-4, worst
+    assert worst < 1e-4, f"{path.name}: max |logit difference| {worst:.1e}, expected < 1e-4"
     return worst
 
 
@@ -427,11 +553,12 @@ variants = {
     "attention_bias and mlp_bias": write_llama("llama-bias", seed=2, attention_bias=True, mlp_bias=True),
 }
 with safe_open(variants["untied head"][0] / "model.safetensors", "pt") as f:
-    assert "lm_head.weight" in f.keys()
+    assert "lm_head.weight" in f.keys(), "the untied checkpoint should hold lm_head.weight"
 worst = {}
-for name, (path, hf_model) in variants.items():
-    print(name)
-    worst[name] = check_against_transformers(path, hf_model)
+with exercise("LlamaForCausalLM"):
+    for name, (path, hf_model) in variants.items():
+        print(name)
+        worst[name] = check_against_transformers(path, hf_model)
 print(f"all match transformers' Llama; worst |logit difference| {max(worst.values()):.1e}")
 
 # %% [markdown]
@@ -452,17 +579,20 @@ with torch.device("meta"):
 try:
     check_checkpoint(meta_qwen3, tensor_shapes([llama_path / "model.safetensors"]), config)
 except ValueError as e:
-    assert "missing" in str(e) and "_norm.weight" in str(e), e
+    assert "missing" in str(e) and "_norm.weight" in str(e), f"expected missing q/k norms, got: {e}"
     print(f"Qwen3ForCausalLM: {e}")
 else:
     raise AssertionError("Qwen3's class accepted a Llama checkpoint")
 n_qwen3 = sum(p.numel() for p in meta_qwen3.parameters())
-assert n_qwen3 - n_ours == 2 * config.head_dim * config.num_hidden_layers  # q_norm + k_norm in every layer
+assert n_qwen3 - n_ours == 2 * config.head_dim * config.num_hidden_layers, (  # q_norm + k_norm in every layer
+    f"Qwen3 has {n_qwen3 - n_ours} parameters more, expected {2 * config.head_dim * config.num_hidden_layers}"
+)
 
 slowdown = wavelength_llama3 / wavelength  # per frequency pair
-assert torch.allclose(slowdown[wavelength < 2048], torch.tensor(1.0))
-assert torch.allclose(slowdown[wavelength > 8192], torch.tensor(32.0))
-assert ((slowdown > 1) & (slowdown < 32)).sum() == 1  # the one pair in between is blended
+assert torch.allclose(slowdown[wavelength < 2048], torch.tensor(1.0)), f"short wavelengths changed: {slowdown}"
+assert torch.allclose(slowdown[wavelength > 8192], torch.tensor(32.0)), f"long wavelengths not 32x: {slowdown}"
+blended = ((slowdown > 1) & (slowdown < 32)).sum().item()
+assert blended == 1, f"{blended} pairs between 1x and 32x, expected 1"  # the one pair in between is blended
 print(
     "unchanged pairs:",
     (slowdown == 1).nonzero().flatten().tolist(),
@@ -476,10 +606,12 @@ hf_plain.load_state_dict(hf_llama.state_dict())  # the same weights, plain RoPE
 token_ids = torch.randint(config.vocab_size, (1, 300), generator=torch.Generator().manual_seed(1))
 with torch.no_grad():
     rope_gap = (hf_plain(token_ids).logits - hf_llama(token_ids).logits).abs().max().item()
-assert rope_gap > 10 * 1e-4, rope_gap  # the pairs slowed 32x turn by visibly different angles within 300 positions
+# the pairs slowed 32x turn by visibly different angles within 300 positions
+assert rope_gap > 10 * 1e-4, f"plain and llama3 RoPE differ by only {rope_gap:.1e}"
 print(f"plain vs llama3 RoPE, same weights, 300 tokens: max |logit difference| {rope_gap:.1e}")
 
-assert 128256 * 2048 * 2 == 525_336_576  # about 0.5 GB: one matrix, read both at the embedding and at the head
+# about 0.5 GB: one matrix, read both at the embedding and at the head
+assert 128256 * 2048 * 2 == 525_336_576, "bytes of a bf16 128,256 x 2,048 matrix"
 
 # %% [markdown]
 # **Going further.** Llama-3.2 now runs through everything the later notebooks build on top of a model: the KV

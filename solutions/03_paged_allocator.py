@@ -20,9 +20,10 @@
 # it first; the prefix cache is then "only" a smarter way to pick and give back blocks.
 #
 # **Your task.** Fill in `SimpleBlockManager`: a pool of `num_blocks` block ids, of which a sequence holds
-# `seq.num_blocks` in `seq.block_table` (logical block *i* → physical block id) while it runs. The check cells
-# test hand-picked cases, then a random workload (a hypothesis property test), then compare your allocator with
-# minivllm's `BlockManager(..., enable_prefix_caching=False)` step by step.
+# `seq.num_blocks` in `seq.block_table` (logical block *i* → physical block id) while it runs. Two parts, each
+# checked by hand in the cell after it: admitting and freeing sequences, then decoding. Then a random workload (a
+# hypothesis property test) and a step-by-step comparison with minivllm's
+# `BlockManager(..., enable_prefix_caching=False)` check the whole allocator.
 #
 # **What it assumes.** Notebook 03's `Sequence`: `token_ids`, `num_tokens`, `block_size`, `num_blocks` (the
 # blocks its tokens need, rounded up), `block_table` and `append_token`. No GPU, no model: a few seconds on a CPU.
@@ -53,10 +54,16 @@
 # `len(seq.block_table) < seq.num_blocks`. (A test like `num_tokens % block_size == 1` looks equivalent, but check
 # it with `block_size = 1`.)
 
+# %% [markdown]
+# ## Part 1 · Admitting and freeing sequences
+# The pool, and the calls around a sequence's life: `num_free_blocks`, `_take_block` (one block from the free pool
+# into the used set), `can_allocate` and `allocate` at admission, `deallocate` when it finishes or is preempted.
+
 # %%
 from collections import deque
 
 from minivllm.engine.sequence import Sequence
+from minivllm.testing import exercise
 
 
 class SimpleBlockManager:
@@ -100,21 +107,6 @@ class SimpleBlockManager:
         seq.block_table.extend(self._take_block() for _ in range(seq.num_blocks))
         # END SOLUTION
 
-    def can_append(self, seq: Sequence) -> bool:
-        """After append_token: is there a free block in case the new token starts one?"""
-        # BEGIN SOLUTION
-        needs_block = len(seq.block_table) < seq.num_blocks
-        return self.num_free_blocks >= needs_block
-        # END SOLUTION
-
-    def may_append(self, seq: Sequence) -> None:
-        """After append_token: a new block exactly when the newest token starts one."""
-        # BEGIN SOLUTION
-        assert seq.block_table and seq.num_blocks - len(seq.block_table) in (0, 1), "call after each append_token"
-        if len(seq.block_table) < seq.num_blocks:
-            seq.block_table.append(self._take_block())
-        # END SOLUTION
-
     def deallocate(self, seq: Sequence) -> None:
         """Give all of a finished or preempted sequence's blocks back; its block table becomes empty."""
         # BEGIN SOLUTION
@@ -127,64 +119,112 @@ class SimpleBlockManager:
 
 
 # %% [markdown]
-# ## Check 1 · by hand
+# ### Check 1 · by hand
 # Blocks of 4 tokens, a cache of 4 blocks. A prompt of exactly one block takes one block; one token more takes a
-# second, whose other three slots stay empty for the tokens to come.
+# second, whose other three slots stay empty for the tokens to come. A prompt of 9 tokens (3 blocks) no longer
+# fits; once the others are freed, 16 tokens fit and 17 do not.
 
 # %%
-bm = SimpleBlockManager(num_blocks=4, block_size=4)
-assert bm.num_free_blocks == 4
+with exercise("SimpleBlockManager"):
+    bm = SimpleBlockManager(num_blocks=4, block_size=4)
+    assert bm.num_free_blocks == 4, f"a new manager of 4 blocks has {bm.num_free_blocks} free"
 
-one_block = Sequence([1, 2, 3, 4], block_size=4)
-assert bm.can_allocate(one_block)
-bm.allocate(one_block)
-assert len(one_block.block_table) == 1 and bm.num_free_blocks == 3
+    one_block = Sequence([1, 2, 3, 4], block_size=4)
+    assert bm.can_allocate(one_block), "4 free blocks, and a 4-token prompt needs 1: can_allocate said no"
+    bm.allocate(one_block)
+    assert len(one_block.block_table) == 1, f"a 4-token prompt got {len(one_block.block_table)} blocks, expected 1"
+    assert bm.num_free_blocks == 3, f"{bm.num_free_blocks} free after taking 1 of 4, expected 3"
 
-one_past = Sequence([1, 2, 3, 4, 5], block_size=4)
-bm.allocate(one_past)
-assert len(one_past.block_table) == 2 and bm.num_free_blocks == 1
-assert not set(one_block.block_table) & set(one_past.block_table), "two sequences share a block"
-print("after two prompts:", one_block.block_table, one_past.block_table, "free:", bm.num_free_blocks)
+    one_past = Sequence([1, 2, 3, 4, 5], block_size=4)
+    bm.allocate(one_past)
+    assert len(one_past.block_table) == 2, f"a 5-token prompt got {len(one_past.block_table)} blocks, expected 2"
+    assert bm.num_free_blocks == 1, f"{bm.num_free_blocks} free after taking 3 of 4, expected 1"
+    shared = set(one_block.block_table) & set(one_past.block_table)
+    assert not shared, f"two sequences share block(s) {shared}"
+    assert not bm.can_allocate(Sequence(list(range(9)), block_size=4)), "9 tokens need 3 blocks; 1 is free"
+    print("after two prompts:", one_block.block_table, one_past.block_table, "free:", bm.num_free_blocks)
+
+    bm.deallocate(one_past)
+    assert one_past.block_table == [], f"a freed sequence's table should be empty, is {one_past.block_table}"
+    assert bm.num_free_blocks == 3, f"{bm.num_free_blocks} free after freeing 2 blocks of 3 used, expected 3"
+    bm.deallocate(one_block)
+    assert bm.num_free_blocks == 4, f"{bm.num_free_blocks} free after freeing everything, expected 4"
+    assert bm.can_allocate(Sequence(list(range(16)), block_size=4)), "16 tokens fit in 4 free blocks of 4"
+    assert not bm.can_allocate(Sequence(list(range(17)), block_size=4)), "17 tokens need 5 blocks of 4; 4 exist"
+print("allocate and deallocate: blocks taken and given back as expected")
 
 # %% [markdown]
-# Decoding into `one_block`: its 5th token is the first of a new block, so it takes one; tokens 6 to 8 fill that
-# block and take none; the 9th would need a third block, and the cache is full.
+# ## Part 2 · Decoding
+# `can_append` and `may_append` are called after `seq.append_token`: a new block exactly when the newest token
+# starts one. (Python lets us add the two methods to the class from this cell; in a module they would be in the
+# class body.)
+
 
 # %%
-one_block.append_token(5)
-assert bm.can_append(one_block)
-bm.may_append(one_block)
-assert len(one_block.block_table) == 2 and bm.num_free_blocks == 0
+def can_append(self: SimpleBlockManager, seq: Sequence) -> bool:
+    """After append_token: is there a free block in case the new token starts one?"""
+    # BEGIN SOLUTION
+    needs_block = len(seq.block_table) < seq.num_blocks
+    return self.num_free_blocks >= needs_block
+    # END SOLUTION
 
-for token in (6, 7, 8):  # fill the second block: no new block, even with none free
-    one_block.append_token(token)
-    assert bm.can_append(one_block), f"token {one_block.num_tokens} fits in the last block"
-    bm.may_append(one_block)
-    assert len(one_block.block_table) == 2 and bm.num_free_blocks == 0
 
-one_block.append_token(9)  # starts block 3: no room
-assert not bm.can_append(one_block)
-assert not bm.can_allocate(Sequence([1], block_size=4)), "a full cache has no room for even one token"
-print("full cache:", one_block.block_table, one_past.block_table, "free:", bm.num_free_blocks)
+def may_append(self: SimpleBlockManager, seq: Sequence) -> None:
+    """After append_token: a new block exactly when the newest token starts one."""
+    # BEGIN SOLUTION
+    assert seq.block_table and seq.num_blocks - len(seq.block_table) in (0, 1), "call after each append_token"
+    if len(seq.block_table) < seq.num_blocks:
+        seq.block_table.append(self._take_block())
+    # END SOLUTION
+
+
+SimpleBlockManager.can_append = can_append
+SimpleBlockManager.may_append = may_append
 
 # %% [markdown]
-# The scheduler now preempts `one_past` (frees its blocks), so `one_block` can go on; in the end both blocks of
-# every sequence come back, and the tables are empty.
+# ### Check 2 · by hand
+# Decoding into a 4-token prompt, in a cache of 3 blocks of 4 where another prompt holds one block: its 5th token
+# is the first of a new block, so it takes one; tokens 6 to 8 fill that block and take none; the 9th would need a
+# third block, and the cache is full. Then blocks of 1 token: every token takes a block.
 
 # %%
-bm.deallocate(one_past)
-assert one_past.block_table == [] and bm.num_free_blocks == 2
-assert bm.can_append(one_block)
-bm.may_append(one_block)
-assert len(one_block.block_table) == 3 and bm.num_free_blocks == 1
-bm.deallocate(one_block)
-assert one_block.block_table == [] and bm.num_free_blocks == 4
-assert bm.can_allocate(Sequence(list(range(16)), block_size=4))
-assert not bm.can_allocate(Sequence(list(range(17)), block_size=4))
-print("all blocks back:", bm.num_free_blocks)
+with exercise("can_append / may_append"):
+    bm = SimpleBlockManager(num_blocks=3, block_size=4)
+    seq, other = Sequence([1, 2, 3, 4], block_size=4), Sequence([1], block_size=4)
+    bm.allocate(seq)
+    bm.allocate(other)
+    for token in range(5, 10):
+        seq.append_token(token)
+        fits = bm.can_append(seq)
+        expected = token != 9  # token 9 starts block 3, and no block is free
+        assert fits == expected, f"token {token} of blocks of 4, {bm.num_free_blocks} free: can_append said {fits}"
+        if fits:
+            bm.may_append(seq)
+        blocks = len(seq.block_table)
+        assert blocks == 2, f"after token {token} the sequence holds {blocks} blocks, expected 2"
+        assert bm.num_free_blocks == 0, f"after token {token}: {bm.num_free_blocks} free blocks, expected 0"
+        print(f"token {token}: block table {seq.block_table}, free {bm.num_free_blocks}")
+
+    bm.deallocate(other)  # the scheduler preempts the other sequence: now the 9th token fits
+    assert bm.can_append(seq), "one block is free and token 9 needs one: can_append said no"
+    bm.may_append(seq)
+    assert len(seq.block_table) == 3, f"after token 9 the sequence holds {len(seq.block_table)} blocks, expected 3"
+
+    bm = SimpleBlockManager(num_blocks=3, block_size=1)
+    seq = Sequence([1], block_size=1)
+    bm.allocate(seq)
+    for token in (2, 3):
+        seq.append_token(token)
+        assert bm.can_append(seq), f"block_size=1, token {token}: a block is free, can_append said no"
+        bm.may_append(seq)
+        assert len(seq.block_table) == token, f"block_size=1: {len(seq.block_table)} blocks for {token} tokens"
+    seq.append_token(4)
+    assert not bm.can_append(seq), "block_size=1, token 4: every block is used, can_append said yes"
+print("can_append / may_append: a block every block_size tokens, none in between")
+
 
 # %% [markdown]
-# ## Check 2 · a property test
+# ## Check 3 · a property test
 # Hand examples test the cases we thought of. A property test draws hundreds of random workloads (new prompts,
 # decode steps, finished or preempted sequences, in any order, with any block size) and checks after every step
 # what must always hold:
@@ -241,24 +281,26 @@ def test_allocator(ops, num_blocks, block_size):
             if bm.can_append(seq):
                 bm.may_append(seq)
             else:  # no room for its next block: preempt it, as the scheduler would
-                assert bm.num_free_blocks == 0 and len(seq.block_table) < seq.num_blocks
+                assert bm.num_free_blocks == 0, f"can_append refused with {bm.num_free_blocks} free blocks"
+                assert len(seq.block_table) < seq.num_blocks, "can_append refused a token that needs no block"
                 bm.deallocate(seq)
                 live.remove(seq)
         elif op == FREE and live:
             seq = live.pop(arg % len(live))
             bm.deallocate(seq)
-            assert seq.block_table == []
+            assert seq.block_table == [], f"a freed sequence's table should be empty, is {seq.block_table}"
         check_invariants(bm, live, num_blocks)
     for seq in live:
         bm.deallocate(seq)
-    assert bm.num_free_blocks == num_blocks, "blocks leaked after freeing every sequence"
+    assert bm.num_free_blocks == num_blocks, f"{num_blocks - bm.num_free_blocks} blocks leaked after freeing all"
 
 
-test_allocator()
+with exercise("SimpleBlockManager"):
+    test_allocator()
 print("property test passed: 300 random workloads")
 
 # %% [markdown]
-# ## Check 3 · the same answers as minivllm's BlockManager
+# ## Check 4 · the same answers as minivllm's BlockManager
 # With prefix caching off, notebook 03's `BlockManager` is a paged allocator too, so on the same workload it must
 # agree with yours at every step: the same admission and append decisions, the same number of blocks per
 # sequence, the same number of free blocks. (Which physical ids each one picks may differ, and does not matter.)
@@ -284,8 +326,11 @@ def cross_check(num_blocks: int, block_size: int, steps: int, seed: int) -> int:
         if r < 0.3 or not live:
             prompt = [rng.randrange(1000) for _ in range(rng.randint(1, 4 * block_size))]
             pair = Sequence(prompt, block_size=block_size), Sequence(prompt, block_size=block_size)
-            fits = ours.can_allocate(pair[0])
-            assert fits == ref.can_allocate(pair[1]), "can_allocate differs"
+            fits, ref_fits = ours.can_allocate(pair[0]), ref.can_allocate(pair[1])
+            assert fits == ref_fits, (
+                f"{len(prompt)}-token prompt, {ref.num_free_blocks} free blocks: can_allocate says {fits}, "
+                f"BlockManager {ref_fits}"
+            )
             if fits:
                 ours.allocate(pair[0])
                 ref.allocate(pair[1])
@@ -296,8 +341,11 @@ def cross_check(num_blocks: int, block_size: int, steps: int, seed: int) -> int:
             token = rng.randrange(1000)
             for seq in pair:
                 seq.append_token(token)
-            fits = ours.can_append(pair[0])
-            assert fits == ref.can_append(pair[1]), "can_append differs"
+            fits, ref_fits = ours.can_append(pair[0]), ref.can_append(pair[1])
+            assert fits == ref_fits, (
+                f"token {pair[0].num_tokens}, {ref.num_free_blocks} free blocks: can_append says {fits}, "
+                f"BlockManager {ref_fits}"
+            )
             if fits:
                 ours.may_append(pair[0])
                 ref.may_append(pair[1])
@@ -313,15 +361,16 @@ def cross_check(num_blocks: int, block_size: int, steps: int, seed: int) -> int:
             f"free blocks: {ours.num_free_blocks} vs {ref.num_free_blocks}"
         )
         for a, b in live:
-            assert len(a.block_table) == len(b.block_table) == a.num_blocks, "blocks per sequence differ"
+            assert len(a.block_table) == len(b.block_table) == a.num_blocks, (
+                f"{a.num_tokens} tokens: {len(a.block_table)} blocks in yours, {len(b.block_table)} in BlockManager's"
+            )
     return admitted
 
 
-for num_blocks, block_size in [(8, 1), (16, 4), (64, 16), (32, 3)]:
-    admitted = cross_check(num_blocks, block_size, steps=3000, seed=num_blocks + block_size)
-    print(
-        f"{num_blocks:3d} blocks of {block_size:2d}: {admitted} sequences admitted, same as BlockManager at every step"
-    )
+with exercise("SimpleBlockManager"):
+    for num_blocks, block_size in [(8, 1), (16, 4), (64, 16), (32, 3)]:
+        admitted = cross_check(num_blocks, block_size, steps=3000, seed=num_blocks + block_size)
+        print(f"{num_blocks:3d} blocks of {block_size:2d}: {admitted} admitted, same as BlockManager at every step")
 
 # %% [markdown]
 # ## What's next
