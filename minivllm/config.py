@@ -22,6 +22,7 @@ class Config:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False  # True: no CUDA graphs
     enable_prefix_caching: bool = True
+    scheduling_policy: str = "unified"  # "unified": mixed prefill + decode steps (vLLM v1); or "prefill-first"
     seed: int = 0
     device: str | None = None  # None: cuda if available, else cpu
     hf_config: Any = field(init=False, repr=False)
@@ -44,6 +45,10 @@ class Config:
             "num_kvcache_blocks": (self.num_kvcache_blocks is None or self.num_kvcache_blocks >= 1, "None or >= 1"),
             "gpu_memory_utilization": (0 < self.gpu_memory_utilization <= 1, "in (0, 1]"),
             "device": (self.device in ("cpu", "cuda"), "'cpu' or 'cuda'"),
+            "scheduling_policy": (
+                self.scheduling_policy in ("unified", "prefill-first"),
+                "'unified' or 'prefill-first'",
+            ),
         }
         for name, (ok, allowed) in checks.items():
             if not ok:

@@ -18,7 +18,7 @@ def is_one_prompt(prompts) -> TypeGuard[Prompt]:
 
 
 class LLM:
-    """vLLM's offline entry point. Keyword arguments are `Config`'s fields, with its defaults (notebook 04):
+    """vLLM's offline entry point. Keyword arguments are `Config`'s fields, with its defaults (notebook 02):
     tensor_parallel_size, dtype, block_size, max_num_seqs, max_num_batched_tokens, max_model_len,
     num_kvcache_blocks, gpu_memory_utilization, enforce_eager, enable_prefix_caching, seed, device.
 
@@ -62,13 +62,13 @@ class LLM:
         outputs: list[RequestOutput] = []
         wanted = set(request_ids)
         with tqdm(total=len(wanted), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
-            rates = {"prefill": 0.0, "decode": 0.0}  # tokens per second of the latest step of each kind
+            rates: dict[str, float] = {}  # tokens per second of the latest step of each kind
             while len(outputs) < len(wanted):
                 finished, stats = self.engine.step(wanted)
                 assert stats.kind != "idle" or finished, "requests outstanding, but no step to run"
                 if stats.kind != "idle":
                     rates[stats.kind] = stats.num_tokens / max(stats.seconds, 1e-9)
-                bar.set_postfix_str(f"prefill {rates['prefill']:,.0f} tok/s, decode {rates['decode']:,.0f} tok/s")
+                bar.set_postfix_str(", ".join(f"{kind} {rate:,.0f} tok/s" for kind, rate in sorted(rates.items())))
                 outputs += finished
                 bar.update(len(finished))
         return outputs

@@ -31,7 +31,7 @@ class RequestMetrics:
 class StepStats:
     """What one engine step did, and its phases' wall times in seconds (time.perf_counter())."""
 
-    kind: str  # "prefill", "decode", or "idle" (nothing queued: no step ran)
+    kind: str  # "prefill", "decode", "mixed" (prompt and decode rows in one forward), or "idle" (no step ran)
     num_seqs: int = 0  # sequences in the batch
     num_tokens: int = 0  # tokens computed: prompt tokens in a prefill, one per sequence in a decode
     schedule_seconds: float = 0.0  # Scheduler.schedule

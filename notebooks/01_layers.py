@@ -84,7 +84,7 @@ gate, up = torch.randn(7, 32), torch.randn(7, 32)
 torch.testing.assert_close(SiluAndMul()(torch.cat([gate, up], -1)), torch.nn.functional.silu(gate) * up)
 
 # %% [markdown]
-# ## RMSNorm, with the residual add fused in
+# ## RMSNorm, with the residual add fused in (as a Triton kernel: `exercises/01_triton_rmsnorm.ipynb`)
 # LayerNorm centres and scales; RMSNorm only scales, by the root mean square. One reduction instead of two,
 # and Qwen3 was trained with it, so we must match it exactly: the sum is taken in float32 even when the
 # model runs in bfloat16.
@@ -616,7 +616,7 @@ for name, (config, hf_rope) in configs.items():
 #   head `h` reads KV head `h // 2`. Fewer KV heads means a smaller KV cache.
 # * **Causal, aligned bottom-right**: when a sequence has more keys than queries (the first keys are an
 #   already-cached prefix), query `i` sees keys `j ≤ i + (len_k − len_q)`. This is flash-attn's
-#   convention, and what lets prefill continue from a cached prefix (notebook 04).
+#   convention, and what lets prefill continue from a cached prefix (notebook 03).
 
 # %% tags=["export"] module="minivllm.kernels.reference"
 import torch
@@ -716,7 +716,7 @@ fig.savefig(FIGURES / "01_attention_memory.png", dpi=120)
 print(f"at N=32k: naive {naive_bytes[-1] / 2**30:.0f} GiB vs flash {flash_bytes[-1] / 2**30:.2f} GiB per layer")
 
 # %% [markdown]
-# ## A FlashAttention prefill kernel in Triton
+# ## A FlashAttention prefill kernel in Triton (try `exercises/01_online_softmax.ipynb` first)
 # **Why a custom kernel.** Prefill processes whole prompts: thousands of queries per sequence, so attention
 # is a pair of large matrix multiplies and is *compute-bound*. The kernel's job is to keep the tensor cores
 # busy while never writing `scores` to memory.
@@ -1047,22 +1047,89 @@ for row in prefill["rows"]:
 
 # %% [markdown]
 # ## Check yourself
-# * Why does `RowParallelLinear` add its bias on rank 0 only?
-# * A prompt of 100 tokens continues after 60 cached tokens: which keys does its first query see?
-# * How many bytes of scores would the naive attention allocate for Qwen3-0.6B at 32k tokens, all 28 layers?
+# Each question has a cell with `answer = None`: replace `None` with your answer (a number worked out by hand, or
+# an expression computed from the objects above) and run it; the check compares it with what the objects say. The
+# worked answer follows.
 #
-# The cells below assert the answers to the last two.
+# **1.** `RowParallelLinear` adds its bias on rank 0 only. Below, one with a bias is split over 2 ranks in this one
+# process: each rank's layer gives its partial sum, and adding them is the all-reduce. How many copies of the bias
+# does the all-reduced output hold, and how many would it hold if every rank added the bias? Answer `(ours, every)`.
 
 # %%
-# 2) query 0 of a 100-token prompt after 60 cached tokens sees keys 0..60 (61 keys)
-q1, k1, v1, cu_q1, cu_k1 = random_varlen([100], [160], 2, 1, 16)
-v1 = torch.zeros_like(v1)
-v1[:61] = 1.0
-first = flash_attn_varlen_contiguous(q1, k1, v1, cu_q1, cu_k1, 100, 160, causal=True)[0]
-torch.testing.assert_close(first, torch.ones_like(first))  # it averaged only keys whose value is 1
-# 3) 16 heads × 32768² × 4 bytes × 28 layers
-assert 16 * 32768**2 * 4 * 28 > 10 * 141e9  # 1.9 TB: more than ten H200s hold
+from unittest import mock
+
+from minivllm.layers.linear import TPGroup, tensor_parallel
+from minivllm.testing import check_answer
+
+answer = None  # your answer: replace None with an expression
+w_row, b_row, x_row = torch.randn(8, 6), torch.rand(8) + 0.5, torch.randn(3, 6)
+ranks = []
+for rank in range(2):
+    with tensor_parallel(TPGroup(rank=rank, size=2)):  # the layer each of two processes would build
+        ranks.append(RowParallelLinear(6, 8, bias=True))
+    ranks[-1].weight.weight_loader(ranks[-1].weight, w_row)  # keeps this rank's 3 input columns
+    ranks[-1].bias.weight_loader(ranks[-1].bias, b_row)  # the whole bias, on every rank
+x_parts = x_row.chunk(2, dim=-1)  # each rank holds half of the input features
+with mock.patch.object(torch.distributed, "all_reduce", lambda y, group=None: None):  # one process: we sum below
+    parts = [layer(x) for layer, x in zip(ranks, x_parts)]
+every = [torch.nn.functional.linear(x, layer.weight, layer.bias) for layer, x in zip(ranks, x_parts)]
+copies = lambda y: round(((y - x_row @ w_row.T) / b_row).mean().item())  # how many times y holds b_row
+check_answer(answer, (copies(sum(parts)), copies(sum(every))), "1. bias copies")
 
 # %% [markdown]
-# **Exercise.** `exercises/01_gelu_and_mul.ipynb`: write `GeluAndMul`, the gated activation of Gemma, and check
-# it against transformers (solution in `solutions/`).
+# Worked answer: the all-reduce adds the ranks' outputs, so a bias added on each of the `tp_size` ranks would be
+# counted `tp_size` times. Rank 0 adds it and the others do not: the sum holds it once, and equals the unsplit layer.
+
+# %%
+check_answer((1, ranks[0].tp_size), (copies(sum(parts)), copies(sum(every))), "1. bias copies")
+torch.testing.assert_close(sum(parts), torch.nn.functional.linear(x_row, w_row, b_row))
+
+# %% [markdown]
+# **2.** A prompt of 100 tokens continues after 60 cached tokens, so its sequence has 160 keys. Which keys does its
+# first query see? Answer the list of their indices. (The kernel below runs with zero queries, which weigh every
+# visible key equally, and key `j`'s value is 1 in feature `j` only: the output is nonzero where a key was seen.)
+
+# %%
+answer = None  # your answer: replace None with an expression
+q2, k2, _, cu_q2, cu_k2 = random_varlen([100], [160], 2, 2, 128, dtype=torch.bfloat16)
+# key j's value: 1 in feature j of the 256 (2 heads of 128 side by side), 0 elsewhere
+v2 = torch.eye(160, 256, dtype=torch.bfloat16, device=DEVICE).view(160, 2, 128)
+out2 = flash_attn_varlen_contiguous(torch.zeros_like(q2), k2, v2, cu_q2, cu_k2, 100, 160, causal=True)
+seen_keys = out2[0].flatten().nonzero().flatten().tolist()  # query 0: its heads' features side by side
+check_answer(answer, seen_keys, "2. keys seen")
+
+# %% [markdown]
+# Worked answer: causal attention aligned bottom-right lets query `i` see keys `j ≤ i + (len_k − len_q)`; for `i = 0`
+# that is `j ≤ 160 − 100 = 60`: the 60 cached tokens and its own, 61 keys.
+
+# %%
+check_answer(list(range(0 + (160 - 100) + 1)), seen_keys, "2. keys seen")
+
+# %% [markdown]
+# **3.** How many bytes of scores would `attention_ref` allocate for one prompt of 32,768 tokens with Qwen3-0.6B's
+# attention (16 query heads, 8 KV heads, head_dim 128), summed over its 28 layers? The cell runs one layer on the
+# `meta` device (shapes, no memory) and records the size of the tensor the softmax is given.
+
+# %%
+answer = None  # your answer: replace None with an expression
+scores_bytes = []
+torch.softmax = lambda x, dim: (scores_bytes.append(x.numel() * x.element_size()), original_softmax(x, dim=dim))[1]
+try:
+    n = 32768
+    qkv_meta = (torch.empty(n, heads, 128, device="meta") for heads in (16, 8, 8))
+    attention_ref(*qkv_meta, torch.tensor([0, n]), torch.tensor([0, n]), causal=True)
+finally:
+    torch.softmax = original_softmax
+check_answer(answer, scores_bytes[0] * 28, "3. naive score bytes")
+
+# %% [markdown]
+# Worked answer: one float32 score per (head, query, key): 16 × 32,768² × 4 bytes = 64 GiB per layer, 1.9 TB over
+# 28 layers, more than ten H200s hold (and the probabilities need as much again). FlashAttention keeps none of it.
+
+# %%
+check_answer(16 * 32768**2 * 4 * 28, scores_bytes[0] * 28, "3. naive score bytes")
+print(f"{16 * 32768**2 * 4 * 28 / 1e12:.1f} TB: {16 * 32768**2 * 4 * 28 / 141e9:.0f} H200s")
+
+# %% [markdown]
+# **Exercises** (solutions in `solutions/`): `exercises/01_online_softmax.ipynb` (the online softmax and split-K in
+# PyTorch) and `exercises/01_triton_rmsnorm.ipynb` (vLLM's fused add + RMSNorm as a Triton kernel).

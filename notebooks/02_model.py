@@ -1026,6 +1026,7 @@ class Config:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False  # True: no CUDA graphs
     enable_prefix_caching: bool = True
+    scheduling_policy: str = "unified"  # "unified": mixed prefill + decode steps (vLLM v1); or "prefill-first"
     seed: int = 0
     device: str | None = None  # None: cuda if available, else cpu
     hf_config: Any = field(init=False, repr=False)
@@ -1048,6 +1049,10 @@ class Config:
             "num_kvcache_blocks": (self.num_kvcache_blocks is None or self.num_kvcache_blocks >= 1, "None or >= 1"),
             "gpu_memory_utilization": (0 < self.gpu_memory_utilization <= 1, "in (0, 1]"),
             "device": (self.device in ("cpu", "cuda"), "'cpu' or 'cuda'"),
+            "scheduling_policy": (
+                self.scheduling_policy in ("unified", "prefill-first"),
+                "'unified' or 'prefill-first'",
+            ),
         }
         for name, (ok, allowed) in checks.items():
             if not ok:
@@ -1206,34 +1211,88 @@ for bad in (
 
 # %% [markdown]
 # ## Check yourself
-# * Which checkpoint tensors end up in `model.layers.3.mlp.gate_up_proj.weight`, and in which order?
-# * How many rows does the 0.6B's `qkv_proj.weight` have on each of 2 ranks?
-# * Why does a tied checkpoint have no `lm_head.weight`, and what does our model use instead?
-# * What would the loader say about a checkpoint whose `v_proj` has 4 KV heads instead of 8?
+# Replace `None` in each `answer = None` with your answer (by hand, or computed from the objects above) and run the
+# cell: the check compares it with what the objects say. The worked answer follows.
 #
-# The cells below assert the answers.
+# **1.** Which checkpoint tensors, with which shard ids, load into `model.layers.3.mlp.gate_up_proj.weight`? A dict.
 
 # %%
-gate_up = {hf: s for hf, (ours, s) in names.items() if ours == "model.layers.3.mlp.gate_up_proj.weight"}
-assert gate_up == {"model.layers.3.mlp.gate_proj.weight": 0, "model.layers.3.mlp.up_proj.weight": 1}
-assert (16 + 2 * 8) * 128 // 2 == 2048  # q heads + k heads + v heads, times head_dim, halved
-assert model.lm_head.weight is model.model.embed_tokens.weight
-assert model.model.layers[0].self_attn.rotary_emb is model.model.layers[-1].self_attn.rotary_emb  # one RoPE table
-from minivllm.models.loader import check_checkpoint
+import re
 
+from minivllm.layers.linear import TPGroup, tensor_parallel
+from minivllm.models.loader import check_checkpoint
+from minivllm.testing import check_answer
+
+answer = None  # your answer: replace None with an expression
+gate_up = {hf: s for hf, (ours, s) in names.items() if ours == "model.layers.3.mlp.gate_up_proj.weight"}
+check_answer(answer, gate_up, "1. gate_up")
+
+# %% [markdown]
+# Worked answer: `packed_modules_mapping` packs `gate_proj` as shard 0 and `up_proj` as shard 1, one above the other;
+# the rest of the name, layer index included, carries over.
+
+# %%
+check_answer({"model.layers.3.mlp.gate_proj.weight": 0, "model.layers.3.mlp.up_proj.weight": 1}, gate_up, "1. gate_up")
+
+# %% [markdown]
+# **2.** Split Qwen3-0.6B over 2 ranks: how many rows does `qkv_proj.weight` have on each? Answer a list, one per rank.
+
+# %%
+answer = None  # your answer: replace None with an expression
 config_06 = preset_config("qwen3-0.6b")
+qkv_rows = []
+for rank in range(2):
+    with torch.device("meta"), tensor_parallel(TPGroup(rank=rank, size=2)):  # rank's model: shapes, no memory
+        qkv_rows.append(Qwen3ForCausalLM(config_06).model.layers[0].self_attn.qkv_proj.weight.shape[0])
+check_answer(answer, qkv_rows, "2. qkv rows")
+
+# %% [markdown]
+# Worked answer: each rank keeps half the 16 query heads and half the 8 KV heads, the latter once for K and once for
+# V, each head 128 rows: (16 + 2 × 8) × 128 / 2 = 2,048 rows of the full 4,096.
+
+# %%
+check_answer([(16 + 2 * 8) * 128 // 2] * 2, qkv_rows, "2. qkv rows")
+
+# %% [markdown]
+# **3.** The tiny checkpoint is tied and holds no `lm_head.weight`. Which of our model's parameters does its LM head
+# use? Answer its name, as `model.named_parameters()` lists it.
+
+# %%
+answer = None  # your answer: replace None with an expression
+head_name = next(name for name, p in model.named_parameters() if p is model.lm_head.weight)
+check_answer(answer, head_name, "3. tied head")
+
+# %% [markdown]
+# Worked answer: tied means one matrix at both ends: the LM head scores the vocabulary with the embedding table itself
+# (a token's logit is its embedding · the hidden state). The checkpoint stores it once, under the embedding's name.
+
+# %%
+check_answer("model.embed_tokens.weight", head_name, "3. tied head")
+assert "lm_head.weight" not in shapes  # the tiny checkpoint's tensors
+
+# %% [markdown]
+# **4.** A 0.6B checkpoint whose layer-5 `v_proj.weight` was made for 4 KV heads instead of 8: which shape does the
+# loader expect, and which does it say it got? Answer `(expected, got)`, two shape tuples.
+
+# %%
+answer = None  # your answer: replace None with an expression
 with torch.device("meta"):  # transformers' model lists a real checkpoint's tensors and shapes
     shapes_06 = {name: tuple(t.shape) for name, t in HFQwen3ForCausalLM(config_06).state_dict().items()}
     qwen06 = Qwen3ForCausalLM(config_06)
-bad = shapes_06 | {"model.layers.5.self_attn.v_proj.weight": (4 * 128, 1024)}
 try:
     with torch.device("meta"):
-        check_checkpoint(qwen06, bad, config_06)
-except ValueError as e:
-    assert "v_proj" in str(e) and "(1024, 1024)" in str(e) and "(512, 1024)" in str(e), e
-    print(e)
-else:
+        check_checkpoint(qwen06, shapes_06 | {"model.layers.5.self_attn.v_proj.weight": (4 * 128, 1024)}, config_06)
     raise AssertionError("a mis-shaped v_proj was accepted")
+except ValueError as e:
+    reported = tuple((int(a), int(b)) for a, b in re.findall(r"\((\d+), (\d+)\)", str(e)))  # the shapes it names
+check_answer(answer, reported, "4. v_proj shapes")
+
+# %% [markdown]
+# Worked answer: `v_proj` maps the 1,024 hidden features to 8 KV heads × 128 dims, (1024, 1024); made for 4 heads it
+# is (512, 1024). The loader rehearses every copy on the meta device, so it says so before reading any weight.
+
+# %%
+check_answer(((8 * 128, 1024), (4 * 128, 1024)), reported, "4. v_proj shapes")
 
 # %% [markdown]
 # **Exercise.** `exercises/02_llama.ipynb`: write `LlamaForCausalLM` from the same layers (no q/k norms),

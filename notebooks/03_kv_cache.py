@@ -81,7 +81,6 @@ print(f"sequences an H200 (141 GB, ~1.2 GB of weights) holds at full context: {f
 block_size, block_table, t = 16, [7, 2, 9], 37  # logical block i -> physical block; token 37: block 2, offset 5
 slot = block_table[t // block_size] * block_size + t % block_size
 print(f"token {t} -> physical block {block_table[t // block_size]}, slot {slot}")
-assert slot == 9 * 16 + 5
 
 # %% [markdown]
 # ## Sequence: one request and where its KV lives
@@ -251,7 +250,7 @@ assert compute_hash(b, h_a) != compute_hash(b, h_b)  # same tokens, different pr
 assert compute_hash(b, h_a) == compute_hash(list(b), compute_hash(list(a)))  # deterministic
 
 # %% [markdown]
-# ## The BlockManager
+# ## The BlockManager (write one first? `exercises/03_paged_allocator.ipynb`, then `03_prefix_caching`)
 # The block manager owns `num_blocks` blocks (their KV tensors live in the model runner, notebook 04; here a
 # block is only an id and some bookkeeping) and their size, which the scheduler and every sequence read from
 # here. The scheduler (notebook 05) talks to it in seven calls:
@@ -1249,32 +1248,53 @@ assert best("minivllm-triton", 1, 16384) > 3 * best("minivllm-prefill-kernel", 1
 
 # %% [markdown]
 # ## Check yourself
-# * A request of 33 tokens with blocks of 16: how many blocks does it hold, and how many tokens does its
-#   last block hold? After one more token? After 15 more?
-# * Two requests share a 40-token prompt (blocks of 16). How many tokens does the second one prefill?
-# * Why would hashing a block's tokens *without* its parent's hash give wrong answers, even though the hit is
-#   checked against the stored token ids?
-#
-# The cells below assert the answers.
+# **1.** A request of 33 tokens, blocks of 16: its `(num_blocks, last_block_num_tokens)` now, after 1 more token,
+# and after 15 more? Answer a list of three pairs.
 
 # %%
-# 1) 33 tokens: 3 blocks, 1 token in the last; 34 tokens: still 3; 48 tokens: 3 blocks, the last one full
-q = Sequence(list(range(33)), block_size=16)
-assert (q.num_blocks, q.last_block_num_tokens) == (3, 1)
-q.append_token(0)
-assert (q.num_blocks, q.last_block_num_tokens) == (3, 2)
-for _ in range(14):
-    q.append_token(0)
-assert (q.num_blocks, q.last_block_num_tokens) == (3, 16)
-# 2) the first 32 tokens are two cached full blocks; the 8 tokens of the partial block are prefilled
+from minivllm.testing import check_answer
+
+answer = None  # your answer: replace None with an expression (the check below compares it with the objects)
+pairs = [(q.num_blocks, q.last_block_num_tokens) for q in (Sequence([0] * n, block_size=16) for n in (33, 34, 48))]
+check_answer(answer, pairs, "1. blocks")
+
+# %% [markdown]
+# Worked answer: `n` tokens fill `⌈n / 16⌉` blocks, the last one holding the rest: 1 token, 2, then 16 (full).
+
+# %%
+check_answer([(-(-n // 16), n - 16 * (-(-n // 16) - 1)) for n in (33, 34, 48)], pairs, "1. blocks")
+
+# %% [markdown]
+# **2.** Two requests share a 40-token prompt (blocks of 16). How many tokens does the second one prefill?
+
+# %%
+answer = None  # your answer: replace None with an expression
 check = BlockManager(num_blocks=16, block_size=16)
 first, second = Sequence(list(range(40)), block_size=16), Sequence(list(range(40)), block_size=16)
 admit(check, first)
 admit(check, second)
-assert len(second) - second.num_cached_tokens == 8
-# 3) the same block after different prefixes holds different KV; the chained hash tells them apart
-x, y, z = [1] * 16, [2] * 16, [3] * 16
-admit(check, Sequence(x + z + [0], block_size=16))
-other = Sequence(y + z + [0], block_size=16)
-admit(check, other)
-assert other.num_cached_tokens == 0  # z after y is not z after x
+check_answer(answer, len(second) - second.num_cached_tokens, "2. prefill after a hit")
+
+# %% [markdown]
+# Worked answer: only full blocks are cached and shared: 2 × 16 = 32 tokens hit, the 8 of the partial block are computed.
+
+# %%
+check_answer(40 - 40 // 16 * 16, len(second) - second.num_cached_tokens, "2. prefill after a hit")
+
+# %% [markdown]
+# **3.** After `x + z` and `y + w` ran (four different full blocks), `y + z + [0]` arrives: how many of its tokens hit?
+
+# %%
+answer = None  # your answer: replace None with an expression
+x, y, z, w = ([i] * 16 for i in (1, 2, 3, 4))
+for prompt in (x + z + [0], y + w + [0], y + z + [0]):  # `other` is the last one
+    admit(check, other := Sequence(prompt, block_size=16))
+check_answer(answer, other.num_cached_tokens, "3. chained hash")
+
+# %% [markdown]
+# Worked answer: 16, `y` only. The cached `z` was computed after `x`, so its KV mixes `x` in; its hash chains `x`'s, and
+# the lookup after `y` misses. A hash of `z`'s tokens alone would hit, and hand over the wrong KV silently.
+
+# %%
+check_answer(len(y), other.num_cached_tokens, "3. chained hash")
+assert compute_hash(z, compute_hash(x)) in check.hash_to_block_id  # z is cached, but under x's name

@@ -22,9 +22,8 @@
 # **What it assumes.** Notebook 02's Qwen3 and its `AttentionContext`, notebook 03's `Sequence`,
 # `BlockManager` (block tables, slots, prefix hits) and paged kernels.
 #
-# **The one rule of this notebook.** Every path must give the same logits as `testing.prompt_logits` over the whole
-# sequence, computed from scratch: a prefix-cache hit, a long decode, a shuffled block table. A paged engine
-# that gets this wrong does not crash; it silently writes different text.
+# **The one rule.** Every path (a prefix-cache hit, a long decode, a shuffled block table) gives the logits of
+# `testing.prompt_logits`, from scratch. A paged engine that gets this wrong does not crash: it writes other text.
 
 # %%
 import os
@@ -47,15 +46,12 @@ random.seed(0)
 # %% [markdown]
 # ## Sampling: from logits to the next token
 # The model ends with one row of logits per sequence: a score for each of Qwen3's 151,936 tokens. The sampler
-# turns each row into one token id, as the request's `SamplingParams` (notebook 03) say, and one batch mixes
-# them: a greedy request next to one at temperature 0.8 with top-p 0.95, next to a seeded one that must give
-# the same answer every time it is sent. Per row, **temperature** reshapes the distribution (0 means greedy:
-# take the most likely token), **filters** (top-k, top-p, min-p) drop the unlikely tail, and **a draw** picks
-# a token from what is left.
-#
-# Each step is a few tensor operations over the batch, with per-row settings in per-row tensors: no Python loop
-# over rows (except seeded ones, as we will see). All in float32: bfloat16 keeps about 3 significant digits.
-# We follow one small distribution, a model's guesses for the word after "The cat sat on the", on the CPU.
+# turns each row into one token id as its request's `SamplingParams` (notebook 02) say, and one batch mixes
+# greedy, creative and seeded requests. Per row, **temperature** reshapes the distribution (0: greedy, the most
+# likely token), **filters** (top-k, top-p, min-p) drop the unlikely tail, and **a draw** picks from what is
+# left: a few tensor operations over the batch, per-row settings in per-row tensors, no Python loop over rows
+# (except seeded ones), all in float32 (bfloat16 keeps about 3 significant digits). We follow one small
+# distribution, a model's guesses for the word after "The cat sat on the", on the CPU.
 
 # %%
 words = ["mat", "floor", "sofa", "bed", "chair", "roof", "table", "rug", "fence", "keyboard", "moon", "piano"]
@@ -84,7 +80,7 @@ assert all(probs.argmax() == 0 for probs in probs_at.values())  # the ranking st
 assert probs_at[0.01][0] > 0.999  # almost greedy
 
 # %% [markdown]
-# ### Cutting the tail: top-k, top-p, min-p
+# ### Cutting the tail: top-k, top-p, min-p (to write yourself: `exercises/04_sampler_filters.ipynb`)
 # Even a sharp distribution leaves its tail real mass: 150,000 tokens at one in a million each add up to 15%.
 # Draw enough tokens and one comes out, and one nonsense token derails all the text after it. The filters
 # drop the tail before the draw, with vLLM's definitions in vLLM's order:
@@ -92,14 +88,12 @@ assert probs_at[0.01][0] > 0.999  # almost greedy
 # * **top-k** keeps the `k` most likely tokens (`-1` is off);
 # * **top-p** (nucleus) keeps the smallest set of most likely tokens whose mass reaches `p` (`1` is off): few
 #   when the model is sure, many when it is not, never none. It measures what top-k left, renormalized;
-# * **min-p** keeps the tokens at least `min_p` times as likely as the most likely one (`0` is off). A ratio
-#   to the maximum survives renormalization, so min-p cuts the same tokens wherever it stands; but top-p
-#   measured *after* it would see a different mass, so the order still matters: min-p goes last (vLLM v0's
-#   order; vLLM v1 applies min-p first).
+# * **min-p** keeps the tokens at least `min_p` times as likely as the most likely one (`0` is off). It cuts
+#   the same tokens wherever it stands, but top-p after it would see a different mass: it goes last (vLLM v0's
+#   order; v1 applies min-p first).
 #
-# All three look at ranks and running sums, so **one sort serves all three**: sort each row once, largest
-# first, and each filter is one comparison of the sorted `(batch, vocab)` tensor with a per-row threshold
-# (a disabled filter's threshold keeps everything). The mask is then scattered back to vocabulary order.
+# **One sort serves all three**: sort each row once, largest first; each filter is then one comparison of the
+# sorted `(batch, vocab)` tensor with a per-row threshold, and the mask is scattered back to vocabulary order.
 
 # %% tags=["export"] module="minivllm.layers.sampler"
 from dataclasses import dataclass
@@ -278,9 +272,8 @@ assert not torch.equal(batch[1], batch[2]) and not torch.equal(alone, later)
 # stall the CPU. `seeds` and `steps` stay on the CPU, the only side that reads them. A seed is folded into
 # `[0, 2⁶³)` so that `-1` means "no seed".
 #
-# Three host-side flags skip work: `filtering` is false when no random row uses a filter (a plain
-# `temperature=0.6` workload, like nano-vllm's benchmark), and the sampler skips the sort, its most expensive
-# step; `all_greedy` (nothing to draw) and `any_greedy` (an argmax to merge in) save passes over the logits.
+# Three host-side flags skip work: `filtering` (false: no sort, the sampler's dearest step, as in nano-vllm's
+# plain `temperature=0.6` benchmark), `all_greedy` (nothing to draw), `any_greedy` (an argmax to merge in).
 
 
 # %% tags=["export"]
@@ -486,20 +479,15 @@ class PagedContext:
 
 
 # %% [markdown]
-# ## The model runner
-# The scheduler (notebook 05) hands the runner some sequences for a prefill or a decode step. The runner:
-#
-# 1. **prepares** the inputs on the host:
-#    * prefill: each sequence's `num_scheduled_tokens` tokens after its `num_cached_tokens` cached ones (the
-#      rest of its prompt, or one chunk of it), packed end to end, with positions, slots, `cu_seqlens_q` (new
-#      tokens), `cu_seqlens_k` (cached + new), and block tables when something is cached already;
-#    * decode: each sequence's last token, its position, its slot, its cache length, the block tables;
-# 2. copies them to the device (from pinned memory, without waiting for the GPU), runs the model with a
-#    `PagedContext`, and computes the logits of each sequence's last position (the only ones a step needs);
-# 3. samples one token per sequence.
-#
-# Preparation is NumPy over whole arrays (at 256 sequences of 1,000 tokens a Python loop per token would cost
-# more than the GPU's step), into a `StepInputs` of plain arrays: what rank 0 sends the other ranks under TP.
+# ## The model runner (its decode inputs, to write yourself: `exercises/04_prepare_decode.ipynb`)
+# The scheduler (notebook 05) hands the runner sequences for a step. The runner **prepares** the inputs on
+# the host: for a prefill, each sequence's `num_scheduled_tokens` tokens after its `num_cached_tokens` cached
+# ones, packed end to end, with positions, slots, `cu_seqlens_q` (new tokens), `cu_seqlens_k` (cached + new)
+# and block tables when something is cached; for a decode, each sequence's last token, position, slot, cache
+# length and block table. It **copies** them to the device (pinned memory, no waiting), runs the model with a
+# `PagedContext`, computes the logits of each sequence's last position, and **samples**. Preparation is NumPy
+# over whole arrays (a Python loop per token would cost more than the GPU's step), into a `StepInputs` of
+# plain arrays: also what rank 0 sends the other ranks under TP.
 
 # %% tags=["export"] module="minivllm.engine.model_runner"
 import atexit
@@ -671,7 +659,6 @@ h200 = 141e9 * 0.9 - weights - 4e9  # gpu_memory_utilization 0.9, minus weights 
 tokens = h200 / per_token
 print(f"{per_token // 1024} KiB per token: {layers} layers × {heads} KV heads × {dims} dims × K, V × 2 bytes")
 print(f"H200: ≈ {tokens / 1e6:.2f} M tokens, {tokens / 40960:.0f} sequences of 40,960 or {tokens / 2048:.0f} of 2,048")
-assert per_token == 112 * 1024
 
 
 # %% tags=["export"]
@@ -969,7 +956,7 @@ class ModelRunner:
 
 
 # %% [markdown]
-# ## Every path gives the logits of a from-scratch forward
+# ## Every path gives the logits of a from-scratch forward (a bug to find: `exercises/04_find_the_bug.ipynb`)
 # The claim of this notebook, on notebook 02's tiny checkpoint: prompts are prefilled through the paged path,
 # then decoded through shuffled block tables; at every step the logits must equal `prompt_logits` over the
 # whole sequence, from scratch.
@@ -1072,21 +1059,42 @@ print(f"KV cache on {step_data['device']}: {step_data['kv_cache_tokens'] / 1e6:.
 assert rows["minivllm", 1] < rows["minivllm-eager", 1]
 
 # %% [markdown]
-# In the committed H200 run the eager step barely notices the batch: 30–38 ms up to 32 sequences, 52–55 ms
-# from 64 to 256. It is bound by Python launching hundreds of kernels one by one, not by the GPU. The graph
-# replays them in one call: 2.0 ms at batch 1, 15× faster, growing to 8.1 ms at 256 (still 6.5× faster) as
-# the KV cache read grows (at 256 sequences of 513 tokens, 15 GB per step).
+# On the H200 the eager step barely notices the batch (30–38 ms up to 32 sequences, 52–55 ms from 64): Python
+# launching kernels one by one is the bound. The graph replays them in one call: 2.0 ms at batch 1 (15×), 8.1 ms
+# at 256 (6.5×), growing with the KV cache read (15 GB per step at 256 sequences of 513 tokens).
 
 # %% [markdown]
 # ## Check yourself
-# * A sequence of 37 tokens with blocks of 16 and block table `[7, 2, 9]` decodes its 38th token. Which slot
-#   does its KV go to, and what `context_len` does the decode kernel see?
-# * Why may a prefill with a prefix-cache hit *not* use notebook 01's kernel on the new tokens' `k` and `v`?
-# * Why does the decode kernel compute `num_splits` from the batch size only, never from the context lengths?
+# 1. A sequence of 37 tokens with blocks of 16 and block table `[7, 2, 9]` decodes its 38th token. Which slot
+#    does its KV go to, and what `context_len` does the decode kernel see? Answer `(slot, context_len)`.
+# 2. `second` above prefilled 4 new tokens after a 48-token cache hit. Over how many keys does that prefill
+#    attend, and how many are in the new tokens' own `k` and `v`, all that notebook 01's kernel is given?
+#    Answer `(keys, new)`.
+# 3. A decode step of 5 sequences replays a CUDA graph (`max_num_seqs=256`): the one captured for which batch
+#    size? And why may the decode kernel's `num_splits` depend on the batch size only?
 
 # %%
-seq = Sequence(list(range(37)), block_size=16)  # the first answer
+from minivllm.testing import check_answer
+
+answer1 = answer2 = answer3 = None  # your answers: replace None with expressions
+seq = Sequence(list(range(38)), block_size=16)  # the 37 tokens and the 38th, just sampled
 seq.block_table = [7, 2, 9]
-seq.append_token(0)
-check = prepare_decode([seq], block_size=16)
-assert list(check.slot_mapping) == [9 * 16 + 5] and list(check.context_lens) == [38]
+decode, hit_step = prepare_decode([seq], block_size=16), prepare_prefill([second], block_size=16)
+expected1 = (int(decode.slot_mapping[0]), int(decode.context_lens[0]))
+expected2 = (int(hit_step.cu_seqlens_k[-1]), int(hit_step.cu_seqlens_q[-1]))
+expected3 = next(b for b in graph_batch_sizes(256) if b >= 5)
+check_answer(answer1, expected1, "1. decode slot")
+check_answer(answer2, expected2, "2. keys after a hit")
+check_answer(answer3, expected3, "3. graph replayed")
+
+# %% [markdown]
+# Worked answers. **1.** Token 37 (from 0): logical block 37 // 16 = 2, physical block 9, offset 37 % 16 = 5;
+# the kernel attends over all 38 tokens, its own included. **2.** 52 and 4: the new queries must also see the 48
+# cached keys, which live only in the paged cache, read through the block tables. **3.** Graphs exist for 1, 2,
+# 4, 8, 16, 32, …: 5 pads to 8. The graph fixed its kernels' grids, `num_splits` included, at capture.
+
+# %%
+check_answer((9 * 16 + 37 % 16, 37 + 1), expected1, "1. decode slot")
+check_answer((48 + 4, 4), expected2, "2. keys after a hit")
+check_answer(min(b for b in (1, 2, 4, 8, 16, 32) if b >= 5), expected3, "3. graph replayed")
+assert hit_step.block_tables is not None

@@ -61,7 +61,7 @@ rng = np.random.default_rng(0)
 #
 # A **prefill** computes the KV of new prompts (thousands of tokens, compute-bound on a GPU) and gives each
 # its first token. A **decode** computes one token for each running request (a few hundred tokens at most,
-# memory-bound: notebook 04). Our steps are one kind or the other, as in nano-vllm and vLLM before v1:
+# memory-bound: notebook 03). Our steps are one kind or the other, as in nano-vllm and vLLM before v1:
 #
 # * each kind has its own attention path (varlen FlashAttention over new tokens, or PagedAttention with one
 #   query per sequence), so a step runs one well-tuned kernel;
@@ -297,6 +297,11 @@ class Scheduler:
         if self.running and len(self.running[-1]) - self.running[-1].num_cached_tokens > 1:
             seqs.append(self.running[-1])  # a prompt part-way through a chunked prefill goes on first
             budget -= self.schedule_chunk(self.running[-1], budget)
+        return seqs + self.admit(budget)
+
+    def admit(self, budget: int) -> list[Sequence]:
+        """Waiting requests, in order, while a seat, the token budget and the KV blocks of the prompt allow."""
+        seqs: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not self.block_manager.can_allocate(seq):
@@ -320,16 +325,21 @@ class Scheduler:
             if seq.status == SequenceStatus.WAITING:
                 continue  # preempted below, to make room for an older one
             assert len(seq) - seq.num_cached_tokens == 1, "a decode computes exactly the newest token"
-            while not self.block_manager.can_append(seq):  # its newest token needs a block and none is free
-                self.preempt(self.running.pop())  # the most recently admitted one; seq itself once it is the newest
-                if seq.status == SequenceStatus.WAITING:
-                    break
-            else:
-                self.block_manager.may_append(seq)
-                seq.num_scheduled_tokens = 1
+            if self.reserve(seq):
                 seqs.append(seq)
         assert seqs, "the oldest request always fits once the others are preempted"
         return seqs
+
+    def reserve(self, seq: Sequence) -> bool:
+        """Room for seq's newest token, preempting the newest requests (seq itself last) until there is: whether
+        seq is still running (then it is scheduled for that one token)."""
+        while not self.block_manager.can_append(seq):  # its newest token needs a block and none is free
+            self.preempt(self.running.pop())  # the most recently admitted one; seq itself once it is the newest
+            if seq.status == SequenceStatus.WAITING:
+                return False
+        self.block_manager.may_append(seq)
+        seq.num_scheduled_tokens = 1
+        return True
 
     def preempt(self, seq: Sequence) -> None:
         """Recompute later: free its blocks and queue it first. Its tokens, the generated ones too, are kept. The
@@ -437,6 +447,7 @@ def serve(
         batch, is_prefill = scheduler.schedule()
         hit_tokens += sum(seq.num_cached_tokens for seq in batch if is_prefill and index[seq.seq_id] in waiting)
         duration, lens = step_cost(batch, is_prefill), [len(seq) for seq in batch]
+        decodes = sum(seq.num_completion_tokens > 0 and seq.num_scheduled_tokens == 1 for seq in batch)
         token_ids = runner.run(batch, is_prefill) if model else [0] * len(batch)
         finished = scheduler.postprocess(batch, token_ids)
         clock += duration
@@ -453,6 +464,7 @@ def serve(
                 is_prefill=is_prefill,
                 num_seqs=len(batch),
                 num_tokens=sum(seq.num_scheduled_tokens for seq in batch),
+                decode_tokens=decodes,  # rows of a request that is generating; the rest are prompt tokens
                 chunks=sum(unfinished),
                 running=len(scheduler.running),
                 waiting=len(scheduler.waiting),
@@ -1002,6 +1014,105 @@ assert np.percentile(df["ttft"], 90) > 5 * np.percentile(pf["ttft"], 90)
 assert np.median(pf["tpot"]) >= np.median(df["tpot"])
 
 # %% [markdown]
+# ## One token budget per step: mixed batches (vLLM v1)
+# Under prefill first, every running request waits out each prefill step, and a long prompt chunked by the
+# budget is several such steps in a row. vLLM v1 has one kind of step: a budget of `max_num_batched_tokens`,
+# spent first on the running requests, oldest first (a token each to decode, or a prompt's next chunk), then on
+# waiting prompts with what is left, all in one forward. A decode row is a one-token chunk after its cached
+# ones: notebook 04's prefill path over the paged cache computes any mix, and a step of decode rows only still
+# takes the decode path and its CUDA graphs. The engine uses this policy unless `scheduling_policy=
+# "prefill-first"`.
+
+
+# %% tags=["export"] module="minivllm.engine.scheduler"
+class UnifiedScheduler(Scheduler):
+    """vLLM v1's policy: one token budget per step, spent on the running requests first (a decode token each, or
+    a prompt's next chunk), oldest first, then on waiting prompts; the rows of a step mix prefill and decode."""
+
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        """This step's sequences, and whether it needs the prefill path (False: every row decodes one token)."""
+        budget, seqs = self.max_num_batched_tokens, []
+        for seq in list(self.running):  # oldest first
+            if budget == 0:
+                break
+            if seq.status == SequenceStatus.WAITING:
+                continue  # preempted below, to make room for an older one
+            if len(seq) - seq.num_cached_tokens > 1:  # a prompt part-way through: its next chunk
+                budget -= self.schedule_chunk(seq, budget)
+                seqs.append(seq)
+            elif self.reserve(seq):  # its newest token
+                budget -= 1
+                seqs.append(seq)
+        seqs += self.admit(budget)
+        assert seqs, "the oldest request always fits once the others are preempted"
+        decode_only = all(seq.num_scheduled_tokens == 1 and seq.num_cached_tokens + 1 == len(seq) for seq in seqs)
+        return seqs, not decode_only
+
+
+# %% [markdown]
+# Watch the difference on a stall: eight requests are decoding when a prompt of 1,500 tokens arrives (at 0.25 s),
+# with a budget of 512 tokens a step. Prefill first spends three steps on its chunks while the eight wait; the
+# unified policy gives each of those steps the eight decode tokens too (and 504 prompt tokens instead of 512).
+
+# %%
+policies = {"prefill first": Scheduler, "unified": UnifiedScheduler}
+rng_mix = np.random.default_rng(5)
+stall_prompts = [rng_mix.integers(3, 2048, 32).tolist() for _ in range(8)] + [rng_mix.integers(3, 2048, 1500).tolist()]
+stalls = {
+    name: serve(
+        make_scheduler(512, cls=cls, max_num_seqs=16, max_num_batched_tokens=512),
+        [request(p, 24 if len(p) == 32 else 8) for p in stall_prompts],
+        np.array([0.0] * 8 + [0.25]),
+        model=False,
+    )
+    for name, cls in policies.items()
+}
+fig, axes = plt.subplots(1, 2, figsize=(13, 3.8), sharey=True)
+for ax, (name, run) in zip(axes, stalls.items()):
+    decode = np.array([r["decode_tokens"] for r in run["rows"]])
+    prompt = np.array([r["num_tokens"] for r in run["rows"]]) - decode
+    ax.bar(np.arange(len(decode)), prompt, color="tab:orange", label="prompt tokens")
+    ax.bar(np.arange(len(decode)), decode * 40, bottom=prompt, color="tab:blue", label="decode tokens (× 40)")
+    ax.set(title=f"{name}: {run['seconds']:.2f} s in all", xlabel="step")
+axes[0].set_ylabel("tokens computed in the step")
+axes[0].legend(loc="upper right")
+fig.tight_layout()
+fig.savefig(FIGURES / "05_unified_steps.png", dpi=120)
+for name, run in stalls.items():  # the steps that compute the long prompt's chunks, and the decode tokens in them
+    chunks = [
+        r["decode_tokens"] for r in run["rows"] if r["time"] > 0.25 and r["num_tokens"] - r["decode_tokens"] > 100
+    ]
+    tpot = np.median((run["latency"][:8] - run["ttft"][:8]) / 23)
+    print(f"{name:>13}: decode tokens in the chunk steps {chunks}; TPOT of the eight, median {tpot * 1e3:.0f} ms")
+    assert len(chunks) >= 3 and (all(chunks) if name == "unified" else not any(chunks))
+
+# %% [markdown]
+# The same requests give the same tokens under both policies (the real model here, greedy): a row's logits do
+# not depend on what else is in its step. And on the online workload of the previous section, the unified
+# policy keeps prefill first's short time to first token while decode rows never wait out a prefill step:
+
+# %%
+same = [(rng_mix.integers(3, 2048, int(n)).tolist(), 12) for n in (40, 300, 7, 120, 64)]
+tokens = {}
+for name, cls in policies.items():
+    seqs = [request(p, n) for p, n in same]
+    serve(make_scheduler(64, cls=cls, max_num_seqs=4, max_num_batched_tokens=128), seqs, np.arange(5) * 0.05)
+    tokens[name] = [seq.completion_token_ids for seq in seqs]
+    limits = dict(max_num_seqs=16, max_num_batched_tokens=512)
+    run = serve(
+        make_scheduler(256, cls=cls, **limits),
+        [request(p, n) for p, n in online_requests],
+        online_arrivals,
+        model=False,
+    )
+    tpot = (run["latency"] - run["ttft"]) / np.array([n - 1 for _, n in online_requests])
+    print(
+        f"{name:>13}: TTFT median {np.median(run['ttft']) * 1e3:4.0f} ms, TPOT median {np.median(tpot) * 1e3:4.1f} "
+        f"ms, p99 {np.percentile(tpot, 99) * 1e3:4.1f} ms; all done at {run['seconds']:.1f} s"
+    )
+assert tokens["unified"] == tokens["prefill first"]
+
+# %% [markdown]
 # ## Continuous vs static batching on the same requests
 # Now an offline job: 128 requests all there at the start, with replies of 8 to 160 tokens. Static batching (the
 # decode-first scheduler above) fills the batch, runs it until its longest reply is done, then fills it again;
@@ -1064,18 +1175,16 @@ for size in (8, 16, 32):
 
 # %% [markdown]
 # ## Check yourself
-# * With `max_num_batched_tokens=64`, nothing cached and nothing else running, how many prefill steps does a
-#   150-token prompt take, and how many tokens does each compute?
-# * A 40-token prompt whose first 32 tokens are a prefix-cache hit: how much of the budget does it use?
-# * Requests a, b, c were admitted in that order; the cache is full and a's next token starts a block. Who is
-#   preempted, where does it go, and what happens to its generated tokens?
-# * Why must a prompt chunk publish only the blocks it completes, and not the whole prompt's?
-# * Why does decode first, with one kind of batch per step, turn into static batching?
+# Set each `answer` and run its cell: the check compares it with the objects. `step` runs the scheduler alone.
 #
-# The cells below assert the first three answers (the scheduler alone: the "model" samples token 0).
+# **1.** With `max_num_batched_tokens=64`, nothing cached and nothing else running, a 150-token prompt is prefilled
+# in how many steps, computing how many tokens each? Answer the list of tokens per prefill step.
 
 
 # %%
+from minivllm.testing import check_answer
+
+
 def step(scheduler: Scheduler) -> tuple[list[int], bool]:
     seqs, is_prefill = scheduler.schedule()
     scheduled = [seq.num_scheduled_tokens for seq in seqs]
@@ -1083,24 +1192,107 @@ def step(scheduler: Scheduler) -> tuple[list[int], bool]:
     return scheduled, is_prefill
 
 
-# 1) 64 + 64 + 22 tokens, in three prefill steps
+answer = None  # your answer: replace None with an expression
 check = make_scheduler(64, max_num_batched_tokens=64)
-check.add(request(list(range(1, 151)), 4))
-assert [step(check) for _ in range(3)] == [([64], True), ([64], True), ([22], True)]
-# 2) 8 tokens of the budget: the prefix hit is free
+check.add(long := request(list(range(1, 151)), 4))
+chunks = []
+while not long.completion_token_ids:  # its first token comes with its last chunk
+    (tokens,), is_prefill = step(check)
+    chunks.append(tokens)
+check_answer(answer, chunks, "1. chunks")
+
+# %% [markdown]
+# Worked answer: the budget caps each step at 64 tokens: 64, 64, and the 150 − 128 = 22 left.
+
+# %%
+check_answer([64, 64, 150 - 2 * 64], chunks, "1. chunks")
+
+# %% [markdown]
+# **2.** A 40-token prompt whose first 32 tokens are a prefix-cache hit: how much of the token budget does it use?
+
+# %%
+answer = None  # your answer: replace None with an expression
 check = make_scheduler(64, max_num_batched_tokens=64)
 first, second = request(list(range(1, 41)), 4), request(list(range(1, 33)) + [9] * 8, 4)
 check.add(first)
 step(check)
 check.add(second)
-assert step(check) == ([8], True) and second.num_cached_tokens == 40
-# 3) c, the newest, is preempted (then b, to make room for a): back at the front of waiting, tokens kept
+used, is_prefill = step(check)
+check_answer(answer, sum(used), "2. budget after a hit")
+
+# %% [markdown]
+# Worked answer: the hit is free; only the 40 − 32 = 8 tokens after it are computed.
+
+# %%
+check_answer(40 - 32, sum(used), "2. budget after a hit")
+
+# %% [markdown]
+# **3.** `a`, `b`, `c` were admitted in that order; the cache is full and `a`'s next token starts a block. After that
+# decode step: the waiting queue, and how many generated tokens does `c` hold? Answer like `([c], 0)`.
+
+# %%
+answer = None  # your answer: replace None with an expression
 check = make_scheduler(3, max_num_seqs=3)
 a, b, c = (request([i] * 16, 8) for i in (1, 2, 3))  # one full block each: the next token needs a new block
 for seq in (a, b, c):
     check.add(seq)
 step(check)  # prefill of all three; each appends its first token
-c_tokens = list(c.token_ids)
-assert step(check) == ([1], False)  # only a decodes
-assert list(check.waiting) == [b, c] and c.token_ids == c_tokens and c.block_table == [] and c.num_cached_tokens == 0
-assert c.status == SequenceStatus.WAITING and check.num_preemptions == 2
+decoded, is_prefill = step(check)
+check_answer(answer, (list(check.waiting), c.num_completion_tokens), "3. preemption")
+
+# %% [markdown]
+# Worked answer: the newest goes first, `c`, then `b`, as `a` still has no room (the oldest always runs). Both go back
+# to the front of the queue, blocks freed, tokens kept: readmitted, they prefill prompt and reply as one prompt.
+
+# %%
+check_answer(([b, c], 1), (list(check.waiting), c.num_completion_tokens), "3. preemption")
+assert decoded == [1] and c.block_table == [] and check.num_preemptions == 2
+
+# %% [markdown]
+# **4.** A prompt chunk publishes (hashes into the prefix cache) only the blocks it completes. A 150-token prompt with
+# a budget of 64: after its first step, how many of its blocks are published?
+
+# %%
+answer = None  # your answer: replace None with an expression
+check = make_scheduler(64, max_num_batched_tokens=64)
+check.add(long := request(list(range(1, 151)), 4))
+step(check)
+published = sum(check.block_manager.blocks[i].hash != -1 for i in long.block_table)
+check_answer(answer, published, "4. published blocks")
+
+# %% [markdown]
+# Worked answer: 64 / 16 = 4, the blocks whose KV this step writes. The other 6 get theirs in later steps: published
+# now, they could be hit by a request admitted in between, which would attend to keys nobody wrote: wrong logits.
+
+# %%
+check_answer(64 // 16, published, "4. published blocks")
+
+# %% [markdown]
+# **5.** With decode first, `a` (4 tokens to generate) and `b` (10) are decoding when `c` arrives. How many decode
+# steps run before `c`'s prefill? (And with prefill first?)
+
+
+# %%
+def decode_steps_before_c(cls: type) -> int:
+    scheduler = make_scheduler(64, cls=cls, max_num_seqs=4)
+    for max_tokens in (4, 10):
+        scheduler.add(request([max_tokens] * 8, max_tokens))
+    step(scheduler)  # a's and b's prefill: each has its first token
+    scheduler.add(request([3] * 8, 4))
+    waited = 0
+    while not step(scheduler)[1]:
+        waited += 1
+    return waited
+
+
+answer = None  # your answer: replace None with an expression
+check_answer(answer, decode_steps_before_c(DecodeFirstScheduler), "5. decode first")
+
+# %% [markdown]
+# Worked answer: decode first admits only when nobody can decode, and with one kind of batch per step that is when the
+# batch is empty: `c` waits for the longest reply in flight, `b`'s 10 − 1 tokens left. That is static batching.
+# Prefill first admits `c` at the very next step.
+
+# %%
+check_answer(10 - 1, decode_steps_before_c(DecodeFirstScheduler), "5. decode first")
+assert decode_steps_before_c(Scheduler) == 0

@@ -85,7 +85,7 @@ class RequestMetrics:
 class StepStats:
     """What one engine step did, and its phases' wall times in seconds (time.perf_counter())."""
 
-    kind: str  # "prefill", "decode", or "idle" (nothing queued: no step ran)
+    kind: str  # "prefill", "decode", "mixed" (prompt and decode rows in one forward), or "idle" (no step ran)
     num_seqs: int = 0  # sequences in the batch
     num_tokens: int = 0  # tokens computed: prompt tokens in a prefill, one per sequence in a decode
     schedule_seconds: float = 0.0  # Scheduler.schedule
@@ -462,7 +462,7 @@ print(
 # outside the vocabulary or one that is not an integer (NumPy and PyTorch integer arrays and scalars are
 # welcome; floats, bools and nested lists are not), a `request_id` already in use. The engine keeps its own
 # checked copy of each request's `SamplingParams` (made with `dataclasses.replace`, which runs every check of
-# notebook 03 again), so parameters changed after they were made are caught too, and changing them later does
+# notebook 02 again), so parameters changed after they were made are caught too, and changing them later does
 # not reach a queued request. `add_requests` checks a whole list of requests before adding the first one, so
 # one bad request fails the call and leaves the engine exactly as it was. Below the engine, the scheduler and the
 # sequence trust what they are given and only `assert` their invariants (a failed assert there is a bug).
@@ -501,7 +501,7 @@ from typing import cast
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from minivllm.config import Config
-from minivllm.engine.scheduler import Scheduler
+from minivllm.engine.scheduler import Scheduler, UnifiedScheduler
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.workers import make_runner
 from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepStats
@@ -548,7 +548,8 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.config.model)
         self.eos_token_ids = eos_token_ids(self.config.model, self.tokenizer, self.config.hf_config)
         self.runner = make_runner(self.config)  # one rank, or rank 0 of tensor_parallel_size
-        self.scheduler = Scheduler(self.config, self.runner.num_kvcache_blocks)
+        policy = UnifiedScheduler if self.config.scheduling_policy == "unified" else Scheduler
+        self.scheduler = policy(self.config, self.runner.num_kvcache_blocks)
         self.requests: dict[int, Request] = {}  # seq_id -> request, until it finishes or is aborted
         self.finished: list[RequestOutput] = []  # finished, not returned yet (kept back by a step given request_ids)
         self.request_counter = count()
@@ -665,6 +666,7 @@ class LLMEngine:
         try:
             start = time.perf_counter()
             seqs, is_prefill = self.scheduler.schedule()
+            decodes = sum(seq.num_completion_tokens > 0 and seq.num_scheduled_tokens == 1 for seq in seqs)  # generating
             scheduled = time.perf_counter()
             token_ids = self.runner.run(seqs, is_prefill)
             ran = time.perf_counter()
@@ -676,7 +678,7 @@ class LLMEngine:
             raise
         self.record(seqs, finished, now)
         return StepStats(
-            "prefill" if is_prefill else "decode",
+            ("mixed" if decodes else "prefill") if is_prefill else "decode",
             len(seqs),
             sum(seq.num_scheduled_tokens for seq in seqs),
             scheduled - start,
@@ -737,7 +739,7 @@ class LLMEngine:
 
 # %% [markdown]
 # ## `LLM`: vLLM's offline API
-# `LLM(model, ...)` takes the engine's settings as keyword arguments: the fields of notebook 04's `Config`,
+# `LLM(model, ...)` takes the engine's settings as keyword arguments: the fields of notebook 02's `Config`,
 # with vLLM's names and defaults (`tensor_parallel_size`, `max_num_seqs`, `gpu_memory_utilization`, ...).
 # `generate` accepts a str, a list of str, or token ids (one list of ints, a 1-D integer array or tensor, or a
 # list of those), with one `SamplingParams` for all or one per prompt; it checks every request, then adds them
@@ -772,7 +774,7 @@ def is_one_prompt(prompts) -> TypeGuard[Prompt]:
 
 
 class LLM:
-    """vLLM's offline entry point. Keyword arguments are `Config`'s fields, with its defaults (notebook 04):
+    """vLLM's offline entry point. Keyword arguments are `Config`'s fields, with its defaults (notebook 02):
     tensor_parallel_size, dtype, block_size, max_num_seqs, max_num_batched_tokens, max_model_len,
     num_kvcache_blocks, gpu_memory_utilization, enforce_eager, enable_prefix_caching, seed, device.
 
@@ -816,13 +818,13 @@ class LLM:
         outputs: list[RequestOutput] = []
         wanted = set(request_ids)
         with tqdm(total=len(wanted), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
-            rates = {"prefill": 0.0, "decode": 0.0}  # tokens per second of the latest step of each kind
+            rates: dict[str, float] = {}  # tokens per second of the latest step of each kind
             while len(outputs) < len(wanted):
                 finished, stats = self.engine.step(wanted)
                 assert stats.kind != "idle" or finished, "requests outstanding, but no step to run"
                 if stats.kind != "idle":
                     rates[stats.kind] = stats.num_tokens / max(stats.seconds, 1e-9)
-                bar.set_postfix_str(f"prefill {rates['prefill']:,.0f} tok/s, decode {rates['decode']:,.0f} tok/s")
+                bar.set_postfix_str(", ".join(f"{kind} {rate:,.0f} tok/s" for kind, rate in sorted(rates.items())))
                 outputs += finished
                 bar.update(len(finished))
         return outputs
@@ -1016,9 +1018,9 @@ ax.stackplot(
     colors=["C0", "C2", "0.85"],
 )
 for step, kind in enumerate(kinds):
-    if kind == "prefill":
+    if kind != "decode":
         ax.axvline(step, color="C3", lw=0.4, alpha=0.5)
-ax.set_xlabel("engine step (red lines: prefill steps)")
+ax.set_xlabel("engine step (red lines: steps that compute prompt tokens)")
 ax.set_ylabel(f"KV blocks (of {bm.num_blocks})")
 ax.set_title(f"KV block occupancy over a run: 48 requests, {engine.scheduler.num_preemptions} preemptions")
 ax.legend(loc="upper right", fontsize=8)
@@ -1028,10 +1030,11 @@ print(f"{len(used)} steps, peak {max(used)} blocks used, {engine.scheduler.num_p
 assert bm.num_used_blocks == 0 and max(used) > 0.8 * bm.num_blocks - 1
 
 # %% [markdown]
-# Each `step()` also handed back its `StepStats`. Added up, they say what the run computed and where its time went:
+# Each `step()` also handed back its `StepStats`. Added up, they say what the run computed and where its time went
+# (with the unified scheduler of notebook 05, most prompts are computed in "mixed" steps, beside the decodes):
 
 # %%
-for kind in ("prefill", "decode"):
+for kind in ("prefill", "mixed", "decode"):
     of_kind = [stats for stats in steps if stats.kind == kind]
     print(
         f"{len(of_kind):4d} {kind} steps: {sum(s.num_tokens for s in of_kind):6,} tokens; "
@@ -1041,12 +1044,12 @@ for kind in ("prefill", "decode"):
         )
     )
 assert sum(s.num_tokens for s in steps if s.kind == "decode") == sum(s.num_seqs for s in steps if s.kind == "decode")
-assert all(s.kind in ("prefill", "decode") and s.num_seqs > 0 for s in steps)
+assert all(s.kind in ("prefill", "mixed", "decode") and s.num_seqs > 0 for s in steps)
 
 # %% [markdown]
 # ## The course's final figures
 # **FlashAttention (prefill) vs PagedAttention (decode)**, measured on an H200 by `python -m
-# minivllm.benchmarks.prefill` and `python -m minivllm.benchmarks.decode` (notebooks 01 and 04). Prefill is
+# minivllm.benchmarks.prefill` and `python -m minivllm.benchmarks.decode` (notebooks 01 and 03). Prefill is
 # judged in TFLOP/s, because it is compute-bound; decode in TB/s, because it is memory-bound. The same attention
 # arithmetic, two different limits, two different kernels. On a machine with a GPU the cells below measure
 # again, on that GPU; without one they read the H200 runs committed in `figures/`.
@@ -1115,7 +1118,7 @@ for row in throughput["rows"]:
 # How far is that from the hardware's limit? Every decode step reads all the weights once, and each running
 # request's whole KV cache: 2 (K and V) × layers × KV heads × head_dim values of 2 bytes per token, the
 # bytes of a one-token block in notebook 04's `kv_block_bytes`. Add it up over the workload and divide by the
-# copy bandwidth notebook 04 measured: no engine can decode this workload faster (prefill's arithmetic is
+# copy bandwidth notebook 03 measured: no engine can decode this workload faster (prefill's arithmetic is
 # left out, so the real limit is lower still).
 
 # %%
@@ -1143,17 +1146,87 @@ assert kv_reads > 10 * weight_reads  # at this batch size the KV cache, not the 
 
 # %% [markdown]
 # ## Check yourself
-# * Which two timings does a `RequestOutput` carry, and which part of the engine sets each one's size?
-# * Why must `generate` check every request before adding the first?
-# * In the occupancy figure, what are the green blocks, and what would happen to them if a new request arrived
-#   with the system prompt?
+# Replace `None` in each `answer = None` with your answer and run the cell: the check compares it with what the
+# objects say, and the worked answer follows. The questions use the CPU engine of the cells above.
 #
-# The cell below asserts the second answer: a bad request in the middle of a list adds nothing.
+# **1.** A `RequestOutput` carries two timings: time to first token and time per output token. One request, a
+# 10-token prompt with `max_tokens=5`, runs alone in the engine. Which kind of step ends its time to first token,
+# and over how many steps is its time per output token averaged? Answer `(kind, steps)`.
 
 # %%
+import time
+
+from minivllm.testing import check_answer
+
+answer = None  # your answer: replace None with an expression
+engine.add_request(list(range(10, 20)), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), "timed")
+kinds, step_ends, done = [], [], []
+while not done:
+    done, stats = engine.step()
+    kinds.append(stats.kind)
+    step_ends.append(time.perf_counter())
+timed = done[0].metrics  # arrival, first-token and finish times
+first = next(i for i, end in enumerate(step_ends) if timed.first_token_time <= end)  # the step that set it
+check_answer(answer, (kinds[first], len(kinds) - 1 - first), "1. timings")
+
+# %% [markdown]
+# Worked answer: the prefill computes the prompt and samples the first token, so time to first token is waiting plus
+# that prefill: the scheduler's queue and the prompt's length set it. Each of the other 5 − 1 tokens is one decode
+# step, so time per output token is the decode step's time: the batch it shares the step with sets it.
+
+# %%
+check_answer(("prefill", 5 - 1), (kinds[first], len(kinds) - 1 - first), "1. timings")
+print(f"TTFT {timed.time_to_first_token * 1e3:.1f} ms, TPOT {timed.time_per_output_token(5) * 1e3:.1f} ms")
+
+# %% [markdown]
+# **2.** `generate` checks every request before it queues the first. Suppose it did not: queue
+# `[[1, 2], [vocab + 5], [3, 4]]` one `add_request` at a time, as it would. How many requests are queued when the
+# bad one raises?
+
+# %%
+answer = None  # your answer: replace None with an expression
 before = engine.scheduler.block_manager.num_free_blocks
+queued = []
+try:
+    for prompt in [[1, 2], [vocab + 5], [3, 4]]:
+        queued.append(engine.add_request(prompt, greedy))
+except ValueError as e:
+    print("ValueError:", e)
+num_queued = len(engine.requests)
+engine.abort_request(queued)
+check_answer(answer, num_queued, "2. check first")
+
+# %% [markdown]
+# Worked answer: 1, `[1, 2]`. The caller got an exception and no outputs, yet the engine would run `[1, 2]` in its
+# next step and hand its output to the next call: a request nobody waits for. `generate` checks all first, so the
+# same list queues nothing and the engine is as it was.
+
+# %%
+check_answer(1, num_queued, "2. check first")
 try:
     cpu_llm.generate([[1, 2], [vocab + 5], [3, 4]], greedy, use_tqdm=False)
 except ValueError:
     pass
 assert not engine.has_unfinished_requests() and engine.scheduler.block_manager.num_free_blocks == before
+
+# %% [markdown]
+# **3.** The green blocks of the occupancy figure are free but keep a cached prefix, among them the 64-token system
+# prompt's. A new request arrives now: the system prompt and 10 tokens of its own. How many of its tokens does its
+# prefill find in the cache (blocks of 16)?
+
+# %%
+answer = None  # your answer: replace None with an expression
+greens = bm.num_cached_free_blocks
+engine.add_request(system_prompt + list(range(10, 20)), greedy, "late")
+_, prefill = engine.step()
+hits = len(system_prompt) + 10 - prefill.num_tokens  # the prompt less what the prefill computed
+check_answer(answer, hits, "3. green blocks")
+
+# %% [markdown]
+# Worked answer: 64, the system prompt's 4 full blocks. Its green blocks turn blue: the request's block table takes
+# them (their reference counts go from 0 to 1), and the prefill computes only the 10 new tokens.
+
+# %%
+check_answer(64 // 16 * 16, hits, "3. green blocks")
+assert bm.num_cached_free_blocks == greens - 4
+engine.abort_request("late")

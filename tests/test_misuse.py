@@ -307,33 +307,38 @@ def test_requests_added_earlier_survive_a_generate(llm):
     assert_idle(llm)
 
 
-def test_a_failed_step_aborts_its_requests_and_the_engine_goes_on(llm, hf_greedy):
-    engine, runner = llm.engine, llm.engine.runner
+@pytest.mark.parametrize("policy", ["prefill-first", "unified"])
+def test_a_failed_step_aborts_its_requests_and_the_engine_goes_on(tiny, hf_greedy, policy):
+    """A step fails: exactly its requests are aborted. Prefill-first runs a and b's prefill alone, so the request
+    that was decoding survives; the unified policy puts its next token in the same (failed) step."""
     long_a, long_b = list(range(100, 140)), list(range(200, 250))  # full blocks never seen before: cacheable
     expected = {p[0]: hf_greedy(p, 16) for p in ([1, 2, 3], long_a, long_b)}
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    engine.add_request([1, 2, 3], params, "survivor")
-    engine.step()  # its prefill
-    engine.add_request(long_a, params, "a")
-    engine.add_request(long_b, params, "b")
-    original = runner.run
+    with LLM(str(tiny), num_kvcache_blocks=64, max_num_seqs=8, max_model_len=256, scheduling_policy=policy) as llm:
+        engine, runner = llm.engine, llm.engine.runner
+        engine.add_request([1, 2, 3], params, "survivor")
+        engine.step()  # its prefill
+        engine.add_request(long_a, params, "a")
+        engine.add_request(long_b, params, "b")
+        original = runner.run
 
-    def failing_run(seqs, is_prefill):
-        raise RuntimeError("the device fell over")
+        def failing_run(seqs, is_prefill):
+            raise RuntimeError("the device fell over")
 
-    runner.run = failing_run
-    try:
-        with pytest.raises(RuntimeError, match="fell over"):
-            engine.step()  # the prefill of a and b
-    finally:
-        runner.run = original
-    outputs = drain(llm)  # later steps run
-    assert {o.request_id: o.outputs[0].token_ids for o in outputs} == {"survivor": expected[1]}
-    assert_idle(llm)
-    # the failed prefill's blocks were never written: a new request must not hit them in the prefix cache
-    again = llm.generate([long_a, long_b], params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in again] == [expected[100], expected[200]]
-    assert_idle(llm)
+        runner.run = failing_run
+        try:
+            with pytest.raises(RuntimeError, match="fell over"):
+                engine.step()  # the prefill of a and b (unified: and the survivor's next token)
+        finally:
+            runner.run = original
+        outputs = drain(llm)  # later steps run
+        survivors = {"survivor": expected[1]} if policy == "prefill-first" else {}
+        assert {o.request_id: o.outputs[0].token_ids for o in outputs} == survivors
+        assert_idle(llm)
+        # the failed prefill's blocks were never written: a new request must not hit them in the prefix cache
+        again = llm.generate([long_a, long_b], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in again] == [expected[100], expected[200]]
+        assert_idle(llm)
 
 
 def test_a_failed_decode_step_aborts_its_requests(llm, hf_greedy):

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from minivllm.config import Config
 from minivllm.engine.model_runner import ModelRunner, prepare_decode, prepare_prefill
-from minivllm.engine.scheduler import Scheduler
+from minivllm.engine.scheduler import Scheduler, UnifiedScheduler
 from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.sampling_params import SamplingParams
 
@@ -66,9 +66,12 @@ def limits(
     ), num_kvcache_blocks
 
 
-def make_scheduler(**kwargs) -> Scheduler:
+POLICIES = [Scheduler, UnifiedScheduler]  # prefill-first (nano-vllm's) and unified (vLLM v1's): the same tokens
+
+
+def make_scheduler(policy: type[Scheduler] = Scheduler, **kwargs) -> Scheduler:
     config, num_blocks = limits(**kwargs)
-    return Scheduler(config, num_blocks)
+    return policy(config, num_blocks)
 
 
 def request(prompt, max_tokens, ignore_eos=True, eos=None, stop_token_ids=None, **params) -> Sequence:
@@ -98,9 +101,11 @@ def serve(scheduler: Scheduler, seqs: list[Sequence], model, arrivals: list[int]
         batch, is_prefill = scheduler.schedule()
         assert batch and len(scheduler.running) <= scheduler.max_num_seqs
         assert all(seq.status == SequenceStatus.RUNNING for seq in batch)
-        if is_prefill:
+        if is_prefill or isinstance(scheduler, UnifiedScheduler):  # prefill-first decodes every running request
             assert sum(seq.num_scheduled_tokens for seq in batch) <= scheduler.max_num_batched_tokens
-            stats["hit_tokens"] += sum(seq.num_cached_tokens for seq in batch if seq.seq_id in admitted)
+        if isinstance(scheduler, UnifiedScheduler):
+            assert is_prefill == any(seq.num_cached_tokens + 1 < len(seq) for seq in batch), "decode path, wrongly"
+        stats["hit_tokens"] += sum(seq.num_cached_tokens for seq in batch if seq.seq_id in admitted)
         lens = [len(seq) for seq in batch]
         finished = scheduler.postprocess(batch, model(batch, is_prefill))
         stats["steps"] += 1
@@ -138,36 +143,40 @@ def random_prompts(seed, n, lens, prefixes=()):
 # --- the same tokens as transformers ---------------------------------------------------------------------------
 
 
-def test_plain(runner, greedy):
+@pytest.mark.parametrize("policy", POLICIES, ids=["prefill-first", "unified"])
+def test_plain(runner, greedy, policy):
     prompts = random_prompts(0, 24, (1, 200))
     max_tokens = [random.Random(i).randint(1, 40) for i in range(24)]
-    stats = check_parity(runner, greedy, make_scheduler(), prompts, max_tokens)
+    stats = check_parity(runner, greedy, make_scheduler(policy), prompts, max_tokens)
     assert stats["preemptions"] == stats["chunks"] == stats["hit_tokens"] == 0
 
 
-def test_preemption_by_recompute(runner, greedy):
+@pytest.mark.parametrize("policy", POLICIES, ids=["prefill-first", "unified"])
+def test_preemption_by_recompute(runner, greedy, policy):
     """12 blocks (192 token slots) for 16 requests that grow to 50..130 tokens: preempted over and over."""
     prompts = random_prompts(1, 16, (8, 50))
     max_tokens = [random.Random(i).randint(40, 80) for i in range(16)]
-    stats = check_parity(runner, greedy, make_scheduler(num_kvcache_blocks=12), prompts, max_tokens)
+    stats = check_parity(runner, greedy, make_scheduler(policy, num_kvcache_blocks=12), prompts, max_tokens)
     assert stats["preemptions"] >= 20 and stats["hit_tokens"] > 0  # a victim comes back to its own cached blocks
 
 
+@pytest.mark.parametrize("policy", POLICIES, ids=["prefill-first", "unified"])
 @pytest.mark.parametrize("budget", [7, 40])
-def test_chunked_prefill(runner, greedy, budget):
+def test_chunked_prefill(runner, greedy, budget, policy):
     """Prompts longer than the token budget (even one smaller than a block) are prefilled over several steps."""
     prompts = random_prompts(2, 10, (100, 300))
     max_tokens = [random.Random(i).randint(1, 20) for i in range(10)]
-    stats = check_parity(runner, greedy, make_scheduler(max_num_batched_tokens=budget), prompts, max_tokens)
+    stats = check_parity(runner, greedy, make_scheduler(policy, max_num_batched_tokens=budget), prompts, max_tokens)
     assert stats["chunks"] >= sum(len(p) // budget for p in prompts) - len(prompts)
 
 
+@pytest.mark.parametrize("policy", POLICIES, ids=["prefill-first", "unified"])
 @pytest.mark.parametrize("caching", [True, False])
-def test_shared_prefixes(runner, greedy, caching):
+def test_shared_prefixes(runner, greedy, caching, policy):
     system = random.Random(3).choices(range(3, 2048), k=64)
     prompts = [system + p for p in random_prompts(3, 16, (1, 40))]
     max_tokens = [random.Random(i).randint(1, 30) for i in range(16)]
-    scheduler = make_scheduler(enable_prefix_caching=caching)
+    scheduler = make_scheduler(policy, enable_prefix_caching=caching)
     stats = check_parity(runner, greedy, scheduler, prompts, max_tokens)
     assert stats["hit_tokens"] == (15 * 64 if caching else 0)  # the first request computes the system prompt
 
@@ -193,7 +202,8 @@ def test_a_chunked_prompt_is_only_hit_where_it_is_computed(runner, greedy):
     assert a.completion_token_ids == greedy(a_prompt, 10) and b.completion_token_ids == greedy(b_prompt, 10)
 
 
-def test_a_mixed_run_of_120_requests(runner, greedy):
+@pytest.mark.parametrize("policy", POLICIES, ids=["prefill-first", "unified"])
+def test_a_mixed_run_of_120_requests(runner, greedy, policy):
     """Everything at once: shared system prompts, prompts beyond the budget, a cache too small, arrivals over time."""
     rng = random.Random(6)
     systems = [rng.choices(range(3, 2048), k=48), rng.choices(range(3, 2048), k=80)]
@@ -209,7 +219,7 @@ def test_a_mixed_run_of_120_requests(runner, greedy):
     max_tokens = [rng.randint(1, 48) for _ in prompts]
     arrivals = sorted(rng.randint(0, 300) for _ in prompts)
     seqs = [request(p, n) for p, n in zip(prompts, max_tokens)]
-    scheduler = make_scheduler(num_kvcache_blocks=40, max_num_seqs=24, max_num_batched_tokens=96)
+    scheduler = make_scheduler(policy, num_kvcache_blocks=40, max_num_seqs=24, max_num_batched_tokens=96)
     stats = serve(scheduler, seqs, runner.run, arrivals)
     for seq, prompt, n in zip(seqs, prompts, max_tokens):
         assert seq.completion_token_ids == greedy(prompt, n)
@@ -217,7 +227,10 @@ def test_a_mixed_run_of_120_requests(runner, greedy):
         f"\nmixed run: {len(seqs)} requests, {stats['steps']} steps, {stats['preemptions']} preemptions, "
         f"{stats['chunks']} prompt chunks short of the end, {stats['hit_tokens']} prefix-cache hit tokens"
     )
-    assert stats["preemptions"] >= 20 and stats["chunks"] >= 50 and stats["hit_tokens"] >= 1000
+    # the regime really is under pressure (decode rows riding along in prefill steps finish sooner, so the unified
+    # policy runs out of blocks less often: 13 preemptions against prefill-first's 20 or more)
+    min_preemptions = 20 if policy is Scheduler else 10
+    assert stats["preemptions"] >= min_preemptions and stats["chunks"] >= 50 and stats["hit_tokens"] >= 1000
 
 
 # --- finishing, and requests that cannot run --------------------------------------------------------------------
@@ -520,12 +533,14 @@ workloads = st.fixed_dictionaries(
 )
 
 
+@pytest.mark.parametrize("policy", POLICIES, ids=["prefill-first", "unified"])
 @settings(max_examples=300, deadline=None)
 @given(workloads)
-def test_random_workloads_against_a_shadow_kv_cache(workload):
+def test_random_workloads_against_a_shadow_kv_cache(policy, workload):
+    """Random arrivals, limits and prompts: every policy gives each request the reply the model defines."""
     requests = workload["requests"]
     config, num_blocks = limits(**{k: v for k, v in workload.items() if k != "requests"})
-    scheduler = Scheduler(config, num_blocks)
+    scheduler = policy(config, num_blocks)
     seqs, arrivals = [], []
     for prefix, suffix, max_tokens, ignore_eos, arrival in requests:
         seq = request(list(prefix) + suffix, max_tokens, ignore_eos=ignore_eos, eos=0, stop_token_ids=[6])

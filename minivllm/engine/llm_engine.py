@@ -12,7 +12,7 @@ from typing import cast
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from minivllm.config import Config
-from minivllm.engine.scheduler import Scheduler
+from minivllm.engine.scheduler import Scheduler, UnifiedScheduler
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.workers import make_runner
 from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepStats
@@ -59,7 +59,8 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.config.model)
         self.eos_token_ids = eos_token_ids(self.config.model, self.tokenizer, self.config.hf_config)
         self.runner = make_runner(self.config)  # one rank, or rank 0 of tensor_parallel_size
-        self.scheduler = Scheduler(self.config, self.runner.num_kvcache_blocks)
+        policy = UnifiedScheduler if self.config.scheduling_policy == "unified" else Scheduler
+        self.scheduler = policy(self.config, self.runner.num_kvcache_blocks)
         self.requests: dict[int, Request] = {}  # seq_id -> request, until it finishes or is aborted
         self.finished: list[RequestOutput] = []  # finished, not returned yet (kept back by a step given request_ids)
         self.request_counter = count()
@@ -176,6 +177,7 @@ class LLMEngine:
         try:
             start = time.perf_counter()
             seqs, is_prefill = self.scheduler.schedule()
+            decodes = sum(seq.num_completion_tokens > 0 and seq.num_scheduled_tokens == 1 for seq in seqs)  # generating
             scheduled = time.perf_counter()
             token_ids = self.runner.run(seqs, is_prefill)
             ran = time.perf_counter()
@@ -187,7 +189,7 @@ class LLMEngine:
             raise
         self.record(seqs, finished, now)
         return StepStats(
-            "prefill" if is_prefill else "decode",
+            ("mixed" if decodes else "prefill") if is_prefill else "decode",
             len(seqs),
             sum(seq.num_scheduled_tokens for seq in seqs),
             scheduled - start,

@@ -41,6 +41,11 @@ class Scheduler:
         if self.running and len(self.running[-1]) - self.running[-1].num_cached_tokens > 1:
             seqs.append(self.running[-1])  # a prompt part-way through a chunked prefill goes on first
             budget -= self.schedule_chunk(self.running[-1], budget)
+        return seqs + self.admit(budget)
+
+    def admit(self, budget: int) -> list[Sequence]:
+        """Waiting requests, in order, while a seat, the token budget and the KV blocks of the prompt allow."""
+        seqs: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not self.block_manager.can_allocate(seq):
@@ -64,16 +69,21 @@ class Scheduler:
             if seq.status == SequenceStatus.WAITING:
                 continue  # preempted below, to make room for an older one
             assert len(seq) - seq.num_cached_tokens == 1, "a decode computes exactly the newest token"
-            while not self.block_manager.can_append(seq):  # its newest token needs a block and none is free
-                self.preempt(self.running.pop())  # the most recently admitted one; seq itself once it is the newest
-                if seq.status == SequenceStatus.WAITING:
-                    break
-            else:
-                self.block_manager.may_append(seq)
-                seq.num_scheduled_tokens = 1
+            if self.reserve(seq):
                 seqs.append(seq)
         assert seqs, "the oldest request always fits once the others are preempted"
         return seqs
+
+    def reserve(self, seq: Sequence) -> bool:
+        """Room for seq's newest token, preempting the newest requests (seq itself last) until there is: whether
+        seq is still running (then it is scheduled for that one token)."""
+        while not self.block_manager.can_append(seq):  # its newest token needs a block and none is free
+            self.preempt(self.running.pop())  # the most recently admitted one; seq itself once it is the newest
+            if seq.status == SequenceStatus.WAITING:
+                return False
+        self.block_manager.may_append(seq)
+        seq.num_scheduled_tokens = 1
+        return True
 
     def preempt(self, seq: Sequence) -> None:
         """Recompute later: free its blocks and queue it first. Its tokens, the generated ones too, are kept. The
@@ -130,3 +140,27 @@ class Scheduler:
         self.waiting.clear()
         self.running.clear()
         self.block_manager.reset()
+
+
+class UnifiedScheduler(Scheduler):
+    """vLLM v1's policy: one token budget per step, spent on the running requests first (a decode token each, or
+    a prompt's next chunk), oldest first, then on waiting prompts; the rows of a step mix prefill and decode."""
+
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        """This step's sequences, and whether it needs the prefill path (False: every row decodes one token)."""
+        budget, seqs = self.max_num_batched_tokens, []
+        for seq in list(self.running):  # oldest first
+            if budget == 0:
+                break
+            if seq.status == SequenceStatus.WAITING:
+                continue  # preempted below, to make room for an older one
+            if len(seq) - seq.num_cached_tokens > 1:  # a prompt part-way through: its next chunk
+                budget -= self.schedule_chunk(seq, budget)
+                seqs.append(seq)
+            elif self.reserve(seq):  # its newest token
+                budget -= 1
+                seqs.append(seq)
+        seqs += self.admit(budget)
+        assert seqs, "the oldest request always fits once the others are preempted"
+        decode_only = all(seq.num_scheduled_tokens == 1 and seq.num_cached_tokens + 1 == len(seq) for seq in seqs)
+        return seqs, not decode_only
