@@ -20,7 +20,8 @@ def is_one_prompt(prompts) -> TypeGuard[Prompt]:
 class LLM:
     """vLLM's offline entry point. Keyword arguments are `Config`'s fields, with its defaults (notebook 02):
     tensor_parallel_size, dtype, block_size, max_num_seqs, max_num_batched_tokens, max_model_len,
-    num_kvcache_blocks, gpu_memory_utilization, enforce_eager, enable_prefix_caching, seed, device.
+    num_kvcache_blocks, gpu_memory_utilization, enforce_eager, enable_prefix_caching, scheduling_policy, seed,
+    device.
 
     Thread-safe: concurrent `generate` calls run one after another, each returning what it would return alone."""
 

@@ -33,7 +33,7 @@ class StepStats:
 
     kind: str  # "prefill", "decode", "mixed" (prompt and decode rows in one forward), or "idle" (no step ran)
     num_seqs: int = 0  # sequences in the batch
-    num_tokens: int = 0  # tokens computed: prompt tokens in a prefill, one per sequence in a decode
+    num_tokens: int = 0  # tokens computed: prompt tokens, plus one per sequence that decodes
     schedule_seconds: float = 0.0  # Scheduler.schedule
     run_seconds: float = 0.0  # ModelRunner.run: step inputs, forward, sampler
     postprocess_seconds: float = 0.0  # Scheduler.postprocess

@@ -87,7 +87,7 @@ class StepStats:
 
     kind: str  # "prefill", "decode", "mixed" (prompt and decode rows in one forward), or "idle" (no step ran)
     num_seqs: int = 0  # sequences in the batch
-    num_tokens: int = 0  # tokens computed: prompt tokens in a prefill, one per sequence in a decode
+    num_tokens: int = 0  # tokens computed: prompt tokens, plus one per sequence that decodes
     schedule_seconds: float = 0.0  # Scheduler.schedule
     run_seconds: float = 0.0  # ModelRunner.run: step inputs, forward, sampler
     postprocess_seconds: float = 0.0  # Scheduler.postprocess
@@ -666,7 +666,7 @@ class LLMEngine:
         try:
             start = time.perf_counter()
             seqs, is_prefill = self.scheduler.schedule()
-            decodes = sum(seq.num_completion_tokens > 0 and seq.num_scheduled_tokens == 1 for seq in seqs)  # generating
+            mixed = is_prefill and any(seq.num_completion_tokens > 0 and seq.num_scheduled_tokens == 1 for seq in seqs)
             scheduled = time.perf_counter()
             token_ids = self.runner.run(seqs, is_prefill)
             ran = time.perf_counter()
@@ -678,7 +678,7 @@ class LLMEngine:
             raise
         self.record(seqs, finished, now)
         return StepStats(
-            ("mixed" if decodes else "prefill") if is_prefill else "decode",
+            "mixed" if mixed else "prefill" if is_prefill else "decode",  # mixed: decode rows beside prompt rows
             len(seqs),
             sum(seq.num_scheduled_tokens for seq in seqs),
             scheduled - start,
@@ -776,7 +776,8 @@ def is_one_prompt(prompts) -> TypeGuard[Prompt]:
 class LLM:
     """vLLM's offline entry point. Keyword arguments are `Config`'s fields, with its defaults (notebook 02):
     tensor_parallel_size, dtype, block_size, max_num_seqs, max_num_batched_tokens, max_model_len,
-    num_kvcache_blocks, gpu_memory_utilization, enforce_eager, enable_prefix_caching, seed, device.
+    num_kvcache_blocks, gpu_memory_utilization, enforce_eager, enable_prefix_caching, scheduling_policy, seed,
+    device.
 
     Thread-safe: concurrent `generate` calls run one after another, each returning what it would return alone."""
 

@@ -177,7 +177,7 @@ class LLMEngine:
         try:
             start = time.perf_counter()
             seqs, is_prefill = self.scheduler.schedule()
-            decodes = sum(seq.num_completion_tokens > 0 and seq.num_scheduled_tokens == 1 for seq in seqs)  # generating
+            mixed = is_prefill and any(seq.num_completion_tokens > 0 and seq.num_scheduled_tokens == 1 for seq in seqs)
             scheduled = time.perf_counter()
             token_ids = self.runner.run(seqs, is_prefill)
             ran = time.perf_counter()
@@ -189,7 +189,7 @@ class LLMEngine:
             raise
         self.record(seqs, finished, now)
         return StepStats(
-            ("mixed" if decodes else "prefill") if is_prefill else "decode",
+            "mixed" if mixed else "prefill" if is_prefill else "decode",  # mixed: decode rows beside prompt rows
             len(seqs),
             sum(seq.num_scheduled_tokens for seq in seqs),
             scheduled - start,
