@@ -721,17 +721,106 @@ print(f"at N=32k: naive {naive_bytes[-1] / 2**30:.0f} GiB vs flash {flash_bytes[
 # is a pair of large matrix multiplies and is *compute-bound*. The kernel's job is to keep the tensor cores
 # busy while never writing `scores` to memory.
 #
-# **The algorithm (online softmax).** One program handles a tile of `BLOCK_M` queries of one head of one
-# sequence. It loads the tile once, then loops over the keys `BLOCK_N` at a time:
+# We build it in three steps, each checked against the one before: the online softmax in PyTorch, the same loop
+# as a tiny Triton kernel, then the full kernel. The exercise has you write step 1 yourself (with the causal mask,
+# the log-sum-exp and split-K): try it before reading on.
 #
-# 1. `s = q · kᵀ · scale` for the tile (in registers, fp32);
+# ### Step 1: the online softmax, in PyTorch
+# Softmax divides by a sum over *all* of a row's keys, which is why the reference holds every score at once. The
+# online softmax walks over the keys in blocks of `BLOCK_N`, keeping per query row a running max `m`, a running
+# sum `l` and an unnormalised output `acc`:
+#
+# 1. `s = q · kᵀ · scale` for the block;
 # 2. new running max `m' = max(m, rowmax(s))`;
-# 3. rescale what was accumulated so far by `exp(m − m')`: `l ← l·α + rowsum(p)`, `acc ← acc·α + p·v` with
-#    `p = exp(s − m')`;
+# 3. rescale what was accumulated so far by `α = exp(m − m')`: `l ← l·α + rowsum(p)`, `acc ← acc·α + p·v`
+#    with `p = exp(s − m')`;
 # 4. at the end, `out = acc / l`.
 #
-# The result is exactly softmax(s)·v (up to rounding), but only one `BLOCK_M × BLOCK_N` tile of scores ever
-# exists. We use `exp2` with `log2(e)` folded into the scale (the hardware computes `exp2` natively).
+# The result is exactly softmax(s)·v (up to rounding), but only one block of scores ever exists. Here it is for
+# one head with every key visible; `rescale=False` skips step 3's `α`, to show why it is there.
+
+
+# %%
+def online_softmax_attention(
+    q: torch.Tensor,  # (num_q, head_dim)
+    k: torch.Tensor,  # (num_k, head_dim)
+    v: torch.Tensor,  # (num_k, head_dim)
+    block_n: int,
+    rescale: bool = True,
+) -> torch.Tensor:  # (num_q, head_dim)
+    """softmax(q kᵀ · scale) v for one head, reading the keys block_n at a time."""
+    m = q.new_full((q.shape[0],), float("-inf"))  # (num_q,): running max of each row's scores
+    l = q.new_zeros(q.shape[0])  # (num_q,): running Σ exp(score - m)
+    acc = torch.zeros_like(q)  # (num_q, head_dim): running Σ exp(score - m) · v
+    for k_blk, v_blk in zip(k.split(block_n), v.split(block_n)):  # (block_n, head_dim), fewer at the end
+        s = q @ k_blk.T * q.shape[1] ** -0.5  # (num_q, block_n): the only scores that exist
+        m_new = torch.maximum(m, s.amax(dim=1))
+        alpha = torch.exp(m - m_new) if rescale else torch.ones_like(m)  # (num_q,): 0 on the first block
+        p = torch.exp(s - m_new[:, None])  # (num_q, block_n)
+        l, acc, m = l * alpha + p.sum(dim=1), acc * alpha[:, None] + p @ v_blk, m_new
+    return acc / l[:, None]
+
+
+qh, kh, vh = (torch.randn(n, 32, device=DEVICE) for n in (64, 128, 128))  # one head: 64 queries, 128 keys
+cu_qh, cu_kh = (torch.tensor([0, n], dtype=torch.int32, device=DEVICE) for n in (64, 128))
+ref_h = attention_ref(qh[:, None], kh[:, None], vh[:, None], cu_qh, cu_kh)[:, 0]  # (64, 32)
+for block_n in (128, 48, 16):  # one block (nothing to rescale), ragged blocks of 48, blocks of 16
+    torch.testing.assert_close(online_softmax_attention(qh, kh, vh, block_n), ref_h)
+wrong = (online_softmax_attention(qh, kh, vh, 16, rescale=False) - ref_h).abs().max().item()
+print(f"without rescaling by α, blocks of 16: max error {wrong:.2f}")
+assert wrong > 0.01  # rounding alone would give ~1e-7
+
+# %% [markdown]
+# ### Step 2: the same loop as a Triton kernel
+# A Triton *program* computes on whole tiles. Ours loads a `(BLOCK_M, D)` tile of queries once, then runs step
+# 1's loop over `(BLOCK_N, D)` tiles of keys and values, with `tl.dot` for both products; the grid launches one
+# program per query tile, and they run in parallel. A program only gets pointers: a tile's addresses are `base +
+# row · row_stride + column`, built from `tl.arange` (for `kᵀ`, swap which offsets go down and which go across).
+# One change of arithmetic: `exp2` with `log2(e)` folded into the scale, since `exp(x) = exp2(x · log2 e)` and the
+# hardware computes `exp2` natively. To stay tiny it takes one head, no mask, and lengths that are multiples of
+# the tiles.
+
+# %%
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def tiny_attention_kernel(
+    Q, K, V, O, qk_scale,  # contiguous (num_q or N, D) tensors; the scale in log2 units
+    N: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # this program's query rows
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    q = tl.load(Q + offs_m[:, None] * D + offs_d[None, :])  # (BLOCK_M, D), loaded once
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        k_t = tl.load(K + (start + offs_n)[None, :] * D + offs_d[:, None])  # (D, BLOCK_N): kᵀ
+        v = tl.load(V + (start + offs_n)[:, None] * D + offs_d[None, :])  # (BLOCK_N, D)
+        s = tl.dot(q, k_t, input_precision="ieee") * qk_scale  # (BLOCK_M, BLOCK_N), in log2 units
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.math.exp2(m - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        m = m_new
+    tl.store(O + offs_m[:, None] * D + offs_d[None, :], acc / l[:, None])
+
+
+out_h = torch.empty_like(qh)  # contiguous (64, 32) tensors: a row's stride is D
+tiny_attention_kernel[(64 // 16,)](qh, kh, vh, out_h, 32**-0.5 * math.log2(math.e), N=128, D=32, BLOCK_M=16, BLOCK_N=16)
+torch.testing.assert_close(out_h, online_softmax_attention(qh, kh, vh, block_n=16))
+print("the tiny Triton kernel gives step 1's result; step 1 gives the reference's")
+
+# %% [markdown]
+# ### Step 3: the kernel an engine calls
+# Step 2's loop body becomes `attend_block` below, plus a mask and a guard for rows that have seen no visible key
+# yet (`exp(-inf − (-inf))` is NaN). Around it the full kernel adds what a batch of real prompts needs: **varlen**
+# (a program finds its sequence's rows through `cu_seqlens`), the **causal** mask, **GQA** (a query head finds its
+# KV head), and **ragged tiles** (masked loads where a length is not a multiple of the tile).
 #
 # **Causal blocks.** With the bottom-right mask, key blocks left of the diagonal are visible to every query
 # of the tile: they need no mask at all. Only the few blocks on the diagonal do, so the loop runs in two
@@ -743,8 +832,8 @@ print(f"at N=32k: naive {naive_bytes[-1] / 2**30:.0f} GiB vs flash {flash_bytes[
 # tiles in reverse order, so the longest (rightmost) causal tiles start first and the short ones fill the
 # gaps at the end.
 #
-# Triton only gets pointers and strides: we do the address arithmetic by hand (no block pointers), which
-# works on every Triton from 3.6 on.
+# Unlike step 2 it is given strides instead of assuming contiguous rows; the address arithmetic is still by hand
+# (no block pointers), which works on every Triton from 3.6 on.
 #
 # **One compile, not one per step.** Triton compiles a kernel the first time it sees a new *specialization*
 # of its integer arguments: a value of 1, or a multiple of 16, gets code of its own. `num_m_blocks` changes

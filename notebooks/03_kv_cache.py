@@ -14,21 +14,19 @@
 # %% [markdown]
 # # 03 · KV cache: paged blocks, prefix caching, and the kernels that read them
 #
-# **What this notebook builds.** PagedAttention, both halves. The bookkeeping: `Sequence` (one request: its
-# tokens and where their keys and values live) and a `BlockManager` that hands out fixed-size KV blocks,
-# shares the blocks of equal prefixes between requests (prefix caching) and takes them back. Then the Triton
-# kernels that follow a block table: one that stores each new token's keys and values into its slot, a decode
-# kernel, and a prefill kernel that continues after a cached prefix.
+# **What this notebook builds.** PagedAttention, both halves. The bookkeeping: `Sequence` (one request: its tokens
+# and where their keys and values live) and a `BlockManager` that hands out fixed-size KV blocks, shares the blocks
+# of equal prefixes between requests (prefix caching) and takes them back. Then the Triton kernels that follow a
+# block table: a store of new keys and values, a decode kernel, and a prefill kernel after a cached prefix.
 #
-# **What it assumes.** Notebook 01: attention at position *t* needs the keys and values (KV) of every token
-# before *t*, so an engine keeps them, per layer, in a *KV cache* instead of recomputing them each step; and
-# its FlashAttention kernel (online softmax), which the paged kernels reuse. Notebook 02's `SamplingParams`.
-# The block manager never looks at a tensor, only at token ids, so our requests are random integers.
+# **What it assumes.** Notebook 01: attention at position *t* needs the keys and values (KV) of every token before
+# *t*, so an engine keeps them, per layer, in a *KV cache*; and its FlashAttention kernel (online softmax), which
+# the paged kernels reuse. Notebook 02's `SamplingParams`. The block manager never looks at a tensor, only at token
+# ids, so our requests are random integers.
 #
-# **What you will see.** Prefix-cache hits block by block; why paging wastes almost no memory where reserving
-# a maximum length per request wastes most of it (the answer to "why does PagedAttention reduce
-# fragmentation?", in numbers); and why decode needs its own attention kernel. (Notebook 05, with the real
-# scheduler, maps which request owns which block over time and measures what a shared system prompt saves.)
+# **What you will see.** Prefix-cache hits block by block; why paging wastes almost no memory where reserving a
+# maximum length per request wastes most of it ("why does PagedAttention reduce fragmentation?", in numbers); why
+# decode needs its own attention kernel. (Notebook 05 maps block ownership over a real scheduler's run.)
 
 # %%
 import os
@@ -71,11 +69,10 @@ print(f"sequences an H200 (141 GB, ~1.2 GB of weights) holds at full context: {f
 # possible sequence. Most requests are far shorter, so most of that region sits reserved but empty, and the
 # number of requests that fit in memory (the batch size, hence the throughput) is set by the worst case.
 #
-# **Paging** is the operating-system answer. Cut the KV cache into fixed-size *blocks* of `block_size`
-# token slots; give a request a block only when it needs one; keep a per-request *block table* mapping its
-# logical block *i* to a physical block anywhere in memory. Token *t* then lives at slot
-# `block_table[t // block_size] * block_size + t % block_size`, which the attention kernels (at the end) follow;
-# nothing needs to be contiguous, and a request wastes at most the unfilled end of its last block.
+# **Paging** is the operating-system answer. Cut the KV cache into fixed-size *blocks* of `block_size` token slots;
+# give a request a block only when it needs one; keep a per-request *block table* mapping its logical block *i* to
+# a physical block anywhere. Token *t* lives at slot `block_table[t // block_size] * block_size + t % block_size`,
+# which the attention kernels follow; a request wastes at most the unfilled end of its last block.
 
 # %%
 block_size, block_table, t = 16, [7, 2, 9], 37  # logical block i -> physical block; token 37: block 2, offset 5
@@ -90,18 +87,16 @@ print(f"token {t} -> physical block {block_table[t // block_size]}, slot {slot}"
 #   completion as it is generated, and how many of them are the prompt;
 # * its **status**: *waiting* for a prefill (new, or preempted), *running* (it holds KV blocks), or *finished*;
 # * its **block table**, and `num_cached_tokens`: how many of its leading tokens already have their KV in the
-#   cache (found in the prefix cache when it was allocated, then every token a step computes), so a step skips
-#   them; `num_scheduled_tokens`, how many the current step computes (the scheduler sets it, notebook 05);
+#   cache (prefix-cache hits, then every token a step computes), so a step skips them; `num_scheduled_tokens`,
+#   how many the current step computes (the scheduler sets it, notebook 05);
 # * its **sampling parameters**, and once finished its `finish_reason`: `"stop"` (an end-of-sequence or stop
 #   token) or `"length"` (`max_tokens` or the context length), as in vLLM.
 #
-# Helpers cut the token ids into blocks (`num_blocks`, `block(i)`, `last_block_num_tokens`), and a global id
-# from a counter lets outputs be matched to requests.
-#
-# **Whose is `block_size`?** The block manager's: it hands out the blocks. A sequence is given the same value
-# (the engine passes `block_manager.block_size`) only to cut its tokens into blocks, and `BlockManager.allocate`
-# asserts that the two agree. The engine refuses bad requests before a sequence is made (notebook 06), so a
-# broken sequence is a bug, caught by an `assert`, not a user's mistake.
+# Helpers cut the token ids into blocks (`num_blocks`, `block(i)`, `last_block_num_tokens`); a global id from a
+# counter matches outputs to requests. **Whose is `block_size`?** The block manager's: a sequence gets the same
+# value (the engine passes `block_manager.block_size`) only to cut its tokens into blocks, and `allocate` asserts
+# that they agree. The engine refuses bad requests before a sequence is made (notebook 06), so a broken sequence
+# is a bug, caught by an `assert`, not a user's mistake.
 
 # %% tags=["export"] module="minivllm.engine.sequence"
 from enum import Enum, auto
@@ -205,13 +200,12 @@ assert seq.status == SequenceStatus.WAITING and not seq.is_finished
 # %% [markdown]
 # ## Prefix caching: naming a block by everything before it
 # Many requests start the same way: a system prompt, a few-shot preamble, the earlier turns of a chat, or a
-# preempted request coming back. Their KV is identical, so a block computed once could be shared. But a
-# block's KV depends on *every* earlier token, not only on its own: attention mixed the whole prefix into it.
-# So a block is named by a **chained hash**: the hash of (the previous block's hash, this block's token ids).
-# Two blocks with the same hash hold the same tokens *after the same prefix*, and the same tokens after a
-# different prefix get a different name. We use xxHash (xxh64): fast and well distributed; it is not
-# cryptographic, so a hit is also checked against the token ids stored with the block. Only *full* blocks are
-# hashed and shared: a partial block is still being written by its own request.
+# preempted request coming back. Their KV is identical, so a block computed once could be shared. But a block's KV
+# depends on *every* earlier token: attention mixed the whole prefix into it. So a block is named by a **chained
+# hash** of (the previous block's hash, this block's token ids): the same tokens after a different prefix get a
+# different name. We use xxHash (xxh64): fast and well distributed, but not cryptographic, so a hit is also checked
+# against the token ids stored with the block. Only *full* blocks are hashed and shared: a partial block is still
+# being written by its own request.
 
 # %% tags=["export"] module="minivllm.engine.block_manager"
 from array import array
@@ -251,47 +245,43 @@ assert compute_hash(b, h_a) == compute_hash(list(b), compute_hash(list(a)))  # d
 
 # %% [markdown]
 # ## The BlockManager (write one first? `exercises/03_paged_allocator.ipynb`, then `03_prefix_caching`)
-# The block manager owns `num_blocks` blocks (their KV tensors live in the model runner, notebook 04; here a
-# block is only an id and some bookkeeping) and their size, which the scheduler and every sequence read from
-# here. The scheduler (notebook 05) talks to it in seven calls:
+# The block manager owns `num_blocks` blocks (their KV tensors live in the model runner, notebook 04; here a block
+# is an id and some bookkeeping) and their size. The scheduler (notebook 05) talks to it in seven calls:
 #
 # * `can_allocate(seq)`, then `allocate(seq)` for a waiting sequence: a block for each of its blocks, sharing
 #   cached ones for the longest run of leading full blocks found in the cache (`seq.num_cached_tokens` tells
 #   prefill how many tokens it may skip).
-# * `cache_blocks(seq, num_tokens)` in the step that computes the KV of the sequence's first `num_tokens`
-#   tokens: their full blocks enter the cache (are hashed), so later requests can hit them.
-# * `can_append(seq)`, then `may_append(seq)` after each decoded token: a new block exactly when the token
-#   starts one, and the last block is cached the moment it becomes full.
-# * `deallocate(seq)` when a sequence finishes or is preempted (its tokens are kept, to be recomputed later,
-#   mostly from the cache).
-# * `discard(seq)` for a sequence dropped in a step that failed (notebook 05's `abort`): the blocks that step
-#   cached may hold KV it never wrote, so they leave the cache before they are freed.
-# * `reset()` when every request is dropped at once (`abort_all`): all blocks free and empty, nothing cached.
-#   It trusts none of the bookkeeping, so it is safe even after a step that failed half-way through it.
+# * `cache_blocks(seq, num_tokens)` in the step that computes the KV of the sequence's first `num_tokens` tokens:
+#   their full blocks enter the cache (are hashed), so later requests can hit them.
+# * `can_append(seq)`, then `may_append(seq)` after each decoded token: a new block exactly when the token starts
+#   one, and the last block is cached the moment it becomes full.
+# * `deallocate(seq)` when a sequence finishes or is preempted (its tokens are kept, to be recomputed later).
+# * `discard(seq)` for a sequence dropped in a failed step (notebook 05's `abort`): the blocks that step cached
+#   may hold KV it never wrote, so they leave the cache before they are freed.
+# * `reset()` when every request is dropped at once (`abort_all`): all blocks free and empty, nothing cached. It
+#   trusts none of the bookkeeping, so it is safe even after a step that failed half-way.
 #
-# The `can_*` checks are cheap and conservative (they ignore possible cache hits); the real calls assert them.
-# A block shared by three sequences has `ref_count == 3`; it is free only at 0.
+# The `can_*` checks are cheap and conservative (they ignore possible cache hits); the real calls assert them. A
+# block shared by three sequences has `ref_count == 3`; it is free only at 0.
 #
-# **Two free lists.** A freed full block keeps its hash and its KV: a later request with the same prefix can
-# still hit it. So a block for new KV comes from `free_block_ids` (blocks holding nothing worth keeping) while
-# it has any, and only then from `cached_block_ids`, the free blocks still in the cache, least recently freed
-# first (an LRU; taking one evicts its hash). A sequence frees its blocks tail first, so a shared head outlives
-# the tails behind it. Both lists are O(1) per block (a `deque` and an `OrderedDict`).
+# **Two free lists.** A freed full block keeps its hash and its KV, for a later hit. So a block for new KV comes
+# from `free_block_ids` (holding nothing worth keeping) while it has any, and only then from `cached_block_ids`,
+# the free blocks still in the cache, least recently freed first (an LRU; taking one evicts its hash). A sequence
+# frees its blocks tail first, so a shared head outlives the tails behind it. Both lists are O(1) per block.
 #
-# **The last token is always computed**, since prefill must produce its logits. If a whole prompt is cached,
-# its last block does not count as a hit (vLLM's rule: hits are looked up only among the blocks wholly inside
-# the first `num_tokens - 1` tokens): it gets a fresh copy and is recomputed. So `num_cached_tokens` is a
-# multiple of `block_size` below `num_tokens`, and a request never writes into a block another reads. The copy
-# has the same hash as the cached block (as may the blocks of two requests that generate the same tokens): the
-# cache index keeps pointing at the first, and a duplicate goes to the empty list when it is freed.
+# **The last token is always computed**, since prefill must produce its logits. If a whole prompt is cached, its
+# last block does not count as a hit (vLLM's rule: hits only among the blocks wholly inside the first `num_tokens
+# - 1` tokens): it gets a fresh copy and is recomputed. So `num_cached_tokens` is a multiple of `block_size` below
+# `num_tokens`, and a request never writes into a block another reads. The copy has the same hash as the cached
+# block (as may two requests that generate the same tokens): the cache index keeps the first; a duplicate goes to
+# the empty list when freed.
 #
-# **When is a block cached?** In the step that computes its KV, never before: from then on any request may hit
-# it and read that KV instead of computing it. So `allocate` caches nothing new; `cache_blocks(seq, n)` caches
-# the tokens a prefill step computes, `may_append` a block filled by the token the coming decode step computes.
-# That is safe (every layer writes the step's new KV before any attention reads it) and lets requests arriving
-# together share a prefix from their first step. Caching a prompt's blocks at `allocate` is not: a long prompt
-# may be computed over several steps (chunked prefill, notebook 05), and a request arriving in between would
-# hit blocks whose KV nobody has written yet, and silently compute with garbage.
+# **When is a block cached?** In the step that computes its KV, never before: from then on any request may hit it.
+# So `allocate` caches nothing new; `cache_blocks(seq, n)` caches the tokens a prefill step computes, `may_append`
+# a block the coming decode step fills. That is safe (every layer writes the step's new KV before any attention
+# reads it) and lets requests arriving together share a prefix from their first step. Caching at `allocate` is not:
+# a long prompt may be computed over several steps (chunked prefill, notebook 05), and a request arriving in
+# between would hit blocks whose KV nobody has written yet (shown below).
 
 
 # %% tags=["export"]
@@ -442,11 +432,10 @@ class BlockManager:
 
 # %% [markdown]
 # ## Watch it work
-# A tiny cache, 8 blocks of 4 slots, and a helper that prints each block as `id:ref_count`, with `#` for a
-# cached (hashed) block and `.` for a free one. Allocating `s1` caches nothing, since no KV is computed yet;
-# the prefill step that computes its 10 tokens caches its two full blocks, not the partial third (`admit` plays
-# that one-step prefill until notebook 05's scheduler does). Then `s1` decodes: tokens 11 and 12 fill block 2
-# (hashed the moment it is full); the 13th opens block 3, and not a token earlier.
+# A tiny cache, 8 blocks of 4 slots, printed as `id:ref_count`, `#` for a cached (hashed) block and `.` for a free
+# one. Allocating `s1` caches nothing, since no KV is computed yet; the prefill step that computes its 10 tokens
+# caches its two full blocks, not the partial third (`admit` plays that step until notebook 05's scheduler does).
+# Then `s1` decodes: tokens 11 and 12 fill block 2 (hashed once full); the 13th opens block 3, not a token earlier.
 
 # %%
 from minivllm.engine.block_manager import BlockManager
@@ -509,17 +498,14 @@ show(bm, f"s4 table {s4.block_table}, cached tokens {s4.num_cached_tokens}")
 assert s4.block_table[:2] == [0, 1] and s4.num_cached_tokens == 8
 
 # %% [markdown]
-# When a whole prompt is cached, the last block is still recomputed, in a fresh block: prefill needs the last
-# token's logits, and the shared copy is never written to. `s5` repeats `s1`'s first 12 tokens, whose three
-# blocks are all cached. Freeing `s5` twice is a bug in the caller (the blocks may already belong to someone
-# else), so it stops the engine at once. With prefix caching off nothing is ever hashed or shared. And
-# `reset()` forgets every allocation and every cached prefix at once; the sequences that held blocks must be
-# dropped with it (their block tables now point at blocks that belong to nobody), as notebook 05's `abort_all`
-# does.
+# When a whole prompt is cached, its last block is still recomputed, in a fresh block: prefill needs the last
+# token's logits, and the shared copy is never written to. `s5` repeats `s1`'s first 12 tokens (three cached
+# blocks). Freeing `s5` twice is a bug in the caller, so it stops the engine at once. With prefix caching off
+# nothing is hashed or shared. `reset()` forgets every allocation and cached prefix; the sequences that held
+# blocks must be dropped with it, as notebook 05's `abort_all` does.
 
 # %%
-s5 = Sequence(system + [30, 31, 32, 33], block_size=4)
-admit(bm, s5)
+admit(bm, s5 := Sequence(system + [30, 31, 32, 33], block_size=4))
 show(bm, f"s5 table {s5.block_table}, cached tokens {s5.num_cached_tokens}")
 assert s5.num_cached_tokens == 8 == len(s5) - bm.block_size and s5.block_table[2] != 2
 bm.deallocate(s5)
@@ -533,56 +519,46 @@ else:
 plain = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
 for seq in (Sequence(system + [1], block_size=4), Sequence(system + [1], block_size=4)):
     admit(plain, seq)
-    assert seq.num_cached_tokens == 0
-assert all(b.hash == -1 for b in plain.blocks) and plain.num_used_blocks == 6
+assert all(b.hash == -1 for b in plain.blocks) and plain.num_used_blocks == 6  # nothing hashed, nothing shared
 
-show(bm, "before reset")
 bm.reset()
 show(bm, "after reset")
-s6 = Sequence(system + [70], block_size=bm.block_size)
-admit(bm, s6)
+admit(bm, s6 := Sequence(system + [70], block_size=bm.block_size))
 assert bm.num_free_blocks == bm.num_blocks - 3 and s6.num_cached_tokens == 0  # the system prompt is forgotten
 
 # %% [markdown]
-# Now the reason `allocate` caches nothing. `long` has 17 tokens (four full blocks), prefilled in chunks, and
-# its first step computes only 8. A request with the same first 16 tokens arriving now must hit the two blocks
-# already computed, and not the two whose KV no step has written yet:
+# Why `allocate` caches nothing: `long` (17 tokens, four full blocks) is prefilled in chunks, 8 tokens first. A
+# request with the same first 16 tokens arriving then must hit the two blocks computed, not the two unwritten:
 
 # %%
 chunked, long = BlockManager(num_blocks=16, block_size=4), Sequence(list(range(1, 18)), block_size=4)
 chunked.allocate(long)
 chunked.cache_blocks(long, 8)  # the first chunk: tokens 0..7
 long.num_cached_tokens = 8  # what the scheduler records once that step has run
-same_start = Sequence(list(range(1, 17)) + [99], block_size=4)
-admit(chunked, same_start)
+admit(chunked, same_start := Sequence(list(range(1, 17)) + [99], block_size=4))
 chunked.cache_blocks(long, 17)  # the second chunk computes the rest
-later = Sequence(list(range(1, 17)) + [99], block_size=4)
-admit(chunked, later)
+admit(chunked, later := Sequence(list(range(1, 17)) + [99], block_size=4))
 print(f"tokens hit: {same_start.num_cached_tokens} after the first chunk, {later.num_cached_tokens} after the second")
 assert same_start.num_cached_tokens == 8 and later.num_cached_tokens == 16
 
 # %% [markdown]
 # ## Why does PagedAttention reduce fragmentation? A simulated workload
-# Now the question this notebook is for. We replay one workload against a fixed KV memory of 65,536 token
-# slots (about 7 GiB for Qwen3-0.6B) with different allocators, and measure, at every step, the share of
-# *reserved* KV memory that actually holds a token. The workload: 600 chat-like requests, prompts of 16 to 512
-# tokens, `max_tokens=1024`, `max_model_len = 2048`; each really stops after an exponentially distributed
-# number of tokens (mean 300), as if it met its end-of-sequence token. The allocators:
+# Now the question this notebook is for. We replay one workload on a fixed KV memory of 65,536 token slots (about
+# 7 GiB for Qwen3-0.6B): 600 chat-like requests, prompts of 16 to 512 tokens, `max_tokens=1024`, `max_model_len =
+# 2048`; each really stops after an exponentially distributed number of tokens (mean 300), as if it met its
+# end-of-sequence token. The allocators:
 #
 # * **contiguous, max length**: each request reserves `max_model_len` slots up front (engines before paging);
 # * **contiguous, prompt + max_tokens**: a tighter reservation that uses the request's own limit; sizes now
 #   differ, so we place them first-fit in one address space, and holes between them appear;
 # * **paged** (our `BlockManager`) with blocks of 256, 64 and 16 slots.
 #
-# One loop drives them all, a continuous-batching scheduler in miniature (notebook 05 builds the real one):
-# each step admits waiting requests first come, first served while memory allows, then every running request
-# decodes one token; a request that finds no free block for its next token preempts the newest running one.
+# One loop drives them all, a continuous-batching scheduler in miniature (notebook 05 builds the real one): each
+# step admits waiting requests first come, first served while memory allows, then every running request decodes
+# one token; a request that finds no free block for its next token preempts the newest running one.
 
 # %%
-from minivllm.engine.sequence import SequenceStatus
-
-VOCAB = 151_936
-NUM_SLOTS, MAX_TOKENS, MAX_MODEL_LEN = 65_536, 1024, 2048
+VOCAB, NUM_SLOTS, MAX_TOKENS, MAX_MODEL_LEN = 151_936, 65_536, 1024, 2048
 
 
 def make_workload(n: int, prompt_len=(16, 512), mean_output=300) -> list[tuple]:
@@ -598,36 +574,51 @@ class ContiguousAllocator:
     block_size = 1
     cache_blocks = may_append = lambda self, *args: None  # no prefix caching, no blocks to add
     can_append = lambda self, seq: True  # the reservation already covers every token the request may produce
+    deallocate = lambda self, seq: self.ranges.pop(seq.seq_id)
 
     def __init__(self, num_slots: int, reserve):
         self.num_slots, self.reserve = num_slots, reserve
         self.ranges: dict[int, tuple[int, int]] = {}  # seq_id -> (start, size)
 
-    def _first_fit(self, size: int) -> int | None:
-        start = 0
-        for s, n in sorted(self.ranges.values()):
-            if s - start >= size:
-                return start
-            start = s + n
-        return start if self.num_slots - start >= size else None
+    def holes(self) -> list[tuple[int, int]]:
+        """(start, size) of each run of free slots, in address order."""
+        ends = [(0, 0), *sorted(self.ranges.values()), (self.num_slots, 0)]
+        return [(s + n, s2 - s - n) for (s, n), (s2, _) in zip(ends, ends[1:]) if s2 > s + n]
 
     def can_allocate(self, seq) -> bool:
-        return self._first_fit(self.reserve(seq)) is not None
+        return any(size >= self.reserve(seq) for _, size in self.holes())
 
-    def allocate(self, seq) -> None:
-        self.ranges[seq.seq_id] = (self._first_fit(self.reserve(seq)), self.reserve(seq))
+    def allocate(self, seq) -> None:  # first fit: the lowest hole that is big enough
+        self.ranges[seq.seq_id] = (next(s for s, n in self.holes() if n >= self.reserve(seq)), self.reserve(seq))
 
-    def deallocate(self, seq) -> None:
-        del self.ranges[seq.seq_id]
 
-    @property
-    def num_used_blocks(self) -> int:
-        return sum(n for _, n in self.ranges.values())
+# %% [markdown]
+# Each step, every KV slot is one of five kinds. A reserved slot holds a **token**, or is reserved **ahead** for a
+# token its request will produce later, or is **over-reserved**, for tokens it never will (reservation minus final
+# length: the workload knows it, an allocator does not). A free slot is **stranded** (external fragmentation) in a
+# hole too small for the next waiting request, else **free**.
+
+
+# %%
+def kv_breakdown(allocator, running: list[Sequence], waiting: deque, stop: dict[int, int]) -> dict:
+    """KV slots this step that hold tokens, are reserved ahead, over-reserved, stranded in holes, or free."""
+    if isinstance(allocator, ContiguousAllocator):  # a request needs its whole reservation in one hole
+        held = [allocator.ranges[s.seq_id][1] for s in running]
+        holes, piece = [n for _, n in allocator.holes()], allocator.reserve(waiting[0]) if waiting else 0
+    else:  # paged: any free block is a piece a request can use, so no hole is too small
+        held = [len(s.block_table) * allocator.block_size for s in running]
+        holes, piece = [allocator.block_size] * allocator.num_free_blocks, allocator.block_size * bool(waiting)
+        assert sum(held) == allocator.num_used_blocks * allocator.block_size  # every used block is someone's
+    tokens, stranded = sum(len(s) for s in running), sum(n for n in holes if n < piece)
+    over = sum(max(h - s.num_prompt_tokens - stop[s.seq_id], 0) for h, s in zip(held, running))  # past the end
+    return dict(tokens=tokens, ahead=sum(held) - over - tokens, over=over, stranded=stranded,
+                free=NUM_SLOTS - sum(held) - stranded, running=len(running), waiting=len(waiting))  # fmt: skip
 
 
 def simulate(workload, allocator, block_size: int = 16) -> list[dict]:
     """Replay the workload with one allocator; one row of stats per step."""
-    waiting = deque(Sequence(p, SamplingParams(max_tokens=o, ignore_eos=True), block_size) for p, o in workload)
+    waiting = deque(Sequence(p, SamplingParams(max_tokens=MAX_TOKENS), block_size) for p, _ in workload)
+    stop = {seq.seq_id: o for seq, (_, o) in zip(waiting, workload)}  # where each request meets its "EOS"
     running: list[Sequence] = []
     rows: list[dict] = []
     while waiting or running:
@@ -638,12 +629,12 @@ def simulate(workload, allocator, block_size: int = 16) -> list[dict]:
             seq.status = SequenceStatus.RUNNING
             running.append(seq)
         assert running, "the cache cannot hold even one request"
+        rows.append(kv_breakdown(allocator, running, waiting, stop))  # after admission, before decoding
         for seq in list(running):  # decode one token each
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step
             seq.append_token(int(rng.integers(VOCAB)))
-            if seq.num_completion_tokens == seq.sampling_params.max_tokens:
-                seq.status = SequenceStatus.FINISHED
+            if seq.num_completion_tokens == stop[seq.seq_id]:  # finished
                 allocator.deallocate(seq)
                 running.remove(seq)
                 continue
@@ -656,93 +647,85 @@ def simulate(workload, allocator, block_size: int = 16) -> list[dict]:
                     break
             else:
                 allocator.may_append(seq)
-        tokens, reserved = sum(len(s) for s in running), allocator.num_used_blocks * allocator.block_size
-        rows.append(dict(tokens=tokens, reserved=reserved, running=len(running)))
     return rows
 
 
 # %%
 workload = make_workload(600)
-own_limit = lambda s: s.num_prompt_tokens + s.sampling_params.max_tokens
 schemes = {
     "contiguous, max length": lambda: ContiguousAllocator(NUM_SLOTS, lambda s: MAX_MODEL_LEN),
-    "contiguous, prompt + max_tokens": lambda: ContiguousAllocator(NUM_SLOTS, own_limit),
+    "contiguous, prompt + max_tokens": lambda: ContiguousAllocator(NUM_SLOTS, lambda s: len(s) + MAX_TOKENS),
     **{f"paged, block {bs}": (lambda bs=bs: BlockManager(NUM_SLOTS // bs, bs)) for bs in (256, 64, 16)},
 }
-runs = {}
+KINDS = {"tokens": "tab:blue", "ahead": "lightsteelblue", "over": "tab:red", "stranded": "tab:orange", "free": "0.9"}
+runs, head = {}, "{:>32} {:>8} {:>8} {:>8} {:>8} {:>8} | {:>9} {:>5} {:>5}".format
+print(head("share of KV memory while one waits", *KINDS, "occupancy", "batch", "steps"))
 for name, make in schemes.items():
-    t0 = time.perf_counter()
     rows = simulate(workload, make(), block_size=int(name.split()[-1]) if name.startswith("paged") else 16)
-    occupancy = sum(r["tokens"] for r in rows) / sum(r["reserved"] for r in rows)
-    runs[name] = dict(rows=rows, occupancy=occupancy, batch=np.mean([r["running"] for r in rows]), steps=len(rows))
-    print(
-        f"{name:>32}: {occupancy:6.1%} of reserved KV holds tokens, {runs[name]['batch']:5.1f} requests at once "
-        f"on average, {len(rows):5d} steps ({time.perf_counter() - t0:.1f} s to simulate)"
-    )
+    full = [r for r in rows if r["waiting"]]  # the steps in which memory limits the batch
+    share = {kind: sum(r[kind] for r in full) / (NUM_SLOTS * len(full)) for kind in KINDS}
+    occupancy = sum(r["tokens"] for r in rows) / sum(NUM_SLOTS - r["free"] - r["stranded"] for r in rows)  # of reserved
+    runs[name] = dict(rows=rows, share=share, occupancy=occupancy, batch=np.mean([r["running"] for r in rows]))
+    print(head(name, *(f"{s:.1%}" for s in share.values()), f"{occupancy:.1%}", round(runs[name]["batch"]), len(rows)))
 
 # %%
-colors = dict(zip(runs, ["tab:red", "tab:orange", "tab:olive", "tab:green", "tab:blue"]))
-fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), gridspec_kw=dict(width_ratios=[1.1, 1.4, 1.4]))
-names = list(runs)
-axes[0].barh(names, [runs[n]["occupancy"] for n in names], color=[colors[n] for n in names])
-for y, n in enumerate(names):
-    axes[0].text(runs[n]["occupancy"] + 0.01, y, f"{runs[n]['occupancy']:.0%}", va="center")
+fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
+names, left = list(runs), np.zeros(len(runs))
+for kind, color in KINDS.items():  # one stacked bar per scheme: where the KV memory is while requests wait
+    widths = np.array([runs[n]["share"][kind] for n in names])
+    axes[0].barh(names, widths, left=left, color=color, label=kind)
+    left += widths
 axes[0].invert_yaxis()
-axes[0].set(xlim=(0, 1.15), xlabel="share of reserved KV memory holding tokens", title="Occupancy over the whole run")
-for n in names:
-    rows = runs[n]["rows"]
-    occ = [r["tokens"] / r["reserved"] if r["reserved"] else np.nan for r in rows]
-    axes[1].plot(occ, color=colors[n], lw=1, label=n)
-    axes[2].plot([r["running"] for r in rows], color=colors[n], lw=1, label=n)
-axes[1].set(ylim=(0, 1.02), xlabel="step", ylabel="tokens / reserved slots", title="Occupancy per step")
-axes[2].set(xlabel="step", ylabel="requests running", title="Batch size (workload done at the line's end)")
-axes[2].legend(fontsize=8)
+axes[0].legend(fontsize=7, ncols=5, loc="lower center", bbox_to_anchor=(0.5, 1.0))
+axes[0].set(xlim=(0, 1), xlabel="share of the KV memory, averaged over the steps in which a request waits")
+for n, color in zip(names, ["tab:red", "tab:orange", "tab:olive", "tab:green", "tab:blue"]):
+    axes[1].plot([r["running"] for r in runs[n]["rows"]], color=color, lw=1, label=n)
+axes[1].set(xlabel="step", ylabel="requests running", title="Batch size (workload done at the line's end)")
+axes[1].legend(fontsize=8)
 fig.suptitle(f"600 requests on {NUM_SLOTS:,} KV slots: contiguous reservation vs paged blocks")
 fig.tight_layout()
 fig.savefig(FIGURES / "03_fragmentation.png", dpi=120)
 
 # %% [markdown]
-# **Reading the figure.** With a max-length reservation most of the reserved memory never holds a token: a
-# request uses its prompt plus a few hundred tokens of a 2,048-slot region. Reserving `prompt + max_tokens` is
-# tighter but still pays for 1,024 completion tokens most requests never produce, and its variable sizes leave
-# holes between reservations (external fragmentation). Paged blocks are handed out as tokens arrive, so the only
-# waste is the unfilled end of each request's last block, at most `block_size - 1` slots (internal
-# fragmentation): 16-slot blocks leave almost nothing empty, 256-slot blocks about 128 slots per request.
+# **Reading the figure.** A max-length reservation is mostly over-reserved (red): a request uses its prompt plus a
+# few hundred of 2,048 slots; equal regions tile the memory, so no hole is too small. `prompt + max_tokens` still
+# pays for 1,024 completion tokens most requests never produce, and its sizes differ: free memory sits in holes too
+# small for the next request (external fragmentation, orange). Paged blocks come as tokens arrive and any free block
+# serves any request: nothing is stranded, and the waste is the end of each request's last block, under
+# `block_size` slots (internal fragmentation): almost nothing with 16-slot blocks.
 #
-# Memory not wasted is memory for more requests: with 16-slot blocks the same memory keeps about three times
-# as many requests in flight as the max-length reservation and finishes the workload in about a third of the
-# steps: PagedAttention's throughput comes from that batch size. (Smaller blocks cost something too: the
-# attention kernel reads one block table entry per block; 16 is vLLM's default.)
+# Memory not wasted is memory for more requests: with 16-slot blocks the same memory keeps about three times as
+# many requests in flight as the max-length reservation and finishes in about a third of the steps:
+# PagedAttention's throughput comes from that batch size. (Smaller blocks cost something too: the attention
+# kernel reads one block table entry per block; 16 is vLLM's default.)
 
 # %%
-occupancy = {n: r["occupancy"] for n, r in runs.items()}
+occupancy, share = {n: r["occupancy"] for n, r in runs.items()}, {n: r["share"] for n, r in runs.items()}
 assert occupancy["paged, block 16"] > 0.97 and occupancy["contiguous, max length"] < 0.35
 assert sorted(occupancy, key=occupancy.get) == list(runs)  # each scheme in the list beats the one before
+assert sorted(runs, key=lambda n: -share[n]["over"]) == list(runs)  # and over-reserves less
+assert [n for n in runs if share[n]["stranded"] > 0] == ["contiguous, prompt + max_tokens"]  # sizes that differ
 assert runs["paged, block 16"]["batch"] > 2.5 * runs["contiguous, max length"]["batch"]
-assert runs["paged, block 16"]["steps"] < runs["contiguous, max length"]["steps"] / 2.5
+assert len(runs["paged, block 16"]["rows"]) < len(runs["contiguous, max length"]["rows"]) / 2.5
 
 # %% [markdown]
 # ## How fast is the bookkeeping?
-# The block manager runs on the CPU between GPU steps, so its cost adds to every step. Each call touches only
-# the blocks of the sequence it is given, so its cost must not grow with the size of the cache.
-# `python -m minivllm.benchmarks.block_manager` measures it on 10,000 sequences of about 1,000 tokens; here is
-# a smaller run, with two cache sizes 64 times apart.
+# The block manager runs on the CPU between GPU steps, so its cost adds to every step. Each call touches only its
+# sequence's blocks, so the cost must not grow with the cache. `python -m minivllm.benchmarks.block_manager` times
+# 10,000 sequences of about 1,000 tokens; here is a smaller run, with two cache sizes 64 times apart.
 
 # %%
 from minivllm.benchmarks.block_manager import print_table, run_benchmark
 
-bench = [run_benchmark(num_blocks=n, num_seqs=500, block_size=16) for n in (4_096, 262_144)]
-print_table(bench)
+print_table([run_benchmark(num_blocks=n, num_seqs=500, block_size=16) for n in (4_096, 262_144)])
 
 # %% [markdown]
 # ## The KV cache in memory
-# For each layer the cache is two tensors, `k_cache` and `v_cache`, shaped
-# `(num_blocks, block_size, num_kv_heads, head_dim)`: flash-attn's layout. A token's *slot* is
-# `block_id * block_size + offset`, so viewing the cache as `(num_blocks * block_size, num_kv_heads, head_dim)`
-# makes the slot a plain row index. Every step, after computing `k` and `v` for its new tokens, the model
-# **stores** each token's row in its slot (`slot_mapping[i]`, `-1` for padding that must not be written), then
-# each query **attends** to the rows of its sequence's tokens, following its block table. Storing is a scatter
-# of whole rows: one program per token copies `num_kv_heads * head_dim` values.
+# For each layer the cache is two tensors, `k_cache` and `v_cache`, shaped `(num_blocks, block_size, num_kv_heads,
+# head_dim)`: flash-attn's layout. A token's *slot* is `block_id * block_size + offset`, so viewing the cache as
+# `(num_blocks * block_size, num_kv_heads, head_dim)` makes the slot a row index. Every step the model **stores**
+# each new token's `k` and `v` row in its slot (`slot_mapping[i]`, `-1` for padding, not written), then each query
+# **attends** to its sequence's rows through its block table. The store is one program per token copying a row.
 
 # %% tags=["export"] module="minivllm.kernels.paged_attn"
 import functools
@@ -834,10 +817,9 @@ assert flat_k.abs().sum(dim=(1, 2)).count_nonzero() == 2  # nothing else was wri
 
 # %% [markdown]
 # ## Why decode needs its own attention kernel
-# In prefill every key/value block the kernel loads serves a whole `BLOCK_M` tile of queries: many FLOPs per
-# byte, so the tensor cores set the speed (notebook 01). In decode each sequence brings **one** query per head,
-# and every byte of its KV cache is read to do 2 FLOPs (a multiply-add for `q·k`, one for `p·v`) per query
-# head that shares it. Count it:
+# In prefill every key/value block the kernel loads serves a whole `BLOCK_M` tile of queries: many FLOPs per byte,
+# so the tensor cores set the speed (notebook 01). In decode each sequence brings **one** query per head, and its
+# whole KV cache is read for 2 FLOPs per element (a multiply-add in `q·k` or `p·v`) per query head sharing it:
 
 
 # %%
@@ -853,19 +835,34 @@ for name, n in (("decode (1 query)", 1), ("prefill of 4,096 tokens", 4096)):
 assert flops_per_byte(1) < 10 < h200_ridge < flops_per_byte(4096)
 
 # %% [markdown]
-# Decode sits far below the ridge: it is **memory-bound**, and a good decode kernel is one that streams the
-# KV cache at full HBM bandwidth. That changes the design:
+# Decode sits far below the ridge: it is **memory-bound**, and a good decode kernel streams the KV cache at full
+# HBM bandwidth. That changes the design:
 #
-# * **GQA packing.** Qwen3-0.6B's 16 query heads share 8 KV heads. One program handles *all* query heads of
-#   a KV head, so each KV block is read once, not twice (the prefill kernel, one program per query head,
-#   reads it once per query head: harmless there, twice the traffic here).
-# * **Split-K (flash-decoding).** One sequence × 8 KV heads is only 8 programs, on a GPU with 132
-#   multiprocessors. So we also cut the context into `num_splits` chunks, each program reduces its chunk
-#   with online softmax and writes a partial output plus its log-sum-exp; a second tiny kernel combines them:
-#   `out = Σ_s exp(lse_s − lse) · out_s` with `lse = log Σ_s exp(lse_s)`.
-# * **Paging.** A program finds token `t`'s row through the block table (`paged_rows`). Blocks of 16 tokens are
-#   gathered 4 at a time (64 keys per step), blocks of 256 are read in 4 steps each: any block size works. The
-#   inner step is notebook 01's `attend_block`, unchanged: online softmax does not care where keys come from.
+# * **GQA packing.** Qwen3-0.6B's 16 query heads share 8 KV heads. One program handles *all* query heads of a KV
+#   head, so each KV block is read once (the prefill kernel, one program per query head, reads it twice).
+# * **Split-K (flash-decoding).** One sequence × 8 KV heads is only 8 programs, on a GPU with 132 multiprocessors.
+#   So we cut the context into `num_splits` chunks; each program reduces its chunk with online softmax and writes
+#   a partial output and its log-sum-exp `lse_s`; a second tiny kernel combines them.
+# * **Paging.** A program finds token `t`'s row through the block table (`paged_rows`): blocks of 16 are gathered
+#   4 at a time (64 keys per step), blocks of 256 read in 4 steps. The inner step is notebook 01's `attend_block`.
+#
+# Split-K first in PyTorch (parts b and c of `exercises/01_online_softmax.ipynb` have you write it): one decode
+# query over 300 keys, in 3 chunks. Each chunk's softmax is normalised by its own sum, so a plain average of the
+# outputs is wrong; weighting each by `exp(lse_s − lse)`, its share of the whole row's sum, gives the exact result.
+
+# %%
+from minivllm.kernels.reference import attention_ref
+
+q1, k1, v1 = torch.randn(1, 32), torch.randn(300, 32), torch.randn(300, 32)  # one query head, 300 cached keys
+scores = [q1 @ k_s.T * 32**-0.5 for k_s in k1.split(128)]  # 3 splits of 128, 128, 44 keys: (1, chunk) each
+outs = [torch.softmax(s, dim=-1) @ v_s for s, v_s in zip(scores, v1.split(128))]  # (1, 32): over its own sum
+lses = torch.stack([torch.logsumexp(s, dim=-1) for s in scores])  # (3, 1): the log of each split's sum
+weights = torch.exp(lses - torch.logsumexp(lses, dim=0))  # (3, 1): each split's share of the whole row's sum
+combined = sum(w[:, None] * out_s for w, out_s in zip(weights, outs))  # what the combine kernel computes
+ref = attention_ref(q1[:, None], k1[:, None], v1[:, None], torch.tensor([0, 1]), torch.tensor([0, 300]))[:, 0]
+torch.testing.assert_close(combined, ref)
+plain, weighted = (sum(outs) / len(outs) - ref).abs().max(), (combined - ref).abs().max()
+print(f"max error: plain average of the splits {plain:.2f}, weighted by exp(lse_s - lse) {weighted:.0e}")
 
 
 # %% tags=["export"]
@@ -1010,37 +1007,38 @@ def flash_attn_with_kvcache(
 # %% [markdown]
 # ### Check the decode kernel against the reference
 # On sequences of 1 to 300 random tokens in shuffled blocks, for several block sizes and GQA ratios, the kernel
-# must give what notebook 01's reference gives on the same keys laid out contiguously.
+# must give what notebook 01's reference gives on the same keys laid out contiguously. Each run forces a number of
+# splits (on a CPU, with no multiprocessors to fill, `decode_num_splits` picks 1); short sequences leave some empty.
 
 # %%
+from unittest import mock
+
 from minivllm.kernels.paged_attn import flash_attn_with_kvcache
-from minivllm.kernels.reference import attention_ref
 from minivllm.testing import scatter_into_cache  # random K/V written to shuffled blocks, and kept contiguous
 
-for block_size, num_heads, num_kv_heads in ((16, 8, 2), (32, 8, 8), (256, 8, 1)):
+for block_size, num_heads, num_kv_heads, num_splits in ((16, 8, 2, 1), (32, 8, 8, 4), (256, 8, 1, 3)):
     seq_lens = [1, 17, 300, 64]
     k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache(seq_lens, num_kv_heads, 32, block_size, DEVICE)
     q = torch.randn(len(seq_lens), 1, num_heads, 32, device=DEVICE)
     cache_seqlens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table)
+    with mock.patch("minivllm.kernels.paged_attn.decode_num_splits", lambda *_, n=num_splits: n):
+        out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table)
     cu_q = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)
     ref = attention_ref(q[:, 0], k, v, cu_q, cu_k)
-    print(f"block_size {block_size:>3}, GQA {num_heads // num_kv_heads}: max error {(out[:, 0] - ref).abs().max():.1e}")
+    error = (out[:, 0] - ref).abs().max()
+    print(f"block_size {block_size:>3}, GQA {num_heads // num_kv_heads}, {num_splits} splits: max error {error:.1e}")
     torch.testing.assert_close(out[:, 0], ref, rtol=1e-4, atol=1e-4)
 
 # %% [markdown]
 # ## Prefill after a prefix-cache hit
-# When the block manager finds a request's first blocks in the cache, its prefill computes only the **new**
-# tokens, whose queries must still attend to the cached prefix. Plain prefill attention over the new tokens
-# alone (as some teaching engines run it) silently drops the prefix: the output changes, nothing crashes.
-#
-# So prefill gets a paged form too: `flash_attn_varlen_func(..., block_table=...)`. The new tokens' keys and
-# values are first stored into the cache; then the kernel reads *all* keys of a sequence (cached prefix + new
-# tokens, `cu_seqlens_k`) through its block table, with notebook 01's bottom-right causal mask, so new token
-# `i` sees every cached token and the new tokens up to itself: notebook 01's kernel with the key rows looked
-# up instead of computed. Two of its integers change from step to step, `num_m_blocks` and the block table's
-# row stride (the longest sequence's block count); neither is specialized on, so Triton compiles the kernel
-# once (as for the decode kernel, which the model runner also calls eagerly).
+# After a prefix-cache hit, prefill computes only the **new** tokens, whose queries must still attend to the
+# cached prefix. Attention over the new tokens alone (as some teaching engines run it) silently drops the prefix:
+# the output changes, nothing crashes. So prefill gets a paged form too: `flash_attn_varlen_func(...,
+# block_table=...)`. The new keys and values are first stored into the cache; then the kernel reads *all* keys of
+# a sequence (`cu_seqlens_k`: cached + new) through its block table, with notebook 01's bottom-right causal mask:
+# notebook 01's kernel with the key rows looked up. `num_m_blocks` and the block table's row stride change from
+# step to step; neither is specialized on, so Triton compiles the kernel once (as for the decode kernel). It is
+# checked below, with the PyTorch version of the paged operations.
 
 
 # %% tags=["export"] module="minivllm.kernels.paged_attn"
@@ -1131,29 +1129,10 @@ def flash_attn_varlen_func(
 
 
 # %% [markdown]
-# Check: new tokens after a cached prefix, read through a shuffled block table, give exactly what the
-# reference gives on the whole sequence's keys laid out contiguously.
-
-# %%
-from minivllm.kernels.paged_attn import flash_attn_varlen_func
-
-for block_size in (16, 256):
-    k_lens, q_lens = [40, 17, 300], [5, 17, 64]  # 35 cached tokens + 5 new; no cache; 236 cached + 64 new
-    k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache(k_lens, 2, 32, block_size, DEVICE)
-    q = torch.randn(sum(q_lens), 4, 32, device=DEVICE)
-    cu_q = torch.tensor([0, *np.cumsum(q_lens)], dtype=torch.int32, device=DEVICE)
-    out = flash_attn_varlen_func(
-        q, k_cache, v_cache, cu_q, cu_k, max(q_lens), max(k_lens), causal=True, block_table=block_table
-    )
-    torch.testing.assert_close(out, attention_ref(q, k, v, cu_q, cu_k, causal=True), rtol=1e-4, atol=1e-4)
-print("paged prefill matches the reference")
-
-# %% [markdown]
 # ## Paged attention without a GPU
-# The Triton kernels run on a CPU only in Triton's interpreter: exact, but thousands of times slower than
-# PyTorch. So on a CPU the engine uses the same operations written with PyTorch indexing: a store is an indexed
-# assignment; attention gathers each sequence's rows through its block table and calls notebook 01's reference
-# attention. They are also a second, independent implementation to test the kernels against.
+# On a CPU the Triton kernels run only in Triton's interpreter: exact, but thousands of times slower. So there the
+# engine uses PyTorch indexing: a store is an indexed assignment; attention gathers each sequence's rows through
+# its block table and calls notebook 01's reference. It is also a second implementation to test the kernels by.
 
 
 # %% tags=["export"] module="minivllm.kernels.paged_reference"
@@ -1193,31 +1172,35 @@ def paged_attention_ref(
 
 
 # %% [markdown]
-# Check: the reference and the kernels agree on a random paged cache, for new tokens after a cached prefix
-# (prefill) and for each sequence's newest token alone (decode: the reference's case of one new token).
+# Check: on random caches in shuffled blocks of 16 and 256, the reference gives what notebook 01's gives on the same
+# keys laid out contiguously, and so do both kernels: the paged prefill for new tokens after a cached prefix, and
+# decode for each sequence's newest token alone (the reference's case of one new token).
 
 # %%
+from minivllm.kernels.paged_attn import flash_attn_varlen_func
 from minivllm.kernels.paged_reference import paged_attention_ref
 
-seq_lens, q_lens = [1, 17, 300, 64], [1, 5, 64, 17]  # tokens in the cache; the new ones among them
-k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache(seq_lens, 2, 32, 16, DEVICE)
-q = torch.randn(sum(q_lens), 8, 32, device=DEVICE)
+seq_lens, q_lens = [1, 17, 300, 64, 40], [1, 5, 64, 17, 40]  # tokens in the cache; the new ones among them
 cu_q = torch.tensor([0, *np.cumsum(q_lens)], dtype=torch.int32, device=DEVICE)
-ref = paged_attention_ref(q, k_cache, v_cache, cu_q, cu_k, block_table)
-prefill = flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 64, 300, causal=True, block_table=block_table)
-torch.testing.assert_close(prefill, ref, rtol=1e-4, atol=1e-4)
 newest, cache_seqlens = cu_q[1:] - 1, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-decode = flash_attn_with_kvcache(q[newest, None], k_cache, v_cache, cache_seqlens, block_table)[:, 0]
-torch.testing.assert_close(decode, ref[newest], rtol=1e-4, atol=1e-4)
+for block_size in (16, 256):
+    k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache(seq_lens, 2, 32, block_size, DEVICE)
+    q = torch.randn(sum(q_lens), 4, 32, device=DEVICE)
+    ref = paged_attention_ref(q, k_cache, v_cache, cu_q, cu_k, block_table)
+    torch.testing.assert_close(ref, attention_ref(q, k, v, cu_q, cu_k, causal=True))
+    prefill = flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 64, 300, causal=True, block_table=block_table)
+    torch.testing.assert_close(prefill, ref, rtol=1e-4, atol=1e-4)
+    decode = flash_attn_with_kvcache(q[newest, None], k_cache, v_cache, cache_seqlens, block_table)[:, 0]
+    torch.testing.assert_close(decode, ref[newest], rtol=1e-4, atol=1e-4)
+print("paged prefill and decode match both references")
 
 # %% [markdown]
 # ## Measured on an H200
-# `python -m minivllm.benchmarks.decode` times three ways to run decode attention for Qwen3-0.6B's heads
-# (batch × context from 1 × 16k to 256 × 1k, blocks of 16 and 256) as bandwidth, bytes of K and V read per
-# second, whose ceiling is the GPU's copy bandwidth: `minivllm-triton`, the decode kernel above;
-# `minivllm-prefill-kernel`, our *prefill* kernel given the same paged cache, one query per sequence; and
-# `naive-gather-sdpa`, each sequence's blocks copied into a contiguous tensor, then PyTorch's attention. On a
-# GPU this cell re-measures a subset; without one it shows the committed H200 results.
+# `python -m minivllm.benchmarks.decode` times decode attention for Qwen3-0.6B's heads (batch × context from 1 ×
+# 16k to 256 × 1k, blocks of 16 and 256) in bytes of K and V read per second, capped by the copy bandwidth:
+# `minivllm-triton`, the decode kernel above; `minivllm-prefill-kernel`, our *prefill* kernel on the same paged
+# cache, one query per sequence; `naive-gather-sdpa`, each sequence's blocks copied out, then PyTorch's attention.
+# On a GPU this cell re-measures a subset; without one it shows the committed H200 results.
 
 # %%
 from minivllm.benchmarks.decode import plot_decode, run_decode_benchmark
@@ -1234,17 +1217,35 @@ for key in sorted(tbps):
 print(f"copy bandwidth: {decode_data['copy_tbps']:.2f} TB/s")
 
 # %% [markdown]
-# **Why do prefill and decode need different attention kernels?** In these numbers: at 64 sequences × 4k
-# tokens the decode kernel reads the cache at the copy bandwidth, the prefill kernel, given the same work, at
-# half of it. The prefill kernel's tile holds 64 query rows of which decode fills one, it reads each KV block
-# once per *query* head (twice for Qwen3's GQA), and with one program per sequence and head it cannot fill the
-# GPU when the batch is small: at 1 × 16k it reaches under 5% of the bandwidth, the decode kernel about 65%,
-# because it packs a KV head's query heads into one tile and splits long contexts over many programs.
+# **Why do prefill and decode need different attention kernels?** At 64 sequences × 4k tokens the decode kernel
+# reads the cache at the copy bandwidth, the prefill kernel at half of it: its tile holds 64 query rows of which
+# decode fills one, it reads each KV block once per *query* head (twice for Qwen3's GQA), and with one program
+# per sequence and head it cannot fill the GPU at small batch: at 1 × 16k it reaches under 5% of the bandwidth,
+# the decode kernel about 65%, since it packs a KV head's query heads and splits long contexts.
+#
+# **The same split on this CPU** (below the H200's numbers): a prefill of 512 queries and a decode step of 32
+# sequences × 1 query, 512 keys each, in PyTorch's batched attention. Prefill does 16 times decode's FLOPs on 32
+# times fewer bytes, in about the same time: near matmul speed; decode runs near copy speed. (Not checked: noisy.)
 
 # %%
 best = lambda impl, batch, ctx: max(v for (i, b, c, _), v in tbps.items() if (i, b, c) == (impl, batch, ctx))
 assert best("minivllm-triton", 64, 4096) > 1.5 * best("minivllm-prefill-kernel", 64, 4096)
 assert best("minivllm-triton", 1, 16384) > 3 * best("minivllm-prefill-kernel", 1, 16384)
+ours = max(r["tflops"] for r in json.loads(Path("figures/prefill.json").read_text())["rows"] if "triton" in r["impl"])
+print(f"H200, bf16: ridge {h200_ridge:.0f} FLOP/byte; prefill kernel {ours:.0f} TFLOP/s ({ours / 989:.0%} of 989), "
+      f"decode kernel {best('minivllm-triton', 64, 4096) / decode_data['copy_tbps']:.0%} of copy")  # fmt: skip
+best_seconds = lambda fn: min(-time.perf_counter() + (fn(), time.perf_counter())[1] for _ in range(4))  # 1st warms up
+a, x = torch.randn(1024, 1024), torch.randn(2**24)  # the ceilings: a matmul, and a 64 MiB copy (read + write)
+peak, copy = 2 * 1024**3 / best_seconds(lambda: a @ a), 2 * x.nbytes / best_seconds(x.clone)
+print(f"this CPU, fp32: matmul {peak / 1e9:.0f} GFLOP/s, copy {copy / 1e9:.1f} GB/s: ridge {peak / copy:.0f} FLOP/byte")
+for name, batch, num_q in (("prefill, 1 × 512 queries", 1, 512), ("decode, 32 × 1 query", 32, 1)):
+    q = torch.randn(batch, 16, num_q, 128)  # (batch, num_heads, num_q, head_dim): Qwen3-0.6B's heads
+    k, v = torch.randn(2, batch, 8, 512, 128)  # (batch, num_kv_heads, 512 keys, head_dim) each
+    sdpa = lambda q=q, k=k, v=v: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    sec, intensity, kv_bytes = best_seconds(sdpa), flops_per_byte(num_q, dtype_bytes=4), k.nbytes + v.nbytes
+    flop_s, kv_s = intensity * kv_bytes / sec, kv_bytes / sec
+    print(f"{name:>24}: {intensity:3.0f} FLOP/byte, {sec * 1e3:5.1f} ms, {flop_s / 1e9:5.1f} GFLOP/s "
+          f"({flop_s / peak:4.0%} of matmul), {kv_s / 1e9:5.2f} GB/s of KV ({kv_s / copy:4.0%} of copy)")  # fmt: skip
 
 # %% [markdown]
 # ## Check yourself
@@ -1270,9 +1271,8 @@ check_answer([(-(-n // 16), n - 16 * (-(-n // 16) - 1)) for n in (33, 34, 48)], 
 # %%
 answer = None  # your answer: replace None with an expression
 check = BlockManager(num_blocks=16, block_size=16)
-first, second = Sequence(list(range(40)), block_size=16), Sequence(list(range(40)), block_size=16)
-admit(check, first)
-admit(check, second)
+admit(check, Sequence(list(range(40)), block_size=16))
+admit(check, second := Sequence(list(range(40)), block_size=16))
 check_answer(answer, len(second) - second.num_cached_tokens, "2. prefill after a hit")
 
 # %% [markdown]
