@@ -25,11 +25,10 @@
 # cached ones and samples one token per sequence.
 #
 # **What you will see.** The tiny model's greedy tokens equal to transformers' `generate` while requests are
-# preempted, chunked and sharing prefixes; a timeline of a bursty workload, and a map of which request owns
-# which KV block over time; how much prefill work and memory a shared system prompt saves; time to first token
-# with and without prefill priority (the answer to "why does the scheduler put prefill before decode?"); the
-# decode stall a long prompt causes under prefill first and not under the unified policy; and continuous
-# against static batching on the same requests.
+# preempted, chunked and sharing prefixes; a bursty workload's timeline and a map of who owns which KV block; the
+# prefill work and memory a shared system prompt saves; time to first token with and without prefill priority
+# ("why does the scheduler put prefill before decode?"); TTFT and TPOT of both policies under a small and a large
+# token budget ("what does chunked prefill change?"); and continuous against static batching.
 
 # %%
 import dataclasses
@@ -70,12 +69,11 @@ rng = np.random.default_rng(0)
 #   CUDA graph; a batch mixing a 700-token prompt with 30 decodes has a new shape every step;
 # * the step's cost is easy to predict, and the scheduler stays short.
 #
-# The price: while a prefill step runs, every decoding request waits. **vLLM's mixed batches** (v1, and v0
-# with chunked prefill on) remove that: each step has one token budget, every running request takes one token
-# of it, and prompt chunks fill the rest. One varlen attention kernel serves both (a decode is a query of
-# length one, notebook 04 did exactly that for a prefix hit), decodes never stall longer than one step, and the
-# compute-bound prefill hides under the memory-bound decode. It costs a kernel that handles both shapes and
-# piecewise CUDA graphs.
+# The price: while a prefill step runs, every decoding request waits. **vLLM's mixed batches** (v1, and v0 with chunked
+# prefill on) remove that: each step has one token budget, every running request takes one token of it, and prompt
+# chunks fill the rest. One varlen attention kernel serves both (a decode is a query of length one, notebook 04 did
+# exactly that for a prefix hit), decodes never stall longer than one step, and the compute-bound prefill hides under
+# the memory-bound decode. It costs a kernel that handles both shapes and piecewise CUDA graphs.
 #
 # What does a step cost? We time `runner.run` on this CPU (the tiny model, the PyTorch reference attention)
 # for decode batches and prefills of several shapes, keeping the fastest of ten runs of each:
@@ -122,10 +120,9 @@ prefill_grid = [(1, 16), (1, 64), (1, 256), (1, 512), (4, 16), (4, 64), (16, 16)
 measured = {(False, b, n): time_step(b, n, False) for b, n in decode_grid}
 measured |= {(True, b, n): time_step(b, n, True) for b, n in prefill_grid}
 for (is_prefill, b, n), (_, seconds) in measured.items():
-    kind = (
-        f"prefill of {b:2d} prompts of {n:3d} tokens" if is_prefill else f"decode of {b:2d} sequences of {n:3d} tokens"
-    )
-    print(f"{kind}: {seconds * 1e3:5.1f} ms, {seconds * 1e3 / (b * n if is_prefill else b):5.2f} ms per new token")
+    kind = f"prefill of {b:2d} prompts" if is_prefill else f"decode of {b:2d} sequences"
+    per_token = seconds * 1e3 / (b * n if is_prefill else b)
+    print(f"{kind} of {n:3d} tokens: {seconds * 1e3:5.1f} ms, {per_token:5.2f} ms per new token")
 
 # %% [markdown]
 # A step has a large fixed cost (every layer's operations are launched whatever the batch), so a decode token
@@ -133,11 +130,8 @@ for (is_prefill, b, n), (_, seconds) in measured.items():
 # all the weights whatever the batch. Notebook 04's measurement on an H200 (Qwen3-0.6B, CUDA graphs):
 
 # %%
-h200 = {
-    r["batch"]: r["ms"]
-    for r in json.loads(Path("figures/decode_step.json").read_text())["rows"]
-    if r["impl"] == "minivllm"
-}
+h200_rows = json.loads(Path("figures/decode_step.json").read_text())["rows"]
+h200 = {r["batch"]: r["ms"] for r in h200_rows if r["impl"] == "minivllm"}
 print("H200 decode step:", ", ".join(f"batch {b}: {ms:.1f} ms" for b, ms in h200.items() if b in (1, 16, 64, 256)))
 cpu = {b: measured[False, b, 64][1] for b in (1, 16)}
 print(f"this CPU: a decode token costs {cpu[1] * 1e3:.1f} ms alone, {cpu[16] / 16 * 1e3:.2f} ms in a batch of 16")
@@ -146,17 +140,16 @@ assert h200[64] < 2 * h200[1]  # 64 tokens in one step cost less than two steps 
 # %% [markdown]
 # The scheduler's first job is therefore to keep the batch full.
 #
-# **A clock for the experiments.** Below we compare scheduling policies by the time their requests wait. Time
-# on a shared 2-core machine jitters by tens of percent from run to run, more than some of the differences we
-# want to see, so the experiments keep time with a *cost model* of a step fitted to the measurements above
-# (least squares on relative error): a fixed cost, plus a cost per sequence, per new token (prefill) and per
-# query × key pair of attention, separately for prefill and decode steps. Every experiment then runs the real
-# scheduler, step by step, and adds up the modelled step times. (The parity checks run the real model.)
+# **A clock for the experiments.** Below we compare policies by the time their requests wait. Time on a shared
+# 2-core machine jitters by tens of percent, more than some differences we want to see, so the experiments keep
+# time with a *cost model* of a step fitted to the measurements above (least squares on relative error): a fixed
+# cost, plus a cost per sequence, per new token (prefill) and per query × key pair of attention, separately for
+# prefill and decode steps. Each experiment runs the real scheduler step by step and adds up the modelled step
+# times. (The parity checks run the real model.)
 #
-# A fit is only as steady as the timings under it: on a busy machine it can be off by half, and the comparisons
-# below would move with it. So the experiments use coefficients fitted once on a quiet 2-core CPU like CI's
-# (`SHIPPED`): the same numbers on every run, on any machine. Compare them with this machine's fit, printed
-# below; set `REFIT = True` to run the experiments on yours.
+# A fit is only as steady as its timings, and on a busy machine it can be off by half. So the experiments use
+# coefficients fitted once on a quiet 2-core CPU like CI's (`SHIPPED`): the same numbers on every run, on any
+# machine. Compare them with this machine's fit, printed below; `REFIT = True` runs the experiments on yours.
 
 
 # %%
@@ -171,15 +164,10 @@ for kind in (True, False):
     x = np.stack([features(sh, kind) for sh in shapes])
     coef, *_ = np.linalg.lstsq(x / seconds[:, None], np.ones(len(seconds)), rcond=None)  # relative error
     cost_coef[kind] = np.clip(coef, 0, None)  # no negative costs
-    terms = zip(
-        cost_coef[kind] * 1e3,
-        ["ms", "ms/sequence", "ms/token", "ms/pair"] if kind else ["ms", "ms/sequence", "ms/pair"],
-    )
-    print(
-        f"{'prefill' if kind else 'decode '} step = "
-        + " + ".join(f"{c:.2g} {unit}" for c, unit in terms)
-        + f"; worst error {np.max(np.abs(x @ cost_coef[kind] / seconds - 1)):.0%}"
-    )
+    units = ["ms", "ms/sequence", "ms/token", "ms/pair"] if kind else ["ms", "ms/sequence", "ms/pair"]
+    terms = " + ".join(f"{c:.2g} {unit}" for c, unit in zip(cost_coef[kind] * 1e3, units))
+    error = np.max(np.abs(x @ cost_coef[kind] / seconds - 1))
+    print(f"{'prefill' if kind else 'decode '} step = {terms}; worst error {error:.0%}")
 
 
 REFIT = False  # True: the experiments below use this machine's fit instead of the shipped one
@@ -207,19 +195,18 @@ def step_cost(seqs: list[Sequence], is_prefill: bool) -> float:
 # rules, one per concern:
 #
 # **1. Prefill first.** If a waiting request can join (or a chunked prompt has more to compute, rule 2), the step
-# is a prefill; otherwise it is a decode of every running request. Requests join in arrival order while three limits allow: `max_num_seqs` running requests,
-# `max_num_batched_tokens` tokens in the step (the *token budget*), and free KV blocks for the whole prompt
-# (`BlockManager.can_allocate`, asked first). The budget counts only tokens to compute: a prompt whose first
-# 512 tokens are a prefix-cache hit costs only the rest. The first request that does not fit stops admission:
-# nobody overtakes it, since a stream of small requests passing a big one could starve it forever.
+# is a prefill; otherwise it is a decode of every running request. Requests join in arrival order while three
+# limits allow: `max_num_seqs` running requests, `max_num_batched_tokens` tokens in the step (the *token
+# budget*), and free KV blocks for the whole prompt (`BlockManager.can_allocate`, asked first). The budget counts
+# only tokens to compute: a prompt whose first 512 tokens are a prefix-cache hit costs only the rest. The first
+# request that does not fit stops admission: a stream of small requests overtaking a big one could starve it.
 #
-# **2. Chunked prefill.** A prompt bigger than what is left of the budget is not turned away: it gets what is
-# left, and the rest in the next steps (where it goes first). So any prompt runs, however small the budget,
-# and no step computes more than `max_num_batched_tokens` tokens, the size notebook 04 measured the
-# activation memory for. The runner computes each chunk through the block table, reading the chunks before it
-# as it reads a prefix hit. A chunk's sampled token is thrown away, since its last token is not the prompt's
-# end. Each chunk publishes to the prefix cache only the blocks it completes (`cache_blocks`): a request
-# arriving mid-prompt must not hit blocks no step has written yet.
+# **2. Chunked prefill.** A prompt bigger than what is left of the budget is not turned away: it gets what is left, and
+# the rest in the next steps (where it goes first). So any prompt runs, however small the budget, and no step computes
+# more than `max_num_batched_tokens` tokens, the size notebook 04 measured the activation memory for. The runner
+# computes each chunk through the block table, reading the chunks before it as it reads a prefix hit. A chunk's sampled
+# token is thrown away, since its last token is not the prompt's end. Each chunk publishes to the prefix cache only the
+# blocks it completes (`cache_blocks`): a request arriving mid-prompt must not hit blocks no step has written yet.
 #
 # **3. Decode and preemption.** Every running request decodes one token. A token that starts a new block needs
 # a free one; if there is none, the scheduler *preempts* the most recently admitted request: frees its blocks
@@ -434,7 +421,8 @@ def serve(
     arriving = deque(np.argsort(arrivals, kind="stable"))
     index = {seq.seq_id: i for i, seq in enumerate(seqs)}
     ids = lambda queue: [index[seq.seq_id] for seq in queue]
-    first_token, finished_at = np.full(len(seqs), np.nan), np.full(len(seqs), np.nan)
+    token_times: list[list[float]] = [[] for _ in seqs]  # per request: when each of its tokens came
+    finished_at = np.full(len(seqs), np.nan)
     clock, rows, hit_tokens, last = 0.0, [], 0, None
     while arriving or not scheduler.is_finished():
         while arriving and arrivals[arriving[0]] <= clock:
@@ -451,9 +439,8 @@ def serve(
         finished = scheduler.postprocess(batch, token_ids)
         clock += duration
         unfinished = [len(seq) == n for seq, n in zip(batch, lens)]  # a prompt chunk short of the end: no token
-        for seq in batch:
-            if np.isnan(first_token[index[seq.seq_id]]) and seq.num_completion_tokens:
-                first_token[index[seq.seq_id]] = clock
+        for seq in (seq for seq, u in zip(batch, unfinished) if not u):
+            token_times[index[seq.seq_id]].append(clock)
         for seq in finished:
             finished_at[index[seq.seq_id]] = clock
         rows.append(
@@ -482,7 +469,8 @@ def serve(
     assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks, "KV blocks leaked"
     return dict(
         rows=rows,
-        ttft=first_token - arrivals,
+        ttft=np.array([times[0] for times in token_times]) - arrivals,
+        token_times=token_times,
         latency=finished_at - arrivals,
         seconds=clock,
         tok_per_s=sum(seq.num_completion_tokens for seq in seqs) / clock,
@@ -538,13 +526,10 @@ for seq in dropped:
 for _ in range(2):
     batch, is_prefill = busy.schedule()
     busy.postprocess(batch, [0] * len(batch))
-print(
-    f"before: running {len(busy.running)}, waiting {len(busy.waiting)}, used blocks {busy.block_manager.num_used_blocks}"
-)
+state = lambda: (len(busy.running), len(busy.waiting), busy.block_manager.num_used_blocks)
+print("before: (running, waiting, used blocks) =", state())
 busy.abort_all()
-print(
-    f"after:  running {len(busy.running)}, waiting {len(busy.waiting)}, used blocks {busy.block_manager.num_used_blocks}"
-)
+print("after:  (running, waiting, used blocks) =", state())
 assert busy.is_finished() and busy.block_manager.num_free_blocks == 10 == busy.block_manager.num_blocks
 assert busy.block_manager.num_cached_free_blocks == 0
 assert all(seq.finish_reason == "abort" and seq.is_finished and not seq.block_table for seq in dropped)
@@ -566,12 +551,9 @@ hf_model.generation_config.eos_token_id = None  # ignore_eos: always max_new_tok
 
 def hf_generate(prompt: list[int], max_new_tokens: int) -> list[int]:
     input_ids = torch.tensor([prompt])
+    mask = torch.ones_like(input_ids)
     out = hf_model.generate(
-        input_ids,
-        attention_mask=torch.ones_like(input_ids),
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        pad_token_id=0,
+        input_ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0
     )
     return out[0, len(prompt) :].tolist()
 
@@ -616,14 +598,11 @@ class ForgetfulScheduler(Scheduler):
 
 
 forgetful_seqs = [request(p, n) for p, n in zip(prompts, max_tokens)]
-forgetful = serve(
-    make_scheduler(24, cls=ForgetfulScheduler, max_num_seqs=16, max_num_batched_tokens=64), forgetful_seqs
-)
+forgetful_scheduler = make_scheduler(24, cls=ForgetfulScheduler, max_num_seqs=16, max_num_batched_tokens=64)
+forgetful = serve(forgetful_scheduler, forgetful_seqs)
 same = sum(seq.completion_token_ids == e for seq, e in zip(forgetful_seqs, expected))
-decode_tokens = {
-    name: sum(r["num_tokens"] for r in run["rows"] if not r["is_prefill"])
-    for name, run in (("keep", parity), ("drop", forgetful))
-}
+decoded = lambda run: sum(r["num_tokens"] for r in run["rows"] if not r["is_prefill"])
+decode_tokens = {"keep": decoded(parity), "drop": decoded(forgetful)}
 print(
     f"dropping generated tokens: {same} of {len(prompts)} greedy replies unchanged, but {decode_tokens['drop']} "
     f"decode tokens computed instead of {decode_tokens['keep']}"
@@ -660,23 +639,15 @@ print(
 # %%
 fig, axes = plt.subplots(3, 1, figsize=(14, 8.5), sharex=True)
 duration = np.array([r["duration"] for r in steps])
-for kind, color in ((True, "tab:blue"), (False, "tab:orange")):
+num_tokens = np.array([r["num_tokens"] for r in steps])
+for kind, color, label in ((True, "tab:blue", "prefill step"), (False, "tab:orange", "decode step")):
     m = is_prefill == kind
-    axes[0].bar(
-        t[m],
-        np.array([r["num_tokens"] for r in steps])[m],
-        width=-duration[m],
-        align="edge",
-        color=color,
-        label="prefill step" if kind else "decode step",
-    )
-axes[0].set_yscale("log")
-axes[0].set_ylabel("tokens computed (log)")
+    axes[0].bar(t[m], num_tokens[m], width=-duration[m], align="edge", color=color, label=label)
+axes[0].set(yscale="log", ylabel="tokens computed (log)", title="One bar per step, as wide as the step takes")
 axes[0].legend(loc="upper right")
-axes[0].set_title("One bar per step, as wide as the step takes")
 axes[1].step(t, [r["running"] for r in steps], where="pre", color="tab:green", label="running")
 axes[1].step(t, [r["waiting"] for r in steps], where="pre", color="tab:red", label="waiting")
-axes[1].set_ylabel("requests")
+axes[1].set(ylabel="requests")
 axes[1].legend(loc="upper right")
 axes[2].fill_between(
     t, [r["used_blocks"] for r in steps], step="pre", color="tab:purple", alpha=0.5, label="KV blocks in use"
@@ -684,15 +655,12 @@ axes[2].fill_between(
 axes[2].axhline(128, color="k", ls=":", lw=1)
 preempted = np.diff(np.concatenate([[0], [r["preemptions"] for r in steps]])) > 0
 axes[2].plot(t[preempted], np.full(preempted.sum(), 132), "rv", ms=5, label="a preemption")
-axes[2].set_ylabel("blocks (of 128)")
-axes[2].set_xlabel("time (s, modelled)")
+axes[2].set(ylabel="blocks (of 128)", xlabel="time (s, modelled)")
 axes[2].legend(loc="lower right")
 for ax in axes:
     for a in np.unique(np.round(burst_arrivals, 1)):
         ax.axvline(a, color="grey", lw=0.8, ls="--")
-fig.suptitle(
-    "Three bursts of 16 requests (dashed lines): continuous batching, prefill first, preemption when the cache is full"
-)
+fig.suptitle("Three bursts of 16 requests (dashed lines): continuous batching, prefill first, preemption")
 fig.tight_layout()
 fig.savefig(FIGURES / "05_timeline.png", dpi=120)
 
@@ -703,9 +671,8 @@ fig.savefig(FIGURES / "05_timeline.png", dpi=120)
 # stays full and the queue drains request by request, not batch by batch. When the KV blocks reach the ceiling,
 # decodes preempt the newest requests, which rejoin as soon as blocks come free.
 #
-# Chunking keeps every step at most 256 tokens, so a 600-token prompt costs a few bounded steps instead of one
-# long one, and a prompt longer than the budget runs at all. It does not make the decodes wait less: with one
-# kind of step, the running requests sit out every chunk. That stall is what vLLM's mixed batches remove.
+# Chunking keeps every step at most 256 tokens, and a prompt longer than the budget runs at all; but with one
+# kind of step the running requests sit out every chunk. That stall is what vLLM's mixed batches remove.
 
 # %%
 assert max(r["num_tokens"] for r in steps) <= 256
@@ -782,12 +749,11 @@ fig.tight_layout()
 fig.savefig(FIGURES / "05_block_map.png", dpi=120)
 
 # %% [markdown]
-# Each column of the map is one step. Requests' blocks are scattered wherever a free block was, and that costs
-# nothing: the block table is the only thing that knows the order. The black band is the system prompt, stored
-# once and shared by every request that starts with it. When the cache is full the newest request is preempted
-# and its blocks go back to the pool, and grey blocks (free but cached) are used only once the empty ones run
-# out. Drag the slider to step through time (the picture is static in a rendered copy; the three snapshots
-# above are the same view).
+# Each column of the map is one step. Requests' blocks are scattered wherever a free block was, and that costs nothing:
+# the block table is the only thing that knows the order. The black band is the system prompt, stored once and shared by
+# every request that starts with it. When the cache is full the newest request is preempted and its blocks go back to
+# the pool, and grey blocks (free but cached) are used only once the empty ones run out. Drag the slider to step through
+# time (the picture is static in a rendered copy; the three snapshots above are the same view).
 
 # %%
 import ipywidgets as widgets
@@ -808,10 +774,9 @@ assert (usage.sum(axis=1) == 96).all()  # used + free = total, at every step
 # ## Prefix caching: work saved by a shared system prompt
 # A chat service puts the same system prompt in front of every conversation. With prefix caching (notebook 03),
 # only the first request with a given system prompt computes its KV; the others reuse those blocks and prefill
-# only their own part. Here: 200 requests, all there at the start, each starting with one of 4 system prompts of
-# 512 tokens (the first used by half the requests, the last by a tenth), then 16 to 256 tokens of its own and a
-# reply of 16 to 128 tokens. We serve them on 2,048 blocks of 16, with caching on and off, and count the prefill
-# tokens computed.
+# only their own part. Here: 200 requests, all there at the start, each with one of 4 system prompts of 512
+# tokens (the first used by half the requests, the last by a tenth), 16 to 256 tokens of its own and a reply of
+# 16 to 128. We serve them on 2,048 blocks of 16, caching on and off, and count the prefill tokens computed.
 
 # %%
 chat_rng = np.random.default_rng(2)  # its own draws, so the sections below keep theirs
@@ -835,10 +800,9 @@ computed_on, computed_off = prefix_runs[True]["prefilled"][-1], prefix_runs[Fals
 print(f"prompt tokens: {sum(len(p) for p, _ in chat_requests):,}; prefill saved: {1 - computed_on / computed_off:.0%}")
 
 # %% [markdown]
-# A hit needs the blocks to still be there. To see the cache's memory alone, we allocate the same requests one
-# at a time and free each right after its prefill, so every hit comes from a block whose owner has finished
-# and that the LRU kept. The four system prompts need 4 × 32 = 128 blocks; we try caches from a third of that
-# to eight times that.
+# A hit needs the blocks to still be there. To see the cache's memory alone, we allocate the same requests one at a time
+# and free each right after its prefill, so every hit comes from a block whose owner has finished and that the LRU kept.
+# The four system prompts need 4 × 32 = 128 blocks; we try caches from a third of that to eight times that.
 
 
 # %%
@@ -921,25 +885,16 @@ class DecodeFirstScheduler(Scheduler):
 online_requests = [
     (rng.integers(3, 2048, int(rng.integers(16, 129))).tolist(), int(rng.integers(16, 129))) for _ in range(120)
 ]
-capacity = (
-    len(online_requests)
-    / serve(
-        make_scheduler(256, max_num_seqs=16, max_num_batched_tokens=512),
-        [request(p, n) for p, n in online_requests],
-        model=False,
-    )["seconds"]
-)
+limits = dict(max_num_seqs=16, max_num_batched_tokens=512)
+all_at_once = serve(make_scheduler(256, **limits), [request(p, n) for p, n in online_requests], model=False)
+capacity = len(online_requests) / all_at_once["seconds"]
 arrival_rate = 0.5 * capacity  # requests per second: half of what the engine can serve
 print(f"the modelled engine serves {capacity:.1f} requests/s; they arrive at {arrival_rate:.1f}/s (load 0.5)")
 online_arrivals = np.cumsum(rng.exponential(1 / arrival_rate, len(online_requests)))
 orders = {}
 for name, cls in (("prefill first", Scheduler), ("decode first", DecodeFirstScheduler)):
-    run = serve(
-        make_scheduler(256, cls=cls, max_num_seqs=16, max_num_batched_tokens=512),
-        [request(p, n) for p, n in online_requests],
-        online_arrivals,
-        model=False,
-    )
+    scheduler = make_scheduler(256, cls=cls, **limits)
+    run = serve(scheduler, [request(p, n) for p, n in online_requests], online_arrivals, model=False)
     run["tpot"] = (run["latency"] - run["ttft"]) / np.array([n - 1 for _, n in online_requests])
     orders[name] = run
     print(
@@ -955,32 +910,15 @@ for name, run in orders.items():
     ttft_ms = np.sort(run["ttft"] * 1e3)
     axes[0].plot(ttft_ms, np.arange(1, len(ttft_ms) + 1) / len(ttft_ms), color=colors[name], label=name)
     axes[1].scatter(online_arrivals, run["ttft"] * 1e3, s=8, color=colors[name], label=name)
-    decode_rows = [r for r in run["rows"] if not r["is_prefill"]]
-    axes[2].step(
-        [r["time"] for r in decode_rows],
-        [r["num_seqs"] for r in decode_rows],
-        where="pre",
-        color=colors[name],
-        lw=0.8,
-        label=name,
-    )
-axes[0].set_xscale("log")
-axes[0].set_xlabel("time to first token (ms, log scale)")
-axes[0].set_ylabel("share of requests")
-axes[0].set_title("TTFT distribution")
+    decode_rows = [(r["time"], r["num_seqs"]) for r in run["rows"] if not r["is_prefill"]]
+    axes[2].step(*zip(*decode_rows), where="pre", color=colors[name], lw=0.8, label=name)
+axes[0].set(xscale="log", xlabel="time to first token (ms, log scale)", ylabel="share of requests", title="TTFT")
+axes[1].set(xlabel="arrival time (s)", ylabel="TTFT (ms)", title="TTFT of each request")
+axes[2].set(xlim=(0.4 * online_arrivals[-1], 0.6 * online_arrivals[-1]), xlabel="time (s)")
+axes[2].set(ylabel="sequences per decode step", title="Decode batch size (a fifth of the run)")
 axes[0].legend()
-axes[1].set_xlabel("arrival time (s)")
-axes[1].set_ylabel("TTFT (ms)")
-axes[1].set_title("TTFT of each request")
-axes[2].set_xlim(0.4 * online_arrivals[-1], 0.6 * online_arrivals[-1])
-axes[2].set_xlabel("time (s)")
-axes[2].set_ylabel("sequences per decode step")
-axes[2].set_title("Decode batch size (a fifth of the run)")
 axes[2].legend()
-fig.suptitle(
-    f"{len(online_requests)} requests arriving at {arrival_rate:.1f}/s: prefill first vs decode first "
-    "(the tiny model's step costs on a 2-core CPU)"
-)
+fig.suptitle(f"{len(online_requests)} requests arriving at {arrival_rate:.1f}/s: prefill first vs decode first")
 fig.tight_layout()
 fig.savefig(FIGURES / "05_ttft.png", dpi=120)
 
@@ -1002,10 +940,8 @@ print(
 # flight: anything from nothing to a hundred steps, by luck of timing. Meanwhile the batch drains down to a
 # single straggler before anyone new may join (right panel), which also costs throughput (next section).
 #
-# The price of prefill first is paid by the running requests: a prefill step is a step in which they produce no
-# token, so their time per output token rises. With heavy arrivals or long prompts those stalls grow; chunking
-# bounds each one (no step computes more than the budget) and vLLM's mixed batches remove them (decodes ride
-# along in every prefill step).
+# The price is paid by the running requests: in a prefill step they produce no token, so their time per output
+# token rises, the more so with long prompts. The next two sections measure what mixed batches and chunks change.
 
 # %%
 assert ttft_ratio > 5
@@ -1019,8 +955,7 @@ assert np.median(pf["tpot"]) >= np.median(df["tpot"])
 # spent first on the running requests, oldest first (a token each to decode, or a prompt's next chunk), then on
 # waiting prompts with what is left, all in one forward. A decode row is a one-token chunk after its cached
 # ones: notebook 04's prefill path over the paged cache computes any mix, and a step of decode rows only still
-# takes the decode path and its CUDA graphs. The engine uses this policy unless `scheduling_policy=
-# "prefill-first"`.
+# takes the decode path and its CUDA graphs. The engine uses this policy unless `scheduling_policy="prefill-first"`.
 
 
 # %% tags=["export"] module="minivllm.engine.scheduler"
@@ -1052,45 +987,37 @@ class UnifiedScheduler(Scheduler):
 # Watch the difference on a stall: eight requests are decoding when a prompt of 1,500 tokens arrives (at 0.05 s),
 # with a budget of 512 tokens a step. Prefill first spends three steps on its chunks while the eight wait; the
 # unified policy gives each of those steps the eight decode tokens too (and 504 prompt tokens instead of 512).
+# Each bar is one step, as wide as its modelled time: the token mix over time.
 
 # %%
 policies = {"prefill first": Scheduler, "unified": UnifiedScheduler}
 rng_mix = np.random.default_rng(5)
 stall_prompts = [rng_mix.integers(3, 2048, 32).tolist() for _ in range(8)] + [rng_mix.integers(3, 2048, 1500).tolist()]
-stalls = {
-    name: serve(
-        make_scheduler(512, cls=cls, max_num_seqs=16, max_num_batched_tokens=512),
-        [request(p, 24 if len(p) == 32 else 8) for p in stall_prompts],
-        np.array([0.0] * 8 + [0.05]),
-        model=False,
-    )
-    for name, cls in policies.items()
-}
-fig, axes = plt.subplots(1, 2, figsize=(13, 3.8), sharey=True)
+stalls = {}
+for name, cls in policies.items():  # limits: 16 requests, 512 tokens a step, as in the previous section
+    seqs = [request(p, 24 if len(p) == 32 else 8) for p in stall_prompts]
+    stalls[name] = serve(make_scheduler(512, cls=cls, **limits), seqs, np.array([0.0] * 8 + [0.05]), model=False)
+fig, axes = plt.subplots(1, 2, figsize=(13, 3.8), sharex=True, sharey=True)
 for ax, (name, run) in zip(axes, stalls.items()):
-    decode = np.array([r["decode_tokens"] for r in run["rows"]])
-    prompt = np.array([r["num_tokens"] for r in run["rows"]]) - decode
-    ax.bar(np.arange(len(decode)), prompt, color="tab:orange", label="prompt tokens")
-    ax.bar(np.arange(len(decode)), decode * 40, bottom=prompt, color="tab:blue", label="decode tokens (× 40)")
-    ax.set(title=f"{name}: {run['seconds']:.2f} s in all", xlabel="step")
+    col = {k: np.array([r[k] for r in run["rows"]]) for k in ("time", "duration", "decode_tokens", "num_tokens")}
+    prompt, bar = col["num_tokens"] - col["decode_tokens"], dict(width=-col["duration"], align="edge", ec="w", lw=0.5)
+    ax.bar(col["time"], prompt, color="tab:orange", label="prompt tokens", **bar)
+    ax.bar(col["time"], col["decode_tokens"] * 40, bottom=prompt, color="tab:blue", label="decode tokens × 40", **bar)
+    ax.set(title=f"{name}: {run['seconds']:.2f} s in all", xlabel="time (s, modelled)")
 axes[0].set_ylabel("tokens computed in the step")
 axes[0].legend(loc="upper right")
 fig.tight_layout()
 fig.savefig(FIGURES / "05_unified_steps.png", dpi=120)
 for name, run in stalls.items():  # the long prompt's chunk steps, and the eight's longest wait for a token
-    rows, end = run["rows"], run["latency"][:8].max()
-    chunks = [r["decode_tokens"] for r in rows if r["time"] > 0.05 and r["num_tokens"] - r["decode_tokens"] > 100]
-    run["stall"] = np.diff([r["time"] for r in rows if r["decode_tokens"] and r["time"] <= end]).max()
-    print(
-        f"{name:>13}: decode tokens in the chunk steps {chunks}; longest wait for a token {run['stall'] * 1e3:.0f} ms"
-    )
+    chunks = [r["decode_tokens"] for r in run["rows"] if r["num_tokens"] - r["decode_tokens"] > 300]
+    run["stall"] = max(np.diff(times).max() for times in run["token_times"][:8])
+    print(f"{name:>13}: decode tokens in chunk steps {chunks}; longest wait for a token {run['stall'] * 1e3:.0f} ms")
     assert len(chunks) >= 3 and (all(chunks) if name == "unified" else not any(chunks))
 assert stalls["unified"]["stall"] < stalls["prefill first"]["stall"]  # modelled times: the same on every run
 
 # %% [markdown]
 # The same requests give the same tokens under both policies (the real model here, greedy): a row's logits do
-# not depend on what else is in its step. And on the online workload of the previous section, the unified
-# policy keeps prefill first's short time to first token while decode rows never wait out a prefill step:
+# not depend on what else is in its step.
 
 # %%
 same = [(rng_mix.integers(3, 2048, int(n)).tolist(), 12) for n in (40, 300, 7, 120, 64)]
@@ -1099,19 +1026,73 @@ for name, cls in policies.items():
     seqs = [request(p, n) for p, n in same]
     serve(make_scheduler(64, cls=cls, max_num_seqs=4, max_num_batched_tokens=128), seqs, np.arange(5) * 0.05)
     tokens[name] = [seq.completion_token_ids for seq in seqs]
-    limits = dict(max_num_seqs=16, max_num_batched_tokens=512)
-    run = serve(
-        make_scheduler(256, cls=cls, **limits),
-        [request(p, n) for p, n in online_requests],
-        online_arrivals,
-        model=False,
-    )
-    tpot = (run["latency"] - run["ttft"]) / np.array([n - 1 for _, n in online_requests])
-    print(
-        f"{name:>13}: TTFT median {np.median(run['ttft']) * 1e3:4.0f} ms, TPOT median {np.median(tpot) * 1e3:4.1f} "
-        f"ms, p99 {np.percentile(tpot, 99) * 1e3:4.1f} ms; all done at {run['seconds']:.1f} s"
-    )
+print("the same tokens under both policies:", tokens["unified"] == tokens["prefill first"])
 assert tokens["unified"] == tokens["prefill first"]
+
+# %% [markdown]
+# ## What chunked prefill changes
+# Two knobs, on the same requests: the policy, and the budget `max_num_batched_tokens`: 256 cuts every long
+# prompt into chunks, 4,096 never does. The requests are the online workload above, one prompt in ten made long
+# (1,000 to 3,000 tokens), arriving at half the rate. Per run: the distributions of TTFT and TPOT, the longest
+# step, and the longest any request waits between two of its tokens.
+
+# %%
+long_rng = np.random.default_rng(3)  # its own draws, so the sections below keep theirs
+grid_requests = [
+    (long_rng.integers(3, 2048, int(long_rng.integers(1000, 3001))).tolist() if i % 10 == 5 else p, n)
+    for i, (p, n) in enumerate(online_requests)
+]
+grid_runs = {}  # (policy, budget) -> run
+for budget in (256, 4096):
+    for name, cls in policies.items():
+        scheduler = make_scheduler(512, cls=cls, max_num_seqs=16, max_num_batched_tokens=budget)
+        seqs = [request(p, n) for p, n in grid_requests]
+        run = grid_runs[name, budget] = serve(scheduler, seqs, 2 * online_arrivals, model=False)  # at half the rate
+        run["tpot"] = (run["latency"] - run["ttft"]) / np.array([n - 1 for _, n in grid_requests])
+        run["tpot_p99"], run["max_step"] = np.percentile(run["tpot"], 99), max(r["duration"] for r in run["rows"])
+        run["max_wait"] = max(np.diff(times).max() for times in run["token_times"])
+        (t50, t99), (p50, p99) = (np.percentile(run[key], [50, 99]) * 1e3 for key in ("ttft", "tpot"))
+        print(
+            f"{name:>13}, budget {budget:4d}: TTFT p50 {t50:3.0f} ms, p99 {t99:3.0f} ms; TPOT p50 {p50:3.1f} ms, p99 "
+            f"{p99:4.1f} ms; longest step {run['max_step'] * 1e3:3.0f} ms, longest wait {run['max_wait'] * 1e3:3.0f} ms"
+        )
+
+# %%
+fig, axes = plt.subplots(1, 3, figsize=(17, 4.4))
+colors = {"prefill first": "tab:blue", "unified": "tab:green"}
+for (name, budget), run in grid_runs.items():
+    style = dict(color=colors[name], ls="-" if budget == 256 else "--", label=f"{name}, budget {budget:,}")
+    for ax, key in zip(axes, ("ttft", "tpot")):
+        ax.plot(np.sort(run[key] * 1e3), np.arange(1, len(run[key]) + 1) / len(run[key]), **style)
+for ax in axes[:2]:
+    ax.legend(loc="lower right", fontsize=9)
+axes[0].set(xscale="log", xlabel="time to first token (ms, log scale)", ylabel="share of requests", title="TTFT")
+axes[1].set(xlabel="time per output token (ms)", ylabel="share of requests", title="TPOT")
+metrics = {"max_step": "longest step", "max_wait": "longest wait for a token", "tpot_p99": "p99 TPOT"}
+for k, (key, label) in enumerate(metrics.items()):
+    axes[2].bar(np.arange(4) + 0.27 * (k - 1), [run[key] * 1e3 for run in grid_runs.values()], width=0.27, label=label)
+axes[2].set_xticks(range(4), [f"{name}\n{budget:,}" for name, budget in grid_runs])
+axes[2].set(yscale="log", ylim=(3, 5e3), ylabel="ms (log scale)", title="What the budget and the policy change")
+axes[2].legend(loc="upper center", ncol=3, fontsize=9)
+fig.suptitle("The same requests (one prompt in ten of 1,000 to 3,000 tokens) under two policies × two budgets")
+fig.tight_layout()
+fig.savefig(FIGURES / "05_chunked_prefill.png", dpi=120)
+
+# %% [markdown]
+# **What chunking changes.** The budget bounds the step: with 4,096 a 3,000-token prompt is one step of over half
+# a second that every running request waits out; with 256 no step computes more than 256 tokens. Under prefill
+# first that is all: the chunks run back to back and the running requests sit out every one, so their longest
+# wait is still a whole long prompt. Under the unified policy every chunk step carries their tokens too: nobody
+# waits more than one short step, and TPOT is the lowest of the four. The price is a little TTFT: a new prompt
+# gets what the decodes leave of the budget. (Chunks also finish a long prompt sooner here, p99 TTFT: the
+# reference attention computes each query × key matrix's masked half, smaller in a chunk; FlashAttention skips it.)
+
+# %%
+for name in policies:  # modelled times: the same on every run
+    assert grid_runs[name, 256]["max_step"] < grid_runs[name, 4096]["max_step"] / 5
+    assert grid_runs[name, 256]["tpot_p99"] < grid_runs[name, 4096]["tpot_p99"]
+assert grid_runs["unified", 256]["tpot_p99"] < grid_runs["prefill first", 256]["tpot_p99"]
+assert grid_runs["unified", 256]["max_wait"] < grid_runs["prefill first", 256]["max_wait"] / 3
 
 # %% [markdown]
 # ## Continuous vs static batching on the same requests
@@ -1127,18 +1108,13 @@ offline_requests = [
 batching = {}
 for name, cls in (("continuous", Scheduler), ("static", DecodeFirstScheduler)):
     for max_num_seqs in (4, 8, 16, 32):
-        run = serve(
-            make_scheduler(512, cls=cls, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048),
-            [request(p, n) for p, n in offline_requests],
-            model=False,
-        )
-        decode_rows = [r for r in run["rows"] if not r["is_prefill"]]
-        batching[name, max_num_seqs] = dict(
-            tok_per_s=run["tok_per_s"], steps=len(run["rows"]), batch=np.mean([r["num_seqs"] for r in decode_rows])
-        )
+        scheduler = make_scheduler(512, cls=cls, max_num_seqs=max_num_seqs, max_num_batched_tokens=2048)
+        run = serve(scheduler, [request(p, n) for p, n in offline_requests], model=False)
+        mean_batch = np.mean([r["num_seqs"] for r in run["rows"] if not r["is_prefill"]])
+        batching[name, max_num_seqs] = dict(tok_per_s=run["tok_per_s"], steps=len(run["rows"]), batch=mean_batch)
         print(
             f"{name:>10}, up to {max_num_seqs:2d}: {run['tok_per_s']:5.0f} tokens/s, {len(run['rows']):4d} steps, "
-            f"{batching[name, max_num_seqs]['batch']:4.1f} sequences per decode step on average"
+            f"{mean_batch:4.1f} sequences per decode step on average"
         )
 
 # %%
@@ -1153,10 +1129,8 @@ for ax in axes:
     ax.set_xticks(sizes, [str(s) for s in sizes])
     ax.set_xlabel("max_num_seqs")
     ax.legend()
-axes[0].set_ylabel("output tokens / s")
-axes[0].set_title("Throughput (the tiny model's step costs on a 2-core CPU)")
-axes[1].set_ylabel("sequences per decode step")
-axes[1].set_title("Average decode batch")
+axes[0].set(ylabel="output tokens / s", title="Throughput (the tiny model's step costs on a 2-core CPU)")
+axes[1].set(ylabel="sequences per decode step", title="Average decode batch")
 fig.suptitle("128 requests, replies of 8 to 160 tokens: continuous vs static batching")
 fig.tight_layout()
 fig.savefig(FIGURES / "05_batching.png", dpi=120)
@@ -1297,3 +1271,29 @@ check_answer(answer, decode_steps_before_c(DecodeFirstScheduler), "5. decode fir
 # %%
 check_answer(10 - 1, decode_steps_before_c(DecodeFirstScheduler), "5. decode first")
 assert decode_steps_before_c(Scheduler) == 0
+
+# %% [markdown]
+# **6.** Unified policy, a budget of 256: 16 requests are decoding when a 1,000-token prompt arrives. How many of its
+# tokens does the next step compute? (And under prefill first?)
+
+
+# %%
+def first_chunk(cls: type) -> int:
+    scheduler = make_scheduler(128, cls=cls, max_num_batched_tokens=256)
+    for i in range(16):
+        scheduler.add(request([i + 3] * 8, 8))
+    step(scheduler)  # their prefills: each has its first token
+    scheduler.add(request(list(range(3, 1003)), 4))
+    return step(scheduler)[0][-1]  # tokens scheduled in the next step for the prompt, admitted last
+
+
+answer = None  # your answer: replace None with an expression
+check_answer(answer, first_chunk(UnifiedScheduler), "6. a chunk beside decodes")
+
+# %% [markdown]
+# Worked answer: the decodes take their token each first, the prompt gets what is left: 256 − 16 = 240. Prefill
+# first gives it all 256, and the 16 wait out the step (and the three after it).
+
+# %%
+check_answer(256 - 16, first_chunk(UnifiedScheduler), "6. a chunk beside decodes")
+assert first_chunk(Scheduler) == 256
