@@ -1,12 +1,14 @@
 """`python -m minivllm`: generate with a checkpoint folder or a preset, and print the outputs and throughput.
 
-    python -m minivllm                                  # the preset that suits this machine, a few prompts
-    python -m minivllm --preset tiny "Once upon a time" "The engine"
+    python -m minivllm                                  # the presets that suit this machine, a few prompts
+    python -m minivllm --preset tiny-text "Many hands make" "What do bees make?"
     python -m minivllm --model path/to/Qwen3-0.6B --temperature 0.7 --top-p 0.9 --max-tokens 64 --tp 2
 
-With no --model, the preset's random-weight checkpoint is written once (qwen3-0.6b on a GPU, tiny on a CPU) to
-~/.cache/minivllm/checkpoints/ (or $MINIVLLM_CHECKPOINTS). Random weights make random text: the point is the
-engine, not the words.
+With no --model, a preset's checkpoint is written once to ~/.cache/minivllm/checkpoints/ (or $MINIVLLM_CHECKPOINTS).
+The default is tiny-text: the tiny model trained on the text its tokenizer was made from (half a minute on a CPU,
+the first time), so that it continues a line of that text in words, where random weights write gibberish. On a
+GPU the qwen3-0.6b preset runs after it, for speed: random weights in Qwen3-0.6B's shapes, whose ids mostly have
+no text in the presets' 2,048-token tokenizer, so its token ids are printed too.
 """
 
 import argparse
@@ -14,10 +16,15 @@ import math
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-DEFAULT_PROMPTS = ["The capital of France is", "A paged KV cache", "Once upon a time", "def fibonacci(n):"]
+if TYPE_CHECKING:
+    from minivllm.outputs import RequestOutput
+
+DEFAULT_PROMPTS = ["What is the capital of France?", "In autumn the leaves", "Dear Maria,", "def fibonacci(n"]
+PRESETS = ["tiny", "tiny-text", "qwen3-0.6b"]  # minivllm.checkpoint's (not imported here: it loads transformers)
 
 
 def positive_int(text: str) -> int:
@@ -48,7 +55,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("prompts", nargs="*", help="prompts (default: a few examples)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", help="a HuggingFace checkpoint folder")
-    source.add_argument("--preset", choices=["tiny", "qwen3-0.6b"], help="a random-weight preset (default: by device)")
+    source.add_argument("--preset", choices=PRESETS, help="a preset (default: tiny-text, then qwen3-0.6b on a GPU)")
     parser.add_argument("--temperature", type=finite_float, default=0.0, help="0 is greedy (default)")
     parser.add_argument("--top-p", type=finite_float, default=1.0)
     parser.add_argument("--top-k", type=int, default=-1)
@@ -92,16 +99,37 @@ def checkpoint_for(preset: str) -> Path:
     root = Path(os.environ.get("MINIVLLM_CHECKPOINTS", Path.home() / ".cache" / "minivllm" / "checkpoints"))
     path = root / preset
     if not (path / "config.json").is_file():
-        print(f"writing the {preset} preset (random weights) to {path}")
+        print(f"writing the {preset} preset to {path}")
         write_checkpoint(path, preset, seed=0)
     return path
 
 
-def main(argv: list[str] | None = None) -> None:
+def default_presets() -> list[str]:
+    """tiny-text, whose text reads as text; on a GPU also qwen3-0.6b, for the speed of the real shapes."""
+    return ["tiny-text", "qwen3-0.6b"] if torch.cuda.is_available() else ["tiny-text"]
+
+
+def print_outputs(outputs: "list[RequestOutput]", num_known_ids: int, seconds: float) -> None:
+    """Each completion's text (and its first token ids if some have no text), then the throughput."""
+    for out in outputs:
+        completion = out.outputs[0]
+        print(f"\n--- {out.prompt!r} ({len(out.prompt_token_ids)} tokens)")
+        print(
+            f"{completion.text!r}  [{len(completion.token_ids)} tokens, {completion.finish_reason}, "
+            f"TTFT {(out.metrics.time_to_first_token or 0.0) * 1e3:.0f} ms]"
+        )
+        if no_text := sum(t >= num_known_ids for t in completion.token_ids):
+            print(f"token ids {completion.token_ids[:12]}... ({no_text} have no text in this tokenizer)")
+    num_tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
+    print(
+        f"\n{len(outputs)} requests, {num_tokens} output tokens in {seconds:.2f} s: "
+        f"{num_tokens / seconds:,.0f} tokens/s on {torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}"
+    )
+
+
+def generate(args: argparse.Namespace, model: Path | str) -> None:
     from minivllm import LLM
 
-    args = parse_args(argv)
-    model = args.model or checkpoint_for(args.preset or ("qwen3-0.6b" if torch.cuda.is_available() else "tiny"))
     try:  # what the engine refuses (a prompt too long, a checkpoint it cannot load) is a usage error too
         with LLM(
             str(model), tensor_parallel_size=args.tp, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len
@@ -109,20 +137,20 @@ def main(argv: list[str] | None = None) -> None:
             start = time.perf_counter()
             outputs = llm.generate(args.prompts or DEFAULT_PROMPTS, args.sampling_params)
             seconds = time.perf_counter() - start
+            tokenizer = llm.get_tokenizer()
     except (ValueError, FileNotFoundError) as e:
         args.parser.error(str(e).splitlines()[0] if str(e) else type(e).__name__)
-    for out in outputs:
-        completion = out.outputs[0]
-        print(f"\n--- {out.prompt!r} ({len(out.prompt_token_ids)} tokens)")
-        print(
-            f"{completion.text!r}  [{len(completion.token_ids)} tokens, {completion.finish_reason}, "
-            f"TTFT {out.metrics.time_to_first_token * 1e3:.0f} ms]"
-        )
-    num_tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
-    print(
-        f"\n{len(outputs)} requests, {num_tokens} output tokens in {seconds:.2f} s: "
-        f"{num_tokens / seconds:,.0f} tokens/s on {torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}"
-    )
+    print_outputs(outputs, len(tokenizer) if tokenizer is not None else 0, seconds)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.model:
+        generate(args, args.model)
+        return
+    for preset in [args.preset] if args.preset else default_presets():
+        print(f"\n=== the {preset} preset")
+        generate(args, checkpoint_for(preset))
 
 
 if __name__ == "__main__":

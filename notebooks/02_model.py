@@ -59,9 +59,9 @@ print(f"device: {DEVICE}, torch {torch.__version__}")
 # and the loader we write below is the one that later reads a downloaded Qwen3 unchanged.
 #
 # ## Making a checkpoint offline
-# Two presets. `tiny` keeps every feature of the real model (GQA, q/k norms, tied embeddings, head_dim a power
-# of two for the Triton kernel) at a size that runs the whole course on a laptop CPU. `qwen3-0.6b` has
-# Qwen3-0.6B's exact shapes, for the GPU.
+# Three presets. `tiny` keeps every feature of the real model (GQA, q/k norms, tied embeddings, head_dim a power of
+# two for the Triton kernel) at a size that runs the course on a laptop CPU; `tiny-text` is `tiny` trained on the
+# tokenizer's text, since random weights write gibberish; `qwen3-0.6b` has Qwen3-0.6B's exact shapes, for the GPU.
 #
 # The tokenizer is a byte-level BPE (the kind GPT-2 and Qwen use) trained on a small text that ships with the
 # package, with ChatML's special tokens and chat template. Its 2,048 tokens fit in both vocabularies.
@@ -69,7 +69,7 @@ print(f"device: {DEVICE}, torch {torch.__version__}")
 # Random weights follow transformers' initialisation (matrices ~ N(0, 0.02)), except that norm weights are drawn
 # around 1 instead of being exactly 1: a model whose norms all equal 1 would hide a loader that swaps or
 # skips them. Everything comes from one seeded generator, and safetensors stores no timestamp, so the same seed
-# writes the same bytes.
+# writes the same bytes (`tiny-text` too: its batches come from that seed, and it trains on one CPU thread).
 
 # %% tags=["export"] module="minivllm.checkpoint.maker"
 import argparse
@@ -82,6 +82,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+from minivllm.checkpoint.train import corpus_ids, train
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(
@@ -109,6 +111,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         dtype="bfloat16",
     ),
 }
+PRESETS["tiny-text"] = dict(PRESETS["tiny"])  # tiny's shapes; write_checkpoint trains it on the corpus
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
 TOKENIZER_VOCAB_SIZE = 2048
 CHAT_TEMPLATE = (
@@ -143,7 +146,7 @@ def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE) -> PreTrainedTokeniz
 
 
 def random_model(config: Qwen3Config, seed: int) -> Qwen3ForCausalLM:
-    """transformers' Qwen3 with seeded random weights, ready to save (its RoPE buffer is left unset: not saved)."""
+    """transformers' Qwen3 with seeded random weights, ready to save or to train."""
     dtype = getattr(torch, config.dtype) if isinstance(config.dtype, str) else config.dtype
     with torch.device("meta"):
         # its names and shapes are those of a real checkpoint. (mypy: transformers' `to` is a functools.wraps
@@ -151,6 +154,7 @@ def random_model(config: Qwen3Config, seed: int) -> Qwen3ForCausalLM:
         model = Qwen3ForCausalLM(config).to(dtype)  # type: ignore[arg-type]
     model.to_empty(device="cpu")  # allocate, uninitialised; this gives a tied head its own storage, so:
     model.tie_weights()
+    model.model.rotary_emb = type(model.model.rotary_emb)(config)  # RoPE's buffers (not saved, but a forward uses them)
     generator = torch.Generator().manual_seed(seed)
     params = list(model.named_parameters())  # tied weights appear once
     total = sum(p.numel() for _, p in params)
@@ -179,6 +183,8 @@ def write_checkpoint(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     model = random_model(config, seed)
+    if preset == "tiny-text":  # a few hundred steps on the corpus, so that greedy output reads as text
+        train(model, corpus_ids(tokenizer), seed)
     model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=[2, 0], pad_token_id=0)
     options: dict[str, Any] = {"max_shard_size": max_shard_size} if max_shard_size else {}  # {}: transformers' default
     model.save_pretrained(out, **options)
@@ -189,7 +195,7 @@ def write_checkpoint(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m minivllm.checkpoint",
-        description="Write a random-weight HuggingFace checkpoint of a named preset.",
+        description="Write a HuggingFace checkpoint of a named preset (random weights; tiny-text trained on text).",
     )
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     parser.add_argument("--out", required=True, help="folder to write (created if missing)")
@@ -235,13 +241,8 @@ tokenizer = AutoTokenizer.from_pretrained(tiny_path)
 ids = tokenizer.encode("The lighthouse keeper counted 270 litres of oil. Ünïcödé works too: 東京")
 assert tokenizer.decode(ids) == "The lighthouse keeper counted 270 litres of oil. Ünïcödé works too: 東京"
 print(len(tokenizer), "tokens in the vocabulary;", len(ids), "tokens for that sentence")
-print(
-    repr(
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": "Hello!"}], tokenize=False, add_generation_prompt=True
-        )
-    )
-)
+messages = [{"role": "user", "content": "Hello!"}]
+print(repr(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)))
 print("eos:", tokenizer.eos_token, tokenizer.eos_token_id)
 
 # %% [markdown]
@@ -514,7 +515,7 @@ def component(name: str) -> str:
 
 
 param_table = {}
-for preset in PRESETS:
+for preset in ("tiny", "qwen3-0.6b"):  # (tiny-text has tiny's shapes)
     config = preset_config(preset)
     with torch.device("meta"):
         ours, theirs = Qwen3ForCausalLM(config), HFQwen3ForCausalLM(config)
@@ -902,7 +903,8 @@ assert worst < 1e-4, worst
 
 # %% [markdown]
 # Packing works too: two prompts in one flat batch give each prompt's own logits, because the context keeps each
-# token's attention inside its prompt (and `positions` restart at 0 for each).
+# token's attention inside its prompt (and `positions` restart at 0 for each). And with trained weights (the
+# `tiny-text` preset) the same forward writes text:
 
 # %%
 from minivllm.attention.prefill import PrefillContext
@@ -915,6 +917,11 @@ with torch.inference_mode():
 torch.testing.assert_close(packed[: len(a)], prompt_logits(model, a), rtol=1e-5, atol=1e-5)
 torch.testing.assert_close(packed[len(a) :], prompt_logits(model, b), rtol=1e-5, atol=1e-5)
 print("packed batch of 2 prompts == each prompt alone")
+text_model = load_model(write_checkpoint(CHECKPOINTS / "tiny-text", "tiny-text"), dtype=torch.float32, device=DEVICE)
+token_ids = tokenizer.encode("The Earth is about")
+for _ in range(24):  # greedy, with no KV cache yet: the whole text again for every new token
+    token_ids.append(int(prompt_logits(text_model, token_ids)[-1].argmax()))
+print(repr(tokenizer.decode(token_ids)))
 
 # %% [markdown]
 # ### Tensor parallelism
@@ -1191,17 +1198,10 @@ print(SamplingParams(temperature=0, max_tokens=64))
 with np.errstate(over="ignore"):
     print(f"a logit of 10 over a temperature of 1e-45, in float32: {np.float32(10) / np.float32(1e-45)}")
 print(SamplingParams(temperature=1e-6), "<- a temperature below 1e-5 is greedy")
-for bad in (
-    dict(max_tokens=0),
-    dict(temperature=-0.5),
-    dict(top_p=0.0),
-    dict(top_k=0),
-    dict(min_p=1.5),
-    dict(max_tokens=2.0),
-    dict(temperature=float("nan")),
-    dict(top_p=float("inf")),
-    dict(stop_token_ids=[[1]]),
-):
+nan, inf = float("nan"), float("inf")
+bad_values = [dict(max_tokens=0), dict(temperature=-0.5), dict(top_p=0.0), dict(top_k=0), dict(min_p=1.5)]
+bad_values += [dict(max_tokens=2.0), dict(temperature=nan), dict(top_p=inf), dict(stop_token_ids=[[1]])]
+for bad in bad_values:
     try:
         SamplingParams(**bad)
     except ValueError as e:

@@ -8,9 +8,12 @@ import sys
 import pytest
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from minivllm.checkpoint import PRESETS, main, preset_config, write_checkpoint
+from minivllm import LLM, SamplingParams
+from minivllm.checkpoint import PRESETS, main, preset_config, train_tokenizer, write_checkpoint
+from minivllm.checkpoint.maker import random_model
+from minivllm.checkpoint.train import corpus_ids, corpus_loss, train
 
 
 def hashes(path) -> dict[str, str]:
@@ -23,6 +26,12 @@ def cli_tiny(tmp_path_factory):
     out = tmp_path_factory.mktemp("ckpt") / "tiny"
     main(["--preset", "tiny", "--out", str(out)])
     return out
+
+
+@pytest.fixture(scope="module")
+def tiny_text(tmp_path_factory):
+    """The tiny-text preset: tiny's shapes, trained on the corpus (the tests' one full training: half a minute)."""
+    return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-text", "tiny-text", seed=0)
 
 
 def test_cli_runs_as_a_module(tmp_path):
@@ -102,3 +111,55 @@ def test_tiny_preset_fits_the_kernels_and_tp2():
 def test_unknown_preset():
     with pytest.raises(ValueError, match="qwen3-0.6b"):
         preset_config("gpt-5")
+
+
+def test_training_is_deterministic():
+    """The same seed trains the same weights, bit for bit; another seed, others; the global RNG is left alone.
+    (A short run: the full one is the same loop, longer.)"""
+    token_ids = corpus_ids(train_tokenizer())
+
+    def trained(seed: int) -> dict[str, torch.Tensor]:
+        model = random_model(preset_config("tiny-text"), seed)
+        losses = train(model, token_ids, seed, steps=12)
+        assert losses[-1] < losses[0]
+        return model.state_dict()
+
+    rng = torch.get_rng_state()
+    first, again, other = trained(0), trained(0), trained(1)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert first.keys() == again.keys() and all(torch.equal(first[name], again[name]) for name in first)
+    assert not torch.equal(first["model.norm.weight"], other["model.norm.weight"])
+
+
+@pytest.mark.slow  # the tiny_text fixture trains for half a minute
+def test_tiny_text_is_tiny_trained(tiny, tiny_text):
+    """The same shapes and tokenizer as tiny, and a corpus loss far below the random model's (ln 2048 = 7.6)."""
+    same_files = {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"}
+    assert {name: h for name, h in hashes(tiny_text).items() if name in same_files} == {
+        name: h for name, h in hashes(tiny).items() if name in same_files
+    }
+    token_ids = corpus_ids(AutoTokenizer.from_pretrained(tiny_text))
+    random_loss, trained_loss = (
+        corpus_loss(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), token_ids)
+        for path in (tiny, tiny_text)
+    )
+    assert random_loss > 7 and trained_loss < random_loss / 4, (random_loss, trained_loss)
+
+
+@pytest.mark.slow  # the tiny_text fixture trains for half a minute
+def test_tiny_text_continues_the_corpus_through_the_engine(tiny_text):
+    """Greedy decoding with our engine, from 8 tokens at 10 places in the corpus: most next tokens are the corpus's."""
+    token_ids = corpus_ids(AutoTokenizer.from_pretrained(tiny_text)).tolist()
+    starts = range(0, len(token_ids) - 24, len(token_ids) // 10)
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    with LLM(str(tiny_text), device="cpu", num_kvcache_blocks=64) as llm:
+        outputs = llm.generate([token_ids[start : start + 8] for start in starts], greedy, use_tqdm=False)
+    continuations = [token_ids[start + 8 : start + 24] for start in starts]
+    same = sum(a == b for out, ref in zip(outputs, continuations) for a, b in zip(out.outputs[0].token_ids, ref))
+    assert same > 0.5 * 16 * len(starts), f"{same} of {16 * len(starts)} tokens as in the corpus"
+
+
+def test_the_demo_offers_every_preset():
+    from minivllm.__main__ import PRESETS as DEMO_PRESETS  # a literal there, so that --help stays light
+
+    assert sorted(DEMO_PRESETS) == sorted(PRESETS)

@@ -11,6 +11,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
+from minivllm.checkpoint.train import corpus_ids, train
+
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(
         vocab_size=2048,
@@ -37,6 +39,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         dtype="bfloat16",
     ),
 }
+PRESETS["tiny-text"] = dict(PRESETS["tiny"])  # tiny's shapes; write_checkpoint trains it on the corpus
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
 TOKENIZER_VOCAB_SIZE = 2048
 CHAT_TEMPLATE = (
@@ -71,7 +74,7 @@ def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE) -> PreTrainedTokeniz
 
 
 def random_model(config: Qwen3Config, seed: int) -> Qwen3ForCausalLM:
-    """transformers' Qwen3 with seeded random weights, ready to save (its RoPE buffer is left unset: not saved)."""
+    """transformers' Qwen3 with seeded random weights, ready to save or to train."""
     dtype = getattr(torch, config.dtype) if isinstance(config.dtype, str) else config.dtype
     with torch.device("meta"):
         # its names and shapes are those of a real checkpoint. (mypy: transformers' `to` is a functools.wraps
@@ -79,6 +82,7 @@ def random_model(config: Qwen3Config, seed: int) -> Qwen3ForCausalLM:
         model = Qwen3ForCausalLM(config).to(dtype)  # type: ignore[arg-type]
     model.to_empty(device="cpu")  # allocate, uninitialised; this gives a tied head its own storage, so:
     model.tie_weights()
+    model.model.rotary_emb = type(model.model.rotary_emb)(config)  # RoPE's buffers (not saved, but a forward uses them)
     generator = torch.Generator().manual_seed(seed)
     params = list(model.named_parameters())  # tied weights appear once
     total = sum(p.numel() for _, p in params)
@@ -107,6 +111,8 @@ def write_checkpoint(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     model = random_model(config, seed)
+    if preset == "tiny-text":  # a few hundred steps on the corpus, so that greedy output reads as text
+        train(model, corpus_ids(tokenizer), seed)
     model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=[2, 0], pad_token_id=0)
     options: dict[str, Any] = {"max_shard_size": max_shard_size} if max_shard_size else {}  # {}: transformers' default
     model.save_pretrained(out, **options)
@@ -117,7 +123,7 @@ def write_checkpoint(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m minivllm.checkpoint",
-        description="Write a random-weight HuggingFace checkpoint of a named preset.",
+        description="Write a HuggingFace checkpoint of a named preset (random weights; tiny-text trained on text).",
     )
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     parser.add_argument("--out", required=True, help="folder to write (created if missing)")
