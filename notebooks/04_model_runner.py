@@ -739,15 +739,8 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     """One captured decode step per batch size, over shared static inputs."""
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        max_num_seqs: int,
-        max_blocks: int,
-        hidden_size: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ):
+    def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_blocks: int, hidden_size: int,
+                 dtype: torch.dtype, device: torch.device):  # fmt: skip
         self.batch_sizes = graph_batch_sizes(max_num_seqs)
         n = self.batch_sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
@@ -757,6 +750,7 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
         self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.num_replays = 0
         pool = None
         for bs in reversed(self.batch_sizes):  # the largest first: the others fit in its memory pool
             context = PagedContext(
@@ -773,6 +767,12 @@ class DecodeGraphs:
     def fits(self, batch: int) -> bool:
         return batch <= self.batch_sizes[-1]
 
+    def reset(self) -> None:
+        """Destroy the graphs now, even if something still holds this object: their memory goes back, and an NCCL
+        group whose all-reduces they captured can shut down (it waits for them)."""
+        for graph in self.graphs.values():
+            graph.reset()
+
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, context: PagedContext) -> torch.Tensor:
         bs = input_ids.shape[0]
         assert context.context_lens is not None and context.block_tables is not None  # a decode step has both
@@ -783,14 +783,14 @@ class DecodeGraphs:
         self.context_lens[:bs] = context.context_lens
         self.block_tables[:bs, : context.block_tables.shape[1]] = context.block_tables
         self.graphs[next(b for b in self.batch_sizes if b >= bs)].replay()
+        self.num_replays += 1
         return self.hidden[:bs]  # (bs, hidden_size)
 
 
 # %% [markdown]
-# A graph removes each kernel's *launch* cost, not the kernel. Notebooks 01–02's layers still make hundreds of
-# kernels per step (the cell below counts one norm's and one RoPE's operations), most a single elementwise
-# operation costing microseconds for almost no work: most of a graph step's time on an H200. So on a GPU the
-# runner first fuses each norm, RoPE and gated activation into one kernel with `torch.compile` (notebook 01).
+# A graph removes each kernel's *launch* cost, not the kernel. Our layers still make hundreds of tiny kernels per
+# step (the cell below counts one norm's and one RoPE's), each microseconds for almost no work: most of a graph
+# step's time on an H200. So the runner fuses each norm, RoPE and gated activation with `torch.compile` (01).
 
 # %%
 from minivllm.models.qwen3 import Qwen3ForCausalLM
@@ -825,10 +825,9 @@ def rank_device(config: Config, rank: int) -> torch.device:
 
 # %% [markdown]
 # ### Putting it together
-# `ModelRunner(config)` loads the model (this rank's slice), sizes the KV cache, runs one prefill after a
-# cached prefix (so Triton compiles that kernel at start-up, not in a request), captures the decode graphs,
-# then serves `run(seqs, is_prefill) -> token ids`, building the sampling tensors while the GPU runs the
-# forward. `step_logits` is the step without the sampler: what the tests compare with `prompt_logits`.
+# `ModelRunner(config)` loads the model (this rank's slice), sizes the KV cache, runs one prefix-hit prefill (Triton
+# compiles at start-up, not in a request), captures the decode graphs, then serves `run(seqs, is_prefill) -> token
+# ids`, building the sampling tensors while the GPU runs the forward; `step_logits` is the step without sampler.
 
 
 # %% tags=["export"]
@@ -898,6 +897,8 @@ class ModelRunner:
             return
         for layer in getattr(self, "attention_layers", []):
             layer.k_cache = layer.v_cache = None
+        if self.graphs is not None:
+            self.graphs.reset()
         self.graphs = self.model = None
         gc.collect()
         torch.cuda.empty_cache()
@@ -957,9 +958,8 @@ class ModelRunner:
 
 # %% [markdown]
 # ## Every path gives the logits of a from-scratch forward (a bug to find: `exercises/04_find_the_bug.ipynb`)
-# The claim of this notebook, on notebook 02's tiny checkpoint: prompts are prefilled through the paged path,
-# then decoded through shuffled block tables; at every step the logits must equal `prompt_logits` over the
-# whole sequence, from scratch.
+# The claim of this notebook, on notebook 02's tiny checkpoint: prompts prefilled through the paged path, then
+# decoded through shuffled block tables; at every step the logits equal `prompt_logits` of the whole sequence.
 
 # %%
 from minivllm.checkpoint import write_checkpoint

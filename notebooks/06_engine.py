@@ -157,6 +157,7 @@ from minivllm.layers.linear import TPGroup
 
 START_TIMEOUT = timedelta(seconds=300)  # a worker imports torch and loads its slice: minutes on a slow disk
 STEP_TIMEOUT = timedelta(seconds=600)  # one rank may compile kernels in a first step while the others wait
+SHUTDOWN_TIMEOUT = timedelta(seconds=10)  # close() ends in seconds, whatever a group waits for
 MAIN_GUARD = (
     "Workers are spawned: each re-imports your main script, so a script that creates an LLM with "
     'tensor_parallel_size > 1 must do it under `if __name__ == "__main__":`.'
@@ -176,12 +177,16 @@ def make_groups(store: Any, rank: int, world_size: int, device: torch.device) ->
 
 
 def close_groups(groups: list[Any], abort: bool) -> None:
-    """Shut each group down with the other ranks; abort it when one of them is gone (shutdown would wait)."""
+    """Shut each group down with the other ranks; abort it when one of them is gone (shutdown would wait), or when
+    its shutdown has not returned in SHUTDOWN_TIMEOUT (an NCCL group waits for any CUDA graph that captured it)."""
     for group in dict.fromkeys(groups):
-        if abort:
-            group.abort()
-        else:
-            group.shutdown()
+        if not abort:
+            shutdown = threading.Thread(target=group.shutdown, daemon=True)
+            shutdown.start()
+            shutdown.join(SHUTDOWN_TIMEOUT.total_seconds())
+            if not shutdown.is_alive():
+                continue
+        group.abort()
 
 
 def broadcast_object(obj: Any, group: Any, rank: int) -> Any:
@@ -418,6 +423,8 @@ for batch in sorted({b for _, b in step}):
     print(f"decode step, batch {batch:>3}: TP 1 {step[1, batch]:.2f} ms, TP 2 {step[2, batch]:.2f} ms")
 for tp, r in run.items():
     print(f"TP {tp}: {r['tok_per_s']:,.0f} output tok/s, KV cache {r['kv_cache_tokens'] / 1e6:.2f} M tokens")
+for r in (r for r in tp_data["rows"] if r["kind"] == "startup"):  # python -c "LLM(...)": import to ready
+    print(f"TP {r['tp']}, fresh process, start {r['attempt']}: ready in {r['ready_seconds']:.0f} s")
 
 # %% [markdown]
 # Work it out: Qwen3-0.6B has 28 layers, so a TP-2 forward makes 2 × 28 all-reduces (plus the embedding's and
@@ -437,10 +444,11 @@ print(
 # %% [markdown]
 # For a 0.6B model TP 2 does not pay in speed: one GPU reads all 1.2 GB of weights in under 0.3 ms, a quarter
 # of what the communication adds, so halving that read cannot make up for it. Every step gets slower (most at
-# small batches, where latency is all there is) and throughput drops a little. What it does buy is memory: the KV cache doubles (each GPU holds
-# half of the KV heads), so twice the tokens fit. TP pays when the weights or the KV cache do not fit one GPU,
-# or when reading a GPU's share of the weights takes much longer than the all-reduces: tens of billions of
-# parameters, not 0.6.
+# small batches, where latency is all there is) and throughput drops a little. What it does buy is memory: the
+# KV cache doubles (each GPU holds half of the KV heads), so twice the tokens fit. Starting costs more too: a
+# second process imports torch and minivllm again, loads its half and connects NCCL before the first step. TP
+# pays when the weights or the KV cache do not fit one GPU, or when reading a GPU's share of the weights takes
+# much longer than the all-reduces: tens of billions of parameters, not 0.6.
 
 # %% [markdown]
 # ## The engine

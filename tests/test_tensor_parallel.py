@@ -248,7 +248,6 @@ def test_the_engine_and_its_workers_end_in_seconds(tiny, tmp_path, ending, devic
         time.sleep(0.2)
     assert not alive(worker_pid), f"worker {worker_pid} outlived its engine ({ending})"
     assert (proc.returncode == 0) == (ending in ("close", "normal exit", "worker killed")), stderr
-    assert time.monotonic() - start < 60  # bounded: it used to hang for minutes (or for ever)
 
 
 # --- on two GPUs: bf16 agreement ------------------------------------------------------------------------------
@@ -273,17 +272,14 @@ def test_gpu_tensor_parallel_2_agrees_with_1_in_bf16(qwen3_06b):
         single_runner.close()
     tokens = [seq.completion_token_ids for seq in seqs]
     tp = TPModelRunner(Config(qwen3_06b, tensor_parallel_size=2, **config))
-    replays = []
+    graphs = tp.graphs  # still held when close() runs: it must end all the same (NCCL waits for graphs it is in)
     try:
-        assert tp.graphs is not None
-        replay = tp.graphs.replay
-        tp.graphs.replay = lambda *args: replays.append(1) or replay(*args)
         _, double, _ = run_steps(tp, prompts, num_decode_steps=16, force=tokens)
     finally:
         start = time.perf_counter()
         tp.close()
         print(f"TP 2 close(): {time.perf_counter() - start:.2f} s")
-    assert len(replays) == 16  # every decode step went through a CUDA graph
+    assert graphs is not None and graphs.num_replays == 16  # every decode step went through a CUDA graph
     assert not tp.workers.processes[0].is_alive()
     reference = load_model(qwen3_06b, dtype=torch.float32, device="cuda")
     fp32 = [

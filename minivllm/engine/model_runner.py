@@ -175,15 +175,8 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     """One captured decode step per batch size, over shared static inputs."""
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        max_num_seqs: int,
-        max_blocks: int,
-        hidden_size: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ):
+    def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_blocks: int, hidden_size: int,
+                 dtype: torch.dtype, device: torch.device):  # fmt: skip
         self.batch_sizes = graph_batch_sizes(max_num_seqs)
         n = self.batch_sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
@@ -193,6 +186,7 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
         self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.num_replays = 0
         pool = None
         for bs in reversed(self.batch_sizes):  # the largest first: the others fit in its memory pool
             context = PagedContext(
@@ -209,6 +203,12 @@ class DecodeGraphs:
     def fits(self, batch: int) -> bool:
         return batch <= self.batch_sizes[-1]
 
+    def reset(self) -> None:
+        """Destroy the graphs now, even if something still holds this object: their memory goes back, and an NCCL
+        group whose all-reduces they captured can shut down (it waits for them)."""
+        for graph in self.graphs.values():
+            graph.reset()
+
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, context: PagedContext) -> torch.Tensor:
         bs = input_ids.shape[0]
         assert context.context_lens is not None and context.block_tables is not None  # a decode step has both
@@ -219,6 +219,7 @@ class DecodeGraphs:
         self.context_lens[:bs] = context.context_lens
         self.block_tables[:bs, : context.block_tables.shape[1]] = context.block_tables
         self.graphs[next(b for b in self.batch_sizes if b >= bs)].replay()
+        self.num_replays += 1
         return self.hidden[:bs]  # (bs, hidden_size)
 
 
@@ -301,6 +302,8 @@ class ModelRunner:
             return
         for layer in getattr(self, "attention_layers", []):
             layer.k_cache = layer.v_cache = None
+        if self.graphs is not None:
+            self.graphs.reset()
         self.graphs = self.model = None
         gc.collect()
         torch.cuda.empty_cache()

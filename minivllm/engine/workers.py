@@ -21,6 +21,7 @@ from minivllm.layers.linear import TPGroup
 
 START_TIMEOUT = timedelta(seconds=300)  # a worker imports torch and loads its slice: minutes on a slow disk
 STEP_TIMEOUT = timedelta(seconds=600)  # one rank may compile kernels in a first step while the others wait
+SHUTDOWN_TIMEOUT = timedelta(seconds=10)  # close() ends in seconds, whatever a group waits for
 MAIN_GUARD = (
     "Workers are spawned: each re-imports your main script, so a script that creates an LLM with "
     'tensor_parallel_size > 1 must do it under `if __name__ == "__main__":`.'
@@ -40,12 +41,16 @@ def make_groups(store: Any, rank: int, world_size: int, device: torch.device) ->
 
 
 def close_groups(groups: list[Any], abort: bool) -> None:
-    """Shut each group down with the other ranks; abort it when one of them is gone (shutdown would wait)."""
+    """Shut each group down with the other ranks; abort it when one of them is gone (shutdown would wait), or when
+    its shutdown has not returned in SHUTDOWN_TIMEOUT (an NCCL group waits for any CUDA graph that captured it)."""
     for group in dict.fromkeys(groups):
-        if abort:
-            group.abort()
-        else:
-            group.shutdown()
+        if not abort:
+            shutdown = threading.Thread(target=group.shutdown, daemon=True)
+            shutdown.start()
+            shutdown.join(SHUTDOWN_TIMEOUT.total_seconds())
+            if not shutdown.is_alive():
+                continue
+        group.abort()
 
 
 def broadcast_object(obj: Any, group: Any, rank: int) -> Any:
