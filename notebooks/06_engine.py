@@ -1112,31 +1112,30 @@ fig.tight_layout()
 fig.savefig(FIGURES / "06_attention_kernels.png", dpi=120)
 
 # %% [markdown]
-# **Throughput** on nano-vllm's benchmark workload (256 requests, prompts and outputs of 100–1024 tokens),
-# minivllm against transformers' own continuous batching, from `python -m minivllm.benchmarks.throughput`.
-# On a GPU the cell runs minivllm again (about a minute) and adds it to the committed run; transformers takes
-# minutes on this workload, so its figure stays the committed one.
-#
-# The right panel says where minivllm's time goes: the host's share (scheduling, building each step's
-# inputs), during which the GPU waits, and the model runner's forward and sampler.
+# **Throughput and latency** per workload and scheduling policy, from `python -m minivllm.benchmarks.throughput`
+# on an H200: nano-vllm's benchmark (256 requests of 100–1024 tokens in and out), a chat burst (512 requests
+# sharing a 1,500-token system prompt, also run without prefix caching), 32 long prompts (10–12k tokens) and a
+# single stream. On a GPU the cell runs nano-vllm's workload again (about a minute) and prints it with the rest.
 
 # %%
-from minivllm.benchmarks.throughput import plot_throughput, run_throughput_benchmark, workload
+from minivllm.benchmarks.throughput import describe, plot_throughput, run_throughput_benchmark, workload
 
 throughput = json.loads((figures / "throughput.json").read_text())
 if DEVICE == "cuda":
-    now = run_throughput_benchmark(impls=("minivllm",))
+    now = run_throughput_benchmark(["nano-vllm"], policies=("unified",))
     throughput["rows"].insert(0, {**now["rows"][0], "impl": f"minivllm, now ({now['device']})"})
 plot_throughput(throughput).savefig(FIGURES / "06_throughput.png", dpi=120)
 for row in throughput["rows"]:
-    print(f"{row['impl']:>28}: {row['tok_per_s']:,.0f} output tokens/s")
+    print(describe(row))
+baseline = json.loads((figures / "throughput_vs_transformers.json").read_text())  # an earlier run, same workload
+print("nano-vllm's workload, earlier run:", ", ".join(f"{r['impl']} {r['tok_per_s']:,.0f}" for r in baseline["rows"]))
 
 # %% [markdown]
 # How far is that from the hardware's limit? Every decode step reads all the weights once, and each running
-# request's whole KV cache: 2 (K and V) × layers × KV heads × head_dim values of 2 bytes per token, the
-# bytes of a one-token block in notebook 04's `kv_block_bytes`. Add it up over the workload and divide by the
-# copy bandwidth notebook 03 measured: no engine can decode this workload faster (prefill's arithmetic is
-# left out, so the real limit is lower still).
+# request's whole KV cache: 2 (K and V) × layers × KV heads × head_dim values of 2 bytes per token, the bytes of
+# a one-token block in notebook 04's `kv_block_bytes`. Add it up over the workload and divide by the copy
+# bandwidth notebook 03 measured: no engine can decode this workload faster. The benchmark does this for every
+# workload (the % labels above), and takes the FLOPs at the measured matmul rate when they are the larger bound.
 
 # %%
 from minivllm.attention.layer import Attention
@@ -1154,12 +1153,15 @@ kv_reads = kv_bytes_per_token * sum(len(p) + t for p, n in zip(prompts, output_l
 weight_reads = num_params * 2 * (max(output_lens) - 1)  # bf16 weights, once per decode step
 seconds = (kv_reads + weight_reads) / (decode["copy_tbps"] * 1e12)
 roofline = sum(output_lens) / seconds
-ours = next(r["tok_per_s"] for r in throughput["rows"] if r["impl"] == "minivllm")
+ours = next(
+    r for r in throughput["rows"] if (r["workload"], r["policy"], r["impl"]) == ("nano-vllm", "unified", "minivllm")
+)
 print(
     f"KV reads {kv_reads / 1e12:.1f} TB + weight reads {weight_reads / 1e12:.1f} TB at {decode['copy_tbps']:.2f} TB/s:"
-    f" {seconds:.2f} s, at most {roofline:,.0f} tok/s; minivllm reaches {ours / roofline:.0%} of it"
+    f" {seconds:.2f} s, at most {roofline:,.0f} tok/s; minivllm reaches {ours['tok_per_s'] / roofline:.0%} of it"
 )
 assert kv_reads > 10 * weight_reads  # at this batch size the KV cache, not the weights, is what decode reads
+assert abs(roofline / ours["roofline_tok_per_s"] - 1) < 0.05  # the benchmark's roofline (FLOPs too) agrees
 
 # %% [markdown]
 # ## Check yourself

@@ -1,28 +1,60 @@
-"""End-to-end throughput on nano-vllm's benchmark workload: minivllm (CUDA graphs and eager) vs transformers.
+"""End-to-end throughput and latency per workload and scheduling policy, in one process.
 
-    python -m minivllm.benchmarks.throughput [--num-seqs 256] [--preset qwen3-0.6b] [--out figures]
+    python -m minivllm.benchmarks.throughput [--workloads nano-vllm chat long single]
+        [--policies unified prefill-first] [--impls minivllm minivllm-eager transformers-generate-batch]
+        [--preset qwen3-0.6b] [--out figures]
 
-The workload (nano-vllm's bench.py, `random.seed(0)`): `num_seqs` prompts of random token ids < 10,000 with
-lengths uniform in [100, 1024], each generating a length uniform in [100, 1024] (temperature 0.6, ignore_eos).
-The preset is written with random weights in bf16. Throughput counts output tokens. For minivllm it also
-reports where the run's time goes, from the `StepStats` each engine step returns: the scheduler (host: schedule
-and postprocess) and the model runner's step (step inputs, forward and sampler; it waits for the GPU). transformers runs the same requests through its continuous-batching
-manager (`generate_batch`'s machinery, with per-request `max_new_tokens`). Writes throughput.json + .png.
+Workloads (token ids < 10,000 drawn from `random.Random(0)`, ignore_eos so every length is the one asked for;
+every request arrives at once, when the run starts):
+- `nano-vllm`: nano-vllm's bench.py (`random.seed(0)`): 256 prompts of 100-1024 tokens, outputs of 100-1024,
+  temperature 0.6;
+- `chat`: 512 requests sharing a 1,500-token system prompt, then 50-300 user tokens; outputs of 100-300,
+  temperature 0.7, top-p 0.9; also run with prefix caching off;
+- `long`: 32 prompts of 10k-12k tokens, outputs of 50-100, temperature 0.6;
+- `single`: one 256-token prompt, 2,048 output tokens, temperature 0.6.
+Each (policy, prefix caching) pair is one LLM that runs every workload, so engines start four times at most. Rows
+carry output and total (prompt + output) tokens/s, TTFT and TPOT p50/p99 (from each RequestOutput's metrics), the
+share of the workload's roofline and where the run's time goes (`StepStats`: the scheduler on the host, and the
+model runner's step: step inputs, forward and sampler, waiting for the GPU). `minivllm-eager` and transformers'
+continuous batching (`transformers-generate-batch`) run nano-vllm's workload only, under the first policy.
+The roofline: no engine can finish a workload faster than its FLOPs at the GPU's measured bf16 matmul rate, nor
+faster than its bytes (the weights once per decode step, every request's KV cache once per output token) at the
+measured copy bandwidth. Writes throughput.json + .png.
 """
 
 import argparse
 import random
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from minivllm.benchmarks.common import OUT, result, save
+from minivllm.benchmarks.common import OUT, gpu_ms, result, save
+from minivllm.benchmarks.decode import copy_tbps
 from minivllm.checkpoint import write_checkpoint
+from minivllm.checkpoint.maker import preset_config
 from minivllm.llm import LLM
 from minivllm.outputs import RequestOutput, StepStats
 from minivllm.sampling_params import SamplingParams
+
+WORKLOADS = ("nano-vllm", "chat", "long", "single")
+POLICIES = ("unified", "prefill-first")
+MAX_MODEL_LEN = 12_400  # the longest request: a 12k-token prompt and 100 outputs
+
+
+@dataclass
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    shared_prefix: int = 0  # prompt tokens every request starts with
+
+    @property
+    def output_lens(self) -> list[int]:
+        return [p.max_tokens for p in self.params]
 
 
 def workload(num_seqs: int = 256, min_len: int = 100, max_len: int = 1024) -> tuple[list[list[int]], list[int]]:
@@ -31,6 +63,31 @@ def workload(num_seqs: int = 256, min_len: int = 100, max_len: int = 1024) -> tu
     prompts = [[random.randint(0, 10000) for _ in range(random.randint(min_len, max_len))] for _ in range(num_seqs)]
     output_lens = [random.randint(min_len, max_len) for _ in range(num_seqs)]
     return prompts, output_lens
+
+
+def make_workload(name: str) -> Workload:
+    rng = random.Random(0)
+
+    def ids(n: int) -> list[int]:
+        return [rng.randint(0, 10000) for _ in range(n)]
+
+    def params(n: int, temperature: float = 0.6, **kw) -> SamplingParams:
+        return SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=n, **kw)
+
+    if name == "nano-vllm":
+        prompts, output_lens = workload(256)
+        return Workload(name, prompts, [params(n) for n in output_lens])
+    if name == "chat":
+        system = ids(1500)
+        prompts = [system + ids(rng.randint(50, 300)) for _ in range(512)]
+        outs = [params(rng.randint(100, 300), temperature=0.7, top_p=0.9) for _ in prompts]
+        return Workload(name, prompts, outs, shared_prefix=len(system))
+    if name == "long":
+        prompts = [ids(rng.randint(10_000, 12_000)) for _ in range(32)]
+        return Workload(name, prompts, [params(rng.randint(50, 100)) for _ in prompts])
+    if name == "single":
+        return Workload(name, [ids(256)], [params(2048)])
+    raise ValueError(f"unknown workload {name!r}; choose from {WORKLOADS}")
 
 
 def step_breakdown(steps: list[StepStats]) -> dict:
@@ -54,30 +111,93 @@ def run_engine(llm: LLM, prompts, params) -> tuple[list[RequestOutput], list[Ste
     return outputs, steps
 
 
+def percentiles(name: str, values: list[float]) -> dict:
+    """p50 and p99 in milliseconds, e.g. {"ttft_p50_ms": ..., "ttft_p99_ms": ...}."""
+    p50, p99 = np.percentile(np.array(values) * 1e3, [50, 99]) if values else (float("nan"),) * 2
+    return {f"{name}_p50_ms": float(p50), f"{name}_p99_ms": float(p99)}
+
+
+def run_workload(llm: LLM, work: Workload) -> dict:
+    """One workload on a started engine: throughput, latency percentiles, step kinds and where the time goes."""
+    start = time.perf_counter()
+    outputs, steps = run_engine(llm, work.prompts, work.params)
+    seconds = time.perf_counter() - start
+    output_tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
+    assert output_tokens == sum(work.output_lens), "every request runs to its max_tokens (ignore_eos)"
+    prompt_tokens = sum(map(len, work.prompts))
+    tpot = [out.metrics.time_per_output_token(len(out.outputs[0].token_ids)) for out in outputs]
+    kinds = [s.kind for s in steps if s.kind != "idle"]
+    return dict(
+        workload=work.name,
+        num_seqs=len(work.prompts),
+        prompt_tokens=prompt_tokens,
+        output_tokens=output_tokens,
+        seconds=seconds,
+        tok_per_s=output_tokens / seconds,
+        total_tok_per_s=(prompt_tokens + output_tokens) / seconds,
+        **percentiles("ttft", [out.metrics.time_to_first_token for out in outputs]),  # type: ignore[misc]
+        **percentiles("tpot", [t for t in tpot if t is not None]),
+        steps={kind: kinds.count(kind) for kind in ("prefill", "decode", "mixed")},
+        step_breakdown=step_breakdown(steps),
+    )
+
+
+def roofline_tok_per_s(work: Workload, preset: str, max_num_seqs: int, tflops: float, tbps: float) -> float:
+    """Output tokens/s no engine can beat on this workload: max(FLOPs / matmul rate, bytes / copy bandwidth)."""
+    from minivllm.attention.layer import Attention
+    from minivllm.engine.model_runner import kv_block_bytes
+    from minivllm.models.qwen3 import Qwen3ForCausalLM
+
+    config = preset_config(preset)
+    with torch.device("meta"):  # shapes only
+        model = Qwen3ForCausalLM(config)
+    params = sum(p.numel() for p in model.parameters())
+    kv_per_token = kv_block_bytes([m for m in model.modules() if isinstance(m, Attention)], 1, torch.bfloat16)
+    lens = [(len(p), n) for p, n in zip(work.prompts, work.output_lens)]
+    computed = sum(p + n for p, n in lens) - work.shared_prefix * (len(lens) - 1)  # a shared prefix: once
+    attention_width = config.num_hidden_layers * config.num_attention_heads * config.head_dim
+    attention_flops = 2 * attention_width * sum((p + n) ** 2 for p, n in lens)  # QK^T and PV, causal: half of 4
+    flops = 2 * params * computed + attention_flops
+    decode_steps = max(max(n for _, n in lens), -(-sum(n for _, n in lens) // max_num_seqs))
+    kv_reads = kv_per_token * sum(p * n + n * (n - 1) // 2 for p, n in lens)  # each output token reads its context
+    seconds = max(flops / (tflops * 1e12), (2 * params * decode_steps + kv_reads) / (tbps * 1e12))
+    return sum(work.output_lens) / seconds
+
+
+def matmul_tflops(n: int = 8192) -> float:
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    return 2 * n**3 / (gpu_ms(lambda: a @ a) * 1e-3) / 1e12
+
+
+def machine_rates() -> tuple[float, float]:
+    """The GPU's bf16 matmul TFLOP/s and copy TB/s, measured (on a CPU: nan, nan)."""
+    if not torch.cuda.is_available():
+        return float("nan"), float("nan")
+    rates = matmul_tflops(), copy_tbps()
+    torch.cuda.empty_cache()  # before the engines size their KV caches
+    return rates
+
+
 def run_minivllm(path: Path, prompts, output_lens, **config) -> tuple[dict, dict]:
-    """Output tokens/s of an LLM on checkpoint `path` (Config fields in `config`), and its step breakdown; also
-    how long the LLM took to start and to close, and the tokens its KV cache holds."""
+    """nano-vllm's workload on a fresh LLM (Config fields in `config`): output tokens/s and its step breakdown;
+    also how long the LLM took to start and to close, and the tokens its KV cache holds."""
     start = time.perf_counter()
     llm = LLM(str(path), max_model_len=4096, **config)
     startup_seconds = time.perf_counter() - start
     try:
         llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)  # warm-up
         params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens]
-        start = time.perf_counter()
-        outputs, steps = run_engine(llm, prompts, params)
-        seconds = time.perf_counter() - start
+        row = run_workload(llm, Workload("nano-vllm", prompts, params))
         kv_cache_tokens = llm.engine.scheduler.block_manager.num_slots
     finally:
         start = time.perf_counter()
         llm.close()
         close_seconds = time.perf_counter() - start
-    output_tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
-    assert output_tokens == sum(output_lens)
-    breakdown = step_breakdown(steps)
+    breakdown = row.pop("step_breakdown")
     return dict(
-        output_tokens=output_tokens,
-        seconds=seconds,
-        tok_per_s=output_tokens / seconds,
+        output_tokens=row["output_tokens"],
+        seconds=row["seconds"],
+        tok_per_s=row["tok_per_s"],
         startup_seconds=startup_seconds,
         close_seconds=close_seconds,
         kv_cache_tokens=kv_cache_tokens,
@@ -115,81 +235,157 @@ def run_transformers(path: Path, prompts, output_lens) -> dict:
     return dict(output_tokens=output_tokens, seconds=seconds, tok_per_s=output_tokens / seconds)
 
 
+def describe(row: dict) -> str:
+    caching = "" if row["enable_prefix_caching"] else ", no prefix caching"
+    share = f" ({row['roofline_share']:.0%} of its roofline)" if row.get("roofline_share") is not None else ""
+    return (
+        f"{row['workload']:>9} · {row['impl']} {row['policy']}{caching}: {row['tok_per_s']:,.0f} output tok/s{share}, "
+        f"{row['total_tok_per_s']:,.0f} total; TTFT p50/p99 {row['ttft_p50_ms']:,.0f}/{row['ttft_p99_ms']:,.0f} ms, "
+        f"TPOT p50/p99 {row['tpot_p50_ms']:.1f}/{row['tpot_p99_ms']:.1f} ms; steps {row['steps']}"
+    )
+
+
+def engine_rows(
+    path: Path, preset: str, works: list[Workload], policy: str, caching: bool, rates: tuple[float, float], **config
+) -> list[dict]:
+    """One LLM (this policy, prefix caching on or off, Config fields in `config`) running each workload in turn."""
+    start = time.perf_counter()
+    with LLM(str(path), scheduling_policy=policy, enable_prefix_caching=caching, **config) as llm:
+        startup_seconds = time.perf_counter() - start
+        llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)  # warm-up
+        rows = []
+        for work in works:
+            row = run_workload(llm, work)
+            roofline = roofline_tok_per_s(work, preset, llm.engine.config.max_num_seqs, *rates)
+            finite = np.isfinite(roofline)
+            rows.append(
+                dict(
+                    impl="minivllm-eager" if config.get("enforce_eager") else "minivllm",
+                    policy=policy,
+                    enable_prefix_caching=caching,
+                    startup_seconds=startup_seconds,
+                    roofline_tok_per_s=float(roofline) if finite else None,
+                    roofline_share=row["tok_per_s"] / roofline if finite else None,
+                    **row,
+                )
+            )
+            print(describe(rows[-1]))
+    return rows
+
+
 def run_throughput_benchmark(
-    num_seqs: int = 256,
+    workloads=WORKLOADS,
+    policies=POLICIES,
+    impls=("minivllm",),
     preset: str = "qwen3-0.6b",
-    impls=("minivllm", "minivllm-eager", "transformers-generate-batch"),
     module: str = "minivllm.benchmarks.throughput",
+    **config,
 ) -> dict:
-    prompts, output_lens = workload(num_seqs)
-    rows, breakdowns = [], {}
+    """Every workload under every policy (and `chat` without prefix caching too) on the `preset`'s random-weight
+    checkpoint; `config`: Config fields for every LLM (default max_model_len: the longest request's)."""
+    works = [w if isinstance(w, Workload) else make_workload(w) for w in workloads]
+    config.setdefault("max_model_len", MAX_MODEL_LEN)
+    rates = machine_rates()
+    rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         path = write_checkpoint(Path(tmp) / preset, preset, seed=0)
-        for impl in impls:
-            if impl == "transformers-generate-batch":
-                row = run_transformers(path, prompts, output_lens)
-            else:
-                row, breakdowns[impl] = run_minivllm(path, prompts, output_lens, enforce_eager=impl.endswith("eager"))
-            rows.append(dict(impl=impl, num_seqs=num_seqs, **row))
-            print(
-                f"{impl:>28}: {row['output_tokens']} tokens in {row['seconds']:.1f} s = {row['tok_per_s']:,.0f} tok/s"
-            )
-            for key, part in breakdowns.get(impl, {}).items():
-                print(f"{'':>30}{key}: {part['seconds']:.2f} s over {part['calls']} calls")
+        if "minivllm" in impls:
+            for policy in policies:
+                rows += engine_rows(path, preset, works, policy, True, rates, **config)
+            for policy in policies:  # chat without prefix caching: what the shared system prompt saves
+                rows += engine_rows(
+                    path, preset, [w for w in works if w.name == "chat"], policy, False, rates, **config
+                )
+        nano = [w for w in works if w.name == "nano-vllm"]
+        if "minivllm-eager" in impls and nano:
+            rows += engine_rows(path, preset, nano, policies[0], True, rates, enforce_eager=True, **config)
+        if "transformers-generate-batch" in impls and nano:
+            row = run_transformers(path, nano[0].prompts, nano[0].output_lens)
+            rows.append(dict(impl="transformers-generate-batch", workload="nano-vllm", num_seqs=256, **row))
+            print(f"nano-vllm · transformers-generate-batch: {row['tok_per_s']:,.0f} output tok/s")
     return result(
         module,
         rows,
         preset=preset,
-        dtype="bfloat16",
-        workload="nano-vllm bench.py: random.seed(0), "
-        "prompt and output lengths uniform in [100, 1024], token ids < 10000, temperature 0.6, ignore_eos",
-        step_breakdown=breakdowns,
+        dtype="bfloat16" if torch.cuda.is_available() else "float32",
+        bf16_matmul_tflops=rates[0] if np.isfinite(rates[0]) else None,
+        copy_tbps=rates[1] if np.isfinite(rates[1]) else None,
+        workloads={w.name: describe_workload(w) for w in works},
     )
 
 
+def describe_workload(work: Workload) -> str:
+    lens, outs = [len(p) for p in work.prompts], work.output_lens
+    p = work.params[0]
+    return (
+        f"{len(lens)} requests at once, prompts {min(lens)}-{max(lens)} tokens"
+        + (f" ({work.shared_prefix} shared)" if work.shared_prefix else "")
+        + f", outputs {min(outs)}-{max(outs)}, temperature {p.temperature}, top-p {p.top_p}, ignore_eos"
+    )
+
+
+def label(row: dict) -> str:
+    return f"{row['impl']}, {row.get('policy', '')}" + ("" if row.get("enable_prefix_caching", True) else ", no cache")
+
+
 def plot_throughput(data: dict):
-    """Output tokens/s per implementation; beside it, where minivllm's run time goes."""
+    """Per workload, one bar per engine configuration: output tokens/s (with the share of the roofline), TTFT and
+    TPOT (p50 bars, p99 ticks), and the host's share of the run."""
     import matplotlib.pyplot as plt
 
-    fig, (ax, split) = plt.subplots(1, 2, figsize=(11, 3.5), gridspec_kw=dict(width_ratios=[3, 2]))
-    rows = data["rows"]
-    ax.barh([r["impl"] for r in rows], [r["tok_per_s"] for r in rows], color=[f"C{i}" for i in range(len(rows))])
-    for i, r in enumerate(rows):
-        ax.text(r["tok_per_s"], i, f" {r['tok_per_s']:,.0f}", va="center")
-    ax.set_xlabel("output tokens / s")
-    ax.set_title(f"{rows[0]['num_seqs']} requests, {data['preset']} ({data['device']})")
-    ax.invert_yaxis()
-    for i, (impl, parts) in enumerate(data.get("step_breakdown", {}).items()):
-        total = next(r["seconds"] for r in rows if r["impl"] == impl)
-        prepare = parts.get("prepare (in runner.run)", {}).get("seconds")  # only in JSON made before StepStats
-        host = parts["scheduler"]["seconds"] + (prepare or 0.0)
-        gpu = parts["runner.run"]["seconds"] - (prepare or 0.0)
-        labels = (
-            ("scheduler + step inputs (host)", "forward + sampler")
-            if prepare is not None
-            else ("scheduler (host)", "runner.run (step inputs, forward, sampler)")
-        )
-        left = 0.0
-        for j, (label, sec) in enumerate([(labels[0], host), (labels[1], gpu), ("rest (engine)", total - host - gpu)]):
-            split.barh(impl, sec / total, left=left, color=f"C{j + 4}", label=label if i == 0 else None)
-            left += sec / total
-    split.set_xlabel("share of the run's wall time")
-    split.invert_yaxis()
-    split.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=2)
-    fig.tight_layout()
+    rows = [r for r in data["rows"] if "ttft_p50_ms" in r]
+    names = list(dict.fromkeys(r["workload"] for r in rows))
+    configs = list(dict.fromkeys(label(r) for r in rows))
+    width = 0.8 / len(configs)
+    fig, axes = plt.subplots(2, 2, figsize=(12, 7.5))
+    panels = [
+        (axes[0, 0], "tok_per_s", None, "output tokens / s"),
+        (axes[0, 1], "ttft_p50_ms", "ttft_p99_ms", "time to first token (ms): p50 bar, p99 tick"),
+        (axes[1, 0], "tpot_p50_ms", "tpot_p99_ms", "time per output token (ms): p50 bar, p99 tick"),
+    ]
+    for j, config in enumerate(configs):
+        mine = {r["workload"]: r for r in rows if label(r) == config}
+        x = [i + (j - (len(configs) - 1) / 2) * width for i, name in enumerate(names) if name in mine]
+        runs = [mine[name] for name in names if name in mine]
+        for ax, key, p99, title in panels:
+            ax.bar(x, [r[key] for r in runs], width, color=f"C{j}", label=config)
+            if p99:
+                ax.scatter(x, [r[p99] for r in runs], marker="_", s=200, color="black", zorder=3)
+            ax.set_title(title, fontsize=10)
+        for xi, r in zip(x, runs):
+            if r.get("roofline_share") is not None:
+                axes[0, 0].text(xi, r["tok_per_s"], f"{r['roofline_share']:.0%}", ha="center", va="bottom", fontsize=7)
+            host = r["step_breakdown"]["scheduler"]["seconds"] / r["seconds"]
+            axes[1, 1].bar(xi, 100 * host, width, color=f"C{j}")
+    axes[1, 1].set_title("% of the run in the scheduler (host; the GPU waits)", fontsize=10)
+    for ax in axes.flat:
+        ax.set_xticks(range(len(names)), names)
+    for ax, *_ in panels:
+        ax.set_yscale("log")
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(configs), fontsize=9)
+    axes[0, 0].set_title("output tokens / s (label: share of the workload's roofline)", fontsize=10)
+    fig.suptitle(f"{data['preset']} ({data['dtype']}) on {data['device']}: every request arrives at once")
+    fig.tight_layout(rect=(0, 0.05, 1, 1))  # room for the legend below
     return fig
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
+    parser.add_argument(
+        "--impls",
+        nargs="+",
+        choices=["minivllm", "minivllm-eager", "transformers-generate-batch"],
+        default=["minivllm"],
+    )
     parser.add_argument("--preset", default="qwen3-0.6b")
-    parser.add_argument("--impls", nargs="+", default=["minivllm", "minivllm-eager", "transformers-generate-batch"])
     parser.add_argument(
         "--out", type=Path, default=OUT, help="folder for throughput.json and .png (default: ./figures)"
     )
     args = parser.parse_args()
-    data = run_throughput_benchmark(args.num_seqs, args.preset, args.impls)
+    data = run_throughput_benchmark(args.workloads, args.policies, args.impls, args.preset)
     save("throughput", data, plot_throughput(data), args.out)
 
 

@@ -1,0 +1,59 @@
+"""The throughput benchmark's workloads are the ones its docstring names, and a run on the CPU gives every row the
+fields the figures and notebook 06 read (tiny preset, shortened workloads: the real ones are for the GPU)."""
+
+import math
+
+from minivllm.benchmarks.throughput import (
+    POLICIES,
+    Workload,
+    make_workload,
+    plot_throughput,
+    roofline_tok_per_s,
+    run_throughput_benchmark,
+)
+from minivllm.sampling_params import SamplingParams
+
+
+def test_workloads_are_the_documented_ones():
+    chat = make_workload("chat")
+    assert len(chat.prompts) == 512 and chat.shared_prefix == 1500
+    assert all(p[:1500] == chat.prompts[0][:1500] and 50 <= len(p) - 1500 <= 300 for p in chat.prompts)
+    assert all(
+        100 <= n <= 300 and s.temperature == 0.7 and s.top_p == 0.9 for n, s in zip(chat.output_lens, chat.params)
+    )
+    long = make_workload("long")
+    assert len(long.prompts) == 32 and all(10_000 <= len(p) <= 12_000 for p in long.prompts)
+    assert all(50 <= n <= 100 for n in long.output_lens)
+    single = make_workload("single")
+    assert [len(p) for p in single.prompts] == [256] and single.output_lens == [2048]
+    nano = make_workload("nano-vllm")
+    assert len(nano.prompts) == 256 and all(100 <= len(p) <= 1024 for p in nano.prompts)
+    assert all(p.ignore_eos for w in (chat, long, single, nano) for p in w.params)
+
+
+def test_roofline_counts_a_shared_prefix_once_and_grows_with_bandwidth():
+    chat = make_workload("chat")
+    unshared = Workload("chat", chat.prompts, chat.params)  # the same requests, the prefix computed by each
+    compute_bound = dict(preset="qwen3-0.6b", max_num_seqs=256, tflops=1.0, tbps=1e6)
+    assert roofline_tok_per_s(chat, **compute_bound) > 2 * roofline_tok_per_s(unshared, **compute_bound)
+    slow, fast = (roofline_tok_per_s(chat, "qwen3-0.6b", 256, 1e6, tbps) for tbps in (1.0, 2.0))
+    assert math.isclose(fast, 2 * slow)  # memory-bound: twice the bandwidth, twice the bound
+
+
+def test_a_cpu_run_gives_every_row_its_fields():
+    params = [SamplingParams(temperature=0.7, top_p=0.9, ignore_eos=True, max_tokens=n) for n in (3, 5, 4)]
+    prefix = list(range(1, 40))
+    works = [
+        Workload("chat", [prefix + [7] * n for n in (2, 9, 20)], params, shared_prefix=len(prefix)),
+        Workload("single", [[5] * 30], [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=6)]),
+    ]
+    data = run_throughput_benchmark(works, preset="tiny", max_model_len=256, max_num_batched_tokens=32)
+    rows = data["rows"]
+    runs = {(r["workload"], r["policy"], r["enable_prefix_caching"]) for r in rows}
+    assert runs == {(w, p, True) for w in ("chat", "single") for p in POLICIES} | {("chat", p, False) for p in POLICIES}
+    for row in rows:
+        assert row["output_tokens"] == {"chat": 12, "single": 6}[row["workload"]]
+        assert row["ttft_p50_ms"] <= row["ttft_p99_ms"] and row["tpot_p50_ms"] <= row["tpot_p99_ms"]
+        assert row["impl"] == "minivllm" and row["roofline_share"] is None  # no GPU rates on a CPU
+        assert sum(row["steps"].values()) == row["step_breakdown"]["runner.run"]["calls"]
+    plot_throughput(data)
