@@ -17,6 +17,12 @@ def is_one_prompt(prompts) -> TypeGuard[Prompt]:
     return isinstance(prompts, list | tuple) and len(prompts) > 0 and isinstance(scalar(prompts[0]), int | float)
 
 
+def chat_prompt(tokenizer, conversation, model) -> str:
+    if tokenizer is None or tokenizer.chat_template is None:
+        raise ValueError(f"{model} has no chat template: pass prompts to generate instead")
+    return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+
+
 class LLM:
     """vLLM's offline entry point. Keyword arguments are `Config`'s fields, with its defaults (notebook 02):
     tensor_parallel_size, dtype, block_size, max_num_seqs, max_num_batched_tokens, max_model_len,
@@ -73,6 +79,15 @@ class LLM:
                 outputs += finished
                 bar.update(len(finished))
         return outputs
+
+    def chat(
+        self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True
+    ) -> list[RequestOutput]:
+        """`generate` for a conversation ([{"role": ..., "content": ...}, ...]) or a list of them, each turned into
+        a prompt by the checkpoint's chat template, ready for the assistant's reply."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [chat_prompt(self.get_tokenizer(), c, self.engine.config.model) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def abort(self) -> None:
         """Drop every unfinished request and free its KV blocks."""

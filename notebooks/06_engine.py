@@ -46,12 +46,10 @@ random.seed(0)
 # We add the two timings a serving engine is judged by: **time to first token** (TTFT: how long the user waits
 # before anything appears, mostly queueing and prefill) and **time per output token** (TPOT: the decode pace).
 #
-# A step gives back one more thing, a `StepStats`: what kind of step it was (`"prefill"`, `"decode"`, or
-# `"idle"` when nothing was queued), how many sequences and tokens it computed, and how long each of its three
-# phases took: `schedule` (the scheduler picks the batch), `run` (the model runner builds the step's inputs, runs
-# the forward and samples; it waits for the GPU) and `postprocess` (the scheduler appends tokens and frees blocks).
-# The progress bar reads it for its token rates, and the throughput benchmark for where the time goes, so neither
-# has to wrap the engine's functions to time them.
+# A step gives back a `StepStats` too: its kind (`"prefill"`, `"decode"`, `"mixed"`: prompt and decode rows in one
+# forward, or `"idle"`), the sequences and tokens it computed, and its three phases' times: `schedule`, `run` (step
+# inputs, forward, sampler: it waits for the GPU) and `postprocess` (append tokens, free blocks). The progress bar
+# and the throughput benchmark read it, so neither wraps the engine's functions to time them.
 
 # %% tags=["export"] module="minivllm.outputs"
 from dataclasses import dataclass, field
@@ -714,7 +712,12 @@ class LLMEngine:
         self.abort_request(r.request_id for r in requests)
         return [r.request_id for r in requests]
 
-    def output(self, request: Request) -> RequestOutput:
+    def progress(self, request_ids: Collection[str]) -> list[RequestOutput]:
+        """The outputs so far (`finished=False`) of these requests, while they run: what a stream sends."""
+        with self.lock:
+            return [self.output(r, False) for r in self.requests.values() if r.request_id in request_ids]
+
+    def output(self, request: Request, finished: bool = True) -> RequestOutput:
         seq = request.seq
         token_ids = seq.completion_token_ids
         text = ""
@@ -725,7 +728,7 @@ class LLMEngine:
             request.prompt,
             seq.prompt_token_ids,
             [CompletionOutput(0, text, token_ids, seq.finish_reason)],
-            True,
+            finished,
             request.metrics,
         )
 
@@ -779,6 +782,12 @@ def is_one_prompt(prompts) -> TypeGuard[Prompt]:
     if isinstance(prompts, str) or hasattr(prompts, "ndim"):
         return True
     return isinstance(prompts, list | tuple) and len(prompts) > 0 and isinstance(scalar(prompts[0]), int | float)
+
+
+def chat_prompt(tokenizer, conversation, model) -> str:
+    if tokenizer is None or tokenizer.chat_template is None:
+        raise ValueError(f"{model} has no chat template: pass prompts to generate instead")
+    return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
 
 
 class LLM:
@@ -837,6 +846,15 @@ class LLM:
                 outputs += finished
                 bar.update(len(finished))
         return outputs
+
+    def chat(
+        self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True
+    ) -> list[RequestOutput]:
+        """`generate` for a conversation ([{"role": ..., "content": ...}, ...]) or a list of them, each turned into
+        a prompt by the checkpoint's chat template, ready for the assistant's reply."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [chat_prompt(self.get_tokenizer(), c, self.engine.config.model) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def abort(self) -> None:
         """Drop every unfinished request and free its KV blocks."""
@@ -1003,6 +1021,36 @@ for thread in threads:
 assert all([out.outputs[0].token_ids for out in results[i]] == alone for i in range(2))
 assert not cpu_llm.engine.has_unfinished_requests() and not cpu_llm.engine.requests
 print("two threads, one engine: each got the outputs it gets alone")
+
+# %% [markdown]
+# ### Serving it: OpenAI's API, token by token
+# A server cannot wait for a batch: requests arrive while others run, and each client wants its reply as it is
+# written. `AsyncLLM` steps the same `LLMEngine` on its own thread and hands each request its output after every
+# step; `python -m minivllm.serve` puts OpenAI's HTTP API in front. OpenAI's client, streaming from it here:
+
+# %%
+import socket
+
+import uvicorn
+from openai import OpenAI
+
+from minivllm.async_llm import AsyncLLM
+from minivllm.serve import Server
+
+served = AsyncLLM(str(tiny_path), device="cpu", dtype=torch.float32, num_kvcache_blocks=256, max_model_len=1024)
+sock = socket.create_server(("127.0.0.1", 0))  # a free port
+http = uvicorn.Server(uvicorn.Config(Server(served, "tiny").app, log_level="warning"))
+threading.Thread(target=http.run, kwargs=dict(sockets=[sock]), daemon=True).start()
+while not http.started:
+    time.sleep(0.05)
+client = OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key="none")
+request = dict(model="tiny", prompt="The lighthouse keeper", max_tokens=12, temperature=0)
+pieces = [chunk.choices[0].text for chunk in client.completions.create(stream=True, **request)]
+print(f"{len(pieces)} server-sent events: {pieces}")
+offline = cpu_llm.generate(["The lighthouse keeper"], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+assert "".join(pieces) == offline[0].outputs[0].text
+http.should_exit = True
+served.close()
 
 # %% [markdown]
 # ## KV blocks over a whole run

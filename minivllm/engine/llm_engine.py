@@ -217,7 +217,12 @@ class LLMEngine:
         self.abort_request(r.request_id for r in requests)
         return [r.request_id for r in requests]
 
-    def output(self, request: Request) -> RequestOutput:
+    def progress(self, request_ids: Collection[str]) -> list[RequestOutput]:
+        """The outputs so far (`finished=False`) of these requests, while they run: what a stream sends."""
+        with self.lock:
+            return [self.output(r, False) for r in self.requests.values() if r.request_id in request_ids]
+
+    def output(self, request: Request, finished: bool = True) -> RequestOutput:
         seq = request.seq
         token_ids = seq.completion_token_ids
         text = ""
@@ -228,7 +233,7 @@ class LLMEngine:
             request.prompt,
             seq.prompt_token_ids,
             [CompletionOutput(0, text, token_ids, seq.finish_reason)],
-            True,
+            finished,
             request.metrics,
         )
 

@@ -1,0 +1,227 @@
+"""`python -m minivllm.serve`: an OpenAI-compatible HTTP server over `AsyncLLM`, as `vllm serve` is.
+
+    python -m minivllm.serve --preset tiny --port 8000          # or --model path/to/Qwen3-0.6B
+    curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+        -d '{"model": "tiny", "prompt": "Once upon a time", "max_tokens": 16}'
+
+Endpoints: `/v1/completions` and `/v1/chat/completions` (streaming with `"stream": true`, as server-sent events
+ending in `data: [DONE]`), `/v1/models`, `/health`. A bad request gets status 400 and OpenAI's error shape,
+`{"error": {"message", "type", "param", "code"}}`, with the offending field in `param` and in the message.
+"""
+
+import argparse
+import json
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+
+from minivllm.async_llm import AsyncLLM
+from minivllm.llm import chat_prompt
+from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams
+
+
+class SamplingRequest(BaseModel):
+    """The sampling fields both endpoints share, with OpenAI's names and defaults."""
+
+    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use (user, ...)
+    model: str
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # vLLM's extensions of the API
+    min_p: float = 0.0
+    seed: int | None = None
+    n: int = 1
+    stream: bool = False
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[int]
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatRequest(SamplingRequest):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None  # None: until the reply stops or fills max_model_len
+    max_completion_tokens: int | None = None  # the chat API's newer name for max_tokens
+
+
+class BadRequest(ValueError):
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def error(message: str, param: str | None = None, status: int = 400) -> JSONResponse:
+    body = {"message": message, "type": "invalid_request_error", "param": param, "code": None}
+    return JSONResponse({"error": body}, status_code=status)
+
+
+def sampling_params(request: SamplingRequest, max_tokens: int | None) -> SamplingParams:
+    """The request's SamplingParams; BadRequest naming the field when SamplingParams refuses a value."""
+    if request.n != 1:
+        raise BadRequest(f"n must be 1 (parallel samples are not supported yet), got {request.n}", "n")
+    try:
+        return SamplingParams(
+            temperature=request.temperature,
+            top_p=request.top_p,
+            top_k=request.top_k,
+            min_p=request.min_p,
+            max_tokens=16 if max_tokens is None else max_tokens,
+            ignore_eos=request.ignore_eos,
+            seed=request.seed,
+            stop_token_ids=request.stop_token_ids,
+        )
+    except ValueError as e:  # SamplingParams names the field first: "temperature must be >= 0, got -1"
+        raise BadRequest(str(e), str(e).split()[0]) from e
+
+
+class Server:
+    """The routes over one AsyncLLM, serving under the name `model_name`."""
+
+    def __init__(self, llm: AsyncLLM, model_name: str):
+        self.llm, self.model_name = llm, model_name
+        self.app = FastAPI(title="minivllm")
+        self.app.add_exception_handler(RequestValidationError, self.invalid)  # type: ignore[arg-type]
+        self.app.add_exception_handler(BadRequest, self.bad_request)  # type: ignore[arg-type]
+        self.app.get("/health")(self.health)
+        self.app.get("/v1/models")(self.models)
+        self.app.post("/v1/completions")(self.completions)
+        self.app.post("/v1/chat/completions")(self.chat_completions)
+
+    async def invalid(self, request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]  # its loc: ("body", field, ...); a union type adds the variant tried, e.g. "str"
+        param = str(first["loc"][1]) if len(first["loc"]) > 1 else str(first["loc"][0])
+        return error(f"{param}: {first['msg']}", param)
+
+    async def bad_request(self, request: Request, exc: BadRequest) -> JSONResponse:
+        return error(str(exc), exc.param)
+
+    async def health(self) -> dict:
+        return {}
+
+    async def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "minivllm"}]}
+
+    def check_model(self, request: SamplingRequest) -> None:
+        if request.model != self.model_name:
+            raise BadRequest(
+                f"model {request.model!r} is not served here; this server serves {self.model_name!r}", "model"
+            )
+
+    async def completions(self, request: CompletionRequest):
+        self.check_model(request)
+        params = sampling_params(request, request.max_tokens)
+        return await self.respond(request.prompt, params, request.stream, "cmpl", completion_choice)
+
+    async def chat_completions(self, request: ChatRequest):
+        self.check_model(request)
+        max_tokens = request.max_completion_tokens or request.max_tokens or self.llm.engine.config.max_model_len
+        params = sampling_params(request, max_tokens)
+        conversation = [message.model_dump() for message in request.messages]
+        try:
+            prompt = chat_prompt(self.llm.engine.tokenizer, conversation, self.model_name)
+        except ValueError as e:
+            raise BadRequest(str(e), "messages") from e
+        return await self.respond(prompt, params, request.stream, "chatcmpl", chat_choice)
+
+    async def respond(self, prompt, params: SamplingParams, stream: bool, kind: str, choice):
+        """Run the request; the whole reply, or a stream of server-sent events. Bad input: 400 before any event."""
+        request_id = f"{kind}-{uuid.uuid4().hex}"
+        outputs = self.llm.generate(prompt, params, request_id)
+        try:
+            first = await anext(outputs)  # add_request's checks run here: a ValueError is still a 400
+        except ValueError as e:  # the engine's checks of the prompt: "prompt is empty", "token id ... is outside"
+            param = "prompt" if kind == "cmpl" else "messages"
+            raise BadRequest(str(e) if str(e).startswith(param) else f"{param}: {e}", param) from e
+        head = {"id": request_id, "created": int(time.time()), "model": self.model_name}
+        if not stream:
+            last = first
+            try:
+                async for out in outputs:
+                    last = out
+            finally:  # cancelled (the client left): abort the request now, not when the generator is collected
+                await outputs.aclose()
+            object_name = "text_completion" if kind == "cmpl" else "chat.completion"
+            return {**head, "object": object_name, "choices": [choice(last, None)], "usage": usage(last)}
+        return StreamingResponse(self.events(head, kind, first, outputs, choice), media_type="text/event-stream")
+
+    async def events(
+        self, head: dict, kind: str, first: RequestOutput, outputs: AsyncGenerator[RequestOutput, None], choice
+    ) -> AsyncIterator[str]:
+        """One event per output, with the text added since the last one; then `data: [DONE]`. If the client goes
+        away, Starlette stops iterating: closing `outputs` aborts the request and frees its blocks."""
+        object_name = "text_completion" if kind == "cmpl" else "chat.completion.chunk"
+        sent = ""
+        try:
+            out: RequestOutput | None = first
+            while out is not None:
+                text = out.outputs[0].text
+                delta = text[len(sent) :] if text.startswith(sent) else text  # a decode that changed its mind
+                sent = text
+                yield f"data: {json.dumps({**head, 'object': object_name, 'choices': [choice(out, delta)]})}\n\n"
+                out = await anext(outputs, None)
+            yield "data: [DONE]\n\n"
+        finally:
+            await outputs.aclose()
+
+
+def finish_reason(out: RequestOutput) -> str | None:
+    return out.outputs[0].finish_reason if out.finished else None
+
+
+def completion_choice(out: RequestOutput, delta: str | None) -> dict:
+    text = out.outputs[0].text if delta is None else delta
+    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(out)}
+
+
+def chat_choice(out: RequestOutput, delta: str | None) -> dict:
+    if delta is None:
+        message = {"role": "assistant", "content": out.outputs[0].text}
+        return {"index": 0, "message": message, "finish_reason": finish_reason(out)}
+    return {"index": 0, "delta": {"role": "assistant", "content": delta}, "finish_reason": finish_reason(out)}
+
+
+def usage(out: RequestOutput) -> dict:
+    prompt, completion = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    from minivllm.__main__ import checkpoint_for  # the preset's checkpoint, written once and cached
+
+    parser = argparse.ArgumentParser(prog="python -m minivllm.serve", description=__doc__)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="a HuggingFace checkpoint folder")
+    source.add_argument("--preset", help="a random-weight preset, e.g. tiny or qwen3-0.6b")
+    parser.add_argument("--served-model-name", help="the name clients ask for (default: --preset, or --model)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    args = parser.parse_args(argv)
+    model = args.model or str(checkpoint_for(args.preset))
+    llm = AsyncLLM(model, max_model_len=args.max_model_len)
+    server = Server(llm, args.served_model_name or args.preset or args.model)
+    try:
+        uvicorn.run(server.app, host=args.host, port=args.port)
+    finally:
+        llm.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""The OpenAI-compatible server (`python -m minivllm.serve`), driven by the real `openai` client on 127.0.0.1: the
+same replies as offline `generate`, streamed or not, for one client or 64 at once; a client that leaves frees its
+request's KV blocks; bad requests get a 400 naming the field. CPU, tiny preset, float32, greedy."""
+
+import asyncio
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+uvicorn = pytest.importorskip("uvicorn")
+
+from minivllm import LLM, SamplingParams  # noqa: E402
+from minivllm.async_llm import AsyncLLM  # noqa: E402
+from minivllm.serve import Server  # noqa: E402
+
+CONFIG = dict(dtype=torch.float32, device="cpu", num_kvcache_blocks=256, max_model_len=512, max_num_seqs=32)
+PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
+
+
+@pytest.fixture(scope="module")
+def offline(tiny):
+    with LLM(str(tiny), **CONFIG) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    """The server on a free port of 127.0.0.1, started and stopped here; yields (base_url, its AsyncLLM)."""
+    llm = AsyncLLM(str(tiny), **CONFIG)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    http = uvicorn.Server(uvicorn.Config(Server(llm, "tiny").app, log_level="warning"))
+    thread = threading.Thread(target=http.run, kwargs=dict(sockets=[sock]), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not http.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert http.started, "the server did not start"
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}", llm
+    http.should_exit = True
+    thread.join(timeout=30)
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key="none", max_retries=0)
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def test_health_and_models(server, client):
+    assert httpx.get(f"{server[0]}/health").status_code == 200
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_equal_offline_generate(client, offline, stream):
+    expected = offline.generate(PROMPTS, greedy(12), use_tqdm=False)
+    for prompt, out in zip(PROMPTS, expected):
+        kw = dict(model="tiny", prompt=prompt, max_tokens=12, temperature=0, extra_body=dict(ignore_eos=True))
+        if stream:
+            chunks = list(client.completions.create(stream=True, **kw))
+            text = "".join(c.choices[0].text for c in chunks)
+            assert chunks[-1].choices[0].finish_reason == "length" and len(chunks) > 2  # token by token
+        else:
+            reply = client.completions.create(**kw)
+            text = reply.choices[0].text
+            assert reply.usage.completion_tokens == 12 and reply.usage.prompt_tokens == len(out.prompt_token_ids)
+        assert text == out.outputs[0].text
+
+
+def test_a_prompt_of_token_ids_gives_the_same_tokens(client, offline):
+    ids = [5, 77, 300, 9, 1000]
+    reply = client.completions.create(
+        model="tiny", prompt=ids, max_tokens=8, temperature=0, extra_body=dict(ignore_eos=True)
+    )
+    assert reply.choices[0].text == offline.generate([ids], greedy(8), use_tqdm=False)[0].outputs[0].text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_completions_equal_offline_chat(client, offline, stream):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    expected = offline.chat(messages, greedy(10), use_tqdm=False)[0].outputs[0].text
+    kw = dict(model="tiny", messages=messages, max_tokens=10, temperature=0, extra_body=dict(ignore_eos=True))
+    if stream:
+        text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw))
+    else:
+        reply = client.chat.completions.create(**kw)
+        assert reply.choices[0].message.role == "assistant" and reply.choices[0].finish_reason == "length"
+        text = reply.choices[0].message.content
+    assert text == expected
+
+
+def test_64_concurrent_streams_all_complete_correctly(server, offline):
+    prompts = [f"Request number {i} says" for i in range(64)]
+    expected = [out.outputs[0].text for out in offline.generate(prompts, greedy(6), use_tqdm=False)]
+
+    async def one(client, prompt: str) -> str:
+        kw = dict(model="tiny", prompt=prompt, max_tokens=6, temperature=0, extra_body=dict(ignore_eos=True))
+        return "".join([c.choices[0].text async for c in await client.completions.create(stream=True, **kw)])
+
+    async def all_at_once() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=f"{server[0]}/v1", api_key="none", max_retries=0) as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    assert asyncio.run(all_at_once()) == expected
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_request(server):
+    url, llm = server
+    body = dict(model="tiny", prompt="A long story:", max_tokens=400, temperature=0, ignore_eos=True, stream=True)
+    aborted = llm.num_aborted
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+        events = response.iter_lines()
+        assert next(line for line in events if line.startswith("data:"))  # it has started
+    deadline = time.monotonic() + 30  # the server notices at its next write
+    bm = llm.engine.scheduler.block_manager
+    while llm.engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert llm.num_aborted == aborted + 1  # aborted, not run to its 400th token
+    assert not llm.engine.has_unfinished_requests()
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (dict(temperature=-1), "temperature"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(model="gpt-4"), "model"),
+        (dict(prompt=""), "prompt"),
+        (dict(prompt=[10**9]), "prompt"),
+        (dict(prompt=None), "prompt"),
+        (dict(n=4), "n"),
+    ],
+)
+def test_a_bad_request_gets_a_400_naming_the_field(server, change, field):
+    body = {**dict(model="tiny", prompt="Hello", max_tokens=4), **change}
+    response = httpx.post(f"{server[0]}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and field in error["message"] and error["type"] == "invalid_request_error"
