@@ -53,6 +53,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minivllm.kernels.small_layers import silu_and_mul  # Triton kernels, written after RoPE in notebook 01
+
 
 def silu(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(x)
@@ -65,7 +67,11 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 class SiluAndMul(nn.Module):
     """silu(gate) * up, where the input holds [gate | up] along its last dimension."""
 
+    use_triton = False  # True: one Triton kernel instead; notebook 04's runner sets it on a GPU
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (num_tokens, 2 * intermediate_size)
+        if self.use_triton:
+            return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up  # (num_tokens, intermediate_size)
 
@@ -96,8 +102,12 @@ torch.testing.assert_close(SiluAndMul()(torch.cat([gate, up], -1)), torch.nn.fun
 import torch
 from torch import nn
 
+from minivllm.kernels.small_layers import rms_norm
+
 
 class RMSNorm(nn.Module):
+    use_triton = False  # True: one Triton kernel for the add and the norm; notebook 04's runner sets it on a GPU
+
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
@@ -116,6 +126,8 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.use_triton:
+            return rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return self.rms_forward(x)
         return self.add_rms_forward(x, residual)
@@ -220,9 +232,8 @@ print(f"saved {FIGURES / '01_compile_vs_eager.png'}")
 # %% [markdown]
 # Read the figure: on a single token the compiled call is no faster (there is almost no data to save
 # traffic on, and the guard check is pure overhead); on 8,192 tokens fusion saves whole passes over memory.
-# This is why engines compile the layers once and then capture whole decode steps in CUDA graphs
-# (notebook 04): the per-call overhead, not the arithmetic, dominates small batches. (Timings move from run to
-# run and machine to machine, so this cell prints them rather than asserting them.)
+# Fusion pays, but on small batches the per-call overhead, not the arithmetic, sets the time: after RoPE we fuse by
+# hand instead. (Timings move from run to run and machine to machine, so this cell prints them, not asserts them.)
 
 # %% [markdown]
 # ## Tensor-parallel linear layers
@@ -399,11 +410,7 @@ from minivllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 
 hidden, head_dim, num_heads, num_kv_heads = 64, 16, 4, 2
 x = torch.randn(3, hidden)
-wq, wk, wv = (
-    torch.randn(num_heads * head_dim, hidden),
-    torch.randn(num_kv_heads * head_dim, hidden),
-    torch.randn(num_kv_heads * head_dim, hidden),
-)
+wq, wk, wv = (torch.randn(heads * head_dim, hidden) for heads in (num_heads, num_kv_heads, num_kv_heads))
 qkv = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads)
 for shard_id, w in zip("qkv", (wq, wk, wv)):
     qkv.weight.weight_loader(qkv.weight, w, shard_id)
@@ -514,6 +521,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from minivllm.kernels.small_layers import apply_rope
+
 
 def rope_parameters(config: Any) -> dict:
     """RoPE settings from a transformers config of any version: {'rope_type', 'rope_theta', ...scaling keys}."""
@@ -540,6 +549,7 @@ def llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     cos: torch.Tensor  # buffers, registered below: (max_position, head_dim / 2)
     sin: torch.Tensor
+    use_triton = False  # True: one Triton kernel for q and k; notebook 04's runner sets it on a GPU
 
     def __init__(self, head_dim: int, max_position: int, params: dict):
         super().__init__()
@@ -557,6 +567,8 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:  # positions: (num_tokens,); q, k: (num_tokens, num_heads, head_dim)
+        if self.use_triton:
+            return apply_rope(positions, q, k, self.cos, self.sin)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # (num_tokens, 1, head_dim / 2)
         return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
 
@@ -576,24 +588,11 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply
 
 from minivllm.layers.rotary_embedding import get_rope
 
-llama32_rope = {
-    "rope_type": "llama3",
-    "rope_theta": 500000.0,
-    "factor": 32.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": 8192,
-}
-configs = {
-    "qwen3": (
-        Qwen3Config(head_dim=64, num_attention_heads=4, max_position_embeddings=4096, rope_theta=1e6),
-        Qwen3RotaryEmbedding,
-    ),
-    "llama3.2": (
-        LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=4096, rope_parameters=llama32_rope),
-        LlamaRotaryEmbedding,
-    ),
-}
+rope32 = dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+              original_max_position_embeddings=8192)  # Llama-3.2's: 8k trained, 128k scaled  # fmt: skip
+qwen3_cfg = Qwen3Config(head_dim=64, num_attention_heads=4, max_position_embeddings=4096, rope_theta=1e6)
+llama_cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=131072, rope_parameters=rope32)
+configs = {"qwen3": (qwen3_cfg, Qwen3RotaryEmbedding), "llama3.2": (llama_cfg, LlamaRotaryEmbedding)}
 positions = torch.tensor([0, 1, 7, 100, 4095])
 for name, (config, hf_rope) in configs.items():
     q, k = torch.randn(5, 4, 64), torch.randn(5, 4, 64)
@@ -603,6 +602,148 @@ for name, (config, hf_rope) in configs.items():
     torch.testing.assert_close(q_ours, q_ref[0].transpose(0, 1))
     torch.testing.assert_close(k_ours, k_ref[0].transpose(0, 1))
     print(f"{name}: RoPE matches transformers ({get_rope(config, 64).cos.shape[0]} cached positions)")
+
+# %% [markdown]
+# ## The small layers as Triton kernels (write the first in `exercises/01_triton_rmsnorm.ipynb`)
+# A Qwen3-0.6B forward makes 169 calls to these small layers (4 norms, a RoPE and an activation in each of 28 layers,
+# and a final norm). A compiled call checks guards and runs a wrapper on the *host* first, tens of µs or more on a
+# GPU machine whatever the size (the cell below measures it), while the GPU waits. CUDA graphs hide that only in
+# decode steps (notebook 04); eager, minivllm ran at 2,935 output tokens/s against 15,676 with graphs
+# (`figures/throughput_vs_transformers.json`). A Triton kernel fuses by hand for the cost of a launch, so each layer
+# calls its kernel when its `use_triton` is set (notebook 04's runner sets it on a GPU). Each returns new tensors.
+#
+# The fused residual add + RMSNorm, in full: a program takes `ROWS` rows of `BLOCK ≥ hidden` columns (a token of
+# 1,024, or eight 128-wide heads for the q/k norms, whose rows are a `(tokens, heads)` grid of strided views of the
+# QKV projection), adds and stores the residual, sums squares in float32, and rounds where `RMSNorm` rounds.
+# SiLU-and-mul has no reduction (a program per 1,024 columns of a token); RoPE runs a program per token, which loads
+# its position's `cos` and `sin` once and rotates every head of q and k as `(heads, head_dim / 2)` tiles.
+
+# %% tags=["export"] module="minivllm.kernels.small_layers"
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["num_rows"])  # changes every step: one compiled kernel for all values
+def _rms_norm_kernel(
+    X, R, W, OUT, R_OUT, num_rows, heads, stride_xt, stride_xh, stride_rt, stride_rh, n_cols, eps,
+    HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (ROWS,): row = token * heads + head
+    token, head, cols = rows // heads, rows % heads, tl.arange(0, BLOCK)
+    mask = (rows < num_rows)[:, None] & (cols < n_cols)[None, :]  # (ROWS, BLOCK)
+    x = tl.load(X + (token * stride_xt + head * stride_xh)[:, None] + cols[None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    offs = rows[:, None] * n_cols + cols[None, :]  # into the contiguous outputs
+    if HAS_RESIDUAL:  # the new residual stream, rounded to the model's dtype before it is normalised
+        r = tl.load(R + (token * stride_rt + head * stride_rh)[:, None] + cols[None, :], mask=mask, other=0.0)
+        x = (x + r.to(tl.float32)).to(R_OUT.dtype.element_ty)
+        tl.store(R_OUT + offs, x, mask=mask)
+        x = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)  # (ROWS,); masked lanes add zeros
+    w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    normed = (x * inv_rms[:, None]).to(X.dtype.element_ty).to(tl.float32)  # RMSNorm rounds before the weight
+    tl.store(OUT + offs, (normed * w[None, :]).to(OUT.dtype.element_ty), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm(x) or RMSNorm(x, residual), one launch; x: (num_tokens, hidden) or (num_tokens, num_heads, head_dim)."""
+    x3 = x if x.dim() == 3 else x[:, None]  # (num_tokens, heads, n_cols): a 2-D input has one "head"
+    r3 = x3 if residual is None else (residual if residual.dim() == 3 else residual[:, None])
+    assert x3.dim() == 3 and x3.stride(2) == r3.stride(2) == 1 and weight.shape == x3.shape[2:], (x.shape, weight.shape)
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    new_residual = out if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    num_rows, n_cols, block = x3.shape[0] * x3.shape[1], x3.shape[2], triton.next_power_of_2(x3.shape[2])
+    rows = max(1, (1024 if x.is_cuda else 4096) // block)  # short rows: a few per program
+    _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
+        x3, r3, weight, out, new_residual, num_rows, x3.shape[1], *x3.stride()[:2], *r3.stride()[:2], n_cols, eps,
+        HAS_RESIDUAL=residual is not None, ROWS=rows, BLOCK=block, num_warps=min(16, max(4, block // 256)),
+    )  # fmt: skip
+    return out if residual is None else (out, new_residual)
+
+
+@triton.jit
+def _silu_and_mul_kernel(X, OUT, stride_x, n_cols, BLOCK: tl.constexpr):
+    row, cols = tl.program_id(0), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(X + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(OUT.dtype.element_ty).to(tl.float32)  # F.silu rounds to the dtype
+    tl.store(OUT + row * n_cols + cols, (silu * up).to(OUT.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # x: (num_tokens, 2 * n), [gate | up]
+    """SiluAndMul(x) in one launch: a program per token and block of columns."""
+    assert x.dim() == 2 and x.stride(1) == 1, (x.shape, x.stride())
+    n_cols = x.shape[1] // 2
+    out = torch.empty(x.shape[0], n_cols, dtype=x.dtype, device=x.device)  # (num_tokens, n)
+    block = min(1024, triton.next_power_of_2(n_cols))
+    _silu_and_mul_kernel[(x.shape[0], triton.cdiv(n_cols, block))](x, out, x.stride(0), n_cols, BLOCK=block)
+    return out
+
+
+@triton.jit
+def _rotate_heads(
+    X, OUT, stride_h, num_heads, cos, sin, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr
+):
+    heads, d = tl.arange(0, BLOCK_H)[:, None], tl.arange(0, BLOCK_D)[None, :]  # one token's heads: (BLOCK_H, BLOCK_D)
+    mask = (heads < num_heads) & (d < HALF)
+    x1 = tl.load(X + heads * stride_h + d, mask=mask, other=0.0).to(tl.float32)  # first halves
+    x2 = tl.load(X + heads * stride_h + HALF + d, mask=mask, other=0.0).to(tl.float32)  # second halves
+    tl.store(OUT + heads * 2 * HALF + d, (x1 * cos - x2 * sin).to(OUT.dtype.element_ty), mask=mask)
+    tl.store(OUT + heads * 2 * HALF + HALF + d, (x2 * cos + x1 * sin).to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_kernel(
+    POS, Q, K, COS, SIN, Q_OUT, K_OUT, stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, num_q_heads,
+    num_k_heads, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0)
+    pos, d = tl.load(POS + token), tl.arange(0, BLOCK_D)[None, :]
+    cos = tl.load(COS + pos * stride_cos + d, mask=d < HALF, other=0.0).to(tl.float32)  # (1, BLOCK_D)
+    sin = tl.load(SIN + pos * stride_cos + d, mask=d < HALF, other=0.0).to(tl.float32)
+    q_out, k_out = Q_OUT + token * num_q_heads * 2 * HALF, K_OUT + token * num_k_heads * 2 * HALF
+    _rotate_heads(Q + token * stride_qt, q_out, stride_qh, num_q_heads, cos, sin, HALF, BLOCK_H, BLOCK_D)
+    _rotate_heads(K + token * stride_kt, k_out, stride_kh, num_k_heads, cos, sin, HALF, BLOCK_H, BLOCK_D)
+
+
+def apply_rope(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:  # q: (num_tokens, num_heads, head_dim), k: (num_tokens, num_kv_heads, head_dim)
+    """RotaryEmbedding(positions, q, k) in one launch; cos, sin: (max_position, head_dim / 2); q, k may be strided."""
+    half = q.shape[2] // 2
+    assert q.stride(2) == k.stride(2) == 1 and cos.shape[1] == half == k.shape[2] // 2 and cos.stride() == sin.stride()
+    q_out, k_out = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k))
+    _rope_kernel[(q.shape[0],)](
+        positions, q, k, cos, sin, q_out, k_out, *q.stride()[:2], *k.stride()[:2], cos.stride(0), q.shape[1],
+        k.shape[1], HALF=half, BLOCK_H=triton.next_power_of_2(max(q.shape[1], k.shape[1])),
+        BLOCK_D=triton.next_power_of_2(half),
+    )  # fmt: skip
+    return q_out, k_out
+
+
+# %%
+from minivllm.kernels.small_layers import apply_rope, rms_norm, silu_and_mul
+
+norm96, rope96, pos96 = RMSNorm(96).to(DEVICE), get_rope(qwen3_cfg, 96).to(DEVICE), torch.randperm(4096)[:37]
+norm96.weight.data.normal_()  # then 37 tokens, rows of 96 (not a power of two), q/k norm and RoPE on strided views
+x, residual, qkv = (torch.randn(37, n, device=DEVICE) for n in (96, 96, 8 * 96))
+q96, k96, pos96 = qkv[:, :384].view(37, 4, 96), qkv[:, 384:576].view(37, 2, 96), pos96.to(DEVICE)
+for ours, theirs in [
+    (rms_norm(x, norm96.weight, norm96.eps, residual), norm96(x, residual)),
+    (rms_norm(q96, norm96.weight, norm96.eps), norm96(q96)),
+    (silu_and_mul(qkv[:, :192]), SiluAndMul()(qkv[:, :192])),
+    (apply_rope(pos96, q96, k96, rope96.cos, rope96.sin), rope96(pos96, q96, k96)),
+]:
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+if DEVICE == "cuda":  # one call on one token of 1,024 takes the host's time: eager, compiled, Triton
+    x, residual, triton_norm = *ops["RMSNorm + residual"][1](1), lambda x, r: rms_norm(x, norm.weight, norm.eps, r)
+    for name, fn in (("eager", norm), ("torch.compile", torch.compile(norm, dynamic=True)), ("triton", triton_norm)):
+        print(f"RMSNorm + residual, 1 token, {name}: {bench_ms(fn, x, residual) * 1e3:.0f} µs per call")
+print("rms_norm, silu_and_mul and apply_rope give the layers' results")
 
 # %% [markdown]
 # ## Attention, the plain way
@@ -659,13 +800,9 @@ from minivllm.kernels.reference import attention_ref
 
 q, k, v = torch.randn(37, 8, 32), torch.randn(37, 2, 32), torch.randn(37, 2, 32)
 cu = torch.tensor([0, 37], dtype=torch.int32)
+q_h, k_h, v_h = q.transpose(0, 1), k.repeat_interleave(4, 1).transpose(0, 1), v.repeat_interleave(4, 1).transpose(0, 1)
 for causal in (False, True):
-    sdpa = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1),
-        k.repeat_interleave(4, 1).transpose(0, 1),
-        v.repeat_interleave(4, 1).transpose(0, 1),
-        is_causal=causal,
-    ).transpose(0, 1)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q_h, k_h, v_h, is_causal=causal).transpose(0, 1)
     torch.testing.assert_close(attention_ref(q, k, v, cu, cu, causal=causal), sdpa, rtol=1e-5, atol=1e-5)
 
 # %% [markdown]
@@ -683,14 +820,8 @@ original_softmax = torch.softmax
 torch.softmax = lambda x, dim: (seen.append(x.shape), original_softmax(x, dim=dim))[1]  # record the scores' shape
 try:
     n = 512
-    attention_ref(
-        torch.randn(n, 16, 128),
-        torch.randn(n, 8, 128),
-        torch.randn(n, 8, 128),
-        torch.tensor([0, n]),
-        torch.tensor([0, n]),
-        causal=True,
-    )
+    q_n, k_n, v_n = torch.randn(n, 16, 128), torch.randn(n, 8, 128), torch.randn(n, 8, 128)
+    attention_ref(q_n, k_n, v_n, torch.tensor([0, n]), torch.tensor([0, n]), causal=True)
 finally:
     torch.softmax = original_softmax
 assert seen == [(16, n, n)], seen
@@ -706,11 +837,11 @@ flash_bytes = num_heads * lengths * (head_dim * 4 + 2 * 4)  # fp32 accumulator +
 fig, ax = plt.subplots(figsize=(6, 3.8))
 ax.loglog(lengths, naive_bytes / 2**30, "o-", label="naive: scores (heads × N × N)")
 ax.loglog(lengths, flash_bytes / 2**30, "s-", label="FlashAttention: acc, m, l (heads × N × d)")
-ax.axhline(141, color="grey", ls=":", label="H200 memory (141 GB)")
+ax.axhline(141e9 / 2**30, color="grey", ls=":", label="H200 memory (141 GB = 131 GiB)")
 ax.set_xlabel("sequence length N")
 ax.set_ylabel("GiB per layer")
 ax.set_title("Attention working memory, Qwen3-0.6B heads (16 × 128)")
-ax.legend(fontsize=8)
+ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(0, 0.93))  # under the H200 line
 fig.tight_layout()
 fig.savefig(FIGURES / "01_attention_memory.png", dpi=120)
 print(f"at N=32k: naive {naive_bytes[-1] / 2**30:.0f} GiB vs flash {flash_bytes[-1] / 2**30:.2f} GiB per layer")
@@ -864,21 +995,9 @@ def load_tile(ptrs, mask, UPCAST: tl.constexpr):
 
 @triton.jit
 def attend_block(
-    acc,
-    m_i,
-    l_i,
-    q,
-    k,
-    v,
-    offs_key,
-    offs_m,
-    k_len,
-    shift,
-    qk_scale,
-    MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+    acc, m_i, l_i, q, k, v, offs_key, offs_m, k_len, shift, qk_scale,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
     """One step of online softmax: fold keys `offs_key` (k: (D, BLOCK_N), v: (BLOCK_N, D)) into a query tile."""
     s = tl.dot(q, k, input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
     if MASKED:
@@ -909,30 +1028,11 @@ def causal_bounds(start_m, k_len, shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.cons
 
 @triton.jit(do_not_specialize=["num_m_blocks"])  # changes every step: one compiled kernel for all values
 def _prefill_kernel(
-    Q,
-    K,
-    V,
-    O,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    qk_scale,
-    num_m_blocks,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_ot,
-    stride_oh,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+    Q, K, V, O, cu_seqlens_q, cu_seqlens_k, qk_scale, num_m_blocks,  # tensors, scalars
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,  # strides
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
     start_m = num_m_blocks - 1 - tl.program_id(0)  # longest causal tiles first
     head, seq = tl.program_id(1), tl.program_id(2)
     q_start = tl.load(cu_seqlens_q + seq)
@@ -946,11 +1046,8 @@ def _prefill_kernel(
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    q = load_tile(
-        Q + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-        (offs_m < q_len)[:, None],
-        UPCAST,
-    )  # (BLOCK_M, D)
+    q_ptrs = Q + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :]  # (BLOCK_M, D)
+    q = load_tile(q_ptrs, (offs_m < q_len)[:, None], UPCAST)
     k_ptrs = K + (k_start + offs_n)[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None]  # (D, BLOCK_N)
     v_ptrs = V + (k_start + offs_n)[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :]  # (BLOCK_N, D)
 
@@ -974,11 +1071,8 @@ def _prefill_kernel(
         )
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # a query that sees no key outputs zeros
-    tl.store(
-        O + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-        out.to(O.dtype.element_ty),
-        mask=(offs_m < q_len)[:, None],
-    )
+    o_ptrs = O + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :]  # (BLOCK_M, D)
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m < q_len)[:, None])
 
 
 def check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k) -> None:
@@ -1045,29 +1139,12 @@ def flash_attn_varlen_contiguous(
     num_m_blocks = triton.cdiv(max_seqlen_q, config["BLOCK_M"])
     grid = (num_m_blocks, q.shape[1], cu_seqlens_q.numel() - 1)
     _prefill_kernel[grid](
-        q,
-        k,
-        v,
-        out,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        scale * math.log2(math.e),
-        num_m_blocks,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        out.stride(0),
-        out.stride(1),
-        GROUP=q.shape[1] // k.shape[1],
-        HEAD_DIM=head_dim,
-        CAUSAL=causal,
+        q, k, v, out, cu_seqlens_q, cu_seqlens_k, scale * math.log2(math.e), num_m_blocks,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        GROUP=q.shape[1] // k.shape[1], HEAD_DIM=head_dim, CAUSAL=causal,
         UPCAST=q.device.type == "cpu" and q.dtype != torch.float32,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        **config,
-    )
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **config,
+    )  # fmt: skip
     return out
 
 
@@ -1082,11 +1159,9 @@ from minivllm.kernels.flash_attn import flash_attn_varlen_contiguous
 
 
 def random_varlen(q_lens, k_lens, num_heads, num_kv_heads, head_dim, dtype=torch.float32, device=DEVICE):
-    cu_q = torch.tensor([0, *np.cumsum(q_lens)], dtype=torch.int32, device=device)
-    cu_k = torch.tensor([0, *np.cumsum(k_lens)], dtype=torch.int32, device=device)
+    cu_q, cu_k = (torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32, device=device) for lens in (q_lens, k_lens))
     q = torch.randn(sum(q_lens), num_heads, head_dim, dtype=dtype, device=device)
-    k = torch.randn(sum(k_lens), num_kv_heads, head_dim, dtype=dtype, device=device)
-    v = torch.randn(sum(k_lens), num_kv_heads, head_dim, dtype=dtype, device=device)
+    k, v = torch.randn(2, sum(k_lens), num_kv_heads, head_dim, dtype=dtype, device=device)
     return q, k, v, cu_q, cu_k
 
 

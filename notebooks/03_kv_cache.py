@@ -669,15 +669,15 @@ for name, make in schemes.items():
     print(head(name, *(f"{s:.1%}" for s in share.values()), f"{occupancy:.1%}", round(runs[name]["batch"]), len(rows)))
 
 # %%
-fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
+fig, axes = plt.subplots(1, 2, figsize=(10.8, 4.2), width_ratios=[1.1, 1])
 names, left = list(runs), np.zeros(len(runs))
 for kind, color in KINDS.items():  # one stacked bar per scheme: where the KV memory is while requests wait
     widths = np.array([runs[n]["share"][kind] for n in names])
     axes[0].barh(names, widths, left=left, color=color, label=kind)
     left += widths
 axes[0].invert_yaxis()
-axes[0].legend(fontsize=7, ncols=5, loc="lower center", bbox_to_anchor=(0.5, 1.0))
-axes[0].set(xlim=(0, 1), xlabel="share of the KV memory, averaged over the steps in which a request waits")
+axes[0].legend(fontsize=8, ncols=5, loc="lower center", bbox_to_anchor=(0.5, 1.0), columnspacing=1, handlelength=1.5)
+axes[0].set(xlim=(0, 1), xlabel="share of KV memory, over the steps in which a request waits")
 for n, color in zip(names, ["tab:red", "tab:orange", "tab:olive", "tab:green", "tab:blue"]):
     axes[1].plot([r["running"] for r in runs[n]["rows"]], color=color, lw=1, label=n)
 axes[1].set(xlabel="step", ylabel="requests running", title="Batch size (workload done at the line's end)")

@@ -42,7 +42,10 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
+from transformers.utils.logging import disable_progress_bar
 
+disable_progress_bar()  # transformers' saving and loading draw no progress bars in the outputs
+plt.rcParams["axes.titlesize"] = "medium"  # 10-pt panel titles: three panels side by side fit in 1,100 px
 FIGURES = Path(os.environ.get("MINIVLLM_FIGURES", "../build/figures")).resolve()
 FIGURES.mkdir(parents=True, exist_ok=True)
 CHECKPOINTS = Path(os.environ.get("MINIVLLM_CHECKPOINTS", "../build/checkpoints")).resolve()
@@ -637,14 +640,13 @@ print(
 )
 
 # %%
-fig, axes = plt.subplots(3, 1, figsize=(14, 8.5), sharex=True)
-duration = np.array([r["duration"] for r in steps])
-num_tokens = np.array([r["num_tokens"] for r in steps])
+fig, axes = plt.subplots(3, 1, figsize=(10.8, 7.8), sharex=True)
+duration, num_tokens = (np.array([r[key] for r in steps]) for key in ("duration", "num_tokens"))
 for kind, color, label in ((True, "tab:blue", "prefill step"), (False, "tab:orange", "decode step")):
     m = is_prefill == kind
     axes[0].bar(t[m], num_tokens[m], width=-duration[m], align="edge", color=color, label=label)
-axes[0].set(yscale="log", ylabel="tokens computed (log)", title="One bar per step, as wide as the step takes")
-axes[0].legend(loc="upper right")
+axes[0].set(yscale="log", ylim=(0.7, 4e3), ylabel="tokens computed", title="One bar per step, as wide as it takes")
+axes[0].legend(loc="upper right", ncols=2)  # above the bars
 axes[1].step(t, [r["running"] for r in steps], where="pre", color="tab:green", label="running")
 axes[1].step(t, [r["waiting"] for r in steps], where="pre", color="tab:red", label="waiting")
 axes[1].set(ylabel="requests")
@@ -655,8 +657,8 @@ axes[2].fill_between(
 axes[2].axhline(128, color="k", ls=":", lw=1)
 preempted = np.diff(np.concatenate([[0], [r["preemptions"] for r in steps]])) > 0
 axes[2].plot(t[preempted], np.full(preempted.sum(), 132), "rv", ms=5, label="a preemption")
-axes[2].set(ylabel="blocks (of 128)", xlabel="time (s, modelled)")
-axes[2].legend(loc="lower right")
+axes[2].set(ylim=(0, 180), ylabel="blocks (of 128)", xlabel="time (s, modelled)")
+axes[2].legend(loc="upper right", ncols=2)
 for ax in axes:
     for a in np.unique(np.round(burst_arrivals, 1)):
         ax.axvline(a, color="grey", lw=0.8, ls="--")
@@ -732,7 +734,7 @@ def draw_blocks(ax, step: int, cols: int = 16) -> None:
     ax.set_title(f"step {step}: {used} used, {cached} free+cached, {empty} empty", fontsize=9)
 
 
-fig = plt.figure(figsize=(14, 7.5))
+fig = plt.figure(figsize=(10.8, 6.6))
 grid = fig.add_gridspec(2, 3, height_ratios=[1.3, 1])
 ax_map = fig.add_subplot(grid[0, :2])
 ax_map.imshow(np.stack([frame_colors(f) for f in frames], axis=1), aspect="auto", interpolation="nearest")
@@ -741,8 +743,8 @@ ax_map.set_title("Owner of each block over time (colour = request, black = share
 ax_use = fig.add_subplot(grid[0, 2])
 labels, colours = ["used", "free, cached", "free, empty"], ["tab:blue", "0.75", "white"]
 ax_use.stackplot(range(len(usage)), usage.T, labels=labels, colors=colours, edgecolor="0.5", lw=0.3)
-ax_use.set(xlabel="step", ylabel="blocks", title="Blocks in use vs free")
-ax_use.legend(loc="lower right", fontsize=8)
+ax_use.set(xlabel="step", ylabel="blocks", ylim=(0, 125), title="Blocks in use vs free")
+ax_use.legend(loc="upper center", ncols=2, fontsize=8)  # above the 96 blocks
 for k, step in enumerate(np.linspace(0, len(frames) - 1, 5)[1:4].astype(int)):
     draw_blocks(fig.add_subplot(grid[1, k]), step)
 fig.tight_layout()
@@ -760,12 +762,12 @@ import ipywidgets as widgets
 
 
 def show_step(step: int) -> None:
-    fig, ax = plt.subplots(figsize=(6, 3))
-    draw_blocks(ax, step)
+    draw_blocks(plt.subplots(figsize=(6, 3))[1], step)
     plt.show()
 
 
-slider = widgets.interact(show_step, step=widgets.IntSlider(value=len(frames) // 2, min=0, max=len(frames) - 1))
+step_slider = widgets.IntSlider(value=len(frames) // 2, min=0, max=len(frames) - 1, layout=widgets.Layout(width="95%"))
+slider = widgets.interact(show_step, step=step_slider)  # wide: the default 120 px is under a pixel per step
 assert usage[:, 0].max() == 96  # the run filled the cache...
 assert (frames == SHARED).any() and (frames == CACHED).any()  # ...shared blocks, and kept freed ones cached
 assert (usage.sum(axis=1) == 96).all()  # used + free = total, at every step
@@ -823,7 +825,7 @@ mean_hit = {n: hit_rates_one_at_a_time(n).mean() for n in pool_sizes}
 hit_rates = hit_rates_one_at_a_time(1024)
 print("mean hit rate by cache size:", {n: f"{r:.0%}" for n, r in mean_hit.items()})
 
-fig, axes = plt.subplots(1, 3, figsize=(16, 4))
+fig, axes = plt.subplots(1, 3, figsize=(10.8, 3.9))
 for caching, label in ((False, "prefix caching off"), (True, "prefix caching on")):
     run = prefix_runs[caching]
     axes[0].step(run["prefill_time"], run["prefilled"] / 1e3, where="post", label=label)
@@ -904,7 +906,7 @@ for name, cls in (("prefill first", Scheduler), ("decode first", DecodeFirstSche
     )
 
 # %%
-fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
+fig, axes = plt.subplots(1, 3, figsize=(10.8, 4))
 colors = {"prefill first": "tab:blue", "decode first": "tab:red"}
 for name, run in orders.items():
     ttft_ms = np.sort(run["ttft"] * 1e3)
@@ -997,7 +999,7 @@ stalls = {}
 for name, cls in policies.items():  # limits: 16 requests, 512 tokens a step, as in the previous section
     seqs = [request(p, 24 if len(p) == 32 else 8) for p in stall_prompts]
     stalls[name] = serve(make_scheduler(512, cls=cls, **limits), seqs, np.array([0.0] * 8 + [0.05]), model=False)
-fig, axes = plt.subplots(1, 2, figsize=(13, 3.8), sharex=True, sharey=True)
+fig, axes = plt.subplots(1, 2, figsize=(10.8, 3.6), sharex=True, sharey=True)
 for ax, (name, run) in zip(axes, stalls.items()):
     col = {k: np.array([r[k] for r in run["rows"]]) for k in ("time", "duration", "decode_tokens", "num_tokens")}
     prompt, bar = col["num_tokens"] - col["decode_tokens"], dict(width=-col["duration"], align="edge", ec="w", lw=0.5)
@@ -1058,22 +1060,21 @@ for budget in (256, 4096):
         )
 
 # %%
-fig, axes = plt.subplots(1, 3, figsize=(17, 4.4))
+fig, axes = plt.subplots(1, 3, figsize=(10.8, 4.2), width_ratios=[1, 1, 1.3])
 colors = {"prefill first": "tab:blue", "unified": "tab:green"}
 for (name, budget), run in grid_runs.items():
     style = dict(color=colors[name], ls="-" if budget == 256 else "--", label=f"{name}, budget {budget:,}")
     for ax, key in zip(axes, ("ttft", "tpot")):
         ax.plot(np.sort(run[key] * 1e3), np.arange(1, len(run[key]) + 1) / len(run[key]), **style)
-for ax in axes[:2]:
-    ax.legend(loc="lower right", fontsize=9)
+axes[1].legend(loc="lower right", fontsize=8)  # the same lines in both panels; in TTFT's it would cover them
 axes[0].set(xscale="log", xlabel="time to first token (ms, log scale)", ylabel="share of requests", title="TTFT")
 axes[1].set(xlabel="time per output token (ms)", ylabel="share of requests", title="TPOT")
 metrics = {"max_step": "longest step", "max_wait": "longest wait for a token", "tpot_p99": "p99 TPOT"}
 for k, (key, label) in enumerate(metrics.items()):
     axes[2].bar(np.arange(4) + 0.27 * (k - 1), [run[key] * 1e3 for run in grid_runs.values()], width=0.27, label=label)
-axes[2].set_xticks(range(4), [f"{name}\n{budget:,}" for name, budget in grid_runs])
-axes[2].set(yscale="log", ylim=(3, 5e3), ylabel="ms (log scale)", title="What the budget and the policy change")
-axes[2].legend(loc="upper center", ncol=3, fontsize=9)
+axes[2].set_xticks(range(4), [f"{name}\n{budget:,}" for name, budget in grid_runs], fontsize=8)
+axes[2].set(yscale="log", ylim=(3, 3e4), ylabel="ms (log scale)", title="What the budget and the policy change")
+axes[2].legend(loc="upper left", fontsize=8)  # above the bars
 fig.suptitle("The same requests (one prompt in ten of 1,000 to 3,000 tokens) under two policies × two budgets")
 fig.tight_layout()
 fig.savefig(FIGURES / "05_chunked_prefill.png", dpi=120)
@@ -1118,7 +1119,7 @@ for name, cls in (("continuous", Scheduler), ("static", DecodeFirstScheduler)):
         )
 
 # %%
-fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+fig, axes = plt.subplots(1, 2, figsize=(10.8, 3.8))
 sizes = (4, 8, 16, 32)
 for name, color in (("continuous", "tab:blue"), ("static", "tab:red")):
     axes[0].plot(sizes, [batching[name, s]["tok_per_s"] for s in sizes], "o-", color=color, label=name)
@@ -1126,8 +1127,7 @@ for name, color in (("continuous", "tab:blue"), ("static", "tab:red")):
 axes[1].plot(sizes, sizes, ":", color="grey", label="max_num_seqs")
 for ax in axes:
     ax.set_xscale("log", base=2)
-    ax.set_xticks(sizes, [str(s) for s in sizes])
-    ax.set_xlabel("max_num_seqs")
+    ax.set(xticks=sizes, xticklabels=[str(s) for s in sizes], xlabel="max_num_seqs")
     ax.legend()
 axes[0].set(ylabel="output tokens / s", title="Throughput (the tiny model's step costs on a 2-core CPU)")
 axes[1].set(ylabel="sequences per decode step", title="Average decode batch")

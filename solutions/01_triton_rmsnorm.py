@@ -15,10 +15,10 @@
 # # Exercise 01 · Fused residual add + RMSNorm, as a Triton kernel
 #
 # Every Qwen3 block runs `residual = x + residual; x = rmsnorm(residual) * weight` twice, before attention and
-# before the MLP. Notebook 01 ("RMSNorm, with the residual add fused in") wrote it in PyTorch and let
-# `torch.compile` fuse it; vLLM ships it as a hand-written kernel, `fused_add_rms_norm`. Here you write that
-# kernel in Triton, the language of notebook 01's FlashAttention kernel, on a smaller problem: one program per
-# row, no tiling loop, no matrix multiply.
+# before the MLP. Notebook 01 ("RMSNorm, with the residual add fused in") wrote it in PyTorch; vLLM ships it as a
+# hand-written kernel, `fused_add_rms_norm`, and so does our engine (notebook 01's "The small layers as Triton
+# kernels", which sends you here first). Here you write that kernel in Triton, the language of notebook 01's
+# FlashAttention kernel, on a smaller problem: one program per row, no tiling loop, no matrix multiply.
 #
 # **Your task.** Two kernels, each checked right after you write it:
 #
@@ -275,9 +275,9 @@ print("fused_add_rms_norm_kernel matches RMSNorm(x, residual): float32 and bfloa
 
 # %% [markdown]
 # ## What's next
-# * **Plug it in.** `Qwen3DecoderLayer` calls `input_layernorm(hidden, residual)` and
-#   `post_attention_layernorm(hidden, residual)`: an `RMSNorm` whose `forward` calls `fused_add_rms_norm` on a
-#   GPU would put your kernel in every block (the q/k norms take no residual: a second, simpler kernel).
+# * **Compare with the engine's.** Notebook 01's `rms_norm` (`minivllm.kernels.small_layers`) is this kernel, grown
+#   for an engine: a few short rows per program, 3-D inputs (the q/k norms: a row per head, no residual), and
+#   rounding where `RMSNorm` rounds. `RMSNorm.use_triton = True` puts it in every block; the runner does so on a GPU.
 # * **Measure it.** On a GPU, time it with `triton.testing.do_bench` against eager `RMSNorm` and the
 #   `torch.compile`d one (notebook 01's `bench_ms`) at 1 and 8,192 tokens of 1,024: at 8,192 tokens all three
 #   are bound by memory, and the bytes moved (4 × 8,192 × 1,024 × 2 for the fused one in bfloat16: two tensors read, two written) divided by

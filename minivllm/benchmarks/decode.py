@@ -118,7 +118,7 @@ def plot_decode(data: dict):
 
     block_sizes = sorted({r["block_size"] for r in data["rows"]})
     impls = list(dict.fromkeys(r["impl"] for r in data["rows"]))
-    fig, axes = plt.subplots(1, len(block_sizes), figsize=(5.5 * len(block_sizes), 3.8), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(block_sizes), figsize=(5.3 * len(block_sizes), 4.2), sharey=True, squeeze=False)
     axes = axes[0]
     for ax, block_size in zip(axes, block_sizes):
         rows = [r for r in data["rows"] if r["block_size"] == block_size]
@@ -132,9 +132,10 @@ def plot_decode(data: dict):
         ax.set_xlabel("batch × context")
         ax.set_title(f"block size {block_size}")
     axes[0].set_ylabel("TB/s of K and V read")
-    axes[0].legend(fontsize=7)
+    handles, labels = axes[0].get_legend_handles_labels()  # below the bars: inside, it would cover the tallest
+    fig.legend(handles, labels, loc="lower center", ncols=len(labels), fontsize=8)
     fig.suptitle(f"Paged decode attention on {data['device']} (16/8 heads, d=128, bf16)")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     return fig
 
 

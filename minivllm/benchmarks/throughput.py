@@ -337,7 +337,7 @@ def plot_throughput(data: dict):
     names = list(dict.fromkeys(r["workload"] for r in rows))
     configs = list(dict.fromkeys(label(r) for r in rows))
     width = 0.8 / len(configs)
-    fig, axes = plt.subplots(2, 2, figsize=(12, 7.5))
+    fig, axes = plt.subplots(2, 2, figsize=(10.8, 7.2))
     panels = [
         (axes[0, 0], "tok_per_s", None, "output tokens / s"),
         (axes[0, 1], "ttft_p50_ms", "ttft_p99_ms", "time to first token (ms): p50 bar, p99 tick"),

@@ -94,7 +94,7 @@ def run_tp_benchmark(
 def plot_tp(data: dict):
     import matplotlib.pyplot as plt
 
-    fig, (left, right, times) = plt.subplots(1, 3, figsize=(14, 3.8), gridspec_kw=dict(width_ratios=[3, 2, 2]))
+    fig, (left, right, times) = plt.subplots(1, 3, figsize=(10.8, 3.6), gridspec_kw=dict(width_ratios=[3, 2, 2]))
     steps = [r for r in data["rows"] if r["kind"] == "decode_step"]
     for tp in sorted({r["tp"] for r in steps}):
         rows = [r for r in steps if r["tp"] == tp]

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from importlib import resources
 
 import torch
-from tqdm.auto import tqdm
+from tqdm import tqdm  # the terminal bar: tqdm.auto would draw a widget in notebooks, disable=None or not
 from transformers import PreTrainedTokenizerBase, Qwen3ForCausalLM
 
 STEPS = 250
@@ -57,8 +57,8 @@ def train(model: Qwen3ForCausalLM, token_ids: torch.Tensor, seed: int = 0, steps
     losses = []
     model.train()
     with one_thread():
-        # a progress bar: training takes about half a minute (TQDM_DISABLE=1 turns it off)
-        batches = tqdm(windows(token_ids, steps, seed), total=steps, desc="training on the corpus")
+        # about half a minute: a bar in a terminal (disable=None: none in a notebook's or a log's output)
+        batches = tqdm(windows(token_ids, steps, seed), total=steps, desc="training on the corpus", disable=None)
         for step, batch in enumerate(batches):
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(step, steps)

@@ -23,21 +23,9 @@ def load_tile(ptrs, mask, UPCAST: tl.constexpr):
 
 @triton.jit
 def attend_block(
-    acc,
-    m_i,
-    l_i,
-    q,
-    k,
-    v,
-    offs_key,
-    offs_m,
-    k_len,
-    shift,
-    qk_scale,
-    MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+    acc, m_i, l_i, q, k, v, offs_key, offs_m, k_len, shift, qk_scale,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
     """One step of online softmax: fold keys `offs_key` (k: (D, BLOCK_N), v: (BLOCK_N, D)) into a query tile."""
     s = tl.dot(q, k, input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
     if MASKED:
@@ -68,30 +56,11 @@ def causal_bounds(start_m, k_len, shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.cons
 
 @triton.jit(do_not_specialize=["num_m_blocks"])  # changes every step: one compiled kernel for all values
 def _prefill_kernel(
-    Q,
-    K,
-    V,
-    O,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    qk_scale,
-    num_m_blocks,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_ot,
-    stride_oh,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
+    Q, K, V, O, cu_seqlens_q, cu_seqlens_k, qk_scale, num_m_blocks,  # tensors, scalars
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,  # strides
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
     start_m = num_m_blocks - 1 - tl.program_id(0)  # longest causal tiles first
     head, seq = tl.program_id(1), tl.program_id(2)
     q_start = tl.load(cu_seqlens_q + seq)
@@ -105,11 +74,8 @@ def _prefill_kernel(
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    q = load_tile(
-        Q + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-        (offs_m < q_len)[:, None],
-        UPCAST,
-    )  # (BLOCK_M, D)
+    q_ptrs = Q + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :]  # (BLOCK_M, D)
+    q = load_tile(q_ptrs, (offs_m < q_len)[:, None], UPCAST)
     k_ptrs = K + (k_start + offs_n)[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None]  # (D, BLOCK_N)
     v_ptrs = V + (k_start + offs_n)[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :]  # (BLOCK_N, D)
 
@@ -133,11 +99,8 @@ def _prefill_kernel(
         )
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # a query that sees no key outputs zeros
-    tl.store(
-        O + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-        out.to(O.dtype.element_ty),
-        mask=(offs_m < q_len)[:, None],
-    )
+    o_ptrs = O + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :]  # (BLOCK_M, D)
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m < q_len)[:, None])
 
 
 def check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k) -> None:
@@ -204,27 +167,10 @@ def flash_attn_varlen_contiguous(
     num_m_blocks = triton.cdiv(max_seqlen_q, config["BLOCK_M"])
     grid = (num_m_blocks, q.shape[1], cu_seqlens_q.numel() - 1)
     _prefill_kernel[grid](
-        q,
-        k,
-        v,
-        out,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        scale * math.log2(math.e),
-        num_m_blocks,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        out.stride(0),
-        out.stride(1),
-        GROUP=q.shape[1] // k.shape[1],
-        HEAD_DIM=head_dim,
-        CAUSAL=causal,
+        q, k, v, out, cu_seqlens_q, cu_seqlens_k, scale * math.log2(math.e), num_m_blocks,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        GROUP=q.shape[1] // k.shape[1], HEAD_DIM=head_dim, CAUSAL=causal,
         UPCAST=q.device.type == "cpu" and q.dtype != torch.float32,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        **config,
-    )
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **config,
+    )  # fmt: skip
     return out

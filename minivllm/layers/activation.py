@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minivllm.kernels.small_layers import silu_and_mul  # Triton kernels, written after RoPE in notebook 01
+
 
 def silu(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(x)
@@ -18,6 +20,10 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 class SiluAndMul(nn.Module):
     """silu(gate) * up, where the input holds [gate | up] along its last dimension."""
 
+    use_triton = False  # True: one Triton kernel instead; notebook 04's runner sets it on a GPU
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (num_tokens, 2 * intermediate_size)
+        if self.use_triton:
+            return silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up  # (num_tokens, intermediate_size)

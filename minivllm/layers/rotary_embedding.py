@@ -6,6 +6,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from minivllm.kernels.small_layers import apply_rope
+
 
 def rope_parameters(config: Any) -> dict:
     """RoPE settings from a transformers config of any version: {'rope_type', 'rope_theta', ...scaling keys}."""
@@ -32,6 +34,7 @@ def llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     cos: torch.Tensor  # buffers, registered below: (max_position, head_dim / 2)
     sin: torch.Tensor
+    use_triton = False  # True: one Triton kernel for q and k; notebook 04's runner sets it on a GPU
 
     def __init__(self, head_dim: int, max_position: int, params: dict):
         super().__init__()
@@ -49,6 +52,8 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:  # positions: (num_tokens,); q, k: (num_tokens, num_heads, head_dim)
+        if self.use_triton:
+            return apply_rope(positions, q, k, self.cos, self.sin)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # (num_tokens, 1, head_dim / 2)
         return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
 

@@ -1,0 +1,219 @@
+"""Notebook 01's small-layer Triton kernels (fused residual add + RMSNorm, RoPE, SiLU-and-mul) against the PyTorch
+layers they stand in for: on a CPU in Triton's interpreter, on a GPU (marked `gpu`) in bfloat16, CUDA graphs included."""
+
+import pytest
+import torch
+
+from minivllm import load_model
+from minivllm.engine.model_runner import use_small_layer_kernels
+from minivllm.kernels import apply_rope, rms_norm, silu_and_mul
+from minivllm.layers.activation import SiluAndMul
+from minivllm.layers.layernorm import RMSNorm
+from minivllm.layers.rotary_embedding import RotaryEmbedding
+from minivllm.testing import prompt_logits
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FP32 = dict(rtol=1e-6, atol=1e-6)
+# The interpreter's float32 -> bfloat16 casts truncate where a GPU rounds: up to a unit in the last place (2^-7
+# relative) per rounding, and the fused add + RMSNorm rounds three times (new residual, normalised row, times weight).
+BF16_CPU = dict(rtol=3 * 2**-7, atol=1e-5)
+BF16_GPU = dict(rtol=2 * 2**-7, atol=1e-5)  # rounding alone: the kernels sum and exponentiate in another order
+ROPE = dict(rope_theta=1e6, rope_type="default")
+LLAMA3_ROPE = dict(
+    rope_type="llama3",
+    rope_theta=500000.0,
+    factor=32.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=8192,
+)
+
+
+def random_norm(hidden: int, dtype: torch.dtype, device: str = DEVICE) -> RMSNorm:
+    norm = RMSNorm(hidden).to(device, dtype)
+    norm.weight.data.normal_(generator=torch.Generator(device).manual_seed(hidden))
+    return norm
+
+
+def bf16_tolerance(device: str = DEVICE) -> dict:
+    return BF16_CPU if device == "cpu" else BF16_GPU
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens, hidden", [(1, 1024), (37, 1024), (37, 96), (5, 4096)])
+def test_fused_add_rms_norm_matches_the_layer(dtype, num_tokens, hidden):
+    norm = random_norm(hidden, dtype)
+    x, residual = (torch.randn(num_tokens, hidden, dtype=dtype, device=DEVICE) * 3 for _ in range(2))
+    with torch.no_grad():
+        expected, expected_residual = norm(x, residual)
+        plain = norm(x)
+    out, new_residual = rms_norm(x, norm.weight, norm.eps, residual)
+    tolerance = FP32 if dtype == torch.float32 else bf16_tolerance()
+    assert out.dtype == new_residual.dtype == dtype and out.shape == new_residual.shape == x.shape
+    if dtype == torch.float32:  # the add is one float32 operation either way
+        assert torch.equal(new_residual, expected_residual)
+    torch.testing.assert_close(new_residual, expected_residual, **tolerance)
+    torch.testing.assert_close(out, expected, **tolerance)
+    torch.testing.assert_close(rms_norm(x, norm.weight, norm.eps), plain, **tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_reads_strided_rows(dtype):
+    """x and residual as column slices of wider tensors: each row read through its own stride."""
+    norm = random_norm(96, dtype)
+    x = torch.randn(37, 300, dtype=dtype, device=DEVICE)[:, 7:103]
+    residual = torch.randn(37, 200, dtype=dtype, device=DEVICE)[:, 50:146]
+    with torch.no_grad():
+        expected = norm(x, residual)
+    tolerance = FP32 if dtype == torch.float32 else bf16_tolerance()
+    torch.testing.assert_close(rms_norm(x, norm.weight, norm.eps, residual), expected, **tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "num_tokens, num_heads, num_kv_heads, head_dim", [(1, 16, 8, 128), (37, 4, 2, 96), (5, 4, 1, 32)]
+)
+def test_qk_norm_of_a_qkv_view_matches_the_layer(dtype, num_tokens, num_heads, num_kv_heads, head_dim):
+    """Qwen3's q_norm / k_norm: 3-D views (tokens, heads, head_dim) of the QKV projection's output, a row per head."""
+    norm = random_norm(head_dim, dtype)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = torch.randn(num_tokens, q_size + 2 * kv_size, dtype=dtype, device=DEVICE)
+    q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    tolerance = FP32 if dtype == torch.float32 else bf16_tolerance()
+    for view, heads in ((q, num_heads), (k, num_kv_heads)):
+        view = view.view(num_tokens, heads, head_dim)
+        with torch.no_grad():
+            expected = norm(view)
+        out = rms_norm(view, norm.weight, norm.eps)
+        assert out.shape == view.shape and out.is_contiguous()
+        torch.testing.assert_close(out, expected, **tolerance)
+
+
+@pytest.mark.parametrize("num_tokens, intermediate", [(1, 3072), (37, 96), (3, 1500)])
+def test_silu_and_mul_matches_the_layer(num_tokens, intermediate):
+    x = torch.randn(num_tokens, 2 * intermediate, device=DEVICE) * 4
+    # float32: not bit for bit, since exp() differs by an ulp between libraries
+    torch.testing.assert_close(silu_and_mul(x), SiluAndMul()(x), **FP32)
+    x16 = x.bfloat16()
+    out = silu_and_mul(x16)
+    assert out.dtype == torch.bfloat16 and out.shape == (num_tokens, intermediate)
+    torch.testing.assert_close(out, SiluAndMul()(x16), **bf16_tolerance())
+    wide = torch.randn(num_tokens, 2 * intermediate + 40, device=DEVICE)[:, 8 : 8 + 2 * intermediate]  # strided rows
+    torch.testing.assert_close(silu_and_mul(wide), SiluAndMul()(wide), **FP32)
+
+
+def qkv_views(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str):
+    """q and k as the model makes them: strided views of one QKV projection's output."""
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = torch.randn(num_tokens, q_size + 2 * kv_size, dtype=dtype, device=device)
+    q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    return q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim)
+
+
+@pytest.mark.parametrize("params", [ROPE, LLAMA3_ROPE], ids=["qwen3", "llama3"])
+@pytest.mark.parametrize(
+    "num_tokens, num_heads, num_kv_heads, head_dim", [(1, 16, 8, 128), (37, 16, 8, 128), (37, 4, 1, 96), (6, 2, 2, 64)]
+)
+def test_rope_matches_the_layer(params, num_tokens, num_heads, num_kv_heads, head_dim):
+    rope = RotaryEmbedding(head_dim, 8192, params).to(DEVICE)
+    positions = torch.randperm(8192, generator=torch.Generator().manual_seed(num_tokens))[:num_tokens].to(DEVICE)
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k = qkv_views(num_tokens, num_heads, num_kv_heads, head_dim, dtype, DEVICE)
+        q_before, k_before = q.clone(), k.clone()
+        q_out, k_out = apply_rope(positions, q, k, rope.cos, rope.sin)
+        q_ref, k_ref = rope(positions, q, k)
+        assert torch.equal(q, q_before) and torch.equal(k, k_before), "the inputs must stay as they were"
+        assert q_out.shape == q.shape and k_out.shape == k.shape and q_out.dtype == k_out.dtype == dtype
+        if dtype == torch.float32 and DEVICE == "cpu":  # the same float32 operations, one by one: bit for bit
+            assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
+        tolerance = FP32 if dtype == torch.float32 else bf16_tolerance()
+        torch.testing.assert_close(q_out, q_ref, **tolerance)
+        torch.testing.assert_close(k_out, k_ref, **tolerance)
+
+
+def test_the_layers_dispatch_on_their_switch():
+    norm, rope, act = random_norm(96, torch.float32), RotaryEmbedding(32, 512, ROPE).to(DEVICE), SiluAndMul()
+    x, residual = torch.randn(5, 96, device=DEVICE), torch.randn(5, 96, device=DEVICE)
+    q, k = qkv_views(5, 4, 2, 32, torch.float32, DEVICE)
+    positions = torch.tensor([3, 0, 511, 7, 7], device=DEVICE)
+    with torch.no_grad():
+        expected = norm(x, residual), norm(x), rope(positions, q, k), act(x)
+        for layer in (norm, rope, act):
+            layer.use_triton = True
+        got = norm(x, residual), norm(x), rope(positions, q, k), act(x)
+    torch.testing.assert_close(got, expected, **FP32)
+
+
+def test_model_forward_with_the_kernels_equals_without(tiny):
+    """The tiny model through prompt_logits: the switch the runner turns on a GPU, here in the interpreter."""
+    model = load_model(tiny, dtype=torch.float32, device=DEVICE)
+    token_ids = [5, 99, 1023, 7, 42]
+    with torch.no_grad():
+        expected = prompt_logits(model, token_ids)
+        use_small_layer_kernels(model)
+        got = prompt_logits(model, token_ids)
+        use_small_layer_kernels(model, enabled=False)
+        again = prompt_logits(model, token_ids)
+    assert torch.equal(again, expected)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 256, 16384])
+def test_kernels_match_the_layers_in_bf16_on_gpu(num_tokens):
+    """Qwen3-0.6B's shapes in bfloat16: hidden 1,024, 16 / 8 heads of 128, intermediate 3,072."""
+    norm, q_norm = random_norm(1024, torch.bfloat16, "cuda"), random_norm(128, torch.bfloat16, "cuda")
+    x, residual = (torch.randn(num_tokens, 1024, dtype=torch.bfloat16, device="cuda") * 3 for _ in range(2))
+    q, k = qkv_views(num_tokens, 16, 8, 128, torch.bfloat16, "cuda")
+    rope = RotaryEmbedding(128, 40960, ROPE).to("cuda")
+    positions = torch.randint(0, 40960, (num_tokens,), device="cuda")
+    gate_up = torch.randn(num_tokens, 2 * 3072, dtype=torch.bfloat16, device="cuda") * 4
+    with torch.no_grad():
+        pairs = [
+            (rms_norm(x, norm.weight, norm.eps, residual), norm(x, residual)),
+            (rms_norm(x, norm.weight, norm.eps), norm(x)),
+            (rms_norm(q, q_norm.weight, q_norm.eps), q_norm(q)),
+            (rms_norm(k, q_norm.weight, q_norm.eps), q_norm(k)),
+            (apply_rope(positions, q, k, rope.cos, rope.sin), rope(positions, q, k)),
+            (silu_and_mul(gate_up), SiluAndMul()(gate_up)),
+        ]
+    for got, expected in pairs:
+        torch.testing.assert_close(got, expected, **BF16_GPU)
+
+
+@pytest.mark.gpu
+def test_kernels_replay_in_a_cuda_graph():
+    """Captured once, replayed on new inputs written into the same buffers: what the runner's decode graphs do."""
+    norm, rope = random_norm(1024, torch.bfloat16, "cuda"), RotaryEmbedding(128, 4096, ROPE).to("cuda")
+    x, residual = torch.randn(2, 8, 1024, dtype=torch.bfloat16, device="cuda")
+    q, k = qkv_views(8, 16, 8, 128, torch.bfloat16, "cuda")
+    positions = torch.arange(8, device="cuda")
+    gate_up = torch.randn(8, 2 * 3072, dtype=torch.bfloat16, device="cuda")
+
+    def step() -> tuple:
+        normed = rms_norm(x, norm.weight, norm.eps, residual)
+        return normed, apply_rope(positions, q, k, rope.cos, rope.sin), silu_and_mul(gate_up)
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    for tensor in (x, residual, q, k, gate_up):
+        tensor.copy_(torch.randn_like(tensor))
+    positions.copy_(torch.randperm(4096, device="cuda")[:8])
+    graph.replay()
+    torch.testing.assert_close(outputs, step(), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_model_forward_with_the_kernels_in_bf16_on_gpu(tiny):
+    model = load_model(tiny, dtype=torch.bfloat16, device="cuda")
+    token_ids = list(range(3, 300))
+    with torch.no_grad():
+        expected = prompt_logits(model, token_ids).float()
+        use_small_layer_kernels(model)
+        got = prompt_logits(model, token_ids).float()
+    assert (got - expected).abs().max().item() < 0.1
+    assert (got.argmax(-1) == expected.argmax(-1)).float().mean().item() > 0.95
