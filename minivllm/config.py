@@ -38,17 +38,11 @@ class Config:
             "block_size": (self.block_size in (16, 32, 64, 128, 256), "16, 32, 64, 128 or 256"),
             "max_num_seqs": (self.max_num_seqs >= 1, ">= 1"),
             "max_num_batched_tokens": (self.max_num_batched_tokens >= 1, ">= 1"),
-            "max_model_len": (
-                1 <= self.max_model_len <= context_len,
-                f"in [1, {context_len}] (the model's context length)",
-            ),
+            "max_model_len": (1 <= self.max_model_len <= context_len, f"in [1, {context_len}], the context length"),
             "num_kvcache_blocks": (self.num_kvcache_blocks is None or self.num_kvcache_blocks >= 1, "None or >= 1"),
             "gpu_memory_utilization": (0 < self.gpu_memory_utilization <= 1, "in (0, 1]"),
             "device": (self.device in ("cpu", "cuda"), "'cpu' or 'cuda'"),
-            "scheduling_policy": (
-                self.scheduling_policy in ("unified", "prefill-first"),
-                "'unified' or 'prefill-first'",
-            ),
+            "scheduling_policy": (self.scheduling_policy in ("unified", "prefill-first"), "unified or prefill-first"),
         }
         for name, (ok, allowed) in checks.items():
             if not ok:

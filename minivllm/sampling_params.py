@@ -59,34 +59,50 @@ class SamplingParams:
     top_p: float = 1.0  # keep the most likely tokens whose probabilities add up to top_p
     top_k: int = -1  # keep the k most likely tokens; -1 keeps all
     min_p: float = 0.0  # drop tokens less likely than min_p × the most likely one
+    presence_penalty: float = 0.0  # subtracted from the logit of every token already in the output
+    frequency_penalty: float = 0.0  # subtracted once per time a token is already in the output
+    repetition_penalty: float = 1.0  # divides positive logits (multiplies negative ones) of prompt and output tokens
     max_tokens: int = 16  # completion tokens at most
+    min_tokens: int = 0  # completion tokens before an end-of-sequence or stop token may be drawn
     ignore_eos: bool = False  # keep going after the end-of-sequence token
     seed: int | None = None  # per-request random seed; None draws from the engine's generator
     stop_token_ids: list[int] | None = None  # extra tokens that finish the request
+    stop: list[str] | None = None  # strings that finish the request when the text contains one (a str: one string)
+    include_stop_str_in_output: bool = False  # keep the stop string at the end of the text
 
     def __post_init__(self):
         self.convert()
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not (self.top_k == -1 or 1 <= self.top_k <= MAX_INT64):
-            raise ValueError(f"top_k must be -1 (off) or in [1, 2**63), got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if bad := [t for t in self.stop_token_ids if t < 0]:
-            raise ValueError(f"stop_token_ids must be token ids >= 0, got {bad[0]}")
+        checks = {  # field: (its value is allowed, what is)
+            "max_tokens": (self.max_tokens >= 1, ">= 1"),
+            "min_tokens": (0 <= self.min_tokens <= self.max_tokens, f"in [0, max_tokens={self.max_tokens}]"),
+            "temperature": (self.temperature >= 0, ">= 0 (0 is greedy)"),
+            "top_p": (0 < self.top_p <= 1, "in (0, 1]"),
+            "top_k": (self.top_k == -1 or 1 <= self.top_k <= MAX_INT64, "-1 (off) or in [1, 2**63)"),
+            "min_p": (0 <= self.min_p <= 1, "in [0, 1]"),
+            "presence_penalty": (-2 <= self.presence_penalty <= 2, "in [-2, 2]"),
+            "frequency_penalty": (-2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
+            "repetition_penalty": (self.repetition_penalty > 0, "> 0 (1 is off)"),
+            "stop_token_ids": (all(t >= 0 for t in self.stop_token_ids), "token ids >= 0"),
+            "stop": (all(isinstance(x, str) and x for x in self.stop), "non-empty strings"),
+        }
+        for name, (ok, allowed) in checks.items():
+            if not ok:
+                raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
         if self.temperature < GREEDY_BELOW:
             self.temperature = 0.0  # greedy: dividing logits by it in float32 would overflow to inf, then NaN
 
     def convert(self) -> None:
         """Every field as a plain Python value of its type (our own copies); ValueError naming a field that is not."""
-        self.temperature, self.top_p, self.min_p = (
-            as_real(getattr(self, name), name) for name in ("temperature", "top_p", "min_p")
-        )
-        self.top_k, self.max_tokens = as_int(self.top_k, "top_k"), as_int(self.max_tokens, "max_tokens")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            setattr(self, name, as_real(getattr(self, name), name))
+        for name in ("top_k", "max_tokens", "min_tokens"):
+            setattr(self, name, as_int(getattr(self, name), name))
         self.seed = None if self.seed is None else as_int(self.seed, "seed")
         self.ignore_eos = as_bool(self.ignore_eos, "ignore_eos")
+        self.include_stop_str_in_output = as_bool(self.include_stop_str_in_output, "include_stop_str_in_output")
         self.stop_token_ids = [] if self.stop_token_ids is None else as_token_ids(self.stop_token_ids, "stop_token_ids")
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1

@@ -37,6 +37,12 @@ class SamplingRequest(BaseModel):
     top_p: float = 1.0
     top_k: int = -1  # vLLM's extensions of the API
     min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    include_stop_str_in_output: bool = False
     seed: int | None = None
     n: int = 1
     stream: bool = False
@@ -80,10 +86,16 @@ def sampling_params(request: SamplingRequest, max_tokens: int | None) -> Samplin
             top_p=request.top_p,
             top_k=request.top_k,
             min_p=request.min_p,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            repetition_penalty=request.repetition_penalty,
             max_tokens=16 if max_tokens is None else max_tokens,
+            min_tokens=request.min_tokens,
             ignore_eos=request.ignore_eos,
             seed=request.seed,
             stop_token_ids=request.stop_token_ids,
+            stop=[request.stop] if isinstance(request.stop, str) else request.stop,
+            include_stop_str_in_output=request.include_stop_str_in_output,
         )
     except ValueError as e:  # SamplingParams names the field first: "temperature must be >= 0, got -1"
         raise BadRequest(str(e), str(e).split()[0]) from e

@@ -14,16 +14,14 @@
 # %% [markdown]
 # # 02 · Model: Qwen3 from our layers, loaded from a HuggingFace checkpoint
 #
-# **What this notebook builds.** Qwen3, the model the engine serves, assembled from the layers of notebook 01;
-# a loader that reads a HuggingFace checkpoint folder (config.json + safetensors) into it, including the
-# tensor-parallel slices; a maker of random-weight checkpoints, because this machine cannot download one; and
-# `SamplingParams`, what a request asks to be done with the model's logits.
+# **What this notebook builds.** Qwen3, the model the engine serves, from the layers of notebook 01; a loader that
+# reads a HuggingFace checkpoint folder (config.json + safetensors) into it, tensor-parallel slices included; a
+# maker of checkpoints, since this machine cannot download one; and `SamplingParams`, a request's settings.
 #
-# **What it assumes.** Notebook 01 (the layers and the attention functions). No GPU: on a CPU the model uses the
-# plain PyTorch attention, on a GPU our Triton FlashAttention kernel.
+# **What it assumes.** Notebook 01's layers and attention functions (PyTorch's on a CPU, our Triton kernel on a GPU).
 #
-# **How we know it is right.** transformers' own `Qwen3ForCausalLM` is the oracle: the same checkpoint through
-# both models must give the same logits, to float32 rounding. Every section ends with a check against it.
+# **How we know it is right.** transformers' `Qwen3ForCausalLM` is the oracle: the same checkpoint through both
+# models gives the same logits, to float32 rounding; every section ends with a check against it.
 
 # %%
 import hashlib
@@ -36,7 +34,9 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
+from transformers.utils.logging import disable_progress_bar
 
+disable_progress_bar()  # transformers' saving and loading draw no progress bars in the outputs
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CHECKPOINTS = Path(os.environ.get("MINIVLLM_CHECKPOINTS", "../build/checkpoints")).resolve()
 FIGURES = Path(os.environ.get("MINIVLLM_FIGURES", "../build/figures")).resolve()
@@ -49,14 +49,12 @@ print(f"device: {DEVICE}, torch {torch.__version__}")
 #
 # * `config.json`: the architecture's name (`"architectures": ["Qwen3ForCausalLM"]`) and its sizes (layers,
 #   hidden size, heads, vocabulary, RoPE base…);
-# * `model.safetensors` (or several shards plus `model.safetensors.index.json`): named tensors, e.g.
-#   `model.layers.0.self_attn.q_proj.weight`, stored raw after a small JSON header, so a loader can list names
-#   and shapes without reading the weights;
+# * `model.safetensors` (or shards plus `model.safetensors.index.json`): named tensors, e.g. `model.layers.0.
+#   self_attn.q_proj.weight`, raw after a small JSON header, so a loader lists names and shapes without reading;
 # * tokenizer files and `generation_config.json` (which tokens end a reply).
 #
-# There is no network here, so we make such folders ourselves: transformers' own `Qwen3ForCausalLM` with seeded
-# random weights, saved by transformers' own `save_pretrained`. The layout is then exactly a real checkpoint's,
-# and the loader we write below is the one that later reads a downloaded Qwen3 unchanged.
+# There is no network here, so we make such folders with transformers' own `Qwen3ForCausalLM` and `save_pretrained`:
+# the layout is exactly a real checkpoint's, and our loader later reads a downloaded Qwen3 unchanged.
 #
 # ## Making a checkpoint offline
 # Three presets. `tiny` keeps every feature of the real model (GQA, q/k norms, tied embeddings, head_dim a power of
@@ -66,10 +64,9 @@ print(f"device: {DEVICE}, torch {torch.__version__}")
 # The tokenizer is a byte-level BPE (the kind GPT-2 and Qwen use) trained on a small text that ships with the
 # package, with ChatML's special tokens and chat template. Its 2,048 tokens fit in both vocabularies.
 #
-# Random weights follow transformers' initialisation (matrices ~ N(0, 0.02)), except that norm weights are drawn
-# around 1 instead of being exactly 1: a model whose norms all equal 1 would hide a loader that swaps or
-# skips them. Everything comes from one seeded generator, and safetensors stores no timestamp, so the same seed
-# writes the same bytes (`tiny-text` too: its batches come from that seed, and it trains on one CPU thread).
+# Random weights follow transformers' initialisation (matrices ~ N(0, 0.02)), but norm weights are drawn around 1,
+# not exactly 1: norms all equal to 1 would hide a loader that swaps or skips them. One seeded generator and no
+# timestamp in safetensors: the same seed writes the same bytes (`tiny-text` too: one CPU thread, seeded batches).
 
 # %% tags=["export"] module="minivllm.checkpoint.maker"
 import argparse
@@ -287,8 +284,7 @@ print(json.dumps(a, indent=1))
 #
 # Why a context object rather than two tensors? Because how a layer attends changes in notebook 04 (write the new
 # keys and values into a paged KV cache, read the old ones back, a different kernel for decode) while the model
-# does not. There the engine passes a different context with the same `attend` method; the model code stays as
-# it is.
+# does not: the engine passes a different context with the same `attend` method, and the model stays as it is.
 
 # %% tags=["export"] module="minivllm.attention.layer"
 from typing import Protocol
@@ -1005,10 +1001,9 @@ else:
 
 # %% [markdown]
 # ## The engine's settings
-# One dataclass holds everything the runner (notebook 04), the scheduler (05) and the engine (06) are
-# configured with; the names and defaults are vLLM's. It reads the checkpoint's config.json once, with
-# `read_config` above, and everything downstream (the model included) is built from `config.hf_config`. It
-# checks every value before anything is built, and says which field is wrong and what it may be.
+# One dataclass holds the settings of the runner (notebook 04), the scheduler (05) and the engine (06), with vLLM's
+# names and defaults. It reads config.json once (`read_config`); everything downstream is built from
+# `config.hf_config`. It checks every value before anything is built, naming the field and what it may be.
 
 # %% tags=["export"] module="minivllm.config"
 from dataclasses import dataclass, field
@@ -1049,17 +1044,11 @@ class Config:
             "block_size": (self.block_size in (16, 32, 64, 128, 256), "16, 32, 64, 128 or 256"),
             "max_num_seqs": (self.max_num_seqs >= 1, ">= 1"),
             "max_num_batched_tokens": (self.max_num_batched_tokens >= 1, ">= 1"),
-            "max_model_len": (
-                1 <= self.max_model_len <= context_len,
-                f"in [1, {context_len}] (the model's context length)",
-            ),
+            "max_model_len": (1 <= self.max_model_len <= context_len, f"in [1, {context_len}], the context length"),
             "num_kvcache_blocks": (self.num_kvcache_blocks is None or self.num_kvcache_blocks >= 1, "None or >= 1"),
             "gpu_memory_utilization": (0 < self.gpu_memory_utilization <= 1, "in (0, 1]"),
             "device": (self.device in ("cpu", "cuda"), "'cpu' or 'cuda'"),
-            "scheduling_policy": (
-                self.scheduling_policy in ("unified", "prefill-first"),
-                "'unified' or 'prefill-first'",
-            ),
+            "scheduling_policy": (self.scheduling_policy in ("unified", "prefill-first"), "unified or prefill-first"),
         }
         for name, (ok, allowed) in checks.items():
             if not ok:
@@ -1082,21 +1071,16 @@ except ValueError as e:
 
 # %% [markdown]
 # ## Sampling parameters: what a request does with the logits
-# The model ends in logits over the vocabulary; a request says how to pick its next token from them. Each
-# request carries its own settings, so one batch can mix greedy and creative requests. We keep vLLM's names
-# and defaults (`temperature=0` means greedy: always the most likely token), and reject bad
-# values *when the request is made*, naming the field and the allowed range, so nothing downstream ever sees
-# them. The sampler that uses them is built in notebook 04.
+# The model ends in logits over the vocabulary; a request says how to pick its next token from them (the sampler
+# of notebook 04) and when to stop. Each request carries its own settings, so one batch can mix greedy and
+# creative requests. We keep vLLM's names and defaults (`temperature=0` is greedy: always the most likely token)
+# and reject bad values *when the request is made*, naming the field and the allowed range. "Bad" includes the
+# wrong kind of number: `2.0`, `True` or `"3"` as a count is refused rather than guessed at (a NumPy or PyTorch
+# integer scalar is fine), and a NaN or infinity would reach the sampler as garbage tokens, without an error.
 #
-# "Bad" includes the wrong kind of number. Counts and token ids must be integers: a NumPy or PyTorch integer
-# scalar is accepted (and stored as a Python `int`), but `2.0`, `True` or `"3"` is refused rather than guessed
-# at. The three real-valued knobs must be finite: a NaN or an infinity would otherwise reach the sampler and
-# come out as garbage tokens, without an error.
-#
-# **Tiny temperatures are greedy.** The sampler divides the logits by the temperature in float32. Below about
-# 1e-38 the divisor is 0 or subnormal and the logits become infinite (softmax of them is NaN); long before that
-# the distribution is already one-hot. So, as vLLM does, any temperature below `1e-5` is stored as `0`: greedy,
-# exactly and cheaply, never a NaN.
+# **Tiny temperatures are greedy.** The sampler divides the logits by the temperature in float32: below about
+# 1e-38 the logits become infinite (softmax of them is NaN), and long before that the distribution is one-hot. So,
+# as vLLM does, any temperature below `1e-5` is stored as `0`: greedy, exactly and cheaply, never a NaN.
 
 # %% tags=["export"] module="minivllm.sampling_params"
 import math
@@ -1158,37 +1142,53 @@ class SamplingParams:
     top_p: float = 1.0  # keep the most likely tokens whose probabilities add up to top_p
     top_k: int = -1  # keep the k most likely tokens; -1 keeps all
     min_p: float = 0.0  # drop tokens less likely than min_p × the most likely one
+    presence_penalty: float = 0.0  # subtracted from the logit of every token already in the output
+    frequency_penalty: float = 0.0  # subtracted once per time a token is already in the output
+    repetition_penalty: float = 1.0  # divides positive logits (multiplies negative ones) of prompt and output tokens
     max_tokens: int = 16  # completion tokens at most
+    min_tokens: int = 0  # completion tokens before an end-of-sequence or stop token may be drawn
     ignore_eos: bool = False  # keep going after the end-of-sequence token
     seed: int | None = None  # per-request random seed; None draws from the engine's generator
     stop_token_ids: list[int] | None = None  # extra tokens that finish the request
+    stop: list[str] | None = None  # strings that finish the request when the text contains one (a str: one string)
+    include_stop_str_in_output: bool = False  # keep the stop string at the end of the text
 
     def __post_init__(self):
         self.convert()
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not (self.top_k == -1 or 1 <= self.top_k <= MAX_INT64):
-            raise ValueError(f"top_k must be -1 (off) or in [1, 2**63), got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if bad := [t for t in self.stop_token_ids if t < 0]:
-            raise ValueError(f"stop_token_ids must be token ids >= 0, got {bad[0]}")
+        checks = {  # field: (its value is allowed, what is)
+            "max_tokens": (self.max_tokens >= 1, ">= 1"),
+            "min_tokens": (0 <= self.min_tokens <= self.max_tokens, f"in [0, max_tokens={self.max_tokens}]"),
+            "temperature": (self.temperature >= 0, ">= 0 (0 is greedy)"),
+            "top_p": (0 < self.top_p <= 1, "in (0, 1]"),
+            "top_k": (self.top_k == -1 or 1 <= self.top_k <= MAX_INT64, "-1 (off) or in [1, 2**63)"),
+            "min_p": (0 <= self.min_p <= 1, "in [0, 1]"),
+            "presence_penalty": (-2 <= self.presence_penalty <= 2, "in [-2, 2]"),
+            "frequency_penalty": (-2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
+            "repetition_penalty": (self.repetition_penalty > 0, "> 0 (1 is off)"),
+            "stop_token_ids": (all(t >= 0 for t in self.stop_token_ids), "token ids >= 0"),
+            "stop": (all(isinstance(x, str) and x for x in self.stop), "non-empty strings"),
+        }
+        for name, (ok, allowed) in checks.items():
+            if not ok:
+                raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
         if self.temperature < GREEDY_BELOW:
             self.temperature = 0.0  # greedy: dividing logits by it in float32 would overflow to inf, then NaN
 
     def convert(self) -> None:
         """Every field as a plain Python value of its type (our own copies); ValueError naming a field that is not."""
-        self.temperature, self.top_p, self.min_p = (
-            as_real(getattr(self, name), name) for name in ("temperature", "top_p", "min_p")
-        )
-        self.top_k, self.max_tokens = as_int(self.top_k, "top_k"), as_int(self.max_tokens, "max_tokens")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            setattr(self, name, as_real(getattr(self, name), name))
+        for name in ("top_k", "max_tokens", "min_tokens"):
+            setattr(self, name, as_int(getattr(self, name), name))
         self.seed = None if self.seed is None else as_int(self.seed, "seed")
         self.ignore_eos = as_bool(self.ignore_eos, "ignore_eos")
+        self.include_stop_str_in_output = as_bool(self.include_stop_str_in_output, "include_stop_str_in_output")
         self.stop_token_ids = [] if self.stop_token_ids is None else as_token_ids(self.stop_token_ids, "stop_token_ids")
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 # %%
@@ -1201,6 +1201,7 @@ print(SamplingParams(temperature=1e-6), "<- a temperature below 1e-5 is greedy")
 nan, inf = float("nan"), float("inf")
 bad_values = [dict(max_tokens=0), dict(temperature=-0.5), dict(top_p=0.0), dict(top_k=0), dict(min_p=1.5)]
 bad_values += [dict(max_tokens=2.0), dict(temperature=nan), dict(top_p=inf), dict(stop_token_ids=[[1]])]
+bad_values += [dict(min_tokens=17), dict(repetition_penalty=0), dict(presence_penalty=3), dict(stop=[""])]
 for bad in bad_values:
     try:
         SamplingParams(**bad)

@@ -27,16 +27,17 @@
 
 # %%
 import os
-
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit runs
 import random
 from pathlib import Path
 
 import matplotlib.pyplot as plt
+import torch
+from transformers.utils.logging import disable_progress_bar
 
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit runs
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # torch.profiler (below) prints no start/stop lines
+disable_progress_bar()  # transformers' saving and loading draw no progress bars in the outputs
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FIGURES = Path(os.environ.get("MINIVLLM_FIGURES", "../build/figures")).resolve()
 FIGURES.mkdir(parents=True, exist_ok=True)
@@ -81,16 +82,14 @@ assert probs_at[0.01][0] > 0.999  # almost greedy
 
 # %% [markdown]
 # ### Cutting the tail: top-k, top-p, min-p (to write yourself: `exercises/04_sampler_filters.ipynb`)
-# Even a sharp distribution leaves its tail real mass: 150,000 tokens at one in a million each add up to 15%.
-# Draw enough tokens and one comes out, and one nonsense token derails all the text after it. The filters
-# drop the tail before the draw, with vLLM's definitions in vLLM's order:
+# Even a sharp distribution leaves its tail real mass: 150,000 tokens at one in a million each add up to 15%, and
+# one nonsense token derails all the text after it. The filters drop the tail before the draw (vLLM's order):
 #
 # * **top-k** keeps the `k` most likely tokens (`-1` is off);
 # * **top-p** (nucleus) keeps the smallest set of most likely tokens whose mass reaches `p` (`1` is off): few
 #   when the model is sure, many when it is not, never none. It measures what top-k left, renormalized;
-# * **min-p** keeps the tokens at least `min_p` times as likely as the most likely one (`0` is off). It cuts
-#   the same tokens wherever it stands, but top-p after it would see a different mass: it goes last (vLLM v0's
-#   order; v1 applies min-p first).
+# * **min-p** keeps the tokens at least `min_p` times as likely as the most likely one (`0` is off); it goes
+#   last, so that top-p sees top-k's mass only (vLLM v0's order; v1 applies min-p first).
 #
 # **One sort serves all three**: sort each row once, largest first; each filter is then one comparison of the
 # sorted `(batch, vocab)` tensor with a per-row threshold, and the mask is scattered back to vocabulary order.
@@ -128,7 +127,9 @@ def filter_probs(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor
 
 # %% [markdown]
 # A hand example, `[0.5, 0.3, 0.15, 0.05]`: top-p 0.8 stops at two tokens, as 0.5 + 0.3 *reaches* 0.8; 0.81
-# needs a third. After top-k 3, 0.5 + 0.3 is 0.84 of what is left, so top-p 0.82 stops at two, not three.
+# needs a third. After top-k 3, 0.5 + 0.3 is 0.84 of what is left, so top-p 0.82 stops at two, not three. Then
+# one call filters a batch, each row with its own settings: the cat distribution with top-k 3, top-p 0.8, min-p
+# 0.1, and no filter; and a picture of temperature and each filter (coloured bars are kept).
 
 # %%
 from minivllm.layers.sampler import filter_probs, keep_mask
@@ -146,30 +147,23 @@ assert num_kept(top_k=3) == 3 and num_kept(top_k=1) == 1
 assert num_kept(top_p=0.82) == 3 and num_kept(top_k=3, top_p=0.82) == 2  # top-p measures what top-k left
 assert num_kept(min_p=0.3) == 3 and num_kept(min_p=0.31) == 2  # keep p ≥ min_p × 0.5
 
-# %% [markdown]
-# One call filters a batch, each row with its own settings: the cat distribution with top-k 3, top-p 0.8,
-# min-p 0.1, and no filter. Then a picture of temperature and each filter (coloured bars are kept).
-
 # %%
 cat_probs = torch.softmax(cat_logits, dim=-1)
-filtered = filter_probs(
-    cat_probs.expand(4, -1),
-    top_ks=torch.tensor([3, -1, -1, -1]),
-    top_ps=torch.tensor([1.0, 0.8, 1.0, 1.0]),
-    min_ps=torch.tensor([0.0, 0.0, 0.1, 0.0]),
-)
+filtered = filter_probs(cat_probs.expand(4, -1), top_ks=torch.tensor([3, -1, -1, -1]),
+                        top_ps=torch.tensor([1.0, 0.8, 1.0, 1.0]),
+                        min_ps=torch.tensor([0.0, 0.0, 0.1, 0.0]))  # fmt: skip
 for name, row in zip(["top-k", "top-p", "min-p", "none"], filtered):
     show_probs(row, name)
 assert (filtered > 0).sum(dim=-1).tolist() == [3, 4, 5, 12]
 assert torch.equal(filtered[3], cat_probs)
 
 # %%
-fig, axes = plt.subplots(1, 4, figsize=(17, 3.6), sharey=True)
-x = torch.arange(len(words))
+fig, axes = plt.subplots(2, 2, figsize=(10.8, 6.2), sharey=True)
+axes, x = axes.ravel(), torch.arange(len(words))
 for T, style in ((0.5, "v--"), (2.0, "^:")):
     axes[0].plot(x, torch.softmax(cat_logits / T, dim=-1), style, color="k", label=f"T = {T}")
 axes[0].bar(x, cat_probs, color="tab:blue", label="T = 1")
-axes[0].set_title("temperature")
+axes[0].set(title="temperature", ylabel="probability")
 for ax, row, title in zip(axes[1:], filtered, ["top-k = 3", "top-p = 0.8", "min-p = 0.1"]):
     ax.bar(x, cat_probs, color=["tab:blue" if p > 0 else "lightgrey" for p in row.tolist()])
     ax.set_title(f"{title}: keeps {int((row > 0).sum())} of {len(words)}")
@@ -178,21 +172,18 @@ axes[2].axhline(0.8, color="tab:orange", ls=":", label="p = 0.8")
 axes[3].axhline(0.1 * cat_probs.max(), color="tab:red", ls=":", label="0.1 × max probability")
 for ax in axes:
     ax.set_xticks(x, words, rotation=60)
-for ax, loc in ((axes[0], "best"), (axes[2], "center right"), (axes[3], "best")):
-    ax.legend(loc=loc)
-axes[0].set_ylabel("probability")
+axes[0].legend(), axes[2].legend(loc="center right"), axes[3].legend()  # top-k's panel has nothing to label
 fig.suptitle('Next word after "The cat sat on the": what temperature and each filter do')
 fig.tight_layout()
 fig.savefig(FIGURES / "04_sampling.png", dpi=120)
 
 # %% [markdown]
 # ### Drawing a token: the exponential race
-# `torch.multinomial` is awkward here: on a GPU it makes the CPU wait (vLLM replaced it for that reason), and
-# it draws every row from one generator, so a row cannot have its own seed. A simpler trick: give token `i`
-# an exponential alarm clock of rate `p_i`, ringing after `q_i / p_i` seconds with `q_i ~ Exp(1)`. Clock `i`
-# rings first with probability `p_i / Σ_j p_j`, so the token is `argmax(p / q)`: one division and one argmax,
-# nothing to wait for. The `p` need not sum to 1, and a dropped token (`p = 0`) never wins. (It is the
-# Gumbel-max trick in another form: `-log q` is Gumbel noise.)
+# `torch.multinomial` makes a GPU's host wait (vLLM replaced it for that) and draws every row from one generator,
+# so a row cannot have its own seed. A simpler trick: give token `i` an exponential alarm clock of rate `p_i`,
+# ringing after `q_i / p_i` seconds with `q_i ~ Exp(1)`. Clock `i` rings first with probability `p_i / Σ_j p_j`,
+# so the token is `argmax(p / q)`: one division and one argmax. The `p` need not sum to 1, and a dropped token
+# (`p = 0`) never wins. (It is the Gumbel-max trick in another form: `-log q` is Gumbel noise.)
 
 # %%
 gen = torch.Generator().manual_seed(0)  # 200,000 races on unnormalized probabilities with one dropped token
@@ -205,11 +196,10 @@ torch.testing.assert_close(freq, p / p.sum(), atol=0.005, rtol=0)
 
 # %% [markdown]
 # ### Seeds: the same request, the same tokens
-# `SamplingParams(seed=...)` promises the same completion for the same request and seed, whatever the
-# scheduler does: the batch, the request's row in it and its neighbours change at every step, and a
-# preempted request (notebook 05) is recomputed later in another batch. One generator for the whole batch
-# cannot keep that promise: row `r` takes the `r`-th slice of the stream, so the same request with the same
-# logits and generator seed draws another token as soon as it moves down one row.
+# `SamplingParams(seed=...)` promises the same completion for the same request and seed, whatever the scheduler
+# does: the batch and the request's row change at every step, and a preempted request (notebook 05) is recomputed
+# in another batch. One generator for the batch cannot keep that promise: row `r` takes the `r`-th slice of the
+# stream, so the same request with the same seed draws another token as soon as it moves down one row.
 
 # %%
 flat = torch.softmax(torch.randn(1000, generator=gen), dim=-1)  # a request's distribution over 1,000 tokens
@@ -227,14 +217,12 @@ print(f"alone: token {alone.item()}, in row 1: token {second.item()}")
 assert alone != second
 
 # %% [markdown]
-# So each seeded row draws from **its own generator, seeded by a function of (request seed, step)**, the step
-# being the index of the token drawn (`seq.num_completion_tokens`). Token `n`'s noise then depends on the
-# seed and `n` only: not on the batch (no other row touches that generator), not on history (nothing to
-# store, nothing to rewind when a step's work is thrown away), not on preemption (a preempted sequence keeps
-# its tokens, so its next token is still token `n`, with the same noise). The mix is `(seed × 1,000,003 +
-# step) mod 2⁶³`: steps below 1,000,003 never collide. Unseeded rows share one draw from the default
-# generator (seeded by `LLM(seed=...)`); seeded rows cost a Python loop, one small generator each. CPU and
-# CUDA generators give different streams for one seed, so a seed repeats its tokens on the same kind of device.
+# So each seeded row draws from **its own generator, seeded by (request seed, step)**, the step being the index of
+# the token drawn (`seq.num_completion_tokens`). Token `n`'s noise then depends on the seed and `n` only: not on
+# the batch, not on history (nothing to rewind when a step's work is thrown away), not on preemption (a preempted
+# sequence keeps its tokens, so its next token is still token `n`). The mix is `(seed × 1,000,003 + step) mod
+# 2⁶³`. Unseeded rows share one draw from the default generator (seeded by `LLM(seed=...)`); seeded rows cost a
+# Python loop, one small generator each. CPU and CUDA generators differ: a seed repeats on one kind of device.
 
 # %% tags=["export"]
 NOISE_SEED_MULTIPLIER = 1_000_003  # odd: distinct seeds start apart; above any step: one seed's steps never collide
@@ -267,16 +255,31 @@ assert not torch.equal(batch[1], batch[2]) and not torch.equal(alone, later)
 
 # %% [markdown]
 # ### The batch's settings as tensors
-# Each step the runner gathers the batch's parameters into `SamplingTensors`, one entry per row (the sampler,
-# like vLLM's, knows nothing of sequences), copied from *pinned* memory with `non_blocking=True` so as not to
-# stall the CPU. `seeds` and `steps` stay on the CPU, the only side that reads them. A seed is folded into
-# `[0, 2⁶³)` so that `-1` means "no seed".
-#
-# Three host-side flags skip work: `filtering` (false: no sort, the sampler's dearest step, as in nano-vllm's
-# plain `temperature=0.6` benchmark), `all_greedy` (nothing to draw), `any_greedy` (an argmax to merge in).
+# Each step the runner gathers the batch's parameters into `SamplingTensors`, one entry per row (the sampler, like
+# vLLM's, knows nothing of sequences), copied from *pinned* memory with `non_blocking=True`. `seeds` and `steps`
+# stay on the CPU, the only side that reads them; a seed is folded into `[0, 2⁶³)` so that `-1` means "no seed".
+# Host-side flags skip work: `filtering` (false: no sort, the dearest step), `all_greedy`, `any_greedy`.
 
 
 # %% tags=["export"]
+PENALTIES = ("presence", "frequency", "repetition")
+
+
+def apply_penalties(logits, presence, frequency, repetition, prompt_ids, output_ids) -> torch.Tensor:
+    """vLLM's penalties (see below) on (batch, vocab) float32 logits; token ids (batch, length), -1 padded."""
+    vocab = logits.shape[-1]
+
+    def counts(ids: torch.Tensor) -> torch.Tensor:  # (batch, vocab): occurrences of each token; padding lands past it
+        ids = ids.masked_fill(ids < 0, vocab)
+        zeros = torch.zeros(ids.shape[0], vocab + 1, device=ids.device)
+        return zeros.scatter_add_(1, ids, torch.ones_like(ids, dtype=zeros.dtype))[:, :vocab]
+
+    in_output, r = counts(output_ids), repetition[:, None]
+    seen = (in_output + counts(prompt_ids)) > 0
+    logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+    return logits - frequency[:, None] * in_output - presence[:, None] * (in_output > 0)
+
+
 @dataclass(slots=True)
 class SamplingTensors:
     """The batch's sampling parameters, one entry per row."""
@@ -290,17 +293,31 @@ class SamplingTensors:
     filtering: bool = True  # some random row uses top-k, top-p or min-p; if none does, the sort is skipped
     any_greedy: bool = True  # some row has temperature 0
     all_greedy: bool = False  # every row has: no random draw at all
+    penalties: tuple[torch.Tensor, ...] | None = None  # apply_penalties' arguments after the logits; None: no penalty
+    banned: torch.Tensor | None = None  # (2, n): rows and token ids not to draw yet (stop tokens before min_tokens)
 
     @classmethod
     def from_params(
-        cls, params: list[SamplingParams], steps: list[int], device: torch.device | str = "cpu"
+        cls, params: list[SamplingParams], steps: list[int], device: torch.device | str = "cpu", histories=None
     ) -> "SamplingTensors":
-        """One row per request: its parameters, and how many tokens it has generated (seeded draws depend on it)."""
+        """One row per request: its parameters, how many tokens it has generated (seeded draws and min_tokens depend
+        on it) and, when some row has a penalty, its (prompt, output) token ids in `histories`."""
         pin = torch.device(device).type == "cuda"
 
         def to_device(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
 
+        def padded(rows: list[list[int]]) -> torch.Tensor:  # (batch, longest) int64, -1 after each row's end
+            width = max(1, *map(len, rows))
+            return to_device([row + [-1] * (width - len(row)) for row in rows], torch.int64)
+
+        early = [(r, p.stop_token_ids or []) for r, (p, n) in enumerate(zip(params, steps)) if n < p.min_tokens]
+        banned = [(r, t) for r, ids in early for t in ids]
+        penalties = None
+        if any(p.penalized for p in params):
+            assert histories is not None, "penalties need each row's prompt and output token ids"
+            values = [[getattr(p, f"{name}_penalty") for p in params] for name in PENALTIES]
+            penalties = (*(to_device(v, torch.float32) for v in values), *(padded(list(h)) for h in zip(*histories)))
         temperatures = [p.temperature for p in params]
         return cls(
             temperatures=to_device(temperatures, torch.float32),
@@ -310,9 +327,9 @@ class SamplingTensors:
             seeds=torch.tensor([-1 if p.seed is None else p.seed % 2**63 for p in params], dtype=torch.int64),
             steps=torch.tensor(steps, dtype=torch.int64),
             filtering=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in params),
-            any_greedy=0 in temperatures,
-            all_greedy=not any(temperatures),
-        )
+            any_greedy=0 in temperatures, all_greedy=not any(temperatures), penalties=penalties,
+            banned=to_device(list(zip(*banned)), torch.int64) if banned else None,
+        )  # fmt: skip
 
 
 # %%
@@ -322,7 +339,10 @@ from minivllm.sampling_params import SamplingParams
 
 
 def tensors_of(seqs: list[Sequence]) -> SamplingTensors:  # what the runner does for its batch
-    return SamplingTensors.from_params([s.sampling_params for s in seqs], [s.num_completion_tokens for s in seqs])
+    histories = [(s.prompt_token_ids, s.completion_token_ids) for s in seqs]  # the runner: only if a row has a penalty
+    return SamplingTensors.from_params(
+        [s.sampling_params for s in seqs], [s.num_completion_tokens for s in seqs], "cpu", histories
+    )
 
 
 seqs = [Sequence([1, 2, 3], SamplingParams(temperature=0)), Sequence([4, 5], SamplingParams(top_k=20, seed=7))]
@@ -336,9 +356,11 @@ assert not tensors_of(seqs[:1]).filtering and tensors_of(seqs[:1]).all_greedy
 
 # %% [markdown]
 # ### The sampler
-# Greedy rows take the argmax of the raw logits: their temperature becomes 1 so the division stays finite, and
-# the final `torch.where` throws their random draw away, so no other row can change them. Dividing the
-# caller's logits (bf16 on a GPU) by float32 temperatures makes a new float32 tensor, with no upcast pass.
+# Greedy rows take the argmax of the logits: their temperature becomes 1 so the division stays finite, and the
+# final `torch.where` throws their random draw away, so no other row can change them. Before all that, vLLM's
+# other knobs edit the logits (`apply_penalties` above): `repetition_penalty` divides a positive logit (multiplies
+# a negative one) of each token already in the prompt or the reply, `frequency_penalty` subtracts per time a
+# token is in the reply, `presence_penalty` once; and until `min_tokens`, a row's stop tokens get `-inf`.
 
 
 # %% tags=["export"]
@@ -346,6 +368,10 @@ class Sampler(nn.Module):
     """One token id per row of logits: the argmax where temperature is 0, else a draw from the filtered distribution."""
 
     def forward(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:  # logits: (batch, vocab)
+        if t.penalties is not None:
+            logits = apply_penalties(logits.float(), *t.penalties)
+        if t.banned is not None:  # a new tensor: the caller's logits stay as they were
+            logits = logits.index_put((t.banned[0], t.banned[1]), torch.tensor(float("-inf"), device=logits.device))
         if t.all_greedy:
             return logits.argmax(dim=-1)
         greedy = t.temperatures == 0  # (batch,)
@@ -371,6 +397,9 @@ for T in (1.0, 0.5):
     torch.testing.assert_close(freq, torch.softmax(cat_logits / T, dim=-1), atol=0.01, rtol=0)
 mixed = [Sequence([0], SamplingParams(temperature=T, top_p=0.5)) for T in (0.0, 1.5, 0.0, 3.0)]
 assert sampler(cat_logits.expand(4, -1), tensors_of(mixed))[[0, 2]].tolist() == [0, 0]
+penalized = Sequence([0], SamplingParams(temperature=0, repetition_penalty=2.0, min_tokens=2, stop_token_ids=[1]))
+penalized.append_token(0)  # "mat" said once: 4.0 / 2 is below "floor"'s 3.1, but "floor" stops it before 2 tokens
+assert sampler(cat_logits[None], tensors_of([penalized])).tolist() == [2]  # so: "sofa"
 
 # %% [markdown]
 # The promise of seeds, end to end, with a toy "model". A seeded request generates 8 tokens alone; its twin 4
@@ -463,18 +492,9 @@ class PagedContext:
                 )
             return attention_ref(q, k, v, cu_q, cu_q, layer.scale, causal=True)
         if self.use_triton:
-            return flash_attn_varlen_func(
-                q,
-                layer.k_cache,
-                layer.v_cache,
-                cu_q,
-                cu_k,
-                self.max_seqlen_q,
-                self.max_seqlen_k,
-                layer.scale,
-                causal=True,
-                block_table=self.block_tables,
-            )
+            return flash_attn_varlen_func(q, layer.k_cache, layer.v_cache, cu_q, cu_k, self.max_seqlen_q,
+                                          self.max_seqlen_k, layer.scale, causal=True,
+                                          block_table=self.block_tables)  # fmt: skip
         return paged_attention_ref(q, layer.k_cache, layer.v_cache, cu_q, cu_k, self.block_tables, layer.scale)
 
 
@@ -564,14 +584,8 @@ def prepare_decode(seqs: list[Sequence], block_size: int) -> StepInputs:
     block_tables = block_tables_array(seqs)
     last = context_lens.astype(np.int64) - 1  # the new token's position
     slots = block_tables[np.arange(len(seqs)), last // block_size].astype(np.int64) * block_size + last % block_size
-    return StepInputs(
-        False,
-        np.array([seq.last_token for seq in seqs], dtype=np.int64),
-        last,
-        slots,
-        block_tables,
-        context_lens=context_lens,
-    )
+    input_ids = np.array([seq.last_token for seq in seqs], dtype=np.int64)
+    return StepInputs(False, input_ids, last, slots, block_tables, context_lens=context_lens)
 
 
 # %% tags=["export"]
@@ -585,15 +599,9 @@ def step_to_device(
     def put_optional(a: np.ndarray | None) -> torch.Tensor | None:
         return None if a is None else put(a)
 
-    context = PagedContext(
-        step.is_prefill,
-        put(step.slot_mapping),
-        put_optional(step.block_tables),
-        put_optional(step.cu_seqlens_q),
-        put_optional(step.cu_seqlens_k),
-        context_lens=put_optional(step.context_lens),
-        use_triton=use_triton,
-    )
+    context = PagedContext(step.is_prefill, put(step.slot_mapping), put_optional(step.block_tables),
+                           put_optional(step.cu_seqlens_q), put_optional(step.cu_seqlens_k),
+                           context_lens=put_optional(step.context_lens), use_triton=use_triton)  # fmt: skip
     if step.is_prefill:
         assert step.cu_seqlens_q is not None and step.cu_seqlens_k is not None  # a prefill step has both
         context.max_seqlen_q = int(np.diff(step.cu_seqlens_q).max())
@@ -666,15 +674,9 @@ def prefix_hit_step(block_size: int) -> StepInputs:
     """A prefill of 2 new tokens after block_size - 2 cached ones, all in block 0: the shape of a prefix-cache
     hit or a chunked prompt's next chunk, run once at start-up (the cache holds nothing yet)."""
     positions = np.arange(block_size - 2, block_size)
-    return StepInputs(
-        True,
-        np.zeros(2, dtype=np.int64),
-        positions,
-        positions.copy(),
-        np.zeros((1, 1), np.int32),
-        cu_seqlens_q=np.array([0, 2], np.int32),
-        cu_seqlens_k=np.array([0, block_size], np.int32),
-    )
+    cu_seqlens_q, cu_seqlens_k = np.array([0, 2], np.int32), np.array([0, block_size], np.int32)
+    return StepInputs(True, np.zeros(2, np.int64), positions, positions.copy(), np.zeros((1, 1), np.int32),
+                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)  # fmt: skip
 
 
 def kv_block_bytes(layers: list[Attention], block_size: int, dtype: torch.dtype) -> int:
@@ -707,14 +709,11 @@ def gpu_free_blocks(block_bytes: int, gpu_memory_utilization: float) -> int:
     return int(total * gpu_memory_utilization - used - step_peak) // block_bytes
 
 
-def bind_kv_cache(
-    layers: list[Attention], num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
-) -> None:
+def bind_kv_cache(layers: list[Attention], num_blocks: int, block_size: int, dtype: torch.dtype,
+                  device: torch.device) -> None:  # fmt: skip
     """One tensor for the whole cache; each layer gets its K and V views, (num_blocks, block_size, kv_heads, d)."""
-    layer = layers[0]
-    kv = torch.zeros(
-        2, len(layers), num_blocks, block_size, layer.num_kv_heads, layer.head_dim, dtype=dtype, device=device
-    )
+    shape = (2, len(layers), num_blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim)
+    kv = torch.zeros(shape, dtype=dtype, device=device)
     for i, layer in enumerate(layers):
         layer.k_cache, layer.v_cache = kv[0, i], kv[1, i]
 
@@ -788,9 +787,10 @@ class DecodeGraphs:
 
 
 # %% [markdown]
-# A graph removes each kernel's *launch* cost, not the kernel. Our layers still make hundreds of tiny kernels per
-# step (the cell below counts one norm's and one RoPE's), each microseconds for almost no work: most of a graph
-# step's time on an H200. So the runner fuses each norm, RoPE and gated activation with `torch.compile` (01).
+# A graph removes each kernel's *launch* cost, not the kernel. Our layers in PyTorch make hundreds of tiny kernels per
+# step (the cell below counts one norm's and one RoPE's), each microseconds for almost no work: most of a graph step's
+# time on an H200. So on a GPU the runner switches each norm, RoPE and gated activation to its Triton kernel (01), one
+# launch each: `torch.compile` fuses too, but checks its guards on the host at every one of a forward's 169 calls.
 
 # %%
 from minivllm.models.qwen3 import Qwen3ForCausalLM
@@ -809,13 +809,12 @@ assert len(ops) >= 30  # most launch a kernel of their own in eager mode; each l
 
 
 # %% tags=["export"]
-def compile_small_layers(model: torch.nn.Module) -> None:
-    """Fuse each RMSNorm, RoPE and SiluAndMul into one generated kernel. Shapes are dynamic, but 2-D and 3-D
-    inputs, with and without a residual, one token or many, still make a dozen variants of RMSNorm."""
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+def use_small_layer_kernels(model: torch.nn.Module, enabled: bool = True) -> None:
+    """Run each RMSNorm, RoPE and SiluAndMul of this model as one Triton kernel (01): a launch, with no compiled
+    call's guards to check on the host first. CUDA graphs capture the launches like any other kernel's."""
     for module in model.modules():
-        if isinstance(module, (RMSNorm, RotaryEmbedding, SiluAndMul)):  # this instance's forward, on purpose:
-            module.forward = torch.compile(module.forward, dynamic=True, fullgraph=True)  # type: ignore[method-assign]
+        if isinstance(module, (RMSNorm, RotaryEmbedding, SiluAndMul)):
+            module.use_triton = enabled
 
 
 # %% tags=["export"] module="minivllm.engine.model_runner"
@@ -858,11 +857,11 @@ class ModelRunner:
                 self.model = load_model(config.model, config.dtype, self.device, config.hf_config)
             self.dtype = self.model.lm_head.weight.dtype
             if self.device.type == "cuda":
-                compile_small_layers(self.model)
+                use_small_layer_kernels(self.model)
             self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
             self.sampler = Sampler()
             self.num_kvcache_blocks = self.allocate_kv_cache()
-            if self.device.type == "cuda":  # compile the paged prefill kernel now, not in the first request
+            if self.device.type == "cuda":  # compile the Triton kernels (prefill, small layers) now, not in a request
                 self.execute(prefix_hit_step(self.block_size))
             if self.device.type == "cuda" and not config.enforce_eager:
                 assert config.max_model_len is not None  # Config resolved it
@@ -950,9 +949,10 @@ class ModelRunner:
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         """One step for these sequences: the next token of each."""
         logits = self.step_logits(seqs, is_prefill)  # queued on the GPU: the host goes on
-        sampling = SamplingTensors.from_params(  # built while the GPU computes
-            [seq.sampling_params for seq in seqs], [seq.num_completion_tokens for seq in seqs], self.device
-        )
+        params = [seq.sampling_params for seq in seqs]  # the sampling tensors are built while the GPU computes
+        penalized = any(p.penalized for p in params)  # penalties need each row's tokens
+        histories = [(s.prompt_token_ids, s.completion_token_ids) for s in seqs] if penalized else None
+        sampling = SamplingTensors.from_params(params, [s.num_completion_tokens for s in seqs], self.device, histories)
         return self.sampler(logits, sampling).tolist()
 
 

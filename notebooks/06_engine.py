@@ -32,7 +32,9 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
+from transformers.utils.logging import disable_progress_bar
 
+disable_progress_bar()  # transformers' saving and loading draw no progress bars in the outputs
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FIGURES = Path(os.environ.get("MINIVLLM_FIGURES", "../build/figures")).resolve()
 FIGURES.mkdir(parents=True, exist_ok=True)
@@ -455,44 +457,38 @@ print(
 #
 # * `add_request(prompt, sampling_params, request_id=None)` checks the request, tokenizes it and queues a
 #   `Sequence`; `abort_request(request_ids)` drops requests;
-# * `step()` runs one scheduler step (a prefill or a decode batch) and returns the requests that finished, with
-#   the step's `StepStats`. With nothing queued it does nothing and returns no outputs and an `"idle"` record.
+# * `step()` runs one scheduler step and returns the requests that finished, with the step's `StepStats` (vLLM
+#   hands its statistics to loggers it owns; we hand them to the caller, and keep no history). With nothing
+#   queued it does nothing and returns no outputs and an `"idle"` record.
 #
-# vLLM's `LLMEngine.step()` returns only the list of `RequestOutput`s and hands its statistics to loggers it
-# owns. We return the stats beside the outputs instead: a caller that wants to know where a step's time went reads
-# the record it was handed, and the engine keeps no history of its own.
+# **Bad input never gets in.** The engine is the one place that checks a request, before it touches any state,
+# with a `ValueError` naming the field and the allowed range: an empty prompt, one too long for `max_model_len`
+# (prompt plus one generated token must fit) or for the whole KV cache, a token id outside the vocabulary or not
+# an integer (NumPy and PyTorch integers are welcome; floats, bools, nested lists are not), a `request_id` in use.
+# It keeps its own checked copy of each request's `SamplingParams` (`dataclasses.replace` runs notebook 02's
+# checks again), so later changes to the caller's copy never reach a queued request. `add_requests` checks a
+# whole list before adding the first, so one bad request leaves the engine as it was. Below the engine, the
+# scheduler and the sequence trust what they are given and only `assert` their invariants.
 #
-# **Bad input never gets in.** The engine is the one place that checks a request. Every check runs before the
-# request touches any state, and raises a `ValueError` that names the field and the allowed range: an empty prompt, a prompt too long for
-# `max_model_len` (prompt plus at least one generated token must fit) or for the whole KV cache, a token id
-# outside the vocabulary or one that is not an integer (NumPy and PyTorch integer arrays and scalars are
-# welcome; floats, bools and nested lists are not), a `request_id` already in use. The engine keeps its own
-# checked copy of each request's `SamplingParams` (made with `dataclasses.replace`, which runs every check of
-# notebook 02 again), so parameters changed after they were made are caught too, and changing them later does
-# not reach a queued request. `add_requests` checks a whole list of requests before adding the first one, so
-# one bad request fails the call and leaves the engine exactly as it was. Below the engine, the scheduler and the
-# sequence trust what they are given and only `assert` their invariants (a failed assert there is a bug).
+# **A checkpoint without a tokenizer.** Token-id prompts still work; text (a prompt, a stop string) is refused.
+# transformers may build an *empty* tokenizer from a folder without tokenizer files: one with no ordinary token
+# counts as none.
 #
-# **A checkpoint without a tokenizer.** Token-id prompts still work; a text prompt is refused. transformers may
-# build an *empty* tokenizer from a folder without tokenizer files (it knows only a special token and encodes
-# text to nothing), so a tokenizer with no ordinary token counts as none.
+# **When the model fails.** If a step raises (a device error, Ctrl-C), its requests are aborted, their blocks
+# freed and dropped from the prefix cache (their KV may be half written), before the error reaches the caller;
+# the next `step()` serves the others. (A failure while scheduling aborts every request: `Scheduler.abort_all`.)
 #
-# **When the model fails.** If a step raises (an error on the device, Ctrl-C), the requests that step was running
-# are aborted, their blocks freed and dropped from the prefix cache (their KV may be half written), before the
-# error goes on to the caller; the other requests are untouched and the next `step()` serves them. (Should a
-# step fail while scheduling, before its batch is known, every request is aborted: `Scheduler.abort_all`, which
-# also resets the block manager, since that step may have left it half updated.)
+# **Threads.** One lock serialises `add_request`, `abort_request`, `step` and `LLM.generate`: two threads
+# calling `generate` on one `LLM` each get the outputs they would get alone, one after the other.
 #
-# **Threads.** One lock serialises `add_request`, `abort_request`, `step` and `LLM.generate`: the engine serves
-# one call at a time, and two threads calling `generate` on one `LLM` each get the outputs they would get
-# alone, one after the other.
+# **Stopping.** A model may have several EOS ids (the tokenizer's, and more in `generation_config.json`: Qwen3
+# has two); unless a request says `ignore_eos` the engine adds them to its stop tokens, so the scheduler needs
+# one rule: a stop token finishes a request. Stop *strings* are the engine's: after each step it decodes the
+# replies that have some, and ends one whose text holds a stop string (`"stop"`, the text cut before it, or
+# after it with `include_stop_str_in_output`). While a reply runs, its last characters that could begin a stop
+# string are held back from `progress`, so a stream never shows text that is then taken back.
 #
-# **End-of-sequence.** A model may have several EOS ids: the tokenizer's, and more in the checkpoint's
-# `generation_config.json` (Qwen3 has two). Unless a request says `ignore_eos`, the engine adds them all to the
-# request's own stop tokens, so the scheduler needs a single rule: a stop token finishes a request.
-#
-# **Block size.** The block manager owns it (from `Config`); the engine reads it there to cut each new sequence
-# into blocks and to know how many tokens the whole KV cache holds.
+# **Block size.** The block manager owns it (from `Config`); the engine reads it there.
 
 # %% tags=["export"] module="minivllm.engine.llm_engine"
 import dataclasses
@@ -543,6 +539,7 @@ class Request:
     prompt: str | None  # the text, when the prompt was text
     seq: Sequence
     metrics: RequestMetrics
+    text_end: int | None = None  # where the text ends, once a stop string is found in it
 
 
 class LLMEngine:
@@ -588,6 +585,8 @@ class LLMEngine:
             )
         if bad := [t for t in token_ids if not 0 <= t < vocab_size]:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop strings need a tokenizer, and {config.model} has none: use stop_token_ids")
 
     def request_params(self, params: SamplingParams | None) -> SamplingParams:
         """The request's own checked copy of params, whose stop tokens include every EOS id (unless ignore_eos): the
@@ -693,11 +692,16 @@ class LLMEngine:
         )
 
     def record(self, seqs: list[Sequence], finished: list[Sequence], now: float) -> None:
-        """After a step: first-token and finish times, and the finished requests' outputs."""
+        """After a step: first-token and finish times, stop strings, and the finished requests' outputs."""
         for seq in seqs:
-            metrics = self.requests[seq.seq_id].metrics
-            if metrics.first_token_time is None and seq.num_completion_tokens > 0:
-                metrics.first_token_time = now
+            request = self.requests[seq.seq_id]
+            if request.metrics.first_token_time is None and seq.num_completion_tokens > 0:
+                request.metrics.first_token_time = now
+            if seq.sampling_params.stop and self.find_stop(request):
+                if not seq.is_finished:
+                    self.scheduler.abort(seq)  # frees its blocks (its newest token's KV was never computed)
+                    finished.append(seq)
+                seq.finish_reason = "stop"
         for seq in finished:
             self.requests[seq.seq_id].metrics.finished_time = now
             self.finished.append(self.output(self.requests.pop(seq.seq_id)))
@@ -717,12 +721,25 @@ class LLMEngine:
         with self.lock:
             return [self.output(r, False) for r in self.requests.values() if r.request_id in request_ids]
 
+    def find_stop(self, request: Request) -> bool:
+        """Whether the reply's text holds one of its stop strings; if so, `text_end` says where the text ends."""
+        params = request.seq.sampling_params
+        text = self.decode(request.seq.completion_token_ids)
+        hits = [(at, stop) for stop in params.stop if (at := text.find(stop)) >= 0]  # type: ignore[union-attr]
+        if hits:
+            at, stop = min(hits)  # the first stop string in the text
+            request.text_end = at + len(stop) if params.include_stop_str_in_output else at
+        return bool(hits)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return "" if self.tokenizer is None else cast(str, self.tokenizer.decode(token_ids, skip_special_tokens=True))
+
     def output(self, request: Request, finished: bool = True) -> RequestOutput:
-        seq = request.seq
+        seq, params = request.seq, request.seq.sampling_params
         token_ids = seq.completion_token_ids
-        text = ""
-        if self.tokenizer is not None:  # decode gives one str for one sequence of ids
-            text = cast(str, self.tokenizer.decode(token_ids, skip_special_tokens=True))
+        text = self.decode(token_ids)[: request.text_end]
+        if not finished and params.stop:  # hold back what may be the start of a stop string
+            text = text[: len(text) + 1 - max(map(len, params.stop))]
         return RequestOutput(
             request.request_id,
             request.prompt,
@@ -737,8 +754,8 @@ class LLMEngine:
         return bool(self.finished) or not self.scheduler.is_finished()
 
     def abort_all(self) -> None:
-        """Drop every request and kept output. The scheduler resets its block manager too (a step cut short may have
-        left it half updated): with no request left, only cached prefixes are lost."""
+        """Drop every request and kept output; the scheduler resets its block manager (a failed step may have left
+        it half updated)."""
         with self.lock:
             self.scheduler.abort_all()
             self.requests.clear()
@@ -750,19 +767,15 @@ class LLMEngine:
 
 # %% [markdown]
 # ## `LLM`: vLLM's offline API
-# `LLM(model, ...)` takes the engine's settings as keyword arguments: the fields of notebook 02's `Config`,
-# with vLLM's names and defaults (`tensor_parallel_size`, `max_num_seqs`, `gpu_memory_utilization`, ...).
-# `generate` accepts a str, a list of str, or token ids (one list of ints, a 1-D integer array or tensor, or a
-# list of those), with one `SamplingParams` for all or one per prompt; it checks every request, then adds them
-# all, steps until they are done, and returns their outputs in the prompts' order. A progress bar shows finished
-# requests and the prefill and decode token rates.
-#
-# The contract with the rest of the engine:
+# `LLM(model, ...)` takes notebook 02's `Config` fields as keyword arguments, with vLLM's names and defaults.
+# `generate` accepts a str, a list of str, or token ids (a list of ints, a 1-D integer array or tensor, or a list
+# of those), with one `SamplingParams` for all or one per prompt; it checks every request, adds them all, steps
+# until they are done, and returns their outputs in the prompts' order, with a progress bar. `chat` does the same
+# for conversations, through the checkpoint's chat template. The contract with the rest of the engine:
 #
 # * `generate` holds the engine's lock for its whole run, so calls from several threads run one after another;
-# * it returns only its own requests. Requests queued earlier with `engine.add_request` run alongside (they
-#   share the batches) but are not returned: those that finish are kept, and the next `engine.step()` returns
-#   them; those that do not go on in later steps;
+# * it returns only its own requests. Requests queued earlier with `engine.add_request` share its batches but are
+#   not returned: those that finish are kept for the next `engine.step()`, the others go on in later steps;
 # * if the loop is interrupted (an exception, Ctrl-C), the call's unfinished requests are aborted and their KV
 #   blocks freed, so the engine can serve the next call.
 
@@ -898,12 +911,16 @@ path = CHECKPOINTS / "tiny-text"
 if not (path / "model.safetensors").is_file():  # notebook 02 wrote it; training it again takes half a minute
     write_checkpoint(path, "tiny-text", seed=0)
 llm = LLM(str(path), max_model_len=1024, max_num_seqs=32, num_kvcache_blocks=256)
-show(llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24)))
+show(texts := llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False))
+stopped = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=24, stop="."), use_tqdm=False)[0].outputs[0]
+print(f"with stop='.': {stopped.text!r}, finish_reason={stopped.finish_reason}")
+assert stopped.finish_reason == "stop" and stopped.text == texts[0].outputs[0].text.split(".")[0]
 if DEVICE == "cuda":
     llm.close()  # give its GPU memory to the 0.6B
     path = write_checkpoint(CHECKPOINTS / "qwen3-0.6b", "qwen3-0.6b", seed=0)
     llm = LLM(str(path), max_model_len=1024, max_num_seqs=32)
-    show(llm.generate(prompts, [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, seed=i) for i in range(3)]))
+    sampled = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, seed=i) for i in range(3)]
+    show(llm.generate(prompts, sampled, use_tqdm=False))
 
 # %% [markdown]
 # ### The same tokens as transformers
@@ -959,29 +976,11 @@ for name, (bad_prompts, params) in bad_requests.items():
         print(f"{name:>34}: {e}")
     else:
         raise AssertionError(f"{name} was accepted")
-for param, value in [
-    ("temperature", -1),
-    ("top_p", 0),
-    ("top_k", 0),
-    ("min_p", 2),
-    ("max_tokens", 0),
-    ("temperature", float("inf")),
-    ("max_tokens", 2.0),
-    ("stop_token_ids", [[1]]),
-]:
-    try:
-        SamplingParams(**{param: value})
-    except ValueError as e:
-        print(f"{param + '=' + str(value):>34}: {e}")
 assert not cpu_llm.engine.has_unfinished_requests()
 assert cpu_llm.engine.scheduler.block_manager.num_used_blocks == 0
 after = cpu_llm.generate([[1, 2, 3]], greedy, use_tqdm=False)[0].outputs[0].token_ids  # the engine still serves
-assert (
-    after
-    == hf.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)[
-        0, 3:
-    ].tolist()
-)
+expected = hf.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
+assert after == expected[0, 3:].tolist()
 
 # %% [markdown]
 # ### Sharing one engine

@@ -1,5 +1,6 @@
 """The engine and vLLM's offline API (notebook 06): parity with transformers, stopping, validation, recovery, CLI."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -64,6 +65,44 @@ def test_stop_token_ids_and_eos(llm, tiny, tmp_path):
     assert ignored[0].outputs[0].token_ids == tokens
 
 
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stop_string_ends_the_text_there_and_frees_the_blocks(llm, include):
+    full = llm.generate(["Once upon a time"], GREEDY, use_tqdm=False)[0].outputs[0]
+    stop = full.text[len(full.text) // 3 :][:3]  # three characters a third of the way in
+    end = full.text.find(stop) + (len(stop) if include else 0)
+    params = SamplingParams(
+        temperature=0, max_tokens=24, ignore_eos=True, stop=stop, include_stop_str_in_output=include
+    )
+    out = llm.generate(["Once upon a time"], params, use_tqdm=False)[0].outputs[0]
+    assert out.text == full.text[:end] and out.finish_reason == "stop"
+    assert out.token_ids == full.token_ids[: len(out.token_ids)] and len(out.token_ids) < 24  # it stopped early
+    bm = llm.engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_a_running_reply_never_shows_text_it_takes_back(llm):
+    """progress() holds back what may begin a stop string: every partial text is a prefix of the final one."""
+    full = llm.generate(["Once upon a time"], GREEDY, use_tqdm=False)[0].outputs[0].text
+    stop = full[len(full) // 2 :][:4]
+    request_id = llm.engine.add_request("Once upon a time", dataclasses.replace(GREEDY, stop=[stop, "zz"]))
+    partial, final = [], None
+    while final is None:
+        finished, _ = llm.engine.step()
+        partial += [out.outputs[0].text for out in llm.engine.progress([request_id])]
+        final = next((out.outputs[0].text for out in finished if out.request_id == request_id), None)
+    assert final == full[: full.find(stop)] and len(partial) >= 2
+    assert all(final.startswith(text) for text in partial)
+
+
+def test_min_tokens_holds_back_stop_tokens(llm):
+    tokens = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    stop = tokens[0]  # the first token greedy picks: with min_tokens=4 it may not be drawn before the 5th
+    out = llm.generate(
+        [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop], min_tokens=4), use_tqdm=False
+    )[0].outputs[0]
+    assert len(out.token_ids) > 4 and stop not in out.token_ids[:4] and out.token_ids[0] != tokens[0]
+
+
 def test_max_tokens_and_max_model_len_finish_with_length(llm):
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3 and out[0].outputs[0].finish_reason == "length"
@@ -101,6 +140,14 @@ def test_bad_requests_raise_and_change_nothing(llm, prompts, params, field):
         (dict(top_k=-2), "top_k"),
         (dict(min_p=1.5), "min_p"),
         (dict(max_tokens=0), "max_tokens"),
+        (dict(min_tokens=17), "min_tokens"),
+        (dict(min_tokens=-1), "min_tokens"),
+        (dict(presence_penalty=2.5), "presence_penalty"),
+        (dict(frequency_penalty=-3), "frequency_penalty"),
+        (dict(repetition_penalty=0.0), "repetition_penalty"),
+        (dict(stop=[""]), "stop"),
+        (dict(stop=[3]), "stop"),
+        (dict(include_stop_str_in_output=1), "include_stop_str_in_output"),
     ],
 )
 def test_sampling_params_name_the_field(kwargs, field):

@@ -77,6 +77,27 @@ def test_completions_equal_offline_generate(client, offline, stream):
         assert text == out.outputs[0].text
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("kind", ["stop string", "penalties"])
+def test_stop_strings_and_penalties_as_offline(client, offline, stream, kind):
+    plain = offline.generate(["Once upon a time"], greedy(20), use_tqdm=False)[0].outputs[0].text
+    fields = dict(stop=[plain[8:11]]) if kind == "stop string" else dict(frequency_penalty=0.5, presence_penalty=0.2)
+    extra = (
+        dict(ignore_eos=True) if kind == "stop string" else dict(ignore_eos=True, repetition_penalty=1.3, min_tokens=2)
+    )
+    params = SamplingParams(temperature=0, max_tokens=20, **fields, **extra)
+    expected = offline.generate(["Once upon a time"], params, use_tqdm=False)[0].outputs[0]
+    assert expected.text != plain and expected.finish_reason == ("stop" if kind == "stop string" else "length")
+    kw = dict(model="tiny", prompt="Once upon a time", max_tokens=20, temperature=0, extra_body=extra, **fields)
+    if stream:
+        chunks = list(client.completions.create(stream=True, **kw))
+        text, reason = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+    else:
+        choice = client.completions.create(**kw).choices[0]
+        text, reason = choice.text, choice.finish_reason
+    assert (text, reason) == (expected.text, expected.finish_reason)
+
+
 def test_a_prompt_of_token_ids_gives_the_same_tokens(client, offline):
     ids = [5, 77, 300, 9, 1000]
     reply = client.completions.create(
@@ -141,6 +162,9 @@ def test_a_client_that_leaves_mid_stream_frees_its_request(server):
         (dict(prompt=[10**9]), "prompt"),
         (dict(prompt=None), "prompt"),
         (dict(n=4), "n"),
+        (dict(presence_penalty=5), "presence_penalty"),
+        (dict(stop=[""]), "stop"),
+        (dict(min_tokens=9), "min_tokens"),
     ],
 )
 def test_a_bad_request_gets_a_400_naming_the_field(server, change, field):

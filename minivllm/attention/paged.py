@@ -48,16 +48,7 @@ class PagedContext:
                 )
             return attention_ref(q, k, v, cu_q, cu_q, layer.scale, causal=True)
         if self.use_triton:
-            return flash_attn_varlen_func(
-                q,
-                layer.k_cache,
-                layer.v_cache,
-                cu_q,
-                cu_k,
-                self.max_seqlen_q,
-                self.max_seqlen_k,
-                layer.scale,
-                causal=True,
-                block_table=self.block_tables,
-            )
+            return flash_attn_varlen_func(q, layer.k_cache, layer.v_cache, cu_q, cu_k, self.max_seqlen_q,
+                                          self.max_seqlen_k, layer.scale, causal=True,
+                                          block_table=self.block_tables)  # fmt: skip
         return paged_attention_ref(q, layer.k_cache, layer.v_cache, cu_q, cu_k, self.block_tables, layer.scale)

@@ -48,6 +48,7 @@ class Request:
     prompt: str | None  # the text, when the prompt was text
     seq: Sequence
     metrics: RequestMetrics
+    text_end: int | None = None  # where the text ends, once a stop string is found in it
 
 
 class LLMEngine:
@@ -93,6 +94,8 @@ class LLMEngine:
             )
         if bad := [t for t in token_ids if not 0 <= t < vocab_size]:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop strings need a tokenizer, and {config.model} has none: use stop_token_ids")
 
     def request_params(self, params: SamplingParams | None) -> SamplingParams:
         """The request's own checked copy of params, whose stop tokens include every EOS id (unless ignore_eos): the
@@ -198,11 +201,16 @@ class LLMEngine:
         )
 
     def record(self, seqs: list[Sequence], finished: list[Sequence], now: float) -> None:
-        """After a step: first-token and finish times, and the finished requests' outputs."""
+        """After a step: first-token and finish times, stop strings, and the finished requests' outputs."""
         for seq in seqs:
-            metrics = self.requests[seq.seq_id].metrics
-            if metrics.first_token_time is None and seq.num_completion_tokens > 0:
-                metrics.first_token_time = now
+            request = self.requests[seq.seq_id]
+            if request.metrics.first_token_time is None and seq.num_completion_tokens > 0:
+                request.metrics.first_token_time = now
+            if seq.sampling_params.stop and self.find_stop(request):
+                if not seq.is_finished:
+                    self.scheduler.abort(seq)  # frees its blocks (its newest token's KV was never computed)
+                    finished.append(seq)
+                seq.finish_reason = "stop"
         for seq in finished:
             self.requests[seq.seq_id].metrics.finished_time = now
             self.finished.append(self.output(self.requests.pop(seq.seq_id)))
@@ -222,12 +230,25 @@ class LLMEngine:
         with self.lock:
             return [self.output(r, False) for r in self.requests.values() if r.request_id in request_ids]
 
+    def find_stop(self, request: Request) -> bool:
+        """Whether the reply's text holds one of its stop strings; if so, `text_end` says where the text ends."""
+        params = request.seq.sampling_params
+        text = self.decode(request.seq.completion_token_ids)
+        hits = [(at, stop) for stop in params.stop if (at := text.find(stop)) >= 0]  # type: ignore[union-attr]
+        if hits:
+            at, stop = min(hits)  # the first stop string in the text
+            request.text_end = at + len(stop) if params.include_stop_str_in_output else at
+        return bool(hits)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return "" if self.tokenizer is None else cast(str, self.tokenizer.decode(token_ids, skip_special_tokens=True))
+
     def output(self, request: Request, finished: bool = True) -> RequestOutput:
-        seq = request.seq
+        seq, params = request.seq, request.seq.sampling_params
         token_ids = seq.completion_token_ids
-        text = ""
-        if self.tokenizer is not None:  # decode gives one str for one sequence of ids
-            text = cast(str, self.tokenizer.decode(token_ids, skip_special_tokens=True))
+        text = self.decode(token_ids)[: request.text_end]
+        if not finished and params.stop:  # hold back what may be the start of a stop string
+            text = text[: len(text) + 1 - max(map(len, params.stop))]
         return RequestOutput(
             request.request_id,
             request.prompt,
@@ -242,8 +263,8 @@ class LLMEngine:
         return bool(self.finished) or not self.scheduler.is_finished()
 
     def abort_all(self) -> None:
-        """Drop every request and kept output. The scheduler resets its block manager too (a step cut short may have
-        left it half updated): with no request left, only cached prefixes are lost."""
+        """Drop every request and kept output; the scheduler resets its block manager (a failed step may have left
+        it half updated)."""
         with self.lock:
             self.scheduler.abort_all()
             self.requests.clear()

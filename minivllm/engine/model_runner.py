@@ -74,14 +74,8 @@ def prepare_decode(seqs: list[Sequence], block_size: int) -> StepInputs:
     block_tables = block_tables_array(seqs)
     last = context_lens.astype(np.int64) - 1  # the new token's position
     slots = block_tables[np.arange(len(seqs)), last // block_size].astype(np.int64) * block_size + last % block_size
-    return StepInputs(
-        False,
-        np.array([seq.last_token for seq in seqs], dtype=np.int64),
-        last,
-        slots,
-        block_tables,
-        context_lens=context_lens,
-    )
+    input_ids = np.array([seq.last_token for seq in seqs], dtype=np.int64)
+    return StepInputs(False, input_ids, last, slots, block_tables, context_lens=context_lens)
 
 
 def step_to_device(
@@ -94,15 +88,9 @@ def step_to_device(
     def put_optional(a: np.ndarray | None) -> torch.Tensor | None:
         return None if a is None else put(a)
 
-    context = PagedContext(
-        step.is_prefill,
-        put(step.slot_mapping),
-        put_optional(step.block_tables),
-        put_optional(step.cu_seqlens_q),
-        put_optional(step.cu_seqlens_k),
-        context_lens=put_optional(step.context_lens),
-        use_triton=use_triton,
-    )
+    context = PagedContext(step.is_prefill, put(step.slot_mapping), put_optional(step.block_tables),
+                           put_optional(step.cu_seqlens_q), put_optional(step.cu_seqlens_k),
+                           context_lens=put_optional(step.context_lens), use_triton=use_triton)  # fmt: skip
     if step.is_prefill:
         assert step.cu_seqlens_q is not None and step.cu_seqlens_k is not None  # a prefill step has both
         context.max_seqlen_q = int(np.diff(step.cu_seqlens_q).max())
@@ -114,15 +102,9 @@ def prefix_hit_step(block_size: int) -> StepInputs:
     """A prefill of 2 new tokens after block_size - 2 cached ones, all in block 0: the shape of a prefix-cache
     hit or a chunked prompt's next chunk, run once at start-up (the cache holds nothing yet)."""
     positions = np.arange(block_size - 2, block_size)
-    return StepInputs(
-        True,
-        np.zeros(2, dtype=np.int64),
-        positions,
-        positions.copy(),
-        np.zeros((1, 1), np.int32),
-        cu_seqlens_q=np.array([0, 2], np.int32),
-        cu_seqlens_k=np.array([0, block_size], np.int32),
-    )
+    cu_seqlens_q, cu_seqlens_k = np.array([0, 2], np.int32), np.array([0, block_size], np.int32)
+    return StepInputs(True, np.zeros(2, np.int64), positions, positions.copy(), np.zeros((1, 1), np.int32),
+                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)  # fmt: skip
 
 
 def kv_block_bytes(layers: list[Attention], block_size: int, dtype: torch.dtype) -> int:
@@ -155,14 +137,11 @@ def gpu_free_blocks(block_bytes: int, gpu_memory_utilization: float) -> int:
     return int(total * gpu_memory_utilization - used - step_peak) // block_bytes
 
 
-def bind_kv_cache(
-    layers: list[Attention], num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
-) -> None:
+def bind_kv_cache(layers: list[Attention], num_blocks: int, block_size: int, dtype: torch.dtype,
+                  device: torch.device) -> None:  # fmt: skip
     """One tensor for the whole cache; each layer gets its K and V views, (num_blocks, block_size, kv_heads, d)."""
-    layer = layers[0]
-    kv = torch.zeros(
-        2, len(layers), num_blocks, block_size, layer.num_kv_heads, layer.head_dim, dtype=dtype, device=device
-    )
+    shape = (2, len(layers), num_blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim)
+    kv = torch.zeros(shape, dtype=dtype, device=device)
     for i, layer in enumerate(layers):
         layer.k_cache, layer.v_cache = kv[0, i], kv[1, i]
 
@@ -223,13 +202,12 @@ class DecodeGraphs:
         return self.hidden[:bs]  # (bs, hidden_size)
 
 
-def compile_small_layers(model: torch.nn.Module) -> None:
-    """Fuse each RMSNorm, RoPE and SiluAndMul into one generated kernel. Shapes are dynamic, but 2-D and 3-D
-    inputs, with and without a residual, one token or many, still make a dozen variants of RMSNorm."""
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+def use_small_layer_kernels(model: torch.nn.Module, enabled: bool = True) -> None:
+    """Run each RMSNorm, RoPE and SiluAndMul of this model as one Triton kernel (01): a launch, with no compiled
+    call's guards to check on the host first. CUDA graphs capture the launches like any other kernel's."""
     for module in model.modules():
-        if isinstance(module, (RMSNorm, RotaryEmbedding, SiluAndMul)):  # this instance's forward, on purpose:
-            module.forward = torch.compile(module.forward, dynamic=True, fullgraph=True)  # type: ignore[method-assign]
+        if isinstance(module, (RMSNorm, RotaryEmbedding, SiluAndMul)):
+            module.use_triton = enabled
 
 
 def rank_device(config: Config, rank: int) -> torch.device:
@@ -263,11 +241,11 @@ class ModelRunner:
                 self.model = load_model(config.model, config.dtype, self.device, config.hf_config)
             self.dtype = self.model.lm_head.weight.dtype
             if self.device.type == "cuda":
-                compile_small_layers(self.model)
+                use_small_layer_kernels(self.model)
             self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
             self.sampler = Sampler()
             self.num_kvcache_blocks = self.allocate_kv_cache()
-            if self.device.type == "cuda":  # compile the paged prefill kernel now, not in the first request
+            if self.device.type == "cuda":  # compile the Triton kernels (prefill, small layers) now, not in a request
                 self.execute(prefix_hit_step(self.block_size))
             if self.device.type == "cuda" and not config.enforce_eager:
                 assert config.max_model_len is not None  # Config resolved it
@@ -355,7 +333,8 @@ class ModelRunner:
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         """One step for these sequences: the next token of each."""
         logits = self.step_logits(seqs, is_prefill)  # queued on the GPU: the host goes on
-        sampling = SamplingTensors.from_params(  # built while the GPU computes
-            [seq.sampling_params for seq in seqs], [seq.num_completion_tokens for seq in seqs], self.device
-        )
+        params = [seq.sampling_params for seq in seqs]  # the sampling tensors are built while the GPU computes
+        penalized = any(p.penalized for p in params)  # penalties need each row's tokens
+        histories = [(s.prompt_token_ids, s.completion_token_ids) for s in seqs] if penalized else None
+        sampling = SamplingTensors.from_params(params, [s.num_completion_tokens for s in seqs], self.device, histories)
         return self.sampler(logits, sampling).tolist()

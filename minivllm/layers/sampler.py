@@ -47,6 +47,24 @@ def exponential_noise(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Ten
     return q.clamp_min_(1e-10)  # a 0 would make p / q infinite, or NaN for a dropped token
 
 
+PENALTIES = ("presence", "frequency", "repetition")
+
+
+def apply_penalties(logits, presence, frequency, repetition, prompt_ids, output_ids) -> torch.Tensor:
+    """vLLM's penalties (see below) on (batch, vocab) float32 logits; token ids (batch, length), -1 padded."""
+    vocab = logits.shape[-1]
+
+    def counts(ids: torch.Tensor) -> torch.Tensor:  # (batch, vocab): occurrences of each token; padding lands past it
+        ids = ids.masked_fill(ids < 0, vocab)
+        zeros = torch.zeros(ids.shape[0], vocab + 1, device=ids.device)
+        return zeros.scatter_add_(1, ids, torch.ones_like(ids, dtype=zeros.dtype))[:, :vocab]
+
+    in_output, r = counts(output_ids), repetition[:, None]
+    seen = (in_output + counts(prompt_ids)) > 0
+    logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+    return logits - frequency[:, None] * in_output - presence[:, None] * (in_output > 0)
+
+
 @dataclass(slots=True)
 class SamplingTensors:
     """The batch's sampling parameters, one entry per row."""
@@ -60,17 +78,31 @@ class SamplingTensors:
     filtering: bool = True  # some random row uses top-k, top-p or min-p; if none does, the sort is skipped
     any_greedy: bool = True  # some row has temperature 0
     all_greedy: bool = False  # every row has: no random draw at all
+    penalties: tuple[torch.Tensor, ...] | None = None  # apply_penalties' arguments after the logits; None: no penalty
+    banned: torch.Tensor | None = None  # (2, n): rows and token ids not to draw yet (stop tokens before min_tokens)
 
     @classmethod
     def from_params(
-        cls, params: list[SamplingParams], steps: list[int], device: torch.device | str = "cpu"
+        cls, params: list[SamplingParams], steps: list[int], device: torch.device | str = "cpu", histories=None
     ) -> "SamplingTensors":
-        """One row per request: its parameters, and how many tokens it has generated (seeded draws depend on it)."""
+        """One row per request: its parameters, how many tokens it has generated (seeded draws and min_tokens depend
+        on it) and, when some row has a penalty, its (prompt, output) token ids in `histories`."""
         pin = torch.device(device).type == "cuda"
 
         def to_device(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
 
+        def padded(rows: list[list[int]]) -> torch.Tensor:  # (batch, longest) int64, -1 after each row's end
+            width = max(1, *map(len, rows))
+            return to_device([row + [-1] * (width - len(row)) for row in rows], torch.int64)
+
+        early = [(r, p.stop_token_ids or []) for r, (p, n) in enumerate(zip(params, steps)) if n < p.min_tokens]
+        banned = [(r, t) for r, ids in early for t in ids]
+        penalties = None
+        if any(p.penalized for p in params):
+            assert histories is not None, "penalties need each row's prompt and output token ids"
+            values = [[getattr(p, f"{name}_penalty") for p in params] for name in PENALTIES]
+            penalties = (*(to_device(v, torch.float32) for v in values), *(padded(list(h)) for h in zip(*histories)))
         temperatures = [p.temperature for p in params]
         return cls(
             temperatures=to_device(temperatures, torch.float32),
@@ -80,15 +112,19 @@ class SamplingTensors:
             seeds=torch.tensor([-1 if p.seed is None else p.seed % 2**63 for p in params], dtype=torch.int64),
             steps=torch.tensor(steps, dtype=torch.int64),
             filtering=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in params),
-            any_greedy=0 in temperatures,
-            all_greedy=not any(temperatures),
-        )
+            any_greedy=0 in temperatures, all_greedy=not any(temperatures), penalties=penalties,
+            banned=to_device(list(zip(*banned)), torch.int64) if banned else None,
+        )  # fmt: skip
 
 
 class Sampler(nn.Module):
     """One token id per row of logits: the argmax where temperature is 0, else a draw from the filtered distribution."""
 
     def forward(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:  # logits: (batch, vocab)
+        if t.penalties is not None:
+            logits = apply_penalties(logits.float(), *t.penalties)
+        if t.banned is not None:  # a new tensor: the caller's logits stay as they were
+            logits = logits.index_put((t.banned[0], t.banned[1]), torch.tensor(float("-inf"), device=logits.device))
         if t.all_greedy:
             return logits.argmax(dim=-1)
         greedy = t.temperatures == 0  # (batch,)
