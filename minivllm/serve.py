@@ -10,6 +10,7 @@ ending in `data: [DONE]`), `/v1/models`, `/health`. A bad request gets status 40
 """
 
 import argparse
+import dataclasses
 import json
 import time
 import uuid
@@ -76,27 +77,16 @@ def error(message: str, param: str | None = None, status: int = 400) -> JSONResp
     return JSONResponse({"error": body}, status_code=status)
 
 
+SAMPLING_FIELDS = {field.name for field in dataclasses.fields(SamplingParams)} - {"max_tokens"}
+
+
 def sampling_params(request: SamplingRequest, max_tokens: int | None) -> SamplingParams:
     """The request's SamplingParams; BadRequest naming the field when SamplingParams refuses a value."""
     if request.n != 1:
         raise BadRequest(f"n must be 1 (parallel samples are not supported yet), got {request.n}", "n")
+    fields = request.model_dump(include=SAMPLING_FIELDS)  # the request's fields that SamplingParams has too
     try:
-        return SamplingParams(
-            temperature=request.temperature,
-            top_p=request.top_p,
-            top_k=request.top_k,
-            min_p=request.min_p,
-            presence_penalty=request.presence_penalty,
-            frequency_penalty=request.frequency_penalty,
-            repetition_penalty=request.repetition_penalty,
-            max_tokens=16 if max_tokens is None else max_tokens,
-            min_tokens=request.min_tokens,
-            ignore_eos=request.ignore_eos,
-            seed=request.seed,
-            stop_token_ids=request.stop_token_ids,
-            stop=[request.stop] if isinstance(request.stop, str) else request.stop,
-            include_stop_str_in_output=request.include_stop_str_in_output,
-        )
+        return SamplingParams(**fields, max_tokens=16 if max_tokens is None else max_tokens)
     except ValueError as e:  # SamplingParams names the field first: "temperature must be >= 0, got -1"
         raise BadRequest(str(e), str(e).split()[0]) from e
 

@@ -486,7 +486,7 @@ print(
 # one rule: a stop token finishes a request. Stop *strings* are the engine's: after each step it decodes the
 # replies that have some, and ends one whose text holds a stop string (`"stop"`, the text cut before it, or
 # after it with `include_stop_str_in_output`). While a reply runs, its last characters that could begin a stop
-# string are held back from `progress`, so a stream never shows text that is then taken back.
+# string are held back from `progress`, so a stream never shows text it takes back (tests/test_engine.py checks it).
 #
 # **Block size.** The block manager owns it (from `Config`); the engine reads it there.
 
