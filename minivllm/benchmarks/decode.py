@@ -1,23 +1,28 @@
-"""Paged decode attention: our Triton kernel vs a naive gather + SDPA, and vs our prefill kernel used for decode.
+"""Paged decode attention: our Triton kernel vs a naive gather + SDPA, vs our prefill kernel used for decode, and
+vs FlashInfer's paged decode where the `flashinfer` package is installed.
 
     python -m minivllm.benchmarks.decode [--out figures]
 
 Qwen3-0.6B's attention (16 query / 8 KV heads, head_dim 128, bf16), one new query per sequence, the context
 spread over a shuffled block table. Bandwidth counts the bytes of K and V read: batch × context × 8 × 128 × 2 × 2.
-Each call is timed from a CUDA graph, as the engine's decode step runs. Writes decode.json + decode.png, with the
-device's copy bandwidth (read + write) as the ceiling.
+Each call is timed from a CUDA graph, as the engine's decode step runs (FlashInfer's plan runs before, outside the
+graph). Writes decode.json + decode.png, with the device's copy bandwidth (read + write) as the ceiling, and prints
+per shape how fast ours is against FlashInfer (ratios in the JSON).
 """
 
 import argparse
+import importlib
+import importlib.util
 from pathlib import Path
 
 import torch
 
-from minivllm.benchmarks.common import OUT, gpu_ms, graph_ms, result, save
+from minivllm.benchmarks.common import OUT, gpu_ms, graph_ms, package_version, result, save
 from minivllm.kernels import flash_attn_varlen_func, flash_attn_with_kvcache
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
-SHAPES = [(1, 16384), (8, 8192), (64, 4096), (256, 1024)]  # (batch, context_len)
+SHAPES = [(1, 16384), (8, 8192), (32, 2048), (64, 4096), (256, 1024), (256, 512)]  # (batch, context_len)
+HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None  # an anchor row when installed; never required
 
 
 def paged_inputs(batch: int, context_len: int, block_size: int, dtype=torch.bfloat16) -> dict:
@@ -70,6 +75,49 @@ IMPLS = {
 }
 
 
+def flashinfer_decode(x: dict):
+    """FlashInfer's paged decode (BatchDecodeWithPagedKVCacheWrapper, NHD pages = our cache blocks) over the same
+    cache and block table, planned here, once, outside the timing. Its CUDA-graph mode, as engines capture it: fixed
+    index buffers, plan before capture, run() alone is replayed."""
+    flashinfer = importlib.import_module("flashinfer")
+    block_table = x["block_table"]
+    batch, blocks_per_seq = block_table.shape
+    block_size = x["k_cache"].shape[1]
+    indptr = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * blocks_per_seq  # sequence i: its row
+    indices = block_table.flatten()  # the pages of sequence i, in order: indices[indptr[i]:indptr[i + 1]]
+    last_page_len = x["cache_seqlens"] - (blocks_per_seq - 1) * block_size  # tokens in each last page (1..block_size)
+    workspace = torch.zeros(128 * 1024**2, dtype=torch.uint8, device="cuda")  # FlashInfer's advice: 128 MB, zeroed
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        workspace,
+        kv_layout="NHD",
+        use_cuda_graph=True,
+        paged_kv_indptr_buffer=torch.empty_like(indptr),
+        paged_kv_indices_buffer=torch.empty_like(indices),
+        paged_kv_last_page_len_buffer=torch.empty_like(last_page_len),
+    )
+    wrapper.plan(
+        indptr,
+        indices,
+        last_page_len,
+        NUM_HEADS,
+        NUM_KV_HEADS,
+        HEAD_DIM,
+        block_size,
+        pos_encoding_mode="NONE",
+        q_data_type=x["q"].dtype,
+        kv_data_type=x["k_cache"].dtype,
+    )
+    return lambda x: wrapper.run(x["q"][:, 0], (x["k_cache"], x["v_cache"]))  # (batch, num_heads, head_dim)
+
+
+def impls_for(x: dict) -> dict:
+    """IMPLS, plus FlashInfer planned for x's shape where it is installed (beside ours, in the figure too)."""
+    if not HAS_FLASHINFER:
+        return dict(IMPLS)
+    ours, *others = IMPLS.items()
+    return dict([ours, ("flashinfer", flashinfer_decode(x)), *others])
+
+
 def copy_tbps() -> float:
     x = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
@@ -77,14 +125,15 @@ def copy_tbps() -> float:
 
 
 def run_decode_benchmark(shapes=SHAPES, block_sizes=(16, 256), module: str = "minivllm.benchmarks.decode") -> dict:
-    rows = []
+    rows, ratios = [], []
     for block_size in block_sizes:
         for batch, context_len in shapes:
             x = paged_inputs(batch, context_len, block_size)
             ref = naive_gather_sdpa(x).transpose(1, 2)
             nbytes = 2 * batch * context_len * NUM_KV_HEADS * HEAD_DIM * x["k_cache"].element_size()
-            for impl, fn in IMPLS.items():
-                torch.testing.assert_close(fn(x).view_as(ref), ref, atol=2e-2, rtol=2e-2)
+            ms_of = {}
+            for impl, fn in impls_for(x).items():
+                torch.testing.assert_close(fn(x).view_as(ref), ref, atol=2e-2, rtol=2e-2)  # before any timing
                 ms = graph_ms(lambda fn=fn, x=x: fn(x))
                 rows.append(
                     dict(
@@ -96,9 +145,18 @@ def run_decode_benchmark(shapes=SHAPES, block_sizes=(16, 256), module: str = "mi
                         tbps=nbytes / (ms * 1e-3) / 1e12,
                     )
                 )
+                ms_of[impl] = ms
                 print(
                     f"{impl:>24} bs={block_size:>3} batch={batch:>3} ctx={context_len:>5}: "
                     f"{ms * 1e3:8.1f} µs {rows[-1]['tbps']:5.2f} TB/s"
+                )
+            if "flashinfer" in ms_of:  # > 1: ours is faster
+                ratio = ms_of["flashinfer"] / ms_of["minivllm-triton"]
+                ratios.append(
+                    dict(batch=batch, context_len=context_len, block_size=block_size, vs="flashinfer", speedup=ratio)
+                )
+                print(
+                    f"{'ours / flashinfer':>24} bs={block_size:>3} batch={batch:>3} ctx={context_len:>5}: {ratio:.2f}×"
                 )
             del x
     return result(
@@ -110,6 +168,8 @@ def run_decode_benchmark(shapes=SHAPES, block_sizes=(16, 256), module: str = "mi
         dtype="bfloat16",
         copy_tbps=copy_tbps(),
         timing="CUDA graph replay (triton.testing.do_bench_cudagraph)",
+        flashinfer=package_version("flashinfer-python"),
+        ratios=ratios,  # per shape, speedup: minivllm-triton's speed over flashinfer's (its ms / ours); [] without it
     )
 
 
@@ -118,7 +178,7 @@ def plot_decode(data: dict):
 
     block_sizes = sorted({r["block_size"] for r in data["rows"]})
     impls = list(dict.fromkeys(r["impl"] for r in data["rows"]))
-    fig, axes = plt.subplots(1, len(block_sizes), figsize=(5.3 * len(block_sizes), 4.2), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(block_sizes), figsize=(5.4 * len(block_sizes), 4.2), sharey=True, squeeze=False)
     axes = axes[0]
     for ax, block_size in zip(axes, block_sizes):
         rows = [r for r in data["rows"] if r["block_size"] == block_size]
@@ -128,7 +188,8 @@ def plot_decode(data: dict):
             tbps = {(r["batch"], r["context_len"]): r["tbps"] for r in rows if r["impl"] == impl}
             ax.bar([j + i * width for j in range(len(shapes))], [tbps.get(s, 0) for s in shapes], width, label=impl)
         ax.axhline(data["copy_tbps"], color="grey", ls=":", label=f"copy bandwidth {data['copy_tbps']:.2f} TB/s")
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], [f"{b}×{c // 1024}k" for b, c in shapes])
+        ticks = [f"{b}×{c // 1024}k" if c % 1024 == 0 else f"{b}×{c}" for b, c in shapes]
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], ticks)
         ax.set_xlabel("batch × context")
         ax.set_title(f"block size {block_size}")
     axes[0].set_ylabel("TB/s of K and V read")

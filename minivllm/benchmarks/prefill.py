@@ -1,21 +1,27 @@
-"""Prefill attention: our Triton FlashAttention vs PyTorch SDPA (flash, cuDNN) and a naive O(N²) version.
+"""Prefill attention: our Triton FlashAttention vs PyTorch SDPA (flash, cuDNN), a naive O(N²) version, and
+FlashInfer's prefill (single_prefill_with_kv_cache) where the `flashinfer` package is installed.
 
     python -m minivllm.benchmarks.prefill [--seqlens 1024 4096 16384] [--out figures] [--sweep]
 
 One causal prompt (batch 1), 16 query / 8 KV heads, head_dim 128, bf16: Qwen3-0.6B's attention.
-Writes prefill.json + prefill.png. --sweep also times every tile configuration of our kernel and prints the best.
+Each call is timed eagerly (triton.testing.do_bench). Writes prefill.json + prefill.png, and prints per length how
+fast ours is against cuDNN (and FlashInfer): ratios in the JSON. --sweep also times every tile configuration of our
+kernel and prints the best.
 """
 
 import argparse
+import importlib
+import importlib.util
 import itertools
 from pathlib import Path
 
 import torch
 
-from minivllm.benchmarks.common import OUT, gpu_ms, result, save
+from minivllm.benchmarks.common import OUT, gpu_ms, package_version, result, save
 from minivllm.kernels.flash_attn import flash_attn_varlen_contiguous, launch_config
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
+HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None  # an anchor row when installed; never required
 
 
 def causal_tflops(seqlen: int, ms: float, batch: int = 1) -> float:
@@ -56,14 +62,24 @@ def implementations(seqlen: int, dtype: torch.dtype = torch.bfloat16, tile: dict
         "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
         "naive-torch": lambda: naive_attention(qb, kb, vb),
     }
+    if HAS_FLASHINFER:  # beside ours; batch 1, so its single-request prefill: (N, heads, D) as ours, GQA inside
+        flashinfer = importlib.import_module("flashinfer")
+        impls = {
+            "minivllm-triton": impls.pop("minivllm-triton"),
+            "flashinfer": lambda: flashinfer.single_prefill_with_kv_cache(q, k, v, causal=True, kv_layout="NHD"),
+            **impls,
+        }
     reference = impls["sdpa-flash"]()[0].transpose(0, 1)
     torch.testing.assert_close(impls["minivllm-triton"](), reference, atol=2e-2, rtol=2e-2)
+    if "flashinfer" in impls:  # checked before any timing: a wrong layout must not give a fast, bogus number
+        torch.testing.assert_close(impls["flashinfer"](), reference, atol=2e-2, rtol=2e-2)
     return impls
 
 
 def run_prefill_benchmark(seqlens=(1024, 4096, 16384), module: str = "minivllm.benchmarks.prefill") -> dict:
-    rows = []
+    rows, ratios = [], []
     for seqlen in seqlens:
+        ms_of = {}
         for impl, fn in implementations(seqlen).items():
             try:
                 ms = gpu_ms(fn)
@@ -71,7 +87,13 @@ def run_prefill_benchmark(seqlens=(1024, 4096, 16384), module: str = "minivllm.b
                 print(f"{impl} N={seqlen}: skipped ({str(e).splitlines()[0]})")
                 continue
             rows.append(dict(impl=impl, seqlen=seqlen, batch=1, ms=ms, tflops=causal_tflops(seqlen, ms)))
+            ms_of[impl] = ms
             print(f"{impl:>16} N={seqlen:>6}: {ms:8.3f} ms {rows[-1]['tflops']:7.1f} TFLOP/s")
+        for baseline in ("sdpa-cudnn", "flashinfer"):  # speedup > 1: ours is faster
+            if baseline in ms_of and "minivllm-triton" in ms_of:
+                ratio = ms_of[baseline] / ms_of["minivllm-triton"]
+                ratios.append(dict(seqlen=seqlen, batch=1, vs=baseline, speedup=ratio))
+                print(f"{'ours / ' + baseline:>16} N={seqlen:>6}: {ratio:.2f}×")
     return result(
         module,
         rows,
@@ -81,6 +103,9 @@ def run_prefill_benchmark(seqlens=(1024, 4096, 16384), module: str = "minivllm.b
         dtype="bfloat16",
         causal=True,
         config=launch_config(HEAD_DIM, torch.device("cuda")),
+        timing="eager (triton.testing.do_bench)",
+        flashinfer=package_version("flashinfer-python"),
+        ratios=ratios,  # per length, speedup: minivllm-triton's speed over the baseline's (its ms / ours)
     )
 
 
