@@ -31,11 +31,28 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def hf_greedy(tiny: Path):
-    """The oracle: transformers' greedy continuation of a prompt on the tiny checkpoint, `max_tokens` token ids."""
+def hf_model(tiny: Path):
+    """The oracle: transformers' model of the tiny checkpoint, in float32."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def hf_logprobs(hf_model):
+    """transformers' log-probabilities of the next token after each position of token_ids: (len, vocab)."""
+
+    def logprobs(token_ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(hf_model(torch.tensor([token_ids])).logits[0].float(), dim=-1)
+
+    return logprobs
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf_model):
+    """transformers' greedy continuation of a prompt on the tiny checkpoint, `max_tokens` token ids."""
+    hf = hf_model
 
     def greedy(prompt: list[int], max_tokens: int) -> list[int]:
         out = hf.generate(

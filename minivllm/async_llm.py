@@ -86,8 +86,9 @@ class AsyncLLM:
         """After a step: each finished request's last output, and the progress of those that got new tokens."""
         for out in finished + self.engine.progress(list(self.streams)):
             stream = self.streams.get(out.request_id)
-            if stream is not None and (out.finished or len(out.outputs[0].token_ids) > stream.num_tokens):
-                stream.num_tokens = len(out.outputs[0].token_ids)
+            num_tokens = sum(len(c.token_ids) for c in out.outputs)  # of all n completions
+            if stream is not None and (out.finished or num_tokens > stream.num_tokens):
+                stream.num_tokens = num_tokens
                 stream.put(out)
 
     def fail_lost_requests(self, error: Exception) -> None:

@@ -4,11 +4,20 @@ from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
+class Logprob:
+    logprob: float  # under the raw distribution: the log-softmax of the model's logits
+    rank: int  # 1 is the most likely token
+    decoded_token: str
+
+
+@dataclass(slots=True)
 class CompletionOutput:
-    index: int
+    index: int  # which of the request's n completions
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length", or None while running
+    logprobs: list[dict[int, Logprob]] | None = None  # per token: its own and the most likely tokens' (if asked)
+    cumulative_logprob: float | None = None  # the sum of its tokens' log-probabilities (if logprobs were asked)
 
 
 @dataclass(slots=True)
@@ -51,3 +60,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(repr=False)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # per prompt token (None for the first), if asked

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 GREEDY_BELOW = 1e-5  # a temperature below this is greedy (vLLM's _SAMPLING_EPS)
 MAX_INT64 = 2**63 - 1  # top_k travels to the sampler as int64
+MAX_LOGPROBS = 20  # the most log-probabilities a token may ask for (vLLM's default max_logprobs)
 
 
 def scalar(value):
@@ -69,6 +70,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None  # extra tokens that finish the request
     stop: list[str] | None = None  # strings that finish the request when the text contains one (a str: one string)
     include_stop_str_in_output: bool = False  # keep the stop string at the end of the text
+    n: int = 1  # completions of the prompt (they share its KV blocks); with a seed, completion i uses seed + i
+    logprobs: int | None = None  # per completion token: its log-probability, and this many most likely tokens'
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first
 
     def __post_init__(self):
         self.convert()
@@ -84,6 +88,9 @@ class SamplingParams:
             "repetition_penalty": (self.repetition_penalty > 0, "> 0 (1 is off)"),
             "stop_token_ids": (all(t >= 0 for t in self.stop_token_ids), "token ids >= 0"),
             "stop": (all(isinstance(x, str) and x for x in self.stop), "non-empty strings"),
+            "n": (self.n >= 1, ">= 1"),
+            "logprobs": (0 <= (self.logprobs or 0) <= MAX_LOGPROBS, f"None or in [0, {MAX_LOGPROBS}]"),
+            "prompt_logprobs": (0 <= (self.prompt_logprobs or 0) <= MAX_LOGPROBS, f"None or in [0, {MAX_LOGPROBS}]"),
         }
         for name, (ok, allowed) in checks.items():
             if not ok:
@@ -95,9 +102,10 @@ class SamplingParams:
         """Every field as a plain Python value of its type (our own copies); ValueError naming a field that is not."""
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             setattr(self, name, as_real(getattr(self, name), name))
-        for name in ("top_k", "max_tokens", "min_tokens"):
+        for name in ("top_k", "max_tokens", "min_tokens", "n"):
             setattr(self, name, as_int(getattr(self, name), name))
-        self.seed = None if self.seed is None else as_int(self.seed, "seed")
+        for name in ("seed", "logprobs", "prompt_logprobs"):  # None, or an int
+            setattr(self, name, None if getattr(self, name) is None else as_int(getattr(self, name), name))
         self.ignore_eos = as_bool(self.ignore_eos, "ignore_eos")
         self.include_stop_str_in_output = as_bool(self.include_stop_str_in_output, "include_stop_str_in_output")
         self.stop_token_ids = [] if self.stop_token_ids is None else as_token_ids(self.stop_token_ids, "stop_token_ids")

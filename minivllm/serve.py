@@ -15,6 +15,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
+from functools import partial
 from typing import Literal
 
 from fastapi import FastAPI, Request
@@ -24,7 +25,7 @@ from pydantic import BaseModel, ConfigDict
 
 from minivllm.async_llm import AsyncLLM
 from minivllm.llm import chat_prompt
-from minivllm.outputs import RequestOutput
+from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
 from minivllm.sampling_params import SamplingParams
 
 
@@ -53,6 +54,7 @@ class SamplingRequest(BaseModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[int]
+    logprobs: int | None = None  # per token: its log-probability and this many most likely tokens'
 
 
 class ChatMessage(BaseModel):
@@ -64,6 +66,8 @@ class ChatRequest(SamplingRequest):
     messages: list[ChatMessage]
     max_tokens: int | None = None  # None: until the reply stops or fills max_model_len
     max_completion_tokens: int | None = None  # the chat API's newer name for max_tokens
+    logprobs: bool = False  # per token: its log-probability ...
+    top_logprobs: int | None = None  # ... and this many most likely tokens'
 
 
 class BadRequest(ValueError):
@@ -77,16 +81,14 @@ def error(message: str, param: str | None = None, status: int = 400) -> JSONResp
     return JSONResponse({"error": body}, status_code=status)
 
 
-SAMPLING_FIELDS = {field.name for field in dataclasses.fields(SamplingParams)} - {"max_tokens"}
+SAMPLING_FIELDS = {field.name for field in dataclasses.fields(SamplingParams)} - {"max_tokens", "logprobs"}
 
 
-def sampling_params(request: SamplingRequest, max_tokens: int | None) -> SamplingParams:
+def sampling_params(request: SamplingRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     """The request's SamplingParams; BadRequest naming the field when SamplingParams refuses a value."""
-    if request.n != 1:
-        raise BadRequest(f"n must be 1 (parallel samples are not supported yet), got {request.n}", "n")
     fields = request.model_dump(include=SAMPLING_FIELDS)  # the request's fields that SamplingParams has too
     try:
-        return SamplingParams(**fields, max_tokens=16 if max_tokens is None else max_tokens)
+        return SamplingParams(**fields, max_tokens=16 if max_tokens is None else max_tokens, logprobs=logprobs)
     except ValueError as e:  # SamplingParams names the field first: "temperature must be >= 0, got -1"
         raise BadRequest(str(e), str(e).split()[0]) from e
 
@@ -126,13 +128,15 @@ class Server:
 
     async def completions(self, request: CompletionRequest):
         self.check_model(request)
-        params = sampling_params(request, request.max_tokens)
+        params = sampling_params(request, request.max_tokens, request.logprobs)
         return await self.respond(request.prompt, params, request.stream, "cmpl", completion_choice)
 
     async def chat_completions(self, request: ChatRequest):
         self.check_model(request)
         max_tokens = request.max_completion_tokens or request.max_tokens or self.llm.engine.config.max_model_len
-        params = sampling_params(request, max_tokens)
+        if request.top_logprobs is not None and not request.logprobs:
+            raise BadRequest("top_logprobs needs logprobs set to true", "top_logprobs")
+        params = sampling_params(request, max_tokens, (request.top_logprobs or 0) if request.logprobs else None)
         conversation = [message.model_dump() for message in request.messages]
         try:
             prompt = chat_prompt(self.llm.engine.tokenizer, conversation, self.model_name)
@@ -158,47 +162,73 @@ class Server:
             finally:  # cancelled (the client left): abort the request now, not when the generator is collected
                 await outputs.aclose()
             object_name = "text_completion" if kind == "cmpl" else "chat.completion"
-            return {**head, "object": object_name, "choices": [choice(last, None)], "usage": usage(last)}
-        return StreamingResponse(self.events(head, kind, first, outputs, choice), media_type="text/event-stream")
+            choices = [choice(c, None, 0, params.logprobs) for c in last.outputs]
+            return {**head, "object": object_name, "choices": choices, "usage": usage(last)}
+        events = self.events(head, kind, first, outputs, partial(choice, top=params.logprobs))
+        return StreamingResponse(events, media_type="text/event-stream")
 
     async def events(
         self, head: dict, kind: str, first: RequestOutput, outputs: AsyncGenerator[RequestOutput, None], choice
     ) -> AsyncIterator[str]:
-        """One event per output, with the text added since the last one; then `data: [DONE]`. If the client goes
-        away, Starlette stops iterating: closing `outputs` aborts the request and frees its blocks."""
+        """After each output, one event per completion that changed, with what it added since its last event (text,
+        and log-probabilities if asked); then `data: [DONE]`. If the client goes away, Starlette stops iterating:
+        closing `outputs` aborts the request and frees its blocks."""
         object_name = "text_completion" if kind == "cmpl" else "chat.completion.chunk"
-        sent = ""
+        sent: list[tuple[str, int, str | None]] = [("", 0, None)] * len(first.outputs)  # text, tokens, finish
         try:
             out: RequestOutput | None = first
             while out is not None:
-                text = out.outputs[0].text
-                delta = text[len(sent) :] if text.startswith(sent) else text  # a decode that changed its mind
-                sent = text
-                yield f"data: {json.dumps({**head, 'object': object_name, 'choices': [choice(out, delta)]})}\n\n"
+                for c in out.outputs:
+                    text, num_tokens, reason = sent[c.index]
+                    if (c.text, len(c.token_ids), c.finish_reason) == (text, num_tokens, reason):
+                        continue
+                    delta = c.text[len(text) :] if c.text.startswith(text) else c.text  # a decode that changed its mind
+                    sent[c.index] = (c.text, len(c.token_ids), c.finish_reason)
+                    event = {**head, "object": object_name, "choices": [choice(c, delta, num_tokens)]}
+                    yield f"data: {json.dumps(event)}\n\n"
                 out = await anext(outputs, None)
             yield "data: [DONE]\n\n"
         finally:
             await outputs.aclose()
 
 
-def finish_reason(out: RequestOutput) -> str | None:
-    return out.outputs[0].finish_reason if out.finished else None
+def top_entries(c: CompletionOutput, start: int, top: int) -> list[tuple[Logprob, list[Logprob]]]:
+    """From token `start` on: each token's Logprob, and the `top` most likely tokens' (its own among them or not)."""
+    rows = zip(c.token_ids[start:], (c.logprobs or [])[start:])
+    return [(row[token], sorted(row.values(), key=lambda lp: lp.rank)[:top]) for token, row in rows]
 
 
-def completion_choice(out: RequestOutput, delta: str | None) -> dict:
-    text = out.outputs[0].text if delta is None else delta
-    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(out)}
+def completion_choice(c: CompletionOutput, delta: str | None, start: int, top: int | None) -> dict:
+    """A choice of /v1/completions: the text (or what it added), and OpenAI's legacy logprobs if asked."""
+    logprobs = None
+    if top is not None:
+        entries = top_entries(c, start, top)
+        logprobs = {"tokens": [lp.decoded_token for lp, _ in entries],
+                    "token_logprobs": [lp.logprob for lp, _ in entries],
+                    "top_logprobs": [{t.decoded_token: t.logprob for t in tops} for _, tops in entries]}  # fmt: skip
+    text = c.text if delta is None else delta
+    return {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
 
 
-def chat_choice(out: RequestOutput, delta: str | None) -> dict:
-    if delta is None:
-        message = {"role": "assistant", "content": out.outputs[0].text}
-        return {"index": 0, "message": message, "finish_reason": finish_reason(out)}
-    return {"index": 0, "delta": {"role": "assistant", "content": delta}, "finish_reason": finish_reason(out)}
+def chat_logprob(lp: Logprob) -> dict:
+    return {"token": lp.decoded_token, "logprob": lp.logprob, "bytes": list(lp.decoded_token.encode())}
+
+
+def chat_choice(c: CompletionOutput, delta: str | None, start: int, top: int | None) -> dict:
+    """A choice of /v1/chat/completions: the message (or, streaming, its delta), and logprobs if asked."""
+    logprobs = None
+    if top is not None:
+        entries = top_entries(c, start, top)
+        logprobs = {
+            "content": [chat_logprob(lp) | {"top_logprobs": list(map(chat_logprob, tops))} for lp, tops in entries]
+        }
+    key, content = ("message", c.text) if delta is None else ("delta", delta)
+    return {"index": c.index, key: {"role": "assistant", "content": content}, "logprobs": logprobs,
+            "finish_reason": c.finish_reason}  # fmt: skip
 
 
 def usage(out: RequestOutput) -> dict:
-    prompt, completion = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+    prompt, completion = len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 

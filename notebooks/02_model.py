@@ -61,12 +61,11 @@ print(f"device: {DEVICE}, torch {torch.__version__}")
 # two for the Triton kernel) at a size that runs the course on a laptop CPU; `tiny-text` is `tiny` trained on the
 # tokenizer's text, since random weights write gibberish; `qwen3-0.6b` has Qwen3-0.6B's exact shapes, for the GPU.
 #
-# The tokenizer is a byte-level BPE (the kind GPT-2 and Qwen use) trained on a small text that ships with the
-# package, with ChatML's special tokens and chat template. Its 2,048 tokens fit in both vocabularies.
-#
-# Random weights follow transformers' initialisation (matrices ~ N(0, 0.02)), but norm weights are drawn around 1,
-# not exactly 1: norms all equal to 1 would hide a loader that swaps or skips them. One seeded generator and no
-# timestamp in safetensors: the same seed writes the same bytes (`tiny-text` too: one CPU thread, seeded batches).
+# The tokenizer is a byte-level BPE (the kind GPT-2 and Qwen use) trained on a small text that ships with the package,
+# with ChatML's special tokens and chat template. Its 2,048 tokens fit in both vocabularies. Random weights follow
+# transformers' initialisation (matrices ~ N(0, 0.02)), but norm weights are drawn around 1, not exactly 1: norms all
+# equal to 1 would hide a loader that swaps or skips them. One seeded generator and no timestamp in safetensors: the
+# same seed writes the same bytes (`tiny-text` too: one CPU thread, seeded batches).
 
 # %% tags=["export"] module="minivllm.checkpoint.maker"
 import argparse
@@ -204,8 +203,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 # %% [markdown]
-# `python -m minivllm.checkpoint --preset tiny --out DIR` runs `main`. Here we call the function directly and
-# look at what it wrote.
+# `python -m minivllm.checkpoint --preset tiny --out DIR` runs `main`; here we call the function and list what it wrote.
 
 # %%
 from minivllm.checkpoint import PRESETS, write_checkpoint
@@ -243,8 +241,7 @@ print(repr(tokenizer.apply_chat_template(messages, tokenize=False, add_generatio
 print("eos:", tokenizer.eos_token, tokenizer.eos_token_id)
 
 # %% [markdown]
-# Same seed, same bytes: write the checkpoint twice and compare file hashes. (A different seed changes the
-# weights but not the tokenizer.)
+# Same seed, same bytes: compare the file hashes of two writes. (Another seed changes the weights, not the tokenizer.)
 
 
 # %%
@@ -317,8 +314,7 @@ class Attention(nn.Module):
 
 
 # %% [markdown]
-# The context of this notebook: whole prompts, no cache. (Notebook 04 adds the paged one; all three live in
-# `minivllm.attention`.)
+# This notebook's context: whole prompts, no cache (notebook 04 adds the paged one; all live in `minivllm.attention`).
 
 # %% tags=["export"] module="minivllm.attention.prefill"
 from dataclasses import dataclass
@@ -359,10 +355,9 @@ class PrefillContext:
 # `qkv_proj` and the MLP's gate and up from one `gate_up_proj` (notebook 01): one matrix multiply instead of
 # three or two. `packed_modules_mapping` records which checkpoint tensors go where; the loader reads it.
 #
-# RoPE's cos/sin table (40,960 positions for the 0.6B) is built once and shared by all layers. With tensor
-# parallelism every rank builds the same model with `1/tp` of the heads and of the MLP columns: the layers take
-# their rank and group from the `with tensor_parallel(...)` block the model is built in (notebook 01), so the
-# model code has no TP logic of its own.
+# RoPE's cos/sin table (40,960 positions for the 0.6B) is built once and shared by all layers. With tensor parallelism
+# every rank builds the same model with `1/tp` of the heads and of the MLP columns: the layers take their rank and group
+# from the `with tensor_parallel(...)` block the model is built in (notebook 01), so the model code has no TP logic.
 
 # %% tags=["export"] module="minivllm.models.qwen3"
 from typing import Any
@@ -544,11 +539,10 @@ fig.tight_layout()
 fig.savefig(FIGURES / "02_parameters.png", dpi=120)
 
 # %% [markdown]
-# Read it: in the 0.6B, 44% of the weights are MLP, 30% attention and 26% the embedding, which is also the LM
-# head (tied), so every decoded token reads a 151,936 × 1,024 matrix just to score the vocabulary. `tiny` splits
-# its million parameters much the same way, with relatively more MLP. Norms are a rounding error in both.
-# At decode time each step reads *all* of these weights once, about 1.2 GB in bfloat16 for the 0.6B: this is what
-# makes decode memory-bound, and why batching many sequences per step pays.
+# Read it: in the 0.6B, 44% of the weights are MLP, 30% attention and 26% the embedding, which is also the LM head
+# (tied), so every decoded token reads a 151,936 × 1,024 matrix to score the vocabulary. `tiny` splits its million
+# parameters much the same way, with more MLP; norms are a rounding error in both. Each decode step reads *all* these
+# weights (1.2 GB in bfloat16 for the 0.6B): hence decode is memory-bound, and batching many sequences per step pays.
 
 # %% [markdown]
 # ## Loading a checkpoint
@@ -565,12 +559,10 @@ fig.savefig(FIGURES / "02_parameters.png", dpi=120)
 # 4. **Copy.** Build the model in the requested dtype directly on the device and hand each tensor to its
 #    parameter's `weight_loader`, which keeps this rank's slice (notebook 01).
 #
-# Which files: those a sharded checkpoint's `model.safetensors.index.json` names, else every `*.safetensors` in
-# the folder. Each tensor must sit in exactly one of them, where the index says: a stray old shard must be an error,
-# not a coin toss over which copy of a weight we run.
-#
-# Two kinds of tensor are skipped on purpose: `lm_head.weight` when the head is tied (some checkpoints store it
-# anyway) and the `rotary_emb.inv_freq` buffers older transformers saved.
+# Which files: those a sharded checkpoint's `model.safetensors.index.json` names, else every `*.safetensors` in the
+# folder. Each tensor must sit in exactly one of them, where the index says: a stray old shard must be an error, not a
+# coin toss over which copy of a weight we run. Two kinds of tensor are skipped on purpose: `lm_head.weight` when the
+# head is tied (some checkpoints store it anyway) and the `rotary_emb.inv_freq` buffers older transformers saved.
 #
 # The supported architectures are a dictionary from the config's name to our class. Adding Llama means writing
 # `LlamaForCausalLM` (Qwen3 without the q/k norms) and one line in `MODELS`.
@@ -869,11 +861,10 @@ with tempfile.TemporaryDirectory() as tmp:
 # both in float32, compare the logits at every position. Prompt lengths: 1, around 16 and 256 (block sizes the
 # KV cache will use), and a few hundred.
 #
-# `minivllm.testing.prompt_logits(model, token_ids)` is the one-prompt forward of the cells above, with the
-# prompt checked first (not empty, inside the vocabulary and the context): `positions = arange(len)`, one
-# `PrefillContext`, `compute_logits` at every position. With no KV cache it is the oracle that every cached path
-# of notebooks 03–05 is compared with. It lives in `testing`, beside the other helpers that tests and notebooks
-# share, not on the model: the engine never calls it.
+# `minivllm.testing.prompt_logits(model, token_ids)` is the one-prompt forward, with the prompt checked first (not
+# empty, inside the vocabulary and the context): `positions = arange(len)`, one `PrefillContext`, `compute_logits` at
+# every position. With no KV cache it is the oracle that every cached path of notebooks 03–05 is compared with. It lives
+# in `testing`, with the helpers that tests and notebooks share, not on the model: the engine never calls it.
 
 # %%
 from transformers import AutoModelForCausalLM
@@ -925,8 +916,7 @@ print(repr(tokenizer.decode(token_ids)))
 # hands every weight to its `weight_loader`, which keeps this rank's slice. For the tiny model, rank 0 holds:
 
 # %%
-tp = 2
-config = preset_config("tiny")
+tp, config = 2, preset_config("tiny")
 print(
     f"query heads {config.num_attention_heads // tp} of {config.num_attention_heads}, "
     f"KV heads {config.num_key_value_heads // tp} of {config.num_key_value_heads}, "
@@ -1088,6 +1078,7 @@ from dataclasses import dataclass
 
 GREEDY_BELOW = 1e-5  # a temperature below this is greedy (vLLM's _SAMPLING_EPS)
 MAX_INT64 = 2**63 - 1  # top_k travels to the sampler as int64
+MAX_LOGPROBS = 20  # the most log-probabilities a token may ask for (vLLM's default max_logprobs)
 
 
 def scalar(value):
@@ -1152,6 +1143,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None  # extra tokens that finish the request
     stop: list[str] | None = None  # strings that finish the request when the text contains one (a str: one string)
     include_stop_str_in_output: bool = False  # keep the stop string at the end of the text
+    n: int = 1  # completions of the prompt (they share its KV blocks); with a seed, completion i uses seed + i
+    logprobs: int | None = None  # per completion token: its log-probability, and this many most likely tokens'
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first
 
     def __post_init__(self):
         self.convert()
@@ -1167,6 +1161,9 @@ class SamplingParams:
             "repetition_penalty": (self.repetition_penalty > 0, "> 0 (1 is off)"),
             "stop_token_ids": (all(t >= 0 for t in self.stop_token_ids), "token ids >= 0"),
             "stop": (all(isinstance(x, str) and x for x in self.stop), "non-empty strings"),
+            "n": (self.n >= 1, ">= 1"),
+            "logprobs": (0 <= (self.logprobs or 0) <= MAX_LOGPROBS, f"None or in [0, {MAX_LOGPROBS}]"),
+            "prompt_logprobs": (0 <= (self.prompt_logprobs or 0) <= MAX_LOGPROBS, f"None or in [0, {MAX_LOGPROBS}]"),
         }
         for name, (ok, allowed) in checks.items():
             if not ok:
@@ -1178,9 +1175,10 @@ class SamplingParams:
         """Every field as a plain Python value of its type (our own copies); ValueError naming a field that is not."""
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             setattr(self, name, as_real(getattr(self, name), name))
-        for name in ("top_k", "max_tokens", "min_tokens"):
+        for name in ("top_k", "max_tokens", "min_tokens", "n"):
             setattr(self, name, as_int(getattr(self, name), name))
-        self.seed = None if self.seed is None else as_int(self.seed, "seed")
+        for name in ("seed", "logprobs", "prompt_logprobs"):  # None, or an int
+            setattr(self, name, None if getattr(self, name) is None else as_int(getattr(self, name), name))
         self.ignore_eos = as_bool(self.ignore_eos, "ignore_eos")
         self.include_stop_str_in_output = as_bool(self.include_stop_str_in_output, "include_stop_str_in_output")
         self.stop_token_ids = [] if self.stop_token_ids is None else as_token_ids(self.stop_token_ids, "stop_token_ids")
@@ -1202,6 +1200,7 @@ nan, inf = float("nan"), float("inf")
 bad_values = [dict(max_tokens=0), dict(temperature=-0.5), dict(top_p=0.0), dict(top_k=0), dict(min_p=1.5)]
 bad_values += [dict(max_tokens=2.0), dict(temperature=nan), dict(top_p=inf), dict(stop_token_ids=[[1]])]
 bad_values += [dict(min_tokens=17), dict(repetition_penalty=0), dict(presence_penalty=3), dict(stop=[""])]
+bad_values += [dict(n=0), dict(logprobs=21), dict(prompt_logprobs=-1)]
 for bad in bad_values:
     try:
         SamplingParams(**bad)

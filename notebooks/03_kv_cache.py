@@ -182,8 +182,7 @@ class Sequence:
 
 
 # %% [markdown]
-# A prompt of 10 tokens with blocks of 4 needs 3 blocks, the last one half full; generated tokens go to the
-# end, and the caller's list is left alone:
+# A 10-token prompt needs 3 blocks of 4, the last half full; new tokens go at the end; the caller's list is untouched:
 
 # %%
 from minivllm.engine.sequence import Sequence, SequenceStatus
@@ -366,7 +365,8 @@ class BlockManager:
         assert not seq.block_table and seq.num_cached_tokens == 0, f"sequence {seq.seq_id} already holds blocks"
         assert seq.block_size == self.block_size, f"sequence block_size {seq.block_size} != {self.block_size}"
         assert self.can_allocate(seq), "allocate() without room: ask can_allocate() first"
-        max_hits = (seq.num_tokens - 1) // self.block_size if self.enable_prefix_caching else 0  # last token computed
+        reuse = self.enable_prefix_caching and seq.sampling_params.prompt_logprobs is None  # those score every token
+        max_hits = (seq.num_tokens - 1) // self.block_size if reuse else 0  # the last token is always computed
         parent_hash = -1
         for i in range(max_hits):
             token_ids = seq.block(i)
@@ -470,8 +470,7 @@ for token in (32, 33, 34):
 assert s1.block_table == [0, 1, 2, 3] and bm.blocks[2].hash != -1 and bm.blocks[3].hash == -1
 
 # %% [markdown]
-# A second request with the same system prompt hits its two blocks: they are shared (ref count 2) and its
-# prefill skips 8 tokens. Its own tail gets fresh blocks.
+# `s2`, with the same system prompt, shares its two blocks (ref count 2) and skips 8 tokens; its tail gets fresh blocks.
 
 # %%
 s2 = Sequence(system + [40, 41, 42], block_size=4)
@@ -1197,9 +1196,10 @@ print("paged prefill and decode match both references")
 # %% [markdown]
 # ## Measured on an H200
 # `python -m minivllm.benchmarks.decode` times decode attention for Qwen3-0.6B's heads (batch × context from 1 ×
-# 16k to 256 × 1k, blocks of 16 and 256) in bytes of K and V read per second, capped by the copy bandwidth:
-# `minivllm-triton`, the decode kernel above; `minivllm-prefill-kernel`, our *prefill* kernel on the same paged
-# cache, one query per sequence; `naive-gather-sdpa`, each sequence's blocks copied out, then PyTorch's attention.
+# 16k to 256 × 512, blocks of 16 and 256) in bytes of K and V read per second, capped by the copy bandwidth:
+# `minivllm-triton`, the decode kernel above; `flashinfer`, FlashInfer's (vLLM's) on the same cache, the bar to
+# reach; `minivllm-prefill-kernel`, our *prefill* kernel, one query per sequence; `naive-gather-sdpa`, blocks
+# copied out, then PyTorch's attention.
 # On a GPU this cell re-measures a subset; without one it shows the committed H200 results.
 
 # %%

@@ -14,10 +14,9 @@
 # %% [markdown]
 # # 04 · The model runner: a step on the paged cache, sampling, CUDA graphs, tensor parallelism
 #
-# **What this notebook builds.** The part of the engine that turns a batch of `Sequence`s (notebook 03) into
-# next tokens on the device: the sampler, the flat inputs and slot mappings of a step, the attention context
-# that routes each layer to notebook 03's paged kernels, the KV-cache sizing, CUDA graphs for decode, and a
-# runner that can hold one tensor-parallel rank's slice (notebook 06 starts the processes).
+# **What this notebook builds.** The part of the engine that turns a batch of `Sequence`s (notebook 03) into next
+# tokens: the sampler, a step's flat inputs and slots, the attention context over notebook 03's paged kernels, KV-cache
+# sizing, CUDA graphs for decode, and a runner for one tensor-parallel rank's slice (notebook 06 starts the processes).
 #
 # **What it assumes.** Notebook 02's Qwen3 and its `AttentionContext`, notebook 03's `Sequence`,
 # `BlockManager` (block tables, slots, prefix hits) and paged kernels.
@@ -46,13 +45,11 @@ random.seed(0)
 
 # %% [markdown]
 # ## Sampling: from logits to the next token
-# The model ends with one row of logits per sequence: a score for each of Qwen3's 151,936 tokens. The sampler
-# turns each row into one token id as its request's `SamplingParams` (notebook 02) say, and one batch mixes
-# greedy, creative and seeded requests. Per row, **temperature** reshapes the distribution (0: greedy, the most
-# likely token), **filters** (top-k, top-p, min-p) drop the unlikely tail, and **a draw** picks from what is
-# left: a few tensor operations over the batch, per-row settings in per-row tensors, no Python loop over rows
-# (except seeded ones), all in float32 (bfloat16 keeps about 3 significant digits). We follow one small
-# distribution, a model's guesses for the word after "The cat sat on the", on the CPU.
+# The model ends with one row of logits per sequence, a score for each of Qwen3's 151,936 tokens; the sampler turns each
+# row into a token id as its request's `SamplingParams` (notebook 02) say, in a batch mixing greedy, random and seeded
+# rows. Per row, **temperature** reshapes the distribution (0: greedy), **filters** (top-k, top-p, min-p) drop the tail,
+# and **a draw** picks from what is left: a few float32 tensor operations over the batch, settings in per-row tensors,
+# no Python loop except over seeded rows. We follow a model's guesses for the word after "The cat sat on the".
 
 # %%
 words = ["mat", "floor", "sofa", "bed", "chair", "roof", "table", "rug", "fence", "keyboard", "moon", "piano"]
@@ -65,20 +62,17 @@ def show_probs(probs: torch.Tensor, label: str) -> None:
 
 # %% [markdown]
 # ### Temperature
-# The probabilities are `softmax(logits / T)`. A temperature below 1 sharpens the distribution, above 1
-# flattens it; it never changes the ranking. As `T` goes to 0 all the mass goes to the largest logit, so
-# temperature 0 is defined as that limit: **greedy**, the argmax of the raw logits (dividing by 0 would give
-# NaNs). Greedy rows are what we compare token for token with transformers, so they must depend on nothing
-# random, nor on the other rows of the batch.
+# Probabilities are `softmax(logits / T)`: `T` < 1 sharpens the distribution, `T` > 1 flattens it, keeping the ranking.
+# As `T` → 0 the mass goes to the largest logit, so temperature 0 is that limit, **greedy**: the argmax of the raw
+# logits. Greedy rows, compared token for token with transformers, must depend on nothing random nor on other rows.
 
 # %%
 probs_at = {T: torch.softmax(cat_logits / T, dim=-1) for T in (0.01, 0.25, 0.5, 1.0, 2.0)}
 for T, probs in probs_at.items():
     show_probs(probs, f"T={T}")
 max_probs = [probs.max().item() for probs in probs_at.values()]
-assert max_probs == sorted(max_probs, reverse=True)  # hotter is flatter
+assert max_probs == sorted(max_probs, reverse=True) and probs_at[0.01][0] > 0.999  # hotter is flatter; almost greedy
 assert all(probs.argmax() == 0 for probs in probs_at.values())  # the ranking stays
-assert probs_at[0.01][0] > 0.999  # almost greedy
 
 # %% [markdown]
 # ### Cutting the tail: top-k, top-p, min-p (to write yourself: `exercises/04_sampler_filters.ipynb`)
@@ -126,10 +120,9 @@ def filter_probs(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor
 
 
 # %% [markdown]
-# A hand example, `[0.5, 0.3, 0.15, 0.05]`: top-p 0.8 stops at two tokens, as 0.5 + 0.3 *reaches* 0.8; 0.81
-# needs a third. After top-k 3, 0.5 + 0.3 is 0.84 of what is left, so top-p 0.82 stops at two, not three. Then
-# one call filters a batch, each row with its own settings: the cat distribution with top-k 3, top-p 0.8, min-p
-# 0.1, and no filter; and a picture of temperature and each filter (coloured bars are kept).
+# By hand, `[0.5, 0.3, 0.15, 0.05]`: top-p 0.8 stops at two tokens, as 0.5 + 0.3 *reaches* 0.8; 0.81 needs a third.
+# After top-k 3, 0.5 + 0.3 is 0.84 of what is left, so top-p 0.82 keeps two, not three. Then a batch, a row per setting
+# (cat distribution: top-k 3, top-p 0.8, min-p 0.1, none) in one call, and a picture (coloured bars are kept).
 
 # %%
 from minivllm.layers.sampler import filter_probs, keep_mask
@@ -141,24 +134,18 @@ def num_kept(top_k: int = -1, top_p: float = 1.0, min_p: float = 0.0) -> int:
     return int(keep_mask(hand, torch.tensor([top_k]), torch.tensor([top_p]), torch.tensor([min_p])).sum())
 
 
-assert num_kept() == 4  # every filter off
+assert num_kept() == 4 and num_kept(top_k=3) == 3 and num_kept(top_k=1) == 1  # every filter off; top-k
 assert num_kept(top_p=0.8) == 2 and num_kept(top_p=0.81) == 3 and num_kept(top_p=0.01) == 1
-assert num_kept(top_k=3) == 3 and num_kept(top_k=1) == 1
 assert num_kept(top_p=0.82) == 3 and num_kept(top_k=3, top_p=0.82) == 2  # top-p measures what top-k left
 assert num_kept(min_p=0.3) == 3 and num_kept(min_p=0.31) == 2  # keep p ≥ min_p × 0.5
-
-# %%
 cat_probs = torch.softmax(cat_logits, dim=-1)
 filtered = filter_probs(cat_probs.expand(4, -1), top_ks=torch.tensor([3, -1, -1, -1]),
                         top_ps=torch.tensor([1.0, 0.8, 1.0, 1.0]),
                         min_ps=torch.tensor([0.0, 0.0, 0.1, 0.0]))  # fmt: skip
 for name, row in zip(["top-k", "top-p", "min-p", "none"], filtered):
     show_probs(row, name)
-assert (filtered > 0).sum(dim=-1).tolist() == [3, 4, 5, 12]
-assert torch.equal(filtered[3], cat_probs)
-
-# %%
-fig, axes = plt.subplots(2, 2, figsize=(10.8, 6.2), sharey=True)
+assert (filtered > 0).sum(dim=-1).tolist() == [3, 4, 5, 12] and torch.equal(filtered[3], cat_probs)
+fig, axes = plt.subplots(2, 2, figsize=(10.8, 6.2), sharey=True, layout="tight")
 axes, x = axes.ravel(), torch.arange(len(words))
 for T, style in ((0.5, "v--"), (2.0, "^:")):
     axes[0].plot(x, torch.softmax(cat_logits / T, dim=-1), style, color="k", label=f"T = {T}")
@@ -174,21 +161,18 @@ for ax in axes:
     ax.set_xticks(x, words, rotation=60)
 axes[0].legend(), axes[2].legend(loc="center right"), axes[3].legend()  # top-k's panel has nothing to label
 fig.suptitle('Next word after "The cat sat on the": what temperature and each filter do')
-fig.tight_layout()
 fig.savefig(FIGURES / "04_sampling.png", dpi=120)
 
 # %% [markdown]
 # ### Drawing a token: the exponential race
-# `torch.multinomial` makes a GPU's host wait (vLLM replaced it for that) and draws every row from one generator,
-# so a row cannot have its own seed. A simpler trick: give token `i` an exponential alarm clock of rate `p_i`,
-# ringing after `q_i / p_i` seconds with `q_i ~ Exp(1)`. Clock `i` rings first with probability `p_i / Σ_j p_j`,
-# so the token is `argmax(p / q)`: one division and one argmax. The `p` need not sum to 1, and a dropped token
-# (`p = 0`) never wins. (It is the Gumbel-max trick in another form: `-log q` is Gumbel noise.)
+# `torch.multinomial` makes a GPU's host wait and draws every row from one generator, so a row cannot have its own seed.
+# A simpler trick: give token `i` an exponential alarm clock of rate `p_i`, ringing after `q_i / p_i` seconds with
+# `q_i ~ Exp(1)`. Clock `i` rings first with probability `p_i / Σ_j p_j`, so the token is `argmax(p / q)`. The `p` need
+# not sum to 1, and a dropped token (`p = 0`) never wins (the Gumbel-max trick: `-log q` is Gumbel noise).
 
 # %%
-gen = torch.Generator().manual_seed(0)  # 200,000 races on unnormalized probabilities with one dropped token
-p = torch.tensor([0.1, 0.0, 0.3, 0.2])
-q = torch.empty(200_000, 4).exponential_(generator=gen)  # (draws, tokens)
+gen, p = torch.Generator().manual_seed(0), torch.tensor([0.1, 0.0, 0.3, 0.2])  # unnormalized, one token dropped
+q = torch.empty(200_000, 4).exponential_(generator=gen)  # 200,000 races: (draws, tokens)
 freq = torch.bincount((p / q).argmax(dim=-1), minlength=4) / len(q)
 print(f"frequencies: {freq.numpy().round(3)}, p / sum(p): {(p / p.sum()).numpy().round(3)}")
 assert freq[1] == 0
@@ -196,33 +180,23 @@ torch.testing.assert_close(freq, p / p.sum(), atol=0.005, rtol=0)
 
 # %% [markdown]
 # ### Seeds: the same request, the same tokens
-# `SamplingParams(seed=...)` promises the same completion for the same request and seed, whatever the scheduler
-# does: the batch and the request's row change at every step, and a preempted request (notebook 05) is recomputed
-# in another batch. One generator for the batch cannot keep that promise: row `r` takes the `r`-th slice of the
-# stream, so the same request with the same seed draws another token as soon as it moves down one row.
+# `SamplingParams(seed=...)` promises a request the same completion whatever the scheduler does: the batch and the
+# request's row change every step, and a preempted one (notebook 05) is recomputed in another batch. One generator per
+# batch breaks it: row `r` takes the `r`-th slice of the stream, so the request draws another token in another row.
 
 # %%
 flat = torch.softmax(torch.randn(1000, generator=gen), dim=-1)  # a request's distribution over 1,000 tokens
-other = torch.softmax(torch.randn(1000, generator=gen), dim=-1)  # another request's
-
-
-def shared_generator_draw(probs: torch.Tensor, seed: int) -> torch.Tensor:  # probs: (batch, vocab)
-    q = torch.empty_like(probs).exponential_(generator=torch.Generator().manual_seed(seed))
-    return (probs / q).argmax(dim=-1)  # (batch,)
-
-
-alone = shared_generator_draw(flat[None], seed=42)[0]
-second = shared_generator_draw(torch.stack([other, flat]), seed=42)[1]
-print(f"alone: token {alone.item()}, in row 1: token {second.item()}")
-assert alone != second
+q = torch.empty(2, 1000).exponential_(generator=torch.Generator().manual_seed(42))  # one generator for the batch
+in_row0, in_row1 = (flat / q).argmax(dim=-1)  # the same request and seed, in row 0 or in row 1 of the batch
+print(f"in row 0: token {in_row0.item()}, in row 1: token {in_row1.item()}")
+assert in_row0 != in_row1
 
 # %% [markdown]
-# So each seeded row draws from **its own generator, seeded by (request seed, step)**, the step being the index of
-# the token drawn (`seq.num_completion_tokens`). Token `n`'s noise then depends on the seed and `n` only: not on
-# the batch, not on history (nothing to rewind when a step's work is thrown away), not on preemption (a preempted
-# sequence keeps its tokens, so its next token is still token `n`). The mix is `(seed × 1,000,003 + step) mod
-# 2⁶³`. Unseeded rows share one draw from the default generator (seeded by `LLM(seed=...)`); seeded rows cost a
-# Python loop, one small generator each. CPU and CUDA generators differ: a seed repeats on one kind of device.
+# So each seeded row draws from **its own generator, seeded by (request seed, step)**, the step being the token's index
+# (`seq.num_completion_tokens`). Token `n`'s noise depends on the seed and `n` only: not on the batch, not on history
+# (nothing to rewind if a step is thrown away), not on preemption (a preempted sequence keeps its tokens: its next is
+# still token `n`). Unseeded rows share one draw from the default generator (seeded by `LLM(seed=...)`); seeded rows
+# cost a Python loop, one small generator each. CPU and CUDA generators differ: a seed repeats on one kind of device.
 
 # %% tags=["export"]
 NOISE_SEED_MULTIPLIER = 1_000_003  # odd: distinct seeds start apart; above any step: one seed's steps never collide
@@ -245,13 +219,10 @@ def exponential_noise(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Ten
 # %%
 from minivllm.layers.sampler import exponential_noise
 
-# seed 42 at step 7: the same noise alone or in row 2 of a batch; seed 5 at step 7 and seed 42 at step 8 differ
-ones = torch.ones(3, 1000)
-alone = exponential_noise(ones[:1], seeds=torch.tensor([42]), steps=torch.tensor([7]))[0]
-batch = exponential_noise(ones, seeds=torch.tensor([-1, 5, 42]), steps=torch.tensor([3, 7, 7]))
-later = exponential_noise(ones[:1], seeds=torch.tensor([42]), steps=torch.tensor([8]))[0]
-assert torch.equal(alone, batch[2])
-assert not torch.equal(batch[1], batch[2]) and not torch.equal(alone, later)
+# seed 42 at step 7: the same noise in row 0 of one batch and row 2 of another; seed 5 at step 7, seed 42 at 8 differ
+step7, step8 = exponential_noise(torch.ones(2, 1000), seeds=torch.tensor([42, 42]), steps=torch.tensor([7, 8]))
+batch = exponential_noise(torch.ones(3, 1000), seeds=torch.tensor([-1, 5, 42]), steps=torch.tensor([3, 7, 7]))
+assert torch.equal(step7, batch[2]) and not torch.equal(batch[1], batch[2]) and not torch.equal(step7, step8)
 
 # %% [markdown]
 # ### The batch's settings as tensors
@@ -259,7 +230,6 @@ assert not torch.equal(batch[1], batch[2]) and not torch.equal(alone, later)
 # vLLM's, knows nothing of sequences), copied from *pinned* memory with `non_blocking=True`. `seeds` and `steps`
 # stay on the CPU, the only side that reads them; a seed is folded into `[0, 2⁶³)` so that `-1` means "no seed".
 # Host-side flags skip work: `filtering` (false: no sort, the dearest step), `all_greedy`, `any_greedy`.
-
 
 # %% tags=["export"]
 PENALTIES = ("presence", "frequency", "repetition")
@@ -339,16 +309,14 @@ from minivllm.sampling_params import SamplingParams
 
 
 def tensors_of(seqs: list[Sequence]) -> SamplingTensors:  # what the runner does for its batch
+    params, steps = [s.sampling_params for s in seqs], [s.num_completion_tokens for s in seqs]
     histories = [(s.prompt_token_ids, s.completion_token_ids) for s in seqs]  # the runner: only if a row has a penalty
-    return SamplingTensors.from_params(
-        [s.sampling_params for s in seqs], [s.num_completion_tokens for s in seqs], "cpu", histories
-    )
+    return SamplingTensors.from_params(params, steps, "cpu", histories)
 
 
 seqs = [Sequence([1, 2, 3], SamplingParams(temperature=0)), Sequence([4, 5], SamplingParams(top_k=20, seed=7))]
 seqs[1].append_token(6)  # the second request has generated one token
-sampling = tensors_of(seqs)
-print(sampling)
+print(sampling := tensors_of(seqs))
 assert sampling.temperatures.dtype == torch.float32 and sampling.top_ks.dtype == torch.int64
 assert sampling.seeds.tolist() == [-1, 7] and sampling.steps.tolist() == [0, 1] and sampling.filtering
 assert sampling.any_greedy and not sampling.all_greedy and not tensors_of(seqs[1:]).any_greedy
@@ -356,11 +324,11 @@ assert not tensors_of(seqs[:1]).filtering and tensors_of(seqs[:1]).all_greedy
 
 # %% [markdown]
 # ### The sampler
-# Greedy rows take the argmax of the logits: their temperature becomes 1 so the division stays finite, and the
-# final `torch.where` throws their random draw away, so no other row can change them. Before all that, vLLM's
-# other knobs edit the logits (`apply_penalties` above): `repetition_penalty` divides a positive logit (multiplies
-# a negative one) of each token already in the prompt or the reply, `frequency_penalty` subtracts per time a
-# token is in the reply, `presence_penalty` once; and until `min_tokens`, a row's stop tokens get `-inf`.
+# Greedy rows take the logits' argmax: their temperature becomes 1 (a finite division) and a final `torch.where` drops
+# their random draw, so no other row can change them. Before that, vLLM's other knobs edit the logits
+# (`apply_penalties`): `repetition_penalty` divides a positive logit (multiplies a negative one) of each token already
+# in prompt or reply, `frequency_penalty` subtracts per use in the reply, `presence_penalty` once; until `min_tokens`, a
+# row's stop tokens get `-inf`. Log-probabilities (`SamplingParams.logprobs`) are of the raw logits, as in vLLM.
 
 
 # %% tags=["export"]
@@ -383,64 +351,71 @@ class Sampler(nn.Module):
         return torch.where(greedy, logits.argmax(dim=-1), sampled) if t.any_greedy else sampled
 
 
-# %%
-from minivllm.layers.sampler import Sampler
+TokenLogprobs = dict[int, tuple[float, int]]  # token id -> (log-probability, rank); rank 1 is the most likely
 
-# 20,000 rows of the cat distribution draw words as often as softmax(logits / T) says; greedy rows say "mat"
+
+def logprobs_of(logits: torch.Tensor, token_ids: torch.Tensor, ks: list[int]) -> list[TokenLogprobs]:
+    """Each row's chosen token, then its k most likely tokens, under the raw distribution: the log-softmax of the
+    model's logits, before temperature, penalties and filters (what vLLM returns). logits: (rows, vocab)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # (rows, vocab)
+    chosen = logprobs.gather(-1, token_ids[:, None])  # (rows, 1)
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()  # (rows,): how many tokens are more likely, plus one
+    top = logprobs.topk(max(ks), dim=-1)  # (rows, max k)
+    rows = zip(token_ids.tolist(), chosen[:, 0].tolist(), ranks, top.indices.tolist(), top.values.tolist(), ks)
+    return [{t: (lp, r)} | {i: (v, j + 1) for j, (i, v) in enumerate(zip(ids[:k], vs[:k]))}
+            for t, lp, r, ids, vs, k in rows]  # fmt: skip
+
+
+# %%
+from minivllm.layers.sampler import Sampler, logprobs_of
+
 sampler = Sampler()
 torch.manual_seed(0)
-for T in (1.0, 0.5):
+for T in (1.0, 0.5):  # 20,000 rows of the cat distribution draw words as often as softmax(logits / T) says
     many = [Sequence([0], SamplingParams(temperature=T)) for _ in range(20_000)]
     tokens = sampler(cat_logits.expand(len(many), -1), tensors_of(many))
     freq = torch.bincount(tokens, minlength=len(words)) / len(tokens)
     show_probs(freq, f"T={T}")
     torch.testing.assert_close(freq, torch.softmax(cat_logits / T, dim=-1), atol=0.01, rtol=0)
 mixed = [Sequence([0], SamplingParams(temperature=T, top_p=0.5)) for T in (0.0, 1.5, 0.0, 3.0)]
-assert sampler(cat_logits.expand(4, -1), tensors_of(mixed))[[0, 2]].tolist() == [0, 0]
+assert sampler(cat_logits.expand(4, -1), tensors_of(mixed))[[0, 2]].tolist() == [0, 0]  # greedy rows say "mat"
 penalized = Sequence([0], SamplingParams(temperature=0, repetition_penalty=2.0, min_tokens=2, stop_token_ids=[1]))
 penalized.append_token(0)  # "mat" said once: 4.0 / 2 is below "floor"'s 3.1, but "floor" stops it before 2 tokens
 assert sampler(cat_logits[None], tensors_of([penalized])).tolist() == [2]  # so: "sofa"
-
-# %% [markdown]
-# The promise of seeds, end to end, with a toy "model". A seeded request generates 8 tokens alone; its twin 4
-# in row 1 of a batch of 3, is preempted, then 4 more in row 0 of a batch of 2. An unseeded twin differs.
+print(row := logprobs_of(cat_logits[None], torch.tensor([2]), [2])[0])  # "sofa": its (log-prob, rank); the top 2
+assert list(row) == [2, *cat_logits.topk(2).indices.tolist()] and row[2][1] == 1 + (cat_logits > cat_logits[2]).sum()
 
 # %%
+# The promise of seeds, end to end, with a toy "model": a seeded request generates 8 tokens alone; its twin 4 in row 1
+# of a batch of 3, is preempted, then 4 more in row 0 of a batch of 2. An unseeded twin, in the same batches, differs.
 toy_table = 3 * torch.randn(500, 500, generator=gen)  # next-token logits given the last token, 500 tokens
+request = lambda seed: Sequence([1, 2, 3], SamplingParams(temperature=1.0, top_p=0.9, seed=seed))
 
 
 def decode_step(batch: list[Sequence]) -> None:
-    logits = toy_table[[seq.last_token for seq in batch]]  # (batch, vocab)
-    for seq, token in zip(batch, sampler(logits, tensors_of(batch)).tolist()):
+    for seq, token in zip(batch, sampler(toy_table[[s.last_token for s in batch]], tensors_of(batch)).tolist()):
         seq.append_token(token)
-
-
-def request(seed: int | None) -> Sequence:
-    return Sequence([1, 2, 3], SamplingParams(temperature=1.0, top_p=0.9, seed=seed))
 
 
 solo, crowded, unseeded = request(seed=1234), request(seed=1234), request(seed=None)
 for _ in range(8):
     decode_step([solo])
-    decode_step([unseeded])
 for _ in range(4):
-    decode_step([request(seed=None), crowded, request(seed=99)])
+    decode_step([unseeded, crowded, request(seed=99)])
 # preempted here: its KV is dropped, its tokens are kept; later it is recomputed and decodes in a new batch
 for _ in range(4):
-    decode_step([crowded, request(seed=5)])
+    decode_step([crowded, unseeded])
 for name, seq in (("alone", solo), ("crowded", crowded), ("unseeded", unseeded)):
     print(f"{name:>8}: {seq.completion_token_ids}")
-assert crowded.completion_token_ids == solo.completion_token_ids
-assert unseeded.completion_token_ids != solo.completion_token_ids
+assert crowded.completion_token_ids == solo.completion_token_ids != unseeded.completion_token_ids
 
 # %% [markdown]
 # ## A forward pass over the paged cache
 # Notebook 02's attention layers hand `q`, `k`, `v` to an `AttentionContext`, so paging is one new context,
 # built once per step. Each layer's cache hangs on its `Attention` module (`k_cache`, `v_cache`).
 #
-# * **prefill**: store the new tokens' `k`, `v` into their slots; with no prefix-cache hit in the batch,
-#   attend over the new `k`, `v` directly (notebook 01's kernel), else through the block tables over cached
-#   prefix + new tokens;
+# * **prefill**: store the new tokens' `k`, `v` into their slots; with no prefix-cache hit in the batch, attend over the
+#   new `k`, `v` directly (notebook 01's kernel), else through the block tables over cached prefix + new tokens;
 # * **decode**: store each sequence's one new token, then the decode kernel over each whole cache.
 
 # %% tags=["export"] module="minivllm.attention.paged"
@@ -500,14 +475,13 @@ class PagedContext:
 
 # %% [markdown]
 # ## The model runner (its decode inputs, to write yourself: `exercises/04_prepare_decode.ipynb`)
-# The scheduler (notebook 05) hands the runner sequences for a step. The runner **prepares** the inputs on
-# the host: for a prefill, each sequence's `num_scheduled_tokens` tokens after its `num_cached_tokens` cached
-# ones, packed end to end, with positions, slots, `cu_seqlens_q` (new tokens), `cu_seqlens_k` (cached + new)
-# and block tables when something is cached; for a decode, each sequence's last token, position, slot, cache
-# length and block table. It **copies** them to the device (pinned memory, no waiting), runs the model with a
-# `PagedContext`, computes the logits of each sequence's last position, and **samples**. Preparation is NumPy
-# over whole arrays (a Python loop per token would cost more than the GPU's step), into a `StepInputs` of
-# plain arrays: also what rank 0 sends the other ranks under TP.
+# The scheduler (notebook 05) hands the runner a step's sequences. The runner **prepares** the inputs on the host: for a
+# prefill, each sequence's `num_scheduled_tokens` tokens after its `num_cached_tokens` cached ones, packed end to end,
+# with positions, slots, `cu_seqlens_q` (new tokens), `cu_seqlens_k` (cached + new) and block tables when something is
+# cached; for a decode, each sequence's last token, position, slot, cache length and block table. It **copies** them to
+# the device (pinned memory, no waiting), runs the model with a `PagedContext`, computes the logits of each sequence's
+# last position, and **samples**. Preparation is NumPy over whole arrays (a Python loop per token costs more than the
+# GPU's step), into a `StepInputs`: also what rank 0 sends the other ranks under TP.
 
 # %% tags=["export"] module="minivllm.engine.model_runner"
 import atexit
@@ -528,7 +502,7 @@ from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.layernorm import RMSNorm
 from minivllm.layers.linear import TPGroup, tensor_parallel
 from minivllm.layers.rotary_embedding import RotaryEmbedding
-from minivllm.layers.sampler import Sampler, SamplingTensors
+from minivllm.layers.sampler import Sampler, SamplingTensors, TokenLogprobs, logprobs_of
 from minivllm.models.loader import load_model
 from minivllm.models.qwen3 import Qwen3ForCausalLM
 from minivllm.sampling_params import SamplingParams
@@ -546,6 +520,7 @@ class StepInputs:
     cu_seqlens_q: np.ndarray | None = None  # prefill: (num_seqs + 1,) int32
     cu_seqlens_k: np.ndarray | None = None  # prefill: (num_seqs + 1,) int32
     context_lens: np.ndarray | None = None  # decode: (num_seqs,) int32
+    logits_rows: np.ndarray | None = None  # prefill: (num_rows,) int64 rows to score; None: each sequence's last
 
 
 def block_tables_array(seqs: list[Sequence]) -> np.ndarray:  # (num_seqs, max_blocks) int32, zero-padded
@@ -561,20 +536,28 @@ def token_slots(block_table: list[int], start: int, end: int, block_size: int) -
     return np.asarray(block_table, dtype=np.int64)[t // block_size] * block_size + t % block_size
 
 
+def scores_prompt(seq: Sequence) -> bool:
+    """Whether seq asks for prompt logprobs and has prompt tokens left to score (row i scores token i + 1)."""
+    return seq.sampling_params.prompt_logprobs is not None and seq.num_cached_tokens < seq.num_prompt_tokens - 1
+
+
 def prepare_prefill(seqs: list[Sequence], block_size: int) -> StepInputs:
     """Each sequence's scheduled tokens, those after its cached ones, packed end to end."""
     starts = [seq.num_cached_tokens for seq in seqs]
     ends = [seq.num_cached_tokens + seq.num_scheduled_tokens for seq in seqs]
     spans = list(zip(seqs, starts, ends))
     assert all(s < e <= len(seq) for seq, s, e in spans), "a prefill computes 1..len(seq) - num_cached_tokens tokens"
+    cu_q = np.cumsum([0, *(e - s for s, e in zip(starts, ends))], dtype=np.int32)
+    rows = [np.arange(a, b) if scores_prompt(seq) else np.array([b - 1]) for seq, a, b in zip(seqs, cu_q, cu_q[1:])]
     return StepInputs(
         is_prefill=True,
         input_ids=np.concatenate([np.asarray(seq.token_ids[s:e], dtype=np.int64) for seq, s, e in spans]),
         positions=np.concatenate([np.arange(s, e) for s, e in zip(starts, ends)]),
         slot_mapping=np.concatenate([token_slots(seq.block_table, s, e, block_size) for seq, s, e in spans]),
         block_tables=block_tables_array(seqs) if any(starts) else None,
-        cu_seqlens_q=np.cumsum([0, *(e - s for s, e in zip(starts, ends))], dtype=np.int32),
+        cu_seqlens_q=cu_q,
         cu_seqlens_k=np.cumsum([0, *ends], dtype=np.int32),
+        logits_rows=np.concatenate(rows) if any(map(scores_prompt, seqs)) else None,
     )
 
 
@@ -610,9 +593,8 @@ def step_to_device(
 
 
 # %% [markdown]
-# Check: three sequences, the second of which finds its first block in the prefix cache, so prefill computes
-# only its last 4 tokens, at positions 16..19, in its second block. Until notebook 05's scheduler, `admit`
-# does its part for a one-step prefill: allocate blocks, cache the full ones, schedule every uncached token.
+# Three sequences; the second finds its first block in the prefix cache, so prefill computes only its last 4 tokens
+# (positions 16..19). `admit` stands in for notebook 05's scheduler: allocate, cache the full blocks, schedule the rest.
 
 # %%
 from minivllm.engine.block_manager import BlockManager
@@ -644,17 +626,15 @@ for seq, token in zip((first, again, short), (1, 2, 3)):
     bm.may_append(seq)
 decode = prepare_decode([first, again, short], block_size=16)
 assert list(decode.input_ids) == [1, 2, 3] and list(decode.context_lens) == [21, 21, 4]
-assert list(decode.slot_mapping) == [
-    s.block_table[b] * 16 + i for s, b, i in ((first, 1, 4), (again, 1, 4), (short, 0, 3))
-]
+slots = [s.block_table[b] * 16 + i for s, b, i in ((first, 1, 4), (again, 1, 4), (short, 0, 3))]
+assert list(decode.slot_mapping) == slots
 
 # %% [markdown]
 # ### How big can the KV cache be?
-# Every cached token holds, in every layer, a key and a value per KV head: `2 × num_layers × num_kv_heads ×
-# head_dim × dtype bytes`. On a GPU the runner first runs the largest step it will run (a prefill of
-# `max_num_batched_tokens` tokens, then sampling `max_num_seqs` rows) and records its peak memory; what
-# `gpu_memory_utilization` leaves after the weights and that peak becomes KV blocks. On a CPU the size is
-# `num_kvcache_blocks`, by default enough for `max_num_seqs` sequences of `max_model_len` tokens, up to 1 GiB.
+# A cached token holds a key and a value per KV head and layer: `2 × num_layers × num_kv_heads × head_dim × dtype
+# bytes`. On a GPU the runner runs its largest step (prefill `max_num_batched_tokens` tokens, then sample `max_num_seqs`
+# rows) and records the peak; what `gpu_memory_utilization` leaves after the weights and that peak becomes KV blocks. On
+# a CPU: `num_kvcache_blocks`, by default enough for `max_num_seqs` sequences of `max_model_len`, up to 1 GiB.
 
 # %%
 from minivllm.checkpoint import preset_config
@@ -663,8 +643,7 @@ cfg = preset_config("qwen3-0.6b")
 layers, heads, dims = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
 per_token = 2 * layers * heads * dims * 2  # K and V, bf16
 weights = 0.6e9 * 2  # ≈ 0.6 B parameters in bf16 (the embedding is tied)
-h200 = 141e9 * 0.9 - weights - 4e9  # gpu_memory_utilization 0.9, minus weights and ~4 GB of activations
-tokens = h200 / per_token
+tokens = (141e9 * 0.9 - weights - 4e9) / per_token  # H200, gpu_memory_utilization 0.9, minus ~4 GB of activations
 print(f"{per_token // 1024} KiB per token: {layers} layers × {heads} KV heads × {dims} dims × K, V × 2 bytes")
 print(f"H200: ≈ {tokens / 1e6:.2f} M tokens, {tokens / 40960:.0f} sequences of 40,960 or {tokens / 2048:.0f} of 2,048")
 
@@ -720,13 +699,12 @@ def bind_kv_cache(layers: list[Attention], num_blocks: int, block_size: int, dty
 
 # %% [markdown]
 # ### CUDA graphs for decode
-# A decode step of Qwen3-0.6B launches a few hundred small kernels (28 layers × norms, projections, RoPE,
-# attention, MLP), each microseconds of work: launching them from Python costs more than running them. A
-# CUDA graph records the launches once and replays them in one call, at the price of fixed shapes and
-# addresses. So we capture one graph per batch size (1, 2, 4, 8, then every 16 up to `max_num_seqs`) over
-# shared static inputs; a step copies its inputs in, pads the batch to the next captured size (padding rows
-# have slot −1 and an empty cache: they write and read nothing), and replays. The decode kernel's split count
-# depends on the batch size only, so it is fixed per graph too; the smaller graphs share the largest's memory.
+# A decode step of Qwen3-0.6B launches a few hundred small kernels (28 layers × norms, projections, RoPE, attention,
+# MLP), each microseconds of work, cheaper to run than to launch from Python. A CUDA graph records the launches once and
+# replays them in one call, at the price of fixed shapes and addresses. So we capture one graph per batch size (1, 2, 4,
+# 8, then every 16 up to `max_num_seqs`) over shared static inputs; a step copies its inputs in, pads the batch to the
+# next captured size (padding rows: slot −1, an empty cache, no writes or reads), and replays. The decode kernel's split
+# count depends on the batch size only, so it is fixed per graph too; the smaller graphs share the largest's memory.
 
 
 # %% tags=["export"]
@@ -797,9 +775,8 @@ from minivllm.models.qwen3 import Qwen3ForCausalLM
 
 with torch.device("meta"):  # the 0.6B's shapes, no memory
     meta_model = Qwen3ForCausalLM(preset_config("qwen3-0.6b"))
-x, residual = torch.empty(1, 1024, device="meta"), torch.empty(1, 1024, device="meta")  # one decoding token
-positions = torch.zeros(1, dtype=torch.long, device="meta")
-q, k = torch.empty(1, 16, 128, device="meta"), torch.empty(1, 8, 128, device="meta")
+    x, residual, positions = torch.empty(1, 1024), torch.empty(1, 1024), torch.zeros(1, dtype=torch.long)  # 1 token
+    q, k = torch.empty(1, 16, 128), torch.empty(1, 8, 128)
 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
     meta_model.model.norm(x, residual)
     meta_model.model.layers[0].self_attn.rotary_emb(positions, q, k)
@@ -818,6 +795,15 @@ def use_small_layer_kernels(model: torch.nn.Module, enabled: bool = True) -> Non
 
 
 # %% tags=["export"] module="minivllm.engine.model_runner"
+@dataclass(slots=True)
+class StepOutput:
+    """What a step gives each sequence: its next token and, where its parameters ask, log-probabilities."""
+
+    token_ids: list[int]  # (num_seqs,)
+    logprobs: list[TokenLogprobs | None]  # of the next token (SamplingParams.logprobs)
+    prompt_logprobs: list[tuple[int, list[TokenLogprobs]] | None]  # the first position scored, and one per position
+
+
 def rank_device(config: Config, rank: int) -> torch.device:
     return torch.device(f"cuda:{rank}" if config.device == "cuda" else "cpu")
 
@@ -827,6 +813,7 @@ def rank_device(config: Config, rank: int) -> torch.device:
 # `ModelRunner(config)` loads the model (this rank's slice), sizes the KV cache, runs one prefix-hit prefill (Triton
 # compiles at start-up, not in a request), captures the decode graphs, then serves `run(seqs, is_prefill) -> token
 # ids`, building the sampling tensors while the GPU runs the forward; `step_logits` is the step without sampler.
+# `step` is `run` with the log-probabilities some requests ask for: their prompt's need a row of logits per token.
 
 
 # %% tags=["export"]
@@ -937,9 +924,10 @@ class ModelRunner:
             hidden = self.graphs.replay(input_ids, positions, context)
         else:
             hidden = self.model(input_ids, positions, context)  # (num_tokens, hidden_size)
-        if step.is_prefill:
+        if step.is_prefill:  # each sequence's last token, or all of a sequence's that scores its prompt
             assert context.cu_seqlens_q is not None  # a prefill step has it
-            hidden = hidden[context.cu_seqlens_q[1:] - 1]  # each sequence's last token: (num_seqs, hidden_size)
+            rows = context.cu_seqlens_q[1:] - 1 if step.logits_rows is None else torch.from_numpy(step.logits_rows)
+            hidden = hidden[rows.to(hidden.device)]  # (num_rows, hidden_size)
         return self.model.compute_logits(hidden)
 
     def step_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
@@ -948,12 +936,31 @@ class ModelRunner:
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         """One step for these sequences: the next token of each."""
+        return self.step(seqs, is_prefill).token_ids
+
+    def step(self, seqs: list[Sequence], is_prefill: bool) -> StepOutput:
+        """One step: the next token of each sequence, and the log-probabilities its parameters ask for."""
         logits = self.step_logits(seqs, is_prefill)  # queued on the GPU: the host goes on
+        scoring = [is_prefill and scores_prompt(seq) for seq in seqs]  # these have a row per token, not one
+        ends = np.cumsum([seq.num_scheduled_tokens if s else 1 for seq, s in zip(seqs, scoring)])  # their rows' ends
+        last = logits[torch.from_numpy(ends - 1).to(logits.device)] if any(scoring) else logits  # (num_seqs, vocab)
         params = [seq.sampling_params for seq in seqs]  # the sampling tensors are built while the GPU computes
         penalized = any(p.penalized for p in params)  # penalties need each row's tokens
         histories = [(s.prompt_token_ids, s.completion_token_ids) for s in seqs] if penalized else None
         sampling = SamplingTensors.from_params(params, [s.num_completion_tokens for s in seqs], self.device, histories)
-        return self.sampler(logits, sampling).tolist()
+        token_ids = self.sampler(last, sampling)  # (num_seqs,)
+        out = StepOutput(token_ids.tolist(), [None] * len(seqs), [None] * len(seqs))
+        if asked := [i for i, p in enumerate(params) if p.logprobs is not None]:
+            ks = [params[i].logprobs or 0 for i in asked]
+            for i, row in zip(asked, logprobs_of(last[asked], token_ids[asked], ks)):
+                out.logprobs[i] = row
+        for j in [j for j, s in enumerate(scoring) if s]:  # rows of prompt positions p score the tokens at p + 1
+            seq, start, k = seqs[j], seqs[j].num_cached_tokens, params[j].prompt_logprobs or 0
+            n = min(seq.num_scheduled_tokens, seq.num_prompt_tokens - 1 - start)  # rows before the prompt's end
+            targets = torch.tensor(seq.token_ids[start + 1 : start + 1 + n], device=logits.device)
+            first = int(ends[j]) - seq.num_scheduled_tokens
+            out.prompt_logprobs[j] = (start + 1, logprobs_of(logits[first : first + n], targets, [k] * n))
+        return out
 
 
 # %% [markdown]
@@ -987,8 +994,6 @@ def check_steps(runner: ModelRunner, prompts: list[list[int]], num_decode_steps:
             worst = max(worst, (row - prompt_logits(reference, seq.token_ids)[-1]).abs().max().item())
             seq.append_token(int(row.argmax()))
             bm.may_append(seq)
-    for seq in seqs:
-        bm.deallocate(seq)
     return worst
 
 
@@ -997,8 +1002,6 @@ prompts = [random.choices(range(2048), k=n) for n in (1, 15, 16, 17, 100)]
 worst = check_steps(runner, prompts, num_decode_steps=40)
 print(f"5 prompts, prefill + 40 decode steps, shuffled blocks: worst logit error {worst:.1e}")
 assert worst < 1e-4
-
-# %%
 runner.use_triton = True  # the same through the Triton kernels (on a CPU, in the interpreter, so fewer steps)
 worst = check_steps(runner, prompts[:3], num_decode_steps=3)
 print(f"Triton kernels: worst logit error {worst:.1e}")
@@ -1012,8 +1015,7 @@ runner.use_triton = DEVICE == "cuda"
 # %%
 system_prompt = random.choices(range(2048), k=48)  # three full blocks of 16
 bm = BlockManager(runner.num_kvcache_blocks, runner.block_size)
-first = Sequence(system_prompt + [1, 2, 3], block_size=16)
-second = Sequence(system_prompt + [4, 5, 6, 7], block_size=16)
+first, second = (Sequence(system_prompt + new, block_size=16) for new in ([1, 2, 3], [4, 5, 6, 7]))
 admit(bm, first)
 runner.step_logits([first], is_prefill=True)
 admit(bm, second)
@@ -1022,8 +1024,6 @@ hit = runner.step_logits([second], is_prefill=True)[0]
 error = (hit - prompt_logits(reference, second.token_ids)[-1]).abs().max().item()
 print(f"prefix-cache hit: {second.num_cached_tokens} of {len(second)} tokens reused, logit error {error:.1e}")
 assert error < 1e-4
-
-# %%
 # chunked prefill (notebook 05): each chunk's queries attend to the chunks before it, as after a prefix hit
 long = Sequence(random.choices(range(2048), k=100), block_size=16)
 bm.allocate(long)

@@ -14,10 +14,9 @@
 # %% [markdown]
 # # 06 · The engine: vLLM's offline API, end to end
 #
-# **What this notebook builds.** The layer a user touches: `LLM(model=...).generate(prompts, sampling_params)`,
-# with vLLM's names, arguments and outputs. Under it, `LLMEngine` turns prompts into `Sequence`s, loops
-# `schedule → run → postprocess` until every request is done, and returns text, token ids, the reason each
-# request stopped, and its timings.
+# **What this notebook builds.** The layer a user touches: `LLM(model=...).generate(prompts, sampling_params)`, with
+# vLLM's names, arguments and outputs. Under it, `LLMEngine` turns prompts into `Sequence`s and loops `schedule → run →
+# postprocess` until every request is done, returning text, token ids, the reason each request stopped, and its timings.
 #
 # **What it assumes.** Everything before: the model (02), the KV cache (03), the runner (04), the scheduler (05).
 #
@@ -43,26 +42,32 @@ random.seed(0)
 
 # %% [markdown]
 # ## What a request gives back
-# vLLM's `RequestOutput`: the prompt (text and token ids) and, per completion, its text, token ids and
-# `finish_reason` ("stop": an end-of-sequence or stop token; "length": `max_tokens` or the context length).
-# We add the two timings a serving engine is judged by: **time to first token** (TTFT: how long the user waits
-# before anything appears, mostly queueing and prefill) and **time per output token** (TPOT: the decode pace).
-#
-# A step gives back a `StepStats` too: its kind (`"prefill"`, `"decode"`, `"mixed"`: prompt and decode rows in one
-# forward, or `"idle"`), the sequences and tokens it computed, and its three phases' times: `schedule`, `run` (step
-# inputs, forward, sampler: it waits for the GPU) and `postprocess` (append tokens, free blocks). The progress bar
-# and the throughput benchmark read it, so neither wraps the engine's functions to time them.
+# vLLM's `RequestOutput`: the prompt and, per completion, its text, token ids, `finish_reason` ("stop": an EOS or stop
+# token; "length": `max_tokens` or the context) and log-probabilities if asked. We add two timings a server is judged
+# by: **time to first token** (TTFT: queueing, prefill) and **time per output token** (TPOT: the decode pace). A step
+# returns a `StepStats` too: its kind (`"prefill"`, `"decode"`, `"mixed"`: prompt and decode rows in one forward, or
+# `"idle"`), its sequences and tokens, and its phases' times: `schedule`, `run` (inputs, forward, sampler: it waits for
+# the GPU), `postprocess` (append tokens, free blocks). The progress bar and throughput benchmark read it.
 
 # %% tags=["export"] module="minivllm.outputs"
 from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
+class Logprob:
+    logprob: float  # under the raw distribution: the log-softmax of the model's logits
+    rank: int  # 1 is the most likely token
+    decoded_token: str
+
+
+@dataclass(slots=True)
 class CompletionOutput:
-    index: int
+    index: int  # which of the request's n completions
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length", or None while running
+    logprobs: list[dict[int, Logprob]] | None = None  # per token: its own and the most likely tokens' (if asked)
+    cumulative_logprob: float | None = None  # the sum of its tokens' log-probabilities (if logprobs were asked)
 
 
 @dataclass(slots=True)
@@ -105,35 +110,33 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(repr=False)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # per prompt token (None for the first), if asked
 
 
 # %% [markdown]
 # ## Tensor parallelism: one runner per GPU
-# Notebook 04's `ModelRunner` is one rank: given a rank's groups it holds that rank's slice of every weight
-# (notebook 01's parallel layers) and of the KV cache (its KV heads), and meets the other ranks at the
-# all-reduces inside the model. What it does not do is start those ranks. With `tensor_parallel_size=N` the
-# engine makes a `TPModelRunner` instead (vLLM's multiprocess executor): rank 0's runner, in the engine's
-# process, which starts N−1 worker processes, each running a plain `ModelRunner`. Every step rank 0 prepares
-# the `StepInputs` and broadcasts them; all ranks run the same forward; rank 0 samples. Workers have no
-# scheduler and no sequences.
+# Notebook 04's `ModelRunner` is one rank: it holds that rank's slice of every weight (notebook 01's parallel layers)
+# and of the KV cache (its KV heads), and meets the other ranks at the model's all-reduces, but does not start them.
+# With `tensor_parallel_size=N` the engine makes a `TPModelRunner` (vLLM's multiprocess executor): rank 0's runner,
+# which starts N−1 workers, each a plain `ModelRunner`. Each step, rank 0 broadcasts the `StepInputs`, all ranks run
+# the same forward, and rank 0 samples. Workers have no scheduler and no sequences.
 #
 # Processes are where engines hang, and a hang is worse than a crash: nobody learns why. The rules we follow:
 #
-# * **Each engine owns its groups.** Rank 0 opens a `TCPStore` on a free port; every rank builds two groups
-#   over it: `control` (gloo, CPU sockets) for rank 0's messages and `tp` for the model's all-reduces (NCCL on
-#   GPUs). There is no `torch.distributed` default group, so two engines in one process never share one.
-# * **Workers are `spawn`ed** (a forked CUDA context is unusable) with a module-level target (a notebook cell
-#   cannot be imported by a spawned process), as daemons, ignoring Ctrl-C (rank 0 decides when they stop),
-#   and each watches its parent and exits if it is gone, even after a `kill -9` of rank 0.
-# * **Rank 0 never waits blindly.** It waits for each worker to check in while watching that the process is
-#   alive, and a thread keeps watching: a worker that dies becomes an error naming it within seconds (one that
-#   died before it even started was most likely a script without a main guard: the error says so).
-# * **A step is never cut in half.** Ctrl-C during a step is held until the step ends, so every rank stays in
-#   step and the engine stays usable; anything else that breaks a step makes the engine refuse further steps,
-#   with the reason, instead of hanging in the next collective.
+# * **Each engine owns its groups.** Rank 0 opens a `TCPStore` on a free port; every rank builds two groups over it:
+#   `control` (gloo, CPU sockets) for rank 0's messages and `tp` for the model's all-reduces (NCCL on GPUs). There is no
+#   `torch.distributed` default group, so two engines in one process never share one.
+# * **Workers are `spawn`ed** (a forked CUDA context is unusable) with a module-level target (a notebook cell cannot be
+#   imported by a spawned process), as daemons, ignoring Ctrl-C (rank 0 decides when they stop), and each watches its
+#   parent and exits if it is gone, even after a `kill -9` of rank 0.
+# * **Rank 0 never waits blindly.** It waits for each worker to check in while watching that the process is alive, and a
+#   thread keeps watching: a worker that dies becomes an error naming it within seconds (one that died before it even
+#   started was most likely a script without a main guard: the error says so).
+# * **A step is never cut in half.** Ctrl-C is held until the step ends, so the ranks stay in step and the engine
+#   usable; any other failure makes the engine refuse further steps, with the reason, not hang in the next collective.
 # * **`close()` frees the CUDA graphs before the groups** (an NCCL group waits for the graphs that captured its
-#   all-reduces before it shuts down: closing in the other order hangs), then joins the workers and kills
-#   stragglers. It also hands the KV cache back to the GPU, so one process can run one engine after another.
+#   all-reduces before it shuts down: closing in the other order hangs), then joins the workers and kills stragglers. It
+#   also hands the KV cache back to the GPU, so one process can run one engine after another.
 
 # %% tags=["export"] module="minivllm.engine.workers"
 import os
@@ -151,7 +154,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from minivllm.config import Config
-from minivllm.engine.model_runner import ModelRunner, rank_device
+from minivllm.engine.model_runner import ModelRunner, StepOutput, rank_device
 from minivllm.engine.sequence import Sequence
 from minivllm.layers.linear import TPGroup
 
@@ -319,11 +322,10 @@ class Workers:
 
 
 # %% [markdown]
-# A worker's life: check in (so that rank 0 can tell "never started" from "died"), connect to rank 0's store,
-# build its groups, load its slice into a `ModelRunner`, then do what rank 0 says until it says `exit`. Rank 0's
-# side is the same runner with three methods changed: `call` tells the workers before it runs a method (and
-# holds Ctrl-C until every rank is through), `run` checks that no worker died during the step, and `close`
-# sends `exit`, frees the graphs, closes the groups and joins the workers.
+# A worker's life: check in (so rank 0 can tell "never started" from "died"), connect to rank 0's store, build its
+# groups, load its slice into a `ModelRunner`, then run what rank 0 sends until `exit`. Rank 0's runner changes three
+# methods: `call` tells the workers each method it runs (holding Ctrl-C until every rank is through), `step` checks that
+# no worker died in the step, and `close` sends `exit`, frees the graphs, closes the groups, joins the workers.
 
 
 # %% tags=["export"] module="minivllm.engine.workers"
@@ -383,10 +385,10 @@ class TPModelRunner(ModelRunner):
                     raise RuntimeError(self.workers.failure) from e
                 raise
 
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
-        token_ids = super().run(seqs, is_prefill)
+    def step(self, seqs: list[Sequence], is_prefill: bool) -> StepOutput:
+        out = super().step(seqs, is_prefill)
         self.workers.check()  # a worker died during the step: its all-reduces were aborted, the tokens are junk
-        return token_ids
+        return out
 
     def close(self, abort: bool = False) -> None:
         if self.closed:
@@ -415,8 +417,7 @@ def make_runner(config: Config) -> ModelRunner:
 from minivllm.benchmarks.tp import plot_tp
 
 tp_data = json.loads(Path("figures/tp.json").read_text())  # needs two GPUs to re-measure: the committed run
-fig = plot_tp(tp_data)
-fig.savefig(FIGURES / "06_tp.png", dpi=120)
+plot_tp(tp_data).savefig(FIGURES / "06_tp.png", dpi=120)
 step = {(r["tp"], r["batch"]): r["ms"] for r in tp_data["rows"] if r["kind"] == "decode_step"}
 run = {r["tp"]: r for r in tp_data["rows"] if r["kind"] == "throughput"}
 for batch in sorted({b for _, b in step}):
@@ -432,70 +433,53 @@ for r in (r for r in tp_data["rows"] if r["kind"] == "startup"):  # python -c "L
 # latency, what is the most one all-reduce can cost?
 
 # %%
-num_allreduces = 2 * 28
-per_allreduce_us = (step[2, 1] - step[1, 1]) / num_allreduces * 1e3
+added_ms = step[2, 1] - step[1, 1]
+per_allreduce_us = added_ms / (2 * 28) * 1e3  # 2 all-reduces per layer, 28 layers
 copy_tbps = json.loads(Path("figures/decode.json").read_text())["copy_tbps"]  # the H200's copy bandwidth
 weight_read_ms = 596e6 * 2 / (copy_tbps * 1e12) * 1e3  # 596 M bf16 parameters, read once
-print(f"TP 2 adds {step[2, 1] - step[1, 1]:.2f} ms at batch 1: at most {per_allreduce_us:.0f} µs per all-reduce")
-print(
-    f"reading all the weights once takes {weight_read_ms:.2f} ms on one GPU, {weight_read_ms / (step[2, 1] - step[1, 1]):.0%} of what TP 2 adds"
-)
+print(f"TP 2 adds {added_ms:.2f} ms at batch 1: at most {per_allreduce_us:.0f} µs per all-reduce")
+print(f"one GPU reads all the weights in {weight_read_ms:.2f} ms, {weight_read_ms / added_ms:.0%} of what TP 2 adds")
 
 # %% [markdown]
-# For a 0.6B model TP 2 does not pay in speed: one GPU reads all 1.2 GB of weights in under 0.3 ms, a quarter
-# of what the communication adds, so halving that read cannot make up for it. Every step gets slower (most at
-# small batches, where latency is all there is) and throughput drops a little. What it does buy is memory: the
-# KV cache doubles (each GPU holds half of the KV heads), so twice the tokens fit. Starting costs more too: a
-# second process imports torch and minivllm again, loads its half and connects NCCL before the first step. TP
-# pays when the weights or the KV cache do not fit one GPU, or when reading a GPU's share of the weights takes
-# much longer than the all-reduces: tens of billions of parameters, not 0.6.
+# For a 0.6B model TP 2 does not pay in speed: one GPU reads all 1.2 GB of weights in under 0.3 ms, a fifth of what
+# the communication adds. Every step gets slower (most at small batches, where latency is all there is) and throughput
+# drops a little. What it buys is memory: each GPU holds half of the KV heads, so the cache fits twice the tokens.
+# Starting costs more: a second process imports torch, loads its half and connects NCCL. TP pays when the weights or
+# the KV cache do not fit one GPU, or reading a GPU's share of the weights takes much longer than the all-reduces.
 
 # %% [markdown]
 # ## The engine
-# `LLMEngine` owns one `ModelRunner` (and through it any tensor-parallel workers), one `Scheduler`, and a
-# tokenizer. It keeps vLLM's split between adding work and doing it:
+# `LLMEngine` owns one `ModelRunner` (and through it any tensor-parallel workers), one `Scheduler` (whose block manager
+# owns the block size) and a tokenizer. It keeps vLLM's split between adding work and doing it: `add_request(prompt,
+# sampling_params, request_id=None)` checks, tokenizes and queues a request's `Sequence`s, `abort_request(ids)` drops
+# requests, and `step()` runs one scheduler step and returns the finished requests with the step's `StepStats` (vLLM
+# gives them to its loggers; we keep no history); with nothing queued, no outputs and an `"idle"` record.
 #
-# * `add_request(prompt, sampling_params, request_id=None)` checks the request, tokenizes it and queues a
-#   `Sequence`; `abort_request(request_ids)` drops requests;
-# * `step()` runs one scheduler step and returns the requests that finished, with the step's `StepStats` (vLLM
-#   hands its statistics to loggers it owns; we hand them to the caller, and keep no history). With nothing
-#   queued it does nothing and returns no outputs and an `"idle"` record.
+# **Bad input never gets in.** The engine checks each request before it touches any state, with a `ValueError` naming
+# the field and the allowed range: an empty prompt, one too long for `max_model_len` (plus one generated token) or the
+# whole KV cache, a token id outside the vocabulary or not an integer, a `request_id` in use, text for a checkpoint
+# without a tokenizer. It keeps its own checked copy of the `SamplingParams`, so a caller's later change never reaches
+# a queued request, and `add_requests` checks a whole list before adding any. Below it, the scheduler and the sequence
+# only `assert` their invariants. **When the model fails** (a device error, Ctrl-C), the step's requests are aborted,
+# their blocks freed and dropped from the prefix cache (their KV may be half written), before the error reaches the
+# caller; the next `step()` serves the others (a failure while scheduling aborts all: `Scheduler.abort_all`).
 #
-# **Bad input never gets in.** The engine is the one place that checks a request, before it touches any state,
-# with a `ValueError` naming the field and the allowed range: an empty prompt, one too long for `max_model_len`
-# (prompt plus one generated token must fit) or for the whole KV cache, a token id outside the vocabulary or not
-# an integer (NumPy and PyTorch integers are welcome; floats, bools, nested lists are not), a `request_id` in use.
-# It keeps its own checked copy of each request's `SamplingParams` (`dataclasses.replace` runs notebook 02's
-# checks again), so later changes to the caller's copy never reach a queued request. `add_requests` checks a
-# whole list before adding the first, so one bad request leaves the engine as it was. Below the engine, the
-# scheduler and the sequence trust what they are given and only `assert` their invariants.
+# **Stopping.** A model may have several EOS ids (the tokenizer's, and `generation_config.json`'s: Qwen3 has two);
+# unless a request says `ignore_eos` they join its stop tokens, so the scheduler has one rule: a stop token finishes a
+# request. Stop *strings* are the engine's: after each step it decodes the replies that have some and ends those holding
+# one (`"stop"`, the text cut before it, or after it with `include_stop_str_in_output`). While a reply runs, `progress`
+# decodes only its newest tokens and holds back what could begin a stop string: a stream never shows text it takes back.
 #
-# **A checkpoint without a tokenizer.** Token-id prompts still work; text (a prompt, a stop string) is refused.
-# transformers may build an *empty* tokenizer from a folder without tokenizer files: one with no ordinary token
-# counts as none.
-#
-# **When the model fails.** If a step raises (a device error, Ctrl-C), its requests are aborted, their blocks
-# freed and dropped from the prefix cache (their KV may be half written), before the error reaches the caller;
-# the next `step()` serves the others. (A failure while scheduling aborts every request: `Scheduler.abort_all`.)
-#
-# **Threads.** One lock serialises `add_request`, `abort_request`, `step` and `LLM.generate`: two threads
-# calling `generate` on one `LLM` each get the outputs they would get alone, one after the other.
-#
-# **Stopping.** A model may have several EOS ids (the tokenizer's, and more in `generation_config.json`: Qwen3
-# has two); unless a request says `ignore_eos` the engine adds them to its stop tokens, so the scheduler needs
-# one rule: a stop token finishes a request. Stop *strings* are the engine's: after each step it decodes the
-# replies that have some, and ends one whose text holds a stop string (`"stop"`, the text cut before it, or
-# after it with `include_stop_str_in_output`). While a reply runs, its last characters that could begin a stop
-# string are held back from `progress`, so a stream never shows text it takes back (tests/test_engine.py checks it).
-#
-# **Block size.** The block manager owns it (from `Config`); the engine reads it there.
+# **n completions, log-probabilities.** `n` makes one sequence per completion (seeded `seed + i`); the first computes
+# the prompt, the others start once its blocks are cached, so they share them. The runner's `step` gives the scored
+# tokens' log-probabilities; the engine keeps them per token, as vLLM's `Logprob(logprob, rank, decoded_token)`.
 
 # %% tags=["export"] module="minivllm.engine.llm_engine"
 import dataclasses
 import threading
 import time
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
 from typing import cast
@@ -503,10 +487,12 @@ from typing import cast
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from minivllm.config import Config
+from minivllm.engine.model_runner import StepOutput
 from minivllm.engine.scheduler import Scheduler, UnifiedScheduler
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.workers import make_runner
-from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepStats
+from minivllm.layers.sampler import TokenLogprobs
+from minivllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, StepStats
 from minivllm.sampling_params import SamplingParams, as_token_ids
 
 Prompt = str | list[int]  # text, or token ids: a list or tuple of ints, or a 1-D integer NumPy array / PyTorch tensor
@@ -533,13 +519,25 @@ def eos_token_ids(path: str | Path, tokenizer: PreTrainedTokenizerBase | None, h
     return list(dict.fromkeys(ids))
 
 
+def sample_params(params: SamplingParams) -> list[SamplingParams]:
+    """One SamplingParams per completion (vLLM's rule): n = 1, seed + i for completion i of a seeded request, and
+    prompt logprobs asked of completion 0 only (the others may then reuse its cached prompt)."""
+    seeds = [None if params.seed is None else params.seed + i for i in range(params.n)]
+    prompt_logprobs = [params.prompt_logprobs] + [None] * (params.n - 1)
+    return [dataclasses.replace(params, n=1, seed=s, prompt_logprobs=p) for s, p in zip(seeds, prompt_logprobs)]
+
+
 @dataclass(slots=True)
 class Request:
     request_id: str
     prompt: str | None  # the text, when the prompt was text
-    seq: Sequence
+    seqs: list[Sequence]  # one per completion (SamplingParams.n)
     metrics: RequestMetrics
-    text_end: int | None = None  # where the text ends, once a stop string is found in it
+    num_started: int = 0  # seqs given to the scheduler: with prefix caching, seqs[1:] wait for seqs[0]'s prompt
+    text_ends: dict[int, int] = field(default_factory=dict)  # completion -> where its text ends (a stop string)
+    logprobs: list[list[dict[int, Logprob]]] = field(default_factory=list)  # per completion, per token
+    prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=lambda: [None])  # per prompt token
+    texts: list[tuple[str, int, int]] = field(default_factory=list)  # per completion, while it runs: see running_text
 
 
 class LLMEngine:
@@ -620,10 +618,16 @@ class LLMEngine:
         params = self.request_params(params)
         token_ids = self.tokenize(prompt, name)
         self.check_request(token_ids, params)
-        seq = Sequence(token_ids, params, self.scheduler.block_manager.block_size)
-        return Request(
-            request_id, prompt if isinstance(prompt, str) else None, seq, RequestMetrics(time.perf_counter())
-        )
+        seqs = [Sequence(token_ids, p, self.scheduler.block_manager.block_size) for p in sample_params(params)]
+        text = prompt if isinstance(prompt, str) else None
+        return Request(request_id, text, seqs, RequestMetrics(time.perf_counter()), logprobs=[[] for _ in seqs],
+                       texts=[("", 0, 0)] * len(seqs))  # fmt: skip
+
+    def start(self, request: Request, num_seqs: int) -> None:
+        """Give the scheduler the request's sequences up to num_seqs."""
+        for seq in request.seqs[request.num_started : num_seqs]:
+            self.scheduler.add(seq)
+        request.num_started = max(request.num_started, num_seqs)
 
     def add_requests(
         self,
@@ -637,8 +641,8 @@ class LLMEngine:
             names = ["prompt"] if len(prompts) == 1 else [f"prompts[{i}]" for i in range(len(prompts))]
             requests = [self.make_request(*args) for args in zip(prompts, sampling_params, ids, names, strict=True)]
             for request in requests:
-                self.scheduler.add(request.seq)
-                self.requests[request.seq.seq_id] = request
+                self.requests |= {seq.seq_id: request for seq in request.seqs}
+                self.start(request, 1 if self.config.enable_prefix_caching else len(request.seqs))
             return ids
 
     def add_request(
@@ -650,9 +654,10 @@ class LLMEngine:
         """Drop these requests, unfinished or finished but not returned yet, and free their KV blocks."""
         ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
         with self.lock:
-            for request in [r for r in self.requests.values() if r.request_id in ids]:
-                self.scheduler.abort(request.seq)
-                del self.requests[request.seq.seq_id]
+            for request in {r.request_id: r for r in self.requests.values() if r.request_id in ids}.values():
+                for seq in request.seqs:
+                    self.scheduler.abort(seq)
+                    del self.requests[seq.seq_id]
             self.finished = [out for out in self.finished if out.request_id not in ids]
 
     # --- the loop ------------------------------------------------------------------------------------------
@@ -673,15 +678,15 @@ class LLMEngine:
             seqs, is_prefill = self.scheduler.schedule()
             mixed = is_prefill and any(seq.num_completion_tokens > 0 and seq.num_scheduled_tokens == 1 for seq in seqs)
             scheduled = time.perf_counter()
-            token_ids = self.runner.run(seqs, is_prefill)
+            out = self.runner.step(seqs, is_prefill)
             ran = time.perf_counter()
-            finished = self.scheduler.postprocess(seqs, token_ids)
+            finished = self.scheduler.postprocess(seqs, out.token_ids)
             now = time.perf_counter()
         except BaseException as e:
             aborted = self.abort_step(seqs)
             e.add_note(f"minivllm: the step failed; these requests were aborted: {aborted}")
             raise
-        self.record(seqs, finished, now)
+        self.record(seqs, out, finished, now)
         return StepStats(
             "mixed" if mixed else "prefill" if is_prefill else "decode",  # mixed: decode rows beside prompt rows
             len(seqs),
@@ -691,63 +696,98 @@ class LLMEngine:
             now - ran,
         )
 
-    def record(self, seqs: list[Sequence], finished: list[Sequence], now: float) -> None:
-        """After a step: first-token and finish times, stop strings, and the finished requests' outputs."""
-        for seq in seqs:
+    def record(self, seqs: list[Sequence], out: StepOutput, finished: list[Sequence], now: float) -> None:
+        """After a step: first-token and finish times, log-probabilities, stop strings, the next completions to
+        start, and the finished requests' outputs."""
+        for seq, logprobs, prompt_logprobs in zip(seqs, out.logprobs, out.prompt_logprobs):
             request = self.requests[seq.seq_id]
+            i = request.seqs.index(seq)
             if request.metrics.first_token_time is None and seq.num_completion_tokens > 0:
                 request.metrics.first_token_time = now
-            if seq.sampling_params.stop and self.find_stop(request):
+            if logprobs is not None and len(request.logprobs[i]) < seq.num_completion_tokens:  # it got a token
+                request.logprobs[i].append(self.logprobs(logprobs))
+            for position, row in enumerate(prompt_logprobs[1], prompt_logprobs[0]) if prompt_logprobs else ():
+                if position == len(request.prompt_logprobs):  # not scored before (a preempted prompt is redone)
+                    request.prompt_logprobs.append(self.logprobs(row))
+            if i == 0 and seq.num_completion_tokens > 0:  # its prompt is cached: its siblings share those blocks
+                self.start(request, len(request.seqs))
+            if seq.sampling_params.stop and self.find_stop(request, i):
                 if not seq.is_finished:
                     self.scheduler.abort(seq)  # frees its blocks (its newest token's KV was never computed)
                     finished.append(seq)
                 seq.finish_reason = "stop"
-        for seq in finished:
-            self.requests[seq.seq_id].metrics.finished_time = now
-            self.finished.append(self.output(self.requests.pop(seq.seq_id)))
+        for request in {self.requests[seq.seq_id].request_id: self.requests[seq.seq_id] for seq in finished}.values():
+            if request.num_started == len(request.seqs) and all(seq.is_finished for seq in request.seqs):
+                request.metrics.finished_time = now
+                for seq in request.seqs:
+                    del self.requests[seq.seq_id]
+                self.finished.append(self.output(request))
+
+    def logprobs(self, row: TokenLogprobs) -> dict[int, Logprob]:
+        return {token: Logprob(logprob, rank, self.decode([token])) for token, (logprob, rank) in row.items()}
 
     def abort_step(self, seqs: list[Sequence] | None) -> list[str]:
         """After a failed step: abort its requests (all of them if it failed before its batch was known)."""
         if seqs is None:
-            aborted = [r.request_id for r in self.requests.values()]
+            ids = [r.request_id for r in self.requests.values()]
             self.abort_all()
-            return aborted
-        requests = [self.requests[seq.seq_id] for seq in seqs if seq.seq_id in self.requests]
-        self.abort_request(r.request_id for r in requests)
-        return [r.request_id for r in requests]
+        else:
+            ids = [self.requests[seq.seq_id].request_id for seq in seqs if seq.seq_id in self.requests]
+            self.abort_request(ids)
+        return list(dict.fromkeys(ids))
 
     def progress(self, request_ids: Collection[str]) -> list[RequestOutput]:
         """The outputs so far (`finished=False`) of these requests, while they run: what a stream sends."""
         with self.lock:
-            return [self.output(r, False) for r in self.requests.values() if r.request_id in request_ids]
+            mine = {r.request_id: r for r in self.requests.values() if r.request_id in request_ids}
+            return [self.output(r, False) for r in mine.values()]
 
-    def find_stop(self, request: Request) -> bool:
-        """Whether the reply's text holds one of its stop strings; if so, `text_end` says where the text ends."""
-        params = request.seq.sampling_params
-        text = self.decode(request.seq.completion_token_ids)
+    def find_stop(self, request: Request, i: int) -> bool:
+        """Whether completion i's text holds one of its stop strings; if so, `text_ends[i]` says where it ends."""
+        params = request.seqs[i].sampling_params
+        text = self.decode(request.seqs[i].completion_token_ids)
         hits = [(at, stop) for stop in params.stop if (at := text.find(stop)) >= 0]  # type: ignore[union-attr]
         if hits:
             at, stop = min(hits)  # the first stop string in the text
-            request.text_end = at + len(stop) if params.include_stop_str_in_output else at
+            request.text_ends[i] = at + len(stop) if params.include_stop_str_in_output else at
         return bool(hits)
 
     def decode(self, token_ids: list[int]) -> str:
         return "" if self.tokenizer is None else cast(str, self.tokenizer.decode(token_ids, skip_special_tokens=True))
 
     def output(self, request: Request, finished: bool = True) -> RequestOutput:
-        seq, params = request.seq, request.seq.sampling_params
+        first = request.seqs[0]
+        prompt_logprobs = None if first.sampling_params.prompt_logprobs is None else list(request.prompt_logprobs)
+        completions = [self.completion(request, i) for i in range(len(request.seqs))]
+        return RequestOutput(request.request_id, request.prompt, first.prompt_token_ids, completions, finished,
+                             request.metrics, prompt_logprobs)  # fmt: skip
+
+    def completion(self, request: Request, i: int) -> CompletionOutput:
+        seq, params = request.seqs[i], request.seqs[i].sampling_params
         token_ids = seq.completion_token_ids
-        text = self.decode(token_ids)[: request.text_end]
-        if not finished and params.stop:  # hold back what may be the start of a stop string
+        text = (self.decode(token_ids) if seq.is_finished else self.running_text(request, i))[
+            : request.text_ends.get(i)
+        ]
+        if not seq.is_finished and params.stop:  # hold back what may be the start of a stop string
             text = text[: len(text) + 1 - max(map(len, params.stop))]
-        return RequestOutput(
-            request.request_id,
-            request.prompt,
-            seq.prompt_token_ids,
-            [CompletionOutput(0, text, token_ids, seq.finish_reason)],
-            finished,
-            request.metrics,
-        )
+        if params.logprobs is None:
+            return CompletionOutput(i, text, token_ids, seq.finish_reason)
+        logprobs = list(request.logprobs[i])
+        cumulative = sum(row[token].logprob for row, token in zip(logprobs, token_ids))
+        return CompletionOutput(i, text, token_ids, seq.finish_reason, logprobs, cumulative)
+
+    def running_text(self, request: Request, i: int) -> str:
+        """Completion i's text so far, from its newest tokens only (vLLM's incremental detokenization: decoding
+        the whole reply at every step would cost O(length²)). `texts[i]` = (text, start, read): the text ends with
+        the decode of tokens[start:read]; newer tokens are read once the text they add is whole (no '\ufffd')."""
+        text, start, read = request.texts[i]
+        tokens = request.seqs[i].completion_token_ids
+        if len(tokens) > read:
+            known, new = self.decode(tokens[start:read]), self.decode(tokens[start:])
+            if len(new) > len(known) and not new.endswith("\ufffd"):
+                text, start, read = text + new[len(known) :], read, len(tokens)
+                request.texts[i] = (text, start, read)
+        return text
 
     def has_unfinished_requests(self) -> bool:
         """Whether step() has more to give: requests to run, or outputs it kept back."""
@@ -767,17 +807,16 @@ class LLMEngine:
 
 # %% [markdown]
 # ## `LLM`: vLLM's offline API
-# `LLM(model, ...)` takes notebook 02's `Config` fields as keyword arguments, with vLLM's names and defaults.
-# `generate` accepts a str, a list of str, or token ids (a list of ints, a 1-D integer array or tensor, or a list
-# of those), with one `SamplingParams` for all or one per prompt; it checks every request, adds them all, steps
-# until they are done, and returns their outputs in the prompts' order, with a progress bar. `chat` does the same
-# for conversations, through the checkpoint's chat template. The contract with the rest of the engine:
+# `LLM(model, ...)` takes notebook 02's `Config` fields as keyword arguments, with vLLM's names and defaults. `generate`
+# accepts a str, a list of str, or token ids (a list of ints, a 1-D integer array or tensor, or a list of those), with
+# one `SamplingParams` for all or one per prompt; it checks every request, adds them all, steps until they are done, and
+# returns their outputs in the prompts' order, with a progress bar. `chat` does the same for conversations, through the
+# checkpoint's chat template. The contract with the rest of the engine:
 #
 # * `generate` holds the engine's lock for its whole run, so calls from several threads run one after another;
-# * it returns only its own requests. Requests queued earlier with `engine.add_request` share its batches but are
-#   not returned: those that finish are kept for the next `engine.step()`, the others go on in later steps;
-# * if the loop is interrupted (an exception, Ctrl-C), the call's unfinished requests are aborted and their KV
-#   blocks freed, so the engine can serve the next call.
+# * it returns only its own requests. Requests queued earlier with `engine.add_request` share its batches but are not
+#   returned: those that finish are kept for the next `engine.step()`, the others go on in later steps;
+# * if interrupted (an exception, Ctrl-C), it aborts its unfinished requests, freeing their KV blocks for the next call.
 
 # %% tags=["export"] module="minivllm.llm"
 from collections.abc import Sequence as SequenceOf
@@ -885,10 +924,10 @@ class LLM:
 
 # %% [markdown]
 # ## Qwen3 end to end
-# Random weights write gibberish, so the text comes from `tiny-text`: the tiny model trained on the tokenizer's text
-# (notebook 02), which continues a line of that text. On a GPU a second run takes `qwen3-0.6b` (random weights,
-# Qwen3-0.6B's exact shapes) for speed; the presets' small tokenizer knows only ids below 2,048 of its 151,936, so
-# most of its tokens have no text at all: the first token ids are printed too.
+# Random weights write gibberish, so the text comes from `tiny-text`: notebook 02's tiny model trained on the
+# tokenizer's text. On a GPU a second run takes `qwen3-0.6b` (random weights, Qwen3-0.6B's exact shapes) for speed; the
+# presets' small tokenizer knows only ids below 2,048 of its 151,936, so most of its tokens have no text: the first
+# token ids are printed too. Last, `n=3` completions of one prompt, with `logprobs=2` (see the engine's prose above).
 
 # %%
 from minivllm import LLM, SamplingParams
@@ -897,13 +936,10 @@ from minivllm.checkpoint import write_checkpoint
 
 def show(outputs) -> None:
     for out in outputs:
-        done = out.outputs[0]
-        print(
-            f"{out.prompt!r} -> {done.text!r} (token ids {done.token_ids[:6]}...)\n"
-            f"    {len(done.token_ids)} tokens, finish_reason={done.finish_reason}, "
-            f"TTFT {out.metrics.time_to_first_token * 1e3:.1f} ms, "
-            f"TPOT {out.metrics.time_per_output_token(len(done.token_ids)) * 1e3:.2f} ms"
-        )
+        done, n = out.outputs[0], len(out.outputs[0].token_ids)
+        ttft_ms, tpot_ms = out.metrics.time_to_first_token * 1e3, out.metrics.time_per_output_token(n) * 1e3
+        print(f"{out.prompt!r} -> {done.text!r} (token ids {done.token_ids[:6]}...)")
+        print(f"    {n} tokens, finish_reason={done.finish_reason}, TTFT {ttft_ms:.1f} ms, TPOT {tpot_ms:.2f} ms")
 
 
 prompts = ["What is the capital of France?", "Dear Maria,", "In autumn the leaves"]
@@ -915,6 +951,9 @@ show(texts := llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24)
 stopped = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=24, stop="."), use_tqdm=False)[0].outputs[0]
 print(f"with stop='.': {stopped.text!r}, finish_reason={stopped.finish_reason}")
 assert stopped.finish_reason == "stop" and stopped.text == texts[0].outputs[0].text.split(".")[0]
+three = llm.generate(prompts[1], SamplingParams(n=3, seed=0, max_tokens=12, logprobs=2), use_tqdm=False)[0].outputs
+for c in three:  # each token's row: {token id: Logprob(logprob, rank, decoded_token)}, its own first
+    print(f"sample {c.index}: {c.text!r}, log-probability {c.cumulative_logprob:.1f}; first token: {c.logprobs[0]}")
 if DEVICE == "cuda":
     llm.close()  # give its GPU memory to the 0.6B
     path = write_checkpoint(CHECKPOINTS / "qwen3-0.6b", "qwen3-0.6b", seed=0)
@@ -931,33 +970,28 @@ if DEVICE == "cuda":
 # %%
 from transformers import AutoModelForCausalLM
 
-cpu_llm = (
-    llm
-    if DEVICE == "cpu"
-    else LLM(
-        str(write_checkpoint(CHECKPOINTS / "tiny", "tiny", seed=0)),
-        device="cpu",
-        num_kvcache_blocks=256,
-        max_num_seqs=32,
-    )
-)
+cpu_kwargs = dict(device="cpu", num_kvcache_blocks=256, max_num_seqs=32)  # on a GPU: a second engine, on the CPU
+cpu_llm = llm if DEVICE == "cpu" else LLM(str(write_checkpoint(CHECKPOINTS / "tiny", "tiny", seed=0)), **cpu_kwargs)
 tiny_path = cpu_llm.engine.config.model
 hf = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
 shared = random.choices(range(2048), k=40)
 prompts = [random.choices(range(2048), k=n) for n in (1, 5, 17, 64)] + [shared + [1, 2], shared + [3]]
 greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+hf_greedy = dict(max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)  # the same, for transformers
 ours = [out.outputs[0].token_ids for out in cpu_llm.generate(prompts, greedy, use_tqdm=False)]
 for prompt, tokens in zip(prompts, ours):
-    expected = hf.generate(
-        torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0
-    )[0, len(prompt) :].tolist()
+    expected = hf.generate(torch.tensor([prompt]), **hf_greedy)[0, len(prompt) :].tolist()
     assert tokens == expected, (prompt[:5], tokens, expected)
 print(f"{len(prompts)} prompts, greedy: identical to transformers' generate")
+scored = cpu_llm.generate(prompts[3], SamplingParams(temperature=0, prompt_logprobs=0), use_tqdm=False)[0]
+with torch.no_grad():  # transformers' log-probability of each prompt token after the first
+    want = torch.log_softmax(hf(torch.tensor([prompts[3]])).logits[0, :-1], -1)[range(63), prompts[3][1:]]
+got = torch.tensor([row[t].logprob for row, t in zip(scored.prompt_logprobs[1:], prompts[3][1:])])
+torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 # %% [markdown]
 # ### Bad input is refused, and changes nothing
-# Each of these raises a `ValueError` naming the field; the call that contains it adds none of its requests,
-# and the engine serves the next call as if nothing happened.
+# Each of these raises a `ValueError` naming the field; its call adds no request, and the engine serves on.
 
 # %%
 vocab = cpu_llm.engine.config.hf_config.vocab_size
@@ -976,28 +1010,24 @@ for name, (bad_prompts, params) in bad_requests.items():
         print(f"{name:>34}: {e}")
     else:
         raise AssertionError(f"{name} was accepted")
-assert not cpu_llm.engine.has_unfinished_requests()
-assert cpu_llm.engine.scheduler.block_manager.num_used_blocks == 0
+assert not cpu_llm.engine.has_unfinished_requests() and cpu_llm.engine.scheduler.block_manager.num_used_blocks == 0
 after = cpu_llm.generate([[1, 2, 3]], greedy, use_tqdm=False)[0].outputs[0].token_ids  # the engine still serves
-expected = hf.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
-assert after == expected[0, 3:].tolist()
+assert after == hf.generate(torch.tensor([[1, 2, 3]]), **hf_greedy)[0, 3:].tolist()
 
 # %% [markdown]
 # ### Sharing one engine
-# Integer arrays and tensors are token ids too. `step()` with nothing queued gives nothing back. A request queued
-# with `add_request` shares the batches of a later `generate` but is not among its outputs: the engine keeps it
-# for the next `step()`. And two threads calling `generate` at once take turns, each getting exactly what it would
-# get alone.
+# Integer arrays and tensors are token ids too. `step()` with nothing queued gives nothing back. A request queued with
+# `add_request` shares the batches of a later `generate` but is not among its outputs: the engine keeps it for the next
+# `step()`. And two threads calling `generate` at once take turns, each getting exactly what it would get alone.
 
 # %%
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-alone = [
-    out.outputs[0].token_ids
-    for out in cpu_llm.generate([np.array([5, 6, 7]), torch.tensor([8, 9])], greedy, use_tqdm=False)
-]
+arrays = [np.array([5, 6, 7]), torch.tensor([8, 9])]
+alone = [out.outputs[0].token_ids for out in cpu_llm.generate(arrays, greedy, use_tqdm=False)]
 nothing, idle = cpu_llm.engine.step()
 assert nothing == [] and idle.kind == "idle" and idle.num_tokens == 0
 cpu_llm.engine.add_request([1, 2, 3], greedy, request_id="queued earlier")
@@ -1005,19 +1035,9 @@ mine = cpu_llm.generate([[5, 6, 7]], greedy, use_tqdm=False)
 assert [out.outputs[0].token_ids for out in mine] == alone[:1]
 kept, _ = cpu_llm.engine.step()
 assert [out.request_id for out in kept] == ["queued earlier"]
-print(f"generate returned its own request; the next step() returned {[out.request_id for out in kept]}")
-results = {}
-threads = [
-    threading.Thread(
-        target=lambda i=i: results.update({i: cpu_llm.generate([[5, 6, 7], [8, 9]], greedy, use_tqdm=False)})
-    )
-    for i in range(2)
-]
-for thread in threads:
-    thread.start()
-for thread in threads:
-    thread.join()
-assert all([out.outputs[0].token_ids for out in results[i]] == alone for i in range(2))
+with ThreadPoolExecutor(2) as pool:  # two threads call generate at once
+    results = list(pool.map(lambda _: cpu_llm.generate([[5, 6, 7], [8, 9]], greedy, use_tqdm=False), range(2)))
+assert all([out.outputs[0].token_ids for out in result] == alone for result in results)
 assert not cpu_llm.engine.has_unfinished_requests() and not cpu_llm.engine.requests
 print("two threads, one engine: each got the outputs it gets alone")
 
@@ -1053,10 +1073,9 @@ served.close()
 
 # %% [markdown]
 # ## KV blocks over a whole run
-# Notebook 03 simulated block occupancy; here is the real engine's. We drive `LLMEngine` step by step on a
-# workload that fills the cache: 48 requests, a third of them behind a shared system prompt, and record after
-# every step how many blocks hold running sequences' KV, how many are free but still hold a cached prefix, and
-# how many are empty.
+# Notebook 03 simulated block occupancy; here is the real engine's. We drive `LLMEngine` step by step on a workload that
+# fills the cache: 48 requests, a third of them behind a shared system prompt, and record after every step how many
+# blocks hold running sequences' KV, how many are free but still hold a cached prefix, and how many are empty.
 
 # %%
 engine = cpu_llm.engine
@@ -1067,25 +1086,16 @@ for i in range(48):
     engine.add_request(prompt, SamplingParams(temperature=0.8, max_tokens=random.randint(16, 96), ignore_eos=True))
 occupancy, steps = [], []
 while engine.has_unfinished_requests():
-    _, stats = engine.step()
+    steps.append(engine.step()[1])
     occupancy.append((bm.num_used_blocks, bm.num_cached_free_blocks, bm.num_free_blocks - bm.num_cached_free_blocks))
-    steps.append(stats)
-kinds = [stats.kind for stats in steps]
 used, cached, empty = map(list, zip(*occupancy))
 fig, ax = plt.subplots(figsize=(8, 3.5))
-ax.stackplot(
-    range(len(used)),
-    used,
-    cached,
-    empty,
-    labels=["used by running requests", "free, prefix cached", "free"],
-    colors=["C0", "C2", "0.85"],
-)
-for step, kind in enumerate(kinds):
-    if kind != "decode":
-        ax.axvline(step, color="C3", lw=0.4, alpha=0.5)
-ax.set_xlabel("engine step (red lines: steps that compute prompt tokens)")
-ax.set_ylabel(f"KV blocks (of {bm.num_blocks})")
+labels = ["used by running requests", "free, prefix cached", "free"]
+ax.stackplot(range(len(used)), used, cached, empty, labels=labels, colors=["C0", "C2", "0.85"])
+for i, stats in enumerate(steps):
+    if stats.kind != "decode":
+        ax.axvline(i, color="C3", lw=0.4, alpha=0.5)
+ax.set(xlabel="engine step (red lines: steps that compute prompt tokens)", ylabel=f"KV blocks (of {bm.num_blocks})")
 ax.set_title(f"KV block occupancy over a run: 48 requests, {engine.scheduler.num_preemptions} preemptions")
 ax.legend(loc="upper right", fontsize=8)
 fig.tight_layout()
@@ -1098,15 +1108,11 @@ assert bm.num_used_blocks == 0 and max(used) > 0.8 * bm.num_blocks - 1
 # (with the unified scheduler of notebook 05, most prompts are computed in "mixed" steps, beside the decodes):
 
 # %%
+phases = ("schedule", "run", "postprocess")
 for kind in ("prefill", "mixed", "decode"):
     of_kind = [stats for stats in steps if stats.kind == kind]
-    print(
-        f"{len(of_kind):4d} {kind} steps: {sum(s.num_tokens for s in of_kind):6,} tokens; "
-        + ", ".join(
-            f"{phase} {sum(getattr(s, phase + '_seconds') for s in of_kind):.2f} s"
-            for phase in ("schedule", "run", "postprocess")
-        )
-    )
+    times = [f"{phase} {sum(getattr(s, phase + '_seconds') for s in of_kind):.2f} s" for phase in phases]
+    print(f"{len(of_kind):4d} {kind} steps: {sum(s.num_tokens for s in of_kind):6,} tokens; " + ", ".join(times))
 assert sum(s.num_tokens for s in steps if s.kind == "decode") == sum(s.num_seqs for s in steps if s.kind == "decode")
 assert all(s.kind in ("prefill", "mixed", "decode") and s.num_seqs > 0 for s in steps)
 
@@ -1114,9 +1120,8 @@ assert all(s.kind in ("prefill", "mixed", "decode") and s.num_seqs > 0 for s in 
 # ## The course's final figures
 # **FlashAttention (prefill) vs PagedAttention (decode)**, measured on an H200 by `python -m
 # minivllm.benchmarks.prefill` and `python -m minivllm.benchmarks.decode` (notebooks 01 and 03). Prefill is
-# judged in TFLOP/s, because it is compute-bound; decode in TB/s, because it is memory-bound. The same attention
-# arithmetic, two different limits, two different kernels. On a machine with a GPU the cells below measure
-# again, on that GPU; without one they read the H200 runs committed in `figures/`.
+# compute-bound, so it is judged in TFLOP/s; decode is memory-bound, so in TB/s: the same arithmetic, two limits, two
+# kernels. On a GPU the cells measure again; without one they read the H200 runs committed in `figures/`.
 
 # %%
 from minivllm.benchmarks.decode import run_decode_benchmark
@@ -1140,8 +1145,7 @@ for i, impl in enumerate(impls):
     tflops = {r["seqlen"]: r["tflops"] for r in prefill["rows"] if r["impl"] == impl}
     left.bar([j + 0.2 * i for j in range(len(seqlens))], [tflops.get(n, 0) for n in seqlens], 0.2, label=impl)
 left.set_xticks([j + 0.3 for j in range(len(seqlens))], [f"{n // 1024}k tokens" for n in seqlens])
-left.set_ylabel("TFLOP/s")
-left.set_title("prefill: FlashAttention, causal, batch 1")
+left.set(ylabel="TFLOP/s", title="prefill: FlashAttention, causal, batch 1")
 left.legend(fontsize=7)
 rows = [r for r in decode["rows"] if r["block_size"] == 16]
 impls = list(dict.fromkeys(r["impl"] for r in rows))
@@ -1151,8 +1155,7 @@ for i, impl in enumerate(impls):
     right.bar([j + 0.25 * i for j in range(len(shapes))], [tbps[s] for s in shapes], 0.25, label=impl)
 right.axhline(decode["copy_tbps"], color="grey", ls=":", label="copy bandwidth")
 right.set_xticks([j + 0.25 for j in range(len(shapes))], [f"{b}×{c // 1024}k" for b, c in shapes])
-right.set_ylabel("TB/s of KV read")
-right.set_title("decode: PagedAttention, blocks of 16")
+right.set(ylabel="TB/s of KV read", title="decode: PagedAttention, blocks of 16")
 right.legend(fontsize=7, loc="lower right")
 fig.suptitle(f"Attention kernels on {prefill['device']}, Qwen3-0.6B heads (16/8 × 128), bf16")
 fig.tight_layout()
@@ -1200,9 +1203,8 @@ kv_reads = kv_bytes_per_token * sum(len(p) + t for p, n in zip(prompts, output_l
 weight_reads = num_params * 2 * (max(output_lens) - 1)  # bf16 weights, once per decode step
 seconds = (kv_reads + weight_reads) / (decode["copy_tbps"] * 1e12)
 roofline = sum(output_lens) / seconds
-ours = next(
-    r for r in throughput["rows"] if (r["workload"], r["policy"], r["impl"]) == ("nano-vllm", "unified", "minivllm")
-)
+key = ("nano-vllm", "unified", "minivllm")
+ours = next(r for r in throughput["rows"] if (r["workload"], r["policy"], r["impl"]) == key)
 print(
     f"KV reads {kv_reads / 1e12:.1f} TB + weight reads {weight_reads / 1e12:.1f} TB at {decode['copy_tbps']:.2f} TB/s:"
     f" {seconds:.2f} s, at most {roofline:,.0f} tok/s; minivllm reaches {ours['tok_per_s'] / roofline:.0%} of it"

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -94,6 +95,20 @@ def test_a_running_reply_never_shows_text_it_takes_back(llm):
     assert all(final.startswith(text) for text in partial)
 
 
+def test_running_text_is_decoded_incrementally_and_equals_the_whole_decode(llm):
+    """What a stream shows while a reply runs (running_text, from its newest tokens) is always a prefix of the whole
+    reply's decode, and all of it once that decode is whole; random tokens, multi-byte characters included."""
+    engine, rng = llm.engine, random.Random(0)
+    for trial in range(20):
+        request = engine.make_request([1, 2, 3], GREEDY, f"r{trial}", "prompt")
+        seq = request.seqs[0]
+        for _ in range(60):
+            seq.append_token(rng.randrange(2048))
+            text, whole = engine.running_text(request, 0), engine.decode(seq.completion_token_ids)
+            assert whole.startswith(text)
+            assert text == whole or whole.endswith("\ufffd")
+
+
 def test_min_tokens_holds_back_stop_tokens(llm):
     tokens = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     stop = tokens[0]  # the first token greedy picks: with min_tokens=4 it may not be drawn before the 5th
@@ -169,20 +184,20 @@ def test_missing_model_folder():
 
 def test_an_interrupted_generate_leaves_the_engine_usable(llm, hf_greedy):
     runner = llm.engine.runner
-    original, calls = runner.run, []
+    original, calls = runner.step, []
 
-    def failing_run(seqs, is_prefill):
+    def failing_step(seqs, is_prefill):
         calls.append(1)
         if len(calls) == 4:
             raise KeyboardInterrupt
         return original(seqs, is_prefill)
 
-    runner.run = failing_run
+    runner.step = failing_step
     try:
         with pytest.raises(KeyboardInterrupt):
             llm.generate([list(range(10, 30)), [3, 4]], GREEDY, use_tqdm=False)
     finally:
-        runner.run = original
+        runner.step = original
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.scheduler.block_manager.num_used_blocks == 0
     out = llm.generate([[3, 4]], GREEDY, use_tqdm=False)

@@ -120,6 +120,47 @@ def test_chat_completions_equal_offline_chat(client, offline, stream):
     assert text == expected
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_seeded_samples_are_reproducible_and_equal_offline(client, offline, stream):
+    params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    expected = [c.text for c in offline.generate(["Once upon a time"], params, use_tqdm=False)[0].outputs]
+    assert len(set(expected)) > 1  # four samples, not one four times
+    kw = dict(model="tiny", prompt="Once upon a time", n=4, seed=7, max_tokens=8, extra_body=dict(ignore_eos=True))
+    for _ in range(2):  # the same again
+        texts = [""] * 4
+        if stream:
+            for chunk in client.completions.create(stream=True, **kw):
+                texts[chunk.choices[0].index] += chunk.choices[0].text
+        else:
+            texts = [c.text for c in sorted(client.completions.create(**kw).choices, key=lambda c: c.index)]
+        assert texts == expected
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_equal_offline(client, offline, stream):
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+    (completion,) = offline.generate(["Once upon a time"], params, use_tqdm=False)[0].outputs
+    want = [row[t].logprob for row, t in zip(completion.logprobs, completion.token_ids)]
+    kw = dict(model="tiny", prompt="Once upon a time", max_tokens=6, temperature=0, extra_body=dict(ignore_eos=True))
+    if stream:
+        chunks = [c.choices[0].logprobs for c in client.completions.create(stream=True, logprobs=3, **kw)]
+        got = [lp for c in chunks if c is not None for lp in c.token_logprobs]
+        tops = [top for c in chunks if c is not None for top in c.top_logprobs]
+    else:
+        logprobs = client.completions.create(logprobs=3, **kw).choices[0].logprobs
+        got, tops = logprobs.token_logprobs, logprobs.top_logprobs
+    assert got == pytest.approx(want, abs=1e-5) and all(len(top) == 3 for top in tops)
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chat = dict(model="tiny", messages=messages, max_tokens=5, temperature=0, extra_body=dict(ignore_eos=True))
+    content = client.chat.completions.create(logprobs=True, top_logprobs=2, **chat).choices[0].logprobs.content
+    (expected,) = offline.chat(messages, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2),
+                               use_tqdm=False)[0].outputs  # fmt: skip
+    assert [c.logprob for c in content] == pytest.approx(
+        [r[t].logprob for r, t in zip(expected.logprobs, expected.token_ids)], abs=1e-5
+    )
+    assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.logprob for c in content)
+
+
 def test_64_concurrent_streams_all_complete_correctly(server, offline):
     prompts = [f"Request number {i} says" for i in range(64)]
     expected = [out.outputs[0].text for out in offline.generate(prompts, greedy(6), use_tqdm=False)]
@@ -161,7 +202,8 @@ def test_a_client_that_leaves_mid_stream_frees_its_request(server):
         (dict(prompt=""), "prompt"),
         (dict(prompt=[10**9]), "prompt"),
         (dict(prompt=None), "prompt"),
-        (dict(n=4), "n"),
+        (dict(n=0), "n"),
+        (dict(logprobs=21), "logprobs"),
         (dict(presence_penalty=5), "presence_penalty"),
         (dict(stop=[""]), "stop"),
         (dict(min_tokens=9), "min_tokens"),

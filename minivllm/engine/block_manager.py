@@ -107,7 +107,8 @@ class BlockManager:
         assert not seq.block_table and seq.num_cached_tokens == 0, f"sequence {seq.seq_id} already holds blocks"
         assert seq.block_size == self.block_size, f"sequence block_size {seq.block_size} != {self.block_size}"
         assert self.can_allocate(seq), "allocate() without room: ask can_allocate() first"
-        max_hits = (seq.num_tokens - 1) // self.block_size if self.enable_prefix_caching else 0  # last token computed
+        reuse = self.enable_prefix_caching and seq.sampling_params.prompt_logprobs is None  # those score every token
+        max_hits = (seq.num_tokens - 1) // self.block_size if reuse else 0  # the last token is always computed
         parent_hash = -1
         for i in range(max_hits):
             token_ids = seq.block(i)

@@ -4,7 +4,7 @@ import dataclasses
 import threading
 import time
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
 from typing import cast
@@ -12,10 +12,12 @@ from typing import cast
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 
 from minivllm.config import Config
+from minivllm.engine.model_runner import StepOutput
 from minivllm.engine.scheduler import Scheduler, UnifiedScheduler
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.workers import make_runner
-from minivllm.outputs import CompletionOutput, RequestMetrics, RequestOutput, StepStats
+from minivllm.layers.sampler import TokenLogprobs
+from minivllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, StepStats
 from minivllm.sampling_params import SamplingParams, as_token_ids
 
 Prompt = str | list[int]  # text, or token ids: a list or tuple of ints, or a 1-D integer NumPy array / PyTorch tensor
@@ -42,13 +44,25 @@ def eos_token_ids(path: str | Path, tokenizer: PreTrainedTokenizerBase | None, h
     return list(dict.fromkeys(ids))
 
 
+def sample_params(params: SamplingParams) -> list[SamplingParams]:
+    """One SamplingParams per completion (vLLM's rule): n = 1, seed + i for completion i of a seeded request, and
+    prompt logprobs asked of completion 0 only (the others may then reuse its cached prompt)."""
+    seeds = [None if params.seed is None else params.seed + i for i in range(params.n)]
+    prompt_logprobs = [params.prompt_logprobs] + [None] * (params.n - 1)
+    return [dataclasses.replace(params, n=1, seed=s, prompt_logprobs=p) for s, p in zip(seeds, prompt_logprobs)]
+
+
 @dataclass(slots=True)
 class Request:
     request_id: str
     prompt: str | None  # the text, when the prompt was text
-    seq: Sequence
+    seqs: list[Sequence]  # one per completion (SamplingParams.n)
     metrics: RequestMetrics
-    text_end: int | None = None  # where the text ends, once a stop string is found in it
+    num_started: int = 0  # seqs given to the scheduler: with prefix caching, seqs[1:] wait for seqs[0]'s prompt
+    text_ends: dict[int, int] = field(default_factory=dict)  # completion -> where its text ends (a stop string)
+    logprobs: list[list[dict[int, Logprob]]] = field(default_factory=list)  # per completion, per token
+    prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=lambda: [None])  # per prompt token
+    texts: list[tuple[str, int, int]] = field(default_factory=list)  # per completion, while it runs: see running_text
 
 
 class LLMEngine:
@@ -129,10 +143,16 @@ class LLMEngine:
         params = self.request_params(params)
         token_ids = self.tokenize(prompt, name)
         self.check_request(token_ids, params)
-        seq = Sequence(token_ids, params, self.scheduler.block_manager.block_size)
-        return Request(
-            request_id, prompt if isinstance(prompt, str) else None, seq, RequestMetrics(time.perf_counter())
-        )
+        seqs = [Sequence(token_ids, p, self.scheduler.block_manager.block_size) for p in sample_params(params)]
+        text = prompt if isinstance(prompt, str) else None
+        return Request(request_id, text, seqs, RequestMetrics(time.perf_counter()), logprobs=[[] for _ in seqs],
+                       texts=[("", 0, 0)] * len(seqs))  # fmt: skip
+
+    def start(self, request: Request, num_seqs: int) -> None:
+        """Give the scheduler the request's sequences up to num_seqs."""
+        for seq in request.seqs[request.num_started : num_seqs]:
+            self.scheduler.add(seq)
+        request.num_started = max(request.num_started, num_seqs)
 
     def add_requests(
         self,
@@ -146,8 +166,8 @@ class LLMEngine:
             names = ["prompt"] if len(prompts) == 1 else [f"prompts[{i}]" for i in range(len(prompts))]
             requests = [self.make_request(*args) for args in zip(prompts, sampling_params, ids, names, strict=True)]
             for request in requests:
-                self.scheduler.add(request.seq)
-                self.requests[request.seq.seq_id] = request
+                self.requests |= {seq.seq_id: request for seq in request.seqs}
+                self.start(request, 1 if self.config.enable_prefix_caching else len(request.seqs))
             return ids
 
     def add_request(
@@ -159,9 +179,10 @@ class LLMEngine:
         """Drop these requests, unfinished or finished but not returned yet, and free their KV blocks."""
         ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
         with self.lock:
-            for request in [r for r in self.requests.values() if r.request_id in ids]:
-                self.scheduler.abort(request.seq)
-                del self.requests[request.seq.seq_id]
+            for request in {r.request_id: r for r in self.requests.values() if r.request_id in ids}.values():
+                for seq in request.seqs:
+                    self.scheduler.abort(seq)
+                    del self.requests[seq.seq_id]
             self.finished = [out for out in self.finished if out.request_id not in ids]
 
     # --- the loop ------------------------------------------------------------------------------------------
@@ -182,15 +203,15 @@ class LLMEngine:
             seqs, is_prefill = self.scheduler.schedule()
             mixed = is_prefill and any(seq.num_completion_tokens > 0 and seq.num_scheduled_tokens == 1 for seq in seqs)
             scheduled = time.perf_counter()
-            token_ids = self.runner.run(seqs, is_prefill)
+            out = self.runner.step(seqs, is_prefill)
             ran = time.perf_counter()
-            finished = self.scheduler.postprocess(seqs, token_ids)
+            finished = self.scheduler.postprocess(seqs, out.token_ids)
             now = time.perf_counter()
         except BaseException as e:
             aborted = self.abort_step(seqs)
             e.add_note(f"minivllm: the step failed; these requests were aborted: {aborted}")
             raise
-        self.record(seqs, finished, now)
+        self.record(seqs, out, finished, now)
         return StepStats(
             "mixed" if mixed else "prefill" if is_prefill else "decode",  # mixed: decode rows beside prompt rows
             len(seqs),
@@ -200,63 +221,98 @@ class LLMEngine:
             now - ran,
         )
 
-    def record(self, seqs: list[Sequence], finished: list[Sequence], now: float) -> None:
-        """After a step: first-token and finish times, stop strings, and the finished requests' outputs."""
-        for seq in seqs:
+    def record(self, seqs: list[Sequence], out: StepOutput, finished: list[Sequence], now: float) -> None:
+        """After a step: first-token and finish times, log-probabilities, stop strings, the next completions to
+        start, and the finished requests' outputs."""
+        for seq, logprobs, prompt_logprobs in zip(seqs, out.logprobs, out.prompt_logprobs):
             request = self.requests[seq.seq_id]
+            i = request.seqs.index(seq)
             if request.metrics.first_token_time is None and seq.num_completion_tokens > 0:
                 request.metrics.first_token_time = now
-            if seq.sampling_params.stop and self.find_stop(request):
+            if logprobs is not None and len(request.logprobs[i]) < seq.num_completion_tokens:  # it got a token
+                request.logprobs[i].append(self.logprobs(logprobs))
+            for position, row in enumerate(prompt_logprobs[1], prompt_logprobs[0]) if prompt_logprobs else ():
+                if position == len(request.prompt_logprobs):  # not scored before (a preempted prompt is redone)
+                    request.prompt_logprobs.append(self.logprobs(row))
+            if i == 0 and seq.num_completion_tokens > 0:  # its prompt is cached: its siblings share those blocks
+                self.start(request, len(request.seqs))
+            if seq.sampling_params.stop and self.find_stop(request, i):
                 if not seq.is_finished:
                     self.scheduler.abort(seq)  # frees its blocks (its newest token's KV was never computed)
                     finished.append(seq)
                 seq.finish_reason = "stop"
-        for seq in finished:
-            self.requests[seq.seq_id].metrics.finished_time = now
-            self.finished.append(self.output(self.requests.pop(seq.seq_id)))
+        for request in {self.requests[seq.seq_id].request_id: self.requests[seq.seq_id] for seq in finished}.values():
+            if request.num_started == len(request.seqs) and all(seq.is_finished for seq in request.seqs):
+                request.metrics.finished_time = now
+                for seq in request.seqs:
+                    del self.requests[seq.seq_id]
+                self.finished.append(self.output(request))
+
+    def logprobs(self, row: TokenLogprobs) -> dict[int, Logprob]:
+        return {token: Logprob(logprob, rank, self.decode([token])) for token, (logprob, rank) in row.items()}
 
     def abort_step(self, seqs: list[Sequence] | None) -> list[str]:
         """After a failed step: abort its requests (all of them if it failed before its batch was known)."""
         if seqs is None:
-            aborted = [r.request_id for r in self.requests.values()]
+            ids = [r.request_id for r in self.requests.values()]
             self.abort_all()
-            return aborted
-        requests = [self.requests[seq.seq_id] for seq in seqs if seq.seq_id in self.requests]
-        self.abort_request(r.request_id for r in requests)
-        return [r.request_id for r in requests]
+        else:
+            ids = [self.requests[seq.seq_id].request_id for seq in seqs if seq.seq_id in self.requests]
+            self.abort_request(ids)
+        return list(dict.fromkeys(ids))
 
     def progress(self, request_ids: Collection[str]) -> list[RequestOutput]:
         """The outputs so far (`finished=False`) of these requests, while they run: what a stream sends."""
         with self.lock:
-            return [self.output(r, False) for r in self.requests.values() if r.request_id in request_ids]
+            mine = {r.request_id: r for r in self.requests.values() if r.request_id in request_ids}
+            return [self.output(r, False) for r in mine.values()]
 
-    def find_stop(self, request: Request) -> bool:
-        """Whether the reply's text holds one of its stop strings; if so, `text_end` says where the text ends."""
-        params = request.seq.sampling_params
-        text = self.decode(request.seq.completion_token_ids)
+    def find_stop(self, request: Request, i: int) -> bool:
+        """Whether completion i's text holds one of its stop strings; if so, `text_ends[i]` says where it ends."""
+        params = request.seqs[i].sampling_params
+        text = self.decode(request.seqs[i].completion_token_ids)
         hits = [(at, stop) for stop in params.stop if (at := text.find(stop)) >= 0]  # type: ignore[union-attr]
         if hits:
             at, stop = min(hits)  # the first stop string in the text
-            request.text_end = at + len(stop) if params.include_stop_str_in_output else at
+            request.text_ends[i] = at + len(stop) if params.include_stop_str_in_output else at
         return bool(hits)
 
     def decode(self, token_ids: list[int]) -> str:
         return "" if self.tokenizer is None else cast(str, self.tokenizer.decode(token_ids, skip_special_tokens=True))
 
     def output(self, request: Request, finished: bool = True) -> RequestOutput:
-        seq, params = request.seq, request.seq.sampling_params
+        first = request.seqs[0]
+        prompt_logprobs = None if first.sampling_params.prompt_logprobs is None else list(request.prompt_logprobs)
+        completions = [self.completion(request, i) for i in range(len(request.seqs))]
+        return RequestOutput(request.request_id, request.prompt, first.prompt_token_ids, completions, finished,
+                             request.metrics, prompt_logprobs)  # fmt: skip
+
+    def completion(self, request: Request, i: int) -> CompletionOutput:
+        seq, params = request.seqs[i], request.seqs[i].sampling_params
         token_ids = seq.completion_token_ids
-        text = self.decode(token_ids)[: request.text_end]
-        if not finished and params.stop:  # hold back what may be the start of a stop string
+        text = (self.decode(token_ids) if seq.is_finished else self.running_text(request, i))[
+            : request.text_ends.get(i)
+        ]
+        if not seq.is_finished and params.stop:  # hold back what may be the start of a stop string
             text = text[: len(text) + 1 - max(map(len, params.stop))]
-        return RequestOutput(
-            request.request_id,
-            request.prompt,
-            seq.prompt_token_ids,
-            [CompletionOutput(0, text, token_ids, seq.finish_reason)],
-            finished,
-            request.metrics,
-        )
+        if params.logprobs is None:
+            return CompletionOutput(i, text, token_ids, seq.finish_reason)
+        logprobs = list(request.logprobs[i])
+        cumulative = sum(row[token].logprob for row, token in zip(logprobs, token_ids))
+        return CompletionOutput(i, text, token_ids, seq.finish_reason, logprobs, cumulative)
+
+    def running_text(self, request: Request, i: int) -> str:
+        """Completion i's text so far, from its newest tokens only (vLLM's incremental detokenization: decoding
+        the whole reply at every step would cost O(length²)). `texts[i]` = (text, start, read): the text ends with
+        the decode of tokens[start:read]; newer tokens are read once the text they add is whole (no '\ufffd')."""
+        text, start, read = request.texts[i]
+        tokens = request.seqs[i].completion_token_ids
+        if len(tokens) > read:
+            known, new = self.decode(tokens[start:read]), self.decode(tokens[start:])
+            if len(new) > len(known) and not new.endswith("\ufffd"):
+                text, start, read = text + new[len(known) :], read, len(tokens)
+                request.texts[i] = (text, start, read)
+        return text
 
     def has_unfinished_requests(self) -> bool:
         """Whether step() has more to give: requests to run, or outputs it kept back."""

@@ -18,7 +18,7 @@ from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.layernorm import RMSNorm
 from minivllm.layers.linear import TPGroup, tensor_parallel
 from minivllm.layers.rotary_embedding import RotaryEmbedding
-from minivllm.layers.sampler import Sampler, SamplingTensors
+from minivllm.layers.sampler import Sampler, SamplingTensors, TokenLogprobs, logprobs_of
 from minivllm.models.loader import load_model
 from minivllm.models.qwen3 import Qwen3ForCausalLM
 from minivllm.sampling_params import SamplingParams
@@ -36,6 +36,7 @@ class StepInputs:
     cu_seqlens_q: np.ndarray | None = None  # prefill: (num_seqs + 1,) int32
     cu_seqlens_k: np.ndarray | None = None  # prefill: (num_seqs + 1,) int32
     context_lens: np.ndarray | None = None  # decode: (num_seqs,) int32
+    logits_rows: np.ndarray | None = None  # prefill: (num_rows,) int64 rows to score; None: each sequence's last
 
 
 def block_tables_array(seqs: list[Sequence]) -> np.ndarray:  # (num_seqs, max_blocks) int32, zero-padded
@@ -51,20 +52,28 @@ def token_slots(block_table: list[int], start: int, end: int, block_size: int) -
     return np.asarray(block_table, dtype=np.int64)[t // block_size] * block_size + t % block_size
 
 
+def scores_prompt(seq: Sequence) -> bool:
+    """Whether seq asks for prompt logprobs and has prompt tokens left to score (row i scores token i + 1)."""
+    return seq.sampling_params.prompt_logprobs is not None and seq.num_cached_tokens < seq.num_prompt_tokens - 1
+
+
 def prepare_prefill(seqs: list[Sequence], block_size: int) -> StepInputs:
     """Each sequence's scheduled tokens, those after its cached ones, packed end to end."""
     starts = [seq.num_cached_tokens for seq in seqs]
     ends = [seq.num_cached_tokens + seq.num_scheduled_tokens for seq in seqs]
     spans = list(zip(seqs, starts, ends))
     assert all(s < e <= len(seq) for seq, s, e in spans), "a prefill computes 1..len(seq) - num_cached_tokens tokens"
+    cu_q = np.cumsum([0, *(e - s for s, e in zip(starts, ends))], dtype=np.int32)
+    rows = [np.arange(a, b) if scores_prompt(seq) else np.array([b - 1]) for seq, a, b in zip(seqs, cu_q, cu_q[1:])]
     return StepInputs(
         is_prefill=True,
         input_ids=np.concatenate([np.asarray(seq.token_ids[s:e], dtype=np.int64) for seq, s, e in spans]),
         positions=np.concatenate([np.arange(s, e) for s, e in zip(starts, ends)]),
         slot_mapping=np.concatenate([token_slots(seq.block_table, s, e, block_size) for seq, s, e in spans]),
         block_tables=block_tables_array(seqs) if any(starts) else None,
-        cu_seqlens_q=np.cumsum([0, *(e - s for s, e in zip(starts, ends))], dtype=np.int32),
+        cu_seqlens_q=cu_q,
         cu_seqlens_k=np.cumsum([0, *ends], dtype=np.int32),
+        logits_rows=np.concatenate(rows) if any(map(scores_prompt, seqs)) else None,
     )
 
 
@@ -210,6 +219,15 @@ def use_small_layer_kernels(model: torch.nn.Module, enabled: bool = True) -> Non
             module.use_triton = enabled
 
 
+@dataclass(slots=True)
+class StepOutput:
+    """What a step gives each sequence: its next token and, where its parameters ask, log-probabilities."""
+
+    token_ids: list[int]  # (num_seqs,)
+    logprobs: list[TokenLogprobs | None]  # of the next token (SamplingParams.logprobs)
+    prompt_logprobs: list[tuple[int, list[TokenLogprobs]] | None]  # the first position scored, and one per position
+
+
 def rank_device(config: Config, rank: int) -> torch.device:
     return torch.device(f"cuda:{rank}" if config.device == "cuda" else "cpu")
 
@@ -321,9 +339,10 @@ class ModelRunner:
             hidden = self.graphs.replay(input_ids, positions, context)
         else:
             hidden = self.model(input_ids, positions, context)  # (num_tokens, hidden_size)
-        if step.is_prefill:
+        if step.is_prefill:  # each sequence's last token, or all of a sequence's that scores its prompt
             assert context.cu_seqlens_q is not None  # a prefill step has it
-            hidden = hidden[context.cu_seqlens_q[1:] - 1]  # each sequence's last token: (num_seqs, hidden_size)
+            rows = context.cu_seqlens_q[1:] - 1 if step.logits_rows is None else torch.from_numpy(step.logits_rows)
+            hidden = hidden[rows.to(hidden.device)]  # (num_rows, hidden_size)
         return self.model.compute_logits(hidden)
 
     def step_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
@@ -332,9 +351,28 @@ class ModelRunner:
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         """One step for these sequences: the next token of each."""
+        return self.step(seqs, is_prefill).token_ids
+
+    def step(self, seqs: list[Sequence], is_prefill: bool) -> StepOutput:
+        """One step: the next token of each sequence, and the log-probabilities its parameters ask for."""
         logits = self.step_logits(seqs, is_prefill)  # queued on the GPU: the host goes on
+        scoring = [is_prefill and scores_prompt(seq) for seq in seqs]  # these have a row per token, not one
+        ends = np.cumsum([seq.num_scheduled_tokens if s else 1 for seq, s in zip(seqs, scoring)])  # their rows' ends
+        last = logits[torch.from_numpy(ends - 1).to(logits.device)] if any(scoring) else logits  # (num_seqs, vocab)
         params = [seq.sampling_params for seq in seqs]  # the sampling tensors are built while the GPU computes
         penalized = any(p.penalized for p in params)  # penalties need each row's tokens
         histories = [(s.prompt_token_ids, s.completion_token_ids) for s in seqs] if penalized else None
         sampling = SamplingTensors.from_params(params, [s.num_completion_tokens for s in seqs], self.device, histories)
-        return self.sampler(logits, sampling).tolist()
+        token_ids = self.sampler(last, sampling)  # (num_seqs,)
+        out = StepOutput(token_ids.tolist(), [None] * len(seqs), [None] * len(seqs))
+        if asked := [i for i, p in enumerate(params) if p.logprobs is not None]:
+            ks = [params[i].logprobs or 0 for i in asked]
+            for i, row in zip(asked, logprobs_of(last[asked], token_ids[asked], ks)):
+                out.logprobs[i] = row
+        for j in [j for j, s in enumerate(scoring) if s]:  # rows of prompt positions p score the tokens at p + 1
+            seq, start, k = seqs[j], seqs[j].num_cached_tokens, params[j].prompt_logprobs or 0
+            n = min(seq.num_scheduled_tokens, seq.num_prompt_tokens - 1 - start)  # rows before the prompt's end
+            targets = torch.tensor(seq.token_ids[start + 1 : start + 1 + n], device=logits.device)
+            first = int(ends[j]) - seq.num_scheduled_tokens
+            out.prompt_logprobs[j] = (start + 1, logprobs_of(logits[first : first + n], targets, [k] * n))
+        return out

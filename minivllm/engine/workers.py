@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from minivllm.config import Config
-from minivllm.engine.model_runner import ModelRunner, rank_device
+from minivllm.engine.model_runner import ModelRunner, StepOutput, rank_device
 from minivllm.engine.sequence import Sequence
 from minivllm.layers.linear import TPGroup
 
@@ -238,10 +238,10 @@ class TPModelRunner(ModelRunner):
                     raise RuntimeError(self.workers.failure) from e
                 raise
 
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
-        token_ids = super().run(seqs, is_prefill)
+    def step(self, seqs: list[Sequence], is_prefill: bool) -> StepOutput:
+        out = super().step(seqs, is_prefill)
         self.workers.check()  # a worker died during the step: its all-reduces were aborted, the tokens are junk
-        return token_ids
+        return out
 
     def close(self, abort: bool = False) -> None:
         if self.closed:

@@ -134,3 +134,18 @@ class Sampler(nn.Module):
             probs = filter_probs(probs, t.top_ks, t.top_ps, t.min_ps)
         sampled = probs.div_(exponential_noise(probs, t.seeds, t.steps)).argmax(dim=-1)  # (batch,)
         return torch.where(greedy, logits.argmax(dim=-1), sampled) if t.any_greedy else sampled
+
+
+TokenLogprobs = dict[int, tuple[float, int]]  # token id -> (log-probability, rank); rank 1 is the most likely
+
+
+def logprobs_of(logits: torch.Tensor, token_ids: torch.Tensor, ks: list[int]) -> list[TokenLogprobs]:
+    """Each row's chosen token, then its k most likely tokens, under the raw distribution: the log-softmax of the
+    model's logits, before temperature, penalties and filters (what vLLM returns). logits: (rows, vocab)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # (rows, vocab)
+    chosen = logprobs.gather(-1, token_ids[:, None])  # (rows, 1)
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()  # (rows,): how many tokens are more likely, plus one
+    top = logprobs.topk(max(ks), dim=-1)  # (rows, max k)
+    rows = zip(token_ids.tolist(), chosen[:, 0].tolist(), ranks, top.indices.tolist(), top.values.tolist(), ks)
+    return [{t: (lp, r)} | {i: (v, j + 1) for j, (i, v) in enumerate(zip(ids[:k], vs[:k]))}
+            for t, lp, r, ids, vs, k in rows]  # fmt: skip
