@@ -2,8 +2,10 @@
 
 `AsyncLLM` runs `LLMEngine.step()` in a loop on its own thread; `generate` (a coroutine, on the caller's asyncio
 loop) adds a request and yields its `RequestOutput` after every step that gave it a token (cumulative, as vLLM's
-default: `outputs[0].text` is the whole reply so far), the last one with `finished=True`. A caller that stops
-iterating (a client that disconnects) aborts its request: its KV blocks are freed at once.
+default: `outputs[0].text` is the whole reply so far), the last one with `finished=True`. A caller that falls behind
+gets the newest output only (as vLLM's output collector merges them), and the engine builds none for it until it has
+taken the last: a slow client costs the engine nothing and the reply is the same. A caller that stops iterating (a
+client that disconnects) aborts its request: its KV blocks are freed at once.
 """
 
 import asyncio
@@ -23,9 +25,19 @@ class Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     num_tokens: int = 0  # tokens already sent
+    unread: bool = False  # an output waits in the queue: the engine need not build the next one yet
 
     def put(self, item: RequestOutput | BaseException) -> None:
+        self.unread = True
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    async def get(self) -> RequestOutput | BaseException:
+        """The newest item queued (outputs are cumulative: an older one says nothing the newest does not)."""
+        item = await self.queue.get()
+        while not self.queue.empty() and not isinstance(item, BaseException):
+            item = self.queue.get_nowait()
+        self.unread = False
+        return item
 
 
 class AsyncLLM:
@@ -57,7 +69,7 @@ class AsyncLLM:
         finished = False
         try:
             while not finished:
-                item = await stream.queue.get()
+                item = await stream.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -83,8 +95,10 @@ class AsyncLLM:
             self.send(finished)
 
     def send(self, finished: list[RequestOutput]) -> None:
-        """After a step: each finished request's last output, and the progress of those that got new tokens."""
-        for out in finished + self.engine.progress(list(self.streams)):
+        """After a step: each finished request's last output, and the progress of those that got new tokens and
+        whose caller has taken the last one."""
+        ready = [request_id for request_id, stream in self.streams.items() if not stream.unread]
+        for out in finished + self.engine.progress(ready):
             stream = self.streams.get(out.request_id)
             num_tokens = sum(len(c.token_ids) for c in out.outputs)  # of all n completions
             if stream is not None and (out.finished or num_tokens > stream.num_tokens):

@@ -531,13 +531,14 @@ def sample_params(params: SamplingParams) -> list[SamplingParams]:
 class Request:
     request_id: str
     prompt: str | None  # the text, when the prompt was text
+    prompt_token_ids: list[int]
     seqs: list[Sequence]  # one per completion (SamplingParams.n)
     metrics: RequestMetrics
     num_started: int = 0  # seqs given to the scheduler: with prefix caching, seqs[1:] wait for seqs[0]'s prompt
     text_ends: dict[int, int] = field(default_factory=dict)  # completion -> where its text ends (a stop string)
-    logprobs: list[list[dict[int, Logprob]]] = field(default_factory=list)  # per completion, per token
+    logprobs: dict[int, list[dict[int, Logprob]]] = field(default_factory=dict)  # completion -> one per token
     prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=lambda: [None])  # per prompt token
-    texts: list[tuple[str, int, int]] = field(default_factory=list)  # per completion, while it runs: see running_text
+    texts: dict[int, tuple[str, int, int]] = field(default_factory=dict)  # completion -> see running_text
 
 
 class LLMEngine:
@@ -620,8 +621,7 @@ class LLMEngine:
         self.check_request(token_ids, params)
         seqs = [Sequence(token_ids, p, self.scheduler.block_manager.block_size) for p in sample_params(params)]
         text = prompt if isinstance(prompt, str) else None
-        return Request(request_id, text, seqs, RequestMetrics(time.perf_counter()), logprobs=[[] for _ in seqs],
-                       texts=[("", 0, 0)] * len(seqs))  # fmt: skip
+        return Request(request_id, text, token_ids, seqs, RequestMetrics(time.perf_counter()))
 
     def start(self, request: Request, num_seqs: int) -> None:
         """Give the scheduler the request's sequences up to num_seqs."""
@@ -704,8 +704,8 @@ class LLMEngine:
             i = request.seqs.index(seq)
             if request.metrics.first_token_time is None and seq.num_completion_tokens > 0:
                 request.metrics.first_token_time = now
-            if logprobs is not None and len(request.logprobs[i]) < seq.num_completion_tokens:  # it got a token
-                request.logprobs[i].append(self.logprobs(logprobs))
+            if logprobs is not None and len(request.logprobs.get(i, [])) < seq.num_completion_tokens:  # a new token
+                request.logprobs.setdefault(i, []).append(self.logprobs(logprobs))
             for position, row in enumerate(prompt_logprobs[1], prompt_logprobs[0]) if prompt_logprobs else ():
                 if position == len(request.prompt_logprobs):  # not scored before (a preempted prompt is redone)
                     request.prompt_logprobs.append(self.logprobs(row))
@@ -759,33 +759,32 @@ class LLMEngine:
         first = request.seqs[0]
         prompt_logprobs = None if first.sampling_params.prompt_logprobs is None else list(request.prompt_logprobs)
         completions = [self.completion(request, i) for i in range(len(request.seqs))]
-        return RequestOutput(request.request_id, request.prompt, first.prompt_token_ids, completions, finished,
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished,
                              request.metrics, prompt_logprobs)  # fmt: skip
 
     def completion(self, request: Request, i: int) -> CompletionOutput:
         seq, params = request.seqs[i], request.seqs[i].sampling_params
         token_ids = seq.completion_token_ids
-        text = (self.decode(token_ids) if seq.is_finished else self.running_text(request, i))[
-            : request.text_ends.get(i)
-        ]
+        text = self.decode(token_ids) if seq.is_finished else self.running_text(request, i)
+        text = text[: request.text_ends.get(i)]
         if not seq.is_finished and params.stop:  # hold back what may be the start of a stop string
             text = text[: len(text) + 1 - max(map(len, params.stop))]
         if params.logprobs is None:
             return CompletionOutput(i, text, token_ids, seq.finish_reason)
-        logprobs = list(request.logprobs[i])
+        logprobs = list(request.logprobs.get(i, []))
         cumulative = sum(row[token].logprob for row, token in zip(logprobs, token_ids))
         return CompletionOutput(i, text, token_ids, seq.finish_reason, logprobs, cumulative)
 
     def running_text(self, request: Request, i: int) -> str:
         """Completion i's text so far, from its newest tokens only (vLLM's incremental detokenization: decoding
         the whole reply at every step would cost O(length²)). `texts[i]` = (text, start, read): the text ends with
-        the decode of tokens[start:read]; newer tokens are read once the text they add is whole (no '\ufffd')."""
-        text, start, read = request.texts[i]
-        tokens = request.seqs[i].completion_token_ids
-        if len(tokens) > read:
-            known, new = self.decode(tokens[start:read]), self.decode(tokens[start:])
-            if len(new) > len(known) and not new.endswith("\ufffd"):
-                text, start, read = text + new[len(known) :], read, len(tokens)
+        the decode of tokens[start:read]; newer tokens are read once their text is whole (no '\ufffd' at its end)."""
+        (text, start, read), seq = request.texts.get(i, ("", 0, 0)), request.seqs[i]
+        if seq.num_completion_tokens > read:
+            tokens = seq.token_ids[seq.num_prompt_tokens + start :]  # from `start` on: no copy of the whole reply
+            known, new = self.decode(tokens[: read - start]), self.decode(tokens)
+            if not new.endswith("\ufffd"):  # a token with no text (a special one, say) is read too
+                text, start, read = text + new[len(known) :], read, seq.num_completion_tokens
                 request.texts[i] = (text, start, read)
         return text
 

@@ -176,6 +176,30 @@ def test_64_concurrent_streams_all_complete_correctly(server, offline):
     assert asyncio.run(all_at_once()) == expected
 
 
+def test_a_caller_that_falls_behind_gets_the_newest_output_only(server, offline):
+    """AsyncLLM builds no output for a caller that has not taken the last one, and hands it the newest: a slow
+    client gets one output for many steps, and the same reply."""
+    llm = server[1]
+    expected = offline.generate(["Once upon a time"], greedy(40), use_tqdm=False)[0].outputs[0]
+
+    async def slow() -> list:
+        outputs = llm.generate("Once upon a time", greedy(40))
+        first = await anext(outputs)
+        while llm.engine.has_unfinished_requests():  # the engine runs the rest while this caller reads nothing
+            await asyncio.sleep(0.01)
+        return [first] + [out async for out in outputs]
+
+    progress, asked = llm.engine.progress, []
+    llm.engine.progress = lambda ids: asked.append(list(ids)) or progress(ids)  # which streams get an output built
+    try:
+        first, *rest = asyncio.run(slow())
+    finally:
+        del llm.engine.progress
+    assert len(rest) == 1 and rest[0].finished and not first.finished
+    assert sum(1 for ids in asked if ids) <= 3 < len(expected.token_ids)  # not one per step
+    assert (rest[0].outputs[0].token_ids, rest[0].outputs[0].text) == (expected.token_ids, expected.text)
+
+
 def test_a_client_that_leaves_mid_stream_frees_its_request(server):
     url, llm = server
     body = dict(model="tiny", prompt="A long story:", max_tokens=400, temperature=0, ignore_eos=True, stream=True)

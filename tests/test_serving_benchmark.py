@@ -48,5 +48,5 @@ def test_a_cpu_run_completes_every_request(tmp_path):
         for name in LATENCIES:
             assert 0 < row[f"{name}_p50_ms"] <= row[f"{name}_p99_ms"]
     for row in rows[1:]:
-        assert row["stream_events"] == sum(output_lens)  # one streamed event per token
+        assert row["completed"] <= row["stream_events"] <= sum(output_lens)  # one per step, fewer for a slow client
     assert (tmp_path / "serving.png").stat().st_size > 0

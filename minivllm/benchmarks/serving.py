@@ -126,7 +126,7 @@ def online_row(rate: float, results: list[dict], seconds: float, output_lens: li
     done = [r for r in results if r["ok"]]
     tokens = sum(n for r, n in zip(results, output_lens) if r["ok"])
     row = summary("minivllm-online", rate, len(results), done, tokens, seconds)
-    row["stream_events"] = sum(r["events"] for r in done)  # one per token: AsyncLLM sends after each step
+    row["stream_events"] = sum(r["events"] for r in done)  # one per step at most: a client that lags gets them merged
     if failed := sorted({r["reason"] for r in results if not r["ok"]}, key=str):
         row["errors"] = failed
     return row
