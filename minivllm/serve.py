@@ -12,9 +12,12 @@ ending in `data: [DONE]`), `/v1/models`, `/health`. A bad request gets status 40
 import argparse
 import dataclasses
 import json
+import socket
+import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from contextlib import contextmanager
 from functools import partial
 from typing import Literal
 
@@ -230,6 +233,29 @@ def chat_choice(c: CompletionOutput, delta: str | None, start: int, top: int | N
 def usage(out: RequestOutput) -> dict:
     prompt, completion = len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+@contextmanager
+def serve_in_thread(llm: AsyncLLM, model_name: str) -> Iterator[str]:
+    """The server over `llm` on a free port of 127.0.0.1, in a thread of this process (tests, benchmarks, the
+    notebook), until the block ends; yields its base URL."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    http = uvicorn.Server(uvicorn.Config(Server(llm, model_name).app, log_level="warning"))
+    thread = threading.Thread(target=http.run, kwargs=dict(sockets=[sock]), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not http.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not http.started:
+        raise RuntimeError("the server did not start within 60 s")
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        http.should_exit = True
+        thread.join(timeout=30)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -3,8 +3,6 @@ same replies as offline `generate`, streamed or not, for one client or 64 at onc
 request's KV blocks; bad requests get a 400 naming the field. CPU, tiny preset, float32, greedy."""
 
 import asyncio
-import socket
-import threading
 import time
 
 import pytest
@@ -16,7 +14,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from minivllm import LLM, SamplingParams  # noqa: E402
 from minivllm.async_llm import AsyncLLM  # noqa: E402
-from minivllm.serve import Server  # noqa: E402
+from minivllm.serve import serve_in_thread  # noqa: E402
 
 CONFIG = dict(dtype=torch.float32, device="cpu", num_kvcache_blocks=256, max_model_len=512, max_num_seqs=32)
 PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
@@ -32,18 +30,8 @@ def offline(tiny):
 def server(tiny):
     """The server on a free port of 127.0.0.1, started and stopped here; yields (base_url, its AsyncLLM)."""
     llm = AsyncLLM(str(tiny), **CONFIG)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    http = uvicorn.Server(uvicorn.Config(Server(llm, "tiny").app, log_level="warning"))
-    thread = threading.Thread(target=http.run, kwargs=dict(sockets=[sock]), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not http.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert http.started, "the server did not start"
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}", llm
-    http.should_exit = True
-    thread.join(timeout=30)
+    with serve_in_thread(llm, "tiny") as url:
+        yield url, llm
     llm.close()
 
 

@@ -24,14 +24,10 @@ import math
 import multiprocessing
 import random
 import shlex
-import socket
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -156,32 +152,10 @@ def run_offline(engine, prompts, output_lens) -> dict:
     return summary("minivllm-offline", math.inf, len(prompts), done, tokens, seconds)
 
 
-@contextmanager
-def serving(llm, model: str) -> Iterator[str]:
-    """The OpenAI-compatible server over `llm` on a free port of 127.0.0.1, in a thread; yields its base URL."""
-    import uvicorn
-
-    from minivllm.serve import Server
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    http = uvicorn.Server(uvicorn.Config(Server(llm, model).app, log_level="warning"))
-    thread = threading.Thread(target=http.run, kwargs=dict(sockets=[sock]), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not http.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert http.started, "the server did not start"
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        http.should_exit = True
-        thread.join(timeout=30)
-
-
 def run_serving_benchmark(preset: str, num_requests: int, rates, prompt_lens, output_lens, seed: int = 0) -> dict:
     from minivllm.async_llm import AsyncLLM
     from minivllm.checkpoint import write_checkpoint
+    from minivllm.serve import serve_in_thread
 
     with tempfile.TemporaryDirectory() as tmp:
         path = write_checkpoint(Path(tmp) / preset, preset, seed=0)
@@ -192,7 +166,7 @@ def run_serving_benchmark(preset: str, num_requests: int, rates, prompt_lens, ou
             run_offline(llm.engine, prompts[:8], [4] * len(prompts[:8]))  # warm-up
             rows = [run_offline(llm.engine, prompts, outs)]
             spawn = multiprocessing.get_context("spawn")  # the client's own process: no GIL shared with the server
-            with serving(llm, preset) as url, ProcessPoolExecutor(1, mp_context=spawn) as client:
+            with serve_in_thread(llm, preset) as url, ProcessPoolExecutor(1, mp_context=spawn) as client:
                 for rate in rates:
                     results, seconds = client.submit(run_client, url, preset, prompts, outs, rate, seed).result()
                     rows.append(online_row(rate, results, seconds, outs))
