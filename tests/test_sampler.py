@@ -14,6 +14,7 @@ from minivllm.layers.sampler import (
     SamplingTensors,
     apply_penalties,
     exponential_noise,
+    filter_probs,
     keep_mask,
     noise_seed,
 )
@@ -204,6 +205,26 @@ def test_keep_mask_matches_a_per_row_reference(seed, vocab, scale, rows):
         assert min(bounds) <= kept <= max(bounds)
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    **logit_rows,
+    rows=st.lists(st.tuples(st.integers(1, 12), st.floats(0.01, 1.0), st.floats(0.0, 1.0)), min_size=1, max_size=6),
+)
+def test_filtering_the_top_k_only_equals_filtering_the_sorted_vocabulary(seed, vocab, scale, rows):
+    """When every row has a top-k, filter_probs sorts only the k_max most likely tokens (torch.topk): same result."""
+    probs = torch.softmax(random_logits(seed, vocab, scale, rows=len(rows)), dim=-1)
+    top_ks, top_ps, min_ps = (torch.tensor(column) for column in zip(*rows))
+    k_max = max(k for k, _, _ in rows)
+    assert torch.equal(filter_probs(probs, top_ks, top_ps, min_ps, k_max), filter_probs(probs, top_ks, top_ps, min_ps))
+
+
+def test_top_k_max_only_when_every_random_row_has_a_top_k():
+    greedy, k5, k50, top_p = (SamplingParams(**kw) for kw in (dict(temperature=0), dict(top_k=5), dict(top_k=50),
+                                                                dict(top_p=0.9)))  # fmt: skip
+    assert tensors([k5, k50, greedy]).top_k_max == 50  # a greedy row takes the argmax of the logits: no filter
+    assert tensors([k5, top_p]).top_k_max == 0 and tensors([greedy]).top_k_max == 0  # sort the whole vocabulary
+
+
 def test_top_p_1_keeps_a_tail_too_small_for_a_float32_sum():
     probs = torch.cat([torch.tensor([1.0]), torch.full((200_000,), 1e-9)])[None]  # 1 + 1e-9 == 1 in float32
     mask = keep_mask(probs, torch.tensor([-1]), torch.tensor([1.0]), torch.tensor([0.0]))
@@ -231,14 +252,16 @@ def test_seeded_frequencies_match_the_softmax_too():
     torch.testing.assert_close(freq, torch.softmax(logits[0], dim=-1), atol=0.012, rtol=0)
 
 
-def test_filtered_frequencies_are_the_renormalized_survivors():
-    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
+@pytest.mark.parametrize(("filters", "kept"), [(dict(top_k=3), 3), (dict(top_k=4, top_p=0.7), 2), (dict(top_p=0.7), 2)])
+def test_filtered_frequencies_are_the_renormalized_survivors(filters, kept):
+    """Top-k alone, top-p inside a top-k (both: no full sort), top-p alone (a full sort)."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])  # probabilities 0.55, 0.20, 0.12, 0.07, 0.03
     n = 20_000
     torch.manual_seed(0)
-    tokens = sample(logits.expand(n, -1), [SamplingParams(top_k=3)] * n)
+    tokens = sample(logits.expand(n, -1), [SamplingParams(**filters)] * n)
     freq = torch.bincount(tokens, minlength=5) / n
     torch.testing.assert_close(
-        freq, torch.softmax(logits[0].masked_fill(torch.arange(5) >= 3, -torch.inf), dim=-1), atol=0.012, rtol=0
+        freq, torch.softmax(logits[0].masked_fill(torch.arange(5) >= kept, -torch.inf), dim=-1), atol=0.012, rtol=0
     )
 
 

@@ -87,9 +87,8 @@ def prepare_decode(seqs: list[Sequence], block_size: int) -> StepInputs:
     return StepInputs(False, input_ids, last, slots, block_tables, context_lens=context_lens)
 
 
-def step_to_device(
-    step: StepInputs, device: torch.device, use_triton: bool
-) -> tuple[torch.Tensor, torch.Tensor, PagedContext]:  # input_ids, positions, the attention context
+def step_to_device(step: StepInputs, device: torch.device, use_triton: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor, PagedContext]:  # ids, positions, context  # fmt: skip
     def put(a: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(a)
         return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
@@ -177,9 +176,8 @@ class DecodeGraphs:
         self.num_replays = 0
         pool = None
         for bs in reversed(self.batch_sizes):  # the largest first: the others fit in its memory pool
-            context = PagedContext(
-                False, self.slot_mapping[:bs], self.block_tables[:bs], context_lens=self.context_lens[:bs]
-            )
+            context = PagedContext(False, self.slot_mapping[:bs], self.block_tables[:bs],
+                                   context_lens=self.context_lens[:bs])  # fmt: skip
             self.hidden[:bs] = model(self.input_ids[:bs], self.positions[:bs], context)  # warm-up: compile kernels
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
@@ -268,9 +266,8 @@ class ModelRunner:
             if self.device.type == "cuda" and not config.enforce_eager:
                 assert config.max_model_len is not None  # Config resolved it
                 max_blocks = -(-config.max_model_len // self.block_size)
-                self.graphs = DecodeGraphs(
-                    self.model, config.max_num_seqs, max_blocks, config.hf_config.hidden_size, self.dtype, self.device
-                )
+                self.graphs = DecodeGraphs(self.model, config.max_num_seqs, max_blocks,
+                                           config.hf_config.hidden_size, self.dtype, self.device)  # fmt: skip
         except BaseException:
             self.free_gpu_memory()
             raise

@@ -8,9 +8,8 @@ from torch import nn
 from minivllm.sampling_params import SamplingParams
 
 
-def keep_mask(
-    sorted_probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor
-) -> torch.Tensor:
+def keep_mask(sorted_probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
+              min_ps: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """Which tokens top-k, then top-p, then min-p keep; each row of sorted_probs is sorted largest first."""
     ranks = torch.arange(sorted_probs.shape[-1], device=sorted_probs.device)  # (vocab,)
     keep = (top_ks[:, None] < 0) | (ranks < top_ks[:, None])  # top-k  (batch, vocab)
@@ -22,11 +21,13 @@ def keep_mask(
     return keep
 
 
-def filter_probs(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
-    """probs (batch, vocab) with the tokens the filters drop set to 0, not renormalized; one sort for the batch."""
-    sorted_probs, order = probs.sort(dim=-1, descending=True)  # (batch, vocab)
-    keep = keep_mask(sorted_probs, top_ks, top_ps, min_ps)
-    keep = torch.empty_like(keep).scatter_(-1, order, keep)  # back to vocabulary order
+def filter_probs(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor,
+                 k_max: int = 0) -> torch.Tensor:  # fmt: skip
+    """probs (batch, vocab) with the tokens the filters drop set to 0, not renormalized; one sort for the batch, or
+    if no row keeps more than k_max tokens (its top_k; k_max > 0), only its k_max most likely: no full sort."""
+    sort = probs.topk(min(k_max, probs.shape[-1])) if k_max else probs.sort(dim=-1, descending=True)
+    keep = keep_mask(sort.values, top_ks, top_ps, min_ps)  # (batch, vocab or k_max)
+    keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, sort.indices, keep)  # in vocabulary order
     return probs.masked_fill(~keep, 0.0)
 
 
@@ -76,15 +77,15 @@ class SamplingTensors:
     seeds: torch.Tensor  # (batch,) int64, on the CPU; -1 = no seed
     steps: torch.Tensor  # (batch,) int64, on the CPU; tokens generated so far = index of the token being drawn
     filtering: bool = True  # some random row uses top-k, top-p or min-p; if none does, the sort is skipped
+    top_k_max: int = 0  # > 0: every random row has a top-k, this the largest: filter_probs sorts only that many
     any_greedy: bool = True  # some row has temperature 0
     all_greedy: bool = False  # every row has: no random draw at all
     penalties: tuple[torch.Tensor, ...] | None = None  # apply_penalties' arguments after the logits; None: no penalty
     banned: torch.Tensor | None = None  # (2, n): rows and token ids not to draw yet (stop tokens before min_tokens)
 
     @classmethod
-    def from_params(
-        cls, params: list[SamplingParams], steps: list[int], device: torch.device | str = "cpu", histories=None
-    ) -> "SamplingTensors":
+    def from_params(cls, params: list[SamplingParams], steps: list[int], device: torch.device | str = "cpu",
+                    histories=None) -> "SamplingTensors":  # fmt: skip
         """One row per request: its parameters, how many tokens it has generated (seeded draws and min_tokens depend
         on it) and, when some row has a penalty, its (prompt, output) token ids in `histories`."""
         pin = torch.device(device).type == "cuda"
@@ -104,6 +105,7 @@ class SamplingTensors:
             values = [[getattr(p, f"{name}_penalty") for p in params] for name in PENALTIES]
             penalties = (*(to_device(v, torch.float32) for v in values), *(padded(list(h)) for h in zip(*histories)))
         temperatures = [p.temperature for p in params]
+        random_top_ks = [p.top_k for p in params if p.temperature > 0]
         return cls(
             temperatures=to_device(temperatures, torch.float32),
             top_ks=to_device([p.top_k for p in params], torch.int64),
@@ -112,6 +114,7 @@ class SamplingTensors:
             seeds=torch.tensor([-1 if p.seed is None else p.seed % 2**63 for p in params], dtype=torch.int64),
             steps=torch.tensor(steps, dtype=torch.int64),
             filtering=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in params),
+            top_k_max=max(random_top_ks) if min(random_top_ks, default=-1) > 0 else 0,
             any_greedy=0 in temperatures, all_greedy=not any(temperatures), penalties=penalties,
             banned=to_device(list(zip(*banned)), torch.int64) if banned else None,
         )  # fmt: skip
@@ -131,7 +134,7 @@ class Sampler(nn.Module):
         temperatures = torch.where(greedy, 1.0, t.temperatures)[:, None]  # (batch, 1) float32
         probs = torch.softmax(logits / temperatures, dim=-1)  # (batch, vocab) float32
         if t.filtering:
-            probs = filter_probs(probs, t.top_ks, t.top_ps, t.min_ps)
+            probs = filter_probs(probs, t.top_ks, t.top_ps, t.min_ps, t.top_k_max)
         sampled = probs.div_(exponential_noise(probs, t.seeds, t.steps)).argmax(dim=-1)  # (batch,)
         return torch.where(greedy, logits.argmax(dim=-1), sampled) if t.any_greedy else sampled
 

@@ -1,0 +1,65 @@
+"""The sampler alone: one call of `Sampler` on a batch of logits, per kind of request, on a GPU.
+
+    python -m minivllm.benchmarks.sampler [--batch-sizes 1 64 256] [--vocab 151936] [--out figures]
+
+Rows of one kind per batch (Qwen3's vocabulary by default, float32 logits as the runner's LM head gives them):
+greedy; temperature only (softmax, exponential race, argmax: no filter); top-p 0.9 (a sort of the whole
+vocabulary); top-k 50 with top-p 0.9 (`torch.topk` of 50: no full sort); seeded top-p (one generator per row).
+Times include building the `SamplingTensors` from the requests' parameters, as the runner does each step
+(`ms`), and the sampler's kernels alone (`kernel_ms`, the same call with the tensors built beforehand).
+Writes sampler.json (no figure: a table says it).
+"""
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from minivllm.benchmarks.common import OUT, gpu_ms, result, save
+from minivllm.layers.sampler import Sampler, SamplingTensors
+from minivllm.sampling_params import SamplingParams
+
+KINDS = {
+    "greedy": SamplingParams(temperature=0.0),
+    "temperature": SamplingParams(temperature=0.6),
+    "top-p": SamplingParams(temperature=0.7, top_p=0.9),
+    "top-k+top-p": SamplingParams(temperature=0.7, top_k=50, top_p=0.9),
+    "seeded top-p": SamplingParams(temperature=0.7, top_p=0.9, seed=0),
+}
+
+
+def time_kind(sampler: Sampler, logits: torch.Tensor, kind: str) -> dict:
+    batch = logits.shape[0]
+    params = [KINDS[kind]] * batch
+    steps = [0] * batch
+    built = SamplingTensors.from_params(params, steps, logits.device)
+    with torch.inference_mode():
+        ms = gpu_ms(lambda: sampler(logits, SamplingTensors.from_params(params, steps, logits.device)))
+        kernel_ms = gpu_ms(lambda: sampler(logits, built))
+    return dict(impl="minivllm", kind=kind, batch=batch, vocab=logits.shape[1], ms=ms, kernel_ms=kernel_ms)
+
+
+def run_sampler_benchmark(batch_sizes=(1, 64, 256), vocab: int = 151_936) -> dict:
+    sampler, rows = Sampler(), []
+    for batch in batch_sizes:
+        logits = torch.randn(batch, vocab, device="cuda") * 3  # a spread like a real model's logits
+        for kind in KINDS:
+            rows.append(time_kind(sampler, logits, kind))
+            r = rows[-1]
+            print(f"{kind:>13} batch {batch:>3}: {r['ms']:.3f} ms ({r['kernel_ms']:.3f} ms of kernels)")
+    return result("minivllm.benchmarks.sampler", rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--vocab", type=int, default=151_936)
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a CUDA GPU")
+    save("sampler", run_sampler_benchmark(args.batch_sizes, args.vocab), None, args.out)
+
+
+if __name__ == "__main__":
+    main()
