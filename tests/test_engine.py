@@ -163,6 +163,11 @@ def test_bad_requests_raise_and_change_nothing(llm, prompts, params, field):
         (dict(stop=[""]), "stop"),
         (dict(stop=[3]), "stop"),
         (dict(include_stop_str_in_output=1), "include_stop_str_in_output"),
+        (dict(n=0), "^n must"),
+        (dict(n=2.0), "^n must"),
+        (dict(logprobs=21), "logprobs"),
+        (dict(logprobs=True), "logprobs"),
+        (dict(prompt_logprobs=-1), "prompt_logprobs"),
     ],
 )
 def test_sampling_params_name_the_field(kwargs, field):
