@@ -22,7 +22,8 @@ def test_n_completions_share_the_prompts_blocks(llm):
     (request,) = {r.request_id: r for r in engine.requests.values()}.values()
     engine.step()  # completion 0 computes the prompt; the others start once its blocks are cached
     assert request.num_started == 4 and all(len(seq.block_table) == 0 for seq in request.seqs[1:])
-    engine.step()
+    _, stats = engine.step()  # the siblings' prompts: only the 6 tokens after the 4 cached blocks; completion 0 decodes
+    assert stats.num_tokens == 3 * (len(PROMPT) - 64) + 1
     full = len(PROMPT) // 16
     assert all(seq.block_table[:full] == request.seqs[0].block_table[:full] for seq in request.seqs)
     bm = engine.scheduler.block_manager
