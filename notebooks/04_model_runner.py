@@ -941,7 +941,7 @@ class ModelRunner:
     def step(self, seqs: list[Sequence], is_prefill: bool) -> StepOutput:
         """One step: the next token of each sequence, and the log-probabilities its parameters ask for."""
         logits = self.step_logits(seqs, is_prefill)  # queued on the GPU: the host goes on
-        scoring = [is_prefill and scores_prompt(seq) for seq in seqs]  # these have a row per token, not one
+        scoring = [scores_prompt(seq) for seq in seqs] if is_prefill else []  # these have a row per token, not one
         ends = np.cumsum([seq.num_scheduled_tokens if s else 1 for seq, s in zip(seqs, scoring)])  # their rows' ends
         last = logits[torch.from_numpy(ends - 1).to(logits.device)] if any(scoring) else logits  # (num_seqs, vocab)
         params = [seq.sampling_params for seq in seqs]  # the sampling tensors are built while the GPU computes

@@ -709,8 +709,8 @@ class LLMEngine:
             for position, row in enumerate(prompt_logprobs[1], prompt_logprobs[0]) if prompt_logprobs else ():
                 if position == len(request.prompt_logprobs):  # not scored before (a preempted prompt is redone)
                     request.prompt_logprobs.append(self.logprobs(row))
-            if i == 0 and seq.num_completion_tokens > 0:  # its prompt is cached: its siblings share those blocks
-                self.start(request, len(request.seqs))
+            if seq.num_completion_tokens > 0 and request.num_started < len(request.seqs):  # only seqs[0] ran: its
+                self.start(request, len(request.seqs))  # prompt is cached now, and the others share its blocks
             if seq.sampling_params.stop and self.find_stop(request, i):
                 if not seq.is_finished:
                     self.scheduler.abort(seq)  # frees its blocks (its newest token's KV was never computed)
@@ -1020,7 +1020,6 @@ assert after == hf.generate(torch.tensor([[1, 2, 3]]), **hf_greedy)[0, 3:].tolis
 # `step()`. And two threads calling `generate` at once take turns, each getting exactly what it would get alone.
 
 # %%
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -1043,32 +1042,25 @@ print("two threads, one engine: each got the outputs it gets alone")
 # %% [markdown]
 # ### Serving it: OpenAI's API, token by token
 # A server cannot wait for a batch: requests arrive while others run, and each client wants its reply as it is
-# written. `AsyncLLM` steps the same `LLMEngine` on its own thread and hands each request its output after every
-# step; `python -m minivllm.serve` puts OpenAI's HTTP API in front. OpenAI's client, streaming from it here:
+# written. `AsyncLLM` steps the same `LLMEngine` on its own thread and hands each request its newest output after a
+# step that gave it tokens; `python -m minivllm.serve` puts OpenAI's HTTP API in front (uvicorn, a FastAPI app).
+# Here `serve_in_thread` runs that server in a thread of this kernel, and OpenAI's client streams from it:
 
 # %%
-import socket
-
-import uvicorn
 from openai import OpenAI
 
 from minivllm.async_llm import AsyncLLM
-from minivllm.serve import Server
+from minivllm.serve import serve_in_thread
 
 served = AsyncLLM(str(tiny_path), device="cpu", dtype=torch.float32, num_kvcache_blocks=256, max_model_len=1024)
-sock = socket.create_server(("127.0.0.1", 0))  # a free port
-http = uvicorn.Server(uvicorn.Config(Server(served, "tiny").app, log_level="warning"))
-threading.Thread(target=http.run, kwargs=dict(sockets=[sock]), daemon=True).start()
-while not http.started:
-    time.sleep(0.05)
-client = OpenAI(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}/v1", api_key="none")
-request = dict(model="tiny", prompt="The lighthouse keeper", max_tokens=12, temperature=0)
-pieces = [chunk.choices[0].text for chunk in client.completions.create(stream=True, **request)]
+with serve_in_thread(served, "tiny") as url:  # http://127.0.0.1:<a free port>
+    client = OpenAI(base_url=f"{url}/v1", api_key="none")
+    request = dict(model="tiny", prompt="The lighthouse keeper", max_tokens=12, temperature=0)
+    pieces = [chunk.choices[0].text for chunk in client.completions.create(stream=True, **request)]
+served.close()
 print(f"{len(pieces)} server-sent events: {pieces}")
 offline = cpu_llm.generate(["The lighthouse keeper"], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
 assert "".join(pieces) == offline[0].outputs[0].text
-http.should_exit = True
-served.close()
 
 # %% [markdown]
 # ## KV blocks over a whole run

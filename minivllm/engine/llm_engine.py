@@ -234,8 +234,8 @@ class LLMEngine:
             for position, row in enumerate(prompt_logprobs[1], prompt_logprobs[0]) if prompt_logprobs else ():
                 if position == len(request.prompt_logprobs):  # not scored before (a preempted prompt is redone)
                     request.prompt_logprobs.append(self.logprobs(row))
-            if i == 0 and seq.num_completion_tokens > 0:  # its prompt is cached: its siblings share those blocks
-                self.start(request, len(request.seqs))
+            if seq.num_completion_tokens > 0 and request.num_started < len(request.seqs):  # only seqs[0] ran: its
+                self.start(request, len(request.seqs))  # prompt is cached now, and the others share its blocks
             if seq.sampling_params.stop and self.find_stop(request, i):
                 if not seq.is_finished:
                     self.scheduler.abort(seq)  # frees its blocks (its newest token's KV was never computed)
