@@ -52,10 +52,9 @@ def hf_logprobs(hf_model):
 @pytest.fixture(scope="session")
 def hf_greedy(hf_model):
     """transformers' greedy continuation of a prompt on the tiny checkpoint, `max_tokens` token ids."""
-    hf = hf_model
 
     def greedy(prompt: list[int], max_tokens: int) -> list[int]:
-        out = hf.generate(
+        out = hf_model.generate(
             torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
         )
         return out[0, len(prompt) :].tolist()

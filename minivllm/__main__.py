@@ -118,7 +118,7 @@ def print_outputs(outputs: "list[RequestOutput]", num_known_ids: int, seconds: f
             f"{completion.text!r}  [{len(completion.token_ids)} tokens, {completion.finish_reason}, "
             f"TTFT {(out.metrics.time_to_first_token or 0.0) * 1e3:.0f} ms]"
         )
-        if no_text := sum(t >= num_known_ids for t in completion.token_ids):
+        if num_known_ids and (no_text := sum(t >= num_known_ids for t in completion.token_ids)):
             print(f"token ids {completion.token_ids[:12]}... ({no_text} have no text in this tokenizer)")
     num_tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
     print(

@@ -26,6 +26,14 @@ def graph_ms(fn, rep: int = 30) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
 
 
+def percentiles(name: str, values: list[float]) -> dict:
+    """p50 and p99 in milliseconds, e.g. {"ttft_p50_ms": ..., "ttft_p99_ms": ...}."""
+    import numpy as np
+
+    p50, p99 = np.percentile(np.array(values) * 1e3, [50, 99]) if values else (float("nan"),) * 2
+    return {f"{name}_p50_ms": float(p50), f"{name}_p99_ms": float(p99)}
+
+
 def package_version(name: str) -> str | None:
     try:
         return version(name)

@@ -33,8 +33,7 @@ from pathlib import Path
 import httpx
 from tqdm import tqdm
 
-from minivllm.benchmarks.common import OUT, result, save
-from minivllm.benchmarks.throughput import percentiles
+from minivllm.benchmarks.common import OUT, percentiles, result, save
 
 MODULE = "minivllm.benchmarks.serving"
 TEMPERATURE = 0.6

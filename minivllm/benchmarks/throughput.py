@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from minivllm.benchmarks.common import OUT, gpu_ms, result, save
+from minivllm.benchmarks.common import OUT, gpu_ms, percentiles, result, save
 from minivllm.benchmarks.decode import copy_tbps
 from minivllm.checkpoint import write_checkpoint
 from minivllm.checkpoint.maker import preset_config
@@ -109,12 +109,6 @@ def run_engine(llm: LLM, prompts, params) -> tuple[list[RequestOutput], list[Ste
         outputs += finished
         steps.append(stats)
     return outputs, steps
-
-
-def percentiles(name: str, values: list[float]) -> dict:
-    """p50 and p99 in milliseconds, e.g. {"ttft_p50_ms": ..., "ttft_p99_ms": ...}."""
-    p50, p99 = np.percentile(np.array(values) * 1e3, [50, 99]) if values else (float("nan"),) * 2
-    return {f"{name}_p50_ms": float(p50), f"{name}_p99_ms": float(p99)}
 
 
 def run_workload(llm: LLM, work: Workload) -> dict:
