@@ -44,7 +44,7 @@ class StepStats:
     num_seqs: int = 0  # sequences in the batch
     num_tokens: int = 0  # tokens computed: prompt tokens, plus one per sequence that decodes
     schedule_seconds: float = 0.0  # Scheduler.schedule
-    run_seconds: float = 0.0  # ModelRunner.run: step inputs, forward, sampler
+    run_seconds: float = 0.0  # ModelRunner.step: step inputs, forward, sampler, log-probabilities
     postprocess_seconds: float = 0.0  # Scheduler.postprocess
 
     @property

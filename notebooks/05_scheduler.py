@@ -804,7 +804,7 @@ print(f"prompt tokens: {sum(len(p) for p, _ in chat_requests):,}; prefill saved:
 # %% [markdown]
 # A hit needs the blocks to still be there. To see the cache's memory alone, we allocate the same requests one at a time
 # and free each right after its prefill, so every hit comes from a block whose owner has finished and that the LRU kept.
-# The four system prompts need 4 × 32 = 128 blocks; we try caches from a third of that to eight times that.
+# The four system prompts need 4 × 32 = 128 blocks; we try caches from 3/8 of that to eight times that.
 
 
 # %%

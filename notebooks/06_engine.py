@@ -94,7 +94,7 @@ class StepStats:
     num_seqs: int = 0  # sequences in the batch
     num_tokens: int = 0  # tokens computed: prompt tokens, plus one per sequence that decodes
     schedule_seconds: float = 0.0  # Scheduler.schedule
-    run_seconds: float = 0.0  # ModelRunner.run: step inputs, forward, sampler
+    run_seconds: float = 0.0  # ModelRunner.step: step inputs, forward, sampler, log-probabilities
     postprocess_seconds: float = 0.0  # Scheduler.postprocess
 
     @property
@@ -924,7 +924,7 @@ class LLM:
 # %% [markdown]
 # ## Qwen3 end to end
 # Random weights write gibberish, so the text comes from `tiny-text`: notebook 02's tiny model trained on the
-# tokenizer's text. On a GPU a second run takes `qwen3-0.6b` (random weights, Qwen3-0.6B's exact shapes) for speed; the
+# tokenizer's text. On a GPU a second run takes `qwen3-0.6b` (random weights, the 0.6B's exact shapes) for timings; the
 # presets' small tokenizer knows only ids below 2,048 of its 151,936, so most of its tokens have no text: the first
 # token ids are printed too. Last, `n=3` completions of one prompt, with `logprobs=2` (see the engine's prose above).
 
@@ -950,7 +950,7 @@ show(texts := llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24)
 stopped = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=24, stop="."), use_tqdm=False)[0].outputs[0]
 print(f"with stop='.': {stopped.text!r}, finish_reason={stopped.finish_reason}")
 assert stopped.finish_reason == "stop" and stopped.text == texts[0].outputs[0].text.split(".")[0]
-three = llm.generate(prompts[1], SamplingParams(n=3, seed=0, max_tokens=12, logprobs=2), use_tqdm=False)[0].outputs
+three = llm.generate(prompts[2], SamplingParams(n=3, seed=0, max_tokens=12, logprobs=2), use_tqdm=False)[0].outputs
 for c in three:  # each token's row: {token id: Logprob(logprob, rank, decoded_token)}, its own first
     print(f"sample {c.index}: {c.text!r}, log-probability {c.cumulative_logprob:.1f}; first token: {c.logprobs[0]}")
 if DEVICE == "cuda":
@@ -1096,7 +1096,7 @@ assert bm.num_used_blocks == 0 and max(used) > 0.8 * bm.num_blocks - 1
 
 # %% [markdown]
 # Each `step()` also handed back its `StepStats`. Added up, they say what the run computed and where its time went
-# (with the unified scheduler of notebook 05, most prompts are computed in "mixed" steps, beside the decodes):
+# (with the unified scheduler of notebook 05, prompts that wait for room are computed in "mixed" steps, beside decodes):
 
 # %%
 phases = ("schedule", "run", "postprocess")
