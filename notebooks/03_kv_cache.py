@@ -21,8 +21,7 @@
 #
 # **What it assumes.** Notebook 01: attention at position *t* needs the keys and values (KV) of every token before
 # *t*, so an engine keeps them, per layer, in a *KV cache*; and its FlashAttention kernel (online softmax), which
-# the paged kernels reuse. Notebook 02's `SamplingParams`. The block manager never looks at a tensor, only at token
-# ids, so our requests are random integers.
+# the paged kernels reuse. Notebook 02's `SamplingParams`. The block manager sees token ids only: ours are random.
 #
 # **What you will see.** Prefix-cache hits block by block; why paging wastes almost no memory where reserving a
 # maximum length per request wastes most of it ("why does PagedAttention reduce fragmentation?", in numbers); why
@@ -83,8 +82,7 @@ print(f"token {t} -> physical block {block_table[t // block_size]}, slot {slot}"
 # ## Sequence: one request and where its KV lives
 # A `Sequence` is what the scheduler and the block manager pass around. It holds:
 #
-# * its **token ids** (a copy: the caller's list must never change under us), the prompt first and then the
-#   completion as it is generated, and how many of them are the prompt;
+# * its **token ids** (our own copy), the prompt first and then the completion, and how many are the prompt;
 # * its **status**: *waiting* for a prefill (new, or preempted), *running* (it holds KV blocks), or *finished*;
 # * its **block table**, and `num_cached_tokens`: how many of its leading tokens already have their KV in the
 #   cache (prefix-cache hits, then every token a step computes), so a step skips them; `num_scheduled_tokens`,
@@ -92,11 +90,9 @@ print(f"token {t} -> physical block {block_table[t // block_size]}, slot {slot}"
 # * its **sampling parameters**, and once finished its `finish_reason`: `"stop"` (an end-of-sequence or stop
 #   token) or `"length"` (`max_tokens` or the context length), as in vLLM.
 #
-# Helpers cut the token ids into blocks (`num_blocks`, `block(i)`, `last_block_num_tokens`); a global id from a
-# counter matches outputs to requests. **Whose is `block_size`?** The block manager's: a sequence gets the same
-# value (the engine passes `block_manager.block_size`) only to cut its tokens into blocks, and `allocate` asserts
-# that they agree. The engine refuses bad requests before a sequence is made (notebook 06), so a broken sequence
-# is a bug, caught by an `assert`, not a user's mistake.
+# Helpers cut the token ids into blocks; a global id from a counter matches outputs to requests. **Whose is
+# `block_size`?** The block manager's: a sequence gets a copy only to cut its tokens into blocks (`allocate` asserts
+# they agree). The engine refuses bad requests first (notebook 06): a broken sequence is a bug, caught by an assert.
 
 # %% tags=["export"] module="minivllm.engine.sequence"
 from enum import Enum, auto
@@ -245,20 +241,17 @@ assert compute_hash(b, h_a) == compute_hash(list(b), compute_hash(list(a)))  # d
 # %% [markdown]
 # ## The BlockManager (write one first? `exercises/03_paged_allocator.ipynb`, then `03_prefix_caching`)
 # The block manager owns `num_blocks` blocks (their KV tensors live in the model runner, notebook 04; here a block
-# is an id and some bookkeeping) and their size. The scheduler (notebook 05) talks to it in seven calls:
+# is an id and some bookkeeping) and their size. The scheduler (notebook 05) talks to it in eight calls:
 #
-# * `can_allocate(seq)`, then `allocate(seq)` for a waiting sequence: a block for each of its blocks, sharing
-#   cached ones for the longest run of leading full blocks found in the cache (`seq.num_cached_tokens` tells
-#   prefill how many tokens it may skip).
+# * `can_allocate(seq)`, then `allocate(seq)` for a waiting sequence: a block for each of its blocks, sharing cached
+#   ones for the longest run of leading full blocks found in the cache (`seq.num_cached_tokens` of them are skipped).
 # * `cache_blocks(seq, num_tokens)` in the step that computes the KV of the sequence's first `num_tokens` tokens:
 #   their full blocks enter the cache (are hashed), so later requests can hit them.
 # * `can_append(seq)`, then `may_append(seq)` after each decoded token: a new block exactly when the token starts
-#   one, and the last block is cached the moment it becomes full.
-# * `deallocate(seq)` when a sequence finishes or is preempted (its tokens are kept, to be recomputed later).
-# * `discard(seq)` for a sequence dropped in a failed step (notebook 05's `abort`): the blocks that step cached
-#   may hold KV it never wrote, so they leave the cache before they are freed.
-# * `reset()` when every request is dropped at once (`abort_all`): all blocks free and empty, nothing cached. It
-#   trusts none of the bookkeeping, so it is safe even after a step that failed half-way.
+#   one; the last block is cached the moment it becomes full. `token_known(seq)`: see notebook 06's async scheduling.
+# * `deallocate(seq)` when a sequence finishes or is preempted (its tokens are kept, to be recomputed later);
+#   `discard(seq)` for one dropped in a failed step: the blocks that step cached may hold KV it never wrote, so they
+#   leave the cache first. `reset()` when every request is dropped at once: all blocks free, trusting nothing.
 #
 # The `can_*` checks are cheap and conservative (they ignore possible cache hits); the real calls assert them. A
 # block shared by three sequences has `ref_count == 3`; it is free only at 0.
@@ -266,21 +259,17 @@ assert compute_hash(b, h_a) == compute_hash(list(b), compute_hash(list(a)))  # d
 # **Two free lists.** A freed full block keeps its hash and its KV, for a later hit. So a block for new KV comes
 # from `free_block_ids` (holding nothing worth keeping) while it has any, and only then from `cached_block_ids`,
 # the free blocks still in the cache, least recently freed first (an LRU; taking one evicts its hash). A sequence
-# frees its blocks tail first, so a shared head outlives the tails behind it. Both lists are O(1) per block.
+# frees its blocks tail first, so a shared head outlives the tails behind it.
 #
-# **The last token is always computed**, since prefill must produce its logits. If a whole prompt is cached, its
-# last block does not count as a hit (vLLM's rule: hits only among the blocks wholly inside the first `num_tokens
-# - 1` tokens): it gets a fresh copy and is recomputed. So `num_cached_tokens` is a multiple of `block_size` below
-# `num_tokens`, and a request never writes into a block another reads. The copy has the same hash as the cached
-# block (as may two requests that generate the same tokens): the cache index keeps the first; a duplicate goes to
-# the empty list when freed.
+# **The last token is always computed**, since prefill must produce its logits: a whole cached prompt's last block
+# is no hit (vLLM's rule) and gets a fresh copy. So a request never writes into a block another reads. Copies share
+# a hash (as may two requests that generate the same tokens): the cache index keeps the first.
 #
 # **When is a block cached?** In the step that computes its KV, never before: from then on any request may hit it.
-# So `allocate` caches nothing new; `cache_blocks(seq, n)` caches the tokens a prefill step computes, `may_append`
-# a block the coming decode step fills. That is safe (every layer writes the step's new KV before any attention
-# reads it) and lets requests arriving together share a prefix from their first step. Caching at `allocate` is not:
-# a long prompt may be computed over several steps (chunked prefill, notebook 05), and a request arriving in
-# between would hit blocks whose KV nobody has written yet (shown below).
+# So `cache_blocks(seq, n)` caches what a prefill step computes, `may_append` a block the coming decode step fills.
+# That is safe (every layer writes the step's new KV before any attention reads it) and lets requests arriving
+# together share a prefix. Caching at `allocate` is not: a long prompt may be computed over several steps (chunked
+# prefill, notebook 05), and a request arriving in between would hit blocks whose KV nobody wrote (shown below).
 
 
 # %% tags=["export"]
@@ -410,6 +399,18 @@ class BlockManager:
             parent_hash = self.blocks[block_table[-2]].hash if len(block_table) > 1 else -1
             token_ids = seq.block(seq.num_blocks - 1)
             self._cache(last, compute_hash(token_ids, parent_hash), token_ids)
+
+    def token_known(self, seq: Sequence) -> None:
+        """seq's newest token, a placeholder until now (06 schedules a step before the last one's tokens are known), is
+        known: a block cached with it (under a hash nothing hits: token ids are >= 0) is cached under its true hash."""
+        last = self.blocks[seq.block_table[-1]] if seq.block_table and len(seq.block_table) == seq.num_blocks else None
+        if last is None or last.hash == -1:
+            return
+        if self.hash_to_block_id.get(last.hash) == last.block_id:
+            del self.hash_to_block_id[last.hash]
+        parent_hash = self.blocks[seq.block_table[-2]].hash if len(seq.block_table) > 1 else -1
+        token_ids = seq.block(seq.num_blocks - 1)
+        self._cache(last, compute_hash(token_ids, parent_hash), token_ids)
 
     def deallocate(self, seq: Sequence) -> None:
         """Give back a finished or preempted sequence's blocks; the ones nobody else holds become free."""
@@ -548,8 +549,7 @@ assert same_start.num_cached_tokens == 8 and later.num_cached_tokens == 16
 # end-of-sequence token. The allocators:
 #
 # * **contiguous, max length**: each request reserves `max_model_len` slots up front (engines before paging);
-# * **contiguous, prompt + max_tokens**: a tighter reservation that uses the request's own limit; sizes now
-#   differ, so we place them first-fit in one address space, and holes between them appear;
+# * **contiguous, prompt + max_tokens**: a tighter reservation, placed first-fit in one address space (holes appear);
 # * **paged** (our `BlockManager`) with blocks of 256, 64 and 16 slots.
 #
 # One loop drives them all, a continuous-batching scheduler in miniature (notebook 05 builds the real one): each
@@ -945,11 +945,11 @@ def num_sms(device: torch.device) -> int:
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
-    """Enough programs to fill the GPU twice over; depends on the batch only, so a CUDA graph can fix it."""
+    """Splits for one wave of ~4 programs per SM, or 2 past a wave (an H200 sweep); per batch only: graphs fix it."""
     if device.type == "cpu":
         return 1
-    programs = batch * num_kv_heads
-    return 1 if programs >= num_sms(device) else min(128, 2 * triton.cdiv(2 * num_sms(device), programs))
+    programs, wave = batch * num_kv_heads, 4 * num_sms(device)
+    return min(128, wave // programs) if programs <= wave else 2
 
 
 def flash_attn_with_kvcache(

@@ -152,11 +152,11 @@ def num_sms(device: torch.device) -> int:
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
-    """Enough programs to fill the GPU twice over; depends on the batch only, so a CUDA graph can fix it."""
+    """Splits for one wave of ~4 programs per SM, or 2 past a wave (an H200 sweep); per batch only: graphs fix it."""
     if device.type == "cpu":
         return 1
-    programs = batch * num_kv_heads
-    return 1 if programs >= num_sms(device) else min(128, 2 * triton.cdiv(2 * num_sms(device), programs))
+    programs, wave = batch * num_kv_heads, 4 * num_sms(device)
+    return min(128, wave // programs) if programs <= wave else 2
 
 
 def flash_attn_with_kvcache(
