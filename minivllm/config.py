@@ -23,6 +23,7 @@ class Config:
     enforce_eager: bool = False  # True: no CUDA graphs
     enable_prefix_caching: bool = True
     scheduling_policy: str = "unified"  # "unified": mixed prefill + decode steps (vLLM v1); or "prefill-first"
+    async_scheduling: bool | None = None  # schedule a step while the last runs (06); None: on a GPU with one rank
     seed: int = 0
     device: str | None = None  # None: cuda if available, else cpu
     hf_config: Any = field(init=False, repr=False)
@@ -33,6 +34,8 @@ class Config:
         self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         context_len = self.hf_config.max_position_embeddings
         self.max_model_len = context_len if self.max_model_len is None else self.max_model_len
+        if self.async_scheduling is None:
+            self.async_scheduling = self.device == "cuda" and self.tensor_parallel_size == 1
         checks = {
             "tensor_parallel_size": (self.tensor_parallel_size >= 1, ">= 1"),
             "block_size": (self.block_size in (16, 32, 64, 128, 256), "16, 32, 64, 128 or 256"),
@@ -43,6 +46,7 @@ class Config:
             "gpu_memory_utilization": (0 < self.gpu_memory_utilization <= 1, "in (0, 1]"),
             "device": (self.device in ("cpu", "cuda"), "'cpu' or 'cuda'"),
             "scheduling_policy": (self.scheduling_policy in ("unified", "prefill-first"), "unified or prefill-first"),
+            "async_scheduling": (not (self.async_scheduling and self.tensor_parallel_size > 1), "off under TP"),
         }
         for name, (ok, allowed) in checks.items():
             if not ok:

@@ -21,7 +21,7 @@
 # **What it assumes.** Notebook 01's layers and attention functions (PyTorch's on a CPU, our Triton kernel on a GPU).
 #
 # **How we know it is right.** transformers' `Qwen3ForCausalLM` is the oracle: the same checkpoint through both
-# models gives the same logits, to float32 rounding; every section ends with a check against it.
+# models gives the same logits, to float32 rounding; the model and the loader are checked against it.
 
 # %%
 import hashlib
@@ -350,10 +350,9 @@ class PrefillContext:
 
 # %% [markdown]
 # ### The model
-# The classes mirror transformers' module tree (`model.layers.N.self_attn…`), so a checkpoint name maps to our
-# parameter by changing at most one component. Each layer's queries, keys and values come from one packed
-# `qkv_proj` and the MLP's gate and up from one `gate_up_proj` (notebook 01): one matrix multiply instead of
-# three or two. `packed_modules_mapping` records which checkpoint tensors go where; the loader reads it.
+# The classes mirror transformers' module tree (`model.layers.N.self_attn…`), so a checkpoint name maps to our parameter
+# by changing at most one component. Queries, keys and values come from one packed `qkv_proj`, the MLP's gate and up
+# from one `gate_up_proj` (notebook 01); `packed_modules_mapping` records which checkpoint tensors go where.
 #
 # RoPE's cos/sin table (40,960 positions for the 0.6B) is built once and shared by all layers. With tensor parallelism
 # every rank builds the same model with `1/tp` of the heads and of the MLP columns: the layers take their rank and group
@@ -540,9 +539,8 @@ fig.savefig(FIGURES / "02_parameters.png", dpi=120)
 
 # %% [markdown]
 # Read it: in the 0.6B, 44% of the weights are MLP, 30% attention and 26% the embedding, which is also the LM head
-# (tied), so every decoded token reads a 151,936 × 1,024 matrix to score the vocabulary. `tiny` splits its million
-# parameters much the same way, with more MLP; norms are a rounding error in both. Each decode step reads *all* these
-# weights (1.2 GB in bfloat16 for the 0.6B): hence decode is memory-bound, and batching many sequences per step pays.
+# (tied): every decoded token reads a 151,936 × 1,024 matrix to score the vocabulary. Each decode step reads *all*
+# these weights (1.2 GB in bfloat16): hence decode is memory-bound, and batching many sequences per step pays.
 
 # %% [markdown]
 # ## Loading a checkpoint
@@ -560,9 +558,8 @@ fig.savefig(FIGURES / "02_parameters.png", dpi=120)
 #    parameter's `weight_loader`, which keeps this rank's slice (notebook 01).
 #
 # Which files: those a sharded checkpoint's `model.safetensors.index.json` names, else every `*.safetensors` in the
-# folder. Each tensor must sit in exactly one of them, where the index says: a stray old shard must be an error, not a
-# coin toss over which copy of a weight we run. Two kinds of tensor are skipped on purpose: `lm_head.weight` when the
-# head is tied (some checkpoints store it anyway) and the `rotary_emb.inv_freq` buffers older transformers saved.
+# folder; each tensor in exactly one, where the index says (a stray old shard is an error, not a coin toss). Skipped on
+# purpose: `lm_head.weight` when the head is tied, and the `rotary_emb.inv_freq` buffers older transformers saved.
 #
 # The supported architectures are a dictionary from the config's name to our class. Adding Llama means writing
 # `LlamaForCausalLM` (Qwen3 without the q/k norms) and one line in `MODELS`.
@@ -1019,6 +1016,7 @@ class Config:
     enforce_eager: bool = False  # True: no CUDA graphs
     enable_prefix_caching: bool = True
     scheduling_policy: str = "unified"  # "unified": mixed prefill + decode steps (vLLM v1); or "prefill-first"
+    async_scheduling: bool | None = None  # schedule a step while the last runs (06); None: on a GPU with one rank
     seed: int = 0
     device: str | None = None  # None: cuda if available, else cpu
     hf_config: Any = field(init=False, repr=False)
@@ -1029,6 +1027,8 @@ class Config:
         self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         context_len = self.hf_config.max_position_embeddings
         self.max_model_len = context_len if self.max_model_len is None else self.max_model_len
+        if self.async_scheduling is None:
+            self.async_scheduling = self.device == "cuda" and self.tensor_parallel_size == 1
         checks = {
             "tensor_parallel_size": (self.tensor_parallel_size >= 1, ">= 1"),
             "block_size": (self.block_size in (16, 32, 64, 128, 256), "16, 32, 64, 128 or 256"),
@@ -1039,6 +1039,7 @@ class Config:
             "gpu_memory_utilization": (0 < self.gpu_memory_utilization <= 1, "in (0, 1]"),
             "device": (self.device in ("cpu", "cuda"), "'cpu' or 'cuda'"),
             "scheduling_policy": (self.scheduling_policy in ("unified", "prefill-first"), "unified or prefill-first"),
+            "async_scheduling": (not (self.async_scheduling and self.tensor_parallel_size > 1), "off under TP"),
         }
         for name, (ok, allowed) in checks.items():
             if not ok:

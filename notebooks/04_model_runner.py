@@ -45,11 +45,9 @@ random.seed(0)
 
 # %% [markdown]
 # ## Sampling: from logits to the next token
-# The model ends with one row of logits per sequence, a score for each of Qwen3's 151,936 tokens; the sampler turns each
-# row into a token id as its request's `SamplingParams` (notebook 02) say, in a batch mixing greedy, random and seeded
-# rows. Per row, **temperature** reshapes the distribution (0: greedy), **filters** (top-k, top-p, min-p) drop the tail,
-# and **a draw** picks from what is left: a few float32 tensor operations over the batch, settings in per-row tensors,
-# no Python loop except over seeded rows. We follow a model's guesses for the word after "The cat sat on the".
+# The model ends with a row of logits per sequence, a score for each of Qwen3's 151,936 tokens; the sampler turns each
+# into a token id as its request's `SamplingParams` (notebook 02) say: **temperature** reshapes the distribution,
+# **filters** (top-k, top-p, min-p) drop the tail, **a draw** picks from the rest. Example: "The cat sat on the".
 
 # %%
 words = ["mat", "floor", "sofa", "bed", "chair", "roof", "table", "rug", "fence", "keyboard", "moon", "piano"]
@@ -63,8 +61,7 @@ def show_probs(probs: torch.Tensor, label: str) -> None:
 # %% [markdown]
 # ### Temperature
 # Probabilities are `softmax(logits / T)`: `T` < 1 sharpens the distribution, `T` > 1 flattens it, keeping the ranking.
-# As `T` → 0 the mass goes to the largest logit, so temperature 0 is that limit, **greedy**: the argmax of the raw
-# logits. Greedy rows, compared token for token with transformers, must depend on nothing random nor on other rows.
+# Temperature 0 is the limit, **greedy**: the argmax of the raw logits, depending on nothing random nor on other rows.
 
 # %%
 probs_at = {T: torch.softmax(cat_logits / T, dim=-1) for T in (0.01, 0.25, 0.5, 1.0, 2.0)}
@@ -166,10 +163,9 @@ fig.savefig(FIGURES / "04_sampling.png", dpi=120)
 
 # %% [markdown]
 # ### Drawing a token: the exponential race
-# `torch.multinomial` makes a GPU's host wait and draws every row from one generator, so a row cannot have its own seed.
-# A simpler trick: give token `i` an exponential alarm clock of rate `p_i`, ringing after `q_i / p_i` seconds with
-# `q_i ~ Exp(1)`. Clock `i` rings first with probability `p_i / Σ_j p_j`, so the token is `argmax(p / q)`. The `p` need
-# not sum to 1, and a dropped token (`p = 0`) never wins (the Gumbel-max trick: `-log q` is Gumbel noise).
+# `torch.multinomial` makes a GPU's host wait and draws every row from one generator (no per-row seed). Instead, give
+# token `i` an exponential alarm clock ringing after `q_i / p_i` seconds, `q_i ~ Exp(1)`: clock `i` rings first with
+# probability `p_i / Σ_j p_j`, so the token is `argmax(p / q)`; `p` need not sum to 1, and `p = 0` never wins.
 
 # %%
 gen, p = torch.Generator().manual_seed(0), torch.tensor([0.1, 0.0, 0.3, 0.2])  # unnormalized, one token dropped
@@ -194,10 +190,8 @@ assert in_row0 != in_row1
 
 # %% [markdown]
 # So each seeded row draws from **its own generator, seeded by (request seed, step)**, the step being the token's index
-# (`seq.num_completion_tokens`). Token `n`'s noise depends on the seed and `n` only: not on the batch, not on history
-# (nothing to rewind if a step is thrown away), not on preemption (a preempted sequence keeps its tokens: its next is
-# still token `n`). Unseeded rows share one draw from the default generator (seeded by `LLM(seed=...)`); seeded rows
-# cost a Python loop, one small generator each. CPU and CUDA generators differ: a seed repeats on one kind of device.
+# (`seq.num_completion_tokens`): nothing else (batch, history, preemption) changes token `n`'s noise. Unseeded rows
+# share the default generator (`LLM(seed=...)`); seeded ones cost a loop. CPU and CUDA generators differ.
 
 # %% tags=["export"]
 NOISE_SEED_MULTIPLIER = 1_000_003  # odd: distinct seeds start apart; above any step: one seed's steps never collide
@@ -400,14 +394,9 @@ def decode_step(batch: list[Sequence]) -> None:
         seq.append_token(token)
 
 
-solo, crowded, unseeded = request(seed=1234), request(seed=1234), request(seed=None)
-for _ in range(8):
-    decode_step([solo])
-for _ in range(4):
-    decode_step([unseeded, crowded, request(seed=99)])
-# preempted here: its KV is dropped, its tokens are kept; later it is recomputed and decodes in a new batch
-for _ in range(4):
-    decode_step([crowded, unseeded])
+solo, crowded, unseeded, other = request(seed=1234), request(seed=1234), request(seed=None), request(seed=99)
+for batch in [[solo]] * 8 + [[unseeded, crowded, other]] * 4 + [[crowded, unseeded]] * 4:  # preempted after 4 steps:
+    decode_step(batch)  # its KV is dropped, its tokens kept; recomputed, it decodes in a new batch
 for name, seq in (("alone", solo), ("crowded", crowded), ("unseeded", unseeded)):
     print(f"{name:>8}: {seq.completion_token_ids}")
 assert crowded.completion_token_ids == solo.completion_token_ids != unseeded.completion_token_ids
@@ -478,17 +467,17 @@ class PagedContext:
 
 # %% [markdown]
 # ## The model runner (its decode inputs, to write yourself: `exercises/04_prepare_decode.ipynb`)
-# The scheduler (notebook 05) hands the runner a step's sequences. The runner **prepares** the inputs on the host: for a
-# prefill, each sequence's `num_scheduled_tokens` tokens after its `num_cached_tokens` cached ones, packed end to end,
-# with positions, slots, `cu_seqlens_q` (new tokens), `cu_seqlens_k` (cached + new) and block tables when something is
-# cached; for a decode, each sequence's last token, position, slot, cache length and block table. It **copies** them to
-# the device (pinned memory, no waiting), runs the model with a `PagedContext`, computes the logits of each sequence's
-# last position, and **samples**. Preparation is NumPy over whole arrays (a Python loop per token costs more than the
-# GPU's step), into a `StepInputs`: also what rank 0 sends the other ranks under TP.
+# The runner **prepares** a step's inputs on the host: for a prefill, each sequence's `num_scheduled_tokens` tokens
+# after its `num_cached_tokens` cached ones, packed end to end, with positions, slots, `cu_seqlens_q` (new tokens),
+# `cu_seqlens_k` (cached + new) and block tables when something is cached; for a decode, each sequence's last token,
+# position, slot, cache length and block table. It **copies** them to the device (pinned memory, no waiting), runs
+# the model, takes the logits of each sequence's last position, and **samples**. Preparation is NumPy over whole
+# arrays (a Python loop per token costs more than the GPU's step), into a `StepInputs`, also what TP ranks receive.
 
 # %% tags=["export"] module="minivllm.engine.model_runner"
 import atexit
 import gc
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -634,9 +623,8 @@ assert list(decode.slot_mapping) == slots
 # %% [markdown]
 # ### How big can the KV cache be?
 # A cached token holds a key and a value per KV head and layer: `2 × num_layers × num_kv_heads × head_dim × dtype
-# bytes`. On a GPU the runner runs its largest step (prefill `max_num_batched_tokens` tokens, then sample `max_num_seqs`
-# rows) and records the peak; what `gpu_memory_utilization` leaves after the weights and that peak becomes KV blocks. On
-# a CPU: `num_kvcache_blocks`, by default enough for `max_num_seqs` sequences of `max_model_len`, up to 1 GiB.
+# bytes`. On a GPU the runner runs its largest step and records the peak; what `gpu_memory_utilization` leaves after the
+# weights and that peak becomes KV blocks. On a CPU: enough for `max_num_seqs` sequences of `max_model_len`, ≤ 1 GiB.
 
 # %%
 from minivllm.checkpoint import preset_config
@@ -701,12 +689,11 @@ def bind_kv_cache(layers: list[Attention], num_blocks: int, block_size: int, dty
 
 # %% [markdown]
 # ### CUDA graphs for decode
-# A decode step of Qwen3-0.6B launches a few hundred small kernels (28 layers × norms, projections, RoPE, attention,
-# MLP), each microseconds of work, cheaper to run than to launch from Python. A CUDA graph records the launches once and
-# replays them in one call, at the price of fixed shapes and addresses. So we capture one graph per batch size (1, 2, 4,
-# 8, then every 16 up to `max_num_seqs`) over shared static inputs; a step copies its inputs in, pads the batch to the
-# next captured size (padding rows: slot −1, an empty cache, no writes or reads), and replays. The decode kernel's split
-# count depends on the batch size only, so it is fixed per graph too; the smaller graphs share the largest's memory.
+# A decode step of Qwen3-0.6B launches a few hundred small kernels, each cheaper to run than to launch from Python. A
+# CUDA graph records the launches once and replays them in one call, at the price of fixed shapes and addresses. So we
+# capture a graph per batch size (1, 2, 4, 8, then every 16 up to `max_num_seqs`; the decode kernel's splits depend on
+# it only) over shared static inputs, the smaller sharing the largest's memory; a step copies its inputs in, pads the
+# batch to the next captured size (padding rows: slot −1, an empty cache, no writes or reads), and replays.
 
 
 # %% tags=["export"]
@@ -767,17 +754,16 @@ class DecodeGraphs:
 
 # %% [markdown]
 # A graph removes each kernel's *launch* cost, not the kernel. Our layers in PyTorch make hundreds of tiny kernels per
-# step (the cell below counts one norm's and one RoPE's), each microseconds for almost no work: most of a graph step's
-# time on an H200. So on a GPU the runner switches each norm, RoPE and gated activation to its Triton kernel (01), one
-# launch each: `torch.compile` fuses too, but checks its guards on the host at every one of a forward's 169 calls.
+# step (the cell below counts one norm's and one RoPE's). So on a GPU each norm, RoPE and gated activation runs as its
+# Triton kernel (01), one launch: `torch.compile` fuses too, but checks guards on the host at each of 169 calls.
 
 # %%
 from minivllm.models.qwen3 import Qwen3ForCausalLM
 
-with torch.device("meta"):  # the 0.6B's shapes, no memory
+with torch.device("meta"):  # the 0.6B's shapes, no memory; one token
     meta_model = Qwen3ForCausalLM(preset_config("qwen3-0.6b"))
-    x, residual, positions = torch.empty(1, 1024), torch.empty(1, 1024), torch.zeros(1, dtype=torch.long)  # 1 token
-    q, k = torch.empty(1, 16, 128), torch.empty(1, 8, 128)
+    x, residual, q, k = torch.empty(1, 1024), torch.empty(1, 1024), torch.empty(1, 16, 128), torch.empty(1, 8, 128)
+    positions = torch.zeros(1, dtype=torch.long)
 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
     meta_model.model.norm(x, residual)
     meta_model.model.layers[0].self_attn.rotary_emb(positions, q, k)
@@ -813,8 +799,10 @@ def rank_device(config: Config, rank: int) -> torch.device:
 # ### Putting it together
 # `ModelRunner(config)` loads the model (this rank's slice), sizes the KV cache, runs one prefix-hit prefill (Triton
 # compiles at start-up, not in a request), captures the decode graphs, then serves `run(seqs, is_prefill) -> token
-# ids`, building the sampling tensors while the GPU runs the forward; `step_logits` is the step without sampler.
-# `step` is `run` with the log-probabilities some requests ask for: their prompt's need a row of logits per token.
+# ids`, building the sampling tensors while the GPU runs the forward (`step_logits`: the step without sampler).
+# `launch` is `run` in two halves, queue then wait (notebook 06 schedules the next step in between), with the
+# log-probabilities some requests ask for (their prompt's need a row of logits per token). A placeholder token id,
+# `-1 - row`, stands for a token the previous step sampled in that row and has not sent back yet.
 
 
 # %% tags=["export"]
@@ -836,6 +824,7 @@ class ModelRunner:
         self.tp, self.control = groups or (TPGroup(), None)
         self.model: Qwen3ForCausalLM | None  # loaded below; None once the GPU memory is freed
         self.graphs: DecodeGraphs | None = None
+        self.last_token_ids = torch.zeros(0, dtype=torch.int64)  # the latest step's sampled ids (on the device)
         self.closed = False
         try:
             if self.device.type == "cuda":
@@ -920,6 +909,8 @@ class ModelRunner:
     def execute(self, step: StepInputs) -> torch.Tensor:  # (num_seqs, vocab_size) logits
         assert self.model is not None, "the runner is closed"
         input_ids, positions, context = step_to_device(step, self.device, self.use_triton)
+        if step.input_ids.min() < 0:  # placeholders (06): -1 - row stands for row `row` of the last step's tokens
+            input_ids = torch.where(input_ids < 0, self.last_token_ids[(-1 - input_ids).clamp_min(0)], input_ids)
         if not step.is_prefill and self.graphs is not None and self.graphs.fits(input_ids.shape[0]):
             hidden = self.graphs.replay(input_ids, positions, context)
         else:
@@ -936,10 +927,11 @@ class ModelRunner:
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         """One step for these sequences: the next token of each."""
-        return self.step(seqs, is_prefill).token_ids
+        return self.launch(seqs, is_prefill)().token_ids
 
-    def step(self, seqs: list[Sequence], is_prefill: bool) -> StepOutput:
-        """One step: the next token of each sequence, and the log-probabilities its parameters ask for."""
+    def launch(self, seqs: list[Sequence], is_prefill: bool) -> Callable[[], StepOutput]:
+        """Queue a step on the GPU and return at once, with a function that waits for its output: the next token of
+        each sequence, and the log-probabilities its parameters ask for (those are computed now, waiting)."""
         logits = self.step_logits(seqs, is_prefill)  # queued on the GPU: the host goes on
         scoring = [scores_prompt(seq) for seq in seqs] if is_prefill else []  # these have a row per token, not one
         ends = np.cumsum([seq.num_scheduled_tokens if s else 1 for seq, s in zip(seqs, scoring)])  # their rows' ends
@@ -948,8 +940,8 @@ class ModelRunner:
         penalized = any(p.penalized for p in params)  # penalties need each row's tokens
         histories = [(s.prompt_token_ids, s.completion_token_ids) for s in seqs] if penalized else None
         sampling = SamplingTensors.from_params(params, [s.num_completion_tokens for s in seqs], self.device, histories)
-        token_ids = self.sampler(last, sampling)  # (num_seqs,)
-        out = StepOutput(token_ids.tolist(), [None] * len(seqs), [None] * len(seqs))
+        self.last_token_ids = token_ids = self.sampler(last, sampling)  # (num_seqs,); the next step may read it
+        out = StepOutput([], [None] * len(seqs), [None] * len(seqs))
         if asked := [i for i, p in enumerate(params) if p.logprobs is not None]:
             ks = [params[i].logprobs or 0 for i in asked]
             for i, row in zip(asked, logprobs_of(last[asked], token_ids[asked], ks)):
@@ -960,7 +952,18 @@ class ModelRunner:
             targets = torch.tensor(seq.token_ids[start + 1 : start + 1 + n], device=logits.device)
             first = int(ends[j]) - seq.num_scheduled_tokens
             out.prompt_logprobs[j] = (start + 1, logprobs_of(logits[first : first + n], targets, [k] * n))
-        return out
+        host_ids = token_ids.to("cpu", non_blocking=True)  # into pinned memory, without waiting
+        ready = torch.cuda.Event() if self.device.type == "cuda" else None
+        if ready is not None:
+            ready.record()
+
+        def output() -> StepOutput:
+            if ready is not None:
+                ready.synchronize()
+            out.token_ids = host_ids.tolist()
+            return out
+
+        return output
 
 
 # %% [markdown]
@@ -1046,10 +1049,8 @@ import json
 
 from minivllm.benchmarks.decode_step import plot_decode_step, run_decode_step_benchmark
 
-if DEVICE == "cuda":
-    step_data = run_decode_step_benchmark(batch_sizes=(1, 8, 64))
-else:
-    step_data = json.loads(Path("figures/decode_step.json").read_text())
+saved = Path("figures/decode_step.json")  # an H200 run's, on a CPU
+step_data = run_decode_step_benchmark(batch_sizes=(1, 8, 64)) if DEVICE == "cuda" else json.loads(saved.read_text())
 plot_decode_step(step_data).savefig(FIGURES / "04_decode_step.png", dpi=120)
 rows = {(r["impl"], r["batch"]): r["ms"] for r in step_data["rows"]}
 for batch in sorted({b for _, b in rows}):
@@ -1059,9 +1060,8 @@ print(f"KV cache on {step_data['device']}: {step_data['kv_cache_tokens'] / 1e6:.
 assert rows["minivllm", 1] < rows["minivllm-eager", 1]
 
 # %% [markdown]
-# On the H200 the eager step barely notices the batch (30–38 ms up to 32 sequences, 52–55 ms from 64): Python
-# launching kernels one by one is the bound. The graph replays them in one call: 2.0 ms at batch 1 (15×), 8.1 ms
-# at 256 (6.5×), growing with the KV cache read (15 GB per step at 256 sequences of 513 tokens).
+# On the H200 the eager step barely notices the batch (30–38 ms up to 32 sequences): Python launching kernels one by
+# one is the bound. The graph: 2.0 ms at batch 1 (15×), 8.1 ms at 256, growing with the KV cache read.
 
 # %% [markdown]
 # ## Check yourself

@@ -19,10 +19,9 @@
 # prompt is cut into chunks, and when a request is done; in two policies: prefill first (each step a prefill or
 # a decode, nano-vllm's) and unified (one token budget per step, vLLM v1's). Notebook 06 wraps the loop.
 #
-# **What it assumes.** Notebook 03's `Sequence` and `BlockManager` (blocks, prefix caching, and
-# `cache_blocks`, which publishes a block only in the step that computes it) and notebook 04's `ModelRunner`:
-# `run(seqs, is_prefill)` computes each sequence's `num_scheduled_tokens` tokens after its `num_cached_tokens`
-# cached ones and samples one token per sequence.
+# **What it assumes.** Notebook 03's `Sequence` and `BlockManager` (blocks, prefix caching, `cache_blocks`) and
+# notebook 04's `ModelRunner`: `run(seqs, is_prefill)` computes each sequence's `num_scheduled_tokens` tokens after
+# its `num_cached_tokens` cached ones and samples one token per sequence.
 #
 # **What you will see.** The tiny model's greedy tokens equal to transformers' `generate` while requests are
 # preempted, chunked and sharing prefixes; a bursty workload's timeline and a map of who owns which KV block; the
@@ -143,16 +142,12 @@ assert h200[64] < 2 * h200[1]  # 64 tokens in one step cost less than two steps 
 # %% [markdown]
 # The scheduler's first job is therefore to keep the batch full.
 #
-# **A clock for the experiments.** Below we compare policies by the time their requests wait. Time on a shared
-# 2-core machine jitters by tens of percent, more than some differences we want to see, so the experiments keep
-# time with a *cost model* of a step fitted to the measurements above (least squares on relative error): a fixed
-# cost, plus a cost per sequence, per new token (prefill) and per query × key pair of attention, separately for
-# prefill and decode steps. Each experiment runs the real scheduler step by step and adds up the modelled step
-# times. (The parity checks run the real model.)
-#
-# A fit is only as steady as its timings, and on a busy machine it can be off by half. So the experiments use
-# coefficients fitted once on a quiet 2-core CPU like CI's (`SHIPPED`): the same numbers on every run, on any
-# machine. Compare them with this machine's fit, printed below; `REFIT = True` runs the experiments on yours.
+# **A clock for the experiments.** Time on a shared 2-core machine jitters by tens of percent, more than some
+# differences we want to see, so the experiments run the real scheduler and add up a *cost model* of each step: a
+# fixed cost, plus a cost per sequence, per new token and per query × key pair, for prefill and decode steps apart,
+# fitted to timings like the ones above (least squares on relative error). A fit on a busy machine can be off by
+# half, so they use coefficients fitted once on a quiet 2-core CPU (`SHIPPED`); compare this machine's fit, printed
+# below (`REFIT = True` runs the experiments on it).
 
 
 # %%
@@ -194,8 +189,7 @@ def step_cost(seqs: list[Sequence], is_prefill: bool) -> float:
 # anew at every step: a finished request leaves at once, and a waiting one takes its seat at the next step.
 # That needs KV memory that can be handed out and taken back per request: notebook 03's blocks.
 #
-# The scheduler keeps two queues: `waiting` (first come, first served) and `running` (admission order). Its
-# rules, one per concern:
+# The scheduler keeps two queues: `waiting` (first come, first served) and `running` (admission order). Its rules:
 #
 # **1. Prefill first.** If a waiting request can join (or a chunked prompt has more to compute, rule 2), the step
 # is a prefill; otherwise it is a decode of every running request. Requests join in arrival order while three
@@ -204,45 +198,39 @@ def step_cost(seqs: list[Sequence], is_prefill: bool) -> float:
 # only tokens to compute: a prompt whose first 512 tokens are a prefix-cache hit costs only the rest. The first
 # request that does not fit stops admission: a stream of small requests overtaking a big one could starve it.
 #
-# **2. Chunked prefill.** A prompt bigger than what is left of the budget is not turned away: it gets what is left, and
-# the rest in the next steps (where it goes first). So any prompt runs, however small the budget, and no step computes
-# more than `max_num_batched_tokens` tokens, the size notebook 04 measured the activation memory for. The runner
-# computes each chunk through the block table, reading the chunks before it as it reads a prefix hit. A chunk's sampled
-# token is thrown away, since its last token is not the prompt's end. Each chunk publishes to the prefix cache only the
-# blocks it completes (`cache_blocks`): a request arriving mid-prompt must not hit blocks no step has written yet.
+# **2. Chunked prefill.** A prompt bigger than what is left of the budget gets what is left, and the rest in the next
+# steps (where it goes first). So any prompt runs, however small the budget, and no step computes more than
+# `max_num_batched_tokens` tokens, the size notebook 04 measured the activation memory for. A chunk reads the chunks
+# before it as it reads a prefix hit; its sampled token is thrown away (its last token is not the prompt's end). Each
+# chunk publishes only the blocks it completes (`cache_blocks`): a request arriving mid-prompt must not hit blocks
+# no step has written yet.
 #
 # **3. Decode and preemption.** Every running request decodes one token. A token that starts a new block needs
 # a free one; if there is none, the scheduler *preempts* the most recently admitted request: frees its blocks
 # and puts it back at the front of `waiting`. Requests are visited oldest first and victims taken newest first,
-# so the oldest request always makes progress (it can take every block) and the engine never deadlocks.
-# vLLM calls this preemption by **recompute**: the victim keeps its tokens, prompt and generated ones alike,
-# and when it is admitted again they are all its prompt, prefilled in one step (or chunks), mostly from its own
-# blocks still in the prefix cache. Its next token is then exactly the one it would have produced. (vLLM v0 could
-# also swap the victim's KV out to CPU memory; v1 only recomputes, which costs it less than the copy.)
+# so the oldest request always makes progress and the engine never deadlocks. vLLM calls this preemption by
+# **recompute**: the victim keeps its tokens, generated ones too, and when admitted again they are all its prompt,
+# mostly from its own blocks still in the prefix cache. Its next token is exactly the one it would have produced.
 #
-# **4. Postprocess.** Append each sampled token, then finish a request on one of its `stop_token_ids`
-# (`finish_reason="stop"`), or when it has `max_tokens` tokens or reached `max_model_len` (`"length"`), and free
-# its blocks at once for the next step's admissions. There is one stop mechanism: the scheduler does not know
-# which token is the model's end-of-sequence; the engine puts the model's EOS ids into each request's stop tokens
-# unless the request says `ignore_eos` (notebook 06).
+# **4. Postprocess**, in two halves. `advance`, once the step is queued: count its computed tokens, give each
+# sequence that samples a *placeholder* token, and finish those that reach `max_tokens` or `max_model_len`
+# (`"length"`). `resolve`, once the tokens are known: they replace the placeholders, and a request ends on one of
+# its `stop_token_ids` (`"stop"`); finished requests free their blocks at once. `postprocess` runs both in a row;
+# notebook 06 schedules the next step between them. The scheduler does not know which token is the model's EOS:
+# the engine puts it into each request's stop tokens unless the request says `ignore_eos` (notebook 06).
 #
-# **5. Admission.** Every request that reaches `add` can run: the prompt plus one generated token fits in
-# `max_model_len` and in the whole KV cache. The engine checks that, with a `ValueError` naming the numbers, before
-# the request touches any state (notebook 06); here it is only an `assert`, an invariant, as is everything the
-# scheduler takes on trust. A request that outgrows the whole cache while running stops there with `"length"`,
-# as at `max_model_len`; otherwise it would preempt itself forever.
+# **5. Admission.** Every request that reaches `add` fits, prompt plus one token, in `max_model_len` and the whole
+# KV cache (the engine checks, notebook 06; here an `assert`). One that outgrows the cache while running stops with
+# `"length"`, as at `max_model_len`; otherwise it would preempt itself forever.
 #
-# **6. Abort.** `abort` drops a request wherever it is, even in the middle of a step that failed: the step may
-# have published blocks to the prefix cache whose KV the model never wrote, so those leave the cache with it
-# (`BlockManager.discard`, notebook 03). The engine uses it when the model raises (notebook 06). `abort_all`
-# drops every request at once and resets the block manager, for a step that failed where nothing can be trusted.
-# So that `abort_all` finds every request, a sequence is always in one of the two queues, even while `schedule`
-# moves it from one to the other.
+# **6. Abort.** `abort` drops a request wherever it is, even in the middle of a step that failed: blocks that step
+# published but never wrote leave the cache with it (`BlockManager.discard`, notebook 03). `abort_all` drops every
+# request and resets the block manager, for a step that failed where nothing can be trusted; so that it finds every
+# request, a sequence is always in one of the two queues, even while `schedule` moves it.
 #
-# One consequence is worth seeing before the code. After a prefill, a request has exactly one token whose KV
-# is not computed yet: the one just sampled. A chunked prompt with one token left is in the same state, so it
-# simply joins the next decode: a decode is a prefill of one token. (vLLM v1 takes this all the way: it tracks
-# only `num_computed_tokens` per request and has no prefill or decode phase at all.)
+# One consequence is worth seeing before the code. After a prefill, a request has exactly one token whose KV is not
+# computed yet: the one just sampled. A chunked prompt with one token left is in the same state, so it joins the
+# next decode: a decode is a prefill of one token (vLLM v1 tracks only `num_computed_tokens`, with no phases at all).
 
 # %% tags=["export"] module="minivllm.engine.scheduler"
 from collections import deque
@@ -293,8 +281,8 @@ class Scheduler:
         seqs: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self.block_manager.can_allocate(seq):
-                break  # no overtaking: the head of the queue waits for blocks
+            if not self.block_manager.can_allocate(seq) or seq.last_token < 0:
+                break  # no overtaking: the head of the queue waits for blocks (or its placeholder token, notebook 06)
             self.block_manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(self.waiting.popleft())
@@ -340,19 +328,44 @@ class Scheduler:
 
     def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
         """Record a step that ran: computed tokens, sampled ones; free and return the sequences that finished."""
-        finished = []
-        for seq, token_id in zip(seqs, token_ids, strict=True):
+        return self.resolve(seqs, self.advance(seqs), token_ids)
+
+    def advance(self, seqs: list[Sequence]) -> list[int]:
+        """A step is queued: count its computed tokens; a sequence that samples gets a placeholder token, -1 - its row
+        (the runner reads that row of the step's sampled ids) until `resolve`, and ends now if it ends by length."""
+        rows = []
+        for row, seq in enumerate(seqs):
+            if seq.is_finished:
+                continue  # aborted since it was scheduled
             seq.num_cached_tokens += seq.num_scheduled_tokens
             if seq.num_cached_tokens < len(seq):
                 continue  # a chunk short of the prompt's end: its sample means nothing
-            seq.append_token(token_id)
-            seq.finish_reason = self.finish_reason(seq, token_id)
-            if seq.finish_reason is not None:
-                seq.status = SequenceStatus.FINISHED
-                self.block_manager.deallocate(seq)
-                self.running.remove(seq)
+            seq.append_token(-1 - row)
+            rows.append(row)
+            if self.finish_reason(seq, -1) is not None:
+                self.finish(seq, "length")
+        return rows
+
+    def resolve(self, seqs: list[Sequence], rows: list[int], token_ids: list[int]) -> list[Sequence]:
+        """A step's tokens are known: they replace its placeholders. Free and return the sequences that finished."""
+        finished = []
+        for seq, token_id in ((seqs[row], token_ids[row]) for row in rows):
+            if seq.finish_reason == "abort":
+                continue
+            seq.token_ids[-1] = seq.last_token = token_id
+            self.block_manager.token_known(seq)
+            if (reason := self.finish_reason(seq, token_id)) is not None:
+                self.finish(seq, reason)
                 finished.append(seq)
         return finished
+
+    def finish(self, seq: Sequence, reason: str) -> None:  # it may wait: preempted while its step ran (06)
+        if not seq.is_finished:
+            (self.running if seq.status == SequenceStatus.RUNNING else self.waiting).remove(seq)
+            if seq.block_table:
+                self.block_manager.deallocate(seq)
+            seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
 
     def finish_reason(self, seq: Sequence, token_id: int) -> str | None:
         params = seq.sampling_params
@@ -495,13 +508,11 @@ small = serve(make_scheduler(10, max_num_batched_tokens=48), small_seqs, log=Tru
 # %% [markdown]
 # Read it from the top:
 #
-# * Steps 1 and 2 spend the whole budget on request 0's first 96 tokens. Step 3 computes its last 4 and, with
-#   the budget left, admits request 1. Request 2 needs 3 blocks and only one is free: it waits, and so does
-#   everyone behind it.
-# * Request 0 finishes (8 tokens) and frees 7 blocks; the very next step is a prefill that admits requests 2, 3
-#   and 4 together. Request 2 computes its 35 tokens and publishes its two full blocks in that same step, so
-#   requests 3 and 4 find the shared 32 tokens in the cache and compute only 2 and 1 tokens. (Within the step,
-#   every layer writes request 2's KV before any attention reads it.)
+# * Steps 1 and 2 spend the whole budget on request 0's first 96 tokens. Step 3 computes its last 4 and admits
+#   request 1. Request 2 needs 3 blocks and only one is free: it waits, and so does everyone behind it.
+# * Request 0 finishes and frees 7 blocks; the next step admits requests 2, 3 and 4 together. Request 2 publishes
+#   its two full blocks in that same step, so 3 and 4 hit the shared 32 tokens and compute only 2 and 1 tokens.
+#   (Within the step, every layer writes request 2's KV before any attention reads it.)
 # * When a token needs a new block and none is free, the newest request (4) is preempted. It rejoins at the next
 #   step with a prefill of its prompt *and* its generated tokens, of which it computes a single one: the rest
 #   are its own blocks, still in the prefix cache.
@@ -582,12 +593,10 @@ assert matches == len(prompts)
 assert parity["preemptions"] >= 10 and sum(r["chunks"] for r in parity["rows"]) >= 20 and parity["hit_tokens"] >= 500
 
 # %% [markdown]
-# Why must a preempted request keep its generated tokens? Try the slip of treating it as new: recompute its
-# prompt only and drop what it had generated. With greedy decoding it regenerates the very same tokens, so the
-# replies would not even change; the damage is elsewhere. Every dropped token costs a decode step again instead
-# of a share of one prefill, and a client streaming the reply has already shown those tokens: with sampling, the
-# regenerated ones need not be the same. Because this bug hides from a greedy comparison, `tests/test_scheduler.py`
-# also checks, at every step, that a reply only ever grows.
+# Why must a preempted request keep its generated tokens? Try the slip of treating it as new: recompute its prompt
+# only. Greedy decoding regenerates the very same tokens, so the replies do not even change; but every dropped token
+# costs a decode step again, and a client streaming the reply has shown tokens that sampling may not regenerate. As
+# this bug hides from a greedy comparison, `tests/test_scheduler.py` also checks that a reply only ever grows.
 
 
 # %%
@@ -667,11 +676,10 @@ fig.tight_layout()
 fig.savefig(FIGURES / "05_timeline.png", dpi=120)
 
 # %% [markdown]
-# **Reading the timeline.** Each burst starts with prefill steps (blue) that fill the batch, a long prompt
-# spread over several budget-sized chunks; then decode steps (orange), one token per running request. When a
-# request finishes, a waiting one joins at the very next step (a thin blue bar among the orange), so the batch
-# stays full and the queue drains request by request, not batch by batch. When the KV blocks reach the ceiling,
-# decodes preempt the newest requests, which rejoin as soon as blocks come free.
+# **Reading the timeline.** Each burst starts with prefill steps (blue) that fill the batch, a long prompt over
+# several budget-sized chunks; then decode steps (orange). When a request finishes, a waiting one joins at the very
+# next step (a thin blue bar among the orange): the queue drains request by request, not batch by batch. When the
+# KV blocks reach the ceiling, decodes preempt the newest requests, which rejoin as soon as blocks come free.
 #
 # Chunking keeps every step at most 256 tokens, and a prompt longer than the budget runs at all; but with one
 # kind of step the running requests sit out every chunk. That stall is what vLLM's mixed batches remove.
@@ -846,15 +854,12 @@ fig.tight_layout()
 fig.savefig(FIGURES / "05_prefix_cache.png", dpi=120)
 
 # %% [markdown]
-# Every request after the first with its system prompt reads the 512 shared tokens (32 blocks) from the
-# cache, about 80% of its prompt, and computes only its own part. The hit outlives the request that computed
-# the blocks, because a freed block keeps its hash and is reused last. In a cache too small to keep all four
-# system prompts, the LRU evicts the least recently used blocks (a prompt's tail before its head), and the
-# requests that needed them lose part or all of their hit.
-#
-# Sharing saves memory as well as work: a system prompt's blocks are stored once however many requests read
-# them, so with caching on far more requests fit at once (printed above), fewer are preempted, and the whole
-# workload is done sooner.
+# Every request after the first with its system prompt reads the 512 shared tokens (32 blocks) from the cache,
+# about 80% of its prompt. The hit outlives the request that computed the blocks: a freed block keeps its hash and
+# is reused last. In a cache too small for all four system prompts, the LRU evicts the least recently used blocks
+# (a prompt's tail first), and the requests that needed them lose part or all of their hit. Sharing saves memory
+# too: a system prompt's blocks are stored once, so far more requests fit at once (printed above), fewer are
+# preempted, and the workload is done sooner.
 
 # %%
 assert computed_on < 0.4 * computed_off and prefix_runs[True]["seconds"] < prefix_runs[False]["seconds"]
@@ -866,12 +871,10 @@ assert mean_hit[48] < mean_hit[128] < mean_hit[1024]
 
 # %% [markdown]
 # ## Why does the scheduler put prefill before decode?
-# Turn the rule around: **decode first**, admitting new requests only when nobody can decode. With one kind of
-# batch per step that means admitting only when the batch is empty, so decode first *is* static batching.
-# Requests arrive at random (a Poisson process), on average at half the rate the modelled engine can serve
-# them (we measure that rate first, with all the requests there at once). For both orders, on the same
-# requests, we measure each one's **time to first token** (TTFT: from arrival to its first token, which needs
-# its prefill) and **time per output token** (TPOT: the pace of the rest of its reply).
+# Turn the rule around: **decode first**, admitting new requests only when nobody can decode, i.e. when the batch
+# is empty: decode first *is* static batching. Requests arrive at random (Poisson), on average at half the rate
+# the modelled engine can serve (measured first, all requests there at once). For both orders we measure each
+# request's **time to first token** (TTFT: arrival to first token) and **time per output token** (TPOT).
 
 
 # %%
@@ -935,12 +938,11 @@ print(
 )
 
 # %% [markdown]
-# **The answer, in these numbers.** A prefill is one step, and until it runs a new request has nothing to show.
-# Prefill first runs it at the next step, so every request's TTFT is about one decode step plus its own prefill:
-# a few steps' time, whenever it arrives (the flat blue band in the middle). Decode first makes it wait until
-# every running request has finished its whole reply, so its TTFT is whatever is left of the longest reply in
-# flight: anything from nothing to a hundred steps, by luck of timing. Meanwhile the batch drains down to a
-# single straggler before anyone new may join (right panel), which also costs throughput (next section).
+# **The answer, in these numbers.** Until its prefill runs, a new request has nothing to show. Prefill first runs
+# it at the next step: every TTFT is about one decode step plus its own prefill, whenever it arrives (the flat blue
+# band in the middle). Decode first makes it wait until every running request has finished its whole reply: from
+# nothing to a hundred steps, by luck of timing; and the batch drains to a single straggler before anyone new may
+# join (right panel), which also costs throughput (next section).
 #
 # The price is paid by the running requests: in a prefill step they produce no token, so their time per output
 # token rises, the more so with long prompts. The next two sections measure what mixed batches and chunks change.
@@ -1080,13 +1082,12 @@ fig.tight_layout()
 fig.savefig(FIGURES / "05_chunked_prefill.png", dpi=120)
 
 # %% [markdown]
-# **What chunking changes.** The budget bounds the step: with 4,096 a 3,000-token prompt is one step of over half
-# a second that every running request waits out; with 256 no step computes more than 256 tokens. Under prefill
-# first that is all: the chunks run back to back and the running requests sit out every one, so their longest
-# wait is still a whole long prompt. Under the unified policy every chunk step carries their tokens too: nobody
-# waits more than one short step, and TPOT is the lowest of the four. The price is a little TTFT: a new prompt
-# gets what the decodes leave of the budget. (Chunks also finish a long prompt sooner here, p99 TTFT: the
-# reference attention computes each query × key matrix's masked half, smaller in a chunk; FlashAttention skips it.)
+# **What chunking changes.** With a budget of 4,096 a 3,000-token prompt is one step of over half a second that every
+# running request waits out; with 256 no step computes more than 256 tokens. Under prefill first the chunks run
+# back to back and the running requests sit out every one. Under the unified policy every chunk step carries their
+# tokens too: nobody waits more than one short step, and TPOT is the lowest of the four, for a little TTFT. (Chunks
+# also finish a long prompt sooner here, p99 TTFT: the reference attention computes the masked half of each query ×
+# key matrix, smaller in a chunk; FlashAttention skips it.)
 
 # %%
 for name in policies:  # modelled times: the same on every run

@@ -189,7 +189,7 @@ def test_missing_model_folder():
 
 def test_an_interrupted_generate_leaves_the_engine_usable(llm, hf_greedy):
     runner = llm.engine.runner
-    original, calls = runner.step, []
+    original, calls = runner.launch, []
 
     def failing_step(seqs, is_prefill):
         calls.append(1)
@@ -197,12 +197,12 @@ def test_an_interrupted_generate_leaves_the_engine_usable(llm, hf_greedy):
             raise KeyboardInterrupt
         return original(seqs, is_prefill)
 
-    runner.step = failing_step
+    runner.launch = failing_step
     try:
         with pytest.raises(KeyboardInterrupt):
             llm.generate([list(range(10, 30)), [3, 4]], GREEDY, use_tqdm=False)
     finally:
-        runner.step = original
+        runner.launch = original
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.scheduler.block_manager.num_used_blocks == 0
     out = llm.generate([[3, 4]], GREEDY, use_tqdm=False)

@@ -320,17 +320,17 @@ def test_a_failed_step_aborts_its_requests_and_the_engine_goes_on(tiny, hf_greed
         engine.step()  # its prefill
         engine.add_request(long_a, params, "a")
         engine.add_request(long_b, params, "b")
-        original = runner.step
+        original = runner.launch
 
         def failing_step(seqs, is_prefill):
             raise RuntimeError("the device fell over")
 
-        runner.step = failing_step
+        runner.launch = failing_step
         try:
             with pytest.raises(RuntimeError, match="fell over"):
                 engine.step()  # the prefill of a and b (unified: and the survivor's next token)
         finally:
-            runner.step = original
+            runner.launch = original
         outputs = drain(llm)  # later steps run
         survivors = {"survivor": expected[1]} if policy == "prefill-first" else {}
         assert {o.request_id: o.outputs[0].token_ids for o in outputs} == survivors
@@ -347,18 +347,18 @@ def test_a_failed_decode_step_aborts_its_requests(llm, hf_greedy):
     expected = hf_greedy(prompt, 8)
     engine.add_request(prompt, GREEDY, "d")
     engine.step()  # prefill
-    original, calls = runner.step, []
+    original, calls = runner.launch, []
 
     def failing_step(seqs, is_prefill):
         calls.append(is_prefill)
         raise KeyboardInterrupt
 
-    runner.step = failing_step
+    runner.launch = failing_step
     try:
         with pytest.raises(KeyboardInterrupt):
             engine.step()
     finally:
-        runner.step = original
+        runner.launch = original
     assert calls == [False]
     assert_idle(llm)
     assert greedy_tokens(llm, prompt + [expected[0]], 7) == expected[1:]

@@ -153,6 +153,18 @@ class BlockManager:
             token_ids = seq.block(seq.num_blocks - 1)
             self._cache(last, compute_hash(token_ids, parent_hash), token_ids)
 
+    def token_known(self, seq: Sequence) -> None:
+        """seq's newest token, a placeholder until now (06 schedules a step before the last one's tokens are known), is
+        known: a block cached with it (under a hash nothing hits: token ids are >= 0) is cached under its true hash."""
+        last = self.blocks[seq.block_table[-1]] if seq.block_table and len(seq.block_table) == seq.num_blocks else None
+        if last is None or last.hash == -1:
+            return
+        if self.hash_to_block_id.get(last.hash) == last.block_id:
+            del self.hash_to_block_id[last.hash]
+        parent_hash = self.blocks[seq.block_table[-2]].hash if len(seq.block_table) > 1 else -1
+        token_ids = seq.block(seq.num_blocks - 1)
+        self._cache(last, compute_hash(token_ids, parent_hash), token_ids)
+
     def deallocate(self, seq: Sequence) -> None:
         """Give back a finished or preempted sequence's blocks; the ones nobody else holds become free."""
         assert seq.block_table, f"sequence {seq.seq_id} holds no blocks (freed twice?)"

@@ -3,7 +3,7 @@
 import dataclasses
 import threading
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
@@ -66,6 +66,15 @@ class Request:
     texts: dict[int, tuple[str, int, int]] = field(default_factory=dict)  # completion -> see running_text
 
 
+@dataclass(slots=True)
+class Launched:
+    """A step queued on the GPU: its sequences, the runner's function that waits for its output, its stats so far."""
+
+    seqs: list[Sequence]
+    output: Callable[[], StepOutput]
+    stats: StepStats
+
+
 class LLMEngine:
     """Requests in (`add_request`, `add_requests`), steps (`step`), outputs out. Thread-safe: one lock serialises
     every call that changes the engine, and `LLM.generate` holds it for its whole run."""
@@ -81,6 +90,7 @@ class LLMEngine:
         self.finished: list[RequestOutput] = []  # finished, not returned yet (kept back by a step given request_ids)
         self.request_counter = count()
         self.lock = threading.RLock()  # reentrant: LLM.generate holds it while it adds requests and steps
+        self.launched: Launched | None = None  # async scheduling: the step on the GPU while the host goes on
 
     # --- requests in ---------------------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt, name: str = "prompt") -> list[int]:
@@ -191,41 +201,60 @@ class LLMEngine:
         in request_ids when given: the others are kept for a later step) and the step's stats (kind "idle": no step
         ran). If the model raises, the step's requests are aborted first."""
         with self.lock:
-            stats = StepStats("idle") if self.scheduler.is_finished() else self.run_step()
+            stats = StepStats("idle") if self.scheduler.is_finished() and not self.launched else self.run_step()
             mine = [out for out in self.finished if request_ids is None or out.request_id in request_ids]
             self.finished = [out for out in self.finished if not (request_ids is None or out.request_id in request_ids)]
             return mine, stats
 
     def run_step(self) -> StepStats:
+        """Finish one step: the one the last call launched, or one launched now. With async scheduling the next step
+        is scheduled and launched before this one's tokens are read: the host's work overlaps the GPU's. Not after a
+        step with penalties: they need every token of their sequences (in the runner's sampling tensors)."""
+        step, self.launched = self.launched or self.launch(), None
+        try:
+            start = time.perf_counter()
+            rows = self.scheduler.advance(step.seqs)  # placeholders for the tokens on their way
+            advanced = time.perf_counter()
+            if self.config.async_scheduling and not self.scheduler.is_finished():
+                if not any(seq.sampling_params.penalized for seq in step.seqs):
+                    self.launched = self.launch()
+            waiting = time.perf_counter()
+            out = step.output()
+            ran = time.perf_counter()
+            finished = self.scheduler.resolve(step.seqs, rows, out.token_ids)
+        except BaseException as e:
+            aborted = self.abort_step(step.seqs + (self.launched.seqs if self.launched else []))
+            self.launched = None
+            e.add_note(f"minivllm: the step failed; these requests were aborted: {aborted}")
+            raise
+        self.record(step.seqs, out, finished, time.perf_counter())
+        step.stats.run_seconds += ran - waiting
+        step.stats.postprocess_seconds = advanced - start + time.perf_counter() - ran
+        return step.stats
+
+    def launch(self) -> Launched:
+        """Schedule a step and queue it on the GPU; if that fails, its requests are aborted."""
         seqs = None
         try:
             start = time.perf_counter()
             seqs, is_prefill = self.scheduler.schedule()
-            mixed = is_prefill and any(seq.num_completion_tokens > 0 and seq.num_scheduled_tokens == 1 for seq in seqs)
             scheduled = time.perf_counter()
-            out = self.runner.step(seqs, is_prefill)
-            ran = time.perf_counter()
-            finished = self.scheduler.postprocess(seqs, out.token_ids)
-            now = time.perf_counter()
+            output = self.runner.launch(seqs, is_prefill)
         except BaseException as e:
-            aborted = self.abort_step(seqs)
-            e.add_note(f"minivllm: the step failed; these requests were aborted: {aborted}")
+            e.add_note(f"minivllm: the step failed; these requests were aborted: {self.abort_step(seqs)}")
             raise
-        self.record(seqs, out, finished, now)
-        return StepStats(
-            "mixed" if mixed else "prefill" if is_prefill else "decode",  # mixed: decode rows beside prompt rows
-            len(seqs),
-            sum(seq.num_scheduled_tokens for seq in seqs),
-            scheduled - start,
-            ran - scheduled,
-            now - ran,
-        )
+        mixed = is_prefill and any(seq.num_completion_tokens > 0 and seq.num_scheduled_tokens == 1 for seq in seqs)
+        kind = "mixed" if mixed else "prefill" if is_prefill else "decode"  # mixed: decode rows beside prompt rows
+        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
+        stats = StepStats(kind, len(seqs), num_tokens, scheduled - start, time.perf_counter() - scheduled)
+        return Launched(seqs, output, stats)
 
     def record(self, seqs: list[Sequence], out: StepOutput, finished: list[Sequence], now: float) -> None:
         """After a step: first-token and finish times, log-probabilities, stop strings, the next completions to
         start, and the finished requests' outputs."""
         for seq, logprobs, prompt_logprobs in zip(seqs, out.logprobs, out.prompt_logprobs):
-            request = self.requests[seq.seq_id]
+            if (request := self.requests.get(seq.seq_id)) is None:
+                continue  # aborted while its step ran
             i = request.seqs.index(seq)
             if request.metrics.first_token_time is None and seq.num_completion_tokens > 0:
                 request.metrics.first_token_time = now
@@ -314,8 +343,8 @@ class LLMEngine:
         return text
 
     def has_unfinished_requests(self) -> bool:
-        """Whether step() has more to give: requests to run, or outputs it kept back."""
-        return bool(self.finished) or not self.scheduler.is_finished()
+        """Whether step() has more to give: requests to run, a step to finish, or outputs it kept back."""
+        return bool(self.finished) or not self.scheduler.is_finished() or self.launched is not None
 
     def abort_all(self) -> None:
         """Drop every request and kept output; the scheduler resets its block manager (a failed step may have left
@@ -324,6 +353,7 @@ class LLMEngine:
             self.scheduler.abort_all()
             self.requests.clear()
             self.finished.clear()
+            self.launched = None
 
     def close(self) -> None:
         self.runner.close()

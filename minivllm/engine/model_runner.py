@@ -2,6 +2,7 @@
 
 import atexit
 import gc
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -248,6 +249,7 @@ class ModelRunner:
         self.tp, self.control = groups or (TPGroup(), None)
         self.model: Qwen3ForCausalLM | None  # loaded below; None once the GPU memory is freed
         self.graphs: DecodeGraphs | None = None
+        self.last_token_ids = torch.zeros(0, dtype=torch.int64)  # the latest step's sampled ids (on the device)
         self.closed = False
         try:
             if self.device.type == "cuda":
@@ -332,6 +334,8 @@ class ModelRunner:
     def execute(self, step: StepInputs) -> torch.Tensor:  # (num_seqs, vocab_size) logits
         assert self.model is not None, "the runner is closed"
         input_ids, positions, context = step_to_device(step, self.device, self.use_triton)
+        if step.input_ids.min() < 0:  # placeholders (06): -1 - row stands for row `row` of the last step's tokens
+            input_ids = torch.where(input_ids < 0, self.last_token_ids[(-1 - input_ids).clamp_min(0)], input_ids)
         if not step.is_prefill and self.graphs is not None and self.graphs.fits(input_ids.shape[0]):
             hidden = self.graphs.replay(input_ids, positions, context)
         else:
@@ -348,10 +352,11 @@ class ModelRunner:
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         """One step for these sequences: the next token of each."""
-        return self.step(seqs, is_prefill).token_ids
+        return self.launch(seqs, is_prefill)().token_ids
 
-    def step(self, seqs: list[Sequence], is_prefill: bool) -> StepOutput:
-        """One step: the next token of each sequence, and the log-probabilities its parameters ask for."""
+    def launch(self, seqs: list[Sequence], is_prefill: bool) -> Callable[[], StepOutput]:
+        """Queue a step on the GPU and return at once, with a function that waits for its output: the next token of
+        each sequence, and the log-probabilities its parameters ask for (those are computed now, waiting)."""
         logits = self.step_logits(seqs, is_prefill)  # queued on the GPU: the host goes on
         scoring = [scores_prompt(seq) for seq in seqs] if is_prefill else []  # these have a row per token, not one
         ends = np.cumsum([seq.num_scheduled_tokens if s else 1 for seq, s in zip(seqs, scoring)])  # their rows' ends
@@ -360,8 +365,8 @@ class ModelRunner:
         penalized = any(p.penalized for p in params)  # penalties need each row's tokens
         histories = [(s.prompt_token_ids, s.completion_token_ids) for s in seqs] if penalized else None
         sampling = SamplingTensors.from_params(params, [s.num_completion_tokens for s in seqs], self.device, histories)
-        token_ids = self.sampler(last, sampling)  # (num_seqs,)
-        out = StepOutput(token_ids.tolist(), [None] * len(seqs), [None] * len(seqs))
+        self.last_token_ids = token_ids = self.sampler(last, sampling)  # (num_seqs,); the next step may read it
+        out = StepOutput([], [None] * len(seqs), [None] * len(seqs))
         if asked := [i for i, p in enumerate(params) if p.logprobs is not None]:
             ks = [params[i].logprobs or 0 for i in asked]
             for i, row in zip(asked, logprobs_of(last[asked], token_ids[asked], ks)):
@@ -372,4 +377,15 @@ class ModelRunner:
             targets = torch.tensor(seq.token_ids[start + 1 : start + 1 + n], device=logits.device)
             first = int(ends[j]) - seq.num_scheduled_tokens
             out.prompt_logprobs[j] = (start + 1, logprobs_of(logits[first : first + n], targets, [k] * n))
-        return out
+        host_ids = token_ids.to("cpu", non_blocking=True)  # into pinned memory, without waiting
+        ready = torch.cuda.Event() if self.device.type == "cuda" else None
+        if ready is not None:
+            ready.record()
+
+        def output() -> StepOutput:
+            if ready is not None:
+                ready.synchronize()
+            out.token_ids = host_ids.tolist()
+            return out
+
+        return output

@@ -48,8 +48,8 @@ class Scheduler:
         seqs: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self.block_manager.can_allocate(seq):
-                break  # no overtaking: the head of the queue waits for blocks
+            if not self.block_manager.can_allocate(seq) or seq.last_token < 0:
+                break  # no overtaking: the head of the queue waits for blocks (or its placeholder token, notebook 06)
             self.block_manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(self.waiting.popleft())
@@ -95,19 +95,44 @@ class Scheduler:
 
     def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
         """Record a step that ran: computed tokens, sampled ones; free and return the sequences that finished."""
-        finished = []
-        for seq, token_id in zip(seqs, token_ids, strict=True):
+        return self.resolve(seqs, self.advance(seqs), token_ids)
+
+    def advance(self, seqs: list[Sequence]) -> list[int]:
+        """A step is queued: count its computed tokens; a sequence that samples gets a placeholder token, -1 - its row
+        (the runner reads that row of the step's sampled ids) until `resolve`, and ends now if it ends by length."""
+        rows = []
+        for row, seq in enumerate(seqs):
+            if seq.is_finished:
+                continue  # aborted since it was scheduled
             seq.num_cached_tokens += seq.num_scheduled_tokens
             if seq.num_cached_tokens < len(seq):
                 continue  # a chunk short of the prompt's end: its sample means nothing
-            seq.append_token(token_id)
-            seq.finish_reason = self.finish_reason(seq, token_id)
-            if seq.finish_reason is not None:
-                seq.status = SequenceStatus.FINISHED
-                self.block_manager.deallocate(seq)
-                self.running.remove(seq)
+            seq.append_token(-1 - row)
+            rows.append(row)
+            if self.finish_reason(seq, -1) is not None:
+                self.finish(seq, "length")
+        return rows
+
+    def resolve(self, seqs: list[Sequence], rows: list[int], token_ids: list[int]) -> list[Sequence]:
+        """A step's tokens are known: they replace its placeholders. Free and return the sequences that finished."""
+        finished = []
+        for seq, token_id in ((seqs[row], token_ids[row]) for row in rows):
+            if seq.finish_reason == "abort":
+                continue
+            seq.token_ids[-1] = seq.last_token = token_id
+            self.block_manager.token_known(seq)
+            if (reason := self.finish_reason(seq, token_id)) is not None:
+                self.finish(seq, reason)
                 finished.append(seq)
         return finished
+
+    def finish(self, seq: Sequence, reason: str) -> None:  # it may wait: preempted while its step ran (06)
+        if not seq.is_finished:
+            (self.running if seq.status == SequenceStatus.RUNNING else self.waiting).remove(seq)
+            if seq.block_table:
+                self.block_manager.deallocate(seq)
+            seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
 
     def finish_reason(self, seq: Sequence, token_id: int) -> str | None:
         params = seq.sampling_params

@@ -238,10 +238,15 @@ class TPModelRunner(ModelRunner):
                     raise RuntimeError(self.workers.failure) from e
                 raise
 
-    def step(self, seqs: list[Sequence], is_prefill: bool) -> StepOutput:
-        out = super().step(seqs, is_prefill)
-        self.workers.check()  # a worker died during the step: its all-reduces were aborted, the tokens are junk
-        return out
+    def launch(self, seqs: list[Sequence], is_prefill: bool) -> Callable[[], StepOutput]:
+        output = super().launch(seqs, is_prefill)
+
+        def checked() -> StepOutput:
+            out = output()
+            self.workers.check()  # a worker died during the step: its all-reduces were aborted, the tokens are junk
+            return out
+
+        return checked
 
     def close(self, abort: bool = False) -> None:
         if self.closed:
