@@ -479,16 +479,21 @@ class ShadowRunner:
 
     def __init__(self):
         self.slots: dict[int, int] = {}
+        self.last: list[int] = []  # the previous call's tokens: a placeholder -1 - row stands for last[row]
 
     def __call__(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         step = (prepare_prefill if is_prefill else prepare_decode)(seqs, BLOCK)
+        self.last = self.sample(seqs, is_prefill, step)
+        return self.last
+
+    def sample(self, seqs: list[Sequence], is_prefill: bool, step) -> list[int]:
         spans = [
             (seq.num_cached_tokens, seq.num_cached_tokens + seq.num_scheduled_tokens)
             if is_prefill
             else (len(seq) - 1, len(seq))
             for seq in seqs
         ]
-        names = [prefix_hashes(seq.token_ids) for seq in seqs]
+        names = [prefix_hashes([t if t >= 0 else self.last[-1 - t] for t in seq.token_ids]) for seq in seqs]
         slots = iter(step.slot_mapping.tolist())
         for (start, end), name in zip(spans, names):
             for pos in range(start, end):
@@ -533,11 +538,41 @@ workloads = st.fixed_dictionaries(
 )
 
 
+def serve_ahead(scheduler: Scheduler, seqs: list[Sequence], model, arrivals: list[int]) -> None:
+    """The engine's loop with async scheduling (notebook 06): advance step N, schedule and run step N+1, whose inputs
+    carry step N's placeholders (the model resolves them from its last call's tokens), then resolve step N."""
+    launched, step = None, 0
+
+    def launch():
+        batch, is_prefill = scheduler.schedule()
+        assert batch and all(seq.status == SequenceStatus.RUNNING for seq in batch)
+        return batch, model(batch, is_prefill)
+
+    while step <= max(arrivals) or not scheduler.is_finished() or launched:
+        for seq, arrival in zip(seqs, arrivals):
+            if arrival == step:
+                scheduler.add(seq)
+        step += 1
+        if launched is None and scheduler.is_finished():
+            continue
+        (batch, tokens), launched = launched or launch(), None
+        rows = scheduler.advance(batch)
+        if not scheduler.is_finished():
+            launched = launch()
+        for seq in scheduler.resolve(batch, rows, tokens):
+            assert seq.status == SequenceStatus.FINISHED and not seq.block_table
+        assert all(t >= 0 for seq in seqs for t in seq.token_ids)  # every placeholder resolved
+    assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks, "KV blocks leaked"
+    assert all(seq.is_finished for seq in seqs)
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("policy", POLICIES, ids=["prefill-first", "unified"])
 @settings(max_examples=300, deadline=None)
 @given(workloads)
-def test_random_workloads_against_a_shadow_kv_cache(policy, workload):
-    """Random arrivals, limits and prompts: every policy gives each request the reply the model defines."""
+def test_random_workloads_against_a_shadow_kv_cache(policy, ahead, workload):
+    """Random arrivals, limits and prompts: every policy gives each request the reply the model defines, whether each
+    step is scheduled after the last one's tokens are known (sync) or before (async scheduling, notebook 06)."""
     requests = workload["requests"]
     config, num_blocks = limits(**{k: v for k, v in workload.items() if k != "requests"})
     scheduler = policy(config, num_blocks)
@@ -550,7 +585,7 @@ def test_random_workloads_against_a_shadow_kv_cache(policy, workload):
         arrivals.append(arrival)
     if not seqs:
         return
-    serve(scheduler, seqs, ShadowRunner(), arrivals)
+    (serve_ahead if ahead else serve)(scheduler, seqs, ShadowRunner(), arrivals)
     for seq in seqs:
         reply, reason = reference_reply(seq.prompt_token_ids, seq.sampling_params, 0, scheduler.max_len)
         assert (seq.completion_token_ids, seq.finish_reason) == (reply, reason)
