@@ -44,8 +44,8 @@ class StepStats:
     num_seqs: int = 0  # sequences in the batch
     num_tokens: int = 0  # tokens computed: prompt tokens, plus one per sequence that decodes
     schedule_seconds: float = 0.0  # Scheduler.schedule
-    run_seconds: float = 0.0  # ModelRunner.step: step inputs, forward, sampler, log-probabilities
-    postprocess_seconds: float = 0.0  # Scheduler.postprocess
+    run_seconds: float = 0.0  # ModelRunner.launch (inputs, forward, sampler, log-probabilities), waiting for tokens
+    postprocess_seconds: float = 0.0  # Scheduler.advance and resolve, the engine's outputs
 
     @property
     def seconds(self) -> float:

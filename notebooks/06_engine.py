@@ -16,12 +16,12 @@
 #
 # **What this notebook builds.** The layer a user touches: `LLM(model=...).generate(prompts, sampling_params)`, with
 # vLLM's names, arguments and outputs. Under it, `LLMEngine` turns prompts into `Sequence`s and loops `schedule → run →
-# postprocess` until every request is done, returning text, token ids, the reason each request stopped, and its timings.
+# postprocess` (the next step scheduled while the GPU runs the last) until every request is done.
 #
 # **What it assumes.** Everything before: the model (02), the KV cache (03), the runner (04), the scheduler (05).
 #
-# **What you will see.** The engine's greedy output equal to transformers' `generate`, KV-block occupancy over
-# a whole run, and the course's final figures: FlashAttention vs PagedAttention, and throughput.
+# **What you will see.** The engine's greedy output equal to transformers' `generate`, KV-block occupancy over a whole
+# run, and the course's final figures: FlashAttention vs PagedAttention, and throughput.
 
 # %%
 import json
@@ -93,8 +93,8 @@ class StepStats:
     num_seqs: int = 0  # sequences in the batch
     num_tokens: int = 0  # tokens computed: prompt tokens, plus one per sequence that decodes
     schedule_seconds: float = 0.0  # Scheduler.schedule
-    run_seconds: float = 0.0  # ModelRunner.step: step inputs, forward, sampler, log-probabilities
-    postprocess_seconds: float = 0.0  # Scheduler.postprocess
+    run_seconds: float = 0.0  # ModelRunner.launch (inputs, forward, sampler, log-probabilities), waiting for tokens
+    postprocess_seconds: float = 0.0  # Scheduler.advance and resolve, the engine's outputs
 
     @property
     def seconds(self) -> float:
@@ -381,14 +381,9 @@ class TPModelRunner(ModelRunner):
                 raise
 
     def launch(self, seqs: list[Sequence], is_prefill: bool) -> Callable[[], StepOutput]:
-        output = super().launch(seqs, is_prefill)
-
-        def checked() -> StepOutput:
-            out = output()
-            self.workers.check()  # a worker died during the step: its all-reduces were aborted, the tokens are junk
-            return out
-
-        return checked
+        out = super().launch(seqs, is_prefill)()  # waits: under TP no step runs ahead
+        self.workers.check()  # a worker died during the step: its all-reduces were aborted, the tokens are junk
+        return lambda: out
 
     def close(self, abort: bool = False) -> None:
         if self.closed:
@@ -409,9 +404,8 @@ def make_runner(config: Config) -> ModelRunner:
 
 # %% [markdown]
 # ### On two H200s: when does it pay?
-# `python -m minivllm.benchmarks.tp` runs the same decode step and the same throughput workload with the model
-# on one GPU and split over two (NCCL). Splitting halves each GPU's share of the weights and of every KV read,
-# but adds two all-reduces per layer, each a round trip between the GPUs. Which wins for a 0.6B model?
+# `python -m minivllm.benchmarks.tp` runs the same decode step and throughput workload on one GPU and split over two:
+# each GPU reads half the weights and KV, but every layer adds two all-reduces. Which wins for a 0.6B model?
 
 # %%
 from minivllm.benchmarks.tp import plot_tp
@@ -428,9 +422,8 @@ for r in (r for r in tp_data["rows"] if r["kind"] == "startup"):  # python -c "L
     print(f"TP {r['tp']}, fresh process, start {r['attempt']}: ready in {r['ready_seconds']:.0f} s")
 
 # %% [markdown]
-# Work it out: Qwen3-0.6B has 28 layers, so a TP-2 forward makes 2 × 28 all-reduces (plus the embedding's and
-# the LM head's gather, and rank 0's message that tells the worker what to run). At batch 1, when the step is all
-# latency, what is the most one all-reduce can cost?
+# Work it out: a TP-2 forward makes 2 × 28 all-reduces (plus the embedding's and LM head's gathers, and rank 0's
+# message). At batch 1, when the step is all latency, what is the most one all-reduce can cost?
 
 # %%
 added_ms = step[2, 1] - step[1, 1]
@@ -442,18 +435,15 @@ print(f"one GPU reads all the weights in {weight_read_ms:.2f} ms, {weight_read_m
 
 # %% [markdown]
 # For a 0.6B model TP 2 does not pay in speed: one GPU reads all 1.2 GB of weights in under 0.3 ms, a fifth of what
-# the communication adds. Every step gets slower (most at small batches, where latency is all there is) and throughput
-# drops a little. What it buys is memory: each GPU holds half of the KV heads, so the cache fits twice the tokens.
-# Starting costs more: a second process imports torch, loads its half and connects NCCL. TP pays when the weights or
-# the KV cache do not fit one GPU, or reading a GPU's share of the weights takes much longer than the all-reduces.
+# the communication adds; every step gets slower, most at small batches. What it buys is memory (each GPU holds half of
+# the KV heads: twice the tokens), at a slower start. TP pays when weights or KV cache do not fit one GPU.
 
 # %% [markdown]
 # ## The engine
-# `LLMEngine` owns one `ModelRunner` (and through it any tensor-parallel workers), one `Scheduler` (whose block manager
-# owns the block size) and a tokenizer. It keeps vLLM's split between adding work and doing it: `add_request(prompt,
-# sampling_params, request_id=None)` checks, tokenizes and queues a request's `Sequence`s, `abort_request(ids)` drops
-# requests, and `step()` runs one scheduler step and returns the finished requests with the step's `StepStats` (vLLM
-# gives them to its loggers; we keep no history); with nothing queued, no outputs and an `"idle"` record.
+# `LLMEngine` owns one `ModelRunner` (and through it any tensor-parallel workers), one `Scheduler` and a tokenizer. It
+# keeps vLLM's split between adding work and doing it: `add_request(prompt, sampling_params, request_id=None)` checks,
+# tokenizes and queues a request's `Sequence`s, `abort_request(ids)` drops requests, and `step()` runs one scheduler
+# step and returns the finished requests with the step's `StepStats`; with nothing queued, an `"idle"` record.
 #
 # **Bad input never gets in.** Each request is checked before it touches any state, with a `ValueError` naming the field
 # and the allowed range (an empty prompt, one too long, a token id outside the vocabulary, a `request_id` in use, text
@@ -678,9 +668,8 @@ class LLMEngine:
             return mine, stats
 
     def run_step(self) -> StepStats:
-        """Finish one step: the one the last call launched, or one launched now. With async scheduling the next step
-        is scheduled and launched before this one's tokens are read: the host's work overlaps the GPU's. Not after a
-        step with penalties: they need every token of their sequences (in the runner's sampling tensors)."""
+        """Finish one step: the one the last call launched, or one launched now; with async scheduling, launch the next
+        before reading this one's tokens (not after a step with penalties: they need every token of their rows)."""
         step, self.launched = self.launched or self.launch(), None
         try:
             start = time.perf_counter()
@@ -833,10 +822,9 @@ class LLMEngine:
 # %% [markdown]
 # ## `LLM`: vLLM's offline API
 # `LLM(model, ...)` takes notebook 02's `Config` fields as keyword arguments, with vLLM's names and defaults. `generate`
-# accepts a str, a list of str, or token ids (a list of ints, a 1-D integer array or tensor, or a list of those), with
-# one `SamplingParams` for all or one per prompt; it checks every request, adds them all, steps until they are done, and
-# returns their outputs in the prompts' order, with a progress bar. `chat` does the same for conversations, through the
-# checkpoint's chat template. The contract with the rest of the engine:
+# accepts a str, token ids (a list of ints, a 1-D integer array or tensor) or a list of those, with one `SamplingParams`
+# for all or one per prompt, and returns the outputs in the prompts' order, with a progress bar; `chat` does the same
+# for conversations, through the checkpoint's chat template. The contract with the rest of the engine:
 #
 # * `generate` holds the engine's lock for its whole run, so calls from several threads run one after another;
 # * it returns only its own requests. Requests queued earlier with `engine.add_request` share its batches but are not
@@ -949,10 +937,10 @@ class LLM:
 
 # %% [markdown]
 # ## Qwen3 end to end
-# Random weights write gibberish, so the text comes from `tiny-text`: notebook 02's tiny model trained on the
-# tokenizer's text. On a GPU a second run takes `qwen3-0.6b` (random weights, the 0.6B's exact shapes) for timings; the
-# presets' small tokenizer knows only ids below 2,048 of its 151,936, so most of its tokens have no text: the first
-# token ids are printed too. Last, `n=3` completions of one prompt, with `logprobs=2` (see the engine's prose above).
+# Random weights write gibberish, so the text comes from `tiny-text`, notebook 02's tiny model trained on the
+# tokenizer's text; then `n=3` completions of one prompt, with `logprobs=2`. On a GPU a second run takes `qwen3-0.6b`
+# (random weights, the 0.6B's shapes) for timings: most of its token ids have no text in the presets' 2,048-token
+# tokenizer, so the first ids are printed too.
 
 # %%
 from minivllm import LLM, SamplingParams
@@ -988,9 +976,8 @@ if DEVICE == "cuda":
 
 # %% [markdown]
 # ### The same tokens as transformers
-# Greedy decoding must reproduce transformers' `generate` token for token: a batch of prompts of mixed lengths,
-# some sharing a prefix (prefix-cache hits), all through the paged engine. (On a CPU both run in float32; in
-# bfloat16 on a GPU, notebook 02 explains why exact equality is not the right test.)
+# Greedy decoding must reproduce transformers' `generate` token for token: prompts of mixed lengths, some sharing a
+# prefix (prefix-cache hits), in float32 on a CPU (in bfloat16 on a GPU, notebook 02 explains why equality is not it).
 
 # %%
 from transformers import AutoModelForCausalLM
@@ -1008,7 +995,6 @@ for prompt, tokens in zip(prompts, ours):
     expected = hf.generate(torch.tensor([prompt]), **hf_greedy)[0, len(prompt) :].tolist()
     assert tokens == expected, (prompt[:5], tokens, expected)
 print(f"{len(prompts)} prompts, greedy: identical to transformers' generate")
-ahead = LLM(str(tiny_path), async_scheduling=True, **cpu_kwargs)  # below: async scheduling
 scored = cpu_llm.generate(prompts[3], SamplingParams(temperature=0, prompt_logprobs=0), use_tqdm=False)[0]
 with torch.no_grad():  # transformers' log-probability of each prompt token after the first
     want = torch.log_softmax(hf(torch.tensor([prompts[3]])).logits[0, :-1], -1)[range(63), prompts[3][1:]]
@@ -1016,15 +1002,15 @@ got = torch.tensor([row[t].logprob for row, t in zip(scored.prompt_logprobs[1:],
 torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 # %% [markdown]
-# ### Async scheduling: the next step leaves before this one's tokens are read
-# A step's host work (scheduling, inputs, outputs) leaves the GPU idle unless it overlaps the step before. With
-# `async_scheduling` (on by default with one GPU), `step()` launches step N+1, then reads step N's tokens: `advance`
-# gives each sequence of step N a placeholder token, `-1 - row`, which step N+1's inputs carry and the runner swaps, on
-# the device, for the token sampled in that row; `resolve` then writes the real tokens in. A request that stopped at
-# step N costs a wasted row in step N+1; a step with penalties (they read every token) waits. On the H200, nano-vllm's
-# workload goes from 17.4k to 22.1k output tokens/s (README). On a CPU nothing runs ahead, but every line runs:
+# **Async scheduling.** A step's host work (scheduling, inputs, outputs) leaves the GPU idle unless it overlaps the
+# step before. With `async_scheduling` (on by default with one GPU) `step()` launches step N+1, then reads step N's
+# tokens: `advance` gives each of step N's sequences a placeholder token, `-1 - row`, which the runner swaps on the
+# device for the token sampled in that row; `resolve` writes the real ones in. A request that stopped at step N costs a
+# wasted row; a step with penalties (they read every token) waits. On the H200, nano-vllm's workload goes from 17.4k
+# to 22.1k output tokens/s (README). On a CPU nothing runs ahead, but every line runs:
 
 # %%
+ahead = LLM(str(tiny_path), async_scheduling=True, **cpu_kwargs)
 ahead.engine.add_request(prompts[2], greedy)
 _, first = ahead.engine.step()  # the prefill's tokens are read: the first decode step is already launched
 on_its_way = ahead.engine.launched
@@ -1062,11 +1048,9 @@ assert after == hf.generate(torch.tensor([[1, 2, 3]]), **hf_greedy)[0, 3:].tolis
 # ### Sharing one engine
 # Integer arrays and tensors are token ids too. `step()` with nothing queued gives nothing back. A request queued with
 # `add_request` shares the batches of a later `generate` but is not among its outputs: the engine keeps it for the next
-# `step()`. And two threads calling `generate` at once take turns, each getting exactly what it would get alone.
+# `step()`. (Two threads calling `generate` at once take turns: `tests/test_engine.py`.)
 
 # %%
-from concurrent.futures import ThreadPoolExecutor
-
 import numpy as np
 
 arrays = [np.array([5, 6, 7]), torch.tensor([8, 9])]
@@ -1078,18 +1062,13 @@ mine = cpu_llm.generate([[5, 6, 7]], greedy, use_tqdm=False)
 assert [out.outputs[0].token_ids for out in mine] == alone[:1]
 kept, _ = cpu_llm.engine.step()
 assert [out.request_id for out in kept] == ["queued earlier"]
-with ThreadPoolExecutor(2) as pool:  # two threads call generate at once
-    results = list(pool.map(lambda _: cpu_llm.generate([[5, 6, 7], [8, 9]], greedy, use_tqdm=False), range(2)))
-assert all([out.outputs[0].token_ids for out in result] == alone for result in results)
 assert not cpu_llm.engine.has_unfinished_requests() and not cpu_llm.engine.requests
-print("two threads, one engine: each got the outputs it gets alone")
 
 # %% [markdown]
 # ### Serving it: OpenAI's API, token by token
-# A server cannot wait for a batch: requests arrive while others run, and each client wants its reply as it is
-# written. `AsyncLLM` steps the same `LLMEngine` on its own thread and hands each request its newest output after a
-# step that gave it tokens; `python -m minivllm.serve` puts OpenAI's HTTP API in front (uvicorn, a FastAPI app).
-# Here `serve_in_thread` runs that server in a thread of this kernel, and OpenAI's client streams from it:
+# A server cannot wait for a batch: requests arrive while others run, and each client wants its reply as it is written.
+# `AsyncLLM` steps the same `LLMEngine` on its own thread and hands each request its newest output; `python -m
+# minivllm.serve` puts OpenAI's HTTP API in front. `serve_in_thread` runs it in this kernel; OpenAI's client streams:
 
 # %%
 from openai import OpenAI
@@ -1109,9 +1088,8 @@ assert "".join(pieces) == offline[0].outputs[0].text
 
 # %% [markdown]
 # ## KV blocks over a whole run
-# Notebook 03 simulated block occupancy; here is the real engine's. We drive `LLMEngine` step by step on a workload that
-# fills the cache: 48 requests, a third of them behind a shared system prompt, and record after every step how many
-# blocks hold running sequences' KV, how many are free but still hold a cached prefix, and how many are empty.
+# Notebook 03 simulated block occupancy; here is the real engine's, step by step, on 48 requests (a third behind a
+# shared system prompt): blocks holding running sequences' KV, free ones still holding a cached prefix, empty ones.
 
 # %%
 engine = cpu_llm.engine
@@ -1125,16 +1103,13 @@ while engine.has_unfinished_requests():
     steps.append(engine.step()[1])
     occupancy.append((bm.num_used_blocks, bm.num_cached_free_blocks, bm.num_free_blocks - bm.num_cached_free_blocks))
 used, cached, empty = map(list, zip(*occupancy))
-fig, ax = plt.subplots(figsize=(8, 3.5))
+fig, ax = plt.subplots(figsize=(8, 3.5), layout="tight")
 labels = ["used by running requests", "free, prefix cached", "free"]
 ax.stackplot(range(len(used)), used, cached, empty, labels=labels, colors=["C0", "C2", "0.85"])
-for i, stats in enumerate(steps):
-    if stats.kind != "decode":
-        ax.axvline(i, color="C3", lw=0.4, alpha=0.5)
+ax.vlines([i for i, stats in enumerate(steps) if stats.kind != "decode"], 0, bm.num_blocks, "C3", lw=0.4, alpha=0.5)
 ax.set(xlabel="engine step (red lines: steps that compute prompt tokens)", ylabel=f"KV blocks (of {bm.num_blocks})")
 ax.set_title(f"KV block occupancy over a run: 48 requests, {engine.scheduler.num_preemptions} preemptions")
 ax.legend(loc="upper right", fontsize=8)
-fig.tight_layout()
 fig.savefig(FIGURES / "06_kv_occupancy.png", dpi=120)
 print(f"{len(used)} steps, peak {max(used)} blocks used, {engine.scheduler.num_preemptions} preemptions")
 assert bm.num_used_blocks == 0 and max(used) > 0.8 * bm.num_blocks - 1
@@ -1155,8 +1130,8 @@ assert all(s.kind in ("prefill", "mixed", "decode") and s.num_seqs > 0 for s in 
 # %% [markdown]
 # ## The course's final figures
 # **FlashAttention (prefill) vs PagedAttention (decode)**, measured on an H200 by `python -m minivllm.benchmarks.prefill`
-# and `... .decode` (notebooks 01 and 03): prefill is compute-bound (TFLOP/s), decode memory-bound (TB/s). On a GPU
-# the cells measure again; without one they read the H200 runs committed in `figures/`.
+# and `.decode` (notebooks 01 and 03): prefill is compute-bound (TFLOP/s), decode memory-bound (TB/s). On a GPU the
+# cells measure again; without one they read the H200 runs committed in `figures/`.
 
 # %%
 from minivllm.benchmarks.decode import run_decode_benchmark
@@ -1173,7 +1148,7 @@ def measured(name: str, measure) -> dict:
 if DEVICE == "cuda":
     llm.close()  # its KV cache holds most of the GPU: give it to the benchmarks
 prefill, decode = measured("prefill", run_prefill_benchmark), measured("decode", run_decode_benchmark)
-fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
+fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8), layout="tight")
 impls = list(dict.fromkeys(r["impl"] for r in prefill["rows"]))
 seqlens = sorted({r["seqlen"] for r in prefill["rows"]})
 for i, impl in enumerate(impls):
@@ -1193,7 +1168,6 @@ right.set_xticks([j + 0.25 for j in range(len(shapes))], [f"{b}×{c // 1024}k" f
 right.set(ylabel="TB/s of KV read", title="decode: PagedAttention, blocks of 16")
 right.legend(fontsize=7, loc="lower right")
 fig.suptitle(f"Attention kernels on {prefill['device']}, Qwen3-0.6B heads (16/8 × 128), bf16")
-fig.tight_layout()
 fig.savefig(FIGURES / "06_attention_kernels.png", dpi=120)
 
 # %% [markdown]
@@ -1247,12 +1221,10 @@ assert abs(roofline / ours["roofline_tok_per_s"] - 1) < 0.05  # the benchmark's 
 
 # %% [markdown]
 # ## Check yourself
-# Replace `None` in each `answer = None` with your answer and run the cell: the check compares it with what the
-# objects say, and the worked answer follows. The questions use the CPU engine of the cells above.
+# Replace `None` in each `answer = None` with your answer and run the cell; the worked answer follows (CPU engine).
 #
-# **1.** A `RequestOutput` carries two timings: time to first token and time per output token. One request, a
-# 10-token prompt with `max_tokens=5`, runs alone in the engine. Which kind of step ends its time to first token,
-# and over how many steps is its time per output token averaged? Answer `(kind, steps)`.
+# **1.** One request, a 10-token prompt with `max_tokens=5`, runs alone in the engine. Which kind of step ends its time
+# to first token, and over how many steps is its time per output token averaged? Answer `(kind, steps)`.
 
 # %%
 import time
@@ -1271,18 +1243,16 @@ first = next(i for i, end in enumerate(step_ends) if timed.first_token_time <= e
 check_answer(answer, (kinds[first], len(kinds) - 1 - first), "1. timings")
 
 # %% [markdown]
-# Worked answer: the prefill computes the prompt and samples the first token, so time to first token is waiting plus
-# that prefill: the scheduler's queue and the prompt's length set it. Each of the other 5 − 1 tokens is one decode
-# step, so time per output token is the decode step's time: the batch it shares the step with sets it.
+# Worked answer: the prefill samples the first token, so TTFT is waiting plus that prefill (the queue and the prompt's
+# length set it); each of the other 5 − 1 tokens is one decode step, whose time the batch it shares sets.
 
 # %%
 check_answer(("prefill", 5 - 1), (kinds[first], len(kinds) - 1 - first), "1. timings")
 print(f"TTFT {timed.time_to_first_token * 1e3:.1f} ms, TPOT {timed.time_per_output_token(5) * 1e3:.1f} ms")
 
 # %% [markdown]
-# **2.** `generate` checks every request before it queues the first. Suppose it did not: queue
-# `[[1, 2], [vocab + 5], [3, 4]]` one `add_request` at a time, as it would. How many requests are queued when the
-# bad one raises?
+# **2.** `generate` checks every request before it queues the first. Suppose it did not: queue `[[1, 2], [vocab + 5],
+# [3, 4]]` one `add_request` at a time. How many requests are queued when the bad one raises?
 
 # %%
 answer = None  # your answer: replace None with an expression
@@ -1298,9 +1268,8 @@ engine.abort_request(queued)
 check_answer(answer, num_queued, "2. check first")
 
 # %% [markdown]
-# Worked answer: 1, `[1, 2]`. The caller got an exception and no outputs, yet the engine would run `[1, 2]` in its
-# next step and hand its output to the next call: a request nobody waits for. `generate` checks all first, so the
-# same list queues nothing and the engine is as it was.
+# Worked answer: 1, `[1, 2]`. The caller got an exception, yet the engine would run `[1, 2]` and hand its output to the
+# next call: a request nobody waits for. `generate` checks all first, so the same list queues nothing.
 
 # %%
 check_answer(1, num_queued, "2. check first")
@@ -1312,8 +1281,7 @@ assert not engine.has_unfinished_requests() and engine.scheduler.block_manager.n
 
 # %% [markdown]
 # **3.** The green blocks of the occupancy figure are free but keep a cached prefix, among them the 64-token system
-# prompt's. A new request arrives now: the system prompt and 10 tokens of its own. How many of its tokens does its
-# prefill find in the cache (blocks of 16)?
+# prompt's. A request arrives: the system prompt and 10 tokens. How many does its prefill find in the cache?
 
 # %%
 answer = None  # your answer: replace None with an expression
@@ -1324,8 +1292,7 @@ hits = len(system_prompt) + 10 - prefill.num_tokens  # the prompt less what the 
 check_answer(answer, hits, "3. green blocks")
 
 # %% [markdown]
-# Worked answer: 64, the system prompt's 4 full blocks. Its green blocks turn blue: the request's block table takes
-# them (their reference counts go from 0 to 1), and the prefill computes only the 10 new tokens.
+# Worked answer: 64, the system prompt's 4 full blocks. They turn blue (reference counts 0 → 1); 10 tokens computed.
 
 # %%
 check_answer(64 // 16 * 16, hits, "3. green blocks")

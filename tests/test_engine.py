@@ -187,6 +187,18 @@ def test_missing_model_folder():
         LLM("/no/such/folder")
 
 
+def test_two_threads_calling_generate_take_turns(llm, hf_greedy):
+    """One engine, two threads calling generate at once: each gets exactly what it gets alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [[5, 6, 7], [8, 9]]
+    alone = [hf_greedy(p, 24) for p in prompts]
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda _: llm.generate(prompts, GREEDY, use_tqdm=False), range(2)))
+    assert all([out.outputs[0].token_ids for out in result] == alone for result in results)
+    assert not llm.engine.has_unfinished_requests() and not llm.engine.requests
+
+
 def test_an_interrupted_generate_leaves_the_engine_usable(llm, hf_greedy):
     runner = llm.engine.runner
     original, calls = runner.launch, []

@@ -207,9 +207,8 @@ class LLMEngine:
             return mine, stats
 
     def run_step(self) -> StepStats:
-        """Finish one step: the one the last call launched, or one launched now. With async scheduling the next step
-        is scheduled and launched before this one's tokens are read: the host's work overlaps the GPU's. Not after a
-        step with penalties: they need every token of their sequences (in the runner's sampling tensors)."""
+        """Finish one step: the one the last call launched, or one launched now; with async scheduling, launch the next
+        before reading this one's tokens (not after a step with penalties: they need every token of their rows)."""
         step, self.launched = self.launched or self.launch(), None
         try:
             start = time.perf_counter()

@@ -239,14 +239,9 @@ class TPModelRunner(ModelRunner):
                 raise
 
     def launch(self, seqs: list[Sequence], is_prefill: bool) -> Callable[[], StepOutput]:
-        output = super().launch(seqs, is_prefill)
-
-        def checked() -> StepOutput:
-            out = output()
-            self.workers.check()  # a worker died during the step: its all-reduces were aborted, the tokens are junk
-            return out
-
-        return checked
+        out = super().launch(seqs, is_prefill)()  # waits: under TP no step runs ahead
+        self.workers.check()  # a worker died during the step: its all-reduces were aborted, the tokens are junk
+        return lambda: out
 
     def close(self, abort: bool = False) -> None:
         if self.closed:
