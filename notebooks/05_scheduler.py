@@ -219,9 +219,8 @@ def step_cost(seqs: list[Sequence], is_prefill: bool) -> float:
 # notebook 06 schedules the next step between them. The scheduler does not know which token is the model's EOS:
 # the engine puts it into each request's stop tokens unless the request says `ignore_eos` (notebook 06).
 #
-# **5. Admission.** Every request that reaches `add` fits, prompt plus one token, in `max_model_len` and the whole
-# KV cache (the engine checks, notebook 06; here an `assert`). One that outgrows the cache while running stops with
-# `"length"`, as at `max_model_len`; otherwise it would preempt itself forever.
+# **5. Admission.** Every request that reaches `add` fits, prompt plus one token, in `max_model_len` and the KV cache
+# (the engine checks, notebook 06). One that outgrows the cache while running stops with `"length"`, as at the limit.
 #
 # **6. Abort.** `abort` drops a request wherever it is, even in the middle of a step that failed: blocks that step
 # published but never wrote leave the cache with it (`BlockManager.discard`, notebook 03). `abort_all` drops every
@@ -328,6 +327,7 @@ class Scheduler:
 
     def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
         """Record a step that ran: computed tokens, sampled ones; free and return the sequences that finished."""
+        assert len(token_ids) == len(seqs), "one sampled token per sequence"
         return self.resolve(seqs, self.advance(seqs), token_ids)
 
     def advance(self, seqs: list[Sequence]) -> list[int]:

@@ -452,13 +452,11 @@ print(f"one GPU reads all the weights in {weight_read_ms:.2f} ms, {weight_read_m
 # step's requests are aborted, their blocks freed and dropped from the prefix cache (their KV may be half written),
 # before the error reaches the caller; the next `step()` serves the others.
 #
-# **Stopping.** A model's EOS ids (the tokenizer's and `generation_config.json`'s: Qwen3 has two) join each request's
-# stop tokens unless it says `ignore_eos`. Stop *strings* are the engine's: after each step it ends the replies holding
-# one (`"stop"`, the text cut before it, or after it with `include_stop_str_in_output`). While a reply runs, `progress`
-# decodes only its newest tokens and holds back what could begin a stop string: a stream never shows text it takes back.
+# **Stopping.** A model's EOS ids (the tokenizer's and `generation_config.json`'s) join each request's stop tokens
+# unless it says `ignore_eos`. Stop *strings* are the engine's: after each step it ends the replies holding one. While
+# a reply runs, `progress` decodes its newest tokens and holds back what could begin a stop string.
 #
-# **n completions, log-probabilities.** `n` makes a sequence per completion (seeded `seed + i`); the first computes the
-# prompt, the others share its cached blocks. Log-probabilities are kept per token as vLLM's `Logprob`s.
+# **n completions.** `n` makes a sequence per completion (seeded `seed + i`), sharing the first's cached prompt.
 
 # %% tags=["export"] module="minivllm.engine.llm_engine"
 import dataclasses
@@ -682,6 +680,8 @@ class LLMEngine:
             out = step.output()
             ran = time.perf_counter()
             finished = self.scheduler.resolve(step.seqs, rows, out.token_ids)
+            if self.launched and all(seq.is_finished for seq in self.launched.seqs):
+                self.launched = None  # its rows all stopped at this step: nothing to read (the GPU finishes it)
         except BaseException as e:
             aborted = self.abort_step(step.seqs + (self.launched.seqs if self.launched else []))
             self.launched = None

@@ -136,6 +136,18 @@ def test_blocks_completed_by_a_placeholder_are_cached_under_their_true_hash(tiny
     assert hits == {False: 48, True: 48}
 
 
+def test_a_step_launched_for_requests_that_then_stop_is_dropped(tiny, hf_greedy):
+    """The last request stops on a token read after the next step was launched for it: generate returns, and the
+    engine is idle (no step left to read), as the synchronous engine is."""
+    prompt = PROMPTS[0]
+    stop = hf_greedy(prompt, 6)[3]
+    with make_llm(tiny, True) as llm:
+        out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop]), use_tqdm=False)
+        assert out[0].outputs[0].finish_reason == "stop" and out[0].outputs[0].token_ids[-1] == stop
+        assert not llm.engine.has_unfinished_requests() and llm.engine.launched is None
+        assert llm.engine.step()[1].kind == "idle" and llm.engine.scheduler.block_manager.num_used_blocks == 0
+
+
 def test_an_abort_between_steps_leaves_nothing_behind(tiny, hf_greedy):
     with make_llm(tiny, True) as llm:
         engine = llm.engine

@@ -221,6 +221,8 @@ class LLMEngine:
             out = step.output()
             ran = time.perf_counter()
             finished = self.scheduler.resolve(step.seqs, rows, out.token_ids)
+            if self.launched and all(seq.is_finished for seq in self.launched.seqs):
+                self.launched = None  # its rows all stopped at this step: nothing to read (the GPU finishes it)
         except BaseException as e:
             aborted = self.abort_step(step.seqs + (self.launched.seqs if self.launched else []))
             self.launched = None

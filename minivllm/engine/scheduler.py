@@ -95,6 +95,7 @@ class Scheduler:
 
     def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
         """Record a step that ran: computed tokens, sampled ones; free and return the sequences that finished."""
+        assert len(token_ids) == len(seqs), "one sampled token per sequence"
         return self.resolve(seqs, self.advance(seqs), token_ids)
 
     def advance(self, seqs: list[Sequence]) -> list[int]:
