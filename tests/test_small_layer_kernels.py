@@ -1,6 +1,8 @@
 """Notebook 01's small-layer Triton kernels (fused residual add + RMSNorm, RoPE, SiLU-and-mul) against the PyTorch
 layers they stand in for: on a CPU in Triton's interpreter, on a GPU (marked `gpu`) in bfloat16, CUDA graphs included."""
 
+from unittest import mock
+
 import pytest
 import torch
 
@@ -131,16 +133,28 @@ def test_rope_matches_the_layer(params, num_tokens, num_heads, num_kv_heads, hea
         torch.testing.assert_close(k_out, k_ref, **tolerance)
 
 
+def kernel_spies():
+    """The three kernels, wrapped where the layers call them: each spy counts the layer's calls into its kernel."""
+    return (
+        mock.patch("minivllm.layers.layernorm.rms_norm", wraps=rms_norm),
+        mock.patch("minivllm.layers.rotary_embedding.apply_rope", wraps=apply_rope),
+        mock.patch("minivllm.layers.activation.silu_and_mul", wraps=silu_and_mul),
+    )
+
+
 def test_the_layers_dispatch_on_their_switch():
     norm, rope, act = random_norm(96, torch.float32), RotaryEmbedding(32, 512, ROPE).to(DEVICE), SiluAndMul()
     x, residual = torch.randn(5, 96, device=DEVICE), torch.randn(5, 96, device=DEVICE)
     q, k = qkv_views(5, 4, 2, 32, torch.float32, DEVICE)
     positions = torch.tensor([3, 0, 511, 7, 7], device=DEVICE)
-    with torch.no_grad():
+    patches = kernel_spies()
+    with torch.no_grad(), patches[0] as norm_spy, patches[1] as rope_spy, patches[2] as act_spy:
         expected = norm(x, residual), norm(x), rope(positions, q, k), act(x)
+        assert (norm_spy.call_count, rope_spy.call_count, act_spy.call_count) == (0, 0, 0)  # off: PyTorch ops
         for layer in (norm, rope, act):
             layer.use_triton = True
         got = norm(x, residual), norm(x), rope(positions, q, k), act(x)
+        assert (norm_spy.call_count, rope_spy.call_count, act_spy.call_count) == (2, 1, 1)  # on: the kernels
     torch.testing.assert_close(got, expected, **FP32)
 
 
@@ -148,12 +162,16 @@ def test_model_forward_with_the_kernels_equals_without(tiny):
     """The tiny model through prompt_logits: the switch the runner turns on a GPU, here in the interpreter."""
     model = load_model(tiny, dtype=torch.float32, device=DEVICE)
     token_ids = [5, 99, 1023, 7, 42]
-    with torch.no_grad():
+    patches = kernel_spies()
+    with torch.no_grad(), patches[0] as norm_spy, patches[1] as rope_spy, patches[2] as act_spy:
         expected = prompt_logits(model, token_ids)
         use_small_layer_kernels(model)
         got = prompt_logits(model, token_ids)
+        calls = norm_spy.call_count, rope_spy.call_count, act_spy.call_count
         use_small_layer_kernels(model, enabled=False)
         again = prompt_logits(model, token_ids)
+    layers = model.config.num_hidden_layers  # 4 norms (input, q, k, post-attention) a layer, and the final one
+    assert calls == (4 * layers + 1, layers, layers) and norm_spy.call_count == calls[0]  # only while switched on
     assert torch.equal(again, expected)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
