@@ -396,16 +396,16 @@ class BlockManager:
         if seq.last_block_num_tokens == self.block_size and self.enable_prefix_caching:
             last = self.blocks[block_table[-1]]
             assert last.hash == -1 and last.ref_count == 1  # only its own sequence ever writes into it
-            parent_hash = self.blocks[block_table[-2]].hash if len(block_table) > 1 else -1
-            token_ids = seq.block(seq.num_blocks - 1)
-            self._cache(last, compute_hash(token_ids, parent_hash), token_ids)
+            self._cache_last_block(seq)
 
     def token_known(self, seq: Sequence) -> None:
-        """seq's newest token, a placeholder until now (06 schedules a step before the last one's tokens are known), is
-        known: a block cached with it (under a hash nothing hits: token ids are >= 0) is cached under its true hash."""
-        last = self.blocks[seq.block_table[-1]] if seq.block_table and len(seq.block_table) == seq.num_blocks else None
-        if last is None or last.hash == -1:
-            return
+        """seq's newest token, a placeholder until now (06), is known: re-cache a block cached with it (no hit)."""
+        if seq.block_table and len(seq.block_table) == seq.num_blocks and self.blocks[seq.block_table[-1]].hash != -1:
+            self._cache_last_block(seq)
+
+    def _cache_last_block(self, seq: Sequence) -> None:
+        """Cache seq's full last block under the hash of its tokens, first dropping a hash it held."""
+        last = self.blocks[seq.block_table[-1]]
         if self.hash_to_block_id.get(last.hash) == last.block_id:
             del self.hash_to_block_id[last.hash]
         parent_hash = self.blocks[seq.block_table[-2]].hash if len(seq.block_table) > 1 else -1

@@ -197,9 +197,9 @@ class LLMEngine:
 
     # --- the loop ------------------------------------------------------------------------------------------
     def step(self, request_ids: Collection[str] | None = None) -> tuple[list[RequestOutput], StepStats]:
-        """One scheduler step, if any request is queued. Returns the outputs of the requests that finished (only those
-        in request_ids when given: the others are kept for a later step) and the step's stats (kind "idle": no step
-        ran). If the model raises, the step's requests are aborted first."""
+        """Finish one scheduler step, if any request is queued. Returns the outputs of the requests that finished (only
+        those in request_ids when given: the others are kept for a later step) and the step's stats (kind "idle": no
+        step ran). If the model raises, the step's requests are aborted first."""
         with self.lock:
             stats = StepStats("idle") if self.scheduler.is_finished() and not self.launched else self.run_step()
             mine = [out for out in self.finished if request_ids is None or out.request_id in request_ids]
@@ -214,9 +214,9 @@ class LLMEngine:
             start = time.perf_counter()
             rows = self.scheduler.advance(step.seqs)  # placeholders for the tokens on their way
             advanced = time.perf_counter()
-            if self.config.async_scheduling and not self.scheduler.is_finished():
-                if not any(seq.sampling_params.penalized for seq in step.seqs):
-                    self.launched = self.launch()
+            ahead = self.config.async_scheduling and not any(seq.sampling_params.penalized for seq in step.seqs)
+            if ahead and not self.scheduler.is_finished():
+                self.launched = self.launch()
             waiting = time.perf_counter()
             out = step.output()
             ran = time.perf_counter()
@@ -224,9 +224,8 @@ class LLMEngine:
             if self.launched and all(seq.is_finished for seq in self.launched.seqs):
                 self.launched = None  # its rows all stopped at this step: nothing to read (the GPU finishes it)
         except BaseException as e:
-            aborted = self.abort_step(step.seqs + (self.launched.seqs if self.launched else []))
+            self.abort_step(e, step.seqs + (self.launched.seqs if self.launched else []))
             self.launched = None
-            e.add_note(f"minivllm: the step failed; these requests were aborted: {aborted}")
             raise
         self.record(step.seqs, out, finished, time.perf_counter())
         step.stats.run_seconds += ran - waiting
@@ -242,7 +241,7 @@ class LLMEngine:
             scheduled = time.perf_counter()
             output = self.runner.launch(seqs, is_prefill)
         except BaseException as e:
-            e.add_note(f"minivllm: the step failed; these requests were aborted: {self.abort_step(seqs)}")
+            self.abort_step(e, seqs)
             raise
         mixed = is_prefill and any(seq.num_completion_tokens > 0 and seq.num_scheduled_tokens == 1 for seq in seqs)
         kind = "mixed" if mixed else "prefill" if is_prefill else "decode"  # mixed: decode rows beside prompt rows
@@ -281,15 +280,16 @@ class LLMEngine:
     def logprobs(self, row: TokenLogprobs) -> dict[int, Logprob]:
         return {token: Logprob(logprob, rank, self.decode([token])) for token, (logprob, rank) in row.items()}
 
-    def abort_step(self, seqs: list[Sequence] | None) -> list[str]:
-        """After a failed step: abort its requests (all of them if it failed before its batch was known)."""
+    def abort_step(self, error: BaseException, seqs: list[Sequence] | None) -> None:
+        """After a failed step: abort its requests (all of them if it failed before its batch was known), and name
+        them on the error."""
         if seqs is None:
             ids = [r.request_id for r in self.requests.values()]
             self.abort_all()
         else:
             ids = [self.requests[seq.seq_id].request_id for seq in seqs if seq.seq_id in self.requests]
             self.abort_request(ids)
-        return list(dict.fromkeys(ids))
+        error.add_note(f"minivllm: the step failed; these requests were aborted: {list(dict.fromkeys(ids))}")
 
     def progress(self, request_ids: Collection[str]) -> list[RequestOutput]:
         """The outputs so far (`finished=False`) of these requests, while they run: what a stream sends."""

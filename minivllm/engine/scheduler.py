@@ -127,7 +127,7 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
-    def finish(self, seq: Sequence, reason: str) -> None:  # it may wait: preempted while its step ran (06)
+    def finish(self, seq: Sequence, reason: str) -> None:  # seq may be waiting: preempted while its step ran (06)
         if not seq.is_finished:
             (self.running if seq.status == SequenceStatus.RUNNING else self.waiting).remove(seq)
             if seq.block_table:
