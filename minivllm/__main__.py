@@ -11,16 +11,20 @@ GPU the qwen3-0.6b preset runs after it, for speed: random weights in Qwen3-0.6B
 no text in the presets' 2,048-token tokenizer, so its token ids are printed too.
 """
 
-import argparse
-import math
-import os
 import time
-from pathlib import Path
-from typing import TYPE_CHECKING
 
-import torch
+STARTED = time.perf_counter()  # before the imports: the start-up split below counts them
+
+import argparse  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import TYPE_CHECKING  # noqa: E402
+
+import torch  # noqa: E402
 
 if TYPE_CHECKING:
+    from minivllm import LLM
     from minivllm.outputs import RequestOutput
 
 DEFAULT_PROMPTS = ["What is the capital of France?", "In autumn the leaves", "Dear Maria,", "def fibonacci(n"]
@@ -94,11 +98,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def checkpoint_for(preset: str) -> Path:
-    from minivllm.checkpoint import write_checkpoint
-
     root = Path(os.environ.get("MINIVLLM_CHECKPOINTS", Path.home() / ".cache" / "minivllm" / "checkpoints"))
     path = root / preset
     if not (path / "config.json").is_file():
+        from minivllm.checkpoint import write_checkpoint  # imports transformers' models (seconds): only to write one
+
         print(f"writing the {preset} preset to {path}")
         write_checkpoint(path, preset, seed=0)
     return path
@@ -127,30 +131,47 @@ def print_outputs(outputs: "list[RequestOutput]", num_known_ids: int, seconds: f
     )
 
 
-def generate(args: argparse.Namespace, model: Path | str) -> None:
+def startup_split(llm: "LLM", marks: list[float], first: bool) -> str:
+    """Where the time to the first outputs went: imports (or, for a later engine, what ran since the last one),
+    LLM() split into the runner's phases and the rest (tokenizer, config, scheduler), then the generate call."""
+    phases = llm.engine.runner.startup_seconds
+    rest = marks[2] - marks[1] - sum(phases.values())
+    runner = ", ".join(f"{name} {seconds:.2f}" for name, seconds in phases.items())
+    return (
+        f"start-up: {'imports' if first else 'since the last engine'} {marks[1] - marks[0]:.2f} s, LLM() "
+        f"{marks[2] - marks[1]:.2f} s ({runner}, tokenizer and the rest {rest:.2f}), generate {marks[3] - marks[2]:.2f}"
+        f" s: the outputs after {marks[3] - marks[0]:.1f} s"
+    )
+
+
+def generate(args: argparse.Namespace, model: Path | str, began: float, first: bool) -> None:
     from minivllm import LLM
 
+    marks = [began, time.perf_counter()]
     try:  # what the engine refuses (a prompt too long, a checkpoint it cannot load) is a usage error too
         with LLM(
             str(model), tensor_parallel_size=args.tp, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len
         ) as llm:
-            start = time.perf_counter()
+            marks.append(time.perf_counter())
             outputs = llm.generate(args.prompts or DEFAULT_PROMPTS, args.sampling_params)
-            seconds = time.perf_counter() - start
-            tokenizer = llm.get_tokenizer()
+            marks.append(time.perf_counter())
+            tokenizer, split = llm.get_tokenizer(), startup_split(llm, marks, first)
     except (ValueError, FileNotFoundError) as e:
         args.parser.error(str(e).splitlines()[0] if str(e) else type(e).__name__)
-    print_outputs(outputs, len(tokenizer) if tokenizer is not None else 0, seconds)
+    print_outputs(outputs, len(tokenizer) if tokenizer is not None else 0, marks[3] - marks[2])
+    print(split)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.model:
-        generate(args, args.model)
+        generate(args, args.model, STARTED, first=True)
         return
-    for preset in [args.preset] if args.preset else default_presets():
+    began = STARTED
+    for i, preset in enumerate([args.preset] if args.preset else default_presets()):
         print(f"\n=== the {preset} preset")
-        generate(args, checkpoint_for(preset))
+        generate(args, checkpoint_for(preset), began, first=i == 0)
+        began = time.perf_counter()
 
 
 if __name__ == "__main__":

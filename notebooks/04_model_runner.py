@@ -92,6 +92,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from minivllm.kernels.sampling import race
 from minivllm.sampling_params import SamplingParams
 
 
@@ -177,21 +178,10 @@ torch.testing.assert_close(freq, p / p.sum(), atol=0.005, rtol=0)
 
 # %% [markdown]
 # ### Seeds: the same request, the same tokens
-# `SamplingParams(seed=...)` promises a request the same completion whatever the scheduler does: the batch and the
-# request's row change every step, and a preempted one (notebook 05) is recomputed in another batch. One generator per
-# batch breaks it: row `r` takes the `r`-th slice of the stream, so the request draws another token in another row.
-
-# %%
-flat = torch.softmax(torch.randn(1000, generator=gen), dim=-1)  # a request's distribution over 1,000 tokens
-q = torch.empty(2, 1000).exponential_(generator=torch.Generator().manual_seed(42))  # one generator for the batch
-in_row0, in_row1 = (flat / q).argmax(dim=-1)  # the same request and seed, in row 0 or in row 1 of the batch
-print(f"in row 0: token {in_row0.item()}, in row 1: token {in_row1.item()}")
-assert in_row0 != in_row1
-
-# %% [markdown]
-# So each seeded row draws from **its own generator, seeded by (request seed, step)**, the step being the token's index
-# (`seq.num_completion_tokens`): nothing else (batch, history, preemption) changes token `n`'s noise. Unseeded rows
-# share the default generator (`LLM(seed=...)`); seeded ones cost a loop. CPU and CUDA generators differ.
+# `SamplingParams(seed=...)` promises the same completion whatever the scheduler does, though the batch and the row
+# change every step and a preempted request (05) is recomputed elsewhere: one generator per batch breaks it. So each row
+# draws from **its own generator, seeded by the row's key**: `noise_seed(seed, step)`, the step being the token's index
+# (`seq.num_completion_tokens`), nothing else; without a seed, a fresh draw (`LLM(seed=...)` seeds those).
 
 # %% tags=["export"]
 NOISE_SEED_MULTIPLIER = 1_000_003  # odd: distinct seeds start apart; above any step: one seed's steps never collide
@@ -202,29 +192,27 @@ def noise_seed(seed: int, step: int) -> int:
     return (seed * NOISE_SEED_MULTIPLIER + step) % 2**63
 
 
-def exponential_noise(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """Exp(1) noise shaped like probs (batch, vocab); a seeded row's depends only on its (seed, step)."""
-    q = torch.empty_like(probs).exponential_()  # (batch, vocab), one draw from the default generator
-    for row in (seeds >= 0).nonzero().flatten().tolist():
-        gen = torch.Generator(probs.device).manual_seed(noise_seed(int(seeds[row]), int(steps[row])))
-        q[row].exponential_(generator=gen)
+def exponential_noise(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Exp(1) noise shaped like probs (batch, vocab); row r's from a generator seeded with keys[r]."""
+    q = torch.empty_like(probs)
+    for row, key in enumerate(keys.tolist()):
+        q[row].exponential_(generator=torch.Generator(probs.device).manual_seed(key))
     return q.clamp_min_(1e-10)  # a 0 would make p / q infinite, or NaN for a dropped token
 
 
 # %%
-from minivllm.layers.sampler import exponential_noise
+from minivllm.layers.sampler import exponential_noise, noise_seed
 
 # seed 42 at step 7: the same noise in row 0 of one batch and row 2 of another; seed 5 at step 7, seed 42 at 8 differ
-step7, step8 = exponential_noise(torch.ones(2, 1000), seeds=torch.tensor([42, 42]), steps=torch.tensor([7, 8]))
-batch = exponential_noise(torch.ones(3, 1000), seeds=torch.tensor([-1, 5, 42]), steps=torch.tensor([3, 7, 7]))
+step7, step8 = exponential_noise(torch.ones(2, 1000), torch.tensor([noise_seed(42, 7), noise_seed(42, 8)]))
+batch = exponential_noise(torch.ones(3, 1000), torch.tensor([123, noise_seed(5, 7), noise_seed(42, 7)]))
 assert torch.equal(step7, batch[2]) and not torch.equal(batch[1], batch[2]) and not torch.equal(step7, step8)
 
 # %% [markdown]
 # ### The batch's settings as tensors
 # Each step the runner gathers the batch's parameters into `SamplingTensors`, one entry per row (the sampler, like
-# vLLM's, knows nothing of sequences), copied from *pinned* memory with `non_blocking=True`. `seeds` and `steps`
-# stay on the CPU, the only side that reads them; a seed is folded into `[0, 2⁶³)` so that `-1` means "no seed".
-# Host-side flags skip work: `filtering` (false: no sort, the dearest step), `all_greedy`, `any_greedy`.
+# vLLM's, knows nothing of sequences), copied from *pinned* memory with `non_blocking=True`, each row's noise key
+# among them. Host-side flags skip work: `filtering` (false: no sort, the dearest step), `all_greedy`, `any_greedy`.
 
 # %% tags=["export"]
 PENALTIES = ("presence", "frequency", "repetition")
@@ -253,8 +241,7 @@ class SamplingTensors:
     top_ks: torch.Tensor  # (batch,) int64; -1 = off
     top_ps: torch.Tensor  # (batch,) float32; 1 = off
     min_ps: torch.Tensor  # (batch,) float32; 0 = off
-    seeds: torch.Tensor  # (batch,) int64, on the CPU; -1 = no seed
-    steps: torch.Tensor  # (batch,) int64, on the CPU; tokens generated so far = index of the token being drawn
+    keys: torch.Tensor  # (batch,) int64: noise_seed(seed, tokens generated so far), a fresh draw without a seed
     filtering: bool = True  # some random row uses top-k, top-p or min-p; if none does, the sort is skipped
     top_k_max: int = 0  # > 0: every random row has a top-k, this the largest: filter_probs sorts only that many
     any_greedy: bool = True  # some row has temperature 0
@@ -283,15 +270,15 @@ class SamplingTensors:
             assert histories is not None, "penalties need each row's prompt and output token ids"
             values = [[getattr(p, f"{name}_penalty") for p in params] for name in PENALTIES]
             penalties = (*(to_device(v, torch.float32) for v in values), *(padded(list(h)) for h in zip(*histories)))
-        temperatures = [p.temperature for p in params]
+        temperatures, fresh = [p.temperature for p in params], torch.randint(2**62, (len(params),)).tolist()
         random_top_ks = [p.top_k for p in params if p.temperature > 0]
         return cls(
             temperatures=to_device(temperatures, torch.float32),
             top_ks=to_device([p.top_k for p in params], torch.int64),
             top_ps=to_device([p.top_p for p in params], torch.float32),
             min_ps=to_device([p.min_p for p in params], torch.float32),
-            seeds=torch.tensor([-1 if p.seed is None else p.seed % 2**63 for p in params], dtype=torch.int64),
-            steps=torch.tensor(steps, dtype=torch.int64),
+            keys=to_device([k if p.seed is None else noise_seed(p.seed, n) for p, n, k in zip(params, steps, fresh)],
+                           torch.int64),
             filtering=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in params),
             top_k_max=max(random_top_ks) if min(random_top_ks, default=-1) > 0 else 0,
             any_greedy=0 in temperatures, all_greedy=not any(temperatures), penalties=penalties,
@@ -314,21 +301,71 @@ def tensors_of(seqs: list[Sequence]) -> SamplingTensors:  # what the runner does
 seqs = [Sequence([1, 2, 3], SamplingParams(temperature=0)), Sequence([4, 5], SamplingParams(top_k=20, seed=7))]
 seqs[1].append_token(6)  # the second request has generated one token
 print(sampling := tensors_of(seqs))
-assert sampling.temperatures.dtype == torch.float32 and sampling.top_ks.dtype == torch.int64
-assert sampling.seeds.tolist() == [-1, 7] and sampling.steps.tolist() == [0, 1] and sampling.filtering
+assert sampling.top_ks.dtype == torch.int64 and sampling.keys[1] == noise_seed(7, 1) and sampling.filtering
 assert sampling.any_greedy and not sampling.all_greedy and not tensors_of(seqs[1:]).any_greedy
 assert not tensors_of(seqs[:1]).filtering and tensors_of(seqs[:1]).all_greedy
 
 # %% [markdown]
+# ### On a GPU: the race in one pass (Triton)
+# Each step above reads and writes all `(batch, 151,936)` logits: at batch 256 on an H200, 0.6 ms for temperature alone
+# (`python -m minivllm.benchmarks.sampler`). In logarithms the race is a sum, the **Gumbel-max trick**: the token is
+# `argmax(x / T - log q)` with `q = -log u`, `u` uniform: no softmax, so one Triton program per row streams its logits
+# once. `u` comes from a counter-based generator, `tl.rand(key, token_id)` (Philox): a function of the row's key
+# (`noise_seed(seed, step)`, or a fresh draw) and the token id, no state. With filters, `topk` or a sort gives the
+# candidates, `keep_mask` sets the dropped to `-inf`, and the race reads each candidate's token id for its noise.
+
+# %% tags=["export"] module="minivllm.kernels.sampling"
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _race_kernel(X, IDS, TEMPS, KEYS, OUT, n, stride, HAS_IDS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    t, key = tl.load(TEMPS + row), tl.load(KEYS + row)
+    best, best_col = tl.full([BLOCK], float("-inf"), tl.float32), tl.zeros([BLOCK], tl.int32)  # each lane's best
+    for start in range(0, n, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(X + row * stride + cols, mask=cols < n, other=float("-inf")).to(tl.float32)
+        if t > 0:  # the noise of a token id: int32 ids, so that both paths run the same Philox
+            ids = tl.load(IDS + row * stride + cols, mask=cols < n, other=0).to(tl.int32) if HAS_IDS else cols
+            x = x / t - tl.log(-tl.log(tl.rand(key, ids)))
+        better = x > best
+        best, best_col = tl.where(better, x, best), tl.where(better, cols, best_col)
+    col = tl.min(tl.where(best == tl.max(best, axis=0), best_col, n), axis=0)  # the first column of the maximum
+    tl.store(OUT + row, tl.load(IDS + row * stride + col) if HAS_IDS else col)
+
+
+def race(x: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor | None = None):
+    """Per row of x (rows, n): the argmax where the temperature is 0, else a draw from softmax(x / T), its noise keyed
+    by (keys[row], token id). ids (rows, n): each column's token id (default: the column). Returns (rows,) int64."""
+    assert x.stride(1) == 1 and (ids is None or ids.stride() == x.stride())
+    out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
+    _race_kernel[(x.shape[0],)](x, x if ids is None else ids, temperatures, keys, out, x.shape[1], x.stride(0),
+                                HAS_IDS=ids is not None, BLOCK=min(triton.next_power_of_2(x.shape[1]), 4096))  # fmt: skip
+    return out
+
+
+# %%
+from minivllm.kernels.sampling import race
+
+keys = torch.arange(256)  # 256 rows of the cat distribution at T = 0.5, each with its own key (on a CPU: interpreted)
+freq = torch.bincount(race(cat_logits.expand(256, -1), torch.full((256,), 0.5), keys), minlength=len(words)) / 256
+show_probs(freq, "race")
+torch.testing.assert_close(freq, torch.softmax(cat_logits / 0.5, dim=-1), atol=0.1, rtol=0)
+assert race(cat_logits[None], torch.zeros(1), keys[:1]).item() == 0  # temperature 0: the argmax, "mat"
+
+# %% [markdown]
 # ### The sampler
-# Greedy rows take the logits' argmax: their temperature becomes 1 (a finite division) and a final `torch.where` drops
-# their random draw, so no other row can change them. Before that, vLLM's other knobs edit the logits
-# (`apply_penalties`): `repetition_penalty` divides a positive logit (multiplies a negative one) of each token already
-# in prompt or reply, `frequency_penalty` subtracts per use in the reply, `presence_penalty` once; until `min_tokens`, a
-# row's stop tokens get `-inf`. Log-probabilities (`SamplingParams.logprobs`) are of the raw logits, as in vLLM.
+# Greedy rows take the logits' argmax (temperature 0 in the one-pass race, else a final `torch.where`), so no other row
+# can change them. First vLLM's other knobs edit the logits (`apply_penalties`): `repetition_penalty` divides a positive
+# logit (multiplies a negative one) of each token already in prompt or reply, `frequency_penalty` subtracts per use in
+# the reply, `presence_penalty` once; until `min_tokens`, a row's stop tokens get `-inf`. Log-probabilities are of the
+# raw logits, as in vLLM. On a GPU the draw is the race above, over the vocabulary or over the filters' candidates.
 
 
-# %% tags=["export"]
+# %% tags=["export"] module="minivllm.layers.sampler"
 class Sampler(nn.Module):
     """One token id per row of logits: the argmax where temperature is 0, else a draw from the filtered distribution."""
 
@@ -339,12 +376,20 @@ class Sampler(nn.Module):
             logits = logits.index_put((t.banned[0], t.banned[1]), torch.tensor(float("-inf"), device=logits.device))
         if t.all_greedy:
             return logits.argmax(dim=-1)
+        if logits.is_cuda and not t.filtering:  # one pass; greedy rows too (temperature 0)
+            return race(logits, t.temperatures, t.keys)
         greedy = t.temperatures == 0  # (batch,)
         temperatures = torch.where(greedy, 1.0, t.temperatures)[:, None]  # (batch, 1) float32
-        probs = torch.softmax(logits / temperatures, dim=-1)  # (batch, vocab) float32
-        if t.filtering:
-            probs = filter_probs(probs, t.top_ks, t.top_ps, t.min_ps, t.top_k_max)
-        sampled = probs.div_(exponential_noise(probs, t.seeds, t.steps)).argmax(dim=-1)  # (batch,)
+        if logits.is_cuda:  # the candidates, largest first: the k_max most likely, or all of them sorted
+            top = logits.topk(t.top_k_max) if t.top_k_max else logits.sort(dim=-1, descending=True)
+            scaled = top.values.float() / temperatures  # (batch, candidates)
+            scaled.masked_fill_(~keep_mask(torch.softmax(scaled, dim=-1), t.top_ks, t.top_ps, t.min_ps), float("-inf"))
+            sampled = race(scaled, torch.ones_like(t.temperatures), t.keys, top.indices)
+        else:
+            probs = torch.softmax(logits / temperatures, dim=-1)  # (batch, vocab) float32
+            if t.filtering:
+                probs = filter_probs(probs, t.top_ks, t.top_ps, t.min_ps, t.top_k_max)
+            sampled = probs.div_(exponential_noise(probs, t.keys)).argmax(dim=-1)  # (batch,)
         return torch.where(greedy, logits.argmax(dim=-1), sampled) if t.any_greedy else sampled
 
 
@@ -381,25 +426,6 @@ penalized.append_token(0)  # "mat" said once: 4.0 / 2 is below "floor"'s 3.1, bu
 assert sampler(cat_logits[None], tensors_of([penalized])).tolist() == [2]  # so: "sofa"
 print(row := logprobs_of(cat_logits[None], torch.tensor([2]), [2])[0])  # "sofa": its (log-prob, rank); the top 2
 assert list(row) == [2, *cat_logits.topk(2).indices.tolist()] and row[2][1] == 1 + (cat_logits > cat_logits[2]).sum()
-
-# %%
-# The promise of seeds, end to end, with a toy "model": a seeded request generates 8 tokens alone; its twin 4 in row 1
-# of a batch of 3, is preempted, then 4 more in row 0 of a batch of 2. An unseeded twin, in the same batches, differs.
-toy_table = 3 * torch.randn(500, 500, generator=gen)  # next-token logits given the last token, 500 tokens
-request = lambda seed: Sequence([1, 2, 3], SamplingParams(temperature=1.0, top_p=0.9, seed=seed))
-
-
-def decode_step(batch: list[Sequence]) -> None:
-    for seq, token in zip(batch, sampler(toy_table[[s.last_token for s in batch]], tensors_of(batch)).tolist()):
-        seq.append_token(token)
-
-
-solo, crowded, unseeded, other = request(seed=1234), request(seed=1234), request(seed=None), request(seed=99)
-for batch in [[solo]] * 8 + [[unseeded, crowded, other]] * 4 + [[crowded, unseeded]] * 4:  # preempted after 4 steps:
-    decode_step(batch)  # its KV is dropped, its tokens kept; recomputed, it decodes in a new batch
-for name, seq in (("alone", solo), ("crowded", crowded), ("unseeded", unseeded)):
-    print(f"{name:>8}: {seq.completion_token_ids}")
-assert crowded.completion_token_ids == solo.completion_token_ids != unseeded.completion_token_ids
 
 # %% [markdown]
 # ## A forward pass over the paged cache
@@ -477,6 +503,7 @@ class PagedContext:
 # %% tags=["export"] module="minivllm.engine.model_runner"
 import atexit
 import gc
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -605,9 +632,8 @@ short = Sequence([5, 6, 7], block_size=16)
 for seq in (first, again, short):
     admit(bm, seq)
 step = prepare_prefill([first, again, short], block_size=16)
-print("cached tokens:", [s.num_cached_tokens for s in (first, again, short)])
-print("cu_seqlens_q:", step.cu_seqlens_q, " cu_seqlens_k:", step.cu_seqlens_k)
-print("positions of `again`:", step.positions[20:24], " slots:", step.slot_mapping[20:24])
+print(f"cached: {[s.num_cached_tokens for s in (first, again, short)]}, cu_seqlens_q {step.cu_seqlens_q}, cu_seqlens_k "
+      f"{step.cu_seqlens_k}; `again`: positions {step.positions[20:24]}, slots {step.slot_mapping[20:24]}")  # fmt: skip
 assert again.num_cached_tokens == 16 and again.block_table[0] == first.block_table[0]
 assert list(step.cu_seqlens_q) == [0, 20, 24, 27] and list(step.cu_seqlens_k) == [0, 20, 40, 43]
 assert list(step.positions[20:24]) == [16, 17, 18, 19]
@@ -622,20 +648,9 @@ assert list(decode.slot_mapping) == slots
 
 # %% [markdown]
 # ### How big can the KV cache be?
-# A cached token holds a key and a value per KV head and layer: `2 × num_layers × num_kv_heads × head_dim × dtype
-# bytes`. On a GPU the runner runs its largest step and records the peak; what `gpu_memory_utilization` leaves after the
-# weights and that peak becomes KV blocks. On a CPU: enough for `max_num_seqs` sequences of `max_model_len`, ≤ 1 GiB.
-
-# %%
-from minivllm.checkpoint import preset_config
-
-cfg = preset_config("qwen3-0.6b")
-layers, heads, dims = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
-per_token = 2 * layers * heads * dims * 2  # K and V, bf16
-weights = 0.6e9 * 2  # ≈ 0.6 B parameters in bf16 (the embedding is tied)
-tokens = (141e9 * 0.9 - weights - 4e9) / per_token  # H200, gpu_memory_utilization 0.9, minus ~4 GB of activations
-print(f"{per_token // 1024} KiB per token: {layers} layers × {heads} KV heads × {dims} dims × K, V × 2 bytes")
-print(f"H200: ≈ {tokens / 1e6:.2f} M tokens, {tokens / 40960:.0f} sequences of 40,960 or {tokens / 2048:.0f} of 2,048")
+# A cached token holds a key and a value per KV head and layer (`kv_block_bytes`). On a GPU the runner runs its largest
+# step and records the peak: what `gpu_memory_utilization` leaves after the weights and that peak becomes KV blocks, up
+# to what `max_num_seqs` sequences of `max_model_len` can use (a tiny model would get millions); on a CPU, ≤ 1 GiB.
 
 
 # %% tags=["export"]
@@ -753,23 +768,9 @@ class DecodeGraphs:
 
 
 # %% [markdown]
-# A graph removes each kernel's *launch* cost, not the kernel. Our layers in PyTorch make hundreds of tiny kernels per
-# step (the cell below counts one norm's and one RoPE's). So on a GPU each norm, RoPE and gated activation runs as its
-# Triton kernel (01), one launch: `torch.compile` fuses too, but checks guards on the host at each of 169 calls.
-
-# %%
-from minivllm.models.qwen3 import Qwen3ForCausalLM
-
-with torch.device("meta"):  # the 0.6B's shapes, no memory; one token
-    meta_model = Qwen3ForCausalLM(preset_config("qwen3-0.6b"))
-    x, residual, q, k = torch.empty(1, 1024), torch.empty(1, 1024), torch.empty(1, 16, 128), torch.empty(1, 8, 128)
-    positions = torch.zeros(1, dtype=torch.long)
-with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-    meta_model.model.norm(x, residual)
-    meta_model.model.layers[0].self_attn.rotary_emb(positions, q, k)
-ops = [e.name.removeprefix("aten::") for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None]
-print(f"one fused-residual RMSNorm and one RoPE: {len(ops)} operations: {' '.join(ops)}")
-assert len(ops) >= 30  # most launch a kernel of their own in eager mode; each layer has 4 norms and a RoPE
+# A graph removes each kernel's *launch* cost, not the kernel, and our layers in PyTorch make several tiny kernels
+# each (a norm: a cast, a square, a mean, an rsqrt, two products). So on a GPU each norm, RoPE and gated activation
+# runs as its Triton kernel (01), one launch: `torch.compile` fuses too, but checks guards on the host at each call.
 
 
 # %% tags=["export"]
@@ -798,11 +799,10 @@ def rank_device(config: Config, rank: int) -> torch.device:
 # %% [markdown]
 # ### Putting it together
 # `ModelRunner(config)` loads the model (this rank's slice), sizes the KV cache, runs one prefix-hit prefill (Triton
-# compiles at start-up, not in a request), captures the decode graphs, then serves `run(seqs, is_prefill) -> token
-# ids`, building the sampling tensors while the GPU runs the forward (`step_logits`: the step without sampler).
-# `launch` is `run` in two halves, queue then wait (notebook 06 schedules the next step in between), with the
-# log-probabilities some requests ask for (their prompt's need a row of logits per token). A placeholder token id,
-# `-1 - row`, stands for a token the previous step sampled in that row and has not sent back yet.
+# compiles now, not in a request) and captures the decode graphs, timing each phase (`startup_seconds`). `run(seqs,
+# is_prefill)` gives the next tokens; `launch` is `run` in two halves, queue then wait (notebook 06 schedules the next
+# step in between), with the log-probabilities some requests ask for (`step_logits`: the step without sampler). A
+# placeholder token id, `-1 - row`, stands for a token the previous step sampled in that row and has not sent back yet.
 
 
 # %% tags=["export"]
@@ -825,26 +825,31 @@ class ModelRunner:
         self.model: Qwen3ForCausalLM | None  # loaded below; None once the GPU memory is freed
         self.graphs: DecodeGraphs | None = None
         self.last_token_ids = torch.zeros(0, dtype=torch.int64)  # the latest step's sampled ids (on the device)
-        self.closed = False
+        self.closed, marks = False, [time.perf_counter()]  # the start-up phases' ends: `python -m minivllm` shows them
         try:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
             torch.manual_seed(config.seed)
             with tensor_parallel(self.tp):  # the layers keep this engine's group
                 self.model = load_model(config.model, config.dtype, self.device, config.hf_config)
+            marks.append(time.perf_counter())
             self.dtype = self.model.lm_head.weight.dtype
             if self.device.type == "cuda":
                 use_small_layer_kernels(self.model)
             self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
             self.sampler = Sampler()
             self.num_kvcache_blocks = self.allocate_kv_cache()
+            marks.append(time.perf_counter())
             if self.device.type == "cuda":  # compile the Triton kernels (prefill, small layers) now, not in a request
                 self.execute(prefix_hit_step(self.block_size))
+            marks.append(time.perf_counter())
             if self.device.type == "cuda" and not config.enforce_eager:
                 assert config.max_model_len is not None  # Config resolved it
                 max_blocks = -(-config.max_model_len // self.block_size)
                 self.graphs = DecodeGraphs(self.model, config.max_num_seqs, max_blocks,
                                            config.hf_config.hidden_size, self.dtype, self.device)  # fmt: skip
+            marks.append(time.perf_counter())
+            self.startup_seconds = dict(zip(("load", "KV cache", "compile", "CUDA graphs"), np.diff(marks).tolist()))
         except BaseException:
             self.free_gpu_memory()
             raise
@@ -852,8 +857,7 @@ class ModelRunner:
             atexit.register(self.close)
 
     def call(self, method: str, *args):
-        """Run a method on every rank, rank 0's result. One rank just runs it; notebook 06's tensor-parallel
-        runner tells the other ranks first."""
+        """Run a method on every rank (notebook 06's tensor-parallel runner tells the others first), rank 0's result."""
         return getattr(self, method)(*args)
 
     def close(self) -> None:
@@ -866,8 +870,8 @@ class ModelRunner:
             atexit.unregister(self.close)
 
     def free_gpu_memory(self) -> None:
-        """Give the weights, the KV cache and the graphs' memory back to the GPU, so a next engine in this process
-        can size its own cache: PyTorch's allocator keeps freed blocks reserved until `empty_cache()`."""
+        """Give the weights, KV cache and graphs' memory back to the GPU (PyTorch's allocator keeps it until
+        `empty_cache()`), so that a next engine in this process can size its own cache."""
         if self.device.type != "cuda":
             return
         for layer in getattr(self, "attention_layers", []):
@@ -881,16 +885,16 @@ class ModelRunner:
     def allocate_kv_cache(self) -> int:
         config = self.config
         block_bytes = kv_block_bytes(self.attention_layers, self.block_size, self.dtype)
+        assert config.max_model_len is not None  # Config resolved it
+        wanted = config.max_num_seqs * -(-config.max_model_len // self.block_size)  # all sequences at their longest
         if config.num_kvcache_blocks:
             num_blocks = config.num_kvcache_blocks
         elif self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             assert self.model is not None  # loaded before the cache is sized
             profile_step(self.model, self.sampler, config, self.device)
-            num_blocks = gpu_free_blocks(block_bytes, config.gpu_memory_utilization)
+            num_blocks = min(gpu_free_blocks(block_bytes, config.gpu_memory_utilization), wanted)
         else:
-            assert config.max_model_len is not None  # Config resolved it
-            wanted = config.max_num_seqs * -(-config.max_model_len // self.block_size)
             num_blocks = min(wanted, 2**30 // block_bytes)
         if self.world_size > 1:  # every rank must agree: the block manager is one for all
             agreed = torch.tensor([num_blocks])
@@ -1058,10 +1062,6 @@ for batch in sorted({b for _, b in rows}):
     print(f"batch {batch:>3}: graph {graph:5.2f} ms, eager {eager:5.2f} ms: the graph {eager / graph:4.1f}× faster")
 print(f"KV cache on {step_data['device']}: {step_data['kv_cache_tokens'] / 1e6:.2f} M tokens")
 assert rows["minivllm", 1] < rows["minivllm-eager", 1]
-
-# %% [markdown]
-# On the H200 the eager step barely notices the batch (30–38 ms up to 32 sequences): Python launching kernels one by
-# one is the bound. The graph: 2.0 ms at batch 1 (15×), 8.1 ms at 256, growing with the KV cache read.
 
 # %% [markdown]
 # ## Check yourself

@@ -121,7 +121,6 @@ class RequestOutput:
 # workers never see the sampled tokens).
 #
 # Processes are where engines hang, and a hang is worse than a crash: nobody learns why. The rules we follow:
-#
 # * **Each engine owns its groups**, over its own `TCPStore`: `control` (gloo) for rank 0's messages and `tp` for the
 #   all-reduces (NCCL on GPUs); no `torch.distributed` default group, so two engines in one process never share one.
 # * **Workers are `spawn`ed** (a forked CUDA context is unusable) from a module-level target, as daemons ignoring
@@ -447,19 +446,18 @@ print(f"one GPU reads all the weights in {weight_read_ms:.2f} ms, {weight_read_m
 #
 # **Bad input never gets in.** Each request is checked before it touches any state, with a `ValueError` naming the field
 # and the allowed range (an empty prompt, one too long, a token id outside the vocabulary, a `request_id` in use, text
-# without a tokenizer); the engine keeps its own copy of the `SamplingParams`, and `add_requests` checks a whole list
-# before adding any. Below it, the scheduler only `assert`s. **When the model fails** (a device error, Ctrl-C), the
-# step's requests are aborted, their blocks freed and dropped from the prefix cache (their KV may be half written),
-# before the error reaches the caller; the next `step()` serves the others.
+# without a tokenizer); the engine keeps its own `SamplingParams`, `add_requests` checks a whole list before adding any;
+# the scheduler only `assert`s. **When the model fails** (a device error, Ctrl-C), the step's requests are aborted, their
+# blocks freed and dropped from the prefix cache (their KV may be half written); the next `step()` serves the others.
 #
 # **Stopping.** A model's EOS ids (the tokenizer's and `generation_config.json`'s) join each request's stop tokens
 # unless it says `ignore_eos`. Stop *strings* are the engine's: after each step it ends the replies holding one. While
-# a reply runs, `progress` decodes its newest tokens and holds back what could begin a stop string.
-#
-# **n completions.** `n` makes a sequence per completion (seeded `seed + i`), sharing the first's cached prompt.
+# a reply runs, `progress` decodes its newest tokens and holds back what could begin a stop string. **n completions**:
+# `n` makes a sequence per completion (seeded `seed + i`), sharing the first's cached prompt.
 
 # %% tags=["export"] module="minivllm.engine.llm_engine"
 import dataclasses
+import json
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable
@@ -468,7 +466,8 @@ from itertools import count
 from pathlib import Path
 from typing import cast
 
-from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+import transformers
+from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from minivllm.config import Config
 from minivllm.engine.model_runner import StepOutput
@@ -485,8 +484,10 @@ Prompt = str | list[int]  # text, or token ids: a list or tuple of ints, or a 1-
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase | None:
     """The checkpoint's tokenizer, or None when the folder has none (token-id prompts still work). transformers may
     build an empty tokenizer from a folder without tokenizer files: one that knows only special tokens is none."""
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+    named = json.loads(p.read_text()) if (p := Path(path) / "tokenizer_config.json").is_file() else {}
+    name = "AutoTokenizer" if "auto_map" in named else named.get("tokenizer_class") or "AutoTokenizer"
+    try:  # the class named, imported alone: AutoTokenizer imports transformers' model registry (seconds)
+        tokenizer = (getattr(transformers, name, None) or transformers.AutoTokenizer).from_pretrained(path)
     except (OSError, ValueError):
         return None
     return tokenizer if set(tokenizer.get_vocab()) - set(tokenizer.all_special_tokens) else None
@@ -827,9 +828,8 @@ class LLMEngine:
 # for conversations, through the checkpoint's chat template. The contract with the rest of the engine:
 #
 # * `generate` holds the engine's lock for its whole run, so calls from several threads run one after another;
-# * it returns only its own requests. Requests queued earlier with `engine.add_request` share its batches but are not
-#   returned: those that finish are kept for the next `engine.step()`, the others go on in later steps;
-# * if interrupted (an exception, Ctrl-C), it aborts its unfinished requests, freeing their KV blocks for the next call.
+# * it returns only its own requests; those queued earlier with `engine.add_request` share its batches, their finished
+#   kept for the next `engine.step()`; if interrupted (Ctrl-C, an error), it aborts its unfinished ones and their blocks.
 
 # %% tags=["export"] module="minivllm.llm"
 from collections.abc import Sequence as SequenceOf

@@ -4,6 +4,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -266,3 +267,20 @@ def test_cli_runs_the_tiny_preset(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert "'Hello there'" in proc.stdout and "output tokens in" in proc.stdout and "tokens/s" in proc.stdout
+    split = next(line for line in proc.stdout.splitlines() if line.startswith("start-up: imports"))
+    for phase in ("LLM()", "load", "KV cache", "compile", "CUDA graphs", "tokenizer and the rest", "generate"):
+        assert f"{phase} " in split, split  # the start-up split names every phase, each with its seconds
+    seconds = [float(x) for x in re.findall(r"(\d+\.\d+)", split)]
+    assert len(seconds) == 9 and all(x >= 0 for x in seconds), split
+
+
+def test_tokenizer_loads_the_class_its_config_names_without_auto_tokenizer(tiny):
+    """AutoTokenizer imports transformers' model registry (seconds of start-up): the named class is imported alone."""
+    code = (
+        "import sys; from minivllm.engine.llm_engine import load_tokenizer; "
+        f"t = load_tokenizer({str(tiny)!r}); "
+        "print(type(t).__name__, 'transformers.models.auto.tokenization_auto' in sys.modules)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["TokenizersBackend", "False"]

@@ -1,4 +1,5 @@
-"""Sampler (notebook 04): greedy rows, the top-k / top-p / min-p filters, the exponential race and per-request seeds.
+"""Sampler (notebook 04): greedy rows, the top-k / top-p / min-p filters, the exponential race and per-request seeds;
+the Triton race (Gumbel-max, one pass) in Triton's interpreter on a CPU, and through the sampler on a GPU.
 
 Many draws of one distribution are taken in one call, by repeating its row of logits down the batch.
 """
@@ -9,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minivllm.engine.sequence import Sequence
+from minivllm.kernels.sampling import race
 from minivllm.layers.sampler import (
     Sampler,
     SamplingTensors,
@@ -22,14 +24,16 @@ from minivllm.sampling_params import SamplingParams
 
 sampler = Sampler()
 DRAWS = 400  # rows per hypothesis example
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]  # the PyTorch sampler; on a GPU, the Triton race
 
 
 def tensors(params: list[SamplingParams], steps: list[int] | None = None, device: str = "cpu") -> SamplingTensors:
     return SamplingTensors.from_params(params, steps or [0] * len(params), device)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int] | None = None) -> torch.Tensor:
-    return sampler(logits, tensors(params, steps))
+def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int] | None = None,
+           device: str = "cpu") -> torch.Tensor:  # fmt: skip
+    return sampler(logits.to(device), tensors(params, steps, device)).cpu()
 
 
 def random_logits(seed: int, vocab: int, scale: float, rows: int = 1) -> torch.Tensor:
@@ -55,15 +59,19 @@ def test_from_params_fields():
         SamplingParams(seed=-1),
         SamplingParams(seed=2**70 + 1),
     ]
+    torch.manual_seed(0)
     t = tensors(params, steps=[0, 2, 5, 1])
     assert t.temperatures.dtype == t.top_ps.dtype == t.min_ps.dtype == torch.float32
-    assert t.top_ks.dtype == t.seeds.dtype == t.steps.dtype == torch.int64
+    assert t.top_ks.dtype == t.keys.dtype == torch.int64
     torch.testing.assert_close(t.temperatures, torch.tensor([0.0, 0.7, 1.0, 1.0]))
     assert t.top_ks.tolist() == [-1, 5, -1, -1]
     torch.testing.assert_close(t.top_ps, torch.tensor([1.0, 0.9, 1.0, 1.0]))
     torch.testing.assert_close(t.min_ps, torch.tensor([0.0, 0.1, 0.0, 0.0]))
-    assert t.seeds.tolist() == [-1, 3, 2**63 - 1, (2**70 + 1) % 2**63]  # any int is a seed; -1 is "none"
-    assert t.steps.tolist() == [0, 2, 5, 1]
+    assert t.keys[1:].tolist() == [noise_seed(3, 2), noise_seed(-1, 5), noise_seed(2**70 + 1, 1)]  # any int is a seed
+    assert 0 <= t.keys[0] < 2**62 and all(0 <= k < 2**63 for k in t.keys.tolist())
+    torch.manual_seed(0)
+    assert torch.equal(tensors(params, steps=[0, 2, 5, 1]).keys, t.keys)  # the fresh key: the default generator's
+    assert tensors(params, steps=[0, 2, 5, 1]).keys[0] != t.keys[0]
     assert t.filtering
 
 
@@ -234,31 +242,36 @@ def test_top_p_1_keeps_a_tail_too_small_for_a_float32_sum():
 # --- the draw ----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("temperature", [1.0, 0.5, 2.0])
-def test_frequencies_match_the_softmax(temperature):
+def test_frequencies_match_the_softmax(temperature, device):
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
     n = 20_000
     torch.manual_seed(0)
-    tokens = sample(logits.expand(n, -1), [SamplingParams(temperature=temperature)] * n)
+    tokens = sample(logits.expand(n, -1), [SamplingParams(temperature=temperature)] * n, device=device)
     freq = torch.bincount(tokens, minlength=5) / n
     torch.testing.assert_close(freq, torch.softmax(logits[0] / temperature, dim=-1), atol=0.012, rtol=0)
 
 
-def test_seeded_frequencies_match_the_softmax_too():
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_frequencies_match_the_softmax_too(device):
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
     n = 20_000
-    tokens = sample(logits.expand(n, -1), [SamplingParams(seed=s) for s in range(n)])
+    tokens = sample(logits.expand(n, -1), [SamplingParams(seed=s) for s in range(n)], device=device)
     freq = torch.bincount(tokens, minlength=5) / n
     torch.testing.assert_close(freq, torch.softmax(logits[0], dim=-1), atol=0.012, rtol=0)
 
 
-@pytest.mark.parametrize(("filters", "kept"), [(dict(top_k=3), 3), (dict(top_k=4, top_p=0.7), 2), (dict(top_p=0.7), 2)])
-def test_filtered_frequencies_are_the_renormalized_survivors(filters, kept):
-    """Top-k alone, top-p inside a top-k (both: no full sort), top-p alone (a full sort)."""
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    ("filters", "kept"), [(dict(top_k=3), 3), (dict(top_k=4, top_p=0.7), 2), (dict(top_p=0.7), 2), (dict(min_p=0.2), 3)]
+)
+def test_filtered_frequencies_are_the_renormalized_survivors(filters, kept, device):
+    """Top-k alone, top-p inside a top-k (both: no full sort), top-p alone and min-p alone (a full sort)."""
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])  # probabilities 0.55, 0.20, 0.12, 0.07, 0.03
     n = 20_000
     torch.manual_seed(0)
-    tokens = sample(logits.expand(n, -1), [SamplingParams(**filters)] * n)
+    tokens = sample(logits.expand(n, -1), [SamplingParams(**filters)] * n, device=device)
     freq = torch.bincount(tokens, minlength=5) / n
     torch.testing.assert_close(
         freq, torch.softmax(logits[0].masked_fill(torch.arange(5) >= kept, -torch.inf), dim=-1), atol=0.012, rtol=0
@@ -405,7 +418,7 @@ def test_a_preempted_request_regenerates_its_tokens():
 
 def test_noise_depends_only_on_seed_and_step():
     ones = torch.ones(4, 100)
-    noise = exponential_noise(ones, torch.tensor([9, 9, 9, -1]), torch.tensor([0, 1, 0, 0]))
+    noise = exponential_noise(ones, torch.tensor([noise_seed(9, 0), noise_seed(9, 1), noise_seed(9, 0), 5]))
     assert torch.equal(noise[0], noise[2]) and not torch.equal(noise[0], noise[1])
     expected = torch.empty(100).exponential_(generator=torch.Generator().manual_seed(noise_seed(9, 1)))
     assert torch.equal(noise[1], expected)
@@ -427,3 +440,56 @@ def test_cuda_matches_the_contract():
     assert tokens[1] == tokens[3]
     again = sampler(logits[1:2], tensors(params[1:2], device="cuda"))
     assert again[0] == tokens[1]
+
+
+# --- the Triton race (notebook 04): on a CPU in Triton's interpreter, a few hundred rows at most --------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_race_at_temperature_0_is_the_argmax_first_on_ties(dtype):
+    logits = random_logits(0, 10_000, 1.0, rows=3).to(dtype)  # 10,000 columns: three blocks of 4,096
+    logits[1, 5000] = logits[1, 9000] = logits[1, 200] = 100.0  # a tie across blocks and lanes: the first wins
+    logits[2, 9999] = 100.0  # in the last, partial block
+    tokens = race(logits, torch.zeros(3), torch.tensor([1, 2, 3]))
+    assert tokens.tolist() == logits.float().argmax(dim=-1).tolist() and tokens[1] == 200 and tokens[2] == 9999
+
+
+def test_race_noise_follows_the_token_id_not_the_column():
+    logits, keys, temps = random_logits(1, 300, 1.0, rows=32), torch.arange(32) * 7919, torch.full((32,), 0.8)
+    perm = torch.stack([torch.randperm(300, generator=torch.Generator().manual_seed(r)) for r in range(32)])
+    assert torch.equal(race(logits.gather(1, perm), temps, keys, perm), race(logits, temps, keys))
+    assert len(set(race(logits[:1].expand(32, -1), temps, keys).tolist())) > 5  # other keys, other draws
+
+
+def test_race_same_key_same_token_in_any_row():
+    logits = random_logits(2, 500, 0.5, rows=1).expand(16, -1)
+    keys = torch.tensor([noise_seed(42, 7)] * 8 + [noise_seed(42, 8)] * 8)
+    tokens = race(logits, torch.ones(16), keys).tolist()
+    assert len(set(tokens[:8])) == 1 and len(set(tokens[8:])) == 1
+
+
+def test_race_never_draws_a_masked_candidate():
+    logits = random_logits(3, 40, 2.0, rows=64)
+    masked = torch.rand(64, 40, generator=torch.Generator().manual_seed(3)) < 0.8
+    masked[:, 0] = False  # one candidate left at least
+    tokens = race(logits.masked_fill(masked, float("-inf")), torch.full((64,), 1.5), torch.arange(64))
+    assert not masked.gather(1, tokens[:, None]).any()
+
+
+def test_race_frequencies_match_the_tempered_softmax():
+    """512 draws of [0.6, 0.3, 0.1] at T = 0.5: each frequency within 4.5 standard deviations of softmax(x / T)."""
+    x = torch.tensor([0.6, 0.3, 0.1]).log() * 0.5  # softmax(x / 0.5) = [0.6, 0.3, 0.1]
+    n = 512
+    freq = torch.bincount(race(x.expand(n, -1), torch.full((n,), 0.5), torch.arange(n) * 31), minlength=3) / n
+    expected = torch.tensor([0.6, 0.3, 0.1])
+    assert ((freq - expected).abs() <= 4.5 * (expected * (1 - expected) / n).sqrt()).all(), freq
+
+
+@pytest.mark.gpu
+def test_cuda_greedy_rows_in_a_random_batch_are_the_argmax():
+    logits = random_logits(4, 151_936, 2.0, rows=8).cuda()
+    logits[0, 7] = logits[0, 70_000] = 50.0  # a tie: the first index, as torch.argmax
+    for filters in (dict(), dict(top_k=20), dict(top_p=0.9)):
+        params = [SamplingParams(temperature=0.0 if r % 2 == 0 else 0.8, **filters) for r in range(8)]
+        tokens = sampler(logits, tensors(params, device="cuda"))
+        assert torch.equal(tokens[::2], logits[::2].argmax(dim=-1)) and tokens[0] == 7

@@ -2,6 +2,7 @@
 
 import atexit
 import gc
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -250,26 +251,31 @@ class ModelRunner:
         self.model: Qwen3ForCausalLM | None  # loaded below; None once the GPU memory is freed
         self.graphs: DecodeGraphs | None = None
         self.last_token_ids = torch.zeros(0, dtype=torch.int64)  # the latest step's sampled ids (on the device)
-        self.closed = False
+        self.closed, marks = False, [time.perf_counter()]  # the start-up phases' ends: `python -m minivllm` shows them
         try:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
             torch.manual_seed(config.seed)
             with tensor_parallel(self.tp):  # the layers keep this engine's group
                 self.model = load_model(config.model, config.dtype, self.device, config.hf_config)
+            marks.append(time.perf_counter())
             self.dtype = self.model.lm_head.weight.dtype
             if self.device.type == "cuda":
                 use_small_layer_kernels(self.model)
             self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
             self.sampler = Sampler()
             self.num_kvcache_blocks = self.allocate_kv_cache()
+            marks.append(time.perf_counter())
             if self.device.type == "cuda":  # compile the Triton kernels (prefill, small layers) now, not in a request
                 self.execute(prefix_hit_step(self.block_size))
+            marks.append(time.perf_counter())
             if self.device.type == "cuda" and not config.enforce_eager:
                 assert config.max_model_len is not None  # Config resolved it
                 max_blocks = -(-config.max_model_len // self.block_size)
                 self.graphs = DecodeGraphs(self.model, config.max_num_seqs, max_blocks,
                                            config.hf_config.hidden_size, self.dtype, self.device)  # fmt: skip
+            marks.append(time.perf_counter())
+            self.startup_seconds = dict(zip(("load", "KV cache", "compile", "CUDA graphs"), np.diff(marks).tolist()))
         except BaseException:
             self.free_gpu_memory()
             raise
@@ -277,8 +283,7 @@ class ModelRunner:
             atexit.register(self.close)
 
     def call(self, method: str, *args):
-        """Run a method on every rank, rank 0's result. One rank just runs it; notebook 06's tensor-parallel
-        runner tells the other ranks first."""
+        """Run a method on every rank (notebook 06's tensor-parallel runner tells the others first), rank 0's result."""
         return getattr(self, method)(*args)
 
     def close(self) -> None:
@@ -291,8 +296,8 @@ class ModelRunner:
             atexit.unregister(self.close)
 
     def free_gpu_memory(self) -> None:
-        """Give the weights, the KV cache and the graphs' memory back to the GPU, so a next engine in this process
-        can size its own cache: PyTorch's allocator keeps freed blocks reserved until `empty_cache()`."""
+        """Give the weights, KV cache and graphs' memory back to the GPU (PyTorch's allocator keeps it until
+        `empty_cache()`), so that a next engine in this process can size its own cache."""
         if self.device.type != "cuda":
             return
         for layer in getattr(self, "attention_layers", []):
@@ -306,16 +311,16 @@ class ModelRunner:
     def allocate_kv_cache(self) -> int:
         config = self.config
         block_bytes = kv_block_bytes(self.attention_layers, self.block_size, self.dtype)
+        assert config.max_model_len is not None  # Config resolved it
+        wanted = config.max_num_seqs * -(-config.max_model_len // self.block_size)  # all sequences at their longest
         if config.num_kvcache_blocks:
             num_blocks = config.num_kvcache_blocks
         elif self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             assert self.model is not None  # loaded before the cache is sized
             profile_step(self.model, self.sampler, config, self.device)
-            num_blocks = gpu_free_blocks(block_bytes, config.gpu_memory_utilization)
+            num_blocks = min(gpu_free_blocks(block_bytes, config.gpu_memory_utilization), wanted)
         else:
-            assert config.max_model_len is not None  # Config resolved it
-            wanted = config.max_num_seqs * -(-config.max_model_len // self.block_size)
             num_blocks = min(wanted, 2**30 // block_bytes)
         if self.world_size > 1:  # every rank must agree: the block manager is one for all
             agreed = torch.tensor([num_blocks])

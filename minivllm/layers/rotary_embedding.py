@@ -38,12 +38,13 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_position: int, params: dict):
         super().__init__()
-        inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        # the table on the CPU, then to the default device: on the meta device, `arange` would import torch._dynamo
+        inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, head_dim, 2, device="cpu").float() / head_dim))
         if params["rope_type"] == "llama3":
             inv_freq = llama3_inv_freq(inv_freq, params)
-        freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq  # (max_position, head_dim / 2)
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        freqs = torch.arange(max_position, device="cpu").float()[:, None] * inv_freq  # (max_position, head_dim / 2)
+        self.register_buffer("cos", freqs.cos().to(torch.get_default_device()), persistent=False)
+        self.register_buffer("sin", freqs.sin().to(torch.get_default_device()), persistent=False)
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x1, x2 = x.float().chunk(2, dim=-1)  # the two halves of each head: (num_tokens, num_heads, head_dim / 2)

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from minivllm.kernels.sampling import race
 from minivllm.sampling_params import SamplingParams
 
 
@@ -39,12 +40,11 @@ def noise_seed(seed: int, step: int) -> int:
     return (seed * NOISE_SEED_MULTIPLIER + step) % 2**63
 
 
-def exponential_noise(probs: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """Exp(1) noise shaped like probs (batch, vocab); a seeded row's depends only on its (seed, step)."""
-    q = torch.empty_like(probs).exponential_()  # (batch, vocab), one draw from the default generator
-    for row in (seeds >= 0).nonzero().flatten().tolist():
-        gen = torch.Generator(probs.device).manual_seed(noise_seed(int(seeds[row]), int(steps[row])))
-        q[row].exponential_(generator=gen)
+def exponential_noise(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Exp(1) noise shaped like probs (batch, vocab); row r's from a generator seeded with keys[r]."""
+    q = torch.empty_like(probs)
+    for row, key in enumerate(keys.tolist()):
+        q[row].exponential_(generator=torch.Generator(probs.device).manual_seed(key))
     return q.clamp_min_(1e-10)  # a 0 would make p / q infinite, or NaN for a dropped token
 
 
@@ -74,8 +74,7 @@ class SamplingTensors:
     top_ks: torch.Tensor  # (batch,) int64; -1 = off
     top_ps: torch.Tensor  # (batch,) float32; 1 = off
     min_ps: torch.Tensor  # (batch,) float32; 0 = off
-    seeds: torch.Tensor  # (batch,) int64, on the CPU; -1 = no seed
-    steps: torch.Tensor  # (batch,) int64, on the CPU; tokens generated so far = index of the token being drawn
+    keys: torch.Tensor  # (batch,) int64: noise_seed(seed, tokens generated so far), a fresh draw without a seed
     filtering: bool = True  # some random row uses top-k, top-p or min-p; if none does, the sort is skipped
     top_k_max: int = 0  # > 0: every random row has a top-k, this the largest: filter_probs sorts only that many
     any_greedy: bool = True  # some row has temperature 0
@@ -104,15 +103,15 @@ class SamplingTensors:
             assert histories is not None, "penalties need each row's prompt and output token ids"
             values = [[getattr(p, f"{name}_penalty") for p in params] for name in PENALTIES]
             penalties = (*(to_device(v, torch.float32) for v in values), *(padded(list(h)) for h in zip(*histories)))
-        temperatures = [p.temperature for p in params]
+        temperatures, fresh = [p.temperature for p in params], torch.randint(2**62, (len(params),)).tolist()
         random_top_ks = [p.top_k for p in params if p.temperature > 0]
         return cls(
             temperatures=to_device(temperatures, torch.float32),
             top_ks=to_device([p.top_k for p in params], torch.int64),
             top_ps=to_device([p.top_p for p in params], torch.float32),
             min_ps=to_device([p.min_p for p in params], torch.float32),
-            seeds=torch.tensor([-1 if p.seed is None else p.seed % 2**63 for p in params], dtype=torch.int64),
-            steps=torch.tensor(steps, dtype=torch.int64),
+            keys=to_device([k if p.seed is None else noise_seed(p.seed, n) for p, n, k in zip(params, steps, fresh)],
+                           torch.int64),
             filtering=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in params),
             top_k_max=max(random_top_ks) if min(random_top_ks, default=-1) > 0 else 0,
             any_greedy=0 in temperatures, all_greedy=not any(temperatures), penalties=penalties,
@@ -130,12 +129,20 @@ class Sampler(nn.Module):
             logits = logits.index_put((t.banned[0], t.banned[1]), torch.tensor(float("-inf"), device=logits.device))
         if t.all_greedy:
             return logits.argmax(dim=-1)
+        if logits.is_cuda and not t.filtering:  # one pass; greedy rows too (temperature 0)
+            return race(logits, t.temperatures, t.keys)
         greedy = t.temperatures == 0  # (batch,)
         temperatures = torch.where(greedy, 1.0, t.temperatures)[:, None]  # (batch, 1) float32
-        probs = torch.softmax(logits / temperatures, dim=-1)  # (batch, vocab) float32
-        if t.filtering:
-            probs = filter_probs(probs, t.top_ks, t.top_ps, t.min_ps, t.top_k_max)
-        sampled = probs.div_(exponential_noise(probs, t.seeds, t.steps)).argmax(dim=-1)  # (batch,)
+        if logits.is_cuda:  # the candidates, largest first: the k_max most likely, or all of them sorted
+            top = logits.topk(t.top_k_max) if t.top_k_max else logits.sort(dim=-1, descending=True)
+            scaled = top.values.float() / temperatures  # (batch, candidates)
+            scaled.masked_fill_(~keep_mask(torch.softmax(scaled, dim=-1), t.top_ks, t.top_ps, t.min_ps), float("-inf"))
+            sampled = race(scaled, torch.ones_like(t.temperatures), t.keys, top.indices)
+        else:
+            probs = torch.softmax(logits / temperatures, dim=-1)  # (batch, vocab) float32
+            if t.filtering:
+                probs = filter_probs(probs, t.top_ks, t.top_ps, t.min_ps, t.top_k_max)
+            sampled = probs.div_(exponential_noise(probs, t.keys)).argmax(dim=-1)  # (batch,)
         return torch.where(greedy, logits.argmax(dim=-1), sampled) if t.any_greedy else sampled
 
 
