@@ -133,14 +133,15 @@ def print_outputs(outputs: "list[RequestOutput]", num_known_ids: int, seconds: f
 
 def startup_split(llm: "LLM", marks: list[float], first: bool) -> str:
     """Where the time to the first outputs went: imports (or, for a later engine, what ran since the last one),
-    LLM() split into the runner's phases and the rest (tokenizer, config, scheduler), then the generate call."""
+    LLM() split into the runner's phases and the rest (tokenizer, config, scheduler), then the generate call.
+    marks: when this engine's turn began, LLM() was called, it returned, generate returned."""
+    began, called, built, done = marks
     phases = llm.engine.runner.startup_seconds
-    rest = marks[2] - marks[1] - sum(phases.values())
     runner = ", ".join(f"{name} {seconds:.2f}" for name, seconds in phases.items())
     return (
-        f"start-up: {'imports' if first else 'since the last engine'} {marks[1] - marks[0]:.2f} s, LLM() "
-        f"{marks[2] - marks[1]:.2f} s ({runner}, tokenizer and the rest {rest:.2f}), generate {marks[3] - marks[2]:.2f}"
-        f" s: the outputs after {marks[3] - marks[0]:.1f} s"
+        f"start-up: {'imports' if first else 'since the last engine'} {called - began:.2f} s, LLM() {built - called:.2f}"
+        f" s ({runner}, tokenizer and the rest {built - called - sum(phases.values()):.2f}), generate {done - built:.2f}"
+        f" s: the outputs after {done - began:.1f} s"
     )
 
 

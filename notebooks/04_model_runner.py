@@ -179,9 +179,9 @@ torch.testing.assert_close(freq, p / p.sum(), atol=0.005, rtol=0)
 # %% [markdown]
 # ### Seeds: the same request, the same tokens
 # `SamplingParams(seed=...)` promises the same completion whatever the scheduler does, though the batch and the row
-# change every step and a preempted request (05) is recomputed elsewhere: one generator per batch breaks it. So each row
-# draws from **its own generator, seeded by the row's key**: `noise_seed(seed, step)`, the step being the token's index
-# (`seq.num_completion_tokens`), nothing else; without a seed, a fresh draw (`LLM(seed=...)` seeds those).
+# change every step and a preempted request (05) is recomputed elsewhere: with one generator per batch, row `r` takes the
+# `r`-th slice of its stream. So each row draws from **its own generator, seeded by the row's key**: `noise_seed(seed,
+# step)`, the step being the token's index (`seq.num_completion_tokens`); without a seed, a fresh draw (`LLM(seed=...)`).
 
 # %% tags=["export"]
 NOISE_SEED_MULTIPLIER = 1_000_003  # odd: distinct seeds start apart; above any step: one seed's steps never collide
@@ -241,7 +241,7 @@ class SamplingTensors:
     top_ks: torch.Tensor  # (batch,) int64; -1 = off
     top_ps: torch.Tensor  # (batch,) float32; 1 = off
     min_ps: torch.Tensor  # (batch,) float32; 0 = off
-    keys: torch.Tensor  # (batch,) int64: noise_seed(seed, tokens generated so far), a fresh draw without a seed
+    keys: torch.Tensor  # (batch,) int64: noise_seed(seed, tokens generated so far), a fresh draw; empty if all greedy
     filtering: bool = True  # some random row uses top-k, top-p or min-p; if none does, the sort is skipped
     top_k_max: int = 0  # > 0: every random row has a top-k, this the largest: filter_probs sorts only that many
     any_greedy: bool = True  # some row has temperature 0
@@ -270,7 +270,8 @@ class SamplingTensors:
             assert histories is not None, "penalties need each row's prompt and output token ids"
             values = [[getattr(p, f"{name}_penalty") for p in params] for name in PENALTIES]
             penalties = (*(to_device(v, torch.float32) for v in values), *(padded(list(h)) for h in zip(*histories)))
-        temperatures, fresh = [p.temperature for p in params], torch.randint(2**62, (len(params),)).tolist()
+        temperatures = [p.temperature for p in params]
+        fresh = torch.randint(2**62, (len(params),)).tolist() if any(temperatures) else []  # greedy draws no noise
         random_top_ks = [p.top_k for p in params if p.temperature > 0]
         return cls(
             temperatures=to_device(temperatures, torch.float32),
@@ -307,12 +308,11 @@ assert not tensors_of(seqs[:1]).filtering and tensors_of(seqs[:1]).all_greedy
 
 # %% [markdown]
 # ### On a GPU: the race in one pass (Triton)
-# Each step above reads and writes all `(batch, 151,936)` logits: at batch 256 on an H200, 0.6 ms for temperature alone
-# (`python -m minivllm.benchmarks.sampler`). In logarithms the race is a sum, the **Gumbel-max trick**: the token is
-# `argmax(x / T - log q)` with `q = -log u`, `u` uniform: no softmax, so one Triton program per row streams its logits
-# once. `u` comes from a counter-based generator, `tl.rand(key, token_id)` (Philox): a function of the row's key
-# (`noise_seed(seed, step)`, or a fresh draw) and the token id, no state. With filters, `topk` or a sort gives the
-# candidates, `keep_mask` sets the dropped to `-inf`, and the race reads each candidate's token id for its noise.
+# Drawn in PyTorch, a token costs several passes over all `(batch, 151,936)` logits. In logarithms the race is a sum,
+# the **Gumbel-max trick**: the token is `argmax(x / T - log q)`, `q = -log u`, `u` uniform: no softmax, so one Triton
+# program per row reads its logits once, with `u = tl.rand(key, token_id)` (Philox: a function of the row's key and the
+# token id, no state). With filters, `topk` or a sort gives the candidates, `keep_mask` sets the dropped to `-inf`, and
+# the race reads their token ids.
 
 # %% tags=["export"] module="minivllm.kernels.sampling"
 import torch
@@ -358,11 +358,10 @@ assert race(cat_logits[None], torch.zeros(1), keys[:1]).item() == 0  # temperatu
 
 # %% [markdown]
 # ### The sampler
-# Greedy rows take the logits' argmax (temperature 0 in the one-pass race, else a final `torch.where`), so no other row
-# can change them. First vLLM's other knobs edit the logits (`apply_penalties`): `repetition_penalty` divides a positive
-# logit (multiplies a negative one) of each token already in prompt or reply, `frequency_penalty` subtracts per use in
-# the reply, `presence_penalty` once; until `min_tokens`, a row's stop tokens get `-inf`. Log-probabilities are of the
-# raw logits, as in vLLM. On a GPU the draw is the race above, over the vocabulary or over the filters' candidates.
+# Greedy rows take the logits' argmax (temperature 0 in the race, else a final `torch.where`): no other row changes
+# them. First vLLM's knobs edit the logits (`apply_penalties`): `repetition_penalty` divides a positive logit
+# (multiplies a negative one) of each token already in prompt or reply, `frequency_penalty` subtracts per use in the
+# reply, `presence_penalty` once; before `min_tokens`, stop tokens get `-inf`. Log-probabilities: of the raw logits.
 
 
 # %% tags=["export"] module="minivllm.layers.sampler"
@@ -825,7 +824,8 @@ class ModelRunner:
         self.model: Qwen3ForCausalLM | None  # loaded below; None once the GPU memory is freed
         self.graphs: DecodeGraphs | None = None
         self.last_token_ids = torch.zeros(0, dtype=torch.int64)  # the latest step's sampled ids (on the device)
-        self.closed, marks = False, [time.perf_counter()]  # the start-up phases' ends: `python -m minivllm` shows them
+        self.closed = False
+        marks = [time.perf_counter()]  # where each start-up phase ends: `python -m minivllm` prints the split
         try:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)

@@ -72,6 +72,7 @@ def test_from_params_fields():
     torch.manual_seed(0)
     assert torch.equal(tensors(params, steps=[0, 2, 5, 1]).keys, t.keys)  # the fresh key: the default generator's
     assert tensors(params, steps=[0, 2, 5, 1]).keys[0] != t.keys[0]
+    assert tensors([SamplingParams(temperature=0, seed=3)] * 2).keys.numel() == 0  # greedy rows draw no noise
     assert t.filtering
 
 

@@ -251,7 +251,8 @@ class ModelRunner:
         self.model: Qwen3ForCausalLM | None  # loaded below; None once the GPU memory is freed
         self.graphs: DecodeGraphs | None = None
         self.last_token_ids = torch.zeros(0, dtype=torch.int64)  # the latest step's sampled ids (on the device)
-        self.closed, marks = False, [time.perf_counter()]  # the start-up phases' ends: `python -m minivllm` shows them
+        self.closed = False
+        marks = [time.perf_counter()]  # where each start-up phase ends: `python -m minivllm` prints the split
         try:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)

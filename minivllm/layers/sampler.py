@@ -74,7 +74,7 @@ class SamplingTensors:
     top_ks: torch.Tensor  # (batch,) int64; -1 = off
     top_ps: torch.Tensor  # (batch,) float32; 1 = off
     min_ps: torch.Tensor  # (batch,) float32; 0 = off
-    keys: torch.Tensor  # (batch,) int64: noise_seed(seed, tokens generated so far), a fresh draw without a seed
+    keys: torch.Tensor  # (batch,) int64: noise_seed(seed, tokens generated so far), a fresh draw; empty if all greedy
     filtering: bool = True  # some random row uses top-k, top-p or min-p; if none does, the sort is skipped
     top_k_max: int = 0  # > 0: every random row has a top-k, this the largest: filter_probs sorts only that many
     any_greedy: bool = True  # some row has temperature 0
@@ -103,7 +103,8 @@ class SamplingTensors:
             assert histories is not None, "penalties need each row's prompt and output token ids"
             values = [[getattr(p, f"{name}_penalty") for p in params] for name in PENALTIES]
             penalties = (*(to_device(v, torch.float32) for v in values), *(padded(list(h)) for h in zip(*histories)))
-        temperatures, fresh = [p.temperature for p in params], torch.randint(2**62, (len(params),)).tolist()
+        temperatures = [p.temperature for p in params]
+        fresh = torch.randint(2**62, (len(params),)).tolist() if any(temperatures) else []  # greedy draws no noise
         random_top_ks = [p.top_k for p in params if p.temperature > 0]
         return cls(
             temperatures=to_device(temperatures, torch.float32),
