@@ -60,3 +60,14 @@ def test_a_cpu_run_gives_every_row_its_fields():
         assert row["impl"] == "minivllm" and row["roofline_share"] is None  # no GPU rates on a CPU
         assert sum(row["steps"].values()) == row["step_breakdown"]["runner.run"]["calls"]
     plot_throughput(data)
+
+
+def test_gpu_idle_share_is_the_gaps_between_step_spans():
+    """Steps (start, end) in ms: overlapping spans are one busy stretch; only the gaps between them are idle."""
+    from minivllm.benchmarks.gpu_idle import idle_share
+
+    r = idle_share([(0.0, 4.0), (3.0, 6.0), (8.0, 9.0), (9.0, 10.0), (12.5, 13.0)])
+    assert r["steps"] == 5 and r["gpu_span_ms"] == 13.0 and r["gpu_busy_ms"] == 6.0 + 2.0 + 0.5
+    assert math.isclose(r["idle_share"], 4.5 / 13.0) and r["gap_p50_ms"] == 2.5 and r["gap_max_ms"] == 2.5
+    back_to_back = idle_share([(0.0, 1.0), (1.0, 2.0)])
+    assert back_to_back["idle_share"] == 0.0 and back_to_back["gap_max_ms"] == 0.0
