@@ -1,5 +1,6 @@
 """Sampler (notebook 04): greedy rows, the top-k / top-p / min-p filters, the exponential race and per-request seeds;
-the Triton race (Gumbel-max, one pass) in Triton's interpreter on a CPU, and through the sampler on a GPU.
+the Triton race (Gumbel-max, one pass) and nucleus (top-p by rejection, no sort) in Triton's interpreter on a CPU, and
+through the sampler on a GPU.
 
 Many draws of one distribution are taken in one call, by repeating its row of logits down the batch.
 """
@@ -10,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minivllm.engine.sequence import Sequence
-from minivllm.kernels.sampling import race
+from minivllm.kernels.sampling import nucleus, race
 from minivllm.layers.sampler import (
     Sampler,
     SamplingTensors,
@@ -494,3 +495,51 @@ def test_cuda_greedy_rows_in_a_random_batch_are_the_argmax():
         params = [SamplingParams(temperature=0.0 if r % 2 == 0 else 0.8, **filters) for r in range(8)]
         tokens = sampler(logits, tensors(params, device="cuda"))
         assert torch.equal(tokens[::2], logits[::2].argmax(dim=-1)) and tokens[0] == 7
+
+
+@pytest.mark.gpu
+def test_cuda_race_noise_follows_the_token_id_not_the_column():
+    """A row split into parts, a program each: the same draw as from the row's candidates in any order."""
+    logits, keys, temps = random_logits(1, 151_936, 1.0, rows=8).cuda(), torch.arange(8).cuda(), torch.ones(8).cuda()
+    perm = torch.stack([torch.randperm(151_936, generator=torch.Generator().manual_seed(r)) for r in range(8)]).cuda()
+    assert torch.equal(race(logits.gather(1, perm), temps, keys, perm), race(logits, temps, keys))
+
+
+# --- nucleus: top-p (and min-p) by drawing, then checking the draw --------------------------------------------
+
+
+def nucleus_of(logits: torch.Tensor, t: float, top_p: float, min_p: float = 0.0, keys=None) -> torch.Tensor:
+    rows = logits.shape[0]
+    keys = torch.arange(rows) * 31 if keys is None else keys
+    return nucleus(logits, torch.full((rows,), t), torch.full((rows,), top_p), torch.full((rows,), min_p), keys)
+
+
+def test_nucleus_without_filters_is_the_race():
+    logits, keys = random_logits(5, 300, 2.0, rows=48), torch.arange(48) * 7
+    assert torch.equal(nucleus_of(logits, 0.8, 1.0, keys=keys), race(logits, torch.full((48,), 0.8), keys))
+
+
+def test_nucleus_at_temperature_0_is_the_argmax_first_on_ties():
+    logits = random_logits(6, 5000, 1.0, rows=3)
+    logits[1, 4500] = logits[1, 300] = 50.0
+    assert torch.equal(nucleus_of(logits, 0.0, 0.5, min_p=0.3), logits.argmax(dim=-1))
+
+
+@pytest.mark.parametrize(("top_p", "min_p", "t"), [(0.5, 0.0, 1.0), (0.9, 0.0, 0.7), (0.8, 0.3, 1.5), (1.0, 0.2, 1.0)])
+def test_nucleus_never_draws_what_keep_mask_drops(top_p, min_p, t):
+    logits = random_logits(7, 40, 2.0, rows=64)
+    probs = torch.softmax(logits / t, dim=-1)
+    kept = filter_probs(probs, torch.full((64,), -1), torch.full((64,), top_p), torch.full((64,), min_p)) > 0
+    tokens = nucleus_of(logits, t, top_p, min_p)
+    assert kept.gather(1, tokens[:, None]).all()
+    assert len(set(tokens.tolist())) > 5  # rows draw apart: not always the argmax
+
+
+def test_nucleus_frequencies_are_the_renormalized_nucleus():
+    """256 draws of [0.5, 0.3, 0.15, 0.05] at top-p 0.7, min-p 0: the first two renormalized (each within 4.5
+    standard deviations); a try that lands on the third or fourth token is drawn again."""
+    x = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    n = 256
+    freq = torch.bincount(nucleus_of(x.expand(n, -1), 1.0, 0.7), minlength=4) / n
+    expected = torch.tensor([0.625, 0.375, 0.0, 0.0])
+    assert ((freq - expected).abs() <= 4.5 * (expected * (1 - expected) / n).sqrt()).all(), freq

@@ -3,8 +3,9 @@
     python -m minivllm.benchmarks.sampler [--batch-sizes 1 64 256] [--vocab 151936] [--out figures]
 
 Rows of one kind per batch (Qwen3's vocabulary by default, float32 logits as the runner's LM head gives them):
-greedy; temperature only (the Triton race: one pass over the logits); top-p 0.9 (a sort of the whole vocabulary,
-then the race over the kept); top-k 50 with top-p 0.9 (`torch.topk` of 50: no full sort); seeded top-p.
+greedy; temperature only (the Triton race: one pass over the logits); top-p 0.9 (Triton's nucleus: draw, check,
+draw again above a draw outside the nucleus; no sort); top-k 50 with top-p 0.9 (`torch.topk` of 50, then the race
+over the kept); seeded top-p.
 Times include building the `SamplingTensors` from the requests' parameters, as the runner does each step
 (`ms`), and the sampler's kernels alone (`kernel_ms`, the same call with the tensors built beforehand).
 Writes sampler.json (no figure: a table says it).

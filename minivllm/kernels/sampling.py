@@ -6,27 +6,94 @@ import triton.language as tl
 
 
 @triton.jit
-def _race_kernel(X, IDS, TEMPS, KEYS, OUT, n, stride, HAS_IDS: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+def _race_kernel(X, IDS, TEMPS, KEYS, BEST, WON, n, stride, span, HAS_IDS: tl.constexpr, BLOCK: tl.constexpr):
+    row, part, parts = tl.program_id(0), tl.program_id(1), tl.num_programs(1)  # part: columns part * span, + span
     t, key = tl.load(TEMPS + row), tl.load(KEYS + row)
+    X, IDS = X + row * stride, IDS + row * stride
     best, best_col = tl.full([BLOCK], float("-inf"), tl.float32), tl.zeros([BLOCK], tl.int32)  # each lane's best
-    for start in range(0, n, BLOCK):
+    for start in range(part * span, tl.minimum(part * span + span, n), BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        x = tl.load(X + row * stride + cols, mask=cols < n, other=float("-inf")).to(tl.float32)
+        x = tl.load(X + cols, mask=cols < n, other=float("-inf")).to(tl.float32)
         if t > 0:  # the noise of a token id: int32 ids, so that both paths run the same Philox
-            ids = tl.load(IDS + row * stride + cols, mask=cols < n, other=0).to(tl.int32) if HAS_IDS else cols
+            ids = tl.load(IDS + cols, mask=cols < n, other=0).to(tl.int32) if HAS_IDS else cols
             x = x / t - tl.log(-tl.log(tl.rand(key, ids)))
         better = x > best
         best, best_col = tl.where(better, x, best), tl.where(better, cols, best_col)
-    col = tl.min(tl.where(best == tl.max(best, axis=0), best_col, n), axis=0)  # the first column of the maximum
-    tl.store(OUT + row, tl.load(IDS + row * stride + col) if HAS_IDS else col)
+    top = tl.max(best, axis=0)
+    col = tl.min(tl.where(best == top, best_col, n), axis=0)  # the part's first column of its maximum
+    tl.store(BEST + row * parts + part, top)
+    tl.store(WON + row * parts + part, tl.load(IDS + col) if HAS_IDS else col)
+
+
+def block_of(n: int) -> int:
+    return min(triton.next_power_of_2(n), 4096)
 
 
 def race(x: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor | None = None):
     """Per row of x (rows, n): the argmax where the temperature is 0, else a draw from softmax(x / T), its noise keyed
     by (keys[row], token id). ids (rows, n): each column's token id (default: the column). Returns (rows,) int64."""
     assert x.stride(1) == 1 and (ids is None or ids.stride() == x.stride())
+    (rows, n), block = x.shape, block_of(x.shape[1])
+    span = block * triton.cdiv(triton.cdiv(n, block), max(1, 1024 // rows))  # whole blocks; ~1,024 programs in all
+    parts = triton.cdiv(n, span)
+    best = torch.empty(rows, parts, device=x.device)  # each part's best score, and its token id
+    won = torch.empty(rows, parts, dtype=torch.int64, device=x.device)
+    _race_kernel[(rows, parts)](x, x if ids is None else ids, temperatures, keys, best, won, n, x.stride(0), span,
+                                HAS_IDS=ids is not None, BLOCK=block)  # fmt: skip
+    return won.gather(1, best.argmax(dim=1, keepdim=True))[:, 0]  # the first part of the best score
+
+
+@triton.jit
+def _mass_above(X, n, t, m, floor, BLOCK: tl.constexpr):
+    """The sum of exp((x - m) / t) over the logits x > floor: the softmax's mass there, times its denominator."""
+    acc = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, n, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(X + cols, mask=cols < n, other=float("-inf")).to(tl.float32)
+        acc += tl.where(x > floor, tl.exp((x - m) / t), 0.0)
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
+def _draw(X, n, t, key, offset, lo, BLOCK: tl.constexpr):
+    """The race among the logits >= lo (> lo once offset > 0), its noise at token id + offset: the column."""
+    best, best_col = tl.full([BLOCK], float("-inf"), tl.float32), tl.zeros([BLOCK], tl.int32)
+    for start in range(0, n, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(X + cols, mask=cols < n, other=float("-inf")).to(tl.float32)
+        y = x
+        if t > 0:
+            y = x / t - tl.log(-tl.log(tl.rand(key, cols + offset)))
+        y = tl.where((x > lo) | ((x == lo) & (offset == 0)), y, float("-inf"))
+        better = y > best
+        best, best_col = tl.where(better, y, best), tl.where(better, cols, best_col)
+    return tl.min(tl.where(best == tl.max(best, axis=0), best_col, n), axis=0)
+
+
+@triton.jit
+def _nucleus_kernel(X, TEMPS, TOP_PS, MIN_PS, KEYS, OUT, n, stride, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    t, p, min_p, key = tl.load(TEMPS + row), tl.load(TOP_PS + row), tl.load(MIN_PS + row), tl.load(KEYS + row)
+    X += row * stride
+    m, t_or_1 = tl.load(X + _draw(X, n, 0.0, key, 0, float("-inf"), BLOCK)).to(tl.float32), tl.where(t > 0, t, 1.0)
+    total = _mass_above(X, n, t_or_1, m, float("-inf"), BLOCK)  # the softmax's denominator
+    lo = tl.where(min_p > 0, m + t * tl.log(tl.where(min_p > 0, min_p, 1.0)), float("-inf"))  # min-p: x >= lo
+    offset, col, searching = row * 0, row * 0, row >= 0
+    while searching:  # a draw; outside the nucleus: the nucleus lies above it, draw there with fresh noise
+        col = _draw(X, n, t, key, offset, lo, BLOCK)
+        x = tl.load(X + col).to(tl.float32)
+        before = _mass_above(X, n, t_or_1, m, x, BLOCK)  # the mass of the tokens more likely than the draw
+        searching = (t > 0) & (p < 1) & (before >= p * total) & (before > 0)
+        lo, offset = x, offset + tl.cdiv(n, BLOCK) * BLOCK  # ids past the row's
+    tl.store(OUT + row, col)
+
+
+def nucleus(x: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor,
+            keys: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """Per row of x (rows, vocab): the argmax where the temperature is 0, else a draw from softmax(x / T) with top-p
+    then min-p applied (keep_mask's order); the first try's noise is race's. Returns (rows,) int64."""
+    assert x.stride(1) == 1
     out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
-    _race_kernel[(x.shape[0],)](x, x if ids is None else ids, temperatures, keys, out, x.shape[1], x.stride(0),
-                                HAS_IDS=ids is not None, BLOCK=min(triton.next_power_of_2(x.shape[1]), 4096))  # fmt: skip
+    _nucleus_kernel[(x.shape[0],)](x, temperatures, top_ps, min_ps, keys, out, x.shape[1], x.stride(0),
+                                   BLOCK=block_of(x.shape[1]), num_warps=16)  # fmt: skip
     return out
