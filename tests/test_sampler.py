@@ -233,6 +233,9 @@ def test_top_k_max_only_when_every_random_row_has_a_top_k():
                                                                 dict(top_p=0.9)))  # fmt: skip
     assert tensors([k5, k50, greedy]).top_k_max == 50  # a greedy row takes the argmax of the logits: no filter
     assert tensors([k5, top_p]).top_k_max == 0 and tensors([greedy]).top_k_max == 0  # sort the whole vocabulary
+    # on a GPU, the nucleus kernel serves a batch only if no random row has a top-k
+    assert tensors([k5, top_p]).any_top_k and not tensors([top_p, greedy]).any_top_k
+    assert not tensors([SamplingParams(temperature=0, top_k=5), top_p]).any_top_k  # a greedy row's top-k: unused
 
 
 def test_top_p_1_keeps_a_tail_too_small_for_a_float32_sum():
