@@ -538,11 +538,12 @@ def test_nucleus_never_draws_what_keep_mask_drops(top_p, min_p, t):
     assert len(set(tokens.tolist())) > 5  # rows draw apart: not always the argmax
 
 
-def test_nucleus_frequencies_are_the_renormalized_nucleus():
-    """256 draws of [0.5, 0.3, 0.15, 0.05] at top-p 0.7, min-p 0: the first two renormalized (each within 4.5
+@pytest.mark.parametrize(("top_p", "min_p"), [(0.7, 0.0), (1.0, 0.5)])
+def test_nucleus_frequencies_are_the_renormalized_survivors(top_p, min_p):
+    """256 draws of [0.5, 0.3, 0.15, 0.05] at top-p 0.7 or at min-p 0.5: the first two renormalized (each within 4.5
     standard deviations); a try that lands on the third or fourth token is drawn again."""
     x = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
     n = 256
-    freq = torch.bincount(nucleus_of(x.expand(n, -1), 1.0, 0.7), minlength=4) / n
+    freq = torch.bincount(nucleus_of(x.expand(n, -1), 1.0, top_p, min_p), minlength=4) / n
     expected = torch.tensor([0.625, 0.375, 0.0, 0.0])
     assert ((freq - expected).abs() <= 4.5 * (expected * (1 - expected) / n).sqrt()).all(), freq

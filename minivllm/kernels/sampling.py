@@ -44,30 +44,32 @@ def race(x: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor, ids: t
 
 
 @triton.jit
-def _mass_above(X, n, t, m, floor, BLOCK: tl.constexpr):
-    """The sum of exp((x - m) / t) over the logits x > floor: the softmax's mass there, times its denominator."""
-    acc = tl.zeros([BLOCK], tl.float32)
+def _draw(X, n, t, key, offset, lo, incl, BLOCK: tl.constexpr):
+    """The race among the logits > lo (or equal, if incl), its noise at token id + offset: (its column, max logit)."""
+    best, best_col = tl.full([BLOCK], float("-inf"), tl.float32), tl.zeros([BLOCK], tl.int32)
+    top = tl.full([BLOCK], float("-inf"), tl.float32)
     for start in range(0, n, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         x = tl.load(X + cols, mask=cols < n, other=float("-inf")).to(tl.float32)
-        acc += tl.where(x > floor, tl.exp((x - m) / t), 0.0)
-    return tl.sum(acc, axis=0)
+        top, y = tl.maximum(top, x), x
+        if t > 0:
+            y = x / t - tl.log(-tl.log(tl.rand(key, cols + offset)))
+        y = tl.where((x > lo) | ((x == lo) & (incl != 0)), y, float("-inf"))
+        better = y > best
+        best, best_col = tl.where(better, y, best), tl.where(better, cols, best_col)
+    return tl.min(tl.where(best == tl.max(best, axis=0), best_col, n), axis=0), tl.max(top, axis=0)
 
 
 @triton.jit
-def _draw(X, n, t, key, offset, lo, BLOCK: tl.constexpr):
-    """The race among the logits >= lo (> lo once offset > 0), its noise at token id + offset: the column."""
-    best, best_col = tl.full([BLOCK], float("-inf"), tl.float32), tl.zeros([BLOCK], tl.int32)
+def _masses(X, n, t, m, drawn, BLOCK: tl.constexpr):
+    """The sums of exp((x - m) / t) over the logits x > drawn and over all: the softmax's mass above, its denominator."""
+    above, total = tl.zeros([BLOCK], tl.float32), tl.zeros([BLOCK], tl.float32)
     for start in range(0, n, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         x = tl.load(X + cols, mask=cols < n, other=float("-inf")).to(tl.float32)
-        y = x
-        if t > 0:
-            y = x / t - tl.log(-tl.log(tl.rand(key, cols + offset)))
-        y = tl.where((x > lo) | ((x == lo) & (offset == 0)), y, float("-inf"))
-        better = y > best
-        best, best_col = tl.where(better, y, best), tl.where(better, cols, best_col)
-    return tl.min(tl.where(best == tl.max(best, axis=0), best_col, n), axis=0)
+        e = tl.exp((x - m) / t)
+        above, total = above + tl.where(x > drawn, e, 0.0), total + e
+    return tl.sum(above, axis=0), tl.sum(total, axis=0)
 
 
 @triton.jit
@@ -75,16 +77,15 @@ def _nucleus_kernel(X, TEMPS, TOP_PS, MIN_PS, KEYS, OUT, n, stride, BLOCK: tl.co
     row = tl.program_id(0)
     t, p, min_p, key = tl.load(TEMPS + row), tl.load(TOP_PS + row), tl.load(MIN_PS + row), tl.load(KEYS + row)
     X += row * stride
-    m, t_or_1 = tl.load(X + _draw(X, n, 0.0, key, 0, float("-inf"), BLOCK)).to(tl.float32), tl.where(t > 0, t, 1.0)
-    total = _mass_above(X, n, t_or_1, m, float("-inf"), BLOCK)  # the softmax's denominator
-    lo = tl.where(min_p > 0, m + t * tl.log(tl.where(min_p > 0, min_p, 1.0)), float("-inf"))  # min-p: x >= lo
-    offset, col, searching = row * 0, row * 0, row >= 0
-    while searching:  # a draw; outside the nucleus: the nucleus lies above it, draw there with fresh noise
-        col = _draw(X, n, t, key, offset, lo, BLOCK)
+    lo, incl, offset, col, searching = min_p * 0 - float("inf"), row * 0 + 1, row * 0, row * 0, row >= 0
+    while searching:  # a draw among x > lo (>= lo if incl); rejected: the kept tokens all lie above it
+        col, m = _draw(X, n, t, key, offset, lo, incl, BLOCK)
         x = tl.load(X + col).to(tl.float32)
-        before = _mass_above(X, n, t_or_1, m, x, BLOCK)  # the mass of the tokens more likely than the draw
-        searching = (t > 0) & (p < 1) & (before >= p * total) & (before > 0)
-        lo, offset = x, offset + tl.cdiv(n, BLOCK) * BLOCK  # ids past the row's
+        above, total = _masses(X, n, tl.where(t > 0, t, 1.0), m, x, BLOCK)
+        floor = tl.where(min_p > 0, m + t * tl.log(tl.where(min_p > 0, min_p, 1.0)), float("-inf"))  # min-p: x >= it
+        in_nucleus = (p >= 1) | (above < p * total) | (above == 0)
+        searching = (t > 0) & ((x < floor) | (in_nucleus == 0))
+        lo, incl, offset = tl.where(x < floor, floor, x), (x < floor).to(tl.int32), offset + tl.cdiv(n, BLOCK) * BLOCK
     tl.store(OUT + row, col)
 
 
