@@ -366,7 +366,7 @@ def race(x: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor, ids: t
 # draw in one pass: it is in the nucleus if the tokens more likely than it hold less than `p` of the mass. If not,
 # neither is any token at or below it: draw again, with fresh noise, among those above (min-p alike: above its floor).
 # The draws that pass follow the renormalized nucleus exactly (rejection sampling), and each try passes with
-# probability `p` at least: 1.1 tries on average at `p = 0.9`, each two passes, instead of a sort of 151,936 entries.
+# probability `p` at least: at most `1 / p` tries on average (1.1 at `p = 0.9`), two passes each, instead of a sort.
 
 
 # %% tags=["export"]
@@ -404,6 +404,7 @@ def _nucleus_kernel(X, TEMPS, TOP_PS, MIN_PS, KEYS, OUT, n, stride, BLOCK: tl.co
     row = tl.program_id(0)
     t, p, min_p, key = tl.load(TEMPS + row), tl.load(TOP_PS + row), tl.load(MIN_PS + row), tl.load(KEYS + row)
     X += row * stride
+    # the loop's state as tensors (a while loop carries tensors): -inf, 1, 0, 0, True
     lo, incl, offset, col, searching = min_p * 0 - float("inf"), row * 0 + 1, row * 0, row * 0, row >= 0
     while searching:  # a draw among x > lo (>= lo if incl); rejected: the kept tokens all lie above it
         col, m = _draw(X, n, t, key, offset, lo, incl, BLOCK)
@@ -435,9 +436,10 @@ freq = torch.bincount(race(cat_logits.expand(256, -1), torch.full((256,), 0.5), 
 show_probs(freq, "race")
 torch.testing.assert_close(freq, torch.softmax(cat_logits / 0.5, dim=-1), atol=0.1, rtol=0)
 assert race(cat_logits[None], torch.zeros(1), keys[:1]).item() == 0  # temperature 0: the argmax, "mat"
+# T = 1, top-p 0.7: "mat" 0.46 + "floor" 0.19 < 0.7, so "sofa" (0.11) is in the nucleus, "bed" is not
 drawn = nucleus(cat_logits.expand(128, -1), torch.ones(128), torch.full((128,), 0.7), torch.zeros(128), keys[:128])
-show_probs(freq := torch.bincount(drawn, minlength=len(words)) / 128, "top-p")  # T = 1, top-p 0.7: "mat" 0.46 and
-assert set(drawn.tolist()) == {0, 1, 2}  # "floor" 0.19 stay below 0.7, so "sofa" 0.11 is in, "bed" is not
+show_probs(freq := torch.bincount(drawn, minlength=len(words)) / 128, "top-p")
+assert set(drawn.tolist()) == {0, 1, 2}
 torch.testing.assert_close(freq[:3], torch.softmax(cat_logits[:3], dim=-1), atol=0.1, rtol=0)  # renormalized
 
 # %% [markdown]

@@ -28,14 +28,12 @@ Span = tuple[float, float]  # (start, end) in ms
 
 def idle_share(spans: list[Span]) -> dict:
     """The GPU's busy time (the union of the steps' spans), its idle gaps, and the idle share of the whole span."""
-    busy, gaps = 0.0, list[float]()
-    start, end = spans[0]
+    busy, gaps, (start, end) = 0.0, [], spans[0]  # the busy stretch so far: start..end
     for s, e in spans[1:]:
         if s > end:  # a gap: the GPU finished every step launched so far before this one began
-            busy, gaps = busy + end - start, gaps + [s - end]
-            start, end = s, e
-        else:
-            end = max(end, e)
+            busy, start = busy + end - start, s
+            gaps.append(s - end)
+        end = max(end, e)
     busy += end - start
     span = end - spans[0][0]
     gaps.sort()

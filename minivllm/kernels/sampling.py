@@ -77,6 +77,7 @@ def _nucleus_kernel(X, TEMPS, TOP_PS, MIN_PS, KEYS, OUT, n, stride, BLOCK: tl.co
     row = tl.program_id(0)
     t, p, min_p, key = tl.load(TEMPS + row), tl.load(TOP_PS + row), tl.load(MIN_PS + row), tl.load(KEYS + row)
     X += row * stride
+    # the loop's state as tensors (a while loop carries tensors): -inf, 1, 0, 0, True
     lo, incl, offset, col, searching = min_p * 0 - float("inf"), row * 0 + 1, row * 0, row * 0, row >= 0
     while searching:  # a draw among x > lo (>= lo if incl); rejected: the kept tokens all lie above it
         col, m = _draw(X, n, t, key, offset, lo, incl, BLOCK)
