@@ -606,7 +606,7 @@ from minivllm.config import Config
 from minivllm.engine.sequence import Sequence
 from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.layernorm import RMSNorm
-from minivllm.layers.linear import TPGroup, tensor_parallel
+from minivllm.layers.linear import LinearBase, TPGroup, tensor_parallel
 from minivllm.layers.rotary_embedding import RotaryEmbedding
 from minivllm.layers.sampler import Sampler, SamplingTensors, TokenLogprobs, logprobs_of
 from minivllm.models.loader import load_model
@@ -858,14 +858,16 @@ class DecodeGraphs:
 # A graph removes each kernel's *launch* cost, not the kernel, and our layers in PyTorch make several tiny kernels
 # each (a norm: a cast, a square, a mean, an rsqrt, two products). So on a GPU each norm, RoPE and gated activation
 # runs as its Triton kernel (01), one launch: `torch.compile` fuses too, but checks guards on the host at each call.
+# The linear layers of a one-token step run 01's `gemv`: a batch-1 decode step is mostly reading weights.
 
 
 # %% tags=["export"]
 def use_small_layer_kernels(model: torch.nn.Module, enabled: bool = True) -> None:
     """Run each RMSNorm, RoPE and SiluAndMul of this model as one Triton kernel (01): a launch, with no compiled
-    call's guards to check on the host first. CUDA graphs capture the launches like any other kernel's."""
+    call's guards to check on the host first; each linear layer at one token as `gemv`. CUDA graphs capture the
+    launches like any other kernel's."""
     for module in model.modules():
-        if isinstance(module, (RMSNorm, RotaryEmbedding, SiluAndMul)):
+        if isinstance(module, (RMSNorm, RotaryEmbedding, SiluAndMul, LinearBase)):
             module.use_triton = enabled
 
 

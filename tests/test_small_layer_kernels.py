@@ -1,5 +1,5 @@
-"""Notebook 01's small-layer Triton kernels (fused residual add + RMSNorm, RoPE, SiLU-and-mul) against the PyTorch
-layers they stand in for: on a CPU in Triton's interpreter, on a GPU (marked `gpu`) in bfloat16, CUDA graphs included."""
+"""Notebook 01's small-layer Triton kernels (fused residual add + RMSNorm, RoPE, SiLU-and-mul, one token's GEMV)
+against the PyTorch layers they stand in for: on a CPU in Triton's interpreter, on a GPU (marked `gpu`) in bfloat16, CUDA graphs included."""
 
 from unittest import mock
 
@@ -8,9 +8,10 @@ import torch
 
 from minivllm import load_model
 from minivllm.engine.model_runner import use_small_layer_kernels
-from minivllm.kernels import apply_rope, rms_norm, silu_and_mul
+from minivllm.kernels import apply_rope, gemv, rms_norm, silu_and_mul
 from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.layernorm import RMSNorm
+from minivllm.layers.linear import RowParallelLinear
 from minivllm.layers.rotary_embedding import RotaryEmbedding
 from minivllm.testing import prompt_logits
 
@@ -104,6 +105,41 @@ def test_silu_and_mul_matches_the_layer(num_tokens, intermediate):
     torch.testing.assert_close(silu_and_mul(wide), SiluAndMul()(wide), **FP32)
 
 
+@pytest.mark.parametrize("n, k", [(37, 96), (4100, 700), (24, 2100)])  # both BLOCK_N and BLOCK_K choices, ragged
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_matches_linear(n, k, with_bias):
+    w = torch.randn(n + 3, k, device=DEVICE)[:n]  # a weight that is a view: its rows read through its stride
+    x, bias = torch.randn(1, k, device=DEVICE), torch.randn(n, device=DEVICE) if with_bias else None
+    out = gemv(x, w, bias)
+    assert out.shape == (1, n) and out.dtype == x.dtype
+    torch.testing.assert_close(out, torch.nn.functional.linear(x, w, bias), rtol=1e-5, atol=1e-4)  # sums reordered
+    x16, w16 = x.bfloat16(), w.bfloat16()
+    out16 = gemv(x16, w16)
+    assert out16.dtype == torch.bfloat16
+    torch.testing.assert_close(out16, torch.nn.functional.linear(x16, w16), **bf16_tolerance())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_gemv_is_gemv_then_silu_and_mul(dtype):
+    w = (torch.randn(2 * 300, 700, device=DEVICE) / 10).to(dtype)  # [gate | up], 300 each
+    x = torch.randn(1, 700, device=DEVICE).to(dtype)
+    out = gemv(x, w, gated=True)
+    assert out.shape == (1, 300) and out.dtype == dtype
+    assert torch.equal(out, silu_and_mul(gemv(x, w)))  # the same sums, the same roundings
+
+
+def test_linear_layers_run_gemv_for_one_token_only():
+    layer = RowParallelLinear(96, 40).to(DEVICE)
+    layer.weight.data.normal_()
+    one, five = torch.randn(1, 96, device=DEVICE), torch.randn(5, 96, device=DEVICE)
+    with torch.no_grad(), mock.patch("minivllm.layers.linear.gemv", wraps=gemv) as spy:
+        expected = layer(one), layer(five)
+        layer.use_triton = True
+        got = layer(one), layer(five)
+    assert spy.call_count == 1  # switched on, at one token
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+
+
 def qkv_views(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str):
     """q and k as the model makes them: strided views of one QKV projection's output."""
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
@@ -131,6 +167,14 @@ def test_rope_matches_the_layer(params, num_tokens, num_heads, num_kv_heads, hea
         tolerance = FP32 if dtype == torch.float32 else bf16_tolerance()
         torch.testing.assert_close(q_out, q_ref, **tolerance)
         torch.testing.assert_close(k_out, k_ref, **tolerance)
+        norms = random_norm(head_dim, dtype), random_norm(head_dim, dtype)
+        norms[1].weight.data.mul_(-0.5)  # q's and k's norms differ
+        with torch.no_grad():
+            expected = rope(positions, q, k, norms)
+        # bfloat16: a unit in the last place of a normalised input (2^-6 at |x| in [2, 4)) moves an output by as much,
+        # however small the output is after the rotation
+        tolerance = FP32 if dtype == torch.float32 else dict(rtol=3 * 2**-7, atol=2 * 2**-6)
+        torch.testing.assert_close(apply_rope(positions, q, k, rope.cos, rope.sin, norms), expected, **tolerance)
 
 
 def kernel_spies():
@@ -158,20 +202,28 @@ def test_the_layers_dispatch_on_their_switch():
     torch.testing.assert_close(got, expected, **FP32)
 
 
-def test_model_forward_with_the_kernels_equals_without(tiny):
+@pytest.mark.parametrize("token_ids", [[5, 99, 1023, 7, 42], [99]])
+def test_model_forward_with_the_kernels_equals_without(tiny, token_ids):
     """The tiny model through prompt_logits: the switch the runner turns on a GPU, here in the interpreter."""
     model = load_model(tiny, dtype=torch.float32, device=DEVICE)
-    token_ids = [5, 99, 1023, 7, 42]
-    patches = kernel_spies()
-    with torch.no_grad(), patches[0] as norm_spy, patches[1] as rope_spy, patches[2] as act_spy:
-        expected = prompt_logits(model, token_ids)
-        use_small_layer_kernels(model)
-        got = prompt_logits(model, token_ids)
-        calls = norm_spy.call_count, rope_spy.call_count, act_spy.call_count
-        use_small_layer_kernels(model, enabled=False)
-        again = prompt_logits(model, token_ids)
-    layers = model.config.num_hidden_layers  # 4 norms (input, q, k, post-attention) a layer, and the final one
-    assert calls == (4 * layers + 1, layers, layers) and norm_spy.call_count == calls[0]  # only while switched on
+    patches = (
+        *kernel_spies(),
+        mock.patch("minivllm.layers.linear.gemv", wraps=gemv),
+        mock.patch("minivllm.models.qwen3.gemv", wraps=gemv),
+    )
+    with torch.no_grad(), patches[0] as norm_spy, patches[1] as rope_spy, patches[2] as act_spy, patches[3] as gemv_spy:
+        with patches[4] as gated_spy:
+            expected = prompt_logits(model, token_ids)
+            use_small_layer_kernels(model)
+            got = prompt_logits(model, token_ids)
+            calls = norm_spy.call_count, rope_spy.call_count, act_spy.call_count, gemv_spy.call_count
+            use_small_layer_kernels(model, enabled=False)
+            again = prompt_logits(model, token_ids)
+    layers, one = model.config.num_hidden_layers, len(token_ids) == 1
+    # 2 norms (input, post-attention) a layer and the final one; q's and k's in RoPE's kernel. At one token, gemv:
+    # qkv, o and down through the linear layers, [gate | up] with the activation from the MLP
+    assert calls == (2 * layers + 1, layers, 0 if one else layers, 3 * layers if one else 0)
+    assert gated_spy.call_count == (layers if one else 0) and norm_spy.call_count == calls[0]  # only while on
     assert torch.equal(again, expected)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
@@ -196,8 +248,22 @@ def test_kernels_match_the_layers_in_bf16_on_gpu(num_tokens):
             (apply_rope(positions, q, k, rope.cos, rope.sin), rope(positions, q, k)),
             (silu_and_mul(gate_up), SiluAndMul()(gate_up)),
         ]
+        normed_rope = apply_rope(positions, q, k, rope.cos, rope.sin, (q_norm, q_norm))
+        expected_normed_rope = rope(positions, q, k, (q_norm, q_norm))
     for got, expected in pairs:
         torch.testing.assert_close(got, expected, **BF16_GPU)
+    # the norm's sum of squares in two halves: a unit in the last place of a normalised input, at most, moves an
+    # output by as much (2^-6 at |x| in [2, 4)) however small the rotation leaves it
+    torch.testing.assert_close(normed_rope, expected_normed_rope, rtol=2 * 2**-7, atol=2 * 2**-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k", [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)])  # qkv, o, gate_up, down
+def test_gemv_matches_linear_in_bf16_on_gpu(n, k):
+    x, w = torch.randn(1, k, dtype=torch.bfloat16, device="cuda"), torch.randn(n, k, device="cuda").bfloat16() / 30
+    torch.testing.assert_close(gemv(x, w), torch.nn.functional.linear(x, w), **BF16_GPU)
+    if n == 6144:  # [gate | up]: the activation in the same pass, as gemv then silu_and_mul
+        assert torch.equal(gemv(x, w, gated=True), silu_and_mul(gemv(x, w)))
 
 
 @pytest.mark.gpu
@@ -211,7 +277,7 @@ def test_kernels_replay_in_a_cuda_graph():
 
     def step() -> tuple:
         normed = rms_norm(x, norm.weight, norm.eps, residual)
-        return normed, apply_rope(positions, q, k, rope.cos, rope.sin), silu_and_mul(gate_up)
+        return normed, apply_rope(positions, q, k, rope.cos, rope.sin), silu_and_mul(gate_up), gemv(x[:1], residual)
 
     step()  # compile outside the capture
     torch.cuda.synchronize()

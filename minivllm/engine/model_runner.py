@@ -18,7 +18,7 @@ from minivllm.config import Config
 from minivllm.engine.sequence import Sequence
 from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.layernorm import RMSNorm
-from minivllm.layers.linear import TPGroup, tensor_parallel
+from minivllm.layers.linear import LinearBase, TPGroup, tensor_parallel
 from minivllm.layers.rotary_embedding import RotaryEmbedding
 from minivllm.layers.sampler import Sampler, SamplingTensors, TokenLogprobs, logprobs_of
 from minivllm.models.loader import load_model
@@ -213,9 +213,10 @@ class DecodeGraphs:
 
 def use_small_layer_kernels(model: torch.nn.Module, enabled: bool = True) -> None:
     """Run each RMSNorm, RoPE and SiluAndMul of this model as one Triton kernel (01): a launch, with no compiled
-    call's guards to check on the host first. CUDA graphs capture the launches like any other kernel's."""
+    call's guards to check on the host first; each linear layer at one token as `gemv`. CUDA graphs capture the
+    launches like any other kernel's."""
     for module in model.modules():
-        if isinstance(module, (RMSNorm, RotaryEmbedding, SiluAndMul)):
+        if isinstance(module, (RMSNorm, RotaryEmbedding, SiluAndMul, LinearBase)):
             module.use_triton = enabled
 
 

@@ -10,6 +10,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from minivllm.kernels.small_layers import gemv  # a Triton kernel, written with the small layers below
+
 
 @dataclass(frozen=True, slots=True)
 class TPGroup:
@@ -53,6 +55,8 @@ def check_shape(name: str, loaded: torch.Tensor, expected: tuple[int, ...]) -> N
 class LinearBase(nn.Module):
     """y = x Wᵀ (+ b) on this rank's slice; `tp_dim` is the weight dimension that is split (None: replicated)."""
 
+    use_triton = False  # True: one token's product by a Triton GEMV (below); notebook 04's runner sets it on a GPU
+
     def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_dim: int | None = None):
         super().__init__()
         self.tp = tp_group()
@@ -79,8 +83,13 @@ class LinearBase(nn.Module):
             loaded = loaded.chunk(self.tp_size, self.tp_dim)[self.tp_rank]
         param.data.copy_(loaded)
 
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # x: (num_tokens, input_size)
+        if self.use_triton and x.shape[0] == 1:  # a matrix-vector product: cuBLAS's tiles waste bandwidth here
+            return gemv(x, self.weight, bias)
+        return F.linear(x, self.weight, bias)  # (num_tokens, output_size)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (num_tokens, input_size)
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -137,7 +146,7 @@ class RowParallelLinear(LinearBase):
         super().__init__(divide(input_size, tp_group().size), output_size, bias, tp_dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (num_tokens, input_size / tp)
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = self.matmul(x, self.bias if self.tp_rank == 0 else None)
         if self.tp_size > 1:
             dist.all_reduce(y, group=self.tp.group)
         return y  # (num_tokens, output_size)

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from minivllm.kernels.small_layers import apply_rope
+from minivllm.layers.layernorm import RMSNorm
 
 
 def rope_parameters(config: Any) -> dict:
@@ -34,7 +35,7 @@ def llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     cos: torch.Tensor  # buffers, registered below: (max_position, head_dim / 2)
     sin: torch.Tensor
-    use_triton = False  # True: one Triton kernel for q and k; notebook 04's runner sets it on a GPU
+    use_triton = False  # True: one Triton kernel for q and k (and their norms); notebook 04's runner sets it on a GPU
 
     def __init__(self, head_dim: int, max_position: int, params: dict):
         super().__init__()
@@ -51,10 +52,13 @@ class RotaryEmbedding(nn.Module):
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, norms: tuple[RMSNorm, RMSNorm] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:  # positions: (num_tokens,); q, k: (num_tokens, num_heads, head_dim)
+        """Rotate q and k; with `norms` (Qwen3's q_norm, k_norm), normalise each head of q and of k first."""
         if self.use_triton:
-            return apply_rope(positions, q, k, self.cos, self.sin)
+            return apply_rope(positions, q, k, self.cos, self.sin, norms)
+        if norms is not None:
+            q, k = norms[0](q), norms[1](k)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # (num_tokens, 1, head_dim / 2)
         return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
 

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from minivllm.attention.layer import Attention, AttentionContext
+from minivllm.kernels.small_layers import gemv
 from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from minivllm.layers.layernorm import RMSNorm
@@ -42,9 +43,9 @@ class Qwen3Attention(nn.Module):
         # positions: (num_tokens,); x: (num_tokens, hidden_size)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))  # (num_tokens, num_heads, head_dim)
-        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))  # (num_tokens, num_kv_heads, head_dim)
-        q, k = self.rotary_emb(positions, q, k)
+        q = q.view(-1, self.num_heads, self.head_dim)  # (num_tokens, num_heads, head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # (num_tokens, num_kv_heads, head_dim)
+        q, k = self.rotary_emb(positions, q, k, norms=(self.q_norm, self.k_norm))  # each head normalised, rotated
         o = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), context)  # (num_tokens, num_heads, head_dim)
         return self.o_proj(o.flatten(1))  # (num_tokens, hidden_size)
 
@@ -59,6 +60,8 @@ class Qwen3MLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (num_tokens, hidden_size)
+        if self.gate_up_proj.use_triton and x.shape[0] == 1:  # one token: the activation inside 01's GEMV
+            return self.down_proj(gemv(x, self.gate_up_proj.weight, gated=True))
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
