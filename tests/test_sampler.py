@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minivllm.engine.sequence import Sequence
-from minivllm.kernels.sampling import nucleus, race
+from minivllm.kernels.sampling import nucleus, race, race_ids
 from minivllm.layers.sampler import (
     Sampler,
     SamplingTensors,
@@ -452,18 +452,27 @@ def test_cuda_matches_the_contract():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_race_at_temperature_0_is_the_argmax_first_on_ties(dtype):
-    logits = random_logits(0, 10_000, 1.0, rows=3).to(dtype)  # 10,000 columns: three blocks of 4,096
-    logits[1, 5000] = logits[1, 9000] = logits[1, 200] = 100.0  # a tie across blocks and lanes: the first wins
+    logits = random_logits(0, 10_000, 1.0, rows=3).to(dtype)  # 2,500 counters of four columns, five parts a row
+    logits[1, 5000] = logits[1, 9000] = logits[1, 200] = 100.0  # a tie across parts and lanes: the first wins
+    logits[0, 2600] = logits[0, 1000] = 100.0  # lane 1 of part 0, lane 0 of part 1: still the first column
     logits[2, 9999] = 100.0  # in the last, partial block
     tokens = race(logits, torch.zeros(3), torch.tensor([1, 2, 3]))
-    assert tokens.tolist() == logits.float().argmax(dim=-1).tolist() and tokens[1] == 200 and tokens[2] == 9999
+    assert tokens.tolist() == logits.float().argmax(dim=-1).tolist() and tokens.tolist() == [1000, 200, 9999]
 
 
 def test_race_noise_follows_the_token_id_not_the_column():
     logits, keys, temps = random_logits(1, 300, 1.0, rows=32), torch.arange(32) * 7919, torch.full((32,), 0.8)
     perm = torch.stack([torch.randperm(300, generator=torch.Generator().manual_seed(r)) for r in range(32)])
-    assert torch.equal(race(logits.gather(1, perm), temps, keys, perm), race(logits, temps, keys))
+    assert torch.equal(race_ids(logits.gather(1, perm), temps, keys, perm, 300), race(logits, temps, keys))
     assert len(set(race(logits[:1].expand(32, -1), temps, keys).tolist())) > 5  # other keys, other draws
+
+
+def test_race_among_candidates_is_the_race_over_the_row():
+    """The top-k path: race_ids over the 20 most likely tokens = race over the row with the others at -inf."""
+    logits, keys, temps = random_logits(2, 1000, 1.0, rows=32), torch.arange(32) * 13, torch.full((32,), 0.7)
+    top = logits.topk(20)
+    only_top = torch.full_like(logits, float("-inf")).scatter(1, top.indices, top.values)
+    assert torch.equal(race_ids(top.values, temps, keys, top.indices, 1000), race(only_top, temps, keys))
 
 
 def test_race_same_key_same_token_in_any_row():
@@ -505,7 +514,7 @@ def test_cuda_race_noise_follows_the_token_id_not_the_column():
     """A row split into parts, a program each: the same draw as from the row's candidates in any order."""
     logits, keys, temps = random_logits(1, 151_936, 1.0, rows=8).cuda(), torch.arange(8).cuda(), torch.ones(8).cuda()
     perm = torch.stack([torch.randperm(151_936, generator=torch.Generator().manual_seed(r)) for r in range(8)]).cuda()
-    assert torch.equal(race(logits.gather(1, perm), temps, keys, perm), race(logits, temps, keys))
+    assert torch.equal(race_ids(logits.gather(1, perm), temps, keys, perm, 151_936), race(logits, temps, keys))
 
 
 # --- nucleus: top-p (and min-p) by drawing, then checking the draw --------------------------------------------

@@ -6,58 +6,100 @@ import triton.language as tl
 
 
 @triton.jit
-def _race_kernel(X, IDS, TEMPS, KEYS, BEST, WON, n, stride, span, HAS_IDS: tl.constexpr, BLOCK: tl.constexpr):
-    row, part, parts = tl.program_id(0), tl.program_id(1), tl.num_programs(1)  # part: columns part * span, + span
+def _noise(key, ids, s):
+    """The uniform number of token ids: number ids // s of Philox counter ids % s (four numbers per counter)."""
+    r0, r1, r2, r3 = tl.rand4x(key, ids % s)
+    lane = ids // s
+    return tl.where(lane == 0, r0, tl.where(lane == 1, r1, tl.where(lane == 2, r2, r3)))
+
+
+@triton.jit
+def _better(x, u, t, cols, best, best_col):
+    """Each lane's best score so far (the first column on ties), given logits x of columns cols, noise u."""
+    if t > 0:  # temperature 0: the logit itself
+        x = x / t - tl.log(-tl.log(u))
+    better = (x > best) | ((x == best) & (cols < best_col))
+    return tl.where(better, x, best), tl.where(better, cols, best_col)
+
+
+@triton.jit
+def _lane(X, n, s, c, lane, u, t, lo, incl, best, best_col, top):
+    """Counters c's columns in lane `lane` (c + lane * s), where > lo (or equal, if incl), into the race."""
+    cols = c + lane * s
+    x = tl.load(X + cols, mask=(cols < n) & (c < s), other=float("-inf")).to(tl.float32)
+    kept = tl.where((x > lo) | ((x == lo) & (incl != 0)), x, float("-inf"))
+    best, best_col = _better(kept, u, t, cols, best, best_col)
+    return best, best_col, tl.maximum(top, x)
+
+
+@triton.jit
+def _draw(X, n, s, t, key, lo, incl, start, end, offset, BLOCK: tl.constexpr):
+    """The race among the logits > lo (>= lo if incl) of counters start..end, each counter's four columns, the noise
+    at counter + offset: (the best score, its column, the largest logit)."""
+    best, best_col = tl.full([BLOCK], float("-inf"), tl.float32), tl.zeros([BLOCK], tl.int32)
+    top = tl.full([BLOCK], float("-inf"), tl.float32)
+    for first in range(start, end, BLOCK):
+        c = first + tl.arange(0, BLOCK)
+        r0, r1, r2, r3 = tl.rand4x(key, c + offset)  # one Philox call, four tokens' numbers
+        best, best_col, top = _lane(X, n, s, c, 0, r0, t, lo, incl, best, best_col, top)
+        best, best_col, top = _lane(X, n, s, c, 1, r1, t, lo, incl, best, best_col, top)
+        best, best_col, top = _lane(X, n, s, c, 2, r2, t, lo, incl, best, best_col, top)
+        best, best_col, top = _lane(X, n, s, c, 3, r3, t, lo, incl, best, best_col, top)
+    score = tl.max(best, axis=0)
+    return score, tl.min(tl.where(best == score, best_col, n), axis=0), tl.max(top, axis=0)
+
+
+@triton.jit
+def _race_kernel(X, TEMPS, KEYS, BEST, WON, n, stride, span, BLOCK: tl.constexpr):
+    row, part, parts = tl.program_id(0), tl.program_id(1), tl.num_programs(1)  # part: counters part * span, + span
+    t, key, X, s = tl.load(TEMPS + row), tl.load(KEYS + row), X + row.to(tl.int64) * stride, tl.cdiv(n, 4)
+    lo = t * 0 - float("inf")  # no floor
+    score, col, _ = _draw(X, n, s, t, key, lo, 1, part * span, tl.minimum(part * span + span, s), 0, BLOCK)
+    tl.store(BEST + row * parts + part, score)
+    tl.store(WON + row * parts + part, col)
+
+
+@triton.jit
+def _race_ids_kernel(X, IDS, TEMPS, KEYS, WON, n, s, stride, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
     t, key = tl.load(TEMPS + row), tl.load(KEYS + row)
-    X, IDS = X + row * stride, IDS + row * stride
-    best, best_col = tl.full([BLOCK], float("-inf"), tl.float32), tl.zeros([BLOCK], tl.int32)  # each lane's best
-    for start in range(part * span, tl.minimum(part * span + span, n), BLOCK):
+    X, IDS = X + row.to(tl.int64) * stride, IDS + row.to(tl.int64) * stride
+    best, best_col = tl.full([BLOCK], float("-inf"), tl.float32), tl.zeros([BLOCK], tl.int32)
+    for start in range(0, n, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         x = tl.load(X + cols, mask=cols < n, other=float("-inf")).to(tl.float32)
-        if t > 0:  # the noise of a token id: int32 ids, so that both paths run the same Philox
-            ids = tl.load(IDS + cols, mask=cols < n, other=0).to(tl.int32) if HAS_IDS else cols
-            x = x / t - tl.log(-tl.log(tl.rand(key, ids)))
-        better = x > best
-        best, best_col = tl.where(better, x, best), tl.where(better, cols, best_col)
-    top = tl.max(best, axis=0)
-    col = tl.min(tl.where(best == top, best_col, n), axis=0)  # the part's first column of its maximum
-    tl.store(BEST + row * parts + part, top)
-    tl.store(WON + row * parts + part, tl.load(IDS + col) if HAS_IDS else col)
+        ids = tl.load(IDS + cols, mask=cols < n, other=0).to(tl.int32)
+        best, best_col = _better(x, _noise(key, ids, s), t, cols, best, best_col)
+    tl.store(WON + row, tl.load(IDS + tl.min(tl.where(best == tl.max(best, axis=0), best_col, n), axis=0)))
 
 
 def block_of(n: int) -> int:
     return min(triton.next_power_of_2(n), 4096)
 
 
-def race(x: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor | None = None):
-    """Per row of x (rows, n): the argmax where the temperature is 0, else a draw from softmax(x / T), its noise keyed
-    by (keys[row], token id). ids (rows, n): each column's token id (default: the column). Returns (rows,) int64."""
-    assert x.stride(1) == 1 and (ids is None or ids.stride() == x.stride())
-    (rows, n), block = x.shape, block_of(x.shape[1])
-    span = block * triton.cdiv(triton.cdiv(n, block), max(1, 1024 // rows))  # whole blocks; ~1,024 programs in all
-    parts = triton.cdiv(n, span)
-    best = torch.empty(rows, parts, device=x.device)  # each part's best score, and its token id
+def race(x: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Per row of x (rows, vocab): the argmax where the temperature is 0, else a draw from softmax(x / T), its noise
+    keyed by (keys[row], token id). Returns (rows,) int64."""
+    assert x.stride(1) == 1
+    (rows, n), block = x.shape, 512
+    s = triton.cdiv(n, 4)  # counters: four columns each
+    span = block * triton.cdiv(triton.cdiv(s, block), max(1, 2048 // rows))  # whole blocks; ~2,048 programs in all
+    parts = triton.cdiv(s, span)
+    best = torch.empty(rows, parts, device=x.device)  # each part's best score, and its column
     won = torch.empty(rows, parts, dtype=torch.int64, device=x.device)
-    _race_kernel[(rows, parts)](x, x if ids is None else ids, temperatures, keys, best, won, n, x.stride(0), span,
-                                HAS_IDS=ids is not None, BLOCK=block)  # fmt: skip
-    return won.gather(1, best.argmax(dim=1, keepdim=True))[:, 0]  # the first part of the best score
+    _race_kernel[(rows, parts)](x, temperatures, keys, best, won, n, x.stride(0), span, BLOCK=block)
+    firsts = won.masked_fill(best < best.max(dim=1, keepdim=True).values, n)  # parts with the best score: first column
+    return firsts.amin(dim=1)
 
 
-@triton.jit
-def _draw(X, n, t, key, offset, lo, incl, BLOCK: tl.constexpr):
-    """The race among the logits > lo (or equal, if incl), its noise at token id + offset: (its column, max logit)."""
-    best, best_col = tl.full([BLOCK], float("-inf"), tl.float32), tl.zeros([BLOCK], tl.int32)
-    top = tl.full([BLOCK], float("-inf"), tl.float32)
-    for start in range(0, n, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        x = tl.load(X + cols, mask=cols < n, other=float("-inf")).to(tl.float32)
-        top, y = tl.maximum(top, x), x
-        if t > 0:
-            y = x / t - tl.log(-tl.log(tl.rand(key, cols + offset)))
-        y = tl.where((x > lo) | ((x == lo) & (incl != 0)), y, float("-inf"))
-        better = y > best
-        best, best_col = tl.where(better, y, best), tl.where(better, cols, best_col)
-    return tl.min(tl.where(best == tl.max(best, axis=0), best_col, n), axis=0), tl.max(top, axis=0)
+def race_ids(x: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor, vocab: int):
+    """race among candidates: x (rows, n) their logits, ids (rows, n) their token ids in a vocabulary of `vocab`;
+    the same noise per token id as race over the whole row. Returns (rows,) int64 token ids."""
+    assert x.stride(1) == 1 and ids.stride() == x.stride()
+    won = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
+    _race_ids_kernel[(x.shape[0],)](x, ids, temperatures, keys, won, x.shape[1], triton.cdiv(vocab, 4), x.stride(0),
+                                    BLOCK=block_of(x.shape[1]))  # fmt: skip
+    return won
 
 
 @triton.jit
@@ -76,17 +118,17 @@ def _masses(X, n, t, m, drawn, BLOCK: tl.constexpr):
 def _nucleus_kernel(X, TEMPS, TOP_PS, MIN_PS, KEYS, OUT, n, stride, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     t, p, min_p, key = tl.load(TEMPS + row), tl.load(TOP_PS + row), tl.load(MIN_PS + row), tl.load(KEYS + row)
-    X += row * stride
+    X, s = X + row.to(tl.int64) * stride, tl.cdiv(n, 4)
     # the loop's state as tensors (a while loop carries tensors): -inf, 1, 0, 0, True
     lo, incl, offset, col, searching = min_p * 0 - float("inf"), row * 0 + 1, row * 0, row * 0, row >= 0
     while searching:  # a draw among x > lo (>= lo if incl); rejected: the kept tokens all lie above it
-        col, m = _draw(X, n, t, key, offset, lo, incl, BLOCK)
+        _, col, m = _draw(X, n, s, t, key, lo, incl, 0, s, offset, BLOCK)
         x = tl.load(X + col).to(tl.float32)
-        above, total = _masses(X, n, tl.where(t > 0, t, 1.0), m, x, BLOCK)
+        above, total = _masses(X, n, tl.where(t > 0, t, 1.0), m, x, 4 * BLOCK)
         floor = tl.where(min_p > 0, m + t * tl.log(tl.where(min_p > 0, min_p, 1.0)), float("-inf"))  # min-p: x >= it
         in_nucleus = (p >= 1) | (above < p * total) | (above == 0)
         searching = (t > 0) & ((x < floor) | (in_nucleus == 0))
-        lo, incl, offset = tl.where(x < floor, floor, x), (x < floor).to(tl.int32), offset + tl.cdiv(n, BLOCK) * BLOCK
+        lo, incl, offset = tl.where(x < floor, floor, x), (x < floor).to(tl.int32), offset + s  # next try: new counters
     tl.store(OUT + row, col)
 
 
@@ -97,5 +139,5 @@ def nucleus(x: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor, m
     assert x.stride(1) == 1
     out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
     _nucleus_kernel[(x.shape[0],)](x, temperatures, top_ps, min_ps, keys, out, x.shape[1], x.stride(0),
-                                   BLOCK=block_of(x.shape[1]), num_warps=16)  # fmt: skip
+                                   BLOCK=min(1024, triton.next_power_of_2(triton.cdiv(x.shape[1], 4))), num_warps=16)  # fmt: skip
     return out

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from minivllm.kernels.sampling import nucleus, race
+from minivllm.kernels.sampling import nucleus, race, race_ids
 from minivllm.sampling_params import SamplingParams
 
 
@@ -142,7 +142,7 @@ class Sampler(nn.Module):
             top = logits.topk(t.top_k_max) if t.top_k_max else logits.sort(dim=-1, descending=True)
             scaled = top.values.float() / temperatures  # (batch, candidates)
             scaled.masked_fill_(~keep_mask(torch.softmax(scaled, dim=-1), t.top_ks, t.top_ps, t.min_ps), float("-inf"))
-            sampled = race(scaled, torch.ones_like(t.temperatures), t.keys, top.indices)
+            sampled = race_ids(scaled, torch.ones_like(t.temperatures), t.keys, top.indices, logits.shape[-1])
         else:
             probs = torch.softmax(logits / temperatures, dim=-1)  # (batch, vocab) float32
             if t.filtering:
