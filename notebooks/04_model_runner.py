@@ -476,13 +476,18 @@ def nucleus(x: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor, m
 # %%
 from minivllm.kernels.sampling import nucleus, race
 
-keys = torch.arange(256)  # 256 rows of the cat distribution at T = 0.5, each with its own key (on a CPU: interpreted)
-freq = torch.bincount(race(cat_logits.expand(256, -1), torch.full((256,), 0.5), keys), minlength=len(words)) / 256
+
+def rows_of(value: float, n: int) -> torch.Tensor:  # a (n,) setting on the kernels' device
+    return torch.full((n,), value, device=DEVICE)
+
+
+keys, cat = torch.arange(256, device=DEVICE), cat_logits.to(DEVICE)  # 256 rows with their own keys; CPU: interpreted
+freq = torch.bincount(race(cat.expand(256, -1), rows_of(0.5, 256), keys).cpu(), minlength=len(words)) / 256
 show_probs(freq, "race")
 torch.testing.assert_close(freq, torch.softmax(cat_logits / 0.5, dim=-1), atol=0.1, rtol=0)
-assert race(cat_logits[None], torch.zeros(1), keys[:1]).item() == 0  # temperature 0: the argmax, "mat"
+assert race(cat[None], rows_of(0, 1), keys[:1]).item() == 0  # temperature 0: the argmax, "mat"
 # T = 1, top-p 0.7: "mat" 0.46 + "floor" 0.19 < 0.7, so "sofa" (0.11) is in the nucleus, "bed" is not
-drawn = nucleus(cat_logits.expand(128, -1), torch.ones(128), torch.full((128,), 0.7), torch.zeros(128), keys[:128])
+drawn = nucleus(cat.expand(128, -1), rows_of(1, 128), rows_of(0.7, 128), rows_of(0, 128), keys[:128]).cpu()
 show_probs(freq := torch.bincount(drawn, minlength=len(words)) / 128, "top-p")
 assert set(drawn.tolist()) == {0, 1, 2}
 torch.testing.assert_close(freq[:3], torch.softmax(cat_logits[:3], dim=-1), atol=0.1, rtol=0)  # renormalized
