@@ -632,12 +632,13 @@ for name, (config, hf_rope) in configs.items():
 # SiLU-and-mul has no reduction (a program per 1,024 columns of a token); RoPE runs a program per token, which loads
 # its position's `cos` and `sin` once and rotates every head of q and k as `(heads, head_dim / 2)` tiles. Qwen3
 # normalises each head of q and k just before RoPE (notebook 02), so the RoPE kernel can do that too (`norms`):
-# the heads are in registers already, and a layer makes one launch for both instead of three.
+# the heads are in registers already, and a layer makes one launch for both instead of three. (The model calls it so;
+# `rms_norm` on heads stays for a norm on its own.)
 #
 # One more is not small: a linear layer at *one* token (a decode step of one request) is a matrix-vector product.
 # Each weight is read once for one multiply-add, so the layer can only be as fast as its weights stream from memory.
 # cuBLAS tiles its GEMMs for many rows; at one row some of its choices leave most of the bandwidth idle (on an
-# H200, Qwen3-0.6B's 4 MB attention output projection took 12 µs: 0.34 of the 4.8 TB/s). `gemv` gives each program
+# H200, Qwen3-0.6B's 4 MB attention output projection took 12 µs: 0.34 TB/s of the 4.8). `gemv` gives each program
 # `BLOCK_N` outputs, keeps a float32 partial sum per lane while it walks along `k`, and reduces once at the end.
 # `LinearBase` calls it for one token when `use_triton` is set; more tokens keep cuBLAS. With `gated=True` it reads
 # the `[gate | up]` rows of an output together and returns `silu(gate) * up`: the MLP's activation, no extra launch.

@@ -315,7 +315,7 @@ assert not tensors_of(seqs[:1]).filtering and tensors_of(seqs[:1]).all_greedy
 # the logits. `u` comes from Philox, a function of the row's key and a counter, no state: `tl.rand4x(key, c)` gives four
 # numbers at once, so token `t` of a vocabulary of `n` takes number `t // s` of counter `t % s`, `s = ⌈n / 4⌉`, and a
 # program reads the four columns `c, c + s, c + 2s, c + 3s` per counter: a quarter of the Philox work of one call per
-# token, the costliest part of the pass. A row is cut into parts, a program each, so that one row fills the GPU too;
+# token (which took about a third of the pass on an H200; the logarithms most of the rest). A row is cut into parts, a program each, so that one row fills the GPU too;
 # the best part wins. With a top-k, `topk` gives the candidates, `keep_mask` sets the dropped to `-inf`, and
 # `race_ids` races them with each token id's own number (`_noise`): the same draw as over the whole row.
 

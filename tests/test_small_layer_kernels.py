@@ -1,6 +1,8 @@
 """Notebook 01's small-layer Triton kernels (fused residual add + RMSNorm, RoPE, SiLU-and-mul, one token's GEMV)
-against the PyTorch layers they stand in for: on a CPU in Triton's interpreter, on a GPU (marked `gpu`) in bfloat16, CUDA graphs included."""
+against the PyTorch layers they stand in for: on a CPU in Triton's interpreter, on a GPU (marked `gpu`) in bfloat16,
+CUDA graphs included."""
 
+from contextlib import ExitStack
 from unittest import mock
 
 import pytest
@@ -21,6 +23,9 @@ FP32 = dict(rtol=1e-6, atol=1e-6)
 # relative) per rounding, and the fused add + RMSNorm rounds three times (new residual, normalised row, times weight).
 BF16_CPU = dict(rtol=3 * 2**-7, atol=1e-5)
 BF16_GPU = dict(rtol=2 * 2**-7, atol=1e-5)  # rounding alone: the kernels sum and exponentiate in another order
+# RoPE after the q/k norm in bfloat16: a unit in the last place of a normalised input (2^-6 at |x| in [2, 4)) moves an
+# output by as much, however small the rotation leaves it
+NORMED_ROPE_BF16 = dict(rtol=3 * 2**-7, atol=2 * 2**-6)
 ROPE = dict(rope_theta=1e6, rope_type="default")
 LLAMA3_ROPE = dict(
     rope_type="llama3",
@@ -171,9 +176,7 @@ def test_rope_matches_the_layer(params, num_tokens, num_heads, num_kv_heads, hea
         norms[1].weight.data.mul_(-0.5)  # q's and k's norms differ
         with torch.no_grad():
             expected = rope(positions, q, k, norms)
-        # bfloat16: a unit in the last place of a normalised input (2^-6 at |x| in [2, 4)) moves an output by as much,
-        # however small the output is after the rotation
-        tolerance = FP32 if dtype == torch.float32 else dict(rtol=3 * 2**-7, atol=2 * 2**-6)
+        tolerance = FP32 if dtype == torch.float32 else NORMED_ROPE_BF16
         torch.testing.assert_close(apply_rope(positions, q, k, rope.cos, rope.sin, norms), expected, **tolerance)
 
 
@@ -211,14 +214,14 @@ def test_model_forward_with_the_kernels_equals_without(tiny, token_ids):
         mock.patch("minivllm.layers.linear.gemv", wraps=gemv),
         mock.patch("minivllm.models.qwen3.gemv", wraps=gemv),
     )
-    with torch.no_grad(), patches[0] as norm_spy, patches[1] as rope_spy, patches[2] as act_spy, patches[3] as gemv_spy:
-        with patches[4] as gated_spy:
-            expected = prompt_logits(model, token_ids)
-            use_small_layer_kernels(model)
-            got = prompt_logits(model, token_ids)
-            calls = norm_spy.call_count, rope_spy.call_count, act_spy.call_count, gemv_spy.call_count
-            use_small_layer_kernels(model, enabled=False)
-            again = prompt_logits(model, token_ids)
+    with torch.no_grad(), ExitStack() as stack:
+        norm_spy, rope_spy, act_spy, gemv_spy, gated_spy = (stack.enter_context(patch) for patch in patches)
+        expected = prompt_logits(model, token_ids)
+        use_small_layer_kernels(model)
+        got = prompt_logits(model, token_ids)
+        calls = norm_spy.call_count, rope_spy.call_count, act_spy.call_count, gemv_spy.call_count
+        use_small_layer_kernels(model, enabled=False)
+        again = prompt_logits(model, token_ids)
     layers, one = model.config.num_hidden_layers, len(token_ids) == 1
     # 2 norms (input, post-attention) a layer and the final one; q's and k's in RoPE's kernel. At one token, gemv:
     # qkv, o and down through the linear layers, [gate | up] with the activation from the MLP
@@ -252,9 +255,7 @@ def test_kernels_match_the_layers_in_bf16_on_gpu(num_tokens):
         expected_normed_rope = rope(positions, q, k, (q_norm, q_norm))
     for got, expected in pairs:
         torch.testing.assert_close(got, expected, **BF16_GPU)
-    # the norm's sum of squares in two halves: a unit in the last place of a normalised input, at most, moves an
-    # output by as much (2^-6 at |x| in [2, 4)) however small the rotation leaves it
-    torch.testing.assert_close(normed_rope, expected_normed_rope, rtol=2 * 2**-7, atol=2 * 2**-6)
+    torch.testing.assert_close(normed_rope, expected_normed_rope, **NORMED_ROPE_BF16)  # sums of squares in two halves
 
 
 @pytest.mark.gpu

@@ -1,4 +1,5 @@
-"""Attention kernels with flash-attn's calling convention, and the small layers' kernels (RMSNorm, RoPE, SiLU-and-mul, one token's linear layer).
+"""Attention kernels with flash-attn's calling convention, and the small layers' kernels (RMSNorm, RoPE, SiLU-and-mul,
+one token's linear layer).
 
 Without CUDA, Triton kernels run in Triton's interpreter. It is chosen when `@triton.jit` runs, so the
 switch must be set here, before any kernel module is imported.
