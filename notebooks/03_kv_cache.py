@@ -775,6 +775,18 @@ def check_index(name: str, t: torch.Tensor, dim: int, device: torch.device, dtyp
         )
 
 
+def check_out(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    """Where a kernel writes: a new tensor like q, or `out`, checked to fit q (shape, dtype, device, last dim)."""
+    if out is None:
+        return torch.empty_like(q)
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
+        raise ValueError(
+            f"out must be a {q.dtype} tensor of q's shape {tuple(q.shape)} on {q.device}, contiguous in its last "
+            f"dimension; got {out.dtype} {tuple(out.shape)} on {out.device} with strides {out.stride()}"
+        )
+    return out
+
+
 def store_kvcache(
     k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
     v: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
@@ -916,11 +928,13 @@ def _decode_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _combine_splits_kernel(
-    partial_out, partial_lse, O, num_splits,  # tensors, scalar
+    partial_out, partial_lse, O, cache_seqlens, num_splits,  # tensors, scalar
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,  # strides
     HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):  # fmt: skip
     seq, head = tl.program_id(0), tl.program_id(1)
+    if tl.load(cache_seqlens + seq) == 0:
+        return  # not a sequence: a CUDA graph's padding row (notebook 04), whose output row may be another's
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     lse = tl.load(
@@ -960,6 +974,7 @@ def flash_attn_with_kvcache(
     block_table: torch.Tensor | None = None,  # (batch, max_blocks) int32
     softmax_scale: float | None = None,
     causal: bool = False,  # one query that sees its whole cache: causal or not is the same thing
+    out: torch.Tensor | None = None,  # (batch, 1, num_heads, head_dim) to write into; None: a new tensor
 ) -> torch.Tensor:  # (batch, 1, num_heads, head_dim)
     """Decode attention over a paged KV cache, with flash-attn's signature (GQA-packed, split-K)."""
     if q.dim() != 4 or q.shape[1] != 1:
@@ -983,7 +998,7 @@ def flash_attn_with_kvcache(
     on_cpu = q.device.type == "cpu"
     num_splits = decode_num_splits(batch, num_kv_heads, q.device)
     k, v = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
-    out = torch.empty_like(q)
+    out = check_out(out, q)
     partial_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     partial_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     group = num_heads // num_kv_heads
@@ -997,7 +1012,7 @@ def flash_attn_with_kvcache(
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=1 if on_cpu else 2,
     )  # fmt: skip
     _combine_splits_kernel[(batch, num_heads)](
-        partial_out, partial_lse, out, num_splits, *partial_out.stride()[:3], *partial_lse.stride()[:2],
+        partial_out, partial_lse, out, cache_seqlens, num_splits, *partial_out.stride()[:3], *partial_lse.stride()[:2],
         out.stride(0), out.stride(2), HEAD_DIM=head_dim, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
     )  # fmt: skip
     return out
@@ -1035,21 +1050,27 @@ for block_size, num_heads, num_kv_heads, num_splits in ((16, 8, 2, 1), (32, 8, 8
 # the output changes, nothing crashes. So prefill gets a paged form too: `flash_attn_varlen_func(...,
 # block_table=...)`. The new keys and values are first stored into the cache; then the kernel reads *all* keys of
 # a sequence (`cu_seqlens_k`: cached + new) through its block table, with notebook 01's bottom-right causal mask:
-# notebook 01's kernel with the key rows looked up. `num_m_blocks` and the block table's row stride change from
-# step to step; neither is specialized on, so Triton compiles the kernel once (as for the decode kernel). It is
-# checked below, with the PyTorch version of the paged operations.
+# notebook 01's kernel with the key rows looked up. Its grid is a **list of work**: program `i` takes row `i` of
+# `tiles`, a (sequence, query tile) pair. By default the list holds every sequence's tiles up to the longest, and
+# programs past a sequence's end return at once (notebook 01's grid, flattened); the engine passes only the tiles
+# that exist, and a CUDA graph, which fixes its grid when captured, a list padded with -1 (notebook 04). The block
+# table's row stride changes from step to step and is not specialized on, so Triton compiles the kernel once (as
+# for the decode kernel). It is checked below, with the PyTorch version of the paged operations.
 
 
 # %% tags=["export"] module="minivllm.kernels.paged_attn"
-@triton.jit(do_not_specialize=["num_m_blocks", "stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt"])
 def _paged_prefill_kernel(
-    Q, K, V, O, cu_seqlens_q, cu_seqlens_k, block_table, qk_scale, num_m_blocks,  # tensors, scalars
+    Q, K, V, O, cu_seqlens_q, cu_seqlens_k, block_table, tiles, qk_scale,  # tensors, scalar
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt,  # strides
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    start_m = num_m_blocks - 1 - tl.program_id(0)  # longest causal tiles first
-    head, seq = tl.program_id(1), tl.program_id(2)
+    seq = tl.load(tiles + 2 * tl.program_id(0))  # this program's (sequence, query tile), from the list
+    start_m = tl.load(tiles + 2 * tl.program_id(0) + 1)
+    head = tl.program_id(1)
+    if seq < 0:
+        return  # padding: a CUDA graph's list is longer than its step's (notebook 04)
     q_start = tl.load(cu_seqlens_q + seq)
     q_len = tl.load(cu_seqlens_q + seq + 1) - q_start
     if start_m * BLOCK_M >= q_len:
@@ -1087,6 +1108,15 @@ def _paged_prefill_kernel(
 
 
 # %% tags=["export"]
+def all_tiles(batch: int, num_m_blocks: int, device: torch.device) -> torch.Tensor:  # (num_m_blocks * batch, 2)
+    """(sequence, query tile) for every sequence and tile below num_m_blocks, int32: the last tiles, which see the
+    most keys, first, so that the longest programs do not start last."""
+    seq = torch.arange(batch, dtype=torch.int32, device=device)
+    m = torch.arange(num_m_blocks - 1, -1, -1, dtype=torch.int32, device=device)
+    grid_m, grid_seq = torch.meshgrid(m, seq, indexing="ij")
+    return torch.stack([grid_seq, grid_m], -1).reshape(-1, 2)
+
+
 def flash_attn_varlen_func(
     q: torch.Tensor,  # (total_q, num_heads, head_dim)
     k: torch.Tensor,  # (total_k, num_kv_heads, head_dim), or the k_cache when block_table is given
@@ -1098,8 +1128,11 @@ def flash_attn_varlen_func(
     softmax_scale: float | None = None,
     causal: bool = False,
     block_table: torch.Tensor | None = None,  # (batch, max_blocks) int32
+    out: torch.Tensor | None = None,  # with block_table: (total_q, num_heads, head_dim) to write the batch's rows into
+    tiles: torch.Tensor | None = None,  # with block_table: (num_tiles, 2) int32, see query_tiles; None: every tile
 ) -> torch.Tensor:  # (total_q, num_heads, head_dim)
-    """flash-attn's varlen attention; with `block_table`, keys and values are read from a paged cache."""
+    """flash-attn's varlen attention; with `block_table`, keys and values are read from a paged cache, one program
+    per (sequence, query tile) of `tiles` and query head."""
     if block_table is None:
         return flash_attn_varlen_contiguous(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal
@@ -1114,10 +1147,12 @@ def flash_attn_varlen_func(
     scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
     config = launch_config(head_dim, q.device)
     kf, vf = k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)
-    out = torch.empty_like(q)
-    num_m_blocks = triton.cdiv(max_seqlen_q, config["BLOCK_M"])
-    _paged_prefill_kernel[(num_m_blocks, q.shape[1], cu_seqlens_q.numel() - 1)](
-        q, kf, vf, out, cu_seqlens_q, cu_seqlens_k, block_table, scale * math.log2(math.e), num_m_blocks,
+    out = check_out(out, q)
+    if tiles is None:  # every sequence's first cdiv(max_seqlen_q, BLOCK_M) tiles: those past its end return at once
+        tiles = all_tiles(cu_seqlens_q.numel() - 1, triton.cdiv(max_seqlen_q, config["BLOCK_M"]), q.device)
+    check_index("tiles", tiles, 2, q.device)
+    _paged_prefill_kernel[(tiles.shape[0], q.shape[1])](
+        q, kf, vf, out, cu_seqlens_q, cu_seqlens_k, block_table, tiles.contiguous(), scale * math.log2(math.e),
         q.stride(0), q.stride(1), kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1), out.stride(0), out.stride(1),
         block_table.stride(0),
         GROUP=q.shape[1] // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k.shape[1], CAUSAL=causal,

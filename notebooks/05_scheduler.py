@@ -958,8 +958,10 @@ assert np.median(pf["tpot"]) >= np.median(df["tpot"])
 # budget is several such steps in a row. vLLM v1 has one kind of step: a budget of `max_num_batched_tokens`,
 # spent first on the running requests, oldest first (a token each to decode, or a prompt's next chunk), then on
 # waiting prompts with what is left, all in one forward. A decode row is a one-token chunk after its cached
-# ones: notebook 04's prefill path over the paged cache computes any mix, and a step of decode rows only still
-# takes the decode path and its CUDA graphs. The engine uses this policy unless `scheduling_policy="prefill-first"`.
+# ones: notebook 04's prefill path over the paged cache computes any mix, but its runner sends a step's leading
+# one-token rows through the decode kernel (far cheaper for them), so this policy lists the decode rows first. A step
+# of decode rows only still takes the decode path and its CUDA graphs. The engine uses this policy unless
+# `scheduling_policy="prefill-first"`.
 
 
 # %% tags=["export"] module="minivllm.engine.scheduler"
@@ -968,8 +970,9 @@ class UnifiedScheduler(Scheduler):
     a prompt's next chunk), oldest first, then on waiting prompts; the rows of a step mix prefill and decode."""
 
     def schedule(self) -> tuple[list[Sequence], bool]:
-        """This step's sequences, and whether it needs the prefill path (False: every row decodes one token)."""
-        budget, seqs = self.max_num_batched_tokens, []
+        """This step's sequences, decode rows first (the runner's decode kernel takes those, 04), and whether it
+        needs the prefill path (False: every row decodes one token)."""
+        budget, decodes, chunks = self.max_num_batched_tokens, [], []
         for seq in list(self.running):  # oldest first
             if budget == 0:
                 break
@@ -977,14 +980,14 @@ class UnifiedScheduler(Scheduler):
                 continue  # preempted below, to make room for an older one
             if len(seq) - seq.num_cached_tokens > 1:  # a prompt part-way through: its next chunk
                 budget -= self.schedule_chunk(seq, budget)
-                seqs.append(seq)
+                chunks.append(seq)
             elif self.reserve(seq):  # its newest token
                 budget -= 1
-                seqs.append(seq)
-        seqs += self.admit(budget)
-        assert seqs, "the oldest request always fits once the others are preempted"
-        decode_only = all(seq.num_scheduled_tokens == 1 and seq.num_cached_tokens + 1 == len(seq) for seq in seqs)
-        return seqs, not decode_only
+                decodes.append(seq)
+        chunks += self.admit(budget)
+        assert decodes or chunks, "the oldest request always fits once the others are preempted"
+        decode_only = all(seq.num_scheduled_tokens == 1 and seq.num_cached_tokens + 1 == len(seq) for seq in chunks)
+        return decodes + chunks, not decode_only
 
 
 # %% [markdown]

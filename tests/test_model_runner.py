@@ -5,10 +5,12 @@ import random
 import pytest
 import torch
 
+from minivllm.attention import paged
 from minivllm.config import Config
 from minivllm.engine.block_manager import BlockManager
-from minivllm.engine.model_runner import ModelRunner, graph_batch_sizes
+from minivllm.engine.model_runner import ModelRunner, graph_batch_sizes, prepare_prefill
 from minivllm.engine.sequence import Sequence
+from minivllm.kernels import flash_attn_with_kvcache
 from minivllm.models.loader import load_model
 from minivllm.testing import prompt_logits
 
@@ -128,6 +130,57 @@ def test_chunked_prefill_gives_the_logits_of_one_step(runner, reference, use_tri
                 seq.num_cached_tokens = end  # the step has run
             torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
             bm.deallocate(seq)
+    finally:
+        runner.use_triton = DEVICE == "cuda"
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_mixed_step_gives_every_row_its_logits(runner, reference, use_triton, monkeypatch):
+    """One step of two decode rows (first, as the unified scheduler orders them) and a prompt's chunk after its
+    cached part. With Triton, the decode rows go through the decode kernel, the chunk through the prefill kernel."""
+    decode_rows = []  # rows of each decode-kernel call
+
+    def spy(q, *args, **kwargs):
+        decode_rows.append(q.shape[0])
+        return flash_attn_with_kvcache(q, *args, **kwargs)
+
+    monkeypatch.setattr(paged, "flash_attn_with_kvcache", spy)
+    runner.use_triton = use_triton or DEVICE == "cuda"
+    try:
+        rng, bm = random.Random(3), BlockManager(runner.num_kvcache_blocks, runner.block_size)
+        decoding = [Sequence(rng.choices(range(2048), k=n), block_size=runner.block_size) for n in (20, 37)]
+        chunked = Sequence(rng.choices(range(2048), k=50), block_size=runner.block_size)
+        for seq in decoding:
+            admit(bm, seq)
+        bm.allocate(chunked)
+        bm.cache_blocks(chunked, 21)
+        chunked.num_scheduled_tokens = 21
+        runner.step_logits([*decoding, chunked], is_prefill=True)  # the prompts, and the chunk's first 21 tokens
+        for seq in decoding:
+            seq.num_cached_tokens = len(seq)
+            seq.append_token(rng.randrange(2048))
+            bm.may_append(seq)
+            seq.num_scheduled_tokens = 1
+        chunked.num_cached_tokens = 21
+        bm.cache_blocks(chunked, 50)
+        chunked.num_scheduled_tokens = 29
+        decode_rows.clear()
+        step = [*decoding, chunked]
+        assert prepare_prefill(step, runner.block_size).num_decode_seqs == 2
+        graphs, runner.mixed_graphs = runner.mixed_graphs, None  # eagerly first: the spy sees each launch
+        try:
+            logits = runner.step_logits(step, is_prefill=True).float().cpu()
+        finally:
+            runner.mixed_graphs = graphs
+        for seq, row in zip(step, logits):
+            expected = prompt_logits(reference, seq.token_ids)[-1].float().cpu()
+            torch.testing.assert_close(row, expected, rtol=1e-4, atol=1e-4)
+        layers = runner.config.hf_config.num_hidden_layers
+        assert decode_rows == ([2] * layers if runner.use_triton else [])
+        if graphs is not None:  # on a GPU: the same step again (the same KV to the same slots), replayed
+            replays = graphs.num_replays
+            torch.testing.assert_close(runner.step_logits(step, is_prefill=True).float().cpu(), logits)
+            assert graphs.num_replays == replays + 1
     finally:
         runner.use_triton = DEVICE == "cuda"
 

@@ -5,7 +5,9 @@ import random
 import pytest
 import torch
 
+from minivllm.engine.model_runner import query_tiles
 from minivllm.kernels import attention_ref, flash_attn_varlen_func, flash_attn_with_kvcache, paged_attn, store_kvcache
+from minivllm.kernels.flash_attn import launch_config
 from minivllm.testing import scatter_into_cache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -65,6 +67,47 @@ def test_paged_prefill_attends_to_the_cached_prefix(block_size, causal):
         q, k_cache, v_cache, cu_q, cu_k, max(q_lens), max(k_lens), causal=causal, block_table=block_table
     )
     torch.testing.assert_close(out, attention_ref(q, k, v, cu_q, cu_k, causal=causal), rtol=1e-4, atol=1e-4)
+    rest = torch.full_like(q, 7.0)  # out=: the last two sequences' rows only, through sliced index tensors
+    flash_attn_varlen_func(q, k_cache, v_cache, cu_q[2:], cu_k[2:], 64, 300, causal=causal, block_table=block_table[2:],
+                           out=rest)  # fmt: skip
+    torch.testing.assert_close(rest[22:], out[22:])
+    assert (rest[:22] == 7.0).all()
+
+
+def test_paged_prefill_computes_the_listed_tiles_only():
+    """A tile list (the engine's, padded with -1 as in a CUDA graph): each listed (sequence, query tile) is computed,
+    the rest of `out` is left as it was; and the list query_tiles makes covers each sequence after the first ones."""
+    k_lens, q_lens = [40, 70, 33, 300], [1, 40, 33, 64]
+    k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache(k_lens, 2, 32, 16, DEVICE)
+    q = torch.randn(sum(q_lens), 4, 32, device=DEVICE)
+    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    ref = attention_ref(q, k, v, cu_q, cu_k, causal=True)
+    block_m = launch_config(32, q.device)["BLOCK_M"]
+    tiles = query_tiles(cu_q.cpu().numpy(), cu_k.cpu().numpy(), 1, block_m)  # sequences 1, 2, 3
+    assert sorted(map(tuple, tiles.tolist())) == [(s, m) for s in (1, 2, 3) for m in range(-(-q_lens[s] // block_m))]
+    keys = [k_lens[s] - q_lens[s] + min((m + 1) * block_m, q_lens[s]) for s, m in tiles.tolist()]
+    assert keys == sorted(keys, reverse=True)  # the tiles that see the most keys first
+    padded = torch.tensor([*tiles.tolist(), [-1, -1], [-1, -1]], dtype=torch.int32, device=DEVICE)
+    out = torch.full_like(q, 7.0)
+    flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 64, 300, causal=True, block_table=block_table, out=out,
+                           tiles=padded)  # fmt: skip
+    assert (out[:1] == 7.0).all()  # sequence 0 is not in the list
+    torch.testing.assert_close(out[1:], ref[1:], rtol=1e-4, atol=1e-4)
+
+
+def test_decode_leaves_rows_with_an_empty_cache_alone():
+    """A CUDA graph's decode rows past the step's decode rows have an empty cache: their output rows are not
+    written (in a mixed step they are prompt tokens' rows)."""
+    k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache([30, 5], 2, 32, 16, DEVICE)
+    q = torch.randn(3, 1, 4, 32, device=DEVICE)
+    lens = torch.tensor([30, 0, 5], dtype=torch.int32, device=DEVICE)
+    tables = torch.stack([block_table[0], block_table[0], block_table[1]])
+    out = torch.full_like(q, 7.0)
+    flash_attn_with_kvcache(q, k_cache, v_cache, lens, tables, out=out)
+    assert (out[1] == 7.0).all()
+    cu_q = torch.arange(3, dtype=torch.int32, device=DEVICE)
+    ref = attention_ref(q[[0, 2], 0], k, v, cu_q, cu_k)
+    torch.testing.assert_close(out[[0, 2], 0], ref, rtol=1e-4, atol=1e-4)
 
 
 def test_bad_decode_input_raises_value_error():
@@ -82,6 +125,8 @@ def test_bad_decode_input_raises_value_error():
         flash_attn_with_kvcache(q, k_cache, k_cache, seqlens.long(), table)
     with pytest.raises(ValueError, match="block_table"):
         flash_attn_with_kvcache(q, k_cache, k_cache, seqlens, None)
+    with pytest.raises(ValueError, match="out must be"):
+        flash_attn_with_kvcache(q, k_cache, k_cache, seqlens, table, out=torch.empty(1, 1, 4, 16))
     with pytest.raises(ValueError, match="slot_mapping"):
         store_kvcache(torch.randn(3, 2, 32), torch.randn(3, 2, 32), k_cache, k_cache, torch.zeros(2, dtype=torch.long))
 

@@ -105,6 +105,8 @@ def serve(scheduler: Scheduler, seqs: list[Sequence], model, arrivals: list[int]
             assert sum(seq.num_scheduled_tokens for seq in batch) <= scheduler.max_num_batched_tokens
         if isinstance(scheduler, UnifiedScheduler):
             assert is_prefill == any(seq.num_cached_tokens + 1 < len(seq) for seq in batch), "decode path, wrongly"
+            chunks = [seq.seq_id in admitted or seq.num_cached_tokens + 1 < len(seq) for seq in batch]
+            assert chunks == sorted(chunks), "decode rows first: the runner's decode kernel takes the leading ones"
         stats["hit_tokens"] += sum(seq.num_cached_tokens for seq in batch if seq.seq_id in admitted)
         lens = [len(seq) for seq in batch]
         finished = scheduler.postprocess(batch, model(batch, is_prefill))

@@ -22,33 +22,58 @@ class PagedContext:
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
     context_lens: torch.Tensor | None = None  # decode: (num_seqs,) int32, tokens in each cache (new one included)
+    num_decode_seqs: int = 0  # a mixed step: its first rows decode one token each; context_lens holds theirs
+    tiles: torch.Tensor | None = None  # prefill, paged: the (sequence, query tile) list of the other rows (03)
     use_triton: bool = True  # False: the PyTorch reference ops (a CPU without the interpreter's patience)
 
     def attend(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: (num_tokens, num_heads, head_dim); k, v: (num_tokens, num_kv_heads, head_dim)
         (store_kvcache if self.use_triton else store_kvcache_ref)(k, v, layer.k_cache, layer.v_cache, self.slot_mapping)
-        if self.is_prefill:
-            return self.prefill(layer, q, k, v)
+        if not self.is_prefill:
+            return self.decode(layer, q)
+        if self.num_decode_seqs and self.tiles is not None and self.use_triton:
+            return self.mixed(layer, q)
+        return self.prefill(layer, q, k, v)
+
+    def decode(self, layer: Attention, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The first q.shape[0] sequences, one new token each, over their whole caches."""
+        assert self.context_lens is not None and self.block_tables is not None  # a decode row has both
+        tables = self.block_tables[: q.shape[0]]
         if self.use_triton:
+            out = None if out is None else out.unsqueeze(1)
             return flash_attn_with_kvcache(
-                q.unsqueeze(1), layer.k_cache, layer.v_cache, self.context_lens, self.block_tables, layer.scale
+                q.unsqueeze(1), layer.k_cache, layer.v_cache, self.context_lens, tables, layer.scale, out=out
             ).squeeze(1)
-        assert self.context_lens is not None and self.block_tables is not None  # a decode step has both
         cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
         cu_k = torch.nn.functional.pad(self.context_lens.cumsum(0, dtype=torch.int32), (1, 0))
-        return paged_attention_ref(q, layer.k_cache, layer.v_cache, cu_q, cu_k, self.block_tables, layer.scale)
+        return paged_attention_ref(q, layer.k_cache, layer.v_cache, cu_q, cu_k, tables, layer.scale)
+
+    def mixed(self, layer: Attention, q: torch.Tensor) -> torch.Tensor:
+        """A mixed step's decode rows (first) through the decode kernel, the tiles of its other rows through the
+        prefill kernel, into one output: the prefill kernel would give each one-token query a whole tile."""
+        assert self.tiles is not None  # the runner lists the other rows' tiles
+        out = torch.empty_like(q)
+        self.decode(layer, q[: self.num_decode_seqs], out[: self.num_decode_seqs])
+        if self.tiles.shape[0]:
+            self.paged_prefill(layer, q, out)
+        return out
 
     def prefill(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        cu_q, cu_k = self.cu_seqlens_q, self.cu_seqlens_k
-        assert cu_q is not None and cu_k is not None  # a prefill step has both
-        if self.block_tables is None:  # nothing cached: the new tokens are whole prompts
-            if self.use_triton:
-                return flash_attn_varlen_func(
-                    q, k, v, cu_q, cu_q, self.max_seqlen_q, self.max_seqlen_q, layer.scale, causal=True
-                )
-            return attention_ref(q, k, v, cu_q, cu_q, layer.scale, causal=True)
+        cu_q = self.cu_seqlens_q
+        assert cu_q is not None  # a prefill step has it
+        if self.block_tables is not None:
+            return self.paged_prefill(layer, q)
+        if self.use_triton:  # nothing cached: the new tokens are whole prompts, their k and v all there is
+            return flash_attn_varlen_func(q, k, v, cu_q, cu_q, self.max_seqlen_q, self.max_seqlen_q, layer.scale,
+                                          causal=True)  # fmt: skip
+        return attention_ref(q, k, v, cu_q, cu_q, layer.scale, causal=True)
+
+    def paged_prefill(self, layer: Attention, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """New tokens over their cached ones and each other, keys and values read through the block tables."""
+        cu_q, cu_k, tables = self.cu_seqlens_q, self.cu_seqlens_k, self.block_tables
+        assert cu_q is not None and cu_k is not None and tables is not None  # a paged prefill has all three
         if self.use_triton:
             return flash_attn_varlen_func(q, layer.k_cache, layer.v_cache, cu_q, cu_k, self.max_seqlen_q,
-                                          self.max_seqlen_k, layer.scale, causal=True,
-                                          block_table=self.block_tables)  # fmt: skip
-        return paged_attention_ref(q, layer.k_cache, layer.v_cache, cu_q, cu_k, self.block_tables, layer.scale)
+                                          self.max_seqlen_k, layer.scale, causal=True, block_table=tables, out=out,
+                                          tiles=self.tiles)  # fmt: skip
+        return paged_attention_ref(q, layer.k_cache, layer.v_cache, cu_q, cu_k, tables, layer.scale)

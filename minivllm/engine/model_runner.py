@@ -16,6 +16,7 @@ from minivllm.attention.paged import PagedContext
 from minivllm.attention.prefill import PrefillContext
 from minivllm.config import Config
 from minivllm.engine.sequence import Sequence
+from minivllm.kernels.flash_attn import launch_config
 from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.layernorm import RMSNorm
 from minivllm.layers.linear import LinearBase, TPGroup, tensor_parallel
@@ -37,7 +38,8 @@ class StepInputs:
     block_tables: np.ndarray | None  # (num_seqs, max_blocks) int32; None: a prefill with nothing cached
     cu_seqlens_q: np.ndarray | None = None  # prefill: (num_seqs + 1,) int32
     cu_seqlens_k: np.ndarray | None = None  # prefill: (num_seqs + 1,) int32
-    context_lens: np.ndarray | None = None  # decode: (num_seqs,) int32
+    context_lens: np.ndarray | None = None  # decode: (num_seqs,) int32; mixed: (num_decode_seqs,)
+    num_decode_seqs: int = 0  # prefill: its first rows that decode one token each (notebook 05 puts them first)
     logits_rows: np.ndarray | None = None  # prefill: (num_rows,) int64 rows to score; None: each sequence's last
 
 
@@ -67,6 +69,8 @@ def prepare_prefill(seqs: list[Sequence], block_size: int) -> StepInputs:
     assert all(s < e <= len(seq) for seq, s, e in spans), "a prefill computes 1..len(seq) - num_cached_tokens tokens"
     cu_q = np.cumsum([0, *(e - s for s, e in zip(starts, ends))], dtype=np.int32)
     rows = [np.arange(a, b) if scores_prompt(seq) else np.array([b - 1]) for seq, a, b in zip(seqs, cu_q, cu_q[1:])]
+    decodes = [s > 0 and e - s == 1 for s, e in zip(starts, ends)]  # one new token after cached ones
+    num_decode_seqs = decodes.index(False) if False in decodes else len(seqs)  # the leading run of them
     return StepInputs(
         is_prefill=True,
         input_ids=np.concatenate([np.asarray(seq.token_ids[s:e], dtype=np.int64) for seq, s, e in spans]),
@@ -75,6 +79,8 @@ def prepare_prefill(seqs: list[Sequence], block_size: int) -> StepInputs:
         block_tables=block_tables_array(seqs) if any(starts) else None,
         cu_seqlens_q=cu_q,
         cu_seqlens_k=np.cumsum([0, *ends], dtype=np.int32),
+        context_lens=np.array(ends[:num_decode_seqs], dtype=np.int32) if num_decode_seqs else None,
+        num_decode_seqs=num_decode_seqs,
         logits_rows=np.concatenate(rows) if any(map(scores_prompt, seqs)) else None,
     )
 
@@ -89,8 +95,24 @@ def prepare_decode(seqs: list[Sequence], block_size: int) -> StepInputs:
     return StepInputs(False, input_ids, last, slots, block_tables, context_lens=context_lens)
 
 
-def step_to_device(step: StepInputs, device: torch.device, use_triton: bool
+def query_tiles(cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, first_seq: int, block_m: int) -> np.ndarray:
+    """The paged prefill kernel's work list (03) for sequences first_seq..: (sequence, query tile) int32 rows, one
+    per tile of block_m new tokens, the tiles that see the most keys first."""
+    q_lens, k_lens = np.diff(cu_seqlens_q)[first_seq:], np.diff(cu_seqlens_k)[first_seq:]
+    counts = -(-q_lens // block_m)  # tiles per sequence
+    seqs = np.repeat(np.arange(first_seq, first_seq + len(q_lens)), counts)
+    tiles = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)  # within its sequence
+    q_len = np.repeat(q_lens, counts)
+    keys = np.repeat(k_lens, counts) - q_len + np.minimum((tiles + 1) * block_m, q_len)  # its last row sees these
+    order = np.argsort(-keys, kind="stable")
+    return np.stack([seqs[order], tiles[order]], axis=1).astype(np.int32)
+
+
+def step_to_device(step: StepInputs, device: torch.device, use_triton: bool, block_m: int | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, PagedContext]:  # ids, positions, context  # fmt: skip
+    """The step's arrays on the device, in a PagedContext. Given the prefill kernel's tile (`block_m`), a paged
+    prefill also gets its list of tiles: those of the rows after the decode rows."""
+
     def put(a: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(a)
         return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
@@ -100,11 +122,15 @@ def step_to_device(step: StepInputs, device: torch.device, use_triton: bool
 
     context = PagedContext(step.is_prefill, put(step.slot_mapping), put_optional(step.block_tables),
                            put_optional(step.cu_seqlens_q), put_optional(step.cu_seqlens_k),
-                           context_lens=put_optional(step.context_lens), use_triton=use_triton)  # fmt: skip
+                           context_lens=put_optional(step.context_lens), num_decode_seqs=step.num_decode_seqs,
+                           use_triton=use_triton)  # fmt: skip
     if step.is_prefill:
         assert step.cu_seqlens_q is not None and step.cu_seqlens_k is not None  # a prefill step has both
         context.max_seqlen_q = int(np.diff(step.cu_seqlens_q).max())
         context.max_seqlen_k = int(np.diff(step.cu_seqlens_k).max())
+        if block_m and use_triton and step.block_tables is not None:
+            tiles = query_tiles(step.cu_seqlens_q, step.cu_seqlens_k, step.num_decode_seqs, block_m)
+            context.tiles = put(tiles)
     return put(step.input_ids), put(step.positions), context
 
 
@@ -156,40 +182,29 @@ def bind_kv_cache(layers: list[Attention], num_blocks: int, block_size: int, dty
         layer.k_cache, layer.v_cache = kv[0, i], kv[1, i]
 
 
-def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + [b for b in range(16, max_num_seqs + 1, 16)]
-    return sizes or [max_num_seqs]
+class StepGraphs:
+    """Forward passes captured once per size (tokens in the step), over static inputs that each replay fills."""
 
-
-class DecodeGraphs:
-    """One captured decode step per batch size, over shared static inputs."""
-
-    def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_blocks: int, hidden_size: int,
-                 dtype: torch.dtype, device: torch.device):  # fmt: skip
-        self.batch_sizes = graph_batch_sizes(max_num_seqs)
-        n = self.batch_sizes[-1]
+    def __init__(self, sizes: list[int], hidden_size: int, dtype: torch.dtype, device: torch.device):
+        self.sizes, n = sizes, sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.context_lens = torch.zeros(n, dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
         self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.num_replays = 0
+
+    def capture(self, model: torch.nn.Module, context_of: Callable[[int], PagedContext]) -> None:
         pool = None
-        for bs in reversed(self.batch_sizes):  # the largest first: the others fit in its memory pool
-            context = PagedContext(False, self.slot_mapping[:bs], self.block_tables[:bs],
-                                   context_lens=self.context_lens[:bs])  # fmt: skip
-            self.hidden[:bs] = model(self.input_ids[:bs], self.positions[:bs], context)  # warm-up: compile kernels
+        for size in reversed(self.sizes):  # the largest first: the others fit in its memory pool
+            context = context_of(size)
+            self.hidden[:size] = model(self.input_ids[:size], self.positions[:size], context)  # warm-up: compile
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
-                self.hidden[:bs] = model(self.input_ids[:bs], self.positions[:bs], context)
+                self.hidden[:size] = model(self.input_ids[:size], self.positions[:size], context)
             pool = pool or graph.pool()
-            self.graphs[bs] = graph
-        torch.cuda.synchronize(device)
-
-    def fits(self, batch: int) -> bool:
-        return batch <= self.batch_sizes[-1]
+            self.graphs[size] = graph
+        torch.cuda.synchronize(self.hidden.device)
 
     def reset(self) -> None:
         """Destroy the graphs now, even if something still holds this object: their memory goes back, and an NCCL
@@ -197,18 +212,49 @@ class DecodeGraphs:
         for graph in self.graphs.values():
             graph.reset()
 
+    def size_for(self, context: PagedContext, num_tokens: int) -> int | None:
+        """The captured size that runs this step, or None: none can."""
+        return next((size for size in self.sizes if size >= num_tokens), None)
+
+    def fill(self, context: PagedContext) -> None:
+        """Copy the step's attention inputs into the static ones."""
+        raise NotImplementedError
+
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, context: PagedContext) -> torch.Tensor:
-        bs = input_ids.shape[0]
-        assert context.context_lens is not None and context.block_tables is not None  # a decode step has both
-        self.input_ids[:bs], self.positions[:bs] = input_ids, positions
+        n = input_ids.shape[0]
+        size = self.size_for(context, n)
+        assert size is not None, "a step no graph can run"
+        self.input_ids[:n], self.positions[:n] = input_ids, positions
         self.slot_mapping.fill_(-1)
-        self.slot_mapping[:bs] = context.slot_mapping
+        self.slot_mapping[:n] = context.slot_mapping
+        self.fill(context)
+        self.graphs[size].replay()
+        self.num_replays += 1
+        return self.hidden[:n]  # (num_tokens, hidden_size)
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + [b for b in range(16, max_num_seqs + 1, 16)]
+    return sizes or [max_num_seqs]
+
+
+class DecodeGraphs(StepGraphs):
+    """One captured decode step per batch size."""
+
+    def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_blocks: int, hidden_size: int,
+                 dtype: torch.dtype, device: torch.device):  # fmt: skip
+        super().__init__(graph_batch_sizes(max_num_seqs), hidden_size, dtype, device)
+        self.context_lens = torch.zeros(self.sizes[-1], dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(self.sizes[-1], max_blocks, dtype=torch.int32, device=device)
+        self.capture(model, lambda bs: PagedContext(False, self.slot_mapping[:bs], self.block_tables[:bs],
+                                                    context_lens=self.context_lens[:bs]))  # fmt: skip
+
+    def fill(self, context: PagedContext) -> None:
+        assert context.context_lens is not None and context.block_tables is not None  # a decode step has both
+        bs = context.context_lens.shape[0]
         self.context_lens.zero_()
         self.context_lens[:bs] = context.context_lens
         self.block_tables[:bs, : context.block_tables.shape[1]] = context.block_tables
-        self.graphs[next(b for b in self.batch_sizes if b >= bs)].replay()
-        self.num_replays += 1
-        return self.hidden[:bs]  # (bs, hidden_size)
 
 
 def use_small_layer_kernels(model: torch.nn.Module, enabled: bool = True) -> None:
@@ -218,6 +264,54 @@ def use_small_layer_kernels(model: torch.nn.Module, enabled: bool = True) -> Non
     for module in model.modules():
         if isinstance(module, (RMSNorm, RotaryEmbedding, SiluAndMul, LinearBase)):
             module.use_triton = enabled
+
+
+MIXED_GRAPH_SIZES = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
+
+
+class MixedGraphs(StepGraphs):
+    """One captured prefill or mixed step per token count: its decode rows first, then prompt tokens."""
+
+    def __init__(self, model: torch.nn.Module, sizes: list[int], max_num_seqs: int, max_blocks: int, block_m: int,
+                 hidden_size: int, dtype: torch.dtype, device: torch.device):  # fmt: skip
+        super().__init__(sizes, hidden_size, dtype, device)
+        self.max_num_seqs, self.block_m = max_num_seqs, block_m
+
+        def int32(*shape: int) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=torch.int32, device=device)
+
+        self.cu_seqlens_q, self.cu_seqlens_k = int32(max_num_seqs + 1), int32(max_num_seqs + 1)
+        self.context_lens, self.block_tables = int32(max_num_seqs), int32(max_num_seqs, max_blocks)
+        self.tiles = int32(self.num_tiles(sizes[-1]), 2) - 1
+        self.capture(model, self.context)
+
+    def num_tiles(self, size: int) -> int:
+        return size // self.block_m + 64  # every tile of `size` tokens, and 64 partial ones
+
+    def context(self, size: int) -> PagedContext:
+        rows = min(size, self.max_num_seqs)
+        return PagedContext(True, self.slot_mapping[:size], self.block_tables, self.cu_seqlens_q, self.cu_seqlens_k,
+                            context_lens=self.context_lens[:rows], num_decode_seqs=rows,
+                            tiles=self.tiles[: self.num_tiles(size)])  # fmt: skip
+
+    def size_for(self, context: PagedContext, num_tokens: int) -> int | None:
+        if context.block_tables is None or context.tiles is None:
+            return None  # nothing cached (the contiguous kernel's case), or no tile list
+        fits = (s for s in self.sizes if s >= num_tokens and self.num_tiles(s) >= context.tiles.shape[0])
+        return next(fits, None)
+
+    def fill(self, context: PagedContext) -> None:
+        assert context.block_tables is not None and context.tiles is not None  # size_for has checked
+        assert context.cu_seqlens_q is not None and context.cu_seqlens_k is not None  # a prefill step has both
+        num_seqs, n = context.block_tables.shape[0], context.num_decode_seqs
+        self.cu_seqlens_q[: num_seqs + 1] = context.cu_seqlens_q
+        self.cu_seqlens_k[: num_seqs + 1] = context.cu_seqlens_k
+        self.block_tables[:num_seqs, : context.block_tables.shape[1]] = context.block_tables
+        self.context_lens.zero_()  # rows past the decode rows: no decode output
+        if n and context.context_lens is not None:
+            self.context_lens[:n] = context.context_lens
+        self.tiles.fill_(-1)
+        self.tiles[: context.tiles.shape[0]] = context.tiles
 
 
 @dataclass(slots=True)
@@ -251,6 +345,7 @@ class ModelRunner:
         self.tp, self.control = groups or (TPGroup(), None)
         self.model: Qwen3ForCausalLM | None  # loaded below; None once the GPU memory is freed
         self.graphs: DecodeGraphs | None = None
+        self.mixed_graphs: MixedGraphs | None = None
         self.last_token_ids = torch.zeros(0, dtype=torch.int64)  # the latest step's sampled ids (on the device)
         self.closed = False
         marks = [time.perf_counter()]  # where each start-up phase ends: `python -m minivllm` prints the split
@@ -265,6 +360,7 @@ class ModelRunner:
             if self.device.type == "cuda":
                 use_small_layer_kernels(self.model)
             self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+            self.block_m = launch_config(self.attention_layers[0].head_dim, self.device)["BLOCK_M"]  # prefill tile
             self.sampler = Sampler()
             self.num_kvcache_blocks = self.allocate_kv_cache()
             marks.append(time.perf_counter())
@@ -276,6 +372,9 @@ class ModelRunner:
                 max_blocks = -(-config.max_model_len // self.block_size)
                 self.graphs = DecodeGraphs(self.model, config.max_num_seqs, max_blocks,
                                            config.hf_config.hidden_size, self.dtype, self.device)  # fmt: skip
+                if sizes := [t for t in MIXED_GRAPH_SIZES if t <= config.max_num_batched_tokens]:
+                    self.mixed_graphs = MixedGraphs(self.model, sizes, config.max_num_seqs, max_blocks, self.block_m,
+                                                    config.hf_config.hidden_size, self.dtype, self.device)  # fmt: skip
             marks.append(time.perf_counter())
             self.startup_seconds = dict(zip(("load", "KV cache", "compile", "CUDA graphs"), np.diff(marks).tolist()))
         except BaseException:
@@ -304,9 +403,10 @@ class ModelRunner:
             return
         for layer in getattr(self, "attention_layers", []):
             layer.k_cache = layer.v_cache = None
-        if self.graphs is not None:
-            self.graphs.reset()
-        self.graphs = self.model = None
+        for graphs in (self.graphs, self.mixed_graphs):
+            if graphs is not None:
+                graphs.reset()
+        self.graphs = self.mixed_graphs = self.model = None
         gc.collect()
         torch.cuda.empty_cache()
 
@@ -340,11 +440,12 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepInputs) -> torch.Tensor:  # (num_seqs, vocab_size) logits
         assert self.model is not None, "the runner is closed"
-        input_ids, positions, context = step_to_device(step, self.device, self.use_triton)
+        input_ids, positions, context = step_to_device(step, self.device, self.use_triton, self.block_m)
         if step.input_ids.min() < 0:  # placeholders (06): -1 - row stands for row `row` of the last step's tokens
             input_ids = torch.where(input_ids < 0, self.last_token_ids[(-1 - input_ids).clamp_min(0)], input_ids)
-        if not step.is_prefill and self.graphs is not None and self.graphs.fits(input_ids.shape[0]):
-            hidden = self.graphs.replay(input_ids, positions, context)
+        graphs = self.mixed_graphs if step.is_prefill else self.graphs
+        if graphs is not None and graphs.size_for(context, input_ids.shape[0]) is not None:
+            hidden = graphs.replay(input_ids, positions, context)
         else:
             hidden = self.model(input_ids, positions, context)  # (num_tokens, hidden_size)
         if step.is_prefill:  # each sequence's last token, or all of a sequence's that scores its prompt
