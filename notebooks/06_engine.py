@@ -1192,7 +1192,9 @@ print("nano-vllm's workload, earlier run:", ", ".join(f"{r['impl']} {r['tok_per_
 # How far is that from the hardware's limit? Every decode step reads all the weights once, and each running request's
 # whole KV cache (notebook 04's `kv_block_bytes` per token). Add it up over the workload and divide by the copy
 # bandwidth notebook 03 measured: no engine decodes this workload faster. The benchmark does this for every workload
-# (the % labels above), and takes the FLOPs at the measured matmul rate when they are the larger bound.
+# (the % labels above), and takes the FLOPs at the measured matmul rate when they are the larger bound. A prefix that
+# every request shares (the chat burst's system prompt) counts once a step: with prefix caching its blocks are the
+# same ones, and a kernel could read them once for the whole batch (ours reads them once per request).
 
 # %%
 from minivllm.attention.layer import Attention

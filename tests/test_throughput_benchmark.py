@@ -36,6 +36,8 @@ def test_roofline_counts_a_shared_prefix_once_and_grows_with_bandwidth():
     unshared = Workload("chat", chat.prompts, chat.params)  # the same requests, the prefix computed by each
     compute_bound = dict(preset="qwen3-0.6b", max_num_seqs=256, tflops=1.0, tbps=1e6)
     assert roofline_tok_per_s(chat, **compute_bound) > 2 * roofline_tok_per_s(unshared, **compute_bound)
+    memory_bound = dict(preset="qwen3-0.6b", max_num_seqs=256, tflops=1e6, tbps=1.0)  # its KV read once a step
+    assert roofline_tok_per_s(chat, **memory_bound) > 3 * roofline_tok_per_s(unshared, **memory_bound)
     slow, fast = (roofline_tok_per_s(chat, "qwen3-0.6b", 256, 1e6, tbps) for tbps in (1.0, 2.0))
     assert math.isclose(fast, 2 * slow)  # memory-bound: twice the bandwidth, twice the bound
 
@@ -71,3 +73,4 @@ def test_gpu_idle_share_is_the_gaps_between_step_spans():
     assert math.isclose(r["idle_share"], 4.5 / 13.0) and r["gap_p50_ms"] == 2.5 and r["gap_max_ms"] == 2.5
     back_to_back = idle_share([(0.0, 1.0), (1.0, 2.0)])
     assert back_to_back["idle_share"] == 0.0 and back_to_back["gap_max_ms"] == 0.0
+

@@ -18,8 +18,9 @@ share of the workload's roofline and where the run's time goes (`StepStats`: the
 model runner's step: step inputs, forward and sampler, waiting for the GPU). `minivllm-eager` and transformers'
 continuous batching (`transformers-generate-batch`) run nano-vllm's workload only, under the first policy.
 The roofline: no engine can finish a workload faster than its FLOPs at the GPU's measured bf16 matmul rate, nor
-faster than its bytes (the weights once per decode step, every request's KV cache once per output token) at the
-measured copy bandwidth. Writes throughput.json + .png.
+faster than its bytes (the weights once per decode step, every request's KV cache once per output token, a prefix
+that all requests share once per decode step: its blocks are the same ones) at the measured copy bandwidth.
+Writes throughput.json + .png.
 """
 
 import argparse
@@ -153,7 +154,8 @@ def roofline_tok_per_s(work: Workload, preset: str, max_num_seqs: int, tflops: f
     attention_flops = 2 * attention_width * sum((p + n) ** 2 for p, n in lens)  # QK^T and PV, causal: half of 4
     flops = 2 * params * computed + attention_flops
     decode_steps = max(max(n for _, n in lens), -(-sum(n for _, n in lens) // max_num_seqs))
-    kv_reads = kv_per_token * sum(p * n + n * (n - 1) // 2 for p, n in lens)  # each output token reads its context
+    own = sum((p - work.shared_prefix) * n + n * (n - 1) // 2 for p, n in lens)  # each output token, its own context
+    kv_reads = kv_per_token * (own + work.shared_prefix * decode_steps)  # and the shared prefix once a step
     seconds = max(flops / (tflops * 1e12), (2 * params * decode_steps + kv_reads) / (tbps * 1e12))
     return sum(work.output_lens) / seconds
 
