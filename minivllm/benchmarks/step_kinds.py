@@ -1,0 +1,114 @@
+"""Where a workload's time goes, per kind of engine step, under each scheduling policy, with and without the CUDA
+graphs of prefill and mixed steps (notebook 04's `MixedGraphs`).
+
+    python -m minivllm.benchmarks.step_kinds [--workloads chat nano-vllm] [--out DIR]
+
+The workloads are the throughput benchmark's; scheduling is synchronous (`async_scheduling=False`), so that each
+engine step's wall time is that step's own: scheduling, inputs, forward, sampling, and waiting for its tokens.
+Per run and kind of step (prefill, decode, mixed): steps, seconds, tokens computed, sequences. On a CPU there are
+no graphs, and the runs without them are the only ones. Writes step_kinds.json + .png.
+"""
+
+import argparse
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from minivllm.benchmarks.common import OUT, result, save
+from minivllm.benchmarks.throughput import MAX_MODEL_LEN, POLICIES, Workload, make_workload
+from minivllm.checkpoint import write_checkpoint
+from minivllm.engine.llm_engine import Prompt
+from minivllm.llm import LLM
+from minivllm.sampling_params import SamplingParams
+
+KINDS = ("prefill", "mixed", "decode")
+
+
+def run_kinds(llm: LLM, work: Workload) -> dict:
+    """One workload, step by step: seconds, tokens and sequences per kind of step."""
+    engine = llm.engine
+    engine.add_requests(list[Prompt](work.prompts), list[SamplingParams | None](work.params))
+    kinds: dict[str, dict] = defaultdict(lambda: dict(steps=0, seconds=0.0, tokens=0, seqs=0))
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        begin = time.perf_counter()
+        _, stats = engine.step()
+        if stats.kind == "idle":
+            continue
+        kind = kinds[stats.kind]
+        kind["steps"] += 1
+        kind["seconds"] += time.perf_counter() - begin
+        kind["tokens"] += stats.num_tokens
+        kind["seqs"] += stats.num_seqs
+    seconds = time.perf_counter() - start
+    return dict(workload=work.name, seconds=seconds, tok_per_s=sum(work.output_lens) / seconds, kinds=dict(kinds))
+
+
+def run_step_kinds_benchmark(workloads=("chat", "nano-vllm"), preset: str = "qwen3-0.6b", **config) -> dict:
+    works = [w if isinstance(w, Workload) else make_workload(w) for w in workloads]
+    config.setdefault("max_model_len", MAX_MODEL_LEN)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_checkpoint(Path(tmp) / preset, preset, seed=0)
+        for policy in POLICIES:
+            for graphs in (True, False) if torch.cuda.is_available() else (False,):
+                with LLM(str(path), scheduling_policy=policy, async_scheduling=False, **config) as llm:
+                    if not graphs:
+                        llm.engine.runner.mixed_graphs = None  # prefill and mixed steps run eagerly
+                    llm.generate(["Benchmark: "], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+                    for work in works:
+                        rows.append(dict(policy=policy, mixed_graphs=graphs, **run_kinds(llm, work)))
+                        print(describe_kinds(rows[-1]))
+    return result("minivllm.benchmarks.step_kinds", rows, preset=preset)
+
+
+def describe_kinds(row: dict) -> str:
+    kinds = ", ".join(
+        f"{k['steps']} {name} {k['seconds']:.2f} s ({k['seconds'] / k['steps'] * 1e3:.1f} ms)"
+        for name, k in sorted(row["kinds"].items(), key=lambda item: KINDS.index(item[0]))
+    )
+    graphs = "graphs" if row["mixed_graphs"] else "eager"
+    return f"{row['workload']:>9} · {row['policy']}, {graphs}: {row['tok_per_s']:,.0f} output tok/s; {kinds}"
+
+
+def plot_step_kinds(data: dict):
+    """Per workload, one stacked bar per (policy, graphs): seconds in each kind of step."""
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(r["workload"] for r in data["rows"]))
+    fig, axes = plt.subplots(1, len(names), figsize=(5.4 * len(names), 4.2), squeeze=False)
+    colors = {"prefill": "tab:orange", "mixed": "tab:purple", "decode": "tab:blue"}
+    for ax, name in zip(axes[0], names):
+        rows = [r for r in data["rows"] if r["workload"] == name]
+        labels = [f"{r['policy']}\n{'graphs' if r['mixed_graphs'] else 'eager'}" for r in rows]
+        bottom = [0.0] * len(rows)
+        for kind in KINDS:
+            seconds = [r["kinds"].get(kind, {}).get("seconds", 0.0) for r in rows]
+            ax.bar(labels, seconds, bottom=bottom, color=colors[kind], label=kind)
+            bottom = [b + s for b, s in zip(bottom, seconds)]
+        ax.set(title=name, ylabel="seconds (synchronous scheduling)")
+        ax.tick_params(axis="x", labelsize=8)
+    axes[0][0].legend()
+    fig.suptitle(
+        f"{data['preset']} on {data['device']}: seconds per kind of step, prefill and mixed steps eager or graphed"
+    )
+    fig.tight_layout()
+    return fig
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", nargs="+", choices=("nano-vllm", "chat", "long", "single"),
+                        default=["chat", "nano-vllm"])  # fmt: skip
+    parser.add_argument("--preset", default="qwen3-0.6b")
+    parser.add_argument("--out", type=Path, default=OUT, help="folder for step_kinds.json and .png")
+    args = parser.parse_args()
+    data = run_step_kinds_benchmark(args.workloads, args.preset)
+    save("step_kinds", data, plot_step_kinds(data), args.out)
+
+
+if __name__ == "__main__":
+    main()
