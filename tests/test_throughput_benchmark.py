@@ -81,11 +81,12 @@ def test_step_kinds_splits_the_run_by_kind_of_step():
     params = [SamplingParams(temperature=0.7, top_p=0.9, ignore_eos=True, max_tokens=n) for n in (3, 5, 4)]
     prefix = list(range(1, 40))
     chat = Workload("chat", [prefix + [7] * n for n in (2, 9, 20)], params, shared_prefix=len(prefix))
-    data = run_step_kinds_benchmark([chat], preset="tiny", max_model_len=256, max_num_batched_tokens=32)
+    data = run_step_kinds_benchmark([chat], preset="tiny", repeats=2, max_model_len=256, max_num_batched_tokens=32)
     rows = {row["policy"]: row for row in data["rows"]}
     assert set(rows) == set(POLICIES) and not any(row["mixed_graphs"] for row in rows.values())  # a CPU: no graphs
     assert "mixed" in rows["unified"]["kinds"] and "mixed" not in rows["prefill-first"]["kinds"]
     for row in rows.values():
+        assert sum(k["tokens"] for k in row["kinds"].values()) >= 39 + 2 + 9 + 20  # the repeat recomputed its prompts
         decode = row["kinds"]["decode"]
         assert decode["tokens"] == decode["seqs"] > 0  # a decode step computes one token per sequence
         assert sum(k["seconds"] for k in row["kinds"].values()) <= row["seconds"]
