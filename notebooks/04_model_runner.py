@@ -1015,6 +1015,11 @@ def use_small_layer_kernels(model: torch.nn.Module, enabled: bool = True) -> Non
 MIXED_GRAPH_SIZES = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 
 
+def tile_room(num_tokens: int, block_m: int) -> int:
+    """Entries in a graph's tile list for steps of num_tokens: every whole tile, and 64 partial ones."""
+    return num_tokens // block_m + 64
+
+
 class MixedGraphs(StepGraphs):
     """One captured prefill or mixed step per token count: its decode rows first, then prompt tokens."""
 
@@ -1032,7 +1037,7 @@ class MixedGraphs(StepGraphs):
         self.capture(model, self.context)
 
     def num_tiles(self, size: int) -> int:
-        return size // self.block_m + 64  # every tile of `size` tokens, and 64 partial ones
+        return tile_room(size, self.block_m)
 
     def context(self, size: int) -> PagedContext:
         rows = min(size, self.max_num_seqs)
@@ -1371,11 +1376,14 @@ assert rows["minivllm", 1] < rows["minivllm-eager", 1]
 #    Answer `(keys, new)`.
 # 3. A decode step of 5 sequences replays a CUDA graph (`max_num_seqs=256`): the one captured for which batch
 #    size? And why may the decode kernel's `num_splits` depend on the batch size only?
+# 4. A mixed step has 3 decode rows and a prompt chunk of 100 tokens (tiles of 64 query rows). Which captured
+#    `T` replays it, how many programs per query head does its prefill kernel run, and how many of them have a
+#    tile to compute? Answer `(T, programs, real)`.
 
 # %%
 from minivllm.testing import check_answer
 
-answer1 = answer2 = answer3 = None  # your answers: replace None with expressions
+answer1 = answer2 = answer3 = answer4 = None  # your answers: replace None with expressions
 seq = Sequence(list(range(38)), block_size=16)  # the 37 tokens and the 38th, just sampled
 seq.block_table = [7, 2, 9]
 decode, hit_step = prepare_decode([seq], block_size=16), prepare_prefill([second], block_size=16)
@@ -1385,15 +1393,22 @@ expected3 = next(b for b in graph_batch_sizes(256) if b >= 5)
 check_answer(answer1, expected1, "1. decode slot")
 check_answer(answer2, expected2, "2. keys after a hit")
 check_answer(answer3, expected3, "3. graph replayed")
+mixed_size = next(t for t in MIXED_GRAPH_SIZES if t >= 3 + 100)
+chunk_tiles = query_tiles(np.array([0, 1, 2, 3, 103]), np.array([0, 9, 18, 27, 147]), 3, block_m=64)
+expected4 = (mixed_size, tile_room(mixed_size, 64), len(chunk_tiles))
+check_answer(answer4, expected4, "4. a mixed step's graph")
 
 # %% [markdown]
 # Worked answers. **1.** Token 37 (from 0): logical block 37 // 16 = 2, physical block 9, offset 37 % 16 = 5;
 # the kernel attends over all 38 tokens, its own included. **2.** 52 and 4: the new queries must also see the 48
 # cached keys, which live only in the paged cache, read through the block tables. **3.** Graphs exist for 1, 2,
-# 4, 8, 16, 32, …: 5 pads to 8. The graph fixed its kernels' grids, `num_splits` included, at capture.
+# 4, 8, 16, 32, …: 5 pads to 8. The graph fixed its kernels' grids, `num_splits` included, at capture. **4.** The
+# 103 tokens pad to `T` = 128, whose tile list has room for 128 // 64 + 64 = 66 tiles; the chunk has ⌈100 / 64⌉ = 2,
+# so 64 of the 66 programs per head read −1 and return: the price of a grid fixed at capture.
 
 # %%
 check_answer((9 * 16 + 37 % 16, 37 + 1), expected1, "1. decode slot")
 check_answer((48 + 4, 4), expected2, "2. keys after a hit")
 check_answer(min(b for b in (1, 2, 4, 8, 16, 32) if b >= 5), expected3, "3. graph replayed")
+check_answer((128, 128 // 64 + 64, -(-100 // 64)), expected4, "4. a mixed step's graph")
 assert hit_step.block_tables is not None

@@ -269,6 +269,11 @@ def use_small_layer_kernels(model: torch.nn.Module, enabled: bool = True) -> Non
 MIXED_GRAPH_SIZES = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 
 
+def tile_room(num_tokens: int, block_m: int) -> int:
+    """Entries in a graph's tile list for steps of num_tokens: every whole tile, and 64 partial ones."""
+    return num_tokens // block_m + 64
+
+
 class MixedGraphs(StepGraphs):
     """One captured prefill or mixed step per token count: its decode rows first, then prompt tokens."""
 
@@ -286,7 +291,7 @@ class MixedGraphs(StepGraphs):
         self.capture(model, self.context)
 
     def num_tiles(self, size: int) -> int:
-        return size // self.block_m + 64  # every tile of `size` tokens, and 64 partial ones
+        return tile_room(size, self.block_m)
 
     def context(self, size: int) -> PagedContext:
         rows = min(size, self.max_num_seqs)
