@@ -1134,6 +1134,8 @@ def flash_attn_varlen_func(
     """flash-attn's varlen attention; with `block_table`, keys and values are read from a paged cache, one program
     per (sequence, query tile) of `tiles` and query head."""
     if block_table is None:
+        if out is not None or tiles is not None:
+            raise ValueError("out= and tiles= need block_table=: they are the paged kernel's")
         return flash_attn_varlen_contiguous(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal
         )
@@ -1151,6 +1153,8 @@ def flash_attn_varlen_func(
     if tiles is None:  # every sequence's first cdiv(max_seqlen_q, BLOCK_M) tiles: those past its end return at once
         tiles = all_tiles(cu_seqlens_q.numel() - 1, triton.cdiv(max_seqlen_q, config["BLOCK_M"]), q.device)
     check_index("tiles", tiles, 2, q.device)
+    if tiles.shape[0] == 0:
+        return out  # no tiles: nothing to compute
     _paged_prefill_kernel[(tiles.shape[0], q.shape[1])](
         q, kf, vf, out, cu_seqlens_q, cu_seqlens_k, block_table, tiles.contiguous(), scale * math.log2(math.e),
         q.stride(0), q.stride(1), kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1), out.stride(0), out.stride(1),

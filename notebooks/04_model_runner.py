@@ -631,8 +631,7 @@ class PagedContext:
         assert self.tiles is not None  # the runner lists the other rows' tiles
         out = torch.empty_like(q)
         self.decode(layer, q[: self.num_decode_seqs], out[: self.num_decode_seqs])
-        if self.tiles.shape[0]:
-            self.paged_prefill(layer, q, out)
+        self.paged_prefill(layer, q, out)  # an empty list (decode rows only) computes nothing
         return out
 
     def prefill(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -93,6 +93,13 @@ def test_paged_prefill_computes_the_listed_tiles_only():
                            tiles=padded)  # fmt: skip
     assert (out[:1] == 7.0).all()  # sequence 0 is not in the list
     torch.testing.assert_close(out[1:], ref[1:], rtol=1e-4, atol=1e-4)
+    none = torch.zeros(0, 2, dtype=torch.int32, device=DEVICE)  # a step of decode rows only: no tiles
+    kept = torch.full_like(q, 7.0)
+    assert flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 64, 300, block_table=block_table, out=kept,
+                                  tiles=none) is kept  # fmt: skip
+    assert (kept == 7.0).all()
+    with pytest.raises(ValueError, match="need block_table"):  # the contiguous kernel would ignore them
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k, 64, 300, causal=True, out=out)
 
 
 def test_decode_leaves_rows_with_an_empty_cache_alone():
