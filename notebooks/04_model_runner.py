@@ -574,7 +574,8 @@ assert list(row) == [2, *cat_logits.topk(2).indices.tolist()] and row[2][1] == 1
 # * **decode**: store each sequence's one new token, then the decode kernel over each whole cache;
 # * **mixed** (notebook 05's steps of both kinds, decode rows first): the decode kernel for those rows, the prefill
 #   kernel for the rest, into one output. The prefill kernel alone would be right too, but slow: each one-token query
-#   would fill a tile of 64 query rows, 63 of them padding, and its keys would not be split across programs.
+#   would fill a tile of 64 query rows, 63 of them padding, and its keys would not be split across programs. To
+#   write yourself: `exercises/04_mixed_attention.ipynb`.
 
 # %% tags=["export"] module="minivllm.attention.paged"
 from dataclasses import dataclass
