@@ -5,6 +5,7 @@ import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -50,12 +51,6 @@ def block_tables_array(seqs: list[Sequence]) -> np.ndarray:  # (num_seqs, max_bl
     return tables
 
 
-def token_slots(block_table: list[int], start: int, end: int, block_size: int) -> np.ndarray:
-    """Cache slots of a sequence's tokens start..end-1: block_table[t // block_size] * block_size + t % block_size."""
-    t = np.arange(start, end)
-    return np.asarray(block_table, dtype=np.int64)[t // block_size] * block_size + t % block_size
-
-
 def scores_prompt(seq: Sequence) -> bool:
     """Whether seq asks for prompt logprobs and has prompt tokens left to score (row i scores token i + 1)."""
     return seq.sampling_params.prompt_logprobs is not None and seq.num_cached_tokens < seq.num_prompt_tokens - 1
@@ -63,25 +58,31 @@ def scores_prompt(seq: Sequence) -> bool:
 
 def prepare_prefill(seqs: list[Sequence], block_size: int) -> StepInputs:
     """Each sequence's scheduled tokens, those after its cached ones, packed end to end."""
-    starts = [seq.num_cached_tokens for seq in seqs]
-    ends = [seq.num_cached_tokens + seq.num_scheduled_tokens for seq in seqs]
-    spans = list(zip(seqs, starts, ends))
-    assert all(s < e <= len(seq) for seq, s, e in spans), "a prefill computes 1..len(seq) - num_cached_tokens tokens"
-    cu_q = np.cumsum([0, *(e - s for s, e in zip(starts, ends))], dtype=np.int32)
-    rows = [np.arange(a, b) if scores_prompt(seq) else np.array([b - 1]) for seq, a, b in zip(seqs, cu_q, cu_q[1:])]
-    decodes = [s > 0 and e - s == 1 for s, e in zip(starts, ends)]  # one new token after cached ones
-    num_decode_seqs = decodes.index(False) if False in decodes else len(seqs)  # the leading run of them
+    starts = np.array([seq.num_cached_tokens for seq in seqs], dtype=np.int64)
+    lens = np.array([seq.num_scheduled_tokens for seq in seqs], dtype=np.int64)
+    ends = starts + lens
+    assert all(s < e <= len(seq) for seq, s, e in zip(seqs, starts, ends)), "a prefill computes 1..len - cached tokens"
+    cu_q = np.cumsum([0, *lens], dtype=np.int32)
+    seq_of = np.repeat(np.arange(len(seqs)), lens)  # (num_tokens,): each new token's sequence
+    positions = np.arange(cu_q[-1]) - cu_q[seq_of] + starts[seq_of]
+    tables = block_tables_array(seqs)
+    slots = tables[seq_of, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    decodes = (starts > 0) & (lens == 1)  # one new token after cached ones
+    num_decode_seqs = len(seqs) if decodes.all() else int(decodes.argmin())  # the leading run of them
+    token_ids = chain.from_iterable(seq.token_ids[s:e] for seq, s, e in zip(seqs, starts, ends))
+    scoring = [scores_prompt(seq) for seq in seqs]
+    rows = [np.arange(a, b) if score else [b - 1] for score, a, b in zip(scoring, cu_q, cu_q[1:])]
     return StepInputs(
         is_prefill=True,
-        input_ids=np.concatenate([np.asarray(seq.token_ids[s:e], dtype=np.int64) for seq, s, e in spans]),
-        positions=np.concatenate([np.arange(s, e) for s, e in zip(starts, ends)]),
-        slot_mapping=np.concatenate([token_slots(seq.block_table, s, e, block_size) for seq, s, e in spans]),
-        block_tables=block_tables_array(seqs) if any(starts) else None,
+        input_ids=np.fromiter(token_ids, dtype=np.int64, count=int(cu_q[-1])),
+        positions=positions,
+        slot_mapping=slots,
+        block_tables=tables if starts.any() else None,
         cu_seqlens_q=cu_q,
         cu_seqlens_k=np.cumsum([0, *ends], dtype=np.int32),
-        context_lens=np.array(ends[:num_decode_seqs], dtype=np.int32) if num_decode_seqs else None,
+        context_lens=ends[:num_decode_seqs].astype(np.int32) if num_decode_seqs else None,
         num_decode_seqs=num_decode_seqs,
-        logits_rows=np.concatenate(rows) if any(map(scores_prompt, seqs)) else None,
+        logits_rows=np.concatenate(rows).astype(np.int64) if any(scoring) else None,
     )
 
 
