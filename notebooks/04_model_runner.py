@@ -999,7 +999,7 @@ def use_small_layer_kernels(model: torch.nn.Module, enabled: bool = True) -> Non
 # %% [markdown]
 # ### CUDA graphs for prefill and mixed steps
 # A prefill or mixed step runs eagerly unless it too is captured, and eagerly its few hundred launches cost the
-# host more than the GPU's time (an H200, a chat step of ~255 decode rows and 200 to 650 prompt tokens: 18 to 28 ms
+# host more than the GPU's time (an H200, a chat step of ~255 decode rows and 170 to 650 prompt tokens: 18 to 28 ms
 # of wall time for 10.4 to 11.2 ms of kernels). Capturing it needs every launch fixed: the shapes, and the grids.
 # So we capture a step of `T` tokens for a few `T` (16 to 4,096), padding each step to the next, with fixed grids
 # that read what to do:
