@@ -56,6 +56,12 @@ def scores_prompt(seq: Sequence) -> bool:
     return seq.sampling_params.prompt_logprobs is not None and seq.num_cached_tokens < seq.num_prompt_tokens - 1
 
 
+def scored_rows(scoring: list[bool], cu_seqlens_q: np.ndarray) -> np.ndarray:  # (num_rows,) int64
+    """The rows of a prefill to take logits of: all of a scoring sequence's, each other sequence's last."""
+    rows = [np.arange(a, b) if score else [b - 1] for score, a, b in zip(scoring, cu_seqlens_q, cu_seqlens_q[1:])]
+    return np.concatenate(rows).astype(np.int64)
+
+
 def prepare_prefill(seqs: list[Sequence], block_size: int) -> StepInputs:
     """Each sequence's scheduled tokens, those after its cached ones, packed end to end."""
     starts = np.array([seq.num_cached_tokens for seq in seqs], dtype=np.int64)
@@ -70,8 +76,7 @@ def prepare_prefill(seqs: list[Sequence], block_size: int) -> StepInputs:
     decodes = (starts > 0) & (lens == 1)  # one new token after cached ones
     num_decode_seqs = len(seqs) if decodes.all() else int(decodes.argmin())  # the leading run of them
     token_ids = chain.from_iterable(seq.token_ids[s:e] for seq, s, e in zip(seqs, starts, ends))
-    scoring = [scores_prompt(seq) for seq in seqs]
-    rows = [np.arange(a, b) if score else [b - 1] for score, a, b in zip(scoring, cu_q, cu_q[1:])]
+    scoring = [scores_prompt(seq) for seq in seqs]  # these score every new token, the others their last
     return StepInputs(
         is_prefill=True,
         input_ids=np.fromiter(token_ids, dtype=np.int64, count=int(cu_q[-1])),
@@ -82,7 +87,7 @@ def prepare_prefill(seqs: list[Sequence], block_size: int) -> StepInputs:
         cu_seqlens_k=np.cumsum([0, *ends], dtype=np.int32),
         context_lens=ends[:num_decode_seqs].astype(np.int32) if num_decode_seqs else None,
         num_decode_seqs=num_decode_seqs,
-        logits_rows=np.concatenate(rows).astype(np.int64) if any(scoring) else None,
+        logits_rows=scored_rows(scoring, cu_q) if any(scoring) else None,
     )
 
 
@@ -221,10 +226,10 @@ class StepGraphs:
         """Copy the step's attention inputs into the static ones."""
         raise NotImplementedError
 
-    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, context: PagedContext) -> torch.Tensor:
+    def replay(self, size: int, input_ids: torch.Tensor, positions: torch.Tensor, context: PagedContext
+               ) -> torch.Tensor:  # fmt: skip
+        """Run the step in the graph captured for `size` (`size_for`'s answer)."""
         n = input_ids.shape[0]
-        size = self.size_for(context, n)
-        assert size is not None, "a step no graph can run"
         self.input_ids[:n], self.positions[:n] = input_ids, positions
         self.slot_mapping.fill_(-1)
         self.slot_mapping[:n] = context.slot_mapping
@@ -450,8 +455,9 @@ class ModelRunner:
         if step.input_ids.min() < 0:  # placeholders (06): -1 - row stands for row `row` of the last step's tokens
             input_ids = torch.where(input_ids < 0, self.last_token_ids[(-1 - input_ids).clamp_min(0)], input_ids)
         graphs = self.mixed_graphs if step.is_prefill else self.graphs
-        if graphs is not None and graphs.size_for(context, input_ids.shape[0]) is not None:
-            hidden = graphs.replay(input_ids, positions, context)
+        size = None if graphs is None else graphs.size_for(context, input_ids.shape[0])
+        if graphs is not None and size is not None:
+            hidden = graphs.replay(size, input_ids, positions, context)
         else:
             hidden = self.model(input_ids, positions, context)  # (num_tokens, hidden_size)
         if step.is_prefill:  # each sequence's last token, or all of a sequence's that scores its prompt
