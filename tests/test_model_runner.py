@@ -2,13 +2,15 @@
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from minivllm.attention import paged
 from minivllm.config import Config
+from minivllm.engine import model_runner
 from minivllm.engine.block_manager import BlockManager
-from minivllm.engine.model_runner import ModelRunner, graph_batch_sizes, prepare_prefill
+from minivllm.engine.model_runner import ModelRunner, graph_batch_sizes, prepare_prefill, shared_prefix
 from minivllm.engine.sequence import Sequence
 from minivllm.kernels import flash_attn_with_kvcache
 from minivllm.models.loader import load_model
@@ -185,6 +187,50 @@ def test_mixed_step_gives_every_row_its_logits(runner, reference, use_triton, mo
         runner.use_triton = DEVICE == "cuda"
 
 
+def test_shared_prefix_finds_the_leading_blocks_most_rows_share(monkeypatch):
+    monkeypatch.setattr(model_runner, "CASCADE_MIN_ROWS", 3)
+    monkeypatch.setattr(model_runner, "CASCADE_MIN_TOKENS", 32)
+    tables = np.array([[5, 6, 7, 8], [5, 6, 7, 9], [1, 2, 3, 4], [5, 6, 7, 3], [5, 6, 2, 0]], dtype=np.int32)
+    lens = np.array([60, 50, 64, 49, 40], dtype=np.int32)  # full blocks of 16 before the new token: 3, 3, 3, 3, 2
+    blocks, prefix_lens = shared_prefix(tables, lens, 16)
+    assert blocks is not None and prefix_lens is not None
+    assert blocks.tolist() == [5, 6] and prefix_lens.tolist() == [32, 32, 0, 32, 32]  # row 4 fills only 2 blocks
+    blocks, prefix_lens = shared_prefix(tables[:4], lens[:4], 16)
+    assert blocks is not None and prefix_lens is not None
+    assert blocks.tolist() == [5, 6, 7] and prefix_lens.tolist() == [48, 48, 0, 48]
+    assert shared_prefix(tables[:3], lens[:3], 16) == (None, None)  # 2 rows share: fewer than 3
+    assert shared_prefix(tables, lens, 8) == (None, None)  # 6 blocks of 8 fill the rows: 2 shared, 16 tokens
+    tables[:, 0] = [5, 1, 1, 5, 1]  # the commonest first block starts nothing longer
+    assert shared_prefix(tables, lens, 16) == (None, None)
+
+
+def test_rows_sharing_a_cached_prompt_decode_through_the_shared_prefix(runner, reference, monkeypatch):
+    """Decode steps of rows that begin with one cached system prompt: with Triton, the decode kernel gets the
+    shared prefix (03's cascade), and every row's logits are still those of a from-scratch forward."""
+    monkeypatch.setattr(model_runner, "CASCADE_MIN_ROWS", 3)
+    monkeypatch.setattr(model_runner, "CASCADE_MIN_TOKENS", 32)
+    prefixes = []  # prefix_lens of each decode-kernel call
+
+    def spy(*args, **kwargs):
+        prefixes.append(None if kwargs["prefix_lens"] is None else kwargs["prefix_lens"].tolist())
+        return flash_attn_with_kvcache(*args, **kwargs)
+
+    monkeypatch.setattr(paged, "flash_attn_with_kvcache", spy)
+    runner.use_triton = True
+    graphs, runner.graphs = runner.graphs, None  # eagerly: the spy sees each launch
+    try:
+        rng = random.Random(4)
+        system = rng.choices(range(2048), k=40)  # two full blocks of 16, and 8 tokens
+        prompts = [system + rng.choices(range(2048), k=n) for n in (3, 30, 9)] + [rng.choices(range(2048), k=50)]
+        seqs, history, cached = run_steps(runner, prompts, num_decode_steps=3)
+        assert cached == [0, 32, 32, 0]
+        layers = runner.config.hf_config.num_hidden_layers
+        assert prefixes == [[32, 32, 32, 0]] * (3 * layers)  # each decode step: rows 0-2 share 32 tokens
+    finally:
+        runner.use_triton, runner.graphs = DEVICE == "cuda", graphs
+    assert_matches_from_scratch(reference, seqs, history)
+
+
 def test_run_samples_greedy_tokens(runner, reference):
     from minivllm.sampling_params import SamplingParams
 
@@ -248,6 +294,30 @@ def test_cuda_graph_replay_equals_eager(tiny, batch):
     for g, e in zip(graph, eager):  # a padded batch may change the decode split count: equal up to bf16 rounding
         torch.testing.assert_close(g, e, rtol=2e-2, atol=2e-2)
         assert (g.argmax(-1) == e.argmax(-1)).float().mean() > 0.9
+
+
+@pytest.mark.gpu
+def test_rows_sharing_a_prompt_replay_the_cascade_graph(tiny, reference):
+    """20 rows, 17 of which begin with one cached 260-token prompt: each decode step replays the graph of 32 rows
+    captured with the shared-prefix kernel; 3 rows alone replay the plain graph of 4; logits stay exact (fp32)."""
+    runner = ModelRunner(Config(tiny, dtype=torch.float32, num_kvcache_blocks=512, max_num_seqs=32))
+    try:
+        assert runner.graphs is not None
+        keys = []
+        replay = runner.graphs.replay
+        runner.graphs.replay = lambda key, *args: keys.append(key) or replay(key, *args)  # type: ignore[method-assign]
+        rng = random.Random(5)
+        system = rng.choices(range(2048), k=260)  # 16 full blocks and 4 tokens
+        prompts = [system + rng.choices(range(2048), k=rng.randint(1, 40)) for _ in range(17)]
+        prompts += [rng.choices(range(2048), k=30) for _ in range(3)]
+        seqs, history, cached = run_steps(runner, prompts, num_decode_steps=4)
+        assert cached[1:17] == [256] * 16
+        assert keys == [(32, True)] * 4
+        run_steps(runner, prompts[17:], num_decode_steps=2)
+        assert keys[4:] == [(4, False)] * 2
+    finally:
+        runner.close()
+    assert_matches_from_scratch(reference, seqs, history, tol=1e-3)
 
 
 @pytest.mark.gpu

@@ -117,6 +117,46 @@ def test_decode_leaves_rows_with_an_empty_cache_alone():
     torch.testing.assert_close(out[[0, 2], 0], ref, rtol=1e-4, atol=1e-4)
 
 
+def check_shared_prefix(seq_lens, sharers, prefix_blocks, num_heads, num_kv_heads, block_size, dtype, tol):
+    """Rows `sharers` begin with row 0's first prefix_blocks blocks; with the prefix given, each row's output is
+    what the decode kernel gives reading every key row by row (checked against the reference above)."""
+    k_cache, v_cache, block_table, _, _, _ = scatter_into_cache(seq_lens, num_kv_heads, 128 if dtype != torch.float32
+                                                                else 32, block_size, DEVICE, dtype)  # fmt: skip
+    block_table[sharers, :prefix_blocks] = block_table[0, :prefix_blocks]
+    prefix_lens = torch.zeros(len(seq_lens), dtype=torch.int32, device=DEVICE)
+    prefix_lens[[0, *sharers]] = prefix_blocks * block_size
+    q = torch.randn(len(seq_lens), 1, num_heads, k_cache.shape[-1], device=DEVICE).to(dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    row_by_row = flash_attn_with_kvcache(q, k_cache, v_cache, lens, block_table)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, lens, block_table, prefix_blocks=block_table[0, :prefix_blocks],
+                                  prefix_lens=prefix_lens)  # fmt: skip
+    torch.testing.assert_close(out.float(), row_by_row.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("group", [1, 2, 3])
+@pytest.mark.parametrize("splits", [(1, 1), (2, 3), (5, 2)])
+def test_shared_prefix_gives_the_row_by_row_output(monkeypatch, group, splits):
+    """Cascade attention (03): the prefix kernel's partial results are more splits of each row. Rows that do not
+    share the prefix, a row whose keys are all prefix, splits with no keys, and GQA groups that are not powers of 2."""
+    monkeypatch.setattr(paged_attn, "decode_num_splits", lambda *_: splits[0])
+    monkeypatch.setattr(paged_attn, "prefix_num_splits", lambda *_: splits[1])
+    check_shared_prefix([70, 49, 100, 48, 33, 200], [1, 2, 3, 5], 3, 2 * group, 2, 16, torch.float32, 1e-4)
+
+
+def test_shared_prefix_needs_both_tensors():
+    k_cache = torch.zeros(2, 16, 2, 32)
+    q, lens, table = (
+        torch.randn(1, 1, 4, 32),
+        torch.tensor([5], dtype=torch.int32),
+        torch.zeros(1, 2, dtype=torch.int32),
+    )
+    with pytest.raises(ValueError, match="go together"):
+        flash_attn_with_kvcache(q, k_cache, k_cache, lens, table, prefix_blocks=table[0])
+    with pytest.raises(ValueError, match="one row per sequence"):
+        flash_attn_with_kvcache(q, k_cache, k_cache, lens, table, prefix_blocks=table[0],
+                                prefix_lens=torch.zeros(2, dtype=torch.int32))  # fmt: skip
+
+
 def test_bad_decode_input_raises_value_error():
     k_cache = torch.zeros(2, 16, 2, 32)
     q, seqlens, table = (
@@ -167,3 +207,13 @@ def test_paged_prefill_bf16_on_gpu():
     )
     ref = attention_ref(q, k, v, cu_q, cu_k, causal=True)
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_shared_prefix_bf16_on_gpu(block_size):
+    """A chat step's shape: 200 rows, 190 of which share a 1,536-token prefix, with the engine's split counts."""
+    rng = random.Random(block_size)
+    seq_lens = [rng.randint(1600, 2200) for _ in range(200)]
+    prefix_blocks = 1536 // block_size
+    check_shared_prefix(seq_lens, list(range(1, 190)), prefix_blocks, 16, 8, block_size, torch.bfloat16, 2e-2)

@@ -24,6 +24,8 @@ class PagedContext:
     context_lens: torch.Tensor | None = None  # decode: (num_seqs,) int32, tokens in each cache (new one included)
     num_decode_seqs: int = 0  # a mixed step: its first rows decode one token each; context_lens holds theirs
     tiles: torch.Tensor | None = None  # prefill, paged: the (sequence, query tile) list of the other rows (03)
+    prefix_blocks: torch.Tensor | None = None  # decode rows: (n,) int32, leading blocks several of them share
+    prefix_lens: torch.Tensor | None = None  # (num decode rows,) int32: each one's tokens in them, or 0 (03)
     use_triton: bool = True  # False: the PyTorch reference ops (a CPU without the interpreter's patience)
 
     def attend(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -41,9 +43,9 @@ class PagedContext:
         tables = self.block_tables[: q.shape[0]]
         if self.use_triton:
             out = None if out is None else out.unsqueeze(1)
-            return flash_attn_with_kvcache(
-                q.unsqueeze(1), layer.k_cache, layer.v_cache, self.context_lens, tables, layer.scale, out=out
-            ).squeeze(1)
+            return flash_attn_with_kvcache(q.unsqueeze(1), layer.k_cache, layer.v_cache, self.context_lens, tables,
+                                           layer.scale, out=out, prefix_blocks=self.prefix_blocks,
+                                           prefix_lens=self.prefix_lens).squeeze(1)  # fmt: skip
         cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
         cu_k = torch.nn.functional.pad(self.context_lens.cumsum(0, dtype=torch.int32), (1, 0))
         return paged_attention_ref(q, layer.k_cache, layer.v_cache, cu_q, cu_k, tables, layer.scale)

@@ -42,6 +42,8 @@ class StepInputs:
     context_lens: np.ndarray | None = None  # decode: (num_seqs,) int32; mixed: (num_decode_seqs,)
     num_decode_seqs: int = 0  # prefill: its first rows that decode one token each (notebook 05 puts them first)
     logits_rows: np.ndarray | None = None  # prefill: (num_rows,) int64 rows to score; None: each sequence's last
+    prefix_blocks: np.ndarray | None = None  # (n,) int32: leading blocks that many decode rows share (cascade)
+    prefix_lens: np.ndarray | None = None  # (num_decode_seqs,) int32: each decode row's tokens in them, or 0
 
 
 def block_tables_array(seqs: list[Sequence]) -> np.ndarray:  # (num_seqs, max_blocks) int32, zero-padded
@@ -77,6 +79,7 @@ def prepare_prefill(seqs: list[Sequence], block_size: int) -> StepInputs:
     num_decode_seqs = len(seqs) if decodes.all() else int(decodes.argmin())  # the leading run of them
     token_ids = chain.from_iterable(seq.token_ids[s:e] for seq, s, e in zip(seqs, starts, ends))
     scoring = [scores_prompt(seq) for seq in seqs]  # these score every new token, the others their last
+    prefix_blocks, prefix_lens = shared_prefix(tables[:num_decode_seqs], ends[:num_decode_seqs], block_size)
     return StepInputs(
         is_prefill=True,
         input_ids=np.fromiter(token_ids, dtype=np.int64, count=int(cu_q[-1])),
@@ -88,6 +91,8 @@ def prepare_prefill(seqs: list[Sequence], block_size: int) -> StepInputs:
         context_lens=ends[:num_decode_seqs].astype(np.int32) if num_decode_seqs else None,
         num_decode_seqs=num_decode_seqs,
         logits_rows=scored_rows(scoring, cu_q) if any(scoring) else None,
+        prefix_blocks=prefix_blocks,
+        prefix_lens=prefix_lens,
     )
 
 
@@ -98,7 +103,30 @@ def prepare_decode(seqs: list[Sequence], block_size: int) -> StepInputs:
     last = context_lens.astype(np.int64) - 1  # the new token's position
     slots = block_tables[np.arange(len(seqs)), last // block_size].astype(np.int64) * block_size + last % block_size
     input_ids = np.array([seq.last_token for seq in seqs], dtype=np.int64)
-    return StepInputs(False, input_ids, last, slots, block_tables, context_lens=context_lens)
+    prefix_blocks, prefix_lens = shared_prefix(block_tables, context_lens, block_size)
+    return StepInputs(False, input_ids, last, slots, block_tables, context_lens=context_lens,
+                      prefix_blocks=prefix_blocks, prefix_lens=prefix_lens)  # fmt: skip
+
+
+CASCADE_MIN_ROWS, CASCADE_MIN_TOKENS = 16, 256  # below these, reading a prefix once saves less than a launch
+
+
+def shared_prefix(tables: np.ndarray, context_lens: np.ndarray, block_size: int
+                  ) -> tuple[np.ndarray, np.ndarray] | tuple[None, None]:  # fmt: skip
+    """The leading blocks that the most decode rows share (a system prompt in the prefix cache), if at least
+    CASCADE_MIN_ROWS rows share CASCADE_MIN_TOKENS tokens: 03's `prefix_blocks` and `prefix_lens`, else Nones."""
+    if len(tables) < CASCADE_MIN_ROWS:
+        return None, None
+    firsts, counts = np.unique(tables[:, 0], return_counts=True)
+    full = (context_lens.astype(np.int64) - 1) // block_size  # blocks before the new token's: full, shareable
+    rows = (tables[:, 0] == firsts[counts.argmax()]) & (full > 0)  # those that begin with the commonest block
+    if rows.sum() < CASCADE_MIN_ROWS:
+        return None, None
+    same = (tables[rows] == tables[rows][0]).all(0)[: full[rows].min()]  # columns where they all agree
+    num_blocks = int(same.argmin()) if not same.all() else len(same)
+    if num_blocks * block_size < CASCADE_MIN_TOKENS:
+        return None, None
+    return tables[rows][0, :num_blocks].copy(), np.where(rows, num_blocks * block_size, 0).astype(np.int32)
 
 
 def query_tiles(cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, first_seq: int, block_m: int) -> np.ndarray:
@@ -130,6 +158,8 @@ def step_to_device(step: StepInputs, device: torch.device, use_triton: bool, blo
                            put_optional(step.cu_seqlens_q), put_optional(step.cu_seqlens_k),
                            context_lens=put_optional(step.context_lens), num_decode_seqs=step.num_decode_seqs,
                            use_triton=use_triton)  # fmt: skip
+    if use_triton and step.prefix_blocks is not None and step.prefix_lens is not None:  # the reference reads rows
+        context.prefix_blocks, context.prefix_lens = put(step.prefix_blocks), put(step.prefix_lens)
     if step.is_prefill:
         assert step.cu_seqlens_q is not None and step.cu_seqlens_k is not None  # a prefill step has both
         context.max_seqlen_q = int(np.diff(step.cu_seqlens_q).max())
@@ -191,25 +221,47 @@ def bind_kv_cache(layers: list[Attention], num_blocks: int, block_size: int, dty
 class StepGraphs:
     """Forward passes captured once per size (tokens in the step), over static inputs that each replay fills."""
 
-    def __init__(self, sizes: list[int], hidden_size: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, sizes: list[int], max_rows: int, max_blocks: int, hidden_size: int, dtype: torch.dtype,
+                 device: torch.device):  # fmt: skip
         self.sizes, n = sizes, sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.block_tables = torch.zeros(max_rows, max_blocks, dtype=torch.int32, device=device)
+        self.context_lens = torch.zeros(max_rows, dtype=torch.int32, device=device)  # decode rows'; 0: not one
+        self.prefix_blocks = torch.zeros(max_blocks, dtype=torch.int32, device=device)  # a shared prefix (03)
+        self.prefix_lens = torch.zeros(max_rows, dtype=torch.int32, device=device)
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (size, cascade): the graph
+        self.pool: Any = None  # the graphs' memory, one pool for all
         self.num_replays = 0
 
-    def capture(self, model: torch.nn.Module, context_of: Callable[[int], PagedContext]) -> None:
-        pool = None
+    def fill_decode_rows(self, context: PagedContext) -> None:
+        self.context_lens.zero_()  # rows past the step's decode rows: no decode output
+        self.prefix_lens.zero_()
+        if context.context_lens is not None:
+            self.context_lens[: context.context_lens.shape[0]] = context.context_lens
+        if context.prefix_lens is not None and context.prefix_blocks is not None:
+            self.prefix_lens[: context.prefix_lens.shape[0]] = context.prefix_lens
+            self.prefix_blocks[: context.prefix_blocks.shape[0]] = context.prefix_blocks
+
+    def capture(self, model: torch.nn.Module, context_of: Callable[[int], PagedContext], cascade: bool) -> None:
+        """A graph per size; with `cascade`, per size with room for CASCADE_MIN_ROWS decode rows, which read a
+        shared prefix once (03; rows that share none run it with lengths 0, at the price of its launches)."""
         for size in reversed(self.sizes):  # the largest first: the others fit in its memory pool
             context = context_of(size)
+            assert context.context_lens is not None  # its decode rows (a prefill step's: empty caches)
+            rows = context.context_lens.shape[0]
+            if cascade and rows < CASCADE_MIN_ROWS:
+                continue
+            if cascade:
+                context.prefix_blocks, context.prefix_lens = self.prefix_blocks, self.prefix_lens[:rows]
             self.hidden[:size] = model(self.input_ids[:size], self.positions[:size], context)  # warm-up: compile
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool):
+            with torch.cuda.graph(graph, self.pool):
                 self.hidden[:size] = model(self.input_ids[:size], self.positions[:size], context)
-            pool = pool or graph.pool()
-            self.graphs[size] = graph
+            self.pool = self.pool or graph.pool()
+            self.graphs[size, cascade] = graph
         torch.cuda.synchronize(self.hidden.device)
 
     def reset(self) -> None:
@@ -218,23 +270,24 @@ class StepGraphs:
         for graph in self.graphs.values():
             graph.reset()
 
-    def size_for(self, context: PagedContext, num_tokens: int) -> int | None:
-        """The captured size that runs this step, or None: none can."""
-        return next((size for size in self.sizes if size >= num_tokens), None)
+    def key_for(self, context: PagedContext, num_tokens: int) -> tuple[int, bool] | None:
+        """The graph that runs this step, (size, cascade), or None: none can."""
+        cascade = context.prefix_lens is not None
+        return next(((s, cascade) for s in self.sizes if s >= num_tokens and (s, cascade) in self.graphs), None)
 
     def fill(self, context: PagedContext) -> None:
         """Copy the step's attention inputs into the static ones."""
         raise NotImplementedError
 
-    def replay(self, size: int, input_ids: torch.Tensor, positions: torch.Tensor, context: PagedContext
+    def replay(self, key: tuple[int, bool], input_ids: torch.Tensor, positions: torch.Tensor, context: PagedContext
                ) -> torch.Tensor:  # fmt: skip
-        """Run the step in the graph captured for `size` (`size_for`'s answer)."""
+        """Run the step in the graph `key_for` chose."""
         n = input_ids.shape[0]
         self.input_ids[:n], self.positions[:n] = input_ids, positions
         self.slot_mapping.fill_(-1)
         self.slot_mapping[:n] = context.slot_mapping
         self.fill(context)
-        self.graphs[size].replay()
+        self.graphs[key].replay()
         self.num_replays += 1
         return self.hidden[:n]  # (num_tokens, hidden_size)
 
@@ -249,18 +302,16 @@ class DecodeGraphs(StepGraphs):
 
     def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_blocks: int, hidden_size: int,
                  dtype: torch.dtype, device: torch.device):  # fmt: skip
-        super().__init__(graph_batch_sizes(max_num_seqs), hidden_size, dtype, device)
-        self.context_lens = torch.zeros(self.sizes[-1], dtype=torch.int32, device=device)
-        self.block_tables = torch.zeros(self.sizes[-1], max_blocks, dtype=torch.int32, device=device)
-        self.capture(model, lambda bs: PagedContext(False, self.slot_mapping[:bs], self.block_tables[:bs],
-                                                    context_lens=self.context_lens[:bs]))  # fmt: skip
+        sizes = graph_batch_sizes(max_num_seqs)
+        super().__init__(sizes, sizes[-1], max_blocks, hidden_size, dtype, device)
+        for cascade in (False, True):  # a step with a shared prefix, and one without, each as fast as it can be
+            self.capture(model, lambda bs: PagedContext(False, self.slot_mapping[:bs], self.block_tables[:bs],
+                                                        context_lens=self.context_lens[:bs]), cascade)  # fmt: skip
 
     def fill(self, context: PagedContext) -> None:
-        assert context.context_lens is not None and context.block_tables is not None  # a decode step has both
-        bs = context.context_lens.shape[0]
-        self.context_lens.zero_()
-        self.context_lens[:bs] = context.context_lens
-        self.block_tables[:bs, : context.block_tables.shape[1]] = context.block_tables
+        assert context.block_tables is not None  # a decode step has one
+        self.fill_decode_rows(context)
+        self.block_tables[: context.block_tables.shape[0], : context.block_tables.shape[1]] = context.block_tables
 
 
 def use_small_layer_kernels(model: torch.nn.Module, enabled: bool = True) -> None:
@@ -285,16 +336,15 @@ class MixedGraphs(StepGraphs):
 
     def __init__(self, model: torch.nn.Module, sizes: list[int], max_num_seqs: int, max_blocks: int, block_m: int,
                  hidden_size: int, dtype: torch.dtype, device: torch.device):  # fmt: skip
-        super().__init__(sizes, hidden_size, dtype, device)
+        super().__init__(sizes, max_num_seqs, max_blocks, hidden_size, dtype, device)
         self.max_num_seqs, self.block_m = max_num_seqs, block_m
 
         def int32(*shape: int) -> torch.Tensor:
             return torch.zeros(*shape, dtype=torch.int32, device=device)
 
         self.cu_seqlens_q, self.cu_seqlens_k = int32(max_num_seqs + 1), int32(max_num_seqs + 1)
-        self.context_lens, self.block_tables = int32(max_num_seqs), int32(max_num_seqs, max_blocks)
         self.tiles = int32(self.num_tiles(sizes[-1]), 2) - 1
-        self.capture(model, self.context)
+        self.capture(model, self.context, cascade=True)  # steps without a shared prefix too: one capture per size
 
     def num_tiles(self, size: int) -> int:
         return tile_room(size, self.block_m)
@@ -305,22 +355,20 @@ class MixedGraphs(StepGraphs):
                             context_lens=self.context_lens[:rows], num_decode_seqs=rows,
                             tiles=self.tiles[: self.num_tiles(size)])  # fmt: skip
 
-    def size_for(self, context: PagedContext, num_tokens: int) -> int | None:
+    def key_for(self, context: PagedContext, num_tokens: int) -> tuple[int, bool] | None:
         if context.block_tables is None or context.tiles is None:
             return None  # nothing cached (the contiguous kernel's case), or no tile list
-        fits = (s for s in self.sizes if s >= num_tokens and self.num_tiles(s) >= context.tiles.shape[0])
+        fits = ((s, True) for s in self.sizes if s >= num_tokens and self.num_tiles(s) >= context.tiles.shape[0])
         return next(fits, None)
 
     def fill(self, context: PagedContext) -> None:
-        assert context.block_tables is not None and context.tiles is not None  # size_for has checked
+        assert context.block_tables is not None and context.tiles is not None  # key_for has checked
         assert context.cu_seqlens_q is not None and context.cu_seqlens_k is not None  # a prefill step has both
-        num_seqs, n = context.block_tables.shape[0], context.num_decode_seqs
+        num_seqs = context.block_tables.shape[0]
         self.cu_seqlens_q[: num_seqs + 1] = context.cu_seqlens_q
         self.cu_seqlens_k[: num_seqs + 1] = context.cu_seqlens_k
         self.block_tables[:num_seqs, : context.block_tables.shape[1]] = context.block_tables
-        self.context_lens.zero_()  # rows past the decode rows: no decode output
-        if n and context.context_lens is not None:
-            self.context_lens[:n] = context.context_lens
+        self.fill_decode_rows(context)
         self.tiles.fill_(-1)
         self.tiles[: context.tiles.shape[0]] = context.tiles
 
@@ -455,9 +503,9 @@ class ModelRunner:
         if step.input_ids.min() < 0:  # placeholders (06): -1 - row stands for row `row` of the last step's tokens
             input_ids = torch.where(input_ids < 0, self.last_token_ids[(-1 - input_ids).clamp_min(0)], input_ids)
         graphs = self.mixed_graphs if step.is_prefill else self.graphs
-        size = None if graphs is None else graphs.size_for(context, input_ids.shape[0])
-        if graphs is not None and size is not None:
-            hidden = graphs.replay(size, input_ids, positions, context)
+        key = None if graphs is None else graphs.key_for(context, input_ids.shape[0])
+        if graphs is not None and key is not None:
+            hidden = graphs.replay(key, input_ids, positions, context)
         else:
             hidden = self.model(input_ids, positions, context)  # (num_tokens, hidden_size)
         if step.is_prefill:  # each sequence's last token, or all of a sequence's that scores its prompt

@@ -94,16 +94,17 @@ def paged_rows(block_table_row, tok, valid, BLOCK_SIZE: tl.constexpr):
 
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])  # vary from step to step (notebook 01)
 def _decode_kernel(
-    Q, K, V, partial_out, partial_lse, cache_seqlens, block_table, qk_scale, num_splits,  # tensors, scalars
+    Q, K, V, partial_out, partial_lse, cache_seqlens, block_table, prefix_lens, qk_scale, num_splits,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_bt,  # strides of q, k, v, block_table
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,  # strides of partial_out, partial_lse
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, HAS_PREFIX: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seqlen = tl.load(cache_seqlens + seq)
-    chunk = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
-    lo = split * chunk
+    first = tl.load(prefix_lens + seq) if HAS_PREFIX else 0  # keys before it: a shared prefix, attended apart
+    chunk = tl.cdiv(tl.cdiv(seqlen - first, num_splits), BLOCK_N) * BLOCK_N
+    lo = first + split * chunk
     hi = tl.minimum(lo + chunk, seqlen)
     offs_g = tl.arange(0, GROUP_PAD)  # the query heads of this KV head (padded: tl.dot needs 16 rows)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -134,15 +135,17 @@ def _decode_kernel(
     tl.store(partial_lse + seq * stride_lb + heads * stride_lh + split, lse, mask=mask)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "prefix_splits"])
 def _combine_splits_kernel(
-    partial_out, partial_lse, O, cache_seqlens, num_splits,  # tensors, scalar
+    partial_out, partial_lse, O, cache_seqlens, prefix_lens, num_splits, prefix_splits,  # tensors, scalars
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,  # strides
     HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):  # fmt: skip
     seq, head = tl.program_id(0), tl.program_id(1)
     if tl.load(cache_seqlens + seq) == 0:
         return  # not a sequence: a CUDA graph's padding row (notebook 04), whose output row may be another's
+    if prefix_splits > 0:  # the shared prefix's splits (below) follow the row's own, if the row shares it
+        num_splits += tl.where(tl.load(prefix_lens + seq) > 0, prefix_splits, 0)
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     lse = tl.load(
@@ -182,8 +185,12 @@ def flash_attn_with_kvcache(
     softmax_scale: float | None = None,
     causal: bool = False,  # one query that sees its whole cache: causal or not is the same thing
     out: torch.Tensor | None = None,  # (batch, 1, num_heads, head_dim) to write into; None: a new tensor
+    prefix_blocks: torch.Tensor | None = None,  # (n,) int32: blocks that begin the caches of several rows
+    prefix_lens: torch.Tensor | None = None,  # (batch,) int32: a row's tokens in those blocks, or 0 (not its own)
 ) -> torch.Tensor:  # (batch, 1, num_heads, head_dim)
-    """Decode attention over a paged KV cache, with flash-attn's signature (GQA-packed, split-K)."""
+    """Decode attention over a paged KV cache, with flash-attn's signature (GQA-packed, split-K). Given a shared
+    prefix (`prefix_blocks`, and `prefix_lens` of one length for the rows that begin with it), the rows' queries
+    attend to it together, its keys read once (cascade attention, below), and each row reads only its own keys."""
     if q.dim() != 4 or q.shape[1] != 1:
         raise ValueError(f"q must be (batch, 1, num_heads, head_dim), got {tuple(q.shape)}")
     check_cache("k_cache", k_cache, q)
@@ -201,28 +208,98 @@ def flash_attn_with_kvcache(
         )
     if cache_seqlens.shape[0] != batch or block_table.shape[0] != batch:
         raise ValueError(f"cache_seqlens and block_table need one row per sequence ({batch})")
+    if (prefix_blocks is None) != (prefix_lens is None):
+        raise ValueError("prefix_blocks and prefix_lens go together: the shared blocks, and who shares them")
+    if prefix_lens is not None and prefix_blocks is not None:
+        check_index("prefix_blocks", prefix_blocks, 1, q.device)
+        check_index("prefix_lens", prefix_lens, 1, q.device)
+        if prefix_lens.shape[0] != batch:
+            raise ValueError(f"prefix_lens needs one row per sequence ({batch}), got {prefix_lens.shape[0]}")
     scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
     on_cpu = q.device.type == "cpu"
     num_splits = decode_num_splits(batch, num_kv_heads, q.device)
+    group = num_heads // num_kv_heads
+    prefix_splits = 0 if prefix_blocks is None else prefix_num_splits(batch * group, num_kv_heads, q.device)
     k, v = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
     out = check_out(out, q)
-    partial_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-    partial_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    group = num_heads // num_kv_heads
+    slots = num_splits + prefix_splits  # partial results per row and head: the row's own splits, the prefix's
+    partial_out = torch.empty(batch, num_heads, slots, head_dim, dtype=torch.float32, device=q.device)
+    partial_lse = torch.empty(batch, num_heads, slots, dtype=torch.float32, device=q.device)
+    common = dict(UPCAST=on_cpu and q.dtype != torch.float32, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                  num_warps=4, num_stages=1 if on_cpu else 2)  # fmt: skip
+    strides = (q.stride(0), q.stride(2), k.stride(0), k.stride(1), v.stride(0), v.stride(1))
+    partial_strides = (*partial_out.stride()[:3], *partial_lse.stride()[:2])
     # tile sizes: the fastest of a sweep on an H200 (bf16, head_dim 128, block sizes 16 and 256)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k, v, partial_out, partial_lse, cache_seqlens, block_table, scale * math.log2(math.e), num_splits,
-        q.stride(0), q.stride(2), k.stride(0), k.stride(1), v.stride(0), v.stride(1), block_table.stride(0),
-        *partial_out.stride()[:3], *partial_lse.stride()[:2],
+        q, k, v, partial_out, partial_lse, cache_seqlens, block_table,
+        cache_seqlens if prefix_lens is None else prefix_lens, scale * math.log2(math.e), num_splits,
+        *strides, block_table.stride(0), *partial_strides,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_N=16 if on_cpu else 64, UPCAST=on_cpu and q.dtype != torch.float32,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4, num_stages=1 if on_cpu else 2,
+        BLOCK_N=16 if on_cpu else 64, HAS_PREFIX=prefix_lens is not None, **common,
     )  # fmt: skip
+    if prefix_splits:
+        block_m = 16 if on_cpu else 64
+        _shared_prefix_kernel[(triton.cdiv(batch * group, block_m), num_kv_heads, prefix_splits)](
+            q, k, v, partial_out, partial_lse, prefix_blocks, prefix_lens, scale * math.log2(math.e), batch,
+            num_splits, *strides, *partial_strides,
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=16 if on_cpu else 64,
+            **common,
+        )  # fmt: skip
     _combine_splits_kernel[(batch, num_heads)](
-        partial_out, partial_lse, out, cache_seqlens, num_splits, *partial_out.stride()[:3], *partial_lse.stride()[:2],
-        out.stride(0), out.stride(2), HEAD_DIM=head_dim, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+        partial_out, partial_lse, out, cache_seqlens, cache_seqlens if prefix_lens is None else prefix_lens,
+        num_splits, prefix_splits, *partial_strides,
+        out.stride(0), out.stride(2), HEAD_DIM=head_dim, SPLITS_PAD=max(2, triton.next_power_of_2(slots)),
     )  # fmt: skip
     return out
+
+
+@triton.jit(do_not_specialize=["batch", "first_split"])
+def _shared_prefix_kernel(
+    Q, K, V, partial_out, partial_lse, prefix_blocks, prefix_lens, qk_scale, batch, first_split,  # tensors, scalars
+    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,  # strides of q, k, v
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,  # strides of partial_out, partial_lse
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Split `split` of the shared prefix for BLOCK_M (row, query head) pairs of one KV head: partial results in
+    slot first_split + split of each pair (the combine kernel reads them for the rows that share the prefix)."""
+    tile, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # (row, query head) pairs, GROUP heads per row
+    seq, heads = offs_m // GROUP, kv_head * GROUP + offs_m % GROUP
+    shares = tl.load(prefix_lens + seq, mask=seq < batch, other=0) > 0  # (BLOCK_M,)
+    prefix_len = tl.max(tl.load(prefix_lens + seq, mask=seq < batch, other=0), 0)  # one length for all sharers
+    if prefix_len == 0:
+        return  # no row of this tile shares it (a CUDA graph's step may have no shared prefix)
+    chunk = tl.cdiv(tl.cdiv(prefix_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, prefix_len)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    q = load_tile(Q + seq[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], shares[:, None], UPCAST)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        tok = start + offs_n
+        valid = tok < hi
+        rows = paged_rows(prefix_blocks, tok, valid, BLOCK_SIZE)
+        k = load_tile(K + rows[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None], valid[None, :], UPCAST)
+        v = load_tile(V + rows[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :], valid[:, None], UPCAST)
+        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, tok, offs_m, hi, 0, qk_scale, True, False, PRECISION)
+    empty = (l_i == 0.0) | ~shares
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))  # log2 units
+    slot = first_split + split
+    ptrs = partial_out + seq[:, None] * stride_pb + heads[:, None] * stride_ph + slot * stride_ps + offs_d[None, :]
+    tl.store(ptrs, out, mask=(seq < batch)[:, None])
+    tl.store(partial_lse + seq * stride_lb + heads * stride_lh + slot, lse, mask=seq < batch)
+
+
+def prefix_num_splits(num_pairs: int, num_kv_heads: int, device: torch.device) -> int:
+    """Splits of the shared prefix: enough programs (tiles of 64 pairs × KV heads × splits) for one per SM."""
+    if device.type == "cpu":
+        return 1
+    return max(1, min(8, num_sms(device) // (triton.cdiv(num_pairs, 64) * num_kv_heads)))
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
