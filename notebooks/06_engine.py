@@ -1194,7 +1194,7 @@ print("nano-vllm's workload, earlier run:", ", ".join(f"{r['impl']} {r['tok_per_
 # bandwidth notebook 03 measured: no engine decodes this workload faster. The benchmark does this for every workload
 # (the % labels above), and takes the FLOPs at the measured matmul rate when they are the larger bound. A prefix that
 # every request shares (the chat burst's system prompt) counts once a step: with prefix caching its blocks are the
-# same ones, and a kernel could read them once for the whole batch (ours reads them once per request).
+# same ones, and the decode kernel reads them once for the whole batch (notebook 03's cascade attention).
 
 # %%
 from minivllm.attention.layer import Attention

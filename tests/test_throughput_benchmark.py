@@ -91,3 +91,13 @@ def test_step_kinds_splits_the_run_by_kind_of_step():
         assert decode["tokens"] == decode["seqs"] > 0  # a decode step computes one token per sequence
         assert sum(k["seconds"] for k in row["kinds"].values()) <= row["seconds"]
     plot_step_kinds(data)
+
+
+def test_cascade_figure_has_a_bar_per_way_and_shape():
+    from minivllm.benchmarks.cascade import plot_cascade
+
+    ways, shapes = ("row by row", "cascade", "cascade, no sharers"), ((16, 50), (256, 350))
+    rows = [dict(impl=w, batch=b, own_tokens=o, prefix_tokens=1488, ms=0.1 + i) for i, w in enumerate(ways)
+            for b, o in shapes]  # fmt: skip
+    fig = plot_cascade({"device": "test", "rows": rows})
+    assert len(fig.axes[0].patches) == len(ways) * len(shapes)
