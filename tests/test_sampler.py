@@ -537,9 +537,10 @@ def test_nucleus_at_temperature_0_is_the_argmax_first_on_ties():
     assert torch.equal(nucleus_of(logits, 0.0, 0.5, min_p=0.3), logits.argmax(dim=-1))
 
 
+@pytest.mark.parametrize("vocab", [40, 3000])  # one part per row; the first try in 2 parts (race_parts)
 @pytest.mark.parametrize(("top_p", "min_p", "t"), [(0.5, 0.0, 1.0), (0.9, 0.0, 0.7), (0.8, 0.3, 1.5), (1.0, 0.2, 1.0)])
-def test_nucleus_never_draws_what_keep_mask_drops(top_p, min_p, t):
-    logits = random_logits(7, 40, 2.0, rows=64)
+def test_nucleus_never_draws_what_keep_mask_drops(top_p, min_p, t, vocab):
+    logits = random_logits(7, vocab, 2.0, rows=64)
     probs = torch.softmax(logits / t, dim=-1)
     kept = filter_probs(probs, torch.full((64,), -1), torch.full((64,), top_p), torch.full((64,), min_p)) > 0
     tokens = nucleus_of(logits, t, top_p, min_p)
@@ -554,5 +555,18 @@ def test_nucleus_frequencies_are_the_renormalized_survivors(top_p, min_p):
     x = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
     n = 256
     freq = torch.bincount(nucleus_of(x.expand(n, -1), 1.0, top_p, min_p), minlength=4) / n
+    expected = torch.tensor([0.625, 0.375, 0.0, 0.0])
+    assert ((freq - expected).abs() <= 4.5 * (expected * (1 - expected) / n).sqrt()).all(), freq
+
+
+def test_nucleus_sums_the_masses_of_every_part():
+    """The first try's masses are summed in parts of the row (2 here): the four tokens of the test above, spread over
+    both parts of a 3,000-token vocabulary, still give the renormalized survivors at top-p 0.7."""
+    x = torch.full((3000,), -30.0)
+    cols = torch.tensor([2900, 2100, 10, 1000])  # the kept in the second part: the first's masses alone keep 0.15
+    x[cols] = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    n = 256
+    drawn = nucleus_of(x.expand(n, -1), 1.0, 0.7)
+    freq = torch.stack([(drawn == c).float().mean() for c in cols])
     expected = torch.tensor([0.625, 0.375, 0.0, 0.0])
     assert ((freq - expected).abs() <= 4.5 * (expected * (1 - expected) / n).sqrt()).all(), freq

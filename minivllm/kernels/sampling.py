@@ -50,13 +50,14 @@ def _draw(X, n, s, t, key, lo, incl, start, end, offset, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _race_kernel(X, TEMPS, KEYS, BEST, WON, n, stride, span, BLOCK: tl.constexpr):
+def _race_kernel(X, TEMPS, KEYS, BEST, WON, TOP, n, stride, span, BLOCK: tl.constexpr):
     row, part, parts = tl.program_id(0), tl.program_id(1), tl.num_programs(1)  # part: counters part * span, + span
     t, key, X, s = tl.load(TEMPS + row), tl.load(KEYS + row), X + row.to(tl.int64) * stride, tl.cdiv(n, 4)
     lo = t * 0 - float("inf")  # no floor
-    score, col, _ = _draw(X, n, s, t, key, lo, 1, part * span, tl.minimum(part * span + span, s), 0, BLOCK)
+    score, col, top = _draw(X, n, s, t, key, lo, 1, part * span, tl.minimum(part * span + span, s), 0, BLOCK)
     tl.store(BEST + row * parts + part, score)
     tl.store(WON + row * parts + part, col)
+    tl.store(TOP + row * parts + part, top)  # the part's largest logit (nucleus, below, needs the row's)
 
 
 @triton.jit
@@ -77,18 +78,26 @@ def block_of(n: int) -> int:
     return min(triton.next_power_of_2(n), 4096)
 
 
-def race(x: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Per row of x (rows, vocab): the argmax where the temperature is 0, else a draw from softmax(x / T), its noise
-    keyed by (keys[row], token id). Returns (rows,) int64."""
+def race_parts(x: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The race in parts of each row, a program each: per (row, part), the best score, its column, the largest
+    logit. (rows, parts) each."""
     assert x.stride(1) == 1
     (rows, n), block = x.shape, 512
     s = triton.cdiv(n, 4)  # counters: four columns each
     span = block * triton.cdiv(triton.cdiv(s, block), max(1, 2048 // rows))  # whole blocks; ~2,048 programs in all
     parts = triton.cdiv(s, span)
-    best = torch.empty(rows, parts, device=x.device)  # each part's best score, and its column
+    best, top = torch.empty(rows, parts, device=x.device), torch.empty(rows, parts, device=x.device)
     won = torch.empty(rows, parts, dtype=torch.int64, device=x.device)
-    _race_kernel[(rows, parts)](x, temperatures, keys, best, won, n, x.stride(0), span, BLOCK=block)
-    firsts = won.masked_fill(best < best.max(dim=1, keepdim=True).values, n)  # parts with the best score: first column
+    _race_kernel[(rows, parts)](x, temperatures, keys, best, won, top, n, x.stride(0), span, BLOCK=block)
+    return best, won, top
+
+
+def race(x: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Per row of x (rows, vocab): the argmax where the temperature is 0, else a draw from softmax(x / T), its noise
+    keyed by (keys[row], token id). Returns (rows,) int64."""
+    best, won, _ = race_parts(x, temperatures, keys)
+    firsts = won.masked_fill(best < best.max(dim=1, keepdim=True).values, x.shape[1])  # the best parts' first column
     return firsts.amin(dim=1)
 
 
@@ -115,29 +124,78 @@ def _masses(X, n, t, m, drawn, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _nucleus_kernel(X, TEMPS, TOP_PS, MIN_PS, KEYS, OUT, n, stride, BLOCK: tl.constexpr):
+def _first_draw(BEST, WON, TOP, row, parts, n, PARTS: tl.constexpr):
+    """The race's winner over a row's parts (the first column on ties) and the row's largest logit."""
+    offs = row * parts + tl.arange(0, PARTS)
+    mask = tl.arange(0, PARTS) < parts
+    best = tl.load(BEST + offs, mask=mask, other=float("-inf"))
+    won = tl.load(WON + offs, mask=mask, other=n).to(tl.int32)
+    col = tl.min(tl.where(best == tl.max(best, axis=0), won, n), axis=0)
+    return col, tl.max(tl.load(TOP + offs, mask=mask, other=float("-inf")), axis=0)
+
+
+@triton.jit(do_not_specialize=["span"])  # varies with the batch: one compiled kernel for all (notebook 01)
+def _masses_kernel(X, TEMPS, BEST, WON, TOP, ABOVE, TOTAL, n, stride, span, PARTS: tl.constexpr, BLOCK: tl.constexpr):
+    """Part `part` (columns part * span, + span) of _masses, for the race's draw: into ABOVE and TOTAL."""
+    row, part, parts = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+    t, X = tl.load(TEMPS + row), X + row.to(tl.int64) * stride
+    col, m = _first_draw(BEST, WON, TOP, row, parts, n, PARTS)
+    drawn, t = tl.load(X + col).to(tl.float32), tl.where(t > 0, t, 1.0)
+    above, total = tl.zeros([BLOCK], tl.float32), tl.zeros([BLOCK], tl.float32)
+    for start in range(part * span, tl.minimum(part * span + span, n), BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(X + cols, mask=cols < n, other=float("-inf")).to(tl.float32)
+        e = tl.exp((x - m) / t)
+        above, total = above + tl.where(x > drawn, e, 0.0), total + e
+    tl.store(ABOVE + row * parts + part, tl.sum(above, axis=0))
+    tl.store(TOTAL + row * parts + part, tl.sum(total, axis=0))
+
+
+@triton.jit
+def _verdict(x, m, t, p, min_p, above, total):
+    """Whether to draw again after drawing logit x (above, total: _masses'), and above what: (again, lo, incl)."""
+    floor = tl.where(min_p > 0, m + t * tl.log(tl.where(min_p > 0, min_p, 1.0)), float("-inf"))  # min-p: x >= it
+    in_nucleus = (p >= 1) | (above < p * total) | (above == 0)
+    again = (t > 0) & ((x < floor) | (in_nucleus == 0))
+    return again, tl.where(x < floor, floor, x), (x < floor).to(tl.int32)
+
+
+@triton.jit(do_not_specialize=["parts"])
+def _nucleus_kernel(X, TEMPS, TOP_PS, MIN_PS, KEYS, BEST, WON, TOP, ABOVE, TOTAL, OUT, n, stride, parts,
+                    PARTS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     row = tl.program_id(0)
     t, p, min_p, key = tl.load(TEMPS + row), tl.load(TOP_PS + row), tl.load(MIN_PS + row), tl.load(KEYS + row)
     X, s = X + row.to(tl.int64) * stride, tl.cdiv(n, 4)
-    # the loop's state as tensors (a while loop carries tensors): -inf, 1, 0, 0, True
-    lo, incl, offset, col, searching = min_p * 0 - float("inf"), row * 0 + 1, row * 0, row * 0, row >= 0
+    col, m = _first_draw(BEST, WON, TOP, row, parts, n, PARTS)  # the first try, its masses in parts
+    offs = row * parts + tl.arange(0, PARTS)
+    mask = tl.arange(0, PARTS) < parts
+    above, total = (
+        tl.sum(tl.load(ABOVE + offs, mask=mask, other=0.0)),
+        tl.sum(tl.load(TOTAL + offs, mask=mask, other=0.0)),
+    )
+    searching, lo, incl = _verdict(tl.load(X + col).to(tl.float32), m, t, p, min_p, above, total)
+    offset = row * 0 + s  # the next try's counters (the loop's state as tensors: a while loop carries tensors)
     while searching:  # a draw among x > lo (>= lo if incl); rejected: the kept tokens all lie above it
         _, col, m = _draw(X, n, s, t, key, lo, incl, 0, s, offset, BLOCK)
         x = tl.load(X + col).to(tl.float32)
         above, total = _masses(X, n, tl.where(t > 0, t, 1.0), m, x, 4 * BLOCK)
-        floor = tl.where(min_p > 0, m + t * tl.log(tl.where(min_p > 0, min_p, 1.0)), float("-inf"))  # min-p: x >= it
-        in_nucleus = (p >= 1) | (above < p * total) | (above == 0)
-        searching = (t > 0) & ((x < floor) | (in_nucleus == 0))
-        lo, incl, offset = tl.where(x < floor, floor, x), (x < floor).to(tl.int32), offset + s  # next try: new counters
+        searching, lo, incl = _verdict(x, m, t, p, min_p, above, total)
+        offset += s
     tl.store(OUT + row, col)
 
 
 def nucleus(x: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor,
             keys: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """Per row of x (rows, vocab): the argmax where the temperature is 0, else a draw from softmax(x / T) with top-p
-    then min-p applied (keep_mask's order); the first try's noise is race's. Returns (rows,) int64."""
-    assert x.stride(1) == 1
-    out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
-    _nucleus_kernel[(x.shape[0],)](x, temperatures, top_ps, min_ps, keys, out, x.shape[1], x.stride(0),
-                                   BLOCK=min(1024, triton.next_power_of_2(triton.cdiv(x.shape[1], 4))), num_warps=16)  # fmt: skip
+    then min-p applied (keep_mask's order); the first try is race's draw. Returns (rows,) int64."""
+    (rows, n), out = x.shape, torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
+    best, won, top = race_parts(x, temperatures, keys)
+    parts, block = best.shape[1], 1024
+    above, total = torch.empty_like(best), torch.empty_like(best)
+    pad = max(2, triton.next_power_of_2(triton.cdiv(triton.cdiv(n, 4), 512)))  # room for a row alone's parts (the most)
+    _masses_kernel[(rows, parts)](x, temperatures, best, won, top, above, total, n, x.stride(0),
+                                  block * triton.cdiv(triton.cdiv(n, parts), block), PARTS=pad, BLOCK=block)  # fmt: skip
+    _nucleus_kernel[(rows,)](x, temperatures, top_ps, min_ps, keys, best, won, top, above, total, out, n, x.stride(0),
+                             parts, PARTS=pad, BLOCK=min(1024, triton.next_power_of_2(triton.cdiv(n, 4))),
+                             num_warps=16)  # fmt: skip
     return out
