@@ -143,20 +143,6 @@ def test_shared_prefix_gives_the_row_by_row_output(monkeypatch, group, splits):
     check_shared_prefix([70, 49, 100, 48, 33, 200], [1, 2, 3, 5], 3, 2 * group, 2, 16, torch.float32, 1e-4)
 
 
-def test_shared_prefix_needs_both_tensors():
-    k_cache = torch.zeros(2, 16, 2, 32)
-    q, lens, table = (
-        torch.randn(1, 1, 4, 32),
-        torch.tensor([5], dtype=torch.int32),
-        torch.zeros(1, 2, dtype=torch.int32),
-    )
-    with pytest.raises(ValueError, match="go together"):
-        flash_attn_with_kvcache(q, k_cache, k_cache, lens, table, prefix_blocks=table[0])
-    with pytest.raises(ValueError, match="one row per sequence"):
-        flash_attn_with_kvcache(q, k_cache, k_cache, lens, table, prefix_blocks=table[0],
-                                prefix_lens=torch.zeros(2, dtype=torch.int32))  # fmt: skip
-
-
 def test_bad_decode_input_raises_value_error():
     k_cache = torch.zeros(2, 16, 2, 32)
     q, seqlens, table = (
@@ -166,6 +152,11 @@ def test_bad_decode_input_raises_value_error():
     )
     with pytest.raises(ValueError, match="q must be"):
         flash_attn_with_kvcache(q[0], k_cache, k_cache, seqlens, table)
+    with pytest.raises(ValueError, match="go together"):  # a shared prefix's blocks, and who shares them
+        flash_attn_with_kvcache(q, k_cache, k_cache, seqlens, table, prefix_blocks=table[0])
+    with pytest.raises(ValueError, match="one row per sequence"):
+        flash_attn_with_kvcache(q, k_cache, k_cache, seqlens, table, prefix_blocks=table[0],
+                                prefix_lens=torch.zeros(2, dtype=torch.int32))  # fmt: skip
     with pytest.raises(ValueError, match="k_cache"):
         flash_attn_with_kvcache(q, k_cache.half(), k_cache, seqlens, table)
     with pytest.raises(ValueError, match="cache_seqlens"):
