@@ -1463,3 +1463,33 @@ check_answer(answer, other.num_cached_tokens, "3. chained hash")
 # %%
 check_answer(len(y), other.num_cached_tokens, "3. chained hash")
 assert compute_hash(z, compute_hash(x)) in check.hash_to_block_id  # z is cached, but under x's name
+
+# %% [markdown]
+# **4.** Cascade attention. Three rows hold 40 tokens each in blocks of 16; their block tables are `[5, 9, 2]`,
+# `[5, 9, 7]` and `[5, 3, 8]`. Given `prefix_blocks = [5, 9]`, which `prefix_lens` (a list, one per row) gives every
+# row the output of reading its keys row by row?
+
+# %%
+answer = None  # your answer: replace None with a list of three ints
+tables = torch.tensor([[5, 9, 2], [5, 9, 7], [5, 3, 8]], dtype=torch.int32, device=DEVICE)
+shares = [int(row[:2].tolist() == [5, 9]) for row in tables]  # which rows begin with both prefix blocks
+check_answer(answer, [32 * s for s in shares], "4. who shares the prefix")
+
+# %% [markdown]
+# Worked answer: `[32, 32, 0]`. Rows 0 and 1 begin with blocks 5 and 9: 32 tokens each. Row 2 shares block 5 only,
+# and the prefix kernel gives all its rows one length: row 2 reads its 40 keys itself. Flagging it too would
+# attend its queries to block 9, another row's keys, silently:
+
+# %%
+k_cache, v_cache = torch.randn(2, 10, 16, 2, 32, device=DEVICE)  # 10 blocks of 16 slots, 2 KV heads of 32
+q = torch.randn(3, 1, 4, 32, device=DEVICE)
+lens = torch.full((3,), 40, dtype=torch.int32, device=DEVICE)
+row_by_row = flash_attn_with_kvcache(q, k_cache, v_cache, lens, tables)
+for prefix_lens in ([32, 32, 0], [32, 32, 32]):
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, lens, tables, prefix_blocks=tables[0, :2],
+                                  prefix_lens=torch.tensor(prefix_lens, dtype=torch.int32, device=DEVICE))  # fmt: skip
+    errors = (out - row_by_row).abs().amax(dim=(1, 2, 3))  # (3,): each row's largest difference
+    print(f"prefix_lens {prefix_lens}: largest difference per row", ", ".join(f"{e:.1e}" for e in errors))
+torch.testing.assert_close(out[:2], row_by_row[:2], rtol=1e-4, atol=1e-4)  # the sharers are right either way
+assert (out[2] - row_by_row[2]).abs().max() > 0.01  # row 2, flagged, is wrong
+check_answer([32, 32, 0], [32 * s for s in shares], "4. who shares the prefix")
