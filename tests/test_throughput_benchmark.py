@@ -101,3 +101,22 @@ def test_cascade_figure_has_a_bar_per_way_and_shape():
             for b, o in shapes]  # fmt: skip
     fig = plot_cascade({"device": "test", "rows": rows})
     assert len(fig.axes[0].patches) == len(ways) * len(shapes)
+
+
+def test_each_timed_run_follows_a_warm_up_and_finds_nothing_cached(monkeypatch):
+    from minivllm.benchmarks import throughput
+
+    events = []  # (what, workload, prefix-cache entries at that moment)
+    for name in ("warm_up", "run_workload"):
+        original = getattr(throughput, name)
+
+        def spy(llm, work, original=original, name=name):
+            events.append((name, work.name, len(llm.engine.scheduler.block_manager.hash_to_block_id)))
+            return original(llm, work)
+
+        monkeypatch.setattr(throughput, name, spy)
+    prefix = list(range(1, 40))  # two full blocks of 16 every prompt shares
+    params = [SamplingParams(temperature=0.7, top_p=0.9, ignore_eos=True, max_tokens=4)] * 3
+    work = Workload("chat", [prefix + [7] * n for n in (2, 9, 20)], params, shared_prefix=len(prefix))
+    run_throughput_benchmark([work], ("unified",), preset="tiny", max_model_len=256, max_num_batched_tokens=32)
+    assert events == [("warm_up", "chat", 0), ("run_workload", "chat", 0)] * 2  # with prefix caching, then without
