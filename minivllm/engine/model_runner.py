@@ -122,11 +122,12 @@ def shared_prefix(tables: np.ndarray, context_lens: np.ndarray, block_size: int
     rows = (tables[:, 0] == firsts[counts.argmax()]) & (full > 0)  # those that begin with the commonest block
     if rows.sum() < CASCADE_MIN_ROWS:
         return None, None
-    same = (tables[rows] == tables[rows][0]).all(0)[: full[rows].min()]  # columns where they all agree
+    shared = tables[rows, : full[rows].min()]  # (sharers, blocks all of them have filled)
+    same = (shared == shared[0]).all(0)  # columns where they all agree
     num_blocks = int(same.argmin()) if not same.all() else len(same)
     if num_blocks * block_size < CASCADE_MIN_TOKENS:
         return None, None
-    return tables[rows][0, :num_blocks].copy(), np.where(rows, num_blocks * block_size, 0).astype(np.int32)
+    return shared[0, :num_blocks].copy(), np.where(rows, num_blocks * block_size, 0).astype(np.int32)
 
 
 def query_tiles(cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, first_seq: int, block_m: int) -> np.ndarray:
