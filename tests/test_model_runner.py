@@ -321,6 +321,24 @@ def test_rows_sharing_a_prompt_replay_the_cascade_graph(tiny, reference):
 
 
 @pytest.mark.gpu
+def test_a_runner_with_fewer_seats_than_the_cascade_needs_replays_mixed_graphs(tiny, reference):
+    """max_num_seqs 8 < CASCADE_MIN_ROWS: the mixed graphs are captured without the shared-prefix kernel, and a
+    prefix hit's prefill replays one."""
+    runner = ModelRunner(Config(tiny, dtype=torch.float32, num_kvcache_blocks=128, max_num_seqs=8))
+    try:
+        assert runner.mixed_graphs is not None and all(not cascade for _, cascade in runner.mixed_graphs.graphs)
+        system = random.Random(6).choices(range(2048), k=48)
+        bm = BlockManager(runner.num_kvcache_blocks, runner.block_size)
+        run_steps(runner, [system + [1, 2]], 0, bm=bm)  # caches the system prompt's 3 blocks
+        replays = runner.mixed_graphs.num_replays
+        seqs, history, cached = run_steps(runner, [system + [9, 8, 7], system + [5]], 2, bm=bm)
+        assert cached == [48, 48] and runner.mixed_graphs.num_replays == replays + 1
+    finally:
+        runner.close()
+    assert_matches_from_scratch(reference, seqs, history, tol=1e-3)
+
+
+@pytest.mark.gpu
 def test_close_gives_the_kv_cache_back_to_the_gpu(tiny):
     """A second engine in the same process gets the cache the first one had, even when memory the first one freed
     is still reserved by PyTorch's allocator (here: its graph pool, released only after it was measured)."""

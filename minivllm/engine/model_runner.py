@@ -247,22 +247,24 @@ class StepGraphs:
             self.prefix_blocks[: context.prefix_blocks.shape[0]] = context.prefix_blocks
 
     def capture(self, model: torch.nn.Module, context_of: Callable[[int], PagedContext], cascade: bool) -> None:
-        """A graph per size; with `cascade`, per size with room for CASCADE_MIN_ROWS decode rows, which read a
-        shared prefix once (03; rows that share none run it with lengths 0, at the price of its launches)."""
+        """A graph per size, keyed (size, cascade): with `cascade`, the sizes with room for CASCADE_MIN_ROWS decode
+        rows read a shared prefix once (03; rows that share none run it with lengths 0, at the price of its
+        launches), and the others are captured without it."""
         for size in reversed(self.sizes):  # the largest first: the others fit in its memory pool
             context = context_of(size)
             assert context.context_lens is not None  # its decode rows (a prefill step's: empty caches)
             rows = context.context_lens.shape[0]
-            if cascade and rows < CASCADE_MIN_ROWS:
-                continue
-            if cascade:
+            key = (size, cascade and rows >= CASCADE_MIN_ROWS)
+            if key in self.graphs:
+                continue  # too few rows for the cascade: captured without it already
+            if key[1]:
                 context.prefix_blocks, context.prefix_lens = self.prefix_blocks, self.prefix_lens[:rows]
             self.hidden[:size] = model(self.input_ids[:size], self.positions[:size], context)  # warm-up: compile
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, self.pool):
                 self.hidden[:size] = model(self.input_ids[:size], self.positions[:size], context)
             self.pool = self.pool or graph.pool()
-            self.graphs[size, cascade] = graph
+            self.graphs[key] = graph
         torch.cuda.synchronize(self.hidden.device)
 
     def reset(self) -> None:
@@ -359,8 +361,10 @@ class MixedGraphs(StepGraphs):
     def key_for(self, context: PagedContext, num_tokens: int) -> tuple[int, bool] | None:
         if context.block_tables is None or context.tiles is None:
             return None  # nothing cached (the contiguous kernel's case), or no tile list
-        fits = ((s, True) for s in self.sizes if s >= num_tokens and self.num_tiles(s) >= context.tiles.shape[0])
-        return next(fits, None)
+        fits = (s for s in self.sizes if s >= num_tokens and self.num_tiles(s) >= context.tiles.shape[0])
+        if (size := next(fits, None)) is None:
+            return None
+        return (size, True) if (size, True) in self.graphs else (size, False)  # few rows: no shared prefix
 
     def fill(self, context: PagedContext) -> None:
         assert context.block_tables is not None and context.tiles is not None  # key_for has checked
