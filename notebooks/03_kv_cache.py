@@ -1072,7 +1072,7 @@ for block_size, num_heads, num_kv_heads, num_splits in ((16, 8, 2, 1), (32, 8, 8
     torch.testing.assert_close(out[:, 0], ref, rtol=1e-4, atol=1e-4)
 
 # %% [markdown]
-# ### A prefix every row shares: read it once (cascade attention)
+# ### A prefix every row shares: read it once (cascade attention; in PyTorch: `exercises/03_cascade_attention.ipynb`)
 # In a chat service every request begins with the same system prompt, and prefix caching (above) makes its blocks
 # the *same* blocks in every row's table. The decode kernel still reads them once per row: one query per KV head
 # group, a few FLOPs per byte. Yet the rows' queries over those shared keys form a matrix product: all rows'
