@@ -1,7 +1,7 @@
 """Prefill attention: our Triton FlashAttention vs PyTorch SDPA (flash, cuDNN), a naive O(N²) version, and
 FlashInfer's prefill (single_prefill_with_kv_cache) where the `flashinfer` package is installed.
 
-    python -m minivllm.benchmarks.prefill [--seqlens 1024 4096 16384] [--out figures] [--sweep]
+    python -m minivllm.benchmarks.prefill [--seqlens 1024 4096 8192 16384] [--out figures] [--sweep]
 
 One causal prompt (batch 1), 16 query / 8 KV heads, head_dim 128, bf16: Qwen3-0.6B's attention.
 Each call is timed eagerly (triton.testing.do_bench). Writes prefill.json + prefill.png, and prints per length how
@@ -76,7 +76,7 @@ def implementations(seqlen: int, dtype: torch.dtype = torch.bfloat16, tile: dict
     return impls
 
 
-def run_prefill_benchmark(seqlens=(1024, 4096, 16384), module: str = "minivllm.benchmarks.prefill") -> dict:
+def run_prefill_benchmark(seqlens=(1024, 4096, 8192, 16384), module: str = "minivllm.benchmarks.prefill") -> dict:
     rows, ratios = [], []
     for seqlen in seqlens:
         ms_of = {}
@@ -144,7 +144,7 @@ def plot_prefill(data: dict):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 8192, 16384])
     parser.add_argument("--out", type=Path, default=OUT, help="folder for prefill.json and .png (default: ./figures)")
     parser.add_argument("--sweep", action="store_true", help="also time every tile configuration of our kernel")
     args = parser.parse_args()
