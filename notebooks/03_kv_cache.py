@@ -1085,7 +1085,7 @@ for block_size, num_heads, num_kv_heads, num_splits in ((16, 8, 2, 1), (32, 8, 8
 # * each row's **own keys** (its prompt after the prefix, its output so far): the decode kernel from
 #   `prefix_lens[row]` on.
 #
-# The prefix's outputs and log-sum-exps are two more splits of each row: the combine kernel already merges
+# The prefix's outputs and log-sum-exps are more splits of each row: the combine kernel already merges
 # splits exactly. Per layer of Qwen3-0.6B, 256 rows that share a 1,488-token prompt and have ~350 tokens each of
 # their own (notebook 06's chat workload):
 
@@ -1411,6 +1411,25 @@ for name, batch, num_q in (("prefill, 1 × 512 queries", 1, 512), ("decode, 32 �
     flop_s, kv_s = intensity * kv_bytes / sec, kv_bytes / sec
     print(f"{name:>24}: {intensity:3.0f} FLOP/byte, {sec * 1e3:5.1f} ms, {flop_s / 1e9:5.1f} GFLOP/s "
           f"({flop_s / peak:4.0%} of matmul), {kv_s / 1e9:5.2f} GB/s of KV ({kv_s / copy:4.0%} of copy)")  # fmt: skip
+
+# %% [markdown]
+# **Cascade attention, measured** (`python -m minivllm.benchmarks.cascade`, the committed H200 run): decode
+# attention per layer for rows that share a 1,488-token prefix, each row reading every key vs the prefix read once,
+# and the prefix kernel launched in a step where no row shares it (what a CUDA graph captured with it would cost:
+# notebook 04 captures decode graphs both ways).
+
+# %%
+from minivllm.benchmarks.cascade import plot_cascade
+
+cascade_data = json.loads(Path("figures/cascade.json").read_text())
+plot_cascade(cascade_data).savefig(FIGURES / "04_cascade.png", dpi=120)
+us = {(r["impl"], r["batch"], r["own_tokens"]): r["ms"] * 1e3 for r in cascade_data["rows"]}
+for rows, own in sorted({(b, o) for _, b, o in us}):
+    print(
+        f"{rows:>3} rows, ~{own} own tokens each: {us['row by row', rows, own]:5.0f} µs row by row, "
+        f"{us['cascade', rows, own]:5.0f} µs cascade, {us['cascade, no sharers', rows, own]:5.0f} µs with no sharer"
+    )
+assert us["cascade", 256, 350] < 0.6 * us["row by row", 256, 350]
 
 # %% [markdown]
 # ## Check yourself
