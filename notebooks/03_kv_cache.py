@@ -1012,7 +1012,9 @@ def flash_attn_with_kvcache(
     on_cpu = q.device.type == "cpu"
     num_splits = decode_num_splits(batch, num_kv_heads, q.device)
     group = num_heads // num_kv_heads
-    prefix_splits = 0 if prefix_blocks is None else prefix_num_splits(batch * group, num_kv_heads, q.device)
+    block_m = 16 if on_cpu else 64  # (row, query head) pairs per program of the prefix kernel
+    prefix_grid = (triton.cdiv(batch * group, block_m), num_kv_heads)
+    prefix_splits = 0 if prefix_blocks is None else prefix_num_splits(prefix_grid[0] * prefix_grid[1], q.device)
     k, v = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
     out = check_out(out, q)
     slots = num_splits + prefix_splits  # partial results per row and head: the row's own splits, the prefix's
@@ -1031,8 +1033,7 @@ def flash_attn_with_kvcache(
         BLOCK_N=16 if on_cpu else 64, HAS_PREFIX=prefix_lens is not None, **common,
     )  # fmt: skip
     if prefix_splits:
-        block_m = 16 if on_cpu else 64
-        _shared_prefix_kernel[(triton.cdiv(batch * group, block_m), num_kv_heads, prefix_splits)](
+        _shared_prefix_kernel[(*prefix_grid, prefix_splits)](
             q, k, v, partial_out, partial_lse, prefix_blocks, prefix_lens, scale * math.log2(math.e), batch,
             num_splits, *strides, *partial_strides,
             GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=16 if on_cpu else 64,
@@ -1112,8 +1113,8 @@ def _shared_prefix_kernel(
     tile, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # (row, query head) pairs, GROUP heads per row
     seq, heads = offs_m // GROUP, kv_head * GROUP + offs_m % GROUP
-    shares = tl.load(prefix_lens + seq, mask=seq < batch, other=0) > 0  # (BLOCK_M,)
-    prefix_len = tl.max(tl.load(prefix_lens + seq, mask=seq < batch, other=0), 0)  # one length for all sharers
+    lens = tl.load(prefix_lens + seq, mask=seq < batch, other=0)  # (BLOCK_M,): the prefix's length, or 0
+    shares, prefix_len = lens > 0, tl.max(lens, 0)  # one length for all sharers
     if prefix_len == 0:
         return  # no row of this tile shares it (a CUDA graph's step may have no shared prefix)
     chunk = tl.cdiv(tl.cdiv(prefix_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
@@ -1132,7 +1133,7 @@ def _shared_prefix_kernel(
         k = load_tile(K + rows[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None], valid[None, :], UPCAST)
         v = load_tile(V + rows[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :], valid[:, None], UPCAST)
         acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, tok, offs_m, hi, 0, qk_scale, True, False, PRECISION)
-    empty = (l_i == 0.0) | ~shares
+    empty = l_i == 0.0  # a split past the prefix's end (a non-sharer's slot is never read: the combine skips it)
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))  # log2 units
     slot = first_split + split
@@ -1141,11 +1142,11 @@ def _shared_prefix_kernel(
     tl.store(partial_lse + seq * stride_lb + heads * stride_lh + slot, lse, mask=seq < batch)
 
 
-def prefix_num_splits(num_pairs: int, num_kv_heads: int, device: torch.device) -> int:
-    """Splits of the shared prefix: enough programs (tiles of 64 pairs × KV heads × splits) for one per SM."""
+def prefix_num_splits(num_programs: int, device: torch.device) -> int:
+    """Splits of the shared prefix: enough for one program per SM, given num_programs (tiles × KV heads) per split."""
     if device.type == "cpu":
         return 1
-    return max(1, min(8, num_sms(device) // (triton.cdiv(num_pairs, 64) * num_kv_heads)))
+    return max(1, min(8, num_sms(device) // num_programs))
 
 
 # %% [markdown]
