@@ -445,10 +445,11 @@ def race_ids(x: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor, id
 
 # %% tags=["export"]
 @triton.jit
-def _masses(X, n, t, m, drawn, BLOCK: tl.constexpr):
-    """The sums of exp((x - m) / t) over the logits x > drawn and over all: the softmax's mass above, its denominator."""
+def _masses(X, lo, hi, n, t, m, drawn, BLOCK: tl.constexpr):
+    """The sums of exp((x - m) / t) over the logits x > drawn and over all, of columns lo..hi-1: the softmax's mass
+    above, its denominator (unnormalized)."""
     above, total = tl.zeros([BLOCK], tl.float32), tl.zeros([BLOCK], tl.float32)
-    for start in range(0, n, BLOCK):
+    for start in range(lo, hi, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         x = tl.load(X + cols, mask=cols < n, other=float("-inf")).to(tl.float32)
         e = tl.exp((x - m) / t)
@@ -457,14 +458,19 @@ def _masses(X, n, t, m, drawn, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _row_parts(P, row, parts, other, PARTS: tl.constexpr):
+    """A row's entries of a (rows, parts) array, padded to PARTS with `other`."""
+    offs = tl.arange(0, PARTS)
+    return tl.load(P + row * parts + offs, mask=offs < parts, other=other)
+
+
+@triton.jit
 def _first_draw(BEST, WON, TOP, row, parts, n, PARTS: tl.constexpr):
     """The race's winner over a row's parts (the first column on ties) and the row's largest logit."""
-    offs = row * parts + tl.arange(0, PARTS)
-    mask = tl.arange(0, PARTS) < parts
-    best = tl.load(BEST + offs, mask=mask, other=float("-inf"))
-    won = tl.load(WON + offs, mask=mask, other=n).to(tl.int32)
+    best = _row_parts(BEST, row, parts, float("-inf"), PARTS)
+    won = _row_parts(WON, row, parts, n, PARTS).to(tl.int32)
     col = tl.min(tl.where(best == tl.max(best, axis=0), won, n), axis=0)
-    return col, tl.max(tl.load(TOP + offs, mask=mask, other=float("-inf")), axis=0)
+    return col, tl.max(_row_parts(TOP, row, parts, float("-inf"), PARTS), axis=0)
 
 
 @triton.jit(do_not_specialize=["span"])  # varies with the batch: one compiled kernel for all (notebook 01)
@@ -473,15 +479,11 @@ def _masses_kernel(X, TEMPS, BEST, WON, TOP, ABOVE, TOTAL, n, stride, span, PART
     row, part, parts = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     t, X = tl.load(TEMPS + row), X + row.to(tl.int64) * stride
     col, m = _first_draw(BEST, WON, TOP, row, parts, n, PARTS)
-    drawn, t = tl.load(X + col).to(tl.float32), tl.where(t > 0, t, 1.0)
-    above, total = tl.zeros([BLOCK], tl.float32), tl.zeros([BLOCK], tl.float32)
-    for start in range(part * span, tl.minimum(part * span + span, n), BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        x = tl.load(X + cols, mask=cols < n, other=float("-inf")).to(tl.float32)
-        e = tl.exp((x - m) / t)
-        above, total = above + tl.where(x > drawn, e, 0.0), total + e
-    tl.store(ABOVE + row * parts + part, tl.sum(above, axis=0))
-    tl.store(TOTAL + row * parts + part, tl.sum(total, axis=0))
+    drawn = tl.load(X + col).to(tl.float32)
+    lo = part * span
+    above, total = _masses(X, lo, tl.minimum(lo + span, n), n, tl.where(t > 0, t, 1.0), m, drawn, BLOCK)
+    tl.store(ABOVE + row * parts + part, above)
+    tl.store(TOTAL + row * parts + part, total)
 
 
 @triton.jit
@@ -500,18 +502,14 @@ def _nucleus_kernel(X, TEMPS, TOP_PS, MIN_PS, KEYS, BEST, WON, TOP, ABOVE, TOTAL
     t, p, min_p, key = tl.load(TEMPS + row), tl.load(TOP_PS + row), tl.load(MIN_PS + row), tl.load(KEYS + row)
     X, s = X + row.to(tl.int64) * stride, tl.cdiv(n, 4)
     col, m = _first_draw(BEST, WON, TOP, row, parts, n, PARTS)  # the first try, its masses in parts
-    offs = row * parts + tl.arange(0, PARTS)
-    mask = tl.arange(0, PARTS) < parts
-    above, total = (
-        tl.sum(tl.load(ABOVE + offs, mask=mask, other=0.0)),
-        tl.sum(tl.load(TOTAL + offs, mask=mask, other=0.0)),
-    )
+    above = tl.sum(_row_parts(ABOVE, row, parts, 0.0, PARTS), axis=0)
+    total = tl.sum(_row_parts(TOTAL, row, parts, 0.0, PARTS), axis=0)
     searching, lo, incl = _verdict(tl.load(X + col).to(tl.float32), m, t, p, min_p, above, total)
     offset = row * 0 + s  # the next try's counters (the loop's state as tensors: a while loop carries tensors)
     while searching:  # a draw among x > lo (>= lo if incl); rejected: the kept tokens all lie above it
         _, col, m = _draw(X, n, s, t, key, lo, incl, 0, s, offset, BLOCK)
         x = tl.load(X + col).to(tl.float32)
-        above, total = _masses(X, n, tl.where(t > 0, t, 1.0), m, x, 4 * BLOCK)
+        above, total = _masses(X, 0, n, n, tl.where(t > 0, t, 1.0), m, x, 4 * BLOCK)
         searching, lo, incl = _verdict(x, m, t, p, min_p, above, total)
         offset += s
     tl.store(OUT + row, col)
@@ -1024,8 +1022,12 @@ class StepGraphs:
         self.pool: Any = None  # the graphs' memory, one pool for all
         self.num_replays = 0
 
-    def fill_decode_rows(self, context: PagedContext) -> None:
-        self.context_lens.zero_()  # rows past the step's decode rows: no decode output
+    def fill(self, context: PagedContext) -> None:
+        """Copy the step's attention inputs into the static ones: block tables, and the decode rows' cache lengths
+        and shared prefix (the rows past them: an empty cache, no decode output)."""
+        assert context.block_tables is not None  # a captured step reads the paged cache
+        self.block_tables[: context.block_tables.shape[0], : context.block_tables.shape[1]] = context.block_tables
+        self.context_lens.zero_()
         self.prefix_lens.zero_()
         if context.context_lens is not None:
             self.context_lens[: context.context_lens.shape[0]] = context.context_lens
@@ -1065,10 +1067,6 @@ class StepGraphs:
         cascade = context.prefix_lens is not None
         return next(((s, cascade) for s in self.sizes if s >= num_tokens and (s, cascade) in self.graphs), None)
 
-    def fill(self, context: PagedContext) -> None:
-        """Copy the step's attention inputs into the static ones."""
-        raise NotImplementedError
-
     def replay(self, key: tuple[int, bool], input_ids: torch.Tensor, positions: torch.Tensor, context: PagedContext
                ) -> torch.Tensor:  # fmt: skip
         """Run the step in the graph `key_for` chose."""
@@ -1097,11 +1095,6 @@ class DecodeGraphs(StepGraphs):
         for cascade in (False, True):  # a step with a shared prefix, and one without, each as fast as it can be
             self.capture(model, lambda bs: PagedContext(False, self.slot_mapping[:bs], self.block_tables[:bs],
                                                         context_lens=self.context_lens[:bs]), cascade)  # fmt: skip
-
-    def fill(self, context: PagedContext) -> None:
-        assert context.block_tables is not None  # a decode step has one
-        self.fill_decode_rows(context)
-        self.block_tables[: context.block_tables.shape[0], : context.block_tables.shape[1]] = context.block_tables
 
 
 # %% [markdown]
@@ -1179,13 +1172,11 @@ class MixedGraphs(StepGraphs):
         return (size, True) if (size, True) in self.graphs else (size, False)  # few rows: no shared prefix
 
     def fill(self, context: PagedContext) -> None:
-        assert context.block_tables is not None and context.tiles is not None  # key_for has checked
+        super().fill(context)
+        assert context.tiles is not None  # key_for has checked
         assert context.cu_seqlens_q is not None and context.cu_seqlens_k is not None  # a prefill step has both
-        num_seqs = context.block_tables.shape[0]
-        self.cu_seqlens_q[: num_seqs + 1] = context.cu_seqlens_q
-        self.cu_seqlens_k[: num_seqs + 1] = context.cu_seqlens_k
-        self.block_tables[:num_seqs, : context.block_tables.shape[1]] = context.block_tables
-        self.fill_decode_rows(context)
+        self.cu_seqlens_q[: context.cu_seqlens_q.shape[0]] = context.cu_seqlens_q
+        self.cu_seqlens_k[: context.cu_seqlens_k.shape[0]] = context.cu_seqlens_k
         self.tiles.fill_(-1)
         self.tiles[: context.tiles.shape[0]] = context.tiles
 

@@ -36,7 +36,7 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit runs: the kernel at the end
-from minivllm.kernels import attention_ref, flash_attn_with_kvcache
+from minivllm.kernels import attention_ref, flash_attn_with_kvcache, store_kvcache
 from minivllm.testing import exercise, scatter_into_cache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -179,13 +179,10 @@ print("cascade_decode: correct")
 lens = [48 + len(k) for k in own_k]
 k_cache, v_cache, block_table, _, _, _ = scatter_into_cache(lens, 2, 32, 16, DEVICE)
 block_table[:, :3] = block_table[0, :3]  # every row begins with row 0's 3 blocks
-flat_k, flat_v = k_cache.view(-1, 2, 32), v_cache.view(-1, 2, 32)
-slots = (block_table[0, :3, None].long() * 16 + torch.arange(16, device=DEVICE)).flatten()  # the prefix's 48 slots
-flat_k[slots], flat_v[slots] = prefix_k.to(DEVICE), prefix_v.to(DEVICE)
-for i, (k, v) in enumerate(zip(own_k, own_v)):  # each row's own keys, after the prefix, in its own blocks
-    positions = torch.arange(48, 48 + len(k), device=DEVICE)
-    row_slots = block_table[i, positions // 16].long() * 16 + positions % 16
-    flat_k[row_slots], flat_v[row_slots] = k.to(DEVICE), v.to(DEVICE)
+for i, (k, v) in enumerate(zip(own_k, own_v)):  # row i's keys, the prefix first, into its slots
+    positions = torch.arange(lens[i], device=DEVICE)
+    slots = block_table[i, positions // 16].long() * 16 + positions % 16
+    store_kvcache(torch.cat([prefix_k, k]).to(DEVICE), torch.cat([prefix_v, v]).to(DEVICE), k_cache, v_cache, slots)
 kernel = flash_attn_with_kvcache(q[:, None].to(DEVICE), k_cache, v_cache, torch.tensor(lens, dtype=torch.int32,
                                  device=DEVICE), block_table, 32**-0.5, prefix_blocks=block_table[0, :3],
                                  prefix_lens=torch.full((6,), 48, dtype=torch.int32, device=DEVICE))  # fmt: skip

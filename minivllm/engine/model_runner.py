@@ -237,8 +237,12 @@ class StepGraphs:
         self.pool: Any = None  # the graphs' memory, one pool for all
         self.num_replays = 0
 
-    def fill_decode_rows(self, context: PagedContext) -> None:
-        self.context_lens.zero_()  # rows past the step's decode rows: no decode output
+    def fill(self, context: PagedContext) -> None:
+        """Copy the step's attention inputs into the static ones: block tables, and the decode rows' cache lengths
+        and shared prefix (the rows past them: an empty cache, no decode output)."""
+        assert context.block_tables is not None  # a captured step reads the paged cache
+        self.block_tables[: context.block_tables.shape[0], : context.block_tables.shape[1]] = context.block_tables
+        self.context_lens.zero_()
         self.prefix_lens.zero_()
         if context.context_lens is not None:
             self.context_lens[: context.context_lens.shape[0]] = context.context_lens
@@ -278,10 +282,6 @@ class StepGraphs:
         cascade = context.prefix_lens is not None
         return next(((s, cascade) for s in self.sizes if s >= num_tokens and (s, cascade) in self.graphs), None)
 
-    def fill(self, context: PagedContext) -> None:
-        """Copy the step's attention inputs into the static ones."""
-        raise NotImplementedError
-
     def replay(self, key: tuple[int, bool], input_ids: torch.Tensor, positions: torch.Tensor, context: PagedContext
                ) -> torch.Tensor:  # fmt: skip
         """Run the step in the graph `key_for` chose."""
@@ -310,11 +310,6 @@ class DecodeGraphs(StepGraphs):
         for cascade in (False, True):  # a step with a shared prefix, and one without, each as fast as it can be
             self.capture(model, lambda bs: PagedContext(False, self.slot_mapping[:bs], self.block_tables[:bs],
                                                         context_lens=self.context_lens[:bs]), cascade)  # fmt: skip
-
-    def fill(self, context: PagedContext) -> None:
-        assert context.block_tables is not None  # a decode step has one
-        self.fill_decode_rows(context)
-        self.block_tables[: context.block_tables.shape[0], : context.block_tables.shape[1]] = context.block_tables
 
 
 def use_small_layer_kernels(model: torch.nn.Module, enabled: bool = True) -> None:
@@ -367,13 +362,11 @@ class MixedGraphs(StepGraphs):
         return (size, True) if (size, True) in self.graphs else (size, False)  # few rows: no shared prefix
 
     def fill(self, context: PagedContext) -> None:
-        assert context.block_tables is not None and context.tiles is not None  # key_for has checked
+        super().fill(context)
+        assert context.tiles is not None  # key_for has checked
         assert context.cu_seqlens_q is not None and context.cu_seqlens_k is not None  # a prefill step has both
-        num_seqs = context.block_tables.shape[0]
-        self.cu_seqlens_q[: num_seqs + 1] = context.cu_seqlens_q
-        self.cu_seqlens_k[: num_seqs + 1] = context.cu_seqlens_k
-        self.block_tables[:num_seqs, : context.block_tables.shape[1]] = context.block_tables
-        self.fill_decode_rows(context)
+        self.cu_seqlens_q[: context.cu_seqlens_q.shape[0]] = context.cu_seqlens_q
+        self.cu_seqlens_k[: context.cu_seqlens_k.shape[0]] = context.cu_seqlens_k
         self.tiles.fill_(-1)
         self.tiles[: context.tiles.shape[0]] = context.tiles
 
