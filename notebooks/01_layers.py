@@ -1055,10 +1055,12 @@ print("the tiny Triton kernel gives step 1's result; step 1 gives the reference'
 # phases and the common case pays nothing for masking. Blocks right of the diagonal are never loaded:
 # that is half the work of a square causal prompt saved.
 #
-# **Varlen and GQA.** The grid is (query tiles, query heads, sequences); a program reads its sequence's
-# offsets from `cu_seqlens` and its KV head as `head // (num_heads // num_kv_heads)`. We also launch the
-# tiles in reverse order, so the longest (rightmost) causal tiles start first and the short ones fill the
-# gaps at the end.
+# **Varlen and GQA.** The grid is (query tiles, groups of query heads, sequences); a program reads its
+# sequence's offsets from `cu_seqlens` and its KV head as `head // (num_heads // num_kv_heads)`. The query heads
+# that share a KV head share its K and V tiles, so one program serves `HEADS` of them (Qwen3's 2 per KV head): its
+# tile stacks their rows, `HEADS × BLOCK_M` queries against each K/V tile loaded once, not once per head. We
+# also launch the tiles in reverse order, so the longest (rightmost) causal tiles start first and the short ones
+# fill the gaps at the end.
 #
 # Unlike step 2 it is given strides instead of assuming contiguous rows; the address arithmetic is still by hand
 # (no block pointers), which works on every Triton from 3.6 on.
@@ -1096,15 +1098,15 @@ def attend_block(
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One step of online softmax: fold keys `offs_key` (k: (D, BLOCK_N), v: (BLOCK_N, D)) into a query tile."""
-    s = tl.dot(q, k, input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+    s = tl.dot(q, k, input_precision=PRECISION)  # (BLOCK_M, BLOCK_N), scaled below: s * qk_scale in log2 units
     if MASKED:
         visible = (offs_key < k_len)[None, :]
         if CAUSAL:
             visible = visible & (offs_key[None, :] <= offs_m[:, None] + shift)
         s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
-    p = tl.math.exp2(s - m_safe[:, None])
+    p = tl.math.exp2(s * qk_scale - m_safe[:, None])  # the scale and the max in one fused multiply-add
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
@@ -1127,30 +1129,31 @@ def causal_bounds(start_m, k_len, shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.cons
 def _prefill_kernel(
     Q, K, V, O, cu_seqlens_q, cu_seqlens_k, qk_scale, num_m_blocks,  # tensors, scalars
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,  # strides
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    GROUP: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     start_m = num_m_blocks - 1 - tl.program_id(0)  # longest causal tiles first
-    head, seq = tl.program_id(1), tl.program_id(2)
+    first_head, seq = tl.program_id(1) * HEADS, tl.program_id(2)  # HEADS query heads of one KV head
     q_start = tl.load(cu_seqlens_q + seq)
     q_len = tl.load(cu_seqlens_q + seq + 1) - q_start
     if start_m * BLOCK_M >= q_len:
         return
     k_start = tl.load(cu_seqlens_k + seq)
     k_len = tl.load(cu_seqlens_k + seq + 1) - k_start
-    kv_head = head // GROUP
+    kv_head = first_head // GROUP
 
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    r = tl.arange(0, HEADS * BLOCK_M)  # tile row r: position r // HEADS, query head first_head + r % HEADS
+    offs_m, head = start_m * BLOCK_M + r // HEADS, first_head + r % HEADS
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    q_ptrs = Q + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :]  # (BLOCK_M, D)
+    q_ptrs = Q + (q_start + offs_m)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]  # (ROWS, D)
     q = load_tile(q_ptrs, (offs_m < q_len)[:, None], UPCAST)
     k_ptrs = K + (k_start + offs_n)[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None]  # (D, BLOCK_N)
     v_ptrs = V + (k_start + offs_n)[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :]  # (BLOCK_N, D)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([HEADS * BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([HEADS * BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([HEADS * BLOCK_M, HEAD_DIM], dtype=tl.float32)
     shift = k_len - q_len  # bottom-right causal: query i sees keys j <= i + shift
     unmasked, hi = causal_bounds(start_m, k_len, shift, BLOCK_M, BLOCK_N, CAUSAL)
     for start_n in range(0, unmasked, BLOCK_N):  # phase 1: whole blocks every query sees, no masks
@@ -1168,7 +1171,7 @@ def _prefill_kernel(
         )
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # a query that sees no key outputs zeros
-    o_ptrs = O + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :]  # (BLOCK_M, D)
+    o_ptrs = O + (q_start + offs_m)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]  # (ROWS, D)
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m < q_len)[:, None])
 
 
@@ -1207,7 +1210,13 @@ def launch_config(head_dim: int, device: torch.device) -> dict:
     if device.type == "cpu":  # the interpreter: small tiles keep it quick
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
     # The fastest tile of a sweep on an H200 (python -m minivllm.benchmarks.prefill --sweep), head_dim 128, bf16
-    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=3)
+
+
+def heads_per_program(group: int, block_m: int) -> int:
+    """How many query heads of one KV head a program serves: the largest power of two that divides the group and
+    keeps the tile at 128 rows at most (a KV tile loaded once serves them all)."""
+    return math.gcd(group, max(1, 128 // block_m))
 
 
 def flash_attn_varlen_contiguous(
@@ -1233,12 +1242,13 @@ def flash_attn_varlen_contiguous(
     scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
     out = torch.empty_like(q)
     config = tile or launch_config(head_dim, q.device)
-    num_m_blocks = triton.cdiv(max_seqlen_q, config["BLOCK_M"])
-    grid = (num_m_blocks, q.shape[1], cu_seqlens_q.numel() - 1)
+    num_m_blocks, group = triton.cdiv(max_seqlen_q, config["BLOCK_M"]), q.shape[1] // k.shape[1]
+    heads = heads_per_program(group, config["BLOCK_M"])
+    grid = (num_m_blocks, q.shape[1] // heads, cu_seqlens_q.numel() - 1)
     _prefill_kernel[grid](
         q, k, v, out, cu_seqlens_q, cu_seqlens_k, scale * math.log2(math.e), num_m_blocks,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        GROUP=q.shape[1] // k.shape[1], HEAD_DIM=head_dim, CAUSAL=causal,
+        GROUP=group, HEADS=heads, HEAD_DIM=head_dim, CAUSAL=causal,
         UPCAST=q.device.type == "cpu" and q.dtype != torch.float32,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **config,
     )  # fmt: skip

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from minivllm.kernels import attention_ref, flash_attn_varlen_func
-from minivllm.kernels.flash_attn import flash_attn_varlen_contiguous
+from minivllm.kernels.flash_attn import flash_attn_varlen_contiguous, heads_per_program
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BOUNDARY_LENGTHS = [1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128]
@@ -40,6 +40,17 @@ def test_kernel_matches_reference_on_random_varlen_batches(group, head_dim, caus
     rng = random.Random(f"{group}-{head_dim}-{causal}")
     q_lens = rng.sample(BOUNDARY_LENGTHS, 3) + [rng.randint(1, 128)]
     check(q_lens, q_lens, num_heads=8, num_kv_heads=8 // group, head_dim=head_dim, causal=causal)
+
+
+@pytest.mark.parametrize(
+    "group, block_m, heads", [(1, 64, 1), (2, 64, 2), (8, 64, 2), (3, 64, 1), (6, 16, 2), (8, 16, 8)]
+)
+def test_a_program_serves_the_heads_of_one_kv_head_in_a_tile_of_128_rows_at_most(group, block_m, heads):
+    assert heads_per_program(group, block_m) == heads
+
+
+def test_a_group_that_is_not_a_power_of_two_gets_a_program_per_head():
+    check([40, 7], [40, 7], num_heads=6, num_kv_heads=2, head_dim=32, causal=True)
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -12,6 +12,7 @@ from minivllm.kernels.flash_attn import (
     causal_bounds,
     check_inputs,
     flash_attn_varlen_contiguous,
+    heads_per_program,
     launch_config,
     load_tile,
 )
@@ -307,12 +308,13 @@ def prefix_num_splits(num_programs: int, device: torch.device) -> int:
 def _paged_prefill_kernel(
     Q, K, V, O, cu_seqlens_q, cu_seqlens_k, block_table, tiles, qk_scale,  # tensors, scalar
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt,  # strides
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    GROUP: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     seq = tl.load(tiles + 2 * tl.program_id(0))  # this program's (sequence, query tile), from the list
     start_m = tl.load(tiles + 2 * tl.program_id(0) + 1)
-    head = tl.program_id(1)
+    first_head = tl.program_id(1) * HEADS  # HEADS query heads of one KV head, as notebook 01's kernel
     if seq < 0:
         return  # padding: a CUDA graph's list is longer than its step's (notebook 04)
     q_start = tl.load(cu_seqlens_q + seq)
@@ -320,18 +322,19 @@ def _paged_prefill_kernel(
     if start_m * BLOCK_M >= q_len:
         return
     k_len = tl.load(cu_seqlens_k + seq + 1) - tl.load(cu_seqlens_k + seq)
-    kv_head = head // GROUP
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    kv_head = first_head // GROUP
+    r = tl.arange(0, HEADS * BLOCK_M)  # tile row r: position r // HEADS, query head first_head + r % HEADS
+    offs_m, head = start_m * BLOCK_M + r // HEADS, first_head + r % HEADS
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     q = load_tile(
-        Q + (q_start + offs_m)[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+        Q + (q_start + offs_m)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
         (offs_m < q_len)[:, None],
         UPCAST,
-    )  # (BLOCK_M, D)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    )  # (HEADS * BLOCK_M, D)
+    m_i = tl.full([HEADS * BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([HEADS * BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([HEADS * BLOCK_M, HEAD_DIM], dtype=tl.float32)
     shift = k_len - q_len  # the cached prefix: new query i sees keys j <= i + shift
     unmasked, hi = causal_bounds(start_m, k_len, shift, BLOCK_M, BLOCK_N, CAUSAL)
     for start_n in range(0, hi, BLOCK_N):
@@ -345,7 +348,7 @@ def _paged_prefill_kernel(
         )
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
-        O + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+        O + (q_start + offs_m)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
         out.to(O.dtype.element_ty),
         mask=(offs_m < q_len)[:, None],
     )
@@ -375,7 +378,7 @@ def flash_attn_varlen_func(
     tiles: torch.Tensor | None = None,  # with block_table: (num_tiles, 2) int32, see query_tiles; None: every tile
 ) -> torch.Tensor:  # (total_q, num_heads, head_dim)
     """flash-attn's varlen attention; with `block_table`, keys and values are read from a paged cache, one program
-    per (sequence, query tile) of `tiles` and query head."""
+    per (sequence, query tile) of `tiles` and group of query heads (notebook 01's `heads_per_program`)."""
     if block_table is None:
         if out is not None or tiles is not None:
             raise ValueError("out= and tiles= need block_table=: they are the paged kernel's")
@@ -398,11 +401,13 @@ def flash_attn_varlen_func(
     check_index("tiles", tiles, 2, q.device)
     if tiles.shape[0] == 0:
         return out  # no tiles: nothing to compute
-    _paged_prefill_kernel[(tiles.shape[0], q.shape[1])](
+    group = q.shape[1] // num_kv_heads
+    heads = heads_per_program(group, config["BLOCK_M"])
+    _paged_prefill_kernel[(tiles.shape[0], q.shape[1] // heads)](
         q, kf, vf, out, cu_seqlens_q, cu_seqlens_k, block_table, tiles.contiguous(), scale * math.log2(math.e),
         q.stride(0), q.stride(1), kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1), out.stride(0), out.stride(1),
         block_table.stride(0),
-        GROUP=q.shape[1] // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k.shape[1], CAUSAL=causal,
+        GROUP=group, HEADS=heads, HEAD_DIM=head_dim, BLOCK_SIZE=k.shape[1], CAUSAL=causal,
         UPCAST=q.device.type == "cpu" and q.dtype != torch.float32,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **config,
     )  # fmt: skip
