@@ -3,6 +3,9 @@
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
+
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -14,26 +17,37 @@ def _noise(key, ids, s):
 
 
 @triton.jit
-def _better(x, u, t, cols, best, best_col):
+def _fast_log2(x, FAST: tl.constexpr):
+    """log2; with FAST (on a GPU) the hardware's approximation, within 2 ulp (the interpreter has no libdevice)."""
+    if FAST:
+        y = libdevice.fast_log2f(x)
+    else:
+        y = tl.math.log2(x)
+    return y
+
+
+@triton.jit
+def _better(x, u, t, cols, best, best_col, FAST: tl.constexpr):
     """Each lane's best score so far (the first column on ties), given logits x of columns cols, noise u."""
-    if t > 0:  # temperature 0: the logit itself
-        x = x / t - tl.log(-tl.log(u))
+    if t > 0:  # the Gumbel score in base 2: log2(e) x / T - log2(q), q = -log2(u); temperature 0: the logit itself
+        q = -tl.math.log2(u)  # exact: for u near 1 the approximation's absolute error would exceed q itself
+        x = x * (LOG2E / t) - _fast_log2(q, FAST)
     better = (x > best) | ((x == best) & (cols < best_col))
     return tl.where(better, x, best), tl.where(better, cols, best_col)
 
 
 @triton.jit
-def _lane(X, n, s, c, lane, u, t, lo, incl, best, best_col, top):
+def _lane(X, n, s, c, lane, u, t, lo, incl, best, best_col, top, FAST: tl.constexpr):
     """Counters c's columns in lane `lane` (c + lane * s), where > lo (or equal, if incl), into the race."""
     cols = c + lane * s
     x = tl.load(X + cols, mask=(cols < n) & (c < s), other=float("-inf")).to(tl.float32)
     kept = tl.where((x > lo) | ((x == lo) & (incl != 0)), x, float("-inf"))
-    best, best_col = _better(kept, u, t, cols, best, best_col)
+    best, best_col = _better(kept, u, t, cols, best, best_col, FAST)
     return best, best_col, tl.maximum(top, x)
 
 
 @triton.jit
-def _draw(X, n, s, t, key, lo, incl, start, end, offset, BLOCK: tl.constexpr):
+def _draw(X, n, s, t, key, lo, incl, start, end, offset, BLOCK: tl.constexpr, FAST: tl.constexpr):
     """The race among the logits > lo (>= lo if incl) of counters start..end, each counter's four columns, the noise
     at counter + offset: (the best score, its column, the largest logit)."""
     best, best_col = tl.full([BLOCK], float("-inf"), tl.float32), tl.zeros([BLOCK], tl.int32)
@@ -41,27 +55,33 @@ def _draw(X, n, s, t, key, lo, incl, start, end, offset, BLOCK: tl.constexpr):
     for first in range(start, end, BLOCK):
         c = first + tl.arange(0, BLOCK)
         r0, r1, r2, r3 = tl.rand4x(key, c + offset)  # one Philox call, four tokens' numbers
-        best, best_col, top = _lane(X, n, s, c, 0, r0, t, lo, incl, best, best_col, top)
-        best, best_col, top = _lane(X, n, s, c, 1, r1, t, lo, incl, best, best_col, top)
-        best, best_col, top = _lane(X, n, s, c, 2, r2, t, lo, incl, best, best_col, top)
-        best, best_col, top = _lane(X, n, s, c, 3, r3, t, lo, incl, best, best_col, top)
+        best, best_col, top = _lane(X, n, s, c, 0, r0, t, lo, incl, best, best_col, top, FAST)
+        best, best_col, top = _lane(X, n, s, c, 1, r1, t, lo, incl, best, best_col, top, FAST)
+        best, best_col, top = _lane(X, n, s, c, 2, r2, t, lo, incl, best, best_col, top, FAST)
+        best, best_col, top = _lane(X, n, s, c, 3, r3, t, lo, incl, best, best_col, top, FAST)
     score = tl.max(best, axis=0)
     return score, tl.min(tl.where(best == score, best_col, n), axis=0), tl.max(top, axis=0)
 
 
-@triton.jit
-def _race_kernel(X, TEMPS, KEYS, BEST, WON, TOP, n, stride, span, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["offset"])
+def _race_kernel(X, TEMPS, KEYS, LO, INCL, SEARCHING, BEST, WON, TOP, n, stride, span, offset,
+                 BLOCK: tl.constexpr, FAST: tl.constexpr):  # fmt: skip
     row, part, parts = tl.program_id(0), tl.program_id(1), tl.num_programs(1)  # part: counters part * span, + span
     t, key, X, s = tl.load(TEMPS + row), tl.load(KEYS + row), X + row.to(tl.int64) * stride, tl.cdiv(n, 4)
-    lo = t * 0 - float("inf")  # no floor
-    score, col, top = _draw(X, n, s, t, key, lo, 1, part * span, tl.minimum(part * span + span, s), 0, BLOCK)
+    lo, incl = t * 0 - float("inf"), 1  # no floor
+    if SEARCHING is not None:  # nucleus's retries (below): only rows still searching, above their floor
+        if tl.load(SEARCHING + row) == 0:
+            return
+        lo, incl = tl.load(LO + row), tl.load(INCL + row)
+    start, end = part * span, tl.minimum(part * span + span, s)
+    score, col, top = _draw(X, n, s, t, key, lo, incl, start, end, offset, BLOCK, FAST)
     tl.store(BEST + row * parts + part, score)
     tl.store(WON + row * parts + part, col)
     tl.store(TOP + row * parts + part, top)  # the part's largest logit (nucleus, below, needs the row's)
 
 
 @triton.jit
-def _race_ids_kernel(X, IDS, TEMPS, KEYS, WON, n, s, stride, BLOCK: tl.constexpr):
+def _race_ids_kernel(X, IDS, TEMPS, KEYS, WON, n, s, stride, BLOCK: tl.constexpr, FAST: tl.constexpr):
     row = tl.program_id(0)
     t, key = tl.load(TEMPS + row), tl.load(KEYS + row)
     X, IDS = X + row.to(tl.int64) * stride, IDS + row.to(tl.int64) * stride
@@ -70,7 +90,7 @@ def _race_ids_kernel(X, IDS, TEMPS, KEYS, WON, n, s, stride, BLOCK: tl.constexpr
         cols = start + tl.arange(0, BLOCK)
         x = tl.load(X + cols, mask=cols < n, other=float("-inf")).to(tl.float32)
         ids = tl.load(IDS + cols, mask=cols < n, other=0).to(tl.int32)
-        best, best_col = _better(x, _noise(key, ids, s), t, cols, best, best_col)
+        best, best_col = _better(x, _noise(key, ids, s), t, cols, best, best_col, FAST)
     tl.store(WON + row, tl.load(IDS + tl.min(tl.where(best == tl.max(best, axis=0), best_col, n), axis=0)))
 
 
@@ -78,10 +98,14 @@ def block_of(n: int) -> int:
     return min(triton.next_power_of_2(n), 4096)
 
 
-def race_parts(x: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+Retry = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # per row: floor lo, incl (>= lo), searching (0/1)
+
+
+def race_parts(x: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor, retry: Retry | None = None,
+               offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """The race in parts of each row, a program each: per (row, part), the best score, its column, the largest
-    logit. (rows, parts) each."""
+    logit. (rows, parts) each. With `retry`, only the searching rows, among their logits above the floor, with the
+    numbers of counters + offset (a new try's)."""
     assert x.stride(1) == 1
     (rows, n), block = x.shape, 512
     s = triton.cdiv(n, 4)  # counters: four columns each
@@ -89,7 +113,8 @@ def race_parts(x: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor
     parts = triton.cdiv(s, span)
     best, top = torch.empty(rows, parts, device=x.device), torch.empty(rows, parts, device=x.device)
     won = torch.empty(rows, parts, dtype=torch.int64, device=x.device)
-    _race_kernel[(rows, parts)](x, temperatures, keys, best, won, top, n, x.stride(0), span, BLOCK=block)
+    _race_kernel[(rows, parts)](x, temperatures, keys, *(retry or (None,) * 3), best, won, top, n, x.stride(0), span,
+                                offset, BLOCK=block, FAST=x.is_cuda)  # fmt: skip
     return best, won, top
 
 
@@ -107,7 +132,7 @@ def race_ids(x: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor, id
     assert x.stride(1) == 1 and ids.stride() == x.stride()
     won = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
     _race_ids_kernel[(x.shape[0],)](x, ids, temperatures, keys, won, x.shape[1], triton.cdiv(vocab, 4), x.stride(0),
-                                    BLOCK=block_of(x.shape[1]))  # fmt: skip
+                                    BLOCK=block_of(x.shape[1]), FAST=x.is_cuda)  # fmt: skip
     return won
 
 
@@ -132,7 +157,7 @@ def _row_parts(P, row, parts, other, PARTS: tl.constexpr):
 
 
 @triton.jit
-def _first_draw(BEST, WON, TOP, row, parts, n, PARTS: tl.constexpr):
+def _parts_draw(BEST, WON, TOP, row, parts, n, PARTS: tl.constexpr):
     """The race's winner over a row's parts (the first column on ties) and the row's largest logit."""
     best = _row_parts(BEST, row, parts, float("-inf"), PARTS)
     won = _row_parts(WON, row, parts, n, PARTS).to(tl.int32)
@@ -141,11 +166,14 @@ def _first_draw(BEST, WON, TOP, row, parts, n, PARTS: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["span"])  # varies with the batch: one compiled kernel for all (notebook 01)
-def _masses_kernel(X, TEMPS, BEST, WON, TOP, ABOVE, TOTAL, n, stride, span, PARTS: tl.constexpr, BLOCK: tl.constexpr):
+def _masses_kernel(X, TEMPS, BEST, WON, TOP, SEARCHING, ABOVE, TOTAL, n, stride, span,
+                   PARTS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """Part `part` (columns part * span, + span) of _masses, for the race's draw: into ABOVE and TOTAL."""
     row, part, parts = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+    if tl.load(SEARCHING + row) == 0:
+        return
     t, X = tl.load(TEMPS + row), X + row.to(tl.int64) * stride
-    col, m = _first_draw(BEST, WON, TOP, row, parts, n, PARTS)
+    col, m = _parts_draw(BEST, WON, TOP, row, parts, n, PARTS)
     drawn = tl.load(X + col).to(tl.float32)
     lo = part * span
     above, total = _masses(X, lo, tl.minimum(lo + span, n), n, tl.where(t > 0, t, 1.0), m, drawn, BLOCK)
@@ -163,18 +191,37 @@ def _verdict(x, m, t, p, min_p, above, total):
 
 
 @triton.jit(do_not_specialize=["parts"])
-def _nucleus_kernel(X, TEMPS, TOP_PS, MIN_PS, KEYS, BEST, WON, TOP, ABOVE, TOTAL, OUT, n, stride, parts,
-                    PARTS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def _verdict_kernel(X, TEMPS, TOP_PS, MIN_PS, BEST, WON, TOP, ABOVE, TOTAL, LO, INCL, SEARCHING, OUT, n, stride, parts,
+                    PARTS: tl.constexpr):  # fmt: skip
+    """A searching row's draw (in parts) checked: OUT its token; if rejected, still SEARCHING above LO (INCL)."""
     row = tl.program_id(0)
-    t, p, min_p, key = tl.load(TEMPS + row), tl.load(TOP_PS + row), tl.load(MIN_PS + row), tl.load(KEYS + row)
-    X, s = X + row.to(tl.int64) * stride, tl.cdiv(n, 4)
-    col, m = _first_draw(BEST, WON, TOP, row, parts, n, PARTS)  # the first try, its masses in parts
+    if tl.load(SEARCHING + row) == 0:
+        return
+    t, p, min_p, X = tl.load(TEMPS + row), tl.load(TOP_PS + row), tl.load(MIN_PS + row), X + row.to(tl.int64) * stride
+    col, m = _parts_draw(BEST, WON, TOP, row, parts, n, PARTS)
     above = tl.sum(_row_parts(ABOVE, row, parts, 0.0, PARTS), axis=0)
     total = tl.sum(_row_parts(TOTAL, row, parts, 0.0, PARTS), axis=0)
-    searching, lo, incl = _verdict(tl.load(X + col).to(tl.float32), m, t, p, min_p, above, total)
-    offset = row * 0 + s  # the next try's counters (the loop's state as tensors: a while loop carries tensors)
+    again, lo, incl = _verdict(tl.load(X + col).to(tl.float32), m, t, p, min_p, above, total)
+    tl.store(OUT + row, col)
+    tl.store(SEARCHING + row, again.to(tl.int32))
+    tl.store(LO + row, lo)
+    tl.store(INCL + row, incl)
+
+
+@triton.jit(do_not_specialize=["offset"])
+def _nucleus_kernel(X, TEMPS, TOP_PS, MIN_PS, KEYS, LO, INCL, SEARCHING, OUT, n, stride, offset,
+                    BLOCK: tl.constexpr, FAST: tl.constexpr):  # fmt: skip
+    """The rare row still searching after the tries in parts: draws again, alone, until a draw passes."""
+    row = tl.program_id(0)
+    searching = tl.load(SEARCHING + row) != 0
+    if searching == 0:
+        return
+    t, p, min_p, key = tl.load(TEMPS + row), tl.load(TOP_PS + row), tl.load(MIN_PS + row), tl.load(KEYS + row)
+    X, s = X + row.to(tl.int64) * stride, tl.cdiv(n, 4)
+    lo, incl, col = tl.load(LO + row), tl.load(INCL + row), row * 0
+    offset += row * 0  # the next try's counters (the loop's state as tensors: a while loop carries tensors)
     while searching:  # a draw among x > lo (>= lo if incl); rejected: the kept tokens all lie above it
-        _, col, m = _draw(X, n, s, t, key, lo, incl, 0, s, offset, BLOCK)
+        _, col, m = _draw(X, n, s, t, key, lo, incl, 0, s, offset, BLOCK, FAST)
         x = tl.load(X + col).to(tl.float32)
         above, total = _masses(X, 0, n, n, tl.where(t > 0, t, 1.0), m, x, 4 * BLOCK)
         searching, lo, incl = _verdict(x, m, t, p, min_p, above, total)
@@ -182,18 +229,28 @@ def _nucleus_kernel(X, TEMPS, TOP_PS, MIN_PS, KEYS, BEST, WON, TOP, ABOVE, TOTAL
     tl.store(OUT + row, col)
 
 
+NUCLEUS_TRIES_IN_PARTS = 3  # P(a row needs more) <= (1 - p)^3: 1e-3 at top-p 0.9
+
+
 def nucleus(x: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor,
             keys: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """Per row of x (rows, vocab): the argmax where the temperature is 0, else a draw from softmax(x / T) with top-p
     then min-p applied (keep_mask's order); the first try is race's draw. Returns (rows,) int64."""
-    (rows, n), out = x.shape, torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
-    best, won, top = race_parts(x, temperatures, keys)
-    parts, block = best.shape[1], 1024
-    above, total = torch.empty_like(best), torch.empty_like(best)
-    pad = max(2, triton.next_power_of_2(triton.cdiv(triton.cdiv(n, 4), 512)))  # room for a row alone's parts (the most)
-    _masses_kernel[(rows, parts)](x, temperatures, best, won, top, above, total, n, x.stride(0),
-                                  block * triton.cdiv(triton.cdiv(n, parts), block), PARTS=pad, BLOCK=block)  # fmt: skip
-    _nucleus_kernel[(rows,)](x, temperatures, top_ps, min_ps, keys, best, won, top, above, total, out, n, x.stride(0),
-                             parts, PARTS=pad, BLOCK=min(1024, triton.next_power_of_2(triton.cdiv(n, 4))),
+    (rows, n), s, block = x.shape, triton.cdiv(x.shape[1], 4), 1024
+    out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    lo, incl, searching = torch.full((rows,), float("-inf"), device=x.device), *torch.ones(2, rows, dtype=torch.int32,
+                                                                                          device=x.device)  # fmt: skip
+    retry = (lo, incl, searching)  # every row searches, above no floor
+    pad = max(2, triton.next_power_of_2(triton.cdiv(s, 512)))  # room for a row alone's parts (the most)
+    for attempt in range(NUCLEUS_TRIES_IN_PARTS):  # try i: the numbers of counters + i * s, fresh ones
+        best, won, top = race_parts(x, temperatures, keys, retry, offset=attempt * s)
+        parts = best.shape[1]
+        above, total = torch.empty_like(best), torch.empty_like(best)
+        _masses_kernel[(rows, parts)](x, temperatures, best, won, top, retry[2], above, total, n, x.stride(0),
+                                      block * triton.cdiv(triton.cdiv(n, parts), block), PARTS=pad, BLOCK=block)  # fmt: skip
+        _verdict_kernel[(rows,)](x, temperatures, top_ps, min_ps, best, won, top, above, total, *retry, out, n,
+                                 x.stride(0), parts, PARTS=pad)  # fmt: skip
+    _nucleus_kernel[(rows,)](x, temperatures, top_ps, min_ps, keys, *retry, out, n, x.stride(0),
+                             NUCLEUS_TRIES_IN_PARTS * s, BLOCK=min(1024, triton.next_power_of_2(s)), FAST=x.is_cuda,
                              num_warps=16)  # fmt: skip
     return out
