@@ -316,9 +316,10 @@ assert not tensors_of(seqs[:1]).filtering and tensors_of(seqs[:1]).all_greedy
 # numbers at once, so token `t` of a vocabulary of `n` takes number `t // s` of counter `t % s`, `s = ⌈n / 4⌉`, and a
 # program reads the four columns `c, c + s, c + 2s, c + 3s` per counter: a quarter of the Philox work of one call per
 # token (which took about a third of the pass on an H200; the logarithms most of the rest). So the kernel scores in
-# base 2, the hardware's: `log2(e) x / T - log2(q)`, `q = -log2(u)` (the same argmax), and the outer `log2` is the
-# GPU's one-instruction approximation (within 2 ulp of a score). The inner one stays exact: for `u` near 1, `q` is
-# tiny, and the approximation's absolute error (2^-22) would exceed it, turning a random token's score into +inf.
+# base 2, the hardware's: `log2(e) x / T - log2(q)`, `q = -log2(u)` (the same argmax), both logarithms with the
+# GPU's one-instruction approximation. Its error is absolute near 1 (2^-22): for `u` near 1, `q` is tiny and the
+# error would exceed it, turning a random token's score into +inf. There (`1 - u < 0.01`) `q` comes from the series
+# `-ln(1 - w) = w + w²/2 + w³/3 + …`, `w = 1 - u` (exact): every score within 3·10⁻⁵ of the exact one.
 # A row is cut into parts, a program each, so that one row fills the GPU too; the best part wins. With a top-k, `topk` gives the candidates, `keep_mask` sets the dropped to `-inf`, and
 # `race_ids` races them with each token id's own number (`_noise`): the same draw as over the whole row.
 
@@ -350,11 +351,18 @@ def _fast_log2(x, FAST: tl.constexpr):
 
 
 @triton.jit
+def _neg_log2(u, FAST: tl.constexpr):
+    """-log2(u) for u in [0, 1), to a relative 2e-5: near 1, where log2's absolute error (2^-22) would exceed the
+    result, from the series -ln(1 - w) = w + w^2/2 + w^3/3 + ..., w = 1 - u (exact)."""
+    w = 1.0 - u
+    return tl.where(w < 0.01, w * LOG2E * (1.0 + w * (0.5 + w * 0.33333334)), -_fast_log2(u, FAST))
+
+
+@triton.jit
 def _better(x, u, t, cols, best, best_col, FAST: tl.constexpr):
     """Each lane's best score so far (the first column on ties), given logits x of columns cols, noise u."""
     if t > 0:  # the Gumbel score in base 2: log2(e) x / T - log2(q), q = -log2(u); temperature 0: the logit itself
-        q = -tl.math.log2(u)  # exact: for u near 1 the approximation's absolute error would exceed q itself
-        x = x * (LOG2E / t) - _fast_log2(q, FAST)
+        x = x * (LOG2E / t) - _fast_log2(_neg_log2(u, FAST), FAST)
     better = (x > best) | ((x == best) & (cols < best_col))
     return tl.where(better, x, best), tl.where(better, cols, best_col)
 

@@ -7,11 +7,13 @@ Many draws of one distribution are taken in one call, by repeating its row of lo
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minivllm.engine.sequence import Sequence
-from minivllm.kernels.sampling import nucleus, race, race_ids
+from minivllm.kernels.sampling import _neg_log2, nucleus, race, race_ids
 from minivllm.layers.sampler import (
     Sampler,
     SamplingTensors,
@@ -515,6 +517,26 @@ def test_cuda_race_noise_follows_the_token_id_not_the_column():
     logits, keys, temps = random_logits(1, 151_936, 1.0, rows=8).cuda(), torch.arange(8).cuda(), torch.ones(8).cuda()
     perm = torch.stack([torch.randperm(151_936, generator=torch.Generator().manual_seed(r)) for r in range(8)]).cuda()
     assert torch.equal(race_ids(logits.gather(1, perm), temps, keys, perm, 151_936), race(logits, temps, keys))
+
+
+@triton.jit
+def _neg_log2_kernel(U, Q, n, FAST: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(Q + offs, _neg_log2(tl.load(U + offs, mask=offs < n, other=0.5), FAST), mask=offs < n)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_race_noise_keeps_its_relative_precision_next_to_1(device):
+    """q = -log2(u) sets how much a token's score rises; for u near 1 it is tiny, and an absolute error as large as
+    it gives a random token +inf. Every float32 u in [1 - 2^-10, 1) (on a GPU: in [0.5, 1)), and a sample below."""
+    top = 2**23 if device == "cuda" else 2**13  # the float32 steps below 1 checked one by one
+    steps = torch.arange(top, dtype=torch.int32) + (0x3F800000 - top)  # bit patterns of the largest floats below 1
+    u = torch.cat([steps.view(torch.float32), torch.rand(4096, generator=torch.Generator().manual_seed(0))]).to(device)
+    q = torch.empty_like(u)
+    _neg_log2_kernel[(triton.cdiv(len(u), 1024),)](u, q, len(u), FAST=device == "cuda", BLOCK=1024)
+    exact = -torch.log2(u.double())
+    assert (q > 0).all()
+    assert ((q.double() - exact).abs() / exact).max() < 2e-5
 
 
 # --- nucleus: top-p (and min-p) by drawing, then checking the draw --------------------------------------------

@@ -27,11 +27,18 @@ def _fast_log2(x, FAST: tl.constexpr):
 
 
 @triton.jit
+def _neg_log2(u, FAST: tl.constexpr):
+    """-log2(u) for u in [0, 1), to a relative 2e-5: near 1, where log2's absolute error (2^-22) would exceed the
+    result, from the series -ln(1 - w) = w + w^2/2 + w^3/3 + ..., w = 1 - u (exact)."""
+    w = 1.0 - u
+    return tl.where(w < 0.01, w * LOG2E * (1.0 + w * (0.5 + w * 0.33333334)), -_fast_log2(u, FAST))
+
+
+@triton.jit
 def _better(x, u, t, cols, best, best_col, FAST: tl.constexpr):
     """Each lane's best score so far (the first column on ties), given logits x of columns cols, noise u."""
     if t > 0:  # the Gumbel score in base 2: log2(e) x / T - log2(q), q = -log2(u); temperature 0: the logit itself
-        q = -tl.math.log2(u)  # exact: for u near 1 the approximation's absolute error would exceed q itself
-        x = x * (LOG2E / t) - _fast_log2(q, FAST)
+        x = x * (LOG2E / t) - _fast_log2(_neg_log2(u, FAST), FAST)
     better = (x > best) | ((x == best) & (cols < best_col))
     return tl.where(better, x, best), tl.where(better, cols, best_col)
 
