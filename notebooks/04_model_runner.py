@@ -477,7 +477,10 @@ def race_ids(x: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor, id
 # The tries run in parts, a program each, as the race does (one program per row would leave most of the GPU idle):
 # the race's parts, then each part's masses, then one program per row adds them up and checks. A rejected row tries
 # again in parts (the programs of rows already done return at once); only a row rejected
-# `NUCLEUS_TRIES_IN_PARTS = 3` times (at most `(1 - p)^3`, 1 in 1,000 at `p = 0.9`) goes on alone, in one program.
+# `NUCLEUS_TRIES_IN_PARTS = 5` times (at most `(1 - p)^5`, 1 in 100,000 at `p = 0.9`) goes on alone, in one
+# program. An empty try costs the GPU a few microseconds; a row alone, a fifth of a millisecond that the whole batch
+# waits. With fewer than 32 rows the GPU has time to spare and the host, which launches 3 kernels a try, does not:
+# there only the first try runs in parts.
 
 
 # %% tags=["export"]
@@ -574,7 +577,8 @@ def _nucleus_kernel(X, TEMPS, TOP_PS, MIN_PS, KEYS, LO, INCL, SEARCHING, OUT, n,
     tl.store(OUT + row, col)
 
 
-NUCLEUS_TRIES_IN_PARTS = 3  # P(a row needs more) <= (1 - p)^3: 1e-3 at top-p 0.9
+NUCLEUS_TRIES_IN_PARTS = 5  # P(a row needs more) <= (1 - p)^5: 1e-5 at top-p 0.9
+NUCLEUS_PARTS_MIN_ROWS = 32  # fewer rows: only the first try in parts (each try is 3 launches of host time)
 
 
 def nucleus(x: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor,
@@ -587,7 +591,8 @@ def nucleus(x: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor, m
                                                                                           device=x.device)  # fmt: skip
     retry = (lo, incl, searching)  # every row searches, above no floor
     pad = max(2, triton.next_power_of_2(triton.cdiv(s, 512)))  # room for a row alone's parts (the most)
-    for attempt in range(NUCLEUS_TRIES_IN_PARTS):  # try i: the numbers of counters + i * s, fresh ones
+    tries = NUCLEUS_TRIES_IN_PARTS if rows >= NUCLEUS_PARTS_MIN_ROWS else 1
+    for attempt in range(tries):  # try i: the numbers of counters + i * s, fresh ones
         best, won, top = race_parts(x, temperatures, keys, retry, offset=attempt * s)
         parts = best.shape[1]
         above, total = torch.empty_like(best), torch.empty_like(best)
@@ -596,7 +601,7 @@ def nucleus(x: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor, m
         _verdict_kernel[(rows,)](x, temperatures, top_ps, min_ps, best, won, top, above, total, *retry, out, n,
                                  x.stride(0), parts, PARTS=pad)  # fmt: skip
     _nucleus_kernel[(rows,)](x, temperatures, top_ps, min_ps, keys, *retry, out, n, x.stride(0),
-                             NUCLEUS_TRIES_IN_PARTS * s, BLOCK=min(1024, triton.next_power_of_2(s)), FAST=x.is_cuda,
+                             tries * s, BLOCK=min(1024, triton.next_power_of_2(s)), FAST=x.is_cuda,
                              num_warps=16)  # fmt: skip
     return out
 

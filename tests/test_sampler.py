@@ -581,6 +581,13 @@ def test_nucleus_frequencies_are_the_renormalized_survivors(top_p, min_p):
     assert ((freq - expected).abs() <= 4.5 * (expected * (1 - expected) / n).sqrt()).all(), freq
 
 
+def test_a_small_batch_tries_once_in_parts_then_alone():
+    """Below NUCLEUS_PARTS_MIN_ROWS rows only the first try runs in parts; a rejected row goes on alone, and still
+    never returns a token outside the nucleus ([0.5, 0.3, 0.15, 0.05] at top-p 0.7: the first two)."""
+    x = torch.tensor([0.5, 0.3, 0.15, 0.05]).log().expand(16, -1)
+    assert set(nucleus_of(x, 1.0, 0.7).tolist()) == {0, 1}
+
+
 def test_nucleus_sums_the_masses_of_every_part():
     """The first try's masses are summed in parts of the row (2 here): the four tokens of the test above, spread over
     both parts of a 3,000-token vocabulary, still give the renormalized survivors at top-p 0.7."""

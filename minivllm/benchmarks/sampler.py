@@ -6,8 +6,10 @@ Rows of one kind per batch (Qwen3's vocabulary by default, float32 logits as the
 greedy; temperature only (the Triton race: one pass over the logits); top-p 0.9 (Triton's nucleus: draw, check,
 draw again above a draw outside the nucleus; no sort); top-k 50 with top-p 0.9 (`torch.topk` of 50, then the race
 over the kept); seeded top-p.
-Times include building the `SamplingTensors` from the requests' parameters, as the runner does each step
-(`ms`), and the sampler's kernels alone (`kernel_ms`, the same call with the tensors built beforehand).
+`ms`: one eager call, building the `SamplingTensors` from the requests' parameters as the runner does each step
+(host work included: a top-p call launches 17 kernels). `kernel_ms`: the GPU's time alone, the call replayed from
+a CUDA graph with its tensors built beforehand, the mean over 8 steps' draws (a top-p row's retries depend on its
+draw); `kernel_timing` says "eager" where a kind cannot be captured and was timed as `ms` is, without the build.
 Writes sampler.json (no figure: a table says it).
 """
 
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from minivllm.benchmarks.common import OUT, gpu_ms, result, save
+from minivllm.benchmarks.common import OUT, gpu_ms, graph_ms, result, save
 from minivllm.layers.sampler import Sampler, SamplingTensors
 from minivllm.sampling_params import SamplingParams
 
@@ -29,15 +31,19 @@ KINDS = {
 }
 
 
-def time_kind(sampler: Sampler, logits: torch.Tensor, kind: str) -> dict:
+def time_kind(sampler: Sampler, logits: torch.Tensor, kind: str, draws: int = 8) -> dict:
     batch = logits.shape[0]
     params = [KINDS[kind]] * batch
-    steps = [0] * batch
-    built = SamplingTensors.from_params(params, steps, logits.device)
+    built = [SamplingTensors.from_params(params, [step] * batch, logits.device) for step in range(draws)]
     with torch.inference_mode():
-        ms = gpu_ms(lambda: sampler(logits, SamplingTensors.from_params(params, steps, logits.device)))
-        kernel_ms = gpu_ms(lambda: sampler(logits, built))
-    return dict(impl="minivllm", kind=kind, batch=batch, vocab=logits.shape[1], ms=ms, kernel_ms=kernel_ms)
+        ms = gpu_ms(lambda: sampler(logits, SamplingTensors.from_params(params, [0] * batch, logits.device)))
+        try:
+            kernel_ms, timing = sum(graph_ms(lambda t=t: sampler(logits, t)) for t in built) / draws, "graph"
+        except RuntimeError as e:  # a kind whose call cannot be captured (it would wait for the GPU)
+            print(f"{kind}: not captured ({str(e).splitlines()[0]}), timed eagerly")
+            kernel_ms, timing = sum(gpu_ms(lambda t=t: sampler(logits, t)) for t in built) / draws, "eager"
+    return dict(impl="minivllm", kind=kind, batch=batch, vocab=logits.shape[1], ms=ms, kernel_ms=kernel_ms,
+                kernel_timing=timing)  # fmt: skip
 
 
 def run_sampler_benchmark(batch_sizes=(1, 64, 256), vocab: int = 151_936) -> dict:
