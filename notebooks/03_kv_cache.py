@@ -1389,10 +1389,10 @@ print(f"copy bandwidth: {decode_data['copy_tbps']:.2f} TB/s")
 
 # %% [markdown]
 # **Why do prefill and decode need different attention kernels?** At 64 sequences × 4k tokens the decode kernel
-# reads the cache at the copy bandwidth, the prefill kernel at half of it: its tile holds 64 query rows of which
-# decode fills one, it reads each KV block once per *query* head (twice for Qwen3's GQA), and with one program
-# per sequence and head it cannot fill the GPU at small batch: at 1 × 16k it reaches under 5% of the bandwidth,
-# the decode kernel about 65%, since it packs a KV head's query heads and splits long contexts.
+# reads the cache at the copy bandwidth, the prefill kernel at half of it: its tile holds 128 query rows (64
+# positions × Qwen3's 2 query heads of a KV head) of which decode fills 2, and with one program per sequence and KV
+# head it cannot fill the GPU at small batch: at 1 × 16k it reaches under 5% of the bandwidth, the decode kernel
+# about 65%, since it splits long contexts over many programs.
 #
 # **The same split on this CPU** (below the H200's numbers): a prefill of 512 queries and a decode step of 32
 # sequences × 1 query, 512 keys each, in PyTorch's batched attention. Prefill does 16 times decode's FLOPs on 32
