@@ -246,16 +246,16 @@ def nucleus(x: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor, m
     then min-p applied (keep_mask's order); the first try is race's draw. Returns (rows,) int64."""
     (rows, n), s, block = x.shape, triton.cdiv(x.shape[1], 4), 1024
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
-    lo, incl, searching = torch.full((rows,), float("-inf"), device=x.device), *torch.ones(2, rows, dtype=torch.int32,
-                                                                                          device=x.device)  # fmt: skip
-    retry = (lo, incl, searching)  # every row searches, above no floor
+    lo = torch.full((rows,), float("-inf"), device=x.device)  # every row searches, above no floor
+    incl, searching = torch.ones(2, rows, dtype=torch.int32, device=x.device)
+    retry = (lo, incl, searching)
     pad = max(2, triton.next_power_of_2(triton.cdiv(s, 512)))  # room for a row alone's parts (the most)
     tries = NUCLEUS_TRIES_IN_PARTS if rows >= NUCLEUS_PARTS_MIN_ROWS else 1
     for attempt in range(tries):  # try i: the numbers of counters + i * s, fresh ones
         best, won, top = race_parts(x, temperatures, keys, retry, offset=attempt * s)
         parts = best.shape[1]
         above, total = torch.empty_like(best), torch.empty_like(best)
-        _masses_kernel[(rows, parts)](x, temperatures, best, won, top, retry[2], above, total, n, x.stride(0),
+        _masses_kernel[(rows, parts)](x, temperatures, best, won, top, searching, above, total, n, x.stride(0),
                                       block * triton.cdiv(triton.cdiv(n, parts), block), PARTS=pad, BLOCK=block)  # fmt: skip
         _verdict_kernel[(rows,)](x, temperatures, top_ps, min_ps, best, won, top, above, total, *retry, out, n,
                                  x.stride(0), parts, PARTS=pad)  # fmt: skip
