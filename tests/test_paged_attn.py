@@ -58,10 +58,11 @@ def test_decode_half_precision():
 
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("block_size", [16, 256])
-def test_paged_prefill_attends_to_the_cached_prefix(block_size, causal):
+@pytest.mark.parametrize("group", [1, 2, 3])  # a program per query head, per KV head's two, per head again (3)
+def test_paged_prefill_attends_to_the_cached_prefix(block_size, causal, group):
     k_lens, q_lens = [40, 17, 300, 1], [5, 17, 64, 1]  # cached prefix + new tokens; none cached; ...
     k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache(k_lens, 2, 32, block_size, DEVICE)
-    q = torch.randn(sum(q_lens), 4, 32, device=DEVICE)
+    q = torch.randn(sum(q_lens), 2 * group, 32, device=DEVICE)
     cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
     out = flash_attn_varlen_func(
         q, k_cache, v_cache, cu_q, cu_k, max(q_lens), max(k_lens), causal=causal, block_table=block_table
