@@ -1568,13 +1568,15 @@ assert rows["minivllm", 1] < rows["minivllm-eager", 1]
 # 3. A decode step of 5 sequences replays a CUDA graph (`max_num_seqs=256`): the one captured for which batch
 #    size? And why may the decode kernel's `num_splits` depend on the batch size only?
 # 4. A mixed step has 3 decode rows and a prompt chunk of 100 tokens (tiles of 64 query rows). Which captured
-#    `T` replays it, how many programs per query head does its prefill kernel run, and how many of them have a
-#    tile to compute? Answer `(T, programs, real)`.
+#    `T` replays it, how many programs per group of query heads (notebook 01's `heads_per_program`) does its
+#    prefill kernel run, and how many of them have a tile to compute? Answer `(T, programs, real)`.
+# 5. The race's `q = -log2(u)` for `u` near 1 is tiny. For how many float32 values `u < 1` is it smaller than
+#    the GPU's `log2` error, 2^-22 (where `_neg_log2` takes the series)? Answer an int.
 
 # %%
 from minivllm.testing import check_answer
 
-answer1 = answer2 = answer3 = answer4 = None  # your answers: replace None with expressions
+answer1 = answer2 = answer3 = answer4 = answer5 = None  # your answers: replace None with expressions
 seq = Sequence(list(range(38)), block_size=16)  # the 37 tokens and the 38th, just sampled
 seq.block_table = [7, 2, 9]
 decode, hit_step = prepare_decode([seq], block_size=16), prepare_prefill([second], block_size=16)
@@ -1588,6 +1590,9 @@ mixed_size = next(t for t in MIXED_GRAPH_SIZES if t >= 3 + 100)
 chunk_tiles = query_tiles(np.array([0, 1, 2, 3, 103]), np.array([0, 9, 18, 27, 147]), 3, block_m=64)
 expected4 = (mixed_size, tile_room(mixed_size, 64), len(chunk_tiles))
 check_answer(answer4, expected4, "4. a mixed step's graph")
+below_one = (torch.arange(1, 2**10, dtype=torch.int32) * -1 + 0x3F800000).view(torch.float32)  # 1023 floats below 1
+expected5 = int((-torch.log2(below_one.double()) < 2**-22).sum())
+check_answer(answer5, expected5, "5. floats whose q is below log2's error")
 
 # %% [markdown]
 # Worked answers. **1.** Token 37 (from 0): logical block 37 // 16 = 2, physical block 9, offset 37 % 16 = 5;
@@ -1595,11 +1600,16 @@ check_answer(answer4, expected4, "4. a mixed step's graph")
 # cached keys, which live only in the paged cache, read through the block tables. **3.** Graphs exist for 1, 2,
 # 4, 8, 16, 32, …: 5 pads to 8. The graph fixed its kernels' grids, `num_splits` included, at capture. **4.** The
 # 103 tokens pad to `T` = 128, whose tile list has room for 128 // 64 + 64 = 66 tiles; the chunk has ⌈100 / 64⌉ = 2,
-# so 64 of the 66 programs per head read −1 and return: the price of a grid fixed at capture.
+# so 64 of the 66 programs per group of heads read −1 and return: the price of a grid fixed at capture. **5.** Near
+# 1, `q = -ln(u) / ln 2 ≈ (1 - u) log2(e)`, below 2^-22 when `1 - u < 2^-22 ln 2 ≈ 1.65e-7`; float32 steps there are
+# 2^-24 ≈ 6e-8 apart: `1 - u` = 1 or 2 steps, 2 floats. Rare per token (about 1 in 8 million draws), but a row draws
+# 151,936 numbers: about 2 % of rows hold such a token, and without the series its score could be +inf.
 
 # %%
 check_answer((9 * 16 + 37 % 16, 37 + 1), expected1, "1. decode slot")
 check_answer((48 + 4, 4), expected2, "2. keys after a hit")
 check_answer(min(b for b in (1, 2, 4, 8, 16, 32) if b >= 5), expected3, "3. graph replayed")
 check_answer((128, 128 // 64 + 64, -(-100 // 64)), expected4, "4. a mixed step's graph")
+steps_below = [j for j in (1, 2, 3) if j * 2**-24 < 2**-22 * np.log(2)]  # 1 - u in steps of 2^-24
+check_answer(len(steps_below), expected5, "5. floats whose q is below log2's error")
 assert hit_step.block_tables is not None
