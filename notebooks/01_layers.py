@@ -1215,8 +1215,18 @@ def launch_config(head_dim: int, device: torch.device) -> dict:
 
 def heads_per_program(group: int, block_m: int) -> int:
     """How many query heads of one KV head a program serves: the largest power of two that divides the group and
-    keeps the tile at 128 rows at most (a KV tile loaded once serves them all)."""
+    keeps a tile of block_m <= 128 positions at 128 rows at most (a KV tile loaded once serves them all)."""
     return math.gcd(group, max(1, 128 // block_m))
+
+
+def softmax_scale_of(softmax_scale: float | None, head_dim: int) -> float:
+    """The scores' scale, 1 / sqrt(head_dim) unless given. It must be positive: `attend_block` takes a row's maximum
+    before scaling, and scales the masked scores' -inf."""
+    if softmax_scale is None:
+        return head_dim**-0.5
+    if not softmax_scale > 0:  # NaN too
+        raise ValueError(f"softmax_scale must be > 0, got {softmax_scale}")
+    return softmax_scale
 
 
 def flash_attn_varlen_contiguous(
@@ -1239,7 +1249,7 @@ def flash_attn_varlen_contiguous(
     if max_seqlen_q < 1 or max_seqlen_k < 0:
         raise ValueError(f"max_seqlen_q must be >= 1 and max_seqlen_k >= 0, got {max_seqlen_q}, {max_seqlen_k}")
     head_dim = q.shape[2]
-    scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
+    scale = softmax_scale_of(softmax_scale, head_dim)
     out = torch.empty_like(q)
     config = tile or launch_config(head_dim, q.device)
     num_m_blocks, group = triton.cdiv(max_seqlen_q, config["BLOCK_M"]), q.shape[1] // k.shape[1]
@@ -1300,7 +1310,7 @@ for bad in (dict(k=k[:, :, :16]), dict(cu_seqlens_q=cu_q.long()), dict(v=v.doubl
 # and cuDNN backends), FlashInfer's (when installed) and a naive O(N²) attention, for one 16-head causal prompt of
 # 1k, 4k, 8k and 16k tokens, and writes `figures/prefill.json`. On a GPU this cell re-measures (1k and 4k); without
 # one it shows the committed H200 results: the bars to reach are cuDNN's and FlashInfer's, 1.15-1.26× faster than
-# ours from 4k on (with one head per program instead of a KV head's two: 1.26-1.36×).
+# ours from 4k on (with one head per program instead of a KV head's two, at 4 warps: 1.26-1.36×).
 
 # %%
 import json
@@ -1412,19 +1422,20 @@ print(f"{16 * 32768**2 * 4 * 28 / 1e12:.1f} TB: {16 * 32768**2 * 4 * 28 / 141e9:
 answer = None  # your answer: replace None with an expression
 tile = launch_config(128, torch.device("cuda"))  # the H200's tile (a dict: no GPU needed)
 n4 = 4096
-seen = [min(n4, (m + 1) * tile["BLOCK_M"]) // tile["BLOCK_N"] for m in range(n4 // tile["BLOCK_M"])]  # K tiles, causal
+k_tiles = [triton.cdiv(min(n4, (m + 1) * tile["BLOCK_M"]), tile["BLOCK_N"]) for m in range(n4 // tile["BLOCK_M"])]
 programs = [16 // heads for heads in (1, heads_per_program(16 // 8, tile["BLOCK_M"]))]  # per query tile
-check_answer(answer, tuple(sum(seen) * p for p in programs), "4. K tiles loaded")
+check_answer(answer, tuple(sum(k_tiles) * p for p in programs), "4. K tiles loaded")
 
 # %% [markdown]
 # Worked answer: query tile `m` (queries `64m … 64m + 63`) sees keys up to its last query: `m + 1` tiles of 64, so
-# the 64 query tiles load `1 + 2 + … + 64 = 2,080` K tiles per program row. One head per program: 16 programs per
-# query tile, 33,280 loads; two query heads of a KV head per program: 8, 16,640. The FLOPs stay; the K/V traffic
-# through shared memory halves. On the H200 at 16k tokens: 2.34 ms with one head per program, 2.11 ms packed
-# (two runs of `python -m minivllm.benchmarks.prefill`; the second is `figures/prefill.json`).
+# the 64 query tiles load `1 + 2 + … + 64 = 2,080` K tiles for each group of heads a program serves. One head per
+# program: 16 programs per query tile, 33,280 loads; two query heads of a KV head per program: 8, 16,640. The FLOPs
+# stay; the K/V traffic through shared memory halves. On the H200 at 16k tokens: 2.34 ms with one head per program
+# (4 warps, its best tile then), 2.11 ms packed (8 warps; two runs of `python -m minivllm.benchmarks.prefill`, the
+# second is `figures/prefill.json`).
 
 # %%
-check_answer((2080 * 16, 2080 * 8), tuple(sum(seen) * p for p in programs), "4. K tiles loaded")
+check_answer((2080 * 16, 2080 * 8), tuple(sum(k_tiles) * p for p in programs), "4. K tiles loaded")
 
 # %% [markdown]
 # **Exercises** (solutions in `solutions/`): `exercises/01_online_softmax.ipynb` (the online softmax and split-K in

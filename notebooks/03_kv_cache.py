@@ -742,6 +742,7 @@ from minivllm.kernels.flash_attn import (
     heads_per_program,
     launch_config,
     load_tile,
+    softmax_scale_of,
 )
 
 
@@ -851,7 +852,7 @@ assert flops_per_byte(1) < 10 < h200_ridge < flops_per_byte(4096)
 # HBM bandwidth. That changes the design:
 #
 # * **GQA packing.** Qwen3-0.6B's 16 query heads share 8 KV heads. One program handles *all* query heads of a KV
-#   head, so each KV block is read once (the prefill kernel, one program per query head, reads it twice).
+#   head, so each KV block is read once.
 # * **Split-K (flash-decoding).** One sequence × 8 KV heads is only 8 programs, on a GPU with 132 multiprocessors.
 #   So we cut the context into `num_splits` chunks; each program reduces its chunk with online softmax and writes
 #   a partial output and its log-sum-exp `lse_s`; a second tiny kernel combines them.
@@ -1009,7 +1010,7 @@ def flash_attn_with_kvcache(
         check_index("prefix_lens", prefix_lens, 1, q.device)
         if prefix_lens.shape[0] != batch:
             raise ValueError(f"prefix_lens needs one row per sequence ({batch}), got {prefix_lens.shape[0]}")
-    scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
+    scale = softmax_scale_of(softmax_scale, head_dim)
     on_cpu = q.device.type == "cpu"
     num_splits = decode_num_splits(batch, num_kv_heads, q.device)
     group = num_heads // num_kv_heads
@@ -1276,7 +1277,7 @@ def flash_attn_varlen_func(
     check_inputs(q, k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim), cu_seqlens_q, cu_seqlens_k)
     if block_table.shape[0] != cu_seqlens_q.numel() - 1:
         raise ValueError(f"block_table has {block_table.shape[0]} rows for {cu_seqlens_q.numel() - 1} sequences")
-    scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
+    scale = softmax_scale_of(softmax_scale, head_dim)
     config = launch_config(head_dim, q.device)
     kf, vf = k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)
     out = check_out(out, q)

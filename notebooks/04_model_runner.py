@@ -342,7 +342,8 @@ def _noise(key, ids, s):
 
 @triton.jit
 def _fast_log2(x, FAST: tl.constexpr):
-    """log2; with FAST (on a GPU) the hardware's approximation, within 2 ulp (the interpreter has no libdevice)."""
+    """log2; with FAST (on a GPU) the hardware's approximation: within 2^-22 for x in [0.5, 2], 2 ulp elsewhere (the
+    interpreter has no libdevice)."""
     if FAST:
         y = libdevice.fast_log2f(x)
     else:
@@ -477,10 +478,10 @@ def race_ids(x: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor, id
 # The tries run in parts, a program each, as the race does (one program per row would leave most of the GPU idle):
 # the race's parts, then each part's masses, then one program per row adds them up and checks. A rejected row tries
 # again in parts (the programs of rows already done return at once); only a row rejected
-# `NUCLEUS_TRIES_IN_PARTS = 5` times (at most `(1 - p)^5`, 1 in 100,000 at `p = 0.9`) goes on alone, in one
-# program. An empty try costs the GPU a few microseconds; a row alone, a fifth of a millisecond that the whole batch
-# waits. With fewer than 32 rows the GPU has time to spare and the host, which launches 3 kernels a try, does not:
-# there only the first try runs in parts.
+# `NUCLEUS_TRIES_IN_PARTS = 5` times (with top-p alone at most `(1 - p)^5`, 1 in 100,000 at `p = 0.9`) goes on
+# alone, in one program, which reads its whole row while the batch waits; an empty try's programs only return. With
+# fewer than 32 rows the GPU has time to spare and the host, which launches 3 kernels a try, does not: there only
+# the first try runs in parts.
 
 
 # %% tags=["export"]
@@ -577,7 +578,7 @@ def _nucleus_kernel(X, TEMPS, TOP_PS, MIN_PS, KEYS, LO, INCL, SEARCHING, OUT, n,
     tl.store(OUT + row, col)
 
 
-NUCLEUS_TRIES_IN_PARTS = 5  # P(a row needs more) <= (1 - p)^5: 1e-5 at top-p 0.9
+NUCLEUS_TRIES_IN_PARTS = 5  # P(a row needs more) <= (1 - p)^5 with top-p alone: 1e-5 at top-p 0.9
 NUCLEUS_PARTS_MIN_ROWS = 32  # fewer rows: only the first try in parts (each try is 3 launches of host time)
 
 
@@ -1571,7 +1572,7 @@ assert rows["minivllm", 1] < rows["minivllm-eager", 1]
 #    `T` replays it, how many programs per group of query heads (notebook 01's `heads_per_program`) does its
 #    prefill kernel run, and how many of them have a tile to compute? Answer `(T, programs, real)`.
 # 5. The race's `q = -log2(u)` for `u` near 1 is tiny. For how many float32 values `u < 1` is it smaller than
-#    the GPU's `log2` error, 2^-22 (where `_neg_log2` takes the series)? Answer an int.
+#    the GPU's `log2` error, 2^-22 (why `_neg_log2` takes a series near 1)? Answer an int.
 
 # %%
 from minivllm.testing import check_answer

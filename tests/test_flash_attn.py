@@ -49,8 +49,9 @@ def test_a_program_serves_the_heads_of_one_kv_head_in_a_tile_of_128_rows_at_most
     assert heads_per_program(group, block_m) == heads
 
 
-def test_a_group_that_is_not_a_power_of_two_gets_a_program_per_head():
-    check([40, 7], [40, 7], num_heads=6, num_kv_heads=2, head_dim=32, causal=True)
+@pytest.mark.parametrize("num_heads", [6, 12])  # groups of 3 (a program per head) and 6 (two heads a program)
+def test_groups_that_are_not_powers_of_two_match_the_reference(num_heads):
+    check([40, 7], [40, 7], num_heads=num_heads, num_kv_heads=2, head_dim=32, causal=True)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -99,6 +100,9 @@ def test_kernel_softmax_scale_and_strided_inputs():
         (dict(cu_seqlens_q=torch.tensor([0, 10])), "cu_seqlens_q"),
         (dict(cu_seqlens_k=torch.tensor([0, 4, 10], dtype=torch.int32)), "same length"),
         (dict(max_seqlen_q=0), "max_seqlen_q"),
+        (dict(softmax_scale=0.0), "softmax_scale"),  # the kernels scale a row's maximum and the masked -inf
+        (dict(softmax_scale=-0.1), "softmax_scale"),
+        (dict(softmax_scale=float("nan")), "softmax_scale"),
     ],
 )
 def test_bad_input_raises_value_error_naming_the_argument(bad, argument):

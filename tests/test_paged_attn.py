@@ -164,6 +164,12 @@ def test_bad_decode_input_raises_value_error():
         flash_attn_with_kvcache(q, k_cache, k_cache, seqlens.long(), table)
     with pytest.raises(ValueError, match="block_table"):
         flash_attn_with_kvcache(q, k_cache, k_cache, seqlens, None)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        flash_attn_with_kvcache(q, k_cache, k_cache, seqlens, table, softmax_scale=0.0)
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    with pytest.raises(ValueError, match="softmax_scale"):  # the paged prefill kernel too
+        flash_attn_varlen_func(q[0, :1].expand(5, -1, -1), k_cache, k_cache, cu, cu, 5, 5, softmax_scale=-1.0,
+                               block_table=table)  # fmt: skip
     with pytest.raises(ValueError, match="out must be"):
         flash_attn_with_kvcache(q, k_cache, k_cache, seqlens, table, out=torch.empty(1, 1, 4, 16))
     with pytest.raises(ValueError, match="slot_mapping"):

@@ -528,10 +528,13 @@ def _neg_log2_kernel(U, Q, n, FAST: tl.constexpr, BLOCK: tl.constexpr):
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_race_noise_keeps_its_relative_precision_next_to_1(device):
     """q = -log2(u) sets how much a token's score rises; for u near 1 it is tiny, and an absolute error as large as
-    it gives a random token +inf. Every float32 u in [1 - 2^-10, 1) (on a GPU: in [0.5, 1)), and a sample below."""
+    it gives a random token +inf. Every float32 u in [1 - 2^-11, 1) (on a GPU: in [0.5, 1)), every one within 2^-14
+    of 0.99 (where _neg_log2 switches to the series), and a sample below."""
     top = 2**23 if device == "cuda" else 2**13  # the float32 steps below 1 checked one by one
     steps = torch.arange(top, dtype=torch.int32) + (0x3F800000 - top)  # bit patterns of the largest floats below 1
-    u = torch.cat([steps.view(torch.float32), torch.rand(4096, generator=torch.Generator().manual_seed(0))]).to(device)
+    switch = torch.arange(-1024, 1024, dtype=torch.int32) + torch.tensor([0.99]).view(torch.int32)  # 2^-24 apart
+    sample = torch.rand(4096, generator=torch.Generator().manual_seed(0))
+    u = torch.cat([steps.view(torch.float32), switch.view(torch.float32), sample]).to(device)
     q = torch.empty_like(u)
     _neg_log2_kernel[(triton.cdiv(len(u), 1024),)](u, q, len(u), FAST=device == "cuda", BLOCK=1024)
     exact = -torch.log2(u.double())
@@ -559,7 +562,7 @@ def test_nucleus_at_temperature_0_is_the_argmax_first_on_ties():
     assert torch.equal(nucleus_of(logits, 0.0, 0.5, min_p=0.3), logits.argmax(dim=-1))
 
 
-@pytest.mark.parametrize("vocab", [40, 3000])  # one part per row; the first try in 2 parts (race_parts)
+@pytest.mark.parametrize("vocab", [40, 3000])  # one part per row; every try in 2 parts (race_parts)
 @pytest.mark.parametrize(("top_p", "min_p", "t"), [(0.5, 0.0, 1.0), (0.9, 0.0, 0.7), (0.8, 0.3, 1.5), (1.0, 0.2, 1.0)])
 def test_nucleus_never_draws_what_keep_mask_drops(top_p, min_p, t, vocab):
     logits = random_logits(7, vocab, 2.0, rows=64)
@@ -588,8 +591,26 @@ def test_a_small_batch_tries_once_in_parts_then_alone():
     assert set(nucleus_of(x, 1.0, 0.7).tolist()) == {0, 1}
 
 
+def test_a_try_alone_draws_what_the_same_try_in_parts_draws(monkeypatch):
+    """Try i draws with counters + i * s in parts or alone: with every try after the first alone
+    (NUCLEUS_TRIES_IN_PARTS = 1) a batch gets the tokens of five tries in parts. 64 rows: greedy, min-p, and
+    near-uniform rows at top-p 0.05, which reject most draws (many rows go past five tries)."""
+    rows = 64
+    logits, keys = random_logits(11, 1000, 0.3, rows=rows), torch.arange(rows) * 13
+    t, top_p, min_p = torch.ones(rows), torch.full((rows,), 0.05), torch.zeros(rows)
+    t[:8], top_p[8:16], min_p[8:16] = 0.0, 1.0, 0.9  # greedy rows; min-p rows
+    five = nucleus(logits, t, top_p, min_p, keys)
+    monkeypatch.setattr("minivllm.kernels.sampling.NUCLEUS_TRIES_IN_PARTS", 1)
+    assert torch.equal(nucleus(logits, t, top_p, min_p, keys), five)
+    assert torch.equal(five[:8], logits[:8].argmax(dim=-1))
+    probs = torch.softmax(logits[8:] / t[8:, None], dim=-1)
+    kept = filter_probs(probs, torch.full((rows - 8,), -1), top_p[8:], min_p[8:]) > 0
+    assert kept.gather(1, five[8:, None]).all()
+    assert len(set(five[16:].tolist())) > 10  # rows draw apart
+
+
 def test_nucleus_sums_the_masses_of_every_part():
-    """The first try's masses are summed in parts of the row (2 here): the four tokens of the test above, spread over
+    """Each try's masses are summed in parts of the row (2 here): the four tokens of the test above, spread over
     both parts of a 3,000-token vocabulary, still give the renormalized survivors at top-p 0.7."""
     x = torch.full((3000,), -30.0)
     cols = torch.tensor([2900, 2100, 10, 1000])  # the kept in the second part: the first's masses alone keep 0.15

@@ -52,7 +52,7 @@ def naive_gather_sdpa(x: dict) -> torch.Tensor:
 
 
 def prefill_kernel_as_decode(x: dict) -> torch.Tensor:
-    """Notebook 01's design used for decode: a 64-query tile holding 1 query, one program per query head."""
+    """Notebook 01's design used for decode: a tile of 64 positions holding 1 query per head."""
     return flash_attn_varlen_func(
         x["q"][:, 0],
         x["k_cache"],

@@ -144,8 +144,18 @@ def launch_config(head_dim: int, device: torch.device) -> dict:
 
 def heads_per_program(group: int, block_m: int) -> int:
     """How many query heads of one KV head a program serves: the largest power of two that divides the group and
-    keeps the tile at 128 rows at most (a KV tile loaded once serves them all)."""
+    keeps a tile of block_m <= 128 positions at 128 rows at most (a KV tile loaded once serves them all)."""
     return math.gcd(group, max(1, 128 // block_m))
+
+
+def softmax_scale_of(softmax_scale: float | None, head_dim: int) -> float:
+    """The scores' scale, 1 / sqrt(head_dim) unless given. It must be positive: `attend_block` takes a row's maximum
+    before scaling, and scales the masked scores' -inf."""
+    if softmax_scale is None:
+        return head_dim**-0.5
+    if not softmax_scale > 0:  # NaN too
+        raise ValueError(f"softmax_scale must be > 0, got {softmax_scale}")
+    return softmax_scale
 
 
 def flash_attn_varlen_contiguous(
@@ -168,7 +178,7 @@ def flash_attn_varlen_contiguous(
     if max_seqlen_q < 1 or max_seqlen_k < 0:
         raise ValueError(f"max_seqlen_q must be >= 1 and max_seqlen_k >= 0, got {max_seqlen_q}, {max_seqlen_k}")
     head_dim = q.shape[2]
-    scale = softmax_scale if softmax_scale is not None else head_dim**-0.5
+    scale = softmax_scale_of(softmax_scale, head_dim)
     out = torch.empty_like(q)
     config = tile or launch_config(head_dim, q.device)
     num_m_blocks, group = triton.cdiv(max_seqlen_q, config["BLOCK_M"]), q.shape[1] // k.shape[1]
