@@ -857,7 +857,8 @@ assert flops_per_byte(1) < 10 < h200_ridge < flops_per_byte(4096)
 #   So we cut the context into `num_splits` chunks; each program reduces its chunk with online softmax and writes
 #   a partial output and its log-sum-exp `lse_s`; a second tiny kernel combines them.
 # * **Paging.** A program finds token `t`'s row through the block table (`paged_rows`): blocks of 16 are gathered
-#   4 at a time (64 keys per step), blocks of 256 read in 4 steps. The inner step is notebook 01's `attend_block`.
+#   4 at a time (64 keys per step), blocks of 256 read in 4 steps. A split's loop, `attend_split`, runs notebook
+#   01's `attend_block`; `store_split` writes its output and log-sum-exp (the cascade kernel below reuses both).
 #
 # Split-K first in PyTorch (parts b and c of `exercises/01_online_softmax.ipynb` have you write it): one decode
 # query over 300 keys, in 3 chunks. Each chunk's softmax is normalised by its own sum, so a plain average of the
@@ -886,6 +887,41 @@ def paged_rows(block_table_row, tok, valid, BLOCK_SIZE: tl.constexpr):
     return block.to(tl.int64) * BLOCK_SIZE + tok % BLOCK_SIZE
 
 
+@triton.jit
+def attend_split(
+    q, K, V, table_row, lo, hi, kv_head, qk_scale, stride_kt, stride_kh, stride_vt, stride_vh,
+    ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One split of split-K: queries q (ROWS, D) of one KV head over keys lo..hi-1 of the paged cache, found
+    through a block-table row. Returns the split's output (ROWS, D) and log-sum-exp (ROWS,), in log2 units."""
+    offs_q, offs_d, offs_n = tl.arange(0, ROWS), tl.arange(0, HEAD_DIM), tl.arange(0, BLOCK_N)
+    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        tok = start + offs_n  # (BLOCK_N,)
+        valid = tok < hi
+        rows = paged_rows(table_row, tok, valid, BLOCK_SIZE)
+        k = load_tile(K + rows[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None], valid[None, :], UPCAST)
+        v = load_tile(V + rows[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :], valid[:, None], UPCAST)
+        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, tok, offs_q, hi, 0, qk_scale, True, False, PRECISION)
+    empty = l_i == 0.0  # a split with no key: past the end of a short sequence (or of a shared prefix)
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    return out, tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))
+
+
+@triton.jit
+def store_split(
+    partial_out, partial_lse, seq, heads, slot, out, lse, mask,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """A split's results into slot `slot` of its rows (seq: one sequence, or one per row; heads: one per row)."""
+    row = seq * stride_pb + heads * stride_ph + slot * stride_ps  # (ROWS,)
+    tl.store(partial_out + row[:, None] + tl.arange(0, HEAD_DIM)[None, :], out, mask=mask[:, None])
+    tl.store(partial_lse + seq * stride_lb + heads * stride_lh + slot, lse, mask=mask)
+
+
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])  # vary from step to step (notebook 01)
 def _decode_kernel(
     Q, K, V, partial_out, partial_lse, cache_seqlens, block_table, prefix_lens, qk_scale, num_splits,
@@ -901,32 +937,16 @@ def _decode_kernel(
     lo = first + split * chunk
     hi = tl.minimum(lo + chunk, seqlen)
     offs_g = tl.arange(0, GROUP_PAD)  # the query heads of this KV head (padded: tl.dot needs 16 rows)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_n = tl.arange(0, BLOCK_N)
-    heads = kv_head * GROUP + offs_g
+    heads, mask = kv_head * GROUP + offs_g, offs_g < GROUP
     q = load_tile(
-        Q + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], (offs_g < GROUP)[:, None], UPCAST
+        Q + seq * stride_qb + heads[:, None] * stride_qh + tl.arange(0, HEAD_DIM)[None, :], mask[:, None], UPCAST
     )  # (GROUP_PAD, D)
-    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        tok = start + offs_n  # (BLOCK_N,)
-        valid = tok < hi
-        rows = paged_rows(block_table + seq * stride_bt, tok, valid, BLOCK_SIZE)
-        k = load_tile(K + rows[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None], valid[None, :], UPCAST)
-        v = load_tile(V + rows[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :], valid[:, None], UPCAST)
-        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, tok, offs_g, hi, 0, qk_scale, True, False, PRECISION)
-    empty = l_i == 0.0  # a split past the end of a short sequence
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))  # log2 units
-    mask = offs_g < GROUP
-    tl.store(
-        partial_out + seq * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :],
-        out,
-        mask=mask[:, None],
-    )
-    tl.store(partial_lse + seq * stride_lb + heads * stride_lh + split, lse, mask=mask)
+    out, lse = attend_split(
+        q, K, V, block_table + seq * stride_bt, lo, hi, kv_head, qk_scale, stride_kt, stride_kh, stride_vt, stride_vh,
+        GROUP_PAD, HEAD_DIM, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION,
+    )  # fmt: skip
+    store_split(partial_out, partial_lse, seq, heads, split, out, lse, mask,
+                stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, HEAD_DIM)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["num_splits", "prefix_splits"])
@@ -1083,8 +1103,8 @@ for block_size, num_heads, num_kv_heads, num_splits in ((16, 8, 2, 1), (32, 8, 8
 # prefix) cuts each row's keys in two:
 #
 # * the **shared prefix**, attended by all the rows' queries together: one program per tile of `BLOCK_M` (row,
-#   query head) pairs of a KV head, notebook 01's `attend_block` without a mask, each key tile read once per
-#   tile of rows, not once per row;
+#   query head) pairs of a KV head, the decode kernel's `attend_split` over the prefix's blocks (no causal mask),
+#   each key tile read once per tile of rows, not once per row;
 # * each row's **own keys** (its prompt after the prefix, its output so far): the decode kernel from
 #   `prefix_lens[row]` on.
 #
@@ -1122,26 +1142,17 @@ def _shared_prefix_kernel(
     chunk = tl.cdiv(tl.cdiv(prefix_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, prefix_len)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_n = tl.arange(0, BLOCK_N)
-    q = load_tile(Q + seq[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], shares[:, None], UPCAST)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        tok = start + offs_n
-        valid = tok < hi
-        rows = paged_rows(prefix_blocks, tok, valid, BLOCK_SIZE)
-        k = load_tile(K + rows[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None], valid[None, :], UPCAST)
-        v = load_tile(V + rows[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :], valid[:, None], UPCAST)
-        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, tok, offs_m, hi, 0, qk_scale, True, False, PRECISION)
-    empty = l_i == 0.0  # a split past the prefix's end (a non-sharer's slot is never read: the combine skips it)
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))  # log2 units
-    slot = first_split + split
-    ptrs = partial_out + seq[:, None] * stride_pb + heads[:, None] * stride_ph + slot * stride_ps + offs_d[None, :]
-    tl.store(ptrs, out, mask=(seq < batch)[:, None])
-    tl.store(partial_lse + seq * stride_lb + heads * stride_lh + slot, lse, mask=seq < batch)
+    q = load_tile(
+        Q + seq[:, None] * stride_qb + heads[:, None] * stride_qh + tl.arange(0, HEAD_DIM)[None, :],
+        shares[:, None],
+        UPCAST,
+    )  # (BLOCK_M, D); a non-sharer's row is computed too, and never read: the combine kernel skips its slots
+    out, lse = attend_split(
+        q, K, V, prefix_blocks, lo, hi, kv_head, qk_scale, stride_kt, stride_kh, stride_vt, stride_vh,
+        BLOCK_M, HEAD_DIM, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION,
+    )  # fmt: skip
+    store_split(partial_out, partial_lse, seq, heads, first_split + split, out, lse, seq < batch,
+                stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, HEAD_DIM)  # fmt: skip
 
 
 def prefix_num_splits(num_programs: int, device: torch.device) -> int:

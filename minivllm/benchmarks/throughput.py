@@ -117,7 +117,8 @@ def run_engine(llm: LLM, prompts, params) -> tuple[list[RequestOutput], list[Ste
 def warm_up(llm: LLM, work: Workload) -> None:
     """The workload's prompts, two tokens each, then an empty prefix cache: the timed run starts with every kernel of
     its steps compiled and the allocator's memory reserved, as a server's steady state, and finds nothing cached.
-    (Without it, the first engine of a process measured ~3% slower on nano-vllm's workload, whichever its policy.)"""
+    (The first engine of a process still measures ~2.5% slower on nano-vllm's workload, whichever its policy, its
+    prefill steps included: something other than compiling, not found yet.)"""
     llm.generate(work.prompts, [dataclasses.replace(p, max_tokens=2) for p in work.params], use_tqdm=False)
     llm.engine.scheduler.block_manager.reset()
 

@@ -94,6 +94,41 @@ def paged_rows(block_table_row, tok, valid, BLOCK_SIZE: tl.constexpr):
     return block.to(tl.int64) * BLOCK_SIZE + tok % BLOCK_SIZE
 
 
+@triton.jit
+def attend_split(
+    q, K, V, table_row, lo, hi, kv_head, qk_scale, stride_kt, stride_kh, stride_vt, stride_vh,
+    ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One split of split-K: queries q (ROWS, D) of one KV head over keys lo..hi-1 of the paged cache, found
+    through a block-table row. Returns the split's output (ROWS, D) and log-sum-exp (ROWS,), in log2 units."""
+    offs_q, offs_d, offs_n = tl.arange(0, ROWS), tl.arange(0, HEAD_DIM), tl.arange(0, BLOCK_N)
+    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        tok = start + offs_n  # (BLOCK_N,)
+        valid = tok < hi
+        rows = paged_rows(table_row, tok, valid, BLOCK_SIZE)
+        k = load_tile(K + rows[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None], valid[None, :], UPCAST)
+        v = load_tile(V + rows[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :], valid[:, None], UPCAST)
+        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, tok, offs_q, hi, 0, qk_scale, True, False, PRECISION)
+    empty = l_i == 0.0  # a split with no key: past the end of a short sequence (or of a shared prefix)
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    return out, tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))
+
+
+@triton.jit
+def store_split(
+    partial_out, partial_lse, seq, heads, slot, out, lse, mask,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """A split's results into slot `slot` of its rows (seq: one sequence, or one per row; heads: one per row)."""
+    row = seq * stride_pb + heads * stride_ph + slot * stride_ps  # (ROWS,)
+    tl.store(partial_out + row[:, None] + tl.arange(0, HEAD_DIM)[None, :], out, mask=mask[:, None])
+    tl.store(partial_lse + seq * stride_lb + heads * stride_lh + slot, lse, mask=mask)
+
+
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])  # vary from step to step (notebook 01)
 def _decode_kernel(
     Q, K, V, partial_out, partial_lse, cache_seqlens, block_table, prefix_lens, qk_scale, num_splits,
@@ -109,32 +144,16 @@ def _decode_kernel(
     lo = first + split * chunk
     hi = tl.minimum(lo + chunk, seqlen)
     offs_g = tl.arange(0, GROUP_PAD)  # the query heads of this KV head (padded: tl.dot needs 16 rows)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_n = tl.arange(0, BLOCK_N)
-    heads = kv_head * GROUP + offs_g
+    heads, mask = kv_head * GROUP + offs_g, offs_g < GROUP
     q = load_tile(
-        Q + seq * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], (offs_g < GROUP)[:, None], UPCAST
+        Q + seq * stride_qb + heads[:, None] * stride_qh + tl.arange(0, HEAD_DIM)[None, :], mask[:, None], UPCAST
     )  # (GROUP_PAD, D)
-    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        tok = start + offs_n  # (BLOCK_N,)
-        valid = tok < hi
-        rows = paged_rows(block_table + seq * stride_bt, tok, valid, BLOCK_SIZE)
-        k = load_tile(K + rows[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None], valid[None, :], UPCAST)
-        v = load_tile(V + rows[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :], valid[:, None], UPCAST)
-        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, tok, offs_g, hi, 0, qk_scale, True, False, PRECISION)
-    empty = l_i == 0.0  # a split past the end of a short sequence
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))  # log2 units
-    mask = offs_g < GROUP
-    tl.store(
-        partial_out + seq * stride_pb + heads[:, None] * stride_ph + split * stride_ps + offs_d[None, :],
-        out,
-        mask=mask[:, None],
-    )
-    tl.store(partial_lse + seq * stride_lb + heads * stride_lh + split, lse, mask=mask)
+    out, lse = attend_split(
+        q, K, V, block_table + seq * stride_bt, lo, hi, kv_head, qk_scale, stride_kt, stride_kh, stride_vt, stride_vh,
+        GROUP_PAD, HEAD_DIM, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION,
+    )  # fmt: skip
+    store_split(partial_out, partial_lse, seq, heads, split, out, lse, mask,
+                stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, HEAD_DIM)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["num_splits", "prefix_splits"])
@@ -276,26 +295,17 @@ def _shared_prefix_kernel(
     chunk = tl.cdiv(tl.cdiv(prefix_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, prefix_len)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_n = tl.arange(0, BLOCK_N)
-    q = load_tile(Q + seq[:, None] * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], shares[:, None], UPCAST)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        tok = start + offs_n
-        valid = tok < hi
-        rows = paged_rows(prefix_blocks, tok, valid, BLOCK_SIZE)
-        k = load_tile(K + rows[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None], valid[None, :], UPCAST)
-        v = load_tile(V + rows[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :], valid[:, None], UPCAST)
-        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, tok, offs_m, hi, 0, qk_scale, True, False, PRECISION)
-    empty = l_i == 0.0  # a split past the prefix's end (a non-sharer's slot is never read: the combine skips it)
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))  # log2 units
-    slot = first_split + split
-    ptrs = partial_out + seq[:, None] * stride_pb + heads[:, None] * stride_ph + slot * stride_ps + offs_d[None, :]
-    tl.store(ptrs, out, mask=(seq < batch)[:, None])
-    tl.store(partial_lse + seq * stride_lb + heads * stride_lh + slot, lse, mask=seq < batch)
+    q = load_tile(
+        Q + seq[:, None] * stride_qb + heads[:, None] * stride_qh + tl.arange(0, HEAD_DIM)[None, :],
+        shares[:, None],
+        UPCAST,
+    )  # (BLOCK_M, D); a non-sharer's row is computed too, and never read: the combine kernel skips its slots
+    out, lse = attend_split(
+        q, K, V, prefix_blocks, lo, hi, kv_head, qk_scale, stride_kt, stride_kh, stride_vt, stride_vh,
+        BLOCK_M, HEAD_DIM, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION,
+    )  # fmt: skip
+    store_split(partial_out, partial_lse, seq, heads, first_split + split, out, lse, seq < batch,
+                stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, HEAD_DIM)  # fmt: skip
 
 
 def prefix_num_splits(num_programs: int, device: torch.device) -> int:
