@@ -92,7 +92,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from minivllm.kernels.sampling import nucleus, race, race_ids
+from minivllm.kernels.sampling import TOP_K_GATHERED_MAX, nucleus, race, race_ids, top_k_sample
 from minivllm.sampling_params import SamplingParams
 
 
@@ -627,6 +627,178 @@ assert set(drawn.tolist()) == {0, 1, 2}
 torch.testing.assert_close(freq[:3], torch.softmax(cat_logits[:3], dim=-1), atol=0.1, rtol=0)  # renormalized
 
 # %% [markdown]
+# ### Top-k without a sort: a floor from the lanes' maxima
+# With a top-k the kept tokens are few (`k` of 151,936), so find them and race only them. A sort finds them, but
+# `torch.topk` of 50 still costs several passes over the row. One pass gives a **floor** below the `k`-th largest
+# logit: split the row into 1,024 *lanes* (column `c` in lane `c % 1024`) and take each lane's maximum; the `k`-th
+# largest of these maxima is `k` distinct logits, so at least `k` logits are at or above it. A second pass gathers
+# the logits at or above the floor, the **candidates** (1.02–1.4 × `k` on random rows, below), into `2k` slots
+# per row; one program per row then sorts them (largest first, the lowest id first on ties: what a sort of the
+# whole row would give), applies `keep_mask`'s rules and races the kept ones with each token id's number, as
+# `race_ids` does. A row with more candidates than slots (many ties, most logits `-inf`) finds its `k`-th logit
+# alone, by bisection on the bits of the float (32 passes), and gathers the logits above it, then its ties
+# lowest id first: the same tokens, slower.
+
+
+# %% tags=["export"]
+@triton.jit
+def _ordered(x):
+    """float32 -> int32 in the same order (-0 just below +0)."""
+    i = x.to(tl.int32, bitcast=True)
+    return tl.where(i >= 0, i, i ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def _candidate_key(x, cols):
+    """int64 sort keys: the logit's order, then the lower column first (descending sort)."""
+    return (_ordered(x).to(tl.int64) << 32) | (0x7FFFFFFF - cols).to(tl.int64)
+
+
+@triton.jit(do_not_specialize=["span"])
+def _lane_max_kernel(X, MAXIMA, n, stride, span, LANES: tl.constexpr):
+    """Part `part` (columns part * span, + span) of a row: per lane (column % LANES), its largest logit."""
+    row, part, parts = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+    X, lanes = X + row.to(tl.int64) * stride, tl.arange(0, LANES)
+    best = tl.full([LANES], float("-inf"), tl.float32)
+    for start in range(part * span, tl.minimum(part * span + span, n), LANES):
+        best = tl.maximum(best, tl.load(X + start + lanes, mask=start + lanes < n, other=float("-inf")).to(tl.float32))
+    tl.store(MAXIMA + (row * parts + part) * LANES + lanes, best)
+
+
+@triton.jit
+def _kth_order(orders, k):
+    """The k-th largest of a block of orders (_ordered's), by bisection on the int32 range: 32 steps."""
+    lo, hi = tl.full((), -(2**31), tl.int64), tl.full((), 2**31 - 1, tl.int64)  # the k-th lies in [lo, hi]
+    while lo < hi:
+        mid = (lo + hi + 1) >> 1
+        enough = tl.sum((orders >= mid).to(tl.int32), axis=0) >= k
+        lo, hi = tl.where(enough, mid, lo), tl.where(enough, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def _floor_kernel(MAXIMA, TOP_KS, FLOOR, parts, LANES: tl.constexpr):
+    """A row's floor (as an order): the k-th largest of its lanes' maxima (k = 1 without a top-k: a greedy row)."""
+    row, lanes = tl.program_id(0), tl.arange(0, LANES)
+    best = tl.full([LANES], float("-inf"), tl.float32)
+    for part in range(parts):
+        best = tl.maximum(best, tl.load(MAXIMA + (row * parts + part) * LANES + lanes))
+    k = tl.load(TOP_KS + row)
+    tl.store(FLOOR + row, _kth_order(_ordered(best), tl.where(k > 0, k, 1)).to(tl.int32))
+
+
+@triton.jit(do_not_specialize=["span"])
+def _gather_kernel(X, FLOOR, COUNT, CAND, n, stride, span, CAP: tl.constexpr, BLOCK: tl.constexpr):
+    """Part `part` of a row: its logits at or above the floor, as sort keys, into the row's next free slots (COUNT
+    counts them)."""
+    row, part = tl.program_id(0), tl.program_id(1)
+    X, floor, cols = X + row.to(tl.int64) * stride, tl.load(FLOOR + row), tl.arange(0, BLOCK)
+    for start in range(part * span, tl.minimum(part * span + span, n), BLOCK):
+        x = tl.load(X + start + cols, mask=start + cols < n, other=float("-inf")).to(tl.float32)
+        take = ((_ordered(x) >= floor) & (start + cols < n)).to(tl.int32)
+        if tl.sum(take, axis=0) > 0:
+            slots = tl.atomic_add(COUNT + row, tl.sum(take, axis=0)) + tl.cumsum(take, axis=0) - 1
+            tl.store(CAND + row * CAP + slots, _candidate_key(x, start + cols), mask=(take != 0) & (slots < CAP))
+
+
+@triton.jit
+def _append(X, n, CAND, count, lo, hi, CAP: tl.constexpr, BLOCK: tl.constexpr):
+    """The logits with lo <= _ordered(x) <= hi, lowest column first, into slots count, ... (< CAP): the new count."""
+    for start in range(0, n, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(X + cols, mask=cols < n, other=float("-inf")).to(tl.float32)
+        take = ((_ordered(x) >= lo) & (_ordered(x) <= hi) & (cols < n)).to(tl.int32)
+        slots = count + tl.cumsum(take, axis=0) - 1
+        tl.store(CAND + slots, _candidate_key(x, cols), mask=(take != 0) & (slots < CAP))
+        count += tl.sum(take, axis=0)
+    return tl.minimum(count, CAP)
+
+
+@triton.jit
+def _exact_candidates(X, n, k, CAND, CAP: tl.constexpr, BLOCK: tl.constexpr):
+    """A row's k-th largest logit by _kth_order's bisection over the whole row (32 passes), then the
+    logits above it and its ties, lowest column first, into CAND: how many (<= CAP; CAP >= 2k: the k kept are in)."""
+    lo, hi = tl.full((), -(2**31), tl.int64), tl.full((), 2**31 - 1, tl.int64)
+    while lo < hi:
+        mid, count = (lo + hi + 1) >> 1, tl.full((), 0, tl.int32)
+        for start in range(0, n, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(X + cols, mask=cols < n, other=float("-inf")).to(tl.float32)
+            count += tl.sum(((_ordered(x) >= mid) & (cols < n)).to(tl.int32), axis=0)
+        lo, hi = tl.where(count >= k, mid, lo), tl.where(count >= k, hi, mid - 1)
+    count = _append(X, n, CAND, tl.full((), 0, tl.int32), lo + 1, 2**31 - 1, CAP, BLOCK)  # above the k-th: < k
+    return _append(X, n, CAND, count, lo, lo, CAP, BLOCK)  # its ties
+
+
+@triton.jit
+def _top_k_kernel(X, TEMPS, TOP_KS, TOP_PS, MIN_PS, KEYS, COUNT, CAND, OUT, n, stride,
+                  CAP: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr):  # fmt: skip
+    """A row's draw among its candidates: sorted, keep_mask's rules (top-k, top-p on what it left, min-p), the race
+    with each token id's number; temperature 0: the largest, lowest id first."""
+    row, slots = tl.program_id(0), tl.arange(0, CAP)
+    X, CAND, k, count = X + row.to(tl.int64) * stride, CAND + row * CAP, tl.load(TOP_KS + row), tl.load(COUNT + row)
+    if count > CAP:  # the rare row whose candidates overflowed: its exact ones
+        count = _exact_candidates(X, n, tl.maximum(k, 1), CAND, CAP, BLOCK)
+        tl.debug_barrier()  # the program's own stores, visible to all its threads
+    keys = tl.sort(tl.load(CAND + slots, mask=slots < count, other=-(2**63)), 0, descending=True)
+    valid = slots < count
+    ids = tl.where(valid, 0x7FFFFFFF - (keys - ((keys >> 32) << 32)).to(tl.int32), 0)  # the keys' low halves
+    t, p, min_p = tl.load(TEMPS + row), tl.load(TOP_PS + row), tl.load(MIN_PS + row)
+    z = tl.load(X + ids, mask=valid, other=float("-inf")).to(tl.float32) * (LOG2E / tl.where(t > 0, t, 1.0))
+    e = tl.math.exp2(z - tl.max(z, axis=0))  # relative to the most likely: 1 there
+    kept = (k < 0) | (slots < k)  # top-k
+    mass = tl.where(kept, e, 0.0)
+    kept &= tl.cumsum(mass, axis=0) - mass < tl.where(p < 1, p * tl.sum(mass, axis=0), float("inf"))  # top-p
+    kept &= valid & (e >= min_p)  # min-p
+    u = _noise(tl.load(KEYS + row), ids, tl.cdiv(n, 4))
+    score = tl.where(kept, z - _fast_log2(_neg_log2(u, FAST), FAST), float("-inf"))
+    won = tl.min(tl.where(score == tl.max(score, axis=0), slots, CAP), axis=0)
+    tl.store(OUT + row, tl.sum(tl.where(slots == tl.where(t > 0, won, 0), ids, 0), axis=0).to(tl.int64))
+
+
+TOP_K_GATHERED_MAX = 512  # top-k up to here: candidates from the lanes' maxima; above: a sort (Sampler)
+
+
+def top_k_sample(x: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
+                 min_ps: torch.Tensor, keys: torch.Tensor, k_max: int, cap: int = 0) -> torch.Tensor:  # fmt: skip
+    """Per row of x (rows, vocab): the argmax where the temperature is 0, else a draw from softmax(x / T) with
+    top-k, top-p, min-p applied (keep_mask's rules); every row with a temperature has a top-k, at most k_max (<= 512).
+    cap: candidate slots per row (default 2 k_max, a power of two). Returns (rows,) int64."""
+    (rows, n), lanes = x.shape, min(1024, triton.next_power_of_2(x.shape[1]))  # fewer lanes than k: floor -inf
+    assert x.stride(1) == 1 and 0 < k_max <= TOP_K_GATHERED_MAX
+    cap = cap or triton.next_power_of_2(2 * k_max)
+    span = lanes * triton.cdiv(triton.cdiv(n, lanes), max(1, 2048 // rows))  # whole blocks; ~2,048 programs in all
+    parts = triton.cdiv(n, span)
+    maxima = torch.empty(rows, parts, lanes, device=x.device)
+    _lane_max_kernel[(rows, parts)](x, maxima, n, x.stride(0), span, LANES=lanes)
+    floor = torch.empty(rows, dtype=torch.int32, device=x.device)
+    count = torch.zeros_like(floor)
+    _floor_kernel[(rows,)](maxima, top_ks, floor, parts, LANES=lanes)
+    candidates = torch.empty(rows, cap, dtype=torch.int64, device=x.device)
+    _gather_kernel[(rows, parts)](x, floor, count, candidates, n, x.stride(0), span, CAP=cap, BLOCK=lanes)
+    out = torch.empty(rows, dtype=torch.int64, device=x.device)
+    _top_k_kernel[(rows,)](x, temperatures, top_ks, top_ps, min_ps, keys, count, candidates, out, n, x.stride(0),
+                           CAP=cap, BLOCK=2048, FAST=x.is_cuda, num_warps=8)  # fmt: skip
+    return out
+
+
+# %%
+from minivllm.kernels.sampling import top_k_sample
+
+rows = torch.randn(64, 151_936, generator=torch.Generator().manual_seed(0))  # 64 random rows of Qwen3's vocabulary
+maxima = torch.nn.functional.pad(rows, (0, -151_936 % 1024), value=float("-inf")).view(64, -1, 1024).amax(dim=1)
+for k in (50, 256, 512):  # how many logits reach the floor, the k-th largest of the 1,024 lanes' maxima
+    candidates = (rows >= maxima.sort(dim=1, descending=True).values[:, k - 1 : k]).sum(dim=1)
+    print(f"top-k {k}: {candidates.float().mean():.0f} candidates on average, at most {candidates.max()}")
+    assert (candidates >= k).all() and (candidates <= 2 * k).all()  # every row's top-k among them, in 2k slots
+# The cat at T = 1, top-k 2: "mat" and "floor", renormalized; a greedy row: "mat"
+drawn = top_k_sample(cat.expand(128, -1), rows_of(1, 128), rows_of(2, 128).long(), rows_of(1, 128), rows_of(0, 128),
+                     keys[:128], k_max=2).cpu()  # fmt: skip
+show_probs(freq := torch.bincount(drawn, minlength=len(words)) / 128, "top-k")
+assert set(drawn.tolist()) == {0, 1}
+torch.testing.assert_close(freq[:2], torch.softmax(cat_logits[:2], dim=-1), atol=0.1, rtol=0)
+
+# %% [markdown]
 # ### The sampler
 # Greedy rows take the logits' argmax (temperature 0 in the race, else a final `torch.where`): no other row changes
 # them. First vLLM's knobs edit the logits (`apply_penalties`): `repetition_penalty` divides a positive logit
@@ -649,6 +821,8 @@ class Sampler(nn.Module):
             return race(logits, t.temperatures, t.keys)
         if logits.is_cuda and not t.any_top_k:  # top-p, min-p: draw, check, draw again if outside
             return nucleus(logits, t.temperatures, t.top_ps, t.min_ps, t.keys)
+        if logits.is_cuda and 0 < t.top_k_max <= TOP_K_GATHERED_MAX:  # a top-k on every random row: candidates
+            return top_k_sample(logits, t.temperatures, t.top_ks, t.top_ps, t.min_ps, t.keys, t.top_k_max)
         greedy = t.temperatures == 0  # (batch,)
         temperatures = torch.where(greedy, 1.0, t.temperatures)[:, None]  # (batch, 1) float32
         if logits.is_cuda:  # the candidates, largest first: the k_max most likely, or (top-k on some rows) all

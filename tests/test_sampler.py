@@ -1,6 +1,6 @@
 """Sampler (notebook 04): greedy rows, the top-k / top-p / min-p filters, the exponential race and per-request seeds;
-the Triton race (Gumbel-max, one pass) and nucleus (top-p by rejection, no sort) in Triton's interpreter on a CPU, and
-through the sampler on a GPU.
+the Triton race (Gumbel-max, one pass), nucleus (top-p by rejection, no sort) and top_k_sample (top-k's candidates
+from the lanes' maxima, no sort of the row) in Triton's interpreter on a CPU, and through the sampler on a GPU.
 
 Many draws of one distribution are taken in one call, by repeating its row of logits down the batch.
 """
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minivllm.engine.sequence import Sequence
-from minivllm.kernels.sampling import _neg_log2, nucleus, race, race_ids
+from minivllm.kernels.sampling import _neg_log2, nucleus, race, race_ids, top_k_sample
 from minivllm.layers.sampler import (
     Sampler,
     SamplingTensors,
@@ -620,3 +620,99 @@ def test_nucleus_sums_the_masses_of_every_part():
     freq = torch.stack([(drawn == c).float().mean() for c in cols])
     expected = torch.tensor([0.625, 0.375, 0.0, 0.0])
     assert ((freq - expected).abs() <= 4.5 * (expected * (1 - expected) / n).sqrt()).all(), freq
+
+
+# --- top_k_sample: the candidates at or above a floor from the lanes' maxima, sorted and raced -------------------
+
+
+def top_k_of(logits: torch.Tensor, t: float, k: int, top_p: float = 1.0, min_p: float = 0.0, cap: int = 0,
+             keys=None) -> torch.Tensor:  # fmt: skip
+    rows = logits.shape[0]
+    keys = torch.arange(rows) * 31 if keys is None else keys
+    settings = (torch.full((rows,), v) for v in (float(t), k, float(top_p), float(min_p)))
+    return top_k_sample(logits, *settings, keys, k_max=max(k, 1), cap=cap)
+
+
+@pytest.mark.parametrize(("k", "top_p", "min_p", "t"), [(5, 1.0, 0.0, 1.0), (8, 0.6, 0.0, 0.7), (3, 1.0, 0.4, 2.0)])
+def test_top_k_sample_never_draws_what_keep_mask_drops(k, top_p, min_p, t):
+    """1,500 columns: two lanes' blocks, the second a partial one (column % 1024)."""
+    logits = random_logits(8, 1500, 2.0, rows=48)
+    probs = torch.softmax(logits / t, dim=-1)
+    kept = filter_probs(probs, torch.full((48,), k), torch.full((48,), top_p), torch.full((48,), min_p)) > 0
+    tokens = top_k_of(logits, t, k, top_p, min_p)
+    assert kept.gather(1, tokens[:, None]).all()
+    assert len(set(tokens.tolist())) > 5  # rows draw apart: not always the argmax
+
+
+@pytest.mark.parametrize(("k", "top_p", "expected"), [(3, 1.0, [0.5, 0.3, 0.15]), (3, 0.7, [0.5, 0.3, 0.0])])
+def test_top_k_sample_frequencies_are_the_renormalized_survivors(k, top_p, expected):
+    """256 draws of [0.5, 0.3, 0.15, 0.05]: top-k 3 keeps three; top-p 0.7 on what it left (0.95) keeps two."""
+    x = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
+    n = 256
+    freq = torch.bincount(top_k_of(x.expand(n, -1), 1.0, k, top_p), minlength=4) / n
+    expected = torch.tensor([*expected, 0.0]) / sum(expected)
+    assert ((freq - expected).abs() <= 4.5 * (expected * (1 - expected) / n).sqrt()).all(), freq
+
+
+def test_top_k_sample_at_temperature_0_is_the_argmax_first_on_ties():
+    logits = random_logits(6, 3000, 1.0, rows=3)
+    logits[1, 2500] = logits[1, 300] = 50.0
+    assert torch.equal(top_k_of(logits, 0.0, -1), logits.argmax(dim=-1))  # a greedy row without a top-k
+    assert torch.equal(top_k_of(logits, 0.0, 7, top_p=0.5), logits.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("cap", [128, 8])  # 128 slots hold the 82 candidates; 8 overflow: the row goes on alone
+def test_top_k_keeps_the_lowest_ids_of_the_ties_at_the_kth(cap):
+    """Logits 5 and 4 at columns 1,990 and 1,995, 80 ties at 3 (columns 10..49 and 1,010..1,049), the rest lower:
+    top-k 3 keeps 1,990, 1,995 and the tie of lowest id, 10, what a sort of the row largest first keeps (rank < k)."""
+    x = torch.full((2000,), -5.0)
+    x[1990], x[1995], x[10:50], x[1010:1050] = 5.0, 4.0, 3.0, 3.0
+    drawn = top_k_of(x.expand(64, -1), 8.0, 3, cap=cap)  # T = 8: all three often
+    assert set(drawn.tolist()) == {1990, 1995, 10}
+
+
+def test_a_row_whose_candidates_overflow_draws_what_enough_slots_draw():
+    """Top-k 2 with 4 slots per row: every 4th row has its four largest logits in one lane (columns 1,000 + 1,024 i),
+    so its floor (the 2nd largest lane's maximum) leaves 5 or more logits above: it finds its 2nd logit alone. With
+    64 slots no row does. The same token ids (the same kept set, order and noise)."""
+    logits = random_logits(9, 4096, 0.5, rows=32)
+    logits[::4, 1000::1024] += torch.tensor([10.0, 11.0, 12.0, 13.0])  # the largest at the highest column
+    many, few = top_k_of(logits, 0.7, 2, min_p=0.3, cap=64), top_k_of(logits, 0.7, 2, min_p=0.3, cap=4)
+    assert torch.equal(few, many)
+    assert (logits.gather(1, many[:, None]) >= logits.topk(2).values[:, 1:]).all()  # in each row's top 2
+
+
+def test_a_row_with_fewer_finite_logits_than_k_draws_among_them():
+    """Three finite logits, top-k 10: the floor is -inf, every column a candidate (overflow): the three, as often
+    as softmax says."""
+    x = torch.full((3000,), float("-inf"))
+    cols = torch.tensor([2999, 5, 1500])
+    x[cols] = torch.tensor([0.5, 0.3, 0.2]).log()
+    n = 64
+    drawn = top_k_of(x.expand(n, -1), 1.0, 10)
+    freq = torch.stack([(drawn == c).float().mean() for c in cols])
+    expected = torch.tensor([0.5, 0.3, 0.2])
+    assert set(drawn.tolist()) <= set(cols.tolist())
+    assert ((freq - expected).abs() <= 4.5 * (expected * (1 - expected) / n).sqrt()).all(), freq
+
+
+@pytest.mark.gpu
+def test_cuda_top_k_sample_on_a_full_vocabulary_batch():
+    """256 rows of 151,936 float32 logits, each row its own top-k (1..512), top-p, min-p and temperature (some 0):
+    every token is one keep_mask keeps (sorting the whole row), greedy rows the argmax; the sampler takes this path."""
+    rows, vocab = 256, 151_936
+    g = torch.Generator().manual_seed(3)
+    logits = 3 * torch.randn(rows, vocab, generator=g)
+    k = torch.randint(1, 513, (rows,), generator=g)
+    top_p = torch.where(torch.rand(rows, generator=g) < 0.5, 1.0, 0.5 + 0.5 * torch.rand(rows, generator=g))
+    min_p = torch.where(torch.rand(rows, generator=g) < 0.3, 0.2, 0.0)
+    t = torch.where(torch.rand(rows, generator=g) < 0.1, 0.0, 0.5 + torch.rand(rows, generator=g))
+    params = [SamplingParams(temperature=float(t[i]), top_k=int(k[i]), top_p=float(top_p[i]), min_p=float(min_p[i]))
+              for i in range(rows)]  # fmt: skip
+    tokens = sample(logits, params, device="cuda")
+    probs = torch.softmax(logits / torch.where(t > 0, t, 1.0)[:, None], dim=-1)
+    kept = filter_probs(probs, k, top_p, min_p) > 0
+    greedy = t == 0
+    assert torch.equal(tokens[greedy], logits[greedy].argmax(dim=-1))
+    assert kept[~greedy].gather(1, tokens[~greedy, None]).all()
+    assert len(set(tokens[~greedy].tolist())) > 100

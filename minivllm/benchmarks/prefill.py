@@ -4,7 +4,8 @@ FlashInfer's prefill (single_prefill_with_kv_cache) where the `flashinfer` packa
     python -m minivllm.benchmarks.prefill [--seqlens 1024 4096 8192 16384] [--out figures] [--sweep]
 
 One causal prompt (batch 1), 16 query / 8 KV heads, head_dim 128, bf16: Qwen3-0.6B's attention.
-Each call is timed eagerly (triton.testing.do_bench). Writes prefill.json + prefill.png, and prints per length how
+Each call is timed eagerly (triton.testing.do_bench), in 5 rounds that time every implementation in turn; a row's
+`ms` is the median round (`ms_rounds`: all five). Writes prefill.json + prefill.png, and prints per length how
 fast ours is against cuDNN (and FlashInfer): ratios in the JSON. --sweep also times every tile configuration of our
 kernel and prints the best.
 """
@@ -13,6 +14,7 @@ import argparse
 import importlib
 import importlib.util
 import itertools
+import statistics
 from pathlib import Path
 
 import torch
@@ -76,19 +78,32 @@ def implementations(seqlen: int, dtype: torch.dtype = torch.bfloat16, tile: dict
     return impls
 
 
-def run_prefill_benchmark(seqlens=(1024, 4096, 8192, 16384), module: str = "minivllm.benchmarks.prefill") -> dict:
+def interleaved_ms(impls: dict, rounds: int) -> dict[str, list[float]]:
+    """Each implementation's do_bench median, in `rounds` rounds that time them one after the other: a slow spell
+    of the GPU (clocks, heat) falls on all of them alike. An implementation that rejects the shape is left out."""
+    times: dict[str, list[float]] = {impl: [] for impl in impls}
+    for _ in range(rounds):
+        for impl in list(times):
+            try:
+                times[impl].append(gpu_ms(impls[impl]))
+            except (RuntimeError, torch.OutOfMemoryError) as e:  # e.g. a backend that rejects the shape
+                print(f"{impl}: skipped ({str(e).splitlines()[0]})")
+                del times[impl]
+    return times
+
+
+def run_prefill_benchmark(seqlens=(1024, 4096, 8192, 16384), module: str = "minivllm.benchmarks.prefill",
+                          rounds: int = 5) -> dict:  # fmt: skip
     rows, ratios = [], []
     for seqlen in seqlens:
         ms_of = {}
-        for impl, fn in implementations(seqlen).items():
-            try:
-                ms = gpu_ms(fn)
-            except (RuntimeError, torch.OutOfMemoryError) as e:  # e.g. a backend that rejects the shape
-                print(f"{impl} N={seqlen}: skipped ({str(e).splitlines()[0]})")
-                continue
-            rows.append(dict(impl=impl, seqlen=seqlen, batch=1, ms=ms, tflops=causal_tflops(seqlen, ms)))
+        for impl, times in interleaved_ms(implementations(seqlen), rounds).items():
+            ms = statistics.median(times)
+            rows.append(dict(impl=impl, seqlen=seqlen, batch=1, ms=ms, tflops=causal_tflops(seqlen, ms),
+                             ms_rounds=times))  # fmt: skip
             ms_of[impl] = ms
-            print(f"{impl:>16} N={seqlen:>6}: {ms:8.3f} ms {rows[-1]['tflops']:7.1f} TFLOP/s")
+            print(f"{impl:>16} N={seqlen:>6}: {ms:8.3f} ms {rows[-1]['tflops']:7.1f} TFLOP/s  "
+                  f"(rounds {min(times):.3f}–{max(times):.3f})")  # fmt: skip
         for baseline in ("sdpa-cudnn", "flashinfer"):  # speedup > 1: ours is faster
             if baseline in ms_of and "minivllm-triton" in ms_of:
                 ratio = ms_of[baseline] / ms_of["minivllm-triton"]
@@ -103,7 +118,7 @@ def run_prefill_benchmark(seqlens=(1024, 4096, 8192, 16384), module: str = "mini
         dtype="bfloat16",
         causal=True,
         config=launch_config(HEAD_DIM, torch.device("cuda")),
-        timing="eager (triton.testing.do_bench)",
+        timing=f"eager (triton.testing.do_bench), the median of {rounds} interleaved rounds",
         flashinfer=package_version("flashinfer-python"),
         ratios=ratios,  # per length, speedup: minivllm-triton's speed over the baseline's (its ms / ours)
     )

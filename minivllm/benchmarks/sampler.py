@@ -4,8 +4,8 @@
 
 Rows of one kind per batch (Qwen3's vocabulary by default, float32 logits as the runner's LM head gives them):
 greedy; temperature only (the Triton race: one pass over the logits); top-p 0.9 (Triton's nucleus: draw, check,
-draw again above a draw outside the nucleus; no sort); top-k 50 with top-p 0.9 (`torch.topk` of 50, then the race
-over the kept); seeded top-p.
+draw again above a draw outside the nucleus; no sort); top-k 50 with top-p 0.9 (`top_k_sample`: the logits at or
+above a floor from 1,024 lanes' maxima, sorted and raced in one program per row); seeded top-p.
 `ms`: one eager call, building the `SamplingTensors` from the requests' parameters as the runner does each step
 (host work included: a top-p call launches 18 kernels, 6 below 32 rows). `kernel_ms`: the GPU's time alone, the
 call replayed from a CUDA graph with its tensors built beforehand, the mean over 8 steps' draws (a top-p row's

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from minivllm.kernels.sampling import nucleus, race, race_ids
+from minivllm.kernels.sampling import TOP_K_GATHERED_MAX, nucleus, race, race_ids, top_k_sample
 from minivllm.sampling_params import SamplingParams
 
 
@@ -136,6 +136,8 @@ class Sampler(nn.Module):
             return race(logits, t.temperatures, t.keys)
         if logits.is_cuda and not t.any_top_k:  # top-p, min-p: draw, check, draw again if outside
             return nucleus(logits, t.temperatures, t.top_ps, t.min_ps, t.keys)
+        if logits.is_cuda and 0 < t.top_k_max <= TOP_K_GATHERED_MAX:  # a top-k on every random row: candidates
+            return top_k_sample(logits, t.temperatures, t.top_ks, t.top_ps, t.min_ps, t.keys, t.top_k_max)
         greedy = t.temperatures == 0  # (batch,)
         temperatures = torch.where(greedy, 1.0, t.temperatures)[:, None]  # (batch, 1) float32
         if logits.is_cuda:  # the candidates, largest first: the k_max most likely, or (top-k on some rows) all
