@@ -244,7 +244,7 @@ class SamplingTensors:
     keys: torch.Tensor  # (batch,) int64: noise_seed(seed, tokens generated so far), a fresh draw; empty if all greedy
     filtering: bool = True  # some random row uses top-k, top-p or min-p; if none does, the sort is skipped
     top_k_max: int = 0  # > 0: every random row has a top-k, this the largest: filter_probs sorts only that many
-    any_top_k: bool = False  # some random row has a top-k (on a GPU, without one: the nucleus kernel, no sort)
+    largest_top_k: int = 0  # the largest top-k of a random row, 0 if none has one (on a GPU: the candidates' slots)
     any_greedy: bool = True  # some row has temperature 0
     all_greedy: bool = False  # every row has: no random draw at all
     penalties: tuple[torch.Tensor, ...] | None = None  # apply_penalties' arguments after the logits; None: no penalty
@@ -283,7 +283,7 @@ class SamplingTensors:
                            torch.int64),
             filtering=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in params),
             top_k_max=max(random_top_ks) if min(random_top_ks, default=-1) > 0 else 0,
-            any_top_k=max(random_top_ks, default=-1) > 0,
+            largest_top_k=max([0, *random_top_ks]),
             any_greedy=0 in temperatures, all_greedy=not any(temperatures), penalties=penalties,
             banned=to_device(list(zip(*banned)), torch.int64) if banned else None,
         )  # fmt: skip
@@ -320,8 +320,9 @@ assert not tensors_of(seqs[:1]).filtering and tensors_of(seqs[:1]).all_greedy
 # GPU's one-instruction approximation. Its error is absolute near 1 (2^-22): for `u` near 1, `q` is tiny and the
 # error would exceed it, turning a random token's score into +inf. There (`1 - u < 0.01`) `q` comes from the series
 # `-ln(1 - w) = w + w²/2 + w³/3 + …`, `w = 1 - u` (exact): every score within 3·10⁻⁵ of the exact one.
-# A row is cut into parts, a program each, so that one row fills the GPU too; the best part wins. With a top-k, `topk` gives the candidates, `keep_mask` sets the dropped to `-inf`, and
-# `race_ids` races them with each token id's own number (`_noise`): the same draw as over the whole row.
+# A row is cut into parts, a program each, so that one row fills the GPU too; the best part wins. With a top-k above
+# 512, `topk` gives the candidates, `keep_mask` sets the dropped to `-inf`, and `race_ids` races them with each token
+# id's own number (`_noise`): the same draw as over the whole row (smaller top-k: two sections below).
 
 # %% tags=["export"] module="minivllm.kernels.sampling"
 import torch
@@ -804,6 +805,9 @@ torch.testing.assert_close(freq[:2], torch.softmax(cat_logits[:2], dim=-1), atol
 # them. First vLLM's knobs edit the logits (`apply_penalties`): `repetition_penalty` divides a positive logit
 # (multiplies a negative one) of each token already in prompt or reply, `frequency_penalty` subtracts per use in the
 # reply, `presence_penalty` once; before `min_tokens`, stop tokens get `-inf`. Log-probabilities: of the raw logits.
+# On a GPU each row takes the cheapest exact path for its filters: none, the race; top-p or min-p, the nucleus; a
+# top-k up to 512, its candidates (in a batch where some random rows have none, those rows take the nucleus: one
+# `torch.where`); a larger top-k, `topk` or, beside rows without one, a sort of the whole row.
 
 
 # %% tags=["export"] module="minivllm.layers.sampler"
@@ -819,10 +823,13 @@ class Sampler(nn.Module):
             return logits.argmax(dim=-1)
         if logits.is_cuda and not t.filtering:  # one pass; greedy rows too (temperature 0)
             return race(logits, t.temperatures, t.keys)
-        if logits.is_cuda and not t.any_top_k:  # top-p, min-p: draw, check, draw again if outside
+        if logits.is_cuda and not t.largest_top_k:  # top-p, min-p: draw, check, draw again if outside
             return nucleus(logits, t.temperatures, t.top_ps, t.min_ps, t.keys)
-        if logits.is_cuda and 0 < t.top_k_max <= TOP_K_GATHERED_MAX:  # a top-k on every random row: candidates
-            return top_k_sample(logits, t.temperatures, t.top_ks, t.top_ps, t.min_ps, t.keys, t.top_k_max)
+        if logits.is_cuda and t.largest_top_k <= TOP_K_GATHERED_MAX:  # top-k rows: their candidates
+            drawn = top_k_sample(logits, t.temperatures, t.top_ks, t.top_ps, t.min_ps, t.keys, t.largest_top_k)
+            if t.top_k_max:  # every random row has a top-k
+                return drawn
+            return torch.where(t.top_ks > 0, drawn, nucleus(logits, t.temperatures, t.top_ps, t.min_ps, t.keys))
         greedy = t.temperatures == 0  # (batch,)
         temperatures = torch.where(greedy, 1.0, t.temperatures)[:, None]  # (batch, 1) float32
         if logits.is_cuda:  # the candidates, largest first: the k_max most likely, or (top-k on some rows) all

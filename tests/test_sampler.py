@@ -5,6 +5,8 @@ from the lanes' maxima, no sort of the row) in Triton's interpreter on a CPU, an
 Many draws of one distribution are taken in one call, by repeating its row of logits down the batch.
 """
 
+import dataclasses
+
 import pytest
 import torch
 import triton
@@ -236,8 +238,8 @@ def test_top_k_max_only_when_every_random_row_has_a_top_k():
     assert tensors([k5, k50, greedy]).top_k_max == 50  # a greedy row takes the argmax of the logits: no filter
     assert tensors([k5, top_p]).top_k_max == 0 and tensors([greedy]).top_k_max == 0  # sort the whole vocabulary
     # on a GPU, the nucleus kernel serves a batch only if no random row has a top-k
-    assert tensors([k5, top_p]).any_top_k and not tensors([top_p, greedy]).any_top_k
-    assert not tensors([SamplingParams(temperature=0, top_k=5), top_p]).any_top_k  # a greedy row's top-k: unused
+    assert tensors([k5, top_p]).largest_top_k == 5 and tensors([top_p, greedy]).largest_top_k == 0
+    assert tensors([SamplingParams(temperature=0, top_k=5), top_p]).largest_top_k == 0  # a greedy row's: unused
 
 
 def test_top_p_1_keeps_a_tail_too_small_for_a_float32_sum():
@@ -716,3 +718,18 @@ def test_cuda_top_k_sample_on_a_full_vocabulary_batch():
     assert torch.equal(tokens[greedy], logits[greedy].argmax(dim=-1))
     assert kept[~greedy].gather(1, tokens[~greedy, None]).all()
     assert len(set(tokens[~greedy].tolist())) > 100
+
+
+@pytest.mark.gpu
+def test_cuda_top_k_rows_beside_top_p_rows_draw_what_they_draw_alone():
+    """A batch mixing seeded top-k (+ top-p) rows, top-p rows and greedy rows: top_k_sample serves the first,
+    nucleus the others, each row the token it gets in a batch of its kind alone (its seed's noise, no sort)."""
+    kinds = [SamplingParams(temperature=0.8, top_k=20, top_p=0.9), SamplingParams(temperature=0.8, top_p=0.8),
+             SamplingParams(temperature=0.0), SamplingParams(temperature=1.2, top_k=600)]  # fmt: skip
+    params = [dataclasses.replace(kind, seed=i) for i in range(64) for kind in kinds[:3]]
+    logits = random_logits(12, 151_936, 3.0, rows=len(params))
+    mixed = sample(logits, params, device="cuda")
+    for r in range(3):  # each kind's rows alone
+        assert torch.equal(sample(logits[r::3], params[r::3], device="cuda"), mixed[r::3])
+    tokens = sample(logits[:3], params[:2] + kinds[3:], device="cuda")  # a top-k above 512: the whole row sorted
+    assert logits[2, tokens[2]] >= logits[2].topk(600).values[-1]

@@ -5,7 +5,8 @@
 Rows of one kind per batch (Qwen3's vocabulary by default, float32 logits as the runner's LM head gives them):
 greedy; temperature only (the Triton race: one pass over the logits); top-p 0.9 (Triton's nucleus: draw, check,
 draw again above a draw outside the nucleus; no sort); top-k 50 with top-p 0.9 (`top_k_sample`: the logits at or
-above a floor from 1,024 lanes' maxima, sorted and raced in one program per row); seeded top-p.
+above a floor from 1,024 lanes' maxima, sorted and raced in one program per row); both, row by row (top-k rows
+as above, the others the nucleus, one `torch.where`); seeded top-p.
 `ms`: one eager call, building the `SamplingTensors` from the requests' parameters as the runner does each step
 (host work included: a top-p call launches 18 kernels, 6 below 32 rows). `kernel_ms`: the GPU's time alone, the
 call replayed from a CUDA graph with its tensors built beforehand, the mean over 8 steps' draws (a top-p row's
@@ -22,18 +23,20 @@ from minivllm.benchmarks.common import OUT, gpu_ms, graph_ms, result, save
 from minivllm.layers.sampler import Sampler, SamplingTensors
 from minivllm.sampling_params import SamplingParams
 
-KINDS = {
-    "greedy": SamplingParams(temperature=0.0),
-    "temperature": SamplingParams(temperature=0.6),
-    "top-p": SamplingParams(temperature=0.7, top_p=0.9),
-    "top-k+top-p": SamplingParams(temperature=0.7, top_k=50, top_p=0.9),
-    "seeded top-p": SamplingParams(temperature=0.7, top_p=0.9, seed=0),
+TOP_P, TOP_K = SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=0.7, top_k=50, top_p=0.9)
+KINDS = {  # a kind's rows take its parameters in turn
+    "greedy": [SamplingParams(temperature=0.0)],
+    "temperature": [SamplingParams(temperature=0.6)],
+    "top-p": [TOP_P],
+    "top-k+top-p": [TOP_K],
+    "top-k / top-p rows": [TOP_K, TOP_P],
+    "seeded top-p": [SamplingParams(temperature=0.7, top_p=0.9, seed=0)],
 }
 
 
 def time_kind(sampler: Sampler, logits: torch.Tensor, kind: str, draws: int = 8) -> dict:
     batch = logits.shape[0]
-    params = [KINDS[kind]] * batch
+    params = [KINDS[kind][row % len(KINDS[kind])] for row in range(batch)]
     built = [SamplingTensors.from_params(params, [step] * batch, logits.device) for step in range(draws)]
     with torch.inference_mode():
         ms = gpu_ms(lambda: sampler(logits, SamplingTensors.from_params(params, [0] * batch, logits.device)))
@@ -48,7 +51,7 @@ def run_sampler_benchmark(batch_sizes=(1, 64, 256), vocab: int = 151_936) -> dic
         for kind in KINDS:
             rows.append(time_kind(sampler, logits, kind))
             r = rows[-1]
-            print(f"{kind:>13} batch {batch:>3}: {r['ms']:.3f} ms ({r['kernel_ms']:.3f} ms of kernels)")
+            print(f"{kind:>18} batch {batch:>3}: {r['ms']:.3f} ms ({r['kernel_ms']:.3f} ms of kernels)")
     return result("minivllm.benchmarks.sampler", rows)
 
 

@@ -77,7 +77,7 @@ class SamplingTensors:
     keys: torch.Tensor  # (batch,) int64: noise_seed(seed, tokens generated so far), a fresh draw; empty if all greedy
     filtering: bool = True  # some random row uses top-k, top-p or min-p; if none does, the sort is skipped
     top_k_max: int = 0  # > 0: every random row has a top-k, this the largest: filter_probs sorts only that many
-    any_top_k: bool = False  # some random row has a top-k (on a GPU, without one: the nucleus kernel, no sort)
+    largest_top_k: int = 0  # the largest top-k of a random row, 0 if none has one (on a GPU: the candidates' slots)
     any_greedy: bool = True  # some row has temperature 0
     all_greedy: bool = False  # every row has: no random draw at all
     penalties: tuple[torch.Tensor, ...] | None = None  # apply_penalties' arguments after the logits; None: no penalty
@@ -116,7 +116,7 @@ class SamplingTensors:
                            torch.int64),
             filtering=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in params),
             top_k_max=max(random_top_ks) if min(random_top_ks, default=-1) > 0 else 0,
-            any_top_k=max(random_top_ks, default=-1) > 0,
+            largest_top_k=max([0, *random_top_ks]),
             any_greedy=0 in temperatures, all_greedy=not any(temperatures), penalties=penalties,
             banned=to_device(list(zip(*banned)), torch.int64) if banned else None,
         )  # fmt: skip
@@ -134,10 +134,13 @@ class Sampler(nn.Module):
             return logits.argmax(dim=-1)
         if logits.is_cuda and not t.filtering:  # one pass; greedy rows too (temperature 0)
             return race(logits, t.temperatures, t.keys)
-        if logits.is_cuda and not t.any_top_k:  # top-p, min-p: draw, check, draw again if outside
+        if logits.is_cuda and not t.largest_top_k:  # top-p, min-p: draw, check, draw again if outside
             return nucleus(logits, t.temperatures, t.top_ps, t.min_ps, t.keys)
-        if logits.is_cuda and 0 < t.top_k_max <= TOP_K_GATHERED_MAX:  # a top-k on every random row: candidates
-            return top_k_sample(logits, t.temperatures, t.top_ks, t.top_ps, t.min_ps, t.keys, t.top_k_max)
+        if logits.is_cuda and t.largest_top_k <= TOP_K_GATHERED_MAX:  # top-k rows: their candidates
+            drawn = top_k_sample(logits, t.temperatures, t.top_ks, t.top_ps, t.min_ps, t.keys, t.largest_top_k)
+            if t.top_k_max:  # every random row has a top-k
+                return drawn
+            return torch.where(t.top_ks > 0, drawn, nucleus(logits, t.temperatures, t.top_ps, t.min_ps, t.keys))
         greedy = t.temperatures == 0  # (batch,)
         temperatures = torch.where(greedy, 1.0, t.temperatures)[:, None]  # (batch, 1) float32
         if logits.is_cuda:  # the candidates, largest first: the k_max most likely, or (top-k on some rows) all
