@@ -584,13 +584,15 @@ NUCLEUS_PARTS_MIN_ROWS = 32  # fewer rows: only the first try in parts (each try
 
 
 def nucleus(x: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor,
-            keys: torch.Tensor) -> torch.Tensor:  # fmt: skip
+            keys: torch.Tensor, wanted: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """Per row of x (rows, vocab): the argmax where the temperature is 0, else a draw from softmax(x / T) with top-p
-    then min-p applied (keep_mask's order); the first try is race's draw. Returns (rows,) int64."""
+    then min-p applied (keep_mask's order); the first try is race's draw. wanted (rows,) bool: only those rows, the
+    others' tokens left unset (default: all). Returns (rows,) int64."""
     (rows, n), s, block = x.shape, triton.cdiv(x.shape[1], 4), 1024
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     lo = torch.full((rows,), float("-inf"), device=x.device)  # every row searches, above no floor
-    incl, searching = torch.ones(2, rows, dtype=torch.int32, device=x.device)
+    incl = torch.ones(rows, dtype=torch.int32, device=x.device)
+    searching = incl.clone() if wanted is None else wanted.to(torch.int32)
     retry = (lo, incl, searching)
     pad = max(2, triton.next_power_of_2(triton.cdiv(s, 512)))  # room for a row alone's parts (the most)
     tries = NUCLEUS_TRIES_IN_PARTS if rows >= NUCLEUS_PARTS_MIN_ROWS else 1
@@ -655,10 +657,18 @@ def _candidate_key(x, cols):
     return (_ordered(x).to(tl.int64) << 32) | (0x7FFFFFFF - cols).to(tl.int64)
 
 
+@triton.jit
+def _no_top_k(TEMPS, TOP_KS, row):
+    """Whether a row is random without a top-k: the nucleus's (in a batch mixing them), skipped here."""
+    return (tl.load(TOP_KS + row) <= 0) & (tl.load(TEMPS + row) > 0)
+
+
 @triton.jit(do_not_specialize=["span"])
-def _lane_max_kernel(X, MAXIMA, n, stride, span, LANES: tl.constexpr):
+def _lane_max_kernel(X, TEMPS, TOP_KS, MAXIMA, n, stride, span, LANES: tl.constexpr):
     """Part `part` (columns part * span, + span) of a row: per lane (column % LANES), its largest logit."""
     row, part, parts = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
+    if _no_top_k(TEMPS, TOP_KS, row):
+        return
     X, lanes = X + row.to(tl.int64) * stride, tl.arange(0, LANES)
     best = tl.full([LANES], float("-inf"), tl.float32)
     for start in range(part * span, tl.minimum(part * span + span, n), LANES):
@@ -678,9 +688,11 @@ def _kth_order(orders, k):
 
 
 @triton.jit
-def _floor_kernel(MAXIMA, TOP_KS, FLOOR, parts, LANES: tl.constexpr):
+def _floor_kernel(MAXIMA, TEMPS, TOP_KS, FLOOR, parts, LANES: tl.constexpr):
     """A row's floor (as an order): the k-th largest of its lanes' maxima (k = 1 without a top-k: a greedy row)."""
     row, lanes = tl.program_id(0), tl.arange(0, LANES)
+    if _no_top_k(TEMPS, TOP_KS, row):
+        return
     best = tl.full([LANES], float("-inf"), tl.float32)
     for part in range(parts):
         best = tl.maximum(best, tl.load(MAXIMA + (row * parts + part) * LANES + lanes))
@@ -689,10 +701,12 @@ def _floor_kernel(MAXIMA, TOP_KS, FLOOR, parts, LANES: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["span"])
-def _gather_kernel(X, FLOOR, COUNT, CAND, n, stride, span, CAP: tl.constexpr, BLOCK: tl.constexpr):
+def _gather_kernel(X, TEMPS, TOP_KS, FLOOR, COUNT, CAND, n, stride, span, CAP: tl.constexpr, BLOCK: tl.constexpr):
     """Part `part` of a row: its logits at or above the floor, as sort keys, into the row's next free slots (COUNT
     counts them)."""
     row, part = tl.program_id(0), tl.program_id(1)
+    if _no_top_k(TEMPS, TOP_KS, row):
+        return
     X, floor, cols = X + row.to(tl.int64) * stride, tl.load(FLOOR + row), tl.arange(0, BLOCK)
     for start in range(part * span, tl.minimum(part * span + span, n), BLOCK):
         x = tl.load(X + start + cols, mask=start + cols < n, other=float("-inf")).to(tl.float32)
@@ -737,6 +751,8 @@ def _top_k_kernel(X, TEMPS, TOP_KS, TOP_PS, MIN_PS, KEYS, COUNT, CAND, OUT, n, s
     """A row's draw among its candidates: sorted, keep_mask's rules (top-k, top-p on what it left, min-p), the race
     with each token id's number; temperature 0: the largest, lowest id first."""
     row, slots = tl.program_id(0), tl.arange(0, CAP)
+    if _no_top_k(TEMPS, TOP_KS, row):
+        return
     X, CAND, k, count = X + row.to(tl.int64) * stride, CAND + row * CAP, tl.load(TOP_KS + row), tl.load(COUNT + row)
     if count > CAP:  # the rare row whose candidates overflowed: its exact ones
         count = _exact_candidates(X, n, tl.maximum(k, 1), CAND, CAP, BLOCK)
@@ -763,20 +779,22 @@ TOP_K_GATHERED_MAX = 512  # top-k up to here: candidates from the lanes' maxima;
 def top_k_sample(x: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
                  min_ps: torch.Tensor, keys: torch.Tensor, k_max: int, cap: int = 0) -> torch.Tensor:  # fmt: skip
     """Per row of x (rows, vocab): the argmax where the temperature is 0, else a draw from softmax(x / T) with
-    top-k, top-p, min-p applied (keep_mask's rules); every row with a temperature has a top-k, at most k_max (<= 512).
-    cap: candidate slots per row (default 2 k_max, a power of two). Returns (rows,) int64."""
+    top-k, top-p, min-p applied (keep_mask's rules), top-k at most k_max (<= 512). A random row without a top-k is
+    skipped, its token left unset (the nucleus's). cap: candidate slots per row (default 2 k_max, a power of two).
+    Returns (rows,) int64."""
     (rows, n), lanes = x.shape, min(1024, triton.next_power_of_2(x.shape[1]))  # fewer lanes than k: floor -inf
     assert x.stride(1) == 1 and 0 < k_max <= TOP_K_GATHERED_MAX
     cap = cap or triton.next_power_of_2(2 * k_max)
     span = lanes * triton.cdiv(triton.cdiv(n, lanes), max(1, 2048 // rows))  # whole blocks; ~2,048 programs in all
     parts = triton.cdiv(n, span)
     maxima = torch.empty(rows, parts, lanes, device=x.device)
-    _lane_max_kernel[(rows, parts)](x, maxima, n, x.stride(0), span, LANES=lanes)
+    _lane_max_kernel[(rows, parts)](x, temperatures, top_ks, maxima, n, x.stride(0), span, LANES=lanes)
     floor = torch.empty(rows, dtype=torch.int32, device=x.device)
     count = torch.zeros_like(floor)
-    _floor_kernel[(rows,)](maxima, top_ks, floor, parts, LANES=lanes)
+    _floor_kernel[(rows,)](maxima, temperatures, top_ks, floor, parts, LANES=lanes)
     candidates = torch.empty(rows, cap, dtype=torch.int64, device=x.device)
-    _gather_kernel[(rows, parts)](x, floor, count, candidates, n, x.stride(0), span, CAP=cap, BLOCK=lanes)
+    _gather_kernel[(rows, parts)](x, temperatures, top_ks, floor, count, candidates, n, x.stride(0), span, CAP=cap,
+                                  BLOCK=lanes)  # fmt: skip
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     _top_k_kernel[(rows,)](x, temperatures, top_ks, top_ps, min_ps, keys, count, candidates, out, n, x.stride(0),
                            CAP=cap, BLOCK=2048, FAST=x.is_cuda, num_warps=8)  # fmt: skip
@@ -829,7 +847,8 @@ class Sampler(nn.Module):
             drawn = top_k_sample(logits, t.temperatures, t.top_ks, t.top_ps, t.min_ps, t.keys, t.largest_top_k)
             if t.top_k_max:  # every random row has a top-k
                 return drawn
-            return torch.where(t.top_ks > 0, drawn, nucleus(logits, t.temperatures, t.top_ps, t.min_ps, t.keys))
+            others = (t.top_ks <= 0) & (t.temperatures > 0)  # random rows without one: the nucleus's
+            return torch.where(others, nucleus(logits, t.temperatures, t.top_ps, t.min_ps, t.keys, others), drawn)
         greedy = t.temperatures == 0  # (batch,)
         temperatures = torch.where(greedy, 1.0, t.temperatures)[:, None]  # (batch, 1) float32
         if logits.is_cuda:  # the candidates, largest first: the k_max most likely, or (top-k on some rows) all

@@ -698,6 +698,23 @@ def test_a_row_with_fewer_finite_logits_than_k_draws_among_them():
     assert ((freq - expected).abs() <= 4.5 * (expected * (1 - expected) / n).sqrt()).all(), freq
 
 
+def test_rows_of_the_other_path_are_skipped_and_change_nothing():
+    """A batch mixing top-k rows, random rows without one and greedy rows: top_k_sample draws the first and the
+    greedy ones, nucleus (told which) the others, each as in a batch of those rows alone."""
+    rows = 24
+    logits, keys = random_logits(13, 1500, 2.0, rows=rows), torch.arange(rows) * 17
+    t, k, top_p, min_p = torch.ones(rows), torch.full((rows,), 6), torch.full((rows,), 0.8), torch.zeros(rows)
+    t[::4], k[::8], k[1::4], k[2::4] = 0.0, -1, -1, -1  # greedy rows, half without a top-k; random rows without
+    others = (k <= 0) & (t > 0)
+    mixed_k = top_k_sample(logits, t, k, top_p, min_p, keys, k_max=6)
+    mixed_p = nucleus(logits, t, top_p, min_p, keys, others)
+    ours = ~others
+    alone_k = top_k_sample(logits[ours], t[ours], k[ours], top_p[ours], min_p[ours], keys[ours], k_max=6)
+    assert torch.equal(mixed_k[ours], alone_k)
+    assert torch.equal(mixed_p[others], nucleus(*(v[others] for v in (logits, t, top_p, min_p, keys))))
+    assert torch.equal(mixed_k[::4], logits[::4].argmax(dim=-1))
+
+
 @pytest.mark.gpu
 def test_cuda_top_k_sample_on_a_full_vocabulary_batch():
     """256 rows of 151,936 float32 logits, each row its own top-k (1..512), top-p, min-p and temperature (some 0):

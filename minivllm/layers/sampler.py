@@ -140,7 +140,8 @@ class Sampler(nn.Module):
             drawn = top_k_sample(logits, t.temperatures, t.top_ks, t.top_ps, t.min_ps, t.keys, t.largest_top_k)
             if t.top_k_max:  # every random row has a top-k
                 return drawn
-            return torch.where(t.top_ks > 0, drawn, nucleus(logits, t.temperatures, t.top_ps, t.min_ps, t.keys))
+            others = (t.top_ks <= 0) & (t.temperatures > 0)  # random rows without one: the nucleus's
+            return torch.where(others, nucleus(logits, t.temperatures, t.top_ps, t.min_ps, t.keys, others), drawn)
         greedy = t.temperatures == 0  # (batch,)
         temperatures = torch.where(greedy, 1.0, t.temperatures)[:, None]  # (batch, 1) float32
         if logits.is_cuda:  # the candidates, largest first: the k_max most likely, or (top-k on some rows) all
