@@ -1309,7 +1309,7 @@ for bad in (dict(k=k[:, :, :16]), dict(cu_seqlens_q=cu_q.long()), dict(v=v.doubl
 # `python -m minivllm.benchmarks.prefill` times the kernel on a GPU against PyTorch's SDPA (its FlashAttention-2
 # and cuDNN backends), FlashInfer's (when installed) and a naive O(N²) attention, for one 16-head causal prompt of
 # 1k, 4k, 8k and 16k tokens, and writes `figures/prefill.json`. On a GPU this cell re-measures (1k and 4k); without
-# one it shows the committed H200 results: the bars to reach are cuDNN's and FlashInfer's, 1.15-1.26× faster than
+# one it shows the committed H200 results: the bars to reach are cuDNN's and FlashInfer's, 1.13-1.28× faster than
 # ours from 4k on (with one head per program instead of a KV head's two, at 4 warps: 1.26-1.36×).
 
 # %%
