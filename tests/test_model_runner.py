@@ -10,7 +10,14 @@ from minivllm.attention import paged
 from minivllm.config import Config
 from minivllm.engine import model_runner
 from minivllm.engine.block_manager import BlockManager
-from minivllm.engine.model_runner import ModelRunner, graph_batch_sizes, prepare_prefill, shared_prefix
+from minivllm.engine.model_runner import (
+    MixedGraphs,
+    ModelRunner,
+    StepGraphs,
+    graph_batch_sizes,
+    prepare_prefill,
+    shared_prefix,
+)
 from minivllm.engine.sequence import Sequence
 from minivllm.kernels import flash_attn_with_kvcache
 from minivllm.models.loader import load_model
@@ -246,6 +253,26 @@ def test_graph_batch_sizes():
     assert graph_batch_sizes(256) == [1, 2, 4, 8, *range(16, 257, 16)]
     assert graph_batch_sizes(20) == [1, 2, 4, 8, 16]
     assert graph_batch_sizes(1) == [1]
+
+
+def test_a_step_replays_the_smallest_graph_that_fits_cascade_if_it_has_a_prefix():
+    """Graph keys (size, cascade), as decode captures them (both from 16 rows, plain below) and as mixed steps do
+    (one per size: plain below 16, cascade from 16). No graph is run: key_for only picks."""
+    decode = StepGraphs([4, 8, 16, 32], 32, 4, 8, torch.float32, torch.device("cpu"))
+    decode.graphs = {(s, c): None for s in decode.sizes for c in (False, True) if s >= 16 or not c}  # type: ignore
+    plain = paged.PagedContext(False, torch.zeros(3), torch.zeros(3, 4))
+    shared = paged.PagedContext(False, torch.zeros(3), torch.zeros(3, 4), prefix_lens=torch.zeros(3))
+    assert decode.key_for(plain, 3) == (4, False) and decode.key_for(shared, 3) == (4, False)  # few rows: plain
+    assert decode.key_for(plain, 20) == (32, False) and decode.key_for(shared, 20) == (32, True)
+    assert decode.key_for(plain, 33) is None
+    mixed = MixedGraphs.__new__(MixedGraphs)  # its key_for alone, without capturing
+    StepGraphs.__init__(mixed, [4, 8, 16, 32], 32, 4, 8, torch.float32, torch.device("cpu"))
+    mixed.block_m, mixed.graphs = 2, {(s, s >= 16): None for s in mixed.sizes}  # type: ignore[misc]
+    tiles = torch.zeros(67, 2)  # one more than size 4's room (4 // 2 + 64): size 8
+    prefill = paged.PagedContext(True, torch.zeros(3), torch.zeros(3, 4), tiles=tiles[:66])
+    assert mixed.key_for(prefill, 3) == (4, False) and mixed.key_for(prefill, 20) == (32, True)  # no prefix: cascade
+    assert mixed.key_for(paged.PagedContext(True, torch.zeros(3), torch.zeros(3, 4), tiles=tiles), 3) == (8, False)
+    assert mixed.key_for(paged.PagedContext(True, torch.zeros(3), None, tiles=tiles[:66]), 3) is None  # not paged
 
 
 def test_config_names_the_bad_field(tiny):

@@ -230,9 +230,9 @@ class StepGraphs:
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
         self.block_tables = torch.zeros(max_rows, max_blocks, dtype=torch.int32, device=device)
-        self.context_lens = torch.zeros(max_rows, dtype=torch.int32, device=device)  # decode rows'; 0: not one
+        self.lens = torch.zeros(2, max_rows, dtype=torch.int32, device=device)  # both zeroed by one launch a step
+        self.context_lens, self.prefix_lens = self.lens  # decode rows' (0: not one), their shared prefix's (03)
         self.prefix_blocks = torch.zeros(max_blocks, dtype=torch.int32, device=device)  # a shared prefix (03)
-        self.prefix_lens = torch.zeros(max_rows, dtype=torch.int32, device=device)
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (size, cascade): the graph
         self.pool: Any = None  # the graphs' memory, one pool for all
         self.num_replays = 0
@@ -242,8 +242,7 @@ class StepGraphs:
         and shared prefix (the rows past them: an empty cache, no decode output)."""
         assert context.block_tables is not None  # a captured step reads the paged cache
         self.block_tables[: context.block_tables.shape[0], : context.block_tables.shape[1]] = context.block_tables
-        self.context_lens.zero_()
-        self.prefix_lens.zero_()
+        self.lens.zero_()
         if context.context_lens is not None:
             self.context_lens[: context.context_lens.shape[0]] = context.context_lens
         if context.prefix_lens is not None and context.prefix_blocks is not None:
@@ -277,10 +276,18 @@ class StepGraphs:
         for graph in self.graphs.values():
             graph.reset()
 
+    def fits(self, size: int, context: PagedContext, num_tokens: int) -> bool:
+        """Whether the graph of `size` tokens can run this step."""
+        return size >= num_tokens
+
     def key_for(self, context: PagedContext, num_tokens: int) -> tuple[int, bool] | None:
-        """The graph that runs this step, (size, cascade), or None: none can."""
-        cascade = context.prefix_lens is not None
-        return next(((s, cascade) for s in self.sizes if s >= num_tokens and (s, cascade) in self.graphs), None)
+        """The graph that runs this step, (size, cascade), or None: none can. The smallest size that fits; there, the
+        cascade graph if the step has a shared prefix, else the other (a size has one of them, or both: capture)."""
+        size = next((s for s in self.sizes if self.fits(s, context, num_tokens)), None)
+        if size is None:
+            return None
+        order = (True, False) if context.prefix_lens is not None else (False, True)
+        return next(((size, cascade) for cascade in order if (size, cascade) in self.graphs), None)
 
     def replay(self, key: tuple[int, bool], input_ids: torch.Tensor, positions: torch.Tensor, context: PagedContext
                ) -> torch.Tensor:  # fmt: skip
@@ -353,13 +360,11 @@ class MixedGraphs(StepGraphs):
                             context_lens=self.context_lens[:rows], num_decode_seqs=rows,
                             tiles=self.tiles[: self.num_tiles(size)])  # fmt: skip
 
-    def key_for(self, context: PagedContext, num_tokens: int) -> tuple[int, bool] | None:
+    def fits(self, size: int, context: PagedContext, num_tokens: int) -> bool:
+        """Room for the step's tokens and tiles; never without a paged cache (the contiguous kernel's) or tiles."""
         if context.block_tables is None or context.tiles is None:
-            return None  # nothing cached (the contiguous kernel's case), or no tile list
-        fits = (s for s in self.sizes if s >= num_tokens and self.num_tiles(s) >= context.tiles.shape[0])
-        if (size := next(fits, None)) is None:
-            return None
-        return (size, True) if (size, True) in self.graphs else (size, False)  # few rows: no shared prefix
+            return False
+        return size >= num_tokens and self.num_tiles(size) >= context.tiles.shape[0]
 
     def fill(self, context: PagedContext) -> None:
         super().fill(context)
