@@ -16,6 +16,7 @@ def _worker(rank: int, world_size: int, fn: Callable, args: tuple, out: str) -> 
     try:
         with tensor_parallel(TPGroup(rank, world_size, dist.group.WORLD)):  # layers built in fn split over it
             torch.save(fn(*args), Path(out) / f"rank{rank}.pt")
+        dist.barrier()  # no rank tears its group down while another's last collective may still be in flight
     finally:
         dist.destroy_process_group()
 
