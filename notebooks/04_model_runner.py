@@ -1778,11 +1778,14 @@ assert rows["minivllm", 1] < rows["minivllm-eager", 1]
 #    prefill kernel run, and how many of them have a tile to compute? Answer `(T, programs, real)`.
 # 5. The race's `q = -log2(u)` for `u` near 1 is tiny. For how many float32 values `u < 1` is it smaller than
 #    the GPU's `log2` error, 2^-22 (why `_neg_log2` takes a series near 1)? Answer an int.
+# 6. `top_k_sample` with 4 lanes instead of 1,024, on the row `[11, 1, 2, 3, 10, 4, 5, 6, 9, 0, 7, 8]` at top-k 3:
+#    what is its floor (the 3rd largest of the lanes' maxima), and how many candidates reach it? Answer
+#    `(floor, candidates)`.
 
 # %%
 from minivllm.testing import check_answer
 
-answer1 = answer2 = answer3 = answer4 = answer5 = None  # your answers: replace None with expressions
+answer1 = answer2 = answer3 = answer4 = answer5 = answer6 = None  # your answers: replace None with expressions
 seq = Sequence(list(range(38)), block_size=16)  # the 37 tokens and the 38th, just sampled
 seq.block_table = [7, 2, 9]
 decode, hit_step = prepare_decode([seq], block_size=16), prepare_prefill([second], block_size=16)
@@ -1799,6 +1802,14 @@ check_answer(answer4, expected4, "4. a mixed step's graph")
 below_one = (torch.arange(1, 2**10, dtype=torch.int32) * -1 + 0x3F800000).view(torch.float32)  # 1023 floats below 1
 expected5 = int((-torch.log2(below_one.double()) < 2**-22).sum())
 check_answer(answer5, expected5, "5. floats whose q is below log2's error")
+row = torch.tensor([[11.0, 1, 2, 3, 10, 4, 5, 6, 9, 0, 7, 8]], device=DEVICE)
+t1, k3 = rows_of(1, 1), rows_of(3, 1).long()  # one random row, top-k 3
+row_maxima, row_floor = torch.empty(1, 1, 4, device=DEVICE), torch.empty(1, dtype=torch.int32, device=DEVICE)
+_lane_max_kernel[(1, 1)](row, t1, k3, row_maxima, 12, 12, 12, LANES=4)  # one part of 12 columns, 4 lanes
+_floor_kernel[(1,)](row_maxima, t1, k3, row_floor, 1, LANES=4)  # an int32 order: a positive float's bits
+floor6 = row_floor.view(torch.float32).item()
+expected6 = (floor6, int((row >= floor6).sum()))
+check_answer(answer6, expected6, "6. top-k's floor and candidates")
 
 # %% [markdown]
 # Worked answers. **1.** Token 37 (from 0): logical block 37 // 16 = 2, physical block 9, offset 37 % 16 = 5;
@@ -1809,7 +1820,10 @@ check_answer(answer5, expected5, "5. floats whose q is below log2's error")
 # so 64 of the 66 programs per group of heads read −1 and return: the price of a grid fixed at capture. **5.** Near
 # 1, `q = -ln(u) / ln 2 ≈ (1 - u) log2(e)`, below 2^-22 when `1 - u < 2^-22 ln 2 ≈ 1.65e-7`; float32 steps there are
 # 2^-24 ≈ 6e-8 apart: `1 - u` = 1 or 2 steps, 2 floats. Rare per token (about 1 in 8 million draws), but a row draws
-# 151,936 numbers: about 2 % of rows hold such a token, and without the series its score could be +inf.
+# 151,936 numbers: about 2 % of rows hold such a token, and without the series its score could be +inf. **6.** Lane
+# `c % 4`: lane 0 holds 11, 10, 9 (columns 0, 4, 8), lane 1 holds 1, 4, 0, lane 2 2, 5, 7, lane 3 3, 6, 8: maxima
+# 11, 4, 7, 8, the 3rd largest 7. At or above it: 11, 10, 9, 7, 8, five candidates for k = 3, because the three
+# largest share lane 0 (1,024 lanes make that rare: the 1.02–1.4 × `k` above).
 
 # %%
 check_answer((9 * 16 + 37 % 16, 37 + 1), expected1, "1. decode slot")
@@ -1818,4 +1832,8 @@ check_answer(min(b for b in (1, 2, 4, 8, 16, 32) if b >= 5), expected3, "3. grap
 check_answer((128, 128 // 64 + 64, -(-100 // 64)), expected4, "4. a mixed step's graph")
 steps_below = [j for j in (1, 2, 3) if j * 2**-24 < 2**-22 * np.log(2)]  # 1 - u in steps of 2^-24
 check_answer(len(steps_below), expected5, "5. floats whose q is below log2's error")
+lane_maxima = [max(row[0, lane::4].tolist()) for lane in range(4)]  # [11, 4, 7, 8]
+check_answer(
+    (sorted(lane_maxima)[-3], sum(x >= 7 for x in row[0].tolist())), expected6, "6. top-k's floor and candidates"
+)
 assert hit_step.block_tables is not None
