@@ -1430,9 +1430,9 @@ check_answer(answer, tuple(sum(k_tiles) * p for p in programs), "4. K tiles load
 # Worked answer: query tile `m` (queries `64m … 64m + 63`) sees keys up to its last query: `m + 1` tiles of 64, so
 # the 64 query tiles load `1 + 2 + … + 64 = 2,080` K tiles for each group of heads a program serves. One head per
 # program: 16 programs per query tile, 33,280 loads; two query heads of a KV head per program: 8, 16,640. The FLOPs
-# stay; the K/V traffic through shared memory halves. On the H200 at 16k tokens: 2.34 ms with one head per program
-# (4 warps, its best tile then), 2.11 ms packed (8 warps; two runs of `python -m minivllm.benchmarks.prefill`, the
-# second is `figures/prefill.json`).
+# stay; the K/V traffic through shared memory halves. On the H200 at 16k tokens: 2.13 ms packed (8 warps; the
+# figure above, `figures/prefill.json`), 2.34 ms with one head per program (4 warps, its best tile then; an
+# earlier run of `python -m minivllm.benchmarks.prefill`).
 
 # %%
 check_answer((2080 * 16, 2080 * 8), tuple(sum(k_tiles) * p for p in programs), "4. K tiles loaded")

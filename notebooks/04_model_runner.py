@@ -434,6 +434,12 @@ def block_of(n: int) -> int:
 Retry = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # per row: floor lo, incl (>= lo), searching (0/1)
 
 
+def row_parts(length: int, block: int, rows: int) -> tuple[int, int]:
+    """A row of `length` cut into parts of whole blocks, ~2,048 programs over all rows: (span, parts)."""
+    span = block * triton.cdiv(triton.cdiv(length, block), max(1, 2048 // rows))
+    return span, triton.cdiv(length, span)
+
+
 def race_parts(x: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor, retry: Retry | None = None,
                offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """The race in parts of each row, a program each: per (row, part), the best score, its column, the largest
@@ -441,9 +447,7 @@ def race_parts(x: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor, 
     numbers of counters + offset (a new try's)."""
     assert x.stride(1) == 1
     (rows, n), block = x.shape, 512
-    s = triton.cdiv(n, 4)  # counters: four columns each
-    span = block * triton.cdiv(triton.cdiv(s, block), max(1, 2048 // rows))  # whole blocks; ~2,048 programs in all
-    parts = triton.cdiv(s, span)
+    span, parts = row_parts(triton.cdiv(n, 4), block, rows)  # in counters: four columns each
     best, top = torch.empty(rows, parts, device=x.device), torch.empty(rows, parts, device=x.device)
     won = torch.empty(rows, parts, dtype=torch.int64, device=x.device)
     _race_kernel[(rows, parts)](x, temperatures, keys, *(retry or (None,) * 3), best, won, top, n, x.stride(0), span,
@@ -785,8 +789,7 @@ def top_k_sample(x: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tens
     (rows, n), lanes = x.shape, min(1024, triton.next_power_of_2(x.shape[1]))  # fewer lanes than k: floor -inf
     assert x.stride(1) == 1 and 0 < k_max <= TOP_K_GATHERED_MAX
     cap = cap or triton.next_power_of_2(2 * k_max)
-    span = lanes * triton.cdiv(triton.cdiv(n, lanes), max(1, 2048 // rows))  # whole blocks; ~2,048 programs in all
-    parts = triton.cdiv(n, span)
+    span, parts = row_parts(n, lanes, rows)
     maxima = torch.empty(rows, parts, lanes, device=x.device)
     _lane_max_kernel[(rows, parts)](x, temperatures, top_ks, maxima, n, x.stride(0), span, LANES=lanes)
     floor = torch.empty(rows, dtype=torch.int32, device=x.device)
