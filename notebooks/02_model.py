@@ -550,8 +550,14 @@ fig.savefig(FIGURES / "02_parameters.png", dpi=120)
 # ## Loading a checkpoint
 # Four jobs, in this order:
 #
-# 1. **Read the config** with transformers' `AutoConfig`, which understands every version's keys (`rope_theta` vs
-#    `rope_parameters`, `torch_dtype` vs `dtype`), and pick our class from `config.architectures`.
+# 1. **Read the config** and pick our class from `config.architectures`. transformers' `AutoConfig` understands
+#    every version's keys (`rope_theta` vs `rope_parameters`, `torch_dtype` vs `dtype`) and fills in the
+#    architecture's defaults. But in some transformers versions, importing an architecture's config class
+#    (`Qwen3Config`) imports the whole generation stack with it: with transformers 5.17 (our GPU machine's) 1,701
+#    modules, 2.4 s, or 8 s where Python keeps no bytecode (as there): the largest part of the engine's start-up. So when
+#    config.json writes out every field our model reads, as transformers 5 writes it, transformers' base
+#    `PretrainedConfig` holds the fields as written; any other config.json (a field missing, RoPE in transformers 4's
+#    form, an architecture without a field list in `CONFIG_FIELDS`) goes through `AutoConfig`.
 # 2. **Map names.** Our parameter names are the checkpoint's except for packed modules:
 #    `…self_attn.q_proj.weight` goes into `…self_attn.qkv_proj.weight` as shard `"q"`. We derive the map from
 #    the model itself, by unpacking each of its parameter names with `packed_modules_mapping`.
@@ -584,6 +590,23 @@ from minivllm.layers.linear import check_shape
 from minivllm.models.qwen3 import Qwen3ForCausalLM
 
 MODELS: dict[str, type[Qwen3ForCausalLM]] = {"Qwen3ForCausalLM": Qwen3ForCausalLM}
+# the config.json fields each model reads (RoPE's aside): when all are written, no architecture class is imported
+CONFIG_FIELDS = {
+    "Qwen3ForCausalLM": (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "hidden_act",
+        "rms_norm_eps",
+        "attention_bias",
+        "tie_word_embeddings",
+        "max_position_embeddings",
+    )
+}
 INDEX_FILE = "model.safetensors.index.json"
 ShardId = str | int | None
 
@@ -604,12 +627,22 @@ def read_config(path: Path) -> PretrainedConfig:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file} not found: a checkpoint folder needs a config.json")
-    architectures = read_json(config_file).get("architectures") or []
+    raw = read_json(config_file)
+    architectures = raw.get("architectures") or []
     if not any(a in MODELS for a in architectures):
         raise ValueError(
             f"{config_file}: architectures={architectures} is not supported; supported architectures: {sorted(MODELS)}"
         )
-    return AutoConfig.from_pretrained(path)
+    fields = CONFIG_FIELDS.get(next(a for a in architectures if a in MODELS), ())
+    if fields and written_out(raw, fields):
+        return PretrainedConfig.from_dict(raw)  # the fields as written; no class, so no defaults needed
+    return AutoConfig.from_pretrained(path)  # the architecture's class: its defaults and older keys understood
+
+
+def written_out(raw: dict, fields: tuple[str, ...]) -> bool:
+    """Does config.json give every field a value, and RoPE's in transformers 5's form (rope_parameters)?"""
+    rope = raw.get("rope_parameters")
+    return isinstance(rope, dict) and "rope_theta" in rope and all(raw.get(f) is not None for f in fields)
 
 
 def model_class(config: PretrainedConfig) -> type[Qwen3ForCausalLM]:
@@ -855,6 +888,26 @@ with tempfile.TemporaryDirectory() as tmp:
             print(f"{case:>20}: {type(e).__name__}: {e}")
         else:
             raise AssertionError(f"{case}: loaded without an error")
+
+# %% [markdown]
+# Which reader does a config.json get? The tiny checkpoint's, written by transformers 5, takes the base class; the
+# same file in transformers 4's form (`rope_theta` at the top, as the Hub's Qwen3 folders still hold it) takes
+# `Qwen3Config`. Predict both before you run the cell; it also checks that the fast reader's fields equal
+# `AutoConfig`'s.
+
+# %%
+from transformers import AutoConfig
+
+from minivllm.models.loader import CONFIG_FIELDS, read_config
+
+fields = CONFIG_FIELDS["Qwen3ForCausalLM"]
+assert {f: getattr(read_config(tiny_path), f) for f in fields} == {
+    f: getattr(AutoConfig.from_pretrained(tiny_path), f) for f in fields
+}
+with tempfile.TemporaryDirectory() as tmp:
+    old = broken_copy(tmp, "old", config_edit=lambda c: c.update(rope_theta=c.pop("rope_parameters")["rope_theta"]))
+    print("transformers 5's config.json:", type(read_config(tiny_path)).__name__)
+    print("transformers 4's config.json:", type(read_config(old)).__name__)
 
 # %% [markdown]
 # ## Parity with transformers

@@ -15,6 +15,23 @@ from minivllm.layers.linear import check_shape
 from minivllm.models.qwen3 import Qwen3ForCausalLM
 
 MODELS: dict[str, type[Qwen3ForCausalLM]] = {"Qwen3ForCausalLM": Qwen3ForCausalLM}
+# the config.json fields each model reads (RoPE's aside): when all are written, no architecture class is imported
+CONFIG_FIELDS = {
+    "Qwen3ForCausalLM": (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "hidden_act",
+        "rms_norm_eps",
+        "attention_bias",
+        "tie_word_embeddings",
+        "max_position_embeddings",
+    )
+}
 INDEX_FILE = "model.safetensors.index.json"
 ShardId = str | int | None
 
@@ -35,12 +52,22 @@ def read_config(path: Path) -> PretrainedConfig:
     config_file = path / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{config_file} not found: a checkpoint folder needs a config.json")
-    architectures = read_json(config_file).get("architectures") or []
+    raw = read_json(config_file)
+    architectures = raw.get("architectures") or []
     if not any(a in MODELS for a in architectures):
         raise ValueError(
             f"{config_file}: architectures={architectures} is not supported; supported architectures: {sorted(MODELS)}"
         )
-    return AutoConfig.from_pretrained(path)
+    fields = CONFIG_FIELDS.get(next(a for a in architectures if a in MODELS), ())
+    if fields and written_out(raw, fields):
+        return PretrainedConfig.from_dict(raw)  # the fields as written; no class, so no defaults needed
+    return AutoConfig.from_pretrained(path)  # the architecture's class: its defaults and older keys understood
+
+
+def written_out(raw: dict, fields: tuple[str, ...]) -> bool:
+    """Does config.json give every field a value, and RoPE's in transformers 5's form (rope_parameters)?"""
+    rope = raw.get("rope_parameters")
+    return isinstance(rope, dict) and "rope_theta" in rope and all(raw.get(f) is not None for f in fields)
 
 
 def model_class(config: PretrainedConfig) -> type[Qwen3ForCausalLM]:
