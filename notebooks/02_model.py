@@ -553,11 +553,12 @@ fig.savefig(FIGURES / "02_parameters.png", dpi=120)
 # 1. **Read the config** and pick our class from `config.architectures`. transformers' `AutoConfig` understands
 #    every version's keys (`rope_theta` vs `rope_parameters`, `torch_dtype` vs `dtype`) and fills in the
 #    architecture's defaults. But in some transformers versions, importing an architecture's config class
-#    (`Qwen3Config`) imports the whole generation stack with it: with transformers 5.17 (our GPU machine's) 1,701
-#    modules, 2.4 s, or 8 s where Python keeps no bytecode (as there): the largest part of the engine's start-up. So when
-#    config.json writes out every field our model reads, as transformers 5 writes it, transformers' base
-#    `PretrainedConfig` holds the fields as written; any other config.json (a field missing, RoPE in transformers 4's
-#    form, an architecture without a field list in `CONFIG_FIELDS`) goes through `AutoConfig`.
+#    (`Qwen3Config`) imports the whole generation stack with it: with transformers 5.17, on our GPU machine, 2,048
+#    modules in 8.4 s (Python keeps no bytecode there; 1,701 modules in 2.4 s on a CPU machine that does), the largest
+#    part of the engine's start-up. So when config.json writes out every field our model reads, as transformers 5
+#    writes it, transformers' base `PretrainedConfig` holds the fields as written; any other config.json (a field
+#    missing, RoPE in transformers 4's form, an architecture without a field list in `CONFIG_FIELDS`) goes through
+#    `AutoConfig`.
 # 2. **Map names.** Our parameter names are the checkpoint's except for packed modules:
 #    `…self_attn.q_proj.weight` goes into `…self_attn.qkv_proj.weight` as shard `"q"`. We derive the map from
 #    the model itself, by unpacking each of its parameter names with `packed_modules_mapping`.
