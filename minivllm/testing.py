@@ -1,10 +1,15 @@
 """What tests and notebooks share, never the engine's hot path: the teacher-forced logits of one prompt
-(the oracle every KV-cache path is compared with) and a builder of random paged KV caches."""
+(the oracle every KV-cache path is compared with), a builder of random paged KV caches and edited copies of a
+checkpoint folder."""
 
-from collections.abc import Iterator
+import json
+import shutil
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from minivllm.attention.prefill import PrefillContext
 from minivllm.kernels.paged_attn import store_kvcache
@@ -30,6 +35,26 @@ def prompt_logits(model: Qwen3ForCausalLM, token_ids: list[int]) -> torch.Tensor
     positions = torch.arange(len(token_ids), device=device)
     context = PrefillContext.from_lens([len(token_ids)], device)
     return model.compute_logits(model(input_ids, positions, context))
+
+
+def edited_copy(
+    source: Path,
+    path: Path,
+    config_edit: Callable[[dict], object] | None = None,
+    tensors_edit: Callable[[dict[str, torch.Tensor]], object] | None = None,
+) -> Path:
+    """A copy of the checkpoint folder `source` at `path`; `config_edit` changes config.json's dict in place,
+    `tensors_edit` model.safetensors' tensors (a broken or an older checkpoint, for a test)."""
+    shutil.copytree(source, path)
+    if config_edit:
+        config = json.loads((path / "config.json").read_text())
+        config_edit(config)
+        (path / "config.json").write_text(json.dumps(config))
+    if tensors_edit:
+        tensors = load_file(path / "model.safetensors")
+        tensors_edit(tensors)
+        save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
 
 
 def scatter_into_cache(

@@ -840,46 +840,35 @@ assert names.keys() == shapes.keys()  # exactly the tensors the checkpoint holds
 # is built. We break copies of the tiny checkpoint in each of these ways.
 
 # %%
-import shutil
-
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from minivllm import load_model
-
-
-def broken_copy(tmp: Path, name: str, config_edit=None, tensors_edit=None) -> Path:
-    path = Path(tmp) / name
-    shutil.copytree(tiny_path, path)
-    if config_edit:
-        config = json.loads((path / "config.json").read_text())
-        config_edit(config)
-        (path / "config.json").write_text(json.dumps(config))
-    if tensors_edit:
-        tensors = load_file(path / "model.safetensors")
-        tensors_edit(tensors)
-        save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    return path
+from minivllm.testing import edited_copy  # copytree, then config.json's dict and the tensors edited in place
 
 
 def with_stray_file(tmp: Path) -> Path:  # an old file beside the weights, holding another model.norm.weight
-    path = broken_copy(tmp, "e")
+    path = edited_copy(tiny_path, Path(tmp) / "e")
     save_file({"model.norm.weight": torch.zeros(128)}, path / "old.safetensors")
     return path
 
 
 cases = {
     "missing folder": lambda tmp: Path(tmp) / "nowhere",
-    "unknown architecture": lambda tmp: broken_copy(
-        tmp, "a", config_edit=lambda c: c.update(architectures=["MambaForCausalLM"])
+    "unknown architecture": lambda tmp: edited_copy(
+        tiny_path, Path(tmp) / "a", config_edit=lambda c: c.update(architectures=["MambaForCausalLM"])
     ),
-    "missing tensor": lambda tmp: broken_copy(
-        tmp, "b", tensors_edit=lambda t: t.pop("model.layers.1.self_attn.k_norm.weight")
+    "missing tensor": lambda tmp: edited_copy(
+        tiny_path, Path(tmp) / "b", tensors_edit=lambda t: t.pop("model.layers.1.self_attn.k_norm.weight")
     ),
-    "unexpected tensor": lambda tmp: broken_copy(
-        tmp, "c", tensors_edit=lambda t: t.update({"model.layers.9.mlp.up_proj.weight": torch.zeros(1)})
+    "unexpected tensor": lambda tmp: edited_copy(
+        tiny_path,
+        Path(tmp) / "c",
+        tensors_edit=lambda t: t.update({"model.layers.9.mlp.up_proj.weight": torch.zeros(1)}),
     ),
-    "shape mismatch": lambda tmp: broken_copy(
-        tmp, "d", tensors_edit=lambda t: t.update({"model.layers.0.self_attn.k_proj.weight": torch.zeros(32, 128)})
+    "shape mismatch": lambda tmp: edited_copy(
+        tiny_path,
+        Path(tmp) / "d",
+        tensors_edit=lambda t: t.update({"model.layers.0.self_attn.k_proj.weight": torch.zeros(32, 128)}),
     ),
     "tensor in two files": with_stray_file,
 }
@@ -908,7 +897,9 @@ assert {f: getattr(read_config(tiny_path), f) for f in fields} == {
     f: getattr(AutoConfig.from_pretrained(tiny_path), f) for f in fields
 }
 with tempfile.TemporaryDirectory() as tmp:
-    old = broken_copy(tmp, "old", config_edit=lambda c: c.update(rope_theta=c.pop("rope_parameters")["rope_theta"]))
+    old = edited_copy(
+        tiny_path, Path(tmp) / "old", config_edit=lambda c: c.update(rope_theta=c.pop("rope_parameters")["rope_theta"])
+    )
     print("transformers 5's config.json:", type(read_config(tiny_path)).__name__)
     print("transformers 4's config.json:", type(read_config(old)).__name__)
 

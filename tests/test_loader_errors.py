@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 import minivllm.models.loader as loader
 from minivllm import load_model
 from minivllm.checkpoint import write_checkpoint
+from minivllm.testing import edited_copy
 
 
 @pytest.fixture(scope="module")
@@ -28,20 +29,6 @@ def no_loading(monkeypatch):
     monkeypatch.setattr(loader, "load_weights", refuse)
 
 
-def copy(tiny, tmp_path, config_edit=None, tensors_edit=None):
-    path = tmp_path / "broken"
-    shutil.copytree(tiny, path)
-    if config_edit:
-        config = json.loads((path / "config.json").read_text())
-        config_edit(config)
-        (path / "config.json").write_text(json.dumps(config))
-    if tensors_edit:
-        tensors = load_file(path / "model.safetensors")
-        tensors_edit(tensors)
-        save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    return path
-
-
 def test_missing_folder(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_model(tmp_path / "nowhere")
@@ -58,7 +45,7 @@ def test_folder_without_config(tmp_path):
 
 
 def test_unreadable_config(tiny, tmp_path):
-    path = copy(tiny, tmp_path)
+    path = edited_copy(tiny, tmp_path / "broken")
     (path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="not readable JSON"):
         load_model(path)
@@ -66,27 +53,27 @@ def test_unreadable_config(tiny, tmp_path):
 
 @pytest.mark.parametrize("architectures", [["LlamaForCausalLM"], ["MambaForCausalLM"], None])
 def test_unknown_architecture_names_the_supported_ones(tiny, tmp_path, architectures):
-    path = copy(tiny, tmp_path, config_edit=lambda c: c.update(architectures=architectures))
+    path = edited_copy(tiny, tmp_path / "broken", config_edit=lambda c: c.update(architectures=architectures))
     with pytest.raises(ValueError, match=r"not supported; supported architectures: \['Qwen3ForCausalLM'\]"):
         load_model(path)
 
 
 def test_config_that_is_not_an_object(tiny, tmp_path):
-    path = copy(tiny, tmp_path)
+    path = edited_copy(tiny, tmp_path / "broken")
     (path / "config.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match=r"config.json must hold a JSON object"):
         load_model(path)
 
 
 def test_no_safetensors(tiny, tmp_path):
-    path = copy(tiny, tmp_path)
+    path = edited_copy(tiny, tmp_path / "broken")
     (path / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
         load_model(path)
 
 
 def test_index_names_a_missing_shard(tiny, tmp_path):
-    path = copy(tiny, tmp_path)
+    path = edited_copy(tiny, tmp_path / "broken")
     index = {"metadata": {}, "weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors"):
@@ -105,7 +92,7 @@ def edit_index(path, edit):
 
 
 def test_unreadable_index(sharded, tmp_path):
-    path = copy(sharded, tmp_path)
+    path = edited_copy(sharded, tmp_path / "broken")
     (path / "model.safetensors.index.json").write_text('{"weight_map": {')
     with pytest.raises(ValueError, match=r"model.safetensors.index.json is not readable JSON"):
         load_model(path)
@@ -122,7 +109,7 @@ def test_unreadable_index(sharded, tmp_path):
     ],
 )
 def test_index_without_a_weight_map(sharded, tmp_path, index):
-    path = copy(sharded, tmp_path)
+    path = edited_copy(sharded, tmp_path / "broken")
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match=r"model.safetensors.index.json"):
         load_model(path)
@@ -130,7 +117,7 @@ def test_index_without_a_weight_map(sharded, tmp_path, index):
 
 def test_tensor_in_two_files_names_both(tiny, tmp_path):
     """A stray file beside the weights (an old copy, another run's shard) must not silently override them."""
-    path = copy(tiny, tmp_path)
+    path = edited_copy(tiny, tmp_path / "broken")
     save_file({"model.norm.weight": torch.zeros(128)}, path / "old.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError) as e:
         load_model(path)
@@ -139,7 +126,7 @@ def test_tensor_in_two_files_names_both(tiny, tmp_path):
 
 
 def test_shards_without_index_beside_an_old_single_file(sharded, tiny, tmp_path):
-    path = copy(sharded, tmp_path)
+    path = edited_copy(sharded, tmp_path / "broken")
     (path / "model.safetensors.index.json").unlink()
     shutil.copy(tiny / "model.safetensors", path / "model.safetensors")
     with pytest.raises(ValueError, match=r"model-0000\d-of-0000\d.safetensors") as e:
@@ -149,14 +136,14 @@ def test_shards_without_index_beside_an_old_single_file(sharded, tiny, tmp_path)
 
 def test_index_beside_a_single_file_it_does_not_name(sharded, tiny, tmp_path):
     """transformers would load model.safetensors, vLLM the indexed shards: no silent pick between the two."""
-    path = copy(sharded, tmp_path)
+    path = edited_copy(sharded, tmp_path / "broken")
     shutil.copy(tiny / "model.safetensors", path / "model.safetensors")
     with pytest.raises(ValueError, match=r"model.safetensors.*model.safetensors.index.json"):
         load_model(path)
 
 
 def test_two_indexed_shards_hold_one_tensor(sharded, tmp_path):
-    path = copy(sharded, tmp_path)
+    path = edited_copy(sharded, tmp_path / "broken")
     index, files = shards(path)
     first, last = path / files[0], path / files[-1]
     name = next(n for n, f in index["weight_map"].items() if f == files[0])
@@ -168,7 +155,7 @@ def test_two_indexed_shards_hold_one_tensor(sharded, tmp_path):
 
 
 def test_index_puts_a_tensor_in_the_wrong_file(sharded, tmp_path):
-    path = copy(sharded, tmp_path)
+    path = edited_copy(sharded, tmp_path / "broken")
     index, files = shards(path)
     elsewhere = next(f for f in files if f != index["weight_map"]["model.norm.weight"])
     edit_index(path, lambda i: i["weight_map"].update({"model.norm.weight": elsewhere}))
@@ -177,7 +164,7 @@ def test_index_puts_a_tensor_in_the_wrong_file(sharded, tmp_path):
 
 
 def test_index_names_a_tensor_no_file_holds(sharded, tmp_path):
-    path = copy(sharded, tmp_path)
+    path = edited_copy(sharded, tmp_path / "broken")
     _, files = shards(path)
     edit_index(path, lambda i: i["weight_map"].update({"model.layers.0.mlp.extra.weight": files[0]}))
     with pytest.raises(ValueError, match=r"index.json.*model.layers.0.mlp.extra.weight"):
@@ -185,26 +172,28 @@ def test_index_names_a_tensor_no_file_holds(sharded, tmp_path):
 
 
 def test_unreadable_safetensors(tiny, tmp_path):
-    path = copy(tiny, tmp_path)
+    path = edited_copy(tiny, tmp_path / "broken")
     (path / "model.safetensors").write_bytes(b"this is not a safetensors file")
     with pytest.raises(ValueError, match="not a readable safetensors file"):
         load_model(path)
 
 
 def test_missing_tensor(tiny, tmp_path):
-    path = copy(tiny, tmp_path, tensors_edit=lambda t: t.pop("model.layers.2.mlp.gate_proj.weight"))
+    path = edited_copy(tiny, tmp_path / "broken", tensors_edit=lambda t: t.pop("model.layers.2.mlp.gate_proj.weight"))
     with pytest.raises(ValueError, match="missing 1 tensor.*model.layers.2.mlp.gate_proj.weight"):
         load_model(path)
 
 
 def test_untied_config_needs_lm_head(tiny, tmp_path):
-    path = copy(tiny, tmp_path, config_edit=lambda c: c.update(tie_word_embeddings=False))
+    path = edited_copy(tiny, tmp_path / "broken", config_edit=lambda c: c.update(tie_word_embeddings=False))
     with pytest.raises(ValueError, match="missing 1 tensor.*lm_head.weight"):
         load_model(path)
 
 
 def test_unexpected_tensor(tiny, tmp_path):
-    path = copy(tiny, tmp_path, tensors_edit=lambda t: t.update({"model.layers.0.mlp.extra.weight": torch.zeros(3)}))
+    path = edited_copy(
+        tiny, tmp_path / "broken", tensors_edit=lambda t: t.update({"model.layers.0.mlp.extra.weight": torch.zeros(3)})
+    )
     with pytest.raises(ValueError, match="unexpected tensor.*model.layers.0.mlp.extra.weight"):
         load_model(path)
 
@@ -220,7 +209,7 @@ def test_unexpected_tensor(tiny, tmp_path):
     ],
 )
 def test_shape_mismatch_names_tensor_and_shapes(tiny, tmp_path, name, shape, expected):
-    path = copy(tiny, tmp_path, tensors_edit=lambda t: t.update({name: torch.zeros(shape)}))
+    path = edited_copy(tiny, tmp_path / "broken", tensors_edit=lambda t: t.update({name: torch.zeros(shape)}))
     with pytest.raises(ValueError) as e:
         load_model(path)
     assert name in str(e.value) and f"expected shape {expected}" in str(e.value) and f"got {shape}" in str(e.value)
@@ -232,6 +221,6 @@ def test_bad_dtype(tiny):
 
 
 def test_unsupported_config_values(tiny, tmp_path):
-    path = copy(tiny, tmp_path, config_edit=lambda c: c.update(hidden_act="gelu"))
+    path = edited_copy(tiny, tmp_path / "broken", config_edit=lambda c: c.update(hidden_act="gelu"))
     with pytest.raises(ValueError, match="hidden_act='gelu'"):
         load_model(path)

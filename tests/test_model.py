@@ -3,8 +3,6 @@
 import json
 import subprocess
 import sys
-from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +14,7 @@ from minivllm.attention.prefill import PrefillContext
 from minivllm.checkpoint import preset_config, write_checkpoint
 from minivllm.layers.rotary_embedding import rope_parameters
 from minivllm.models.loader import CONFIG_FIELDS, read_config, resolve_dtype
-from minivllm.testing import prompt_logits
+from minivllm.testing import edited_copy, prompt_logits
 
 LENGTHS = [1, 15, 16, 17, 255, 256, 257, 400]  # around block sizes 16 and 256, and a few hundred
 
@@ -123,17 +121,6 @@ def test_tied_checkpoint_that_also_stores_lm_head_loads(checkpoints, tmp_path):
     )
 
 
-def copy_with_config(source: Path, path: Path, edit: Callable[[dict], object]) -> Path:
-    """A copy of a checkpoint folder whose config.json went through `edit(dict)`."""
-    path.mkdir()
-    for f in source.iterdir():
-        (path / f.name).write_bytes(f.read_bytes())
-    config = json.loads((path / "config.json").read_text())
-    edit(config)
-    (path / "config.json").write_text(json.dumps(config))
-    return path
-
-
 READ_FIELDS = CONFIG_FIELDS["Qwen3ForCausalLM"] + ("eos_token_id", "architectures")
 
 
@@ -154,7 +141,7 @@ def test_written_out_config_skips_the_architecture_class(checkpoints, name):
 def test_config_without_a_field_takes_the_class_defaults(checkpoints, tmp_path, field):
     """A field missing from config.json is Qwen3Config's default, as AutoConfig gives it (layer_types goes too:
     Qwen3Config checks it against num_hidden_layers)."""
-    path = copy_with_config(checkpoints["untied-gqa"], tmp_path / "c", lambda c: [c.pop(field), c.pop("layer_types")])
+    path = edited_copy(checkpoints["untied-gqa"], tmp_path / "c", lambda c: [c.pop(field), c.pop("layer_types")])
     config = read_config(path)
     assert type(config).__name__ == "Qwen3Config"
     assert getattr(config, field) == getattr(AutoConfig.from_pretrained(path), field)
@@ -163,7 +150,7 @@ def test_config_without_a_field_takes_the_class_defaults(checkpoints, tmp_path, 
 def test_untied_checkpoint_without_tie_field_stays_untied(checkpoints, tmp_path):
     """Qwen3Config's tie_word_embeddings defaults to False, the base class's to True: a config.json that leaves the
     field out must load an untied head, with transformers' logits."""
-    path = copy_with_config(checkpoints["untied-gqa"], tmp_path / "c", lambda c: c.pop("tie_word_embeddings"))
+    path = edited_copy(checkpoints["untied-gqa"], tmp_path / "c", lambda c: c.pop("tie_word_embeddings"))
     token_ids = prompt(17)
     torch.testing.assert_close(
         prompt_logits(load_model(path), token_ids), hf_logits(path, token_ids), rtol=1e-4, atol=1e-4
@@ -181,7 +168,7 @@ def test_transformers_4_config_keys_load(checkpoints, tmp_path):
         config.pop("layer_types", None)
         config["transformers_version"] = "4.51.0"
 
-    path = copy_with_config(checkpoints["untied-gqa"], tmp_path / "old_config", as_transformers_4)
+    path = edited_copy(checkpoints["untied-gqa"], tmp_path / "old_config", as_transformers_4)
     assert type(read_config(path)).__name__ == "Qwen3Config"
     token_ids = prompt(30)
     torch.testing.assert_close(
