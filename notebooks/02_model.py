@@ -558,7 +558,8 @@ fig.savefig(FIGURES / "02_parameters.png", dpi=120)
 #    part of the engine's start-up. So when config.json writes out every field our model reads, as transformers 5
 #    writes it, transformers' base `PretrainedConfig` holds the fields as written; any other config.json (a field
 #    missing, RoPE in transformers 4's form, an architecture without a field list in `CONFIG_FIELDS`) goes through
-#    `AutoConfig`.
+#    `AutoConfig`. On that machine, `python -m minivllm` printed its first outputs 14.7–22.8 s after launch with
+#    `AutoConfig` for every file, 6.6–9.5 s with the base class.
 # 2. **Map names.** Our parameter names are the checkpoint's except for packed modules:
 #    `…self_attn.q_proj.weight` goes into `…self_attn.qkv_proj.weight` as shard `"q"`. We derive the map from
 #    the model itself, by unpacking each of its parameter names with `packed_modules_mapping`.
