@@ -58,7 +58,7 @@ def read_config(path: Path) -> PretrainedConfig:
         raise ValueError(
             f"{config_file}: architectures={architectures} is not supported; supported architectures: {sorted(MODELS)}"
         )
-    fields = CONFIG_FIELDS.get(next(a for a in architectures if a in MODELS), ())
+    fields = CONFIG_FIELDS.get(supported(architectures), ())
     if fields and written_out(raw, fields):
         return PretrainedConfig.from_dict(raw)  # the fields as written; no class, so no defaults needed
     from transformers import AutoConfig  # here: AutoConfig's registry alone takes 0.4 s to import
@@ -72,9 +72,14 @@ def written_out(raw: dict, fields: tuple[str, ...]) -> bool:
     return isinstance(rope, dict) and "rope_theta" in rope and all(raw.get(f) is not None for f in fields)
 
 
+def supported(architectures: list[str]) -> str:
+    """The first of config.json's architectures that MODELS builds (read_config has checked there is one)."""
+    return next(a for a in architectures if a in MODELS)
+
+
 def model_class(config: PretrainedConfig) -> type[Qwen3ForCausalLM]:
     assert config.architectures is not None, "read_config checks the architectures"
-    return next(MODELS[a] for a in config.architectures if a in MODELS)
+    return MODELS[supported(config.architectures)]
 
 
 def read_index(path: Path) -> dict[str, Path] | None:
