@@ -127,8 +127,10 @@ class RequestOutput:
 #   Ctrl-C, each exiting if its parent is gone, even after a `kill -9` of rank 0.
 # * **Rank 0 never waits blindly**: a thread watches the workers, and one that dies becomes an error naming it within
 #   seconds (one dead before it started most likely ran a script without a main guard: the error says so).
-# * **A step is never cut in half.** Ctrl-C is held until the step ends, so the ranks stay in step; any other failure
-#   makes the engine refuse further steps, with the reason, rather than hang in the next collective.
+# * **A step is never cut in half.** Ctrl-C during a step is held until the step ends (then it raises
+#   `KeyboardInterrupt` as usual), so the ranks stay in step; at an idle engine it raises at once, and where the process
+#   ignores Ctrl-C (a background job, `nohup`) it stays ignored. Any other failure makes the engine refuse further
+#   steps, with the reason, rather than hang in the next collective.
 # * **`close()` frees the CUDA graphs before the groups** (an NCCL group waits for the graphs that captured its
 #   all-reduces: the other order hangs), joins the workers and hands the KV cache back to the GPU.
 
@@ -197,27 +199,41 @@ def broadcast_object(obj: Any, group: Any, rank: int) -> Any:
     return obj if rank == 0 else pickle.loads(data.numpy().tobytes())
 
 
+class HeldSigint:
+    """A SIGINT handler that holds the first Ctrl-C for `handler` (the one it stands in for) and passes a second
+    one on at once."""
+
+    def __init__(self, handler: Callable):
+        self.handler = handler
+        self.pending = False  # a Ctrl-C came and waits for release()
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if self.pending:
+            self.handler(signum, frame)
+        self.pending = True
+
+    def release(self) -> None:
+        if self.pending:
+            self.handler(signal.SIGINT, None)
+
+
 @contextmanager
 def sigint_held() -> Iterator[None]:
-    """Hold Ctrl-C until the block ends: rank 0 never leaves the other ranks halfway through a step. A second
-    Ctrl-C stops at once (the engine is then out of step and refuses further steps)."""
-    if threading.current_thread() is not threading.main_thread():
+    """Hold Ctrl-C until the block ends, then let the handler that was there take it (Python's raises
+    KeyboardInterrupt): rank 0 never leaves the other ranks halfway through a step. A second Ctrl-C is handled at
+    once (the engine is then out of step and refuses further steps). Where Ctrl-C is ignored (a background job,
+    `nohup`) or no Python handler takes it, it stays so."""
+    handler = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+    if not callable(handler):
         yield
         return
-    pending: list[int] = []
-
-    def hold(signum, frame):
-        if pending:
-            raise KeyboardInterrupt
-        pending.append(signum)
-
-    previous = signal.signal(signal.SIGINT, hold)
+    held = HeldSigint(handler)
+    signal.signal(signal.SIGINT, held)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
-    if pending:
-        raise KeyboardInterrupt
+        signal.signal(signal.SIGINT, handler)
+    held.release()
 
 
 class Workers:

@@ -64,27 +64,41 @@ def broadcast_object(obj: Any, group: Any, rank: int) -> Any:
     return obj if rank == 0 else pickle.loads(data.numpy().tobytes())
 
 
+class HeldSigint:
+    """A SIGINT handler that holds the first Ctrl-C for `handler` (the one it stands in for) and passes a second
+    one on at once."""
+
+    def __init__(self, handler: Callable):
+        self.handler = handler
+        self.pending = False  # a Ctrl-C came and waits for release()
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if self.pending:
+            self.handler(signum, frame)
+        self.pending = True
+
+    def release(self) -> None:
+        if self.pending:
+            self.handler(signal.SIGINT, None)
+
+
 @contextmanager
 def sigint_held() -> Iterator[None]:
-    """Hold Ctrl-C until the block ends: rank 0 never leaves the other ranks halfway through a step. A second
-    Ctrl-C stops at once (the engine is then out of step and refuses further steps)."""
-    if threading.current_thread() is not threading.main_thread():
+    """Hold Ctrl-C until the block ends, then let the handler that was there take it (Python's raises
+    KeyboardInterrupt): rank 0 never leaves the other ranks halfway through a step. A second Ctrl-C is handled at
+    once (the engine is then out of step and refuses further steps). Where Ctrl-C is ignored (a background job,
+    `nohup`) or no Python handler takes it, it stays so."""
+    handler = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+    if not callable(handler):
         yield
         return
-    pending: list[int] = []
-
-    def hold(signum, frame):
-        if pending:
-            raise KeyboardInterrupt
-        pending.append(signum)
-
-    previous = signal.signal(signal.SIGINT, hold)
+    held = HeldSigint(handler)
+    signal.signal(signal.SIGINT, held)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous if previous is not None else signal.SIG_DFL)
-    if pending:
-        raise KeyboardInterrupt
+        signal.signal(signal.SIGINT, handler)
+    held.release()
 
 
 class Workers:
