@@ -1,6 +1,7 @@
 # Two commands for a fresh machine (see README.md):
 #   make demo   set up .venv, run the main job (the engine on the preset that suits this machine)
 #   make test   bash .ci/run: set up .venv, check the export, lint, run every test, notebook and solution
+#   make test-busy  the same beside two CPU-bound burners, as on a CI machine that other work keeps busy
 # and, while editing:
 #   make lint   CI's checks without the tests: export --check (of committed work), ruff check, ruff format --check, mypy
 #   make fmt    ruff format, then regenerate the modules and .ipynb files from the reformatted notebooks
@@ -8,7 +9,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo notebooks test export lint fmt
+.PHONY: setup demo notebooks test test-busy export lint fmt
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -39,3 +40,8 @@ fmt: setup
 
 test:
 	bash .ci/run
+
+# Nothing may depend on timing or load: this shows it, with both of this machine's cores kept busy all along.
+test-busy:
+	@pids=""; for i in 1 2; do $(PYTHON) -c 'while True: pass' & pids="$$pids $$!"; done; \
+	trap "kill $$pids" EXIT; bash .ci/run

@@ -12,7 +12,23 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# nbval waits 60 s for a notebook's kernel to start and 5 s for each output message after a cell's reply: ceilings a
+# busy machine can miss. These are hang checks, not measurements: give them a margin.
+NBVAL_KERNEL_STARTUP_S = 300
+NBVAL_OUTPUT_S = 120
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config.option, "nbval_kernel_startup_timeout"):
+        config.option.nbval_kernel_startup_timeout = max(
+            int(config.option.nbval_kernel_startup_timeout), NBVAL_KERNEL_STARTUP_S
+        )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if hasattr(item, "output_timeout"):  # an nbval cell
+            item.output_timeout = NBVAL_OUTPUT_S
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

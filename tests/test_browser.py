@@ -43,8 +43,9 @@ ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ["01_layers", "02_model", "03_kv_cache", "04_model_runner", "05_scheduler", "06_engine"]
 KNOWN: dict[str, str] = {}  # notebook: what the browser shows there today (strict xfail: once fixed, delete it)
 MAX_FIGURE_PX = 1100  # wider and JupyterLab scales the figure (and its 8-pt legends) down in a 1,280-px window
-START_TIMEOUT_S = 120  # JupyterLab's start on a loaded 2-core machine
+START_TIMEOUT_S = 300  # JupyterLab's start (seconds here; a ceiling a loaded 2-core machine keeps)
 RUN_TIMEOUT_S = 900  # one notebook, Run All to idle (they take 20-160 s here): a ceiling, never a measurement
+ACTION_TIMEOUT_MS = 120_000  # any other wait of the page or the server (a click, a request): a ceiling, not 30 s
 SETTINGS = {  # user settings of the throw-away JupyterLab
     "@jupyterlab/notebook-extension/tracker": {
         "windowingMode": "none",  # every cell in the DOM, not only those in view
@@ -94,7 +95,7 @@ class Lab:
         request = urllib.request.Request(
             f"{self.url}{path}", method=method, headers={"Authorization": f"token {self.token}"}
         )
-        with urllib.request.urlopen(request, timeout=30) as response:
+        with urllib.request.urlopen(request, timeout=ACTION_TIMEOUT_MS / 1000) as response:
             body = response.read()
         return json.loads(body) if body else None
 
@@ -259,6 +260,7 @@ def check_slider(page, cell) -> list[str]:
 def test_notebook_in_jupyterlab(browser, lab: Lab, name: str):
     sources = ["".join(c["source"]) for c in source_cells(name)]
     context = browser.new_context(viewport={"width": 1280, "height": 900})
+    context.set_default_timeout(ACTION_TIMEOUT_MS)
     page = context.new_page()
     try:
         run_all(page, lab, name)

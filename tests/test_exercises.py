@@ -24,7 +24,7 @@ SOLUTIONS = sorted((ROOT / "solutions").glob("[0-9][0-9]_*.py"))
 CHECK = "with exercise("
 NOT_WRITTEN = "is not written yet"
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # colours in a kernel's traceback
-CELL_TIMEOUT_S = 300  # a loaded 2-core machine; no cell before a first check comes near it
+CELL_TIMEOUT_S = 300  # a cell, or the kernel's start: a ceiling a loaded 2-core machine keeps; none comes near it
 
 
 class CurrentEnvKernelSpecs(KernelSpecManager):
@@ -64,8 +64,9 @@ def test_unsolved_exercise_stops_at_its_first_check(path: Path):
     nb.cells = nb.cells[: first_check + 1]  # nothing after the first check runs
 
     km = KernelManager(kernel_name="python3", kernel_spec_manager=CurrentEnvKernelSpecs())
+    resources = {"metadata": {"path": str(path.parent)}}
     client = nbclient.NotebookClient(
-        nb, km=km, timeout=CELL_TIMEOUT_S, resources={"metadata": {"path": str(path.parent)}}
+        nb, km=km, timeout=CELL_TIMEOUT_S, startup_timeout=CELL_TIMEOUT_S, resources=resources
     )
     with client.setup_kernel(env=os.environ | {"CI": "true"}):  # cwd: the exercises folder (resources' path)
         for index, cell in enumerate(nb.cells[:first_check]):

@@ -3,6 +3,7 @@ same replies as offline `generate`, streamed or not, for one client or 64 at onc
 request's KV blocks; bad requests get a 400 naming the field. CPU, tiny preset, float32, greedy."""
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -45,7 +46,7 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 
 def test_health_and_models(server, client):
-    assert httpx.get(f"{server[0]}/health").status_code == 200
+    assert httpx.get(f"{server[0]}/health", timeout=60).status_code == 200
     assert [m.id for m in client.models.list().data] == ["tiny"]
 
 
@@ -171,18 +172,27 @@ def test_a_caller_that_falls_behind_gets_the_newest_output_only(server, offline)
     expected = offline.generate(["Once upon a time"], greedy(40), use_tqdm=False)[0].outputs[0]
 
     async def slow() -> list:
-        outputs = llm.generate("Once upon a time", greedy(40))
+        outputs = llm.generate("Once upon a time", greedy(40), request_id="slow")
         first = await anext(outputs)
-        while llm.engine.has_unfinished_requests():  # the engine runs the rest while this caller reads nothing
+        while not last_sent.is_set():  # the engine runs the rest while this caller reads nothing
             await asyncio.sleep(0.01)
+        await asyncio.sleep(0)  # the loop queues that last output (put from the engine's thread) before we read
         return [first] + [out async for out in outputs]
 
     progress, asked = llm.engine.progress, []
     llm.engine.progress = lambda ids: asked.append(list(ids)) or progress(ids)  # which streams get an output built
+    send, last_sent = llm.send, threading.Event()
+
+    def send_and_note(finished: list) -> None:
+        send(finished)
+        if any(out.request_id == "slow" for out in finished):
+            last_sent.set()
+
+    llm.send = send_and_note
     try:
         first, *rest = asyncio.run(slow())
     finally:
-        del llm.engine.progress
+        del llm.engine.progress, llm.send
     assert len(rest) == 1 and rest[0].finished and not first.finished
     assert sum(1 for ids in asked if ids) <= 3 < len(expected.token_ids)  # not one per step
     assert (rest[0].outputs[0].token_ids, rest[0].outputs[0].text) == (expected.token_ids, expected.text)

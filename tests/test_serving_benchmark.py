@@ -45,8 +45,9 @@ def test_a_cpu_run_completes_every_request(tmp_path):
         assert FIELDS <= row.keys() and "errors" not in row
         assert row["num_requests"] == row["completed"] == 6
         assert row["output_tokens"] == sum(output_lens)  # ignore_eos: each request ran to its max_tokens
-        for name in LATENCIES:
-            assert all(math.isfinite(row[f"{name}_{q}_ms"]) and row[f"{name}_{q}_ms"] > 0 for q in ("p50", "p99"))
+        for name in LATENCIES:  # TPOT may be 0: a client that fell behind got all its tokens in one event
+            assert all(math.isfinite(row[f"{name}_{q}_ms"]) and row[f"{name}_{q}_ms"] >= 0 for q in ("p50", "p99"))
+            assert name == "tpot" or row[f"{name}_p50_ms"] > 0
     for row in rows[1:]:
         assert row["completed"] <= row["stream_events"] <= sum(output_lens)  # one per step, fewer for a slow client
     assert (tmp_path / "serving.png").stat().st_size > 0
