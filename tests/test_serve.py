@@ -199,17 +199,25 @@ def test_a_caller_that_falls_behind_gets_the_newest_output_only(server, offline)
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_request(server):
+    """The server sees the client go (the ASGI server tells it) and aborts the request. The engine's lock, held
+    from the first token until then, keeps the request from running on to its end meanwhile."""
     url, llm = server
     body = dict(model="tiny", prompt="A long story:", max_tokens=400, temperature=0, ignore_eos=True, stream=True)
-    aborted = llm.num_aborted
+    aborted, bm = llm.num_aborted, llm.engine.scheduler.block_manager
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
         events = response.iter_lines()
         assert next(line for line in events if line.startswith("data:"))  # it has started
-    deadline = time.monotonic() + 30  # the server notices at its next write
-    bm = llm.engine.scheduler.block_manager
+        llm.engine.lock.acquire()  # no step runs until the abort
+    try:
+        deadline = time.monotonic() + 120  # a hang check: the server notices in milliseconds
+        while llm.num_aborted == aborted and time.monotonic() < deadline:  # counted before it takes the lock
+            time.sleep(0.05)
+    finally:
+        llm.engine.lock.release()
+    assert llm.num_aborted == aborted + 1  # aborted, not run to its 400th token
+    deadline = time.monotonic() + 120
     while llm.engine.has_unfinished_requests() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert llm.num_aborted == aborted + 1  # aborted, not run to its 400th token
     assert not llm.engine.has_unfinished_requests()
     assert bm.num_free_blocks == bm.num_blocks
 
