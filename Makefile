@@ -23,6 +23,7 @@ demo: setup
 
 notebooks: setup
 	$(PY) -m jupyter nbconvert --to notebook --execute notebooks/0*.ipynb --output-dir build/notebooks
+	$(PY) -m jupyter nbconvert --to notebook --execute notebooks/deep_dives/*.ipynb --output-dir build/notebooks/deep_dives
 	@echo "executed notebooks: build/notebooks/; figures:"; ls -1 build/figures/*.png | sed 's/^/  /'
 
 export: setup

@@ -40,7 +40,10 @@ except ImportError:  # the test skips (or fails on CI) in its fixture; this name
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parent.parent
-NOTEBOOKS = ["01_layers", "02_model", "03_kv_cache", "04_model_runner", "05_scheduler", "06_engine"]
+NOTEBOOKS = [  # the core path, then the deep dives beside it; paths under notebooks/, without .ipynb
+    *(p.stem for p in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))),
+    *(f"deep_dives/{p.stem}" for p in sorted((ROOT / "notebooks" / "deep_dives").glob("*.ipynb"))),
+]
 KNOWN: dict[str, str] = {}  # notebook: what the browser shows there today (strict xfail: once fixed, delete it)
 MAX_FIGURE_PX = 1100  # wider and JupyterLab scales the figure (and its 8-pt legends) down in a 1,280-px window
 START_TIMEOUT_S = 300  # JupyterLab's start (seconds here; a ceiling a loaded 2-core machine keeps)
@@ -120,7 +123,8 @@ def lab(chromium: str) -> Iterator[Lab]:
     work = tmp / "notebooks"
     work.mkdir()
     for name in NOTEBOOKS:
-        shutil.copy(ROOT / "notebooks" / f"{name}.ipynb", work)
+        (work / name).parent.mkdir(exist_ok=True)
+        shutil.copy(ROOT / "notebooks" / f"{name}.ipynb", work / f"{name}.ipynb")
     shutil.copytree(ROOT / "notebooks" / "figures", work / "figures")  # the committed GPU results they read
     for plugin, values in SETTINGS.items():
         path = tmp / "settings" / f"{plugin}.jupyterlab-settings"
@@ -212,7 +216,8 @@ def source_cells(name: str) -> list[dict]:
 
 def run_all(page, lab: Lab, name: str) -> None:
     """Open the notebook in a workspace of its own (nothing restored), wait for its kernel, Run All from the menu."""
-    page.goto(f"{lab.url}/lab/workspaces/{name}/tree/{name}.ipynb?token={lab.token}")
+    workspace = name.replace("/", "-")
+    page.goto(f"{lab.url}/lab/workspaces/{workspace}/tree/{name}.ipynb?token={lab.token}")
     page.wait_for_function(KERNEL_READY, timeout=START_TIMEOUT_S * 1000, polling=500)
     page.locator(".lm-MenuBar-item", has_text=re.compile("^Run$")).click()
     page.locator('.lm-Menu-item[data-command="runmenu:run-all"]').click()
@@ -290,7 +295,7 @@ def test_notebook_in_jupyterlab(browser, lab: Lab, name: str):
     except BaseException:
         SCREENSHOTS.mkdir(parents=True, exist_ok=True)  # what the page showed, for whoever reads the failure
         with contextlib.suppress(Exception):
-            page.screenshot(path=SCREENSHOTS / f"{name}.png", full_page=True)
+            page.screenshot(path=SCREENSHOTS / f"{name.replace('/', '-')}.png", full_page=True)
         raise
     finally:
         context.close()

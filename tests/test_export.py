@@ -98,3 +98,52 @@ def test_notebook_with_outputs_is_an_error(tmp_path, monkeypatch):
     nb.cells[0].outputs = [nbformat.v4.new_output("execute_result", data={"text/plain": "2"}, execution_count=1)]
     nbformat.write(nb, tmp_path / "notebooks" / "01_a.ipynb")
     assert export.check_no_outputs() == ["notebooks/01_a.ipynb holds outputs"]
+
+
+def make_deep_dive(tmp_path: Path, name: str, body: str) -> None:
+    (tmp_path / "notebooks" / "deep_dives").mkdir(exist_ok=True)
+    (tmp_path / "notebooks" / "deep_dives" / f"{name}.py").write_text(NOTEBOOK_HEADER + body)
+
+
+def test_deep_dives_come_after_the_core_notebook_they_follow(tmp_path, monkeypatch):
+    """A deep dive reads its core notebook's modules; a core notebook never reads a deep dive's, even an earlier one."""
+    monkeypatch.setattr(export, "DEEP_DIVES", {"fast_a": "01_a", "faster_a": "01_a"})
+    make_repo(
+        tmp_path,
+        monkeypatch,
+        {
+            "01_a.py": '# %% tags=["export"] module="minivllm.a"\nA = 1\n',
+            "02_b.py": '# %% tags=["export"] module="minivllm.b"\nfrom minivllm.fast import F\n',
+        },
+    )
+    make_deep_dive(tmp_path, "faster_a", '# %% tags=["export"] module="minivllm.faster"\nfrom minivllm.fast import F\n')
+    make_deep_dive(tmp_path, "fast_a", '# %% tags=["export"] module="minivllm.fast"\nfrom minivllm.a import A\nF = A\n')
+    paths = export.notebook_sources("notebooks")
+    assert [p.name for p in paths] == ["01_a.py", "02_b.py", "fast_a.py", "faster_a.py"]  # DEEP_DIVES' order
+    exports = [export.collect_exports(p) for p in paths]
+    assert [e.rank for e in exports] == [(1, 0), (2, 0), (1, 1), (1, 2)]
+    errors = export.check_import_order(exports)
+    assert errors == ["notebooks/02_b.py imports minivllm.fast, exported by deep dive fast_a: the core path needs none"]
+
+
+def test_a_deep_dive_reading_a_later_notebook_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(export, "DEEP_DIVES", {"fast_a": "01_a"})
+    make_repo(
+        tmp_path,
+        monkeypatch,
+        {"01_a.py": "# %%\nA = 1\n", "02_b.py": '# %% tags=["export"] module="minivllm.b"\nB = 2\n'},
+    )
+    make_deep_dive(tmp_path, "fast_a", "# %%\nfrom minivllm.b import B\n")
+    exports = [export.collect_exports(p) for p in export.notebook_sources("notebooks")]
+    assert export.check_import_order(exports) == [
+        "notebooks/deep_dives/fast_a.py imports minivllm.b, exported later by notebook 02"
+    ]
+
+
+def test_a_deep_dive_missing_from_the_table_is_an_error(tmp_path, monkeypatch):
+    """Its modules would otherwise be deleted as stale, with no word why."""
+    monkeypatch.setattr(export, "DEEP_DIVES", {})
+    make_repo(tmp_path, monkeypatch, {})
+    make_deep_dive(tmp_path, "stray", "# %%\nA = 1\n")
+    with pytest.raises(SystemExit, match="stray.py not in DEEP_DIVES"):
+        export.notebook_sources("notebooks")
