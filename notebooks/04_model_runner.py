@@ -1492,6 +1492,28 @@ def rank_device(config: Config, rank: int) -> torch.device:
 
 
 # %% [markdown]
+# ### The fast paths, composed by name
+# The GPU fast paths live in optional deep dives (`notebooks/deep_dives/`), which come after this notebook or the
+# one they follow. So nothing here imports them: the runner looks each one up by name, on a GPU only, when it
+# needs it. On a CPU none of them is ever imported.
+
+# %% tags=["export"] module="minivllm.engine.fast_paths"
+import importlib
+from typing import Any
+
+FAST_PATHS = {  # name: "module:attribute", each exported by a deep dive
+    "small-layer kernels": "minivllm.kernels.small_layers:use_small_layer_kernels",  # deep dive triton_layers
+    "tensor parallelism": "minivllm.engine.workers:TPModelRunner",  # deep dive tensor_parallel
+}
+
+
+def fast_path(name: str) -> Any:
+    """The function or class FAST_PATHS names, its module imported now (and only now)."""
+    module, _, attribute = FAST_PATHS[name].partition(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+# %% [markdown]
 # ### Putting it together
 # `ModelRunner(config)` loads the model (this rank's slice), sizes the KV cache, runs one prefix-hit prefill (Triton
 # compiles now, not in a request) and captures the decode graphs, timing each phase (`startup_seconds`). `run(seqs,
