@@ -1192,7 +1192,8 @@ fig.savefig(FIGURES / "06_attention_kernels.png", dpi=120)
 # 1,500-token system prompt, also without prefix caching), 32 long prompts (10–12k tokens) and a single stream.
 
 # %%
-from minivllm.benchmarks.throughput import describe, plot_throughput, run_throughput_benchmark, workload
+from minivllm.benchmarks.throughput import describe, plot_throughput, run_throughput_benchmark
+from minivllm.benchmarks.workloads import workload
 
 throughput = json.loads((figures / "throughput.json").read_text())
 if DEVICE == "cuda":

@@ -10,7 +10,8 @@ import pytest
 
 pytest.importorskip("uvicorn")
 
-from minivllm.benchmarks.serving import arrival_times, main, make_requests  # noqa: E402
+from minivllm.benchmarks.serving import arrival_times, main  # noqa: E402
+from minivllm.benchmarks.workloads import make_requests  # noqa: E402
 from minivllm.checkpoint.maker import preset_config  # noqa: E402
 
 FIELDS = {"impl", "request_rate", "num_requests", "completed", "output_tokens", "seconds", "tok_per_s"}

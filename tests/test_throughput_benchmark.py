@@ -3,14 +3,8 @@ fields the figures and notebook 06 read (tiny preset, shortened workloads: the r
 
 import math
 
-from minivllm.benchmarks.throughput import (
-    POLICIES,
-    Workload,
-    make_workload,
-    plot_throughput,
-    roofline_tok_per_s,
-    run_throughput_benchmark,
-)
+from minivllm.benchmarks.throughput import plot_throughput, roofline_tok_per_s, run_throughput_benchmark
+from minivllm.benchmarks.workloads import POLICIES, Workload, make_workload
 from minivllm.sampling_params import SamplingParams
 
 

@@ -10,13 +10,11 @@ very different sizes (the µs-per-block columns must stay flat), and with prompt
 matplotlib is installed) to --out: ./figures by default.
 """
 
-import argparse
 import time
-from pathlib import Path
 
 import numpy as np
 
-from minivllm.benchmarks.common import OUT, cpu_name, result, save
+from minivllm.benchmarks.common import arg_parser, cpu_name, result, save
 from minivllm.engine.block_manager import BlockManager, compute_hash
 from minivllm.engine.sequence import Sequence
 
@@ -150,12 +148,9 @@ def figure_or_none(data: dict):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__, "block_manager")
     parser.add_argument("--num-seqs", type=int, default=10_000)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument(
-        "--out", type=Path, default=OUT, help="folder for block_manager.json and .png (default: ./figures)"
-    )
     args = parser.parse_args()
     bs = args.block_size
     print(

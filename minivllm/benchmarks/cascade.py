@@ -10,13 +10,11 @@ kernel told that no row shares it: what a CUDA graph captured with the prefix ke
 Each call is timed from a CUDA graph. Writes cascade.json + cascade.png.
 """
 
-import argparse
 import random
-from pathlib import Path
 
 import torch
 
-from minivllm.benchmarks.common import OUT, graph_ms, result, save
+from minivllm.benchmarks.common import arg_parser, graph_ms, result, save
 from minivllm.kernels import flash_attn_with_kvcache
 from minivllm.testing import scatter_into_cache
 
@@ -80,9 +78,7 @@ def plot_cascade(data: dict):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=OUT, help="folder for cascade.json and .png (default: ./figures)")
-    args = parser.parse_args()
+    args = arg_parser(__doc__, "cascade").parse_args()
     data = run_cascade_benchmark()
     save("cascade", data, plot_cascade(data), args.out)
 

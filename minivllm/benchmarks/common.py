@@ -1,13 +1,50 @@
-"""What every benchmark shares: GPU timing, and the JSON + PNG files of DESIGN.md's schema."""
+"""What every benchmark shares: its command line (`--out`), the checkpoint of a preset, GPU timing, the machine's
+matmul rate and copy bandwidth, and the files it writes.
 
+Every benchmark writes NAME.json (and NAME.png when it draws a figure) with one schema: `device` (the GPU, else
+"cpu" or the CPU's name), `command` (the `python -m` line that made it), `torch` and `triton` versions, the
+benchmark's own fields, then `rows` (one dict per measurement, with an `impl` field where several are compared).
+"""
+
+import argparse
+import atexit
+import functools
+import importlib.util
 import json
 import platform
 import shlex
 import sys
+import tempfile
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 OUT = Path("figures")  # every benchmark's default --out: under the current directory, never inside the package
+HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None  # an anchor row when installed; never required
+
+
+def arg_parser(doc: str | None, name: str, figure: bool = True) -> argparse.ArgumentParser:
+    """A benchmark's parser: its docstring as the help, and `--out`, the folder for NAME.json (and .png)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    files = f"{name}.json and .png" if figure else f"{name}.json"
+    parser.add_argument("--out", type=Path, default=OUT, help=f"folder for {files} (default: ./figures)")
+    return parser
+
+
+def require_gpu() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a CUDA GPU")
+
+
+@functools.cache
+def preset_checkpoint(preset: str, seed: int = 0) -> Path:
+    """The preset's random-weight checkpoint, written once per process to a temporary folder removed at exit."""
+    from minivllm.checkpoint import write_checkpoint
+
+    folder = tempfile.TemporaryDirectory(prefix="minivllm-benchmark-")
+    atexit.register(folder.cleanup)  # also keeps the folder alive until then
+    return write_checkpoint(Path(folder.name) / preset, preset, seed=seed)
 
 
 def gpu_ms(fn, warmup: int = 5, rep: int = 30) -> float:
@@ -42,7 +79,7 @@ def package_version(name: str) -> str | None:
 
 
 def result(module: str, rows: list[dict], device: str | None = None, **extra) -> dict:
-    """The schema of DESIGN.md: device (default: the GPU, else "cpu"), the command that made it, versions, rows."""
+    """The schema above: device (default: the GPU, else "cpu"), the command that made it, versions, extra, rows."""
     import torch
 
     if device is None:
@@ -55,6 +92,34 @@ def result(module: str, rows: list[dict], device: str | None = None, **extra) ->
         **extra,
         "rows": rows,
     }
+
+
+def copy_tbps() -> float:
+    """The GPU's copy bandwidth in TB/s, read + write, of a 2 GiB tensor."""
+    import torch
+
+    x = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    return 2 * x.numel() / (gpu_ms(lambda: y.copy_(x)) * 1e-3) / 1e12
+
+
+def matmul_tflops(n: int = 8192) -> float:
+    """The GPU's bf16 matmul rate in TFLOP/s, of an n × n square."""
+    import torch
+
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    return 2 * n**3 / (gpu_ms(lambda: a @ a) * 1e-3) / 1e12
+
+
+def machine_rates() -> tuple[float, float]:
+    """The GPU's bf16 matmul TFLOP/s and copy TB/s, measured (on a CPU: nan, nan)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return float("nan"), float("nan")
+    rates = matmul_tflops(), copy_tbps()
+    torch.cuda.empty_cache()  # before the engines size their KV caches
+    return rates
 
 
 def cpu_name() -> str:

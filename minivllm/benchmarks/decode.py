@@ -10,19 +10,24 @@ graph). Writes decode.json + decode.png, with the device's copy bandwidth (read 
 per shape how fast ours is against FlashInfer (ratios in the JSON).
 """
 
-import argparse
 import importlib
-import importlib.util
-from pathlib import Path
 
 import torch
 
-from minivllm.benchmarks.common import OUT, gpu_ms, graph_ms, package_version, result, save
+from minivllm.benchmarks.common import (
+    HAS_FLASHINFER,
+    arg_parser,
+    copy_tbps,
+    graph_ms,
+    package_version,
+    require_gpu,
+    result,
+    save,
+)
 from minivllm.kernels import flash_attn_varlen_func, flash_attn_with_kvcache
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
 SHAPES = [(1, 16384), (8, 8192), (32, 2048), (64, 4096), (256, 1024), (256, 512)]  # (batch, context_len)
-HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None  # an anchor row when installed; never required
 
 
 def paged_inputs(batch: int, context_len: int, block_size: int, dtype=torch.bfloat16) -> dict:
@@ -118,12 +123,6 @@ def impls_for(x: dict) -> dict:
     return dict([ours, ("flashinfer", flashinfer_decode(x)), *others])
 
 
-def copy_tbps() -> float:
-    x = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    return 2 * x.numel() / (gpu_ms(lambda: y.copy_(x)) * 1e-3) / 1e12
-
-
 def run_decode_benchmark(shapes=SHAPES, block_sizes=(16, 256), module: str = "minivllm.benchmarks.decode") -> dict:
     rows, ratios = [], []
     for block_size in block_sizes:
@@ -201,11 +200,8 @@ def plot_decode(data: dict):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=OUT, help="folder for decode.json and .png (default: ./figures)")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("this benchmark needs a CUDA GPU")
+    args = arg_parser(__doc__, "decode").parse_args()
+    require_gpu()
     data = run_decode_benchmark()
     save("decode", data, plot_decode(data), args.out)
 

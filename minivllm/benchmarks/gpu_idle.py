@@ -10,16 +10,12 @@ the GPU waiting inside a step for its kernels' launches (eager prefill steps); a
 Writes gpu_idle.json (no figure: a table says it).
 """
 
-import argparse
-import tempfile
-from pathlib import Path
 from unittest import mock
 
 import torch
 
-from minivllm.benchmarks.common import OUT, result, save
-from minivllm.benchmarks.throughput import MAX_MODEL_LEN, make_workload, run_workload
-from minivllm.checkpoint import write_checkpoint
+from minivllm.benchmarks.common import arg_parser, preset_checkpoint, require_gpu, result, save
+from minivllm.benchmarks.workloads import MAX_MODEL_LEN, make_workload, run_workload
 from minivllm.llm import LLM
 from minivllm.sampling_params import SamplingParams
 
@@ -64,26 +60,24 @@ def time_steps(llm: LLM, workload: str) -> dict:
 
 def run_gpu_idle_benchmark(workloads=("nano-vllm", "single"), preset: str = "qwen3-0.6b") -> dict:
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        path = write_checkpoint(Path(tmp) / preset, preset, seed=0)
-        with LLM(str(path), max_model_len=MAX_MODEL_LEN) as llm:
-            llm.generate(["Warm-up: "], SamplingParams(max_tokens=4), use_tqdm=False)
-            for workload in workloads:
-                rows.append(time_steps(llm, workload))
-                r = rows[-1]
-                print(f"{workload}: {r['tok_per_s']:,.0f} tok/s, {r['steps']} steps, GPU idle {r['idle_share']:.2%} "
-                      f"of {r['gpu_span_ms']:,.0f} ms (gap p50 {r['gap_p50_ms']:.3f} ms, max {r['gap_max_ms']:.2f})")  # fmt: skip
+    with LLM(str(preset_checkpoint(preset)), max_model_len=MAX_MODEL_LEN) as llm:
+        llm.generate(["Warm-up: "], SamplingParams(max_tokens=4), use_tqdm=False)
+        for workload in workloads:
+            rows.append(time_steps(llm, workload))
+            r = rows[-1]
+            print(
+                f"{workload}: {r['tok_per_s']:,.0f} tok/s, {r['steps']} steps, GPU idle {r['idle_share']:.2%} "
+                f"of {r['gpu_span_ms']:,.0f} ms (gap p50 {r['gap_p50_ms']:.3f} ms, max {r['gap_max_ms']:.2f})"
+            )
     return result("minivllm.benchmarks.gpu_idle", rows, preset=preset)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__, "gpu_idle", figure=False)
     parser.add_argument("--workloads", nargs="+", default=["nano-vllm", "single"])
     parser.add_argument("--preset", default="qwen3-0.6b")
-    parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("this benchmark needs a CUDA GPU")
+    require_gpu()
     save("gpu_idle", run_gpu_idle_benchmark(args.workloads, args.preset), None, args.out)
 
 

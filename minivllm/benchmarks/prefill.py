@@ -10,20 +10,16 @@ fast ours is against cuDNN (and FlashInfer): ratios in the JSON. --sweep also ti
 kernel and prints the best.
 """
 
-import argparse
 import importlib
-import importlib.util
 import itertools
 import statistics
-from pathlib import Path
 
 import torch
 
-from minivllm.benchmarks.common import OUT, gpu_ms, package_version, result, save
+from minivllm.benchmarks.common import HAS_FLASHINFER, arg_parser, gpu_ms, package_version, require_gpu, result, save
 from minivllm.kernels.flash_attn import flash_attn_varlen_contiguous, launch_config
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
-HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None  # an anchor row when installed; never required
 
 
 def causal_tflops(seqlen: int, ms: float, batch: int = 1) -> float:
@@ -158,13 +154,11 @@ def plot_prefill(data: dict):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__, "prefill")
     parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 8192, 16384])
-    parser.add_argument("--out", type=Path, default=OUT, help="folder for prefill.json and .png (default: ./figures)")
     parser.add_argument("--sweep", action="store_true", help="also time every tile configuration of our kernel")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("this benchmark needs a CUDA GPU")
+    require_gpu()
     if args.sweep:
         sweep(args.seqlens)
     data = run_prefill_benchmark(args.seqlens)

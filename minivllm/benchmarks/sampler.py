@@ -14,12 +14,9 @@ retries depend on its draw).
 Writes sampler.json (no figure: a table says it).
 """
 
-import argparse
-from pathlib import Path
-
 import torch
 
-from minivllm.benchmarks.common import OUT, gpu_ms, graph_ms, result, save
+from minivllm.benchmarks.common import arg_parser, gpu_ms, graph_ms, require_gpu, result, save
 from minivllm.layers.sampler import Sampler, SamplingTensors
 from minivllm.sampling_params import SamplingParams
 
@@ -56,13 +53,11 @@ def run_sampler_benchmark(batch_sizes=(1, 64, 256), vocab: int = 151_936) -> dic
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__, "sampler", figure=False)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--vocab", type=int, default=151_936)
-    parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("this benchmark needs a CUDA GPU")
+    require_gpu()
     save("sampler", run_sampler_benchmark(args.batch_sizes, args.vocab), None, args.out)
 
 

@@ -16,7 +16,6 @@ wall seconds. A request counts as completed when its last event's finish_reason 
 Writes serving.json + .png.
 """
 
-import argparse
 import asyncio
 import itertools
 import json
@@ -25,15 +24,14 @@ import multiprocessing
 import random
 import shlex
 import sys
-import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
-from pathlib import Path
 
 import httpx
 from tqdm import tqdm
 
-from minivllm.benchmarks.common import OUT, percentiles, result, save
+from minivllm.benchmarks.common import arg_parser, percentiles, preset_checkpoint, result, save
+from minivllm.benchmarks.workloads import make_requests
 
 MODULE = "minivllm.benchmarks.serving"
 TEMPERATURE = 0.6
@@ -41,14 +39,6 @@ DEFAULTS = {
     "cuda": dict(preset="qwen3-0.6b", num_requests=512, prompt_lens=[100, 1024], output_lens=[100, 1024]),
     "cpu": dict(preset="tiny", num_requests=32, prompt_lens=[16, 128], output_lens=[16, 64]),
 }
-
-
-def make_requests(n: int, prompt_lens, output_lens, vocab: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
-    """n prompts of token ids (< 10,000 and the vocabulary) with lengths in prompt_lens, then n output lengths."""
-    rng = random.Random(seed)
-    top = min(10_000, vocab) - 1
-    prompts = [[rng.randint(0, top) for _ in range(rng.randint(*prompt_lens))] for _ in range(n)]
-    return prompts, [rng.randint(*output_lens) for _ in range(n)]
 
 
 def arrival_times(n: int, rate: float, seed: int = 0) -> list[float]:
@@ -153,24 +143,22 @@ def run_offline(engine, prompts, output_lens) -> dict:
 
 def run_serving_benchmark(preset: str, num_requests: int, rates, prompt_lens, output_lens, seed: int = 0) -> dict:
     from minivllm.async_llm import AsyncLLM
-    from minivllm.checkpoint import write_checkpoint
     from minivllm.serve import serve_in_thread
 
-    with tempfile.TemporaryDirectory() as tmp:
-        path = write_checkpoint(Path(tmp) / preset, preset, seed=0)
-        llm = AsyncLLM(str(path), enable_prefix_caching=False, max_model_len=prompt_lens[1] + output_lens[1])
-        try:
-            vocab_size = llm.engine.config.hf_config.vocab_size
-            prompts, outs = make_requests(num_requests, prompt_lens, output_lens, vocab_size, seed)
-            run_offline(llm.engine, prompts[:8], [4] * len(prompts[:8]))  # warm-up
-            rows = [run_offline(llm.engine, prompts, outs)]
-            spawn = multiprocessing.get_context("spawn")  # the client's own process: no GIL shared with the server
-            with serve_in_thread(llm, preset) as url, ProcessPoolExecutor(1, mp_context=spawn) as client:
-                for rate in rates:
-                    results, seconds = client.submit(run_client, url, preset, prompts, outs, rate, seed).result()
-                    rows.append(online_row(rate, results, seconds, outs))
-        finally:
-            llm.close()
+    path = preset_checkpoint(preset)
+    llm = AsyncLLM(str(path), enable_prefix_caching=False, max_model_len=prompt_lens[1] + output_lens[1])
+    try:
+        vocab_size = llm.engine.config.hf_config.vocab_size
+        prompts, outs = make_requests(num_requests, prompt_lens, output_lens, vocab_size, seed)
+        run_offline(llm.engine, prompts[:8], [4] * len(prompts[:8]))  # warm-up
+        rows = [run_offline(llm.engine, prompts, outs)]
+        spawn = multiprocessing.get_context("spawn")  # the client's own process: no GIL shared with the server
+        with serve_in_thread(llm, preset) as url, ProcessPoolExecutor(1, mp_context=spawn) as client:
+            for rate in rates:
+                results, seconds = client.submit(run_client, url, preset, prompts, outs, rate, seed).result()
+                rows.append(online_row(rate, results, seconds, outs))
+    finally:
+        llm.close()
     workload = dict(
         num_requests=num_requests,
         prompt_lens=list(prompt_lens),
@@ -223,7 +211,7 @@ def print_serving(rows: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> None:
     import torch
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__, "serving")
     parser.add_argument("--preset", help="default: qwen3-0.6b on a GPU, tiny on a CPU")
     parser.add_argument("--num-requests", type=int, help="default: 512 on a GPU, 32 on a CPU")
     parser.add_argument("--request-rates", type=float, nargs="+", default=[4, 16, 64, math.inf])
@@ -234,7 +222,6 @@ def main(argv: list[str] | None = None) -> None:
         "--output-lens", type=int, nargs=2, metavar=("MIN", "MAX"), help="default: 100 1024 (CPU: 16 64)"
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=OUT, help="folder for serving.json and .png (default: ./figures)")
     parser.set_defaults(**DEFAULTS["cuda" if torch.cuda.is_available() else "cpu"])
     args = parser.parse_args(argv)
     if min(args.request_rates) <= 0 or args.num_requests < 1 or min(args.prompt_lens + args.output_lens) < 1:

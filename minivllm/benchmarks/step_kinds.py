@@ -11,17 +11,13 @@ tokens computed, sequences. On a CPU there are no graphs, and the runs without t
 step_kinds.json + .png.
 """
 
-import argparse
-import tempfile
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 
-from minivllm.benchmarks.common import OUT, result, save
-from minivllm.benchmarks.throughput import MAX_MODEL_LEN, POLICIES, Workload, make_workload
-from minivllm.checkpoint import write_checkpoint
+from minivllm.benchmarks.common import arg_parser, preset_checkpoint, result, save
+from minivllm.benchmarks.workloads import MAX_MODEL_LEN, POLICIES, WORKLOADS, Workload, make_workload
 from minivllm.engine.llm_engine import Prompt
 from minivllm.llm import LLM
 from minivllm.sampling_params import SamplingParams
@@ -56,18 +52,17 @@ def run_step_kinds_benchmark(
     works = [w if isinstance(w, Workload) else make_workload(w) for w in workloads]
     config.setdefault("max_model_len", MAX_MODEL_LEN)
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        path = write_checkpoint(Path(tmp) / preset, preset, seed=0)
-        for policy in POLICIES:
-            for graphs in (True, False) if torch.cuda.is_available() else (False,):
-                with LLM(str(path), scheduling_policy=policy, async_scheduling=False, **config) as llm:
-                    if not graphs:
-                        llm.engine.runner.mixed_graphs = None  # prefill and mixed steps run eagerly
-                    llm.generate(["Benchmark: "], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-                    for work in works:
-                        fastest = min((run_kinds(llm, work) for _ in range(repeats)), key=lambda run: run["seconds"])
-                        rows.append(dict(policy=policy, mixed_graphs=graphs, **fastest))
-                        print(describe_kinds(rows[-1]))
+    path = preset_checkpoint(preset)
+    for policy in POLICIES:
+        for graphs in (True, False) if torch.cuda.is_available() else (False,):
+            with LLM(str(path), scheduling_policy=policy, async_scheduling=False, **config) as llm:
+                if not graphs:
+                    llm.engine.runner.mixed_graphs = None  # prefill and mixed steps run eagerly
+                llm.generate(["Benchmark: "], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+                for work in works:
+                    fastest = min((run_kinds(llm, work) for _ in range(repeats)), key=lambda run: run["seconds"])
+                    rows.append(dict(policy=policy, mixed_graphs=graphs, **fastest))
+                    print(describe_kinds(rows[-1]))
     return result("minivllm.benchmarks.step_kinds", rows, preset=preset, repeats=repeats)
 
 
@@ -106,12 +101,10 @@ def plot_step_kinds(data: dict):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workloads", nargs="+", choices=("nano-vllm", "chat", "long", "single"),
-                        default=["chat", "nano-vllm"])  # fmt: skip
+    parser = arg_parser(__doc__, "step_kinds")
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=["chat", "nano-vllm"])
     parser.add_argument("--preset", default="qwen3-0.6b")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each workload per engine; the fastest is kept")
-    parser.add_argument("--out", type=Path, default=OUT, help="folder for step_kinds.json and .png")
     args = parser.parse_args()
     data = run_step_kinds_benchmark(args.workloads, args.preset, args.repeats)
     save("step_kinds", data, plot_step_kinds(data), args.out)

@@ -24,128 +24,25 @@ that all requests share once per decode step: its blocks are the same ones) at t
 Writes throughput.json + .png.
 """
 
-import argparse
-import dataclasses
-import random
-import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from minivllm.benchmarks.common import OUT, gpu_ms, percentiles, result, save
-from minivllm.benchmarks.decode import copy_tbps
-from minivllm.checkpoint import write_checkpoint
+from minivllm.benchmarks.common import arg_parser, machine_rates, preset_checkpoint, result, save
+from minivllm.benchmarks.workloads import (
+    MAX_MODEL_LEN,
+    POLICIES,
+    WORKLOADS,
+    Workload,
+    describe_workload,
+    make_workload,
+    run_workload,
+    warm_up,
+)
 from minivllm.checkpoint.maker import preset_config
 from minivllm.llm import LLM
-from minivllm.outputs import RequestOutput, StepStats
-from minivllm.sampling_params import SamplingParams
-
-WORKLOADS = ("nano-vllm", "chat", "long", "single")
-POLICIES = ("unified", "prefill-first")
-MAX_MODEL_LEN = 12_400  # the longest request: a 12k-token prompt and 100 outputs
-
-
-@dataclass
-class Workload:
-    name: str
-    prompts: list[list[int]]
-    params: list[SamplingParams]
-    shared_prefix: int = 0  # prompt tokens every request starts with
-
-    @property
-    def output_lens(self) -> list[int]:
-        return [p.max_tokens for p in self.params]
-
-
-def workload(num_seqs: int = 256, min_len: int = 100, max_len: int = 1024) -> tuple[list[list[int]], list[int]]:
-    """nano-vllm's bench.py: prompts first, then output lengths, from one random.seed(0) stream."""
-    random.seed(0)
-    prompts = [[random.randint(0, 10000) for _ in range(random.randint(min_len, max_len))] for _ in range(num_seqs)]
-    output_lens = [random.randint(min_len, max_len) for _ in range(num_seqs)]
-    return prompts, output_lens
-
-
-def make_workload(name: str) -> Workload:
-    rng = random.Random(0)
-
-    def ids(n: int) -> list[int]:
-        return [rng.randint(0, 10000) for _ in range(n)]
-
-    def params(n: int, temperature: float = 0.6, **kw) -> SamplingParams:
-        return SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=n, **kw)
-
-    if name == "nano-vllm":
-        prompts, output_lens = workload(256)
-        return Workload(name, prompts, [params(n) for n in output_lens])
-    if name == "chat":
-        system = ids(1500)
-        prompts = [system + ids(rng.randint(50, 300)) for _ in range(512)]
-        outs = [params(rng.randint(100, 300), temperature=0.7, top_p=0.9) for _ in prompts]
-        return Workload(name, prompts, outs, shared_prefix=len(system))
-    if name == "long":
-        prompts = [ids(rng.randint(10_000, 12_000)) for _ in range(32)]
-        return Workload(name, prompts, [params(rng.randint(50, 100)) for _ in prompts])
-    if name == "single":
-        return Workload(name, [ids(256)], [params(2048)])
-    raise ValueError(f"unknown workload {name!r}; choose from {WORKLOADS}")
-
-
-def step_breakdown(steps: list[StepStats]) -> dict:
-    """Seconds and calls per part of the engine step, summed over a run: "scheduler" (Scheduler.schedule and
-    Scheduler.postprocess, two calls a step) and "runner.run" (ModelRunner.run: step inputs, forward, sampler)."""
-    ran = [stats for stats in steps if stats.kind != "idle"]
-    return {
-        "scheduler": dict(seconds=sum(s.schedule_seconds + s.postprocess_seconds for s in ran), calls=2 * len(ran)),
-        "runner.run": dict(seconds=sum(s.run_seconds for s in ran), calls=len(ran)),
-    }
-
-
-def run_engine(llm: LLM, prompts, params) -> tuple[list[RequestOutput], list[StepStats]]:
-    """`llm.generate`'s loop, keeping each step's stats."""
-    engine, outputs, steps = llm.engine, [], []
-    engine.add_requests(prompts, params)
-    while engine.has_unfinished_requests():
-        finished, stats = engine.step()
-        outputs += finished
-        steps.append(stats)
-    return outputs, steps
-
-
-def warm_up(llm: LLM, work: Workload) -> None:
-    """The workload's prompts, two tokens each, then an empty prefix cache: the timed run starts with every kernel of
-    its steps compiled and the allocator's memory reserved, as a server's steady state, and finds nothing cached.
-    (The first engine of a process still measures ~2.5% slower on nano-vllm's workload, whichever its policy, its
-    prefill steps included: something other than compiling, not found yet.)"""
-    llm.generate(work.prompts, [dataclasses.replace(p, max_tokens=2) for p in work.params], use_tqdm=False)
-    llm.engine.scheduler.block_manager.reset()
-
-
-def run_workload(llm: LLM, work: Workload) -> dict:
-    """One workload on a started engine: throughput, latency percentiles, step kinds and where the time goes."""
-    start = time.perf_counter()
-    outputs, steps = run_engine(llm, work.prompts, work.params)
-    seconds = time.perf_counter() - start
-    output_tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
-    assert output_tokens == sum(work.output_lens), "every request runs to its max_tokens (ignore_eos)"
-    prompt_tokens = sum(map(len, work.prompts))
-    tpot = [out.metrics.time_per_output_token(len(out.outputs[0].token_ids)) for out in outputs]
-    kinds = [s.kind for s in steps if s.kind != "idle"]
-    return dict(
-        workload=work.name,
-        num_seqs=len(work.prompts),
-        prompt_tokens=prompt_tokens,
-        output_tokens=output_tokens,
-        seconds=seconds,
-        tok_per_s=output_tokens / seconds,
-        total_tok_per_s=(prompt_tokens + output_tokens) / seconds,
-        **percentiles("ttft", [out.metrics.time_to_first_token for out in outputs]),  # type: ignore[misc]
-        **percentiles("tpot", [t for t in tpot if t is not None]),
-        steps={kind: kinds.count(kind) for kind in ("prefill", "decode", "mixed")},
-        step_breakdown=step_breakdown(steps),
-    )
 
 
 def roofline_tok_per_s(work: Workload, preset: str, max_num_seqs: int, tflops: float, tbps: float) -> float:
@@ -169,46 +66,6 @@ def roofline_tok_per_s(work: Workload, preset: str, max_num_seqs: int, tflops: f
     kv_reads = kv_per_token * (own + work.shared_prefix * decode_steps)  # and the shared prefix once a step
     seconds = max(flops / (tflops * 1e12), (2 * params * decode_steps + kv_reads) / (tbps * 1e12))
     return sum(work.output_lens) / seconds
-
-
-def matmul_tflops(n: int = 8192) -> float:
-    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
-    return 2 * n**3 / (gpu_ms(lambda: a @ a) * 1e-3) / 1e12
-
-
-def machine_rates() -> tuple[float, float]:
-    """The GPU's bf16 matmul TFLOP/s and copy TB/s, measured (on a CPU: nan, nan)."""
-    if not torch.cuda.is_available():
-        return float("nan"), float("nan")
-    rates = matmul_tflops(), copy_tbps()
-    torch.cuda.empty_cache()  # before the engines size their KV caches
-    return rates
-
-
-def run_minivllm(path: Path, prompts, output_lens, **config) -> tuple[dict, dict]:
-    """nano-vllm's workload on a fresh LLM (Config fields in `config`): output tokens/s and its step breakdown;
-    also how long the LLM took to start and to close, and the tokens its KV cache holds."""
-    start = time.perf_counter()
-    llm = LLM(str(path), max_model_len=4096, **config)
-    startup_seconds = time.perf_counter() - start
-    try:
-        llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)  # warm-up
-        params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens]
-        row = run_workload(llm, Workload("nano-vllm", prompts, params))
-        kv_cache_tokens = llm.engine.scheduler.block_manager.num_slots
-    finally:
-        start = time.perf_counter()
-        llm.close()
-        close_seconds = time.perf_counter() - start
-    breakdown = row.pop("step_breakdown")
-    return dict(
-        output_tokens=row["output_tokens"],
-        seconds=row["seconds"],
-        tok_per_s=row["tok_per_s"],
-        startup_seconds=startup_seconds,
-        close_seconds=close_seconds,
-        kv_cache_tokens=kv_cache_tokens,
-    ), breakdown
 
 
 def run_transformers(path: Path, prompts, output_lens) -> dict:
@@ -294,22 +151,19 @@ def run_throughput_benchmark(
     config.setdefault("max_model_len", MAX_MODEL_LEN)
     rates = machine_rates()
     rows: list[dict] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        path = write_checkpoint(Path(tmp) / preset, preset, seed=0)
-        if "minivllm" in impls:
-            for policy in policies:
-                rows += engine_rows(path, preset, works, policy, True, rates, **config)
-            for policy in policies:  # chat without prefix caching: what the shared system prompt saves
-                rows += engine_rows(
-                    path, preset, [w for w in works if w.name == "chat"], policy, False, rates, **config
-                )
-        nano = [w for w in works if w.name == "nano-vllm"]
-        if "minivllm-eager" in impls and nano:
-            rows += engine_rows(path, preset, nano, policies[0], True, rates, enforce_eager=True, **config)
-        if "transformers-generate-batch" in impls and nano:
-            row = run_transformers(path, nano[0].prompts, nano[0].output_lens)
-            rows.append(dict(impl="transformers-generate-batch", workload="nano-vllm", num_seqs=256, **row))
-            print(f"nano-vllm · transformers-generate-batch: {row['tok_per_s']:,.0f} output tok/s")
+    path = preset_checkpoint(preset)
+    if "minivllm" in impls:
+        for policy in policies:
+            rows += engine_rows(path, preset, works, policy, True, rates, **config)
+        for policy in policies:  # chat without prefix caching: what the shared system prompt saves
+            rows += engine_rows(path, preset, [w for w in works if w.name == "chat"], policy, False, rates, **config)
+    nano = [w for w in works if w.name == "nano-vllm"]
+    if "minivllm-eager" in impls and nano:
+        rows += engine_rows(path, preset, nano, policies[0], True, rates, enforce_eager=True, **config)
+    if "transformers-generate-batch" in impls and nano:
+        row = run_transformers(path, nano[0].prompts, nano[0].output_lens)
+        rows.append(dict(impl="transformers-generate-batch", workload="nano-vllm", num_seqs=256, **row))
+        print(f"nano-vllm · transformers-generate-batch: {row['tok_per_s']:,.0f} output tok/s")
     return result(
         module,
         rows,
@@ -318,16 +172,6 @@ def run_throughput_benchmark(
         bf16_matmul_tflops=rates[0] if np.isfinite(rates[0]) else None,
         copy_tbps=rates[1] if np.isfinite(rates[1]) else None,
         workloads={w.name: describe_workload(w) for w in works},
-    )
-
-
-def describe_workload(work: Workload) -> str:
-    lens, outs = [len(p) for p in work.prompts], work.output_lens
-    p = work.params[0]
-    return (
-        f"{len(lens)} requests at once, prompts {min(lens)}-{max(lens)} tokens"
-        + (f" ({work.shared_prefix} shared)" if work.shared_prefix else "")
-        + f", outputs {min(outs)}-{max(outs)}, temperature {p.temperature}, top-p {p.top_p}, ignore_eos"
     )
 
 
@@ -378,7 +222,7 @@ def plot_throughput(data: dict):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__, "throughput")
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
     parser.add_argument(
@@ -388,9 +232,6 @@ def main() -> None:
         default=["minivllm"],
     )
     parser.add_argument("--preset", default="qwen3-0.6b")
-    parser.add_argument(
-        "--out", type=Path, default=OUT, help="folder for throughput.json and .png (default: ./figures)"
-    )
     args = parser.parse_args()
     data = run_throughput_benchmark(args.workloads, args.policies, args.impls, args.preset)
     save("throughput", data, plot_throughput(data), args.out)

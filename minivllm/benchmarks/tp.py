@@ -10,20 +10,16 @@ can take GPUs out of service, and all-reduces of a 0.6B model's activations gain
 Writes tp.json + .png.
 """
 
-import argparse
 import json
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
-from minivllm.benchmarks.common import OUT, result, save
-from minivllm.benchmarks.decode_step import decode_step_rows
-from minivllm.benchmarks.throughput import run_minivllm, workload
-from minivllm.checkpoint import write_checkpoint
+from minivllm.benchmarks.common import arg_parser, preset_checkpoint, result, save
+from minivllm.benchmarks.workloads import decode_step_rows, run_minivllm, workload
 
 BATCH_SIZES = (1, 16, 64, 256)
 STARTUP = """
@@ -52,35 +48,32 @@ def run_tp_benchmark(
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # read by NCCL in every process the runner spawns
     prompts, output_lens = workload(256)
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        path = write_checkpoint(Path(tmp) / "qwen3-0.6b", "qwen3-0.6b", seed=0)
+    path = preset_checkpoint("qwen3-0.6b")
+    for tp in tp_sizes:
+        steps, cache = decode_step_rows(path, context_len, batch_sizes, impls=("minivllm",), tensor_parallel_size=tp)
+        rows += [
+            dict(
+                kind="decode_step",
+                tp=tp,
+                batch=r["batch"],
+                context_len=r["context_len"],
+                ms=r["ms"],
+                kv_cache_tokens=cache["kv_cache_tokens"],
+            )
+            for r in steps
+        ]
+        row, breakdown = run_minivllm(path, prompts, output_lens, tensor_parallel_size=tp)
+        rows.append(dict(kind="throughput", tp=tp, **row, step_breakdown=breakdown))
+        print(
+            f"tp={tp}: {row['output_tokens']} tokens in {row['seconds']:.1f} s = {row['tok_per_s']:,.0f} tok/s; "
+            f"start-up {row['startup_seconds']:.1f} s, close {row['close_seconds']:.2f} s, "
+            f"KV cache {row['kv_cache_tokens']:,} tokens"
+        )
+    for attempt in (1, 2):
         for tp in tp_sizes:
-            steps, cache = decode_step_rows(
-                path, context_len, batch_sizes, impls=("minivllm",), tensor_parallel_size=tp
-            )
-            rows += [
-                dict(
-                    kind="decode_step",
-                    tp=tp,
-                    batch=r["batch"],
-                    context_len=r["context_len"],
-                    ms=r["ms"],
-                    kv_cache_tokens=cache["kv_cache_tokens"],
-                )
-                for r in steps
-            ]
-            row, breakdown = run_minivllm(path, prompts, output_lens, tensor_parallel_size=tp)
-            rows.append(dict(kind="throughput", tp=tp, **row, step_breakdown=breakdown))
-            print(
-                f"tp={tp}: {row['output_tokens']} tokens in {row['seconds']:.1f} s = {row['tok_per_s']:,.0f} tok/s; "
-                f"start-up {row['startup_seconds']:.1f} s, close {row['close_seconds']:.2f} s, "
-                f"KV cache {row['kv_cache_tokens']:,} tokens"
-            )
-        for attempt in (1, 2):
-            for tp in tp_sizes:
-                times = fresh_startup(path, tp)
-                rows.append(dict(kind="startup", tp=tp, attempt=attempt, **times))
-                print(f"tp={tp}, fresh process #{attempt}: ready in {times['ready_seconds']:.1f} s")
+            times = fresh_startup(path, tp)
+            rows.append(dict(kind="startup", tp=tp, attempt=attempt, **times))
+            print(f"tp={tp}, fresh process #{attempt}: ready in {times['ready_seconds']:.1f} s")
     return result(
         module,
         rows,
@@ -134,10 +127,9 @@ def plot_tp(data: dict):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = arg_parser(__doc__, "tp")
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--context-len", type=int, default=512)
-    parser.add_argument("--out", type=Path, default=OUT, help="folder for tp.json and .png (default: ./figures)")
     args = parser.parse_args()
     if torch.cuda.device_count() < max(args.tp):
         raise SystemExit(f"tensor parallel {max(args.tp)} needs as many CUDA GPUs; {torch.cuda.device_count()} found")
