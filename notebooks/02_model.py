@@ -990,7 +990,7 @@ print(
 # model from its float32 one? If ours is as close to float32 as theirs is, what is left is rounding.
 
 # %%
-from minivllm.benchmarks.model_parity import compare
+from minivllm.checks.model_parity import compare
 
 token_ids = text_ids[:1000]
 ours_bf16 = prompt_logits(load_model(tiny_path, dtype=torch.bfloat16, device=DEVICE), token_ids)
@@ -1021,7 +1021,7 @@ assert ours["top1_agreement"] >= theirs["top1_agreement"] - 0.02
 # decides some argmaxes; a trained model's logits are peaked, and agreement is higher.
 #
 # On a GPU the model uses our Triton kernel instead of the reference attention. `python -m
-# minivllm.benchmarks.model_parity` writes the `qwen3-0.6b` preset, loads it with our loader and with transformers,
+# minivllm.checks.model_parity` writes the `qwen3-0.6b` preset, loads it with our loader and with transformers,
 # and makes the same comparison over a 1,024-token prompt (teacher forcing: every position scored at once). The
 # committed H200 result:
 
@@ -1041,7 +1041,7 @@ if parity_file.exists():
             f"({100 * row['top1_agreement_decisive']:.1f}% at {parity['decisive_positions']} decisive positions)"
         )
 else:
-    print("no GPU result yet: run `python -m minivllm.benchmarks.model_parity` on a GPU")
+    print("no GPU result yet: run `python -m minivllm.checks.model_parity` on a GPU")
 
 # %% [markdown]
 # ## The engine's settings

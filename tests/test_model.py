@@ -252,13 +252,13 @@ def test_tensor_parallel_2_holds_half_of_each_layer(tp2):
     assert shapes[0]["model.embed_tokens.weight"] == shapes[0]["lm_head.weight"] == (1024, 128)
 
 
-# --- GPU: the qwen3-0.6b preset in bfloat16 against transformers (python -m minivllm.benchmarks.model_parity) ------
+# --- GPU: the qwen3-0.6b preset in bfloat16 against transformers (python -m minivllm.checks.model_parity) ------
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_qwen3_0_6b_bfloat16_parity_on_gpu():
-    from minivllm.benchmarks.model_parity import run_model_parity
+    from minivllm.checks.model_parity import run_model_parity
 
     result = run_model_parity("qwen3-0.6b", num_tokens=1024)
     rows = {(row["impl"], row["reference"]): row for row in result["rows"]}

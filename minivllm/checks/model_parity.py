@@ -1,6 +1,6 @@
 """Our Qwen3 against transformers' in bfloat16, under teacher forcing, on the `qwen3-0.6b` preset.
 
-    python -m minivllm.benchmarks.model_parity [--out figures] [--num-tokens 1024]
+    python -m minivllm.checks.model_parity [--out figures] [--num-tokens 1024]
 
 Writes the preset to a temporary folder (timed), loads it with `minivllm.load_model` (timed; the folder was just
 written, so it is read from the page cache) and with transformers,
@@ -20,11 +20,12 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from minivllm.benchmarks.common import OUT
 from minivllm.checkpoint import write_checkpoint
 from minivllm.layers.rotary_embedding import rope_parameters
 from minivllm.models.loader import load_model
 from minivllm.testing import prompt_logits
+
+OUT = Path("figures")  # the default --out: under the current directory
 
 
 def _sync(device: torch.device) -> None:
@@ -101,8 +102,7 @@ def run_model_parity(
     ours_vs_hf = compare(logits["minivllm", bf16], logits["transformers", bf16], decisive)
     return {
         "device": device_name(device),
-        "command": f"python -m minivllm.benchmarks.model_parity --preset {preset} --num-tokens {num_tokens} "
-        f"--seed {seed}",
+        "command": f"python -m minivllm.checks.model_parity --preset {preset} --num-tokens {num_tokens} --seed {seed}",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "preset": preset,
