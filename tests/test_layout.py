@@ -6,6 +6,7 @@ ALLOWED below is the table of docs/ARCHITECTURE.md. KNOWN lists the imports that
 removed: each must still break it (so that a fix removes its line here), and the set must shrink to empty."""
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -82,6 +83,7 @@ def room_of(module: str) -> str:
     return f"{parts[0]}/" if (PACKAGE / parts[0]).is_dir() else f"{parts[0]}.py"
 
 
+@functools.cache
 def modules() -> dict[str, Path]:
     return {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
 
