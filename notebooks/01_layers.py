@@ -45,15 +45,18 @@ print(f"device: {DEVICE}, torch {torch.__version__}")
 #
 # An engine computes `gate` and `up` with one matrix multiply (one weight read instead of two), so the
 # activation receives them side by side in one tensor and splits it: that is `SiluAndMul`.
+#
+# Each small layer here also has a `kernel` attribute, `None` by default: then its PyTorch code runs. On a GPU a
+# fused Triton kernel can take its place; the deep dive `deep_dives/triton_layers.ipynb` writes them and measures
+# why. Nothing in the core path needs it.
 
 # %% tags=["export"] module="minivllm.layers.activation"
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from minivllm.kernels.small_layers import silu_and_mul  # Triton kernels, written after RoPE in notebook 01
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
@@ -67,11 +70,11 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 class SiluAndMul(nn.Module):
     """silu(gate) * up, where the input holds [gate | up] along its last dimension."""
 
-    use_triton = False  # True: one Triton kernel instead; notebook 04's runner sets it on a GPU
+    kernel: Callable[[torch.Tensor], torch.Tensor] | None = None  # a fused kernel instead (set per layer)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (num_tokens, 2 * intermediate_size)
-        if self.use_triton:
-            return silu_and_mul(x)
+        if self.kernel is not None:
+            return self.kernel(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up  # (num_tokens, intermediate_size)
 
@@ -99,14 +102,17 @@ torch.testing.assert_close(SiluAndMul()(torch.cat([gate, up], -1)), torch.nn.fun
 # one function (and, compiled, one kernel) do both, reading `x` from memory once instead of twice.
 
 # %% tags=["export"] module="minivllm.layers.layernorm"
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
-from minivllm.kernels.small_layers import rms_norm
+Pair = tuple[torch.Tensor, torch.Tensor]
+NormKernel = Callable[[torch.Tensor, torch.Tensor, float, torch.Tensor | None], torch.Tensor | Pair]
 
 
 class RMSNorm(nn.Module):
-    use_triton = False  # True: one Triton kernel for the add and the norm; notebook 04's runner sets it on a GPU
+    kernel: NormKernel | None = None  # (x, weight, eps, residual): the add and the norm as one kernel (set per layer)
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -119,15 +125,13 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
-    def add_rms_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_rms_forward(self, x: torch.Tensor, residual: torch.Tensor) -> Pair:
         residual = (x.float() + residual.float()).to(x.dtype)  # the new residual stream
         return self.rms_forward(residual), residual
 
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if self.use_triton:
-            return rms_norm(x, self.weight, self.eps, residual)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | Pair:
+        if self.kernel is not None:
+            return self.kernel(x, self.weight, self.eps, residual)
         if residual is None:
             return self.rms_forward(x)
         return self.add_rms_forward(x, residual)
@@ -155,119 +159,30 @@ for dtype in (torch.float32, torch.bfloat16):
 print("RMSNorm matches Qwen3RMSNorm bit for bit")
 
 # %% [markdown]
-# ### Does `torch.compile` pay off here?
-# Eager PyTorch runs `x.float()`, `pow`, `mean`, `rsqrt`, `*`, `.to()` and `*` as separate kernels, each
-# reading and writing the whole tensor. `torch.compile` fuses them into one loop. That saves memory traffic
-# on large tensors, but every compiled call first checks its guards, which costs time on tiny ones.
-# Let us measure rather than guess: a decode step of one sequence (1 token) against a prefill of 8,192 tokens.
-
-# %%
-import time
-
-import matplotlib.pyplot as plt
-
-
-def bench_ms(fn, *args, repeat: int = 10) -> float:
-    """Median time of fn(*args) in milliseconds: CUDA events on a GPU, wall clock on a CPU."""
-    if DEVICE == "cuda":
-        import triton
-
-        return triton.testing.do_bench(lambda: fn(*args), return_mode="median")
-    fn(*args)
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn(*args)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
-hidden, intermediate = 1024, 3072  # Qwen3-0.6B's sizes
-norm = RMSNorm(hidden).to(DEVICE)
-act = SiluAndMul().to(DEVICE)
-ops = {
-    "RMSNorm + residual": (
-        norm,
-        lambda n: (torch.randn(n, hidden, device=DEVICE), torch.randn(n, hidden, device=DEVICE)),
-    ),
-    "SiluAndMul": (act, lambda n: (torch.randn(n, 2 * intermediate, device=DEVICE),)),
-}
-compile_rows = []
-with torch.no_grad():
-    for name, (module, make_inputs) in ops.items():
-        compiled = torch.compile(module, dynamic=True)
-        for num_tokens in (1, 8192):
-            inputs = make_inputs(num_tokens)
-            compile_rows.append(
-                dict(
-                    op=name,
-                    num_tokens=num_tokens,
-                    eager=bench_ms(module, *inputs),
-                    compiled=bench_ms(compiled, *inputs),
-                )
-            )
-for r in compile_rows:
-    print(f"{r['op']:>20} {r['num_tokens']:>5} tokens: eager {r['eager']:.3f} ms, compiled {r['compiled']:.3f} ms")
-
-# %%
-from pathlib import Path
-
-FIGURES = Path(os.environ.get("MINIVLLM_FIGURES", "../build/figures")).resolve()
-FIGURES.mkdir(parents=True, exist_ok=True)
-
-fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-for ax, num_tokens in zip(axes, (1, 8192)):
-    rows = [r for r in compile_rows if r["num_tokens"] == num_tokens]
-    xs = range(len(rows))
-    ax.bar([x - 0.2 for x in xs], [r["eager"] for r in rows], width=0.4, label="eager")
-    ax.bar([x + 0.2 for x in xs], [r["compiled"] for r in rows], width=0.4, label="torch.compile")
-    ax.set_xticks(list(xs), [r["op"] for r in rows])
-    ax.set_title(f"{num_tokens} token{'s' if num_tokens > 1 else ''} ({DEVICE})")
-    ax.set_ylabel("ms per call")
-    ax.legend()
-fig.tight_layout()
-fig.savefig(FIGURES / "01_compile_vs_eager.png", dpi=120)
-print(f"saved {FIGURES / '01_compile_vs_eager.png'}")
-
-# %% [markdown]
-# Read the figure: on a single token the compiled call is no faster (there is almost no data to save
-# traffic on, and the guard check is pure overhead); on 8,192 tokens fusion saves whole passes over memory.
-# Fusion pays, but on small batches the per-call overhead, not the arithmetic, sets the time: after RoPE we fuse by
-# hand instead. (Timings move from run to run and machine to machine, so this cell prints them, not asserts them.)
-
-# %% [markdown]
 # ## Tensor-parallel linear layers
-# With tensor parallelism (TP) each of N GPUs holds a slice of every weight matrix. Megatron-LM's recipe
-# needs only two kinds of slicing:
+# With tensor parallelism (TP) each of N GPUs holds a slice of every weight matrix, cut one of two ways:
 #
-# * **Column parallel**: split the *output* features. Each rank computes its own slice of `y = x Wᵀ`; no
-#   communication. Used for the QKV projection and the MLP's gate/up projection.
-# * **Row parallel**: split the *input* features. Each rank computes a partial sum; an all-reduce adds them.
-#   Used for the attention output and the MLP's down projection, right after a column-parallel layer, so
-#   the activations between the two never need to be gathered.
+# * **Column parallel**: split the *output* features. Each rank computes its slice of `y = x Wᵀ`; no communication.
+#   Used for the QKV projection and the MLP's gate/up projection.
+# * **Row parallel**: split the *input* features. Each rank computes a partial sum; an all-reduce adds them. Used for
+#   the attention output and the MLP's down projection, right after a column-parallel layer whose output slice is
+#   exactly the input slice it needs: two all-reduces a block, whatever N is.
 #
-# So a block costs two all-reduces, whatever N is. HuggingFace checkpoints store full, separate matrices
-# (`q_proj`, `k_proj`, `v_proj`, `gate_proj`, `up_proj`); each parameter therefore carries a
-# `weight_loader` that takes the full tensor and copies in this rank's slice, at the right offset when
-# several HF tensors are packed into one of ours.
-#
-# Which rank am I, and of how many? A layer learns it when it is built, from the `TPGroup` of the
-# `with tensor_parallel(...)` block around the model's construction, and keeps it: the group its all-reduces
-# run on belongs to that model, so two engines in one process (one split over two GPUs, one not) never mix
-# up their ranks. Outside such a block a layer is whole: rank 0 of 1.
+# HuggingFace checkpoints store full, separate matrices (`q_proj`, `k_proj`, `v_proj`, `gate_proj`, `up_proj`), so
+# each parameter carries a `weight_loader` that copies in this rank's slice, at its offset when several are packed
+# into one of ours. A layer takes its rank from the `with tensor_parallel(TPGroup(...))` block it is built in
+# (notebook 06 starts one process per rank); outside one it is whole, rank 0 of 1, as everywhere in this notebook.
 
 # %% tags=["export"] module="minivllm.layers.linear"
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-
-from minivllm.kernels.small_layers import gemv  # a Triton kernel, written with the small layers below
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,10 +224,19 @@ def check_shape(name: str, loaded: torch.Tensor, expected: tuple[int, ...]) -> N
         raise ValueError(f"{name}: expected shape {tuple(expected)}, got {tuple(loaded.shape)}")
 
 
+class Gemv(Protocol):
+    """One token's linear layer as one kernel: F.linear(x, weight, bias) for x: (1, k); gated: the weight holds
+    [gate | up] and the result is silu(gate) * up."""
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False
+    ) -> torch.Tensor: ...
+
+
 class LinearBase(nn.Module):
     """y = x Wᵀ (+ b) on this rank's slice; `tp_dim` is the weight dimension that is split (None: replicated)."""
 
-    use_triton = False  # True: one token's product by a Triton GEMV (below); notebook 04's runner sets it on a GPU
+    kernel: Gemv | None = None  # a matrix-vector kernel for one token (set per layer)
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_dim: int | None = None):
         super().__init__()
@@ -341,8 +265,8 @@ class LinearBase(nn.Module):
         param.data.copy_(loaded)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # x: (num_tokens, input_size)
-        if self.use_triton and x.shape[0] == 1:  # a matrix-vector product: cuBLAS's tiles waste bandwidth here
-            return gemv(x, self.weight, bias)
+        if self.kernel is not None and x.shape[0] == 1:  # a matrix-vector product: cuBLAS's tiles waste bandwidth
+            return self.kernel(x, self.weight, bias)
         return F.linear(x, self.weight, bias)  # (num_tokens, output_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (num_tokens, input_size)
@@ -525,13 +449,18 @@ torch.testing.assert_close(head(emb(ids)), table[ids] @ table.T)
 
 # %% tags=["export"] module="minivllm.layers.rotary_embedding"
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from minivllm.kernels.small_layers import apply_rope
 from minivllm.layers.layernorm import RMSNorm
+
+RopeKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple[RMSNorm, RMSNorm] | None],
+    tuple[torch.Tensor, torch.Tensor],
+]  # (positions, q, k, cos, sin, norms) -> (q, k)
 
 
 def rope_parameters(config: Any) -> dict:
@@ -559,7 +488,7 @@ def llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     cos: torch.Tensor  # buffers, registered below: (max_position, head_dim / 2)
     sin: torch.Tensor
-    use_triton = False  # True: one Triton kernel for q and k (and their norms); notebook 04's runner sets it on a GPU
+    kernel: RopeKernel | None = None  # q and k (and their norms) as one kernel (set per layer)
 
     def __init__(self, head_dim: int, max_position: int, params: dict):
         super().__init__()
@@ -579,8 +508,8 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, norms: tuple[RMSNorm, RMSNorm] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:  # positions: (num_tokens,); q, k: (num_tokens, num_heads, head_dim)
         """Rotate q and k; with `norms` (Qwen3's q_norm, k_norm), normalise each head of q and of k first."""
-        if self.use_triton:
-            return apply_rope(positions, q, k, self.cos, self.sin, norms)
+        if self.kernel is not None:
+            return self.kernel(positions, q, k, self.cos, self.sin, norms)
         if norms is not None:
             q, k = norms[0](q), norms[1](k)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # (num_tokens, 1, head_dim / 2)
@@ -602,8 +531,8 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply
 
 from minivllm.layers.rotary_embedding import get_rope
 
-rope32 = dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-              original_max_position_embeddings=8192)  # Llama-3.2's: 8k trained, 128k scaled  # fmt: skip
+rope32 = dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0)
+rope32["original_max_position_embeddings"] = 8192  # Llama-3.2's: 8k trained, 128k scaled by 32
 qwen3_cfg = Qwen3Config(head_dim=64, num_attention_heads=4, max_position_embeddings=4096, rope_theta=1e6)
 llama_cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=131072, rope_parameters=rope32)
 configs = {"qwen3": (qwen3_cfg, Qwen3RotaryEmbedding), "llama3.2": (llama_cfg, LlamaRotaryEmbedding)}
@@ -616,231 +545,6 @@ for name, (config, hf_rope) in configs.items():
     torch.testing.assert_close(q_ours, q_ref[0].transpose(0, 1))
     torch.testing.assert_close(k_ours, k_ref[0].transpose(0, 1))
     print(f"{name}: RoPE matches transformers ({get_rope(config, 64).cos.shape[0]} cached positions)")
-
-# %% [markdown]
-# ## The small layers as Triton kernels (write the first in `exercises/01_triton_rmsnorm.ipynb`)
-# A Qwen3-0.6B forward makes 169 calls to these small layers (4 norms, a RoPE and an activation in each of 28 layers,
-# and a final norm). A compiled call checks guards and runs a wrapper on the *host* first, tens of µs or more on a
-# GPU machine whatever the size (the cell below measures it), while the GPU waits. CUDA graphs hide that only in
-# decode steps (notebook 04); eager, minivllm ran at 2,935 output tokens/s against 15,676 with graphs
-# (`figures/throughput_vs_transformers.json`). A Triton kernel fuses by hand for the cost of a launch, so each layer
-# calls its kernel when its `use_triton` is set (notebook 04's runner sets it on a GPU). Each returns new tensors.
-#
-# The fused residual add + RMSNorm, in full: a program takes `ROWS` rows of `BLOCK ≥ hidden` columns (a token of
-# 1,024, or eight 128-wide heads for the q/k norms, whose rows are a `(tokens, heads)` grid of strided views of the
-# QKV projection), adds and stores the residual, sums squares in float32, and rounds where `RMSNorm` rounds.
-# SiLU-and-mul has no reduction (a program per 1,024 columns of a token); RoPE runs a program per token, which loads
-# its position's `cos` and `sin` once and rotates every head of q and k as `(heads, head_dim / 2)` tiles. Qwen3
-# normalises each head of q and k just before RoPE (notebook 02), so the RoPE kernel can do that too (`norms`):
-# the heads are in registers already, and a layer makes one launch for both instead of three. (The model calls it so;
-# `rms_norm` on heads stays for a norm on its own.)
-#
-# One more is not small: a linear layer at *one* token (a decode step of one request) is a matrix-vector product.
-# Each weight is read once for one multiply-add, so the layer can only be as fast as its weights stream from memory.
-# cuBLAS tiles its GEMMs for many rows; at one row some of its choices leave most of the bandwidth idle (on an
-# H200, Qwen3-0.6B's 4 MB attention output projection took 12 µs: 0.34 TB/s of the 4.8). `gemv` gives each program
-# `BLOCK_N` outputs, keeps a float32 partial sum per lane while it walks along `k`, and reduces once at the end.
-# `LinearBase` calls it for one token when `use_triton` is set; more tokens keep cuBLAS. With `gated=True` it reads
-# the `[gate | up]` rows of an output together and returns `silu(gate) * up`: the MLP's activation, no extra launch.
-
-# %% tags=["export"] module="minivllm.kernels.small_layers"
-from typing import Any
-
-import torch
-import triton
-import triton.language as tl
-
-
-@triton.jit(do_not_specialize=["num_rows"])  # changes every step: one compiled kernel for all values
-def _rms_norm_kernel(
-    X, R, W, OUT, R_OUT, num_rows, heads, stride_xt, stride_xh, stride_rt, stride_rh, n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (ROWS,): row = token * heads + head
-    token, head, cols = rows // heads, rows % heads, tl.arange(0, BLOCK)
-    mask = (rows < num_rows)[:, None] & (cols < n_cols)[None, :]  # (ROWS, BLOCK)
-    x = tl.load(X + (token * stride_xt + head * stride_xh)[:, None] + cols[None, :], mask=mask, other=0.0)
-    x = x.to(tl.float32)
-    offs = rows[:, None] * n_cols + cols[None, :]  # into the contiguous outputs
-    if HAS_RESIDUAL:  # the new residual stream, rounded to the model's dtype before it is normalised
-        r = tl.load(R + (token * stride_rt + head * stride_rh)[:, None] + cols[None, :], mask=mask, other=0.0)
-        x = (x + r.to(tl.float32)).to(R_OUT.dtype.element_ty)
-        tl.store(R_OUT + offs, x, mask=mask)
-        x = x.to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)  # (ROWS,); masked lanes add zeros
-    w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-    normed = (x * inv_rms[:, None]).to(X.dtype.element_ty).to(tl.float32)  # RMSNorm rounds before the weight
-    tl.store(OUT + offs, (normed * w[None, :]).to(OUT.dtype.element_ty), mask=mask)
-
-
-def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm(x) or RMSNorm(x, residual), one launch; x: (num_tokens, hidden) or (num_tokens, num_heads, head_dim)."""
-    x3 = x if x.dim() == 3 else x[:, None]  # (num_tokens, heads, n_cols): a 2-D input has one "head"
-    r3 = x3 if residual is None else (residual if residual.dim() == 3 else residual[:, None])
-    assert x3.dim() == 3 and x3.stride(2) == r3.stride(2) == 1 and weight.shape == x3.shape[2:], (x.shape, weight.shape)
-    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    new_residual = out if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    num_rows, n_cols, block = x3.shape[0] * x3.shape[1], x3.shape[2], triton.next_power_of_2(x3.shape[2])
-    rows = max(1, (1024 if x.is_cuda else 4096) // block)  # short rows: a few per program
-    _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
-        x3, r3, weight, out, new_residual, num_rows, x3.shape[1], *x3.stride()[:2], *r3.stride()[:2], n_cols, eps,
-        HAS_RESIDUAL=residual is not None, ROWS=rows, BLOCK=block, num_warps=min(16, max(4, block // 256)),
-    )  # fmt: skip
-    return out if residual is None else (out, new_residual)
-
-
-@triton.jit
-def _silu_and_mul_kernel(X, OUT, stride_x, n_cols, BLOCK: tl.constexpr):
-    row, cols = tl.program_id(0), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(X + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(OUT.dtype.element_ty).to(tl.float32)  # F.silu rounds to the dtype
-    tl.store(OUT + row * n_cols + cols, (silu * up).to(OUT.dtype.element_ty), mask=mask)
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # x: (num_tokens, 2 * n), [gate | up]
-    """SiluAndMul(x) in one launch: a program per token and block of columns."""
-    assert x.dim() == 2 and x.stride(1) == 1, (x.shape, x.stride())
-    n_cols = x.shape[1] // 2
-    out = torch.empty(x.shape[0], n_cols, dtype=x.dtype, device=x.device)  # (num_tokens, n)
-    block = min(1024, triton.next_power_of_2(n_cols))
-    _silu_and_mul_kernel[(x.shape[0], triton.cdiv(n_cols, block))](x, out, x.stride(0), n_cols, BLOCK=block)
-    return out
-
-
-@triton.jit
-def _rotate_heads(
-    X, W, OUT, stride_h, num_heads, cos, sin, eps, NORM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    heads, d = tl.arange(0, BLOCK_H)[:, None], tl.arange(0, BLOCK_D)[None, :]  # one token's heads: (BLOCK_H, BLOCK_D)
-    mask = (heads < num_heads) & (d < HALF)
-    x1 = tl.load(X + heads * stride_h + d, mask=mask, other=0.0).to(tl.float32)  # first halves
-    x2 = tl.load(X + heads * stride_h + HALF + d, mask=mask, other=0.0).to(tl.float32)  # second halves
-    if NORM:  # each head's RMSNorm first, rounded where RMSNorm rounds (its output is RoPE's input)
-        inv_rms = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
-        w1 = tl.load(W + d, mask=d < HALF, other=0.0).to(tl.float32)
-        w2 = tl.load(W + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
-        x1 = ((x1 * inv_rms).to(X.dtype.element_ty).to(tl.float32) * w1).to(OUT.dtype.element_ty).to(tl.float32)
-        x2 = ((x2 * inv_rms).to(X.dtype.element_ty).to(tl.float32) * w2).to(OUT.dtype.element_ty).to(tl.float32)
-    tl.store(OUT + heads * 2 * HALF + d, (x1 * cos - x2 * sin).to(OUT.dtype.element_ty), mask=mask)
-    tl.store(OUT + heads * 2 * HALF + HALF + d, (x2 * cos + x1 * sin).to(OUT.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _rope_kernel(
-    POS, Q, K, COS, SIN, QW, KW, Q_OUT, K_OUT, stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, num_q_heads,
-    num_k_heads, q_eps, k_eps, NORM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    token = tl.program_id(0)
-    pos, d = tl.load(POS + token), tl.arange(0, BLOCK_D)[None, :]
-    cos = tl.load(COS + pos * stride_cos + d, mask=d < HALF, other=0.0).to(tl.float32)  # (1, BLOCK_D)
-    sin = tl.load(SIN + pos * stride_cos + d, mask=d < HALF, other=0.0).to(tl.float32)
-    q_out, k_out = Q_OUT + token * num_q_heads * 2 * HALF, K_OUT + token * num_k_heads * 2 * HALF
-    _rotate_heads(
-        Q + token * stride_qt, QW, q_out, stride_qh, num_q_heads, cos, sin, q_eps, NORM, HALF, BLOCK_H, BLOCK_D
-    )
-    _rotate_heads(
-        K + token * stride_kt, KW, k_out, stride_kh, num_k_heads, cos, sin, k_eps, NORM, HALF, BLOCK_H, BLOCK_D
-    )
-
-
-def apply_rope(
-    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-    norms: tuple[Any, Any] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    # q: (num_tokens, num_heads, head_dim), k: (num_tokens, num_kv_heads, head_dim)
-    """RotaryEmbedding(positions, q, k, norms) in one launch; cos, sin: (max_position, head_dim / 2); q, k may be
-    strided; norms: None, or the RMSNorms of q's and k's heads, applied first."""
-    half = q.shape[2] // 2
-    assert q.stride(2) == k.stride(2) == 1 and cos.shape[1] == half == k.shape[2] // 2 and cos.stride() == sin.stride()
-    q_out, k_out = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k))
-    (q_w, q_eps), (k_w, k_eps) = [(n.weight, n.eps) for n in norms] if norms else [(None, 0.0)] * 2
-    _rope_kernel[(q.shape[0],)](
-        positions, q, k, cos, sin, q_w, k_w, q_out, k_out, *q.stride()[:2], *k.stride()[:2], cos.stride(0), q.shape[1],
-        k.shape[1], q_eps, k_eps, NORM=norms is not None, HALF=half,
-        BLOCK_H=triton.next_power_of_2(max(q.shape[1], k.shape[1])), BLOCK_D=triton.next_power_of_2(half),
-    )  # fmt: skip
-    return q_out, k_out
-
-
-@triton.jit
-def _row_sums(X, W, rows, n, k, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """(BLOCK_N,) float32: the dot products of x with weight rows `rows` (those < n)."""
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # a partial sum per lane, reduced once at the end
-    for start in range(0, k, BLOCK_K):
-        cols = start + tl.arange(0, BLOCK_K)
-        mask = (rows < n)[:, None] & (cols < k)[None, :]
-        w = tl.load(W + rows.to(tl.int64)[:, None] * stride_w + cols[None, :], mask=mask, other=0.0)
-        x = tl.load(X + cols, mask=cols < k, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]  # (BLOCK_N, BLOCK_K)
-    return tl.sum(acc, axis=1)
-
-
-@triton.jit
-def _gemv_kernel(
-    X, W, B, Y, n, k, stride_w, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,): this program's outputs
-    y = _row_sums(X, W, rows, n, k, stride_w, BLOCK_N, BLOCK_K)
-    if HAS_BIAS:
-        y += tl.load(B + rows, mask=rows < n, other=0.0).to(tl.float32)
-    if GATED:  # y is the gate; the up rows lie n rows further down. silu(gate) * up, rounded where SiluAndMul rounds
-        up = _row_sums(X, W + n * stride_w, rows, n, k, stride_w, BLOCK_N, BLOCK_K).to(Y.dtype.element_ty)
-        gate = y.to(Y.dtype.element_ty).to(tl.float32)
-        y = (gate / (1.0 + tl.exp(-gate))).to(Y.dtype.element_ty).to(tl.float32) * up.to(tl.float32)
-    tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=rows < n)
-
-
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
-    """F.linear(x, weight, bias) for one token, x: (1, k), weight: (n, k): a program per BLOCK_N outputs. gated: the
-    weight is [gate | up] (no bias), and the result silu(gate) * up, (1, n / 2): SiluAndMul in the same pass."""
-    (n, k), block_n = weight.shape, 16 if weight.shape[0] >= 4096 else 4  # narrow layers: more programs
-    assert x.shape == (1, k) and x.stride(1) == weight.stride(1) == 1 and not (gated and bias is not None)
-    n, block_n = (n // 2, block_n // 2) if gated else (n, block_n)  # gated: each program reads a gate and an up row
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, bias, y, n, k, weight.stride(0), HAS_BIAS=bias is not None,
-                                             GATED=gated, BLOCK_N=block_n, BLOCK_K=1024 if k >= 2048 else 512,
-                                             num_warps=8)  # fmt: skip
-    return y
-
-
-# %%
-import functools
-
-from minivllm.kernels.small_layers import apply_rope, gemv, rms_norm, silu_and_mul
-
-norm96, rope96, pos96 = RMSNorm(96).to(DEVICE), get_rope(qwen3_cfg, 96).to(DEVICE), torch.randperm(4096)[:37]
-norm96.weight.data.normal_()  # then 37 tokens, rows of 96 (not a power of two), q/k norm and RoPE on strided views
-x, residual, qkv = (torch.randn(37, n, device=DEVICE) for n in (96, 96, 8 * 96))
-q96, k96, pos96 = qkv[:, :384].view(37, 4, 96), qkv[:, 384:576].view(37, 2, 96), pos96.to(DEVICE)
-bias37 = torch.randn(37, device=DEVICE)
-for ours, theirs in [
-    (rms_norm(x, norm96.weight, norm96.eps, residual), norm96(x, residual)),
-    (rms_norm(q96, norm96.weight, norm96.eps), norm96(q96)),
-    (silu_and_mul(qkv[:, :192]), SiluAndMul()(qkv[:, :192])),
-    (apply_rope(pos96, q96, k96, rope96.cos, rope96.sin), rope96(pos96, q96, k96)),
-    (apply_rope(pos96, q96, k96, rope96.cos, rope96.sin, (norm96, norm96)), rope96(pos96, q96, k96, (norm96, norm96))),
-    (gemv(x[:1], qkv[:, :96], bias37), F.linear(x[:1], qkv[:, :96], bias37)),  # one token; a strided (37, 96) weight
-    (gemv(x[:1], qkv[:36, :96], gated=True), silu_and_mul(F.linear(x[:1], qkv[:36, :96]))),  # [gate | up], 18 each
-]:
-    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
-if DEVICE == "cuda":  # one call on one token of 1,024 takes the host's time: eager, compiled, Triton
-    x, residual, triton_norm = (
-        *torch.randn(2, 1, 1024, device=DEVICE),
-        lambda x, r: rms_norm(x, norm.weight, norm.eps, r),
-    )
-    for name, fn in (("eager", norm), ("torch.compile", torch.compile(norm, dynamic=True)), ("triton", triton_norm)):
-        print(f"RMSNorm + residual, 1 token, {name}: {bench_ms(fn, x, residual) * 1e3:.0f} µs per call")
-    x, w = torch.randn(1, 2048, device=DEVICE, dtype=torch.bfloat16), torch.randn(1024, 2048, device=DEVICE).bfloat16()
-    for name, fn in (("cuBLAS", F.linear), ("gemv", gemv)):  # each call's GPU time, launches hidden by a CUDA graph
-        ms = triton.testing.do_bench_cudagraph(functools.partial(fn, x, w))
-        print(f"1 token × (2048 → 1024), {name}: {ms * 1e3:.1f} µs, {w.nbytes / ms / 1e9:.2f} TB/s of weights")
-print("rms_norm, silu_and_mul, apply_rope and gemv give the layers' results")
 
 # %% [markdown]
 # ## Attention, the plain way
@@ -925,8 +629,13 @@ assert seen == [(16, n, n)], seen
 print(f"scores tensor for N={n}: {seen[0]} = {16 * n * n * 4 / 2**20:.0f} MiB in fp32")
 
 # %%
+from pathlib import Path
+
+import matplotlib.pyplot as plt
 import numpy as np
 
+FIGURES = Path(os.environ.get("MINIVLLM_FIGURES", "../build/figures")).resolve()
+FIGURES.mkdir(parents=True, exist_ok=True)
 num_heads, head_dim = 16, 128
 lengths = np.array([512, 1024, 2048, 4096, 8192, 16384, 32768])
 naive_bytes = num_heads * lengths.astype(float) ** 2 * 4  # fp32 scores (the probabilities need as much again)
@@ -1014,10 +723,9 @@ import triton.language as tl
 
 
 @triton.jit
-def tiny_attention_kernel(
-    Q, K, V, O, qk_scale,  # contiguous (num_q or N, D) tensors; the scale in log2 units
-    N: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
+def tiny_attention_kernel(  # Q, O: (num_q, D), K, V: (N, D), contiguous; qk_scale in log2 units
+    Q, K, V, O, qk_scale, N: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # this program's query rows
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
@@ -1255,13 +963,27 @@ def flash_attn_varlen_contiguous(
     num_m_blocks, group = triton.cdiv(max_seqlen_q, config["BLOCK_M"]), q.shape[1] // k.shape[1]
     heads = heads_per_program(group, config["BLOCK_M"])
     grid = (num_m_blocks, q.shape[1] // heads, cu_seqlens_q.numel() - 1)
+    strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *out.stride()[:2])  # (token, head) of each
+    upcast = q.device.type == "cpu" and q.dtype != torch.float32
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
     _prefill_kernel[grid](
-        q, k, v, out, cu_seqlens_q, cu_seqlens_k, scale * math.log2(math.e), num_m_blocks,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        GROUP=group, HEADS=heads, HEAD_DIM=head_dim, CAUSAL=causal,
-        UPCAST=q.device.type == "cpu" and q.dtype != torch.float32,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **config,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        out,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        scale * math.log2(math.e),
+        num_m_blocks,
+        *strides,
+        GROUP=group,
+        HEADS=heads,
+        HEAD_DIM=head_dim,
+        CAUSAL=causal,
+        UPCAST=upcast,
+        PRECISION=precision,
+        **config,
+    )
     return out
 
 
@@ -1411,31 +1133,6 @@ check_answer(answer, scores_bytes[0] * 28, "3. naive score bytes")
 # %%
 check_answer(16 * 32768**2 * 4 * 28, scores_bytes[0] * 28, "3. naive score bytes")
 print(f"{16 * 32768**2 * 4 * 28 / 1e12:.1f} TB: {16 * 32768**2 * 4 * 28 / 141e9:.0f} H200s")
-
-# %% [markdown]
-# **4.** Every program of the prefill kernel loads the K and V tiles its queries see. For one causal prompt of 4,096
-# tokens, Qwen3-0.6B's 16 query and 8 KV heads, and the H200's tiles (`launch_config`: 64 queries × 64 keys), how
-# many K tiles do all the programs load together, with one query head per program, and with the kernel's
-# `heads_per_program` query heads of a KV head per program? Answer `(one_head, packed)`.
-
-# %%
-answer = None  # your answer: replace None with an expression
-tile = launch_config(128, torch.device("cuda"))  # the H200's tile (a dict: no GPU needed)
-n4 = 4096
-k_tiles = [triton.cdiv(min(n4, (m + 1) * tile["BLOCK_M"]), tile["BLOCK_N"]) for m in range(n4 // tile["BLOCK_M"])]
-programs = [16 // heads for heads in (1, heads_per_program(16 // 8, tile["BLOCK_M"]))]  # per query tile
-check_answer(answer, tuple(sum(k_tiles) * p for p in programs), "4. K tiles loaded")
-
-# %% [markdown]
-# Worked answer: query tile `m` (queries `64m … 64m + 63`) sees keys up to its last query: `m + 1` tiles of 64, so
-# the 64 query tiles load `1 + 2 + … + 64 = 2,080` K tiles for each group of heads a program serves. One head per
-# program: 16 programs per query tile, 33,280 loads; two query heads of a KV head per program: 8, 16,640. The FLOPs
-# stay; the K/V traffic through shared memory halves. On the H200 at 16k tokens: 2.13 ms packed (8 warps; the
-# figure above, `figures/prefill.json`), 2.34 ms with one head per program (4 warps, its best tile then; an
-# earlier run of `python -m minivllm.benchmarks.prefill`).
-
-# %%
-check_answer((2080 * 16, 2080 * 8), tuple(sum(k_tiles) * p for p in programs), "4. K tiles loaded")
 
 # %% [markdown]
 # **Exercises** (solutions in `solutions/`): `exercises/01_online_softmax.ipynb` (the online softmax and split-K in

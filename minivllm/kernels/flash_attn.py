@@ -184,11 +184,25 @@ def flash_attn_varlen_contiguous(
     num_m_blocks, group = triton.cdiv(max_seqlen_q, config["BLOCK_M"]), q.shape[1] // k.shape[1]
     heads = heads_per_program(group, config["BLOCK_M"])
     grid = (num_m_blocks, q.shape[1] // heads, cu_seqlens_q.numel() - 1)
+    strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *out.stride()[:2])  # (token, head) of each
+    upcast = q.device.type == "cpu" and q.dtype != torch.float32
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
     _prefill_kernel[grid](
-        q, k, v, out, cu_seqlens_q, cu_seqlens_k, scale * math.log2(math.e), num_m_blocks,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        GROUP=group, HEADS=heads, HEAD_DIM=head_dim, CAUSAL=causal,
-        UPCAST=q.device.type == "cpu" and q.dtype != torch.float32,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **config,
-    )  # fmt: skip
+        q,
+        k,
+        v,
+        out,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        scale * math.log2(math.e),
+        num_m_blocks,
+        *strides,
+        GROUP=group,
+        HEADS=heads,
+        HEAD_DIM=head_dim,
+        CAUSAL=causal,
+        UPCAST=upcast,
+        PRECISION=precision,
+        **config,
+    )
     return out
