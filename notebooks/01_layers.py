@@ -14,17 +14,15 @@
 # %% [markdown]
 # # 01 · Layers: the pieces of a transformer, and a FlashAttention kernel
 #
-# **What this notebook builds.** Every layer Qwen3 (and Llama) is made of, written the way an inference
-# engine needs them: activations, RMSNorm with a fused residual add, tensor-parallel linear layers that load
-# HuggingFace weights, a vocabulary-parallel embedding and LM head, rotary position embeddings read from a
-# transformers config, a plain PyTorch attention we trust, and a Triton FlashAttention kernel for prefill.
+# **What this notebook builds.** Every layer Qwen3 (and Llama) is made of, written the way an inference engine needs
+# them: activations, RMSNorm with a fused residual add, tensor-parallel linear layers that load HuggingFace weights,
+# a vocabulary-parallel embedding and LM head, rotary position embeddings read from a transformers config, a plain
+# PyTorch attention we trust, and a Triton FlashAttention kernel for prefill. It assumes you know what a transformer
+# block is (attention + MLP, each wrapped in a norm and a residual add) and can read PyTorch. No GPU is needed: on a
+# CPU the Triton kernel runs in Triton's interpreter.
 #
-# **What it assumes.** You know what a transformer block is (attention + MLP, each wrapped in a norm and a
-# residual add) and can read PyTorch. No GPU is needed: on a CPU the Triton kernel runs in Triton's interpreter.
-#
-# **Where the code goes.** Cells tagged `export` are written into the `minivllm` package by
-# `python tools/export.py`; the other cells are checks and experiments. Every layer is checked against
-# PyTorch or transformers before we move on.
+# **Where the code goes.** Cells tagged `export` are written into the `minivllm` package by `python tools/export.py`;
+# the other cells check each layer against PyTorch or transformers before we move on.
 
 # %%
 import os
@@ -39,16 +37,13 @@ print(f"device: {DEVICE}, torch {torch.__version__}")
 
 # %% [markdown]
 # ## Activations
-# Qwen3's MLP is *gated*: one projection makes two vectors, `gate` and `up`, and the output is
-# `silu(gate) * up`. SiLU (also called swish) is `x · sigmoid(x)`; GELU, used by Gemma and GPT-2, is the
-# smooth cousin `x · Φ(x)`, usually computed with a tanh approximation.
+# Qwen3's MLP is *gated*: one projection makes two vectors, `gate` and `up`, and the output is `silu(gate) * up`.
+# SiLU (also called swish) is `x · sigmoid(x)`; GELU, used by Gemma and GPT-2, is the smooth cousin `x · Φ(x)`,
+# usually computed with a tanh approximation. An engine computes `gate` and `up` with one matrix multiply (one weight
+# read instead of two), so the activation receives them side by side in one tensor and splits it: `SiluAndMul`.
 #
-# An engine computes `gate` and `up` with one matrix multiply (one weight read instead of two), so the
-# activation receives them side by side in one tensor and splits it: that is `SiluAndMul`.
-#
-# Each small layer here also has a `kernel` attribute, `None` by default: then its PyTorch code runs. On a GPU a
-# fused Triton kernel can take its place; the deep dive `deep_dives/triton_layers.ipynb` writes them and measures
-# why. Nothing in the core path needs it.
+# Each small layer also has a `kernel` attribute, `None` by default: its PyTorch code runs. On a GPU a fused Triton
+# kernel takes its place (the deep dive `triton_layers` writes them); nothing in the core path needs one.
 
 # %% tags=["export"] module="minivllm.layers.activation"
 import math
@@ -80,8 +75,7 @@ class SiluAndMul(nn.Module):
 
 
 # %% [markdown]
-# Check: our formulas are PyTorch's, and `SiluAndMul` is what transformers' Qwen3 MLP computes from
-# separate `gate` and `up` vectors.
+# Check: our formulas are PyTorch's; `SiluAndMul` is what transformers' Qwen3 MLP computes from `gate` and `up`.
 
 # %%
 from minivllm.layers.activation import SiluAndMul, gelu_tanh, silu
@@ -94,9 +88,8 @@ torch.testing.assert_close(SiluAndMul()(torch.cat([gate, up], -1)), torch.nn.fun
 
 # %% [markdown]
 # ## RMSNorm, with the residual add fused in (as a Triton kernel: `exercises/01_triton_rmsnorm.ipynb`)
-# LayerNorm centres and scales; RMSNorm only scales, by the root mean square. One reduction instead of two,
-# and Qwen3 was trained with it, so we must match it exactly: the sum is taken in float32 even when the
-# model runs in bfloat16.
+# LayerNorm centres and scales; RMSNorm only scales, by the root mean square. One reduction instead of two, and Qwen3
+# was trained with it, so we must match it exactly: the sum is taken in float32 even when the model runs in bfloat16.
 #
 # Every block does `residual = x + residual; x = norm(residual)`. Passing the residual into the norm lets
 # one function (and, compiled, one kernel) do both, reading `x` from memory once instead of twice.
@@ -138,8 +131,7 @@ class RMSNorm(nn.Module):
 
 
 # %% [markdown]
-# Check yourself: the same numbers as transformers' `Qwen3RMSNorm`, in float32 and in bfloat16, and the
-# fused form equals "add, then norm".
+# Check: the same numbers as transformers' `Qwen3RMSNorm`, in float32 and bfloat16; the fused form is "add, then norm".
 
 # %%
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
@@ -161,17 +153,15 @@ print("RMSNorm matches Qwen3RMSNorm bit for bit")
 # %% [markdown]
 # ## Tensor-parallel linear layers
 # With tensor parallelism (TP) each of N GPUs holds a slice of every weight matrix, cut one of two ways:
-#
 # * **Column parallel**: split the *output* features. Each rank computes its slice of `y = x Wᵀ`; no communication.
 #   Used for the QKV projection and the MLP's gate/up projection.
 # * **Row parallel**: split the *input* features. Each rank computes a partial sum; an all-reduce adds them. Used for
 #   the attention output and the MLP's down projection, right after a column-parallel layer whose output slice is
 #   exactly the input slice it needs: two all-reduces a block, whatever N is.
 #
-# HuggingFace checkpoints store full, separate matrices (`q_proj`, `k_proj`, `v_proj`, `gate_proj`, `up_proj`), so
-# each parameter carries a `weight_loader` that copies in this rank's slice, at its offset when several are packed
-# into one of ours. A layer takes its rank from the `with tensor_parallel(TPGroup(...))` block it is built in
-# (notebook 06 starts one process per rank); outside one it is whole, rank 0 of 1, as everywhere in this notebook.
+# Checkpoints store full, separate matrices (`q_proj`, `k_proj`, ...), so each parameter has a `weight_loader` that
+# copies in this rank's slice, at its offset when several are packed into one of ours. A layer takes its rank from the
+# `with tensor_parallel(TPGroup(...))` block it is built in (notebook 06); outside one it is whole: rank 0 of 1.
 
 # %% tags=["export"] module="minivllm.layers.linear"
 from collections.abc import Iterator
@@ -187,8 +177,7 @@ from torch import nn
 
 @dataclass(frozen=True, slots=True)
 class TPGroup:
-    """The ranks one model is split over: this process's rank, how many there are, and the process group their
-    collectives run on (None for a single rank: no communication)."""
+    """The ranks one model is split over: this one's rank, their number, and the process group they communicate on."""
 
     rank: int = 0
     size: int = 1
@@ -224,10 +213,7 @@ def check_shape(name: str, loaded: torch.Tensor, expected: tuple[int, ...]) -> N
         raise ValueError(f"{name}: expected shape {tuple(expected)}, got {tuple(loaded.shape)}")
 
 
-class Gemv(Protocol):
-    """One token's linear layer as one kernel: F.linear(x, weight, bias) for x: (1, k); gated: the weight holds
-    [gate | up] and the result is silu(gate) * up."""
-
+class Gemv(Protocol):  # one token's F.linear(x, weight, bias) as one kernel; gated: silu(gate) * up of [gate | up]
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False
     ) -> torch.Tensor: ...
@@ -334,50 +320,45 @@ class RowParallelLinear(LinearBase):
 
 
 # %% [markdown]
-# Check: with one rank, each layer loaded from HF-shaped tensors computes exactly `torch.nn.functional.linear`
-# with those tensors concatenated the way we packed them. (The test suite repeats this with two ranks over
-# gloo and checks that TP=2 gives the same output as TP=1.)
+# Check: each layer loaded from HF-shaped tensors computes `F.linear` with those tensors packed as we packed them; a
+# row-parallel layer over two ranks, in this one process, gives partial sums that add up to the whole layer (the
+# all-reduce, stubbed out). The test suite runs two real ranks over gloo, and checkpoint tensors of a wrong shape.
 
 # %%
-from minivllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from unittest import mock
+
+from minivllm.layers import linear
+from minivllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 
 hidden, head_dim, num_heads, num_kv_heads = 64, 16, 4, 2
 x = torch.randn(3, hidden)
 wq, wk, wv = (torch.randn(heads * head_dim, hidden) for heads in (num_heads, num_kv_heads, num_kv_heads))
-qkv = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads)
-for shard_id, w in zip("qkv", (wq, wk, wv)):
-    qkv.weight.weight_loader(qkv.weight, w, shard_id)
-torch.testing.assert_close(qkv(x), torch.cat([x @ wq.T, x @ wk.T, x @ wv.T], -1))
-
 wg, wu = torch.randn(96, hidden), torch.randn(96, hidden)
+qkv = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads)
 gate_up = MergedColumnParallelLinear(hidden, [96, 96])
-for shard_id, w in enumerate((wg, wu)):
-    gate_up.weight.weight_loader(gate_up.weight, w, shard_id)
+for layer, shards in ((qkv, zip("qkv", (wq, wk, wv))), (gate_up, enumerate((wg, wu)))):
+    for shard_id, w in shards:
+        layer.weight.weight_loader(layer.weight, w, shard_id)
+torch.testing.assert_close(qkv(x), torch.cat([x @ wq.T, x @ wk.T, x @ wv.T], -1))
 torch.testing.assert_close(gate_up(x), torch.cat([x @ wg.T, x @ wu.T], -1))
 
-wd = torch.randn(hidden, 96)
-down = RowParallelLinear(96, hidden)
-down.weight.weight_loader(down.weight, wd)
-x2 = torch.randn(3, 96)
-torch.testing.assert_close(down(x2), x2 @ wd.T)
-
-# %% [markdown]
-# A mis-shaped checkpoint tensor is caught by the loader, with the name and both shapes:
-
-# %%
-try:
-    qkv.weight.weight_loader(qkv.weight, torch.randn(10, hidden), "k")
-except ValueError as e:
-    print("ValueError:", e)
-else:
-    raise AssertionError("a mis-shaped tensor was accepted")
+wd, b, x2 = torch.randn(hidden, 96), torch.randn(hidden), torch.randn(3, 96)
+halves = []  # row parallel over 2 ranks in this process: each keeps 48 input columns and adds a partial sum
+for rank in range(2):
+    with linear.tensor_parallel(linear.TPGroup(rank=rank, size=2)):  # the layer each of two processes would build
+        halves.append(linear.RowParallelLinear(96, hidden, bias=True))
+    halves[-1].weight.weight_loader(halves[-1].weight, wd)
+    halves[-1].bias.weight_loader(halves[-1].bias, b)
+with mock.patch.object(torch.distributed, "all_reduce", lambda y, group=None: None):  # we add the two below
+    partial = [layer(x_half) for layer, x_half in zip(halves, x2.chunk(2, dim=-1))]
+torch.testing.assert_close(sum(partial), x2 @ wd.T + b)  # the bias once: only rank 0 adds it
 
 # %% [markdown]
 # ## Vocabulary-parallel embedding and LM head
-# The embedding table (151,936 × 1,024 for Qwen3-0.6B, 0.16 B parameters) is split by rows: each rank
-# owns a range of token ids, looks up the ids it owns, writes zeros for the others, and an all-reduce sums
-# the pieces. The LM head is the same matrix used the other way round (Qwen3-0.6B *ties* them): each rank
-# computes the logits of its vocabulary slice, and a gather puts them side by side.
+# The embedding table (151,936 × 1,024 for Qwen3-0.6B, 0.16 B parameters) is split by rows: each rank owns a range
+# of token ids, looks up the ids it owns, writes zeros for the others, and an all-reduce sums the pieces. The LM head
+# is the same matrix used the other way round (Qwen3-0.6B *ties* them): each rank computes the logits of its
+# vocabulary slice, and a gather puts them side by side.
 
 # %% tags=["export"] module="minivllm.layers.embed_head"
 import torch
@@ -427,10 +408,9 @@ class ParallelLMHead(VocabParallelEmbedding):
 # %%
 from minivllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 
-table = torch.randn(100, 32)
-emb, head = VocabParallelEmbedding(100, 32), ParallelLMHead(100, 32)
-emb.weight.weight_loader(emb.weight, table)
-head.weight.weight_loader(head.weight, table)
+table, emb, head = torch.randn(100, 32), VocabParallelEmbedding(100, 32), ParallelLMHead(100, 32)
+for layer in (emb, head):
+    layer.weight.weight_loader(layer.weight, table)
 ids = torch.tensor([0, 5, 99, 5])
 torch.testing.assert_close(emb(ids), table[ids])
 torch.testing.assert_close(head(emb(ids)), table[ids] @ table.T)
@@ -438,14 +418,11 @@ torch.testing.assert_close(head(emb(ids)), table[ids] @ table.T)
 # %% [markdown]
 # ## Rotary position embeddings (RoPE)
 # Attention by itself cannot tell positions apart. RoPE rotates each pair of query/key features by an angle
-# proportional to the token's position, `θ_i = position · base^(-2i/d)`, so the dot product of a query at
-# position m with a key at position n depends only on `m − n`. Qwen3 uses base θ = 1,000,000; Llama-3
-# additionally stretches the low frequencies ("llama3" scaling) to reach longer contexts.
-#
-# The parameters live in the model's config, in two places depending on the transformers version:
-# `config.rope_parameters` (transformers 5) or top-level `rope_theta` + `rope_scaling` (older checkpoints).
-# An engine must read both, because checkpoints on disk come from both eras. We precompute `cos` and `sin`
-# for every position once; at run time a layer only gathers the rows for its tokens' positions.
+# proportional to the token's position, `θ_i = position · base^(-2i/d)`, so the dot product of a query at position m
+# with a key at position n depends only on `m − n`. Qwen3 uses base θ = 1,000,000; Llama-3 also stretches the low
+# frequencies ("llama3" scaling) to reach longer contexts. The parameters are in `config.rope_parameters`
+# (transformers 5) or `rope_theta` + `rope_scaling` (older checkpoints): an engine reads both. `cos` and `sin` are
+# computed once for every position; a layer gathers the rows of its tokens' positions.
 
 # %% tags=["export"] module="minivllm.layers.rotary_embedding"
 import math
@@ -455,12 +432,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from minivllm.layers.layernorm import RMSNorm
+from minivllm.layers.layernorm import Pair, RMSNorm
 
-RopeKernel = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple[RMSNorm, RMSNorm] | None],
-    tuple[torch.Tensor, torch.Tensor],
-]  # (positions, q, k, cos, sin, norms) -> (q, k)
+Norms = tuple[RMSNorm, RMSNorm]  # Qwen3's q_norm and k_norm
+RopeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Norms | None], Pair]
 
 
 def rope_parameters(config: Any) -> dict:
@@ -488,7 +463,7 @@ def llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     cos: torch.Tensor  # buffers, registered below: (max_position, head_dim / 2)
     sin: torch.Tensor
-    kernel: RopeKernel | None = None  # q and k (and their norms) as one kernel (set per layer)
+    kernel: RopeKernel | None = None  # (positions, q, k, cos, sin, norms): q and k as one kernel (set per layer)
 
     def __init__(self, head_dim: int, max_position: int, params: dict):
         super().__init__()
@@ -504,9 +479,8 @@ class RotaryEmbedding(nn.Module):
         x1, x2 = x.float().chunk(2, dim=-1)  # the two halves of each head: (num_tokens, num_heads, head_dim / 2)
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, norms: tuple[RMSNorm, RMSNorm] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # positions: (num_tokens,); q, k: (num_tokens, num_heads, head_dim)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, norms: Norms | None = None) -> Pair:
+        # positions: (num_tokens,); q, k: (num_tokens, num_heads, head_dim)
         """Rotate q and k; with `norms` (Qwen3's q_norm, k_norm), normalise each head of q and of k first."""
         if self.kernel is not None:
             return self.kernel(positions, q, k, self.cos, self.sin, norms)
@@ -521,8 +495,8 @@ def get_rope(config: Any, head_dim: int) -> RotaryEmbedding:
 
 
 # %% [markdown]
-# Check yourself: transformers' own RoPE (its `Qwen3RotaryEmbedding` and `apply_rotary_pos_emb`) on the same
-# positions gives the same rotated queries and keys, for Qwen3's default RoPE and for Llama-3.2's scaled one.
+# Check: transformers' own RoPE (`Qwen3RotaryEmbedding`, `apply_rotary_pos_emb`) rotates q and k as ours does, for
+# Qwen3's default RoPE and for Llama-3.2's scaled one.
 
 # %%
 from transformers import LlamaConfig, Qwen3Config
@@ -542,23 +516,18 @@ for name, (config, hf_rope) in configs.items():
     cos, sin = hf_rope(config)(q, positions[None])
     q_ref, k_ref = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
     q_ours, k_ours = get_rope(config, 64)(positions, q, k)
-    torch.testing.assert_close(q_ours, q_ref[0].transpose(0, 1))
-    torch.testing.assert_close(k_ours, k_ref[0].transpose(0, 1))
+    torch.testing.assert_close((q_ours, k_ours), (q_ref[0].transpose(0, 1), k_ref[0].transpose(0, 1)))
     print(f"{name}: RoPE matches transformers ({get_rope(config, 64).cos.shape[0]} cached positions)")
 
 # %% [markdown]
 # ## Attention, the plain way
-# Before writing a fast kernel we need one we trust. An engine packs the prompts of a batch end to end in one
-# flat tensor (no padding) and passes `cu_seqlens`, the cumulative lengths: sequence `i` is rows
-# `cu_seqlens[i]:cu_seqlens[i+1]`. This is flash-attn's *varlen* convention and we keep it everywhere.
-#
-# Two details matter for an engine:
-#
-# * **GQA** (grouped-query attention): Qwen3-0.6B has 16 query heads but only 8 key/value heads; query
-#   head `h` reads KV head `h // 2`. Fewer KV heads means a smaller KV cache.
-# * **Causal, aligned bottom-right**: when a sequence has more keys than queries (the first keys are an
-#   already-cached prefix), query `i` sees keys `j ≤ i + (len_k − len_q)`. This is flash-attn's
-#   convention, and what lets prefill continue from a cached prefix (notebook 03).
+# Before writing a fast kernel we need one we trust. An engine packs the prompts of a batch end to end in one flat
+# tensor (no padding) and passes `cu_seqlens`, the cumulative lengths: sequence `i` is rows
+# `cu_seqlens[i]:cu_seqlens[i+1]`. This is flash-attn's *varlen* convention and we keep it everywhere. Also:
+# * **GQA** (grouped-query attention): Qwen3-0.6B has 16 query heads but only 8 key/value heads; query head `h`
+#   reads KV head `h // 2`. Fewer KV heads means a smaller KV cache.
+# * **Causal, aligned bottom-right**: when a sequence has more keys than queries (the first keys are a cached
+#   prefix), query `i` sees keys `j ≤ i + (len_k − len_q)`: prefill continues from a cached prefix (notebook 03).
 
 # %% tags=["export"] module="minivllm.kernels.reference"
 import torch
@@ -593,8 +562,7 @@ def attention_ref(
 
 
 # %% [markdown]
-# Check: for one sequence, the reference equals PyTorch's `scaled_dot_product_attention` with the KV heads
-# expanded for GQA, causal and not.
+# Check: for one sequence, the reference is PyTorch's `scaled_dot_product_attention` (KV heads expanded), causal or not.
 
 # %%
 from minivllm.kernels.reference import attention_ref
@@ -608,23 +576,22 @@ for causal in (False, True):
 
 # %% [markdown]
 # ### Why the plain way does not scale: O(N²) memory
-# The reference materialises `scores`, one float per (head, query, key) pair. For a 16k-token prompt with
-# Qwen3-0.6B's 16 heads that is 16 × 16,384² × 4 bytes = 16 GiB *per layer*, far more than the model itself.
-# FlashAttention never builds it: it walks over the keys in blocks, keeping for each query row only a running
-# maximum `m`, a running sum `l` and the output accumulator. Extra memory per row: O(head_dim), so O(N) in all.
-#
-# First, the claim measured: the reference really allocates a `(heads, N, N)` tensor.
+# The reference materialises `scores`, one float per (head, query, key) pair. For a 16k-token prompt with Qwen3-0.6B's
+# 16 heads that is 16 × 16,384² × 4 bytes = 16 GiB *per layer*, far more than the model itself. FlashAttention never
+# builds it: it walks over the keys in blocks, keeping for each query row only a running maximum `m`, a running sum
+# `l` and the output accumulator: O(head_dim) per row, O(N) in all. First the claim, measured: the reference builds
+# a `(heads, N, N)` tensor.
+
 
 # %%
-seen = []
-original_softmax = torch.softmax
-torch.softmax = lambda x, dim: (seen.append(x.shape), original_softmax(x, dim=dim))[1]  # record the scores' shape
+seen, softmax = [], torch.softmax
+torch.softmax = lambda x, dim: (seen.append(x.shape), softmax(x, dim=dim))[1]  # record the scores' shape
 try:
     n = 512
-    q_n, k_n, v_n = torch.randn(n, 16, 128), torch.randn(n, 8, 128), torch.randn(n, 8, 128)
+    q_n, k_n, v_n = (torch.randn(n, heads, 128) for heads in (16, 8, 8))
     attention_ref(q_n, k_n, v_n, torch.tensor([0, n]), torch.tensor([0, n]), causal=True)
 finally:
-    torch.softmax = original_softmax
+    torch.softmax = softmax
 assert seen == [(16, n, n)], seen
 print(f"scores tensor for N={n}: {seen[0]} = {16 * n * n * 4 / 2**20:.0f} MiB in fp32")
 
@@ -636,45 +603,40 @@ import numpy as np
 
 FIGURES = Path(os.environ.get("MINIVLLM_FIGURES", "../build/figures")).resolve()
 FIGURES.mkdir(parents=True, exist_ok=True)
-num_heads, head_dim = 16, 128
-lengths = np.array([512, 1024, 2048, 4096, 8192, 16384, 32768])
+num_heads, head_dim, lengths = 16, 128, 2 ** np.arange(9, 16)  # Qwen3-0.6B's heads; N = 512 ... 32,768
 naive_bytes = num_heads * lengths.astype(float) ** 2 * 4  # fp32 scores (the probabilities need as much again)
 flash_bytes = num_heads * lengths * (head_dim * 4 + 2 * 4)  # fp32 accumulator + m + l per query row
 fig, ax = plt.subplots(figsize=(6, 3.8))
 ax.loglog(lengths, naive_bytes / 2**30, "o-", label="naive: scores (heads × N × N)")
 ax.loglog(lengths, flash_bytes / 2**30, "s-", label="FlashAttention: acc, m, l (heads × N × d)")
 ax.axhline(141e9 / 2**30, color="grey", ls=":", label="H200 memory (141 GB = 131 GiB)")
-ax.set_xlabel("sequence length N")
-ax.set_ylabel("GiB per layer")
-ax.set_title("Attention working memory, Qwen3-0.6B heads (16 × 128)")
+ax.set(xlabel="sequence length N", ylabel="GiB per layer", title="Attention working memory, 16 heads of 128")
 ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(0, 0.93))  # under the H200 line
 fig.tight_layout()
 fig.savefig(FIGURES / "01_attention_memory.png", dpi=120)
 print(f"at N=32k: naive {naive_bytes[-1] / 2**30:.0f} GiB vs flash {flash_bytes[-1] / 2**30:.2f} GiB per layer")
+total = 28 * naive_bytes[-1]  # Qwen3-0.6B's 28 layers
+print(f"naive, all 28 layers: {total / 1e12:.1f} TB, what {total / 141e9:.0f} H200s hold")
 
 # %% [markdown]
 # ## A FlashAttention prefill kernel in Triton (try `exercises/01_online_softmax.ipynb` first)
-# **Why a custom kernel.** Prefill processes whole prompts: thousands of queries per sequence, so attention
-# is a pair of large matrix multiplies and is *compute-bound*. The kernel's job is to keep the tensor cores
-# busy while never writing `scores` to memory.
-#
-# We build it in three steps, each checked against the one before: the online softmax in PyTorch, the same loop
-# as a tiny Triton kernel, then the full kernel. The exercise has you write step 1 yourself (with the causal mask,
-# the log-sum-exp and split-K): try it before reading on.
+# Prefill processes whole prompts: thousands of queries per sequence, so attention is a pair of large matrix
+# multiplies, *compute-bound*. The kernel must keep the tensor cores busy and never write `scores` to memory. We
+# build it in three steps, each checked against the one before: the online softmax in PyTorch, the same loop as a
+# tiny Triton kernel, then the full kernel. The exercise has you write step 1 (with the causal mask, the log-sum-exp
+# and split-K): try it before reading on.
 #
 # ### Step 1: the online softmax, in PyTorch
 # Softmax divides by a sum over *all* of a row's keys, which is why the reference holds every score at once. The
-# online softmax walks over the keys in blocks of `BLOCK_N`, keeping per query row a running max `m`, a running
-# sum `l` and an unnormalised output `acc`:
+# online softmax walks over the keys in blocks of `BLOCK_N`, keeping per query row a running max `m`, a running sum
+# `l` and an unnormalised output `acc`:
 #
-# 1. `s = q · kᵀ · scale` for the block;
-# 2. new running max `m' = max(m, rowmax(s))`;
-# 3. rescale what was accumulated so far by `α = exp(m − m')`: `l ← l·α + rowsum(p)`, `acc ← acc·α + p·v`
-#    with `p = exp(s − m')`;
-# 4. at the end, `out = acc / l`.
+# 1. `s = q · kᵀ · scale` for the block, and the new running max `m' = max(m, rowmax(s))`;
+# 2. rescale what was accumulated by `α = exp(m − m')`, with `p = exp(s − m')`: `l ← l·α + rowsum(p)`,
+#    `acc ← acc·α + p·v`; at the end, `out = acc / l`.
 #
-# The result is exactly softmax(s)·v (up to rounding), but only one block of scores ever exists. Here it is for
-# one head with every key visible; `rescale=False` skips step 3's `α`, to show why it is there.
+# The result is exactly softmax(s)·v (up to rounding), but only one block of scores ever exists. Here it is for one
+# head with every key visible; `rescale=False` skips the rescaling by `α`, to show why it is there.
 
 
 # %%
@@ -709,13 +671,12 @@ assert wrong > 0.01  # rounding alone would give ~1e-7
 
 # %% [markdown]
 # ### Step 2: the same loop as a Triton kernel
-# A Triton *program* computes on whole tiles. Ours loads a `(BLOCK_M, D)` tile of queries once, then runs step
-# 1's loop over `(BLOCK_N, D)` tiles of keys and values, with `tl.dot` for both products; the grid launches one
-# program per query tile, and they run in parallel. A program only gets pointers: a tile's addresses are `base +
-# row · row_stride + column`, built from `tl.arange` (for `kᵀ`, swap which offsets go down and which go across).
-# One change of arithmetic: `exp2` with `log2(e)` folded into the scale, since `exp(x) = exp2(x · log2 e)` and the
-# hardware computes `exp2` natively. To stay tiny it takes one head, no mask, and lengths that are multiples of
-# the tiles.
+# A Triton *program* computes on whole tiles. Ours loads a `(BLOCK_M, D)` tile of queries once, then runs step 1's
+# loop over `(BLOCK_N, D)` tiles of keys and values, with `tl.dot` for both products; the grid launches one program
+# per query tile, in parallel. A program only gets pointers: a tile's addresses are `base + row · row_stride +
+# column`, built from `tl.arange` (for `kᵀ`, swap which offsets go down and which go across). One change of
+# arithmetic: `exp2`, with `log2(e)` folded into the scale (`exp(x) = exp2(x · log2 e)`; the hardware computes `exp2`
+# natively). To stay tiny it takes one head, no mask, and lengths that are multiples of the tiles.
 
 # %%
 import triton
@@ -727,8 +688,7 @@ def tiny_attention_kernel(  # Q, O: (num_q, D), K, V: (N, D), contiguous; qk_sca
     Q, K, V, O, qk_scale, N: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
 ):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # this program's query rows
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D)
+    offs_n, offs_d = tl.arange(0, BLOCK_N), tl.arange(0, D)
     q = tl.load(Q + offs_m[:, None] * D + offs_d[None, :])  # (BLOCK_M, D), loaded once
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -754,29 +714,16 @@ print("the tiny Triton kernel gives step 1's result; step 1 gives the reference'
 # %% [markdown]
 # ### Step 3: the kernel an engine calls
 # Step 2's loop body becomes `attend_block` below, plus a mask and a guard for rows that have seen no visible key
-# yet (`exp(-inf − (-inf))` is NaN). Around it the full kernel adds what a batch of real prompts needs: **varlen**
-# (a program finds its sequence's rows through `cu_seqlens`), the **causal** mask, **GQA** (a query head finds its
-# KV head), and **ragged tiles** (masked loads where a length is not a multiple of the tile).
+# yet (`exp(-inf − (-inf))` is NaN). Around it the full kernel adds what a batch of real prompts needs:
 #
-# **Causal blocks.** With the bottom-right mask, key blocks left of the diagonal are visible to every query
-# of the tile: they need no mask at all. Only the few blocks on the diagonal do, so the loop runs in two
-# phases and the common case pays nothing for masking. Blocks right of the diagonal are never loaded:
-# that is half the work of a square causal prompt saved.
-#
-# **Varlen and GQA.** The grid is (query tiles, groups of query heads, sequences); a program reads its
-# sequence's offsets from `cu_seqlens` and its KV head as `head // (num_heads // num_kv_heads)`. The query heads
-# that share a KV head share its K and V tiles, so one program serves `HEADS` of them (Qwen3's 2 per KV head): its
-# tile stacks their rows, `HEADS × BLOCK_M` queries against each K/V tile loaded once, not once per head. We
-# also launch the tiles in reverse order, so the longest (rightmost) causal tiles start first and the short ones
-# fill the gaps at the end.
-#
-# Unlike step 2 it is given strides instead of assuming contiguous rows; the address arithmetic is still by hand
-# (no block pointers), which works on every Triton from 3.6 on.
-#
-# **One compile, not one per step.** Triton compiles a kernel the first time it sees a new *specialization*
-# of its integer arguments: a value of 1, or a multiple of 16, gets code of its own. `num_m_blocks` changes
-# with every batch of prompts, so an engine would stall for a fresh compile mid-run whenever it crossed
-# such a value. `do_not_specialize` tells Triton to treat it as a plain runtime integer.
+# * **Varlen**: the grid is (query tiles, groups of query heads, sequences); a program finds its sequence's rows
+#   through `cu_seqlens`, reads through strides, and masks its loads where a length is not a multiple of the tile.
+# * **Causal, in two phases**: key blocks left of the diagonal are visible to every query of the tile and need no
+#   mask; only the few on the diagonal do. Blocks right of it are never loaded: half the work of a square prompt.
+# * **GQA**: query head `h` reads KV head `h // (num_heads // num_kv_heads)`, so one program serves the `HEADS` query
+#   heads of a KV head (Qwen3's 2): `HEADS × BLOCK_M` query rows against each K/V tile, loaded once.
+# * **One compile, not one per step**: Triton compiles anew for each *specialization* of an integer argument (a value
+#   of 1, a multiple of 16). `num_m_blocks` changes with every batch, so `do_not_specialize` makes it a plain integer.
 
 # %% tags=["export"] module="minivllm.kernels.flash_attn"
 import math
@@ -904,14 +851,10 @@ def check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k) -> None:
         raise ValueError(f"num_heads ({q.shape[1]}) must be a multiple of num_kv_heads ({k.shape[1]})")
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if cu.dim() != 1 or cu.dtype != torch.int32 or cu.device != q.device:
-            raise ValueError(
-                f"{name} must be a 1-D int32 tensor on {q.device}, got {cu.dtype} {tuple(cu.shape)} on {cu.device}"
-            )
+            raise ValueError(f"{name} must be 1-D int32 on {q.device}, got {cu.dtype} {tuple(cu.shape)} on {cu.device}")
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
-        raise ValueError(
-            f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), "
-            f"got {cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}"
-        )
+        n_q, n_k = cu_seqlens_q.numel(), cu_seqlens_k.numel()
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got {n_q} and {n_k}")
 
 
 def launch_config(head_dim: int, device: torch.device) -> dict:
@@ -938,18 +881,11 @@ def softmax_scale_of(softmax_scale: float | None, head_dim: int) -> float:
 
 
 def flash_attn_varlen_contiguous(
-    q: torch.Tensor,  # (total_q, num_heads, head_dim)
-    k: torch.Tensor,  # (total_k, num_kv_heads, head_dim)
-    v: torch.Tensor,  # (total_k, num_kv_heads, head_dim)
-    cu_seqlens_q: torch.Tensor,  # (batch + 1,) int32
-    cu_seqlens_k: torch.Tensor,  # (batch + 1,) int32
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    *,
-    tile: dict | None = None,  # BLOCK_M, BLOCK_N, num_warps, num_stages; None: launch_config's (a sweep passes its own)
-) -> torch.Tensor:  # (total_q, num_heads, head_dim)
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # (total_q, num_heads, head_dim), k, v: (total_k, kv_heads, ...)
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,  # (batch + 1,) int32
+    max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float | None = None, causal: bool = False,
+    *, tile: dict | None = None,  # BLOCK_M, BLOCK_N, num_warps, num_stages; None: launch_config's (a sweep's own)
+) -> torch.Tensor:  # (total_q, num_heads, head_dim)  # fmt: skip
     """FlashAttention over packed variable-length sequences, with the signature of flash-attn's
     `flash_attn_varlen_func`, for keys and values stored contiguously. Notebook 03's `flash_attn_varlen_func`
     adds `block_table=`, for keys and values that live in a paged KV cache, and calls this one without it."""
@@ -963,35 +899,19 @@ def flash_attn_varlen_contiguous(
     num_m_blocks, group = triton.cdiv(max_seqlen_q, config["BLOCK_M"]), q.shape[1] // k.shape[1]
     heads = heads_per_program(group, config["BLOCK_M"])
     grid = (num_m_blocks, q.shape[1] // heads, cu_seqlens_q.numel() - 1)
+    qk_scale = scale * math.log2(math.e)  # exp2 units
     strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *out.stride()[:2])  # (token, head) of each
-    upcast = q.device.type == "cpu" and q.dtype != torch.float32
-    precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    _prefill_kernel[grid](
-        q,
-        k,
-        v,
-        out,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        scale * math.log2(math.e),
-        num_m_blocks,
-        *strides,
-        GROUP=group,
-        HEADS=heads,
-        HEAD_DIM=head_dim,
-        CAUSAL=causal,
-        UPCAST=upcast,
-        PRECISION=precision,
-        **config,
-    )
+    fp32 = q.dtype == torch.float32
+    upcast, precision = q.device.type == "cpu" and not fp32, "ieee" if fp32 else "tf32"  # see load_tile
+    flags = dict(GROUP=group, HEADS=heads, HEAD_DIM=head_dim, CAUSAL=causal, UPCAST=upcast, PRECISION=precision)
+    _prefill_kernel[grid](q, k, v, out, cu_seqlens_q, cu_seqlens_k, qk_scale, num_m_blocks, *strides, **flags, **config)
     return out
 
 
 # %% [markdown]
 # ### Check the kernel against the reference
-# A random batch of sequences of different lengths, chosen to land on and next to tile boundaries (1, 15, 16,
-# 17, 64, …), with GQA and a cached-prefix case where a sequence has more keys than queries. On a CPU this runs
-# in the Triton interpreter, so it is slow but exact; the test suite runs many more shapes.
+# Lengths on and next to tile boundaries (1, 15, 16, 17, 64, …), GQA, a cached prefix (more keys than queries); then
+# bad input, which gets a `ValueError` naming the argument. The test suite runs many more shapes.
 
 # %%
 from minivllm.kernels.flash_attn import flash_attn_varlen_contiguous
@@ -1012,11 +932,6 @@ for causal in (True, False):
     ref = attention_ref(q, k, v, cu_q, cu_k, causal=causal)
     print(f"causal={causal}: max abs error {(ours - ref).abs().max().item():.2e}")
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
-
-# %% [markdown]
-# Bad input gets a `ValueError` that names the argument, before anything runs:
-
-# %%
 for bad in (dict(k=k[:, :, :16]), dict(cu_seqlens_q=cu_q.long()), dict(v=v.double())):
     args = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=64, max_seqlen_k=64) | bad
     try:
@@ -1028,11 +943,10 @@ for bad in (dict(k=k[:, :, :16]), dict(cu_seqlens_q=cu_q.long()), dict(v=v.doubl
 
 # %% [markdown]
 # ### How fast is it?
-# `python -m minivllm.benchmarks.prefill` times the kernel on a GPU against PyTorch's SDPA (its FlashAttention-2
-# and cuDNN backends), FlashInfer's (when installed) and a naive O(N²) attention, for one 16-head causal prompt of
-# 1k, 4k, 8k and 16k tokens, and writes `figures/prefill.json`. On a GPU this cell re-measures (1k and 4k); without
-# one it shows the committed H200 results: the bars to reach are cuDNN's and FlashInfer's, 1.13-1.28× faster than
-# ours from 4k on (with one head per program instead of a KV head's two, at 4 warps: 1.26-1.36×).
+# `python -m minivllm.benchmarks.prefill` times the kernel on a GPU against PyTorch's SDPA (FlashAttention-2 and
+# cuDNN), FlashInfer's and a naive O(N²) attention, for one 16-head causal prompt of 1k to 16k tokens. On a GPU this
+# cell re-measures 1k and 4k; without one it shows the committed H200 results (`figures/prefill.json`): the bars to
+# reach are cuDNN's and FlashInfer's, 1.13-1.28× faster than ours from 4k on.
 
 # %%
 import json
@@ -1043,97 +957,37 @@ if DEVICE == "cuda":
     prefill = run_prefill_benchmark(seqlens=(1024, 4096))
 else:
     prefill = json.loads(Path("figures/prefill.json").read_text())
-fig = plot_prefill(prefill)
-fig.savefig(FIGURES / "01_prefill.png", dpi=120)
+plot_prefill(prefill).savefig(FIGURES / "01_prefill.png", dpi=120)
 print(prefill["device"])
 for row in prefill["rows"]:
     print(f"{row['impl']:>16} N={row['seqlen']:>6}: {row['tflops']:7.1f} TFLOP/s ({row['ms']:.3f} ms)")
 
 # %% [markdown]
 # ## Check yourself
-# Each question has a cell with `answer = None`: replace `None` with your answer (a number worked out by hand, or
-# an expression computed from the objects above) and run it; the check compares it with what the objects say. The
-# worked answer follows.
-#
-# **1.** `RowParallelLinear` adds its bias on rank 0 only. Below, one with a bias is split over 2 ranks in this one
-# process: each rank's layer gives its partial sum, and adding them is the all-reduce. How many copies of the bias
-# does the all-reduced output hold, and how many would it hold if every rank added the bias? Answer `(ours, every)`.
+# A prompt of 100 tokens continues after 60 cached tokens, so its sequence has 160 keys. Which keys does its first
+# query see? Replace `None` with the list of their indices and run the cell: the check compares it with what the
+# kernel says. (It runs with zero queries, which weigh every visible key equally, and key `j`'s value is 1 in feature
+# `j` only: the output is nonzero where a key was seen.) The worked answer follows.
 
 # %%
-from unittest import mock
-
-from minivllm.layers.linear import TPGroup, tensor_parallel
 from minivllm.testing import check_answer
 
 answer = None  # your answer: replace None with an expression
-w_row, b_row, x_row = torch.randn(8, 6), torch.rand(8) + 0.5, torch.randn(3, 6)
-ranks = []
-for rank in range(2):
-    with tensor_parallel(TPGroup(rank=rank, size=2)):  # the layer each of two processes would build
-        ranks.append(RowParallelLinear(6, 8, bias=True))
-    ranks[-1].weight.weight_loader(ranks[-1].weight, w_row)  # keeps this rank's 3 input columns
-    ranks[-1].bias.weight_loader(ranks[-1].bias, b_row)  # the whole bias, on every rank
-x_parts = x_row.chunk(2, dim=-1)  # each rank holds half of the input features
-with mock.patch.object(torch.distributed, "all_reduce", lambda y, group=None: None):  # one process: we sum below
-    parts = [layer(x) for layer, x in zip(ranks, x_parts)]
-every = [torch.nn.functional.linear(x, layer.weight, layer.bias) for layer, x in zip(ranks, x_parts)]
-copies = lambda y: round(((y - x_row @ w_row.T) / b_row).mean().item())  # how many times y holds b_row
-check_answer(answer, (copies(sum(parts)), copies(sum(every))), "1. bias copies")
-
-# %% [markdown]
-# Worked answer: the all-reduce adds the ranks' outputs, so a bias added on each of the `tp_size` ranks would be
-# counted `tp_size` times. Rank 0 adds it and the others do not: the sum holds it once, and equals the unsplit layer.
-
-# %%
-check_answer((1, ranks[0].tp_size), (copies(sum(parts)), copies(sum(every))), "1. bias copies")
-torch.testing.assert_close(sum(parts), torch.nn.functional.linear(x_row, w_row, b_row))
-
-# %% [markdown]
-# **2.** A prompt of 100 tokens continues after 60 cached tokens, so its sequence has 160 keys. Which keys does its
-# first query see? Answer the list of their indices. (The kernel below runs with zero queries, which weigh every
-# visible key equally, and key `j`'s value is 1 in feature `j` only: the output is nonzero where a key was seen.)
-
-# %%
-answer = None  # your answer: replace None with an expression
 q2, k2, _, cu_q2, cu_k2 = random_varlen([100], [160], 2, 2, 128, dtype=torch.bfloat16)
-# key j's value: 1 in feature j of the 256 (2 heads of 128 side by side), 0 elsewhere
-v2 = torch.eye(160, 256, dtype=torch.bfloat16, device=DEVICE).view(160, 2, 128)
+v2 = torch.eye(160, 256, dtype=torch.bfloat16, device=DEVICE).view(160, 2, 128)  # key j: 1 in feature j of 2 × 128
 out2 = flash_attn_varlen_contiguous(torch.zeros_like(q2), k2, v2, cu_q2, cu_k2, 100, 160, causal=True)
 seen_keys = out2[0].flatten().nonzero().flatten().tolist()  # query 0: its heads' features side by side
-check_answer(answer, seen_keys, "2. keys seen")
+check_answer(answer, seen_keys, "keys seen")
 
 # %% [markdown]
 # Worked answer: causal attention aligned bottom-right lets query `i` see keys `j ≤ i + (len_k − len_q)`; for `i = 0`
 # that is `j ≤ 160 − 100 = 60`: the 60 cached tokens and its own, 61 keys.
 
 # %%
-check_answer(list(range(0 + (160 - 100) + 1)), seen_keys, "2. keys seen")
-
-# %% [markdown]
-# **3.** How many bytes of scores would `attention_ref` allocate for one prompt of 32,768 tokens with Qwen3-0.6B's
-# attention (16 query heads, 8 KV heads, head_dim 128), summed over its 28 layers? The cell runs one layer on the
-# `meta` device (shapes, no memory) and records the size of the tensor the softmax is given.
-
-# %%
-answer = None  # your answer: replace None with an expression
-scores_bytes = []
-torch.softmax = lambda x, dim: (scores_bytes.append(x.numel() * x.element_size()), original_softmax(x, dim=dim))[1]
-try:
-    n = 32768
-    qkv_meta = (torch.empty(n, heads, 128, device="meta") for heads in (16, 8, 8))
-    attention_ref(*qkv_meta, torch.tensor([0, n]), torch.tensor([0, n]), causal=True)
-finally:
-    torch.softmax = original_softmax
-check_answer(answer, scores_bytes[0] * 28, "3. naive score bytes")
-
-# %% [markdown]
-# Worked answer: one float32 score per (head, query, key): 16 × 32,768² × 4 bytes = 64 GiB per layer, 1.9 TB over
-# 28 layers, more than ten H200s hold (and the probabilities need as much again). FlashAttention keeps none of it.
-
-# %%
-check_answer(16 * 32768**2 * 4 * 28, scores_bytes[0] * 28, "3. naive score bytes")
-print(f"{16 * 32768**2 * 4 * 28 / 1e12:.1f} TB: {16 * 32768**2 * 4 * 28 / 141e9:.0f} H200s")
+check_answer(list(range(0 + (160 - 100) + 1)), seen_keys, "keys seen")
 
 # %% [markdown]
 # **Exercises** (solutions in `solutions/`): `exercises/01_online_softmax.ipynb` (the online softmax and split-K in
-# PyTorch) and `exercises/01_triton_rmsnorm.ipynb` (vLLM's fused add + RMSNorm as a Triton kernel).
+# PyTorch) and `exercises/01_triton_rmsnorm.ipynb` (vLLM's fused add + RMSNorm as a Triton kernel). **Next:**
+# notebook 02 builds Qwen3 from these layers; optional before it, the deep dive `deep_dives/triton_layers.ipynb`:
+# the small layers as fused GPU kernels, and why `torch.compile` is not enough.

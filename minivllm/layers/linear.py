@@ -13,8 +13,7 @@ from torch import nn
 
 @dataclass(frozen=True, slots=True)
 class TPGroup:
-    """The ranks one model is split over: this process's rank, how many there are, and the process group their
-    collectives run on (None for a single rank: no communication)."""
+    """The ranks one model is split over: this one's rank, their number, and the process group they communicate on."""
 
     rank: int = 0
     size: int = 1
@@ -50,10 +49,7 @@ def check_shape(name: str, loaded: torch.Tensor, expected: tuple[int, ...]) -> N
         raise ValueError(f"{name}: expected shape {tuple(expected)}, got {tuple(loaded.shape)}")
 
 
-class Gemv(Protocol):
-    """One token's linear layer as one kernel: F.linear(x, weight, bias) for x: (1, k); gated: the weight holds
-    [gate | up] and the result is silu(gate) * up."""
-
+class Gemv(Protocol):  # one token's F.linear(x, weight, bias) as one kernel; gated: silu(gate) * up of [gate | up]
     def __call__(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False
     ) -> torch.Tensor: ...

@@ -7,12 +7,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from minivllm.layers.layernorm import RMSNorm
+from minivllm.layers.layernorm import Pair, RMSNorm
 
-RopeKernel = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, tuple[RMSNorm, RMSNorm] | None],
-    tuple[torch.Tensor, torch.Tensor],
-]  # (positions, q, k, cos, sin, norms) -> (q, k)
+Norms = tuple[RMSNorm, RMSNorm]  # Qwen3's q_norm and k_norm
+RopeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Norms | None], Pair]
 
 
 def rope_parameters(config: Any) -> dict:
@@ -40,7 +38,7 @@ def llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     cos: torch.Tensor  # buffers, registered below: (max_position, head_dim / 2)
     sin: torch.Tensor
-    kernel: RopeKernel | None = None  # q and k (and their norms) as one kernel (set per layer)
+    kernel: RopeKernel | None = None  # (positions, q, k, cos, sin, norms): q and k as one kernel (set per layer)
 
     def __init__(self, head_dim: int, max_position: int, params: dict):
         super().__init__()
@@ -56,9 +54,8 @@ class RotaryEmbedding(nn.Module):
         x1, x2 = x.float().chunk(2, dim=-1)  # the two halves of each head: (num_tokens, num_heads, head_dim / 2)
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, norms: tuple[RMSNorm, RMSNorm] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # positions: (num_tokens,); q, k: (num_tokens, num_heads, head_dim)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, norms: Norms | None = None) -> Pair:
+        # positions: (num_tokens,); q, k: (num_tokens, num_heads, head_dim)
         """Rotate q and k; with `norms` (Qwen3's q_norm, k_norm), normalise each head of q and of k first."""
         if self.kernel is not None:
             return self.kernel(positions, q, k, self.cos, self.sin, norms)
