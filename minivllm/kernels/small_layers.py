@@ -3,12 +3,12 @@
 import torch
 import triton
 import triton.language as tl
-from torch import nn
+from torch import Tensor, nn
 
 from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.layernorm import RMSNorm
 from minivllm.layers.linear import LinearBase
-from minivllm.layers.rotary_embedding import RotaryEmbedding
+from minivllm.layers.rotary_embedding import Norms, Pair, RotaryEmbedding
 
 
 @triton.jit(do_not_specialize=["num_rows"])  # changes every step: one compiled kernel for all values
@@ -44,10 +44,10 @@ def rms_norm(
     new_residual = out if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
     num_rows, n_cols, block = x3.shape[0] * x3.shape[1], x3.shape[2], triton.next_power_of_2(x3.shape[2])
     rows = max(1, (1024 if x.is_cuda else 4096) // block)  # short rows: a few per program
-    _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
-        x3, r3, weight, out, new_residual, num_rows, x3.shape[1], *x3.stride()[:2], *r3.stride()[:2], n_cols, eps,
-        HAS_RESIDUAL=residual is not None, ROWS=rows, BLOCK=block, num_warps=min(16, max(4, block // 256)),
-    )  # fmt: skip
+    strides = (*x3.stride()[:2], *r3.stride()[:2])  # (token, head) of x and of the residual
+    tile = dict(HAS_RESIDUAL=residual is not None, ROWS=rows, BLOCK=block, num_warps=min(16, max(4, block // 256)))
+    grid = (triton.cdiv(num_rows, rows),)
+    _rms_norm_kernel[grid](x3, r3, weight, out, new_residual, num_rows, x3.shape[1], *strides, n_cols, eps, **tile)
     return out if residual is None else (out, new_residual)
 
 
@@ -108,22 +108,19 @@ def _rope_kernel(
     )
 
 
-def apply_rope(
-    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-    norms: tuple[RMSNorm, RMSNorm] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    # q: (num_tokens, num_heads, head_dim), k: (num_tokens, num_kv_heads, head_dim)
-    """RotaryEmbedding(positions, q, k, norms) in one launch; cos, sin: (max_position, head_dim / 2); q, k may be
-    strided; norms: None, or the RMSNorms of q's and k's heads, applied first."""
+def apply_rope(positions: Tensor, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, norms: Norms | None = None) -> Pair:
+    """RotaryEmbedding(positions, q, k, norms) in one launch. q: (num_tokens, num_heads, head_dim), k: (num_tokens,
+    num_kv_heads, head_dim), either may be strided; cos, sin: (max_position, head_dim / 2); norms: None, or the
+    RMSNorms of q's and k's heads, applied first."""
     half = q.shape[2] // 2
     assert q.stride(2) == k.stride(2) == 1 and cos.shape[1] == half == k.shape[2] // 2 and cos.stride() == sin.stride()
     q_out, k_out = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k))
     (q_w, q_eps), (k_w, k_eps) = [(n.weight, n.eps) for n in norms] if norms else [(None, 0.0)] * 2
-    _rope_kernel[(q.shape[0],)](
-        positions, q, k, cos, sin, q_w, k_w, q_out, k_out, *q.stride()[:2], *k.stride()[:2], cos.stride(0), q.shape[1],
-        k.shape[1], q_eps, k_eps, NORM=norms is not None, HALF=half,
-        BLOCK_H=triton.next_power_of_2(max(q.shape[1], k.shape[1])), BLOCK_D=triton.next_power_of_2(half),
-    )  # fmt: skip
+    tensors = (positions, q, k, cos, sin, q_w, k_w, q_out, k_out)
+    strides = (*q.stride()[:2], *k.stride()[:2], cos.stride(0))  # (token, head) of q and of k; a position of cos
+    blocks = dict(BLOCK_H=triton.next_power_of_2(max(q.shape[1], k.shape[1])), BLOCK_D=triton.next_power_of_2(half))
+    heads = (q.shape[1], k.shape[1])
+    _rope_kernel[(q.shape[0],)](*tensors, *strides, *heads, q_eps, k_eps, NORM=norms is not None, HALF=half, **blocks)
     return q_out, k_out
 
 
@@ -142,12 +139,11 @@ def _row_sums(X, W, rows, n, k, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.con
 
 @triton.jit
 def _gemv_kernel(
-    X, W, B, Y, n, k, stride_w, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):  # fmt: skip
+    X, W, B, Y, n, k, stride_w, BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,): this program's outputs
     y = _row_sums(X, W, rows, n, k, stride_w, BLOCK_N, BLOCK_K)
-    if HAS_BIAS:
+    if BIAS:
         y += tl.load(B + rows, mask=rows < n, other=0.0).to(tl.float32)
     if GATED:  # y is the gate; the up rows lie n rows further down. silu(gate) * up, rounded where SiluAndMul rounds
         up = _row_sums(X, W + n * stride_w, rows, n, k, stride_w, BLOCK_N, BLOCK_K).to(Y.dtype.element_ty)
@@ -163,9 +159,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     assert x.shape == (1, k) and x.stride(1) == weight.stride(1) == 1 and not (gated and bias is not None)
     n, block_n = (n // 2, block_n // 2) if gated else (n, block_n)  # gated: each program reads a gate and an up row
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, bias, y, n, k, weight.stride(0), HAS_BIAS=bias is not None,
-                                             GATED=gated, BLOCK_N=block_n, BLOCK_K=1024 if k >= 2048 else 512,
-                                             num_warps=8)  # fmt: skip
+    tile = dict(BLOCK_N=block_n, BLOCK_K=1024 if k >= 2048 else 512, num_warps=8)
+    grid = (triton.cdiv(n, block_n),)
+    _gemv_kernel[grid](x, weight, bias, y, n, k, weight.stride(0), BIAS=bias is not None, GATED=gated, **tile)
     return y
 
 
