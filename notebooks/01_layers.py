@@ -14,17 +14,15 @@
 # %% [markdown]
 # # 01 · Layers: the pieces of a transformer, and a FlashAttention kernel
 #
-# **What this notebook builds.** Every layer Qwen3 (and Llama) is made of, written the way an inference
-# engine needs them: activations, RMSNorm with a fused residual add, tensor-parallel linear layers that load
-# HuggingFace weights, a vocabulary-parallel embedding and LM head, rotary position embeddings read from a
-# transformers config, a plain PyTorch attention we trust, and a Triton FlashAttention kernel for prefill.
+# **What this notebook builds.** Every layer Qwen3 (and Llama) is made of, written the way an inference engine needs
+# them: activations, RMSNorm with a fused residual add, tensor-parallel linear layers that load HuggingFace weights,
+# a vocabulary-parallel embedding and LM head, rotary position embeddings read from a transformers config, a plain
+# PyTorch attention we trust, and a Triton FlashAttention kernel for prefill. It assumes you know what a transformer
+# block is (attention + MLP, each wrapped in a norm and a residual add) and can read PyTorch. No GPU is needed: on a
+# CPU the Triton kernel runs in Triton's interpreter.
 #
-# **What it assumes.** You know what a transformer block is (attention + MLP, each wrapped in a norm and a
-# residual add) and can read PyTorch. No GPU is needed: on a CPU the Triton kernel runs in Triton's interpreter.
-#
-# **Where the code goes.** Cells tagged `export` are written into the `minivllm` package by
-# `python tools/export.py`; the other cells are checks and experiments. Every layer is checked against
-# PyTorch or transformers before we move on.
+# **Where the code goes.** Cells tagged `export` are written into the `minivllm` package by `python tools/export.py`;
+# the other cells check each layer against PyTorch or transformers before we move on.
 
 # %%
 import os
@@ -39,21 +37,21 @@ print(f"device: {DEVICE}, torch {torch.__version__}")
 
 # %% [markdown]
 # ## Activations
-# Qwen3's MLP is *gated*: one projection makes two vectors, `gate` and `up`, and the output is
-# `silu(gate) * up`. SiLU (also called swish) is `x · sigmoid(x)`; GELU, used by Gemma and GPT-2, is the
-# smooth cousin `x · Φ(x)`, usually computed with a tanh approximation.
+# Qwen3's MLP is *gated*: one projection makes two vectors, `gate` and `up`, and the output is `silu(gate) * up`.
+# SiLU (also called swish) is `x · sigmoid(x)`; GELU, used by Gemma and GPT-2, is the smooth cousin `x · Φ(x)`,
+# usually computed with a tanh approximation. An engine computes `gate` and `up` with one matrix multiply (one weight
+# read instead of two), so the activation receives them side by side in one tensor and splits it: `SiluAndMul`.
 #
-# An engine computes `gate` and `up` with one matrix multiply (one weight read instead of two), so the
-# activation receives them side by side in one tensor and splits it: that is `SiluAndMul`.
+# Each small layer also has a `kernel` attribute, `None` by default: its PyTorch code runs. On a GPU a fused Triton
+# kernel takes its place (the deep dive `triton_layers` writes them); nothing in the core path needs one.
 
 # %% tags=["export"] module="minivllm.layers.activation"
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from minivllm.kernels.small_layers import silu_and_mul  # Triton kernels, written after RoPE in notebook 01
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
@@ -67,18 +65,17 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 class SiluAndMul(nn.Module):
     """silu(gate) * up, where the input holds [gate | up] along its last dimension."""
 
-    use_triton = False  # True: one Triton kernel instead; notebook 04's runner sets it on a GPU
+    kernel: Callable[[torch.Tensor], torch.Tensor] | None = None  # a fused kernel instead (set per layer)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (num_tokens, 2 * intermediate_size)
-        if self.use_triton:
-            return silu_and_mul(x)
+        if self.kernel is not None:
+            return self.kernel(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up  # (num_tokens, intermediate_size)
 
 
 # %% [markdown]
-# Check: our formulas are PyTorch's, and `SiluAndMul` is what transformers' Qwen3 MLP computes from
-# separate `gate` and `up` vectors.
+# Check: our formulas are PyTorch's; `SiluAndMul` is what transformers' Qwen3 MLP computes from `gate` and `up`.
 
 # %%
 from minivllm.layers.activation import SiluAndMul, gelu_tanh, silu
@@ -91,22 +88,24 @@ torch.testing.assert_close(SiluAndMul()(torch.cat([gate, up], -1)), torch.nn.fun
 
 # %% [markdown]
 # ## RMSNorm, with the residual add fused in (as a Triton kernel: `exercises/01_triton_rmsnorm.ipynb`)
-# LayerNorm centres and scales; RMSNorm only scales, by the root mean square. One reduction instead of two,
-# and Qwen3 was trained with it, so we must match it exactly: the sum is taken in float32 even when the
-# model runs in bfloat16.
+# LayerNorm centres and scales; RMSNorm only scales, by the root mean square. One reduction instead of two, and Qwen3
+# was trained with it, so we must match it exactly: the sum is taken in float32 even when the model runs in bfloat16.
 #
 # Every block does `residual = x + residual; x = norm(residual)`. Passing the residual into the norm lets
 # one function (and, compiled, one kernel) do both, reading `x` from memory once instead of twice.
 
 # %% tags=["export"] module="minivllm.layers.layernorm"
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
-from minivllm.kernels.small_layers import rms_norm
+Pair = tuple[torch.Tensor, torch.Tensor]
+NormKernel = Callable[[torch.Tensor, torch.Tensor, float, torch.Tensor | None], torch.Tensor | Pair]
 
 
 class RMSNorm(nn.Module):
-    use_triton = False  # True: one Triton kernel for the add and the norm; notebook 04's runner sets it on a GPU
+    kernel: NormKernel | None = None  # (x, weight, eps, residual): the add and the norm as one kernel (set per layer)
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -119,23 +118,20 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
-    def add_rms_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_rms_forward(self, x: torch.Tensor, residual: torch.Tensor) -> Pair:
         residual = (x.float() + residual.float()).to(x.dtype)  # the new residual stream
         return self.rms_forward(residual), residual
 
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if self.use_triton:
-            return rms_norm(x, self.weight, self.eps, residual)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | Pair:
+        if self.kernel is not None:
+            return self.kernel(x, self.weight, self.eps, residual)
         if residual is None:
             return self.rms_forward(x)
         return self.add_rms_forward(x, residual)
 
 
 # %% [markdown]
-# Check yourself: the same numbers as transformers' `Qwen3RMSNorm`, in float32 and in bfloat16, and the
-# fused form equals "add, then norm".
+# Check: the same numbers as transformers' `Qwen3RMSNorm`, in float32 and bfloat16; the fused form is "add, then norm".
 
 # %%
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
@@ -155,125 +151,33 @@ for dtype in (torch.float32, torch.bfloat16):
 print("RMSNorm matches Qwen3RMSNorm bit for bit")
 
 # %% [markdown]
-# ### Does `torch.compile` pay off here?
-# Eager PyTorch runs `x.float()`, `pow`, `mean`, `rsqrt`, `*`, `.to()` and `*` as separate kernels, each
-# reading and writing the whole tensor. `torch.compile` fuses them into one loop. That saves memory traffic
-# on large tensors, but every compiled call first checks its guards, which costs time on tiny ones.
-# Let us measure rather than guess: a decode step of one sequence (1 token) against a prefill of 8,192 tokens.
-
-# %%
-import time
-
-import matplotlib.pyplot as plt
-
-
-def bench_ms(fn, *args, repeat: int = 10) -> float:
-    """Median time of fn(*args) in milliseconds: CUDA events on a GPU, wall clock on a CPU."""
-    if DEVICE == "cuda":
-        import triton
-
-        return triton.testing.do_bench(lambda: fn(*args), return_mode="median")
-    fn(*args)
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn(*args)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return sorted(times)[len(times) // 2]
-
-
-hidden, intermediate = 1024, 3072  # Qwen3-0.6B's sizes
-norm = RMSNorm(hidden).to(DEVICE)
-act = SiluAndMul().to(DEVICE)
-ops = {
-    "RMSNorm + residual": (
-        norm,
-        lambda n: (torch.randn(n, hidden, device=DEVICE), torch.randn(n, hidden, device=DEVICE)),
-    ),
-    "SiluAndMul": (act, lambda n: (torch.randn(n, 2 * intermediate, device=DEVICE),)),
-}
-compile_rows = []
-with torch.no_grad():
-    for name, (module, make_inputs) in ops.items():
-        compiled = torch.compile(module, dynamic=True)
-        for num_tokens in (1, 8192):
-            inputs = make_inputs(num_tokens)
-            compile_rows.append(
-                dict(
-                    op=name,
-                    num_tokens=num_tokens,
-                    eager=bench_ms(module, *inputs),
-                    compiled=bench_ms(compiled, *inputs),
-                )
-            )
-for r in compile_rows:
-    print(f"{r['op']:>20} {r['num_tokens']:>5} tokens: eager {r['eager']:.3f} ms, compiled {r['compiled']:.3f} ms")
-
-# %%
-from pathlib import Path
-
-FIGURES = Path(os.environ.get("MINIVLLM_FIGURES", "../build/figures")).resolve()
-FIGURES.mkdir(parents=True, exist_ok=True)
-
-fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-for ax, num_tokens in zip(axes, (1, 8192)):
-    rows = [r for r in compile_rows if r["num_tokens"] == num_tokens]
-    xs = range(len(rows))
-    ax.bar([x - 0.2 for x in xs], [r["eager"] for r in rows], width=0.4, label="eager")
-    ax.bar([x + 0.2 for x in xs], [r["compiled"] for r in rows], width=0.4, label="torch.compile")
-    ax.set_xticks(list(xs), [r["op"] for r in rows])
-    ax.set_title(f"{num_tokens} token{'s' if num_tokens > 1 else ''} ({DEVICE})")
-    ax.set_ylabel("ms per call")
-    ax.legend()
-fig.tight_layout()
-fig.savefig(FIGURES / "01_compile_vs_eager.png", dpi=120)
-print(f"saved {FIGURES / '01_compile_vs_eager.png'}")
-
-# %% [markdown]
-# Read the figure: on a single token the compiled call is no faster (there is almost no data to save
-# traffic on, and the guard check is pure overhead); on 8,192 tokens fusion saves whole passes over memory.
-# Fusion pays, but on small batches the per-call overhead, not the arithmetic, sets the time: after RoPE we fuse by
-# hand instead. (Timings move from run to run and machine to machine, so this cell prints them, not asserts them.)
-
-# %% [markdown]
 # ## Tensor-parallel linear layers
-# With tensor parallelism (TP) each of N GPUs holds a slice of every weight matrix. Megatron-LM's recipe
-# needs only two kinds of slicing:
+# With tensor parallelism (TP) each of N GPUs holds a slice of every weight matrix, cut one of two ways:
+# * **Column parallel**: split the *output* features. Each rank computes its slice of `y = x Wᵀ`; no communication.
+#   Used for the QKV projection and the MLP's gate/up projection.
+# * **Row parallel**: split the *input* features. Each rank computes a partial sum; an all-reduce adds them. Used for
+#   the attention output and the MLP's down projection, right after a column-parallel layer whose output slice is
+#   exactly the input slice it needs: two all-reduces a block, whatever N is.
 #
-# * **Column parallel**: split the *output* features. Each rank computes its own slice of `y = x Wᵀ`; no
-#   communication. Used for the QKV projection and the MLP's gate/up projection.
-# * **Row parallel**: split the *input* features. Each rank computes a partial sum; an all-reduce adds them.
-#   Used for the attention output and the MLP's down projection, right after a column-parallel layer, so
-#   the activations between the two never need to be gathered.
-#
-# So a block costs two all-reduces, whatever N is. HuggingFace checkpoints store full, separate matrices
-# (`q_proj`, `k_proj`, `v_proj`, `gate_proj`, `up_proj`); each parameter therefore carries a
-# `weight_loader` that takes the full tensor and copies in this rank's slice, at the right offset when
-# several HF tensors are packed into one of ours.
-#
-# Which rank am I, and of how many? A layer learns it when it is built, from the `TPGroup` of the
-# `with tensor_parallel(...)` block around the model's construction, and keeps it: the group its all-reduces
-# run on belongs to that model, so two engines in one process (one split over two GPUs, one not) never mix
-# up their ranks. Outside such a block a layer is whole: rank 0 of 1.
+# Checkpoints store full, separate matrices (`q_proj`, `k_proj`, ...), so each parameter has a `weight_loader` that
+# copies in this rank's slice, at its offset when several are packed into one of ours. A layer takes its rank from the
+# `with tensor_parallel(TPGroup(...))` block it is built in (notebook 06); outside one it is whole: rank 0 of 1.
 
 # %% tags=["export"] module="minivllm.layers.linear"
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.kernels.small_layers import gemv  # a Triton kernel, written with the small layers below
-
 
 @dataclass(frozen=True, slots=True)
 class TPGroup:
-    """The ranks one model is split over: this process's rank, how many there are, and the process group their
-    collectives run on (None for a single rank: no communication)."""
+    """The ranks one model is split over: this one's rank, their number, and the process group they communicate on."""
 
     rank: int = 0
     size: int = 1
@@ -309,10 +213,16 @@ def check_shape(name: str, loaded: torch.Tensor, expected: tuple[int, ...]) -> N
         raise ValueError(f"{name}: expected shape {tuple(expected)}, got {tuple(loaded.shape)}")
 
 
+class Gemv(Protocol):  # one token's F.linear(x, weight, bias) as one kernel; gated: silu(gate) * up of [gate | up]
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False
+    ) -> torch.Tensor: ...
+
+
 class LinearBase(nn.Module):
     """y = x Wᵀ (+ b) on this rank's slice; `tp_dim` is the weight dimension that is split (None: replicated)."""
 
-    use_triton = False  # True: one token's product by a Triton GEMV (below); notebook 04's runner sets it on a GPU
+    kernel: Gemv | None = None  # a matrix-vector kernel for one token (set per layer)
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_dim: int | None = None):
         super().__init__()
@@ -341,8 +251,8 @@ class LinearBase(nn.Module):
         param.data.copy_(loaded)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # x: (num_tokens, input_size)
-        if self.use_triton and x.shape[0] == 1:  # a matrix-vector product: cuBLAS's tiles waste bandwidth here
-            return gemv(x, self.weight, bias)
+        if self.kernel is not None and x.shape[0] == 1:  # a matrix-vector product: cuBLAS's tiles waste bandwidth
+            return self.kernel(x, self.weight, bias)
         return F.linear(x, self.weight, bias)  # (num_tokens, output_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (num_tokens, input_size)
@@ -410,50 +320,45 @@ class RowParallelLinear(LinearBase):
 
 
 # %% [markdown]
-# Check: with one rank, each layer loaded from HF-shaped tensors computes exactly `torch.nn.functional.linear`
-# with those tensors concatenated the way we packed them. (The test suite repeats this with two ranks over
-# gloo and checks that TP=2 gives the same output as TP=1.)
+# Check: each layer loaded from HF-shaped tensors computes `F.linear` with those tensors packed as we packed them; a
+# row-parallel layer over two ranks, in this one process, gives partial sums that add up to the whole layer (the
+# all-reduce, stubbed out). The test suite runs two real ranks over gloo, and checkpoint tensors of a wrong shape.
 
 # %%
-from minivllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from unittest import mock
+
+from minivllm.layers import linear
+from minivllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 
 hidden, head_dim, num_heads, num_kv_heads = 64, 16, 4, 2
 x = torch.randn(3, hidden)
 wq, wk, wv = (torch.randn(heads * head_dim, hidden) for heads in (num_heads, num_kv_heads, num_kv_heads))
-qkv = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads)
-for shard_id, w in zip("qkv", (wq, wk, wv)):
-    qkv.weight.weight_loader(qkv.weight, w, shard_id)
-torch.testing.assert_close(qkv(x), torch.cat([x @ wq.T, x @ wk.T, x @ wv.T], -1))
-
 wg, wu = torch.randn(96, hidden), torch.randn(96, hidden)
+qkv = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads)
 gate_up = MergedColumnParallelLinear(hidden, [96, 96])
-for shard_id, w in enumerate((wg, wu)):
-    gate_up.weight.weight_loader(gate_up.weight, w, shard_id)
+for layer, shards in ((qkv, zip("qkv", (wq, wk, wv))), (gate_up, enumerate((wg, wu)))):
+    for shard_id, w in shards:
+        layer.weight.weight_loader(layer.weight, w, shard_id)
+torch.testing.assert_close(qkv(x), torch.cat([x @ wq.T, x @ wk.T, x @ wv.T], -1))
 torch.testing.assert_close(gate_up(x), torch.cat([x @ wg.T, x @ wu.T], -1))
 
-wd = torch.randn(hidden, 96)
-down = RowParallelLinear(96, hidden)
-down.weight.weight_loader(down.weight, wd)
-x2 = torch.randn(3, 96)
-torch.testing.assert_close(down(x2), x2 @ wd.T)
-
-# %% [markdown]
-# A mis-shaped checkpoint tensor is caught by the loader, with the name and both shapes:
-
-# %%
-try:
-    qkv.weight.weight_loader(qkv.weight, torch.randn(10, hidden), "k")
-except ValueError as e:
-    print("ValueError:", e)
-else:
-    raise AssertionError("a mis-shaped tensor was accepted")
+wd, b, x2 = torch.randn(hidden, 96), torch.randn(hidden), torch.randn(3, 96)
+halves = []  # row parallel over 2 ranks in this process: each keeps 48 input columns and adds a partial sum
+for rank in range(2):
+    with linear.tensor_parallel(linear.TPGroup(rank=rank, size=2)):  # the layer each of two processes would build
+        halves.append(linear.RowParallelLinear(96, hidden, bias=True))
+    halves[-1].weight.weight_loader(halves[-1].weight, wd)
+    halves[-1].bias.weight_loader(halves[-1].bias, b)
+with mock.patch.object(torch.distributed, "all_reduce", lambda y, group=None: None):  # we add the two below
+    partial = [layer(x_half) for layer, x_half in zip(halves, x2.chunk(2, dim=-1))]
+torch.testing.assert_close(sum(partial), x2 @ wd.T + b)  # the bias once: only rank 0 adds it
 
 # %% [markdown]
 # ## Vocabulary-parallel embedding and LM head
-# The embedding table (151,936 × 1,024 for Qwen3-0.6B, 0.16 B parameters) is split by rows: each rank
-# owns a range of token ids, looks up the ids it owns, writes zeros for the others, and an all-reduce sums
-# the pieces. The LM head is the same matrix used the other way round (Qwen3-0.6B *ties* them): each rank
-# computes the logits of its vocabulary slice, and a gather puts them side by side.
+# The embedding table (151,936 × 1,024 for Qwen3-0.6B, 0.16 B parameters) is split by rows: each rank owns a range
+# of token ids, looks up the ids it owns, writes zeros for the others, and an all-reduce sums the pieces. The LM head
+# is the same matrix used the other way round (Qwen3-0.6B *ties* them): each rank computes the logits of its
+# vocabulary slice, and a gather puts them side by side.
 
 # %% tags=["export"] module="minivllm.layers.embed_head"
 import torch
@@ -503,10 +408,9 @@ class ParallelLMHead(VocabParallelEmbedding):
 # %%
 from minivllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 
-table = torch.randn(100, 32)
-emb, head = VocabParallelEmbedding(100, 32), ParallelLMHead(100, 32)
-emb.weight.weight_loader(emb.weight, table)
-head.weight.weight_loader(head.weight, table)
+table, emb, head = torch.randn(100, 32), VocabParallelEmbedding(100, 32), ParallelLMHead(100, 32)
+for layer in (emb, head):
+    layer.weight.weight_loader(layer.weight, table)
 ids = torch.tensor([0, 5, 99, 5])
 torch.testing.assert_close(emb(ids), table[ids])
 torch.testing.assert_close(head(emb(ids)), table[ids] @ table.T)
@@ -514,24 +418,24 @@ torch.testing.assert_close(head(emb(ids)), table[ids] @ table.T)
 # %% [markdown]
 # ## Rotary position embeddings (RoPE)
 # Attention by itself cannot tell positions apart. RoPE rotates each pair of query/key features by an angle
-# proportional to the token's position, `θ_i = position · base^(-2i/d)`, so the dot product of a query at
-# position m with a key at position n depends only on `m − n`. Qwen3 uses base θ = 1,000,000; Llama-3
-# additionally stretches the low frequencies ("llama3" scaling) to reach longer contexts.
-#
-# The parameters live in the model's config, in two places depending on the transformers version:
-# `config.rope_parameters` (transformers 5) or top-level `rope_theta` + `rope_scaling` (older checkpoints).
-# An engine must read both, because checkpoints on disk come from both eras. We precompute `cos` and `sin`
-# for every position once; at run time a layer only gathers the rows for its tokens' positions.
+# proportional to the token's position, `θ_i = position · base^(-2i/d)`, so the dot product of a query at position m
+# with a key at position n depends only on `m − n`. Qwen3 uses base θ = 1,000,000; Llama-3 also stretches the low
+# frequencies ("llama3" scaling) to reach longer contexts. The parameters are in `config.rope_parameters`
+# (transformers 5) or `rope_theta` + `rope_scaling` (older checkpoints): an engine reads both. `cos` and `sin` are
+# computed once for every position; a layer gathers the rows of its tokens' positions.
 
 # %% tags=["export"] module="minivllm.layers.rotary_embedding"
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from minivllm.kernels.small_layers import apply_rope
-from minivllm.layers.layernorm import RMSNorm
+from minivllm.layers.layernorm import Pair, RMSNorm
+
+Norms = tuple[RMSNorm, RMSNorm]  # Qwen3's q_norm and k_norm
+RopeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Norms | None], Pair]
 
 
 def rope_parameters(config: Any) -> dict:
@@ -559,7 +463,7 @@ def llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     cos: torch.Tensor  # buffers, registered below: (max_position, head_dim / 2)
     sin: torch.Tensor
-    use_triton = False  # True: one Triton kernel for q and k (and their norms); notebook 04's runner sets it on a GPU
+    kernel: RopeKernel | None = None  # (positions, q, k, cos, sin, norms): q and k as one kernel (set per layer)
 
     def __init__(self, head_dim: int, max_position: int, params: dict):
         super().__init__()
@@ -575,12 +479,11 @@ class RotaryEmbedding(nn.Module):
         x1, x2 = x.float().chunk(2, dim=-1)  # the two halves of each head: (num_tokens, num_heads, head_dim / 2)
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, norms: tuple[RMSNorm, RMSNorm] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # positions: (num_tokens,); q, k: (num_tokens, num_heads, head_dim)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, norms: Norms | None = None) -> Pair:
+        # positions: (num_tokens,); q, k: (num_tokens, num_heads, head_dim)
         """Rotate q and k; with `norms` (Qwen3's q_norm, k_norm), normalise each head of q and of k first."""
-        if self.use_triton:
-            return apply_rope(positions, q, k, self.cos, self.sin, norms)
+        if self.kernel is not None:
+            return self.kernel(positions, q, k, self.cos, self.sin, norms)
         if norms is not None:
             q, k = norms[0](q), norms[1](k)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # (num_tokens, 1, head_dim / 2)
@@ -592,8 +495,8 @@ def get_rope(config: Any, head_dim: int) -> RotaryEmbedding:
 
 
 # %% [markdown]
-# Check yourself: transformers' own RoPE (its `Qwen3RotaryEmbedding` and `apply_rotary_pos_emb`) on the same
-# positions gives the same rotated queries and keys, for Qwen3's default RoPE and for Llama-3.2's scaled one.
+# Check: transformers' own RoPE (`Qwen3RotaryEmbedding`, `apply_rotary_pos_emb`) rotates q and k as ours does, for
+# Qwen3's default RoPE and for Llama-3.2's scaled one.
 
 # %%
 from transformers import LlamaConfig, Qwen3Config
@@ -602,8 +505,8 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply
 
 from minivllm.layers.rotary_embedding import get_rope
 
-rope32 = dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-              original_max_position_embeddings=8192)  # Llama-3.2's: 8k trained, 128k scaled  # fmt: skip
+rope32 = dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0)
+rope32["original_max_position_embeddings"] = 8192  # Llama-3.2's: 8k trained, 128k scaled by 32
 qwen3_cfg = Qwen3Config(head_dim=64, num_attention_heads=4, max_position_embeddings=4096, rope_theta=1e6)
 llama_cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, max_position_embeddings=131072, rope_parameters=rope32)
 configs = {"qwen3": (qwen3_cfg, Qwen3RotaryEmbedding), "llama3.2": (llama_cfg, LlamaRotaryEmbedding)}
@@ -613,248 +516,18 @@ for name, (config, hf_rope) in configs.items():
     cos, sin = hf_rope(config)(q, positions[None])
     q_ref, k_ref = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
     q_ours, k_ours = get_rope(config, 64)(positions, q, k)
-    torch.testing.assert_close(q_ours, q_ref[0].transpose(0, 1))
-    torch.testing.assert_close(k_ours, k_ref[0].transpose(0, 1))
+    torch.testing.assert_close((q_ours, k_ours), (q_ref[0].transpose(0, 1), k_ref[0].transpose(0, 1)))
     print(f"{name}: RoPE matches transformers ({get_rope(config, 64).cos.shape[0]} cached positions)")
 
 # %% [markdown]
-# ## The small layers as Triton kernels (write the first in `exercises/01_triton_rmsnorm.ipynb`)
-# A Qwen3-0.6B forward makes 169 calls to these small layers (4 norms, a RoPE and an activation in each of 28 layers,
-# and a final norm). A compiled call checks guards and runs a wrapper on the *host* first, tens of µs or more on a
-# GPU machine whatever the size (the cell below measures it), while the GPU waits. CUDA graphs hide that only in
-# decode steps (notebook 04); eager, minivllm ran at 2,935 output tokens/s against 15,676 with graphs
-# (`figures/throughput_vs_transformers.json`). A Triton kernel fuses by hand for the cost of a launch, so each layer
-# calls its kernel when its `use_triton` is set (notebook 04's runner sets it on a GPU). Each returns new tensors.
-#
-# The fused residual add + RMSNorm, in full: a program takes `ROWS` rows of `BLOCK ≥ hidden` columns (a token of
-# 1,024, or eight 128-wide heads for the q/k norms, whose rows are a `(tokens, heads)` grid of strided views of the
-# QKV projection), adds and stores the residual, sums squares in float32, and rounds where `RMSNorm` rounds.
-# SiLU-and-mul has no reduction (a program per 1,024 columns of a token); RoPE runs a program per token, which loads
-# its position's `cos` and `sin` once and rotates every head of q and k as `(heads, head_dim / 2)` tiles. Qwen3
-# normalises each head of q and k just before RoPE (notebook 02), so the RoPE kernel can do that too (`norms`):
-# the heads are in registers already, and a layer makes one launch for both instead of three. (The model calls it so;
-# `rms_norm` on heads stays for a norm on its own.)
-#
-# One more is not small: a linear layer at *one* token (a decode step of one request) is a matrix-vector product.
-# Each weight is read once for one multiply-add, so the layer can only be as fast as its weights stream from memory.
-# cuBLAS tiles its GEMMs for many rows; at one row some of its choices leave most of the bandwidth idle (on an
-# H200, Qwen3-0.6B's 4 MB attention output projection took 12 µs: 0.34 TB/s of the 4.8). `gemv` gives each program
-# `BLOCK_N` outputs, keeps a float32 partial sum per lane while it walks along `k`, and reduces once at the end.
-# `LinearBase` calls it for one token when `use_triton` is set; more tokens keep cuBLAS. With `gated=True` it reads
-# the `[gate | up]` rows of an output together and returns `silu(gate) * up`: the MLP's activation, no extra launch.
-
-# %% tags=["export"] module="minivllm.kernels.small_layers"
-from typing import Any
-
-import torch
-import triton
-import triton.language as tl
-
-
-@triton.jit(do_not_specialize=["num_rows"])  # changes every step: one compiled kernel for all values
-def _rms_norm_kernel(
-    X, R, W, OUT, R_OUT, num_rows, heads, stride_xt, stride_xh, stride_rt, stride_rh, n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (ROWS,): row = token * heads + head
-    token, head, cols = rows // heads, rows % heads, tl.arange(0, BLOCK)
-    mask = (rows < num_rows)[:, None] & (cols < n_cols)[None, :]  # (ROWS, BLOCK)
-    x = tl.load(X + (token * stride_xt + head * stride_xh)[:, None] + cols[None, :], mask=mask, other=0.0)
-    x = x.to(tl.float32)
-    offs = rows[:, None] * n_cols + cols[None, :]  # into the contiguous outputs
-    if HAS_RESIDUAL:  # the new residual stream, rounded to the model's dtype before it is normalised
-        r = tl.load(R + (token * stride_rt + head * stride_rh)[:, None] + cols[None, :], mask=mask, other=0.0)
-        x = (x + r.to(tl.float32)).to(R_OUT.dtype.element_ty)
-        tl.store(R_OUT + offs, x, mask=mask)
-        x = x.to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)  # (ROWS,); masked lanes add zeros
-    w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-    normed = (x * inv_rms[:, None]).to(X.dtype.element_ty).to(tl.float32)  # RMSNorm rounds before the weight
-    tl.store(OUT + offs, (normed * w[None, :]).to(OUT.dtype.element_ty), mask=mask)
-
-
-def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm(x) or RMSNorm(x, residual), one launch; x: (num_tokens, hidden) or (num_tokens, num_heads, head_dim)."""
-    x3 = x if x.dim() == 3 else x[:, None]  # (num_tokens, heads, n_cols): a 2-D input has one "head"
-    r3 = x3 if residual is None else (residual if residual.dim() == 3 else residual[:, None])
-    assert x3.dim() == 3 and x3.stride(2) == r3.stride(2) == 1 and weight.shape == x3.shape[2:], (x.shape, weight.shape)
-    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    new_residual = out if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    num_rows, n_cols, block = x3.shape[0] * x3.shape[1], x3.shape[2], triton.next_power_of_2(x3.shape[2])
-    rows = max(1, (1024 if x.is_cuda else 4096) // block)  # short rows: a few per program
-    _rms_norm_kernel[(triton.cdiv(num_rows, rows),)](
-        x3, r3, weight, out, new_residual, num_rows, x3.shape[1], *x3.stride()[:2], *r3.stride()[:2], n_cols, eps,
-        HAS_RESIDUAL=residual is not None, ROWS=rows, BLOCK=block, num_warps=min(16, max(4, block // 256)),
-    )  # fmt: skip
-    return out if residual is None else (out, new_residual)
-
-
-@triton.jit
-def _silu_and_mul_kernel(X, OUT, stride_x, n_cols, BLOCK: tl.constexpr):
-    row, cols = tl.program_id(0), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(X + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(OUT.dtype.element_ty).to(tl.float32)  # F.silu rounds to the dtype
-    tl.store(OUT + row * n_cols + cols, (silu * up).to(OUT.dtype.element_ty), mask=mask)
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # x: (num_tokens, 2 * n), [gate | up]
-    """SiluAndMul(x) in one launch: a program per token and block of columns."""
-    assert x.dim() == 2 and x.stride(1) == 1, (x.shape, x.stride())
-    n_cols = x.shape[1] // 2
-    out = torch.empty(x.shape[0], n_cols, dtype=x.dtype, device=x.device)  # (num_tokens, n)
-    block = min(1024, triton.next_power_of_2(n_cols))
-    _silu_and_mul_kernel[(x.shape[0], triton.cdiv(n_cols, block))](x, out, x.stride(0), n_cols, BLOCK=block)
-    return out
-
-
-@triton.jit
-def _rotate_heads(
-    X, W, OUT, stride_h, num_heads, cos, sin, eps, NORM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    heads, d = tl.arange(0, BLOCK_H)[:, None], tl.arange(0, BLOCK_D)[None, :]  # one token's heads: (BLOCK_H, BLOCK_D)
-    mask = (heads < num_heads) & (d < HALF)
-    x1 = tl.load(X + heads * stride_h + d, mask=mask, other=0.0).to(tl.float32)  # first halves
-    x2 = tl.load(X + heads * stride_h + HALF + d, mask=mask, other=0.0).to(tl.float32)  # second halves
-    if NORM:  # each head's RMSNorm first, rounded where RMSNorm rounds (its output is RoPE's input)
-        inv_rms = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
-        w1 = tl.load(W + d, mask=d < HALF, other=0.0).to(tl.float32)
-        w2 = tl.load(W + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
-        x1 = ((x1 * inv_rms).to(X.dtype.element_ty).to(tl.float32) * w1).to(OUT.dtype.element_ty).to(tl.float32)
-        x2 = ((x2 * inv_rms).to(X.dtype.element_ty).to(tl.float32) * w2).to(OUT.dtype.element_ty).to(tl.float32)
-    tl.store(OUT + heads * 2 * HALF + d, (x1 * cos - x2 * sin).to(OUT.dtype.element_ty), mask=mask)
-    tl.store(OUT + heads * 2 * HALF + HALF + d, (x2 * cos + x1 * sin).to(OUT.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _rope_kernel(
-    POS, Q, K, COS, SIN, QW, KW, Q_OUT, K_OUT, stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, num_q_heads,
-    num_k_heads, q_eps, k_eps, NORM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    token = tl.program_id(0)
-    pos, d = tl.load(POS + token), tl.arange(0, BLOCK_D)[None, :]
-    cos = tl.load(COS + pos * stride_cos + d, mask=d < HALF, other=0.0).to(tl.float32)  # (1, BLOCK_D)
-    sin = tl.load(SIN + pos * stride_cos + d, mask=d < HALF, other=0.0).to(tl.float32)
-    q_out, k_out = Q_OUT + token * num_q_heads * 2 * HALF, K_OUT + token * num_k_heads * 2 * HALF
-    _rotate_heads(
-        Q + token * stride_qt, QW, q_out, stride_qh, num_q_heads, cos, sin, q_eps, NORM, HALF, BLOCK_H, BLOCK_D
-    )
-    _rotate_heads(
-        K + token * stride_kt, KW, k_out, stride_kh, num_k_heads, cos, sin, k_eps, NORM, HALF, BLOCK_H, BLOCK_D
-    )
-
-
-def apply_rope(
-    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-    norms: tuple[Any, Any] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    # q: (num_tokens, num_heads, head_dim), k: (num_tokens, num_kv_heads, head_dim)
-    """RotaryEmbedding(positions, q, k, norms) in one launch; cos, sin: (max_position, head_dim / 2); q, k may be
-    strided; norms: None, or the RMSNorms of q's and k's heads, applied first."""
-    half = q.shape[2] // 2
-    assert q.stride(2) == k.stride(2) == 1 and cos.shape[1] == half == k.shape[2] // 2 and cos.stride() == sin.stride()
-    q_out, k_out = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k))
-    (q_w, q_eps), (k_w, k_eps) = [(n.weight, n.eps) for n in norms] if norms else [(None, 0.0)] * 2
-    _rope_kernel[(q.shape[0],)](
-        positions, q, k, cos, sin, q_w, k_w, q_out, k_out, *q.stride()[:2], *k.stride()[:2], cos.stride(0), q.shape[1],
-        k.shape[1], q_eps, k_eps, NORM=norms is not None, HALF=half,
-        BLOCK_H=triton.next_power_of_2(max(q.shape[1], k.shape[1])), BLOCK_D=triton.next_power_of_2(half),
-    )  # fmt: skip
-    return q_out, k_out
-
-
-@triton.jit
-def _row_sums(X, W, rows, n, k, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """(BLOCK_N,) float32: the dot products of x with weight rows `rows` (those < n)."""
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # a partial sum per lane, reduced once at the end
-    for start in range(0, k, BLOCK_K):
-        cols = start + tl.arange(0, BLOCK_K)
-        mask = (rows < n)[:, None] & (cols < k)[None, :]
-        w = tl.load(W + rows.to(tl.int64)[:, None] * stride_w + cols[None, :], mask=mask, other=0.0)
-        x = tl.load(X + cols, mask=cols < k, other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]  # (BLOCK_N, BLOCK_K)
-    return tl.sum(acc, axis=1)
-
-
-@triton.jit
-def _gemv_kernel(
-    X, W, B, Y, n, k, stride_w, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,): this program's outputs
-    y = _row_sums(X, W, rows, n, k, stride_w, BLOCK_N, BLOCK_K)
-    if HAS_BIAS:
-        y += tl.load(B + rows, mask=rows < n, other=0.0).to(tl.float32)
-    if GATED:  # y is the gate; the up rows lie n rows further down. silu(gate) * up, rounded where SiluAndMul rounds
-        up = _row_sums(X, W + n * stride_w, rows, n, k, stride_w, BLOCK_N, BLOCK_K).to(Y.dtype.element_ty)
-        gate = y.to(Y.dtype.element_ty).to(tl.float32)
-        y = (gate / (1.0 + tl.exp(-gate))).to(Y.dtype.element_ty).to(tl.float32) * up.to(tl.float32)
-    tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=rows < n)
-
-
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
-    """F.linear(x, weight, bias) for one token, x: (1, k), weight: (n, k): a program per BLOCK_N outputs. gated: the
-    weight is [gate | up] (no bias), and the result silu(gate) * up, (1, n / 2): SiluAndMul in the same pass."""
-    (n, k), block_n = weight.shape, 16 if weight.shape[0] >= 4096 else 4  # narrow layers: more programs
-    assert x.shape == (1, k) and x.stride(1) == weight.stride(1) == 1 and not (gated and bias is not None)
-    n, block_n = (n // 2, block_n // 2) if gated else (n, block_n)  # gated: each program reads a gate and an up row
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, bias, y, n, k, weight.stride(0), HAS_BIAS=bias is not None,
-                                             GATED=gated, BLOCK_N=block_n, BLOCK_K=1024 if k >= 2048 else 512,
-                                             num_warps=8)  # fmt: skip
-    return y
-
-
-# %%
-import functools
-
-from minivllm.kernels.small_layers import apply_rope, gemv, rms_norm, silu_and_mul
-
-norm96, rope96, pos96 = RMSNorm(96).to(DEVICE), get_rope(qwen3_cfg, 96).to(DEVICE), torch.randperm(4096)[:37]
-norm96.weight.data.normal_()  # then 37 tokens, rows of 96 (not a power of two), q/k norm and RoPE on strided views
-x, residual, qkv = (torch.randn(37, n, device=DEVICE) for n in (96, 96, 8 * 96))
-q96, k96, pos96 = qkv[:, :384].view(37, 4, 96), qkv[:, 384:576].view(37, 2, 96), pos96.to(DEVICE)
-bias37 = torch.randn(37, device=DEVICE)
-for ours, theirs in [
-    (rms_norm(x, norm96.weight, norm96.eps, residual), norm96(x, residual)),
-    (rms_norm(q96, norm96.weight, norm96.eps), norm96(q96)),
-    (silu_and_mul(qkv[:, :192]), SiluAndMul()(qkv[:, :192])),
-    (apply_rope(pos96, q96, k96, rope96.cos, rope96.sin), rope96(pos96, q96, k96)),
-    (apply_rope(pos96, q96, k96, rope96.cos, rope96.sin, (norm96, norm96)), rope96(pos96, q96, k96, (norm96, norm96))),
-    (gemv(x[:1], qkv[:, :96], bias37), F.linear(x[:1], qkv[:, :96], bias37)),  # one token; a strided (37, 96) weight
-    (gemv(x[:1], qkv[:36, :96], gated=True), silu_and_mul(F.linear(x[:1], qkv[:36, :96]))),  # [gate | up], 18 each
-]:
-    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
-if DEVICE == "cuda":  # one call on one token of 1,024 takes the host's time: eager, compiled, Triton
-    x, residual, triton_norm = (
-        *torch.randn(2, 1, 1024, device=DEVICE),
-        lambda x, r: rms_norm(x, norm.weight, norm.eps, r),
-    )
-    for name, fn in (("eager", norm), ("torch.compile", torch.compile(norm, dynamic=True)), ("triton", triton_norm)):
-        print(f"RMSNorm + residual, 1 token, {name}: {bench_ms(fn, x, residual) * 1e3:.0f} µs per call")
-    x, w = torch.randn(1, 2048, device=DEVICE, dtype=torch.bfloat16), torch.randn(1024, 2048, device=DEVICE).bfloat16()
-    for name, fn in (("cuBLAS", F.linear), ("gemv", gemv)):  # each call's GPU time, launches hidden by a CUDA graph
-        ms = triton.testing.do_bench_cudagraph(functools.partial(fn, x, w))
-        print(f"1 token × (2048 → 1024), {name}: {ms * 1e3:.1f} µs, {w.nbytes / ms / 1e9:.2f} TB/s of weights")
-print("rms_norm, silu_and_mul, apply_rope and gemv give the layers' results")
-
-# %% [markdown]
 # ## Attention, the plain way
-# Before writing a fast kernel we need one we trust. An engine packs the prompts of a batch end to end in one
-# flat tensor (no padding) and passes `cu_seqlens`, the cumulative lengths: sequence `i` is rows
-# `cu_seqlens[i]:cu_seqlens[i+1]`. This is flash-attn's *varlen* convention and we keep it everywhere.
-#
-# Two details matter for an engine:
-#
-# * **GQA** (grouped-query attention): Qwen3-0.6B has 16 query heads but only 8 key/value heads; query
-#   head `h` reads KV head `h // 2`. Fewer KV heads means a smaller KV cache.
-# * **Causal, aligned bottom-right**: when a sequence has more keys than queries (the first keys are an
-#   already-cached prefix), query `i` sees keys `j ≤ i + (len_k − len_q)`. This is flash-attn's
-#   convention, and what lets prefill continue from a cached prefix (notebook 03).
+# Before writing a fast kernel we need one we trust. An engine packs the prompts of a batch end to end in one flat
+# tensor (no padding) and passes `cu_seqlens`, the cumulative lengths: sequence `i` is rows
+# `cu_seqlens[i]:cu_seqlens[i+1]`. This is flash-attn's *varlen* convention and we keep it everywhere. Also:
+# * **GQA** (grouped-query attention): Qwen3-0.6B has 16 query heads but only 8 key/value heads; query head `h`
+#   reads KV head `h // 2`. Fewer KV heads means a smaller KV cache.
+# * **Causal, aligned bottom-right**: when a sequence has more keys than queries (the first keys are a cached
+#   prefix), query `i` sees keys `j ≤ i + (len_k − len_q)`: prefill continues from a cached prefix (notebook 03).
 
 # %% tags=["export"] module="minivllm.kernels.reference"
 import torch
@@ -889,8 +562,7 @@ def attention_ref(
 
 
 # %% [markdown]
-# Check: for one sequence, the reference equals PyTorch's `scaled_dot_product_attention` with the KV heads
-# expanded for GQA, causal and not.
+# Check: for one sequence, the reference is PyTorch's `scaled_dot_product_attention` (KV heads expanded), causal or not.
 
 # %%
 from minivllm.kernels.reference import attention_ref
@@ -904,68 +576,67 @@ for causal in (False, True):
 
 # %% [markdown]
 # ### Why the plain way does not scale: O(N²) memory
-# The reference materialises `scores`, one float per (head, query, key) pair. For a 16k-token prompt with
-# Qwen3-0.6B's 16 heads that is 16 × 16,384² × 4 bytes = 16 GiB *per layer*, far more than the model itself.
-# FlashAttention never builds it: it walks over the keys in blocks, keeping for each query row only a running
-# maximum `m`, a running sum `l` and the output accumulator. Extra memory per row: O(head_dim), so O(N) in all.
-#
-# First, the claim measured: the reference really allocates a `(heads, N, N)` tensor.
+# The reference materialises `scores`, one float per (head, query, key) pair. For a 16k-token prompt with Qwen3-0.6B's
+# 16 heads that is 16 × 16,384² × 4 bytes = 16 GiB *per layer*, far more than the model itself. FlashAttention never
+# builds it: it walks over the keys in blocks, keeping for each query row only a running maximum `m`, a running sum
+# `l` and the output accumulator: O(head_dim) per row, O(N) in all. First the claim, measured: the reference builds
+# a `(heads, N, N)` tensor.
+
 
 # %%
-seen = []
-original_softmax = torch.softmax
-torch.softmax = lambda x, dim: (seen.append(x.shape), original_softmax(x, dim=dim))[1]  # record the scores' shape
+seen, softmax = [], torch.softmax
+torch.softmax = lambda x, dim: (seen.append(x.shape), softmax(x, dim=dim))[1]  # record the scores' shape
 try:
     n = 512
-    q_n, k_n, v_n = torch.randn(n, 16, 128), torch.randn(n, 8, 128), torch.randn(n, 8, 128)
+    q_n, k_n, v_n = (torch.randn(n, heads, 128) for heads in (16, 8, 8))
     attention_ref(q_n, k_n, v_n, torch.tensor([0, n]), torch.tensor([0, n]), causal=True)
 finally:
-    torch.softmax = original_softmax
+    torch.softmax = softmax
 assert seen == [(16, n, n)], seen
 print(f"scores tensor for N={n}: {seen[0]} = {16 * n * n * 4 / 2**20:.0f} MiB in fp32")
 
 # %%
+from pathlib import Path
+
+import matplotlib.pyplot as plt
 import numpy as np
 
-num_heads, head_dim = 16, 128
-lengths = np.array([512, 1024, 2048, 4096, 8192, 16384, 32768])
+FIGURES = Path(os.environ.get("MINIVLLM_FIGURES", "../build/figures")).resolve()
+FIGURES.mkdir(parents=True, exist_ok=True)
+num_heads, head_dim, lengths = 16, 128, 2 ** np.arange(9, 16)  # Qwen3-0.6B's heads; N = 512 ... 32,768
 naive_bytes = num_heads * lengths.astype(float) ** 2 * 4  # fp32 scores (the probabilities need as much again)
 flash_bytes = num_heads * lengths * (head_dim * 4 + 2 * 4)  # fp32 accumulator + m + l per query row
 fig, ax = plt.subplots(figsize=(6, 3.8))
 ax.loglog(lengths, naive_bytes / 2**30, "o-", label="naive: scores (heads × N × N)")
 ax.loglog(lengths, flash_bytes / 2**30, "s-", label="FlashAttention: acc, m, l (heads × N × d)")
 ax.axhline(141e9 / 2**30, color="grey", ls=":", label="H200 memory (141 GB = 131 GiB)")
-ax.set_xlabel("sequence length N")
-ax.set_ylabel("GiB per layer")
-ax.set_title("Attention working memory, Qwen3-0.6B heads (16 × 128)")
+ax.set(xlabel="sequence length N", ylabel="GiB per layer", title="Attention working memory, 16 heads of 128")
 ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(0, 0.93))  # under the H200 line
 fig.tight_layout()
 fig.savefig(FIGURES / "01_attention_memory.png", dpi=120)
 print(f"at N=32k: naive {naive_bytes[-1] / 2**30:.0f} GiB vs flash {flash_bytes[-1] / 2**30:.2f} GiB per layer")
+total = 28 * naive_bytes[-1]  # Qwen3-0.6B's 28 layers
+print(f"naive, all 28 layers: {total / 1e12:.1f} TB, what {total / 141e9:.0f} H200s hold")
 
 # %% [markdown]
 # ## A FlashAttention prefill kernel in Triton (try `exercises/01_online_softmax.ipynb` first)
-# **Why a custom kernel.** Prefill processes whole prompts: thousands of queries per sequence, so attention
-# is a pair of large matrix multiplies and is *compute-bound*. The kernel's job is to keep the tensor cores
-# busy while never writing `scores` to memory.
-#
-# We build it in three steps, each checked against the one before: the online softmax in PyTorch, the same loop
-# as a tiny Triton kernel, then the full kernel. The exercise has you write step 1 yourself (with the causal mask,
-# the log-sum-exp and split-K): try it before reading on.
+# Prefill processes whole prompts: thousands of queries per sequence, so attention is a pair of large matrix
+# multiplies, *compute-bound*. The kernel must keep the tensor cores busy and never write `scores` to memory. We
+# build it in three steps, each checked against the one before: the online softmax in PyTorch, the same loop as a
+# tiny Triton kernel, then the full kernel. The exercise has you write step 1 (with the causal mask, the log-sum-exp
+# and split-K): try it before reading on.
 #
 # ### Step 1: the online softmax, in PyTorch
 # Softmax divides by a sum over *all* of a row's keys, which is why the reference holds every score at once. The
-# online softmax walks over the keys in blocks of `BLOCK_N`, keeping per query row a running max `m`, a running
-# sum `l` and an unnormalised output `acc`:
+# online softmax walks over the keys in blocks of `BLOCK_N`, keeping per query row a running max `m`, a running sum
+# `l` and an unnormalised output `acc`:
 #
-# 1. `s = q · kᵀ · scale` for the block;
-# 2. new running max `m' = max(m, rowmax(s))`;
-# 3. rescale what was accumulated so far by `α = exp(m − m')`: `l ← l·α + rowsum(p)`, `acc ← acc·α + p·v`
-#    with `p = exp(s − m')`;
-# 4. at the end, `out = acc / l`.
+# 1. `s = q · kᵀ · scale` for the block, and the new running max `m' = max(m, rowmax(s))`;
+# 2. rescale what was accumulated by `α = exp(m − m')`, with `p = exp(s − m')`: `l ← l·α + rowsum(p)`,
+#    `acc ← acc·α + p·v`; at the end, `out = acc / l`.
 #
-# The result is exactly softmax(s)·v (up to rounding), but only one block of scores ever exists. Here it is for
-# one head with every key visible; `rescale=False` skips step 3's `α`, to show why it is there.
+# The result is exactly softmax(s)·v (up to rounding), but only one block of scores ever exists. Here it is for one
+# head with every key visible; `rescale=False` skips the rescaling by `α`, to show why it is there.
 
 
 # %%
@@ -1000,13 +671,12 @@ assert wrong > 0.01  # rounding alone would give ~1e-7
 
 # %% [markdown]
 # ### Step 2: the same loop as a Triton kernel
-# A Triton *program* computes on whole tiles. Ours loads a `(BLOCK_M, D)` tile of queries once, then runs step
-# 1's loop over `(BLOCK_N, D)` tiles of keys and values, with `tl.dot` for both products; the grid launches one
-# program per query tile, and they run in parallel. A program only gets pointers: a tile's addresses are `base +
-# row · row_stride + column`, built from `tl.arange` (for `kᵀ`, swap which offsets go down and which go across).
-# One change of arithmetic: `exp2` with `log2(e)` folded into the scale, since `exp(x) = exp2(x · log2 e)` and the
-# hardware computes `exp2` natively. To stay tiny it takes one head, no mask, and lengths that are multiples of
-# the tiles.
+# A Triton *program* computes on whole tiles. Ours loads a `(BLOCK_M, D)` tile of queries once, then runs step 1's
+# loop over `(BLOCK_N, D)` tiles of keys and values, with `tl.dot` for both products; the grid launches one program
+# per query tile, in parallel. A program only gets pointers: a tile's addresses are `base + row · row_stride +
+# column`, built from `tl.arange` (for `kᵀ`, swap which offsets go down and which go across). One change of
+# arithmetic: `exp2`, with `log2(e)` folded into the scale (`exp(x) = exp2(x · log2 e)`; the hardware computes `exp2`
+# natively). To stay tiny it takes one head, no mask, and lengths that are multiples of the tiles.
 
 # %%
 import triton
@@ -1014,13 +684,11 @@ import triton.language as tl
 
 
 @triton.jit
-def tiny_attention_kernel(
-    Q, K, V, O, qk_scale,  # contiguous (num_q or N, D) tensors; the scale in log2 units
-    N: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
+def tiny_attention_kernel(  # Q, O: (num_q, D), K, V: (N, D), contiguous; qk_scale in log2 units
+    Q, K, V, O, qk_scale, N: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # this program's query rows
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D)
+    offs_n, offs_d = tl.arange(0, BLOCK_N), tl.arange(0, D)
     q = tl.load(Q + offs_m[:, None] * D + offs_d[None, :])  # (BLOCK_M, D), loaded once
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -1046,29 +714,16 @@ print("the tiny Triton kernel gives step 1's result; step 1 gives the reference'
 # %% [markdown]
 # ### Step 3: the kernel an engine calls
 # Step 2's loop body becomes `attend_block` below, plus a mask and a guard for rows that have seen no visible key
-# yet (`exp(-inf − (-inf))` is NaN). Around it the full kernel adds what a batch of real prompts needs: **varlen**
-# (a program finds its sequence's rows through `cu_seqlens`), the **causal** mask, **GQA** (a query head finds its
-# KV head), and **ragged tiles** (masked loads where a length is not a multiple of the tile).
+# yet (`exp(-inf − (-inf))` is NaN). Around it the full kernel adds what a batch of real prompts needs:
 #
-# **Causal blocks.** With the bottom-right mask, key blocks left of the diagonal are visible to every query
-# of the tile: they need no mask at all. Only the few blocks on the diagonal do, so the loop runs in two
-# phases and the common case pays nothing for masking. Blocks right of the diagonal are never loaded:
-# that is half the work of a square causal prompt saved.
-#
-# **Varlen and GQA.** The grid is (query tiles, groups of query heads, sequences); a program reads its
-# sequence's offsets from `cu_seqlens` and its KV head as `head // (num_heads // num_kv_heads)`. The query heads
-# that share a KV head share its K and V tiles, so one program serves `HEADS` of them (Qwen3's 2 per KV head): its
-# tile stacks their rows, `HEADS × BLOCK_M` queries against each K/V tile loaded once, not once per head. We
-# also launch the tiles in reverse order, so the longest (rightmost) causal tiles start first and the short ones
-# fill the gaps at the end.
-#
-# Unlike step 2 it is given strides instead of assuming contiguous rows; the address arithmetic is still by hand
-# (no block pointers), which works on every Triton from 3.6 on.
-#
-# **One compile, not one per step.** Triton compiles a kernel the first time it sees a new *specialization*
-# of its integer arguments: a value of 1, or a multiple of 16, gets code of its own. `num_m_blocks` changes
-# with every batch of prompts, so an engine would stall for a fresh compile mid-run whenever it crossed
-# such a value. `do_not_specialize` tells Triton to treat it as a plain runtime integer.
+# * **Varlen**: the grid is (query tiles, groups of query heads, sequences); a program finds its sequence's rows
+#   through `cu_seqlens`, reads through strides, and masks its loads where a length is not a multiple of the tile.
+# * **Causal, in two phases**: key blocks left of the diagonal are visible to every query of the tile and need no
+#   mask; only the few on the diagonal do. Blocks right of it are never loaded: half the work of a square prompt.
+# * **GQA**: query head `h` reads KV head `h // (num_heads // num_kv_heads)`, so one program serves the `HEADS` query
+#   heads of a KV head (Qwen3's 2): `HEADS × BLOCK_M` query rows against each K/V tile, loaded once.
+# * **One compile, not one per step**: Triton compiles anew for each *specialization* of an integer argument (a value
+#   of 1, a multiple of 16). `num_m_blocks` changes with every batch, so `do_not_specialize` makes it a plain integer.
 
 # %% tags=["export"] module="minivllm.kernels.flash_attn"
 import math
@@ -1196,14 +851,10 @@ def check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k) -> None:
         raise ValueError(f"num_heads ({q.shape[1]}) must be a multiple of num_kv_heads ({k.shape[1]})")
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if cu.dim() != 1 or cu.dtype != torch.int32 or cu.device != q.device:
-            raise ValueError(
-                f"{name} must be a 1-D int32 tensor on {q.device}, got {cu.dtype} {tuple(cu.shape)} on {cu.device}"
-            )
+            raise ValueError(f"{name} must be 1-D int32 on {q.device}, got {cu.dtype} {tuple(cu.shape)} on {cu.device}")
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
-        raise ValueError(
-            f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), "
-            f"got {cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}"
-        )
+        n_q, n_k = cu_seqlens_q.numel(), cu_seqlens_k.numel()
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got {n_q} and {n_k}")
 
 
 def launch_config(head_dim: int, device: torch.device) -> dict:
@@ -1230,18 +881,11 @@ def softmax_scale_of(softmax_scale: float | None, head_dim: int) -> float:
 
 
 def flash_attn_varlen_contiguous(
-    q: torch.Tensor,  # (total_q, num_heads, head_dim)
-    k: torch.Tensor,  # (total_k, num_kv_heads, head_dim)
-    v: torch.Tensor,  # (total_k, num_kv_heads, head_dim)
-    cu_seqlens_q: torch.Tensor,  # (batch + 1,) int32
-    cu_seqlens_k: torch.Tensor,  # (batch + 1,) int32
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    *,
-    tile: dict | None = None,  # BLOCK_M, BLOCK_N, num_warps, num_stages; None: launch_config's (a sweep passes its own)
-) -> torch.Tensor:  # (total_q, num_heads, head_dim)
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # (total_q, num_heads, head_dim), k, v: (total_k, kv_heads, ...)
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,  # (batch + 1,) int32
+    max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float | None = None, causal: bool = False,
+    *, tile: dict | None = None,  # BLOCK_M, BLOCK_N, num_warps, num_stages; None: launch_config's (a sweep's own)
+) -> torch.Tensor:  # (total_q, num_heads, head_dim)  # fmt: skip
     """FlashAttention over packed variable-length sequences, with the signature of flash-attn's
     `flash_attn_varlen_func`, for keys and values stored contiguously. Notebook 03's `flash_attn_varlen_func`
     adds `block_table=`, for keys and values that live in a paged KV cache, and calls this one without it."""
@@ -1255,21 +899,19 @@ def flash_attn_varlen_contiguous(
     num_m_blocks, group = triton.cdiv(max_seqlen_q, config["BLOCK_M"]), q.shape[1] // k.shape[1]
     heads = heads_per_program(group, config["BLOCK_M"])
     grid = (num_m_blocks, q.shape[1] // heads, cu_seqlens_q.numel() - 1)
-    _prefill_kernel[grid](
-        q, k, v, out, cu_seqlens_q, cu_seqlens_k, scale * math.log2(math.e), num_m_blocks,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        GROUP=group, HEADS=heads, HEAD_DIM=head_dim, CAUSAL=causal,
-        UPCAST=q.device.type == "cpu" and q.dtype != torch.float32,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **config,
-    )  # fmt: skip
+    qk_scale = scale * math.log2(math.e)  # exp2 units
+    strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *out.stride()[:2])  # (token, head) of each
+    fp32 = q.dtype == torch.float32
+    upcast, precision = q.device.type == "cpu" and not fp32, "ieee" if fp32 else "tf32"  # see load_tile
+    flags = dict(GROUP=group, HEADS=heads, HEAD_DIM=head_dim, CAUSAL=causal, UPCAST=upcast, PRECISION=precision)
+    _prefill_kernel[grid](q, k, v, out, cu_seqlens_q, cu_seqlens_k, qk_scale, num_m_blocks, *strides, **flags, **config)
     return out
 
 
 # %% [markdown]
 # ### Check the kernel against the reference
-# A random batch of sequences of different lengths, chosen to land on and next to tile boundaries (1, 15, 16,
-# 17, 64, …), with GQA and a cached-prefix case where a sequence has more keys than queries. On a CPU this runs
-# in the Triton interpreter, so it is slow but exact; the test suite runs many more shapes.
+# Lengths on and next to tile boundaries (1, 15, 16, 17, 64, …), GQA, a cached prefix (more keys than queries); then
+# bad input, which gets a `ValueError` naming the argument. The test suite runs many more shapes.
 
 # %%
 from minivllm.kernels.flash_attn import flash_attn_varlen_contiguous
@@ -1290,11 +932,6 @@ for causal in (True, False):
     ref = attention_ref(q, k, v, cu_q, cu_k, causal=causal)
     print(f"causal={causal}: max abs error {(ours - ref).abs().max().item():.2e}")
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
-
-# %% [markdown]
-# Bad input gets a `ValueError` that names the argument, before anything runs:
-
-# %%
 for bad in (dict(k=k[:, :, :16]), dict(cu_seqlens_q=cu_q.long()), dict(v=v.double())):
     args = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=64, max_seqlen_k=64) | bad
     try:
@@ -1306,11 +943,10 @@ for bad in (dict(k=k[:, :, :16]), dict(cu_seqlens_q=cu_q.long()), dict(v=v.doubl
 
 # %% [markdown]
 # ### How fast is it?
-# `python -m minivllm.benchmarks.prefill` times the kernel on a GPU against PyTorch's SDPA (its FlashAttention-2
-# and cuDNN backends), FlashInfer's (when installed) and a naive O(N²) attention, for one 16-head causal prompt of
-# 1k, 4k, 8k and 16k tokens, and writes `figures/prefill.json`. On a GPU this cell re-measures (1k and 4k); without
-# one it shows the committed H200 results: the bars to reach are cuDNN's and FlashInfer's, 1.13-1.28× faster than
-# ours from 4k on (with one head per program instead of a KV head's two, at 4 warps: 1.26-1.36×).
+# `python -m minivllm.benchmarks.prefill` times the kernel on a GPU against PyTorch's SDPA (FlashAttention-2 and
+# cuDNN), FlashInfer's and a naive O(N²) attention, for one 16-head causal prompt of 1k to 16k tokens. On a GPU this
+# cell re-measures 1k and 4k; without one it shows the committed H200 results (`figures/prefill.json`): the bars to
+# reach are cuDNN's and FlashInfer's, 1.13-1.28× faster than ours from 4k on.
 
 # %%
 import json
@@ -1321,122 +957,37 @@ if DEVICE == "cuda":
     prefill = run_prefill_benchmark(seqlens=(1024, 4096))
 else:
     prefill = json.loads(Path("figures/prefill.json").read_text())
-fig = plot_prefill(prefill)
-fig.savefig(FIGURES / "01_prefill.png", dpi=120)
+plot_prefill(prefill).savefig(FIGURES / "01_prefill.png", dpi=120)
 print(prefill["device"])
 for row in prefill["rows"]:
     print(f"{row['impl']:>16} N={row['seqlen']:>6}: {row['tflops']:7.1f} TFLOP/s ({row['ms']:.3f} ms)")
 
 # %% [markdown]
 # ## Check yourself
-# Each question has a cell with `answer = None`: replace `None` with your answer (a number worked out by hand, or
-# an expression computed from the objects above) and run it; the check compares it with what the objects say. The
-# worked answer follows.
-#
-# **1.** `RowParallelLinear` adds its bias on rank 0 only. Below, one with a bias is split over 2 ranks in this one
-# process: each rank's layer gives its partial sum, and adding them is the all-reduce. How many copies of the bias
-# does the all-reduced output hold, and how many would it hold if every rank added the bias? Answer `(ours, every)`.
+# A prompt of 100 tokens continues after 60 cached tokens, so its sequence has 160 keys. Which keys does its first
+# query see? Replace `None` with the list of their indices and run the cell: the check compares it with what the
+# kernel says. (It runs with zero queries, which weigh every visible key equally, and key `j`'s value is 1 in feature
+# `j` only: the output is nonzero where a key was seen.) The worked answer follows.
 
 # %%
-from unittest import mock
-
-from minivllm.layers.linear import TPGroup, tensor_parallel
 from minivllm.testing import check_answer
 
 answer = None  # your answer: replace None with an expression
-w_row, b_row, x_row = torch.randn(8, 6), torch.rand(8) + 0.5, torch.randn(3, 6)
-ranks = []
-for rank in range(2):
-    with tensor_parallel(TPGroup(rank=rank, size=2)):  # the layer each of two processes would build
-        ranks.append(RowParallelLinear(6, 8, bias=True))
-    ranks[-1].weight.weight_loader(ranks[-1].weight, w_row)  # keeps this rank's 3 input columns
-    ranks[-1].bias.weight_loader(ranks[-1].bias, b_row)  # the whole bias, on every rank
-x_parts = x_row.chunk(2, dim=-1)  # each rank holds half of the input features
-with mock.patch.object(torch.distributed, "all_reduce", lambda y, group=None: None):  # one process: we sum below
-    parts = [layer(x) for layer, x in zip(ranks, x_parts)]
-every = [torch.nn.functional.linear(x, layer.weight, layer.bias) for layer, x in zip(ranks, x_parts)]
-copies = lambda y: round(((y - x_row @ w_row.T) / b_row).mean().item())  # how many times y holds b_row
-check_answer(answer, (copies(sum(parts)), copies(sum(every))), "1. bias copies")
-
-# %% [markdown]
-# Worked answer: the all-reduce adds the ranks' outputs, so a bias added on each of the `tp_size` ranks would be
-# counted `tp_size` times. Rank 0 adds it and the others do not: the sum holds it once, and equals the unsplit layer.
-
-# %%
-check_answer((1, ranks[0].tp_size), (copies(sum(parts)), copies(sum(every))), "1. bias copies")
-torch.testing.assert_close(sum(parts), torch.nn.functional.linear(x_row, w_row, b_row))
-
-# %% [markdown]
-# **2.** A prompt of 100 tokens continues after 60 cached tokens, so its sequence has 160 keys. Which keys does its
-# first query see? Answer the list of their indices. (The kernel below runs with zero queries, which weigh every
-# visible key equally, and key `j`'s value is 1 in feature `j` only: the output is nonzero where a key was seen.)
-
-# %%
-answer = None  # your answer: replace None with an expression
 q2, k2, _, cu_q2, cu_k2 = random_varlen([100], [160], 2, 2, 128, dtype=torch.bfloat16)
-# key j's value: 1 in feature j of the 256 (2 heads of 128 side by side), 0 elsewhere
-v2 = torch.eye(160, 256, dtype=torch.bfloat16, device=DEVICE).view(160, 2, 128)
+v2 = torch.eye(160, 256, dtype=torch.bfloat16, device=DEVICE).view(160, 2, 128)  # key j: 1 in feature j of 2 × 128
 out2 = flash_attn_varlen_contiguous(torch.zeros_like(q2), k2, v2, cu_q2, cu_k2, 100, 160, causal=True)
 seen_keys = out2[0].flatten().nonzero().flatten().tolist()  # query 0: its heads' features side by side
-check_answer(answer, seen_keys, "2. keys seen")
+check_answer(answer, seen_keys, "keys seen")
 
 # %% [markdown]
 # Worked answer: causal attention aligned bottom-right lets query `i` see keys `j ≤ i + (len_k − len_q)`; for `i = 0`
 # that is `j ≤ 160 − 100 = 60`: the 60 cached tokens and its own, 61 keys.
 
 # %%
-check_answer(list(range(0 + (160 - 100) + 1)), seen_keys, "2. keys seen")
-
-# %% [markdown]
-# **3.** How many bytes of scores would `attention_ref` allocate for one prompt of 32,768 tokens with Qwen3-0.6B's
-# attention (16 query heads, 8 KV heads, head_dim 128), summed over its 28 layers? The cell runs one layer on the
-# `meta` device (shapes, no memory) and records the size of the tensor the softmax is given.
-
-# %%
-answer = None  # your answer: replace None with an expression
-scores_bytes = []
-torch.softmax = lambda x, dim: (scores_bytes.append(x.numel() * x.element_size()), original_softmax(x, dim=dim))[1]
-try:
-    n = 32768
-    qkv_meta = (torch.empty(n, heads, 128, device="meta") for heads in (16, 8, 8))
-    attention_ref(*qkv_meta, torch.tensor([0, n]), torch.tensor([0, n]), causal=True)
-finally:
-    torch.softmax = original_softmax
-check_answer(answer, scores_bytes[0] * 28, "3. naive score bytes")
-
-# %% [markdown]
-# Worked answer: one float32 score per (head, query, key): 16 × 32,768² × 4 bytes = 64 GiB per layer, 1.9 TB over
-# 28 layers, more than ten H200s hold (and the probabilities need as much again). FlashAttention keeps none of it.
-
-# %%
-check_answer(16 * 32768**2 * 4 * 28, scores_bytes[0] * 28, "3. naive score bytes")
-print(f"{16 * 32768**2 * 4 * 28 / 1e12:.1f} TB: {16 * 32768**2 * 4 * 28 / 141e9:.0f} H200s")
-
-# %% [markdown]
-# **4.** Every program of the prefill kernel loads the K and V tiles its queries see. For one causal prompt of 4,096
-# tokens, Qwen3-0.6B's 16 query and 8 KV heads, and the H200's tiles (`launch_config`: 64 queries × 64 keys), how
-# many K tiles do all the programs load together, with one query head per program, and with the kernel's
-# `heads_per_program` query heads of a KV head per program? Answer `(one_head, packed)`.
-
-# %%
-answer = None  # your answer: replace None with an expression
-tile = launch_config(128, torch.device("cuda"))  # the H200's tile (a dict: no GPU needed)
-n4 = 4096
-k_tiles = [triton.cdiv(min(n4, (m + 1) * tile["BLOCK_M"]), tile["BLOCK_N"]) for m in range(n4 // tile["BLOCK_M"])]
-programs = [16 // heads for heads in (1, heads_per_program(16 // 8, tile["BLOCK_M"]))]  # per query tile
-check_answer(answer, tuple(sum(k_tiles) * p for p in programs), "4. K tiles loaded")
-
-# %% [markdown]
-# Worked answer: query tile `m` (queries `64m … 64m + 63`) sees keys up to its last query: `m + 1` tiles of 64, so
-# the 64 query tiles load `1 + 2 + … + 64 = 2,080` K tiles for each group of heads a program serves. One head per
-# program: 16 programs per query tile, 33,280 loads; two query heads of a KV head per program: 8, 16,640. The FLOPs
-# stay; the K/V traffic through shared memory halves. On the H200 at 16k tokens: 2.13 ms packed (8 warps; the
-# figure above, `figures/prefill.json`), 2.34 ms with one head per program (4 warps, its best tile then; an
-# earlier run of `python -m minivllm.benchmarks.prefill`).
-
-# %%
-check_answer((2080 * 16, 2080 * 8), tuple(sum(k_tiles) * p for p in programs), "4. K tiles loaded")
+check_answer(list(range(0 + (160 - 100) + 1)), seen_keys, "keys seen")
 
 # %% [markdown]
 # **Exercises** (solutions in `solutions/`): `exercises/01_online_softmax.ipynb` (the online softmax and split-K in
-# PyTorch) and `exercises/01_triton_rmsnorm.ipynb` (vLLM's fused add + RMSNorm as a Triton kernel).
+# PyTorch) and `exercises/01_triton_rmsnorm.ipynb` (vLLM's fused add + RMSNorm as a Triton kernel). **Next:**
+# notebook 02 builds Qwen3 from these layers; optional before it, the deep dive `deep_dives/triton_layers.ipynb`:
+# the small layers as fused GPU kernels, and why `torch.compile` is not enough.

@@ -366,7 +366,6 @@ import torch
 from torch import nn
 
 from minivllm.attention.layer import Attention, AttentionContext
-from minivllm.kernels.small_layers import gemv
 from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from minivllm.layers.layernorm import RMSNorm
@@ -420,7 +419,7 @@ class Qwen3MLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (num_tokens, hidden_size)
-        if self.gate_up_proj.use_triton and x.shape[0] == 1:  # one token: the activation inside 01's GEMV
+        if (gemv := self.gate_up_proj.kernel) is not None and x.shape[0] == 1:  # one token: activation in the GEMV
             return self.down_proj(gemv(x, self.gate_up_proj.weight, gated=True))
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 

@@ -1022,12 +1022,10 @@ from minivllm.attention.layer import Attention
 from minivllm.attention.paged import PagedContext
 from minivllm.attention.prefill import PrefillContext
 from minivllm.config import Config
+from minivllm.engine.fast_paths import fast_path
 from minivllm.engine.sequence import Sequence
 from minivllm.kernels.flash_attn import launch_config
-from minivllm.layers.activation import SiluAndMul
-from minivllm.layers.layernorm import RMSNorm
-from minivllm.layers.linear import LinearBase, TPGroup, tensor_parallel
-from minivllm.layers.rotary_embedding import RotaryEmbedding
+from minivllm.layers.linear import TPGroup, tensor_parallel
 from minivllm.layers.sampler import Sampler, SamplingTensors, TokenLogprobs, logprobs_of
 from minivllm.models.loader import load_model
 from minivllm.models.qwen3 import Qwen3ForCausalLM
@@ -1389,16 +1387,6 @@ class DecodeGraphs(StepGraphs):
 # The linear layers of a one-token step run 01's `gemv`: a batch-1 decode step is mostly reading weights.
 
 
-# %% tags=["export"]
-def use_small_layer_kernels(model: torch.nn.Module, enabled: bool = True) -> None:
-    """Run each RMSNorm, RoPE and SiluAndMul of this model as one Triton kernel (01): a launch, with no compiled
-    call's guards to check on the host first; each linear layer at one token as `gemv`. CUDA graphs capture the
-    launches like any other kernel's."""
-    for module in model.modules():
-        if isinstance(module, (RMSNorm, RotaryEmbedding, SiluAndMul, LinearBase)):
-            module.use_triton = enabled
-
-
 # %% [markdown]
 # ### CUDA graphs for prefill and mixed steps
 # A prefill or mixed step runs eagerly unless it too is captured, and eagerly its few hundred launches cost the
@@ -1554,7 +1542,7 @@ class ModelRunner:
             marks.append(time.perf_counter())
             self.dtype = self.model.lm_head.weight.dtype
             if self.device.type == "cuda":
-                use_small_layer_kernels(self.model)
+                fast_path("small-layer kernels")(self.model)
             self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
             self.block_m = launch_config(self.attention_layers[0].head_dim, self.device)["BLOCK_M"]  # prefill tile
             self.sampler = Sampler()

@@ -16,8 +16,8 @@
 #
 # Every Qwen3 block runs `residual = x + residual; x = rmsnorm(residual) * weight` twice, before attention and
 # before the MLP. Notebook 01 ("RMSNorm, with the residual add fused in") wrote it in PyTorch; vLLM ships it as a
-# hand-written kernel, `fused_add_rms_norm`, and so does our engine (notebook 01's "The small layers as Triton
-# kernels", which sends you here first). Here you write that kernel in Triton, the language of notebook 01's
+# hand-written kernel, `fused_add_rms_norm`, and so does our engine (the deep dive `triton_layers`, after notebook
+# 01, which sends you here first). Here you write that kernel in Triton, the language of notebook 01's
 # FlashAttention kernel, on a smaller problem: one program per row, no tiling loop, no matrix multiply.
 #
 # **Your task.** Two kernels, each checked right after you write it:
@@ -275,11 +275,12 @@ print("fused_add_rms_norm_kernel matches RMSNorm(x, residual): float32 and bfloa
 
 # %% [markdown]
 # ## What's next
-# * **Compare with the engine's.** Notebook 01's `rms_norm` (`minivllm.kernels.small_layers`) is this kernel, grown
-#   for an engine: a few short rows per program, 3-D inputs (the q/k norms: a row per head, no residual), and
-#   rounding where `RMSNorm` rounds. `RMSNorm.use_triton = True` puts it in every block; the runner does so on a GPU.
+# * **Compare with the engine's.** The deep dive `triton_layers`' `rms_norm` (`minivllm.kernels.small_layers`) is
+#   this kernel, grown for an engine: a few short rows per program, 3-D inputs (the q/k norms: a row per head, no
+#   residual), and rounding where `RMSNorm` rounds. `use_small_layer_kernels(model)` sets it as every `RMSNorm`'s
+#   `kernel`; the runner does so on a GPU.
 # * **Measure it.** On a GPU, time it with `triton.testing.do_bench` against eager `RMSNorm` and the
-#   `torch.compile`d one (notebook 01's `bench_ms`) at 1 and 8,192 tokens of 1,024: at 8,192 tokens all three
+#   `torch.compile`d one (the deep dive's `bench_ms`) at 1 and 8,192 tokens of 1,024: at 8,192 tokens all three
 #   are bound by memory, and the bytes moved (4 × 8,192 × 1,024 × 2 for the fused one in bfloat16: two tensors read, two written) divided by
 #   the time should come near the GPU's bandwidth.
 # * **Bigger rows.** One program per row holds the whole row in registers; for hidden sizes of 16k and more,

@@ -1,7 +1,9 @@
-"""Notebook 01's small-layer Triton kernels (fused residual add + RMSNorm, RoPE, SiLU-and-mul, one token's GEMV)
-against the PyTorch layers they stand in for: on a CPU in Triton's interpreter, on a GPU (marked `gpu`) in bfloat16,
-CUDA graphs included."""
+"""The deep dive triton_layers' small-layer Triton kernels (fused residual add + RMSNorm, RoPE, SiLU-and-mul, one
+token's GEMV) against the PyTorch layers they stand in for: on a CPU in Triton's interpreter, on a GPU (marked `gpu`)
+in bfloat16, CUDA graphs included."""
 
+import subprocess
+import sys
 from contextlib import ExitStack
 from unittest import mock
 
@@ -9,8 +11,7 @@ import pytest
 import torch
 
 from minivllm import load_model
-from minivllm.engine.model_runner import use_small_layer_kernels
-from minivllm.kernels import apply_rope, gemv, rms_norm, silu_and_mul
+from minivllm.kernels.small_layers import apply_rope, gemv, rms_norm, silu_and_mul, use_small_layer_kernels
 from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.layernorm import RMSNorm
 from minivllm.layers.linear import RowParallelLinear
@@ -137,9 +138,10 @@ def test_linear_layers_run_gemv_for_one_token_only():
     layer = RowParallelLinear(96, 40).to(DEVICE)
     layer.weight.data.normal_()
     one, five = torch.randn(1, 96, device=DEVICE), torch.randn(5, 96, device=DEVICE)
-    with torch.no_grad(), mock.patch("minivllm.layers.linear.gemv", wraps=gemv) as spy:
+    spy = mock.Mock(wraps=gemv)
+    with torch.no_grad():
         expected = layer(one), layer(five)
-        layer.use_triton = True
+        layer.kernel = spy
         got = layer(one), layer(five)
     assert spy.call_count == 1  # switched on, at one token
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
@@ -181,11 +183,12 @@ def test_rope_matches_the_layer(params, num_tokens, num_heads, num_kv_heads, hea
 
 
 def kernel_spies():
-    """The three kernels, wrapped where the layers call them: each spy counts the layer's calls into its kernel."""
+    """The three kernels, wrapped where use_small_layer_kernels finds them: each spy counts the calls of the layers
+    it is installed in."""
     return (
-        mock.patch("minivllm.layers.layernorm.rms_norm", wraps=rms_norm),
-        mock.patch("minivllm.layers.rotary_embedding.apply_rope", wraps=apply_rope),
-        mock.patch("minivllm.layers.activation.silu_and_mul", wraps=silu_and_mul),
+        mock.patch("minivllm.kernels.small_layers.rms_norm", wraps=rms_norm),
+        mock.patch("minivllm.kernels.small_layers.apply_rope", wraps=apply_rope),
+        mock.patch("minivllm.kernels.small_layers.silu_and_mul", wraps=silu_and_mul),
     )
 
 
@@ -199,34 +202,46 @@ def test_the_layers_dispatch_on_their_switch():
         expected = norm(x, residual), norm(x), rope(positions, q, k), act(x)
         assert (norm_spy.call_count, rope_spy.call_count, act_spy.call_count) == (0, 0, 0)  # off: PyTorch ops
         for layer in (norm, rope, act):
-            layer.use_triton = True
+            assert layer.kernel is None  # the default: the PyTorch layer
+            use_small_layer_kernels(layer)
         got = norm(x, residual), norm(x), rope(positions, q, k), act(x)
         assert (norm_spy.call_count, rope_spy.call_count, act_spy.call_count) == (2, 1, 1)  # on: the kernels
     torch.testing.assert_close(got, expected, **FP32)
+
+
+def test_the_core_imports_no_small_layer_kernels():
+    """The kernels belong to a deep dive: the package, the model and the engine import them only on demand."""
+    code = (
+        "import sys, minivllm, minivllm.kernels, minivllm.models.qwen3; from minivllm import LLM; "
+        "from minivllm.engine.model_runner import ModelRunner; print([m for m in sys.modules if 'small_layers' in m])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 @pytest.mark.parametrize("token_ids", [[5, 99, 1023, 7, 42], [99]])
 def test_model_forward_with_the_kernels_equals_without(tiny, token_ids):
     """The tiny model through prompt_logits: the switch the runner turns on a GPU, here in the interpreter."""
     model = load_model(tiny, dtype=torch.float32, device=DEVICE)
-    patches = (
-        *kernel_spies(),
-        mock.patch("minivllm.layers.linear.gemv", wraps=gemv),
-        mock.patch("minivllm.models.qwen3.gemv", wraps=gemv),
-    )
+    patches = (*kernel_spies(), mock.patch("minivllm.kernels.small_layers.gemv", wraps=gemv))
+
+    def gemv_calls(gated: bool) -> int:
+        return sum(call.kwargs.get("gated", False) == gated for call in gemv_spy.call_args_list)
+
     with torch.no_grad(), ExitStack() as stack:
-        norm_spy, rope_spy, act_spy, gemv_spy, gated_spy = (stack.enter_context(patch) for patch in patches)
+        norm_spy, rope_spy, act_spy, gemv_spy = (stack.enter_context(patch) for patch in patches)
         expected = prompt_logits(model, token_ids)
+        assert gemv_spy.call_count == norm_spy.call_count == 0  # off: the PyTorch layers
         use_small_layer_kernels(model)
         got = prompt_logits(model, token_ids)
-        calls = norm_spy.call_count, rope_spy.call_count, act_spy.call_count, gemv_spy.call_count
+        calls = norm_spy.call_count, rope_spy.call_count, act_spy.call_count, gemv_calls(gated=False)
         use_small_layer_kernels(model, enabled=False)
         again = prompt_logits(model, token_ids)
     layers, one = model.config.num_hidden_layers, len(token_ids) == 1
     # 2 norms (input, post-attention) a layer and the final one; q's and k's in RoPE's kernel. At one token, gemv:
     # qkv, o and down through the linear layers, [gate | up] with the activation from the MLP
     assert calls == (2 * layers + 1, layers, 0 if one else layers, 3 * layers if one else 0)
-    assert gated_spy.call_count == (layers if one else 0) and norm_spy.call_count == calls[0]  # only while on
+    assert gemv_calls(gated=True) == (layers if one else 0) and norm_spy.call_count == calls[0]  # only while on
     assert torch.equal(again, expected)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(got.argmax(-1), expected.argmax(-1))

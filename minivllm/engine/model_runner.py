@@ -16,12 +16,10 @@ from minivllm.attention.layer import Attention
 from minivllm.attention.paged import PagedContext
 from minivllm.attention.prefill import PrefillContext
 from minivllm.config import Config
+from minivllm.engine.fast_paths import fast_path
 from minivllm.engine.sequence import Sequence
 from minivllm.kernels.flash_attn import launch_config
-from minivllm.layers.activation import SiluAndMul
-from minivllm.layers.layernorm import RMSNorm
-from minivllm.layers.linear import LinearBase, TPGroup, tensor_parallel
-from minivllm.layers.rotary_embedding import RotaryEmbedding
+from minivllm.layers.linear import TPGroup, tensor_parallel
 from minivllm.layers.sampler import Sampler, SamplingTensors, TokenLogprobs, logprobs_of
 from minivllm.models.loader import load_model
 from minivllm.models.qwen3 import Qwen3ForCausalLM
@@ -319,15 +317,6 @@ class DecodeGraphs(StepGraphs):
                                                         context_lens=self.context_lens[:bs]), cascade)  # fmt: skip
 
 
-def use_small_layer_kernels(model: torch.nn.Module, enabled: bool = True) -> None:
-    """Run each RMSNorm, RoPE and SiluAndMul of this model as one Triton kernel (01): a launch, with no compiled
-    call's guards to check on the host first; each linear layer at one token as `gemv`. CUDA graphs capture the
-    launches like any other kernel's."""
-    for module in model.modules():
-        if isinstance(module, (RMSNorm, RotaryEmbedding, SiluAndMul, LinearBase)):
-            module.use_triton = enabled
-
-
 MIXED_GRAPH_SIZES = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 
 
@@ -420,7 +409,7 @@ class ModelRunner:
             marks.append(time.perf_counter())
             self.dtype = self.model.lm_head.weight.dtype
             if self.device.type == "cuda":
-                use_small_layer_kernels(self.model)
+                fast_path("small-layer kernels")(self.model)
             self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
             self.block_m = launch_config(self.attention_layers[0].head_dim, self.device)["BLOCK_M"]  # prefill tile
             self.sampler = Sampler()

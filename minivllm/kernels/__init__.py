@@ -1,5 +1,5 @@
-"""Attention kernels with flash-attn's calling convention, and the small layers' kernels (RMSNorm, RoPE, SiLU-and-mul,
-one token's linear layer).
+"""Attention kernels with flash-attn's calling convention. (The small layers' kernels, `minivllm.kernels.small_layers`,
+belong to the deep dive triton_layers: import that module by name; this package does not.)
 
 Without CUDA, Triton kernels run in Triton's interpreter. It is chosen when `@triton.jit` runs, so the
 switch must be set here, before any kernel module is imported.
@@ -14,15 +14,5 @@ if not torch.cuda.is_available():
 
 from minivllm.kernels.paged_attn import flash_attn_varlen_func, flash_attn_with_kvcache, store_kvcache  # noqa: E402
 from minivllm.kernels.reference import attention_ref  # noqa: E402
-from minivllm.kernels.small_layers import apply_rope, gemv, rms_norm, silu_and_mul  # noqa: E402
 
-__all__ = [
-    "apply_rope",
-    "attention_ref",
-    "flash_attn_varlen_func",
-    "flash_attn_with_kvcache",
-    "gemv",
-    "rms_norm",
-    "silu_and_mul",
-    "store_kvcache",
-]
+__all__ = ["attention_ref", "flash_attn_varlen_func", "flash_attn_with_kvcache", "store_kvcache"]

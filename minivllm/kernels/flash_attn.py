@@ -125,14 +125,10 @@ def check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k) -> None:
         raise ValueError(f"num_heads ({q.shape[1]}) must be a multiple of num_kv_heads ({k.shape[1]})")
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if cu.dim() != 1 or cu.dtype != torch.int32 or cu.device != q.device:
-            raise ValueError(
-                f"{name} must be a 1-D int32 tensor on {q.device}, got {cu.dtype} {tuple(cu.shape)} on {cu.device}"
-            )
+            raise ValueError(f"{name} must be 1-D int32 on {q.device}, got {cu.dtype} {tuple(cu.shape)} on {cu.device}")
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
-        raise ValueError(
-            f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), "
-            f"got {cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}"
-        )
+        n_q, n_k = cu_seqlens_q.numel(), cu_seqlens_k.numel()
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got {n_q} and {n_k}")
 
 
 def launch_config(head_dim: int, device: torch.device) -> dict:
@@ -159,18 +155,11 @@ def softmax_scale_of(softmax_scale: float | None, head_dim: int) -> float:
 
 
 def flash_attn_varlen_contiguous(
-    q: torch.Tensor,  # (total_q, num_heads, head_dim)
-    k: torch.Tensor,  # (total_k, num_kv_heads, head_dim)
-    v: torch.Tensor,  # (total_k, num_kv_heads, head_dim)
-    cu_seqlens_q: torch.Tensor,  # (batch + 1,) int32
-    cu_seqlens_k: torch.Tensor,  # (batch + 1,) int32
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    *,
-    tile: dict | None = None,  # BLOCK_M, BLOCK_N, num_warps, num_stages; None: launch_config's (a sweep passes its own)
-) -> torch.Tensor:  # (total_q, num_heads, head_dim)
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # (total_q, num_heads, head_dim), k, v: (total_k, kv_heads, ...)
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,  # (batch + 1,) int32
+    max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float | None = None, causal: bool = False,
+    *, tile: dict | None = None,  # BLOCK_M, BLOCK_N, num_warps, num_stages; None: launch_config's (a sweep's own)
+) -> torch.Tensor:  # (total_q, num_heads, head_dim)  # fmt: skip
     """FlashAttention over packed variable-length sequences, with the signature of flash-attn's
     `flash_attn_varlen_func`, for keys and values stored contiguously. Notebook 03's `flash_attn_varlen_func`
     adds `block_table=`, for keys and values that live in a paged KV cache, and calls this one without it."""
@@ -184,11 +173,10 @@ def flash_attn_varlen_contiguous(
     num_m_blocks, group = triton.cdiv(max_seqlen_q, config["BLOCK_M"]), q.shape[1] // k.shape[1]
     heads = heads_per_program(group, config["BLOCK_M"])
     grid = (num_m_blocks, q.shape[1] // heads, cu_seqlens_q.numel() - 1)
-    _prefill_kernel[grid](
-        q, k, v, out, cu_seqlens_q, cu_seqlens_k, scale * math.log2(math.e), num_m_blocks,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        GROUP=group, HEADS=heads, HEAD_DIM=head_dim, CAUSAL=causal,
-        UPCAST=q.device.type == "cpu" and q.dtype != torch.float32,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **config,
-    )  # fmt: skip
+    qk_scale = scale * math.log2(math.e)  # exp2 units
+    strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *out.stride()[:2])  # (token, head) of each
+    fp32 = q.dtype == torch.float32
+    upcast, precision = q.device.type == "cpu" and not fp32, "ieee" if fp32 else "tf32"  # see load_tile
+    flags = dict(GROUP=group, HEADS=heads, HEAD_DIM=head_dim, CAUSAL=causal, UPCAST=upcast, PRECISION=precision)
+    _prefill_kernel[grid](q, k, v, out, cu_seqlens_q, cu_seqlens_k, qk_scale, num_m_blocks, *strides, **flags, **config)
     return out

@@ -3,20 +3,17 @@
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.kernels.small_layers import gemv  # a Triton kernel, written with the small layers below
-
 
 @dataclass(frozen=True, slots=True)
 class TPGroup:
-    """The ranks one model is split over: this process's rank, how many there are, and the process group their
-    collectives run on (None for a single rank: no communication)."""
+    """The ranks one model is split over: this one's rank, their number, and the process group they communicate on."""
 
     rank: int = 0
     size: int = 1
@@ -52,10 +49,16 @@ def check_shape(name: str, loaded: torch.Tensor, expected: tuple[int, ...]) -> N
         raise ValueError(f"{name}: expected shape {tuple(expected)}, got {tuple(loaded.shape)}")
 
 
+class Gemv(Protocol):  # one token's F.linear(x, weight, bias) as one kernel; gated: silu(gate) * up of [gate | up]
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False
+    ) -> torch.Tensor: ...
+
+
 class LinearBase(nn.Module):
     """y = x Wᵀ (+ b) on this rank's slice; `tp_dim` is the weight dimension that is split (None: replicated)."""
 
-    use_triton = False  # True: one token's product by a Triton GEMV (below); notebook 04's runner sets it on a GPU
+    kernel: Gemv | None = None  # a matrix-vector kernel for one token (set per layer)
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_dim: int | None = None):
         super().__init__()
@@ -84,8 +87,8 @@ class LinearBase(nn.Module):
         param.data.copy_(loaded)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # x: (num_tokens, input_size)
-        if self.use_triton and x.shape[0] == 1:  # a matrix-vector product: cuBLAS's tiles waste bandwidth here
-            return gemv(x, self.weight, bias)
+        if self.kernel is not None and x.shape[0] == 1:  # a matrix-vector product: cuBLAS's tiles waste bandwidth
+            return self.kernel(x, self.weight, bias)
         return F.linear(x, self.weight, bias)  # (num_tokens, output_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (num_tokens, input_size)
