@@ -1490,7 +1490,7 @@ import importlib
 from typing import Any
 
 FAST_PATHS = {  # name: "module:attribute", each exported by a deep dive
-    "small-layer kernels": "minivllm.kernels.small_layers:use_small_layer_kernels",  # deep dive triton_layers
+    "small-layer kernels": "minivllm.layers.small_layer_kernels:use_small_layer_kernels",  # deep dive triton_layers
     "tensor parallelism": "minivllm.engine.workers:TPModelRunner",  # deep dive tensor_parallel
 }
 

@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from minivllm import load_model
-from minivllm.kernels.small_layers import apply_rope, gemv, rms_norm, silu_and_mul, use_small_layer_kernels
+from minivllm.kernels.small_layers import apply_rope, gemv, rms_norm, silu_and_mul
 from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.layernorm import RMSNorm
 from minivllm.layers.linear import RowParallelLinear
 from minivllm.layers.rotary_embedding import RotaryEmbedding
+from minivllm.layers.small_layer_kernels import use_small_layer_kernels
 from minivllm.testing import prompt_logits
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -186,9 +187,9 @@ def kernel_spies():
     """The three kernels, wrapped where use_small_layer_kernels finds them: each spy counts the calls of the layers
     it is installed in."""
     return (
-        mock.patch("minivllm.kernels.small_layers.rms_norm", wraps=rms_norm),
-        mock.patch("minivllm.kernels.small_layers.apply_rope", wraps=apply_rope),
-        mock.patch("minivllm.kernels.small_layers.silu_and_mul", wraps=silu_and_mul),
+        mock.patch("minivllm.layers.small_layer_kernels.rms_norm", wraps=rms_norm),
+        mock.patch("minivllm.layers.small_layer_kernels.apply_rope", wraps=apply_rope),
+        mock.patch("minivllm.layers.small_layer_kernels.silu_and_mul", wraps=silu_and_mul),
     )
 
 
@@ -223,7 +224,7 @@ def test_the_core_imports_no_small_layer_kernels():
 def test_model_forward_with_the_kernels_equals_without(tiny, token_ids):
     """The tiny model through prompt_logits: the switch the runner turns on a GPU, here in the interpreter."""
     model = load_model(tiny, dtype=torch.float32, device=DEVICE)
-    patches = (*kernel_spies(), mock.patch("minivllm.kernels.small_layers.gemv", wraps=gemv))
+    patches = (*kernel_spies(), mock.patch("minivllm.layers.small_layer_kernels.gemv", wraps=gemv))
 
     def gemv_calls(gated: bool) -> int:
         return sum(call.kwargs.get("gated", False) == gated for call in gemv_spy.call_args_list)

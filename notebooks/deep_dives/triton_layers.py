@@ -146,15 +146,12 @@ print(f"saved {FIGURES / 'triton_layers_compile_vs_eager.png'}")
 # rows of an output together and returns `silu(gate) * up`: the MLP's activation, no extra launch.
 
 # %% tags=["export"] module="minivllm.kernels.small_layers"
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
-from torch import Tensor, nn
-
-from minivllm.layers.activation import SiluAndMul
-from minivllm.layers.layernorm import RMSNorm
-from minivllm.layers.linear import LinearBase
-from minivllm.layers.rotary_embedding import Norms, Pair, RotaryEmbedding
+from torch import Tensor
 
 
 @triton.jit(do_not_specialize=["num_rows"])  # changes every step: one compiled kernel for all values
@@ -254,7 +251,9 @@ def _rope_kernel(
     )
 
 
-def apply_rope(positions: Tensor, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, norms: Norms | None = None) -> Pair:
+def apply_rope(
+    positions: Tensor, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, norms: tuple[Any, Any] | None = None
+) -> tuple[Tensor, Tensor]:
     """RotaryEmbedding(positions, q, k, norms) in one launch. q: (num_tokens, num_heads, head_dim), k: (num_tokens,
     num_kv_heads, head_dim), either may be strided; cos, sin: (max_position, head_dim / 2); norms: None, or the
     RMSNorms of q's and k's heads, applied first."""
@@ -319,7 +318,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 # capture the kernels' launches like any other kernel's.
 
 
-# %% tags=["export"]
+# %% tags=["export"] module="minivllm.layers.small_layer_kernels"
+from torch import nn
+
+from minivllm.kernels.small_layers import apply_rope, gemv, rms_norm, silu_and_mul
+from minivllm.layers.activation import SiluAndMul
+from minivllm.layers.layernorm import RMSNorm
+from minivllm.layers.linear import LinearBase
+from minivllm.layers.rotary_embedding import RotaryEmbedding
+
+
 def use_small_layer_kernels(model: nn.Module, enabled: bool = True) -> None:
     """Run each RMSNorm, RoPE and SiluAndMul of this model as one Triton kernel, and each linear layer at one token
     as `gemv` (Qwen3's MLP: its [gate | up] with the activation); enabled=False: the PyTorch layers again."""
@@ -373,8 +381,8 @@ print("rms_norm, silu_and_mul, apply_rope and gemv give the layers' results")
 # %%
 from torch import nn
 
-from minivllm.kernels.small_layers import use_small_layer_kernels
 from minivllm.layers.linear import RowParallelLinear
+from minivllm.layers.small_layer_kernels import use_small_layer_kernels
 
 layers = nn.ModuleList([norm96, rope96, SiluAndMul(), RowParallelLinear(96, 40)]).to(DEVICE)
 layers[3].weight.data.normal_()
