@@ -1522,7 +1522,7 @@ def fast_path(name: str) -> Any:
 # placeholder token id, `-1 - row`, stands for a token the previous step sampled in that row and has not sent back yet.
 
 
-# %% tags=["export"]
+# %% tags=["export"] module="minivllm.engine.model_runner"
 class ModelRunner:
     """One rank's runner. Alone (`groups=None`) it holds the whole model; given a tensor-parallel rank's groups
     (notebook 06 starts those processes) it holds that rank's slice and meets the other ranks in the model."""

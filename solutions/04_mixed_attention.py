@@ -38,7 +38,6 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit runs
-from minivllm.engine.model_runner import query_tiles
 from minivllm.kernels.flash_attn import launch_config
 from minivllm.kernels.paged_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 from minivllm.kernels.paged_reference import paged_attention_ref
@@ -79,8 +78,8 @@ def my_query_tiles(cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, first_seq
 # %% [markdown]
 # ### Check 1
 # Notebook 04's step first: two decode rows, then a chunk of 128 tokens after 1,000 cached ones and a new prompt of
-# 40, tiles of 64: `[[2, 1], [2, 0], [3, 0]]` (1,128 keys, 1,064, then 40). Then random steps, compared with
-# notebook 04's `query_tiles`: the same pairs, in an order of non-increasing keys (ties in any order).
+# 40, tiles of 64: `[[2, 1], [2, 0], [3, 0]]` (1,128 keys, 1,064, then 40). Then random steps: every tile of every
+# sequence from `first_seq` on exactly once, none before it, in an order of non-increasing keys (ties in any order).
 
 
 # %%
@@ -99,9 +98,18 @@ with exercise("my_query_tiles"):
         k_lens = [q + random.randint(0 if q > 1 else 1, 200) for q in q_lens]
         cu_q, cu_k = np.cumsum([0, *q_lens]), np.cumsum([0, *k_lens])
         first, block_m = q_lens.index(max(q_lens)) if random.random() < 0.3 else 0, random.choice([16, 64])
-        ours, theirs = my_query_tiles(cu_q, cu_k, first, block_m), query_tiles(cu_q, cu_k, first, block_m)
+        ours = my_query_tiles(cu_q, cu_k, first, block_m)
         step = f"case {case}: q_lens {q_lens}, k_lens {k_lens}, first_seq {first}, block_m {block_m}"
-        assert sorted(map(tuple, ours.tolist())) == sorted(map(tuple, theirs.tolist())), f"{step}: got {ours.tolist()}"
+        assert ours.ndim == 2 and ours.shape[1] == 2, f"{step}: expected (num_tiles, 2), got shape {ours.shape}"
+        pairs = [tuple(pair) for pair in ours.tolist()]
+        assert len(set(pairs)) == len(pairs), f"{step}: a tile listed twice in {pairs}"
+        for seq, q_len in enumerate(q_lens):
+            tiles = sorted(m for s, m in pairs if s == seq)
+            expected = list(range(-(-q_len // block_m))) if seq >= first else []
+            assert tiles == expected, (
+                f"{step}: sequence {seq} ({q_len} new tokens) has tiles {tiles}, expected {expected}"
+            )
+        assert len(pairs) == sum(-(-q // block_m) for q in q_lens[first:]), f"{step}: tiles of no sequence in {pairs}"
         keys = keys_of(ours, cu_q, cu_k, block_m)
         assert keys == sorted(keys, reverse=True), f"{step}: tiles not costliest first, keys {keys}"
 print("my_query_tiles: correct")
@@ -147,24 +155,57 @@ def mixed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 # ### Check 2
 # Random steps of 1 to 3 decode rows and 1 to 2 prompt chunks (some with a cached prefix, some whole prompts), in
 # shuffled blocks of 16: your output must equal the reference's, which attends every row over its cache at once.
-# Then a step of decode rows only: your list is empty, and the prefill kernel computes nothing.
+# The check also watches the two kernels: the decode kernel must get exactly the decode rows, and the prefill
+# kernel's list none of them (one query in a tile of `BLOCK_M` rows is the waste this split removes). Then a step of
+# decode rows only: your list is empty, and the prefill kernel computes nothing.
 
 # %%
+calls: list[tuple[str, tuple, dict]] = []  # (kernel, args, kwargs) of each launch in the step under test
+
+
+def watched(name: str, kernel):
+    def launch(*args, **kwargs):
+        calls.append((name, args, kwargs))
+        return kernel(*args, **kwargs)
+
+    return launch
+
+
+def check_step(case: str, q_lens: list[int], k_lens: list[int], n: int, seed: int) -> None:
+    k_cache, v_cache, block_table, _, _, cu_k = scatter_into_cache(k_lens, 2, 32, 16, DEVICE, seed=seed)
+    cu_q = torch.tensor(np.cumsum([0, *q_lens]), dtype=torch.int32, device=DEVICE)
+    q = torch.randn(sum(q_lens), 4, 32, device=DEVICE)
+    calls.clear()
+    got = mixed_attention(q, k_cache, v_cache, cu_q, cu_k, block_table, n, 32**-0.5)
+    step = f"{case}: q_lens {q_lens}, k_lens {k_lens}, {n} decode rows"
+    decode = [args for name, args, _ in calls if name == "decode"]
+    assert len(decode) == 1, f"{step}: the decode kernel ran {len(decode)} times, expected once, on the decode rows"
+    assert decode[0][0].shape[0] == n, f"{step}: the decode kernel got {decode[0][0].shape[0]} rows, expected {n}"
+    for _, args, kwargs in (c for c in calls if c[0] == "prefill"):
+        tiles = kwargs.get("tiles")
+        assert tiles is not None, f"{step}: the prefill kernel ran without `tiles`: over every row, decode rows too"
+        early = sorted({s for s, _ in tiles.tolist() if s < n})
+        assert not early, f"{step}: the prefill kernel's tiles include decode row(s) {early}"
+    expected = paged_attention_ref(q, k_cache, v_cache, cu_q, cu_k, block_table, 32**-0.5)
+    for seq in range(len(q_lens)):
+        rows = slice(int(cu_q[seq]), int(cu_q[seq + 1]))
+        error = (got[rows] - expected[rows]).abs().max().item()
+        kind = "decode row" if seq < n else f"prompt chunk of {q_lens[seq]} after {k_lens[seq] - q_lens[seq]} cached"
+        assert error < 1e-4, f"{step}: sequence {seq} ({kind}) differs from the reference by {error:.1e}"
+
+
 with exercise("mixed_attention"):
-    for case in range(4):
-        n = random.randint(1, 3)
-        q_lens = [1] * n + [random.randint(2, 40) for _ in range(random.randint(1, 2))]
-        k_lens = [random.randint(2, 60) for _ in range(n)] + [q + random.choice([0, 17, 40]) for q in q_lens[n:]]
-        k_cache, v_cache, block_table, _, _, cu_k = scatter_into_cache(k_lens, 2, 32, 16, DEVICE, seed=case)
-        cu_q = torch.tensor(np.cumsum([0, *q_lens]), dtype=torch.int32, device=DEVICE)
-        q = torch.randn(sum(q_lens), 4, 32, device=DEVICE)
-        got = mixed_attention(q, k_cache, v_cache, cu_q, cu_k, block_table, n, 32**-0.5)
-        expected = paged_attention_ref(q, k_cache, v_cache, cu_q, cu_k, block_table, 32**-0.5)
-        error = (got - expected).abs().max().item()
-        assert error < 1e-4, f"case {case}: q_lens {q_lens}, k_lens {k_lens}: max error {error:.1e}"
-    got = mixed_attention(q[:n], k_cache, v_cache, cu_q[: n + 1], cu_k[: n + 1], block_table[:n], n, 32**-0.5)
-    expected = paged_attention_ref(q[:n], k_cache, v_cache, cu_q[: n + 1], cu_k[: n + 1], block_table[:n], 32**-0.5)
-    assert (got - expected).abs().max().item() < 1e-4, "a step of decode rows only"
+    kernels = flash_attn_with_kvcache, flash_attn_varlen_func
+    flash_attn_with_kvcache, flash_attn_varlen_func = watched("decode", kernels[0]), watched("prefill", kernels[1])
+    try:
+        for case in range(4):
+            n = random.randint(1, 3)
+            q_lens = [1] * n + [random.randint(2, 40) for _ in range(random.randint(1, 2))]
+            k_lens = [random.randint(2, 60) for _ in range(n)] + [q + random.choice([0, 17, 40]) for q in q_lens[n:]]
+            check_step(f"case {case}", q_lens, k_lens, n, seed=case)
+        check_step("decode rows only", [1, 1, 1], [5, 33, 17], 3, seed=4)
+    finally:
+        flash_attn_with_kvcache, flash_attn_varlen_func = kernels
 print("mixed_attention: correct")
 
 # %% [markdown]

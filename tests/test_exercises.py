@@ -7,6 +7,7 @@ only up to its first check cell, which must be the first cell to fail, and must 
 import os
 import re
 from pathlib import Path
+from textwrap import dedent
 
 import pytest
 
@@ -88,3 +89,125 @@ def test_unsolved_exercise_stops_at_its_first_check(path: Path):
             )
         else:
             pytest.fail(f"{path.name}: the first check (cell {first_check}) passed: does the exercise ship solved?")
+
+
+# A plausible wrong answer for each exercise, one that skips its point: the solution's cells run in this process
+# (fast: no kernel to start), `wrong` is executed just before the first check cell that contains `marker`, and that
+# check must fail with an AssertionError whose message names the case (`message`, a regular expression).
+WRONG_SOLUTIONS: dict[str, tuple[str, str, str, str]] = {}  # id -> (solution, marker, wrong code, message)
+
+
+def wrong(id: str, solution: str, marker: str, code: str, message: str) -> None:
+    WRONG_SOLUTIONS[id] = (solution, marker, dedent(code), message)
+
+
+wrong(
+    "mixed attention: the prefill kernel over every row, no decode kernel",
+    "04_mixed_attention",
+    'exercise("mixed_attention")',
+    """
+    def mixed_attention(q, k_cache, v_cache, cu_q, cu_k, block_table, num_decode, scale):
+        out = torch.empty_like(q)
+        block_m = launch_config(q.shape[2], q.device)["BLOCK_M"]
+        tiles = my_query_tiles(cu_q.cpu().numpy(), cu_k.cpu().numpy(), 0, block_m)
+        q_lens, k_lens = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+        flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, int(q_lens.max()), int(k_lens.max()), scale,
+                               causal=True, block_table=block_table, out=out, tiles=torch.from_numpy(tiles))
+        return out
+    """,
+    r"case 0: q_lens \[.*\], \d decode rows: the decode kernel ran 0 times",
+)
+wrong(
+    "mixed attention work list: the decode rows' tiles listed too",
+    "04_mixed_attention",
+    'exercise("my_query_tiles")',
+    """
+    _right_tiles = my_query_tiles
+    def my_query_tiles(cu_seqlens_q, cu_seqlens_k, first_seq, block_m):
+        return _right_tiles(cu_seqlens_q, cu_seqlens_k, 0, block_m)
+    """,
+    r"notebook 04's step: expected \[\[2, 1\], \[2, 0\], \[3, 0\]\]",
+)
+
+wrong(
+    "cascade: query head h reads KV head h % num_kv_heads, not h // group",
+    "03_cascade_attention",
+    'exercise("prefix_attention")',
+    """
+    def prefix_attention(q, k, v, scale):
+        heads = torch.arange(q.shape[1]) % k.shape[1]
+        scores = torch.einsum("rhd,nhd->rhn", q, k[:, heads]) * scale
+        out = torch.einsum("rhn,nhd->rhd", torch.softmax(scores, dim=-1), v[:, heads])
+        return out, torch.logsumexp(scores, dim=-1)
+    """,
+    r"5 rows over 40 shared keys, query head 1 \(KV head 0\): out differs",
+)
+wrong(
+    "cascade: merge averages the two parts, not weighted by their sums",
+    "03_cascade_attention",
+    'exercise("merge")',
+    """
+    def merge(out_a, lse_a, out_b, lse_b):
+        return (out_a + out_b) / 2, torch.logaddexp(lse_a, lse_b)
+    """,
+    r"keys cut at 1: out",
+)
+wrong(
+    "triton rmsnorm: the mean over BLOCK lanes, not n_cols",
+    "01_triton_rmsnorm",
+    'exercise("fused_add_rms_norm_kernel")',
+    """
+    @triton.jit
+    def fused_add_rms_norm_kernel(X, R, W, OUT, R_OUT, stride_x, stride_r, stride_out, stride_r_out, n_cols, eps,
+                                  BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        s = (x + r).to(R_OUT.dtype.element_ty)
+        tl.store(R_OUT + row * stride_r_out + cols, s, mask=mask)
+        s = s.to(tl.float32)
+        inv_rms = tl.rsqrt(tl.sum(s * s, axis=0) / BLOCK + eps)
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(OUT + row * stride_out + cols, (s * inv_rms * w).to(OUT.dtype.element_ty), mask=mask)
+    """,
+    r"5 x 96, torch.float32, output",
+)
+wrong(
+    "llama: each layer's norm ignores the residual it is given",
+    "02_llama",
+    'exercise("LlamaDecoderLayer")',
+    """
+    def _forward(self, positions, x, residual, context):
+        x, residual = self.input_layernorm(x), x
+        x = self.self_attn(positions, x, context)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+    LlamaDecoderLayer.forward = _forward
+    """,
+    r"layer 1 \(residual from layer 0\): residual, h = x \+ attn",
+)
+
+
+@pytest.mark.parametrize("case", list(WRONG_SOLUTIONS), ids=str)
+def test_wrong_solution_fails_its_check(case: str, monkeypatch: pytest.MonkeyPatch):
+    solution, marker, code, message = WRONG_SOLUTIONS[case]
+    monkeypatch.chdir(ROOT / "solutions")  # where the notebook runs
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    cells = [c for c in jupytext.read(ROOT / "solutions" / f"{solution}.py", fmt="py:percent").cells]
+    namespace: dict = {"__name__": "__main__"}
+    for index, cell in enumerate(cells):
+        if cell.cell_type != "code":
+            continue
+        source = compile(cell.source, f"{solution}.py, cell {index}", "exec")
+        if is_check(cell) and marker in cell.source:
+            exec(compile(code, f"wrong solution {case}", "exec"), namespace)
+            with pytest.raises(AssertionError) as failure:
+                exec(source, namespace)
+            assert re.search(message, str(failure.value)), (
+                f"{case}: the check failed, but its message does not name the case ({message!r}):\n{failure.value}"
+            )
+            return
+        exec(source, namespace)
+    pytest.fail(f"{solution}.py: no check cell containing {marker!r}")
