@@ -44,6 +44,11 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 torch.manual_seed(0)
 
 
+def check_close(got: torch.Tensor, expected: torch.Tensor, case: str, tol: float = 1e-4) -> None:
+    """torch.testing.assert_close with the case that differs named in front of its message."""
+    torch.testing.assert_close(got, expected, rtol=tol, atol=tol, msg=lambda m: f"{case}: {m}")
+
+
 def reference(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], scale: float) -> torch.Tensor:
     """Row i's query (num_heads, head_dim) over its keys ks[i], vs[i] (n_i, num_kv_heads, head_dim): notebook 01."""
     cu_q = torch.arange(len(ks) + 1, dtype=torch.int32)
@@ -89,25 +94,11 @@ with exercise("prefix_attention"):
     assert out.shape == (5, 8, 32) and lse.shape == (5, 8), f"shapes {tuple(out.shape)}, {tuple(lse.shape)}"
     expected = reference(q, [k] * 5, [v] * 5, 32**-0.5)
     for head in range(8):  # one query head at a time: a wrong GQA mapping shows as the first wrong head
-        torch.testing.assert_close(
-            out[:, head],
-            expected[:, head],
-            rtol=1e-4,
-            atol=1e-4,
-            msg=lambda m: (
-                f"5 rows over 40 shared keys, query head {head} (KV head "
-                f"{head // 4}): out differs from the reference. {m}"
-            ),
-        )
+        case = f"5 rows over 40 shared keys, query head {head} (KV head {head // 4}): out differs from the reference"
+        check_close(out[:, head], expected[:, head], case)
     heads = torch.arange(8) // 4  # each query head's KV head
     expected = torch.logsumexp(torch.einsum("rhd,nhd->rhn", q, k[:, heads]) * 32**-0.5, dim=-1)
-    torch.testing.assert_close(
-        lse,
-        expected,
-        rtol=1e-4,
-        atol=1e-4,
-        msg=lambda m: f"lse (rows, heads) vs torch.logsumexp of the scaled scores: {m}",
-    )
+    check_close(lse, expected, "lse (rows, heads) vs torch.logsumexp of the scaled scores")
 print("prefix_attention: correct")
 
 # %% [markdown]
@@ -141,13 +132,11 @@ with exercise("merge"):
     whole, whole_lse = prefix_attention(q, k, v, 0.25)
     for cut in range(1, 20):
         out, lse = merge(*prefix_attention(q, k[:cut], v[:cut], 0.25), *prefix_attention(q, k[cut:], v[cut:], 0.25))
-        torch.testing.assert_close(out, whole, rtol=1e-4, atol=1e-4, msg=lambda m: f"keys cut at {cut}: out. {m}")
-        torch.testing.assert_close(lse, whole_lse, rtol=1e-4, atol=1e-4, msg=lambda m: f"keys cut at {cut}: lse. {m}")
+        check_close(out, whole, f"keys cut at {cut}: out")
+        check_close(lse, whole_lse, f"keys cut at {cut}: lse")
     empty = torch.full_like(whole_lse, float("-inf"))
     out, lse = merge(whole, whole_lse, torch.zeros_like(whole), empty)
-    torch.testing.assert_close(
-        out, whole, msg=lambda m: f"merge with an empty second part (lse -inf) must change nothing: {m}"
-    )
+    check_close(out, whole, "merge with an empty second part (lse -inf) must change nothing", tol=1e-6)
     out, lse = merge(torch.zeros_like(whole), empty, torch.zeros_like(whole), empty)
     assert not out.isnan().any() and (lse == float("-inf")).all(), "two empty parts: zeros and -inf, not NaN"
 print("merge: correct")
@@ -187,13 +176,7 @@ with exercise("cascade_decode"):
         q, [torch.cat([prefix_k, k]) for k in own_k], [torch.cat([prefix_v, v]) for v in own_v], 32**-0.5
     )
     for row, n in enumerate(len(k) for k in own_k):
-        torch.testing.assert_close(
-            got[row],
-            expected[row],
-            rtol=1e-4,
-            atol=1e-4,
-            msg=lambda m: f"row {row} (48 prefix keys, {n} of its own): {m}",
-        )
+        check_close(got[row], expected[row], f"row {row} (48 prefix keys, {n} of its own)")
 print("cascade_decode: correct")
 
 # %% [markdown]
@@ -222,4 +205,4 @@ kernel = flash_attn_with_kvcache(
     prefix_lens=torch.full((6,), 48, dtype=torch.int32, device=DEVICE),
 )
 print(f"the kernel vs your cascade_decode: max difference {(kernel[:, 0].cpu() - got).abs().max():.1e}")
-torch.testing.assert_close(kernel[:, 0].cpu(), got, rtol=1e-4, atol=1e-4, msg=lambda m: f"the kernel vs yours: {m}")
+check_close(kernel[:, 0].cpu(), got, "the kernel vs your cascade_decode")

@@ -181,7 +181,7 @@ def check_step(case: str, q_lens: list[int], k_lens: list[int], n: int, seed: in
     decode = [args for name, args, _ in calls if name == "decode"]
     assert len(decode) == 1, f"{step}: the decode kernel ran {len(decode)} times, expected once, on the decode rows"
     assert decode[0][0].shape[0] == n, f"{step}: the decode kernel got {decode[0][0].shape[0]} rows, expected {n}"
-    for _, args, kwargs in (c for c in calls if c[0] == "prefill"):
+    for _, _, kwargs in (c for c in calls if c[0] == "prefill"):
         tiles = kwargs.get("tiles")
         assert tiles is not None, f"{step}: the prefill kernel ran without `tiles`: over every row, decode rows too"
         early = sorted({s for s, _ in tiles.tolist() if s < n})
