@@ -189,6 +189,43 @@ wrong(
     r"layer 1 \(residual from layer 0\): residual, h = x \+ attn",
 )
 
+ONLINE_SOFTMAX_LOOP = """
+def attend_blocks(q, k, v, block_n, causal=False, window=0):
+    (M, D), N = q.shape, k.shape[0]
+    m, l, acc = torch.full((M,), NEG_INF), torch.zeros(M), torch.zeros(M, D)
+    for start in range(0, N, block_n):  # every block, from 0
+        end = min(start + block_n, N)
+        s = (q @ k[start:end].T) * D**-0.5
+        if causal:
+            key_pos, query_pos = torch.arange(start, end)[None, :], torch.arange(M)[:, None] + (N - M)
+            visible = key_pos <= query_pos
+            if window and WINDOW_MASK:
+                visible &= key_pos > query_pos - window
+            s = s.masked_fill(~visible, NEG_INF)
+        m_new = torch.maximum(m, s.max(dim=1).values)
+        m_safe = m_new.masked_fill(m_new == NEG_INF, 0.0)
+        p, alpha = torch.exp(s - m_safe[:, None]), torch.exp(m - m_safe)
+        l, acc, m = alpha * l + p.sum(dim=1), alpha[:, None] * acc + p @ v[start:end], m_new
+    return acc / torch.where(l > 0, l, 1.0)[:, None], m + torch.log(l)
+"""
+wrong(
+    "online softmax: the window masked, but every block read",
+    "01_online_softmax",
+    'exercise("attend_blocks")',
+    "WINDOW_MASK = True" + ONLINE_SOFTMAX_LOOP,
+    r"window 16, a chunk of 16 after 84 cached keys: out vs the reference \(blocks 0\.\.3 hold NaN.*\): NaN at",
+)
+wrong(
+    "online softmax: no window at all",
+    "01_online_softmax",
+    'exercise("attend_blocks")',
+    "WINDOW_MASK = False"
+    + ONLINE_SOFTMAX_LOOP.replace(
+        "range(0, N", "range((max(0, N - M - window + 1) if window else 0) // block_n * block_n, N"
+    ),
+    r"window 8, M=N=37, blocks of 8: out vs the reference.*Tensor-likes are not close",
+)
+
 
 @pytest.mark.parametrize("case", list(WRONG_SOLUTIONS), ids=str)
 def test_wrong_solution_fails_its_check(case: str, monkeypatch: pytest.MonkeyPatch):
