@@ -226,6 +226,35 @@ wrong(
     r"window 8, M=N=37, blocks of 8: out vs the reference.*Tensor-likes are not close",
 )
 
+wrong(
+    "typical-p: sorted by probability (top-p), not by distance to the entropy",
+    "04_sampler_filters",
+    'exercise("typical_mask")',
+    """
+    def typical_mask(logprobs, typical_ps):
+        p = logprobs.exp()
+        order = p.argsort(dim=-1, descending=True, stable=True)
+        sorted_p = p.gather(-1, order)
+        keep = (sorted_p.cumsum(-1) - sorted_p < typical_ps[:, None]) | (typical_ps[:, None] >= 1)
+        return torch.empty_like(keep).scatter_(-1, order, keep)
+    """,
+    r"p = \[0.4, 0.3, 0.2, 0.1\], tau 0.25: .*: expected tokens \[1\], got \[0\]",
+)
+wrong(
+    "typical-p: the filter chosen before the temperature",
+    "04_sampler_filters",
+    'exercise("sample")',
+    """
+    def sample(logits, temperatures, typical_ps, generator):
+        greedy = temperatures == 0
+        keep = typical_mask(torch.log_softmax(logits, dim=-1), typical_ps)  # on the raw logits
+        probs = torch.softmax(logits / torch.where(greedy, 1.0, temperatures)[:, None], dim=-1) * keep
+        q = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(1e-10)
+        return torch.where(greedy, logits.argmax(dim=-1), (probs / q).argmax(dim=-1))
+    """,
+    r"temperature 0.5, typical_p 0.5: (dropped token|token \d+ drawn with frequency)",
+)
+
 
 @pytest.mark.parametrize("case", list(WRONG_SOLUTIONS), ids=str)
 def test_wrong_solution_fails_its_check(case: str, monkeypatch: pytest.MonkeyPatch):
