@@ -255,6 +255,35 @@ wrong(
     r"temperature 0.5, typical_p 0.5: (dropped token|token \d+ drawn with frequency)",
 )
 
+wrong(
+    "prefix cache LFU: hits counted, but still the least recently freed evicted",
+    "03_prefix_caching",
+    'exercise("LFUBlockManager._take_free_block")',
+    """
+    def _take_free_block(self):
+        block = BlockManager._take_free_block(self)  # popitem(last=False): LRU
+        self.hits[block.block_id] = 0
+        return block
+    LFUBlockManager._take_free_block = _take_free_block
+    """,
+    r"LFUBlockManager: after a 5-block prompt evicted one of .*, \[7, 8\] is still cached; expected \[1, 2\]",
+)
+wrong(
+    "prefix cache LFU: an evicted block keeps its hits",
+    "03_prefix_caching",
+    'exercise("LFUBlockManager")',
+    """
+    _right_take = LFUBlockManager._take_free_block
+    def _take_free_block(self):
+        hits = list(self.hits)
+        block = _right_take(self)
+        self.hits[block.block_id] = hits[block.block_id]
+        return block
+    LFUBlockManager._take_free_block = _take_free_block
+    """,
+    r"after step \d+, .*: (block \d+ has \d+ hits, the scan's \d+|.* hit \d+ tokens, the scan's \d+)",
+)
+
 
 @pytest.mark.parametrize("case", list(WRONG_SOLUTIONS), ids=str)
 def test_wrong_solution_fails_its_check(case: str, monkeypatch: pytest.MonkeyPatch):
