@@ -284,6 +284,33 @@ wrong(
     r"after step \d+, .*: (block \d+ has \d+ hits, the scan's \d+|.* hit \d+ tokens, the scan's \d+)",
 )
 
+wrong(
+    "paged allocator: forks, but a shared last block written in place (no copy-on-write)",
+    "03_paged_allocator",
+    'exercise("can_append / may_append")',
+    """
+    def _may_append(self, seq):
+        if len(seq.block_table) < seq.num_blocks:
+            seq.block_table.append(self._take_block())
+        return []
+    def _can_append(self, seq):
+        return self.num_free_blocks >= (len(seq.block_table) < seq.num_blocks)
+    SimpleBlockManager.may_append, SimpleBlockManager.can_append = _may_append, _can_append
+    """,
+    r"token 6 goes into block \d+, which 3 sequences hold: expected a private copy",
+)
+wrong(
+    "paged allocator: a fork that shares the table but counts no holders",
+    "03_paged_allocator",
+    "test_allocator()",
+    """
+    def _fork(self, parent, child):
+        child.block_table = list(parent.block_table)
+    SimpleBlockManager.fork = _fork
+    """,
+    r"block \d+: ref count \d+, held by \d+ live tables",
+)
+
 
 @pytest.mark.parametrize("case", list(WRONG_SOLUTIONS), ids=str)
 def test_wrong_solution_fails_its_check(case: str, monkeypatch: pytest.MonkeyPatch):
