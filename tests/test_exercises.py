@@ -311,6 +311,24 @@ wrong(
     r"block \d+: ref count \d+, held by \d+ live tables",
 )
 
+wrong(
+    "verify step: the new tokens laid out as a fresh prompt, positions from 0",
+    "04_prepare_decode",
+    'exercise("my_prepare_verify")',
+    """
+    def my_prepare_verify(seqs, num_new, block_size):
+        news = np.array(num_new)
+        cu_q = np.cumsum([0, *news], dtype=np.int32)
+        seq_of = np.repeat(np.arange(len(seqs)), news)
+        positions = np.arange(cu_q[-1]) - cu_q[seq_of]  # as if nothing were cached
+        tables = padded_block_tables(seqs)
+        tokens = [t for seq, n in zip(seqs, num_new) for t in seq.token_ids[len(seq) - n :]]
+        return StepInputs(True, np.array(tokens), positions, token_slots(tables, seq_of, positions, block_size),
+                          tables, cu_seqlens_q=cu_q, cu_seqlens_k=cu_q, logits_rows=np.arange(cu_q[-1]))
+    """,
+    r"37 tokens \+ 3 new, table \[7, 2, 9\]; 4 tokens \+ 1 new, table \[4\], positions:",
+)
+
 
 @pytest.mark.parametrize("case", list(WRONG_SOLUTIONS), ids=str)
 def test_wrong_solution_fails_its_check(case: str, monkeypatch: pytest.MonkeyPatch):
