@@ -329,6 +329,39 @@ wrong(
     r"37 tokens \+ 3 new, table \[7, 2, 9\]; 4 tokens \+ 1 new, table \[4\], positions:",
 )
 
+wrong(
+    "find the bug: a 'hit' check whose shared prefix is shorter than a block",
+    "04_find_the_bug",
+    'exercise("prefix_hit_check")',
+    """
+    def prefix_hit_check(runner):
+        prefix = random.Random(0).choices(range(2048), k=10)  # less than a block of 16: nothing to share
+        bm = BlockManager(runner.num_kvcache_blocks, runner.block_size)
+        first, second = Sequence(prefix + [1, 2], block_size=16), Sequence(prefix + [3, 4, 5], block_size=16)
+        admit(bm, first)
+        runner.step_logits([first], is_prefill=True)
+        admit(bm, second)
+        logits = runner.step_logits([second], is_prefill=True)[0]
+        error = (logits - prompt_logits(reference, second.token_ids)[-1]).abs().max().item()
+        cached = second.num_cached_tokens
+        for seq in (first, second):
+            bm.deallocate(seq)
+        return cached, error
+    """,
+    r"SuspectContext: the second request found nothing in the prefix cache \(num_cached_tokens = 0\)",
+)
+wrong(
+    "find the bug: the fix handed over from PagedContext",
+    "04_find_the_bug",
+    'exercise("FixedContext.prefill")',
+    """
+    class FixedContext(SuspectContext):
+        def prefill(self, layer, q, k, v):
+            return PagedContext.prefill(self, layer, q, k, v)
+    """,
+    r"FixedContext.prefill called PagedContext's prefill or paged_prefill",
+)
+
 
 @pytest.mark.parametrize("case", list(WRONG_SOLUTIONS), ids=str)
 def test_wrong_solution_fails_its_check(case: str, monkeypatch: pytest.MonkeyPatch):
