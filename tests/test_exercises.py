@@ -1,7 +1,9 @@
-"""Every exercise, unmodified, stops at its first check with "... is not written yet"; every solution has checks.
+"""Every exercise, unmodified, stops at its first check with "... is not written yet"; every solution has checks;
+and a plausible wrong answer to each exercise, one that skips its point, fails a check whose message names the case.
 
 CI runs the solutions themselves (`pytest --nbval-lax solutions`), so they are not run again here: an exercise runs
-only up to its first check cell, which must be the first cell to fail, and must fail for the right reason.
+only up to its first check cell, which must be the first cell to fail, and must fail for the right reason. A wrong
+solution runs its solution's cells in this process up to the check it must fail.
 """
 
 import os
@@ -381,6 +383,12 @@ wrong(
     """,
     r"FixedContext.prefill called PagedContext's prefill or paged_prefill",
 )
+
+
+def test_every_exercise_has_a_wrong_solution():
+    covered = {solution for solution, *_ in WRONG_SOLUTIONS.values()}
+    missing = sorted(p.stem for p in SOLUTIONS if p.stem not in covered)
+    assert not missing, f"no wrong solution in WRONG_SOLUTIONS for {missing}: add one that skips the exercise's point"
 
 
 @pytest.mark.parametrize("case", list(WRONG_SOLUTIONS), ids=str)
