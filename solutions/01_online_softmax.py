@@ -12,25 +12,30 @@
 # ---
 
 # %% [markdown]
-# # Exercise 01 · The online softmax, and split-K
+# # Exercise 01 · The online softmax, a sliding window, and split-K
 #
 # Attention is `softmax(q kᵀ · scale) v`. Written that way it builds a `(len_q, len_k)` matrix of scores: 4 GB in
 # float32 for one head of a 32k-token prompt. Every fast attention kernel avoids it with one idea, the **online
 # softmax**: read the keys a block at a time and keep, per query, a running maximum `m`, a running sum `l` and an
 # unnormalised output `acc`, rescaling both whenever the maximum grows. The scores of one block exist at a time.
 #
-# * Notebook 01's FlashAttention kernel is this loop: `attend_block` folds one tile of keys into a tile of queries
-#   (`m_i`, `l_i`, `acc`, `alpha`), and the kernel divides by `l_i` at the end.
+# * Notebook 01's FlashAttention kernel is this loop, full causal attention: every query reads every earlier key.
+# * Here you extend it to **sliding-window attention** (Mistral, Gemma 2 and 3, Qwen's `use_sliding_window`): a query
+#   sees only the `window` most recent positions, itself included. Its point is cost: a query's work, and the KV a
+#   server must keep, stop growing with the context. That holds only if the loop never reads the blocks that no query
+#   of the tile can see: masking them is correct, and as slow as no window at all.
 # * Notebook 03's decode kernel has one query per sequence, too little work to fill a GPU when the batch is small.
 #   It **splits the keys** (split-K, "flash-decoding"): each program runs the loop over its share of the cache and
 #   writes a partial output and its log-sum-exp; a second kernel combines the splits.
 #
 # **Your task.** In plain PyTorch, one head, float32: (0) the running max and sum of a stream of scores, (a)
-# attention over key blocks with the online softmax, (b) the partial outputs and log-sum-exps of split-K, (c) the
-# step that combines them. Each is checked in the cell after it: against `torch.softmax`, against notebook 01's
-# reference `attention_ref` (causal and not), and against the unsplit result.
+# attention over key blocks with the online softmax, causal and with a sliding window, reading only the blocks the
+# window reaches, (b) the partial outputs and log-sum-exps of split-K, (c) the step that combines them. Each is
+# checked in the cell after it: against `torch.softmax`, against a reference with the window's mask written out,
+# and against the unsplit result.
 #
-# **What it assumes.** Softmax and attention; notebook 01's reference attention. No GPU: seconds on a CPU.
+# **What it assumes.** Softmax and attention; notebook 01's reference attention. No GPU: seconds on a CPU. About 30
+# minutes.
 
 # %%
 import torch
@@ -105,7 +110,7 @@ with exercise("softmax_stats"):
 print("softmax_stats: one pass gives torch.softmax")
 
 # %% [markdown]
-# ## a · Attention, one block of keys at a time
+# ## a · Attention, one block of keys at a time, in a sliding window
 # Now a block of `M` queries `q: (M, D)` against `N` keys and values `k, v: (N, D)`. Each query row keeps its own
 # `m` and `l`, and also `acc`, its output before normalisation: `Σ_j exp(s_j − m) v_j`. A block of keys gives scores
 # `s = q kᵀ · scale`, `(M, block_n)`, and the update of section 0 row by row, with `acc` rescaled by the same
@@ -121,11 +126,18 @@ print("softmax_stats: one pass gives torch.softmax")
 # it below. A row that saw no key (all masked, or `N = 0`) has `l = 0`: its output is zeros and its `lse` is `-inf`.
 #
 # **Causal**, as in `attention_ref` and flash-attn: the queries are the *last* `M` of the `N` positions (a prompt
-# chunk after `N − M` cached tokens), so query `i` sees key `j` exactly when `j ≤ i + N − M`. When `M > N`, the first
-# `M − N` queries see nothing.
+# chunk after `N − M` cached tokens), so query `i` sits at position `p_i = i + N − M` and sees key `j` exactly when
+# `j ≤ p_i`. When `M > N`, the first `M − N` queries see nothing.
 #
-# **Write** the loop body and the end of `attend_blocks`. The `(M, N)` score matrix must never exist: only `(M,
-# block_n)` at a time.
+# **Sliding window** (`window = w > 0`, always causal): query `i` sees key `j` exactly when `p_i − w < j ≤ p_i`: the
+# `w` most recent positions, itself included. `window = 0` means no window.
+#
+# **Which blocks to read.** The first query sees nothing before key `N − M − w + 1`, and the later ones even less:
+# start the loop at the block that holds that key, not at 0. (The checks fill the blocks before it with NaN: a loop
+# that reads one, even to mask it, gets `0 · NaN = NaN` in `acc`.)
+#
+# **Write** the loop (its range and its body) and the end of `attend_blocks`. The `(M, N)` score matrix must never
+# exist: only `(M, block_n)` at a time.
 
 
 # %%
@@ -135,20 +147,26 @@ def attend_blocks(
     v: torch.Tensor,  # (N, D)
     block_n: int,
     causal: bool = False,
+    window: int = 0,  # > 0: a causal sliding window of that many positions
 ) -> tuple[torch.Tensor, torch.Tensor]:  # out (M, D), lse (M,)
     """Attention of one query block over keys taken block_n at a time, with the online softmax."""
     (M, D), N = q.shape, k.shape[0]
+    assert window == 0 or causal, "a sliding window is causal"
     scale = D**-0.5
     m = torch.full((M,), NEG_INF)  # running max of each row's scores
     l = torch.zeros(M)  # running sum of exp(score - m)
     acc = torch.zeros(M, D)  # running Σ exp(score - m) v
-    for start in range(0, N, block_n):
+    # BEGIN SOLUTION
+    first_key = max(0, N - M - window + 1) if window else 0  # the first query's earliest visible key
+    for start in range(first_key // block_n * block_n, N, block_n):
         end = min(start + block_n, N)
-        # BEGIN SOLUTION
         s = (q @ k[start:end].T) * scale  # (M, end - start)
         if causal:
-            key_pos = torch.arange(start, end)
-            visible = key_pos[None, :] <= torch.arange(M)[:, None] + (N - M)  # (M, end - start)
+            key_pos = torch.arange(start, end)[None, :]  # (1, end - start)
+            query_pos = torch.arange(M)[:, None] + (N - M)  # (M, 1)
+            visible = key_pos <= query_pos
+            if window:
+                visible &= key_pos > query_pos - window
             s = s.masked_fill(~visible, NEG_INF)
         m_new = torch.maximum(m, s.max(dim=1).values)
         m_safe = m_new.masked_fill(m_new == NEG_INF, 0.0)  # rows that have seen no key yet
@@ -157,8 +175,6 @@ def attend_blocks(
         l = alpha * l + p.sum(dim=1)
         acc = alpha[:, None] * acc + p @ v[start:end]
         m = m_new
-        # END SOLUTION
-    # BEGIN SOLUTION
     out = acc / torch.where(l > 0, l, 1.0)[:, None]  # a row that saw no key: zeros
     lse = m + torch.log(l)  # -inf where l == 0
     return out, lse
@@ -166,14 +182,21 @@ def attend_blocks(
 
 
 # %%
-def reference(q, k, v, causal=False):
-    """attention_ref for one sequence and one head, and each row's log-sum-exp of its visible scores."""
+def reference(q, k, v, causal=False, window=0):
+    """Attention for one sequence and one head with its mask written out, and each row's log-sum-exp."""
     (M, D), N = q.shape, k.shape[0]
-    out = attention_ref(q[:, None], k[:, None], v[:, None], torch.tensor([0, M]), torch.tensor([0, N]), causal=causal)
-    scores = (q @ k.T) * D**-0.5
+    scores = (q @ k.T) * D**-0.5  # (M, N)
     if causal:
-        scores = scores.masked_fill(torch.ones(M, N, dtype=torch.bool).tril(N - M).logical_not(), NEG_INF)
-    return out[:, 0], torch.logsumexp(scores, dim=1)
+        query_pos, key_pos = torch.arange(M)[:, None] + (N - M), torch.arange(N)[None, :]
+        visible = (key_pos <= query_pos) & ((key_pos > query_pos - window) if window else True)
+        scores = scores.masked_fill(~visible, NEG_INF)
+    lse = torch.logsumexp(scores, dim=1)  # -inf for a row that sees nothing
+    out = torch.exp(scores - lse.masked_fill(lse == NEG_INF, 0.0)[:, None]) @ v
+    if not window:  # the same as notebook 01's attention_ref
+        cu_q, cu_k = torch.tensor([0, M]), torch.tensor([0, N])
+        out_ref = attention_ref(q[:, None], k[:, None], v[:, None], cu_q, cu_k, causal=causal)[:, 0]
+        check_close(out, out_ref, f"the reference's mask (M={M}, N={N}, causal={causal}) vs attention_ref")
+    return out, lse
 
 
 def random_qkv(M: int, N: int, D: int = 32, seed: int = 0, scale: float = 1.0):
@@ -181,24 +204,42 @@ def random_qkv(M: int, N: int, D: int = 32, seed: int = 0, scale: float = 1.0):
     return [torch.randn(n, D, generator=gen) * s for n, s in [(M, scale), (N, 1.0), (N, 1.0)]]
 
 
+def hide_unseen_blocks(k: torch.Tensor, v: torch.Tensor, M: int, block_n: int, window: int):
+    """Copies of k and v whose whole blocks before the window's first key are NaN: a loop must not read them."""
+    N = k.shape[0]
+    first_block = max(0, N - M - window + 1) // block_n
+    k, v = k.clone(), v.clone()
+    k[: first_block * block_n], v[: first_block * block_n] = float("nan"), float("nan")
+    return k, v, first_block
+
+
 with exercise("attend_blocks"):
-    cases = {  # name: (M, N, block_n, causal, q scale)
-        "M=16, N=50, blocks of 16": (16, 50, 16, False, 1.0),
-        "M=16, N=50, blocks of 1": (16, 50, 1, False, 1.0),
-        "M=16, N=50, one block of 64": (16, 50, 64, False, 1.0),
-        "scores in the hundreds (q x 100): exp overflows without the max": (16, 50, 16, False, 100.0),
-        "causal, M=N=37, blocks of 8": (37, 37, 8, True, 1.0),
-        "causal, a chunk of 16 after 34 cached keys": (16, 50, 16, True, 1.0),
-        "causal, M=10 > N=4: six rows see no key": (10, 4, 2, True, 1.0),
-        "no keys (N=0)": (4, 0, 16, False, 1.0),
+    cases = {  # name: (M, N, block_n, causal, window, q scale)
+        "M=16, N=50, blocks of 16": (16, 50, 16, False, 0, 1.0),
+        "M=16, N=50, blocks of 1": (16, 50, 1, False, 0, 1.0),
+        "M=16, N=50, one block of 64": (16, 50, 64, False, 0, 1.0),
+        "scores in the hundreds (q x 100): exp overflows without the max": (16, 50, 16, False, 0, 100.0),
+        "causal, M=N=37, blocks of 8": (37, 37, 8, True, 0, 1.0),
+        "causal, a chunk of 16 after 34 cached keys": (16, 50, 16, True, 0, 1.0),
+        "causal, M=10 > N=4: six rows see no key": (10, 4, 2, True, 0, 1.0),
+        "no keys (N=0)": (4, 0, 16, False, 0, 1.0),
+        "window 8, M=N=37, blocks of 8": (37, 37, 8, True, 8, 1.0),
+        "window 16, a chunk of 16 after 84 cached keys": (16, 100, 16, True, 16, 1.0),
+        "window 5, one decode query after 60 keys, blocks of 4": (1, 61, 4, True, 5, 1.0),
+        "window 1: each query sees only itself": (8, 40, 8, True, 1, 1.0),
+        "window 7, blocks of 1": (6, 30, 1, True, 7, 1.0),
+        "window 100 > N: plain causal": (16, 50, 16, True, 100, 1.0),
+        "window 8, M=10 > N=4": (10, 4, 2, True, 8, 1.0),
     }
-    for case, (M, N, block_n, causal, q_scale) in cases.items():
+    for case, (M, N, block_n, causal, window, q_scale) in cases.items():
         q, k, v = random_qkv(M, N, scale=q_scale, seed=M + N)
-        out, lse = attend_blocks(q, k, v, block_n, causal)
-        ref_out, ref_lse = reference(q, k, v, causal)
-        check_close(out, ref_out, f"{case}: out vs attention_ref")
+        ref_out, ref_lse = reference(q, k, v, causal, window)
+        k, v, skipped = hide_unseen_blocks(k, v, M, block_n, window) if window else (k, v, 0)
+        out, lse = attend_blocks(q, k, v, block_n, causal, window)
+        read = f" (blocks 0..{skipped - 1} hold NaN: no query sees them, do not read them)" if skipped else ""
+        check_close(out, ref_out, f"{case}: out vs the reference{read}")
         check_close(lse, ref_lse, f"{case}: lse vs torch.logsumexp of the visible scores")
-print("attend_blocks: the same as attention_ref, causal or not, one block of scores at a time")
+print("attend_blocks: the reference, causal or not, windowed or not, one block of scores at a time")
 
 # %% [markdown]
 # ## b · Split-K: partial outputs and their log-sum-exps
@@ -211,8 +252,8 @@ print("attend_blocks: the same as attention_ref, causal or not, one block of sco
 # `N = 33`, 4 splits and blocks of 16, `chunk` is 16 and split 3 starts at 48. The kernel launches a fixed grid, so
 # an empty split still writes its result: zeros and `lse = -inf`, which `attend_blocks` already gives for `N = 0`.
 #
-# **Write** `split_k`: run `attend_blocks` on each split's keys (not causal: a decode query sees its whole cache)
-# and stack the results.
+# **Write** `split_k`: run `attend_blocks` on each split's keys (not causal: a decode query sees its whole cache;
+# with a window, the cache would simply start `window` tokens back) and stack the results.
 
 
 # %%

@@ -36,11 +36,17 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit runs: the kernel at the end
-from minivllm.kernels import attention_ref, flash_attn_with_kvcache, store_kvcache
+from minivllm.kernels.paged_attn import flash_attn_with_kvcache, store_kvcache
+from minivllm.kernels.reference import attention_ref
 from minivllm.testing import exercise, scatter_into_cache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 torch.manual_seed(0)
+
+
+def check_close(got: torch.Tensor, expected: torch.Tensor, case: str, tol: float = 1e-4) -> None:
+    """torch.testing.assert_close with the case that differs named in front of its message."""
+    torch.testing.assert_close(got, expected, rtol=tol, atol=tol, msg=lambda m: f"{case}: {m}")
 
 
 def reference(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], scale: float) -> torch.Tensor:
@@ -86,10 +92,13 @@ with exercise("prefix_attention"):
     q, k, v = torch.randn(5, 8, 32), torch.randn(40, 2, 32), torch.randn(40, 2, 32)
     out, lse = prefix_attention(q, k, v, 32**-0.5)
     assert out.shape == (5, 8, 32) and lse.shape == (5, 8), f"shapes {tuple(out.shape)}, {tuple(lse.shape)}"
-    torch.testing.assert_close(out, reference(q, [k] * 5, [v] * 5, 32**-0.5), rtol=1e-4, atol=1e-4)
+    expected = reference(q, [k] * 5, [v] * 5, 32**-0.5)
+    for head in range(8):  # one query head at a time: a wrong GQA mapping shows as the first wrong head
+        case = f"5 rows over 40 shared keys, query head {head} (KV head {head // 4}): out differs from the reference"
+        check_close(out[:, head], expected[:, head], case)
     heads = torch.arange(8) // 4  # each query head's KV head
     expected = torch.logsumexp(torch.einsum("rhd,nhd->rhn", q, k[:, heads]) * 32**-0.5, dim=-1)
-    torch.testing.assert_close(lse, expected, rtol=1e-4, atol=1e-4)
+    check_close(lse, expected, "lse (rows, heads) vs torch.logsumexp of the scaled scores")
 print("prefix_attention: correct")
 
 # %% [markdown]
@@ -123,11 +132,11 @@ with exercise("merge"):
     whole, whole_lse = prefix_attention(q, k, v, 0.25)
     for cut in range(1, 20):
         out, lse = merge(*prefix_attention(q, k[:cut], v[:cut], 0.25), *prefix_attention(q, k[cut:], v[cut:], 0.25))
-        torch.testing.assert_close(out, whole, rtol=1e-4, atol=1e-4, msg=f"keys cut at {cut}")
-        torch.testing.assert_close(lse, whole_lse, rtol=1e-4, atol=1e-4, msg=f"keys cut at {cut}: lse")
+        check_close(out, whole, f"keys cut at {cut}: out")
+        check_close(lse, whole_lse, f"keys cut at {cut}: lse")
     empty = torch.full_like(whole_lse, float("-inf"))
     out, lse = merge(whole, whole_lse, torch.zeros_like(whole), empty)
-    torch.testing.assert_close(out, whole, msg="an empty second part changes nothing")
+    check_close(out, whole, "merge with an empty second part (lse -inf) must change nothing", tol=1e-6)
     out, lse = merge(torch.zeros_like(whole), empty, torch.zeros_like(whole), empty)
     assert not out.isnan().any() and (lse == float("-inf")).all(), "two empty parts: zeros and -inf, not NaN"
 print("merge: correct")
@@ -163,9 +172,11 @@ with exercise("cascade_decode"):
     own_v = [torch.randn_like(k) for k in own_k]
     q = torch.randn(6, 4, 32)
     got = cascade_decode(q, prefix_k, prefix_v, own_k, own_v, 32**-0.5)
-    expected = reference(q, [torch.cat([prefix_k, k]) for k in own_k], [torch.cat([prefix_v, v]) for v in own_v],
-                         32**-0.5)  # fmt: skip
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    expected = reference(
+        q, [torch.cat([prefix_k, k]) for k in own_k], [torch.cat([prefix_v, v]) for v in own_v], 32**-0.5
+    )
+    for row, n in enumerate(len(k) for k in own_k):
+        check_close(got[row], expected[row], f"row {row} (48 prefix keys, {n} of its own)")
 print("cascade_decode: correct")
 
 # %% [markdown]
@@ -183,8 +194,15 @@ for i, (k, v) in enumerate(zip(own_k, own_v)):  # row i's keys, the prefix first
     positions = torch.arange(lens[i], device=DEVICE)
     slots = block_table[i, positions // 16].long() * 16 + positions % 16
     store_kvcache(torch.cat([prefix_k, k]).to(DEVICE), torch.cat([prefix_v, v]).to(DEVICE), k_cache, v_cache, slots)
-kernel = flash_attn_with_kvcache(q[:, None].to(DEVICE), k_cache, v_cache, torch.tensor(lens, dtype=torch.int32,
-                                 device=DEVICE), block_table, 32**-0.5, prefix_blocks=block_table[0, :3],
-                                 prefix_lens=torch.full((6,), 48, dtype=torch.int32, device=DEVICE))  # fmt: skip
+kernel = flash_attn_with_kvcache(
+    q[:, None].to(DEVICE),
+    k_cache,
+    v_cache,
+    torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+    block_table,
+    32**-0.5,
+    prefix_blocks=block_table[0, :3],
+    prefix_lens=torch.full((6,), 48, dtype=torch.int32, device=DEVICE),
+)
 print(f"the kernel vs your cascade_decode: max difference {(kernel[:, 0].cpu() - got).abs().max():.1e}")
-torch.testing.assert_close(kernel[:, 0].cpu(), got, rtol=1e-4, atol=1e-4)
+check_close(kernel[:, 0].cpu(), got, "the kernel vs your cascade_decode")

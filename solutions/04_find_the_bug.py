@@ -301,17 +301,34 @@ class FixedContext(SuspectContext):
 # %% [markdown]
 # ### Check 2
 # Your own check first, then the four paths above, then the colleague's test: all must now equal `prompt_logits`.
+# (`PagedContext`'s own `prefill` and `paged_prefill` are notebook 04's answer: during this check they refuse to
+# run, so the fix must be yours.)
+
 
 # %%
+def handed_over(self: PagedContext, *args, **kwargs):
+    raise AssertionError(
+        "FixedContext.prefill called PagedContext's prefill or paged_prefill, notebook 04's answer: write the fix "
+        "with the reference ops (attention_ref, paged_attention_ref) and the context's fields"
+    )
+
+
 with exercise("FixedContext.prefill"):
-    runner.context_cls = FixedContext
-    cached, error = prefix_hit_check(runner)
-    assert cached > 0 and error < 1e-4, f"FixedContext: {cached} cached tokens, worst logit error {error:.1e}"
-    for path, error in path_errors(FixedContext).items():
-        print(f"FixedContext, {path:>42}: worst logit error {error:.1e}")
-        assert error < 1e-4, f"FixedContext, {path}: worst logit error {error:.1e}, expected < 1e-4"
-    worst = decode_errors(FixedContext, prompts, num_decode_steps=10)
-    assert worst < 1e-4, f"FixedContext, the colleague's test: worst logit error {worst:.1e}"
+    answers = PagedContext.prefill, PagedContext.paged_prefill
+    PagedContext.prefill = PagedContext.paged_prefill = handed_over  # during this check only
+    try:
+        runner.context_cls = FixedContext
+        cached, error = prefix_hit_check(runner)
+        assert cached > 0 and error < 1e-4, (
+            f"FixedContext, your check: {cached} cached tokens, worst logit error {error:.1e}"
+        )
+        for path, error in path_errors(FixedContext).items():
+            print(f"FixedContext, {path:>42}: worst logit error {error:.1e}")
+            assert error < 1e-4, f"FixedContext, {path}: worst logit error {error:.1e}, expected < 1e-4"
+        worst = decode_errors(FixedContext, prompts, num_decode_steps=10)
+        assert worst < 1e-4, f"FixedContext, the colleague's test: worst logit error {worst:.1e}"
+    finally:
+        PagedContext.prefill, PagedContext.paged_prefill = answers
 print("FixedContext: every path equals prompt_logits")
 
 # %% [markdown]
