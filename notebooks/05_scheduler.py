@@ -572,8 +572,8 @@ assert same == len(prompts) and decode_tokens["drop"] > decode_tokens["keep"]
 # **Decode first** admits new requests only when nobody can decode; with one kind of batch per step, that is when the
 # batch is empty. So decode first *is* static batching: a new request waits for the longest reply in flight, and the
 # batch drains to one straggler before anyone may join. Prefill first admits it at the next step, and the running
-# requests pay: in a prefill step they produce no token. The check below counts steps; the last section puts the two
-# orders on a clock measured on your CPU.
+# requests pay: in a prefill step they produce no token. Check 2 below counts the steps; the last section puts the
+# two orders on a clock measured on your CPU.
 
 
 # %%
@@ -956,7 +956,7 @@ for (name, budget), run in grid_runs.items():
     for ax, key in zip(axes, ("ttft", "tpot")):
         ax.plot(np.sort(run[key] * 1e3), np.arange(1, 121) / 120, **style, label=f"{name}, budget {budget:,}")
 axes[0].set(xscale="log", xlabel="time to first token (ms, log scale)", ylabel="share of requests", title="TTFT")
-axes[1].set(xscale="log", xlabel="time per output token (ms, log scale)", title="TPOT")
+axes[1].set(xlabel="time per output token (ms)", title="TPOT")
 axes[1].legend(loc="lower right", fontsize=8)
 fig.suptitle("The same requests (one prompt in ten of 1,000 to 3,000 tokens), two policies × two budgets")
 fig.tight_layout()
