@@ -1047,7 +1047,8 @@ else:
 # ## The engine's settings
 # One dataclass holds the settings of the runner (notebook 04), the scheduler (05) and the engine (06), with vLLM's
 # names and defaults. It reads config.json once (`read_config`); everything downstream is built from
-# `config.hf_config`. It checks every value before anything is built, naming the field and what it may be.
+# `config.hf_config`. It checks every value before anything is built, naming the field and what it may be. A `None`
+# is resolved here (`max_model_len` from the checkpoint, `device` from the machine), so later code never meets one.
 
 # %% tags=["export"] module="minivllm.config"
 from dataclasses import dataclass, field
@@ -1061,21 +1062,23 @@ from minivllm.models.loader import read_config
 
 @dataclass(slots=True)
 class Config:
+    """The engine's settings. A None is resolved when the Config is made: then each field holds its declared type."""
+
     model: str | Path  # a HuggingFace checkpoint folder
     tensor_parallel_size: int = 1
     dtype: str | torch.dtype = "auto"  # the checkpoint's dtype on a GPU, float32 on a CPU
     block_size: int = 16  # tokens per KV block
     max_num_seqs: int = 256  # sequences in one batch at most
     max_num_batched_tokens: int = 16384  # new tokens in one prefill step at most
-    max_model_len: int | None = None  # prompt + completion tokens at most; None: the model's context length
+    max_model_len: int = None  # type: ignore[assignment]  # prompt + completion tokens; None: the context length
     num_kvcache_blocks: int | None = None  # None: as many as gpu_memory_utilization allows (on a CPU: see below)
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False  # True: no CUDA graphs
     enable_prefix_caching: bool = True
     scheduling_policy: str = "unified"  # "unified": mixed prefill + decode steps (vLLM v1); or "prefill-first"
-    async_scheduling: bool | None = None  # schedule a step while the last runs (06); None: on a GPU with one rank
+    async_scheduling: bool = None  # type: ignore[assignment]  # schedule while a step runs (06); None: on 1 GPU
     seed: int = 0
-    device: str | None = None  # None: cuda if available, else cpu
+    device: str = None  # type: ignore[assignment]  # None: cuda if available, else cpu
     hf_config: Any = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -1132,7 +1135,7 @@ except ValueError as e:
 
 # %% tags=["export"] module="minivllm.sampling_params"
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 GREEDY_BELOW = 1e-5  # a temperature below this is greedy (vLLM's _SAMPLING_EPS)
 MAX_INT64 = 2**63 - 1  # top_k travels to the sampler as int64
@@ -1198,7 +1201,7 @@ class SamplingParams:
     min_tokens: int = 0  # completion tokens before an end-of-sequence or stop token may be drawn
     ignore_eos: bool = False  # keep going after the end-of-sequence token
     seed: int | None = None  # per-request random seed; None draws from the engine's generator
-    stop_token_ids: list[int] | None = None  # extra tokens that finish the request
+    stop_token_ids: list[int] = field(default_factory=list)  # extra tokens that finish the request (None: none)
     stop: list[str] | None = None  # strings that finish the request when the text contains one (a str: one string)
     include_stop_str_in_output: bool = False  # keep the stop string at the end of the text
     n: int = 1  # completions of the prompt (they share its KV blocks); with a seed, completion i uses seed + i
