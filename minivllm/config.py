@@ -53,8 +53,7 @@ class Config:
         for name, (ok, allowed) in checks.items():
             if not ok:
                 raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
-        if self.device == "cuda" and self.tensor_parallel_size > torch.cuda.device_count():
+        if self.device == "cuda" and self.tensor_parallel_size > (gpus := torch.cuda.device_count()):
             raise ValueError(
-                f"tensor_parallel_size must be <= {torch.cuda.device_count()} (the GPUs present), "
-                f"got {self.tensor_parallel_size}"
+                f"tensor_parallel_size must be <= {gpus} (the GPUs present), got {self.tensor_parallel_size}"
             )
