@@ -722,8 +722,8 @@ print(repr(tokenizer.decode(token_ids)))
 # %% [markdown]
 # **Tensor parallelism** needs nothing more: each rank builds the model with its share of heads and MLP columns
 # (`tests/test_model.py` checks that TP=2 gives TP=1's logits). **In bfloat16** (8 significant bits) two correct
-# implementations round differently, by about 1e-2. Rounding or a bug? If ours is as close to float32 as transformers'
-# own bfloat16 is, it is rounding. (`python -m minivllm.benchmarks.model_parity` checks the 0.6B so on a GPU.)
+# implementations round differently, far above float32's 1e-7. Rounding or a bug? If ours is as close to float32 as
+# transformers' own bfloat16 is, it is rounding. (`python -m minivllm.benchmarks.model_parity` checks the 0.6B so.)
 
 # %%
 ids = torch.tensor([text_ids[:1000]], device=DEVICE)
