@@ -11,21 +11,23 @@ from minivllm.models.loader import read_config
 
 @dataclass(slots=True)
 class Config:
+    """The engine's settings. A None is resolved when the Config is made: then each field holds its declared type."""
+
     model: str | Path  # a HuggingFace checkpoint folder
     tensor_parallel_size: int = 1
     dtype: str | torch.dtype = "auto"  # the checkpoint's dtype on a GPU, float32 on a CPU
     block_size: int = 16  # tokens per KV block
     max_num_seqs: int = 256  # sequences in one batch at most
     max_num_batched_tokens: int = 16384  # new tokens in one prefill step at most
-    max_model_len: int | None = None  # prompt + completion tokens at most; None: the model's context length
+    max_model_len: int = None  # type: ignore[assignment]  # prompt + completion tokens; None: the context length
     num_kvcache_blocks: int | None = None  # None: as many as gpu_memory_utilization allows (on a CPU: see below)
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False  # True: no CUDA graphs
     enable_prefix_caching: bool = True
     scheduling_policy: str = "unified"  # "unified": mixed prefill + decode steps (vLLM v1); or "prefill-first"
-    async_scheduling: bool | None = None  # schedule a step while the last runs (06); None: on a GPU with one rank
+    async_scheduling: bool = None  # type: ignore[assignment]  # schedule while a step runs (06); None: on 1 GPU
     seed: int = 0
-    device: str | None = None  # None: cuda if available, else cpu
+    device: str = None  # type: ignore[assignment]  # None: cuda if available, else cpu
     hf_config: Any = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -51,8 +53,7 @@ class Config:
         for name, (ok, allowed) in checks.items():
             if not ok:
                 raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
-        if self.device == "cuda" and self.tensor_parallel_size > torch.cuda.device_count():
+        if self.device == "cuda" and self.tensor_parallel_size > (gpus := torch.cuda.device_count()):
             raise ValueError(
-                f"tensor_parallel_size must be <= {torch.cuda.device_count()} (the GPUs present), "
-                f"got {self.tensor_parallel_size}"
+                f"tensor_parallel_size must be <= {gpus} (the GPUs present), got {self.tensor_parallel_size}"
             )

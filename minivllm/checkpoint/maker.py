@@ -61,11 +61,9 @@ def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE) -> PreTrainedTokeniz
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False, initial_alphabet=alphabet
     )
     tokenizer.train_from_iterator(text.splitlines(keepends=True), trainer)
     return PreTrainedTokenizerFast(
@@ -86,15 +84,11 @@ def random_model(config: Qwen3Config, seed: int) -> Qwen3ForCausalLM:
     generator = torch.Generator().manual_seed(seed)
     params = list(model.named_parameters())  # tied weights appear once
     total = sum(p.numel() for _, p in params)
-    with (
-        torch.no_grad(),
-        tqdm(total=total, unit="param", unit_scale=True, desc="random weights", disable=total < 10**8) as bar,
-    ):
+    bar = tqdm(total=total, unit="param", unit_scale=True, desc="random weights", disable=total < 10**8)
+    with torch.no_grad(), bar:
         for name, param in params:
-            if name.endswith("norm.weight"):
-                param.normal_(1.0, 0.1, generator=generator)
-            else:
-                param.normal_(0.0, config.initializer_range, generator=generator)
+            mean, std = (1.0, 0.1) if name.endswith("norm.weight") else (0.0, config.initializer_range)
+            param.normal_(mean, std, generator=generator)
             bar.update(param.numel())
     return model
 

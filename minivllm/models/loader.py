@@ -17,19 +17,9 @@ from minivllm.models.qwen3 import Qwen3ForCausalLM
 MODELS: dict[str, type[Qwen3ForCausalLM]] = {"Qwen3ForCausalLM": Qwen3ForCausalLM}
 # the config.json fields each model reads (RoPE's aside): when all are written, no architecture class is imported
 CONFIG_FIELDS = {
-    "Qwen3ForCausalLM": (
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "hidden_act",
-        "rms_norm_eps",
-        "attention_bias",
-        "tie_word_embeddings",
-        "max_position_embeddings",
+    "Qwen3ForCausalLM": tuple(
+        "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads head_dim "
+        "hidden_act rms_norm_eps attention_bias tie_word_embeddings max_position_embeddings".split()
     )
 }
 INDEX_FILE = "model.safetensors.index.json"
@@ -61,7 +51,7 @@ def read_config(path: Path) -> PretrainedConfig:
     fields = CONFIG_FIELDS.get(supported(architectures), ())
     if fields and written_out(raw, fields):
         return PretrainedConfig.from_dict(raw)  # the fields as written; no class, so no defaults needed
-    from transformers import AutoConfig  # here: AutoConfig's registry alone takes 0.4 s to import
+    from transformers import AutoConfig  # here, not at the top: importing its registry takes time
 
     return AutoConfig.from_pretrained(path)  # the architecture's class: its defaults and older keys understood
 
@@ -172,20 +162,18 @@ def load_tensor(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId) ->
         loader(param, loaded, shard_id)
 
 
+def first_five(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+
+
 def check_checkpoint(model: Qwen3ForCausalLM, shapes: dict[str, tuple[int, ...]], config: PretrainedConfig) -> None:
     """Raise if the checkpoint lacks a tensor, has one too many, or has one of the wrong shape."""
     needed = checkpoint_names(model)
     present = {name for name in shapes if not is_ignored(name, config)}
     if missing := sorted(needed.keys() - present):
-        raise ValueError(
-            f"checkpoint is missing {len(missing)} tensor(s): {', '.join(missing[:5])}"
-            + (", ..." if len(missing) > 5 else "")
-        )
+        raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {first_five(missing)}")
     if unexpected := sorted(present - needed.keys()):
-        raise ValueError(
-            f"checkpoint has {len(unexpected)} unexpected tensor(s): {', '.join(unexpected[:5])}"
-            + (", ..." if len(unexpected) > 5 else "")
-        )
+        raise ValueError(f"checkpoint has {len(unexpected)} unexpected tensor(s): {first_five(unexpected)}")
     params = dict(model.named_parameters())
     for name in sorted(present):  # rehearse each copy on the meta device: the loaders' own shape checks
         param_name, shard_id = needed[name]
