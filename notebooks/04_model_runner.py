@@ -1522,7 +1522,7 @@ def fast_path(name: str) -> Any:
 # placeholder token id, `-1 - row`, stands for a token the previous step sampled in that row and has not sent back yet.
 
 
-# %% tags=["export"]
+# %% tags=["export"] module="minivllm.engine.model_runner"
 class ModelRunner:
     """One rank's runner. Alone (`groups=None`) it holds the whole model; given a tensor-parallel rank's groups
     (notebook 06 starts those processes) it holds that rank's slice and meets the other ranks in the model."""
@@ -1531,7 +1531,7 @@ class ModelRunner:
         if groups is None and config.tensor_parallel_size > 1:
             raise ValueError(
                 f"tensor_parallel_size={config.tensor_parallel_size} needs one process per rank: "
-                "use minivllm.engine.workers.make_runner(config), or LLM"
+                "use minivllm.engine.llm_engine.make_runner(config), or LLM"
             )
         self.config, self.rank, self.world_size = config, rank, config.tensor_parallel_size
         self.block_size = config.block_size

@@ -387,3 +387,176 @@ class StepOutput:
 
 def rank_device(config: Config, rank: int) -> torch.device:
     return torch.device(f"cuda:{rank}" if config.device == "cuda" else "cpu")
+
+
+class ModelRunner:
+    """One rank's runner. Alone (`groups=None`) it holds the whole model; given a tensor-parallel rank's groups
+    (notebook 06 starts those processes) it holds that rank's slice and meets the other ranks in the model."""
+
+    def __init__(self, config: Config, rank: int = 0, groups: tuple[TPGroup, Any] | None = None):
+        if groups is None and config.tensor_parallel_size > 1:
+            raise ValueError(
+                f"tensor_parallel_size={config.tensor_parallel_size} needs one process per rank: "
+                "use minivllm.engine.llm_engine.make_runner(config), or LLM"
+            )
+        self.config, self.rank, self.world_size = config, rank, config.tensor_parallel_size
+        self.block_size = config.block_size
+        self.device = rank_device(config, rank)
+        self.use_triton = self.device.type == "cuda"
+        self.control: Any  # the gloo group that carries rank 0's messages; None for one rank
+        self.tp, self.control = groups or (TPGroup(), None)
+        self.model: Qwen3ForCausalLM | None  # loaded below; None once the GPU memory is freed
+        self.graphs: DecodeGraphs | None = None
+        self.mixed_graphs: MixedGraphs | None = None
+        self.last_token_ids = torch.zeros(0, dtype=torch.int64)  # the latest step's sampled ids (on the device)
+        self.closed = False
+        marks = [time.perf_counter()]  # where each start-up phase ends: `python -m minivllm` prints the split
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            torch.manual_seed(config.seed)
+            with tensor_parallel(self.tp):  # the layers keep this engine's group
+                self.model = load_model(config.model, config.dtype, self.device, config.hf_config)
+            marks.append(time.perf_counter())
+            self.dtype = self.model.lm_head.weight.dtype
+            if self.device.type == "cuda":
+                use_small_layer_kernels(self.model)
+            self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+            self.block_m = launch_config(self.attention_layers[0].head_dim, self.device)["BLOCK_M"]  # prefill tile
+            self.sampler = Sampler()
+            self.num_kvcache_blocks = self.allocate_kv_cache()
+            marks.append(time.perf_counter())
+            if self.device.type == "cuda":  # compile the Triton kernels (prefill, small layers) now, not in a request
+                self.execute(prefix_hit_step(self.block_size))
+            marks.append(time.perf_counter())
+            if self.device.type == "cuda" and not config.enforce_eager:
+                assert config.max_model_len is not None  # Config resolved it
+                max_blocks = -(-config.max_model_len // self.block_size)
+                self.graphs = DecodeGraphs(self.model, config.max_num_seqs, max_blocks,
+                                           config.hf_config.hidden_size, self.dtype, self.device)  # fmt: skip
+                if sizes := [t for t in MIXED_GRAPH_SIZES if t <= config.max_num_batched_tokens]:
+                    self.mixed_graphs = MixedGraphs(self.model, sizes, config.max_num_seqs, max_blocks, self.block_m,
+                                                    config.hf_config.hidden_size, self.dtype, self.device)  # fmt: skip
+            marks.append(time.perf_counter())
+            self.startup_seconds = dict(zip(("load", "KV cache", "compile", "CUDA graphs"), np.diff(marks).tolist()))
+        except BaseException:
+            self.free_gpu_memory()
+            raise
+        if rank == 0:
+            atexit.register(self.close)
+
+    def call(self, method: str, *args):
+        """Run a method on every rank (notebook 06's tensor-parallel runner tells the others first), rank 0's result."""
+        return getattr(self, method)(*args)
+
+    def close(self) -> None:
+        """Free the GPU memory: the weights, the KV cache, the CUDA graphs."""
+        if self.closed:
+            return
+        self.closed = True
+        self.free_gpu_memory()
+        if self.rank == 0:
+            atexit.unregister(self.close)
+
+    def free_gpu_memory(self) -> None:
+        """Give the weights, KV cache and graphs' memory back to the GPU (PyTorch's allocator keeps it until
+        `empty_cache()`), so that a next engine in this process can size its own cache."""
+        if self.device.type != "cuda":
+            return
+        for layer in getattr(self, "attention_layers", []):
+            layer.k_cache = layer.v_cache = None
+        for graphs in (self.graphs, self.mixed_graphs):
+            if graphs is not None:
+                graphs.reset()
+        self.graphs = self.mixed_graphs = self.model = None
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    def allocate_kv_cache(self) -> int:
+        config = self.config
+        block_bytes = kv_block_bytes(self.attention_layers, self.block_size, self.dtype)
+        assert config.max_model_len is not None  # Config resolved it
+        wanted = config.max_num_seqs * -(-config.max_model_len // self.block_size)  # all sequences at their longest
+        if config.num_kvcache_blocks:
+            num_blocks = config.num_kvcache_blocks
+        elif self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            assert self.model is not None  # loaded before the cache is sized
+            profile_step(self.model, self.sampler, config, self.device)
+            num_blocks = min(gpu_free_blocks(block_bytes, config.gpu_memory_utilization), wanted)
+        else:
+            num_blocks = min(wanted, 2**30 // block_bytes)
+        if self.world_size > 1:  # every rank must agree: the block manager is one for all
+            agreed = torch.tensor([num_blocks])
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.control)
+            num_blocks = int(agreed.item())
+        if num_blocks < 1:
+            raise ValueError(
+                f"no room for a KV cache: gpu_memory_utilization={config.gpu_memory_utilization} "
+                f"leaves less than one block ({block_bytes} bytes) after the weights and activations"
+            )
+        bind_kv_cache(self.attention_layers, num_blocks, self.block_size, self.dtype, self.device)
+        return num_blocks
+
+    # --- a step ---------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, step: StepInputs) -> torch.Tensor:  # (num_seqs, vocab_size) logits
+        assert self.model is not None, "the runner is closed"
+        input_ids, positions, context = step_to_device(step, self.device, self.use_triton, self.block_m)
+        if step.input_ids.min() < 0:  # placeholders (06): -1 - row stands for row `row` of the last step's tokens
+            input_ids = torch.where(input_ids < 0, self.last_token_ids[(-1 - input_ids).clamp_min(0)], input_ids)
+        graphs = self.mixed_graphs if step.is_prefill else self.graphs
+        key = None if graphs is None else graphs.key_for(context, input_ids.shape[0])
+        if graphs is not None and key is not None:
+            hidden = graphs.replay(key, input_ids, positions, context)
+        else:
+            hidden = self.model(input_ids, positions, context)  # (num_tokens, hidden_size)
+        if step.is_prefill:  # each sequence's last token, or all of a sequence's that scores its prompt
+            assert context.cu_seqlens_q is not None  # a prefill step has it
+            rows = context.cu_seqlens_q[1:] - 1 if step.logits_rows is None else torch.from_numpy(step.logits_rows)
+            hidden = hidden[rows.to(hidden.device)]  # (num_rows, hidden_size)
+        return self.model.compute_logits(hidden)
+
+    def step_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
+        prepare = prepare_prefill if is_prefill else prepare_decode
+        return self.call("execute", prepare(seqs, self.block_size))
+
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+        """One step for these sequences: the next token of each."""
+        return self.launch(seqs, is_prefill)().token_ids
+
+    def launch(self, seqs: list[Sequence], is_prefill: bool) -> Callable[[], StepOutput]:
+        """Queue a step on the GPU and return at once, with a function that waits for its output: the next token of
+        each sequence, and the log-probabilities its parameters ask for (those are computed now, waiting)."""
+        logits = self.step_logits(seqs, is_prefill)  # queued on the GPU: the host goes on
+        scoring = [scores_prompt(seq) for seq in seqs] if is_prefill else []  # these have a row per token, not one
+        ends = np.cumsum([seq.num_scheduled_tokens if s else 1 for seq, s in zip(seqs, scoring)])  # their rows' ends
+        last = logits[torch.from_numpy(ends - 1).to(logits.device)] if any(scoring) else logits  # (num_seqs, vocab)
+        params = [seq.sampling_params for seq in seqs]  # the sampling tensors are built while the GPU computes
+        penalized = any(p.penalized for p in params)  # penalties need each row's tokens
+        histories = [(s.prompt_token_ids, s.completion_token_ids) for s in seqs] if penalized else None
+        sampling = SamplingTensors.from_params(params, [s.num_completion_tokens for s in seqs], self.device, histories)
+        self.last_token_ids = token_ids = self.sampler(last, sampling)  # (num_seqs,); the next step may read it
+        out = StepOutput([], [None] * len(seqs), [None] * len(seqs))
+        if asked := [i for i, p in enumerate(params) if p.logprobs is not None]:
+            ks = [params[i].logprobs or 0 for i in asked]
+            for i, row in zip(asked, logprobs_of(last[asked], token_ids[asked], ks)):
+                out.logprobs[i] = row
+        for j in [j for j, s in enumerate(scoring) if s]:  # rows of prompt positions p score the tokens at p + 1
+            seq, start, k = seqs[j], seqs[j].num_cached_tokens, params[j].prompt_logprobs or 0
+            n = min(seq.num_scheduled_tokens, seq.num_prompt_tokens - 1 - start)  # rows before the prompt's end
+            targets = torch.tensor(seq.token_ids[start + 1 : start + 1 + n], device=logits.device)
+            first = int(ends[j]) - seq.num_scheduled_tokens
+            out.prompt_logprobs[j] = (start + 1, logprobs_of(logits[first : first + n], targets, [k] * n))
+        host_ids = token_ids.to("cpu", non_blocking=True)  # into pinned memory, without waiting
+        ready = torch.cuda.Event() if self.device.type == "cuda" else None
+        if ready is not None:
+            ready.record()
+
+        def output() -> StepOutput:
+            if ready is not None:
+                ready.synchronize()
+            out.token_ids = host_ids.tolist()
+            return out
+
+        return output
