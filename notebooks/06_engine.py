@@ -412,11 +412,6 @@ class TPModelRunner(ModelRunner):
         self.workers.join()
 
 
-def make_runner(config: Config) -> ModelRunner:
-    """The engine's runner: one rank, or rank 0 of several."""
-    return TPModelRunner(config) if config.tensor_parallel_size > 1 else ModelRunner(config)
-
-
 # %% [markdown]
 # ### On two H200s: when does it pay?
 # `python -m minivllm.benchmarks.tp` runs the same decode step and throughput workload on one GPU and split over two:
@@ -454,44 +449,249 @@ print(f"one GPU reads all the weights in {weight_read_ms:.2f} ms, {weight_read_m
 # the KV heads: twice the tokens), at a slower start. TP pays when weights or KV cache do not fit one GPU.
 
 # %% [markdown]
-# ## The engine
-# `LLMEngine` owns one `ModelRunner` (and through it any tensor-parallel workers), one `Scheduler` and a tokenizer. It
-# keeps vLLM's split between adding work and doing it: `add_request(prompt, sampling_params, request_id=None)` checks,
-# tokenizes and queues a request's `Sequence`s, `abort_request(ids)` drops requests, and `step()` runs one scheduler
-# step and returns the finished requests with the step's `StepStats`; with nothing queued, an `"idle"` record.
+# ## The engine loop: schedule → run → postprocess
+# `LLMEngine` owns one runner, one `Scheduler` and a tokenizer, and keeps vLLM's split between adding work and doing
+# it: `add_request(prompt, sampling_params, request_id=None)` queues a request's `Sequence`s, `abort_request(ids)`
+# drops requests, and `step()` runs one scheduler step and returns the finished requests with the step's `StepStats`
+# (with nothing queued, an `"idle"` one). A step is three phases:
 #
-# **Bad input never gets in.** Each request is checked before it touches any state, with a `ValueError` naming the field
-# and the allowed range (an empty prompt, one too long, a token id outside the vocabulary, a `request_id` in use, text
-# without a tokenizer); the engine keeps its own `SamplingParams`, `add_requests` checks a whole list before adding any;
-# the scheduler only `assert`s. **When the model fails** (a device error, Ctrl-C), the step's requests are aborted, their
-# blocks freed and dropped from the prefix cache (their KV may be half written); the next `step()` serves the others.
+# 1. **schedule**: the scheduler (05) picks the batch;
+# 2. **run**: the runner (04) queues the forward and the sampler on the GPU (`launch`), and later waits for the tokens;
+# 3. **postprocess**: the scheduler appends the tokens and frees what finished; the engine turns them into outputs.
 #
-# **Stopping.** A model's EOS ids (the tokenizer's and `generation_config.json`'s) join each request's stop tokens
-# unless it says `ignore_eos`. Stop *strings* are the engine's: after each step it ends the replies holding one. While
-# a reply runs, `progress` decodes its newest tokens and holds back what could begin a stop string. **n completions**:
-# `n` makes a sequence per completion (seeded `seed + i`), sharing the first's cached prompt.
+# With **async scheduling** (on by default with one GPU) `step()` launches step N+1 before it reads step N's tokens:
+# `advance` gives each of step N's sequences a placeholder token, `-1 - row`, which the runner swaps on the device for
+# the token sampled in that row; `resolve` writes the real ones in. A step with penalties (they read every token)
+# waits. Two jobs live beside the loop, as in vLLM: the **input processor** turns a prompt into a checked `Request`,
+# the **output processor** turns tokens into text and `RequestOutput`s (both below). `make_runner` picks the runner:
+# one `ModelRunner`, or, with `tensor_parallel_size > 1`, the fast path "tensor parallelism" (the deep dive
+# `tensor_parallel`: one process per GPU), looked up by name so that the engine never imports it.
+#
+# **When the model fails** (a device error, Ctrl-C), the step's requests are aborted, their blocks freed and dropped
+# from the prefix cache (their KV may be half written); the next `step()` serves the others.
 
 # %% tags=["export"] module="minivllm.engine.llm_engine"
-import dataclasses
-import json
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from minivllm.config import Config
+from minivllm.engine.fast_paths import fast_path
+from minivllm.engine.input_processor import InputProcessor, Prompt, Request, load_tokenizer
+from minivllm.engine.model_runner import ModelRunner, StepOutput
+from minivllm.engine.output_processor import OutputProcessor
+from minivllm.engine.scheduler import Scheduler, UnifiedScheduler
+from minivllm.engine.sequence import Sequence
+from minivllm.outputs import RequestOutput, StepStats
+from minivllm.sampling_params import SamplingParams
+
+
+def make_runner(config: Config) -> ModelRunner:
+    """The engine's runner: one rank, or rank 0 of tensor_parallel_size (the deep dive tensor_parallel)."""
+    return ModelRunner(config) if config.tensor_parallel_size == 1 else fast_path("tensor parallelism")(config)
+
+
+@dataclass(slots=True)
+class Launched:
+    """A step queued on the GPU: its sequences, the runner's function that waits for its output, its stats so far."""
+
+    seqs: list[Sequence]
+    output: Callable[[], StepOutput]
+    stats: StepStats
+
+
+class LLMEngine:
+    """Requests in (`add_request`, `add_requests`), steps (`step`), outputs out. Thread-safe: one lock serialises
+    every call that changes the engine, and `LLM.generate` holds it for its whole run."""
+
+    def __init__(self, model: str | Path, **kwargs):
+        self.config = Config(model, **kwargs)
+        self.tokenizer = load_tokenizer(self.config.model)
+        self.runner = make_runner(self.config)
+        policy = UnifiedScheduler if self.config.scheduling_policy == "unified" else Scheduler
+        self.scheduler = policy(self.config, self.runner.num_kvcache_blocks)
+        self.input_processor = InputProcessor(self.config, self.tokenizer, self.scheduler.block_manager)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.requests: dict[int, Request] = {}  # seq_id -> request, until it finishes or is aborted
+        self.finished: list[RequestOutput] = []  # finished, not returned yet (kept back by a step given request_ids)
+        self.lock = threading.RLock()  # reentrant: LLM.generate holds it while it adds requests and steps
+        self.launched: Launched | None = None  # async scheduling: the step on the GPU while the host goes on
+
+    # --- requests in ---------------------------------------------------------------------------------------
+    def add_requests(
+        self,
+        prompts: list[Prompt],
+        sampling_params: list[SamplingParams | None],
+        request_ids: list[str | None] | None = None,
+    ) -> list[str]:
+        """Check every request, then queue them all: if one is bad, ValueError and none is queued. Their ids."""
+        with self.lock:
+            taken = {r.request_id for r in self.requests.values()} | {out.request_id for out in self.finished}
+            ids = self.input_processor.request_ids(request_ids or [None] * len(prompts), taken)
+            names = ["prompt"] if len(prompts) == 1 else [f"prompts[{i}]" for i in range(len(prompts))]
+            make = self.input_processor.make_request
+            requests = [make(*args) for args in zip(prompts, sampling_params, ids, names, strict=True)]
+            for request in requests:
+                self.requests |= {seq.seq_id: request for seq in request.seqs}
+                self.start(request, 1 if self.config.enable_prefix_caching else len(request.seqs))
+            return ids
+
+    def add_request(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        return self.add_requests([prompt], [sampling_params], [request_id])[0]
+
+    def start(self, request: Request, num_seqs: int) -> None:
+        """Give the scheduler the request's sequences up to num_seqs (with prefix caching, the siblings of n wait
+        for the first one's prompt to be cached, then share its blocks)."""
+        for seq in request.seqs[request.num_started : num_seqs]:
+            self.scheduler.add(seq)
+        request.num_started = max(request.num_started, num_seqs)
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Drop these requests, unfinished or finished but not returned yet, and free their KV blocks."""
+        ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
+        with self.lock:
+            for request in {r.request_id: r for r in self.requests.values() if r.request_id in ids}.values():
+                for seq in request.seqs:
+                    self.scheduler.abort(seq)
+                    del self.requests[seq.seq_id]
+            self.finished = [out for out in self.finished if out.request_id not in ids]
+
+    # --- the loop ------------------------------------------------------------------------------------------
+    def step(self, request_ids: Collection[str] | None = None) -> tuple[list[RequestOutput], StepStats]:
+        """Finish one scheduler step, if any request is queued. Returns the outputs of the requests that finished (only
+        those in request_ids when given: the others are kept for a later step) and the step's stats (kind "idle": no
+        step ran). If the model raises, the step's requests are aborted first."""
+        with self.lock:
+            stats = StepStats("idle") if self.scheduler.is_finished() and not self.launched else self.run_step()
+            mine = [out for out in self.finished if request_ids is None or out.request_id in request_ids]
+            self.finished = [out for out in self.finished if not (request_ids is None or out.request_id in request_ids)]
+            return mine, stats
+
+    def run_step(self) -> StepStats:
+        """Finish one step: the one the last call launched, or one launched now; with async scheduling, launch the next
+        before reading this one's tokens (not after a step with penalties: they need every token of their rows)."""
+        step, self.launched = self.launched or self.launch(), None
+        try:
+            start = time.perf_counter()
+            rows = self.scheduler.advance(step.seqs)  # placeholders for the tokens on their way
+            advanced = time.perf_counter()
+            ahead = self.config.async_scheduling and not any(seq.sampling_params.penalized for seq in step.seqs)
+            if ahead and not self.scheduler.is_finished():
+                self.launched = self.launch()
+            waiting = time.perf_counter()
+            out = step.output()
+            ran = time.perf_counter()
+            finished = self.scheduler.resolve(step.seqs, rows, out.token_ids)
+            if self.launched and all(seq.is_finished for seq in self.launched.seqs):
+                self.launched = None  # its rows all stopped at this step: nothing to read (the GPU finishes it)
+        except BaseException as e:
+            self.abort_step(e, step.seqs + (self.launched.seqs if self.launched else []))
+            self.launched = None
+            raise
+        self.postprocess(step.seqs, out, finished, time.perf_counter())
+        step.stats.run_seconds += ran - waiting
+        step.stats.postprocess_seconds = advanced - start + time.perf_counter() - ran
+        return step.stats
+
+    def launch(self) -> Launched:
+        """Schedule a step and queue it on the GPU; if that fails, its requests are aborted."""
+        seqs = None
+        try:
+            start = time.perf_counter()
+            seqs, is_prefill = self.scheduler.schedule()
+            scheduled = time.perf_counter()
+            output = self.runner.launch(seqs, is_prefill)
+        except BaseException as e:
+            self.abort_step(e, seqs)
+            raise
+        mixed = is_prefill and any(seq.num_completion_tokens > 0 and seq.num_scheduled_tokens == 1 for seq in seqs)
+        kind = "mixed" if mixed else "prefill" if is_prefill else "decode"  # mixed: decode rows beside prompt rows
+        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
+        stats = StepStats(kind, len(seqs), num_tokens, scheduled - start, time.perf_counter() - scheduled)
+        return Launched(seqs, output, stats)
+
+    def postprocess(self, seqs: list[Sequence], out: StepOutput, finished: list[Sequence], now: float) -> None:
+        """After a step: the output processor's bookkeeping, a finish for each reply that reached a stop string, the
+        siblings of n to start, and the outputs of the requests whose every completion has finished."""
+        for seq, logprobs, prompt_logprobs in zip(seqs, out.logprobs, out.prompt_logprobs):
+            if (request := self.requests.get(seq.seq_id)) is None:
+                continue  # aborted while its step ran
+            if seq.num_completion_tokens > 0 and request.num_started < len(request.seqs):  # only seqs[0] ran: its
+                self.start(request, len(request.seqs))  # prompt is cached now, and the others share its blocks
+            if self.output_processor.process(request, seq, logprobs, prompt_logprobs, now):  # a stop string
+                finished += [] if seq.is_finished else [seq]
+                self.scheduler.finish(seq, "stop")
+        for request in {self.requests[seq.seq_id].request_id: self.requests[seq.seq_id] for seq in finished}.values():
+            if request.num_started == len(request.seqs) and all(seq.is_finished for seq in request.seqs):
+                request.metrics.finished_time = now
+                for seq in request.seqs:
+                    del self.requests[seq.seq_id]
+                self.finished.append(self.output_processor.output(request))
+
+    def abort_step(self, error: BaseException, seqs: list[Sequence] | None) -> None:
+        """After a failed step: abort its requests (all of them if it failed before its batch was known), and name
+        them on the error."""
+        if seqs is None:
+            ids = [r.request_id for r in self.requests.values()]
+            self.abort_all()
+        else:
+            ids = [self.requests[seq.seq_id].request_id for seq in seqs if seq.seq_id in self.requests]
+            self.abort_request(ids)
+        error.add_note(f"minivllm: the step failed; these requests were aborted: {list(dict.fromkeys(ids))}")
+
+    def progress(self, request_ids: Collection[str]) -> list[RequestOutput]:
+        """The outputs so far (`finished=False`) of these requests, while they run: what a stream sends."""
+        with self.lock:
+            mine = {r.request_id: r for r in self.requests.values() if r.request_id in request_ids}
+            return [self.output_processor.output(r, False) for r in mine.values()]
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether step() has more to give: requests to run, a step to finish, or outputs it kept back."""
+        return bool(self.finished) or not self.scheduler.is_finished() or self.launched is not None
+
+    def abort_all(self) -> None:
+        """Drop every request and kept output; the scheduler resets its block manager (a failed step may have left
+        it half updated)."""
+        with self.lock:
+            self.scheduler.abort_all()
+            self.requests.clear()
+            self.finished.clear()
+            self.launched = None
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+# %% [markdown]
+# ## Requests in: the input processor
+# **Bad input never gets in.** `make_request` tokenizes a prompt and checks it before it touches any state, with a
+# `ValueError` naming the field and the allowed range (an empty prompt, one too long, a token id outside the vocabulary,
+# a `request_id` in use, text without a tokenizer); each request keeps its own copy of its `SamplingParams`, and
+# `add_requests` checks a whole list before adding any. The scheduler only `assert`s.
+#
+# **Stop tokens.** A model's EOS ids (the tokenizer's and `generation_config.json`'s) join each request's stop tokens
+# unless it says `ignore_eos`: the scheduler's only stop rule. **n completions**: `n` makes a sequence per completion
+# (seeded `seed + i`), which share the first one's cached prompt.
+
+# %% tags=["export"] module="minivllm.engine.input_processor"
+import dataclasses
+import json
+import time
 from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
-from typing import cast
 
 import transformers
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from minivllm.config import Config
-from minivllm.engine.model_runner import StepOutput
-from minivllm.engine.scheduler import Scheduler, UnifiedScheduler
+from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.sequence import Sequence
-from minivllm.engine.workers import make_runner
-from minivllm.layers.sampler import TokenLogprobs
-from minivllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, StepStats
+from minivllm.outputs import Logprob, RequestMetrics
 from minivllm.sampling_params import SamplingParams, as_token_ids
 
 Prompt = str | list[int]  # text, or token ids: a list or tuple of ints, or a 1-D integer NumPy array / PyTorch tensor
@@ -542,33 +742,14 @@ class Request:
     texts: dict[int, tuple[str, int, int]] = field(default_factory=dict)  # completion -> see running_text
 
 
-@dataclass(slots=True)
-class Launched:
-    """A step queued on the GPU: its sequences, the runner's function that waits for its output, its stats so far."""
+class InputProcessor:
+    """Prompts in, checked `Request`s out; it changes nothing (the engine queues what it returns)."""
 
-    seqs: list[Sequence]
-    output: Callable[[], StepOutput]
-    stats: StepStats
+    def __init__(self, config: Config, tokenizer: PreTrainedTokenizerBase | None, block_manager: BlockManager):
+        self.config, self.tokenizer, self.block_manager = config, tokenizer, block_manager
+        self.eos_token_ids = eos_token_ids(config.model, tokenizer, config.hf_config)
+        self.counter = count()  # request ids the engine hands out
 
-
-class LLMEngine:
-    """Requests in (`add_request`, `add_requests`), steps (`step`), outputs out. Thread-safe: one lock serialises
-    every call that changes the engine, and `LLM.generate` holds it for its whole run."""
-
-    def __init__(self, model: str | Path, **kwargs):
-        self.config = Config(model, **kwargs)
-        self.tokenizer = load_tokenizer(self.config.model)
-        self.eos_token_ids = eos_token_ids(self.config.model, self.tokenizer, self.config.hf_config)
-        self.runner = make_runner(self.config)  # one rank, or rank 0 of tensor_parallel_size
-        policy = UnifiedScheduler if self.config.scheduling_policy == "unified" else Scheduler
-        self.scheduler = policy(self.config, self.runner.num_kvcache_blocks)
-        self.requests: dict[int, Request] = {}  # seq_id -> request, until it finishes or is aborted
-        self.finished: list[RequestOutput] = []  # finished, not returned yet (kept back by a step given request_ids)
-        self.request_counter = count()
-        self.lock = threading.RLock()  # reentrant: LLM.generate holds it while it adds requests and steps
-        self.launched: Launched | None = None  # async scheduling: the step on the GPU while the host goes on
-
-    # --- requests in ---------------------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt, name: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -577,8 +758,8 @@ class LLMEngine:
         return as_token_ids(prompt, name)
 
     def check_request(self, token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError if this request cannot run; changes nothing."""
-        config, vocab_size = self.config, self.config.hf_config.vocab_size
+        """Raise ValueError if this request cannot run."""
+        config, vocab_size, bm = self.config, self.config.hf_config.vocab_size, self.block_manager
         if not token_ids:
             raise ValueError("prompt is empty: it must hold at least one token")
         assert config.max_model_len is not None  # Config resolved it
@@ -587,7 +768,6 @@ class LLMEngine:
                 f"prompt has {len(token_ids)} tokens; it must be shorter than max_model_len="
                 f"{config.max_model_len} (prompt + at least one generated token)"
             )
-        bm = self.scheduler.block_manager
         if len(token_ids) + 1 > bm.num_slots:
             raise ValueError(
                 f"prompt has {len(token_ids)} tokens; the whole KV cache holds {bm.num_slots} "
@@ -610,193 +790,102 @@ class LLMEngine:
         eos = [] if params.ignore_eos else self.eos_token_ids
         return dataclasses.replace(params, stop_token_ids=list(dict.fromkeys([*params.stop_token_ids, *eos])))
 
-    def new_request_ids(self, request_ids: list[str | None]) -> list[str]:
-        """The given ids, checked to be strings no live request uses; None gets the next unused number."""
-        taken = {r.request_id for r in self.requests.values()} | {out.request_id for out in self.finished}
+    def request_ids(self, request_ids: list[str | None], taken: set[str]) -> list[str]:
+        """The given ids, checked to be strings not `taken` (by live requests); None gets the next unused number."""
         ids = []
         for request_id in request_ids:
             if request_id is None:
-                request_id = next(i for i in map(str, self.request_counter) if i not in taken)
+                request_id = next(i for i in map(str, self.counter) if i not in taken)
             elif not isinstance(request_id, str):
                 raise ValueError(f"request_id must be a str, got {request_id!r} ({type(request_id).__name__})")
             elif request_id in taken:
                 raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
-            taken.add(request_id)
+            taken = taken | {request_id}
             ids.append(request_id)
         return ids
 
     def make_request(self, prompt: Prompt, params: SamplingParams | None, request_id: str, name: str) -> Request:
-        """Tokenize and check one request; changes nothing."""
+        """Tokenize and check one request."""
         params = self.request_params(params)
         token_ids = self.tokenize(prompt, name)
         self.check_request(token_ids, params)
-        seqs = [Sequence(token_ids, p, self.scheduler.block_manager.block_size) for p in sample_params(params)]
+        seqs = [Sequence(token_ids, p, self.block_manager.block_size) for p in sample_params(params)]
         text = prompt if isinstance(prompt, str) else None
         return Request(request_id, text, token_ids, seqs, RequestMetrics(time.perf_counter()))
 
-    def start(self, request: Request, num_seqs: int) -> None:
-        """Give the scheduler the request's sequences up to num_seqs."""
-        for seq in request.seqs[request.num_started : num_seqs]:
-            self.scheduler.add(seq)
-        request.num_started = max(request.num_started, num_seqs)
 
-    def add_requests(
+# %% [markdown]
+# ## Outputs out: the output processor
+# Stop *strings* are the output processor's, not the scheduler's (it sees only token ids): after each step it
+# detokenizes the replies that have one, and a reply holding one is finished by the engine, with reason `"stop"`, in
+# one call to the scheduler. While a reply runs, `running_text` detokenizes its newest tokens only and holds back what
+# could begin a stop string. It also keeps each token's log-probabilities, and gathers a request's n completions into
+# one `RequestOutput` once the last has finished.
+
+# %% tags=["export"] module="minivllm.engine.output_processor"
+from typing import cast
+
+from transformers import PreTrainedTokenizerBase
+
+from minivllm.engine.input_processor import Request
+from minivllm.engine.sequence import Sequence
+from minivllm.layers.sampler import TokenLogprobs
+from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+class OutputProcessor:
+    """A step's tokens in, what a user reads out: text, stop strings, log-probabilities, `RequestOutput`s."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None):
+        self.tokenizer = tokenizer
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return "" if self.tokenizer is None else cast(str, self.tokenizer.decode(token_ids, skip_special_tokens=True))
+
+    def process(
         self,
-        prompts: list[Prompt],
-        sampling_params: list[SamplingParams | None],
-        request_ids: list[str | None] | None = None,
-    ) -> list[str]:
-        """Check every request, then queue them all: if one is bad, ValueError and none is queued. Their ids."""
-        with self.lock:
-            ids = self.new_request_ids(request_ids or [None] * len(prompts))
-            names = ["prompt"] if len(prompts) == 1 else [f"prompts[{i}]" for i in range(len(prompts))]
-            requests = [self.make_request(*args) for args in zip(prompts, sampling_params, ids, names, strict=True)]
-            for request in requests:
-                self.requests |= {seq.seq_id: request for seq in request.seqs}
-                self.start(request, 1 if self.config.enable_prefix_caching else len(request.seqs))
-            return ids
-
-    def add_request(
-        self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
-    ) -> str:
-        return self.add_requests([prompt], [sampling_params], [request_id])[0]
-
-    def abort_request(self, request_ids: str | Iterable[str]) -> None:
-        """Drop these requests, unfinished or finished but not returned yet, and free their KV blocks."""
-        ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
-        with self.lock:
-            for request in {r.request_id: r for r in self.requests.values() if r.request_id in ids}.values():
-                for seq in request.seqs:
-                    self.scheduler.abort(seq)
-                    del self.requests[seq.seq_id]
-            self.finished = [out for out in self.finished if out.request_id not in ids]
-
-    # --- the loop ------------------------------------------------------------------------------------------
-    def step(self, request_ids: Collection[str] | None = None) -> tuple[list[RequestOutput], StepStats]:
-        """Finish one scheduler step, if any request is queued. Returns the outputs of the requests that finished (only
-        those in request_ids when given: the others are kept for a later step) and the step's stats (kind "idle": no
-        step ran). If the model raises, the step's requests are aborted first."""
-        with self.lock:
-            stats = StepStats("idle") if self.scheduler.is_finished() and not self.launched else self.run_step()
-            mine = [out for out in self.finished if request_ids is None or out.request_id in request_ids]
-            self.finished = [out for out in self.finished if not (request_ids is None or out.request_id in request_ids)]
-            return mine, stats
-
-    def run_step(self) -> StepStats:
-        """Finish one step: the one the last call launched, or one launched now; with async scheduling, launch the next
-        before reading this one's tokens (not after a step with penalties: they need every token of their rows)."""
-        step, self.launched = self.launched or self.launch(), None
-        try:
-            start = time.perf_counter()
-            rows = self.scheduler.advance(step.seqs)  # placeholders for the tokens on their way
-            advanced = time.perf_counter()
-            ahead = self.config.async_scheduling and not any(seq.sampling_params.penalized for seq in step.seqs)
-            if ahead and not self.scheduler.is_finished():
-                self.launched = self.launch()
-            waiting = time.perf_counter()
-            out = step.output()
-            ran = time.perf_counter()
-            finished = self.scheduler.resolve(step.seqs, rows, out.token_ids)
-            if self.launched and all(seq.is_finished for seq in self.launched.seqs):
-                self.launched = None  # its rows all stopped at this step: nothing to read (the GPU finishes it)
-        except BaseException as e:
-            self.abort_step(e, step.seqs + (self.launched.seqs if self.launched else []))
-            self.launched = None
-            raise
-        self.record(step.seqs, out, finished, time.perf_counter())
-        step.stats.run_seconds += ran - waiting
-        step.stats.postprocess_seconds = advanced - start + time.perf_counter() - ran
-        return step.stats
-
-    def launch(self) -> Launched:
-        """Schedule a step and queue it on the GPU; if that fails, its requests are aborted."""
-        seqs = None
-        try:
-            start = time.perf_counter()
-            seqs, is_prefill = self.scheduler.schedule()
-            scheduled = time.perf_counter()
-            output = self.runner.launch(seqs, is_prefill)
-        except BaseException as e:
-            self.abort_step(e, seqs)
-            raise
-        mixed = is_prefill and any(seq.num_completion_tokens > 0 and seq.num_scheduled_tokens == 1 for seq in seqs)
-        kind = "mixed" if mixed else "prefill" if is_prefill else "decode"  # mixed: decode rows beside prompt rows
-        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
-        stats = StepStats(kind, len(seqs), num_tokens, scheduled - start, time.perf_counter() - scheduled)
-        return Launched(seqs, output, stats)
-
-    def record(self, seqs: list[Sequence], out: StepOutput, finished: list[Sequence], now: float) -> None:
-        """After a step: first-token and finish times, log-probabilities, stop strings, the next completions to
-        start, and the finished requests' outputs."""
-        for seq, logprobs, prompt_logprobs in zip(seqs, out.logprobs, out.prompt_logprobs):
-            if (request := self.requests.get(seq.seq_id)) is None:
-                continue  # aborted while its step ran
-            i = request.seqs.index(seq)
-            if request.metrics.first_token_time is None and seq.num_completion_tokens > 0:
-                request.metrics.first_token_time = now
-            if logprobs is not None and len(request.logprobs.get(i, [])) < seq.num_completion_tokens:  # a new token
-                request.logprobs.setdefault(i, []).append(self.logprobs(logprobs))
-            for position, row in enumerate(prompt_logprobs[1], prompt_logprobs[0]) if prompt_logprobs else ():
-                if position == len(request.prompt_logprobs):  # not scored before (a preempted prompt is redone)
-                    request.prompt_logprobs.append(self.logprobs(row))
-            if seq.num_completion_tokens > 0 and request.num_started < len(request.seqs):  # only seqs[0] ran: its
-                self.start(request, len(request.seqs))  # prompt is cached now, and the others share its blocks
-            if seq.sampling_params.stop and self.find_stop(request, i):
-                if not seq.is_finished:
-                    self.scheduler.abort(seq)  # frees its blocks (its newest token's KV was never computed)
-                    finished.append(seq)
-                seq.finish_reason = "stop"
-        for request in {self.requests[seq.seq_id].request_id: self.requests[seq.seq_id] for seq in finished}.values():
-            if request.num_started == len(request.seqs) and all(seq.is_finished for seq in request.seqs):
-                request.metrics.finished_time = now
-                for seq in request.seqs:
-                    del self.requests[seq.seq_id]
-                self.finished.append(self.output(request))
+        request: Request,
+        seq: Sequence,
+        logprobs: TokenLogprobs | None,
+        prompt_logprobs: tuple[int, list[TokenLogprobs]] | None,
+        now: float,
+    ) -> bool:
+        """Record what a step gave seq: its request's first-token time, log-probabilities. Whether seq's text now
+        holds one of its stop strings (the engine then finishes it)."""
+        i = request.seqs.index(seq)
+        if request.metrics.first_token_time is None and seq.num_completion_tokens > 0:
+            request.metrics.first_token_time = now
+        if logprobs is not None and len(request.logprobs.get(i, [])) < seq.num_completion_tokens:  # a new token
+            request.logprobs.setdefault(i, []).append(self.logprobs(logprobs))
+        for position, row in enumerate(prompt_logprobs[1], prompt_logprobs[0]) if prompt_logprobs else ():
+            if position == len(request.prompt_logprobs):  # not scored before (a preempted prompt is redone)
+                request.prompt_logprobs.append(self.logprobs(row))
+        return bool(seq.sampling_params.stop) and self.find_stop(request, i)
 
     def logprobs(self, row: TokenLogprobs) -> dict[int, Logprob]:
-        return {token: Logprob(logprob, rank, self.decode([token])) for token, (logprob, rank) in row.items()}
-
-    def abort_step(self, error: BaseException, seqs: list[Sequence] | None) -> None:
-        """After a failed step: abort its requests (all of them if it failed before its batch was known), and name
-        them on the error."""
-        if seqs is None:
-            ids = [r.request_id for r in self.requests.values()]
-            self.abort_all()
-        else:
-            ids = [self.requests[seq.seq_id].request_id for seq in seqs if seq.seq_id in self.requests]
-            self.abort_request(ids)
-        error.add_note(f"minivllm: the step failed; these requests were aborted: {list(dict.fromkeys(ids))}")
-
-    def progress(self, request_ids: Collection[str]) -> list[RequestOutput]:
-        """The outputs so far (`finished=False`) of these requests, while they run: what a stream sends."""
-        with self.lock:
-            mine = {r.request_id: r for r in self.requests.values() if r.request_id in request_ids}
-            return [self.output(r, False) for r in mine.values()]
+        return {token: Logprob(logprob, rank, self.detokenize([token])) for token, (logprob, rank) in row.items()}
 
     def find_stop(self, request: Request, i: int) -> bool:
         """Whether completion i's text holds one of its stop strings; if so, `text_ends[i]` says where it ends."""
         params = request.seqs[i].sampling_params
-        text = self.decode(request.seqs[i].completion_token_ids)
+        text = self.detokenize(request.seqs[i].completion_token_ids)
         hits = [(at, stop) for stop in params.stop if (at := text.find(stop)) >= 0]  # type: ignore[union-attr]
         if hits:
             at, stop = min(hits)  # the first stop string in the text
             request.text_ends[i] = at + len(stop) if params.include_stop_str_in_output else at
         return bool(hits)
 
-    def decode(self, token_ids: list[int]) -> str:
-        return "" if self.tokenizer is None else cast(str, self.tokenizer.decode(token_ids, skip_special_tokens=True))
-
     def output(self, request: Request, finished: bool = True) -> RequestOutput:
         first = request.seqs[0]
         prompt_logprobs = None if first.sampling_params.prompt_logprobs is None else list(request.prompt_logprobs)
         completions = [self.completion(request, i) for i in range(len(request.seqs))]
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished,
-                             request.metrics, prompt_logprobs)  # fmt: skip
+        prompt, ids, metrics = request.prompt, request.prompt_token_ids, request.metrics
+        return RequestOutput(request.request_id, prompt, ids, completions, finished, metrics, prompt_logprobs)
 
     def completion(self, request: Request, i: int) -> CompletionOutput:
         seq, params = request.seqs[i], request.seqs[i].sampling_params
         token_ids = seq.completion_token_ids
-        text = self.decode(token_ids) if seq.is_finished else self.running_text(request, i)
+        text = self.detokenize(token_ids) if seq.is_finished else self.running_text(request, i)
         text = text[: request.text_ends.get(i)]
         if not seq.is_finished and params.stop:  # hold back what may be the start of a stop string
             text = text[: len(text) + 1 - max(map(len, params.stop))]
@@ -807,33 +896,17 @@ class LLMEngine:
         return CompletionOutput(i, text, token_ids, seq.finish_reason, logprobs, cumulative)
 
     def running_text(self, request: Request, i: int) -> str:
-        """Completion i's text so far, from its newest tokens only (vLLM's incremental detokenization: decoding
+        """Completion i's text so far, from its newest tokens only (vLLM's incremental detokenization: detokenizing
         the whole reply at every step would cost O(length²)). `texts[i]` = (text, start, read): the text ends with
-        the decode of tokens[start:read]; newer tokens are read once their text is whole (no '\ufffd' at its end)."""
+        the text of tokens[start:read]; newer tokens are read once their text is whole (no '\ufffd' at its end)."""
         (text, start, read), seq = request.texts.get(i, ("", 0, 0)), request.seqs[i]
         if seq.num_completion_tokens > read:
             tokens = seq.token_ids[seq.num_prompt_tokens + start :]  # from `start` on: no copy of the whole reply
-            known, new = self.decode(tokens[: read - start]), self.decode(tokens)
+            known, new = self.detokenize(tokens[: read - start]), self.detokenize(tokens)
             if not new.endswith("\ufffd"):  # a token with no text (a special one, say) is read too
                 text, start, read = text + new[len(known) :], read, seq.num_completion_tokens
                 request.texts[i] = (text, start, read)
         return text
-
-    def has_unfinished_requests(self) -> bool:
-        """Whether step() has more to give: requests to run, a step to finish, or outputs it kept back."""
-        return bool(self.finished) or not self.scheduler.is_finished() or self.launched is not None
-
-    def abort_all(self) -> None:
-        """Drop every request and kept output; the scheduler resets its block manager (a failed step may have left
-        it half updated)."""
-        with self.lock:
-            self.scheduler.abort_all()
-            self.requests.clear()
-            self.finished.clear()
-            self.launched = None
-
-    def close(self) -> None:
-        self.runner.close()
 
 
 # %% [markdown]

@@ -21,9 +21,9 @@ from minivllm.benchmarks.common import OUT, result, save
 from minivllm.checkpoint import write_checkpoint
 from minivllm.config import Config
 from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.llm_engine import make_runner
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.sequence import Sequence
-from minivllm.engine.workers import make_runner
 from minivllm.sampling_params import SamplingParams
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)

@@ -267,8 +267,3 @@ class TPModelRunner(ModelRunner):
         super().close()  # the CUDA graphs before the groups: an NCCL group waits for the graphs that captured it
         close_groups([self.tp.group, self.control], abort)
         self.workers.join()
-
-
-def make_runner(config: Config) -> ModelRunner:
-    """The engine's runner: one rank, or rank 0 of several."""
-    return TPModelRunner(config) if config.tensor_parallel_size > 1 else ModelRunner(config)
