@@ -15,13 +15,15 @@
 # # 06 · The engine: vLLM's offline API, end to end
 #
 # **What this notebook builds.** The layer a user touches: `LLM(model=...).generate(prompts, sampling_params)`, with
-# vLLM's names, arguments and outputs. Under it, `LLMEngine` turns prompts into `Sequence`s and loops `schedule → run →
-# postprocess` (the next step scheduled while the GPU runs the last) until every request is done.
+# vLLM's names, arguments and outputs. Under it, `LLMEngine` loops `schedule → run → postprocess` (the next step
+# scheduled while the GPU runs the last) until every request is done, beside two helpers, as in vLLM: an input
+# processor (prompt → checked request) and an output processor (tokens → text, stop strings, log-probabilities).
 #
 # **What it assumes.** Everything before: the model (02), the KV cache (03), the runner (04), the scheduler (05).
 #
 # **What you will see.** The engine's greedy output equal to transformers' `generate`, KV-block occupancy over a whole
-# run, and the course's final figures: FlashAttention vs PagedAttention, and throughput.
+# run, and the course's final figures: FlashAttention vs PagedAttention, and throughput. Splitting the model over
+# several GPUs is the deep dive `tensor_parallel`, which follows this notebook.
 
 # %%
 import json
@@ -41,98 +43,21 @@ CHECKPOINTS = Path(os.environ.get("MINIVLLM_CHECKPOINTS", "../build/checkpoints"
 random.seed(0)
 
 # %% [markdown]
-# ## What a request gives back
-# vLLM's `RequestOutput`: the prompt and, per completion, its text, token ids, `finish_reason` ("stop": an EOS or stop
-# token; "length": `max_tokens` or the context) and log-probabilities if asked; and two timings a server is judged by:
-# **time to first token** (TTFT) and **time per output token** (TPOT). A step returns a `StepStats`: its kind
-# (`"prefill"`, `"decode"`, `"mixed"`, or `"idle"`), sequences, tokens, and phases' times (`schedule`, `run`: inputs,
-# forward, sampler, waiting for the GPU; `postprocess`), which the progress bar and throughput benchmark read.
-
-# %% tags=["export"] module="minivllm.outputs"
-from dataclasses import dataclass, field
-
-
-@dataclass(slots=True)
-class Logprob:
-    logprob: float  # under the raw distribution: the log-softmax of the model's logits
-    rank: int  # 1 is the most likely token
-    decoded_token: str
-
-
-@dataclass(slots=True)
-class CompletionOutput:
-    index: int  # which of the request's n completions
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None  # "stop", "length", or None while running
-    logprobs: list[dict[int, Logprob]] | None = None  # per token: its own and the most likely tokens' (if asked)
-    cumulative_logprob: float | None = None  # the sum of its tokens' log-probabilities (if logprobs were asked)
-
-
-@dataclass(slots=True)
-class RequestMetrics:
-    arrival_time: float  # time.perf_counter() seconds
-    first_token_time: float | None = None
-    finished_time: float | None = None
-
-    @property
-    def time_to_first_token(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    def time_per_output_token(self, num_tokens: int) -> float | None:
-        if self.finished_time is None or self.first_token_time is None or num_tokens < 2:
-            return None
-        return (self.finished_time - self.first_token_time) / (num_tokens - 1)
-
-
-@dataclass(slots=True)
-class StepStats:
-    """What one engine step did, and its phases' wall times in seconds (time.perf_counter())."""
-
-    kind: str  # "prefill", "decode", "mixed" (prompt and decode rows in one forward), or "idle" (no step ran)
-    num_seqs: int = 0  # sequences in the batch
-    num_tokens: int = 0  # tokens computed: prompt tokens, plus one per sequence that decodes
-    schedule_seconds: float = 0.0  # Scheduler.schedule
-    run_seconds: float = 0.0  # ModelRunner.launch (inputs, forward, sampler, log-probabilities), waiting for tokens
-    postprocess_seconds: float = 0.0  # Scheduler.advance and resolve, the engine's outputs
-
-    @property
-    def seconds(self) -> float:
-        return self.schedule_seconds + self.run_seconds + self.postprocess_seconds
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    metrics: RequestMetrics = field(repr=False)
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # per prompt token (None for the first), if asked
-
-
-# %% [markdown]
 # ## The engine loop: schedule → run → postprocess
-# `LLMEngine` owns one runner, one `Scheduler` and a tokenizer, and keeps vLLM's split between adding work and doing
-# it: `add_request(prompt, sampling_params, request_id=None)` queues a request's `Sequence`s, `abort_request(ids)`
-# drops requests, and `step()` runs one scheduler step and returns the finished requests with the step's `StepStats`
-# (with nothing queued, an `"idle"` one). A step is three phases:
-#
-# 1. **schedule**: the scheduler (05) picks the batch;
-# 2. **run**: the runner (04) queues the forward and the sampler on the GPU (`launch`), and later waits for the tokens;
-# 3. **postprocess**: the scheduler appends the tokens and frees what finished; the engine turns them into outputs.
+# `LLMEngine` owns a runner, a `Scheduler` and a tokenizer, and keeps vLLM's split between adding work and doing it:
+# `add_request(prompt, sampling_params, request_id=None)` queues a request's `Sequence`s, `abort_request(ids)` drops
+# requests, and `step()` returns the requests that finished and the step's `StepStats` (`"idle"` with nothing queued).
+# A step has three phases: **schedule** (the scheduler of 05 picks the batch), **run** (the runner of 04 queues the
+# forward and the sampler on the GPU, `launch`, and later waits for the tokens) and **postprocess** (the scheduler
+# appends the tokens and frees what finished; the output processor, below, turns them into outputs).
 #
 # With **async scheduling** (on by default with one GPU) `step()` launches step N+1 before it reads step N's tokens:
 # `advance` gives each of step N's sequences a placeholder token, `-1 - row`, which the runner swaps on the device for
 # the token sampled in that row; `resolve` writes the real ones in. A step with penalties (they read every token)
-# waits. Two jobs live beside the loop, as in vLLM: the **input processor** turns a prompt into a checked `Request`,
-# the **output processor** turns tokens into text and `RequestOutput`s (both below). `make_runner` picks the runner:
-# one `ModelRunner`, or, with `tensor_parallel_size > 1`, the fast path "tensor parallelism" (the deep dive
-# `tensor_parallel`: one process per GPU), looked up by name so that the engine never imports it.
-#
-# **When the model fails** (a device error, Ctrl-C), the step's requests are aborted, their blocks freed and dropped
-# from the prefix cache (their KV may be half written); the next `step()` serves the others.
+# waits. **When the model fails** (a device error, Ctrl-C), the step's requests are aborted, their blocks freed and
+# dropped from the prefix cache (their KV may be half written); the next `step()` serves the others. `make_runner`
+# makes one `ModelRunner`, or, for `tensor_parallel_size > 1`, looks up the fast path "tensor parallelism" by name
+# (the deep dive `tensor_parallel`), which the engine never imports.
 
 # %% tags=["export"] module="minivllm.engine.llm_engine"
 import threading
@@ -331,7 +256,200 @@ class LLMEngine:
 
 
 # %% [markdown]
-# ## Requests in: the input processor
+# ## `LLM.generate`: the loop, for a user
+# `LLM(model, ...)` takes notebook 02's `Config` fields as keyword arguments, with vLLM's names and defaults. `generate`
+# accepts a str, token ids (a list of ints, a 1-D integer array or tensor) or a list of those, with one `SamplingParams`
+# for all or one per prompt, and returns the outputs in the prompts' order, with a progress bar; `chat` does the same
+# for conversations, through the checkpoint's chat template. The contract with the rest of the engine:
+#
+# * `generate` holds the engine's lock for its whole run, so calls from several threads run one after another;
+# * it returns only its own requests; those queued earlier with `engine.add_request` share its batches, their finished
+#   kept for the next `engine.step()`; if interrupted (Ctrl-C, an error), it aborts its unfinished ones and their blocks;
+# * a server cannot wait for a batch: `AsyncLLM` steps the same engine on its own thread and streams each request's
+#   newest output (`engine.progress`), and `python -m minivllm.serve` puts OpenAI's HTTP API in front (shown below).
+
+# %% tags=["export"] module="minivllm.llm"
+from collections.abc import Sequence as SequenceOf
+from typing import TypeGuard, cast
+
+from tqdm.auto import tqdm
+
+from minivllm.engine.llm_engine import LLMEngine, Prompt
+from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams, scalar
+
+
+def is_one_prompt(prompts) -> TypeGuard[Prompt]:
+    """A str, an array or tensor, or a list of token ids (not a list of prompts)."""
+    if isinstance(prompts, str) or hasattr(prompts, "ndim"):
+        return True
+    return isinstance(prompts, list | tuple) and len(prompts) > 0 and isinstance(scalar(prompts[0]), int | float)
+
+
+def chat_prompt(tokenizer, conversation, model) -> str:
+    if tokenizer is None or tokenizer.chat_template is None:
+        raise ValueError(f"{model} has no chat template: pass prompts to generate instead")
+    return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+
+
+class LLM:
+    """vLLM's offline entry point. Keyword arguments are `Config`'s fields, with its defaults (notebook 02):
+    tensor_parallel_size, dtype, block_size, max_num_seqs, max_num_batched_tokens, max_model_len,
+    num_kvcache_blocks, gpu_memory_utilization, enforce_eager, enable_prefix_caching, scheduling_policy, seed,
+    device.
+
+    Thread-safe: concurrent `generate` calls run one after another, each returning what it would return alone."""
+
+    def __init__(self, model: str, **kwargs):
+        self.engine = LLMEngine(model, **kwargs)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | SequenceOf[Prompt],
+        sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One output per prompt, in order. Only this call's requests are returned (see the notebook's contract)."""
+        if is_one_prompt(prompts):
+            prompts = [prompts]
+        if not isinstance(prompts, list | tuple):
+            raise ValueError(f"prompts must be a str, token ids, or a list of them; got {type(prompts).__name__}")
+        params = sampling_params if isinstance(sampling_params, list | tuple) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+        with self.engine.lock:
+            # a list of prompts and their SamplingParams (or None) now, which mypy cannot tell; add_requests checks each
+            ids = self.engine.add_requests(
+                cast(list[Prompt], list(prompts)), cast(list[SamplingParams | None], list(params))
+            )
+            try:
+                outputs = self.run(ids, use_tqdm)
+            except BaseException:
+                self.engine.abort_request(ids)
+                raise
+        order = {request_id: i for i, request_id in enumerate(ids)}
+        return sorted(outputs, key=lambda out: order[out.request_id])
+
+    def run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Step until these requests have finished; their outputs."""
+        outputs: list[RequestOutput] = []
+        wanted = set(request_ids)
+        with tqdm(total=len(wanted), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
+            rates: dict[str, float] = {}  # tokens per second of the latest step of each kind
+            while len(outputs) < len(wanted):
+                finished, stats = self.engine.step(wanted)
+                assert stats.kind != "idle" or finished, "requests outstanding, but no step to run"
+                if stats.kind != "idle":
+                    rates[stats.kind] = stats.num_tokens / max(stats.seconds, 1e-9)
+                bar.set_postfix_str(", ".join(f"{kind} {rate:,.0f} tok/s" for kind, rate in sorted(rates.items())))
+                outputs += finished
+                bar.update(len(finished))
+        return outputs
+
+    def chat(
+        self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True
+    ) -> list[RequestOutput]:
+        """`generate` for a conversation ([{"role": ..., "content": ...}, ...]) or a list of them, each turned into
+        a prompt by the checkpoint's chat template, ready for the assistant's reply."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [chat_prompt(self.get_tokenizer(), c, self.engine.config.model) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def abort(self) -> None:
+        """Drop every unfinished request and free its KV blocks."""
+        self.engine.abort_all()
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# %% [markdown]
+# ## vLLM's offline API: what goes in, what comes out
+# The loop above is all the engine does; the rest is vLLM's contract with its user, in three modules: what a request
+# gives back (`outputs`), how a prompt gets in (`input_processor`), how tokens come out as text (`output_processor`).
+#
+# ### What a request gives back
+# vLLM's `RequestOutput`: the prompt and, per completion, its text, token ids, `finish_reason` ("stop": an EOS or stop
+# token; "length": `max_tokens` or the context) and log-probabilities if asked; and two timings a server is judged by:
+# **time to first token** (TTFT) and **time per output token** (TPOT). A step returns a `StepStats`: its kind
+# (`"prefill"`, `"decode"`, `"mixed"`, or `"idle"`), sequences, tokens, and phases' times (`schedule`, `run`: inputs,
+# forward, sampler, waiting for the GPU; `postprocess`), which the progress bar and throughput benchmark read.
+
+# %% tags=["export"] module="minivllm.outputs"
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Logprob:
+    logprob: float  # under the raw distribution: the log-softmax of the model's logits
+    rank: int  # 1 is the most likely token
+    decoded_token: str
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int  # which of the request's n completions
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop", "length", or None while running
+    logprobs: list[dict[int, Logprob]] | None = None  # per token: its own and the most likely tokens' (if asked)
+    cumulative_logprob: float | None = None  # the sum of its tokens' log-probabilities (if logprobs were asked)
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    arrival_time: float  # time.perf_counter() seconds
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    def time_per_output_token(self, num_tokens: int) -> float | None:
+        if self.finished_time is None or self.first_token_time is None or num_tokens < 2:
+            return None
+        return (self.finished_time - self.first_token_time) / (num_tokens - 1)
+
+
+@dataclass(slots=True)
+class StepStats:
+    """What one engine step did, and its phases' wall times in seconds (time.perf_counter())."""
+
+    kind: str  # "prefill", "decode", "mixed" (prompt and decode rows in one forward), or "idle" (no step ran)
+    num_seqs: int = 0  # sequences in the batch
+    num_tokens: int = 0  # tokens computed: prompt tokens, plus one per sequence that decodes
+    schedule_seconds: float = 0.0  # Scheduler.schedule
+    run_seconds: float = 0.0  # ModelRunner.launch (inputs, forward, sampler, log-probabilities), waiting for tokens
+    postprocess_seconds: float = 0.0  # Scheduler.advance and resolve, the engine's outputs
+
+    @property
+    def seconds(self) -> float:
+        return self.schedule_seconds + self.run_seconds + self.postprocess_seconds
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics = field(repr=False)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # per prompt token (None for the first), if asked
+
+
+# %% [markdown]
+# ### Requests in: the input processor
 # **Bad input never gets in.** `make_request` tokenizes a prompt and checks it before it touches any state, with a
 # `ValueError` naming the field and the allowed range (an empty prompt, one too long, a token id outside the vocabulary,
 # a `request_id` in use, text without a tokenizer); each request keeps its own copy of its `SamplingParams`, and
@@ -479,7 +597,7 @@ class InputProcessor:
 
 
 # %% [markdown]
-# ## Outputs out: the output processor
+# ### Outputs out: the output processor
 # Stop *strings* are the output processor's, not the scheduler's (it sees only token ids): after each step it
 # detokenizes the replies that have one, and a reply holding one is finished by the engine, with reason `"stop"`, in
 # one call to the scheduler. While a reply runs, `running_text` detokenizes its newest tokens only and holds back what
@@ -574,126 +692,11 @@ class OutputProcessor:
 
 
 # %% [markdown]
-# ## `LLM`: vLLM's offline API
-# `LLM(model, ...)` takes notebook 02's `Config` fields as keyword arguments, with vLLM's names and defaults. `generate`
-# accepts a str, token ids (a list of ints, a 1-D integer array or tensor) or a list of those, with one `SamplingParams`
-# for all or one per prompt, and returns the outputs in the prompts' order, with a progress bar; `chat` does the same
-# for conversations, through the checkpoint's chat template. The contract with the rest of the engine:
-#
-# * `generate` holds the engine's lock for its whole run, so calls from several threads run one after another;
-# * it returns only its own requests; those queued earlier with `engine.add_request` share its batches, their finished
-#   kept for the next `engine.step()`; if interrupted (Ctrl-C, an error), it aborts its unfinished ones and their blocks.
-
-# %% tags=["export"] module="minivllm.llm"
-from collections.abc import Sequence as SequenceOf
-from typing import TypeGuard, cast
-
-from tqdm.auto import tqdm
-
-from minivllm.engine.llm_engine import LLMEngine, Prompt
-from minivllm.outputs import RequestOutput
-from minivllm.sampling_params import SamplingParams, scalar
-
-
-def is_one_prompt(prompts) -> TypeGuard[Prompt]:
-    """A str, an array or tensor, or a list of token ids (not a list of prompts)."""
-    if isinstance(prompts, str) or hasattr(prompts, "ndim"):
-        return True
-    return isinstance(prompts, list | tuple) and len(prompts) > 0 and isinstance(scalar(prompts[0]), int | float)
-
-
-def chat_prompt(tokenizer, conversation, model) -> str:
-    if tokenizer is None or tokenizer.chat_template is None:
-        raise ValueError(f"{model} has no chat template: pass prompts to generate instead")
-    return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-
-
-class LLM:
-    """vLLM's offline entry point. Keyword arguments are `Config`'s fields, with its defaults (notebook 02):
-    tensor_parallel_size, dtype, block_size, max_num_seqs, max_num_batched_tokens, max_model_len,
-    num_kvcache_blocks, gpu_memory_utilization, enforce_eager, enable_prefix_caching, scheduling_policy, seed,
-    device.
-
-    Thread-safe: concurrent `generate` calls run one after another, each returning what it would return alone."""
-
-    def __init__(self, model: str, **kwargs):
-        self.engine = LLMEngine(model, **kwargs)
-
-    def get_tokenizer(self):
-        return self.engine.tokenizer
-
-    def generate(
-        self,
-        prompts: Prompt | SequenceOf[Prompt],
-        sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
-        use_tqdm: bool = True,
-    ) -> list[RequestOutput]:
-        """One output per prompt, in order. Only this call's requests are returned (see the notebook's contract)."""
-        if is_one_prompt(prompts):
-            prompts = [prompts]
-        if not isinstance(prompts, list | tuple):
-            raise ValueError(f"prompts must be a str, token ids, or a list of them; got {type(prompts).__name__}")
-        params = sampling_params if isinstance(sampling_params, list | tuple) else [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
-        with self.engine.lock:
-            # a list of prompts and their SamplingParams (or None) now, which mypy cannot tell; add_requests checks each
-            ids = self.engine.add_requests(
-                cast(list[Prompt], list(prompts)), cast(list[SamplingParams | None], list(params))
-            )
-            try:
-                outputs = self.run(ids, use_tqdm)
-            except BaseException:
-                self.engine.abort_request(ids)
-                raise
-        order = {request_id: i for i, request_id in enumerate(ids)}
-        return sorted(outputs, key=lambda out: order[out.request_id])
-
-    def run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        """Step until these requests have finished; their outputs."""
-        outputs: list[RequestOutput] = []
-        wanted = set(request_ids)
-        with tqdm(total=len(wanted), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
-            rates: dict[str, float] = {}  # tokens per second of the latest step of each kind
-            while len(outputs) < len(wanted):
-                finished, stats = self.engine.step(wanted)
-                assert stats.kind != "idle" or finished, "requests outstanding, but no step to run"
-                if stats.kind != "idle":
-                    rates[stats.kind] = stats.num_tokens / max(stats.seconds, 1e-9)
-                bar.set_postfix_str(", ".join(f"{kind} {rate:,.0f} tok/s" for kind, rate in sorted(rates.items())))
-                outputs += finished
-                bar.update(len(finished))
-        return outputs
-
-    def chat(
-        self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True
-    ) -> list[RequestOutput]:
-        """`generate` for a conversation ([{"role": ..., "content": ...}, ...]) or a list of them, each turned into
-        a prompt by the checkpoint's chat template, ready for the assistant's reply."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [chat_prompt(self.get_tokenizer(), c, self.engine.config.model) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
-
-    def abort(self) -> None:
-        """Drop every unfinished request and free its KV blocks."""
-        self.engine.abort_all()
-
-    def close(self) -> None:
-        self.engine.close()
-
-    def __enter__(self) -> "LLM":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-# %% [markdown]
 # ## Qwen3 end to end
 # Random weights write gibberish, so the text comes from `tiny-text`, notebook 02's tiny model trained on the
-# tokenizer's text; then `n=3` completions of one prompt, with `logprobs=2`. On a GPU a second run takes `qwen3-0.6b`
-# (random weights, the 0.6B's shapes) for timings: most of its token ids have no text in the presets' 2,048-token
-# tokenizer, so the first ids are printed too.
+# tokenizer's text; then `n=3` sampled completions of one prompt (seeded: completion i draws with `seed + i`), with
+# `logprobs=2`. On a GPU a second run takes `qwen3-0.6b` (random weights, the 0.6B's shapes) for timings: most of its
+# token ids have no text in the presets' 2,048-token tokenizer, so the first ids are printed too.
 
 # %%
 from minivllm import LLM, SamplingParams
@@ -717,9 +720,10 @@ show(texts := llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24)
 stopped = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=24, stop="."), use_tqdm=False)[0].outputs[0]
 print(f"with stop='.': {stopped.text!r}, finish_reason={stopped.finish_reason}")
 assert stopped.finish_reason == "stop" and stopped.text == texts[0].outputs[0].text.split(".")[0]
-three = llm.generate(prompts[2], SamplingParams(n=3, seed=0, max_tokens=12, logprobs=2), use_tqdm=False)[0].outputs
+three = llm.generate(prompts[2], SamplingParams(n=3, seed=0, max_tokens=16, logprobs=2), use_tqdm=False)[0].outputs
 for c in three:  # each token's row: {token id: Logprob(logprob, rank, decoded_token)}, its own first
     print(f"sample {c.index}: {c.text!r}, log-probability {c.cumulative_logprob:.1f}; first token: {c.logprobs[0]}")
+assert len({c.text for c in three}) == 3  # seeds 0, 1, 2: three draws, the same three on every run
 if DEVICE == "cuda":
     llm.close()  # give its GPU memory to the 0.6B
     path = write_checkpoint(CHECKPOINTS / "qwen3-0.6b", "qwen3-0.6b", seed=0)
@@ -755,12 +759,9 @@ got = torch.tensor([row[t].logprob for row, t in zip(scored.prompt_logprobs[1:],
 torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 # %% [markdown]
-# **Async scheduling.** A step's host work (scheduling, inputs, outputs) leaves the GPU idle unless it overlaps the
-# step before. With `async_scheduling` (on by default with one GPU) `step()` launches step N+1, then reads step N's
-# tokens: `advance` gives each of step N's sequences a placeholder token, `-1 - row`, which the runner swaps on the
-# device for the token sampled in that row; `resolve` writes the real ones in. A request that stopped at step N costs a
-# wasted row; a step with penalties (they read every token) waits. On the H200, nano-vllm's workload goes from 17.4k
-# to 22.1k output tokens/s (README). On a CPU nothing runs ahead, but every line runs:
+# **Async scheduling** (the engine loop above) takes nano-vllm's workload on the H200 from 17.4k to 22.1k output
+# tokens/s (README). On a CPU nothing runs ahead, but every line runs: after the prefill's `step()`, the first decode
+# step is already launched, its tokens on their way.
 
 # %%
 ahead = LLM(str(tiny_path), async_scheduling=True, **cpu_kwargs)
@@ -798,30 +799,8 @@ after = cpu_llm.generate([[1, 2, 3]], greedy, use_tqdm=False)[0].outputs[0].toke
 assert after == hf.generate(torch.tensor([[1, 2, 3]]), **hf_greedy)[0, 3:].tolist()
 
 # %% [markdown]
-# ### Sharing one engine
-# Integer arrays and tensors are token ids too. `step()` with nothing queued gives nothing back. A request queued with
-# `add_request` shares the batches of a later `generate` but is not among its outputs: the engine keeps it for the next
-# `step()`. (Two threads calling `generate` at once take turns: `tests/test_engine.py`.)
-
-# %%
-import numpy as np
-
-arrays = [np.array([5, 6, 7]), torch.tensor([8, 9])]
-alone = [out.outputs[0].token_ids for out in cpu_llm.generate(arrays, greedy, use_tqdm=False)]
-nothing, idle = cpu_llm.engine.step()
-assert nothing == [] and idle.kind == "idle" and idle.num_tokens == 0
-cpu_llm.engine.add_request([1, 2, 3], greedy, request_id="queued earlier")
-mine = cpu_llm.generate([[5, 6, 7]], greedy, use_tqdm=False)
-assert [out.outputs[0].token_ids for out in mine] == alone[:1]
-kept, _ = cpu_llm.engine.step()
-assert [out.request_id for out in kept] == ["queued earlier"]
-assert not cpu_llm.engine.has_unfinished_requests() and not cpu_llm.engine.requests
-
-# %% [markdown]
 # ### Serving it: OpenAI's API, token by token
-# A server cannot wait for a batch: requests arrive while others run, and each client wants its reply as it is written.
-# `AsyncLLM` steps the same `LLMEngine` on its own thread and hands each request its newest output; `python -m
-# minivllm.serve` puts OpenAI's HTTP API in front. `serve_in_thread` runs it in this kernel; OpenAI's client streams:
+# `serve_in_thread` runs `python -m minivllm.serve`'s server in this kernel, over an `AsyncLLM`; OpenAI's client streams:
 
 # %%
 from openai import OpenAI
@@ -887,8 +866,8 @@ assert all(s.kind in ("prefill", "mixed", "decode") and s.num_seqs > 0 for s in 
 # cells measure again; without one they read the H200 runs committed in `figures/`.
 
 # %%
-from minivllm.benchmarks.decode import run_decode_benchmark
-from minivllm.benchmarks.prefill import run_prefill_benchmark
+from minivllm.benchmarks.decode import plot_decode, run_decode_benchmark
+from minivllm.benchmarks.prefill import plot_prefill, run_prefill_benchmark
 
 figures = Path("figures")
 
@@ -901,27 +880,8 @@ def measured(name: str, measure) -> dict:
 if DEVICE == "cuda":
     llm.close()  # its KV cache holds most of the GPU: give it to the benchmarks
 prefill, decode = measured("prefill", run_prefill_benchmark), measured("decode", run_decode_benchmark)
-fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8), layout="tight")
-impls = list(dict.fromkeys(r["impl"] for r in prefill["rows"]))
-seqlens = sorted({r["seqlen"] for r in prefill["rows"]})
-for i, impl in enumerate(impls):
-    tflops = {r["seqlen"]: r["tflops"] for r in prefill["rows"] if r["impl"] == impl}
-    left.bar([j + 0.2 * i for j in range(len(seqlens))], [tflops.get(n, 0) for n in seqlens], 0.2, label=impl)
-left.set_xticks([j + 0.3 for j in range(len(seqlens))], [f"{n // 1024}k tokens" for n in seqlens])
-left.set(ylabel="TFLOP/s", title="prefill: FlashAttention, causal, batch 1")
-left.legend(fontsize=7)
-rows = [r for r in decode["rows"] if r["block_size"] == 16]
-impls = list(dict.fromkeys(r["impl"] for r in rows))
-shapes = list(dict.fromkeys((r["batch"], r["context_len"]) for r in rows))
-for i, impl in enumerate(impls):
-    tbps = {(r["batch"], r["context_len"]): r["tbps"] for r in rows if r["impl"] == impl}
-    right.bar([j + 0.25 * i for j in range(len(shapes))], [tbps[s] for s in shapes], 0.25, label=impl)
-right.axhline(decode["copy_tbps"], color="grey", ls=":", label="copy bandwidth")
-right.set_xticks([j + 0.25 for j in range(len(shapes))], [f"{b}×{c // 1024}k" for b, c in shapes])
-right.set(ylabel="TB/s of KV read", title="decode: PagedAttention, blocks of 16")
-right.legend(fontsize=7, loc="lower right")
-fig.suptitle(f"Attention kernels on {prefill['device']}, Qwen3-0.6B heads (16/8 × 128), bf16")
-fig.savefig(FIGURES / "06_attention_kernels.png", dpi=120)
+plot_prefill(prefill).savefig(FIGURES / "06_prefill.png", dpi=120)
+plot_decode(decode).savefig(FIGURES / "06_decode.png", dpi=120)
 
 # %% [markdown]
 # **Throughput and latency** per workload and scheduling policy, from `python -m minivllm.benchmarks.throughput` on an
@@ -1006,36 +966,7 @@ check_answer(("prefill", 5 - 1), (kinds[first], len(kinds) - 1 - first), "1. tim
 print(f"TTFT {timed.time_to_first_token * 1e3:.1f} ms, TPOT {timed.time_per_output_token(5) * 1e3:.1f} ms")
 
 # %% [markdown]
-# **2.** `generate` checks every request before it queues the first. Suppose it did not: queue `[[1, 2], [vocab + 5],
-# [3, 4]]` one `add_request` at a time. How many requests are queued when the bad one raises?
-
-# %%
-answer = None  # your answer: replace None with an expression
-before = engine.scheduler.block_manager.num_free_blocks
-queued = []
-try:
-    for prompt in [[1, 2], [vocab + 5], [3, 4]]:
-        queued.append(engine.add_request(prompt, greedy))
-except ValueError as e:
-    print("ValueError:", e)
-num_queued = len(engine.requests)
-engine.abort_request(queued)
-check_answer(answer, num_queued, "2. check first")
-
-# %% [markdown]
-# Worked answer: 1, `[1, 2]`. The caller got an exception, yet the engine would run `[1, 2]` and hand its output to the
-# next call: a request nobody waits for. `generate` checks all first, so the same list queues nothing.
-
-# %%
-check_answer(1, num_queued, "2. check first")
-try:
-    cpu_llm.generate([[1, 2], [vocab + 5], [3, 4]], greedy, use_tqdm=False)
-except ValueError:
-    pass
-assert not engine.has_unfinished_requests() and engine.scheduler.block_manager.num_free_blocks == before
-
-# %% [markdown]
-# **3.** The green blocks of the occupancy figure are free but keep a cached prefix, among them the 64-token system
+# **2.** The green blocks of the occupancy figure are free but keep a cached prefix, among them the 64-token system
 # prompt's. A request arrives: the system prompt and 10 tokens. How many does its prefill find in the cache?
 
 # %%
@@ -1044,12 +975,12 @@ greens = bm.num_cached_free_blocks
 engine.add_request(system_prompt + list(range(10, 20)), greedy, "late")
 _, prefill = engine.step()
 hits = len(system_prompt) + 10 - prefill.num_tokens  # the prompt less what the prefill computed
-check_answer(answer, hits, "3. green blocks")
+check_answer(answer, hits, "2. green blocks")
 
 # %% [markdown]
 # Worked answer: 64, the system prompt's 4 full blocks. They turn blue (reference counts 0 → 1); 10 tokens computed.
 
 # %%
-check_answer(64 // 16 * 16, hits, "3. green blocks")
+check_answer(64 // 16 * 16, hits, "2. green blocks")
 assert bm.num_cached_free_blocks == greens - 4
 engine.abort_request("late")
