@@ -277,7 +277,7 @@ def test_cli_runs_the_tiny_preset(tmp_path):
 def test_tokenizer_loads_the_class_its_config_names_without_auto_tokenizer(tiny):
     """AutoTokenizer imports transformers' model registry (seconds of start-up): the named class is imported alone."""
     code = (
-        "import sys; from minivllm.engine.llm_engine import load_tokenizer; "
+        "import sys; from minivllm.engine.input_processor import load_tokenizer; "
         f"t = load_tokenizer({str(tiny)!r}); "
         "print(type(t).__name__, 'transformers.models.auto.tokenization_auto' in sys.modules)"
     )

@@ -22,7 +22,7 @@ import torch
 from minivllm.benchmarks.common import OUT, result, save
 from minivllm.benchmarks.throughput import MAX_MODEL_LEN, POLICIES, Workload, make_workload
 from minivllm.checkpoint import write_checkpoint
-from minivllm.engine.llm_engine import Prompt
+from minivllm.engine.input_processor import Prompt
 from minivllm.llm import LLM
 from minivllm.sampling_params import SamplingParams
 
