@@ -17,18 +17,19 @@ STARTED = time.perf_counter()  # before the imports: the start-up split below co
 
 import argparse  # noqa: E402
 import math  # noqa: E402
-import os  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import TYPE_CHECKING  # noqa: E402
 
 import torch  # noqa: E402
+
+from minivllm.checkpoint import checkpoint_for  # noqa: E402
 
 if TYPE_CHECKING:
     from minivllm import LLM
     from minivllm.outputs import RequestOutput
 
 DEFAULT_PROMPTS = ["What is the capital of France?", "In autumn the leaves", "Dear Maria,", "def fibonacci(n"]
-PRESETS = ["tiny", "tiny-text", "qwen3-0.6b"]  # minivllm.checkpoint's (not imported here: it loads transformers)
+PRESETS = ["tiny", "tiny-text", "qwen3-0.6b"]  # minivllm.checkpoint.maker's (not imported here: it loads transformers)
 
 
 def positive_int(text: str) -> int:
@@ -95,17 +96,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(str(e))
     args.parser = parser
     return args
-
-
-def checkpoint_for(preset: str) -> Path:
-    root = Path(os.environ.get("MINIVLLM_CHECKPOINTS", Path.home() / ".cache" / "minivllm" / "checkpoints"))
-    path = root / preset
-    if not (path / "config.json").is_file():
-        from minivllm.checkpoint import write_checkpoint  # imports transformers' models (seconds): only to write one
-
-        print(f"writing the {preset} preset to {path}")
-        write_checkpoint(path, preset, seed=0)
-    return path
 
 
 def default_presets() -> list[str]:

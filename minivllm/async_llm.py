@@ -13,7 +13,8 @@ import threading
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
-from minivllm.engine.llm_engine import LLMEngine, Prompt
+from minivllm.engine.input_processor import Prompt
+from minivllm.engine.llm_engine import LLMEngine
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 

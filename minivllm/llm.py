@@ -5,7 +5,8 @@ from typing import TypeGuard, cast
 
 from tqdm.auto import tqdm
 
-from minivllm.engine.llm_engine import LLMEngine, Prompt
+from minivllm.engine.input_processor import Prompt
+from minivllm.engine.llm_engine import LLMEngine
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams, scalar
 

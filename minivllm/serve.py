@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from minivllm.async_llm import AsyncLLM
+from minivllm.checkpoint import checkpoint_for
 from minivllm.llm import chat_prompt
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -260,8 +261,6 @@ def serve_in_thread(llm: AsyncLLM, model_name: str) -> Iterator[str]:
 
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
-
-    from minivllm.__main__ import checkpoint_for  # the preset's checkpoint, written once and cached
 
     parser = argparse.ArgumentParser(prog="python -m minivllm.serve", description=__doc__)
     source = parser.add_mutually_exclusive_group(required=True)

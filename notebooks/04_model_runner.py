@@ -1519,7 +1519,7 @@ class ModelRunner:
         if groups is None and config.tensor_parallel_size > 1:
             raise ValueError(
                 f"tensor_parallel_size={config.tensor_parallel_size} needs one process per rank: "
-                "use minivllm.engine.workers.make_runner(config), or LLM"
+                "use minivllm.engine.llm_engine.make_runner(config), or LLM"
             )
         self.config, self.rank, self.world_size = config, rank, config.tensor_parallel_size
         self.block_size = config.block_size

@@ -15,13 +15,15 @@
 # # 06 · The engine: vLLM's offline API, end to end
 #
 # **What this notebook builds.** The layer a user touches: `LLM(model=...).generate(prompts, sampling_params)`, with
-# vLLM's names, arguments and outputs. Under it, `LLMEngine` turns prompts into `Sequence`s and loops `schedule → run →
-# postprocess` (the next step scheduled while the GPU runs the last) until every request is done.
+# vLLM's names, arguments and outputs. Under it, `LLMEngine` loops `schedule → run → postprocess` (the next step
+# scheduled while the GPU runs the last) until every request is done, beside two helpers, as in vLLM: an input
+# processor (prompt → checked request) and an output processor (tokens → text, stop strings, log-probabilities).
 #
 # **What it assumes.** Everything before: the model (02), the KV cache (03), the runner (04), the scheduler (05).
 #
 # **What you will see.** The engine's greedy output equal to transformers' `generate`, KV-block occupancy over a whole
-# run, and the course's final figures: FlashAttention vs PagedAttention, and throughput.
+# run, and the course's final figures: FlashAttention vs PagedAttention, and throughput. Splitting the model over
+# several GPUs is the deep dive `tensor_parallel`, which follows this notebook.
 
 # %%
 import json
@@ -41,505 +43,43 @@ CHECKPOINTS = Path(os.environ.get("MINIVLLM_CHECKPOINTS", "../build/checkpoints"
 random.seed(0)
 
 # %% [markdown]
-# ## What a request gives back
-# vLLM's `RequestOutput`: the prompt and, per completion, its text, token ids, `finish_reason` ("stop": an EOS or stop
-# token; "length": `max_tokens` or the context) and log-probabilities if asked; and two timings a server is judged by:
-# **time to first token** (TTFT) and **time per output token** (TPOT). A step returns a `StepStats`: its kind
-# (`"prefill"`, `"decode"`, `"mixed"`, or `"idle"`), sequences, tokens, and phases' times (`schedule`, `run`: inputs,
-# forward, sampler, waiting for the GPU; `postprocess`), which the progress bar and throughput benchmark read.
-
-# %% tags=["export"] module="minivllm.outputs"
-from dataclasses import dataclass, field
-
-
-@dataclass(slots=True)
-class Logprob:
-    logprob: float  # under the raw distribution: the log-softmax of the model's logits
-    rank: int  # 1 is the most likely token
-    decoded_token: str
-
-
-@dataclass(slots=True)
-class CompletionOutput:
-    index: int  # which of the request's n completions
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None  # "stop", "length", or None while running
-    logprobs: list[dict[int, Logprob]] | None = None  # per token: its own and the most likely tokens' (if asked)
-    cumulative_logprob: float | None = None  # the sum of its tokens' log-probabilities (if logprobs were asked)
-
-
-@dataclass(slots=True)
-class RequestMetrics:
-    arrival_time: float  # time.perf_counter() seconds
-    first_token_time: float | None = None
-    finished_time: float | None = None
-
-    @property
-    def time_to_first_token(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    def time_per_output_token(self, num_tokens: int) -> float | None:
-        if self.finished_time is None or self.first_token_time is None or num_tokens < 2:
-            return None
-        return (self.finished_time - self.first_token_time) / (num_tokens - 1)
-
-
-@dataclass(slots=True)
-class StepStats:
-    """What one engine step did, and its phases' wall times in seconds (time.perf_counter())."""
-
-    kind: str  # "prefill", "decode", "mixed" (prompt and decode rows in one forward), or "idle" (no step ran)
-    num_seqs: int = 0  # sequences in the batch
-    num_tokens: int = 0  # tokens computed: prompt tokens, plus one per sequence that decodes
-    schedule_seconds: float = 0.0  # Scheduler.schedule
-    run_seconds: float = 0.0  # ModelRunner.launch (inputs, forward, sampler, log-probabilities), waiting for tokens
-    postprocess_seconds: float = 0.0  # Scheduler.advance and resolve, the engine's outputs
-
-    @property
-    def seconds(self) -> float:
-        return self.schedule_seconds + self.run_seconds + self.postprocess_seconds
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    metrics: RequestMetrics = field(repr=False)
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # per prompt token (None for the first), if asked
-
-
-# %% [markdown]
-# ## Tensor parallelism: one runner per GPU
-# Notebook 04's `ModelRunner` is one rank: it holds its slice of every weight and of the KV cache (its KV heads), and
-# meets the other ranks at the all-reduces. With `tensor_parallel_size=N` the engine makes a `TPModelRunner` (vLLM's
-# multiprocess executor): rank 0's runner, which starts N−1 workers, each a plain `ModelRunner`. Each step, rank 0
-# broadcasts the `StepInputs`, all ranks run the same forward, and rank 0 samples (so no async scheduling: the
-# workers never see the sampled tokens).
+# ## The engine loop: schedule → run → postprocess
+# `LLMEngine` owns a runner, a `Scheduler` and a tokenizer, and keeps vLLM's split between adding work and doing it:
+# `add_request(prompt, sampling_params, request_id=None)` queues a request's `Sequence`s, `abort_request(ids)` drops
+# requests, and `step()` returns the requests that finished and the step's `StepStats` (`"idle"` with nothing queued).
+# A step has three phases: **schedule** (the scheduler of 05 picks the batch), **run** (the runner of 04 queues the
+# forward and the sampler on the GPU, `launch`, and later waits for the tokens) and **postprocess** (the scheduler
+# appends the tokens and frees what finished; the output processor, below, turns them into outputs).
 #
-# Processes are where engines hang, and a hang is worse than a crash: nobody learns why. The rules we follow:
-# * **Each engine owns its groups**, over its own `TCPStore`: `control` (gloo) for rank 0's messages and `tp` for the
-#   all-reduces (NCCL on GPUs); no `torch.distributed` default group, so two engines in one process never share one.
-# * **Workers are `spawn`ed** (a forked CUDA context is unusable) from a module-level target, as daemons ignoring
-#   Ctrl-C, each exiting if its parent is gone, even after a `kill -9` of rank 0.
-# * **Rank 0 never waits blindly**: a thread watches the workers, and one that dies becomes an error naming it within
-#   seconds (one dead before it started most likely ran a script without a main guard: the error says so).
-# * **A step is never cut in half.** Ctrl-C during a step is held until the step ends (then it raises
-#   `KeyboardInterrupt` as usual), so the ranks stay in step; at an idle engine it raises at once, and where the process
-#   ignores Ctrl-C (a background job, `nohup`) it stays ignored. Any other failure makes the engine refuse further
-#   steps, with the reason, rather than hang in the next collective.
-# * **`close()` frees the CUDA graphs before the groups** (an NCCL group waits for the graphs that captured its
-#   all-reduces: the other order hangs), joins the workers and hands the KV cache back to the GPU.
-
-# %% tags=["export"] module="minivllm.engine.workers"
-import os
-import pickle
-import signal
-import threading
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from datetime import timedelta
-from typing import Any
-
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-
-from minivllm.config import Config
-from minivllm.engine.model_runner import ModelRunner, StepOutput, rank_device
-from minivllm.engine.sequence import Sequence
-from minivllm.layers.linear import TPGroup
-
-START_TIMEOUT = timedelta(seconds=300)  # a worker imports torch and loads its slice: minutes on a slow disk
-STEP_TIMEOUT = timedelta(seconds=600)  # one rank may compile kernels in a first step while the others wait
-SHUTDOWN_TIMEOUT = timedelta(seconds=10)  # close() ends in seconds, whatever a group waits for
-MAIN_GUARD = (
-    "Workers are spawned: each re-imports your main script, so a script that creates an LLM with "
-    'tensor_parallel_size > 1 must do it under `if __name__ == "__main__":`.'
-)
-
-
-def make_groups(store: Any, rank: int, world_size: int, device: torch.device) -> tuple[TPGroup, Any]:
-    """This rank's groups over the engine's own store: `control` (gloo) carries rank 0's messages, the TPGroup's
-    group the model's all-reduces (NCCL on GPUs; on CPUs the gloo group again)."""
-    control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, world_size, STEP_TIMEOUT)
-    if device.type != "cuda":
-        return TPGroup(rank, world_size, control), control
-    # torch's stub lists only the (store, rank, size, options) form; the binding also has (store, rank, size[, timeout])
-    nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, world_size)  # type: ignore[call-arg]
-    nccl.eager_connect_single_device(device)  # connect now, while rank 0 watches its workers
-    return TPGroup(rank, world_size, nccl), control
-
-
-def close_groups(groups: list[Any], abort: bool) -> None:
-    """Shut each group down with the other ranks; abort it when one of them is gone (shutdown would wait), or when
-    its shutdown has not returned in SHUTDOWN_TIMEOUT (an NCCL group waits for any CUDA graph that captured it)."""
-    for group in dict.fromkeys(groups):
-        if not abort:
-            shutdown = threading.Thread(target=group.shutdown, daemon=True)
-            shutdown.start()
-            shutdown.join(SHUTDOWN_TIMEOUT.total_seconds())
-            if not shutdown.is_alive():
-                continue
-        group.abort()
-
-
-def broadcast_object(obj: Any, group: Any, rank: int) -> Any:
-    """Rank 0's `obj` on every rank (the others pass None), pickled over a gloo group."""
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if rank == 0 else None
-    size = torch.tensor([0 if data is None else data.numel()])
-    group.broadcast(size, 0).wait()
-    if data is None:
-        data = torch.empty(int(size), dtype=torch.uint8)
-    group.broadcast(data, 0).wait()
-    return obj if rank == 0 else pickle.loads(data.numpy().tobytes())
-
-
-class HeldSigint:
-    """A SIGINT handler that holds the first Ctrl-C for `handler` (the one it stands in for) and passes a second
-    one on at once."""
-
-    def __init__(self, handler: Callable):
-        self.handler = handler
-        self.pending = False  # a Ctrl-C came and waits for release()
-
-    def __call__(self, signum: int, frame: Any) -> None:
-        if self.pending:
-            self.handler(signum, frame)
-        self.pending = True
-
-    def release(self) -> None:
-        if self.pending:
-            self.handler(signal.SIGINT, None)
-
-
-@contextmanager
-def sigint_held() -> Iterator[None]:
-    """Hold Ctrl-C until the block ends, then let the handler that was there take it (Python's raises
-    KeyboardInterrupt): rank 0 never leaves the other ranks halfway through a step. A second Ctrl-C is handled at
-    once (the engine is then out of step and refuses further steps). Where Ctrl-C is ignored (a background job,
-    `nohup`) or no Python handler takes it, it stays so."""
-    handler = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
-    if not callable(handler):
-        yield
-        return
-    held = HeldSigint(handler)
-    signal.signal(signal.SIGINT, held)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, handler)
-    held.release()
-
-
-class Workers:
-    """Rank 0's side of the other ranks: spawns them, waits for them while watching them, says why one is gone."""
-
-    def __init__(self, target: Callable, args: tuple, world_size: int, device: torch.device):
-        self.store = dist.TCPStore(
-            "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=START_TIMEOUT
-        )
-        spawn = mp.get_context("spawn")
-        self.started = [spawn.Event() for _ in range(1, world_size)]  # set by each worker as its first act
-        self.processes = [
-            spawn.Process(target=target, args=(*args, rank, self.store.port, started), daemon=True)
-            for rank, started in enumerate(self.started, start=1)
-        ]
-        self.failure: str | None = None  # why the ranks can no longer work together
-        self.stopping = False
-        for process in self.processes:
-            process.start()
-        try:
-            self.tp, self.control = self.wait(lambda: make_groups(self.store, 0, world_size, device))
-        except BaseException:
-            self.join(timeout=0)
-            raise
-        threading.Thread(target=self.watch, daemon=True).start()
-
-    def dead(self) -> str | None:
-        """Why a worker is gone, if one is."""
-        for rank, (process, started) in enumerate(zip(self.processes, self.started), start=1):
-            if process.exitcode is None:
-                continue
-            if not started.is_set():
-                return (
-                    f"tensor-parallel worker rank {rank} exited (code {process.exitcode}) before it started. "
-                    + MAIN_GUARD
-                )
-            return f"tensor-parallel worker rank {rank} (pid {process.pid}) died (exit code {process.exitcode})"
-        return None
-
-    def wait(self, fn: Callable[[], Any]) -> Any:
-        """fn() (which waits for the workers) on a daemon thread; RuntimeError as soon as a worker is gone (the
-        thread, blocked for good, is left behind: a daemon does not keep the process alive)."""
-        done: list[tuple[Any, BaseException | None]] = []
-
-        def target() -> None:
-            try:
-                done.append((fn(), None))
-            except BaseException as e:
-                done.append((None, e))
-
-        thread = threading.Thread(target=target, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + START_TIMEOUT.total_seconds()
-        while thread.is_alive() and time.monotonic() < deadline:
-            thread.join(timeout=0.1)
-            if thread.is_alive() and (reason := self.dead()):
-                raise RuntimeError(reason)
-        if not done:
-            raise RuntimeError(f"tensor-parallel workers did not start within {START_TIMEOUT}")
-        result, error = done[0]
-        if error is not None:
-            raise error
-        return result
-
-    def watch(self) -> None:
-        """A worker that dies mid-step would leave rank 0 in a collective for ever: abort the groups instead."""
-        while not self.stopping:
-            if reason := self.dead():
-                self.failure = self.failure or reason
-                close_groups([self.tp.group, self.control], abort=True)
-                return
-            time.sleep(0.2)
-
-    def fail(self, error: BaseException) -> bool:
-        """A step broke: the ranks are out of step for good. Whether a worker died (it may take a moment to see)."""
-        deadline = time.monotonic() + 2
-        while (reason := self.dead()) is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        self.failure = self.failure or reason or f"a step failed on rank 0 ({type(error).__name__}: {error})"
-        return reason is not None
-
-    def check(self) -> None:
-        if self.failure is None:
-            self.failure = self.dead()
-        if self.failure is not None:
-            raise RuntimeError(f"the tensor-parallel engine cannot run: {self.failure}. Create a new LLM.")
-
-    def join(self, timeout: float = 10) -> None:
-        """Wait for the workers to exit (after "exit"), killing those still there after `timeout` seconds."""
-        self.stopping = True
-        for process in self.processes:
-            process.join(timeout=timeout)
-            if process.is_alive():
-                process.kill()
-                process.join()
-
-
-# %% [markdown]
-# A worker's life: check in (so rank 0 can tell "never started" from "died"), connect to rank 0's store, build its
-# groups, load its slice into a `ModelRunner`, then run what rank 0 sends until `exit`. Rank 0's runner changes three
-# methods: `call` tells the workers each method it runs (holding Ctrl-C until every rank is through), `launch` checks
-# that no worker died in the step, and `close` sends `exit`, frees the graphs, closes the groups, joins the workers.
-
-
-# %% tags=["export"] module="minivllm.engine.workers"
-def exit_with_parent(parent_pid: int) -> None:
-    while os.getppid() == parent_pid:
-        time.sleep(0.5)
-    os._exit(1)  # rank 0 is gone: nobody will send "exit"
-
-
-def worker_main(config: Config, rank: int, port: int, started: Any) -> None:
-    started.set()  # this module imported: rank 0 can tell "died" from "never started"
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it tells the workers to exit
-    threading.Thread(target=exit_with_parent, args=(os.getppid(),), daemon=True).start()
-    device = rank_device(config, rank)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False, timeout=START_TIMEOUT)
-    tp, control = make_groups(store, rank, config.tensor_parallel_size, device)
-    aborted = True
-    try:
-        runner = ModelRunner(config, rank, (tp, control))
-        try:
-            while (message := broadcast_object(None, control, rank))[0] != "exit":
-                method, args = message
-                getattr(runner, method)(*args)
-            aborted = False
-        finally:
-            runner.close()  # the CUDA graphs before the groups
-    finally:
-        close_groups([tp.group, control], aborted)
-
-
-class TPModelRunner(ModelRunner):
-    """Rank 0 of `tensor_parallel_size` ranks: starts the others, tells them every call, never hangs on them."""
-
-    def __init__(self, config: Config):
-        device = rank_device(config, 0)
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        self.workers = Workers(worker_main, (config,), config.tensor_parallel_size, device)
-        try:
-            super().__init__(config, 0, (self.workers.tp, self.workers.control))
-        except BaseException as e:
-            self.close(abort=True)
-            if self.workers.failure:
-                raise RuntimeError(self.workers.failure) from e
-            raise
-
-    def call(self, method: str, *args):
-        self.workers.check()
-        with sigint_held():  # Ctrl-C lands between steps, with every rank in step
-            try:
-                broadcast_object((method, args), self.control, 0)
-                return getattr(self, method)(*args)
-            except BaseException as e:
-                if self.workers.fail(e):  # the step broke because a worker died: say that, not "connection reset"
-                    raise RuntimeError(self.workers.failure) from e
-                raise
-
-    def launch(self, seqs: list[Sequence], is_prefill: bool) -> Callable[[], StepOutput]:
-        out = super().launch(seqs, is_prefill)()  # waits: under TP no step runs ahead
-        self.workers.check()  # a worker died during the step: its all-reduces were aborted, the tokens are junk
-        return lambda: out
-
-    def close(self, abort: bool = False) -> None:
-        if self.closed:
-            return
-        self.workers.stopping = True
-        abort = abort or self.workers.failure is not None or self.workers.dead() is not None
-        if not abort:
-            broadcast_object(("exit", ()), self.control, 0)
-        super().close()  # the CUDA graphs before the groups: an NCCL group waits for the graphs that captured it
-        close_groups([self.tp.group, self.control], abort)
-        self.workers.join()
-
-
-def make_runner(config: Config) -> ModelRunner:
-    """The engine's runner: one rank, or rank 0 of several."""
-    return TPModelRunner(config) if config.tensor_parallel_size > 1 else ModelRunner(config)
-
-
-# %% [markdown]
-# ### On two H200s: when does it pay?
-# `python -m minivllm.benchmarks.tp` runs the same decode step and throughput workload on one GPU and split over two:
-# each GPU reads half the weights and KV, but every layer adds two all-reduces. Which wins for a 0.6B model?
-
-# %%
-from minivllm.benchmarks.tp import plot_tp
-
-tp_data = json.loads(Path("figures/tp.json").read_text())  # needs two GPUs to re-measure: the committed run
-plot_tp(tp_data).savefig(FIGURES / "06_tp.png", dpi=120)
-step = {(r["tp"], r["batch"]): r["ms"] for r in tp_data["rows"] if r["kind"] == "decode_step"}
-run = {r["tp"]: r for r in tp_data["rows"] if r["kind"] == "throughput"}
-for batch in sorted({b for _, b in step}):
-    print(f"decode step, batch {batch:>3}: TP 1 {step[1, batch]:.2f} ms, TP 2 {step[2, batch]:.2f} ms")
-for tp, r in run.items():
-    print(f"TP {tp}: {r['tok_per_s']:,.0f} output tok/s, KV cache {r['kv_cache_tokens'] / 1e6:.2f} M tokens")
-for r in (r for r in tp_data["rows"] if r["kind"] == "startup"):  # python -c "LLM(...)": import to ready
-    print(f"TP {r['tp']}, fresh process, start {r['attempt']}: ready in {r['ready_seconds']:.0f} s")
-
-# %% [markdown]
-# Work it out: a TP-2 forward makes 2 × 28 all-reduces (plus the embedding's and LM head's gathers, and rank 0's
-# message). At batch 1, when the step is all latency, what is the most one all-reduce can cost?
-
-# %%
-added_ms = step[2, 1] - step[1, 1]
-per_allreduce_us = added_ms / (2 * 28) * 1e3  # 2 all-reduces per layer, 28 layers
-copy_tbps = json.loads(Path("figures/decode.json").read_text())["copy_tbps"]  # the H200's copy bandwidth
-weight_read_ms = 596e6 * 2 / (copy_tbps * 1e12) * 1e3  # 596 M bf16 parameters, read once
-print(f"TP 2 adds {added_ms:.2f} ms at batch 1: at most {per_allreduce_us:.0f} µs per all-reduce")
-print(f"one GPU reads all the weights in {weight_read_ms:.2f} ms, {weight_read_ms / added_ms:.0%} of what TP 2 adds")
-
-# %% [markdown]
-# For a 0.6B model TP 2 does not pay in speed: one GPU reads all 1.2 GB of weights in under 0.3 ms, a fifth of what
-# the communication adds; every step gets slower, most at small batches. What it buys is memory (each GPU holds half of
-# the KV heads: twice the tokens), at a slower start. TP pays when weights or KV cache do not fit one GPU.
-
-# %% [markdown]
-# ## The engine
-# `LLMEngine` owns one `ModelRunner` (and through it any tensor-parallel workers), one `Scheduler` and a tokenizer. It
-# keeps vLLM's split between adding work and doing it: `add_request(prompt, sampling_params, request_id=None)` checks,
-# tokenizes and queues a request's `Sequence`s, `abort_request(ids)` drops requests, and `step()` runs one scheduler
-# step and returns the finished requests with the step's `StepStats`; with nothing queued, an `"idle"` record.
-#
-# **Bad input never gets in.** Each request is checked before it touches any state, with a `ValueError` naming the field
-# and the allowed range (an empty prompt, one too long, a token id outside the vocabulary, a `request_id` in use, text
-# without a tokenizer); the engine keeps its own `SamplingParams`, `add_requests` checks a whole list before adding any;
-# the scheduler only `assert`s. **When the model fails** (a device error, Ctrl-C), the step's requests are aborted, their
-# blocks freed and dropped from the prefix cache (their KV may be half written); the next `step()` serves the others.
-#
-# **Stopping.** A model's EOS ids (the tokenizer's and `generation_config.json`'s) join each request's stop tokens
-# unless it says `ignore_eos`. Stop *strings* are the engine's: after each step it ends the replies holding one. While
-# a reply runs, `progress` decodes its newest tokens and holds back what could begin a stop string. **n completions**:
-# `n` makes a sequence per completion (seeded `seed + i`), sharing the first's cached prompt.
+# With **async scheduling** (on by default with one GPU) `step()` launches step N+1 before it reads step N's tokens:
+# `advance` gives each of step N's sequences a placeholder token, `-1 - row`, which the runner swaps on the device for
+# the token sampled in that row; `resolve` writes the real ones in. A step with penalties (they read every token)
+# waits. **When the model fails** (a device error, Ctrl-C), the step's requests are aborted, their blocks freed and
+# dropped from the prefix cache (their KV may be half written); the next `step()` serves the others. `make_runner`
+# makes one `ModelRunner`, or, for `tensor_parallel_size > 1`, looks up the fast path "tensor parallelism" by name
+# (the deep dive `tensor_parallel`), which the engine never imports.
 
 # %% tags=["export"] module="minivllm.engine.llm_engine"
-import dataclasses
-import json
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass, field
-from itertools import count
+from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
-
-import transformers
-from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from minivllm.config import Config
-from minivllm.engine.model_runner import StepOutput
+from minivllm.engine.fast_paths import fast_path
+from minivllm.engine.input_processor import InputProcessor, Prompt, Request, load_tokenizer
+from minivllm.engine.model_runner import ModelRunner, StepOutput
+from minivllm.engine.output_processor import OutputProcessor
 from minivllm.engine.scheduler import Scheduler, UnifiedScheduler
 from minivllm.engine.sequence import Sequence
-from minivllm.engine.workers import make_runner
-from minivllm.layers.sampler import TokenLogprobs
-from minivllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, StepStats
-from minivllm.sampling_params import SamplingParams, as_token_ids
-
-Prompt = str | list[int]  # text, or token ids: a list or tuple of ints, or a 1-D integer NumPy array / PyTorch tensor
+from minivllm.outputs import RequestOutput, StepStats
+from minivllm.sampling_params import SamplingParams
 
 
-def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase | None:
-    """The checkpoint's tokenizer, or None when the folder has none (token-id prompts still work). transformers may
-    build an empty tokenizer from a folder without tokenizer files: one that knows only special tokens is none."""
-    named = json.loads(p.read_text()) if (p := Path(path) / "tokenizer_config.json").is_file() else {}
-    name = "AutoTokenizer" if "auto_map" in named else named.get("tokenizer_class") or "AutoTokenizer"
-    try:  # the class named, imported alone: AutoTokenizer imports transformers' model registry (seconds)
-        tokenizer = (getattr(transformers, name, None) or transformers.AutoTokenizer).from_pretrained(path)
-    except (OSError, ValueError):
-        return None
-    return tokenizer if set(tokenizer.get_vocab()) - set(tokenizer.all_special_tokens) else None
-
-
-def eos_token_ids(path: str | Path, tokenizer: PreTrainedTokenizerBase | None, hf_config) -> list[int]:
-    """Every end-of-sequence id: the tokenizer's first, then generation_config.json's, then config.json's."""
-    ids = [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []
-    try:
-        extra = GenerationConfig.from_pretrained(path).eos_token_id
-    except OSError:
-        extra = getattr(hf_config, "eos_token_id", None)
-    ids += extra if isinstance(extra, list) else [extra] if extra is not None else []
-    return list(dict.fromkeys(ids))
-
-
-def sample_params(params: SamplingParams) -> list[SamplingParams]:
-    """One SamplingParams per completion (vLLM's rule): n = 1, seed + i for completion i of a seeded request, and
-    prompt logprobs asked of completion 0 only (the others may then reuse its cached prompt)."""
-    seeds = [None if params.seed is None else params.seed + i for i in range(params.n)]
-    prompt_logprobs = [params.prompt_logprobs] + [None] * (params.n - 1)
-    return [dataclasses.replace(params, n=1, seed=s, prompt_logprobs=p) for s, p in zip(seeds, prompt_logprobs)]
-
-
-@dataclass(slots=True)
-class Request:
-    request_id: str
-    prompt: str | None  # the text, when the prompt was text
-    prompt_token_ids: list[int]
-    seqs: list[Sequence]  # one per completion (SamplingParams.n)
-    metrics: RequestMetrics
-    num_started: int = 0  # seqs given to the scheduler: with prefix caching, seqs[1:] wait for seqs[0]'s prompt
-    text_ends: dict[int, int] = field(default_factory=dict)  # completion -> where its text ends (a stop string)
-    logprobs: dict[int, list[dict[int, Logprob]]] = field(default_factory=dict)  # completion -> one per token
-    prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=lambda: [None])  # per prompt token
-    texts: dict[int, tuple[str, int, int]] = field(default_factory=dict)  # completion -> see running_text
+def make_runner(config: Config) -> ModelRunner:
+    """The engine's runner: one rank, or rank 0 of tensor_parallel_size (the deep dive tensor_parallel)."""
+    return ModelRunner(config) if config.tensor_parallel_size == 1 else fast_path("tensor parallelism")(config)
 
 
 @dataclass(slots=True)
@@ -558,88 +98,17 @@ class LLMEngine:
     def __init__(self, model: str | Path, **kwargs):
         self.config = Config(model, **kwargs)
         self.tokenizer = load_tokenizer(self.config.model)
-        self.eos_token_ids = eos_token_ids(self.config.model, self.tokenizer, self.config.hf_config)
-        self.runner = make_runner(self.config)  # one rank, or rank 0 of tensor_parallel_size
+        self.runner = make_runner(self.config)
         policy = UnifiedScheduler if self.config.scheduling_policy == "unified" else Scheduler
         self.scheduler = policy(self.config, self.runner.num_kvcache_blocks)
+        self.input_processor = InputProcessor(self.config, self.tokenizer, self.scheduler.block_manager)
+        self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[int, Request] = {}  # seq_id -> request, until it finishes or is aborted
         self.finished: list[RequestOutput] = []  # finished, not returned yet (kept back by a step given request_ids)
-        self.request_counter = count()
         self.lock = threading.RLock()  # reentrant: LLM.generate holds it while it adds requests and steps
         self.launched: Launched | None = None  # async scheduling: the step on the GPU while the host goes on
 
     # --- requests in ---------------------------------------------------------------------------------------
-    def tokenize(self, prompt: Prompt, name: str = "prompt") -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(f"{name} is text, but {self.config.model} has no tokenizer: pass token ids")
-            return self.tokenizer.encode(prompt)
-        return as_token_ids(prompt, name)
-
-    def check_request(self, token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError if this request cannot run; changes nothing."""
-        config, vocab_size = self.config, self.config.hf_config.vocab_size
-        if not token_ids:
-            raise ValueError("prompt is empty: it must hold at least one token")
-        assert config.max_model_len is not None  # Config resolved it
-        if len(token_ids) >= config.max_model_len:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens; it must be shorter than max_model_len="
-                f"{config.max_model_len} (prompt + at least one generated token)"
-            )
-        bm = self.scheduler.block_manager
-        if len(token_ids) + 1 > bm.num_slots:
-            raise ValueError(
-                f"prompt has {len(token_ids)} tokens; the whole KV cache holds {bm.num_slots} "
-                f"({bm.num_blocks} blocks of {bm.block_size}): it can never run"
-            )
-        if bad := [t for t in token_ids if not 0 <= t < vocab_size]:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-        if params.stop and self.tokenizer is None:
-            raise ValueError(f"stop strings need a tokenizer, and {config.model} has none: use stop_token_ids")
-
-    def request_params(self, params: SamplingParams | None) -> SamplingParams:
-        """The request's own checked copy of params, whose stop tokens include every EOS id (unless ignore_eos): the
-        scheduler's only stop rule. `dataclasses.replace` runs SamplingParams' checks again: fields may have changed."""
-        if params is None:
-            params = SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        params = dataclasses.replace(params)
-        assert params.stop_token_ids is not None  # SamplingParams made it a list
-        eos = [] if params.ignore_eos else self.eos_token_ids
-        return dataclasses.replace(params, stop_token_ids=list(dict.fromkeys([*params.stop_token_ids, *eos])))
-
-    def new_request_ids(self, request_ids: list[str | None]) -> list[str]:
-        """The given ids, checked to be strings no live request uses; None gets the next unused number."""
-        taken = {r.request_id for r in self.requests.values()} | {out.request_id for out in self.finished}
-        ids = []
-        for request_id in request_ids:
-            if request_id is None:
-                request_id = next(i for i in map(str, self.request_counter) if i not in taken)
-            elif not isinstance(request_id, str):
-                raise ValueError(f"request_id must be a str, got {request_id!r} ({type(request_id).__name__})")
-            elif request_id in taken:
-                raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
-            taken.add(request_id)
-            ids.append(request_id)
-        return ids
-
-    def make_request(self, prompt: Prompt, params: SamplingParams | None, request_id: str, name: str) -> Request:
-        """Tokenize and check one request; changes nothing."""
-        params = self.request_params(params)
-        token_ids = self.tokenize(prompt, name)
-        self.check_request(token_ids, params)
-        seqs = [Sequence(token_ids, p, self.scheduler.block_manager.block_size) for p in sample_params(params)]
-        text = prompt if isinstance(prompt, str) else None
-        return Request(request_id, text, token_ids, seqs, RequestMetrics(time.perf_counter()))
-
-    def start(self, request: Request, num_seqs: int) -> None:
-        """Give the scheduler the request's sequences up to num_seqs."""
-        for seq in request.seqs[request.num_started : num_seqs]:
-            self.scheduler.add(seq)
-        request.num_started = max(request.num_started, num_seqs)
-
     def add_requests(
         self,
         prompts: list[Prompt],
@@ -648,9 +117,11 @@ class LLMEngine:
     ) -> list[str]:
         """Check every request, then queue them all: if one is bad, ValueError and none is queued. Their ids."""
         with self.lock:
-            ids = self.new_request_ids(request_ids or [None] * len(prompts))
+            taken = {r.request_id for r in self.requests.values()} | {out.request_id for out in self.finished}
+            ids = self.input_processor.request_ids(request_ids or [None] * len(prompts), taken)
             names = ["prompt"] if len(prompts) == 1 else [f"prompts[{i}]" for i in range(len(prompts))]
-            requests = [self.make_request(*args) for args in zip(prompts, sampling_params, ids, names, strict=True)]
+            make = self.input_processor.make_request
+            requests = [make(*args) for args in zip(prompts, sampling_params, ids, names, strict=True)]
             for request in requests:
                 self.requests |= {seq.seq_id: request for seq in request.seqs}
                 self.start(request, 1 if self.config.enable_prefix_caching else len(request.seqs))
@@ -660,6 +131,13 @@ class LLMEngine:
         self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
     ) -> str:
         return self.add_requests([prompt], [sampling_params], [request_id])[0]
+
+    def start(self, request: Request, num_seqs: int) -> None:
+        """Give the scheduler the request's sequences up to num_seqs (with prefix caching, the siblings of n wait
+        for the first one's prompt to be cached, then share its blocks)."""
+        for seq in request.seqs[request.num_started : num_seqs]:
+            self.scheduler.add(seq)
+        request.num_started = max(request.num_started, num_seqs)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Drop these requests, unfinished or finished but not returned yet, and free their KV blocks."""
@@ -703,7 +181,7 @@ class LLMEngine:
             self.abort_step(e, step.seqs + (self.launched.seqs if self.launched else []))
             self.launched = None
             raise
-        self.record(step.seqs, out, finished, time.perf_counter())
+        self.postprocess(step.seqs, out, finished, time.perf_counter())
         step.stats.run_seconds += ran - waiting
         step.stats.postprocess_seconds = advanced - start + time.perf_counter() - ran
         return step.stats
@@ -725,36 +203,23 @@ class LLMEngine:
         stats = StepStats(kind, len(seqs), num_tokens, scheduled - start, time.perf_counter() - scheduled)
         return Launched(seqs, output, stats)
 
-    def record(self, seqs: list[Sequence], out: StepOutput, finished: list[Sequence], now: float) -> None:
-        """After a step: first-token and finish times, log-probabilities, stop strings, the next completions to
-        start, and the finished requests' outputs."""
+    def postprocess(self, seqs: list[Sequence], out: StepOutput, finished: list[Sequence], now: float) -> None:
+        """After a step: the output processor's bookkeeping, a finish for each reply that reached a stop string, the
+        siblings of n to start, and the outputs of the requests whose every completion has finished."""
         for seq, logprobs, prompt_logprobs in zip(seqs, out.logprobs, out.prompt_logprobs):
             if (request := self.requests.get(seq.seq_id)) is None:
                 continue  # aborted while its step ran
-            i = request.seqs.index(seq)
-            if request.metrics.first_token_time is None and seq.num_completion_tokens > 0:
-                request.metrics.first_token_time = now
-            if logprobs is not None and len(request.logprobs.get(i, [])) < seq.num_completion_tokens:  # a new token
-                request.logprobs.setdefault(i, []).append(self.logprobs(logprobs))
-            for position, row in enumerate(prompt_logprobs[1], prompt_logprobs[0]) if prompt_logprobs else ():
-                if position == len(request.prompt_logprobs):  # not scored before (a preempted prompt is redone)
-                    request.prompt_logprobs.append(self.logprobs(row))
             if seq.num_completion_tokens > 0 and request.num_started < len(request.seqs):  # only seqs[0] ran: its
                 self.start(request, len(request.seqs))  # prompt is cached now, and the others share its blocks
-            if seq.sampling_params.stop and self.find_stop(request, i):
-                if not seq.is_finished:
-                    self.scheduler.abort(seq)  # frees its blocks (its newest token's KV was never computed)
-                    finished.append(seq)
-                seq.finish_reason = "stop"
+            if self.output_processor.process(request, seq, logprobs, prompt_logprobs, now):  # a stop string
+                finished += [] if seq.is_finished else [seq]
+                self.scheduler.finish(seq, "stop")
         for request in {self.requests[seq.seq_id].request_id: self.requests[seq.seq_id] for seq in finished}.values():
             if request.num_started == len(request.seqs) and all(seq.is_finished for seq in request.seqs):
                 request.metrics.finished_time = now
                 for seq in request.seqs:
                     del self.requests[seq.seq_id]
-                self.finished.append(self.output(request))
-
-    def logprobs(self, row: TokenLogprobs) -> dict[int, Logprob]:
-        return {token: Logprob(logprob, rank, self.decode([token])) for token, (logprob, rank) in row.items()}
+                self.finished.append(self.output_processor.output(request))
 
     def abort_step(self, error: BaseException, seqs: list[Sequence] | None) -> None:
         """After a failed step: abort its requests (all of them if it failed before its batch was known), and name
@@ -771,53 +236,7 @@ class LLMEngine:
         """The outputs so far (`finished=False`) of these requests, while they run: what a stream sends."""
         with self.lock:
             mine = {r.request_id: r for r in self.requests.values() if r.request_id in request_ids}
-            return [self.output(r, False) for r in mine.values()]
-
-    def find_stop(self, request: Request, i: int) -> bool:
-        """Whether completion i's text holds one of its stop strings; if so, `text_ends[i]` says where it ends."""
-        params = request.seqs[i].sampling_params
-        text = self.decode(request.seqs[i].completion_token_ids)
-        hits = [(at, stop) for stop in params.stop if (at := text.find(stop)) >= 0]  # type: ignore[union-attr]
-        if hits:
-            at, stop = min(hits)  # the first stop string in the text
-            request.text_ends[i] = at + len(stop) if params.include_stop_str_in_output else at
-        return bool(hits)
-
-    def decode(self, token_ids: list[int]) -> str:
-        return "" if self.tokenizer is None else cast(str, self.tokenizer.decode(token_ids, skip_special_tokens=True))
-
-    def output(self, request: Request, finished: bool = True) -> RequestOutput:
-        first = request.seqs[0]
-        prompt_logprobs = None if first.sampling_params.prompt_logprobs is None else list(request.prompt_logprobs)
-        completions = [self.completion(request, i) for i in range(len(request.seqs))]
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, completions, finished,
-                             request.metrics, prompt_logprobs)  # fmt: skip
-
-    def completion(self, request: Request, i: int) -> CompletionOutput:
-        seq, params = request.seqs[i], request.seqs[i].sampling_params
-        token_ids = seq.completion_token_ids
-        text = self.decode(token_ids) if seq.is_finished else self.running_text(request, i)
-        text = text[: request.text_ends.get(i)]
-        if not seq.is_finished and params.stop:  # hold back what may be the start of a stop string
-            text = text[: len(text) + 1 - max(map(len, params.stop))]
-        if params.logprobs is None:
-            return CompletionOutput(i, text, token_ids, seq.finish_reason)
-        logprobs = list(request.logprobs.get(i, []))
-        cumulative = sum(row[token].logprob for row, token in zip(logprobs, token_ids))
-        return CompletionOutput(i, text, token_ids, seq.finish_reason, logprobs, cumulative)
-
-    def running_text(self, request: Request, i: int) -> str:
-        """Completion i's text so far, from its newest tokens only (vLLM's incremental detokenization: decoding
-        the whole reply at every step would cost O(length²)). `texts[i]` = (text, start, read): the text ends with
-        the decode of tokens[start:read]; newer tokens are read once their text is whole (no '\ufffd' at its end)."""
-        (text, start, read), seq = request.texts.get(i, ("", 0, 0)), request.seqs[i]
-        if seq.num_completion_tokens > read:
-            tokens = seq.token_ids[seq.num_prompt_tokens + start :]  # from `start` on: no copy of the whole reply
-            known, new = self.decode(tokens[: read - start]), self.decode(tokens)
-            if not new.endswith("\ufffd"):  # a token with no text (a special one, say) is read too
-                text, start, read = text + new[len(known) :], read, seq.num_completion_tokens
-                request.texts[i] = (text, start, read)
-        return text
+            return [self.output_processor.output(r, False) for r in mine.values()]
 
     def has_unfinished_requests(self) -> bool:
         """Whether step() has more to give: requests to run, a step to finish, or outputs it kept back."""
@@ -837,7 +256,7 @@ class LLMEngine:
 
 
 # %% [markdown]
-# ## `LLM`: vLLM's offline API
+# ## `LLM.generate`: the loop, for a user
 # `LLM(model, ...)` takes notebook 02's `Config` fields as keyword arguments, with vLLM's names and defaults. `generate`
 # accepts a str, token ids (a list of ints, a 1-D integer array or tensor) or a list of those, with one `SamplingParams`
 # for all or one per prompt, and returns the outputs in the prompts' order, with a progress bar; `chat` does the same
@@ -845,7 +264,9 @@ class LLMEngine:
 #
 # * `generate` holds the engine's lock for its whole run, so calls from several threads run one after another;
 # * it returns only its own requests; those queued earlier with `engine.add_request` share its batches, their finished
-#   kept for the next `engine.step()`; if interrupted (Ctrl-C, an error), it aborts its unfinished ones and their blocks.
+#   kept for the next `engine.step()`; if interrupted (Ctrl-C, an error), it aborts its unfinished ones and their blocks;
+# * a server cannot wait for a batch: `AsyncLLM` steps the same engine on its own thread and streams each request's
+#   newest output (`engine.progress`), and `python -m minivllm.serve` puts OpenAI's HTTP API in front (shown below).
 
 # %% tags=["export"] module="minivllm.llm"
 from collections.abc import Sequence as SequenceOf
@@ -853,7 +274,8 @@ from typing import TypeGuard, cast
 
 from tqdm.auto import tqdm
 
-from minivllm.engine.llm_engine import LLMEngine, Prompt
+from minivllm.engine.input_processor import Prompt
+from minivllm.engine.llm_engine import LLMEngine
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams, scalar
 
@@ -952,11 +374,330 @@ class LLM:
 
 
 # %% [markdown]
+# ## vLLM's offline API: what goes in, what comes out
+# The loop above is all the engine does; the rest is vLLM's contract with its user, in three modules: what a request
+# gives back (`outputs`), how a prompt gets in (`input_processor`), how tokens come out as text (`output_processor`).
+#
+# ### What a request gives back
+# vLLM's `RequestOutput`: the prompt and, per completion, its text, token ids, `finish_reason` ("stop": an EOS or stop
+# token; "length": `max_tokens` or the context) and log-probabilities if asked; and two timings a server is judged by:
+# **time to first token** (TTFT) and **time per output token** (TPOT). A step returns a `StepStats`: its kind
+# (`"prefill"`, `"decode"`, `"mixed"`, or `"idle"`), sequences, tokens, and phases' times (`schedule`, `run`: inputs,
+# forward, sampler, waiting for the GPU; `postprocess`), which the progress bar and throughput benchmark read.
+
+# %% tags=["export"] module="minivllm.outputs"
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Logprob:
+    logprob: float  # under the raw distribution: the log-softmax of the model's logits
+    rank: int  # 1 is the most likely token
+    decoded_token: str
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int  # which of the request's n completions
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop", "length", or None while running
+    logprobs: list[dict[int, Logprob]] | None = None  # per token: its own and the most likely tokens' (if asked)
+    cumulative_logprob: float | None = None  # the sum of its tokens' log-probabilities (if logprobs were asked)
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    arrival_time: float  # time.perf_counter() seconds
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    def time_per_output_token(self, num_tokens: int) -> float | None:
+        if self.finished_time is None or self.first_token_time is None or num_tokens < 2:
+            return None
+        return (self.finished_time - self.first_token_time) / (num_tokens - 1)
+
+
+@dataclass(slots=True)
+class StepStats:
+    """What one engine step did, and its phases' wall times in seconds (time.perf_counter())."""
+
+    kind: str  # "prefill", "decode", "mixed" (prompt and decode rows in one forward), or "idle" (no step ran)
+    num_seqs: int = 0  # sequences in the batch
+    num_tokens: int = 0  # tokens computed: prompt tokens, plus one per sequence that decodes
+    schedule_seconds: float = 0.0  # Scheduler.schedule
+    run_seconds: float = 0.0  # ModelRunner.launch (inputs, forward, sampler, log-probabilities), waiting for tokens
+    postprocess_seconds: float = 0.0  # Scheduler.advance and resolve, the engine's outputs
+
+    @property
+    def seconds(self) -> float:
+        return self.schedule_seconds + self.run_seconds + self.postprocess_seconds
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics = field(repr=False)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # per prompt token (None for the first), if asked
+
+
+# %% [markdown]
+# ### Requests in: the input processor
+# **Bad input never gets in.** `make_request` tokenizes a prompt and checks it before it touches any state, with a
+# `ValueError` naming the field and the allowed range (an empty prompt, one too long, a token id outside the vocabulary,
+# a `request_id` in use, text without a tokenizer); each request keeps its own copy of its `SamplingParams`, and
+# `add_requests` checks a whole list before adding any. The scheduler only `assert`s.
+#
+# **Stop tokens.** A model's EOS ids (the tokenizer's and `generation_config.json`'s) join each request's stop tokens
+# unless it says `ignore_eos`: the scheduler's only stop rule. **n completions**: `n` makes a sequence per completion
+# (seeded `seed + i`), which share the first one's cached prompt.
+
+# %% tags=["export"] module="minivllm.engine.input_processor"
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from itertools import count
+from pathlib import Path
+
+import transformers
+from transformers import GenerationConfig, PreTrainedTokenizerBase
+
+from minivllm.config import Config
+from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.sequence import Sequence
+from minivllm.outputs import Logprob, RequestMetrics
+from minivllm.sampling_params import SamplingParams, as_token_ids
+
+Prompt = str | list[int]  # text, or token ids: a list or tuple of ints, or a 1-D integer NumPy array / PyTorch tensor
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase | None:
+    """The checkpoint's tokenizer, or None when the folder has none (token-id prompts still work). transformers may
+    build an empty tokenizer from a folder without tokenizer files: one that knows only special tokens is none."""
+    named = json.loads(p.read_text()) if (p := Path(path) / "tokenizer_config.json").is_file() else {}
+    name = "AutoTokenizer" if "auto_map" in named else named.get("tokenizer_class") or "AutoTokenizer"
+    try:  # the class named, imported alone: AutoTokenizer imports transformers' model registry (seconds)
+        tokenizer = (getattr(transformers, name, None) or transformers.AutoTokenizer).from_pretrained(path)
+    except (OSError, ValueError):
+        return None
+    return tokenizer if set(tokenizer.get_vocab()) - set(tokenizer.all_special_tokens) else None
+
+
+def eos_token_ids(path: str | Path, tokenizer: PreTrainedTokenizerBase | None, hf_config) -> list[int]:
+    """Every end-of-sequence id: the tokenizer's first, then generation_config.json's, then config.json's."""
+    ids = [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []
+    try:
+        extra = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:
+        extra = getattr(hf_config, "eos_token_id", None)
+    ids += extra if isinstance(extra, list) else [extra] if extra is not None else []
+    return list(dict.fromkeys(ids))
+
+
+def sample_params(params: SamplingParams) -> list[SamplingParams]:
+    """One SamplingParams per completion (vLLM's rule): n = 1, seed + i for completion i of a seeded request, and
+    prompt logprobs asked of completion 0 only (the others may then reuse its cached prompt)."""
+    seeds = [None if params.seed is None else params.seed + i for i in range(params.n)]
+    prompt_logprobs = [params.prompt_logprobs] + [None] * (params.n - 1)
+    return [dataclasses.replace(params, n=1, seed=s, prompt_logprobs=p) for s, p in zip(seeds, prompt_logprobs)]
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: str
+    prompt: str | None  # the text, when the prompt was text
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]  # one per completion (SamplingParams.n)
+    metrics: RequestMetrics
+    num_started: int = 0  # seqs given to the scheduler: with prefix caching, seqs[1:] wait for seqs[0]'s prompt
+    text_ends: dict[int, int] = field(default_factory=dict)  # completion -> where its text ends (a stop string)
+    logprobs: dict[int, list[dict[int, Logprob]]] = field(default_factory=dict)  # completion -> one per token
+    prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=lambda: [None])  # per prompt token
+    texts: dict[int, tuple[str, int, int]] = field(default_factory=dict)  # completion -> see running_text
+
+
+class InputProcessor:
+    """Prompts in, checked `Request`s out; it changes nothing (the engine queues what it returns)."""
+
+    def __init__(self, config: Config, tokenizer: PreTrainedTokenizerBase | None, block_manager: BlockManager):
+        self.config, self.tokenizer, self.block_manager = config, tokenizer, block_manager
+        self.eos_token_ids = eos_token_ids(config.model, tokenizer, config.hf_config)
+        self.counter = count()  # request ids the engine hands out
+
+    def tokenize(self, prompt: Prompt, name: str = "prompt") -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{name} is text, but {self.config.model} has no tokenizer: pass token ids")
+            return self.tokenizer.encode(prompt)
+        return as_token_ids(prompt, name)
+
+    def check_request(self, token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError if this request cannot run."""
+        config, vocab_size, bm = self.config, self.config.hf_config.vocab_size, self.block_manager
+        if not token_ids:
+            raise ValueError("prompt is empty: it must hold at least one token")
+        assert config.max_model_len is not None  # Config resolved it
+        if len(token_ids) >= config.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; it must be shorter than max_model_len="
+                f"{config.max_model_len} (prompt + at least one generated token)"
+            )
+        if len(token_ids) + 1 > bm.num_slots:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens; the whole KV cache holds {bm.num_slots} "
+                f"({bm.num_blocks} blocks of {bm.block_size}): it can never run"
+            )
+        if bad := [t for t in token_ids if not 0 <= t < vocab_size]:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"stop strings need a tokenizer, and {config.model} has none: use stop_token_ids")
+
+    def request_params(self, params: SamplingParams | None) -> SamplingParams:
+        """The request's own checked copy of params, whose stop tokens include every EOS id (unless ignore_eos): the
+        scheduler's only stop rule. `dataclasses.replace` runs SamplingParams' checks again: fields may have changed."""
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        params = dataclasses.replace(params)
+        assert params.stop_token_ids is not None  # SamplingParams made it a list
+        eos = [] if params.ignore_eos else self.eos_token_ids
+        return dataclasses.replace(params, stop_token_ids=list(dict.fromkeys([*params.stop_token_ids, *eos])))
+
+    def request_ids(self, request_ids: list[str | None], taken: set[str]) -> list[str]:
+        """The given ids, checked to be strings not `taken` (by live requests); None gets the next unused number."""
+        ids = []
+        for request_id in request_ids:
+            if request_id is None:
+                request_id = next(i for i in map(str, self.counter) if i not in taken)
+            elif not isinstance(request_id, str):
+                raise ValueError(f"request_id must be a str, got {request_id!r} ({type(request_id).__name__})")
+            elif request_id in taken:
+                raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
+            taken = taken | {request_id}
+            ids.append(request_id)
+        return ids
+
+    def make_request(self, prompt: Prompt, params: SamplingParams | None, request_id: str, name: str) -> Request:
+        """Tokenize and check one request."""
+        params = self.request_params(params)
+        token_ids = self.tokenize(prompt, name)
+        self.check_request(token_ids, params)
+        seqs = [Sequence(token_ids, p, self.block_manager.block_size) for p in sample_params(params)]
+        text = prompt if isinstance(prompt, str) else None
+        return Request(request_id, text, token_ids, seqs, RequestMetrics(time.perf_counter()))
+
+
+# %% [markdown]
+# ### Outputs out: the output processor
+# Stop *strings* are the output processor's, not the scheduler's (it sees only token ids): after each step it
+# detokenizes the replies that have one, and a reply holding one is finished by the engine, with reason `"stop"`, in
+# one call to the scheduler. While a reply runs, `running_text` detokenizes its newest tokens only and holds back what
+# could begin a stop string. It also keeps each token's log-probabilities, and gathers a request's n completions into
+# one `RequestOutput` once the last has finished.
+
+# %% tags=["export"] module="minivllm.engine.output_processor"
+from typing import cast
+
+from transformers import PreTrainedTokenizerBase
+
+from minivllm.engine.input_processor import Request
+from minivllm.engine.sequence import Sequence
+from minivllm.layers.sampler import TokenLogprobs
+from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+class OutputProcessor:
+    """A step's tokens in, what a user reads out: text, stop strings, log-probabilities, `RequestOutput`s."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None):
+        self.tokenizer = tokenizer
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        return "" if self.tokenizer is None else cast(str, self.tokenizer.decode(token_ids, skip_special_tokens=True))
+
+    def process(
+        self,
+        request: Request,
+        seq: Sequence,
+        logprobs: TokenLogprobs | None,
+        prompt_logprobs: tuple[int, list[TokenLogprobs]] | None,
+        now: float,
+    ) -> bool:
+        """Record what a step gave seq: its request's first-token time, log-probabilities. Whether seq's text now
+        holds one of its stop strings (the engine then finishes it)."""
+        i = request.seqs.index(seq)
+        if request.metrics.first_token_time is None and seq.num_completion_tokens > 0:
+            request.metrics.first_token_time = now
+        if logprobs is not None and len(request.logprobs.get(i, [])) < seq.num_completion_tokens:  # a new token
+            request.logprobs.setdefault(i, []).append(self.logprobs(logprobs))
+        for position, row in enumerate(prompt_logprobs[1], prompt_logprobs[0]) if prompt_logprobs else ():
+            if position == len(request.prompt_logprobs):  # not scored before (a preempted prompt is redone)
+                request.prompt_logprobs.append(self.logprobs(row))
+        return bool(seq.sampling_params.stop) and self.find_stop(request, i)
+
+    def logprobs(self, row: TokenLogprobs) -> dict[int, Logprob]:
+        return {token: Logprob(logprob, rank, self.detokenize([token])) for token, (logprob, rank) in row.items()}
+
+    def find_stop(self, request: Request, i: int) -> bool:
+        """Whether completion i's text holds one of its stop strings; if so, `text_ends[i]` says where it ends."""
+        params = request.seqs[i].sampling_params
+        text = self.detokenize(request.seqs[i].completion_token_ids)
+        hits = [(at, stop) for stop in params.stop if (at := text.find(stop)) >= 0]  # type: ignore[union-attr]
+        if hits:
+            at, stop = min(hits)  # the first stop string in the text
+            request.text_ends[i] = at + len(stop) if params.include_stop_str_in_output else at
+        return bool(hits)
+
+    def output(self, request: Request, finished: bool = True) -> RequestOutput:
+        first = request.seqs[0]
+        prompt_logprobs = None if first.sampling_params.prompt_logprobs is None else list(request.prompt_logprobs)
+        completions = [self.completion(request, i) for i in range(len(request.seqs))]
+        prompt, ids, metrics = request.prompt, request.prompt_token_ids, request.metrics
+        return RequestOutput(request.request_id, prompt, ids, completions, finished, metrics, prompt_logprobs)
+
+    def completion(self, request: Request, i: int) -> CompletionOutput:
+        seq, params = request.seqs[i], request.seqs[i].sampling_params
+        token_ids = seq.completion_token_ids
+        text = self.detokenize(token_ids) if seq.is_finished else self.running_text(request, i)
+        text = text[: request.text_ends.get(i)]
+        if not seq.is_finished and params.stop:  # hold back what may be the start of a stop string
+            text = text[: len(text) + 1 - max(map(len, params.stop))]
+        if params.logprobs is None:
+            return CompletionOutput(i, text, token_ids, seq.finish_reason)
+        logprobs = list(request.logprobs.get(i, []))
+        cumulative = sum(row[token].logprob for row, token in zip(logprobs, token_ids))
+        return CompletionOutput(i, text, token_ids, seq.finish_reason, logprobs, cumulative)
+
+    def running_text(self, request: Request, i: int) -> str:
+        """Completion i's text so far, from its newest tokens only (vLLM's incremental detokenization: detokenizing
+        the whole reply at every step would cost O(length²)). `texts[i]` = (text, start, read): the text ends with
+        the text of tokens[start:read]; newer tokens are read once their text is whole (no '\ufffd' at its end)."""
+        (text, start, read), seq = request.texts.get(i, ("", 0, 0)), request.seqs[i]
+        if seq.num_completion_tokens > read:
+            tokens = seq.token_ids[seq.num_prompt_tokens + start :]  # from `start` on: no copy of the whole reply
+            known, new = self.detokenize(tokens[: read - start]), self.detokenize(tokens)
+            if not new.endswith("\ufffd"):  # a token with no text (a special one, say) is read too
+                text, start, read = text + new[len(known) :], read, seq.num_completion_tokens
+                request.texts[i] = (text, start, read)
+        return text
+
+
+# %% [markdown]
 # ## Qwen3 end to end
 # Random weights write gibberish, so the text comes from `tiny-text`, notebook 02's tiny model trained on the
-# tokenizer's text; then `n=3` completions of one prompt, with `logprobs=2`. On a GPU a second run takes `qwen3-0.6b`
-# (random weights, the 0.6B's shapes) for timings: most of its token ids have no text in the presets' 2,048-token
-# tokenizer, so the first ids are printed too.
+# tokenizer's text; then `n=3` sampled completions of one prompt (seeded: completion i draws with `seed + i`), with
+# `logprobs=2`. On a GPU a second run takes `qwen3-0.6b` (random weights, the 0.6B's shapes) for timings: most of its
+# token ids have no text in the presets' 2,048-token tokenizer, so the first ids are printed too.
 
 # %%
 from minivllm import LLM, SamplingParams
@@ -980,9 +721,10 @@ show(texts := llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24)
 stopped = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=24, stop="."), use_tqdm=False)[0].outputs[0]
 print(f"with stop='.': {stopped.text!r}, finish_reason={stopped.finish_reason}")
 assert stopped.finish_reason == "stop" and stopped.text == texts[0].outputs[0].text.split(".")[0]
-three = llm.generate(prompts[2], SamplingParams(n=3, seed=0, max_tokens=12, logprobs=2), use_tqdm=False)[0].outputs
+three = llm.generate(prompts[2], SamplingParams(n=3, seed=0, max_tokens=16, logprobs=2), use_tqdm=False)[0].outputs
 for c in three:  # each token's row: {token id: Logprob(logprob, rank, decoded_token)}, its own first
     print(f"sample {c.index}: {c.text!r}, log-probability {c.cumulative_logprob:.1f}; first token: {c.logprobs[0]}")
+assert len({c.text for c in three}) == 3  # seeds 0, 1, 2: three draws, the same three on every run
 if DEVICE == "cuda":
     llm.close()  # give its GPU memory to the 0.6B
     path = write_checkpoint(CHECKPOINTS / "qwen3-0.6b", "qwen3-0.6b", seed=0)
@@ -1018,12 +760,9 @@ got = torch.tensor([row[t].logprob for row, t in zip(scored.prompt_logprobs[1:],
 torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 # %% [markdown]
-# **Async scheduling.** A step's host work (scheduling, inputs, outputs) leaves the GPU idle unless it overlaps the
-# step before. With `async_scheduling` (on by default with one GPU) `step()` launches step N+1, then reads step N's
-# tokens: `advance` gives each of step N's sequences a placeholder token, `-1 - row`, which the runner swaps on the
-# device for the token sampled in that row; `resolve` writes the real ones in. A request that stopped at step N costs a
-# wasted row; a step with penalties (they read every token) waits. On the H200, nano-vllm's workload goes from 17.4k
-# to 22.1k output tokens/s (README). On a CPU nothing runs ahead, but every line runs:
+# **Async scheduling** (the engine loop above) takes nano-vllm's workload on the H200 from 17.4k to 22.1k output
+# tokens/s (README). On a CPU nothing runs ahead, but every line runs: after the prefill's `step()`, the first decode
+# step is already launched, its tokens on their way.
 
 # %%
 ahead = LLM(str(tiny_path), async_scheduling=True, **cpu_kwargs)
@@ -1061,30 +800,8 @@ after = cpu_llm.generate([[1, 2, 3]], greedy, use_tqdm=False)[0].outputs[0].toke
 assert after == hf.generate(torch.tensor([[1, 2, 3]]), **hf_greedy)[0, 3:].tolist()
 
 # %% [markdown]
-# ### Sharing one engine
-# Integer arrays and tensors are token ids too. `step()` with nothing queued gives nothing back. A request queued with
-# `add_request` shares the batches of a later `generate` but is not among its outputs: the engine keeps it for the next
-# `step()`. (Two threads calling `generate` at once take turns: `tests/test_engine.py`.)
-
-# %%
-import numpy as np
-
-arrays = [np.array([5, 6, 7]), torch.tensor([8, 9])]
-alone = [out.outputs[0].token_ids for out in cpu_llm.generate(arrays, greedy, use_tqdm=False)]
-nothing, idle = cpu_llm.engine.step()
-assert nothing == [] and idle.kind == "idle" and idle.num_tokens == 0
-cpu_llm.engine.add_request([1, 2, 3], greedy, request_id="queued earlier")
-mine = cpu_llm.generate([[5, 6, 7]], greedy, use_tqdm=False)
-assert [out.outputs[0].token_ids for out in mine] == alone[:1]
-kept, _ = cpu_llm.engine.step()
-assert [out.request_id for out in kept] == ["queued earlier"]
-assert not cpu_llm.engine.has_unfinished_requests() and not cpu_llm.engine.requests
-
-# %% [markdown]
 # ### Serving it: OpenAI's API, token by token
-# A server cannot wait for a batch: requests arrive while others run, and each client wants its reply as it is written.
-# `AsyncLLM` steps the same `LLMEngine` on its own thread and hands each request its newest output; `python -m
-# minivllm.serve` puts OpenAI's HTTP API in front. `serve_in_thread` runs it in this kernel; OpenAI's client streams:
+# `serve_in_thread` runs `python -m minivllm.serve`'s server in this kernel, over an `AsyncLLM`; OpenAI's client streams:
 
 # %%
 from openai import OpenAI
@@ -1150,8 +867,8 @@ assert all(s.kind in ("prefill", "mixed", "decode") and s.num_seqs > 0 for s in 
 # cells measure again; without one they read the H200 runs committed in `figures/`.
 
 # %%
-from minivllm.benchmarks.decode import run_decode_benchmark
-from minivllm.benchmarks.prefill import run_prefill_benchmark
+from minivllm.benchmarks.decode import plot_decode, run_decode_benchmark
+from minivllm.benchmarks.prefill import plot_prefill, run_prefill_benchmark
 
 figures = Path("figures")
 
@@ -1164,27 +881,8 @@ def measured(name: str, measure) -> dict:
 if DEVICE == "cuda":
     llm.close()  # its KV cache holds most of the GPU: give it to the benchmarks
 prefill, decode = measured("prefill", run_prefill_benchmark), measured("decode", run_decode_benchmark)
-fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8), layout="tight")
-impls = list(dict.fromkeys(r["impl"] for r in prefill["rows"]))
-seqlens = sorted({r["seqlen"] for r in prefill["rows"]})
-for i, impl in enumerate(impls):
-    tflops = {r["seqlen"]: r["tflops"] for r in prefill["rows"] if r["impl"] == impl}
-    left.bar([j + 0.2 * i for j in range(len(seqlens))], [tflops.get(n, 0) for n in seqlens], 0.2, label=impl)
-left.set_xticks([j + 0.3 for j in range(len(seqlens))], [f"{n // 1024}k tokens" for n in seqlens])
-left.set(ylabel="TFLOP/s", title="prefill: FlashAttention, causal, batch 1")
-left.legend(fontsize=7)
-rows = [r for r in decode["rows"] if r["block_size"] == 16]
-impls = list(dict.fromkeys(r["impl"] for r in rows))
-shapes = list(dict.fromkeys((r["batch"], r["context_len"]) for r in rows))
-for i, impl in enumerate(impls):
-    tbps = {(r["batch"], r["context_len"]): r["tbps"] for r in rows if r["impl"] == impl}
-    right.bar([j + 0.25 * i for j in range(len(shapes))], [tbps[s] for s in shapes], 0.25, label=impl)
-right.axhline(decode["copy_tbps"], color="grey", ls=":", label="copy bandwidth")
-right.set_xticks([j + 0.25 for j in range(len(shapes))], [f"{b}×{c // 1024}k" for b, c in shapes])
-right.set(ylabel="TB/s of KV read", title="decode: PagedAttention, blocks of 16")
-right.legend(fontsize=7, loc="lower right")
-fig.suptitle(f"Attention kernels on {prefill['device']}, Qwen3-0.6B heads (16/8 × 128), bf16")
-fig.savefig(FIGURES / "06_attention_kernels.png", dpi=120)
+plot_prefill(prefill).savefig(FIGURES / "06_prefill.png", dpi=120)
+plot_decode(decode).savefig(FIGURES / "06_decode.png", dpi=120)
 
 # %% [markdown]
 # **Throughput and latency** per workload and scheduling policy, from `python -m minivllm.benchmarks.throughput` on an
@@ -1270,36 +968,7 @@ check_answer(("prefill", 5 - 1), (kinds[first], len(kinds) - 1 - first), "1. tim
 print(f"TTFT {timed.time_to_first_token * 1e3:.1f} ms, TPOT {timed.time_per_output_token(5) * 1e3:.1f} ms")
 
 # %% [markdown]
-# **2.** `generate` checks every request before it queues the first. Suppose it did not: queue `[[1, 2], [vocab + 5],
-# [3, 4]]` one `add_request` at a time. How many requests are queued when the bad one raises?
-
-# %%
-answer = None  # your answer: replace None with an expression
-before = engine.scheduler.block_manager.num_free_blocks
-queued = []
-try:
-    for prompt in [[1, 2], [vocab + 5], [3, 4]]:
-        queued.append(engine.add_request(prompt, greedy))
-except ValueError as e:
-    print("ValueError:", e)
-num_queued = len(engine.requests)
-engine.abort_request(queued)
-check_answer(answer, num_queued, "2. check first")
-
-# %% [markdown]
-# Worked answer: 1, `[1, 2]`. The caller got an exception, yet the engine would run `[1, 2]` and hand its output to the
-# next call: a request nobody waits for. `generate` checks all first, so the same list queues nothing.
-
-# %%
-check_answer(1, num_queued, "2. check first")
-try:
-    cpu_llm.generate([[1, 2], [vocab + 5], [3, 4]], greedy, use_tqdm=False)
-except ValueError:
-    pass
-assert not engine.has_unfinished_requests() and engine.scheduler.block_manager.num_free_blocks == before
-
-# %% [markdown]
-# **3.** The green blocks of the occupancy figure are free but keep a cached prefix, among them the 64-token system
+# **2.** The green blocks of the occupancy figure are free but keep a cached prefix, among them the 64-token system
 # prompt's. A request arrives: the system prompt and 10 tokens. How many does its prefill find in the cache?
 
 # %%
@@ -1308,12 +977,12 @@ greens = bm.num_cached_free_blocks
 engine.add_request(system_prompt + list(range(10, 20)), greedy, "late")
 _, prefill = engine.step()
 hits = len(system_prompt) + 10 - prefill.num_tokens  # the prompt less what the prefill computed
-check_answer(answer, hits, "3. green blocks")
+check_answer(answer, hits, "2. green blocks")
 
 # %% [markdown]
 # Worked answer: 64, the system prompt's 4 full blocks. They turn blue (reference counts 0 → 1); 10 tokens computed.
 
 # %%
-check_answer(64 // 16 * 16, hits, "3. green blocks")
+check_answer(64 // 16 * 16, hits, "2. green blocks")
 assert bm.num_cached_free_blocks == greens - 4
 engine.abort_request("late")

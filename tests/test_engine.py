@@ -99,13 +99,13 @@ def test_a_running_reply_never_shows_text_it_takes_back(llm):
 def test_running_text_is_decoded_incrementally_and_equals_the_whole_decode(llm):
     """What a stream shows while a reply runs (running_text, from its newest tokens) is always a prefix of the whole
     reply's decode, and all of it once that decode is whole; random tokens, multi-byte characters included."""
-    engine, rng = llm.engine, random.Random(0)
+    engine, outputs, rng = llm.engine, llm.engine.output_processor, random.Random(0)
     for trial in range(20):
-        request = engine.make_request([1, 2, 3], GREEDY, f"r{trial}", "prompt")
+        request = engine.input_processor.make_request([1, 2, 3], GREEDY, f"r{trial}", "prompt")
         seq = request.seqs[0]
         for _ in range(60):
             seq.append_token(rng.randrange(2048))
-            text, whole = engine.running_text(request, 0), engine.decode(seq.completion_token_ids)
+            text, whole = outputs.running_text(request, 0), outputs.detokenize(seq.completion_token_ids)
             assert whole.startswith(text)
             assert text == whole or whole.endswith("\ufffd")
 
@@ -277,7 +277,7 @@ def test_cli_runs_the_tiny_preset(tmp_path):
 def test_tokenizer_loads_the_class_its_config_names_without_auto_tokenizer(tiny):
     """AutoTokenizer imports transformers' model registry (seconds of start-up): the named class is imported alone."""
     code = (
-        "import sys; from minivllm.engine.llm_engine import load_tokenizer; "
+        "import sys; from minivllm.engine.input_processor import load_tokenizer; "
         f"t = load_tokenizer({str(tiny)!r}); "
         "print(type(t).__name__, 'transformers.models.auto.tokenization_auto' in sys.modules)"
     )

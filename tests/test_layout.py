@@ -58,10 +58,8 @@ PLANNED_DEEP_DIVE_MODULES = {
 
 # (importer, imported) pairs that break the rules today, each being removed; a fix deletes its line
 KNOWN = {
-    ("minivllm.serve", "minivllm.__main__"),  # checkpoint_for: moving into checkpoint/
     ("minivllm.layers.sampler", "minivllm.sampling_params"),  # the sampler reads SamplingTensors only
     ("minivllm.layers.sampler", "minivllm.kernels.sampling"),  # deep dives: reached only through fast_paths.py
-    ("minivllm.engine.llm_engine", "minivllm.engine.workers"),
 }
 KNOWN_MISSING_FAST_PATHS: set[str] = set()
 

@@ -18,7 +18,7 @@ import torch
 
 from minivllm.benchmarks.common import arg_parser, preset_checkpoint, result, save
 from minivllm.benchmarks.workloads import MAX_MODEL_LEN, POLICIES, WORKLOADS, Workload, make_workload
-from minivllm.engine.llm_engine import Prompt
+from minivllm.engine.input_processor import Prompt
 from minivllm.llm import LLM
 from minivllm.sampling_params import SamplingParams
 

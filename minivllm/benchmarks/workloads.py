@@ -202,15 +202,13 @@ def decode_step_rows(
     """Median decode-step times of a runner on checkpoint `path` (Config fields in `config`) per batch size and
     impl ("minivllm-eager": a runner made with enforce_eager=True), and the size of the (first) runner's KV cache."""
     from minivllm.config import Config
-    from minivllm.engine.fast_paths import fast_path
-    from minivllm.engine.model_runner import ModelRunner
+    from minivllm.engine.llm_engine import make_runner
 
     rows, cache = [], None
     for impl in impls:
         eager = impl.endswith("eager")
         runner_config = Config(path, max_num_seqs=max(batch_sizes), max_model_len=4096, enforce_eager=eager, **config)
-        tp = runner_config.tensor_parallel_size > 1  # as the engine makes its runner
-        runner = (fast_path("tensor parallelism") if tp else ModelRunner)(runner_config)
+        runner = make_runner(runner_config)  # as the engine makes it
         try:
             rows += [
                 dict(impl=impl, batch=batch, context_len=context_len + 1, ms=ms)
