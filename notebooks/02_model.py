@@ -886,7 +886,9 @@ class SamplingParams:
     ignore_eos: bool = False  # keep going after the end-of-sequence token
     seed: int | None = None  # per-request random seed; None draws from the engine's generator
     stop_token_ids: list[int] = field(default_factory=list)  # extra tokens that finish the request (None: none)
-    stop: list[str] | None = None  # strings that finish the request when the text contains one (a str: one string)
+    stop: list[str] = field(
+        default_factory=list
+    )  # strings that finish the request when the text holds one (None: none)
     include_stop_str_in_output: bool = False  # keep the stop string at the end of the text
     n: int = 1  # completions of the prompt (they share its KV blocks); with a seed, completion i uses seed + i
     logprobs: int | None = None  # per completion token: its log-probability, and this many most likely tokens'
@@ -927,7 +929,7 @@ class SamplingParams:
         self.ignore_eos = as_bool(self.ignore_eos, "ignore_eos")
         self.include_stop_str_in_output = as_bool(self.include_stop_str_in_output, "include_stop_str_in_output")
         self.stop_token_ids = [] if self.stop_token_ids is None else as_token_ids(self.stop_token_ids, "stop_token_ids")
-        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])  # a str: one string
 
     @property
     def penalized(self) -> bool:

@@ -134,7 +134,6 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.block_manager = BlockManager(num_kvcache_blocks, config.block_size, config.enable_prefix_caching)
-        assert config.max_model_len is not None  # Config resolved it
         self.max_len = min(config.max_model_len, self.block_manager.num_slots)  # tokens a sequence may hold
         self.waiting: deque[Sequence] = deque()  # first come, first served; the preempted go back in front
         self.running: deque[Sequence] = deque()  # admission order: the newest is preempted first
@@ -256,7 +255,6 @@ class Scheduler:
 
     def finish_reason(self, seq: Sequence, token_id: int) -> str | None:
         params = seq.sampling_params
-        assert params.stop_token_ids is not None  # SamplingParams made it a list
         if token_id in params.stop_token_ids:  # the engine's EOS ids are among them unless ignore_eos
             return "stop"
         if seq.num_completion_tokens >= params.max_tokens or len(seq) >= self.max_len:

@@ -545,7 +545,6 @@ class InputProcessor:
         config, vocab_size, bm = self.config, self.config.hf_config.vocab_size, self.block_manager
         if not token_ids:
             raise ValueError("prompt is empty: it must hold at least one token")
-        assert config.max_model_len is not None  # Config resolved it
         if len(token_ids) >= config.max_model_len:
             raise ValueError(
                 f"prompt has {len(token_ids)} tokens; it must be shorter than max_model_len="
@@ -569,7 +568,6 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         params = dataclasses.replace(params)
-        assert params.stop_token_ids is not None  # SamplingParams made it a list
         eos = [] if params.ignore_eos else self.eos_token_ids
         return dataclasses.replace(params, stop_token_ids=list(dict.fromkeys([*params.stop_token_ids, *eos])))
 
@@ -652,7 +650,7 @@ class OutputProcessor:
         """Whether completion i's text holds one of its stop strings; if so, `text_ends[i]` says where it ends."""
         params = request.seqs[i].sampling_params
         text = self.detokenize(request.seqs[i].completion_token_ids)
-        hits = [(at, stop) for stop in params.stop if (at := text.find(stop)) >= 0]  # type: ignore[union-attr]
+        hits = [(at, stop) for stop in params.stop if (at := text.find(stop)) >= 0]
         if hits:
             at, stop = min(hits)  # the first stop string in the text
             request.text_ends[i] = at + len(stop) if params.include_stop_str_in_output else at

@@ -84,7 +84,6 @@ class InputProcessor:
         config, vocab_size, bm = self.config, self.config.hf_config.vocab_size, self.block_manager
         if not token_ids:
             raise ValueError("prompt is empty: it must hold at least one token")
-        assert config.max_model_len is not None  # Config resolved it
         if len(token_ids) >= config.max_model_len:
             raise ValueError(
                 f"prompt has {len(token_ids)} tokens; it must be shorter than max_model_len="
@@ -108,7 +107,6 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         params = dataclasses.replace(params)
-        assert params.stop_token_ids is not None  # SamplingParams made it a list
         eos = [] if params.ignore_eos else self.eos_token_ids
         return dataclasses.replace(params, stop_token_ids=list(dict.fromkeys([*params.stop_token_ids, *eos])))
 

@@ -46,7 +46,7 @@ class OutputProcessor:
         """Whether completion i's text holds one of its stop strings; if so, `text_ends[i]` says where it ends."""
         params = request.seqs[i].sampling_params
         text = self.detokenize(request.seqs[i].completion_token_ids)
-        hits = [(at, stop) for stop in params.stop if (at := text.find(stop)) >= 0]  # type: ignore[union-attr]
+        hits = [(at, stop) for stop in params.stop if (at := text.find(stop)) >= 0]
         if hits:
             at, stop = min(hits)  # the first stop string in the text
             request.text_ends[i] = at + len(stop) if params.include_stop_str_in_output else at
