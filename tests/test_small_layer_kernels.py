@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from minivllm import load_model
-from minivllm.engine.model_runner import use_small_layer_kernels
 from minivllm.kernels import apply_rope, gemv, rms_norm, silu_and_mul
+from minivllm.kernels.small_layers import use_small_layer_kernels
 from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.layernorm import RMSNorm
 from minivllm.layers.linear import RowParallelLinear
