@@ -44,6 +44,7 @@ FIGURES = Path(os.environ.get("MINIVLLM_FIGURES", "../build/figures")).resolve()
 FIGURES.mkdir(parents=True, exist_ok=True)
 torch.manual_seed(0)
 random.seed(0)
+
 # %% [markdown]
 # ## Sampling: from logits to the next token
 # The model ends with a row of logits per sequence, a score for each of Qwen3's 151,936 tokens; the sampler turns each
@@ -94,8 +95,9 @@ import torch
 from torch import nn
 
 
-def keep_mask(sorted_probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
-              min_ps: torch.Tensor) -> torch.Tensor:  # fmt: skip
+def keep_mask(
+    sorted_probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor
+) -> torch.Tensor:
     """Which tokens top-k, then top-p, then min-p keep; each row of sorted_probs is sorted largest first."""
     ranks = torch.arange(sorted_probs.shape[-1], device=sorted_probs.device)  # (vocab,)
     keep = (top_ks[:, None] < 0) | (ranks < top_ks[:, None])  # top-k  (batch, vocab)
@@ -107,8 +109,9 @@ def keep_mask(sorted_probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Te
     return keep
 
 
-def filter_probs(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor,
-                 k_max: int = 0) -> torch.Tensor:  # fmt: skip
+def filter_probs(
+    probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor, k_max: int = 0
+) -> torch.Tensor:
     """probs (batch, vocab) with the tokens the filters drop set to 0, not renormalized; one sort for the batch, or
     if no row keeps more than k_max tokens (its top_k; k_max > 0), only its k_max most likely: no full sort."""
     sort = probs.topk(min(k_max, probs.shape[-1])) if k_max else probs.sort(dim=-1, descending=True)
@@ -142,22 +145,15 @@ filtered = filter_probs(cat_probs.expand(4, -1), **{name: torch.tensor(v) for na
 for name, row in zip(["top-k", "top-p", "min-p", "none"], filtered):
     show_probs(row, name)
 assert (filtered > 0).sum(dim=-1).tolist() == [3, 4, 5, 12] and torch.equal(filtered[3], cat_probs)
-fig, axes = plt.subplots(2, 2, figsize=(10.8, 6.2), sharey=True, layout="tight")
-axes, x = axes.ravel(), torch.arange(len(words))
-for T, style in ((0.5, "v--"), (2.0, "^:")):
-    axes[0].plot(x, torch.softmax(cat_logits / T, dim=-1), style, color="k", label=f"T = {T}")
-axes[0].bar(x, cat_probs, color="tab:blue", label="T = 1")
-axes[0].set(title="temperature", ylabel="probability")
-for ax, row, title in zip(axes[1:], filtered, ["top-k = 3", "top-p = 0.8", "min-p = 0.1"]):
-    ax.bar(x, cat_probs, color=["tab:blue" if p > 0 else "lightgrey" for p in row.tolist()])
+fig, axes = plt.subplots(1, 3, figsize=(13, 3.4), sharey=True, layout="tight")
+for ax, row, title in zip(axes, filtered, ["top-k = 3", "top-p = 0.8", "min-p = 0.1"]):
+    ax.bar(words, cat_probs, color=["tab:blue" if p > 0 else "lightgrey" for p in row.tolist()])
     ax.set_title(f"{title}: keeps {int((row > 0).sum())} of {len(words)}")
-axes[2].plot(x, cat_probs.cumsum(dim=-1), ".-", color="tab:orange", label="cumulative probability")
-axes[2].axhline(0.8, color="tab:orange", ls=":", label="p = 0.8")
-axes[3].axhline(0.1 * cat_probs.max(), color="tab:red", ls=":", label="0.1 × max probability")
-for ax in axes:
-    ax.set_xticks(x, words, rotation=60)
-axes[0].legend(), axes[2].legend(loc="center right"), axes[3].legend()  # top-k's panel has nothing to label
-fig.suptitle('Next word after "The cat sat on the": what temperature and each filter do')
+    ax.tick_params(axis="x", rotation=60)
+axes[1].plot(words, cat_probs.cumsum(dim=-1), ".-", color="tab:orange", label="cumulative")
+axes[2].axhline(0.1 * cat_probs.max(), color="tab:red", ls=":", label="0.1 × max")
+axes[1].legend(), axes[2].legend()
+fig.suptitle('Next word after "The cat sat on the": what each filter keeps')
 fig.savefig(FIGURES / "04_sampling.png", dpi=120)
 
 # %% [markdown]
@@ -292,8 +288,9 @@ def logprobs_of(logits: torch.Tensor, token_ids: torch.Tensor, ks: list[int]) ->
     ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()  # (rows,): how many tokens are more likely, plus one
     top = logprobs.topk(max(ks), dim=-1)  # (rows, max k)
     rows = zip(token_ids.tolist(), chosen[:, 0].tolist(), ranks, top.indices.tolist(), top.values.tolist(), ks)
-    return [{t: (lp, r)} | {i: (v, j + 1) for j, (i, v) in enumerate(zip(ids[:k], vs[:k]))}
-            for t, lp, r, ids, vs, k in rows]  # fmt: skip
+    return [
+        {t: (lp, r)} | {i: (v, j + 1) for j, (i, v) in enumerate(zip(ids[:k], vs[:k]))} for t, lp, r, ids, vs, k in rows
+    ]
 
 
 # %% [markdown]
@@ -318,8 +315,9 @@ from minivllm.sampling_params import SamplingParams
 PENALTIES = ("presence", "frequency", "repetition")
 
 
-def sampling_tensors(params: list[SamplingParams], steps: list[int], device: torch.device | str = "cpu",
-                     histories=None) -> SamplingTensors:  # fmt: skip
+def sampling_tensors(
+    params: list[SamplingParams], steps: list[int], device: torch.device | str = "cpu", histories=None
+) -> SamplingTensors:
     """One row per request: its parameters, how many tokens it has generated (seeded draws and min_tokens depend
     on it) and, when some row has a penalty, its (prompt, output) token ids in `histories`."""
     pin = torch.device(device).type == "cuda"
@@ -362,7 +360,7 @@ def sampling_tensors(params: list[SamplingParams], steps: list[int], device: tor
 # %%
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.step_inputs import sampling_tensors
-from minivllm.layers.sampler import SamplingTensors
+from minivllm.layers.sampler import Sampler, SamplingTensors, logprobs_of
 from minivllm.sampling_params import SamplingParams
 
 
@@ -378,10 +376,6 @@ print(sampling := tensors_of(seqs))
 assert sampling.top_ks.dtype == torch.int64 and sampling.keys[1] == noise_seed(7, 1) and sampling.filtering
 assert sampling.any_greedy and not sampling.all_greedy and not tensors_of(seqs[1:]).any_greedy
 assert not tensors_of(seqs[:1]).filtering and tensors_of(seqs[:1]).all_greedy
-
-# %%
-from minivllm.layers.sampler import Sampler, logprobs_of
-
 sampler = Sampler()
 torch.manual_seed(0)
 for T in (1.0, 0.5):  # 20,000 rows of the cat distribution draw words as often as softmax(logits / T) says
@@ -494,16 +488,17 @@ def prepare_decode(seqs: list[Sequence], block_size: int) -> StepInputs:
     last = context_lens.astype(np.int64) - 1  # the new token's position
     slots = block_tables[np.arange(len(seqs)), last // block_size].astype(np.int64) * block_size + last % block_size
     input_ids = np.array([seq.last_token for seq in seqs], dtype=np.int64)
-    prefix_blocks, prefix_lens = shared_prefix(block_tables, context_lens, block_size)
-    return StepInputs(False, input_ids, last, slots, block_tables, context_lens=context_lens,
-                      prefix_blocks=prefix_blocks, prefix_lens=prefix_lens)  # fmt: skip
+    step = StepInputs(False, input_ids, last, slots, block_tables, context_lens=context_lens)
+    step.prefix_blocks, step.prefix_lens = shared_prefix(block_tables, context_lens, block_size)
+    return step
 
 
 CASCADE_MIN_ROWS, CASCADE_MIN_TOKENS = 16, 256  # below these, reading a prefix once saves less than a launch
 
 
-def shared_prefix(tables: np.ndarray, context_lens: np.ndarray, block_size: int
-                  ) -> tuple[np.ndarray, np.ndarray] | tuple[None, None]:  # fmt: skip
+def shared_prefix(
+    tables: np.ndarray, context_lens: np.ndarray, block_size: int
+) -> tuple[np.ndarray, np.ndarray] | tuple[None, None]:
     """The leading blocks that the most decode rows share (a system prompt in the prefix cache), if at least
     CASCADE_MIN_ROWS rows share CASCADE_MIN_TOKENS tokens: 03's `prefix_blocks` and `prefix_lens`, else Nones."""
     if len(tables) < CASCADE_MIN_ROWS:
@@ -556,8 +551,10 @@ short = Sequence([5, 6, 7], block_size=16)
 for seq in (first, again, short):
     admit(bm, seq)
 step = prepare_prefill([first, again, short], block_size=16)
-print(f"cached: {[s.num_cached_tokens for s in (first, again, short)]}, cu_seqlens_q {step.cu_seqlens_q}, cu_seqlens_k "
-      f"{step.cu_seqlens_k}; `again`: positions {step.positions[20:24]}, slots {step.slot_mapping[20:24]}")  # fmt: skip
+print(
+    f"cached: {[s.num_cached_tokens for s in (first, again, short)]}, cu_seqlens_q {step.cu_seqlens_q}, cu_seqlens_k "
+    f"{step.cu_seqlens_k}; `again`: positions {step.positions[20:24]}, slots {step.slot_mapping[20:24]}"
+)
 assert again.num_cached_tokens == 16 and again.block_table[0] == first.block_table[0]
 assert list(step.cu_seqlens_q) == [0, 20, 24, 27] and list(step.cu_seqlens_k) == [0, 20, 40, 43]
 assert list(step.positions[20:24]) == [16, 17, 18, 19]
@@ -627,10 +624,12 @@ class PagedContext:
         assert self.context_lens is not None and self.block_tables is not None  # a decode row has both
         tables = self.block_tables[: q.shape[0]]
         if self.use_triton:
-            out = None if out is None else out.unsqueeze(1)
-            return flash_attn_with_kvcache(q.unsqueeze(1), layer.k_cache, layer.v_cache, self.context_lens, tables,
-                                           layer.scale, out=out, prefix_blocks=self.prefix_blocks,
-                                           prefix_lens=self.prefix_lens).squeeze(1)  # fmt: skip
+            k, v, lens, out = layer.k_cache, layer.v_cache, self.context_lens, None if out is None else out[:, None]
+            prefix = self.prefix_blocks, self.prefix_lens  # leading blocks the rows share, read once (03)
+            o = flash_attn_with_kvcache(
+                q[:, None], k, v, lens, tables, layer.scale, out=out, prefix_blocks=prefix[0], prefix_lens=prefix[1]
+            )
+            return o[:, 0]
         cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
         cu_k = torch.nn.functional.pad(self.context_lens.cumsum(0, dtype=torch.int32), (1, 0))
         return paged_attention_ref(q, layer.k_cache, layer.v_cache, cu_q, cu_k, tables, layer.scale)
@@ -650,8 +649,9 @@ class PagedContext:
         if self.block_tables is not None:
             return self.paged_prefill(layer, q)
         if self.use_triton:  # nothing cached: the new tokens are whole prompts, their k and v all there is
-            return flash_attn_varlen_func(q, k, v, cu_q, cu_q, self.max_seqlen_q, self.max_seqlen_q, layer.scale,
-                                          causal=True)  # fmt: skip
+            return flash_attn_varlen_func(
+                q, k, v, cu_q, cu_q, self.max_seqlen_q, self.max_seqlen_q, layer.scale, causal=True
+            )
         return attention_ref(q, k, v, cu_q, cu_q, layer.scale, causal=True)
 
     def paged_prefill(self, layer: Attention, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -659,9 +659,21 @@ class PagedContext:
         cu_q, cu_k, tables = self.cu_seqlens_q, self.cu_seqlens_k, self.block_tables
         assert cu_q is not None and cu_k is not None and tables is not None  # a paged prefill has all three
         if self.use_triton:
-            return flash_attn_varlen_func(q, layer.k_cache, layer.v_cache, cu_q, cu_k, self.max_seqlen_q,
-                                          self.max_seqlen_k, layer.scale, causal=True, block_table=tables, out=out,
-                                          tiles=self.tiles)  # fmt: skip
+            k, v, max_q, max_k = layer.k_cache, layer.v_cache, self.max_seqlen_q, self.max_seqlen_k
+            return flash_attn_varlen_func(
+                q,
+                k,
+                v,
+                cu_q,
+                cu_k,
+                max_q,
+                max_k,
+                layer.scale,
+                causal=True,
+                block_table=tables,
+                out=out,
+                tiles=self.tiles,
+            )
         return paged_attention_ref(q, layer.k_cache, layer.v_cache, cu_q, cu_k, tables, layer.scale)
 
 
@@ -670,8 +682,9 @@ class PagedContext:
 
 
 # %% tags=["export"] module="minivllm.engine.step_inputs"
-def step_to_device(step: StepInputs, device: torch.device, use_triton: bool, block_m: int | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor, PagedContext]:  # ids, positions, context  # fmt: skip
+def step_to_device(
+    step: StepInputs, device: torch.device, use_triton: bool, block_m: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, PagedContext]:  # ids, positions, context
     """The step's arrays on the device, in a PagedContext. Given the prefill kernel's tile (`block_m`), a paged
     prefill also gets its list of tiles: those of the rows after the decode rows."""
 
@@ -682,10 +695,10 @@ def step_to_device(step: StepInputs, device: torch.device, use_triton: bool, blo
     def put_optional(a: np.ndarray | None) -> torch.Tensor | None:
         return None if a is None else put(a)
 
-    context = PagedContext(step.is_prefill, put(step.slot_mapping), put_optional(step.block_tables),
-                           put_optional(step.cu_seqlens_q), put_optional(step.cu_seqlens_k),
-                           context_lens=put_optional(step.context_lens), num_decode_seqs=step.num_decode_seqs,
-                           use_triton=use_triton)  # fmt: skip
+    context = PagedContext(step.is_prefill, put(step.slot_mapping), put_optional(step.block_tables))
+    context.cu_seqlens_q, context.cu_seqlens_k = put_optional(step.cu_seqlens_q), put_optional(step.cu_seqlens_k)
+    context.context_lens, context.num_decode_seqs = put_optional(step.context_lens), step.num_decode_seqs
+    context.use_triton = use_triton
     if use_triton and step.prefix_blocks is not None and step.prefix_lens is not None:  # the reference reads rows
         context.prefix_blocks, context.prefix_lens = put(step.prefix_blocks), put(step.prefix_lens)
     if step.is_prefill:
@@ -723,9 +736,9 @@ def prefix_hit_step(block_size: int) -> StepInputs:
     """A prefill of 2 new tokens after block_size - 2 cached ones, all in block 0: the shape of a prefix-cache
     hit or a chunked prompt's next chunk, run once at start-up (the cache holds nothing yet)."""
     positions = np.arange(block_size - 2, block_size)
-    cu_seqlens_q, cu_seqlens_k = np.array([0, 2], np.int32), np.array([0, block_size], np.int32)
-    return StepInputs(True, np.zeros(2, np.int64), positions, positions.copy(), np.zeros((1, 1), np.int32),
-                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)  # fmt: skip
+    step = StepInputs(True, np.zeros(2, np.int64), positions, positions.copy(), np.zeros((1, 1), np.int32))
+    step.cu_seqlens_q, step.cu_seqlens_k = np.array([0, 2], np.int32), np.array([0, block_size], np.int32)
+    return step
 
 
 def kv_block_bytes(layers: list[Attention], block_size: int, dtype: torch.dtype) -> int:
@@ -758,8 +771,9 @@ def gpu_free_blocks(block_bytes: int, gpu_memory_utilization: float) -> int:
     return int(total * gpu_memory_utilization - used - step_peak) // block_bytes
 
 
-def bind_kv_cache(layers: list[Attention], num_blocks: int, block_size: int, dtype: torch.dtype,
-                  device: torch.device) -> None:  # fmt: skip
+def bind_kv_cache(
+    layers: list[Attention], num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> None:
     """One tensor for the whole cache; each layer gets its K and V views, (num_blocks, block_size, kv_heads, d)."""
     shape = (2, len(layers), num_blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim)
     kv = torch.zeros(shape, dtype=dtype, device=device)
@@ -888,7 +902,7 @@ class ModelRunner:
                 self.execute(prefix_hit_step(self.block_size))
             marks.append(time.perf_counter())
             if self.device.type == "cuda" and not config.enforce_eager:
-                self.graphs = DecodeGraphs.for_config(self.model, config, self.dtype, self.device)
+                self.graphs = DecodeGraphs(self.model, config, self.dtype, self.device)
                 capture_mixed = fast_path("mixed-step CUDA graphs")  # prefill and mixed steps
                 self.mixed_graphs = capture_mixed(self.model, config, self.block_m, self.dtype, self.device)
             marks.append(time.perf_counter())
@@ -1036,17 +1050,20 @@ from minivllm.attention.paged import PagedContext
 from minivllm.config import Config
 from minivllm.engine.step_inputs import CASCADE_MIN_ROWS
 
+Device = torch.device | str
+
 
 class StepGraphs:
     """Forward passes captured once per size (tokens in the step), over static inputs that each replay fills."""
 
-    def __init__(self, sizes: list[int], max_rows: int, max_blocks: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device):  # fmt: skip
+    def __init__(
+        self, sizes: list[int], max_rows: int, max_blocks: int, hidden: int, dtype: torch.dtype, device: Device
+    ):
         self.sizes, n = sizes, sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
+        self.hidden = torch.zeros(n, hidden, dtype=dtype, device=device)
         self.block_tables = torch.zeros(max_rows, max_blocks, dtype=torch.int32, device=device)
         self.lens = torch.zeros(2, max_rows, dtype=torch.int32, device=device)  # both zeroed by one launch a step
         self.context_lens, self.prefix_lens = self.lens  # decode rows' (0: not one), their shared prefix's (03)
@@ -1107,8 +1124,9 @@ class StepGraphs:
         order = (True, False) if context.prefix_lens is not None else (False, True)
         return next(((size, cascade) for cascade in order if (size, cascade) in self.graphs), None)
 
-    def replay(self, key: tuple[int, bool], input_ids: torch.Tensor, positions: torch.Tensor, context: PagedContext
-               ) -> torch.Tensor:  # fmt: skip
+    def replay(
+        self, key: tuple[int, bool], input_ids: torch.Tensor, positions: torch.Tensor, context: PagedContext
+    ) -> torch.Tensor:
         """Run the step in the graph `key_for` chose."""
         n = input_ids.shape[0]
         self.input_ids[:n], self.positions[:n] = input_ids, positions
@@ -1128,26 +1146,18 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 class DecodeGraphs(StepGraphs):
     """One captured decode step per batch size."""
 
-    def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_blocks: int, hidden_size: int,
-                 dtype: torch.dtype, device: torch.device):  # fmt: skip
-        sizes = graph_batch_sizes(max_num_seqs)
-        super().__init__(sizes, sizes[-1], max_blocks, hidden_size, dtype, device)
+    def __init__(self, model: torch.nn.Module, config: Config, dtype: torch.dtype, device: Device):
+        assert config.max_model_len is not None  # Config resolved it
+        sizes, max_blocks = graph_batch_sizes(config.max_num_seqs), -(-config.max_model_len // config.block_size)
+        super().__init__(sizes, sizes[-1], max_blocks, config.hf_config.hidden_size, dtype, device)
         for cascade in (False, True):  # a step with a shared prefix, and one without, each as fast as it can be
             self.capture(model, self.context, cascade)
 
     def context(self, size: int) -> PagedContext:
         """The captured decode step of `size` rows: one token each, over the static inputs."""
-        return PagedContext(
-            False, self.slot_mapping[:size], self.block_tables[:size], context_lens=self.context_lens[:size]
-        )
-
-    @classmethod
-    def for_config(
-        cls, model: torch.nn.Module, config: Config, dtype: torch.dtype, device: torch.device
-    ) -> "DecodeGraphs":
-        assert config.max_model_len is not None  # Config resolved it
-        max_blocks = -(-config.max_model_len // config.block_size)
-        return cls(model, config.max_num_seqs, max_blocks, config.hf_config.hidden_size, dtype, device)
+        context = PagedContext(False, self.slot_mapping[:size], self.block_tables[:size])
+        context.context_lens = self.context_lens[:size]
+        return context
 
 
 # %% [markdown]

@@ -9,17 +9,20 @@ from minivllm.attention.paged import PagedContext
 from minivllm.config import Config
 from minivllm.engine.step_inputs import CASCADE_MIN_ROWS
 
+Device = torch.device | str
+
 
 class StepGraphs:
     """Forward passes captured once per size (tokens in the step), over static inputs that each replay fills."""
 
-    def __init__(self, sizes: list[int], max_rows: int, max_blocks: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device):  # fmt: skip
+    def __init__(
+        self, sizes: list[int], max_rows: int, max_blocks: int, hidden: int, dtype: torch.dtype, device: Device
+    ):
         self.sizes, n = sizes, sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
+        self.hidden = torch.zeros(n, hidden, dtype=dtype, device=device)
         self.block_tables = torch.zeros(max_rows, max_blocks, dtype=torch.int32, device=device)
         self.lens = torch.zeros(2, max_rows, dtype=torch.int32, device=device)  # both zeroed by one launch a step
         self.context_lens, self.prefix_lens = self.lens  # decode rows' (0: not one), their shared prefix's (03)
@@ -80,8 +83,9 @@ class StepGraphs:
         order = (True, False) if context.prefix_lens is not None else (False, True)
         return next(((size, cascade) for cascade in order if (size, cascade) in self.graphs), None)
 
-    def replay(self, key: tuple[int, bool], input_ids: torch.Tensor, positions: torch.Tensor, context: PagedContext
-               ) -> torch.Tensor:  # fmt: skip
+    def replay(
+        self, key: tuple[int, bool], input_ids: torch.Tensor, positions: torch.Tensor, context: PagedContext
+    ) -> torch.Tensor:
         """Run the step in the graph `key_for` chose."""
         n = input_ids.shape[0]
         self.input_ids[:n], self.positions[:n] = input_ids, positions
@@ -101,23 +105,15 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 class DecodeGraphs(StepGraphs):
     """One captured decode step per batch size."""
 
-    def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_blocks: int, hidden_size: int,
-                 dtype: torch.dtype, device: torch.device):  # fmt: skip
-        sizes = graph_batch_sizes(max_num_seqs)
-        super().__init__(sizes, sizes[-1], max_blocks, hidden_size, dtype, device)
+    def __init__(self, model: torch.nn.Module, config: Config, dtype: torch.dtype, device: Device):
+        assert config.max_model_len is not None  # Config resolved it
+        sizes, max_blocks = graph_batch_sizes(config.max_num_seqs), -(-config.max_model_len // config.block_size)
+        super().__init__(sizes, sizes[-1], max_blocks, config.hf_config.hidden_size, dtype, device)
         for cascade in (False, True):  # a step with a shared prefix, and one without, each as fast as it can be
             self.capture(model, self.context, cascade)
 
     def context(self, size: int) -> PagedContext:
         """The captured decode step of `size` rows: one token each, over the static inputs."""
-        return PagedContext(
-            False, self.slot_mapping[:size], self.block_tables[:size], context_lens=self.context_lens[:size]
-        )
-
-    @classmethod
-    def for_config(
-        cls, model: torch.nn.Module, config: Config, dtype: torch.dtype, device: torch.device
-    ) -> "DecodeGraphs":
-        assert config.max_model_len is not None  # Config resolved it
-        max_blocks = -(-config.max_model_len // config.block_size)
-        return cls(model, config.max_num_seqs, max_blocks, config.hf_config.hidden_size, dtype, device)
+        context = PagedContext(False, self.slot_mapping[:size], self.block_tables[:size])
+        context.context_lens = self.context_lens[:size]
+        return context

@@ -16,9 +16,9 @@ def prefix_hit_step(block_size: int) -> StepInputs:
     """A prefill of 2 new tokens after block_size - 2 cached ones, all in block 0: the shape of a prefix-cache
     hit or a chunked prompt's next chunk, run once at start-up (the cache holds nothing yet)."""
     positions = np.arange(block_size - 2, block_size)
-    cu_seqlens_q, cu_seqlens_k = np.array([0, 2], np.int32), np.array([0, block_size], np.int32)
-    return StepInputs(True, np.zeros(2, np.int64), positions, positions.copy(), np.zeros((1, 1), np.int32),
-                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)  # fmt: skip
+    step = StepInputs(True, np.zeros(2, np.int64), positions, positions.copy(), np.zeros((1, 1), np.int32))
+    step.cu_seqlens_q, step.cu_seqlens_k = np.array([0, 2], np.int32), np.array([0, block_size], np.int32)
+    return step
 
 
 def kv_block_bytes(layers: list[Attention], block_size: int, dtype: torch.dtype) -> int:
@@ -51,8 +51,9 @@ def gpu_free_blocks(block_bytes: int, gpu_memory_utilization: float) -> int:
     return int(total * gpu_memory_utilization - used - step_peak) // block_bytes
 
 
-def bind_kv_cache(layers: list[Attention], num_blocks: int, block_size: int, dtype: torch.dtype,
-                  device: torch.device) -> None:  # fmt: skip
+def bind_kv_cache(
+    layers: list[Attention], num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> None:
     """One tensor for the whole cache; each layer gets its K and V views, (num_blocks, block_size, kv_heads, d)."""
     shape = (2, len(layers), num_blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim)
     kv = torch.zeros(shape, dtype=dtype, device=device)

@@ -87,7 +87,7 @@ class ModelRunner:
                 self.execute(prefix_hit_step(self.block_size))
             marks.append(time.perf_counter())
             if self.device.type == "cuda" and not config.enforce_eager:
-                self.graphs = DecodeGraphs.for_config(self.model, config, self.dtype, self.device)
+                self.graphs = DecodeGraphs(self.model, config, self.dtype, self.device)
                 capture_mixed = fast_path("mixed-step CUDA graphs")  # prefill and mixed steps
                 self.mixed_graphs = capture_mixed(self.model, config, self.block_m, self.dtype, self.device)
             marks.append(time.perf_counter())

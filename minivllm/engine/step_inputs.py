@@ -14,8 +14,9 @@ from minivllm.sampling_params import SamplingParams
 PENALTIES = ("presence", "frequency", "repetition")
 
 
-def sampling_tensors(params: list[SamplingParams], steps: list[int], device: torch.device | str = "cpu",
-                     histories=None) -> SamplingTensors:  # fmt: skip
+def sampling_tensors(
+    params: list[SamplingParams], steps: list[int], device: torch.device | str = "cpu", histories=None
+) -> SamplingTensors:
     """One row per request: its parameters, how many tokens it has generated (seeded draws and min_tokens depend
     on it) and, when some row has a penalty, its (prompt, output) token ids in `histories`."""
     pin = torch.device(device).type == "cuda"
@@ -140,16 +141,17 @@ def prepare_decode(seqs: list[Sequence], block_size: int) -> StepInputs:
     last = context_lens.astype(np.int64) - 1  # the new token's position
     slots = block_tables[np.arange(len(seqs)), last // block_size].astype(np.int64) * block_size + last % block_size
     input_ids = np.array([seq.last_token for seq in seqs], dtype=np.int64)
-    prefix_blocks, prefix_lens = shared_prefix(block_tables, context_lens, block_size)
-    return StepInputs(False, input_ids, last, slots, block_tables, context_lens=context_lens,
-                      prefix_blocks=prefix_blocks, prefix_lens=prefix_lens)  # fmt: skip
+    step = StepInputs(False, input_ids, last, slots, block_tables, context_lens=context_lens)
+    step.prefix_blocks, step.prefix_lens = shared_prefix(block_tables, context_lens, block_size)
+    return step
 
 
 CASCADE_MIN_ROWS, CASCADE_MIN_TOKENS = 16, 256  # below these, reading a prefix once saves less than a launch
 
 
-def shared_prefix(tables: np.ndarray, context_lens: np.ndarray, block_size: int
-                  ) -> tuple[np.ndarray, np.ndarray] | tuple[None, None]:  # fmt: skip
+def shared_prefix(
+    tables: np.ndarray, context_lens: np.ndarray, block_size: int
+) -> tuple[np.ndarray, np.ndarray] | tuple[None, None]:
     """The leading blocks that the most decode rows share (a system prompt in the prefix cache), if at least
     CASCADE_MIN_ROWS rows share CASCADE_MIN_TOKENS tokens: 03's `prefix_blocks` and `prefix_lens`, else Nones."""
     if len(tables) < CASCADE_MIN_ROWS:
@@ -180,8 +182,9 @@ def query_tiles(cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, first_seq: i
     return np.stack([seqs[order], tiles[order]], axis=1).astype(np.int32)
 
 
-def step_to_device(step: StepInputs, device: torch.device, use_triton: bool, block_m: int | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor, PagedContext]:  # ids, positions, context  # fmt: skip
+def step_to_device(
+    step: StepInputs, device: torch.device, use_triton: bool, block_m: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, PagedContext]:  # ids, positions, context
     """The step's arrays on the device, in a PagedContext. Given the prefill kernel's tile (`block_m`), a paged
     prefill also gets its list of tiles: those of the rows after the decode rows."""
 
@@ -192,10 +195,10 @@ def step_to_device(step: StepInputs, device: torch.device, use_triton: bool, blo
     def put_optional(a: np.ndarray | None) -> torch.Tensor | None:
         return None if a is None else put(a)
 
-    context = PagedContext(step.is_prefill, put(step.slot_mapping), put_optional(step.block_tables),
-                           put_optional(step.cu_seqlens_q), put_optional(step.cu_seqlens_k),
-                           context_lens=put_optional(step.context_lens), num_decode_seqs=step.num_decode_seqs,
-                           use_triton=use_triton)  # fmt: skip
+    context = PagedContext(step.is_prefill, put(step.slot_mapping), put_optional(step.block_tables))
+    context.cu_seqlens_q, context.cu_seqlens_k = put_optional(step.cu_seqlens_q), put_optional(step.cu_seqlens_k)
+    context.context_lens, context.num_decode_seqs = put_optional(step.context_lens), step.num_decode_seqs
+    context.use_triton = use_triton
     if use_triton and step.prefix_blocks is not None and step.prefix_lens is not None:  # the reference reads rows
         context.prefix_blocks, context.prefix_lens = put(step.prefix_blocks), put(step.prefix_lens)
     if step.is_prefill:

@@ -6,8 +6,9 @@ import torch
 from torch import nn
 
 
-def keep_mask(sorted_probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
-              min_ps: torch.Tensor) -> torch.Tensor:  # fmt: skip
+def keep_mask(
+    sorted_probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor
+) -> torch.Tensor:
     """Which tokens top-k, then top-p, then min-p keep; each row of sorted_probs is sorted largest first."""
     ranks = torch.arange(sorted_probs.shape[-1], device=sorted_probs.device)  # (vocab,)
     keep = (top_ks[:, None] < 0) | (ranks < top_ks[:, None])  # top-k  (batch, vocab)
@@ -19,8 +20,9 @@ def keep_mask(sorted_probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Te
     return keep
 
 
-def filter_probs(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor,
-                 k_max: int = 0) -> torch.Tensor:  # fmt: skip
+def filter_probs(
+    probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor, k_max: int = 0
+) -> torch.Tensor:
     """probs (batch, vocab) with the tokens the filters drop set to 0, not renormalized; one sort for the batch, or
     if no row keeps more than k_max tokens (its top_k; k_max > 0), only its k_max most likely: no full sort."""
     sort = probs.topk(min(k_max, probs.shape[-1])) if k_max else probs.sort(dim=-1, descending=True)
@@ -112,5 +114,6 @@ def logprobs_of(logits: torch.Tensor, token_ids: torch.Tensor, ks: list[int]) ->
     ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()  # (rows,): how many tokens are more likely, plus one
     top = logprobs.topk(max(ks), dim=-1)  # (rows, max k)
     rows = zip(token_ids.tolist(), chosen[:, 0].tolist(), ranks, top.indices.tolist(), top.values.tolist(), ks)
-    return [{t: (lp, r)} | {i: (v, j + 1) for j, (i, v) in enumerate(zip(ids[:k], vs[:k]))}
-            for t, lp, r, ids, vs, k in rows]  # fmt: skip
+    return [
+        {t: (lp, r)} | {i: (v, j + 1) for j, (i, v) in enumerate(zip(ids[:k], vs[:k]))} for t, lp, r, ids, vs, k in rows
+    ]

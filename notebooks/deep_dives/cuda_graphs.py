@@ -67,8 +67,17 @@ def tile_room(num_tokens: int, block_m: int) -> int:
 class MixedGraphs(StepGraphs):
     """One captured prefill or mixed step per token count: its decode rows first, then prompt tokens."""
 
-    def __init__(self, model: torch.nn.Module, sizes: list[int], max_num_seqs: int, max_blocks: int, block_m: int,
-                 hidden_size: int, dtype: torch.dtype, device: torch.device):  # fmt: skip
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        sizes: list[int],
+        max_num_seqs: int,
+        max_blocks: int,
+        block_m: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         super().__init__(sizes, max_num_seqs, max_blocks, hidden_size, dtype, device)
         self.max_num_seqs, self.block_m = max_num_seqs, block_m
 
@@ -84,9 +93,16 @@ class MixedGraphs(StepGraphs):
 
     def context(self, size: int) -> PagedContext:
         rows = min(size, self.max_num_seqs)
-        return PagedContext(True, self.slot_mapping[:size], self.block_tables, self.cu_seqlens_q, self.cu_seqlens_k,
-                            context_lens=self.context_lens[:rows], num_decode_seqs=rows,
-                            tiles=self.tiles[: self.num_tiles(size)])  # fmt: skip
+        return PagedContext(
+            True,
+            self.slot_mapping[:size],
+            self.block_tables,
+            self.cu_seqlens_q,
+            self.cu_seqlens_k,
+            context_lens=self.context_lens[:rows],
+            num_decode_seqs=rows,
+            tiles=self.tiles[: self.num_tiles(size)],
+        )
 
     def fits(self, size: int, context: PagedContext, num_tokens: int) -> bool:
         """Room for the step's tokens and tiles; never without a paged cache (the contiguous kernel's) or tiles."""

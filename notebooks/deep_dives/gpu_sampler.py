@@ -131,8 +131,23 @@ def _draw(X, n, s, t, key, lo, incl, start, end, offset, BLOCK: tl.constexpr, FA
 
 
 @triton.jit(do_not_specialize=["offset"])
-def _race_kernel(X, TEMPS, KEYS, LO, INCL, SEARCHING, BEST, WON, TOP, n, stride, span, offset,
-                 BLOCK: tl.constexpr, FAST: tl.constexpr):  # fmt: skip
+def _race_kernel(
+    X,
+    TEMPS,
+    KEYS,
+    LO,
+    INCL,
+    SEARCHING,
+    BEST,
+    WON,
+    TOP,
+    n,
+    stride,
+    span,
+    offset,
+    BLOCK: tl.constexpr,
+    FAST: tl.constexpr,
+):
     row, part, parts = tl.program_id(0), tl.program_id(1), tl.num_programs(1)  # part: counters part * span, + span
     t, key, X, s = tl.load(TEMPS + row), tl.load(KEYS + row), X + row.to(tl.int64) * stride, tl.cdiv(n, 4)
     lo, incl = t * 0 - float("inf"), 1  # no floor
@@ -174,8 +189,9 @@ def row_parts(length: int, block: int, rows: int) -> tuple[int, int]:
     return span, triton.cdiv(length, span)
 
 
-def race_parts(x: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor, retry: Retry | None = None,
-               offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+def race_parts(
+    x: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor, retry: Retry | None = None, offset: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The race in parts of each row, a program each: per (row, part), the best score, its column, the largest
     logit. (rows, parts) each. With `retry`, only the searching rows, among their logits above the floor, with the
     numbers of counters + offset (a new try's)."""
@@ -184,8 +200,21 @@ def race_parts(x: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor, 
     span, parts = row_parts(triton.cdiv(n, 4), block, rows)  # in counters: four columns each
     best, top = torch.empty(rows, parts, device=x.device), torch.empty(rows, parts, device=x.device)
     won = torch.empty(rows, parts, dtype=torch.int64, device=x.device)
-    _race_kernel[(rows, parts)](x, temperatures, keys, *(retry or (None,) * 3), best, won, top, n, x.stride(0), span,
-                                offset, BLOCK=block, FAST=x.is_cuda)  # fmt: skip
+    _race_kernel[(rows, parts)](
+        x,
+        temperatures,
+        keys,
+        *(retry or (None,) * 3),
+        best,
+        won,
+        top,
+        n,
+        x.stride(0),
+        span,
+        offset,
+        BLOCK=block,
+        FAST=x.is_cuda,
+    )
     return best, won, top
 
 
@@ -202,8 +231,18 @@ def race_ids(x: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor, id
     the same noise per token id as race over the whole row. Returns (rows,) int64 token ids."""
     assert x.stride(1) == 1 and ids.stride() == x.stride()
     won = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
-    _race_ids_kernel[(x.shape[0],)](x, ids, temperatures, keys, won, x.shape[1], triton.cdiv(vocab, 4), x.stride(0),
-                                    BLOCK=block_of(x.shape[1]), FAST=x.is_cuda)  # fmt: skip
+    _race_ids_kernel[(x.shape[0],)](
+        x,
+        ids,
+        temperatures,
+        keys,
+        won,
+        x.shape[1],
+        triton.cdiv(vocab, 4),
+        x.stride(0),
+        BLOCK=block_of(x.shape[1]),
+        FAST=x.is_cuda,
+    )
     return won
 
 
@@ -254,8 +293,9 @@ def _parts_draw(BEST, WON, TOP, row, parts, n, PARTS: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["span"])  # varies with the batch: one compiled kernel for all (notebook 01)
-def _masses_kernel(X, TEMPS, BEST, WON, TOP, SEARCHING, ABOVE, TOTAL, n, stride, span,
-                   PARTS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def _masses_kernel(
+    X, TEMPS, BEST, WON, TOP, SEARCHING, ABOVE, TOTAL, n, stride, span, PARTS: tl.constexpr, BLOCK: tl.constexpr
+):
     """Part `part` (columns part * span, + span) of _masses, for the race's draw: into ABOVE and TOTAL."""
     row, part, parts = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
     if tl.load(SEARCHING + row) == 0:
@@ -279,8 +319,25 @@ def _verdict(x, m, t, p, min_p, above, total):
 
 
 @triton.jit(do_not_specialize=["parts"])
-def _verdict_kernel(X, TEMPS, TOP_PS, MIN_PS, BEST, WON, TOP, ABOVE, TOTAL, LO, INCL, SEARCHING, OUT, n, stride, parts,
-                    PARTS: tl.constexpr):  # fmt: skip
+def _verdict_kernel(
+    X,
+    TEMPS,
+    TOP_PS,
+    MIN_PS,
+    BEST,
+    WON,
+    TOP,
+    ABOVE,
+    TOTAL,
+    LO,
+    INCL,
+    SEARCHING,
+    OUT,
+    n,
+    stride,
+    parts,
+    PARTS: tl.constexpr,
+):
     """A searching row's draw (in parts) checked: OUT its token; if rejected, still SEARCHING above LO (INCL)."""
     row = tl.program_id(0)
     if tl.load(SEARCHING + row) == 0:
@@ -297,8 +354,9 @@ def _verdict_kernel(X, TEMPS, TOP_PS, MIN_PS, BEST, WON, TOP, ABOVE, TOTAL, LO, 
 
 
 @triton.jit(do_not_specialize=["offset"])
-def _nucleus_kernel(X, TEMPS, TOP_PS, MIN_PS, KEYS, LO, INCL, SEARCHING, OUT, n, stride, offset,
-                    BLOCK: tl.constexpr, FAST: tl.constexpr):  # fmt: skip
+def _nucleus_kernel(
+    X, TEMPS, TOP_PS, MIN_PS, KEYS, LO, INCL, SEARCHING, OUT, n, stride, offset, BLOCK: tl.constexpr, FAST: tl.constexpr
+):
     """The rare row still searching after the tries in parts: draws again, alone, until a draw passes."""
     row = tl.program_id(0)
     searching = tl.load(SEARCHING + row) != 0
@@ -321,8 +379,14 @@ NUCLEUS_TRIES_IN_PARTS = 5  # P(a row needs more) <= (1 - p)^5 with top-p alone:
 NUCLEUS_PARTS_MIN_ROWS = 32  # fewer rows: only the first try in parts (each try is 3 launches of host time)
 
 
-def nucleus(x: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor,
-            keys: torch.Tensor, wanted: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def nucleus(
+    x: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_ps: torch.Tensor,
+    min_ps: torch.Tensor,
+    keys: torch.Tensor,
+    wanted: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Per row of x (rows, vocab): the argmax where the temperature is 0, else a draw from softmax(x / T) with top-p
     then min-p applied (keep_mask's order); the first try is race's draw. wanted (rows,) bool: only those rows, the
     others' tokens left unset (default: all). Returns (rows,) int64."""
@@ -338,13 +402,39 @@ def nucleus(x: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor, m
         best, won, top = race_parts(x, temperatures, keys, retry, offset=attempt * s)
         parts = best.shape[1]
         above, total = torch.empty_like(best), torch.empty_like(best)
-        _masses_kernel[(rows, parts)](x, temperatures, best, won, top, searching, above, total, n, x.stride(0),
-                                      block * triton.cdiv(triton.cdiv(n, parts), block), PARTS=pad, BLOCK=block)  # fmt: skip
-        _verdict_kernel[(rows,)](x, temperatures, top_ps, min_ps, best, won, top, above, total, *retry, out, n,
-                                 x.stride(0), parts, PARTS=pad)  # fmt: skip
-    _nucleus_kernel[(rows,)](x, temperatures, top_ps, min_ps, keys, *retry, out, n, x.stride(0),
-                             tries * s, BLOCK=min(1024, triton.next_power_of_2(s)), FAST=x.is_cuda,
-                             num_warps=16)  # fmt: skip
+        _masses_kernel[(rows, parts)](
+            x,
+            temperatures,
+            best,
+            won,
+            top,
+            searching,
+            above,
+            total,
+            n,
+            x.stride(0),
+            block * triton.cdiv(triton.cdiv(n, parts), block),
+            PARTS=pad,
+            BLOCK=block,
+        )
+        _verdict_kernel[(rows,)](
+            x, temperatures, top_ps, min_ps, best, won, top, above, total, *retry, out, n, x.stride(0), parts, PARTS=pad
+        )
+    _nucleus_kernel[(rows,)](
+        x,
+        temperatures,
+        top_ps,
+        min_ps,
+        keys,
+        *retry,
+        out,
+        n,
+        x.stride(0),
+        tries * s,
+        BLOCK=min(1024, triton.next_power_of_2(s)),
+        FAST=x.is_cuda,
+        num_warps=16,
+    )
     return out
 
 
@@ -484,8 +574,22 @@ def _exact_candidates(X, n, k, CAND, CAP: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _top_k_kernel(X, TEMPS, TOP_KS, TOP_PS, MIN_PS, KEYS, COUNT, CAND, OUT, n, stride,
-                  CAP: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr):  # fmt: skip
+def _top_k_kernel(
+    X,
+    TEMPS,
+    TOP_KS,
+    TOP_PS,
+    MIN_PS,
+    KEYS,
+    COUNT,
+    CAND,
+    OUT,
+    n,
+    stride,
+    CAP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FAST: tl.constexpr,
+):
     """A row's draw among its candidates: sorted, keep_mask's rules (top-k, top-p on what it left, min-p), the race
     with each token id's number; temperature 0: the largest, lowest id first."""
     row, slots = tl.program_id(0), tl.arange(0, CAP)
@@ -514,8 +618,16 @@ def _top_k_kernel(X, TEMPS, TOP_KS, TOP_PS, MIN_PS, KEYS, COUNT, CAND, OUT, n, s
 TOP_K_GATHERED_MAX = 512  # top-k up to here: candidates from the lanes' maxima; above: a sort (Sampler)
 
 
-def top_k_sample(x: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
-                 min_ps: torch.Tensor, keys: torch.Tensor, k_max: int, cap: int = 0) -> torch.Tensor:  # fmt: skip
+def top_k_sample(
+    x: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_ks: torch.Tensor,
+    top_ps: torch.Tensor,
+    min_ps: torch.Tensor,
+    keys: torch.Tensor,
+    k_max: int,
+    cap: int = 0,
+) -> torch.Tensor:
     """Per row of x (rows, vocab): the argmax where the temperature is 0, else a draw from softmax(x / T) with
     top-k, top-p, min-p applied (keep_mask's rules), top-k at most k_max (<= 512). A random row without a top-k is
     skipped, its token left unset (the nucleus's). cap: candidate slots per row (default 2 k_max, a power of two).
@@ -530,11 +642,27 @@ def top_k_sample(x: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tens
     count = torch.zeros_like(floor)
     _floor_kernel[(rows,)](maxima, temperatures, top_ks, floor, parts, LANES=lanes)
     candidates = torch.empty(rows, cap, dtype=torch.int64, device=x.device)
-    _gather_kernel[(rows, parts)](x, temperatures, top_ks, floor, count, candidates, n, x.stride(0), span, CAP=cap,
-                                  BLOCK=lanes)  # fmt: skip
+    _gather_kernel[(rows, parts)](
+        x, temperatures, top_ks, floor, count, candidates, n, x.stride(0), span, CAP=cap, BLOCK=lanes
+    )
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
-    _top_k_kernel[(rows,)](x, temperatures, top_ks, top_ps, min_ps, keys, count, candidates, out, n, x.stride(0),
-                           CAP=cap, BLOCK=2048, FAST=x.is_cuda, num_warps=8)  # fmt: skip
+    _top_k_kernel[(rows,)](
+        x,
+        temperatures,
+        top_ks,
+        top_ps,
+        min_ps,
+        keys,
+        count,
+        candidates,
+        out,
+        n,
+        x.stride(0),
+        CAP=cap,
+        BLOCK=2048,
+        FAST=x.is_cuda,
+        num_warps=8,
+    )
     return out
 
 
@@ -548,8 +676,9 @@ for k in (50, 256, 512):  # how many logits reach the floor, the k-th largest of
     print(f"top-k {k}: {candidates.float().mean():.0f} candidates on average, at most {candidates.max()}")
     assert (candidates >= k).all() and (candidates <= 2 * k).all()  # every row's top-k among them, in 2k slots
 # The cat at T = 1, top-k 2: "mat" and "floor", renormalized; a greedy row: "mat"
-drawn = top_k_sample(cat.expand(128, -1), rows_of(1, 128), rows_of(2, 128).long(), rows_of(1, 128), rows_of(0, 128),
-                     keys[:128], k_max=2).cpu()  # fmt: skip
+drawn = top_k_sample(
+    cat.expand(128, -1), rows_of(1, 128), rows_of(2, 128).long(), rows_of(1, 128), rows_of(0, 128), keys[:128], k_max=2
+).cpu()
 show_probs(freq := torch.bincount(drawn, minlength=len(words)) / 128, "top-k")
 assert set(drawn.tolist()) == {0, 1}
 torch.testing.assert_close(freq[:2], torch.softmax(cat_logits[:2], dim=-1), atol=0.1, rtol=0)
