@@ -124,6 +124,7 @@ from collections import deque
 from minivllm.config import Config
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.sequence import Sequence, SequenceStatus
+from minivllm.engine.step_inputs import placeholder
 
 
 class Scheduler:
@@ -217,7 +218,7 @@ class Scheduler:
         return self.resolve(seqs, self.advance(seqs), token_ids)
 
     def advance(self, seqs: list[Sequence]) -> list[int]:
-        """A step is queued: count its computed tokens; a sequence that samples gets a placeholder token, -1 - its row
+        """A step is queued: count its computed tokens; a sequence that samples gets a placeholder token for its row
         (the runner reads that row of the step's sampled ids) until `resolve`, and ends now if it ends by length."""
         rows = []
         for row, seq in enumerate(seqs):
@@ -226,7 +227,7 @@ class Scheduler:
             seq.num_cached_tokens += seq.num_scheduled_tokens
             if seq.num_cached_tokens < len(seq):
                 continue  # a chunk short of the prompt's end: its sample means nothing
-            seq.append_token(-1 - row)
+            seq.append_token(placeholder(row))
             rows.append(row)
             if self.finish_reason(seq, -1) is not None:
                 self.finish(seq, "length")

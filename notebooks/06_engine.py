@@ -912,7 +912,7 @@ print("nano-vllm's workload, earlier run:", ", ".join(f"{r['impl']} {r['tok_per_
 # %%
 from minivllm.attention.layer import Attention
 from minivllm.checkpoint.maker import preset_config
-from minivllm.engine.model_runner import kv_block_bytes
+from minivllm.engine.kv_cache import kv_block_bytes
 from minivllm.models.qwen3 import Qwen3ForCausalLM
 
 with torch.device("meta"):  # shapes only: count the parameters without allocating them

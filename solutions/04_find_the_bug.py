@@ -46,8 +46,9 @@ from minivllm.attention.paged import PagedContext
 from minivllm.checkpoint import write_checkpoint
 from minivllm.config import Config
 from minivllm.engine.block_manager import BlockManager
-from minivllm.engine.model_runner import ModelRunner, StepInputs, step_to_device
+from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.sequence import Sequence
+from minivllm.engine.step_inputs import StepInputs, step_to_device
 from minivllm.kernels.paged_reference import paged_attention_ref, store_kvcache_ref
 from minivllm.kernels.reference import attention_ref
 from minivllm.models.loader import load_model

@@ -47,8 +47,8 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit runs
-from minivllm.engine.model_runner import StepInputs
 from minivllm.engine.sequence import Sequence
+from minivllm.engine.step_inputs import StepInputs
 from minivllm.testing import exercise
 
 random.seed(0)

@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from minivllm.engine.model_runner import query_tiles
+from minivllm.engine.step_inputs import query_tiles
 from minivllm.kernels import attention_ref, flash_attn_varlen_func, flash_attn_with_kvcache, paged_attn, store_kvcache
 from minivllm.kernels.flash_attn import launch_config
 from minivllm.testing import scatter_into_cache

@@ -15,9 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minivllm.engine.sequence import Sequence
+from minivllm.engine.step_inputs import sampling_tensors
 from minivllm.kernels.sampling import _neg_log2, nucleus, race, race_ids, top_k_sample
+from minivllm.layers.gpu_sampler import GPUSampler
 from minivllm.layers.sampler import (
-    Sampler,
     SamplingTensors,
     apply_penalties,
     exponential_noise,
@@ -27,13 +28,13 @@ from minivllm.layers.sampler import (
 )
 from minivllm.sampling_params import SamplingParams
 
-sampler = Sampler()
+sampler = GPUSampler()  # on a CPU the core Sampler's draw; on a GPU, the Triton kernels
 DRAWS = 400  # rows per hypothesis example
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]  # the PyTorch sampler; on a GPU, the Triton race
 
 
 def tensors(params: list[SamplingParams], steps: list[int] | None = None, device: str = "cpu") -> SamplingTensors:
-    return SamplingTensors.from_params(params, steps or [0] * len(params), device)
+    return sampling_tensors(params, steps or [0] * len(params), device)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int] | None = None,
@@ -318,7 +319,7 @@ def test_penalties_match_a_per_token_reference(seed, vocab, scale, presence, fre
     params = SamplingParams(presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition)
     plain = SamplingParams()  # a row without penalties, in the same batch: untouched
     logits = random_logits(seed, vocab, scale, rows=2)
-    t = SamplingTensors.from_params([params, plain], [len(output), 3], "cpu", [(prompt, output), ([1, 2], [0])])
+    t = sampling_tensors([params, plain], [len(output), 3], "cpu", [(prompt, output), ([1, 2], [0])])
     assert t.penalties is not None
     got = apply_penalties(logits, *t.penalties)
     expected = torch.tensor(reference_penalized(logits[0].tolist(), params, prompt, output))
@@ -336,9 +337,7 @@ def test_penalized_frequencies_match_the_penalized_softmax():
     prompt, output = [0], [1, 1, 3]
     n = 20_000
     torch.manual_seed(0)
-    tokens = sampler(
-        logits.expand(n, -1), SamplingTensors.from_params([params] * n, [3] * n, "cpu", [(prompt, output)] * n)
-    )
+    tokens = sampler(logits.expand(n, -1), sampling_tensors([params] * n, [3] * n, "cpu", [(prompt, output)] * n))
     freq = torch.bincount(tokens, minlength=5) / n
     expected = torch.softmax(torch.tensor(reference_penalized(logits[0].tolist(), params, prompt, output)), dim=-1)
     torch.testing.assert_close(freq, expected, atol=0.012, rtol=0)

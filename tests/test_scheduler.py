@@ -16,9 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minivllm.config import Config
-from minivllm.engine.model_runner import ModelRunner, prepare_decode, prepare_prefill
+from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.scheduler import Scheduler, UnifiedScheduler
 from minivllm.engine.sequence import Sequence, SequenceStatus
+from minivllm.engine.step_inputs import prepare_decode, prepare_prefill
 from minivllm.sampling_params import SamplingParams
 
 BLOCK = 16

@@ -42,10 +42,12 @@ class PagedContext:
         assert self.context_lens is not None and self.block_tables is not None  # a decode row has both
         tables = self.block_tables[: q.shape[0]]
         if self.use_triton:
-            out = None if out is None else out.unsqueeze(1)
-            return flash_attn_with_kvcache(q.unsqueeze(1), layer.k_cache, layer.v_cache, self.context_lens, tables,
-                                           layer.scale, out=out, prefix_blocks=self.prefix_blocks,
-                                           prefix_lens=self.prefix_lens).squeeze(1)  # fmt: skip
+            k, v, lens, out = layer.k_cache, layer.v_cache, self.context_lens, None if out is None else out[:, None]
+            prefix = self.prefix_blocks, self.prefix_lens  # leading blocks the rows share, read once (03)
+            o = flash_attn_with_kvcache(
+                q[:, None], k, v, lens, tables, layer.scale, out=out, prefix_blocks=prefix[0], prefix_lens=prefix[1]
+            )
+            return o[:, 0]
         cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
         cu_k = torch.nn.functional.pad(self.context_lens.cumsum(0, dtype=torch.int32), (1, 0))
         return paged_attention_ref(q, layer.k_cache, layer.v_cache, cu_q, cu_k, tables, layer.scale)
@@ -65,8 +67,9 @@ class PagedContext:
         if self.block_tables is not None:
             return self.paged_prefill(layer, q)
         if self.use_triton:  # nothing cached: the new tokens are whole prompts, their k and v all there is
-            return flash_attn_varlen_func(q, k, v, cu_q, cu_q, self.max_seqlen_q, self.max_seqlen_q, layer.scale,
-                                          causal=True)  # fmt: skip
+            return flash_attn_varlen_func(
+                q, k, v, cu_q, cu_q, self.max_seqlen_q, self.max_seqlen_q, layer.scale, causal=True
+            )
         return attention_ref(q, k, v, cu_q, cu_q, layer.scale, causal=True)
 
     def paged_prefill(self, layer: Attention, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -74,7 +77,19 @@ class PagedContext:
         cu_q, cu_k, tables = self.cu_seqlens_q, self.cu_seqlens_k, self.block_tables
         assert cu_q is not None and cu_k is not None and tables is not None  # a paged prefill has all three
         if self.use_triton:
-            return flash_attn_varlen_func(q, layer.k_cache, layer.v_cache, cu_q, cu_k, self.max_seqlen_q,
-                                          self.max_seqlen_k, layer.scale, causal=True, block_table=tables, out=out,
-                                          tiles=self.tiles)  # fmt: skip
+            k, v, max_q, max_k = layer.k_cache, layer.v_cache, self.max_seqlen_q, self.max_seqlen_k
+            return flash_attn_varlen_func(
+                q,
+                k,
+                v,
+                cu_q,
+                cu_k,
+                max_q,
+                max_k,
+                layer.scale,
+                causal=True,
+                block_table=tables,
+                out=out,
+                tiles=self.tiles,
+            )
         return paged_attention_ref(q, layer.k_cache, layer.v_cache, cu_q, cu_k, tables, layer.scale)

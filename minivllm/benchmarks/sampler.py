@@ -17,7 +17,9 @@ Writes sampler.json (no figure: a table says it).
 import torch
 
 from minivllm.benchmarks.common import arg_parser, gpu_ms, graph_ms, require_gpu, result, save
-from minivllm.layers.sampler import Sampler, SamplingTensors
+from minivllm.engine.fast_paths import fast_path
+from minivllm.engine.step_inputs import sampling_tensors
+from minivllm.layers.sampler import Sampler
 from minivllm.sampling_params import SamplingParams
 
 TOP_P, TOP_K = SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=0.7, top_k=50, top_p=0.9)
@@ -34,15 +36,15 @@ KINDS = {  # a kind's rows take its parameters in turn
 def time_kind(sampler: Sampler, logits: torch.Tensor, kind: str, draws: int = 8) -> dict:
     batch = logits.shape[0]
     params = [KINDS[kind][row % len(KINDS[kind])] for row in range(batch)]
-    built = [SamplingTensors.from_params(params, [step] * batch, logits.device) for step in range(draws)]
+    built = [sampling_tensors(params, [step] * batch, logits.device) for step in range(draws)]
     with torch.inference_mode():
-        ms = gpu_ms(lambda: sampler(logits, SamplingTensors.from_params(params, [0] * batch, logits.device)))
+        ms = gpu_ms(lambda: sampler(logits, sampling_tensors(params, [0] * batch, logits.device)))
         kernel_ms = sum(graph_ms(lambda t=t: sampler(logits, t)) for t in built) / draws
     return dict(impl="minivllm", kind=kind, batch=batch, vocab=logits.shape[1], ms=ms, kernel_ms=kernel_ms)
 
 
 def run_sampler_benchmark(batch_sizes=(1, 64, 256), vocab: int = 151_936) -> dict:
-    sampler, rows = Sampler(), []
+    sampler, rows = fast_path("GPU sampler")(), []  # the runner's on a GPU
     for batch in batch_sizes:
         logits = torch.randn(batch, vocab, device="cuda") * 3  # a spread like a real model's logits
         for kind in KINDS:

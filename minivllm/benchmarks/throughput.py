@@ -48,7 +48,7 @@ from minivllm.llm import LLM
 def roofline_tok_per_s(work: Workload, preset: str, max_num_seqs: int, tflops: float, tbps: float) -> float:
     """Output tokens/s no engine can beat on this workload: max(FLOPs / matmul rate, bytes / copy bandwidth)."""
     from minivllm.attention.layer import Attention
-    from minivllm.engine.model_runner import kv_block_bytes
+    from minivllm.engine.kv_cache import kv_block_bytes
     from minivllm.models.qwen3 import Qwen3ForCausalLM
 
     config = preset_config(preset)

@@ -5,7 +5,6 @@ import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -13,356 +12,25 @@ import torch
 import torch.distributed as dist
 
 from minivllm.attention.layer import Attention
-from minivllm.attention.paged import PagedContext
-from minivllm.attention.prefill import PrefillContext
 from minivllm.config import Config
+from minivllm.engine.cuda_graphs import DecodeGraphs, StepGraphs
 from minivllm.engine.fast_paths import fast_path
+from minivllm.engine.kv_cache import bind_kv_cache, gpu_free_blocks, kv_block_bytes, prefix_hit_step, profile_step
 from minivllm.engine.sequence import Sequence
+from minivllm.engine.step_inputs import (
+    StepInputs,
+    placeholder_row,
+    prepare_decode,
+    prepare_prefill,
+    sampling_tensors,
+    scores_prompt,
+    step_to_device,
+)
 from minivllm.kernels.flash_attn import launch_config
 from minivllm.layers.linear import TPGroup, tensor_parallel
-from minivllm.layers.sampler import Sampler, SamplingTensors, TokenLogprobs, logprobs_of
+from minivllm.layers.sampler import Sampler, TokenLogprobs, logprobs_of
 from minivllm.models.loader import load_model
 from minivllm.models.qwen3 import Qwen3ForCausalLM
-from minivllm.sampling_params import SamplingParams
-
-
-@dataclass(slots=True)
-class StepInputs:
-    """One step's inputs as host arrays."""
-
-    is_prefill: bool
-    input_ids: np.ndarray  # (num_tokens,) int64
-    positions: np.ndarray  # (num_tokens,) int64
-    slot_mapping: np.ndarray  # (num_tokens,) int64
-    block_tables: np.ndarray | None  # (num_seqs, max_blocks) int32; None: a prefill with nothing cached
-    cu_seqlens_q: np.ndarray | None = None  # prefill: (num_seqs + 1,) int32
-    cu_seqlens_k: np.ndarray | None = None  # prefill: (num_seqs + 1,) int32
-    context_lens: np.ndarray | None = None  # decode: (num_seqs,) int32; mixed: (num_decode_seqs,)
-    num_decode_seqs: int = 0  # prefill: its first rows that decode one token each (notebook 05 puts them first)
-    logits_rows: np.ndarray | None = None  # prefill: (num_rows,) int64 rows to score; None: each sequence's last
-    prefix_blocks: np.ndarray | None = None  # (n,) int32: leading blocks that many decode rows share (cascade)
-    prefix_lens: np.ndarray | None = None  # (num_decode_seqs,) int32: each decode row's tokens in them, or 0
-
-
-def block_tables_array(seqs: list[Sequence]) -> np.ndarray:  # (num_seqs, max_blocks) int32, zero-padded
-    tables = np.zeros((len(seqs), max(len(seq.block_table) for seq in seqs)), dtype=np.int32)
-    for i, seq in enumerate(seqs):
-        tables[i, : len(seq.block_table)] = seq.block_table
-    return tables
-
-
-def scores_prompt(seq: Sequence) -> bool:
-    """Whether seq asks for prompt logprobs and has prompt tokens left to score (row i scores token i + 1)."""
-    return seq.sampling_params.prompt_logprobs is not None and seq.num_cached_tokens < seq.num_prompt_tokens - 1
-
-
-def scored_rows(scoring: list[bool], cu_seqlens_q: np.ndarray) -> np.ndarray:  # (num_rows,) int64
-    """The rows of a prefill to take logits of: all of a scoring sequence's, each other sequence's last."""
-    rows = [np.arange(a, b) if score else [b - 1] for score, a, b in zip(scoring, cu_seqlens_q, cu_seqlens_q[1:])]
-    return np.concatenate(rows).astype(np.int64)
-
-
-def prepare_prefill(seqs: list[Sequence], block_size: int) -> StepInputs:
-    """Each sequence's scheduled tokens, those after its cached ones, packed end to end."""
-    starts = np.array([seq.num_cached_tokens for seq in seqs], dtype=np.int64)
-    lens = np.array([seq.num_scheduled_tokens for seq in seqs], dtype=np.int64)
-    ends = starts + lens
-    assert all(s < e <= len(seq) for seq, s, e in zip(seqs, starts, ends)), "a prefill computes 1..len - cached tokens"
-    cu_q = np.cumsum([0, *lens], dtype=np.int32)
-    seq_of = np.repeat(np.arange(len(seqs)), lens)  # (num_tokens,): each new token's sequence
-    positions = np.arange(cu_q[-1]) - cu_q[seq_of] + starts[seq_of]
-    tables = block_tables_array(seqs)
-    slots = tables[seq_of, positions // block_size].astype(np.int64) * block_size + positions % block_size
-    decodes = (starts > 0) & (lens == 1)  # one new token after cached ones
-    num_decode_seqs = len(seqs) if decodes.all() else int(decodes.argmin())  # the leading run of them
-    token_ids = chain.from_iterable(seq.token_ids[s:e] for seq, s, e in zip(seqs, starts, ends))
-    scoring = [scores_prompt(seq) for seq in seqs]  # these score every new token, the others their last
-    prefix_blocks, prefix_lens = shared_prefix(tables[:num_decode_seqs], ends[:num_decode_seqs], block_size)
-    return StepInputs(
-        is_prefill=True,
-        input_ids=np.fromiter(token_ids, dtype=np.int64, count=int(cu_q[-1])),
-        positions=positions,
-        slot_mapping=slots,
-        block_tables=tables if starts.any() else None,
-        cu_seqlens_q=cu_q,
-        cu_seqlens_k=np.cumsum([0, *ends], dtype=np.int32),
-        context_lens=ends[:num_decode_seqs].astype(np.int32) if num_decode_seqs else None,
-        num_decode_seqs=num_decode_seqs,
-        logits_rows=scored_rows(scoring, cu_q) if any(scoring) else None,
-        prefix_blocks=prefix_blocks,
-        prefix_lens=prefix_lens,
-    )
-
-
-def prepare_decode(seqs: list[Sequence], block_size: int) -> StepInputs:
-    """Each sequence's newest token, which attends to its whole cache (itself included)."""
-    context_lens = np.array([len(seq) for seq in seqs], dtype=np.int32)
-    block_tables = block_tables_array(seqs)
-    last = context_lens.astype(np.int64) - 1  # the new token's position
-    slots = block_tables[np.arange(len(seqs)), last // block_size].astype(np.int64) * block_size + last % block_size
-    input_ids = np.array([seq.last_token for seq in seqs], dtype=np.int64)
-    prefix_blocks, prefix_lens = shared_prefix(block_tables, context_lens, block_size)
-    return StepInputs(False, input_ids, last, slots, block_tables, context_lens=context_lens,
-                      prefix_blocks=prefix_blocks, prefix_lens=prefix_lens)  # fmt: skip
-
-
-CASCADE_MIN_ROWS, CASCADE_MIN_TOKENS = 16, 256  # below these, reading a prefix once saves less than a launch
-
-
-def shared_prefix(tables: np.ndarray, context_lens: np.ndarray, block_size: int
-                  ) -> tuple[np.ndarray, np.ndarray] | tuple[None, None]:  # fmt: skip
-    """The leading blocks that the most decode rows share (a system prompt in the prefix cache), if at least
-    CASCADE_MIN_ROWS rows share CASCADE_MIN_TOKENS tokens: 03's `prefix_blocks` and `prefix_lens`, else Nones."""
-    if len(tables) < CASCADE_MIN_ROWS:
-        return None, None
-    firsts, counts = np.unique(tables[:, 0], return_counts=True)
-    full = (context_lens.astype(np.int64) - 1) // block_size  # blocks before the new token's: full, shareable
-    rows = (tables[:, 0] == firsts[counts.argmax()]) & (full > 0)  # those that begin with the commonest block
-    if rows.sum() < CASCADE_MIN_ROWS:
-        return None, None
-    shared = tables[rows, : full[rows].min()]  # (sharers, blocks all of them have filled)
-    same = (shared == shared[0]).all(0)  # columns where they all agree
-    num_blocks = int(same.argmin()) if not same.all() else len(same)
-    if num_blocks * block_size < CASCADE_MIN_TOKENS:
-        return None, None
-    return shared[0, :num_blocks].copy(), np.where(rows, num_blocks * block_size, 0).astype(np.int32)
-
-
-def query_tiles(cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, first_seq: int, block_m: int) -> np.ndarray:
-    """The paged prefill kernel's work list (03) for sequences first_seq..: (sequence, query tile) int32 rows, one
-    per tile of block_m new tokens, the tiles that see the most keys first."""
-    q_lens, k_lens = np.diff(cu_seqlens_q)[first_seq:], np.diff(cu_seqlens_k)[first_seq:]
-    counts = -(-q_lens // block_m)  # tiles per sequence
-    seqs = np.repeat(np.arange(first_seq, first_seq + len(q_lens)), counts)
-    tiles = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)  # within its sequence
-    q_len = np.repeat(q_lens, counts)
-    keys = np.repeat(k_lens, counts) - q_len + np.minimum((tiles + 1) * block_m, q_len)  # its last row sees these
-    order = np.argsort(-keys, kind="stable")
-    return np.stack([seqs[order], tiles[order]], axis=1).astype(np.int32)
-
-
-def step_to_device(step: StepInputs, device: torch.device, use_triton: bool, block_m: int | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor, PagedContext]:  # ids, positions, context  # fmt: skip
-    """The step's arrays on the device, in a PagedContext. Given the prefill kernel's tile (`block_m`), a paged
-    prefill also gets its list of tiles: those of the rows after the decode rows."""
-
-    def put(a: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(a)
-        return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
-
-    def put_optional(a: np.ndarray | None) -> torch.Tensor | None:
-        return None if a is None else put(a)
-
-    context = PagedContext(step.is_prefill, put(step.slot_mapping), put_optional(step.block_tables),
-                           put_optional(step.cu_seqlens_q), put_optional(step.cu_seqlens_k),
-                           context_lens=put_optional(step.context_lens), num_decode_seqs=step.num_decode_seqs,
-                           use_triton=use_triton)  # fmt: skip
-    if use_triton and step.prefix_blocks is not None and step.prefix_lens is not None:  # the reference reads rows
-        context.prefix_blocks, context.prefix_lens = put(step.prefix_blocks), put(step.prefix_lens)
-    if step.is_prefill:
-        assert step.cu_seqlens_q is not None and step.cu_seqlens_k is not None  # a prefill step has both
-        context.max_seqlen_q = int(np.diff(step.cu_seqlens_q).max())
-        context.max_seqlen_k = int(np.diff(step.cu_seqlens_k).max())
-        if block_m and use_triton and step.block_tables is not None:
-            tiles = query_tiles(step.cu_seqlens_q, step.cu_seqlens_k, step.num_decode_seqs, block_m)
-            context.tiles = put(tiles)
-    return put(step.input_ids), put(step.positions), context
-
-
-def prefix_hit_step(block_size: int) -> StepInputs:
-    """A prefill of 2 new tokens after block_size - 2 cached ones, all in block 0: the shape of a prefix-cache
-    hit or a chunked prompt's next chunk, run once at start-up (the cache holds nothing yet)."""
-    positions = np.arange(block_size - 2, block_size)
-    cu_seqlens_q, cu_seqlens_k = np.array([0, 2], np.int32), np.array([0, block_size], np.int32)
-    return StepInputs(True, np.zeros(2, np.int64), positions, positions.copy(), np.zeros((1, 1), np.int32),
-                      cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)  # fmt: skip
-
-
-def kv_block_bytes(layers: list[Attention], block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one KV block in every layer: the unit the cache is sized in."""
-    return 2 * sum(layer.num_kv_heads * layer.head_dim for layer in layers) * block_size * dtype.itemsize
-
-
-@torch.inference_mode()
-def profile_step(model: Qwen3ForCausalLM, sampler: Sampler, config: Config, device: torch.device) -> None:
-    """The largest step the engine will run: a full prefill, then sampling for max_num_seqs rows."""
-    assert config.max_model_len is not None  # Config resolved it
-    num_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * config.max_model_len)
-    lens = [config.max_model_len] * (num_tokens // config.max_model_len) + [num_tokens % config.max_model_len]
-    lens = [n for n in lens if n][: config.max_num_seqs]
-    input_ids = torch.zeros(sum(lens), dtype=torch.int64, device=device)
-    positions = torch.cat([torch.arange(n, device=device) for n in lens])
-    hidden = model(input_ids, positions, PrefillContext.from_lens(lens, device))
-    logits = model.compute_logits(hidden[-1:].expand(config.max_num_seqs, -1))
-    params = [SamplingParams(temperature=1.0, top_p=0.9)] * config.max_num_seqs
-    sampler(logits, SamplingTensors.from_params(params, [0] * config.max_num_seqs, device))
-
-
-def gpu_free_blocks(block_bytes: int, gpu_memory_utilization: float) -> int:
-    """KV blocks that fit in the GPU's share, after the weights and the peak of the profiling step just run."""
-    free, total = torch.cuda.mem_get_info()
-    stats = torch.cuda.memory_stats()
-    step_peak = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
-    cached = stats["reserved_bytes.all.current"] - stats["allocated_bytes.all.current"]  # PyTorch's, free to reuse
-    used = total - free - cached
-    return int(total * gpu_memory_utilization - used - step_peak) // block_bytes
-
-
-def bind_kv_cache(layers: list[Attention], num_blocks: int, block_size: int, dtype: torch.dtype,
-                  device: torch.device) -> None:  # fmt: skip
-    """One tensor for the whole cache; each layer gets its K and V views, (num_blocks, block_size, kv_heads, d)."""
-    shape = (2, len(layers), num_blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim)
-    kv = torch.zeros(shape, dtype=dtype, device=device)
-    for i, layer in enumerate(layers):
-        layer.k_cache, layer.v_cache = kv[0, i], kv[1, i]
-
-
-class StepGraphs:
-    """Forward passes captured once per size (tokens in the step), over static inputs that each replay fills."""
-
-    def __init__(self, sizes: list[int], max_rows: int, max_blocks: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device):  # fmt: skip
-        self.sizes, n = sizes, sizes[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
-        self.block_tables = torch.zeros(max_rows, max_blocks, dtype=torch.int32, device=device)
-        self.lens = torch.zeros(2, max_rows, dtype=torch.int32, device=device)  # both zeroed by one launch a step
-        self.context_lens, self.prefix_lens = self.lens  # decode rows' (0: not one), their shared prefix's (03)
-        self.prefix_blocks = torch.zeros(max_blocks, dtype=torch.int32, device=device)  # a shared prefix (03)
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (size, cascade): the graph
-        self.pool: Any = None  # the graphs' memory, one pool for all
-        self.num_replays = 0
-
-    def fill(self, context: PagedContext) -> None:
-        """Copy the step's attention inputs into the static ones: block tables, and the decode rows' cache lengths
-        and shared prefix (the rows past them: an empty cache, no decode output)."""
-        assert context.block_tables is not None  # a captured step reads the paged cache
-        self.block_tables[: context.block_tables.shape[0], : context.block_tables.shape[1]] = context.block_tables
-        self.lens.zero_()
-        if context.context_lens is not None:
-            self.context_lens[: context.context_lens.shape[0]] = context.context_lens
-        if context.prefix_lens is not None and context.prefix_blocks is not None:
-            self.prefix_lens[: context.prefix_lens.shape[0]] = context.prefix_lens
-            self.prefix_blocks[: context.prefix_blocks.shape[0]] = context.prefix_blocks
-
-    def capture(self, model: torch.nn.Module, context_of: Callable[[int], PagedContext], cascade: bool) -> None:
-        """A graph per size, keyed (size, cascade): with `cascade`, the sizes with room for CASCADE_MIN_ROWS decode
-        rows read a shared prefix once (03; rows that share none run it with lengths 0, at the price of its
-        launches), and the others are captured without it."""
-        for size in reversed(self.sizes):  # the largest first: the others fit in its memory pool
-            context = context_of(size)
-            assert context.context_lens is not None  # its decode rows (a prefill step's: empty caches)
-            rows = context.context_lens.shape[0]
-            key = (size, cascade and rows >= CASCADE_MIN_ROWS)
-            if key in self.graphs:
-                continue  # too few rows for the cascade: captured without it already
-            if key[1]:
-                context.prefix_blocks, context.prefix_lens = self.prefix_blocks, self.prefix_lens[:rows]
-            self.hidden[:size] = model(self.input_ids[:size], self.positions[:size], context)  # warm-up: compile
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, self.pool):
-                self.hidden[:size] = model(self.input_ids[:size], self.positions[:size], context)
-            self.pool = self.pool or graph.pool()
-            self.graphs[key] = graph
-        torch.cuda.synchronize(self.hidden.device)
-
-    def reset(self) -> None:
-        """Destroy the graphs now, even if something still holds this object: their memory goes back, and an NCCL
-        group whose all-reduces they captured can shut down (it waits for them)."""
-        for graph in self.graphs.values():
-            graph.reset()
-
-    def fits(self, size: int, context: PagedContext, num_tokens: int) -> bool:
-        """Whether the graph of `size` tokens can run this step."""
-        return size >= num_tokens
-
-    def key_for(self, context: PagedContext, num_tokens: int) -> tuple[int, bool] | None:
-        """The graph that runs this step, (size, cascade), or None: none can. The smallest size that fits; there, the
-        cascade graph if the step has a shared prefix, else the other (a size has one of them, or both: capture)."""
-        size = next((s for s in self.sizes if self.fits(s, context, num_tokens)), None)
-        if size is None:
-            return None
-        order = (True, False) if context.prefix_lens is not None else (False, True)
-        return next(((size, cascade) for cascade in order if (size, cascade) in self.graphs), None)
-
-    def replay(self, key: tuple[int, bool], input_ids: torch.Tensor, positions: torch.Tensor, context: PagedContext
-               ) -> torch.Tensor:  # fmt: skip
-        """Run the step in the graph `key_for` chose."""
-        n = input_ids.shape[0]
-        self.input_ids[:n], self.positions[:n] = input_ids, positions
-        self.slot_mapping.fill_(-1)
-        self.slot_mapping[:n] = context.slot_mapping
-        self.fill(context)
-        self.graphs[key].replay()
-        self.num_replays += 1
-        return self.hidden[:n]  # (num_tokens, hidden_size)
-
-
-def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + [b for b in range(16, max_num_seqs + 1, 16)]
-    return sizes or [max_num_seqs]
-
-
-class DecodeGraphs(StepGraphs):
-    """One captured decode step per batch size."""
-
-    def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_blocks: int, hidden_size: int,
-                 dtype: torch.dtype, device: torch.device):  # fmt: skip
-        sizes = graph_batch_sizes(max_num_seqs)
-        super().__init__(sizes, sizes[-1], max_blocks, hidden_size, dtype, device)
-        for cascade in (False, True):  # a step with a shared prefix, and one without, each as fast as it can be
-            self.capture(model, lambda bs: PagedContext(False, self.slot_mapping[:bs], self.block_tables[:bs],
-                                                        context_lens=self.context_lens[:bs]), cascade)  # fmt: skip
-
-
-MIXED_GRAPH_SIZES = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
-
-
-def tile_room(num_tokens: int, block_m: int) -> int:
-    """Entries in a graph's tile list for steps of num_tokens: every whole tile, and 64 partial ones."""
-    return num_tokens // block_m + 64
-
-
-class MixedGraphs(StepGraphs):
-    """One captured prefill or mixed step per token count: its decode rows first, then prompt tokens."""
-
-    def __init__(self, model: torch.nn.Module, sizes: list[int], max_num_seqs: int, max_blocks: int, block_m: int,
-                 hidden_size: int, dtype: torch.dtype, device: torch.device):  # fmt: skip
-        super().__init__(sizes, max_num_seqs, max_blocks, hidden_size, dtype, device)
-        self.max_num_seqs, self.block_m = max_num_seqs, block_m
-
-        def int32(*shape: int) -> torch.Tensor:
-            return torch.zeros(*shape, dtype=torch.int32, device=device)
-
-        self.cu_seqlens_q, self.cu_seqlens_k = int32(max_num_seqs + 1), int32(max_num_seqs + 1)
-        self.tiles = int32(self.num_tiles(sizes[-1]), 2) - 1
-        self.capture(model, self.context, cascade=True)  # steps without a shared prefix too: one capture per size
-
-    def num_tiles(self, size: int) -> int:
-        return tile_room(size, self.block_m)
-
-    def context(self, size: int) -> PagedContext:
-        rows = min(size, self.max_num_seqs)
-        return PagedContext(True, self.slot_mapping[:size], self.block_tables, self.cu_seqlens_q, self.cu_seqlens_k,
-                            context_lens=self.context_lens[:rows], num_decode_seqs=rows,
-                            tiles=self.tiles[: self.num_tiles(size)])  # fmt: skip
-
-    def fits(self, size: int, context: PagedContext, num_tokens: int) -> bool:
-        """Room for the step's tokens and tiles; never without a paged cache (the contiguous kernel's) or tiles."""
-        if context.block_tables is None or context.tiles is None:
-            return False
-        return size >= num_tokens and self.num_tiles(size) >= context.tiles.shape[0]
-
-    def fill(self, context: PagedContext) -> None:
-        super().fill(context)
-        assert context.tiles is not None  # key_for has checked
-        assert context.cu_seqlens_q is not None and context.cu_seqlens_k is not None  # a prefill step has both
-        self.cu_seqlens_q[: context.cu_seqlens_q.shape[0]] = context.cu_seqlens_q
-        self.cu_seqlens_k[: context.cu_seqlens_k.shape[0]] = context.cu_seqlens_k
-        self.tiles.fill_(-1)
-        self.tiles[: context.tiles.shape[0]] = context.tiles
 
 
 @dataclass(slots=True)
@@ -396,7 +64,7 @@ class ModelRunner:
         self.tp, self.control = groups or (TPGroup(), None)
         self.model: Qwen3ForCausalLM | None  # loaded below; None once the GPU memory is freed
         self.graphs: DecodeGraphs | None = None
-        self.mixed_graphs: MixedGraphs | None = None
+        self.mixed_graphs: StepGraphs | None = None  # prefill and mixed steps' (deep dive cuda_graphs)
         self.last_token_ids = torch.zeros(0, dtype=torch.int64)  # the latest step's sampled ids (on the device)
         self.closed = False
         marks = [time.perf_counter()]  # where each start-up phase ends: `python -m minivllm` prints the split
@@ -412,20 +80,16 @@ class ModelRunner:
                 fast_path("small-layer kernels")(self.model)
             self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
             self.block_m = launch_config(self.attention_layers[0].head_dim, self.device)["BLOCK_M"]  # prefill tile
-            self.sampler = Sampler()
+            self.sampler: Sampler = fast_path("GPU sampler")() if self.device.type == "cuda" else Sampler()
             self.num_kvcache_blocks = self.allocate_kv_cache()
             marks.append(time.perf_counter())
             if self.device.type == "cuda":  # compile the Triton kernels (prefill, small layers) now, not in a request
                 self.execute(prefix_hit_step(self.block_size))
             marks.append(time.perf_counter())
             if self.device.type == "cuda" and not config.enforce_eager:
-                assert config.max_model_len is not None  # Config resolved it
-                max_blocks = -(-config.max_model_len // self.block_size)
-                self.graphs = DecodeGraphs(self.model, config.max_num_seqs, max_blocks,
-                                           config.hf_config.hidden_size, self.dtype, self.device)  # fmt: skip
-                if sizes := [t for t in MIXED_GRAPH_SIZES if t <= config.max_num_batched_tokens]:
-                    self.mixed_graphs = MixedGraphs(self.model, sizes, config.max_num_seqs, max_blocks, self.block_m,
-                                                    config.hf_config.hidden_size, self.dtype, self.device)  # fmt: skip
+                self.graphs = DecodeGraphs(self.model, config, self.dtype, self.device)
+                capture_mixed = fast_path("mixed-step CUDA graphs")  # prefill and mixed steps
+                self.mixed_graphs = capture_mixed(self.model, config, self.block_m, self.dtype, self.device)
             marks.append(time.perf_counter())
             self.startup_seconds = dict(zip(("load", "KV cache", "compile", "CUDA graphs"), np.diff(marks).tolist()))
         except BaseException:
@@ -464,7 +128,6 @@ class ModelRunner:
     def allocate_kv_cache(self) -> int:
         config = self.config
         block_bytes = kv_block_bytes(self.attention_layers, self.block_size, self.dtype)
-        assert config.max_model_len is not None  # Config resolved it
         wanted = config.max_num_seqs * -(-config.max_model_len // self.block_size)  # all sequences at their longest
         if config.num_kvcache_blocks:
             num_blocks = config.num_kvcache_blocks
@@ -492,8 +155,8 @@ class ModelRunner:
     def execute(self, step: StepInputs) -> torch.Tensor:  # (num_seqs, vocab_size) logits
         assert self.model is not None, "the runner is closed"
         input_ids, positions, context = step_to_device(step, self.device, self.use_triton, self.block_m)
-        if step.input_ids.min() < 0:  # placeholders (06): -1 - row stands for row `row` of the last step's tokens
-            input_ids = torch.where(input_ids < 0, self.last_token_ids[(-1 - input_ids).clamp_min(0)], input_ids)
+        if step.input_ids.min() < 0:  # placeholders (06): the last step's tokens, not on the host yet
+            input_ids = torch.where(input_ids < 0, self.last_token_ids[placeholder_row(input_ids)], input_ids)
         graphs = self.mixed_graphs if step.is_prefill else self.graphs
         key = None if graphs is None else graphs.key_for(context, input_ids.shape[0])
         if graphs is not None and key is not None:
@@ -524,7 +187,7 @@ class ModelRunner:
         params = [seq.sampling_params for seq in seqs]  # the sampling tensors are built while the GPU computes
         penalized = any(p.penalized for p in params)  # penalties need each row's tokens
         histories = [(s.prompt_token_ids, s.completion_token_ids) for s in seqs] if penalized else None
-        sampling = SamplingTensors.from_params(params, [s.num_completion_tokens for s in seqs], self.device, histories)
+        sampling = sampling_tensors(params, [s.num_completion_tokens for s in seqs], self.device, histories)
         self.last_token_ids = token_ids = self.sampler(last, sampling)  # (num_seqs,); the next step may read it
         out = StepOutput([], [None] * len(seqs), [None] * len(seqs))
         if asked := [i for i, p in enumerate(params) if p.logprobs is not None]:

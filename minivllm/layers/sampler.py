@@ -5,12 +5,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from minivllm.kernels.sampling import TOP_K_GATHERED_MAX, nucleus, race, race_ids, top_k_sample
-from minivllm.sampling_params import SamplingParams
 
-
-def keep_mask(sorted_probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor,
-              min_ps: torch.Tensor) -> torch.Tensor:  # fmt: skip
+def keep_mask(
+    sorted_probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor
+) -> torch.Tensor:
     """Which tokens top-k, then top-p, then min-p keep; each row of sorted_probs is sorted largest first."""
     ranks = torch.arange(sorted_probs.shape[-1], device=sorted_probs.device)  # (vocab,)
     keep = (top_ks[:, None] < 0) | (ranks < top_ks[:, None])  # top-k  (batch, vocab)
@@ -22,8 +20,9 @@ def keep_mask(sorted_probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Te
     return keep
 
 
-def filter_probs(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor,
-                 k_max: int = 0) -> torch.Tensor:  # fmt: skip
+def filter_probs(
+    probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor, k_max: int = 0
+) -> torch.Tensor:
     """probs (batch, vocab) with the tokens the filters drop set to 0, not renormalized; one sort for the batch, or
     if no row keeps more than k_max tokens (its top_k; k_max > 0), only its k_max most likely: no full sort."""
     sort = probs.topk(min(k_max, probs.shape[-1])) if k_max else probs.sort(dim=-1, descending=True)
@@ -46,9 +45,6 @@ def exponential_noise(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     for row, key in enumerate(keys.tolist()):
         q[row].exponential_(generator=torch.Generator(probs.device).manual_seed(key))
     return q.clamp_min_(1e-10)  # a 0 would make p / q infinite, or NaN for a dropped token
-
-
-PENALTIES = ("presence", "frequency", "repetition")
 
 
 def apply_penalties(logits, presence, frequency, repetition, prompt_ids, output_ids) -> torch.Tensor:
@@ -83,44 +79,6 @@ class SamplingTensors:
     penalties: tuple[torch.Tensor, ...] | None = None  # apply_penalties' arguments after the logits; None: no penalty
     banned: torch.Tensor | None = None  # (2, n): rows and token ids not to draw yet (stop tokens before min_tokens)
 
-    @classmethod
-    def from_params(cls, params: list[SamplingParams], steps: list[int], device: torch.device | str = "cpu",
-                    histories=None) -> "SamplingTensors":  # fmt: skip
-        """One row per request: its parameters, how many tokens it has generated (seeded draws and min_tokens depend
-        on it) and, when some row has a penalty, its (prompt, output) token ids in `histories`."""
-        pin = torch.device(device).type == "cuda"
-
-        def to_device(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
-
-        def padded(rows: list[list[int]]) -> torch.Tensor:  # (batch, longest) int64, -1 after each row's end
-            width = max(1, *map(len, rows))
-            return to_device([row + [-1] * (width - len(row)) for row in rows], torch.int64)
-
-        early = [(r, p.stop_token_ids or []) for r, (p, n) in enumerate(zip(params, steps)) if n < p.min_tokens]
-        banned = [(r, t) for r, ids in early for t in ids]
-        penalties = None
-        if any(p.penalized for p in params):
-            assert histories is not None, "penalties need each row's prompt and output token ids"
-            values = [[getattr(p, f"{name}_penalty") for p in params] for name in PENALTIES]
-            penalties = (*(to_device(v, torch.float32) for v in values), *(padded(list(h)) for h in zip(*histories)))
-        temperatures = [p.temperature for p in params]
-        fresh = torch.randint(2**62, (len(params),)).tolist() if any(temperatures) else []  # greedy draws no noise
-        random_top_ks = [p.top_k for p in params if p.temperature > 0]
-        return cls(
-            temperatures=to_device(temperatures, torch.float32),
-            top_ks=to_device([p.top_k for p in params], torch.int64),
-            top_ps=to_device([p.top_p for p in params], torch.float32),
-            min_ps=to_device([p.min_p for p in params], torch.float32),
-            keys=to_device([k if p.seed is None else noise_seed(p.seed, n) for p, n, k in zip(params, steps, fresh)],
-                           torch.int64),
-            filtering=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in params),
-            top_k_max=max(random_top_ks) if min(random_top_ks, default=-1) > 0 else 0,
-            largest_top_k=max([0, *random_top_ks]),
-            any_greedy=0 in temperatures, all_greedy=not any(temperatures), penalties=penalties,
-            banned=to_device(list(zip(*banned)), torch.int64) if banned else None,
-        )  # fmt: skip
-
 
 class Sampler(nn.Module):
     """One token id per row of logits: the argmax where temperature is 0, else a draw from the filtered distribution."""
@@ -132,28 +90,16 @@ class Sampler(nn.Module):
             logits = logits.index_put((t.banned[0], t.banned[1]), torch.tensor(float("-inf"), device=logits.device))
         if t.all_greedy:
             return logits.argmax(dim=-1)
-        if logits.is_cuda and not t.filtering:  # one pass; greedy rows too (temperature 0)
-            return race(logits, t.temperatures, t.keys)
-        if logits.is_cuda and not t.largest_top_k:  # top-p, min-p: draw, check, draw again if outside
-            return nucleus(logits, t.temperatures, t.top_ps, t.min_ps, t.keys)
-        if logits.is_cuda and t.largest_top_k <= TOP_K_GATHERED_MAX:  # top-k rows: their candidates
-            drawn = top_k_sample(logits, t.temperatures, t.top_ks, t.top_ps, t.min_ps, t.keys, t.largest_top_k)
-            if t.top_k_max:  # every random row has a top-k
-                return drawn
-            others = (t.top_ks <= 0) & (t.temperatures > 0)  # random rows without one: the nucleus's
-            return torch.where(others, nucleus(logits, t.temperatures, t.top_ps, t.min_ps, t.keys, others), drawn)
+        return self.draw(logits, t)
+
+    def draw(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+        """Temperature, the filters, the exponential race; greedy rows: the argmax."""
         greedy = t.temperatures == 0  # (batch,)
         temperatures = torch.where(greedy, 1.0, t.temperatures)[:, None]  # (batch, 1) float32
-        if logits.is_cuda:  # the candidates, largest first: the k_max most likely, or (top-k on some rows) all
-            top = logits.topk(t.top_k_max) if t.top_k_max else logits.sort(dim=-1, descending=True)
-            scaled = top.values.float() / temperatures  # (batch, candidates)
-            scaled.masked_fill_(~keep_mask(torch.softmax(scaled, dim=-1), t.top_ks, t.top_ps, t.min_ps), float("-inf"))
-            sampled = race_ids(scaled, torch.ones_like(t.temperatures), t.keys, top.indices, logits.shape[-1])
-        else:
-            probs = torch.softmax(logits / temperatures, dim=-1)  # (batch, vocab) float32
-            if t.filtering:
-                probs = filter_probs(probs, t.top_ks, t.top_ps, t.min_ps, t.top_k_max)
-            sampled = probs.div_(exponential_noise(probs, t.keys)).argmax(dim=-1)  # (batch,)
+        probs = torch.softmax(logits / temperatures, dim=-1)  # (batch, vocab) float32
+        if t.filtering:
+            probs = filter_probs(probs, t.top_ks, t.top_ps, t.min_ps, t.top_k_max)
+        sampled = probs.div_(exponential_noise(probs, t.keys)).argmax(dim=-1)  # (batch,)
         return torch.where(greedy, logits.argmax(dim=-1), sampled) if t.any_greedy else sampled
 
 
@@ -168,5 +114,6 @@ def logprobs_of(logits: torch.Tensor, token_ids: torch.Tensor, ks: list[int]) ->
     ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()  # (rows,): how many tokens are more likely, plus one
     top = logprobs.topk(max(ks), dim=-1)  # (rows, max k)
     rows = zip(token_ids.tolist(), chosen[:, 0].tolist(), ranks, top.indices.tolist(), top.values.tolist(), ks)
-    return [{t: (lp, r)} | {i: (v, j + 1) for j, (i, v) in enumerate(zip(ids[:k], vs[:k]))}
-            for t, lp, r, ids, vs, k in rows]  # fmt: skip
+    return [
+        {t: (lp, r)} | {i: (v, j + 1) for j, (i, v) in enumerate(zip(ids[:k], vs[:k]))} for t, lp, r, ids, vs, k in rows
+    ]
