@@ -23,20 +23,17 @@
 # notebook 04's `ModelRunner`: `run(seqs, is_prefill)` computes each sequence's `num_scheduled_tokens` tokens after
 # its `num_cached_tokens` cached ones and samples one token per sequence.
 #
-# **What you will see.** A small cache step by step; the tiny model's greedy tokens equal to transformers' `generate`
-# while requests are preempted, chunked and share prefixes, under both policies. Then, with step costs measured on
-# your CPU: a bursty workload's timeline, time to first token with and without prefill priority ("why does the
-# scheduler put prefill before decode?"), and TTFT and TPOT of both policies under a small and a large token budget
-# ("what does chunked prefill change?"). The deep dive `scheduler_memory` maps who owns which KV block over a run and
-# measures the work a shared system prompt saves.
+# **What you will see.** A small cache step by step; greedy tokens equal to transformers' `generate` while requests
+# are preempted, chunked and share prefixes, under both policies. Then, on step costs measured on your CPU: a bursty
+# workload's timeline, prefill first against decode first, and both policies under a small and a large token budget.
+# The deep dive `scheduler_memory` maps who owns which KV block over a run.
 
 # %%
 import dataclasses
 import json
 import os
 import random
-import time
-from collections import deque
+import timeit
 from collections.abc import Callable
 from pathlib import Path
 
@@ -66,57 +63,47 @@ rng = np.random.default_rng(0)
 #
 # A **prefill** computes the KV of new prompts (thousands of tokens, compute-bound on a GPU) and gives each its first
 # token. A **decode** computes one token for each running request (memory-bound: notebook 03). Our steps are one kind
-# or the other, as in nano-vllm and vLLM before v1: each kind runs its own well-tuned attention kernel (varlen
-# FlashAttention, or PagedAttention with one query per sequence); a decode step has a fixed shape, which lets notebook
-# 04 replay it as a CUDA graph; and the scheduler stays short. The price: while a prefill step runs, every decoding
-# request waits. **vLLM's mixed batches** (v1) remove that: each step has one token budget, every running request
-# takes one token of it, and prompt chunks fill the rest, in one varlen kernel (a decode is a query of length one).
+# or the other, as in nano-vllm and vLLM before v1: each kind runs its own attention kernel, a decode step has a fixed
+# shape (notebook 04 replays it as a CUDA graph), and the scheduler stays short. The price: while a prefill step runs,
+# every decoding request waits. **vLLM v1's mixed batches** remove that (the last policy below).
 #
 # ## Continuous batching
-# **Static batching** (what `transformers.generate` does with a list of prompts) runs a batch until its *longest*
-# request ends, then forms the next: a request that finishes early leaves its seat empty, and one that arrives
-# meanwhile waits for the whole batch. **Continuous batching** (Orca, 2022) forms the batch anew at every step: a
-# finished request leaves at once, and a waiting one takes its seat at the next step. That needs KV memory handed out
-# and taken back per request: notebook 03's blocks. The scheduler keeps two queues, `waiting` (first come, first
-# served) and `running` (admission order). Its rules:
+# **Static batching** (`transformers.generate` on a list of prompts) runs a batch until its *longest* request ends:
+# a request that finishes early leaves its seat empty, and one that arrives meanwhile waits for the whole batch.
+# **Continuous batching** (Orca, 2022) forms the batch anew at every step: a finished request leaves at once, and a
+# waiting one takes its seat at the next step, with KV memory handed out per request in notebook 03's blocks. The
+# scheduler keeps two queues, `waiting` (first come, first served) and `running` (admission order). Its rules:
 #
-# **1. Prefill first.** If a waiting request can join (or a chunked prompt has more to compute, rule 2), the step
-# is a prefill; otherwise it is a decode of every running request. Requests join in arrival order while three
-# limits allow: `max_num_seqs` running requests, `max_num_batched_tokens` tokens in the step (the *token
-# budget*), and free KV blocks for the whole prompt (`BlockManager.can_allocate`). The budget counts only tokens to
-# compute: a prefix-cache hit is free. The first request that does not fit stops admission: a stream of small
+# **1. Prefill first.** If a waiting request can join (or a chunked prompt has more to compute), the step is a
+# prefill; otherwise it decodes every running request. Requests join in arrival order while three limits allow:
+# `max_num_seqs` running, `max_num_batched_tokens` tokens in the step (the *token budget*; a prefix-cache hit is
+# free), and free KV blocks for the whole prompt. The first that does not fit stops admission: a stream of small
 # requests overtaking a big one could starve it.
 #
 # **2. Chunked prefill.** A prompt bigger than what is left of the budget gets what is left, and the rest in the next
-# steps (where it goes first). So any prompt runs, however small the budget, and no step computes more than
-# `max_num_batched_tokens` tokens, the size notebook 04 measured the activation memory for. A chunk reads the chunks
-# before it as it reads a prefix hit, and its sampled token is thrown away. Each chunk publishes only the blocks it
-# completes (`cache_blocks`): a request arriving mid-prompt must not hit blocks no step has written yet.
+# steps (where it goes first). So any prompt runs, and no step computes more than `max_num_batched_tokens` tokens,
+# the size notebook 04 measured the activation memory for. A chunk's sampled token is thrown away, and it publishes
+# only the blocks it completes (`cache_blocks`): nobody may hit blocks no step has written yet.
 #
-# **3. Decode and preemption.** Every running request decodes one token. A token that starts a new block needs
-# a free one; if there is none, the scheduler *preempts* the most recently admitted request: frees its blocks
-# and puts it back at the front of `waiting`. Requests are visited oldest first and victims taken newest first,
-# so the oldest request always makes progress and the engine never deadlocks. This is preemption by
-# **recompute**: the victim keeps its tokens, generated ones too, and when admitted again they are all its prompt,
-# mostly from its own blocks still in the prefix cache. Its next token is exactly the one it would have produced.
+# **3. Decode and preemption.** A token that starts a new block needs a free one; if there is none, the scheduler
+# *preempts* the most recently admitted request: frees its blocks and puts it back at the front of `waiting`.
+# Requests are visited oldest first and victims taken newest first, so the oldest always makes progress. This is
+# preemption by **recompute**: the victim keeps its tokens, generated ones too (`tests/test_scheduler.py` checks that a
+# reply only ever grows), and when admitted again they are all its prompt, mostly hits on its own cached blocks.
 #
 # **4. Postprocess**, in two halves. `advance`, once the step is queued: count its computed tokens, give each
 # sequence that samples a *placeholder* token, and finish those that reach `max_tokens` or `max_model_len`
 # (`"length"`). `resolve`, once the tokens are known: they replace the placeholders, and a request ends on one of
-# its `stop_token_ids` (`"stop"`); finished requests free their blocks at once. `postprocess` runs both in a row;
-# notebook 06 schedules the next step between them, and puts the model's EOS into each request's stop tokens unless
-# it says `ignore_eos`.
+# its `stop_token_ids` (`"stop"`). Notebook 06 schedules the next step between the two halves.
 #
-# **5. Admission.** Every request that reaches `add` fits, prompt plus one token, in `max_model_len` and the KV cache
-# (the engine checks, notebook 06). One that outgrows the cache while running stops with `"length"`, as at the limit.
+# **5. Admission and abort.** Every request that reaches `add` fits, prompt plus one token, in `max_model_len` and
+# the cache (the engine checks, notebook 06); one that outgrows the cache while running stops with `"length"`.
+# `abort` drops a request wherever it is, forgetting blocks its failed step published but never wrote
+# (`BlockManager.discard`); `abort_all` drops every request and resets the block manager (`tests/test_scheduler.py`
+# checks both after a step that fails half-way).
 #
-# **6. Abort.** `abort` drops a request wherever it is, even in the middle of a step that failed: blocks that step
-# published but never wrote leave the cache with it (`BlockManager.discard`, notebook 03). `abort_all` drops every
-# request and resets the block manager, for a step that failed where nothing can be trusted; so that it finds every
-# request, a sequence is always in one of the two queues, even while `schedule` moves it.
-#
-# After a prefill, a request has exactly one token whose KV is not computed yet: the one just sampled. A chunked
-# prompt with one token left is in the same state, so it joins the next decode: a decode is a prefill of one token.
+# A chunked prompt with one token left is in the state of a request after its prefill, so it joins the next decode:
+# a decode is a prefill of one token.
 
 # %% tags=["export"] module="minivllm.engine.scheduler"
 from collections import deque
@@ -205,8 +192,7 @@ class Scheduler:
         return True
 
     def preempt(self, seq: Sequence) -> None:
-        """Recompute later: free its blocks and queue it first. Its tokens, the generated ones too, are kept. The
-        caller has taken it out of `running`."""
+        """Recompute later: free its blocks, queue it first, keep its tokens. The caller took it out of `running`."""
         self.block_manager.deallocate(seq)  # also resets num_cached_tokens
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
@@ -275,8 +261,7 @@ class Scheduler:
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
 
     def abort_all(self) -> None:
-        """Drop every request and reset the block manager: safe after a step that failed anywhere, even half-way
-        through the block manager's bookkeeping, since nothing of it is kept. Only cached prefixes are lost."""
+        """Drop every request and reset the block manager: safe after a failure anywhere, as nothing is kept."""
         for seq in (*self.waiting, *self.running):
             seq.block_table.clear()
             seq.num_cached_tokens = 0
@@ -288,21 +273,17 @@ class Scheduler:
 
 # %% [markdown]
 # ## Watch it: a small cache, step by step
-# Five requests on a cache of 10 blocks of 16 tokens (160 token slots), a budget of 48 tokens per step.
-# Request 0 has a 100-token prompt, so it is prefilled in chunks; requests 2, 3 and 4 start with the same 32
-# tokens. `serve` is the engine loop: it adds each request once the clock passes its arrival time (all arrive at
-# once here), steps until everything is done, and records each step. Its clock counts steps, or adds up a cost per
-# step when given one (the last section). With `log=True` it prints a step's kind, each sequence as
-# `request:tokens computed` (`+` for a prompt chunk short of the end), and the queues after it; decode steps that
-# change nothing else are skipped.
+# Five requests on a cache of 10 blocks of 16 tokens (160 token slots), a budget of 48 tokens per step. Request 0
+# has a 100-token prompt, so it is prefilled in chunks; requests 2, 3 and 4 start with the same 32 tokens. `serve`
+# is the engine loop: it adds each request once the clock passes its arrival time (all at once here), steps until
+# everything is done, and records each step; its clock counts steps, or adds up a cost per step (the last section).
+# With `log=True` it prints each sequence as `request:tokens computed` (`+`: a prompt chunk short of the end), and
+# the queues after the step; decode steps that change nothing else are skipped.
 
 # %%
 from minivllm.checkpoint import write_checkpoint
-from minivllm.config import Config
-from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.scheduler import Scheduler
-from minivllm.engine.sequence import Sequence
 from minivllm.sampling_params import SamplingParams
 
 tiny_path = write_checkpoint(CHECKPOINTS / "tiny", "tiny", seed=0)
@@ -349,7 +330,6 @@ def serve(
         batch, is_prefill = scheduler.schedule()
         hit_tokens += sum(seq.num_cached_tokens for seq in batch if is_prefill and index[seq.seq_id] in waiting)
         duration, lens = cost(batch, is_prefill) if cost else 1.0, [len(seq) for seq in batch]
-        decodes = sum(seq.num_completion_tokens > 0 and seq.num_scheduled_tokens == 1 for seq in batch)
         token_ids = runner.run(batch, is_prefill) if model else [0] * len(batch)
         finished = scheduler.postprocess(batch, token_ids)
         clock += duration
@@ -365,7 +345,6 @@ def serve(
                 is_prefill=is_prefill,
                 num_seqs=len(batch),
                 num_tokens=sum(seq.num_scheduled_tokens for seq in batch),
-                decode_tokens=decodes,  # rows of a request that is generating; the rest are prompt tokens
                 chunks=sum(unfinished),
                 running=len(scheduler.running),
                 waiting=len(scheduler.waiting),
@@ -388,7 +367,6 @@ def serve(
         token_times=token_times,
         latency=finished_at - arrivals,
         seconds=clock,
-        tok_per_s=sum(seq.num_completion_tokens for seq in seqs) / clock,
         preemptions=scheduler.num_preemptions,
         hit_tokens=hit_tokens,
         chunks=sum(r["chunks"] for r in rows),
@@ -406,68 +384,37 @@ small_seqs = [
 small = serve(make_scheduler(10, max_num_batched_tokens=48), small_seqs, log=True)
 
 # %% [markdown]
-# Read it from the top:
-#
 # * Steps 1 and 2 spend the whole budget on request 0's first 96 tokens. Step 3 computes its last 4 and admits
 #   request 1. Request 2 needs 3 blocks and only one is free: it waits, and so does everyone behind it.
 # * Request 0 finishes and frees 7 blocks; the next step admits requests 2, 3 and 4 together. Request 2 publishes
-#   its two full blocks in that same step, so 3 and 4 hit the shared 32 tokens and compute only 2 and 1 tokens.
-#   (Within the step, every layer writes request 2's KV before any attention reads it.)
+#   its two full blocks in that same step, so 3 and 4 hit the shared 32 tokens and compute only 2 and 1 tokens
+#   (every layer writes request 2's KV before any attention reads it).
 # * When a token needs a new block and none is free, the newest request (4) is preempted. It rejoins at the next
-#   step with a prefill of its prompt *and* its generated tokens, of which it computes a single one: the rest
-#   are its own blocks, still in the prefix cache.
+#   step with its prompt *and* its generated tokens, and computes a single one: the rest are its own cached blocks.
 #
-# Every block is free at the end (`serve` asserts it), and no token was lost: the same tokens as transformers,
-# checked below.
+# Every block is free at the end (`serve` asserts it); the tokens equal transformers', checked below.
 
 # %%
-rows = small["rows"]
-assert [r["num_tokens"] for r in rows[:3]] == [48, 48, 24] and small["preemptions"] == 1
+assert [r["num_tokens"] for r in small["rows"][:3]] == [48, 48, 24] and small["preemptions"] == 1
 assert small["hit_tokens"] == 2 * 32 + 48  # requests 3 and 4 on request 2's blocks, then 4 on its own
-assert all(
-    seq.finish_reason == "length" and seq.num_completion_tokens == seq.sampling_params.max_tokens for seq in small_seqs
-)
-
-# %% [markdown]
-# `abort_all` drops everything at once: here after two steps, with one prompt half-way through its chunks and two
-# requests still waiting. Afterwards nothing is queued, every block is free, and nothing is cached.
-
-# %%
-busy = make_scheduler(10, max_num_batched_tokens=48)
-dropped = [request(random.choices(range(3, 2048), k=n), 8) for n in (100, 20, 35)]
-for seq in dropped:
-    busy.add(seq)
-for _ in range(2):
-    batch, is_prefill = busy.schedule()
-    busy.postprocess(batch, [0] * len(batch))
-state = lambda: (len(busy.running), len(busy.waiting), busy.block_manager.num_used_blocks)
-print("before: (running, waiting, used blocks) =", state())
-busy.abort_all()
-print("after:  (running, waiting, used blocks) =", state())
-assert busy.is_finished() and busy.block_manager.num_free_blocks == 10 == busy.block_manager.num_blocks
-assert busy.block_manager.num_cached_free_blocks == 0
-assert all(seq.finish_reason == "abort" and seq.is_finished and not seq.block_table for seq in dropped)
+assert all(s.finish_reason == "length" and s.num_completion_tokens == s.sampling_params.max_tokens for s in small_seqs)
 
 # %% [markdown]
 # ## One token budget per step: mixed batches (vLLM v1)
-# Under prefill first, every running request waits out each prefill step, and a long prompt chunked by the
-# budget is several such steps in a row. vLLM v1 has one kind of step: a budget of `max_num_batched_tokens`,
-# spent first on the running requests, oldest first (a token each to decode, or a prompt's next chunk), then on
-# waiting prompts with what is left, all in one forward. A decode row is a one-token chunk after its cached
-# ones: notebook 04's prefill path over the paged cache computes any mix, but its runner sends a step's leading
-# one-token rows through the decode kernel (far cheaper for them), so this policy lists the decode rows first. A step
-# of decode rows only still takes the decode path and its CUDA graphs. The engine uses this policy unless
-# `scheduling_policy="prefill-first"`.
+# Under prefill first, every running request waits out each prefill step, and a long prompt chunked by the budget
+# is several such steps in a row. vLLM v1 has one kind of step: a budget of `max_num_batched_tokens`, spent first on
+# the running requests, oldest first (a token each to decode, or a prompt's next chunk), then on waiting prompts, all
+# in one forward. Notebook 04's runner sends a step's leading one-token rows through the decode kernel (far cheaper
+# for them), so this policy lists the decode rows first; a step of decode rows only still takes the decode path and
+# its CUDA graphs. The engine uses this policy unless `scheduling_policy="prefill-first"`.
 
 
 # %% tags=["export"] module="minivllm.engine.scheduler"
 class UnifiedScheduler(Scheduler):
-    """vLLM v1's policy: one token budget per step, spent on the running requests first (a decode token each, or
-    a prompt's next chunk), oldest first, then on waiting prompts; the rows of a step mix prefill and decode."""
+    """vLLM v1's policy: one token budget per step, for the running requests first, then waiting prompts."""
 
     def schedule(self) -> tuple[list[Sequence], bool]:
-        """This step's sequences, decode rows first (the runner's decode kernel takes those, 04), and whether it
-        needs the prefill path (False: every row decodes one token)."""
+        """This step's sequences, decode rows first, and whether it needs the prefill path."""
         budget, decodes, chunks = self.max_num_batched_tokens, [], []
         for seq in list(self.running):  # oldest first
             if budget == 0:
@@ -487,15 +434,14 @@ class UnifiedScheduler(Scheduler):
 
 
 # %% [markdown]
-# The unified policy changes which rows share a step, not what a row computes: a row's logits do not depend on
-# what else is in its step. So both policies must give the same tokens, checked next.
+# The unified policy changes which rows share a step, not what a row computes, so both policies must give the same
+# tokens.
 #
 # ## The same tokens as transformers, under pressure
-# The oracle is transformers' `generate` on the same checkpoint, greedy, float32. We run 16 requests through each
-# policy with every hazard at once: a KV cache of 12 blocks (192 token slots) so requests are preempted again and
-# again, a budget of 32 tokens so most prompts are chunked, and a third of the prompts starting with the same
-# 32-token system prompt so the prefix cache hits. Every request must produce exactly the tokens `generate`
-# produces for it alone.
+# The oracle is transformers' `generate` on the same checkpoint, greedy, float32. 16 requests go through each policy
+# with every hazard at once: 12 KV blocks (192 token slots), so requests are preempted again and again; a budget of
+# 32 tokens, so most prompts are chunked; a third of the prompts start with one 32-token system prompt, so the prefix
+# cache hits. Every request must produce exactly the tokens `generate` produces for it alone.
 
 # %%
 from transformers import Qwen3ForCausalLM
@@ -537,39 +483,11 @@ for run in parity.values():
     assert run["preemptions"] >= 3 and run["chunks"] >= 5 and run["hit_tokens"] >= 100
 
 # %% [markdown]
-# Why must a preempted request keep its generated tokens? Try the slip of treating it as new: recompute its prompt
-# only. Greedy decoding regenerates the very same tokens, so the replies do not even change; but every dropped token
-# costs a decode step again, and a client streaming the reply has shown tokens that sampling may not regenerate. As
-# this bug hides from a greedy comparison, `tests/test_scheduler.py` also checks that a reply only ever grows.
-
-
-# %%
-class ForgetfulScheduler(Scheduler):
-    """A wrong preemption, for this demonstration only: the victim loses its generated tokens."""
-
-    def preempt(self, seq: Sequence) -> None:
-        super().preempt(seq)
-        del seq.token_ids[seq.num_prompt_tokens :]
-        seq.num_tokens, seq.last_token = seq.num_prompt_tokens, seq.token_ids[-1]
-
-
-forgetful_seqs = [request(p, n) for p, n in zip(prompts, max_tokens)]
-forgetful = serve(make_scheduler(12, cls=ForgetfulScheduler, max_num_seqs=8, max_num_batched_tokens=32), forgetful_seqs)
-same = sum(seq.completion_token_ids == e for seq, e in zip(forgetful_seqs, expected))
-decoded = lambda run: sum(r["num_tokens"] for r in run["rows"] if not r["is_prefill"])
-keep, drop = decoded(parity["prefill first"]), decoded(forgetful)
-print(
-    f"dropping generated tokens: {same} of {len(prompts)} greedy replies unchanged, but {drop} decode tokens, not {keep}"
-)
-assert same == len(prompts) and drop > keep
-
-# %% [markdown]
 # ## Why prefill first? Turn the rule around
 # **Decode first** admits new requests only when nobody can decode; with one kind of batch per step, that is when the
-# batch is empty. So decode first *is* static batching: a new request waits for the longest reply in flight, and the
-# batch drains to one straggler before anyone may join. Prefill first admits it at the next step, and the running
-# requests pay: in a prefill step they produce no token. Check 2 below counts the steps; the last section puts the
-# two orders on a clock measured on your CPU.
+# batch is empty. So decode first *is* static batching: a new request waits for the longest reply in flight. Prefill
+# first admits it at the next step, and the running requests pay: in a prefill step they produce no token. Check 1
+# counts the steps; the last section puts the two orders on a clock measured on your CPU.
 
 
 # %%
@@ -586,8 +504,8 @@ class DecodeFirstScheduler(Scheduler):
 # ## Check yourself
 # Set each `answer` and run its cell: the check compares it with the objects. `step` runs the scheduler alone.
 #
-# **1.** `a`, `b`, `c` were admitted in that order; the cache is full and `a`'s next token starts a block. After that
-# decode step: the waiting queue, and how many generated tokens does `c` hold? Answer like `([c], 0)`.
+# **1.** With decode first, `a` (4 tokens to generate) and `b` (10) are decoding when `c` arrives. How many decode
+# steps run before `c`'s prefill? (And with prefill first?)
 
 
 # %%
@@ -601,29 +519,6 @@ def step(scheduler: Scheduler) -> tuple[list[int], bool]:
     return scheduled, is_prefill
 
 
-answer = None  # your answer: replace None with an expression
-check = make_scheduler(3, max_num_seqs=3)
-a, b, c = (request([i] * 16, 8) for i in (1, 2, 3))  # one full block each: the next token needs a new block
-for seq in (a, b, c):
-    check.add(seq)
-step(check)  # prefill of all three; each appends its first token
-decoded, is_prefill = step(check)
-check_answer(answer, (list(check.waiting), c.num_completion_tokens), "1. preemption")
-
-# %% [markdown]
-# Worked answer: the newest goes first, `c`, then `b`, as `a` still has no room (the oldest always runs). Both go back
-# to the front of the queue, blocks freed, tokens kept: readmitted, they prefill prompt and reply as one prompt.
-
-# %%
-check_answer(([b, c], 1), (list(check.waiting), c.num_completion_tokens), "1. preemption")
-assert decoded == [1] and c.block_table == [] and check.num_preemptions == 2
-
-# %% [markdown]
-# **2.** With decode first, `a` (4 tokens to generate) and `b` (10) are decoding when `c` arrives. How many decode
-# steps run before `c`'s prefill? (And with prefill first?)
-
-
-# %%
 def decode_steps_before_c(cls: type) -> int:
     scheduler = make_scheduler(64, cls=cls, max_num_seqs=4)
     for max_tokens in (4, 10):
@@ -637,19 +532,18 @@ def decode_steps_before_c(cls: type) -> int:
 
 
 answer = None  # your answer: replace None with an expression
-check_answer(answer, decode_steps_before_c(DecodeFirstScheduler), "2. decode first")
+check_answer(answer, decode_steps_before_c(DecodeFirstScheduler), "1. decode first")
 
 # %% [markdown]
-# Worked answer: decode first admits only when nobody can decode, and with one kind of batch per step that is when the
-# batch is empty: `c` waits for the longest reply in flight, `b`'s 10 − 1 tokens left. That is static batching.
-# Prefill first admits `c` at the very next step.
+# Worked answer: decode first admits only into an empty batch, so `c` waits for the longest reply in flight, `b`'s
+# 10 − 1 tokens left. Prefill first admits `c` at the very next step.
 
 # %%
-check_answer(10 - 1, decode_steps_before_c(DecodeFirstScheduler), "2. decode first")
+check_answer(10 - 1, decode_steps_before_c(DecodeFirstScheduler), "1. decode first")
 assert decode_steps_before_c(Scheduler) == 0
 
 # %% [markdown]
-# **3.** Unified policy, a budget of 256: 16 requests are decoding when a 1,000-token prompt arrives. How many of its
+# **2.** Unified policy, a budget of 256: 16 requests are decoding when a 1,000-token prompt arrives. How many of its
 # tokens does the next step compute? (And under prefill first?)
 
 
@@ -664,21 +558,20 @@ def first_chunk(cls: type) -> int:
 
 
 answer = None  # your answer: replace None with an expression
-check_answer(answer, first_chunk(UnifiedScheduler), "3. a chunk beside decodes")
+check_answer(answer, first_chunk(UnifiedScheduler), "2. a chunk beside decodes")
 
 # %% [markdown]
 # Worked answer: the decodes take their token each first, the prompt gets what is left: 256 − 16 = 240. Prefill
 # first gives it all 256, and the 16 wait out the step (and the three after it).
 
 # %%
-check_answer(256 - 16, first_chunk(UnifiedScheduler), "3. a chunk beside decodes")
+check_answer(256 - 16, first_chunk(UnifiedScheduler), "2. a chunk beside decodes")
 assert first_chunk(Scheduler) == 256
 
 # %% [markdown]
 # ## How fast, on this CPU
 # Everything so far counted steps and tokens. For time, we time real steps of the tiny model on your CPU
-# (`runner.run`, the PyTorch reference attention): a few shapes of each kind, the fastest of ten runs of each. A step's
-# cost depends on its sequences, its new tokens, and the query × key pairs of its attention.
+# (`runner.run`, the PyTorch reference attention): a few shapes of each kind, the fastest of ten runs of each.
 
 
 # %%
@@ -697,11 +590,7 @@ def time_step(num_seqs: int, num_tokens: int, is_prefill: bool) -> tuple[tuple[i
     for seq in seqs:
         bm.allocate(seq)
         seq.num_scheduled_tokens = num_tokens
-    times = []
-    for _ in range(11):  # the first is a warm-up
-        start = time.perf_counter()
-        runner.run(seqs, is_prefill)
-        times.append(time.perf_counter() - start)
+    times = timeit.repeat(lambda: runner.run(seqs, is_prefill), number=1, repeat=11)  # the first is a warm-up
     return step_shape(seqs, is_prefill), min(times[1:])
 
 
@@ -715,8 +604,8 @@ for (is_prefill, b, n), (_, seconds) in measured.items():
 
 # %% [markdown]
 # A step has a fixed cost (every layer's operations are launched whatever the batch), so a decode token costs less
-# in a batch than alone: how much less on your CPU, the next cell prints. On a GPU the effect is far stronger: a
-# decode step reads all the weights whatever the batch. Notebook 04's measurement on an H200 (Qwen3-0.6B, CUDA graphs):
+# in a batch than alone; on a GPU far less, as a decode step reads all the weights whatever the batch (notebook 04's
+# H200 measurement, Qwen3-0.6B with CUDA graphs, beside this CPU's):
 
 # %%
 h200_rows = json.loads(Path("figures/decode_step.json").read_text())["rows"]
@@ -732,13 +621,11 @@ assert h200[64] < 3 * h200[1]  # 64 tokens in one step cost less than three step
 # %% [markdown]
 # So the scheduler's first job is to keep the batch full.
 #
-# **A clock for the experiments.** Timing whole runs on a shared machine would mix the policies' differences with
-# the machine's jitter. So the experiments run the real scheduler and add up a *cost model* of each step fitted to the
-# timings above: a fixed cost, plus a cost per sequence, per new token and per query × key pair, for prefill and
-# decode steps apart (least squares on relative error; a term that fits negative is dropped, since more work cannot
-# cost less). The step costs are measured; a run's times are modelled from them. The rule for a fit too noisy to use:
-# if either kind's explains less than 90% of the variance of its timings (R² < 0.9), the experiments use `SHIPPED`, a
-# fit from a quiet 2-core CPU, and the cell says so.
+# **A clock for the experiments.** Timing whole runs on a shared machine would mix the policies' differences with its
+# jitter. So the experiments run the real scheduler and add up a *cost model* of each step fitted to the timings
+# above: a fixed cost plus a cost per sequence, per new token and per query × key pair, for prefill and decode apart
+# (a term that fits negative is dropped: more work cannot cost less). If either fit explains less than 90% of its
+# timings' variance (R² < 0.9), the experiments use `SHIPPED`, a fit from a quiet 2-core CPU, and the cell says so.
 
 
 # %%
@@ -787,9 +674,8 @@ step_cost, shipped_cost = cost_model(cost_coef), cost_model(SHIPPED)
 # %% [markdown]
 # ### A bursty workload: the timeline
 # Three bursts of 16 requests (prompts of 16 to 200 tokens, one in ten of 400 to 600; replies of 16 to 96), each
-# arriving when the one before it is two-thirds served, on a cache of 128 blocks (2,048 token slots), at most 16
-# running, 256 tokens per step. Each step is one bar, as wide as its modelled time: the tokens it computed (prefill
-# or decode), then the queues, then the KV blocks in use and the preemptions.
+# arriving when the one before it is two-thirds served; 128 KV blocks, at most 16 running, 256 tokens per step. Each
+# step is one bar, as wide as its modelled time; below it, the queues, the KV blocks in use and the preemptions.
 
 # %%
 lens = [int(rng.integers(400, 601)) if rng.random() < 0.1 else int(rng.integers(16, 201)) for _ in range(48)]
@@ -832,10 +718,9 @@ fig.savefig(FIGURES / "05_timeline.png", dpi=120)
 
 # %% [markdown]
 # **Reading the timeline.** Each burst starts with prefill steps (blue) that fill the batch, a long prompt over
-# several budget-sized chunks; then decode steps (orange). When a request finishes, a waiting one joins at the very
-# next step (a thin blue bar among the orange): the queue drains request by request, not batch by batch. When the
-# KV blocks reach the ceiling, decodes preempt the newest requests, which rejoin as soon as blocks come free. The
-# checks use the first burst alone: all its requests arrive at once, so its schedule does not depend on the clock.
+# several chunks; then decode steps (orange). When a request finishes, a waiting one joins at the next step (a thin
+# blue bar among the orange): the queue drains request by request. When the KV blocks reach the ceiling, decodes
+# preempt the newest requests. The checks use the first burst alone, whose schedule does not depend on the clock.
 
 # %%
 assert max(num_tokens) <= 256
@@ -901,13 +786,11 @@ print(
 )
 
 # %% [markdown]
-# **The answer, in these numbers.** Until its prefill runs, a new request has nothing to show. Prefill first runs it
-# at the next step, whenever it arrives. Decode first makes it wait until every running request has finished its
-# whole reply, by luck of timing from nothing to a hundred steps; and the batch drains to a single straggler before
-# anyone new may join (right). The price is paid by the running requests: in a prefill step they produce no token,
-# so their time per output token rises, the more so with long prompts.
-#
-# The checks run the same comparison on the shipped cost model, so they hold on every run, whatever this CPU measured.
+# **The answer, in these numbers.** Prefill first runs a new request's prefill at the next step, whenever it arrives.
+# Decode first makes it wait until every running request has finished its whole reply, from nothing to a hundred
+# steps by luck of timing, and the batch drains to one straggler before anyone may join (right). The running
+# requests pay for prefill first: in a prefill step they produce no token, so their time per output token rises.
+# The checks run the same comparison on the shipped cost model, so they hold whatever this CPU measured.
 
 # %%
 pf, df = compare_orders(shipped_cost).values()
@@ -917,10 +800,10 @@ assert np.median(pf["tpot"]) >= np.median(df["tpot"])
 
 # %% [markdown]
 # ### What chunked prefill changes
-# Two knobs, on the same requests: the policy, and the budget `max_num_batched_tokens`: 256 cuts every long prompt into
-# chunks, 4,096 never does. The requests are the 120 above, one prompt in ten made long (1,000 to 3,000 tokens),
-# arriving at a quarter of the rate the engine serves the short ones. Per run: the distributions of TTFT and TPOT, the
-# longest step, and the longest any request waits between two of its tokens.
+# Two knobs: the policy, and the budget `max_num_batched_tokens` (256 cuts every long prompt into chunks, 4,096 never
+# does). The requests are the 120 above, one prompt in ten made long (1,000 to 3,000 tokens), arriving at a quarter
+# of the rate the engine serves the short ones. Per run: TTFT and TPOT, the longest step, and the longest any request
+# waits between two of its tokens.
 
 # %%
 long_rng = np.random.default_rng(3)  # its own draws

@@ -86,8 +86,7 @@ class Scheduler:
         return True
 
     def preempt(self, seq: Sequence) -> None:
-        """Recompute later: free its blocks and queue it first. Its tokens, the generated ones too, are kept. The
-        caller has taken it out of `running`."""
+        """Recompute later: free its blocks, queue it first, keep its tokens. The caller took it out of `running`."""
         self.block_manager.deallocate(seq)  # also resets num_cached_tokens
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
@@ -156,8 +155,7 @@ class Scheduler:
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
 
     def abort_all(self) -> None:
-        """Drop every request and reset the block manager: safe after a step that failed anywhere, even half-way
-        through the block manager's bookkeeping, since nothing of it is kept. Only cached prefixes are lost."""
+        """Drop every request and reset the block manager: safe after a failure anywhere, as nothing is kept."""
         for seq in (*self.waiting, *self.running):
             seq.block_table.clear()
             seq.num_cached_tokens = 0
@@ -168,12 +166,10 @@ class Scheduler:
 
 
 class UnifiedScheduler(Scheduler):
-    """vLLM v1's policy: one token budget per step, spent on the running requests first (a decode token each, or
-    a prompt's next chunk), oldest first, then on waiting prompts; the rows of a step mix prefill and decode."""
+    """vLLM v1's policy: one token budget per step, for the running requests first, then waiting prompts."""
 
     def schedule(self) -> tuple[list[Sequence], bool]:
-        """This step's sequences, decode rows first (the runner's decode kernel takes those, 04), and whether it
-        needs the prefill path (False: every row decodes one token)."""
+        """This step's sequences, decode rows first, and whether it needs the prefill path."""
         budget, decodes, chunks = self.max_num_batched_tokens, [], []
         for seq in list(self.running):  # oldest first
             if budget == 0:
