@@ -11,8 +11,6 @@ from minivllm.models.loader import read_config
 
 @dataclass(slots=True)
 class Config:
-    """The engine's settings. A None is resolved when the Config is made: then each field holds its declared type."""
-
     model: str | Path  # a HuggingFace checkpoint folder
     tensor_parallel_size: int = 1
     dtype: str | torch.dtype = "auto"  # the checkpoint's dtype on a GPU, float32 on a CPU
@@ -38,22 +36,20 @@ class Config:
         self.max_model_len = context_len if self.max_model_len is None else self.max_model_len
         if self.async_scheduling is None:
             self.async_scheduling = self.device == "cuda" and self.tensor_parallel_size == 1
-        checks = {
-            "tensor_parallel_size": (self.tensor_parallel_size >= 1, ">= 1"),
-            "block_size": (self.block_size in (16, 32, 64, 128, 256), "16, 32, 64, 128 or 256"),
-            "max_num_seqs": (self.max_num_seqs >= 1, ">= 1"),
-            "max_num_batched_tokens": (self.max_num_batched_tokens >= 1, ">= 1"),
-            "max_model_len": (1 <= self.max_model_len <= context_len, f"in [1, {context_len}], the context length"),
-            "num_kvcache_blocks": (self.num_kvcache_blocks is None or self.num_kvcache_blocks >= 1, "None or >= 1"),
-            "gpu_memory_utilization": (0 < self.gpu_memory_utilization <= 1, "in (0, 1]"),
-            "device": (self.device in ("cpu", "cuda"), "'cpu' or 'cuda'"),
-            "scheduling_policy": (self.scheduling_policy in ("unified", "prefill-first"), "unified or prefill-first"),
-            "async_scheduling": (not (self.async_scheduling and self.tensor_parallel_size > 1), "off under TP"),
-        }
-        for name, (ok, allowed) in checks.items():
+        gpus = torch.cuda.device_count() if self.device == "cuda" else float("inf")  # the GPUs tensor parallelism uses
+        checks = [
+            ("tensor_parallel_size", self.tensor_parallel_size >= 1, ">= 1"),
+            ("block_size", self.block_size in (16, 32, 64, 128, 256), "16, 32, 64, 128 or 256"),
+            ("max_num_seqs", self.max_num_seqs >= 1, ">= 1"),
+            ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, ">= 1"),
+            ("max_model_len", 1 <= self.max_model_len <= context_len, f"in [1, {context_len}], the context length"),
+            ("num_kvcache_blocks", self.num_kvcache_blocks is None or self.num_kvcache_blocks >= 1, "None or >= 1"),
+            ("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "in (0, 1]"),
+            ("device", self.device in ("cpu", "cuda"), "'cpu' or 'cuda'"),
+            ("scheduling_policy", self.scheduling_policy in ("unified", "prefill-first"), "unified or prefill-first"),
+            ("async_scheduling", not (self.async_scheduling and self.tensor_parallel_size > 1), "off under TP"),
+            ("tensor_parallel_size", self.tensor_parallel_size <= gpus, f"<= {gpus} (the GPUs present)"),
+        ]
+        for name, ok, allowed in checks:
             if not ok:
                 raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
-        if self.device == "cuda" and self.tensor_parallel_size > (gpus := torch.cuda.device_count()):
-            raise ValueError(
-                f"tensor_parallel_size must be <= {gpus} (the GPUs present), got {self.tensor_parallel_size}"
-            )

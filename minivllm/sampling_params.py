@@ -2,10 +2,11 @@
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 GREEDY_BELOW = 1e-5  # a temperature below this is greedy (vLLM's _SAMPLING_EPS)
-MAX_INT64 = 2**63 - 1  # top_k travels to the sampler as int64
 MAX_LOGPROBS = 20  # the most log-probabilities a token may ask for (vLLM's default max_logprobs)
+PLAIN = {int: ((int,), "an int"), float: ((int, float), "a real number"), bool: ((bool,), "True or False")}
 
 
 def scalar(value):
@@ -13,29 +14,14 @@ def scalar(value):
     return value.item() if getattr(value, "ndim", None) == 0 and hasattr(value, "item") else value
 
 
-def as_int(value, name: str) -> int:
-    """value as a Python int: ints and NumPy/PyTorch integer scalars. Floats, bools, None, text: ValueError."""
-    number = scalar(value)
-    if not isinstance(number, int) or isinstance(number, bool):
-        raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    return number
-
-
-def as_real(value, name: str) -> float:
-    """value as a finite Python float: ints, floats and NumPy/PyTorch real scalars. NaN, infinities: ValueError."""
-    number = scalar(value)
-    if not isinstance(number, int | float) or isinstance(number, bool):
-        raise ValueError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
-    if not math.isfinite(number):  # ints too: float(10**400) would overflow
+def as_plain(value, name: str, kind: type[int] | type[float] | type[bool]) -> Any:
+    """value as a Python int, a finite float or a bool (Python, NumPy or PyTorch scalars); ValueError if not."""
+    number, (allowed, what) = scalar(value), PLAIN[kind]
+    if not isinstance(number, allowed) or (isinstance(number, bool) and kind is not bool):  # True is an int too
+        raise ValueError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
+    if kind is float and not math.isfinite(number):  # ints too: float(10**400) would overflow
         raise ValueError(f"{name} must be finite, got {number}")
-    return float(number)
-
-
-def as_bool(value, name: str) -> bool:
-    number = scalar(value)
-    if not isinstance(number, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
-    return number
+    return kind(number)
 
 
 def as_token_ids(value, name: str) -> list[int]:
@@ -48,13 +34,12 @@ def as_token_ids(value, name: str) -> list[int]:
         raise ValueError(f"{name} must be a list of int token ids, got {type(value).__name__}")
     if all(type(t) is int for t in value):  # the common case, fast
         return list(value)
-    return [as_int(t, f"{name}[{i}]") for i, t in enumerate(value)]
+    return [as_plain(t, f"{name}[{i}]", int) for i, t in enumerate(value)]
 
 
 @dataclass(slots=True)
 class SamplingParams:
-    """How to pick each next token of a request, and when to stop (vLLM's names and defaults). Every field is
-    checked and converted to a plain Python value when it is made (and again by `dataclasses.replace`)."""
+    """How to pick each next token of a request, and when to stop: vLLM's names and defaults, checked."""
 
     temperature: float = 1.0  # 0 is greedy; below 1e-5 is stored as 0
     top_p: float = 1.0  # keep the most likely tokens whose probabilities add up to top_p
@@ -68,9 +53,7 @@ class SamplingParams:
     ignore_eos: bool = False  # keep going after the end-of-sequence token
     seed: int | None = None  # per-request random seed; None draws from the engine's generator
     stop_token_ids: list[int] = field(default_factory=list)  # extra tokens that finish the request (None: none)
-    stop: list[str] = field(
-        default_factory=list
-    )  # strings that finish the request when the text holds one (None: none)
+    stop: list[str] = field(default_factory=list)  # strings that finish the request when in the text (None: none)
     include_stop_str_in_output: bool = False  # keep the stop string at the end of the text
     n: int = 1  # completions of the prompt (they share its KV blocks); with a seed, completion i uses seed + i
     logprobs: int | None = None  # per completion token: its log-probability, and this many most likely tokens'
@@ -83,7 +66,7 @@ class SamplingParams:
             "min_tokens": (0 <= self.min_tokens <= self.max_tokens, f"in [0, max_tokens={self.max_tokens}]"),
             "temperature": (self.temperature >= 0, ">= 0 (0 is greedy)"),
             "top_p": (0 < self.top_p <= 1, "in (0, 1]"),
-            "top_k": (self.top_k == -1 or 1 <= self.top_k <= MAX_INT64, "-1 (off) or in [1, 2**63)"),
+            "top_k": (self.top_k == -1 or 1 <= self.top_k < 2**63, "-1 (off) or in [1, 2**63)"),
             "min_p": (0 <= self.min_p <= 1, "in [0, 1]"),
             "presence_penalty": (-2 <= self.presence_penalty <= 2, "in [-2, 2]"),
             "frequency_penalty": (-2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
@@ -103,13 +86,13 @@ class SamplingParams:
     def convert(self) -> None:
         """Every field as a plain Python value of its type (our own copies); ValueError naming a field that is not."""
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-            setattr(self, name, as_real(getattr(self, name), name))
+            setattr(self, name, as_plain(getattr(self, name), name, float))
         for name in ("top_k", "max_tokens", "min_tokens", "n"):
-            setattr(self, name, as_int(getattr(self, name), name))
+            setattr(self, name, as_plain(getattr(self, name), name, int))
         for name in ("seed", "logprobs", "prompt_logprobs"):  # None, or an int
-            setattr(self, name, None if getattr(self, name) is None else as_int(getattr(self, name), name))
-        self.ignore_eos = as_bool(self.ignore_eos, "ignore_eos")
-        self.include_stop_str_in_output = as_bool(self.include_stop_str_in_output, "include_stop_str_in_output")
+            setattr(self, name, None if getattr(self, name) is None else as_plain(getattr(self, name), name, int))
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            setattr(self, name, as_plain(getattr(self, name), name, bool))
         self.stop_token_ids = [] if self.stop_token_ids is None else as_token_ids(self.stop_token_ids, "stop_token_ids")
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])  # a str: one string
 

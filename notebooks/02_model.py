@@ -34,11 +34,10 @@ CHECKPOINTS = Path(os.environ.get("MINIVLLM_CHECKPOINTS", "../build/checkpoints"
 
 # %% [markdown]
 # ## A checkpoint, made offline
-# A HuggingFace checkpoint is a folder: `config.json` (architecture, sizes), `model.safetensors` (named tensors after a
-# JSON header of names and shapes; or shards, named by `model.safetensors.index.json`), the tokenizer, and
-# `generation_config.json`. With no network here, transformers' `save_pretrained` writes such folders from presets:
-# `tiny` has every feature of Qwen3 at laptop size, `tiny-text` is `tiny` trained on text, `qwen3-0.6b` has
-# Qwen3-0.6B's shapes. Norm weights are drawn around 1, not set to 1, so a loader that skipped them would show.
+# A HuggingFace checkpoint is a folder: `config.json` (architecture, sizes), `model.safetensors` (a header of names and
+# shapes, then the tensors; or shards listed in `model.safetensors.index.json`), the tokenizer, a generation config.
+# Offline, transformers' `save_pretrained` writes them from presets: `tiny` (Qwen3 at laptop size), `tiny-text` (`tiny`
+# trained on text), `qwen3-0.6b` (Qwen3-0.6B's shapes). Norms are drawn around 1, so a loader that skipped them shows.
 
 # %% tags=["export"] module="minivllm.checkpoint.maker"
 import argparse
@@ -54,35 +53,19 @@ from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config,
 
 from minivllm.checkpoint.train import corpus_ids, train
 
-PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(
-        vocab_size=2048,
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        dtype="float32",
-    ),
-    "qwen3-0.6b": dict(
-        vocab_size=151936,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=40960,
-        tie_word_embeddings=True,
-        dtype="bfloat16",
-    ),
+PRESET_FIELDS = (
+    "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads head_dim "
+    "max_position_embeddings dtype"
+).split()
+PRESETS: dict[str, dict[str, Any]] = {  # every preset ties the LM head to the embedding, as the small Qwen3s do
+    name: dict(zip(PRESET_FIELDS, values), tie_word_embeddings=True)
+    for name, values in {
+        "tiny": (2048, 128, 384, 4, 4, 2, 32, 4096, "float32"),
+        "qwen3-0.6b": (151936, 1024, 3072, 28, 16, 8, 128, 40960, "bfloat16"),
+    }.items()
 }
 PRESETS["tiny-text"] = dict(PRESETS["tiny"])  # tiny's shapes; write_checkpoint trains it on the corpus
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
-TOKENIZER_VOCAB_SIZE = 2048
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
@@ -96,7 +79,7 @@ def preset_config(name: str) -> Qwen3Config:
     return Qwen3Config(**PRESETS[name], rope_theta=1e6, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=2)  # type: ignore[call-arg]
 
 
-def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE) -> PreTrainedTokenizerFast:
+def train_tokenizer(vocab_size: int = 2048) -> PreTrainedTokenizerFast:
     """A byte-level BPE trained on the text in minivllm/data (deterministic: same text, same merges)."""
     text = resources.files("minivllm").joinpath("data/tokenizer_corpus.txt").read_text(encoding="utf-8")
     tokenizer = Tokenizer(models.BPE())
@@ -115,9 +98,8 @@ def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE) -> PreTrainedTokeniz
 def random_model(config: Qwen3Config, seed: int) -> Qwen3ForCausalLM:
     """transformers' Qwen3 with seeded random weights, ready to save or to train."""
     dtype = getattr(torch, config.dtype) if isinstance(config.dtype, str) else config.dtype
-    with torch.device("meta"):
-        # its names and shapes are those of a real checkpoint. (mypy: transformers' `to` is a functools.wraps
-        # wrapper, which mypy does not bind as a method)
+    with torch.device("meta"):  # a real checkpoint's names and shapes, no memory yet
+        # mypy: transformers' `to` is a functools.wraps wrapper, which mypy does not bind as a method
         model = Qwen3ForCausalLM(config).to(dtype)  # type: ignore[arg-type]
     model.to_empty(device="cpu")  # allocate, uninitialised; this gives a tied head its own storage, so:
     model.tie_weights()
@@ -156,10 +138,8 @@ def write_checkpoint(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m minivllm.checkpoint",
-        description="Write a HuggingFace checkpoint of a named preset (random weights; tiny-text trained on text).",
-    )
+    description = "Write a HuggingFace checkpoint of a named preset (random weights; tiny-text trained on text)."
+    parser = argparse.ArgumentParser(prog="python -m minivllm.checkpoint", description=description)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     parser.add_argument("--out", required=True, help="folder to write (created if missing)")
     parser.add_argument("--seed", type=int, default=0)
@@ -190,22 +170,17 @@ tokenizer = AutoTokenizer.from_pretrained(tiny_path)
 # %% [markdown]
 # ## Qwen3 from the layers
 # A Qwen3 decoder layer is the textbook pre-norm block:
-#
 # ```
 # q, k, v  = qkv_proj(input_layernorm(x))
 # h        = x + o_proj(attention(rope(q_norm(q)), rope(k_norm(k)), v))
 # gate, up = gate_up_proj(post_attention_layernorm(h))
 # y        = h + down_proj(silu(gate) * up)
 # ```
-#
 # Unlike Llama's, its **q/k norms** (an RMSNorm over each head's query and key before RoPE) keep attention scores from
-# blowing up. **GQA** lets several query heads share a key/value head; the small models **tie** the LM head to the
-# embedding. A batch is one flat run of tokens, sequences packed end to end; only attention cares where one ends, so
-# it takes a *context* that says so. Why an object? Notebook 04 changes how a layer attends (a paged KV cache, a decode
-# kernel) but not the model: it passes another context. Ours here: whole prompts, no cache, flash-attn's varlen form.
-#
-# The model mirrors transformers' module tree (`model.layers.N.self_attn…`), with packed `qkv_proj` and `gate_up_proj`
-# (`packed_modules_mapping`). Built in `with tensor_parallel(...)`, the layers keep `1/tp` of the heads and columns.
+# blowing up; **GQA** lets query heads share a key/value head; small models **tie** the LM head to the embedding.
+# A batch is one flat run of tokens, prompts packed end to end; attention takes a *context* that says where each ends
+# (ours: whole prompts, no cache). Notebook 04 adds a paged KV cache by passing another context, not another model.
+# Names mirror transformers', `qkv_proj` and `gate_up_proj` packed; under `tensor_parallel(...)` layers keep `1/tp`.
 
 # %% tags=["export"] module="minivllm.attention.layer"
 from typing import Protocol
@@ -229,8 +204,7 @@ class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim**-0.5
-        self.layer_idx = layer_idx
+        self.scale, self.layer_idx = head_dim**-0.5, layer_idx
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: AttentionContext) -> torch.Tensor:
         # q: (num_tokens, num_heads, head_dim); k, v: (num_tokens, num_kv_heads, head_dim)
@@ -257,16 +231,13 @@ class PrefillContext:
 
     @classmethod
     def from_lens(cls, seq_lens: list[int], device: torch.device | str) -> "PrefillContext":
-        cu_seqlens = torch.tensor([0, *accumulate(seq_lens)], dtype=torch.int32, device=device)
-        return cls(cu_seqlens, max(seq_lens))
+        return cls(torch.tensor([0, *accumulate(seq_lens)], dtype=torch.int32, device=device), max(seq_lens))
 
     def attend(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        cu = self.cu_seqlens
+        cu, max_len, scale = self.cu_seqlens, self.max_seqlen, layer.scale
         if q.is_cuda:
-            return flash_attn_varlen_contiguous(
-                q, k, v, cu, cu, self.max_seqlen, self.max_seqlen, softmax_scale=layer.scale, causal=True
-            )
-        return attention_ref(q, k, v, cu, cu, softmax_scale=layer.scale, causal=True)
+            return flash_attn_varlen_contiguous(q, k, v, cu, cu, max_len, max_len, softmax_scale=scale, causal=True)
+        return attention_ref(q, k, v, cu, cu, softmax_scale=scale, causal=True)
 
 
 # %% tags=["export"] module="minivllm.models.qwen3"
@@ -290,21 +261,12 @@ def head_dim_of(config: Any) -> int:
 class Qwen3Attention(nn.Module):
     def __init__(self, config: Any, rotary_emb: RotaryEmbedding, layer_idx: int):
         super().__init__()
-        head_dim = head_dim_of(config)
-        self.qkv_proj = QKVParallelLinear(
-            config.hidden_size,
-            head_dim,
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            bias=config.attention_bias,
-        )
+        head_dim, heads, bias = head_dim_of(config), config.num_attention_heads, config.attention_bias
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, heads, config.num_key_value_heads, bias=bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
         self.head_dim = head_dim
-        self.o_proj = RowParallelLinear(
-            config.num_attention_heads * head_dim, config.hidden_size, bias=config.attention_bias
-        )
-        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
+        self.o_proj = RowParallelLinear(heads * head_dim, config.hidden_size, bias=bias)
+        self.q_norm, self.k_norm = RMSNorm(head_dim, config.rms_norm_eps), RMSNorm(head_dim, config.rms_norm_eps)
         self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, layer_idx)
 
@@ -345,10 +307,8 @@ class Qwen3DecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, context: AttentionContext
     ) -> tuple[torch.Tensor, torch.Tensor]:  # x, residual: (num_tokens, hidden_size)
-        if residual is None:  # the first layer: the residual stream is the embedding
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        # the first layer (residual None): the residual stream is the embedding
+        x, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
         x = self.self_attn(positions, x, context)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
@@ -368,8 +328,7 @@ class Qwen3Model(nn.Module):
         x, residual = self.embed_tokens(input_ids), None  # (num_tokens, hidden_size)
         for layer in self.layers:
             x, residual = layer(positions, x, residual, context)
-        x, _ = self.norm(x, residual)
-        return x  # (num_tokens, hidden_size)
+        return self.norm(x, residual)[0]  # (num_tokens, hidden_size)
 
 
 class Qwen3ForCausalLM(nn.Module):
@@ -407,24 +366,16 @@ total, embedding = sum(sizes.values()), sizes["model.embed_tokens.weight"]
 print(f"{total:,} parameters ({2 * total / 1e9:.2f} GB in bf16), {embedding / total:.0%} of them in the embedding")
 
 # %% [markdown]
-# The embedding is also the LM head. Each decode step reads every weight, whatever its batch: batching pays.
-#
 # ## Loading a checkpoint
-# 1. **Read the config**; `config.architectures` picks our class in `MODELS`. transformers' `AutoConfig` reads every
-#    version's keys, but it imports the architecture's config class, which in some versions imports much of
-#    transformers (measured at the end). So a config.json that writes out every field in `CONFIG_FIELDS`, as
-#    transformers 5 does, becomes a plain `PretrainedConfig`.
-# 2. **Map names.** Ours are the checkpoint's except in packed modules: `…self_attn.q_proj.weight` goes into
-#    `…self_attn.qkv_proj.weight` as shard `"q"`, as `packed_modules_mapping` says.
-# 3. **Check before building**: names against the map, then every copy rehearsed on a `meta` model (the same
-#    `weight_loader` calls and shape checks, no memory, no data).
-# 4. **Copy.** Build the model on the device; each parameter's `weight_loader` keeps this rank's slice (notebook 01).
-#    Each tensor must be in exactly one file: a stray old shard is an error, not a coin toss.
+# 1. **Read the config**: `architectures` picks our class in `MODELS`. A config.json with every `CONFIG_FIELDS` value
+#    written out (as transformers 5 writes) becomes a plain `PretrainedConfig`; `AutoConfig` imports more (see the end).
+# 2. **Map names**: ours are the checkpoint's but in `packed_modules_mapping` (`…q_proj` is `…qkv_proj`'s `"q"`).
+# 3. **Check before building**: names against the map, then every copy rehearsed on a `meta` model (no memory).
+# 4. **Copy** on the device; each `weight_loader` keeps this rank's slice. A tensor in two files is an error.
 
 # %% tags=["export"] module="minivllm.models.loader"
 import json
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
@@ -461,8 +412,7 @@ def read_json(file: Path) -> dict:
 def read_config(path: Path) -> PretrainedConfig:
     if not path.is_dir():
         raise FileNotFoundError(f"checkpoint folder {path} does not exist or is not a folder")
-    config_file = path / "config.json"
-    if not config_file.is_file():
+    if not (config_file := path / "config.json").is_file():
         raise FileNotFoundError(f"{config_file} not found: a checkpoint folder needs a config.json")
     raw = read_json(config_file)
     architectures = raw.get("architectures") or []
@@ -470,62 +420,38 @@ def read_config(path: Path) -> PretrainedConfig:
         raise ValueError(
             f"{config_file}: architectures={architectures} is not supported; supported architectures: {sorted(MODELS)}"
         )
-    fields = CONFIG_FIELDS.get(supported(architectures), ())
-    if fields and written_out(raw, fields):
-        return PretrainedConfig.from_dict(raw)  # the fields as written; no class, so no defaults needed
+    fields, rope = CONFIG_FIELDS.get(next(a for a in architectures if a in MODELS), ()), raw.get("rope_parameters")
+    if fields and isinstance(rope, dict) and "rope_theta" in rope and all(raw.get(f) is not None for f in fields):
+        return PretrainedConfig.from_dict(raw)  # every field written out, RoPE's in transformers 5's form: no defaults
     from transformers import AutoConfig  # here, not at the top: importing its registry takes time
 
     return AutoConfig.from_pretrained(path)  # the architecture's class: its defaults and older keys understood
 
 
-def written_out(raw: dict, fields: tuple[str, ...]) -> bool:
-    """Does config.json give every field a value, and RoPE's in transformers 5's form (rope_parameters)?"""
-    rope = raw.get("rope_parameters")
-    return isinstance(rope, dict) and "rope_theta" in rope and all(raw.get(f) is not None for f in fields)
-
-
-def supported(architectures: list[str]) -> str:
-    """The first of config.json's architectures that MODELS builds (read_config has checked there is one)."""
-    return next(a for a in architectures if a in MODELS)
-
-
-def model_class(config: PretrainedConfig) -> type[Qwen3ForCausalLM]:
-    assert config.architectures is not None, "read_config checks the architectures"
-    return MODELS[supported(config.architectures)]
-
-
-def read_index(path: Path) -> dict[str, Path] | None:
-    """A sharded checkpoint's index: tensor name -> the file that holds it; None when there is no index."""
+def checkpoint_files(path: Path) -> tuple[list[Path], dict[str, Path] | None]:
+    """The files the index names, with its tensor name -> file map; with no index, every *.safetensors file, None."""
     index = path / INDEX_FILE
     if not index.is_file():
-        return None
-    weight_map = read_json(index).get("weight_map")
-    if not weight_map or not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        if not (files := sorted(path.glob("*.safetensors"))):
+            raise FileNotFoundError(f"no *.safetensors file in {path}")
+        return files, None
+    names = read_json(index).get("weight_map")
+    if not names or not isinstance(names, dict) or not all(isinstance(f, str) for f in names.values()):
         raise ValueError(f"{index}: 'weight_map' must be a non-empty object of tensor name -> file name")
-    return {name: path / file for name, file in weight_map.items()}
-
-
-def checkpoint_files(path: Path, weight_map: dict[str, Path] | None = None) -> list[Path]:
-    """The safetensors files: exactly those the index names (a sharded checkpoint), else every *.safetensors file."""
-    if weight_map is None:
-        files = sorted(path.glob("*.safetensors"))
-    else:
-        files = sorted(set(weight_map.values()))
-        if missing := [f.name for f in files if not f.is_file()]:
-            raise FileNotFoundError(f"{path / INDEX_FILE} names {missing}, missing from {path}")
-        if (single := path / "model.safetensors").is_file() and single not in files:
-            raise ValueError(
-                f"{path} holds both {single.name} and {INDEX_FILE}, which does not name it: transformers "
-                "would load the first, vLLM the files the index names; delete the stale one"
-            )
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors file in {path}")
-    return files
+    weight_map = {name: path / file for name, file in names.items()}
+    files = sorted(set(weight_map.values()))
+    if missing := [f.name for f in files if not f.is_file()]:
+        raise FileNotFoundError(f"{index} names {missing}, missing from {path}")
+    if (single := path / "model.safetensors").is_file() and single not in files:
+        raise ValueError(
+            f"{path} holds both {single.name} and {INDEX_FILE}, which does not name it: transformers "
+            "would load the first, vLLM the files the index names; delete the stale one"
+        )
+    return files, weight_map
 
 
 def tensor_shapes(files: list[Path], weight_map: dict[str, Path] | None = None) -> dict[str, tuple[int, ...]]:
-    """Every tensor's name and shape, from the safetensors headers (no weight is read). Each tensor must be in
-    exactly one file, the one the index (if any) names: otherwise which copy wins would be an accident."""
+    """Every tensor's name and shape, from the headers. Each in exactly one file, the one the index (if any) names."""
     shapes: dict[str, tuple[int, ...]] = {}
     owner: dict[str, Path] = {}
     for file in files:
@@ -556,11 +482,9 @@ def checkpoint_names(model: Qwen3ForCausalLM) -> dict[str, tuple[str, ShardId]]:
     names: dict[str, tuple[str, ShardId]] = {}
     for name, _ in model.named_parameters():  # a tied lm_head is not listed: it is the embedding
         parts = name.split(".")
-        packed = [i for i, part in enumerate(parts) if part in sources]
-        if not packed:
+        if (i := next((i for i, part in enumerate(parts) if part in sources), None)) is None:
             names[name] = (name, None)
             continue
-        i = packed[0]
         for hf_module, shard_id in sources[parts[i]]:
             names[".".join([*parts[:i], hf_module, *parts[i + 1 :]])] = (name, shard_id)
     return names
@@ -571,31 +495,24 @@ def is_ignored(name: str, config: PretrainedConfig) -> bool:
     return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and config.tie_word_embeddings)
 
 
-def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
-    check_shape("parameter", loaded, tuple(param.shape))
-    param.data.copy_(loaded)
-
-
 def load_tensor(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId) -> None:
-    loader: Callable[..., None] = getattr(param, "weight_loader", default_weight_loader)
-    if shard_id is None:
-        loader(param, loaded)
-    else:
-        loader(param, loaded, shard_id)
-
-
-def first_five(names: list[str]) -> str:
-    return ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+    """Copy a checkpoint tensor into param through its weight_loader (this rank's slice; shard_id: which part)."""
+    loader: Callable[..., None] | None = getattr(param, "weight_loader", None)
+    if loader is not None:
+        loader(param, loaded, *([] if shard_id is None else [shard_id]))
+    else:  # a plain parameter: the whole tensor
+        check_shape("parameter", loaded, tuple(param.shape))
+        param.data.copy_(loaded)
 
 
 def check_checkpoint(model: Qwen3ForCausalLM, shapes: dict[str, tuple[int, ...]], config: PretrainedConfig) -> None:
     """Raise if the checkpoint lacks a tensor, has one too many, or has one of the wrong shape."""
     needed = checkpoint_names(model)
     present = {name for name in shapes if not is_ignored(name, config)}
-    if missing := sorted(needed.keys() - present):
-        raise ValueError(f"checkpoint is missing {len(missing)} tensor(s): {first_five(missing)}")
-    if unexpected := sorted(present - needed.keys()):
-        raise ValueError(f"checkpoint has {len(unexpected)} unexpected tensor(s): {first_five(unexpected)}")
+    for names, problem in ((needed.keys() - present, "is missing {}"), (present - needed.keys(), "has {} unexpected")):
+        if names:
+            first_five = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
+            raise ValueError(f"checkpoint {problem.format(len(names))} tensor(s): {first_five}")
     params = dict(model.named_parameters())
     for name in sorted(present):  # rehearse each copy on the meta device: the loaders' own shape checks
         param_name, shard_id = needed[name]
@@ -628,33 +545,28 @@ def resolve_dtype(dtype: torch.dtype | str, config: PretrainedConfig, device: to
     return dtype
 
 
-@contextmanager
-def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
-
-
 def load_model(
     path: str | Path,
     dtype: torch.dtype | str = "auto",
     device: torch.device | str = "cpu",
     config: PretrainedConfig | None = None,
 ) -> Qwen3ForCausalLM:
-    """Build the model a HuggingFace checkpoint folder describes and load its weights (this rank's slice).
-    `config`: the folder's config.json, when the caller has read it already (the engine's Config has)."""
+    """Build the model a checkpoint folder describes, with its weights (this rank's slice); `config` if read already."""
     path, device = Path(path), torch.device(device)
-    config, weight_map = config or read_config(path), read_index(path)
-    files = checkpoint_files(path, weight_map)
+    config = config or read_config(path)
+    files, weight_map = checkpoint_files(path)
     shapes = tensor_shapes(files, weight_map)
     dtype = resolve_dtype(dtype, config, device)
+    model_class = MODELS[next(a for a in config.architectures or [] if a in MODELS)]  # read_config checked there is one
     with torch.device("meta"):  # every check runs on a model that holds no memory
-        check_checkpoint(model_class(config)(config), shapes, config)
-    with default_dtype(dtype), device:
-        model = model_class(config)(config)
+        check_checkpoint(model_class(config), shapes, config)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # the model is made in dtype, on the device
+    try:
+        with device:
+            model = model_class(config)
+    finally:
+        torch.set_default_dtype(previous)
     load_weights(model, files, config)
     return model.eval()
 
@@ -686,10 +598,9 @@ with tempfile.TemporaryDirectory() as tmp:
 
 # %% [markdown]
 # ## Parity with transformers
-# The same prompts through both in float32, logits compared at every position (16 and 256: KV block sizes to come).
-# `minivllm.testing.prompt_logits`, the one-prompt forward, is the oracle for every cached path of notebooks 03–05.
-# Then two prompts packed in one batch must give each its own logits (the context keeps attention inside each prompt,
-# and `positions` restart at 0); and with trained weights (`tiny-text`), the same forward writes text.
+# The same prompts through both in float32, logits compared at every position (16, 256: KV block sizes to come); this
+# one-prompt forward, `minivllm.testing.prompt_logits`, is the oracle of every cached path of notebooks 03–05. Two
+# prompts packed in one batch get each its own logits; with trained weights (`tiny-text`), the forward writes text.
 
 # %%
 from transformers import AutoModelForCausalLM
@@ -707,8 +618,7 @@ for n in (1, 15, 16, 17, 255, 256, 257, 700):
     assert torch.equal(ours.argmax(-1), ref.argmax(-1)) and (ours - ref).abs().max() < 1e-4, n
     print(f"{n:4} tokens: max |logit difference| {(ours - ref).abs().max():.1e}, the same argmax everywhere")
 a, b = text_ids[:40], text_ids[100:163]
-input_ids = torch.tensor(a + b, device=DEVICE)
-positions = torch.tensor(list(range(len(a))) + list(range(len(b))), device=DEVICE)
+input_ids, positions = torch.tensor(a + b, device=DEVICE), torch.tensor([*range(len(a)), *range(len(b))], device=DEVICE)
 with torch.inference_mode():
     packed = model.compute_logits(model(input_ids, positions, PrefillContext.from_lens([len(a), len(b)], DEVICE)))
 torch.testing.assert_close(packed, torch.cat([prompt_logits(model, a), prompt_logits(model, b)]), rtol=1e-5, atol=1e-5)
@@ -719,10 +629,9 @@ for _ in range(24):  # greedy, with no KV cache yet: the whole text again for ev
 print(repr(tokenizer.decode(token_ids)))
 
 # %% [markdown]
-# **Tensor parallelism** needs nothing more: each rank builds the model with its share of heads and MLP columns
-# (`tests/test_model.py` checks that TP=2 gives TP=1's logits). **In bfloat16** (8 significant bits) two correct
-# implementations round differently, far above float32's 1e-7. Rounding or a bug? If ours is as close to float32 as
-# transformers' own bfloat16 is, it is rounding. (`python -m minivllm.checks.model_parity` checks the 0.6B so.)
+# **Tensor parallelism** needs nothing more (`tests/test_model.py`: TP=2 gives TP=1's logits). **In bfloat16** (8
+# significant bits) two correct implementations round differently, far above float32's 1e-7. Rounding or a bug? If ours
+# is as close to float32 as transformers' own bfloat16 is, it is rounding (`python -m minivllm.checks.model_parity`).
 
 # %%
 ids = torch.tensor([text_ids[:1000]], device=DEVICE)
@@ -738,9 +647,9 @@ assert gap["ours"] <= 1.5 * gap["theirs"] and same["ours"] >= same["theirs"] - 0
 
 # %% [markdown]
 # ## The engine's settings
-# One dataclass holds the settings of the runner (notebook 04), the scheduler (05) and the engine (06): vLLM's names
-# and defaults, each value checked before anything is built. A `None` is resolved here (`max_model_len` from the
-# checkpoint, `device` from the machine): each field then holds its declared type, and later code meets no `None`.
+# One dataclass holds the settings of the runner (04), the scheduler (05) and the engine (06): vLLM's names and
+# defaults, checked before anything is built. A `None` is resolved here (`max_model_len` from the checkpoint, `device`
+# from the machine), so each field holds its declared type.
 
 # %% tags=["export"] module="minivllm.config"
 from dataclasses import dataclass, field
@@ -754,8 +663,6 @@ from minivllm.models.loader import read_config
 
 @dataclass(slots=True)
 class Config:
-    """The engine's settings. A None is resolved when the Config is made: then each field holds its declared type."""
-
     model: str | Path  # a HuggingFace checkpoint folder
     tensor_parallel_size: int = 1
     dtype: str | torch.dtype = "auto"  # the checkpoint's dtype on a GPU, float32 on a CPU
@@ -781,25 +688,23 @@ class Config:
         self.max_model_len = context_len if self.max_model_len is None else self.max_model_len
         if self.async_scheduling is None:
             self.async_scheduling = self.device == "cuda" and self.tensor_parallel_size == 1
-        checks = {
-            "tensor_parallel_size": (self.tensor_parallel_size >= 1, ">= 1"),
-            "block_size": (self.block_size in (16, 32, 64, 128, 256), "16, 32, 64, 128 or 256"),
-            "max_num_seqs": (self.max_num_seqs >= 1, ">= 1"),
-            "max_num_batched_tokens": (self.max_num_batched_tokens >= 1, ">= 1"),
-            "max_model_len": (1 <= self.max_model_len <= context_len, f"in [1, {context_len}], the context length"),
-            "num_kvcache_blocks": (self.num_kvcache_blocks is None or self.num_kvcache_blocks >= 1, "None or >= 1"),
-            "gpu_memory_utilization": (0 < self.gpu_memory_utilization <= 1, "in (0, 1]"),
-            "device": (self.device in ("cpu", "cuda"), "'cpu' or 'cuda'"),
-            "scheduling_policy": (self.scheduling_policy in ("unified", "prefill-first"), "unified or prefill-first"),
-            "async_scheduling": (not (self.async_scheduling and self.tensor_parallel_size > 1), "off under TP"),
-        }
-        for name, (ok, allowed) in checks.items():
+        gpus = torch.cuda.device_count() if self.device == "cuda" else float("inf")  # the GPUs tensor parallelism uses
+        checks = [
+            ("tensor_parallel_size", self.tensor_parallel_size >= 1, ">= 1"),
+            ("block_size", self.block_size in (16, 32, 64, 128, 256), "16, 32, 64, 128 or 256"),
+            ("max_num_seqs", self.max_num_seqs >= 1, ">= 1"),
+            ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, ">= 1"),
+            ("max_model_len", 1 <= self.max_model_len <= context_len, f"in [1, {context_len}], the context length"),
+            ("num_kvcache_blocks", self.num_kvcache_blocks is None or self.num_kvcache_blocks >= 1, "None or >= 1"),
+            ("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "in (0, 1]"),
+            ("device", self.device in ("cpu", "cuda"), "'cpu' or 'cuda'"),
+            ("scheduling_policy", self.scheduling_policy in ("unified", "prefill-first"), "unified or prefill-first"),
+            ("async_scheduling", not (self.async_scheduling and self.tensor_parallel_size > 1), "off under TP"),
+            ("tensor_parallel_size", self.tensor_parallel_size <= gpus, f"<= {gpus} (the GPUs present)"),
+        ]
+        for name, ok, allowed in checks:
             if not ok:
                 raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
-        if self.device == "cuda" and self.tensor_parallel_size > (gpus := torch.cuda.device_count()):
-            raise ValueError(
-                f"tensor_parallel_size must be <= {gpus} (the GPUs present), got {self.tensor_parallel_size}"
-            )
 
 
 # %%
@@ -813,17 +718,18 @@ except ValueError as e:
 
 # %% [markdown]
 # ## Sampling parameters
-# How a request picks each next token from the logits (notebook 04's sampler), and when it stops. A bad value is
-# refused when the request is made, naming the field: in the sampler, a NaN makes garbage tokens with no error. As in
-# vLLM, a temperature below `1e-5` is greedy (`0`): dividing logits by a tiny one overflows float32 to infinity.
+# How a request picks each next token (notebook 04's sampler), and when it stops. A bad value is refused when the
+# request is made, naming the field: in the sampler, a NaN makes garbage tokens with no error. As in vLLM, a temperature
+# below `1e-5` is greedy (`0`): dividing logits by a tiny one overflows float32 to infinity.
 
 # %% tags=["export"] module="minivllm.sampling_params"
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 GREEDY_BELOW = 1e-5  # a temperature below this is greedy (vLLM's _SAMPLING_EPS)
-MAX_INT64 = 2**63 - 1  # top_k travels to the sampler as int64
 MAX_LOGPROBS = 20  # the most log-probabilities a token may ask for (vLLM's default max_logprobs)
+PLAIN = {int: ((int,), "an int"), float: ((int, float), "a real number"), bool: ((bool,), "True or False")}
 
 
 def scalar(value):
@@ -831,29 +737,14 @@ def scalar(value):
     return value.item() if getattr(value, "ndim", None) == 0 and hasattr(value, "item") else value
 
 
-def as_int(value, name: str) -> int:
-    """value as a Python int: ints and NumPy/PyTorch integer scalars. Floats, bools, None, text: ValueError."""
-    number = scalar(value)
-    if not isinstance(number, int) or isinstance(number, bool):
-        raise ValueError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    return number
-
-
-def as_real(value, name: str) -> float:
-    """value as a finite Python float: ints, floats and NumPy/PyTorch real scalars. NaN, infinities: ValueError."""
-    number = scalar(value)
-    if not isinstance(number, int | float) or isinstance(number, bool):
-        raise ValueError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
-    if not math.isfinite(number):  # ints too: float(10**400) would overflow
+def as_plain(value, name: str, kind: type[int] | type[float] | type[bool]) -> Any:
+    """value as a Python int, a finite float or a bool (Python, NumPy or PyTorch scalars); ValueError if not."""
+    number, (allowed, what) = scalar(value), PLAIN[kind]
+    if not isinstance(number, allowed) or (isinstance(number, bool) and kind is not bool):  # True is an int too
+        raise ValueError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
+    if kind is float and not math.isfinite(number):  # ints too: float(10**400) would overflow
         raise ValueError(f"{name} must be finite, got {number}")
-    return float(number)
-
-
-def as_bool(value, name: str) -> bool:
-    number = scalar(value)
-    if not isinstance(number, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
-    return number
+    return kind(number)
 
 
 def as_token_ids(value, name: str) -> list[int]:
@@ -866,13 +757,12 @@ def as_token_ids(value, name: str) -> list[int]:
         raise ValueError(f"{name} must be a list of int token ids, got {type(value).__name__}")
     if all(type(t) is int for t in value):  # the common case, fast
         return list(value)
-    return [as_int(t, f"{name}[{i}]") for i, t in enumerate(value)]
+    return [as_plain(t, f"{name}[{i}]", int) for i, t in enumerate(value)]
 
 
 @dataclass(slots=True)
 class SamplingParams:
-    """How to pick each next token of a request, and when to stop (vLLM's names and defaults). Every field is
-    checked and converted to a plain Python value when it is made (and again by `dataclasses.replace`)."""
+    """How to pick each next token of a request, and when to stop: vLLM's names and defaults, checked."""
 
     temperature: float = 1.0  # 0 is greedy; below 1e-5 is stored as 0
     top_p: float = 1.0  # keep the most likely tokens whose probabilities add up to top_p
@@ -886,9 +776,7 @@ class SamplingParams:
     ignore_eos: bool = False  # keep going after the end-of-sequence token
     seed: int | None = None  # per-request random seed; None draws from the engine's generator
     stop_token_ids: list[int] = field(default_factory=list)  # extra tokens that finish the request (None: none)
-    stop: list[str] = field(
-        default_factory=list
-    )  # strings that finish the request when the text holds one (None: none)
+    stop: list[str] = field(default_factory=list)  # strings that finish the request when in the text (None: none)
     include_stop_str_in_output: bool = False  # keep the stop string at the end of the text
     n: int = 1  # completions of the prompt (they share its KV blocks); with a seed, completion i uses seed + i
     logprobs: int | None = None  # per completion token: its log-probability, and this many most likely tokens'
@@ -901,7 +789,7 @@ class SamplingParams:
             "min_tokens": (0 <= self.min_tokens <= self.max_tokens, f"in [0, max_tokens={self.max_tokens}]"),
             "temperature": (self.temperature >= 0, ">= 0 (0 is greedy)"),
             "top_p": (0 < self.top_p <= 1, "in (0, 1]"),
-            "top_k": (self.top_k == -1 or 1 <= self.top_k <= MAX_INT64, "-1 (off) or in [1, 2**63)"),
+            "top_k": (self.top_k == -1 or 1 <= self.top_k < 2**63, "-1 (off) or in [1, 2**63)"),
             "min_p": (0 <= self.min_p <= 1, "in [0, 1]"),
             "presence_penalty": (-2 <= self.presence_penalty <= 2, "in [-2, 2]"),
             "frequency_penalty": (-2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
@@ -921,13 +809,13 @@ class SamplingParams:
     def convert(self) -> None:
         """Every field as a plain Python value of its type (our own copies); ValueError naming a field that is not."""
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
-            setattr(self, name, as_real(getattr(self, name), name))
+            setattr(self, name, as_plain(getattr(self, name), name, float))
         for name in ("top_k", "max_tokens", "min_tokens", "n"):
-            setattr(self, name, as_int(getattr(self, name), name))
+            setattr(self, name, as_plain(getattr(self, name), name, int))
         for name in ("seed", "logprobs", "prompt_logprobs"):  # None, or an int
-            setattr(self, name, None if getattr(self, name) is None else as_int(getattr(self, name), name))
-        self.ignore_eos = as_bool(self.ignore_eos, "ignore_eos")
-        self.include_stop_str_in_output = as_bool(self.include_stop_str_in_output, "include_stop_str_in_output")
+            setattr(self, name, None if getattr(self, name) is None else as_plain(getattr(self, name), name, int))
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            setattr(self, name, as_plain(getattr(self, name), name, bool))
         self.stop_token_ids = [] if self.stop_token_ids is None else as_token_ids(self.stop_token_ids, "stop_token_ids")
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])  # a str: one string
 
@@ -949,14 +837,12 @@ for bad in [dict(max_tokens=2.0), dict(temperature=float("nan")), dict(top_p=0.0
 
 # %% [markdown]
 # ## How fast
-# Start-up: each config reader runs in a fresh Python (imported modules stay imported), timing `read_config` and
-# counting the modules it imports. Both depend on the transformers version installed, the times on this machine too.
+# Start-up: `read_config` timed in a fresh Python, with the modules it imports counted (both depend on the transformers
+# installed, the time on this machine too): a config.json written out in full, then one in the Hub's older RoPE form.
 
 # %%
-probe = """import sys, time; from pathlib import Path
-from minivllm.models.loader import read_config
-before, start = len(sys.modules), time.perf_counter()
-config = read_config(Path(sys.argv[1]))
+probe = """import sys, time; from pathlib import Path; from minivllm.models.loader import read_config
+before, start = len(sys.modules), time.perf_counter(); config = read_config(Path(sys.argv[1]))
 print(f"{type(config).__name__}: {time.perf_counter() - start:.2f} s, {len(sys.modules) - before} modules imported")"""
 rope_4 = lambda c: c.update(rope_theta=c.pop("rope_parameters")["rope_theta"])  # noqa: E731 (the Hub's Qwen3 form)
 with tempfile.TemporaryDirectory() as tmp:
@@ -966,9 +852,8 @@ with tempfile.TemporaryDirectory() as tmp:
 
 # %% [markdown]
 # ## Check yourself
-# Replace `None` in `answer = None` with your answer (by hand, or computed) and run the cell; the worked answer follows.
-#
-# **1.** Split Qwen3-0.6B over 2 ranks: how many rows does `qkv_proj.weight` have on each? Answer a list, one per rank.
+# **1.** Split Qwen3-0.6B over 2 ranks: how many rows does `qkv_proj.weight` have on each? Answer a list, one per rank
+# (by hand, or computed), run the cell; the worked answer follows.
 
 # %%
 from minivllm.layers.linear import TPGroup, tensor_parallel

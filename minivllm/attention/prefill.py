@@ -19,13 +19,10 @@ class PrefillContext:
 
     @classmethod
     def from_lens(cls, seq_lens: list[int], device: torch.device | str) -> "PrefillContext":
-        cu_seqlens = torch.tensor([0, *accumulate(seq_lens)], dtype=torch.int32, device=device)
-        return cls(cu_seqlens, max(seq_lens))
+        return cls(torch.tensor([0, *accumulate(seq_lens)], dtype=torch.int32, device=device), max(seq_lens))
 
     def attend(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        cu = self.cu_seqlens
+        cu, max_len, scale = self.cu_seqlens, self.max_seqlen, layer.scale
         if q.is_cuda:
-            return flash_attn_varlen_contiguous(
-                q, k, v, cu, cu, self.max_seqlen, self.max_seqlen, softmax_scale=layer.scale, causal=True
-            )
-        return attention_ref(q, k, v, cu, cu, softmax_scale=layer.scale, causal=True)
+            return flash_attn_varlen_contiguous(q, k, v, cu, cu, max_len, max_len, softmax_scale=scale, causal=True)
+        return attention_ref(q, k, v, cu, cu, softmax_scale=scale, causal=True)

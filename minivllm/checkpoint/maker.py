@@ -13,35 +13,19 @@ from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config,
 
 from minivllm.checkpoint.train import corpus_ids, train
 
-PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(
-        vocab_size=2048,
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-        dtype="float32",
-    ),
-    "qwen3-0.6b": dict(
-        vocab_size=151936,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=28,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=40960,
-        tie_word_embeddings=True,
-        dtype="bfloat16",
-    ),
+PRESET_FIELDS = (
+    "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads head_dim "
+    "max_position_embeddings dtype"
+).split()
+PRESETS: dict[str, dict[str, Any]] = {  # every preset ties the LM head to the embedding, as the small Qwen3s do
+    name: dict(zip(PRESET_FIELDS, values), tie_word_embeddings=True)
+    for name, values in {
+        "tiny": (2048, 128, 384, 4, 4, 2, 32, 4096, "float32"),
+        "qwen3-0.6b": (151936, 1024, 3072, 28, 16, 8, 128, 40960, "bfloat16"),
+    }.items()
 }
 PRESETS["tiny-text"] = dict(PRESETS["tiny"])  # tiny's shapes; write_checkpoint trains it on the corpus
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
-TOKENIZER_VOCAB_SIZE = 2048
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
@@ -55,7 +39,7 @@ def preset_config(name: str) -> Qwen3Config:
     return Qwen3Config(**PRESETS[name], rope_theta=1e6, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=2)  # type: ignore[call-arg]
 
 
-def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE) -> PreTrainedTokenizerFast:
+def train_tokenizer(vocab_size: int = 2048) -> PreTrainedTokenizerFast:
     """A byte-level BPE trained on the text in minivllm/data (deterministic: same text, same merges)."""
     text = resources.files("minivllm").joinpath("data/tokenizer_corpus.txt").read_text(encoding="utf-8")
     tokenizer = Tokenizer(models.BPE())
@@ -74,9 +58,8 @@ def train_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE) -> PreTrainedTokeniz
 def random_model(config: Qwen3Config, seed: int) -> Qwen3ForCausalLM:
     """transformers' Qwen3 with seeded random weights, ready to save or to train."""
     dtype = getattr(torch, config.dtype) if isinstance(config.dtype, str) else config.dtype
-    with torch.device("meta"):
-        # its names and shapes are those of a real checkpoint. (mypy: transformers' `to` is a functools.wraps
-        # wrapper, which mypy does not bind as a method)
+    with torch.device("meta"):  # a real checkpoint's names and shapes, no memory yet
+        # mypy: transformers' `to` is a functools.wraps wrapper, which mypy does not bind as a method
         model = Qwen3ForCausalLM(config).to(dtype)  # type: ignore[arg-type]
     model.to_empty(device="cpu")  # allocate, uninitialised; this gives a tied head its own storage, so:
     model.tie_weights()
@@ -115,10 +98,8 @@ def write_checkpoint(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m minivllm.checkpoint",
-        description="Write a HuggingFace checkpoint of a named preset (random weights; tiny-text trained on text).",
-    )
+    description = "Write a HuggingFace checkpoint of a named preset (random weights; tiny-text trained on text)."
+    parser = argparse.ArgumentParser(prog="python -m minivllm.checkpoint", description=description)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     parser.add_argument("--out", required=True, help="folder to write (created if missing)")
     parser.add_argument("--seed", type=int, default=0)

@@ -20,21 +20,12 @@ def head_dim_of(config: Any) -> int:
 class Qwen3Attention(nn.Module):
     def __init__(self, config: Any, rotary_emb: RotaryEmbedding, layer_idx: int):
         super().__init__()
-        head_dim = head_dim_of(config)
-        self.qkv_proj = QKVParallelLinear(
-            config.hidden_size,
-            head_dim,
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            bias=config.attention_bias,
-        )
+        head_dim, heads, bias = head_dim_of(config), config.num_attention_heads, config.attention_bias
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, heads, config.num_key_value_heads, bias=bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
         self.head_dim = head_dim
-        self.o_proj = RowParallelLinear(
-            config.num_attention_heads * head_dim, config.hidden_size, bias=config.attention_bias
-        )
-        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
+        self.o_proj = RowParallelLinear(heads * head_dim, config.hidden_size, bias=bias)
+        self.q_norm, self.k_norm = RMSNorm(head_dim, config.rms_norm_eps), RMSNorm(head_dim, config.rms_norm_eps)
         self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, layer_idx)
 
@@ -75,10 +66,8 @@ class Qwen3DecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, context: AttentionContext
     ) -> tuple[torch.Tensor, torch.Tensor]:  # x, residual: (num_tokens, hidden_size)
-        if residual is None:  # the first layer: the residual stream is the embedding
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        # the first layer (residual None): the residual stream is the embedding
+        x, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
         x = self.self_attn(positions, x, context)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
@@ -98,8 +87,7 @@ class Qwen3Model(nn.Module):
         x, residual = self.embed_tokens(input_ids), None  # (num_tokens, hidden_size)
         for layer in self.layers:
             x, residual = layer(positions, x, residual, context)
-        x, _ = self.norm(x, residual)
-        return x  # (num_tokens, hidden_size)
+        return self.norm(x, residual)[0]  # (num_tokens, hidden_size)
 
 
 class Qwen3ForCausalLM(nn.Module):
