@@ -27,8 +27,7 @@ class OutputProcessor:
         prompt_logprobs: tuple[int, list[TokenLogprobs]] | None,
         now: float,
     ) -> bool:
-        """Record what a step gave seq: its request's first-token time, log-probabilities. Whether seq's text now
-        holds one of its stop strings (the engine then finishes it)."""
+        """Record what a step gave seq (first-token time, log-probabilities); whether its text holds a stop string."""
         i = request.seqs.index(seq)
         if request.metrics.first_token_time is None and seq.num_completion_tokens > 0:
             request.metrics.first_token_time = now
