@@ -15,10 +15,9 @@
 # # 06 · The engine: vLLM's offline API, end to end
 #
 # **What this notebook builds.** The layer a user touches: `LLM(model=...).generate(prompts, sampling_params)`, with
-# vLLM's names, arguments and outputs. Under it, `LLMEngine` loops `schedule → run → postprocess` (the next step
-# scheduled while the GPU runs the last) until every request is done, beside two helpers, as in vLLM: an input
-# processor (prompt → checked request) and an output processor (tokens → text, stop strings, log-probabilities). It
-# assumes everything before: the model (02), the KV cache (03), the runner (04), the scheduler (05).
+# vLLM's names, arguments and outputs. Under it, `LLMEngine` loops `schedule → run → postprocess` until every request
+# is done, beside an input processor (prompt → checked request) and an output processor (tokens → text, stop strings,
+# log-probabilities). It builds on the model (02), the KV cache (03), the runner (04) and the scheduler (05).
 #
 # **What you will see.** The engine's greedy output equal to transformers' `generate`, KV-block occupancy over a run,
 # and the course's final figures. Splitting the model over GPUs is the deep dive `tensor_parallel`, after this one.
@@ -43,12 +42,11 @@ random.seed(0)
 
 # %% [markdown]
 # ## The engine loop: schedule → run → postprocess
-# `LLMEngine` owns a runner, a `Scheduler` and a tokenizer, and keeps vLLM's split between adding work and doing it:
-# `add_request(prompt, sampling_params, request_id=None)` queues a request's `Sequence`s, `abort_request(ids)` drops
-# requests, and `step()` returns the requests that finished and the step's `StepStats` (`"idle"` with nothing queued).
-# A step has three phases: **schedule** (the scheduler of 05 picks the batch), **run** (the runner of 04 queues the
-# forward and the sampler on the GPU, `launch`, and later waits for the tokens) and **postprocess** (the scheduler
-# appends the tokens and frees what finished; the output processor, below, turns them into outputs).
+# `LLMEngine` owns a runner, a `Scheduler` and a tokenizer; as in vLLM, `add_request` queues a request's `Sequence`s,
+# `abort_request` drops requests, and `step()` does the work: it returns the requests that finished and the step's
+# `StepStats` (`"idle"` with nothing queued). A step has three phases: **schedule** (the scheduler of 05 picks the
+# batch), **run** (the runner of 04 queues the forward and sampler on the GPU, `launch`, then waits for the tokens) and
+# **postprocess** (the scheduler appends the tokens and frees what finished; the output processor makes the outputs).
 #
 # With **async scheduling** (on by default with one GPU) `step()` launches step N+1 before it reads step N's tokens:
 # `advance` gives each of step N's sequences a placeholder token, `placeholder(row)` (notebook 04), which the runner
@@ -80,9 +78,7 @@ def make_runner(config: Config) -> ModelRunner:
 
 
 @dataclass(slots=True)
-class Launched:
-    """A step queued on the GPU."""
-
+class Launched:  # a step queued on the GPU
     seqs: list[Sequence]
     output: Callable[[], StepOutput]  # waits for the step's tokens
     stats: StepStats
@@ -247,12 +243,11 @@ class LLMEngine:
 # ## `LLM.generate`: the loop, for a user
 # `LLM(model, ...)` takes notebook 02's `Config` fields as keyword arguments. `generate` accepts a str, token ids (a
 # list of ints, a 1-D integer array or tensor) or a list of those, with one `SamplingParams` for all or one per prompt,
-# and returns the outputs in the prompts' order; `chat` does the same for conversations, through the chat template.
-# It holds the engine's lock for its whole run (calls from several threads run one after another) and returns only its
-# own requests: those queued with `engine.add_request` share its batches, their outputs kept for `engine.step()`; if
-# interrupted (Ctrl-C, an error), it aborts its unfinished ones. A server cannot wait for a batch: `AsyncLLM` steps the
-# same engine on its own thread and streams each request's newest output (`engine.progress`), and
-# `python -m minivllm.serve` puts OpenAI's HTTP API in front.
+# and returns the outputs in the prompts' order; `chat` does the same for conversations, through the chat template. It
+# holds the engine's lock for its whole run and returns only its own requests: those queued with `engine.add_request`
+# share its batches, their outputs kept for `engine.step()`; if interrupted (Ctrl-C, an error), it aborts its unfinished
+# ones. A server streams instead: `AsyncLLM` steps the same engine on its own thread (`engine.progress`: each request's
+# newest output), and `python -m minivllm.serve` puts OpenAI's HTTP API in front.
 
 # %% tags=["export"] module="minivllm.llm"
 from collections.abc import Sequence as SequenceOf
@@ -353,13 +348,11 @@ class LLM:
 
 # %% [markdown]
 # ## vLLM's offline API: what goes in, what comes out
-# The rest is vLLM's contract with its user, in three modules: what a request gives back (`outputs`), how a prompt
-# gets in (`input_processor`), how tokens come out as text (`output_processor`).
-#
-# ### What a request gives back
-# vLLM's `RequestOutput`: the prompt and, per completion, its text, token ids, `finish_reason` ("stop": an EOS or stop
-# token; "length": `max_tokens` or the context) and log-probabilities if asked; and two timings a server is judged by:
-# **time to first token** (TTFT) and **time per output token** (TPOT). A step returns a `StepStats`.
+# Three modules: what a request gives back (`outputs`), how a prompt gets in (`input_processor`), how tokens come out as
+# text (`output_processor`). **What a request gives back** is vLLM's `RequestOutput`: the prompt and, per completion,
+# its text, token ids, `finish_reason` ("stop": an EOS or stop token; "length": `max_tokens` or the context) and
+# log-probabilities if asked; and two timings a server is judged by: **time to first token** (TTFT) and **time per
+# output token** (TPOT).
 
 # %% tags=["export"] module="minivllm.outputs"
 from dataclasses import dataclass, field
@@ -646,9 +639,8 @@ class OutputProcessor:
         return CompletionOutput(i, text, token_ids, seq.finish_reason, logprobs, cumulative)
 
     def running_text(self, request: Request, i: int) -> str:
-        """Completion i's text so far, from its newest tokens only (vLLM's incremental detokenization: detokenizing
-        the whole reply at every step would cost O(length²)). `texts[i]` = (text, start, read): the text ends with
-        the text of tokens[start:read]; newer tokens are read once their text is whole (no '\ufffd' at its end)."""
+        """Completion i's text so far (detokenizing the whole reply at every step would cost O(length²)). `texts[i]` =
+        (text, start, read): text ends with tokens[start:read]'s; newer tokens are read once whole (no '\ufffd')."""
         (text, start, read), seq = request.texts.get(i, ("", 0, 0)), request.seqs[i]
         if seq.num_completion_tokens > read:
             tokens = seq.token_ids[seq.num_prompt_tokens + start :]  # from `start` on: no copy of the whole reply
@@ -662,8 +654,7 @@ class OutputProcessor:
 # %% [markdown]
 # ## Qwen3 end to end
 # Random weights write gibberish, so the text comes from `tiny-text`, notebook 02's tiny model trained on the
-# tokenizer's text; then `n=3` sampled completions of one prompt (seeded: completion i draws with `seed + i`), with
-# `logprobs=2`.
+# tokenizer's text; then `n=3` sampled completions of one prompt (completion i seeded `seed + i`), with `logprobs=2`.
 
 # %%
 from minivllm import LLM, SamplingParams
@@ -715,23 +706,21 @@ got = torch.tensor([row[t].logprob for row, t in zip(scored.prompt_logprobs[1:],
 torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 # %% [markdown]
-# **Async scheduling** (the engine loop above) takes nano-vllm's workload on the H200 from 17.4k to 22.1k output
-# tokens/s (README). On a CPU nothing runs ahead, but every line runs: after the prefill's `step()`, the first decode
-# step is already launched, its tokens on their way.
+# **Async scheduling** (the loop above) takes nano-vllm's workload on the H200 from 17.4k to 22.1k output tokens/s
+# (README). On a CPU nothing runs ahead, but every line runs: after the prefill's `step()`, the next decode is launched.
 
 # %%
 ahead = LLM(str(tiny_path), async_scheduling=True, **cpu_kwargs)
 ahead.engine.add_request(prompts[2], greedy)
 _, first = ahead.engine.step()  # the prefill's tokens are read: the first decode step is already launched
-on_its_way = ahead.engine.launched.stats
-print(f"after one step(): a {first.kind} read, a {on_its_way.kind} of {on_its_way.num_seqs} sequence on its way")
-assert first.kind == "prefill" and on_its_way.kind == "decode"
+print(f"after one step(): a {first.kind} read, a {(on_its_way := ahead.engine.launched.stats).kind} on its way")
+assert first.kind == "prefill" and on_its_way.kind == "decode" and on_its_way.num_seqs == 1
 assert [out.outputs[0].token_ids for out in ahead.generate(prompts, greedy, use_tqdm=False)] == ours
 assert ahead.engine.step()[0][0].outputs[0].token_ids == ours[2]  # the request added by hand was kept for step()
 
 # %% [markdown]
 # ### Bad input is refused, and changes nothing
-# Each of these raises a `ValueError` naming the field; its call adds no request, and the engine serves on.
+# Each raises a `ValueError` naming the field; its call adds no request, and the engine serves on.
 
 # %%
 vocab, max_len = cpu_llm.engine.config.hf_config.vocab_size, cpu_llm.engine.config.max_model_len
@@ -754,9 +743,8 @@ assert after == hf.generate(torch.tensor([[1, 2, 3]]), **hf_greedy)[0, 3:].tolis
 # %% [markdown]
 # ## KV blocks over a whole run
 # Notebook 03 simulated block occupancy; here is the real engine's, step by step, on 24 requests (a third behind a
-# shared system prompt) and a KV cache of 64 blocks: blocks holding running sequences' KV, free ones still holding a
-# cached prefix, empty ones. Each `step()` also hands back its `StepStats`: added up, what the run computed and where its
-# time went ("mixed" steps compute prompts that waited for room beside decodes: notebook 05's unified scheduler).
+# shared system prompt) and 64 KV blocks: blocks in use, free ones holding a cached prefix, empty ones; then the steps'
+# `StepStats` added up ("mixed" steps compute waiting prompts beside decodes: notebook 05).
 
 # %%
 engine = LLM(str(tiny_path), device="cpu", num_kvcache_blocks=64, max_num_seqs=16).engine
@@ -780,47 +768,38 @@ ax.legend(loc="upper right", fontsize=8)
 fig.savefig(FIGURES / "06_kv_occupancy.png", dpi=120)
 print(f"{len(used)} steps, peak {max(used)} blocks used, {engine.scheduler.num_preemptions} preemptions")
 assert bm.num_used_blocks == 0 and max(used) > 0.8 * bm.num_blocks - 1
+phases = ("schedule", "run", "postprocess")
 for kind in ("prefill", "mixed", "decode"):
     of_kind = [stats for stats in steps if stats.kind == kind]
-    times = {p: round(sum(getattr(s, f"{p}_seconds") for s in of_kind), 2) for p in ("schedule", "run", "postprocess")}
-    print(f"{len(of_kind):4d} {kind} steps: {sum(s.num_tokens for s in of_kind):5,} tokens; seconds {times}")
-assert sum(s.num_tokens for s in steps if s.kind == "decode") == sum(s.num_seqs for s in steps if s.kind == "decode")
-assert all(s.kind in ("prefill", "mixed", "decode") and s.num_seqs > 0 for s in steps)
+    times = [f"{phase} {sum(getattr(s, f'{phase}_seconds') for s in of_kind):.3f} s" for phase in phases]
+    print(f"{len(of_kind):4d} {kind} steps: {sum(s.num_tokens for s in of_kind):5,} tokens; " + ", ".join(times))
+assert all(s.num_seqs > 0 and (s.num_tokens == s.num_seqs if s.kind == "decode" else s.kind != "idle") for s in steps)
 
 # %% [markdown]
 # ## The course's final figures
-# **FlashAttention (prefill) vs PagedAttention (decode)**, measured on an H200 by `python -m minivllm.benchmarks.prefill`
-# and `.decode` (notebooks 01 and 03): prefill is compute-bound (TFLOP/s), decode memory-bound (TB/s). On a GPU the
-# cells measure again; without one they read the H200 runs committed in `figures/`.
+# **FlashAttention (prefill) vs PagedAttention (decode)**, from `python -m minivllm.benchmarks.prefill` and `.decode`:
+# prefill is compute-bound (TFLOP/s), decode memory-bound (TB/s). **Throughput and latency** per workload and policy,
+# from `python -m minivllm.benchmarks.throughput`: nano-vllm's benchmark (256 requests of 100–1024 tokens in and out), a
+# chat burst (512 requests sharing a 1,500-token system prompt, also without prefix caching), 32 long prompts (10–12k
+# tokens) and a single stream. On a GPU the cell measures again; without one it reads the H200 runs in `figures/`.
 
 # %%
 from minivllm.benchmarks.decode import plot_decode, run_decode_benchmark
 from minivllm.benchmarks.prefill import plot_prefill, run_prefill_benchmark
+from minivllm.benchmarks.throughput import describe, plot_throughput, run_throughput_benchmark
+from minivllm.benchmarks.workloads import workload
 
 figures = Path("figures")
-
-
+throughput = json.loads((figures / "throughput.json").read_text())
 if DEVICE == "cuda":
     llm.close()  # its KV cache holds most of the GPU: give it to the benchmarks
     prefill, decode = run_prefill_benchmark(), run_decode_benchmark()
+    now = run_throughput_benchmark(["nano-vllm"], policies=("unified",))
+    throughput["rows"].insert(0, {**now["rows"][0], "impl": f"minivllm, now ({now['device']})"})
 else:  # the committed H200 runs
     prefill, decode = (json.loads((figures / f"{name}.json").read_text()) for name in ("prefill", "decode"))
 plot_prefill(prefill).savefig(FIGURES / "06_prefill.png", dpi=120)
 plot_decode(decode).savefig(FIGURES / "06_decode.png", dpi=120)
-
-# %% [markdown]
-# **Throughput and latency** per workload and scheduling policy, from `python -m minivllm.benchmarks.throughput` on an
-# H200: nano-vllm's benchmark (256 requests of 100–1024 tokens in and out), a chat burst (512 requests sharing a
-# 1,500-token system prompt, also without prefix caching), 32 long prompts (10–12k tokens) and a single stream.
-
-# %%
-from minivllm.benchmarks.throughput import describe, plot_throughput, run_throughput_benchmark
-from minivllm.benchmarks.workloads import workload
-
-throughput = json.loads((figures / "throughput.json").read_text())
-if DEVICE == "cuda":
-    now = run_throughput_benchmark(["nano-vllm"], policies=("unified",))
-    throughput["rows"].insert(0, {**now["rows"][0], "impl": f"minivllm, now ({now['device']})"})
 plot_throughput(throughput).savefig(FIGURES / "06_throughput.png", dpi=120)
 for row in throughput["rows"]:
     print(describe(row))
@@ -863,21 +842,20 @@ from minivllm.testing import check_answer
 
 answer = None  # your answer: replace None with an expression
 engine.add_request(list(range(10, 20)), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), "timed")
-kinds, step_ends, done = [], [], []
+kinds, done = [], []  # each step's kind, and when it ended
 while not done:
     done, stats = engine.step()
-    kinds.append(stats.kind)
-    step_ends.append(time.perf_counter())
+    kinds.append((stats.kind, time.perf_counter()))
 timed = done[0].metrics  # arrival, first-token and finish times
-first = next(i for i, end in enumerate(step_ends) if timed.first_token_time <= end)  # the step that set it
-check_answer(answer, (kinds[first], len(kinds) - 1 - first), "1. timings")
+first = next(i for i, (_, end) in enumerate(kinds) if timed.first_token_time <= end)  # the step that set it
+check_answer(answer, (kinds[first][0], len(kinds) - 1 - first), "1. timings")
 
 # %% [markdown]
 # Worked answer: the prefill samples the first token, so TTFT is waiting plus that prefill (the queue and the prompt's
 # length set it); each of the other 5 − 1 tokens is one decode step, whose time the batch it shares sets.
 
 # %%
-check_answer(("prefill", 5 - 1), (kinds[first], len(kinds) - 1 - first), "1. timings")
+check_answer(("prefill", 5 - 1), (kinds[first][0], len(kinds) - 1 - first), "1. timings")
 print(f"TTFT {timed.time_to_first_token * 1e3:.1f} ms, TPOT {timed.time_per_output_token(5) * 1e3:.1f} ms")
 
 # %% [markdown]

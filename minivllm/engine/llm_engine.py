@@ -22,9 +22,7 @@ def make_runner(config: Config) -> ModelRunner:
 
 
 @dataclass(slots=True)
-class Launched:
-    """A step queued on the GPU."""
-
+class Launched:  # a step queued on the GPU
     seqs: list[Sequence]
     output: Callable[[], StepOutput]  # waits for the step's tokens
     stats: StepStats

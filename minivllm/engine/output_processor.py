@@ -72,9 +72,8 @@ class OutputProcessor:
         return CompletionOutput(i, text, token_ids, seq.finish_reason, logprobs, cumulative)
 
     def running_text(self, request: Request, i: int) -> str:
-        """Completion i's text so far, from its newest tokens only (vLLM's incremental detokenization: detokenizing
-        the whole reply at every step would cost O(length²)). `texts[i]` = (text, start, read): the text ends with
-        the text of tokens[start:read]; newer tokens are read once their text is whole (no '\ufffd' at its end)."""
+        """Completion i's text so far (detokenizing the whole reply at every step would cost O(length²)). `texts[i]` =
+        (text, start, read): text ends with tokens[start:read]'s; newer tokens are read once whole (no '\ufffd')."""
         (text, start, read), seq = request.texts.get(i, ("", 0, 0)), request.seqs[i]
         if seq.num_completion_tokens > read:
             tokens = seq.token_ids[seq.num_prompt_tokens + start :]  # from `start` on: no copy of the whole reply
