@@ -25,12 +25,7 @@ def chat_prompt(tokenizer, conversation, model) -> str:
 
 
 class LLM:
-    """vLLM's offline entry point. Keyword arguments are `Config`'s fields, with its defaults (notebook 02):
-    tensor_parallel_size, dtype, block_size, max_num_seqs, max_num_batched_tokens, max_model_len,
-    num_kvcache_blocks, gpu_memory_utilization, enforce_eager, enable_prefix_caching, scheduling_policy, seed,
-    device.
-
-    Thread-safe: concurrent `generate` calls run one after another, each returning what it would return alone."""
+    """vLLM's offline entry point. Keyword arguments are `Config`'s fields, with its defaults (notebook 02)."""
 
     def __init__(self, model: str, **kwargs):
         self.engine = LLMEngine(model, **kwargs)
@@ -54,9 +49,7 @@ class LLM:
             raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
         with self.engine.lock:
             # a list of prompts and their SamplingParams (or None) now, which mypy cannot tell; add_requests checks each
-            ids = self.engine.add_requests(
-                cast(list[Prompt], list(prompts)), cast(list[SamplingParams | None], list(params))
-            )
+            ids = self.engine.add_requests(cast(list[Prompt], list(prompts)), cast(list, list(params)))
             try:
                 outputs = self.run(ids, use_tqdm)
             except BaseException:
@@ -84,8 +77,7 @@ class LLM:
     def chat(
         self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True
     ) -> list[RequestOutput]:
-        """`generate` for a conversation ([{"role": ..., "content": ...}, ...]) or a list of them, each turned into
-        a prompt by the checkpoint's chat template, ready for the assistant's reply."""
+        """`generate` for a conversation ([{"role": ..., "content": ...}, ...]) or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [chat_prompt(self.get_tokenizer(), c, self.engine.config.model) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)

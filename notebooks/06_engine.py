@@ -15,20 +15,18 @@
 # # 06 · The engine: vLLM's offline API, end to end
 #
 # **What this notebook builds.** The layer a user touches: `LLM(model=...).generate(prompts, sampling_params)`, with
-# vLLM's names, arguments and outputs. Under it, `LLMEngine` loops `schedule → run → postprocess` (the next step
-# scheduled while the GPU runs the last) until every request is done, beside two helpers, as in vLLM: an input
-# processor (prompt → checked request) and an output processor (tokens → text, stop strings, log-probabilities).
+# vLLM's names, arguments and outputs. Under it, `LLMEngine` loops `schedule → run → postprocess` until every request
+# is done, beside an input processor (prompt → checked request) and an output processor (tokens → text, stop strings,
+# log-probabilities). It builds on the model (02), the KV cache (03), the runner (04) and the scheduler (05).
 #
-# **What it assumes.** Everything before: the model (02), the KV cache (03), the runner (04), the scheduler (05).
-#
-# **What you will see.** The engine's greedy output equal to transformers' `generate`, KV-block occupancy over a whole
-# run, and the course's final figures: FlashAttention vs PagedAttention, and throughput. Splitting the model over
-# several GPUs is the deep dive `tensor_parallel`, which follows this notebook.
+# **What you will see.** The engine's greedy output equal to transformers' `generate`, KV-block occupancy over a run,
+# and the course's final figures. Splitting the model over GPUs is the deep dive `tensor_parallel`, after this one.
 
 # %%
 import json
 import os
 import random
+import time
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -44,20 +42,18 @@ random.seed(0)
 
 # %% [markdown]
 # ## The engine loop: schedule → run → postprocess
-# `LLMEngine` owns a runner, a `Scheduler` and a tokenizer, and keeps vLLM's split between adding work and doing it:
-# `add_request(prompt, sampling_params, request_id=None)` queues a request's `Sequence`s, `abort_request(ids)` drops
-# requests, and `step()` returns the requests that finished and the step's `StepStats` (`"idle"` with nothing queued).
-# A step has three phases: **schedule** (the scheduler of 05 picks the batch), **run** (the runner of 04 queues the
-# forward and the sampler on the GPU, `launch`, and later waits for the tokens) and **postprocess** (the scheduler
-# appends the tokens and frees what finished; the output processor, below, turns them into outputs).
+# `LLMEngine` owns a runner, a `Scheduler` and a tokenizer; as in vLLM, `add_request` queues a request's `Sequence`s,
+# `abort_request` drops requests, and `step()` does the work: it returns the requests that finished and the step's
+# `StepStats` (`"idle"` with nothing queued). A step has three phases: **schedule** (the scheduler of 05 picks the
+# batch), **run** (the runner of 04 queues the forward and sampler on the GPU, `launch`, then waits for the tokens) and
+# **postprocess** (the scheduler appends the tokens and frees what finished; the output processor makes the outputs).
 #
 # With **async scheduling** (on by default with one GPU) `step()` launches step N+1 before it reads step N's tokens:
-# `advance` gives each of step N's sequences a placeholder token, `-1 - row`, which the runner swaps on the device for
-# the token sampled in that row; `resolve` writes the real ones in. A step with penalties (they read every token)
-# waits. **When the model fails** (a device error, Ctrl-C), the step's requests are aborted, their blocks freed and
-# dropped from the prefix cache (their KV may be half written); the next `step()` serves the others. `make_runner`
-# makes one `ModelRunner`, or, for `tensor_parallel_size > 1`, looks up the fast path "tensor parallelism" by name
-# (the deep dive `tensor_parallel`), which the engine never imports.
+# `advance` gives each of step N's sequences a placeholder token, `placeholder(row)` (notebook 04), which the runner
+# swaps on the device for the token sampled in that row; `resolve` writes the real ones in. A step with penalties (they
+# read every token) waits. **When the model fails** (a device error, Ctrl-C), the step's requests are aborted, their
+# blocks freed and dropped from the prefix cache (their KV may be half written); the next `step()` serves the others.
+# With `tensor_parallel_size > 1`, `make_runner` looks up the fast path "tensor parallelism" by name.
 
 # %% tags=["export"] module="minivllm.engine.llm_engine"
 import threading
@@ -78,22 +74,18 @@ from minivllm.sampling_params import SamplingParams
 
 
 def make_runner(config: Config) -> ModelRunner:
-    """The engine's runner: one rank, or rank 0 of tensor_parallel_size (the deep dive tensor_parallel)."""
     return ModelRunner(config) if config.tensor_parallel_size == 1 else fast_path("tensor parallelism")(config)
 
 
 @dataclass(slots=True)
-class Launched:
-    """A step queued on the GPU: its sequences, the runner's function that waits for its output, its stats so far."""
-
+class Launched:  # a step queued on the GPU
     seqs: list[Sequence]
-    output: Callable[[], StepOutput]
+    output: Callable[[], StepOutput]  # waits for the step's tokens
     stats: StepStats
 
 
 class LLMEngine:
-    """Requests in (`add_request`, `add_requests`), steps (`step`), outputs out. Thread-safe: one lock serialises
-    every call that changes the engine, and `LLM.generate` holds it for its whole run."""
+    """Requests in, steps, outputs out. Thread-safe: one lock serialises every call that changes the engine."""
 
     def __init__(self, model: str | Path, **kwargs):
         self.config = Config(model, **kwargs)
@@ -108,7 +100,6 @@ class LLMEngine:
         self.lock = threading.RLock()  # reentrant: LLM.generate holds it while it adds requests and steps
         self.launched: Launched | None = None  # async scheduling: the step on the GPU while the host goes on
 
-    # --- requests in ---------------------------------------------------------------------------------------
     def add_requests(
         self,
         prompts: list[Prompt],
@@ -133,8 +124,7 @@ class LLMEngine:
         return self.add_requests([prompt], [sampling_params], [request_id])[0]
 
     def start(self, request: Request, num_seqs: int) -> None:
-        """Give the scheduler the request's sequences up to num_seqs (with prefix caching, the siblings of n wait
-        for the first one's prompt to be cached, then share its blocks)."""
+        """Give the scheduler seqs[:num_seqs] (with prefix caching, the siblings of n wait for seqs[0]'s prompt)."""
         for seq in request.seqs[request.num_started : num_seqs]:
             self.scheduler.add(seq)
         request.num_started = max(request.num_started, num_seqs)
@@ -149,11 +139,9 @@ class LLMEngine:
                     del self.requests[seq.seq_id]
             self.finished = [out for out in self.finished if out.request_id not in ids]
 
-    # --- the loop ------------------------------------------------------------------------------------------
     def step(self, request_ids: Collection[str] | None = None) -> tuple[list[RequestOutput], StepStats]:
-        """Finish one scheduler step, if any request is queued. Returns the outputs of the requests that finished (only
-        those in request_ids when given: the others are kept for a later step) and the step's stats (kind "idle": no
-        step ran). If the model raises, the step's requests are aborted first."""
+        """Finish one step, if any request is queued: the outputs of the requests that finished (only those in
+        request_ids when given: the others are kept for a later step) and the step's stats."""
         with self.lock:
             stats = StepStats("idle") if self.scheduler.is_finished() and not self.launched else self.run_step()
             mine = [out for out in self.finished if request_ids is None or out.request_id in request_ids]
@@ -161,8 +149,7 @@ class LLMEngine:
             return mine, stats
 
     def run_step(self) -> StepStats:
-        """Finish one step: the one the last call launched, or one launched now; with async scheduling, launch the next
-        before reading this one's tokens (not after a step with penalties: they need every token of their rows)."""
+        """Finish the step the last call launched (or one launched now); launch the next first if async."""
         step, self.launched = self.launched or self.launch(), None
         try:
             start = time.perf_counter()
@@ -204,8 +191,7 @@ class LLMEngine:
         return Launched(seqs, output, stats)
 
     def postprocess(self, seqs: list[Sequence], out: StepOutput, finished: list[Sequence], now: float) -> None:
-        """After a step: the output processor's bookkeeping, a finish for each reply that reached a stop string, the
-        siblings of n to start, and the outputs of the requests whose every completion has finished."""
+        """Stop strings, the siblings of n to start, and the outputs of the requests whose every completion finished."""
         for seq, logprobs, prompt_logprobs in zip(seqs, out.logprobs, out.prompt_logprobs):
             if (request := self.requests.get(seq.seq_id)) is None:
                 continue  # aborted while its step ran
@@ -222,8 +208,7 @@ class LLMEngine:
                 self.finished.append(self.output_processor.output(request))
 
     def abort_step(self, error: BaseException, seqs: list[Sequence] | None) -> None:
-        """After a failed step: abort its requests (all of them if it failed before its batch was known), and name
-        them on the error."""
+        """Abort a failed step's requests (all, if its batch was not known yet), and name them on the error."""
         if seqs is None:
             ids = [r.request_id for r in self.requests.values()]
             self.abort_all()
@@ -243,8 +228,7 @@ class LLMEngine:
         return bool(self.finished) or not self.scheduler.is_finished() or self.launched is not None
 
     def abort_all(self) -> None:
-        """Drop every request and kept output; the scheduler resets its block manager (a failed step may have left
-        it half updated)."""
+        """Drop every request and kept output; the scheduler resets its block manager."""
         with self.lock:
             self.scheduler.abort_all()
             self.requests.clear()
@@ -257,16 +241,13 @@ class LLMEngine:
 
 # %% [markdown]
 # ## `LLM.generate`: the loop, for a user
-# `LLM(model, ...)` takes notebook 02's `Config` fields as keyword arguments, with vLLM's names and defaults. `generate`
-# accepts a str, token ids (a list of ints, a 1-D integer array or tensor) or a list of those, with one `SamplingParams`
-# for all or one per prompt, and returns the outputs in the prompts' order, with a progress bar; `chat` does the same
-# for conversations, through the checkpoint's chat template. The contract with the rest of the engine:
-#
-# * `generate` holds the engine's lock for its whole run, so calls from several threads run one after another;
-# * it returns only its own requests; those queued earlier with `engine.add_request` share its batches, their finished
-#   kept for the next `engine.step()`; if interrupted (Ctrl-C, an error), it aborts its unfinished ones and their blocks;
-# * a server cannot wait for a batch: `AsyncLLM` steps the same engine on its own thread and streams each request's
-#   newest output (`engine.progress`), and `python -m minivllm.serve` puts OpenAI's HTTP API in front (shown below).
+# `LLM(model, ...)` takes notebook 02's `Config` fields as keyword arguments. `generate` accepts a str, token ids (a
+# list of ints, a 1-D integer array or tensor) or a list of those, with one `SamplingParams` for all or one per prompt,
+# and returns the outputs in the prompts' order; `chat` does the same for conversations, through the chat template. It
+# holds the engine's lock for its whole run and returns only its own requests: those queued with `engine.add_request`
+# share its batches, their outputs kept for `engine.step()`; if interrupted (Ctrl-C, an error), it aborts its unfinished
+# ones. A server streams instead: `AsyncLLM` steps the same engine on its own thread (`engine.progress`: each request's
+# newest output), and `python -m minivllm.serve` puts OpenAI's HTTP API in front.
 
 # %% tags=["export"] module="minivllm.llm"
 from collections.abc import Sequence as SequenceOf
@@ -294,12 +275,7 @@ def chat_prompt(tokenizer, conversation, model) -> str:
 
 
 class LLM:
-    """vLLM's offline entry point. Keyword arguments are `Config`'s fields, with its defaults (notebook 02):
-    tensor_parallel_size, dtype, block_size, max_num_seqs, max_num_batched_tokens, max_model_len,
-    num_kvcache_blocks, gpu_memory_utilization, enforce_eager, enable_prefix_caching, scheduling_policy, seed,
-    device.
-
-    Thread-safe: concurrent `generate` calls run one after another, each returning what it would return alone."""
+    """vLLM's offline entry point. Keyword arguments are `Config`'s fields, with its defaults (notebook 02)."""
 
     def __init__(self, model: str, **kwargs):
         self.engine = LLMEngine(model, **kwargs)
@@ -323,9 +299,7 @@ class LLM:
             raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
         with self.engine.lock:
             # a list of prompts and their SamplingParams (or None) now, which mypy cannot tell; add_requests checks each
-            ids = self.engine.add_requests(
-                cast(list[Prompt], list(prompts)), cast(list[SamplingParams | None], list(params))
-            )
+            ids = self.engine.add_requests(cast(list[Prompt], list(prompts)), cast(list, list(params)))
             try:
                 outputs = self.run(ids, use_tqdm)
             except BaseException:
@@ -353,8 +327,7 @@ class LLM:
     def chat(
         self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True
     ) -> list[RequestOutput]:
-        """`generate` for a conversation ([{"role": ..., "content": ...}, ...]) or a list of them, each turned into
-        a prompt by the checkpoint's chat template, ready for the assistant's reply."""
+        """`generate` for a conversation ([{"role": ..., "content": ...}, ...]) or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [chat_prompt(self.get_tokenizer(), c, self.engine.config.model) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
@@ -375,15 +348,11 @@ class LLM:
 
 # %% [markdown]
 # ## vLLM's offline API: what goes in, what comes out
-# The loop above is all the engine does; the rest is vLLM's contract with its user, in three modules: what a request
-# gives back (`outputs`), how a prompt gets in (`input_processor`), how tokens come out as text (`output_processor`).
-#
-# ### What a request gives back
-# vLLM's `RequestOutput`: the prompt and, per completion, its text, token ids, `finish_reason` ("stop": an EOS or stop
-# token; "length": `max_tokens` or the context) and log-probabilities if asked; and two timings a server is judged by:
-# **time to first token** (TTFT) and **time per output token** (TPOT). A step returns a `StepStats`: its kind
-# (`"prefill"`, `"decode"`, `"mixed"`, or `"idle"`), sequences, tokens, and phases' times (`schedule`, `run`: inputs,
-# forward, sampler, waiting for the GPU; `postprocess`), which the progress bar and throughput benchmark read.
+# Three modules: what a request gives back (`outputs`), how a prompt gets in (`input_processor`), how tokens come out as
+# text (`output_processor`). **What a request gives back** is vLLM's `RequestOutput`: the prompt and, per completion,
+# its text, token ids, `finish_reason` ("stop": an EOS or stop token; "length": `max_tokens` or the context) and
+# log-probabilities if asked; and two timings a server is judged by: **time to first token** (TTFT) and **time per
+# output token** (TPOT).
 
 # %% tags=["export"] module="minivllm.outputs"
 from dataclasses import dataclass, field
@@ -452,13 +421,10 @@ class RequestOutput:
 # %% [markdown]
 # ### Requests in: the input processor
 # **Bad input never gets in.** `make_request` tokenizes a prompt and checks it before it touches any state, with a
-# `ValueError` naming the field and the allowed range (an empty prompt, one too long, a token id outside the vocabulary,
-# a `request_id` in use, text without a tokenizer); each request keeps its own copy of its `SamplingParams`, and
-# `add_requests` checks a whole list before adding any. The scheduler only `assert`s.
-#
-# **Stop tokens.** A model's EOS ids (the tokenizer's and `generation_config.json`'s) join each request's stop tokens
-# unless it says `ignore_eos`: the scheduler's only stop rule. **n completions**: `n` makes a sequence per completion
-# (seeded `seed + i`), which share the first one's cached prompt.
+# `ValueError` naming the field and the allowed range; each request keeps its own copy of its `SamplingParams`, and
+# `add_requests` checks a whole list before adding any. The scheduler only `assert`s. **Stop tokens**: a model's EOS
+# ids (the tokenizer's and `generation_config.json`'s) join each request's stop tokens unless it says `ignore_eos`.
+# **n completions**: `n` makes a sequence per completion (seeded `seed + i`), which share the first one's cached prompt.
 
 # %% tags=["export"] module="minivllm.engine.input_processor"
 import dataclasses
@@ -504,8 +470,7 @@ def eos_token_ids(path: str | Path, tokenizer: PreTrainedTokenizerBase | None, h
 
 
 def sample_params(params: SamplingParams) -> list[SamplingParams]:
-    """One SamplingParams per completion (vLLM's rule): n = 1, seed + i for completion i of a seeded request, and
-    prompt logprobs asked of completion 0 only (the others may then reuse its cached prompt)."""
+    """One SamplingParams per completion (vLLM's rule): seed + i, prompt logprobs asked of completion 0 only."""
     seeds = [None if params.seed is None else params.seed + i for i in range(params.n)]
     prompt_logprobs = [params.prompt_logprobs] + [None] * (params.n - 1)
     return [dataclasses.replace(params, n=1, seed=s, prompt_logprobs=p) for s, p in zip(seeds, prompt_logprobs)]
@@ -561,8 +526,7 @@ class InputProcessor:
             raise ValueError(f"stop strings need a tokenizer, and {config.model} has none: use stop_token_ids")
 
     def request_params(self, params: SamplingParams | None) -> SamplingParams:
-        """The request's own checked copy of params, whose stop tokens include every EOS id (unless ignore_eos): the
-        scheduler's only stop rule. `dataclasses.replace` runs SamplingParams' checks again: fields may have changed."""
+        """The request's own copy of params, with every EOS id (`replace` runs the checks again: fields may change)."""
         if params is None:
             params = SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -598,10 +562,9 @@ class InputProcessor:
 # %% [markdown]
 # ### Outputs out: the output processor
 # Stop *strings* are the output processor's, not the scheduler's (it sees only token ids): after each step it
-# detokenizes the replies that have one, and a reply holding one is finished by the engine, with reason `"stop"`, in
-# one call to the scheduler. While a reply runs, `running_text` detokenizes its newest tokens only and holds back what
-# could begin a stop string. It also keeps each token's log-probabilities, and gathers a request's n completions into
-# one `RequestOutput` once the last has finished.
+# detokenizes the replies that have one, and the engine finishes a reply holding one, with reason `"stop"`. While a
+# reply runs, `running_text` detokenizes its newest tokens only and holds back what could begin a stop string. It also
+# keeps each token's log-probabilities, and gathers a request's n completions into one `RequestOutput`.
 
 # %% tags=["export"] module="minivllm.engine.output_processor"
 from typing import cast
@@ -631,8 +594,7 @@ class OutputProcessor:
         prompt_logprobs: tuple[int, list[TokenLogprobs]] | None,
         now: float,
     ) -> bool:
-        """Record what a step gave seq: its request's first-token time, log-probabilities. Whether seq's text now
-        holds one of its stop strings (the engine then finishes it)."""
+        """Record what a step gave seq (first-token time, log-probabilities); whether its text holds a stop string."""
         i = request.seqs.index(seq)
         if request.metrics.first_token_time is None and seq.num_completion_tokens > 0:
             request.metrics.first_token_time = now
@@ -677,9 +639,8 @@ class OutputProcessor:
         return CompletionOutput(i, text, token_ids, seq.finish_reason, logprobs, cumulative)
 
     def running_text(self, request: Request, i: int) -> str:
-        """Completion i's text so far, from its newest tokens only (vLLM's incremental detokenization: detokenizing
-        the whole reply at every step would cost O(length²)). `texts[i]` = (text, start, read): the text ends with
-        the text of tokens[start:read]; newer tokens are read once their text is whole (no '\ufffd' at its end)."""
+        """Completion i's text so far (detokenizing the whole reply at every step would cost O(length²)). `texts[i]` =
+        (text, start, read): text ends with tokens[start:read]'s; newer tokens are read once whole (no '\ufffd')."""
         (text, start, read), seq = request.texts.get(i, ("", 0, 0)), request.seqs[i]
         if seq.num_completion_tokens > read:
             tokens = seq.token_ids[seq.num_prompt_tokens + start :]  # from `start` on: no copy of the whole reply
@@ -693,29 +654,22 @@ class OutputProcessor:
 # %% [markdown]
 # ## Qwen3 end to end
 # Random weights write gibberish, so the text comes from `tiny-text`, notebook 02's tiny model trained on the
-# tokenizer's text; then `n=3` sampled completions of one prompt (seeded: completion i draws with `seed + i`), with
-# `logprobs=2`. On a GPU a second run takes `qwen3-0.6b` (random weights, the 0.6B's shapes) for timings: most of its
-# token ids have no text in the presets' 2,048-token tokenizer, so the first ids are printed too.
+# tokenizer's text; then `n=3` sampled completions of one prompt (completion i seeded `seed + i`), with `logprobs=2`.
 
 # %%
 from minivllm import LLM, SamplingParams
 from minivllm.checkpoint import write_checkpoint
-
-
-def show(outputs) -> None:
-    for out in outputs:
-        done, n = out.outputs[0], len(out.outputs[0].token_ids)
-        ttft_ms, tpot_ms = out.metrics.time_to_first_token * 1e3, out.metrics.time_per_output_token(n) * 1e3
-        print(f"{out.prompt!r} -> {done.text!r} (token ids {done.token_ids[:6]}...)")
-        print(f"    {n} tokens, finish_reason={done.finish_reason}, TTFT {ttft_ms:.1f} ms, TPOT {tpot_ms:.2f} ms")
-
 
 prompts = ["What is the capital of France?", "Dear Maria,", "In autumn the leaves"]
 path = CHECKPOINTS / "tiny-text"
 if not (path / "model.safetensors").is_file():  # notebook 02 wrote it; training it again takes half a minute
     write_checkpoint(path, "tiny-text", seed=0)
 llm = LLM(str(path), max_model_len=1024, max_num_seqs=32, num_kvcache_blocks=256)
-show(texts := llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False))
+texts = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+for out in texts:
+    done, metrics = out.outputs[0], out.metrics
+    ttft, tpot = metrics.time_to_first_token * 1e3, metrics.time_per_output_token(len(done.token_ids)) * 1e3
+    print(f"{out.prompt!r} -> {done.text!r} ({done.finish_reason}; TTFT {ttft:.1f} ms, TPOT {tpot:.2f} ms)")
 stopped = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=24, stop="."), use_tqdm=False)[0].outputs[0]
 print(f"with stop='.': {stopped.text!r}, finish_reason={stopped.finish_reason}")
 assert stopped.finish_reason == "stop" and stopped.text == texts[0].outputs[0].text.split(".")[0]
@@ -723,12 +677,6 @@ three = llm.generate(prompts[2], SamplingParams(n=3, seed=0, max_tokens=16, logp
 for c in three:  # each token's row: {token id: Logprob(logprob, rank, decoded_token)}, its own first
     print(f"sample {c.index}: {c.text!r}, log-probability {c.cumulative_logprob:.1f}; first token: {c.logprobs[0]}")
 assert len({c.text for c in three}) == 3  # seeds 0, 1, 2: three draws, the same three on every run
-if DEVICE == "cuda":
-    llm.close()  # give its GPU memory to the 0.6B
-    path = write_checkpoint(CHECKPOINTS / "qwen3-0.6b", "qwen3-0.6b", seed=0)
-    llm = LLM(str(path), max_model_len=1024, max_num_seqs=32)
-    sampled = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, seed=i) for i in range(3)]
-    show(llm.generate(prompts, sampled, use_tqdm=False))
 
 # %% [markdown]
 # ### The same tokens as transformers
@@ -758,77 +706,53 @@ got = torch.tensor([row[t].logprob for row, t in zip(scored.prompt_logprobs[1:],
 torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 # %% [markdown]
-# **Async scheduling** (the engine loop above) takes nano-vllm's workload on the H200 from 17.4k to 22.1k output
-# tokens/s (README). On a CPU nothing runs ahead, but every line runs: after the prefill's `step()`, the first decode
-# step is already launched, its tokens on their way.
+# **Async scheduling** (the loop above) takes nano-vllm's workload on the H200 from 17.4k to 22.1k output tokens/s
+# (README). On a CPU nothing runs ahead, but every line runs: after the prefill's `step()`, the next decode is launched.
 
 # %%
 ahead = LLM(str(tiny_path), async_scheduling=True, **cpu_kwargs)
 ahead.engine.add_request(prompts[2], greedy)
 _, first = ahead.engine.step()  # the prefill's tokens are read: the first decode step is already launched
-on_its_way = ahead.engine.launched
-assert first.kind == "prefill" and on_its_way is not None and on_its_way.stats.kind == "decode"
-print(f"after one step(): a {first.kind} read, a {on_its_way.stats.kind} of {len(on_its_way.seqs)} sequence on its way")
+print(f"after one step(): a {first.kind} read, a {(on_its_way := ahead.engine.launched.stats).kind} on its way")
+assert first.kind == "prefill" and on_its_way.kind == "decode" and on_its_way.num_seqs == 1
 assert [out.outputs[0].token_ids for out in ahead.generate(prompts, greedy, use_tqdm=False)] == ours
 assert ahead.engine.step()[0][0].outputs[0].token_ids == ours[2]  # the request added by hand was kept for step()
 
 # %% [markdown]
 # ### Bad input is refused, and changes nothing
-# Each of these raises a `ValueError` naming the field; its call adds no request, and the engine serves on.
+# Each raises a `ValueError` naming the field; its call adds no request, and the engine serves on.
 
 # %%
-vocab = cpu_llm.engine.config.hf_config.vocab_size
-bad_requests = {
-    "empty prompt": ([[]], greedy),
-    "token id outside the vocabulary": ([[1, 2, vocab]], greedy),
-    "prompt longer than max_model_len": ([[1] * cpu_llm.engine.config.max_model_len], greedy),
-    "one bad prompt among good ones": ([[1, 2, 3], [], [4, 5]], greedy),
-    "a float token id": ([[1, 2.0]], greedy),
-    "a nested list": ([[1, [2, 3]]], greedy),
+vocab, max_len = cpu_llm.engine.config.hf_config.vocab_size, cpu_llm.engine.config.max_model_len
+bad_prompts = {
+    "empty prompt": [[]],
+    "token id outside the vocabulary": [[1, 2, vocab]],
+    "prompt longer than max_model_len": [[1] * max_len],
+    "one bad prompt among good ones": [[1, 2, 3], [], [4, 5]],
 }
-for name, (bad_prompts, params) in bad_requests.items():
+for name, bad in bad_prompts.items():
     try:
-        cpu_llm.generate(bad_prompts, params, use_tqdm=False)
-    except ValueError as e:
-        print(f"{name:>34}: {e}")
-    else:
+        cpu_llm.generate(bad, greedy, use_tqdm=False)
         raise AssertionError(f"{name} was accepted")
+    except ValueError as e:
+        print(f"{name:>31}: {e}")
 assert not cpu_llm.engine.has_unfinished_requests() and cpu_llm.engine.scheduler.block_manager.num_used_blocks == 0
 after = cpu_llm.generate([[1, 2, 3]], greedy, use_tqdm=False)[0].outputs[0].token_ids  # the engine still serves
 assert after == hf.generate(torch.tensor([[1, 2, 3]]), **hf_greedy)[0, 3:].tolist()
 
 # %% [markdown]
-# ### Serving it: OpenAI's API, token by token
-# `serve_in_thread` runs `python -m minivllm.serve`'s server in this kernel, over an `AsyncLLM`; OpenAI's client streams:
-
-# %%
-from openai import OpenAI
-
-from minivllm.async_llm import AsyncLLM
-from minivllm.serve import serve_in_thread
-
-served = AsyncLLM(str(tiny_path), device="cpu", dtype=torch.float32, num_kvcache_blocks=256, max_model_len=1024)
-with serve_in_thread(served, "tiny") as url:  # http://127.0.0.1:<a free port>
-    client = OpenAI(base_url=f"{url}/v1", api_key="none")
-    request = dict(model="tiny", prompt="The lighthouse keeper", max_tokens=12, temperature=0)
-    pieces = [chunk.choices[0].text for chunk in client.completions.create(stream=True, **request)]
-served.close()
-print(f"{len(pieces)} server-sent events: {pieces}")
-offline = cpu_llm.generate(["The lighthouse keeper"], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
-assert "".join(pieces) == offline[0].outputs[0].text
-
-# %% [markdown]
 # ## KV blocks over a whole run
-# Notebook 03 simulated block occupancy; here is the real engine's, step by step, on 48 requests (a third behind a
-# shared system prompt): blocks holding running sequences' KV, free ones still holding a cached prefix, empty ones.
+# Notebook 03 simulated block occupancy; here is the real engine's, step by step, on 24 requests (a third behind a
+# shared system prompt) and 64 KV blocks: blocks in use, free ones holding a cached prefix, empty ones; then the steps'
+# `StepStats` added up ("mixed" steps compute waiting prompts beside decodes: notebook 05).
 
 # %%
-engine = cpu_llm.engine
+engine = LLM(str(tiny_path), device="cpu", num_kvcache_blocks=64, max_num_seqs=16).engine
 bm = engine.scheduler.block_manager
 system_prompt = random.choices(range(2048), k=64)
-for i in range(48):
-    prompt = (system_prompt if i % 3 == 0 else []) + random.choices(range(2048), k=random.randint(16, 160))
-    engine.add_request(prompt, SamplingParams(temperature=0.8, max_tokens=random.randint(16, 96), ignore_eos=True))
+for i in range(24):
+    prompt = (system_prompt if i % 3 == 0 else []) + random.choices(range(2048), k=random.randint(16, 64))
+    engine.add_request(prompt, SamplingParams(temperature=0.8, max_tokens=random.randint(8, 40), ignore_eos=True))
 occupancy, steps = [], []
 while engine.has_unfinished_requests():
     steps.append(engine.step()[1])
@@ -839,62 +763,43 @@ labels = ["used by running requests", "free, prefix cached", "free"]
 ax.stackplot(range(len(used)), used, cached, empty, labels=labels, colors=["C0", "C2", "0.85"])
 ax.vlines([i for i, stats in enumerate(steps) if stats.kind != "decode"], 0, bm.num_blocks, "C3", lw=0.4, alpha=0.5)
 ax.set(xlabel="engine step (red lines: steps that compute prompt tokens)", ylabel=f"KV blocks (of {bm.num_blocks})")
-ax.set_title(f"KV block occupancy over a run: 48 requests, {engine.scheduler.num_preemptions} preemptions")
+ax.set_title(f"KV block occupancy over a run: 24 requests, {engine.scheduler.num_preemptions} preemptions")
 ax.legend(loc="upper right", fontsize=8)
 fig.savefig(FIGURES / "06_kv_occupancy.png", dpi=120)
 print(f"{len(used)} steps, peak {max(used)} blocks used, {engine.scheduler.num_preemptions} preemptions")
 assert bm.num_used_blocks == 0 and max(used) > 0.8 * bm.num_blocks - 1
-
-# %% [markdown]
-# Each `step()` also handed back its `StepStats`. Added up, they say what the run computed and where its time went
-# (with the unified scheduler of notebook 05, prompts that wait for room are computed in "mixed" steps, beside decodes):
-
-# %%
 phases = ("schedule", "run", "postprocess")
 for kind in ("prefill", "mixed", "decode"):
     of_kind = [stats for stats in steps if stats.kind == kind]
-    times = [f"{phase} {sum(getattr(s, phase + '_seconds') for s in of_kind):.2f} s" for phase in phases]
-    print(f"{len(of_kind):4d} {kind} steps: {sum(s.num_tokens for s in of_kind):6,} tokens; " + ", ".join(times))
-assert sum(s.num_tokens for s in steps if s.kind == "decode") == sum(s.num_seqs for s in steps if s.kind == "decode")
-assert all(s.kind in ("prefill", "mixed", "decode") and s.num_seqs > 0 for s in steps)
+    times = [f"{phase} {sum(getattr(s, f'{phase}_seconds') for s in of_kind):.3f} s" for phase in phases]
+    print(f"{len(of_kind):4d} {kind} steps: {sum(s.num_tokens for s in of_kind):5,} tokens; " + ", ".join(times))
+assert all(s.num_seqs > 0 and (s.num_tokens == s.num_seqs if s.kind == "decode" else s.kind != "idle") for s in steps)
 
 # %% [markdown]
 # ## The course's final figures
-# **FlashAttention (prefill) vs PagedAttention (decode)**, measured on an H200 by `python -m minivllm.benchmarks.prefill`
-# and `.decode` (notebooks 01 and 03): prefill is compute-bound (TFLOP/s), decode memory-bound (TB/s). On a GPU the
-# cells measure again; without one they read the H200 runs committed in `figures/`.
+# **FlashAttention (prefill) vs PagedAttention (decode)**, from `python -m minivllm.benchmarks.prefill` and `.decode`:
+# prefill is compute-bound (TFLOP/s), decode memory-bound (TB/s). **Throughput and latency** per workload and policy,
+# from `python -m minivllm.benchmarks.throughput`: nano-vllm's benchmark (256 requests of 100–1024 tokens in and out), a
+# chat burst (512 requests sharing a 1,500-token system prompt, also without prefix caching), 32 long prompts (10–12k
+# tokens) and a single stream. On a GPU the cell measures again; without one it reads the H200 runs in `figures/`.
 
 # %%
 from minivllm.benchmarks.decode import plot_decode, run_decode_benchmark
 from minivllm.benchmarks.prefill import plot_prefill, run_prefill_benchmark
-
-figures = Path("figures")
-
-
-def measured(name: str, measure) -> dict:
-    """A benchmark's result: measured now on this GPU if there is one, else the committed H200 run."""
-    return measure() if DEVICE == "cuda" else json.loads((figures / f"{name}.json").read_text())
-
-
-if DEVICE == "cuda":
-    llm.close()  # its KV cache holds most of the GPU: give it to the benchmarks
-prefill, decode = measured("prefill", run_prefill_benchmark), measured("decode", run_decode_benchmark)
-plot_prefill(prefill).savefig(FIGURES / "06_prefill.png", dpi=120)
-plot_decode(decode).savefig(FIGURES / "06_decode.png", dpi=120)
-
-# %% [markdown]
-# **Throughput and latency** per workload and scheduling policy, from `python -m minivllm.benchmarks.throughput` on an
-# H200: nano-vllm's benchmark (256 requests of 100–1024 tokens in and out), a chat burst (512 requests sharing a
-# 1,500-token system prompt, also without prefix caching), 32 long prompts (10–12k tokens) and a single stream.
-
-# %%
 from minivllm.benchmarks.throughput import describe, plot_throughput, run_throughput_benchmark
 from minivllm.benchmarks.workloads import workload
 
+figures = Path("figures")
 throughput = json.loads((figures / "throughput.json").read_text())
 if DEVICE == "cuda":
+    llm.close()  # its KV cache holds most of the GPU: give it to the benchmarks
+    prefill, decode = run_prefill_benchmark(), run_decode_benchmark()
     now = run_throughput_benchmark(["nano-vllm"], policies=("unified",))
     throughput["rows"].insert(0, {**now["rows"][0], "impl": f"minivllm, now ({now['device']})"})
+else:  # the committed H200 runs
+    prefill, decode = (json.loads((figures / f"{name}.json").read_text()) for name in ("prefill", "decode"))
+plot_prefill(prefill).savefig(FIGURES / "06_prefill.png", dpi=120)
+plot_decode(decode).savefig(FIGURES / "06_decode.png", dpi=120)
 plot_throughput(throughput).savefig(FIGURES / "06_throughput.png", dpi=120)
 for row in throughput["rows"]:
     print(describe(row))
@@ -903,34 +808,25 @@ print("nano-vllm's workload, earlier run:", ", ".join(f"{r['impl']} {r['tok_per_
 
 # %% [markdown]
 # How far is that from the hardware's limit? Every decode step reads all the weights once, and each running request's
-# whole KV cache (notebook 04's `kv_block_bytes` per token). Add it up over the workload and divide by the copy
-# bandwidth notebook 03 measured: no engine decodes this workload faster. The benchmark does this for every workload
-# (the % labels above), and takes the FLOPs at the measured matmul rate when they are the larger bound. A prefix that
-# every request shares (the chat burst's system prompt) counts once a step: with prefix caching its blocks are the
-# same ones, and the decode kernel reads them once for the whole batch (notebook 03's cascade attention).
+# whole KV cache: add it up over the workload and divide by the copy bandwidth notebook 03 measured. The benchmark does
+# this for every workload (the % labels above; it counts FLOPs too, and a prefix all requests share once a step).
 
 # %%
-from minivllm.attention.layer import Attention
 from minivllm.checkpoint.maker import preset_config
-from minivllm.engine.kv_cache import kv_block_bytes
 from minivllm.models.qwen3 import Qwen3ForCausalLM
 
+qwen = preset_config("qwen3-0.6b")
 with torch.device("meta"):  # shapes only: count the parameters without allocating them
-    model = Qwen3ForCausalLM(preset_config("qwen3-0.6b"))
-num_params = sum(p.numel() for p in model.parameters())
-kv_bytes_per_token = kv_block_bytes([m for m in model.modules() if isinstance(m, Attention)], 1, torch.bfloat16)
-print(f"{num_params / 1e6:.0f}M parameters, {kv_bytes_per_token / 1024:.0f} KiB of KV cache per token")
+    num_params = sum(p.numel() for p in Qwen3ForCausalLM(qwen).parameters())
+kv_bytes_per_token = 2 * qwen.num_hidden_layers * qwen.num_key_value_heads * qwen.head_dim * 2  # K and V, bf16
 prompts, output_lens = workload(256)
 kv_reads = kv_bytes_per_token * sum(len(p) + t for p, n in zip(prompts, output_lens) for t in range(1, n))
 weight_reads = num_params * 2 * (max(output_lens) - 1)  # bf16 weights, once per decode step
-seconds = (kv_reads + weight_reads) / (decode["copy_tbps"] * 1e12)
-roofline = sum(output_lens) / seconds
+roofline = sum(output_lens) / ((kv_reads + weight_reads) / (decode["copy_tbps"] * 1e12))
 key = ("nano-vllm", "unified", "minivllm")
 ours = next(r for r in throughput["rows"] if (r["workload"], r["policy"], r["impl"]) == key)
-print(
-    f"KV reads {kv_reads / 1e12:.1f} TB + weight reads {weight_reads / 1e12:.1f} TB at {decode['copy_tbps']:.2f} TB/s:"
-    f" {seconds:.2f} s, at most {roofline:,.0f} tok/s; minivllm reaches {ours['tok_per_s'] / roofline:.0%} of it"
-)
+print(f"KV reads {kv_reads / 1e12:.1f} TB + weights {weight_reads / 1e12:.1f} TB at {decode['copy_tbps']:.2f} TB/s")
+print(f"at most {roofline:,.0f} tok/s; minivllm reaches {ours['tok_per_s'] / roofline:.0%} of it")
 assert kv_reads > 10 * weight_reads  # at this batch size the KV cache, not the weights, is what decode reads
 assert abs(roofline / ours["roofline_tok_per_s"] - 1) < 0.05  # the benchmark's roofline (FLOPs too) agrees
 
@@ -942,27 +838,24 @@ assert abs(roofline / ours["roofline_tok_per_s"] - 1) < 0.05  # the benchmark's 
 # to first token, and over how many steps is its time per output token averaged? Answer `(kind, steps)`.
 
 # %%
-import time
-
 from minivllm.testing import check_answer
 
 answer = None  # your answer: replace None with an expression
 engine.add_request(list(range(10, 20)), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), "timed")
-kinds, step_ends, done = [], [], []
+kinds, done = [], []  # each step's kind, and when it ended
 while not done:
     done, stats = engine.step()
-    kinds.append(stats.kind)
-    step_ends.append(time.perf_counter())
+    kinds.append((stats.kind, time.perf_counter()))
 timed = done[0].metrics  # arrival, first-token and finish times
-first = next(i for i, end in enumerate(step_ends) if timed.first_token_time <= end)  # the step that set it
-check_answer(answer, (kinds[first], len(kinds) - 1 - first), "1. timings")
+first = next(i for i, (_, end) in enumerate(kinds) if timed.first_token_time <= end)  # the step that set it
+check_answer(answer, (kinds[first][0], len(kinds) - 1 - first), "1. timings")
 
 # %% [markdown]
 # Worked answer: the prefill samples the first token, so TTFT is waiting plus that prefill (the queue and the prompt's
 # length set it); each of the other 5 − 1 tokens is one decode step, whose time the batch it shares sets.
 
 # %%
-check_answer(("prefill", 5 - 1), (kinds[first], len(kinds) - 1 - first), "1. timings")
+check_answer(("prefill", 5 - 1), (kinds[first][0], len(kinds) - 1 - first), "1. timings")
 print(f"TTFT {timed.time_to_first_token * 1e3:.1f} ms, TPOT {timed.time_per_output_token(5) * 1e3:.1f} ms")
 
 # %% [markdown]

@@ -43,8 +43,7 @@ def eos_token_ids(path: str | Path, tokenizer: PreTrainedTokenizerBase | None, h
 
 
 def sample_params(params: SamplingParams) -> list[SamplingParams]:
-    """One SamplingParams per completion (vLLM's rule): n = 1, seed + i for completion i of a seeded request, and
-    prompt logprobs asked of completion 0 only (the others may then reuse its cached prompt)."""
+    """One SamplingParams per completion (vLLM's rule): seed + i, prompt logprobs asked of completion 0 only."""
     seeds = [None if params.seed is None else params.seed + i for i in range(params.n)]
     prompt_logprobs = [params.prompt_logprobs] + [None] * (params.n - 1)
     return [dataclasses.replace(params, n=1, seed=s, prompt_logprobs=p) for s, p in zip(seeds, prompt_logprobs)]
@@ -100,8 +99,7 @@ class InputProcessor:
             raise ValueError(f"stop strings need a tokenizer, and {config.model} has none: use stop_token_ids")
 
     def request_params(self, params: SamplingParams | None) -> SamplingParams:
-        """The request's own checked copy of params, whose stop tokens include every EOS id (unless ignore_eos): the
-        scheduler's only stop rule. `dataclasses.replace` runs SamplingParams' checks again: fields may have changed."""
+        """The request's own copy of params, with every EOS id (`replace` runs the checks again: fields may change)."""
         if params is None:
             params = SamplingParams()
         if not isinstance(params, SamplingParams):

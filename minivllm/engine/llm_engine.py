@@ -18,22 +18,18 @@ from minivllm.sampling_params import SamplingParams
 
 
 def make_runner(config: Config) -> ModelRunner:
-    """The engine's runner: one rank, or rank 0 of tensor_parallel_size (the deep dive tensor_parallel)."""
     return ModelRunner(config) if config.tensor_parallel_size == 1 else fast_path("tensor parallelism")(config)
 
 
 @dataclass(slots=True)
-class Launched:
-    """A step queued on the GPU: its sequences, the runner's function that waits for its output, its stats so far."""
-
+class Launched:  # a step queued on the GPU
     seqs: list[Sequence]
-    output: Callable[[], StepOutput]
+    output: Callable[[], StepOutput]  # waits for the step's tokens
     stats: StepStats
 
 
 class LLMEngine:
-    """Requests in (`add_request`, `add_requests`), steps (`step`), outputs out. Thread-safe: one lock serialises
-    every call that changes the engine, and `LLM.generate` holds it for its whole run."""
+    """Requests in, steps, outputs out. Thread-safe: one lock serialises every call that changes the engine."""
 
     def __init__(self, model: str | Path, **kwargs):
         self.config = Config(model, **kwargs)
@@ -48,7 +44,6 @@ class LLMEngine:
         self.lock = threading.RLock()  # reentrant: LLM.generate holds it while it adds requests and steps
         self.launched: Launched | None = None  # async scheduling: the step on the GPU while the host goes on
 
-    # --- requests in ---------------------------------------------------------------------------------------
     def add_requests(
         self,
         prompts: list[Prompt],
@@ -73,8 +68,7 @@ class LLMEngine:
         return self.add_requests([prompt], [sampling_params], [request_id])[0]
 
     def start(self, request: Request, num_seqs: int) -> None:
-        """Give the scheduler the request's sequences up to num_seqs (with prefix caching, the siblings of n wait
-        for the first one's prompt to be cached, then share its blocks)."""
+        """Give the scheduler seqs[:num_seqs] (with prefix caching, the siblings of n wait for seqs[0]'s prompt)."""
         for seq in request.seqs[request.num_started : num_seqs]:
             self.scheduler.add(seq)
         request.num_started = max(request.num_started, num_seqs)
@@ -89,11 +83,9 @@ class LLMEngine:
                     del self.requests[seq.seq_id]
             self.finished = [out for out in self.finished if out.request_id not in ids]
 
-    # --- the loop ------------------------------------------------------------------------------------------
     def step(self, request_ids: Collection[str] | None = None) -> tuple[list[RequestOutput], StepStats]:
-        """Finish one scheduler step, if any request is queued. Returns the outputs of the requests that finished (only
-        those in request_ids when given: the others are kept for a later step) and the step's stats (kind "idle": no
-        step ran). If the model raises, the step's requests are aborted first."""
+        """Finish one step, if any request is queued: the outputs of the requests that finished (only those in
+        request_ids when given: the others are kept for a later step) and the step's stats."""
         with self.lock:
             stats = StepStats("idle") if self.scheduler.is_finished() and not self.launched else self.run_step()
             mine = [out for out in self.finished if request_ids is None or out.request_id in request_ids]
@@ -101,8 +93,7 @@ class LLMEngine:
             return mine, stats
 
     def run_step(self) -> StepStats:
-        """Finish one step: the one the last call launched, or one launched now; with async scheduling, launch the next
-        before reading this one's tokens (not after a step with penalties: they need every token of their rows)."""
+        """Finish the step the last call launched (or one launched now); launch the next first if async."""
         step, self.launched = self.launched or self.launch(), None
         try:
             start = time.perf_counter()
@@ -144,8 +135,7 @@ class LLMEngine:
         return Launched(seqs, output, stats)
 
     def postprocess(self, seqs: list[Sequence], out: StepOutput, finished: list[Sequence], now: float) -> None:
-        """After a step: the output processor's bookkeeping, a finish for each reply that reached a stop string, the
-        siblings of n to start, and the outputs of the requests whose every completion has finished."""
+        """Stop strings, the siblings of n to start, and the outputs of the requests whose every completion finished."""
         for seq, logprobs, prompt_logprobs in zip(seqs, out.logprobs, out.prompt_logprobs):
             if (request := self.requests.get(seq.seq_id)) is None:
                 continue  # aborted while its step ran
@@ -162,8 +152,7 @@ class LLMEngine:
                 self.finished.append(self.output_processor.output(request))
 
     def abort_step(self, error: BaseException, seqs: list[Sequence] | None) -> None:
-        """After a failed step: abort its requests (all of them if it failed before its batch was known), and name
-        them on the error."""
+        """Abort a failed step's requests (all, if its batch was not known yet), and name them on the error."""
         if seqs is None:
             ids = [r.request_id for r in self.requests.values()]
             self.abort_all()
@@ -183,8 +172,7 @@ class LLMEngine:
         return bool(self.finished) or not self.scheduler.is_finished() or self.launched is not None
 
     def abort_all(self) -> None:
-        """Drop every request and kept output; the scheduler resets its block manager (a failed step may have left
-        it half updated)."""
+        """Drop every request and kept output; the scheduler resets its block manager."""
         with self.lock:
             self.scheduler.abort_all()
             self.requests.clear()

@@ -27,8 +27,7 @@ class OutputProcessor:
         prompt_logprobs: tuple[int, list[TokenLogprobs]] | None,
         now: float,
     ) -> bool:
-        """Record what a step gave seq: its request's first-token time, log-probabilities. Whether seq's text now
-        holds one of its stop strings (the engine then finishes it)."""
+        """Record what a step gave seq (first-token time, log-probabilities); whether its text holds a stop string."""
         i = request.seqs.index(seq)
         if request.metrics.first_token_time is None and seq.num_completion_tokens > 0:
             request.metrics.first_token_time = now
@@ -73,9 +72,8 @@ class OutputProcessor:
         return CompletionOutput(i, text, token_ids, seq.finish_reason, logprobs, cumulative)
 
     def running_text(self, request: Request, i: int) -> str:
-        """Completion i's text so far, from its newest tokens only (vLLM's incremental detokenization: detokenizing
-        the whole reply at every step would cost O(length²)). `texts[i]` = (text, start, read): the text ends with
-        the text of tokens[start:read]; newer tokens are read once their text is whole (no '\ufffd' at its end)."""
+        """Completion i's text so far (detokenizing the whole reply at every step would cost O(length²)). `texts[i]` =
+        (text, start, read): text ends with tokens[start:read]'s; newer tokens are read once whole (no '\ufffd')."""
         (text, start, read), seq = request.texts.get(i, ("", 0, 0)), request.seqs[i]
         if seq.num_completion_tokens > read:
             tokens = seq.token_ids[seq.num_prompt_tokens + start :]  # from `start` on: no copy of the whole reply
