@@ -240,8 +240,8 @@ assert compute_hash(b, h_a) == compute_hash(list(b), compute_hash(list(a)))  # d
 
 # %% [markdown]
 # ## The BlockManager (write one first? `exercises/03_paged_allocator.ipynb`, then `03_prefix_caching`)
-# The block manager owns `num_blocks` blocks (their KV tensors live in the model runner, notebook 04; here a block
-# is an id and some bookkeeping) and their size. The scheduler (notebook 05) talks to it in eight calls:
+# The block manager owns `num_blocks` blocks of `block_size` slots (their KV tensors live in the model runner,
+# notebook 04; here a block is an id and some bookkeeping). The scheduler (notebook 05) talks to it in eight calls:
 #
 # * `can_allocate(seq)`, then `allocate(seq)` for a waiting sequence: a block for each of its blocks, sharing cached
 #   ones for the longest run of leading full blocks found in the cache (`seq.num_cached_tokens` of them are skipped).
@@ -249,27 +249,20 @@ assert compute_hash(b, h_a) == compute_hash(list(b), compute_hash(list(a)))  # d
 #   their full blocks enter the cache (are hashed), so later requests can hit them.
 # * `can_append(seq)`, then `may_append(seq)` after each decoded token: a new block exactly when the token starts
 #   one; the last block is cached the moment it becomes full. `token_known(seq)`: see notebook 06's async scheduling.
-# * `deallocate(seq)` when a sequence finishes or is preempted (its tokens are kept, to be recomputed later);
-#   `discard(seq)` for one dropped in a failed step: the blocks that step cached may hold KV it never wrote, so they
-#   leave the cache first. `reset()` when every request is dropped at once: all blocks free, trusting nothing.
+# * `deallocate(seq)` when a sequence finishes or is preempted; `discard(seq)` for one dropped in a failed step (the
+#   blocks that step cached may hold KV it never wrote, so they leave the cache first); `reset()` drops everything.
 #
 # The `can_*` checks are cheap and conservative (they ignore possible cache hits); the real calls assert them. A
-# block shared by three sequences has `ref_count == 3`; it is free only at 0.
+# block shared by three sequences has `ref_count == 3`; it is free only at 0. Three rules shape the code:
 #
-# **Two free lists.** A freed full block keeps its hash and its KV, for a later hit. So a block for new KV comes
-# from `free_block_ids` (holding nothing worth keeping) while it has any, and only then from `cached_block_ids`,
-# the free blocks still in the cache, least recently freed first (an LRU; taking one evicts its hash). A sequence
-# frees its blocks tail first, so a shared head outlives the tails behind it.
-#
-# **The last token is always computed**, since prefill must produce its logits: a whole cached prompt's last block
-# is no hit (vLLM's rule) and gets a fresh copy. So a request never writes into a block another reads. Copies share
-# a hash (as may two requests that generate the same tokens): the cache index keeps the first.
-#
-# **When is a block cached?** In the step that computes its KV, never before: from then on any request may hit it.
-# So `cache_blocks(seq, n)` caches what a prefill step computes, `may_append` a block the coming decode step fills.
-# That is safe (every layer writes the step's new KV before any attention reads it) and lets requests arriving
-# together share a prefix. Caching at `allocate` is not: a long prompt may be computed over several steps (chunked
-# prefill, notebook 05), and a request arriving in between would hit blocks whose KV nobody wrote (shown below).
+# * **Two free lists.** A freed full block keeps its hash and its KV, for a later hit. New KV goes into a block from
+#   `free_block_ids` (nothing worth keeping) while any is left, only then into the least recently freed of
+#   `cached_block_ids` (an LRU; taking one evicts its hash). Blocks are freed tail first: a shared head lasts longest.
+# * **The last token is always computed**, since prefill must produce its logits: a whole cached prompt's last block
+#   is no hit (vLLM's rule) and gets a fresh copy, so a request never writes into a block another reads.
+# * **A block is cached in the step that computes its KV**, never before: `cache_blocks` for a prefill step,
+#   `may_append` for the block the coming decode step fills. Caching at `allocate` would let a request hit blocks
+#   of a long prompt computed over several steps (chunked prefill, notebook 05) before anyone wrote them (below).
 
 
 # %% tags=["export"]
@@ -500,31 +493,12 @@ assert s4.block_table[:2] == [0, 1] and s4.num_cached_tokens == 8
 # %% [markdown]
 # When a whole prompt is cached, its last block is still recomputed, in a fresh block: prefill needs the last
 # token's logits, and the shared copy is never written to. `s5` repeats `s1`'s first 12 tokens (three cached
-# blocks). Freeing `s5` twice is a bug in the caller, so it stops the engine at once. With prefix caching off
-# nothing is hashed or shared. `reset()` forgets every allocation and cached prefix; the sequences that held
-# blocks must be dropped with it, as notebook 05's `abort_all` does.
+# blocks). (`tests/test_block_manager.py` covers the rest: double frees, prefix caching off, `reset`.)
 
 # %%
 admit(bm, s5 := Sequence(system + [30, 31, 32, 33], block_size=4))
 show(bm, f"s5 table {s5.block_table}, cached tokens {s5.num_cached_tokens}")
 assert s5.num_cached_tokens == 8 == len(s5) - bm.block_size and s5.block_table[2] != 2
-bm.deallocate(s5)
-try:
-    bm.deallocate(s5)
-except AssertionError as e:
-    print("AssertionError:", e)
-else:
-    raise AssertionError("a double free went unnoticed")
-
-plain = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
-for seq in (Sequence(system + [1], block_size=4), Sequence(system + [1], block_size=4)):
-    admit(plain, seq)
-assert all(b.hash == -1 for b in plain.blocks) and plain.num_used_blocks == 6  # nothing hashed, nothing shared
-
-bm.reset()
-show(bm, "after reset")
-admit(bm, s6 := Sequence(system + [70], block_size=bm.block_size))
-assert bm.num_free_blocks == bm.num_blocks - 3 and s6.num_cached_tokens == 0  # the system prompt is forgotten
 
 # %% [markdown]
 # Why `allocate` caches nothing: `long` (17 tokens, four full blocks) is prefilled in chunks, 8 tokens first. A
@@ -610,8 +584,9 @@ def kv_breakdown(allocator, running: list[Sequence], waiting: deque, stop: dict[
         assert sum(held) == allocator.num_used_blocks * allocator.block_size  # every used block is someone's
     tokens, stranded = sum(len(s) for s in running), sum(n for n in holes if n < piece)
     over = sum(max(h - s.num_prompt_tokens - stop[s.seq_id], 0) for h, s in zip(held, running))  # past the end
-    return dict(tokens=tokens, ahead=sum(held) - over - tokens, over=over, stranded=stranded,
-                free=NUM_SLOTS - sum(held) - stranded, running=len(running), waiting=len(waiting))  # fmt: skip
+    free = NUM_SLOTS - sum(held) - stranded
+    kinds = dict(tokens=tokens, ahead=sum(held) - over - tokens, over=over, stranded=stranded, free=free)
+    return kinds | dict(running=len(running), waiting=len(waiting))
 
 
 def simulate(workload, allocator, block_size: int = 16) -> list[dict]:
@@ -729,6 +704,7 @@ print_table([run_benchmark(num_blocks=n, num_seqs=500, block_size=16) for n in (
 # %% tags=["export"] module="minivllm.kernels.paged_attn"
 import functools
 import math
+from typing import Any
 
 import torch
 import triton
@@ -748,17 +724,17 @@ from minivllm.kernels.flash_attn import (
 
 @triton.jit
 def _store_kvcache_kernel(
-    k, v, k_cache, v_cache, slot_mapping, stride_kt, stride_vt, stride_kc, stride_vc,
-    KV_SIZE: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    k, v, k_cache, v_cache, slot_mapping, stride_kt, stride_vt, KV_SIZE: tl.constexpr, BLOCK: tl.constexpr
+):
+    """One token's k and v rows (KV_SIZE values each) into its slot; the caches are contiguous: a slot is a row."""
     token = tl.program_id(0)
     slot = tl.load(slot_mapping + token)
     if slot < 0:  # a padding token: nothing to store
         return
     offs = tl.arange(0, BLOCK)
     mask = offs < KV_SIZE
-    tl.store(k_cache + slot * stride_kc + offs, tl.load(k + token * stride_kt + offs, mask=mask), mask=mask)
-    tl.store(v_cache + slot * stride_vc + offs, tl.load(v + token * stride_vt + offs, mask=mask), mask=mask)
+    tl.store(k_cache + slot * KV_SIZE + offs, tl.load(k + token * stride_kt + offs, mask=mask), mask=mask)
+    tl.store(v_cache + slot * KV_SIZE + offs, tl.load(v + token * stride_vt + offs, mask=mask), mask=mask)
 
 
 def check_cache(name: str, cache: torch.Tensor, q: torch.Tensor) -> None:
@@ -808,10 +784,8 @@ def store_kvcache(
     if k.stride(-1) != 1 or k.stride(-2) != k.shape[-1] or v.stride(-1) != 1 or v.stride(-2) != v.shape[-1]:
         raise ValueError("each token's k and v must be contiguous (num_kv_heads, head_dim) rows")
     kv_size = k.shape[1] * k.shape[2]
-    _store_kvcache_kernel[(k.shape[0],)](
-        k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), k_cache.stride(1), v_cache.stride(1),
-        KV_SIZE=kv_size, BLOCK=triton.next_power_of_2(kv_size),
-    )  # fmt: skip
+    block = triton.next_power_of_2(kv_size)
+    _store_kvcache_kernel[(k.shape[0],)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), kv_size, block)
 
 
 # %% [markdown]
@@ -889,12 +863,14 @@ def paged_rows(block_table_row, tok, valid, BLOCK_SIZE: tl.constexpr):
 
 @triton.jit
 def attend_split(
-    q, K, V, table_row, lo, hi, kv_head, qk_scale, stride_kt, stride_kh, stride_vt, stride_vh,
-    ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    q, K, V, table_row, lo, hi, kv_head, qk_scale, kv_strides,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One split of split-K: queries q (ROWS, D) of one KV head over keys lo..hi-1 of the paged cache, found
     through a block-table row. Returns the split's output (ROWS, D) and log-sum-exp (ROWS,), in log2 units."""
+    ROWS: tl.constexpr = q.shape[0]
+    HEAD_DIM: tl.constexpr = q.shape[1]
+    stride_kt, stride_kh, stride_vt, stride_vh = kv_strides  # (token, head) of k, then of v
     offs_q, offs_d, offs_n = tl.arange(0, ROWS), tl.arange(0, HEAD_DIM), tl.arange(0, BLOCK_N)
     m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
@@ -912,11 +888,9 @@ def attend_split(
 
 
 @triton.jit
-def store_split(
-    partial_out, partial_lse, seq, heads, slot, out, lse, mask,
-    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, HEAD_DIM: tl.constexpr,
-):  # fmt: skip
+def store_split(partial_out, partial_lse, seq, heads, slot, out, lse, mask, part_strides, HEAD_DIM: tl.constexpr):
     """A split's results into slot `slot` of its rows (seq: one sequence, or one per row; heads: one per row)."""
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh = part_strides  # of partial_out, then partial_lse
     row = seq * stride_pb + heads * stride_ph + slot * stride_ps  # (ROWS,)
     tl.store(partial_out + row[:, None] + tl.arange(0, HEAD_DIM)[None, :], out, mask=mask[:, None])
     tl.store(partial_lse + seq * stride_lb + heads * stride_lh + slot, lse, mask=mask)
@@ -924,9 +898,8 @@ def store_split(
 
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])  # vary from step to step (notebook 01)
 def _decode_kernel(
-    Q, K, V, partial_out, partial_lse, cache_seqlens, block_table, prefix_lens, qk_scale, num_splits,
-    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_bt,  # strides of q, k, v, block_table
-    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,  # strides of partial_out, partial_lse
+    Q, K, V, partial_out, partial_lse, cache_seqlens, block_table, prefix_lens, qk_scale, num_splits, stride_bt,
+    q_strides, kv_strides, part_strides,  # (batch, head) of q; (token, head) of k and v; see store_split
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_PREFIX: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -938,42 +911,35 @@ def _decode_kernel(
     hi = tl.minimum(lo + chunk, seqlen)
     offs_g = tl.arange(0, GROUP_PAD)  # the query heads of this KV head (padded: tl.dot needs 16 rows)
     heads, mask = kv_head * GROUP + offs_g, offs_g < GROUP
-    q = load_tile(
-        Q + seq * stride_qb + heads[:, None] * stride_qh + tl.arange(0, HEAD_DIM)[None, :], mask[:, None], UPCAST
-    )  # (GROUP_PAD, D)
+    q_rows = Q + seq * q_strides[0] + heads * q_strides[1]  # (GROUP_PAD,)
+    q = load_tile(q_rows[:, None] + tl.arange(0, HEAD_DIM)[None, :], mask[:, None], UPCAST)  # (GROUP_PAD, D)
+    table_row = block_table + seq * stride_bt
     out, lse = attend_split(
-        q, K, V, block_table + seq * stride_bt, lo, hi, kv_head, qk_scale, stride_kt, stride_kh, stride_vt, stride_vh,
-        GROUP_PAD, HEAD_DIM, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION,
-    )  # fmt: skip
-    store_split(partial_out, partial_lse, seq, heads, split, out, lse, mask,
-                stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, HEAD_DIM)  # fmt: skip
+        q, K, V, table_row, lo, hi, kv_head, qk_scale, kv_strides, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION
+    )
+    store_split(partial_out, partial_lse, seq, heads, split, out, lse, mask, part_strides, HEAD_DIM)
 
 
 @triton.jit(do_not_specialize=["num_splits", "prefix_splits"])
 def _combine_splits_kernel(
-    partial_out, partial_lse, O, cache_seqlens, prefix_lens, num_splits, prefix_splits,  # tensors, scalars
-    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,  # strides
+    partial_out, partial_lse, O, cache_seqlens, prefix_lens, num_splits, prefix_splits, part_strides, o_strides,
     HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):  # fmt: skip
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh = part_strides
     seq, head = tl.program_id(0), tl.program_id(1)
     if tl.load(cache_seqlens + seq) == 0:
         return  # not a sequence: a CUDA graph's padding row (notebook 04), whose output row may be another's
-    if prefix_splits > 0:  # the shared prefix's splits (below) follow the row's own, if the row shares it
+    if prefix_splits > 0:  # the shared prefix's splits (cascade attention) follow the row's own, if it shares it
         num_splits += tl.where(tl.load(prefix_lens + seq) > 0, prefix_splits, 0)
-    offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
-    lse = tl.load(
-        partial_lse + seq * stride_lb + head * stride_lh + offs_s, mask=offs_s < num_splits, other=float("-inf")
-    )  # (SPLITS_PAD,)
+    offs_s, offs_d = tl.arange(0, SPLITS_PAD), tl.arange(0, HEAD_DIM)
+    lse_ptrs = partial_lse + seq * stride_lb + head * stride_lh + offs_s
+    lse = tl.load(lse_ptrs, mask=offs_s < num_splits, other=float("-inf"))  # (SPLITS_PAD,)
     m = tl.max(lse, 0)
     weights = tl.math.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
-    parts = tl.load(
-        partial_out + seq * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
-        mask=(offs_s < num_splits)[:, None],
-        other=0.0,
-    )  # (SPLITS_PAD, D)
+    part_ptrs = partial_out + seq * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :]
+    parts = tl.load(part_ptrs, mask=(offs_s < num_splits)[:, None], other=0.0)  # (SPLITS_PAD, D)
     out = tl.sum(parts * weights[:, None], 0) / tl.maximum(tl.sum(weights, 0), 1e-30)
-    tl.store(O + seq * stride_ob + head * stride_oh + offs_d, out.to(O.dtype.element_ty))
+    tl.store(O + seq * o_strides[0] + head * o_strides[1] + offs_d, out.to(O.dtype.element_ty))
 
 
 # %% tags=["export"]
@@ -991,21 +957,7 @@ def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> in
     return min(128, wave // programs) if programs <= wave else 2
 
 
-def flash_attn_with_kvcache(
-    q: torch.Tensor,  # (batch, 1, num_heads, head_dim): one new query per sequence
-    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
-    v_cache: torch.Tensor,
-    cache_seqlens: torch.Tensor | None = None,  # (batch,) int32: tokens in each sequence's cache
-    block_table: torch.Tensor | None = None,  # (batch, max_blocks) int32
-    softmax_scale: float | None = None,
-    causal: bool = False,  # one query that sees its whole cache: causal or not is the same thing
-    out: torch.Tensor | None = None,  # (batch, 1, num_heads, head_dim) to write into; None: a new tensor
-    prefix_blocks: torch.Tensor | None = None,  # (n,) int32: blocks that begin the caches of several rows
-    prefix_lens: torch.Tensor | None = None,  # (batch,) int32: a row's tokens in those blocks, or 0 (not its own)
-) -> torch.Tensor:  # (batch, 1, num_heads, head_dim)
-    """Decode attention over a paged KV cache, with flash-attn's signature (GQA-packed, split-K). Given a shared
-    prefix (`prefix_blocks`, and `prefix_lens` of one length for the rows that begin with it), the rows' queries
-    attend to it together, its keys read once (cascade attention, below), and each row reads only its own keys."""
+def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, block_table, prefix_blocks, prefix_lens) -> None:
     if q.dim() != 4 or q.shape[1] != 1:
         raise ValueError(f"q must be (batch, 1, num_heads, head_dim), got {tuple(q.shape)}")
     check_cache("k_cache", k_cache, q)
@@ -1030,10 +982,28 @@ def flash_attn_with_kvcache(
         check_index("prefix_lens", prefix_lens, 1, q.device)
         if prefix_lens.shape[0] != batch:
             raise ValueError(f"prefix_lens needs one row per sequence ({batch}), got {prefix_lens.shape[0]}")
-    scale = softmax_scale_of(softmax_scale, head_dim)
-    on_cpu = q.device.type == "cpu"
-    num_splits = decode_num_splits(batch, num_kv_heads, q.device)
-    group = num_heads // num_kv_heads
+
+
+def flash_attn_with_kvcache(
+    q: torch.Tensor,  # (batch, 1, num_heads, head_dim): one new query per sequence
+    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor | None = None,  # (batch,) int32: tokens in each sequence's cache
+    block_table: torch.Tensor | None = None,  # (batch, max_blocks) int32
+    softmax_scale: float | None = None,
+    causal: bool = False,  # one query that sees its whole cache: causal or not is the same thing
+    out: torch.Tensor | None = None,  # (batch, 1, num_heads, head_dim) to write into; None: a new tensor
+    prefix_blocks: torch.Tensor | None = None,  # (n,) int32: blocks that begin the caches of several rows
+    prefix_lens: torch.Tensor | None = None,  # (batch,) int32: a row's tokens in those blocks, or 0 (not its own)
+) -> torch.Tensor:  # (batch, 1, num_heads, head_dim)
+    """Decode attention over a paged KV cache, with flash-attn's signature (GQA-packed, split-K). Given a shared
+    prefix (`prefix_blocks`, and `prefix_lens` of one length for the rows that begin with it), the rows' queries
+    attend to it together, its keys read once (cascade attention: the deep dive), each row only its own keys."""
+    check_decode_inputs(q, k_cache, v_cache, cache_seqlens, block_table, prefix_blocks, prefix_lens)
+    assert cache_seqlens is not None and block_table is not None  # checked: for mypy
+    batch, _, num_heads, head_dim = q.shape
+    num_kv_heads, on_cpu = k_cache.shape[2], q.device.type == "cpu"
+    num_splits, group = decode_num_splits(batch, num_kv_heads, q.device), num_heads // num_kv_heads
     block_m = 16 if on_cpu else 64  # (row, query head) pairs per program of the prefix kernel
     prefix_grid = (triton.cdiv(batch * group, block_m), num_kv_heads)
     prefix_splits = 0 if prefix_blocks is None else prefix_num_splits(prefix_grid[0] * prefix_grid[1], q.device)
@@ -1042,30 +1012,29 @@ def flash_attn_with_kvcache(
     slots = num_splits + prefix_splits  # partial results per row and head: the row's own splits, the prefix's
     partial_out = torch.empty(batch, num_heads, slots, head_dim, dtype=torch.float32, device=q.device)
     partial_lse = torch.empty(batch, num_heads, slots, dtype=torch.float32, device=q.device)
-    common = dict(UPCAST=on_cpu and q.dtype != torch.float32, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                  num_warps=4, num_stages=1 if on_cpu else 2)  # fmt: skip
-    strides = (q.stride(0), q.stride(2), k.stride(0), k.stride(1), v.stride(0), v.stride(1))
-    partial_strides = (*partial_out.stride()[:3], *partial_lse.stride()[:2])
+    tensors, lens = (q, k, v, partial_out, partial_lse), cache_seqlens if prefix_lens is None else prefix_lens
+    qk_scale = softmax_scale_of(softmax_scale, head_dim) * math.log2(math.e)
+    q_strides, kv_strides = (q.stride(0), q.stride(2)), (*k.stride()[:2], *v.stride()[:2])
+    strides = (q_strides, kv_strides, (*partial_out.stride()[:3], *partial_lse.stride()[:2]))
     # tile sizes: the fastest of a sweep on an H200 (bf16, head_dim 128, block sizes 16 and 256)
+    common: dict[str, Any] = dict(
+        HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_N=16 if on_cpu else 64, num_warps=4
+    )
+    common.update(UPCAST=on_cpu and q.dtype != torch.float32, num_stages=1 if on_cpu else 2)
+    common.update(PRECISION="ieee" if q.dtype == torch.float32 else "tf32", GROUP=group)
+    decode = dict(GROUP_PAD=max(16, triton.next_power_of_2(group)), HAS_PREFIX=prefix_lens is not None)
+    scalars = (qk_scale, num_splits, block_table.stride(0))
     _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k, v, partial_out, partial_lse, cache_seqlens, block_table,
-        cache_seqlens if prefix_lens is None else prefix_lens, scale * math.log2(math.e), num_splits,
-        *strides, block_table.stride(0), *partial_strides,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_N=16 if on_cpu else 64, HAS_PREFIX=prefix_lens is not None, **common,
-    )  # fmt: skip
+        *tensors, cache_seqlens, block_table, lens, *scalars, *strides, **decode, **common
+    )
     if prefix_splits:
-        _shared_prefix_kernel[(*prefix_grid, prefix_splits)](
-            q, k, v, partial_out, partial_lse, prefix_blocks, prefix_lens, scale * math.log2(math.e), batch,
-            num_splits, *strides, *partial_strides,
-            GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=16 if on_cpu else 64,
-            **common,
-        )  # fmt: skip
+        prefix = (prefix_blocks, prefix_lens, qk_scale, batch, num_splits)
+        _shared_prefix_kernel[(*prefix_grid, prefix_splits)](*tensors, *prefix, *strides, BLOCK_M=block_m, **common)
+    splits = (num_splits, prefix_splits, strides[2], (out.stride(0), out.stride(2)))
+    pad = max(2, triton.next_power_of_2(slots))
     _combine_splits_kernel[(batch, num_heads)](
-        partial_out, partial_lse, out, cache_seqlens, cache_seqlens if prefix_lens is None else prefix_lens,
-        num_splits, prefix_splits, *partial_strides,
-        out.stride(0), out.stride(2), HEAD_DIM=head_dim, SPLITS_PAD=max(2, triton.next_power_of_2(slots)),
-    )  # fmt: skip
+        partial_out, partial_lse, out, cache_seqlens, lens, *splits, HEAD_DIM=head_dim, SPLITS_PAD=pad
+    )
     return out
 
 
@@ -1095,38 +1064,18 @@ for block_size, num_heads, num_kv_heads, num_splits in ((16, 8, 2, 1), (32, 8, 8
     torch.testing.assert_close(out[:, 0], ref, rtol=1e-4, atol=1e-4)
 
 # %% [markdown]
-# ### A prefix every row shares: read it once (cascade attention; in PyTorch: `exercises/03_cascade_attention.ipynb`)
-# In a chat service every request begins with the same system prompt, and prefix caching (above) makes its blocks
-# the *same* blocks in every row's table. The decode kernel still reads them once per row: one query per KV head
-# group, a few FLOPs per byte. Yet the rows' queries over those shared keys form a matrix product: all rows'
-# queries × the same keys. **Cascade attention** (FlashInfer's name; vLLM runs it when every request shares a
-# prefix) cuts each row's keys in two:
-#
-# * the **shared prefix**, attended by all the rows' queries together: one program per tile of `BLOCK_M` (row,
-#   query head) pairs of a KV head, the decode kernel's `attend_split` over the prefix's blocks (no causal mask),
-#   each key tile read once per tile of rows, not once per row;
-# * each row's **own keys** (its prompt after the prefix, its output so far): the decode kernel from
-#   `prefix_lens[row]` on.
-#
-# The prefix's outputs and log-sum-exps are more splits of each row: the combine kernel already merges
-# splits exactly. Per layer of Qwen3-0.6B, 256 rows that share a 1,488-token prompt and have ~350 tokens each of
-# their own (notebook 06's chat workload):
-
-# %%
-rows, shared, own, kv_bytes_per_token = 256, 1488, 350, 2 * 8 * 128 * 2  # K and V, 8 KV heads of 128, bf16
-per_row = rows * (shared + own) * kv_bytes_per_token / 1e6
-cascade = (shared + rows * own) * kv_bytes_per_token / 1e6
-print(f"keys and values read per layer: {per_row:.0f} MB row by row, {cascade:.0f} MB with the prefix read once")
-print(f"the prefix's FLOP/byte with all rows' queries: {flops_per_byte(rows):.0f} (one row's: {flops_per_byte(1):.0f})")
-assert cascade < per_row / 4
+# ### A prefix many rows share: cascade attention (the deep dive `deep_dives/cascade_attention`)
+# When many decode rows begin with the same cached blocks (a system prompt), the decode kernel reads them once per
+# row. Given `prefix_blocks` and `prefix_lens`, the kernel below attends all those rows' queries to the shared
+# blocks together, reading them once, as more splits that the combine kernel merges. The engine uses it on a GPU;
+# nothing else in the core path needs it, and the deep dive explains and checks it.
 
 
 # %% tags=["export"]
 @triton.jit(do_not_specialize=["batch", "first_split"])
 def _shared_prefix_kernel(
-    Q, K, V, partial_out, partial_lse, prefix_blocks, prefix_lens, qk_scale, batch, first_split,  # tensors, scalars
-    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,  # strides of q, k, v
-    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,  # strides of partial_out, partial_lse
+    Q, K, V, partial_out, partial_lse, prefix_blocks, prefix_lens, qk_scale, batch, first_split,
+    q_strides, kv_strides, part_strides,  # as the decode kernel's
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -1142,17 +1091,14 @@ def _shared_prefix_kernel(
     chunk = tl.cdiv(tl.cdiv(prefix_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, prefix_len)
-    q = load_tile(
-        Q + seq[:, None] * stride_qb + heads[:, None] * stride_qh + tl.arange(0, HEAD_DIM)[None, :],
-        shares[:, None],
-        UPCAST,
-    )  # (BLOCK_M, D); a non-sharer's row is computed too, and never read: the combine kernel skips its slots
+    q_rows = Q + seq * q_strides[0] + heads * q_strides[1]  # (BLOCK_M,)
+    q = load_tile(q_rows[:, None] + tl.arange(0, HEAD_DIM)[None, :], shares[:, None], UPCAST)  # (BLOCK_M, D)
+    # a non-sharer's row is computed too, and never read: the combine kernel skips its slots
     out, lse = attend_split(
-        q, K, V, prefix_blocks, lo, hi, kv_head, qk_scale, stride_kt, stride_kh, stride_vt, stride_vh,
-        BLOCK_M, HEAD_DIM, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION,
-    )  # fmt: skip
-    store_split(partial_out, partial_lse, seq, heads, first_split + split, out, lse, seq < batch,
-                stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, HEAD_DIM)  # fmt: skip
+        q, K, V, prefix_blocks, lo, hi, kv_head, qk_scale, kv_strides, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION
+    )
+    slot, mask = first_split + split, seq < batch
+    store_split(partial_out, partial_lse, seq, heads, slot, out, lse, mask, part_strides, HEAD_DIM)
 
 
 def prefix_num_splits(num_programs: int, device: torch.device) -> int:
@@ -1163,39 +1109,14 @@ def prefix_num_splits(num_programs: int, device: torch.device) -> int:
 
 
 # %% [markdown]
-# Checked like the decode kernel: rows 0–3 below begin with the same 3 blocks (48 tokens), row 4 does not; with
-# the prefix given, each row's output must be what reading every key row by row gives.
-
-# %%
-from minivllm.kernels import paged_attn
-
-seq_lens = [60, 49, 100, 48, 70]
-k_cache, v_cache, block_table, _, _, _ = scatter_into_cache(seq_lens, 2, 32, 16, DEVICE)
-block_table[1:4, :3] = block_table[0, :3]  # rows 1-3 now read row 0's first 48 keys: a cached system prompt
-prefix_lens = torch.tensor([48, 48, 48, 48, 0], dtype=torch.int32, device=DEVICE)
-q = torch.randn(len(seq_lens), 1, 8, 32, device=DEVICE)
-cache_seqlens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-row_by_row = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table)
-for num_splits in (1, 3):
-    with mock.patch.object(paged_attn, "prefix_num_splits", lambda *_, n=num_splits: n):
-        out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, prefix_blocks=block_table[0, :3],
-                                      prefix_lens=prefix_lens)  # fmt: skip
-    print(f"prefix in {num_splits} split(s): max difference {(out - row_by_row).abs().max():.1e}")
-    torch.testing.assert_close(out, row_by_row, rtol=1e-4, atol=1e-4)
-
-# %% [markdown]
 # ## Prefill after a prefix-cache hit
 # After a prefix-cache hit, prefill computes only the **new** tokens, whose queries must still attend to the
-# cached prefix. Attention over the new tokens alone (as some teaching engines run it) silently drops the prefix:
-# the output changes, nothing crashes. So prefill gets a paged form too: `flash_attn_varlen_func(...,
-# block_table=...)`. The new keys and values are first stored into the cache; then the kernel reads *all* keys of
-# a sequence (`cu_seqlens_k`: cached + new) through its block table, with notebook 01's bottom-right causal mask:
-# notebook 01's kernel with the key rows looked up. Its grid is a **list of work**: program `i` takes row `i` of
-# `tiles`, a (sequence, query tile) pair. By default the list holds every sequence's tiles up to the longest, and
-# programs past a sequence's end return at once (notebook 01's grid, flattened); the engine passes only the tiles
-# that exist, and a CUDA graph, which fixes its grid when captured, a list padded with -1 (notebook 04). The block
-# table's row stride changes from step to step and is not specialized on, so Triton compiles the kernel once (as
-# for the decode kernel). It is checked below, with the PyTorch version of the paged operations.
+# cached prefix. Attention over the new tokens alone silently drops the prefix: the output changes, nothing
+# crashes. So prefill gets a paged form too, `flash_attn_varlen_func(..., block_table=...)`: the new keys and values
+# are stored first; then notebook 01's kernel reads *all* keys of a sequence (`cu_seqlens_k`: cached + new) through
+# its block table, with its bottom-right causal mask. One change: its grid is a **list of work**, program `i` taking
+# row `i` of `tiles`, a (sequence, query tile) pair; by default every tile up to the longest sequence's (those past a
+# sequence's end return at once), while the engine passes only the tiles that exist (notebook 04).
 
 
 # %% tags=["export"] module="minivllm.kernels.paged_attn"
@@ -1299,14 +1220,14 @@ def flash_attn_varlen_func(
         return out  # no tiles: nothing to compute
     group = q.shape[1] // num_kv_heads
     heads = heads_per_program(group, config["BLOCK_M"])
-    _paged_prefill_kernel[(tiles.shape[0], q.shape[1] // heads)](
-        q, kf, vf, out, cu_seqlens_q, cu_seqlens_k, block_table, tiles.contiguous(), scale * math.log2(math.e),
-        q.stride(0), q.stride(1), kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1), out.stride(0), out.stride(1),
-        block_table.stride(0),
-        GROUP=group, HEADS=heads, HEAD_DIM=head_dim, BLOCK_SIZE=k.shape[1], CAUSAL=causal,
-        UPCAST=q.device.type == "cpu" and q.dtype != torch.float32,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **config,
-    )  # fmt: skip
+    tensors = (q, kf, vf, out, cu_seqlens_q, cu_seqlens_k, block_table, tiles.contiguous())
+    strides = (*q.stride()[:2], *kf.stride()[:2], *vf.stride()[:2], *out.stride()[:2], block_table.stride(0))
+    meta: dict[str, Any] = dict(
+        GROUP=group, HEADS=heads, HEAD_DIM=head_dim, BLOCK_SIZE=k.shape[1], CAUSAL=causal, **config
+    )
+    meta.update(UPCAST=q.device.type == "cpu" and q.dtype != torch.float32)
+    meta.update(PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    _paged_prefill_kernel[(tiles.shape[0], q.shape[1] // heads)](*tensors, scale * math.log2(math.e), *strides, **meta)
     return out
 
 
@@ -1377,12 +1298,11 @@ for block_size in (16, 256):
 print("paged prefill and decode match both references")
 
 # %% [markdown]
-# ## Measured on an H200
+# ## How fast: decode vs prefill kernels on an H200
 # `python -m minivllm.benchmarks.decode` times decode attention for Qwen3-0.6B's heads (batch × context from 1 ×
-# 16k to 256 × 512, blocks of 16 and 256) in bytes of K and V read per second, capped by the copy bandwidth:
-# `minivllm-triton`, the decode kernel above; `flashinfer`, FlashInfer's (vLLM's) on the same cache, the bar to
-# reach; `minivllm-prefill-kernel`, our *prefill* kernel, one query per sequence; `naive-gather-sdpa`, blocks
-# copied out, then PyTorch's attention.
+# 16k to 256 × 512, blocks of 16 and 256) in bytes of K and V read per second: `minivllm-triton`, the decode kernel
+# above; `flashinfer`, FlashInfer's (vLLM's) on the same cache, the bar to reach; `minivllm-prefill-kernel`, our
+# *prefill* kernel given one query per sequence; `naive-gather-sdpa`, blocks copied out, then PyTorch's attention.
 # On a GPU this cell re-measures a subset; without one it shows the committed H200 results.
 
 # %%
@@ -1392,62 +1312,65 @@ if DEVICE == "cuda":
     decode_data = run_decode_benchmark(shapes=[(1, 16384), (64, 4096)], block_sizes=(16,))
 else:
     decode_data = json.loads(Path("figures/decode.json").read_text())
-fig = plot_decode(decode_data)
-fig.savefig(FIGURES / "04_decode.png", dpi=120)
-tbps = {(r["impl"], r["batch"], r["context_len"], r["block_size"]): r["tbps"] for r in decode_data["rows"]}
-for key in sorted(tbps):
-    print(f"{key[0]:>24} batch {key[1]:>3} × {key[2]:>5} tokens, blocks of {key[3]:>3}: {tbps[key]:.2f} TB/s")
-print(f"copy bandwidth: {decode_data['copy_tbps']:.2f} TB/s")
+plot_decode(decode_data).savefig(FIGURES / "04_decode.png", dpi=120)
+tbps: dict[tuple, float] = {}  # (impl, batch, context) -> the best over block sizes
+for r in decode_data["rows"]:
+    key = (r["impl"], r["batch"], r["context_len"])
+    tbps[key] = max(tbps.get(key, 0.0), r["tbps"])
+for (impl, batch, context), v in sorted(tbps.items()):
+    print(
+        f"{impl:>24} batch {batch:>3} × {context:>5} tokens: {v:.2f} TB/s ({v / decode_data['copy_tbps']:.0%} of copy)"
+    )
 
 # %% [markdown]
 # **Why do prefill and decode need different attention kernels?** At 64 sequences × 4k tokens the decode kernel
-# reads the cache at the copy bandwidth, the prefill kernel at half of it: its tile holds 128 query rows (64
+# reads the cache near the copy bandwidth, the prefill kernel much slower: its tile holds 128 query rows (64
 # positions × Qwen3's 2 query heads of a KV head) of which decode fills 2, and with one program per sequence and KV
-# head it cannot fill the GPU at small batch: at 1 × 16k it reaches under 5% of the bandwidth, the decode kernel
-# about 65%, since it splits long contexts over many programs.
-#
-# **The same split on this CPU** (below the H200's numbers): a prefill of 512 queries and a decode step of 32
-# sequences × 1 query, 512 keys each, in PyTorch's batched attention. Prefill does 16 times decode's FLOPs on 32
-# times fewer bytes, in about the same time: near matmul speed; decode runs near copy speed. (Not checked: noisy.)
+# head it cannot fill the GPU at small batch (1 × 16k), where the decode kernel splits the context over many
+# programs. The ratios (from the cell above's numbers):
 
 # %%
-best = lambda impl, batch, ctx: max(v for (i, b, c, _), v in tbps.items() if (i, b, c) == (impl, batch, ctx))
-assert best("minivllm-triton", 64, 4096) > 1.5 * best("minivllm-prefill-kernel", 64, 4096)
-assert best("minivllm-triton", 1, 16384) > 3 * best("minivllm-prefill-kernel", 1, 16384)
-ours = max(r["tflops"] for r in json.loads(Path("figures/prefill.json").read_text())["rows"] if "triton" in r["impl"])
-print(f"H200, bf16: ridge {h200_ridge:.0f} FLOP/byte; prefill kernel {ours:.0f} TFLOP/s ({ours / 989:.0%} of 989), "
-      f"decode kernel {best('minivllm-triton', 64, 4096) / decode_data['copy_tbps']:.0%} of copy")  # fmt: skip
-best_seconds = lambda fn: min(-time.perf_counter() + (fn(), time.perf_counter())[1] for _ in range(4))  # 1st warms up
+for batch, context in ((64, 4096), (1, 16384)):
+    ratio = tbps["minivllm-triton", batch, context] / tbps["minivllm-prefill-kernel", batch, context]
+    print(f"{batch} × {context}: the decode kernel reads the cache {ratio:.1f} times as fast as the prefill kernel")
+
+# %% [markdown]
+# **The same split on this CPU**: a prefill of 512 queries and a decode step of 32 sequences × 1 query, 512 keys
+# each, in PyTorch's batched attention, against two ceilings probed just before: a matmul and a copy. Prefill does
+# 16 times decode's FLOPs on 32 times fewer bytes, in about the same time: it runs near matmul speed, decode near
+# copy speed. On a busy machine a probe and the attention run at different loads, so a share can come out above
+# 100 %: it is then shown as 100 %, marked `*`. (Nothing here is asserted: timings vary.)
+
+
+# %%
+def best_seconds(fn, repeats: int = 4) -> float:
+    """The fastest of `repeats` runs (the first one warms up)."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def share(rate: float, ceiling: float) -> str:
+    return f"{min(rate / ceiling, 1):4.0%}" + ("*" if rate > ceiling else " ")  # *: the probe ran at a busier moment
+
+
+sdpa = torch.nn.functional.scaled_dot_product_attention
 a, x = torch.randn(1024, 1024), torch.randn(2**24)  # the ceilings: a matmul, and a 64 MiB copy (read + write)
 peak, copy = 2 * 1024**3 / best_seconds(lambda: a @ a), 2 * x.nbytes / best_seconds(x.clone)
 print(f"this CPU, fp32: matmul {peak / 1e9:.0f} GFLOP/s, copy {copy / 1e9:.1f} GB/s: ridge {peak / copy:.0f} FLOP/byte")
 for name, batch, num_q in (("prefill, 1 × 512 queries", 1, 512), ("decode, 32 × 1 query", 32, 1)):
     q = torch.randn(batch, 16, num_q, 128)  # (batch, num_heads, num_q, head_dim): Qwen3-0.6B's heads
     k, v = torch.randn(2, batch, 8, 512, 128)  # (batch, num_kv_heads, 512 keys, head_dim) each
-    sdpa = lambda q=q, k=k, v=v: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-    sec, intensity, kv_bytes = best_seconds(sdpa), flops_per_byte(num_q, dtype_bytes=4), k.nbytes + v.nbytes
+    sec = best_seconds(lambda q=q, k=k, v=v: sdpa(q, k, v, enable_gqa=True))
+    intensity, kv_bytes = flops_per_byte(num_q, dtype_bytes=4), k.nbytes + v.nbytes
     flop_s, kv_s = intensity * kv_bytes / sec, kv_bytes / sec
-    print(f"{name:>24}: {intensity:3.0f} FLOP/byte, {sec * 1e3:5.1f} ms, {flop_s / 1e9:5.1f} GFLOP/s "
-          f"({flop_s / peak:4.0%} of matmul), {kv_s / 1e9:5.2f} GB/s of KV ({kv_s / copy:4.0%} of copy)")  # fmt: skip
-
-# %% [markdown]
-# **Cascade attention, measured** (`python -m minivllm.benchmarks.cascade`, the committed H200 run): decode
-# attention per layer for rows that share a 1,488-token prefix, each row reading every key vs the prefix read once,
-# and the prefix kernel launched in a step where no row shares it (what a CUDA graph captured with it would cost:
-# notebook 04 captures decode graphs both ways).
-
-# %%
-from minivllm.benchmarks.cascade import plot_cascade
-
-cascade_data = json.loads(Path("figures/cascade.json").read_text())
-plot_cascade(cascade_data).savefig(FIGURES / "04_cascade.png", dpi=120)
-us = {(r["impl"], r["batch"], r["own_tokens"]): r["ms"] * 1e3 for r in cascade_data["rows"]}
-for rows, own in sorted({(b, o) for _, b, o in us}):
     print(
-        f"{rows:>3} rows, ~{own} own tokens each: {us['row by row', rows, own]:5.0f} µs row by row, "
-        f"{us['cascade', rows, own]:5.0f} µs cascade, {us['cascade, no sharers', rows, own]:5.0f} µs with no sharer"
+        f"{name:>24}: {intensity:3.0f} FLOP/byte, {sec * 1e3:5.1f} ms, {flop_s / 1e9:5.1f} GFLOP/s "
+        f"({share(flop_s, peak)} of matmul), {kv_s / 1e9:5.2f} GB/s of KV ({share(kv_s, copy)} of copy)"
     )
-assert us["cascade", 256, 350] < 0.6 * us["row by row", 256, 350]
 
 # %% [markdown]
 # ## Check yourself
@@ -1500,33 +1423,3 @@ check_answer(answer, other.num_cached_tokens, "3. chained hash")
 # %%
 check_answer(len(y), other.num_cached_tokens, "3. chained hash")
 assert compute_hash(z, compute_hash(x)) in check.hash_to_block_id  # z is cached, but under x's name
-
-# %% [markdown]
-# **4.** Cascade attention. Three rows hold 40 tokens each in blocks of 16; their block tables are `[5, 9, 2]`,
-# `[5, 9, 7]` and `[5, 3, 8]`. Given `prefix_blocks = [5, 9]`, which `prefix_lens` (a list, one per row) gives every
-# row the output of reading its keys row by row?
-
-# %%
-answer = None  # your answer: replace None with a list of three ints
-tables = torch.tensor([[5, 9, 2], [5, 9, 7], [5, 3, 8]], dtype=torch.int32, device=DEVICE)
-shares = [int(row[:2].tolist() == [5, 9]) for row in tables]  # which rows begin with both prefix blocks
-check_answer(answer, [32 * s for s in shares], "4. who shares the prefix")
-
-# %% [markdown]
-# Worked answer: `[32, 32, 0]`. Rows 0 and 1 begin with blocks 5 and 9: 32 tokens each. Row 2 shares block 5 only,
-# and the prefix kernel gives all its rows one length: row 2 reads its 40 keys itself. Flagging it too would
-# attend its queries to block 9, another row's keys, silently:
-
-# %%
-k_cache, v_cache = torch.randn(2, 10, 16, 2, 32, device=DEVICE)  # 10 blocks of 16 slots, 2 KV heads of 32
-q = torch.randn(3, 1, 4, 32, device=DEVICE)
-lens = torch.full((3,), 40, dtype=torch.int32, device=DEVICE)
-row_by_row = flash_attn_with_kvcache(q, k_cache, v_cache, lens, tables)
-for prefix_lens in ([32, 32, 0], [32, 32, 32]):
-    out = flash_attn_with_kvcache(q, k_cache, v_cache, lens, tables, prefix_blocks=tables[0, :2],
-                                  prefix_lens=torch.tensor(prefix_lens, dtype=torch.int32, device=DEVICE))  # fmt: skip
-    errors = (out - row_by_row).abs().amax(dim=(1, 2, 3))  # (3,): each row's largest difference
-    print(f"prefix_lens {prefix_lens}: largest difference per row", ", ".join(f"{e:.1e}" for e in errors))
-torch.testing.assert_close(out[:2], row_by_row[:2], rtol=1e-4, atol=1e-4)  # the sharers are right either way
-assert (out[2] - row_by_row[2]).abs().max() > 0.01  # row 2, flagged, is wrong
-check_answer([32, 32, 0], [32 * s for s in shares], "4. who shares the prefix")
