@@ -25,7 +25,8 @@
 #
 # **What you will see.** Prefix-cache hits block by block; why paging wastes almost no memory where reserving a
 # maximum length per request wastes most of it ("why does PagedAttention reduce fragmentation?", in numbers); why
-# decode needs its own attention kernel. (Notebook 05 maps block ownership over a real scheduler's run.)
+# decode needs its own attention kernel. (Notebook 05 maps block ownership over a real scheduler's run.) The deep
+# dive `deep_dives/cascade_attention` follows, optional: decode rows that share a prefix read its keys once.
 
 # %%
 import os
@@ -832,7 +833,7 @@ assert flops_per_byte(1) < 10 < h200_ridge < flops_per_byte(4096)
 #   a partial output and its log-sum-exp `lse_s`; a second tiny kernel combines them.
 # * **Paging.** A program finds token `t`'s row through the block table (`paged_rows`): blocks of 16 are gathered
 #   4 at a time (64 keys per step), blocks of 256 read in 4 steps. A split's loop, `attend_split`, runs notebook
-#   01's `attend_block`; `store_split` writes its output and log-sum-exp (the cascade kernel below reuses both).
+#   01's `attend_block`; `store_split` writes its output and log-sum-exp (so does the cascade kernel, below).
 #
 # Split-K first in PyTorch (parts b and c of `exercises/01_online_softmax.ipynb` have you write it): one decode
 # query over 300 keys, in 3 chunks. Each chunk's softmax is normalised by its own sum, so a plain average of the
