@@ -1319,9 +1319,9 @@ for r in decode_data["rows"]:
     key = (r["impl"], r["batch"], r["context_len"])
     tbps[key] = max(tbps.get(key, 0.0), r["tbps"])
 for (impl, batch, context), v in sorted(tbps.items()):
-    print(
-        f"{impl:>24} batch {batch:>3} × {context:>5} tokens: {v:.2f} TB/s ({v / decode_data['copy_tbps']:.0%} of copy)"
-    )
+    print(f"{impl:>24} batch {batch:>3} × {context:>5} tokens: {v:.2f} TB/s")
+copy_tbps = decode_data["copy_tbps"]
+print(f"copy bandwidth, for scale: {copy_tbps:.2f} TB/s (a copy reads and writes; a read alone may beat it)")
 
 # %% [markdown]
 # **Why do prefill and decode need different attention kernels?** At 64 sequences × 4k tokens the decode kernel
@@ -1355,7 +1355,8 @@ def best_seconds(fn, repeats: int = 4) -> float:
 
 
 def share(rate: float, ceiling: float) -> str:
-    return f"{min(rate / ceiling, 1):4.0%}" + ("*" if rate > ceiling else " ")  # *: the probe ran at a busier moment
+    """rate / ceiling, at most 100 %: marked `*` where the ceiling, probed at another moment, came out lower."""
+    return f"{min(rate / ceiling, 1):4.0%}" + ("*" if rate > ceiling else " ")
 
 
 sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -1372,6 +1373,7 @@ for name, batch, num_q in (("prefill, 1 × 512 queries", 1, 512), ("decode, 32 �
         f"{name:>24}: {intensity:3.0f} FLOP/byte, {sec * 1e3:5.1f} ms, {flop_s / 1e9:5.1f} GFLOP/s "
         f"({share(flop_s, peak)} of matmul), {kv_s / 1e9:5.2f} GB/s of KV ({share(kv_s, copy)} of copy)"
     )
+print("*: faster than its ceiling's probe, which ran at a busier moment of this shared machine: shown as 100 %")
 
 # %% [markdown]
 # ## Check yourself
