@@ -17,7 +17,7 @@
 # **What this notebook builds.** PagedAttention, both halves. The bookkeeping: `Sequence` (one request: its tokens
 # and where their keys and values live) and a `BlockManager` that hands out fixed-size KV blocks, shares the blocks
 # of equal prefixes between requests (prefix caching) and takes them back. Then the Triton kernels that follow a
-# block table: a store of new keys and values, a decode kernel, and a prefill kernel after a cached prefix.
+# block table: a store of new keys and values, and a decode kernel.
 #
 # **What it assumes.** Notebook 01: attention at position *t* needs the keys and values (KV) of every token before
 # *t*, so an engine keeps them, per layer, in a *KV cache*; and its FlashAttention kernel (online softmax), which
@@ -25,8 +25,9 @@
 #
 # **What you will see.** Prefix-cache hits block by block; why paging wastes almost no memory where reserving a
 # maximum length per request wastes most of it ("why does PagedAttention reduce fragmentation?", in numbers); why
-# decode needs its own attention kernel. (Notebook 05 maps block ownership over a real scheduler's run.) The deep
-# dive `deep_dives/cascade_attention` follows, optional: decode rows that share a prefix read its keys once.
+# decode needs its own attention kernel. (Notebook 05 maps block ownership over a real scheduler's run.) Two
+# optional deep dives follow: `deep_dives/cascade_attention` (decode rows that share a prefix read its keys once)
+# and `deep_dives/paged_prefill` (the prefill kernel after a prefix-cache hit).
 
 # %%
 import os
@@ -711,16 +712,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels.flash_attn import (
-    attend_block,
-    causal_bounds,
-    check_inputs,
-    flash_attn_varlen_contiguous,
-    heads_per_program,
-    launch_config,
-    load_tile,
-    softmax_scale_of,
-)
+from minivllm.kernels.flash_attn import attend_block, load_tile, softmax_scale_of
 
 
 @triton.jit
@@ -1110,129 +1102,6 @@ def prefix_num_splits(num_programs: int, device: torch.device) -> int:
 
 
 # %% [markdown]
-# ## Prefill after a prefix-cache hit
-# After a prefix-cache hit, prefill computes only the **new** tokens, whose queries must still attend to the
-# cached prefix. Attention over the new tokens alone silently drops the prefix: the output changes, nothing
-# crashes. So prefill gets a paged form too, `flash_attn_varlen_func(..., block_table=...)`: the new keys and values
-# are stored first; then notebook 01's kernel reads *all* keys of a sequence (`cu_seqlens_k`: cached + new) through
-# its block table, with its bottom-right causal mask. One change: its grid is a **list of work**, program `i` taking
-# row `i` of `tiles`, a (sequence, query tile) pair; by default every tile up to the longest sequence's (those past a
-# sequence's end return at once), while the engine passes only the tiles that exist (notebook 04).
-
-
-# %% tags=["export"] module="minivllm.kernels.paged_attn"
-@triton.jit(do_not_specialize=["stride_bt"])
-def _paged_prefill_kernel(
-    Q, K, V, O, cu_seqlens_q, cu_seqlens_k, block_table, tiles, qk_scale,  # tensors, scalar
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt,  # strides
-    GROUP: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
-):  # fmt: skip
-    seq = tl.load(tiles + 2 * tl.program_id(0))  # this program's (sequence, query tile), from the list
-    start_m = tl.load(tiles + 2 * tl.program_id(0) + 1)
-    first_head = tl.program_id(1) * HEADS  # HEADS query heads of one KV head, as notebook 01's kernel
-    if seq < 0:
-        return  # padding: a CUDA graph's list is longer than its step's (notebook 04)
-    q_start = tl.load(cu_seqlens_q + seq)
-    q_len = tl.load(cu_seqlens_q + seq + 1) - q_start
-    if start_m * BLOCK_M >= q_len:
-        return
-    k_len = tl.load(cu_seqlens_k + seq + 1) - tl.load(cu_seqlens_k + seq)
-    kv_head = first_head // GROUP
-    r = tl.arange(0, HEADS * BLOCK_M)  # tile row r: position r // HEADS, query head first_head + r % HEADS
-    offs_m, head = start_m * BLOCK_M + r // HEADS, first_head + r % HEADS
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    q = load_tile(
-        Q + (q_start + offs_m)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-        (offs_m < q_len)[:, None],
-        UPCAST,
-    )  # (HEADS * BLOCK_M, D)
-    m_i = tl.full([HEADS * BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([HEADS * BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([HEADS * BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    shift = k_len - q_len  # the cached prefix: new query i sees keys j <= i + shift
-    unmasked, hi = causal_bounds(start_m, k_len, shift, BLOCK_M, BLOCK_N, CAUSAL)
-    for start_n in range(0, hi, BLOCK_N):
-        tok = start_n + offs_n
-        valid = tok < k_len
-        rows = paged_rows(block_table + seq * stride_bt, tok, valid, BLOCK_SIZE)
-        k = load_tile(K + rows[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None], valid[None, :], UPCAST)
-        v = load_tile(V + rows[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :], valid[:, None], UPCAST)
-        acc, m_i, l_i = attend_block(
-            acc, m_i, l_i, q, k, v, tok, offs_m, k_len, shift, qk_scale, start_n >= unmasked, CAUSAL, PRECISION
-        )
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(
-        O + (q_start + offs_m)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-        out.to(O.dtype.element_ty),
-        mask=(offs_m < q_len)[:, None],
-    )
-
-
-# %% tags=["export"]
-def all_tiles(batch: int, num_m_blocks: int, device: torch.device) -> torch.Tensor:  # (num_m_blocks * batch, 2)
-    """(sequence, query tile) for every sequence and tile below num_m_blocks, int32: the last tiles, which see the
-    most keys, first, so that the longest programs do not start last."""
-    seq = torch.arange(batch, dtype=torch.int32, device=device)
-    m = torch.arange(num_m_blocks - 1, -1, -1, dtype=torch.int32, device=device)
-    grid_m, grid_seq = torch.meshgrid(m, seq, indexing="ij")
-    return torch.stack([grid_seq, grid_m], -1).reshape(-1, 2)
-
-
-def flash_attn_varlen_func(
-    q: torch.Tensor,  # (total_q, num_heads, head_dim)
-    k: torch.Tensor,  # (total_k, num_kv_heads, head_dim), or the k_cache when block_table is given
-    v: torch.Tensor,  # likewise
-    cu_seqlens_q: torch.Tensor,  # (batch + 1,) int32
-    cu_seqlens_k: torch.Tensor,  # (batch + 1,) int32: with a block table, cached + new tokens per sequence
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    block_table: torch.Tensor | None = None,  # (batch, max_blocks) int32
-    out: torch.Tensor | None = None,  # with block_table: (total_q, num_heads, head_dim) to write the batch's rows into
-    tiles: torch.Tensor | None = None,  # with block_table: (num_tiles, 2) int32, see query_tiles; None: every tile
-) -> torch.Tensor:  # (total_q, num_heads, head_dim)
-    """flash-attn's varlen attention; with `block_table`, keys and values are read from a paged cache, one program
-    per (sequence, query tile) of `tiles` and group of query heads (notebook 01's `heads_per_program`)."""
-    if block_table is None:
-        if out is not None or tiles is not None:
-            raise ValueError("out= and tiles= need block_table=: they are the paged kernel's")
-        return flash_attn_varlen_contiguous(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal
-        )
-    check_cache("k_cache", k, q)
-    check_cache("v_cache", v, q)
-    check_index("block_table", block_table, 2, q.device)
-    num_kv_heads, head_dim = k.shape[2], k.shape[3]
-    check_inputs(q, k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim), cu_seqlens_q, cu_seqlens_k)
-    if block_table.shape[0] != cu_seqlens_q.numel() - 1:
-        raise ValueError(f"block_table has {block_table.shape[0]} rows for {cu_seqlens_q.numel() - 1} sequences")
-    scale = softmax_scale_of(softmax_scale, head_dim)
-    config = launch_config(head_dim, q.device)
-    kf, vf = k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)
-    out = check_out(out, q)
-    if tiles is None:  # every sequence's first cdiv(max_seqlen_q, BLOCK_M) tiles: those past its end return at once
-        tiles = all_tiles(cu_seqlens_q.numel() - 1, triton.cdiv(max_seqlen_q, config["BLOCK_M"]), q.device)
-    check_index("tiles", tiles, 2, q.device)
-    if tiles.shape[0] == 0:
-        return out  # no tiles: nothing to compute
-    group = q.shape[1] // num_kv_heads
-    heads = heads_per_program(group, config["BLOCK_M"])
-    tensors = (q, kf, vf, out, cu_seqlens_q, cu_seqlens_k, block_table, tiles.contiguous())
-    strides = (*q.stride()[:2], *kf.stride()[:2], *vf.stride()[:2], *out.stride()[:2], block_table.stride(0))
-    meta: dict[str, Any] = dict(
-        GROUP=group, HEADS=heads, HEAD_DIM=head_dim, BLOCK_SIZE=k.shape[1], CAUSAL=causal, **config
-    )
-    meta.update(UPCAST=q.device.type == "cpu" and q.dtype != torch.float32)
-    meta.update(PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
-    _paged_prefill_kernel[(tiles.shape[0], q.shape[1] // heads)](*tensors, scale * math.log2(math.e), *strides, **meta)
-    return out
-
-
-# %% [markdown]
 # ## Paged attention without a GPU
 # On a CPU the Triton kernels run only in Triton's interpreter: exact, but thousands of times slower. So there the
 # engine uses PyTorch indexing: a store is an indexed assignment; attention gathers each sequence's rows through
@@ -1276,12 +1145,12 @@ def paged_attention_ref(
 
 
 # %% [markdown]
-# Check: on random caches in shuffled blocks of 16 and 256, the reference gives what notebook 01's gives on the same
-# keys laid out contiguously, and so do both kernels: the paged prefill for new tokens after a cached prefix, and
-# decode for each sequence's newest token alone (the reference's case of one new token).
+# Check: on random caches in shuffled blocks of 16 and 256, with new tokens after cached ones, the reference gives
+# what notebook 01's gives on the same keys laid out contiguously, and the decode kernel gives it for each
+# sequence's newest token. (Prefill after a cache hit has its own paged kernel: the deep dive
+# `deep_dives/paged_prefill`.)
 
 # %%
-from minivllm.kernels.paged_attn import flash_attn_varlen_func
 from minivllm.kernels.paged_reference import paged_attention_ref
 
 seq_lens, q_lens = [1, 17, 300, 64, 40], [1, 5, 64, 17, 40]  # tokens in the cache; the new ones among them
@@ -1292,11 +1161,9 @@ for block_size in (16, 256):
     q = torch.randn(sum(q_lens), 4, 32, device=DEVICE)
     ref = paged_attention_ref(q, k_cache, v_cache, cu_q, cu_k, block_table)
     torch.testing.assert_close(ref, attention_ref(q, k, v, cu_q, cu_k, causal=True))
-    prefill = flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 64, 300, causal=True, block_table=block_table)
-    torch.testing.assert_close(prefill, ref, rtol=1e-4, atol=1e-4)
     decode = flash_attn_with_kvcache(q[newest, None], k_cache, v_cache, cache_seqlens, block_table)[:, 0]
     torch.testing.assert_close(decode, ref[newest], rtol=1e-4, atol=1e-4)
-print("paged prefill and decode match both references")
+print("the paged reference and the decode kernel match notebook 01's reference")
 
 # %% [markdown]
 # ## How fast: decode vs prefill kernels on an H200
