@@ -37,7 +37,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit runs: the kernels at the end
 import json
-import time
 from collections import deque
 from pathlib import Path
 
@@ -82,19 +81,12 @@ print(f"token {t} -> physical block {block_table[t // block_size]}, slot {slot}"
 
 # %% [markdown]
 # ## Sequence: one request and where its KV lives
-# A `Sequence` is what the scheduler and the block manager pass around. It holds:
-#
-# * its **token ids** (our own copy), the prompt first and then the completion, and how many are the prompt;
-# * its **status**: *waiting* for a prefill (new, or preempted), *running* (it holds KV blocks), or *finished*;
-# * its **block table**, and `num_cached_tokens`: how many of its leading tokens already have their KV in the
-#   cache (prefix-cache hits, then every token a step computes), so a step skips them; `num_scheduled_tokens`,
-#   how many the current step computes (the scheduler sets it, notebook 05);
-# * its **sampling parameters**, and once finished its `finish_reason`: `"stop"` (an end-of-sequence or stop
-#   token) or `"length"` (`max_tokens` or the context length), as in vLLM.
-#
-# Helpers cut the token ids into blocks; a global id from a counter matches outputs to requests. **Whose is
-# `block_size`?** The block manager's: a sequence gets a copy only to cut its tokens into blocks (`allocate` asserts
-# they agree). The engine refuses bad requests first (notebook 06): a broken sequence is a bug, caught by an assert.
+# A `Sequence` is what the scheduler and the block manager pass around: its **token ids** (prompt, then
+# completion), its **status** (*waiting* for a prefill, *running* with KV blocks, or *finished*, with a
+# `finish_reason` of `"stop"` or `"length"` as in vLLM), its **block table**, and `num_cached_tokens`: how many
+# leading tokens already have KV in the cache, so a step skips them. `block_size` is the block manager's; a
+# sequence keeps a copy only to cut its tokens into blocks. Bad requests are refused by the engine (notebook 06):
+# here a broken sequence is a bug, caught by an assert.
 
 # %% tags=["export"] module="minivllm.engine.sequence"
 from enum import Enum, auto
@@ -242,29 +234,18 @@ assert compute_hash(b, h_a) == compute_hash(list(b), compute_hash(list(a)))  # d
 
 # %% [markdown]
 # ## The BlockManager (write one first? `exercises/03_paged_allocator.ipynb`, then `03_prefix_caching`)
-# The block manager owns `num_blocks` blocks of `block_size` slots (their KV tensors live in the model runner,
-# notebook 04; here a block is an id and some bookkeeping). The scheduler (notebook 05) talks to it in eight calls:
+# It owns `num_blocks` blocks of `block_size` slots (their tensors live in the model runner, notebook 04; here a
+# block is an id and a `ref_count`, free at 0). The scheduler (notebook 05) calls `can_allocate`/`allocate` for a
+# waiting sequence (sharing the longest run of cached leading full blocks), `cache_blocks` in the step that
+# computes a prompt's KV, `can_append`/`may_append` after each decoded token, `deallocate` when a sequence ends or
+# is preempted, and `discard` for one dropped by a failed step. Three rules shape the code:
 #
-# * `can_allocate(seq)`, then `allocate(seq)` for a waiting sequence: a block for each of its blocks, sharing cached
-#   ones for the longest run of leading full blocks found in the cache (`seq.num_cached_tokens` of them are skipped).
-# * `cache_blocks(seq, num_tokens)` in the step that computes the KV of the sequence's first `num_tokens` tokens:
-#   their full blocks enter the cache (are hashed), so later requests can hit them.
-# * `can_append(seq)`, then `may_append(seq)` after each decoded token: a new block exactly when the token starts
-#   one; the last block is cached the moment it becomes full. `token_known(seq)`: see notebook 06's async scheduling.
-# * `deallocate(seq)` when a sequence finishes or is preempted; `discard(seq)` for one dropped in a failed step (the
-#   blocks that step cached may hold KV it never wrote, so they leave the cache first); `reset()` drops everything.
-#
-# The `can_*` checks are cheap and conservative (they ignore possible cache hits); the real calls assert them. A
-# block shared by three sequences has `ref_count == 3`; it is free only at 0. Three rules shape the code:
-#
-# * **Two free lists.** A freed full block keeps its hash and its KV, for a later hit. New KV goes into a block from
-#   `free_block_ids` (nothing worth keeping) while any is left, only then into the least recently freed of
-#   `cached_block_ids` (an LRU; taking one evicts its hash). Blocks are freed tail first: a shared head lasts longest.
+# * **Two free lists.** A freed full block keeps its hash and KV for a later hit: new KV goes into an empty block
+#   while one is left, only then into the least recently freed cached one (an LRU; taking it evicts its hash).
 # * **The last token is always computed**, since prefill must produce its logits: a whole cached prompt's last block
-#   is no hit (vLLM's rule) and gets a fresh copy, so a request never writes into a block another reads.
-# * **A block is cached in the step that computes its KV**, never before: `cache_blocks` for a prefill step,
-#   `may_append` for the block the coming decode step fills. Caching at `allocate` would let a request hit blocks
-#   of a long prompt computed over several steps (chunked prefill, notebook 05) before anyone wrote them (below).
+#   is no hit (vLLM's rule), so a request never writes into a block another reads.
+# * **A block is cached in the step that computes its KV**, never at `allocate`: a long prompt prefilled over
+#   several steps (notebook 05) must not be hit before its KV is written (shown below).
 
 
 # %% tags=["export"]
@@ -493,16 +474,6 @@ show(bm, f"s4 table {s4.block_table}, cached tokens {s4.num_cached_tokens}")
 assert s4.block_table[:2] == [0, 1] and s4.num_cached_tokens == 8
 
 # %% [markdown]
-# When a whole prompt is cached, its last block is still recomputed, in a fresh block: prefill needs the last
-# token's logits, and the shared copy is never written to. `s5` repeats `s1`'s first 12 tokens (three cached
-# blocks). (`tests/test_block_manager.py` covers the rest: double frees, prefix caching off, `reset`.)
-
-# %%
-admit(bm, s5 := Sequence(system + [30, 31, 32, 33], block_size=4))
-show(bm, f"s5 table {s5.block_table}, cached tokens {s5.num_cached_tokens}")
-assert s5.num_cached_tokens == 8 == len(s5) - bm.block_size and s5.block_table[2] != 2
-
-# %% [markdown]
 # Why `allocate` caches nothing: `long` (17 tokens, four full blocks) is prefilled in chunks, 8 tokens first. A
 # request with the same first 16 tokens arriving then must hit the two blocks computed, not the two unwritten:
 
@@ -519,28 +490,22 @@ assert same_start.num_cached_tokens == 8 and later.num_cached_tokens == 16
 
 # %% [markdown]
 # ## Why does PagedAttention reduce fragmentation? A simulated workload
-# Now the question this notebook is for. We replay one workload on a fixed KV memory of 65,536 token slots (about
-# 7 GiB for Qwen3-0.6B): 600 chat-like requests, prompts of 16 to 512 tokens, `max_tokens=1024`, `max_model_len =
-# 2048`; each really stops after an exponentially distributed number of tokens (mean 300), as if it met its
-# end-of-sequence token. The allocators:
-#
-# * **contiguous, max length**: each request reserves `max_model_len` slots up front (engines before paging);
-# * **contiguous, prompt + max_tokens**: a tighter reservation, placed first-fit in one address space (holes appear);
-# * **paged** (our `BlockManager`) with blocks of 256, 64 and 16 slots.
-#
-# One loop drives them all, a continuous-batching scheduler in miniature (notebook 05 builds the real one): each
-# step admits waiting requests first come, first served while memory allows, then every running request decodes
-# one token; a request that finds no free block for its next token preempts the newest running one.
+# The question this notebook is for. One workload, replayed on 65,536 KV token slots (about 7 GiB for Qwen3-0.6B):
+# 600 requests, prompts of 16 to 512 tokens, `max_tokens=1024`, `max_model_len = 2048`, each stopping after an
+# exponentially distributed number of tokens (mean 300). Three ways to hand out memory: a **contiguous** region of
+# `max_model_len` slots per request (engines before paging); a tighter contiguous `prompt + max_tokens`, placed
+# first-fit (holes appear); **paged** blocks (our `BlockManager`) of 256, 64 and 16 slots. A miniature continuous
+# batching loop (notebook 05 builds the real one) admits requests first come, first served while memory allows,
+# decodes one token per running request, and preempts the newest request when a token finds no free block.
 
 # %%
 VOCAB, NUM_SLOTS, MAX_TOKENS, MAX_MODEL_LEN = 151_936, 65_536, 1024, 2048
 
 
-def make_workload(n: int, prompt_len=(16, 512), mean_output=300) -> list[tuple]:
+def make_workload(n: int) -> list[tuple]:
     """n (prompt token ids, real output length) pairs."""
-    prompt_lens = rng.integers(prompt_len[0], prompt_len[1] + 1, n)
-    output_lens = np.clip(rng.exponential(mean_output, n).astype(int), 1, MAX_TOKENS)
-    return [(rng.integers(0, VOCAB, p).tolist(), int(o)) for p, o in zip(prompt_lens, output_lens)]
+    outputs = np.clip(rng.exponential(300, n).astype(int), 1, MAX_TOKENS)
+    return [(rng.integers(0, VOCAB, p).tolist(), int(o)) for p, o in zip(rng.integers(16, 513, n), outputs)]
 
 
 class ContiguousAllocator:
@@ -568,10 +533,10 @@ class ContiguousAllocator:
 
 
 # %% [markdown]
-# Each step, every KV slot is one of five kinds. A reserved slot holds a **token**, or is reserved **ahead** for a
-# token its request will produce later, or is **over-reserved**, for tokens it never will (reservation minus final
-# length: the workload knows it, an allocator does not). A free slot is **stranded** (external fragmentation) in a
-# hole too small for the next waiting request, else **free**.
+# Each step, a reserved KV slot holds a **token**, or is reserved **ahead** for a token to come, or is
+# **over-reserved** for tokens its request will never produce (the workload knows its length, an allocator does
+# not). A free slot is **stranded** in a hole too small for the next waiting request (external fragmentation), or
+# **free**.
 
 
 # %%
@@ -663,17 +628,14 @@ fig.tight_layout()
 fig.savefig(FIGURES / "03_fragmentation.png", dpi=120)
 
 # %% [markdown]
-# **Reading the figure.** A max-length reservation is mostly over-reserved (red): a request uses its prompt plus a
-# few hundred of 2,048 slots; equal regions tile the memory, so no hole is too small. `prompt + max_tokens` still
-# pays for 1,024 completion tokens most requests never produce, and its sizes differ: free memory sits in holes too
-# small for the next request (external fragmentation, orange). Paged blocks come as tokens arrive and any free block
-# serves any request: nothing is stranded, and the waste is the end of each request's last block, under
-# `block_size` slots (internal fragmentation): almost nothing with 16-slot blocks.
+# **Reading the figure.** A max-length reservation is mostly over-reserved (red): a request uses a few hundred of
+# its 2,048 slots. `prompt + max_tokens` still pays for completions never produced, and its regions differ in size:
+# free memory sits in holes too small for the next request (orange). Paged blocks come as tokens arrive and any
+# free block serves any request: nothing is stranded, and the waste is the unfilled end of each request's last
+# block (internal fragmentation), almost nothing with 16-slot blocks.
 #
-# Memory not wasted is memory for more requests: with 16-slot blocks the same memory keeps about three times as
-# many requests in flight as the max-length reservation and finishes in about a third of the steps:
-# PagedAttention's throughput comes from that batch size. (Smaller blocks cost something too: the attention
-# kernel reads one block table entry per block; 16 is vLLM's default.)
+# Memory not wasted holds more requests: with 16-slot blocks about three times as many run at once as with the
+# max-length reservation, finishing in about a third of the steps. That batch size is PagedAttention's throughput.
 
 # %%
 occupancy, share = {n: r["occupancy"] for n, r in runs.items()}, {n: r["share"] for n, r in runs.items()}
@@ -1169,8 +1131,8 @@ print("the paged reference and the decode kernel match notebook 01's reference")
 # ## How fast: decode vs prefill kernels on an H200
 # `python -m minivllm.benchmarks.decode` times decode attention for Qwen3-0.6B's heads (batch × context from 1 ×
 # 16k to 256 × 512, blocks of 16 and 256) in bytes of K and V read per second: `minivllm-triton`, the decode kernel
-# above; `flashinfer`, FlashInfer's (vLLM's) on the same cache, the bar to reach; `minivllm-prefill-kernel`, our
-# *prefill* kernel given one query per sequence; `naive-gather-sdpa`, blocks copied out, then PyTorch's attention.
+# above; `flashinfer`, FlashInfer's (vLLM's) on the same cache, the bar to reach; `minivllm-prefill-kernel`, the
+# paged *prefill* kernel (deep dive `paged_prefill`) given one query per sequence; `naive-gather-sdpa`, blocks copied out, then PyTorch's attention.
 # On a GPU this cell re-measures a subset; without one it shows the committed H200 results.
 
 # %%
@@ -1203,93 +1165,38 @@ for batch, context in ((64, 4096), (1, 16384)):
     print(f"{batch} × {context}: the decode kernel reads the cache {ratio:.1f} times as fast as the prefill kernel")
 
 # %% [markdown]
-# **The same split on this CPU**: a prefill of 512 queries and a decode step of 32 sequences × 1 query, 512 keys
-# each, in PyTorch's batched attention, against two ceilings probed just before: a matmul and a copy. Prefill does
-# 16 times decode's FLOPs on 32 times fewer bytes, in about the same time: it runs near matmul speed, decode near
-# copy speed. On a busy machine a probe and the attention run at different loads, so a share can come out above
-# 100 %: it is then shown as 100 %, marked `*`. (Nothing here is asserted: timings vary.)
-
-
-# %%
-def best_seconds(fn, repeats: int = 4) -> float:
-    """The fastest of `repeats` runs (the first one warms up)."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
-def share(rate: float, ceiling: float) -> str:
-    """rate / ceiling, at most 100 %: marked `*` where the ceiling, probed at another moment, came out lower."""
-    return f"{min(rate / ceiling, 1):4.0%}" + ("*" if rate > ceiling else " ")
-
-
-sdpa = torch.nn.functional.scaled_dot_product_attention
-a, x = torch.randn(1024, 1024), torch.randn(2**24)  # the ceilings: a matmul, and a 64 MiB copy (read + write)
-peak, copy = 2 * 1024**3 / best_seconds(lambda: a @ a), 2 * x.nbytes / best_seconds(x.clone)
-print(f"this CPU, fp32: matmul {peak / 1e9:.0f} GFLOP/s, copy {copy / 1e9:.1f} GB/s: ridge {peak / copy:.0f} FLOP/byte")
-for name, batch, num_q in (("prefill, 1 × 512 queries", 1, 512), ("decode, 32 × 1 query", 32, 1)):
-    q = torch.randn(batch, 16, num_q, 128)  # (batch, num_heads, num_q, head_dim): Qwen3-0.6B's heads
-    k, v = torch.randn(2, batch, 8, 512, 128)  # (batch, num_kv_heads, 512 keys, head_dim) each
-    sec = best_seconds(lambda q=q, k=k, v=v: sdpa(q, k, v, enable_gqa=True))
-    intensity, kv_bytes = flops_per_byte(num_q, dtype_bytes=4), k.nbytes + v.nbytes
-    flop_s, kv_s = intensity * kv_bytes / sec, kv_bytes / sec
-    print(
-        f"{name:>24}: {intensity:3.0f} FLOP/byte, {sec * 1e3:5.1f} ms, {flop_s / 1e9:5.1f} GFLOP/s "
-        f"({share(flop_s, peak)} of matmul), {kv_s / 1e9:5.2f} GB/s of KV ({share(kv_s, copy)} of copy)"
-    )
-print("*: faster than its ceiling's probe, which ran at a busier moment of this shared machine: shown as 100 %")
-
-# %% [markdown]
 # ## Check yourself
-# **1.** A request of 33 tokens, blocks of 16: its `(num_blocks, last_block_num_tokens)` now, after 1 more token,
-# and after 15 more? Answer a list of three pairs.
+# **1.** Two requests share a 40-token prompt (blocks of 16). How many tokens does the second one prefill?
 
 # %%
 from minivllm.testing import check_answer
 
-answer = None  # your answer: replace None with an expression (the check below compares it with the objects)
-pairs = [(q.num_blocks, q.last_block_num_tokens) for q in (Sequence([0] * n, block_size=16) for n in (33, 34, 48))]
-check_answer(answer, pairs, "1. blocks")
-
-# %% [markdown]
-# Worked answer: `n` tokens fill `⌈n / 16⌉` blocks, the last one holding the rest: 1 token, 2, then 16 (full).
-
-# %%
-check_answer([(-(-n // 16), n - 16 * (-(-n // 16) - 1)) for n in (33, 34, 48)], pairs, "1. blocks")
-
-# %% [markdown]
-# **2.** Two requests share a 40-token prompt (blocks of 16). How many tokens does the second one prefill?
-
-# %%
-answer = None  # your answer: replace None with an expression
+answer = None  # your answer: replace None with an expression (the check compares it with the result)
 check = BlockManager(num_blocks=16, block_size=16)
 admit(check, Sequence(list(range(40)), block_size=16))
 admit(check, second := Sequence(list(range(40)), block_size=16))
-check_answer(answer, len(second) - second.num_cached_tokens, "2. prefill after a hit")
+check_answer(answer, len(second) - second.num_cached_tokens, "1. prefill after a hit")
 
 # %% [markdown]
 # Worked answer: only full blocks are cached and shared: 2 × 16 = 32 tokens hit, the 8 of the partial block are computed.
 
 # %%
-check_answer(40 - 40 // 16 * 16, len(second) - second.num_cached_tokens, "2. prefill after a hit")
+check_answer(40 - 40 // 16 * 16, len(second) - second.num_cached_tokens, "1. prefill after a hit")
 
 # %% [markdown]
-# **3.** After `x + z` and `y + w` ran (four different full blocks), `y + z + [0]` arrives: how many of its tokens hit?
+# **2.** After `x + z` and `y + w` ran (four different full blocks), `y + z + [0]` arrives: how many of its tokens hit?
 
 # %%
 answer = None  # your answer: replace None with an expression
 x, y, z, w = ([i] * 16 for i in (1, 2, 3, 4))
 for prompt in (x + z + [0], y + w + [0], y + z + [0]):  # `other` is the last one
     admit(check, other := Sequence(prompt, block_size=16))
-check_answer(answer, other.num_cached_tokens, "3. chained hash")
+check_answer(answer, other.num_cached_tokens, "2. chained hash")
 
 # %% [markdown]
 # Worked answer: 16, `y` only. The cached `z` was computed after `x`, so its KV mixes `x` in; its hash chains `x`'s, and
 # the lookup after `y` misses. A hash of `z`'s tokens alone would hit, and hand over the wrong KV silently.
 
 # %%
-check_answer(len(y), other.num_cached_tokens, "3. chained hash")
+check_answer(len(y), other.num_cached_tokens, "2. chained hash")
 assert compute_hash(z, compute_hash(x)) in check.hash_to_block_id  # z is cached, but under x's name
