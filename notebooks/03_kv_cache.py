@@ -14,20 +14,17 @@
 # %% [markdown]
 # # 03 · KV cache: paged blocks, prefix caching, and the kernels that read them
 #
-# **What this notebook builds.** PagedAttention, both halves. The bookkeeping: `Sequence` (one request: its tokens
-# and where their keys and values live) and a `BlockManager` that hands out fixed-size KV blocks, shares the blocks
-# of equal prefixes between requests (prefix caching) and takes them back. Then the Triton kernels that follow a
-# block table: a store of new keys and values, and a decode kernel.
+# **What this notebook builds.** PagedAttention, both halves: the bookkeeping (`Sequence`, one request, and a
+# `BlockManager` that hands out fixed-size KV blocks and shares equal prefixes between requests: prefix caching),
+# and the Triton kernels that follow a block table (a store of new keys and values, and a decode kernel).
 #
-# **What it assumes.** Notebook 01: attention at position *t* needs the keys and values (KV) of every token before
-# *t*, so an engine keeps them, per layer, in a *KV cache*; and its FlashAttention kernel (online softmax), which
-# the paged kernels reuse. Notebook 02's `SamplingParams`. The block manager sees token ids only: ours are random.
+# **What it assumes.** Notebook 01: attention at position *t* needs the keys and values (KV) of every earlier
+# token, kept per layer in a *KV cache*; its FlashAttention kernel, which the paged kernels reuse. Notebook 02's
+# `SamplingParams`. The block manager sees token ids only: ours are random.
 #
-# **What you will see.** Prefix-cache hits block by block; why paging wastes almost no memory where reserving a
-# maximum length per request wastes most of it ("why does PagedAttention reduce fragmentation?", in numbers); why
-# decode needs its own attention kernel. (Notebook 05 maps block ownership over a real scheduler's run.) Two
-# optional deep dives follow: `deep_dives/cascade_attention` (decode rows that share a prefix read its keys once)
-# and `deep_dives/paged_prefill` (the prefill kernel after a prefix-cache hit).
+# **What you will see.** Prefix-cache hits block by block; "why does PagedAttention reduce fragmentation?", in
+# numbers; why decode needs its own attention kernel. Two optional deep dives follow: `deep_dives/cascade_attention`
+# (rows sharing a prefix read it once) and `deep_dives/paged_prefill` (the prefill kernel after a cache hit).
 
 # %%
 import os
@@ -64,15 +61,11 @@ full_context_seqs = int((141e9 - 1.2e9) // (max_model_len * kv_bytes_per_token))
 print(f"sequences an H200 (141 GB, ~1.2 GB of weights) holds at full context: {full_context_seqs}")
 
 # %% [markdown]
-# A request does not know in advance how long it will run: it stops at an end-of-sequence token or at
-# `max_tokens`. Before vLLM, engines gave each request one *contiguous* KV region big enough for the longest
-# possible sequence. Most requests are far shorter, so most of that region sits reserved but empty, and the
-# number of requests that fit in memory (the batch size, hence the throughput) is set by the worst case.
-#
-# **Paging** is the operating-system answer. Cut the KV cache into fixed-size *blocks* of `block_size` token slots;
-# give a request a block only when it needs one; keep a per-request *block table* mapping its logical block *i* to
-# a physical block anywhere. Token *t* lives at slot `block_table[t // block_size] * block_size + t % block_size`,
-# which the attention kernels follow; a request wastes at most the unfilled end of its last block.
+# A request does not know how long it will run. Before vLLM, engines reserved one *contiguous* KV region per
+# request, big enough for the longest possible sequence: most of it sits empty, and the worst case sets how many
+# requests fit (the batch size, hence the throughput). **Paging** is the operating-system answer: cut the cache
+# into *blocks* of `block_size` token slots, give a request a block only when it needs one, and keep a per-request
+# *block table* from its logical block *i* to a physical block anywhere. The kernels find token *t* at slot:
 
 # %%
 block_size, block_table, t = 16, [7, 2, 9], 37  # logical block i -> physical block; token 37: block 2, offset 5
@@ -188,13 +181,11 @@ assert seq.status == SequenceStatus.WAITING and not seq.is_finished
 
 # %% [markdown]
 # ## Prefix caching: naming a block by everything before it
-# Many requests start the same way: a system prompt, a few-shot preamble, the earlier turns of a chat, or a
-# preempted request coming back. Their KV is identical, so a block computed once could be shared. But a block's KV
-# depends on *every* earlier token: attention mixed the whole prefix into it. So a block is named by a **chained
-# hash** of (the previous block's hash, this block's token ids): the same tokens after a different prefix get a
-# different name. We use xxHash (xxh64): fast and well distributed, but not cryptographic, so a hit is also checked
-# against the token ids stored with the block. Only *full* blocks are hashed and shared: a partial block is still
-# being written by its own request.
+# Many requests start the same way (a system prompt, earlier chat turns, a preempted request coming back), so a
+# block computed once could be shared. But a block's KV depends on *every* earlier token, so a block is named by a
+# **chained hash** of (the previous block's hash, its token ids): the same tokens after another prefix get another
+# name. xxh64 is fast but not cryptographic, so a hit is also checked against the block's stored token ids. Only
+# *full* blocks are shared: a partial one is still being written by its request.
 
 # %% tags=["export"] module="minivllm.engine.block_manager"
 from array import array
@@ -409,10 +400,9 @@ class BlockManager:
 
 # %% [markdown]
 # ## Watch it work
-# A tiny cache, 8 blocks of 4 slots, printed as `id:ref_count`, `#` for a cached (hashed) block and `.` for a free
-# one. Allocating `s1` caches nothing, since no KV is computed yet; the prefill step that computes its 10 tokens
-# caches its two full blocks, not the partial third (`admit` plays that step until notebook 05's scheduler does).
-# Then `s1` decodes: tokens 11 and 12 fill block 2 (hashed once full); the 13th opens block 3, not a token earlier.
+# 8 blocks of 4 slots, printed `id:ref_count` (`.` free, `#` cached). `allocate(s1)` caches nothing; the step that
+# computes its prompt caches its two full blocks (`admit` plays that step until notebook 05). Decoding, tokens 11
+# and 12 fill block 2 (cached once full); the 13th opens block 3.
 
 # %%
 from minivllm.engine.block_manager import BlockManager
@@ -457,9 +447,8 @@ assert s2.block_table[:2] == [0, 1] and s2.num_cached_tokens == 8
 assert bm.blocks[0].ref_count == bm.blocks[1].ref_count == 2
 
 # %% [markdown]
-# Both finish. Their full blocks keep their hashes and wait, as free *cached* blocks, at the back of the free
-# order; partial blocks (3 and 5) are simply free. A new, unrelated request `s3` takes the empty blocks first,
-# so the system prompt is still cached when `s4` arrives with it, long after the first two finished.
+# Both finish: their full blocks stay cached at the back of the free order. An unrelated `s3` takes empty blocks
+# first, so the system prompt is still cached when `s4` arrives with it.
 
 # %%
 bm.deallocate(s1)
@@ -1020,10 +1009,9 @@ for block_size, num_heads, num_kv_heads, num_splits in ((16, 8, 2, 1), (32, 8, 8
 
 # %% [markdown]
 # ### A prefix many rows share: cascade attention (the deep dive `deep_dives/cascade_attention`)
-# When many decode rows begin with the same cached blocks (a system prompt), the decode kernel reads them once per
-# row. Given `prefix_blocks` and `prefix_lens`, the kernel below attends all those rows' queries to the shared
-# blocks together, reading them once, as more splits that the combine kernel merges. The engine uses it on a GPU;
-# nothing else in the core path needs it, and the deep dive explains and checks it.
+# Rows that begin with the same cached blocks (a system prompt) read them once per row. Given `prefix_blocks` and
+# `prefix_lens`, the kernel below reads them once for all those rows, as more splits for the combine kernel. The
+# engine uses it on a GPU; the deep dive explains and checks it.
 
 
 # %% tags=["export"]
@@ -1107,33 +1095,26 @@ def paged_attention_ref(
 
 
 # %% [markdown]
-# Check: on random caches in shuffled blocks of 16 and 256, with new tokens after cached ones, the reference gives
-# what notebook 01's gives on the same keys laid out contiguously, and the decode kernel gives it for each
-# sequence's newest token. (Prefill after a cache hit has its own paged kernel: the deep dive
-# `deep_dives/paged_prefill`.)
+# Check: with new tokens after cached ones, in shuffled blocks, the reference gives what notebook 01's gives on the
+# same keys laid out contiguously. (The paged prefill *kernel* after a cache hit: the deep dive `paged_prefill`.)
 
 # %%
 from minivllm.kernels.paged_reference import paged_attention_ref
 
 seq_lens, q_lens = [1, 17, 300, 64, 40], [1, 5, 64, 17, 40]  # tokens in the cache; the new ones among them
 cu_q = torch.tensor([0, *np.cumsum(q_lens)], dtype=torch.int32, device=DEVICE)
-newest, cache_seqlens = cu_q[1:] - 1, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
 for block_size in (16, 256):
     k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache(seq_lens, 2, 32, block_size, DEVICE)
     q = torch.randn(sum(q_lens), 4, 32, device=DEVICE)
     ref = paged_attention_ref(q, k_cache, v_cache, cu_q, cu_k, block_table)
     torch.testing.assert_close(ref, attention_ref(q, k, v, cu_q, cu_k, causal=True))
-    decode = flash_attn_with_kvcache(q[newest, None], k_cache, v_cache, cache_seqlens, block_table)[:, 0]
-    torch.testing.assert_close(decode, ref[newest], rtol=1e-4, atol=1e-4)
-print("the paged reference and the decode kernel match notebook 01's reference")
 
 # %% [markdown]
 # ## How fast: decode vs prefill kernels on an H200
-# `python -m minivllm.benchmarks.decode` times decode attention for Qwen3-0.6B's heads (batch × context from 1 ×
-# 16k to 256 × 512, blocks of 16 and 256) in bytes of K and V read per second: `minivllm-triton`, the decode kernel
-# above; `flashinfer`, FlashInfer's (vLLM's) on the same cache, the bar to reach; `minivllm-prefill-kernel`, the
-# paged *prefill* kernel (deep dive `paged_prefill`) given one query per sequence; `naive-gather-sdpa`, blocks copied out, then PyTorch's attention.
-# On a GPU this cell re-measures a subset; without one it shows the committed H200 results.
+# `python -m minivllm.benchmarks.decode` times decode attention for Qwen3-0.6B's heads in bytes of K and V read per
+# second: `minivllm-triton` (the kernel above), `flashinfer` (vLLM's, the bar to reach), `minivllm-prefill-kernel`
+# (the paged *prefill* kernel of the deep dive, one query per sequence) and `naive-gather-sdpa` (blocks copied out,
+# then PyTorch's attention). A GPU re-measures a subset; without one the cell shows the committed H200 results.
 
 # %%
 from minivllm.benchmarks.decode import plot_decode, run_decode_benchmark
@@ -1153,11 +1134,9 @@ copy_tbps = decode_data["copy_tbps"]
 print(f"copy bandwidth, for scale: {copy_tbps:.2f} TB/s (a copy reads and writes; a read alone may beat it)")
 
 # %% [markdown]
-# **Why do prefill and decode need different attention kernels?** At 64 sequences × 4k tokens the decode kernel
-# reads the cache near the copy bandwidth, the prefill kernel much slower: its tile holds 128 query rows (64
-# positions × Qwen3's 2 query heads of a KV head) of which decode fills 2, and with one program per sequence and KV
-# head it cannot fill the GPU at small batch (1 × 16k), where the decode kernel splits the context over many
-# programs. The ratios (from the cell above's numbers):
+# **Why do prefill and decode need different attention kernels?** The prefill kernel's tile holds 128 query rows,
+# of which decode fills 2 (Qwen3's 2 query heads per KV head), and with one program per sequence and KV head it
+# cannot fill the GPU at batch 1, where the decode kernel splits the context. The ratios, from the numbers above:
 
 # %%
 for batch, context in ((64, 4096), (1, 16384)):
