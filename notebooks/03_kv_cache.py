@@ -27,16 +27,12 @@
 # (rows sharing a prefix read it once) and `deep_dives/paged_prefill` (the prefill kernel after a cache hit).
 
 # %%
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit runs: the kernels at the end
 import json
+import os
 from pathlib import Path
 
 import numpy as np
+import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FIGURES = Path(os.environ.get("MINIVLLM_FIGURES", "../build/figures")).resolve()
@@ -97,9 +93,7 @@ class Sequence:
     counter = count()
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None, block_size: int = 16):
-        assert len(token_ids) > 0 and block_size >= 1, (
-            "the engine refuses empty prompts; block_size is the block manager's"
-        )
+        assert len(token_ids) > 0 and block_size >= 1, "the engine refuses empty prompts"
         self.seq_id = next(Sequence.counter)
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)  # our own copy
@@ -422,26 +416,22 @@ system = [1, 2, 3, 4, 5, 6, 7, 8]  # two full blocks every request starts with
 s1 = Sequence(system + [30, 31], block_size=4)
 bm.allocate(s1)
 show(bm, f"s1 table {s1.block_table}, cached tokens {s1.num_cached_tokens}")
-assert s1.block_table == [0, 1, 2] and s1.num_cached_tokens == 0 and all(b.hash == -1 for b in bm.blocks)
+assert s1.block_table == [0, 1, 2] and all(b.hash == -1 for b in bm.blocks)
 bm.cache_blocks(s1, len(s1))
 show(bm, "s1's prompt computed")
-assert [bm.blocks[i].hash != -1 for i in s1.block_table] == [True, True, False]
 for token in (32, 33, 34):
     s1.append_token(token)
-    assert bm.can_append(s1)
     bm.may_append(s1)
     show(bm, f"s1 has {len(s1)} tokens, table {s1.block_table}")
 assert s1.block_table == [0, 1, 2, 3] and bm.blocks[2].hash != -1 and bm.blocks[3].hash == -1
 
 # %% [markdown]
-# `s2`, with the same system prompt, shares its two blocks (ref count 2) and skips 8 tokens; its tail gets fresh blocks.
+# `s2`, with the same system prompt, shares its two blocks (ref count 2) and skips 8 tokens.
 
 # %%
-s2 = Sequence(system + [40, 41, 42], block_size=4)
-admit(bm, s2)
+admit(bm, s2 := Sequence(system + [40, 41, 42], block_size=4))
 show(bm, f"s2 table {s2.block_table}, cached tokens {s2.num_cached_tokens}")
-assert s2.block_table[:2] == [0, 1] and s2.num_cached_tokens == 8
-assert bm.blocks[0].ref_count == bm.blocks[1].ref_count == 2
+assert s2.block_table[:2] == [0, 1] and s2.num_cached_tokens == 8 and bm.blocks[0].ref_count == 2
 
 # %% [markdown]
 # Both finish: their full blocks stay cached at the back of the free order. An unrelated `s3` takes empty blocks
@@ -451,11 +441,10 @@ assert bm.blocks[0].ref_count == bm.blocks[1].ref_count == 2
 bm.deallocate(s1)
 bm.deallocate(s2)
 show(bm, "after both finished")
-s3, s4 = Sequence([50, 51, 52, 53, 54], block_size=4), Sequence(system + [60], block_size=4)
-admit(bm, s3)
+admit(bm, s3 := Sequence([50, 51, 52, 53, 54], block_size=4))
 show(bm, f"s3 table {s3.block_table}")
 assert not {0, 1, 2} & set(s3.block_table) and bm.num_cached_free_blocks >= 3
-admit(bm, s4)
+admit(bm, s4 := Sequence(system + [60], block_size=4))
 show(bm, f"s4 table {s4.block_table}, cached tokens {s4.num_cached_tokens}")
 assert s4.block_table[:2] == [0, 1] and s4.num_cached_tokens == 8
 
@@ -533,11 +522,10 @@ print_table([run_benchmark(num_blocks=n, num_seqs=500, block_size=16) for n in (
 
 # %% [markdown]
 # ## The KV cache in memory
-# For each layer the cache is two tensors, `k_cache` and `v_cache`, shaped `(num_blocks, block_size, num_kv_heads,
-# head_dim)`: flash-attn's layout. A token's *slot* is `block_id * block_size + offset`, so viewing the cache as
-# `(num_blocks * block_size, num_kv_heads, head_dim)` makes the slot a row index. Every step the model **stores**
-# each new token's `k` and `v` row in its slot (`slot_mapping[i]`, `-1` for padding, not written), then each query
-# **attends** to its sequence's rows through its block table. The store is one program per token copying a row.
+# Per layer, `k_cache` and `v_cache` are `(num_blocks, block_size, num_kv_heads, head_dim)` (flash-attn's layout);
+# viewed as `(num_blocks * block_size, ...)`, a slot is a row. Each step the model **stores** each new token's `k`
+# and `v` in its slot (`slot_mapping`, `-1` for padding: one program per token copies a row), then each query
+# **attends** to its sequence's rows through its block table.
 
 # %% tags=["export"] module="minivllm.kernels.paged_attn"
 import functools
@@ -640,9 +628,8 @@ assert flat_k.abs().sum(dim=(1, 2)).count_nonzero() == 2  # nothing else was wri
 
 # %%
 def flops_per_byte(num_queries: int, group: int = 2, head_dim: int = 128, dtype_bytes: int = 2) -> float:
-    """Attention FLOPs per byte of K and V read, for `num_queries` queries per KV head group member."""
-    flops = 4 * num_queries * group * head_dim  # q·k and p·v for each query head, per key
-    return flops / (2 * head_dim * dtype_bytes)  # one key and one value row per key
+    """Attention FLOPs (q·k and p·v, per query head) per byte of K and V read."""
+    return 4 * num_queries * group * head_dim / (2 * head_dim * dtype_bytes)
 
 
 h200_ridge = 989e12 / 4.8e12  # dense bf16 FLOP/s over HBM bytes/s: below this a kernel waits on memory
@@ -651,17 +638,12 @@ for name, n in (("decode (1 query)", 1), ("prefill of 4,096 tokens", 4096)):
 assert flops_per_byte(1) < 10 < h200_ridge < flops_per_byte(4096)
 
 # %% [markdown]
-# Decode sits far below the ridge: it is **memory-bound**, and a good decode kernel streams the KV cache at full
-# HBM bandwidth. That changes the design:
-#
-# * **GQA packing.** Qwen3-0.6B's 16 query heads share 8 KV heads. One program handles *all* query heads of a KV
-#   head, so each KV block is read once.
-# * **Split-K (flash-decoding).** One sequence × 8 KV heads is only 8 programs, on a GPU with 132 multiprocessors.
-#   So we cut the context into `num_splits` chunks; each program reduces its chunk with online softmax and writes
-#   a partial output and its log-sum-exp `lse_s`; a second tiny kernel combines them.
-# * **Paging.** A program finds token `t`'s row through the block table (`paged_rows`): blocks of 16 are gathered
-#   4 at a time (64 keys per step), blocks of 256 read in 4 steps. A split's loop, `attend_split`, runs notebook
-#   01's `attend_block`; `store_split` writes its output and log-sum-exp (so does the cascade kernel, below).
+# Decode is **memory-bound**: a good decode kernel streams the KV cache at full HBM bandwidth. So: **GQA packing**,
+# one program for *all* query heads of a KV head, each KV block read once; **split-K** (flash-decoding), since one
+# sequence × 8 KV heads is 8 programs for 132 multiprocessors: the context is cut into `num_splits` chunks, each
+# program writes its chunk's output and log-sum-exp `lse_s`, a tiny kernel combines them; **paging**, keys found
+# through the block table (`paged_rows`), 64 per step. A split's loop, `attend_split`, runs notebook 01's
+# `attend_block`; `store_split` writes its results (the cascade kernel, below, reuses both).
 #
 # Split-K first in PyTorch (parts b and c of `exercises/01_online_softmax.ipynb` have you write it): one decode
 # query over 300 keys, in 3 chunks. Each chunk's softmax is normalised by its own sum, so a plain average of the
@@ -938,9 +920,8 @@ def prefix_num_splits(num_programs: int, device: torch.device) -> int:
 
 # %% [markdown]
 # ## Paged attention without a GPU
-# On a CPU the Triton kernels run only in Triton's interpreter: exact, but thousands of times slower. So there the
-# engine uses PyTorch indexing: a store is an indexed assignment; attention gathers each sequence's rows through
-# its block table and calls notebook 01's reference. It is also a second implementation to test the kernels by.
+# On a CPU, Triton's interpreter is exact but thousands of times slower, so the engine uses PyTorch indexing there:
+# a store is an indexed assignment; attention gathers each sequence's rows and calls notebook 01's reference.
 
 
 # %% tags=["export"] module="minivllm.kernels.paged_reference"
@@ -998,8 +979,9 @@ for block_size in (16, 256):
 # ## How fast: decode vs prefill kernels on an H200
 # `python -m minivllm.benchmarks.decode` times decode attention for Qwen3-0.6B's heads in bytes of K and V read per
 # second: `minivllm-triton` (the kernel above), `flashinfer` (vLLM's, the bar to reach), `minivllm-prefill-kernel`
-# (the paged *prefill* kernel of the deep dive, one query per sequence) and `naive-gather-sdpa` (blocks copied out,
-# then PyTorch's attention). A GPU re-measures a subset; without one the cell shows the committed H200 results.
+# (the paged *prefill* kernel, one query per sequence: the deep dive `paged_prefill` compares the two) and
+# `naive-gather-sdpa` (blocks copied out, then PyTorch's attention). A GPU re-measures a subset; without one the
+# cell shows the committed H200 results.
 
 # %%
 from minivllm.benchmarks.decode import plot_decode, run_decode_benchmark
@@ -1010,23 +992,12 @@ else:
     decode_data = json.loads(Path("figures/decode.json").read_text())
 plot_decode(decode_data).savefig(FIGURES / "04_decode.png", dpi=120)
 tbps: dict[tuple, float] = {}  # (impl, batch, context) -> the best over block sizes
-for r in decode_data["rows"]:
-    key = (r["impl"], r["batch"], r["context_len"])
-    tbps[key] = max(tbps.get(key, 0.0), r["tbps"])
+for r in sorted(decode_data["rows"], key=lambda r: r["tbps"]):
+    tbps[r["impl"], r["batch"], r["context_len"]] = r["tbps"]
 for (impl, batch, context), v in sorted(tbps.items()):
     print(f"{impl:>24} batch {batch:>3} × {context:>5} tokens: {v:.2f} TB/s")
 copy_tbps = decode_data["copy_tbps"]
 print(f"copy bandwidth, for scale: {copy_tbps:.2f} TB/s (a copy reads and writes; a read alone may beat it)")
-
-# %% [markdown]
-# **Why do prefill and decode need different attention kernels?** The prefill kernel's tile holds 128 query rows,
-# of which decode fills 2 (Qwen3's 2 query heads per KV head), and with one program per sequence and KV head it
-# cannot fill the GPU at batch 1, where the decode kernel splits the context. The ratios, from the numbers above:
-
-# %%
-for batch, context in ((64, 4096), (1, 16384)):
-    ratio = tbps["minivllm-triton", batch, context] / tbps["minivllm-prefill-kernel", batch, context]
-    print(f"{batch} × {context}: the decode kernel reads the cache {ratio:.1f} times as fast as the prefill kernel")
 
 # %% [markdown]
 # ## Check yourself

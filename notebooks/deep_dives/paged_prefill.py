@@ -30,6 +30,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit runs: the kernel runs interpreted
+import json
+from pathlib import Path
+
 import numpy as np
 
 from minivllm.kernels.paged_reference import paged_attention_ref
@@ -222,6 +225,27 @@ rows = slice(int(cu_q[1]), int(cu_q[2]))  # its 5 new tokens: one tile holds the
 torch.testing.assert_close(part[rows], ref[rows], rtol=1e-4, atol=1e-4)
 assert part[: rows.start].abs().sum() == 0 and part[rows.stop :].abs().sum() == 0  # no other tile ran
 print("the paged prefill kernel matches both references; a list of tiles computes only those")
+
+# %% [markdown]
+# ## How fast: why decode keeps its own kernel
+# `python -m minivllm.benchmarks.decode` also runs this kernel on decode's shapes: one query per sequence. Its tile
+# holds 64 positions × the query heads of a KV head, of which decode fills 2 (Qwen3-0.6B's 2 query heads per KV
+# head), and with one program per sequence and KV head it cannot fill the GPU at batch 1, where notebook 03's decode
+# kernel splits the context. The committed H200 results (a GPU re-measures them):
+
+# %%
+from minivllm.benchmarks.decode import run_decode_benchmark
+
+if DEVICE == "cuda":
+    decode_data = run_decode_benchmark(shapes=[(1, 16384), (64, 4096)], block_sizes=(16,))
+else:
+    decode_data = json.loads(Path("../figures/decode.json").read_text())
+tbps: dict[tuple, float] = {}  # (impl, batch, context) -> the best over block sizes
+for r in sorted(decode_data["rows"], key=lambda r: r["tbps"]):
+    tbps[r["impl"], r["batch"], r["context_len"]] = r["tbps"]
+for batch, context in ((64, 4096), (1, 16384)):
+    ratio = tbps["minivllm-triton", batch, context] / tbps["minivllm-prefill-kernel", batch, context]
+    print(f"{batch} × {context}: the decode kernel reads the cache {ratio:.1f} times as fast as this kernel")
 
 # %% [markdown]
 # ## In the engine
