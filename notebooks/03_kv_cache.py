@@ -48,8 +48,9 @@ torch.manual_seed(0)
 num_layers, num_kv_heads, head_dim, dtype_bytes = 28, 8, 128, 2
 kv_bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * dtype_bytes  # K and V
 max_model_len = 40_960  # Qwen3-0.6B's context length
-print(f"KV per token: {kv_bytes_per_token / 2**10:.0f} KiB")
-print(f"one sequence at full context: {max_model_len * kv_bytes_per_token / 2**30:.1f} GiB")
+print(
+    f"KV per token: {kv_bytes_per_token / 2**10:.0f} KiB, {max_model_len * kv_bytes_per_token / 2**30:.1f} GiB at full context"
+)
 full_context_seqs = int((141e9 - 1.2e9) // (max_model_len * kv_bytes_per_token))
 print(f"sequences an H200 (141 GB, ~1.2 GB of weights) holds at full context: {full_context_seqs}")
 
@@ -67,12 +68,10 @@ print(f"token {t} -> physical block {block_table[t // block_size]}, slot {slot}"
 
 # %% [markdown]
 # ## Sequence: one request and where its KV lives
-# A `Sequence` is what the scheduler and the block manager pass around: its **token ids** (prompt, then
-# completion), its **status** (*waiting* for a prefill, *running* with KV blocks, or *finished*, with a
-# `finish_reason` of `"stop"` or `"length"` as in vLLM), its **block table**, and `num_cached_tokens`: how many
-# leading tokens already have KV in the cache, so a step skips them. `block_size` is the block manager's; a
-# sequence keeps a copy only to cut its tokens into blocks. Bad requests are refused by the engine (notebook 06):
-# here a broken sequence is a bug, caught by an assert.
+# What the scheduler and the block manager pass around: **token ids** (prompt, then completion), a **status**
+# (*waiting*, *running* with KV blocks, *finished* with a `finish_reason`, `"stop"` or `"length"`), a **block
+# table**, and `num_cached_tokens`, the leading tokens whose KV is cached, which a step skips. Its `block_size` is a
+# copy of the block manager's, to cut tokens into blocks. The engine refuses bad requests (notebook 06).
 
 # %% tags=["export"] module="minivllm.engine.sequence"
 from enum import Enum, auto
@@ -307,8 +306,7 @@ class BlockManager:
         return self.num_free_blocks >= seq.num_blocks
 
     def allocate(self, seq: Sequence) -> None:
-        """Blocks for all tokens of a waiting sequence: the longest run of leading full blocks found in the cache is
-        shared (`seq.num_cached_tokens` counts their tokens), the others are fresh."""
+        """Blocks for a waiting sequence: its longest run of leading full blocks found in the cache, then fresh ones."""
         assert not seq.block_table and seq.num_cached_tokens == 0, f"sequence {seq.seq_id} already holds blocks"
         assert seq.block_size == self.block_size, f"sequence block_size {seq.block_size} != {self.block_size}"
         assert self.can_allocate(seq), "allocate() without room: ask can_allocate() first"
@@ -328,8 +326,7 @@ class BlockManager:
             seq.block_table.append(self._take_free_block().block_id)
 
     def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
-        """Cache the full blocks among seq's first `num_tokens` tokens that are not cached yet. Call it in the step
-        that computes their KV, never earlier: from now on any request may hit them and read that KV."""
+        """Cache the new full blocks among seq's first `num_tokens` tokens, in the step that computes their KV."""
         assert seq.num_cached_tokens <= num_tokens <= seq.num_tokens
         if not self.enable_prefix_caching:
             return
@@ -379,9 +376,8 @@ class BlockManager:
         seq.block_table.clear()
 
     def discard(self, seq: Sequence) -> None:
-        """Give back the blocks of a sequence dropped part-way through a step. Its blocks past its computed tokens
-        (`num_cached_tokens`) may be cached already, though their KV was never written: they leave the cache first,
-        so no request can hit them."""
+        """Give back a sequence dropped mid-step: its blocks past `num_cached_tokens`, cached but never written, first
+        leave the cache, so no request can hit them."""
         for block_id in seq.block_table[seq.num_cached_tokens // self.block_size :]:
             block = self.blocks[block_id]
             if self.hash_to_block_id.get(block.hash) == block_id:
@@ -405,8 +401,7 @@ def show(bm: BlockManager, note: str = "") -> None:
     print(" ".join(cells), used, note)
 
 
-def admit(bm: BlockManager, seq: Sequence) -> None:
-    """Allocate, then cache the full blocks, as the step that prefills the whole prompt at once does."""
+def admit(bm: BlockManager, seq: Sequence) -> None:  # allocate, then the step that prefills the whole prompt
     bm.allocate(seq)
     bm.cache_blocks(seq, len(seq))
 
@@ -465,21 +460,15 @@ assert same_start.num_cached_tokens == 8 and later.num_cached_tokens == 16
 
 # %% [markdown]
 # ## Why does PagedAttention reduce fragmentation? A simulated workload
-# The question this notebook is for. One workload, replayed on 65,536 KV token slots (about 7 GiB for Qwen3-0.6B):
-# 600 requests, prompts of 16 to 512 tokens, `max_tokens=1024`, `max_model_len = 2048`, each stopping after an
-# exponentially distributed number of tokens (mean 300). Three ways to hand out memory: a **contiguous** region of
-# `max_model_len` slots per request (engines before paging); a tighter contiguous `prompt + max_tokens`, placed
-# first-fit (holes appear); **paged** blocks (our `BlockManager`) of 256, 64 and 16 slots. A miniature continuous
-# batching loop (notebook 05 builds the real one) admits requests first come, first served while memory allows,
-# decodes one token per running request, and preempts the newest request when a token finds no free block.
-
-# %% [markdown]
-# Each step, a reserved KV slot holds a **token**, or is reserved **ahead** for a token to come, or is
-# **over-reserved** for tokens its request will never produce (the workload knows its length, an allocator does
-# not). A free slot is **stranded** in a hole too small for the next waiting request (external fragmentation), or
-# **free**.
-# The simulator is `minivllm/benchmarks/fragmentation.py` (`simulate` is the loop, `kv_breakdown` counts the
-# kinds); `python -m minivllm.benchmarks.fragmentation` prints this table.
+# The question this notebook is for. 600 requests (prompts of 16 to 512 tokens, `max_tokens=1024`, each stopping
+# after ~300 tokens on average) replayed on 65,536 KV slots (about 7 GiB for Qwen3-0.6B), with a **contiguous**
+# region of `max_model_len = 2048` slots per request (engines before paging), a tighter contiguous `prompt +
+# max_tokens` placed first-fit, or **paged** blocks (our `BlockManager`) of 256, 64 and 16 slots. A miniature
+# scheduler admits requests first come, first served, decodes a token per request, preempts the newest when full.
+#
+# Each step, a reserved slot holds a **token**, is reserved **ahead** for one to come, or is **over-reserved** for
+# tokens its request will never produce; a free slot is **stranded** in a hole too small for the next request
+# (external fragmentation), or **free**. The simulator: `minivllm/benchmarks/fragmentation.py`.
 
 # %%
 from minivllm.benchmarks.fragmentation import plot_fragmentation, print_fragmentation, run_schemes
@@ -511,9 +500,8 @@ assert len(runs["paged, block 16"]["rows"]) < len(runs["contiguous, max length"]
 
 # %% [markdown]
 # ## How fast is the bookkeeping?
-# The block manager runs on the CPU between GPU steps, so its cost adds to every step. Each call touches only its
-# sequence's blocks, so the cost must not grow with the cache. `python -m minivllm.benchmarks.block_manager` times
-# 10,000 sequences of about 1,000 tokens; here is a smaller run, with two cache sizes 64 times apart.
+# It runs on the CPU between GPU steps, so its cost adds to every step, and must not grow with the cache. A small
+# run of `python -m minivllm.benchmarks.block_manager`, with two cache sizes 64 times apart:
 
 # %%
 from minivllm.benchmarks.block_manager import print_table, run_benchmark
@@ -645,9 +633,8 @@ assert flops_per_byte(1) < 10 < h200_ridge < flops_per_byte(4096)
 # through the block table (`paged_rows`), 64 per step. A split's loop, `attend_split`, runs notebook 01's
 # `attend_block`; `store_split` writes its results (the cascade kernel, below, reuses both).
 #
-# Split-K first in PyTorch (parts b and c of `exercises/01_online_softmax.ipynb` have you write it): one decode
-# query over 300 keys, in 3 chunks. Each chunk's softmax is normalised by its own sum, so a plain average of the
-# outputs is wrong; weighting each by `exp(lse_s − lse)`, its share of the whole row's sum, gives the exact result.
+# Split-K first in PyTorch (`exercises/01_online_softmax.ipynb`, parts b and c): 300 keys in 3 chunks. Each chunk's
+# softmax has its own sum, so weight each output by `exp(lse_s − lse)`, its share of the row's sum: exact.
 
 # %%
 from minivllm.kernels.reference import attention_ref
@@ -807,9 +794,8 @@ def flash_attn_with_kvcache(
     prefix_blocks: torch.Tensor | None = None,  # (n,) int32: blocks that begin the caches of several rows
     prefix_lens: torch.Tensor | None = None,  # (batch,) int32: a row's tokens in those blocks, or 0 (not its own)
 ) -> torch.Tensor:  # (batch, 1, num_heads, head_dim)
-    """Decode attention over a paged KV cache, with flash-attn's signature (GQA-packed, split-K). Given a shared
-    prefix (`prefix_blocks`, and `prefix_lens` of one length for the rows that begin with it), the rows' queries
-    attend to it together, its keys read once (cascade attention: the deep dive), each row only its own keys."""
+    """Decode attention over a paged KV cache, flash-attn's signature (GQA-packed, split-K). Rows that begin with
+    `prefix_blocks` (`prefix_lens` > 0) attend to them together, their keys read once (cascade attention)."""
     check_decode_inputs(q, k_cache, v_cache, cache_seqlens, block_table, prefix_blocks, prefix_lens)
     assert cache_seqlens is not None and block_table is not None  # checked: for mypy
     batch, _, num_heads, head_dim = q.shape
@@ -851,9 +837,8 @@ def flash_attn_with_kvcache(
 
 # %% [markdown]
 # ### Check the decode kernel against the reference
-# On sequences of 1 to 300 random tokens in shuffled blocks, for several block sizes and GQA ratios, the kernel
-# must give what notebook 01's reference gives on the same keys laid out contiguously. Each run forces a number of
-# splits (on a CPU, with no multiprocessors to fill, `decode_num_splits` picks 1); short sequences leave some empty.
+# Sequences of 1 to 300 tokens in shuffled blocks, several block sizes, GQA ratios and forced numbers of splits (a
+# CPU would pick 1; short sequences leave some empty): the kernel must match notebook 01's reference.
 
 # %%
 from unittest import mock
@@ -861,11 +846,11 @@ from unittest import mock
 from minivllm.kernels.paged_attn import flash_attn_with_kvcache
 from minivllm.testing import scatter_into_cache  # random K/V written to shuffled blocks, and kept contiguous
 
+seq_lens, cu_q = [1, 17, 300, 64], torch.arange(5, dtype=torch.int32, device=DEVICE)  # one query per sequence
+cache_seqlens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
 for block_size, num_heads, num_kv_heads, num_splits in ((16, 8, 2, 1), (32, 8, 8, 4), (256, 8, 1, 3)):
-    seq_lens = [1, 17, 300, 64]
     k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache(seq_lens, num_kv_heads, 32, block_size, DEVICE)
     q = torch.randn(len(seq_lens), 1, num_heads, 32, device=DEVICE)
-    cache_seqlens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     with mock.patch("minivllm.kernels.paged_attn.decode_num_splits", lambda *_, n=num_splits: n):
         out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table)
     cu_q = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)
@@ -876,9 +861,8 @@ for block_size, num_heads, num_kv_heads, num_splits in ((16, 8, 2, 1), (32, 8, 8
 
 # %% [markdown]
 # ### A prefix many rows share: cascade attention (the deep dive `deep_dives/cascade_attention`)
-# Rows that begin with the same cached blocks (a system prompt) read them once per row. Given `prefix_blocks` and
-# `prefix_lens`, the kernel below reads them once for all those rows, as more splits for the combine kernel. The
-# engine uses it on a GPU; the deep dive explains and checks it.
+# Rows that begin with the same cached blocks (a system prompt) read them once per row; given `prefix_blocks` and
+# `prefix_lens`, the kernel below reads them once for all those rows, as more splits. The deep dive explains it.
 
 
 # %% tags=["export"]
@@ -889,8 +873,8 @@ def _shared_prefix_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Split `split` of the shared prefix for BLOCK_M (row, query head) pairs of one KV head: partial results in
-    slot first_split + split of each pair (the combine kernel reads them for the rows that share the prefix)."""
+    """Split `split` of the shared prefix for BLOCK_M (row, query head) pairs of one KV head, into slot
+    first_split + split."""
     tile, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # (row, query head) pairs, GROUP heads per row
     seq, heads = offs_m // GROUP, kv_head * GROUP + offs_m % GROUP
@@ -977,11 +961,9 @@ for block_size in (16, 256):
 
 # %% [markdown]
 # ## How fast: decode vs prefill kernels on an H200
-# `python -m minivllm.benchmarks.decode` times decode attention for Qwen3-0.6B's heads in bytes of K and V read per
-# second: `minivllm-triton` (the kernel above), `flashinfer` (vLLM's, the bar to reach), `minivllm-prefill-kernel`
-# (the paged *prefill* kernel, one query per sequence: the deep dive `paged_prefill` compares the two) and
-# `naive-gather-sdpa` (blocks copied out, then PyTorch's attention). A GPU re-measures a subset; without one the
-# cell shows the committed H200 results.
+# `python -m minivllm.benchmarks.decode`, in bytes of K and V read per second: `minivllm-triton` (the kernel above),
+# `flashinfer` (vLLM's, the bar to reach), `minivllm-prefill-kernel` (deep dive `paged_prefill`), and
+# `naive-gather-sdpa` (blocks copied out, then PyTorch's attention). A GPU re-measures a subset; else committed data.
 
 # %%
 from minivllm.benchmarks.decode import plot_decode, run_decode_benchmark
@@ -1001,37 +983,22 @@ print(f"copy bandwidth, for scale: {copy_tbps:.2f} TB/s (a copy reads and writes
 
 # %% [markdown]
 # ## Check yourself
-# **1.** Two requests share a 40-token prompt (blocks of 16). How many tokens does the second one prefill?
+# **1.** After `x + z` and `y + w` ran (four different full blocks), `y + z + [0]` arrives: how many of its tokens hit?
 
 # %%
 from minivllm.testing import check_answer
 
 answer = None  # your answer: replace None with an expression (the check compares it with the result)
 check = BlockManager(num_blocks=16, block_size=16)
-admit(check, Sequence(list(range(40)), block_size=16))
-admit(check, second := Sequence(list(range(40)), block_size=16))
-check_answer(answer, len(second) - second.num_cached_tokens, "1. prefill after a hit")
-
-# %% [markdown]
-# Worked answer: only full blocks are cached and shared: 2 × 16 = 32 tokens hit, the 8 of the partial block are computed.
-
-# %%
-check_answer(40 - 40 // 16 * 16, len(second) - second.num_cached_tokens, "1. prefill after a hit")
-
-# %% [markdown]
-# **2.** After `x + z` and `y + w` ran (four different full blocks), `y + z + [0]` arrives: how many of its tokens hit?
-
-# %%
-answer = None  # your answer: replace None with an expression
 x, y, z, w = ([i] * 16 for i in (1, 2, 3, 4))
 for prompt in (x + z + [0], y + w + [0], y + z + [0]):  # `other` is the last one
     admit(check, other := Sequence(prompt, block_size=16))
-check_answer(answer, other.num_cached_tokens, "2. chained hash")
+check_answer(answer, other.num_cached_tokens, "1. chained hash")
 
 # %% [markdown]
 # Worked answer: 16, `y` only. The cached `z` was computed after `x`, so its KV mixes `x` in; its hash chains `x`'s, and
 # the lookup after `y` misses. A hash of `z`'s tokens alone would hit, and hand over the wrong KV silently.
 
 # %%
-check_answer(len(y), other.num_cached_tokens, "2. chained hash")
+check_answer(len(y), other.num_cached_tokens, "1. chained hash")
 assert compute_hash(z, compute_hash(x)) in check.hash_to_block_id  # z is cached, but under x's name

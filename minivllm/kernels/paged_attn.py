@@ -218,9 +218,8 @@ def flash_attn_with_kvcache(
     prefix_blocks: torch.Tensor | None = None,  # (n,) int32: blocks that begin the caches of several rows
     prefix_lens: torch.Tensor | None = None,  # (batch,) int32: a row's tokens in those blocks, or 0 (not its own)
 ) -> torch.Tensor:  # (batch, 1, num_heads, head_dim)
-    """Decode attention over a paged KV cache, with flash-attn's signature (GQA-packed, split-K). Given a shared
-    prefix (`prefix_blocks`, and `prefix_lens` of one length for the rows that begin with it), the rows' queries
-    attend to it together, its keys read once (cascade attention: the deep dive), each row only its own keys."""
+    """Decode attention over a paged KV cache, flash-attn's signature (GQA-packed, split-K). Rows that begin with
+    `prefix_blocks` (`prefix_lens` > 0) attend to them together, their keys read once (cascade attention)."""
     check_decode_inputs(q, k_cache, v_cache, cache_seqlens, block_table, prefix_blocks, prefix_lens)
     assert cache_seqlens is not None and block_table is not None  # checked: for mypy
     batch, _, num_heads, head_dim = q.shape
@@ -267,8 +266,8 @@ def _shared_prefix_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Split `split` of the shared prefix for BLOCK_M (row, query head) pairs of one KV head: partial results in
-    slot first_split + split of each pair (the combine kernel reads them for the rows that share the prefix)."""
+    """Split `split` of the shared prefix for BLOCK_M (row, query head) pairs of one KV head, into slot
+    first_split + split."""
     tile, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # (row, query head) pairs, GROUP heads per row
     seq, heads = offs_m // GROUP, kv_head * GROUP + offs_m % GROUP
