@@ -48,10 +48,9 @@ torch.manual_seed(0)
 num_layers, num_kv_heads, head_dim, dtype_bytes = 28, 8, 128, 2
 kv_bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * dtype_bytes  # K and V
 max_model_len = 40_960  # Qwen3-0.6B's context length
-print(
-    f"KV per token: {kv_bytes_per_token / 2**10:.0f} KiB, {max_model_len * kv_bytes_per_token / 2**30:.1f} GiB at full context"
-)
-full_context_seqs = int((141e9 - 1.2e9) // (max_model_len * kv_bytes_per_token))
+seq_bytes = max_model_len * kv_bytes_per_token
+print(f"KV per token: {kv_bytes_per_token / 2**10:.0f} KiB; one sequence at full context: {seq_bytes / 2**30:.1f} GiB")
+full_context_seqs = int((141e9 - 1.2e9) // seq_bytes)
 print(f"sequences an H200 (141 GB, ~1.2 GB of weights) holds at full context: {full_context_seqs}")
 
 # %% [markdown]
@@ -154,18 +153,17 @@ class Sequence:
         self.num_tokens += 1
 
 
-# %% [markdown]
-# A 10-token prompt needs 3 blocks of 4, the last half full; new tokens go at the end; the caller's list is untouched:
-
 # %%
 from minivllm.engine.sequence import Sequence, SequenceStatus
+
+# a 10-token prompt needs 3 blocks of 4, the last half full; new tokens go at the end
 
 prompt = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
 seq = Sequence(prompt, SamplingParams(max_tokens=4), block_size=4)
 print(seq, [seq.block(i) for i in range(seq.num_blocks)])
 assert (seq.num_blocks, seq.last_block_num_tokens) == (3, 2)
 seq.append_token(99)
-prompt.append(-1)
+prompt.append(-1)  # the caller's list: not the sequence's
 assert seq.completion_token_ids == [99] and seq.prompt_token_ids == prompt[:-1] and len(seq) == 11
 assert seq.status == SequenceStatus.WAITING and not seq.is_finished
 
@@ -208,10 +206,9 @@ class Block:
 from minivllm.engine.block_manager import compute_hash
 
 a, b = [1, 2, 3, 4], [5, 6, 7, 8]
-h_a, h_b = compute_hash(a), compute_hash(b)
-print(f"hash(b after a) = {compute_hash(b, h_a):#018x}, hash(b after b) = {compute_hash(b, h_b):#018x}")
-assert compute_hash(b, h_a) != compute_hash(b, h_b)  # same tokens, different prefix: different blocks
-assert compute_hash(b, h_a) == compute_hash(list(b), compute_hash(list(a)))  # deterministic
+b_after_a, b_after_b = compute_hash(b, compute_hash(a)), compute_hash(b, compute_hash(b))
+print(f"hash(b after a) = {b_after_a:#018x}, hash(b after b) = {b_after_b:#018x}")
+assert b_after_a != b_after_b and b_after_a == compute_hash(list(b), compute_hash(list(a)))  # and deterministic
 
 # %% [markdown]
 # ## The BlockManager (write one first? `exercises/03_paged_allocator.ipynb`, then `03_prefix_caching`)
@@ -481,13 +478,10 @@ plot_fragmentation(runs).savefig(FIGURES / "03_fragmentation.png", dpi=120)
 
 # %% [markdown]
 # **Reading the figure.** A max-length reservation is mostly over-reserved (red): a request uses a few hundred of
-# its 2,048 slots. `prompt + max_tokens` still pays for completions never produced, and its regions differ in size:
-# free memory sits in holes too small for the next request (orange). Paged blocks come as tokens arrive and any
-# free block serves any request: nothing is stranded, and the waste is the unfilled end of each request's last
-# block (internal fragmentation), almost nothing with 16-slot blocks.
-#
-# Memory not wasted holds more requests: with 16-slot blocks about three times as many run at once as with the
-# max-length reservation, finishing in about a third of the steps. That batch size is PagedAttention's throughput.
+# its 2,048 slots. `prompt + max_tokens` still over-reserves, and its regions differ in size: free memory is stranded
+# in holes too small for the next request (orange). Paged blocks come as tokens arrive, any free block serves any
+# request, and the waste is the unfilled end of each request's last block: almost nothing with 16-slot blocks. So
+# about three times as many requests run at once, finishing in a third of the steps: PagedAttention's throughput.
 
 # %%
 occupancy, share = {n: r["occupancy"] for n, r in runs.items()}, {n: r["share"] for n, r in runs.items()}
@@ -664,8 +658,7 @@ def attend_split(
     q, K, V, table_row, lo, hi, kv_head, qk_scale, kv_strides,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """One split of split-K: queries q (ROWS, D) of one KV head over keys lo..hi-1 of the paged cache, found
-    through a block-table row. Returns the split's output (ROWS, D) and log-sum-exp (ROWS,), in log2 units."""
+    """Queries q (ROWS, D) of one KV head over keys lo..hi-1 of a block-table row: output, log2-sum-exp (ROWS,)."""
     ROWS: tl.constexpr = q.shape[0]
     HEAD_DIM: tl.constexpr = q.shape[1]
     stride_kt, stride_kh, stride_vt, stride_vh = kv_strides  # (token, head) of k, then of v

@@ -89,8 +89,7 @@ def attend_split(
     q, K, V, table_row, lo, hi, kv_head, qk_scale, kv_strides,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """One split of split-K: queries q (ROWS, D) of one KV head over keys lo..hi-1 of the paged cache, found
-    through a block-table row. Returns the split's output (ROWS, D) and log-sum-exp (ROWS,), in log2 units."""
+    """Queries q (ROWS, D) of one KV head over keys lo..hi-1 of a block-table row: output, log2-sum-exp (ROWS,)."""
     ROWS: tl.constexpr = q.shape[0]
     HEAD_DIM: tl.constexpr = q.shape[1]
     stride_kt, stride_kh, stride_vt, stride_vh = kv_strides  # (token, head) of k, then of v
