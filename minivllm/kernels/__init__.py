@@ -24,7 +24,7 @@ from minivllm.kernels.small_layers import apply_rope, gemv, rms_norm, silu_and_m
 if TYPE_CHECKING:
     from minivllm.kernels.paged_prefill import flash_attn_varlen_func
 
-LAZY = {"flash_attn_varlen_func": "minivllm.kernels.paged_prefill"}  # name -> the module that defines it
+_LAZY = {"flash_attn_varlen_func": "minivllm.kernels.paged_prefill"}  # name -> the module that defines it
 
 __all__ = [
     "apply_rope",
@@ -40,12 +40,12 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     """A lazy name's value, imported on first access and then kept here: later accesses are plain lookups."""
-    if name not in LAZY:
+    if name not in _LAZY:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(LAZY[name]), name)
+    value = getattr(importlib.import_module(_LAZY[name]), name)
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(LAZY))
+    return sorted(__all__)  # the public names, the lazy one included
