@@ -14,38 +14,29 @@
 # %% [markdown]
 # # 03 · KV cache: paged blocks, prefix caching, and the kernels that read them
 #
-# **What this notebook builds.** PagedAttention, both halves. The bookkeeping: `Sequence` (one request: its tokens
-# and where their keys and values live) and a `BlockManager` that hands out fixed-size KV blocks, shares the blocks
-# of equal prefixes between requests (prefix caching) and takes them back. Then the Triton kernels that follow a
-# block table: a store of new keys and values, a decode kernel, and a prefill kernel after a cached prefix.
+# **What this notebook builds.** PagedAttention, both halves: the bookkeeping (`Sequence`, one request, and a
+# `BlockManager` that hands out fixed-size KV blocks and shares equal prefixes between requests: prefix caching),
+# and the Triton kernels that follow a block table (a store of new keys and values, and a decode kernel).
 #
-# **What it assumes.** Notebook 01: attention at position *t* needs the keys and values (KV) of every token before
-# *t*, so an engine keeps them, per layer, in a *KV cache*; and its FlashAttention kernel (online softmax), which
-# the paged kernels reuse. Notebook 02's `SamplingParams`. The block manager sees token ids only: ours are random.
+# **What it assumes.** Notebook 01: attention at position *t* needs the keys and values (KV) of every earlier
+# token, kept per layer in a *KV cache*; its FlashAttention kernel, which the paged kernels reuse. Notebook 02's
+# `SamplingParams`. The block manager sees token ids only: ours are random.
 #
-# **What you will see.** Prefix-cache hits block by block; why paging wastes almost no memory where reserving a
-# maximum length per request wastes most of it ("why does PagedAttention reduce fragmentation?", in numbers); why
-# decode needs its own attention kernel. (Notebook 05 maps block ownership over a real scheduler's run.)
+# **What you will see.** Prefix-cache hits block by block; "why does PagedAttention reduce fragmentation?", in
+# numbers; why decode needs its own attention kernel. Two optional deep dives follow: `deep_dives/cascade_attention`
+# (rows sharing a prefix read it once) and `deep_dives/paged_prefill` (the prefill kernel after a cache hit).
 
 # %%
-import os
-
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit runs: the kernels at the end
 import json
-import time
-from collections import deque
+import os
 from pathlib import Path
 
-import matplotlib.pyplot as plt
 import numpy as np
+import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FIGURES = Path(os.environ.get("MINIVLLM_FIGURES", "../build/figures")).resolve()
 FIGURES.mkdir(parents=True, exist_ok=True)
-rng = np.random.default_rng(0)
 torch.manual_seed(0)
 
 # %% [markdown]
@@ -57,21 +48,17 @@ torch.manual_seed(0)
 num_layers, num_kv_heads, head_dim, dtype_bytes = 28, 8, 128, 2
 kv_bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * dtype_bytes  # K and V
 max_model_len = 40_960  # Qwen3-0.6B's context length
-print(f"KV per token: {kv_bytes_per_token / 2**10:.0f} KiB")
-print(f"one sequence at full context: {max_model_len * kv_bytes_per_token / 2**30:.1f} GiB")
-full_context_seqs = int((141e9 - 1.2e9) // (max_model_len * kv_bytes_per_token))
+seq_bytes = max_model_len * kv_bytes_per_token
+print(f"KV per token: {kv_bytes_per_token / 2**10:.0f} KiB; one sequence at full context: {seq_bytes / 2**30:.1f} GiB")
+full_context_seqs = int((141e9 - 1.2e9) // seq_bytes)
 print(f"sequences an H200 (141 GB, ~1.2 GB of weights) holds at full context: {full_context_seqs}")
 
 # %% [markdown]
-# A request does not know in advance how long it will run: it stops at an end-of-sequence token or at
-# `max_tokens`. Before vLLM, engines gave each request one *contiguous* KV region big enough for the longest
-# possible sequence. Most requests are far shorter, so most of that region sits reserved but empty, and the
-# number of requests that fit in memory (the batch size, hence the throughput) is set by the worst case.
-#
-# **Paging** is the operating-system answer. Cut the KV cache into fixed-size *blocks* of `block_size` token slots;
-# give a request a block only when it needs one; keep a per-request *block table* mapping its logical block *i* to
-# a physical block anywhere. Token *t* lives at slot `block_table[t // block_size] * block_size + t % block_size`,
-# which the attention kernels follow; a request wastes at most the unfilled end of its last block.
+# A request does not know how long it will run. Before vLLM, engines reserved one *contiguous* KV region per
+# request, big enough for the longest possible sequence: most of it sits empty, and the worst case sets how many
+# requests fit (the batch size, hence the throughput). **Paging** is the operating-system answer: cut the cache
+# into *blocks* of `block_size` token slots, give a request a block only when it needs one, and keep a per-request
+# *block table* from its logical block *i* to a physical block anywhere. The kernels find token *t* at slot:
 
 # %%
 block_size, block_table, t = 16, [7, 2, 9], 37  # logical block i -> physical block; token 37: block 2, offset 5
@@ -80,19 +67,10 @@ print(f"token {t} -> physical block {block_table[t // block_size]}, slot {slot}"
 
 # %% [markdown]
 # ## Sequence: one request and where its KV lives
-# A `Sequence` is what the scheduler and the block manager pass around. It holds:
-#
-# * its **token ids** (our own copy), the prompt first and then the completion, and how many are the prompt;
-# * its **status**: *waiting* for a prefill (new, or preempted), *running* (it holds KV blocks), or *finished*;
-# * its **block table**, and `num_cached_tokens`: how many of its leading tokens already have their KV in the
-#   cache (prefix-cache hits, then every token a step computes), so a step skips them; `num_scheduled_tokens`,
-#   how many the current step computes (the scheduler sets it, notebook 05);
-# * its **sampling parameters**, and once finished its `finish_reason`: `"stop"` (an end-of-sequence or stop
-#   token) or `"length"` (`max_tokens` or the context length), as in vLLM.
-#
-# Helpers cut the token ids into blocks; a global id from a counter matches outputs to requests. **Whose is
-# `block_size`?** The block manager's: a sequence gets a copy only to cut its tokens into blocks (`allocate` asserts
-# they agree). The engine refuses bad requests first (notebook 06): a broken sequence is a bug, caught by an assert.
+# What the scheduler and the block manager pass around: **token ids** (prompt, then completion), a **status**
+# (*waiting*, *running* with KV blocks, *finished* with a `finish_reason`, `"stop"` or `"length"`), a **block
+# table**, and `num_cached_tokens`, the leading tokens whose KV is cached, which a step skips. Its `block_size` is a
+# copy of the block manager's, to cut tokens into blocks. The engine refuses bad requests (notebook 06).
 
 # %% tags=["export"] module="minivllm.engine.sequence"
 from enum import Enum, auto
@@ -113,9 +91,7 @@ class Sequence:
     counter = count()
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None, block_size: int = 16):
-        assert len(token_ids) > 0 and block_size >= 1, (
-            "the engine refuses empty prompts; block_size is the block manager's"
-        )
+        assert len(token_ids) > 0 and block_size >= 1, "the engine refuses empty prompts; block_size >= 1"
         self.seq_id = next(Sequence.counter)
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)  # our own copy
@@ -177,30 +153,27 @@ class Sequence:
         self.num_tokens += 1
 
 
-# %% [markdown]
-# A 10-token prompt needs 3 blocks of 4, the last half full; new tokens go at the end; the caller's list is untouched:
-
 # %%
 from minivllm.engine.sequence import Sequence, SequenceStatus
+
+# a 10-token prompt needs 3 blocks of 4, the last half full; new tokens go at the end
 
 prompt = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
 seq = Sequence(prompt, SamplingParams(max_tokens=4), block_size=4)
 print(seq, [seq.block(i) for i in range(seq.num_blocks)])
 assert (seq.num_blocks, seq.last_block_num_tokens) == (3, 2)
 seq.append_token(99)
-prompt.append(-1)
+prompt.append(-1)  # the caller's list: not the sequence's
 assert seq.completion_token_ids == [99] and seq.prompt_token_ids == prompt[:-1] and len(seq) == 11
 assert seq.status == SequenceStatus.WAITING and not seq.is_finished
 
 # %% [markdown]
 # ## Prefix caching: naming a block by everything before it
-# Many requests start the same way: a system prompt, a few-shot preamble, the earlier turns of a chat, or a
-# preempted request coming back. Their KV is identical, so a block computed once could be shared. But a block's KV
-# depends on *every* earlier token: attention mixed the whole prefix into it. So a block is named by a **chained
-# hash** of (the previous block's hash, this block's token ids): the same tokens after a different prefix get a
-# different name. We use xxHash (xxh64): fast and well distributed, but not cryptographic, so a hit is also checked
-# against the token ids stored with the block. Only *full* blocks are hashed and shared: a partial block is still
-# being written by its own request.
+# Many requests start the same way (a system prompt, earlier chat turns, a preempted request coming back), so a
+# block computed once could be shared. But a block's KV depends on *every* earlier token, so a block is named by a
+# **chained hash** of (the previous block's hash, its token ids): the same tokens after another prefix get another
+# name. xxh64 is fast but not cryptographic, so a hit is also checked against the block's stored token ids. Only
+# *full* blocks are shared: a partial one is still being written by its request.
 
 # %% tags=["export"] module="minivllm.engine.block_manager"
 from array import array
@@ -233,43 +206,24 @@ class Block:
 from minivllm.engine.block_manager import compute_hash
 
 a, b = [1, 2, 3, 4], [5, 6, 7, 8]
-h_a, h_b = compute_hash(a), compute_hash(b)
-print(f"hash(b after a) = {compute_hash(b, h_a):#018x}, hash(b after b) = {compute_hash(b, h_b):#018x}")
-assert compute_hash(b, h_a) != compute_hash(b, h_b)  # same tokens, different prefix: different blocks
-assert compute_hash(b, h_a) == compute_hash(list(b), compute_hash(list(a)))  # deterministic
+b_after_a, b_after_b = compute_hash(b, compute_hash(a)), compute_hash(b, compute_hash(b))
+print(f"hash(b after a) = {b_after_a:#018x}, hash(b after b) = {b_after_b:#018x}")
+assert b_after_a != b_after_b and b_after_a == compute_hash(list(b), compute_hash(list(a)))  # and deterministic
 
 # %% [markdown]
 # ## The BlockManager (write one first? `exercises/03_paged_allocator.ipynb`, then `03_prefix_caching`)
-# The block manager owns `num_blocks` blocks (their KV tensors live in the model runner, notebook 04; here a block
-# is an id and some bookkeeping) and their size. The scheduler (notebook 05) talks to it in eight calls:
+# It owns `num_blocks` blocks of `block_size` slots (their tensors live in the model runner, notebook 04; here a
+# block is an id and a `ref_count`, free at 0). The scheduler (notebook 05) calls `can_allocate`/`allocate` for a
+# waiting sequence (sharing the longest run of cached leading full blocks), `cache_blocks` in the step that
+# computes a prompt's KV, `can_append`/`may_append` after each decoded token, `deallocate` when a sequence ends or
+# is preempted, and `discard` for one dropped by a failed step. Three rules shape the code:
 #
-# * `can_allocate(seq)`, then `allocate(seq)` for a waiting sequence: a block for each of its blocks, sharing cached
-#   ones for the longest run of leading full blocks found in the cache (`seq.num_cached_tokens` of them are skipped).
-# * `cache_blocks(seq, num_tokens)` in the step that computes the KV of the sequence's first `num_tokens` tokens:
-#   their full blocks enter the cache (are hashed), so later requests can hit them.
-# * `can_append(seq)`, then `may_append(seq)` after each decoded token: a new block exactly when the token starts
-#   one; the last block is cached the moment it becomes full. `token_known(seq)`: see notebook 06's async scheduling.
-# * `deallocate(seq)` when a sequence finishes or is preempted (its tokens are kept, to be recomputed later);
-#   `discard(seq)` for one dropped in a failed step: the blocks that step cached may hold KV it never wrote, so they
-#   leave the cache first. `reset()` when every request is dropped at once: all blocks free, trusting nothing.
-#
-# The `can_*` checks are cheap and conservative (they ignore possible cache hits); the real calls assert them. A
-# block shared by three sequences has `ref_count == 3`; it is free only at 0.
-#
-# **Two free lists.** A freed full block keeps its hash and its KV, for a later hit. So a block for new KV comes
-# from `free_block_ids` (holding nothing worth keeping) while it has any, and only then from `cached_block_ids`,
-# the free blocks still in the cache, least recently freed first (an LRU; taking one evicts its hash). A sequence
-# frees its blocks tail first, so a shared head outlives the tails behind it.
-#
-# **The last token is always computed**, since prefill must produce its logits: a whole cached prompt's last block
-# is no hit (vLLM's rule) and gets a fresh copy. So a request never writes into a block another reads. Copies share
-# a hash (as may two requests that generate the same tokens): the cache index keeps the first.
-#
-# **When is a block cached?** In the step that computes its KV, never before: from then on any request may hit it.
-# So `cache_blocks(seq, n)` caches what a prefill step computes, `may_append` a block the coming decode step fills.
-# That is safe (every layer writes the step's new KV before any attention reads it) and lets requests arriving
-# together share a prefix. Caching at `allocate` is not: a long prompt may be computed over several steps (chunked
-# prefill, notebook 05), and a request arriving in between would hit blocks whose KV nobody wrote (shown below).
+# * **Two free lists.** A freed full block keeps its hash and KV for a later hit: new KV goes into an empty block
+#   while one is left, only then into the least recently freed cached one (an LRU; taking it evicts its hash).
+# * **The last token is always computed**, since prefill must produce its logits: a whole cached prompt's last block
+#   is no hit (vLLM's rule), so a request never writes into a block another reads.
+# * **A block is cached in the step that computes its KV**, never at `allocate`: a long prompt prefilled over
+#   several steps (notebook 05) must not be hit before its KV is written (shown below).
 
 
 # %% tags=["export"]
@@ -349,8 +303,7 @@ class BlockManager:
         return self.num_free_blocks >= seq.num_blocks
 
     def allocate(self, seq: Sequence) -> None:
-        """Blocks for all tokens of a waiting sequence: the longest run of leading full blocks found in the cache is
-        shared (`seq.num_cached_tokens` counts their tokens), the others are fresh."""
+        """Blocks for a waiting sequence: its longest run of leading full blocks found in the cache, then fresh ones."""
         assert not seq.block_table and seq.num_cached_tokens == 0, f"sequence {seq.seq_id} already holds blocks"
         assert seq.block_size == self.block_size, f"sequence block_size {seq.block_size} != {self.block_size}"
         assert self.can_allocate(seq), "allocate() without room: ask can_allocate() first"
@@ -370,8 +323,7 @@ class BlockManager:
             seq.block_table.append(self._take_free_block().block_id)
 
     def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
-        """Cache the full blocks among seq's first `num_tokens` tokens that are not cached yet. Call it in the step
-        that computes their KV, never earlier: from now on any request may hit them and read that KV."""
+        """Cache the new full blocks among seq's first `num_tokens` tokens, in the step that computes their KV."""
         assert seq.num_cached_tokens <= num_tokens <= seq.num_tokens
         if not self.enable_prefix_caching:
             return
@@ -421,9 +373,8 @@ class BlockManager:
         seq.block_table.clear()
 
     def discard(self, seq: Sequence) -> None:
-        """Give back the blocks of a sequence dropped part-way through a step. Its blocks past its computed tokens
-        (`num_cached_tokens`) may be cached already, though their KV was never written: they leave the cache first,
-        so no request can hit them."""
+        """Give back a sequence dropped mid-step: its blocks past `num_cached_tokens`, cached but never written, first
+        leave the cache, so no request can hit them."""
         for block_id in seq.block_table[seq.num_cached_tokens // self.block_size :]:
             block = self.blocks[block_id]
             if self.hash_to_block_id.get(block.hash) == block_id:
@@ -433,10 +384,9 @@ class BlockManager:
 
 # %% [markdown]
 # ## Watch it work
-# A tiny cache, 8 blocks of 4 slots, printed as `id:ref_count`, `#` for a cached (hashed) block and `.` for a free
-# one. Allocating `s1` caches nothing, since no KV is computed yet; the prefill step that computes its 10 tokens
-# caches its two full blocks, not the partial third (`admit` plays that step until notebook 05's scheduler does).
-# Then `s1` decodes: tokens 11 and 12 fill block 2 (hashed once full); the 13th opens block 3, not a token earlier.
+# 8 blocks of 4 slots, printed `id:ref_count` (`.` free, `#` cached). `allocate(s1)` caches nothing; the step that
+# computes its prompt caches its two full blocks (`admit` plays that step until notebook 05). Decoding, tokens 11
+# and 12 fill block 2 (cached once full); the 13th opens block 3.
 
 # %%
 from minivllm.engine.block_manager import BlockManager
@@ -448,8 +398,7 @@ def show(bm: BlockManager, note: str = "") -> None:
     print(" ".join(cells), used, note)
 
 
-def admit(bm: BlockManager, seq: Sequence) -> None:
-    """Allocate, then cache the full blocks, as the step that prefills the whole prompt at once does."""
+def admit(bm: BlockManager, seq: Sequence) -> None:  # allocate, then the step that prefills the whole prompt
     bm.allocate(seq)
     bm.cache_blocks(seq, len(seq))
 
@@ -459,72 +408,37 @@ system = [1, 2, 3, 4, 5, 6, 7, 8]  # two full blocks every request starts with
 s1 = Sequence(system + [30, 31], block_size=4)
 bm.allocate(s1)
 show(bm, f"s1 table {s1.block_table}, cached tokens {s1.num_cached_tokens}")
-assert s1.block_table == [0, 1, 2] and s1.num_cached_tokens == 0 and all(b.hash == -1 for b in bm.blocks)
+assert s1.block_table == [0, 1, 2] and all(b.hash == -1 for b in bm.blocks)
 bm.cache_blocks(s1, len(s1))
 show(bm, "s1's prompt computed")
-assert [bm.blocks[i].hash != -1 for i in s1.block_table] == [True, True, False]
 for token in (32, 33, 34):
     s1.append_token(token)
-    assert bm.can_append(s1)
     bm.may_append(s1)
     show(bm, f"s1 has {len(s1)} tokens, table {s1.block_table}")
 assert s1.block_table == [0, 1, 2, 3] and bm.blocks[2].hash != -1 and bm.blocks[3].hash == -1
 
 # %% [markdown]
-# `s2`, with the same system prompt, shares its two blocks (ref count 2) and skips 8 tokens; its tail gets fresh blocks.
+# `s2`, with the same system prompt, shares its two blocks (ref count 2) and skips 8 tokens.
 
 # %%
-s2 = Sequence(system + [40, 41, 42], block_size=4)
-admit(bm, s2)
+admit(bm, s2 := Sequence(system + [40, 41, 42], block_size=4))
 show(bm, f"s2 table {s2.block_table}, cached tokens {s2.num_cached_tokens}")
-assert s2.block_table[:2] == [0, 1] and s2.num_cached_tokens == 8
-assert bm.blocks[0].ref_count == bm.blocks[1].ref_count == 2
+assert s2.block_table[:2] == [0, 1] and s2.num_cached_tokens == 8 and bm.blocks[0].ref_count == 2
 
 # %% [markdown]
-# Both finish. Their full blocks keep their hashes and wait, as free *cached* blocks, at the back of the free
-# order; partial blocks (3 and 5) are simply free. A new, unrelated request `s3` takes the empty blocks first,
-# so the system prompt is still cached when `s4` arrives with it, long after the first two finished.
+# Both finish: their full blocks stay cached at the back of the free order. An unrelated `s3` takes empty blocks
+# first, so the system prompt is still cached when `s4` arrives with it.
 
 # %%
 bm.deallocate(s1)
 bm.deallocate(s2)
 show(bm, "after both finished")
-s3, s4 = Sequence([50, 51, 52, 53, 54], block_size=4), Sequence(system + [60], block_size=4)
-admit(bm, s3)
+admit(bm, s3 := Sequence([50, 51, 52, 53, 54], block_size=4))
 show(bm, f"s3 table {s3.block_table}")
 assert not {0, 1, 2} & set(s3.block_table) and bm.num_cached_free_blocks >= 3
-admit(bm, s4)
+admit(bm, s4 := Sequence(system + [60], block_size=4))
 show(bm, f"s4 table {s4.block_table}, cached tokens {s4.num_cached_tokens}")
 assert s4.block_table[:2] == [0, 1] and s4.num_cached_tokens == 8
-
-# %% [markdown]
-# When a whole prompt is cached, its last block is still recomputed, in a fresh block: prefill needs the last
-# token's logits, and the shared copy is never written to. `s5` repeats `s1`'s first 12 tokens (three cached
-# blocks). Freeing `s5` twice is a bug in the caller, so it stops the engine at once. With prefix caching off
-# nothing is hashed or shared. `reset()` forgets every allocation and cached prefix; the sequences that held
-# blocks must be dropped with it, as notebook 05's `abort_all` does.
-
-# %%
-admit(bm, s5 := Sequence(system + [30, 31, 32, 33], block_size=4))
-show(bm, f"s5 table {s5.block_table}, cached tokens {s5.num_cached_tokens}")
-assert s5.num_cached_tokens == 8 == len(s5) - bm.block_size and s5.block_table[2] != 2
-bm.deallocate(s5)
-try:
-    bm.deallocate(s5)
-except AssertionError as e:
-    print("AssertionError:", e)
-else:
-    raise AssertionError("a double free went unnoticed")
-
-plain = BlockManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
-for seq in (Sequence(system + [1], block_size=4), Sequence(system + [1], block_size=4)):
-    admit(plain, seq)
-assert all(b.hash == -1 for b in plain.blocks) and plain.num_used_blocks == 6  # nothing hashed, nothing shared
-
-bm.reset()
-show(bm, "after reset")
-admit(bm, s6 := Sequence(system + [70], block_size=bm.block_size))
-assert bm.num_free_blocks == bm.num_blocks - 3 and s6.num_cached_tokens == 0  # the system prompt is forgotten
 
 # %% [markdown]
 # Why `allocate` caches nothing: `long` (17 tokens, four full blocks) is prefilled in chunks, 8 tokens first. A
@@ -543,160 +457,31 @@ assert same_start.num_cached_tokens == 8 and later.num_cached_tokens == 16
 
 # %% [markdown]
 # ## Why does PagedAttention reduce fragmentation? A simulated workload
-# Now the question this notebook is for. We replay one workload on a fixed KV memory of 65,536 token slots (about
-# 7 GiB for Qwen3-0.6B): 600 chat-like requests, prompts of 16 to 512 tokens, `max_tokens=1024`, `max_model_len =
-# 2048`; each really stops after an exponentially distributed number of tokens (mean 300), as if it met its
-# end-of-sequence token. The allocators:
+# The question this notebook is for. 600 requests (prompts of 16 to 512 tokens, `max_tokens=1024`, each stopping
+# after ~300 tokens on average) replayed on 65,536 KV slots (about 7 GiB for Qwen3-0.6B), with a **contiguous**
+# region of `max_model_len = 2048` slots per request (engines before paging), a tighter contiguous `prompt +
+# max_tokens` placed first-fit, or **paged** blocks (our `BlockManager`) of 256, 64 and 16 slots. A miniature
+# scheduler admits requests first come, first served, decodes a token per request, preempts the newest when full.
 #
-# * **contiguous, max length**: each request reserves `max_model_len` slots up front (engines before paging);
-# * **contiguous, prompt + max_tokens**: a tighter reservation, placed first-fit in one address space (holes appear);
-# * **paged** (our `BlockManager`) with blocks of 256, 64 and 16 slots.
-#
-# One loop drives them all, a continuous-batching scheduler in miniature (notebook 05 builds the real one): each
-# step admits waiting requests first come, first served while memory allows, then every running request decodes
-# one token; a request that finds no free block for its next token preempts the newest running one.
+# Each step, a reserved slot holds a **token**, is reserved **ahead** for one to come, or is **over-reserved** for
+# tokens its request will never produce; a free slot is **stranded** in a hole too small for the next request
+# (external fragmentation), or **free**. The simulator: `minivllm/benchmarks/fragmentation.py`.
 
 # %%
-VOCAB, NUM_SLOTS, MAX_TOKENS, MAX_MODEL_LEN = 151_936, 65_536, 1024, 2048
+from minivllm.benchmarks.fragmentation import plot_fragmentation, print_fragmentation, run_schemes
 
+runs = run_schemes(num_requests=600)
+print_fragmentation(runs)
 
-def make_workload(n: int, prompt_len=(16, 512), mean_output=300) -> list[tuple]:
-    """n (prompt token ids, real output length) pairs."""
-    prompt_lens = rng.integers(prompt_len[0], prompt_len[1] + 1, n)
-    output_lens = np.clip(rng.exponential(mean_output, n).astype(int), 1, MAX_TOKENS)
-    return [(rng.integers(0, VOCAB, p).tolist(), int(o)) for p, o in zip(prompt_lens, output_lens)]
-
-
-class ContiguousAllocator:
-    """Blocks of one slot, but a sequence gets all its `reserve(seq)` slots up front, in one piece, first-fit."""
-
-    block_size = 1
-    cache_blocks = may_append = lambda self, *args: None  # no prefix caching, no blocks to add
-    can_append = lambda self, seq: True  # the reservation already covers every token the request may produce
-    deallocate = lambda self, seq: self.ranges.pop(seq.seq_id)
-
-    def __init__(self, num_slots: int, reserve):
-        self.num_slots, self.reserve = num_slots, reserve
-        self.ranges: dict[int, tuple[int, int]] = {}  # seq_id -> (start, size)
-
-    def holes(self) -> list[tuple[int, int]]:
-        """(start, size) of each run of free slots, in address order."""
-        ends = [(0, 0), *sorted(self.ranges.values()), (self.num_slots, 0)]
-        return [(s + n, s2 - s - n) for (s, n), (s2, _) in zip(ends, ends[1:]) if s2 > s + n]
-
-    def can_allocate(self, seq) -> bool:
-        return any(size >= self.reserve(seq) for _, size in self.holes())
-
-    def allocate(self, seq) -> None:  # first fit: the lowest hole that is big enough
-        self.ranges[seq.seq_id] = (next(s for s, n in self.holes() if n >= self.reserve(seq)), self.reserve(seq))
-
+# %%
+plot_fragmentation(runs).savefig(FIGURES / "03_fragmentation.png", dpi=120)
 
 # %% [markdown]
-# Each step, every KV slot is one of five kinds. A reserved slot holds a **token**, or is reserved **ahead** for a
-# token its request will produce later, or is **over-reserved**, for tokens it never will (reservation minus final
-# length: the workload knows it, an allocator does not). A free slot is **stranded** (external fragmentation) in a
-# hole too small for the next waiting request, else **free**.
-
-
-# %%
-def kv_breakdown(allocator, running: list[Sequence], waiting: deque, stop: dict[int, int]) -> dict:
-    """KV slots this step that hold tokens, are reserved ahead, over-reserved, stranded in holes, or free."""
-    if isinstance(allocator, ContiguousAllocator):  # a request needs its whole reservation in one hole
-        held = [allocator.ranges[s.seq_id][1] for s in running]
-        holes, piece = [n for _, n in allocator.holes()], allocator.reserve(waiting[0]) if waiting else 0
-    else:  # paged: any free block is a piece a request can use, so no hole is too small
-        held = [len(s.block_table) * allocator.block_size for s in running]
-        holes, piece = [allocator.block_size] * allocator.num_free_blocks, allocator.block_size * bool(waiting)
-        assert sum(held) == allocator.num_used_blocks * allocator.block_size  # every used block is someone's
-    tokens, stranded = sum(len(s) for s in running), sum(n for n in holes if n < piece)
-    over = sum(max(h - s.num_prompt_tokens - stop[s.seq_id], 0) for h, s in zip(held, running))  # past the end
-    return dict(tokens=tokens, ahead=sum(held) - over - tokens, over=over, stranded=stranded,
-                free=NUM_SLOTS - sum(held) - stranded, running=len(running), waiting=len(waiting))  # fmt: skip
-
-
-def simulate(workload, allocator, block_size: int = 16) -> list[dict]:
-    """Replay the workload with one allocator; one row of stats per step."""
-    waiting = deque(Sequence(p, SamplingParams(max_tokens=MAX_TOKENS), block_size) for p, _ in workload)
-    stop = {seq.seq_id: o for seq, (_, o) in zip(waiting, workload)}  # where each request meets its "EOS"
-    running: list[Sequence] = []
-    rows: list[dict] = []
-    while waiting or running:
-        while waiting and allocator.can_allocate(waiting[0]):  # admit first come, first served
-            seq = waiting.popleft()
-            allocator.allocate(seq)
-            allocator.cache_blocks(seq, len(seq))  # the whole prompt is computed in this step
-            seq.status = SequenceStatus.RUNNING
-            running.append(seq)
-        assert running, "the cache cannot hold even one request"
-        rows.append(kv_breakdown(allocator, running, waiting, stop))  # after admission, before decoding
-        for seq in list(running):  # decode one token each
-            if seq.status != SequenceStatus.RUNNING:
-                continue  # preempted earlier in this step
-            seq.append_token(int(rng.integers(VOCAB)))
-            if seq.num_completion_tokens == stop[seq.seq_id]:  # finished
-                allocator.deallocate(seq)
-                running.remove(seq)
-                continue
-            while not allocator.can_append(seq):  # out of blocks: preempt the newest request
-                victim = running.pop()
-                allocator.deallocate(victim)
-                victim.status = SequenceStatus.WAITING
-                waiting.appendleft(victim)
-                if victim is seq:
-                    break
-            else:
-                allocator.may_append(seq)
-    return rows
-
-
-# %%
-workload = make_workload(600)
-schemes = {
-    "contiguous, max length": lambda: ContiguousAllocator(NUM_SLOTS, lambda s: MAX_MODEL_LEN),
-    "contiguous, prompt + max_tokens": lambda: ContiguousAllocator(NUM_SLOTS, lambda s: len(s) + MAX_TOKENS),
-    **{f"paged, block {bs}": (lambda bs=bs: BlockManager(NUM_SLOTS // bs, bs)) for bs in (256, 64, 16)},
-}
-KINDS = {"tokens": "tab:blue", "ahead": "lightsteelblue", "over": "tab:red", "stranded": "tab:orange", "free": "0.9"}
-runs, head = {}, "{:>32} {:>8} {:>8} {:>8} {:>8} {:>8} | {:>9} {:>5} {:>5}".format
-print(head("share of KV memory while one waits", *KINDS, "occupancy", "batch", "steps"))
-for name, make in schemes.items():
-    rows = simulate(workload, make(), block_size=int(name.split()[-1]) if name.startswith("paged") else 16)
-    full = [r for r in rows if r["waiting"]]  # the steps in which memory limits the batch
-    share = {kind: sum(r[kind] for r in full) / (NUM_SLOTS * len(full)) for kind in KINDS}
-    occupancy = sum(r["tokens"] for r in rows) / sum(NUM_SLOTS - r["free"] - r["stranded"] for r in rows)  # of reserved
-    runs[name] = dict(rows=rows, share=share, occupancy=occupancy, batch=np.mean([r["running"] for r in rows]))
-    print(head(name, *(f"{s:.1%}" for s in share.values()), f"{occupancy:.1%}", round(runs[name]["batch"]), len(rows)))
-
-# %%
-fig, axes = plt.subplots(1, 2, figsize=(10.8, 4.2), width_ratios=[1.1, 1])
-names, left = list(runs), np.zeros(len(runs))
-for kind, color in KINDS.items():  # one stacked bar per scheme: where the KV memory is while requests wait
-    widths = np.array([runs[n]["share"][kind] for n in names])
-    axes[0].barh(names, widths, left=left, color=color, label=kind)
-    left += widths
-axes[0].invert_yaxis()
-axes[0].legend(fontsize=8, ncols=5, loc="lower center", bbox_to_anchor=(0.5, 1.0), columnspacing=1, handlelength=1.5)
-axes[0].set(xlim=(0, 1), xlabel="share of KV memory, over the steps in which a request waits")
-for n, color in zip(names, ["tab:red", "tab:orange", "tab:olive", "tab:green", "tab:blue"]):
-    axes[1].plot([r["running"] for r in runs[n]["rows"]], color=color, lw=1, label=n)
-axes[1].set(xlabel="step", ylabel="requests running", title="Batch size (workload done at the line's end)")
-axes[1].legend(fontsize=8)
-fig.suptitle(f"600 requests on {NUM_SLOTS:,} KV slots: contiguous reservation vs paged blocks")
-fig.tight_layout()
-fig.savefig(FIGURES / "03_fragmentation.png", dpi=120)
-
-# %% [markdown]
-# **Reading the figure.** A max-length reservation is mostly over-reserved (red): a request uses its prompt plus a
-# few hundred of 2,048 slots; equal regions tile the memory, so no hole is too small. `prompt + max_tokens` still
-# pays for 1,024 completion tokens most requests never produce, and its sizes differ: free memory sits in holes too
-# small for the next request (external fragmentation, orange). Paged blocks come as tokens arrive and any free block
-# serves any request: nothing is stranded, and the waste is the end of each request's last block, under
-# `block_size` slots (internal fragmentation): almost nothing with 16-slot blocks.
-#
-# Memory not wasted is memory for more requests: with 16-slot blocks the same memory keeps about three times as
-# many requests in flight as the max-length reservation and finishes in about a third of the steps:
-# PagedAttention's throughput comes from that batch size. (Smaller blocks cost something too: the attention
-# kernel reads one block table entry per block; 16 is vLLM's default.)
+# **Reading the figure.** A max-length reservation is mostly over-reserved (red): a request uses a few hundred of
+# its 2,048 slots. `prompt + max_tokens` still over-reserves, and its regions differ in size: free memory is stranded
+# in holes too small for the next request (orange). Paged blocks come as tokens arrive, any free block serves any
+# request, and the waste is the unfilled end of each request's last block: almost nothing with 16-slot blocks. So
+# about three times as many requests run at once, finishing in a third of the steps: PagedAttention's throughput.
 
 # %%
 occupancy, share = {n: r["occupancy"] for n, r in runs.items()}, {n: r["share"] for n, r in runs.items()}
@@ -709,9 +494,8 @@ assert len(runs["paged, block 16"]["rows"]) < len(runs["contiguous, max length"]
 
 # %% [markdown]
 # ## How fast is the bookkeeping?
-# The block manager runs on the CPU between GPU steps, so its cost adds to every step. Each call touches only its
-# sequence's blocks, so the cost must not grow with the cache. `python -m minivllm.benchmarks.block_manager` times
-# 10,000 sequences of about 1,000 tokens; here is a smaller run, with two cache sizes 64 times apart.
+# It runs on the CPU between GPU steps, so its cost adds to every step, and must not grow with the cache. A small
+# run of `python -m minivllm.benchmarks.block_manager`, with two cache sizes 64 times apart:
 
 # %%
 from minivllm.benchmarks.block_manager import print_table, run_benchmark
@@ -720,45 +504,36 @@ print_table([run_benchmark(num_blocks=n, num_seqs=500, block_size=16) for n in (
 
 # %% [markdown]
 # ## The KV cache in memory
-# For each layer the cache is two tensors, `k_cache` and `v_cache`, shaped `(num_blocks, block_size, num_kv_heads,
-# head_dim)`: flash-attn's layout. A token's *slot* is `block_id * block_size + offset`, so viewing the cache as
-# `(num_blocks * block_size, num_kv_heads, head_dim)` makes the slot a row index. Every step the model **stores**
-# each new token's `k` and `v` row in its slot (`slot_mapping[i]`, `-1` for padding, not written), then each query
-# **attends** to its sequence's rows through its block table. The store is one program per token copying a row.
+# Per layer, `k_cache` and `v_cache` are `(num_blocks, block_size, num_kv_heads, head_dim)` (flash-attn's layout);
+# viewed as `(num_blocks * block_size, ...)`, a slot is a row. Each step the model **stores** each new token's `k`
+# and `v` in its slot (`slot_mapping`, `-1` for padding: one program per token copies a row), then each query
+# **attends** to its sequence's rows through its block table.
 
 # %% tags=["export"] module="minivllm.kernels.paged_attn"
 import functools
 import math
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels.flash_attn import (
-    attend_block,
-    causal_bounds,
-    check_inputs,
-    flash_attn_varlen_contiguous,
-    heads_per_program,
-    launch_config,
-    load_tile,
-    softmax_scale_of,
-)
+from minivllm.kernels.flash_attn import attend_block, load_tile, softmax_scale_of
 
 
 @triton.jit
 def _store_kvcache_kernel(
-    k, v, k_cache, v_cache, slot_mapping, stride_kt, stride_vt, stride_kc, stride_vc,
-    KV_SIZE: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    k, v, k_cache, v_cache, slot_mapping, stride_kt, stride_vt, KV_SIZE: tl.constexpr, BLOCK: tl.constexpr
+):
+    """One token's k and v rows (KV_SIZE values each) into its slot; the caches are contiguous: a slot is a row."""
     token = tl.program_id(0)
     slot = tl.load(slot_mapping + token)
     if slot < 0:  # a padding token: nothing to store
         return
     offs = tl.arange(0, BLOCK)
     mask = offs < KV_SIZE
-    tl.store(k_cache + slot * stride_kc + offs, tl.load(k + token * stride_kt + offs, mask=mask), mask=mask)
-    tl.store(v_cache + slot * stride_vc + offs, tl.load(v + token * stride_vt + offs, mask=mask), mask=mask)
+    tl.store(k_cache + slot * KV_SIZE + offs, tl.load(k + token * stride_kt + offs, mask=mask), mask=mask)
+    tl.store(v_cache + slot * KV_SIZE + offs, tl.load(v + token * stride_vt + offs, mask=mask), mask=mask)
 
 
 def check_cache(name: str, cache: torch.Tensor, q: torch.Tensor) -> None:
@@ -808,10 +583,8 @@ def store_kvcache(
     if k.stride(-1) != 1 or k.stride(-2) != k.shape[-1] or v.stride(-1) != 1 or v.stride(-2) != v.shape[-1]:
         raise ValueError("each token's k and v must be contiguous (num_kv_heads, head_dim) rows")
     kv_size = k.shape[1] * k.shape[2]
-    _store_kvcache_kernel[(k.shape[0],)](
-        k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), k_cache.stride(1), v_cache.stride(1),
-        KV_SIZE=kv_size, BLOCK=triton.next_power_of_2(kv_size),
-    )  # fmt: skip
+    block = triton.next_power_of_2(kv_size)
+    _store_kvcache_kernel[(k.shape[0],)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), kv_size, block)
 
 
 # %% [markdown]
@@ -837,9 +610,8 @@ assert flat_k.abs().sum(dim=(1, 2)).count_nonzero() == 2  # nothing else was wri
 
 # %%
 def flops_per_byte(num_queries: int, group: int = 2, head_dim: int = 128, dtype_bytes: int = 2) -> float:
-    """Attention FLOPs per byte of K and V read, for `num_queries` queries per KV head group member."""
-    flops = 4 * num_queries * group * head_dim  # q·k and p·v for each query head, per key
-    return flops / (2 * head_dim * dtype_bytes)  # one key and one value row per key
+    """Attention FLOPs (q·k and p·v, per query head) per byte of K and V read."""
+    return 4 * num_queries * group * head_dim / (2 * head_dim * dtype_bytes)
 
 
 h200_ridge = 989e12 / 4.8e12  # dense bf16 FLOP/s over HBM bytes/s: below this a kernel waits on memory
@@ -848,21 +620,15 @@ for name, n in (("decode (1 query)", 1), ("prefill of 4,096 tokens", 4096)):
 assert flops_per_byte(1) < 10 < h200_ridge < flops_per_byte(4096)
 
 # %% [markdown]
-# Decode sits far below the ridge: it is **memory-bound**, and a good decode kernel streams the KV cache at full
-# HBM bandwidth. That changes the design:
+# Decode is **memory-bound**: a good decode kernel streams the KV cache at full HBM bandwidth. So: **GQA packing**,
+# one program for *all* query heads of a KV head, each KV block read once; **split-K** (flash-decoding), since one
+# sequence × 8 KV heads is 8 programs for 132 multiprocessors: the context is cut into `num_splits` chunks, each
+# program writes its chunk's output and log-sum-exp `lse_s`, a tiny kernel combines them; **paging**, keys found
+# through the block table (`paged_rows`), 64 per step. A split's loop, `attend_split`, runs notebook 01's
+# `attend_block`; `store_split` writes its results (the cascade kernel, below, reuses both).
 #
-# * **GQA packing.** Qwen3-0.6B's 16 query heads share 8 KV heads. One program handles *all* query heads of a KV
-#   head, so each KV block is read once.
-# * **Split-K (flash-decoding).** One sequence × 8 KV heads is only 8 programs, on a GPU with 132 multiprocessors.
-#   So we cut the context into `num_splits` chunks; each program reduces its chunk with online softmax and writes
-#   a partial output and its log-sum-exp `lse_s`; a second tiny kernel combines them.
-# * **Paging.** A program finds token `t`'s row through the block table (`paged_rows`): blocks of 16 are gathered
-#   4 at a time (64 keys per step), blocks of 256 read in 4 steps. A split's loop, `attend_split`, runs notebook
-#   01's `attend_block`; `store_split` writes its output and log-sum-exp (the cascade kernel below reuses both).
-#
-# Split-K first in PyTorch (parts b and c of `exercises/01_online_softmax.ipynb` have you write it): one decode
-# query over 300 keys, in 3 chunks. Each chunk's softmax is normalised by its own sum, so a plain average of the
-# outputs is wrong; weighting each by `exp(lse_s − lse)`, its share of the whole row's sum, gives the exact result.
+# Split-K first in PyTorch (`exercises/01_online_softmax.ipynb`, parts b and c): 300 keys in 3 chunks. Each chunk's
+# softmax has its own sum, so weight each output by `exp(lse_s − lse)`, its share of the row's sum: exact.
 
 # %%
 from minivllm.kernels.reference import attention_ref
@@ -889,12 +655,13 @@ def paged_rows(block_table_row, tok, valid, BLOCK_SIZE: tl.constexpr):
 
 @triton.jit
 def attend_split(
-    q, K, V, table_row, lo, hi, kv_head, qk_scale, stride_kt, stride_kh, stride_vt, stride_vh,
-    ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    q, K, V, table_row, lo, hi, kv_head, qk_scale, kv_strides,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """One split of split-K: queries q (ROWS, D) of one KV head over keys lo..hi-1 of the paged cache, found
-    through a block-table row. Returns the split's output (ROWS, D) and log-sum-exp (ROWS,), in log2 units."""
+    """Queries q (ROWS, D) of one KV head over keys lo..hi-1 of a block-table row: output, log2-sum-exp (ROWS,)."""
+    ROWS: tl.constexpr = q.shape[0]
+    HEAD_DIM: tl.constexpr = q.shape[1]
+    stride_kt, stride_kh, stride_vt, stride_vh = kv_strides  # (token, head) of k, then of v
     offs_q, offs_d, offs_n = tl.arange(0, ROWS), tl.arange(0, HEAD_DIM), tl.arange(0, BLOCK_N)
     m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
@@ -912,11 +679,9 @@ def attend_split(
 
 
 @triton.jit
-def store_split(
-    partial_out, partial_lse, seq, heads, slot, out, lse, mask,
-    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, HEAD_DIM: tl.constexpr,
-):  # fmt: skip
+def store_split(partial_out, partial_lse, seq, heads, slot, out, lse, mask, part_strides, HEAD_DIM: tl.constexpr):
     """A split's results into slot `slot` of its rows (seq: one sequence, or one per row; heads: one per row)."""
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh = part_strides  # of partial_out, then partial_lse
     row = seq * stride_pb + heads * stride_ph + slot * stride_ps  # (ROWS,)
     tl.store(partial_out + row[:, None] + tl.arange(0, HEAD_DIM)[None, :], out, mask=mask[:, None])
     tl.store(partial_lse + seq * stride_lb + heads * stride_lh + slot, lse, mask=mask)
@@ -924,9 +689,8 @@ def store_split(
 
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])  # vary from step to step (notebook 01)
 def _decode_kernel(
-    Q, K, V, partial_out, partial_lse, cache_seqlens, block_table, prefix_lens, qk_scale, num_splits,
-    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_bt,  # strides of q, k, v, block_table
-    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,  # strides of partial_out, partial_lse
+    Q, K, V, partial_out, partial_lse, cache_seqlens, block_table, prefix_lens, qk_scale, num_splits, stride_bt,
+    q_strides, kv_strides, part_strides,  # (batch, head) of q; (token, head) of k and v; see store_split
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_PREFIX: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -938,42 +702,35 @@ def _decode_kernel(
     hi = tl.minimum(lo + chunk, seqlen)
     offs_g = tl.arange(0, GROUP_PAD)  # the query heads of this KV head (padded: tl.dot needs 16 rows)
     heads, mask = kv_head * GROUP + offs_g, offs_g < GROUP
-    q = load_tile(
-        Q + seq * stride_qb + heads[:, None] * stride_qh + tl.arange(0, HEAD_DIM)[None, :], mask[:, None], UPCAST
-    )  # (GROUP_PAD, D)
+    q_rows = Q + seq * q_strides[0] + heads * q_strides[1]  # (GROUP_PAD,)
+    q = load_tile(q_rows[:, None] + tl.arange(0, HEAD_DIM)[None, :], mask[:, None], UPCAST)  # (GROUP_PAD, D)
+    table_row = block_table + seq * stride_bt
     out, lse = attend_split(
-        q, K, V, block_table + seq * stride_bt, lo, hi, kv_head, qk_scale, stride_kt, stride_kh, stride_vt, stride_vh,
-        GROUP_PAD, HEAD_DIM, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION,
-    )  # fmt: skip
-    store_split(partial_out, partial_lse, seq, heads, split, out, lse, mask,
-                stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, HEAD_DIM)  # fmt: skip
+        q, K, V, table_row, lo, hi, kv_head, qk_scale, kv_strides, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION
+    )
+    store_split(partial_out, partial_lse, seq, heads, split, out, lse, mask, part_strides, HEAD_DIM)
 
 
 @triton.jit(do_not_specialize=["num_splits", "prefix_splits"])
 def _combine_splits_kernel(
-    partial_out, partial_lse, O, cache_seqlens, prefix_lens, num_splits, prefix_splits,  # tensors, scalars
-    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,  # strides
+    partial_out, partial_lse, O, cache_seqlens, prefix_lens, num_splits, prefix_splits, part_strides, o_strides,
     HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):  # fmt: skip
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh = part_strides
     seq, head = tl.program_id(0), tl.program_id(1)
     if tl.load(cache_seqlens + seq) == 0:
         return  # not a sequence: a CUDA graph's padding row (notebook 04), whose output row may be another's
-    if prefix_splits > 0:  # the shared prefix's splits (below) follow the row's own, if the row shares it
+    if prefix_splits > 0:  # the shared prefix's splits (cascade attention) follow the row's own, if it shares it
         num_splits += tl.where(tl.load(prefix_lens + seq) > 0, prefix_splits, 0)
-    offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
-    lse = tl.load(
-        partial_lse + seq * stride_lb + head * stride_lh + offs_s, mask=offs_s < num_splits, other=float("-inf")
-    )  # (SPLITS_PAD,)
+    offs_s, offs_d = tl.arange(0, SPLITS_PAD), tl.arange(0, HEAD_DIM)
+    lse_ptrs = partial_lse + seq * stride_lb + head * stride_lh + offs_s
+    lse = tl.load(lse_ptrs, mask=offs_s < num_splits, other=float("-inf"))  # (SPLITS_PAD,)
     m = tl.max(lse, 0)
     weights = tl.math.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
-    parts = tl.load(
-        partial_out + seq * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
-        mask=(offs_s < num_splits)[:, None],
-        other=0.0,
-    )  # (SPLITS_PAD, D)
+    part_ptrs = partial_out + seq * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :]
+    parts = tl.load(part_ptrs, mask=(offs_s < num_splits)[:, None], other=0.0)  # (SPLITS_PAD, D)
     out = tl.sum(parts * weights[:, None], 0) / tl.maximum(tl.sum(weights, 0), 1e-30)
-    tl.store(O + seq * stride_ob + head * stride_oh + offs_d, out.to(O.dtype.element_ty))
+    tl.store(O + seq * o_strides[0] + head * o_strides[1] + offs_d, out.to(O.dtype.element_ty))
 
 
 # %% tags=["export"]
@@ -991,21 +748,7 @@ def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> in
     return min(128, wave // programs) if programs <= wave else 2
 
 
-def flash_attn_with_kvcache(
-    q: torch.Tensor,  # (batch, 1, num_heads, head_dim): one new query per sequence
-    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
-    v_cache: torch.Tensor,
-    cache_seqlens: torch.Tensor | None = None,  # (batch,) int32: tokens in each sequence's cache
-    block_table: torch.Tensor | None = None,  # (batch, max_blocks) int32
-    softmax_scale: float | None = None,
-    causal: bool = False,  # one query that sees its whole cache: causal or not is the same thing
-    out: torch.Tensor | None = None,  # (batch, 1, num_heads, head_dim) to write into; None: a new tensor
-    prefix_blocks: torch.Tensor | None = None,  # (n,) int32: blocks that begin the caches of several rows
-    prefix_lens: torch.Tensor | None = None,  # (batch,) int32: a row's tokens in those blocks, or 0 (not its own)
-) -> torch.Tensor:  # (batch, 1, num_heads, head_dim)
-    """Decode attention over a paged KV cache, with flash-attn's signature (GQA-packed, split-K). Given a shared
-    prefix (`prefix_blocks`, and `prefix_lens` of one length for the rows that begin with it), the rows' queries
-    attend to it together, its keys read once (cascade attention, below), and each row reads only its own keys."""
+def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, block_table, prefix_blocks, prefix_lens) -> None:
     if q.dim() != 4 or q.shape[1] != 1:
         raise ValueError(f"q must be (batch, 1, num_heads, head_dim), got {tuple(q.shape)}")
     check_cache("k_cache", k_cache, q)
@@ -1030,10 +773,27 @@ def flash_attn_with_kvcache(
         check_index("prefix_lens", prefix_lens, 1, q.device)
         if prefix_lens.shape[0] != batch:
             raise ValueError(f"prefix_lens needs one row per sequence ({batch}), got {prefix_lens.shape[0]}")
-    scale = softmax_scale_of(softmax_scale, head_dim)
-    on_cpu = q.device.type == "cpu"
-    num_splits = decode_num_splits(batch, num_kv_heads, q.device)
-    group = num_heads // num_kv_heads
+
+
+def flash_attn_with_kvcache(
+    q: torch.Tensor,  # (batch, 1, num_heads, head_dim): one new query per sequence
+    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor | None = None,  # (batch,) int32: tokens in each sequence's cache
+    block_table: torch.Tensor | None = None,  # (batch, max_blocks) int32
+    softmax_scale: float | None = None,
+    causal: bool = False,  # one query that sees its whole cache: causal or not is the same thing
+    out: torch.Tensor | None = None,  # (batch, 1, num_heads, head_dim) to write into; None: a new tensor
+    prefix_blocks: torch.Tensor | None = None,  # (n,) int32: blocks that begin the caches of several rows
+    prefix_lens: torch.Tensor | None = None,  # (batch,) int32: a row's tokens in those blocks, or 0 (not its own)
+) -> torch.Tensor:  # (batch, 1, num_heads, head_dim)
+    """Decode attention over a paged KV cache, flash-attn's signature (GQA-packed, split-K). Rows that begin with
+    `prefix_blocks` (`prefix_lens` > 0) attend to them together, their keys read once (cascade attention)."""
+    check_decode_inputs(q, k_cache, v_cache, cache_seqlens, block_table, prefix_blocks, prefix_lens)
+    assert cache_seqlens is not None and block_table is not None  # checked: for mypy
+    batch, _, num_heads, head_dim = q.shape
+    num_kv_heads, on_cpu = k_cache.shape[2], q.device.type == "cpu"
+    num_splits, group = decode_num_splits(batch, num_kv_heads, q.device), num_heads // num_kv_heads
     block_m = 16 if on_cpu else 64  # (row, query head) pairs per program of the prefix kernel
     prefix_grid = (triton.cdiv(batch * group, block_m), num_kv_heads)
     prefix_splits = 0 if prefix_blocks is None else prefix_num_splits(prefix_grid[0] * prefix_grid[1], q.device)
@@ -1042,38 +802,36 @@ def flash_attn_with_kvcache(
     slots = num_splits + prefix_splits  # partial results per row and head: the row's own splits, the prefix's
     partial_out = torch.empty(batch, num_heads, slots, head_dim, dtype=torch.float32, device=q.device)
     partial_lse = torch.empty(batch, num_heads, slots, dtype=torch.float32, device=q.device)
-    common = dict(UPCAST=on_cpu and q.dtype != torch.float32, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                  num_warps=4, num_stages=1 if on_cpu else 2)  # fmt: skip
-    strides = (q.stride(0), q.stride(2), k.stride(0), k.stride(1), v.stride(0), v.stride(1))
-    partial_strides = (*partial_out.stride()[:3], *partial_lse.stride()[:2])
+    tensors, lens = (q, k, v, partial_out, partial_lse), cache_seqlens if prefix_lens is None else prefix_lens
+    qk_scale = softmax_scale_of(softmax_scale, head_dim) * math.log2(math.e)
+    q_strides, kv_strides = (q.stride(0), q.stride(2)), (*k.stride()[:2], *v.stride()[:2])
+    strides = (q_strides, kv_strides, (*partial_out.stride()[:3], *partial_lse.stride()[:2]))
     # tile sizes: the fastest of a sweep on an H200 (bf16, head_dim 128, block sizes 16 and 256)
+    common: dict[str, Any] = dict(
+        HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_N=16 if on_cpu else 64, num_warps=4
+    )
+    common.update(UPCAST=on_cpu and q.dtype != torch.float32, num_stages=1 if on_cpu else 2)
+    common.update(PRECISION="ieee" if q.dtype == torch.float32 else "tf32", GROUP=group)
+    decode = dict(GROUP_PAD=max(16, triton.next_power_of_2(group)), HAS_PREFIX=prefix_lens is not None)
+    scalars = (qk_scale, num_splits, block_table.stride(0))
     _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k, v, partial_out, partial_lse, cache_seqlens, block_table,
-        cache_seqlens if prefix_lens is None else prefix_lens, scale * math.log2(math.e), num_splits,
-        *strides, block_table.stride(0), *partial_strides,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_N=16 if on_cpu else 64, HAS_PREFIX=prefix_lens is not None, **common,
-    )  # fmt: skip
+        *tensors, cache_seqlens, block_table, lens, *scalars, *strides, **decode, **common
+    )
     if prefix_splits:
-        _shared_prefix_kernel[(*prefix_grid, prefix_splits)](
-            q, k, v, partial_out, partial_lse, prefix_blocks, prefix_lens, scale * math.log2(math.e), batch,
-            num_splits, *strides, *partial_strides,
-            GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=16 if on_cpu else 64,
-            **common,
-        )  # fmt: skip
+        prefix = (prefix_blocks, prefix_lens, qk_scale, batch, num_splits)
+        _shared_prefix_kernel[(*prefix_grid, prefix_splits)](*tensors, *prefix, *strides, BLOCK_M=block_m, **common)
+    splits = (num_splits, prefix_splits, strides[2], (out.stride(0), out.stride(2)))
+    pad = max(2, triton.next_power_of_2(slots))
     _combine_splits_kernel[(batch, num_heads)](
-        partial_out, partial_lse, out, cache_seqlens, cache_seqlens if prefix_lens is None else prefix_lens,
-        num_splits, prefix_splits, *partial_strides,
-        out.stride(0), out.stride(2), HEAD_DIM=head_dim, SPLITS_PAD=max(2, triton.next_power_of_2(slots)),
-    )  # fmt: skip
+        partial_out, partial_lse, out, cache_seqlens, lens, *splits, HEAD_DIM=head_dim, SPLITS_PAD=pad
+    )
     return out
 
 
 # %% [markdown]
 # ### Check the decode kernel against the reference
-# On sequences of 1 to 300 random tokens in shuffled blocks, for several block sizes and GQA ratios, the kernel
-# must give what notebook 01's reference gives on the same keys laid out contiguously. Each run forces a number of
-# splits (on a CPU, with no multiprocessors to fill, `decode_num_splits` picks 1); short sequences leave some empty.
+# Sequences of 1 to 300 tokens in shuffled blocks, several block sizes, GQA ratios and forced numbers of splits (a
+# CPU would pick 1; short sequences leave some empty): the kernel must match notebook 01's reference.
 
 # %%
 from unittest import mock
@@ -1081,11 +839,11 @@ from unittest import mock
 from minivllm.kernels.paged_attn import flash_attn_with_kvcache
 from minivllm.testing import scatter_into_cache  # random K/V written to shuffled blocks, and kept contiguous
 
+seq_lens, cu_q = [1, 17, 300, 64], torch.arange(5, dtype=torch.int32, device=DEVICE)  # one query per sequence
+cache_seqlens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
 for block_size, num_heads, num_kv_heads, num_splits in ((16, 8, 2, 1), (32, 8, 8, 4), (256, 8, 1, 3)):
-    seq_lens = [1, 17, 300, 64]
     k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache(seq_lens, num_kv_heads, 32, block_size, DEVICE)
     q = torch.randn(len(seq_lens), 1, num_heads, 32, device=DEVICE)
-    cache_seqlens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     with mock.patch("minivllm.kernels.paged_attn.decode_num_splits", lambda *_, n=num_splits: n):
         out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table)
     cu_q = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)
@@ -1095,43 +853,21 @@ for block_size, num_heads, num_kv_heads, num_splits in ((16, 8, 2, 1), (32, 8, 8
     torch.testing.assert_close(out[:, 0], ref, rtol=1e-4, atol=1e-4)
 
 # %% [markdown]
-# ### A prefix every row shares: read it once (cascade attention; in PyTorch: `exercises/03_cascade_attention.ipynb`)
-# In a chat service every request begins with the same system prompt, and prefix caching (above) makes its blocks
-# the *same* blocks in every row's table. The decode kernel still reads them once per row: one query per KV head
-# group, a few FLOPs per byte. Yet the rows' queries over those shared keys form a matrix product: all rows'
-# queries × the same keys. **Cascade attention** (FlashInfer's name; vLLM runs it when every request shares a
-# prefix) cuts each row's keys in two:
-#
-# * the **shared prefix**, attended by all the rows' queries together: one program per tile of `BLOCK_M` (row,
-#   query head) pairs of a KV head, the decode kernel's `attend_split` over the prefix's blocks (no causal mask),
-#   each key tile read once per tile of rows, not once per row;
-# * each row's **own keys** (its prompt after the prefix, its output so far): the decode kernel from
-#   `prefix_lens[row]` on.
-#
-# The prefix's outputs and log-sum-exps are more splits of each row: the combine kernel already merges
-# splits exactly. Per layer of Qwen3-0.6B, 256 rows that share a 1,488-token prompt and have ~350 tokens each of
-# their own (notebook 06's chat workload):
-
-# %%
-rows, shared, own, kv_bytes_per_token = 256, 1488, 350, 2 * 8 * 128 * 2  # K and V, 8 KV heads of 128, bf16
-per_row = rows * (shared + own) * kv_bytes_per_token / 1e6
-cascade = (shared + rows * own) * kv_bytes_per_token / 1e6
-print(f"keys and values read per layer: {per_row:.0f} MB row by row, {cascade:.0f} MB with the prefix read once")
-print(f"the prefix's FLOP/byte with all rows' queries: {flops_per_byte(rows):.0f} (one row's: {flops_per_byte(1):.0f})")
-assert cascade < per_row / 4
+# ### A prefix many rows share: cascade attention (the deep dive `deep_dives/cascade_attention`)
+# Rows that begin with the same cached blocks (a system prompt) read them once per row; given `prefix_blocks` and
+# `prefix_lens`, the kernel below reads them once for all those rows, as more splits. The deep dive explains it.
 
 
 # %% tags=["export"]
 @triton.jit(do_not_specialize=["batch", "first_split"])
 def _shared_prefix_kernel(
-    Q, K, V, partial_out, partial_lse, prefix_blocks, prefix_lens, qk_scale, batch, first_split,  # tensors, scalars
-    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,  # strides of q, k, v
-    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,  # strides of partial_out, partial_lse
+    Q, K, V, partial_out, partial_lse, prefix_blocks, prefix_lens, qk_scale, batch, first_split,
+    q_strides, kv_strides, part_strides,  # as the decode kernel's
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Split `split` of the shared prefix for BLOCK_M (row, query head) pairs of one KV head: partial results in
-    slot first_split + split of each pair (the combine kernel reads them for the rows that share the prefix)."""
+    """Split `split` of the shared prefix for BLOCK_M (row, query head) pairs of one KV head, into slot
+    first_split + split."""
     tile, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # (row, query head) pairs, GROUP heads per row
     seq, heads = offs_m // GROUP, kv_head * GROUP + offs_m % GROUP
@@ -1142,17 +878,14 @@ def _shared_prefix_kernel(
     chunk = tl.cdiv(tl.cdiv(prefix_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, prefix_len)
-    q = load_tile(
-        Q + seq[:, None] * stride_qb + heads[:, None] * stride_qh + tl.arange(0, HEAD_DIM)[None, :],
-        shares[:, None],
-        UPCAST,
-    )  # (BLOCK_M, D); a non-sharer's row is computed too, and never read: the combine kernel skips its slots
+    q_rows = Q + seq * q_strides[0] + heads * q_strides[1]  # (BLOCK_M,)
+    q = load_tile(q_rows[:, None] + tl.arange(0, HEAD_DIM)[None, :], shares[:, None], UPCAST)  # (BLOCK_M, D)
+    # a non-sharer's row is computed too, and never read: the combine kernel skips its slots
     out, lse = attend_split(
-        q, K, V, prefix_blocks, lo, hi, kv_head, qk_scale, stride_kt, stride_kh, stride_vt, stride_vh,
-        BLOCK_M, HEAD_DIM, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION,
-    )  # fmt: skip
-    store_split(partial_out, partial_lse, seq, heads, first_split + split, out, lse, seq < batch,
-                stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, HEAD_DIM)  # fmt: skip
+        q, K, V, prefix_blocks, lo, hi, kv_head, qk_scale, kv_strides, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION
+    )
+    slot, mask = first_split + split, seq < batch
+    store_split(partial_out, partial_lse, seq, heads, slot, out, lse, mask, part_strides, HEAD_DIM)
 
 
 def prefix_num_splits(num_programs: int, device: torch.device) -> int:
@@ -1163,158 +896,9 @@ def prefix_num_splits(num_programs: int, device: torch.device) -> int:
 
 
 # %% [markdown]
-# Checked like the decode kernel: rows 0–3 below begin with the same 3 blocks (48 tokens), row 4 does not; with
-# the prefix given, each row's output must be what reading every key row by row gives.
-
-# %%
-from minivllm.kernels import paged_attn
-
-seq_lens = [60, 49, 100, 48, 70]
-k_cache, v_cache, block_table, _, _, _ = scatter_into_cache(seq_lens, 2, 32, 16, DEVICE)
-block_table[1:4, :3] = block_table[0, :3]  # rows 1-3 now read row 0's first 48 keys: a cached system prompt
-prefix_lens = torch.tensor([48, 48, 48, 48, 0], dtype=torch.int32, device=DEVICE)
-q = torch.randn(len(seq_lens), 1, 8, 32, device=DEVICE)
-cache_seqlens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-row_by_row = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table)
-for num_splits in (1, 3):
-    with mock.patch.object(paged_attn, "prefix_num_splits", lambda *_, n=num_splits: n):
-        out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, prefix_blocks=block_table[0, :3],
-                                      prefix_lens=prefix_lens)  # fmt: skip
-    print(f"prefix in {num_splits} split(s): max difference {(out - row_by_row).abs().max():.1e}")
-    torch.testing.assert_close(out, row_by_row, rtol=1e-4, atol=1e-4)
-
-# %% [markdown]
-# ## Prefill after a prefix-cache hit
-# After a prefix-cache hit, prefill computes only the **new** tokens, whose queries must still attend to the
-# cached prefix. Attention over the new tokens alone (as some teaching engines run it) silently drops the prefix:
-# the output changes, nothing crashes. So prefill gets a paged form too: `flash_attn_varlen_func(...,
-# block_table=...)`. The new keys and values are first stored into the cache; then the kernel reads *all* keys of
-# a sequence (`cu_seqlens_k`: cached + new) through its block table, with notebook 01's bottom-right causal mask:
-# notebook 01's kernel with the key rows looked up. Its grid is a **list of work**: program `i` takes row `i` of
-# `tiles`, a (sequence, query tile) pair. By default the list holds every sequence's tiles up to the longest, and
-# programs past a sequence's end return at once (notebook 01's grid, flattened); the engine passes only the tiles
-# that exist, and a CUDA graph, which fixes its grid when captured, a list padded with -1 (notebook 04). The block
-# table's row stride changes from step to step and is not specialized on, so Triton compiles the kernel once (as
-# for the decode kernel). It is checked below, with the PyTorch version of the paged operations.
-
-
-# %% tags=["export"] module="minivllm.kernels.paged_attn"
-@triton.jit(do_not_specialize=["stride_bt"])
-def _paged_prefill_kernel(
-    Q, K, V, O, cu_seqlens_q, cu_seqlens_k, block_table, tiles, qk_scale,  # tensors, scalar
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt,  # strides
-    GROUP: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
-):  # fmt: skip
-    seq = tl.load(tiles + 2 * tl.program_id(0))  # this program's (sequence, query tile), from the list
-    start_m = tl.load(tiles + 2 * tl.program_id(0) + 1)
-    first_head = tl.program_id(1) * HEADS  # HEADS query heads of one KV head, as notebook 01's kernel
-    if seq < 0:
-        return  # padding: a CUDA graph's list is longer than its step's (notebook 04)
-    q_start = tl.load(cu_seqlens_q + seq)
-    q_len = tl.load(cu_seqlens_q + seq + 1) - q_start
-    if start_m * BLOCK_M >= q_len:
-        return
-    k_len = tl.load(cu_seqlens_k + seq + 1) - tl.load(cu_seqlens_k + seq)
-    kv_head = first_head // GROUP
-    r = tl.arange(0, HEADS * BLOCK_M)  # tile row r: position r // HEADS, query head first_head + r % HEADS
-    offs_m, head = start_m * BLOCK_M + r // HEADS, first_head + r % HEADS
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    q = load_tile(
-        Q + (q_start + offs_m)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-        (offs_m < q_len)[:, None],
-        UPCAST,
-    )  # (HEADS * BLOCK_M, D)
-    m_i = tl.full([HEADS * BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([HEADS * BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([HEADS * BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    shift = k_len - q_len  # the cached prefix: new query i sees keys j <= i + shift
-    unmasked, hi = causal_bounds(start_m, k_len, shift, BLOCK_M, BLOCK_N, CAUSAL)
-    for start_n in range(0, hi, BLOCK_N):
-        tok = start_n + offs_n
-        valid = tok < k_len
-        rows = paged_rows(block_table + seq * stride_bt, tok, valid, BLOCK_SIZE)
-        k = load_tile(K + rows[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None], valid[None, :], UPCAST)
-        v = load_tile(V + rows[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :], valid[:, None], UPCAST)
-        acc, m_i, l_i = attend_block(
-            acc, m_i, l_i, q, k, v, tok, offs_m, k_len, shift, qk_scale, start_n >= unmasked, CAUSAL, PRECISION
-        )
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(
-        O + (q_start + offs_m)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-        out.to(O.dtype.element_ty),
-        mask=(offs_m < q_len)[:, None],
-    )
-
-
-# %% tags=["export"]
-def all_tiles(batch: int, num_m_blocks: int, device: torch.device) -> torch.Tensor:  # (num_m_blocks * batch, 2)
-    """(sequence, query tile) for every sequence and tile below num_m_blocks, int32: the last tiles, which see the
-    most keys, first, so that the longest programs do not start last."""
-    seq = torch.arange(batch, dtype=torch.int32, device=device)
-    m = torch.arange(num_m_blocks - 1, -1, -1, dtype=torch.int32, device=device)
-    grid_m, grid_seq = torch.meshgrid(m, seq, indexing="ij")
-    return torch.stack([grid_seq, grid_m], -1).reshape(-1, 2)
-
-
-def flash_attn_varlen_func(
-    q: torch.Tensor,  # (total_q, num_heads, head_dim)
-    k: torch.Tensor,  # (total_k, num_kv_heads, head_dim), or the k_cache when block_table is given
-    v: torch.Tensor,  # likewise
-    cu_seqlens_q: torch.Tensor,  # (batch + 1,) int32
-    cu_seqlens_k: torch.Tensor,  # (batch + 1,) int32: with a block table, cached + new tokens per sequence
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    block_table: torch.Tensor | None = None,  # (batch, max_blocks) int32
-    out: torch.Tensor | None = None,  # with block_table: (total_q, num_heads, head_dim) to write the batch's rows into
-    tiles: torch.Tensor | None = None,  # with block_table: (num_tiles, 2) int32, see query_tiles; None: every tile
-) -> torch.Tensor:  # (total_q, num_heads, head_dim)
-    """flash-attn's varlen attention; with `block_table`, keys and values are read from a paged cache, one program
-    per (sequence, query tile) of `tiles` and group of query heads (notebook 01's `heads_per_program`)."""
-    if block_table is None:
-        if out is not None or tiles is not None:
-            raise ValueError("out= and tiles= need block_table=: they are the paged kernel's")
-        return flash_attn_varlen_contiguous(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal
-        )
-    check_cache("k_cache", k, q)
-    check_cache("v_cache", v, q)
-    check_index("block_table", block_table, 2, q.device)
-    num_kv_heads, head_dim = k.shape[2], k.shape[3]
-    check_inputs(q, k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim), cu_seqlens_q, cu_seqlens_k)
-    if block_table.shape[0] != cu_seqlens_q.numel() - 1:
-        raise ValueError(f"block_table has {block_table.shape[0]} rows for {cu_seqlens_q.numel() - 1} sequences")
-    scale = softmax_scale_of(softmax_scale, head_dim)
-    config = launch_config(head_dim, q.device)
-    kf, vf = k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)
-    out = check_out(out, q)
-    if tiles is None:  # every sequence's first cdiv(max_seqlen_q, BLOCK_M) tiles: those past its end return at once
-        tiles = all_tiles(cu_seqlens_q.numel() - 1, triton.cdiv(max_seqlen_q, config["BLOCK_M"]), q.device)
-    check_index("tiles", tiles, 2, q.device)
-    if tiles.shape[0] == 0:
-        return out  # no tiles: nothing to compute
-    group = q.shape[1] // num_kv_heads
-    heads = heads_per_program(group, config["BLOCK_M"])
-    _paged_prefill_kernel[(tiles.shape[0], q.shape[1] // heads)](
-        q, kf, vf, out, cu_seqlens_q, cu_seqlens_k, block_table, tiles.contiguous(), scale * math.log2(math.e),
-        q.stride(0), q.stride(1), kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1), out.stride(0), out.stride(1),
-        block_table.stride(0),
-        GROUP=group, HEADS=heads, HEAD_DIM=head_dim, BLOCK_SIZE=k.shape[1], CAUSAL=causal,
-        UPCAST=q.device.type == "cpu" and q.dtype != torch.float32,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **config,
-    )  # fmt: skip
-    return out
-
-
-# %% [markdown]
 # ## Paged attention without a GPU
-# On a CPU the Triton kernels run only in Triton's interpreter: exact, but thousands of times slower. So there the
-# engine uses PyTorch indexing: a store is an indexed assignment; attention gathers each sequence's rows through
-# its block table and calls notebook 01's reference. It is also a second implementation to test the kernels by.
+# On a CPU, Triton's interpreter is exact but thousands of times slower, so the engine uses PyTorch indexing there:
+# a store is an indexed assignment; attention gathers each sequence's rows and calls notebook 01's reference.
 
 
 # %% tags=["export"] module="minivllm.kernels.paged_reference"
@@ -1354,36 +938,25 @@ def paged_attention_ref(
 
 
 # %% [markdown]
-# Check: on random caches in shuffled blocks of 16 and 256, the reference gives what notebook 01's gives on the same
-# keys laid out contiguously, and so do both kernels: the paged prefill for new tokens after a cached prefix, and
-# decode for each sequence's newest token alone (the reference's case of one new token).
+# Check: with new tokens after cached ones, in shuffled blocks, the reference gives what notebook 01's gives on the
+# same keys laid out contiguously. (The paged prefill *kernel* after a cache hit: the deep dive `paged_prefill`.)
 
 # %%
-from minivllm.kernels.paged_attn import flash_attn_varlen_func
 from minivllm.kernels.paged_reference import paged_attention_ref
 
 seq_lens, q_lens = [1, 17, 300, 64, 40], [1, 5, 64, 17, 40]  # tokens in the cache; the new ones among them
 cu_q = torch.tensor([0, *np.cumsum(q_lens)], dtype=torch.int32, device=DEVICE)
-newest, cache_seqlens = cu_q[1:] - 1, torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
 for block_size in (16, 256):
     k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache(seq_lens, 2, 32, block_size, DEVICE)
     q = torch.randn(sum(q_lens), 4, 32, device=DEVICE)
     ref = paged_attention_ref(q, k_cache, v_cache, cu_q, cu_k, block_table)
     torch.testing.assert_close(ref, attention_ref(q, k, v, cu_q, cu_k, causal=True))
-    prefill = flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 64, 300, causal=True, block_table=block_table)
-    torch.testing.assert_close(prefill, ref, rtol=1e-4, atol=1e-4)
-    decode = flash_attn_with_kvcache(q[newest, None], k_cache, v_cache, cache_seqlens, block_table)[:, 0]
-    torch.testing.assert_close(decode, ref[newest], rtol=1e-4, atol=1e-4)
-print("paged prefill and decode match both references")
 
 # %% [markdown]
-# ## Measured on an H200
-# `python -m minivllm.benchmarks.decode` times decode attention for Qwen3-0.6B's heads (batch × context from 1 ×
-# 16k to 256 × 512, blocks of 16 and 256) in bytes of K and V read per second, capped by the copy bandwidth:
-# `minivllm-triton`, the decode kernel above; `flashinfer`, FlashInfer's (vLLM's) on the same cache, the bar to
-# reach; `minivllm-prefill-kernel`, our *prefill* kernel, one query per sequence; `naive-gather-sdpa`, blocks
-# copied out, then PyTorch's attention.
-# On a GPU this cell re-measures a subset; without one it shows the committed H200 results.
+# ## How fast: decode vs prefill kernels on an H200
+# `python -m minivllm.benchmarks.decode`, in bytes of K and V read per second: `minivllm-triton` (the kernel above),
+# `flashinfer` (vLLM's, the bar to reach), `minivllm-prefill-kernel` (deep dive `paged_prefill`), and
+# `naive-gather-sdpa` (blocks copied out, then PyTorch's attention). A GPU re-measures a subset; else committed data.
 
 # %%
 from minivllm.benchmarks.decode import plot_decode, run_decode_benchmark
@@ -1392,141 +965,33 @@ if DEVICE == "cuda":
     decode_data = run_decode_benchmark(shapes=[(1, 16384), (64, 4096)], block_sizes=(16,))
 else:
     decode_data = json.loads(Path("figures/decode.json").read_text())
-fig = plot_decode(decode_data)
-fig.savefig(FIGURES / "04_decode.png", dpi=120)
-tbps = {(r["impl"], r["batch"], r["context_len"], r["block_size"]): r["tbps"] for r in decode_data["rows"]}
-for key in sorted(tbps):
-    print(f"{key[0]:>24} batch {key[1]:>3} × {key[2]:>5} tokens, blocks of {key[3]:>3}: {tbps[key]:.2f} TB/s")
-print(f"copy bandwidth: {decode_data['copy_tbps']:.2f} TB/s")
-
-# %% [markdown]
-# **Why do prefill and decode need different attention kernels?** At 64 sequences × 4k tokens the decode kernel
-# reads the cache at the copy bandwidth, the prefill kernel at half of it: its tile holds 128 query rows (64
-# positions × Qwen3's 2 query heads of a KV head) of which decode fills 2, and with one program per sequence and KV
-# head it cannot fill the GPU at small batch: at 1 × 16k it reaches under 5% of the bandwidth, the decode kernel
-# about 65%, since it splits long contexts over many programs.
-#
-# **The same split on this CPU** (below the H200's numbers): a prefill of 512 queries and a decode step of 32
-# sequences × 1 query, 512 keys each, in PyTorch's batched attention. Prefill does 16 times decode's FLOPs on 32
-# times fewer bytes, in about the same time: near matmul speed; decode runs near copy speed. (Not checked: noisy.)
-
-# %%
-best = lambda impl, batch, ctx: max(v for (i, b, c, _), v in tbps.items() if (i, b, c) == (impl, batch, ctx))
-assert best("minivllm-triton", 64, 4096) > 1.5 * best("minivllm-prefill-kernel", 64, 4096)
-assert best("minivllm-triton", 1, 16384) > 3 * best("minivllm-prefill-kernel", 1, 16384)
-ours = max(r["tflops"] for r in json.loads(Path("figures/prefill.json").read_text())["rows"] if "triton" in r["impl"])
-print(f"H200, bf16: ridge {h200_ridge:.0f} FLOP/byte; prefill kernel {ours:.0f} TFLOP/s ({ours / 989:.0%} of 989), "
-      f"decode kernel {best('minivllm-triton', 64, 4096) / decode_data['copy_tbps']:.0%} of copy")  # fmt: skip
-best_seconds = lambda fn: min(-time.perf_counter() + (fn(), time.perf_counter())[1] for _ in range(4))  # 1st warms up
-a, x = torch.randn(1024, 1024), torch.randn(2**24)  # the ceilings: a matmul, and a 64 MiB copy (read + write)
-peak, copy = 2 * 1024**3 / best_seconds(lambda: a @ a), 2 * x.nbytes / best_seconds(x.clone)
-print(f"this CPU, fp32: matmul {peak / 1e9:.0f} GFLOP/s, copy {copy / 1e9:.1f} GB/s: ridge {peak / copy:.0f} FLOP/byte")
-for name, batch, num_q in (("prefill, 1 × 512 queries", 1, 512), ("decode, 32 × 1 query", 32, 1)):
-    q = torch.randn(batch, 16, num_q, 128)  # (batch, num_heads, num_q, head_dim): Qwen3-0.6B's heads
-    k, v = torch.randn(2, batch, 8, 512, 128)  # (batch, num_kv_heads, 512 keys, head_dim) each
-    sdpa = lambda q=q, k=k, v=v: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-    sec, intensity, kv_bytes = best_seconds(sdpa), flops_per_byte(num_q, dtype_bytes=4), k.nbytes + v.nbytes
-    flop_s, kv_s = intensity * kv_bytes / sec, kv_bytes / sec
-    print(f"{name:>24}: {intensity:3.0f} FLOP/byte, {sec * 1e3:5.1f} ms, {flop_s / 1e9:5.1f} GFLOP/s "
-          f"({flop_s / peak:4.0%} of matmul), {kv_s / 1e9:5.2f} GB/s of KV ({kv_s / copy:4.0%} of copy)")  # fmt: skip
-
-# %% [markdown]
-# **Cascade attention, measured** (`python -m minivllm.benchmarks.cascade`, the committed H200 run): decode
-# attention per layer for rows that share a 1,488-token prefix, each row reading every key vs the prefix read once,
-# and the prefix kernel launched in a step where no row shares it (what a CUDA graph captured with it would cost:
-# notebook 04 captures decode graphs both ways).
-
-# %%
-from minivllm.benchmarks.cascade import plot_cascade
-
-cascade_data = json.loads(Path("figures/cascade.json").read_text())
-plot_cascade(cascade_data).savefig(FIGURES / "04_cascade.png", dpi=120)
-us = {(r["impl"], r["batch"], r["own_tokens"]): r["ms"] * 1e3 for r in cascade_data["rows"]}
-for rows, own in sorted({(b, o) for _, b, o in us}):
-    print(
-        f"{rows:>3} rows, ~{own} own tokens each: {us['row by row', rows, own]:5.0f} µs row by row, "
-        f"{us['cascade', rows, own]:5.0f} µs cascade, {us['cascade, no sharers', rows, own]:5.0f} µs with no sharer"
-    )
-assert us["cascade", 256, 350] < 0.6 * us["row by row", 256, 350]
+plot_decode(decode_data).savefig(FIGURES / "04_decode.png", dpi=120)
+tbps: dict[tuple, float] = {}  # (impl, batch, context) -> the best over block sizes
+for r in sorted(decode_data["rows"], key=lambda r: r["tbps"]):
+    tbps[r["impl"], r["batch"], r["context_len"]] = r["tbps"]
+for (impl, batch, context), v in sorted(tbps.items()):
+    print(f"{impl:>24} batch {batch:>3} × {context:>5} tokens: {v:.2f} TB/s")
+copy_tbps = decode_data["copy_tbps"]
+print(f"copy bandwidth, for scale: {copy_tbps:.2f} TB/s (a copy reads and writes; a read alone may beat it)")
 
 # %% [markdown]
 # ## Check yourself
-# **1.** A request of 33 tokens, blocks of 16: its `(num_blocks, last_block_num_tokens)` now, after 1 more token,
-# and after 15 more? Answer a list of three pairs.
+# **1.** After `x + z` and `y + w` ran (four different full blocks), `y + z + [0]` arrives: how many of its tokens hit?
 
 # %%
 from minivllm.testing import check_answer
 
-answer = None  # your answer: replace None with an expression (the check below compares it with the objects)
-pairs = [(q.num_blocks, q.last_block_num_tokens) for q in (Sequence([0] * n, block_size=16) for n in (33, 34, 48))]
-check_answer(answer, pairs, "1. blocks")
-
-# %% [markdown]
-# Worked answer: `n` tokens fill `⌈n / 16⌉` blocks, the last one holding the rest: 1 token, 2, then 16 (full).
-
-# %%
-check_answer([(-(-n // 16), n - 16 * (-(-n // 16) - 1)) for n in (33, 34, 48)], pairs, "1. blocks")
-
-# %% [markdown]
-# **2.** Two requests share a 40-token prompt (blocks of 16). How many tokens does the second one prefill?
-
-# %%
-answer = None  # your answer: replace None with an expression
+answer = None  # your answer: replace None with an expression (the check compares it with the result)
 check = BlockManager(num_blocks=16, block_size=16)
-admit(check, Sequence(list(range(40)), block_size=16))
-admit(check, second := Sequence(list(range(40)), block_size=16))
-check_answer(answer, len(second) - second.num_cached_tokens, "2. prefill after a hit")
-
-# %% [markdown]
-# Worked answer: only full blocks are cached and shared: 2 × 16 = 32 tokens hit, the 8 of the partial block are computed.
-
-# %%
-check_answer(40 - 40 // 16 * 16, len(second) - second.num_cached_tokens, "2. prefill after a hit")
-
-# %% [markdown]
-# **3.** After `x + z` and `y + w` ran (four different full blocks), `y + z + [0]` arrives: how many of its tokens hit?
-
-# %%
-answer = None  # your answer: replace None with an expression
 x, y, z, w = ([i] * 16 for i in (1, 2, 3, 4))
 for prompt in (x + z + [0], y + w + [0], y + z + [0]):  # `other` is the last one
     admit(check, other := Sequence(prompt, block_size=16))
-check_answer(answer, other.num_cached_tokens, "3. chained hash")
+check_answer(answer, other.num_cached_tokens, "1. chained hash")
 
 # %% [markdown]
 # Worked answer: 16, `y` only. The cached `z` was computed after `x`, so its KV mixes `x` in; its hash chains `x`'s, and
 # the lookup after `y` misses. A hash of `z`'s tokens alone would hit, and hand over the wrong KV silently.
 
 # %%
-check_answer(len(y), other.num_cached_tokens, "3. chained hash")
+check_answer(len(y), other.num_cached_tokens, "1. chained hash")
 assert compute_hash(z, compute_hash(x)) in check.hash_to_block_id  # z is cached, but under x's name
-
-# %% [markdown]
-# **4.** Cascade attention. Three rows hold 40 tokens each in blocks of 16; their block tables are `[5, 9, 2]`,
-# `[5, 9, 7]` and `[5, 3, 8]`. Given `prefix_blocks = [5, 9]`, which `prefix_lens` (a list, one per row) gives every
-# row the output of reading its keys row by row?
-
-# %%
-answer = None  # your answer: replace None with a list of three ints
-tables = torch.tensor([[5, 9, 2], [5, 9, 7], [5, 3, 8]], dtype=torch.int32, device=DEVICE)
-shares = [int(row[:2].tolist() == [5, 9]) for row in tables]  # which rows begin with both prefix blocks
-check_answer(answer, [32 * s for s in shares], "4. who shares the prefix")
-
-# %% [markdown]
-# Worked answer: `[32, 32, 0]`. Rows 0 and 1 begin with blocks 5 and 9: 32 tokens each. Row 2 shares block 5 only,
-# and the prefix kernel gives all its rows one length: row 2 reads its 40 keys itself. Flagging it too would
-# attend its queries to block 9, another row's keys, silently:
-
-# %%
-k_cache, v_cache = torch.randn(2, 10, 16, 2, 32, device=DEVICE)  # 10 blocks of 16 slots, 2 KV heads of 32
-q = torch.randn(3, 1, 4, 32, device=DEVICE)
-lens = torch.full((3,), 40, dtype=torch.int32, device=DEVICE)
-row_by_row = flash_attn_with_kvcache(q, k_cache, v_cache, lens, tables)
-for prefix_lens in ([32, 32, 0], [32, 32, 32]):
-    out = flash_attn_with_kvcache(q, k_cache, v_cache, lens, tables, prefix_blocks=tables[0, :2],
-                                  prefix_lens=torch.tensor(prefix_lens, dtype=torch.int32, device=DEVICE))  # fmt: skip
-    errors = (out - row_by_row).abs().amax(dim=(1, 2, 3))  # (3,): each row's largest difference
-    print(f"prefix_lens {prefix_lens}: largest difference per row", ", ".join(f"{e:.1e}" for e in errors))
-torch.testing.assert_close(out[:2], row_by_row[:2], rtol=1e-4, atol=1e-4)  # the sharers are right either way
-assert (out[2] - row_by_row[2]).abs().max() > 0.01  # row 2, flagged, is wrong
-check_answer([32, 32, 0], [32 * s for s in shares], "4. who shares the prefix")

@@ -43,8 +43,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit runs
+from minivllm.kernels import flash_attn_varlen_func
 from minivllm.kernels.flash_attn import launch_config
-from minivllm.kernels.paged_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+from minivllm.kernels.paged_attn import flash_attn_with_kvcache
 from minivllm.kernels.paged_reference import paged_attention_ref
 from minivllm.testing import exercise, scatter_into_cache
 

@@ -39,6 +39,7 @@ STUB = 'raise NotImplementedError("your code here")'
 DEEP_DIVES = {
     "triton_layers": "01_layers",
     "cascade_attention": "03_kv_cache",
+    "paged_prefill": "03_kv_cache",
     "gpu_sampler": "04_model_runner",
     "cuda_graphs": "04_model_runner",
     "scheduler_memory": "05_scheduler",

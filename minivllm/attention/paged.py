@@ -4,8 +4,9 @@ from dataclasses import dataclass
 
 import torch
 
+from minivllm import kernels  # kernels.flash_attn_varlen_func: imported on first use, on a GPU
 from minivllm.attention.layer import Attention
-from minivllm.kernels.paged_attn import flash_attn_varlen_func, flash_attn_with_kvcache, store_kvcache
+from minivllm.kernels.paged_attn import flash_attn_with_kvcache, store_kvcache
 from minivllm.kernels.paged_reference import paged_attention_ref, store_kvcache_ref
 from minivllm.kernels.reference import attention_ref
 
@@ -67,7 +68,7 @@ class PagedContext:
         if self.block_tables is not None:
             return self.paged_prefill(layer, q)
         if self.use_triton:  # nothing cached: the new tokens are whole prompts, their k and v all there is
-            return flash_attn_varlen_func(
+            return kernels.flash_attn_varlen_func(
                 q, k, v, cu_q, cu_q, self.max_seqlen_q, self.max_seqlen_q, layer.scale, causal=True
             )
         return attention_ref(q, k, v, cu_q, cu_q, layer.scale, causal=True)
@@ -78,7 +79,7 @@ class PagedContext:
         assert cu_q is not None and cu_k is not None and tables is not None  # a paged prefill has all three
         if self.use_triton:
             k, v, max_q, max_k = layer.k_cache, layer.v_cache, self.max_seqlen_q, self.max_seqlen_k
-            return flash_attn_varlen_func(
+            return kernels.flash_attn_varlen_func(
                 q,
                 k,
                 v,

@@ -1,5 +1,5 @@
 """Decode attention of rows that share a system prompt: each row reading every key vs the shared prefix read once
-(cascade attention, notebook 03).
+(cascade attention: the deep dive notebooks/deep_dives/cascade_attention, after 03).
 
     python -m minivllm.benchmarks.cascade [--out figures]
 

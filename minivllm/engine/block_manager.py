@@ -102,8 +102,7 @@ class BlockManager:
         return self.num_free_blocks >= seq.num_blocks
 
     def allocate(self, seq: Sequence) -> None:
-        """Blocks for all tokens of a waiting sequence: the longest run of leading full blocks found in the cache is
-        shared (`seq.num_cached_tokens` counts their tokens), the others are fresh."""
+        """Blocks for a waiting sequence: its longest run of leading full blocks found in the cache, then fresh ones."""
         assert not seq.block_table and seq.num_cached_tokens == 0, f"sequence {seq.seq_id} already holds blocks"
         assert seq.block_size == self.block_size, f"sequence block_size {seq.block_size} != {self.block_size}"
         assert self.can_allocate(seq), "allocate() without room: ask can_allocate() first"
@@ -123,8 +122,7 @@ class BlockManager:
             seq.block_table.append(self._take_free_block().block_id)
 
     def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
-        """Cache the full blocks among seq's first `num_tokens` tokens that are not cached yet. Call it in the step
-        that computes their KV, never earlier: from now on any request may hit them and read that KV."""
+        """Cache the new full blocks among seq's first `num_tokens` tokens, in the step that computes their KV."""
         assert seq.num_cached_tokens <= num_tokens <= seq.num_tokens
         if not self.enable_prefix_caching:
             return
@@ -174,9 +172,8 @@ class BlockManager:
         seq.block_table.clear()
 
     def discard(self, seq: Sequence) -> None:
-        """Give back the blocks of a sequence dropped part-way through a step. Its blocks past its computed tokens
-        (`num_cached_tokens`) may be cached already, though their KV was never written: they leave the cache first,
-        so no request can hit them."""
+        """Give back a sequence dropped mid-step: its blocks past `num_cached_tokens`, cached but never written, first
+        leave the cache, so no request can hit them."""
         for block_id in seq.block_table[seq.num_cached_tokens // self.block_size :]:
             block = self.blocks[block_id]
             if self.hash_to_block_id.get(block.hash) == block_id:

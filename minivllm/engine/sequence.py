@@ -18,9 +18,7 @@ class Sequence:
     counter = count()
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None, block_size: int = 16):
-        assert len(token_ids) > 0 and block_size >= 1, (
-            "the engine refuses empty prompts; block_size is the block manager's"
-        )
+        assert len(token_ids) > 0 and block_size >= 1, "the engine refuses empty prompts; block_size >= 1"
         self.seq_id = next(Sequence.counter)
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)  # our own copy

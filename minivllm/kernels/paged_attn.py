@@ -2,36 +2,28 @@
 
 import functools
 import math
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels.flash_attn import (
-    attend_block,
-    causal_bounds,
-    check_inputs,
-    flash_attn_varlen_contiguous,
-    heads_per_program,
-    launch_config,
-    load_tile,
-    softmax_scale_of,
-)
+from minivllm.kernels.flash_attn import attend_block, load_tile, softmax_scale_of
 
 
 @triton.jit
 def _store_kvcache_kernel(
-    k, v, k_cache, v_cache, slot_mapping, stride_kt, stride_vt, stride_kc, stride_vc,
-    KV_SIZE: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    k, v, k_cache, v_cache, slot_mapping, stride_kt, stride_vt, KV_SIZE: tl.constexpr, BLOCK: tl.constexpr
+):
+    """One token's k and v rows (KV_SIZE values each) into its slot; the caches are contiguous: a slot is a row."""
     token = tl.program_id(0)
     slot = tl.load(slot_mapping + token)
     if slot < 0:  # a padding token: nothing to store
         return
     offs = tl.arange(0, BLOCK)
     mask = offs < KV_SIZE
-    tl.store(k_cache + slot * stride_kc + offs, tl.load(k + token * stride_kt + offs, mask=mask), mask=mask)
-    tl.store(v_cache + slot * stride_vc + offs, tl.load(v + token * stride_vt + offs, mask=mask), mask=mask)
+    tl.store(k_cache + slot * KV_SIZE + offs, tl.load(k + token * stride_kt + offs, mask=mask), mask=mask)
+    tl.store(v_cache + slot * KV_SIZE + offs, tl.load(v + token * stride_vt + offs, mask=mask), mask=mask)
 
 
 def check_cache(name: str, cache: torch.Tensor, q: torch.Tensor) -> None:
@@ -81,10 +73,8 @@ def store_kvcache(
     if k.stride(-1) != 1 or k.stride(-2) != k.shape[-1] or v.stride(-1) != 1 or v.stride(-2) != v.shape[-1]:
         raise ValueError("each token's k and v must be contiguous (num_kv_heads, head_dim) rows")
     kv_size = k.shape[1] * k.shape[2]
-    _store_kvcache_kernel[(k.shape[0],)](
-        k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), k_cache.stride(1), v_cache.stride(1),
-        KV_SIZE=kv_size, BLOCK=triton.next_power_of_2(kv_size),
-    )  # fmt: skip
+    block = triton.next_power_of_2(kv_size)
+    _store_kvcache_kernel[(k.shape[0],)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), kv_size, block)
 
 
 @triton.jit
@@ -96,12 +86,13 @@ def paged_rows(block_table_row, tok, valid, BLOCK_SIZE: tl.constexpr):
 
 @triton.jit
 def attend_split(
-    q, K, V, table_row, lo, hi, kv_head, qk_scale, stride_kt, stride_kh, stride_vt, stride_vh,
-    ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    q, K, V, table_row, lo, hi, kv_head, qk_scale, kv_strides,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """One split of split-K: queries q (ROWS, D) of one KV head over keys lo..hi-1 of the paged cache, found
-    through a block-table row. Returns the split's output (ROWS, D) and log-sum-exp (ROWS,), in log2 units."""
+    """Queries q (ROWS, D) of one KV head over keys lo..hi-1 of a block-table row: output, log2-sum-exp (ROWS,)."""
+    ROWS: tl.constexpr = q.shape[0]
+    HEAD_DIM: tl.constexpr = q.shape[1]
+    stride_kt, stride_kh, stride_vt, stride_vh = kv_strides  # (token, head) of k, then of v
     offs_q, offs_d, offs_n = tl.arange(0, ROWS), tl.arange(0, HEAD_DIM), tl.arange(0, BLOCK_N)
     m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
@@ -119,11 +110,9 @@ def attend_split(
 
 
 @triton.jit
-def store_split(
-    partial_out, partial_lse, seq, heads, slot, out, lse, mask,
-    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, HEAD_DIM: tl.constexpr,
-):  # fmt: skip
+def store_split(partial_out, partial_lse, seq, heads, slot, out, lse, mask, part_strides, HEAD_DIM: tl.constexpr):
     """A split's results into slot `slot` of its rows (seq: one sequence, or one per row; heads: one per row)."""
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh = part_strides  # of partial_out, then partial_lse
     row = seq * stride_pb + heads * stride_ph + slot * stride_ps  # (ROWS,)
     tl.store(partial_out + row[:, None] + tl.arange(0, HEAD_DIM)[None, :], out, mask=mask[:, None])
     tl.store(partial_lse + seq * stride_lb + heads * stride_lh + slot, lse, mask=mask)
@@ -131,9 +120,8 @@ def store_split(
 
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])  # vary from step to step (notebook 01)
 def _decode_kernel(
-    Q, K, V, partial_out, partial_lse, cache_seqlens, block_table, prefix_lens, qk_scale, num_splits,
-    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_bt,  # strides of q, k, v, block_table
-    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,  # strides of partial_out, partial_lse
+    Q, K, V, partial_out, partial_lse, cache_seqlens, block_table, prefix_lens, qk_scale, num_splits, stride_bt,
+    q_strides, kv_strides, part_strides,  # (batch, head) of q; (token, head) of k and v; see store_split
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, HAS_PREFIX: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -145,42 +133,35 @@ def _decode_kernel(
     hi = tl.minimum(lo + chunk, seqlen)
     offs_g = tl.arange(0, GROUP_PAD)  # the query heads of this KV head (padded: tl.dot needs 16 rows)
     heads, mask = kv_head * GROUP + offs_g, offs_g < GROUP
-    q = load_tile(
-        Q + seq * stride_qb + heads[:, None] * stride_qh + tl.arange(0, HEAD_DIM)[None, :], mask[:, None], UPCAST
-    )  # (GROUP_PAD, D)
+    q_rows = Q + seq * q_strides[0] + heads * q_strides[1]  # (GROUP_PAD,)
+    q = load_tile(q_rows[:, None] + tl.arange(0, HEAD_DIM)[None, :], mask[:, None], UPCAST)  # (GROUP_PAD, D)
+    table_row = block_table + seq * stride_bt
     out, lse = attend_split(
-        q, K, V, block_table + seq * stride_bt, lo, hi, kv_head, qk_scale, stride_kt, stride_kh, stride_vt, stride_vh,
-        GROUP_PAD, HEAD_DIM, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION,
-    )  # fmt: skip
-    store_split(partial_out, partial_lse, seq, heads, split, out, lse, mask,
-                stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, HEAD_DIM)  # fmt: skip
+        q, K, V, table_row, lo, hi, kv_head, qk_scale, kv_strides, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION
+    )
+    store_split(partial_out, partial_lse, seq, heads, split, out, lse, mask, part_strides, HEAD_DIM)
 
 
 @triton.jit(do_not_specialize=["num_splits", "prefix_splits"])
 def _combine_splits_kernel(
-    partial_out, partial_lse, O, cache_seqlens, prefix_lens, num_splits, prefix_splits,  # tensors, scalars
-    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,  # strides
+    partial_out, partial_lse, O, cache_seqlens, prefix_lens, num_splits, prefix_splits, part_strides, o_strides,
     HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):  # fmt: skip
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh = part_strides
     seq, head = tl.program_id(0), tl.program_id(1)
     if tl.load(cache_seqlens + seq) == 0:
         return  # not a sequence: a CUDA graph's padding row (notebook 04), whose output row may be another's
-    if prefix_splits > 0:  # the shared prefix's splits (below) follow the row's own, if the row shares it
+    if prefix_splits > 0:  # the shared prefix's splits (cascade attention) follow the row's own, if it shares it
         num_splits += tl.where(tl.load(prefix_lens + seq) > 0, prefix_splits, 0)
-    offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
-    lse = tl.load(
-        partial_lse + seq * stride_lb + head * stride_lh + offs_s, mask=offs_s < num_splits, other=float("-inf")
-    )  # (SPLITS_PAD,)
+    offs_s, offs_d = tl.arange(0, SPLITS_PAD), tl.arange(0, HEAD_DIM)
+    lse_ptrs = partial_lse + seq * stride_lb + head * stride_lh + offs_s
+    lse = tl.load(lse_ptrs, mask=offs_s < num_splits, other=float("-inf"))  # (SPLITS_PAD,)
     m = tl.max(lse, 0)
     weights = tl.math.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
-    parts = tl.load(
-        partial_out + seq * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
-        mask=(offs_s < num_splits)[:, None],
-        other=0.0,
-    )  # (SPLITS_PAD, D)
+    part_ptrs = partial_out + seq * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :]
+    parts = tl.load(part_ptrs, mask=(offs_s < num_splits)[:, None], other=0.0)  # (SPLITS_PAD, D)
     out = tl.sum(parts * weights[:, None], 0) / tl.maximum(tl.sum(weights, 0), 1e-30)
-    tl.store(O + seq * stride_ob + head * stride_oh + offs_d, out.to(O.dtype.element_ty))
+    tl.store(O + seq * o_strides[0] + head * o_strides[1] + offs_d, out.to(O.dtype.element_ty))
 
 
 # The host side: check the inputs, pick num_splits, launch both kernels.
@@ -197,21 +178,7 @@ def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> in
     return min(128, wave // programs) if programs <= wave else 2
 
 
-def flash_attn_with_kvcache(
-    q: torch.Tensor,  # (batch, 1, num_heads, head_dim): one new query per sequence
-    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
-    v_cache: torch.Tensor,
-    cache_seqlens: torch.Tensor | None = None,  # (batch,) int32: tokens in each sequence's cache
-    block_table: torch.Tensor | None = None,  # (batch, max_blocks) int32
-    softmax_scale: float | None = None,
-    causal: bool = False,  # one query that sees its whole cache: causal or not is the same thing
-    out: torch.Tensor | None = None,  # (batch, 1, num_heads, head_dim) to write into; None: a new tensor
-    prefix_blocks: torch.Tensor | None = None,  # (n,) int32: blocks that begin the caches of several rows
-    prefix_lens: torch.Tensor | None = None,  # (batch,) int32: a row's tokens in those blocks, or 0 (not its own)
-) -> torch.Tensor:  # (batch, 1, num_heads, head_dim)
-    """Decode attention over a paged KV cache, with flash-attn's signature (GQA-packed, split-K). Given a shared
-    prefix (`prefix_blocks`, and `prefix_lens` of one length for the rows that begin with it), the rows' queries
-    attend to it together, its keys read once (cascade attention, below), and each row reads only its own keys."""
+def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, block_table, prefix_blocks, prefix_lens) -> None:
     if q.dim() != 4 or q.shape[1] != 1:
         raise ValueError(f"q must be (batch, 1, num_heads, head_dim), got {tuple(q.shape)}")
     check_cache("k_cache", k_cache, q)
@@ -236,10 +203,27 @@ def flash_attn_with_kvcache(
         check_index("prefix_lens", prefix_lens, 1, q.device)
         if prefix_lens.shape[0] != batch:
             raise ValueError(f"prefix_lens needs one row per sequence ({batch}), got {prefix_lens.shape[0]}")
-    scale = softmax_scale_of(softmax_scale, head_dim)
-    on_cpu = q.device.type == "cpu"
-    num_splits = decode_num_splits(batch, num_kv_heads, q.device)
-    group = num_heads // num_kv_heads
+
+
+def flash_attn_with_kvcache(
+    q: torch.Tensor,  # (batch, 1, num_heads, head_dim): one new query per sequence
+    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor | None = None,  # (batch,) int32: tokens in each sequence's cache
+    block_table: torch.Tensor | None = None,  # (batch, max_blocks) int32
+    softmax_scale: float | None = None,
+    causal: bool = False,  # one query that sees its whole cache: causal or not is the same thing
+    out: torch.Tensor | None = None,  # (batch, 1, num_heads, head_dim) to write into; None: a new tensor
+    prefix_blocks: torch.Tensor | None = None,  # (n,) int32: blocks that begin the caches of several rows
+    prefix_lens: torch.Tensor | None = None,  # (batch,) int32: a row's tokens in those blocks, or 0 (not its own)
+) -> torch.Tensor:  # (batch, 1, num_heads, head_dim)
+    """Decode attention over a paged KV cache, flash-attn's signature (GQA-packed, split-K). Rows that begin with
+    `prefix_blocks` (`prefix_lens` > 0) attend to them together, their keys read once (cascade attention)."""
+    check_decode_inputs(q, k_cache, v_cache, cache_seqlens, block_table, prefix_blocks, prefix_lens)
+    assert cache_seqlens is not None and block_table is not None  # checked: for mypy
+    batch, _, num_heads, head_dim = q.shape
+    num_kv_heads, on_cpu = k_cache.shape[2], q.device.type == "cpu"
+    num_splits, group = decode_num_splits(batch, num_kv_heads, q.device), num_heads // num_kv_heads
     block_m = 16 if on_cpu else 64  # (row, query head) pairs per program of the prefix kernel
     prefix_grid = (triton.cdiv(batch * group, block_m), num_kv_heads)
     prefix_splits = 0 if prefix_blocks is None else prefix_num_splits(prefix_grid[0] * prefix_grid[1], q.device)
@@ -248,43 +232,41 @@ def flash_attn_with_kvcache(
     slots = num_splits + prefix_splits  # partial results per row and head: the row's own splits, the prefix's
     partial_out = torch.empty(batch, num_heads, slots, head_dim, dtype=torch.float32, device=q.device)
     partial_lse = torch.empty(batch, num_heads, slots, dtype=torch.float32, device=q.device)
-    common = dict(UPCAST=on_cpu and q.dtype != torch.float32, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                  num_warps=4, num_stages=1 if on_cpu else 2)  # fmt: skip
-    strides = (q.stride(0), q.stride(2), k.stride(0), k.stride(1), v.stride(0), v.stride(1))
-    partial_strides = (*partial_out.stride()[:3], *partial_lse.stride()[:2])
+    tensors, lens = (q, k, v, partial_out, partial_lse), cache_seqlens if prefix_lens is None else prefix_lens
+    qk_scale = softmax_scale_of(softmax_scale, head_dim) * math.log2(math.e)
+    q_strides, kv_strides = (q.stride(0), q.stride(2)), (*k.stride()[:2], *v.stride()[:2])
+    strides = (q_strides, kv_strides, (*partial_out.stride()[:3], *partial_lse.stride()[:2]))
     # tile sizes: the fastest of a sweep on an H200 (bf16, head_dim 128, block sizes 16 and 256)
+    common: dict[str, Any] = dict(
+        HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_N=16 if on_cpu else 64, num_warps=4
+    )
+    common.update(UPCAST=on_cpu and q.dtype != torch.float32, num_stages=1 if on_cpu else 2)
+    common.update(PRECISION="ieee" if q.dtype == torch.float32 else "tf32", GROUP=group)
+    decode = dict(GROUP_PAD=max(16, triton.next_power_of_2(group)), HAS_PREFIX=prefix_lens is not None)
+    scalars = (qk_scale, num_splits, block_table.stride(0))
     _decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k, v, partial_out, partial_lse, cache_seqlens, block_table,
-        cache_seqlens if prefix_lens is None else prefix_lens, scale * math.log2(math.e), num_splits,
-        *strides, block_table.stride(0), *partial_strides,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_N=16 if on_cpu else 64, HAS_PREFIX=prefix_lens is not None, **common,
-    )  # fmt: skip
+        *tensors, cache_seqlens, block_table, lens, *scalars, *strides, **decode, **common
+    )
     if prefix_splits:
-        _shared_prefix_kernel[(*prefix_grid, prefix_splits)](
-            q, k, v, partial_out, partial_lse, prefix_blocks, prefix_lens, scale * math.log2(math.e), batch,
-            num_splits, *strides, *partial_strides,
-            GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m, BLOCK_N=16 if on_cpu else 64,
-            **common,
-        )  # fmt: skip
+        prefix = (prefix_blocks, prefix_lens, qk_scale, batch, num_splits)
+        _shared_prefix_kernel[(*prefix_grid, prefix_splits)](*tensors, *prefix, *strides, BLOCK_M=block_m, **common)
+    splits = (num_splits, prefix_splits, strides[2], (out.stride(0), out.stride(2)))
+    pad = max(2, triton.next_power_of_2(slots))
     _combine_splits_kernel[(batch, num_heads)](
-        partial_out, partial_lse, out, cache_seqlens, cache_seqlens if prefix_lens is None else prefix_lens,
-        num_splits, prefix_splits, *partial_strides,
-        out.stride(0), out.stride(2), HEAD_DIM=head_dim, SPLITS_PAD=max(2, triton.next_power_of_2(slots)),
-    )  # fmt: skip
+        partial_out, partial_lse, out, cache_seqlens, lens, *splits, HEAD_DIM=head_dim, SPLITS_PAD=pad
+    )
     return out
 
 
 @triton.jit(do_not_specialize=["batch", "first_split"])
 def _shared_prefix_kernel(
-    Q, K, V, partial_out, partial_lse, prefix_blocks, prefix_lens, qk_scale, batch, first_split,  # tensors, scalars
-    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,  # strides of q, k, v
-    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,  # strides of partial_out, partial_lse
+    Q, K, V, partial_out, partial_lse, prefix_blocks, prefix_lens, qk_scale, batch, first_split,
+    q_strides, kv_strides, part_strides,  # as the decode kernel's
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Split `split` of the shared prefix for BLOCK_M (row, query head) pairs of one KV head: partial results in
-    slot first_split + split of each pair (the combine kernel reads them for the rows that share the prefix)."""
+    """Split `split` of the shared prefix for BLOCK_M (row, query head) pairs of one KV head, into slot
+    first_split + split."""
     tile, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # (row, query head) pairs, GROUP heads per row
     seq, heads = offs_m // GROUP, kv_head * GROUP + offs_m % GROUP
@@ -295,17 +277,14 @@ def _shared_prefix_kernel(
     chunk = tl.cdiv(tl.cdiv(prefix_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, prefix_len)
-    q = load_tile(
-        Q + seq[:, None] * stride_qb + heads[:, None] * stride_qh + tl.arange(0, HEAD_DIM)[None, :],
-        shares[:, None],
-        UPCAST,
-    )  # (BLOCK_M, D); a non-sharer's row is computed too, and never read: the combine kernel skips its slots
+    q_rows = Q + seq * q_strides[0] + heads * q_strides[1]  # (BLOCK_M,)
+    q = load_tile(q_rows[:, None] + tl.arange(0, HEAD_DIM)[None, :], shares[:, None], UPCAST)  # (BLOCK_M, D)
+    # a non-sharer's row is computed too, and never read: the combine kernel skips its slots
     out, lse = attend_split(
-        q, K, V, prefix_blocks, lo, hi, kv_head, qk_scale, stride_kt, stride_kh, stride_vt, stride_vh,
-        BLOCK_M, HEAD_DIM, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION,
-    )  # fmt: skip
-    store_split(partial_out, partial_lse, seq, heads, first_split + split, out, lse, seq < batch,
-                stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, HEAD_DIM)  # fmt: skip
+        q, K, V, prefix_blocks, lo, hi, kv_head, qk_scale, kv_strides, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION
+    )
+    slot, mask = first_split + split, seq < batch
+    store_split(partial_out, partial_lse, seq, heads, slot, out, lse, mask, part_strides, HEAD_DIM)
 
 
 def prefix_num_splits(num_programs: int, device: torch.device) -> int:
@@ -313,113 +292,3 @@ def prefix_num_splits(num_programs: int, device: torch.device) -> int:
     if device.type == "cpu":
         return 1
     return max(1, min(8, num_sms(device) // num_programs))
-
-
-@triton.jit(do_not_specialize=["stride_bt"])
-def _paged_prefill_kernel(
-    Q, K, V, O, cu_seqlens_q, cu_seqlens_k, block_table, tiles, qk_scale,  # tensors, scalar
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt,  # strides
-    GROUP: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
-):  # fmt: skip
-    seq = tl.load(tiles + 2 * tl.program_id(0))  # this program's (sequence, query tile), from the list
-    start_m = tl.load(tiles + 2 * tl.program_id(0) + 1)
-    first_head = tl.program_id(1) * HEADS  # HEADS query heads of one KV head, as notebook 01's kernel
-    if seq < 0:
-        return  # padding: a CUDA graph's list is longer than its step's (notebook 04)
-    q_start = tl.load(cu_seqlens_q + seq)
-    q_len = tl.load(cu_seqlens_q + seq + 1) - q_start
-    if start_m * BLOCK_M >= q_len:
-        return
-    k_len = tl.load(cu_seqlens_k + seq + 1) - tl.load(cu_seqlens_k + seq)
-    kv_head = first_head // GROUP
-    r = tl.arange(0, HEADS * BLOCK_M)  # tile row r: position r // HEADS, query head first_head + r % HEADS
-    offs_m, head = start_m * BLOCK_M + r // HEADS, first_head + r % HEADS
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    q = load_tile(
-        Q + (q_start + offs_m)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-        (offs_m < q_len)[:, None],
-        UPCAST,
-    )  # (HEADS * BLOCK_M, D)
-    m_i = tl.full([HEADS * BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([HEADS * BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([HEADS * BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    shift = k_len - q_len  # the cached prefix: new query i sees keys j <= i + shift
-    unmasked, hi = causal_bounds(start_m, k_len, shift, BLOCK_M, BLOCK_N, CAUSAL)
-    for start_n in range(0, hi, BLOCK_N):
-        tok = start_n + offs_n
-        valid = tok < k_len
-        rows = paged_rows(block_table + seq * stride_bt, tok, valid, BLOCK_SIZE)
-        k = load_tile(K + rows[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None], valid[None, :], UPCAST)
-        v = load_tile(V + rows[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :], valid[:, None], UPCAST)
-        acc, m_i, l_i = attend_block(
-            acc, m_i, l_i, q, k, v, tok, offs_m, k_len, shift, qk_scale, start_n >= unmasked, CAUSAL, PRECISION
-        )
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(
-        O + (q_start + offs_m)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-        out.to(O.dtype.element_ty),
-        mask=(offs_m < q_len)[:, None],
-    )
-
-
-def all_tiles(batch: int, num_m_blocks: int, device: torch.device) -> torch.Tensor:  # (num_m_blocks * batch, 2)
-    """(sequence, query tile) for every sequence and tile below num_m_blocks, int32: the last tiles, which see the
-    most keys, first, so that the longest programs do not start last."""
-    seq = torch.arange(batch, dtype=torch.int32, device=device)
-    m = torch.arange(num_m_blocks - 1, -1, -1, dtype=torch.int32, device=device)
-    grid_m, grid_seq = torch.meshgrid(m, seq, indexing="ij")
-    return torch.stack([grid_seq, grid_m], -1).reshape(-1, 2)
-
-
-def flash_attn_varlen_func(
-    q: torch.Tensor,  # (total_q, num_heads, head_dim)
-    k: torch.Tensor,  # (total_k, num_kv_heads, head_dim), or the k_cache when block_table is given
-    v: torch.Tensor,  # likewise
-    cu_seqlens_q: torch.Tensor,  # (batch + 1,) int32
-    cu_seqlens_k: torch.Tensor,  # (batch + 1,) int32: with a block table, cached + new tokens per sequence
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    block_table: torch.Tensor | None = None,  # (batch, max_blocks) int32
-    out: torch.Tensor | None = None,  # with block_table: (total_q, num_heads, head_dim) to write the batch's rows into
-    tiles: torch.Tensor | None = None,  # with block_table: (num_tiles, 2) int32, see query_tiles; None: every tile
-) -> torch.Tensor:  # (total_q, num_heads, head_dim)
-    """flash-attn's varlen attention; with `block_table`, keys and values are read from a paged cache, one program
-    per (sequence, query tile) of `tiles` and group of query heads (notebook 01's `heads_per_program`)."""
-    if block_table is None:
-        if out is not None or tiles is not None:
-            raise ValueError("out= and tiles= need block_table=: they are the paged kernel's")
-        return flash_attn_varlen_contiguous(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal
-        )
-    check_cache("k_cache", k, q)
-    check_cache("v_cache", v, q)
-    check_index("block_table", block_table, 2, q.device)
-    num_kv_heads, head_dim = k.shape[2], k.shape[3]
-    check_inputs(q, k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim), cu_seqlens_q, cu_seqlens_k)
-    if block_table.shape[0] != cu_seqlens_q.numel() - 1:
-        raise ValueError(f"block_table has {block_table.shape[0]} rows for {cu_seqlens_q.numel() - 1} sequences")
-    scale = softmax_scale_of(softmax_scale, head_dim)
-    config = launch_config(head_dim, q.device)
-    kf, vf = k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)
-    out = check_out(out, q)
-    if tiles is None:  # every sequence's first cdiv(max_seqlen_q, BLOCK_M) tiles: those past its end return at once
-        tiles = all_tiles(cu_seqlens_q.numel() - 1, triton.cdiv(max_seqlen_q, config["BLOCK_M"]), q.device)
-    check_index("tiles", tiles, 2, q.device)
-    if tiles.shape[0] == 0:
-        return out  # no tiles: nothing to compute
-    group = q.shape[1] // num_kv_heads
-    heads = heads_per_program(group, config["BLOCK_M"])
-    _paged_prefill_kernel[(tiles.shape[0], q.shape[1] // heads)](
-        q, kf, vf, out, cu_seqlens_q, cu_seqlens_k, block_table, tiles.contiguous(), scale * math.log2(math.e),
-        q.stride(0), q.stride(1), kf.stride(0), kf.stride(1), vf.stride(0), vf.stride(1), out.stride(0), out.stride(1),
-        block_table.stride(0),
-        GROUP=group, HEADS=heads, HEAD_DIM=head_dim, BLOCK_SIZE=k.shape[1], CAUSAL=causal,
-        UPCAST=q.device.type == "cpu" and q.dtype != torch.float32,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **config,
-    )  # fmt: skip
-    return out
