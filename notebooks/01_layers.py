@@ -14,39 +14,41 @@
 # %% [markdown]
 # # 01 · Layers: the pieces of a transformer, and a FlashAttention kernel
 #
-# **What this notebook builds.** Every layer Qwen3 (and Llama) is made of, written the way an inference engine needs
-# them: activations, RMSNorm with a fused residual add, tensor-parallel linear layers that load HuggingFace weights,
-# a vocabulary-parallel embedding and LM head, rotary position embeddings read from a transformers config, a plain
-# PyTorch attention we trust, and a Triton FlashAttention kernel for prefill. It assumes you know what a transformer
-# block is (attention + MLP, each wrapped in a norm and a residual add) and can read PyTorch. No GPU is needed: on a
-# CPU the Triton kernel runs in Triton's interpreter.
-#
-# **Where the code goes.** Cells tagged `export` are written into the `minivllm` package by `python tools/export.py`;
-# the other cells check each layer against PyTorch or transformers before we move on.
+# Every layer Qwen3 (and Llama) is made of, as an inference engine needs them: activations, RMSNorm with a fused
+# residual add, tensor-parallel linear layers that load HuggingFace weights, a vocabulary-parallel embedding and LM
+# head, rotary position embeddings, a plain PyTorch attention we trust, and a Triton FlashAttention prefill kernel.
+# You need to know a transformer block (attention + MLP, each in a norm and a residual add) and PyTorch; no GPU (on a
+# CPU, Triton runs in its interpreter). `export` cells go into the `minivllm` package (`python tools/export.py`).
 
 # %%
+import json
 import os
+from pathlib import Path
+from unittest import mock
 
+import matplotlib.pyplot as plt
+import numpy as np
 import torch
+import triton
+import triton.language as tl
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before any @triton.jit runs
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 torch.manual_seed(0)
+FIGURES = Path(os.environ.get("MINIVLLM_FIGURES", "../build/figures")).resolve()
+FIGURES.mkdir(parents=True, exist_ok=True)
 print(f"device: {DEVICE}, torch {torch.__version__}")
 
 # %% [markdown]
 # ## Activations
-# Qwen3's MLP is *gated*: one projection makes two vectors, `gate` and `up`, and the output is `silu(gate) * up`.
-# SiLU (also called swish) is `x · sigmoid(x)`; GELU, used by Gemma and GPT-2, is the smooth cousin `x · Φ(x)`,
-# usually computed with a tanh approximation. An engine computes `gate` and `up` with one matrix multiply (one weight
-# read instead of two), so the activation receives them side by side in one tensor and splits it: `SiluAndMul`.
-#
-# Each small layer also has a `kernel` attribute, `None` by default: its PyTorch code runs. On a GPU a fused Triton
-# kernel takes its place (the deep dive `triton_layers` writes them); nothing in the core path needs one.
+# Qwen3's MLP is *gated*: one projection makes two vectors, `gate` and `up`, and the output is `silu(gate) * up`,
+# where SiLU (also called swish) is `x · sigmoid(x)`. An engine computes `gate` and `up` with one matrix multiply (one
+# weight read instead of two), so `SiluAndMul` receives them side by side and splits them. Each small layer has a
+# `kernel` attribute, `None` by default: on a GPU a fused Triton kernel can take the PyTorch code's place (deep dive
+# `triton_layers`); the core path needs none.
 
 # %% tags=["export"] module="minivllm.layers.activation"
-import math
 from collections.abc import Callable
 
 import torch
@@ -54,45 +56,32 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def silu(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.sigmoid(x)
-
-
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3))))
-
-
 class SiluAndMul(nn.Module):
-    """silu(gate) * up, where the input holds [gate | up] along its last dimension."""
-
     kernel: Callable[[torch.Tensor], torch.Tensor] | None = None  # a fused kernel instead (set per layer)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (num_tokens, 2 * intermediate_size)
         if self.kernel is not None:
             return self.kernel(x)
-        gate, up = x.chunk(2, dim=-1)
+        gate, up = x.chunk(2, dim=-1)  # x holds [gate | up]
         return F.silu(gate) * up  # (num_tokens, intermediate_size)
 
 
 # %% [markdown]
-# Check: our formulas are PyTorch's; `SiluAndMul` is what transformers' Qwen3 MLP computes from `gate` and `up`.
+# Check: PyTorch's `silu` is the formula; `SiluAndMul` computes `silu(gate) * up` as transformers' Qwen3 MLP does.
 
 # %%
-from minivllm.layers.activation import SiluAndMul, gelu_tanh, silu
+from minivllm.layers.activation import SiluAndMul
 
-x = torch.randn(7, 64)
-torch.testing.assert_close(silu(x), torch.nn.functional.silu(x))
-torch.testing.assert_close(gelu_tanh(x), torch.nn.functional.gelu(x, approximate="tanh"))
 gate, up = torch.randn(7, 32), torch.randn(7, 32)
-torch.testing.assert_close(SiluAndMul()(torch.cat([gate, up], -1)), torch.nn.functional.silu(gate) * up)
+torch.testing.assert_close(torch.nn.functional.silu(gate), gate * torch.sigmoid(gate))
+torch.testing.assert_close(SiluAndMul()(torch.cat([gate, up], -1)), gate * torch.sigmoid(gate) * up)
 
 # %% [markdown]
 # ## RMSNorm, with the residual add fused in (as a Triton kernel: `exercises/01_triton_rmsnorm.ipynb`)
-# LayerNorm centres and scales; RMSNorm only scales, by the root mean square. One reduction instead of two, and Qwen3
-# was trained with it, so we must match it exactly: the sum is taken in float32 even when the model runs in bfloat16.
-#
-# Every block does `residual = x + residual; x = norm(residual)`. Passing the residual into the norm lets
-# one function (and, compiled, one kernel) do both, reading `x` from memory once instead of twice.
+# LayerNorm centres and scales; RMSNorm only scales, by the root mean square: one reduction instead of two. Qwen3 was
+# trained with it, so we match it exactly: the sum is in float32 even when the model runs in bfloat16. Every block
+# does `residual = x + residual; x = norm(residual)`; passing the residual into the norm lets one function (and, as
+# a kernel, one pass over memory) do both.
 
 # %% tags=["export"] module="minivllm.layers.layernorm"
 from collections.abc import Callable
@@ -113,10 +102,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def rms_forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (num_tokens, hidden_size)
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        x32 = x.float()
+        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
     def add_rms_forward(self, x: torch.Tensor, residual: torch.Tensor) -> Pair:
         residual = (x.float() + residual.float()).to(x.dtype)  # the new residual stream
@@ -125,9 +112,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor | Pair:
         if self.kernel is not None:
             return self.kernel(x, self.weight, self.eps, residual)
-        if residual is None:
-            return self.rms_forward(x)
-        return self.add_rms_forward(x, residual)
+        return self.rms_forward(x) if residual is None else self.add_rms_forward(x, residual)
 
 
 # %% [markdown]
@@ -139,35 +124,30 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 from minivllm.layers.layernorm import RMSNorm
 
 ref, ours = Qwen3RMSNorm(64, eps=1e-6), RMSNorm(64, eps=1e-6)
-with torch.no_grad():
-    ref.weight.normal_()
-    ours.weight.copy_(ref.weight)
+ref.weight.data = ours.weight.data = torch.randn(64)  # one random weight for both
 for dtype in (torch.float32, torch.bfloat16):
     x, res = torch.randn(5, 64, dtype=dtype), torch.randn(5, 64, dtype=dtype)
     torch.testing.assert_close(ours.to(dtype)(x), ref.to(dtype)(x), rtol=0, atol=0)
-    normed, new_res = ours.to(dtype)(x, res)
-    torch.testing.assert_close(new_res, x + res, rtol=0, atol=0)
-    torch.testing.assert_close(normed, ref.to(dtype)(x + res), rtol=0, atol=0)
+    torch.testing.assert_close(ours.to(dtype)(x, res), (ref.to(dtype)(x + res), x + res), rtol=0, atol=0)  # fused
 print("RMSNorm matches Qwen3RMSNorm bit for bit")
 
 # %% [markdown]
 # ## Tensor-parallel linear layers
 # With tensor parallelism (TP) each of N GPUs holds a slice of every weight matrix, cut one of two ways:
-# * **Column parallel**: split the *output* features. Each rank computes its slice of `y = x Wᵀ`; no communication.
-#   Used for the QKV projection and the MLP's gate/up projection.
-# * **Row parallel**: split the *input* features. Each rank computes a partial sum; an all-reduce adds them. Used for
-#   the attention output and the MLP's down projection, right after a column-parallel layer whose output slice is
-#   exactly the input slice it needs: two all-reduces a block, whatever N is.
+# * **Column parallel** (QKV, the MLP's gate/up): split the *output* features; each rank computes its slice of
+#   `y = x Wᵀ`, with no communication.
+# * **Row parallel** (attention output, MLP down): split the *input* features; each rank computes a partial sum and an
+#   all-reduce adds them. Its input slice is exactly the column-parallel layer's output: two all-reduces a block.
 #
 # Checkpoints store full, separate matrices (`q_proj`, `k_proj`, ...), so each parameter has a `weight_loader` that
 # copies in this rank's slice, at its offset when several are packed into one of ours. A layer takes its rank from the
-# `with tensor_parallel(TPGroup(...))` block it is built in (notebook 06); outside one it is whole: rank 0 of 1.
+# `with tensor_parallel(TPGroup(...))` block it is built in (deep dive `tensor_parallel`); outside one, rank 0 of 1.
 
 # %% tags=["export"] module="minivllm.layers.linear"
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -176,9 +156,7 @@ from torch import nn
 
 
 @dataclass(frozen=True, slots=True)
-class TPGroup:
-    """The ranks one model is split over: this one's rank, their number, and the process group they communicate on."""
-
+class TPGroup:  # the ranks one model is split over: this one's rank, their number, the group they communicate on
     rank: int = 0
     size: int = 1
     group: Any = None  # a torch.distributed process group (or backend) of `size` ranks
@@ -213,42 +191,26 @@ def check_shape(name: str, loaded: torch.Tensor, expected: tuple[int, ...]) -> N
         raise ValueError(f"{name}: expected shape {tuple(expected)}, got {tuple(loaded.shape)}")
 
 
-class Gemv(Protocol):  # one token's F.linear(x, weight, bias) as one kernel; gated: silu(gate) * up of [gate | up]
-    def __call__(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False
-    ) -> torch.Tensor: ...
-
-
 class LinearBase(nn.Module):
-    """y = x Wᵀ (+ b) on this rank's slice; `tp_dim` is the weight dimension that is split (None: replicated)."""
+    """y = x Wᵀ (+ b) with this rank's slice of W: a slice of its rows (tp_dim=0) or of its columns (tp_dim=1)."""
 
-    kernel: Gemv | None = None  # a matrix-vector kernel for one token (set per layer)
+    # one token's F.linear(x, weight, bias) as one kernel (set per layer); gated=True: silu(gate) * up of [gate | up]
+    kernel: Callable[..., torch.Tensor] | None = None
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False, tp_dim: int | None = None):
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int):
         super().__init__()
         self.tp = tp_group()
-        self.tp_rank, self.tp_size = self.tp.rank, self.tp.size
-        self.tp_dim = tp_dim
-        # a hook the checkpoint loader calls (notebook 02); mypy: Parameter declares no such attribute
+        self.tp_rank, self.tp_size, self.tp_dim = self.tp.rank, self.tp.size, tp_dim
         self.weight = nn.Parameter(torch.empty(output_size, input_size))
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-        if bias:
-            self.bias = nn.Parameter(torch.empty(output_size))
-            self.bias.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-        else:
-            self.register_parameter("bias", None)
-
-    def full_shape(self, param: nn.Parameter) -> tuple[int, ...]:
-        shape = list(param.shape)
-        if self.tp_dim is not None and self.tp_dim < len(shape):
-            shape[self.tp_dim] *= self.tp_size
-        return tuple(shape)
+        self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
+        for param in self.parameters():  # a hook the checkpoint loader calls (notebook 02), unknown to mypy
+            param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        check_shape(type(self).__name__, loaded, self.full_shape(param))
-        if self.tp_dim is not None and self.tp_dim < loaded.dim():
-            loaded = loaded.chunk(self.tp_size, self.tp_dim)[self.tp_rank]
-        param.data.copy_(loaded)
+        split = self.tp_dim < param.dim()  # a row-parallel layer's bias is whole on every rank
+        full = tuple(n * self.tp_size if split and d == self.tp_dim else n for d, n in enumerate(param.shape))
+        check_shape(type(self).__name__, loaded, full)
+        param.data.copy_(loaded.chunk(self.tp_size, self.tp_dim)[self.tp_rank] if split else loaded)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # x: (num_tokens, input_size)
         if self.kernel is not None and x.shape[0] == 1:  # a matrix-vector product: cuBLAS's tiles waste bandwidth
@@ -259,15 +221,16 @@ class LinearBase(nn.Module):
         return self.matmul(x, self.bias)
 
 
-class ReplicatedLinear(LinearBase):
-    """Every rank holds the whole weight."""
-
-
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks: each computes y[:, its slice]; no communication."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(input_size, divide(output_size, tp_group().size), bias, tp_dim=0)
+
+    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | str, offset: int, size: int) -> None:
+        """Copy this rank's `size` rows of one packed matrix (e.g. k_proj) into ours at row `offset`."""
+        check_shape(f"{type(self).__name__}[{shard}]", loaded, (size * self.tp_size, *param.shape[1:]))
+        param.data.narrow(0, offset, size).copy_(loaded.chunk(self.tp_size, 0)[self.tp_rank])
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -279,31 +242,22 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     # the loader passes a packed layer its shard id: a signature LinearBase's loader does not have
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:  # type: ignore[override]
-        full = list(self.full_shape(param))
-        full[0] = self.output_sizes[shard_id]
-        check_shape(f"{type(self).__name__}[{shard_id}]", loaded, tuple(full))
-        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        size = self.output_sizes[shard_id] // self.tp_size
-        param.data.narrow(0, offset, size).copy_(loaded.chunk(self.tp_size, 0)[self.tp_rank])
+        sizes = [size // self.tp_size for size in self.output_sizes]  # this rank's rows of each
+        self.load_shard(param, loaded, shard_id, sum(sizes[:shard_id]), sizes[shard_id])
 
 
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections in one weight; each rank keeps its attention heads (and their KV heads)."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
-        tp_size = tp_group().size
-        self.head_dim = head_dim
-        self.num_heads = divide(num_heads, tp_size)
-        self.num_kv_heads = divide(num_kv_heads, tp_size)
+        tp_size, self.head_dim = tp_group().size, head_dim
+        self.num_heads, self.num_kv_heads = divide(num_heads, tp_size), divide(num_kv_heads, tp_size)
         super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:  # type: ignore[override]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
-        full = list(param.shape)
-        full[0] = size * self.tp_size
-        check_shape(f"{type(self).__name__}[{shard_id}]", loaded, tuple(full))
-        param.data.narrow(0, offset, size).copy_(loaded.chunk(self.tp_size, 0)[self.tp_rank])
+        self.load_shard(param, loaded, shard_id, offset, size)
 
 
 class RowParallelLinear(LinearBase):
@@ -320,20 +274,16 @@ class RowParallelLinear(LinearBase):
 
 
 # %% [markdown]
-# Check: each layer loaded from HF-shaped tensors computes `F.linear` with those tensors packed as we packed them; a
-# row-parallel layer over two ranks, in this one process, gives partial sums that add up to the whole layer (the
-# all-reduce, stubbed out). The test suite runs two real ranks over gloo, and checkpoint tensors of a wrong shape.
+# Check: layers loaded from HF-shaped tensors compute `F.linear` with them, packed as we packed them; a row-parallel
+# layer over two ranks in this one process gives partial sums that add up to the whole layer (all-reduce stubbed out).
 
 # %%
-from unittest import mock
-
 from minivllm.layers import linear
 from minivllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 
 hidden, head_dim, num_heads, num_kv_heads = 64, 16, 4, 2
-x = torch.randn(3, hidden)
+x, (wg, wu) = torch.randn(3, hidden), torch.randn(2, 96, hidden)
 wq, wk, wv = (torch.randn(heads * head_dim, hidden) for heads in (num_heads, num_kv_heads, num_kv_heads))
-wg, wu = torch.randn(96, hidden), torch.randn(96, hidden)
 qkv = QKVParallelLinear(hidden, head_dim, num_heads, num_kv_heads)
 gate_up = MergedColumnParallelLinear(hidden, [96, 96])
 for layer, shards in ((qkv, zip("qkv", (wq, wk, wv))), (gate_up, enumerate((wg, wu)))):
@@ -346,19 +296,18 @@ wd, b, x2 = torch.randn(hidden, 96), torch.randn(hidden), torch.randn(3, 96)
 halves = []  # row parallel over 2 ranks in this process: each keeps 48 input columns and adds a partial sum
 for rank in range(2):
     with linear.tensor_parallel(linear.TPGroup(rank=rank, size=2)):  # the layer each of two processes would build
-        halves.append(linear.RowParallelLinear(96, hidden, bias=True))
-    halves[-1].weight.weight_loader(halves[-1].weight, wd)
-    halves[-1].bias.weight_loader(halves[-1].bias, b)
+        halves.append(row := linear.RowParallelLinear(96, hidden, bias=True))
+    for param, full in ((row.weight, wd), (row.bias, b)):
+        param.weight_loader(param, full)  # each rank keeps its slice of the weight, and the whole bias
 with mock.patch.object(torch.distributed, "all_reduce", lambda y, group=None: None):  # we add the two below
     partial = [layer(x_half) for layer, x_half in zip(halves, x2.chunk(2, dim=-1))]
 torch.testing.assert_close(sum(partial), x2 @ wd.T + b)  # the bias once: only rank 0 adds it
 
 # %% [markdown]
 # ## Vocabulary-parallel embedding and LM head
-# The embedding table (151,936 × 1,024 for Qwen3-0.6B, 0.16 B parameters) is split by rows: each rank owns a range
-# of token ids, looks up the ids it owns, writes zeros for the others, and an all-reduce sums the pieces. The LM head
-# is the same matrix used the other way round (Qwen3-0.6B *ties* them): each rank computes the logits of its
-# vocabulary slice, and a gather puts them side by side.
+# The embedding table (151,936 × 1,024 for Qwen3-0.6B) is split by rows: each rank looks up the token ids it owns,
+# writes zeros for the others, and an all-reduce sums the pieces. The LM head is the same matrix used the other way
+# round (Qwen3-0.6B *ties* them): each rank computes its vocabulary slice's logits; a gather puts them side by side.
 
 # %% tags=["export"] module="minivllm.layers.embed_head"
 import torch
@@ -419,10 +368,9 @@ torch.testing.assert_close(head(emb(ids)), table[ids] @ table.T)
 # ## Rotary position embeddings (RoPE)
 # Attention by itself cannot tell positions apart. RoPE rotates each pair of query/key features by an angle
 # proportional to the token's position, `θ_i = position · base^(-2i/d)`, so the dot product of a query at position m
-# with a key at position n depends only on `m − n`. Qwen3 uses base θ = 1,000,000; Llama-3 also stretches the low
-# frequencies ("llama3" scaling) to reach longer contexts. The parameters are in `config.rope_parameters`
-# (transformers 5) or `rope_theta` + `rope_scaling` (older checkpoints): an engine reads both. `cos` and `sin` are
-# computed once for every position; a layer gathers the rows of its tokens' positions.
+# with a key at position n depends only on `m − n`. Qwen3 uses base 1,000,000; Llama-3 also stretches the low
+# frequencies ("llama3" scaling). The settings are in `config.rope_parameters` (transformers 5) or `rope_theta` +
+# `rope_scaling` (older); `cos` and `sin` are computed once for every position.
 
 # %% tags=["export"] module="minivllm.layers.rotary_embedding"
 import math
@@ -480,8 +428,8 @@ class RotaryEmbedding(nn.Module):
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, norms: Norms | None = None) -> Pair:
-        # positions: (num_tokens,); q, k: (num_tokens, num_heads, head_dim)
-        """Rotate q and k; with `norms` (Qwen3's q_norm, k_norm), normalise each head of q and of k first."""
+        """Rotate q, k: (num_tokens, num_heads, head_dim) to their positions: (num_tokens,). With `norms` (Qwen3's
+        q_norm, k_norm), normalise each head of q and of k first."""
         if self.kernel is not None:
             return self.kernel(positions, q, k, self.cos, self.sin, norms)
         if norms is not None:
@@ -521,13 +469,11 @@ for name, (config, hf_rope) in configs.items():
 
 # %% [markdown]
 # ## Attention, the plain way
-# Before writing a fast kernel we need one we trust. An engine packs the prompts of a batch end to end in one flat
-# tensor (no padding) and passes `cu_seqlens`, the cumulative lengths: sequence `i` is rows
-# `cu_seqlens[i]:cu_seqlens[i+1]`. This is flash-attn's *varlen* convention and we keep it everywhere. Also:
-# * **GQA** (grouped-query attention): Qwen3-0.6B has 16 query heads but only 8 key/value heads; query head `h`
-#   reads KV head `h // 2`. Fewer KV heads means a smaller KV cache.
-# * **Causal, aligned bottom-right**: when a sequence has more keys than queries (the first keys are a cached
-#   prefix), query `i` sees keys `j ≤ i + (len_k − len_q)`: prefill continues from a cached prefix (notebook 03).
+# Before writing a fast kernel we need one we trust. An engine packs a batch's prompts end to end in one flat tensor
+# (no padding) and passes `cu_seqlens`, the cumulative lengths: sequence `i` is rows `cu_seqlens[i]:cu_seqlens[i+1]`
+# (flash-attn's *varlen* convention, kept everywhere). **GQA**: Qwen3-0.6B has 16 query heads but only 8 key/value
+# heads (a smaller KV cache); query head `h` reads KV head `h // 2`. **Causal, aligned bottom-right**: when a
+# sequence has more keys than queries (a cached prefix, notebook 03), query `i` sees keys `j ≤ i + (len_k − len_q)`.
 
 # %% tags=["export"] module="minivllm.kernels.reference"
 import torch
@@ -567,8 +513,7 @@ def attention_ref(
 # %%
 from minivllm.kernels.reference import attention_ref
 
-q, k, v = torch.randn(37, 8, 32), torch.randn(37, 2, 32), torch.randn(37, 2, 32)
-cu = torch.tensor([0, 37], dtype=torch.int32)
+q, (k, v), cu = torch.randn(37, 8, 32), torch.randn(2, 37, 2, 32), torch.tensor([0, 37], dtype=torch.int32)
 q_h, k_h, v_h = q.transpose(0, 1), k.repeat_interleave(4, 1).transpose(0, 1), v.repeat_interleave(4, 1).transpose(0, 1)
 for causal in (False, True):
     sdpa = torch.nn.functional.scaled_dot_product_attention(q_h, k_h, v_h, is_causal=causal).transpose(0, 1)
@@ -576,78 +521,52 @@ for causal in (False, True):
 
 # %% [markdown]
 # ### Why the plain way does not scale: O(N²) memory
-# The reference materialises `scores`, one float per (head, query, key) pair. For a 16k-token prompt with Qwen3-0.6B's
-# 16 heads that is 16 × 16,384² × 4 bytes = 16 GiB *per layer*, far more than the model itself. FlashAttention never
-# builds it: it walks over the keys in blocks, keeping for each query row only a running maximum `m`, a running sum
-# `l` and the output accumulator: O(head_dim) per row, O(N) in all. First the claim, measured: the reference builds
-# a `(heads, N, N)` tensor.
-
+# The reference materialises `scores`, one float per (head, query, key): for a 16k-token prompt and Qwen3-0.6B's 16
+# heads, 16 × 16,384² × 4 bytes = 16 GiB *per layer*. FlashAttention never builds it: walking over the keys in blocks,
+# it keeps per query row a running max `m`, a running sum `l` and the output accumulator, O(N) in all. Measured:
 
 # %%
-seen, softmax = [], torch.softmax
-torch.softmax = lambda x, dim: (seen.append(x.shape), softmax(x, dim=dim))[1]  # record the scores' shape
-try:
-    n = 512
-    q_n, k_n, v_n = (torch.randn(n, heads, 128) for heads in (16, 8, 8))
-    attention_ref(q_n, k_n, v_n, torch.tensor([0, n]), torch.tensor([0, n]), causal=True)
-finally:
-    torch.softmax = softmax
+seen, softmax, n, cu_n = [], torch.softmax, 512, torch.tensor([0, 512])
+with mock.patch.object(torch, "softmax", lambda x, dim: (seen.append(x.shape), softmax(x, dim=dim))[1]):
+    attention_ref(*(torch.randn(n, heads, 128) for heads in (16, 8, 8)), cu_n, cu_n, causal=True)  # 16 q, 8 kv heads
 assert seen == [(16, n, n)], seen
 print(f"scores tensor for N={n}: {seen[0]} = {16 * n * n * 4 / 2**20:.0f} MiB in fp32")
 
-# %%
-from pathlib import Path
-
-import matplotlib.pyplot as plt
-import numpy as np
-
-FIGURES = Path(os.environ.get("MINIVLLM_FIGURES", "../build/figures")).resolve()
-FIGURES.mkdir(parents=True, exist_ok=True)
 num_heads, head_dim, lengths = 16, 128, 2 ** np.arange(9, 16)  # Qwen3-0.6B's heads; N = 512 ... 32,768
 naive_bytes = num_heads * lengths.astype(float) ** 2 * 4  # fp32 scores (the probabilities need as much again)
 flash_bytes = num_heads * lengths * (head_dim * 4 + 2 * 4)  # fp32 accumulator + m + l per query row
-fig, ax = plt.subplots(figsize=(6, 3.8))
+fig, ax = plt.subplots(figsize=(6, 3.8), layout="tight")
 ax.loglog(lengths, naive_bytes / 2**30, "o-", label="naive: scores (heads × N × N)")
 ax.loglog(lengths, flash_bytes / 2**30, "s-", label="FlashAttention: acc, m, l (heads × N × d)")
 ax.axhline(141e9 / 2**30, color="grey", ls=":", label="H200 memory (141 GB = 131 GiB)")
 ax.set(xlabel="sequence length N", ylabel="GiB per layer", title="Attention working memory, 16 heads of 128")
 ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(0, 0.93))  # under the H200 line
-fig.tight_layout()
 fig.savefig(FIGURES / "01_attention_memory.png", dpi=120)
 print(f"at N=32k: naive {naive_bytes[-1] / 2**30:.0f} GiB vs flash {flash_bytes[-1] / 2**30:.2f} GiB per layer")
-total = 28 * naive_bytes[-1]  # Qwen3-0.6B's 28 layers
-print(f"naive, all 28 layers: {total / 1e12:.1f} TB, what {total / 141e9:.0f} H200s hold")
+print(f"naive, all 28 layers of Qwen3-0.6B: {28 * naive_bytes[-1] / 141e9:.0f} H200s' memory")
 
 # %% [markdown]
 # ## A FlashAttention prefill kernel in Triton (try `exercises/01_online_softmax.ipynb` first)
 # Prefill processes whole prompts: thousands of queries per sequence, so attention is a pair of large matrix
 # multiplies, *compute-bound*. The kernel must keep the tensor cores busy and never write `scores` to memory. We
 # build it in three steps, each checked against the one before: the online softmax in PyTorch, the same loop as a
-# tiny Triton kernel, then the full kernel. The exercise has you write step 1 (with the causal mask, the log-sum-exp
-# and split-K): try it before reading on.
+# tiny Triton kernel, then the full kernel. The exercise has you write step 1 yourself, for a causal sliding window
+# that reads only the key blocks it reaches, and then split-K: try it before reading on.
 #
 # ### Step 1: the online softmax, in PyTorch
 # Softmax divides by a sum over *all* of a row's keys, which is why the reference holds every score at once. The
-# online softmax walks over the keys in blocks of `BLOCK_N`, keeping per query row a running max `m`, a running sum
-# `l` and an unnormalised output `acc`:
-#
-# 1. `s = q · kᵀ · scale` for the block, and the new running max `m' = max(m, rowmax(s))`;
-# 2. rescale what was accumulated by `α = exp(m − m')`, with `p = exp(s − m')`: `l ← l·α + rowsum(p)`,
-#    `acc ← acc·α + p·v`; at the end, `out = acc / l`.
-#
-# The result is exactly softmax(s)·v (up to rounding), but only one block of scores ever exists. Here it is for one
-# head with every key visible; `rescale=False` skips the rescaling by `α`, to show why it is there.
+# online softmax walks over the keys in blocks, keeping per query row a running max `m`, a running sum `l` and an
+# unnormalised output `acc`. For each block: `s = q · kᵀ · scale`, `m' = max(m, rowmax(s))`, `p = exp(s − m')`, and
+# what was accumulated is rescaled by `α = exp(m − m')`: `l ← l·α + rowsum(p)`, `acc ← acc·α + p·v`. At the end
+# `out = acc / l`: softmax(s)·v up to rounding, yet only one block of scores ever exists. Here it is for one head,
+# every key visible; `rescale=False` skips `α`, to show why it is there.
 
 
 # %%
 def online_softmax_attention(
-    q: torch.Tensor,  # (num_q, head_dim)
-    k: torch.Tensor,  # (num_k, head_dim)
-    v: torch.Tensor,  # (num_k, head_dim)
-    block_n: int,
-    rescale: bool = True,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_n: int, rescale: bool = True
 ) -> torch.Tensor:  # (num_q, head_dim)
-    """softmax(q kᵀ · scale) v for one head, reading the keys block_n at a time."""
+    """softmax(q kᵀ · scale) v for one head, q: (num_q, D), k, v: (num_k, D), reading the keys block_n at a time."""
     m = q.new_full((q.shape[0],), float("-inf"))  # (num_q,): running max of each row's scores
     l = q.new_zeros(q.shape[0])  # (num_q,): running Σ exp(score - m)
     acc = torch.zeros_like(q)  # (num_q, head_dim): running Σ exp(score - m) · v
@@ -661,8 +580,7 @@ def online_softmax_attention(
 
 
 qh, kh, vh = (torch.randn(n, 32, device=DEVICE) for n in (64, 128, 128))  # one head: 64 queries, 128 keys
-cu_qh, cu_kh = (torch.tensor([0, n], dtype=torch.int32, device=DEVICE) for n in (64, 128))
-ref_h = attention_ref(qh[:, None], kh[:, None], vh[:, None], cu_qh, cu_kh)[:, 0]  # (64, 32)
+ref_h = torch.softmax(qh @ kh.T * 32**-0.5, dim=-1) @ vh  # (64, 32): the definition, all scores at once
 for block_n in (128, 48, 16):  # one block (nothing to rescale), ragged blocks of 48, blocks of 16
     torch.testing.assert_close(online_softmax_attention(qh, kh, vh, block_n), ref_h)
 wrong = (online_softmax_attention(qh, kh, vh, 16, rescale=False) - ref_h).abs().max().item()
@@ -672,17 +590,13 @@ assert wrong > 0.01  # rounding alone would give ~1e-7
 # %% [markdown]
 # ### Step 2: the same loop as a Triton kernel
 # A Triton *program* computes on whole tiles. Ours loads a `(BLOCK_M, D)` tile of queries once, then runs step 1's
-# loop over `(BLOCK_N, D)` tiles of keys and values, with `tl.dot` for both products; the grid launches one program
-# per query tile, in parallel. A program only gets pointers: a tile's addresses are `base + row · row_stride +
-# column`, built from `tl.arange` (for `kᵀ`, swap which offsets go down and which go across). One change of
-# arithmetic: `exp2`, with `log2(e)` folded into the scale (`exp(x) = exp2(x · log2 e)`; the hardware computes `exp2`
-# natively). To stay tiny it takes one head, no mask, and lengths that are multiples of the tiles.
+# loop over `(BLOCK_N, D)` tiles of keys and values, `tl.dot` for both products; the grid launches one program per
+# query tile. A program only gets pointers: a tile's addresses are `base + row · row_stride + column`, built from
+# `tl.arange` (for `kᵀ`, swap which offsets go down and which across). It computes `exp2`, which the hardware has,
+# with `log2(e)` folded into the scale. To stay tiny: one head, no mask, lengths that are multiples of the tiles.
+
 
 # %%
-import triton
-import triton.language as tl
-
-
 @triton.jit
 def tiny_attention_kernel(  # Q, O: (num_q, D), K, V: (N, D), contiguous; qk_scale in log2 units
     Q, K, V, O, qk_scale, N: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
@@ -700,30 +614,27 @@ def tiny_attention_kernel(  # Q, O: (num_q, D), K, V: (N, D), contiguous; qk_sca
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.math.exp2(m - m_new)
         p = tl.math.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        m = m_new
+        l, acc, m = l * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee"), m_new
     tl.store(O + offs_m[:, None] * D + offs_d[None, :], acc / l[:, None])
 
 
 out_h = torch.empty_like(qh)  # contiguous (64, 32) tensors: a row's stride is D
 tiny_attention_kernel[(64 // 16,)](qh, kh, vh, out_h, 32**-0.5 * math.log2(math.e), N=128, D=32, BLOCK_M=16, BLOCK_N=16)
 torch.testing.assert_close(out_h, online_softmax_attention(qh, kh, vh, block_n=16))
-print("the tiny Triton kernel gives step 1's result; step 1 gives the reference's")
+print("the tiny Triton kernel gives step 1's result, and step 1 the definition's")
 
 # %% [markdown]
 # ### Step 3: the kernel an engine calls
-# Step 2's loop body becomes `attend_block` below, plus a mask and a guard for rows that have seen no visible key
-# yet (`exp(-inf − (-inf))` is NaN). Around it the full kernel adds what a batch of real prompts needs:
-#
-# * **Varlen**: the grid is (query tiles, groups of query heads, sequences); a program finds its sequence's rows
-#   through `cu_seqlens`, reads through strides, and masks its loads where a length is not a multiple of the tile.
-# * **Causal, in two phases**: key blocks left of the diagonal are visible to every query of the tile and need no
-#   mask; only the few on the diagonal do. Blocks right of it are never loaded: half the work of a square prompt.
+# Step 2's loop body becomes `attend_block`, plus a mask and a guard for rows that have seen no visible key yet
+# (`exp(-inf − (-inf))` is NaN). Around it the kernel adds what a batch of real prompts needs:
+# * **Varlen**: the grid is (query tiles, groups of query heads, sequences); a program finds its rows through
+#   `cu_seqlens`, reads through strides, and masks its loads where a length is not a multiple of the tile.
+# * **Causal, in two phases**: key blocks left of the diagonal are seen by every query of the tile: no mask. Only
+#   those on the diagonal need one; those right of it are never loaded, half the work of a square prompt.
 # * **GQA**: query head `h` reads KV head `h // (num_heads // num_kv_heads)`, so one program serves the `HEADS` query
-#   heads of a KV head (Qwen3's 2): `HEADS × BLOCK_M` query rows against each K/V tile, loaded once.
-# * **One compile, not one per step**: Triton compiles anew for each *specialization* of an integer argument (a value
-#   of 1, a multiple of 16). `num_m_blocks` changes with every batch, so `do_not_specialize` makes it a plain integer.
+#   heads of a KV head: `HEADS × BLOCK_M` query rows against each K/V tile, loaded once.
+# * **One compile**: Triton compiles anew for each *specialization* of an integer argument (1, a multiple of 16);
+#   `num_m_blocks` changes every batch, so `do_not_specialize` makes it a plain integer.
 
 # %% tags=["export"] module="minivllm.kernels.flash_attn"
 import math
@@ -775,8 +686,7 @@ def causal_bounds(start_m, k_len, shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.cons
         hi = tl.minimum(k_len, (start_m + 1) * BLOCK_M + shift)
         unmasked = tl.maximum(tl.minimum(hi, start_m * BLOCK_M + shift + 1), 0)
     else:
-        hi = k_len
-        unmasked = k_len
+        hi, unmasked = k_len, k_len
     return (unmasked // BLOCK_N) * BLOCK_N, hi
 
 
@@ -799,8 +709,7 @@ def _prefill_kernel(
 
     r = tl.arange(0, HEADS * BLOCK_M)  # tile row r: position r // HEADS, query head first_head + r % HEADS
     offs_m, head = start_m * BLOCK_M + r // HEADS, first_head + r % HEADS
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n, offs_d = tl.arange(0, BLOCK_N), tl.arange(0, HEAD_DIM)
     q_ptrs = Q + (q_start + offs_m)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]  # (ROWS, D)
     q = load_tile(q_ptrs, (offs_m < q_len)[:, None], UPCAST)
     k_ptrs = K + (k_start + offs_n)[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None]  # (D, BLOCK_N)
@@ -834,14 +743,12 @@ def check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 3:
             raise ValueError(f"{name} must be (total_tokens, num_heads, head_dim), got shape {tuple(t.shape)}")
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"{name}.dtype must be one of {SUPPORTED_DTYPES}, got {t.dtype}")
+        if t.dtype not in SUPPORTED_DTYPES or t.dtype != q.dtype:
+            raise ValueError(f"{name}.dtype {t.dtype}: q, k, v must share a dtype of {SUPPORTED_DTYPES} (q: {q.dtype})")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     head_dim = q.shape[2]
@@ -871,8 +778,7 @@ def heads_per_program(group: int, block_m: int) -> int:
 
 
 def softmax_scale_of(softmax_scale: float | None, head_dim: int) -> float:
-    """The scores' scale, 1 / sqrt(head_dim) unless given. It must be positive: `attend_block` takes a row's maximum
-    before scaling, and scales the masked scores' -inf."""
+    """1 / sqrt(head_dim) unless given; > 0, as `attend_block` scales a row's maximum and the masked scores' -inf."""
     if softmax_scale is None:
         return head_dim**-0.5
     if not softmax_scale > 0:  # NaN too
@@ -892,14 +798,12 @@ def flash_attn_varlen_contiguous(
     check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
     if max_seqlen_q < 1 or max_seqlen_k < 0:
         raise ValueError(f"max_seqlen_q must be >= 1 and max_seqlen_k >= 0, got {max_seqlen_q}, {max_seqlen_k}")
-    head_dim = q.shape[2]
-    scale = softmax_scale_of(softmax_scale, head_dim)
-    out = torch.empty_like(q)
+    head_dim, out = q.shape[2], torch.empty_like(q)
+    qk_scale = softmax_scale_of(softmax_scale, head_dim) * math.log2(math.e)  # exp2 units
     config = tile or launch_config(head_dim, q.device)
     num_m_blocks, group = triton.cdiv(max_seqlen_q, config["BLOCK_M"]), q.shape[1] // k.shape[1]
     heads = heads_per_program(group, config["BLOCK_M"])
     grid = (num_m_blocks, q.shape[1] // heads, cu_seqlens_q.numel() - 1)
-    qk_scale = scale * math.log2(math.e)  # exp2 units
     strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *out.stride()[:2])  # (token, head) of each
     fp32 = q.dtype == torch.float32
     upcast, precision = q.device.type == "cpu" and not fp32, "ieee" if fp32 else "tf32"  # see load_tile
@@ -910,47 +814,29 @@ def flash_attn_varlen_contiguous(
 
 # %% [markdown]
 # ### Check the kernel against the reference
-# Lengths on and next to tile boundaries (1, 15, 16, 17, 64, …), GQA, a cached prefix (more keys than queries); then
-# bad input, which gets a `ValueError` naming the argument. The test suite runs many more shapes.
+# Lengths on and next to tile boundaries (1, 15, 16, 17, 64, …), GQA, a cached prefix (more keys than queries). The
+# test suite runs many more shapes, and bad inputs, each rejected with a `ValueError` naming the argument.
 
 # %%
 from minivllm.kernels.flash_attn import flash_attn_varlen_contiguous
 
-
-def random_varlen(q_lens, k_lens, num_heads, num_kv_heads, head_dim, dtype=torch.float32, device=DEVICE):
-    cu_q, cu_k = (torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32, device=device) for lens in (q_lens, k_lens))
-    q = torch.randn(sum(q_lens), num_heads, head_dim, dtype=dtype, device=device)
-    k, v = torch.randn(2, sum(k_lens), num_kv_heads, head_dim, dtype=dtype, device=device)
-    return q, k, v, cu_q, cu_k
-
-
-q_lens = [1, 15, 16, 17, 64, 5]
-k_lens = [1, 15, 16, 17, 64, 40]  # the last sequence continues after 35 cached tokens
-q, k, v, cu_q, cu_k = random_varlen(q_lens, k_lens, num_heads=4, num_kv_heads=2, head_dim=32)
+q_lens, k_lens = [1, 15, 16, 17, 64, 5], [1, 15, 16, 17, 64, 40]  # the last sequence continues after 35 cached tokens
+cu_q, cu_k = (torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32, device=DEVICE) for lens in (q_lens, k_lens))
+q, (k, v) = torch.randn(sum(q_lens), 4, 32, device=DEVICE), torch.randn(2, sum(k_lens), 2, 32, device=DEVICE)  # GQA
 for causal in (True, False):
     ours = flash_attn_varlen_contiguous(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), causal=causal)
     ref = attention_ref(q, k, v, cu_q, cu_k, causal=causal)
     print(f"causal={causal}: max abs error {(ours - ref).abs().max().item():.2e}")
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4)
-for bad in (dict(k=k[:, :, :16]), dict(cu_seqlens_q=cu_q.long()), dict(v=v.double())):
-    args = dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=64, max_seqlen_k=64) | bad
-    try:
-        flash_attn_varlen_contiguous(**args)
-    except ValueError as e:
-        print("ValueError:", e)
-    else:
-        raise AssertionError(f"accepted bad input {list(bad)}")
 
 # %% [markdown]
 # ### How fast is it?
-# `python -m minivllm.benchmarks.prefill` times the kernel on a GPU against PyTorch's SDPA (FlashAttention-2 and
-# cuDNN), FlashInfer's and a naive O(N²) attention, for one 16-head causal prompt of 1k to 16k tokens. On a GPU this
-# cell re-measures 1k and 4k; without one it shows the committed H200 results (`figures/prefill.json`): the bars to
-# reach are cuDNN's and FlashInfer's, 1.13-1.28× faster than ours from 4k on.
+# `python -m minivllm.benchmarks.prefill` times the kernel on a GPU against SDPA (FlashAttention-2, cuDNN), FlashInfer
+# and a naive O(N²) attention, for one 16-head causal prompt of 1k to 16k tokens. On a GPU this cell re-measures 1k and
+# 4k; without one it shows the committed H200 results (`figures/prefill.json`): cuDNN and FlashInfer are 1.13-1.28×
+# faster than ours from 4k on.
 
 # %%
-import json
-
 from minivllm.benchmarks.prefill import plot_prefill, run_prefill_benchmark
 
 if DEVICE == "cuda":
@@ -964,18 +850,18 @@ for row in prefill["rows"]:
 
 # %% [markdown]
 # ## Check yourself
-# A prompt of 100 tokens continues after 60 cached tokens, so its sequence has 160 keys. Which keys does its first
-# query see? Replace `None` with the list of their indices and run the cell: the check compares it with what the
-# kernel says. (It runs with zero queries, which weigh every visible key equally, and key `j`'s value is 1 in feature
-# `j` only: the output is nonzero where a key was seen.) The worked answer follows.
+# A prompt of 100 tokens continues after 60 cached tokens: its sequence has 160 keys. Which keys does its first query
+# see? Replace `None` with the list of their indices; the cell compares it with what the kernel says (zero queries
+# weigh every visible key equally, and key `j`'s value is 1 in feature `j` only: nonzero output = key seen).
 
 # %%
 from minivllm.testing import check_answer
 
 answer = None  # your answer: replace None with an expression
-q2, k2, _, cu_q2, cu_k2 = random_varlen([100], [160], 2, 2, 128, dtype=torch.bfloat16)
+cu_q2, cu_k2 = (torch.tensor([0, n], dtype=torch.int32, device=DEVICE) for n in (100, 160))
+zeros = torch.zeros(160, 2, 128, dtype=torch.bfloat16, device=DEVICE)  # zero queries and keys: equal scores
 v2 = torch.eye(160, 256, dtype=torch.bfloat16, device=DEVICE).view(160, 2, 128)  # key j: 1 in feature j of 2 × 128
-out2 = flash_attn_varlen_contiguous(torch.zeros_like(q2), k2, v2, cu_q2, cu_k2, 100, 160, causal=True)
+out2 = flash_attn_varlen_contiguous(zeros[:100], zeros, v2, cu_q2, cu_k2, 100, 160, causal=True)
 seen_keys = out2[0].flatten().nonzero().flatten().tolist()  # query 0: its heads' features side by side
 check_answer(answer, seen_keys, "keys seen")
 
@@ -987,7 +873,7 @@ check_answer(answer, seen_keys, "keys seen")
 check_answer(list(range(0 + (160 - 100) + 1)), seen_keys, "keys seen")
 
 # %% [markdown]
-# **Exercises** (solutions in `solutions/`): `exercises/01_online_softmax.ipynb` (the online softmax and split-K in
-# PyTorch) and `exercises/01_triton_rmsnorm.ipynb` (vLLM's fused add + RMSNorm as a Triton kernel). **Next:**
-# notebook 02 builds Qwen3 from these layers; optional before it, the deep dive `deep_dives/triton_layers.ipynb`:
-# the small layers as fused GPU kernels, and why `torch.compile` is not enough.
+# **Exercises** (solutions in `solutions/`): `exercises/01_online_softmax.ipynb` (the online softmax in PyTorch, for a
+# causal sliding window that reads only the key blocks it reaches, then split-K); `exercises/01_triton_rmsnorm.ipynb`
+# (vLLM's fused add + RMSNorm in Triton). **Next:** notebook 02 builds Qwen3 from these layers; optional before it,
+# `deep_dives/triton_layers.ipynb`: the small layers as fused GPU kernels, and why `torch.compile` is not enough.

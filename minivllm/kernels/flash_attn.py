@@ -49,8 +49,7 @@ def causal_bounds(start_m, k_len, shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.cons
         hi = tl.minimum(k_len, (start_m + 1) * BLOCK_M + shift)
         unmasked = tl.maximum(tl.minimum(hi, start_m * BLOCK_M + shift + 1), 0)
     else:
-        hi = k_len
-        unmasked = k_len
+        hi, unmasked = k_len, k_len
     return (unmasked // BLOCK_N) * BLOCK_N, hi
 
 
@@ -73,8 +72,7 @@ def _prefill_kernel(
 
     r = tl.arange(0, HEADS * BLOCK_M)  # tile row r: position r // HEADS, query head first_head + r % HEADS
     offs_m, head = start_m * BLOCK_M + r // HEADS, first_head + r % HEADS
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n, offs_d = tl.arange(0, BLOCK_N), tl.arange(0, HEAD_DIM)
     q_ptrs = Q + (q_start + offs_m)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]  # (ROWS, D)
     q = load_tile(q_ptrs, (offs_m < q_len)[:, None], UPCAST)
     k_ptrs = K + (k_start + offs_n)[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None]  # (D, BLOCK_N)
@@ -108,14 +106,12 @@ def check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 3:
             raise ValueError(f"{name} must be (total_tokens, num_heads, head_dim), got shape {tuple(t.shape)}")
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"{name}.dtype must be one of {SUPPORTED_DTYPES}, got {t.dtype}")
+        if t.dtype not in SUPPORTED_DTYPES or t.dtype != q.dtype:
+            raise ValueError(f"{name}.dtype {t.dtype}: q, k, v must share a dtype of {SUPPORTED_DTYPES} (q: {q.dtype})")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     head_dim = q.shape[2]
@@ -145,8 +141,7 @@ def heads_per_program(group: int, block_m: int) -> int:
 
 
 def softmax_scale_of(softmax_scale: float | None, head_dim: int) -> float:
-    """The scores' scale, 1 / sqrt(head_dim) unless given. It must be positive: `attend_block` takes a row's maximum
-    before scaling, and scales the masked scores' -inf."""
+    """1 / sqrt(head_dim) unless given; > 0, as `attend_block` scales a row's maximum and the masked scores' -inf."""
     if softmax_scale is None:
         return head_dim**-0.5
     if not softmax_scale > 0:  # NaN too
@@ -166,14 +161,12 @@ def flash_attn_varlen_contiguous(
     check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
     if max_seqlen_q < 1 or max_seqlen_k < 0:
         raise ValueError(f"max_seqlen_q must be >= 1 and max_seqlen_k >= 0, got {max_seqlen_q}, {max_seqlen_k}")
-    head_dim = q.shape[2]
-    scale = softmax_scale_of(softmax_scale, head_dim)
-    out = torch.empty_like(q)
+    head_dim, out = q.shape[2], torch.empty_like(q)
+    qk_scale = softmax_scale_of(softmax_scale, head_dim) * math.log2(math.e)  # exp2 units
     config = tile or launch_config(head_dim, q.device)
     num_m_blocks, group = triton.cdiv(max_seqlen_q, config["BLOCK_M"]), q.shape[1] // k.shape[1]
     heads = heads_per_program(group, config["BLOCK_M"])
     grid = (num_m_blocks, q.shape[1] // heads, cu_seqlens_q.numel() - 1)
-    qk_scale = scale * math.log2(math.e)  # exp2 units
     strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *out.stride()[:2])  # (token, head) of each
     fp32 = q.dtype == torch.float32
     upcast, precision = q.device.type == "cpu" and not fp32, "ieee" if fp32 else "tf32"  # see load_tile

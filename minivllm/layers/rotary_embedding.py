@@ -55,8 +55,8 @@ class RotaryEmbedding(nn.Module):
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, norms: Norms | None = None) -> Pair:
-        # positions: (num_tokens,); q, k: (num_tokens, num_heads, head_dim)
-        """Rotate q and k; with `norms` (Qwen3's q_norm, k_norm), normalise each head of q and of k first."""
+        """Rotate q, k: (num_tokens, num_heads, head_dim) to their positions: (num_tokens,). With `norms` (Qwen3's
+        q_norm, k_norm), normalise each head of q and of k first."""
         if self.kernel is not None:
             return self.kernel(positions, q, k, self.cos, self.sin, norms)
         if norms is not None:
