@@ -111,6 +111,8 @@ def test_a_deep_dive_exports_the_fast_paths():
         "minivllm.layers.small_layer_kernels",
         "minivllm.kernels.sampling",
         "minivllm.layers.gpu_sampler",
+        "minivllm.engine.cascade",
+        "minivllm.engine.cuda_graphs",
         "minivllm.engine.mixed_graphs",
         "minivllm.engine.workers",
     }

@@ -13,7 +13,6 @@ import torch.distributed as dist
 
 from minivllm.attention.layer import Attention
 from minivllm.config import Config
-from minivllm.engine.cuda_graphs import DecodeGraphs, StepGraphs
 from minivllm.engine.fast_paths import fast_path
 from minivllm.engine.kv_cache import bind_kv_cache, gpu_free_blocks, kv_block_bytes, prefix_hit_step, profile_step
 from minivllm.engine.sequence import Sequence
@@ -63,8 +62,9 @@ class ModelRunner:
         self.control: Any  # the gloo group that carries rank 0's messages; None for one rank
         self.tp, self.control = groups or (TPGroup(), None)
         self.model: Qwen3ForCausalLM | None  # loaded below; None once the GPU memory is freed
-        self.graphs: DecodeGraphs | None = None
-        self.mixed_graphs: StepGraphs | None = None  # prefill and mixed steps' (deep dive cuda_graphs)
+        self.graphs: Any = None  # decode steps' CUDA graphs, and prefill and mixed steps' (deep dive cuda_graphs)
+        self.mixed_graphs: Any = None
+        self.add_shared_prefix: Any = None  # marks decode rows that share cached blocks (deep dive cuda_graphs)
         self.last_token_ids = torch.zeros(0, dtype=torch.int64)  # the latest step's sampled ids (on the device)
         self.closed = False
         marks = [time.perf_counter()]  # where each start-up phase ends: `python -m minivllm` prints the split
@@ -85,9 +85,10 @@ class ModelRunner:
             marks.append(time.perf_counter())
             if self.device.type == "cuda":  # compile the Triton kernels (prefill, small layers) now, not in a request
                 self.execute(prefix_hit_step(self.block_size))
+                self.add_shared_prefix = fast_path("shared-prefix cascade")
             marks.append(time.perf_counter())
             if self.device.type == "cuda" and not config.enforce_eager:
-                self.graphs = DecodeGraphs(self.model, config, self.dtype, self.device)
+                self.graphs = fast_path("decode CUDA graphs")(self.model, config, self.dtype, self.device)
                 capture_mixed = fast_path("mixed-step CUDA graphs")  # prefill and mixed steps
                 self.mixed_graphs = capture_mixed(self.model, config, self.block_m, self.dtype, self.device)
             marks.append(time.perf_counter())
@@ -170,8 +171,10 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     def step_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
-        prepare = prepare_prefill if is_prefill else prepare_decode
-        return self.call("execute", prepare(seqs, self.block_size))
+        step = (prepare_prefill if is_prefill else prepare_decode)(seqs, self.block_size)
+        if self.add_shared_prefix is not None:  # decode rows that share a cached prompt read it once
+            self.add_shared_prefix(step, self.block_size)
+        return self.call("execute", step)
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         """One step for these sequences: the next token of each."""
