@@ -46,15 +46,11 @@ def rank_device(config: Config, rank: int) -> torch.device:
 
 
 class ModelRunner:
-    """One rank's runner. Alone (`groups=None`) it holds the whole model; given a tensor-parallel rank's groups
-    (notebook 06 starts those processes) it holds that rank's slice and meets the other ranks in the model."""
+    """One rank's runner: the whole model (`groups=None`), or given a tensor-parallel rank's groups, its slice."""
 
     def __init__(self, config: Config, rank: int = 0, groups: tuple[TPGroup, Any] | None = None):
         if groups is None and config.tensor_parallel_size > 1:
-            raise ValueError(
-                f"tensor_parallel_size={config.tensor_parallel_size} needs one process per rank: "
-                "use minivllm.engine.llm_engine.make_runner(config), or LLM"
-            )
+            raise ValueError("tensor_parallel_size > 1 needs one process per rank: use LLM, or 06's make_runner")
         self.config, self.rank, self.world_size = config, rank, config.tensor_parallel_size
         self.block_size = config.block_size
         self.device = rank_device(config, rank)
@@ -113,15 +109,13 @@ class ModelRunner:
             atexit.unregister(self.close)
 
     def free_gpu_memory(self) -> None:
-        """Give the weights, KV cache and graphs' memory back to the GPU (PyTorch's allocator keeps it until
-        `empty_cache()`), so that a next engine in this process can size its own cache."""
+        """Give the weights, KV cache and graphs back to the GPU (`empty_cache`): a next engine sizes its own cache."""
         if self.device.type != "cuda":
             return
         for layer in getattr(self, "attention_layers", []):
             layer.k_cache = layer.v_cache = None
-        for graphs in (self.graphs, self.mixed_graphs):
-            if graphs is not None:
-                graphs.reset()
+        for graphs in filter(None, (self.graphs, self.mixed_graphs)):
+            graphs.reset()
         self.graphs = self.mixed_graphs = self.model = None
         gc.collect()
         torch.cuda.empty_cache()
@@ -181,8 +175,7 @@ class ModelRunner:
         return self.launch(seqs, is_prefill)().token_ids
 
     def launch(self, seqs: list[Sequence], is_prefill: bool) -> Callable[[], StepOutput]:
-        """Queue a step on the GPU and return at once, with a function that waits for its output: the next token of
-        each sequence, and the log-probabilities its parameters ask for (those are computed now, waiting)."""
+        """Queue a step on the GPU and return at once a function that waits for its output (tokens, logprobs)."""
         logits = self.step_logits(seqs, is_prefill)  # queued on the GPU: the host goes on
         scoring = [scores_prompt(seq) for seq in seqs] if is_prefill else []  # these have a row per token, not one
         ends = np.cumsum([seq.num_scheduled_tokens if s else 1 for seq, s in zip(seqs, scoring)])  # their rows' ends

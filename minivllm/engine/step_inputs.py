@@ -17,8 +17,7 @@ PENALTIES = ("presence", "frequency", "repetition")
 def sampling_tensors(
     params: list[SamplingParams], steps: list[int], device: torch.device | str = "cpu", histories=None
 ) -> SamplingTensors:
-    """One row per request: its parameters, how many tokens it has generated (seeded draws and min_tokens depend
-    on it) and, when some row has a penalty, its (prompt, output) token ids in `histories`."""
+    """A row per request: its parameters, tokens generated so far, and if a row has a penalty, `histories`."""
     pin = torch.device(device).type == "cuda"
 
     def to_device(values: list, dtype: torch.dtype) -> torch.Tensor:
@@ -142,8 +141,7 @@ def prepare_decode(seqs: list[Sequence], block_size: int) -> StepInputs:
 
 
 def query_tiles(cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, first_seq: int, block_m: int) -> np.ndarray:
-    """The paged prefill kernel's work list (03) for sequences first_seq..: (sequence, query tile) int32 rows, one
-    per tile of block_m new tokens, the tiles that see the most keys first."""
+    """The paged prefill kernel's work list (03) for sequences first_seq..: (sequence, query tile), costliest first."""
     q_lens, k_lens = np.diff(cu_seqlens_q)[first_seq:], np.diff(cu_seqlens_k)[first_seq:]
     counts = -(-q_lens // block_m)  # tiles per sequence
     seqs = np.repeat(np.arange(first_seq, first_seq + len(q_lens)), counts)
@@ -157,8 +155,7 @@ def query_tiles(cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, first_seq: i
 def step_to_device(
     step: StepInputs, device: torch.device, use_triton: bool, block_m: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, PagedContext]:  # ids, positions, context
-    """The step's arrays on the device, in a PagedContext. Given the prefill kernel's tile (`block_m`), a paged
-    prefill also gets its list of tiles: those of the rows after the decode rows."""
+    """The step's arrays on the device, in a PagedContext; given `block_m`, a paged prefill's tiles after decode rows."""
 
     def put(a: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(a)
