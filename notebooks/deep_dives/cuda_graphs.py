@@ -365,16 +365,19 @@ assert mixed_tiles.tolist() == [[2, 1], [2, 0], [3, 0]]  # 1,128 keys, 1,064, th
 
 
 # %% [markdown]
-# The runner finds the capture by name. What it saves, per kind of step, on an H200
+# The runner finds each of them by name. What the mixed-step graphs save, per kind of step, on an H200
 # (`python -m minivllm.benchmarks.step_kinds`; on a CPU, the committed run): each workload with and without these
 # graphs, the seconds spent in prefill, mixed and decode steps.
 
 # %%
 from minivllm.benchmarks.step_kinds import describe_kinds, plot_step_kinds
+from minivllm.engine.cascade import add_shared_prefix
+from minivllm.engine.cuda_graphs import DecodeGraphs
 from minivllm.engine.fast_paths import fast_path
 from minivllm.engine.mixed_graphs import capture_mixed_graphs
 
-assert fast_path("mixed-step CUDA graphs") is capture_mixed_graphs
+assert fast_path("mixed-step CUDA graphs") is capture_mixed_graphs and fast_path("decode CUDA graphs") is DecodeGraphs
+assert fast_path("shared-prefix cascade") is add_shared_prefix
 kinds_data = json.loads(Path("../figures/step_kinds_chat.json").read_text())  # an H200 run's
 plot_step_kinds(kinds_data).savefig(FIGURES / "cuda_graphs_step_kinds.png", dpi=120)
 for row in kinds_data["rows"]:
