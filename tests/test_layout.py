@@ -112,6 +112,8 @@ def test_a_deep_dive_exports_the_fast_paths():
         "minivllm.kernels.paged_prefill",
         "minivllm.kernels.sampling",
         "minivllm.layers.gpu_sampler",
+        "minivllm.engine.cascade",
+        "minivllm.engine.cuda_graphs",
         "minivllm.engine.mixed_graphs",
         "minivllm.engine.workers",
     }

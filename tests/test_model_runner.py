@@ -8,13 +8,14 @@ import torch
 
 from minivllm.attention import paged
 from minivllm.config import Config
-from minivllm.engine import step_inputs
+from minivllm.engine import cascade
 from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.cascade import shared_prefix
 from minivllm.engine.cuda_graphs import StepGraphs, graph_batch_sizes
 from minivllm.engine.mixed_graphs import MixedGraphs
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.sequence import Sequence
-from minivllm.engine.step_inputs import prepare_prefill, shared_prefix
+from minivllm.engine.step_inputs import prepare_prefill
 from minivllm.kernels import flash_attn_with_kvcache
 from minivllm.models.loader import load_model
 from minivllm.testing import prompt_logits
@@ -191,8 +192,8 @@ def test_mixed_step_gives_every_row_its_logits(runner, reference, use_triton, mo
 
 
 def test_shared_prefix_finds_the_leading_blocks_most_rows_share(monkeypatch):
-    monkeypatch.setattr(step_inputs, "CASCADE_MIN_ROWS", 3)
-    monkeypatch.setattr(step_inputs, "CASCADE_MIN_TOKENS", 32)
+    monkeypatch.setattr(cascade, "CASCADE_MIN_ROWS", 3)
+    monkeypatch.setattr(cascade, "CASCADE_MIN_TOKENS", 32)
     tables = np.array([[5, 6, 7, 8], [5, 6, 7, 9], [1, 2, 3, 4], [5, 6, 7, 3], [5, 6, 2, 0]], dtype=np.int32)
     lens = np.array([60, 50, 64, 49, 40], dtype=np.int32)  # full blocks of 16 before the new token: 3, 3, 3, 3, 2
     blocks, prefix_lens = shared_prefix(tables, lens, 16)
@@ -210,8 +211,8 @@ def test_shared_prefix_finds_the_leading_blocks_most_rows_share(monkeypatch):
 def test_rows_sharing_a_cached_prompt_decode_through_the_shared_prefix(runner, reference, monkeypatch):
     """Decode steps of rows that begin with one cached system prompt: with Triton, the decode kernel gets the
     shared prefix (03's cascade), and every row's logits are still those of a from-scratch forward."""
-    monkeypatch.setattr(step_inputs, "CASCADE_MIN_ROWS", 3)
-    monkeypatch.setattr(step_inputs, "CASCADE_MIN_TOKENS", 32)
+    monkeypatch.setattr(cascade, "CASCADE_MIN_ROWS", 3)
+    monkeypatch.setattr(cascade, "CASCADE_MIN_TOKENS", 32)
     prefixes = []  # prefix_lens of each decode-kernel call
 
     def spy(*args, **kwargs):
@@ -219,6 +220,7 @@ def test_rows_sharing_a_cached_prompt_decode_through_the_shared_prefix(runner, r
         return flash_attn_with_kvcache(*args, **kwargs)
 
     monkeypatch.setattr(paged, "flash_attn_with_kvcache", spy)
+    monkeypatch.setattr(runner, "add_shared_prefix", cascade.add_shared_prefix)  # on a CPU: not composed by itself
     runner.use_triton = True
     graphs, runner.graphs = runner.graphs, None  # eagerly: the spy sees each launch
     try:

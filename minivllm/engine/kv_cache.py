@@ -13,8 +13,7 @@ from minivllm.sampling_params import SamplingParams
 
 
 def prefix_hit_step(block_size: int) -> StepInputs:
-    """A prefill of 2 new tokens after block_size - 2 cached ones, all in block 0: the shape of a prefix-cache
-    hit or a chunked prompt's next chunk, run once at start-up (the cache holds nothing yet)."""
+    """2 new tokens after block_size - 2 cached ones in block 0: a prefix hit's shape, run once to compile."""
     positions = np.arange(block_size - 2, block_size)
     step = StepInputs(True, np.zeros(2, np.int64), positions, positions.copy(), np.zeros((1, 1), np.int32))
     step.cu_seqlens_q, step.cu_seqlens_k = np.array([0, 2], np.int32), np.array([0, block_size], np.int32)

@@ -13,7 +13,6 @@ import torch.distributed as dist
 
 from minivllm.attention.layer import Attention
 from minivllm.config import Config
-from minivllm.engine.cuda_graphs import DecodeGraphs, StepGraphs
 from minivllm.engine.fast_paths import fast_path
 from minivllm.engine.kv_cache import bind_kv_cache, gpu_free_blocks, kv_block_bytes, prefix_hit_step, profile_step
 from minivllm.engine.sequence import Sequence
@@ -47,15 +46,11 @@ def rank_device(config: Config, rank: int) -> torch.device:
 
 
 class ModelRunner:
-    """One rank's runner. Alone (`groups=None`) it holds the whole model; given a tensor-parallel rank's groups
-    (notebook 06 starts those processes) it holds that rank's slice and meets the other ranks in the model."""
+    """One rank's runner: the whole model (`groups=None`), or given a tensor-parallel rank's groups, its slice."""
 
     def __init__(self, config: Config, rank: int = 0, groups: tuple[TPGroup, Any] | None = None):
         if groups is None and config.tensor_parallel_size > 1:
-            raise ValueError(
-                f"tensor_parallel_size={config.tensor_parallel_size} needs one process per rank: "
-                "use minivllm.engine.llm_engine.make_runner(config), or LLM"
-            )
+            raise ValueError("tensor_parallel_size > 1 needs one process per rank: use LLM, or 06's make_runner")
         self.config, self.rank, self.world_size = config, rank, config.tensor_parallel_size
         self.block_size = config.block_size
         self.device = rank_device(config, rank)
@@ -63,8 +58,9 @@ class ModelRunner:
         self.control: Any  # the gloo group that carries rank 0's messages; None for one rank
         self.tp, self.control = groups or (TPGroup(), None)
         self.model: Qwen3ForCausalLM | None  # loaded below; None once the GPU memory is freed
-        self.graphs: DecodeGraphs | None = None
-        self.mixed_graphs: StepGraphs | None = None  # prefill and mixed steps' (deep dive cuda_graphs)
+        self.graphs: Any = None  # decode steps' CUDA graphs, and prefill and mixed steps' (deep dive cuda_graphs)
+        self.mixed_graphs: Any = None
+        self.add_shared_prefix: Any = None  # marks decode rows that share cached blocks (deep dive cuda_graphs)
         self.last_token_ids = torch.zeros(0, dtype=torch.int64)  # the latest step's sampled ids (on the device)
         self.closed = False
         marks = [time.perf_counter()]  # where each start-up phase ends: `python -m minivllm` prints the split
@@ -85,9 +81,10 @@ class ModelRunner:
             marks.append(time.perf_counter())
             if self.device.type == "cuda":  # compile the Triton kernels (prefill, small layers) now, not in a request
                 self.execute(prefix_hit_step(self.block_size))
+                self.add_shared_prefix = fast_path("shared-prefix cascade")
             marks.append(time.perf_counter())
             if self.device.type == "cuda" and not config.enforce_eager:
-                self.graphs = DecodeGraphs(self.model, config, self.dtype, self.device)
+                self.graphs = fast_path("decode CUDA graphs")(self.model, config, self.dtype, self.device)
                 capture_mixed = fast_path("mixed-step CUDA graphs")  # prefill and mixed steps
                 self.mixed_graphs = capture_mixed(self.model, config, self.block_m, self.dtype, self.device)
             marks.append(time.perf_counter())
@@ -112,15 +109,13 @@ class ModelRunner:
             atexit.unregister(self.close)
 
     def free_gpu_memory(self) -> None:
-        """Give the weights, KV cache and graphs' memory back to the GPU (PyTorch's allocator keeps it until
-        `empty_cache()`), so that a next engine in this process can size its own cache."""
+        """Give the weights, KV cache and graphs back to the GPU (`empty_cache`): a next engine sizes its own cache."""
         if self.device.type != "cuda":
             return
         for layer in getattr(self, "attention_layers", []):
             layer.k_cache = layer.v_cache = None
-        for graphs in (self.graphs, self.mixed_graphs):
-            if graphs is not None:
-                graphs.reset()
+        for graphs in filter(None, (self.graphs, self.mixed_graphs)):
+            graphs.reset()
         self.graphs = self.mixed_graphs = self.model = None
         gc.collect()
         torch.cuda.empty_cache()
@@ -170,16 +165,17 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     def step_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
-        prepare = prepare_prefill if is_prefill else prepare_decode
-        return self.call("execute", prepare(seqs, self.block_size))
+        step = (prepare_prefill if is_prefill else prepare_decode)(seqs, self.block_size)
+        if self.add_shared_prefix is not None:  # decode rows that share a cached prompt read it once
+            self.add_shared_prefix(step, self.block_size)
+        return self.call("execute", step)
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         """One step for these sequences: the next token of each."""
         return self.launch(seqs, is_prefill)().token_ids
 
     def launch(self, seqs: list[Sequence], is_prefill: bool) -> Callable[[], StepOutput]:
-        """Queue a step on the GPU and return at once, with a function that waits for its output: the next token of
-        each sequence, and the log-probabilities its parameters ask for (those are computed now, waiting)."""
+        """Queue a step on the GPU and return at once a function that waits for its output (tokens, logprobs)."""
         logits = self.step_logits(seqs, is_prefill)  # queued on the GPU: the host goes on
         scoring = [scores_prompt(seq) for seq in seqs] if is_prefill else []  # these have a row per token, not one
         ends = np.cumsum([seq.num_scheduled_tokens if s else 1 for seq, s in zip(seqs, scoring)])  # their rows' ends

@@ -17,8 +17,7 @@ PENALTIES = ("presence", "frequency", "repetition")
 def sampling_tensors(
     params: list[SamplingParams], steps: list[int], device: torch.device | str = "cpu", histories=None
 ) -> SamplingTensors:
-    """One row per request: its parameters, how many tokens it has generated (seeded draws and min_tokens depend
-    on it) and, when some row has a penalty, its (prompt, output) token ids in `histories`."""
+    """A row per request: its parameters, tokens generated so far, and if a row has a penalty, `histories`."""
     pin = torch.device(device).type == "cuda"
 
     def to_device(values: list, dtype: torch.dtype) -> torch.Tensor:
@@ -80,7 +79,7 @@ class StepInputs:
     context_lens: np.ndarray | None = None  # decode: (num_seqs,) int32; mixed: (num_decode_seqs,)
     num_decode_seqs: int = 0  # prefill: its first rows that decode one token each (notebook 05 puts them first)
     logits_rows: np.ndarray | None = None  # prefill: (num_rows,) int64 rows to score; None: each sequence's last
-    prefix_blocks: np.ndarray | None = None  # (n,) int32: leading blocks that many decode rows share (cascade)
+    prefix_blocks: np.ndarray | None = None  # (n,) int32: leading blocks many decode rows share (deep dive cuda_graphs)
     prefix_lens: np.ndarray | None = None  # (num_decode_seqs,) int32: each decode row's tokens in them, or 0
 
 
@@ -117,7 +116,6 @@ def prepare_prefill(seqs: list[Sequence], block_size: int) -> StepInputs:
     num_decode_seqs = len(seqs) if decodes.all() else int(decodes.argmin())  # the leading run of them
     token_ids = chain.from_iterable(seq.token_ids[s:e] for seq, s, e in zip(seqs, starts, ends))
     scoring = [scores_prompt(seq) for seq in seqs]  # these score every new token, the others their last
-    prefix_blocks, prefix_lens = shared_prefix(tables[:num_decode_seqs], ends[:num_decode_seqs], block_size)
     return StepInputs(
         is_prefill=True,
         input_ids=np.fromiter(token_ids, dtype=np.int64, count=int(cu_q[-1])),
@@ -129,8 +127,6 @@ def prepare_prefill(seqs: list[Sequence], block_size: int) -> StepInputs:
         context_lens=ends[:num_decode_seqs].astype(np.int32) if num_decode_seqs else None,
         num_decode_seqs=num_decode_seqs,
         logits_rows=scored_rows(scoring, cu_q) if any(scoring) else None,
-        prefix_blocks=prefix_blocks,
-        prefix_lens=prefix_lens,
     )
 
 
@@ -141,37 +137,11 @@ def prepare_decode(seqs: list[Sequence], block_size: int) -> StepInputs:
     last = context_lens.astype(np.int64) - 1  # the new token's position
     slots = block_tables[np.arange(len(seqs)), last // block_size].astype(np.int64) * block_size + last % block_size
     input_ids = np.array([seq.last_token for seq in seqs], dtype=np.int64)
-    step = StepInputs(False, input_ids, last, slots, block_tables, context_lens=context_lens)
-    step.prefix_blocks, step.prefix_lens = shared_prefix(block_tables, context_lens, block_size)
-    return step
-
-
-CASCADE_MIN_ROWS, CASCADE_MIN_TOKENS = 16, 256  # below these, reading a prefix once saves less than a launch
-
-
-def shared_prefix(
-    tables: np.ndarray, context_lens: np.ndarray, block_size: int
-) -> tuple[np.ndarray, np.ndarray] | tuple[None, None]:
-    """The leading blocks that the most decode rows share (a system prompt in the prefix cache), if at least
-    CASCADE_MIN_ROWS rows share CASCADE_MIN_TOKENS tokens: 03's `prefix_blocks` and `prefix_lens`, else Nones."""
-    if len(tables) < CASCADE_MIN_ROWS:
-        return None, None
-    firsts, counts = np.unique(tables[:, 0], return_counts=True)
-    full = (context_lens.astype(np.int64) - 1) // block_size  # blocks before the new token's: full, shareable
-    rows = (tables[:, 0] == firsts[counts.argmax()]) & (full > 0)  # those that begin with the commonest block
-    if rows.sum() < CASCADE_MIN_ROWS:
-        return None, None
-    shared = tables[rows, : full[rows].min()]  # (sharers, blocks all of them have filled)
-    same = (shared == shared[0]).all(0)  # columns where they all agree
-    num_blocks = int(same.argmin()) if not same.all() else len(same)
-    if num_blocks * block_size < CASCADE_MIN_TOKENS:
-        return None, None
-    return shared[0, :num_blocks].copy(), np.where(rows, num_blocks * block_size, 0).astype(np.int32)
+    return StepInputs(False, input_ids, last, slots, block_tables, context_lens=context_lens)
 
 
 def query_tiles(cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, first_seq: int, block_m: int) -> np.ndarray:
-    """The paged prefill kernel's work list (03) for sequences first_seq..: (sequence, query tile) int32 rows, one
-    per tile of block_m new tokens, the tiles that see the most keys first."""
+    """The paged prefill kernel's work list (03) for sequences first_seq..: (sequence, query tile), costliest first."""
     q_lens, k_lens = np.diff(cu_seqlens_q)[first_seq:], np.diff(cu_seqlens_k)[first_seq:]
     counts = -(-q_lens // block_m)  # tiles per sequence
     seqs = np.repeat(np.arange(first_seq, first_seq + len(q_lens)), counts)
@@ -185,8 +155,7 @@ def query_tiles(cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, first_seq: i
 def step_to_device(
     step: StepInputs, device: torch.device, use_triton: bool, block_m: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, PagedContext]:  # ids, positions, context
-    """The step's arrays on the device, in a PagedContext. Given the prefill kernel's tile (`block_m`), a paged
-    prefill also gets its list of tiles: those of the rows after the decode rows."""
+    """The step's arrays on the device, in a PagedContext; given `block_m`, a paged prefill's tiles after decode rows."""
 
     def put(a: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(a)

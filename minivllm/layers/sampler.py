@@ -23,8 +23,7 @@ def keep_mask(
 def filter_probs(
     probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor, k_max: int = 0
 ) -> torch.Tensor:
-    """probs (batch, vocab) with the tokens the filters drop set to 0, not renormalized; one sort for the batch, or
-    if no row keeps more than k_max tokens (its top_k; k_max > 0), only its k_max most likely: no full sort."""
+    """probs (batch, vocab), the filters' drops set to 0; one sort, or topk if no row keeps over k_max > 0 tokens."""
     sort = probs.topk(min(k_max, probs.shape[-1])) if k_max else probs.sort(dim=-1, descending=True)
     keep = keep_mask(sort.values, top_ks, top_ps, min_ps)  # (batch, vocab or k_max)
     keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, sort.indices, keep)  # in vocabulary order
@@ -107,8 +106,7 @@ TokenLogprobs = dict[int, tuple[float, int]]  # token id -> (log-probability, ra
 
 
 def logprobs_of(logits: torch.Tensor, token_ids: torch.Tensor, ks: list[int]) -> list[TokenLogprobs]:
-    """Each row's chosen token, then its k most likely tokens, under the raw distribution: the log-softmax of the
-    model's logits, before temperature, penalties and filters (what vLLM returns). logits: (rows, vocab)."""
+    """Each row's chosen token, then its k most likely, under the raw logits' log-softmax (vLLM's). (rows, vocab)"""
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # (rows, vocab)
     chosen = logprobs.gather(-1, token_ids[:, None])  # (rows, 1)
     ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()  # (rows,): how many tokens are more likely, plus one

@@ -13,14 +13,15 @@
 
 
 # %% [markdown]
-# # Deep dive · CUDA graphs for prefill and mixed steps
+# # Deep dive · CUDA graphs, and decode rows that share a prefix
 #
-# **What it adds.** Notebook 04 captures decode steps in CUDA graphs; prefill and mixed steps (notebook 05's, decode
-# rows and prompt chunks together) run eagerly. Here they are captured too, each step padded to one of a few token
-# counts, with the attention kernels' grids fixed and their work read from a tile list. The runner composes them by
-# name (`fast_path("mixed-step CUDA graphs")`), on a GPU only.
+# **What it adds.** Notebook 04's runner runs every step eagerly: a few hundred kernel launches a step, which on a GPU
+# cost the host more than the kernels cost the GPU. Here steps are captured in CUDA graphs (decode steps per batch
+# size; prefill and mixed steps padded to one of a few token counts), and decode rows that begin with one cached
+# prompt read it once (notebook 03's cascade). The runner composes them by name (`fast_path("decode CUDA graphs")`,
+# `"mixed-step CUDA graphs"`, `"shared-prefix cascade"`), on a GPU only.
 #
-# **It follows notebook 04**; nothing later in the core path needs it: without it, those steps run eagerly, to the
+# **It follows notebook 04**; nothing later in the core path needs it: without it, every step runs eagerly, to the
 # same tokens. On a CPU there are no graphs: the host-side parts run here, and the committed H200 figures show the
 # time they save.
 
@@ -32,6 +33,223 @@ import numpy as np
 import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FIGURES = Path("../../build/figures").resolve()
+FIGURES.mkdir(parents=True, exist_ok=True)
+
+# %% [markdown]
+# ## Decode rows that share a prefix
+# A chat server puts one system prompt before every request, so the prefix cache gives many decode rows the same
+# leading blocks. Notebook 03's decode kernel can read those blocks once for all of them (`prefix_blocks`,
+# `prefix_lens`), if the host finds them: `shared_prefix` looks for the first block most rows begin with, then the
+# columns of their block tables where all of them agree. Below a few rows or a few hundred tokens, reading the prefix
+# once saves less than its extra launches cost, so it gives up.
+
+# %% tags=["export"] module="minivllm.engine.cascade"
+import numpy as np
+
+from minivllm.engine.step_inputs import StepInputs
+
+CASCADE_MIN_ROWS, CASCADE_MIN_TOKENS = 16, 256  # below these, reading a prefix once saves less than a launch
+
+
+def shared_prefix(
+    tables: np.ndarray, context_lens: np.ndarray, block_size: int
+) -> tuple[np.ndarray, np.ndarray] | tuple[None, None]:
+    """The leading blocks that the most decode rows share (a system prompt in the prefix cache), if at least
+    CASCADE_MIN_ROWS rows share CASCADE_MIN_TOKENS tokens: 03's `prefix_blocks` and `prefix_lens`, else Nones."""
+    if len(tables) < CASCADE_MIN_ROWS:
+        return None, None
+    firsts, counts = np.unique(tables[:, 0], return_counts=True)
+    full = (context_lens.astype(np.int64) - 1) // block_size  # blocks before the new token's: full, shareable
+    rows = (tables[:, 0] == firsts[counts.argmax()]) & (full > 0)  # those that begin with the commonest block
+    if rows.sum() < CASCADE_MIN_ROWS:
+        return None, None
+    shared = tables[rows, : full[rows].min()]  # (sharers, blocks all of them have filled)
+    same = (shared == shared[0]).all(0)  # columns where they all agree
+    num_blocks = int(same.argmin()) if not same.all() else len(same)
+    if num_blocks * block_size < CASCADE_MIN_TOKENS:
+        return None, None
+    return shared[0, :num_blocks].copy(), np.where(rows, num_blocks * block_size, 0).astype(np.int32)
+
+
+def add_shared_prefix(step: StepInputs, block_size: int) -> None:
+    """The runner's fast path: mark the prefix the step's decode rows (a decode step's, a mixed step's first) share."""
+    if step.context_lens is not None and step.block_tables is not None:
+        tables = step.block_tables[: step.context_lens.shape[0]]
+        step.prefix_blocks, step.prefix_lens = shared_prefix(tables, step.context_lens, block_size)
+
+
+# %% [markdown]
+# Twenty rows of 300 tokens; 17 begin with the same 16 blocks (a 260-token system prompt: its last 4 tokens are in
+# a block of their own, not shared), 3 with blocks of their own.
+
+# %%
+from minivllm.engine.cascade import CASCADE_MIN_ROWS, shared_prefix
+
+rng = np.random.default_rng(0)
+tables = rng.permutation(1000)[:400].reshape(20, 20).astype(np.int32)  # 20 rows of 20 distinct blocks
+tables[:17, :16] = tables[0, :16]  # the system prompt's blocks
+prefix_blocks, prefix_lens = shared_prefix(tables, np.full(20, 300, dtype=np.int32), block_size=16)
+assert prefix_blocks is not None and prefix_lens is not None
+print(f"{len(prefix_blocks)} shared blocks; each row's tokens in them: {prefix_lens.tolist()}")
+assert prefix_blocks.tolist() == tables[0, :16].tolist() and prefix_lens.tolist() == [256] * 17 + [0] * 3
+assert shared_prefix(tables[3:], np.full(17, 300, dtype=np.int32), 16) == (None, None)  # 14 < CASCADE_MIN_ROWS rows
+
+# %% [markdown]
+# ## CUDA graphs for decode
+# A decode step of Qwen3-0.6B launches a few hundred small kernels, each cheaper to run than to launch from Python. A
+# CUDA graph records the launches once and replays them in one call, at the price of fixed shapes and addresses. So we
+# capture a graph per batch size (1, 2, 4, 8, then every 16 up to `max_num_seqs`; the decode kernel's splits depend on
+# it only) over shared static inputs, the smaller sharing the largest's memory; a step copies its inputs in, pads the
+# batch to the next captured size (padding rows: slot −1, an empty cache, no writes or reads), and replays. Sizes of
+# 16 rows and more are captured twice: with the cascade for a prefix the rows share, and without, for steps that have
+# none to share.
+
+# %% tags=["export"] module="minivllm.engine.cuda_graphs"
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from minivllm.attention.paged import PagedContext
+from minivllm.config import Config
+from minivllm.engine.cascade import CASCADE_MIN_ROWS
+
+Device = torch.device | str
+
+
+class StepGraphs:
+    """Forward passes captured once per size (tokens in the step), over static inputs that each replay fills."""
+
+    def __init__(
+        self, sizes: list[int], max_rows: int, max_blocks: int, hidden: int, dtype: torch.dtype, device: Device
+    ):
+        self.sizes, n = sizes, sizes[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.hidden = torch.zeros(n, hidden, dtype=dtype, device=device)
+        self.block_tables = torch.zeros(max_rows, max_blocks, dtype=torch.int32, device=device)
+        self.lens = torch.zeros(2, max_rows, dtype=torch.int32, device=device)  # both zeroed by one launch a step
+        self.context_lens, self.prefix_lens = self.lens  # decode rows' (0: not one), their shared prefix's (03)
+        self.prefix_blocks = torch.zeros(max_blocks, dtype=torch.int32, device=device)  # a shared prefix (03)
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (size, cascade): the graph
+        self.pool: Any = None  # the graphs' memory, one pool for all
+        self.num_replays = 0
+
+    def fill(self, context: PagedContext) -> None:
+        """Copy the step's attention inputs into the static ones: block tables, and the decode rows' cache lengths
+        and shared prefix (the rows past them: an empty cache, no decode output)."""
+        assert context.block_tables is not None  # a captured step reads the paged cache
+        self.block_tables[: context.block_tables.shape[0], : context.block_tables.shape[1]] = context.block_tables
+        self.lens.zero_()
+        if context.context_lens is not None:
+            self.context_lens[: context.context_lens.shape[0]] = context.context_lens
+        if context.prefix_lens is not None and context.prefix_blocks is not None:
+            self.prefix_lens[: context.prefix_lens.shape[0]] = context.prefix_lens
+            self.prefix_blocks[: context.prefix_blocks.shape[0]] = context.prefix_blocks
+
+    def capture(self, model: torch.nn.Module, context_of: Callable[[int], PagedContext], cascade: bool) -> None:
+        """A graph per size, keyed (size, cascade): with `cascade`, the sizes with room for CASCADE_MIN_ROWS decode
+        rows read a shared prefix once (03; rows that share none run it with lengths 0, at the price of its
+        launches), and the others are captured without it."""
+        for size in reversed(self.sizes):  # the largest first: the others fit in its memory pool
+            context = context_of(size)
+            assert context.context_lens is not None  # its decode rows (a prefill step's: empty caches)
+            rows = context.context_lens.shape[0]
+            key = (size, cascade and rows >= CASCADE_MIN_ROWS)
+            if key in self.graphs:
+                continue  # too few rows for the cascade: captured without it already
+            if key[1]:
+                context.prefix_blocks, context.prefix_lens = self.prefix_blocks, self.prefix_lens[:rows]
+            self.hidden[:size] = model(self.input_ids[:size], self.positions[:size], context)  # warm-up: compile
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, self.pool):
+                self.hidden[:size] = model(self.input_ids[:size], self.positions[:size], context)
+            self.pool = self.pool or graph.pool()
+            self.graphs[key] = graph
+        torch.cuda.synchronize(self.hidden.device)
+
+    def reset(self) -> None:
+        """Destroy the graphs now, even if something still holds this object: their memory goes back, and an NCCL
+        group whose all-reduces they captured can shut down (it waits for them)."""
+        for graph in self.graphs.values():
+            graph.reset()
+
+    def fits(self, size: int, context: PagedContext, num_tokens: int) -> bool:
+        """Whether the graph of `size` tokens can run this step."""
+        return size >= num_tokens
+
+    def key_for(self, context: PagedContext, num_tokens: int) -> tuple[int, bool] | None:
+        """The graph that runs this step, (size, cascade), or None: none can. The smallest size that fits; there, the
+        cascade graph if the step has a shared prefix, else the other (a size has one of them, or both: capture)."""
+        size = next((s for s in self.sizes if self.fits(s, context, num_tokens)), None)
+        if size is None:
+            return None
+        order = (True, False) if context.prefix_lens is not None else (False, True)
+        return next(((size, cascade) for cascade in order if (size, cascade) in self.graphs), None)
+
+    def replay(
+        self, key: tuple[int, bool], input_ids: torch.Tensor, positions: torch.Tensor, context: PagedContext
+    ) -> torch.Tensor:
+        """Run the step in the graph `key_for` chose."""
+        n = input_ids.shape[0]
+        self.input_ids[:n], self.positions[:n] = input_ids, positions
+        self.slot_mapping.fill_(-1)
+        self.slot_mapping[:n] = context.slot_mapping
+        self.fill(context)
+        self.graphs[key].replay()
+        self.num_replays += 1
+        return self.hidden[:n]  # (num_tokens, hidden_size)
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + [b for b in range(16, max_num_seqs + 1, 16)]
+    return sizes or [max_num_seqs]
+
+
+class DecodeGraphs(StepGraphs):
+    """One captured decode step per batch size."""
+
+    def __init__(self, model: torch.nn.Module, config: Config, dtype: torch.dtype, device: Device):
+        sizes, max_blocks = graph_batch_sizes(config.max_num_seqs), -(-config.max_model_len // config.block_size)
+        super().__init__(sizes, sizes[-1], max_blocks, config.hf_config.hidden_size, dtype, device)
+        for cascade in (False, True):  # a step with a shared prefix, and one without, each as fast as it can be
+            self.capture(model, self.context, cascade)
+
+    def context(self, size: int) -> PagedContext:
+        """The captured decode step of `size` rows: one token each, over the static inputs."""
+        context = PagedContext(False, self.slot_mapping[:size], self.block_tables[:size])
+        context.context_lens = self.context_lens[:size]
+        return context
+
+
+# %% [markdown]
+# What decode graphs save: `python -m minivllm.benchmarks.decode_step` times `runner.run(seqs, is_prefill=False)` for
+# the 0.6B preset, preparation and sampling included, with and without CUDA graphs (on a CPU, an H200 run's).
+
+# %%
+import json
+
+from minivllm.benchmarks.decode_step import plot_decode_step, run_decode_step_benchmark
+
+saved = Path("../figures/decode_step.json")  # an H200 run's, on a CPU
+step_data = run_decode_step_benchmark(batch_sizes=(1, 8, 64)) if DEVICE == "cuda" else json.loads(saved.read_text())
+plot_decode_step(step_data).savefig(FIGURES / "cuda_graphs_decode_step.png", dpi=120)
+rows = {(r["impl"], r["batch"]): r["ms"] for r in step_data["rows"]}
+for batch in sorted({b for _, b in rows}):
+    graph, eager = rows["minivllm", batch], rows["minivllm-eager", batch]
+    print(f"batch {batch:>3}: graph {graph:5.2f} ms, eager {eager:5.2f} ms: the graph {eager / graph:4.1f}× faster")
+print(f"KV cache on {step_data['device']}: {step_data['kv_cache_tokens'] / 1e6:.2f} M tokens")
+assert rows["minivllm", 1] < rows["minivllm-eager", 1]
+
+# %% [markdown]
+# Sizes are captured for 1, 2, 4, 8, then every 16 rows: a step of 5 rows pads to 8.
+
+# %%
+from minivllm.engine.cuda_graphs import graph_batch_sizes
+
+assert graph_batch_sizes(256)[:5] == [1, 2, 4, 8, 16] and next(b for b in graph_batch_sizes(256) if b >= 5) == 8
 
 # %% [markdown]
 # ### CUDA graphs for prefill and mixed steps
@@ -147,19 +365,20 @@ assert mixed_tiles.tolist() == [[2, 1], [2, 0], [3, 0]]  # 1,128 keys, 1,064, th
 
 
 # %% [markdown]
-# The runner finds the capture by name. What it saves, per kind of step, on an H200
+# The runner finds each of them by name. What the mixed-step graphs save, per kind of step, on an H200
 # (`python -m minivllm.benchmarks.step_kinds`; on a CPU, the committed run): each workload with and without these
 # graphs, the seconds spent in prefill, mixed and decode steps.
 
 # %%
 from minivllm.benchmarks.step_kinds import describe_kinds, plot_step_kinds
+from minivllm.engine.cascade import add_shared_prefix
+from minivllm.engine.cuda_graphs import DecodeGraphs
 from minivllm.engine.fast_paths import fast_path
 from minivllm.engine.mixed_graphs import capture_mixed_graphs
 
-assert fast_path("mixed-step CUDA graphs") is capture_mixed_graphs
+assert fast_path("mixed-step CUDA graphs") is capture_mixed_graphs and fast_path("decode CUDA graphs") is DecodeGraphs
+assert fast_path("shared-prefix cascade") is add_shared_prefix
 kinds_data = json.loads(Path("../figures/step_kinds_chat.json").read_text())  # an H200 run's
-FIGURES = Path("../../build/figures").resolve()
-FIGURES.mkdir(parents=True, exist_ok=True)
 plot_step_kinds(kinds_data).savefig(FIGURES / "cuda_graphs_step_kinds.png", dpi=120)
 for row in kinds_data["rows"]:
     print(describe_kinds(row))
