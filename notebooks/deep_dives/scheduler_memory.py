@@ -19,7 +19,8 @@
 # prefill work and memory prefix caching saves when many requests share a system prompt. Two exercises check how a
 # prefix hit meets the token budget and chunked prefill.
 #
-# **Where it sits.** After notebook 05; it uses only notebooks 02, 03 and 05. Nothing later in the core path needs it.
+# **Where it sits.** It follows notebook 05 and uses only notebooks 02, 03 and 05. Nothing later in the core path
+# needs it.
 # It runs the scheduler alone (every sampled token is 0: the schedule of requests that ignore EOS does not depend on
 # the tokens), so it runs in seconds on any CPU.
 

@@ -1,0 +1,65 @@
+"""Limits the course and the package promise (issues: the core path a learner finishes in a day; one job per room).
+
+The numbers are the promise itself, not a measurement: a change that breaks one should move work into a deep dive or
+split a room, not raise the number."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CORE = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.py"))
+DEEP_DIVES = sorted((ROOT / "notebooks" / "deep_dives").glob("*.py"))
+MAX_NOTEBOOK_LINES = 1_000  # one core notebook, a learner's sitting
+MAX_CORE_LINES = 5_500  # the six together: the core path, about a working day
+MAX_ENGINE_MODULE_LINES = 350
+MAX_RUNNER_LINES = 300
+MAX_ENGINE_CLASS_LINES = 200  # LLMEngine: the step loop only
+MAX_FMT_SKIPS = 37  # in all notebook sources: the formatter's output should read well
+
+
+def lines(path: Path) -> int:
+    return len(path.read_text().splitlines())
+
+
+def test_six_core_notebooks_each_short_enough_for_a_sitting():
+    assert [p.stem for p in CORE] == [
+        "01_layers", "02_model", "03_kv_cache", "04_model_runner", "05_scheduler", "06_engine"
+    ]  # fmt: skip
+    too_long = {p.name: lines(p) for p in CORE if lines(p) > MAX_NOTEBOOK_LINES}
+    assert too_long == {}, f"core notebooks over {MAX_NOTEBOOK_LINES} lines: move detail into a deep dive"
+    total = sum(map(lines, CORE))
+    assert total <= MAX_CORE_LINES, f"the core path is {total} lines, over {MAX_CORE_LINES}"
+
+
+def deep_dive_table() -> dict[str, str]:
+    """tools/export.py's DEEP_DIVES (deep dive -> the core notebook it follows), read with ast."""
+    for node in ast.parse((ROOT / "tools" / "export.py").read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "DEEP_DIVES" for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError("tools/export.py defines no DEEP_DIVES")
+
+
+def test_each_deep_dive_opens_with_the_core_notebook_it_follows_and_that_the_core_needs_none():
+    table = deep_dive_table()
+    assert sorted(p.stem for p in DEEP_DIVES) == sorted(table)
+    for path in DEEP_DIVES:
+        text = path.read_text()
+        opening = " ".join(text[text.index("# %% [markdown]") :].split("# %%")[1].replace("#", " ").split()).lower()
+        assert f"follows notebook {table[path.stem][:2]}" in opening, f"{path.name}: say which notebook it follows"
+        assert "core path needs" in opening, f"{path.name}: say the core needs none"
+
+
+def test_the_engine_rooms_stay_small():
+    engine = ROOT / "minivllm" / "engine"
+    too_long = {p.name: lines(p) for p in engine.glob("*.py") if lines(p) > MAX_ENGINE_MODULE_LINES}
+    assert too_long == {}, f"engine modules over {MAX_ENGINE_MODULE_LINES} lines: split them by job"
+    assert lines(engine / "model_runner.py") <= MAX_RUNNER_LINES
+    tree = ast.parse((engine / "llm_engine.py").read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "LLMEngine"]
+    size = cls.end_lineno - cls.lineno + 1
+    assert size <= MAX_ENGINE_CLASS_LINES, f"LLMEngine is {size} lines, over {MAX_ENGINE_CLASS_LINES}"
+
+
+def test_few_formatter_skips():
+    skips = sum(p.read_text().count("# fmt: skip") for p in [*CORE, *DEEP_DIVES])
+    assert skips <= MAX_FMT_SKIPS, f"{skips} '# fmt: skip' markers in the notebooks, over {MAX_FMT_SKIPS}"
