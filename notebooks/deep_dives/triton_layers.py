@@ -414,7 +414,7 @@ torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
 import json
 from pathlib import Path
 
-from IPython.display import Image, display
+from minivllm.benchmarks.throughput import plot_throughput
 
 if DEVICE == "cuda":
     import functools
@@ -435,7 +435,7 @@ else:
     print(committed["device"], committed["workloads"]["nano-vllm"])
     for row in committed["rows"]:
         print(f"{row['impl']:>15} {row['policy']:>13}: {row['tok_per_s']:,.0f} output tokens/s")
-    display(Image("../figures/throughput_small_layers.png"))
+    plot_throughput(committed).savefig(FIGURES / "triton_layers_throughput.png", dpi=120)
 
 # %% [markdown]
 # ## Check yourself: the prefill kernel's tiles
