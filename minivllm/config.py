@@ -6,12 +6,13 @@ from typing import Any
 
 import torch
 
+from minivllm.models.hub import TOKENIZER_FILES, resolve_model
 from minivllm.models.loader import read_config
 
 
 @dataclass(slots=True)
 class Config:
-    model: str | Path  # a HuggingFace checkpoint folder
+    model: str | Path  # a HuggingFace checkpoint folder or a Hub id ("Qwen/Qwen3-0.6B")
     tensor_parallel_size: int = 1
     dtype: str | torch.dtype = "auto"  # the checkpoint's dtype on a GPU, float32 on a CPU
     block_size: int = 16  # tokens per KV block
@@ -26,10 +27,16 @@ class Config:
     async_scheduling: bool = None  # type: ignore[assignment]  # schedule while a step runs (06); None: on 1 GPU
     seed: int = 0
     device: str = None  # type: ignore[assignment]  # None: cuda if available, else cpu
+    tokenizer: str | Path = None  # type: ignore[assignment]  # a folder or a Hub id; None: the model's
+    revision: str | None = None  # the model's Hub branch, tag or commit; None: main
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None  # the Hub cache to use; None: HF_HUB_CACHE
     hf_config: Any = field(init=False, repr=False)
 
     def __post_init__(self):
-        self.model = Path(self.model)
+        self.model = resolve_model(self.model, self.revision, self.download_dir)  # a folder, or a Hub id's snapshot
+        self.tokenizer = self.model if self.tokenizer is None else self.tokenizer
+        self.tokenizer = resolve_model(self.tokenizer, self.tokenizer_revision, self.download_dir, TOKENIZER_FILES)
         self.hf_config = read_config(self.model)  # FileNotFoundError / ValueError for a bad folder
         self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         context_len = self.hf_config.max_position_embeddings

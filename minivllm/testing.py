@@ -1,6 +1,6 @@
 """What tests and notebooks share, never the engine's hot path: the teacher-forced logits of one prompt
-(the oracle every KV-cache path is compared with), a builder of random paged KV caches and edited copies of a
-checkpoint folder."""
+(the oracle every KV-cache path is compared with), a builder of random paged KV caches, edited copies of a
+checkpoint folder and a Hub cache laid out on disk (no network needed)."""
 
 import json
 import shutil
@@ -55,6 +55,17 @@ def edited_copy(
         tensors_edit(tensors)
         save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     return path
+
+
+def lay_out_hub_cache(source: Path, cache: Path, repo_id: str, commit: str = "0" * 40, ref: str = "main") -> Path:
+    """Put the folder `source` in the Hub cache `cache` as `repo_id` at `commit`, as `snapshot_download` leaves a
+    download (`models--ORG--NAME/refs/REF` names the commit, `snapshots/COMMIT/` holds the files); its snapshot."""
+    repo = Path(cache) / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / commit
+    shutil.copytree(source, snapshot, dirs_exist_ok=True)
+    (repo / "refs").mkdir(parents=True, exist_ok=True)
+    (repo / "refs" / ref).write_text(commit)
+    return snapshot
 
 
 def scatter_into_cache(

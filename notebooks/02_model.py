@@ -646,6 +646,29 @@ print({name: f"mean |bf16 - fp32 logit| {gap[name]:.4f}, the same top-1 at {same
 assert gap["ours"] <= 1.5 * gap["theirs"] and same["ours"] >= same["theirs"] - 0.02
 
 # %% [markdown]
+# ## A model by name: the Hub
+# A vLLM user writes `LLM("Qwen/Qwen3-0.6B")`, not a folder. `Config` resolves the name as transformers and vLLM do
+# (`minivllm/models/hub.py`): **a local folder of that name wins**; otherwise it is a Hub id, and
+# `huggingface_hub.snapshot_download` gives the folder of its snapshot in the Hub cache (`HF_HUB_CACHE`), downloading
+# only the files the engine reads. Offline (`HF_HUB_OFFLINE=1`), a cached snapshot still works. There is no network
+# here, so the cell lays a cache out on disk as a download leaves it, with the tiny checkpoint as `minivllm/tiny`.
+
+# %%
+from minivllm.models.hub import resolve_model
+from minivllm.testing import lay_out_hub_cache
+
+hub_cache = Path(tempfile.mkdtemp()) / "hub"
+snapshot = lay_out_hub_cache(tiny_path, hub_cache, "minivllm/tiny")
+print(*sorted(str(f.relative_to(hub_cache)) for f in hub_cache.rglob("*config.json")), sep="\n")
+assert resolve_model("minivllm/tiny", download_dir=hub_cache) == snapshot
+assert resolve_model(tiny_path) == tiny_path  # a folder wins
+try:
+    resolve_model("minivllm/not-there", download_dir=hub_cache)
+    raise AssertionError("an id the cache lacks was resolved offline")
+except FileNotFoundError as e:
+    print(e)
+
+# %% [markdown]
 # ## The engine's settings
 # One dataclass holds the settings of the runner (04), the scheduler (05) and the engine (06): vLLM's names and
 # defaults, checked before anything is built. A `None` is resolved here (`max_model_len` from the checkpoint, `device`
@@ -658,12 +681,13 @@ from typing import Any
 
 import torch
 
+from minivllm.models.hub import TOKENIZER_FILES, resolve_model
 from minivllm.models.loader import read_config
 
 
 @dataclass(slots=True)
 class Config:
-    model: str | Path  # a HuggingFace checkpoint folder
+    model: str | Path  # a HuggingFace checkpoint folder or a Hub id ("Qwen/Qwen3-0.6B")
     tensor_parallel_size: int = 1
     dtype: str | torch.dtype = "auto"  # the checkpoint's dtype on a GPU, float32 on a CPU
     block_size: int = 16  # tokens per KV block
@@ -678,10 +702,16 @@ class Config:
     async_scheduling: bool = None  # type: ignore[assignment]  # schedule while a step runs (06); None: on 1 GPU
     seed: int = 0
     device: str = None  # type: ignore[assignment]  # None: cuda if available, else cpu
+    tokenizer: str | Path = None  # type: ignore[assignment]  # a folder or a Hub id; None: the model's
+    revision: str | None = None  # the model's Hub branch, tag or commit; None: main
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None  # the Hub cache to use; None: HF_HUB_CACHE
     hf_config: Any = field(init=False, repr=False)
 
     def __post_init__(self):
-        self.model = Path(self.model)
+        self.model = resolve_model(self.model, self.revision, self.download_dir)  # a folder, or a Hub id's snapshot
+        self.tokenizer = self.model if self.tokenizer is None else self.tokenizer
+        self.tokenizer = resolve_model(self.tokenizer, self.tokenizer_revision, self.download_dir, TOKENIZER_FILES)
         self.hf_config = read_config(self.model)  # FileNotFoundError / ValueError for a bad folder
         self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         context_len = self.hf_config.max_position_embeddings

@@ -33,7 +33,7 @@ class LLMEngine:
 
     def __init__(self, model: str | Path, **kwargs):
         self.config = Config(model, **kwargs)
-        self.tokenizer = load_tokenizer(self.config.model)
+        self.tokenizer = load_tokenizer(self.config.tokenizer)
         self.runner = make_runner(self.config)
         policy = UnifiedScheduler if self.config.scheduling_policy == "unified" else Scheduler
         self.scheduler = policy(self.config, self.runner.num_kvcache_blocks)
