@@ -47,6 +47,17 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def hub_cache(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Hub cache laid out on disk, as a download leaves it, holding the tiny checkpoint as the id `minivllm/tiny`:
+    point HF_HUB_CACHE (or download_dir) at it, with HF_HUB_OFFLINE=1. No network is needed or used."""
+    from minivllm.testing import lay_out_hub_cache
+
+    cache = tmp_path_factory.mktemp("hub")
+    lay_out_hub_cache(tiny, cache, "minivllm/tiny")
+    return cache
+
+
+@pytest.fixture(scope="session")
 def hf_model(tiny: Path):
     """The oracle: transformers' model of the tiny checkpoint, in float32."""
     from transformers import AutoModelForCausalLM
