@@ -18,10 +18,11 @@ def is_one_prompt(prompts) -> TypeGuard[Prompt]:
     return isinstance(prompts, list | tuple) and len(prompts) > 0 and isinstance(scalar(prompts[0]), int | float)
 
 
-def chat_prompt(tokenizer, conversation, model) -> str:
+def chat_prompt(tokenizer, conversation, model, template_kwargs: dict | None = None) -> str:
     if tokenizer is None or tokenizer.chat_template is None:
         raise ValueError(f"{model} has no chat template: pass prompts to generate instead")
-    return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    kwargs = template_kwargs or {}  # the template's own switches: Qwen3's enable_thinking, say
+    return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True, **kwargs)
 
 
 class LLM:
@@ -75,11 +76,12 @@ class LLM:
         return outputs
 
     def chat(
-        self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm: bool = True
+        self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm=True, chat_template_kwargs=None
     ) -> list[RequestOutput]:
         """`generate` for a conversation ([{"role": ..., "content": ...}, ...]) or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [chat_prompt(self.get_tokenizer(), c, self.engine.config.model) for c in conversations]
+        model, kwargs = self.engine.config.model, chat_template_kwargs
+        prompts = [chat_prompt(self.get_tokenizer(), c, model, kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def abort(self) -> None:

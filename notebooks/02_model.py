@@ -646,33 +646,11 @@ print({name: f"mean |bf16 - fp32 logit| {gap[name]:.4f}, the same top-1 at {same
 assert gap["ours"] <= 1.5 * gap["theirs"] and same["ours"] >= same["theirs"] - 0.02
 
 # %% [markdown]
-# ## A model by name: the Hub
-# A vLLM user writes `LLM("Qwen/Qwen3-0.6B")`, not a folder. `Config` resolves the name as transformers and vLLM do
-# (`minivllm/models/hub.py`): **a local folder of that name wins**; otherwise it is a Hub id, and
-# `huggingface_hub.snapshot_download` gives the folder of its snapshot in the Hub cache (`HF_HUB_CACHE`), downloading
-# only the files the engine reads. Offline (`HF_HUB_OFFLINE=1`), a cached snapshot still works. There is no network
-# here, so the cell lays a cache out on disk as a download leaves it, with the tiny checkpoint as `minivllm/tiny`.
-
-# %%
-from minivllm.models.hub import resolve_model
-from minivllm.testing import lay_out_hub_cache
-
-hub_cache = Path(tempfile.mkdtemp()) / "hub"
-snapshot = lay_out_hub_cache(tiny_path, hub_cache, "minivllm/tiny")
-print(*sorted(str(f.relative_to(hub_cache)) for f in hub_cache.rglob("*config.json")), sep="\n")
-assert resolve_model("minivllm/tiny", download_dir=hub_cache) == snapshot
-assert resolve_model(tiny_path) == tiny_path  # a folder wins
-try:
-    resolve_model("minivllm/not-there", download_dir=hub_cache)
-    raise AssertionError("an id the cache lacks was resolved offline")
-except FileNotFoundError as e:
-    print(e)
-
-# %% [markdown]
 # ## The engine's settings
 # One dataclass holds the settings of the runner (04), the scheduler (05) and the engine (06): vLLM's names and
 # defaults, checked before anything is built. A `None` is resolved here (`max_model_len` from the checkpoint, `device`
-# from the machine), so each field holds its declared type.
+# from the machine), so each field holds its declared type. `model` may be a Hub id, resolved as transformers and vLLM
+# do (`models/hub.py`): a local folder of that name wins, else the Hub cache, downloading what is missing.
 
 # %% tags=["export"] module="minivllm.config"
 from dataclasses import dataclass, field

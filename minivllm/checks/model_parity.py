@@ -137,6 +137,36 @@ def run_model_parity(
     }
 
 
+CLEAR_CUT_MARGIN = 1.0  # logits: far more than bfloat16 rounding moves one (DECISIVE_MARGIN's 0.1 on random weights)
+
+
+@torch.inference_mode()
+def greedy_agreement(
+    model: str | Path, outputs: list, dtype: torch.dtype = torch.bfloat16, margin: float = CLEAR_CUT_MARGIN
+) -> dict:
+    """Teacher forcing: given each prompt and the greedy tokens an engine wrote (`RequestOutput`s), transformers'
+    top token at every position of the completion. The share of our tokens it agrees with, over all of them and
+    where its top-1 leads its top-2 by more than `margin` (clear-cut: rounding cannot flip those)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device).eval()  # type: ignore[arg-type]
+    same, clear = [], []
+    for out in outputs:
+        ours, start = out.outputs[0].token_ids, len(out.prompt_token_ids) - 1
+        ids = torch.tensor([out.prompt_token_ids + ours], device=device)
+        logits = hf(ids).logits[0, start:-1].float().cpu()  # the logits that chose each of our tokens
+        top2 = logits.topk(2).values
+        same.append(logits.argmax(-1) == torch.tensor(ours))
+        clear.append(top2[:, 0] - top2[:, 1] > margin)
+    agree, decisive = torch.cat(same), torch.cat(clear)
+    del hf
+    return dict(
+        tokens=len(agree),
+        agreement=int(agree.sum()) / len(agree),
+        clear_cut=int(decisive.sum()),
+        agreement_clear_cut=int(agree[decisive].sum()) / int(decisive.sum()) if decisive.any() else 1.0,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=OUT, help="folder for model_parity.json (default: ./figures)")
