@@ -649,8 +649,7 @@ assert gap["ours"] <= 1.5 * gap["theirs"] and same["ours"] >= same["theirs"] - 0
 # ## The engine's settings
 # One dataclass holds the settings of the runner (04), the scheduler (05) and the engine (06): vLLM's names and
 # defaults, checked before anything is built. A `None` is resolved here (`max_model_len` from the checkpoint, `device`
-# from the machine), so each field holds its declared type. `model` may be a Hub id, resolved as transformers and vLLM
-# do (`models/hub.py`): a local folder of that name wins, else the Hub cache, downloading what is missing.
+# from the machine), so each field holds its declared type. `model` may be a Hub id, resolved as vLLM does (`hub.py`).
 
 # %% tags=["export"] module="minivllm.config"
 from dataclasses import dataclass, field
