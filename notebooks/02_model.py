@@ -435,7 +435,8 @@ def checkpoint_files(path: Path) -> tuple[list[Path], dict[str, Path] | None]:
     index = path / INDEX_FILE
     if not index.is_file():
         if not (files := sorted(path.glob("*.safetensors"))):
-            raise FileNotFoundError(f"no *.safetensors file in {path}")
+            bins = "; it holds PyTorch .bin weights; minivllm reads safetensors only" if any(path.glob("*.bin")) else ""
+            raise FileNotFoundError(f"no *.safetensors file in {path}{bins}")
         return files, None
     names = read_json(index).get("weight_map")
     if not names or not isinstance(names, dict) or not all(isinstance(f, str) for f in names.values()):
