@@ -317,8 +317,8 @@ class Qwen3DecoderLayer(nn.Module):
 class Qwen3Model(nn.Module):
     def __init__(self, config: Any):
         super().__init__()
-        if getattr(config, "use_sliding_window", False):
-            raise ValueError("use_sliding_window=True is not supported")
+        if getattr(config, "use_sliding_window", False):  # transformers' layers >= max_window_layers would use it
+            raise ValueError("use_sliding_window=True: sliding-window attention is not supported")
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rotary_emb = get_rope(config, head_dim_of(config))  # one cos/sin table, shared by every layer
         self.layers = nn.ModuleList(Qwen3DecoderLayer(config, rotary_emb, i) for i in range(config.num_hidden_layers))
@@ -368,7 +368,7 @@ print(f"{total:,} parameters ({2 * total / 1e9:.2f} GB in bf16), {embedding / to
 # %% [markdown]
 # ## Loading a checkpoint
 # 1. **Read the config**: `architectures` picks our class in `MODELS`. A config.json with every `CONFIG_FIELDS` value
-#    written out (as transformers 5 writes) becomes a plain `PretrainedConfig`; `AutoConfig` imports more (see the end).
+#    written out (by transformers 5 or 4) becomes a plain `PretrainedConfig`; `AutoConfig` imports more (see the end).
 # 2. **Map names**: ours are the checkpoint's but in `packed_modules_mapping` (`…q_proj` is `…qkv_proj`'s `"q"`).
 # 3. **Check before building**: names against the map, then every copy rehearsed on a `meta` model (no memory).
 # 4. **Copy** on the device; each `weight_loader` keeps this rank's slice. A tensor in two files is an error.
@@ -420,6 +420,8 @@ def read_config(path: Path) -> PretrainedConfig:
         raise ValueError(
             f"{config_file}: architectures={architectures} is not supported; supported architectures: {sorted(MODELS)}"
         )
+    if "rope_parameters" not in raw and "rope_theta" in raw and raw.pop("rope_scaling", None) is None:  # 4's form:
+        raw["rope_parameters"] = {"rope_type": "default", "rope_theta": raw.pop("rope_theta")}  # as AutoConfig reads it
     fields, rope = CONFIG_FIELDS.get(next(a for a in architectures if a in MODELS), ()), raw.get("rope_parameters")
     if fields and isinstance(rope, dict) and "rope_theta" in rope and all(raw.get(f) is not None for f in fields):
         return PretrainedConfig.from_dict(raw)  # every field written out, RoPE's in transformers 5's form: no defaults
@@ -433,7 +435,8 @@ def checkpoint_files(path: Path) -> tuple[list[Path], dict[str, Path] | None]:
     index = path / INDEX_FILE
     if not index.is_file():
         if not (files := sorted(path.glob("*.safetensors"))):
-            raise FileNotFoundError(f"no *.safetensors file in {path}")
+            bins = "; it holds PyTorch .bin weights; minivllm reads safetensors only" if any(path.glob("*.bin")) else ""
+            raise FileNotFoundError(f"no *.safetensors file in {path}{bins}")
         return files, None
     names = read_json(index).get("weight_map")
     if not names or not isinstance(names, dict) or not all(isinstance(f, str) for f in names.values()):
@@ -845,15 +848,16 @@ for bad in [dict(max_tokens=2.0), dict(temperature=float("nan")), dict(top_p=0.0
 # %% [markdown]
 # ## How fast
 # Start-up: `read_config` timed in a fresh Python, with the modules it imports counted (both depend on the transformers
-# installed, the time on this machine too): a config.json written out in full, then one in the Hub's older RoPE form.
+# installed, the time on this machine too): a config.json in full, in the Hub's 4.x form, then with a field left out.
 
 # %%
 probe = """import sys, time; from pathlib import Path; from minivllm.models.loader import read_config
 before, start = len(sys.modules), time.perf_counter(); config = read_config(Path(sys.argv[1]))
 print(f"{type(config).__name__}: {time.perf_counter() - start:.2f} s, {len(sys.modules) - before} modules imported")"""
 rope_4 = lambda c: c.update(rope_theta=c.pop("rope_parameters")["rope_theta"])  # noqa: E731 (the Hub's Qwen3 form)
+edits = {"rope_theta": rope_4, "no_bias": lambda c: c.pop("attention_bias")}  # no_bias: Qwen3Config's default
 with tempfile.TemporaryDirectory() as tmp:
-    for path in (tiny_path, edited_copy(tiny_path, Path(tmp) / "rope_theta", config_edit=rope_4)):
+    for path in (tiny_path, *(edited_copy(tiny_path, Path(tmp) / n, config_edit=e) for n, e in edits.items())):
         run = subprocess.run([sys.executable, "-c", probe, str(path)], capture_output=True, text=True, check=True)
         print(f"{path.name:>10}: {run.stdout.strip()}")
 

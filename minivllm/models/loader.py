@@ -46,6 +46,8 @@ def read_config(path: Path) -> PretrainedConfig:
         raise ValueError(
             f"{config_file}: architectures={architectures} is not supported; supported architectures: {sorted(MODELS)}"
         )
+    if "rope_parameters" not in raw and "rope_theta" in raw and raw.pop("rope_scaling", None) is None:  # 4's form:
+        raw["rope_parameters"] = {"rope_type": "default", "rope_theta": raw.pop("rope_theta")}  # as AutoConfig reads it
     fields, rope = CONFIG_FIELDS.get(next(a for a in architectures if a in MODELS), ()), raw.get("rope_parameters")
     if fields and isinstance(rope, dict) and "rope_theta" in rope and all(raw.get(f) is not None for f in fields):
         return PretrainedConfig.from_dict(raw)  # every field written out, RoPE's in transformers 5's form: no defaults
@@ -59,7 +61,8 @@ def checkpoint_files(path: Path) -> tuple[list[Path], dict[str, Path] | None]:
     index = path / INDEX_FILE
     if not index.is_file():
         if not (files := sorted(path.glob("*.safetensors"))):
-            raise FileNotFoundError(f"no *.safetensors file in {path}")
+            bins = "; it holds PyTorch .bin weights; minivllm reads safetensors only" if any(path.glob("*.bin")) else ""
+            raise FileNotFoundError(f"no *.safetensors file in {path}{bins}")
         return files, None
     names = read_json(index).get("weight_map")
     if not names or not isinstance(names, dict) or not all(isinstance(f, str) for f in names.values()):

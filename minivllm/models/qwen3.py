@@ -76,8 +76,8 @@ class Qwen3DecoderLayer(nn.Module):
 class Qwen3Model(nn.Module):
     def __init__(self, config: Any):
         super().__init__()
-        if getattr(config, "use_sliding_window", False):
-            raise ValueError("use_sliding_window=True is not supported")
+        if getattr(config, "use_sliding_window", False):  # transformers' layers >= max_window_layers would use it
+            raise ValueError("use_sliding_window=True: sliding-window attention is not supported")
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rotary_emb = get_rope(config, head_dim_of(config))  # one cos/sin table, shared by every layer
         self.layers = nn.ModuleList(Qwen3DecoderLayer(config, rotary_emb, i) for i in range(config.num_hidden_layers))
