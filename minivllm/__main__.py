@@ -1,9 +1,12 @@
-"""`python -m minivllm`: generate with a checkpoint folder or a preset, and print the outputs and throughput.
+"""`python -m minivllm`: generate with a Hub model, a checkpoint folder or a preset; print the outputs and throughput.
 
     python -m minivllm                                  # the presets that suit this machine, a few prompts
     python -m minivllm --preset tiny-text "Many hands make" "What do bees make?"
-    python -m minivllm --model path/to/Qwen3-0.6B --temperature 0.7 --top-p 0.9 --max-tokens 64 --tp 2
+    python -m minivllm --model Qwen/Qwen3-0.6B --temperature 0.7 --top-p 0.9 --max-tokens 64 --tp 2
+    python -m minivllm --model path/to/Qwen3-0.6B "Dear Maria,"      # a checkpoint folder
 
+--model takes a Hub id as vLLM does: its snapshot in the Hub cache (HF_HUB_CACHE, or --download-dir), downloaded the
+first time; HF_HUB_OFFLINE=1 uses the cache alone. A folder of the id's name, if there is one, wins over the Hub.
 With no --model, a preset's checkpoint is written once to ~/.cache/minivllm/checkpoints/ (or $MINIVLLM_CHECKPOINTS).
 The default is tiny-text: the tiny model trained on the text its tokenizer was made from (half a minute on a CPU,
 the first time), so that it continues a line of that text in words, where random weights write gibberish. On a
@@ -59,8 +62,11 @@ def make_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("prompts", nargs="*", help="prompts (default: a few examples)")
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--model", help="a HuggingFace checkpoint folder")
+    source.add_argument("--model", help="a Hub id (ORG/NAME) or a HuggingFace checkpoint folder")
     source.add_argument("--preset", choices=PRESETS, help="a preset (default: tiny-text, then qwen3-0.6b on a GPU)")
+    parser.add_argument("--revision", help="the model's Hub branch, tag or commit (default: main)")
+    parser.add_argument("--tokenizer", help="a Hub id or folder to take the tokenizer from (default: the model's)")
+    parser.add_argument("--download-dir", help="the Hub cache to read and download into (default: HF_HUB_CACHE)")
     parser.add_argument("--temperature", type=finite_float, default=0.0, help="0 is greedy (default)")
     parser.add_argument("--top-p", type=finite_float, default=1.0)
     parser.add_argument("--top-k", type=int, default=-1)
@@ -80,8 +86,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     parser = make_parser()
     args = parser.parse_args(argv)
-    if args.model is not None and not Path(args.model).is_dir():
-        parser.error(f"--model {args.model}: no such folder")
     try:
         args.sampling_params = SamplingParams(
             temperature=args.temperature,
@@ -137,18 +141,30 @@ def startup_split(llm: "LLM", marks: list[float], first: bool) -> str:
 
 def generate(args: argparse.Namespace, model: Path | str, began: float, first: bool) -> None:
     from minivllm import LLM
+    from minivllm.models.hub import load_error_line
 
     marks = [began, time.perf_counter()]
-    try:  # what the engine refuses (a prompt too long, a checkpoint it cannot load) is a usage error too
-        with LLM(
-            str(model), tensor_parallel_size=args.tp, enforce_eager=args.enforce_eager, max_model_len=args.max_model_len
-        ) as llm:
-            marks.append(time.perf_counter())
+    try:  # a model that cannot be had or loaded (no such id or folder, gated, offline and not cached, .bin weights,
+        # an architecture we lack) is one line naming it, exit code 2: no traceback, no usage (the flags were fine)
+        llm = LLM(
+            str(model),
+            tensor_parallel_size=args.tp,
+            enforce_eager=args.enforce_eager,
+            max_model_len=args.max_model_len,
+            revision=args.revision,
+            tokenizer=args.tokenizer,
+            download_dir=args.download_dir,
+        )
+    except (ValueError, OSError) as e:  # OSError: FileNotFoundError, PermissionError (gated), the Hub's HTTP errors
+        args.parser.exit(2, f"{args.parser.prog}: error: {load_error_line(e, str(model), args.tokenizer)}\n")
+    with llm:
+        marks.append(time.perf_counter())
+        try:  # what the engine refuses (a prompt too long) is a usage error too
             outputs = llm.generate(args.prompts or DEFAULT_PROMPTS, args.sampling_params)
-            marks.append(time.perf_counter())
-            tokenizer, split = llm.get_tokenizer(), startup_split(llm, marks, first)
-    except (ValueError, FileNotFoundError) as e:
-        args.parser.error(str(e).splitlines()[0] if str(e) else type(e).__name__)
+        except ValueError as e:
+            args.parser.error(str(e).splitlines()[0] if str(e) else type(e).__name__)
+        marks.append(time.perf_counter())
+        tokenizer, split = llm.get_tokenizer(), startup_split(llm, marks, first)
     print_outputs(outputs, len(tokenizer) if tokenizer is not None else 0, marks[3] - marks[2])
     print(split)
 

@@ -1,8 +1,13 @@
 """`python -m minivllm.serve`: an OpenAI-compatible HTTP server over `AsyncLLM`, as `vllm serve` is.
 
-    python -m minivllm.serve --preset tiny --port 8000          # or --model path/to/Qwen3-0.6B
+    python -m minivllm.serve Qwen/Qwen3-0.6B --port 8000       # a Hub id (or --model ID), as `vllm serve ID`
+    python -m minivllm.serve --model path/to/Qwen3-0.6B         # a checkpoint folder; or --preset tiny
     curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
-        -d '{"model": "tiny", "prompt": "Once upon a time", "max_tokens": 16}'
+        -d '{"model": "Qwen/Qwen3-0.6B", "prompt": "Once upon a time", "max_tokens": 16}'
+
+The model is served under the name it was given by (the id, the folder or the preset), or --served-model-name. An
+id's snapshot comes from the Hub cache (HF_HUB_CACHE, or --download-dir), downloaded the first time; HF_HUB_OFFLINE=1
+uses the cache alone; a folder of the id's name wins. A model that cannot be had or loaded is one line, exit code 2.
 
 Endpoints: `/v1/completions` and `/v1/chat/completions` (streaming with `"stream": true`, as server-sent events
 ending in `data: [DONE]`), `/v1/models`, `/health`. A bad request gets status 400 and OpenAI's error shape,
@@ -29,6 +34,7 @@ from pydantic import BaseModel, ConfigDict
 from minivllm.async_llm import AsyncLLM
 from minivllm.checkpoint import checkpoint_for
 from minivllm.llm import chat_prompt
+from minivllm.models.hub import load_error_line
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -262,18 +268,34 @@ def serve_in_thread(llm: AsyncLLM, model_name: str) -> Iterator[str]:
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
-    parser = argparse.ArgumentParser(prog="python -m minivllm.serve", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m minivllm.serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--model", help="a HuggingFace checkpoint folder")
+    source.add_argument("model_tag", nargs="?", metavar="MODEL", help="a Hub id (ORG/NAME) or a checkpoint folder")
+    source.add_argument("--model", help="the same, as a flag")
     source.add_argument("--preset", help="a random-weight preset, e.g. tiny or qwen3-0.6b")
-    parser.add_argument("--served-model-name", help="the name clients ask for (default: --preset, or --model)")
+    parser.add_argument("--revision", help="the model's Hub branch, tag or commit (default: main)")
+    parser.add_argument("--tokenizer", help="a Hub id or folder to take the tokenizer from (default: the model's)")
+    parser.add_argument("--download-dir", help="the Hub cache to read and download into (default: HF_HUB_CACHE)")
+    parser.add_argument("--served-model-name", help="the name clients ask for (default: MODEL, --model or --preset)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-model-len", type=int, default=None)
     args = parser.parse_args(argv)
-    model = args.model or str(checkpoint_for(args.preset))
-    llm = AsyncLLM(model, max_model_len=args.max_model_len)
-    server = Server(llm, args.served_model_name or args.preset or args.model)
+    given = args.model_tag or args.model
+    model = given or str(checkpoint_for(args.preset))
+    try:
+        llm = AsyncLLM(
+            model,
+            max_model_len=args.max_model_len,
+            revision=args.revision,
+            tokenizer=args.tokenizer,
+            download_dir=args.download_dir,
+        )
+    except (ValueError, OSError) as e:  # no such id or folder, gated, offline and not cached, .bin weights, ...
+        parser.exit(2, f"{parser.prog}: error: {load_error_line(e, model, args.tokenizer)}\n")
+    server = Server(llm, args.served_model_name or given or args.preset)
     try:
         uvicorn.run(server.app, host=args.host, port=args.port)
     finally:

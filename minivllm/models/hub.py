@@ -56,3 +56,14 @@ def resolve_model(
     if files is MODEL_FILES and not any(snapshot.glob("*.safetensors")):
         raise ValueError(f"{name} has no *.safetensors weights: minivllm reads safetensors, not PyTorch .bin files")
     return snapshot
+
+
+def load_error_line(error: Exception, model: str, tokenizer: str | None = None) -> str:
+    """A command line's one line for an engine that could not start: the error's first line, naming the model (or
+    the tokenizer) as the user gave it with its flag: `--model ORG/NAME: no such folder, ...`."""
+    message = str(error).splitlines()[0] if str(error).strip() else type(error).__name__
+    named = [("--model", model), ("--tokenizer", tokenizer or "")]
+    for flag, name in sorted(named, key=lambda pair: -len(pair[1])):  # the longer first: a/b-tok before a/b
+        if name and message.startswith(name):
+            return f"{flag} {message}"
+    return f"--model {model}: {message}"
