@@ -11,7 +11,10 @@ uses the cache alone; a folder of the id's name wins. A model that cannot be had
 
 Endpoints: `/v1/completions` and `/v1/chat/completions` (streaming with `"stream": true`, as server-sent events
 ending in `data: [DONE]`), `/v1/models`, `/health`. A bad request gets status 400 and OpenAI's error shape,
-`{"error": {"message", "type", "param", "code"}}`, with the offending field in `param` and in the message.
+`{"error": {"message", "type", "param", "code"}}`, with the offending field in `param` and in the message: checked
+here, before the engine sees the request (strict int64 integers, token ids in the vocabulary, float32-safe top_p and
+repetition_penalty, max_tokens within max_model_len, one prompt per request, OpenAI fields not implemented here).
+`"stream_options": {"include_usage": true}` ends a stream with a chunk holding the usage and no choices.
 """
 
 import argparse
