@@ -11,10 +11,14 @@ uses the cache alone; a folder of the id's name wins. A model that cannot be had
 
 Endpoints: `/v1/completions` and `/v1/chat/completions` (streaming with `"stream": true`, as server-sent events
 ending in `data: [DONE]`), `/v1/models`, `/health`. A bad request gets status 400 and OpenAI's error shape,
-`{"error": {"message", "type", "param", "code"}}`, with the offending field in `param` and in the message.
+`{"error": {"message", "type", "param", "code"}}`, with the offending field in `param` and in the message: checked
+here, before the engine sees the request (strict int64 integers, token ids in the vocabulary, float32-safe top_p and
+repetition_penalty, max_tokens within max_model_len, one prompt per request, OpenAI fields not implemented here).
+`"stream_options": {"include_usage": true}` ends a stream with a chunk holding the usage and no choices.
 """
 
 import argparse
+import asyncio
 import dataclasses
 import json
 import socket
@@ -24,12 +28,13 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import contextmanager
 from functools import partial
-from typing import Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from starlette.exceptions import HTTPException
 
 from minivllm.async_llm import AsyncLLM
 from minivllm.checkpoint import checkpoint_for
@@ -38,33 +43,64 @@ from minivllm.models.hub import load_error_line
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
 from minivllm.sampling_params import SamplingParams
 
+# An integer field: a JSON integer (not true, 5.0 or "5": strict) that fits the engine's int64 tensors.
+Int64 = Annotated[StrictInt, Field(ge=-(2**63), le=2**63 - 1)]
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32: a top_p below it is 0 (or subnormal) on the device
+# repetition_penalty divides positive logits and multiplies negative ones in float32. Beyond [1e-6, 1e6] a logit of
+# even ~1e32 overflows to inf, and far beyond the penalty itself is 0 or inf in float32: x/0, 0*inf and inf-inf are
+# NaN probabilities. 1e6 either way already makes a seen token certain or impossible: nothing useful lies outside.
+REPETITION_PENALTY_RANGE = (1e-6, 1e6)
+# OpenAI fields we do not implement, with the values that mean "off" (those we accept, as clients send defaults).
+UNSUPPORTED = {
+    "logit_bias": (None, {}),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False  # a last chunk, before [DONE], with the usage and no choices
+
 
 class SamplingRequest(BaseModel):
     """The sampling fields both endpoints share, with OpenAI's names and defaults."""
 
     model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use (user, ...)
     model: str
-    max_tokens: int | None = 16
+    max_tokens: Int64 | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1  # vLLM's extensions of the API
+    top_k: Int64 = -1  # vLLM's extensions of the API
     min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    min_tokens: int = 0
+    min_tokens: Int64 = 0
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool = False
-    seed: int | None = None
-    n: int = 1
+    seed: Int64 | None = None
+    n: Int64 = 1
     stream: bool = False
+    stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int64] | None = None
+    # Refused unless "off" (see UNSUPPORTED): named here so that they are not silently dropped with the unknown ones.
+    logit_bias: Any = None
+    echo: Any = None
+    suffix: Any = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    best_of: Any = None
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[int]
-    logprobs: int | None = None  # per token: its log-probability and this many most likely tokens'
+    prompt: Any  # a string or a list of token ids, checked by `prompt_of` (pydantic's union would coerce or blur)
+    logprobs: Int64 | None = None  # per token: its log-probability and this many most likely tokens'
 
 
 class ChatMessage(BaseModel):
@@ -74,10 +110,10 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(SamplingRequest):
     messages: list[ChatMessage]
-    max_tokens: int | None = None  # None: until the reply stops or fills max_model_len
-    max_completion_tokens: int | None = None  # the chat API's newer name for max_tokens
+    max_tokens: Int64 | None = None  # None: until the reply stops or fills max_model_len
+    max_completion_tokens: Int64 | None = None  # the chat API's newer name for max_tokens
     logprobs: bool = False  # per token: its log-probability ...
-    top_logprobs: int | None = None  # ... and this many most likely tokens'
+    top_logprobs: Int64 | None = None  # ... and this many most likely tokens'
 
 
 class BadRequest(ValueError):
@@ -98,9 +134,68 @@ def sampling_params(request: SamplingRequest, max_tokens: int | None, logprobs: 
     """The request's SamplingParams; BadRequest naming the field when SamplingParams refuses a value."""
     fields = request.model_dump(include=SAMPLING_FIELDS)  # the request's fields that SamplingParams has too
     try:
-        return SamplingParams(**fields, max_tokens=16 if max_tokens is None else max_tokens, logprobs=logprobs)
+        params = SamplingParams(**fields, max_tokens=16 if max_tokens is None else max_tokens, logprobs=logprobs)
     except ValueError as e:  # SamplingParams names the field first: "temperature must be >= 0, got -1"
         raise BadRequest(str(e), str(e).split()[0]) from e
+    if params.top_p < FLOAT32_TINY:  # > 0 (SamplingParams checked), but 0 in float32: no token would be kept
+        raise BadRequest(f"top_p must be 0 < top_p <= 1 and at least {FLOAT32_TINY:.4g}, got {params.top_p!r}", "top_p")
+    low, high = REPETITION_PENALTY_RANGE
+    if not low <= params.repetition_penalty <= high:
+        message = f"repetition_penalty must be in [{low:g}, {high:g}] (1 is off), got {params.repetition_penalty!r}"
+        raise BadRequest(message, "repetition_penalty")
+    return params
+
+
+def check_text(request: BaseModel) -> None:
+    """BadRequest naming the field if a string in it is not Unicode text: JSON's "\\ud800", a lone surrogate, parses
+    to a str that the tokenizer and UTF-8 cannot take."""
+
+    def walk(value: Any) -> bool:
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return False
+            return True
+        if isinstance(value, BaseModel):
+            value = dict(value)
+        if isinstance(value, dict):
+            return all(walk(k) and walk(v) for k, v in value.items())
+        if isinstance(value, list | tuple):
+            return all(map(walk, value))
+        return True
+
+    for name, value in request:
+        if not walk(value):
+            raise BadRequest(f"{name} is not valid Unicode text (a lone surrogate such as \\ud800)", name)
+
+
+def check_unsupported(request: SamplingRequest) -> None:
+    """BadRequest naming an OpenAI field we do not implement, unless it holds the value that turns it off."""
+    for name, off in UNSUPPORTED.items():
+        value = getattr(request, name)
+        if not any(value == o and type(value) is type(o) for o in off):
+            raise BadRequest(f"{name} is not supported by this server", name)
+    if request.best_of is not None and (type(request.best_of) is not int or request.best_of != request.n):
+        raise BadRequest(f"best_of is not supported by this server (only best_of = n = {request.n})", "best_of")
+    if request.stream_options is not None and not request.stream:
+        raise BadRequest("stream_options is only allowed with stream set to true", "stream_options")
+
+
+def prompt_of(prompt: Any) -> str | list[int]:
+    """The completion request's prompt: a string or a list of token ids; BadRequest naming `prompt` otherwise."""
+    if isinstance(prompt, str):
+        return prompt
+    if not isinstance(prompt, list):
+        raise BadRequest(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}", "prompt")
+    if prompt and all(isinstance(p, str | list) for p in prompt):  # OpenAI's batch: ["a", "b"] or [[1, 2], [3]]
+        raise BadRequest("prompt: a list of prompts is not supported; send one prompt per request", "prompt")
+    for i, token in enumerate(prompt):
+        if type(token) is not int:  # JSON's true, 5.0 and "5" are not token ids
+            raise BadRequest(f"prompt[{i}] must be an integer token id, got {json.dumps(token)}", "prompt")
+        if not -(2**63) <= token < 2**63:
+            raise BadRequest(f"prompt[{i}] = {token} does not fit int64", "prompt")
+    return prompt
 
 
 class Server:
@@ -111,6 +206,7 @@ class Server:
         self.app = FastAPI(title="minivllm")
         self.app.add_exception_handler(RequestValidationError, self.invalid)  # type: ignore[arg-type]
         self.app.add_exception_handler(BadRequest, self.bad_request)  # type: ignore[arg-type]
+        self.app.add_exception_handler(HTTPException, self.http_error)  # type: ignore[arg-type]
         self.app.get("/health")(self.health)
         self.app.get("/v1/models")(self.models)
         self.app.post("/v1/completions")(self.completions)
@@ -118,11 +214,22 @@ class Server:
 
     async def invalid(self, request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0]  # its loc: ("body", field, ...); a union type adds the variant tried, e.g. "str"
+        if first["type"] == "json_invalid":  # loc: ("body", the offset)
+            detail = first.get("ctx", {}).get("error", first["msg"])
+            return error(f"the request body is not valid JSON: {detail} (at character {first['loc'][-1]})")
+        if tuple(first["loc"]) == ("body",):  # no body, or not a JSON object
+            return error("the request body must be a JSON object")
         param = str(first["loc"][1]) if len(first["loc"]) > 1 else str(first["loc"][0])
         return error(f"{param}: {first['msg']}", param)
 
     async def bad_request(self, request: Request, exc: BadRequest) -> JSONResponse:
         return error(str(exc), exc.param)
+
+    async def http_error(self, request: Request, exc: HTTPException) -> JSONResponse:
+        """FastAPI's own errors in OpenAI's shape: a body it cannot parse (not UTF-8, say), an unknown route."""
+        if exc.status_code == 400:
+            return error("the request body is not valid JSON in UTF-8")
+        return error(str(exc.detail), status=exc.status_code)
 
     async def health(self) -> dict:
         return {}
@@ -136,25 +243,64 @@ class Server:
                 f"model {request.model!r} is not served here; this server serves {self.model_name!r}", "model"
             )
 
-    async def completions(self, request: CompletionRequest):
+    def check_request(self, request: SamplingRequest) -> None:
+        """What every request must pass before its prompt is looked at."""
+        check_text(request)
         self.check_model(request)
-        params = sampling_params(request, request.max_tokens, request.logprobs)
-        return await self.respond(request.prompt, params, request.stream, "cmpl", completion_choice)
+        check_unsupported(request)
+        vocab_size = self.llm.engine.config.hf_config.vocab_size
+        if bad := [t for t in request.stop_token_ids or [] if not 0 <= t < vocab_size]:
+            message = f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
+            raise BadRequest(message, "stop_token_ids")
+
+    async def token_ids(self, prompt: str | list[int], param: str) -> list[int]:
+        """The prompt as token ids, as the engine would make them (tokenizing in a thread: a long prompt takes time)."""
+        try:
+            return await asyncio.to_thread(self.llm.engine.input_processor.tokenize, prompt, param)
+        except ValueError as e:  # text for a model with no tokenizer
+            raise BadRequest(str(e), param) from e
+
+    def max_tokens(self, given: int | None, param: str, prompt_len: int, default: int | None) -> int:
+        """The request's max_tokens: >= 1, and within what max_model_len leaves after the prompt (vLLM's rule).
+        Not given: `default`, or None for all that is left. A prompt with no room left is the engine's 400."""
+        room = self.llm.engine.config.max_model_len - prompt_len
+        if given is None:
+            return max(1, room) if default is None else default
+        if given < 1:
+            raise BadRequest(f"{param} must be >= 1, got {given}", param)
+        if 0 < prompt_len and 0 < room < given:
+            message = (
+                f"{param} is {given}, but the prompt has {prompt_len} tokens and max_model_len is "
+                f"{self.llm.engine.config.max_model_len}: at most {room} tokens can follow it"
+            )
+            raise BadRequest(message, param)
+        return given
+
+    async def completions(self, request: CompletionRequest):
+        self.check_request(request)
+        token_ids = await self.token_ids(prompt_of(request.prompt), "prompt")
+        max_tokens = self.max_tokens(request.max_tokens, "max_tokens", len(token_ids), 16)
+        params = sampling_params(request, max_tokens, request.logprobs)
+        return await self.respond(token_ids, params, request, "cmpl", completion_choice)
 
     async def chat_completions(self, request: ChatRequest):
-        self.check_model(request)
-        max_tokens = request.max_completion_tokens or request.max_tokens or self.llm.engine.config.max_model_len
+        self.check_request(request)
         if request.top_logprobs is not None and not request.logprobs:
             raise BadRequest("top_logprobs needs logprobs set to true", "top_logprobs")
-        params = sampling_params(request, max_tokens, (request.top_logprobs or 0) if request.logprobs else None)
         conversation = [message.model_dump() for message in request.messages]
         try:
             prompt = chat_prompt(self.llm.engine.tokenizer, conversation, self.model_name)
         except ValueError as e:
             raise BadRequest(str(e), "messages") from e
-        return await self.respond(prompt, params, request.stream, "chatcmpl", chat_choice)
+        token_ids = await self.token_ids(prompt, "messages")
+        given, param = request.max_completion_tokens, "max_completion_tokens"  # the newer name wins
+        if given is None:
+            given, param = request.max_tokens, "max_tokens"
+        max_tokens = self.max_tokens(given, param, len(token_ids), None)
+        params = sampling_params(request, max_tokens, (request.top_logprobs or 0) if request.logprobs else None)
+        return await self.respond(token_ids, params, request, "chatcmpl", chat_choice)
 
-    async def respond(self, prompt, params: SamplingParams, stream: bool, kind: str, choice):
+    async def respond(self, prompt, params: SamplingParams, request: SamplingRequest, kind: str, choice):
         """Run the request; the whole reply, or a stream of server-sent events. Bad input: 400 before any event."""
         request_id = f"{kind}-{uuid.uuid4().hex}"
         outputs = self.llm.generate(prompt, params, request_id)
@@ -164,7 +310,7 @@ class Server:
             param = "prompt" if kind == "cmpl" else "messages"
             raise BadRequest(str(e) if str(e).startswith(param) else f"{param}: {e}", param) from e
         head = {"id": request_id, "created": int(time.time()), "model": self.model_name}
-        if not stream:
+        if not request.stream:
             last = first
             try:
                 async for out in outputs:
@@ -174,29 +320,42 @@ class Server:
             object_name = "text_completion" if kind == "cmpl" else "chat.completion"
             choices = [choice(c, None, 0, params.logprobs) for c in last.outputs]
             return {**head, "object": object_name, "choices": choices, "usage": usage(last)}
-        events = self.events(head, kind, first, outputs, partial(choice, top=params.logprobs))
+        include_usage = request.stream_options is not None and request.stream_options.include_usage
+        events = self.events(head, kind, first, outputs, partial(choice, top=params.logprobs), include_usage)
         return StreamingResponse(events, media_type="text/event-stream")
 
     async def events(
-        self, head: dict, kind: str, first: RequestOutput, outputs: AsyncGenerator[RequestOutput, None], choice
+        self,
+        head: dict,
+        kind: str,
+        first: RequestOutput,
+        outputs: AsyncGenerator[RequestOutput, None],
+        choice,
+        include_usage: bool = False,
     ) -> AsyncIterator[str]:
         """After each output, one event per completion that changed, with what it added since its last event (text,
-        and log-probabilities if asked); then `data: [DONE]`. If the client goes away, Starlette stops iterating:
-        closing `outputs` aborts the request and frees its blocks."""
+        and log-probabilities if asked); with include_usage (OpenAI's stream_options), one more with no choices and
+        the usage (the others then carry "usage": null); then `data: [DONE]`. If the client goes away, Starlette
+        stops iterating: closing `outputs` aborts the request and frees its blocks."""
         object_name = "text_completion" if kind == "cmpl" else "chat.completion.chunk"
         sent: list[tuple[str, int, str | None]] = [("", 0, None)] * len(first.outputs)  # text, tokens, finish
+        extra = {"usage": None} if include_usage else {}
         try:
+            last: RequestOutput = first
             out: RequestOutput | None = first
             while out is not None:
+                last = out
                 for c in out.outputs:
                     text, num_tokens, reason = sent[c.index]
                     if (c.text, len(c.token_ids), c.finish_reason) == (text, num_tokens, reason):
                         continue
                     delta = c.text[len(text) :] if c.text.startswith(text) else c.text  # a decode that changed its mind
                     sent[c.index] = (c.text, len(c.token_ids), c.finish_reason)
-                    event = {**head, "object": object_name, "choices": [choice(c, delta, num_tokens)]}
+                    event = {**head, "object": object_name, "choices": [choice(c, delta, num_tokens)], **extra}
                     yield f"data: {json.dumps(event)}\n\n"
                 out = await anext(outputs, None)
+            if include_usage:
+                yield f"data: {json.dumps({**head, 'object': object_name, 'choices': [], 'usage': usage(last)})}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             await outputs.aclose()
