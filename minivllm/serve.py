@@ -36,7 +36,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.exceptions import HTTPException
 
-from minivllm.async_llm import AsyncLLM
+from minivllm.async_llm import AsyncLLM, EngineDeadError
 from minivllm.checkpoint import checkpoint_for
 from minivllm.llm import chat_prompt
 from minivllm.models.hub import load_error_line
@@ -123,7 +123,8 @@ class BadRequest(ValueError):
 
 
 def error(message: str, param: str | None = None, status: int = 400) -> JSONResponse:
-    body = {"message": message, "type": "invalid_request_error", "param": param, "code": None}
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    body = {"message": message, "type": kind, "param": param, "code": None}
     return JSONResponse({"error": body}, status_code=status)
 
 
@@ -207,6 +208,7 @@ class Server:
         self.app.add_exception_handler(RequestValidationError, self.invalid)  # type: ignore[arg-type]
         self.app.add_exception_handler(BadRequest, self.bad_request)  # type: ignore[arg-type]
         self.app.add_exception_handler(HTTPException, self.http_error)  # type: ignore[arg-type]
+        self.app.add_exception_handler(EngineDeadError, self.engine_dead)  # type: ignore[arg-type]
         self.app.get("/health")(self.health)
         self.app.get("/v1/models")(self.models)
         self.app.post("/v1/completions")(self.completions)
@@ -231,8 +233,14 @@ class Server:
             return error("the request body is not valid JSON in UTF-8")
         return error(str(exc.detail), status=exc.status_code)
 
-    async def health(self) -> dict:
-        return {}
+    async def engine_dead(self, request: Request, exc: EngineDeadError) -> JSONResponse:
+        return error(str(exc), status=503)  # every request fails at once, none waits: restart the server
+
+    async def health(self) -> JSONResponse:
+        """200 while the engine can run requests; 503 once its thread has died (a load balancer takes it out)."""
+        return (
+            JSONResponse({}) if self.llm.is_healthy() else error("the engine has died: restart the server", status=503)
+        )
 
     async def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "minivllm"}]}

@@ -287,3 +287,24 @@ def test_lone_surrogates_are_refused(server, engine_calls, endpoint, raw, field)
 def test_the_server_still_serves_after_all_that(server):
     assert httpx.get(f"{server[0]}/health", timeout=60).status_code == 200
     assert served(server, "completions", max_tokens=3, ignore_eos=True)["usage"]["completion_tokens"] == 3
+
+
+def test_a_dead_engine_makes_health_503_and_requests_fail_at_once(tiny):
+    """If the engine's thread dies, /health says so (503) and a request fails with 503 in OpenAI's shape, no hang."""
+    llm = AsyncLLM(str(tiny), **CONFIG)
+    with serve_in_thread(llm, "tiny") as url:
+        assert httpx.get(f"{url}/health").status_code == 200
+
+        def broken_send(finished: list) -> None:
+            raise RuntimeError("a bug in the engine's thread")
+
+        llm.send = broken_send  # type: ignore[method-assign]
+        body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4}
+        first = httpx.post(f"{url}/v1/completions", json=body, timeout=120)  # its step kills the thread
+        assert first.status_code >= 500, first.text
+        llm.thread.join(120)
+        health = httpx.get(f"{url}/health")
+        assert health.status_code == 503 and "died" in health.json()["error"]["message"]
+        late = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        assert late.status_code == 503 and late.json()["error"]["type"] == "server_error", late.text
+    llm.engine.close()
