@@ -58,6 +58,24 @@ def hub_cache(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def serve_config() -> dict:
+    """The engine settings the server tests run the tiny checkpoint with (offline comparisons use the same)."""
+    return dict(dtype=torch.float32, device="cpu", num_kvcache_blocks=256, max_model_len=512, max_num_seqs=32)
+
+
+@pytest.fixture(scope="module")
+def server(tiny: Path, serve_config: dict):
+    """The OpenAI server over the tiny checkpoint on a free port of 127.0.0.1; yields (base_url, its AsyncLLM)."""
+    from minivllm.async_llm import AsyncLLM
+    from minivllm.serve import serve_in_thread
+
+    llm = AsyncLLM(str(tiny), **serve_config)
+    with serve_in_thread(llm, "tiny") as url:
+        yield url, llm
+    llm.close()
+
+
+@pytest.fixture(scope="session")
 def hf_model(tiny: Path):
     """The oracle: transformers' model of the tiny checkpoint, in float32."""
     from transformers import AutoModelForCausalLM

@@ -7,33 +7,20 @@ import threading
 import time
 
 import pytest
-import torch
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 
 from minivllm import LLM, SamplingParams  # noqa: E402
-from minivllm.async_llm import AsyncLLM  # noqa: E402
-from minivllm.serve import serve_in_thread  # noqa: E402
 
-CONFIG = dict(dtype=torch.float32, device="cpu", num_kvcache_blocks=256, max_model_len=512, max_num_seqs=32)
 PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
 
 
 @pytest.fixture(scope="module")
-def offline(tiny):
-    with LLM(str(tiny), **CONFIG) as llm:
+def offline(tiny, serve_config):
+    with LLM(str(tiny), **serve_config) as llm:
         yield llm
-
-
-@pytest.fixture(scope="module")
-def server(tiny):
-    """The server on a free port of 127.0.0.1, started and stopped here; yields (base_url, its AsyncLLM)."""
-    llm = AsyncLLM(str(tiny), **CONFIG)
-    with serve_in_thread(llm, "tiny") as url:
-        yield url, llm
-    llm.close()
 
 
 @pytest.fixture(scope="module")

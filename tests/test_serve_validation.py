@@ -5,7 +5,6 @@ keeps serving. Also `stream_options.include_usage`. CPU, tiny preset (2048 token
 import json
 
 import pytest
-import torch
 
 httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
@@ -13,17 +12,7 @@ uvicorn = pytest.importorskip("uvicorn")
 from minivllm.async_llm import AsyncLLM  # noqa: E402
 from minivllm.serve import serve_in_thread  # noqa: E402
 
-CONFIG = dict(dtype=torch.float32, device="cpu", num_kvcache_blocks=256, max_model_len=512, max_num_seqs=32)
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
-
-
-@pytest.fixture(scope="module")
-def server(tiny):
-    """The server on a free port of 127.0.0.1, as in test_serve.py; yields (base_url, its AsyncLLM)."""
-    llm = AsyncLLM(str(tiny), **CONFIG)
-    with serve_in_thread(llm, "tiny") as url:
-        yield url, llm
-    llm.close()
 
 
 @pytest.fixture
@@ -289,9 +278,9 @@ def test_the_server_still_serves_after_all_that(server):
     assert served(server, "completions", max_tokens=3, ignore_eos=True)["usage"]["completion_tokens"] == 3
 
 
-def test_a_dead_engine_makes_health_503_and_requests_fail_at_once(tiny):
+def test_a_dead_engine_makes_health_503_and_requests_fail_at_once(tiny, serve_config):
     """If the engine's thread dies, /health says so (503) and a request fails with 503 in OpenAI's shape, no hang."""
-    llm = AsyncLLM(str(tiny), **CONFIG)
+    llm = AsyncLLM(str(tiny), **serve_config)
     with serve_in_thread(llm, "tiny") as url:
         assert httpx.get(f"{url}/health").status_code == 200
 
