@@ -8,6 +8,8 @@
 The model is served under the name it was given by (the id, the folder or the preset), or --served-model-name. An
 id's snapshot comes from the Hub cache (HF_HUB_CACHE, or --download-dir), downloaded the first time; HF_HUB_OFFLINE=1
 uses the cache alone; a folder of the id's name wins. A model that cannot be had or loaded is one line, exit code 2.
+Every argument of `LLM(...)` is a flag, as in `vllm serve` (the "engine" flags below, one per field of Config):
+`--max-num-seqs 64 --no-enable-prefix-caching --dtype float32`.
 
 Endpoints: `/v1/completions` and `/v1/chat/completions` (streaming with `"stream": true`, as server-sent events
 ending in `data: [DONE]`), `/v1/models`, `/health`. A bad request gets status 400 and OpenAI's error shape,
@@ -38,6 +40,7 @@ from starlette.exceptions import HTTPException
 
 from minivllm.async_llm import AsyncLLM, EngineDeadError
 from minivllm.checkpoint import checkpoint_for
+from minivllm.engine_args import add_engine_args, engine_kwargs
 from minivllm.llm import chat_prompt
 from minivllm.models.hub import load_error_line
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -432,9 +435,8 @@ def serve_in_thread(llm: AsyncLLM, model_name: str) -> Iterator[str]:
         thread.join(timeout=30)
 
 
-def main(argv: list[str] | None = None) -> None:
-    import uvicorn
-
+def server_parser() -> tuple[argparse.ArgumentParser, list[str]]:
+    """The parser, and the engine fields it has flags for: all of LLM's (Config's fields)."""
     parser = argparse.ArgumentParser(
         prog="python -m minivllm.serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -442,26 +444,24 @@ def main(argv: list[str] | None = None) -> None:
     source.add_argument("model_tag", nargs="?", metavar="MODEL", help="a Hub id (ORG/NAME) or a checkpoint folder")
     source.add_argument("--model", help="the same, as a flag")
     source.add_argument("--preset", help="a random-weight preset, e.g. tiny or qwen3-0.6b")
-    parser.add_argument("--revision", help="the model's Hub branch, tag or commit (default: main)")
-    parser.add_argument("--tokenizer", help="a Hub id or folder to take the tokenizer from (default: the model's)")
-    parser.add_argument("--download-dir", help="the Hub cache to read and download into (default: HF_HUB_CACHE)")
     parser.add_argument("--served-model-name", help="the name clients ask for (default: MODEL, --model or --preset)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--max-model-len", type=int, default=None)
+    return parser, add_engine_args(parser)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    parser, engine_fields = server_parser()
     args = parser.parse_args(argv)
     given = args.model_tag or args.model
     model = given or str(checkpoint_for(args.preset))
+    kwargs = engine_kwargs(args, engine_fields)
     try:
-        llm = AsyncLLM(
-            model,
-            max_model_len=args.max_model_len,
-            revision=args.revision,
-            tokenizer=args.tokenizer,
-            download_dir=args.download_dir,
-        )
+        llm = AsyncLLM(model, **kwargs)
     except (ValueError, OSError) as e:  # no such id or folder, gated, offline and not cached, .bin weights, ...
-        parser.exit(2, f"{parser.prog}: error: {load_error_line(e, model, args.tokenizer)}\n")
+        parser.exit(2, f"{parser.prog}: error: {load_error_line(e, model, kwargs.get('tokenizer'))}\n")
     server = Server(llm, args.served_model_name or given or args.preset)
     try:
         uvicorn.run(server.app, host=args.host, port=args.port)
