@@ -12,10 +12,11 @@ Every argument of `LLM(...)` is a flag, as in `vllm serve` (the "engine" flags b
 `--max-num-seqs 64 --no-enable-prefix-caching --dtype float32`.
 
 Endpoints: `/v1/completions` and `/v1/chat/completions` (streaming with `"stream": true`, as server-sent events
-ending in `data: [DONE]`), `/v1/models`, `/health`. A bad request gets status 400 and OpenAI's error shape,
-`{"error": {"message", "type", "param", "code"}}`, with the offending field in `param` and in the message: checked
-here, before the engine sees the request (strict int64 integers, token ids in the vocabulary, float32-safe top_p and
-repetition_penalty, max_tokens within max_model_len, one prompt per request, OpenAI fields not implemented here).
+ending in `data: [DONE]`), `/v1/models`, `/health`, `/version`. A bad request gets status 400 and OpenAI's error
+shape, `{"error": {"message", "type", "param", "code"}}`, with the offending field in `param` and in the message:
+checked here, before the engine sees the request (strict int64 integers, token ids in the vocabulary, float32-safe
+top_p and repetition_penalty, max_tokens within max_model_len, one prompt per request, OpenAI fields not implemented
+here).
 `"stream_options": {"include_usage": true}` ends a stream with a chunk holding the usage and no choices.
 """
 
@@ -38,6 +39,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.exceptions import HTTPException
 
+import minivllm
 from minivllm.async_llm import AsyncLLM, EngineDeadError
 from minivllm.checkpoint import checkpoint_for
 from minivllm.engine_args import add_engine_args, engine_kwargs
@@ -213,6 +215,7 @@ class Server:
         self.app.add_exception_handler(HTTPException, self.http_error)  # type: ignore[arg-type]
         self.app.add_exception_handler(EngineDeadError, self.engine_dead)  # type: ignore[arg-type]
         self.app.get("/health")(self.health)
+        self.app.get("/version")(self.version)
         self.app.get("/v1/models")(self.models)
         self.app.post("/v1/completions")(self.completions)
         self.app.post("/v1/chat/completions")(self.chat_completions)
@@ -244,6 +247,9 @@ class Server:
         return (
             JSONResponse({}) if self.llm.is_healthy() else error("the engine has died: restart the server", status=503)
         )
+
+    async def version(self) -> dict:
+        return {"version": minivllm.__version__}
 
     async def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "minivllm"}]}

@@ -28,7 +28,7 @@ def below(room: str) -> set[str]:
 # room -> the rooms it may import (a room may always import itself; "__init__.py" is the package's lazy root)
 ALLOWED: dict[str, set[str]] = {
     "__main__.py": {"__init__.py", *COMMAND_LINE},
-    "serve.py": {"async_llm.py", *COMMAND_LINE},
+    "serve.py": {"__init__.py", "async_llm.py", *COMMAND_LINE},
     "engine_args.py": {"config.py"},
     "async_llm.py": {"llm.py", "engine/", *LEAVES},
     "llm.py": {"engine/", *LEAVES},

@@ -1,6 +1,6 @@
 """The server's command line: every field of Config is a flag of `python -m minivllm.serve` (and of
-`python -m minivllm`), typed by its annotation, given to the engine only when set. In this process, on the tiny
-checkpoint on a CPU."""
+`python -m minivllm`), typed by its annotation, given to the engine only when set; /version answers the package's
+version. In this process, on the tiny checkpoint on a CPU."""
 
 import dataclasses
 from typing import Any, Literal, get_args
@@ -8,8 +8,10 @@ from typing import Any, Literal, get_args
 import pytest
 import torch
 
+httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 
+import minivllm  # noqa: E402
 from minivllm import __main__ as cli  # noqa: E402
 from minivllm import serve  # noqa: E402
 from minivllm.async_llm import AsyncLLM  # noqa: E402
@@ -116,3 +118,7 @@ def test_the_servers_flags_reach_its_engine(started, tiny):
     assert (config.max_model_len, config.num_kvcache_blocks, llm.engine.runner.dtype) == (512, 64, torch.float32)
     defaults = Config.__dataclass_fields__
     assert config.max_num_batched_tokens == defaults["max_num_batched_tokens"].default  # not given: Config's
+
+
+def test_version_is_the_packages(server):
+    assert httpx.get(f"{server[0]}/version", timeout=60).json() == {"version": minivllm.__version__}
