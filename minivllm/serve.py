@@ -9,7 +9,8 @@ The model is served under the name it was given by (the id, the folder or the pr
 id's snapshot comes from the Hub cache (HF_HUB_CACHE, or --download-dir), downloaded the first time; HF_HUB_OFFLINE=1
 uses the cache alone; a folder of the id's name wins. A model that cannot be had or loaded is one line, exit code 2.
 Every argument of `LLM(...)` is a flag, as in `vllm serve` (the "engine" flags below, one per field of Config):
-`--max-num-seqs 64 --no-enable-prefix-caching --dtype float32`.
+`--max-num-seqs 64 --no-enable-prefix-caching --dtype float32`. With --api-key KEY (or MINIVLLM_API_KEY), every
+request but /health and /version must send `Authorization: Bearer KEY` (OpenAI's clients send their api_key so).
 
 Endpoints: `/v1/completions` and `/v1/chat/completions` (streaming with `"stream": true`, as server-sent events
 ending in `data: [DONE]`), `/v1/models`, `/health`, `/version`. A bad request gets status 400 and OpenAI's error
@@ -24,6 +25,8 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
+import secrets
 import socket
 import threading
 import time
@@ -38,6 +41,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 import minivllm
 from minivllm.async_llm import AsyncLLM, EngineDeadError
@@ -204,12 +208,32 @@ def prompt_of(prompt: Any) -> str | list[int]:
     return prompt
 
 
-class Server:
-    """The routes over one AsyncLLM, serving under the name `model_name`."""
+class RequireKey:
+    """ASGI middleware: every request but OPEN_ROUTES must send `Authorization: Bearer KEY`, else a 401 before
+    anything else reads it (vLLM's --api-key). compare_digest takes as long for a near miss as for a far one."""
 
-    def __init__(self, llm: AsyncLLM, model_name: str):
+    OPEN_ROUTES = ("/health", "/version")
+
+    def __init__(self, app: ASGIApp, key: str):
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in self.OPEN_ROUTES:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                message = "a valid API key is needed: send the header `Authorization: Bearer KEY`"
+                return await error(message, status=401)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class Server:
+    """The routes over one AsyncLLM, serving under the name `model_name`; with `api_key`, only to who sends it."""
+
+    def __init__(self, llm: AsyncLLM, model_name: str, api_key: str | None = None):
         self.llm, self.model_name = llm, model_name
         self.app = FastAPI(title="minivllm")
+        if api_key:
+            self.app.add_middleware(RequireKey, key=api_key)
         self.app.add_exception_handler(RequestValidationError, self.invalid)  # type: ignore[arg-type]
         self.app.add_exception_handler(BadRequest, self.bad_request)  # type: ignore[arg-type]
         self.app.add_exception_handler(HTTPException, self.http_error)  # type: ignore[arg-type]
@@ -419,14 +443,14 @@ def usage(out: RequestOutput) -> dict:
 
 
 @contextmanager
-def serve_in_thread(llm: AsyncLLM, model_name: str) -> Iterator[str]:
+def serve_in_thread(llm: AsyncLLM, model_name: str, api_key: str | None = None) -> Iterator[str]:
     """The server over `llm` on a free port of 127.0.0.1, in a thread of this process (tests, benchmarks, the
     notebook), until the block ends; yields its base URL."""
     import uvicorn
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    http = uvicorn.Server(uvicorn.Config(Server(llm, model_name).app, log_level="warning"))
+    http = uvicorn.Server(uvicorn.Config(Server(llm, model_name, api_key).app, log_level="warning"))
     thread = threading.Thread(target=http.run, kwargs=dict(sockets=[sock]), daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -453,6 +477,12 @@ def server_parser() -> tuple[argparse.ArgumentParser, list[str]]:
     parser.add_argument("--served-model-name", help="the name clients ask for (default: MODEL, --model or --preset)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("MINIVLLM_API_KEY"),
+        help="the key every request but /health and /version must send, as `Authorization: Bearer KEY` "
+        "(default: $MINIVLLM_API_KEY; none: no key is asked for)",
+    )
     return parser, add_engine_args(parser)
 
 
@@ -468,7 +498,7 @@ def main(argv: list[str] | None = None) -> None:
         llm = AsyncLLM(model, **kwargs)
     except (ValueError, OSError) as e:  # no such id or folder, gated, offline and not cached, .bin weights, ...
         parser.exit(2, f"{parser.prog}: error: {load_error_line(e, model, kwargs.get('tokenizer'))}\n")
-    server = Server(llm, args.served_model_name or given or args.preset)
+    server = Server(llm, args.served_model_name or given or args.preset, args.api_key)
     try:
         uvicorn.run(server.app, host=args.host, port=args.port)
     finally:

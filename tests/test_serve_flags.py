@@ -1,6 +1,7 @@
-"""The server's command line: every field of Config is a flag of `python -m minivllm.serve` (and of
-`python -m minivllm`), typed by its annotation, given to the engine only when set; /version answers the package's
-version. In this process, on the tiny checkpoint on a CPU."""
+"""The server's command line and its access: every field of Config is a flag of `python -m minivllm.serve` (and of
+`python -m minivllm`), typed by its annotation, given to the engine only when set; --api-key (or MINIVLLM_API_KEY)
+closes every route but /health and /version to who does not send `Authorization: Bearer KEY`; /version answers the
+package's version. In this process, on the tiny checkpoint on a CPU."""
 
 import dataclasses
 from typing import Any, Literal, get_args
@@ -8,8 +9,11 @@ from typing import Any, Literal, get_args
 import pytest
 import torch
 
+openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
+
+from starlette.testclient import TestClient  # noqa: E402
 
 import minivllm  # noqa: E402
 from minivllm import __main__ as cli  # noqa: E402
@@ -17,8 +21,10 @@ from minivllm import serve  # noqa: E402
 from minivllm.async_llm import AsyncLLM  # noqa: E402
 from minivllm.config import Config  # noqa: E402
 from minivllm.engine_args import engine_kwargs, flag_kwargs  # noqa: E402
+from minivllm.serve import serve_in_thread  # noqa: E402
 
 ENGINE_FIELDS = [field for field in dataclasses.fields(Config) if field.init and field.name != "model"]
+KEY = "sk-minivllm-test"
 
 
 def flag(name: str) -> str:
@@ -120,5 +126,47 @@ def test_the_servers_flags_reach_its_engine(started, tiny):
     assert config.max_num_batched_tokens == defaults["max_num_batched_tokens"].default  # not given: Config's
 
 
-def test_version_is_the_packages(server):
-    assert httpx.get(f"{server[0]}/version", timeout=60).json() == {"version": minivllm.__version__}
+@pytest.mark.parametrize("how", ["--api-key", "MINIVLLM_API_KEY", "neither"])
+def test_the_server_takes_its_key_from_the_flag_or_the_environment(started, tiny, monkeypatch, how):
+    monkeypatch.delenv("MINIVLLM_API_KEY", raising=False)
+    if how == "MINIVLLM_API_KEY":
+        monkeypatch.setenv("MINIVLLM_API_KEY", KEY)
+    flags = ["--api-key", KEY] if how == "--api-key" else []
+    _, app = started([str(tiny), *flags, "--max-model-len", "512", "--device", "cpu", "--num-kvcache-blocks", "64"])
+    client = TestClient(app)
+    assert client.get("/v1/models").status_code == (200 if how == "neither" else 401)
+    assert client.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    assert client.get("/version").json() == {"version": minivllm.__version__}
+
+
+@pytest.fixture(scope="module")
+def locked(server):
+    """A second server over the `server` fixture's engine, asking for the key KEY."""
+    with serve_in_thread(server[1], "tiny", api_key=KEY) as url:
+        yield url
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}])
+def test_without_the_key_every_v1_route_is_a_401_in_openais_shape(locked, headers):
+    for method, route in [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")]:
+        reply = httpx.request(method, f"{locked}{route}", headers=headers, json={"model": "tiny"}, timeout=60)
+        assert reply.status_code == 401, reply.text
+        error = reply.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and "Authorization: Bearer" in error["message"]
+
+
+def test_with_the_key_the_openai_client_is_served(locked):
+    client = openai.OpenAI(base_url=f"{locked}/v1", api_key=KEY, max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    reply = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=3, temperature=0)
+    assert reply.usage is not None and reply.usage.completion_tokens == 3
+    stream = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=3, temperature=0, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in stream) == reply.choices[0].text
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{locked}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_health_and_version_stay_open(locked, server):
+    for url in (locked, server[0]):
+        assert httpx.get(f"{url}/health", timeout=60).status_code == 200
+        assert httpx.get(f"{url}/version", timeout=60).json() == {"version": minivllm.__version__}
