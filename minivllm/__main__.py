@@ -11,7 +11,8 @@ With no --model, a preset's checkpoint is written once to ~/.cache/minivllm/chec
 The default is tiny-text: the tiny model trained on the text its tokenizer was made from (half a minute on a CPU,
 the first time), so that it continues a line of that text in words, where random weights write gibberish. On a
 GPU the qwen3-0.6b preset runs after it, for speed: random weights in Qwen3-0.6B's shapes, whose ids mostly have
-no text in the presets' 2,048-token tokenizer, so its token ids are printed too.
+no text in the presets' 2,048-token tokenizer, so its token ids are printed too. Every argument of LLM(...) is a
+flag (the "engine" flags below, as `python -m minivllm.serve` has them), but seed: --seed seeds the requests.
 """
 
 import time
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING  # noqa: E402
 import torch  # noqa: E402
 
 from minivllm.checkpoint import checkpoint_for  # noqa: E402
+from minivllm.engine_args import add_engine_args, engine_kwargs  # noqa: E402
 
 if TYPE_CHECKING:
     from minivllm import LLM
@@ -56,7 +58,8 @@ def finite_float(text: str) -> float:
     return value
 
 
-def make_parser() -> argparse.ArgumentParser:
+def make_parser() -> tuple[argparse.ArgumentParser, list[str]]:
+    """The parser, and the engine fields it has flags for (all of LLM's, as serve's; --seed is the requests')."""
     parser = argparse.ArgumentParser(
         prog="python -m minivllm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -64,9 +67,6 @@ def make_parser() -> argparse.ArgumentParser:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", help="a Hub id (ORG/NAME) or a HuggingFace checkpoint folder")
     source.add_argument("--preset", choices=PRESETS, help="a preset (default: tiny-text, then qwen3-0.6b on a GPU)")
-    parser.add_argument("--revision", help="the model's Hub branch, tag or commit (default: main)")
-    parser.add_argument("--tokenizer", help="a Hub id or folder to take the tokenizer from (default: the model's)")
-    parser.add_argument("--download-dir", help="the Hub cache to read and download into (default: HF_HUB_CACHE)")
     parser.add_argument("--temperature", type=finite_float, default=0.0, help="0 is greedy (default)")
     parser.add_argument("--top-p", type=finite_float, default=1.0)
     parser.add_argument("--top-k", type=int, default=-1)
@@ -74,18 +74,22 @@ def make_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", type=positive_int, default=32)
     parser.add_argument("--seed", type=int, default=None, help="per-request seed")
     parser.add_argument("--ignore-eos", action="store_true")
-    parser.add_argument("--tp", type=positive_int, default=1, help="tensor_parallel_size")
-    parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--max-model-len", type=positive_int, default=4096)
-    return parser
+    engine_fields = add_engine_args(
+        parser,
+        skip={"seed"},
+        tensor_parallel_size=dict(aliases=["--tp"], type=positive_int),
+        max_model_len=dict(type=positive_int, default=4096),
+    )
+    return parser, engine_fields
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The flags, checked: a bad value exits with a one-line usage error (exit code 2), before any work."""
     from minivllm.sampling_params import SamplingParams
 
-    parser = make_parser()
+    parser, engine_fields = make_parser()
     args = parser.parse_args(argv)
+    args.engine_kwargs = engine_kwargs(args, engine_fields)
     try:
         args.sampling_params = SamplingParams(
             temperature=args.temperature,
@@ -146,17 +150,10 @@ def generate(args: argparse.Namespace, model: Path | str, began: float, first: b
     marks = [began, time.perf_counter()]
     try:  # a model that cannot be had or loaded (no such id or folder, gated, offline and not cached, .bin weights,
         # an architecture we lack) is one line naming it, exit code 2: no traceback, no usage (the flags were fine)
-        llm = LLM(
-            str(model),
-            tensor_parallel_size=args.tp,
-            enforce_eager=args.enforce_eager,
-            max_model_len=args.max_model_len,
-            revision=args.revision,
-            tokenizer=args.tokenizer,
-            download_dir=args.download_dir,
-        )
+        llm = LLM(str(model), **args.engine_kwargs)
     except (ValueError, OSError) as e:  # OSError: FileNotFoundError, PermissionError (gated), the Hub's HTTP errors
-        args.parser.exit(2, f"{args.parser.prog}: error: {load_error_line(e, str(model), args.tokenizer)}\n")
+        line = load_error_line(e, str(model), args.engine_kwargs.get("tokenizer"))
+        args.parser.exit(2, f"{args.parser.prog}: error: {line}\n")
     with llm:
         marks.append(time.perf_counter())
         try:  # what the engine refuses (a prompt too long) is a usage error too

@@ -8,12 +8,16 @@
 The model is served under the name it was given by (the id, the folder or the preset), or --served-model-name. An
 id's snapshot comes from the Hub cache (HF_HUB_CACHE, or --download-dir), downloaded the first time; HF_HUB_OFFLINE=1
 uses the cache alone; a folder of the id's name wins. A model that cannot be had or loaded is one line, exit code 2.
+Every argument of `LLM(...)` is a flag, as in `vllm serve` (the "engine" flags below, one per field of Config):
+`--max-num-seqs 64 --no-enable-prefix-caching --dtype float32`. With --api-key KEY (or MINIVLLM_API_KEY), every
+request but /health and /version must send `Authorization: Bearer KEY` (OpenAI's clients send their api_key so).
 
 Endpoints: `/v1/completions` and `/v1/chat/completions` (streaming with `"stream": true`, as server-sent events
-ending in `data: [DONE]`), `/v1/models`, `/health`. A bad request gets status 400 and OpenAI's error shape,
-`{"error": {"message", "type", "param", "code"}}`, with the offending field in `param` and in the message: checked
-here, before the engine sees the request (strict int64 integers, token ids in the vocabulary, float32-safe top_p and
-repetition_penalty, max_tokens within max_model_len, one prompt per request, OpenAI fields not implemented here).
+ending in `data: [DONE]`), `/v1/models`, `/health`, `/version`. A bad request gets status 400 and OpenAI's error
+shape, `{"error": {"message", "type", "param", "code"}}`, with the offending field in `param` and in the message:
+checked here, before the engine sees the request (strict int64 integers, token ids in the vocabulary, float32-safe
+top_p and repetition_penalty, max_tokens within max_model_len, one prompt per request, OpenAI fields not implemented
+here).
 `"stream_options": {"include_usage": true}` ends a stream with a chunk holding the usage and no choices.
 """
 
@@ -21,6 +25,8 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
+import secrets
 import socket
 import threading
 import time
@@ -35,9 +41,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+import minivllm
 from minivllm.async_llm import AsyncLLM, EngineDeadError
 from minivllm.checkpoint import checkpoint_for
+from minivllm.engine_args import add_engine_args, engine_kwargs
 from minivllm.llm import chat_prompt
 from minivllm.models.hub import load_error_line
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -199,17 +208,38 @@ def prompt_of(prompt: Any) -> str | list[int]:
     return prompt
 
 
-class Server:
-    """The routes over one AsyncLLM, serving under the name `model_name`."""
+class RequireKey:
+    """ASGI middleware: every request but OPEN_ROUTES must send `Authorization: Bearer KEY`, else a 401 before
+    anything else reads it (vLLM's --api-key). compare_digest takes as long for a near miss as for a far one."""
 
-    def __init__(self, llm: AsyncLLM, model_name: str):
+    OPEN_ROUTES = ("/health", "/version")
+
+    def __init__(self, app: ASGIApp, key: str):
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in self.OPEN_ROUTES:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                message = "a valid API key is needed: send the header `Authorization: Bearer KEY`"
+                return await error(message, status=401)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+class Server:
+    """The routes over one AsyncLLM, serving under the name `model_name`; with `api_key`, only to who sends it."""
+
+    def __init__(self, llm: AsyncLLM, model_name: str, api_key: str | None = None):
         self.llm, self.model_name = llm, model_name
         self.app = FastAPI(title="minivllm")
+        if api_key:
+            self.app.add_middleware(RequireKey, key=api_key)
         self.app.add_exception_handler(RequestValidationError, self.invalid)  # type: ignore[arg-type]
         self.app.add_exception_handler(BadRequest, self.bad_request)  # type: ignore[arg-type]
         self.app.add_exception_handler(HTTPException, self.http_error)  # type: ignore[arg-type]
         self.app.add_exception_handler(EngineDeadError, self.engine_dead)  # type: ignore[arg-type]
         self.app.get("/health")(self.health)
+        self.app.get("/version")(self.version)
         self.app.get("/v1/models")(self.models)
         self.app.post("/v1/completions")(self.completions)
         self.app.post("/v1/chat/completions")(self.chat_completions)
@@ -241,6 +271,9 @@ class Server:
         return (
             JSONResponse({}) if self.llm.is_healthy() else error("the engine has died: restart the server", status=503)
         )
+
+    async def version(self) -> dict:
+        return {"version": minivllm.__version__}
 
     async def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "minivllm"}]}
@@ -410,14 +443,14 @@ def usage(out: RequestOutput) -> dict:
 
 
 @contextmanager
-def serve_in_thread(llm: AsyncLLM, model_name: str) -> Iterator[str]:
+def serve_in_thread(llm: AsyncLLM, model_name: str, api_key: str | None = None) -> Iterator[str]:
     """The server over `llm` on a free port of 127.0.0.1, in a thread of this process (tests, benchmarks, the
     notebook), until the block ends; yields its base URL."""
     import uvicorn
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    http = uvicorn.Server(uvicorn.Config(Server(llm, model_name).app, log_level="warning"))
+    http = uvicorn.Server(uvicorn.Config(Server(llm, model_name, api_key).app, log_level="warning"))
     thread = threading.Thread(target=http.run, kwargs=dict(sockets=[sock]), daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -432,9 +465,8 @@ def serve_in_thread(llm: AsyncLLM, model_name: str) -> Iterator[str]:
         thread.join(timeout=30)
 
 
-def main(argv: list[str] | None = None) -> None:
-    import uvicorn
-
+def server_parser() -> tuple[argparse.ArgumentParser, list[str]]:
+    """The parser, and the engine fields it has flags for: all of LLM's (Config's fields)."""
     parser = argparse.ArgumentParser(
         prog="python -m minivllm.serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -442,27 +474,31 @@ def main(argv: list[str] | None = None) -> None:
     source.add_argument("model_tag", nargs="?", metavar="MODEL", help="a Hub id (ORG/NAME) or a checkpoint folder")
     source.add_argument("--model", help="the same, as a flag")
     source.add_argument("--preset", help="a random-weight preset, e.g. tiny or qwen3-0.6b")
-    parser.add_argument("--revision", help="the model's Hub branch, tag or commit (default: main)")
-    parser.add_argument("--tokenizer", help="a Hub id or folder to take the tokenizer from (default: the model's)")
-    parser.add_argument("--download-dir", help="the Hub cache to read and download into (default: HF_HUB_CACHE)")
     parser.add_argument("--served-model-name", help="the name clients ask for (default: MODEL, --model or --preset)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("MINIVLLM_API_KEY"),
+        help="the key every request but /health and /version must send, as `Authorization: Bearer KEY` "
+        "(default: $MINIVLLM_API_KEY; none: no key is asked for)",
+    )
+    return parser, add_engine_args(parser)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    parser, engine_fields = server_parser()
     args = parser.parse_args(argv)
     given = args.model_tag or args.model
     model = given or str(checkpoint_for(args.preset))
+    kwargs = engine_kwargs(args, engine_fields)
     try:
-        llm = AsyncLLM(
-            model,
-            max_model_len=args.max_model_len,
-            revision=args.revision,
-            tokenizer=args.tokenizer,
-            download_dir=args.download_dir,
-        )
+        llm = AsyncLLM(model, **kwargs)
     except (ValueError, OSError) as e:  # no such id or folder, gated, offline and not cached, .bin weights, ...
-        parser.exit(2, f"{parser.prog}: error: {load_error_line(e, model, args.tokenizer)}\n")
-    server = Server(llm, args.served_model_name or given or args.preset)
+        parser.exit(2, f"{parser.prog}: error: {load_error_line(e, model, kwargs.get('tokenizer'))}\n")
+    server = Server(llm, args.served_model_name or given or args.preset, args.api_key)
     try:
         uvicorn.run(server.app, host=args.host, port=args.port)
     finally:

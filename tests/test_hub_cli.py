@@ -21,6 +21,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from huggingface_hub.errors import GatedRepoError, HfHubHTTPError  # noqa: E402
 
+import minivllm  # noqa: E402
 from minivllm import LLM, SamplingParams  # noqa: E402
 from minivllm.__main__ import main as cli_main  # noqa: E402
 from minivllm.checkpoint import write_checkpoint  # noqa: E402
@@ -230,4 +231,18 @@ def test_the_server_still_serves_a_preset(tmp_path):
         models = httpx.get(f"{url}/v1/models", timeout=60).json()
         reply = httpx.post(f"{url}/v1/completions", json=dict(model="tiny", prompt=[5, 6], max_tokens=2), timeout=300)
     assert [m["id"] for m in models["data"]] == ["tiny"]
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 2, reply.text
+
+
+def test_the_server_takes_engine_flags_and_an_api_key(hub_cache, tmp_path):
+    """vLLM's command line: engine flags generated from Config (that they reach the engine: test_serve_flags.py) and
+    --api-key, which closes /v1/ to a client without the key but leaves /health (running_server's) and /version."""
+    flags = ["--max-num-seqs", "3", "--block-size", "32", "--no-enable-prefix-caching", "--api-key", "sk-e2e"]
+    with running_server([ID, *flags], hub_env(hub_cache), tmp_path / "server.log") as url:
+        version = httpx.get(f"{url}/version", timeout=60)
+        refused = httpx.get(f"{url}/v1/models", timeout=60)
+        body = dict(model=ID, prompt=[5, 6], max_tokens=2)
+        reply = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer sk-e2e"}, timeout=300)
+    assert version.json() == {"version": minivllm.__version__}
+    assert refused.status_code == 401 and refused.json()["error"]["type"] == "invalid_request_error", refused.text
     assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 2, reply.text

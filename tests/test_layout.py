@@ -15,7 +15,10 @@ PACKAGE = ROOT / "minivllm"
 ENTRY_POINTS = ("llm.py", "async_llm.py", "serve.py", "__main__.py")
 SPINE = ("engine/", "models/", "attention/", "layers/", "kernels/")  # top to bottom: each imports only below it
 LEAVES = ("config.py", "sampling_params.py", "outputs.py")
-ROOMS = (*ENTRY_POINTS, *SPINE, *LEAVES, "testing.py", "checkpoint/", "benchmarks/", "checks/", "__init__.py")
+HELPERS = ("engine_args.py", "testing.py")  # the entry points' engine flags; what tests and notebooks share
+ROOMS = (*ENTRY_POINTS, *SPINE, *LEAVES, *HELPERS, "checkpoint/", "benchmarks/", "checks/", "__init__.py")
+# what both command lines read: models/hub.py too, as a model that cannot be loaded is one line naming it
+COMMAND_LINE = {"llm.py", "outputs.py", "sampling_params.py", "checkpoint/", "models/", "engine_args.py"}
 
 
 def below(room: str) -> set[str]:
@@ -24,9 +27,9 @@ def below(room: str) -> set[str]:
 
 # room -> the rooms it may import (a room may always import itself; "__init__.py" is the package's lazy root)
 ALLOWED: dict[str, set[str]] = {
-    # the entry points also read models/hub.py: a model that cannot be loaded is one line naming it
-    "__main__.py": {"__init__.py", "llm.py", "outputs.py", "sampling_params.py", "checkpoint/", "models/"},
-    "serve.py": {"async_llm.py", "llm.py", "outputs.py", "sampling_params.py", "checkpoint/", "models/"},
+    "__main__.py": {"__init__.py", *COMMAND_LINE},
+    "serve.py": {"__init__.py", "async_llm.py", *COMMAND_LINE},
+    "engine_args.py": {"config.py"},
     "async_llm.py": {"llm.py", "engine/", *LEAVES},
     "llm.py": {"engine/", *LEAVES},
     "engine/": {*below("engine/"), *LEAVES},
