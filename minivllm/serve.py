@@ -256,7 +256,7 @@ class Server:
         check_text(request)
         self.check_model(request)
         check_unsupported(request)
-        vocab_size = self.llm.engine.config.hf_config.vocab_size
+        vocab_size = self.llm.config.hf_config.vocab_size
         if bad := [t for t in request.stop_token_ids or [] if not 0 <= t < vocab_size]:
             message = f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
             raise BadRequest(message, "stop_token_ids")
@@ -264,14 +264,14 @@ class Server:
     async def token_ids(self, prompt: str | list[int], param: str) -> list[int]:
         """The prompt as token ids, as the engine would make them (tokenizing in a thread: a long prompt takes time)."""
         try:
-            return await asyncio.to_thread(self.llm.engine.input_processor.tokenize, prompt, param)
+            return await asyncio.to_thread(self.llm.input_processor.tokenize, prompt, param)
         except ValueError as e:  # text for a model with no tokenizer
             raise BadRequest(str(e), param) from e
 
     def max_tokens(self, given: int | None, param: str, prompt_len: int, default: int | None) -> int:
         """The request's max_tokens: >= 1, and within what max_model_len leaves after the prompt (vLLM's rule).
         Not given: `default`, or None for all that is left. A prompt with no room left is the engine's 400."""
-        room = self.llm.engine.config.max_model_len - prompt_len
+        room = self.llm.config.max_model_len - prompt_len
         if given is None:
             return max(1, room) if default is None else default
         if given < 1:
@@ -279,7 +279,7 @@ class Server:
         if 0 < prompt_len and 0 < room < given:
             message = (
                 f"{param} is {given}, but the prompt has {prompt_len} tokens and max_model_len is "
-                f"{self.llm.engine.config.max_model_len}: at most {room} tokens can follow it"
+                f"{self.llm.config.max_model_len}: at most {room} tokens can follow it"
             )
             raise BadRequest(message, param)
         return given
@@ -297,7 +297,7 @@ class Server:
             raise BadRequest("top_logprobs needs logprobs set to true", "top_logprobs")
         conversation = [message.model_dump() for message in request.messages]
         try:
-            prompt = chat_prompt(self.llm.engine.tokenizer, conversation, self.model_name)
+            prompt = chat_prompt(self.llm.tokenizer, conversation, self.model_name)
         except ValueError as e:
             raise BadRequest(str(e), "messages") from e
         token_ids = await self.token_ids(prompt, "messages")
