@@ -47,6 +47,12 @@ from minivllm.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+EXITED = (
+    "the engine core's process exited while loading the model (see its output above); if it re-ran your script, "
+    'create the AsyncLLM under `if __name__ == "__main__":` (the core process is spawned: it imports your main module)'
+)
+
+
 class EngineDeadError(RuntimeError):
     """The engine core has died: no request can run on this `AsyncLLM` any more."""
 
@@ -110,10 +116,11 @@ class AsyncLLM:
 
     def receive_first(self) -> tuple:
         """The core's first message: ("ready", config, number of KV blocks), or the error that stopped it loading."""
-        while not self.conn.poll(0.1):
-            if not self.process.is_alive():
-                raise EngineDeadError("the engine core exited while loading the model")
-        answer = self.conn.recv()
+        try:
+            answer = self.conn.recv()
+        except EOFError:
+            self.join_core()
+            raise EngineDeadError(EXITED) from None
         if answer[0] == "error":
             self.join_core()
             raise answer[1]
@@ -231,13 +238,13 @@ class AsyncLLM:
                     logger.exception("minivllm: the output thread died")
                 self.die(error if not isinstance(error, EOFError | OSError) else EngineDeadError("its process exited"))
 
-    def apply(self, deltas: list[Delta]) -> None:
+    def apply(self, deltas: list[tuple]) -> None:
         """One step's new tokens: text, stop strings, and an output for each caller that wants one."""
         now = time.perf_counter()
         with self.lock:
-            streams = {d.request_id: s for d in deltas if (s := self.streams.get(d.request_id)) and s.request}
+            streams = {d[0]: s for d in deltas if (s := self.streams.get(d[0])) and s.request}  # d[0]: its id
         stopped = []
-        for delta in deltas:
+        for delta in map(Delta._make, deltas):  # plain tuples on the wire
             if (stream := streams.get(delta.request_id)) is None:
                 continue  # its caller left
             request = stream.request

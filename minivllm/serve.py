@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import signal
 import socket
 import threading
 import time
@@ -122,10 +123,13 @@ class BadRequest(ValueError):
         self.param = param
 
 
-def error(message: str, param: str | None = None, status: int = 400) -> JSONResponse:
+def error_body(message: str, param: str | None, status: int) -> dict:
     kind = "invalid_request_error" if status < 500 else "server_error"
-    body = {"message": message, "type": kind, "param": param, "code": None}
-    return JSONResponse({"error": body}, status_code=status)
+    return {"message": message, "type": kind, "param": param, "code": None}
+
+
+def error(message: str, param: str | None = None, status: int = 400) -> JSONResponse:
+    return JSONResponse({"error": error_body(message, param, status)}, status_code=status)
 
 
 SAMPLING_FIELDS = {field.name for field in dataclasses.fields(SamplingParams)} - {"max_tokens", "logprobs"}
@@ -343,7 +347,8 @@ class Server:
     ) -> AsyncIterator[str]:
         """After each output, one event per completion that changed, with what it added since its last event (text,
         and log-probabilities if asked); with include_usage (OpenAI's stream_options), one more with no choices and
-        the usage (the others then carry "usage": null); then `data: [DONE]`. If the client goes away, Starlette
+        the usage (the others then carry "usage": null); then `data: [DONE]` (or, if the request fails midway, an
+        event with OpenAI's error shape, and no [DONE]). If the client goes away, Starlette
         stops iterating: closing `outputs` aborts the request and frees its blocks."""
         object_name = "text_completion" if kind == "cmpl" else "chat.completion.chunk"
         sent: list[tuple[str, int, str | None]] = [("", 0, None)] * len(first.outputs)  # text, tokens, finish
@@ -361,7 +366,11 @@ class Server:
                     sent[c.index] = (c.text, len(c.token_ids), c.finish_reason)
                     event = {**head, "object": object_name, "choices": [choice(c, delta, num_tokens)], **extra}
                     yield f"data: {json.dumps(event)}\n\n"
-                out = await anext(outputs, None)
+                try:
+                    out = await anext(outputs, None)
+                except RuntimeError as e:  # the engine core died, or a failed step aborted the request: say so, end
+                    yield f"data: {json.dumps({'error': error_body(str(e), None, 500)})}\n\n"
+                    return
             if include_usage:
                 yield f"data: {json.dumps({**head, 'object': object_name, 'choices': [], 'usage': usage(last)})}\n\n"
             yield "data: [DONE]\n\n"
@@ -463,10 +472,13 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, OSError) as e:  # no such id or folder, gated, offline and not cached, .bin weights, ...
         parser.exit(2, f"{parser.prog}: error: {load_error_line(e, model, args.tokenizer)}\n")
     server = Server(llm, args.served_model_name or given or args.preset)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # uvicorn shuts down, then re-raises it: as Ctrl-C
     try:
         uvicorn.run(server.app, host=args.host, port=args.port)
+    except KeyboardInterrupt:
+        pass
     finally:
-        llm.close()
+        llm.close()  # stops the engine core's process
 
 
 if __name__ == "__main__":

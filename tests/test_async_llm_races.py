@@ -209,7 +209,7 @@ def test_a_request_id_in_use_by_an_unread_caller_is_refused(llm):
 
     def apply_and_note(deltas: list) -> None:
         apply(deltas)
-        if any(d.request_id == "dup" and d.finish_reason for d in deltas):
+        if any(Delta._make(d).request_id == "dup" and Delta._make(d).finish_reason for d in deltas):
             done.set()
 
     async def scenario() -> tuple:

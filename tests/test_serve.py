@@ -15,6 +15,7 @@ httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 
 from minivllm import LLM, SamplingParams  # noqa: E402
+from minivllm.engine.core import Delta  # noqa: E402
 
 PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
 
@@ -178,7 +179,7 @@ def test_a_caller_that_falls_behind_gets_the_newest_output_only(server, offline)
 
     def apply_and_note(deltas: list) -> None:
         apply(deltas)
-        if any(d.request_id == "slow" and d.finish_reason for d in deltas):
+        if any(Delta._make(d).request_id == "slow" and Delta._make(d).finish_reason for d in deltas):
             last_sent.set()
 
     llm.output_processor.output, llm.apply = output_and_note, apply_and_note
