@@ -36,6 +36,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess as Process
 from typing import Any
 
+from minivllm.config import Config
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.core import Delta, EngineCore, run_core, serve_core
 from minivllm.engine.input_processor import InputProcessor, Prompt, Request, load_tokenizer
@@ -90,8 +91,11 @@ class AsyncLLM:
         self.timeout = timeout
         self.core: EngineCore | None = None  # the core, when it runs on a thread of this process
         self.process: Process | threading.Thread
-        if multiprocessing:
-            self.conn, self.process = start_core_process(model, kwargs)
+        if multiprocessing:  # ids resolved (downloaded) and settings checked here: errors come before any process
+            config = Config(model, **kwargs)
+            hub = ("revision", "tokenizer_revision", "download_dir")  # the core loads the folders found here
+            kwargs = {k: v for k, v in kwargs.items() if k not in hub} | {"tokenizer": str(config.tokenizer)}
+            self.conn, self.process = start_core_process(str(config.model), kwargs)
             _, self.config, num_blocks = self.receive_first()
         else:
             self.core = EngineCore(model, **kwargs)
