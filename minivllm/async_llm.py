@@ -1,52 +1,72 @@
 """Online serving's engine: requests arrive while it runs, and each one streams its outputs as it goes.
 
-`AsyncLLM` runs `LLMEngine.step()` in a loop on its own thread; `generate` (a coroutine, on the caller's asyncio
-loop) adds a request and yields its `RequestOutput` after every step that gave it a token (cumulative, as vLLM's
-default: `outputs[0].text` is the whole reply so far), the last one with `finished=True`. A caller that falls behind
-gets the newest output only (as vLLM's output collector merges them), and the engine builds none for it until it has
-taken the last: a slow client costs the engine nothing and the reply is the same. A caller that stops iterating (a
-client that disconnects) aborts its request: its KV blocks are freed at once.
+`AsyncLLM` splits the work as vLLM v1 does. The engine core (schedule -> forward -> sample, a busy loop:
+`minivllm.engine.core`) runs in a process of its own, so the server's threads and its GIL never slow a step. This
+process tokenizes and checks each request, sends the core its token ids, and turns what comes back (each step's new
+token ids, finish reasons, log-probabilities) into text, stop strings and `RequestOutput`s. The two talk over a
+socket (`multiprocessing.connection`: pickled tuples, one message per step). `multiprocessing=False` runs the same
+core on a thread of this process instead (vLLM's `VLLM_ENABLE_V1_MULTIPROCESSING=0`).
 
-Threads: the streams (request id -> the caller's `Stream`) are touched by the engine's thread, by the callers' event
-loops and by the executor threads that add requests, so every access holds `streams_lock`, and the engine's thread
-iterates over a snapshot. Lock order: `engine.lock` may be held while taking `streams_lock`, never the other way
-round (so a caller leaving never waits for a step to count its abort). A request id belongs to its caller until that
-caller has read its last output or left: `generate` refuses (ValueError) an id still in use.
+`generate` (a coroutine, on the caller's asyncio loop) adds a request and yields its `RequestOutput` after every step
+that gave it a token (cumulative, as vLLM's default: `outputs[0].text` is the whole reply so far), the last one with
+`finished=True`. A caller that falls behind gets the newest output only, and none is built for it until it has taken
+the last: a slow client costs nothing and the reply is the same. A caller that stops iterating (a client that
+disconnects) aborts its request: the core frees its KV blocks at its next message.
 
-Health: if the engine's thread dies of an unexpected exception, every waiting caller gets `EngineDeadError` at once,
-later `generate` calls raise it before queueing anything, and `is_healthy()` turns False (a server's `/health` can
-answer 503 then); `error` holds the exception that killed it.
+Threads: the streams (request id -> the caller's `Stream` and the request's text state) are touched by the output
+thread, by the callers' event loops and by the executor threads that add requests: every access holds `lock`. A
+request id belongs to its caller until that caller has read its last output or left: `generate` refuses (ValueError)
+an id still in use.
+
+Health: if the core dies (its process exits, or its thread raises) or hangs (no message for `timeout` seconds: it
+sends one after every step and every second when idle), every waiting caller gets `EngineDeadError` at once, later
+`generate` calls raise it, and `is_healthy()` turns False (a server's `/health` answers 503 then); a hung core process
+is killed. `close()` stops the core: no process outlives it, and a core whose API process dies exits by itself.
 """
 
 import asyncio
 import itertools
 import logging
 import threading
+import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
+from multiprocessing import Pipe, get_context
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess as Process
+from typing import Any
 
-from minivllm.engine.input_processor import Prompt
-from minivllm.engine.llm_engine import LLMEngine
+from minivllm.config import Config
+from minivllm.engine.block_manager import BlockManager
+from minivllm.engine.core import Delta, EngineCore, run_core, serve_core
+from minivllm.engine.input_processor import InputProcessor, Prompt, Request, load_tokenizer
+from minivllm.engine.output_processor import OutputProcessor
+from minivllm.engine.sequence import SequenceStatus
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
+EXITED = (
+    "the engine core's process exited while loading the model (see its output above); if it re-ran your script, "
+    'create the AsyncLLM under `if __name__ == "__main__":` (the core process is spawned: it imports your main module)'
+)
+
+
 class EngineDeadError(RuntimeError):
-    """The engine's thread has died: no request can run on this `AsyncLLM` any more."""
+    """The engine core has died: no request can run on this `AsyncLLM` any more."""
 
 
 @dataclass
 class Stream:
-    """One request's way back to its caller: outputs (or the step's exception) put from the engine's thread."""
+    """One request's way back to its caller: outputs (or an exception) put from the output thread."""
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    num_tokens: int = 0  # tokens already sent
-    unread: bool = False  # an output waits in the queue: the engine need not build the next one yet
-    request_id: str | None = None  # set once registered (under streams_lock)
-    abandoned: bool = False  # its caller left while the request was being added (under streams_lock)
+    unread: bool = False  # an output waits in the queue: none need be built until it is taken
+    request: Request | None = None  # set once registered (under lock): its tokens and text so far
+    abandoned: bool = False  # its caller left while the request was being added (under lock)
 
     def put(self, item: RequestOutput | BaseException) -> None:
         """Queue item on the caller's loop; RuntimeError if that loop is closed (the caller is gone)."""
@@ -63,70 +83,112 @@ class Stream:
 
 
 class AsyncLLM:
-    """`LLMEngine` (keyword arguments: `Config`'s fields) stepping on a background thread, for many callers.
+    """The engine core in its own process (keyword arguments: `Config`'s fields), for many callers.
 
-    `is_healthy()` says whether the engine's thread still runs (False once it died, or after `close()`)."""
+    `is_healthy()` says whether the core still runs; `stats()` its queue and KV-cache use, as of its last message."""
 
-    def __init__(self, model: str, **kwargs):
-        self.engine = LLMEngine(model, **kwargs)
-        self.streams: dict[str, Stream] = {}  # request_id -> stream, while its caller listens (hold streams_lock)
-        self.streams_lock = threading.Lock()  # taken after engine.lock, never before it
+    def __init__(self, model: str, multiprocessing: bool = True, timeout: float = 60.0, **kwargs: Any):
+        self.timeout = timeout
+        self.core: EngineCore | None = None  # the core, when it runs on a thread of this process
+        self.process: Process | threading.Thread
+        if multiprocessing:  # ids resolved (downloaded) and settings checked here: errors come before any process
+            config = Config(model, **kwargs)
+            hub = ("revision", "tokenizer_revision", "download_dir")  # the core loads the folders found here
+            kwargs = {k: v for k, v in kwargs.items() if k not in hub} | {"tokenizer": str(config.tokenizer)}
+            self.conn, self.process = start_core_process(str(config.model), kwargs)
+            _, self.config, num_blocks = self.receive_first()
+        else:
+            self.core = EngineCore(model, **kwargs)
+            self.conn, core_end = Pipe()
+            self.process = threading.Thread(target=serve_core, args=(core_end, self.core), name="minivllm-core")
+            self.process.start()
+            self.config, num_blocks = self.core.engine.config, self.core.engine.scheduler.block_manager.num_blocks
+        self.tokenizer = load_tokenizer(self.config.tokenizer)
+        bm = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.input_processor = InputProcessor(self.config, self.tokenizer, bm)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.streams: dict[str, Stream] = {}  # request_id -> stream, while its caller listens (hold lock)
+        self.lock = threading.Lock()
+        self.send_lock = threading.Lock()  # one writer at a time on the socket
         self.num_aborted = 0  # requests whose caller left before they finished
-        self.error: BaseException | None = None  # what killed the engine's thread, if it died
+        self.error: BaseException | None = None  # what killed the core, if it died
+        self.core_stats: dict[str, float] = {}
         self.counter = itertools.count()  # request ids handed out when the caller gives none
-        self.wakeup = threading.Event()
         self.stopped = False
-        self.thread = threading.Thread(target=self.loop, name="minivllm-engine", daemon=True)
+        self.thread = threading.Thread(target=self.receive_loop, name="minivllm-output", daemon=True)
         self.thread.start()
 
+    def receive_first(self) -> tuple:
+        """The core's first message: ("ready", config, number of KV blocks), or the error that stopped it loading."""
+        try:
+            answer = self.conn.recv()
+        except EOFError:
+            self.join_core()
+            raise EngineDeadError(EXITED) from None
+        if answer[0] == "error":
+            self.join_core()
+            raise answer[1]
+        return answer
+
     def is_healthy(self) -> bool:
-        """Whether the engine's thread is alive and can run requests (for a server's /health: 503 when not)."""
-        return self.error is None and not self.stopped and self.thread.is_alive()
+        """Whether the core is alive and can run requests (for a server's /health: 503 when not)."""
+        return self.error is None and not self.stopped and self.process.is_alive()
+
+    def stats(self) -> dict[str, float]:
+        """num_requests_running, num_requests_waiting, kv_cache_usage (0..1), as of the core's last message."""
+        return dict(self.core_stats)
 
     def dead_error(self) -> EngineDeadError:
-        error = EngineDeadError(f"the engine's thread died: {self.error!r}")
+        error = EngineDeadError(f"the engine core died: {self.error!r}")
         error.__cause__ = self.error
         return error
+
+    def send(self, message: tuple) -> None:
+        with self.send_lock:
+            self.conn.send(message)
 
     async def generate(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
     ) -> AsyncGenerator[RequestOutput, None]:
         """The request's outputs as it runs. ValueError (before anything is queued) if the request is bad or its
-        request_id is still in use by another caller; EngineDeadError if the engine's thread has died."""
+        request_id is still in use by another caller; EngineDeadError if the engine core has died."""
         stream = Stream(asyncio.get_running_loop())
 
-        def add() -> str:
-            with self.engine.lock:  # registered before any step can give it a token
-                with self.streams_lock:
+        def add() -> str:  # tokenizing and checking hold no lock: a long prompt stalls nobody
+            params = self.input_processor.request_params(sampling_params)
+            with self.lock:
+                if self.error is not None:
+                    raise self.dead_error()
+                if request_id is not None and request_id in self.streams:
+                    raise ValueError(f"request_id {request_id!r} is already in use by another caller")
+                id_ = request_id
+                while id_ is None or id_ in self.streams:
+                    id_ = str(next(self.counter))
+                self.streams[id_] = stream  # held: nobody else takes the id while we tokenize
+            try:
+                stream.request = self.input_processor.make_request(prompt, params, id_, "prompt")
+            except BaseException:
+                self.remove(id_, stream)
+                raise
+            with self.lock:
+                if stream.abandoned or self.error is not None:
+                    self.remove_locked(id_, stream, aborted=self.error is None)
                     if self.error is not None:
                         raise self.dead_error()
-                    if request_id is not None and request_id in self.streams:
-                        raise ValueError(f"request_id {request_id!r} is already in use by another caller")
-                    id_ = request_id
-                    while id_ is None or id_ in self.streams:
-                        id_ = str(next(self.counter))
-                id_ = self.engine.add_request(prompt, sampling_params, id_)
-                with self.streams_lock:
-                    if self.error is None and not stream.abandoned:
-                        self.streams[id_] = stream
-                        stream.request_id = id_
-                        return id_
-                    dead = self.error is not None
-                    self.num_aborted += not dead
-                self.engine.abort_request(id_)  # nobody will read it
-                if dead:
-                    raise self.dead_error()
-                return id_
+                    return id_
+                self.send(("add", id_, stream.request.prompt_token_ids, params))  # under lock: before any abort
+            return id_
 
         try:
-            request_id = await stream.loop.run_in_executor(None, add)  # the lock may wait for a step: not on the loop
-        except asyncio.CancelledError:  # the caller left while its request was being added: add drops it, or
-            with self.streams_lock:  # it was registered already and we do
-                stream.abandoned, added = True, stream.request_id
-            if added is not None:
-                self.leave(added, stream)
+            request_id = await stream.loop.run_in_executor(None, add)
+        except asyncio.CancelledError:  # the caller left while its request was being added
+            with self.lock:
+                stream.abandoned = True
+                added = stream.request is not None and self.streams.get(stream.request.request_id) is stream
+            if added:
+                assert stream.request is not None
+                self.leave(stream.request.request_id, stream)
             raise
-        self.wakeup.set()
         finished = False
         try:
             while not finished:
@@ -144,89 +206,142 @@ class AsyncLLM:
     def remove(self, request_id: str, stream: Stream, aborted: bool = False) -> bool:
         """Forget this caller's stream (only its own: the id may be someone else's by now), counting it in
         num_aborted if aborted. Whether it was there."""
-        with self.streams_lock:
-            if self.streams.get(request_id) is not stream:
-                return False
-            del self.streams[request_id]
-            self.num_aborted += aborted
-            return True
+        with self.lock:
+            return self.remove_locked(request_id, stream, aborted)
+
+    def remove_locked(self, request_id: str, stream: Stream, aborted: bool) -> bool:
+        if self.streams.get(request_id) is not stream:
+            return False
+        del self.streams[request_id]
+        self.num_aborted += aborted
+        return True
 
     def leave(self, request_id: str, stream: Stream) -> None:
-        """A caller left before its last output: forget its stream and abort its request."""
-        if self.remove(request_id, stream, aborted=True):  # counted before abort_request waits for the engine's lock
-            self.engine.abort_request(request_id)
+        """A caller left before its last output: forget its stream and abort its request in the core."""
+        with self.lock:
+            if self.remove_locked(request_id, stream, aborted=True) and self.error is None:
+                self.send(("abort", [request_id]))  # under lock: after its "add", before a reuse of the id
 
-    def loop(self) -> None:
-        """The engine's thread: step while there is work, then sleep until a request arrives. If anything
-        unexpected kills it, every caller hears of it at once (`die`)."""
+    def receive_loop(self) -> None:
+        """The output thread: each message from the core, turned into outputs for the callers. If the core dies,
+        hangs or sends what we cannot read, every caller hears of it at once (`die`)."""
         try:
             while not self.stopped:
-                if not self.engine.has_unfinished_requests():
-                    self.wakeup.wait(timeout=0.5)
-                    self.wakeup.clear()
-                    continue
-                try:
-                    finished, _ = self.engine.step()
-                except Exception as error:  # the engine aborted that step's requests: tell their callers
-                    self.fail_lost_requests(error)
-                    continue
-                self.send(finished)
+                if not self.conn.poll(self.timeout):
+                    raise EngineDeadError(f"the engine core sent nothing for {self.timeout:g} s: hung")
+                kind, *body = self.conn.recv()
+                if kind == "step":
+                    self.apply(body[0])
+                if kind in ("step", "alive"):
+                    self.core_stats = body[-1]
+                elif kind == "failed":
+                    self.fail(*body)
         except BaseException as error:
-            logger.exception("minivllm: the engine's thread died")
-            self.die(error)
+            if not self.stopped:
+                if not isinstance(error, EOFError | OSError | EngineDeadError):
+                    logger.exception("minivllm: the output thread died")
+                self.die(error if not isinstance(error, EOFError | OSError) else EngineDeadError("its process exited"))
 
-    def snapshot(self) -> list[tuple[str, Stream]]:
-        with self.streams_lock:
-            return list(self.streams.items())
+    def apply(self, deltas: list[tuple]) -> None:
+        """One step's new tokens: text, stop strings, and an output for each caller that wants one."""
+        now = time.perf_counter()
+        with self.lock:
+            streams = {d[0]: s for d in deltas if (s := self.streams.get(d[0])) and s.request}  # d[0]: its id
+        stopped = []
+        for delta in map(Delta._make, deltas):  # plain tuples on the wire
+            if (stream := streams.get(delta.request_id)) is None:
+                continue  # its caller left
+            request = stream.request
+            assert request is not None
+            seq = request.seqs[delta.completion]
+            for k, token_id in enumerate(delta.token_ids):
+                if seq.is_finished:
+                    break  # a stop string ended it here: the core's later tokens are dropped
+                seq.append_token(token_id)
+                logprobs = delta.logprobs[k] if delta.logprobs is not None else None
+                prompt = delta.prompt_logprobs if k == 0 else None
+                if self.output_processor.process(request, seq, logprobs, prompt, now):
+                    seq.status, seq.finish_reason = SequenceStatus.FINISHED, "stop"
+                    stopped.append((delta.request_id, delta.completion))
+            if delta.finish_reason is not None and not seq.is_finished:
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, delta.finish_reason
+        items: list[tuple[str, Stream, RequestOutput | BaseException]] = []
+        for request_id, stream in streams.items():
+            request = stream.request
+            assert request is not None
+            if all(seq.is_finished for seq in request.seqs):
+                request.metrics.finished_time = now
+                items.append((request_id, stream, self.output_processor.output(request)))
+            elif not stream.unread:
+                items.append((request_id, stream, self.output_processor.output(request, False)))
+        self.end_stopped(stopped, streams)
+        self.deliver(items)
+
+    def end_stopped(self, stopped: list[tuple[str, int]], streams: dict[str, Stream]) -> None:
+        """Tell the core which completions stop strings ended: a request all ended is aborted there."""
+        for request_id, index in stopped:
+            request = streams[request_id].request
+            assert request is not None
+            if all(seq.is_finished for seq in request.seqs):
+                self.send(("abort", [request_id]))
+            else:
+                self.send(("finish", request_id, index))
 
     def deliver(self, items: list[tuple[str, Stream, RequestOutput | BaseException]]) -> None:
         """Put each item on its stream; a stream whose loop has closed (its caller is gone) is dropped and its
         request aborted."""
-        gone = []
         for request_id, stream, item in items:
             try:
                 stream.put(item)
             except RuntimeError:  # "Event loop is closed"
-                gone.append((request_id, stream))
-        for request_id, stream in gone:
-            self.leave(request_id, stream)
+                self.leave(request_id, stream)
 
-    def send(self, finished: list[RequestOutput]) -> None:
-        """After a step: each finished request's last output, and the progress of those that got new tokens and
-        whose caller has taken the last one."""
-        streams = dict(self.snapshot())  # callers come and go meanwhile: a copy to iterate over
-        ready = {request_id for request_id, stream in streams.items() if not stream.unread}
-        items: list[tuple[str, Stream, RequestOutput | BaseException]] = []
-        for out in finished + self.engine.progress(ready):
-            stream = streams.get(out.request_id)
-            num_tokens = sum(len(c.token_ids) for c in out.outputs)  # of all n completions
-            if stream is not None and (out.finished or num_tokens > stream.num_tokens):
-                stream.num_tokens = num_tokens
-                items.append((out.request_id, stream, out))
-        self.deliver(items)
-
-    def fail_lost_requests(self, error: Exception) -> None:
-        """After a failed step: an error for each caller whose request the engine aborted."""
-        streams = self.snapshot()
-        with self.engine.lock:  # the requests still queued, or finished and kept back, were not lost
-            running = {out.request_id for out in self.engine.progress({request_id for request_id, _ in streams})}
-            running |= {out.request_id for out in self.engine.finished}
-        message = f"was aborted: the step failed ({error})"
-        self.deliver([(i, s, RuntimeError(f"request {i} {message}")) for i, s in streams if i not in running])
+    def fail(self, request_ids: list[str], message: str) -> None:
+        """The core refused or lost these requests (a failed step aborts its batch): their callers get the error."""
+        with self.lock:
+            streams = [(i, s) for i in request_ids if (s := self.streams.get(i)) is not None]
+        self.deliver([(i, s, RuntimeError(f"request {i} was aborted: {message}")) for i, s in streams])
 
     def die(self, error: BaseException) -> None:
-        """The engine's thread is dying: no new request is taken, and every waiting caller gets the error now."""
-        with self.streams_lock:
+        """The core is dead or hung: no new request is taken, and every waiting caller gets the error now."""
+        with self.lock:
             self.error = error
-            streams = list(self.streams.items())
-        for _, stream in streams:
+            streams = list(self.streams.values())
+        for stream in streams:
             try:
                 stream.put(self.dead_error())
             except RuntimeError:  # its loop has closed: nobody is waiting
                 pass
+        if isinstance(self.process, Process) and self.process.is_alive():
+            self.process.kill()  # hung: its GPU memory goes back
+
+    def join_core(self) -> None:
+        """Wait for the core to end (a process: then terminate it, then kill it)."""
+        self.process.join(30)
+        if isinstance(self.process, Process):
+            for stop in (self.process.terminate, self.process.kill):
+                if self.process.is_alive():
+                    stop()
+                    self.process.join(5)
 
     def close(self) -> None:
+        """Stop the core (and its process) and the output thread."""
+        if self.stopped:
+            return
         self.stopped = True
-        self.wakeup.set()
-        self.thread.join()
-        self.engine.close()
+        try:
+            self.send(("shutdown",))
+        except OSError:  # it is gone already
+            pass
+        self.join_core()
+        self.conn.close()
+        self.thread.join(timeout=5)
+
+
+def start_core_process(model: str, kwargs: dict[str, Any]) -> tuple[Connection, Process]:
+    context = get_context("spawn")  # CUDA cannot be forked
+    conn, core_end = context.Pipe()
+    process = context.Process(target=run_core, args=(core_end, model, kwargs), name="minivllm-core", daemon=True)
+    process.start()
+    core_end.close()  # ours closed: when the core exits, recv raises EOFError
+    return conn, process

@@ -27,6 +27,7 @@ import dataclasses
 import json
 import os
 import secrets
+import signal
 import socket
 import threading
 import time
@@ -131,10 +132,13 @@ class BadRequest(ValueError):
         self.param = param
 
 
-def error(message: str, param: str | None = None, status: int = 400) -> JSONResponse:
+def error_body(message: str, param: str | None, status: int) -> dict:
     kind = "invalid_request_error" if status < 500 else "server_error"
-    body = {"message": message, "type": kind, "param": param, "code": None}
-    return JSONResponse({"error": body}, status_code=status)
+    return {"message": message, "type": kind, "param": param, "code": None}
+
+
+def error(message: str, param: str | None = None, status: int = 400) -> JSONResponse:
+    return JSONResponse({"error": error_body(message, param, status)}, status_code=status)
 
 
 SAMPLING_FIELDS = {field.name for field in dataclasses.fields(SamplingParams)} - {"max_tokens", "logprobs"}
@@ -289,7 +293,7 @@ class Server:
         check_text(request)
         self.check_model(request)
         check_unsupported(request)
-        vocab_size = self.llm.engine.config.hf_config.vocab_size
+        vocab_size = self.llm.config.hf_config.vocab_size
         if bad := [t for t in request.stop_token_ids or [] if not 0 <= t < vocab_size]:
             message = f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
             raise BadRequest(message, "stop_token_ids")
@@ -297,14 +301,14 @@ class Server:
     async def token_ids(self, prompt: str | list[int], param: str) -> list[int]:
         """The prompt as token ids, as the engine would make them (tokenizing in a thread: a long prompt takes time)."""
         try:
-            return await asyncio.to_thread(self.llm.engine.input_processor.tokenize, prompt, param)
+            return await asyncio.to_thread(self.llm.input_processor.tokenize, prompt, param)
         except ValueError as e:  # text for a model with no tokenizer
             raise BadRequest(str(e), param) from e
 
     def max_tokens(self, given: int | None, param: str, prompt_len: int, default: int | None) -> int:
         """The request's max_tokens: >= 1, and within what max_model_len leaves after the prompt (vLLM's rule).
         Not given: `default`, or None for all that is left. A prompt with no room left is the engine's 400."""
-        room = self.llm.engine.config.max_model_len - prompt_len
+        room = self.llm.config.max_model_len - prompt_len
         if given is None:
             return max(1, room) if default is None else default
         if given < 1:
@@ -312,7 +316,7 @@ class Server:
         if 0 < prompt_len and 0 < room < given:
             message = (
                 f"{param} is {given}, but the prompt has {prompt_len} tokens and max_model_len is "
-                f"{self.llm.engine.config.max_model_len}: at most {room} tokens can follow it"
+                f"{self.llm.config.max_model_len}: at most {room} tokens can follow it"
             )
             raise BadRequest(message, param)
         return given
@@ -330,7 +334,7 @@ class Server:
             raise BadRequest("top_logprobs needs logprobs set to true", "top_logprobs")
         conversation = [message.model_dump() for message in request.messages]
         try:
-            prompt = chat_prompt(self.llm.engine.tokenizer, conversation, self.model_name)
+            prompt = chat_prompt(self.llm.tokenizer, conversation, self.model_name)
         except ValueError as e:
             raise BadRequest(str(e), "messages") from e
         token_ids = await self.token_ids(prompt, "messages")
@@ -376,7 +380,8 @@ class Server:
     ) -> AsyncIterator[str]:
         """After each output, one event per completion that changed, with what it added since its last event (text,
         and log-probabilities if asked); with include_usage (OpenAI's stream_options), one more with no choices and
-        the usage (the others then carry "usage": null); then `data: [DONE]`. If the client goes away, Starlette
+        the usage (the others then carry "usage": null); then `data: [DONE]` (or, if the request fails midway, an
+        event with OpenAI's error shape, and no [DONE]). If the client goes away, Starlette
         stops iterating: closing `outputs` aborts the request and frees its blocks."""
         object_name = "text_completion" if kind == "cmpl" else "chat.completion.chunk"
         sent: list[tuple[str, int, str | None]] = [("", 0, None)] * len(first.outputs)  # text, tokens, finish
@@ -394,7 +399,11 @@ class Server:
                     sent[c.index] = (c.text, len(c.token_ids), c.finish_reason)
                     event = {**head, "object": object_name, "choices": [choice(c, delta, num_tokens)], **extra}
                     yield f"data: {json.dumps(event)}\n\n"
-                out = await anext(outputs, None)
+                try:
+                    out = await anext(outputs, None)
+                except RuntimeError as e:  # the engine core died, or a failed step aborted the request: say so, end
+                    yield f"data: {json.dumps({'error': error_body(str(e), None, 500)})}\n\n"
+                    return
             if include_usage:
                 yield f"data: {json.dumps({**head, 'object': object_name, 'choices': [], 'usage': usage(last)})}\n\n"
             yield "data: [DONE]\n\n"
@@ -499,10 +508,13 @@ def main(argv: list[str] | None = None) -> None:
     except (ValueError, OSError) as e:  # no such id or folder, gated, offline and not cached, .bin weights, ...
         parser.exit(2, f"{parser.prog}: error: {load_error_line(e, model, kwargs.get('tokenizer'))}\n")
     server = Server(llm, args.served_model_name or given or args.preset, args.api_key)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # uvicorn shuts down, then re-raises it: as Ctrl-C
     try:
         uvicorn.run(server.app, host=args.host, port=args.port)
+    except KeyboardInterrupt:
+        pass
     finally:
-        llm.close()
+        llm.close()  # stops the engine core's process
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
 """`AsyncLLM` under a hostile client: hundreds of callers at once from several threads, callers that leave early,
-request ids reused, a step that fails, an engine thread that dies. Nothing here decides by timing: the races are
-forced with hooks, and the timeouts only guard against a hang. CPU, tiny preset, float32, greedy."""
+request ids reused, a step that fails, an engine core that dies or hangs. Nothing here decides by timing: the races
+are forced with hooks (the core on a thread of this process, `multiprocessing=False`, where a hook must reach inside
+it), and the timeouts only guard against a hang. CPU, tiny preset, float32, greedy."""
 
 import asyncio
 import contextlib
+import os
+import signal
 import threading
 import time
 
@@ -11,7 +14,8 @@ import pytest
 import torch
 
 from minivllm import SamplingParams
-from minivllm.async_llm import AsyncLLM
+from minivllm.async_llm import AsyncLLM, EngineDeadError
+from minivllm.engine.core import Delta
 
 CONFIG = dict(dtype=torch.float32, device="cpu", num_kvcache_blocks=256, max_model_len=512, max_num_seqs=32)
 HANG = 120  # seconds: only a guard against a hang, never what a test decides by
@@ -23,7 +27,16 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def llm(tiny):
+    """The engine core in its own process, as the server runs it."""
     llm = AsyncLLM(str(tiny), **CONFIG)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def local(tiny):
+    """The engine core on a thread of this process: hooks can reach its engine."""
+    llm = AsyncLLM(str(tiny), multiprocessing=False, **CONFIG)
     yield llm
     llm.close()
 
@@ -36,23 +49,22 @@ async def collect(llm: AsyncLLM, prompt: str, max_tokens: int, request_id: str |
     return [out async for out in llm.generate(prompt, greedy(max_tokens), request_id)]
 
 
-def wait_until_idle(llm: AsyncLLM) -> None:
-    """Until the engine has nothing left to run (aborts are freed within a step); a hang guard, not a decision."""
+def wait_until_idle(llm: AsyncLLM) -> dict:
+    """Until the core says it holds no request and no KV block (it says so after each step, and each second when
+    idle); a hang guard, not a decision. Its last stats."""
     deadline = time.monotonic() + HANG
-    while llm.engine.has_unfinished_requests() and time.monotonic() < deadline:
+    idle = {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage": 0.0}
+    while llm.stats() != idle and time.monotonic() < deadline:
         time.sleep(0.01)
-
-
-def healthy(llm: AsyncLLM) -> bool:
-    return llm.thread.is_alive() and getattr(llm, "is_healthy", lambda: True)()
+    return llm.stats()
 
 
 class Tripwire:
-    """A stream stand-in whose `unread` (read by `send` as it goes through the streams) runs `action` on another
+    """A stream stand-in whose `unread` (read by `apply` as it goes through the streams) runs `action` on another
     thread, to completion, the first time it is read: other callers coming and going mid-iteration."""
 
-    def __init__(self, action):
-        self.action, self.fired, self.num_tokens = action, False, 0
+    def __init__(self, action, request):
+        self.action, self.fired, self.request = action, False, request
 
     @property
     def unread(self) -> bool:
@@ -67,43 +79,76 @@ class Tripwire:
         pass
 
 
-def test_send_survives_callers_coming_and_going_while_it_iterates(llm):
+def test_apply_survives_callers_coming_and_going_while_it_iterates(llm):
     """The engine's thread iterated `streams` while event loops removed entries and executor threads added them:
     "dictionary changed size during iteration" killed it. Forced here: the streams change mid-iteration."""
-    others = {f"other-{i}": Tripwire(lambda: None) for i in range(3)}
+    request = lambda i: llm.input_processor.make_request("Hi", greedy(2), i, "prompt")  # noqa: E731
+    others = {f"other-{i}": Tripwire(lambda: None, request(f"other-{i}")) for i in range(3)}
 
     def come_and_go() -> None:  # as another caller's generate adds its stream, and a third one's finally drops its
-        llm.streams["newcomer"] = Tripwire(lambda: None)
-        llm.streams["another"] = Tripwire(lambda: None)
-        del llm.streams["other-1"]
+        with llm.lock:
+            llm.streams["newcomer"] = Tripwire(lambda: None, request("newcomer"))
+            del llm.streams["other-1"]
 
-    llm.streams.update({"tripwire": Tripwire(come_and_go), **others})
+    llm.streams.update({"tripwire": Tripwire(come_and_go, request("tripwire")), **others})
     try:
-        llm.send([])  # what the engine's thread runs after every step
+        llm.apply([Delta(i, 0, [], None, None, None) for i in ["tripwire", *others]])  # what runs after each step
         assert llm.streams["tripwire"].fired
     finally:
-        for request_id in ["tripwire", "newcomer", "another", *others]:
+        for request_id in ["tripwire", "newcomer", *others]:
             llm.streams.pop(request_id, None)
-    assert healthy(llm)
+    assert llm.is_healthy()
     assert len(run(collect(llm, "Still alive?", 3))) >= 1  # and the engine still serves
 
 
-def test_progress_is_asked_with_a_set(llm):
-    """`progress` tests each request's id against the ids it is given: a list made that O(n*m) per step."""
-    progress, kinds = llm.engine.progress, []
-    llm.engine.progress = lambda ids: kinds.append(type(ids)) or progress(ids)
+def test_a_step_never_walks_the_queue(local):
+    """Per step, the core looks at the batch it ran, not at every queued request: with hundreds waiting, a walk
+    over them each step cost O(queue) per step (O(queue²) in all)."""
+    walks, stepping = [], threading.local()
+
+    class Watched(dict):
+        def walk(self, how: str) -> None:
+            if getattr(stepping, "on", False):
+                walks.append(how)
+
+        def values(self):
+            self.walk("values")
+            return super().values()
+
+        def items(self):
+            self.walk("items")
+            return super().items()
+
+        def __iter__(self):
+            self.walk("iter")
+            return super().__iter__()
+
+    engine, core_step = local.core.engine, local.core.step
+
+    def watched_step():
+        stepping.on = True
+        try:
+            return core_step()
+        finally:
+            stepping.on = False
+
+    engine.requests, local.core.step = Watched(engine.requests), watched_step
     try:
-        outs = run(collect(llm, "Once upon a time", 5))
+
+        async def many() -> list:
+            return await asyncio.gather(*(collect(local, f"Request {i}", 2) for i in range(200)))
+
+        outs = run(many())
     finally:
-        del llm.engine.progress
-    assert outs[-1].finished and kinds and all(issubclass(kind, (set, frozenset)) for kind in kinds)
+        engine.requests = dict(engine.requests)
+        del local.core.step
+    assert all(out[-1].finished for out in outs) and not walks
 
 
 def test_hundreds_of_callers_from_several_threads_some_leaving_early(llm):
     """300 callers on 4 event loops (so the streams are added and dropped from many threads while the engine
     steps): a third read one output and leave, a few are cancelled at once; all end cleanly, the engine lives on,
     and every KV block comes back."""
-    bm = llm.engine.scheduler.block_manager
     results: dict[str, object] = {}
 
     async def caller(name: str, kind: int) -> None:
@@ -152,20 +197,19 @@ def test_hundreds_of_callers_from_several_threads_some_leaving_early(llm):
             assert result == "left", (name, result)
         else:
             assert result.finished and len(result.outputs[0].token_ids) == 3 + i % 3, (name, result)
-    assert healthy(llm)
-    wait_until_idle(llm)
-    assert not llm.streams and not llm.engine.has_unfinished_requests()
-    assert bm.num_free_blocks == bm.num_blocks
+    assert llm.is_healthy()
+    assert wait_until_idle(llm)["kv_cache_usage"] == 0  # every block back
+    assert not llm.streams
 
 
 def test_a_request_id_in_use_by_an_unread_caller_is_refused(llm):
     """The first caller's request has finished in the engine, but its caller has not read the last output: the
     id is still its own. Reusing it used to let that caller's cleanup delete the newcomer's stream."""
-    send, done = llm.send, threading.Event()
+    apply, done = llm.apply, threading.Event()
 
-    def send_and_note(finished: list) -> None:
-        send(finished)
-        if any(out.request_id == "dup" for out in finished):
+    def apply_and_note(deltas: list) -> None:
+        apply(deltas)
+        if any(Delta._make(d).request_id == "dup" and Delta._make(d).finish_reason for d in deltas):
             done.set()
 
     async def scenario() -> tuple:
@@ -178,25 +222,25 @@ def test_a_request_id_in_use_by_an_unread_caller_is_refused(llm):
         again = await collect(llm, "Hello", 4, request_id="dup")  # and once it is read, the id is free again
         return head, rest, again
 
-    llm.send = send_and_note
+    llm.apply = apply_and_note
     try:
         head, rest, again = run(scenario())
     finally:
-        del llm.send
+        del llm.apply
     assert not head.finished and rest[-1].finished and len(rest[-1].outputs[0].token_ids) == 4
     assert again[-1].finished and again[-1].request_id == "dup"
     assert not llm.streams
 
 
 def test_a_caller_cancelled_while_its_request_is_added_leaves_nothing_behind(llm):
-    """A client that disconnects while `generate` waits for its request to be added: the request is added anyway
-    (on an executor thread), then must be aborted and its stream dropped, not left to block the id forever."""
-    add_request, entered, go = llm.engine.add_request, threading.Event(), threading.Event()
+    """A client that disconnects while `generate` tokenizes its request (on an executor thread): the request must
+    not reach the core, and its stream must go, not block the id forever."""
+    make_request, entered, go = llm.input_processor.make_request, threading.Event(), threading.Event()
 
-    def slow_add_request(*args):
+    def slow_make_request(*args):
         entered.set()
         go.wait(HANG)
-        return add_request(*args)
+        return make_request(*args)
 
     async def scenario() -> None:
         task = asyncio.ensure_future(collect(llm, "Bye", 50, request_id="gone"))
@@ -206,77 +250,73 @@ def test_a_caller_cancelled_while_its_request_is_added_leaves_nothing_behind(llm
             await task
         go.set()  # the add goes on, on its thread (asyncio.run waits for it as it shuts the executor down)
 
-    aborted = llm.num_aborted
-    llm.engine.add_request = slow_add_request
+    aborted, sent = llm.num_aborted, []
+    send = llm.send
+    llm.send = lambda message: sent.append(message[0]) or send(message)
+    llm.input_processor.make_request = slow_make_request
     try:
         run(scenario())
     finally:
         go.set()
-        del llm.engine.add_request
-    wait_until_idle(llm)
-    assert llm.num_aborted == aborted + 1 and "gone" not in llm.streams
-    assert not llm.engine.has_unfinished_requests()
+        del llm.input_processor.make_request, llm.send
+    assert llm.num_aborted == aborted + 1 and "gone" not in llm.streams and "add" not in sent
     assert run(collect(llm, "Hello", 2, request_id="gone"))[-1].finished  # the id is free
 
 
-def test_a_failed_step_fails_only_its_requests_and_the_engine_goes_on(llm):
+def test_a_failed_step_fails_only_its_requests_and_the_engine_goes_on(local):
     """A step that raises aborts its requests: their callers get the error; the engine lives on."""
-    step, calls = llm.engine.step, []
+    engine = local.core.engine
+    step, calls = engine.step, []
 
     def failing_step(request_ids=None):
         if not calls:
             calls.append(1)
-            llm.engine.abort_all()  # as a failed step does with the requests it ran
+            engine.abort_all()  # as a failed step does with the requests it ran
             raise RuntimeError("injected step failure")
         return step(request_ids)
 
-    progress, kinds = llm.engine.progress, []
-    llm.engine.progress = lambda ids: kinds.append(type(ids)) or progress(ids)
-    llm.engine.step = failing_step
+    engine.step = failing_step
     try:
         with pytest.raises(RuntimeError, match="injected step failure"):
-            run(collect(llm, "Doomed", 4))
+            run(collect(local, "Doomed", 4))
     finally:
-        del llm.engine.step, llm.engine.progress
-    assert kinds and all(issubclass(kind, (set, frozenset)) for kind in kinds)
-    assert healthy(llm) and not llm.streams
-    assert run(collect(llm, "Fine again", 4))[-1].finished
+        del engine.step
+    assert local.is_healthy() and not local.streams
+    assert run(collect(local, "Fine again", 4))[-1].finished
 
 
-def test_a_dead_engine_thread_fails_every_caller_at_once(tiny):
-    """Anything unexpected that kills the engine's thread must not leave callers hanging: each waiting caller gets
-    the error, new requests are refused, and `is_healthy()` says so (for /health)."""
-    llm = AsyncLLM(str(tiny), **CONFIG)
-    all_waiting = threading.Event()
+async def five_callers(llm: AsyncLLM, kill) -> list:
+    """Five callers waiting on long requests when `kill()` runs; what each got."""
+
+    async def caller(i: int) -> BaseException | None:
+        try:
+            await collect(llm, f"Caller {i}", 400)
+        except Exception as e:  # noqa: BLE001 - the test looks at it
+            return e
+        return None
+
+    waiting = [asyncio.ensure_future(caller(i)) for i in range(5)]
+    while len(llm.streams) < 5:  # a hang guard bounds it: all five registered before the core dies
+        await asyncio.sleep(0.001)
+    kill()
+    return await asyncio.gather(*waiting)
+
+
+@pytest.mark.parametrize("how", ["killed", "hung"])
+def test_a_dead_or_hung_core_fails_every_caller_at_once(tiny, how):
+    """A core process that is killed (or stops answering: SIGSTOP) must not leave callers hanging: each waiting
+    caller gets EngineDeadError, new requests are refused, `is_healthy()` says so (for /health), and a hung core's
+    process is killed."""
+    llm = AsyncLLM(str(tiny), timeout=2.0, **CONFIG)
     try:
-
-        def broken_send(finished: list) -> None:  # after the first step, once all five callers wait
-            all_waiting.wait(HANG)
-            raise RuntimeError("dictionary changed size during iteration")  # what the race raised
-
-        async def caller(i: int) -> BaseException | None:
-            try:
-                await collect(llm, f"Caller {i}", 8)
-            except Exception as e:  # noqa: BLE001 - the test looks at it
-                return e
-            return None
-
-        async def scenario() -> list:
-            waiting = [asyncio.ensure_future(caller(i)) for i in range(5)]
-            while len(llm.streams) < 5:  # a hang guard bounds it: all five registered before the engine dies
-                await asyncio.sleep(0.001)
-            all_waiting.set()
-            return await asyncio.gather(*waiting)
-
-        llm.send = broken_send
-        errors = run(scenario())
-        assert len(errors) == 5 and all(isinstance(e, RuntimeError) for e in errors), errors
-        assert all("died" in str(e) for e in errors), errors
+        pid = llm.process.pid
+        errors = run(five_callers(llm, lambda: os.kill(pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)))
+        assert len(errors) == 5 and all(isinstance(e, EngineDeadError) for e in errors), errors
+        assert all(("hung" if how == "hung" else "exited") in str(e) for e in errors), errors
         assert not llm.is_healthy()
-        with pytest.raises(RuntimeError, match="died"):
+        with pytest.raises(EngineDeadError):
             run(collect(llm, "Too late", 2))
+        llm.process.join(HANG)
+        assert not llm.process.is_alive()
     finally:
-        llm.stopped = True
-        llm.wakeup.set()
-        llm.thread.join(HANG)
-        llm.engine.close()
+        llm.close()

@@ -3,6 +3,8 @@ same replies as offline `generate`, streamed or not, for one client or 64 at onc
 request's KV blocks; bad requests get a 400 naming the field. CPU, tiny preset, float32, greedy."""
 
 import asyncio
+import os
+import signal
 import threading
 import time
 
@@ -13,6 +15,7 @@ httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 
 from minivllm import LLM, SamplingParams  # noqa: E402
+from minivllm.engine.core import Delta  # noqa: E402
 
 PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
 
@@ -166,47 +169,51 @@ def test_a_caller_that_falls_behind_gets_the_newest_output_only(server, offline)
         await asyncio.sleep(0)  # the loop queues that last output (put from the engine's thread) before we read
         return [first] + [out async for out in outputs]
 
-    progress, asked = llm.engine.progress, []
-    llm.engine.progress = lambda ids: asked.append(list(ids)) or progress(ids)  # which streams get an output built
-    send, last_sent = llm.send, threading.Event()
+    output, built = llm.output_processor.output, []  # which outputs are built, for whom
 
-    def send_and_note(finished: list) -> None:
-        send(finished)
-        if any(out.request_id == "slow" for out in finished):
+    def output_and_note(request, finished: bool = True):
+        built.append((request.request_id, finished))
+        return output(request, finished)
+
+    apply, last_sent = llm.apply, threading.Event()
+
+    def apply_and_note(deltas: list) -> None:
+        apply(deltas)
+        if any(Delta._make(d).request_id == "slow" and Delta._make(d).finish_reason for d in deltas):
             last_sent.set()
 
-    llm.send = send_and_note
+    llm.output_processor.output, llm.apply = output_and_note, apply_and_note
     try:
         first, *rest = asyncio.run(slow())
     finally:
-        del llm.engine.progress, llm.send
+        del llm.output_processor.output, llm.apply
     assert len(rest) == 1 and rest[0].finished and not first.finished
-    assert sum(1 for ids in asked if ids) <= 3 < len(expected.token_ids)  # not one per step
+    assert sum(1 for i, finished in built if i == "slow" and not finished) <= 3 < len(expected.token_ids)
     assert (rest[0].outputs[0].token_ids, rest[0].outputs[0].text) == (expected.token_ids, expected.text)
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_request(server):
-    """The server sees the client go (the ASGI server tells it) and aborts the request. The engine's lock, held
-    from the first token until then, keeps the request from running on to its end meanwhile."""
+    """The server sees the client go (the ASGI server tells it) and aborts the request. The engine core, stopped
+    (SIGSTOP) from the first token until then, cannot run the request on to its end meanwhile."""
     url, llm = server
     body = dict(model="tiny", prompt="A long story:", max_tokens=400, temperature=0, ignore_eos=True, stream=True)
-    aborted, bm = llm.num_aborted, llm.engine.scheduler.block_manager
+    aborted = llm.num_aborted
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
         events = response.iter_lines()
         assert next(line for line in events if line.startswith("data:"))  # it has started
-        llm.engine.lock.acquire()  # no step runs until the abort
+        os.kill(llm.process.pid, signal.SIGSTOP)  # no step runs until the abort
     try:
         deadline = time.monotonic() + 120  # a hang check: the server notices in milliseconds
-        while llm.num_aborted == aborted and time.monotonic() < deadline:  # counted before it takes the lock
+        while llm.num_aborted == aborted and time.monotonic() < deadline:
             time.sleep(0.05)
     finally:
-        llm.engine.lock.release()
+        os.kill(llm.process.pid, signal.SIGCONT)
     assert llm.num_aborted == aborted + 1  # aborted, not run to its 400th token
+    idle = {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage": 0.0}
     deadline = time.monotonic() + 120
-    while llm.engine.has_unfinished_requests() and time.monotonic() < deadline:
+    while llm.stats() != idle and time.monotonic() < deadline:  # the core says so after its next message
         time.sleep(0.05)
-    assert not llm.engine.has_unfinished_requests()
-    assert bm.num_free_blocks == bm.num_blocks
+    assert llm.stats() == idle and llm.is_healthy()
 
 
 @pytest.mark.parametrize(

@@ -35,10 +35,12 @@ def test_a_cpu_run_completes_every_request(tmp_path):
     data = json.loads((tmp_path / "serving.json").read_text())
     assert data["device"] == "cpu" and data["command"].startswith("python -m minivllm.benchmarks.serving --preset tiny")
     rows = data["rows"]
-    assert [(r["impl"], r["request_rate"]) for r in rows] == [
-        ("minivllm-offline", "inf"),
-        ("minivllm-online", 50.0),
-        ("minivllm-online", "inf"),
+    assert [(r["impl"], r.get("engine_core"), r["request_rate"]) for r in rows] == [
+        ("minivllm-offline", None, "inf"),
+        ("minivllm-online", "thread", 50.0),
+        ("minivllm-online", "thread", "inf"),
+        ("minivllm-online", "process", 50.0),
+        ("minivllm-online", "process", "inf"),
     ]
     prompts, output_lens = make_requests(6, vocab=preset_config("tiny").vocab_size, **lens)
     assert all(8 <= len(p) <= 32 for p in prompts) and all(4 <= n <= 12 for n in output_lens)

@@ -44,6 +44,7 @@ DEEP_DIVES = {
     "cuda_graphs": "04_model_runner",
     "scheduler_memory": "05_scheduler",
     "tensor_parallel": "06_engine",
+    "engine_core": "06_engine",
 }
 Rank = tuple[int, int]  # (core notebook number, 0 for the core notebook or 1 + the deep dive's place in DEEP_DIVES)
 

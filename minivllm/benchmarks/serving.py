@@ -4,11 +4,12 @@ beside the same requests run offline.
     python -m minivllm.benchmarks.serving [--preset qwen3-0.6b] [--num-requests 512] [--request-rates 4 16 64 inf]
         [--prompt-lens 100 1024] [--output-lens 100 1024] [--seed 0] [--out figures]
 
-One engine (`AsyncLLM`, prefix caching off: every run sends the same prompts) on the preset's random-weight
+The engine (prefix caching off: every run sends the same prompts) on the preset's random-weight
 checkpoint (default qwen3-0.6b on a GPU; on a CPU tiny, 32 shorter requests). Requests: token-id prompts and output
 lengths drawn from `random.Random(seed)` (nano-vllm's ranges by default), temperature 0.6, ignore_eos, so every
-request's output length is its max_tokens. First offline: every request at once through the engine's step loop, as
-`LLM.generate` runs them. Then the OpenAI-compatible server (`minivllm.serve`, uvicorn on a free port of 127.0.0.1
+request's output length is its max_tokens. First offline: every request at once through an `LLM`'s step loop, as
+`LLM.generate` runs them. Then, per `--cores` (`AsyncLLM`'s engine core on a thread of the server's process, then in
+a process of its own, as vLLM v1 runs it; rows carry `engine_core`), the OpenAI-compatible server (`minivllm.serve`, uvicorn on a free port of 127.0.0.1
 in a thread), and per request rate a client in a process of its own (httpx, asyncio) that sends them to
 `/v1/completions` with `"stream": true`, Poisson arrivals at that rate (inf: all at once). Per request: TTFT (to
 the first streamed event), TPOT ((last event - first) / (max_tokens - 1)), end-to-end; per run: output tokens /
@@ -124,7 +125,7 @@ def timings(metrics, num_tokens: int) -> dict:
 
 
 def run_offline(engine, prompts, output_lens) -> dict:
-    """`LLM.generate`'s loop on the server's engine, every request at once; its thread waits on the lock meanwhile."""
+    """`LLM.generate`'s loop, every request at once."""
     from minivllm.sampling_params import SamplingParams
 
     params = [SamplingParams(temperature=TEMPERATURE, ignore_eos=True, max_tokens=n) for n in output_lens]
@@ -141,24 +142,35 @@ def run_offline(engine, prompts, output_lens) -> dict:
     return summary("minivllm-offline", math.inf, len(prompts), done, tokens, seconds)
 
 
-def run_serving_benchmark(preset: str, num_requests: int, rates, prompt_lens, output_lens, seed: int = 0) -> dict:
+def run_serving_benchmark(
+    preset: str, num_requests: int, rates, prompt_lens, output_lens, seed: int = 0, cores=("thread", "process")
+) -> dict:
     from minivllm.async_llm import AsyncLLM
+    from minivllm.llm import LLM
     from minivllm.serve import serve_in_thread
 
     path = preset_checkpoint(preset)
-    llm = AsyncLLM(str(path), enable_prefix_caching=False, max_model_len=prompt_lens[1] + output_lens[1])
+    config = dict(enable_prefix_caching=False, max_model_len=prompt_lens[1] + output_lens[1])
+    offline = LLM(str(path), **config)
     try:
-        vocab_size = llm.engine.config.hf_config.vocab_size
-        prompts, outs = make_requests(num_requests, prompt_lens, output_lens, vocab_size, seed)
-        run_offline(llm.engine, prompts[:8], [4] * len(prompts[:8]))  # warm-up
-        rows = [run_offline(llm.engine, prompts, outs)]
-        spawn = multiprocessing.get_context("spawn")  # the client's own process: no GIL shared with the server
-        with serve_in_thread(llm, preset) as url, ProcessPoolExecutor(1, mp_context=spawn) as client:
-            for rate in rates:
-                results, seconds = client.submit(run_client, url, preset, prompts, outs, rate, seed).result()
-                rows.append(online_row(rate, results, seconds, outs))
+        prompts, outs = make_requests(
+            num_requests, prompt_lens, output_lens, offline.engine.config.hf_config.vocab_size, seed
+        )
+        run_offline(offline.engine, prompts[:8], [4] * len(prompts[:8]))  # warm-up
+        rows = [run_offline(offline.engine, prompts, outs)]
     finally:
-        llm.close()
+        offline.close()
+    spawn = multiprocessing.get_context("spawn")  # the client's own process: no GIL shared with the server
+    for core in cores:  # the engine core on a thread of the server's process, then in a process of its own
+        llm = AsyncLLM(str(path), multiprocessing=core == "process", **config)
+        try:
+            with serve_in_thread(llm, preset) as url, ProcessPoolExecutor(1, mp_context=spawn) as client:
+                client.submit(run_client, url, preset, prompts[:8], [4] * 8, math.inf, seed).result()  # warm-up
+                for rate in rates:
+                    results, seconds = client.submit(run_client, url, preset, prompts, outs, rate, seed).result()
+                    rows.append(online_row(rate, results, seconds, outs) | {"engine_core": core})
+        finally:
+            llm.close()
     workload = dict(
         num_requests=num_requests,
         prompt_lens=list(prompt_lens),
@@ -177,16 +189,24 @@ def plot_serving(data: dict):
 
     online = [r for r in data["rows"] if r["impl"] == "minivllm-online"]
     offline = next(r for r in data["rows"] if r["impl"] == "minivllm-offline")
-    x, labels = range(len(online)), [f"{float(r['request_rate']):g}" for r in online]
+    rates = list(dict.fromkeys(float(r["request_rate"]) for r in online))
+    x, labels = range(len(rates)), [f"{rate:g}" for rate in rates]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10.8, 4.2))
-    left.plot(x, [r["tok_per_s"] for r in online], "o-", label="online: HTTP, streamed")
+    for core, marker in (("thread", "s"), ("process", "o")):
+        rows = [r for r in online if r.get("engine_core") == core]
+        if not rows:
+            continue
+        xs = [rates.index(float(r["request_rate"])) for r in rows]
+        left.plot(xs, [r["tok_per_s"] for r in rows], f"{marker}-", label=f"online, engine core on a {core}")
+        for name, color in (("ttft", "C0"), ("tpot", "C1")):
+            right.plot(
+                xs, [r[f"{name}_p50_ms"] for r in rows], f"{marker}-", color=color, label=f"{name.upper()} p50, {core}"
+            )
     left.axhline(offline["tok_per_s"], ls="--", color="gray", label="offline: the same requests at once")
+    right.axhline(offline["tpot_p50_ms"], ls="--", color="C1", alpha=0.5, label="TPOT p50 offline")
     left.set_ylim(bottom=0)
     left.set_title("output tokens / s", fontsize=10)
     left.legend(fontsize=9)
-    for name, color in (("ttft", "C0"), ("tpot", "C1")):
-        right.plot(x, [r[f"{name}_p50_ms"] for r in online], "o-", color=color, label=f"{name.upper()} p50")
-        right.plot(x, [r[f"{name}_p99_ms"] for r in online], "s--", color=color, label=f"{name.upper()} p99")
     right.set_yscale("log")
     right.set_title("latency (ms)", fontsize=10)
     right.legend(fontsize=9)
@@ -199,10 +219,12 @@ def plot_serving(data: dict):
 
 
 def print_serving(rows: list[dict]) -> None:
-    print(f"{'impl':>16} {'rate':>5} {'done':>9} {'tok/s':>9} {'TTFT p50/p99 ms':>17} {'TPOT p50/p99 ms':>16}")
+    print(
+        f"{'impl':>16} {'core':>7} {'rate':>5} {'done':>9} {'tok/s':>9} {'TTFT p50/p99 ms':>17} {'TPOT p50/p99 ms':>16}"
+    )
     for r in rows:
         print(
-            f"{r['impl']:>16} {float(r['request_rate']):>5g} {r['completed']:>4}/{r['num_requests']:<4} "
+            f"{r['impl']:>16} {r.get('engine_core', ''):>7} {float(r['request_rate']):>5g} {r['completed']:>4}/{r['num_requests']:<4} "
             f"{r['tok_per_s']:>9,.0f} {r['ttft_p50_ms']:>8,.1f}/{r['ttft_p99_ms']:<8,.1f} "
             f"{r['tpot_p50_ms']:>7.2f}/{r['tpot_p99_ms']:<8.2f}"
         )
@@ -222,12 +244,19 @@ def main(argv: list[str] | None = None) -> None:
         "--output-lens", type=int, nargs=2, metavar=("MIN", "MAX"), help="default: 100 1024 (CPU: 16 64)"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--cores",
+        nargs="+",
+        choices=["thread", "process"],
+        default=["thread", "process"],
+        help="where the server's engine core runs: a thread of its process (before), a process of its own (after)",
+    )
     parser.set_defaults(**DEFAULTS["cuda" if torch.cuda.is_available() else "cpu"])
     args = parser.parse_args(argv)
     if min(args.request_rates) <= 0 or args.num_requests < 1 or min(args.prompt_lens + args.output_lens) < 1:
         parser.error("request rates, --num-requests and lengths must be positive")
     data = run_serving_benchmark(
-        args.preset, args.num_requests, args.request_rates, args.prompt_lens, args.output_lens, args.seed
+        args.preset, args.num_requests, args.request_rates, args.prompt_lens, args.output_lens, args.seed, args.cores
     )
     data["command"] = " ".join(["python -m", MODULE, *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
     print_serving(data["rows"])
