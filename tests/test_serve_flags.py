@@ -7,7 +7,6 @@ import dataclasses
 from typing import Any, Literal, get_args
 
 import pytest
-import torch
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -119,9 +118,9 @@ def started(monkeypatch):
 def test_the_servers_flags_reach_its_engine(started, tiny):
     flags = ["--max-num-seqs", "3", "--block-size", "32", "--no-enable-prefix-caching", "--dtype", "float32"]
     llm, _ = started([str(tiny), *flags, "--max-model-len", "512", "--device", "cpu", "--num-kvcache-blocks", "64"])
-    config = llm.engine.config
+    config = llm.config  # the engine core's, sent from its process once it started
     assert (config.max_num_seqs, config.block_size, config.enable_prefix_caching) == (3, 32, False)
-    assert (config.max_model_len, config.num_kvcache_blocks, llm.engine.runner.dtype) == (512, 64, torch.float32)
+    assert (config.max_model_len, config.num_kvcache_blocks, config.dtype) == (512, 64, "float32")
     defaults = Config.__dataclass_fields__
     assert config.max_num_batched_tokens == defaults["max_num_batched_tokens"].default  # not given: Config's
 
