@@ -46,16 +46,19 @@ class Workload:
         return [p.max_tokens for p in self.params]
 
 
-def workload(num_seqs: int = 256, min_len: int = 100, max_len: int = 1024) -> tuple[list[list[int]], list[int]]:
-    """nano-vllm's bench.py: prompts first, then output lengths, from one random.seed(0) stream."""
-    random.seed(0)
+def workload(
+    num_seqs: int = 256, min_len: int = 100, max_len: int = 1024, seed: int = 0
+) -> tuple[list[list[int]], list[int]]:
+    """nano-vllm's bench.py: prompts first, then output lengths, from one random.seed(seed) stream (its seed is 0)."""
+    random.seed(seed)
     prompts = [[random.randint(0, 10000) for _ in range(random.randint(min_len, max_len))] for _ in range(num_seqs)]
     output_lens = [random.randint(min_len, max_len) for _ in range(num_seqs)]
     return prompts, output_lens
 
 
-def make_workload(name: str) -> Workload:
-    rng = random.Random(0)
+def make_workload(name: str, seed: int = 0) -> Workload:
+    """The workload `name`; another seed gives the same shape with other prompts (the figures use seed 0)."""
+    rng = random.Random(seed)
 
     def ids(n: int) -> list[int]:
         return [rng.randint(0, 10000) for _ in range(n)]
@@ -64,7 +67,7 @@ def make_workload(name: str) -> Workload:
         return SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=n, **kw)
 
     if name == "nano-vllm":
-        prompts, output_lens = workload(256)
+        prompts, output_lens = workload(256, seed=seed)
         return Workload(name, prompts, [params(n) for n in output_lens])
     if name == "chat":
         system = ids(1500)
