@@ -41,8 +41,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """One output per prompt, in order. Only this call's requests are returned (see the notebook's contract)."""
-        if is_one_prompt(prompts):
-            prompts = [prompts]
+        prompts = [prompts] if is_one_prompt(prompts) else prompts
         if not isinstance(prompts, list | tuple):
             raise ValueError(f"prompts must be a str, token ids, or a list of them; got {type(prompts).__name__}")
         params = sampling_params if isinstance(sampling_params, list | tuple) else [sampling_params] * len(prompts)

@@ -291,8 +291,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """One output per prompt, in order. Only this call's requests are returned (see the notebook's contract)."""
-        if is_one_prompt(prompts):
-            prompts = [prompts]
+        prompts = [prompts] if is_one_prompt(prompts) else prompts
         if not isinstance(prompts, list | tuple):
             raise ValueError(f"prompts must be a str, token ids, or a list of them; got {type(prompts).__name__}")
         params = sampling_params if isinstance(sampling_params, list | tuple) else [sampling_params] * len(prompts)
@@ -351,10 +350,9 @@ class LLM:
 # %% [markdown]
 # ## vLLM's offline API: what goes in, what comes out
 # Three modules: what a request gives back (`outputs`), how a prompt gets in (`input_processor`), how tokens come out as
-# text (`output_processor`). **What a request gives back** is vLLM's `RequestOutput`: the prompt and, per completion,
-# its text, token ids, `finish_reason` ("stop": an EOS or stop token; "length": `max_tokens` or the context) and
-# log-probabilities if asked; and two timings a server is judged by: **time to first token** (TTFT) and **time per
-# output token** (TPOT).
+# text (`output_processor`). **Outputs** are vLLM's `RequestOutput`: the prompt and, per completion, its text, token
+# ids, `finish_reason` ("stop": an EOS or stop token; "length": `max_tokens` or the context) and log-probabilities if
+# asked; and two timings a server is judged by: **time to first token** (TTFT) and **time per output token** (TPOT).
 
 # %% tags=["export"] module="minivllm.outputs"
 from dataclasses import dataclass, field
@@ -529,8 +527,7 @@ class InputProcessor:
 
     def request_params(self, params: SamplingParams | None) -> SamplingParams:
         """The request's own copy of params, with every EOS id (`replace` runs the checks again: fields may change)."""
-        if params is None:
-            params = SamplingParams()
+        params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         params = dataclasses.replace(params)
@@ -700,9 +697,8 @@ if real:  # bfloat16 (notebook 02): transformers' top token given our tokens bef
 # %% [markdown]
 # ### The same tokens as transformers
 # Greedy decoding must reproduce transformers' `generate` token for token: prompts of mixed lengths, some sharing a
-# prefix (prefix-cache hits), in float32 on a CPU (the real model, in bfloat16 on a GPU: above; notebook 02 says why).
-# With async scheduling on: on a CPU nothing runs ahead, but every line of it runs (on the H200 it takes nano-vllm's
-# workload from 17.4k to 22.1k output tokens/s: README).
+# cached prefix, in float32 on a CPU (the real model, in bfloat16 on a GPU: above). Async scheduling is on: on a CPU
+# nothing runs ahead, but all its code runs (on the H200 it lifts nano-vllm's workload from 17.4k to 22.1k tokens/s).
 
 # %%
 from transformers import AutoModelForCausalLM

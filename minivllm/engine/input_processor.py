@@ -100,8 +100,7 @@ class InputProcessor:
 
     def request_params(self, params: SamplingParams | None) -> SamplingParams:
         """The request's own copy of params, with every EOS id (`replace` runs the checks again: fields may change)."""
-        if params is None:
-            params = SamplingParams()
+        params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         params = dataclasses.replace(params)
