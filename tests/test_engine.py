@@ -163,6 +163,7 @@ def test_bad_requests_raise_and_change_nothing(llm, prompts, params, field):
         (dict(repetition_penalty=0.0), "repetition_penalty"),
         (dict(stop=[""]), "stop"),
         (dict(stop=[3]), "stop"),
+        (dict(stop=123), "stop must be a str or a list of str"),
         (dict(include_stop_str_in_output=1), "include_stop_str_in_output"),
         (dict(n=0), "^n must"),
         (dict(n=2.0), "^n must"),

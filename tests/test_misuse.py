@@ -241,6 +241,30 @@ def test_non_finite_sampling_params_are_refused(field, value):
         SamplingParams(**{field: value})
 
 
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("top_p", 1e-300),  # 0 in float32: no token would be kept
+        ("top_p", 1e-39),  # a float32 subnormal
+        ("repetition_penalty", 1e-300),  # 0 in float32: x / 0 and 0 * inf are NaN probabilities
+        ("repetition_penalty", 1e-7),
+        ("repetition_penalty", 1e300),
+    ],
+)
+def test_sampling_values_that_float32_cannot_hold_are_refused(field, value):
+    with pytest.raises(ValueError, match=f"^{field} must be"):
+        SamplingParams(**{field: value})
+
+
+def test_the_float32_floors_themselves_sample_valid_tokens(llm):
+    edges = [dict(top_p=2**-126), dict(repetition_penalty=1e-6), dict(repetition_penalty=1e6)]
+    params = [SamplingParams(seed=3, max_tokens=4, ignore_eos=True, **edge) for edge in edges]
+    outputs = llm.generate([[1, 2, 3, 1, 2]] * len(params), params, use_tqdm=False)
+    vocab_size = llm.engine.config.hf_config.vocab_size
+    assert all(len(o.outputs[0].token_ids) == 4 and 0 <= min(o.outputs[0].token_ids) for o in outputs)
+    assert all(max(o.outputs[0].token_ids) < vocab_size for o in outputs)
+
+
 @pytest.mark.parametrize("temperature", [9.99e-6, 1e-6, 1.1754944e-38, float(np.float32(1e-45)), 5e-324, 0.0])
 def test_temperatures_below_1e_5_are_greedy(llm, temperature):
     params = SamplingParams(temperature=temperature, max_tokens=8, ignore_eos=True, seed=3)
