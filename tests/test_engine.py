@@ -135,6 +135,7 @@ def test_max_tokens_and_max_model_len_finish_with_length(llm):
         ([[1, 2], [1, -3], [4]], GREEDY, "token id -3"),
         ([[1, 2]], [GREEDY, GREEDY], "sampling_params has 2 entries"),
         ([[1, 2]], "greedy", "sampling_params must be SamplingParams"),
+        ([[1, 2]], SamplingParams(min_tokens=1, stop_token_ids=[5000]), "stop_token_ids: token id 5000 is outside"),
     ],
 )
 def test_bad_requests_raise_and_change_nothing(llm, prompts, params, field):
