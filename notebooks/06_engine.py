@@ -271,6 +271,8 @@ def is_one_prompt(prompts) -> TypeGuard[Prompt]:
 def chat_prompt(tokenizer, conversation, model, template_kwargs: dict | None = None) -> str:
     if tokenizer is None or tokenizer.chat_template is None:
         raise ValueError(f"{model} has no chat template: pass prompts to generate instead")
+    if bad := [i for i, m in enumerate(conversation) if not isinstance(m, dict) or not {"role", "content"} <= m.keys()]:
+        raise ValueError(f'messages[{bad[0]}] must be a dict with "role" and "content", got {conversation[bad[0]]!r}')
     kwargs = template_kwargs or {}  # the template's own switches: Qwen3's enable_thinking, say
     return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True, **kwargs)
 

@@ -178,6 +178,20 @@ def test_sampling_params_name_the_field(kwargs, field):
         SamplingParams(**kwargs)
 
 
+@pytest.mark.parametrize(
+    "messages, index",
+    [
+        ([{"role": "user"}], 0),
+        ([{"role": "user", "content": "Hi"}, {"content": "Hello"}], 1),
+        ([{"role": "user", "content": "Hi"}, "Hello"], 1),
+    ],
+)
+def test_chat_names_the_message_that_is_not_a_role_and_content(llm, messages, index):
+    with pytest.raises(ValueError, match=rf'messages\[{index}\] must be a dict with "role" and "content"'):
+        llm.chat(messages, GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_a_cache_too_small_for_the_prompt(tiny):
     with LLM(str(tiny), num_kvcache_blocks=2, max_num_seqs=4, max_model_len=256) as small:
         with pytest.raises(ValueError, match="KV cache holds 32"):
