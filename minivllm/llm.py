@@ -50,12 +50,12 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
         with self.engine.lock:
-            # a list of prompts and their SamplingParams (or None) now, which mypy cannot tell; add_requests checks each
-            ids = self.engine.add_requests(cast(list[Prompt], list(prompts)), cast(list, list(params)))
-            try:
+            before = self.engine.request_ids()
+            try:  # casts: a list of prompts and their SamplingParams (or None) now; add_requests checks each
+                ids = self.engine.add_requests(cast(list[Prompt], list(prompts)), cast(list, list(params)))
                 outputs = self.run(ids, use_tqdm)
-            except BaseException:
-                self.engine.abort_request(ids)
+            except BaseException:  # Ctrl-C or an error, even half-way through add_requests: abort all it added
+                self.engine.abort_request(self.engine.request_ids() - before)
                 raise
         order = {request_id: i for i, request_id in enumerate(ids)}
         return sorted(outputs, key=lambda out: order[out.request_id])

@@ -108,8 +108,7 @@ class LLMEngine:
     ) -> list[str]:
         """Check every request, then queue them all: if one is bad, ValueError and none is queued. Their ids."""
         with self.lock:
-            taken = {r.request_id for r in self.requests.values()} | {out.request_id for out in self.finished}
-            ids = self.input_processor.request_ids(request_ids or [None] * len(prompts), taken)
+            ids = self.input_processor.request_ids(request_ids or [None] * len(prompts), self.request_ids())
             names = ["prompt"] if len(prompts) == 1 else [f"prompts[{i}]" for i in range(len(prompts))]
             make = self.input_processor.make_request
             requests = [make(*args) for args in zip(prompts, sampling_params, ids, names, strict=True)]
@@ -117,6 +116,10 @@ class LLMEngine:
                 self.requests |= {seq.seq_id: request for seq in request.seqs}
                 self.start(request, 1 if self.config.enable_prefix_caching else len(request.seqs))
             return ids
+
+    def request_ids(self) -> set[str]:
+        """The ids in use: of unfinished requests, and of finished ones whose outputs step() has kept back."""
+        return {r.request_id for r in self.requests.values()} | {out.request_id for out in self.finished}
 
     def add_request(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
@@ -138,6 +141,8 @@ class LLMEngine:
                     self.scheduler.abort(seq)
                     del self.requests[seq.seq_id]
             self.finished = [out for out in self.finished if out.request_id not in ids]
+            if self.launched and all(seq.is_finished for seq in self.launched.seqs):
+                self.launched = None  # a step launched ahead for these alone: nothing left to read
 
     def step(self, request_ids: Collection[str] | None = None) -> tuple[list[RequestOutput], StepStats]:
         """Finish one step, if any request is queued: the outputs of the requests that finished (only those in
@@ -245,8 +250,8 @@ class LLMEngine:
 # list of ints, a 1-D integer array or tensor) or a list of those, with one `SamplingParams` for all or one per prompt,
 # and returns the outputs in the prompts' order; `chat` does the same for conversations, through the chat template. It
 # holds the engine's lock for its whole run and returns only its own requests: those queued with `engine.add_request`
-# share its batches, their outputs kept for `engine.step()`; if interrupted (Ctrl-C, an error), it aborts its unfinished
-# ones. A server streams instead: `AsyncLLM` steps the same engine on its own thread (`engine.progress`: each request's
+# share its batches, their outputs kept for `engine.step()`; interrupted (Ctrl-C, an error), it aborts every request it
+# added. A server streams instead: `AsyncLLM` steps the same engine on its own thread (`engine.progress`: each request's
 # newest output), and `python -m minivllm.serve` puts OpenAI's HTTP API in front.
 
 # %% tags=["export"] module="minivllm.llm"
@@ -300,12 +305,12 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
         with self.engine.lock:
-            # a list of prompts and their SamplingParams (or None) now, which mypy cannot tell; add_requests checks each
-            ids = self.engine.add_requests(cast(list[Prompt], list(prompts)), cast(list, list(params)))
-            try:
+            before = self.engine.request_ids()
+            try:  # casts: a list of prompts and their SamplingParams (or None) now; add_requests checks each
+                ids = self.engine.add_requests(cast(list[Prompt], list(prompts)), cast(list, list(params)))
                 outputs = self.run(ids, use_tqdm)
-            except BaseException:
-                self.engine.abort_request(ids)
+            except BaseException:  # Ctrl-C or an error, even half-way through add_requests: abort all it added
+                self.engine.abort_request(self.engine.request_ids() - before)
                 raise
         order = {request_id: i for i, request_id in enumerate(ids)}
         return sorted(outputs, key=lambda out: order[out.request_id])
