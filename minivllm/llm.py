@@ -21,6 +21,8 @@ def is_one_prompt(prompts) -> TypeGuard[Prompt]:
 def chat_prompt(tokenizer, conversation, model, template_kwargs: dict | None = None) -> str:
     if tokenizer is None or tokenizer.chat_template is None:
         raise ValueError(f"{model} has no chat template: pass prompts to generate instead")
+    if bad := [i for i, m in enumerate(conversation) if not isinstance(m, dict) or not {"role", "content"} <= m.keys()]:
+        raise ValueError(f'messages[{bad[0]}] must be a dict with "role" and "content", got {conversation[bad[0]]!r}')
     kwargs = template_kwargs or {}  # the template's own switches: Qwen3's enable_thinking, say
     return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True, **kwargs)
 
@@ -41,20 +43,19 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """One output per prompt, in order. Only this call's requests are returned (see the notebook's contract)."""
-        if is_one_prompt(prompts):
-            prompts = [prompts]
+        prompts = [prompts] if is_one_prompt(prompts) else prompts
         if not isinstance(prompts, list | tuple):
             raise ValueError(f"prompts must be a str, token ids, or a list of them; got {type(prompts).__name__}")
         params = sampling_params if isinstance(sampling_params, list | tuple) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
         with self.engine.lock:
-            # a list of prompts and their SamplingParams (or None) now, which mypy cannot tell; add_requests checks each
-            ids = self.engine.add_requests(cast(list[Prompt], list(prompts)), cast(list, list(params)))
-            try:
+            before = self.engine.request_ids()
+            try:  # casts: a list of prompts and their SamplingParams (or None) now; add_requests checks each
+                ids = self.engine.add_requests(cast(list[Prompt], list(prompts)), cast(list, list(params)))
                 outputs = self.run(ids, use_tqdm)
-            except BaseException:
-                self.engine.abort_request(ids)
+            except BaseException:  # Ctrl-C or an error, even half-way through add_requests: abort all it added
+                self.engine.abort_request(self.engine.request_ids() - before)
                 raise
         order = {request_id: i for i, request_id in enumerate(ids)}
         return sorted(outputs, key=lambda out: order[out.request_id])

@@ -55,11 +55,6 @@ from minivllm.sampling_params import SamplingParams
 
 # An integer field: a JSON integer (not true, 5.0 or "5": strict) that fits the engine's int64 tensors.
 Int64 = Annotated[StrictInt, Field(ge=-(2**63), le=2**63 - 1)]
-FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32: a top_p below it is 0 (or subnormal) on the device
-# repetition_penalty divides positive logits and multiplies negative ones in float32. Beyond [1e-6, 1e6] a logit of
-# even ~1e32 overflows to inf, and far beyond the penalty itself is 0 or inf in float32: x/0, 0*inf and inf-inf are
-# NaN probabilities. 1e6 either way already makes a seen token certain or impossible: nothing useful lies outside.
-REPETITION_PENALTY_RANGE = (1e-6, 1e6)
 # OpenAI fields we do not implement, with the values that mean "off" (those we accept, as clients send defaults).
 UNSUPPORTED = {
     "logit_bias": (None, {}),
@@ -151,12 +146,6 @@ def sampling_params(request: SamplingRequest, max_tokens: int | None, logprobs: 
         params = SamplingParams(**fields, max_tokens=16 if max_tokens is None else max_tokens, logprobs=logprobs)
     except ValueError as e:  # SamplingParams names the field first: "temperature must be >= 0, got -1"
         raise BadRequest(str(e), str(e).split()[0]) from e
-    if params.top_p < FLOAT32_TINY:  # > 0 (SamplingParams checked), but 0 in float32: no token would be kept
-        raise BadRequest(f"top_p must be 0 < top_p <= 1 and at least {FLOAT32_TINY:.4g}, got {params.top_p!r}", "top_p")
-    low, high = REPETITION_PENALTY_RANGE
-    if not low <= params.repetition_penalty <= high:
-        message = f"repetition_penalty must be in [{low:g}, {high:g}] (1 is off), got {params.repetition_penalty!r}"
-        raise BadRequest(message, "repetition_penalty")
     return params
 
 

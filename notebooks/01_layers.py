@@ -443,8 +443,7 @@ def get_rope(config: Any, head_dim: int) -> RotaryEmbedding:
 
 
 # %% [markdown]
-# Check: transformers' own RoPE (`Qwen3RotaryEmbedding`, `apply_rotary_pos_emb`) rotates q and k as ours does, for
-# Qwen3's default RoPE and for Llama-3.2's scaled one.
+# Check: ours rotates q and k as transformers' RoPE does (Qwen3's default, and Llama-3.2's scaled one).
 
 # %%
 from transformers import LlamaConfig, Qwen3Config
@@ -831,10 +830,9 @@ for causal in (True, False):
 
 # %% [markdown]
 # ### How fast is it?
-# `python -m minivllm.benchmarks.prefill` times the kernel on a GPU against SDPA (FlashAttention-2, cuDNN), FlashInfer
-# and a naive O(N²) attention, for one 16-head causal prompt of 1k to 16k tokens. On a GPU this cell re-measures 1k and
-# 4k; without one it shows the committed H200 results (`figures/prefill.json`): cuDNN and FlashInfer are 1.13-1.28×
-# faster than ours from 4k on.
+# `python -m minivllm.benchmarks.prefill` times the kernel against SDPA (FlashAttention-2, cuDNN), FlashInfer and naive
+# O(N²) attention, on one 16-head causal prompt of 1k to 16k tokens. On a GPU this cell re-measures 1k and 4k; else it
+# shows the committed H200 results (`figures/prefill.json`): from 4k on, cuDNN and FlashInfer beat ours by 1.13-1.28×.
 
 # %%
 from minivllm.benchmarks.prefill import plot_prefill, run_prefill_benchmark

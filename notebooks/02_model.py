@@ -729,8 +729,8 @@ except ValueError as e:
 # %% [markdown]
 # ## Sampling parameters
 # How a request picks each next token (notebook 04's sampler), and when it stops. A bad value is refused when the
-# request is made, naming the field: in the sampler, a NaN makes garbage tokens with no error. As in vLLM, a temperature
-# below `1e-5` is greedy (`0`): dividing logits by a tiny one overflows float32 to infinity.
+# request is made, naming the field: in the sampler, a NaN (or a value float32 cannot hold) makes garbage tokens with no
+# error. As in vLLM, a temperature below `1e-5` is greedy (`0`): dividing logits by it would overflow float32.
 
 # %% tags=["export"] module="minivllm.sampling_params"
 import math
@@ -798,12 +798,12 @@ class SamplingParams:
             "max_tokens": (self.max_tokens >= 1, ">= 1"),
             "min_tokens": (0 <= self.min_tokens <= self.max_tokens, f"in [0, max_tokens={self.max_tokens}]"),
             "temperature": (self.temperature >= 0, ">= 0 (0 is greedy)"),
-            "top_p": (0 < self.top_p <= 1, "in (0, 1]"),
+            "top_p": (2.0**-126 <= self.top_p <= 1, "in (0, 1] and >= 2**-126 (float32's smallest normal number)"),
             "top_k": (self.top_k == -1 or 1 <= self.top_k < 2**63, "-1 (off) or in [1, 2**63)"),
             "min_p": (0 <= self.min_p <= 1, "in [0, 1]"),
             "presence_penalty": (-2 <= self.presence_penalty <= 2, "in [-2, 2]"),
             "frequency_penalty": (-2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
-            "repetition_penalty": (self.repetition_penalty > 0, "> 0 (1 is off)"),
+            "repetition_penalty": (1e-6 <= self.repetition_penalty <= 1e6, "in [1e-6, 1e6] (1 is off)"),
             "stop_token_ids": (all(t >= 0 for t in self.stop_token_ids), "token ids >= 0"),
             "stop": (all(isinstance(x, str) and x for x in self.stop), "non-empty strings"),
             "n": (self.n >= 1, ">= 1"),
@@ -827,6 +827,8 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output"):
             setattr(self, name, as_plain(getattr(self, name), name, bool))
         self.stop_token_ids = [] if self.stop_token_ids is None else as_token_ids(self.stop_token_ids, "stop_token_ids")
+        if not isinstance(self.stop, str | list | tuple | None):
+            raise ValueError(f"stop must be a str or a list of str, got {self.stop!r} ({type(self.stop).__name__})")
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])  # a str: one string
 
     @property
@@ -838,7 +840,7 @@ class SamplingParams:
 from minivllm.sampling_params import SamplingParams
 
 print(SamplingParams(temperature=1e-6, stop_token_ids=None), torch.tensor(10.0) / 1e-45)
-for bad in [dict(max_tokens=2.0), dict(temperature=float("nan")), dict(top_p=0.0), dict(stop_token_ids=[[1]])]:
+for bad in [dict(max_tokens=2.0), dict(temperature=float("nan")), dict(top_p=1e-300), dict(stop_token_ids=[[1]])]:
     try:
         SamplingParams(**bad)
         raise AssertionError(f"accepted {bad}")

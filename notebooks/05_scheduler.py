@@ -74,11 +74,10 @@ rng = np.random.default_rng(0)
 # waiting one takes its seat at the next step, with KV memory handed out per request in notebook 03's blocks. The
 # scheduler keeps two queues, `waiting` (first come, first served) and `running` (admission order). Its rules:
 #
-# **1. Prefill first.** If a waiting request can join (or a chunked prompt has more to compute), the step is a
-# prefill; otherwise it decodes every running request. Requests join in arrival order while three limits allow:
-# `max_num_seqs` running, `max_num_batched_tokens` tokens in the step (the *token budget*; a prefix-cache hit is
-# free), and free KV blocks for the whole prompt. The first that does not fit stops admission: a stream of small
-# requests overtaking a big one could starve it.
+# **1. Prefill first.** If a waiting request can join (or a chunked prompt has more to compute), the step is a prefill;
+# else it decodes every running request. Requests join in arrival order while three limits allow: `max_num_seqs`
+# running, `max_num_batched_tokens` tokens per step (the *token budget*; a prefix-cache hit is free), and free KV blocks
+# for the whole prompt. The first that does not fit stops admission: small ones overtaking a big one could starve it.
 #
 # **2. Chunked prefill.** A prompt bigger than what is left of the budget gets what is left, and the rest in the next
 # steps (where it goes first). So any prompt runs, and no step computes more than `max_num_batched_tokens` tokens,
@@ -96,14 +95,12 @@ rng = np.random.default_rng(0)
 # (`"length"`). `resolve`, once the tokens are known: they replace the placeholders, and a request ends on one of
 # its `stop_token_ids` (`"stop"`). Notebook 06 schedules the next step between the two halves.
 #
-# **5. Admission and abort.** Every request that reaches `add` fits, prompt plus one token, in `max_model_len` and
-# the cache (the engine checks, notebook 06); one that outgrows the cache while running stops with `"length"`.
-# `abort` drops a request wherever it is, forgetting blocks its failed step published but never wrote
-# (`BlockManager.discard`); `abort_all` drops every request and resets the block manager (`tests/test_scheduler.py`
-# checks both after a step that fails half-way).
+# **5. Admission and abort.** Each request reaching `add` fits, prompt plus one token, in `max_model_len` and the cache
+# (notebook 06's engine checks); one that outgrows the cache while running stops with `"length"`. `abort` drops a
+# request wherever it is, forgetting blocks its failed step published but never wrote (`BlockManager.discard`);
+# `abort_all` drops all and resets the block manager (`tests/test_scheduler.py` checks both after a failed step).
 #
-# A chunked prompt with one token left is in the state of a request after its prefill, so it joins the next decode:
-# a decode is a prefill of one token.
+# A chunked prompt with one token left joins the next decode like a prefilled request: a decode is a one-token prefill.
 
 # %% tags=["export"] module="minivllm.engine.scheduler"
 from collections import deque
@@ -434,8 +431,7 @@ class UnifiedScheduler(Scheduler):
 
 
 # %% [markdown]
-# The unified policy changes which rows share a step, not what a row computes, so both policies must give the same
-# tokens.
+# The unified policy changes which rows share a step, not what a row computes: both policies must give the same tokens.
 #
 # ## The same tokens as transformers, under pressure
 # The oracle is transformers' `generate` on the same checkpoint, greedy, float32. 16 requests go through each policy
@@ -800,10 +796,9 @@ assert np.median(pf["tpot"]) >= np.median(df["tpot"])
 
 # %% [markdown]
 # ### What chunked prefill changes
-# Two knobs: the policy, and the budget `max_num_batched_tokens` (256 cuts every long prompt into chunks, 4,096 never
-# does). The requests are the 120 above, one prompt in ten made long (1,000 to 3,000 tokens), arriving at a quarter
-# of the rate the engine serves the short ones. Per run: TTFT and TPOT, the longest step, and the longest any request
-# waits between two of its tokens.
+# Two knobs: the policy, and the budget `max_num_batched_tokens` (256 chunks every long prompt, 4,096 never does). The
+# requests: the 120 above, one prompt in ten made long (1k to 3k tokens), arriving at a quarter of the rate the engine
+# serves short ones. Per run: TTFT and TPOT, the longest step, the longest wait of any request between two tokens.
 
 # %%
 long_rng = np.random.default_rng(3)  # its own draws

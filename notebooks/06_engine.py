@@ -108,8 +108,7 @@ class LLMEngine:
     ) -> list[str]:
         """Check every request, then queue them all: if one is bad, ValueError and none is queued. Their ids."""
         with self.lock:
-            taken = {r.request_id for r in self.requests.values()} | {out.request_id for out in self.finished}
-            ids = self.input_processor.request_ids(request_ids or [None] * len(prompts), taken)
+            ids = self.input_processor.request_ids(request_ids or [None] * len(prompts), self.request_ids())
             names = ["prompt"] if len(prompts) == 1 else [f"prompts[{i}]" for i in range(len(prompts))]
             make = self.input_processor.make_request
             requests = [make(*args) for args in zip(prompts, sampling_params, ids, names, strict=True)]
@@ -117,6 +116,10 @@ class LLMEngine:
                 self.requests |= {seq.seq_id: request for seq in request.seqs}
                 self.start(request, 1 if self.config.enable_prefix_caching else len(request.seqs))
             return ids
+
+    def request_ids(self) -> set[str]:
+        """The ids in use: of unfinished requests, and of finished ones whose outputs step() has kept back."""
+        return {r.request_id for r in self.requests.values()} | {out.request_id for out in self.finished}
 
     def add_request(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
@@ -138,6 +141,8 @@ class LLMEngine:
                     self.scheduler.abort(seq)
                     del self.requests[seq.seq_id]
             self.finished = [out for out in self.finished if out.request_id not in ids]
+            if self.launched and all(seq.is_finished for seq in self.launched.seqs):
+                self.launched = None  # a step launched ahead for these alone: nothing left to read
 
     def step(self, request_ids: Collection[str] | None = None) -> tuple[list[RequestOutput], StepStats]:
         """Finish one step, if any request is queued: the outputs of the requests that finished (only those in
@@ -245,8 +250,8 @@ class LLMEngine:
 # list of ints, a 1-D integer array or tensor) or a list of those, with one `SamplingParams` for all or one per prompt,
 # and returns the outputs in the prompts' order; `chat` does the same for conversations, through the chat template. It
 # holds the engine's lock for its whole run and returns only its own requests: those queued with `engine.add_request`
-# share its batches, their outputs kept for `engine.step()`; if interrupted (Ctrl-C, an error), it aborts its unfinished
-# ones. A server streams instead: `AsyncLLM` steps the same engine on its own thread (`engine.progress`: each request's
+# share its batches, their outputs kept for `engine.step()`; interrupted (Ctrl-C, an error), it aborts every request it
+# added. A server streams instead: `AsyncLLM` steps the same engine on its own thread (`engine.progress`: each request's
 # newest output), and `python -m minivllm.serve` puts OpenAI's HTTP API in front.
 
 # %% tags=["export"] module="minivllm.llm"
@@ -271,6 +276,8 @@ def is_one_prompt(prompts) -> TypeGuard[Prompt]:
 def chat_prompt(tokenizer, conversation, model, template_kwargs: dict | None = None) -> str:
     if tokenizer is None or tokenizer.chat_template is None:
         raise ValueError(f"{model} has no chat template: pass prompts to generate instead")
+    if bad := [i for i, m in enumerate(conversation) if not isinstance(m, dict) or not {"role", "content"} <= m.keys()]:
+        raise ValueError(f'messages[{bad[0]}] must be a dict with "role" and "content", got {conversation[bad[0]]!r}')
     kwargs = template_kwargs or {}  # the template's own switches: Qwen3's enable_thinking, say
     return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True, **kwargs)
 
@@ -291,20 +298,19 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """One output per prompt, in order. Only this call's requests are returned (see the notebook's contract)."""
-        if is_one_prompt(prompts):
-            prompts = [prompts]
+        prompts = [prompts] if is_one_prompt(prompts) else prompts
         if not isinstance(prompts, list | tuple):
             raise ValueError(f"prompts must be a str, token ids, or a list of them; got {type(prompts).__name__}")
         params = sampling_params if isinstance(sampling_params, list | tuple) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
         with self.engine.lock:
-            # a list of prompts and their SamplingParams (or None) now, which mypy cannot tell; add_requests checks each
-            ids = self.engine.add_requests(cast(list[Prompt], list(prompts)), cast(list, list(params)))
-            try:
+            before = self.engine.request_ids()
+            try:  # casts: a list of prompts and their SamplingParams (or None) now; add_requests checks each
+                ids = self.engine.add_requests(cast(list[Prompt], list(prompts)), cast(list, list(params)))
                 outputs = self.run(ids, use_tqdm)
-            except BaseException:
-                self.engine.abort_request(ids)
+            except BaseException:  # Ctrl-C or an error, even half-way through add_requests: abort all it added
+                self.engine.abort_request(self.engine.request_ids() - before)
                 raise
         order = {request_id: i for i, request_id in enumerate(ids)}
         return sorted(outputs, key=lambda out: order[out.request_id])
@@ -351,10 +357,9 @@ class LLM:
 # %% [markdown]
 # ## vLLM's offline API: what goes in, what comes out
 # Three modules: what a request gives back (`outputs`), how a prompt gets in (`input_processor`), how tokens come out as
-# text (`output_processor`). **What a request gives back** is vLLM's `RequestOutput`: the prompt and, per completion,
-# its text, token ids, `finish_reason` ("stop": an EOS or stop token; "length": `max_tokens` or the context) and
-# log-probabilities if asked; and two timings a server is judged by: **time to first token** (TTFT) and **time per
-# output token** (TPOT).
+# text (`output_processor`). **Outputs** are vLLM's `RequestOutput`: the prompt and, per completion, its text, token
+# ids, `finish_reason` ("stop": an EOS or stop token; "length": `max_tokens` or the context) and log-probabilities if
+# asked; and two timings a server is judged by: **time to first token** (TTFT) and **time per output token** (TPOT).
 
 # %% tags=["export"] module="minivllm.outputs"
 from dataclasses import dataclass, field
@@ -524,13 +529,14 @@ class InputProcessor:
             )
         if bad := [t for t in token_ids if not 0 <= t < vocab_size]:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        if bad := [t for t in params.stop_token_ids if not 0 <= t < vocab_size]:  # the sampler indexes by them
+            raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop strings need a tokenizer, and {config.model} has none: use stop_token_ids")
 
     def request_params(self, params: SamplingParams | None) -> SamplingParams:
         """The request's own copy of params, with every EOS id (`replace` runs the checks again: fields may change)."""
-        if params is None:
-            params = SamplingParams()
+        params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         params = dataclasses.replace(params)
@@ -700,9 +706,8 @@ if real:  # bfloat16 (notebook 02): transformers' top token given our tokens bef
 # %% [markdown]
 # ### The same tokens as transformers
 # Greedy decoding must reproduce transformers' `generate` token for token: prompts of mixed lengths, some sharing a
-# prefix (prefix-cache hits), in float32 on a CPU (the real model, in bfloat16 on a GPU: above; notebook 02 says why).
-# With async scheduling on: on a CPU nothing runs ahead, but every line of it runs (on the H200 it takes nano-vllm's
-# workload from 17.4k to 22.1k output tokens/s: README).
+# cached prefix, in float32 on a CPU (the real model, in bfloat16 on a GPU: above). Async scheduling is on: on a CPU
+# nothing runs ahead, but all its code runs (on the H200 it lifts nano-vllm's workload from 17.4k to 22.1k tokens/s).
 
 # %%
 from transformers import AutoModelForCausalLM

@@ -135,6 +135,7 @@ def test_max_tokens_and_max_model_len_finish_with_length(llm):
         ([[1, 2], [1, -3], [4]], GREEDY, "token id -3"),
         ([[1, 2]], [GREEDY, GREEDY], "sampling_params has 2 entries"),
         ([[1, 2]], "greedy", "sampling_params must be SamplingParams"),
+        ([[1, 2]], SamplingParams(min_tokens=1, stop_token_ids=[5000]), "stop_token_ids: token id 5000 is outside"),
     ],
 )
 def test_bad_requests_raise_and_change_nothing(llm, prompts, params, field):
@@ -163,6 +164,7 @@ def test_bad_requests_raise_and_change_nothing(llm, prompts, params, field):
         (dict(repetition_penalty=0.0), "repetition_penalty"),
         (dict(stop=[""]), "stop"),
         (dict(stop=[3]), "stop"),
+        (dict(stop=123), "stop must be a str or a list of str"),
         (dict(include_stop_str_in_output=1), "include_stop_str_in_output"),
         (dict(n=0), "^n must"),
         (dict(n=2.0), "^n must"),
@@ -174,6 +176,20 @@ def test_bad_requests_raise_and_change_nothing(llm, prompts, params, field):
 def test_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "messages, index",
+    [
+        ([{"role": "user"}], 0),
+        ([{"role": "user", "content": "Hi"}, {"content": "Hello"}], 1),
+        ([{"role": "user", "content": "Hi"}, "Hello"], 1),
+    ],
+)
+def test_chat_names_the_message_that_is_not_a_role_and_content(llm, messages, index):
+    with pytest.raises(ValueError, match=rf'messages\[{index}\] must be a dict with "role" and "content"'):
+        llm.chat(messages, GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_a_cache_too_small_for_the_prompt(tiny):

@@ -241,6 +241,30 @@ def test_non_finite_sampling_params_are_refused(field, value):
         SamplingParams(**{field: value})
 
 
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("top_p", 1e-300),  # 0 in float32: no token would be kept
+        ("top_p", 1e-39),  # a float32 subnormal
+        ("repetition_penalty", 1e-300),  # 0 in float32: x / 0 and 0 * inf are NaN probabilities
+        ("repetition_penalty", 1e-7),
+        ("repetition_penalty", 1e300),
+    ],
+)
+def test_sampling_values_that_float32_cannot_hold_are_refused(field, value):
+    with pytest.raises(ValueError, match=f"^{field} must be"):
+        SamplingParams(**{field: value})
+
+
+def test_the_float32_floors_themselves_sample_valid_tokens(llm):
+    edges = [dict(top_p=2**-126), dict(repetition_penalty=1e-6), dict(repetition_penalty=1e6)]
+    params = [SamplingParams(seed=3, max_tokens=4, ignore_eos=True, **edge) for edge in edges]
+    outputs = llm.generate([[1, 2, 3, 1, 2]] * len(params), params, use_tqdm=False)
+    vocab_size = llm.engine.config.hf_config.vocab_size
+    assert all(len(o.outputs[0].token_ids) == 4 and 0 <= min(o.outputs[0].token_ids) for o in outputs)
+    assert all(max(o.outputs[0].token_ids) < vocab_size for o in outputs)
+
+
 @pytest.mark.parametrize("temperature", [9.99e-6, 1e-6, 1.1754944e-38, float(np.float32(1e-45)), 5e-324, 0.0])
 def test_temperatures_below_1e_5_are_greedy(llm, temperature):
     params = SamplingParams(temperature=temperature, max_tokens=8, ignore_eos=True, seed=3)
@@ -362,6 +386,73 @@ def test_a_failed_decode_step_aborts_its_requests(llm, hf_greedy):
     assert calls == [False]
     assert_idle(llm)
     assert greedy_tokens(llm, prompt + [expected[0]], 7) == expected[1:]
+
+
+class Interrupter:
+    """Ctrl-C at a chosen moment of what the engine runs: `at` = k raises KeyboardInterrupt at the k-th moment (just
+    before or just after a call to one of the engine's, scheduler's, runner's or processors' methods); 0 never."""
+
+    def __init__(self, engine):
+        self.at = self.moments = 0
+        self.patched = []
+        methods = {
+            engine: ["add_requests", "start", "step", "run_step", "launch", "postprocess"],
+            engine.input_processor: ["make_request", "check_request"],
+            engine.scheduler: ["add", "schedule", "advance", "resolve", "finish"],
+            engine.runner: ["launch"],
+            engine.output_processor: ["process", "output"],
+        }
+        for owner, names in methods.items():
+            for name in names:
+                setattr(owner, name, self.wrap(getattr(owner, name)))
+                self.patched.append((owner, name))
+
+    def restore(self) -> None:
+        for owner, name in self.patched:
+            delattr(owner, name)  # the class's method again
+
+    def moment(self) -> None:
+        self.moments += 1
+        if self.moments == self.at:
+            raise KeyboardInterrupt
+
+    def wrap(self, method):
+        def wrapped(*args, **kwargs):
+            self.moment()
+            result = method(*args, **kwargs)
+            self.moment()
+            return result
+
+        return wrapped
+
+
+def test_an_interrupt_at_any_moment_of_generate_leaves_no_request_behind(llm, hf_greedy):
+    """Ctrl-C anywhere in generate, even as add_requests queues or returns: every request it added is gone, with its
+    KV blocks and kept outputs, and the engine serves on. One call per moment of a whole call, interrupted there; the
+    model's logits are random meanwhile (the bookkeeping is under test, and a forward of the model takes long)."""
+    prompts = [list(range(10, 30)), "Hello", list(range(10, 26)) + [3]]  # the third hits the first's cached block
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    params = [greedy, SamplingParams(max_tokens=3, n=2, seed=0), SamplingParams(max_tokens=4, stop_token_ids=[7])]
+    runner, vocab_size = llm.engine.runner, llm.engine.config.hf_config.vocab_size
+    runner.step_logits = lambda seqs, is_prefill: torch.randn(len(seqs), vocab_size)
+    interrupter, config, counts = Interrupter(llm.engine), llm.engine.config, []
+    try:
+        for config.async_scheduling in (False, True):  # with async scheduling, a step is launched ahead too
+            interrupter.at, interrupter.moments = 0, 0
+            llm.generate(prompts, params, use_tqdm=False)
+            counts.append(interrupter.moments)
+            for k in range(1, counts[-1] + 1):
+                interrupter.at, interrupter.moments = k, 0
+                with pytest.raises(KeyboardInterrupt):
+                    llm.generate(prompts, params, use_tqdm=False)
+                assert_idle(llm)
+    finally:
+        interrupter.restore()
+        del runner.step_logits
+        config.async_scheduling = False
+    assert min(counts) > 100, counts
+    fresh = list(range(400, 420))  # not the prompts above: random logits wrote no KV to their cached blocks
+    assert greedy_tokens(llm, fresh) == hf_greedy(fresh, 8)
 
 
 # --- 6. the command line -------------------------------------------------------------------------------------------

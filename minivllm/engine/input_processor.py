@@ -95,13 +95,14 @@ class InputProcessor:
             )
         if bad := [t for t in token_ids if not 0 <= t < vocab_size]:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        if bad := [t for t in params.stop_token_ids if not 0 <= t < vocab_size]:  # the sampler indexes by them
+            raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
         if params.stop and self.tokenizer is None:
             raise ValueError(f"stop strings need a tokenizer, and {config.model} has none: use stop_token_ids")
 
     def request_params(self, params: SamplingParams | None) -> SamplingParams:
         """The request's own copy of params, with every EOS id (`replace` runs the checks again: fields may change)."""
-        if params is None:
-            params = SamplingParams()
+        params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         params = dataclasses.replace(params)

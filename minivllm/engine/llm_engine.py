@@ -52,8 +52,7 @@ class LLMEngine:
     ) -> list[str]:
         """Check every request, then queue them all: if one is bad, ValueError and none is queued. Their ids."""
         with self.lock:
-            taken = {r.request_id for r in self.requests.values()} | {out.request_id for out in self.finished}
-            ids = self.input_processor.request_ids(request_ids or [None] * len(prompts), taken)
+            ids = self.input_processor.request_ids(request_ids or [None] * len(prompts), self.request_ids())
             names = ["prompt"] if len(prompts) == 1 else [f"prompts[{i}]" for i in range(len(prompts))]
             make = self.input_processor.make_request
             requests = [make(*args) for args in zip(prompts, sampling_params, ids, names, strict=True)]
@@ -61,6 +60,10 @@ class LLMEngine:
                 self.requests |= {seq.seq_id: request for seq in request.seqs}
                 self.start(request, 1 if self.config.enable_prefix_caching else len(request.seqs))
             return ids
+
+    def request_ids(self) -> set[str]:
+        """The ids in use: of unfinished requests, and of finished ones whose outputs step() has kept back."""
+        return {r.request_id for r in self.requests.values()} | {out.request_id for out in self.finished}
 
     def add_request(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
@@ -82,6 +85,8 @@ class LLMEngine:
                     self.scheduler.abort(seq)
                     del self.requests[seq.seq_id]
             self.finished = [out for out in self.finished if out.request_id not in ids]
+            if self.launched and all(seq.is_finished for seq in self.launched.seqs):
+                self.launched = None  # a step launched ahead for these alone: nothing left to read
 
     def step(self, request_ids: Collection[str] | None = None) -> tuple[list[RequestOutput], StepStats]:
         """Finish one step, if any request is queued: the outputs of the requests that finished (only those in
