@@ -83,6 +83,17 @@ class AsyncLLM:
         """Whether the engine's thread is alive and can run requests (for a server's /health: 503 when not)."""
         return self.error is None and not self.stopped and self.thread.is_alive()
 
+    def stats(self) -> dict[str, float]:
+        """The engine's load now (a server's /metrics): sequences running and waiting (one per completion of n, as
+        vLLM v1 counts n's children), and the fraction of KV blocks in use."""
+        with self.engine.lock:
+            scheduler, bm = self.engine.scheduler, self.engine.scheduler.block_manager
+            return {
+                "num_requests_running": len(scheduler.running),
+                "num_requests_waiting": len(scheduler.waiting),
+                "kv_cache_usage": bm.num_used_blocks / bm.num_blocks,
+            }
+
     def dead_error(self) -> EngineDeadError:
         error = EngineDeadError(f"the engine's thread died: {self.error!r}")
         error.__cause__ = self.error
