@@ -19,7 +19,8 @@ repetition_penalty, max_tokens within max_model_len, one prompt per request, Ope
 Operations, as vLLM's: `/metrics` answers in Prometheus' text format with vLLM's names (vllm:num_requests_running,
 vllm:num_requests_waiting, vllm:kv_cache_usage_perc, the histograms vllm:time_to_first_token_seconds and
 vllm:time_per_output_token_seconds, the counters vllm:prompt_tokens_total, vllm:generation_tokens_total and
-vllm:request_success_total).
+vllm:request_success_total). A client that disconnects aborts its request, streaming or not: its KV blocks are
+freed at once.
 """
 
 import argparse
@@ -259,6 +260,32 @@ class Metrics(Collector):
             self.tpot.observe(tpot)
 
 
+async def disconnected(raw: Request) -> None:
+    """Return once the client has gone: its body has been read, so all the ASGI server can send is http.disconnect."""
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def last_output(outputs: AsyncGenerator[RequestOutput, None], raw: Request) -> RequestOutput | None:
+    """The request's last output; None if its client disconnects first, queued or running: the request is aborted
+    then (closing `outputs` frees its blocks), not run on to its end for nobody, as vLLM does."""
+
+    async def collect() -> RequestOutput:
+        while not (out := await anext(outputs)).finished:
+            pass
+        return out
+
+    collecting, gone = asyncio.create_task(collect()), asyncio.create_task(disconnected(raw))
+    try:
+        await asyncio.wait([collecting, gone], return_when=asyncio.FIRST_COMPLETED)
+    finally:  # the client left, or this handler was cancelled: stop reading, then abort
+        gone.cancel()
+        collecting.cancel()
+        await asyncio.wait([collecting])
+        await outputs.aclose()
+    return None if collecting.cancelled() else collecting.result()
+
+
 class Server:
     """The routes over one AsyncLLM, serving under the name `model_name`."""
 
@@ -350,14 +377,14 @@ class Server:
             raise BadRequest(message, param)
         return given
 
-    async def completions(self, request: CompletionRequest):
+    async def completions(self, request: CompletionRequest, raw: Request):
         self.check_request(request)
         token_ids = await self.token_ids(prompt_of(request.prompt), "prompt")
         max_tokens = self.max_tokens(request.max_tokens, "max_tokens", len(token_ids), 16)
         params = sampling_params(request, max_tokens, request.logprobs)
-        return await self.respond(token_ids, params, request, "cmpl", completion_choice)
+        return await self.respond(token_ids, params, request, raw, "cmpl", completion_choice)
 
-    async def chat_completions(self, request: ChatRequest):
+    async def chat_completions(self, request: ChatRequest, raw: Request):
         self.check_request(request)
         if request.top_logprobs is not None and not request.logprobs:
             raise BadRequest("top_logprobs needs logprobs set to true", "top_logprobs")
@@ -372,31 +399,28 @@ class Server:
             given, param = request.max_tokens, "max_tokens"
         max_tokens = self.max_tokens(given, param, len(token_ids), None)
         params = sampling_params(request, max_tokens, (request.top_logprobs or 0) if request.logprobs else None)
-        return await self.respond(token_ids, params, request, "chatcmpl", chat_choice)
+        return await self.respond(token_ids, params, request, raw, "chatcmpl", chat_choice)
 
-    async def respond(self, prompt, params: SamplingParams, request: SamplingRequest, kind: str, choice):
-        """Run the request; the whole reply, or a stream of server-sent events. Bad input: 400 before any event."""
+    async def respond(self, prompt, params: SamplingParams, request: SamplingRequest, raw: Request, kind: str, choice):
+        """Run the request; the whole reply, or a stream of server-sent events. Bad input: 400 before any event.
+        A client that leaves aborts its request, streaming or not."""
         request_id = f"{kind}-{uuid.uuid4().hex}"
         outputs = self.llm.generate(prompt, params, request_id)
-        try:
-            first = await anext(outputs)  # add_request's checks run here: a ValueError is still a 400
+        try:  # add_request's checks run as `outputs` starts: a ValueError is still a 400
+            out = await anext(outputs) if request.stream else await last_output(outputs, raw)
         except ValueError as e:  # the engine's checks of the prompt: "prompt is empty", "token id ... is outside"
             param = "prompt" if kind == "cmpl" else "messages"
             raise BadRequest(str(e) if str(e).startswith(param) else f"{param}: {e}", param) from e
+        if out is None:  # the client left; nobody will read this: nginx's "client closed request"
+            return error("the client disconnected", status=499)
         head = {"id": request_id, "created": int(time.time()), "model": self.model_name}
         if not request.stream:
-            last = first
-            try:
-                async for out in outputs:
-                    last = out
-            finally:  # cancelled (the client left): abort the request now, not when the generator is collected
-                await outputs.aclose()
-            self.metrics.finished(last)
+            self.metrics.finished(out)
             object_name = "text_completion" if kind == "cmpl" else "chat.completion"
-            choices = [choice(c, None, 0, params.logprobs) for c in last.outputs]
-            return {**head, "object": object_name, "choices": choices, "usage": usage(last)}
+            choices = [choice(c, None, 0, params.logprobs) for c in out.outputs]
+            return {**head, "object": object_name, "choices": choices, "usage": usage(out)}
         include_usage = request.stream_options is not None and request.stream_options.include_usage
-        events = self.events(head, kind, first, outputs, partial(choice, top=params.logprobs), include_usage)
+        events = self.events(head, kind, out, outputs, partial(choice, top=params.logprobs), include_usage)
         return StreamingResponse(events, media_type="text/event-stream")
 
     async def events(

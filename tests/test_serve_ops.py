@@ -1,5 +1,12 @@
-"""The server's operating habits, vLLM's (`python -m minivllm.serve`): /metrics in Prometheus' text format. CPU, tiny
-preset, float32, greedy."""
+"""The server's operating habits, vLLM's (`python -m minivllm.serve`): /metrics in Prometheus' text format, and a
+non-streaming request aborted when its client leaves. CPU, tiny preset, float32, greedy."""
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -8,12 +15,47 @@ httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 parser = pytest.importorskip("prometheus_client.parser")
 
+LONG = dict(model="tiny", prompt="A long story:", max_tokens=400, temperature=0, ignore_eos=True)
+
 
 def scrape(url: str) -> dict[str, float]:
     """/metrics parsed: each sample's value by name (histograms' buckets left out; one model, one label)."""
     text = httpx.get(f"{url}/metrics", timeout=60).text
     families = parser.text_string_to_metric_families(text)
     return {s.name: s.value for family in families for s in family.samples if "le" not in s.labels}
+
+
+def wait_until(condition, seconds: float = 60) -> None:
+    """Poll until condition() holds: a hang check, not a measurement (the server answers in milliseconds)."""
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def gate(server, monkeypatch) -> Iterator[threading.Event]:
+    """Holds the engine's thread before each step (not holding the engine's lock) until set, or the test ends."""
+    llm, opened = server[1], threading.Event()
+    step = llm.engine.step
+
+    def gated(*args):
+        opened.wait()
+        return step(*args)
+
+    monkeypatch.setattr(llm.engine, "step", gated)
+    yield opened
+    opened.set()
+
+
+def address(url: str) -> tuple[str, int]:
+    split = urlsplit(url)
+    return split.hostname or "", split.port or 80
+
+
+def post(url: str, body: bytes) -> bytes:
+    """A POST of JSON to /v1/completions written by hand: a client that can leave at any point."""
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: {urlsplit(url).netloc}\r\nContent-Type: application/json\r\n"
+    return f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body
 
 
 def test_metrics_count_what_the_replies_report(server):
@@ -37,3 +79,21 @@ def test_metrics_count_what_the_replies_report(server):
     assert added("vllm:time_per_output_token_seconds_count") >= 3  # the chat reply may stop after one token
     assert after["vllm:num_requests_running"] == after["vllm:num_requests_waiting"] == 0
     assert after["vllm:kv_cache_usage_perc"] == 0  # finished requests' blocks are free (cached or not)
+
+
+def test_a_non_streaming_request_is_aborted_when_its_client_leaves(server, gate):
+    """No step runs until the server has aborted the request (the gate): without the abort it would wait there, and
+    then run to its 400th token for nobody."""
+    url, llm = server
+    aborted, bm = llm.num_aborted, llm.engine.scheduler.block_manager
+    with socket.create_connection(address(url), timeout=60) as sock:
+        sock.sendall(post(url, json.dumps(LONG).encode()))
+        wait_until(llm.engine.has_unfinished_requests)  # queued in the engine
+        assert llm.engine.has_unfinished_requests()
+    wait_until(lambda: llm.num_aborted > aborted)
+    gate.set()
+    assert llm.num_aborted == aborted + 1
+    wait_until(lambda: not llm.engine.has_unfinished_requests())
+    stats = llm.stats()
+    assert stats["num_requests_running"] == stats["num_requests_waiting"] == 0
+    assert bm.num_free_blocks == bm.num_blocks
