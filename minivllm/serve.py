@@ -19,8 +19,8 @@ repetition_penalty, max_tokens within max_model_len, one prompt per request, Ope
 Operations, as vLLM's: `/metrics` answers in Prometheus' text format with vLLM's names (vllm:num_requests_running,
 vllm:num_requests_waiting, vllm:kv_cache_usage_perc, the histograms vllm:time_to_first_token_seconds and
 vllm:time_per_output_token_seconds, the counters vllm:prompt_tokens_total, vllm:generation_tokens_total and
-vllm:request_success_total). A client that disconnects aborts its request, streaming or not: its KV blocks are
-freed at once.
+vllm:request_success_total). With --max-queued-requests N, a request that finds N in flight gets 503 and
+`Retry-After: 1`. A client that disconnects aborts its request, streaming or not: its KV blocks are freed at once.
 """
 
 import argparse
@@ -44,6 +44,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from minivllm.async_llm import AsyncLLM, EngineDeadError
 from minivllm.checkpoint import checkpoint_for
@@ -68,6 +69,7 @@ UNSUPPORTED = {
     "tools": (None, []),
     "tool_choice": (None, "none"),
 }
+GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")  # the routes --max-queued-requests limits
 # vLLM's histogram buckets, in seconds.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
@@ -260,6 +262,29 @@ class Metrics(Collector):
             self.tpot.observe(tpot)
 
 
+class Limits:
+    """ASGI middleware: with `max_in_flight`, a request to generate while that many are in flight (from their
+    arrival until their reply or stream ends) gets a 503 and Retry-After: retry, or elsewhere."""
+
+    def __init__(self, app: ASGIApp, max_in_flight: int | None):
+        self.app, self.max_in_flight = app, max_in_flight
+        self.num_in_flight = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in GENERATE_PATHS:
+            return await self.app(scope, receive, send)
+        if self.max_in_flight is not None and self.num_in_flight >= self.max_in_flight:
+            message = f"the server is busy: {self.num_in_flight} requests in flight, its limit; retry later"
+            response = error(message, status=503)
+            response.headers["Retry-After"] = "1"
+            return await response(scope, receive, send)
+        self.num_in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.num_in_flight -= 1
+
+
 async def disconnected(raw: Request) -> None:
     """Return once the client has gone: its body has been read, so all the ASGI server can send is http.disconnect."""
     while (await raw.receive())["type"] != "http.disconnect":
@@ -289,10 +314,11 @@ async def last_output(outputs: AsyncGenerator[RequestOutput, None], raw: Request
 class Server:
     """The routes over one AsyncLLM, serving under the name `model_name`."""
 
-    def __init__(self, llm: AsyncLLM, model_name: str):
+    def __init__(self, llm: AsyncLLM, model_name: str, max_queued_requests: int | None = None):
         self.llm, self.model_name = llm, model_name
         self.metrics = Metrics(llm, model_name)
         self.app = FastAPI(title="minivllm")
+        self.app.add_middleware(Limits, max_in_flight=max_queued_requests)
         self.app.add_exception_handler(RequestValidationError, self.invalid)  # type: ignore[arg-type]
         self.app.add_exception_handler(BadRequest, self.bad_request)  # type: ignore[arg-type]
         self.app.add_exception_handler(HTTPException, self.http_error)  # type: ignore[arg-type]
@@ -502,14 +528,14 @@ def usage(out: RequestOutput) -> dict:
 
 
 @contextmanager
-def serve_in_thread(llm: AsyncLLM, model_name: str) -> Iterator[str]:
+def serve_in_thread(llm: AsyncLLM, model_name: str, max_queued_requests: int | None = None) -> Iterator[str]:
     """The server over `llm` on a free port of 127.0.0.1, in a thread of this process (tests, benchmarks, the
     notebook), until the block ends; yields its base URL."""
     import uvicorn
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    http = uvicorn.Server(uvicorn.Config(Server(llm, model_name).app, log_level="warning"))
+    http = uvicorn.Server(uvicorn.Config(Server(llm, model_name, max_queued_requests).app, log_level="warning"))
     thread = threading.Thread(target=http.run, kwargs=dict(sockets=[sock]), daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -541,6 +567,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-queued-requests", type=int, default=None, help="503 beyond this many requests at once")
     args = parser.parse_args(argv)
     given = args.model_tag or args.model
     model = given or str(checkpoint_for(args.preset))
@@ -554,7 +581,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     except (ValueError, OSError) as e:  # no such id or folder, gated, offline and not cached, .bin weights, ...
         parser.exit(2, f"{parser.prog}: error: {load_error_line(e, model, args.tokenizer)}\n")
-    server = Server(llm, args.served_model_name or given or args.preset)
+    server = Server(llm, args.served_model_name or given or args.preset, args.max_queued_requests)
     try:
         uvicorn.run(server.app, host=args.host, port=args.port)
     finally:

@@ -1,5 +1,6 @@
-"""The server's operating habits, vLLM's (`python -m minivllm.serve`): /metrics in Prometheus' text format, and a
-non-streaming request aborted when its client leaves. CPU, tiny preset, float32, greedy."""
+"""The server's operating habits, vLLM's (`python -m minivllm.serve`): /metrics in Prometheus' text format, a 503 with
+Retry-After beyond --max-queued-requests, and a non-streaming request aborted when its client leaves. CPU, tiny
+preset, float32, greedy."""
 
 import json
 import socket
@@ -14,6 +15,8 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 parser = pytest.importorskip("prometheus_client.parser")
+
+from minivllm.serve import serve_in_thread  # noqa: E402
 
 LONG = dict(model="tiny", prompt="A long story:", max_tokens=400, temperature=0, ignore_eos=True)
 
@@ -79,6 +82,26 @@ def test_metrics_count_what_the_replies_report(server):
     assert added("vllm:time_per_output_token_seconds_count") >= 3  # the chat reply may stop after one token
     assert after["vllm:num_requests_running"] == after["vllm:num_requests_waiting"] == 0
     assert after["vllm:kv_cache_usage_perc"] == 0  # finished requests' blocks are free (cached or not)
+
+
+def test_a_request_beyond_max_queued_requests_gets_a_503(server, gate):
+    """A second server over the same engine (its own metrics registry: no clash), taking one request at a time."""
+    llm, small = server[1], dict(LONG, max_tokens=4)
+    with serve_in_thread(llm, "tiny", max_queued_requests=1) as url:
+        with socket.create_connection(address(url), timeout=60) as sock:
+            sock.sendall(post(url, json.dumps(dict(LONG, stream=True)).encode()))
+            wait_until(llm.engine.has_unfinished_requests)  # in flight, and no step runs: it stays so
+            busy = httpx.post(f"{url}/v1/completions", json=small, timeout=60)
+        gate.set()
+        assert busy.status_code == 503 and busy.headers["Retry-After"] == "1", busy.text
+        error = busy.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and "busy" in error["message"]
+        replies = [busy]  # once the stream has ended (the server sees its client gone), its slot is free
+        wait_until(lambda: replies.append(httpx.post(f"{url}/v1/completions", json=small, timeout=60))
+                   or replies[-1].status_code != 503)  # fmt: skip
+        assert replies[-1].status_code == 200, replies[-1].text
+    wait_until(lambda: not llm.engine.has_unfinished_requests())  # the stream's request, aborted: the engine is idle
+    assert not llm.engine.has_unfinished_requests()
 
 
 def test_a_non_streaming_request_is_aborted_when_its_client_leaves(server, gate):
