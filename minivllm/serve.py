@@ -21,6 +21,7 @@ vllm:num_requests_waiting, vllm:kv_cache_usage_perc, the histograms vllm:time_to
 vllm:time_per_output_token_seconds, the counters vllm:prompt_tokens_total, vllm:generation_tokens_total and
 vllm:request_success_total). With --max-queued-requests N, a request that finds N in flight gets 503 and
 `Retry-After: 1`. A client that disconnects aborts its request, streaming or not: its KV blocks are freed at once.
+At most n = 128 completions per request (400 beyond), and a body of 10 MiB (413 beyond, from its Content-Length).
 """
 
 import argparse
@@ -37,6 +38,7 @@ from functools import partial
 from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import HTTPException as FastAPIHTTPException
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -44,7 +46,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from minivllm.async_llm import AsyncLLM, EngineDeadError
 from minivllm.checkpoint import checkpoint_for
@@ -69,6 +71,8 @@ UNSUPPORTED = {
     "tools": (None, []),
     "tool_choice": (None, "none"),
 }
+MAX_N = 128  # completions per request: each is a sequence in the batch, with its own KV blocks
+MAX_REQUEST_BYTES = 10 * 2**20  # a request body beyond this is refused (413) before it is read whole
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")  # the routes --max-queued-requests limits
 # vLLM's histogram buckets, in seconds.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -263,16 +267,21 @@ class Metrics(Collector):
 
 
 class Limits:
-    """ASGI middleware: with `max_in_flight`, a request to generate while that many are in flight (from their
-    arrival until their reply or stream ends) gets a 503 and Retry-After: retry, or elsewhere."""
+    """ASGI middleware: a request body over MAX_REQUEST_BYTES gets a 413, from its Content-Length before anything is
+    read, or while it is read if it has none; with `max_in_flight`, a request to generate while that many are in
+    flight (from their arrival until their reply or stream ends) gets a 503 and Retry-After: retry, or elsewhere."""
 
     def __init__(self, app: ASGIApp, max_in_flight: int | None):
         self.app, self.max_in_flight = app, max_in_flight
         self.num_in_flight = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] not in GENERATE_PATHS:
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if int(dict(scope["headers"]).get(b"content-length", 0)) > MAX_REQUEST_BYTES:
+            return await error(too_large(), status=413)(scope, receive, send)
+        if scope["path"] not in GENERATE_PATHS:
+            return await self.app(scope, capped(receive), send)
         if self.max_in_flight is not None and self.num_in_flight >= self.max_in_flight:
             message = f"the server is busy: {self.num_in_flight} requests in flight, its limit; retry later"
             response = error(message, status=503)
@@ -280,9 +289,28 @@ class Limits:
             return await response(scope, receive, send)
         self.num_in_flight += 1
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, capped(receive), send)
         finally:
             self.num_in_flight -= 1
+
+
+def too_large() -> str:
+    return f"the request body is larger than this server's limit of {MAX_REQUEST_BYTES} bytes"
+
+
+def capped(receive: Receive) -> Receive:
+    """receive, raising a 413 (FastAPI's route answers it) once the body read exceeds MAX_REQUEST_BYTES."""
+    received = 0
+
+    async def receive_capped() -> Message:
+        nonlocal received
+        message = await receive()
+        received += len(message.get("body", b""))
+        if received > MAX_REQUEST_BYTES:
+            raise FastAPIHTTPException(413, too_large())
+        return message
+
+    return receive_capped
 
 
 async def disconnected(raw: Request) -> None:
@@ -375,6 +403,8 @@ class Server:
         check_text(request)
         self.check_model(request)
         check_unsupported(request)
+        if request.n > MAX_N:
+            raise BadRequest(f"n must be at most {MAX_N} (this server's limit), got {request.n}", "n")
         vocab_size = self.llm.engine.config.hf_config.vocab_size
         if bad := [t for t in request.stop_token_ids or [] if not 0 <= t < vocab_size]:
             message = f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab_size})"

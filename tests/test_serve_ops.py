@@ -1,6 +1,6 @@
 """The server's operating habits, vLLM's (`python -m minivllm.serve`): /metrics in Prometheus' text format, a 503 with
-Retry-After beyond --max-queued-requests, and a non-streaming request aborted when its client leaves. CPU, tiny
-preset, float32, greedy."""
+Retry-After beyond --max-queued-requests, a non-streaming request aborted when its client leaves, and caps on n and
+on the body's size. CPU, tiny preset, float32, greedy."""
 
 import json
 import socket
@@ -16,7 +16,7 @@ httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 parser = pytest.importorskip("prometheus_client.parser")
 
-from minivllm.serve import serve_in_thread  # noqa: E402
+from minivllm.serve import MAX_N, MAX_REQUEST_BYTES, serve_in_thread  # noqa: E402
 
 LONG = dict(model="tiny", prompt="A long story:", max_tokens=400, temperature=0, ignore_eos=True)
 
@@ -55,10 +55,28 @@ def address(url: str) -> tuple[str, int]:
     return split.hostname or "", split.port or 80
 
 
-def post(url: str, body: bytes) -> bytes:
-    """A POST of JSON to /v1/completions written by hand: a client that can leave at any point."""
-    head = f"POST /v1/completions HTTP/1.1\r\nHost: {urlsplit(url).netloc}\r\nContent-Type: application/json\r\n"
-    return f"{head}Content-Length: {len(body)}\r\n\r\n".encode() + body
+def post(url: str, body: bytes = b"", framing: str | None = None) -> bytes:
+    """A POST of JSON to /v1/completions written by hand, with any framing header (default: the body's
+    Content-Length). The server closes the connection after its reply."""
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: {urlsplit(url).netloc}\r\nConnection: close\r\n"
+    framing = framing or f"Content-Length: {len(body)}"
+    return f"{head}Content-Type: application/json\r\n{framing}\r\n\r\n".encode() + body
+
+
+def raw_http(url: str, message: bytes) -> bytes:
+    """Send a request written by hand; the reply, read until the server closes the connection."""
+    with socket.create_connection(address(url), timeout=60) as sock:
+        try:
+            sock.sendall(message)
+        except OSError:  # the server answered and closed before it read all: its answer still waits for us
+            pass
+        reply = b""
+        try:
+            while chunk := sock.recv(65536):
+                reply += chunk
+        except OSError:
+            pass
+    return reply
 
 
 def test_metrics_count_what_the_replies_report(server):
@@ -120,3 +138,32 @@ def test_a_non_streaming_request_is_aborted_when_its_client_leaves(server, gate)
     stats = llm.stats()
     assert stats["num_requests_running"] == stats["num_requests_waiting"] == 0
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_n_above_the_limit_gets_a_400(server):
+    body = dict(model="tiny", prompt="Hello", max_tokens=1, n=MAX_N + 1)
+    response = httpx.post(f"{server[0]}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text[:300]
+    error = response.json()["error"]
+    assert error["param"] == "n" and str(MAX_N) in error["message"]
+
+
+@pytest.mark.parametrize("framing", ["content-length", "chunked"])
+def test_a_body_over_the_limit_gets_a_413(server, framing):
+    """Refused from its Content-Length before a byte of it is read; without one, once it has read past the limit.
+    The body is valid JSON with a large field the server ignores: without the cap it would be served."""
+    url = server[0]
+    pad = b"x" * MAX_REQUEST_BYTES
+    body = b'{"model": "tiny", "prompt": "Hello", "max_tokens": 1, "pad": "' + pad + b'"}'
+    if framing == "content-length":  # the header alone: the server must not wait for the body
+        reply = raw_http(url, post(url, framing=f"Content-Length: {len(body)}"))
+    else:
+        chunks = b"".join(
+            b"%x\r\n%s\r\n" % (len(c), c) for c in (body[i : i + 2**16] for i in range(0, len(body), 2**16))
+        )
+        reply = raw_http(url, post(url, chunks + b"0\r\n\r\n", "Transfer-Encoding: chunked"))
+    status, _, rest = reply.partition(b"\r\n")
+    assert status.split()[1] == b"413", reply[:300]
+    error = json.loads(rest.partition(b"\r\n\r\n")[2])["error"]
+    assert set(error) == {"message", "type", "param", "code"} and str(MAX_REQUEST_BYTES) in error["message"]
+    assert httpx.get(f"{url}/health", timeout=60).status_code == 200  # and it serves on
