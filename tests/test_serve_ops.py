@@ -1,6 +1,6 @@
 """The server's operating habits, vLLM's (`python -m minivllm.serve`): /metrics in Prometheus' text format, a 503 with
-Retry-After beyond --max-queued-requests, a non-streaming request aborted when its client leaves, and caps on n and
-on the body's size. CPU, tiny preset, float32, greedy."""
+Retry-After beyond --max-queued-requests, a non-streaming request aborted when its client leaves, caps on n and on
+the body's size, and prompts tokenized once, off the engine's lock. CPU, tiny preset, float32, greedy."""
 
 import json
 import socket
@@ -167,3 +167,14 @@ def test_a_body_over_the_limit_gets_a_413(server, framing):
     error = json.loads(rest.partition(b"\r\n\r\n")[2])["error"]
     assert set(error) == {"message", "type", "param", "code"} and str(MAX_REQUEST_BYTES) in error["message"]
     assert httpx.get(f"{url}/health", timeout=60).status_code == 200  # and it serves on
+
+
+def test_a_text_prompt_reaches_the_engine_as_token_ids(server, monkeypatch):
+    """The server tokenizes in a thread, off the engine's lock, and hands the engine the ids: nothing is tokenized
+    twice, nor under the lock."""
+    url, llm = server
+    prompts, generate = [], llm.generate
+    monkeypatch.setattr(llm, "generate", lambda prompt, *args: prompts.append(prompt) or generate(prompt, *args))
+    body = dict(model="tiny", prompt="Once upon a time", max_tokens=2)
+    assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+    assert prompts == [llm.engine.tokenizer.encode("Once upon a time")]
