@@ -21,7 +21,8 @@ vllm:num_requests_waiting, vllm:kv_cache_usage_perc, the histograms vllm:time_to
 vllm:time_per_output_token_seconds, the counters vllm:prompt_tokens_total, vllm:generation_tokens_total and
 vllm:request_success_total). With --max-queued-requests N, a request that finds N in flight gets 503 and
 `Retry-After: 1`. A client that disconnects aborts its request, streaming or not: its KV blocks are freed at once.
-At most n = 128 completions per request (400 beyond), and a body of 10 MiB (413 beyond, from its Content-Length).
+At most n = 128 completions per request (400 beyond), and a body of 10 MiB (413 beyond: from its Content-Length
+before it is read, or as it is read).
 """
 
 import argparse
@@ -597,7 +598,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-queued-requests", type=int, default=None, help="503 beyond this many requests at once")
+    parser.add_argument("--max-queued-requests", type=int, help="503 to a request finding this many in flight")
     args = parser.parse_args(argv)
     given = args.model_tag or args.model
     model = given or str(checkpoint_for(args.preset))
