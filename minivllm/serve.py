@@ -320,24 +320,26 @@ async def disconnected(raw: Request) -> None:
         pass
 
 
-async def last_output(outputs: AsyncGenerator[RequestOutput, None], raw: Request) -> RequestOutput | None:
-    """The request's last output; None if its client disconnects first, queued or running: the request is aborted
-    then (closing `outputs` frees its blocks), not run on to its end for nobody, as vLLM does."""
+async def wait_output(outputs: AsyncGenerator[RequestOutput, None], raw: Request, last: bool) -> RequestOutput | None:
+    """The request's last output if `last`, else its next one (a stream's first, before its events); None if its
+    client disconnects first, queued or running: the request is aborted then (closing `outputs` frees its blocks),
+    not run on to its end for nobody, as vLLM does."""
 
-    async def collect() -> RequestOutput:
-        while not (out := await anext(outputs)).finished:
+    async def wait() -> RequestOutput:
+        while not (out := await anext(outputs)).finished and last:
             pass
         return out
 
-    collecting, gone = asyncio.create_task(collect()), asyncio.create_task(disconnected(raw))
+    waiting, gone = asyncio.create_task(wait()), asyncio.create_task(disconnected(raw))
     try:
-        await asyncio.wait([collecting, gone], return_when=asyncio.FIRST_COMPLETED)
-    finally:  # the client left, or this handler was cancelled: stop reading, then abort
+        await asyncio.wait([waiting, gone], return_when=asyncio.FIRST_COMPLETED)
+    finally:
         gone.cancel()
-        collecting.cancel()
-        await asyncio.wait([collecting])
-        await outputs.aclose()
-    return None if collecting.cancelled() else collecting.result()
+        if last or not waiting.done():  # done with it; or the client left (or this handler was cancelled): abort
+            waiting.cancel()
+            await asyncio.wait([waiting])
+            await outputs.aclose()
+    return None if waiting.cancelled() else waiting.result()
 
 
 class Server:
@@ -464,7 +466,7 @@ class Server:
         request_id = f"{kind}-{uuid.uuid4().hex}"
         outputs = self.llm.generate(prompt, params, request_id)
         try:  # add_request's checks run as `outputs` starts: a ValueError is still a 400
-            out = await anext(outputs) if request.stream else await last_output(outputs, raw)
+            out = await wait_output(outputs, raw, last=not request.stream)
         except ValueError as e:  # the engine's checks of the prompt: "prompt is empty", "token id ... is outside"
             param = "prompt" if kind == "cmpl" else "messages"
             raise BadRequest(str(e) if str(e).startswith(param) else f"{param}: {e}", param) from e

@@ -1,5 +1,5 @@
 """The server's operating habits, vLLM's (`python -m minivllm.serve`): /metrics in Prometheus' text format, a 503 with
-Retry-After beyond --max-queued-requests, a non-streaming request aborted when its client leaves, caps on n and on
+Retry-After beyond --max-queued-requests, a request aborted when its client leaves before its reply, caps on n and on
 the body's size, and prompts tokenized once, off the engine's lock. CPU, tiny preset, float32, greedy."""
 
 import json
@@ -122,13 +122,14 @@ def test_a_request_beyond_max_queued_requests_gets_a_503(server, gate):
     assert not llm.engine.has_unfinished_requests()
 
 
-def test_a_non_streaming_request_is_aborted_when_its_client_leaves(server, gate):
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_is_aborted_when_its_client_leaves_before_its_reply(server, gate, stream):
     """No step runs until the server has aborted the request (the gate): without the abort it would wait there, and
-    then run to its 400th token for nobody."""
+    then run to its 400th token for nobody. A stream whose client left after its first event: test_serve.py."""
     url, llm = server
     aborted, bm = llm.num_aborted, llm.engine.scheduler.block_manager
     with socket.create_connection(address(url), timeout=60) as sock:
-        sock.sendall(post(url, json.dumps(LONG).encode()))
+        sock.sendall(post(url, json.dumps(dict(LONG, stream=stream)).encode()))
         wait_until(llm.engine.has_unfinished_requests)  # queued in the engine
         assert llm.engine.has_unfinished_requests()
     wait_until(lambda: llm.num_aborted > aborted)
