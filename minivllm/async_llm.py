@@ -112,7 +112,7 @@ class AsyncLLM:
         self.send_lock = threading.Lock()  # one writer at a time on the socket
         self.num_aborted = 0  # requests whose caller left before they finished
         self.error: BaseException | None = None  # what killed the core, if it died
-        self.core_stats: dict[str, float] = {}
+        self.core_stats = {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage": 0.0}
         self.counter = itertools.count()  # request ids handed out when the caller gives none
         self.stopped = False
         self.thread = threading.Thread(target=self.receive_loop, name="minivllm-output", daemon=True)
