@@ -251,8 +251,8 @@ class LLMEngine:
 # and returns the outputs in the prompts' order; `chat` does the same for conversations, through the chat template. It
 # holds the engine's lock for its whole run and returns only its own requests: those queued with `engine.add_request`
 # share its batches, their outputs kept for `engine.step()`; interrupted (Ctrl-C, an error), it aborts every request it
-# added. A server streams instead: `AsyncLLM` steps the same engine on its own thread (`engine.progress`: each request's
-# newest output), and `python -m minivllm.serve` puts OpenAI's HTTP API in front.
+# added. A server streams instead: `AsyncLLM` runs this engine in a process of its own and makes the text in the
+# server's (deep dive `engine_core`), and `python -m minivllm.serve` puts OpenAI's HTTP API in front.
 
 # %% tags=["export"] module="minivllm.llm"
 from collections.abc import Sequence as SequenceOf
