@@ -80,7 +80,7 @@ class Tripwire:
 
 
 def test_apply_survives_callers_coming_and_going_while_it_iterates(llm):
-    """The engine's thread iterated `streams` while event loops removed entries and executor threads added them:
+    """The thread that delivers outputs iterated `streams` while event loops removed entries and executor threads added them:
     "dictionary changed size during iteration" killed it. Forced here: the streams change mid-iteration."""
     request = lambda i: llm.input_processor.make_request("Hi", greedy(2), i, "prompt")  # noqa: E731
     others = {f"other-{i}": Tripwire(lambda: None, request(f"other-{i}")) for i in range(3)}

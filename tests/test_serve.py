@@ -166,7 +166,7 @@ def test_a_caller_that_falls_behind_gets_the_newest_output_only(server, offline)
         first = await anext(outputs)
         while not last_sent.is_set():  # the engine runs the rest while this caller reads nothing
             await asyncio.sleep(0.01)
-        await asyncio.sleep(0)  # the loop queues that last output (put from the engine's thread) before we read
+        await asyncio.sleep(0)  # the loop queues that last output (put from the output thread) before we read
         return [first] + [out async for out in outputs]
 
     output, built = llm.output_processor.output, []  # which outputs are built, for whom
