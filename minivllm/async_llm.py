@@ -41,7 +41,7 @@ from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.core import Delta, EngineCore, run_core, serve_core
 from minivllm.engine.input_processor import InputProcessor, Prompt, Request, load_tokenizer
 from minivllm.engine.output_processor import OutputProcessor
-from minivllm.engine.sequence import SequenceStatus
+from minivllm.engine.sequence import Sequence, SequenceStatus
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -261,10 +261,10 @@ class AsyncLLM:
                 logprobs = delta.logprobs[k] if delta.logprobs is not None else None
                 prompt = delta.prompt_logprobs if k == 0 else None
                 if self.output_processor.process(request, seq, logprobs, prompt, now):
-                    seq.status, seq.finish_reason = SequenceStatus.FINISHED, "stop"
+                    finish(seq, "stop")
                     stopped.append((delta.request_id, delta.completion))
             if delta.finish_reason is not None and not seq.is_finished:
-                seq.status, seq.finish_reason = SequenceStatus.FINISHED, delta.finish_reason
+                finish(seq, delta.finish_reason)
         items: list[tuple[str, Stream, RequestOutput | BaseException]] = []
         for request_id, stream in streams.items():
             request = stream.request
@@ -336,6 +336,11 @@ class AsyncLLM:
         self.join_core()
         self.conn.close()
         self.thread.join(timeout=5)
+
+
+def finish(seq: Sequence, reason: str) -> None:
+    """End this process's copy of a completion (the core's scheduler ends the real one)."""
+    seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
 
 
 def start_core_process(model: str, kwargs: dict[str, Any]) -> tuple[Connection, Process]:

@@ -320,8 +320,9 @@ per_message_us = (time.perf_counter() - start) / 200 * 1e6
 print(f"{len(pickle.dumps(step_message)):,} bytes a step; {per_message_us:.0f} µs to send and receive, on this machine")
 
 # %% [markdown]
-# Tens of microseconds against a step of milliseconds: the standard library's pickled pipe is fast enough, and
-# needs nothing installed (vLLM uses ZeroMQ and msgpack, which pay off at larger scale).
+# Compare it with a decode step's ~7 ms on an H200: a small share (on a quiet machine, tens of microseconds; a busy
+# one prints more), so the standard library's pickled pipe is enough, and it needs nothing installed (vLLM uses
+# ZeroMQ and msgpack). The core sends plain tuples: pickling a `NamedTuple` names its class in every row, ~5x slower.
 #
 # ## The API process: `AsyncLLM`
 # `minivllm/async_llm.py` is the other end. `generate` tokenizes and checks the request on an executor thread (no
