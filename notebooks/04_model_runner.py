@@ -578,24 +578,15 @@ def step_to_device(
 
 
 # %% tags=["export"] module="minivllm.engine.kv_cache"
-import numpy as np
 import torch
 
 from minivllm.attention.layer import Attention
 from minivllm.attention.prefill import PrefillContext
 from minivllm.config import Config
-from minivllm.engine.step_inputs import StepInputs, sampling_tensors
+from minivllm.engine.step_inputs import sampling_tensors
 from minivllm.layers.sampler import Sampler
 from minivllm.models.qwen3 import Qwen3ForCausalLM
 from minivllm.sampling_params import SamplingParams
-
-
-def prefix_hit_step(block_size: int) -> StepInputs:
-    """2 new tokens after block_size - 2 cached ones in block 0: a prefix hit's shape, run once to compile."""
-    positions = np.arange(block_size - 2, block_size)
-    step = StepInputs(True, np.zeros(2, np.int64), positions, positions.copy(), np.zeros((1, 1), np.int32))
-    step.cu_seqlens_q, step.cu_seqlens_k = np.array([0, 2], np.int32), np.array([0, block_size], np.int32)
-    return step
 
 
 def kv_block_bytes(layers: list[Attention], block_size: int, dtype: torch.dtype) -> int:
@@ -639,13 +630,13 @@ def bind_kv_cache(
 
 # %% [markdown]
 # ### Putting it together
-# `ModelRunner(config)` loads the model (this rank's slice), sizes the KV cache, runs one prefix-hit prefill (Triton
-# compiles now) and times each phase. `run(seqs, is_prefill)` gives the next tokens; `launch` is `run` in two halves,
+# `ModelRunner(config)` loads the model (this rank's slice), sizes the KV cache, on a GPU compiles every Triton kernel
+# variant a step can launch (a warm-up) and times each phase. `run(seqs, is_prefill)` gives the next tokens; `launch` is `run` in two halves,
 # queue then wait (06 schedules between), with log-probabilities (`step_logits`: the step without sampler).
 #
 # This runner runs every step eagerly. The GPU fast paths live in deep dives, which nothing here imports: on a GPU the
 # runner looks each up by name (`fast_path`): the small layers' kernels, `GPUSampler`, and from `deep_dives/cuda_graphs`
-# the shared-prefix cascade and CUDA graphs for decode, prefill and mixed steps, which `execute` replays.
+# the warm-up, the shared-prefix cascade and CUDA graphs for decode, prefill and mixed steps, which `execute` replays.
 
 # %% tags=["export"] module="minivllm.engine.fast_paths"
 import importlib
@@ -654,6 +645,7 @@ from typing import Any
 FAST_PATHS = {  # name: "module:attribute", each exported by a deep dive
     "small-layer kernels": "minivllm.layers.small_layer_kernels:use_small_layer_kernels",  # deep dive triton_layers
     "GPU sampler": "minivllm.layers.gpu_sampler:GPUSampler",  # deep dive gpu_sampler
+    "warm-up": "minivllm.engine.warm_up:warm_up_runner",  # deep dive cuda_graphs
     "shared-prefix cascade": "minivllm.engine.cascade:add_shared_prefix",  # deep dive cuda_graphs
     "decode CUDA graphs": "minivllm.engine.cuda_graphs:DecodeGraphs",  # deep dive cuda_graphs
     "mixed-step CUDA graphs": "minivllm.engine.mixed_graphs:capture_mixed_graphs",  # deep dive cuda_graphs
@@ -682,7 +674,7 @@ import torch.distributed as dist
 from minivllm.attention.layer import Attention
 from minivllm.config import Config
 from minivllm.engine.fast_paths import fast_path
-from minivllm.engine.kv_cache import bind_kv_cache, gpu_free_blocks, kv_block_bytes, prefix_hit_step, profile_step
+from minivllm.engine.kv_cache import bind_kv_cache, gpu_free_blocks, kv_block_bytes, profile_step
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.step_inputs import (
     StepInputs,
@@ -748,8 +740,8 @@ class ModelRunner:
             self.sampler: Sampler = fast_path("GPU sampler")() if self.device.type == "cuda" else Sampler()
             self.num_kvcache_blocks = self.allocate_kv_cache()
             marks.append(time.perf_counter())
-            if self.device.type == "cuda":  # compile the Triton kernels (prefill, small layers) now, not in a request
-                self.execute(prefix_hit_step(self.block_size))
+            if self.device.type == "cuda":  # compile every Triton kernel variant now, not in a request
+                fast_path("warm-up")(self)
                 self.add_shared_prefix = fast_path("shared-prefix cascade")
             marks.append(time.perf_counter())
             if self.device.type == "cuda" and not config.enforce_eager:

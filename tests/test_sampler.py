@@ -369,6 +369,18 @@ def seeded_tokens(seed: int, logits_row: torch.Tensor, row: int, batch: int, ste
     return out
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_top_k_above_the_vocabulary_keeps_every_token(device):
+    """top_k larger than the vocabulary filters nothing: seeded rows draw what they draw with top_k -1 (on a GPU the
+    sort path took topk(k) of a row shorter than k and failed the whole step)."""
+    logits = random_logits(8, 1000, 1.0, rows=4).to(device)
+    for top_k in (1001, 5000):
+        with_k = [SamplingParams(seed=s, top_k=top_k, temperature=t) for s, t in ((0, 1.0), (1, 0.7), (2, 0), (3, 1.5))]
+        without = [dataclasses.replace(p, top_k=-1) for p in with_k]
+        drawn = sampler(logits, tensors(with_k, device=device))
+        assert torch.equal(drawn, sampler(logits, tensors(without, device=device))), f"top_k={top_k}"
+
+
 def test_same_seed_same_tokens_whatever_the_batch():
     logits_row = random_logits(7, 1000, 0.5)[0]
     torch.manual_seed(0)

@@ -6,6 +6,7 @@ from typing import Any
 FAST_PATHS = {  # name: "module:attribute", each exported by a deep dive
     "small-layer kernels": "minivllm.layers.small_layer_kernels:use_small_layer_kernels",  # deep dive triton_layers
     "GPU sampler": "minivllm.layers.gpu_sampler:GPUSampler",  # deep dive gpu_sampler
+    "warm-up": "minivllm.engine.warm_up:warm_up_runner",  # deep dive cuda_graphs
     "shared-prefix cascade": "minivllm.engine.cascade:add_shared_prefix",  # deep dive cuda_graphs
     "decode CUDA graphs": "minivllm.engine.cuda_graphs:DecodeGraphs",  # deep dive cuda_graphs
     "mixed-step CUDA graphs": "minivllm.engine.mixed_graphs:capture_mixed_graphs",  # deep dive cuda_graphs

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from minivllm.attention.layer import Attention
 from minivllm.config import Config
 from minivllm.engine.fast_paths import fast_path
-from minivllm.engine.kv_cache import bind_kv_cache, gpu_free_blocks, kv_block_bytes, prefix_hit_step, profile_step
+from minivllm.engine.kv_cache import bind_kv_cache, gpu_free_blocks, kv_block_bytes, profile_step
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.step_inputs import (
     StepInputs,
@@ -79,8 +79,8 @@ class ModelRunner:
             self.sampler: Sampler = fast_path("GPU sampler")() if self.device.type == "cuda" else Sampler()
             self.num_kvcache_blocks = self.allocate_kv_cache()
             marks.append(time.perf_counter())
-            if self.device.type == "cuda":  # compile the Triton kernels (prefill, small layers) now, not in a request
-                self.execute(prefix_hit_step(self.block_size))
+            if self.device.type == "cuda":  # compile every Triton kernel variant now, not in a request
+                fast_path("warm-up")(self)
                 self.add_shared_prefix = fast_path("shared-prefix cascade")
             marks.append(time.perf_counter())
             if self.device.type == "cuda" and not config.enforce_eager:

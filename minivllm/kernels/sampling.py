@@ -103,7 +103,7 @@ def _race_kernel(
     tl.store(TOP + row * parts + part, top)  # the part's largest logit (nucleus, below, needs the row's)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "stride"])  # the candidates per row: a top-k, any value
 def _race_ids_kernel(X, IDS, TEMPS, KEYS, WON, n, s, stride, BLOCK: tl.constexpr, FAST: tl.constexpr):
     row = tl.program_id(0)
     t, key = tl.load(TEMPS + row), tl.load(KEYS + row)
@@ -405,7 +405,7 @@ def _kth_order(orders, k):
     return lo
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["parts"])  # varies with the batch
 def _floor_kernel(MAXIMA, TEMPS, TOP_KS, FLOOR, parts, LANES: tl.constexpr):
     """A row's floor (as an order): the k-th largest of its lanes' maxima (k = 1 without a top-k: a greedy row)."""
     row, lanes = tl.program_id(0), tl.arange(0, LANES)

@@ -384,6 +384,91 @@ for row in kinds_data["rows"]:
     print(describe_kinds(row))
 
 # %% [markdown]
+# ## Warm-up: nothing compiles or captures while serving
+# A server's first requests should not wait for work that start-up can do. Graphs are captured at start-up, and
+# capturing a size runs every model kernel at that size; Triton compiles a kernel for each new specialization
+# (deep dive gpu_sampler). What no graph holds is left: steps larger than the largest graph run eagerly (so do all
+# steps with `enforce_eager`), a mixed step's decode rows come in any number and the decode kernel's splits follow that
+# number (with them the combining kernel's constants), and the sampler has its variants. `warm_up_runner` runs each
+# once, before the graphs are captured: a prefix hit's step, eager decode steps of padding rows (slot −1: nothing is
+# written), the decode kernels at every batch size with and without a shared prefix, the sampler's variants on the
+# logits. `tests/test_warm_up.py` runs a varied workload after `LLM()` in a fresh process (every sampling path, prefix
+# hits, steps past the largest graph) and counts Triton's compiles and CUDA graph captures with hooks: none. What it
+# costs is the "compile" phase of `python -m minivllm`'s start-up split.
+
+# %% tags=["export"] module="minivllm.engine.warm_up"
+import numpy as np
+import torch
+
+from minivllm.engine.model_runner import ModelRunner
+from minivllm.engine.step_inputs import StepInputs
+from minivllm.kernels.paged_attn import flash_attn_with_kvcache
+from minivllm.layers.gpu_sampler import warm_up_sampler
+
+
+def prefix_hit_step(block_size: int) -> StepInputs:
+    """2 new tokens after block_size - 2 cached ones in block 0: a prefix hit's shape."""
+    positions = np.arange(block_size - 2, block_size)
+    step = StepInputs(True, np.zeros(2, np.int64), positions, positions.copy(), np.zeros((1, 1), np.int32))
+    step.cu_seqlens_q, step.cu_seqlens_k = np.array([0, 2], np.int32), np.array([0, block_size], np.int32)
+    return step
+
+
+def padding_decode_step(rows: int) -> StepInputs:
+    """A decode step of padding rows: slot -1 (nothing written), each reading one cached token of block 0."""
+    zeros = np.zeros(rows, np.int64)
+    block_tables, context_lens = np.zeros((rows, 1), np.int32), np.ones(rows, np.int32)
+    return StepInputs(False, zeros, zeros.copy(), np.full(rows, -1, np.int64), block_tables, context_lens=context_lens)
+
+
+def warm_up_decode_attention(runner: ModelRunner) -> None:
+    """The decode kernels at every batch size up to max_num_seqs, with and without a shared prefix (03)."""
+    layer, device = runner.attention_layers[0], runner.device
+    for rows in range(1, runner.config.max_num_seqs + 1):
+        q = torch.zeros(rows, 1, layer.num_heads, layer.head_dim, dtype=runner.dtype, device=device)
+        lens = torch.ones(rows, dtype=torch.int32, device=device)
+        tables = torch.zeros(rows, 1, dtype=torch.int32, device=device)
+        for prefix_blocks, prefix_lens in ((None, None), (tables[0], lens)):
+            kv = layer.k_cache, layer.v_cache
+            flash_attn_with_kvcache(q, *kv, lens, tables, prefix_blocks=prefix_blocks, prefix_lens=prefix_lens)
+
+
+@torch.inference_mode()
+def warm_up_runner(runner: ModelRunner) -> None:
+    """The runner's start-up on a GPU, before its graphs: every Triton kernel variant a step can launch, compiled."""
+    logits = runner.execute(prefix_hit_step(runner.block_size))  # (1, vocab): the paged prefill, the small layers
+    for rows in (1, runner.config.max_num_seqs):  # eager decode steps: one token's kernels (gemv), a batch's
+        runner.execute(padding_decode_step(rows))
+    warm_up_decode_attention(runner)
+    warm_up_sampler(runner.sampler, logits.expand(runner.config.max_num_seqs, -1).contiguous())
+
+
+# %% [markdown]
+# A padding decode step of three rows, as the runner receives it; on a GPU, a small runner's start-up with Triton's
+# compile hook set, and a batch after it: every compile happens in `LLM()`.
+
+# %%
+import triton
+
+from minivllm.engine.warm_up import padding_decode_step, warm_up_runner
+
+assert fast_path("warm-up") is warm_up_runner
+padding = padding_decode_step(3)
+print("slots", padding.slot_mapping.tolist(), "context lengths", padding.context_lens.tolist())
+if DEVICE == "cuda":
+    from minivllm import LLM, SamplingParams
+    from minivllm.checkpoint import checkpoint_for
+
+    compiled: list[str] = []
+    triton.knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(kw["fn"].name)
+    with LLM(str(checkpoint_for("tiny")), max_num_seqs=32, max_model_len=1024) as small:
+        print(f"LLM(): {len(compiled)} compiles")
+        compiled.clear()
+        small.generate([[7] * n for n in range(1, 30)], SamplingParams(top_k=20, max_tokens=8), use_tqdm=False)
+        print(f"29 requests after it: {len(compiled)} compiles")
+    triton.knobs.runtime.jit_post_compile_hook = None
+
+# %% [markdown]
 # ## Check yourself
 # 1. A mixed step has 3 decode rows and a prompt chunk of 100 tokens (tiles of 64 query rows). Which captured
 #    `T` replays it, how many programs per group of query heads (notebook 01's `heads_per_program`) does its

@@ -162,7 +162,7 @@ def _race_kernel(
     tl.store(TOP + row * parts + part, top)  # the part's largest logit (nucleus, below, needs the row's)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n", "stride"])  # the candidates per row: a top-k, any value
 def _race_ids_kernel(X, IDS, TEMPS, KEYS, WON, n, s, stride, BLOCK: tl.constexpr, FAST: tl.constexpr):
     row = tl.program_id(0)
     t, key = tl.load(TEMPS + row), tl.load(KEYS + row)
@@ -515,7 +515,7 @@ def _kth_order(orders, k):
     return lo
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["parts"])  # varies with the batch
 def _floor_kernel(MAXIMA, TEMPS, TOP_KS, FLOOR, parts, LANES: tl.constexpr):
     """A row's floor (as an order): the k-th largest of its lanes' maxima (k = 1 without a top-k: a greedy row)."""
     row, lanes = tl.program_id(0), tl.arange(0, LANES)
@@ -694,8 +694,10 @@ torch.testing.assert_close(freq[:2], torch.softmax(cat_logits[:2], dim=-1), atol
 # %% tags=["export"] module="minivllm.layers.gpu_sampler"
 import torch
 
+from minivllm.engine.step_inputs import sampling_tensors
 from minivllm.kernels.sampling import TOP_K_GATHERED_MAX, nucleus, race, race_ids, top_k_sample
 from minivllm.layers.sampler import Sampler, SamplingTensors, keep_mask
+from minivllm.sampling_params import SamplingParams
 
 
 class GPUSampler(Sampler):
@@ -716,7 +718,8 @@ class GPUSampler(Sampler):
             return torch.where(others, nucleus(logits, t.temperatures, t.top_ps, t.min_ps, t.keys, others), drawn)
         greedy = t.temperatures == 0  # (batch,)
         temperatures = torch.where(greedy, 1.0, t.temperatures)[:, None]  # (batch, 1) float32
-        top = logits.topk(t.top_k_max) if t.top_k_max else logits.sort(dim=-1, descending=True)  # largest first
+        k = min(t.top_k_max, logits.shape[-1])  # a top-k above the vocabulary keeps all of it
+        top = logits.topk(k) if t.top_k_max else logits.sort(dim=-1, descending=True)  # largest first
         scaled = top.values.float() / temperatures  # (batch, candidates)
         scaled.masked_fill_(~keep_mask(torch.softmax(scaled, dim=-1), t.top_ks, t.top_ps, t.min_ps), float("-inf"))
         sampled = race_ids(scaled, torch.ones_like(t.temperatures), t.keys, top.indices, logits.shape[-1])
@@ -746,6 +749,64 @@ else:
     sampler_data = json.loads(open("../figures/sampler.json").read())
 for r in sampler_data["rows"]:
     print(f"{r['kind']:>18} batch {r['batch']:>3}: {r['ms']:.3f} ms, {r['kernel_ms']:.3f} ms of kernels")
+
+# %% [markdown]
+# ## Warm-up: every variant compiled at start-up
+# Triton compiles a kernel the first time it runs with a new *specialization*: each value of a `tl.constexpr`, each
+# kind of integer argument (1, a multiple of 16, other) that `do_not_specialize` does not name (notebook 01), each
+# dtype of a pointer. A compile takes a few hundred milliseconds (tens from Triton's disk cache), and the request that
+# first takes a path waits for it: on a server, its first users. The sampler has a handful of variants:
+# `top_k_sample`'s candidate slots (2 k rounded up to a power of two, 10 values for k up to 512), `race_ids`' block
+# above that (1,024, 2,048 or 4,096 candidates), the race with and without a retry's floors, and each of them on the
+# model's logits and on float32 ones (penalties compute in float32). The integers that vary with the batch or with k
+# are not specialized, so the batch size adds none. `warm_up_sampler` draws once with each; the runner calls it at
+# start-up (deep dive cuda_graphs' warm-up).
+
+# %% tags=["export"] module="minivllm.layers.gpu_sampler"
+TOP_K_WIDTHS = (513, 1025, 2049)  # above top_k_sample's 512: race_ids over blocks of 1,024, 2,048 and 4,096
+
+
+def warm_up_params() -> list[SamplingParams]:
+    """A request's sampling per variant of the GPU sampler's kernels: the race, the nucleus, top_k_sample's candidate
+    slots (2 k rounded up to a power of two: 2 to 1,024), and race_ids' blocks (a top-k above the vocabulary is its
+    width, so these cover every vocabulary)."""
+    top_ks = [2**i for i in range(10)] + list(TOP_K_WIDTHS)
+    return [SamplingParams(), SamplingParams(top_p=0.9), *(SamplingParams(top_k=k) for k in top_ks)]
+
+
+def warm_up_sampler(sampler: Sampler, logits: torch.Tensor) -> None:
+    """Draw with each of warm_up_params on logits (rows, vocab) and on their float32 copy, one row and all rows."""
+    for x in (logits, logits.float()):  # the model's dtype; penalties' float32
+        for rows in sorted({1, x.shape[0]}):
+            for params in warm_up_params():
+                sampler(x[:rows], sampling_tensors([params] * rows, [0] * rows, x.device))
+
+
+# %% [markdown]
+# The variants, and on a GPU the compiles they cost (a hook Triton calls after each), once: a second warm-up, or a
+# batch of any size after it, compiles nothing.
+
+# %%
+import triton
+
+from minivllm.layers.gpu_sampler import warm_up_params, warm_up_sampler
+
+slots = sorted({triton.next_power_of_2(2 * p.top_k) for p in warm_up_params() if 0 < p.top_k <= 512})
+print(f"{len(warm_up_params())} draws per batch size and dtype; top_k_sample's candidate slots: {slots}")
+assert slots == [2**i for i in range(1, 11)]
+if DEVICE == "cuda":
+    compiled: list[str] = []
+    triton.knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(kw["fn"].name)
+    vocab_logits = torch.randn(64, 151_936, device=DEVICE, dtype=torch.bfloat16)
+    for attempt in ("first", "second"):
+        compiled.clear()
+        warm_up_sampler(GPUSampler(), vocab_logits)
+        print(f"{attempt} warm-up: {len(compiled)} compiles", sorted(set(compiled)))
+    mixed = [SamplingParams(top_k=k, top_p=0.9) for k in (7, 40, 300, 600)] * 7  # 28 rows, a new batch size
+    GPUSampler()(vocab_logits[:28], sampling_tensors(mixed, [0] * 28, DEVICE))
+    print(f"then 28 rows of top-k 7 to 600: {len(compiled)} compiles")
+    assert not compiled
+    triton.knobs.runtime.jit_post_compile_hook = None
 
 # %% [markdown]
 # ## Check yourself
