@@ -96,6 +96,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.config, self.tokenizer, self.scheduler.block_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[int, Request] = {}  # seq_id -> request, until it finishes or is aborted
+        self.live: dict[str, Request] = {}  # request_id -> request: the same requests, found by id in O(1)
         self.finished: list[RequestOutput] = []  # finished, not returned yet (kept back by a step given request_ids)
         self.lock = threading.RLock()  # reentrant: LLM.generate holds it while it adds requests and steps
         self.launched: Launched | None = None  # async scheduling: the step on the GPU while the host goes on
@@ -108,18 +109,22 @@ class LLMEngine:
     ) -> list[str]:
         """Check every request, then queue them all: if one is bad, ValueError and none is queued. Their ids."""
         with self.lock:
-            ids = self.input_processor.request_ids(request_ids or [None] * len(prompts), self.request_ids())
+            ids = self.input_processor.request_ids(request_ids or [None] * len(prompts), self.in_use)
             names = ["prompt"] if len(prompts) == 1 else [f"prompts[{i}]" for i in range(len(prompts))]
             make = self.input_processor.make_request
             requests = [make(*args) for args in zip(prompts, sampling_params, ids, names, strict=True)]
             for request in requests:
                 self.requests |= {seq.seq_id: request for seq in request.seqs}
+                self.live[request.request_id] = request
                 self.start(request, 1 if self.config.enable_prefix_caching else len(request.seqs))
             return ids
 
     def request_ids(self) -> set[str]:
         """The ids in use: of unfinished requests, and of finished ones whose outputs step() has kept back."""
-        return {r.request_id for r in self.requests.values()} | {out.request_id for out in self.finished}
+        return set(self.live) | {out.request_id for out in self.finished}
+
+    def in_use(self, request_id: str) -> bool:  # O(1) for the live, O(kept outputs) for the finished
+        return request_id in self.live or any(out.request_id == request_id for out in self.finished)
 
     def add_request(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
@@ -136,7 +141,7 @@ class LLMEngine:
         """Drop these requests, unfinished or finished but not returned yet, and free their KV blocks."""
         ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
         with self.lock:
-            for request in {r.request_id: r for r in self.requests.values() if r.request_id in ids}.values():
+            for request in [self.live.pop(i) for i in ids if i in self.live]:
                 for seq in request.seqs:
                     self.scheduler.abort(seq)
                     del self.requests[seq.seq_id]
@@ -210,12 +215,13 @@ class LLMEngine:
                 request.metrics.finished_time = now
                 for seq in request.seqs:
                     del self.requests[seq.seq_id]
+                del self.live[request.request_id]
                 self.finished.append(self.output_processor.output(request))
 
     def abort_step(self, error: BaseException, seqs: list[Sequence] | None) -> None:
         """Abort a failed step's requests (all, if its batch was not known yet), and name them on the error."""
         if seqs is None:
-            ids = [r.request_id for r in self.requests.values()]
+            ids = list(self.live)
             self.abort_all()
         else:
             ids = [self.requests[seq.seq_id].request_id for seq in seqs if seq.seq_id in self.requests]
@@ -225,8 +231,8 @@ class LLMEngine:
     def progress(self, request_ids: Collection[str]) -> list[RequestOutput]:
         """The outputs so far (`finished=False`) of these requests, while they run: what a stream sends."""
         with self.lock:
-            mine = {r.request_id: r for r in self.requests.values() if r.request_id in request_ids}
-            return [self.output_processor.output(r, False) for r in mine.values()]
+            mine = [self.live[i] for i in dict.fromkeys(request_ids) if i in self.live]
+            return [self.output_processor.output(r, False) for r in mine]
 
     def has_unfinished_requests(self) -> bool:
         """Whether step() has more to give: requests to run, a step to finish, or outputs it kept back."""
@@ -237,6 +243,7 @@ class LLMEngine:
         with self.lock:
             self.scheduler.abort_all()
             self.requests.clear()
+            self.live.clear()
             self.finished.clear()
             self.launched = None
 
@@ -437,6 +444,7 @@ class RequestOutput:
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
@@ -543,19 +551,19 @@ class InputProcessor:
         eos = [] if params.ignore_eos else self.eos_token_ids
         return dataclasses.replace(params, stop_token_ids=list(dict.fromkeys([*params.stop_token_ids, *eos])))
 
-    def request_ids(self, request_ids: list[str | None], taken: set[str]) -> list[str]:
-        """The given ids, checked to be strings not `taken` (by live requests); None gets the next unused number."""
-        ids = []
+    def request_ids(self, request_ids: list[str | None], in_use: Callable[[str], bool]) -> list[str]:
+        """The given ids, checked to be strings neither in use (by live requests) nor repeated; None gets the next
+        unused number."""
+        ids: dict[str, None] = {}  # in order
         for request_id in request_ids:
             if request_id is None:
-                request_id = next(i for i in map(str, self.counter) if i not in taken)
+                request_id = next(i for i in map(str, self.counter) if not in_use(i) and i not in ids)
             elif not isinstance(request_id, str):
                 raise ValueError(f"request_id must be a str, got {request_id!r} ({type(request_id).__name__})")
-            elif request_id in taken:
+            elif in_use(request_id) or request_id in ids:
                 raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
-            taken = taken | {request_id}
-            ids.append(request_id)
-        return ids
+            ids[request_id] = None
+        return list(ids)
 
     def make_request(self, prompt: Prompt, params: SamplingParams | None, request_id: str, name: str) -> Request:
         """Tokenize and check one request."""

@@ -300,3 +300,36 @@ def test_tokenizer_loads_the_class_its_config_names_without_auto_tokenizer(tiny)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["TokenizersBackend", "False"]
+
+
+def test_adding_aborting_and_stepping_never_walk_the_other_requests(llm):
+    """Each add, abort, progress call and step looks up its own requests by id: a walk over every queued request
+    made each of N adds O(N) (a flood of N requests O(N²) on the host)."""
+    engine, walks = llm.engine, []
+
+    class Watched(dict):
+        def __iter__(self):
+            walks.append("iter")
+            return super().__iter__()
+
+        def values(self):
+            walks.append("values")
+            return super().values()
+
+        def items(self):
+            walks.append("items")
+            return super().items()
+
+    engine.requests, engine.live = Watched(engine.requests), Watched(engine.live)
+    try:
+        ids = [engine.add_request(f"Request {i}", SamplingParams(max_tokens=3)) for i in range(300)]
+        engine.add_request("Named", SamplingParams(max_tokens=3), request_id="named")
+        engine.step()
+        assert [out.request_id for out in engine.progress(["named", ids[0]])] == ["named", ids[0]]
+        engine.abort_request(ids[:100])
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert walks == []
+    finally:
+        engine.requests, engine.live = dict(engine.requests), dict(engine.live)
+    assert not engine.requests and not engine.live

@@ -57,7 +57,7 @@ class EngineCore:
 
     def finish(self, request_id: str, index: int) -> None:
         """Completion `index` hit a stop string (its request's others run on)."""
-        for request in {id(r): r for r in self.engine.requests.values() if r.request_id == request_id}.values():
+        if (request := self.engine.live.get(request_id)) is not None:
             self.engine.scheduler.finish(request.seqs[index], "stop")
 
     def forget(self, request_id: str) -> None:
@@ -106,8 +106,7 @@ class EngineCore:
 
     def lost(self) -> list[str]:
         """After a failed step: the requests the engine aborted."""
-        live = {r.request_id for r in self.engine.requests.values()} | {o.request_id for o in self.engine.finished}
-        lost = [request_id for request_id in self.sent if request_id not in live]
+        lost = [request_id for request_id in self.sent if not self.engine.in_use(request_id)]
         for request_id in lost:
             self.forget(request_id)
         return lost

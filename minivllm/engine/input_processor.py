@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
@@ -109,19 +110,19 @@ class InputProcessor:
         eos = [] if params.ignore_eos else self.eos_token_ids
         return dataclasses.replace(params, stop_token_ids=list(dict.fromkeys([*params.stop_token_ids, *eos])))
 
-    def request_ids(self, request_ids: list[str | None], taken: set[str]) -> list[str]:
-        """The given ids, checked to be strings not `taken` (by live requests); None gets the next unused number."""
-        ids = []
+    def request_ids(self, request_ids: list[str | None], in_use: Callable[[str], bool]) -> list[str]:
+        """The given ids, checked to be strings neither in use (by live requests) nor repeated; None gets the next
+        unused number."""
+        ids: dict[str, None] = {}  # in order
         for request_id in request_ids:
             if request_id is None:
-                request_id = next(i for i in map(str, self.counter) if i not in taken)
+                request_id = next(i for i in map(str, self.counter) if not in_use(i) and i not in ids)
             elif not isinstance(request_id, str):
                 raise ValueError(f"request_id must be a str, got {request_id!r} ({type(request_id).__name__})")
-            elif request_id in taken:
+            elif in_use(request_id) or request_id in ids:
                 raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
-            taken = taken | {request_id}
-            ids.append(request_id)
-        return ids
+            ids[request_id] = None
+        return list(ids)
 
     def make_request(self, prompt: Prompt, params: SamplingParams | None, request_id: str, name: str) -> Request:
         """Tokenize and check one request."""
