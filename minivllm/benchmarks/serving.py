@@ -158,6 +158,7 @@ def run_serving_benchmark(
         )
         run_offline(offline.engine, prompts[:8], [4] * len(prompts[:8]))  # warm-up
         rows = [run_offline(offline.engine, prompts, outs)]
+        print(SERVING_HEADER, serving_line(rows[0]), sep="\n", flush=True)  # each row as it is measured
     finally:
         offline.close()
     spawn = multiprocessing.get_context("spawn")  # the client's own process: no GIL shared with the server
@@ -169,6 +170,7 @@ def run_serving_benchmark(
                 for rate in rates:
                     results, seconds = client.submit(run_client, url, preset, prompts, outs, rate, seed).result()
                     rows.append(online_row(rate, results, seconds, outs) | {"engine_core": core})
+                    print(serving_line(rows[-1]), flush=True)
         finally:
             llm.close()
     workload = dict(
@@ -218,16 +220,23 @@ def plot_serving(data: dict):
     return fig
 
 
-def print_serving(rows: list[dict]) -> None:
-    print(
-        f"{'impl':>16} {'core':>7} {'rate':>5} {'done':>9} {'tok/s':>9} {'TTFT p50/p99 ms':>17} {'TPOT p50/p99 ms':>16}"
+SERVING_HEADER = (
+    f"{'impl':>16} {'core':>7} {'rate':>5} {'done':>9} {'tok/s':>9} {'TTFT p50/p99 ms':>17} {'TPOT p50/p99 ms':>16}"
+)
+
+
+def serving_line(r: dict) -> str:
+    return (
+        f"{r['impl']:>16} {r.get('engine_core', ''):>7} {float(r['request_rate']):>5g} "
+        f"{r['completed']:>4}/{r['num_requests']:<4} {r['tok_per_s']:>9,.0f} "
+        f"{r['ttft_p50_ms']:>8,.1f}/{r['ttft_p99_ms']:<8,.1f} {r['tpot_p50_ms']:>7.2f}/{r['tpot_p99_ms']:<8.2f}"
     )
+
+
+def print_serving(rows: list[dict]) -> None:
+    print(SERVING_HEADER)
     for r in rows:
-        print(
-            f"{r['impl']:>16} {r.get('engine_core', ''):>7} {float(r['request_rate']):>5g} {r['completed']:>4}/{r['num_requests']:<4} "
-            f"{r['tok_per_s']:>9,.0f} {r['ttft_p50_ms']:>8,.1f}/{r['ttft_p99_ms']:<8,.1f} "
-            f"{r['tpot_p50_ms']:>7.2f}/{r['tpot_p99_ms']:<8.2f}"
-        )
+        print(serving_line(r))
 
 
 def main(argv: list[str] | None = None) -> None:

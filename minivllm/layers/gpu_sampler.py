@@ -2,10 +2,8 @@
 
 import torch
 
-from minivllm.engine.step_inputs import sampling_tensors
 from minivllm.kernels.sampling import TOP_K_GATHERED_MAX, nucleus, race, race_ids, top_k_sample
 from minivllm.layers.sampler import Sampler, SamplingTensors, keep_mask
-from minivllm.sampling_params import SamplingParams
 
 
 class GPUSampler(Sampler):
@@ -32,22 +30,3 @@ class GPUSampler(Sampler):
         scaled.masked_fill_(~keep_mask(torch.softmax(scaled, dim=-1), t.top_ks, t.top_ps, t.min_ps), float("-inf"))
         sampled = race_ids(scaled, torch.ones_like(t.temperatures), t.keys, top.indices, logits.shape[-1])
         return torch.where(greedy, logits.argmax(dim=-1), sampled) if t.any_greedy else sampled
-
-
-TOP_K_WIDTHS = (513, 1025, 2049)  # above top_k_sample's 512: race_ids over blocks of 1,024, 2,048 and 4,096
-
-
-def warm_up_params() -> list[SamplingParams]:
-    """A request's sampling per variant of the GPU sampler's kernels: the race, the nucleus, top_k_sample's candidate
-    slots (2 k rounded up to a power of two: 2 to 1,024), and race_ids' blocks (a top-k above the vocabulary is its
-    width, so these cover every vocabulary)."""
-    top_ks = [2**i for i in range(10)] + list(TOP_K_WIDTHS)
-    return [SamplingParams(), SamplingParams(top_p=0.9), *(SamplingParams(top_k=k) for k in top_ks)]
-
-
-def warm_up_sampler(sampler: Sampler, logits: torch.Tensor) -> None:
-    """Draw with each of warm_up_params on logits (rows, vocab) and on their float32 copy, one row and all rows."""
-    for x in (logits, logits.float()):  # the model's dtype; penalties' float32
-        for rows in sorted({1, x.shape[0]}):
-            for params in warm_up_params():
-                sampler(x[:rows], sampling_tensors([params] * rows, [0] * rows, x.device))

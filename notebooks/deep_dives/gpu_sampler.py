@@ -694,10 +694,8 @@ torch.testing.assert_close(freq[:2], torch.softmax(cat_logits[:2], dim=-1), atol
 # %% tags=["export"] module="minivllm.layers.gpu_sampler"
 import torch
 
-from minivllm.engine.step_inputs import sampling_tensors
 from minivllm.kernels.sampling import TOP_K_GATHERED_MAX, nucleus, race, race_ids, top_k_sample
 from minivllm.layers.sampler import Sampler, SamplingTensors, keep_mask
-from minivllm.sampling_params import SamplingParams
 
 
 class GPUSampler(Sampler):
@@ -762,7 +760,13 @@ for r in sampler_data["rows"]:
 # are not specialized, so the batch size adds none. `warm_up_sampler` draws once with each; the runner calls it at
 # start-up (deep dive cuda_graphs' warm-up).
 
-# %% tags=["export"] module="minivllm.layers.gpu_sampler"
+# %% tags=["export"] module="minivllm.engine.sampler_warm_up"
+import torch
+
+from minivllm.engine.step_inputs import sampling_tensors
+from minivllm.layers.sampler import Sampler
+from minivllm.sampling_params import SamplingParams
+
 TOP_K_WIDTHS = (513, 1025, 2049)  # above top_k_sample's 512: race_ids over blocks of 1,024, 2,048 and 4,096
 
 
@@ -789,7 +793,7 @@ def warm_up_sampler(sampler: Sampler, logits: torch.Tensor) -> None:
 # %%
 import triton
 
-from minivllm.layers.gpu_sampler import warm_up_params, warm_up_sampler
+from minivllm.engine.sampler_warm_up import warm_up_params, warm_up_sampler
 
 slots = sorted({triton.next_power_of_2(2 * p.top_k) for p in warm_up_params() if 0 < p.top_k <= 512})
 print(f"{len(warm_up_params())} draws per batch size and dtype; top_k_sample's candidate slots: {slots}")
