@@ -56,6 +56,8 @@ random.seed(0)
 # With `tensor_parallel_size > 1`, `make_runner` looks up the fast path "tensor parallelism" by name.
 
 # %% tags=["export"] module="minivllm.engine.llm_engine"
+import atexit
+import gc
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable
@@ -100,6 +102,9 @@ class LLMEngine:
         self.finished: list[RequestOutput] = []  # finished, not returned yet (kept back by a step given request_ids)
         self.lock = threading.RLock()  # reentrant: LLM.generate holds it while it adds requests and steps
         self.launched: Launched | None = None  # async scheduling: the step on the GPU while the host goes on
+        gc.collect()
+        gc.freeze()  # start-up's objects last as long as the engine: Python's full collections now skip them
+        atexit.register(gc.unfreeze)  # (and the interpreter's last collection frees them)
 
     def add_requests(
         self,
@@ -227,12 +232,6 @@ class LLMEngine:
             ids = [self.requests[seq.seq_id].request_id for seq in seqs if seq.seq_id in self.requests]
             self.abort_request(ids)
         error.add_note(f"minivllm: the step failed; these requests were aborted: {list(dict.fromkeys(ids))}")
-
-    def progress(self, request_ids: Collection[str]) -> list[RequestOutput]:
-        """The outputs so far (`finished=False`) of these requests, while they run: what a stream sends."""
-        with self.lock:
-            mine = [self.live[i] for i in dict.fromkeys(request_ids) if i in self.live]
-            return [self.output_processor.output(r, False) for r in mine]
 
     def has_unfinished_requests(self) -> bool:
         """Whether step() has more to give: requests to run, a step to finish, or outputs it kept back."""

@@ -83,14 +83,16 @@ def test_a_stop_string_ends_the_text_there_and_frees_the_blocks(llm, include):
 
 
 def test_a_running_reply_never_shows_text_it_takes_back(llm):
-    """progress() holds back what may begin a stop string: every partial text is a prefix of the final one."""
+    """A running reply's output (finished=False, what a stream sends) holds back what may begin a stop string: every
+    partial text is a prefix of the final one."""
     full = llm.generate(["Once upon a time"], GREEDY, use_tqdm=False)[0].outputs[0].text
     stop = full[len(full) // 2 :][:4]
     request_id = llm.engine.add_request("Once upon a time", dataclasses.replace(GREEDY, stop=[stop, "zz"]))
     partial, final = [], None
     while final is None:
         finished, _ = llm.engine.step()
-        partial += [out.outputs[0].text for out in llm.engine.progress([request_id])]
+        if (request := llm.engine.live.get(request_id)) is not None:
+            partial.append(llm.engine.output_processor.output(request, False).outputs[0].text)
         final = next((out.outputs[0].text for out in finished if out.request_id == request_id), None)
     assert final == full[: full.find(stop)] and len(partial) >= 2
     assert all(final.startswith(text) for text in partial)
@@ -303,7 +305,7 @@ def test_tokenizer_loads_the_class_its_config_names_without_auto_tokenizer(tiny)
 
 
 def test_adding_aborting_and_stepping_never_walk_the_other_requests(llm):
-    """Each add, abort, progress call and step looks up its own requests by id: a walk over every queued request
+    """Each add, abort and step looks up its own requests by id: a walk over every queued request
     made each of N adds O(N) (a flood of N requests O(N²) on the host)."""
     engine, walks = llm.engine, []
 
@@ -325,7 +327,6 @@ def test_adding_aborting_and_stepping_never_walk_the_other_requests(llm):
         ids = [engine.add_request(f"Request {i}", SamplingParams(max_tokens=3)) for i in range(300)]
         engine.add_request("Named", SamplingParams(max_tokens=3), request_id="named")
         engine.step()
-        assert [out.request_id for out in engine.progress(["named", ids[0]])] == ["named", ids[0]]
         engine.abort_request(ids[:100])
         while engine.has_unfinished_requests():
             engine.step()

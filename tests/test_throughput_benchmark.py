@@ -114,3 +114,15 @@ def test_each_timed_run_follows_a_warm_up_and_finds_nothing_cached(monkeypatch):
     work = Workload("chat", [prefix + [7] * n for n in (2, 9, 20)], params, shared_prefix=len(prefix))
     run_throughput_benchmark([work], ("unified",), preset="tiny", max_model_len=256, max_num_batched_tokens=32)
     assert events == [("warm_up", "chat", 0), ("run_workload", "chat", 0)] * 2  # with prefix caching, then without
+
+
+def test_gc_pauses_counts_the_full_collections_inside():
+    import gc
+
+    from minivllm.benchmarks.workloads import gc_pauses
+
+    with gc_pauses() as pauses:
+        gc.collect()  # a full collection
+        gc.collect(0)
+    gc.collect()  # outside: not counted
+    assert pauses["full"] == 1 and pauses["seconds"] >= 0.0

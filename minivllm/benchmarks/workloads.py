@@ -13,9 +13,12 @@ Only the standard library and the package's light modules are imported here (the
 process imports this module): the engine, the runner and torch are imported where a run starts.
 """
 
+import contextlib
 import dataclasses
+import gc
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -134,9 +137,10 @@ def warm_up(llm: "LLM", work: Workload) -> None:
 
 def run_workload(llm: "LLM", work: Workload) -> dict:
     """One workload on a started engine: throughput, latency percentiles, step kinds and where the time goes."""
-    start = time.perf_counter()
-    outputs, steps = run_engine(llm, work.prompts, work.params)
-    seconds = time.perf_counter() - start
+    with gc_pauses() as pauses:
+        start = time.perf_counter()
+        outputs, steps = run_engine(llm, work.prompts, work.params)
+        seconds = time.perf_counter() - start
     output_tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
     assert output_tokens == sum(work.output_lens), "every request runs to its max_tokens (ignore_eos)"
     prompt_tokens = sum(map(len, work.prompts))
@@ -154,7 +158,28 @@ def run_workload(llm: "LLM", work: Workload) -> dict:
         **percentiles("tpot", [t for t in tpot if t is not None]),
         steps={kind: kinds.count(kind) for kind in ("prefill", "decode", "mixed")},
         step_breakdown=step_breakdown(steps),
+        gc_seconds=pauses["seconds"],  # Python's garbage collections inside the run: host time the GPU may wait on
+        gc_full_collections=pauses["full"],
     )
+
+
+@contextlib.contextmanager
+def gc_pauses() -> Iterator[dict]:
+    """Yields a dict that fills while inside: `seconds` spent in Python's garbage collections, `full` ones counted."""
+    pauses, began = {"seconds": 0.0, "full": 0}, [0.0]
+
+    def hook(phase: str, info: dict) -> None:
+        if phase == "start":
+            began[0] = time.perf_counter()
+            return
+        pauses["seconds"] += time.perf_counter() - began[0]
+        pauses["full"] += info["generation"] == 2
+
+    gc.callbacks.append(hook)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(hook)
 
 
 def run_minivllm(path: Path, prompts, output_lens, **config) -> tuple[dict, dict]:
