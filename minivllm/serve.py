@@ -436,10 +436,6 @@ class Server:
         check_unsupported(request)
         if request.n > MAX_N:
             raise BadRequest(f"n must be at most {MAX_N} (this server's limit), got {request.n}", "n")
-        vocab_size = self.llm.config.hf_config.vocab_size
-        if bad := [t for t in request.stop_token_ids or [] if not 0 <= t < vocab_size]:
-            message = f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
-            raise BadRequest(message, "stop_token_ids")
 
     async def token_ids(self, prompt: str | list[int], param: str) -> list[int]:
         """The prompt as token ids, as the engine would make them (tokenizing in a thread: a long prompt takes time)."""
@@ -495,8 +491,9 @@ class Server:
         outputs = self.llm.generate(prompt, params, request_id)
         try:  # add_request's checks run as `outputs` starts: a ValueError is still a 400
             out = await wait_output(outputs, raw, last=not request.stream)
-        except ValueError as e:  # the engine's checks of the prompt: "prompt is empty", "token id ... is outside"
-            param = "prompt" if kind == "cmpl" else "messages"
+        except ValueError as e:  # the engine's checks: "prompt is empty", "stop_token_ids: token id ... is outside"
+            named = str(e).split(":")[0]  # a sampling field the message begins with, else the prompt's
+            param = named if named in SAMPLING_FIELDS else "prompt" if kind == "cmpl" else "messages"
             raise BadRequest(str(e) if str(e).startswith(param) else f"{param}: {e}", param) from e
         if out is None:  # the client left; nobody will read this: nginx's "client closed request"
             return error("the client disconnected", status=499)
