@@ -247,6 +247,7 @@ class LLMEngine:
             self.launched = None
 
     def close(self) -> None:
+        gc.unfreeze()  # what this engine held goes back to the collector (cycles among it included)
         self.runner.close()
 
 

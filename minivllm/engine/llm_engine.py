@@ -191,4 +191,5 @@ class LLMEngine:
             self.launched = None
 
     def close(self) -> None:
+        gc.unfreeze()  # what this engine held goes back to the collector (cycles among it included)
         self.runner.close()
