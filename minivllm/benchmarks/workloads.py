@@ -137,6 +137,7 @@ def warm_up(llm: "LLM", work: Workload) -> None:
 
 def run_workload(llm: "LLM", work: Workload) -> dict:
     """One workload on a started engine: throughput, latency percentiles, step kinds and where the time goes."""
+    gc.collect()  # each run starts from the same heap: a full collection left over from setup is not timed
     with gc_pauses() as pauses:
         start = time.perf_counter()
         outputs, steps = run_engine(llm, work.prompts, work.params)
