@@ -16,6 +16,31 @@ from minivllm.kernels.paged_attn import store_kvcache
 from minivllm.models.qwen3 import Qwen3ForCausalLM
 
 
+class WatchedDict(dict):
+    """A dict that appends to `walks` each walk over it (iteration, values(), items()) while `watching()` holds: a
+    test that a path looks its entries up by key, never scanning all of them."""
+
+    def __init__(self, entries: dict, walks: list[str], watching: Callable[[], bool] = lambda: True):
+        super().__init__(entries)
+        self.walks, self.watching = walks, watching
+
+    def walk(self, how: str) -> None:
+        if self.watching():
+            self.walks.append(how)
+
+    def __iter__(self):
+        self.walk("iter")
+        return super().__iter__()
+
+    def values(self):
+        self.walk("values")
+        return super().values()
+
+    def items(self):
+        self.walk("items")
+        return super().items()
+
+
 def check_prompt(model: Qwen3ForCausalLM, token_ids: list[int]) -> None:
     vocab_size, max_len = model.config.vocab_size, model.config.max_position_embeddings
     if not token_ids:

@@ -16,6 +16,7 @@ import torch
 from minivllm import SamplingParams
 from minivllm.async_llm import AsyncLLM, EngineDeadError
 from minivllm.engine.core import Delta
+from minivllm.testing import WatchedDict
 
 CONFIG = dict(dtype=torch.float32, device="cpu", num_kvcache_blocks=256, max_model_len=512, max_num_seqs=32)
 HANG = 120  # seconds: only a guard against a hang, never what a test decides by
@@ -105,24 +106,6 @@ def test_a_step_never_walks_the_queue(local):
     """Per step, the core looks at the batch it ran, not at every queued request: with hundreds waiting, a walk
     over them each step cost O(queue) per step (O(queue²) in all)."""
     walks, stepping = [], threading.local()
-
-    class Watched(dict):
-        def walk(self, how: str) -> None:
-            if getattr(stepping, "on", False):
-                walks.append(how)
-
-        def values(self):
-            self.walk("values")
-            return super().values()
-
-        def items(self):
-            self.walk("items")
-            return super().items()
-
-        def __iter__(self):
-            self.walk("iter")
-            return super().__iter__()
-
     engine, core_step = local.core.engine, local.core.step
 
     def watched_step():
@@ -132,7 +115,8 @@ def test_a_step_never_walks_the_queue(local):
         finally:
             stepping.on = False
 
-    engine.requests, local.core.step = Watched(engine.requests), watched_step
+    engine.requests = WatchedDict(engine.requests, walks, lambda: getattr(stepping, "on", False))
+    local.core.step = watched_step
     try:
 
         async def many() -> list:

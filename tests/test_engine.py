@@ -13,6 +13,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from minivllm import LLM, SamplingParams
+from minivllm.testing import WatchedDict
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -308,21 +309,7 @@ def test_adding_aborting_and_stepping_never_walk_the_other_requests(llm):
     """Each add, abort and step looks up its own requests by id: a walk over every queued request
     made each of N adds O(N) (a flood of N requests O(N²) on the host)."""
     engine, walks = llm.engine, []
-
-    class Watched(dict):
-        def __iter__(self):
-            walks.append("iter")
-            return super().__iter__()
-
-        def values(self):
-            walks.append("values")
-            return super().values()
-
-        def items(self):
-            walks.append("items")
-            return super().items()
-
-    engine.requests, engine.live = Watched(engine.requests), Watched(engine.live)
+    engine.requests, engine.live = WatchedDict(engine.requests, walks), WatchedDict(engine.live, walks)
     try:
         ids = [engine.add_request(f"Request {i}", SamplingParams(max_tokens=3)) for i in range(300)]
         engine.add_request("Named", SamplingParams(max_tokens=3), request_id="named")

@@ -27,12 +27,12 @@ def padding_decode_step(rows: int) -> StepInputs:
 def warm_up_decode_attention(runner: ModelRunner) -> None:
     """The decode kernels at every batch size up to max_num_seqs, with and without a shared prefix (03)."""
     layer, device = runner.attention_layers[0], runner.device
+    kv = layer.k_cache, layer.v_cache
     for rows in range(1, runner.config.max_num_seqs + 1):
         q = torch.zeros(rows, 1, layer.num_heads, layer.head_dim, dtype=runner.dtype, device=device)
         lens = torch.ones(rows, dtype=torch.int32, device=device)
         tables = torch.zeros(rows, 1, dtype=torch.int32, device=device)
         for prefix_blocks, prefix_lens in ((None, None), (tables[0], lens)):
-            kv = layer.k_cache, layer.v_cache
             flash_attn_with_kvcache(q, *kv, lens, tables, prefix_blocks=prefix_blocks, prefix_lens=prefix_lens)
 
 

@@ -393,8 +393,8 @@ for row in kinds_data["rows"]:
 # once, before the graphs are captured: a prefix hit's step, eager decode steps of padding rows (slot −1: nothing is
 # written), the decode kernels at every batch size with and without a shared prefix, the sampler's variants on the
 # logits. `tests/test_warm_up.py` runs a varied workload after `LLM()` in a fresh process (every sampling path, prefix
-# hits, steps past the largest graph) and counts Triton's compiles and CUDA graph captures with hooks: none. What it
-# costs is the "compile" phase of `python -m minivllm`'s start-up split.
+# hits, steps past the largest graph) and counts Triton's compiles and CUDA graph captures with hooks: none on an H200
+# (`../figures/warm_up_h200.txt`). What it costs is the "compile" phase of `python -m minivllm`'s start-up split.
 
 # %% tags=["export"] module="minivllm.engine.warm_up"
 import numpy as np
@@ -424,12 +424,12 @@ def padding_decode_step(rows: int) -> StepInputs:
 def warm_up_decode_attention(runner: ModelRunner) -> None:
     """The decode kernels at every batch size up to max_num_seqs, with and without a shared prefix (03)."""
     layer, device = runner.attention_layers[0], runner.device
+    kv = layer.k_cache, layer.v_cache
     for rows in range(1, runner.config.max_num_seqs + 1):
         q = torch.zeros(rows, 1, layer.num_heads, layer.head_dim, dtype=runner.dtype, device=device)
         lens = torch.ones(rows, dtype=torch.int32, device=device)
         tables = torch.zeros(rows, 1, dtype=torch.int32, device=device)
         for prefix_blocks, prefix_lens in ((None, None), (tables[0], lens)):
-            kv = layer.k_cache, layer.v_cache
             flash_attn_with_kvcache(q, *kv, lens, tables, prefix_blocks=prefix_blocks, prefix_lens=prefix_lens)
 
 
