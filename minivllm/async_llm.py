@@ -30,6 +30,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncGenerator
+from contextlib import suppress
 from dataclasses import dataclass, field
 from multiprocessing import Pipe, get_context
 from multiprocessing.connection import Connection
@@ -144,8 +145,12 @@ class AsyncLLM:
         return error
 
     def send(self, message: tuple) -> None:
+        """One message to the core; EngineDeadError if its process has exited (its socket is closed)."""
         with self.send_lock:
-            self.conn.send(message)
+            try:
+                self.conn.send(message)
+            except OSError as error:  # before the output thread has seen the socket close
+                raise EngineDeadError("the engine core died: its process exited") from error
 
     async def generate(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
@@ -176,7 +181,11 @@ class AsyncLLM:
                     if self.error is not None:
                         raise self.dead_error()
                     return id_
-                self.send(("add", id_, stream.request.prompt_token_ids, params))  # under lock: before any abort
+                try:
+                    self.send(("add", id_, stream.request.prompt_token_ids, params))  # under lock: before any abort
+                except EngineDeadError:
+                    self.remove_locked(id_, stream, aborted=False)
+                    raise
             return id_
 
         try:
@@ -220,7 +229,8 @@ class AsyncLLM:
         """A caller left before its last output: forget its stream and abort its request in the core."""
         with self.lock:
             if self.remove_locked(request_id, stream, aborted=True) and self.error is None:
-                self.send(("abort", [request_id]))  # under lock: after its "add", before a reuse of the id
+                with suppress(EngineDeadError):  # a dead core has nothing left to abort
+                    self.send(("abort", [request_id]))  # under lock: after its "add", before a reuse of the id
 
     def receive_loop(self) -> None:
         """The output thread: each message from the core, turned into outputs for the callers. If the core dies,
@@ -329,10 +339,8 @@ class AsyncLLM:
         if self.stopped:
             return
         self.stopped = True
-        try:
+        with suppress(EngineDeadError):  # it is gone already
             self.send(("shutdown",))
-        except OSError:  # it is gone already
-            pass
         self.join_core()
         self.conn.close()
         self.thread.join(timeout=5)

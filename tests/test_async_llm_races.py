@@ -304,3 +304,20 @@ def test_a_dead_or_hung_core_fails_every_caller_at_once(tiny, how):
         assert not llm.process.is_alive()
     finally:
         llm.close()
+
+
+def test_a_message_to_a_core_that_has_exited_raises_engine_dead_error(tiny):
+    """Until the output thread sees the core's socket close, a new request (or an abort) writes to a closed socket:
+    its caller gets EngineDeadError, not BrokenPipeError, nothing is left registered, and close() still works."""
+    llm = AsyncLLM(str(tiny), **CONFIG)
+    try:
+        os.kill(llm.process.pid, signal.SIGKILL)
+        llm.process.join(HANG)
+        with pytest.raises(EngineDeadError):
+            llm.send(("abort", ["nobody"]))
+        with pytest.raises(EngineDeadError):
+            run(collect(llm, "Too late", 2))
+        assert not llm.streams
+    finally:
+        llm.close()
+    assert not llm.is_healthy()

@@ -352,16 +352,20 @@ print(repr(text))
 assert text == llm.generate(["Once upon a time"], greedy, use_tqdm=False)[0].outputs[0].text
 
 # %% [markdown]
-# A core that dies must not leave callers waiting. Kill it (as the out-of-memory killer would) while a request
-# runs: the caller gets `EngineDeadError` at once, and `is_healthy()`, which the server's `/health` reports, says so.
+# A core that dies must not leave callers waiting. Freeze it (SIGSTOP: the request below cannot run to its end
+# first), send a request, and kill the core (SIGKILL, as the out-of-memory killer would) while its caller waits: the
+# caller gets `EngineDeadError` at once, and `is_healthy()`, which the server's `/health` reports, says so.
 
 
 # %%
 async def doomed() -> str:
+    os.kill(served.process.pid, signal.SIGSTOP)
+    caller = asyncio.ensure_future(reply("A long story:", SamplingParams(max_tokens=400, ignore_eos=True)))
+    while not served.streams:  # the request is in
+        await asyncio.sleep(0.001)
+    os.kill(served.process.pid, signal.SIGKILL)
     try:
-        async for out in served.generate("A long story:", SamplingParams(max_tokens=400, ignore_eos=True)):
-            if len(out.outputs[0].token_ids) == 2:
-                os.kill(served.process.pid, signal.SIGKILL)
+        await caller
     except EngineDeadError as e:
         return str(e)
     return "finished"
