@@ -631,8 +631,8 @@ def bind_kv_cache(
 # %% [markdown]
 # ### Putting it together
 # `ModelRunner(config)` loads the model (this rank's slice), sizes the KV cache, on a GPU compiles every Triton kernel
-# variant a step can launch (a warm-up) and times each phase. `run(seqs, is_prefill)` gives the next tokens; `launch` is `run` in two halves,
-# queue then wait (06 schedules between), with log-probabilities (`step_logits`: the step without sampler).
+# variant a step can launch (a warm-up) and times each phase. `run(seqs, is_prefill)` gives the next tokens; `launch`
+# is `run` in two halves, queue then wait (06 schedules between), with log-probabilities (`step_logits`: no sampler).
 #
 # This runner runs every step eagerly. The GPU fast paths live in deep dives, which nothing here imports: on a GPU the
 # runner looks each up by name (`fast_path`): the small layers' kernels, `GPUSampler`, and from `deep_dives/cuda_graphs`

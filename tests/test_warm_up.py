@@ -29,7 +29,7 @@ def counting_compiles_and_captures() -> Iterator[tuple[list[str], list[int]]]:
         return capture_begin(graph, *args, **kwargs)
 
     def counted_compile(fn, compile: dict, **kwargs) -> None:
-        constants = {k: v for k, v in compile.get("constants", {}).items() if not isinstance(v, type(None))}
+        constants = {k: v for k, v in compile.get("constants", {}).items() if v is not None}
         compiles.append(f"{fn.name} {compile.get('signature')} {constants}")
 
     triton.knobs.runtime.jit_post_compile_hook = counted_compile

@@ -233,12 +233,6 @@ def serving_line(r: dict) -> str:
     )
 
 
-def print_serving(rows: list[dict]) -> None:
-    print(SERVING_HEADER)
-    for r in rows:
-        print(serving_line(r))
-
-
 def main(argv: list[str] | None = None) -> None:
     import torch
 
@@ -268,7 +262,6 @@ def main(argv: list[str] | None = None) -> None:
         args.preset, args.num_requests, args.request_rates, args.prompt_lens, args.output_lens, args.seed, args.cores
     )
     data["command"] = " ".join(["python -m", MODULE, *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
-    print_serving(data["rows"])
     save("serving", data, plot_serving(data), args.out)
 
 
