@@ -6,6 +6,7 @@ import torch
 
 from minivllm import kernels  # kernels.flash_attn_varlen_func: imported on first use, on a GPU
 from minivllm.attention.layer import Attention
+from minivllm.kernels.flash_attn import flash_attn_varlen_contiguous
 from minivllm.kernels.paged_attn import flash_attn_with_kvcache, store_kvcache
 from minivllm.kernels.paged_reference import paged_attention_ref, store_kvcache_ref
 from minivllm.kernels.reference import attention_ref
@@ -67,10 +68,9 @@ class PagedContext:
         assert cu_q is not None  # a prefill step has it
         if self.block_tables is not None:
             return self.paged_prefill(layer, q)
-        if self.use_triton:  # nothing cached: the new tokens are whole prompts, their k and v all there is
-            return kernels.flash_attn_varlen_func(
-                q, k, v, cu_q, cu_q, self.max_seqlen_q, self.max_seqlen_q, layer.scale, causal=True
-            )
+        if self.use_triton:  # nothing cached: whole prompts, their k and v all there is (01's kernel)
+            max_q = self.max_seqlen_q
+            return flash_attn_varlen_contiguous(q, k, v, cu_q, cu_q, max_q, max_q, layer.scale, True)
         return attention_ref(q, k, v, cu_q, cu_q, layer.scale, causal=True)
 
     def paged_prefill(self, layer: Attention, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -24,7 +24,7 @@ from minivllm.benchmarks.common import (
     result,
     save,
 )
-from minivllm.kernels import flash_attn_varlen_func, flash_attn_with_kvcache
+from minivllm.kernels import flash_attn_with_kvcache
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
 SHAPES = [(1, 16384), (8, 8192), (32, 2048), (64, 4096), (256, 1024), (256, 512)]  # (batch, context_len)
@@ -58,6 +58,8 @@ def naive_gather_sdpa(x: dict) -> torch.Tensor:
 
 def prefill_kernel_as_decode(x: dict) -> torch.Tensor:
     """Notebook 01's design used for decode: a tile of 64 positions holding 1 query per head."""
+    from minivllm.kernels import flash_attn_varlen_func  # the paged prefill deep dive's: on a GPU only
+
     return flash_attn_varlen_func(
         x["q"][:, 0],
         x["k_cache"],
