@@ -625,7 +625,10 @@ input_ids, positions = torch.tensor(a + b, device=DEVICE), torch.tensor([*range(
 with torch.inference_mode():
     packed = model.compute_logits(model(input_ids, positions, PrefillContext.from_lens([len(a), len(b)], DEVICE)))
 torch.testing.assert_close(packed, torch.cat([prompt_logits(model, a), prompt_logits(model, b)]), rtol=1e-5, atol=1e-5)
-text_model = load_model(write_checkpoint(CHECKPOINTS / "tiny-text", "tiny-text"), dtype=torch.float32, device=DEVICE)
+text_path = CHECKPOINTS / "tiny-text"
+if not (text_path / "model.safetensors").is_file():  # trained once (half a minute), then kept
+    write_checkpoint(text_path, "tiny-text", seed=0)
+text_model = load_model(text_path, dtype=torch.float32, device=DEVICE)
 token_ids = tokenizer.encode("The Earth is about")
 for _ in range(24):  # greedy, with no KV cache yet: the whole text again for every new token
     token_ids.append(int(prompt_logits(text_model, token_ids)[-1].argmax()))

@@ -680,7 +680,7 @@ from minivllm.checks.model_parity import greedy_agreement
 
 prompts = ["What is the capital of France?", "Dear Maria,", "In autumn the leaves"]
 path = CHECKPOINTS / "tiny-text"
-if not (path / "model.safetensors").is_file():  # notebook 02 wrote it; training it again takes half a minute
+if not (path / "model.safetensors").is_file():  # notebook 02 wrote it; it is trained once, then kept
     write_checkpoint(path, "tiny-text", seed=0)
 real = None
 if DEVICE == "cuda":
