@@ -214,7 +214,7 @@ def write_readme(path: Path = README) -> None:
     readme_block(readme)  # fails when a marker is missing
     head, rest = readme.split(START, 1)
     tail = rest.split(END, 1)[1]
-    path.write_text(f"{head}{START}\n{markdown()}{END}{tail}")
+    path.write_text(f"{head}{START}\n\n{markdown()}\n{END}{tail}")  # blank lines: tables render
 
 
 def main() -> None:
