@@ -5,11 +5,12 @@
 # and, while editing:
 #   make lint   CI's checks without the tests: export --check (of committed work), ruff check, ruff format --check, mypy
 #   make fmt    ruff format, then regenerate the modules and .ipynb files from the reformatted notebooks
+#   make readme rewrite the README's reading times, computed from the notebooks by tools/reading_time.py
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo notebooks test test-busy export lint fmt
+.PHONY: setup demo notebooks test test-busy export lint fmt readme
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,6 +39,9 @@ lint: setup
 fmt: setup
 	$(PY) -m ruff format .
 	$(PY) tools/export.py
+
+readme: setup
+	$(PY) tools/reading_time.py --write-readme
 
 test:
 	bash .ci/run
