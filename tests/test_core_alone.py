@@ -1,6 +1,6 @@
-"""The core path stands alone: with every module a deep dive exports blocked (tools/core_only on PYTHONPATH), the
-engine the six core notebooks export equals transformers on every CPU path, and CI runs the six core notebooks
-under the same block (.ci/run)."""
+"""The core path stands alone: with every module a deep dive exports blocked (tools/core_only on
+PYTHONPATH), the engine the six core notebooks export equals transformers on every path (on a CPU, in
+float32), and CI runs the six core notebooks under the same block (.ci/run)."""
 
 import json
 import os
@@ -37,7 +37,7 @@ params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
 out = {}
 for name, kwargs in cases.items():
     chunks.clear()
-    with LLM(sys.argv[2], max_model_len=512, **kwargs) as llm:
+    with LLM(sys.argv[2], max_model_len=512, device="cpu", **kwargs) as llm:  # fp32 on a CPU
         outputs = llm.generate(prompts, params, use_tqdm=False)
         scheduler = llm.engine.scheduler
         out[name] = {
