@@ -16,7 +16,8 @@ disconnects) aborts its request: the core frees its KV blocks at its next messag
 Threads: the streams (request id -> the caller's `Stream` and the request's text state) are touched by the output
 thread, by the callers' event loops and by the executor threads that add requests: every access holds `lock`. A
 request id belongs to its caller until that caller has read its last output or left: `generate` refuses (ValueError)
-an id still in use.
+an id still in use. Messages to the core are queued and written by the input thread, in order: no caller, and no
+lock, waits on a core that has stopped reading.
 
 Health: if the core dies (its process exits, or its thread raises) or hangs (no message for `timeout` seconds: it
 sends one after every step and every second when idle), every waiting caller gets `EngineDeadError` at once, later
@@ -27,6 +28,7 @@ is killed. `close()` stops the core: no process outlives it, and a core whose AP
 import asyncio
 import itertools
 import logging
+import queue
 import threading
 import time
 from collections.abc import AsyncGenerator
@@ -110,7 +112,7 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.streams: dict[str, Stream] = {}  # request_id -> stream, while its caller listens (hold lock)
         self.lock = threading.Lock()
-        self.send_lock = threading.Lock()  # one writer at a time on the socket
+        self.outbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()  # to the core, in order
         self.num_aborted = 0  # requests whose caller left before they finished
         self.error: BaseException | None = None  # what killed the core, if it died
         self.core_stats = {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage": 0.0}
@@ -118,6 +120,8 @@ class AsyncLLM:
         self.stopped = False
         self.thread = threading.Thread(target=self.receive_loop, name="minivllm-output", daemon=True)
         self.thread.start()
+        self.writer = threading.Thread(target=self.write_loop, name="minivllm-input", daemon=True)
+        self.writer.start()
 
     def receive_first(self) -> tuple:
         """The core's first message: ("ready", config, number of KV blocks), or the error that stopped it loading."""
@@ -145,12 +149,23 @@ class AsyncLLM:
         return error
 
     def send(self, message: tuple) -> None:
-        """One message to the core; EngineDeadError if its process has exited (its socket is closed)."""
-        with self.send_lock:
+        """Queue one message to the core (the input thread writes it): it never blocks, so no lock is held while
+        a core that stops reading fills the socket. EngineDeadError if the core has died or exited."""
+        if self.error is not None:
+            raise self.dead_error()
+        if not self.process.is_alive():  # before the output thread has seen the socket close
+            raise EngineDeadError("the engine core died: its process exited")
+        self.outbox.put(message)
+
+    def write_loop(self) -> None:
+        """The input thread: the queued messages, in order, to the core. A write blocks while the core reads
+        nothing; the output thread, which holds no lock while it waits, reports a hung core and kills it, and
+        then the write fails. Ends at None or when the socket closes."""
+        while (message := self.outbox.get()) is not None:
             try:
                 self.conn.send(message)
-            except OSError as error:  # before the output thread has seen the socket close
-                raise EngineDeadError("the engine core died: its process exited") from error
+            except OSError:  # the core is gone: the output thread reports it
+                return
 
     async def generate(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
@@ -339,11 +354,13 @@ class AsyncLLM:
         if self.stopped:
             return
         self.stopped = True
-        with suppress(EngineDeadError):  # it is gone already
-            self.send(("shutdown",))
+        if self.error is None:  # a dead core is gone already
+            self.outbox.put(("shutdown",))
+        self.outbox.put(None)
         self.join_core()
         self.conn.close()
         self.thread.join(timeout=5)
+        self.writer.join(timeout=5)
 
 
 def finish(seq: Sequence, reason: str) -> None:

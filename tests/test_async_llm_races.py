@@ -6,6 +6,7 @@ it), and the timeouts only guard against a hang. CPU, tiny preset, float32, gree
 import asyncio
 import contextlib
 import os
+import random
 import signal
 import threading
 import time
@@ -321,3 +322,29 @@ def test_a_message_to_a_core_that_has_exited_raises_engine_dead_error(tiny):
     finally:
         llm.close()
     assert not llm.is_healthy()
+
+
+def test_a_core_that_stops_reading_is_reported_while_writes_to_it_block(tiny):
+    """A stopped core (SIGSTOP) reads nothing: once the socket's buffer is full, a write to it blocks. The callers
+    whose requests are being written, and every other, must still get EngineDeadError after the timeout: no write
+    may block while it holds a lock the output thread needs to report the death."""
+    llm = AsyncLLM(str(tiny), timeout=2.0, **CONFIG)
+    prompts = [[random.randrange(3, 2000) for _ in range(500)] for _ in range(300)]  # ~0.5 MB of token ids
+
+    async def callers() -> list:
+        async def one(prompt):
+            try:
+                return [out async for out in llm.generate(prompt, greedy(2))]
+            except EngineDeadError as e:
+                return e
+
+        return await asyncio.gather(*(one(p) for p in prompts))
+
+    try:
+        os.kill(llm.process.pid, signal.SIGSTOP)
+        results = run(callers())
+        assert all(isinstance(r, EngineDeadError) for r in results), [r for r in results if isinstance(r, list)]
+        assert not llm.is_healthy()
+    finally:
+        llm.close()
+    assert not llm.process.is_alive()
