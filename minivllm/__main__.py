@@ -33,8 +33,17 @@ if TYPE_CHECKING:
     from minivllm import LLM
     from minivllm.outputs import RequestOutput
 
-DEFAULT_PROMPTS = ["What is the capital of France?", "In autumn the leaves", "Dear Maria,", "def fibonacci(n"]
-PRESETS = ["tiny", "tiny-text", "qwen3-0.6b"]  # minivllm.checkpoint.maker's (not imported here: it loads transformers)
+DEFAULT_PROMPTS = [
+    "What is the capital of France?",
+    "In autumn the leaves",
+    "Dear Maria,",
+    "def fibonacci(n",
+]
+PRESETS = [
+    "tiny",
+    "tiny-text",
+    "qwen3-0.6b",
+]  # minivllm.checkpoint.maker's (not imported here: it loads transformers)
 
 
 def positive_int(text: str) -> int:
@@ -61,13 +70,19 @@ def finite_float(text: str) -> float:
 def make_parser() -> tuple[argparse.ArgumentParser, list[str]]:
     """The parser, and the engine fields it has flags for (all of LLM's, as serve's; --seed is the requests')."""
     parser = argparse.ArgumentParser(
-        prog="python -m minivllm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m minivllm",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("prompts", nargs="*", help="prompts (default: a few examples)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", help="a Hub id (ORG/NAME) or a HuggingFace checkpoint folder")
-    source.add_argument("--preset", choices=PRESETS, help="a preset (default: tiny-text, then qwen3-0.6b on a GPU)")
-    parser.add_argument("--temperature", type=finite_float, default=0.0, help="0 is greedy (default)")
+    source.add_argument(
+        "--preset", choices=PRESETS, help="a preset (default: tiny-text, then qwen3-0.6b on a GPU)"
+    )
+    parser.add_argument(
+        "--temperature", type=finite_float, default=0.0, help="0 is greedy (default)"
+    )
     parser.add_argument("--top-p", type=finite_float, default=1.0)
     parser.add_argument("--top-k", type=int, default=-1)
     parser.add_argument("--min-p", type=finite_float, default=0.0)
@@ -121,7 +136,9 @@ def print_outputs(outputs: "list[RequestOutput]", num_known_ids: int, seconds: f
             f"TTFT {(out.metrics.time_to_first_token or 0.0) * 1e3:.0f} ms]"
         )
         if num_known_ids and (no_text := sum(t >= num_known_ids for t in completion.token_ids)):
-            print(f"token ids {completion.token_ids[:12]}... ({no_text} have no text in this tokenizer)")
+            print(
+                f"token ids {completion.token_ids[:12]}... ({no_text} have no text in this tokenizer)"
+            )
     num_tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
     print(
         f"\n{len(outputs)} requests, {num_tokens} output tokens in {seconds:.2f} s: "
@@ -151,7 +168,10 @@ def generate(args: argparse.Namespace, model: Path | str, began: float, first: b
     try:  # a model that cannot be had or loaded (no such id or folder, gated, offline and not cached, .bin weights,
         # an architecture we lack) is one line naming it, exit code 2: no traceback, no usage (the flags were fine)
         llm = LLM(str(model), **args.engine_kwargs)
-    except (ValueError, OSError) as e:  # OSError: FileNotFoundError, PermissionError (gated), the Hub's HTTP errors
+    except (
+        ValueError,
+        OSError,
+    ) as e:  # OSError: FileNotFoundError, PermissionError (gated), the Hub's HTTP errors
         line = load_error_line(e, str(model), args.engine_kwargs.get("tokenizer"))
         args.parser.exit(2, f"{args.parser.prog}: error: {line}\n")
     with llm:

@@ -88,35 +88,58 @@ class AsyncLLM:
 
     `is_healthy()` says whether the core still runs; `stats()` its queue and KV-cache use, as of its last message."""
 
-    def __init__(self, model: str, multiprocessing: bool = True, timeout: float = 60.0, **kwargs: Any):
+    def __init__(
+        self, model: str, multiprocessing: bool = True, timeout: float = 60.0, **kwargs: Any
+    ):
         self.timeout = timeout
         self.core: EngineCore | None = None  # the core, when it runs on a thread of this process
         self.process: Process | threading.Thread
-        if multiprocessing:  # ids resolved (downloaded) and settings checked here: errors come before any process
+        if (
+            multiprocessing
+        ):  # ids resolved (downloaded) and settings checked here: errors come before any process
             config = Config(model, **kwargs)
-            hub = ("revision", "tokenizer_revision", "download_dir")  # the core loads the folders found here
-            kwargs = {k: v for k, v in kwargs.items() if k not in hub} | {"tokenizer": str(config.tokenizer)}
+            hub = (
+                "revision",
+                "tokenizer_revision",
+                "download_dir",
+            )  # the core loads the folders found here
+            kwargs = {k: v for k, v in kwargs.items() if k not in hub} | {
+                "tokenizer": str(config.tokenizer)
+            }
             self.conn, self.process = start_core_process(str(config.model), kwargs)
             _, self.config, num_blocks = self.receive_first()
         else:
             self.core = EngineCore(model, **kwargs)
             self.conn, core_end = Pipe()
-            self.process = threading.Thread(target=serve_core, args=(core_end, self.core), name="minivllm-core")
+            self.process = threading.Thread(
+                target=serve_core, args=(core_end, self.core), name="minivllm-core"
+            )
             self.process.start()
-            self.config, num_blocks = self.core.engine.config, self.core.engine.scheduler.block_manager.num_blocks
+            self.config, num_blocks = (
+                self.core.engine.config,
+                self.core.engine.scheduler.block_manager.num_blocks,
+            )
         self.tokenizer = load_tokenizer(self.config.tokenizer)
         bm = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.input_processor = InputProcessor(self.config, self.tokenizer, bm)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.streams: dict[str, Stream] = {}  # request_id -> stream, while its caller listens (hold lock)
+        self.streams: dict[
+            str, Stream
+        ] = {}  # request_id -> stream, while its caller listens (hold lock)
         self.lock = threading.Lock()
         self.send_lock = threading.Lock()  # one writer at a time on the socket
         self.num_aborted = 0  # requests whose caller left before they finished
         self.error: BaseException | None = None  # what killed the core, if it died
-        self.core_stats = {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage": 0.0}
+        self.core_stats = {
+            "num_requests_running": 0,
+            "num_requests_waiting": 0,
+            "kv_cache_usage": 0.0,
+        }
         self.counter = itertools.count()  # request ids handed out when the caller gives none
         self.stopped = False
-        self.thread = threading.Thread(target=self.receive_loop, name="minivllm-output", daemon=True)
+        self.thread = threading.Thread(
+            target=self.receive_loop, name="minivllm-output", daemon=True
+        )
         self.thread.start()
 
     def receive_first(self) -> tuple:
@@ -153,7 +176,10 @@ class AsyncLLM:
                 raise EngineDeadError("the engine core died: its process exited") from error
 
     async def generate(
-        self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """The request's outputs as it runs. ValueError (before anything is queued) if the request is bad or its
         request_id is still in use by another caller; EngineDeadError if the engine core has died."""
@@ -165,7 +191,9 @@ class AsyncLLM:
                 if self.error is not None:
                     raise self.dead_error()
                 if request_id is not None and request_id in self.streams:
-                    raise ValueError(f"request_id {request_id!r} is already in use by another caller")
+                    raise ValueError(
+                        f"request_id {request_id!r} is already in use by another caller"
+                    )
                 id_ = request_id
                 while id_ is None or id_ in self.streams:
                     id_ = str(next(self.counter))
@@ -182,7 +210,9 @@ class AsyncLLM:
                         raise self.dead_error()
                     return id_
                 try:
-                    self.send(("add", id_, stream.request.prompt_token_ids, params))  # under lock: before any abort
+                    self.send(
+                        ("add", id_, stream.request.prompt_token_ids, params)
+                    )  # under lock: before any abort
                 except EngineDeadError:
                     self.remove_locked(id_, stream, aborted=False)
                     raise
@@ -193,7 +223,10 @@ class AsyncLLM:
         except asyncio.CancelledError:  # the caller left while its request was being added
             with self.lock:
                 stream.abandoned = True
-                added = stream.request is not None and self.streams.get(stream.request.request_id) is stream
+                added = (
+                    stream.request is not None
+                    and self.streams.get(stream.request.request_id) is stream
+                )
             if added:
                 assert stream.request is not None
                 self.leave(stream.request.request_id, stream)
@@ -230,7 +263,9 @@ class AsyncLLM:
         with self.lock:
             if self.remove_locked(request_id, stream, aborted=True) and self.error is None:
                 with suppress(EngineDeadError):  # a dead core has nothing left to abort
-                    self.send(("abort", [request_id]))  # under lock: after its "add", before a reuse of the id
+                    self.send(
+                        ("abort", [request_id])
+                    )  # under lock: after its "add", before a reuse of the id
 
     def receive_loop(self) -> None:
         """The output thread: each message from the core, turned into outputs for the callers. If the core dies,
@@ -238,7 +273,9 @@ class AsyncLLM:
         try:
             while not self.stopped:
                 if not self.conn.poll(self.timeout):
-                    raise EngineDeadError(f"the engine core sent nothing for {self.timeout:g} s: hung")
+                    raise EngineDeadError(
+                        f"the engine core sent nothing for {self.timeout:g} s: hung"
+                    )
                 kind, *body = self.conn.recv()
                 if kind == "step":
                     self.apply(body[0])
@@ -250,13 +287,19 @@ class AsyncLLM:
             if not self.stopped:
                 if not isinstance(error, EOFError | OSError | EngineDeadError):
                     logger.exception("minivllm: the output thread died")
-                self.die(error if not isinstance(error, EOFError | OSError) else EngineDeadError("its process exited"))
+                self.die(
+                    error
+                    if not isinstance(error, EOFError | OSError)
+                    else EngineDeadError("its process exited")
+                )
 
     def apply(self, deltas: list[tuple]) -> None:
         """One step's new tokens: text, stop strings, and an output for each caller that wants one."""
         now = time.perf_counter()
         with self.lock:
-            streams = {d[0]: s for d in deltas if (s := self.streams.get(d[0])) and s.request}  # d[0]: its id
+            streams = {
+                d[0]: s for d in deltas if (s := self.streams.get(d[0])) and s.request
+            }  # d[0]: its id
         stopped = []
         for delta in map(Delta._make, deltas):  # plain tuples on the wire
             if (stream := streams.get(delta.request_id)) is None:
@@ -310,7 +353,9 @@ class AsyncLLM:
         """The core refused or lost these requests (a failed step aborts its batch): their callers get the error."""
         with self.lock:
             streams = [(i, s) for i in request_ids if (s := self.streams.get(i)) is not None]
-        self.deliver([(i, s, RuntimeError(f"request {i} was aborted: {message}")) for i, s in streams])
+        self.deliver(
+            [(i, s, RuntimeError(f"request {i} was aborted: {message}")) for i, s in streams]
+        )
 
     def die(self, error: BaseException) -> None:
         """The core is dead or hung: no new request is taken, and every waiting caller gets the error now."""
@@ -354,7 +399,9 @@ def finish(seq: Sequence, reason: str) -> None:
 def start_core_process(model: str, kwargs: dict[str, Any]) -> tuple[Connection, Process]:
     context = get_context("spawn")  # CUDA cannot be forked
     conn, core_end = context.Pipe()
-    process = context.Process(target=run_core, args=(core_end, model, kwargs), name="minivllm-core", daemon=True)
+    process = context.Process(
+        target=run_core, args=(core_end, model, kwargs), name="minivllm-core", daemon=True
+    )
     process.start()
     core_end.close()  # ours closed: when the core exits, recv raises EOFError
     return conn, process

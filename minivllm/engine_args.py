@@ -43,7 +43,9 @@ def add_engine_args(
     """A flag in an "engine" group of `parser` for each init field of Config but `model` (and `skip`); returns their
     fields' names, for `engine_kwargs`. A flag left out leaves no attribute: Config's default holds. changes[field]:
     add_argument's keyword arguments to change for that flag, and `aliases`, more option strings (`--tp`)."""
-    group = parser.add_argument_group("engine", "LLM(...)'s arguments: the fields of Config (minivllm/config.py)")
+    group = parser.add_argument_group(
+        "engine", "LLM(...)'s arguments: the fields of Config (minivllm/config.py)"
+    )
     docs, names = field_docs(Config), []
     for field in fields(Config):
         if not field.init or field.name in {"model", *skip}:
@@ -51,7 +53,9 @@ def add_engine_args(
         options = dict(changes.get(field.name, {}))
         aliases = options.pop("aliases", [])
         default = f"default: {options.get('default', field.default)}"
-        doc = (f"{docs[field.name]}; {default}" if field.name in docs else default).replace("%", "%%")
+        doc = (f"{docs[field.name]}; {default}" if field.name in docs else default).replace(
+            "%", "%%"
+        )
         kwargs = {**flag_kwargs(field.type), "default": argparse.SUPPRESS, "help": doc, **options}
         group.add_argument(f"--{field.name.replace('_', '-')}", *aliases, **kwargs)
         names.append(field.name)

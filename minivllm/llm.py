@@ -15,16 +15,28 @@ def is_one_prompt(prompts) -> TypeGuard[Prompt]:
     """A str, an array or tensor, or a list of token ids (not a list of prompts)."""
     if isinstance(prompts, str) or hasattr(prompts, "ndim"):
         return True
-    return isinstance(prompts, list | tuple) and len(prompts) > 0 and isinstance(scalar(prompts[0]), int | float)
+    return (
+        isinstance(prompts, list | tuple)
+        and len(prompts) > 0
+        and isinstance(scalar(prompts[0]), int | float)
+    )
 
 
 def chat_prompt(tokenizer, conversation, model, template_kwargs: dict | None = None) -> str:
     if tokenizer is None or tokenizer.chat_template is None:
         raise ValueError(f"{model} has no chat template: pass prompts to generate instead")
-    if bad := [i for i, m in enumerate(conversation) if not isinstance(m, dict) or not {"role", "content"} <= m.keys()]:
-        raise ValueError(f'messages[{bad[0]}] must be a dict with "role" and "content", got {conversation[bad[0]]!r}')
+    if bad := [
+        i
+        for i, m in enumerate(conversation)
+        if not isinstance(m, dict) or not {"role", "content"} <= m.keys()
+    ]:
+        raise ValueError(
+            f'messages[{bad[0]}] must be a dict with "role" and "content", got {conversation[bad[0]]!r}'
+        )
     kwargs = template_kwargs or {}  # the template's own switches: Qwen3's enable_thinking, say
-    return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True, **kwargs)
+    return tokenizer.apply_chat_template(
+        conversation, tokenize=False, add_generation_prompt=True, **kwargs
+    )
 
 
 class LLM:
@@ -45,16 +57,28 @@ class LLM:
         """One output per prompt, in order. Only this call's requests are returned (see the notebook's contract)."""
         prompts = [prompts] if is_one_prompt(prompts) else prompts
         if not isinstance(prompts, list | tuple):
-            raise ValueError(f"prompts must be a str, token ids, or a list of them; got {type(prompts).__name__}")
-        params = sampling_params if isinstance(sampling_params, list | tuple) else [sampling_params] * len(prompts)
+            raise ValueError(
+                f"prompts must be a str, token ids, or a list of them; got {type(prompts).__name__}"
+            )
+        params = (
+            sampling_params
+            if isinstance(sampling_params, list | tuple)
+            else [sampling_params] * len(prompts)
+        )
         if len(params) != len(prompts):
-            raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+            raise ValueError(
+                f"sampling_params has {len(params)} entries for {len(prompts)} prompts"
+            )
         with self.engine.lock:
             before = self.engine.request_ids()
             try:  # casts: a list of prompts and their SamplingParams (or None) now; add_requests checks each
-                ids = self.engine.add_requests(cast(list[Prompt], list(prompts)), cast(list, list(params)))
+                ids = self.engine.add_requests(
+                    cast(list[Prompt], list(prompts)), cast(list, list(params))
+                )
                 outputs = self.run(ids, use_tqdm)
-            except BaseException:  # Ctrl-C or an error, even half-way through add_requests: abort all it added
+            except (
+                BaseException
+            ):  # Ctrl-C or an error, even half-way through add_requests: abort all it added
                 self.engine.abort_request(self.engine.request_ids() - before)
                 raise
         order = {request_id: i for i, request_id in enumerate(ids)}
@@ -64,20 +88,28 @@ class LLM:
         """Step until these requests have finished; their outputs."""
         outputs: list[RequestOutput] = []
         wanted = set(request_ids)
-        with tqdm(total=len(wanted), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
+        with tqdm(
+            total=len(wanted), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True
+        ) as bar:
             rates: dict[str, float] = {}  # tokens per second of the latest step of each kind
             while len(outputs) < len(wanted):
                 finished, stats = self.engine.step(wanted)
                 assert stats.kind != "idle" or finished, "requests outstanding, but no step to run"
                 if stats.kind != "idle":
                     rates[stats.kind] = stats.num_tokens / max(stats.seconds, 1e-9)
-                bar.set_postfix_str(", ".join(f"{kind} {rate:,.0f} tok/s" for kind, rate in sorted(rates.items())))
+                bar.set_postfix_str(
+                    ", ".join(f"{kind} {rate:,.0f} tok/s" for kind, rate in sorted(rates.items()))
+                )
                 outputs += finished
                 bar.update(len(finished))
         return outputs
 
     def chat(
-        self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm=True, chat_template_kwargs=None
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params=None,
+        use_tqdm=True,
+        chat_template_kwargs=None,
     ) -> list[RequestOutput]:
         """`generate` for a conversation ([{"role": ..., "content": ...}, ...]) or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages

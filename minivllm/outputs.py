@@ -16,8 +16,12 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length", or None while running
-    logprobs: list[dict[int, Logprob]] | None = None  # per token: its own and the most likely tokens' (if asked)
-    cumulative_logprob: float | None = None  # the sum of its tokens' log-probabilities (if logprobs were asked)
+    logprobs: list[dict[int, Logprob]] | None = (
+        None  # per token: its own and the most likely tokens' (if asked)
+    )
+    cumulative_logprob: float | None = (
+        None  # the sum of its tokens' log-probabilities (if logprobs were asked)
+    )
 
 
 @dataclass(slots=True)
@@ -44,7 +48,9 @@ class StepStats:
     num_seqs: int = 0  # sequences in the batch
     num_tokens: int = 0  # tokens computed: prompt tokens, plus one per sequence that decodes
     schedule_seconds: float = 0.0  # Scheduler.schedule
-    run_seconds: float = 0.0  # ModelRunner.launch (inputs, forward, sampler, log-probabilities), waiting for tokens
+    run_seconds: float = (
+        0.0  # ModelRunner.launch (inputs, forward, sampler, log-probabilities), waiting for tokens
+    )
     postprocess_seconds: float = 0.0  # Scheduler.advance and resolve, the engine's outputs
 
     @property
@@ -60,4 +66,6 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(repr=False)
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # per prompt token (None for the first), if asked
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+        None  # per prompt token (None for the first), if asked
+    )

@@ -49,7 +49,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import HTTPException as FastAPIHTTPException
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
@@ -77,8 +83,13 @@ UNSUPPORTED = {
     "tool_choice": (None, "none"),
 }
 MAX_N = 128  # completions per request: each is a sequence in the batch, with its own KV blocks
-MAX_REQUEST_BYTES = 10 * 2**20  # a request body beyond this is refused (413) before it is read whole
-GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")  # the routes --max-queued-requests limits
+MAX_REQUEST_BYTES = (
+    10 * 2**20
+)  # a request body beyond this is refused (413) before it is read whole
+GENERATE_PATHS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+)  # the routes --max-queued-requests limits
 # vLLM's histogram buckets, in seconds.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
@@ -86,9 +97,21 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
                 80.0)  # fmt: skip
 # The engine's load, read from AsyncLLM.stats() at each scrape: (metric, key, its help).
 GAUGES = (
-    ("vllm:num_requests_running", "num_requests_running", "Sequences running on the engine (one per completion)."),
-    ("vllm:num_requests_waiting", "num_requests_waiting", "Sequences waiting for the engine (one per completion)."),
-    ("vllm:kv_cache_usage_perc", "kv_cache_usage", "KV-cache usage: the fraction of blocks in use (1 is full)."),
+    (
+        "vllm:num_requests_running",
+        "num_requests_running",
+        "Sequences running on the engine (one per completion).",
+    ),
+    (
+        "vllm:num_requests_waiting",
+        "num_requests_waiting",
+        "Sequences waiting for the engine (one per completion).",
+    ),
+    (
+        "vllm:kv_cache_usage_perc",
+        "kv_cache_usage",
+        "KV-cache usage: the fraction of blocks in use (1 is full).",
+    ),
 )
 
 
@@ -100,7 +123,9 @@ class StreamOptions(BaseModel):
 class SamplingRequest(BaseModel):
     """The sampling fields both endpoints share, with OpenAI's names and defaults."""
 
-    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use (user, ...)
+    model_config = ConfigDict(
+        extra="ignore"
+    )  # OpenAI clients send fields we do not use (user, ...)
     model: str
     max_tokens: Int64 | None = 16
     temperature: float = 1.0
@@ -131,7 +156,9 @@ class SamplingRequest(BaseModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: Any  # a string or a list of token ids, checked by `prompt_of` (pydantic's union would coerce or blur)
-    logprobs: Int64 | None = None  # per token: its log-probability and this many most likely tokens'
+    logprobs: Int64 | None = (
+        None  # per token: its log-probability and this many most likely tokens'
+    )
 
 
 class ChatMessage(BaseModel):
@@ -162,15 +189,26 @@ def error(message: str, param: str | None = None, status: int = 400) -> JSONResp
     return JSONResponse({"error": error_body(message, param, status)}, status_code=status)
 
 
-SAMPLING_FIELDS = {field.name for field in dataclasses.fields(SamplingParams)} - {"max_tokens", "logprobs"}
+SAMPLING_FIELDS = {field.name for field in dataclasses.fields(SamplingParams)} - {
+    "max_tokens",
+    "logprobs",
+}
 
 
-def sampling_params(request: SamplingRequest, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def sampling_params(
+    request: SamplingRequest, max_tokens: int | None, logprobs: int | None
+) -> SamplingParams:
     """The request's SamplingParams; BadRequest naming the field when SamplingParams refuses a value."""
-    fields = request.model_dump(include=SAMPLING_FIELDS)  # the request's fields that SamplingParams has too
+    fields = request.model_dump(
+        include=SAMPLING_FIELDS
+    )  # the request's fields that SamplingParams has too
     try:
-        params = SamplingParams(**fields, max_tokens=16 if max_tokens is None else max_tokens, logprobs=logprobs)
-    except ValueError as e:  # SamplingParams names the field first: "temperature must be >= 0, got -1"
+        params = SamplingParams(
+            **fields, max_tokens=16 if max_tokens is None else max_tokens, logprobs=logprobs
+        )
+    except (
+        ValueError
+    ) as e:  # SamplingParams names the field first: "temperature must be >= 0, got -1"
         raise BadRequest(str(e), str(e).split()[0]) from e
     return params
 
@@ -196,7 +234,9 @@ def check_text(request: BaseModel) -> None:
 
     for name, value in request:
         if not walk(value):
-            raise BadRequest(f"{name} is not valid Unicode text (a lone surrogate such as \\ud800)", name)
+            raise BadRequest(
+                f"{name} is not valid Unicode text (a lone surrogate such as \\ud800)", name
+            )
 
 
 def check_unsupported(request: SamplingRequest) -> None:
@@ -205,8 +245,12 @@ def check_unsupported(request: SamplingRequest) -> None:
         value = getattr(request, name)
         if not any(value == o and type(value) is type(o) for o in off):
             raise BadRequest(f"{name} is not supported by this server", name)
-    if request.best_of is not None and (type(request.best_of) is not int or request.best_of != request.n):
-        raise BadRequest(f"best_of is not supported by this server (only best_of = n = {request.n})", "best_of")
+    if request.best_of is not None and (
+        type(request.best_of) is not int or request.best_of != request.n
+    ):
+        raise BadRequest(
+            f"best_of is not supported by this server (only best_of = n = {request.n})", "best_of"
+        )
     if request.stream_options is not None and not request.stream:
         raise BadRequest("stream_options is only allowed with stream set to true", "stream_options")
 
@@ -216,12 +260,20 @@ def prompt_of(prompt: Any) -> str | list[int]:
     if isinstance(prompt, str):
         return prompt
     if not isinstance(prompt, list):
-        raise BadRequest(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}", "prompt")
-    if prompt and all(isinstance(p, str | list) for p in prompt):  # OpenAI's batch: ["a", "b"] or [[1, 2], [3]]
-        raise BadRequest("prompt: a list of prompts is not supported; send one prompt per request", "prompt")
+        raise BadRequest(
+            f"prompt must be a string or a list of token ids, got {type(prompt).__name__}", "prompt"
+        )
+    if prompt and all(
+        isinstance(p, str | list) for p in prompt
+    ):  # OpenAI's batch: ["a", "b"] or [[1, 2], [3]]
+        raise BadRequest(
+            "prompt: a list of prompts is not supported; send one prompt per request", "prompt"
+        )
     for i, token in enumerate(prompt):
         if type(token) is not int:  # JSON's true, 5.0 and "5" are not token ids
-            raise BadRequest(f"prompt[{i}] must be an integer token id, got {json.dumps(token)}", "prompt")
+            raise BadRequest(
+                f"prompt[{i}] must be an integer token id, got {json.dumps(token)}", "prompt"
+            )
         if not -(2**63) <= token < 2**63:
             raise BadRequest(f"prompt[{i}] = {token} does not fit int64", "prompt")
     return prompt
@@ -253,16 +305,24 @@ class Metrics(Collector):
         self.llm, self.model_name = llm, model_name
         self.registry = CollectorRegistry()
         self.registry.register(self)
-        self.ttft = self.histogram("vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.ttft = self.histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS
+        )
         self.tpot = self.histogram(
             "vllm:time_per_output_token_seconds", "Time per token after the first.", TPOT_BUCKETS
         )
-        self.prompt_tokens = self.counter("vllm:prompt_tokens", "Prompt tokens of finished requests.")
-        self.generation_tokens = self.counter("vllm:generation_tokens", "Tokens generated by finished requests.")
+        self.prompt_tokens = self.counter(
+            "vllm:prompt_tokens", "Prompt tokens of finished requests."
+        )
+        self.generation_tokens = self.counter(
+            "vllm:generation_tokens", "Tokens generated by finished requests."
+        )
         self.success = self.counter("vllm:request_success", "Requests that ran to their end.")
 
     def histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-        return Histogram(name, doc, ["model_name"], registry=self.registry, buckets=buckets).labels(self.model_name)
+        return Histogram(name, doc, ["model_name"], registry=self.registry, buckets=buckets).labels(
+            self.model_name
+        )
 
     def counter(self, name: str, doc: str) -> Counter:
         return Counter(name, doc, ["model_name"], registry=self.registry).labels(self.model_name)
@@ -282,7 +342,9 @@ class Metrics(Collector):
         self.success.inc()
         if (ttft := out.metrics.time_to_first_token) is not None:
             self.ttft.observe(ttft)
-        if (tpot := out.metrics.time_per_output_token(max(num_tokens))) is not None:  # n completions step together
+        if (
+            tpot := out.metrics.time_per_output_token(max(num_tokens))
+        ) is not None:  # n completions step together
             self.tpot.observe(tpot)
 
 
@@ -339,7 +401,9 @@ async def disconnected(raw: Request) -> None:
         pass
 
 
-async def wait_output(outputs: AsyncGenerator[RequestOutput, None], raw: Request, last: bool) -> RequestOutput | None:
+async def wait_output(
+    outputs: AsyncGenerator[RequestOutput, None], raw: Request, last: bool
+) -> RequestOutput | None:
     """The request's last output if `last`, else its next one (a stream's first, before its events); None if its
     client disconnects first, queued or running: the request is aborted then (closing `outputs` frees its blocks),
     not run on to its end for nobody, as vLLM does."""
@@ -354,7 +418,9 @@ async def wait_output(outputs: AsyncGenerator[RequestOutput, None], raw: Request
         await asyncio.wait([waiting, gone], return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
-        if last or not waiting.done():  # done with it; or the client left (or this handler was cancelled): abort
+        if (
+            last or not waiting.done()
+        ):  # done with it; or the client left (or this handler was cancelled): abort
             waiting.cancel()
             await asyncio.wait([waiting])
             await outputs.aclose()
@@ -366,7 +432,11 @@ class Server:
     with `max_queued_requests`, a 503 to a request that finds that many in flight."""
 
     def __init__(
-        self, llm: AsyncLLM, model_name: str, api_key: str | None = None, max_queued_requests: int | None = None
+        self,
+        llm: AsyncLLM,
+        model_name: str,
+        api_key: str | None = None,
+        max_queued_requests: int | None = None,
     ):
         self.llm, self.model_name = llm, model_name
         self.metrics = Metrics(llm, model_name)
@@ -386,10 +456,14 @@ class Server:
         self.app.post("/v1/chat/completions")(self.chat_completions)
 
     async def invalid(self, request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0]  # its loc: ("body", field, ...); a union type adds the variant tried, e.g. "str"
+        first = exc.errors()[
+            0
+        ]  # its loc: ("body", field, ...); a union type adds the variant tried, e.g. "str"
         if first["type"] == "json_invalid":  # loc: ("body", the offset)
             detail = first.get("ctx", {}).get("error", first["msg"])
-            return error(f"the request body is not valid JSON: {detail} (at character {first['loc'][-1]})")
+            return error(
+                f"the request body is not valid JSON: {detail} (at character {first['loc'][-1]})"
+            )
         if tuple(first["loc"]) == ("body",):  # no body, or not a JSON object
             return error("the request body must be a JSON object")
         param = str(first["loc"][1]) if len(first["loc"]) > 1 else str(first["loc"][0])
@@ -405,12 +479,16 @@ class Server:
         return error(str(exc.detail), status=exc.status_code)
 
     async def engine_dead(self, request: Request, exc: EngineDeadError) -> JSONResponse:
-        return error(str(exc), status=503)  # every request fails at once, none waits: restart the server
+        return error(
+            str(exc), status=503
+        )  # every request fails at once, none waits: restart the server
 
     async def health(self) -> JSONResponse:
         """200 while the engine can run requests; 503 once its thread has died (a load balancer takes it out)."""
         return (
-            JSONResponse({}) if self.llm.is_healthy() else error("the engine has died: restart the server", status=503)
+            JSONResponse({})
+            if self.llm.is_healthy()
+            else error("the engine has died: restart the server", status=503)
         )
 
     async def version(self) -> dict:
@@ -421,12 +499,16 @@ class Server:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "minivllm"}]}
+        return {
+            "object": "list",
+            "data": [{"id": self.model_name, "object": "model", "owned_by": "minivllm"}],
+        }
 
     def check_model(self, request: SamplingRequest) -> None:
         if request.model != self.model_name:
             raise BadRequest(
-                f"model {request.model!r} is not served here; this server serves {self.model_name!r}", "model"
+                f"model {request.model!r} is not served here; this server serves {self.model_name!r}",
+                "model",
             )
 
     def check_request(self, request: SamplingRequest) -> None:
@@ -435,7 +517,9 @@ class Server:
         self.check_model(request)
         check_unsupported(request)
         if request.n > MAX_N:
-            raise BadRequest(f"n must be at most {MAX_N} (this server's limit), got {request.n}", "n")
+            raise BadRequest(
+                f"n must be at most {MAX_N} (this server's limit), got {request.n}", "n"
+            )
 
     async def token_ids(self, prompt: str | list[int], param: str) -> list[int]:
         """The prompt as token ids, as the engine would make them (tokenizing in a thread: a long prompt takes time)."""
@@ -444,7 +528,9 @@ class Server:
         except ValueError as e:  # text for a model with no tokenizer
             raise BadRequest(str(e), param) from e
 
-    def max_tokens(self, given: int | None, param: str, prompt_len: int, default: int | None) -> int:
+    def max_tokens(
+        self, given: int | None, param: str, prompt_len: int, default: int | None
+    ) -> int:
         """The request's max_tokens: >= 1, and within what max_model_len leaves after the prompt (vLLM's rule).
         Not given: `default`, or None for all that is left. A prompt with no room left is the engine's 400."""
         room = self.llm.config.max_model_len - prompt_len
@@ -481,19 +567,35 @@ class Server:
         if given is None:
             given, param = request.max_tokens, "max_tokens"
         max_tokens = self.max_tokens(given, param, len(token_ids), None)
-        params = sampling_params(request, max_tokens, (request.top_logprobs or 0) if request.logprobs else None)
+        params = sampling_params(
+            request, max_tokens, (request.top_logprobs or 0) if request.logprobs else None
+        )
         return await self.respond(token_ids, params, request, raw, "chatcmpl", chat_choice)
 
-    async def respond(self, prompt, params: SamplingParams, request: SamplingRequest, raw: Request, kind: str, choice):
+    async def respond(
+        self,
+        prompt,
+        params: SamplingParams,
+        request: SamplingRequest,
+        raw: Request,
+        kind: str,
+        choice,
+    ):
         """Run the request; the whole reply, or a stream of server-sent events. Bad input: 400 before any event.
         A client that leaves aborts its request, streaming or not."""
         request_id = f"{kind}-{uuid.uuid4().hex}"
         outputs = self.llm.generate(prompt, params, request_id)
         try:  # add_request's checks run as `outputs` starts: a ValueError is still a 400
             out = await wait_output(outputs, raw, last=not request.stream)
-        except ValueError as e:  # the engine's checks: "prompt is empty", "stop_token_ids: token id ... is outside"
-            named = str(e).split(":")[0]  # a sampling field the message begins with, else the prompt's
-            param = named if named in SAMPLING_FIELDS else "prompt" if kind == "cmpl" else "messages"
+        except (
+            ValueError
+        ) as e:  # the engine's checks: "prompt is empty", "stop_token_ids: token id ... is outside"
+            named = str(e).split(":")[
+                0
+            ]  # a sampling field the message begins with, else the prompt's
+            param = (
+                named if named in SAMPLING_FIELDS else "prompt" if kind == "cmpl" else "messages"
+            )
             raise BadRequest(str(e) if str(e).startswith(param) else f"{param}: {e}", param) from e
         if out is None:  # the client left; nobody will read this: nginx's "client closed request"
             return error("the client disconnected", status=499)
@@ -504,7 +606,9 @@ class Server:
             choices = [choice(c, None, 0, params.logprobs) for c in out.outputs]
             return {**head, "object": object_name, "choices": choices, "usage": usage(out)}
         include_usage = request.stream_options is not None and request.stream_options.include_usage
-        events = self.events(head, kind, out, outputs, partial(choice, top=params.logprobs), include_usage)
+        events = self.events(
+            head, kind, out, outputs, partial(choice, top=params.logprobs), include_usage
+        )
         return StreamingResponse(events, media_type="text/event-stream")
 
     async def events(
@@ -522,7 +626,9 @@ class Server:
         event with OpenAI's error shape, and no [DONE]). If the client goes away, Starlette
         stops iterating: closing `outputs` aborts the request and frees its blocks."""
         object_name = "text_completion" if kind == "cmpl" else "chat.completion.chunk"
-        sent: list[tuple[str, int, str | None]] = [("", 0, None)] * len(first.outputs)  # text, tokens, finish
+        sent: list[tuple[str, int, str | None]] = [("", 0, None)] * len(
+            first.outputs
+        )  # text, tokens, finish
         extra = {"usage": None} if include_usage else {}
         try:
             last: RequestOutput = first
@@ -533,13 +639,22 @@ class Server:
                     text, num_tokens, reason = sent[c.index]
                     if (c.text, len(c.token_ids), c.finish_reason) == (text, num_tokens, reason):
                         continue
-                    delta = c.text[len(text) :] if c.text.startswith(text) else c.text  # a decode that changed its mind
+                    delta = (
+                        c.text[len(text) :] if c.text.startswith(text) else c.text
+                    )  # a decode that changed its mind
                     sent[c.index] = (c.text, len(c.token_ids), c.finish_reason)
-                    event = {**head, "object": object_name, "choices": [choice(c, delta, num_tokens)], **extra}
+                    event = {
+                        **head,
+                        "object": object_name,
+                        "choices": [choice(c, delta, num_tokens)],
+                        **extra,
+                    }
                     yield f"data: {json.dumps(event)}\n\n"
                 try:
                     out = await anext(outputs, None)
-                except RuntimeError as e:  # the engine core died, or a failed step aborted the request: say so, end
+                except (
+                    RuntimeError
+                ) as e:  # the engine core died, or a failed step aborted the request: say so, end
                     yield f"data: {json.dumps({'error': error_body(str(e), None, 500)})}\n\n"
                     return
             self.metrics.finished(last)
@@ -569,7 +684,11 @@ def completion_choice(c: CompletionOutput, delta: str | None, start: int, top: i
 
 
 def chat_logprob(lp: Logprob) -> dict:
-    return {"token": lp.decoded_token, "logprob": lp.logprob, "bytes": list(lp.decoded_token.encode())}
+    return {
+        "token": lp.decoded_token,
+        "logprob": lp.logprob,
+        "bytes": list(lp.decoded_token.encode()),
+    }
 
 
 def chat_choice(c: CompletionOutput, delta: str | None, start: int, top: int | None) -> dict:
@@ -578,7 +697,10 @@ def chat_choice(c: CompletionOutput, delta: str | None, start: int, top: int | N
     if top is not None:
         entries = top_entries(c, start, top)
         logprobs = {
-            "content": [chat_logprob(lp) | {"top_logprobs": list(map(chat_logprob, tops))} for lp, tops in entries]
+            "content": [
+                chat_logprob(lp) | {"top_logprobs": list(map(chat_logprob, tops))}
+                for lp, tops in entries
+            ]
         }
     key, content = ("message", c.text) if delta is None else ("delta", delta)
     return {"index": c.index, key: {"role": "assistant", "content": content}, "logprobs": logprobs,
@@ -587,12 +709,19 @@ def chat_choice(c: CompletionOutput, delta: str | None, start: int, top: int | N
 
 def usage(out: RequestOutput) -> dict:
     prompt, completion = len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
 
 
 @contextmanager
 def serve_in_thread(
-    llm: AsyncLLM, model_name: str, api_key: str | None = None, max_queued_requests: int | None = None
+    llm: AsyncLLM,
+    model_name: str,
+    api_key: str | None = None,
+    max_queued_requests: int | None = None,
 ) -> Iterator[str]:
     """The server over `llm` on a free port of 127.0.0.1, in a thread of this process (tests, benchmarks, the
     notebook), until the block ends; yields its base URL."""
@@ -619,16 +748,24 @@ def serve_in_thread(
 def server_parser() -> tuple[argparse.ArgumentParser, list[str]]:
     """The parser, and the engine fields it has flags for: all of LLM's (Config's fields)."""
     parser = argparse.ArgumentParser(
-        prog="python -m minivllm.serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m minivllm.serve",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("model_tag", nargs="?", metavar="MODEL", help="a Hub id (ORG/NAME) or a checkpoint folder")
+    source.add_argument(
+        "model_tag", nargs="?", metavar="MODEL", help="a Hub id (ORG/NAME) or a checkpoint folder"
+    )
     source.add_argument("--model", help="the same, as a flag")
     source.add_argument("--preset", help="a random-weight preset, e.g. tiny or qwen3-0.6b")
-    parser.add_argument("--served-model-name", help="the name clients ask for (default: MODEL, --model or --preset)")
+    parser.add_argument(
+        "--served-model-name", help="the name clients ask for (default: MODEL, --model or --preset)"
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--max-queued-requests", type=int, help="503 to a request finding this many in flight")
+    parser.add_argument(
+        "--max-queued-requests", type=int, help="503 to a request finding this many in flight"
+    )
     parser.add_argument(
         "--api-key",
         default=os.environ.get("MINIVLLM_API_KEY"),
@@ -648,11 +785,18 @@ def main(argv: list[str] | None = None) -> None:
     kwargs = engine_kwargs(args, engine_fields)
     try:
         llm = AsyncLLM(model, **kwargs)
-    except (ValueError, OSError) as e:  # no such id or folder, gated, offline and not cached, .bin weights, ...
-        parser.exit(2, f"{parser.prog}: error: {load_error_line(e, model, kwargs.get('tokenizer'))}\n")
+    except (
+        ValueError,
+        OSError,
+    ) as e:  # no such id or folder, gated, offline and not cached, .bin weights, ...
+        parser.exit(
+            2, f"{parser.prog}: error: {load_error_line(e, model, kwargs.get('tokenizer'))}\n"
+        )
     name = args.served_model_name or given or args.preset
     server = Server(llm, name, args.api_key, args.max_queued_requests)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # uvicorn shuts down, then re-raises it: as Ctrl-C
+    signal.signal(
+        signal.SIGTERM, signal.default_int_handler
+    )  # uvicorn shuts down, then re-raises it: as Ctrl-C
     try:
         uvicorn.run(server.app, host=args.host, port=args.port)
     except KeyboardInterrupt:

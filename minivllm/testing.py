@@ -20,7 +20,9 @@ class WatchedDict(dict):
     """A dict that appends to `walks` each walk over it (iteration, values(), items()) while `watching()` holds: a
     test that a path looks its entries up by key, never scanning all of them."""
 
-    def __init__(self, entries: dict, walks: list[str], watching: Callable[[], bool] = lambda: True):
+    def __init__(
+        self, entries: dict, walks: list[str], watching: Callable[[], bool] = lambda: True
+    ):
         super().__init__(entries)
         self.walks, self.watching = walks, watching
 
@@ -46,7 +48,9 @@ def check_prompt(model: Qwen3ForCausalLM, token_ids: list[int]) -> None:
     if not token_ids:
         raise ValueError("token_ids is empty: a prompt needs at least one token")
     if len(token_ids) > max_len:
-        raise ValueError(f"prompt has {len(token_ids)} tokens; max_position_embeddings is {max_len}")
+        raise ValueError(
+            f"prompt has {len(token_ids)} tokens; max_position_embeddings is {max_len}"
+        )
     if bad := [t for t in token_ids if not 0 <= t < vocab_size]:
         raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
 
@@ -82,7 +86,9 @@ def edited_copy(
     return path
 
 
-def lay_out_hub_cache(source: Path, cache: Path, repo_id: str, commit: str = "0" * 40, ref: str = "main") -> Path:
+def lay_out_hub_cache(
+    source: Path, cache: Path, repo_id: str, commit: str = "0" * 40, ref: str = "main"
+) -> Path:
     """Put the folder `source` in the Hub cache `cache` as `repo_id` at `commit`, as `snapshot_download` leaves a
     download (`models--ORG--NAME/refs/REF` names the commit, `snapshots/COMMIT/` holds the files); its snapshot."""
     repo = Path(cache) / f"models--{repo_id.replace('/', '--')}"
@@ -108,19 +114,28 @@ def scatter_into_cache(
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + 3
     free = torch.randperm(num_blocks, generator=gen).tolist()
-    k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    k_cache = torch.zeros(
+        num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
+    )
     v_cache = torch.zeros_like(k_cache)
     block_table = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32, device=device)
     ks, vs = [], []
     for i, n in enumerate(seq_lens):
         blocks = [free.pop() for _ in range(blocks_per_seq[i])]
         block_table[i, : len(blocks)] = torch.tensor(blocks)
-        k, v = (torch.randn(n, num_kv_heads, head_dim, generator=gen).to(device, dtype) for _ in range(2))
-        slots = torch.tensor([blocks[t // block_size] * block_size + t % block_size for t in range(n)], device=device)
+        k, v = (
+            torch.randn(n, num_kv_heads, head_dim, generator=gen).to(device, dtype)
+            for _ in range(2)
+        )
+        slots = torch.tensor(
+            [blocks[t // block_size] * block_size + t % block_size for t in range(n)], device=device
+        )
         store_kvcache(k, v, k_cache, v_cache, slots)
         ks.append(k)
         vs.append(v)
-    cu_k = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    cu_k = torch.tensor(
+        [0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int32, device=device
+    )
     return k_cache, v_cache, block_table, torch.cat(ks), torch.cat(vs), cu_k
 
 
@@ -131,7 +146,9 @@ def exercise(part: str) -> Iterator[None]:
     try:
         yield
     except NotImplementedError:
-        raise AssertionError(f"{part} is not written yet: replace `raise NotImplementedError` in its cell") from None
+        raise AssertionError(
+            f"{part} is not written yet: replace `raise NotImplementedError` in its cell"
+        ) from None
 
 
 def check_answer(answer: object, expected: object, question: str) -> None:
@@ -140,5 +157,7 @@ def check_answer(answer: object, expected: object, question: str) -> None:
     if answer is None:
         print(f"{question}: not answered yet (set `answer` above; the worked answer is below)")
         return
-    assert answer == expected, f"{question}: your answer is {answer!r}, the objects say {expected!r}"
+    assert answer == expected, (
+        f"{question}: your answer is {answer!r}, the objects say {expected!r}"
+    )
     print(f"{question}: {answer!r}, right")

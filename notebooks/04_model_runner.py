@@ -45,18 +45,40 @@ random.seed(0)
 # argmax), **filters** drop the tail, **a draw** picks from the rest. Example: "The cat sat on the".
 
 # %%
-words = ["mat", "floor", "sofa", "bed", "chair", "roof", "table", "rug", "fence", "keyboard", "moon", "piano"]
-cat_logits = torch.tensor([4.0, 3.1, 2.6, 2.2, 1.9, 1.4, 1.2, 1.0, 0.6, 0.1, -0.5, -1.5])  # most likely first
+words = [
+    "mat",
+    "floor",
+    "sofa",
+    "bed",
+    "chair",
+    "roof",
+    "table",
+    "rug",
+    "fence",
+    "keyboard",
+    "moon",
+    "piano",
+]
+cat_logits = torch.tensor(
+    [4.0, 3.1, 2.6, 2.2, 1.9, 1.4, 1.2, 1.0, 0.6, 0.1, -0.5, -1.5]
+)  # most likely first
 
 
 def show_probs(probs: torch.Tensor, label: str) -> None:
-    print(f"{label:>6}: " + " ".join(f"{w} {p:.2f}" for w, p in zip(words, probs.tolist()) if p >= 0.005))
+    print(
+        f"{label:>6}: "
+        + " ".join(f"{w} {p:.2f}" for w, p in zip(words, probs.tolist()) if p >= 0.005)
+    )
 
 
 probs_at = {T: torch.softmax(cat_logits / T, dim=-1) for T in (0.01, 0.5, 2.0)}
 for T, probs in probs_at.items():
     show_probs(probs, f"T={T}")
-assert probs_at[0.01][0] > 0.999 and probs_at[0.5][0] > probs_at[2.0][0] and probs_at[2.0].argmax() == 0
+assert (
+    probs_at[0.01][0] > 0.999
+    and probs_at[0.5][0] > probs_at[2.0][0]
+    and probs_at[2.0].argmax() == 0
+)
 
 # %% [markdown]
 # ### Cutting the tail: top-k, top-p, min-p (a fourth, typical-p, to write: `exercises/04_sampler_filters.ipynb`)
@@ -80,20 +102,30 @@ def keep_mask(
     ranks = torch.arange(sorted_probs.shape[-1], device=sorted_probs.device)  # (vocab,)
     keep = (top_ks[:, None] < 0) | (ranks < top_ks[:, None])  # top-k  (batch, vocab)
     cum = (sorted_probs * keep).cumsum(dim=-1)  # (batch, vocab), running mass of what top-k kept
-    before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1)  # mass of the more likely tokens
+    before = torch.cat(
+        [torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1
+    )  # mass of the more likely tokens
     # top-p, on top-k's renormalized distribution; p = 1 keeps all, even the tail a float32 sum no longer sees
     keep &= (before < top_ps[:, None] * cum[:, -1:]) | (top_ps[:, None] >= 1)
-    keep &= sorted_probs >= min_ps[:, None] * sorted_probs[:, :1]  # min-p, relative to the most likely token
+    keep &= (
+        sorted_probs >= min_ps[:, None] * sorted_probs[:, :1]
+    )  # min-p, relative to the most likely token
     return keep
 
 
 def filter_probs(
-    probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor, k_max: int = 0
+    probs: torch.Tensor,
+    top_ks: torch.Tensor,
+    top_ps: torch.Tensor,
+    min_ps: torch.Tensor,
+    k_max: int = 0,
 ) -> torch.Tensor:
     """probs (batch, vocab), the filters' drops set to 0; one sort, or topk if no row keeps over k_max > 0 tokens."""
     sort = probs.topk(min(k_max, probs.shape[-1])) if k_max else probs.sort(dim=-1, descending=True)
     keep = keep_mask(sort.values, top_ks, top_ps, min_ps)  # (batch, vocab or k_max)
-    keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, sort.indices, keep)  # in vocabulary order
+    keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(
+        -1, sort.indices, keep
+    )  # in vocabulary order
     return probs.masked_fill(~keep, 0.0)
 
 
@@ -106,16 +138,29 @@ hand = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
 
 
 def num_kept(top_k: int = -1, top_p: float = 1.0, min_p: float = 0.0) -> int:
-    return int(keep_mask(hand, torch.tensor([top_k]), torch.tensor([top_p]), torch.tensor([min_p])).sum())
+    return int(
+        keep_mask(hand, torch.tensor([top_k]), torch.tensor([top_p]), torch.tensor([min_p])).sum()
+    )
 
 
-assert num_kept() == 4 and num_kept(top_k=3) == 3 and num_kept(top_k=1) == 1  # every filter off; top-k
+assert (
+    num_kept() == 4 and num_kept(top_k=3) == 3 and num_kept(top_k=1) == 1
+)  # every filter off; top-k
 assert num_kept(top_p=0.8) == 2 and num_kept(top_p=0.81) == 3 and num_kept(top_p=0.01) == 1
-assert num_kept(top_p=0.82) == 3 and num_kept(top_k=3, top_p=0.82) == 2  # top-p measures what top-k left
+assert (
+    num_kept(top_p=0.82) == 3 and num_kept(top_k=3, top_p=0.82) == 2
+)  # top-p measures what top-k left
 assert num_kept(min_p=0.3) == 3 and num_kept(min_p=0.31) == 2  # keep p ≥ min_p × 0.5
 cat_probs = torch.softmax(cat_logits, dim=-1)
-settings = [(3, 1.0, 0.0), (-1, 0.8, 0.0), (-1, 1.0, 0.1), (-1, 1.0, 0.0)]  # (top-k, top-p, min-p) a row
-filtered = filter_probs(cat_probs.expand(4, -1), *(torch.tensor(column) for column in zip(*settings)))
+settings = [
+    (3, 1.0, 0.0),
+    (-1, 0.8, 0.0),
+    (-1, 1.0, 0.1),
+    (-1, 1.0, 0.0),
+]  # (top-k, top-p, min-p) a row
+filtered = filter_probs(
+    cat_probs.expand(4, -1), *(torch.tensor(column) for column in zip(*settings))
+)
 for name, row in zip(["top-k", "top-p", "min-p", "none"], filtered):
     show_probs(row, name)
 assert (filtered > 0).sum(dim=-1).tolist() == [3, 4, 5, 12] and torch.equal(filtered[3], cat_probs)
@@ -129,7 +174,9 @@ assert (filtered > 0).sum(dim=-1).tolist() == [3, 4, 5, 12] and torch.equal(filt
 # step)`, the step being the token's index (`seq.num_completion_tokens`); without a seed, a fresh draw.
 
 # %% tags=["export"]
-NOISE_SEED_MULTIPLIER = 1_000_003  # odd: distinct seeds start apart; above any step: one seed's steps never collide
+NOISE_SEED_MULTIPLIER = (
+    1_000_003  # odd: distinct seeds start apart; above any step: one seed's steps never collide
+)
 
 
 def noise_seed(seed: int, step: int) -> int:
@@ -149,15 +196,25 @@ def exponential_noise(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 from minivllm.layers.sampler import exponential_noise, noise_seed
 
 p = torch.tensor([0.1, 0.0, 0.3, 0.2])  # unnormalized, one token dropped
-q = torch.empty(200_000, 4).exponential_(generator=torch.Generator().manual_seed(0))  # 200,000 races
+q = torch.empty(200_000, 4).exponential_(
+    generator=torch.Generator().manual_seed(0)
+)  # 200,000 races
 freq = torch.bincount((p / q).argmax(dim=-1), minlength=4) / len(q)
 print(f"frequencies: {freq.numpy().round(3)}, p / sum(p): {(p / p.sum()).numpy().round(3)}")
 assert freq[1] == 0
 torch.testing.assert_close(freq, p / p.sum(), atol=0.005, rtol=0)
 # seed 42 at step 7: the same noise in row 0 of one batch and row 2 of another; seed 5 at step 7, seed 42 at 8 differ
-step7, step8 = exponential_noise(torch.ones(2, 1000), torch.tensor([noise_seed(42, 7), noise_seed(42, 8)]))
-batch = exponential_noise(torch.ones(3, 1000), torch.tensor([123, noise_seed(5, 7), noise_seed(42, 7)]))
-assert torch.equal(step7, batch[2]) and not torch.equal(batch[1], batch[2]) and not torch.equal(step7, step8)
+step7, step8 = exponential_noise(
+    torch.ones(2, 1000), torch.tensor([noise_seed(42, 7), noise_seed(42, 8)])
+)
+batch = exponential_noise(
+    torch.ones(3, 1000), torch.tensor([123, noise_seed(5, 7), noise_seed(42, 7)])
+)
+assert (
+    torch.equal(step7, batch[2])
+    and not torch.equal(batch[1], batch[2])
+    and not torch.equal(step7, step8)
+)
 
 # %% [markdown]
 # ### The sampler
@@ -169,11 +226,15 @@ assert torch.equal(step7, batch[2]) and not torch.equal(batch[1], batch[2]) and 
 
 
 # %% tags=["export"]
-def apply_penalties(logits, presence, frequency, repetition, prompt_ids, output_ids) -> torch.Tensor:
+def apply_penalties(
+    logits, presence, frequency, repetition, prompt_ids, output_ids
+) -> torch.Tensor:
     """vLLM's penalties (see below) on (batch, vocab) float32 logits; token ids (batch, length), -1 padded."""
     vocab = logits.shape[-1]
 
-    def counts(ids: torch.Tensor) -> torch.Tensor:  # (batch, vocab): occurrences of each token; padding lands past it
+    def counts(
+        ids: torch.Tensor,
+    ) -> torch.Tensor:  # (batch, vocab): occurrences of each token; padding lands past it
         ids = ids.masked_fill(ids < 0, vocab)
         zeros = torch.zeros(ids.shape[0], vocab + 1, device=ids.device)
         return zeros.scatter_add_(1, ids, torch.ones_like(ids, dtype=zeros.dtype))[:, :vocab]
@@ -193,23 +254,37 @@ class SamplingTensors:
     top_ps: torch.Tensor  # (batch,) float32; 1 = off
     min_ps: torch.Tensor  # (batch,) float32; 0 = off
     keys: torch.Tensor  # (batch,) int64: noise_seed(seed, tokens generated so far), a fresh draw; empty if all greedy
-    filtering: bool = True  # some random row uses top-k, top-p or min-p; if none does, the sort is skipped
-    top_k_max: int = 0  # > 0: every random row has a top-k, this the largest: filter_probs sorts only that many
-    largest_top_k: int = 0  # the largest top-k of a random row, 0 if none has one (on a GPU: the candidates' slots)
+    filtering: bool = (
+        True  # some random row uses top-k, top-p or min-p; if none does, the sort is skipped
+    )
+    top_k_max: int = (
+        0  # > 0: every random row has a top-k, this the largest: filter_probs sorts only that many
+    )
+    largest_top_k: int = (
+        0  # the largest top-k of a random row, 0 if none has one (on a GPU: the candidates' slots)
+    )
     any_greedy: bool = True  # some row has temperature 0
     all_greedy: bool = False  # every row has: no random draw at all
-    penalties: tuple[torch.Tensor, ...] | None = None  # apply_penalties' arguments after the logits; None: no penalty
-    banned: torch.Tensor | None = None  # (2, n): rows and token ids not to draw yet (stop tokens before min_tokens)
+    penalties: tuple[torch.Tensor, ...] | None = (
+        None  # apply_penalties' arguments after the logits; None: no penalty
+    )
+    banned: torch.Tensor | None = (
+        None  # (2, n): rows and token ids not to draw yet (stop tokens before min_tokens)
+    )
 
 
 class Sampler(nn.Module):
     """One token id per row of logits: the argmax where temperature is 0, else a draw from the filtered distribution."""
 
-    def forward(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:  # logits: (batch, vocab)
+    def forward(
+        self, logits: torch.Tensor, t: SamplingTensors
+    ) -> torch.Tensor:  # logits: (batch, vocab)
         if t.penalties is not None:
             logits = apply_penalties(logits.float(), *t.penalties)
         if t.banned is not None:  # a new tensor: the caller's logits stay as they were
-            logits = logits.index_put((t.banned[0], t.banned[1]), torch.tensor(float("-inf"), device=logits.device))
+            logits = logits.index_put(
+                (t.banned[0], t.banned[1]), torch.tensor(float("-inf"), device=logits.device)
+            )
         if t.all_greedy:
             return logits.argmax(dim=-1)
         return self.draw(logits, t)
@@ -225,18 +300,32 @@ class Sampler(nn.Module):
         return torch.where(greedy, logits.argmax(dim=-1), sampled) if t.any_greedy else sampled
 
 
-TokenLogprobs = dict[int, tuple[float, int]]  # token id -> (log-probability, rank); rank 1 is the most likely
+TokenLogprobs = dict[
+    int, tuple[float, int]
+]  # token id -> (log-probability, rank); rank 1 is the most likely
 
 
-def logprobs_of(logits: torch.Tensor, token_ids: torch.Tensor, ks: list[int]) -> list[TokenLogprobs]:
+def logprobs_of(
+    logits: torch.Tensor, token_ids: torch.Tensor, ks: list[int]
+) -> list[TokenLogprobs]:
     """Each row's chosen token, then its k most likely, under the raw logits' log-softmax (vLLM's). (rows, vocab)"""
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # (rows, vocab)
     chosen = logprobs.gather(-1, token_ids[:, None])  # (rows, 1)
-    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()  # (rows,): how many tokens are more likely, plus one
+    ranks = (
+        (logprobs > chosen).sum(dim=-1) + 1
+    ).tolist()  # (rows,): how many tokens are more likely, plus one
     top = logprobs.topk(max(ks), dim=-1)  # (rows, max k)
-    rows = zip(token_ids.tolist(), chosen[:, 0].tolist(), ranks, top.indices.tolist(), top.values.tolist(), ks)
+    rows = zip(
+        token_ids.tolist(),
+        chosen[:, 0].tolist(),
+        ranks,
+        top.indices.tolist(),
+        top.values.tolist(),
+        ks,
+    )
     return [
-        {t: (lp, r)} | {i: (v, j + 1) for j, (i, v) in enumerate(zip(ids[:k], vs[:k]))} for t, lp, r, ids, vs, k in rows
+        {t: (lp, r)} | {i: (v, j + 1) for j, (i, v) in enumerate(zip(ids[:k], vs[:k]))}
+        for t, lp, r, ids, vs, k in rows
     ]
 
 
@@ -256,7 +345,10 @@ PENALTIES = ("presence", "frequency", "repetition")
 
 
 def sampling_tensors(
-    params: list[SamplingParams], steps: list[int], device: torch.device | str = "cpu", histories=None
+    params: list[SamplingParams],
+    steps: list[int],
+    device: torch.device | str = "cpu",
+    histories=None,
 ) -> SamplingTensors:
     """A row per request: its parameters, tokens generated so far, and if a row has a penalty, `histories`."""
     pin = torch.device(device).type == "cuda"
@@ -264,19 +356,30 @@ def sampling_tensors(
     def to_device(values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
 
-    def padded(rows: list[list[int]]) -> torch.Tensor:  # (batch, longest) int64, -1 after each row's end
+    def padded(
+        rows: list[list[int]],
+    ) -> torch.Tensor:  # (batch, longest) int64, -1 after each row's end
         width = max(1, *map(len, rows))
         return to_device([row + [-1] * (width - len(row)) for row in rows], torch.int64)
 
-    early = [(r, p.stop_token_ids or []) for r, (p, n) in enumerate(zip(params, steps)) if n < p.min_tokens]
+    early = [
+        (r, p.stop_token_ids or [])
+        for r, (p, n) in enumerate(zip(params, steps))
+        if n < p.min_tokens
+    ]
     banned = [(r, t) for r, ids in early for t in ids]
     penalties = None
     if any(p.penalized for p in params):
         assert histories is not None, "penalties need each row's prompt and output token ids"
         values = [[getattr(p, f"{name}_penalty") for p in params] for name in PENALTIES]
-        penalties = (*(to_device(v, torch.float32) for v in values), *(padded(list(h)) for h in zip(*histories)))
+        penalties = (
+            *(to_device(v, torch.float32) for v in values),
+            *(padded(list(h)) for h in zip(*histories)),
+        )
     temperatures = [p.temperature for p in params]
-    fresh = torch.randint(2**62, (len(params),)).tolist() if any(temperatures) else []  # greedy draws no noise
+    fresh = (
+        torch.randint(2**62, (len(params),)).tolist() if any(temperatures) else []
+    )  # greedy draws no noise
     random_top_ks = [p.top_k for p in params if p.temperature > 0]
     return SamplingTensors(
         temperatures=to_device(temperatures, torch.float32),
@@ -284,9 +387,15 @@ def sampling_tensors(
         top_ps=to_device([p.top_p for p in params], torch.float32),
         min_ps=to_device([p.min_p for p in params], torch.float32),
         keys=to_device(
-            [k if p.seed is None else noise_seed(p.seed, n) for p, n, k in zip(params, steps, fresh)], torch.int64
+            [
+                k if p.seed is None else noise_seed(p.seed, n)
+                for p, n, k in zip(params, steps, fresh)
+            ],
+            torch.int64,
         ),
-        filtering=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in params),
+        filtering=any(
+            p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in params
+        ),
         top_k_max=max(random_top_ks) if min(random_top_ks, default=-1) > 0 else 0,
         largest_top_k=max([0, *random_top_ks]),
         any_greedy=0 in temperatures,
@@ -305,28 +414,54 @@ from minivllm.sampling_params import SamplingParams
 
 def tensors_of(seqs: list[Sequence]) -> SamplingTensors:  # what the runner does for its batch
     params, steps = [s.sampling_params for s in seqs], [s.num_completion_tokens for s in seqs]
-    histories = [(s.prompt_token_ids, s.completion_token_ids) for s in seqs]  # the runner: only if a row has a penalty
+    histories = [
+        (s.prompt_token_ids, s.completion_token_ids) for s in seqs
+    ]  # the runner: only if a row has a penalty
     return sampling_tensors(params, steps, "cpu", histories)
 
 
-seqs = [Sequence([1, 2, 3], SamplingParams(temperature=0)), Sequence([4, 5], SamplingParams(top_k=20, seed=7))]
+seqs = [
+    Sequence([1, 2, 3], SamplingParams(temperature=0)),
+    Sequence([4, 5], SamplingParams(top_k=20, seed=7)),
+]
 seqs[1].append_token(6)  # the second request has generated one token
 print(sampling := tensors_of(seqs))
-assert sampling.top_ks.dtype == torch.int64 and sampling.keys[1] == noise_seed(7, 1) and sampling.filtering
+assert (
+    sampling.top_ks.dtype == torch.int64
+    and sampling.keys[1] == noise_seed(7, 1)
+    and sampling.filtering
+)
 assert sampling.any_greedy and not sampling.all_greedy and not tensors_of(seqs[1:]).any_greedy
 assert not tensors_of(seqs[:1]).filtering and tensors_of(seqs[:1]).all_greedy
 sampler = Sampler()
-many = [Sequence([0], SamplingParams(temperature=0.5)) for _ in range(20_000)]  # each word as often as softmax says
-freq = torch.bincount(sampler(cat_logits.expand(20_000, -1), tensors_of(many)), minlength=len(words)) / 20_000
+many = [
+    Sequence([0], SamplingParams(temperature=0.5)) for _ in range(20_000)
+]  # each word as often as softmax says
+freq = (
+    torch.bincount(sampler(cat_logits.expand(20_000, -1), tensors_of(many)), minlength=len(words))
+    / 20_000
+)
 show_probs(freq, "T=0.5")
 torch.testing.assert_close(freq, torch.softmax(cat_logits / 0.5, dim=-1), atol=0.01, rtol=0)
 mixed = [Sequence([0], SamplingParams(temperature=T, top_p=0.5)) for T in (0.0, 1.5, 0.0, 3.0)]
-assert sampler(cat_logits.expand(4, -1), tensors_of(mixed))[[0, 2]].tolist() == [0, 0]  # greedy rows say "mat"
-penalized = Sequence([0], SamplingParams(temperature=0, repetition_penalty=2.0, min_tokens=2, stop_token_ids=[1]))
-penalized.append_token(0)  # "mat" said once: 4.0 / 2 is below "floor"'s 3.1, but "floor" stops it before 2 tokens
+assert sampler(cat_logits.expand(4, -1), tensors_of(mixed))[[0, 2]].tolist() == [
+    0,
+    0,
+]  # greedy rows say "mat"
+penalized = Sequence(
+    [0], SamplingParams(temperature=0, repetition_penalty=2.0, min_tokens=2, stop_token_ids=[1])
+)
+penalized.append_token(
+    0
+)  # "mat" said once: 4.0 / 2 is below "floor"'s 3.1, but "floor" stops it before 2 tokens
 assert sampler(cat_logits[None], tensors_of([penalized])).tolist() == [2]  # so: "sofa"
-print(row := logprobs_of(cat_logits[None], torch.tensor([2]), [2])[0])  # "sofa": its (log-prob, rank); the top 2
-assert list(row) == [2, *cat_logits.topk(2).indices.tolist()] and row[2][1] == 1 + (cat_logits > cat_logits[2]).sum()
+print(
+    row := logprobs_of(cat_logits[None], torch.tensor([2]), [2])[0]
+)  # "sofa": its (log-prob, rank); the top 2
+assert (
+    list(row) == [2, *cat_logits.topk(2).indices.tolist()]
+    and row[2][1] == 1 + (cat_logits > cat_logits[2]).sum()
+)
 
 # %% [markdown]
 # ## A step's inputs (a speculative decoding verify step's, to write yourself: `exercises/04_prepare_decode.ipynb`)
@@ -355,17 +490,29 @@ class StepInputs:
     input_ids: np.ndarray  # (num_tokens,) int64
     positions: np.ndarray  # (num_tokens,) int64
     slot_mapping: np.ndarray  # (num_tokens,) int64
-    block_tables: np.ndarray | None  # (num_seqs, max_blocks) int32; None: a prefill with nothing cached
+    block_tables: (
+        np.ndarray | None
+    )  # (num_seqs, max_blocks) int32; None: a prefill with nothing cached
     cu_seqlens_q: np.ndarray | None = None  # prefill: (num_seqs + 1,) int32
     cu_seqlens_k: np.ndarray | None = None  # prefill: (num_seqs + 1,) int32
     context_lens: np.ndarray | None = None  # decode: (num_seqs,) int32; mixed: (num_decode_seqs,)
-    num_decode_seqs: int = 0  # prefill: its first rows that decode one token each (notebook 05 puts them first)
-    logits_rows: np.ndarray | None = None  # prefill: (num_rows,) int64 rows to score; None: each sequence's last
-    prefix_blocks: np.ndarray | None = None  # (n,) int32: leading blocks many decode rows share (deep dive cuda_graphs)
-    prefix_lens: np.ndarray | None = None  # (num_decode_seqs,) int32: each decode row's tokens in them, or 0
+    num_decode_seqs: int = (
+        0  # prefill: its first rows that decode one token each (notebook 05 puts them first)
+    )
+    logits_rows: np.ndarray | None = (
+        None  # prefill: (num_rows,) int64 rows to score; None: each sequence's last
+    )
+    prefix_blocks: np.ndarray | None = (
+        None  # (n,) int32: leading blocks many decode rows share (deep dive cuda_graphs)
+    )
+    prefix_lens: np.ndarray | None = (
+        None  # (num_decode_seqs,) int32: each decode row's tokens in them, or 0
+    )
 
 
-def block_tables_array(seqs: list[Sequence]) -> np.ndarray:  # (num_seqs, max_blocks) int32, zero-padded
+def block_tables_array(
+    seqs: list[Sequence],
+) -> np.ndarray:  # (num_seqs, max_blocks) int32, zero-padded
     tables = np.zeros((len(seqs), max(len(seq.block_table) for seq in seqs)), dtype=np.int32)
     for i, seq in enumerate(seqs):
         tables[i, : len(seq.block_table)] = seq.block_table
@@ -374,12 +521,18 @@ def block_tables_array(seqs: list[Sequence]) -> np.ndarray:  # (num_seqs, max_bl
 
 def scores_prompt(seq: Sequence) -> bool:
     """Whether seq asks for prompt logprobs and has prompt tokens left to score (row i scores token i + 1)."""
-    return seq.sampling_params.prompt_logprobs is not None and seq.num_cached_tokens < seq.num_prompt_tokens - 1
+    return (
+        seq.sampling_params.prompt_logprobs is not None
+        and seq.num_cached_tokens < seq.num_prompt_tokens - 1
+    )
 
 
 def scored_rows(scoring: list[bool], cu_seqlens_q: np.ndarray) -> np.ndarray:  # (num_rows,) int64
     """The rows of a prefill to take logits of: all of a scoring sequence's, each other sequence's last."""
-    rows = [np.arange(a, b) if score else [b - 1] for score, a, b in zip(scoring, cu_seqlens_q, cu_seqlens_q[1:])]
+    rows = [
+        np.arange(a, b) if score else [b - 1]
+        for score, a, b in zip(scoring, cu_seqlens_q, cu_seqlens_q[1:])
+    ]
     return np.concatenate(rows).astype(np.int64)
 
 
@@ -388,16 +541,25 @@ def prepare_prefill(seqs: list[Sequence], block_size: int) -> StepInputs:
     starts = np.array([seq.num_cached_tokens for seq in seqs], dtype=np.int64)
     lens = np.array([seq.num_scheduled_tokens for seq in seqs], dtype=np.int64)
     ends = starts + lens
-    assert all(s < e <= len(seq) for seq, s, e in zip(seqs, starts, ends)), "a prefill computes 1..len - cached tokens"
+    assert all(s < e <= len(seq) for seq, s, e in zip(seqs, starts, ends)), (
+        "a prefill computes 1..len - cached tokens"
+    )
     cu_q = np.cumsum([0, *lens], dtype=np.int32)
     seq_of = np.repeat(np.arange(len(seqs)), lens)  # (num_tokens,): each new token's sequence
     positions = np.arange(cu_q[-1]) - cu_q[seq_of] + starts[seq_of]
     tables = block_tables_array(seqs)
-    slots = tables[seq_of, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    slots = (
+        tables[seq_of, positions // block_size].astype(np.int64) * block_size
+        + positions % block_size
+    )
     decodes = (starts > 0) & (lens == 1)  # one new token after cached ones
-    num_decode_seqs = len(seqs) if decodes.all() else int(decodes.argmin())  # the leading run of them
+    num_decode_seqs = (
+        len(seqs) if decodes.all() else int(decodes.argmin())
+    )  # the leading run of them
     token_ids = chain.from_iterable(seq.token_ids[s:e] for seq, s, e in zip(seqs, starts, ends))
-    scoring = [scores_prompt(seq) for seq in seqs]  # these score every new token, the others their last
+    scoring = [
+        scores_prompt(seq) for seq in seqs
+    ]  # these score every new token, the others their last
     return StepInputs(
         is_prefill=True,
         input_ids=np.fromiter(token_ids, dtype=np.int64, count=int(cu_q[-1])),
@@ -417,19 +579,28 @@ def prepare_decode(seqs: list[Sequence], block_size: int) -> StepInputs:
     context_lens = np.array([len(seq) for seq in seqs], dtype=np.int32)
     block_tables = block_tables_array(seqs)
     last = context_lens.astype(np.int64) - 1  # the new token's position
-    slots = block_tables[np.arange(len(seqs)), last // block_size].astype(np.int64) * block_size + last % block_size
+    slots = (
+        block_tables[np.arange(len(seqs)), last // block_size].astype(np.int64) * block_size
+        + last % block_size
+    )
     input_ids = np.array([seq.last_token for seq in seqs], dtype=np.int64)
     return StepInputs(False, input_ids, last, slots, block_tables, context_lens=context_lens)
 
 
-def query_tiles(cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, first_seq: int, block_m: int) -> np.ndarray:
+def query_tiles(
+    cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, first_seq: int, block_m: int
+) -> np.ndarray:
     """The paged prefill kernel's work list (03) for sequences first_seq..: (sequence, query tile), costliest first."""
     q_lens, k_lens = np.diff(cu_seqlens_q)[first_seq:], np.diff(cu_seqlens_k)[first_seq:]
     counts = -(-q_lens // block_m)  # tiles per sequence
     seqs = np.repeat(np.arange(first_seq, first_seq + len(q_lens)), counts)
-    tiles = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)  # within its sequence
+    tiles = np.arange(counts.sum()) - np.repeat(
+        np.cumsum(counts) - counts, counts
+    )  # within its sequence
     q_len = np.repeat(q_lens, counts)
-    keys = np.repeat(k_lens, counts) - q_len + np.minimum((tiles + 1) * block_m, q_len)  # its last row sees these
+    keys = (
+        np.repeat(k_lens, counts) - q_len + np.minimum((tiles + 1) * block_m, q_len)
+    )  # its last row sees these
     order = np.argsort(-keys, kind="stable")
     return np.stack([seqs[order], tiles[order]], axis=1).astype(np.int32)
 
@@ -463,36 +634,74 @@ class PagedContext:
 
     is_prefill: bool
     slot_mapping: torch.Tensor  # (num_tokens,): cache slot of each new token's KV; -1 = padding
-    block_tables: torch.Tensor | None  # (num_seqs, max_blocks) int32; None in a prefill without cached prefixes
+    block_tables: (
+        torch.Tensor | None
+    )  # (num_seqs, max_blocks) int32; None in a prefill without cached prefixes
     cu_seqlens_q: torch.Tensor | None = None  # prefill: (num_seqs + 1,) int32, new tokens
     cu_seqlens_k: torch.Tensor | None = None  # prefill: (num_seqs + 1,) int32, cached + new tokens
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
-    context_lens: torch.Tensor | None = None  # decode: (num_seqs,) int32, tokens in each cache (new one included)
-    num_decode_seqs: int = 0  # a mixed step: its first rows decode one token each; context_lens holds theirs
-    tiles: torch.Tensor | None = None  # prefill, paged: the (sequence, query tile) list of the other rows (03)
-    prefix_blocks: torch.Tensor | None = None  # decode rows: (n,) int32, leading blocks several of them share
-    prefix_lens: torch.Tensor | None = None  # (num decode rows,) int32: each one's tokens in them, or 0 (03)
-    use_triton: bool = True  # False: the PyTorch reference ops (a CPU without the interpreter's patience)
+    context_lens: torch.Tensor | None = (
+        None  # decode: (num_seqs,) int32, tokens in each cache (new one included)
+    )
+    num_decode_seqs: int = (
+        0  # a mixed step: its first rows decode one token each; context_lens holds theirs
+    )
+    tiles: torch.Tensor | None = (
+        None  # prefill, paged: the (sequence, query tile) list of the other rows (03)
+    )
+    prefix_blocks: torch.Tensor | None = (
+        None  # decode rows: (n,) int32, leading blocks several of them share
+    )
+    prefix_lens: torch.Tensor | None = (
+        None  # (num decode rows,) int32: each one's tokens in them, or 0 (03)
+    )
+    use_triton: bool = (
+        True  # False: the PyTorch reference ops (a CPU without the interpreter's patience)
+    )
 
-    def attend(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         # q: (num_tokens, num_heads, head_dim); k, v: (num_tokens, num_kv_heads, head_dim)
-        (store_kvcache if self.use_triton else store_kvcache_ref)(k, v, layer.k_cache, layer.v_cache, self.slot_mapping)
+        (store_kvcache if self.use_triton else store_kvcache_ref)(
+            k, v, layer.k_cache, layer.v_cache, self.slot_mapping
+        )
         if not self.is_prefill:
             return self.decode(layer, q)
         if self.num_decode_seqs and self.tiles is not None and self.use_triton:
             return self.mixed(layer, q)
         return self.prefill(layer, q, k, v)
 
-    def decode(self, layer: Attention, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def decode(
+        self, layer: Attention, q: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The first q.shape[0] sequences, one new token each, over their whole caches."""
-        assert self.context_lens is not None and self.block_tables is not None  # a decode row has both
+        assert (
+            self.context_lens is not None and self.block_tables is not None
+        )  # a decode row has both
         tables = self.block_tables[: q.shape[0]]
         if self.use_triton:
-            k, v, lens, out = layer.k_cache, layer.v_cache, self.context_lens, None if out is None else out[:, None]
-            prefix = self.prefix_blocks, self.prefix_lens  # leading blocks the rows share, read once (03)
+            k, v, lens, out = (
+                layer.k_cache,
+                layer.v_cache,
+                self.context_lens,
+                None if out is None else out[:, None],
+            )
+            prefix = (
+                self.prefix_blocks,
+                self.prefix_lens,
+            )  # leading blocks the rows share, read once (03)
             o = flash_attn_with_kvcache(
-                q[:, None], k, v, lens, tables, layer.scale, out=out, prefix_blocks=prefix[0], prefix_lens=prefix[1]
+                q[:, None],
+                k,
+                v,
+                lens,
+                tables,
+                layer.scale,
+                out=out,
+                prefix_blocks=prefix[0],
+                prefix_lens=prefix[1],
             )
             return o[:, 0]
         cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
@@ -508,20 +717,30 @@ class PagedContext:
         self.paged_prefill(layer, q, out)  # an empty list (decode rows only) computes nothing
         return out
 
-    def prefill(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def prefill(
+        self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         cu_q = self.cu_seqlens_q
         assert cu_q is not None  # a prefill step has it
         if self.block_tables is not None:
             return self.paged_prefill(layer, q)
-        if self.use_triton:  # nothing cached: whole prompts, their k and v all there is (01's kernel)
+        if (
+            self.use_triton
+        ):  # nothing cached: whole prompts, their k and v all there is (01's kernel)
             max_q = self.max_seqlen_q
-            return flash_attn_varlen_contiguous(q, k, v, cu_q, cu_q, max_q, max_q, layer.scale, True)
+            return flash_attn_varlen_contiguous(
+                q, k, v, cu_q, cu_q, max_q, max_q, layer.scale, True
+            )
         return attention_ref(q, k, v, cu_q, cu_q, layer.scale, causal=True)
 
-    def paged_prefill(self, layer: Attention, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def paged_prefill(
+        self, layer: Attention, q: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """New tokens over their cached ones and each other, keys and values read through the block tables."""
         cu_q, cu_k, tables = self.cu_seqlens_q, self.cu_seqlens_k, self.block_tables
-        assert cu_q is not None and cu_k is not None and tables is not None  # a paged prefill has all three
+        assert (
+            cu_q is not None and cu_k is not None and tables is not None
+        )  # a paged prefill has all three
         if self.use_triton:
             k, v, max_q, max_k = layer.k_cache, layer.v_cache, self.max_seqlen_q, self.max_seqlen_k
             return kernels.flash_attn_varlen_func(
@@ -555,13 +774,23 @@ def step_to_device(
         return None if a is None else put(a)
 
     context = PagedContext(step.is_prefill, put(step.slot_mapping), put_optional(step.block_tables))
-    context.cu_seqlens_q, context.cu_seqlens_k = put_optional(step.cu_seqlens_q), put_optional(step.cu_seqlens_k)
-    context.context_lens, context.num_decode_seqs = put_optional(step.context_lens), step.num_decode_seqs
+    context.cu_seqlens_q, context.cu_seqlens_k = (
+        put_optional(step.cu_seqlens_q),
+        put_optional(step.cu_seqlens_k),
+    )
+    context.context_lens, context.num_decode_seqs = (
+        put_optional(step.context_lens),
+        step.num_decode_seqs,
+    )
     context.use_triton = use_triton
-    if use_triton and step.prefix_blocks is not None and step.prefix_lens is not None:  # the reference reads rows
+    if (
+        use_triton and step.prefix_blocks is not None and step.prefix_lens is not None
+    ):  # the reference reads rows
         context.prefix_blocks, context.prefix_lens = put(step.prefix_blocks), put(step.prefix_lens)
     if step.is_prefill:
-        assert step.cu_seqlens_q is not None and step.cu_seqlens_k is not None  # a prefill step has both
+        assert (
+            step.cu_seqlens_q is not None and step.cu_seqlens_k is not None
+        )  # a prefill step has both
         context.max_seqlen_q = int(np.diff(step.cu_seqlens_q).max())
         context.max_seqlen_k = int(np.diff(step.cu_seqlens_k).max())
         if block_m and use_triton and step.block_tables is not None:
@@ -591,14 +820,23 @@ from minivllm.sampling_params import SamplingParams
 
 def kv_block_bytes(layers: list[Attention], block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one KV block in every layer: the unit the cache is sized in."""
-    return 2 * sum(layer.num_kv_heads * layer.head_dim for layer in layers) * block_size * dtype.itemsize
+    return (
+        2
+        * sum(layer.num_kv_heads * layer.head_dim for layer in layers)
+        * block_size
+        * dtype.itemsize
+    )
 
 
 @torch.inference_mode()
-def profile_step(model: Qwen3ForCausalLM, sampler: Sampler, config: Config, device: torch.device) -> None:
+def profile_step(
+    model: Qwen3ForCausalLM, sampler: Sampler, config: Config, device: torch.device
+) -> None:
     """The largest step the engine will run: a full prefill, then sampling for max_num_seqs rows."""
     num_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * config.max_model_len)
-    lens = [config.max_model_len] * (num_tokens // config.max_model_len) + [num_tokens % config.max_model_len]
+    lens = [config.max_model_len] * (num_tokens // config.max_model_len) + [
+        num_tokens % config.max_model_len
+    ]
     lens = [n for n in lens if n][: config.max_num_seqs]
     input_ids = torch.zeros(sum(lens), dtype=torch.int64, device=device)
     positions = torch.cat([torch.arange(n, device=device) for n in lens])
@@ -613,13 +851,19 @@ def gpu_free_blocks(block_bytes: int, gpu_memory_utilization: float) -> int:
     free, total = torch.cuda.mem_get_info()
     stats = torch.cuda.memory_stats()
     step_peak = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
-    cached = stats["reserved_bytes.all.current"] - stats["allocated_bytes.all.current"]  # PyTorch's, free to reuse
+    cached = (
+        stats["reserved_bytes.all.current"] - stats["allocated_bytes.all.current"]
+    )  # PyTorch's, free to reuse
     used = total - free - cached
     return int(total * gpu_memory_utilization - used - step_peak) // block_bytes
 
 
 def bind_kv_cache(
-    layers: list[Attention], num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    layers: list[Attention],
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> None:
     """One tensor for the whole cache; each layer gets its K and V views, (num_blocks, block_size, kv_heads, d)."""
     shape = (2, len(layers), num_blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim)
@@ -698,7 +942,9 @@ class StepOutput:
 
     token_ids: list[int]  # (num_seqs,)
     logprobs: list[TokenLogprobs | None]  # of the next token (SamplingParams.logprobs)
-    prompt_logprobs: list[tuple[int, list[TokenLogprobs]] | None]  # the first position scored, and one per position
+    prompt_logprobs: list[
+        tuple[int, list[TokenLogprobs]] | None
+    ]  # the first position scored, and one per position
 
 
 def rank_device(config: Config, rank: int) -> torch.device:
@@ -711,7 +957,9 @@ class ModelRunner:
 
     def __init__(self, config: Config, rank: int = 0, groups: tuple[TPGroup, Any] | None = None):
         if groups is None and config.tensor_parallel_size > 1:
-            raise ValueError("tensor_parallel_size > 1 needs one process per rank: use LLM, or 06's make_runner")
+            raise ValueError(
+                "tensor_parallel_size > 1 needs one process per rank: use LLM, or 06's make_runner"
+            )
         self.config, self.rank, self.world_size = config, rank, config.tensor_parallel_size
         self.block_size = config.block_size
         self.device = rank_device(config, rank)
@@ -719,12 +967,20 @@ class ModelRunner:
         self.control: Any  # the gloo group that carries rank 0's messages; None for one rank
         self.tp, self.control = groups or (TPGroup(), None)
         self.model: Qwen3ForCausalLM | None  # loaded below; None once the GPU memory is freed
-        self.graphs: Any = None  # decode steps' CUDA graphs, and prefill and mixed steps' (deep dive cuda_graphs)
+        self.graphs: Any = (
+            None  # decode steps' CUDA graphs, and prefill and mixed steps' (deep dive cuda_graphs)
+        )
         self.mixed_graphs: Any = None
-        self.add_shared_prefix: Any = None  # marks decode rows that share cached blocks (deep dive cuda_graphs)
-        self.last_token_ids = torch.zeros(0, dtype=torch.int64)  # the latest step's sampled ids (on the device)
+        self.add_shared_prefix: Any = (
+            None  # marks decode rows that share cached blocks (deep dive cuda_graphs)
+        )
+        self.last_token_ids = torch.zeros(
+            0, dtype=torch.int64
+        )  # the latest step's sampled ids (on the device)
         self.closed = False
-        marks = [time.perf_counter()]  # where each start-up phase ends: `python -m minivllm` prints the split
+        marks = [
+            time.perf_counter()
+        ]  # where each start-up phase ends: `python -m minivllm` prints the split
         try:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
@@ -736,20 +992,32 @@ class ModelRunner:
             if self.device.type == "cuda":
                 fast_path("small-layer kernels")(self.model)
             self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-            self.block_m = launch_config(self.attention_layers[0].head_dim, self.device)["BLOCK_M"]  # prefill tile
-            self.sampler: Sampler = fast_path("GPU sampler")() if self.device.type == "cuda" else Sampler()
+            self.block_m = launch_config(self.attention_layers[0].head_dim, self.device)[
+                "BLOCK_M"
+            ]  # prefill tile
+            self.sampler: Sampler = (
+                fast_path("GPU sampler")() if self.device.type == "cuda" else Sampler()
+            )
             self.num_kvcache_blocks = self.allocate_kv_cache()
             marks.append(time.perf_counter())
-            if self.device.type == "cuda":  # compile every Triton kernel variant now, not in a request
+            if (
+                self.device.type == "cuda"
+            ):  # compile every Triton kernel variant now, not in a request
                 fast_path("warm-up")(self)
                 self.add_shared_prefix = fast_path("shared-prefix cascade")
             marks.append(time.perf_counter())
             if self.device.type == "cuda" and not config.enforce_eager:
-                self.graphs = fast_path("decode CUDA graphs")(self.model, config, self.dtype, self.device)
+                self.graphs = fast_path("decode CUDA graphs")(
+                    self.model, config, self.dtype, self.device
+                )
                 capture_mixed = fast_path("mixed-step CUDA graphs")  # prefill and mixed steps
-                self.mixed_graphs = capture_mixed(self.model, config, self.block_m, self.dtype, self.device)
+                self.mixed_graphs = capture_mixed(
+                    self.model, config, self.block_m, self.dtype, self.device
+                )
             marks.append(time.perf_counter())
-            self.startup_seconds = dict(zip(("load", "KV cache", "compile", "CUDA graphs"), np.diff(marks).tolist()))
+            self.startup_seconds = dict(
+                zip(("load", "KV cache", "compile", "CUDA graphs"), np.diff(marks).tolist())
+            )
         except BaseException:
             self.free_gpu_memory()
             raise
@@ -784,7 +1052,9 @@ class ModelRunner:
     def allocate_kv_cache(self) -> int:
         config = self.config
         block_bytes = kv_block_bytes(self.attention_layers, self.block_size, self.dtype)
-        wanted = config.max_num_seqs * -(-config.max_model_len // self.block_size)  # all sequences at their longest
+        wanted = config.max_num_seqs * -(
+            -config.max_model_len // self.block_size
+        )  # all sequences at their longest
         if config.num_kvcache_blocks:
             num_blocks = config.num_kvcache_blocks
         elif self.device.type == "cuda":
@@ -810,24 +1080,38 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepInputs) -> torch.Tensor:  # (num_seqs, vocab_size) logits
         assert self.model is not None, "the runner is closed"
-        input_ids, positions, context = step_to_device(step, self.device, self.use_triton, self.block_m)
-        if step.input_ids.min() < 0:  # placeholders (06): the last step's tokens, not on the host yet
-            input_ids = torch.where(input_ids < 0, self.last_token_ids[placeholder_row(input_ids)], input_ids)
+        input_ids, positions, context = step_to_device(
+            step, self.device, self.use_triton, self.block_m
+        )
+        if (
+            step.input_ids.min() < 0
+        ):  # placeholders (06): the last step's tokens, not on the host yet
+            input_ids = torch.where(
+                input_ids < 0, self.last_token_ids[placeholder_row(input_ids)], input_ids
+            )
         graphs = self.mixed_graphs if step.is_prefill else self.graphs
         key = None if graphs is None else graphs.key_for(context, input_ids.shape[0])
         if graphs is not None and key is not None:
             hidden = graphs.replay(key, input_ids, positions, context)
         else:
             hidden = self.model(input_ids, positions, context)  # (num_tokens, hidden_size)
-        if step.is_prefill:  # each sequence's last token, or all of a sequence's that scores its prompt
+        if (
+            step.is_prefill
+        ):  # each sequence's last token, or all of a sequence's that scores its prompt
             assert context.cu_seqlens_q is not None  # a prefill step has it
-            rows = context.cu_seqlens_q[1:] - 1 if step.logits_rows is None else torch.from_numpy(step.logits_rows)
+            rows = (
+                context.cu_seqlens_q[1:] - 1
+                if step.logits_rows is None
+                else torch.from_numpy(step.logits_rows)
+            )
             hidden = hidden[rows.to(hidden.device)]  # (num_rows, hidden_size)
         return self.model.compute_logits(hidden)
 
     def step_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
         step = (prepare_prefill if is_prefill else prepare_decode)(seqs, self.block_size)
-        if self.add_shared_prefix is not None:  # decode rows that share a cached prompt read it once
+        if (
+            self.add_shared_prefix is not None
+        ):  # decode rows that share a cached prompt read it once
             self.add_shared_prefix(step, self.block_size)
         return self.call("execute", step)
 
@@ -838,25 +1122,46 @@ class ModelRunner:
     def launch(self, seqs: list[Sequence], is_prefill: bool) -> Callable[[], StepOutput]:
         """Queue a step on the GPU and return at once a function that waits for its output (tokens, logprobs)."""
         logits = self.step_logits(seqs, is_prefill)  # queued on the GPU: the host goes on
-        scoring = [scores_prompt(seq) for seq in seqs] if is_prefill else []  # these have a row per token, not one
-        ends = np.cumsum([seq.num_scheduled_tokens if s else 1 for seq, s in zip(seqs, scoring)])  # their rows' ends
-        last = logits[torch.from_numpy(ends - 1).to(logits.device)] if any(scoring) else logits  # (num_seqs, vocab)
-        params = [seq.sampling_params for seq in seqs]  # the sampling tensors are built while the GPU computes
+        scoring = (
+            [scores_prompt(seq) for seq in seqs] if is_prefill else []
+        )  # these have a row per token, not one
+        ends = np.cumsum(
+            [seq.num_scheduled_tokens if s else 1 for seq, s in zip(seqs, scoring)]
+        )  # their rows' ends
+        last = (
+            logits[torch.from_numpy(ends - 1).to(logits.device)] if any(scoring) else logits
+        )  # (num_seqs, vocab)
+        params = [
+            seq.sampling_params for seq in seqs
+        ]  # the sampling tensors are built while the GPU computes
         penalized = any(p.penalized for p in params)  # penalties need each row's tokens
-        histories = [(s.prompt_token_ids, s.completion_token_ids) for s in seqs] if penalized else None
-        sampling = sampling_tensors(params, [s.num_completion_tokens for s in seqs], self.device, histories)
-        self.last_token_ids = token_ids = self.sampler(last, sampling)  # (num_seqs,); the next step may read it
+        histories = (
+            [(s.prompt_token_ids, s.completion_token_ids) for s in seqs] if penalized else None
+        )
+        sampling = sampling_tensors(
+            params, [s.num_completion_tokens for s in seqs], self.device, histories
+        )
+        self.last_token_ids = token_ids = self.sampler(
+            last, sampling
+        )  # (num_seqs,); the next step may read it
         out = StepOutput([], [None] * len(seqs), [None] * len(seqs))
         if asked := [i for i, p in enumerate(params) if p.logprobs is not None]:
             ks = [params[i].logprobs or 0 for i in asked]
             for i, row in zip(asked, logprobs_of(last[asked], token_ids[asked], ks)):
                 out.logprobs[i] = row
-        for j in [j for j, s in enumerate(scoring) if s]:  # rows of prompt positions p score the tokens at p + 1
+        for j in [
+            j for j, s in enumerate(scoring) if s
+        ]:  # rows of prompt positions p score the tokens at p + 1
             seq, start, k = seqs[j], seqs[j].num_cached_tokens, params[j].prompt_logprobs or 0
-            n = min(seq.num_scheduled_tokens, seq.num_prompt_tokens - 1 - start)  # rows before the prompt's end
+            n = min(
+                seq.num_scheduled_tokens, seq.num_prompt_tokens - 1 - start
+            )  # rows before the prompt's end
             targets = torch.tensor(seq.token_ids[start + 1 : start + 1 + n], device=logits.device)
             first = int(ends[j]) - seq.num_scheduled_tokens
-            out.prompt_logprobs[j] = (start + 1, logprobs_of(logits[first : first + n], targets, [k] * n))
+            out.prompt_logprobs[j] = (
+                start + 1,
+                logprobs_of(logits[first : first + n], targets, [k] * n),
+            )
         host_ids = token_ids.to("cpu", non_blocking=True)  # into pinned memory, without waiting
         ready = torch.cuda.Event() if self.device.type == "cuda" else None
         if ready is not None:
@@ -897,14 +1202,18 @@ def admit(bm: BlockManager, seq: Sequence) -> None:  # notebook 05's scheduler, 
     seq.num_scheduled_tokens = len(seq) - seq.num_cached_tokens
 
 
-def error_of(logits: torch.Tensor, token_ids: list[int]) -> float:  # worst |logits - a from-scratch forward's|
+def error_of(
+    logits: torch.Tensor, token_ids: list[int]
+) -> float:  # worst |logits - a from-scratch forward's|
     return (logits - prompt_logits(reference, token_ids)[-1]).abs().max().item()
 
 
 def check_steps(runner: ModelRunner, prompts: list[list[int]], num_decode_steps: int) -> float:
     """Prefill `prompts`, decode greedily; compare every step's logits with prompt_logits. Worst |error|."""
     bm = BlockManager(runner.num_kvcache_blocks, runner.block_size)
-    random.shuffle(bm.free_block_ids)  # blocks handed out in a random order: block tables far from contiguous
+    random.shuffle(
+        bm.free_block_ids
+    )  # blocks handed out in a random order: block tables far from contiguous
     seqs = [Sequence(p, block_size=runner.block_size) for p in prompts]
     for seq in seqs:
         admit(bm, seq)
@@ -922,7 +1231,9 @@ prompts = [random.choices(range(2048), k=n) for n in (1, 15, 16, 17, 100)]
 worst = check_steps(runner, prompts, num_decode_steps=40)
 print(f"5 prompts, prefill + 40 decode steps, shuffled blocks: worst logit error {worst:.1e}")
 assert worst < 1e-4
-runner.use_triton = True  # the same through the Triton kernels (on a CPU, in the interpreter, so fewer steps)
+runner.use_triton = (
+    True  # the same through the Triton kernels (on a CPU, in the interpreter, so fewer steps)
+)
 worst = check_steps(runner, prompts[:3], num_decode_steps=3)
 print(f"Triton kernels: worst logit error {worst:.1e}")
 assert worst < 1e-4
@@ -934,25 +1245,45 @@ admit(bm, first)
 runner.step_logits([first], is_prefill=True)
 admit(bm, second)
 assert second.num_cached_tokens == 48  # three blocks reused: prefill computes 4 tokens, not 52
-step = prepare_prefill([second], block_size=16)  # its 4 tokens' positions and slots; its keys: cached + new
-assert list(step.cu_seqlens_q) == [0, 4] and list(step.cu_seqlens_k) == [0, 52] and step.block_tables is not None
-assert step.positions.tolist() == [48, 49, 50, 51] and step.slot_mapping[0] == second.block_table[3] * 16
+step = prepare_prefill(
+    [second], block_size=16
+)  # its 4 tokens' positions and slots; its keys: cached + new
+assert (
+    list(step.cu_seqlens_q) == [0, 4]
+    and list(step.cu_seqlens_k) == [0, 52]
+    and step.block_tables is not None
+)
+assert (
+    step.positions.tolist() == [48, 49, 50, 51]
+    and step.slot_mapping[0] == second.block_table[3] * 16
+)
 error = error_of(runner.step_logits([second], is_prefill=True)[0], second.token_ids)
-print(f"prefix-cache hit: {second.num_cached_tokens} of {len(second)} tokens reused, logit error {error:.1e}")
+print(
+    f"prefix-cache hit: {second.num_cached_tokens} of {len(second)} tokens reused, logit error {error:.1e}"
+)
 assert error < 1e-4
 long = Sequence(random.choices(range(2048), k=100), block_size=16)
 bm.allocate(long)
-for end in (37, 64, 100):  # three mixed steps: `first` decodes a token, `long` computes tokens 0..36, 37..63, 64..99
+for end in (
+    37,
+    64,
+    100,
+):  # three mixed steps: `first` decodes a token, `long` computes tokens 0..36, 37..63, 64..99
     first.append_token(7)
     bm.may_append(first)
-    first.num_cached_tokens, first.num_scheduled_tokens = len(first) - 1, 1  # a decode row (05 puts them first)
+    first.num_cached_tokens, first.num_scheduled_tokens = (
+        len(first) - 1,
+        1,
+    )  # a decode row (05 puts them first)
     bm.cache_blocks(long, end)
     long.num_scheduled_tokens = end - long.num_cached_tokens
     decoded, logits = runner.step_logits([first, long], is_prefill=True)
     long.num_cached_tokens = end  # the step has run: these tokens' KV is in the cache
     error = max(error_of(decoded, first.token_ids), error_of(logits, long.token_ids[:end]))
     assert error < 1e-4
-print(f"100 tokens in chunks of 37, 27, 36, each with a decode row: last step's logit error {error:.1e}")
+print(
+    f"100 tokens in chunks of 37, 27, 36, each with a decode row: last step's logit error {error:.1e}"
+)
 
 # %% [markdown]
 # ### How fast: a whole decode step
@@ -964,8 +1295,14 @@ import json
 from minivllm.benchmarks.decode_step import run_decode_step_benchmark
 
 saved = Path("figures/decode_step.json")  # an H200 run's, shown on a CPU
-step_data = run_decode_step_benchmark(batch_sizes=(1, 8, 64)) if DEVICE == "cuda" else json.loads(saved.read_text())
-print(f"KV cache on {step_data['device']}: {step_data['kv_cache_tokens'] / 1e6:.2f} M tokens; ms per step:")
+step_data = (
+    run_decode_step_benchmark(batch_sizes=(1, 8, 64))
+    if DEVICE == "cuda"
+    else json.loads(saved.read_text())
+)
+print(
+    f"KV cache on {step_data['device']}: {step_data['kv_cache_tokens'] / 1e6:.2f} M tokens; ms per step:"
+)
 print({f"{r['impl']}, batch {r['batch']}": round(r["ms"], 2) for r in step_data["rows"]})
 
 # %% [markdown]

@@ -43,8 +43,12 @@ import torch
 from transformers.utils.logging import disable_progress_bar
 
 disable_progress_bar()  # transformers' saving and loading draw no progress bars in the outputs
-torch.set_num_threads(1)  # the tiny model gains little from a second thread, and on a busy machine threads fight
-plt.rcParams["axes.titlesize"] = "medium"  # 10-pt panel titles: three panels side by side fit in 1,100 px
+torch.set_num_threads(
+    1
+)  # the tiny model gains little from a second thread, and on a busy machine threads fight
+plt.rcParams["axes.titlesize"] = (
+    "medium"  # 10-pt panel titles: three panels side by side fit in 1,100 px
+)
 FIGURES = Path(os.environ.get("MINIVLLM_FIGURES", "../build/figures")).resolve()
 FIGURES.mkdir(parents=True, exist_ok=True)
 CHECKPOINTS = Path(os.environ.get("MINIVLLM_CHECKPOINTS", "../build/checkpoints")).resolve()
@@ -118,16 +122,26 @@ class Scheduler:
     def __init__(self, config: Config, num_kvcache_blocks: int):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.block_manager = BlockManager(num_kvcache_blocks, config.block_size, config.enable_prefix_caching)
-        self.max_len = min(config.max_model_len, self.block_manager.num_slots)  # tokens a sequence may hold
-        self.waiting: deque[Sequence] = deque()  # first come, first served; the preempted go back in front
+        self.block_manager = BlockManager(
+            num_kvcache_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.max_len = min(
+            config.max_model_len, self.block_manager.num_slots
+        )  # tokens a sequence may hold
+        self.waiting: deque[Sequence] = (
+            deque()
+        )  # first come, first served; the preempted go back in front
         self.running: deque[Sequence] = deque()  # admission order: the newest is preempted first
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         """Queue a new request. The engine has checked that it can run (notebook 06)."""
-        assert seq.status == SequenceStatus.WAITING and not seq.block_table, f"sequence {seq.seq_id} was added before"
-        assert len(seq) + 1 <= self.max_len, f"a prompt of {len(seq)} tokens can never run (max_len {self.max_len})"
+        assert seq.status == SequenceStatus.WAITING and not seq.block_table, (
+            f"sequence {seq.seq_id} was added before"
+        )
+        assert len(seq) + 1 <= self.max_len, (
+            f"a prompt of {len(seq)} tokens can never run (max_len {self.max_len})"
+        )
         self.waiting.append(seq)
 
     def is_finished(self) -> bool:
@@ -142,7 +156,9 @@ class Scheduler:
     def schedule_prefill(self) -> list[Sequence]:
         budget, seqs = self.max_num_batched_tokens, []
         if self.running and len(self.running[-1]) - self.running[-1].num_cached_tokens > 1:
-            seqs.append(self.running[-1])  # a prompt part-way through a chunked prefill goes on first
+            seqs.append(
+                self.running[-1]
+            )  # a prompt part-way through a chunked prefill goes on first
             budget -= self.schedule_chunk(self.running[-1], budget)
         return seqs + self.admit(budget)
 
@@ -171,7 +187,9 @@ class Scheduler:
         for seq in list(self.running):  # oldest first
             if seq.status == SequenceStatus.WAITING:
                 continue  # preempted below, to make room for an older one
-            assert len(seq) - seq.num_cached_tokens == 1, "a decode computes exactly the newest token"
+            assert len(seq) - seq.num_cached_tokens == 1, (
+                "a decode computes exactly the newest token"
+            )
             if self.reserve(seq):
                 seqs.append(seq)
         assert seqs, "the oldest request always fits once the others are preempted"
@@ -180,8 +198,12 @@ class Scheduler:
     def reserve(self, seq: Sequence) -> bool:
         """Room for seq's newest token, preempting the newest requests (seq itself last) until there is: whether
         seq is still running (then it is scheduled for that one token)."""
-        while not self.block_manager.can_append(seq):  # its newest token needs a block and none is free
-            self.preempt(self.running.pop())  # the most recently admitted one; seq itself once it is the newest
+        while not self.block_manager.can_append(
+            seq
+        ):  # its newest token needs a block and none is free
+            self.preempt(
+                self.running.pop()
+            )  # the most recently admitted one; seq itself once it is the newest
             if seq.status == SequenceStatus.WAITING:
                 return False
         self.block_manager.may_append(seq)
@@ -216,7 +238,9 @@ class Scheduler:
                 self.finish(seq, "length")
         return rows
 
-    def resolve(self, seqs: list[Sequence], rows: list[int], token_ids: list[int]) -> list[Sequence]:
+    def resolve(
+        self, seqs: list[Sequence], rows: list[int], token_ids: list[int]
+    ) -> list[Sequence]:
         """A step's tokens are known: they replace its placeholders. Free and return the sequences that finished."""
         finished = []
         for seq, token_id in ((seqs[row], token_ids[row]) for row in rows):
@@ -229,7 +253,9 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
-    def finish(self, seq: Sequence, reason: str) -> None:  # seq may be waiting: preempted while its step ran (06)
+    def finish(
+        self, seq: Sequence, reason: str
+    ) -> None:  # seq may be waiting: preempted while its step ran (06)
         if not seq.is_finished:
             (self.running if seq.status == SequenceStatus.RUNNING else self.waiting).remove(seq)
             if seq.block_table:
@@ -239,7 +265,9 @@ class Scheduler:
 
     def finish_reason(self, seq: Sequence, token_id: int) -> str | None:
         params = seq.sampling_params
-        if token_id in params.stop_token_ids:  # the engine's EOS ids are among them unless ignore_eos
+        if (
+            token_id in params.stop_token_ids
+        ):  # the engine's EOS ids are among them unless ignore_eos
             return "stop"
         if seq.num_completion_tokens >= params.max_tokens or len(seq) >= self.max_len:
             return "length"
@@ -285,8 +313,12 @@ from minivllm.sampling_params import SamplingParams
 
 tiny_path = write_checkpoint(CHECKPOINTS / "tiny", "tiny", seed=0)
 base_config = Config(tiny_path, dtype=torch.float32, num_kvcache_blocks=2048, max_num_seqs=64)
-runner = ModelRunner(base_config)  # one KV cache of 2,048 blocks; each scheduler below uses some of them
-StepCost = Callable[[list[Sequence], bool], float]  # seconds of a step, from its sequences before postprocess
+runner = ModelRunner(
+    base_config
+)  # one KV cache of 2,048 blocks; each scheduler below uses some of them
+StepCost = Callable[
+    [list[Sequence], bool], float
+]  # seconds of a step, from its sequences before postprocess
 
 
 def make_scheduler(num_blocks: int, cls: type = Scheduler, **limits) -> Scheduler:
@@ -296,7 +328,9 @@ def make_scheduler(num_blocks: int, cls: type = Scheduler, **limits) -> Schedule
 
 def request(prompt: list[int], max_tokens: int, **params) -> Sequence:
     sampling = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **params)
-    return Sequence(prompt, sampling, base_config.block_size)  # the block size of every scheduler's block manager here
+    return Sequence(
+        prompt, sampling, base_config.block_size
+    )  # the block size of every scheduler's block manager here
 
 
 def serve(
@@ -325,12 +359,16 @@ def serve(
             continue
         waiting = set(ids(scheduler.waiting))
         batch, is_prefill = scheduler.schedule()
-        hit_tokens += sum(seq.num_cached_tokens for seq in batch if is_prefill and index[seq.seq_id] in waiting)
+        hit_tokens += sum(
+            seq.num_cached_tokens for seq in batch if is_prefill and index[seq.seq_id] in waiting
+        )
         duration, lens = cost(batch, is_prefill) if cost else 1.0, [len(seq) for seq in batch]
         token_ids = runner.run(batch, is_prefill) if model else [0] * len(batch)
         finished = scheduler.postprocess(batch, token_ids)
         clock += duration
-        unfinished = [len(seq) == n for seq, n in zip(batch, lens)]  # a prompt chunk short of the end: no token
+        unfinished = [
+            len(seq) == n for seq, n in zip(batch, lens)
+        ]  # a prompt chunk short of the end: no token
         for seq in (seq for seq, u in zip(batch, unfinished) if not u):
             token_times[index[seq.seq_id]].append(clock)
         for seq in finished:
@@ -349,15 +387,24 @@ def serve(
                 preemptions=scheduler.num_preemptions,
             )
         )
-        state = (ids(scheduler.running), ids(scheduler.waiting), scheduler.block_manager.num_free_blocks)
+        state = (
+            ids(scheduler.running),
+            ids(scheduler.waiting),
+            scheduler.block_manager.num_free_blocks,
+        )
         if log and (is_prefill or state != last):
-            done = " ".join(f"{index[s.seq_id]}:{s.num_scheduled_tokens}{'+' * u}" for s, u in zip(batch, unfinished))
+            done = " ".join(
+                f"{index[s.seq_id]}:{s.num_scheduled_tokens}{'+' * u}"
+                for s, u in zip(batch, unfinished)
+            )
             print(
                 f"step {len(rows):2d} {'prefill' if is_prefill else 'decode '} {done:<20} running {state[0]}, "
                 f"waiting {state[1]}, free blocks {state[2]}, preemptions {scheduler.num_preemptions}"
             )
         last = state
-    assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks, "KV blocks leaked"
+    assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks, (
+        "KV blocks leaked"
+    )
     return dict(
         rows=rows,
         ttft=np.array([times[0] for times in token_times]) - arrivals,
@@ -393,8 +440,13 @@ small = serve(make_scheduler(10, max_num_batched_tokens=48), small_seqs, log=Tru
 
 # %%
 assert [r["num_tokens"] for r in small["rows"][:3]] == [48, 48, 24] and small["preemptions"] == 1
-assert small["hit_tokens"] == 2 * 32 + 48  # requests 3 and 4 on request 2's blocks, then 4 on its own
-assert all(s.finish_reason == "length" and s.num_completion_tokens == s.sampling_params.max_tokens for s in small_seqs)
+assert (
+    small["hit_tokens"] == 2 * 32 + 48
+)  # requests 3 and 4 on request 2's blocks, then 4 on its own
+assert all(
+    s.finish_reason == "length" and s.num_completion_tokens == s.sampling_params.max_tokens
+    for s in small_seqs
+)
 
 # %% [markdown]
 # ## One token budget per step: mixed batches (vLLM v1)
@@ -426,7 +478,10 @@ class UnifiedScheduler(Scheduler):
                 decodes.append(seq)
         chunks += self.admit(budget)
         assert decodes or chunks, "the oldest request always fits once the others are preempted"
-        decode_only = all(seq.num_scheduled_tokens == 1 and seq.num_cached_tokens + 1 == len(seq) for seq in chunks)
+        decode_only = all(
+            seq.num_scheduled_tokens == 1 and seq.num_cached_tokens + 1 == len(seq)
+            for seq in chunks
+        )
         return decodes + chunks, not decode_only
 
 
@@ -451,13 +506,16 @@ hf_model.generation_config.pad_token_id = 0
 
 def hf_generate(prompt: list[int], max_new_tokens: int) -> list[int]:
     ids = torch.tensor([prompt])
-    out = hf_model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens)
+    out = hf_model.generate(
+        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens
+    )
     return out[0, len(prompt) :].tolist()
 
 
 system_prompt = random.choices(range(3, 2048), k=32)
 prompts = [
-    (system_prompt if i % 3 == 0 else []) + random.choices(range(3, 2048), k=random.randint(4, 64)) for i in range(16)
+    (system_prompt if i % 3 == 0 else []) + random.choices(range(3, 2048), k=random.randint(4, 64))
+    for i in range(16)
 ]
 max_tokens = [random.randint(4, 16) for _ in prompts]
 expected = [hf_generate(p, n) for p, n in zip(prompts, max_tokens)]
@@ -465,7 +523,9 @@ policies = {"prefill first": Scheduler, "unified": UnifiedScheduler}
 parity = {}
 for name, cls in policies.items():
     seqs = [request(p, n) for p, n in zip(prompts, max_tokens)]
-    run = parity[name] = serve(make_scheduler(12, cls=cls, max_num_seqs=8, max_num_batched_tokens=32), seqs)
+    run = parity[name] = serve(
+        make_scheduler(12, cls=cls, max_num_seqs=8, max_num_batched_tokens=32), seqs
+    )
     run["matches"] = sum(seq.completion_token_ids == e for seq, e in zip(seqs, expected))
     print(
         f"{name:>13}: {len(run['rows'])} steps, {run['preemptions']} preemptions, {run['chunks']} prompt chunks "
@@ -575,18 +635,29 @@ def step_shape(seqs: list[Sequence], is_prefill: bool) -> tuple[int, int, int]:
     """What a step's cost depends on: sequences, new tokens, and query × key pairs of attention."""
     if is_prefill:
         new = [seq.num_scheduled_tokens for seq in seqs]
-        return len(seqs), sum(new), sum(n * (seq.num_cached_tokens + n) for seq, n in zip(seqs, new))
+        return (
+            len(seqs),
+            sum(new),
+            sum(n * (seq.num_cached_tokens + n) for seq, n in zip(seqs, new)),
+        )
     return len(seqs), len(seqs), sum(len(seq) for seq in seqs)  # one query over each whole sequence
 
 
-def time_step(num_seqs: int, num_tokens: int, is_prefill: bool) -> tuple[tuple[int, int, int], float]:
+def time_step(
+    num_seqs: int, num_tokens: int, is_prefill: bool
+) -> tuple[tuple[int, int, int], float]:
     """The shape and the fastest of ten runs (seconds) of one step over num_seqs sequences of num_tokens tokens."""
     bm = BlockManager(runner.num_kvcache_blocks, runner.block_size)
-    seqs = [Sequence(list(range(num_tokens)), SamplingParams(temperature=0), bm.block_size) for _ in range(num_seqs)]
+    seqs = [
+        Sequence(list(range(num_tokens)), SamplingParams(temperature=0), bm.block_size)
+        for _ in range(num_seqs)
+    ]
     for seq in seqs:
         bm.allocate(seq)
         seq.num_scheduled_tokens = num_tokens
-    times = timeit.repeat(lambda: runner.run(seqs, is_prefill), number=1, repeat=11)  # the first is a warm-up
+    times = timeit.repeat(
+        lambda: runner.run(seqs, is_prefill), number=1, repeat=11
+    )  # the first is a warm-up
     return step_shape(seqs, is_prefill), min(times[1:])
 
 
@@ -607,12 +678,17 @@ for (is_prefill, b, n), (_, seconds) in measured.items():
 h200_rows = json.loads(Path("figures/decode_step.json").read_text())["rows"]
 h200 = {r["batch"]: r["ms"] / 1e3 for r in h200_rows if r["impl"] == "minivllm"}
 cpu = {b: measured[False, b, 32][1] for b in (1, 16)}
-for where, alone, batch, size in (("H200", h200[1], h200[64], 64), ("this CPU", cpu[1], cpu[16], 16)):
+for where, alone, batch, size in (
+    ("H200", h200[1], h200[64], 64),
+    ("this CPU", cpu[1], cpu[16], 16),
+):
     print(
         f"{where:>8}: a decode token costs {alone * 1e3:.2f} ms alone, {batch / size * 1e3:.3f} ms in a batch of "
         f"{size}: {size * alone / batch:.1f}x cheaper"
     )
-assert h200[64] < 3 * h200[1]  # 64 tokens in one step cost less than three steps of one (committed H200 timings)
+assert (
+    h200[64] < 3 * h200[1]
+)  # 64 tokens in one step cost less than three steps of one (committed H200 timings)
 
 # %% [markdown]
 # So the scheduler's first job is to keep the batch full.
@@ -632,37 +708,58 @@ def features(shape: tuple[int, int, int], is_prefill: bool) -> np.ndarray:
 
 def fit(is_prefill: bool) -> tuple[np.ndarray, float]:
     """Seconds per unit of each feature (least squares on relative error, negative terms dropped), and R²."""
-    shapes, seconds = map(np.array, zip(*[v for (kind, *_), v in measured.items() if kind == is_prefill]))
+    shapes, seconds = map(
+        np.array, zip(*[v for (kind, *_), v in measured.items() if kind == is_prefill])
+    )
     x = np.stack([features(shape, is_prefill) for shape in shapes])
     kept = np.ones(x.shape[1], dtype=bool)
     while True:
         coef = np.zeros(len(kept))
-        coef[kept] = np.linalg.lstsq(x[:, kept] / seconds[:, None], np.ones(len(seconds)), rcond=None)[0]
+        coef[kept] = np.linalg.lstsq(
+            x[:, kept] / seconds[:, None], np.ones(len(seconds)), rcond=None
+        )[0]
         if (coef >= 0).all():
-            return coef, 1 - np.sum((x @ coef - seconds) ** 2) / np.sum((seconds - seconds.mean()) ** 2)
+            return coef, 1 - np.sum((x @ coef - seconds) ** 2) / np.sum(
+                (seconds - seconds.mean()) ** 2
+            )
         kept &= coef > 0
 
 
 def terms(coef: np.ndarray, is_prefill: bool) -> str:
-    units = ["ms", "ms/sequence", "ms/token", "ms/pair"] if is_prefill else ["ms", "ms/sequence", "ms/pair"]
+    units = (
+        ["ms", "ms/sequence", "ms/token", "ms/pair"]
+        if is_prefill
+        else ["ms", "ms/sequence", "ms/pair"]
+    )
     return " + ".join(f"{c:.2g} {unit}" for c, unit in zip(coef * 1e3, units))
 
 
 # seconds: prefill (True) = fixed + per sequence + per token + per pair; decode = fixed + per sequence + per pair
-SHIPPED = {True: np.array([1.6e-3, 6.0e-4, 1.4e-5, 7.2e-8]), False: np.array([2.1e-3, 3.1e-4, 1.1e-6])}
+SHIPPED = {
+    True: np.array([1.6e-3, 6.0e-4, 1.4e-5, 7.2e-8]),
+    False: np.array([2.1e-3, 3.1e-4, 1.1e-6]),
+}
 fits = {kind: fit(kind) for kind in (True, False)}
 for kind, (coef, r2) in fits.items():
     name = "prefill" if kind else "decode "
-    print(f"{name} step, this CPU: {terms(coef, kind)} (R² {r2:.2f}); shipped: {terms(SHIPPED[kind], kind)}")
+    print(
+        f"{name} step, this CPU: {terms(coef, kind)} (R² {r2:.2f}); shipped: {terms(SHIPPED[kind], kind)}"
+    )
 noisy = [("prefill" if kind else "decode") for kind, (_, r2) in fits.items() if r2 < 0.9]
 cost_coef = SHIPPED if noisy else {kind: coef for kind, (coef, _) in fits.items()}
-verdict = f"too noisy ({' and '.join(noisy)}: R² < 0.9), so the shipped fit" if noisy else "this CPU's fit"
+verdict = (
+    f"too noisy ({' and '.join(noisy)}: R² < 0.9), so the shipped fit"
+    if noisy
+    else "this CPU's fit"
+)
 print(verdict, "clocks the experiments below")
 
 
 def cost_model(coef: dict[bool, np.ndarray]) -> StepCost:
     """Modelled seconds of a step, from its sequences before postprocess (as `serve` calls it)."""
-    return lambda seqs, is_prefill: float(features(step_shape(seqs, is_prefill), is_prefill) @ coef[is_prefill])
+    return lambda seqs, is_prefill: float(
+        features(step_shape(seqs, is_prefill), is_prefill) @ coef[is_prefill]
+    )
 
 
 step_cost, shipped_cost = cost_model(cost_coef), cost_model(SHIPPED)
@@ -674,12 +771,23 @@ step_cost, shipped_cost = cost_model(cost_coef), cost_model(SHIPPED)
 # step is one bar, as wide as its modelled time; below it, the queues, the KV blocks in use and the preemptions.
 
 # %%
-lens = [int(rng.integers(400, 601)) if rng.random() < 0.1 else int(rng.integers(16, 201)) for _ in range(48)]
+lens = [
+    int(rng.integers(400, 601)) if rng.random() < 0.1 else int(rng.integers(16, 201))
+    for _ in range(48)
+]
 burst_requests = [(rng.integers(3, 2048, k).tolist(), int(rng.integers(16, 97))) for k in lens]
 burst_scheduler = lambda: make_scheduler(128, max_num_seqs=16, max_num_batched_tokens=256)
-first = serve(burst_scheduler(), [request(p, n) for p, n in burst_requests[:16]], cost=step_cost, model=False)
+first = serve(
+    burst_scheduler(), [request(p, n) for p, n in burst_requests[:16]], cost=step_cost, model=False
+)
 burst_arrivals = np.repeat(np.arange(3) * 2 / 3 * first["seconds"], 16)
-burst = serve(burst_scheduler(), [request(p, n) for p, n in burst_requests], burst_arrivals, step_cost, model=False)
+burst = serve(
+    burst_scheduler(),
+    [request(p, n) for p, n in burst_requests],
+    burst_arrivals,
+    step_cost,
+    model=False,
+)
 steps = burst["rows"]
 t, is_prefill, duration, num_tokens = (
     np.array([r[k] for r in steps]) for k in ("time", "is_prefill", "duration", "num_tokens")
@@ -691,10 +799,18 @@ print(
 )
 
 fig, axes = plt.subplots(3, 1, figsize=(10.8, 7.8), sharex=True)
-for kind, color, label in ((True, "tab:blue", "prefill step"), (False, "tab:orange", "decode step")):
+for kind, color, label in (
+    (True, "tab:blue", "prefill step"),
+    (False, "tab:orange", "decode step"),
+):
     m = is_prefill == kind
     axes[0].bar(t[m], num_tokens[m], width=-duration[m], align="edge", color=color, label=label)
-axes[0].set(yscale="log", ylim=(0.7, 4e3), ylabel="tokens computed", title="One bar per step, as wide as it takes")
+axes[0].set(
+    yscale="log",
+    ylim=(0.7, 4e3),
+    ylabel="tokens computed",
+    title="One bar per step, as wide as it takes",
+)
 axes[1].step(t, [r["running"] for r in steps], where="pre", color="tab:green", label="running")
 axes[1].step(t, [r["waiting"] for r in steps], where="pre", color="tab:red", label="waiting")
 axes[1].set(ylabel="requests")
@@ -703,12 +819,16 @@ axes[2].fill_between(t, used, step="pre", color="tab:purple", alpha=0.5, label="
 axes[2].axhline(128, color="k", ls=":", lw=1)
 preempted = np.diff(np.concatenate([[0], [r["preemptions"] for r in steps]])) > 0
 axes[2].plot(t[preempted], np.full(preempted.sum(), 132), "rv", ms=5, label="a preemption")
-axes[2].set(ylim=(0, 180), ylabel="blocks (of 128)", xlabel="time (s, modelled from the step costs)")
+axes[2].set(
+    ylim=(0, 180), ylabel="blocks (of 128)", xlabel="time (s, modelled from the step costs)"
+)
 for ax in axes:
     ax.legend(loc="upper right", ncols=2)  # above the bars
     for a in np.unique(burst_arrivals):
         ax.axvline(a, color="grey", lw=0.8, ls="--")
-fig.suptitle("Three bursts of 16 requests (dashed lines): continuous batching, prefill first, preemption")
+fig.suptitle(
+    "Three bursts of 16 requests (dashed lines): continuous batching, prefill first, preemption"
+)
 fig.tight_layout()
 fig.savefig(FIGURES / "05_timeline.png", dpi=120)
 
@@ -720,7 +840,11 @@ fig.savefig(FIGURES / "05_timeline.png", dpi=120)
 
 # %%
 assert max(num_tokens) <= 256
-assert first["preemptions"] > 0 and first["chunks"] > 0 and max(r["running"] for r in first["rows"]) > 8
+assert (
+    first["preemptions"] > 0
+    and first["chunks"] > 0
+    and max(r["running"] for r in first["rows"]) > 8
+)
 
 # %% [markdown]
 # ### Why does the scheduler put prefill before decode?
@@ -730,7 +854,8 @@ assert first["preemptions"] > 0 and first["chunks"] > 0 and max(r["running"] for
 
 # %%
 online_requests = [
-    (rng.integers(3, 2048, int(rng.integers(16, 129))).tolist(), int(rng.integers(16, 129))) for _ in range(120)
+    (rng.integers(3, 2048, int(rng.integers(16, 129))).tolist(), int(rng.integers(16, 129)))
+    for _ in range(120)
 ]
 limits = dict(max_num_seqs=16, max_num_batched_tokens=512)
 
@@ -738,14 +863,27 @@ limits = dict(max_num_seqs=16, max_num_batched_tokens=512)
 def poisson_arrivals(cost: StepCost, load: float) -> np.ndarray:
     """Arrival times at `load` times the rate the engine, under cost, serves online_requests all at once."""
     seqs = [request(p, n) for p, n in online_requests]
-    rate = load * len(seqs) / serve(make_scheduler(256, **limits), seqs, cost=cost, model=False)["seconds"]
+    rate = (
+        load
+        * len(seqs)
+        / serve(make_scheduler(256, **limits), seqs, cost=cost, model=False)["seconds"]
+    )
     return np.cumsum(np.random.default_rng(4).exponential(1 / rate, len(seqs)))
 
 
 def serve_online(requests: list, cls: type, arrivals: np.ndarray, cost: StepCost, **limits) -> dict:
-    run = serve(make_scheduler(512, cls=cls, **limits), [request(p, n) for p, n in requests], arrivals, cost, False)
+    run = serve(
+        make_scheduler(512, cls=cls, **limits),
+        [request(p, n) for p, n in requests],
+        arrivals,
+        cost,
+        False,
+    )
     run["tpot"] = (run["latency"] - run["ttft"]) / np.array([n - 1 for _, n in requests])
-    run["tpot_p99"], run["max_step"] = np.percentile(run["tpot"], 99), max(r["duration"] for r in run["rows"])
+    run["tpot_p99"], run["max_step"] = (
+        np.percentile(run["tpot"], 99),
+        max(r["duration"] for r in run["rows"]),
+    )
     run["max_wait"] = max(np.diff(times).max() for times in run["token_times"])
     return run
 
@@ -753,7 +891,10 @@ def serve_online(requests: list, cls: type, arrivals: np.ndarray, cost: StepCost
 def compare_orders(cost: StepCost) -> dict[str, dict]:
     arrivals = poisson_arrivals(cost, load=0.5)
     orders = {"prefill first": Scheduler, "decode first": DecodeFirstScheduler}
-    return {name: serve_online(online_requests, cls, arrivals, cost, **limits) for name, cls in orders.items()}
+    return {
+        name: serve_online(online_requests, cls, arrivals, cost, **limits)
+        for name, cls in orders.items()
+    }
 
 
 orders = compare_orders(step_cost)
@@ -763,13 +904,20 @@ for (name, run), color in zip(orders.items(), ("tab:blue", "tab:red")):
     axes[0].plot(ttft_ms, np.arange(1, len(ttft_ms) + 1) / len(ttft_ms), color=color, label=name)
     decode_rows = [(r["time"], r["num_seqs"]) for r in run["rows"] if not r["is_prefill"]]
     axes[1].step(*zip(*decode_rows), where="pre", color=color, lw=0.8, label=name)
-axes[0].set(xscale="log", xlabel="time to first token (ms, log scale)", ylabel="share of requests", title="TTFT")
+axes[0].set(
+    xscale="log",
+    xlabel="time to first token (ms, log scale)",
+    ylabel="share of requests",
+    title="TTFT",
+)
 end = orders["prefill first"]["seconds"]
 axes[1].set(xlim=(0.4 * end, 0.6 * end), xlabel="time (s)", ylabel="sequences per decode step")
 axes[1].set_title("Decode batch size (a fifth of the run)")
 for ax in axes:
     ax.legend()
-fig.suptitle(f"{len(online_requests)} requests at half the engine's rate: prefill first vs decode first")
+fig.suptitle(
+    f"{len(online_requests)} requests at half the engine's rate: prefill first vs decode first"
+)
 fig.tight_layout()
 fig.savefig(FIGURES / "05_ttft.png", dpi=120)
 (pf_ttft, df_ttft), (pf_tpot, df_tpot) = (
@@ -803,16 +951,28 @@ assert np.median(pf["tpot"]) >= np.median(df["tpot"])
 # %%
 long_rng = np.random.default_rng(3)  # its own draws
 grid_requests = [
-    (long_rng.integers(3, 2048, int(long_rng.integers(1000, 3001))).tolist() if i % 10 == 5 else p, n)
+    (
+        long_rng.integers(3, 2048, int(long_rng.integers(1000, 3001))).tolist()
+        if i % 10 == 5
+        else p,
+        n,
+    )
     for i, (p, n) in enumerate(online_requests)
 ]
 
 
 def budget_grid(cost: StepCost) -> dict[tuple[str, int], dict]:
-    arrivals, grid = poisson_arrivals(cost, load=0.25), [(name, budget) for budget in (256, 4096) for name in policies]
+    arrivals, grid = (
+        poisson_arrivals(cost, load=0.25),
+        [(name, budget) for budget in (256, 4096) for name in policies],
+    )
     return {
         (name, budget): serve_online(
-            grid_requests, policies[name], arrivals, cost, **dict(limits, max_num_batched_tokens=budget)
+            grid_requests,
+            policies[name],
+            arrivals,
+            cost,
+            **dict(limits, max_num_batched_tokens=budget),
         )
         for name, budget in grid
     }
@@ -826,13 +986,27 @@ for (name, budget), run in grid_runs.items():
         f"{name:>13}, budget {budget:4d}: TTFT p50 {t50:3.0f} ms, p99 {t99:3.0f} ms; TPOT p50 {p50:3.1f} ms, p99 "
         f"{p99:4.1f} ms; longest step {run['max_step'] * 1e3:3.0f} ms, longest wait {run['max_wait'] * 1e3:3.0f} ms"
     )
-    style = dict(color="tab:blue" if name == "unified" else "tab:red", ls="-" if budget == 256 else "--")
+    style = dict(
+        color="tab:blue" if name == "unified" else "tab:red", ls="-" if budget == 256 else "--"
+    )
     for ax, key in zip(axes, ("ttft", "tpot")):
-        ax.plot(np.sort(run[key] * 1e3), np.arange(1, 121) / 120, **style, label=f"{name}, budget {budget:,}")
-axes[0].set(xscale="log", xlabel="time to first token (ms, log scale)", ylabel="share of requests", title="TTFT")
+        ax.plot(
+            np.sort(run[key] * 1e3),
+            np.arange(1, 121) / 120,
+            **style,
+            label=f"{name}, budget {budget:,}",
+        )
+axes[0].set(
+    xscale="log",
+    xlabel="time to first token (ms, log scale)",
+    ylabel="share of requests",
+    title="TTFT",
+)
 axes[1].set(xlabel="time per output token (ms)", title="TPOT")
 axes[1].legend(loc="lower right", fontsize=8)
-fig.suptitle("The same requests (one prompt in ten of 1,000 to 3,000 tokens), two policies × two budgets")
+fig.suptitle(
+    "The same requests (one prompt in ten of 1,000 to 3,000 tokens), two policies × two budgets"
+)
 fig.tight_layout()
 fig.savefig(FIGURES / "05_chunked_prefill.png", dpi=120)
 

@@ -76,7 +76,11 @@ from minivllm.sampling_params import SamplingParams
 
 
 def make_runner(config: Config) -> ModelRunner:
-    return ModelRunner(config) if config.tensor_parallel_size == 1 else fast_path("tensor parallelism")(config)
+    return (
+        ModelRunner(config)
+        if config.tensor_parallel_size == 1
+        else fast_path("tensor parallelism")(config)
+    )
 
 
 @dataclass(slots=True)
@@ -95,13 +99,23 @@ class LLMEngine:
         self.runner = make_runner(self.config)
         policy = UnifiedScheduler if self.config.scheduling_policy == "unified" else Scheduler
         self.scheduler = policy(self.config, self.runner.num_kvcache_blocks)
-        self.input_processor = InputProcessor(self.config, self.tokenizer, self.scheduler.block_manager)
+        self.input_processor = InputProcessor(
+            self.config, self.tokenizer, self.scheduler.block_manager
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[int, Request] = {}  # seq_id -> request, until it finishes or is aborted
-        self.live: dict[str, Request] = {}  # request_id -> request: the same requests, found by id in O(1)
-        self.finished: list[RequestOutput] = []  # finished, not returned yet (kept back by a step given request_ids)
-        self.lock = threading.RLock()  # reentrant: LLM.generate holds it while it adds requests and steps
-        self.launched: Launched | None = None  # async scheduling: the step on the GPU while the host goes on
+        self.live: dict[
+            str, Request
+        ] = {}  # request_id -> request: the same requests, found by id in O(1)
+        self.finished: list[
+            RequestOutput
+        ] = []  # finished, not returned yet (kept back by a step given request_ids)
+        self.lock = (
+            threading.RLock()
+        )  # reentrant: LLM.generate holds it while it adds requests and steps
+        self.launched: Launched | None = (
+            None  # async scheduling: the step on the GPU while the host goes on
+        )
         gc.collect()
         gc.freeze()  # start-up's objects last as long as the engine: Python's full collections now skip them
         atexit.register(gc.unfreeze)  # (and the interpreter's last collection frees them)
@@ -114,10 +128,16 @@ class LLMEngine:
     ) -> list[str]:
         """Check every request, then queue them all: if one is bad, ValueError and none is queued. Their ids."""
         with self.lock:
-            ids = self.input_processor.request_ids(request_ids or [None] * len(prompts), self.in_use)
-            names = ["prompt"] if len(prompts) == 1 else [f"prompts[{i}]" for i in range(len(prompts))]
+            ids = self.input_processor.request_ids(
+                request_ids or [None] * len(prompts), self.in_use
+            )
+            names = (
+                ["prompt"] if len(prompts) == 1 else [f"prompts[{i}]" for i in range(len(prompts))]
+            )
             make = self.input_processor.make_request
-            requests = [make(*args) for args in zip(prompts, sampling_params, ids, names, strict=True)]
+            requests = [
+                make(*args) for args in zip(prompts, sampling_params, ids, names, strict=True)
+            ]
             for request in requests:
                 self.requests |= {seq.seq_id: request for seq in request.seqs}
                 self.live[request.request_id] = request
@@ -128,11 +148,16 @@ class LLMEngine:
         """The ids in use: of unfinished requests, and of finished ones whose outputs step() has kept back."""
         return set(self.live) | {out.request_id for out in self.finished}
 
-    def in_use(self, request_id: str) -> bool:  # O(1) for the live, O(kept outputs) for the finished
+    def in_use(
+        self, request_id: str
+    ) -> bool:  # O(1) for the live, O(kept outputs) for the finished
         return request_id in self.live or any(out.request_id == request_id for out in self.finished)
 
     def add_request(
-        self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
     ) -> str:
         return self.add_requests([prompt], [sampling_params], [request_id])[0]
 
@@ -154,13 +179,25 @@ class LLMEngine:
             if self.launched and all(seq.is_finished for seq in self.launched.seqs):
                 self.launched = None  # a step launched ahead for these alone: nothing left to read
 
-    def step(self, request_ids: Collection[str] | None = None) -> tuple[list[RequestOutput], StepStats]:
+    def step(
+        self, request_ids: Collection[str] | None = None
+    ) -> tuple[list[RequestOutput], StepStats]:
         """Finish one step, if any request is queued: the outputs of the requests that finished (only those in
         request_ids when given: the others are kept for a later step) and the step's stats."""
         with self.lock:
-            stats = StepStats("idle") if self.scheduler.is_finished() and not self.launched else self.run_step()
-            mine = [out for out in self.finished if request_ids is None or out.request_id in request_ids]
-            self.finished = [out for out in self.finished if not (request_ids is None or out.request_id in request_ids)]
+            stats = (
+                StepStats("idle")
+                if self.scheduler.is_finished() and not self.launched
+                else self.run_step()
+            )
+            mine = [
+                out for out in self.finished if request_ids is None or out.request_id in request_ids
+            ]
+            self.finished = [
+                out
+                for out in self.finished
+                if not (request_ids is None or out.request_id in request_ids)
+            ]
             return mine, stats
 
     def run_step(self) -> StepStats:
@@ -170,7 +207,9 @@ class LLMEngine:
             start = time.perf_counter()
             rows = self.scheduler.advance(step.seqs)  # placeholders for the tokens on their way
             advanced = time.perf_counter()
-            ahead = self.config.async_scheduling and not any(seq.sampling_params.penalized for seq in step.seqs)
+            ahead = self.config.async_scheduling and not any(
+                seq.sampling_params.penalized for seq in step.seqs
+            )
             if ahead and not self.scheduler.is_finished():
                 self.launched = self.launch()
             waiting = time.perf_counter()
@@ -178,7 +217,9 @@ class LLMEngine:
             ran = time.perf_counter()
             finished = self.scheduler.resolve(step.seqs, rows, out.token_ids)
             if self.launched and all(seq.is_finished for seq in self.launched.seqs):
-                self.launched = None  # its rows all stopped at this step: nothing to read (the GPU finishes it)
+                self.launched = (
+                    None  # its rows all stopped at this step: nothing to read (the GPU finishes it)
+                )
         except BaseException as e:
             self.abort_step(e, step.seqs + (self.launched.seqs if self.launched else []))
             self.launched = None
@@ -199,24 +240,42 @@ class LLMEngine:
         except BaseException as e:
             self.abort_step(e, seqs)
             raise
-        mixed = is_prefill and any(seq.num_completion_tokens > 0 and seq.num_scheduled_tokens == 1 for seq in seqs)
-        kind = "mixed" if mixed else "prefill" if is_prefill else "decode"  # mixed: decode rows beside prompt rows
+        mixed = is_prefill and any(
+            seq.num_completion_tokens > 0 and seq.num_scheduled_tokens == 1 for seq in seqs
+        )
+        kind = (
+            "mixed" if mixed else "prefill" if is_prefill else "decode"
+        )  # mixed: decode rows beside prompt rows
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
-        stats = StepStats(kind, len(seqs), num_tokens, scheduled - start, time.perf_counter() - scheduled)
+        stats = StepStats(
+            kind, len(seqs), num_tokens, scheduled - start, time.perf_counter() - scheduled
+        )
         return Launched(seqs, output, stats)
 
-    def postprocess(self, seqs: list[Sequence], out: StepOutput, finished: list[Sequence], now: float) -> None:
+    def postprocess(
+        self, seqs: list[Sequence], out: StepOutput, finished: list[Sequence], now: float
+    ) -> None:
         """Stop strings, the siblings of n to start, and the outputs of the requests whose every completion finished."""
         for seq, logprobs, prompt_logprobs in zip(seqs, out.logprobs, out.prompt_logprobs):
             if (request := self.requests.get(seq.seq_id)) is None:
                 continue  # aborted while its step ran
-            if seq.num_completion_tokens > 0 and request.num_started < len(request.seqs):  # only seqs[0] ran: its
-                self.start(request, len(request.seqs))  # prompt is cached now, and the others share its blocks
-            if self.output_processor.process(request, seq, logprobs, prompt_logprobs, now):  # a stop string
+            if seq.num_completion_tokens > 0 and request.num_started < len(
+                request.seqs
+            ):  # only seqs[0] ran: its
+                self.start(
+                    request, len(request.seqs)
+                )  # prompt is cached now, and the others share its blocks
+            if self.output_processor.process(
+                request, seq, logprobs, prompt_logprobs, now
+            ):  # a stop string
                 finished += [] if seq.is_finished else [seq]
                 self.scheduler.finish(seq, "stop")
-        for request in {self.requests[seq.seq_id].request_id: self.requests[seq.seq_id] for seq in finished}.values():
-            if request.num_started == len(request.seqs) and all(seq.is_finished for seq in request.seqs):
+        for request in {
+            self.requests[seq.seq_id].request_id: self.requests[seq.seq_id] for seq in finished
+        }.values():
+            if request.num_started == len(request.seqs) and all(
+                seq.is_finished for seq in request.seqs
+            ):
                 request.metrics.finished_time = now
                 for seq in request.seqs:
                     del self.requests[seq.seq_id]
@@ -229,9 +288,13 @@ class LLMEngine:
             ids = list(self.live)
             self.abort_all()
         else:
-            ids = [self.requests[seq.seq_id].request_id for seq in seqs if seq.seq_id in self.requests]
+            ids = [
+                self.requests[seq.seq_id].request_id for seq in seqs if seq.seq_id in self.requests
+            ]
             self.abort_request(ids)
-        error.add_note(f"minivllm: the step failed; these requests were aborted: {list(dict.fromkeys(ids))}")
+        error.add_note(
+            f"minivllm: the step failed; these requests were aborted: {list(dict.fromkeys(ids))}"
+        )
 
     def has_unfinished_requests(self) -> bool:
         """Whether step() has more to give: requests to run, a step to finish, or outputs it kept back."""
@@ -277,16 +340,28 @@ def is_one_prompt(prompts) -> TypeGuard[Prompt]:
     """A str, an array or tensor, or a list of token ids (not a list of prompts)."""
     if isinstance(prompts, str) or hasattr(prompts, "ndim"):
         return True
-    return isinstance(prompts, list | tuple) and len(prompts) > 0 and isinstance(scalar(prompts[0]), int | float)
+    return (
+        isinstance(prompts, list | tuple)
+        and len(prompts) > 0
+        and isinstance(scalar(prompts[0]), int | float)
+    )
 
 
 def chat_prompt(tokenizer, conversation, model, template_kwargs: dict | None = None) -> str:
     if tokenizer is None or tokenizer.chat_template is None:
         raise ValueError(f"{model} has no chat template: pass prompts to generate instead")
-    if bad := [i for i, m in enumerate(conversation) if not isinstance(m, dict) or not {"role", "content"} <= m.keys()]:
-        raise ValueError(f'messages[{bad[0]}] must be a dict with "role" and "content", got {conversation[bad[0]]!r}')
+    if bad := [
+        i
+        for i, m in enumerate(conversation)
+        if not isinstance(m, dict) or not {"role", "content"} <= m.keys()
+    ]:
+        raise ValueError(
+            f'messages[{bad[0]}] must be a dict with "role" and "content", got {conversation[bad[0]]!r}'
+        )
     kwargs = template_kwargs or {}  # the template's own switches: Qwen3's enable_thinking, say
-    return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True, **kwargs)
+    return tokenizer.apply_chat_template(
+        conversation, tokenize=False, add_generation_prompt=True, **kwargs
+    )
 
 
 class LLM:
@@ -307,16 +382,28 @@ class LLM:
         """One output per prompt, in order. Only this call's requests are returned (see the notebook's contract)."""
         prompts = [prompts] if is_one_prompt(prompts) else prompts
         if not isinstance(prompts, list | tuple):
-            raise ValueError(f"prompts must be a str, token ids, or a list of them; got {type(prompts).__name__}")
-        params = sampling_params if isinstance(sampling_params, list | tuple) else [sampling_params] * len(prompts)
+            raise ValueError(
+                f"prompts must be a str, token ids, or a list of them; got {type(prompts).__name__}"
+            )
+        params = (
+            sampling_params
+            if isinstance(sampling_params, list | tuple)
+            else [sampling_params] * len(prompts)
+        )
         if len(params) != len(prompts):
-            raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+            raise ValueError(
+                f"sampling_params has {len(params)} entries for {len(prompts)} prompts"
+            )
         with self.engine.lock:
             before = self.engine.request_ids()
             try:  # casts: a list of prompts and their SamplingParams (or None) now; add_requests checks each
-                ids = self.engine.add_requests(cast(list[Prompt], list(prompts)), cast(list, list(params)))
+                ids = self.engine.add_requests(
+                    cast(list[Prompt], list(prompts)), cast(list, list(params))
+                )
                 outputs = self.run(ids, use_tqdm)
-            except BaseException:  # Ctrl-C or an error, even half-way through add_requests: abort all it added
+            except (
+                BaseException
+            ):  # Ctrl-C or an error, even half-way through add_requests: abort all it added
                 self.engine.abort_request(self.engine.request_ids() - before)
                 raise
         order = {request_id: i for i, request_id in enumerate(ids)}
@@ -326,20 +413,28 @@ class LLM:
         """Step until these requests have finished; their outputs."""
         outputs: list[RequestOutput] = []
         wanted = set(request_ids)
-        with tqdm(total=len(wanted), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
+        with tqdm(
+            total=len(wanted), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True
+        ) as bar:
             rates: dict[str, float] = {}  # tokens per second of the latest step of each kind
             while len(outputs) < len(wanted):
                 finished, stats = self.engine.step(wanted)
                 assert stats.kind != "idle" or finished, "requests outstanding, but no step to run"
                 if stats.kind != "idle":
                     rates[stats.kind] = stats.num_tokens / max(stats.seconds, 1e-9)
-                bar.set_postfix_str(", ".join(f"{kind} {rate:,.0f} tok/s" for kind, rate in sorted(rates.items())))
+                bar.set_postfix_str(
+                    ", ".join(f"{kind} {rate:,.0f} tok/s" for kind, rate in sorted(rates.items()))
+                )
                 outputs += finished
                 bar.update(len(finished))
         return outputs
 
     def chat(
-        self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm=True, chat_template_kwargs=None
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params=None,
+        use_tqdm=True,
+        chat_template_kwargs=None,
     ) -> list[RequestOutput]:
         """`generate` for a conversation ([{"role": ..., "content": ...}, ...]) or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
@@ -385,8 +480,12 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length", or None while running
-    logprobs: list[dict[int, Logprob]] | None = None  # per token: its own and the most likely tokens' (if asked)
-    cumulative_logprob: float | None = None  # the sum of its tokens' log-probabilities (if logprobs were asked)
+    logprobs: list[dict[int, Logprob]] | None = (
+        None  # per token: its own and the most likely tokens' (if asked)
+    )
+    cumulative_logprob: float | None = (
+        None  # the sum of its tokens' log-probabilities (if logprobs were asked)
+    )
 
 
 @dataclass(slots=True)
@@ -413,7 +512,9 @@ class StepStats:
     num_seqs: int = 0  # sequences in the batch
     num_tokens: int = 0  # tokens computed: prompt tokens, plus one per sequence that decodes
     schedule_seconds: float = 0.0  # Scheduler.schedule
-    run_seconds: float = 0.0  # ModelRunner.launch (inputs, forward, sampler, log-probabilities), waiting for tokens
+    run_seconds: float = (
+        0.0  # ModelRunner.launch (inputs, forward, sampler, log-probabilities), waiting for tokens
+    )
     postprocess_seconds: float = 0.0  # Scheduler.advance and resolve, the engine's outputs
 
     @property
@@ -429,7 +530,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(repr=False)
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # per prompt token (None for the first), if asked
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+        None  # per prompt token (None for the first), if asked
+    )
 
 
 # %% [markdown]
@@ -458,24 +561,38 @@ from minivllm.engine.sequence import Sequence
 from minivllm.outputs import Logprob, RequestMetrics
 from minivllm.sampling_params import SamplingParams, as_token_ids
 
-Prompt = str | list[int]  # text, or token ids: a list or tuple of ints, or a 1-D integer NumPy array / PyTorch tensor
+Prompt = (
+    str | list[int]
+)  # text, or token ids: a list or tuple of ints, or a 1-D integer NumPy array / PyTorch tensor
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase | None:
     """The checkpoint's tokenizer, or None when the folder has none (token-id prompts still work). transformers may
     build an empty tokenizer from a folder without tokenizer files: one that knows only special tokens is none."""
-    named = json.loads(p.read_text()) if (p := Path(path) / "tokenizer_config.json").is_file() else {}
-    name = "AutoTokenizer" if "auto_map" in named else named.get("tokenizer_class") or "AutoTokenizer"
+    named = (
+        json.loads(p.read_text()) if (p := Path(path) / "tokenizer_config.json").is_file() else {}
+    )
+    name = (
+        "AutoTokenizer" if "auto_map" in named else named.get("tokenizer_class") or "AutoTokenizer"
+    )
     try:  # the class named, imported alone: AutoTokenizer imports transformers' model registry (seconds)
-        tokenizer = (getattr(transformers, name, None) or transformers.AutoTokenizer).from_pretrained(path)
+        tokenizer = (
+            getattr(transformers, name, None) or transformers.AutoTokenizer
+        ).from_pretrained(path)
     except (OSError, ValueError):
         return None
     return tokenizer if set(tokenizer.get_vocab()) - set(tokenizer.all_special_tokens) else None
 
 
-def eos_token_ids(path: str | Path, tokenizer: PreTrainedTokenizerBase | None, hf_config) -> list[int]:
+def eos_token_ids(
+    path: str | Path, tokenizer: PreTrainedTokenizerBase | None, hf_config
+) -> list[int]:
     """Every end-of-sequence id: the tokenizer's first, then generation_config.json's, then config.json's."""
-    ids = [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []
+    ids = (
+        [tokenizer.eos_token_id]
+        if tokenizer is not None and tokenizer.eos_token_id is not None
+        else []
+    )
     try:
         extra = GenerationConfig.from_pretrained(path).eos_token_id
     except OSError:
@@ -488,7 +605,10 @@ def sample_params(params: SamplingParams) -> list[SamplingParams]:
     """One SamplingParams per completion (vLLM's rule): seed + i, prompt logprobs asked of completion 0 only."""
     seeds = [None if params.seed is None else params.seed + i for i in range(params.n)]
     prompt_logprobs = [params.prompt_logprobs] + [None] * (params.n - 1)
-    return [dataclasses.replace(params, n=1, seed=s, prompt_logprobs=p) for s, p in zip(seeds, prompt_logprobs)]
+    return [
+        dataclasses.replace(params, n=1, seed=s, prompt_logprobs=p)
+        for s, p in zip(seeds, prompt_logprobs)
+    ]
 
 
 @dataclass(slots=True)
@@ -498,17 +618,29 @@ class Request:
     prompt_token_ids: list[int]
     seqs: list[Sequence]  # one per completion (SamplingParams.n)
     metrics: RequestMetrics
-    num_started: int = 0  # seqs given to the scheduler: with prefix caching, seqs[1:] wait for seqs[0]'s prompt
-    text_ends: dict[int, int] = field(default_factory=dict)  # completion -> where its text ends (a stop string)
-    logprobs: dict[int, list[dict[int, Logprob]]] = field(default_factory=dict)  # completion -> one per token
-    prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=lambda: [None])  # per prompt token
-    texts: dict[int, tuple[str, int, int]] = field(default_factory=dict)  # completion -> see running_text
+    num_started: int = (
+        0  # seqs given to the scheduler: with prefix caching, seqs[1:] wait for seqs[0]'s prompt
+    )
+    text_ends: dict[int, int] = field(
+        default_factory=dict
+    )  # completion -> where its text ends (a stop string)
+    logprobs: dict[int, list[dict[int, Logprob]]] = field(
+        default_factory=dict
+    )  # completion -> one per token
+    prompt_logprobs: list[dict[int, Logprob] | None] = field(
+        default_factory=lambda: [None]
+    )  # per prompt token
+    texts: dict[int, tuple[str, int, int]] = field(
+        default_factory=dict
+    )  # completion -> see running_text
 
 
 class InputProcessor:
     """Prompts in, checked `Request`s out; it changes nothing (the engine queues what it returns)."""
 
-    def __init__(self, config: Config, tokenizer: PreTrainedTokenizerBase | None, block_manager: BlockManager):
+    def __init__(
+        self, config: Config, tokenizer: PreTrainedTokenizerBase | None, block_manager: BlockManager
+    ):
         self.config, self.tokenizer, self.block_manager = config, tokenizer, block_manager
         self.eos_token_ids = eos_token_ids(config.model, tokenizer, config.hf_config)
         self.counter = count()  # request ids the engine hands out
@@ -516,7 +648,9 @@ class InputProcessor:
     def tokenize(self, prompt: Prompt, name: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"{name} is text, but {self.config.model} has no tokenizer: pass token ids")
+                raise ValueError(
+                    f"{name} is text, but {self.config.model} has no tokenizer: pass token ids"
+                )
             return self.tokenizer.encode(prompt)
         return as_token_ids(prompt, name)
 
@@ -537,10 +671,16 @@ class InputProcessor:
             )
         if bad := [t for t in token_ids if not 0 <= t < vocab_size]:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-        if bad := [t for t in params.stop_token_ids if not 0 <= t < vocab_size]:  # the sampler indexes by them
-            raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        if bad := [
+            t for t in params.stop_token_ids if not 0 <= t < vocab_size
+        ]:  # the sampler indexes by them
+            raise ValueError(
+                f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
+            )
         if params.stop and self.tokenizer is None:
-            raise ValueError(f"stop strings need a tokenizer, and {config.model} has none: use stop_token_ids")
+            raise ValueError(
+                f"stop strings need a tokenizer, and {config.model} has none: use stop_token_ids"
+            )
 
     def request_params(self, params: SamplingParams | None) -> SamplingParams:
         """The request's own copy of params, with every EOS id (`replace` runs the checks again: fields may change)."""
@@ -549,28 +689,42 @@ class InputProcessor:
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         params = dataclasses.replace(params)
         eos = [] if params.ignore_eos else self.eos_token_ids
-        return dataclasses.replace(params, stop_token_ids=list(dict.fromkeys([*params.stop_token_ids, *eos])))
+        return dataclasses.replace(
+            params, stop_token_ids=list(dict.fromkeys([*params.stop_token_ids, *eos]))
+        )
 
-    def request_ids(self, request_ids: list[str | None], in_use: Callable[[str], bool]) -> list[str]:
+    def request_ids(
+        self, request_ids: list[str | None], in_use: Callable[[str], bool]
+    ) -> list[str]:
         """The given ids, checked to be strings neither in use (by live requests) nor repeated; None gets the next
         unused number."""
         ids: dict[str, None] = {}  # in order
         for request_id in request_ids:
             if request_id is None:
-                request_id = next(i for i in map(str, self.counter) if not in_use(i) and i not in ids)
+                request_id = next(
+                    i for i in map(str, self.counter) if not in_use(i) and i not in ids
+                )
             elif not isinstance(request_id, str):
-                raise ValueError(f"request_id must be a str, got {request_id!r} ({type(request_id).__name__})")
+                raise ValueError(
+                    f"request_id must be a str, got {request_id!r} ({type(request_id).__name__})"
+                )
             elif in_use(request_id) or request_id in ids:
-                raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
+                raise ValueError(
+                    f"request_id {request_id!r} is already in use by an unfinished request"
+                )
             ids[request_id] = None
         return list(ids)
 
-    def make_request(self, prompt: Prompt, params: SamplingParams | None, request_id: str, name: str) -> Request:
+    def make_request(
+        self, prompt: Prompt, params: SamplingParams | None, request_id: str, name: str
+    ) -> Request:
         """Tokenize and check one request."""
         params = self.request_params(params)
         token_ids = self.tokenize(prompt, name)
         self.check_request(token_ids, params)
-        seqs = [Sequence(token_ids, p, self.block_manager.block_size) for p in sample_params(params)]
+        seqs = [
+            Sequence(token_ids, p, self.block_manager.block_size) for p in sample_params(params)
+        ]
         text = prompt if isinstance(prompt, str) else None
         return Request(request_id, text, token_ids, seqs, RequestMetrics(time.perf_counter()))
 
@@ -600,7 +754,11 @@ class OutputProcessor:
         self.tokenizer = tokenizer
 
     def detokenize(self, token_ids: list[int]) -> str:
-        return "" if self.tokenizer is None else cast(str, self.tokenizer.decode(token_ids, skip_special_tokens=True))
+        return (
+            ""
+            if self.tokenizer is None
+            else cast(str, self.tokenizer.decode(token_ids, skip_special_tokens=True))
+        )
 
     def process(
         self,
@@ -614,15 +772,24 @@ class OutputProcessor:
         i = request.seqs.index(seq)
         if request.metrics.first_token_time is None and seq.num_completion_tokens > 0:
             request.metrics.first_token_time = now
-        if logprobs is not None and len(request.logprobs.get(i, [])) < seq.num_completion_tokens:  # a new token
+        if (
+            logprobs is not None and len(request.logprobs.get(i, [])) < seq.num_completion_tokens
+        ):  # a new token
             request.logprobs.setdefault(i, []).append(self.logprobs(logprobs))
-        for position, row in enumerate(prompt_logprobs[1], prompt_logprobs[0]) if prompt_logprobs else ():
-            if position == len(request.prompt_logprobs):  # not scored before (a preempted prompt is redone)
+        for position, row in (
+            enumerate(prompt_logprobs[1], prompt_logprobs[0]) if prompt_logprobs else ()
+        ):
+            if position == len(
+                request.prompt_logprobs
+            ):  # not scored before (a preempted prompt is redone)
                 request.prompt_logprobs.append(self.logprobs(row))
         return bool(seq.sampling_params.stop) and self.find_stop(request, i)
 
     def logprobs(self, row: TokenLogprobs) -> dict[int, Logprob]:
-        return {token: Logprob(logprob, rank, self.detokenize([token])) for token, (logprob, rank) in row.items()}
+        return {
+            token: Logprob(logprob, rank, self.detokenize([token]))
+            for token, (logprob, rank) in row.items()
+        }
 
     def find_stop(self, request: Request, i: int) -> bool:
         """Whether completion i's text holds one of its stop strings; if so, `text_ends[i]` says where it ends."""
@@ -636,10 +803,14 @@ class OutputProcessor:
 
     def output(self, request: Request, finished: bool = True) -> RequestOutput:
         first = request.seqs[0]
-        prompt_logprobs = None if first.sampling_params.prompt_logprobs is None else list(request.prompt_logprobs)
+        prompt_logprobs = (
+            None if first.sampling_params.prompt_logprobs is None else list(request.prompt_logprobs)
+        )
         completions = [self.completion(request, i) for i in range(len(request.seqs))]
         prompt, ids, metrics = request.prompt, request.prompt_token_ids, request.metrics
-        return RequestOutput(request.request_id, prompt, ids, completions, finished, metrics, prompt_logprobs)
+        return RequestOutput(
+            request.request_id, prompt, ids, completions, finished, metrics, prompt_logprobs
+        )
 
     def completion(self, request: Request, i: int) -> CompletionOutput:
         seq, params = request.seqs[i], request.seqs[i].sampling_params
@@ -659,7 +830,9 @@ class OutputProcessor:
         (text, start, read): text ends with tokens[start:read]'s; newer tokens are read once whole (no '\ufffd')."""
         (text, start, read), seq = request.texts.get(i, ("", 0, 0)), request.seqs[i]
         if seq.num_completion_tokens > read:
-            tokens = seq.token_ids[seq.num_prompt_tokens + start :]  # from `start` on: no copy of the whole reply
+            tokens = seq.token_ids[
+                seq.num_prompt_tokens + start :
+            ]  # from `start` on: no copy of the whole reply
             known, new = self.detokenize(tokens[: read - start]), self.detokenize(tokens)
             if not new.endswith("\ufffd"):  # a token with no text (a special one, say) is read too
                 text, start, read = text + new[len(known) :], read, seq.num_completion_tokens
@@ -680,7 +853,9 @@ from minivllm.checks.model_parity import greedy_agreement
 
 prompts = ["What is the capital of France?", "Dear Maria,", "In autumn the leaves"]
 path = CHECKPOINTS / "tiny-text"
-if not (path / "model.safetensors").is_file():  # notebook 02 wrote it; it is trained once, then kept
+if not (
+    path / "model.safetensors"
+).is_file():  # notebook 02 wrote it; it is trained once, then kept
     write_checkpoint(path, "tiny-text", seed=0)
 real = None
 if DEVICE == "cuda":
@@ -692,20 +867,46 @@ llm = real or LLM(str(path), max_model_len=1024, max_num_seqs=32, num_kvcache_bl
 texts = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
 for out in texts:
     done, metrics = out.outputs[0], out.metrics
-    ttft, tpot = metrics.time_to_first_token * 1e3, metrics.time_per_output_token(len(done.token_ids)) * 1e3
-    print(f"{out.prompt!r} -> {done.text!r} ({done.finish_reason}; TTFT {ttft:.1f} ms, TPOT {tpot:.2f} ms)")
-stopped = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=24, stop="."), use_tqdm=False)[0].outputs[0]
+    ttft, tpot = (
+        metrics.time_to_first_token * 1e3,
+        metrics.time_per_output_token(len(done.token_ids)) * 1e3,
+    )
+    print(
+        f"{out.prompt!r} -> {done.text!r} ({done.finish_reason}; TTFT {ttft:.1f} ms, TPOT {tpot:.2f} ms)"
+    )
+stopped = llm.generate(
+    prompts[0], SamplingParams(temperature=0, max_tokens=24, stop="."), use_tqdm=False
+)[0].outputs[0]
 print(f"with stop='.': {stopped.text!r}, finish_reason={stopped.finish_reason}")
 first = texts[0].outputs[0].text  # a stop string ends the text before it, with reason "stop"
-assert (stopped.text, stopped.finish_reason) == (first.split(".")[0], "stop" if "." in first else "length")
-chat, greedy_40 = [{"role": "user", "content": prompts[0]}], SamplingParams(temperature=0, max_tokens=40)
-for thinking in (True, False):  # the chat template's switch: Qwen3 writes <think>...</think> first, or not
-    reply = llm.chat(chat, greedy_40, use_tqdm=False, chat_template_kwargs={"enable_thinking": thinking})[0]
+assert (stopped.text, stopped.finish_reason) == (
+    first.split(".")[0],
+    "stop" if "." in first else "length",
+)
+chat, greedy_40 = (
+    [{"role": "user", "content": prompts[0]}],
+    SamplingParams(temperature=0, max_tokens=40),
+)
+for thinking in (
+    True,
+    False,
+):  # the chat template's switch: Qwen3 writes <think>...</think> first, or not
+    reply = llm.chat(
+        chat, greedy_40, use_tqdm=False, chat_template_kwargs={"enable_thinking": thinking}
+    )[0]
     print(f"chat, enable_thinking={thinking}: {reply.outputs[0].text!r}")
-three = llm.generate(prompts[2], SamplingParams(n=3, seed=0, max_tokens=16, logprobs=2), use_tqdm=False)[0].outputs
-for c in three:  # each token's row: {token id: Logprob(logprob, rank, decoded_token)}, its own first
-    print(f"sample {c.index}: {c.text!r}, log-probability {c.cumulative_logprob:.1f}; first token: {c.logprobs[0]}")
-assert len({tuple(c.token_ids) for c in three}) == 3  # seeds 0, 1, 2: three draws, the same three on every run
+three = llm.generate(
+    prompts[2], SamplingParams(n=3, seed=0, max_tokens=16, logprobs=2), use_tqdm=False
+)[0].outputs
+for (
+    c
+) in three:  # each token's row: {token id: Logprob(logprob, rank, decoded_token)}, its own first
+    print(
+        f"sample {c.index}: {c.text!r}, log-probability {c.cumulative_logprob:.1f}; first token: {c.logprobs[0]}"
+    )
+assert (
+    len({tuple(c.token_ids) for c in three}) == 3
+)  # seeds 0, 1, 2: three draws, the same three on every run
 if real:  # bfloat16 (notebook 02): transformers' top token given our tokens before it, where rounding cannot flip it
     agreement = greedy_agreement(real.engine.config.model, texts)
     print(f"real Qwen3-0.6B against transformers, teacher forced: {agreement}")
@@ -720,21 +921,34 @@ if real:  # bfloat16 (notebook 02): transformers' top token given our tokens bef
 # %%
 from transformers import AutoModelForCausalLM
 
-tiny_path = write_checkpoint(CHECKPOINTS / "tiny", "tiny", seed=0)  # float32, on the CPU even beside a GPU
-cpu_llm = LLM(str(tiny_path), device="cpu", num_kvcache_blocks=256, max_num_seqs=32, async_scheduling=True)
+tiny_path = write_checkpoint(
+    CHECKPOINTS / "tiny", "tiny", seed=0
+)  # float32, on the CPU even beside a GPU
+cpu_llm = LLM(
+    str(tiny_path), device="cpu", num_kvcache_blocks=256, max_num_seqs=32, async_scheduling=True
+)
 hf = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
 shared = random.choices(range(2048), k=40)
-prompts = [random.choices(range(2048), k=n) for n in (1, 5, 17, 64)] + [shared + [1, 2], shared + [3]]
+prompts = [random.choices(range(2048), k=n) for n in (1, 5, 17, 64)] + [
+    shared + [1, 2],
+    shared + [3],
+]
 greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-hf_greedy = dict(max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)  # the same, for transformers
+hf_greedy = dict(
+    max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0
+)  # the same, for transformers
 ours = [out.outputs[0].token_ids for out in cpu_llm.generate(prompts, greedy, use_tqdm=False)]
 for prompt, tokens in zip(prompts, ours):
     expected = hf.generate(torch.tensor([prompt]), **hf_greedy)[0, len(prompt) :].tolist()
     assert tokens == expected, (prompt[:5], tokens, expected)
 print(f"{len(prompts)} prompts, greedy: identical to transformers' generate")
-scored = cpu_llm.generate(prompts[3], SamplingParams(temperature=0, prompt_logprobs=0), use_tqdm=False)[0]
+scored = cpu_llm.generate(
+    prompts[3], SamplingParams(temperature=0, prompt_logprobs=0), use_tqdm=False
+)[0]
 with torch.no_grad():  # transformers' log-probability of each prompt token after the first
-    want = torch.log_softmax(hf(torch.tensor([prompts[3]])).logits[0, :-1], -1)[range(63), prompts[3][1:]]
+    want = torch.log_softmax(hf(torch.tensor([prompts[3]])).logits[0, :-1], -1)[
+        range(63), prompts[3][1:]
+    ]
 got = torch.tensor([row[t].logprob for row, t in zip(scored.prompt_logprobs[1:], prompts[3][1:])])
 torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
@@ -751,8 +965,13 @@ for bad in ([[]], [[1, 2, vocab]], [[1] * max_len], [[1, 2, 3], [], [4, 5]]):
         raise AssertionError(f"{str(bad)[:30]} was accepted")
     except ValueError as e:
         print(f"{str(bad)[:20]:>20}: {e}")
-assert not cpu_llm.engine.has_unfinished_requests() and cpu_llm.engine.scheduler.block_manager.num_used_blocks == 0
-after = cpu_llm.generate([[1, 2, 3]], greedy, use_tqdm=False)[0].outputs[0].token_ids  # the engine still serves
+assert (
+    not cpu_llm.engine.has_unfinished_requests()
+    and cpu_llm.engine.scheduler.block_manager.num_used_blocks == 0
+)
+after = (
+    cpu_llm.generate([[1, 2, 3]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+)  # the engine still serves
 assert after == hf.generate(torch.tensor([[1, 2, 3]]), **hf_greedy)[0, 3:].tolist()
 
 # %% [markdown]
@@ -766,29 +985,61 @@ engine = LLM(str(tiny_path), device="cpu", num_kvcache_blocks=64, max_num_seqs=1
 bm = engine.scheduler.block_manager
 system_prompt = random.choices(range(2048), k=64)
 for i in range(24):
-    prompt = (system_prompt if i % 3 == 0 else []) + random.choices(range(2048), k=random.randint(16, 64))
-    engine.add_request(prompt, SamplingParams(temperature=0.8, max_tokens=random.randint(8, 40), ignore_eos=True))
+    prompt = (system_prompt if i % 3 == 0 else []) + random.choices(
+        range(2048), k=random.randint(16, 64)
+    )
+    engine.add_request(
+        prompt, SamplingParams(temperature=0.8, max_tokens=random.randint(8, 40), ignore_eos=True)
+    )
 occupancy, steps = [], []
 while engine.has_unfinished_requests():
     steps.append(engine.step()[1])
-    occupancy.append((bm.num_used_blocks, bm.num_cached_free_blocks, bm.num_free_blocks - bm.num_cached_free_blocks))
+    occupancy.append(
+        (
+            bm.num_used_blocks,
+            bm.num_cached_free_blocks,
+            bm.num_free_blocks - bm.num_cached_free_blocks,
+        )
+    )
 used, cached, empty = map(list, zip(*occupancy))
 fig, ax = plt.subplots(figsize=(8, 3.5), layout="tight")
 labels = ["used by running requests", "free, prefix cached", "free"]
 ax.stackplot(range(len(used)), used, cached, empty, labels=labels, colors=["C0", "C2", "0.85"])
-ax.vlines([i for i, stats in enumerate(steps) if stats.kind != "decode"], 0, bm.num_blocks, "C3", lw=0.4, alpha=0.5)
-ax.set(xlabel="engine step (red lines: steps that compute prompt tokens)", ylabel=f"KV blocks (of {bm.num_blocks})")
-ax.set_title(f"KV block occupancy over a run: 24 requests, {engine.scheduler.num_preemptions} preemptions")
+ax.vlines(
+    [i for i, stats in enumerate(steps) if stats.kind != "decode"],
+    0,
+    bm.num_blocks,
+    "C3",
+    lw=0.4,
+    alpha=0.5,
+)
+ax.set(
+    xlabel="engine step (red lines: steps that compute prompt tokens)",
+    ylabel=f"KV blocks (of {bm.num_blocks})",
+)
+ax.set_title(
+    f"KV block occupancy over a run: 24 requests, {engine.scheduler.num_preemptions} preemptions"
+)
 ax.legend(loc="upper right", fontsize=8)
 fig.savefig(FIGURES / "06_kv_occupancy.png", dpi=120)
-print(f"{len(used)} steps, peak {max(used)} blocks used, {engine.scheduler.num_preemptions} preemptions")
+print(
+    f"{len(used)} steps, peak {max(used)} blocks used, {engine.scheduler.num_preemptions} preemptions"
+)
 assert bm.num_used_blocks == 0 and max(used) > 0.8 * bm.num_blocks - 1
 phases = ("schedule", "run", "postprocess")
 for kind in ("prefill", "mixed", "decode"):
     of_kind = [stats for stats in steps if stats.kind == kind]
-    times = [f"{phase} {sum(getattr(s, f'{phase}_seconds') for s in of_kind):.3f} s" for phase in phases]
-    print(f"{len(of_kind):4d} {kind} steps: {sum(s.num_tokens for s in of_kind):5,} tokens; " + ", ".join(times))
-assert all(s.num_seqs > 0 and (s.num_tokens == s.num_seqs if s.kind == "decode" else s.kind != "idle") for s in steps)
+    times = [
+        f"{phase} {sum(getattr(s, f'{phase}_seconds') for s in of_kind):.3f} s" for phase in phases
+    ]
+    print(
+        f"{len(of_kind):4d} {kind} steps: {sum(s.num_tokens for s in of_kind):5,} tokens; "
+        + ", ".join(times)
+    )
+assert all(
+    s.num_seqs > 0 and (s.num_tokens == s.num_seqs if s.kind == "decode" else s.kind != "idle")
+    for s in steps
+)
 
 # %% [markdown]
 # ## The course's final figures
@@ -812,14 +1063,21 @@ if DEVICE == "cuda":
     now = run_throughput_benchmark(["nano-vllm"], policies=("unified",))
     throughput["rows"].insert(0, {**now["rows"][0], "impl": f"minivllm, now ({now['device']})"})
 else:  # the committed H200 runs
-    prefill, decode = (json.loads((figures / f"{name}.json").read_text()) for name in ("prefill", "decode"))
+    prefill, decode = (
+        json.loads((figures / f"{name}.json").read_text()) for name in ("prefill", "decode")
+    )
 plot_prefill(prefill).savefig(FIGURES / "06_prefill.png", dpi=120)
 plot_decode(decode).savefig(FIGURES / "06_decode.png", dpi=120)
 plot_throughput(throughput).savefig(FIGURES / "06_throughput.png", dpi=120)
 for row in throughput["rows"]:
     print(describe(row))
-baseline = json.loads((figures / "throughput_vs_transformers.json").read_text())  # an earlier run, same workload
-print("nano-vllm's workload, earlier run:", ", ".join(f"{r['impl']} {r['tok_per_s']:,.0f}" for r in baseline["rows"]))
+baseline = json.loads(
+    (figures / "throughput_vs_transformers.json").read_text()
+)  # an earlier run, same workload
+print(
+    "nano-vllm's workload, earlier run:",
+    ", ".join(f"{r['impl']} {r['tok_per_s']:,.0f}" for r in baseline["rows"]),
+)
 
 # %% [markdown]
 # How far is that from the hardware's limit? Every decode step reads all the weights once, and each running request's
@@ -833,17 +1091,27 @@ from minivllm.models.qwen3 import Qwen3ForCausalLM
 qwen = preset_config("qwen3-0.6b")
 with torch.device("meta"):  # shapes only: count the parameters without allocating them
     num_params = sum(p.numel() for p in Qwen3ForCausalLM(qwen).parameters())
-kv_bytes_per_token = 2 * qwen.num_hidden_layers * qwen.num_key_value_heads * qwen.head_dim * 2  # K and V, bf16
+kv_bytes_per_token = (
+    2 * qwen.num_hidden_layers * qwen.num_key_value_heads * qwen.head_dim * 2
+)  # K and V, bf16
 prompts, output_lens = workload(256)
-kv_reads = kv_bytes_per_token * sum(len(p) + t for p, n in zip(prompts, output_lens) for t in range(1, n))
+kv_reads = kv_bytes_per_token * sum(
+    len(p) + t for p, n in zip(prompts, output_lens) for t in range(1, n)
+)
 weight_reads = num_params * 2 * (max(output_lens) - 1)  # bf16 weights, once per decode step
 roofline = sum(output_lens) / ((kv_reads + weight_reads) / (decode["copy_tbps"] * 1e12))
 key = ("nano-vllm", "unified", "minivllm")
 ours = next(r for r in throughput["rows"] if (r["workload"], r["policy"], r["impl"]) == key)
-print(f"KV reads {kv_reads / 1e12:.1f} TB + weights {weight_reads / 1e12:.1f} TB at {decode['copy_tbps']:.2f} TB/s")
+print(
+    f"KV reads {kv_reads / 1e12:.1f} TB + weights {weight_reads / 1e12:.1f} TB at {decode['copy_tbps']:.2f} TB/s"
+)
 print(f"at most {roofline:,.0f} tok/s; minivllm reaches {ours['tok_per_s'] / roofline:.0%} of it")
-assert kv_reads > 10 * weight_reads  # at this batch size the KV cache, not the weights, is what decode reads
-assert abs(roofline / ours["roofline_tok_per_s"] - 1) < 0.05  # the benchmark's roofline (FLOPs too) agrees
+assert (
+    kv_reads > 10 * weight_reads
+)  # at this batch size the KV cache, not the weights, is what decode reads
+assert (
+    abs(roofline / ours["roofline_tok_per_s"] - 1) < 0.05
+)  # the benchmark's roofline (FLOPs too) agrees
 
 # %% [markdown]
 # ## Check yourself
@@ -856,13 +1124,17 @@ assert abs(roofline / ours["roofline_tok_per_s"] - 1) < 0.05  # the benchmark's 
 from minivllm.testing import check_answer
 
 answer = None  # your answer: replace None with an expression
-engine.add_request(list(range(10, 20)), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), "timed")
+engine.add_request(
+    list(range(10, 20)), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), "timed"
+)
 kinds, done = [], []  # each step's kind, and when it ended
 while not done:
     done, stats = engine.step()
     kinds.append((stats.kind, time.perf_counter()))
 timed = done[0].metrics  # arrival, first-token and finish times
-first = next(i for i, (_, end) in enumerate(kinds) if timed.first_token_time <= end)  # the step that set it
+first = next(
+    i for i, (_, end) in enumerate(kinds) if timed.first_token_time <= end
+)  # the step that set it
 check_answer(answer, (kinds[first][0], len(kinds) - 1 - first), "1. timings")
 
 # %% [markdown]
@@ -871,7 +1143,9 @@ check_answer(answer, (kinds[first][0], len(kinds) - 1 - first), "1. timings")
 
 # %%
 check_answer(("prefill", 5 - 1), (kinds[first][0], len(kinds) - 1 - first), "1. timings")
-print(f"TTFT {timed.time_to_first_token * 1e3:.1f} ms, TPOT {timed.time_per_output_token(5) * 1e3:.1f} ms")
+print(
+    f"TTFT {timed.time_to_first_token * 1e3:.1f} ms, TPOT {timed.time_per_output_token(5) * 1e3:.1f} ms"
+)
 
 # %% [markdown]
 # **2.** The green blocks of the occupancy figure are free but keep a cached prefix, among them the 64-token system

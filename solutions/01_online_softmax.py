@@ -53,8 +53,12 @@ def cdiv(a: int, b: int) -> int:
 
 def check_close(got: torch.Tensor, expected: torch.Tensor, case: str) -> None:
     """assert_close (float32 rounding), with the case named in the message."""
-    assert got.shape == expected.shape, f"{case}: shape {tuple(got.shape)}, expected {tuple(expected.shape)}"
-    assert not got.isnan().any(), f"{case}: NaN at {got.isnan().nonzero()[:3].tolist()} (exp(-inf - -inf)?)"
+    assert got.shape == expected.shape, (
+        f"{case}: shape {tuple(got.shape)}, expected {tuple(expected.shape)}"
+    )
+    assert not got.isnan().any(), (
+        f"{case}: NaN at {got.isnan().nonzero()[:3].tolist()} (exp(-inf - -inf)?)"
+    )
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=lambda m: f"{case}: {m}")
 
 
@@ -98,15 +102,22 @@ with exercise("softmax_stats"):
         "50 scores, one block of 64": (scores, 64),
         "scores near 1000 (exp overflows without the max)": (scores + 1000, 16),
         "the maximum in the last block": (torch.cat([scores, torch.tensor([30.0])]), 16),
-        "masked scores (-inf) in the first block": (torch.cat([torch.full((20,), NEG_INF), scores]), 16),
+        "masked scores (-inf) in the first block": (
+            torch.cat([torch.full((20,), NEG_INF), scores]),
+            16,
+        ),
     }
     for case, (x, block_n) in cases.items():
         m, l = softmax_stats(x, block_n)
         check_close(m, x.max(), f"{case}: m")
         check_close(l, torch.exp(x - x.max()).sum(), f"{case}: l")
-        check_close(torch.exp(x - m) / l, torch.softmax(x, 0), f"{case}: exp(x - m) / l vs torch.softmax")
+        check_close(
+            torch.exp(x - m) / l, torch.softmax(x, 0), f"{case}: exp(x - m) / l vs torch.softmax"
+        )
     m, l = softmax_stats(torch.full((5,), NEG_INF), 2)
-    assert m == NEG_INF and l == 0, f"only -inf scores: expected m = -inf, l = 0, got m = {m}, l = {l}"
+    assert m == NEG_INF and l == 0, (
+        f"only -inf scores: expected m = -inf, l = 0, got m = {m}, l = {l}"
+    )
 print("softmax_stats: one pass gives torch.softmax")
 
 # %% [markdown]
@@ -157,7 +168,9 @@ def attend_blocks(
     l = torch.zeros(M)  # running sum of exp(score - m)
     acc = torch.zeros(M, D)  # running Σ exp(score - m) v
     # BEGIN SOLUTION
-    first_key = max(0, N - M - window + 1) if window else 0  # the first query's earliest visible key
+    first_key = (
+        max(0, N - M - window + 1) if window else 0
+    )  # the first query's earliest visible key
     for start in range(first_key // block_n * block_n, N, block_n):
         end = min(start + block_n, N)
         s = (q @ k[start:end].T) * scale  # (M, end - start)
@@ -195,7 +208,9 @@ def reference(q, k, v, causal=False, window=0):
     if not window:  # the same as notebook 01's attention_ref
         cu_q, cu_k = torch.tensor([0, M]), torch.tensor([0, N])
         out_ref = attention_ref(q[:, None], k[:, None], v[:, None], cu_q, cu_k, causal=causal)[:, 0]
-        check_close(out, out_ref, f"the reference's mask (M={M}, N={N}, causal={causal}) vs attention_ref")
+        check_close(
+            out, out_ref, f"the reference's mask (M={M}, N={N}, causal={causal}) vs attention_ref"
+        )
     return out, lse
 
 
@@ -218,7 +233,14 @@ with exercise("attend_blocks"):
         "M=16, N=50, blocks of 16": (16, 50, 16, False, 0, 1.0),
         "M=16, N=50, blocks of 1": (16, 50, 1, False, 0, 1.0),
         "M=16, N=50, one block of 64": (16, 50, 64, False, 0, 1.0),
-        "scores in the hundreds (q x 100): exp overflows without the max": (16, 50, 16, False, 0, 100.0),
+        "scores in the hundreds (q x 100): exp overflows without the max": (
+            16,
+            50,
+            16,
+            False,
+            0,
+            100.0,
+        ),
         "causal, M=N=37, blocks of 8": (37, 37, 8, True, 0, 1.0),
         "causal, a chunk of 16 after 34 cached keys": (16, 50, 16, True, 0, 1.0),
         "causal, M=10 > N=4: six rows see no key": (10, 4, 2, True, 0, 1.0),
@@ -236,7 +258,11 @@ with exercise("attend_blocks"):
         ref_out, ref_lse = reference(q, k, v, causal, window)
         k, v, skipped = hide_unseen_blocks(k, v, M, block_n, window) if window else (k, v, 0)
         out, lse = attend_blocks(q, k, v, block_n, causal, window)
-        read = f" (blocks 0..{skipped - 1} hold NaN: no query sees them, do not read them)" if skipped else ""
+        read = (
+            f" (blocks 0..{skipped - 1} hold NaN: no query sees them, do not read them)"
+            if skipped
+            else ""
+        )
         check_close(out, ref_out, f"{case}: out vs the reference{read}")
         check_close(lse, ref_lse, f"{case}: lse vs torch.logsumexp of the visible scores")
 print("attend_blocks: the reference, causal or not, windowed or not, one block of scores at a time")
@@ -263,7 +289,9 @@ def split_k(
     v: torch.Tensor,  # (N, D)
     num_splits: int,
     block_n: int,
-) -> tuple[torch.Tensor, torch.Tensor]:  # partial_out (num_splits, M, D), partial_lse (num_splits, M)
+) -> tuple[
+    torch.Tensor, torch.Tensor
+]:  # partial_out (num_splits, M, D), partial_lse (num_splits, M)
     """Each split's attention over its own chunk of the keys, and each row's log-sum-exp over that chunk."""
     N = k.shape[0]
     # BEGIN SOLUTION
@@ -287,12 +315,18 @@ with exercise("split_k"):
     )
     for s, (lo, hi) in enumerate([(0, 16), (16, 32), (32, 33), (33, 33)]):
         ref_out, ref_lse = reference(q, k[lo:hi], v[lo:hi])
-        check_close(partial_out[s], ref_out, f"N=33, 4 splits of 16: split {s} (keys {lo}:{hi}) output")
-        check_close(partial_lse[s], ref_lse, f"N=33, 4 splits of 16: split {s} (keys {lo}:{hi}) lse")
+        check_close(
+            partial_out[s], ref_out, f"N=33, 4 splits of 16: split {s} (keys {lo}:{hi}) output"
+        )
+        check_close(
+            partial_lse[s], ref_lse, f"N=33, 4 splits of 16: split {s} (keys {lo}:{hi}) lse"
+        )
     assert (partial_lse[3] == NEG_INF).all() and (partial_out[3] == 0).all(), (
         f"the empty split 3 should give zeros and lse -inf, got lse {partial_lse[3].tolist()}"
     )
-print("split_k: each split is the attention over its own keys; the empty one is zeros with lse -inf")
+print(
+    "split_k: each split is the attention over its own keys; the empty one is zeros with lse -inf"
+)
 
 # %% [markdown]
 # ## c · Combining the splits
@@ -321,7 +355,9 @@ def combine_splits(
     m_safe = m.masked_fill(m == NEG_INF, 0.0)  # every split empty
     weights = torch.exp(partial_lse - m_safe)  # (num_splits, M): 0 for an empty split
     total = weights.sum(dim=0)  # (M,)
-    out = (weights[:, :, None] * partial_out).sum(dim=0) / torch.where(total > 0, total, 1.0)[:, None]
+    out = (weights[:, :, None] * partial_out).sum(dim=0) / torch.where(total > 0, total, 1.0)[
+        :, None
+    ]
     return out, m_safe + torch.log(total)
     # END SOLUTION
 
@@ -342,8 +378,12 @@ with exercise("combine_splits"):
         ref_out, ref_lse = reference(q, k, v)
         check_close(out, ref_out, f"{case}: combined output vs attention_ref")
         check_close(lse, ref_lse, f"{case}: combined lse vs torch.logsumexp")
-    q, k, v = random_qkv(4, 200, scale=100.0)  # scores in the hundreds: exp(lse) alone would overflow
-    check_close(combine_splits(*split_k(q, k, v, 3, 16))[0], reference(q, k, v)[0], "large scores, 3 splits")
+    q, k, v = random_qkv(
+        4, 200, scale=100.0
+    )  # scores in the hundreds: exp(lse) alone would overflow
+    check_close(
+        combine_splits(*split_k(q, k, v, 3, 16))[0], reference(q, k, v)[0], "large scores, 3 splits"
+    )
 print("combine_splits: split-K gives the unsplit attention, empty splits included")
 
 # %% [markdown]
@@ -358,10 +398,15 @@ print("combine_splits: split-K gives the unsplit attention, empty splits include
 q, k, v = random_qkv(4, 300, seed=1)
 partial_out, partial_lse = split_k(q, k, v, num_splits=6, block_n=16)
 order = torch.randperm(6, generator=torch.Generator().manual_seed(0))
-left, right = combine_splits(partial_out[:2], partial_lse[:2]), combine_splits(partial_out[2:], partial_lse[2:])
+left, right = (
+    combine_splits(partial_out[:2], partial_lse[:2]),
+    combine_splits(partial_out[2:], partial_lse[2:]),
+)
 for name, (out, lse) in {
     "shuffled": combine_splits(partial_out[order], partial_lse[order]),
-    "in two groups": combine_splits(torch.stack([left[0], right[0]]), torch.stack([left[1], right[1]])),
+    "in two groups": combine_splits(
+        torch.stack([left[0], right[0]]), torch.stack([left[1], right[1]])
+    ),
 }.items():
     check_close(out, reference(q, k, v)[0], f"combined {name}")
     check_close(lse, reference(q, k, v)[1], f"combined {name}: lse")

@@ -46,7 +46,9 @@ from minivllm.testing import exercise
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 torch.manual_seed(0)
-print(f"device: {DEVICE}, triton {triton.__version__}, interpreter: {os.environ.get('TRITON_INTERPRET') == '1'}")
+print(
+    f"device: {DEVICE}, triton {triton.__version__}, interpreter: {os.environ.get('TRITON_INTERPRET') == '1'}"
+)
 
 
 def launch(kernel, grid: tuple[int, ...], *args, **meta) -> None:
@@ -62,7 +64,9 @@ def launch(kernel, grid: tuple[int, ...], *args, **meta) -> None:
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, **tolerance) -> None:
     """torch.testing.assert_close, with the case that failed in front of its message."""
-    torch.testing.assert_close(actual, expected, **tolerance, msg=lambda message: f"{what}: {message}")
+    torch.testing.assert_close(
+        actual, expected, **tolerance, msg=lambda message: f"{what}: {message}"
+    )
 
 
 # %% [markdown]
@@ -111,7 +115,15 @@ def scale_rows(x: torch.Tensor, s: torch.Tensor, out: torch.Tensor | None = None
     y = torch.empty(n_rows, n_cols, dtype=x.dtype, device=x.device) if out is None else out
     assert y.shape == x.shape and y.stride(1) == 1
     launch(
-        scale_rows_kernel, (n_rows,), x, s, y, x.stride(0), y.stride(0), n_cols, BLOCK=triton.next_power_of_2(n_cols)
+        scale_rows_kernel,
+        (n_rows,),
+        x,
+        s,
+        y,
+        x.stride(0),
+        y.stride(0),
+        n_cols,
+        BLOCK=triton.next_power_of_2(n_cols),
     )
     return y
 
@@ -127,7 +139,9 @@ with exercise("scale_rows_kernel"):
     x = torch.arange(15, dtype=torch.float32, device=DEVICE).reshape(3, 5)
     s = torch.tensor([1.0, -2.0, 0.5], device=DEVICE)
     got = scale_rows(x, s)
-    expected = torch.tensor([[0, 1, 2, 3, 4], [-10, -12, -14, -16, -18], [5, 5.5, 6, 6.5, 7]], device=DEVICE)
+    expected = torch.tensor(
+        [[0, 1, 2, 3, 4], [-10, -12, -14, -16, -18], [5, 5.5, 6, 6.5, 7]], device=DEVICE
+    )
     assert torch.equal(got, expected), f"3 x 5 by hand: expected\n{expected}\ngot\n{got}"
 
     big = torch.randn(6, 200, device=DEVICE)
@@ -136,7 +150,9 @@ with exercise("scale_rows_kernel"):
     buffer = torch.full((6, 128), float("nan"), device=DEVICE)
     got = scale_rows(x, s, out=buffer[:, :100])
     assert_close(got, x * s[:, None], "strided input (row stride 200, 100 columns)")
-    assert buffer[:, 100:].isnan().all(), "a store wrote past the end of a row: mask the store with `cols < n_cols`"
+    assert buffer[:, 100:].isnan().all(), (
+        "a store wrote past the end of a row: mask the store with `cols < n_cols`"
+    )
 print("scale_rows_kernel: correct")
 
 # %% [markdown]
@@ -209,8 +225,14 @@ def fused_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(x + residual) * weight, x + residual), like RMSNorm(x, residual), in one kernel."""
     n_rows, n_cols = x.shape
-    assert residual.shape == x.shape and weight.shape == (n_cols,), (x.shape, residual.shape, weight.shape)
-    assert x.stride(1) == 1 and residual.stride(1) == 1 and weight.stride(0) == 1, "rows must be contiguous"
+    assert residual.shape == x.shape and weight.shape == (n_cols,), (
+        x.shape,
+        residual.shape,
+        weight.shape,
+    )
+    assert x.stride(1) == 1 and residual.stride(1) == 1 and weight.stride(0) == 1, (
+        "rows must be contiguous"
+    )
     out = torch.empty(n_rows, n_cols, dtype=x.dtype, device=x.device)
     new_residual = torch.empty_like(out)
     launch(
@@ -254,9 +276,15 @@ with exercise("fused_add_rms_norm_kernel"):
     assert_close(out, expected, "[3, 4, 0, 0] / rms 2.5 * weight [1, 2, 3, 4]")
 
     cases = [(1, 1024), (7, 1024), (5, 96), (3, 1000), (4, 4096)]
-    tolerance = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
+    tolerance = {
+        torch.float32: dict(rtol=1e-5, atol=1e-5),
+        torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2),
+    }
     for dtype in (torch.float32, torch.bfloat16):
-        for (rows, hidden), strided in [(case, False) for case in cases] + [((6, 96), True), ((3, 1000), True)]:
+        for (rows, hidden), strided in [(case, False) for case in cases] + [
+            ((6, 96), True),
+            ((3, 1000), True),
+        ]:
             norm = RMSNorm(hidden, eps=1e-6).to(DEVICE, dtype)
             with torch.no_grad():
                 norm.weight.normal_()
@@ -268,10 +296,16 @@ with exercise("fused_add_rms_norm_kernel"):
                 expected_out, expected_residual = norm(x, residual)
             out, new_residual = fused_add_rms_norm(x, residual, norm.weight.detach(), eps=norm.eps)
             case = f"{rows} x {hidden}, {dtype}{', x strided' if strided else ''}"
-            assert out.dtype == new_residual.dtype == dtype, f"{case}: outputs are {out.dtype}, {new_residual.dtype}"
-            assert_close(new_residual, expected_residual, f"{case}, new residual", **tolerance[dtype])
+            assert out.dtype == new_residual.dtype == dtype, (
+                f"{case}: outputs are {out.dtype}, {new_residual.dtype}"
+            )
+            assert_close(
+                new_residual, expected_residual, f"{case}, new residual", **tolerance[dtype]
+            )
             assert_close(out, expected_out, f"{case}, output", **tolerance[dtype])
-print("fused_add_rms_norm_kernel matches RMSNorm(x, residual): float32 and bfloat16, 96 to 4,096 wide, strided")
+print(
+    "fused_add_rms_norm_kernel matches RMSNorm(x, residual): float32 and bfloat16, 96 to 4,096 wide, strided"
+)
 
 # %% [markdown]
 # ## What's next

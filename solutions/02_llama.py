@@ -77,7 +77,12 @@ from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from minivllm.layers.layernorm import RMSNorm
 from minivllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from minivllm.layers.rotary_embedding import RotaryEmbedding, get_rope, llama3_inv_freq, rope_parameters
+from minivllm.layers.rotary_embedding import (
+    RotaryEmbedding,
+    get_rope,
+    llama3_inv_freq,
+    rope_parameters,
+)
 from minivllm.models.loader import MODELS, check_checkpoint, load_tensor, tensor_shapes
 from minivllm.models.qwen3 import Qwen3ForCausalLM, head_dim_of
 from minivllm.testing import exercise, prompt_logits
@@ -171,7 +176,9 @@ config = LlamaConfig(**TINY_LLAMA)
 print(rope_parameters(config))
 ours_rope = get_rope(config, head_dim_of(config))
 positions = torch.arange(config.max_position_embeddings)
-cos, sin = LlamaRotaryEmbedding(config)(torch.zeros(1), positions[None])  # (1, positions, head_dim), halves repeated
+cos, sin = LlamaRotaryEmbedding(config)(
+    torch.zeros(1), positions[None]
+)  # (1, positions, head_dim), halves repeated
 half = head_dim_of(config) // 2
 assert torch.equal(ours_rope.cos, cos[0, :, :half]), "llama3 RoPE: cos differs from transformers'"
 assert torch.equal(ours_rope.sin, sin[0, :, :half]), "llama3 RoPE: sin differs from transformers'"
@@ -215,7 +222,9 @@ fig.tight_layout()
 # %%
 PROMPT = torch.randint(TINY_LLAMA["vocab_size"], (17,), generator=torch.Generator().manual_seed(1))
 positions = torch.arange(len(PROMPT))  # (num_tokens,)
-context = PrefillContext.from_lens([len(PROMPT)], "cpu")  # one prompt, causal, no KV cache (notebook 02)
+context = PrefillContext.from_lens(
+    [len(PROMPT)], "cpu"
+)  # one prompt, causal, no KV cache (notebook 02)
 
 
 def trace_transformers(hf_model: HFLlamaForCausalLM, token_ids: torch.Tensor) -> dict[str, tuple]:
@@ -232,7 +241,11 @@ def trace_transformers(hf_model: HFLlamaForCausalLM, token_ids: torch.Tensor) ->
 
         return hook
 
-    modules = [(n, m) for n, m in hf_model.model.named_modules() if re.fullmatch(r"layers\.\d+(\.self_attn)?", n)]
+    modules = [
+        (n, m)
+        for n, m in hf_model.model.named_modules()
+        if re.fullmatch(r"layers\.\d+(\.self_attn)?", n)
+    ]
     handles = [m.register_forward_hook(record(n), with_kwargs=True) for n, m in modules]
     with torch.no_grad():
         trace["model"] = (token_ids, hf_model.model(token_ids[None]).last_hidden_state[0])
@@ -250,18 +263,24 @@ def copy_weights(ours: nn.Module, theirs: nn.Module) -> None:
         *path, module, kind = name.split(".")  # e.g. layers.0.self_attn, q_proj, weight
         target, shard_id = packed.get(module, (module, None))
         ours_name = ".".join([*path, target, kind])
-        assert ours_name in params, f"transformers' {name} has no place in your module: it has no {ours_name}"
+        assert ours_name in params, (
+            f"transformers' {name} has no place in your module: it has no {ours_name}"
+        )
         try:
             load_tensor(params[ours_name], tensor.detach(), shard_id)
         except ValueError as e:
-            raise AssertionError(f"loading transformers' {name} into your {ours_name}: {e}") from None
+            raise AssertionError(
+                f"loading transformers' {name} into your {ours_name}: {e}"
+            ) from None
         loaded.add(ours_name)
     extra = sorted(params.keys() - loaded)
     assert not extra, f"your module has parameters that transformers' has not: {extra}"
 
 
 def check_close(got: torch.Tensor, expected: torch.Tensor, case: str) -> None:
-    assert got.shape == expected.shape, f"{case}: shape {tuple(got.shape)}, expected {tuple(expected.shape)}"
+    assert got.shape == expected.shape, (
+        f"{case}: shape {tuple(got.shape)}, expected {tuple(expected.shape)}"
+    )
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4, msg=lambda m: f"{case}: {m}")
 
 
@@ -279,11 +298,15 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
         if config.hidden_act != "silu":
-            raise ValueError(f"hidden_act={config.hidden_act!r} is not supported (supported: 'silu')")
+            raise ValueError(
+                f"hidden_act={config.hidden_act!r} is not supported (supported: 'silu')"
+            )
         self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size, [config.intermediate_size] * 2, bias=config.mlp_bias
         )
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.down_proj = RowParallelLinear(
+            config.intermediate_size, config.hidden_size, bias=config.mlp_bias
+        )
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (num_tokens, hidden_size)
@@ -314,7 +337,10 @@ class LlamaAttention(nn.Module):
             config.num_key_value_heads,
             bias=config.attention_bias,
         )
-        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
+        self.num_heads, self.num_kv_heads = (
+            self.qkv_proj.num_heads,
+            self.qkv_proj.num_kv_heads,
+        )  # this rank's
         self.head_dim = head_dim
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * head_dim, config.hidden_size, bias=config.attention_bias
@@ -323,7 +349,9 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = rotary_emb  # shared by all layers: one cos/sin table
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, layer_idx)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, context: AttentionContext) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, context: AttentionContext
+    ) -> torch.Tensor:
         # positions: (num_tokens,); x: (num_tokens, hidden_size)
         # BEGIN SOLUTION
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -346,16 +374,22 @@ with exercise("LlamaAttention"):
     rotary_emb = get_rope(config, head_dim_of(config))
     attn = LlamaAttention(config, rotary_emb, layer_idx=0)
     heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
-    assert heads == (4, 2, 32), f"(num_heads, num_kv_heads, head_dim) = {heads}, expected (4, 2, 32)"
+    assert heads == (4, 2, 32), (
+        f"(num_heads, num_kv_heads, head_dim) = {heads}, expected (4, 2, 32)"
+    )
     norms = [name for name, _ in attn.named_parameters() if "norm" in name]
     assert not norms, f"Llama has no q/k norm, but your attention has {norms}"
     copy_weights(attn, hf_llama.model.layers[0].self_attn)
     x, expected = hf_trace["layers.0.self_attn"]
     with torch.no_grad():
         check_close(attn(positions, x, context), expected, "layer 0 attention on a 17-token prompt")
-    biased = LlamaAttention(LlamaConfig(**(TINY_LLAMA | {"attention_bias": True})), rotary_emb, layer_idx=0)
+    biased = LlamaAttention(
+        LlamaConfig(**(TINY_LLAMA | {"attention_bias": True})), rotary_emb, layer_idx=0
+    )
     no_bias = [name for name in ("qkv_proj", "o_proj") if getattr(biased, name).bias is None]
-    assert not no_bias, f"attention_bias=True, but {no_bias} have no bias: pass bias=config.attention_bias"
+    assert not no_bias, (
+        f"attention_bias=True, but {no_bias} have no bias: pass bias=config.attention_bias"
+    )
 print("LlamaAttention: the same output as transformers' layer 0 attention")
 
 # %% [markdown]
@@ -382,7 +416,11 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, context: AttentionContext
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        context: AttentionContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # x, residual: (num_tokens, hidden_size)
         # BEGIN SOLUTION
         if residual is None:  # the first layer: the residual stream is the embedding
@@ -409,7 +447,11 @@ with exercise("LlamaDecoderLayer"):
         with torch.no_grad():
             x, residual = layer(positions, x, residual, context)
         case = f"layer {i} ({'residual=None' if i == 0 else 'residual from layer 0'})"
-        check_close(residual, layer_in + hf_trace[f"layers.{i}.self_attn"][1], f"{case}: residual, h = x + attn")
+        check_close(
+            residual,
+            layer_in + hf_trace[f"layers.{i}.self_attn"][1],
+            f"{case}: residual, h = x + attn",
+        )
         check_close(x + residual, layer_out, f"{case}: x + residual, the layer's output")
 print("LlamaDecoderLayer: layers 0 and 1 give transformers' hidden states")
 
@@ -426,12 +468,18 @@ class LlamaModel(nn.Module):
         super().__init__()
         # BEGIN SOLUTION
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        rotary_emb = get_rope(config, head_dim_of(config))  # one cos/sin table, shared by every layer
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary_emb, i) for i in range(config.num_hidden_layers))
+        rotary_emb = get_rope(
+            config, head_dim_of(config)
+        )  # one cos/sin table, shared by every layer
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, rotary_emb, i) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # END SOLUTION
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: AttentionContext) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, context: AttentionContext
+    ) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None  # (num_tokens, hidden_size)
         for layer in self.layers:
             x, residual = layer(positions, x, residual, context)
@@ -443,12 +491,20 @@ class LlamaModel(nn.Module):
 with exercise("LlamaModel"):
     llama_model = LlamaModel(config)
     n_layers = len(getattr(llama_model, "layers", []))
-    assert n_layers == config.num_hidden_layers, f"{n_layers} layers, expected {config.num_hidden_layers}"
+    assert n_layers == config.num_hidden_layers, (
+        f"{n_layers} layers, expected {config.num_hidden_layers}"
+    )
     tables = {id(layer.self_attn.rotary_emb) for layer in llama_model.layers}
-    assert len(tables) == 1, f"{len(tables)} RoPE tables: build one with get_rope and give it to every layer"
+    assert len(tables) == 1, (
+        f"{len(tables)} RoPE tables: build one with get_rope and give it to every layer"
+    )
     copy_weights(llama_model, hf_llama.model)
     with torch.no_grad():
-        check_close(llama_model(PROMPT, positions, context), hf_trace["model"][1], "final hidden states, 17 tokens")
+        check_close(
+            llama_model(PROMPT, positions, context),
+            hf_trace["model"][1],
+            "final hidden states, 17 tokens",
+        )
 print("LlamaModel: the same final hidden states as transformers' LlamaModel")
 
 # %% [markdown]
@@ -523,10 +579,14 @@ print(f"every checkpoint tensor has its place; {n_ours:,} parameters, as in tran
 
 
 # %%
-def check_against_transformers(path: Path, hf_model: HFLlamaForCausalLM, lengths=(1, 17, 300)) -> float:
+def check_against_transformers(
+    path: Path, hf_model: HFLlamaForCausalLM, lengths=(1, 17, 300)
+) -> float:
     """Load `path` with minivllm, compare prompt logits with transformers'; return the worst |difference|."""
     model = load_model(path, dtype=torch.float32)
-    assert isinstance(model, LlamaForCausalLM), f"load_model built a {type(model).__name__}, not LlamaForCausalLM"
+    assert isinstance(model, LlamaForCausalLM), (
+        f"load_model built a {type(model).__name__}, not LlamaForCausalLM"
+    )
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     assert tied == hf_model.config.tie_word_embeddings, (
         f"lm_head tied: {tied}, but tie_word_embeddings={hf_model.config.tie_word_embeddings}"
@@ -541,8 +601,12 @@ def check_against_transformers(path: Path, hf_model: HFLlamaForCausalLM, lengths
         error = (ours - ref).abs().max().item()
         worst = max(worst, error)
         differ = (ours.argmax(-1) != ref.argmax(-1)).nonzero().flatten().tolist()
-        assert not differ, f"{path.name}, {n} tokens: the top token differs at positions {differ[:10]}"
-        print(f"  {n:4} tokens: max |logit difference| {error:.1e}, argmax identical at every position")
+        assert not differ, (
+            f"{path.name}, {n} tokens: the top token differs at positions {differ[:10]}"
+        )
+        print(
+            f"  {n:4} tokens: max |logit difference| {error:.1e}, argmax identical at every position"
+        )
     assert worst < 1e-4, f"{path.name}: max |logit difference| {worst:.1e}, expected < 1e-4"
     return worst
 
@@ -550,7 +614,9 @@ def check_against_transformers(path: Path, hf_model: HFLlamaForCausalLM, lengths
 variants = {
     "Llama-3.2 shape, tied head": (llama_path, hf_llama),
     "untied head": write_llama("llama-untied", seed=1, tie_word_embeddings=False),
-    "attention_bias and mlp_bias": write_llama("llama-bias", seed=2, attention_bias=True, mlp_bias=True),
+    "attention_bias and mlp_bias": write_llama(
+        "llama-bias", seed=2, attention_bias=True, mlp_bias=True
+    ),
 }
 with safe_open(variants["untied head"][0] / "model.safetensors", "pt") as f:
     assert "lm_head.weight" in f.keys(), "the untied checkpoint should hold lm_head.weight"
@@ -584,15 +650,23 @@ except ValueError as e:
 else:
     raise AssertionError("Qwen3's class accepted a Llama checkpoint")
 n_qwen3 = sum(p.numel() for p in meta_qwen3.parameters())
-assert n_qwen3 - n_ours == 2 * config.head_dim * config.num_hidden_layers, (  # q_norm + k_norm in every layer
+assert (
+    n_qwen3 - n_ours == 2 * config.head_dim * config.num_hidden_layers
+), (  # q_norm + k_norm in every layer
     f"Qwen3 has {n_qwen3 - n_ours} parameters more, expected {2 * config.head_dim * config.num_hidden_layers}"
 )
 
 slowdown = wavelength_llama3 / wavelength  # per frequency pair
-assert torch.allclose(slowdown[wavelength < 2048], torch.tensor(1.0)), f"short wavelengths changed: {slowdown}"
-assert torch.allclose(slowdown[wavelength > 8192], torch.tensor(32.0)), f"long wavelengths not 32x: {slowdown}"
+assert torch.allclose(slowdown[wavelength < 2048], torch.tensor(1.0)), (
+    f"short wavelengths changed: {slowdown}"
+)
+assert torch.allclose(slowdown[wavelength > 8192], torch.tensor(32.0)), (
+    f"long wavelengths not 32x: {slowdown}"
+)
 blended = ((slowdown > 1) & (slowdown < 32)).sum().item()
-assert blended == 1, f"{blended} pairs between 1x and 32x, expected 1"  # the one pair in between is blended
+assert blended == 1, (
+    f"{blended} pairs between 1x and 32x, expected 1"
+)  # the one pair in between is blended
 print(
     "unchanged pairs:",
     (slowdown == 1).nonzero().flatten().tolist(),
@@ -600,7 +674,9 @@ print(
     (slowdown > 31.99).nonzero().flatten().tolist(),
 )
 
-plain = LlamaConfig(**(TINY_LLAMA | {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}))
+plain = LlamaConfig(
+    **(TINY_LLAMA | {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}})
+)
 hf_plain = HFLlamaForCausalLM(plain).eval()
 hf_plain.load_state_dict(hf_llama.state_dict())  # the same weights, plain RoPE
 token_ids = torch.randint(config.vocab_size, (1, 300), generator=torch.Generator().manual_seed(1))

@@ -35,7 +35,9 @@ import os
 import torch
 
 if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit runs: the kernel at the end
+    os.environ.setdefault(
+        "TRITON_INTERPRET", "1"
+    )  # before any @triton.jit runs: the kernel at the end
 from minivllm.kernels.paged_attn import flash_attn_with_kvcache, store_kvcache
 from minivllm.kernels.reference import attention_ref
 from minivllm.testing import exercise, scatter_into_cache
@@ -49,11 +51,17 @@ def check_close(got: torch.Tensor, expected: torch.Tensor, case: str, tol: float
     torch.testing.assert_close(got, expected, rtol=tol, atol=tol, msg=lambda m: f"{case}: {m}")
 
 
-def reference(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], scale: float) -> torch.Tensor:
+def reference(
+    q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], scale: float
+) -> torch.Tensor:
     """Row i's query (num_heads, head_dim) over its keys ks[i], vs[i] (n_i, num_kv_heads, head_dim): notebook 01."""
     cu_q = torch.arange(len(ks) + 1, dtype=torch.int32)
-    cu_k = torch.tensor([0, *torch.tensor([len(k) for k in ks]).cumsum(0).tolist()], dtype=torch.int32)
-    return attention_ref(q, torch.cat(ks), torch.cat(vs), cu_q, cu_k, scale)  # (rows, num_heads, head_dim)
+    cu_k = torch.tensor(
+        [0, *torch.tensor([len(k) for k in ks]).cumsum(0).tolist()], dtype=torch.int32
+    )
+    return attention_ref(
+        q, torch.cat(ks), torch.cat(vs), cu_q, cu_k, scale
+    )  # (rows, num_heads, head_dim)
 
 
 # %% [markdown]
@@ -73,11 +81,23 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     rows, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
-    qs = q.view(rows, num_kv_heads, group, head_dim).permute(1, 0, 2, 3).reshape(num_kv_heads, rows * group, -1)
-    scores = qs @ k.permute(1, 2, 0) * scale  # (num_kv_heads, rows * group, num_prefix): one product per KV head
+    qs = (
+        q.view(rows, num_kv_heads, group, head_dim)
+        .permute(1, 0, 2, 3)
+        .reshape(num_kv_heads, rows * group, -1)
+    )
+    scores = (
+        qs @ k.permute(1, 2, 0) * scale
+    )  # (num_kv_heads, rows * group, num_prefix): one product per KV head
     lse = torch.logsumexp(scores, dim=-1)  # (num_kv_heads, rows * group)
-    out = torch.softmax(scores, dim=-1) @ v.permute(1, 0, 2)  # (num_kv_heads, rows * group, head_dim)
-    out = out.view(num_kv_heads, rows, group, head_dim).permute(1, 0, 2, 3).reshape(rows, num_heads, head_dim)
+    out = torch.softmax(scores, dim=-1) @ v.permute(
+        1, 0, 2
+    )  # (num_kv_heads, rows * group, head_dim)
+    out = (
+        out.view(num_kv_heads, rows, group, head_dim)
+        .permute(1, 0, 2, 3)
+        .reshape(rows, num_heads, head_dim)
+    )
     return out, lse.view(num_kv_heads, rows, group).permute(1, 0, 2).reshape(rows, num_heads)
     # END SOLUTION
 
@@ -91,9 +111,13 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 with exercise("prefix_attention"):
     q, k, v = torch.randn(5, 8, 32), torch.randn(40, 2, 32), torch.randn(40, 2, 32)
     out, lse = prefix_attention(q, k, v, 32**-0.5)
-    assert out.shape == (5, 8, 32) and lse.shape == (5, 8), f"shapes {tuple(out.shape)}, {tuple(lse.shape)}"
+    assert out.shape == (5, 8, 32) and lse.shape == (5, 8), (
+        f"shapes {tuple(out.shape)}, {tuple(lse.shape)}"
+    )
     expected = reference(q, [k] * 5, [v] * 5, 32**-0.5)
-    for head in range(8):  # one query head at a time: a wrong GQA mapping shows as the first wrong head
+    for head in range(
+        8
+    ):  # one query head at a time: a wrong GQA mapping shows as the first wrong head
         case = f"5 rows over 40 shared keys, query head {head} (KV head {head // 4}): out differs from the reference"
         check_close(out[:, head], expected[:, head], case)
     heads = torch.arange(8) // 4  # each query head's KV head
@@ -131,14 +155,21 @@ with exercise("merge"):
     q, k, v = torch.randn(3, 4, 16), torch.randn(20, 2, 16), torch.randn(20, 2, 16)
     whole, whole_lse = prefix_attention(q, k, v, 0.25)
     for cut in range(1, 20):
-        out, lse = merge(*prefix_attention(q, k[:cut], v[:cut], 0.25), *prefix_attention(q, k[cut:], v[cut:], 0.25))
+        out, lse = merge(
+            *prefix_attention(q, k[:cut], v[:cut], 0.25),
+            *prefix_attention(q, k[cut:], v[cut:], 0.25),
+        )
         check_close(out, whole, f"keys cut at {cut}: out")
         check_close(lse, whole_lse, f"keys cut at {cut}: lse")
     empty = torch.full_like(whole_lse, float("-inf"))
     out, lse = merge(whole, whole_lse, torch.zeros_like(whole), empty)
-    check_close(out, whole, "merge with an empty second part (lse -inf) must change nothing", tol=1e-6)
+    check_close(
+        out, whole, "merge with an empty second part (lse -inf) must change nothing", tol=1e-6
+    )
     out, lse = merge(torch.zeros_like(whole), empty, torch.zeros_like(whole), empty)
-    assert not out.isnan().any() and (lse == float("-inf")).all(), "two empty parts: zeros and -inf, not NaN"
+    assert not out.isnan().any() and (lse == float("-inf")).all(), (
+        "two empty parts: zeros and -inf, not NaN"
+    )
 print("merge: correct")
 
 # %% [markdown]
@@ -154,7 +185,9 @@ def cascade_decode(q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tens
     """(rows, num_heads, head_dim): each row's query over the shared prefix, then its own keys."""
     # BEGIN SOLUTION
     shared, shared_lse = prefix_attention(q, prefix_k, prefix_v, scale)
-    own = [prefix_attention(q[i : i + 1], k, v, scale) for i, (k, v) in enumerate(zip(own_k, own_v))]
+    own = [
+        prefix_attention(q[i : i + 1], k, v, scale) for i, (k, v) in enumerate(zip(own_k, own_v))
+    ]
     own_out, own_lse = torch.cat([o for o, _ in own]), torch.cat([lse for _, lse in own])
     return merge(shared, shared_lse, own_out, own_lse)[0]
     # END SOLUTION
@@ -173,7 +206,10 @@ with exercise("cascade_decode"):
     q = torch.randn(6, 4, 32)
     got = cascade_decode(q, prefix_k, prefix_v, own_k, own_v, 32**-0.5)
     expected = reference(
-        q, [torch.cat([prefix_k, k]) for k in own_k], [torch.cat([prefix_v, v]) for v in own_v], 32**-0.5
+        q,
+        [torch.cat([prefix_k, k]) for k in own_k],
+        [torch.cat([prefix_v, v]) for v in own_v],
+        32**-0.5,
     )
     for row, n in enumerate(len(k) for k in own_k):
         check_close(got[row], expected[row], f"row {row} (48 prefix keys, {n} of its own)")
@@ -193,7 +229,13 @@ block_table[:, :3] = block_table[0, :3]  # every row begins with row 0's 3 block
 for i, (k, v) in enumerate(zip(own_k, own_v)):  # row i's keys, the prefix first, into its slots
     positions = torch.arange(lens[i], device=DEVICE)
     slots = block_table[i, positions // 16].long() * 16 + positions % 16
-    store_kvcache(torch.cat([prefix_k, k]).to(DEVICE), torch.cat([prefix_v, v]).to(DEVICE), k_cache, v_cache, slots)
+    store_kvcache(
+        torch.cat([prefix_k, k]).to(DEVICE),
+        torch.cat([prefix_v, v]).to(DEVICE),
+        k_cache,
+        v_cache,
+        slots,
+    )
 kernel = flash_attn_with_kvcache(
     q[:, None].to(DEVICE),
     k_cache,
@@ -204,5 +246,7 @@ kernel = flash_attn_with_kvcache(
     prefix_blocks=block_table[0, :3],
     prefix_lens=torch.full((6,), 48, dtype=torch.int32, device=DEVICE),
 )
-print(f"the kernel vs your cascade_decode: max difference {(kernel[:, 0].cpu() - got).abs().max():.1e}")
+print(
+    f"the kernel vs your cascade_decode: max difference {(kernel[:, 0].cpu() - got).abs().max():.1e}"
+)
 check_close(kernel[:, 0].cpu(), got, "the kernel vs your cascade_decode")

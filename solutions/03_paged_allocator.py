@@ -82,7 +82,9 @@ class SimpleBlockManager:
 
     def __init__(self, num_blocks: int, block_size: int):
         if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
+            raise ValueError(
+                f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}"
+            )
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.free_block_ids: deque[int] = deque(range(num_blocks))
@@ -113,7 +115,9 @@ class SimpleBlockManager:
         """Give a waiting sequence (empty block table) one block per `seq.num_blocks`."""
         # BEGIN SOLUTION
         assert not seq.block_table, f"sequence {seq.seq_id} already holds blocks"
-        assert seq.block_size == self.block_size, f"sequence block_size {seq.block_size} != {self.block_size}"
+        assert seq.block_size == self.block_size, (
+            f"sequence block_size {seq.block_size} != {self.block_size}"
+        )
         assert self.can_allocate(seq), "allocate() without room: ask can_allocate() first"
         seq.block_table.extend(self._take_block() for _ in range(seq.num_blocks))
         # END SOLUTION
@@ -143,27 +147,51 @@ with exercise("SimpleBlockManager"):
     assert bm.num_free_blocks == 4, f"a new manager of 4 blocks has {bm.num_free_blocks} free"
 
     one_block = Sequence([1, 2, 3, 4], block_size=4)
-    assert bm.can_allocate(one_block), "4 free blocks, and a 4-token prompt needs 1: can_allocate said no"
+    assert bm.can_allocate(one_block), (
+        "4 free blocks, and a 4-token prompt needs 1: can_allocate said no"
+    )
     bm.allocate(one_block)
-    assert len(one_block.block_table) == 1, f"a 4-token prompt got {len(one_block.block_table)} blocks, expected 1"
+    assert len(one_block.block_table) == 1, (
+        f"a 4-token prompt got {len(one_block.block_table)} blocks, expected 1"
+    )
     assert bm.num_free_blocks == 3, f"{bm.num_free_blocks} free after taking 1 of 4, expected 3"
 
     one_past = Sequence([1, 2, 3, 4, 5], block_size=4)
     bm.allocate(one_past)
-    assert len(one_past.block_table) == 2, f"a 5-token prompt got {len(one_past.block_table)} blocks, expected 2"
+    assert len(one_past.block_table) == 2, (
+        f"a 5-token prompt got {len(one_past.block_table)} blocks, expected 2"
+    )
     assert bm.num_free_blocks == 1, f"{bm.num_free_blocks} free after taking 3 of 4, expected 1"
     shared = set(one_block.block_table) & set(one_past.block_table)
     assert not shared, f"two sequences share block(s) {shared}"
-    assert not bm.can_allocate(Sequence(list(range(9)), block_size=4)), "9 tokens need 3 blocks; 1 is free"
-    print("after two prompts:", one_block.block_table, one_past.block_table, "free:", bm.num_free_blocks)
+    assert not bm.can_allocate(Sequence(list(range(9)), block_size=4)), (
+        "9 tokens need 3 blocks; 1 is free"
+    )
+    print(
+        "after two prompts:",
+        one_block.block_table,
+        one_past.block_table,
+        "free:",
+        bm.num_free_blocks,
+    )
 
     bm.deallocate(one_past)
-    assert one_past.block_table == [], f"a freed sequence's table should be empty, is {one_past.block_table}"
-    assert bm.num_free_blocks == 3, f"{bm.num_free_blocks} free after freeing 2 blocks of 3 used, expected 3"
+    assert one_past.block_table == [], (
+        f"a freed sequence's table should be empty, is {one_past.block_table}"
+    )
+    assert bm.num_free_blocks == 3, (
+        f"{bm.num_free_blocks} free after freeing 2 blocks of 3 used, expected 3"
+    )
     bm.deallocate(one_block)
-    assert bm.num_free_blocks == 4, f"{bm.num_free_blocks} free after freeing everything, expected 4"
-    assert bm.can_allocate(Sequence(list(range(16)), block_size=4)), "16 tokens fit in 4 free blocks of 4"
-    assert not bm.can_allocate(Sequence(list(range(17)), block_size=4)), "17 tokens need 5 blocks of 4; 4 exist"
+    assert bm.num_free_blocks == 4, (
+        f"{bm.num_free_blocks} free after freeing everything, expected 4"
+    )
+    assert bm.can_allocate(Sequence(list(range(16)), block_size=4)), (
+        "16 tokens fit in 4 free blocks of 4"
+    )
+    assert not bm.can_allocate(Sequence(list(range(17)), block_size=4)), (
+        "17 tokens need 5 blocks of 4; 4 exist"
+    )
 print("allocate and deallocate: blocks taken and given back as expected")
 
 # %% [markdown]
@@ -189,7 +217,9 @@ print("allocate and deallocate: blocks taken and given back as expected")
 def fork(self: SimpleBlockManager, parent: Sequence, child: Sequence) -> None:
     """child (a new sequence with parent's tokens) shares all of parent's blocks."""
     # BEGIN SOLUTION
-    assert not child.block_table and child.token_ids == parent.token_ids, "fork into a new copy of the parent"
+    assert not child.block_table and child.token_ids == parent.token_ids, (
+        "fork into a new copy of the parent"
+    )
     child.block_table = list(parent.block_table)
     for block_id in parent.block_table:
         self.ref_counts[block_id] += 1
@@ -209,7 +239,9 @@ def may_append(self: SimpleBlockManager, seq: Sequence) -> list[tuple[int, int]]
     """After append_token: a new block when the token starts one; a private copy of a shared last block. Returns the
     (source, destination) block copies to make before the step writes the token."""
     # BEGIN SOLUTION
-    assert seq.block_table and seq.num_blocks - len(seq.block_table) in (0, 1), "call after each append_token"
+    assert seq.block_table and seq.num_blocks - len(seq.block_table) in (0, 1), (
+        "call after each append_token"
+    )
     if len(seq.block_table) < seq.num_blocks:
         seq.block_table.append(self._take_block())
         return []
@@ -248,27 +280,37 @@ with exercise("can_append / may_append"):
         seq.append_token(token)
         fits = bm.can_append(seq)
         expected = token != 9  # token 9 starts block 3, and no block is free
-        assert fits == expected, f"token {token} of blocks of 4, {bm.num_free_blocks} free: can_append said {fits}"
+        assert fits == expected, (
+            f"token {token} of blocks of 4, {bm.num_free_blocks} free: can_append said {fits}"
+        )
         if fits:
             bm.may_append(seq)
         blocks = len(seq.block_table)
         assert blocks == 2, f"after token {token} the sequence holds {blocks} blocks, expected 2"
-        assert bm.num_free_blocks == 0, f"after token {token}: {bm.num_free_blocks} free blocks, expected 0"
+        assert bm.num_free_blocks == 0, (
+            f"after token {token}: {bm.num_free_blocks} free blocks, expected 0"
+        )
         print(f"token {token}: block table {seq.block_table}, free {bm.num_free_blocks}")
 
     bm.deallocate(other)  # the scheduler preempts the other sequence: now the 9th token fits
     assert bm.can_append(seq), "one block is free and token 9 needs one: can_append said no"
     bm.may_append(seq)
-    assert len(seq.block_table) == 3, f"after token 9 the sequence holds {len(seq.block_table)} blocks, expected 3"
+    assert len(seq.block_table) == 3, (
+        f"after token 9 the sequence holds {len(seq.block_table)} blocks, expected 3"
+    )
 
     bm = SimpleBlockManager(num_blocks=3, block_size=1)
     seq = Sequence([1], block_size=1)
     bm.allocate(seq)
     for token in (2, 3):
         seq.append_token(token)
-        assert bm.can_append(seq), f"block_size=1, token {token}: a block is free, can_append said no"
+        assert bm.can_append(seq), (
+            f"block_size=1, token {token}: a block is free, can_append said no"
+        )
         bm.may_append(seq)
-        assert len(seq.block_table) == token, f"block_size=1: {len(seq.block_table)} blocks for {token} tokens"
+        assert len(seq.block_table) == token, (
+            f"block_size=1: {len(seq.block_table)} blocks for {token} tokens"
+        )
     seq.append_token(4)
     assert not bm.can_append(seq), "block_size=1, token 4: every block is used, can_append said yes"
 
@@ -279,8 +321,12 @@ with exercise("can_append / may_append"):
     for child in forks:
         bm.fork(parent, child)
     b0, b1 = parent.block_table
-    assert all(child.block_table == [b0, b1] for child in forks), f"forks' tables {[c.block_table for c in forks]}"
-    assert all(child.block_table is not parent.block_table for child in forks), "a fork needs a table of its own"
+    assert all(child.block_table == [b0, b1] for child in forks), (
+        f"forks' tables {[c.block_table for c in forks]}"
+    )
+    assert all(child.block_table is not parent.block_table for child in forks), (
+        "a fork needs a table of its own"
+    )
     assert bm.num_free_blocks == 3, f"forks take no block: {bm.num_free_blocks} free, expected 3"
     for seq, token, holders in ((parent, 6, 3), (forks[0], 7, 2), (forks[1], 8, 1)):
         seq.append_token(token)
@@ -297,7 +343,9 @@ with exercise("can_append / may_append"):
                 f"token {token} goes into block {b1}, held by this sequence alone: no copy expected, got copies "
                 f"{copies}, table {seq.block_table}"
             )
-        assert seq.block_table[0] == b0, f"token {token}: block 0 ({b0}) is full and shared; it must stay shared"
+        assert seq.block_table[0] == b0, (
+            f"token {token}: block 0 ({b0}) is full and shared; it must stay shared"
+        )
     assert bm.ref_counts[b0] == 3 and bm.ref_counts[b1] == 1, (
         f"ref counts: block {b0} (held by all three) {bm.ref_counts[b0]}, block {b1} {bm.ref_counts[b1]}"
     )
@@ -307,18 +355,26 @@ with exercise("can_append / may_append"):
     bm.allocate(parent)
     bm.fork(parent, child)
     parent.append_token(5)  # starts block 1: nothing to copy
-    assert bm.may_append(parent) == [] and len(parent.block_table) == 2, "a token that starts a block copies nothing"
+    assert bm.may_append(parent) == [] and len(parent.block_table) == 2, (
+        "a token that starts a block copies nothing"
+    )
     child.append_token(6)
     bm.may_append(child)
-    assert bm.num_free_blocks == 0 and parent.block_table[1] != child.block_table[1], "two new blocks, one each"
+    assert bm.num_free_blocks == 0 and parent.block_table[1] != child.block_table[1], (
+        "two new blocks, one each"
+    )
     other = Sequence([9, 9], block_size=4)
     bm.deallocate(child)
     bm.allocate(other)  # the last free block
     forked = Sequence(other.token_ids, block_size=4)
     bm.fork(other, forked)
     forked.append_token(3)
-    assert not bm.can_append(forked), "the fork's token must be written into a copy, and no block is free: can_append"
-print("can_append / may_append / fork: a block every block_size tokens, and a copy before writing a shared block")
+    assert not bm.can_append(forked), (
+        "the fork's token must be written into a copy, and no block is free: can_append"
+    )
+print(
+    "can_append / may_append / fork: a block every block_size tokens, and a copy before writing a shared block"
+)
 
 
 # %% [markdown]
@@ -345,7 +401,9 @@ NEW, APPEND, FREE, FORK = "new", "append", "free", "fork"
 operations = st.lists(
     st.one_of(
         st.tuples(st.just(NEW), st.integers(1, 12)),  # a prompt of that many tokens
-        st.tuples(st.just(APPEND), st.integers(0, 10**6)),  # decode one token into a random live sequence
+        st.tuples(
+            st.just(APPEND), st.integers(0, 10**6)
+        ),  # decode one token into a random live sequence
         st.tuples(st.just(FREE), st.integers(0, 10**6)),  # a random live sequence finishes
         st.tuples(st.just(FORK), st.integers(0, 10**6)),  # a random live sequence is forked
     ),
@@ -356,18 +414,26 @@ operations = st.lists(
 def write(cache: dict[int, int], seq: Sequence, positions: range) -> None:
     """Store seq's tokens at these positions into their slots (what the model's forward does with their KV)."""
     for t in positions:
-        cache[seq.block_table[t // seq.block_size] * seq.block_size + t % seq.block_size] = seq.token_ids[t]
+        cache[seq.block_table[t // seq.block_size] * seq.block_size + t % seq.block_size] = (
+            seq.token_ids[t]
+        )
 
 
-def check_invariants(bm: SimpleBlockManager, live: list[Sequence], num_blocks: int, cache: dict[int, int]) -> None:
+def check_invariants(
+    bm: SimpleBlockManager, live: list[Sequence], num_blocks: int, cache: dict[int, int]
+) -> None:
     held = Counter(block_id for seq in live for block_id in seq.block_table)
     for block_id in range(num_blocks):
         assert bm.ref_counts[block_id] == held[block_id], (
             f"block {block_id}: ref count {bm.ref_counts[block_id]}, held by {held[block_id]} live tables"
         )
-    assert bm.num_free_blocks + len(held) == num_blocks, f"free {bm.num_free_blocks} + used {len(held)} != {num_blocks}"
+    assert bm.num_free_blocks + len(held) == num_blocks, (
+        f"free {bm.num_free_blocks} + used {len(held)} != {num_blocks}"
+    )
     for seq in live:
-        assert len(seq.block_table) == seq.num_blocks, f"{seq.num_tokens} tokens in {len(seq.block_table)} blocks"
+        assert len(seq.block_table) == seq.num_blocks, (
+            f"{seq.num_tokens} tokens in {len(seq.block_table)} blocks"
+        )
         size = seq.block_size
         read = [cache.get(seq.block_table[t // size] * size + t % size) for t in range(len(seq))]
         assert read == seq.token_ids, (
@@ -391,7 +457,9 @@ def test_allocator(ops, num_blocks, block_size):
                 write(cache, seq, range(len(seq)))
                 live.append(seq)
             else:
-                assert bm.num_free_blocks < seq.num_blocks, "can_allocate refused with room to spare"
+                assert bm.num_free_blocks < seq.num_blocks, (
+                    "can_allocate refused with room to spare"
+                )
         elif op == FORK and live:
             parent = live[arg % len(live)]
             child = Sequence(parent.token_ids, block_size=block_size)
@@ -401,14 +469,21 @@ def test_allocator(ops, num_blocks, block_size):
             seq = live[arg % len(live)]
             seq.append_token(arg % 100)
             if bm.can_append(seq):
-                for src, dst in bm.may_append(seq):  # the runner's copies, then the step writes the new token
+                for src, dst in bm.may_append(
+                    seq
+                ):  # the runner's copies, then the step writes the new token
                     for offset in range(block_size):
                         if src * block_size + offset in cache:
                             cache[dst * block_size + offset] = cache[src * block_size + offset]
                 write(cache, seq, range(len(seq) - 1, len(seq)))
             else:  # no room for its next block or its copy: preempt it, as the scheduler would
-                assert bm.num_free_blocks == 0, f"can_append refused with {bm.num_free_blocks} free blocks"
-                last_shared = len(seq.block_table) == seq.num_blocks and bm.ref_counts[seq.block_table[-1]] > 1
+                assert bm.num_free_blocks == 0, (
+                    f"can_append refused with {bm.num_free_blocks} free blocks"
+                )
+                last_shared = (
+                    len(seq.block_table) == seq.num_blocks
+                    and bm.ref_counts[seq.block_table[-1]] > 1
+                )
                 assert len(seq.block_table) < seq.num_blocks or last_shared, (
                     "can_append refused a token that goes into a block of its own"
                 )
@@ -417,11 +492,15 @@ def test_allocator(ops, num_blocks, block_size):
         elif op == FREE and live:
             seq = live.pop(arg % len(live))
             bm.deallocate(seq)
-            assert seq.block_table == [], f"a freed sequence's table should be empty, is {seq.block_table}"
+            assert seq.block_table == [], (
+                f"a freed sequence's table should be empty, is {seq.block_table}"
+            )
         check_invariants(bm, live, num_blocks, cache)
     for seq in live:
         bm.deallocate(seq)
-    assert bm.num_free_blocks == num_blocks, f"{num_blocks - bm.num_free_blocks} blocks leaked after freeing all"
+    assert bm.num_free_blocks == num_blocks, (
+        f"{num_blocks - bm.num_free_blocks} blocks leaked after freeing all"
+    )
 
 
 with exercise("SimpleBlockManager"):
@@ -500,7 +579,9 @@ def cross_check(num_blocks: int, block_size: int, steps: int, seed: int) -> int:
 with exercise("SimpleBlockManager"):
     for num_blocks, block_size in [(8, 1), (16, 4), (64, 16), (32, 3)]:
         admitted = cross_check(num_blocks, block_size, steps=3000, seed=num_blocks + block_size)
-        print(f"{num_blocks:3d} blocks of {block_size:2d}: {admitted} admitted, same as BlockManager at every step")
+        print(
+            f"{num_blocks:3d} blocks of {block_size:2d}: {admitted} admitted, same as BlockManager at every step"
+        )
 
 # %% [markdown]
 # ## What's next

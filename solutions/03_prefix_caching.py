@@ -79,8 +79,12 @@ class LFUBlockManager(BlockManager):
         super().reset()
         self.hits = [0] * self.num_blocks  # hits of the KV each block holds now
         self.freed = 0  # a counter: the order in which blocks became cached and free
-        self.freed_at = [-1] * self.num_blocks  # each block's latest freed order; older heap entries are stale
-        self.heap: list[tuple[int, int, int]] = []  # (hits, freed order, block id) of cached free blocks
+        self.freed_at = [
+            -1
+        ] * self.num_blocks  # each block's latest freed order; older heap entries are stale
+        self.heap: list[
+            tuple[int, int, int]
+        ] = []  # (hits, freed order, block id) of cached free blocks
 
     def _share(self, block: Block) -> None:
         """A hit: count it, and hold the block (a free cached one leaves the cached free list)."""
@@ -122,15 +126,27 @@ with exercise("LFUBlockManager._share / _release"):
 
     first = run([1, 2, 9])
     popular = first.block_table[0]
-    assert bm.hits[popular] == 0, f"[1, 2] was computed, never hit: hits {bm.hits[popular]}, expected 0"
-    assert [e[2] for e in bm.heap] == [popular], f"heap {bm.heap}: expected one entry, for block {popular}"
+    assert bm.hits[popular] == 0, (
+        f"[1, 2] was computed, never hit: hits {bm.hits[popular]}, expected 0"
+    )
+    assert [e[2] for e in bm.heap] == [popular], (
+        f"heap {bm.heap}: expected one entry, for block {popular}"
+    )
     for n in (1, 2):
         again = run([1, 2, 4 + n])
-        assert again.block_table[0] == popular, f"request {n} after [1, 2, 9] did not hit block {popular}"
-        assert bm.hits[popular] == n, f"after {n} hit(s) on [1, 2]: hits {bm.hits[popular]}, expected {n}"
+        assert again.block_table[0] == popular, (
+            f"request {n} after [1, 2, 9] did not hit block {popular}"
+        )
+        assert bm.hits[popular] == n, (
+            f"after {n} hit(s) on [1, 2]: hits {bm.hits[popular]}, expected {n}"
+        )
     live = [e for e in bm.heap if e[1] == bm.freed_at[e[2]]]
-    assert live == [(2, bm.freed_at[popular], popular)], f"live heap entries {live}: expected [1, 2]'s, 2 hits"
-    assert len(bm.heap) == 3, f"{len(bm.heap)} heap entries: [1, 2] was freed into the cache 3 times"
+    assert live == [(2, bm.freed_at[popular], popular)], (
+        f"live heap entries {live}: expected [1, 2]'s, 2 hits"
+    )
+    assert len(bm.heap) == 3, (
+        f"{len(bm.heap)} heap entries: [1, 2] was freed into the cache 3 times"
+    )
     assert bm.num_cached_free_blocks == 1 and bm.num_free_blocks == 6, (
         f"{bm.num_cached_free_blocks} cached free, {bm.num_free_blocks} free: expected 1 and 6"
     )
@@ -154,7 +170,9 @@ def _take_free_block(self: LFUBlockManager) -> Block:
             if block_id in self.cached_block_ids and self.freed_at[block_id] == freed:
                 break  # live: older entries of a block freed again, or hit since, are skipped
         del self.cached_block_ids[block_id]
-        self.free_block_ids.append(block_id)  # the base class takes it from there, empties it and drops its name
+        self.free_block_ids.append(
+            block_id
+        )  # the base class takes it from there, empties it and drops its name
         block = self.blocks[block_id]
         del self.hash_to_block_id[block.hash]
         block.hash, block.token_ids = -1, []
@@ -181,12 +199,23 @@ with exercise("LFUBlockManager._take_free_block"):
             run(tokens)
         flood = Sequence([3] * 9, block_size=2)  # 5 blocks: 4 empty ones, then an eviction
         bm.allocate(flood)
-        assert bm.num_cached_free_blocks == 1, f"{cls.__name__}: {bm.num_cached_free_blocks} cached free, expected 1"
+        assert bm.num_cached_free_blocks == 1, (
+            f"{cls.__name__}: {bm.num_cached_free_blocks} cached free, expected 1"
+        )
         bm.deallocate(flood)
-        probe_popular, probe_once = Sequence([1, 2, 3], block_size=2), Sequence([7, 8, 3], block_size=2)
+        probe_popular, probe_once = (
+            Sequence([1, 2, 3], block_size=2),
+            Sequence([7, 8, 3], block_size=2),
+        )
         bm.allocate(probe_popular)
         bm.allocate(probe_once)
-        got = "[1, 2]" if probe_popular.num_cached_tokens else "[7, 8]" if probe_once.num_cached_tokens else "neither"
+        got = (
+            "[1, 2]"
+            if probe_popular.num_cached_tokens
+            else "[7, 8]"
+            if probe_once.num_cached_tokens
+            else "neither"
+        )
         assert got == kept, (
             f"{cls.__name__}: after a 5-block prompt evicted one of [1, 2] (hit twice, freed first) and [7, 8] (never "
             f"hit, freed last), {got} is still cached; expected {kept}"
@@ -204,7 +233,9 @@ with exercise("LFUBlockManager._take_free_block"):
         f"blocks taken {taken}: hits {[bm.hits[i] for i in taken]}, hashes {[bm.blocks[i].hash for i in taken]}; "
         "a block taken for new KV comes back empty: no hash, 0 hits"
     )
-    assert not bm.hash_to_block_id, f"evicted blocks' names must leave the index: {bm.hash_to_block_id}"
+    assert not bm.hash_to_block_id, (
+        f"evicted blocks' names must leave the index: {bm.hash_to_block_id}"
+    )
 print("LFU evicts the block hit least, the least recently freed among equals")
 
 # %% [markdown]
@@ -230,7 +261,9 @@ class ScanLFU(BlockManager):
 
     def _take_free_block(self) -> Block:
         if not self.free_block_ids:
-            victim = min(self.cached_block_ids, key=lambda i: self.hits[i])  # the first of the fewest: LRU order
+            victim = min(
+                self.cached_block_ids, key=lambda i: self.hits[i]
+            )  # the first of the fewest: LRU order
             del self.cached_block_ids[victim]
             del self.hash_to_block_id[self.blocks[victim].hash]
             self.free_block_ids.append(victim)
@@ -239,7 +272,9 @@ class ScanLFU(BlockManager):
         return block
 
 
-def compare(ours: LFUBlockManager, ref: ScanLFU, pairs: list[tuple[Sequence, Sequence]], after: str) -> None:
+def compare(
+    ours: LFUBlockManager, ref: ScanLFU, pairs: list[tuple[Sequence, Sequence]], after: str
+) -> None:
     for name in ("num_free_blocks", "num_cached_free_blocks"):
         got, expected = getattr(ours, name), getattr(ref, name)
         assert got == expected, f"after {after}: {name} {got}, the scan has {expected}"
@@ -250,7 +285,9 @@ def compare(ours: LFUBlockManager, ref: ScanLFU, pairs: list[tuple[Sequence, Seq
             f"{theirs.num_cached_tokens}: a different block was evicted before it"
         )
         for x, y in zip(mine.block_table, theirs.block_table):
-            assert to_ref.setdefault(x, y) == y, f"after {after}: blocks shared differently from the scan"
+            assert to_ref.setdefault(x, y) == y, (
+                f"after {after}: blocks shared differently from the scan"
+            )
             assert ours.hits[x] == ref.hits[y], (
                 f"after {after}: block {x} has {ours.hits[x]} hits, the scan's {ref.hits[y]}"
             )
@@ -302,7 +339,9 @@ def workload(seed: int, num_blocks: int, block_size: int, steps: int) -> int:
 with exercise("LFUBlockManager"):
     for seed, (num_blocks, block_size) in enumerate([(6, 1), (10, 2), (16, 2), (24, 4), (12, 3)]):
         hits = workload(seed, num_blocks, block_size, steps=2000)
-        print(f"{num_blocks:3d} blocks of {block_size}: 2,000 steps, {hits} tokens hit, the same as the scan")
+        print(
+            f"{num_blocks:3d} blocks of {block_size}: 2,000 steps, {hits} tokens hit, the same as the scan"
+        )
 
 # %% [markdown]
 # ## How much it keeps
@@ -319,7 +358,10 @@ def system_prompt_hit_rate(cls: type[BlockManager], requests: int = 400, seed: i
     hit = wanted = 0
     for n in range(requests):
         one_off = n % 5 >= 3
-        tokens = [rng.randrange(1000) for _ in range(rng.randint(250, 300) if one_off else rng.randint(5, 40))]
+        tokens = [
+            rng.randrange(1000)
+            for _ in range(rng.randint(250, 300) if one_off else rng.randint(5, 40))
+        ]
         seq = Sequence(tokens if one_off else system + tokens, block_size=16)
         bm.allocate(seq)
         bm.cache_blocks(seq, len(seq))
@@ -330,7 +372,9 @@ def system_prompt_hit_rate(cls: type[BlockManager], requests: int = 400, seed: i
 
 
 for cls in (BlockManager, LFUBlockManager):
-    print(f"{cls.__name__:>15}: {system_prompt_hit_rate(cls):.0%} of the system prompt's tokens found in the cache")
+    print(
+        f"{cls.__name__:>15}: {system_prompt_hit_rate(cls):.0%} of the system prompt's tokens found in the cache"
+    )
 
 # %% [markdown]
 # ## Check yourself

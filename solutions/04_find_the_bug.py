@@ -56,7 +56,9 @@ from minivllm.testing import exercise, prompt_logits
 
 tmp_dir = tempfile.TemporaryDirectory(prefix="minivllm-bug-")  # deleted when the kernel exits
 tiny_path = write_checkpoint(Path(tmp_dir.name) / "tiny", "tiny", seed=0)
-reference = load_model(tiny_path, dtype=torch.float32, device="cpu")  # for prompt_logits: no KV cache at all
+reference = load_model(
+    tiny_path, dtype=torch.float32, device="cpu"
+)  # for prompt_logits: no KV cache at all
 
 # %% [markdown]
 # ## The suspect
@@ -68,21 +70,31 @@ reference = load_model(tiny_path, dtype=torch.float32, device="cpu")  # for prom
 class SuspectContext(PagedContext):
     """How one step attends, on a CPU: PagedContext's fields, the PyTorch reference ops."""
 
-    def attend(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         # q: (num_tokens, num_heads, head_dim); k, v: (num_tokens, num_kv_heads, head_dim)
-        store_kvcache_ref(k, v, layer.k_cache, layer.v_cache, self.slot_mapping)  # each new token's KV, in its slot
+        store_kvcache_ref(
+            k, v, layer.k_cache, layer.v_cache, self.slot_mapping
+        )  # each new token's KV, in its slot
         if self.is_prefill:
             return self.prefill(layer, q, k, v)
         return self.decode(layer, q)
 
     def decode(self, layer: Attention, q: torch.Tensor) -> torch.Tensor:
         """One new token per sequence: it attends to its sequence's whole cache, itself included."""
-        assert self.context_lens is not None and self.block_tables is not None  # a decode step has both
+        assert (
+            self.context_lens is not None and self.block_tables is not None
+        )  # a decode step has both
         cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32)
         cu_k = F.pad(self.context_lens.cumsum(0, dtype=torch.int32), (1, 0))
-        return paged_attention_ref(q, layer.k_cache, layer.v_cache, cu_q, cu_k, self.block_tables, layer.scale)
+        return paged_attention_ref(
+            q, layer.k_cache, layer.v_cache, cu_q, cu_k, self.block_tables, layer.scale
+        )
 
-    def prefill(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def prefill(
+        self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         """Each sequence's new tokens, packed end to end: causal attention among them."""
         cu_q = self.cu_seqlens_q
         assert cu_q is not None  # a prefill step has it
@@ -104,10 +116,14 @@ class ContextRunner(ModelRunner):
     context_cls: type[PagedContext] = PagedContext
 
     @torch.inference_mode()
-    def execute(self, step: StepInputs) -> torch.Tensor:  # (num_seqs, vocab_size): each sequence's last row
+    def execute(
+        self, step: StepInputs
+    ) -> torch.Tensor:  # (num_seqs, vocab_size): each sequence's last row
         assert self.model is not None, "the runner is closed"
         input_ids, positions, paged = step_to_device(step, self.device, use_triton=False)
-        context = self.context_cls(**{f.name: getattr(paged, f.name) for f in dataclasses.fields(paged)})
+        context = self.context_cls(
+            **{f.name: getattr(paged, f.name) for f in dataclasses.fields(paged)}
+        )
         hidden = self.model(input_ids, positions, context)  # (num_tokens, hidden_size)
         if step.is_prefill:
             assert context.cu_seqlens_q is not None  # a prefill step has it
@@ -121,7 +137,9 @@ def admit(bm: BlockManager, seq: Sequence) -> None:
     seq.num_scheduled_tokens = len(seq) - seq.num_cached_tokens
 
 
-runner = ContextRunner(Config(tiny_path, dtype=torch.float32, num_kvcache_blocks=64, max_num_seqs=8, device="cpu"))
+runner = ContextRunner(
+    Config(tiny_path, dtype=torch.float32, num_kvcache_blocks=64, max_num_seqs=8, device="cpu")
+)
 print(f"tiny model, {runner.num_kvcache_blocks} KV blocks of {runner.block_size} tokens")
 
 # %% [markdown]
@@ -131,7 +149,9 @@ print(f"tiny model, {runner.num_kvcache_blocks} KV blocks of {runner.block_size}
 
 
 # %%
-def decode_errors(context_cls: type[PagedContext], prompts: list[list[int]], num_decode_steps: int) -> float:
+def decode_errors(
+    context_cls: type[PagedContext], prompts: list[list[int]], num_decode_steps: int
+) -> float:
     """Prefill the prompts in one step, then decode greedily: the worst |logit error| vs prompt_logits."""
     runner.context_cls = context_cls
     bm = BlockManager(runner.num_kvcache_blocks, runner.block_size)
@@ -145,7 +165,9 @@ def decode_errors(context_cls: type[PagedContext], prompts: list[list[int]], num
             seq.append_token(int(row.argmax()))
             bm.may_append(seq)
     worst = 0.0
-    for seq, rows in zip(seqs, history):  # one forward over the whole sequence: every step's logits at once
+    for seq, rows in zip(
+        seqs, history
+    ):  # one forward over the whole sequence: every step's logits at once
         expected = prompt_logits(reference, seq.token_ids)[seq.num_prompt_tokens - 1 : -1]
         worst = max(worst, (torch.stack(rows) - expected).abs().max().item())
     for seq in seqs:
@@ -208,7 +230,9 @@ with exercise("prefix_hit_check"):
     for context_cls, should_fail in ((SuspectContext, True), (PagedContext, False)):
         runner.context_cls = context_cls
         result = prefix_hit_check(runner)
-        assert isinstance(result, tuple) and len(result) == 2, f"return (cached tokens, error), got {result!r}"
+        assert isinstance(result, tuple) and len(result) == 2, (
+            f"return (cached tokens, error), got {result!r}"
+        )
         cached, error = result
         name = context_cls.__name__
         print(f"{name:>14}: {cached} tokens from the prefix cache, worst logit error {error:.1e}")
@@ -217,9 +241,13 @@ with exercise("prefix_hit_check"):
             "least one full block plus a token, and admit both requests with the same BlockManager"
         )
         if should_fail:
-            assert error > 1e-2, f"{name}: worst logit error {error:.1e}, your check does not expose the bug"
+            assert error > 1e-2, (
+                f"{name}: worst logit error {error:.1e}, your check does not expose the bug"
+            )
         else:
-            assert error < 1e-4, f"{name}: worst logit error {error:.1e} on correct code: is the comparison right?"
+            assert error < 1e-4, (
+                f"{name}: worst logit error {error:.1e} on correct code: is the comparison right?"
+            )
 print("prefix_hit_check exposes the bug, and passes minivllm's PagedContext")
 
 # %% [markdown]
@@ -255,8 +283,12 @@ def path_errors(context_cls: type[PagedContext]) -> dict[str, float]:
     plain = Sequence(rng.choices(range(2048), k=20), block_size=runner.block_size)
     admit(bm, hit)
     admit(bm, plain)
-    hit_row, plain_row = runner.step_logits([hit, plain], is_prefill=True)  # one step: 7 new tokens, then 20
-    errors[f"prefix-cache hit ({hit.num_cached_tokens} of {len(hit)} tokens cached)"] = error(hit_row, hit)
+    hit_row, plain_row = runner.step_logits(
+        [hit, plain], is_prefill=True
+    )  # one step: 7 new tokens, then 20
+    errors[f"prefix-cache hit ({hit.num_cached_tokens} of {len(hit)} tokens cached)"] = error(
+        hit_row, hit
+    )
     errors["plain prompt, in the same step as that hit"] = error(plain_row, plain)
 
     chunked = Sequence(rng.choices(range(2048), k=45), block_size=runner.block_size)
@@ -287,15 +319,21 @@ for path, error in path_errors(SuspectContext).items():
 
 # %%
 class FixedContext(SuspectContext):
-    def prefill(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def prefill(
+        self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         """Each sequence's new tokens attend causally to its cached tokens and to each other."""
         # BEGIN SOLUTION
         cu_q, cu_k = self.cu_seqlens_q, self.cu_seqlens_k
         assert cu_q is not None and cu_k is not None  # a prefill step has both
-        if self.block_tables is None:  # nothing cached in this batch: the new tokens are whole prompts
+        if (
+            self.block_tables is None
+        ):  # nothing cached in this batch: the new tokens are whole prompts
             return attention_ref(q, k, v, cu_q, cu_q, layer.scale, causal=True)
         # the cached prefix and the new tokens (stored by attend, just before) are all in the cache
-        return paged_attention_ref(q, layer.k_cache, layer.v_cache, cu_q, cu_k, self.block_tables, layer.scale)
+        return paged_attention_ref(
+            q, layer.k_cache, layer.v_cache, cu_q, cu_k, self.block_tables, layer.scale
+        )
         # END SOLUTION
 
 
@@ -325,7 +363,9 @@ with exercise("FixedContext.prefill"):
         )
         for path, error in path_errors(FixedContext).items():
             print(f"FixedContext, {path:>42}: worst logit error {error:.1e}")
-            assert error < 1e-4, f"FixedContext, {path}: worst logit error {error:.1e}, expected < 1e-4"
+            assert error < 1e-4, (
+                f"FixedContext, {path}: worst logit error {error:.1e}, expected < 1e-4"
+            )
         worst = decode_errors(FixedContext, prompts, num_decode_steps=10)
         assert worst < 1e-4, f"FixedContext, the colleague's test: worst logit error {worst:.1e}"
     finally:

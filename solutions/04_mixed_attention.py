@@ -66,7 +66,9 @@ random.seed(0)
 
 
 # %%
-def my_query_tiles(cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, seqs: np.ndarray, block_m: int) -> np.ndarray:
+def my_query_tiles(
+    cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, seqs: np.ndarray, block_m: int
+) -> np.ndarray:
     """(num_tiles, 2) int32 rows of (sequence, query tile) for the sequences in seqs, the most keys first."""
     # BEGIN SOLUTION
     pairs, keys = [], []
@@ -92,21 +94,32 @@ def my_query_tiles(cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, seqs: np.
 # %%
 def keys_of(tiles: np.ndarray, cu_q: np.ndarray, cu_k: np.ndarray, block_m: int) -> list[int]:
     q_lens, k_lens = np.diff(cu_q), np.diff(cu_k)
-    return [int(k_lens[s] - q_lens[s] + min((m + 1) * block_m, q_lens[s])) for s, m in tiles.tolist()]
+    return [
+        int(k_lens[s] - q_lens[s] + min((m + 1) * block_m, q_lens[s])) for s, m in tiles.tolist()
+    ]
 
 
 with exercise("my_query_tiles"):
     cu_q, cu_k = np.array([0, 1, 2, 130, 170]), np.array([0, 300, 341, 1469, 1509])
     got = my_query_tiles(cu_q, cu_k, np.array([2, 3]), block_m=64)
-    assert isinstance(got, np.ndarray) and got.dtype == np.int32, f"expected an int32 array, got {type(got)} {got!r}"
-    assert got.tolist() == [[2, 1], [2, 0], [3, 0]], f"notebook 04's step: expected [[2, 1], [2, 0], [3, 0]], got {got}"
-    cu_q, cu_k = np.array([0, 128, 129, 169, 170]), np.array([0, 1128, 1429, 1469, 1510])  # decode rows 1 and 3
+    assert isinstance(got, np.ndarray) and got.dtype == np.int32, (
+        f"expected an int32 array, got {type(got)} {got!r}"
+    )
+    assert got.tolist() == [[2, 1], [2, 0], [3, 0]], (
+        f"notebook 04's step: expected [[2, 1], [2, 0], [3, 0]], got {got}"
+    )
+    cu_q, cu_k = (
+        np.array([0, 128, 129, 169, 170]),
+        np.array([0, 1128, 1429, 1469, 1510]),
+    )  # decode rows 1 and 3
     got = my_query_tiles(cu_q, cu_k, np.array([0, 2]), block_m=64).tolist()
     assert got == [[0, 1], [0, 0], [2, 0]], (
         f"the same step, reordered (sequences 0 and 2): expected [[0, 1], [0, 0], [2, 0]], got {got}"
     )
     for case in range(30):
-        q_lens = [1] * random.randint(0, 4) + [random.randint(1, 90) for _ in range(random.randint(1, 4))]
+        q_lens = [1] * random.randint(0, 4) + [
+            random.randint(1, 90) for _ in range(random.randint(1, 4))
+        ]
         k_lens = [q + random.randint(0 if q > 1 else 1, 200) for q in q_lens]
         cu_q, cu_k = np.cumsum([0, *q_lens]), np.cumsum([0, *k_lens])
         random.shuffle(order := list(range(len(q_lens))))
@@ -118,7 +131,9 @@ with exercise("my_query_tiles"):
         )
         ours = my_query_tiles(cu_q, cu_k, np.array(listed, dtype=np.int64), block_m)
         step = f"case {case}: q_lens {q_lens}, k_lens {k_lens}, seqs {listed}, block_m {block_m}"
-        assert ours.ndim == 2 and ours.shape[1] == 2, f"{step}: expected (num_tiles, 2), got shape {ours.shape}"
+        assert ours.ndim == 2 and ours.shape[1] == 2, (
+            f"{step}: expected (num_tiles, 2), got shape {ours.shape}"
+        )
         pairs = [tuple(pair) for pair in ours.tolist()]
         assert len(set(pairs)) == len(pairs), f"{step}: a tile listed twice in {pairs}"
         for seq, q_len in enumerate(q_lens):
@@ -127,7 +142,9 @@ with exercise("my_query_tiles"):
             assert tiles == expected, (
                 f"{step}: sequence {seq} ({q_len} new tokens) has tiles {tiles}, expected {expected}"
             )
-        assert len(pairs) == sum(-(-q_lens[i] // block_m) for i in listed), f"{step}: tiles of no sequence in {pairs}"
+        assert len(pairs) == sum(-(-q_lens[i] // block_m) for i in listed), (
+            f"{step}: tiles of no sequence in {pairs}"
+        )
         keys = keys_of(ours, cu_q, cu_k, block_m)
         assert keys == sorted(keys, reverse=True), f"{step}: tiles not costliest first, keys {keys}"
 print("my_query_tiles: correct")
@@ -188,7 +205,9 @@ def mixed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 # Then a step of decode rows only, and one without any.
 
 # %%
-calls: list[tuple[str, tuple, dict]] = []  # (kernel, args, kwargs) of each launch in the step under test
+calls: list[
+    tuple[str, tuple, dict]
+] = []  # (kernel, args, kwargs) of each launch in the step under test
 
 
 def watched(name: str, kernel):
@@ -200,7 +219,9 @@ def watched(name: str, kernel):
 
 
 def check_step(case: str, q_lens: list[int], k_lens: list[int], seed: int) -> None:
-    k_cache, v_cache, block_table, _, _, cu_k = scatter_into_cache(k_lens, 2, 32, 16, DEVICE, seed=seed)
+    k_cache, v_cache, block_table, _, _, cu_k = scatter_into_cache(
+        k_lens, 2, 32, 16, DEVICE, seed=seed
+    )
     cu_q = torch.tensor(np.cumsum([0, *q_lens]), dtype=torch.int32, device=DEVICE)
     q = torch.randn(sum(q_lens), 4, 32, device=DEVICE)
     calls.clear()
@@ -209,30 +230,49 @@ def check_step(case: str, q_lens: list[int], k_lens: list[int], seed: int) -> No
     step = f"{case}: q_lens {q_lens}, k_lens {k_lens}, decode rows of sequences {decoding}"
     decode = [args for name, args, _ in calls if name == "decode"]
     rows = sum(args[0].shape[0] for args in decode)
-    assert rows == len(decoding), f"{step}: the decode kernel ran {len(decode)} times on {rows} rows in all"
+    assert rows == len(decoding), (
+        f"{step}: the decode kernel ran {len(decode)} times on {rows} rows in all"
+    )
     for _, _, kwargs in (c for c in calls if c[0] == "prefill"):
         tiles = kwargs.get("tiles")
-        assert tiles is not None, f"{step}: the prefill kernel ran without `tiles`: over every row, decode rows too"
+        assert tiles is not None, (
+            f"{step}: the prefill kernel ran without `tiles`: over every row, decode rows too"
+        )
         listed = sorted({s for s, _ in tiles.tolist() if s in decoding})
-        assert not listed, f"{step}: the prefill kernel's tiles include the decode row(s) of sequence(s) {listed}"
+        assert not listed, (
+            f"{step}: the prefill kernel's tiles include the decode row(s) of sequence(s) {listed}"
+        )
     expected = paged_attention_ref(q, k_cache, v_cache, cu_q, cu_k, block_table, 32**-0.5)
     for seq in range(len(q_lens)):
         rows = slice(int(cu_q[seq]), int(cu_q[seq + 1]))
         error = (got[rows] - expected[rows]).abs().max().item()
-        kind = "decode row" if seq in decoding else f"chunk of {q_lens[seq]} after {k_lens[seq] - q_lens[seq]} cached"
-        assert error < 1e-4, f"{step}: sequence {seq} ({kind}) differs from the reference by {error:.1e}"
+        kind = (
+            "decode row"
+            if seq in decoding
+            else f"chunk of {q_lens[seq]} after {k_lens[seq] - q_lens[seq]} cached"
+        )
+        assert error < 1e-4, (
+            f"{step}: sequence {seq} ({kind}) differs from the reference by {error:.1e}"
+        )
 
 
 with exercise("mixed_attention"):
     kernels = flash_attn_with_kvcache, flash_attn_varlen_func
-    flash_attn_with_kvcache, flash_attn_varlen_func = watched("decode", kernels[0]), watched("prefill", kernels[1])
+    flash_attn_with_kvcache, flash_attn_varlen_func = (
+        watched("decode", kernels[0]),
+        watched("prefill", kernels[1]),
+    )
     try:
         for case in range(4):
             n = random.randint(1, 3)
             q_lens = [1] * n + [random.randint(2, 40) for _ in range(random.randint(1, 2))]
-            k_lens = [random.randint(2, 60) for _ in range(n)] + [q + random.choice([0, 17, 40]) for q in q_lens[n:]]
+            k_lens = [random.randint(2, 60) for _ in range(n)] + [
+                q + random.choice([0, 17, 40]) for q in q_lens[n:]
+            ]
             random.shuffle(order := list(range(len(q_lens))))
-            check_step(f"case {case}", [q_lens[i] for i in order], [k_lens[i] for i in order], seed=case)
+            check_step(
+                f"case {case}", [q_lens[i] for i in order], [k_lens[i] for i in order], seed=case
+            )
         check_step("decode rows only", [1, 1, 1], [5, 33, 17], seed=4)
         check_step("no decode rows", [7, 20], [7, 37], seed=5)
     finally:

@@ -115,7 +115,9 @@ def padded_block_tables(seqs: list[Sequence]) -> np.ndarray:
 def sequence(num_tokens: int, block_table: list[int], block_size: int = 16) -> Sequence:
     """A sequence of num_tokens tokens that holds these blocks (as BlockManager would have given it)."""
     seq = Sequence([random.randrange(2048) for _ in range(num_tokens)], block_size=block_size)
-    assert seq.num_blocks == len(block_table), f"{num_tokens} tokens need {seq.num_blocks} blocks of {block_size}"
+    assert seq.num_blocks == len(block_table), (
+        f"{num_tokens} tokens need {seq.num_blocks} blocks of {block_size}"
+    )
     seq.block_table = list(block_table)
     return seq
 
@@ -124,10 +126,16 @@ with exercise("padded_block_tables"):
     seqs = [sequence(38, [7, 2, 9]), sequence(5, [4]), sequence(20, [11, 3])]
     got = padded_block_tables(seqs)
     expected = np.array([[7, 2, 9], [4, 0, 0], [11, 3, 0]], dtype=np.int32)
-    assert isinstance(got, np.ndarray) and got.dtype == np.int32, f"expected an int32 array, got {type(got)} {got!r}"
-    assert got.shape == expected.shape and (got == expected).all(), f"expected\n{expected}\ngot\n{got}"
+    assert isinstance(got, np.ndarray) and got.dtype == np.int32, (
+        f"expected an int32 array, got {type(got)} {got!r}"
+    )
+    assert got.shape == expected.shape and (got == expected).all(), (
+        f"expected\n{expected}\ngot\n{got}"
+    )
     alone = padded_block_tables([sequence(40, [5, 6, 1])])
-    assert alone.tolist() == [[5, 6, 1]], f"one sequence of 3 blocks: expected [[5, 6, 1]], got {alone.tolist()}"
+    assert alone.tolist() == [[5, 6, 1]], (
+        f"one sequence of 3 blocks: expected [[5, 6, 1]], got {alone.tolist()}"
+    )
 print("padded_block_tables: correct")
 
 # %% [markdown]
@@ -138,7 +146,9 @@ print("padded_block_tables: correct")
 
 
 # %%
-def token_slots(block_tables: np.ndarray, seq_of: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+def token_slots(
+    block_tables: np.ndarray, seq_of: np.ndarray, positions: np.ndarray, block_size: int
+) -> np.ndarray:
     """(num_tokens,) int64: the cache slot of token positions[i] of the sequence whose table is block_tables[seq_of[i]]."""
     # BEGIN SOLUTION
     blocks = block_tables[seq_of, positions // block_size].astype(np.int64)
@@ -156,18 +166,34 @@ def token_slots(block_tables: np.ndarray, seq_of: np.ndarray, positions: np.ndar
 with exercise("token_slots"):
     tables = np.array([[7, 2, 9], [4, 0, 0]], dtype=np.int32)
     got = token_slots(tables, np.array([0, 1]), np.array([37, 3]), block_size=16)
-    assert list(got) == [9 * 16 + 5, 4 * 16 + 3], f"positions 37 and 3 of tables {tables.tolist()}: got {list(got)}"
+    assert list(got) == [9 * 16 + 5, 4 * 16 + 3], (
+        f"positions 37 and 3 of tables {tables.tolist()}: got {list(got)}"
+    )
     got = token_slots(tables, np.array([0, 0, 0, 1]), np.array([30, 31, 32, 3]), block_size=16)
     expected = [2 * 16 + 14, 2 * 16 + 15, 9 * 16, 4 * 16 + 3]
     assert list(got) == expected, (
         f"positions 30, 31, 32 of [7, 2, 9], then 3 of [4]: expected {expected}, got {list(got)}"
     )
-    for position, slot in [(0, 7 * 16), (15, 7 * 16 + 15), (16, 2 * 16), (31, 2 * 16 + 15), (32, 9 * 16)]:
+    for position, slot in [
+        (0, 7 * 16),
+        (15, 7 * 16 + 15),
+        (16, 2 * 16),
+        (31, 2 * 16 + 15),
+        (32, 9 * 16),
+    ]:
         got = token_slots(tables, np.array([0]), np.array([position]), block_size=16)
-        assert list(got) == [slot], f"position {position} of table [7, 2, 9], blocks of 16: expected {slot}, got {got}"
-    got = token_slots(np.array([[3, 1], [2, 0]], dtype=np.int32), np.array([0, 1]), np.array([5, 2]), block_size=4)
-    assert list(got) == [1 * 4 + 1, 2 * 4 + 2], f"blocks of 4, positions [5, 2] of [[3, 1], [2, 0]]: got {list(got)}"
-    got = token_slots(np.array([[0, 3_000_000]], dtype=np.int32), np.array([0]), np.array([1100]), block_size=1024)
+        assert list(got) == [slot], (
+            f"position {position} of table [7, 2, 9], blocks of 16: expected {slot}, got {got}"
+        )
+    got = token_slots(
+        np.array([[3, 1], [2, 0]], dtype=np.int32), np.array([0, 1]), np.array([5, 2]), block_size=4
+    )
+    assert list(got) == [1 * 4 + 1, 2 * 4 + 2], (
+        f"blocks of 4, positions [5, 2] of [[3, 1], [2, 0]]: got {list(got)}"
+    )
+    got = token_slots(
+        np.array([[0, 3_000_000]], dtype=np.int32), np.array([0]), np.array([1100]), block_size=1024
+    )
     assert got.dtype == np.int64 and list(got) == [3_072_000_000 + 76], (
         f"block 3,000,000 of 1,024 slots: expected [3072000076] as int64, got {got!r} (int32 overflows past 2**31)"
     )
@@ -210,18 +236,36 @@ def my_prepare_verify(seqs: list[Sequence], num_new: list[int], block_size: int)
 # 149 to 151; a second sequence of 5 tokens decodes one (`num_new` 1). Every field, dtypes included.
 
 # %%
-FIELDS = ("input_ids", "positions", "slot_mapping", "block_tables", "cu_seqlens_q", "cu_seqlens_k", "logits_rows")
+FIELDS = (
+    "input_ids",
+    "positions",
+    "slot_mapping",
+    "block_tables",
+    "cu_seqlens_q",
+    "cu_seqlens_k",
+    "logits_rows",
+)
 
 
 def compare_steps(ours: StepInputs, theirs: StepInputs, case: str) -> None:
     assert isinstance(ours, StepInputs), f"{case}: expected a StepInputs, got {type(ours)}"
-    assert ours.is_prefill is True, f"{case}: is_prefill should be True (causal attention over the new tokens)"
+    assert ours.is_prefill is True, (
+        f"{case}: is_prefill should be True (causal attention over the new tokens)"
+    )
     for name in FIELDS:
         got, expected = getattr(ours, name), getattr(theirs, name)
-        assert isinstance(got, np.ndarray), f"{case}, {name}: expected a NumPy array, got {type(got)}"
-        assert got.dtype == expected.dtype, f"{case}, {name}: dtype {got.dtype}, expected {expected.dtype}"
-        assert got.shape == expected.shape, f"{case}, {name}: shape {got.shape}, expected {expected.shape}"
-        assert (got == expected).all(), f"{case}, {name}:\nexpected {expected.tolist()}\ngot      {got.tolist()}"
+        assert isinstance(got, np.ndarray), (
+            f"{case}, {name}: expected a NumPy array, got {type(got)}"
+        )
+        assert got.dtype == expected.dtype, (
+            f"{case}, {name}: dtype {got.dtype}, expected {expected.dtype}"
+        )
+        assert got.shape == expected.shape, (
+            f"{case}, {name}: shape {got.shape}, expected {expected.shape}"
+        )
+        assert (got == expected).all(), (
+            f"{case}, {name}:\nexpected {expected.tolist()}\ngot      {got.tolist()}"
+        )
 
 
 with exercise("my_prepare_verify"):
@@ -274,7 +318,9 @@ reference = load_model(tiny_path, dtype=torch.float32, device=runner.device)
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, tol: float) -> None:
-    torch.testing.assert_close(actual, expected, rtol=tol, atol=tol, msg=lambda message: f"{what}: {message}")
+    torch.testing.assert_close(
+        actual, expected, rtol=tol, atol=tol, msg=lambda message: f"{what}: {message}"
+    )
 
 
 def greedy_next(token_ids: list[int]) -> int:
@@ -306,25 +352,44 @@ with exercise("my_prepare_verify in the runner"):
             batch.append(seq)
             num_new.append(1 + len(drafts))
             drafts_of.append(drafts)
-        logits = runner.call("execute", my_prepare_verify(batch, num_new, runner.block_size)).float().cpu()
+        logits = (
+            runner.call("execute", my_prepare_verify(batch, num_new, runner.block_size))
+            .float()
+            .cpu()
+        )
         assert logits.shape[0] == sum(num_new), (
             f"step {step}: {logits.shape[0]} rows of logits for {sum(num_new)} new tokens: `logits_rows` names them all"
         )
         row = 0
         for i, (seq, n, drafts) in enumerate(zip(batch, num_new, drafts_of)):
-            full = prompt_logits(reference, seq.token_ids).float().cpu()  # (len(seq), vocab): every position
+            full = (
+                prompt_logits(reference, seq.token_ids).float().cpu()
+            )  # (len(seq), vocab): every position
             for j in range(n):
                 position = len(seq) - n + j
                 case = f"step {step}, sequence {i} ({len(seq)} tokens, {n} new), the logits at position {position}"
-                assert_close(logits[row + j], full[position], f"{case}: your inputs vs prompt_logits", tol=1e-4)
-            choices = logits[row : row + n].argmax(-1).tolist()  # the model's token after each new token
+                assert_close(
+                    logits[row + j],
+                    full[position],
+                    f"{case}: your inputs vs prompt_logits",
+                    tol=1e-4,
+                )
+            choices = (
+                logits[row : row + n].argmax(-1).tolist()
+            )  # the model's token after each new token
             keep = 0
             while keep < len(drafts) and drafts[keep] == choices[keep]:
                 keep += 1
-            committed[i] += drafts[:keep] + [choices[keep]]  # the accepted drafts, then the bonus token
+            committed[i] += drafts[:keep] + [
+                choices[keep]
+            ]  # the accepted drafts, then the bonus token
             accepted, proposed, row = accepted + keep, proposed + len(drafts), row + n
-print(f"6 verify steps on your inputs: every row equals prompt_logits; {accepted} of {proposed} drafts accepted")
-print(f"tokens per sequence per step: {(accepted + 6 * len(committed)) / (6 * len(committed)):.2f} (decode: 1)")
+print(
+    f"6 verify steps on your inputs: every row equals prompt_logits; {accepted} of {proposed} drafts accepted"
+)
+print(
+    f"tokens per sequence per step: {(accepted + 6 * len(committed)) / (6 * len(committed)):.2f} (decode: 1)"
+)
 runner.close()
 
 # %% [markdown]

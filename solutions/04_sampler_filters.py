@@ -65,7 +65,9 @@ def typical_mask(logprobs: torch.Tensor, typical_ps: torch.Tensor) -> torch.Tens
     order = distance.argsort(dim=-1, stable=True)  # most typical first
     sorted_p = p.gather(-1, order)
     before = sorted_p.cumsum(dim=-1) - sorted_p  # mass of the more typical tokens
-    keep = (before < typical_ps[:, None]) | (typical_ps[:, None] >= 1)  # (batch, vocab), in sorted order
+    keep = (before < typical_ps[:, None]) | (
+        typical_ps[:, None] >= 1
+    )  # (batch, vocab), in sorted order
     return torch.empty_like(keep).scatter_(-1, order, keep)  # back to vocabulary order
     # END SOLUTION
 
@@ -81,7 +83,11 @@ def typical_mask(logprobs: torch.Tensor, typical_ps: torch.Tensor) -> torch.Tens
 with exercise("typical_mask"):
     hand = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
     cases = [  # (τ, kept tokens, why)
-        (0.25, [1], "tau 0.25: the most typical token alone reaches it; the most likely one is dropped"),
+        (
+            0.25,
+            [1],
+            "tau 0.25: the most typical token alone reaches it; the most likely one is dropped",
+        ),
         (0.01, [1], "tau 0.01: the most typical token is always kept"),
         (0.45, [1, 2], "tau 0.45: 0.3 falls short, 0.3 + 0.2 reaches it"),
         (0.55, [0, 1, 2], "tau 0.55: a third token is needed, the most likely one"),
@@ -94,9 +100,13 @@ with exercise("typical_mask"):
             f"typical_mask should return a bool tensor shaped like logprobs (1, 4), got {mask.dtype} {tuple(mask.shape)}"
         )
         kept = mask[0].nonzero().flatten().tolist()
-        assert kept == expected, f"p = [0.4, 0.3, 0.2, 0.1], {why}: expected tokens {expected}, got {kept}"
+        assert kept == expected, (
+            f"p = [0.4, 0.3, 0.2, 0.1], {why}: expected tokens {expected}, got {kept}"
+        )
 
-    batch = torch.stack([hand, hand, torch.tensor([0.7, 0.1, 0.1, 0.1]).log(), torch.tensor([0.5, 0.5, 0, 0]).log()])
+    batch = torch.stack(
+        [hand, hand, torch.tensor([0.7, 0.1, 0.1, 0.1]).log(), torch.tensor([0.5, 0.5, 0, 0]).log()]
+    )
     mask = typical_mask(batch, torch.tensor([0.25, 0.55, 0.5, 0.9]))
     for row, expected in enumerate([[1], [0, 1, 2], [0], [0, 1]]):
         kept = sorted(mask[row].nonzero().flatten().tolist())
@@ -119,7 +129,9 @@ with exercise("typical_mask"):
     taus = torch.rand(rows, generator=gen) * 0.98 + 0.01
     mask = typical_mask(torch.log_softmax(logits, dim=-1), taus)
     for row in range(rows):
-        theirs = TypicalLogitsWarper(mass=float(taus[row]))(None, logits[row : row + 1].clone())[0] > float("-inf")
+        theirs = TypicalLogitsWarper(mass=float(taus[row]))(None, logits[row : row + 1].clone())[
+            0
+        ] > float("-inf")
         differ = (mask[row] != theirs).nonzero().flatten().tolist()
         assert not differ, (
             f"row {row} (tau {float(taus[row]):.3f}): you keep {int(mask[row].sum())} tokens, transformers "
@@ -143,7 +155,10 @@ print(
 
 # %%
 def sample(
-    logits: torch.Tensor, temperatures: torch.Tensor, typical_ps: torch.Tensor, generator: torch.Generator | None
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    typical_ps: torch.Tensor,
+    generator: torch.Generator | None,
 ) -> torch.Tensor:
     """One token id per row of logits (batch, vocab): (batch,) int64."""
     # BEGIN SOLUTION
@@ -172,7 +187,9 @@ def check_frequencies(tokens: torch.Tensor, probs: torch.Tensor, what: str) -> N
     freq = torch.bincount(tokens, minlength=len(probs)).double() / n
     tolerance = 5 * (expected * (1 - expected) / n).sqrt() + 1e-12
     dropped = (expected == 0) & (freq > 0)
-    assert not dropped.any(), f"{what}: dropped token(s) {dropped.nonzero().flatten().tolist()} were drawn"
+    assert not dropped.any(), (
+        f"{what}: dropped token(s) {dropped.nonzero().flatten().tolist()} were drawn"
+    )
     worst = int(((freq - expected).abs() / tolerance).argmax())
     assert (freq - expected).abs()[worst] <= tolerance[worst], (
         f"{what}: token {worst} drawn with frequency {freq[worst]:.4f}, expected {expected[worst]:.4f} "
@@ -192,17 +209,37 @@ with exercise("sample"):
     assert torch.equal(tokens, logits.argmax(-1)), (
         f"temperature 0 is greedy: expected {logits.argmax(-1)}, got {tokens}"
     )
-    a, b = (sample(logits, torch.ones(8), torch.ones(8), torch.Generator().manual_seed(7)) for _ in range(2))
-    assert torch.equal(a, b), "the same generator seed gave different tokens: take the noise from `generator`"
+    a, b = (
+        sample(logits, torch.ones(8), torch.ones(8), torch.Generator().manual_seed(7))
+        for _ in range(2)
+    )
+    assert torch.equal(a, b), (
+        "the same generator seed gave different tokens: take the noise from `generator`"
+    )
 
     n = 100_000
-    settings_rows = [(1.0, 1.0), (1.0, 0.5), (0.5, 0.5), (2.0, 0.3), (0.7, 0.9)]  # (temperature, tau)
-    temperatures, taus = (torch.tensor(column).repeat_interleave(n) for column in zip(*settings_rows))
-    tokens = sample(cat_logits.expand(len(settings_rows) * n, -1), temperatures, taus, torch.Generator().manual_seed(3))
+    settings_rows = [
+        (1.0, 1.0),
+        (1.0, 0.5),
+        (0.5, 0.5),
+        (2.0, 0.3),
+        (0.7, 0.9),
+    ]  # (temperature, tau)
+    temperatures, taus = (
+        torch.tensor(column).repeat_interleave(n) for column in zip(*settings_rows)
+    )
+    tokens = sample(
+        cat_logits.expand(len(settings_rows) * n, -1),
+        temperatures,
+        taus,
+        torch.Generator().manual_seed(3),
+    )
     for i, (temperature, tau) in enumerate(settings_rows):
         logprobs = torch.log_softmax(cat_logits / temperature, dim=-1)[None].double()
         expected = logprobs.exp()[0] * typical_mask(logprobs, torch.tensor([tau]))[0]
-        check_frequencies(tokens[i * n : (i + 1) * n], expected, f"temperature {temperature}, typical_p {tau}")
+        check_frequencies(
+            tokens[i * n : (i + 1) * n], expected, f"temperature {temperature}, typical_p {tau}"
+        )
 print("sample: greedy, repeatable, and the frequencies of the typical set at its temperature")
 
 # %% [markdown]

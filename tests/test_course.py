@@ -34,7 +34,9 @@ def test_six_core_notebooks():
 def test_notebook_02_trains_tiny_text_only_when_its_checkpoint_is_missing():
     """Training tiny-text takes half a minute: a notebook run that finds the checkpoint reuses it."""
     tree = ast.parse((ROOT / "notebooks" / "02_model.py").read_text())
-    guarded = {id(n) for g in ast.walk(tree) if isinstance(g, ast.If) for b in g.body for n in ast.walk(b)}
+    guarded = {
+        id(n) for g in ast.walk(tree) if isinstance(g, ast.If) for b in g.body for n in ast.walk(b)
+    }
     calls = [
         node
         for node in ast.walk(tree)
@@ -48,7 +50,9 @@ def test_notebook_02_trains_tiny_text_only_when_its_checkpoint_is_missing():
 def deep_dive_table() -> dict[str, str]:
     """tools/export.py's DEEP_DIVES (deep dive -> the core notebook it follows), read with ast."""
     for node in ast.parse((ROOT / "tools" / "export.py").read_text()).body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "DEEP_DIVES" for t in node.targets):
+        if isinstance(node, ast.Assign) and any(
+            getattr(t, "id", None) == "DEEP_DIVES" for t in node.targets
+        ):
             return ast.literal_eval(node.value)
     raise AssertionError("tools/export.py defines no DEEP_DIVES")
 
@@ -58,8 +62,12 @@ def test_each_deep_dive_opens_with_the_core_notebook_it_follows_and_that_the_cor
     assert sorted(p.stem for p in DEEP_DIVES) == sorted(table)
     for path in DEEP_DIVES:
         text = path.read_text()
-        opening = " ".join(text[text.index("# %% [markdown]") :].split("# %%")[1].replace("#", " ").split()).lower()
-        assert f"follows notebook {table[path.stem][:2]}" in opening, f"{path.name}: say which notebook it follows"
+        opening = " ".join(
+            text[text.index("# %% [markdown]") :].split("# %%")[1].replace("#", " ").split()
+        ).lower()
+        assert f"follows notebook {table[path.stem][:2]}" in opening, (
+            f"{path.name}: say which notebook it follows"
+        )
         assert "core path needs" in opening, f"{path.name}: say the core needs none"
 
 
@@ -71,18 +79,24 @@ def test_the_engine_rooms_stay_small():
     tree = ast.parse((engine / "llm_engine.py").read_text())
     (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "LLMEngine"]
     size = cls.end_lineno - cls.lineno + 1
-    assert size <= MAX_ENGINE_CLASS_LINES, f"LLMEngine is {size} lines, over {MAX_ENGINE_CLASS_LINES}"
+    assert size <= MAX_ENGINE_CLASS_LINES, (
+        f"LLMEngine is {size} lines, over {MAX_ENGINE_CLASS_LINES}"
+    )
 
 
 def test_few_formatter_skips():
     skips = sum(p.read_text().count("# fmt: skip") for p in [*CORE, *DEEP_DIVES])
-    assert skips <= MAX_FMT_SKIPS, f"{skips} '# fmt: skip' markers in the notebooks, over {MAX_FMT_SKIPS}"
+    assert skips <= MAX_FMT_SKIPS, (
+        f"{skips} '# fmt: skip' markers in the notebooks, over {MAX_FMT_SKIPS}"
+    )
 
 
 @functools.cache
 def reading_time() -> ModuleType:
     """tools/reading_time.py, imported by path (tools/ is no package); registered, as dataclasses need."""
-    spec = importlib.util.spec_from_file_location("reading_time", ROOT / "tools" / "reading_time.py")
+    spec = importlib.util.spec_from_file_location(
+        "reading_time", ROOT / "tools" / "reading_time.py"
+    )
     assert spec is not None and spec.loader is not None
     module = sys.modules["reading_time"] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -46,14 +46,18 @@ DEEP_DIVES = {
     "tensor_parallel": "06_engine",
     "engine_core": "06_engine",
 }
-Rank = tuple[int, int]  # (core notebook number, 0 for the core notebook or 1 + the deep dive's place in DEEP_DIVES)
+Rank = tuple[
+    int, int
+]  # (core notebook number, 0 for the core notebook or 1 + the deep dive's place in DEEP_DIVES)
 
 
 @dataclass
 class Export:
     notebook: Path
     rank: Rank
-    modules: dict[str, list[str]] = field(default_factory=dict)  # dotted module name -> cell sources
+    modules: dict[str, list[str]] = field(
+        default_factory=dict
+    )  # dotted module name -> cell sources
 
 
 def notebook_sources(folder: str) -> list[Path]:
@@ -63,7 +67,9 @@ def notebook_sources(folder: str) -> list[Path]:
     if deep.is_dir():
         unknown = sorted(p.name for p in deep.glob("*.py") if p.stem not in DEEP_DIVES)
         if unknown:
-            sys.exit(f"{deep.relative_to(ROOT)}: {', '.join(unknown)} not in DEEP_DIVES (tools/export.py)")
+            sys.exit(
+                f"{deep.relative_to(ROOT)}: {', '.join(unknown)} not in DEEP_DIVES (tools/export.py)"
+            )
         paths += [deep / f"{name}.py" for name in DEEP_DIVES if (deep / f"{name}.py").exists()]
     return paths
 
@@ -85,7 +91,9 @@ def read(path: Path) -> nbformat.NotebookNode:
 
 def write_ipynb(nb: nbformat.NotebookNode, path: Path) -> None:
     for i, cell in enumerate(nb.cells):
-        cell.id = f"cell-{i:03d}"  # nbformat would draw random ids: regenerating must give the same bytes
+        cell.id = (
+            f"cell-{i:03d}"  # nbformat would draw random ids: regenerating must give the same bytes
+        )
         if cell.cell_type == "code":
             cell.outputs, cell.execution_count = [], None
     nb.metadata.setdefault("jupytext", {})["formats"] = "ipynb,py:percent"
@@ -101,7 +109,9 @@ def collect_exports(path: Path) -> Export:
             continue
         module = cell.metadata.get("module", module)
         if module is None:
-            sys.exit(f"{path.relative_to(ROOT)}: export cell {i} names no module= and none precedes it")
+            sys.exit(
+                f"{path.relative_to(ROOT)}: export cell {i} names no module= and none precedes it"
+            )
         export.modules.setdefault(module, []).append(cell.source.strip("\n"))
     return export
 
@@ -132,7 +142,9 @@ def export_modules(exports: list[Export]) -> None:
     for export in exports:
         for module, cells in export.modules.items():
             if module in owners:
-                sys.exit(f"{module} is exported by both {owners[module].name} and {export.notebook.name}")
+                sys.exit(
+                    f"{module} is exported by both {owners[module].name} and {export.notebook.name}"
+                )
             owners[module] = export.notebook
             path = module_path(module)
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -185,7 +197,9 @@ def imported_modules(source: str) -> set[str]:
     return {n for n in names if n == PACKAGE or n.startswith(PACKAGE + ".")}
 
 
-def check_import_order(exports: list[Export], folders: tuple[str, ...] = ("notebooks", "solutions")) -> list[str]:
+def check_import_order(
+    exports: list[Export], folders: tuple[str, ...] = ("notebooks", "solutions")
+) -> list[str]:
     """A notebook may import only modules exported by itself or a notebook before it in reading order; a core
     notebook or a solution imports no deep dive's module at all (the core path needs none)."""
     exported_by = {m: e.rank for e in exports for m in e.modules}
@@ -197,11 +211,15 @@ def check_import_order(exports: list[Export], folders: tuple[str, ...] = ("noteb
                 if cell.cell_type != "code":
                     continue
                 names = imported_modules(cell.source)
-                modules = {n if n in exported_by else n.rpartition(".")[0] for n in names}  # `from m import x`
+                modules = {
+                    n if n in exported_by else n.rpartition(".")[0] for n in names
+                }  # `from m import x`
                 for module in sorted(m for m in modules if m in exported_by):
                     theirs, where = exported_by[module], path.relative_to(ROOT).as_posix()
                     if theirs > mine:
-                        errors.append(f"{where} imports {module}, exported later by {describe(theirs)}")
+                        errors.append(
+                            f"{where} imports {module}, exported later by {describe(theirs)}"
+                        )
                     elif mine[1] == 0 and theirs[1] > 0:
                         errors.append(
                             f"{where} imports {module}, exported by {describe(theirs)}: the core path needs none"
@@ -211,7 +229,9 @@ def check_import_order(exports: list[Export], folders: tuple[str, ...] = ("noteb
 
 def check_no_outputs() -> list[str]:
     errors = []
-    for path in sorted([*ROOT.glob("*/[0-9][0-9]_*.ipynb"), *ROOT.glob("notebooks/deep_dives/*.ipynb")]):
+    for path in sorted(
+        [*ROOT.glob("*/[0-9][0-9]_*.ipynb"), *ROOT.glob("notebooks/deep_dives/*.ipynb")]
+    ):
         nb = nbformat.read(path, as_version=4)
         if any(c.cell_type == "code" and (c.outputs or c.execution_count) for c in nb.cells):
             errors.append(f"{path.relative_to(ROOT)} holds outputs")
@@ -220,7 +240,17 @@ def check_no_outputs() -> list[str]:
 
 def git_changes() -> list[str]:
     out = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=all", "--", "notebooks", "solutions", "exercises", PACKAGE],
+        [
+            "git",
+            "status",
+            "--porcelain",
+            "--untracked-files=all",
+            "--",
+            "notebooks",
+            "solutions",
+            "exercises",
+            PACKAGE,
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -230,8 +260,12 @@ def git_changes() -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true", help="fail if regenerating changes any file")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="fail if regenerating changes any file"
+    )
     args = parser.parse_args()
     errors = check_no_outputs() if args.check else []  # look before we overwrite them
     exports = [collect_exports(p) for p in notebook_sources("notebooks")]

@@ -9,7 +9,9 @@ from torch import nn
 class AttentionContext(Protocol):
     """How the layers of one forward pass attend: which tokens see which, which kernel, which KV cache."""
 
-    def attend(self, layer: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+    def attend(
+        self, layer: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor: ...
 
 
 class Attention(nn.Module):
@@ -23,6 +25,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale, self.layer_idx = head_dim**-0.5, layer_idx
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: AttentionContext) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: AttentionContext
+    ) -> torch.Tensor:
         # q: (num_tokens, num_heads, head_dim); k, v: (num_tokens, num_kv_heads, head_dim)
         return context.attend(self, q, k, v)  # (num_tokens, num_heads, head_dim)

@@ -18,36 +18,74 @@ class PagedContext:
 
     is_prefill: bool
     slot_mapping: torch.Tensor  # (num_tokens,): cache slot of each new token's KV; -1 = padding
-    block_tables: torch.Tensor | None  # (num_seqs, max_blocks) int32; None in a prefill without cached prefixes
+    block_tables: (
+        torch.Tensor | None
+    )  # (num_seqs, max_blocks) int32; None in a prefill without cached prefixes
     cu_seqlens_q: torch.Tensor | None = None  # prefill: (num_seqs + 1,) int32, new tokens
     cu_seqlens_k: torch.Tensor | None = None  # prefill: (num_seqs + 1,) int32, cached + new tokens
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
-    context_lens: torch.Tensor | None = None  # decode: (num_seqs,) int32, tokens in each cache (new one included)
-    num_decode_seqs: int = 0  # a mixed step: its first rows decode one token each; context_lens holds theirs
-    tiles: torch.Tensor | None = None  # prefill, paged: the (sequence, query tile) list of the other rows (03)
-    prefix_blocks: torch.Tensor | None = None  # decode rows: (n,) int32, leading blocks several of them share
-    prefix_lens: torch.Tensor | None = None  # (num decode rows,) int32: each one's tokens in them, or 0 (03)
-    use_triton: bool = True  # False: the PyTorch reference ops (a CPU without the interpreter's patience)
+    context_lens: torch.Tensor | None = (
+        None  # decode: (num_seqs,) int32, tokens in each cache (new one included)
+    )
+    num_decode_seqs: int = (
+        0  # a mixed step: its first rows decode one token each; context_lens holds theirs
+    )
+    tiles: torch.Tensor | None = (
+        None  # prefill, paged: the (sequence, query tile) list of the other rows (03)
+    )
+    prefix_blocks: torch.Tensor | None = (
+        None  # decode rows: (n,) int32, leading blocks several of them share
+    )
+    prefix_lens: torch.Tensor | None = (
+        None  # (num decode rows,) int32: each one's tokens in them, or 0 (03)
+    )
+    use_triton: bool = (
+        True  # False: the PyTorch reference ops (a CPU without the interpreter's patience)
+    )
 
-    def attend(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         # q: (num_tokens, num_heads, head_dim); k, v: (num_tokens, num_kv_heads, head_dim)
-        (store_kvcache if self.use_triton else store_kvcache_ref)(k, v, layer.k_cache, layer.v_cache, self.slot_mapping)
+        (store_kvcache if self.use_triton else store_kvcache_ref)(
+            k, v, layer.k_cache, layer.v_cache, self.slot_mapping
+        )
         if not self.is_prefill:
             return self.decode(layer, q)
         if self.num_decode_seqs and self.tiles is not None and self.use_triton:
             return self.mixed(layer, q)
         return self.prefill(layer, q, k, v)
 
-    def decode(self, layer: Attention, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def decode(
+        self, layer: Attention, q: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The first q.shape[0] sequences, one new token each, over their whole caches."""
-        assert self.context_lens is not None and self.block_tables is not None  # a decode row has both
+        assert (
+            self.context_lens is not None and self.block_tables is not None
+        )  # a decode row has both
         tables = self.block_tables[: q.shape[0]]
         if self.use_triton:
-            k, v, lens, out = layer.k_cache, layer.v_cache, self.context_lens, None if out is None else out[:, None]
-            prefix = self.prefix_blocks, self.prefix_lens  # leading blocks the rows share, read once (03)
+            k, v, lens, out = (
+                layer.k_cache,
+                layer.v_cache,
+                self.context_lens,
+                None if out is None else out[:, None],
+            )
+            prefix = (
+                self.prefix_blocks,
+                self.prefix_lens,
+            )  # leading blocks the rows share, read once (03)
             o = flash_attn_with_kvcache(
-                q[:, None], k, v, lens, tables, layer.scale, out=out, prefix_blocks=prefix[0], prefix_lens=prefix[1]
+                q[:, None],
+                k,
+                v,
+                lens,
+                tables,
+                layer.scale,
+                out=out,
+                prefix_blocks=prefix[0],
+                prefix_lens=prefix[1],
             )
             return o[:, 0]
         cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
@@ -63,20 +101,30 @@ class PagedContext:
         self.paged_prefill(layer, q, out)  # an empty list (decode rows only) computes nothing
         return out
 
-    def prefill(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def prefill(
+        self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         cu_q = self.cu_seqlens_q
         assert cu_q is not None  # a prefill step has it
         if self.block_tables is not None:
             return self.paged_prefill(layer, q)
-        if self.use_triton:  # nothing cached: whole prompts, their k and v all there is (01's kernel)
+        if (
+            self.use_triton
+        ):  # nothing cached: whole prompts, their k and v all there is (01's kernel)
             max_q = self.max_seqlen_q
-            return flash_attn_varlen_contiguous(q, k, v, cu_q, cu_q, max_q, max_q, layer.scale, True)
+            return flash_attn_varlen_contiguous(
+                q, k, v, cu_q, cu_q, max_q, max_q, layer.scale, True
+            )
         return attention_ref(q, k, v, cu_q, cu_q, layer.scale, causal=True)
 
-    def paged_prefill(self, layer: Attention, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def paged_prefill(
+        self, layer: Attention, q: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """New tokens over their cached ones and each other, keys and values read through the block tables."""
         cu_q, cu_k, tables = self.cu_seqlens_q, self.cu_seqlens_k, self.block_tables
-        assert cu_q is not None and cu_k is not None and tables is not None  # a paged prefill has all three
+        assert (
+            cu_q is not None and cu_k is not None and tables is not None
+        )  # a paged prefill has all three
         if self.use_triton:
             k, v, max_q, max_k = layer.k_cache, layer.v_cache, self.max_seqlen_q, self.max_seqlen_k
             return kernels.flash_attn_varlen_func(

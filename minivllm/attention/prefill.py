@@ -6,7 +6,9 @@ from itertools import accumulate
 import torch
 
 from minivllm.attention.layer import Attention
-from minivllm.kernels.flash_attn import flash_attn_varlen_contiguous  # the package sets up Triton's CPU interpreter
+from minivllm.kernels.flash_attn import (
+    flash_attn_varlen_contiguous,
+)  # the package sets up Triton's CPU interpreter
 from minivllm.kernels.reference import attention_ref
 
 
@@ -14,15 +16,24 @@ from minivllm.kernels.reference import attention_ref
 class PrefillContext:
     """Whole prompts packed end to end, no KV cache: each token attends to its own prompt's tokens up to itself."""
 
-    cu_seqlens: torch.Tensor  # (num_seqs + 1,) int32: prompt i is tokens cu_seqlens[i]:cu_seqlens[i + 1]
+    cu_seqlens: (
+        torch.Tensor
+    )  # (num_seqs + 1,) int32: prompt i is tokens cu_seqlens[i]:cu_seqlens[i + 1]
     max_seqlen: int
 
     @classmethod
     def from_lens(cls, seq_lens: list[int], device: torch.device | str) -> "PrefillContext":
-        return cls(torch.tensor([0, *accumulate(seq_lens)], dtype=torch.int32, device=device), max(seq_lens))
+        return cls(
+            torch.tensor([0, *accumulate(seq_lens)], dtype=torch.int32, device=device),
+            max(seq_lens),
+        )
 
-    def attend(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         cu, max_len, scale = self.cu_seqlens, self.max_seqlen, layer.scale
         if q.is_cuda:
-            return flash_attn_varlen_contiguous(q, k, v, cu, cu, max_len, max_len, softmax_scale=scale, causal=True)
+            return flash_attn_varlen_contiguous(
+                q, k, v, cu, cu, max_len, max_len, softmax_scale=scale, causal=True
+            )
         return attention_ref(q, k, v, cu, cu, softmax_scale=scale, causal=True)

@@ -37,7 +37,9 @@ def run_benchmark(
     blocks = dict(allocate=0, allocate_hit=0, free=0)
     hit_tokens = prompt_tokens = 0
     for start in range(0, num_seqs, WAVE):
-        lens = rng.integers(prompt_len * 7 // 8, prompt_len * 9 // 8 + 1, min(WAVE, num_seqs - start))
+        lens = rng.integers(
+            prompt_len * 7 // 8, prompt_len * 9 // 8 + 1, min(WAVE, num_seqs - start)
+        )
         seqs = [Sequence(rng.integers(0, VOCAB, n).tolist(), block_size=block_size) for n in lens]
         new_tokens = rng.integers(0, VOCAB, (decode_steps, len(seqs))).tolist()
 
@@ -119,7 +121,9 @@ def plot_block_manager(data: dict):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.5), sharey=True)
-    for ax, experiment, x in zip(axes, ("cache size", "prompt length"), ("num_blocks", "prompt_len")):
+    for ax, experiment, x in zip(
+        axes, ("cache size", "prompt length"), ("num_blocks", "prompt_len")
+    ):
         rows = [r for r in data["rows"] if r["experiment"] == experiment]
         for key, label in (
             ("allocate_us_per_block", "allocate (miss)"),
@@ -163,7 +167,10 @@ def main() -> None:
     print(
         "\nPrompt length grows 16x at a fixed cache size; cost per call grows with the blocks, per block it does not:"
     )
-    by_prompt = [run_benchmark(65_536, max(args.num_seqs // 4, WAVE), bs, prompt_len=n) for n in (256, 1024, 4096)]
+    by_prompt = [
+        run_benchmark(65_536, max(args.num_seqs // 4, WAVE), bs, prompt_len=n)
+        for n in (256, 1024, 4096)
+    ]
     print_table(by_prompt)
     print("\nHashing (xxh64 of parent hash + int64 token ids):")
     hash_ns = {size: hash_ns_per_token(size) for size in (16, 256)}

@@ -19,14 +19,24 @@ from minivllm.kernels import flash_attn_with_kvcache
 from minivllm.testing import scatter_into_cache
 
 PREFIX, BLOCK_SIZE = 1488, 16
-SHAPES = [(16, 50), (64, 50), (64, 350), (256, 50), (256, 350)]  # (rows, mean tokens of each row's own)
+SHAPES = [
+    (16, 50),
+    (64, 50),
+    (64, 350),
+    (256, 50),
+    (256, 350),
+]  # (rows, mean tokens of each row's own)
 
 
 def shared_inputs(batch: int, own: int) -> dict:
     rng = random.Random(batch * own)
     seq_lens = [PREFIX + rng.randint(1, 2 * own) for _ in range(batch)]
-    k_cache, v_cache, table, *_ = scatter_into_cache(seq_lens, 8, 128, BLOCK_SIZE, "cuda", torch.bfloat16)
-    table[1:, : PREFIX // BLOCK_SIZE] = table[0, : PREFIX // BLOCK_SIZE]  # every row: the same prefix blocks
+    k_cache, v_cache, table, *_ = scatter_into_cache(
+        seq_lens, 8, 128, BLOCK_SIZE, "cuda", torch.bfloat16
+    )
+    table[1:, : PREFIX // BLOCK_SIZE] = table[
+        0, : PREFIX // BLOCK_SIZE
+    ]  # every row: the same prefix blocks
     return dict(
         q=torch.randn(batch, 1, 16, 128, device="cuda", dtype=torch.bfloat16),
         k_cache=k_cache,
@@ -50,7 +60,9 @@ def run_cascade_benchmark(shapes=SHAPES) -> dict:
         }
         ref = flash_attn_with_kvcache(**plain)
         for way, kwargs in ways.items():
-            torch.testing.assert_close(flash_attn_with_kvcache(**kwargs), ref, atol=2e-2, rtol=2e-2)  # before timing
+            torch.testing.assert_close(
+                flash_attn_with_kvcache(**kwargs), ref, atol=2e-2, rtol=2e-2
+            )  # before timing
             ms = graph_ms(lambda kwargs=kwargs: flash_attn_with_kvcache(**kwargs))
             rows.append(dict(impl=way, batch=batch, own_tokens=own, prefix_tokens=PREFIX, ms=ms))
             print(f"{way:>20} rows={batch:>3} own≈{own:>3}: {ms * 1e3:7.1f} µs")
@@ -66,8 +78,12 @@ def plot_cascade(data: dict):
     fig, ax = plt.subplots(figsize=(9, 4))
     width = 0.8 / len(ways)
     for i, way in enumerate(ways):
-        us = {(r["batch"], r["own_tokens"]): r["ms"] * 1e3 for r in data["rows"] if r["impl"] == way}
-        ax.bar([j + i * width for j in range(len(shapes))], [us[s] for s in shapes], width, label=way)
+        us = {
+            (r["batch"], r["own_tokens"]): r["ms"] * 1e3 for r in data["rows"] if r["impl"] == way
+        }
+        ax.bar(
+            [j + i * width for j in range(len(shapes))], [us[s] for s in shapes], width, label=way
+        )
     ax.set_xticks([j + width * (len(ways) - 1) / 2 for j in range(len(shapes))])
     ax.set_xticklabels([f"{b} rows\n~{o} own tokens" for b, o in shapes])
     ax.set_ylabel("µs per layer (decode attention)")

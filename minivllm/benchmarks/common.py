@@ -18,15 +18,23 @@ import tempfile
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-OUT = Path("figures")  # every benchmark's default --out: under the current directory, never inside the package
-HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None  # an anchor row when installed; never required
+OUT = Path(
+    "figures"
+)  # every benchmark's default --out: under the current directory, never inside the package
+HAS_FLASHINFER = (
+    importlib.util.find_spec("flashinfer") is not None
+)  # an anchor row when installed; never required
 
 
 def arg_parser(doc: str | None, name: str, figure: bool = True) -> argparse.ArgumentParser:
     """A benchmark's parser: its docstring as the help, and `--out`, the folder for NAME.json (and .png)."""
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     files = f"{name}.json and .png" if figure else f"{name}.json"
-    parser.add_argument("--out", type=Path, default=OUT, help=f"folder for {files} (default: ./figures)")
+    parser.add_argument(
+        "--out", type=Path, default=OUT, help=f"folder for {files} (default: ./figures)"
+    )
     return parser
 
 

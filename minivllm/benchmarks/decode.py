@@ -27,13 +27,22 @@ from minivllm.benchmarks.common import (
 from minivllm.kernels import flash_attn_with_kvcache
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
-SHAPES = [(1, 16384), (8, 8192), (32, 2048), (64, 4096), (256, 1024), (256, 512)]  # (batch, context_len)
+SHAPES = [
+    (1, 16384),
+    (8, 8192),
+    (32, 2048),
+    (64, 4096),
+    (256, 1024),
+    (256, 512),
+]  # (batch, context_len)
 
 
 def paged_inputs(batch: int, context_len: int, block_size: int, dtype=torch.bfloat16) -> dict:
     blocks_per_seq = context_len // block_size
     num_blocks = batch * blocks_per_seq
-    k_cache = torch.randn(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device="cuda")
+    k_cache = torch.randn(
+        num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM, dtype=dtype, device="cuda"
+    )
     arange = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
     return dict(
         context_len=context_len,
@@ -51,14 +60,20 @@ def naive_gather_sdpa(x: dict) -> torch.Tensor:
     """Copy each sequence's blocks into a contiguous tensor, then PyTorch SDPA (all sequences equally long)."""
     q, k_cache, v_cache, block_table = x["q"], x["k_cache"], x["v_cache"], x["block_table"]
     batch = q.shape[0]
-    k = k_cache[block_table].view(batch, -1, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2)  # (batch, kv_heads, ctx, D)
+    k = (
+        k_cache[block_table].view(batch, -1, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2)
+    )  # (batch, kv_heads, ctx, D)
     v = v_cache[block_table].view(batch, -1, NUM_KV_HEADS, HEAD_DIM).transpose(1, 2)
-    return torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k, v, enable_gqa=True)
+    return torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k, v, enable_gqa=True
+    )
 
 
 def prefill_kernel_as_decode(x: dict) -> torch.Tensor:
     """Notebook 01's design used for decode: a tile of 64 positions holding 1 query per head."""
-    from minivllm.kernels import flash_attn_varlen_func  # the paged prefill deep dive's: on a GPU only
+    from minivllm.kernels import (
+        flash_attn_varlen_func,
+    )  # the paged prefill deep dive's: on a GPU only
 
     return flash_attn_varlen_func(
         x["q"][:, 0],
@@ -90,10 +105,18 @@ def flashinfer_decode(x: dict):
     block_table = x["block_table"]
     batch, blocks_per_seq = block_table.shape
     block_size = x["k_cache"].shape[1]
-    indptr = torch.arange(batch + 1, dtype=torch.int32, device="cuda") * blocks_per_seq  # sequence i: its row
-    indices = block_table.flatten()  # the pages of sequence i, in order: indices[indptr[i]:indptr[i + 1]]
-    last_page_len = x["cache_seqlens"] - (blocks_per_seq - 1) * block_size  # tokens in each last page (1..block_size)
-    workspace = torch.zeros(128 * 1024**2, dtype=torch.uint8, device="cuda")  # FlashInfer's advice: 128 MB, zeroed
+    indptr = (
+        torch.arange(batch + 1, dtype=torch.int32, device="cuda") * blocks_per_seq
+    )  # sequence i: its row
+    indices = (
+        block_table.flatten()
+    )  # the pages of sequence i, in order: indices[indptr[i]:indptr[i + 1]]
+    last_page_len = (
+        x["cache_seqlens"] - (blocks_per_seq - 1) * block_size
+    )  # tokens in each last page (1..block_size)
+    workspace = torch.zeros(
+        128 * 1024**2, dtype=torch.uint8, device="cuda"
+    )  # FlashInfer's advice: 128 MB, zeroed
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
         workspace,
         kv_layout="NHD",
@@ -114,7 +137,9 @@ def flashinfer_decode(x: dict):
         q_data_type=x["q"].dtype,
         kv_data_type=x["k_cache"].dtype,
     )
-    return lambda x: wrapper.run(x["q"][:, 0], (x["k_cache"], x["v_cache"]))  # (batch, num_heads, head_dim)
+    return lambda x: wrapper.run(
+        x["q"][:, 0], (x["k_cache"], x["v_cache"])
+    )  # (batch, num_heads, head_dim)
 
 
 def impls_for(x: dict) -> dict:
@@ -125,7 +150,9 @@ def impls_for(x: dict) -> dict:
     return dict([ours, ("flashinfer", flashinfer_decode(x)), *others])
 
 
-def run_decode_benchmark(shapes=SHAPES, block_sizes=(16, 256), module: str = "minivllm.benchmarks.decode") -> dict:
+def run_decode_benchmark(
+    shapes=SHAPES, block_sizes=(16, 256), module: str = "minivllm.benchmarks.decode"
+) -> dict:
     rows, ratios = [], []
     for block_size in block_sizes:
         for batch, context_len in shapes:
@@ -134,7 +161,9 @@ def run_decode_benchmark(shapes=SHAPES, block_sizes=(16, 256), module: str = "mi
             nbytes = 2 * batch * context_len * NUM_KV_HEADS * HEAD_DIM * x["k_cache"].element_size()
             ms_of = {}
             for impl, fn in impls_for(x).items():
-                torch.testing.assert_close(fn(x).view_as(ref), ref, atol=2e-2, rtol=2e-2)  # before any timing
+                torch.testing.assert_close(
+                    fn(x).view_as(ref), ref, atol=2e-2, rtol=2e-2
+                )  # before any timing
                 ms = graph_ms(lambda fn=fn, x=x: fn(x))
                 rows.append(
                     dict(
@@ -154,7 +183,13 @@ def run_decode_benchmark(shapes=SHAPES, block_sizes=(16, 256), module: str = "mi
             if "flashinfer" in ms_of:  # > 1: ours is faster
                 ratio = ms_of["flashinfer"] / ms_of["minivllm-triton"]
                 ratios.append(
-                    dict(batch=batch, context_len=context_len, block_size=block_size, vs="flashinfer", speedup=ratio)
+                    dict(
+                        batch=batch,
+                        context_len=context_len,
+                        block_size=block_size,
+                        vs="flashinfer",
+                        speedup=ratio,
+                    )
                 )
                 print(
                     f"{'ours / flashinfer':>24} bs={block_size:>3} batch={batch:>3} ctx={context_len:>5}: {ratio:.2f}×"
@@ -179,7 +214,9 @@ def plot_decode(data: dict):
 
     block_sizes = sorted({r["block_size"] for r in data["rows"]})
     impls = list(dict.fromkeys(r["impl"] for r in data["rows"]))
-    fig, axes = plt.subplots(1, len(block_sizes), figsize=(5.4 * len(block_sizes), 4.2), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(block_sizes), figsize=(5.4 * len(block_sizes), 4.2), sharey=True, squeeze=False
+    )
     axes = axes[0]
     for ax, block_size in zip(axes, block_sizes):
         rows = [r for r in data["rows"] if r["block_size"] == block_size]
@@ -187,14 +224,26 @@ def plot_decode(data: dict):
         width = 0.8 / len(impls)
         for i, impl in enumerate(impls):
             tbps = {(r["batch"], r["context_len"]): r["tbps"] for r in rows if r["impl"] == impl}
-            ax.bar([j + i * width for j in range(len(shapes))], [tbps.get(s, 0) for s in shapes], width, label=impl)
-        ax.axhline(data["copy_tbps"], color="grey", ls=":", label=f"copy bandwidth {data['copy_tbps']:.2f} TB/s")
+            ax.bar(
+                [j + i * width for j in range(len(shapes))],
+                [tbps.get(s, 0) for s in shapes],
+                width,
+                label=impl,
+            )
+        ax.axhline(
+            data["copy_tbps"],
+            color="grey",
+            ls=":",
+            label=f"copy bandwidth {data['copy_tbps']:.2f} TB/s",
+        )
         ticks = [f"{b}×{c // 1024}k" if c % 1024 == 0 else f"{b}×{c}" for b, c in shapes]
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], ticks)
         ax.set_xlabel("batch × context")
         ax.set_title(f"block size {block_size}")
     axes[0].set_ylabel("TB/s of K and V read")
-    handles, labels = axes[0].get_legend_handles_labels()  # below the bars: inside, it would cover the tallest
+    handles, labels = axes[
+        0
+    ].get_legend_handles_labels()  # below the bars: inside, it would cover the tallest
     fig.legend(handles, labels, loc="lower center", ncols=len(labels), fontsize=8)
     fig.suptitle(f"Paged decode attention on {data['device']} (16/8 heads, d=128, bf16)")
     fig.tight_layout(rect=(0, 0.06, 1, 1))

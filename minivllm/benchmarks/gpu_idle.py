@@ -50,7 +50,9 @@ def time_steps(llm: LLM, workload: str) -> dict:
         events.append((start, end))
         return output
 
-    with mock.patch.object(runner, "launch", timed_launch):  # this engine's runner only, for this run
+    with mock.patch.object(
+        runner, "launch", timed_launch
+    ):  # this engine's runner only, for this run
         row = run_workload(llm, make_workload(workload))
     torch.cuda.synchronize()
     first = events[0][0]

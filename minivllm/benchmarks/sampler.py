@@ -22,7 +22,10 @@ from minivllm.engine.step_inputs import sampling_tensors
 from minivllm.layers.sampler import Sampler
 from minivllm.sampling_params import SamplingParams
 
-TOP_P, TOP_K = SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=0.7, top_k=50, top_p=0.9)
+TOP_P, TOP_K = (
+    SamplingParams(temperature=0.7, top_p=0.9),
+    SamplingParams(temperature=0.7, top_k=50, top_p=0.9),
+)
 KINDS = {  # a kind's rows take its parameters in turn
     "greedy": [SamplingParams(temperature=0.0)],
     "temperature": [SamplingParams(temperature=0.6)],
@@ -40,7 +43,9 @@ def time_kind(sampler: Sampler, logits: torch.Tensor, kind: str, draws: int = 8)
     with torch.inference_mode():
         ms = gpu_ms(lambda: sampler(logits, sampling_tensors(params, [0] * batch, logits.device)))
         kernel_ms = sum(graph_ms(lambda t=t: sampler(logits, t)) for t in built) / draws
-    return dict(impl="minivllm", kind=kind, batch=batch, vocab=logits.shape[1], ms=ms, kernel_ms=kernel_ms)
+    return dict(
+        impl="minivllm", kind=kind, batch=batch, vocab=logits.shape[1], ms=ms, kernel_ms=kernel_ms
+    )
 
 
 def run_sampler_benchmark(batch_sizes=(1, 64, 256), vocab: int = 151_936) -> dict:
@@ -50,7 +55,9 @@ def run_sampler_benchmark(batch_sizes=(1, 64, 256), vocab: int = 151_936) -> dic
         for kind in KINDS:
             rows.append(time_kind(sampler, logits, kind))
             r = rows[-1]
-            print(f"{kind:>18} batch {batch:>3}: {r['ms']:.3f} ms ({r['kernel_ms']:.3f} ms of kernels)")
+            print(
+                f"{kind:>18} batch {batch:>3}: {r['ms']:.3f} ms ({r['kernel_ms']:.3f} ms of kernels)"
+            )
     return result("minivllm.benchmarks.sampler", rows)
 
 

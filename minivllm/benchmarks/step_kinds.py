@@ -17,7 +17,13 @@ from collections import defaultdict
 import torch
 
 from minivllm.benchmarks.common import arg_parser, preset_checkpoint, result, save
-from minivllm.benchmarks.workloads import MAX_MODEL_LEN, POLICIES, WORKLOADS, Workload, make_workload
+from minivllm.benchmarks.workloads import (
+    MAX_MODEL_LEN,
+    POLICIES,
+    WORKLOADS,
+    Workload,
+    make_workload,
+)
 from minivllm.engine.input_processor import Prompt
 from minivllm.llm import LLM
 from minivllm.sampling_params import SamplingParams
@@ -43,7 +49,12 @@ def run_kinds(llm: LLM, work: Workload) -> dict:
         kind["tokens"] += stats.num_tokens
         kind["seqs"] += stats.num_seqs
     seconds = time.perf_counter() - start
-    return dict(workload=work.name, seconds=seconds, tok_per_s=sum(work.output_lens) / seconds, kinds=dict(kinds))
+    return dict(
+        workload=work.name,
+        seconds=seconds,
+        tok_per_s=sum(work.output_lens) / seconds,
+        kinds=dict(kinds),
+    )
 
 
 def run_step_kinds_benchmark(
@@ -58,9 +69,14 @@ def run_step_kinds_benchmark(
             with LLM(str(path), scheduling_policy=policy, async_scheduling=False, **config) as llm:
                 if not graphs:
                     llm.engine.runner.mixed_graphs = None  # prefill and mixed steps run eagerly
-                llm.generate(["Benchmark: "], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+                llm.generate(
+                    ["Benchmark: "], SamplingParams(max_tokens=4), use_tqdm=False
+                )  # warm-up
                 for work in works:
-                    fastest = min((run_kinds(llm, work) for _ in range(repeats)), key=lambda run: run["seconds"])
+                    fastest = min(
+                        (run_kinds(llm, work) for _ in range(repeats)),
+                        key=lambda run: run["seconds"],
+                    )
                     rows.append(dict(policy=policy, mixed_graphs=graphs, **fastest))
                     print(describe_kinds(rows[-1]))
     return result("minivllm.benchmarks.step_kinds", rows, preset=preset, repeats=repeats)
@@ -104,7 +120,12 @@ def main() -> None:
     parser = arg_parser(__doc__, "step_kinds")
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=["chat", "nano-vllm"])
     parser.add_argument("--preset", default="qwen3-0.6b")
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each workload per engine; the fastest is kept")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="runs of each workload per engine; the fastest is kept",
+    )
     args = parser.parse_args()
     data = run_step_kinds_benchmark(args.workloads, args.preset, args.repeats)
     save("step_kinds", data, plot_step_kinds(data), args.out)

@@ -45,7 +45,9 @@ from minivllm.checkpoint.maker import preset_config
 from minivllm.llm import LLM
 
 
-def roofline_tok_per_s(work: Workload, preset: str, max_num_seqs: int, tflops: float, tbps: float) -> float:
+def roofline_tok_per_s(
+    work: Workload, preset: str, max_num_seqs: int, tflops: float, tbps: float
+) -> float:
     """Output tokens/s no engine can beat on this workload: max(FLOPs / matmul rate, bytes / copy bandwidth)."""
     from minivllm.attention.layer import Attention
     from minivllm.engine.kv_cache import kv_block_bytes
@@ -55,15 +57,25 @@ def roofline_tok_per_s(work: Workload, preset: str, max_num_seqs: int, tflops: f
     with torch.device("meta"):  # shapes only
         model = Qwen3ForCausalLM(config)
     params = sum(p.numel() for p in model.parameters())
-    kv_per_token = kv_block_bytes([m for m in model.modules() if isinstance(m, Attention)], 1, torch.bfloat16)
+    kv_per_token = kv_block_bytes(
+        [m for m in model.modules() if isinstance(m, Attention)], 1, torch.bfloat16
+    )
     lens = [(len(p), n) for p, n in zip(work.prompts, work.output_lens)]
-    computed = sum(p + n for p, n in lens) - work.shared_prefix * (len(lens) - 1)  # a shared prefix: once
+    computed = sum(p + n for p, n in lens) - work.shared_prefix * (
+        len(lens) - 1
+    )  # a shared prefix: once
     attention_width = config.num_hidden_layers * config.num_attention_heads * config.head_dim
-    attention_flops = 2 * attention_width * sum((p + n) ** 2 for p, n in lens)  # QK^T and PV, causal: half of 4
+    attention_flops = (
+        2 * attention_width * sum((p + n) ** 2 for p, n in lens)
+    )  # QK^T and PV, causal: half of 4
     flops = 2 * params * computed + attention_flops
     decode_steps = max(max(n for _, n in lens), -(-sum(n for _, n in lens) // max_num_seqs))
-    own = sum((p - work.shared_prefix) * n + n * (n - 1) // 2 for p, n in lens)  # each output token, its own context
-    kv_reads = kv_per_token * (own + work.shared_prefix * decode_steps)  # and the shared prefix once a step
+    own = sum(
+        (p - work.shared_prefix) * n + n * (n - 1) // 2 for p, n in lens
+    )  # each output token, its own context
+    kv_reads = kv_per_token * (
+        own + work.shared_prefix * decode_steps
+    )  # and the shared prefix once a step
     seconds = max(flops / (tflops * 1e12), (2 * params * decode_steps + kv_reads) / (tbps * 1e12))
     return sum(work.output_lens) / seconds
 
@@ -85,7 +97,9 @@ def run_transformers(path: Path, prompts, output_lens) -> dict:
         pad_token_id=0,
     )
     start = time.perf_counter()
-    with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=5) as manager:
+    with model.continuous_batching_context_manager(
+        generation_config=config, block=True, timeout=5
+    ) as manager:
         ids = [manager.add_request(p, max_new_tokens=n) for p, n in zip(prompts, output_lens)]
         done: dict[str, int] = {}  # request id -> generated tokens
         while len(done) < len(ids):
@@ -93,7 +107,9 @@ def run_transformers(path: Path, prompts, output_lens) -> dict:
             if out is not None and out.is_finished():
                 done[out.request_id] = len(out.generated_tokens)
             elif out is None and not manager.is_running():
-                raise RuntimeError("transformers' continuous-batching manager stopped before finishing")
+                raise RuntimeError(
+                    "transformers' continuous-batching manager stopped before finishing"
+                )
     seconds = time.perf_counter() - start
     output_tokens = sum(done.values())
     return dict(output_tokens=output_tokens, seconds=seconds, tok_per_s=output_tokens / seconds)
@@ -101,7 +117,11 @@ def run_transformers(path: Path, prompts, output_lens) -> dict:
 
 def describe(row: dict) -> str:
     caching = "" if row["enable_prefix_caching"] else ", no prefix caching"
-    share = f" ({row['roofline_share']:.0%} of its roofline)" if row.get("roofline_share") is not None else ""
+    share = (
+        f" ({row['roofline_share']:.0%} of its roofline)"
+        if row.get("roofline_share") is not None
+        else ""
+    )
     return (
         f"{row['workload']:>9} · {row['impl']} {row['policy']}{caching}: {row['tok_per_s']:,.0f} output tok/s{share}, "
         f"{row['total_tok_per_s']:,.0f} total; TTFT p50/p99 {row['ttft_p50_ms']:,.0f}/{row['ttft_p99_ms']:,.0f} ms, "
@@ -110,7 +130,13 @@ def describe(row: dict) -> str:
 
 
 def engine_rows(
-    path: Path, preset: str, works: list[Workload], policy: str, caching: bool, rates: tuple[float, float], **config
+    path: Path,
+    preset: str,
+    works: list[Workload],
+    policy: str,
+    caching: bool,
+    rates: tuple[float, float],
+    **config,
 ) -> list[dict]:
     """One LLM (this policy, prefix caching on or off, Config fields in `config`) running each workload in turn."""
     start = time.perf_counter()
@@ -156,13 +182,19 @@ def run_throughput_benchmark(
         for policy in policies:
             rows += engine_rows(path, preset, works, policy, True, rates, **config)
         for policy in policies:  # chat without prefix caching: what the shared system prompt saves
-            rows += engine_rows(path, preset, [w for w in works if w.name == "chat"], policy, False, rates, **config)
+            rows += engine_rows(
+                path, preset, [w for w in works if w.name == "chat"], policy, False, rates, **config
+            )
     nano = [w for w in works if w.name == "nano-vllm"]
     if "minivllm-eager" in impls and nano:
-        rows += engine_rows(path, preset, nano, policies[0], True, rates, enforce_eager=True, **config)
+        rows += engine_rows(
+            path, preset, nano, policies[0], True, rates, enforce_eager=True, **config
+        )
     if "transformers-generate-batch" in impls and nano:
         row = run_transformers(path, nano[0].prompts, nano[0].output_lens)
-        rows.append(dict(impl="transformers-generate-batch", workload="nano-vllm", num_seqs=256, **row))
+        rows.append(
+            dict(impl="transformers-generate-batch", workload="nano-vllm", num_seqs=256, **row)
+        )
         print(f"nano-vllm · transformers-generate-batch: {row['tok_per_s']:,.0f} output tok/s")
     return result(
         module,
@@ -176,7 +208,9 @@ def run_throughput_benchmark(
 
 
 def label(row: dict) -> str:
-    return f"{row['impl']}, {row.get('policy', '')}" + ("" if row.get("enable_prefix_caching", True) else ", no cache")
+    return f"{row['impl']}, {row.get('policy', '')}" + (
+        "" if row.get("enable_prefix_caching", True) else ", no cache"
+    )
 
 
 def plot_throughput(data: dict):
@@ -196,7 +230,9 @@ def plot_throughput(data: dict):
     ]
     for j, config in enumerate(configs):
         mine = {r["workload"]: r for r in rows if label(r) == config}
-        x = [i + (j - (len(configs) - 1) / 2) * width for i, name in enumerate(names) if name in mine]
+        x = [
+            i + (j - (len(configs) - 1) / 2) * width for i, name in enumerate(names) if name in mine
+        ]
         runs = [mine[name] for name in names if name in mine]
         for ax, key, p99, title in panels:
             ax.bar(x, [r[key] for r in runs], width, color=f"C{j}", label=config)
@@ -205,7 +241,14 @@ def plot_throughput(data: dict):
             ax.set_title(title, fontsize=10)
         for xi, r in zip(x, runs):
             if r.get("roofline_share") is not None:
-                axes[0, 0].text(xi, r["tok_per_s"], f"{r['roofline_share']:.0%}", ha="center", va="bottom", fontsize=7)
+                axes[0, 0].text(
+                    xi,
+                    r["tok_per_s"],
+                    f"{r['roofline_share']:.0%}",
+                    ha="center",
+                    va="bottom",
+                    fontsize=7,
+                )
             host = r["step_breakdown"]["scheduler"]["seconds"] / r["seconds"]
             axes[1, 1].bar(xi, 100 * host, width, color=f"C{j}")
     axes[1, 1].set_title("% of the run in the scheduler (host; the GPU waits)", fontsize=10)
@@ -216,7 +259,9 @@ def plot_throughput(data: dict):
     handles, labels = axes[0, 0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(configs), fontsize=9)
     axes[0, 0].set_title("output tokens / s (label: share of the workload's roofline)", fontsize=10)
-    fig.suptitle(f"{data['preset']} ({data['dtype']}) on {data['device']}: every request arrives at once")
+    fig.suptitle(
+        f"{data['preset']} ({data['dtype']}) on {data['device']}: every request arrives at once"
+    )
     fig.tight_layout(rect=(0, 0.05, 1, 1))  # room for the legend below
     return fig
 

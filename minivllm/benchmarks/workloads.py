@@ -54,7 +54,10 @@ def workload(
 ) -> tuple[list[list[int]], list[int]]:
     """nano-vllm's bench.py: prompts first, then output lengths, from one random.seed(seed) stream (its seed is 0)."""
     random.seed(seed)
-    prompts = [[random.randint(0, 10000) for _ in range(random.randint(min_len, max_len))] for _ in range(num_seqs)]
+    prompts = [
+        [random.randint(0, 10000) for _ in range(random.randint(min_len, max_len))]
+        for _ in range(num_seqs)
+    ]
     output_lens = [random.randint(min_len, max_len) for _ in range(num_seqs)]
     return prompts, output_lens
 
@@ -95,7 +98,9 @@ def describe_workload(work: Workload) -> str:
     )
 
 
-def make_requests(n: int, prompt_lens, output_lens, vocab: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+def make_requests(
+    n: int, prompt_lens, output_lens, vocab: int, seed: int = 0
+) -> tuple[list[list[int]], list[int]]:
     """The serving benchmark's requests: n prompts of token ids (< 10,000 and the vocabulary) with lengths in
     prompt_lens, then n output lengths in output_lens, from `random.Random(seed)`."""
     rng = random.Random(seed)
@@ -110,7 +115,9 @@ def step_breakdown(steps: list[StepStats]) -> dict:
     Scheduler.postprocess, two calls a step) and "runner.run" (ModelRunner.run: step inputs, forward, sampler)."""
     ran = [stats for stats in steps if stats.kind != "idle"]
     return {
-        "scheduler": dict(seconds=sum(s.schedule_seconds + s.postprocess_seconds for s in ran), calls=2 * len(ran)),
+        "scheduler": dict(
+            seconds=sum(s.schedule_seconds + s.postprocess_seconds for s in ran), calls=2 * len(ran)
+        ),
         "runner.run": dict(seconds=sum(s.run_seconds for s in ran), calls=len(ran)),
     }
 
@@ -131,7 +138,9 @@ def warm_up(llm: "LLM", work: Workload) -> None:
     its steps compiled and the allocator's memory reserved, as a server's steady state, and finds nothing cached.
     (The first engine of a process still measures ~2.5% slower on nano-vllm's workload, whichever its policy, its
     prefill steps included: something other than compiling, not found yet.)"""
-    llm.generate(work.prompts, [dataclasses.replace(p, max_tokens=2) for p in work.params], use_tqdm=False)
+    llm.generate(
+        work.prompts, [dataclasses.replace(p, max_tokens=2) for p in work.params], use_tqdm=False
+    )
     llm.engine.scheduler.block_manager.reset()
 
 
@@ -143,7 +152,9 @@ def run_workload(llm: "LLM", work: Workload) -> dict:
         outputs, steps = run_engine(llm, work.prompts, work.params)
         seconds = time.perf_counter() - start
     output_tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
-    assert output_tokens == sum(work.output_lens), "every request runs to its max_tokens (ignore_eos)"
+    assert output_tokens == sum(work.output_lens), (
+        "every request runs to its max_tokens (ignore_eos)"
+    )
     prompt_tokens = sum(map(len, work.prompts))
     tpot = [out.metrics.time_per_output_token(len(out.outputs[0].token_ids)) for out in outputs]
     kinds = [s.kind for s in steps if s.kind != "idle"]
@@ -159,7 +170,9 @@ def run_workload(llm: "LLM", work: Workload) -> dict:
         **percentiles("tpot", [t for t in tpot if t is not None]),
         steps={kind: kinds.count(kind) for kind in ("prefill", "decode", "mixed")},
         step_breakdown=step_breakdown(steps),
-        gc_seconds=pauses["seconds"],  # Python's garbage collections inside the run: host time the GPU may wait on
+        gc_seconds=pauses[
+            "seconds"
+        ],  # Python's garbage collections inside the run: host time the GPU may wait on
         gc_full_collections=pauses["full"],
     )
 
@@ -193,7 +206,9 @@ def run_minivllm(path: Path, prompts, output_lens, **config) -> tuple[dict, dict
     startup_seconds = time.perf_counter() - start
     try:
         llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)  # warm-up
-        params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens]
+        params = [
+            SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens
+        ]
         row = run_workload(llm, Workload("nano-vllm", prompts, params))
         kv_cache_tokens = llm.engine.scheduler.block_manager.num_slots
     finally:
@@ -236,7 +251,9 @@ def decode_step_rows(
     rows, cache = [], None
     for impl in impls:
         eager = impl.endswith("eager")
-        runner_config = Config(path, max_num_seqs=max(batch_sizes), max_model_len=4096, enforce_eager=eager, **config)
+        runner_config = Config(
+            path, max_num_seqs=max(batch_sizes), max_model_len=4096, enforce_eager=eager, **config
+        )
         runner = make_runner(runner_config)  # as the engine makes it
         try:
             rows += [
@@ -244,14 +261,20 @@ def decode_step_rows(
                 for batch, ms in runner_rows(runner, context_len, batch_sizes, impl)
             ]
             blocks, block_size = runner.num_kvcache_blocks, runner.block_size
-            cache = cache or dict(num_kvcache_blocks=blocks, block_size=block_size, kv_cache_tokens=blocks * block_size)
+            cache = cache or dict(
+                num_kvcache_blocks=blocks,
+                block_size=block_size,
+                kv_cache_tokens=blocks * block_size,
+            )
         finally:
             runner.close()
     assert cache is not None, "impls must name at least one runner"
     return rows, cache
 
 
-def runner_rows(runner: "ModelRunner", context_len: int, batch_sizes, impl: str) -> list[tuple[int, float]]:
+def runner_rows(
+    runner: "ModelRunner", context_len: int, batch_sizes, impl: str
+) -> list[tuple[int, float]]:
     """(batch, median ms of a decode step) for each batch size: `batch` sequences prefilled, then decoded."""
     from minivllm.engine.block_manager import BlockManager
     from minivllm.engine.sequence import Sequence
@@ -261,7 +284,11 @@ def runner_rows(runner: "ModelRunner", context_len: int, batch_sizes, impl: str)
     rows = []
     for batch in batch_sizes:
         seqs = [
-            Sequence(rng.choices(range(10000), k=context_len), SamplingParams(temperature=0.6), bm.block_size)
+            Sequence(
+                rng.choices(range(10000), k=context_len),
+                SamplingParams(temperature=0.6),
+                bm.block_size,
+            )
             for _ in range(batch)
         ]
         for seq in seqs:

@@ -13,9 +13,22 @@ from typing import TYPE_CHECKING, Any
 from minivllm.checkpoint.cache import checkpoint_for
 
 if TYPE_CHECKING:
-    from minivllm.checkpoint.maker import PRESETS, main, preset_config, train_tokenizer, write_checkpoint
+    from minivllm.checkpoint.maker import (
+        PRESETS,
+        main,
+        preset_config,
+        train_tokenizer,
+        write_checkpoint,
+    )
 
-__all__ = ["PRESETS", "checkpoint_for", "main", "preset_config", "train_tokenizer", "write_checkpoint"]
+__all__ = [
+    "PRESETS",
+    "checkpoint_for",
+    "main",
+    "preset_config",
+    "train_tokenizer",
+    "write_checkpoint",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -17,14 +17,18 @@ PRESET_FIELDS = (
     "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads head_dim "
     "max_position_embeddings dtype"
 ).split()
-PRESETS: dict[str, dict[str, Any]] = {  # every preset ties the LM head to the embedding, as the small Qwen3s do
+PRESETS: dict[
+    str, dict[str, Any]
+] = {  # every preset ties the LM head to the embedding, as the small Qwen3s do
     name: dict(zip(PRESET_FIELDS, values), tie_word_embeddings=True)
     for name, values in {
         "tiny": (2048, 128, 384, 4, 4, 2, 32, 4096, "float32"),
         "qwen3-0.6b": (151936, 1024, 3072, 28, 16, 8, 128, 40960, "bfloat16"),
     }.items()
 }
-PRESETS["tiny-text"] = dict(PRESETS["tiny"])  # tiny's shapes; write_checkpoint trains it on the corpus
+PRESETS["tiny-text"] = dict(
+    PRESETS["tiny"]
+)  # tiny's shapes; write_checkpoint trains it on the corpus
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
@@ -36,22 +40,34 @@ def preset_config(name: str) -> Qwen3Config:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     # rope_theta: transformers 4's keyword, which 5 still takes (into rope_parameters) but no longer declares
-    return Qwen3Config(**PRESETS[name], rope_theta=1e6, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=2)  # type: ignore[call-arg]
+    return Qwen3Config(
+        **PRESETS[name], rope_theta=1e6, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=2
+    )  # type: ignore[call-arg]
 
 
 def train_tokenizer(vocab_size: int = 2048) -> PreTrainedTokenizerFast:
     """A byte-level BPE trained on the text in minivllm/data (deterministic: same text, same merges)."""
-    text = resources.files("minivllm").joinpath("data/tokenizer_corpus.txt").read_text(encoding="utf-8")
+    text = (
+        resources.files("minivllm")
+        .joinpath("data/tokenizer_corpus.txt")
+        .read_text(encoding="utf-8")
+    )
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False, initial_alphabet=alphabet
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=alphabet,
     )
     tokenizer.train_from_iterator(text.splitlines(keepends=True), trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
+        tokenizer_object=tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
     )
 
 
@@ -61,37 +77,54 @@ def random_model(config: Qwen3Config, seed: int) -> Qwen3ForCausalLM:
     with torch.device("meta"):  # a real checkpoint's names and shapes, no memory yet
         # mypy: transformers' `to` is a functools.wraps wrapper, which mypy does not bind as a method
         model = Qwen3ForCausalLM(config).to(dtype)  # type: ignore[arg-type]
-    model.to_empty(device="cpu")  # allocate, uninitialised; this gives a tied head its own storage, so:
+    model.to_empty(
+        device="cpu"
+    )  # allocate, uninitialised; this gives a tied head its own storage, so:
     model.tie_weights()
-    model.model.rotary_emb = type(model.model.rotary_emb)(config)  # RoPE's buffers (not saved, but a forward uses them)
+    model.model.rotary_emb = type(model.model.rotary_emb)(
+        config
+    )  # RoPE's buffers (not saved, but a forward uses them)
     generator = torch.Generator().manual_seed(seed)
     params = list(model.named_parameters())  # tied weights appear once
     total = sum(p.numel() for _, p in params)
-    bar = tqdm(total=total, unit="param", unit_scale=True, desc="random weights", disable=total < 10**8)
+    bar = tqdm(
+        total=total, unit="param", unit_scale=True, desc="random weights", disable=total < 10**8
+    )
     with torch.no_grad(), bar:
         for name, param in params:
-            mean, std = (1.0, 0.1) if name.endswith("norm.weight") else (0.0, config.initializer_range)
+            mean, std = (
+                (1.0, 0.1) if name.endswith("norm.weight") else (0.0, config.initializer_range)
+            )
             param.normal_(mean, std, generator=generator)
             bar.update(param.numel())
     return model
 
 
 def write_checkpoint(
-    out: str | Path, preset: str | Qwen3Config = "tiny", seed: int = 0, max_shard_size: str | int | None = None
+    out: str | Path,
+    preset: str | Qwen3Config = "tiny",
+    seed: int = 0,
+    max_shard_size: str | int | None = None,
 ) -> Path:
     """Write a HuggingFace checkpoint folder: config, generation config, safetensors weights, tokenizer."""
     config = preset_config(preset) if isinstance(preset, str) else preset
     tokenizer = train_tokenizer()
     tokenizer.model_max_length = config.max_position_embeddings
     if len(tokenizer) > config.vocab_size:
-        raise ValueError(f"vocab_size={config.vocab_size} cannot hold the tokenizer's {len(tokenizer)} tokens")
+        raise ValueError(
+            f"vocab_size={config.vocab_size} cannot hold the tokenizer's {len(tokenizer)} tokens"
+        )
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     model = random_model(config, seed)
-    if preset == "tiny-text":  # a few hundred steps on the corpus, so that greedy output reads as text
+    if (
+        preset == "tiny-text"
+    ):  # a few hundred steps on the corpus, so that greedy output reads as text
         train(model, corpus_ids(tokenizer), seed)
     model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=[2, 0], pad_token_id=0)
-    options: dict[str, Any] = {"max_shard_size": max_shard_size} if max_shard_size else {}  # {}: transformers' default
+    options: dict[str, Any] = (
+        {"max_shard_size": max_shard_size} if max_shard_size else {}
+    )  # {}: transformers' default
     model.save_pretrained(out, **options)
     tokenizer.save_pretrained(out)
     return out

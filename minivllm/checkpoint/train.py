@@ -11,7 +11,9 @@ from contextlib import contextmanager
 from importlib import resources
 
 import torch
-from tqdm import tqdm  # the terminal bar: tqdm.auto would draw a widget in notebooks, disable=None or not
+from tqdm import (
+    tqdm,
+)  # the terminal bar: tqdm.auto would draw a widget in notebooks, disable=None or not
 from transformers import PreTrainedTokenizerBase, Qwen3ForCausalLM
 
 STEPS = 250
@@ -23,7 +25,11 @@ WARMUP_STEPS = 20
 
 def corpus_ids(tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:
     """The corpus the tokenizer was trained on, as token ids."""
-    text = resources.files("minivllm").joinpath("data/tokenizer_corpus.txt").read_text(encoding="utf-8")
+    text = (
+        resources.files("minivllm")
+        .joinpath("data/tokenizer_corpus.txt")
+        .read_text(encoding="utf-8")
+    )
     return torch.tensor(tokenizer.encode(text))  # (num_tokens,)
 
 
@@ -43,7 +49,9 @@ def windows(token_ids: torch.Tensor, steps: int, seed: int) -> Iterator[torch.Te
     generator = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         starts = torch.randint(0, len(token_ids) - CONTEXT + 1, (BATCH_SIZE,), generator=generator)
-        yield torch.stack([token_ids[start : start + CONTEXT] for start in starts.tolist()])  # (BATCH_SIZE, CONTEXT)
+        yield torch.stack(
+            [token_ids[start : start + CONTEXT] for start in starts.tolist()]
+        )  # (BATCH_SIZE, CONTEXT)
 
 
 def learning_rate(step: int, steps: int) -> float:
@@ -51,18 +59,27 @@ def learning_rate(step: int, steps: int) -> float:
     return LR * min(1.0, (step + 1) / WARMUP_STEPS, 5 * (1 - step / steps))
 
 
-def train(model: Qwen3ForCausalLM, token_ids: torch.Tensor, seed: int = 0, steps: int = STEPS) -> list[float]:
+def train(
+    model: Qwen3ForCausalLM, token_ids: torch.Tensor, seed: int = 0, steps: int = STEPS
+) -> list[float]:
     """Train `model` in place on windows of `token_ids` (next-token loss); returns the loss of every step."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0)
     losses = []
     model.train()
     with one_thread():
         # about half a minute: a bar in a terminal (disable=None: none in a notebook's or a log's output)
-        batches = tqdm(windows(token_ids, steps, seed), total=steps, desc="training on the corpus", disable=None)
+        batches = tqdm(
+            windows(token_ids, steps, seed),
+            total=steps,
+            desc="training on the corpus",
+            disable=None,
+        )
         for step, batch in enumerate(batches):
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(step, steps)
-            loss = model(input_ids=batch, labels=batch).loss  # transformers shifts the labels by one
+            loss = model(
+                input_ids=batch, labels=batch
+            ).loss  # transformers shifts the labels by one
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

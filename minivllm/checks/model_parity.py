@@ -87,10 +87,14 @@ def run_model_parity(
             prompt_logits(model, token_ids[:16])  # warm-up: compiles the Triton kernel on a GPU
             logits["minivllm", dtype] = prompt_logits(model, token_ids).cpu()
             del model
-            hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+            hf = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, attn_implementation=attn_implementation
+            )
             hf = hf.to(device).eval()  # type: ignore[arg-type]  # transformers' `to`: see checkpoint/maker.py
             with torch.inference_mode():
-                logits["transformers", dtype] = hf(torch.tensor([token_ids], device=device)).logits[0].cpu()
+                logits["transformers", dtype] = (
+                    hf(torch.tensor([token_ids], device=device)).logits[0].cpu()
+                )
             del hf
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -142,7 +146,10 @@ CLEAR_CUT_MARGIN = 1.0  # logits: far more than bfloat16 rounding moves one (DEC
 
 @torch.inference_mode()
 def greedy_agreement(
-    model: str | Path, outputs: list, dtype: torch.dtype = torch.bfloat16, margin: float = CLEAR_CUT_MARGIN
+    model: str | Path,
+    outputs: list,
+    dtype: torch.dtype = torch.bfloat16,
+    margin: float = CLEAR_CUT_MARGIN,
 ) -> dict:
     """Teacher forcing: given each prompt and the greedy tokens an engine wrote (`RequestOutput`s), transformers'
     top token at every position of the completion. The share of our tokens it agrees with, over all of them and
@@ -153,7 +160,9 @@ def greedy_agreement(
     for out in outputs:
         ours, start = out.outputs[0].token_ids, len(out.prompt_token_ids) - 1
         ids = torch.tensor([out.prompt_token_ids + ours], device=device)
-        logits = hf(ids).logits[0, start:-1].float().cpu()  # the logits that chose each of our tokens
+        logits = (
+            hf(ids).logits[0, start:-1].float().cpu()
+        )  # the logits that chose each of our tokens
         top2 = logits.topk(2).values
         same.append(logits.argmax(-1) == torch.tensor(ours))
         clear.append(top2[:, 0] - top2[:, 1] > margin)
@@ -163,13 +172,19 @@ def greedy_agreement(
         tokens=len(agree),
         agreement=int(agree.sum()) / len(agree),
         clear_cut=int(decisive.sum()),
-        agreement_clear_cut=int(agree[decisive].sum()) / int(decisive.sum()) if decisive.any() else 1.0,
+        agreement_clear_cut=int(agree[decisive].sum()) / int(decisive.sum())
+        if decisive.any()
+        else 1.0,
     )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=OUT, help="folder for model_parity.json (default: ./figures)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--out", type=Path, default=OUT, help="folder for model_parity.json (default: ./figures)"
+    )
     parser.add_argument("--preset", default="qwen3-0.6b")
     parser.add_argument("--num-tokens", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)

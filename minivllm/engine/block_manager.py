@@ -31,7 +31,9 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
+            raise ValueError(
+                f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}"
+            )
         self.num_blocks = num_blocks
         self.block_size = block_size  # the one owner: sequences and the scheduler read it from here
         self.enable_prefix_caching = enable_prefix_caching
@@ -41,8 +43,12 @@ class BlockManager:
         """Every block free and empty, nothing cached: the state of a new block manager. Trusts nothing it held."""
         self.blocks = [Block(i) for i in range(self.num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
-        self.free_block_ids: deque[int] = deque(range(self.num_blocks))  # free, nothing worth keeping
-        self.cached_block_ids: OrderedDict[int, None] = OrderedDict()  # free but cached; least recently freed first
+        self.free_block_ids: deque[int] = deque(
+            range(self.num_blocks)
+        )  # free, nothing worth keeping
+        self.cached_block_ids: OrderedDict[int, None] = (
+            OrderedDict()
+        )  # free but cached; least recently freed first
 
     @property
     def num_slots(self) -> int:
@@ -63,7 +69,9 @@ class BlockManager:
 
     def _lookup(self, h: int, token_ids: list[int]) -> Block | None:
         block_id = self.hash_to_block_id.get(h)
-        if block_id is None or self.blocks[block_id].token_ids != token_ids:  # a 64-bit hash can collide
+        if (
+            block_id is None or self.blocks[block_id].token_ids != token_ids
+        ):  # a 64-bit hash can collide
             return None
         return self.blocks[block_id]
 
@@ -85,7 +93,9 @@ class BlockManager:
 
     def _cache(self, block: Block, h: int, token_ids: list[int]) -> None:
         block.hash, block.token_ids = h, token_ids
-        self.hash_to_block_id.setdefault(h, block.block_id)  # the first copy stays the one that hits
+        self.hash_to_block_id.setdefault(
+            h, block.block_id
+        )  # the first copy stays the one that hits
 
     def _release(self, block: Block) -> None:
         assert block.ref_count > 0, f"block {block.block_id} freed more often than taken"
@@ -103,11 +113,19 @@ class BlockManager:
 
     def allocate(self, seq: Sequence) -> None:
         """Blocks for a waiting sequence: its longest run of leading full blocks found in the cache, then fresh ones."""
-        assert not seq.block_table and seq.num_cached_tokens == 0, f"sequence {seq.seq_id} already holds blocks"
-        assert seq.block_size == self.block_size, f"sequence block_size {seq.block_size} != {self.block_size}"
+        assert not seq.block_table and seq.num_cached_tokens == 0, (
+            f"sequence {seq.seq_id} already holds blocks"
+        )
+        assert seq.block_size == self.block_size, (
+            f"sequence block_size {seq.block_size} != {self.block_size}"
+        )
         assert self.can_allocate(seq), "allocate() without room: ask can_allocate() first"
-        reuse = self.enable_prefix_caching and seq.sampling_params.prompt_logprobs is None  # those score every token
-        max_hits = (seq.num_tokens - 1) // self.block_size if reuse else 0  # the last token is always computed
+        reuse = (
+            self.enable_prefix_caching and seq.sampling_params.prompt_logprobs is None
+        )  # those score every token
+        max_hits = (
+            (seq.num_tokens - 1) // self.block_size if reuse else 0
+        )  # the last token is always computed
         parent_hash = -1
         for i in range(max_hits):
             token_ids = seq.block(i)
@@ -126,9 +144,13 @@ class BlockManager:
         assert seq.num_cached_tokens <= num_tokens <= seq.num_tokens
         if not self.enable_prefix_caching:
             return
-        for i in range(seq.num_cached_blocks, num_tokens // self.block_size):  # blocks before are cached already
+        for i in range(
+            seq.num_cached_blocks, num_tokens // self.block_size
+        ):  # blocks before are cached already
             block = self.blocks[seq.block_table[i]]
-            assert block.hash == -1 and block.ref_count == 1, "only its own sequence writes a block being computed"
+            assert block.hash == -1 and block.ref_count == 1, (
+                "only its own sequence writes a block being computed"
+            )
             parent_hash = self.blocks[seq.block_table[i - 1]].hash if i else -1
             token_ids = seq.block(i)
             self._cache(block, compute_hash(token_ids, parent_hash), token_ids)
@@ -140,18 +162,26 @@ class BlockManager:
     def may_append(self, seq: Sequence) -> None:
         """After append_token: a new block when the new token starts one; cache the last block once it is full."""
         block_table = seq.block_table
-        assert block_table and seq.num_blocks - len(block_table) in (0, 1), "call may_append after each append_token"
+        assert block_table and seq.num_blocks - len(block_table) in (0, 1), (
+            "call may_append after each append_token"
+        )
         if len(block_table) < seq.num_blocks:
             assert self.blocks[block_table[-1]].hash != -1 or not self.enable_prefix_caching
             block_table.append(self._take_free_block().block_id)
         if seq.last_block_num_tokens == self.block_size and self.enable_prefix_caching:
             last = self.blocks[block_table[-1]]
-            assert last.hash == -1 and last.ref_count == 1  # only its own sequence ever writes into it
+            assert (
+                last.hash == -1 and last.ref_count == 1
+            )  # only its own sequence ever writes into it
             self._cache_last_block(seq)
 
     def token_known(self, seq: Sequence) -> None:
         """seq's newest token, a placeholder until now (06), is known: re-cache a block cached with it (no hit)."""
-        if seq.block_table and len(seq.block_table) == seq.num_blocks and self.blocks[seq.block_table[-1]].hash != -1:
+        if (
+            seq.block_table
+            and len(seq.block_table) == seq.num_blocks
+            and self.blocks[seq.block_table[-1]].hash != -1
+        ):
             self._cache_last_block(seq)
 
     def _cache_last_block(self, seq: Sequence) -> None:

@@ -4,7 +4,10 @@ import numpy as np
 
 from minivllm.engine.step_inputs import StepInputs
 
-CASCADE_MIN_ROWS, CASCADE_MIN_TOKENS = 16, 256  # below these, reading a prefix once saves less than a launch
+CASCADE_MIN_ROWS, CASCADE_MIN_TOKENS = (
+    16,
+    256,
+)  # below these, reading a prefix once saves less than a launch
 
 
 def shared_prefix(
@@ -15,8 +18,12 @@ def shared_prefix(
     if len(tables) < CASCADE_MIN_ROWS:
         return None, None
     firsts, counts = np.unique(tables[:, 0], return_counts=True)
-    full = (context_lens.astype(np.int64) - 1) // block_size  # blocks before the new token's: full, shareable
-    rows = (tables[:, 0] == firsts[counts.argmax()]) & (full > 0)  # those that begin with the commonest block
+    full = (
+        context_lens.astype(np.int64) - 1
+    ) // block_size  # blocks before the new token's: full, shareable
+    rows = (tables[:, 0] == firsts[counts.argmax()]) & (
+        full > 0
+    )  # those that begin with the commonest block
     if rows.sum() < CASCADE_MIN_ROWS:
         return None, None
     shared = tables[rows, : full[rows].min()]  # (sharers, blocks all of them have filled)
@@ -24,7 +31,9 @@ def shared_prefix(
     num_blocks = int(same.argmin()) if not same.all() else len(same)
     if num_blocks * block_size < CASCADE_MIN_TOKENS:
         return None, None
-    return shared[0, :num_blocks].copy(), np.where(rows, num_blocks * block_size, 0).astype(np.int32)
+    return shared[0, :num_blocks].copy(), np.where(rows, num_blocks * block_size, 0).astype(
+        np.int32
+    )
 
 
 def add_shared_prefix(step: StepInputs, block_size: int) -> None:

@@ -18,7 +18,9 @@ class Delta(NamedTuple):  # what one completion got in one step: all that crosse
     token_ids: list[int]  # its new tokens
     finish_reason: str | None  # set once the core finished it ("stop": an EOS or stop id; "length")
     logprobs: list[TokenLogprobs] | None  # one row per new token, if asked
-    prompt_logprobs: tuple[int, list[TokenLogprobs]] | None  # (first position, rows), once the prompt is scored
+    prompt_logprobs: (
+        tuple[int, list[TokenLogprobs]] | None
+    )  # (first position, rows), once the prompt is scored
 
 
 def rows(logprobs: list[dict[int, Logprob]]) -> list[TokenLogprobs]:
@@ -33,7 +35,9 @@ class EngineCore:
     def __init__(self, model: str, **kwargs):
         self.engine = LLMEngine(model, **kwargs)
         self.engine.output_processor = OutputProcessor(None)  # no detokenizing here
-        self.sent: dict[str, list[int]] = {}  # request id -> tokens sent per completion, while it runs here
+        self.sent: dict[
+            str, list[int]
+        ] = {}  # request id -> tokens sent per completion, while it runs here
         self.prompt_sent: dict[str, int] = {}  # request id -> prompt logprob rows sent
 
     def handle(self, message: tuple) -> list[tuple]:
@@ -68,14 +72,18 @@ class EngineCore:
         """One step; a Delta for each completion that got tokens or finished."""
         finished, _ = self.engine.step()
         deltas = [d for out in finished for d in self.finished_deltas(out)]
-        for seq in self.engine.scheduler.running:  # only those can have new tokens: O(batch), not O(queue)
+        for seq in (
+            self.engine.scheduler.running
+        ):  # only those can have new tokens: O(batch), not O(queue)
             request = self.engine.requests[seq.seq_id]
             i, sent = request.seqs.index(seq), self.sent[request.request_id]
             if seq.num_completion_tokens > sent[i]:
                 logprobs = request.logprobs.get(i)
                 new = rows(logprobs[sent[i] :]) if logprobs is not None else None
                 token_ids = seq.completion_token_ids[sent[i] :]
-                deltas.append(Delta(request.request_id, i, token_ids, None, new, self.prompt(request)))
+                deltas.append(
+                    Delta(request.request_id, i, token_ids, None, new, self.prompt(request))
+                )
                 sent[i] = seq.num_completion_tokens
         return deltas
 
@@ -88,7 +96,9 @@ class EngineCore:
                 prompt = (1, rows(out.prompt_logprobs[1:]))  # type: ignore[arg-type]  # row 0 is None
                 self.prompt_sent[out.request_id] = 1
             token_ids = c.token_ids[sent[c.index] :]
-            deltas.append(Delta(out.request_id, c.index, token_ids, c.finish_reason, logprobs, prompt))
+            deltas.append(
+                Delta(out.request_id, c.index, token_ids, c.finish_reason, logprobs, prompt)
+            )
         self.forget(out.request_id)
         return deltas
 
@@ -137,10 +147,14 @@ class EngineCore:
             if busy:
                 try:
                     deltas = self.step()
-                except Exception as e:  # the engine aborted that step's requests: their callers get the error
+                except (
+                    Exception
+                ) as e:  # the engine aborted that step's requests: their callers get the error
                     conn.send(("failed", self.lost(), f"the step failed ({e})"))
                     continue
-                conn.send(("step", [tuple(d) for d in deltas], self.stats()))  # plain tuples pickle 5x faster
+                conn.send(
+                    ("step", [tuple(d) for d in deltas], self.stats())
+                )  # plain tuples pickle 5x faster
                 last = time.monotonic()
             elif time.monotonic() - last >= heartbeat:
                 conn.send(("alive", self.stats()))

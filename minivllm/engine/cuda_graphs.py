@@ -16,7 +16,13 @@ class StepGraphs:
     """Forward passes captured once per size (tokens in the step), over static inputs that each replay fills."""
 
     def __init__(
-        self, sizes: list[int], max_rows: int, max_blocks: int, hidden: int, dtype: torch.dtype, device: Device
+        self,
+        sizes: list[int],
+        max_rows: int,
+        max_blocks: int,
+        hidden: int,
+        dtype: torch.dtype,
+        device: Device,
     ):
         self.sizes, n = sizes, sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
@@ -24,9 +30,15 @@ class StepGraphs:
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.hidden = torch.zeros(n, hidden, dtype=dtype, device=device)
         self.block_tables = torch.zeros(max_rows, max_blocks, dtype=torch.int32, device=device)
-        self.lens = torch.zeros(2, max_rows, dtype=torch.int32, device=device)  # both zeroed by one launch a step
-        self.context_lens, self.prefix_lens = self.lens  # decode rows' (0: not one), their shared prefix's (03)
-        self.prefix_blocks = torch.zeros(max_blocks, dtype=torch.int32, device=device)  # a shared prefix (03)
+        self.lens = torch.zeros(
+            2, max_rows, dtype=torch.int32, device=device
+        )  # both zeroed by one launch a step
+        self.context_lens, self.prefix_lens = (
+            self.lens
+        )  # decode rows' (0: not one), their shared prefix's (03)
+        self.prefix_blocks = torch.zeros(
+            max_blocks, dtype=torch.int32, device=device
+        )  # a shared prefix (03)
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (size, cascade): the graph
         self.pool: Any = None  # the graphs' memory, one pool for all
         self.num_replays = 0
@@ -35,7 +47,9 @@ class StepGraphs:
         """Copy the step's attention inputs into the static ones: block tables, and the decode rows' cache lengths
         and shared prefix (the rows past them: an empty cache, no decode output)."""
         assert context.block_tables is not None  # a captured step reads the paged cache
-        self.block_tables[: context.block_tables.shape[0], : context.block_tables.shape[1]] = context.block_tables
+        self.block_tables[: context.block_tables.shape[0], : context.block_tables.shape[1]] = (
+            context.block_tables
+        )
         self.lens.zero_()
         if context.context_lens is not None:
             self.context_lens[: context.context_lens.shape[0]] = context.context_lens
@@ -43,20 +57,29 @@ class StepGraphs:
             self.prefix_lens[: context.prefix_lens.shape[0]] = context.prefix_lens
             self.prefix_blocks[: context.prefix_blocks.shape[0]] = context.prefix_blocks
 
-    def capture(self, model: torch.nn.Module, context_of: Callable[[int], PagedContext], cascade: bool) -> None:
+    def capture(
+        self, model: torch.nn.Module, context_of: Callable[[int], PagedContext], cascade: bool
+    ) -> None:
         """A graph per size, keyed (size, cascade): with `cascade`, the sizes with room for CASCADE_MIN_ROWS decode
         rows read a shared prefix once (03; rows that share none run it with lengths 0, at the price of its
         launches), and the others are captured without it."""
         for size in reversed(self.sizes):  # the largest first: the others fit in its memory pool
             context = context_of(size)
-            assert context.context_lens is not None  # its decode rows (a prefill step's: empty caches)
+            assert (
+                context.context_lens is not None
+            )  # its decode rows (a prefill step's: empty caches)
             rows = context.context_lens.shape[0]
             key = (size, cascade and rows >= CASCADE_MIN_ROWS)
             if key in self.graphs:
                 continue  # too few rows for the cascade: captured without it already
             if key[1]:
-                context.prefix_blocks, context.prefix_lens = self.prefix_blocks, self.prefix_lens[:rows]
-            self.hidden[:size] = model(self.input_ids[:size], self.positions[:size], context)  # warm-up: compile
+                context.prefix_blocks, context.prefix_lens = (
+                    self.prefix_blocks,
+                    self.prefix_lens[:rows],
+                )
+            self.hidden[:size] = model(
+                self.input_ids[:size], self.positions[:size], context
+            )  # warm-up: compile
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, self.pool):
                 self.hidden[:size] = model(self.input_ids[:size], self.positions[:size], context)
@@ -84,7 +107,11 @@ class StepGraphs:
         return next(((size, cascade) for cascade in order if (size, cascade) in self.graphs), None)
 
     def replay(
-        self, key: tuple[int, bool], input_ids: torch.Tensor, positions: torch.Tensor, context: PagedContext
+        self,
+        key: tuple[int, bool],
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        context: PagedContext,
     ) -> torch.Tensor:
         """Run the step in the graph `key_for` chose."""
         n = input_ids.shape[0]
@@ -98,7 +125,9 @@ class StepGraphs:
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + [b for b in range(16, max_num_seqs + 1, 16)]
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + [
+        b for b in range(16, max_num_seqs + 1, 16)
+    ]
     return sizes or [max_num_seqs]
 
 
@@ -106,9 +135,15 @@ class DecodeGraphs(StepGraphs):
     """One captured decode step per batch size."""
 
     def __init__(self, model: torch.nn.Module, config: Config, dtype: torch.dtype, device: Device):
-        sizes, max_blocks = graph_batch_sizes(config.max_num_seqs), -(-config.max_model_len // config.block_size)
+        sizes, max_blocks = (
+            graph_batch_sizes(config.max_num_seqs),
+            -(-config.max_model_len // config.block_size),
+        )
         super().__init__(sizes, sizes[-1], max_blocks, config.hf_config.hidden_size, dtype, device)
-        for cascade in (False, True):  # a step with a shared prefix, and one without, each as fast as it can be
+        for cascade in (
+            False,
+            True,
+        ):  # a step with a shared prefix, and one without, each as fast as it can be
             self.capture(model, self.context, cascade)
 
     def context(self, size: int) -> PagedContext:

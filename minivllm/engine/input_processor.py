@@ -17,24 +17,38 @@ from minivllm.engine.sequence import Sequence
 from minivllm.outputs import Logprob, RequestMetrics
 from minivllm.sampling_params import SamplingParams, as_token_ids
 
-Prompt = str | list[int]  # text, or token ids: a list or tuple of ints, or a 1-D integer NumPy array / PyTorch tensor
+Prompt = (
+    str | list[int]
+)  # text, or token ids: a list or tuple of ints, or a 1-D integer NumPy array / PyTorch tensor
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase | None:
     """The checkpoint's tokenizer, or None when the folder has none (token-id prompts still work). transformers may
     build an empty tokenizer from a folder without tokenizer files: one that knows only special tokens is none."""
-    named = json.loads(p.read_text()) if (p := Path(path) / "tokenizer_config.json").is_file() else {}
-    name = "AutoTokenizer" if "auto_map" in named else named.get("tokenizer_class") or "AutoTokenizer"
+    named = (
+        json.loads(p.read_text()) if (p := Path(path) / "tokenizer_config.json").is_file() else {}
+    )
+    name = (
+        "AutoTokenizer" if "auto_map" in named else named.get("tokenizer_class") or "AutoTokenizer"
+    )
     try:  # the class named, imported alone: AutoTokenizer imports transformers' model registry (seconds)
-        tokenizer = (getattr(transformers, name, None) or transformers.AutoTokenizer).from_pretrained(path)
+        tokenizer = (
+            getattr(transformers, name, None) or transformers.AutoTokenizer
+        ).from_pretrained(path)
     except (OSError, ValueError):
         return None
     return tokenizer if set(tokenizer.get_vocab()) - set(tokenizer.all_special_tokens) else None
 
 
-def eos_token_ids(path: str | Path, tokenizer: PreTrainedTokenizerBase | None, hf_config) -> list[int]:
+def eos_token_ids(
+    path: str | Path, tokenizer: PreTrainedTokenizerBase | None, hf_config
+) -> list[int]:
     """Every end-of-sequence id: the tokenizer's first, then generation_config.json's, then config.json's."""
-    ids = [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []
+    ids = (
+        [tokenizer.eos_token_id]
+        if tokenizer is not None and tokenizer.eos_token_id is not None
+        else []
+    )
     try:
         extra = GenerationConfig.from_pretrained(path).eos_token_id
     except OSError:
@@ -47,7 +61,10 @@ def sample_params(params: SamplingParams) -> list[SamplingParams]:
     """One SamplingParams per completion (vLLM's rule): seed + i, prompt logprobs asked of completion 0 only."""
     seeds = [None if params.seed is None else params.seed + i for i in range(params.n)]
     prompt_logprobs = [params.prompt_logprobs] + [None] * (params.n - 1)
-    return [dataclasses.replace(params, n=1, seed=s, prompt_logprobs=p) for s, p in zip(seeds, prompt_logprobs)]
+    return [
+        dataclasses.replace(params, n=1, seed=s, prompt_logprobs=p)
+        for s, p in zip(seeds, prompt_logprobs)
+    ]
 
 
 @dataclass(slots=True)
@@ -57,17 +74,29 @@ class Request:
     prompt_token_ids: list[int]
     seqs: list[Sequence]  # one per completion (SamplingParams.n)
     metrics: RequestMetrics
-    num_started: int = 0  # seqs given to the scheduler: with prefix caching, seqs[1:] wait for seqs[0]'s prompt
-    text_ends: dict[int, int] = field(default_factory=dict)  # completion -> where its text ends (a stop string)
-    logprobs: dict[int, list[dict[int, Logprob]]] = field(default_factory=dict)  # completion -> one per token
-    prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=lambda: [None])  # per prompt token
-    texts: dict[int, tuple[str, int, int]] = field(default_factory=dict)  # completion -> see running_text
+    num_started: int = (
+        0  # seqs given to the scheduler: with prefix caching, seqs[1:] wait for seqs[0]'s prompt
+    )
+    text_ends: dict[int, int] = field(
+        default_factory=dict
+    )  # completion -> where its text ends (a stop string)
+    logprobs: dict[int, list[dict[int, Logprob]]] = field(
+        default_factory=dict
+    )  # completion -> one per token
+    prompt_logprobs: list[dict[int, Logprob] | None] = field(
+        default_factory=lambda: [None]
+    )  # per prompt token
+    texts: dict[int, tuple[str, int, int]] = field(
+        default_factory=dict
+    )  # completion -> see running_text
 
 
 class InputProcessor:
     """Prompts in, checked `Request`s out; it changes nothing (the engine queues what it returns)."""
 
-    def __init__(self, config: Config, tokenizer: PreTrainedTokenizerBase | None, block_manager: BlockManager):
+    def __init__(
+        self, config: Config, tokenizer: PreTrainedTokenizerBase | None, block_manager: BlockManager
+    ):
         self.config, self.tokenizer, self.block_manager = config, tokenizer, block_manager
         self.eos_token_ids = eos_token_ids(config.model, tokenizer, config.hf_config)
         self.counter = count()  # request ids the engine hands out
@@ -75,7 +104,9 @@ class InputProcessor:
     def tokenize(self, prompt: Prompt, name: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"{name} is text, but {self.config.model} has no tokenizer: pass token ids")
+                raise ValueError(
+                    f"{name} is text, but {self.config.model} has no tokenizer: pass token ids"
+                )
             return self.tokenizer.encode(prompt)
         return as_token_ids(prompt, name)
 
@@ -96,10 +127,16 @@ class InputProcessor:
             )
         if bad := [t for t in token_ids if not 0 <= t < vocab_size]:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-        if bad := [t for t in params.stop_token_ids if not 0 <= t < vocab_size]:  # the sampler indexes by them
-            raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        if bad := [
+            t for t in params.stop_token_ids if not 0 <= t < vocab_size
+        ]:  # the sampler indexes by them
+            raise ValueError(
+                f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
+            )
         if params.stop and self.tokenizer is None:
-            raise ValueError(f"stop strings need a tokenizer, and {config.model} has none: use stop_token_ids")
+            raise ValueError(
+                f"stop strings need a tokenizer, and {config.model} has none: use stop_token_ids"
+            )
 
     def request_params(self, params: SamplingParams | None) -> SamplingParams:
         """The request's own copy of params, with every EOS id (`replace` runs the checks again: fields may change)."""
@@ -108,27 +145,41 @@ class InputProcessor:
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         params = dataclasses.replace(params)
         eos = [] if params.ignore_eos else self.eos_token_ids
-        return dataclasses.replace(params, stop_token_ids=list(dict.fromkeys([*params.stop_token_ids, *eos])))
+        return dataclasses.replace(
+            params, stop_token_ids=list(dict.fromkeys([*params.stop_token_ids, *eos]))
+        )
 
-    def request_ids(self, request_ids: list[str | None], in_use: Callable[[str], bool]) -> list[str]:
+    def request_ids(
+        self, request_ids: list[str | None], in_use: Callable[[str], bool]
+    ) -> list[str]:
         """The given ids, checked to be strings neither in use (by live requests) nor repeated; None gets the next
         unused number."""
         ids: dict[str, None] = {}  # in order
         for request_id in request_ids:
             if request_id is None:
-                request_id = next(i for i in map(str, self.counter) if not in_use(i) and i not in ids)
+                request_id = next(
+                    i for i in map(str, self.counter) if not in_use(i) and i not in ids
+                )
             elif not isinstance(request_id, str):
-                raise ValueError(f"request_id must be a str, got {request_id!r} ({type(request_id).__name__})")
+                raise ValueError(
+                    f"request_id must be a str, got {request_id!r} ({type(request_id).__name__})"
+                )
             elif in_use(request_id) or request_id in ids:
-                raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
+                raise ValueError(
+                    f"request_id {request_id!r} is already in use by an unfinished request"
+                )
             ids[request_id] = None
         return list(ids)
 
-    def make_request(self, prompt: Prompt, params: SamplingParams | None, request_id: str, name: str) -> Request:
+    def make_request(
+        self, prompt: Prompt, params: SamplingParams | None, request_id: str, name: str
+    ) -> Request:
         """Tokenize and check one request."""
         params = self.request_params(params)
         token_ids = self.tokenize(prompt, name)
         self.check_request(token_ids, params)
-        seqs = [Sequence(token_ids, p, self.block_manager.block_size) for p in sample_params(params)]
+        seqs = [
+            Sequence(token_ids, p, self.block_manager.block_size) for p in sample_params(params)
+        ]
         text = prompt if isinstance(prompt, str) else None
         return Request(request_id, text, token_ids, seqs, RequestMetrics(time.perf_counter()))

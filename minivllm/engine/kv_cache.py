@@ -13,14 +13,23 @@ from minivllm.sampling_params import SamplingParams
 
 def kv_block_bytes(layers: list[Attention], block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one KV block in every layer: the unit the cache is sized in."""
-    return 2 * sum(layer.num_kv_heads * layer.head_dim for layer in layers) * block_size * dtype.itemsize
+    return (
+        2
+        * sum(layer.num_kv_heads * layer.head_dim for layer in layers)
+        * block_size
+        * dtype.itemsize
+    )
 
 
 @torch.inference_mode()
-def profile_step(model: Qwen3ForCausalLM, sampler: Sampler, config: Config, device: torch.device) -> None:
+def profile_step(
+    model: Qwen3ForCausalLM, sampler: Sampler, config: Config, device: torch.device
+) -> None:
     """The largest step the engine will run: a full prefill, then sampling for max_num_seqs rows."""
     num_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * config.max_model_len)
-    lens = [config.max_model_len] * (num_tokens // config.max_model_len) + [num_tokens % config.max_model_len]
+    lens = [config.max_model_len] * (num_tokens // config.max_model_len) + [
+        num_tokens % config.max_model_len
+    ]
     lens = [n for n in lens if n][: config.max_num_seqs]
     input_ids = torch.zeros(sum(lens), dtype=torch.int64, device=device)
     positions = torch.cat([torch.arange(n, device=device) for n in lens])
@@ -35,13 +44,19 @@ def gpu_free_blocks(block_bytes: int, gpu_memory_utilization: float) -> int:
     free, total = torch.cuda.mem_get_info()
     stats = torch.cuda.memory_stats()
     step_peak = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
-    cached = stats["reserved_bytes.all.current"] - stats["allocated_bytes.all.current"]  # PyTorch's, free to reuse
+    cached = (
+        stats["reserved_bytes.all.current"] - stats["allocated_bytes.all.current"]
+    )  # PyTorch's, free to reuse
     used = total - free - cached
     return int(total * gpu_memory_utilization - used - step_peak) // block_bytes
 
 
 def bind_kv_cache(
-    layers: list[Attention], num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    layers: list[Attention],
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> None:
     """One tensor for the whole cache; each layer gets its K and V views, (num_blocks, block_size, kv_heads, d)."""
     shape = (2, len(layers), num_blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim)

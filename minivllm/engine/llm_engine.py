@@ -20,7 +20,11 @@ from minivllm.sampling_params import SamplingParams
 
 
 def make_runner(config: Config) -> ModelRunner:
-    return ModelRunner(config) if config.tensor_parallel_size == 1 else fast_path("tensor parallelism")(config)
+    return (
+        ModelRunner(config)
+        if config.tensor_parallel_size == 1
+        else fast_path("tensor parallelism")(config)
+    )
 
 
 @dataclass(slots=True)
@@ -39,13 +43,23 @@ class LLMEngine:
         self.runner = make_runner(self.config)
         policy = UnifiedScheduler if self.config.scheduling_policy == "unified" else Scheduler
         self.scheduler = policy(self.config, self.runner.num_kvcache_blocks)
-        self.input_processor = InputProcessor(self.config, self.tokenizer, self.scheduler.block_manager)
+        self.input_processor = InputProcessor(
+            self.config, self.tokenizer, self.scheduler.block_manager
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[int, Request] = {}  # seq_id -> request, until it finishes or is aborted
-        self.live: dict[str, Request] = {}  # request_id -> request: the same requests, found by id in O(1)
-        self.finished: list[RequestOutput] = []  # finished, not returned yet (kept back by a step given request_ids)
-        self.lock = threading.RLock()  # reentrant: LLM.generate holds it while it adds requests and steps
-        self.launched: Launched | None = None  # async scheduling: the step on the GPU while the host goes on
+        self.live: dict[
+            str, Request
+        ] = {}  # request_id -> request: the same requests, found by id in O(1)
+        self.finished: list[
+            RequestOutput
+        ] = []  # finished, not returned yet (kept back by a step given request_ids)
+        self.lock = (
+            threading.RLock()
+        )  # reentrant: LLM.generate holds it while it adds requests and steps
+        self.launched: Launched | None = (
+            None  # async scheduling: the step on the GPU while the host goes on
+        )
         gc.collect()
         gc.freeze()  # start-up's objects last as long as the engine: Python's full collections now skip them
         atexit.register(gc.unfreeze)  # (and the interpreter's last collection frees them)
@@ -58,10 +72,16 @@ class LLMEngine:
     ) -> list[str]:
         """Check every request, then queue them all: if one is bad, ValueError and none is queued. Their ids."""
         with self.lock:
-            ids = self.input_processor.request_ids(request_ids or [None] * len(prompts), self.in_use)
-            names = ["prompt"] if len(prompts) == 1 else [f"prompts[{i}]" for i in range(len(prompts))]
+            ids = self.input_processor.request_ids(
+                request_ids or [None] * len(prompts), self.in_use
+            )
+            names = (
+                ["prompt"] if len(prompts) == 1 else [f"prompts[{i}]" for i in range(len(prompts))]
+            )
             make = self.input_processor.make_request
-            requests = [make(*args) for args in zip(prompts, sampling_params, ids, names, strict=True)]
+            requests = [
+                make(*args) for args in zip(prompts, sampling_params, ids, names, strict=True)
+            ]
             for request in requests:
                 self.requests |= {seq.seq_id: request for seq in request.seqs}
                 self.live[request.request_id] = request
@@ -72,11 +92,16 @@ class LLMEngine:
         """The ids in use: of unfinished requests, and of finished ones whose outputs step() has kept back."""
         return set(self.live) | {out.request_id for out in self.finished}
 
-    def in_use(self, request_id: str) -> bool:  # O(1) for the live, O(kept outputs) for the finished
+    def in_use(
+        self, request_id: str
+    ) -> bool:  # O(1) for the live, O(kept outputs) for the finished
         return request_id in self.live or any(out.request_id == request_id for out in self.finished)
 
     def add_request(
-        self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
     ) -> str:
         return self.add_requests([prompt], [sampling_params], [request_id])[0]
 
@@ -98,13 +123,25 @@ class LLMEngine:
             if self.launched and all(seq.is_finished for seq in self.launched.seqs):
                 self.launched = None  # a step launched ahead for these alone: nothing left to read
 
-    def step(self, request_ids: Collection[str] | None = None) -> tuple[list[RequestOutput], StepStats]:
+    def step(
+        self, request_ids: Collection[str] | None = None
+    ) -> tuple[list[RequestOutput], StepStats]:
         """Finish one step, if any request is queued: the outputs of the requests that finished (only those in
         request_ids when given: the others are kept for a later step) and the step's stats."""
         with self.lock:
-            stats = StepStats("idle") if self.scheduler.is_finished() and not self.launched else self.run_step()
-            mine = [out for out in self.finished if request_ids is None or out.request_id in request_ids]
-            self.finished = [out for out in self.finished if not (request_ids is None or out.request_id in request_ids)]
+            stats = (
+                StepStats("idle")
+                if self.scheduler.is_finished() and not self.launched
+                else self.run_step()
+            )
+            mine = [
+                out for out in self.finished if request_ids is None or out.request_id in request_ids
+            ]
+            self.finished = [
+                out
+                for out in self.finished
+                if not (request_ids is None or out.request_id in request_ids)
+            ]
             return mine, stats
 
     def run_step(self) -> StepStats:
@@ -114,7 +151,9 @@ class LLMEngine:
             start = time.perf_counter()
             rows = self.scheduler.advance(step.seqs)  # placeholders for the tokens on their way
             advanced = time.perf_counter()
-            ahead = self.config.async_scheduling and not any(seq.sampling_params.penalized for seq in step.seqs)
+            ahead = self.config.async_scheduling and not any(
+                seq.sampling_params.penalized for seq in step.seqs
+            )
             if ahead and not self.scheduler.is_finished():
                 self.launched = self.launch()
             waiting = time.perf_counter()
@@ -122,7 +161,9 @@ class LLMEngine:
             ran = time.perf_counter()
             finished = self.scheduler.resolve(step.seqs, rows, out.token_ids)
             if self.launched and all(seq.is_finished for seq in self.launched.seqs):
-                self.launched = None  # its rows all stopped at this step: nothing to read (the GPU finishes it)
+                self.launched = (
+                    None  # its rows all stopped at this step: nothing to read (the GPU finishes it)
+                )
         except BaseException as e:
             self.abort_step(e, step.seqs + (self.launched.seqs if self.launched else []))
             self.launched = None
@@ -143,24 +184,42 @@ class LLMEngine:
         except BaseException as e:
             self.abort_step(e, seqs)
             raise
-        mixed = is_prefill and any(seq.num_completion_tokens > 0 and seq.num_scheduled_tokens == 1 for seq in seqs)
-        kind = "mixed" if mixed else "prefill" if is_prefill else "decode"  # mixed: decode rows beside prompt rows
+        mixed = is_prefill and any(
+            seq.num_completion_tokens > 0 and seq.num_scheduled_tokens == 1 for seq in seqs
+        )
+        kind = (
+            "mixed" if mixed else "prefill" if is_prefill else "decode"
+        )  # mixed: decode rows beside prompt rows
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
-        stats = StepStats(kind, len(seqs), num_tokens, scheduled - start, time.perf_counter() - scheduled)
+        stats = StepStats(
+            kind, len(seqs), num_tokens, scheduled - start, time.perf_counter() - scheduled
+        )
         return Launched(seqs, output, stats)
 
-    def postprocess(self, seqs: list[Sequence], out: StepOutput, finished: list[Sequence], now: float) -> None:
+    def postprocess(
+        self, seqs: list[Sequence], out: StepOutput, finished: list[Sequence], now: float
+    ) -> None:
         """Stop strings, the siblings of n to start, and the outputs of the requests whose every completion finished."""
         for seq, logprobs, prompt_logprobs in zip(seqs, out.logprobs, out.prompt_logprobs):
             if (request := self.requests.get(seq.seq_id)) is None:
                 continue  # aborted while its step ran
-            if seq.num_completion_tokens > 0 and request.num_started < len(request.seqs):  # only seqs[0] ran: its
-                self.start(request, len(request.seqs))  # prompt is cached now, and the others share its blocks
-            if self.output_processor.process(request, seq, logprobs, prompt_logprobs, now):  # a stop string
+            if seq.num_completion_tokens > 0 and request.num_started < len(
+                request.seqs
+            ):  # only seqs[0] ran: its
+                self.start(
+                    request, len(request.seqs)
+                )  # prompt is cached now, and the others share its blocks
+            if self.output_processor.process(
+                request, seq, logprobs, prompt_logprobs, now
+            ):  # a stop string
                 finished += [] if seq.is_finished else [seq]
                 self.scheduler.finish(seq, "stop")
-        for request in {self.requests[seq.seq_id].request_id: self.requests[seq.seq_id] for seq in finished}.values():
-            if request.num_started == len(request.seqs) and all(seq.is_finished for seq in request.seqs):
+        for request in {
+            self.requests[seq.seq_id].request_id: self.requests[seq.seq_id] for seq in finished
+        }.values():
+            if request.num_started == len(request.seqs) and all(
+                seq.is_finished for seq in request.seqs
+            ):
                 request.metrics.finished_time = now
                 for seq in request.seqs:
                     del self.requests[seq.seq_id]
@@ -173,9 +232,13 @@ class LLMEngine:
             ids = list(self.live)
             self.abort_all()
         else:
-            ids = [self.requests[seq.seq_id].request_id for seq in seqs if seq.seq_id in self.requests]
+            ids = [
+                self.requests[seq.seq_id].request_id for seq in seqs if seq.seq_id in self.requests
+            ]
             self.abort_request(ids)
-        error.add_note(f"minivllm: the step failed; these requests were aborted: {list(dict.fromkeys(ids))}")
+        error.add_note(
+            f"minivllm: the step failed; these requests were aborted: {list(dict.fromkeys(ids))}"
+        )
 
     def has_unfinished_requests(self) -> bool:
         """Whether step() has more to give: requests to run, a step to finish, or outputs it kept back."""

@@ -36,7 +36,9 @@ class MixedGraphs(StepGraphs):
 
         self.cu_seqlens_q, self.cu_seqlens_k = int32(max_num_seqs + 1), int32(max_num_seqs + 1)
         self.tiles = int32(self.num_tiles(sizes[-1]), 2) - 1
-        self.capture(model, self.context, cascade=True)  # steps without a shared prefix too: one capture per size
+        self.capture(
+            model, self.context, cascade=True
+        )  # steps without a shared prefix too: one capture per size
 
     def num_tiles(self, size: int) -> int:
         return tile_room(size, self.block_m)
@@ -63,7 +65,9 @@ class MixedGraphs(StepGraphs):
     def fill(self, context: PagedContext) -> None:
         super().fill(context)
         assert context.tiles is not None  # key_for has checked
-        assert context.cu_seqlens_q is not None and context.cu_seqlens_k is not None  # a prefill step has both
+        assert (
+            context.cu_seqlens_q is not None and context.cu_seqlens_k is not None
+        )  # a prefill step has both
         self.cu_seqlens_q[: context.cu_seqlens_q.shape[0]] = context.cu_seqlens_q
         self.cu_seqlens_k[: context.cu_seqlens_k.shape[0]] = context.cu_seqlens_k
         self.tiles.fill_(-1)
@@ -80,4 +84,6 @@ def capture_mixed_graphs(
         return None
     max_blocks = -(-config.max_model_len // config.block_size)
     hidden = config.hf_config.hidden_size
-    return MixedGraphs(model, sizes, config.max_num_seqs, max_blocks, block_m, hidden, dtype, device)
+    return MixedGraphs(
+        model, sizes, config.max_num_seqs, max_blocks, block_m, hidden, dtype, device
+    )

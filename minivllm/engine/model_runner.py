@@ -38,7 +38,9 @@ class StepOutput:
 
     token_ids: list[int]  # (num_seqs,)
     logprobs: list[TokenLogprobs | None]  # of the next token (SamplingParams.logprobs)
-    prompt_logprobs: list[tuple[int, list[TokenLogprobs]] | None]  # the first position scored, and one per position
+    prompt_logprobs: list[
+        tuple[int, list[TokenLogprobs]] | None
+    ]  # the first position scored, and one per position
 
 
 def rank_device(config: Config, rank: int) -> torch.device:
@@ -50,7 +52,9 @@ class ModelRunner:
 
     def __init__(self, config: Config, rank: int = 0, groups: tuple[TPGroup, Any] | None = None):
         if groups is None and config.tensor_parallel_size > 1:
-            raise ValueError("tensor_parallel_size > 1 needs one process per rank: use LLM, or 06's make_runner")
+            raise ValueError(
+                "tensor_parallel_size > 1 needs one process per rank: use LLM, or 06's make_runner"
+            )
         self.config, self.rank, self.world_size = config, rank, config.tensor_parallel_size
         self.block_size = config.block_size
         self.device = rank_device(config, rank)
@@ -58,12 +62,20 @@ class ModelRunner:
         self.control: Any  # the gloo group that carries rank 0's messages; None for one rank
         self.tp, self.control = groups or (TPGroup(), None)
         self.model: Qwen3ForCausalLM | None  # loaded below; None once the GPU memory is freed
-        self.graphs: Any = None  # decode steps' CUDA graphs, and prefill and mixed steps' (deep dive cuda_graphs)
+        self.graphs: Any = (
+            None  # decode steps' CUDA graphs, and prefill and mixed steps' (deep dive cuda_graphs)
+        )
         self.mixed_graphs: Any = None
-        self.add_shared_prefix: Any = None  # marks decode rows that share cached blocks (deep dive cuda_graphs)
-        self.last_token_ids = torch.zeros(0, dtype=torch.int64)  # the latest step's sampled ids (on the device)
+        self.add_shared_prefix: Any = (
+            None  # marks decode rows that share cached blocks (deep dive cuda_graphs)
+        )
+        self.last_token_ids = torch.zeros(
+            0, dtype=torch.int64
+        )  # the latest step's sampled ids (on the device)
         self.closed = False
-        marks = [time.perf_counter()]  # where each start-up phase ends: `python -m minivllm` prints the split
+        marks = [
+            time.perf_counter()
+        ]  # where each start-up phase ends: `python -m minivllm` prints the split
         try:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
@@ -75,20 +87,32 @@ class ModelRunner:
             if self.device.type == "cuda":
                 fast_path("small-layer kernels")(self.model)
             self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-            self.block_m = launch_config(self.attention_layers[0].head_dim, self.device)["BLOCK_M"]  # prefill tile
-            self.sampler: Sampler = fast_path("GPU sampler")() if self.device.type == "cuda" else Sampler()
+            self.block_m = launch_config(self.attention_layers[0].head_dim, self.device)[
+                "BLOCK_M"
+            ]  # prefill tile
+            self.sampler: Sampler = (
+                fast_path("GPU sampler")() if self.device.type == "cuda" else Sampler()
+            )
             self.num_kvcache_blocks = self.allocate_kv_cache()
             marks.append(time.perf_counter())
-            if self.device.type == "cuda":  # compile every Triton kernel variant now, not in a request
+            if (
+                self.device.type == "cuda"
+            ):  # compile every Triton kernel variant now, not in a request
                 fast_path("warm-up")(self)
                 self.add_shared_prefix = fast_path("shared-prefix cascade")
             marks.append(time.perf_counter())
             if self.device.type == "cuda" and not config.enforce_eager:
-                self.graphs = fast_path("decode CUDA graphs")(self.model, config, self.dtype, self.device)
+                self.graphs = fast_path("decode CUDA graphs")(
+                    self.model, config, self.dtype, self.device
+                )
                 capture_mixed = fast_path("mixed-step CUDA graphs")  # prefill and mixed steps
-                self.mixed_graphs = capture_mixed(self.model, config, self.block_m, self.dtype, self.device)
+                self.mixed_graphs = capture_mixed(
+                    self.model, config, self.block_m, self.dtype, self.device
+                )
             marks.append(time.perf_counter())
-            self.startup_seconds = dict(zip(("load", "KV cache", "compile", "CUDA graphs"), np.diff(marks).tolist()))
+            self.startup_seconds = dict(
+                zip(("load", "KV cache", "compile", "CUDA graphs"), np.diff(marks).tolist())
+            )
         except BaseException:
             self.free_gpu_memory()
             raise
@@ -123,7 +147,9 @@ class ModelRunner:
     def allocate_kv_cache(self) -> int:
         config = self.config
         block_bytes = kv_block_bytes(self.attention_layers, self.block_size, self.dtype)
-        wanted = config.max_num_seqs * -(-config.max_model_len // self.block_size)  # all sequences at their longest
+        wanted = config.max_num_seqs * -(
+            -config.max_model_len // self.block_size
+        )  # all sequences at their longest
         if config.num_kvcache_blocks:
             num_blocks = config.num_kvcache_blocks
         elif self.device.type == "cuda":
@@ -149,24 +175,38 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, step: StepInputs) -> torch.Tensor:  # (num_seqs, vocab_size) logits
         assert self.model is not None, "the runner is closed"
-        input_ids, positions, context = step_to_device(step, self.device, self.use_triton, self.block_m)
-        if step.input_ids.min() < 0:  # placeholders (06): the last step's tokens, not on the host yet
-            input_ids = torch.where(input_ids < 0, self.last_token_ids[placeholder_row(input_ids)], input_ids)
+        input_ids, positions, context = step_to_device(
+            step, self.device, self.use_triton, self.block_m
+        )
+        if (
+            step.input_ids.min() < 0
+        ):  # placeholders (06): the last step's tokens, not on the host yet
+            input_ids = torch.where(
+                input_ids < 0, self.last_token_ids[placeholder_row(input_ids)], input_ids
+            )
         graphs = self.mixed_graphs if step.is_prefill else self.graphs
         key = None if graphs is None else graphs.key_for(context, input_ids.shape[0])
         if graphs is not None and key is not None:
             hidden = graphs.replay(key, input_ids, positions, context)
         else:
             hidden = self.model(input_ids, positions, context)  # (num_tokens, hidden_size)
-        if step.is_prefill:  # each sequence's last token, or all of a sequence's that scores its prompt
+        if (
+            step.is_prefill
+        ):  # each sequence's last token, or all of a sequence's that scores its prompt
             assert context.cu_seqlens_q is not None  # a prefill step has it
-            rows = context.cu_seqlens_q[1:] - 1 if step.logits_rows is None else torch.from_numpy(step.logits_rows)
+            rows = (
+                context.cu_seqlens_q[1:] - 1
+                if step.logits_rows is None
+                else torch.from_numpy(step.logits_rows)
+            )
             hidden = hidden[rows.to(hidden.device)]  # (num_rows, hidden_size)
         return self.model.compute_logits(hidden)
 
     def step_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
         step = (prepare_prefill if is_prefill else prepare_decode)(seqs, self.block_size)
-        if self.add_shared_prefix is not None:  # decode rows that share a cached prompt read it once
+        if (
+            self.add_shared_prefix is not None
+        ):  # decode rows that share a cached prompt read it once
             self.add_shared_prefix(step, self.block_size)
         return self.call("execute", step)
 
@@ -177,25 +217,46 @@ class ModelRunner:
     def launch(self, seqs: list[Sequence], is_prefill: bool) -> Callable[[], StepOutput]:
         """Queue a step on the GPU and return at once a function that waits for its output (tokens, logprobs)."""
         logits = self.step_logits(seqs, is_prefill)  # queued on the GPU: the host goes on
-        scoring = [scores_prompt(seq) for seq in seqs] if is_prefill else []  # these have a row per token, not one
-        ends = np.cumsum([seq.num_scheduled_tokens if s else 1 for seq, s in zip(seqs, scoring)])  # their rows' ends
-        last = logits[torch.from_numpy(ends - 1).to(logits.device)] if any(scoring) else logits  # (num_seqs, vocab)
-        params = [seq.sampling_params for seq in seqs]  # the sampling tensors are built while the GPU computes
+        scoring = (
+            [scores_prompt(seq) for seq in seqs] if is_prefill else []
+        )  # these have a row per token, not one
+        ends = np.cumsum(
+            [seq.num_scheduled_tokens if s else 1 for seq, s in zip(seqs, scoring)]
+        )  # their rows' ends
+        last = (
+            logits[torch.from_numpy(ends - 1).to(logits.device)] if any(scoring) else logits
+        )  # (num_seqs, vocab)
+        params = [
+            seq.sampling_params for seq in seqs
+        ]  # the sampling tensors are built while the GPU computes
         penalized = any(p.penalized for p in params)  # penalties need each row's tokens
-        histories = [(s.prompt_token_ids, s.completion_token_ids) for s in seqs] if penalized else None
-        sampling = sampling_tensors(params, [s.num_completion_tokens for s in seqs], self.device, histories)
-        self.last_token_ids = token_ids = self.sampler(last, sampling)  # (num_seqs,); the next step may read it
+        histories = (
+            [(s.prompt_token_ids, s.completion_token_ids) for s in seqs] if penalized else None
+        )
+        sampling = sampling_tensors(
+            params, [s.num_completion_tokens for s in seqs], self.device, histories
+        )
+        self.last_token_ids = token_ids = self.sampler(
+            last, sampling
+        )  # (num_seqs,); the next step may read it
         out = StepOutput([], [None] * len(seqs), [None] * len(seqs))
         if asked := [i for i, p in enumerate(params) if p.logprobs is not None]:
             ks = [params[i].logprobs or 0 for i in asked]
             for i, row in zip(asked, logprobs_of(last[asked], token_ids[asked], ks)):
                 out.logprobs[i] = row
-        for j in [j for j, s in enumerate(scoring) if s]:  # rows of prompt positions p score the tokens at p + 1
+        for j in [
+            j for j, s in enumerate(scoring) if s
+        ]:  # rows of prompt positions p score the tokens at p + 1
             seq, start, k = seqs[j], seqs[j].num_cached_tokens, params[j].prompt_logprobs or 0
-            n = min(seq.num_scheduled_tokens, seq.num_prompt_tokens - 1 - start)  # rows before the prompt's end
+            n = min(
+                seq.num_scheduled_tokens, seq.num_prompt_tokens - 1 - start
+            )  # rows before the prompt's end
             targets = torch.tensor(seq.token_ids[start + 1 : start + 1 + n], device=logits.device)
             first = int(ends[j]) - seq.num_scheduled_tokens
-            out.prompt_logprobs[j] = (start + 1, logprobs_of(logits[first : first + n], targets, [k] * n))
+            out.prompt_logprobs[j] = (
+                start + 1,
+                logprobs_of(logits[first : first + n], targets, [k] * n),
+            )
         host_ids = token_ids.to("cpu", non_blocking=True)  # into pinned memory, without waiting
         ready = torch.cuda.Event() if self.device.type == "cuda" else None
         if ready is not None:

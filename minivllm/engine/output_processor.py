@@ -17,7 +17,11 @@ class OutputProcessor:
         self.tokenizer = tokenizer
 
     def detokenize(self, token_ids: list[int]) -> str:
-        return "" if self.tokenizer is None else cast(str, self.tokenizer.decode(token_ids, skip_special_tokens=True))
+        return (
+            ""
+            if self.tokenizer is None
+            else cast(str, self.tokenizer.decode(token_ids, skip_special_tokens=True))
+        )
 
     def process(
         self,
@@ -31,15 +35,24 @@ class OutputProcessor:
         i = request.seqs.index(seq)
         if request.metrics.first_token_time is None and seq.num_completion_tokens > 0:
             request.metrics.first_token_time = now
-        if logprobs is not None and len(request.logprobs.get(i, [])) < seq.num_completion_tokens:  # a new token
+        if (
+            logprobs is not None and len(request.logprobs.get(i, [])) < seq.num_completion_tokens
+        ):  # a new token
             request.logprobs.setdefault(i, []).append(self.logprobs(logprobs))
-        for position, row in enumerate(prompt_logprobs[1], prompt_logprobs[0]) if prompt_logprobs else ():
-            if position == len(request.prompt_logprobs):  # not scored before (a preempted prompt is redone)
+        for position, row in (
+            enumerate(prompt_logprobs[1], prompt_logprobs[0]) if prompt_logprobs else ()
+        ):
+            if position == len(
+                request.prompt_logprobs
+            ):  # not scored before (a preempted prompt is redone)
                 request.prompt_logprobs.append(self.logprobs(row))
         return bool(seq.sampling_params.stop) and self.find_stop(request, i)
 
     def logprobs(self, row: TokenLogprobs) -> dict[int, Logprob]:
-        return {token: Logprob(logprob, rank, self.detokenize([token])) for token, (logprob, rank) in row.items()}
+        return {
+            token: Logprob(logprob, rank, self.detokenize([token]))
+            for token, (logprob, rank) in row.items()
+        }
 
     def find_stop(self, request: Request, i: int) -> bool:
         """Whether completion i's text holds one of its stop strings; if so, `text_ends[i]` says where it ends."""
@@ -53,10 +66,14 @@ class OutputProcessor:
 
     def output(self, request: Request, finished: bool = True) -> RequestOutput:
         first = request.seqs[0]
-        prompt_logprobs = None if first.sampling_params.prompt_logprobs is None else list(request.prompt_logprobs)
+        prompt_logprobs = (
+            None if first.sampling_params.prompt_logprobs is None else list(request.prompt_logprobs)
+        )
         completions = [self.completion(request, i) for i in range(len(request.seqs))]
         prompt, ids, metrics = request.prompt, request.prompt_token_ids, request.metrics
-        return RequestOutput(request.request_id, prompt, ids, completions, finished, metrics, prompt_logprobs)
+        return RequestOutput(
+            request.request_id, prompt, ids, completions, finished, metrics, prompt_logprobs
+        )
 
     def completion(self, request: Request, i: int) -> CompletionOutput:
         seq, params = request.seqs[i], request.seqs[i].sampling_params
@@ -76,7 +93,9 @@ class OutputProcessor:
         (text, start, read): text ends with tokens[start:read]'s; newer tokens are read once whole (no '\ufffd')."""
         (text, start, read), seq = request.texts.get(i, ("", 0, 0)), request.seqs[i]
         if seq.num_completion_tokens > read:
-            tokens = seq.token_ids[seq.num_prompt_tokens + start :]  # from `start` on: no copy of the whole reply
+            tokens = seq.token_ids[
+                seq.num_prompt_tokens + start :
+            ]  # from `start` on: no copy of the whole reply
             known, new = self.detokenize(tokens[: read - start]), self.detokenize(tokens)
             if not new.endswith("\ufffd"):  # a token with no text (a special one, say) is read too
                 text, start, read = text + new[len(known) :], read, seq.num_completion_tokens

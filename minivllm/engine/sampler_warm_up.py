@@ -6,7 +6,11 @@ from minivllm.engine.step_inputs import sampling_tensors
 from minivllm.layers.sampler import Sampler
 from minivllm.sampling_params import SamplingParams
 
-TOP_K_WIDTHS = (513, 1025, 2049)  # above top_k_sample's 512: race_ids over blocks of 1,024, 2,048 and 4,096
+TOP_K_WIDTHS = (
+    513,
+    1025,
+    2049,
+)  # above top_k_sample's 512: race_ids over blocks of 1,024, 2,048 and 4,096
 
 
 def warm_up_params() -> list[SamplingParams]:

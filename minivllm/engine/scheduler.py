@@ -15,16 +15,26 @@ class Scheduler:
     def __init__(self, config: Config, num_kvcache_blocks: int):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.block_manager = BlockManager(num_kvcache_blocks, config.block_size, config.enable_prefix_caching)
-        self.max_len = min(config.max_model_len, self.block_manager.num_slots)  # tokens a sequence may hold
-        self.waiting: deque[Sequence] = deque()  # first come, first served; the preempted go back in front
+        self.block_manager = BlockManager(
+            num_kvcache_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.max_len = min(
+            config.max_model_len, self.block_manager.num_slots
+        )  # tokens a sequence may hold
+        self.waiting: deque[Sequence] = (
+            deque()
+        )  # first come, first served; the preempted go back in front
         self.running: deque[Sequence] = deque()  # admission order: the newest is preempted first
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
         """Queue a new request. The engine has checked that it can run (notebook 06)."""
-        assert seq.status == SequenceStatus.WAITING and not seq.block_table, f"sequence {seq.seq_id} was added before"
-        assert len(seq) + 1 <= self.max_len, f"a prompt of {len(seq)} tokens can never run (max_len {self.max_len})"
+        assert seq.status == SequenceStatus.WAITING and not seq.block_table, (
+            f"sequence {seq.seq_id} was added before"
+        )
+        assert len(seq) + 1 <= self.max_len, (
+            f"a prompt of {len(seq)} tokens can never run (max_len {self.max_len})"
+        )
         self.waiting.append(seq)
 
     def is_finished(self) -> bool:
@@ -39,7 +49,9 @@ class Scheduler:
     def schedule_prefill(self) -> list[Sequence]:
         budget, seqs = self.max_num_batched_tokens, []
         if self.running and len(self.running[-1]) - self.running[-1].num_cached_tokens > 1:
-            seqs.append(self.running[-1])  # a prompt part-way through a chunked prefill goes on first
+            seqs.append(
+                self.running[-1]
+            )  # a prompt part-way through a chunked prefill goes on first
             budget -= self.schedule_chunk(self.running[-1], budget)
         return seqs + self.admit(budget)
 
@@ -68,7 +80,9 @@ class Scheduler:
         for seq in list(self.running):  # oldest first
             if seq.status == SequenceStatus.WAITING:
                 continue  # preempted below, to make room for an older one
-            assert len(seq) - seq.num_cached_tokens == 1, "a decode computes exactly the newest token"
+            assert len(seq) - seq.num_cached_tokens == 1, (
+                "a decode computes exactly the newest token"
+            )
             if self.reserve(seq):
                 seqs.append(seq)
         assert seqs, "the oldest request always fits once the others are preempted"
@@ -77,8 +91,12 @@ class Scheduler:
     def reserve(self, seq: Sequence) -> bool:
         """Room for seq's newest token, preempting the newest requests (seq itself last) until there is: whether
         seq is still running (then it is scheduled for that one token)."""
-        while not self.block_manager.can_append(seq):  # its newest token needs a block and none is free
-            self.preempt(self.running.pop())  # the most recently admitted one; seq itself once it is the newest
+        while not self.block_manager.can_append(
+            seq
+        ):  # its newest token needs a block and none is free
+            self.preempt(
+                self.running.pop()
+            )  # the most recently admitted one; seq itself once it is the newest
             if seq.status == SequenceStatus.WAITING:
                 return False
         self.block_manager.may_append(seq)
@@ -113,7 +131,9 @@ class Scheduler:
                 self.finish(seq, "length")
         return rows
 
-    def resolve(self, seqs: list[Sequence], rows: list[int], token_ids: list[int]) -> list[Sequence]:
+    def resolve(
+        self, seqs: list[Sequence], rows: list[int], token_ids: list[int]
+    ) -> list[Sequence]:
         """A step's tokens are known: they replace its placeholders. Free and return the sequences that finished."""
         finished = []
         for seq, token_id in ((seqs[row], token_ids[row]) for row in rows):
@@ -126,7 +146,9 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
-    def finish(self, seq: Sequence, reason: str) -> None:  # seq may be waiting: preempted while its step ran (06)
+    def finish(
+        self, seq: Sequence, reason: str
+    ) -> None:  # seq may be waiting: preempted while its step ran (06)
         if not seq.is_finished:
             (self.running if seq.status == SequenceStatus.RUNNING else self.waiting).remove(seq)
             if seq.block_table:
@@ -136,7 +158,9 @@ class Scheduler:
 
     def finish_reason(self, seq: Sequence, token_id: int) -> str | None:
         params = seq.sampling_params
-        if token_id in params.stop_token_ids:  # the engine's EOS ids are among them unless ignore_eos
+        if (
+            token_id in params.stop_token_ids
+        ):  # the engine's EOS ids are among them unless ignore_eos
             return "stop"
         if seq.num_completion_tokens >= params.max_tokens or len(seq) >= self.max_len:
             return "length"
@@ -184,5 +208,8 @@ class UnifiedScheduler(Scheduler):
                 decodes.append(seq)
         chunks += self.admit(budget)
         assert decodes or chunks, "the oldest request always fits once the others are preempted"
-        decode_only = all(seq.num_scheduled_tokens == 1 and seq.num_cached_tokens + 1 == len(seq) for seq in chunks)
+        decode_only = all(
+            seq.num_scheduled_tokens == 1 and seq.num_cached_tokens + 1 == len(seq)
+            for seq in chunks
+        )
         return decodes + chunks, not decode_only

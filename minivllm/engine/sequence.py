@@ -17,16 +17,27 @@ class Sequence:
 
     counter = count()
 
-    def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None, block_size: int = 16):
-        assert len(token_ids) > 0 and block_size >= 1, "the engine refuses empty prompts; block_size >= 1"
+    def __init__(
+        self,
+        token_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        block_size: int = 16,
+    ):
+        assert len(token_ids) > 0 and block_size >= 1, (
+            "the engine refuses empty prompts; block_size >= 1"
+        )
         self.seq_id = next(Sequence.counter)
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)  # our own copy
         self.last_token = self.token_ids[-1]
         self.num_tokens = len(self.token_ids)
         self.num_prompt_tokens = self.num_tokens
-        self.num_cached_tokens = 0  # leading tokens whose KV is in the cache: prefix hits, then computed ones
-        self.num_scheduled_tokens = 0  # tokens the current step computes, after the cached ones (set by the scheduler)
+        self.num_cached_tokens = (
+            0  # leading tokens whose KV is in the cache: prefix hits, then computed ones
+        )
+        self.num_scheduled_tokens = (
+            0  # tokens the current step computes, after the cached ones (set by the scheduler)
+        )
         self.block_size = block_size  # the block manager's, to cut token_ids into blocks
         self.block_table: list[int] = []  # logical block i -> physical block id
         self.sampling_params = sampling_params or SamplingParams()

@@ -15,7 +15,10 @@ PENALTIES = ("presence", "frequency", "repetition")
 
 
 def sampling_tensors(
-    params: list[SamplingParams], steps: list[int], device: torch.device | str = "cpu", histories=None
+    params: list[SamplingParams],
+    steps: list[int],
+    device: torch.device | str = "cpu",
+    histories=None,
 ) -> SamplingTensors:
     """A row per request: its parameters, tokens generated so far, and if a row has a penalty, `histories`."""
     pin = torch.device(device).type == "cuda"
@@ -23,19 +26,30 @@ def sampling_tensors(
     def to_device(values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
 
-    def padded(rows: list[list[int]]) -> torch.Tensor:  # (batch, longest) int64, -1 after each row's end
+    def padded(
+        rows: list[list[int]],
+    ) -> torch.Tensor:  # (batch, longest) int64, -1 after each row's end
         width = max(1, *map(len, rows))
         return to_device([row + [-1] * (width - len(row)) for row in rows], torch.int64)
 
-    early = [(r, p.stop_token_ids or []) for r, (p, n) in enumerate(zip(params, steps)) if n < p.min_tokens]
+    early = [
+        (r, p.stop_token_ids or [])
+        for r, (p, n) in enumerate(zip(params, steps))
+        if n < p.min_tokens
+    ]
     banned = [(r, t) for r, ids in early for t in ids]
     penalties = None
     if any(p.penalized for p in params):
         assert histories is not None, "penalties need each row's prompt and output token ids"
         values = [[getattr(p, f"{name}_penalty") for p in params] for name in PENALTIES]
-        penalties = (*(to_device(v, torch.float32) for v in values), *(padded(list(h)) for h in zip(*histories)))
+        penalties = (
+            *(to_device(v, torch.float32) for v in values),
+            *(padded(list(h)) for h in zip(*histories)),
+        )
     temperatures = [p.temperature for p in params]
-    fresh = torch.randint(2**62, (len(params),)).tolist() if any(temperatures) else []  # greedy draws no noise
+    fresh = (
+        torch.randint(2**62, (len(params),)).tolist() if any(temperatures) else []
+    )  # greedy draws no noise
     random_top_ks = [p.top_k for p in params if p.temperature > 0]
     return SamplingTensors(
         temperatures=to_device(temperatures, torch.float32),
@@ -43,9 +57,15 @@ def sampling_tensors(
         top_ps=to_device([p.top_p for p in params], torch.float32),
         min_ps=to_device([p.min_p for p in params], torch.float32),
         keys=to_device(
-            [k if p.seed is None else noise_seed(p.seed, n) for p, n, k in zip(params, steps, fresh)], torch.int64
+            [
+                k if p.seed is None else noise_seed(p.seed, n)
+                for p, n, k in zip(params, steps, fresh)
+            ],
+            torch.int64,
         ),
-        filtering=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in params),
+        filtering=any(
+            p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in params
+        ),
         top_k_max=max(random_top_ks) if min(random_top_ks, default=-1) > 0 else 0,
         largest_top_k=max([0, *random_top_ks]),
         any_greedy=0 in temperatures,
@@ -73,17 +93,29 @@ class StepInputs:
     input_ids: np.ndarray  # (num_tokens,) int64
     positions: np.ndarray  # (num_tokens,) int64
     slot_mapping: np.ndarray  # (num_tokens,) int64
-    block_tables: np.ndarray | None  # (num_seqs, max_blocks) int32; None: a prefill with nothing cached
+    block_tables: (
+        np.ndarray | None
+    )  # (num_seqs, max_blocks) int32; None: a prefill with nothing cached
     cu_seqlens_q: np.ndarray | None = None  # prefill: (num_seqs + 1,) int32
     cu_seqlens_k: np.ndarray | None = None  # prefill: (num_seqs + 1,) int32
     context_lens: np.ndarray | None = None  # decode: (num_seqs,) int32; mixed: (num_decode_seqs,)
-    num_decode_seqs: int = 0  # prefill: its first rows that decode one token each (notebook 05 puts them first)
-    logits_rows: np.ndarray | None = None  # prefill: (num_rows,) int64 rows to score; None: each sequence's last
-    prefix_blocks: np.ndarray | None = None  # (n,) int32: leading blocks many decode rows share (deep dive cuda_graphs)
-    prefix_lens: np.ndarray | None = None  # (num_decode_seqs,) int32: each decode row's tokens in them, or 0
+    num_decode_seqs: int = (
+        0  # prefill: its first rows that decode one token each (notebook 05 puts them first)
+    )
+    logits_rows: np.ndarray | None = (
+        None  # prefill: (num_rows,) int64 rows to score; None: each sequence's last
+    )
+    prefix_blocks: np.ndarray | None = (
+        None  # (n,) int32: leading blocks many decode rows share (deep dive cuda_graphs)
+    )
+    prefix_lens: np.ndarray | None = (
+        None  # (num_decode_seqs,) int32: each decode row's tokens in them, or 0
+    )
 
 
-def block_tables_array(seqs: list[Sequence]) -> np.ndarray:  # (num_seqs, max_blocks) int32, zero-padded
+def block_tables_array(
+    seqs: list[Sequence],
+) -> np.ndarray:  # (num_seqs, max_blocks) int32, zero-padded
     tables = np.zeros((len(seqs), max(len(seq.block_table) for seq in seqs)), dtype=np.int32)
     for i, seq in enumerate(seqs):
         tables[i, : len(seq.block_table)] = seq.block_table
@@ -92,12 +124,18 @@ def block_tables_array(seqs: list[Sequence]) -> np.ndarray:  # (num_seqs, max_bl
 
 def scores_prompt(seq: Sequence) -> bool:
     """Whether seq asks for prompt logprobs and has prompt tokens left to score (row i scores token i + 1)."""
-    return seq.sampling_params.prompt_logprobs is not None and seq.num_cached_tokens < seq.num_prompt_tokens - 1
+    return (
+        seq.sampling_params.prompt_logprobs is not None
+        and seq.num_cached_tokens < seq.num_prompt_tokens - 1
+    )
 
 
 def scored_rows(scoring: list[bool], cu_seqlens_q: np.ndarray) -> np.ndarray:  # (num_rows,) int64
     """The rows of a prefill to take logits of: all of a scoring sequence's, each other sequence's last."""
-    rows = [np.arange(a, b) if score else [b - 1] for score, a, b in zip(scoring, cu_seqlens_q, cu_seqlens_q[1:])]
+    rows = [
+        np.arange(a, b) if score else [b - 1]
+        for score, a, b in zip(scoring, cu_seqlens_q, cu_seqlens_q[1:])
+    ]
     return np.concatenate(rows).astype(np.int64)
 
 
@@ -106,16 +144,25 @@ def prepare_prefill(seqs: list[Sequence], block_size: int) -> StepInputs:
     starts = np.array([seq.num_cached_tokens for seq in seqs], dtype=np.int64)
     lens = np.array([seq.num_scheduled_tokens for seq in seqs], dtype=np.int64)
     ends = starts + lens
-    assert all(s < e <= len(seq) for seq, s, e in zip(seqs, starts, ends)), "a prefill computes 1..len - cached tokens"
+    assert all(s < e <= len(seq) for seq, s, e in zip(seqs, starts, ends)), (
+        "a prefill computes 1..len - cached tokens"
+    )
     cu_q = np.cumsum([0, *lens], dtype=np.int32)
     seq_of = np.repeat(np.arange(len(seqs)), lens)  # (num_tokens,): each new token's sequence
     positions = np.arange(cu_q[-1]) - cu_q[seq_of] + starts[seq_of]
     tables = block_tables_array(seqs)
-    slots = tables[seq_of, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    slots = (
+        tables[seq_of, positions // block_size].astype(np.int64) * block_size
+        + positions % block_size
+    )
     decodes = (starts > 0) & (lens == 1)  # one new token after cached ones
-    num_decode_seqs = len(seqs) if decodes.all() else int(decodes.argmin())  # the leading run of them
+    num_decode_seqs = (
+        len(seqs) if decodes.all() else int(decodes.argmin())
+    )  # the leading run of them
     token_ids = chain.from_iterable(seq.token_ids[s:e] for seq, s, e in zip(seqs, starts, ends))
-    scoring = [scores_prompt(seq) for seq in seqs]  # these score every new token, the others their last
+    scoring = [
+        scores_prompt(seq) for seq in seqs
+    ]  # these score every new token, the others their last
     return StepInputs(
         is_prefill=True,
         input_ids=np.fromiter(token_ids, dtype=np.int64, count=int(cu_q[-1])),
@@ -135,19 +182,28 @@ def prepare_decode(seqs: list[Sequence], block_size: int) -> StepInputs:
     context_lens = np.array([len(seq) for seq in seqs], dtype=np.int32)
     block_tables = block_tables_array(seqs)
     last = context_lens.astype(np.int64) - 1  # the new token's position
-    slots = block_tables[np.arange(len(seqs)), last // block_size].astype(np.int64) * block_size + last % block_size
+    slots = (
+        block_tables[np.arange(len(seqs)), last // block_size].astype(np.int64) * block_size
+        + last % block_size
+    )
     input_ids = np.array([seq.last_token for seq in seqs], dtype=np.int64)
     return StepInputs(False, input_ids, last, slots, block_tables, context_lens=context_lens)
 
 
-def query_tiles(cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, first_seq: int, block_m: int) -> np.ndarray:
+def query_tiles(
+    cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, first_seq: int, block_m: int
+) -> np.ndarray:
     """The paged prefill kernel's work list (03) for sequences first_seq..: (sequence, query tile), costliest first."""
     q_lens, k_lens = np.diff(cu_seqlens_q)[first_seq:], np.diff(cu_seqlens_k)[first_seq:]
     counts = -(-q_lens // block_m)  # tiles per sequence
     seqs = np.repeat(np.arange(first_seq, first_seq + len(q_lens)), counts)
-    tiles = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)  # within its sequence
+    tiles = np.arange(counts.sum()) - np.repeat(
+        np.cumsum(counts) - counts, counts
+    )  # within its sequence
     q_len = np.repeat(q_lens, counts)
-    keys = np.repeat(k_lens, counts) - q_len + np.minimum((tiles + 1) * block_m, q_len)  # its last row sees these
+    keys = (
+        np.repeat(k_lens, counts) - q_len + np.minimum((tiles + 1) * block_m, q_len)
+    )  # its last row sees these
     order = np.argsort(-keys, kind="stable")
     return np.stack([seqs[order], tiles[order]], axis=1).astype(np.int32)
 
@@ -165,13 +221,23 @@ def step_to_device(
         return None if a is None else put(a)
 
     context = PagedContext(step.is_prefill, put(step.slot_mapping), put_optional(step.block_tables))
-    context.cu_seqlens_q, context.cu_seqlens_k = put_optional(step.cu_seqlens_q), put_optional(step.cu_seqlens_k)
-    context.context_lens, context.num_decode_seqs = put_optional(step.context_lens), step.num_decode_seqs
+    context.cu_seqlens_q, context.cu_seqlens_k = (
+        put_optional(step.cu_seqlens_q),
+        put_optional(step.cu_seqlens_k),
+    )
+    context.context_lens, context.num_decode_seqs = (
+        put_optional(step.context_lens),
+        step.num_decode_seqs,
+    )
     context.use_triton = use_triton
-    if use_triton and step.prefix_blocks is not None and step.prefix_lens is not None:  # the reference reads rows
+    if (
+        use_triton and step.prefix_blocks is not None and step.prefix_lens is not None
+    ):  # the reference reads rows
         context.prefix_blocks, context.prefix_lens = put(step.prefix_blocks), put(step.prefix_lens)
     if step.is_prefill:
-        assert step.cu_seqlens_q is not None and step.cu_seqlens_k is not None  # a prefill step has both
+        assert (
+            step.cu_seqlens_q is not None and step.cu_seqlens_k is not None
+        )  # a prefill step has both
         context.max_seqlen_q = int(np.diff(step.cu_seqlens_q).max())
         context.max_seqlen_k = int(np.diff(step.cu_seqlens_k).max())
         if block_m and use_triton and step.block_tables is not None:

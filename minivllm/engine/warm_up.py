@@ -12,8 +12,13 @@ from minivllm.kernels.paged_attn import flash_attn_with_kvcache
 def prefix_hit_step(block_size: int) -> StepInputs:
     """2 new tokens after block_size - 2 cached ones in block 0: a prefix hit's shape."""
     positions = np.arange(block_size - 2, block_size)
-    step = StepInputs(True, np.zeros(2, np.int64), positions, positions.copy(), np.zeros((1, 1), np.int32))
-    step.cu_seqlens_q, step.cu_seqlens_k = np.array([0, 2], np.int32), np.array([0, block_size], np.int32)
+    step = StepInputs(
+        True, np.zeros(2, np.int64), positions, positions.copy(), np.zeros((1, 1), np.int32)
+    )
+    step.cu_seqlens_q, step.cu_seqlens_k = (
+        np.array([0, 2], np.int32),
+        np.array([0, block_size], np.int32),
+    )
     return step
 
 
@@ -21,7 +26,14 @@ def padding_decode_step(rows: int) -> StepInputs:
     """A decode step of padding rows: slot -1 (nothing written), each reading one cached token of block 0."""
     zeros = np.zeros(rows, np.int64)
     block_tables, context_lens = np.zeros((rows, 1), np.int32), np.ones(rows, np.int32)
-    return StepInputs(False, zeros, zeros.copy(), np.full(rows, -1, np.int64), block_tables, context_lens=context_lens)
+    return StepInputs(
+        False,
+        zeros,
+        zeros.copy(),
+        np.full(rows, -1, np.int64),
+        block_tables,
+        context_lens=context_lens,
+    )
 
 
 def warm_up_decode_attention(runner: ModelRunner) -> None:
@@ -33,14 +45,21 @@ def warm_up_decode_attention(runner: ModelRunner) -> None:
         lens = torch.ones(rows, dtype=torch.int32, device=device)
         tables = torch.zeros(rows, 1, dtype=torch.int32, device=device)
         for prefix_blocks, prefix_lens in ((None, None), (tables[0], lens)):
-            flash_attn_with_kvcache(q, *kv, lens, tables, prefix_blocks=prefix_blocks, prefix_lens=prefix_lens)
+            flash_attn_with_kvcache(
+                q, *kv, lens, tables, prefix_blocks=prefix_blocks, prefix_lens=prefix_lens
+            )
 
 
 @torch.inference_mode()
 def warm_up_runner(runner: ModelRunner) -> None:
     """The runner's start-up on a GPU, before its graphs: every Triton kernel variant a step can launch, compiled."""
-    logits = runner.execute(prefix_hit_step(runner.block_size))  # (1, vocab): the paged prefill, the small layers
-    for rows in (1, runner.config.max_num_seqs):  # eager decode steps: one token's kernels (gemv), a batch's
+    logits = runner.execute(
+        prefix_hit_step(runner.block_size)
+    )  # (1, vocab): the paged prefill, the small layers
+    for rows in (
+        1,
+        runner.config.max_num_seqs,
+    ):  # eager decode steps: one token's kernels (gemv), a batch's
         runner.execute(padding_decode_step(rows))
     warm_up_decode_attention(runner)
     warm_up_sampler(runner.sampler, logits.expand(runner.config.max_num_seqs, -1).contiguous())

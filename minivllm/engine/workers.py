@@ -19,8 +19,12 @@ from minivllm.engine.model_runner import ModelRunner, StepOutput, rank_device
 from minivllm.engine.sequence import Sequence
 from minivllm.layers.linear import TPGroup
 
-START_TIMEOUT = timedelta(seconds=300)  # a worker imports torch and loads its slice: minutes on a slow disk
-STEP_TIMEOUT = timedelta(seconds=600)  # one rank may compile kernels in a first step while the others wait
+START_TIMEOUT = timedelta(
+    seconds=300
+)  # a worker imports torch and loads its slice: minutes on a slow disk
+STEP_TIMEOUT = timedelta(
+    seconds=600
+)  # one rank may compile kernels in a first step while the others wait
 SHUTDOWN_TIMEOUT = timedelta(seconds=10)  # close() ends in seconds, whatever a group waits for
 MAIN_GUARD = (
     "Workers are spawned: each re-imports your main script, so a script that creates an LLM with "
@@ -28,10 +32,14 @@ MAIN_GUARD = (
 )
 
 
-def make_groups(store: Any, rank: int, world_size: int, device: torch.device) -> tuple[TPGroup, Any]:
+def make_groups(
+    store: Any, rank: int, world_size: int, device: torch.device
+) -> tuple[TPGroup, Any]:
     """This rank's groups over the engine's own store: `control` (gloo) carries rank 0's messages, the TPGroup's
     group the model's all-reduces (NCCL on GPUs; on CPUs the gloo group again)."""
-    control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, world_size, STEP_TIMEOUT)
+    control = dist.ProcessGroupGloo(
+        dist.PrefixStore("control", store), rank, world_size, STEP_TIMEOUT
+    )
     if device.type != "cuda":
         return TPGroup(rank, world_size, control), control
     # torch's stub lists only the (store, rank, size, options) form; the binding also has (store, rank, size[, timeout])
@@ -88,7 +96,11 @@ def sigint_held() -> Iterator[None]:
     KeyboardInterrupt): rank 0 never leaves the other ranks halfway through a step. A second Ctrl-C is handled at
     once (the engine is then out of step and refuses further steps). Where Ctrl-C is ignored (a background job,
     `nohup`) or no Python handler takes it, it stays so."""
-    handler = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+    handler = (
+        signal.getsignal(signal.SIGINT)
+        if threading.current_thread() is threading.main_thread()
+        else None
+    )
     if not callable(handler):
         yield
         return
@@ -106,10 +118,17 @@ class Workers:
 
     def __init__(self, target: Callable, args: tuple, world_size: int, device: torch.device):
         self.store = dist.TCPStore(
-            "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=START_TIMEOUT
+            "127.0.0.1",
+            0,
+            world_size,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=START_TIMEOUT,
         )
         spawn = mp.get_context("spawn")
-        self.started = [spawn.Event() for _ in range(1, world_size)]  # set by each worker as its first act
+        self.started = [
+            spawn.Event() for _ in range(1, world_size)
+        ]  # set by each worker as its first act
         self.processes = [
             spawn.Process(target=target, args=(*args, rank, self.store.port, started), daemon=True)
             for rank, started in enumerate(self.started, start=1)
@@ -119,7 +138,9 @@ class Workers:
         for process in self.processes:
             process.start()
         try:
-            self.tp, self.control = self.wait(lambda: make_groups(self.store, 0, world_size, device))
+            self.tp, self.control = self.wait(
+                lambda: make_groups(self.store, 0, world_size, device)
+            )
         except BaseException:
             self.join(timeout=0)
             raise
@@ -177,14 +198,18 @@ class Workers:
         deadline = time.monotonic() + 2
         while (reason := self.dead()) is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        self.failure = self.failure or reason or f"a step failed on rank 0 ({type(error).__name__}: {error})"
+        self.failure = (
+            self.failure or reason or f"a step failed on rank 0 ({type(error).__name__}: {error})"
+        )
         return reason is not None
 
     def check(self) -> None:
         if self.failure is None:
             self.failure = self.dead()
         if self.failure is not None:
-            raise RuntimeError(f"the tensor-parallel engine cannot run: {self.failure}. Create a new LLM.")
+            raise RuntimeError(
+                f"the tensor-parallel engine cannot run: {self.failure}. Create a new LLM."
+            )
 
     def join(self, timeout: float = 10) -> None:
         """Wait for the workers to exit (after "exit"), killing those still there after `timeout` seconds."""
@@ -204,12 +229,16 @@ def exit_with_parent(parent_pid: int) -> None:
 
 def worker_main(config: Config, rank: int, port: int, started: Any) -> None:
     started.set()  # this module imported: rank 0 can tell "died" from "never started"
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it tells the workers to exit
+    signal.signal(
+        signal.SIGINT, signal.SIG_IGN
+    )  # Ctrl-C is rank 0's to handle: it tells the workers to exit
     threading.Thread(target=exit_with_parent, args=(os.getppid(),), daemon=True).start()
     device = rank_device(config, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False, timeout=START_TIMEOUT)
+    store = dist.TCPStore(
+        "127.0.0.1", port, config.tensor_parallel_size, is_master=False, timeout=START_TIMEOUT
+    )
     tp, control = make_groups(store, rank, config.tensor_parallel_size, device)
     aborted = True
     try:
@@ -248,7 +277,9 @@ class TPModelRunner(ModelRunner):
                 broadcast_object((method, args), self.control, 0)
                 return getattr(self, method)(*args)
             except BaseException as e:
-                if self.workers.fail(e):  # the step broke because a worker died: say that, not "connection reset"
+                if self.workers.fail(
+                    e
+                ):  # the step broke because a worker died: say that, not "connection reset"
                     raise RuntimeError(self.workers.failure) from e
                 raise
 

@@ -20,7 +20,9 @@ if not torch.cuda.is_available():
 from minivllm.kernels.paged_attn import flash_attn_with_kvcache, store_kvcache  # noqa: E402
 from minivllm.kernels.reference import attention_ref  # noqa: E402
 
-_LAZY = {"flash_attn_varlen_func": "minivllm.kernels.paged_prefill"}  # name -> the module that defines it
+_LAZY = {
+    "flash_attn_varlen_func": "minivllm.kernels.paged_prefill"
+}  # name -> the module that defines it
 
 __all__ = ["attention_ref", "flash_attn_varlen_func", "flash_attn_with_kvcache", "store_kvcache"]
 

@@ -27,7 +27,9 @@ def attend_block(
     MASKED: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One step of online softmax: fold keys `offs_key` (k: (D, BLOCK_N), v: (BLOCK_N, D)) into a query tile."""
-    s = tl.dot(q, k, input_precision=PRECISION)  # (BLOCK_M, BLOCK_N), scaled below: s * qk_scale in log2 units
+    s = tl.dot(
+        q, k, input_precision=PRECISION
+    )  # (BLOCK_M, BLOCK_N), scaled below: s * qk_scale in log2 units
     if MASKED:
         visible = (offs_key < k_len)[None, :]
         if CAUSAL:
@@ -35,7 +37,9 @@ def attend_block(
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
-    p = tl.math.exp2(s * qk_scale - m_safe[:, None])  # the scale and the max in one fused multiply-add
+    p = tl.math.exp2(
+        s * qk_scale - m_safe[:, None]
+    )  # the scale and the max in one fused multiply-add
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
@@ -43,7 +47,9 @@ def attend_block(
 
 
 @triton.jit
-def causal_bounds(start_m, k_len, shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+def causal_bounds(
+    start_m, k_len, shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr
+):
     """Keys [0, unmasked) are seen by every query of the tile (whole blocks); keys >= hi by none."""
     if CAUSAL:
         hi = tl.minimum(k_len, (start_m + 1) * BLOCK_M + shift)
@@ -53,7 +59,9 @@ def causal_bounds(start_m, k_len, shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.cons
     return (unmasked // BLOCK_N) * BLOCK_N, hi
 
 
-@triton.jit(do_not_specialize=["num_m_blocks"])  # changes every step: one compiled kernel for all values
+@triton.jit(
+    do_not_specialize=["num_m_blocks"]
+)  # changes every step: one compiled kernel for all values
 def _prefill_kernel(
     Q, K, V, O, cu_seqlens_q, cu_seqlens_k, qk_scale, num_m_blocks,  # tensors, scalars
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,  # strides
@@ -70,13 +78,21 @@ def _prefill_kernel(
     k_len = tl.load(cu_seqlens_k + seq + 1) - k_start
     kv_head = first_head // GROUP
 
-    r = tl.arange(0, HEADS * BLOCK_M)  # tile row r: position r // HEADS, query head first_head + r % HEADS
+    r = tl.arange(
+        0, HEADS * BLOCK_M
+    )  # tile row r: position r // HEADS, query head first_head + r % HEADS
     offs_m, head = start_m * BLOCK_M + r // HEADS, first_head + r % HEADS
     offs_n, offs_d = tl.arange(0, BLOCK_N), tl.arange(0, HEAD_DIM)
-    q_ptrs = Q + (q_start + offs_m)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]  # (ROWS, D)
+    q_ptrs = (
+        Q + (q_start + offs_m)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
+    )  # (ROWS, D)
     q = load_tile(q_ptrs, (offs_m < q_len)[:, None], UPCAST)
-    k_ptrs = K + (k_start + offs_n)[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None]  # (D, BLOCK_N)
-    v_ptrs = V + (k_start + offs_n)[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :]  # (BLOCK_N, D)
+    k_ptrs = (
+        K + (k_start + offs_n)[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None]
+    )  # (D, BLOCK_N)
+    v_ptrs = (
+        V + (k_start + offs_n)[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :]
+    )  # (BLOCK_N, D)
 
     m_i = tl.full([HEADS * BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([HEADS * BLOCK_M], dtype=tl.float32)
@@ -87,44 +103,86 @@ def _prefill_kernel(
         k = load_tile(k_ptrs + start_n * stride_kt, None, UPCAST)
         v = load_tile(v_ptrs + start_n * stride_vt, None, UPCAST)
         acc, m_i, l_i = attend_block(
-            acc, m_i, l_i, q, k, v, start_n + offs_n, offs_m, k_len, shift, qk_scale, False, CAUSAL, PRECISION
+            acc,
+            m_i,
+            l_i,
+            q,
+            k,
+            v,
+            start_n + offs_n,
+            offs_m,
+            k_len,
+            shift,
+            qk_scale,
+            False,
+            CAUSAL,
+            PRECISION,
         )
     for start_n in range(unmasked, hi, BLOCK_N):  # phase 2: the diagonal and the ragged end, masked
         in_range = start_n + offs_n < k_len
         k = load_tile(k_ptrs + start_n * stride_kt, in_range[None, :], UPCAST)
         v = load_tile(v_ptrs + start_n * stride_vt, in_range[:, None], UPCAST)
         acc, m_i, l_i = attend_block(
-            acc, m_i, l_i, q, k, v, start_n + offs_n, offs_m, k_len, shift, qk_scale, True, CAUSAL, PRECISION
+            acc,
+            m_i,
+            l_i,
+            q,
+            k,
+            v,
+            start_n + offs_n,
+            offs_m,
+            k_len,
+            shift,
+            qk_scale,
+            True,
+            CAUSAL,
+            PRECISION,
         )
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # a query that sees no key outputs zeros
-    o_ptrs = O + (q_start + offs_m)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]  # (ROWS, D)
+    o_ptrs = (
+        O + (q_start + offs_m)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    )  # (ROWS, D)
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m < q_len)[:, None])
 
 
 def check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 3:
-            raise ValueError(f"{name} must be (total_tokens, num_heads, head_dim), got shape {tuple(t.shape)}")
+            raise ValueError(
+                f"{name} must be (total_tokens, num_heads, head_dim), got shape {tuple(t.shape)}"
+            )
         if t.dtype not in SUPPORTED_DTYPES or t.dtype != q.dtype:
-            raise ValueError(f"{name}.dtype {t.dtype}: q, k, v must share a dtype of {SUPPORTED_DTYPES} (q: {q.dtype})")
+            raise ValueError(
+                f"{name}.dtype {t.dtype}: q, k, v must share a dtype of {SUPPORTED_DTYPES} (q: {q.dtype})"
+            )
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension")
     if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        raise ValueError(
+            f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
     head_dim = q.shape[2]
     if k.shape[2] != head_dim or head_dim not in (16, 32, 64, 128, 256):
-        raise ValueError(f"head_dim must be 16, 32, 64, 128 or 256 and equal for q and k, got {head_dim}, {k.shape[2]}")
+        raise ValueError(
+            f"head_dim must be 16, 32, 64, 128 or 256 and equal for q and k, got {head_dim}, {k.shape[2]}"
+        )
     if q.shape[1] % k.shape[1]:
-        raise ValueError(f"num_heads ({q.shape[1]}) must be a multiple of num_kv_heads ({k.shape[1]})")
+        raise ValueError(
+            f"num_heads ({q.shape[1]}) must be a multiple of num_kv_heads ({k.shape[1]})"
+        )
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if cu.dim() != 1 or cu.dtype != torch.int32 or cu.device != q.device:
-            raise ValueError(f"{name} must be 1-D int32 on {q.device}, got {cu.dtype} {tuple(cu.shape)} on {cu.device}")
+            raise ValueError(
+                f"{name} must be 1-D int32 on {q.device}, got {cu.dtype} {tuple(cu.shape)} on {cu.device}"
+            )
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
         n_q, n_k = cu_seqlens_q.numel(), cu_seqlens_k.numel()
-        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got {n_q} and {n_k}")
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got {n_q} and {n_k}"
+        )
 
 
 def launch_config(head_dim: int, device: torch.device) -> dict:
@@ -160,16 +218,45 @@ def flash_attn_varlen_contiguous(
     adds `block_table=`, for keys and values that live in a paged KV cache, and calls this one without it."""
     check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
     if max_seqlen_q < 1 or max_seqlen_k < 0:
-        raise ValueError(f"max_seqlen_q must be >= 1 and max_seqlen_k >= 0, got {max_seqlen_q}, {max_seqlen_k}")
+        raise ValueError(
+            f"max_seqlen_q must be >= 1 and max_seqlen_k >= 0, got {max_seqlen_q}, {max_seqlen_k}"
+        )
     head_dim, out = q.shape[2], torch.empty_like(q)
     qk_scale = softmax_scale_of(softmax_scale, head_dim) * math.log2(math.e)  # exp2 units
     config = tile or launch_config(head_dim, q.device)
     num_m_blocks, group = triton.cdiv(max_seqlen_q, config["BLOCK_M"]), q.shape[1] // k.shape[1]
     heads = heads_per_program(group, config["BLOCK_M"])
     grid = (num_m_blocks, q.shape[1] // heads, cu_seqlens_q.numel() - 1)
-    strides = (*q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *out.stride()[:2])  # (token, head) of each
+    strides = (
+        *q.stride()[:2],
+        *k.stride()[:2],
+        *v.stride()[:2],
+        *out.stride()[:2],
+    )  # (token, head) of each
     fp32 = q.dtype == torch.float32
-    upcast, precision = q.device.type == "cpu" and not fp32, "ieee" if fp32 else "tf32"  # see load_tile
-    flags = dict(GROUP=group, HEADS=heads, HEAD_DIM=head_dim, CAUSAL=causal, UPCAST=upcast, PRECISION=precision)
-    _prefill_kernel[grid](q, k, v, out, cu_seqlens_q, cu_seqlens_k, qk_scale, num_m_blocks, *strides, **flags, **config)
+    upcast, precision = (
+        q.device.type == "cpu" and not fp32,
+        "ieee" if fp32 else "tf32",
+    )  # see load_tile
+    flags = dict(
+        GROUP=group,
+        HEADS=heads,
+        HEAD_DIM=head_dim,
+        CAUSAL=causal,
+        UPCAST=upcast,
+        PRECISION=precision,
+    )
+    _prefill_kernel[grid](
+        q,
+        k,
+        v,
+        out,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        qk_scale,
+        num_m_blocks,
+        *strides,
+        **flags,
+        **config,
+    )
     return out

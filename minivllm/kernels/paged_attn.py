@@ -13,7 +13,15 @@ from minivllm.kernels.flash_attn import attend_block, load_tile, softmax_scale_o
 
 @triton.jit
 def _store_kvcache_kernel(
-    k, v, k_cache, v_cache, slot_mapping, stride_kt, stride_vt, KV_SIZE: tl.constexpr, BLOCK: tl.constexpr
+    k,
+    v,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    stride_kt,
+    stride_vt,
+    KV_SIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """One token's k and v rows (KV_SIZE values each) into its slot; the caches are contiguous: a slot is a row."""
     token = tl.program_id(0)
@@ -22,19 +30,30 @@ def _store_kvcache_kernel(
         return
     offs = tl.arange(0, BLOCK)
     mask = offs < KV_SIZE
-    tl.store(k_cache + slot * KV_SIZE + offs, tl.load(k + token * stride_kt + offs, mask=mask), mask=mask)
-    tl.store(v_cache + slot * KV_SIZE + offs, tl.load(v + token * stride_vt + offs, mask=mask), mask=mask)
+    tl.store(
+        k_cache + slot * KV_SIZE + offs, tl.load(k + token * stride_kt + offs, mask=mask), mask=mask
+    )
+    tl.store(
+        v_cache + slot * KV_SIZE + offs, tl.load(v + token * stride_vt + offs, mask=mask), mask=mask
+    )
 
 
 def check_cache(name: str, cache: torch.Tensor, q: torch.Tensor) -> None:
-    if cache.dim() != 4 or cache.dtype != q.dtype or cache.device != q.device or not cache.is_contiguous():
+    if (
+        cache.dim() != 4
+        or cache.dtype != q.dtype
+        or cache.device != q.device
+        or not cache.is_contiguous()
+    ):
         raise ValueError(
             f"{name} must be a contiguous (num_blocks, block_size, num_kv_heads, head_dim) tensor of "
             f"{q.dtype} on {q.device}, got {cache.dtype} {tuple(cache.shape)} on {cache.device}"
         )
 
 
-def check_index(name: str, t: torch.Tensor, dim: int, device: torch.device, dtypes=(torch.int32,)) -> None:
+def check_index(
+    name: str, t: torch.Tensor, dim: int, device: torch.device, dtypes=(torch.int32,)
+) -> None:
     if t.dim() != dim or t.dtype not in dtypes or t.device != device:
         raise ValueError(
             f"{name} must be a {dim}-D {' or '.join(map(str, dtypes))} tensor on {device}, "
@@ -46,7 +65,12 @@ def check_out(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
     """Where a kernel writes: a new tensor like q, or `out`, checked to fit q (shape, dtype, device, last dim)."""
     if out is None:
         return torch.empty_like(q)
-    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
+    if (
+        out.shape != q.shape
+        or out.dtype != q.dtype
+        or out.device != q.device
+        or out.stride(-1) != 1
+    ):
         raise ValueError(
             f"out must be a {q.dtype} tensor of q's shape {tuple(q.shape)} on {q.device}, contiguous in its last "
             f"dimension; got {out.dtype} {tuple(out.shape)} on {out.device} with strides {out.stride()}"
@@ -70,11 +94,18 @@ def store_kvcache(
             f"k, v {tuple(k.shape)}, {tuple(v.shape)} must match the cache's (num_kv_heads, head_dim) "
             f"{tuple(k_cache.shape[2:])} and slot_mapping's {slot_mapping.numel()} tokens"
         )
-    if k.stride(-1) != 1 or k.stride(-2) != k.shape[-1] or v.stride(-1) != 1 or v.stride(-2) != v.shape[-1]:
+    if (
+        k.stride(-1) != 1
+        or k.stride(-2) != k.shape[-1]
+        or v.stride(-1) != 1
+        or v.stride(-2) != v.shape[-1]
+    ):
         raise ValueError("each token's k and v must be contiguous (num_kv_heads, head_dim) rows")
     kv_size = k.shape[1] * k.shape[2]
     block = triton.next_power_of_2(kv_size)
-    _store_kvcache_kernel[(k.shape[0],)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), kv_size, block)
+    _store_kvcache_kernel[(k.shape[0],)](
+        k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), kv_size, block
+    )
 
 
 @triton.jit
@@ -101,18 +132,34 @@ def attend_split(
         tok = start + offs_n  # (BLOCK_N,)
         valid = tok < hi
         rows = paged_rows(table_row, tok, valid, BLOCK_SIZE)
-        k = load_tile(K + rows[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None], valid[None, :], UPCAST)
-        v = load_tile(V + rows[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :], valid[:, None], UPCAST)
-        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, tok, offs_q, hi, 0, qk_scale, True, False, PRECISION)
-    empty = l_i == 0.0  # a split with no key: past the end of a short sequence (or of a shared prefix)
+        k = load_tile(
+            K + rows[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
+            valid[None, :],
+            UPCAST,
+        )
+        v = load_tile(
+            V + rows[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+            valid[:, None],
+            UPCAST,
+        )
+        acc, m_i, l_i = attend_block(
+            acc, m_i, l_i, q, k, v, tok, offs_q, hi, 0, qk_scale, True, False, PRECISION
+        )
+    empty = (
+        l_i == 0.0
+    )  # a split with no key: past the end of a short sequence (or of a shared prefix)
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     return out, tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))
 
 
 @triton.jit
-def store_split(partial_out, partial_lse, seq, heads, slot, out, lse, mask, part_strides, HEAD_DIM: tl.constexpr):
+def store_split(
+    partial_out, partial_lse, seq, heads, slot, out, lse, mask, part_strides, HEAD_DIM: tl.constexpr
+):
     """A split's results into slot `slot` of its rows (seq: one sequence, or one per row; heads: one per row)."""
-    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh = part_strides  # of partial_out, then partial_lse
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh = (
+        part_strides  # of partial_out, then partial_lse
+    )
     row = seq * stride_pb + heads * stride_ph + slot * stride_ps  # (ROWS,)
     tl.store(partial_out + row[:, None] + tl.arange(0, HEAD_DIM)[None, :], out, mask=mask[:, None])
     tl.store(partial_lse + seq * stride_lb + heads * stride_lh + slot, lse, mask=mask)
@@ -127,17 +174,35 @@ def _decode_kernel(
 ):  # fmt: skip
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seqlen = tl.load(cache_seqlens + seq)
-    first = tl.load(prefix_lens + seq) if HAS_PREFIX else 0  # keys before it: a shared prefix, attended apart
+    first = (
+        tl.load(prefix_lens + seq) if HAS_PREFIX else 0
+    )  # keys before it: a shared prefix, attended apart
     chunk = tl.cdiv(tl.cdiv(seqlen - first, num_splits), BLOCK_N) * BLOCK_N
     lo = first + split * chunk
     hi = tl.minimum(lo + chunk, seqlen)
-    offs_g = tl.arange(0, GROUP_PAD)  # the query heads of this KV head (padded: tl.dot needs 16 rows)
+    offs_g = tl.arange(
+        0, GROUP_PAD
+    )  # the query heads of this KV head (padded: tl.dot needs 16 rows)
     heads, mask = kv_head * GROUP + offs_g, offs_g < GROUP
     q_rows = Q + seq * q_strides[0] + heads * q_strides[1]  # (GROUP_PAD,)
-    q = load_tile(q_rows[:, None] + tl.arange(0, HEAD_DIM)[None, :], mask[:, None], UPCAST)  # (GROUP_PAD, D)
+    q = load_tile(
+        q_rows[:, None] + tl.arange(0, HEAD_DIM)[None, :], mask[:, None], UPCAST
+    )  # (GROUP_PAD, D)
     table_row = block_table + seq * stride_bt
     out, lse = attend_split(
-        q, K, V, table_row, lo, hi, kv_head, qk_scale, kv_strides, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION
+        q,
+        K,
+        V,
+        table_row,
+        lo,
+        hi,
+        kv_head,
+        qk_scale,
+        kv_strides,
+        BLOCK_N,
+        BLOCK_SIZE,
+        UPCAST,
+        PRECISION,
     )
     store_split(partial_out, partial_lse, seq, heads, split, out, lse, mask, part_strides, HEAD_DIM)
 
@@ -151,14 +216,22 @@ def _combine_splits_kernel(
     seq, head = tl.program_id(0), tl.program_id(1)
     if tl.load(cache_seqlens + seq) == 0:
         return  # not a sequence: a CUDA graph's padding row (notebook 04), whose output row may be another's
-    if prefix_splits > 0:  # the shared prefix's splits (cascade attention) follow the row's own, if it shares it
+    if (
+        prefix_splits > 0
+    ):  # the shared prefix's splits (cascade attention) follow the row's own, if it shares it
         num_splits += tl.where(tl.load(prefix_lens + seq) > 0, prefix_splits, 0)
     offs_s, offs_d = tl.arange(0, SPLITS_PAD), tl.arange(0, HEAD_DIM)
     lse_ptrs = partial_lse + seq * stride_lb + head * stride_lh + offs_s
     lse = tl.load(lse_ptrs, mask=offs_s < num_splits, other=float("-inf"))  # (SPLITS_PAD,)
     m = tl.max(lse, 0)
     weights = tl.math.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
-    part_ptrs = partial_out + seq * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :]
+    part_ptrs = (
+        partial_out
+        + seq * stride_pb
+        + head * stride_ph
+        + offs_s[:, None] * stride_ps
+        + offs_d[None, :]
+    )
     parts = tl.load(part_ptrs, mask=(offs_s < num_splits)[:, None], other=0.0)  # (SPLITS_PAD, D)
     out = tl.sum(parts * weights[:, None], 0) / tl.maximum(tl.sum(weights, 0), 1e-30)
     tl.store(O + seq * o_strides[0] + head * o_strides[1] + offs_d, out.to(O.dtype.element_ty))
@@ -178,7 +251,9 @@ def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> in
     return min(128, wave // programs) if programs <= wave else 2
 
 
-def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, block_table, prefix_blocks, prefix_lens) -> None:
+def check_decode_inputs(
+    q, k_cache, v_cache, cache_seqlens, block_table, prefix_blocks, prefix_lens
+) -> None:
     if q.dim() != 4 or q.shape[1] != 1:
         raise ValueError(f"q must be (batch, 1, num_heads, head_dim), got {tuple(q.shape)}")
     check_cache("k_cache", k_cache, q)
@@ -189,7 +264,11 @@ def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, block_table, prefix_
     check_index("block_table", block_table, 2, q.device)
     batch, _, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    if k_cache.shape[3] != head_dim or num_heads % num_kv_heads or head_dim not in (16, 32, 64, 128, 256):
+    if (
+        k_cache.shape[3] != head_dim
+        or num_heads % num_kv_heads
+        or head_dim not in (16, 32, 64, 128, 256)
+    ):
         raise ValueError(
             f"head_dim {head_dim} (16..256, a power of two) must match the cache's {k_cache.shape[3]}, "
             f"and num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}"
@@ -197,12 +276,16 @@ def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, block_table, prefix_
     if cache_seqlens.shape[0] != batch or block_table.shape[0] != batch:
         raise ValueError(f"cache_seqlens and block_table need one row per sequence ({batch})")
     if (prefix_blocks is None) != (prefix_lens is None):
-        raise ValueError("prefix_blocks and prefix_lens go together: the shared blocks, and who shares them")
+        raise ValueError(
+            "prefix_blocks and prefix_lens go together: the shared blocks, and who shares them"
+        )
     if prefix_lens is not None and prefix_blocks is not None:
         check_index("prefix_blocks", prefix_blocks, 1, q.device)
         check_index("prefix_lens", prefix_lens, 1, q.device)
         if prefix_lens.shape[0] != batch:
-            raise ValueError(f"prefix_lens needs one row per sequence ({batch}), got {prefix_lens.shape[0]}")
+            raise ValueError(
+                f"prefix_lens needs one row per sequence ({batch}), got {prefix_lens.shape[0]}"
+            )
 
 
 def flash_attn_with_kvcache(
@@ -213,9 +296,12 @@ def flash_attn_with_kvcache(
     block_table: torch.Tensor | None = None,  # (batch, max_blocks) int32
     softmax_scale: float | None = None,
     causal: bool = False,  # one query that sees its whole cache: causal or not is the same thing
-    out: torch.Tensor | None = None,  # (batch, 1, num_heads, head_dim) to write into; None: a new tensor
-    prefix_blocks: torch.Tensor | None = None,  # (n,) int32: blocks that begin the caches of several rows
-    prefix_lens: torch.Tensor | None = None,  # (batch,) int32: a row's tokens in those blocks, or 0 (not its own)
+    out: torch.Tensor
+    | None = None,  # (batch, 1, num_heads, head_dim) to write into; None: a new tensor
+    prefix_blocks: torch.Tensor
+    | None = None,  # (n,) int32: blocks that begin the caches of several rows
+    prefix_lens: torch.Tensor
+    | None = None,  # (batch,) int32: a row's tokens in those blocks, or 0 (not its own)
 ) -> torch.Tensor:  # (batch, 1, num_heads, head_dim)
     """Decode attention over a paged KV cache, flash-attn's signature (GQA-packed, split-K). Rows that begin with
     `prefix_blocks` (`prefix_lens` > 0) attend to them together, their keys read once (cascade attention)."""
@@ -226,13 +312,22 @@ def flash_attn_with_kvcache(
     num_splits, group = decode_num_splits(batch, num_kv_heads, q.device), num_heads // num_kv_heads
     block_m = 16 if on_cpu else 64  # (row, query head) pairs per program of the prefix kernel
     prefix_grid = (triton.cdiv(batch * group, block_m), num_kv_heads)
-    prefix_splits = 0 if prefix_blocks is None else prefix_num_splits(prefix_grid[0] * prefix_grid[1], q.device)
+    prefix_splits = (
+        0 if prefix_blocks is None else prefix_num_splits(prefix_grid[0] * prefix_grid[1], q.device)
+    )
     k, v = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
     out = check_out(out, q)
-    slots = num_splits + prefix_splits  # partial results per row and head: the row's own splits, the prefix's
-    partial_out = torch.empty(batch, num_heads, slots, head_dim, dtype=torch.float32, device=q.device)
+    slots = (
+        num_splits + prefix_splits
+    )  # partial results per row and head: the row's own splits, the prefix's
+    partial_out = torch.empty(
+        batch, num_heads, slots, head_dim, dtype=torch.float32, device=q.device
+    )
     partial_lse = torch.empty(batch, num_heads, slots, dtype=torch.float32, device=q.device)
-    tensors, lens = (q, k, v, partial_out, partial_lse), cache_seqlens if prefix_lens is None else prefix_lens
+    tensors, lens = (
+        (q, k, v, partial_out, partial_lse),
+        cache_seqlens if prefix_lens is None else prefix_lens,
+    )
     qk_scale = softmax_scale_of(softmax_scale, head_dim) * math.log2(math.e)
     q_strides, kv_strides = (q.stride(0), q.stride(2)), (*k.stride()[:2], *v.stride()[:2])
     strides = (q_strides, kv_strides, (*partial_out.stride()[:3], *partial_lse.stride()[:2]))
@@ -242,18 +337,29 @@ def flash_attn_with_kvcache(
     )
     common.update(UPCAST=on_cpu and q.dtype != torch.float32, num_stages=1 if on_cpu else 2)
     common.update(PRECISION="ieee" if q.dtype == torch.float32 else "tf32", GROUP=group)
-    decode = dict(GROUP_PAD=max(16, triton.next_power_of_2(group)), HAS_PREFIX=prefix_lens is not None)
+    decode = dict(
+        GROUP_PAD=max(16, triton.next_power_of_2(group)), HAS_PREFIX=prefix_lens is not None
+    )
     scalars = (qk_scale, num_splits, block_table.stride(0))
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         *tensors, cache_seqlens, block_table, lens, *scalars, *strides, **decode, **common
     )
     if prefix_splits:
         prefix = (prefix_blocks, prefix_lens, qk_scale, batch, num_splits)
-        _shared_prefix_kernel[(*prefix_grid, prefix_splits)](*tensors, *prefix, *strides, BLOCK_M=block_m, **common)
+        _shared_prefix_kernel[(*prefix_grid, prefix_splits)](
+            *tensors, *prefix, *strides, BLOCK_M=block_m, **common
+        )
     splits = (num_splits, prefix_splits, strides[2], (out.stride(0), out.stride(2)))
     pad = max(2, triton.next_power_of_2(slots))
     _combine_splits_kernel[(batch, num_heads)](
-        partial_out, partial_lse, out, cache_seqlens, lens, *splits, HEAD_DIM=head_dim, SPLITS_PAD=pad
+        partial_out,
+        partial_lse,
+        out,
+        cache_seqlens,
+        lens,
+        *splits,
+        HEAD_DIM=head_dim,
+        SPLITS_PAD=pad,
     )
     return out
 
@@ -270,7 +376,9 @@ def _shared_prefix_kernel(
     tile, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # (row, query head) pairs, GROUP heads per row
     seq, heads = offs_m // GROUP, kv_head * GROUP + offs_m % GROUP
-    lens = tl.load(prefix_lens + seq, mask=seq < batch, other=0)  # (BLOCK_M,): the prefix's length, or 0
+    lens = tl.load(
+        prefix_lens + seq, mask=seq < batch, other=0
+    )  # (BLOCK_M,): the prefix's length, or 0
     shares, prefix_len = lens > 0, tl.max(lens, 0)  # one length for all sharers
     if prefix_len == 0:
         return  # no row of this tile shares it (a CUDA graph's step may have no shared prefix)
@@ -278,10 +386,24 @@ def _shared_prefix_kernel(
     lo = split * chunk
     hi = tl.minimum(lo + chunk, prefix_len)
     q_rows = Q + seq * q_strides[0] + heads * q_strides[1]  # (BLOCK_M,)
-    q = load_tile(q_rows[:, None] + tl.arange(0, HEAD_DIM)[None, :], shares[:, None], UPCAST)  # (BLOCK_M, D)
+    q = load_tile(
+        q_rows[:, None] + tl.arange(0, HEAD_DIM)[None, :], shares[:, None], UPCAST
+    )  # (BLOCK_M, D)
     # a non-sharer's row is computed too, and never read: the combine kernel skips its slots
     out, lse = attend_split(
-        q, K, V, prefix_blocks, lo, hi, kv_head, qk_scale, kv_strides, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION
+        q,
+        K,
+        V,
+        prefix_blocks,
+        lo,
+        hi,
+        kv_head,
+        qk_scale,
+        kv_strides,
+        BLOCK_N,
+        BLOCK_SIZE,
+        UPCAST,
+        PRECISION,
     )
     slot, mask = first_split + split, seq < batch
     store_split(partial_out, partial_lse, seq, heads, slot, out, lse, mask, part_strides, HEAD_DIM)

@@ -28,9 +28,13 @@ def _paged_prefill_kernel(
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
-    seq = tl.load(tiles + 2 * tl.program_id(0))  # this program's (sequence, query tile), from the list
+    seq = tl.load(
+        tiles + 2 * tl.program_id(0)
+    )  # this program's (sequence, query tile), from the list
     start_m = tl.load(tiles + 2 * tl.program_id(0) + 1)
-    first_head = tl.program_id(1) * HEADS  # HEADS query heads of one KV head, as notebook 01's kernel
+    first_head = (
+        tl.program_id(1) * HEADS
+    )  # HEADS query heads of one KV head, as notebook 01's kernel
     if seq < 0:
         return  # padding: a CUDA graph's list is longer than its step's (notebook 04)
     q_start = tl.load(cu_seqlens_q + seq)
@@ -39,7 +43,9 @@ def _paged_prefill_kernel(
         return
     k_len = tl.load(cu_seqlens_k + seq + 1) - tl.load(cu_seqlens_k + seq)
     kv_head = first_head // GROUP
-    r = tl.arange(0, HEADS * BLOCK_M)  # tile row r: position r // HEADS, query head first_head + r % HEADS
+    r = tl.arange(
+        0, HEADS * BLOCK_M
+    )  # tile row r: position r // HEADS, query head first_head + r % HEADS
     offs_m, head = start_m * BLOCK_M + r // HEADS, first_head + r % HEADS
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -57,10 +63,31 @@ def _paged_prefill_kernel(
         tok = start_n + offs_n
         valid = tok < k_len
         rows = paged_rows(block_table + seq * stride_bt, tok, valid, BLOCK_SIZE)
-        k = load_tile(K + rows[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None], valid[None, :], UPCAST)
-        v = load_tile(V + rows[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :], valid[:, None], UPCAST)
+        k = load_tile(
+            K + rows[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
+            valid[None, :],
+            UPCAST,
+        )
+        v = load_tile(
+            V + rows[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+            valid[:, None],
+            UPCAST,
+        )
         acc, m_i, l_i = attend_block(
-            acc, m_i, l_i, q, k, v, tok, offs_m, k_len, shift, qk_scale, start_n >= unmasked, CAUSAL, PRECISION
+            acc,
+            m_i,
+            l_i,
+            q,
+            k,
+            v,
+            tok,
+            offs_m,
+            k_len,
+            shift,
+            qk_scale,
+            start_n >= unmasked,
+            CAUSAL,
+            PRECISION,
         )
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
@@ -70,7 +97,9 @@ def _paged_prefill_kernel(
     )
 
 
-def all_tiles(batch: int, num_m_blocks: int, device: torch.device) -> torch.Tensor:  # (num_m_blocks * batch, 2)
+def all_tiles(
+    batch: int, num_m_blocks: int, device: torch.device
+) -> torch.Tensor:  # (num_m_blocks * batch, 2)
     """(sequence, query tile) for every sequence and tile below num_m_blocks, int32: the last tiles, which see the
     most keys, first, so that the longest programs do not start last."""
     seq = torch.arange(batch, dtype=torch.int32, device=device)
@@ -90,8 +119,10 @@ def flash_attn_varlen_func(
     softmax_scale: float | None = None,
     causal: bool = False,
     block_table: torch.Tensor | None = None,  # (batch, max_blocks) int32
-    out: torch.Tensor | None = None,  # with block_table: (total_q, num_heads, head_dim) to write the batch's rows into
-    tiles: torch.Tensor | None = None,  # with block_table: (num_tiles, 2) int32, see query_tiles; None: every tile
+    out: torch.Tensor
+    | None = None,  # with block_table: (total_q, num_heads, head_dim) to write the batch's rows into
+    tiles: torch.Tensor
+    | None = None,  # with block_table: (num_tiles, 2) int32, see query_tiles; None: every tile
 ) -> torch.Tensor:  # (total_q, num_heads, head_dim)
     """flash-attn's varlen attention; with `block_table`, keys and values are read from a paged cache, one program
     per (sequence, query tile) of `tiles` and group of query heads (notebook 01's `heads_per_program`)."""
@@ -105,26 +136,46 @@ def flash_attn_varlen_func(
     check_cache("v_cache", v, q)
     check_index("block_table", block_table, 2, q.device)
     num_kv_heads, head_dim = k.shape[2], k.shape[3]
-    check_inputs(q, k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim), cu_seqlens_q, cu_seqlens_k)
+    check_inputs(
+        q,
+        k.view(-1, num_kv_heads, head_dim),
+        v.view(-1, num_kv_heads, head_dim),
+        cu_seqlens_q,
+        cu_seqlens_k,
+    )
     if block_table.shape[0] != cu_seqlens_q.numel() - 1:
-        raise ValueError(f"block_table has {block_table.shape[0]} rows for {cu_seqlens_q.numel() - 1} sequences")
+        raise ValueError(
+            f"block_table has {block_table.shape[0]} rows for {cu_seqlens_q.numel() - 1} sequences"
+        )
     scale = softmax_scale_of(softmax_scale, head_dim)
     config = launch_config(head_dim, q.device)
     kf, vf = k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)
     out = check_out(out, q)
-    if tiles is None:  # every sequence's first cdiv(max_seqlen_q, BLOCK_M) tiles: those past its end return at once
-        tiles = all_tiles(cu_seqlens_q.numel() - 1, triton.cdiv(max_seqlen_q, config["BLOCK_M"]), q.device)
+    if (
+        tiles is None
+    ):  # every sequence's first cdiv(max_seqlen_q, BLOCK_M) tiles: those past its end return at once
+        tiles = all_tiles(
+            cu_seqlens_q.numel() - 1, triton.cdiv(max_seqlen_q, config["BLOCK_M"]), q.device
+        )
     check_index("tiles", tiles, 2, q.device)
     if tiles.shape[0] == 0:
         return out  # no tiles: nothing to compute
     group = q.shape[1] // num_kv_heads
     heads = heads_per_program(group, config["BLOCK_M"])
     tensors = (q, kf, vf, out, cu_seqlens_q, cu_seqlens_k, block_table, tiles.contiguous())
-    strides = (*q.stride()[:2], *kf.stride()[:2], *vf.stride()[:2], *out.stride()[:2], block_table.stride(0))
+    strides = (
+        *q.stride()[:2],
+        *kf.stride()[:2],
+        *vf.stride()[:2],
+        *out.stride()[:2],
+        block_table.stride(0),
+    )
     meta: dict[str, Any] = dict(
         GROUP=group, HEADS=heads, HEAD_DIM=head_dim, BLOCK_SIZE=k.shape[1], CAUSAL=causal, **config
     )
     meta.update(UPCAST=q.device.type == "cpu" and q.dtype != torch.float32)
     meta.update(PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
-    _paged_prefill_kernel[(tiles.shape[0], q.shape[1] // heads)](*tensors, scale * math.log2(math.e), *strides, **meta)
+    _paged_prefill_kernel[(tiles.shape[0], q.shape[1] // heads)](
+        *tensors, scale * math.log2(math.e), *strides, **meta
+    )
     return out

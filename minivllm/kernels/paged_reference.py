@@ -6,7 +6,11 @@ from minivllm.kernels.reference import attention_ref
 
 
 def store_kvcache_ref(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
 ) -> None:
     keep = slot_mapping >= 0  # (num_tokens,): -1 marks padding
     k_cache.view(-1, *k_cache.shape[2:])[slot_mapping[keep]] = k[keep]

@@ -19,13 +19,19 @@ def attention_ref(
     for i in range(len(cu_seqlens_q) - 1):
         qs, qe, ks, ke = *cu_seqlens_q[i : i + 2].tolist(), *cu_seqlens_k[i : i + 2].tolist()
         qi = q[qs:qe].transpose(0, 1).float()  # (num_heads, len_q, head_dim)
-        ki = k[ks:ke].transpose(0, 1).float().repeat_interleave(group, dim=0)  # (num_heads, len_k, head_dim)
+        ki = (
+            k[ks:ke].transpose(0, 1).float().repeat_interleave(group, dim=0)
+        )  # (num_heads, len_k, head_dim)
         vi = v[ks:ke].transpose(0, 1).float().repeat_interleave(group, dim=0)
         scores = (qi @ ki.transpose(1, 2)) * scale  # (num_heads, len_q, len_k): the O(N²) tensor
         if causal:
             len_q, len_k = qe - qs, ke - ks
-            visible = torch.ones(len_q, len_k, dtype=torch.bool, device=q.device).tril(diagonal=len_k - len_q)
+            visible = torch.ones(len_q, len_k, dtype=torch.bool, device=q.device).tril(
+                diagonal=len_k - len_q
+            )
             scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row that sees no key outputs zeros
+        probs = torch.softmax(scores, dim=-1).nan_to_num(
+            0.0
+        )  # a row that sees no key outputs zeros
         out[qs:qe] = (probs @ vi).transpose(0, 1).to(q.dtype)
     return out

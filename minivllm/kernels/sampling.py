@@ -38,7 +38,9 @@ def _neg_log2(u, FAST: tl.constexpr):
 @triton.jit
 def _better(x, u, t, cols, best, best_col, FAST: tl.constexpr):
     """Each lane's best score so far (the first column on ties), given logits x of columns cols, noise u."""
-    if t > 0:  # the Gumbel score in base 2: log2(e) x / T - log2(q), q = -log2(u); temperature 0: the logit itself
+    if (
+        t > 0
+    ):  # the Gumbel score in base 2: log2(e) x / T - log2(q), q = -log2(u); temperature 0: the logit itself
         x = x * (LOG2E / t) - _fast_log2(_neg_log2(u, FAST), FAST)
     better = (x > best) | ((x == best) & (cols < best_col))
     return tl.where(better, x, best), tl.where(better, cols, best_col)
@@ -89,10 +91,21 @@ def _race_kernel(
     BLOCK: tl.constexpr,
     FAST: tl.constexpr,
 ):
-    row, part, parts = tl.program_id(0), tl.program_id(1), tl.num_programs(1)  # part: counters part * span, + span
-    t, key, X, s = tl.load(TEMPS + row), tl.load(KEYS + row), X + row.to(tl.int64) * stride, tl.cdiv(n, 4)
+    row, part, parts = (
+        tl.program_id(0),
+        tl.program_id(1),
+        tl.num_programs(1),
+    )  # part: counters part * span, + span
+    t, key, X, s = (
+        tl.load(TEMPS + row),
+        tl.load(KEYS + row),
+        X + row.to(tl.int64) * stride,
+        tl.cdiv(n, 4),
+    )
     lo, incl = t * 0 - float("inf"), 1  # no floor
-    if SEARCHING is not None:  # nucleus's retries (below): only rows still searching, above their floor
+    if (
+        SEARCHING is not None
+    ):  # nucleus's retries (below): only rows still searching, above their floor
         if tl.load(SEARCHING + row) == 0:
             return
         lo, incl = tl.load(LO + row), tl.load(INCL + row)
@@ -100,11 +113,15 @@ def _race_kernel(
     score, col, top = _draw(X, n, s, t, key, lo, incl, start, end, offset, BLOCK, FAST)
     tl.store(BEST + row * parts + part, score)
     tl.store(WON + row * parts + part, col)
-    tl.store(TOP + row * parts + part, top)  # the part's largest logit (nucleus, below, needs the row's)
+    tl.store(
+        TOP + row * parts + part, top
+    )  # the part's largest logit (nucleus, below, needs the row's)
 
 
 @triton.jit(do_not_specialize=["n", "stride"])  # the candidates per row: a top-k, any value
-def _race_ids_kernel(X, IDS, TEMPS, KEYS, WON, n, s, stride, BLOCK: tl.constexpr, FAST: tl.constexpr):
+def _race_ids_kernel(
+    X, IDS, TEMPS, KEYS, WON, n, s, stride, BLOCK: tl.constexpr, FAST: tl.constexpr
+):
     row = tl.program_id(0)
     t, key = tl.load(TEMPS + row), tl.load(KEYS + row)
     X, IDS = X + row.to(tl.int64) * stride, IDS + row.to(tl.int64) * stride
@@ -114,14 +131,19 @@ def _race_ids_kernel(X, IDS, TEMPS, KEYS, WON, n, s, stride, BLOCK: tl.constexpr
         x = tl.load(X + cols, mask=cols < n, other=float("-inf")).to(tl.float32)
         ids = tl.load(IDS + cols, mask=cols < n, other=0).to(tl.int32)
         best, best_col = _better(x, _noise(key, ids, s), t, cols, best, best_col, FAST)
-    tl.store(WON + row, tl.load(IDS + tl.min(tl.where(best == tl.max(best, axis=0), best_col, n), axis=0)))
+    tl.store(
+        WON + row,
+        tl.load(IDS + tl.min(tl.where(best == tl.max(best, axis=0), best_col, n), axis=0)),
+    )
 
 
 def block_of(n: int) -> int:
     return min(triton.next_power_of_2(n), 4096)
 
 
-Retry = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # per row: floor lo, incl (>= lo), searching (0/1)
+Retry = tuple[
+    torch.Tensor, torch.Tensor, torch.Tensor
+]  # per row: floor lo, incl (>= lo), searching (0/1)
 
 
 def row_parts(length: int, block: int, rows: int) -> tuple[int, int]:
@@ -131,7 +153,11 @@ def row_parts(length: int, block: int, rows: int) -> tuple[int, int]:
 
 
 def race_parts(
-    x: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor, retry: Retry | None = None, offset: int = 0
+    x: torch.Tensor,
+    temperatures: torch.Tensor,
+    keys: torch.Tensor,
+    retry: Retry | None = None,
+    offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The race in parts of each row, a program each: per (row, part), the best score, its column, the largest
     logit. (rows, parts) each. With `retry`, only the searching rows, among their logits above the floor, with the
@@ -163,11 +189,15 @@ def race(x: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor) -> tor
     """Per row of x (rows, vocab): the argmax where the temperature is 0, else a draw from softmax(x / T), its noise
     keyed by (keys[row], token id). Returns (rows,) int64."""
     best, won, _ = race_parts(x, temperatures, keys)
-    firsts = won.masked_fill(best < best.max(dim=1, keepdim=True).values, x.shape[1])  # the best parts' first column
+    firsts = won.masked_fill(
+        best < best.max(dim=1, keepdim=True).values, x.shape[1]
+    )  # the best parts' first column
     return firsts.amin(dim=1)
 
 
-def race_ids(x: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor, vocab: int):
+def race_ids(
+    x: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor, vocab: int
+):
     """race among candidates: x (rows, n) their logits, ids (rows, n) their token ids in a vocabulary of `vocab`;
     the same noise per token id as race over the whole row. Returns (rows,) int64 token ids."""
     assert x.stride(1) == 1 and ids.stride() == x.stride()
@@ -216,9 +246,23 @@ def _parts_draw(BEST, WON, TOP, row, parts, n, PARTS: tl.constexpr):
     return col, tl.max(_row_parts(TOP, row, parts, float("-inf"), PARTS), axis=0)
 
 
-@triton.jit(do_not_specialize=["span"])  # varies with the batch: one compiled kernel for all (notebook 01)
+@triton.jit(
+    do_not_specialize=["span"]
+)  # varies with the batch: one compiled kernel for all (notebook 01)
 def _masses_kernel(
-    X, TEMPS, BEST, WON, TOP, SEARCHING, ABOVE, TOTAL, n, stride, span, PARTS: tl.constexpr, BLOCK: tl.constexpr
+    X,
+    TEMPS,
+    BEST,
+    WON,
+    TOP,
+    SEARCHING,
+    ABOVE,
+    TOTAL,
+    n,
+    stride,
+    span,
+    PARTS: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """Part `part` (columns part * span, + span) of _masses, for the race's draw: into ABOVE and TOTAL."""
     row, part, parts = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
@@ -228,7 +272,9 @@ def _masses_kernel(
     col, m = _parts_draw(BEST, WON, TOP, row, parts, n, PARTS)
     drawn = tl.load(X + col).to(tl.float32)
     lo = part * span
-    above, total = _masses(X, lo, tl.minimum(lo + span, n), n, tl.where(t > 0, t, 1.0), m, drawn, BLOCK)
+    above, total = _masses(
+        X, lo, tl.minimum(lo + span, n), n, tl.where(t > 0, t, 1.0), m, drawn, BLOCK
+    )
     tl.store(ABOVE + row * parts + part, above)
     tl.store(TOTAL + row * parts + part, total)
 
@@ -236,7 +282,9 @@ def _masses_kernel(
 @triton.jit
 def _verdict(x, m, t, p, min_p, above, total):
     """Whether to draw again after drawing logit x (above, total: _masses'), and above what: (again, lo, incl)."""
-    floor = tl.where(min_p > 0, m + t * tl.log(tl.where(min_p > 0, min_p, 1.0)), float("-inf"))  # min-p: x >= it
+    floor = tl.where(
+        min_p > 0, m + t * tl.log(tl.where(min_p > 0, min_p, 1.0)), float("-inf")
+    )  # min-p: x >= it
     in_nucleus = (p >= 1) | (above < p * total) | (above == 0)
     again = (t > 0) & ((x < floor) | (in_nucleus == 0))
     return again, tl.where(x < floor, floor, x), (x < floor).to(tl.int32)
@@ -266,7 +314,12 @@ def _verdict_kernel(
     row = tl.program_id(0)
     if tl.load(SEARCHING + row) == 0:
         return
-    t, p, min_p, X = tl.load(TEMPS + row), tl.load(TOP_PS + row), tl.load(MIN_PS + row), X + row.to(tl.int64) * stride
+    t, p, min_p, X = (
+        tl.load(TEMPS + row),
+        tl.load(TOP_PS + row),
+        tl.load(MIN_PS + row),
+        X + row.to(tl.int64) * stride,
+    )
     col, m = _parts_draw(BEST, WON, TOP, row, parts, n, PARTS)
     above = tl.sum(_row_parts(ABOVE, row, parts, 0.0, PARTS), axis=0)
     total = tl.sum(_row_parts(TOTAL, row, parts, 0.0, PARTS), axis=0)
@@ -279,18 +332,40 @@ def _verdict_kernel(
 
 @triton.jit(do_not_specialize=["offset"])
 def _nucleus_kernel(
-    X, TEMPS, TOP_PS, MIN_PS, KEYS, LO, INCL, SEARCHING, OUT, n, stride, offset, BLOCK: tl.constexpr, FAST: tl.constexpr
+    X,
+    TEMPS,
+    TOP_PS,
+    MIN_PS,
+    KEYS,
+    LO,
+    INCL,
+    SEARCHING,
+    OUT,
+    n,
+    stride,
+    offset,
+    BLOCK: tl.constexpr,
+    FAST: tl.constexpr,
 ):
     """The rare row still searching after the tries in parts: draws again, alone, until a draw passes."""
     row = tl.program_id(0)
     searching = tl.load(SEARCHING + row) != 0
     if searching == 0:
         return
-    t, p, min_p, key = tl.load(TEMPS + row), tl.load(TOP_PS + row), tl.load(MIN_PS + row), tl.load(KEYS + row)
+    t, p, min_p, key = (
+        tl.load(TEMPS + row),
+        tl.load(TOP_PS + row),
+        tl.load(MIN_PS + row),
+        tl.load(KEYS + row),
+    )
     X, s = X + row.to(tl.int64) * stride, tl.cdiv(n, 4)
     lo, incl, col = tl.load(LO + row), tl.load(INCL + row), row * 0
-    offset += row * 0  # the next try's counters (the loop's state as tensors: a while loop carries tensors)
-    while searching:  # a draw among x > lo (>= lo if incl); rejected: the kept tokens all lie above it
+    offset += (
+        row * 0
+    )  # the next try's counters (the loop's state as tensors: a while loop carries tensors)
+    while (
+        searching
+    ):  # a draw among x > lo (>= lo if incl); rejected: the kept tokens all lie above it
         _, col, m = _draw(X, n, s, t, key, lo, incl, 0, s, offset, BLOCK, FAST)
         x = tl.load(X + col).to(tl.float32)
         above, total = _masses(X, 0, n, n, tl.where(t > 0, t, 1.0), m, x, 4 * BLOCK)
@@ -300,7 +375,9 @@ def _nucleus_kernel(
 
 
 NUCLEUS_TRIES_IN_PARTS = 5  # P(a row needs more) <= (1 - p)^5 with top-p alone: 1e-5 at top-p 0.9
-NUCLEUS_PARTS_MIN_ROWS = 32  # fewer rows: only the first try in parts (each try is 3 launches of host time)
+NUCLEUS_PARTS_MIN_ROWS = (
+    32  # fewer rows: only the first try in parts (each try is 3 launches of host time)
+)
 
 
 def nucleus(
@@ -320,7 +397,9 @@ def nucleus(
     incl = torch.ones(rows, dtype=torch.int32, device=x.device)
     searching = incl.clone() if wanted is None else wanted.to(torch.int32)
     retry = (lo, incl, searching)
-    pad = max(2, triton.next_power_of_2(triton.cdiv(s, 512)))  # room for a row alone's parts (the most)
+    pad = max(
+        2, triton.next_power_of_2(triton.cdiv(s, 512))
+    )  # room for a row alone's parts (the most)
     tries = NUCLEUS_TRIES_IN_PARTS if rows >= NUCLEUS_PARTS_MIN_ROWS else 1
     for attempt in range(tries):  # try i: the numbers of counters + i * s, fresh ones
         best, won, top = race_parts(x, temperatures, keys, retry, offset=attempt * s)
@@ -342,7 +421,21 @@ def nucleus(
             BLOCK=block,
         )
         _verdict_kernel[(rows,)](
-            x, temperatures, top_ps, min_ps, best, won, top, above, total, *retry, out, n, x.stride(0), parts, PARTS=pad
+            x,
+            temperatures,
+            top_ps,
+            min_ps,
+            best,
+            won,
+            top,
+            above,
+            total,
+            *retry,
+            out,
+            n,
+            x.stride(0),
+            parts,
+            PARTS=pad,
         )
     _nucleus_kernel[(rows,)](
         x,
@@ -390,14 +483,20 @@ def _lane_max_kernel(X, TEMPS, TOP_KS, MAXIMA, n, stride, span, LANES: tl.conste
     X, lanes = X + row.to(tl.int64) * stride, tl.arange(0, LANES)
     best = tl.full([LANES], float("-inf"), tl.float32)
     for start in range(part * span, tl.minimum(part * span + span, n), LANES):
-        best = tl.maximum(best, tl.load(X + start + lanes, mask=start + lanes < n, other=float("-inf")).to(tl.float32))
+        best = tl.maximum(
+            best,
+            tl.load(X + start + lanes, mask=start + lanes < n, other=float("-inf")).to(tl.float32),
+        )
     tl.store(MAXIMA + (row * parts + part) * LANES + lanes, best)
 
 
 @triton.jit
 def _kth_order(orders, k):
     """The k-th largest of a block of orders (_ordered's), by bisection on the int32 range: 32 steps."""
-    lo, hi = tl.full((), -(2**31), tl.int64), tl.full((), 2**31 - 1, tl.int64)  # the k-th lies in [lo, hi]
+    lo, hi = (
+        tl.full((), -(2**31), tl.int64),
+        tl.full((), 2**31 - 1, tl.int64),
+    )  # the k-th lies in [lo, hi]
     while lo < hi:
         mid = (lo + hi + 1) >> 1
         enough = tl.sum((orders >= mid).to(tl.int32), axis=0) >= k
@@ -419,7 +518,9 @@ def _floor_kernel(MAXIMA, TEMPS, TOP_KS, FLOOR, parts, LANES: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["span"])
-def _gather_kernel(X, TEMPS, TOP_KS, FLOOR, COUNT, CAND, n, stride, span, CAP: tl.constexpr, BLOCK: tl.constexpr):
+def _gather_kernel(
+    X, TEMPS, TOP_KS, FLOOR, COUNT, CAND, n, stride, span, CAP: tl.constexpr, BLOCK: tl.constexpr
+):
     """Part `part` of a row: its logits at or above the floor, as sort keys, into the row's next free slots (COUNT
     counts them)."""
     row, part = tl.program_id(0), tl.program_id(1)
@@ -431,7 +532,11 @@ def _gather_kernel(X, TEMPS, TOP_KS, FLOOR, COUNT, CAND, n, stride, span, CAP: t
         take = ((_ordered(x) >= floor) & (start + cols < n)).to(tl.int32)
         if tl.sum(take, axis=0) > 0:
             slots = tl.atomic_add(COUNT + row, tl.sum(take, axis=0)) + tl.cumsum(take, axis=0) - 1
-            tl.store(CAND + row * CAP + slots, _candidate_key(x, start + cols), mask=(take != 0) & (slots < CAP))
+            tl.store(
+                CAND + row * CAP + slots,
+                _candidate_key(x, start + cols),
+                mask=(take != 0) & (slots < CAP),
+            )
 
 
 @triton.jit
@@ -459,7 +564,9 @@ def _exact_candidates(X, n, k, CAND, CAP: tl.constexpr, BLOCK: tl.constexpr):
             x = tl.load(X + cols, mask=cols < n, other=float("-inf")).to(tl.float32)
             count += tl.sum(((_ordered(x) >= mid) & (cols < n)).to(tl.int32), axis=0)
         lo, hi = tl.where(count >= k, mid, lo), tl.where(count >= k, hi, mid - 1)
-    count = _append(X, n, CAND, tl.full((), 0, tl.int32), lo + 1, 2**31 - 1, CAP, BLOCK)  # above the k-th: < k
+    count = _append(
+        X, n, CAND, tl.full((), 0, tl.int32), lo + 1, 2**31 - 1, CAP, BLOCK
+    )  # above the k-th: < k
     return _append(X, n, CAND, count, lo, lo, CAP, BLOCK)  # its ties
 
 
@@ -485,27 +592,42 @@ def _top_k_kernel(
     row, slots = tl.program_id(0), tl.arange(0, CAP)
     if _no_top_k(TEMPS, TOP_KS, row):
         return
-    X, CAND, k, count = X + row.to(tl.int64) * stride, CAND + row * CAP, tl.load(TOP_KS + row), tl.load(COUNT + row)
+    X, CAND, k, count = (
+        X + row.to(tl.int64) * stride,
+        CAND + row * CAP,
+        tl.load(TOP_KS + row),
+        tl.load(COUNT + row),
+    )
     if count > CAP:  # the rare row whose candidates overflowed: its exact ones
         count = _exact_candidates(X, n, tl.maximum(k, 1), CAND, CAP, BLOCK)
         tl.debug_barrier()  # the program's own stores, visible to all its threads
     keys = tl.sort(tl.load(CAND + slots, mask=slots < count, other=-(2**63)), 0, descending=True)
     valid = slots < count
-    ids = tl.where(valid, 0x7FFFFFFF - (keys - ((keys >> 32) << 32)).to(tl.int32), 0)  # the keys' low halves
+    ids = tl.where(
+        valid, 0x7FFFFFFF - (keys - ((keys >> 32) << 32)).to(tl.int32), 0
+    )  # the keys' low halves
     t, p, min_p = tl.load(TEMPS + row), tl.load(TOP_PS + row), tl.load(MIN_PS + row)
-    z = tl.load(X + ids, mask=valid, other=float("-inf")).to(tl.float32) * (LOG2E / tl.where(t > 0, t, 1.0))
+    z = tl.load(X + ids, mask=valid, other=float("-inf")).to(tl.float32) * (
+        LOG2E / tl.where(t > 0, t, 1.0)
+    )
     e = tl.math.exp2(z - tl.max(z, axis=0))  # relative to the most likely: 1 there
     kept = (k < 0) | (slots < k)  # top-k
     mass = tl.where(kept, e, 0.0)
-    kept &= tl.cumsum(mass, axis=0) - mass < tl.where(p < 1, p * tl.sum(mass, axis=0), float("inf"))  # top-p
+    kept &= tl.cumsum(mass, axis=0) - mass < tl.where(
+        p < 1, p * tl.sum(mass, axis=0), float("inf")
+    )  # top-p
     kept &= valid & (e >= min_p)  # min-p
     u = _noise(tl.load(KEYS + row), ids, tl.cdiv(n, 4))
     score = tl.where(kept, z - _fast_log2(_neg_log2(u, FAST), FAST), float("-inf"))
     won = tl.min(tl.where(score == tl.max(score, axis=0), slots, CAP), axis=0)
-    tl.store(OUT + row, tl.sum(tl.where(slots == tl.where(t > 0, won, 0), ids, 0), axis=0).to(tl.int64))
+    tl.store(
+        OUT + row, tl.sum(tl.where(slots == tl.where(t > 0, won, 0), ids, 0), axis=0).to(tl.int64)
+    )
 
 
-TOP_K_GATHERED_MAX = 512  # top-k up to here: candidates from the lanes' maxima; above: a sort (Sampler)
+TOP_K_GATHERED_MAX = (
+    512  # top-k up to here: candidates from the lanes' maxima; above: a sort (Sampler)
+)
 
 
 def top_k_sample(
@@ -522,18 +644,33 @@ def top_k_sample(
     top-k, top-p, min-p applied (keep_mask's rules), top-k at most k_max (<= 512). A random row without a top-k is
     skipped, its token left unset (the nucleus's). cap: candidate slots per row (default 2 k_max, a power of two).
     Returns (rows,) int64."""
-    (rows, n), lanes = x.shape, min(1024, triton.next_power_of_2(x.shape[1]))  # fewer lanes than k: floor -inf
+    (rows, n), lanes = (
+        x.shape,
+        min(1024, triton.next_power_of_2(x.shape[1])),
+    )  # fewer lanes than k: floor -inf
     assert x.stride(1) == 1 and 0 < k_max <= TOP_K_GATHERED_MAX
     cap = cap or triton.next_power_of_2(2 * k_max)
     span, parts = row_parts(n, lanes, rows)
     maxima = torch.empty(rows, parts, lanes, device=x.device)
-    _lane_max_kernel[(rows, parts)](x, temperatures, top_ks, maxima, n, x.stride(0), span, LANES=lanes)
+    _lane_max_kernel[(rows, parts)](
+        x, temperatures, top_ks, maxima, n, x.stride(0), span, LANES=lanes
+    )
     floor = torch.empty(rows, dtype=torch.int32, device=x.device)
     count = torch.zeros_like(floor)
     _floor_kernel[(rows,)](maxima, temperatures, top_ks, floor, parts, LANES=lanes)
     candidates = torch.empty(rows, cap, dtype=torch.int64, device=x.device)
     _gather_kernel[(rows, parts)](
-        x, temperatures, top_ks, floor, count, candidates, n, x.stride(0), span, CAP=cap, BLOCK=lanes
+        x,
+        temperatures,
+        top_ks,
+        floor,
+        count,
+        candidates,
+        n,
+        x.stride(0),
+        span,
+        CAP=cap,
+        BLOCK=lanes,
     )
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     _top_k_kernel[(rows,)](

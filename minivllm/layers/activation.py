@@ -8,7 +8,9 @@ from torch import nn
 
 
 class SiluAndMul(nn.Module):
-    kernel: Callable[[torch.Tensor], torch.Tensor] | None = None  # a fused kernel instead (set per layer)
+    kernel: Callable[[torch.Tensor], torch.Tensor] | None = (
+        None  # a fused kernel instead (set per layer)
+    )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (num_tokens, 2 * intermediate_size)
         if self.kernel is not None:

@@ -9,7 +9,9 @@ from minivllm.layers.sampler import Sampler, SamplingTensors, keep_mask
 class GPUSampler(Sampler):
     """Notebook 04's Sampler, its draw on a GPU by Triton kernels: the same tokens, no sort below a top-k of 513."""
 
-    def draw(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:  # logits: (batch, vocab)
+    def draw(
+        self, logits: torch.Tensor, t: SamplingTensors
+    ) -> torch.Tensor:  # logits: (batch, vocab)
         if not logits.is_cuda:
             return super().draw(logits, t)
         if not t.filtering:  # one pass; greedy rows too (temperature 0)
@@ -17,16 +19,28 @@ class GPUSampler(Sampler):
         if not t.largest_top_k:  # top-p, min-p: draw, check, draw again if outside
             return nucleus(logits, t.temperatures, t.top_ps, t.min_ps, t.keys)
         if t.largest_top_k <= TOP_K_GATHERED_MAX:  # top-k rows: their candidates
-            drawn = top_k_sample(logits, t.temperatures, t.top_ks, t.top_ps, t.min_ps, t.keys, t.largest_top_k)
+            drawn = top_k_sample(
+                logits, t.temperatures, t.top_ks, t.top_ps, t.min_ps, t.keys, t.largest_top_k
+            )
             if t.top_k_max:  # every random row has a top-k
                 return drawn
-            others = (t.top_ks <= 0) & (t.temperatures > 0)  # random rows without one: the nucleus's
-            return torch.where(others, nucleus(logits, t.temperatures, t.top_ps, t.min_ps, t.keys, others), drawn)
+            others = (t.top_ks <= 0) & (
+                t.temperatures > 0
+            )  # random rows without one: the nucleus's
+            return torch.where(
+                others, nucleus(logits, t.temperatures, t.top_ps, t.min_ps, t.keys, others), drawn
+            )
         greedy = t.temperatures == 0  # (batch,)
         temperatures = torch.where(greedy, 1.0, t.temperatures)[:, None]  # (batch, 1) float32
         k = min(t.top_k_max, logits.shape[-1])  # a top-k above the vocabulary keeps all of it
-        top = logits.topk(k) if t.top_k_max else logits.sort(dim=-1, descending=True)  # largest first
+        top = (
+            logits.topk(k) if t.top_k_max else logits.sort(dim=-1, descending=True)
+        )  # largest first
         scaled = top.values.float() / temperatures  # (batch, candidates)
-        scaled.masked_fill_(~keep_mask(torch.softmax(scaled, dim=-1), t.top_ks, t.top_ps, t.min_ps), float("-inf"))
-        sampled = race_ids(scaled, torch.ones_like(t.temperatures), t.keys, top.indices, logits.shape[-1])
+        scaled.masked_fill_(
+            ~keep_mask(torch.softmax(scaled, dim=-1), t.top_ks, t.top_ps, t.min_ps), float("-inf")
+        )
+        sampled = race_ids(
+            scaled, torch.ones_like(t.temperatures), t.keys, top.indices, logits.shape[-1]
+        )
         return torch.where(greedy, logits.argmax(dim=-1), sampled) if t.any_greedy else sampled

@@ -10,7 +10,9 @@ NormKernel = Callable[[torch.Tensor, torch.Tensor, float, torch.Tensor | None], 
 
 
 class RMSNorm(nn.Module):
-    kernel: NormKernel | None = None  # (x, weight, eps, residual): the add and the norm as one kernel (set per layer)
+    kernel: NormKernel | None = (
+        None  # (x, weight, eps, residual): the add and the norm as one kernel (set per layer)
+    )
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -19,7 +21,9 @@ class RMSNorm(nn.Module):
 
     def rms_forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (num_tokens, hidden_size)
         x32 = x.float()
-        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(
+            x.dtype
+        )
 
     def add_rms_forward(self, x: torch.Tensor, residual: torch.Tensor) -> Pair:
         residual = (x.float() + residual.float()).to(x.dtype)  # the new residual stream

@@ -59,17 +59,25 @@ class LinearBase(nn.Module):
         self.tp_rank, self.tp_size, self.tp_dim = self.tp.rank, self.tp.size, tp_dim
         self.weight = nn.Parameter(torch.empty(output_size, input_size))
         self.bias = nn.Parameter(torch.empty(output_size)) if bias else None
-        for param in self.parameters():  # a hook the checkpoint loader calls (notebook 02), unknown to mypy
+        for (
+            param
+        ) in self.parameters():  # a hook the checkpoint loader calls (notebook 02), unknown to mypy
             param.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         split = self.tp_dim < param.dim()  # a row-parallel layer's bias is whole on every rank
-        full = tuple(n * self.tp_size if split and d == self.tp_dim else n for d, n in enumerate(param.shape))
+        full = tuple(
+            n * self.tp_size if split and d == self.tp_dim else n for d, n in enumerate(param.shape)
+        )
         check_shape(type(self).__name__, loaded, full)
         param.data.copy_(loaded.chunk(self.tp_size, self.tp_dim)[self.tp_rank] if split else loaded)
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:  # x: (num_tokens, input_size)
-        if self.kernel is not None and x.shape[0] == 1:  # a matrix-vector product: cuBLAS's tiles waste bandwidth
+    def matmul(
+        self, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:  # x: (num_tokens, input_size)
+        if (
+            self.kernel is not None and x.shape[0] == 1
+        ):  # a matrix-vector product: cuBLAS's tiles waste bandwidth
             return self.kernel(x, self.weight, bias)
         return F.linear(x, self.weight, bias)  # (num_tokens, output_size)
 
@@ -83,9 +91,13 @@ class ColumnParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
         super().__init__(input_size, divide(output_size, tp_group().size), bias, tp_dim=0)
 
-    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | str, offset: int, size: int) -> None:
+    def load_shard(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard: int | str, offset: int, size: int
+    ) -> None:
         """Copy this rank's `size` rows of one packed matrix (e.g. k_proj) into ours at row `offset`."""
-        check_shape(f"{type(self).__name__}[{shard}]", loaded, (size * self.tp_size, *param.shape[1:]))
+        check_shape(
+            f"{type(self).__name__}[{shard}]", loaded, (size * self.tp_size, *param.shape[1:])
+        )
         param.data.narrow(0, offset, size).copy_(loaded.chunk(self.tp_size, 0)[self.tp_rank])
 
 
@@ -105,14 +117,21 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections in one weight; each rank keeps its attention heads (and their KV heads)."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False
+    ):
         tp_size, self.head_dim = tp_group().size, head_dim
-        self.num_heads, self.num_kv_heads = divide(num_heads, tp_size), divide(num_kv_heads, tp_size)
+        self.num_heads, self.num_kv_heads = (
+            divide(num_heads, tp_size),
+            divide(num_kv_heads, tp_size),
+        )
         super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:  # type: ignore[override]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
+        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[
+            shard_id
+        ]
         self.load_shard(param, loaded, shard_id, offset, size)
 
 

@@ -10,16 +10,24 @@ from torch import nn
 from minivllm.layers.layernorm import Pair, RMSNorm
 
 Norms = tuple[RMSNorm, RMSNorm]  # Qwen3's q_norm and k_norm
-RopeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Norms | None], Pair]
+RopeKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Norms | None], Pair
+]
 
 
 def rope_parameters(config: Any) -> dict:
     """RoPE settings from a transformers config of any version: {'rope_type', 'rope_theta', ...scaling keys}."""
-    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    params = dict(
+        getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    )
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    params["rope_type"] = params.pop("type", None) or params.get("rope_type", "default")  # "type": pre-4.45 configs
+    params["rope_type"] = params.pop("type", None) or params.get(
+        "rope_type", "default"
+    )  # "type": pre-4.45 configs
     if params["rope_type"] not in ("default", "llama3"):
-        raise ValueError(f"rope_type={params['rope_type']!r} is not supported (supported: 'default', 'llama3')")
+        raise ValueError(
+            f"rope_type={params['rope_type']!r} is not supported (supported: 'default', 'llama3')"
+        )
     return params
 
 
@@ -38,30 +46,43 @@ def llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     cos: torch.Tensor  # buffers, registered below: (max_position, head_dim / 2)
     sin: torch.Tensor
-    kernel: RopeKernel | None = None  # (positions, q, k, cos, sin, norms): q and k as one kernel (set per layer)
+    kernel: RopeKernel | None = (
+        None  # (positions, q, k, cos, sin, norms): q and k as one kernel (set per layer)
+    )
 
     def __init__(self, head_dim: int, max_position: int, params: dict):
         super().__init__()
         # the table on the CPU, then to the default device: on the meta device, `arange` would import torch._dynamo
-        inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, head_dim, 2, device="cpu").float() / head_dim))
+        inv_freq = 1.0 / (
+            params["rope_theta"] ** (torch.arange(0, head_dim, 2, device="cpu").float() / head_dim)
+        )
         if params["rope_type"] == "llama3":
             inv_freq = llama3_inv_freq(inv_freq, params)
-        freqs = torch.arange(max_position, device="cpu").float()[:, None] * inv_freq  # (max_position, head_dim / 2)
+        freqs = (
+            torch.arange(max_position, device="cpu").float()[:, None] * inv_freq
+        )  # (max_position, head_dim / 2)
         self.register_buffer("cos", freqs.cos().to(torch.get_default_device()), persistent=False)
         self.register_buffer("sin", freqs.sin().to(torch.get_default_device()), persistent=False)
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.float().chunk(2, dim=-1)  # the two halves of each head: (num_tokens, num_heads, head_dim / 2)
+        x1, x2 = x.float().chunk(
+            2, dim=-1
+        )  # the two halves of each head: (num_tokens, num_heads, head_dim / 2)
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, norms: Norms | None = None) -> Pair:
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, norms: Norms | None = None
+    ) -> Pair:
         """Rotate q, k: (num_tokens, num_heads, head_dim) to their positions: (num_tokens,). With `norms` (Qwen3's
         q_norm, k_norm), normalise each head of q and of k first."""
         if self.kernel is not None:
             return self.kernel(positions, q, k, self.cos, self.sin, norms)
         if norms is not None:
             q, k = norms[0](q), norms[1](k)
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # (num_tokens, 1, head_dim / 2)
+        cos, sin = (
+            self.cos[positions].unsqueeze(1),
+            self.sin[positions].unsqueeze(1),
+        )  # (num_tokens, 1, head_dim / 2)
         return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
 
 

@@ -22,18 +22,29 @@ TOKENIZER_FILES = [
     "added_tokens.json",
     "chat_template.*",
 ]
-MODEL_FILES = ["config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json", *TOKENIZER_FILES]
+MODEL_FILES = [
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "*.safetensors.index.json",
+    *TOKENIZER_FILES,
+]
 
 
 def resolve_model(
-    model: str | Path, revision: str | None = None, download_dir: str | Path | None = None, files=MODEL_FILES
+    model: str | Path,
+    revision: str | None = None,
+    download_dir: str | Path | None = None,
+    files=MODEL_FILES,
 ) -> Path:
     """A local folder as it is; else a Hub id's snapshot folder, from the Hub cache or downloaded into it."""
     if (folder := Path(model).expanduser()).is_dir():
         return folder
     name, cache = str(model), download_dir or constants.HF_HUB_CACHE
     try:
-        snapshot = Path(snapshot_download(name, revision=revision, cache_dir=download_dir, allow_patterns=files))
+        snapshot = Path(
+            snapshot_download(name, revision=revision, cache_dir=download_dir, allow_patterns=files)
+        )
     except HFValidationError:
         raise FileNotFoundError(f"{name}: no such folder, and not a Hub id (ORG/NAME)") from None
     except GatedRepoError:
@@ -54,7 +65,9 @@ def resolve_model(
             "network (`hf download`), or pass a folder"
         ) from None
     if files is MODEL_FILES and not any(snapshot.glob("*.safetensors")):
-        raise ValueError(f"{name} has no *.safetensors weights: minivllm reads safetensors, not PyTorch .bin files")
+        raise ValueError(
+            f"{name} has no *.safetensors weights: minivllm reads safetensors, not PyTorch .bin files"
+        )
     return snapshot
 
 
@@ -63,7 +76,9 @@ def load_error_line(error: Exception, model: str, tokenizer: str | None = None) 
     the tokenizer) as the user gave it with its flag: `--model ORG/NAME: no such folder, ...`."""
     message = str(error).splitlines()[0] if str(error).strip() else type(error).__name__
     named = [("--model", model), ("--tokenizer", tokenizer or "")]
-    for flag, name in sorted(named, key=lambda pair: -len(pair[1])):  # the longer first: a/b-tok before a/b
+    for flag, name in sorted(
+        named, key=lambda pair: -len(pair[1])
+    ):  # the longer first: a/b-tok before a/b
         if name and message.startswith(name):
             return f"{flag} {message}"
     return f"--model {model}: {message}"

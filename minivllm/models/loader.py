@@ -46,14 +46,33 @@ def read_config(path: Path) -> PretrainedConfig:
         raise ValueError(
             f"{config_file}: architectures={architectures} is not supported; supported architectures: {sorted(MODELS)}"
         )
-    if "rope_parameters" not in raw and "rope_theta" in raw and raw.pop("rope_scaling", None) is None:  # 4's form:
-        raw["rope_parameters"] = {"rope_type": "default", "rope_theta": raw.pop("rope_theta")}  # as AutoConfig reads it
-    fields, rope = CONFIG_FIELDS.get(next(a for a in architectures if a in MODELS), ()), raw.get("rope_parameters")
-    if fields and isinstance(rope, dict) and "rope_theta" in rope and all(raw.get(f) is not None for f in fields):
-        return PretrainedConfig.from_dict(raw)  # every field written out, RoPE's in transformers 5's form: no defaults
+    if (
+        "rope_parameters" not in raw
+        and "rope_theta" in raw
+        and raw.pop("rope_scaling", None) is None
+    ):  # 4's form:
+        raw["rope_parameters"] = {
+            "rope_type": "default",
+            "rope_theta": raw.pop("rope_theta"),
+        }  # as AutoConfig reads it
+    fields, rope = (
+        CONFIG_FIELDS.get(next(a for a in architectures if a in MODELS), ()),
+        raw.get("rope_parameters"),
+    )
+    if (
+        fields
+        and isinstance(rope, dict)
+        and "rope_theta" in rope
+        and all(raw.get(f) is not None for f in fields)
+    ):
+        return PretrainedConfig.from_dict(
+            raw
+        )  # every field written out, RoPE's in transformers 5's form: no defaults
     from transformers import AutoConfig  # here, not at the top: importing its registry takes time
 
-    return AutoConfig.from_pretrained(path)  # the architecture's class: its defaults and older keys understood
+    return AutoConfig.from_pretrained(
+        path
+    )  # the architecture's class: its defaults and older keys understood
 
 
 def checkpoint_files(path: Path) -> tuple[list[Path], dict[str, Path] | None]:
@@ -61,12 +80,22 @@ def checkpoint_files(path: Path) -> tuple[list[Path], dict[str, Path] | None]:
     index = path / INDEX_FILE
     if not index.is_file():
         if not (files := sorted(path.glob("*.safetensors"))):
-            bins = "; it holds PyTorch .bin weights; minivllm reads safetensors only" if any(path.glob("*.bin")) else ""
+            bins = (
+                "; it holds PyTorch .bin weights; minivllm reads safetensors only"
+                if any(path.glob("*.bin"))
+                else ""
+            )
             raise FileNotFoundError(f"no *.safetensors file in {path}{bins}")
         return files, None
     names = read_json(index).get("weight_map")
-    if not names or not isinstance(names, dict) or not all(isinstance(f, str) for f in names.values()):
-        raise ValueError(f"{index}: 'weight_map' must be a non-empty object of tensor name -> file name")
+    if (
+        not names
+        or not isinstance(names, dict)
+        or not all(isinstance(f, str) for f in names.values())
+    ):
+        raise ValueError(
+            f"{index}: 'weight_map' must be a non-empty object of tensor name -> file name"
+        )
     weight_map = {name: path / file for name, file in names.items()}
     files = sorted(set(weight_map.values()))
     if missing := [f.name for f in files if not f.is_file()]:
@@ -79,7 +108,9 @@ def checkpoint_files(path: Path) -> tuple[list[Path], dict[str, Path] | None]:
     return files, weight_map
 
 
-def tensor_shapes(files: list[Path], weight_map: dict[str, Path] | None = None) -> dict[str, tuple[int, ...]]:
+def tensor_shapes(
+    files: list[Path], weight_map: dict[str, Path] | None = None
+) -> dict[str, tuple[int, ...]]:
     """Every tensor's name and shape, from the headers. Each in exactly one file, the one the index (if any) names."""
     shapes: dict[str, tuple[int, ...]] = {}
     owner: dict[str, Path] = {}
@@ -99,7 +130,9 @@ def tensor_shapes(files: list[Path], weight_map: dict[str, Path] | None = None) 
     for name, file in (weight_map or {}).items():
         if owner.get(name) != file:
             where = f"it is in {owner[name]}" if name in owner else "no file holds it"
-            raise ValueError(f"{file.parent / INDEX_FILE} puts tensor {name} in {file.name}, but {where}")
+            raise ValueError(
+                f"{file.parent / INDEX_FILE} puts tensor {name} in {file.name}, but {where}"
+            )
     return shapes
 
 
@@ -121,7 +154,9 @@ def checkpoint_names(model: Qwen3ForCausalLM) -> dict[str, tuple[str, ShardId]]:
 
 def is_ignored(name: str, config: PretrainedConfig) -> bool:
     """Tensors a checkpoint may hold that the model does not need."""
-    return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and config.tie_word_embeddings)
+    return name.endswith("rotary_emb.inv_freq") or (
+        name == "lm_head.weight" and config.tie_word_embeddings
+    )
 
 
 def load_tensor(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId) -> None:
@@ -134,16 +169,23 @@ def load_tensor(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId) ->
         param.data.copy_(loaded)
 
 
-def check_checkpoint(model: Qwen3ForCausalLM, shapes: dict[str, tuple[int, ...]], config: PretrainedConfig) -> None:
+def check_checkpoint(
+    model: Qwen3ForCausalLM, shapes: dict[str, tuple[int, ...]], config: PretrainedConfig
+) -> None:
     """Raise if the checkpoint lacks a tensor, has one too many, or has one of the wrong shape."""
     needed = checkpoint_names(model)
     present = {name for name in shapes if not is_ignored(name, config)}
-    for names, problem in ((needed.keys() - present, "is missing {}"), (present - needed.keys(), "has {} unexpected")):
+    for names, problem in (
+        (needed.keys() - present, "is missing {}"),
+        (present - needed.keys(), "has {} unexpected"),
+    ):
         if names:
             first_five = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
             raise ValueError(f"checkpoint {problem.format(len(names))} tensor(s): {first_five}")
     params = dict(model.named_parameters())
-    for name in sorted(present):  # rehearse each copy on the meta device: the loaders' own shape checks
+    for name in sorted(
+        present
+    ):  # rehearse each copy on the meta device: the loaders' own shape checks
         param_name, shard_id = needed[name]
         try:
             load_tensor(params[param_name], torch.empty(shapes[name], device="meta"), shard_id)
@@ -161,16 +203,24 @@ def load_weights(model: Qwen3ForCausalLM, files: list[Path], config: PretrainedC
                     load_tensor(params[param_name], f.get_tensor(name), shard_id)
 
 
-def resolve_dtype(dtype: torch.dtype | str, config: PretrainedConfig, device: torch.device) -> torch.dtype:
+def resolve_dtype(
+    dtype: torch.dtype | str, config: PretrainedConfig, device: torch.device
+) -> torch.dtype:
     """ "auto": the checkpoint's dtype on a GPU, float32 on a CPU."""
     if dtype == "auto":
         if device.type == "cpu":
             return torch.float32
-        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+        dtype = (
+            getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+        )
     if isinstance(dtype, str):
-        dtype = cast(torch.dtype, getattr(torch, dtype, None))  # or None, or not a dtype: refused below
+        dtype = cast(
+            torch.dtype, getattr(torch, dtype, None)
+        )  # or None, or not a dtype: refused below
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"dtype must be 'auto', torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
+        raise ValueError(
+            f"dtype must be 'auto', torch.float32, torch.bfloat16 or torch.float16, got {dtype}"
+        )
     return dtype
 
 
@@ -186,7 +236,9 @@ def load_model(
     files, weight_map = checkpoint_files(path)
     shapes = tensor_shapes(files, weight_map)
     dtype = resolve_dtype(dtype, config, device)
-    model_class = MODELS[next(a for a in config.architectures or [] if a in MODELS)]  # read_config checked there is one
+    model_class = MODELS[
+        next(a for a in config.architectures or [] if a in MODELS)
+    ]  # read_config checked there is one
     with torch.device("meta"):  # every check runs on a model that holds no memory
         check_checkpoint(model_class(config), shapes, config)
     previous = torch.get_default_dtype()

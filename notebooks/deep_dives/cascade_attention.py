@@ -33,7 +33,9 @@ import os
 import torch
 
 if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit runs: the kernels run interpreted
+    os.environ.setdefault(
+        "TRITON_INTERPRET", "1"
+    )  # before any @triton.jit runs: the kernels run interpreted
 import inspect
 import json
 from pathlib import Path
@@ -73,9 +75,15 @@ rows, shared, own = 256, 1488, 350
 kv_bytes_per_token = 2 * 8 * 128 * 2  # K and V, 8 KV heads of 128, bf16
 per_row = rows * (shared + own) * kv_bytes_per_token / 1e6
 cascade = (shared + rows * own) * kv_bytes_per_token / 1e6
-print(f"keys and values read per layer: {per_row:.0f} MB row by row, {cascade:.0f} MB with the prefix read once")
-flops_per_byte = lambda queries: 4 * queries * 2 * 128 / (2 * 128 * 2)  # 2 query heads per KV head, bf16
-print(f"the prefix's FLOP/byte with all rows' queries: {flops_per_byte(rows):.0f} (one row's: {flops_per_byte(1):.0f})")
+print(
+    f"keys and values read per layer: {per_row:.0f} MB row by row, {cascade:.0f} MB with the prefix read once"
+)
+flops_per_byte = lambda queries: (
+    4 * queries * 2 * 128 / (2 * 128 * 2)
+)  # 2 query heads per KV head, bf16
+print(
+    f"the prefix's FLOP/byte with all rows' queries: {flops_per_byte(rows):.0f} (one row's: {flops_per_byte(1):.0f})"
+)
 assert cascade < per_row / 4
 
 # %% [markdown]
@@ -98,19 +106,28 @@ print(inspect.getsource(paged_attn.prefix_num_splits))
 # %%
 seq_lens = [60, 49, 100, 48, 70]
 k_cache, v_cache, block_table, _, _, _ = scatter_into_cache(seq_lens, 2, 32, 16, DEVICE)
-block_table[1:4, :3] = block_table[0, :3]  # rows 1-3 now read row 0's first 48 keys: a cached system prompt
-prefix = dict(prefix_blocks=block_table[0, :3], prefix_lens=torch.tensor([48, 48, 48, 48, 0], device=DEVICE).int())
+block_table[1:4, :3] = block_table[
+    0, :3
+]  # rows 1-3 now read row 0's first 48 keys: a cached system prompt
+prefix = dict(
+    prefix_blocks=block_table[0, :3],
+    prefix_lens=torch.tensor([48, 48, 48, 48, 0], device=DEVICE).int(),
+)
 q = torch.randn(len(seq_lens), 1, 8, 32, device=DEVICE)
 cache_seqlens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
 cu_q = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)  # one new query per row
 cu_k = torch.tensor([0, *seq_lens], device=DEVICE).cumsum(0).int()
-ref = paged_attention_ref(q[:, 0], k_cache, v_cache, cu_q, cu_k, block_table)  # (rows, heads, head_dim)
+ref = paged_attention_ref(
+    q[:, 0], k_cache, v_cache, cu_q, cu_k, block_table
+)  # (rows, heads, head_dim)
 row_by_row = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table)
 torch.testing.assert_close(row_by_row[:, 0], ref, rtol=1e-4, atol=1e-4)
 for num_splits in (1, 3):
     with mock.patch.object(paged_attn, "prefix_num_splits", lambda *_, n=num_splits: n):
         out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, **prefix)
-    print(f"prefix in {num_splits} split(s): max difference from the reference {(out[:, 0] - ref).abs().max():.1e}")
+    print(
+        f"prefix in {num_splits} split(s): max difference from the reference {(out[:, 0] - ref).abs().max():.1e}"
+    )
     torch.testing.assert_close(out[:, 0], ref, rtol=1e-4, atol=1e-4)
 
 # %% [markdown]
@@ -122,7 +139,9 @@ for num_splits in (1, 3):
 # %%
 answer = None  # your answer: replace None with a list of three ints
 tables = torch.tensor([[5, 9, 2], [5, 9, 7], [5, 3, 8]], dtype=torch.int32, device=DEVICE)
-shares = [int(row[:2].tolist() == [5, 9]) for row in tables]  # which rows begin with both prefix blocks
+shares = [
+    int(row[:2].tolist() == [5, 9]) for row in tables
+]  # which rows begin with both prefix blocks
 check_answer(answer, [32 * s for s in shares], "who shares the prefix")
 
 # %% [markdown]
@@ -131,16 +150,25 @@ check_answer(answer, [32 * s for s in shares], "who shares the prefix")
 # attend its queries to block 9, another row's keys, silently:
 
 # %%
-k_cache, v_cache = torch.randn(2, 10, 16, 2, 32, device=DEVICE)  # 10 blocks of 16 slots, 2 KV heads of 32
+k_cache, v_cache = torch.randn(
+    2, 10, 16, 2, 32, device=DEVICE
+)  # 10 blocks of 16 slots, 2 KV heads of 32
 q = torch.randn(3, 1, 4, 32, device=DEVICE)
 lens = torch.full((3,), 40, dtype=torch.int32, device=DEVICE)
 row_by_row = flash_attn_with_kvcache(q, k_cache, v_cache, lens, tables)
 for prefix_lens in ([32, 32, 0], [32, 32, 32]):
     given = torch.tensor(prefix_lens, dtype=torch.int32, device=DEVICE)
-    out = flash_attn_with_kvcache(q, k_cache, v_cache, lens, tables, prefix_blocks=tables[0, :2], prefix_lens=given)
+    out = flash_attn_with_kvcache(
+        q, k_cache, v_cache, lens, tables, prefix_blocks=tables[0, :2], prefix_lens=given
+    )
     errors = (out - row_by_row).abs().amax(dim=(1, 2, 3))  # (3,): each row's largest difference
-    print(f"prefix_lens {prefix_lens}: largest difference per row", ", ".join(f"{e:.1e}" for e in errors))
-torch.testing.assert_close(out[:2], row_by_row[:2], rtol=1e-4, atol=1e-4)  # the sharers are right either way
+    print(
+        f"prefix_lens {prefix_lens}: largest difference per row",
+        ", ".join(f"{e:.1e}" for e in errors),
+    )
+torch.testing.assert_close(
+    out[:2], row_by_row[:2], rtol=1e-4, atol=1e-4
+)  # the sharers are right either way
 assert (out[2] - row_by_row[2]).abs().max() > 0.01  # row 2, flagged, is wrong
 check_answer([32, 32, 0], [32 * s for s in shares], "who shares the prefix")
 
@@ -163,7 +191,10 @@ plot_cascade(cascade_data).savefig(FIGURES / "cascade.png", dpi=120)
 us = {(r["impl"], r["batch"], r["own_tokens"]): r["ms"] * 1e3 for r in cascade_data["rows"]}
 for rows, own in sorted({(b, o) for _, b, o in us}):
     ways = ("row by row", "cascade", "cascade, no sharers")
-    print(f"{rows:>3} rows, ~{own} own tokens each:", ", ".join(f"{w} {us[w, rows, own]:5.0f} µs" for w in ways))
+    print(
+        f"{rows:>3} rows, ~{own} own tokens each:",
+        ", ".join(f"{w} {us[w, rows, own]:5.0f} µs" for w in ways),
+    )
 
 # %% [markdown]
 # **Reading it** (computed below from the rows shown). The more rows share the prefix, the more reads cascade

@@ -49,7 +49,10 @@ import numpy as np
 
 from minivllm.engine.step_inputs import StepInputs
 
-CASCADE_MIN_ROWS, CASCADE_MIN_TOKENS = 16, 256  # below these, reading a prefix once saves less than a launch
+CASCADE_MIN_ROWS, CASCADE_MIN_TOKENS = (
+    16,
+    256,
+)  # below these, reading a prefix once saves less than a launch
 
 
 def shared_prefix(
@@ -60,8 +63,12 @@ def shared_prefix(
     if len(tables) < CASCADE_MIN_ROWS:
         return None, None
     firsts, counts = np.unique(tables[:, 0], return_counts=True)
-    full = (context_lens.astype(np.int64) - 1) // block_size  # blocks before the new token's: full, shareable
-    rows = (tables[:, 0] == firsts[counts.argmax()]) & (full > 0)  # those that begin with the commonest block
+    full = (
+        context_lens.astype(np.int64) - 1
+    ) // block_size  # blocks before the new token's: full, shareable
+    rows = (tables[:, 0] == firsts[counts.argmax()]) & (
+        full > 0
+    )  # those that begin with the commonest block
     if rows.sum() < CASCADE_MIN_ROWS:
         return None, None
     shared = tables[rows, : full[rows].min()]  # (sharers, blocks all of them have filled)
@@ -69,7 +76,9 @@ def shared_prefix(
     num_blocks = int(same.argmin()) if not same.all() else len(same)
     if num_blocks * block_size < CASCADE_MIN_TOKENS:
         return None, None
-    return shared[0, :num_blocks].copy(), np.where(rows, num_blocks * block_size, 0).astype(np.int32)
+    return shared[0, :num_blocks].copy(), np.where(rows, num_blocks * block_size, 0).astype(
+        np.int32
+    )
 
 
 def add_shared_prefix(step: StepInputs, block_size: int) -> None:
@@ -87,13 +96,21 @@ def add_shared_prefix(step: StepInputs, block_size: int) -> None:
 from minivllm.engine.cascade import CASCADE_MIN_ROWS, shared_prefix
 
 rng = np.random.default_rng(0)
-tables = rng.permutation(1000)[:400].reshape(20, 20).astype(np.int32)  # 20 rows of 20 distinct blocks
+tables = (
+    rng.permutation(1000)[:400].reshape(20, 20).astype(np.int32)
+)  # 20 rows of 20 distinct blocks
 tables[:17, :16] = tables[0, :16]  # the system prompt's blocks
 prefix_blocks, prefix_lens = shared_prefix(tables, np.full(20, 300, dtype=np.int32), block_size=16)
 assert prefix_blocks is not None and prefix_lens is not None
 print(f"{len(prefix_blocks)} shared blocks; each row's tokens in them: {prefix_lens.tolist()}")
-assert prefix_blocks.tolist() == tables[0, :16].tolist() and prefix_lens.tolist() == [256] * 17 + [0] * 3
-assert shared_prefix(tables[3:], np.full(17, 300, dtype=np.int32), 16) == (None, None)  # 14 < CASCADE_MIN_ROWS rows
+assert (
+    prefix_blocks.tolist() == tables[0, :16].tolist()
+    and prefix_lens.tolist() == [256] * 17 + [0] * 3
+)
+assert shared_prefix(tables[3:], np.full(17, 300, dtype=np.int32), 16) == (
+    None,
+    None,
+)  # 14 < CASCADE_MIN_ROWS rows
 
 # %% [markdown]
 # ## CUDA graphs for decode
@@ -122,7 +139,13 @@ class StepGraphs:
     """Forward passes captured once per size (tokens in the step), over static inputs that each replay fills."""
 
     def __init__(
-        self, sizes: list[int], max_rows: int, max_blocks: int, hidden: int, dtype: torch.dtype, device: Device
+        self,
+        sizes: list[int],
+        max_rows: int,
+        max_blocks: int,
+        hidden: int,
+        dtype: torch.dtype,
+        device: Device,
     ):
         self.sizes, n = sizes, sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
@@ -130,9 +153,15 @@ class StepGraphs:
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.hidden = torch.zeros(n, hidden, dtype=dtype, device=device)
         self.block_tables = torch.zeros(max_rows, max_blocks, dtype=torch.int32, device=device)
-        self.lens = torch.zeros(2, max_rows, dtype=torch.int32, device=device)  # both zeroed by one launch a step
-        self.context_lens, self.prefix_lens = self.lens  # decode rows' (0: not one), their shared prefix's (03)
-        self.prefix_blocks = torch.zeros(max_blocks, dtype=torch.int32, device=device)  # a shared prefix (03)
+        self.lens = torch.zeros(
+            2, max_rows, dtype=torch.int32, device=device
+        )  # both zeroed by one launch a step
+        self.context_lens, self.prefix_lens = (
+            self.lens
+        )  # decode rows' (0: not one), their shared prefix's (03)
+        self.prefix_blocks = torch.zeros(
+            max_blocks, dtype=torch.int32, device=device
+        )  # a shared prefix (03)
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (size, cascade): the graph
         self.pool: Any = None  # the graphs' memory, one pool for all
         self.num_replays = 0
@@ -141,7 +170,9 @@ class StepGraphs:
         """Copy the step's attention inputs into the static ones: block tables, and the decode rows' cache lengths
         and shared prefix (the rows past them: an empty cache, no decode output)."""
         assert context.block_tables is not None  # a captured step reads the paged cache
-        self.block_tables[: context.block_tables.shape[0], : context.block_tables.shape[1]] = context.block_tables
+        self.block_tables[: context.block_tables.shape[0], : context.block_tables.shape[1]] = (
+            context.block_tables
+        )
         self.lens.zero_()
         if context.context_lens is not None:
             self.context_lens[: context.context_lens.shape[0]] = context.context_lens
@@ -149,20 +180,29 @@ class StepGraphs:
             self.prefix_lens[: context.prefix_lens.shape[0]] = context.prefix_lens
             self.prefix_blocks[: context.prefix_blocks.shape[0]] = context.prefix_blocks
 
-    def capture(self, model: torch.nn.Module, context_of: Callable[[int], PagedContext], cascade: bool) -> None:
+    def capture(
+        self, model: torch.nn.Module, context_of: Callable[[int], PagedContext], cascade: bool
+    ) -> None:
         """A graph per size, keyed (size, cascade): with `cascade`, the sizes with room for CASCADE_MIN_ROWS decode
         rows read a shared prefix once (03; rows that share none run it with lengths 0, at the price of its
         launches), and the others are captured without it."""
         for size in reversed(self.sizes):  # the largest first: the others fit in its memory pool
             context = context_of(size)
-            assert context.context_lens is not None  # its decode rows (a prefill step's: empty caches)
+            assert (
+                context.context_lens is not None
+            )  # its decode rows (a prefill step's: empty caches)
             rows = context.context_lens.shape[0]
             key = (size, cascade and rows >= CASCADE_MIN_ROWS)
             if key in self.graphs:
                 continue  # too few rows for the cascade: captured without it already
             if key[1]:
-                context.prefix_blocks, context.prefix_lens = self.prefix_blocks, self.prefix_lens[:rows]
-            self.hidden[:size] = model(self.input_ids[:size], self.positions[:size], context)  # warm-up: compile
+                context.prefix_blocks, context.prefix_lens = (
+                    self.prefix_blocks,
+                    self.prefix_lens[:rows],
+                )
+            self.hidden[:size] = model(
+                self.input_ids[:size], self.positions[:size], context
+            )  # warm-up: compile
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, self.pool):
                 self.hidden[:size] = model(self.input_ids[:size], self.positions[:size], context)
@@ -190,7 +230,11 @@ class StepGraphs:
         return next(((size, cascade) for cascade in order if (size, cascade) in self.graphs), None)
 
     def replay(
-        self, key: tuple[int, bool], input_ids: torch.Tensor, positions: torch.Tensor, context: PagedContext
+        self,
+        key: tuple[int, bool],
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        context: PagedContext,
     ) -> torch.Tensor:
         """Run the step in the graph `key_for` chose."""
         n = input_ids.shape[0]
@@ -204,7 +248,9 @@ class StepGraphs:
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + [b for b in range(16, max_num_seqs + 1, 16)]
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + [
+        b for b in range(16, max_num_seqs + 1, 16)
+    ]
     return sizes or [max_num_seqs]
 
 
@@ -212,9 +258,15 @@ class DecodeGraphs(StepGraphs):
     """One captured decode step per batch size."""
 
     def __init__(self, model: torch.nn.Module, config: Config, dtype: torch.dtype, device: Device):
-        sizes, max_blocks = graph_batch_sizes(config.max_num_seqs), -(-config.max_model_len // config.block_size)
+        sizes, max_blocks = (
+            graph_batch_sizes(config.max_num_seqs),
+            -(-config.max_model_len // config.block_size),
+        )
         super().__init__(sizes, sizes[-1], max_blocks, config.hf_config.hidden_size, dtype, device)
-        for cascade in (False, True):  # a step with a shared prefix, and one without, each as fast as it can be
+        for cascade in (
+            False,
+            True,
+        ):  # a step with a shared prefix, and one without, each as fast as it can be
             self.capture(model, self.context, cascade)
 
     def context(self, size: int) -> PagedContext:
@@ -234,12 +286,18 @@ import json
 from minivllm.benchmarks.decode_step import plot_decode_step, run_decode_step_benchmark
 
 saved = Path("../figures/decode_step.json")  # an H200 run's, on a CPU
-step_data = run_decode_step_benchmark(batch_sizes=(1, 8, 64)) if DEVICE == "cuda" else json.loads(saved.read_text())
+step_data = (
+    run_decode_step_benchmark(batch_sizes=(1, 8, 64))
+    if DEVICE == "cuda"
+    else json.loads(saved.read_text())
+)
 plot_decode_step(step_data).savefig(FIGURES / "cuda_graphs_decode_step.png", dpi=120)
 rows = {(r["impl"], r["batch"]): r["ms"] for r in step_data["rows"]}
 for batch in sorted({b for _, b in rows}):
     graph, eager = rows["minivllm", batch], rows["minivllm-eager", batch]
-    print(f"batch {batch:>3}: graph {graph:5.2f} ms, eager {eager:5.2f} ms: the graph {eager / graph:4.1f}× faster")
+    print(
+        f"batch {batch:>3}: graph {graph:5.2f} ms, eager {eager:5.2f} ms: the graph {eager / graph:4.1f}× faster"
+    )
 print(f"KV cache on {step_data['device']}: {step_data['kv_cache_tokens'] / 1e6:.2f} M tokens")
 assert rows["minivllm", 1] < rows["minivllm-eager", 1]
 
@@ -249,7 +307,10 @@ assert rows["minivllm", 1] < rows["minivllm-eager", 1]
 # %%
 from minivllm.engine.cuda_graphs import graph_batch_sizes
 
-assert graph_batch_sizes(256)[:5] == [1, 2, 4, 8, 16] and next(b for b in graph_batch_sizes(256) if b >= 5) == 8
+assert (
+    graph_batch_sizes(256)[:5] == [1, 2, 4, 8, 16]
+    and next(b for b in graph_batch_sizes(256) if b >= 5) == 8
+)
 
 # %% [markdown]
 # ### CUDA graphs for prefill and mixed steps
@@ -304,7 +365,9 @@ class MixedGraphs(StepGraphs):
 
         self.cu_seqlens_q, self.cu_seqlens_k = int32(max_num_seqs + 1), int32(max_num_seqs + 1)
         self.tiles = int32(self.num_tiles(sizes[-1]), 2) - 1
-        self.capture(model, self.context, cascade=True)  # steps without a shared prefix too: one capture per size
+        self.capture(
+            model, self.context, cascade=True
+        )  # steps without a shared prefix too: one capture per size
 
     def num_tiles(self, size: int) -> int:
         return tile_room(size, self.block_m)
@@ -331,7 +394,9 @@ class MixedGraphs(StepGraphs):
     def fill(self, context: PagedContext) -> None:
         super().fill(context)
         assert context.tiles is not None  # key_for has checked
-        assert context.cu_seqlens_q is not None and context.cu_seqlens_k is not None  # a prefill step has both
+        assert (
+            context.cu_seqlens_q is not None and context.cu_seqlens_k is not None
+        )  # a prefill step has both
         self.cu_seqlens_q[: context.cu_seqlens_q.shape[0]] = context.cu_seqlens_q
         self.cu_seqlens_k[: context.cu_seqlens_k.shape[0]] = context.cu_seqlens_k
         self.tiles.fill_(-1)
@@ -348,7 +413,9 @@ def capture_mixed_graphs(
         return None
     max_blocks = -(-config.max_model_len // config.block_size)
     hidden = config.hf_config.hidden_size
-    return MixedGraphs(model, sizes, config.max_num_seqs, max_blocks, block_m, hidden, dtype, device)
+    return MixedGraphs(
+        model, sizes, config.max_num_seqs, max_blocks, block_m, hidden, dtype, device
+    )
 
 
 # %% [markdown]
@@ -358,7 +425,10 @@ def capture_mixed_graphs(
 # %%
 from minivllm.engine.step_inputs import query_tiles
 
-cu_q, cu_k = np.array([0, 1, 2, 130, 170]), np.array([0, 300, 341, 1469, 1509])  # new tokens; cached + new
+cu_q, cu_k = (
+    np.array([0, 1, 2, 130, 170]),
+    np.array([0, 300, 341, 1469, 1509]),
+)  # new tokens; cached + new
 mixed_tiles = query_tiles(cu_q, cu_k, first_seq=2, block_m=64)
 print("(sequence, query tile), the tiles that see the most keys first:", mixed_tiles.tolist())
 assert mixed_tiles.tolist() == [[2, 1], [2, 0], [3, 0]]  # 1,128 keys, 1,064, then 40
@@ -376,7 +446,10 @@ from minivllm.engine.cuda_graphs import DecodeGraphs
 from minivllm.engine.fast_paths import fast_path
 from minivllm.engine.mixed_graphs import capture_mixed_graphs
 
-assert fast_path("mixed-step CUDA graphs") is capture_mixed_graphs and fast_path("decode CUDA graphs") is DecodeGraphs
+assert (
+    fast_path("mixed-step CUDA graphs") is capture_mixed_graphs
+    and fast_path("decode CUDA graphs") is DecodeGraphs
+)
 assert fast_path("shared-prefix cascade") is add_shared_prefix
 kinds_data = json.loads(Path("../figures/step_kinds_chat.json").read_text())  # an H200 run's
 plot_step_kinds(kinds_data).savefig(FIGURES / "cuda_graphs_step_kinds.png", dpi=120)
@@ -409,8 +482,13 @@ from minivllm.kernels.paged_attn import flash_attn_with_kvcache
 def prefix_hit_step(block_size: int) -> StepInputs:
     """2 new tokens after block_size - 2 cached ones in block 0: a prefix hit's shape."""
     positions = np.arange(block_size - 2, block_size)
-    step = StepInputs(True, np.zeros(2, np.int64), positions, positions.copy(), np.zeros((1, 1), np.int32))
-    step.cu_seqlens_q, step.cu_seqlens_k = np.array([0, 2], np.int32), np.array([0, block_size], np.int32)
+    step = StepInputs(
+        True, np.zeros(2, np.int64), positions, positions.copy(), np.zeros((1, 1), np.int32)
+    )
+    step.cu_seqlens_q, step.cu_seqlens_k = (
+        np.array([0, 2], np.int32),
+        np.array([0, block_size], np.int32),
+    )
     return step
 
 
@@ -418,7 +496,14 @@ def padding_decode_step(rows: int) -> StepInputs:
     """A decode step of padding rows: slot -1 (nothing written), each reading one cached token of block 0."""
     zeros = np.zeros(rows, np.int64)
     block_tables, context_lens = np.zeros((rows, 1), np.int32), np.ones(rows, np.int32)
-    return StepInputs(False, zeros, zeros.copy(), np.full(rows, -1, np.int64), block_tables, context_lens=context_lens)
+    return StepInputs(
+        False,
+        zeros,
+        zeros.copy(),
+        np.full(rows, -1, np.int64),
+        block_tables,
+        context_lens=context_lens,
+    )
 
 
 def warm_up_decode_attention(runner: ModelRunner) -> None:
@@ -430,14 +515,21 @@ def warm_up_decode_attention(runner: ModelRunner) -> None:
         lens = torch.ones(rows, dtype=torch.int32, device=device)
         tables = torch.zeros(rows, 1, dtype=torch.int32, device=device)
         for prefix_blocks, prefix_lens in ((None, None), (tables[0], lens)):
-            flash_attn_with_kvcache(q, *kv, lens, tables, prefix_blocks=prefix_blocks, prefix_lens=prefix_lens)
+            flash_attn_with_kvcache(
+                q, *kv, lens, tables, prefix_blocks=prefix_blocks, prefix_lens=prefix_lens
+            )
 
 
 @torch.inference_mode()
 def warm_up_runner(runner: ModelRunner) -> None:
     """The runner's start-up on a GPU, before its graphs: every Triton kernel variant a step can launch, compiled."""
-    logits = runner.execute(prefix_hit_step(runner.block_size))  # (1, vocab): the paged prefill, the small layers
-    for rows in (1, runner.config.max_num_seqs):  # eager decode steps: one token's kernels (gemv), a batch's
+    logits = runner.execute(
+        prefix_hit_step(runner.block_size)
+    )  # (1, vocab): the paged prefill, the small layers
+    for rows in (
+        1,
+        runner.config.max_num_seqs,
+    ):  # eager decode steps: one token's kernels (gemv), a batch's
         runner.execute(padding_decode_step(rows))
     warm_up_decode_attention(runner)
     warm_up_sampler(runner.sampler, logits.expand(runner.config.max_num_seqs, -1).contiguous())
@@ -464,7 +556,9 @@ if DEVICE == "cuda":
     with LLM(str(checkpoint_for("tiny")), max_num_seqs=32, max_model_len=1024) as small:
         print(f"LLM(): {len(compiled)} compiles")
         compiled.clear()
-        small.generate([[7] * n for n in range(1, 30)], SamplingParams(top_k=20, max_tokens=8), use_tqdm=False)
+        small.generate(
+            [[7] * n for n in range(1, 30)], SamplingParams(top_k=20, max_tokens=8), use_tqdm=False
+        )
         print(f"29 requests after it: {len(compiled)} compiles")
     triton.knobs.runtime.jit_post_compile_hook = None
 

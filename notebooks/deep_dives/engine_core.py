@@ -44,7 +44,9 @@ from minivllm.checkpoint import write_checkpoint
 FIGURES_IN_REPO = Path("../figures").resolve()
 CHECKPOINTS = Path(os.environ.get("MINIVLLM_CHECKPOINTS", "../../build/checkpoints")).resolve()
 path = CHECKPOINTS / "tiny-text"
-if not (path / "model.safetensors").is_file():  # notebook 02 wrote it; training it again takes half a minute
+if not (
+    path / "model.safetensors"
+).is_file():  # notebook 02 wrote it; training it again takes half a minute
     write_checkpoint(path, "tiny-text", seed=0)
 config = dict(max_model_len=512)
 
@@ -61,9 +63,13 @@ config = dict(max_model_len=512)
 # %%
 llm = LLM(str(path), **config)
 engine, processor = llm.engine, llm.engine.output_processor
-reply_ids = engine.tokenizer.encode(" and the garden was full of roses, light and quiet birds in the morning")[:16]
+reply_ids = engine.tokenizer.encode(
+    " and the garden was full of roses, light and quiet birds in the morning"
+)[:16]
 params = SamplingParams(max_tokens=16)
-requests = [engine.input_processor.make_request("Once upon a time", params, str(i), "p") for i in range(256)]
+requests = [
+    engine.input_processor.make_request("Once upon a time", params, str(i), "p") for i in range(256)
+]
 start = time.perf_counter()
 for token_id in reply_ids:  # each step: one token more for every request, and its output built
     for request in requests:
@@ -104,7 +110,9 @@ class Delta(NamedTuple):  # what one completion got in one step: all that crosse
     token_ids: list[int]  # its new tokens
     finish_reason: str | None  # set once the core finished it ("stop": an EOS or stop id; "length")
     logprobs: list[TokenLogprobs] | None  # one row per new token, if asked
-    prompt_logprobs: tuple[int, list[TokenLogprobs]] | None  # (first position, rows), once the prompt is scored
+    prompt_logprobs: (
+        tuple[int, list[TokenLogprobs]] | None
+    )  # (first position, rows), once the prompt is scored
 
 
 def rows(logprobs: list[dict[int, Logprob]]) -> list[TokenLogprobs]:
@@ -132,7 +140,9 @@ class EngineCore:
     def __init__(self, model: str, **kwargs):
         self.engine = LLMEngine(model, **kwargs)
         self.engine.output_processor = OutputProcessor(None)  # no detokenizing here
-        self.sent: dict[str, list[int]] = {}  # request id -> tokens sent per completion, while it runs here
+        self.sent: dict[
+            str, list[int]
+        ] = {}  # request id -> tokens sent per completion, while it runs here
         self.prompt_sent: dict[str, int] = {}  # request id -> prompt logprob rows sent
 
     def handle(self, message: tuple) -> list[tuple]:
@@ -167,14 +177,18 @@ class EngineCore:
         """One step; a Delta for each completion that got tokens or finished."""
         finished, _ = self.engine.step()
         deltas = [d for out in finished for d in self.finished_deltas(out)]
-        for seq in self.engine.scheduler.running:  # only those can have new tokens: O(batch), not O(queue)
+        for seq in (
+            self.engine.scheduler.running
+        ):  # only those can have new tokens: O(batch), not O(queue)
             request = self.engine.requests[seq.seq_id]
             i, sent = request.seqs.index(seq), self.sent[request.request_id]
             if seq.num_completion_tokens > sent[i]:
                 logprobs = request.logprobs.get(i)
                 new = rows(logprobs[sent[i] :]) if logprobs is not None else None
                 token_ids = seq.completion_token_ids[sent[i] :]
-                deltas.append(Delta(request.request_id, i, token_ids, None, new, self.prompt(request)))
+                deltas.append(
+                    Delta(request.request_id, i, token_ids, None, new, self.prompt(request))
+                )
                 sent[i] = seq.num_completion_tokens
         return deltas
 
@@ -187,7 +201,9 @@ class EngineCore:
                 prompt = (1, rows(out.prompt_logprobs[1:]))  # type: ignore[arg-type]  # row 0 is None
                 self.prompt_sent[out.request_id] = 1
             token_ids = c.token_ids[sent[c.index] :]
-            deltas.append(Delta(out.request_id, c.index, token_ids, c.finish_reason, logprobs, prompt))
+            deltas.append(
+                Delta(out.request_id, c.index, token_ids, c.finish_reason, logprobs, prompt)
+            )
         self.forget(out.request_id)
         return deltas
 
@@ -236,10 +252,14 @@ class EngineCore:
             if busy:
                 try:
                     deltas = self.step()
-                except Exception as e:  # the engine aborted that step's requests: their callers get the error
+                except (
+                    Exception
+                ) as e:  # the engine aborted that step's requests: their callers get the error
                     conn.send(("failed", self.lost(), f"the step failed ({e})"))
                     continue
-                conn.send(("step", [tuple(d) for d in deltas], self.stats()))  # plain tuples pickle 5x faster
+                conn.send(
+                    ("step", [tuple(d) for d in deltas], self.stats())
+                )  # plain tuples pickle 5x faster
                 last = time.monotonic()
             elif time.monotonic() - last >= heartbeat:
                 conn.send(("alive", self.stats()))
@@ -295,7 +315,9 @@ while core.engine.has_unfinished_requests():
         tokens += delta.token_ids
         if delta.finish_reason:
             print("finished:", delta.finish_reason)
-expected = llm.generate([prompt_ids], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0]
+expected = llm.generate([prompt_ids], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[
+    0
+].outputs[0]
 print(engine.tokenizer.decode(tokens))
 assert tokens == expected.token_ids
 
@@ -306,7 +328,11 @@ assert tokens == expected.token_ids
 # %%
 from minivllm.engine.core import Delta
 
-step_message = ("step", [tuple(Delta(str(i), 0, [1234], None, None, None)) for i in range(256)], core.stats())
+step_message = (
+    "step",
+    [tuple(Delta(str(i), 0, [1234], None, None, None)) for i in range(256)],
+    core.stats(),
+)
 a, b = Pipe()
 received = []
 reader = threading.Thread(target=lambda: received.extend(b.recv() for _ in range(200)))
@@ -316,7 +342,9 @@ for _ in range(200):
     a.send(step_message)
 reader.join()
 per_message_us = (time.perf_counter() - start) / 200 * 1e6
-print(f"{len(pickle.dumps(step_message)):,} bytes a step; {per_message_us:.0f} µs to send and receive, on this machine")
+print(
+    f"{len(pickle.dumps(step_message)):,} bytes a step; {per_message_us:.0f} µs to send and receive, on this machine"
+)
 
 # %% [markdown]
 # Compare it with a decode step's ~7 ms on an H200: a small share (on a quiet machine, tens of microseconds; a busy
@@ -360,7 +388,9 @@ assert text == llm.generate(["Once upon a time"], greedy, use_tqdm=False)[0].out
 # %%
 async def doomed() -> str:
     os.kill(served.process.pid, signal.SIGSTOP)
-    caller = asyncio.ensure_future(reply("A long story:", SamplingParams(max_tokens=400, ignore_eos=True)))
+    caller = asyncio.ensure_future(
+        reply("A long story:", SamplingParams(max_tokens=400, ignore_eos=True))
+    )
     while not served.streams:  # the request is in
         await asyncio.sleep(0.001)
     os.kill(served.process.pid, signal.SIGKILL)

@@ -42,11 +42,15 @@ from minivllm.engine.sequence import Sequence
 from minivllm.sampling_params import SamplingParams
 
 disable_progress_bar()  # transformers' saving draws no progress bars in the outputs
-plt.rcParams["axes.titlesize"] = "medium"  # 10-pt panel titles: three panels side by side fit in 1,100 px
+plt.rcParams["axes.titlesize"] = (
+    "medium"  # 10-pt panel titles: three panels side by side fit in 1,100 px
+)
 FIGURES = Path(os.environ.get("MINIVLLM_FIGURES", "../../build/figures")).resolve()
 FIGURES.mkdir(parents=True, exist_ok=True)
 CHECKPOINTS = Path(os.environ.get("MINIVLLM_CHECKPOINTS", "../../build/checkpoints")).resolve()
-base_config = Config(write_checkpoint(CHECKPOINTS / "tiny", "tiny", seed=0), dtype=torch.float32, max_num_seqs=64)
+base_config = Config(
+    write_checkpoint(CHECKPOINTS / "tiny", "tiny", seed=0), dtype=torch.float32, max_num_seqs=64
+)
 
 
 def make_scheduler(num_blocks: int, **limits) -> Scheduler:
@@ -56,7 +60,9 @@ def make_scheduler(num_blocks: int, **limits) -> Scheduler:
 
 def request(prompt: list[int], max_tokens: int) -> Sequence:
     return Sequence(
-        prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), base_config.block_size
+        prompt,
+        SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+        base_config.block_size,
     )
 
 
@@ -91,7 +97,9 @@ def block_owners(scheduler: Scheduler) -> np.ndarray:
 
 def frame_colors(frame: np.ndarray) -> np.ndarray:
     """RGB per block: special states fixed, requests cycling through a qualitative palette."""
-    palette = [c for i, c in enumerate(plt.get_cmap("tab20").colors) if i not in (14, 15)]  # no greys
+    palette = [
+        c for i, c in enumerate(plt.get_cmap("tab20").colors) if i not in (14, 15)
+    ]  # no greys
     special = {SHARED: (0, 0, 0), CACHED: (0.8, 0.8, 0.8), EMPTY: (1, 1, 1)}
     return np.array([special.get(o, palette[o % len(palette)]) for o in frame])
 
@@ -100,7 +108,9 @@ map_rng = np.random.default_rng(1)
 map_prompt = map_rng.integers(3, 2048, 64).tolist()
 map_scheduler = make_scheduler(96, max_num_batched_tokens=256)
 for i in range(48):
-    prompt = (map_prompt if i % 3 == 0 else []) + map_rng.integers(3, 2048, int(map_rng.integers(16, 201))).tolist()
+    prompt = (map_prompt if i % 3 == 0 else []) + map_rng.integers(
+        3, 2048, int(map_rng.integers(16, 201))
+    ).tolist()
     map_scheduler.add(request(prompt, int(map_rng.integers(16, 161))))
 frames, usage = [], []  # per step: each block's owner; blocks used, free but cached, empty
 while not map_scheduler.is_finished():
@@ -109,7 +119,9 @@ while not map_scheduler.is_finished():
     bm = map_scheduler.block_manager
     usage.append((bm.num_used_blocks, bm.num_cached_free_blocks, len(bm.free_block_ids)))
 frames, usage = np.array(frames), np.array(usage)  # (steps, num_blocks), (steps, 3)
-print(f"{len(frames)} steps; peak {usage[:, 0].max()} of 96 blocks in use; {map_scheduler.num_preemptions} preemptions")
+print(
+    f"{len(frames)} steps; peak {usage[:, 0].max()} of 96 blocks in use; {map_scheduler.num_preemptions} preemptions"
+)
 
 
 def draw_blocks(ax, step: int, cols: int = 16) -> None:
@@ -122,9 +134,13 @@ def draw_blocks(ax, step: int, cols: int = 16) -> None:
 fig = plt.figure(figsize=(10.8, 6.6))
 grid = fig.add_gridspec(2, 3, height_ratios=[1.3, 1])
 ax_map = fig.add_subplot(grid[0, :2])
-ax_map.imshow(np.stack([frame_colors(f) for f in frames], axis=1), aspect="auto", interpolation="nearest")
+ax_map.imshow(
+    np.stack([frame_colors(f) for f in frames], axis=1), aspect="auto", interpolation="nearest"
+)
 ax_map.set(xlabel="step", ylabel="physical block")
-ax_map.set_title("Owner of each block over time (colour = request, black = shared, grey = free but cached)")
+ax_map.set_title(
+    "Owner of each block over time (colour = request, black = shared, grey = free but cached)"
+)
 ax_use = fig.add_subplot(grid[0, 2])
 labels, colours = ["used", "free, cached", "free, empty"], ["tab:blue", "0.75", "white"]
 ax_use.stackplot(range(len(usage)), usage.T, labels=labels, colors=colours, edgecolor="0.5", lw=0.3)
@@ -151,10 +167,16 @@ def show_step(step: int) -> None:
     plt.show()
 
 
-step_slider = widgets.IntSlider(value=len(frames) // 2, min=0, max=len(frames) - 1, layout=widgets.Layout(width="95%"))
-slider = widgets.interact(show_step, step=step_slider)  # wide: the default 120 px is under a pixel per step
+step_slider = widgets.IntSlider(
+    value=len(frames) // 2, min=0, max=len(frames) - 1, layout=widgets.Layout(width="95%")
+)
+slider = widgets.interact(
+    show_step, step=step_slider
+)  # wide: the default 120 px is under a pixel per step
 assert usage[:, 0].max() == 96  # the run filled the cache...
-assert (frames == SHARED).any() and (frames == CACHED).any()  # ...shared blocks, and kept freed ones cached
+assert (frames == SHARED).any() and (
+    frames == CACHED
+).any()  # ...shared blocks, and kept freed ones cached
 assert (usage.sum(axis=1) == 96).all()  # used + free = total, at every step
 
 # %% [markdown]
@@ -170,19 +192,27 @@ chat_rng = np.random.default_rng(2)
 system_prompts = [chat_rng.integers(3, 2048, 512).tolist() for _ in range(4)]
 which = chat_rng.choice(4, size=200, p=[0.5, 0.25, 0.15, 0.1])
 own_parts = [chat_rng.integers(3, 2048, int(chat_rng.integers(16, 257))).tolist() for _ in which]
-chat_requests = [(system_prompts[w] + own, int(chat_rng.integers(16, 129))) for w, own in zip(which, own_parts)]
+chat_requests = [
+    (system_prompts[w] + own, int(chat_rng.integers(16, 129))) for w, own in zip(which, own_parts)
+]
 prefix_runs = {}
 for caching in (True, False):
     scheduler = make_scheduler(2048, max_num_seqs=256, enable_prefix_caching=caching)
     for prompt, max_tokens in chat_requests:
         scheduler.add(request(prompt, max_tokens))
-    prefilled, batch, steps = [], 0, 0  # per prefill step: (step, tokens computed); the most running at once
+    prefilled, batch, steps = (
+        [],
+        0,
+        0,
+    )  # per prefill step: (step, tokens computed); the most running at once
     while not scheduler.is_finished():
         scheduled, is_prefill = step(scheduler)
         steps, batch = steps + 1, max(batch, len(scheduler.running))
         if is_prefill:
             prefilled.append((steps, sum(scheduled)))
-    run = prefix_runs[caching] = dict(steps=steps, batch=batch, preemptions=scheduler.num_preemptions)
+    run = prefix_runs[caching] = dict(
+        steps=steps, batch=batch, preemptions=scheduler.num_preemptions
+    )
     run["prefill_steps"], run["prefilled"] = np.array(prefilled).T
     run["prefilled"] = np.cumsum(run["prefilled"])
     print(
@@ -190,7 +220,9 @@ for caching in (True, False):
         f"{batch} requests at once, {run['preemptions']} preemptions, all done in {steps} steps"
     )
 computed_on, computed_off = prefix_runs[True]["prefilled"][-1], prefix_runs[False]["prefilled"][-1]
-print(f"prompt tokens: {sum(len(p) for p, _ in chat_requests):,}; prefill saved: {1 - computed_on / computed_off:.0%}")
+print(
+    f"prompt tokens: {sum(len(p) for p, _ in chat_requests):,}; prefill saved: {1 - computed_on / computed_off:.0%}"
+)
 
 # %% [markdown]
 # A hit needs the blocks to still be there. To see the cache's memory alone, we allocate the same requests one at a time
@@ -231,7 +263,11 @@ axes[1].set_title("Hit rate per request (1,024 blocks, freed after prefill)")
 axes[1].legend(fontsize=8, loc="lower right")
 axes[2].semilogx(pool_sizes, [mean_hit[n] for n in pool_sizes], "o-", base=2)
 axes[2].axvline(128, color="grey", ls=":", label="4 system prompts")
-axes[2].set(xlabel="cache size (blocks of 16)", ylabel="mean hit rate", title="Hits need room to keep freed blocks")
+axes[2].set(
+    xlabel="cache size (blocks of 16)",
+    ylabel="mean hit rate",
+    title="Hits need room to keep freed blocks",
+)
 axes[2].legend()
 fig.tight_layout()
 fig.savefig(FIGURES / "scheduler_memory_prefix_cache.png", dpi=120)

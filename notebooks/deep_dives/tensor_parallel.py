@@ -81,8 +81,12 @@ from minivllm.engine.model_runner import ModelRunner, StepOutput, rank_device
 from minivllm.engine.sequence import Sequence
 from minivllm.layers.linear import TPGroup
 
-START_TIMEOUT = timedelta(seconds=300)  # a worker imports torch and loads its slice: minutes on a slow disk
-STEP_TIMEOUT = timedelta(seconds=600)  # one rank may compile kernels in a first step while the others wait
+START_TIMEOUT = timedelta(
+    seconds=300
+)  # a worker imports torch and loads its slice: minutes on a slow disk
+STEP_TIMEOUT = timedelta(
+    seconds=600
+)  # one rank may compile kernels in a first step while the others wait
 SHUTDOWN_TIMEOUT = timedelta(seconds=10)  # close() ends in seconds, whatever a group waits for
 MAIN_GUARD = (
     "Workers are spawned: each re-imports your main script, so a script that creates an LLM with "
@@ -90,10 +94,14 @@ MAIN_GUARD = (
 )
 
 
-def make_groups(store: Any, rank: int, world_size: int, device: torch.device) -> tuple[TPGroup, Any]:
+def make_groups(
+    store: Any, rank: int, world_size: int, device: torch.device
+) -> tuple[TPGroup, Any]:
     """This rank's groups over the engine's own store: `control` (gloo) carries rank 0's messages, the TPGroup's
     group the model's all-reduces (NCCL on GPUs; on CPUs the gloo group again)."""
-    control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, world_size, STEP_TIMEOUT)
+    control = dist.ProcessGroupGloo(
+        dist.PrefixStore("control", store), rank, world_size, STEP_TIMEOUT
+    )
     if device.type != "cuda":
         return TPGroup(rank, world_size, control), control
     # torch's stub lists only the (store, rank, size, options) form; the binding also has (store, rank, size[, timeout])
@@ -150,7 +158,11 @@ def sigint_held() -> Iterator[None]:
     KeyboardInterrupt): rank 0 never leaves the other ranks halfway through a step. A second Ctrl-C is handled at
     once (the engine is then out of step and refuses further steps). Where Ctrl-C is ignored (a background job,
     `nohup`) or no Python handler takes it, it stays so."""
-    handler = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+    handler = (
+        signal.getsignal(signal.SIGINT)
+        if threading.current_thread() is threading.main_thread()
+        else None
+    )
     if not callable(handler):
         yield
         return
@@ -168,10 +180,17 @@ class Workers:
 
     def __init__(self, target: Callable, args: tuple, world_size: int, device: torch.device):
         self.store = dist.TCPStore(
-            "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=START_TIMEOUT
+            "127.0.0.1",
+            0,
+            world_size,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=START_TIMEOUT,
         )
         spawn = mp.get_context("spawn")
-        self.started = [spawn.Event() for _ in range(1, world_size)]  # set by each worker as its first act
+        self.started = [
+            spawn.Event() for _ in range(1, world_size)
+        ]  # set by each worker as its first act
         self.processes = [
             spawn.Process(target=target, args=(*args, rank, self.store.port, started), daemon=True)
             for rank, started in enumerate(self.started, start=1)
@@ -181,7 +200,9 @@ class Workers:
         for process in self.processes:
             process.start()
         try:
-            self.tp, self.control = self.wait(lambda: make_groups(self.store, 0, world_size, device))
+            self.tp, self.control = self.wait(
+                lambda: make_groups(self.store, 0, world_size, device)
+            )
         except BaseException:
             self.join(timeout=0)
             raise
@@ -239,14 +260,18 @@ class Workers:
         deadline = time.monotonic() + 2
         while (reason := self.dead()) is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        self.failure = self.failure or reason or f"a step failed on rank 0 ({type(error).__name__}: {error})"
+        self.failure = (
+            self.failure or reason or f"a step failed on rank 0 ({type(error).__name__}: {error})"
+        )
         return reason is not None
 
     def check(self) -> None:
         if self.failure is None:
             self.failure = self.dead()
         if self.failure is not None:
-            raise RuntimeError(f"the tensor-parallel engine cannot run: {self.failure}. Create a new LLM.")
+            raise RuntimeError(
+                f"the tensor-parallel engine cannot run: {self.failure}. Create a new LLM."
+            )
 
     def join(self, timeout: float = 10) -> None:
         """Wait for the workers to exit (after "exit"), killing those still there after `timeout` seconds."""
@@ -293,12 +318,16 @@ def exit_with_parent(parent_pid: int) -> None:
 
 def worker_main(config: Config, rank: int, port: int, started: Any) -> None:
     started.set()  # this module imported: rank 0 can tell "died" from "never started"
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it tells the workers to exit
+    signal.signal(
+        signal.SIGINT, signal.SIG_IGN
+    )  # Ctrl-C is rank 0's to handle: it tells the workers to exit
     threading.Thread(target=exit_with_parent, args=(os.getppid(),), daemon=True).start()
     device = rank_device(config, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False, timeout=START_TIMEOUT)
+    store = dist.TCPStore(
+        "127.0.0.1", port, config.tensor_parallel_size, is_master=False, timeout=START_TIMEOUT
+    )
     tp, control = make_groups(store, rank, config.tensor_parallel_size, device)
     aborted = True
     try:
@@ -337,7 +366,9 @@ class TPModelRunner(ModelRunner):
                 broadcast_object((method, args), self.control, 0)
                 return getattr(self, method)(*args)
             except BaseException as e:
-                if self.workers.fail(e):  # the step broke because a worker died: say that, not "connection reset"
+                if self.workers.fail(
+                    e
+                ):  # the step broke because a worker died: say that, not "connection reset"
                     raise RuntimeError(self.workers.failure) from e
                 raise
 
@@ -375,15 +406,27 @@ from minivllm.engine.workers import TPModelRunner
 path = CHECKPOINTS / "tiny"
 if not (path / "model.safetensors").is_file():
     write_checkpoint(path, "tiny", seed=0)
-config = dict(device="cpu", dtype=torch.float32, num_kvcache_blocks=128, max_num_seqs=8, max_model_len=1024)
-prompts, greedy = [list(range(1, 40)), [3] * 17, [5, 6, 7]], SamplingParams(temperature=0, max_tokens=12)
+config = dict(
+    device="cpu", dtype=torch.float32, num_kvcache_blocks=128, max_num_seqs=8, max_model_len=1024
+)
+prompts, greedy = (
+    [list(range(1, 40)), [3] * 17, [5, 6, 7]],
+    SamplingParams(temperature=0, max_tokens=12),
+)
 with LLM(str(path), **config) as one:
     expected = [out.outputs[0].token_ids for out in one.generate(prompts, greedy, use_tqdm=False)]
 with LLM(str(path), tensor_parallel_size=2, **config) as two:
-    assert isinstance(two.engine.runner, TPModelRunner) and len(two.engine.runner.workers.processes) == 1
-    assert [out.outputs[0].token_ids for out in two.generate(prompts, greedy, use_tqdm=False)] == expected
+    assert (
+        isinstance(two.engine.runner, TPModelRunner)
+        and len(two.engine.runner.workers.processes) == 1
+    )
+    assert [
+        out.outputs[0].token_ids for out in two.generate(prompts, greedy, use_tqdm=False)
+    ] == expected
     worker = two.engine.runner.workers.processes[0]
-    print(f"TP 2 on the CPU: rank 0 here (pid {os.getpid()}), rank 1 in pid {worker.pid}; same tokens as TP 1")
+    print(
+        f"TP 2 on the CPU: rank 0 here (pid {os.getpid()}), rank 1 in pid {worker.pid}; same tokens as TP 1"
+    )
 assert not multiprocessing.active_children()  # close() sent "exit" and joined the worker
 assert "minivllm.engine.workers" in sys.modules  # imported by name when TP 2 asked for it
 
@@ -396,15 +439,23 @@ assert "minivllm.engine.workers" in sys.modules  # imported by name when TP 2 as
 # %%
 from minivllm.benchmarks.tp import plot_tp
 
-tp_data = json.loads(Path("../figures/tp.json").read_text())  # needs two GPUs to re-measure: the committed run
+tp_data = json.loads(
+    Path("../figures/tp.json").read_text()
+)  # needs two GPUs to re-measure: the committed run
 plot_tp(tp_data).savefig(FIGURES / "tensor_parallel_tp.png", dpi=120)
 step = {(r["tp"], r["batch"]): r["ms"] for r in tp_data["rows"] if r["kind"] == "decode_step"}
 run = {r["tp"]: r for r in tp_data["rows"] if r["kind"] == "throughput"}
 for batch in sorted({b for _, b in step}):
-    print(f"decode step, batch {batch:>3}: TP 1 {step[1, batch]:.2f} ms, TP 2 {step[2, batch]:.2f} ms")
+    print(
+        f"decode step, batch {batch:>3}: TP 1 {step[1, batch]:.2f} ms, TP 2 {step[2, batch]:.2f} ms"
+    )
 for tp, r in run.items():
-    print(f"TP {tp}: {r['tok_per_s']:,.0f} output tok/s, KV cache {r['kv_cache_tokens'] / 1e6:.2f} M tokens")
-for r in (r for r in tp_data["rows"] if r["kind"] == "startup"):  # python -c "LLM(...)": import to ready
+    print(
+        f"TP {tp}: {r['tok_per_s']:,.0f} output tok/s, KV cache {r['kv_cache_tokens'] / 1e6:.2f} M tokens"
+    )
+for r in (
+    r for r in tp_data["rows"] if r["kind"] == "startup"
+):  # python -c "LLM(...)": import to ready
     print(f"TP {r['tp']}, fresh process, start {r['attempt']}: ready in {r['ready_seconds']:.0f} s")
 
 # %% [markdown]
@@ -414,10 +465,14 @@ for r in (r for r in tp_data["rows"] if r["kind"] == "startup"):  # python -c "L
 # %%
 added_ms = step[2, 1] - step[1, 1]
 per_allreduce_us = added_ms / (2 * 28) * 1e3  # 2 all-reduces per layer, 28 layers
-copy_tbps = json.loads(Path("../figures/decode.json").read_text())["copy_tbps"]  # the H200's copy bandwidth
+copy_tbps = json.loads(Path("../figures/decode.json").read_text())[
+    "copy_tbps"
+]  # the H200's copy bandwidth
 weight_read_ms = 596e6 * 2 / (copy_tbps * 1e12) * 1e3  # 596 M bf16 parameters, read once
 print(f"TP 2 adds {added_ms:.2f} ms at batch 1: at most {per_allreduce_us:.0f} µs per all-reduce")
-print(f"one GPU reads all the weights in {weight_read_ms:.2f} ms, {weight_read_ms / added_ms:.0%} of what TP 2 adds")
+print(
+    f"one GPU reads all the weights in {weight_read_ms:.2f} ms, {weight_read_ms / added_ms:.0%} of what TP 2 adds"
+)
 
 # %% [markdown]
 # For a 0.6B model TP 2 does not pay in speed: one GPU reads all 1.2 GB of weights in under 0.3 ms, a fifth of what

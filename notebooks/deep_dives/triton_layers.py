@@ -93,7 +93,9 @@ with torch.no_grad():
                 )
             )
 for r in compile_rows:
-    print(f"{r['op']:>20} {r['num_tokens']:>5} tokens: eager {r['eager']:.3f} ms, compiled {r['compiled']:.3f} ms")
+    print(
+        f"{r['op']:>20} {r['num_tokens']:>5} tokens: eager {r['eager']:.3f} ms, compiled {r['compiled']:.3f} ms"
+    )
 
 # %%
 from pathlib import Path
@@ -154,7 +156,9 @@ import triton.language as tl
 from torch import Tensor
 
 
-@triton.jit(do_not_specialize=["num_rows"])  # changes every step: one compiled kernel for all values
+@triton.jit(
+    do_not_specialize=["num_rows"]
+)  # changes every step: one compiled kernel for all values
 def _rms_norm_kernel(
     X, R, W, OUT, R_OUT, num_rows, heads, stride_xt, stride_xh, stride_rt, stride_rh, n_cols, eps,
     HAS_RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
@@ -162,17 +166,27 @@ def _rms_norm_kernel(
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (ROWS,): row = token * heads + head
     token, head, cols = rows // heads, rows % heads, tl.arange(0, BLOCK)
     mask = (rows < num_rows)[:, None] & (cols < n_cols)[None, :]  # (ROWS, BLOCK)
-    x = tl.load(X + (token * stride_xt + head * stride_xh)[:, None] + cols[None, :], mask=mask, other=0.0)
+    x = tl.load(
+        X + (token * stride_xt + head * stride_xh)[:, None] + cols[None, :], mask=mask, other=0.0
+    )
     x = x.to(tl.float32)
     offs = rows[:, None] * n_cols + cols[None, :]  # into the contiguous outputs
-    if HAS_RESIDUAL:  # the new residual stream, rounded to the model's dtype before it is normalised
-        r = tl.load(R + (token * stride_rt + head * stride_rh)[:, None] + cols[None, :], mask=mask, other=0.0)
+    if (
+        HAS_RESIDUAL
+    ):  # the new residual stream, rounded to the model's dtype before it is normalised
+        r = tl.load(
+            R + (token * stride_rt + head * stride_rh)[:, None] + cols[None, :],
+            mask=mask,
+            other=0.0,
+        )
         x = (x + r.to(tl.float32)).to(R_OUT.dtype.element_ty)
         tl.store(R_OUT + offs, x, mask=mask)
         x = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)  # (ROWS,); masked lanes add zeros
     w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
-    normed = (x * inv_rms[:, None]).to(X.dtype.element_ty).to(tl.float32)  # RMSNorm rounds before the weight
+    normed = (
+        (x * inv_rms[:, None]).to(X.dtype.element_ty).to(tl.float32)
+    )  # RMSNorm rounds before the weight
     tl.store(OUT + offs, (normed * w[None, :]).to(OUT.dtype.element_ty), mask=mask)
 
 
@@ -180,17 +194,33 @@ def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm(x) or RMSNorm(x, residual), one launch; x: (num_tokens, hidden) or (num_tokens, num_heads, head_dim)."""
-    x3 = x if x.dim() == 3 else x[:, None]  # (num_tokens, heads, n_cols): a 2-D input has one "head"
+    x3 = (
+        x if x.dim() == 3 else x[:, None]
+    )  # (num_tokens, heads, n_cols): a 2-D input has one "head"
     r3 = x3 if residual is None else (residual if residual.dim() == 3 else residual[:, None])
-    assert x3.dim() == 3 and x3.stride(2) == r3.stride(2) == 1 and weight.shape == x3.shape[2:], (x.shape, weight.shape)
+    assert x3.dim() == 3 and x3.stride(2) == r3.stride(2) == 1 and weight.shape == x3.shape[2:], (
+        x.shape,
+        weight.shape,
+    )
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     new_residual = out if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    num_rows, n_cols, block = x3.shape[0] * x3.shape[1], x3.shape[2], triton.next_power_of_2(x3.shape[2])
+    num_rows, n_cols, block = (
+        x3.shape[0] * x3.shape[1],
+        x3.shape[2],
+        triton.next_power_of_2(x3.shape[2]),
+    )
     rows = max(1, (1024 if x.is_cuda else 4096) // block)  # short rows: a few per program
     strides = (*x3.stride()[:2], *r3.stride()[:2])  # (token, head) of x and of the residual
-    tile = dict(HAS_RESIDUAL=residual is not None, ROWS=rows, BLOCK=block, num_warps=min(16, max(4, block // 256)))
+    tile = dict(
+        HAS_RESIDUAL=residual is not None,
+        ROWS=rows,
+        BLOCK=block,
+        num_warps=min(16, max(4, block // 256)),
+    )
     grid = (triton.cdiv(num_rows, rows),)
-    _rms_norm_kernel[grid](x3, r3, weight, out, new_residual, num_rows, x3.shape[1], *strides, n_cols, eps, **tile)
+    _rms_norm_kernel[grid](
+        x3, r3, weight, out, new_residual, num_rows, x3.shape[1], *strides, n_cols, eps, **tile
+    )
     return out if residual is None else (out, new_residual)
 
 
@@ -200,7 +230,9 @@ def _silu_and_mul_kernel(X, OUT, stride_x, n_cols, BLOCK: tl.constexpr):
     mask = cols < n_cols
     gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(X + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(OUT.dtype.element_ty).to(tl.float32)  # F.silu rounds to the dtype
+    silu = (
+        (gate / (1.0 + tl.exp(-gate))).to(OUT.dtype.element_ty).to(tl.float32)
+    )  # F.silu rounds to the dtype
     tl.store(OUT + row * n_cols + cols, (silu * up).to(OUT.dtype.element_ty), mask=mask)
 
 
@@ -210,7 +242,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # x: (num_tokens, 2 * n), [g
     n_cols = x.shape[1] // 2
     out = torch.empty(x.shape[0], n_cols, dtype=x.dtype, device=x.device)  # (num_tokens, n)
     block = min(1024, triton.next_power_of_2(n_cols))
-    _silu_and_mul_kernel[(x.shape[0], triton.cdiv(n_cols, block))](x, out, x.stride(0), n_cols, BLOCK=block)
+    _silu_and_mul_kernel[(x.shape[0], triton.cdiv(n_cols, block))](
+        x, out, x.stride(0), n_cols, BLOCK=block
+    )
     return out
 
 
@@ -219,18 +253,35 @@ def _rotate_heads(
     X, W, OUT, stride_h, num_heads, cos, sin, eps, NORM: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    heads, d = tl.arange(0, BLOCK_H)[:, None], tl.arange(0, BLOCK_D)[None, :]  # one token's heads: (BLOCK_H, BLOCK_D)
+    heads, d = (
+        tl.arange(0, BLOCK_H)[:, None],
+        tl.arange(0, BLOCK_D)[None, :],
+    )  # one token's heads: (BLOCK_H, BLOCK_D)
     mask = (heads < num_heads) & (d < HALF)
     x1 = tl.load(X + heads * stride_h + d, mask=mask, other=0.0).to(tl.float32)  # first halves
-    x2 = tl.load(X + heads * stride_h + HALF + d, mask=mask, other=0.0).to(tl.float32)  # second halves
+    x2 = tl.load(X + heads * stride_h + HALF + d, mask=mask, other=0.0).to(
+        tl.float32
+    )  # second halves
     if NORM:  # each head's RMSNorm first, rounded where RMSNorm rounds (its output is RoPE's input)
-        inv_rms = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[:, None]
+        inv_rms = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[
+            :, None
+        ]
         w1 = tl.load(W + d, mask=d < HALF, other=0.0).to(tl.float32)
         w2 = tl.load(W + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
-        x1 = ((x1 * inv_rms).to(X.dtype.element_ty).to(tl.float32) * w1).to(OUT.dtype.element_ty).to(tl.float32)
-        x2 = ((x2 * inv_rms).to(X.dtype.element_ty).to(tl.float32) * w2).to(OUT.dtype.element_ty).to(tl.float32)
+        x1 = (
+            ((x1 * inv_rms).to(X.dtype.element_ty).to(tl.float32) * w1)
+            .to(OUT.dtype.element_ty)
+            .to(tl.float32)
+        )
+        x2 = (
+            ((x2 * inv_rms).to(X.dtype.element_ty).to(tl.float32) * w2)
+            .to(OUT.dtype.element_ty)
+            .to(tl.float32)
+        )
     tl.store(OUT + heads * 2 * HALF + d, (x1 * cos - x2 * sin).to(OUT.dtype.element_ty), mask=mask)
-    tl.store(OUT + heads * 2 * HALF + HALF + d, (x2 * cos + x1 * sin).to(OUT.dtype.element_ty), mask=mask)
+    tl.store(
+        OUT + heads * 2 * HALF + HALF + d, (x2 * cos + x1 * sin).to(OUT.dtype.element_ty), mask=mask
+    )
 
 
 @triton.jit
@@ -240,39 +291,83 @@ def _rope_kernel(
 ):  # fmt: skip
     token = tl.program_id(0)
     pos, d = tl.load(POS + token), tl.arange(0, BLOCK_D)[None, :]
-    cos = tl.load(COS + pos * stride_cos + d, mask=d < HALF, other=0.0).to(tl.float32)  # (1, BLOCK_D)
+    cos = tl.load(COS + pos * stride_cos + d, mask=d < HALF, other=0.0).to(
+        tl.float32
+    )  # (1, BLOCK_D)
     sin = tl.load(SIN + pos * stride_cos + d, mask=d < HALF, other=0.0).to(tl.float32)
     q_out, k_out = Q_OUT + token * num_q_heads * 2 * HALF, K_OUT + token * num_k_heads * 2 * HALF
     _rotate_heads(
-        Q + token * stride_qt, QW, q_out, stride_qh, num_q_heads, cos, sin, q_eps, NORM, HALF, BLOCK_H, BLOCK_D
+        Q + token * stride_qt,
+        QW,
+        q_out,
+        stride_qh,
+        num_q_heads,
+        cos,
+        sin,
+        q_eps,
+        NORM,
+        HALF,
+        BLOCK_H,
+        BLOCK_D,
     )
     _rotate_heads(
-        K + token * stride_kt, KW, k_out, stride_kh, num_k_heads, cos, sin, k_eps, NORM, HALF, BLOCK_H, BLOCK_D
+        K + token * stride_kt,
+        KW,
+        k_out,
+        stride_kh,
+        num_k_heads,
+        cos,
+        sin,
+        k_eps,
+        NORM,
+        HALF,
+        BLOCK_H,
+        BLOCK_D,
     )
 
 
 def apply_rope(
-    positions: Tensor, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, norms: tuple[Any, Any] | None = None
+    positions: Tensor,
+    q: Tensor,
+    k: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    norms: tuple[Any, Any] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """RotaryEmbedding(positions, q, k, norms) in one launch. q: (num_tokens, num_heads, head_dim), k: (num_tokens,
     num_kv_heads, head_dim), either may be strided; cos, sin: (max_position, head_dim / 2); norms: None, or the
     RMSNorms of q's and k's heads, applied first."""
     half = q.shape[2] // 2
-    assert q.stride(2) == k.stride(2) == 1 and cos.shape[1] == half == k.shape[2] // 2 and cos.stride() == sin.stride()
+    assert (
+        q.stride(2) == k.stride(2) == 1
+        and cos.shape[1] == half == k.shape[2] // 2
+        and cos.stride() == sin.stride()
+    )
     q_out, k_out = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k))
     (q_w, q_eps), (k_w, k_eps) = [(n.weight, n.eps) for n in norms] if norms else [(None, 0.0)] * 2
     tensors = (positions, q, k, cos, sin, q_w, k_w, q_out, k_out)
-    strides = (*q.stride()[:2], *k.stride()[:2], cos.stride(0))  # (token, head) of q and of k; a position of cos
-    blocks = dict(BLOCK_H=triton.next_power_of_2(max(q.shape[1], k.shape[1])), BLOCK_D=triton.next_power_of_2(half))
+    strides = (
+        *q.stride()[:2],
+        *k.stride()[:2],
+        cos.stride(0),
+    )  # (token, head) of q and of k; a position of cos
+    blocks = dict(
+        BLOCK_H=triton.next_power_of_2(max(q.shape[1], k.shape[1])),
+        BLOCK_D=triton.next_power_of_2(half),
+    )
     heads = (q.shape[1], k.shape[1])
-    _rope_kernel[(q.shape[0],)](*tensors, *strides, *heads, q_eps, k_eps, NORM=norms is not None, HALF=half, **blocks)
+    _rope_kernel[(q.shape[0],)](
+        *tensors, *strides, *heads, q_eps, k_eps, NORM=norms is not None, HALF=half, **blocks
+    )
     return q_out, k_out
 
 
 @triton.jit
 def _row_sums(X, W, rows, n, k, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """(BLOCK_N,) float32: the dot products of x with weight rows `rows` (those < n)."""
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # a partial sum per lane, reduced once at the end
+    acc = tl.zeros(
+        [BLOCK_N, BLOCK_K], tl.float32
+    )  # a partial sum per lane, reduced once at the end
     for start in range(0, k, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
         mask = (rows < n)[:, None] & (cols < k)[None, :]
@@ -284,29 +379,54 @@ def _row_sums(X, W, rows, n, k, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.con
 
 @triton.jit
 def _gemv_kernel(
-    X, W, B, Y, n, k, stride_w, BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+    X,
+    W,
+    B,
+    Y,
+    n,
+    k,
+    stride_w,
+    BIAS: tl.constexpr,
+    GATED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,): this program's outputs
     y = _row_sums(X, W, rows, n, k, stride_w, BLOCK_N, BLOCK_K)
     if BIAS:
         y += tl.load(B + rows, mask=rows < n, other=0.0).to(tl.float32)
     if GATED:  # y is the gate; the up rows lie n rows further down. silu(gate) * up, rounded where SiluAndMul rounds
-        up = _row_sums(X, W + n * stride_w, rows, n, k, stride_w, BLOCK_N, BLOCK_K).to(Y.dtype.element_ty)
+        up = _row_sums(X, W + n * stride_w, rows, n, k, stride_w, BLOCK_N, BLOCK_K).to(
+            Y.dtype.element_ty
+        )
         gate = y.to(Y.dtype.element_ty).to(tl.float32)
         y = (gate / (1.0 + tl.exp(-gate))).to(Y.dtype.element_ty).to(tl.float32) * up.to(tl.float32)
     tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=rows < n)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+def gemv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False
+) -> torch.Tensor:
     """F.linear(x, weight, bias) for one token, x: (1, k), weight: (n, k): a program per BLOCK_N outputs. gated: the
     weight is [gate | up] (no bias), and the result silu(gate) * up, (1, n / 2): SiluAndMul in the same pass."""
-    (n, k), block_n = weight.shape, 16 if weight.shape[0] >= 4096 else 4  # narrow layers: more programs
-    assert x.shape == (1, k) and x.stride(1) == weight.stride(1) == 1 and not (gated and bias is not None)
-    n, block_n = (n // 2, block_n // 2) if gated else (n, block_n)  # gated: each program reads a gate and an up row
+    (n, k), block_n = (
+        weight.shape,
+        16 if weight.shape[0] >= 4096 else 4,
+    )  # narrow layers: more programs
+    assert (
+        x.shape == (1, k)
+        and x.stride(1) == weight.stride(1) == 1
+        and not (gated and bias is not None)
+    )
+    n, block_n = (
+        (n // 2, block_n // 2) if gated else (n, block_n)
+    )  # gated: each program reads a gate and an up row
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     tile = dict(BLOCK_N=block_n, BLOCK_K=1024 if k >= 2048 else 512, num_warps=8)
     grid = (triton.cdiv(n, block_n),)
-    _gemv_kernel[grid](x, weight, bias, y, n, k, weight.stride(0), BIAS=bias is not None, GATED=gated, **tile)
+    _gemv_kernel[grid](
+        x, weight, bias, y, n, k, weight.stride(0), BIAS=bias is not None, GATED=gated, **tile
+    )
     return y
 
 
@@ -354,22 +474,36 @@ from minivllm.kernels.small_layers import apply_rope, gemv, rms_norm, silu_and_m
 from minivllm.layers.rotary_embedding import RotaryEmbedding
 
 norm96, pos96 = RMSNorm(96).to(DEVICE), torch.randperm(4096)[:37].to(DEVICE)
-rope96 = RotaryEmbedding(96, 4096, dict(rope_type="default", rope_theta=1e6)).to(DEVICE)  # Qwen3's RoPE, 96 wide
+rope96 = RotaryEmbedding(96, 4096, dict(rope_type="default", rope_theta=1e6)).to(
+    DEVICE
+)  # Qwen3's RoPE, 96 wide
 norm96.weight.data.normal_()
 x, residual, qkv = (torch.randn(37, n, device=DEVICE) for n in (96, 96, 8 * 96))
-q96, k96 = qkv[:, :384].view(37, 4, 96), qkv[:, 384:576].view(37, 2, 96)  # 4 query heads, 2 KV heads
+q96, k96 = (
+    qkv[:, :384].view(37, 4, 96),
+    qkv[:, 384:576].view(37, 2, 96),
+)  # 4 query heads, 2 KV heads
 bias37 = torch.randn(37, device=DEVICE)
 for ours, theirs in [
     (rms_norm(x, norm96.weight, norm96.eps, residual), norm96(x, residual)),
     (rms_norm(q96, norm96.weight, norm96.eps), norm96(q96)),
     (silu_and_mul(qkv[:, :192]), SiluAndMul()(qkv[:, :192])),
     (apply_rope(pos96, q96, k96, rope96.cos, rope96.sin), rope96(pos96, q96, k96)),
-    (apply_rope(pos96, q96, k96, rope96.cos, rope96.sin, (norm96, norm96)), rope96(pos96, q96, k96, (norm96, norm96))),
+    (
+        apply_rope(pos96, q96, k96, rope96.cos, rope96.sin, (norm96, norm96)),
+        rope96(pos96, q96, k96, (norm96, norm96)),
+    ),
 ]:
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
 for ours, theirs in [  # gemv: the same sums in another order
-    (gemv(x[:1], qkv[:, :96], bias37), F.linear(x[:1], qkv[:, :96], bias37)),  # one token; a strided (37, 96) weight
-    (gemv(x[:1], qkv[:36, :96], gated=True), silu_and_mul(F.linear(x[:1], qkv[:36, :96]))),  # [gate | up], 18 each
+    (
+        gemv(x[:1], qkv[:, :96], bias37),
+        F.linear(x[:1], qkv[:, :96], bias37),
+    ),  # one token; a strided (37, 96) weight
+    (
+        gemv(x[:1], qkv[:36, :96], gated=True),
+        silu_and_mul(F.linear(x[:1], qkv[:36, :96])),
+    ),  # [gate | up], 18 each
 ]:
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-4)
 print("rms_norm, silu_and_mul, apply_rope and gemv give the layers' results")
@@ -390,7 +524,13 @@ layers[3].weight.data.normal_()
 
 def run_layers() -> list:
     norm, rope, act, linear = layers
-    return [norm(x, residual), rope(pos96, q96, k96, (norm, norm)), act(qkv[:, :192]), linear(x[:1]), linear(x[:5])]
+    return [
+        norm(x, residual),
+        rope(pos96, q96, k96, (norm, norm)),
+        act(qkv[:, :192]),
+        linear(x[:1]),
+        linear(x[:5]),
+    ]
 
 
 with torch.no_grad():
@@ -424,12 +564,24 @@ if DEVICE == "cuda":
     x1, r1 = torch.randn(2, 1, 1024, device=DEVICE)
     norm = RMSNorm(1024).to(DEVICE)
     triton_norm = lambda x, r: rms_norm(x, norm.weight, norm.eps, r)
-    for name, fn in (("eager", norm), ("torch.compile", torch.compile(norm, dynamic=True)), ("triton", triton_norm)):
+    for name, fn in (
+        ("eager", norm),
+        ("torch.compile", torch.compile(norm, dynamic=True)),
+        ("triton", triton_norm),
+    ):
         print(f"RMSNorm + residual, 1 token, {name}: {bench_ms(fn, x1, r1) * 1e3:.0f} µs per call")
-    x, w = torch.randn(1, 2048, device=DEVICE, dtype=torch.bfloat16), torch.randn(1024, 2048, device=DEVICE).bfloat16()
-    for name, fn in (("cuBLAS", F.linear), ("gemv", gemv)):  # each call's GPU time, launches hidden by a CUDA graph
+    x, w = (
+        torch.randn(1, 2048, device=DEVICE, dtype=torch.bfloat16),
+        torch.randn(1024, 2048, device=DEVICE).bfloat16(),
+    )
+    for name, fn in (
+        ("cuBLAS", F.linear),
+        ("gemv", gemv),
+    ):  # each call's GPU time, launches hidden by a CUDA graph
         ms = triton.testing.do_bench_cudagraph(functools.partial(fn, x, w))
-        print(f"1 token × (2048 → 1024), {name}: {ms * 1e3:.1f} µs, {w.nbytes / ms / 1e9:.2f} TB/s of weights")
+        print(
+            f"1 token × (2048 → 1024), {name}: {ms * 1e3:.1f} µs, {w.nbytes / ms / 1e9:.2f} TB/s of weights"
+        )
 else:
     committed = json.loads(Path("../figures/throughput_small_layers.json").read_text())
     print(committed["device"], committed["workloads"]["nano-vllm"])
@@ -456,8 +608,13 @@ from minivllm.testing import check_answer
 answer = None  # your answer: replace None with an expression
 tile = launch_config(128, torch.device("cuda"))  # the H200's tile (a dict: no GPU needed)
 n4 = 4096
-k_tiles = [triton.cdiv(min(n4, (m + 1) * tile["BLOCK_M"]), tile["BLOCK_N"]) for m in range(n4 // tile["BLOCK_M"])]
-programs = [16 // heads for heads in (1, heads_per_program(16 // 8, tile["BLOCK_M"]))]  # per query tile
+k_tiles = [
+    triton.cdiv(min(n4, (m + 1) * tile["BLOCK_M"]), tile["BLOCK_N"])
+    for m in range(n4 // tile["BLOCK_M"])
+]
+programs = [
+    16 // heads for heads in (1, heads_per_program(16 // 8, tile["BLOCK_M"]))
+]  # per query tile
 check_answer(answer, tuple(sum(k_tiles) * p for p in programs), "K tiles loaded")
 
 # %% [markdown]
