@@ -1,31 +1,35 @@
 """`python -m minivllm.serve`: an OpenAI-compatible HTTP server over `AsyncLLM`, as `vllm serve` is.
 
-    python -m minivllm.serve Qwen/Qwen3-0.6B --port 8000       # a Hub id (or --model ID), as `vllm serve ID`
-    python -m minivllm.serve --model path/to/Qwen3-0.6B         # a checkpoint folder; or --preset tiny
+    python -m minivllm.serve Qwen/Qwen3-0.6B --port 8000  # a Hub id (or --model ID), as vllm serve
+    python -m minivllm.serve --model path/to/Qwen3-0.6B    # a checkpoint folder; or --preset tiny
     curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
         -d '{"model": "Qwen/Qwen3-0.6B", "prompt": "Once upon a time", "max_tokens": 16}'
 
-The model is served under the name it was given by (the id, the folder or the preset), or --served-model-name. An
-id's snapshot comes from the Hub cache (HF_HUB_CACHE, or --download-dir), downloaded the first time; HF_HUB_OFFLINE=1
-uses the cache alone; a folder of the id's name wins. A model that cannot be had or loaded is one line, exit code 2.
-Every argument of `LLM(...)` is a flag, as in `vllm serve` (the "engine" flags below, one per field of Config):
-`--max-num-seqs 64 --no-enable-prefix-caching --dtype float32`. With --api-key KEY (or MINIVLLM_API_KEY), every
-request but /health and /version must send `Authorization: Bearer KEY` (OpenAI's clients send their api_key so).
+The model is served under the name it was given by (the id, the folder or the preset), or
+--served-model-name. An id's snapshot comes from the Hub cache (HF_HUB_CACHE, or --download-dir),
+downloaded the first time; HF_HUB_OFFLINE=1 uses the cache alone; a folder of the id's name wins. A
+model that cannot be had or loaded is one line, exit code 2. Every argument of `LLM(...)` is a flag,
+as in `vllm serve` (the "engine" flags below, one per field of Config): `--max-num-seqs 64
+--no-enable-prefix-caching --dtype float32`. With --api-key KEY (or MINIVLLM_API_KEY), every request
+but /health and /version must send `Authorization: Bearer KEY` (OpenAI's clients send their api_key
+so).
 
-Endpoints: `/v1/completions` and `/v1/chat/completions` (streaming with `"stream": true`, as server-sent events
-ending in `data: [DONE]`), `/v1/models`, `/health`, `/version`. A bad request gets status 400 and OpenAI's error
-shape, `{"error": {"message", "type", "param", "code"}}`, with the offending field in `param` and in the message:
-checked here, before the engine sees the request (strict int64 integers, token ids in the vocabulary, float32-safe
-top_p and repetition_penalty, max_tokens within max_model_len, one prompt per request, OpenAI fields not implemented
-here).
-`"stream_options": {"include_usage": true}` ends a stream with a chunk holding the usage and no choices.
+Endpoints: `/v1/completions` and `/v1/chat/completions` (streaming with `"stream": true`, as
+server-sent events ending in `data: [DONE]`), `/v1/models`, `/health`, `/version`. A bad request
+gets status 400 and OpenAI's error shape, `{"error": {"message", "type", "param", "code"}}`, with
+the offending field in `param` and in the message: checked here, before the engine sees the request
+(strict int64 integers, token ids in the vocabulary, float32-safe top_p and repetition_penalty,
+max_tokens within max_model_len, one prompt per request, OpenAI fields not implemented here).
+`"stream_options": {"include_usage": true}` ends a stream with a chunk holding the usage and no
+choices.
 
-Operations, as vLLM's: `/metrics` answers in Prometheus' text format with vLLM's names (vllm:num_requests_running,
-vllm:num_requests_waiting, vllm:kv_cache_usage_perc, the histograms vllm:time_to_first_token_seconds and
-vllm:time_per_output_token_seconds, the counters vllm:prompt_tokens_total, vllm:generation_tokens_total and
-vllm:request_success_total). With --max-queued-requests N, a request that finds N in flight gets 503 and
-`Retry-After: 1`. A client that disconnects aborts its request, streaming or not: its KV blocks are freed at once.
-At most n = 128 completions per request (400 beyond), and a body of 10 MiB (413 beyond: from its Content-Length
+Operations, as vLLM's: `/metrics` answers in Prometheus' text format with vLLM's names
+(vllm:num_requests_running, vllm:num_requests_waiting, vllm:kv_cache_usage_perc, the histograms
+vllm:time_to_first_token_seconds and vllm:time_per_output_token_seconds, the counters
+vllm:prompt_tokens_total, vllm:generation_tokens_total and vllm:request_success_total). With
+--max-queued-requests N, a request that finds N in flight gets 503 and `Retry-After: 1`. A client
+that disconnects aborts its request, streaming or not: its KV blocks are freed at once. At most n =
+128 completions per request (400 beyond), and a body of 10 MiB (413 beyond: from its Content-Length
 before it is read, or as it is read).
 """
 
@@ -71,9 +75,11 @@ from minivllm.models.hub import load_error_line
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
 from minivllm.sampling_params import SamplingParams
 
-# An integer field: a JSON integer (not true, 5.0 or "5": strict) that fits the engine's int64 tensors.
+# An integer field: a JSON integer (not true, 5.0 or "5": strict) that fits the engine's int64
+# tensors.
 Int64 = Annotated[StrictInt, Field(ge=-(2**63), le=2**63 - 1)]
-# OpenAI fields we do not implement, with the values that mean "off" (those we accept, as clients send defaults).
+# OpenAI fields we do not implement, with the values that mean "off" (those we accept, as clients
+# send defaults).
 UNSUPPORTED = {
     "logit_bias": (None, {}),
     "echo": (None, False),
@@ -83,18 +89,15 @@ UNSUPPORTED = {
     "tool_choice": (None, "none"),
 }
 MAX_N = 128  # completions per request: each is a sequence in the batch, with its own KV blocks
-MAX_REQUEST_BYTES = (
-    10 * 2**20
-)  # a request body beyond this is refused (413) before it is read whole
-GENERATE_PATHS = (
-    "/v1/completions",
-    "/v1/chat/completions",
-)  # the routes --max-queued-requests limits
+# a request body beyond this is refused (413) before it is read whole
+MAX_REQUEST_BYTES = 10 * 2**20
+# the routes --max-queued-requests limits
+GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
 # vLLM's histogram buckets, in seconds.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
-TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-                80.0)  # fmt: skip
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
 # The engine's load, read from AsyncLLM.stats() at each scrape: (metric, key, its help).
 GAUGES = (
     (
@@ -123,9 +126,8 @@ class StreamOptions(BaseModel):
 class SamplingRequest(BaseModel):
     """The sampling fields both endpoints share, with OpenAI's names and defaults."""
 
-    model_config = ConfigDict(
-        extra="ignore"
-    )  # OpenAI clients send fields we do not use (user, ...)
+    # OpenAI clients send fields we do not use (user, ...)
+    model_config = ConfigDict(extra="ignore")
     model: str
     max_tokens: Int64 | None = 16
     temperature: float = 1.0
@@ -144,7 +146,8 @@ class SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     stop_token_ids: list[Int64] | None = None
-    # Refused unless "off" (see UNSUPPORTED): named here so that they are not silently dropped with the unknown ones.
+    # Refused unless "off" (see UNSUPPORTED): named here so that they are not silently dropped with
+    # the unknown ones.
     logit_bias: Any = None
     echo: Any = None
     suffix: Any = None
@@ -155,7 +158,9 @@ class SamplingRequest(BaseModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: Any  # a string or a list of token ids, checked by `prompt_of` (pydantic's union would coerce or blur)
+    # a string or a list of token ids, checked by `prompt_of` (pydantic's union would coerce or
+    # blur)
+    prompt: Any
     logprobs: Int64 | None = (
         None  # per token: its log-probability and this many most likely tokens'
     )
@@ -198,10 +203,10 @@ SAMPLING_FIELDS = {field.name for field in dataclasses.fields(SamplingParams)} -
 def sampling_params(
     request: SamplingRequest, max_tokens: int | None, logprobs: int | None
 ) -> SamplingParams:
-    """The request's SamplingParams; BadRequest naming the field when SamplingParams refuses a value."""
-    fields = request.model_dump(
-        include=SAMPLING_FIELDS
-    )  # the request's fields that SamplingParams has too
+    """The request's SamplingParams; BadRequest naming the field when SamplingParams refuses a
+    value."""
+    # the request's fields that SamplingParams has too
+    fields = request.model_dump(include=SAMPLING_FIELDS)
     try:
         params = SamplingParams(
             **fields, max_tokens=16 if max_tokens is None else max_tokens, logprobs=logprobs
@@ -214,8 +219,8 @@ def sampling_params(
 
 
 def check_text(request: BaseModel) -> None:
-    """BadRequest naming the field if a string in it is not Unicode text: JSON's "\\ud800", a lone surrogate, parses
-    to a str that the tokenizer and UTF-8 cannot take."""
+    """BadRequest naming the field if a string in it is not Unicode text: JSON's "\\ud800", a lone
+    surrogate, parses to a str that the tokenizer and UTF-8 cannot take."""
 
     def walk(value: Any) -> bool:
         if isinstance(value, str):
@@ -240,7 +245,8 @@ def check_text(request: BaseModel) -> None:
 
 
 def check_unsupported(request: SamplingRequest) -> None:
-    """BadRequest naming an OpenAI field we do not implement, unless it holds the value that turns it off."""
+    """BadRequest naming an OpenAI field we do not implement, unless it holds the value that turns
+    it off."""
     for name, off in UNSUPPORTED.items():
         value = getattr(request, name)
         if not any(value == o and type(value) is type(o) for o in off):
@@ -256,16 +262,16 @@ def check_unsupported(request: SamplingRequest) -> None:
 
 
 def prompt_of(prompt: Any) -> str | list[int]:
-    """The completion request's prompt: a string or a list of token ids; BadRequest naming `prompt` otherwise."""
+    """The completion request's prompt: a string or a list of token ids; BadRequest naming `prompt`
+    otherwise."""
     if isinstance(prompt, str):
         return prompt
     if not isinstance(prompt, list):
         raise BadRequest(
             f"prompt must be a string or a list of token ids, got {type(prompt).__name__}", "prompt"
         )
-    if prompt and all(
-        isinstance(p, str | list) for p in prompt
-    ):  # OpenAI's batch: ["a", "b"] or [[1, 2], [3]]
+    # OpenAI's batch: ["a", "b"] or [[1, 2], [3]]
+    if prompt and all(isinstance(p, str | list) for p in prompt):
         raise BadRequest(
             "prompt: a list of prompts is not supported; send one prompt per request", "prompt"
         )
@@ -280,8 +286,9 @@ def prompt_of(prompt: Any) -> str | list[int]:
 
 
 class RequireKey:
-    """ASGI middleware: every request but OPEN_ROUTES must send `Authorization: Bearer KEY`, else a 401 before
-    anything else reads it (vLLM's --api-key). compare_digest takes as long for a near miss as for a far one."""
+    """ASGI middleware: every request but OPEN_ROUTES must send `Authorization: Bearer KEY`, else a
+    401 before anything else reads it (vLLM's --api-key). compare_digest takes as long for a near
+    miss as for a far one."""
 
     OPEN_ROUTES = ("/health", "/version")
 
@@ -298,8 +305,9 @@ class RequireKey:
 
 
 class Metrics(Collector):
-    """The server's Prometheus metrics, with vLLM's names, in a registry of its own (several servers can share a
-    process). The engine's load is read at each scrape; the rest is counted as each request finishes."""
+    """The server's Prometheus metrics, with vLLM's names, in a registry of its own (several servers
+    can share a process). The engine's load is read at each scrape; the rest is counted as each
+    request finishes."""
 
     def __init__(self, llm: AsyncLLM, model_name: str):
         self.llm, self.model_name = llm, model_name
@@ -342,16 +350,16 @@ class Metrics(Collector):
         self.success.inc()
         if (ttft := out.metrics.time_to_first_token) is not None:
             self.ttft.observe(ttft)
-        if (
-            tpot := out.metrics.time_per_output_token(max(num_tokens))
-        ) is not None:  # n completions step together
+        # n completions step together
+        if (tpot := out.metrics.time_per_output_token(max(num_tokens))) is not None:
             self.tpot.observe(tpot)
 
 
 class Limits:
-    """ASGI middleware: a request body over MAX_REQUEST_BYTES gets a 413, from its Content-Length before anything is
-    read, or while it is read if it has none; with `max_in_flight`, a request to generate while that many are in
-    flight (from their arrival until their reply or stream ends) gets a 503 and Retry-After: retry, or elsewhere."""
+    """ASGI middleware: a request body over MAX_REQUEST_BYTES gets a 413, from its Content-Length
+    before anything is read, or while it is read if it has none; with `max_in_flight`, a request to
+    generate while that many are in flight (from their arrival until their reply or stream ends)
+    gets a 503 and Retry-After: retry, or elsewhere."""
 
     def __init__(self, app: ASGIApp, max_in_flight: int | None):
         self.app, self.max_in_flight = app, max_in_flight
@@ -365,7 +373,10 @@ class Limits:
         if scope["path"] not in GENERATE_PATHS:
             return await self.app(scope, capped(receive), send)
         if self.max_in_flight is not None and self.num_in_flight >= self.max_in_flight:
-            message = f"the server is busy: {self.num_in_flight} requests in flight, its limit; retry later"
+            message = (
+                f"the server is busy: {self.num_in_flight} requests in flight, its limit; "
+                f"retry later"
+            )
             response = error(message, status=503)
             response.headers["Retry-After"] = "1"
             return await response(scope, receive, send)
@@ -381,7 +392,8 @@ def too_large() -> str:
 
 
 def capped(receive: Receive) -> Receive:
-    """receive, raising a 413 (FastAPI's route answers it) once the body read exceeds MAX_REQUEST_BYTES."""
+    """receive, raising a 413 (FastAPI's route answers it) once the body read exceeds
+    MAX_REQUEST_BYTES."""
     received = 0
 
     async def receive_capped() -> Message:
@@ -396,7 +408,8 @@ def capped(receive: Receive) -> Receive:
 
 
 async def disconnected(raw: Request) -> None:
-    """Return once the client has gone: its body has been read, so all the ASGI server can send is http.disconnect."""
+    """Return once the client has gone: its body has been read, so all the ASGI server can send is
+    http.disconnect."""
     while (await raw.receive())["type"] != "http.disconnect":
         pass
 
@@ -404,9 +417,9 @@ async def disconnected(raw: Request) -> None:
 async def wait_output(
     outputs: AsyncGenerator[RequestOutput, None], raw: Request, last: bool
 ) -> RequestOutput | None:
-    """The request's last output if `last`, else its next one (a stream's first, before its events); None if its
-    client disconnects first, queued or running: the request is aborted then (closing `outputs` frees its blocks),
-    not run on to its end for nobody, as vLLM does."""
+    """The request's last output if `last`, else its next one (a stream's first, before its events);
+    None if its client disconnects first, queued or running: the request is aborted then (closing
+    `outputs` frees its blocks), not run on to its end for nobody, as vLLM does."""
 
     async def wait() -> RequestOutput:
         while not (out := await anext(outputs)).finished and last:
@@ -418,9 +431,8 @@ async def wait_output(
         await asyncio.wait([waiting, gone], return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
-        if (
-            last or not waiting.done()
-        ):  # done with it; or the client left (or this handler was cancelled): abort
+        # done with it; or the client left (or this handler was cancelled): abort
+        if last or not waiting.done():
             waiting.cancel()
             await asyncio.wait([waiting])
             await outputs.aclose()
@@ -428,8 +440,8 @@ async def wait_output(
 
 
 class Server:
-    """The routes over one AsyncLLM, serving under the name `model_name`; with `api_key`, only to who sends it;
-    with `max_queued_requests`, a 503 to a request that finds that many in flight."""
+    """The routes over one AsyncLLM, serving under the name `model_name`; with `api_key`, only to
+    who sends it; with `max_queued_requests`, a 503 to a request that finds that many in flight."""
 
     def __init__(
         self,
@@ -444,7 +456,9 @@ class Server:
         self.app.add_middleware(Limits, max_in_flight=max_queued_requests)
         if api_key:  # added last: it runs first
             self.app.add_middleware(RequireKey, key=api_key)
-        self.app.add_exception_handler(RequestValidationError, self.invalid)  # type: ignore[arg-type]
+        self.app.add_exception_handler(  # type: ignore[arg-type]
+            RequestValidationError, self.invalid
+        )
         self.app.add_exception_handler(BadRequest, self.bad_request)  # type: ignore[arg-type]
         self.app.add_exception_handler(HTTPException, self.http_error)  # type: ignore[arg-type]
         self.app.add_exception_handler(EngineDeadError, self.engine_dead)  # type: ignore[arg-type]
@@ -456,9 +470,8 @@ class Server:
         self.app.post("/v1/chat/completions")(self.chat_completions)
 
     async def invalid(self, request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[
-            0
-        ]  # its loc: ("body", field, ...); a union type adds the variant tried, e.g. "str"
+        # its loc: ("body", field, ...); a union type adds the variant tried, e.g. "str"
+        first = exc.errors()[0]
         if first["type"] == "json_invalid":  # loc: ("body", the offset)
             detail = first.get("ctx", {}).get("error", first["msg"])
             return error(
@@ -473,18 +486,19 @@ class Server:
         return error(str(exc), exc.param)
 
     async def http_error(self, request: Request, exc: HTTPException) -> JSONResponse:
-        """FastAPI's own errors in OpenAI's shape: a body it cannot parse (not UTF-8, say), an unknown route."""
+        """FastAPI's own errors in OpenAI's shape: a body it cannot parse (not UTF-8, say), an
+        unknown route."""
         if exc.status_code == 400:
             return error("the request body is not valid JSON in UTF-8")
         return error(str(exc.detail), status=exc.status_code)
 
     async def engine_dead(self, request: Request, exc: EngineDeadError) -> JSONResponse:
-        return error(
-            str(exc), status=503
-        )  # every request fails at once, none waits: restart the server
+        # every request fails at once, none waits: restart the server
+        return error(str(exc), status=503)
 
     async def health(self) -> JSONResponse:
-        """200 while the engine can run requests; 503 once its thread has died (a load balancer takes it out)."""
+        """200 while the engine can run requests; 503 once its thread has died (a load balancer
+        takes it out)."""
         return (
             JSONResponse({})
             if self.llm.is_healthy()
@@ -495,7 +509,8 @@ class Server:
         return {"version": minivllm.__version__}
 
     async def scrape(self) -> Response:
-        """Prometheus' text format: the engine core's load as of its last message, and the counts here."""
+        """Prometheus' text format: the engine core's load as of its last message, and the counts
+        here."""
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def models(self) -> dict:
@@ -507,7 +522,8 @@ class Server:
     def check_model(self, request: SamplingRequest) -> None:
         if request.model != self.model_name:
             raise BadRequest(
-                f"model {request.model!r} is not served here; this server serves {self.model_name!r}",
+                f"model {request.model!r} is not served here; this server serves "
+                f"{self.model_name!r}",
                 "model",
             )
 
@@ -522,7 +538,8 @@ class Server:
             )
 
     async def token_ids(self, prompt: str | list[int], param: str) -> list[int]:
-        """The prompt as token ids, as the engine would make them (tokenizing in a thread: a long prompt takes time)."""
+        """The prompt as token ids, as the engine would make them (tokenizing in a thread: a long
+        prompt takes time)."""
         try:
             return await asyncio.to_thread(self.llm.input_processor.tokenize, prompt, param)
         except ValueError as e:  # text for a model with no tokenizer
@@ -531,8 +548,9 @@ class Server:
     def max_tokens(
         self, given: int | None, param: str, prompt_len: int, default: int | None
     ) -> int:
-        """The request's max_tokens: >= 1, and within what max_model_len leaves after the prompt (vLLM's rule).
-        Not given: `default`, or None for all that is left. A prompt with no room left is the engine's 400."""
+        """The request's max_tokens: >= 1, and within what max_model_len leaves after the prompt
+        (vLLM's rule). Not given: `default`, or None for all that is left. A prompt with no room
+        left is the engine's 400."""
         room = self.llm.config.max_model_len - prompt_len
         if given is None:
             return max(1, room) if default is None else default
@@ -581,8 +599,8 @@ class Server:
         kind: str,
         choice,
     ):
-        """Run the request; the whole reply, or a stream of server-sent events. Bad input: 400 before any event.
-        A client that leaves aborts its request, streaming or not."""
+        """Run the request; the whole reply, or a stream of server-sent events. Bad input: 400
+        before any event. A client that leaves aborts its request, streaming or not."""
         request_id = f"{kind}-{uuid.uuid4().hex}"
         outputs = self.llm.generate(prompt, params, request_id)
         try:  # add_request's checks run as `outputs` starts: a ValueError is still a 400
@@ -590,9 +608,8 @@ class Server:
         except (
             ValueError
         ) as e:  # the engine's checks: "prompt is empty", "stop_token_ids: token id ... is outside"
-            named = str(e).split(":")[
-                0
-            ]  # a sampling field the message begins with, else the prompt's
+            # a sampling field the message begins with, else the prompt's
+            named = str(e).split(":")[0]
             param = (
                 named if named in SAMPLING_FIELDS else "prompt" if kind == "cmpl" else "messages"
             )
@@ -620,11 +637,12 @@ class Server:
         choice,
         include_usage: bool = False,
     ) -> AsyncIterator[str]:
-        """After each output, one event per completion that changed, with what it added since its last event (text,
-        and log-probabilities if asked); with include_usage (OpenAI's stream_options), one more with no choices and
-        the usage (the others then carry "usage": null); then `data: [DONE]` (or, if the request fails midway, an
-        event with OpenAI's error shape, and no [DONE]). If the client goes away, Starlette
-        stops iterating: closing `outputs` aborts the request and frees its blocks."""
+        """After each output, one event per completion that changed, with what it added since its
+        last event (text, and log-probabilities if asked); with include_usage (OpenAI's
+        stream_options), one more with no choices and the usage (the others then carry "usage":
+        null); then `data: [DONE]` (or, if the request fails midway, an event with OpenAI's error
+        shape, and no [DONE]). If the client goes away, Starlette stops iterating: closing `outputs`
+        aborts the request and frees its blocks."""
         object_name = "text_completion" if kind == "cmpl" else "chat.completion.chunk"
         sent: list[tuple[str, int, str | None]] = [("", 0, None)] * len(
             first.outputs
@@ -639,9 +657,8 @@ class Server:
                     text, num_tokens, reason = sent[c.index]
                     if (c.text, len(c.token_ids), c.finish_reason) == (text, num_tokens, reason):
                         continue
-                    delta = (
-                        c.text[len(text) :] if c.text.startswith(text) else c.text
-                    )  # a decode that changed its mind
+                    # a decode that changed its mind
+                    delta = c.text[len(text) :] if c.text.startswith(text) else c.text
                     sent[c.index] = (c.text, len(c.token_ids), c.finish_reason)
                     event = {
                         **head,
@@ -652,9 +669,8 @@ class Server:
                     yield f"data: {json.dumps(event)}\n\n"
                 try:
                     out = await anext(outputs, None)
-                except (
-                    RuntimeError
-                ) as e:  # the engine core died, or a failed step aborted the request: say so, end
+                except RuntimeError as e:
+                    # the engine core died, or a failed step aborted the request: say so, end
                     yield f"data: {json.dumps({'error': error_body(str(e), None, 500)})}\n\n"
                     return
             self.metrics.finished(last)
@@ -666,19 +682,23 @@ class Server:
 
 
 def top_entries(c: CompletionOutput, start: int, top: int) -> list[tuple[Logprob, list[Logprob]]]:
-    """From token `start` on: each token's Logprob, and the `top` most likely tokens' (its own among them or not)."""
+    """From token `start` on: each token's Logprob, and the `top` most likely tokens' (its own among
+    them or not)."""
     rows = zip(c.token_ids[start:], (c.logprobs or [])[start:])
     return [(row[token], sorted(row.values(), key=lambda lp: lp.rank)[:top]) for token, row in rows]
 
 
 def completion_choice(c: CompletionOutput, delta: str | None, start: int, top: int | None) -> dict:
-    """A choice of /v1/completions: the text (or what it added), and OpenAI's legacy logprobs if asked."""
+    """A choice of /v1/completions: the text (or what it added), and OpenAI's legacy logprobs if
+    asked."""
     logprobs = None
     if top is not None:
         entries = top_entries(c, start, top)
-        logprobs = {"tokens": [lp.decoded_token for lp, _ in entries],
-                    "token_logprobs": [lp.logprob for lp, _ in entries],
-                    "top_logprobs": [{t.decoded_token: t.logprob for t in tops} for _, tops in entries]}  # fmt: skip
+        logprobs = {
+            "tokens": [lp.decoded_token for lp, _ in entries],
+            "token_logprobs": [lp.logprob for lp, _ in entries],
+            "top_logprobs": [{t.decoded_token: t.logprob for t in tops} for _, tops in entries],
+        }
     text = c.text if delta is None else delta
     return {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
 
@@ -692,7 +712,8 @@ def chat_logprob(lp: Logprob) -> dict:
 
 
 def chat_choice(c: CompletionOutput, delta: str | None, start: int, top: int | None) -> dict:
-    """A choice of /v1/chat/completions: the message (or, streaming, its delta), and logprobs if asked."""
+    """A choice of /v1/chat/completions: the message (or, streaming, its delta), and logprobs if
+    asked."""
     logprobs = None
     if top is not None:
         entries = top_entries(c, start, top)
@@ -703,8 +724,12 @@ def chat_choice(c: CompletionOutput, delta: str | None, start: int, top: int | N
             ]
         }
     key, content = ("message", c.text) if delta is None else ("delta", delta)
-    return {"index": c.index, key: {"role": "assistant", "content": content}, "logprobs": logprobs,
-            "finish_reason": c.finish_reason}  # fmt: skip
+    return {
+        "index": c.index,
+        key: {"role": "assistant", "content": content},
+        "logprobs": logprobs,
+        "finish_reason": c.finish_reason,
+    }
 
 
 def usage(out: RequestOutput) -> dict:
@@ -723,8 +748,8 @@ def serve_in_thread(
     api_key: str | None = None,
     max_queued_requests: int | None = None,
 ) -> Iterator[str]:
-    """The server over `llm` on a free port of 127.0.0.1, in a thread of this process (tests, benchmarks, the
-    notebook), until the block ends; yields its base URL."""
+    """The server over `llm` on a free port of 127.0.0.1, in a thread of this process (tests,
+    benchmarks, the notebook), until the block ends; yields its base URL."""
     import uvicorn
 
     sock = socket.socket()
@@ -769,7 +794,8 @@ def server_parser() -> tuple[argparse.ArgumentParser, list[str]]:
     parser.add_argument(
         "--api-key",
         default=os.environ.get("MINIVLLM_API_KEY"),
-        help="the key every request but /health and /version must send, as `Authorization: Bearer KEY` "
+        help="the key every request but /health and /version must send, as `Authorization: Bearer "
+        "KEY` "
         "(default: $MINIVLLM_API_KEY; none: no key is asked for)",
     )
     return parser, add_engine_args(parser)
@@ -794,9 +820,8 @@ def main(argv: list[str] | None = None) -> None:
         )
     name = args.served_model_name or given or args.preset
     server = Server(llm, name, args.api_key, args.max_queued_requests)
-    signal.signal(
-        signal.SIGTERM, signal.default_int_handler
-    )  # uvicorn shuts down, then re-raises it: as Ctrl-C
+    # uvicorn shuts down, then re-raises it: as Ctrl-C
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         uvicorn.run(server.app, host=args.host, port=args.port)
     except KeyboardInterrupt:

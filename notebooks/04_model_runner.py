@@ -15,13 +15,15 @@
 # %% [markdown]
 # # 04 · The model runner: a step on the paged cache, and sampling
 #
-# **What this notebook builds.** What turns a batch of `Sequence`s into next tokens: a sampler, a step's inputs, the
-# attention context over notebook 03's paged kernels, and the runner (it sizes the KV cache and holds one
-# tensor-parallel rank's slice). It assumes notebook 02's Qwen3 and notebook 03's `Sequence`, `BlockManager`, kernels.
+# **What this notebook builds.** What turns a batch of `Sequence`s into next tokens: a sampler, a
+# step's inputs, the attention context over notebook 03's paged kernels, and the runner (it sizes
+# the KV cache and holds one tensor-parallel rank's slice). It assumes notebook 02's Qwen3 and
+# notebook 03's `Sequence`, `BlockManager`, kernels.
 #
-# **The one rule.** Every path (a prefix hit, a chunk, a mixed step, a long decode) gives the logits of a from-scratch
-# forward: a paged engine that gets this wrong does not crash, it writes other text. Deep dives follow: `gpu_sampler`
-# (sampling in Triton) and `cuda_graphs` (CUDA graphs for every kind of step; a shared prompt read once).
+# **The one rule.** Every path (a prefix hit, a chunk, a mixed step, a long decode) gives the logits
+# of a from-scratch forward: a paged engine that gets this wrong does not crash, it writes other
+# text. Deep dives follow: `gpu_sampler` (sampling in Triton) and `cuda_graphs` (CUDA graphs for
+# every kind of step; a shared prompt read once).
 
 # %%
 import os
@@ -40,9 +42,10 @@ random.seed(0)
 
 # %% [markdown]
 # ## Sampling: from logits to the next token
-# The sampler turns each row of logits (151,936 for Qwen3) into a token id as its `SamplingParams` say: **temperature**
-# makes the probabilities `softmax(logits / T)` (`T` < 1 sharpens, `T` > 1 flattens; `T` = 0 is **greedy**, the
-# argmax), **filters** drop the tail, **a draw** picks from the rest. Example: "The cat sat on the".
+# The sampler turns each row of logits (151,936 for Qwen3) into a token id as its `SamplingParams`
+# say: **temperature** makes the probabilities `softmax(logits / T)` (`T` < 1 sharpens, `T` > 1
+# flattens; `T` = 0 is **greedy**, the argmax), **filters** drop the tail, **a draw** picks from the
+# rest. Example: "The cat sat on the".
 
 # %%
 words = [
@@ -59,9 +62,8 @@ words = [
     "moon",
     "piano",
 ]
-cat_logits = torch.tensor(
-    [4.0, 3.1, 2.6, 2.2, 1.9, 1.4, 1.2, 1.0, 0.6, 0.1, -0.5, -1.5]
-)  # most likely first
+# most likely first
+cat_logits = torch.tensor([4.0, 3.1, 2.6, 2.2, 1.9, 1.4, 1.2, 1.0, 0.6, 0.1, -0.5, -1.5])
 
 
 def show_probs(probs: torch.Tensor, label: str) -> None:
@@ -81,12 +83,14 @@ assert (
 )
 
 # %% [markdown]
-# ### Cutting the tail: top-k, top-p, min-p (a fourth, typical-p, to write: `exercises/04_sampler_filters.ipynb`)
-# A tail of 150,000 tokens at one in a million each holds 15% of the mass; one nonsense token derails the text. So
-# filters drop it before the draw, in vLLM's order: **top-k** keeps the `k` most likely tokens (`-1`: off); **top-p**
-# the fewest most likely whose mass reaches `p` of what top-k left (`1`: off); **min-p** those at least `min_p` times
-# as likely as the first (`0`: off). **One sort serves all three**: each filter is then one comparison with a per-row
-# threshold, scattered back to vocabulary order (if every random row has a top-k, `torch.topk` of `k` is enough).
+# ### Cutting the tail: top-k, top-p, min-p (typical-p to write: `exercises/04_sampler_filters`)
+# A tail of 150,000 tokens at one in a million each holds 15% of the mass; one nonsense token
+# derails the text. So filters drop it before the draw, in vLLM's order: **top-k** keeps the `k`
+# most likely tokens (`-1`: off); **top-p** the fewest most likely whose mass reaches `p` of what
+# top-k left (`1`: off); **min-p** those at least `min_p` times as likely as the first (`0`: off).
+# **One sort serves all three**: each filter is then one comparison with a per-row threshold,
+# scattered back to vocabulary order (if every random row has a top-k, `torch.topk` of `k` is
+# enough).
 
 # %% tags=["export"] module="minivllm.layers.sampler"
 from dataclasses import dataclass
@@ -98,18 +102,19 @@ from torch import nn
 def keep_mask(
     sorted_probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor
 ) -> torch.Tensor:
-    """Which tokens top-k, then top-p, then min-p keep; each row of sorted_probs is sorted largest first."""
+    """Which tokens top-k, then top-p, then min-p keep; each row of sorted_probs is sorted largest
+    first."""
     ranks = torch.arange(sorted_probs.shape[-1], device=sorted_probs.device)  # (vocab,)
     keep = (top_ks[:, None] < 0) | (ranks < top_ks[:, None])  # top-k  (batch, vocab)
     cum = (sorted_probs * keep).cumsum(dim=-1)  # (batch, vocab), running mass of what top-k kept
     before = torch.cat(
         [torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1
     )  # mass of the more likely tokens
-    # top-p, on top-k's renormalized distribution; p = 1 keeps all, even the tail a float32 sum no longer sees
+    # top-p, on top-k's renormalized distribution; p = 1 keeps all, even the tail a float32 sum no
+    # longer sees
     keep &= (before < top_ps[:, None] * cum[:, -1:]) | (top_ps[:, None] >= 1)
-    keep &= (
-        sorted_probs >= min_ps[:, None] * sorted_probs[:, :1]
-    )  # min-p, relative to the most likely token
+    # min-p, relative to the most likely token
+    keep &= sorted_probs >= min_ps[:, None] * sorted_probs[:, :1]
     return keep
 
 
@@ -120,19 +125,20 @@ def filter_probs(
     min_ps: torch.Tensor,
     k_max: int = 0,
 ) -> torch.Tensor:
-    """probs (batch, vocab), the filters' drops set to 0; one sort, or topk if no row keeps over k_max > 0 tokens."""
+    """probs (batch, vocab), the filters' drops set to 0; one sort, or topk if no row keeps over
+    k_max > 0 tokens."""
     sort = probs.topk(min(k_max, probs.shape[-1])) if k_max else probs.sort(dim=-1, descending=True)
     keep = keep_mask(sort.values, top_ks, top_ps, min_ps)  # (batch, vocab or k_max)
-    keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(
-        -1, sort.indices, keep
-    )  # in vocabulary order
+    # in vocabulary order
+    keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, sort.indices, keep)
     return probs.masked_fill(~keep, 0.0)
 
 
 # %%
 from minivllm.layers.sampler import filter_probs, keep_mask
 
-# by hand: top-p 0.8 keeps two tokens, as 0.5 + 0.3 *reaches* 0.8; after top-k 3, 0.5 + 0.3 is 0.84 of what is left
+# by hand: top-p 0.8 keeps two tokens, as 0.5 + 0.3 *reaches* 0.8; after top-k 3, 0.5 + 0.3 is 0.84
+# of what is left
 
 hand = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
 
@@ -143,13 +149,11 @@ def num_kept(top_k: int = -1, top_p: float = 1.0, min_p: float = 0.0) -> int:
     )
 
 
-assert (
-    num_kept() == 4 and num_kept(top_k=3) == 3 and num_kept(top_k=1) == 1
-)  # every filter off; top-k
+# every filter off; top-k
+assert num_kept() == 4 and num_kept(top_k=3) == 3 and num_kept(top_k=1) == 1
 assert num_kept(top_p=0.8) == 2 and num_kept(top_p=0.81) == 3 and num_kept(top_p=0.01) == 1
-assert (
-    num_kept(top_p=0.82) == 3 and num_kept(top_k=3, top_p=0.82) == 2
-)  # top-p measures what top-k left
+# top-p measures what top-k left
+assert num_kept(top_p=0.82) == 3 and num_kept(top_k=3, top_p=0.82) == 2
 assert num_kept(min_p=0.3) == 3 and num_kept(min_p=0.31) == 2  # keep p ≥ min_p × 0.5
 cat_probs = torch.softmax(cat_logits, dim=-1)
 settings = [
@@ -167,11 +171,12 @@ assert (filtered > 0).sum(dim=-1).tolist() == [3, 4, 5, 12] and torch.equal(filt
 
 # %% [markdown]
 # ### Drawing a token: the exponential race, seeded per row
-# `torch.multinomial` makes a GPU's host wait and draws every row from one generator. Instead, give token `i` an
-# exponential alarm clock ringing after `q_i / p_i` seconds, `q_i ~ Exp(1)`: clock `i` rings first with probability
-# `p_i / Σ_j p_j`, so the token is `argmax(p / q)` (`p` need not sum to 1; `p = 0` never wins). A seeded request gives
-# the same tokens whatever its batch and row: each row's noise has **its own generator**, seeded `noise_seed(seed,
-# step)`, the step being the token's index (`seq.num_completion_tokens`); without a seed, a fresh draw.
+# `torch.multinomial` makes a GPU's host wait and draws every row from one generator. Instead, give
+# token `i` an exponential alarm clock ringing after `q_i / p_i` seconds, `q_i ~ Exp(1)`: clock `i`
+# rings first with probability `p_i / Σ_j p_j`, so the token is `argmax(p / q)` (`p` need not sum to
+# 1; `p = 0` never wins). A seeded request gives the same tokens whatever its batch and row: each
+# row's noise has **its own generator**, seeded `noise_seed(seed, step)`, the step being the token's
+# index (`seq.num_completion_tokens`); without a seed, a fresh draw.
 
 # %% tags=["export"]
 NOISE_SEED_MULTIPLIER = (
@@ -185,7 +190,8 @@ def noise_seed(seed: int, step: int) -> int:
 
 
 def exponential_noise(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Exp(1) noise shaped like probs (batch, vocab); row r's from a generator seeded with keys[r]."""
+    """Exp(1) noise shaped like probs (batch, vocab); row r's from a generator seeded with
+    keys[r]."""
     q = torch.empty_like(probs)
     for row, key in enumerate(keys.tolist()):
         q[row].exponential_(generator=torch.Generator(probs.device).manual_seed(key))
@@ -196,14 +202,14 @@ def exponential_noise(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 from minivllm.layers.sampler import exponential_noise, noise_seed
 
 p = torch.tensor([0.1, 0.0, 0.3, 0.2])  # unnormalized, one token dropped
-q = torch.empty(200_000, 4).exponential_(
-    generator=torch.Generator().manual_seed(0)
-)  # 200,000 races
+# 200,000 races
+q = torch.empty(200_000, 4).exponential_(generator=torch.Generator().manual_seed(0))
 freq = torch.bincount((p / q).argmax(dim=-1), minlength=4) / len(q)
 print(f"frequencies: {freq.numpy().round(3)}, p / sum(p): {(p / p.sum()).numpy().round(3)}")
 assert freq[1] == 0
 torch.testing.assert_close(freq, p / p.sum(), atol=0.005, rtol=0)
-# seed 42 at step 7: the same noise in row 0 of one batch and row 2 of another; seed 5 at step 7, seed 42 at 8 differ
+# seed 42 at step 7: the same noise in row 0 of one batch and row 2 of another; seed 5 at step 7,
+# seed 42 at 8 differ
 step7, step8 = exponential_noise(
     torch.ones(2, 1000), torch.tensor([noise_seed(42, 7), noise_seed(42, 8)])
 )
@@ -218,18 +224,20 @@ assert (
 
 # %% [markdown]
 # ### The sampler
-# It gets the batch's parameters as `SamplingTensors`, a row each, with host-side flags that skip work (`filtering`,
-# `all_greedy`, `any_greedy`), built by `sampling_tensors` from pinned memory while the GPU computes. vLLM's penalties
-# edit the logits first (`repetition_penalty` divides a seen token's positive logit, multiplies a negative one;
-# `frequency_penalty` subtracts per use in the reply, `presence_penalty` once; before `min_tokens`, stop tokens get
-# `-inf`), then `draw`. Log-probabilities are of the raw logits. (GPU: `GPUSampler`, `deep_dives/gpu_sampler`.)
+# It gets the batch's parameters as `SamplingTensors`, a row each, with host-side flags that skip
+# work (`filtering`, `all_greedy`, `any_greedy`), built by `sampling_tensors` from pinned memory
+# while the GPU computes. vLLM's penalties edit the logits first (`repetition_penalty` divides a
+# seen token's positive logit, multiplies a negative one; `frequency_penalty` subtracts per use in
+# the reply, `presence_penalty` once; before `min_tokens`, stop tokens get `-inf`), then `draw`.
+# Log-probabilities are of the raw logits. (GPU: `GPUSampler`, `deep_dives/gpu_sampler`.)
 
 
 # %% tags=["export"]
 def apply_penalties(
     logits, presence, frequency, repetition, prompt_ids, output_ids
 ) -> torch.Tensor:
-    """vLLM's penalties (see below) on (batch, vocab) float32 logits; token ids (batch, length), -1 padded."""
+    """vLLM's penalties (see below) on (batch, vocab) float32 logits; token ids (batch, length), -1
+    padded."""
     vocab = logits.shape[-1]
 
     def counts(
@@ -253,7 +261,8 @@ class SamplingTensors:
     top_ks: torch.Tensor  # (batch,) int64; -1 = off
     top_ps: torch.Tensor  # (batch,) float32; 1 = off
     min_ps: torch.Tensor  # (batch,) float32; 0 = off
-    keys: torch.Tensor  # (batch,) int64: noise_seed(seed, tokens generated so far), a fresh draw; empty if all greedy
+    # (batch,) int64: noise_seed(seed, tokens generated so far), a fresh draw; empty if all greedy
+    keys: torch.Tensor
     filtering: bool = (
         True  # some random row uses top-k, top-p or min-p; if none does, the sort is skipped
     )
@@ -274,7 +283,8 @@ class SamplingTensors:
 
 
 class Sampler(nn.Module):
-    """One token id per row of logits: the argmax where temperature is 0, else a draw from the filtered distribution."""
+    """One token id per row of logits: the argmax where temperature is 0, else a draw from the
+    filtered distribution."""
 
     def forward(
         self, logits: torch.Tensor, t: SamplingTensors
@@ -300,20 +310,19 @@ class Sampler(nn.Module):
         return torch.where(greedy, logits.argmax(dim=-1), sampled) if t.any_greedy else sampled
 
 
-TokenLogprobs = dict[
-    int, tuple[float, int]
-]  # token id -> (log-probability, rank); rank 1 is the most likely
+# token id -> (log-probability, rank); rank 1 is the most likely
+TokenLogprobs = dict[int, tuple[float, int]]
 
 
 def logprobs_of(
     logits: torch.Tensor, token_ids: torch.Tensor, ks: list[int]
 ) -> list[TokenLogprobs]:
-    """Each row's chosen token, then its k most likely, under the raw logits' log-softmax (vLLM's). (rows, vocab)"""
+    """Each row's chosen token, then its k most likely, under the raw logits' log-softmax (vLLM's).
+    (rows, vocab)"""
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # (rows, vocab)
     chosen = logprobs.gather(-1, token_ids[:, None])  # (rows, 1)
-    ranks = (
-        (logprobs > chosen).sum(dim=-1) + 1
-    ).tolist()  # (rows,): how many tokens are more likely, plus one
+    # (rows,): how many tokens are more likely, plus one
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
     top = logprobs.topk(max(ks), dim=-1)  # (rows, max k)
     rows = zip(
         token_ids.tolist(),
@@ -350,7 +359,8 @@ def sampling_tensors(
     device: torch.device | str = "cpu",
     histories=None,
 ) -> SamplingTensors:
-    """A row per request: its parameters, tokens generated so far, and if a row has a penalty, `histories`."""
+    """A row per request: its parameters, tokens generated so far, and if a row has a penalty,
+    `histories`."""
     pin = torch.device(device).type == "cuda"
 
     def to_device(values: list, dtype: torch.dtype) -> torch.Tensor:
@@ -377,9 +387,8 @@ def sampling_tensors(
             *(padded(list(h)) for h in zip(*histories)),
         )
     temperatures = [p.temperature for p in params]
-    fresh = (
-        torch.randint(2**62, (len(params),)).tolist() if any(temperatures) else []
-    )  # greedy draws no noise
+    # greedy draws no noise
+    fresh = torch.randint(2**62, (len(params),)).tolist() if any(temperatures) else []
     random_top_ks = [p.top_k for p in params if p.temperature > 0]
     return SamplingTensors(
         temperatures=to_device(temperatures, torch.float32),
@@ -414,9 +423,8 @@ from minivllm.sampling_params import SamplingParams
 
 def tensors_of(seqs: list[Sequence]) -> SamplingTensors:  # what the runner does for its batch
     params, steps = [s.sampling_params for s in seqs], [s.num_completion_tokens for s in seqs]
-    histories = [
-        (s.prompt_token_ids, s.completion_token_ids) for s in seqs
-    ]  # the runner: only if a row has a penalty
+    # the runner: only if a row has a penalty
+    histories = [(s.prompt_token_ids, s.completion_token_ids) for s in seqs]
     return sampling_tensors(params, steps, "cpu", histories)
 
 
@@ -434,9 +442,8 @@ assert (
 assert sampling.any_greedy and not sampling.all_greedy and not tensors_of(seqs[1:]).any_greedy
 assert not tensors_of(seqs[:1]).filtering and tensors_of(seqs[:1]).all_greedy
 sampler = Sampler()
-many = [
-    Sequence([0], SamplingParams(temperature=0.5)) for _ in range(20_000)
-]  # each word as often as softmax says
+# each word as often as softmax says
+many = [Sequence([0], SamplingParams(temperature=0.5)) for _ in range(20_000)]
 freq = (
     torch.bincount(sampler(cat_logits.expand(20_000, -1), tensors_of(many)), minlength=len(words))
     / 20_000
@@ -451,34 +458,35 @@ assert sampler(cat_logits.expand(4, -1), tensors_of(mixed))[[0, 2]].tolist() == 
 penalized = Sequence(
     [0], SamplingParams(temperature=0, repetition_penalty=2.0, min_tokens=2, stop_token_ids=[1])
 )
-penalized.append_token(
-    0
-)  # "mat" said once: 4.0 / 2 is below "floor"'s 3.1, but "floor" stops it before 2 tokens
+# "mat" said once: 4.0 / 2 is below "floor"'s 3.1, but "floor" stops it before 2 tokens
+penalized.append_token(0)
 assert sampler(cat_logits[None], tensors_of([penalized])).tolist() == [2]  # so: "sofa"
-print(
-    row := logprobs_of(cat_logits[None], torch.tensor([2]), [2])[0]
-)  # "sofa": its (log-prob, rank); the top 2
+# "sofa": its (log-prob, rank); the top 2
+print(row := logprobs_of(cat_logits[None], torch.tensor([2]), [2])[0])
 assert (
     list(row) == [2, *cat_logits.topk(2).indices.tolist()]
     and row[2][1] == 1 + (cat_logits > cat_logits[2]).sum()
 )
 
 # %% [markdown]
-# ## A step's inputs (a speculative decoding verify step's, to write yourself: `exercises/04_prepare_decode.ipynb`)
-# The runner **prepares** a step on the host, in NumPy (a loop per token costs more than the GPU's step): for a prefill,
-# each sequence's `num_scheduled_tokens` after its `num_cached_tokens`, packed, with positions, slots, `cu_seqlens_q`
-# (new tokens), `cu_seqlens_k` (cached + new), block tables if something is cached; for a decode, each last token's.
-# A **placeholder** id `placeholder(row)` stands for a token the previous step sampled, not on the host yet (06).
+# ## A step's inputs (a speculative verify step's to write: `exercises/04_prepare_decode`)
+# The runner **prepares** a step on the host, in NumPy (a loop per token costs more than the GPU's
+# step): for a prefill, each sequence's `num_scheduled_tokens` after its `num_cached_tokens`,
+# packed, with positions, slots, `cu_seqlens_q` (new tokens), `cu_seqlens_k` (cached + new), block
+# tables if something is cached; for a decode, each last token's. A **placeholder** id
+# `placeholder(row)` stands for a token the previous step sampled, not on the host yet (06).
 
 
 # %% tags=["export"]
 def placeholder(row: int) -> int:
-    """The token id that stands for row `row` of the previous step's sampled tokens (negative: no real id)."""
+    """The token id that stands for row `row` of the previous step's sampled tokens (negative: no
+    real id)."""
     return -1 - row
 
 
 def placeholder_row(token_ids: torch.Tensor) -> torch.Tensor:
-    """The rows that placeholder ids stand for (placeholder's inverse); a real id (>= 0) gives row 0."""
+    """The rows that placeholder ids stand for (placeholder's inverse); a real id (>= 0) gives row
+    0."""
     return (-1 - token_ids).clamp_min(0)
 
 
@@ -490,9 +498,8 @@ class StepInputs:
     input_ids: np.ndarray  # (num_tokens,) int64
     positions: np.ndarray  # (num_tokens,) int64
     slot_mapping: np.ndarray  # (num_tokens,) int64
-    block_tables: (
-        np.ndarray | None
-    )  # (num_seqs, max_blocks) int32; None: a prefill with nothing cached
+    # (num_seqs, max_blocks) int32; None: a prefill with nothing cached
+    block_tables: np.ndarray | None
     cu_seqlens_q: np.ndarray | None = None  # prefill: (num_seqs + 1,) int32
     cu_seqlens_k: np.ndarray | None = None  # prefill: (num_seqs + 1,) int32
     context_lens: np.ndarray | None = None  # decode: (num_seqs,) int32; mixed: (num_decode_seqs,)
@@ -520,7 +527,8 @@ def block_tables_array(
 
 
 def scores_prompt(seq: Sequence) -> bool:
-    """Whether seq asks for prompt logprobs and has prompt tokens left to score (row i scores token i + 1)."""
+    """Whether seq asks for prompt logprobs and has prompt tokens left to score (row i scores token
+    i + 1)."""
     return (
         seq.sampling_params.prompt_logprobs is not None
         and seq.num_cached_tokens < seq.num_prompt_tokens - 1
@@ -528,7 +536,8 @@ def scores_prompt(seq: Sequence) -> bool:
 
 
 def scored_rows(scoring: list[bool], cu_seqlens_q: np.ndarray) -> np.ndarray:  # (num_rows,) int64
-    """The rows of a prefill to take logits of: all of a scoring sequence's, each other sequence's last."""
+    """The rows of a prefill to take logits of: all of a scoring sequence's, each other sequence's
+    last."""
     rows = [
         np.arange(a, b) if score else [b - 1]
         for score, a, b in zip(scoring, cu_seqlens_q, cu_seqlens_q[1:])
@@ -553,13 +562,11 @@ def prepare_prefill(seqs: list[Sequence], block_size: int) -> StepInputs:
         + positions % block_size
     )
     decodes = (starts > 0) & (lens == 1)  # one new token after cached ones
-    num_decode_seqs = (
-        len(seqs) if decodes.all() else int(decodes.argmin())
-    )  # the leading run of them
+    # the leading run of them
+    num_decode_seqs = len(seqs) if decodes.all() else int(decodes.argmin())
     token_ids = chain.from_iterable(seq.token_ids[s:e] for seq, s, e in zip(seqs, starts, ends))
-    scoring = [
-        scores_prompt(seq) for seq in seqs
-    ]  # these score every new token, the others their last
+    # these score every new token, the others their last
+    scoring = [scores_prompt(seq) for seq in seqs]
     return StepInputs(
         is_prefill=True,
         input_ids=np.fromiter(token_ids, dtype=np.int64, count=int(cu_q[-1])),
@@ -590,30 +597,31 @@ def prepare_decode(seqs: list[Sequence], block_size: int) -> StepInputs:
 def query_tiles(
     cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, first_seq: int, block_m: int
 ) -> np.ndarray:
-    """The paged prefill kernel's work list (03) for sequences first_seq..: (sequence, query tile), costliest first."""
+    """The paged prefill kernel's work list (03) for sequences first_seq..: (sequence, query tile),
+    costliest first."""
     q_lens, k_lens = np.diff(cu_seqlens_q)[first_seq:], np.diff(cu_seqlens_k)[first_seq:]
     counts = -(-q_lens // block_m)  # tiles per sequence
     seqs = np.repeat(np.arange(first_seq, first_seq + len(q_lens)), counts)
-    tiles = np.arange(counts.sum()) - np.repeat(
-        np.cumsum(counts) - counts, counts
-    )  # within its sequence
+    # within its sequence
+    tiles = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
     q_len = np.repeat(q_lens, counts)
-    keys = (
-        np.repeat(k_lens, counts) - q_len + np.minimum((tiles + 1) * block_m, q_len)
-    )  # its last row sees these
+    # its last row sees these
+    keys = np.repeat(k_lens, counts) - q_len + np.minimum((tiles + 1) * block_m, q_len)
     order = np.argsort(-keys, kind="stable")
     return np.stack([seqs[order], tiles[order]], axis=1).astype(np.int32)
 
 
 # %% [markdown]
 # ## A forward pass over the paged cache
-# Notebook 02's attention layers hand `q`, `k`, `v` to an `AttentionContext`: paging is one new context per step, and
-# each layer's cache hangs on its `Attention` module (`k_cache`, `v_cache`). A **prefill** stores the new tokens' KV
-# in their slots, then attends over the new `k`, `v` (notebook 01's kernel), or with a prefix-cache hit in the batch
-# through the block tables. A **decode** stores one token per sequence, then runs the decode kernel over each cache
-# (leading blocks many rows share, `prefix_blocks`, it reads once: 03's cascade). A **mixed** step (05's, decode rows
-# first): the decode kernel for those rows, the prefill kernel's tiles for the rest; the prefill kernel alone would
-# give each one-token query a tile of 64 rows. (Decode rows anywhere: `exercises/04_mixed_attention.ipynb`.)
+# Notebook 02's attention layers hand `q`, `k`, `v` to an `AttentionContext`: paging is one new
+# context per step, and each layer's cache hangs on its `Attention` module (`k_cache`, `v_cache`). A
+# **prefill** stores the new tokens' KV in their slots, then attends over the new `k`, `v` (notebook
+# 01's kernel), or with a prefix-cache hit in the batch through the block tables. A **decode**
+# stores one token per sequence, then runs the decode kernel over each cache (leading blocks many
+# rows share, `prefix_blocks`, it reads once: 03's cascade). A **mixed** step (05's, decode rows
+# first): the decode kernel for those rows, the prefill kernel's tiles for the rest; the prefill
+# kernel alone would give each one-token query a tile of 64 rows. (Decode rows anywhere:
+# `exercises/04_mixed_attention.ipynb`.)
 
 # %% tags=["export"] module="minivllm.attention.paged"
 from dataclasses import dataclass
@@ -630,13 +638,13 @@ from minivllm.kernels.reference import attention_ref
 
 @dataclass(slots=True)
 class PagedContext:
-    """How one step attends: which tokens are new, where their KV goes, and which cached KV they read."""
+    """How one step attends: which tokens are new, where their KV goes, and which cached KV they
+    read."""
 
     is_prefill: bool
     slot_mapping: torch.Tensor  # (num_tokens,): cache slot of each new token's KV; -1 = padding
-    block_tables: (
-        torch.Tensor | None
-    )  # (num_seqs, max_blocks) int32; None in a prefill without cached prefixes
+    # (num_seqs, max_blocks) int32; None in a prefill without cached prefixes
+    block_tables: torch.Tensor | None
     cu_seqlens_q: torch.Tensor | None = None  # prefill: (num_seqs + 1,) int32, new tokens
     cu_seqlens_k: torch.Tensor | None = None  # prefill: (num_seqs + 1,) int32, cached + new tokens
     max_seqlen_q: int = 0
@@ -677,9 +685,8 @@ class PagedContext:
         self, layer: Attention, q: torch.Tensor, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """The first q.shape[0] sequences, one new token each, over their whole caches."""
-        assert (
-            self.context_lens is not None and self.block_tables is not None
-        )  # a decode row has both
+        # a decode row has both
+        assert self.context_lens is not None and self.block_tables is not None
         tables = self.block_tables[: q.shape[0]]
         if self.use_triton:
             k, v, lens, out = (
@@ -688,10 +695,8 @@ class PagedContext:
                 self.context_lens,
                 None if out is None else out[:, None],
             )
-            prefix = (
-                self.prefix_blocks,
-                self.prefix_lens,
-            )  # leading blocks the rows share, read once (03)
+            # leading blocks the rows share, read once (03)
+            prefix = (self.prefix_blocks, self.prefix_lens)
             o = flash_attn_with_kvcache(
                 q[:, None],
                 k,
@@ -709,8 +714,9 @@ class PagedContext:
         return paged_attention_ref(q, layer.k_cache, layer.v_cache, cu_q, cu_k, tables, layer.scale)
 
     def mixed(self, layer: Attention, q: torch.Tensor) -> torch.Tensor:
-        """A mixed step's decode rows (first) through the decode kernel, the tiles of its other rows through the
-        prefill kernel, into one output: the prefill kernel would give each one-token query a whole tile."""
+        """A mixed step's decode rows (first) through the decode kernel, the tiles of its other rows
+        through the prefill kernel, into one output: the prefill kernel would give each one-token
+        query a whole tile."""
         assert self.tiles is not None  # the runner lists the other rows' tiles
         out = torch.empty_like(q)
         self.decode(layer, q[: self.num_decode_seqs], out[: self.num_decode_seqs])
@@ -724,9 +730,8 @@ class PagedContext:
         assert cu_q is not None  # a prefill step has it
         if self.block_tables is not None:
             return self.paged_prefill(layer, q)
-        if (
-            self.use_triton
-        ):  # nothing cached: whole prompts, their k and v all there is (01's kernel)
+        # nothing cached: whole prompts, their k and v all there is (01's kernel)
+        if self.use_triton:
             max_q = self.max_seqlen_q
             return flash_attn_varlen_contiguous(
                 q, k, v, cu_q, cu_q, max_q, max_q, layer.scale, True
@@ -736,11 +741,11 @@ class PagedContext:
     def paged_prefill(
         self, layer: Attention, q: torch.Tensor, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """New tokens over their cached ones and each other, keys and values read through the block tables."""
+        """New tokens over their cached ones and each other, keys and values read through the block
+        tables."""
         cu_q, cu_k, tables = self.cu_seqlens_q, self.cu_seqlens_k, self.block_tables
-        assert (
-            cu_q is not None and cu_k is not None and tables is not None
-        )  # a paged prefill has all three
+        # a paged prefill has all three
+        assert cu_q is not None and cu_k is not None and tables is not None
         if self.use_triton:
             k, v, max_q, max_k = layer.k_cache, layer.v_cache, self.max_seqlen_q, self.max_seqlen_k
             return kernels.flash_attn_varlen_func(
@@ -764,7 +769,8 @@ class PagedContext:
 def step_to_device(
     step: StepInputs, device: torch.device, use_triton: bool, block_m: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, PagedContext]:  # ids, positions, context
-    """The step's arrays on the device, in a PagedContext; given `block_m`, a paged prefill's tiles after decode rows."""
+    """The step's arrays on the device, in a PagedContext; given `block_m`, a paged prefill's tiles
+    after decode rows."""
 
     def put(a: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(a)
@@ -783,14 +789,12 @@ def step_to_device(
         step.num_decode_seqs,
     )
     context.use_triton = use_triton
-    if (
-        use_triton and step.prefix_blocks is not None and step.prefix_lens is not None
-    ):  # the reference reads rows
+    # the reference reads rows
+    if use_triton and step.prefix_blocks is not None and step.prefix_lens is not None:
         context.prefix_blocks, context.prefix_lens = put(step.prefix_blocks), put(step.prefix_lens)
     if step.is_prefill:
-        assert (
-            step.cu_seqlens_q is not None and step.cu_seqlens_k is not None
-        )  # a prefill step has both
+        # a prefill step has both
+        assert step.cu_seqlens_q is not None and step.cu_seqlens_k is not None
         context.max_seqlen_q = int(np.diff(step.cu_seqlens_q).max())
         context.max_seqlen_k = int(np.diff(step.cu_seqlens_k).max())
         if block_m and use_triton and step.block_tables is not None:
@@ -803,7 +807,8 @@ def step_to_device(
 # ## The model runner
 # ### How big can the KV cache be?
 # A cached token holds a key and a value per KV head and layer (`kv_block_bytes`). On a GPU, what
-# `gpu_memory_utilization` leaves after the weights and the largest step's peak becomes KV blocks; on a CPU, ≤ 1 GiB.
+# `gpu_memory_utilization` leaves after the weights and the largest step's peak becomes KV blocks;
+# on a CPU, ≤ 1 GiB.
 
 
 # %% tags=["export"] module="minivllm.engine.kv_cache"
@@ -847,13 +852,13 @@ def profile_step(
 
 
 def gpu_free_blocks(block_bytes: int, gpu_memory_utilization: float) -> int:
-    """KV blocks that fit in the GPU's share, after the weights and the peak of the profiling step just run."""
+    """KV blocks that fit in the GPU's share, after the weights and the peak of the profiling step
+    just run."""
     free, total = torch.cuda.mem_get_info()
     stats = torch.cuda.memory_stats()
     step_peak = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
-    cached = (
-        stats["reserved_bytes.all.current"] - stats["allocated_bytes.all.current"]
-    )  # PyTorch's, free to reuse
+    # PyTorch's, free to reuse
+    cached = stats["reserved_bytes.all.current"] - stats["allocated_bytes.all.current"]
     used = total - free - cached
     return int(total * gpu_memory_utilization - used - step_peak) // block_bytes
 
@@ -865,7 +870,8 @@ def bind_kv_cache(
     dtype: torch.dtype,
     device: torch.device,
 ) -> None:
-    """One tensor for the whole cache; each layer gets its K and V views, (num_blocks, block_size, kv_heads, d)."""
+    """One tensor for the whole cache; each layer gets its K and V views, (num_blocks, block_size,
+    kv_heads, d)."""
     shape = (2, len(layers), num_blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim)
     kv = torch.zeros(shape, dtype=dtype, device=device)
     for i, layer in enumerate(layers):
@@ -874,25 +880,29 @@ def bind_kv_cache(
 
 # %% [markdown]
 # ### Putting it together
-# `ModelRunner(config)` loads the model (this rank's slice), sizes the KV cache, on a GPU compiles every Triton kernel
-# variant a step can launch (a warm-up) and times each phase. `run(seqs, is_prefill)` gives the next tokens; `launch`
-# is `run` in two halves, queue then wait (06 schedules between), with log-probabilities (`step_logits`: no sampler).
+# `ModelRunner(config)` loads the model (this rank's slice), sizes the KV cache, on a GPU compiles
+# every Triton kernel variant a step can launch (a warm-up) and times each phase. `run(seqs,
+# is_prefill)` gives the next tokens; `launch` is `run` in two halves, queue then wait (06 schedules
+# between), with log-probabilities (`step_logits`: no sampler).
 #
-# This runner runs every step eagerly. The GPU fast paths live in deep dives, which nothing here imports: on a GPU the
-# runner looks each up by name (`fast_path`): the small layers' kernels, `GPUSampler`, and from `deep_dives/cuda_graphs`
-# the warm-up, the shared-prefix cascade and CUDA graphs for decode, prefill and mixed steps, which `execute` replays.
+# This runner runs every step eagerly. The GPU fast paths live in deep dives, which nothing here
+# imports: on a GPU the runner looks each up by name (`fast_path`): the small layers' kernels,
+# `GPUSampler`, and from `deep_dives/cuda_graphs` the warm-up, the shared-prefix cascade and CUDA
+# graphs for decode, prefill and mixed steps, which `execute` replays.
 
 # %% tags=["export"] module="minivllm.engine.fast_paths"
 import importlib
 from typing import Any
 
 FAST_PATHS = {  # name: "module:attribute", each exported by a deep dive
-    "small-layer kernels": "minivllm.layers.small_layer_kernels:use_small_layer_kernels",  # deep dive triton_layers
+    # deep dive triton_layers
+    "small-layer kernels": "minivllm.layers.small_layer_kernels:use_small_layer_kernels",
     "GPU sampler": "minivllm.layers.gpu_sampler:GPUSampler",  # deep dive gpu_sampler
     "warm-up": "minivllm.engine.warm_up:warm_up_runner",  # deep dive cuda_graphs
     "shared-prefix cascade": "minivllm.engine.cascade:add_shared_prefix",  # deep dive cuda_graphs
     "decode CUDA graphs": "minivllm.engine.cuda_graphs:DecodeGraphs",  # deep dive cuda_graphs
-    "mixed-step CUDA graphs": "minivllm.engine.mixed_graphs:capture_mixed_graphs",  # deep dive cuda_graphs
+    # deep dive cuda_graphs
+    "mixed-step CUDA graphs": "minivllm.engine.mixed_graphs:capture_mixed_graphs",
     "tensor parallelism": "minivllm.engine.workers:TPModelRunner",  # deep dive tensor_parallel
 }
 
@@ -938,13 +948,13 @@ from minivllm.models.qwen3 import Qwen3ForCausalLM
 
 @dataclass(slots=True)
 class StepOutput:
-    """What a step gives each sequence: its next token and, where its parameters ask, log-probabilities."""
+    """What a step gives each sequence: its next token and, where its parameters ask,
+    log-probabilities."""
 
     token_ids: list[int]  # (num_seqs,)
     logprobs: list[TokenLogprobs | None]  # of the next token (SamplingParams.logprobs)
-    prompt_logprobs: list[
-        tuple[int, list[TokenLogprobs]] | None
-    ]  # the first position scored, and one per position
+    # the first position scored, and one per position
+    prompt_logprobs: list[tuple[int, list[TokenLogprobs]] | None]
 
 
 def rank_device(config: Config, rank: int) -> torch.device:
@@ -953,7 +963,8 @@ def rank_device(config: Config, rank: int) -> torch.device:
 
 # %% tags=["export"]
 class ModelRunner:
-    """One rank's runner: the whole model (`groups=None`), or given a tensor-parallel rank's groups, its slice."""
+    """One rank's runner: the whole model (`groups=None`), or given a tensor-parallel rank's groups,
+    its slice."""
 
     def __init__(self, config: Config, rank: int = 0, groups: tuple[TPGroup, Any] | None = None):
         if groups is None and config.tensor_parallel_size > 1:
@@ -974,13 +985,11 @@ class ModelRunner:
         self.add_shared_prefix: Any = (
             None  # marks decode rows that share cached blocks (deep dive cuda_graphs)
         )
-        self.last_token_ids = torch.zeros(
-            0, dtype=torch.int64
-        )  # the latest step's sampled ids (on the device)
+        # the latest step's sampled ids (on the device)
+        self.last_token_ids = torch.zeros(0, dtype=torch.int64)
         self.closed = False
-        marks = [
-            time.perf_counter()
-        ]  # where each start-up phase ends: `python -m minivllm` prints the split
+        # where each start-up phase ends: `python -m minivllm` prints the split
+        marks = [time.perf_counter()]
         try:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
@@ -992,17 +1001,15 @@ class ModelRunner:
             if self.device.type == "cuda":
                 fast_path("small-layer kernels")(self.model)
             self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-            self.block_m = launch_config(self.attention_layers[0].head_dim, self.device)[
-                "BLOCK_M"
-            ]  # prefill tile
+            # prefill tile
+            self.block_m = launch_config(self.attention_layers[0].head_dim, self.device)["BLOCK_M"]
             self.sampler: Sampler = (
                 fast_path("GPU sampler")() if self.device.type == "cuda" else Sampler()
             )
             self.num_kvcache_blocks = self.allocate_kv_cache()
             marks.append(time.perf_counter())
-            if (
-                self.device.type == "cuda"
-            ):  # compile every Triton kernel variant now, not in a request
+            # compile every Triton kernel variant now, not in a request
+            if self.device.type == "cuda":
                 fast_path("warm-up")(self)
                 self.add_shared_prefix = fast_path("shared-prefix cascade")
             marks.append(time.perf_counter())
@@ -1025,7 +1032,8 @@ class ModelRunner:
             atexit.register(self.close)
 
     def call(self, method: str, *args):
-        """Run a method on every rank (notebook 06's tensor-parallel runner tells the others first), rank 0's result."""
+        """Run a method on every rank (notebook 06's tensor-parallel runner tells the others first),
+        rank 0's result."""
         return getattr(self, method)(*args)
 
     def close(self) -> None:
@@ -1038,7 +1046,8 @@ class ModelRunner:
             atexit.unregister(self.close)
 
     def free_gpu_memory(self) -> None:
-        """Give the weights, KV cache and graphs back to the GPU (`empty_cache`): a next engine sizes its own cache."""
+        """Give the weights, KV cache and graphs back to the GPU (`empty_cache`): a next engine
+        sizes its own cache."""
         if self.device.type != "cuda":
             return
         for layer in getattr(self, "attention_layers", []):
@@ -1052,9 +1061,8 @@ class ModelRunner:
     def allocate_kv_cache(self) -> int:
         config = self.config
         block_bytes = kv_block_bytes(self.attention_layers, self.block_size, self.dtype)
-        wanted = config.max_num_seqs * -(
-            -config.max_model_len // self.block_size
-        )  # all sequences at their longest
+        # all sequences at their longest
+        wanted = config.max_num_seqs * -(-config.max_model_len // self.block_size)
         if config.num_kvcache_blocks:
             num_blocks = config.num_kvcache_blocks
         elif self.device.type == "cuda":
@@ -1071,21 +1079,21 @@ class ModelRunner:
         if num_blocks < 1:
             raise ValueError(
                 f"no room for a KV cache: gpu_memory_utilization={config.gpu_memory_utilization} "
-                f"leaves less than one block ({block_bytes} bytes) after the weights and activations"
+                f"leaves less than one block ({block_bytes} bytes) after the weights and "
+                f"activations"
             )
         bind_kv_cache(self.attention_layers, num_blocks, self.block_size, self.dtype, self.device)
         return num_blocks
 
-    # --- a step ---------------------------------------------------------------------------------------------
+    # --- a step -----------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, step: StepInputs) -> torch.Tensor:  # (num_seqs, vocab_size) logits
         assert self.model is not None, "the runner is closed"
         input_ids, positions, context = step_to_device(
             step, self.device, self.use_triton, self.block_m
         )
-        if (
-            step.input_ids.min() < 0
-        ):  # placeholders (06): the last step's tokens, not on the host yet
+        # placeholders (06): the last step's tokens, not on the host yet
+        if step.input_ids.min() < 0:
             input_ids = torch.where(
                 input_ids < 0, self.last_token_ids[placeholder_row(input_ids)], input_ids
             )
@@ -1095,9 +1103,8 @@ class ModelRunner:
             hidden = graphs.replay(key, input_ids, positions, context)
         else:
             hidden = self.model(input_ids, positions, context)  # (num_tokens, hidden_size)
-        if (
-            step.is_prefill
-        ):  # each sequence's last token, or all of a sequence's that scores its prompt
+        # each sequence's last token, or all of a sequence's that scores its prompt
+        if step.is_prefill:
             assert context.cu_seqlens_q is not None  # a prefill step has it
             rows = (
                 context.cu_seqlens_q[1:] - 1
@@ -1109,9 +1116,8 @@ class ModelRunner:
 
     def step_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
         step = (prepare_prefill if is_prefill else prepare_decode)(seqs, self.block_size)
-        if (
-            self.add_shared_prefix is not None
-        ):  # decode rows that share a cached prompt read it once
+        # decode rows that share a cached prompt read it once
+        if self.add_shared_prefix is not None:
             self.add_shared_prefix(step, self.block_size)
         return self.call("execute", step)
 
@@ -1120,20 +1126,17 @@ class ModelRunner:
         return self.launch(seqs, is_prefill)().token_ids
 
     def launch(self, seqs: list[Sequence], is_prefill: bool) -> Callable[[], StepOutput]:
-        """Queue a step on the GPU and return at once a function that waits for its output (tokens, logprobs)."""
+        """Queue a step on the GPU and return at once a function that waits for its output (tokens,
+        logprobs)."""
         logits = self.step_logits(seqs, is_prefill)  # queued on the GPU: the host goes on
-        scoring = (
-            [scores_prompt(seq) for seq in seqs] if is_prefill else []
-        )  # these have a row per token, not one
-        ends = np.cumsum(
-            [seq.num_scheduled_tokens if s else 1 for seq, s in zip(seqs, scoring)]
-        )  # their rows' ends
-        last = (
-            logits[torch.from_numpy(ends - 1).to(logits.device)] if any(scoring) else logits
-        )  # (num_seqs, vocab)
-        params = [
-            seq.sampling_params for seq in seqs
-        ]  # the sampling tensors are built while the GPU computes
+        # these have a row per token, not one
+        scoring = [scores_prompt(seq) for seq in seqs] if is_prefill else []
+        # their rows' ends
+        ends = np.cumsum([seq.num_scheduled_tokens if s else 1 for seq, s in zip(seqs, scoring)])
+        # (num_seqs, vocab)
+        last = logits[torch.from_numpy(ends - 1).to(logits.device)] if any(scoring) else logits
+        # the sampling tensors are built while the GPU computes
+        params = [seq.sampling_params for seq in seqs]
         penalized = any(p.penalized for p in params)  # penalties need each row's tokens
         histories = (
             [(s.prompt_token_ids, s.completion_token_ids) for s in seqs] if penalized else None
@@ -1141,21 +1144,18 @@ class ModelRunner:
         sampling = sampling_tensors(
             params, [s.num_completion_tokens for s in seqs], self.device, histories
         )
-        self.last_token_ids = token_ids = self.sampler(
-            last, sampling
-        )  # (num_seqs,); the next step may read it
+        # (num_seqs,); the next step may read it
+        self.last_token_ids = token_ids = self.sampler(last, sampling)
         out = StepOutput([], [None] * len(seqs), [None] * len(seqs))
         if asked := [i for i, p in enumerate(params) if p.logprobs is not None]:
             ks = [params[i].logprobs or 0 for i in asked]
             for i, row in zip(asked, logprobs_of(last[asked], token_ids[asked], ks)):
                 out.logprobs[i] = row
-        for j in [
-            j for j, s in enumerate(scoring) if s
-        ]:  # rows of prompt positions p score the tokens at p + 1
+        # rows of prompt positions p score the tokens at p + 1
+        for j in [j for j, s in enumerate(scoring) if s]:
             seq, start, k = seqs[j], seqs[j].num_cached_tokens, params[j].prompt_logprobs or 0
-            n = min(
-                seq.num_scheduled_tokens, seq.num_prompt_tokens - 1 - start
-            )  # rows before the prompt's end
+            # rows before the prompt's end
+            n = min(seq.num_scheduled_tokens, seq.num_prompt_tokens - 1 - start)
             targets = torch.tensor(seq.token_ids[start + 1 : start + 1 + n], device=logits.device)
             first = int(ends[j]) - seq.num_scheduled_tokens
             out.prompt_logprobs[j] = (
@@ -1177,10 +1177,11 @@ class ModelRunner:
 
 
 # %% [markdown]
-# ## Every path gives the logits of a from-scratch forward (a bug to find: `exercises/04_find_the_bug.ipynb`)
-# On notebook 02's tiny checkpoint: prompts prefilled, then decoded through shuffled block tables; at every step the
-# logits equal `prompt_logits` of the whole sequence. Then a prefix-cache hit (new queries over a cached prefix) and a
-# chunked prefill (05), each chunk in a mixed step with a decode row.
+# ## Every path gives a from-scratch forward's logits (a bug to find: `exercises/04_find_the_bug`)
+# On notebook 02's tiny checkpoint: prompts prefilled, then decoded through shuffled block tables;
+# at every step the logits equal `prompt_logits` of the whole sequence. Then a prefix-cache hit (new
+# queries over a cached prefix) and a chunked prefill (05), each chunk in a mixed step with a decode
+# row.
 
 # %%
 from minivllm.checkpoint import write_checkpoint
@@ -1209,11 +1210,11 @@ def error_of(
 
 
 def check_steps(runner: ModelRunner, prompts: list[list[int]], num_decode_steps: int) -> float:
-    """Prefill `prompts`, decode greedily; compare every step's logits with prompt_logits. Worst |error|."""
+    """Prefill `prompts`, decode greedily; compare every step's logits with prompt_logits. Worst
+    |error|."""
     bm = BlockManager(runner.num_kvcache_blocks, runner.block_size)
-    random.shuffle(
-        bm.free_block_ids
-    )  # blocks handed out in a random order: block tables far from contiguous
+    # blocks handed out in a random order: block tables far from contiguous
+    random.shuffle(bm.free_block_ids)
     seqs = [Sequence(p, block_size=runner.block_size) for p in prompts]
     for seq in seqs:
         admit(bm, seq)
@@ -1245,9 +1246,8 @@ admit(bm, first)
 runner.step_logits([first], is_prefill=True)
 admit(bm, second)
 assert second.num_cached_tokens == 48  # three blocks reused: prefill computes 4 tokens, not 52
-step = prepare_prefill(
-    [second], block_size=16
-)  # its 4 tokens' positions and slots; its keys: cached + new
+# its 4 tokens' positions and slots; its keys: cached + new
+step = prepare_prefill([second], block_size=16)
 assert (
     list(step.cu_seqlens_q) == [0, 4]
     and list(step.cu_seqlens_k) == [0, 52]
@@ -1259,22 +1259,18 @@ assert (
 )
 error = error_of(runner.step_logits([second], is_prefill=True)[0], second.token_ids)
 print(
-    f"prefix-cache hit: {second.num_cached_tokens} of {len(second)} tokens reused, logit error {error:.1e}"
+    f"prefix-cache hit: {second.num_cached_tokens} of {len(second)} tokens reused, logit error "
+    f"{error:.1e}"
 )
 assert error < 1e-4
 long = Sequence(random.choices(range(2048), k=100), block_size=16)
 bm.allocate(long)
-for end in (
-    37,
-    64,
-    100,
-):  # three mixed steps: `first` decodes a token, `long` computes tokens 0..36, 37..63, 64..99
+# three mixed steps: `first` decodes a token, `long` computes tokens 0..36, 37..63, 64..99
+for end in (37, 64, 100):
     first.append_token(7)
     bm.may_append(first)
-    first.num_cached_tokens, first.num_scheduled_tokens = (
-        len(first) - 1,
-        1,
-    )  # a decode row (05 puts them first)
+    # a decode row (05 puts them first)
+    first.num_cached_tokens, first.num_scheduled_tokens = (len(first) - 1, 1)
     bm.cache_blocks(long, end)
     long.num_scheduled_tokens = end - long.num_cached_tokens
     decoded, logits = runner.step_logits([first, long], is_prefill=True)
@@ -1282,12 +1278,14 @@ for end in (
     error = max(error_of(decoded, first.token_ids), error_of(logits, long.token_ids[:end]))
     assert error < 1e-4
 print(
-    f"100 tokens in chunks of 37, 27, 36, each with a decode row: last step's logit error {error:.1e}"
+    f"100 tokens in chunks of 37, 27, 36, each with a decode row: last step's logit error "
+    f"{error:.1e}"
 )
 
 # %% [markdown]
 # ### How fast: a whole decode step
-# `python -m minivllm.benchmarks.decode_step` times `runner.run(seqs, is_prefill=False)`, 0.6B, eager and with graphs.
+# `python -m minivllm.benchmarks.decode_step` times `runner.run(seqs, is_prefill=False)`, 0.6B,
+# eager and with graphs.
 
 # %%
 import json
@@ -1301,14 +1299,16 @@ step_data = (
     else json.loads(saved.read_text())
 )
 print(
-    f"KV cache on {step_data['device']}: {step_data['kv_cache_tokens'] / 1e6:.2f} M tokens; ms per step:"
+    f"KV cache on {step_data['device']}: {step_data['kv_cache_tokens'] / 1e6:.2f} M tokens; ms "
+    f"per step:"
 )
 print({f"{r['impl']}, batch {r['batch']}": round(r["ms"], 2) for r in step_data["rows"]})
 
 # %% [markdown]
 # ## Check yourself
-# 1. A sequence of 37 tokens with blocks of 16 and block table `[7, 2, 9]` decodes its 38th token. Which slot
-#    does its KV go to, and what `context_len` does the decode kernel see? Answer `(slot, context_len)`.
+# 1. A sequence of 37 tokens with blocks of 16 and block table `[7, 2, 9]` decodes its 38th token.
+#    Which slot does its KV go to, and what `context_len` does the decode kernel see? Answer `(slot,
+#    context_len)`.
 
 # %%
 from minivllm.testing import check_answer
@@ -1321,7 +1321,8 @@ expected1 = (int(decode.slot_mapping[0]), int(decode.context_lens[0]))
 check_answer(answer1, expected1, "1. decode slot")
 
 # %% [markdown]
-# Worked answer. Token 37 (from 0): block 37 // 16 = 2, physical 9, offset 37 % 16 = 5; the kernel sees all 38 tokens.
+# Worked answer. Token 37 (from 0): block 37 // 16 = 2, physical 9, offset 37 % 16 = 5; the kernel
+# sees all 38 tokens.
 
 # %%
 check_answer((9 * 16 + 37 % 16, 37 + 1), expected1, "1. decode slot")

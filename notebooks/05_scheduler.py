@@ -14,19 +14,22 @@
 # %% [markdown]
 # # 05 · The scheduler: continuous batching, prefill first, preemption, chunked prefill
 #
-# **What this notebook builds.** The `Scheduler`, which decides what the model computes at every step: which
-# waiting requests join the batch, which request gives its KV blocks back when the cache is full, how a long
-# prompt is cut into chunks, and when a request is done; in two policies: prefill first (each step a prefill or
-# a decode, nano-vllm's) and unified (one token budget per step, vLLM v1's). Notebook 06 wraps the loop.
+# **What this notebook builds.** The `Scheduler`, which decides what the model computes at every
+# step: which waiting requests join the batch, which request gives its KV blocks back when the cache
+# is full, how a long prompt is cut into chunks, and when a request is done; in two policies:
+# prefill first (each step a prefill or a decode, nano-vllm's) and unified (one token budget per
+# step, vLLM v1's). Notebook 06 wraps the loop.
 #
-# **What it assumes.** Notebook 03's `Sequence` and `BlockManager` (blocks, prefix caching, `cache_blocks`) and
-# notebook 04's `ModelRunner`: `run(seqs, is_prefill)` computes each sequence's `num_scheduled_tokens` tokens after
-# its `num_cached_tokens` cached ones and samples one token per sequence.
+# **What it assumes.** Notebook 03's `Sequence` and `BlockManager` (blocks, prefix caching,
+# `cache_blocks`) and notebook 04's `ModelRunner`: `run(seqs, is_prefill)` computes each sequence's
+# `num_scheduled_tokens` tokens after its `num_cached_tokens` cached ones and samples one token per
+# sequence.
 #
-# **What you will see.** A small cache step by step; greedy tokens equal to transformers' `generate` while requests
-# are preempted, chunked and share prefixes, under both policies. Then, on step costs measured on your CPU: a bursty
-# workload's timeline, prefill first against decode first, and both policies under a small and a large token budget.
-# The deep dive `scheduler_memory` maps who owns which KV block over a run.
+# **What you will see.** A small cache step by step; greedy tokens equal to transformers' `generate`
+# while requests are preempted, chunked and share prefixes, under both policies. Then, on step costs
+# measured on your CPU: a bursty workload's timeline, prefill first against decode first, and both
+# policies under a small and a large token budget. The deep dive `scheduler_memory` maps who owns
+# which KV block over a run.
 
 # %%
 import dataclasses
@@ -43,9 +46,8 @@ import torch
 from transformers.utils.logging import disable_progress_bar
 
 disable_progress_bar()  # transformers' saving and loading draw no progress bars in the outputs
-torch.set_num_threads(
-    1
-)  # the tiny model gains little from a second thread, and on a busy machine threads fight
+# the tiny model gains little from a second thread, and on a busy machine threads fight
+torch.set_num_threads(1)
 plt.rcParams["axes.titlesize"] = (
     "medium"  # 10-pt panel titles: three panels side by side fit in 1,100 px
 )
@@ -65,46 +67,54 @@ rng = np.random.default_rng(0)
 # finished = scheduler.postprocess(seqs, token_ids)
 # ```
 #
-# A **prefill** computes the KV of new prompts (thousands of tokens, compute-bound on a GPU) and gives each its first
-# token. A **decode** computes one token for each running request (memory-bound: notebook 03). Our steps are one kind
-# or the other, as in nano-vllm and vLLM before v1: each kind runs its own attention kernel, a decode step has a fixed
-# shape (notebook 04 replays it as a CUDA graph), and the scheduler stays short. The price: while a prefill step runs,
-# every decoding request waits. **vLLM v1's mixed batches** remove that (the last policy below).
+# A **prefill** computes the KV of new prompts (thousands of tokens, compute-bound on a GPU) and
+# gives each its first token. A **decode** computes one token for each running request
+# (memory-bound: notebook 03). Our steps are one kind or the other, as in nano-vllm and vLLM before
+# v1: each kind runs its own attention kernel, a decode step has a fixed shape (notebook 04 replays
+# it as a CUDA graph), and the scheduler stays short. The price: while a prefill step runs, every
+# decoding request waits. **vLLM v1's mixed batches** remove that (the last policy below).
 #
 # ## Continuous batching
-# **Static batching** (`transformers.generate` on a list of prompts) runs a batch until its *longest* request ends:
-# a request that finishes early leaves its seat empty, and one that arrives meanwhile waits for the whole batch.
-# **Continuous batching** (Orca, 2022) forms the batch anew at every step: a finished request leaves at once, and a
-# waiting one takes its seat at the next step, with KV memory handed out per request in notebook 03's blocks. The
-# scheduler keeps two queues, `waiting` (first come, first served) and `running` (admission order). Its rules:
+# **Static batching** (`transformers.generate` on a list of prompts) runs a batch until its
+# *longest* request ends: a request that finishes early leaves its seat empty, and one that arrives
+# meanwhile waits for the whole batch. **Continuous batching** (Orca, 2022) forms the batch anew at
+# every step: a finished request leaves at once, and a waiting one takes its seat at the next step,
+# with KV memory handed out per request in notebook 03's blocks. The scheduler keeps two queues,
+# `waiting` (first come, first served) and `running` (admission order). Its rules:
 #
-# **1. Prefill first.** If a waiting request can join (or a chunked prompt has more to compute), the step is a prefill;
-# else it decodes every running request. Requests join in arrival order while three limits allow: `max_num_seqs`
-# running, `max_num_batched_tokens` tokens per step (the *token budget*; a prefix-cache hit is free), and free KV blocks
-# for the whole prompt. The first that does not fit stops admission: small ones overtaking a big one could starve it.
+# **1. Prefill first.** If a waiting request can join (or a chunked prompt has more to compute), the
+# step is a prefill; else it decodes every running request. Requests join in arrival order while
+# three limits allow: `max_num_seqs` running, `max_num_batched_tokens` tokens per step (the *token
+# budget*; a prefix-cache hit is free), and free KV blocks for the whole prompt. The first that does
+# not fit stops admission: small ones overtaking a big one could starve it.
 #
-# **2. Chunked prefill.** A prompt bigger than what is left of the budget gets what is left, and the rest in the next
-# steps (where it goes first). So any prompt runs, and no step computes more than `max_num_batched_tokens` tokens,
-# the size notebook 04 measured the activation memory for. A chunk's sampled token is thrown away, and it publishes
-# only the blocks it completes (`cache_blocks`): nobody may hit blocks no step has written yet.
+# **2. Chunked prefill.** A prompt bigger than what is left of the budget gets what is left, and the
+# rest in the next steps (where it goes first). So any prompt runs, and no step computes more than
+# `max_num_batched_tokens` tokens, the size notebook 04 measured the activation memory for. A
+# chunk's sampled token is thrown away, and it publishes only the blocks it completes
+# (`cache_blocks`): nobody may hit blocks no step has written yet.
 #
-# **3. Decode and preemption.** A token that starts a new block needs a free one; if there is none, the scheduler
-# *preempts* the most recently admitted request: frees its blocks and puts it back at the front of `waiting`.
-# Requests are visited oldest first and victims taken newest first, so the oldest always makes progress. This is
-# preemption by **recompute**: the victim keeps its tokens, generated ones too (`tests/test_scheduler.py` checks that a
-# reply only ever grows), and when admitted again they are all its prompt, mostly hits on its own cached blocks.
+# **3. Decode and preemption.** A token that starts a new block needs a free one; if there is none,
+# the scheduler *preempts* the most recently admitted request: frees its blocks and puts it back at
+# the front of `waiting`. Requests are visited oldest first and victims taken newest first, so the
+# oldest always makes progress. This is preemption by **recompute**: the victim keeps its tokens,
+# generated ones too (`tests/test_scheduler.py` checks that a reply only ever grows), and when
+# admitted again they are all its prompt, mostly hits on its own cached blocks.
 #
-# **4. Postprocess**, in two halves. `advance`, once the step is queued: count its computed tokens, give each
-# sequence that samples a *placeholder* token, and finish those that reach `max_tokens` or `max_model_len`
-# (`"length"`). `resolve`, once the tokens are known: they replace the placeholders, and a request ends on one of
-# its `stop_token_ids` (`"stop"`). Notebook 06 schedules the next step between the two halves.
+# **4. Postprocess**, in two halves. `advance`, once the step is queued: count its computed tokens,
+# give each sequence that samples a *placeholder* token, and finish those that reach `max_tokens` or
+# `max_model_len` (`"length"`). `resolve`, once the tokens are known: they replace the placeholders,
+# and a request ends on one of its `stop_token_ids` (`"stop"`). Notebook 06 schedules the next step
+# between the two halves.
 #
-# **5. Admission and abort.** Each request reaching `add` fits, prompt plus one token, in `max_model_len` and the cache
-# (notebook 06's engine checks); one that outgrows the cache while running stops with `"length"`. `abort` drops a
-# request wherever it is, forgetting blocks its failed step published but never wrote (`BlockManager.discard`);
-# `abort_all` drops all and resets the block manager (`tests/test_scheduler.py` checks both after a failed step).
+# **5. Admission and abort.** Each request reaching `add` fits, prompt plus one token, in
+# `max_model_len` and the cache (notebook 06's engine checks); one that outgrows the cache while
+# running stops with `"length"`. `abort` drops a request wherever it is, forgetting blocks its
+# failed step published but never wrote (`BlockManager.discard`); `abort_all` drops all and resets
+# the block manager (`tests/test_scheduler.py` checks both after a failed step).
 #
-# A chunked prompt with one token left joins the next decode like a prefilled request: a decode is a one-token prefill.
+# A chunked prompt with one token left joins the next decode like a prefilled request: a decode is a
+# one-token prefill.
 
 # %% tags=["export"] module="minivllm.engine.scheduler"
 from collections import deque
@@ -116,8 +126,9 @@ from minivllm.engine.step_inputs import placeholder
 
 
 class Scheduler:
-    """Continuous batching: every step is a prefill (first, if any request can join) or a decode of all running
-    requests; chunked prefill for prompts beyond the token budget; preemption by recompute when blocks run out."""
+    """Continuous batching: every step is a prefill (first, if any request can join) or a decode of
+    all running requests; chunked prefill for prompts beyond the token budget; preemption by
+    recompute when blocks run out."""
 
     def __init__(self, config: Config, num_kvcache_blocks: int):
         self.max_num_seqs = config.max_num_seqs
@@ -125,12 +136,10 @@ class Scheduler:
         self.block_manager = BlockManager(
             num_kvcache_blocks, config.block_size, config.enable_prefix_caching
         )
-        self.max_len = min(
-            config.max_model_len, self.block_manager.num_slots
-        )  # tokens a sequence may hold
-        self.waiting: deque[Sequence] = (
-            deque()
-        )  # first come, first served; the preempted go back in front
+        # tokens a sequence may hold
+        self.max_len = min(config.max_model_len, self.block_manager.num_slots)
+        # first come, first served; the preempted go back in front
+        self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()  # admission order: the newest is preempted first
         self.num_preemptions = 0
 
@@ -156,19 +165,21 @@ class Scheduler:
     def schedule_prefill(self) -> list[Sequence]:
         budget, seqs = self.max_num_batched_tokens, []
         if self.running and len(self.running[-1]) - self.running[-1].num_cached_tokens > 1:
-            seqs.append(
-                self.running[-1]
-            )  # a prompt part-way through a chunked prefill goes on first
+            # a prompt part-way through a chunked prefill goes on first
+            seqs.append(self.running[-1])
             budget -= self.schedule_chunk(self.running[-1], budget)
         return seqs + self.admit(budget)
 
     def admit(self, budget: int) -> list[Sequence]:
-        """Waiting requests, in order, while a seat, the token budget and the KV blocks of the prompt allow."""
+        """Waiting requests, in order, while a seat, the token budget and the KV blocks of the
+        prompt allow."""
         seqs: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not self.block_manager.can_allocate(seq) or seq.last_token < 0:
-                break  # no overtaking: the head of the queue waits for blocks (or its placeholder token, notebook 06)
+                # no overtaking: the head of the queue waits for blocks (or its placeholder token,
+                # notebook 06)
+                break
             self.block_manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(self.waiting.popleft())
@@ -177,7 +188,8 @@ class Scheduler:
         return seqs
 
     def schedule_chunk(self, seq: Sequence, budget: int) -> int:
-        """Schedule as many of seq's uncomputed tokens as the budget allows; publish the blocks they complete."""
+        """Schedule as many of seq's uncomputed tokens as the budget allows; publish the blocks they
+        complete."""
         seq.num_scheduled_tokens = min(len(seq) - seq.num_cached_tokens, budget)
         self.block_manager.cache_blocks(seq, seq.num_cached_tokens + seq.num_scheduled_tokens)
         return seq.num_scheduled_tokens
@@ -196,14 +208,12 @@ class Scheduler:
         return seqs
 
     def reserve(self, seq: Sequence) -> bool:
-        """Room for seq's newest token, preempting the newest requests (seq itself last) until there is: whether
-        seq is still running (then it is scheduled for that one token)."""
-        while not self.block_manager.can_append(
-            seq
-        ):  # its newest token needs a block and none is free
-            self.preempt(
-                self.running.pop()
-            )  # the most recently admitted one; seq itself once it is the newest
+        """Room for seq's newest token, preempting the newest requests (seq itself last) until there
+        is: whether seq is still running (then it is scheduled for that one token)."""
+        # its newest token needs a block and none is free
+        while not self.block_manager.can_append(seq):
+            # the most recently admitted one; seq itself once it is the newest
+            self.preempt(self.running.pop())
             if seq.status == SequenceStatus.WAITING:
                 return False
         self.block_manager.may_append(seq)
@@ -211,20 +221,23 @@ class Scheduler:
         return True
 
     def preempt(self, seq: Sequence) -> None:
-        """Recompute later: free its blocks, queue it first, keep its tokens. The caller took it out of `running`."""
+        """Recompute later: free its blocks, queue it first, keep its tokens. The caller took it out
+        of `running`."""
         self.block_manager.deallocate(seq)  # also resets num_cached_tokens
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
-        """Record a step that ran: computed tokens, sampled ones; free and return the sequences that finished."""
+        """Record a step that ran: computed tokens, sampled ones; free and return the sequences that
+        finished."""
         assert len(token_ids) == len(seqs), "one sampled token per sequence"
         return self.resolve(seqs, self.advance(seqs), token_ids)
 
     def advance(self, seqs: list[Sequence]) -> list[int]:
-        """A step is queued: count its computed tokens; a sequence that samples gets a placeholder token for its row
-        (the runner reads that row of the step's sampled ids) until `resolve`, and ends now if it ends by length."""
+        """A step is queued: count its computed tokens; a sequence that samples gets a placeholder
+        token for its row (the runner reads that row of the step's sampled ids) until `resolve`, and
+        ends now if it ends by length."""
         rows = []
         for row, seq in enumerate(seqs):
             if seq.is_finished:
@@ -241,7 +254,8 @@ class Scheduler:
     def resolve(
         self, seqs: list[Sequence], rows: list[int], token_ids: list[int]
     ) -> list[Sequence]:
-        """A step's tokens are known: they replace its placeholders. Free and return the sequences that finished."""
+        """A step's tokens are known: they replace its placeholders. Free and return the sequences
+        that finished."""
         finished = []
         for seq, token_id in ((seqs[row], token_ids[row]) for row in rows):
             if seq.finish_reason == "abort":
@@ -265,17 +279,16 @@ class Scheduler:
 
     def finish_reason(self, seq: Sequence, token_id: int) -> str | None:
         params = seq.sampling_params
-        if (
-            token_id in params.stop_token_ids
-        ):  # the engine's EOS ids are among them unless ignore_eos
+        # the engine's EOS ids are among them unless ignore_eos
+        if token_id in params.stop_token_ids:
             return "stop"
         if seq.num_completion_tokens >= params.max_tokens or len(seq) >= self.max_len:
             return "length"
         return None
 
     def abort(self, seq: Sequence) -> None:
-        """Drop a request, waiting or running, even one whose step failed part-way: free its blocks, and forget the
-        cached ones whose KV that step may not have written."""
+        """Drop a request, waiting or running, even one whose step failed part-way: free its blocks,
+        and forget the cached ones whose KV that step may not have written."""
         if seq.status == SequenceStatus.FINISHED:
             return
         for queue in (self.waiting, self.running):
@@ -286,7 +299,8 @@ class Scheduler:
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
 
     def abort_all(self) -> None:
-        """Drop every request and reset the block manager: safe after a failure anywhere, as nothing is kept."""
+        """Drop every request and reset the block manager: safe after a failure anywhere, as nothing
+        is kept."""
         for seq in (*self.waiting, *self.running):
             seq.block_table.clear()
             seq.num_cached_tokens = 0
@@ -298,12 +312,13 @@ class Scheduler:
 
 # %% [markdown]
 # ## Watch it: a small cache, step by step
-# Five requests on a cache of 10 blocks of 16 tokens (160 token slots), a budget of 48 tokens per step. Request 0
-# has a 100-token prompt, so it is prefilled in chunks; requests 2, 3 and 4 start with the same 32 tokens. `serve`
-# is the engine loop: it adds each request once the clock passes its arrival time (all at once here), steps until
-# everything is done, and records each step; its clock counts steps, or adds up a cost per step (the last section).
-# With `log=True` it prints each sequence as `request:tokens computed` (`+`: a prompt chunk short of the end), and
-# the queues after the step; decode steps that change nothing else are skipped.
+# Five requests on a cache of 10 blocks of 16 tokens (160 token slots), a budget of 48 tokens per
+# step. Request 0 has a 100-token prompt, so it is prefilled in chunks; requests 2, 3 and 4 start
+# with the same 32 tokens. `serve` is the engine loop: it adds each request once the clock passes
+# its arrival time (all at once here), steps until everything is done, and records each step; its
+# clock counts steps, or adds up a cost per step (the last section). With `log=True` it prints each
+# sequence as `request:tokens computed` (`+`: a prompt chunk short of the end), and the queues after
+# the step; decode steps that change nothing else are skipped.
 
 # %%
 from minivllm.checkpoint import write_checkpoint
@@ -313,24 +328,22 @@ from minivllm.sampling_params import SamplingParams
 
 tiny_path = write_checkpoint(CHECKPOINTS / "tiny", "tiny", seed=0)
 base_config = Config(tiny_path, dtype=torch.float32, num_kvcache_blocks=2048, max_num_seqs=64)
-runner = ModelRunner(
-    base_config
-)  # one KV cache of 2,048 blocks; each scheduler below uses some of them
-StepCost = Callable[
-    [list[Sequence], bool], float
-]  # seconds of a step, from its sequences before postprocess
+# one KV cache of 2,048 blocks; each scheduler below uses some of them
+runner = ModelRunner(base_config)
+# seconds of a step, from its sequences before postprocess
+StepCost = Callable[[list[Sequence], bool], float]
 
 
 def make_scheduler(num_blocks: int, cls: type = Scheduler, **limits) -> Scheduler:
-    """A scheduler over the first num_blocks blocks of the runner's cache, with other limits than base_config's."""
+    """A scheduler over the first num_blocks blocks of the runner's cache, with other limits than
+    base_config's."""
     return cls(dataclasses.replace(base_config, **limits), num_blocks)
 
 
 def request(prompt: list[int], max_tokens: int, **params) -> Sequence:
     sampling = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **params)
-    return Sequence(
-        prompt, sampling, base_config.block_size
-    )  # the block size of every scheduler's block manager here
+    # the block size of every scheduler's block manager here
+    return Sequence(prompt, sampling, base_config.block_size)
 
 
 def serve(
@@ -341,9 +354,10 @@ def serve(
     model: bool = True,
     log: bool = False,
 ) -> dict:
-    """The engine loop over seqs, arriving at `arrivals` (default all at 0). The clock adds cost(step) per step, or 1
-    without a cost. With model=False the runner is skipped and every sampled token is 0 (the schedule of ignore_eos
-    requests does not depend on the tokens). Returns per-step rows and per-request times."""
+    """The engine loop over seqs, arriving at `arrivals` (default all at 0). The clock adds
+    cost(step) per step, or 1 without a cost. With model=False the runner is skipped and every
+    sampled token is 0 (the schedule of ignore_eos requests does not depend on the tokens). Returns
+    per-step rows and per-request times."""
     arrivals = np.zeros(len(seqs)) if arrivals is None else arrivals
     arriving = deque(np.argsort(arrivals, kind="stable"))
     index = {seq.seq_id: i for i, seq in enumerate(seqs)}
@@ -366,9 +380,8 @@ def serve(
         token_ids = runner.run(batch, is_prefill) if model else [0] * len(batch)
         finished = scheduler.postprocess(batch, token_ids)
         clock += duration
-        unfinished = [
-            len(seq) == n for seq, n in zip(batch, lens)
-        ]  # a prompt chunk short of the end: no token
+        # a prompt chunk short of the end: no token
+        unfinished = [len(seq) == n for seq, n in zip(batch, lens)]
         for seq in (seq for seq, u in zip(batch, unfinished) if not u):
             token_times[index[seq.seq_id]].append(clock)
         for seq in finished:
@@ -398,8 +411,10 @@ def serve(
                 for s, u in zip(batch, unfinished)
             )
             print(
-                f"step {len(rows):2d} {'prefill' if is_prefill else 'decode '} {done:<20} running {state[0]}, "
-                f"waiting {state[1]}, free blocks {state[2]}, preemptions {scheduler.num_preemptions}"
+                f"step {len(rows):2d} {'prefill' if is_prefill else 'decode '} {done:<20} running "
+                f"{state[0]}, "
+                f"waiting {state[1]}, free blocks {state[2]}, preemptions "
+                f"{scheduler.num_preemptions}"
             )
         last = state
     assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks, (
@@ -428,21 +443,24 @@ small_seqs = [
 small = serve(make_scheduler(10, max_num_batched_tokens=48), small_seqs, log=True)
 
 # %% [markdown]
-# * Steps 1 and 2 spend the whole budget on request 0's first 96 tokens. Step 3 computes its last 4 and admits
-#   request 1. Request 2 needs 3 blocks and only one is free: it waits, and so does everyone behind it.
-# * Request 0 finishes and frees 7 blocks; the next step admits requests 2, 3 and 4 together. Request 2 publishes
-#   its two full blocks in that same step, so 3 and 4 hit the shared 32 tokens and compute only 2 and 1 tokens
-#   (every layer writes request 2's KV before any attention reads it).
-# * When a token needs a new block and none is free, the newest request (4) is preempted. It rejoins at the next
-#   step with its prompt *and* its generated tokens, and computes a single one: the rest are its own cached blocks.
+# * Steps 1 and 2 spend the whole budget on request 0's first 96 tokens. Step 3 computes its last 4
+#   and admits request 1. Request 2 needs 3 blocks and only one is free: it waits, and so does
+#   everyone behind it.
+# * Request 0 finishes and frees 7 blocks; the next step admits requests 2, 3 and 4 together.
+#   Request 2 publishes its two full blocks in that same step, so 3 and 4 hit the shared 32 tokens
+#   and compute only 2 and 1 tokens (every layer writes request 2's KV before any attention reads
+#   it).
+# * When a token needs a new block and none is free, the newest request (4) is preempted. It rejoins
+#   at the next step with its prompt *and* its generated tokens, and computes a single one: the rest
+#   are its own cached blocks.
 #
-# Every block is free at the end (`serve` asserts it); the tokens equal transformers', checked below.
+# Every block is free at the end (`serve` asserts it); the tokens equal transformers', checked
+# below.
 
 # %%
 assert [r["num_tokens"] for r in small["rows"][:3]] == [48, 48, 24] and small["preemptions"] == 1
-assert (
-    small["hit_tokens"] == 2 * 32 + 48
-)  # requests 3 and 4 on request 2's blocks, then 4 on its own
+# requests 3 and 4 on request 2's blocks, then 4 on its own
+assert small["hit_tokens"] == 2 * 32 + 48
 assert all(
     s.finish_reason == "length" and s.num_completion_tokens == s.sampling_params.max_tokens
     for s in small_seqs
@@ -450,17 +468,19 @@ assert all(
 
 # %% [markdown]
 # ## One token budget per step: mixed batches (vLLM v1)
-# Under prefill first, every running request waits out each prefill step, and a long prompt chunked by the budget
-# is several such steps in a row. vLLM v1 has one kind of step: a budget of `max_num_batched_tokens`, spent first on
-# the running requests, oldest first (a token each to decode, or a prompt's next chunk), then on waiting prompts, all
-# in one forward. Notebook 04's runner sends a step's leading one-token rows through the decode kernel (far cheaper
-# for them), so this policy lists the decode rows first; a step of decode rows only still takes the decode path and
-# its CUDA graphs. The engine uses this policy unless `scheduling_policy="prefill-first"`.
+# Under prefill first, every running request waits out each prefill step, and a long prompt chunked
+# by the budget is several such steps in a row. vLLM v1 has one kind of step: a budget of
+# `max_num_batched_tokens`, spent first on the running requests, oldest first (a token each to
+# decode, or a prompt's next chunk), then on waiting prompts, all in one forward. Notebook 04's
+# runner sends a step's leading one-token rows through the decode kernel (far cheaper for them), so
+# this policy lists the decode rows first; a step of decode rows only still takes the decode path
+# and its CUDA graphs. The engine uses this policy unless `scheduling_policy="prefill-first"`.
 
 
 # %% tags=["export"] module="minivllm.engine.scheduler"
 class UnifiedScheduler(Scheduler):
-    """vLLM v1's policy: one token budget per step, for the running requests first, then waiting prompts."""
+    """vLLM v1's policy: one token budget per step, for the running requests first, then waiting
+    prompts."""
 
     def schedule(self) -> tuple[list[Sequence], bool]:
         """This step's sequences, decode rows first, and whether it needs the prefill path."""
@@ -486,13 +506,15 @@ class UnifiedScheduler(Scheduler):
 
 
 # %% [markdown]
-# The unified policy changes which rows share a step, not what a row computes: both policies must give the same tokens.
+# The unified policy changes which rows share a step, not what a row computes: both policies must
+# give the same tokens.
 #
 # ## The same tokens as transformers, under pressure
-# The oracle is transformers' `generate` on the same checkpoint, greedy, float32. 16 requests go through each policy
-# with every hazard at once: 12 KV blocks (192 token slots), so requests are preempted again and again; a budget of
-# 32 tokens, so most prompts are chunked; a third of the prompts start with one 32-token system prompt, so the prefix
-# cache hits. Every request must produce exactly the tokens `generate` produces for it alone.
+# The oracle is transformers' `generate` on the same checkpoint, greedy, float32. 16 requests go
+# through each policy with every hazard at once: 12 KV blocks (192 token slots), so requests are
+# preempted again and again; a budget of 32 tokens, so most prompts are chunked; a third of the
+# prompts start with one 32-token system prompt, so the prefix cache hits. Every request must
+# produce exactly the tokens `generate` produces for it alone.
 
 # %%
 from transformers import Qwen3ForCausalLM
@@ -528,8 +550,10 @@ for name, cls in policies.items():
     )
     run["matches"] = sum(seq.completion_token_ids == e for seq, e in zip(seqs, expected))
     print(
-        f"{name:>13}: {len(run['rows'])} steps, {run['preemptions']} preemptions, {run['chunks']} prompt chunks "
-        f"short of the end, {run['hit_tokens']} prompt tokens from the prefix cache; {run['matches']} of "
+        f"{name:>13}: {len(run['rows'])} steps, {run['preemptions']} preemptions, {run['chunks']} "
+        f"prompt chunks "
+        f"short of the end, {run['hit_tokens']} prompt tokens from the prefix cache; "
+        f"{run['matches']} of "
         f"{len(prompts)} requests give exactly transformers' tokens"
     )
 
@@ -540,15 +564,17 @@ for run in parity.values():
 
 # %% [markdown]
 # ## Why prefill first? Turn the rule around
-# **Decode first** admits new requests only when nobody can decode; with one kind of batch per step, that is when the
-# batch is empty. So decode first *is* static batching: a new request waits for the longest reply in flight. Prefill
-# first admits it at the next step, and the running requests pay: in a prefill step they produce no token. Check 1
-# counts the steps; the last section puts the two orders on a clock measured on your CPU.
+# **Decode first** admits new requests only when nobody can decode; with one kind of batch per step,
+# that is when the batch is empty. So decode first *is* static batching: a new request waits for the
+# longest reply in flight. Prefill first admits it at the next step, and the running requests pay:
+# in a prefill step they produce no token. Check 1 counts the steps; the last section puts the two
+# orders on a clock measured on your CPU.
 
 
 # %%
 class DecodeFirstScheduler(Scheduler):
-    """Decode whenever a request can; admit new ones only when none can (this notebook's comparison only)."""
+    """Decode whenever a request can; admit new ones only when none can (this notebook's comparison
+    only)."""
 
     def schedule(self) -> tuple[list[Sequence], bool]:
         if self.running and len(self.running[-1]) - self.running[-1].num_cached_tokens == 1:
@@ -558,10 +584,11 @@ class DecodeFirstScheduler(Scheduler):
 
 # %% [markdown]
 # ## Check yourself
-# Set each `answer` and run its cell: the check compares it with the objects. `step` runs the scheduler alone.
+# Set each `answer` and run its cell: the check compares it with the objects. `step` runs the
+# scheduler alone.
 #
-# **1.** With decode first, `a` (4 tokens to generate) and `b` (10) are decoding when `c` arrives. How many decode
-# steps run before `c`'s prefill? (And with prefill first?)
+# **1.** With decode first, `a` (4 tokens to generate) and `b` (10) are decoding when `c` arrives.
+# How many decode steps run before `c`'s prefill? (And with prefill first?)
 
 
 # %%
@@ -591,16 +618,16 @@ answer = None  # your answer: replace None with an expression
 check_answer(answer, decode_steps_before_c(DecodeFirstScheduler), "1. decode first")
 
 # %% [markdown]
-# Worked answer: decode first admits only into an empty batch, so `c` waits for the longest reply in flight, `b`'s
-# 10 − 1 tokens left. Prefill first admits `c` at the very next step.
+# Worked answer: decode first admits only into an empty batch, so `c` waits for the longest reply in
+# flight, `b`'s 10 − 1 tokens left. Prefill first admits `c` at the very next step.
 
 # %%
 check_answer(10 - 1, decode_steps_before_c(DecodeFirstScheduler), "1. decode first")
 assert decode_steps_before_c(Scheduler) == 0
 
 # %% [markdown]
-# **2.** Unified policy, a budget of 256: 16 requests are decoding when a 1,000-token prompt arrives. How many of its
-# tokens does the next step compute? (And under prefill first?)
+# **2.** Unified policy, a budget of 256: 16 requests are decoding when a 1,000-token prompt
+# arrives. How many of its tokens does the next step compute? (And under prefill first?)
 
 
 # %%
@@ -617,8 +644,8 @@ answer = None  # your answer: replace None with an expression
 check_answer(answer, first_chunk(UnifiedScheduler), "2. a chunk beside decodes")
 
 # %% [markdown]
-# Worked answer: the decodes take their token each first, the prompt gets what is left: 256 − 16 = 240. Prefill
-# first gives it all 256, and the 16 wait out the step (and the three after it).
+# Worked answer: the decodes take their token each first, the prompt gets what is left: 256 − 16
+# = 240. Prefill first gives it all 256, and the 16 wait out the step (and the three after it).
 
 # %%
 check_answer(256 - 16, first_chunk(UnifiedScheduler), "2. a chunk beside decodes")
@@ -626,8 +653,9 @@ assert first_chunk(Scheduler) == 256
 
 # %% [markdown]
 # ## How fast, on this CPU
-# Everything so far counted steps and tokens. For time, we time real steps of the tiny model on your CPU
-# (`runner.run`, the PyTorch reference attention): a few shapes of each kind, the fastest of ten runs of each.
+# Everything so far counted steps and tokens. For time, we time real steps of the tiny model on your
+# CPU (`runner.run`, the PyTorch reference attention): a few shapes of each kind, the fastest of ten
+# runs of each.
 
 
 # %%
@@ -646,7 +674,8 @@ def step_shape(seqs: list[Sequence], is_prefill: bool) -> tuple[int, int, int]:
 def time_step(
     num_seqs: int, num_tokens: int, is_prefill: bool
 ) -> tuple[tuple[int, int, int], float]:
-    """The shape and the fastest of ten runs (seconds) of one step over num_seqs sequences of num_tokens tokens."""
+    """The shape and the fastest of ten runs (seconds) of one step over num_seqs sequences of
+    num_tokens tokens."""
     bm = BlockManager(runner.num_kvcache_blocks, runner.block_size)
     seqs = [
         Sequence(list(range(num_tokens)), SamplingParams(temperature=0), bm.block_size)
@@ -655,9 +684,8 @@ def time_step(
     for seq in seqs:
         bm.allocate(seq)
         seq.num_scheduled_tokens = num_tokens
-    times = timeit.repeat(
-        lambda: runner.run(seqs, is_prefill), number=1, repeat=11
-    )  # the first is a warm-up
+    # the first is a warm-up
+    times = timeit.repeat(lambda: runner.run(seqs, is_prefill), number=1, repeat=11)
     return step_shape(seqs, is_prefill), min(times[1:])
 
 
@@ -670,9 +698,10 @@ for (is_prefill, b, n), (_, seconds) in measured.items():
     print(f"{kind} of {n:4d} tokens: {seconds * 1e3:5.1f} ms")
 
 # %% [markdown]
-# A step has a fixed cost (every layer's operations are launched whatever the batch), so a decode token costs less
-# in a batch than alone; on a GPU far less, as a decode step reads all the weights whatever the batch (notebook 04's
-# H200 measurement, Qwen3-0.6B with CUDA graphs, beside this CPU's):
+# A step has a fixed cost (every layer's operations are launched whatever the batch), so a decode
+# token costs less in a batch than alone; on a GPU far less, as a decode step reads all the weights
+# whatever the batch (notebook 04's H200 measurement, Qwen3-0.6B with CUDA graphs, beside this
+# CPU's):
 
 # %%
 h200_rows = json.loads(Path("figures/decode_step.json").read_text())["rows"]
@@ -683,21 +712,22 @@ for where, alone, batch, size in (
     ("this CPU", cpu[1], cpu[16], 16),
 ):
     print(
-        f"{where:>8}: a decode token costs {alone * 1e3:.2f} ms alone, {batch / size * 1e3:.3f} ms in a batch of "
+        f"{where:>8}: a decode token costs {alone * 1e3:.2f} ms alone, {batch / size * 1e3:.3f} "
+        f"ms in a batch of "
         f"{size}: {size * alone / batch:.1f}x cheaper"
     )
-assert (
-    h200[64] < 3 * h200[1]
-)  # 64 tokens in one step cost less than three steps of one (committed H200 timings)
+# 64 tokens in one step cost less than three steps of one (committed H200 timings)
+assert h200[64] < 3 * h200[1]
 
 # %% [markdown]
 # So the scheduler's first job is to keep the batch full.
 #
-# **A clock for the experiments.** Timing whole runs on a shared machine would mix the policies' differences with its
-# jitter. So the experiments run the real scheduler and add up a *cost model* of each step fitted to the timings
-# above: a fixed cost plus a cost per sequence, per new token and per query × key pair, for prefill and decode apart
-# (a term that fits negative is dropped: more work cannot cost less). If either fit explains less than 90% of its
-# timings' variance (R² < 0.9), the experiments use `SHIPPED`, a fit from a quiet 2-core CPU, and the cell says so.
+# **A clock for the experiments.** Timing whole runs on a shared machine would mix the policies'
+# differences with its jitter. So the experiments run the real scheduler and add up a *cost model*
+# of each step fitted to the timings above: a fixed cost plus a cost per sequence, per new token and
+# per query × key pair, for prefill and decode apart (a term that fits negative is dropped: more
+# work cannot cost less). If either fit explains less than 90% of its timings' variance (R² < 0.9),
+# the experiments use `SHIPPED`, a fit from a quiet 2-core CPU, and the cell says so.
 
 
 # %%
@@ -707,7 +737,8 @@ def features(shape: tuple[int, int, int], is_prefill: bool) -> np.ndarray:
 
 
 def fit(is_prefill: bool) -> tuple[np.ndarray, float]:
-    """Seconds per unit of each feature (least squares on relative error, negative terms dropped), and R²."""
+    """Seconds per unit of each feature (least squares on relative error, negative terms dropped),
+    and R²."""
     shapes, seconds = map(
         np.array, zip(*[v for (kind, *_), v in measured.items() if kind == is_prefill])
     )
@@ -734,7 +765,8 @@ def terms(coef: np.ndarray, is_prefill: bool) -> str:
     return " + ".join(f"{c:.2g} {unit}" for c, unit in zip(coef * 1e3, units))
 
 
-# seconds: prefill (True) = fixed + per sequence + per token + per pair; decode = fixed + per sequence + per pair
+# seconds: prefill (True) = fixed + per sequence + per token + per pair; decode = fixed + per
+# sequence + per pair
 SHIPPED = {
     True: np.array([1.6e-3, 6.0e-4, 1.4e-5, 7.2e-8]),
     False: np.array([2.1e-3, 3.1e-4, 1.1e-6]),
@@ -743,7 +775,8 @@ fits = {kind: fit(kind) for kind in (True, False)}
 for kind, (coef, r2) in fits.items():
     name = "prefill" if kind else "decode "
     print(
-        f"{name} step, this CPU: {terms(coef, kind)} (R² {r2:.2f}); shipped: {terms(SHIPPED[kind], kind)}"
+        f"{name} step, this CPU: {terms(coef, kind)} (R² {r2:.2f}); shipped: "
+        f"{terms(SHIPPED[kind], kind)}"
     )
 noisy = [("prefill" if kind else "decode") for kind, (_, r2) in fits.items() if r2 < 0.9]
 cost_coef = SHIPPED if noisy else {kind: coef for kind, (coef, _) in fits.items()}
@@ -766,9 +799,10 @@ step_cost, shipped_cost = cost_model(cost_coef), cost_model(SHIPPED)
 
 # %% [markdown]
 # ### A bursty workload: the timeline
-# Three bursts of 16 requests (prompts of 16 to 200 tokens, one in ten of 400 to 600; replies of 16 to 96), each
-# arriving when the one before it is two-thirds served; 128 KV blocks, at most 16 running, 256 tokens per step. Each
-# step is one bar, as wide as its modelled time; below it, the queues, the KV blocks in use and the preemptions.
+# Three bursts of 16 requests (prompts of 16 to 200 tokens, one in ten of 400 to 600; replies of 16
+# to 96), each arriving when the one before it is two-thirds served; 128 KV blocks, at most 16
+# running, 256 tokens per step. Each step is one bar, as wide as its modelled time; below it, the
+# queues, the KV blocks in use and the preemptions.
 
 # %%
 lens = [
@@ -793,7 +827,8 @@ t, is_prefill, duration, num_tokens = (
     np.array([r[k] for r in steps]) for k in ("time", "is_prefill", "duration", "num_tokens")
 )
 print(
-    f"{len(steps)} steps ({is_prefill.sum()} prefill) in {burst['seconds']:.2f} s; {burst['preemptions']} "
+    f"{len(steps)} steps ({is_prefill.sum()} prefill) in {burst['seconds']:.2f} s; "
+    f"{burst['preemptions']} "
     f"preemptions; {burst['chunks']} prompt chunks short of the end; "
     f"median time to first token {np.median(burst['ttft']) * 1e3:.0f} ms"
 )
@@ -833,10 +868,11 @@ fig.tight_layout()
 fig.savefig(FIGURES / "05_timeline.png", dpi=120)
 
 # %% [markdown]
-# **Reading the timeline.** Each burst starts with prefill steps (blue) that fill the batch, a long prompt over
-# several chunks; then decode steps (orange). When a request finishes, a waiting one joins at the next step (a thin
-# blue bar among the orange): the queue drains request by request. When the KV blocks reach the ceiling, decodes
-# preempt the newest requests. The checks use the first burst alone, whose schedule does not depend on the clock.
+# **Reading the timeline.** Each burst starts with prefill steps (blue) that fill the batch, a long
+# prompt over several chunks; then decode steps (orange). When a request finishes, a waiting one
+# joins at the next step (a thin blue bar among the orange): the queue drains request by request.
+# When the KV blocks reach the ceiling, decodes preempt the newest requests. The checks use the
+# first burst alone, whose schedule does not depend on the clock.
 
 # %%
 assert max(num_tokens) <= 256
@@ -848,9 +884,10 @@ assert (
 
 # %% [markdown]
 # ### Why does the scheduler put prefill before decode?
-# 120 requests (prompts and replies of 16 to 128 tokens) arrive at random (Poisson) at half the rate the engine serves
-# them (measured first, all there at once), under prefill first and under decode first. For each request: its **time
-# to first token** (TTFT: arrival to first token) and **time per output token** (TPOT).
+# 120 requests (prompts and replies of 16 to 128 tokens) arrive at random (Poisson) at half the rate
+# the engine serves them (measured first, all there at once), under prefill first and under decode
+# first. For each request: its **time to first token** (TTFT: arrival to first token) and **time per
+# output token** (TPOT).
 
 # %%
 online_requests = [
@@ -861,7 +898,8 @@ limits = dict(max_num_seqs=16, max_num_batched_tokens=512)
 
 
 def poisson_arrivals(cost: StepCost, load: float) -> np.ndarray:
-    """Arrival times at `load` times the rate the engine, under cost, serves online_requests all at once."""
+    """Arrival times at `load` times the rate the engine, under cost, serves online_requests all at
+    once."""
     seqs = [request(p, n) for p, n in online_requests]
     rate = (
         load
@@ -924,17 +962,20 @@ fig.savefig(FIGURES / "05_ttft.png", dpi=120)
     [np.median(run[k]) * 1e3 for run in orders.values()] for k in ("ttft", "tpot")
 )
 print(
-    f"A new request waits {pf_ttft:.0f} ms (median) for its first token when prefills go first, {df_ttft:.0f} ms when "
-    f"decodes go first ({df_ttft / pf_ttft:.1f}x). A running request's time per output token (median): "
+    f"A new request waits {pf_ttft:.0f} ms (median) for its first token when prefills go first, "
+    f"{df_ttft:.0f} ms when "
+    f"decodes go first ({df_ttft / pf_ttft:.1f}x). A running request's time per output token "
+    f"(median): "
     f"{pf_tpot:.1f} ms with prefill first, {df_tpot:.1f} ms with decode first."
 )
 
 # %% [markdown]
-# **The answer, in these numbers.** Prefill first runs a new request's prefill at the next step, whenever it arrives.
-# Decode first makes it wait until every running request has finished its whole reply, from nothing to a hundred
-# steps by luck of timing, and the batch drains to one straggler before anyone may join (right). The running
-# requests pay for prefill first: in a prefill step they produce no token, so their time per output token rises.
-# The checks run the same comparison on the shipped cost model, so they hold whatever this CPU measured.
+# **The answer, in these numbers.** Prefill first runs a new request's prefill at the next step,
+# whenever it arrives. Decode first makes it wait until every running request has finished its whole
+# reply, from nothing to a hundred steps by luck of timing, and the batch drains to one straggler
+# before anyone may join (right). The running requests pay for prefill first: in a prefill step they
+# produce no token, so their time per output token rises. The checks run the same comparison on the
+# shipped cost model, so they hold whatever this CPU measured.
 
 # %%
 pf, df = compare_orders(shipped_cost).values()
@@ -944,9 +985,10 @@ assert np.median(pf["tpot"]) >= np.median(df["tpot"])
 
 # %% [markdown]
 # ### What chunked prefill changes
-# Two knobs: the policy, and the budget `max_num_batched_tokens` (256 chunks every long prompt, 4,096 never does). The
-# requests: the 120 above, one prompt in ten made long (1k to 3k tokens), arriving at a quarter of the rate the engine
-# serves short ones. Per run: TTFT and TPOT, the longest step, the longest wait of any request between two tokens.
+# Two knobs: the policy, and the budget `max_num_batched_tokens` (256 chunks every long prompt,
+# 4,096 never does). The requests: the 120 above, one prompt in ten made long (1k to 3k tokens),
+# arriving at a quarter of the rate the engine serves short ones. Per run: TTFT and TPOT, the
+# longest step, the longest wait of any request between two tokens.
 
 # %%
 long_rng = np.random.default_rng(3)  # its own draws
@@ -983,8 +1025,10 @@ fig, axes = plt.subplots(1, 2, figsize=(10.8, 3.8))
 for (name, budget), run in grid_runs.items():
     (t50, t99), (p50, p99) = (np.percentile(run[key], [50, 99]) * 1e3 for key in ("ttft", "tpot"))
     print(
-        f"{name:>13}, budget {budget:4d}: TTFT p50 {t50:3.0f} ms, p99 {t99:3.0f} ms; TPOT p50 {p50:3.1f} ms, p99 "
-        f"{p99:4.1f} ms; longest step {run['max_step'] * 1e3:3.0f} ms, longest wait {run['max_wait'] * 1e3:3.0f} ms"
+        f"{name:>13}, budget {budget:4d}: TTFT p50 {t50:3.0f} ms, p99 {t99:3.0f} ms; TPOT p50 "
+        f"{p50:3.1f} ms, p99 "
+        f"{p99:4.1f} ms; longest step {run['max_step'] * 1e3:3.0f} ms, longest wait "
+        f"{run['max_wait'] * 1e3:3.0f} ms"
     )
     style = dict(
         color="tab:blue" if name == "unified" else "tab:red", ls="-" if budget == 256 else "--"
@@ -1011,10 +1055,11 @@ fig.tight_layout()
 fig.savefig(FIGURES / "05_chunked_prefill.png", dpi=120)
 
 # %% [markdown]
-# **What chunking changes.** With a budget of 4,096 a 3,000-token prompt is one step (the longest step printed above)
-# that every running request waits out; with 256 no step computes more than 256 tokens. Under prefill first the chunks
-# run back to back and the running requests sit out every one (the longest wait). Under the unified policy every chunk
-# step carries their tokens too: nobody waits more than one short step. The checks run on the shipped cost model.
+# **What chunking changes.** With a budget of 4,096 a 3,000-token prompt is one step (the longest
+# step printed above) that every running request waits out; with 256 no step computes more than 256
+# tokens. Under prefill first the chunks run back to back and the running requests sit out every one
+# (the longest wait). Under the unified policy every chunk step carries their tokens too: nobody
+# waits more than one short step. The checks run on the shipped cost model.
 
 # %%
 shipped = budget_grid(shipped_cost)

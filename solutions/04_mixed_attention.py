@@ -14,25 +14,28 @@
 # %% [markdown]
 # # Exercise 04 · The attention of a mixed step, decode rows anywhere
 #
-# Under the unified policy (notebook 05) one step holds decode rows (one new token each, after its cache) and
-# prompt chunks. Notebook 04's `PagedContext.mixed` attends them with two kernels into one output: the decode
-# kernel for the decode rows and the paged prefill kernel, driven by a list of (sequence, query tile) pairs, for the
-# rest. It relies on the scheduler putting every decode row **first**, so that "the decode rows" is `q[:n]`.
+# Under the unified policy (notebook 05) one step holds decode rows (one new token each, after its
+# cache) and prompt chunks. Notebook 04's `PagedContext.mixed` attends them with two kernels into
+# one output: the decode kernel for the decode rows and the paged prefill kernel, driven by a list
+# of (sequence, query tile) pairs, for the rest. It relies on the scheduler putting every decode row
+# **first**, so that "the decode rows" is `q[:n]`.
 #
-# Here the step comes in any order: a scheduler that keeps requests in arrival order, a speculative decoding step
-# whose sequences have one or several new tokens, a step rebuilt after a preemption. You find the decode rows
-# wherever they are, gather them for the decode kernel and put its output back in place, and list the prefill
-# kernel's tiles for the other sequences only, then check both against the reference attention on random steps.
+# Here the step comes in any order: a scheduler that keeps requests in arrival order, a speculative
+# decoding step whose sequences have one or several new tokens, a step rebuilt after a preemption.
+# You find the decode rows wherever they are, gather them for the decode kernel and put its output
+# back in place, and list the prefill kernel's tiles for the other sequences only, then check both
+# against the reference attention on random steps.
 #
 # **Your task.** Two functions, each checked right after you write it:
 #
-# 1. `my_query_tiles`: the prefill kernel's work list for any set of sequences, costliest tiles first;
-# 2. `mixed_attention`: the decode kernel for the sequences with one new token, the prefill kernel over your list
-#    for the others.
+# 1. `my_query_tiles`: the prefill kernel's work list for any set of sequences, costliest tiles
+#    first;
+# 2. `mixed_attention`: the decode kernel for the sequences with one new token, the prefill kernel
+#    over your list for the others.
 #
-# **What it assumes.** Notebook 03's paged kernels (`flash_attn_with_kvcache`, `flash_attn_varlen_func`) and
-# notebook 04's mixed steps. No GPU: on a CPU the kernels run in Triton's interpreter, about 20 seconds in all.
-# About 30 minutes.
+# **What it assumes.** Notebook 03's paged kernels (`flash_attn_with_kvcache`,
+# `flash_attn_varlen_func`) and notebook 04's mixed steps. No GPU: on a CPU the kernels run in
+# Triton's interpreter, about 20 seconds in all. About 30 minutes.
 
 # %%
 import os
@@ -54,22 +57,24 @@ random.seed(0)
 
 # %% [markdown]
 # ## Part 1 · The work list
-# The prefill kernel runs one program per query head and per entry of `tiles`, an `(num_tiles, 2)` int32 array of
-# (sequence, query tile) pairs: tile `m` of a sequence is its new tokens `m * block_m` to `(m + 1) * block_m - 1`
-# (the last tile may be short). The step is given by `cu_seqlens_q` (cumulative new tokens per sequence) and
-# `cu_seqlens_k` (cumulative cached + new tokens); list every tile of the sequences in `seqs` (an int array of
-# sequence indices, in any order) and none of the others.
+# The prefill kernel runs one program per query head and per entry of `tiles`, an `(num_tiles, 2)`
+# int32 array of (sequence, query tile) pairs: tile `m` of a sequence is its new tokens `m *
+# block_m` to `(m + 1) * block_m - 1` (the last tile may be short). The step is given by
+# `cu_seqlens_q` (cumulative new tokens per sequence) and `cu_seqlens_k` (cumulative cached + new
+# tokens); list every tile of the sequences in `seqs` (an int array of sequence indices, in any
+# order) and none of the others.
 #
-# **Order.** Programs start in list order, and a tile's cost grows with the keys its last row sees: the cached
-# tokens plus its new tokens up to that row, `k_len - q_len + min((m + 1) * block_m, q_len)`. Put the costliest
-# tiles first, so that the longest programs do not start last.
+# **Order.** Programs start in list order, and a tile's cost grows with the keys its last row sees:
+# the cached tokens plus its new tokens up to that row, `k_len - q_len + min((m + 1) * block_m,
+# q_len)`. Put the costliest tiles first, so that the longest programs do not start last.
 
 
 # %%
 def my_query_tiles(
     cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, seqs: np.ndarray, block_m: int
 ) -> np.ndarray:
-    """(num_tiles, 2) int32 rows of (sequence, query tile) for the sequences in seqs, the most keys first."""
+    """(num_tiles, 2) int32 rows of (sequence, query tile) for the sequences in seqs, the most keys
+    first."""
     # BEGIN SOLUTION
     pairs, keys = [], []
     for seq in seqs.tolist():
@@ -85,10 +90,11 @@ def my_query_tiles(
 
 # %% [markdown]
 # ### Check 1
-# Notebook 04's step first: two decode rows, then a chunk of 128 tokens after 1,000 cached ones and a new prompt of
-# 40, tiles of 64: for sequences `[2, 3]`, `[[2, 1], [2, 0], [3, 0]]` (1,128 keys, 1,064, then 40). The same step
-# in another order. Then random steps and random sets of sequences: every tile of every listed sequence exactly
-# once, none of the others, in an order of non-increasing keys (ties in any order).
+# Notebook 04's step first: two decode rows, then a chunk of 128 tokens after 1,000 cached ones and
+# a new prompt of 40, tiles of 64: for sequences `[2, 3]`, `[[2, 1], [2, 0], [3, 0]]` (1,128 keys,
+# 1,064, then 40). The same step in another order. Then random steps and random sets of sequences:
+# every tile of every listed sequence exactly once, none of the others, in an order of
+# non-increasing keys (ties in any order).
 
 
 # %%
@@ -114,7 +120,8 @@ with exercise("my_query_tiles"):
     )  # decode rows 1 and 3
     got = my_query_tiles(cu_q, cu_k, np.array([0, 2]), block_m=64).tolist()
     assert got == [[0, 1], [0, 0], [2, 0]], (
-        f"the same step, reordered (sequences 0 and 2): expected [[0, 1], [0, 0], [2, 0]], got {got}"
+        f"the same step, reordered (sequences 0 and 2): expected [[0, 1], [0, 0], [2, 0]], got "
+        f"{got}"
     )
     for case in range(30):
         q_lens = [1] * random.randint(0, 4) + [
@@ -140,7 +147,8 @@ with exercise("my_query_tiles"):
             tiles = sorted(m for s, m in pairs if s == seq)
             expected = list(range(-(-q_len // block_m))) if seq in listed else []
             assert tiles == expected, (
-                f"{step}: sequence {seq} ({q_len} new tokens) has tiles {tiles}, expected {expected}"
+                f"{step}: sequence {seq} ({q_len} new tokens) has tiles {tiles}, expected "
+                f"{expected}"
             )
         assert len(pairs) == sum(-(-q_lens[i] // block_m) for i in listed), (
             f"{step}: tiles of no sequence in {pairs}"
@@ -151,29 +159,38 @@ print("my_query_tiles: correct")
 
 # %% [markdown]
 # ## Part 2 · Two kernels, one output
-# `mixed_attention` gets the step's queries `q` (its rows packed end to end, sequences in any order), the paged
-# cache (every new token's K and V are already stored), and the step's `cu_seqlens_q`, `cu_seqlens_k` and block
-# tables. A sequence with one new token is a decode row, wherever it sits. Allocate the output once, then:
+# `mixed_attention` gets the step's queries `q` (its rows packed end to end, sequences in any
+# order), the paged cache (every new token's K and V are already stored), and the step's
+# `cu_seqlens_q`, `cu_seqlens_k` and block tables. A sequence with one new token is a decode row,
+# wherever it sits. Allocate the output once, then:
 #
-# * the decode kernel on the decode rows only: `flash_attn_with_kvcache(q_d.unsqueeze(1), k_cache, v_cache,
-#   cache_seqlens, tables_d, scale)` returns `(n, 1, num_heads, head_dim)`, where `q_d` are those rows' queries
-#   (gathered: `q[rows]` with an index tensor), `tables_d` their sequences' block tables and `cache_seqlens` their
-#   cache lengths (int32, on the device). Put its output back at those rows;
+# * the decode kernel on the decode rows only: `flash_attn_with_kvcache(q_d.unsqueeze(1), k_cache,
+#   v_cache, cache_seqlens, tables_d, scale)` returns `(n, 1, num_heads, head_dim)`, where `q_d` are
+#   those rows' queries (gathered: `q[rows]` with an index tensor), `tables_d` their sequences'
+#   block tables and `cache_seqlens` their cache lengths (int32, on the device). Put its output back
+#   at those rows;
 # * `flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, max_q, max_k, scale, causal=True,
-#   block_table=block_table, out=out, tiles=...)`, with your list (int32, on the device) of the other sequences.
-#   The kernel reads each listed sequence's rows at `cu_q[seq]` in the whole `q`: no slicing, and the rows it is
-#   not given are left alone.
+#   block_table=block_table, out=out, tiles=...)`, with your list (int32, on the device) of the
+#   other sequences. The kernel reads each listed sequence's rows at `cu_q[seq]` in the whole `q`:
+#   no slicing, and the rows it is not given are left alone.
 #
-# The tile size is the kernel's: `launch_config(head_dim, q.device)["BLOCK_M"]`. The index tensors live on the
-# device; take their host copies with `.cpu().numpy()` for your list. A step may have no decode rows, or nothing
-# else: launch only what has work.
+# The tile size is the kernel's: `launch_config(head_dim, q.device)["BLOCK_M"]`. The index tensors
+# live on the device; take their host copies with `.cpu().numpy()` for your list. A step may have no
+# decode rows, or nothing else: launch only what has work.
 
 
 # %%
-def mixed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_q: torch.Tensor,
-                    cu_k: torch.Tensor, block_table: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
-    """(num_tokens, num_heads, head_dim): the sequences with one new token through the decode kernel, the others
-    through the paged prefill kernel over their tiles."""
+def mixed_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """(num_tokens, num_heads, head_dim): the sequences with one new token through the decode
+    kernel, the others through the paged prefill kernel over their tiles."""
     # BEGIN SOLUTION
     out = torch.empty_like(q)
     q_lens, k_lens = (cu_q[1:] - cu_q[:-1]).cpu().numpy(), (cu_k[1:] - cu_k[:-1]).cpu().numpy()
@@ -189,25 +206,36 @@ def mixed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if len(others):
         block_m = launch_config(q.shape[2], q.device)["BLOCK_M"]
         tiles = my_query_tiles(cu_q.cpu().numpy(), cu_k.cpu().numpy(), others, block_m)
-        flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, int(q_lens.max()), int(k_lens.max()), scale,
-                               causal=True, block_table=block_table, out=out,
-                               tiles=torch.from_numpy(tiles).to(q.device))  # fmt: skip
+        flash_attn_varlen_func(
+            q,
+            k_cache,
+            v_cache,
+            cu_q,
+            cu_k,
+            int(q_lens.max()),
+            int(k_lens.max()),
+            scale,
+            causal=True,
+            block_table=block_table,
+            out=out,
+            tiles=torch.from_numpy(tiles).to(q.device),
+        )
     return out
     # END SOLUTION
 
 
 # %% [markdown]
 # ### Check 2
-# Random steps of 1 to 3 decode rows and 1 to 2 prompt chunks (some with a cached prefix, some whole prompts), in
-# shuffled order and shuffled blocks of 16: your output must equal the reference's, which attends every row over its
-# cache at once. The check also watches the two kernels: the decode kernel must get exactly the decode rows, and
-# the prefill kernel's list none of them (one query in a tile of `BLOCK_M` rows is the waste this split removes).
-# Then a step of decode rows only, and one without any.
+# Random steps of 1 to 3 decode rows and 1 to 2 prompt chunks (some with a cached prefix, some whole
+# prompts), in shuffled order and shuffled blocks of 16: your output must equal the reference's,
+# which attends every row over its cache at once. The check also watches the two kernels: the decode
+# kernel must get exactly the decode rows, and the prefill kernel's list none of them (one query in
+# a tile of `BLOCK_M` rows is the waste this split removes). Then a step of decode rows only, and
+# one without any.
 
 # %%
-calls: list[
-    tuple[str, tuple, dict]
-] = []  # (kernel, args, kwargs) of each launch in the step under test
+# (kernel, args, kwargs) of each launch in the step under test
+calls: list[tuple[str, tuple, dict]] = []
 
 
 def watched(name: str, kernel):
@@ -282,9 +310,10 @@ print("mixed_attention: correct")
 # %% [markdown]
 # ## What you built
 # The engine's mixed step does the same with the decode rows first: `prepare_prefill` counts them
-# (`num_decode_seqs`), `step_to_device` builds the tile list with `query_tiles`, and `PagedContext.mixed` runs the
-# two kernels on `q[:n]` and the rest, with no gather and no scatter. Your version costs a gather and a scatter of
-# the decode rows' queries and outputs (a few KB each); what does it let the scheduler do that it cannot now? The list is also what lets
-# a CUDA graph capture the step (notebook 04): a graph fixes the grid, so its list is padded with `-1` pairs, which
-# return at once. On an H200, sending a chat step's ~255 decode rows through the decode kernel instead of the prefill
-# kernel cut its kernels from ~25 ms to ~11 ms.
+# (`num_decode_seqs`), `step_to_device` builds the tile list with `query_tiles`, and
+# `PagedContext.mixed` runs the two kernels on `q[:n]` and the rest, with no gather and no scatter.
+# Your version costs a gather and a scatter of the decode rows' queries and outputs (a few KB each);
+# what does it let the scheduler do that it cannot now? The list is also what lets a CUDA graph
+# capture the step (notebook 04): a graph fixes the grid, so its list is padded with `-1` pairs,
+# which return at once. On an H200, sending a chat step's ~255 decode rows through the decode kernel
+# instead of the prefill kernel cut its kernels from ~25 ms to ~11 ms.

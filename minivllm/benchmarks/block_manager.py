@@ -2,12 +2,12 @@
 
     python -m minivllm.benchmarks.block_manager [--num-seqs 10000] [--block-size 16] [--out figures]
 
-Sequences of about 1k tokens go through the block manager in waves: allocate (cache misses), 64 decode
-steps, free, then allocate the same prompts again (cache hits) and free. Each call must cost time in
-proportion to the blocks it touches, not to the size of the cache, so the work is repeated with caches of
-very different sizes (the µs-per-block columns must stay flat), and with prompts of different lengths
-(µs per call must grow with the blocks, µs per block must not). Writes block_manager.json (and .png when
-matplotlib is installed) to --out: ./figures by default.
+Sequences of about 1k tokens go through the block manager in waves: allocate (cache misses), 64
+decode steps, free, then allocate the same prompts again (cache hits) and free. Each call must cost
+time in proportion to the blocks it touches, not to the size of the cache, so the work is repeated
+with caches of very different sizes (the µs-per-block columns must stay flat), and with prompts of
+different lengths (µs per call must grow with the blocks, µs per block must not). Writes
+block_manager.json (and .png when matplotlib is installed) to --out: ./figures by default.
 """
 
 import time
@@ -30,7 +30,8 @@ def run_benchmark(
     decode_steps: int = 64,
     seed: int = 0,
 ) -> dict:
-    """Time every BlockManager call over `num_seqs` sequences: µs per call and per block of each operation."""
+    """Time every BlockManager call over `num_seqs` sequences: µs per call and per block of each
+    operation."""
     rng = np.random.default_rng(seed)
     bm = BlockManager(num_blocks, block_size)
     seconds = dict(allocate=0.0, allocate_hit=0.0, append=0.0, free=0.0)
@@ -105,19 +106,23 @@ def print_table(rows: list[dict]) -> None:
         f"{'append':>9} | {'free':>17}"
     )
     print(
-        f"{'':>10} {'tokens':>6} | {'µs/call':>8} {'µs/blk':>8} | {'µs/call':>8} {'µs/blk':>8} {'hits':>5} | "
+        f"{'':>10} {'tokens':>6} | {'µs/call':>8} {'µs/blk':>8} | {'µs/call':>8} {'µs/blk':>8} "
+        f"{'hits':>5} | "
         f"{'µs/token':>9} | {'µs/call':>8} {'µs/blk':>8}"
     )
     for r in rows:
         print(
-            f"{r['num_blocks']:>10,} {r['prompt_len']:>6} | {r['allocate_us']:8.1f} {r['allocate_us_per_block']:8.2f} | "
-            f"{r['allocate_hit_us']:8.1f} {r['allocate_hit_us_per_block']:8.2f} {r['hit_rate']:5.0%} | "
+            f"{r['num_blocks']:>10,} {r['prompt_len']:>6} | {r['allocate_us']:8.1f} "
+            f"{r['allocate_us_per_block']:8.2f} | "
+            f"{r['allocate_hit_us']:8.1f} {r['allocate_hit_us_per_block']:8.2f} "
+            f"{r['hit_rate']:5.0%} | "
             f"{r['append_us']:9.2f} | {r['free_us']:8.1f} {r['free_us_per_block']:8.2f}"
         )
 
 
 def plot_block_manager(data: dict):
-    """µs per block of each call against the cache size and the prompt length: flat lines are the claim."""
+    """µs per block of each call against the cache size and the prompt length: flat lines are the
+    claim."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.5), sharey=True)
@@ -158,14 +163,17 @@ def main() -> None:
     args = parser.parse_args()
     bs = args.block_size
     print(
-        f"BlockManager micro-benchmark: {args.num_seqs:,} sequences of ~1k tokens (U[896, 1152]), block_size {bs}, "
-        f"{WAVE} alive at once, 64 decode steps each; 'allocate (hit)' re-allocates the same prompts\n"
+        f"BlockManager micro-benchmark: {args.num_seqs:,} sequences of ~1k tokens (U[896, 1152]), "
+        f"block_size {bs}, "
+        f"{WAVE} alive at once, 64 decode steps each; 'allocate (hit)' re-allocates the same "
+        f"prompts\n"
     )
     print("Cache size grows 256x; cost per block must not:")
     by_cache = [run_benchmark(n, args.num_seqs, bs) for n in (4_096, 65_536, 1_048_576)]
     print_table(by_cache)
     print(
-        "\nPrompt length grows 16x at a fixed cache size; cost per call grows with the blocks, per block it does not:"
+        "\nPrompt length grows 16x at a fixed cache size; cost per call grows with the blocks, "
+        "per block it does not:"
     )
     by_prompt = [
         run_benchmark(65_536, max(args.num_seqs // 4, WAVE), bs, prompt_len=n)

@@ -1,15 +1,18 @@
-"""A server's first users: the same workload twice in a fresh process, with fresh prompts the second time.
+"""A server's first users: the same workload twice in a fresh process, with fresh prompts the second
+time.
 
-    python -m minivllm.benchmarks.cold_start [--preset qwen3-0.6b] [--workloads chat-burst nano-vllm]
-        [--max-requests N] [--max-tokens N] [--out figures]
+    python -m minivllm.benchmarks.cold_start [--preset qwen3-0.6b]
+        [--workloads chat-burst nano-vllm] [--max-requests N] [--max-tokens N] [--out figures]
 
-Per workload, a new Python process starts an `LLM` on the preset's random-weight checkpoint (default qwen3-0.6b on
-a GPU, tiny on a CPU) and runs the workload at once, then again with prompts from another seed (nothing to find in
-the prefix cache): run 1 pays for whatever the engine compiles or captures on first use, run 2 should not. Workloads:
-`chat-burst`, 1,024 requests behind one 1,000-token system prompt (then 50-300 user tokens; outputs of 100-300,
-temperature 0.7, top-k 50, top-p 0.95), and nano-vllm's (`minivllm.benchmarks.workloads`). `--max-requests` keeps
-the first N requests of each and `--max-tokens` caps their outputs (a CPU's quick run). Rows: `workload`, `run` (1 or 2), `tok_per_s`, `ttft_p50_ms` and
-the rest of `run_workload`'s fields, and `startup_s` (the `LLM()` call). Writes cold_start.json + .png.
+Per workload, a new Python process starts an `LLM` on the preset's random-weight checkpoint (default
+qwen3-0.6b on a GPU, tiny on a CPU) and runs the workload at once, then again with prompts from
+another seed (nothing to find in the prefix cache): run 1 pays for whatever the engine compiles or
+captures on first use, run 2 should not. Workloads: `chat-burst`, 1,024 requests behind one
+1,000-token system prompt (then 50-300 user tokens; outputs of 100-300, temperature 0.7, top-k 50,
+top-p 0.95), and nano-vllm's (`minivllm.benchmarks.workloads`). `--max-requests` keeps the first N
+requests of each and `--max-tokens` caps their outputs (a CPU's quick run). Rows: `workload`, `run`
+(1 or 2), `tok_per_s`, `ttft_p50_ms` and the rest of `run_workload`'s fields, and `startup_s` (the
+`LLM()` call). Writes cold_start.json + .png.
 """
 
 import argparse
@@ -64,9 +67,8 @@ def child(preset: str, name: str, max_requests: int | None, max_tokens: int | No
         max_model_len=max(len(p) for w in runs for p in w.prompts) + 1024,
     )
     startup = time.perf_counter() - start
-    vocab = (
-        llm.engine.config.hf_config.vocab_size
-    )  # ids < 10,000: a small preset's vocabulary may be smaller
+    # ids < 10,000: a small preset's vocabulary may be smaller
+    vocab = llm.engine.config.hf_config.vocab_size
     runs = [
         Workload(w.name, [[t % vocab for t in p] for p in w.prompts], w.params, w.shared_prefix)
         for w in runs
@@ -124,13 +126,13 @@ def main(argv: list[str] | None = None) -> None:
             ("--max-tokens", args.max_tokens),
         ):
             command += [] if value is None else [flag, str(value)]
-        out = subprocess.run(
-            command, stdout=subprocess.PIPE, text=True, check=True
-        ).stdout  # its stderr: ours
+        # its stderr: ours
+        out = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=True).stdout
         rows += json.loads(out.strip().splitlines()[-1])
         for row in rows[-2:]:
             print(
-                f"{name} run {row['run']}: {row['tok_per_s']:,.0f} output tok/s, TTFT p50 {row['ttft_p50_ms']:,.0f} ms"
+                f"{name} run {row['run']}: {row['tok_per_s']:,.0f} output tok/s, TTFT p50 "
+                f"{row['ttft_p50_ms']:,.0f} ms"
             )
     data = result(MODULE, rows, preset=args.preset)
     save("cold_start", data, plot_cold_start(data), args.out)

@@ -2,11 +2,12 @@
 
     python -m minivllm.benchmarks.decode_step [--context-len 512] [--out figures]
 
-Writes the qwen3-0.6b preset (random weights, bf16) to a temporary folder, starts a ModelRunner, prefills
-`batch` sequences of `context_len` random tokens, then times `runner.run(seqs, is_prefill=False)`: host-side
-input preparation, the forward, the sampler and the copy of the tokens back, as the engine pays it. One runner
-replays its CUDA graphs; a second, made with `enforce_eager=True`, runs eagerly. Writes decode_step.json + .png,
-with the KV cache the runner sized on this GPU.
+Writes the qwen3-0.6b preset (random weights, bf16) to a temporary folder, starts a ModelRunner,
+prefills `batch` sequences of `context_len` random tokens, then times `runner.run(seqs,
+is_prefill=False)`: host-side input preparation, the forward, the sampler and the copy of the tokens
+back, as the engine pays it. One runner replays its CUDA graphs; a second, made with
+`enforce_eager=True`, runs eagerly. Writes decode_step.json + .png, with the KV cache the runner
+sized on this GPU.
 """
 
 import torch

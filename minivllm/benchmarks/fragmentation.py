@@ -1,14 +1,15 @@
-"""Why PagedAttention reduces fragmentation: one workload replayed on a fixed KV memory (notebook 03).
+"""Why PagedAttention reduces fragmentation: one workload replayed on a fixed KV memory (notebook
+03).
 
     python -m minivllm.benchmarks.fragmentation
 
-600 requests (prompts of 16 to 512 tokens, `max_tokens=1024`, each stopping after an exponentially distributed
-number of tokens, mean 300) on 65,536 KV slots, with a contiguous reservation per request (max length, or prompt +
-max_tokens placed first-fit) or paged blocks of 256, 64 and 16 slots. A miniature continuous-batching loop admits
-requests first come, first served while memory allows, decodes one token per running request, and preempts the
-newest request when a token finds no free block. Each step, every slot holds a token, is reserved ahead, is
-over-reserved (for tokens its request never produces), is stranded in a hole too small for the next request, or
-is free.
+600 requests (prompts of 16 to 512 tokens, `max_tokens=1024`, each stopping after an exponentially
+distributed number of tokens, mean 300) on 65,536 KV slots, with a contiguous reservation per
+request (max length, or prompt + max_tokens placed first-fit) or paged blocks of 256, 64 and 16
+slots. A miniature continuous-batching loop admits requests first come, first served while memory
+allows, decodes one token per running request, and preempts the newest request when a token finds no
+free block. Each step, every slot holds a token, is reserved ahead, is over-reserved (for tokens its
+request never produces), is stranded in a hole too small for the next request, or is free.
 """
 
 from collections import deque
@@ -41,13 +42,13 @@ def chat_workload(n: int, seed: int = 0) -> list[tuple]:
 
 
 class ContiguousAllocator:
-    """Blocks of one slot, but a sequence gets all its `reserve(seq)` slots up front, in one piece, first-fit."""
+    """Blocks of one slot, but a sequence gets all its `reserve(seq)` slots up front, in one piece,
+    first-fit."""
 
     block_size = 1
     cache_blocks = may_append = lambda self, *args: None  # no prefix caching, no blocks to add
-    can_append = lambda self, seq: (
-        True
-    )  # the reservation already covers every token the request may produce
+    # the reservation already covers every token the request may produce
+    can_append = lambda self, seq: True
     deallocate = lambda self, seq: self.ranges.pop(seq.seq_id)
 
     def __init__(self, num_slots: int, reserve):
@@ -70,10 +71,10 @@ class ContiguousAllocator:
 
 
 def kv_breakdown(allocator, running: list[Sequence], waiting: deque, stop: dict[int, int]) -> dict:
-    """KV slots this step that hold tokens, are reserved ahead, over-reserved, stranded in holes, or free."""
-    if isinstance(
-        allocator, ContiguousAllocator
-    ):  # a request needs its whole reservation in one hole
+    """KV slots this step that hold tokens, are reserved ahead, over-reserved, stranded in holes, or
+    free."""
+    # a request needs its whole reservation in one hole
+    if isinstance(allocator, ContiguousAllocator):
         held = [allocator.ranges[s.seq_id][1] for s in running]
         holes, piece = (
             [n for _, n in allocator.holes()],
@@ -85,9 +86,8 @@ def kv_breakdown(allocator, running: list[Sequence], waiting: deque, stop: dict[
             [allocator.block_size] * allocator.num_free_blocks,
             allocator.block_size * bool(waiting),
         )
-        assert (
-            sum(held) == allocator.num_used_blocks * allocator.block_size
-        )  # every used block is someone's
+        # every used block is someone's
+        assert sum(held) == allocator.num_used_blocks * allocator.block_size
     tokens, stranded = sum(len(s) for s in running), sum(n for n in holes if n < piece)
     over = sum(
         max(h - s.num_prompt_tokens - stop[s.seq_id], 0) for h, s in zip(held, running)
@@ -105,9 +105,8 @@ def simulate(workload, allocator, block_size: int = 16, seed: int = 0) -> list[d
     waiting = deque(
         Sequence(p, SamplingParams(max_tokens=MAX_TOKENS), block_size) for p, _ in workload
     )
-    stop = {
-        seq.seq_id: o for seq, (_, o) in zip(waiting, workload)
-    }  # where each request meets its "EOS"
+    # where each request meets its "EOS"
+    stop = {seq.seq_id: o for seq, (_, o) in zip(waiting, workload)}
     running: list[Sequence] = []
     rows: list[dict] = []
     while waiting or running:
@@ -118,9 +117,8 @@ def simulate(workload, allocator, block_size: int = 16, seed: int = 0) -> list[d
             seq.status = SequenceStatus.RUNNING
             running.append(seq)
         assert running, "the cache cannot hold even one request"
-        rows.append(
-            kv_breakdown(allocator, running, waiting, stop)
-        )  # after admission, before decoding
+        # after admission, before decoding
+        rows.append(kv_breakdown(allocator, running, waiting, stop))
         for seq in list(running):  # decode one token each
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this step
@@ -151,8 +149,8 @@ SCHEMES: dict[str, Callable[[], Any]] = {  # name -> a new allocator
 
 
 def run_schemes(num_requests: int = 600) -> dict[str, dict]:
-    """Each scheme's rows, share of memory by kind (over the steps in which a request waits), occupancy (tokens
-    over reserved slots) and mean batch size."""
+    """Each scheme's rows, share of memory by kind (over the steps in which a request waits),
+    occupancy (tokens over reserved slots) and mean batch size."""
     workload, runs = chat_workload(num_requests), {}
     for name, make in SCHEMES.items():
         rows = simulate(
@@ -177,7 +175,8 @@ def print_fragmentation(runs: dict[str, dict]) -> None:
 
 
 def plot_fragmentation(runs: dict[str, dict]):
-    """Where the KV memory is while requests wait (stacked bars), and the batch size over the steps."""
+    """Where the KV memory is while requests wait (stacked bars), and the batch size over the
+    steps."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10.8, 4.2), width_ratios=[1.1, 1])

@@ -1,13 +1,14 @@
-"""Prefill attention: our Triton FlashAttention vs PyTorch SDPA (flash, cuDNN), a naive O(N²) version, and
-FlashInfer's prefill (single_prefill_with_kv_cache) where the `flashinfer` package is installed.
+"""Prefill attention: our Triton FlashAttention vs PyTorch SDPA (flash, cuDNN), a naive O(N²)
+version, and FlashInfer's prefill (single_prefill_with_kv_cache) where the `flashinfer` package is
+installed.
 
     python -m minivllm.benchmarks.prefill [--seqlens 1024 4096 8192 16384] [--out figures] [--sweep]
 
-One causal prompt (batch 1), 16 query / 8 KV heads, head_dim 128, bf16: Qwen3-0.6B's attention.
-Each call is timed eagerly (triton.testing.do_bench), in 5 rounds that time every implementation in turn; a row's
-`ms` is the median round (`ms_rounds`: all five). Writes prefill.json + prefill.png, and prints per length how
-fast ours is against cuDNN (and FlashInfer): ratios in the JSON. --sweep also times every tile configuration of our
-kernel and prints the best.
+One causal prompt (batch 1), 16 query / 8 KV heads, head_dim 128, bf16: Qwen3-0.6B's attention. Each
+call is timed eagerly (triton.testing.do_bench), in 5 rounds that time every implementation in turn;
+a row's `ms` is the median round (`ms_rounds`: all five). Writes prefill.json + prefill.png, and
+prints per length how fast ours is against cuDNN (and FlashInfer): ratios in the JSON. --sweep also
+times every tile configuration of our kernel and prints the best.
 """
 
 import importlib
@@ -31,9 +32,8 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
 
 
 def causal_tflops(seqlen: int, ms: float, batch: int = 1) -> float:
-    flops = (
-        4 * batch * seqlen * seqlen * NUM_HEADS * HEAD_DIM / 2
-    )  # two matmuls, half the square is masked
+    # two matmuls, half the square is masked
+    flops = 4 * batch * seqlen * seqlen * NUM_HEADS * HEAD_DIM / 2
     return flops / (ms * 1e-3) / 1e12
 
 
@@ -58,7 +58,8 @@ def implementations(
     v = torch.randn_like(k)
     cu = torch.tensor([0, seqlen], dtype=torch.int32, device="cuda")
     group = NUM_HEADS // NUM_KV_HEADS
-    # SDPA and the naive version get the KV heads already expanded (outside the timing): GQA costs them nothing
+    # SDPA and the naive version get the KV heads already expanded (outside the timing): GQA costs
+    # them nothing
     qb, kb, vb = (
         t.transpose(0, 1)[None]
         for t in (q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))
@@ -79,9 +80,8 @@ def implementations(
         "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
         "naive-torch": lambda: naive_attention(qb, kb, vb),
     }
-    if (
-        HAS_FLASHINFER
-    ):  # beside ours; batch 1, so its single-request prefill: (N, heads, D) as ours, GQA inside
+    # beside ours; batch 1, so its single-request prefill: (N, heads, D) as ours, GQA inside
+    if HAS_FLASHINFER:
         flashinfer = importlib.import_module("flashinfer")
         impls = {
             "minivllm-triton": impls.pop("minivllm-triton"),
@@ -92,16 +92,16 @@ def implementations(
         }
     reference = impls["sdpa-flash"]()[0].transpose(0, 1)
     torch.testing.assert_close(impls["minivllm-triton"](), reference, atol=2e-2, rtol=2e-2)
-    if (
-        "flashinfer" in impls
-    ):  # checked before any timing: a wrong layout must not give a fast, bogus number
+    # checked before any timing: a wrong layout must not give a fast, bogus number
+    if "flashinfer" in impls:
         torch.testing.assert_close(impls["flashinfer"](), reference, atol=2e-2, rtol=2e-2)
     return impls
 
 
 def interleaved_ms(impls: dict, rounds: int) -> dict[str, list[float]]:
-    """Each implementation's do_bench median, in `rounds` rounds that time them one after the other: a slow spell
-    of the GPU (clocks, heat) falls on all of them alike. An implementation that rejects the shape is left out."""
+    """Each implementation's do_bench median, in `rounds` rounds that time them one after the other:
+    a slow spell of the GPU (clocks, heat) falls on all of them alike. An implementation that
+    rejects the shape is left out."""
     times: dict[str, list[float]] = {impl: [] for impl in impls}
     for _ in range(rounds):
         for impl in list(times):
@@ -116,18 +116,29 @@ def interleaved_ms(impls: dict, rounds: int) -> dict[str, list[float]]:
     return times
 
 
-def run_prefill_benchmark(seqlens=(1024, 4096, 8192, 16384), module: str = "minivllm.benchmarks.prefill",
-                          rounds: int = 5) -> dict:  # fmt: skip
+def run_prefill_benchmark(
+    seqlens=(1024, 4096, 8192, 16384), module: str = "minivllm.benchmarks.prefill", rounds: int = 5
+) -> dict:
     rows, ratios = [], []
     for seqlen in seqlens:
         ms_of = {}
         for impl, times in interleaved_ms(implementations(seqlen), rounds).items():
             ms = statistics.median(times)
-            rows.append(dict(impl=impl, seqlen=seqlen, batch=1, ms=ms, tflops=causal_tflops(seqlen, ms),
-                             ms_rounds=times))  # fmt: skip
+            rows.append(
+                dict(
+                    impl=impl,
+                    seqlen=seqlen,
+                    batch=1,
+                    ms=ms,
+                    tflops=causal_tflops(seqlen, ms),
+                    ms_rounds=times,
+                )
+            )
             ms_of[impl] = ms
-            print(f"{impl:>16} N={seqlen:>6}: {ms:8.3f} ms {rows[-1]['tflops']:7.1f} TFLOP/s  "
-                  f"(rounds {min(times):.3f}–{max(times):.3f})")  # fmt: skip
+            print(
+                f"{impl:>16} N={seqlen:>6}: {ms:8.3f} ms {rows[-1]['tflops']:7.1f} TFLOP/s  "
+                f"(rounds {min(times):.3f}–{max(times):.3f})"
+            )
         for baseline in ("sdpa-cudnn", "flashinfer"):  # speedup > 1: ours is faster
             if baseline in ms_of and "minivllm-triton" in ms_of:
                 ratio = ms_of[baseline] / ms_of["minivllm-triton"]
@@ -144,7 +155,8 @@ def run_prefill_benchmark(seqlens=(1024, 4096, 8192, 16384), module: str = "mini
         config=launch_config(HEAD_DIM, torch.device("cuda")),
         timing=f"eager (triton.testing.do_bench), the median of {rounds} interleaved rounds",
         flashinfer=package_version("flashinfer-python"),
-        ratios=ratios,  # per length, speedup: minivllm-triton's speed over the baseline's (its ms / ours)
+        # per length, speedup: minivllm-triton's speed over the baseline's (its ms / ours)
+        ratios=ratios,
     )
 
 

@@ -2,16 +2,16 @@
 
     python -m minivllm.benchmarks.sampler [--batch-sizes 1 64 256] [--vocab 151936] [--out figures]
 
-Rows of one kind per batch (Qwen3's vocabulary by default, float32 logits as the runner's LM head gives them):
-greedy; temperature only (the Triton race: one pass over the logits); top-p 0.9 (Triton's nucleus: draw, check,
-draw again above a draw outside the nucleus; no sort); top-k 50 with top-p 0.9 (`top_k_sample`: the logits at or
-above a floor from 1,024 lanes' maxima, sorted and raced in one program per row); both, row by row (top-k rows
-as above, the others the nucleus, one `torch.where`); seeded top-p.
-`ms`: one eager call, building the `SamplingTensors` from the requests' parameters as the runner does each step
-(host work included: a top-p call launches 18 kernels, 6 below 32 rows). `kernel_ms`: the GPU's time alone, the
-call replayed from a CUDA graph with its tensors built beforehand, the mean over 8 steps' draws (a top-p row's
-retries depend on its draw).
-Writes sampler.json (no figure: a table says it).
+Rows of one kind per batch (Qwen3's vocabulary by default, float32 logits as the runner's LM head
+gives them): greedy; temperature only (the Triton race: one pass over the logits); top-p 0.9
+(Triton's nucleus: draw, check, draw again above a draw outside the nucleus; no sort); top-k 50 with
+top-p 0.9 (`top_k_sample`: the logits at or above a floor from 1,024 lanes' maxima, sorted and raced
+in one program per row); both, row by row (top-k rows as above, the others the nucleus, one
+`torch.where`); seeded top-p. `ms`: one eager call, building the `SamplingTensors` from the
+requests' parameters as the runner does each step (host work included: a top-p call launches 18
+kernels, 6 below 32 rows). `kernel_ms`: the GPU's time alone, the call replayed from a CUDA graph
+with its tensors built beforehand, the mean over 8 steps' draws (a top-p row's retries depend on its
+draw). Writes sampler.json (no figure: a table says it).
 """
 
 import torch
@@ -56,7 +56,8 @@ def run_sampler_benchmark(batch_sizes=(1, 64, 256), vocab: int = 151_936) -> dic
             rows.append(time_kind(sampler, logits, kind))
             r = rows[-1]
             print(
-                f"{kind:>18} batch {batch:>3}: {r['ms']:.3f} ms ({r['kernel_ms']:.3f} ms of kernels)"
+                f"{kind:>18} batch {batch:>3}: {r['ms']:.3f} ms ({r['kernel_ms']:.3f} ms of "
+                f"kernels)"
             )
     return result("minivllm.benchmarks.sampler", rows)
 

@@ -1,20 +1,22 @@
-"""Online serving, as vLLM's benchmark_serving measures it: throughput and latency at several request rates over HTTP,
-beside the same requests run offline.
+"""Online serving, as vLLM's benchmark_serving measures it: throughput and latency at several
+request rates over HTTP, beside the same requests run offline.
 
-    python -m minivllm.benchmarks.serving [--preset qwen3-0.6b] [--num-requests 512] [--request-rates 4 16 64 inf]
-        [--prompt-lens 100 1024] [--output-lens 100 1024] [--seed 0] [--out figures]
+    python -m minivllm.benchmarks.serving [--preset qwen3-0.6b] [--num-requests 512]
+        [--request-rates 4 16 64 inf] [--prompt-lens 100 1024] [--output-lens 100 1024] [--seed 0]
+        [--out figures]
 
 The engine (prefix caching off: every run sends the same prompts) on the preset's random-weight
-checkpoint (default qwen3-0.6b on a GPU; on a CPU tiny, 32 shorter requests). Requests: token-id prompts and output
-lengths drawn from `random.Random(seed)` (nano-vllm's ranges by default), temperature 0.6, ignore_eos, so every
-request's output length is its max_tokens. First offline: every request at once through an `LLM`'s step loop, as
-`LLM.generate` runs them. Then, per `--cores` (`AsyncLLM`'s engine core on a thread of the server's process, then in
-a process of its own, as vLLM v1 runs it; rows carry `engine_core`), the OpenAI-compatible server (`minivllm.serve`, uvicorn on a free port of 127.0.0.1
-in a thread), and per request rate a client in a process of its own (httpx, asyncio) that sends them to
-`/v1/completions` with `"stream": true`, Poisson arrivals at that rate (inf: all at once). Per request: TTFT (to
-the first streamed event), TPOT ((last event - first) / (max_tokens - 1)), end-to-end; per run: output tokens /
-wall seconds. A request counts as completed when its last event's finish_reason is "length".
-Writes serving.json + .png.
+checkpoint (default qwen3-0.6b on a GPU; on a CPU tiny, 32 shorter requests). Requests: token-id
+prompts and output lengths drawn from `random.Random(seed)` (nano-vllm's ranges by default),
+temperature 0.6, ignore_eos, so every request's output length is its max_tokens. First offline:
+every request at once through an `LLM`'s step loop, as `LLM.generate` runs them. Then, per `--cores`
+(`AsyncLLM`'s engine core on a thread of the server's process, then in a process of its own, as vLLM
+v1 runs it; rows carry `engine_core`), the OpenAI-compatible server (`minivllm.serve`, uvicorn on a
+free port of 127.0.0.1 in a thread), and per request rate a client in a process of its own (httpx,
+asyncio) that sends them to `/v1/completions` with `"stream": true`, Poisson arrivals at that rate
+(inf: all at once). Per request: TTFT (to the first streamed event), TPOT ((last event - first) /
+(max_tokens - 1)), end-to-end; per run: output tokens / wall seconds. A request counts as completed
+when its last event's finish_reason is "length". Writes serving.json + .png.
 """
 
 import asyncio
@@ -45,7 +47,8 @@ DEFAULTS = {
 
 
 def arrival_times(n: int, rate: float, seed: int = 0) -> list[float]:
-    """Seconds from the start: a Poisson process of `rate` requests/s (exponential gaps), the first at 0; inf: all 0."""
+    """Seconds from the start: a Poisson process of `rate` requests/s (exponential gaps), the first
+    at 0; inf: all 0."""
     rng = random.Random(seed)
     gaps = [0.0] + [0.0 if math.isinf(rate) else rng.expovariate(rate) for _ in range(n - 1)]
     return list(itertools.accumulate(gaps))
@@ -54,7 +57,8 @@ def arrival_times(n: int, rate: float, seed: int = 0) -> list[float]:
 async def stream_one(
     client: httpx.AsyncClient, body: dict, at: float, bar: tqdm | None = None
 ) -> dict:
-    """One streamed completion sent at perf_counter() `at`: its TTFT, TPOT and end-to-end seconds."""
+    """One streamed completion sent at perf_counter() `at`: its TTFT, TPOT and end-to-end
+    seconds."""
     await asyncio.sleep(at - time.perf_counter())
     start, times = time.perf_counter(), []
     reason: str | None = None
@@ -90,13 +94,11 @@ async def send_all(
         )
         for p, n in zip(prompts, output_lens)
     ]
-    limits = httpx.Limits(
-        max_connections=None, max_keepalive_connections=None
-    )  # no queue on the client's side
+    # no queue on the client's side
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as client:
-        await stream_one(
-            client, {**bodies[0], "max_tokens": 2}, 0.0
-        )  # warm-up: the connection, the first route
+        # warm-up: the connection, the first route
+        await stream_one(client, {**bodies[0], "max_tokens": 2}, 0.0)
         with tqdm(total=len(bodies), desc=f"rate {rate:g}/s", dynamic_ncols=True) as bar:
             start = time.perf_counter()
             at = [start + t for t in arrival_times(len(bodies), rate, seed)]
@@ -109,14 +111,16 @@ async def send_all(
 def run_client(
     url: str, model: str, prompts, output_lens, rate: float, seed: int
 ) -> tuple[list[dict], float]:
-    """Every request at `rate`, from this process's own asyncio loop: each request's timings and the wall seconds."""
+    """Every request at `rate`, from this process's own asyncio loop: each request's timings and the
+    wall seconds."""
     return asyncio.run(send_all(url, model, prompts, output_lens, rate, seed))
 
 
 def summary(
     impl: str, rate: float, num_requests: int, done: list[dict], tokens: int, seconds: float
 ) -> dict:
-    """A run's row: `done` holds each completed request's ttft, tpot (None with one token) and e2e seconds."""
+    """A run's row: `done` holds each completed request's ttft, tpot (None with one token) and e2e
+    seconds."""
     return dict(
         impl=impl,
         request_rate=rate if math.isfinite(rate) else "inf",  # JSON has no infinity
@@ -135,9 +139,8 @@ def online_row(rate: float, results: list[dict], seconds: float, output_lens: li
     done = [r for r in results if r["ok"]]
     tokens = sum(n for r, n in zip(results, output_lens) if r["ok"])
     row = summary("minivllm-online", rate, len(results), done, tokens, seconds)
-    row["stream_events"] = sum(
-        r["events"] for r in done
-    )  # one per step at most: a client that lags gets them merged
+    # one per step at most: a client that lags gets them merged
+    row["stream_events"] = sum(r["events"] for r in done)
     if failed := sorted({r["reason"] for r in results if not r["ok"]}, key=str):
         row["errors"] = failed
     return row
@@ -193,17 +196,14 @@ def run_serving_benchmark(
         )
         run_offline(offline.engine, prompts[:8], [4] * len(prompts[:8]))  # warm-up
         rows = [run_offline(offline.engine, prompts, outs)]
-        print(
-            SERVING_HEADER, serving_line(rows[0]), sep="\n", flush=True
-        )  # each row as it is measured
+        # each row as it is measured
+        print(SERVING_HEADER, serving_line(rows[0]), sep="\n", flush=True)
     finally:
         offline.close()
-    spawn = multiprocessing.get_context(
-        "spawn"
-    )  # the client's own process: no GIL shared with the server
-    for (
-        core
-    ) in cores:  # the engine core on a thread of the server's process, then in a process of its own
+    # the client's own process: no GIL shared with the server
+    spawn = multiprocessing.get_context("spawn")
+    # the engine core on a thread of the server's process, then in a process of its own
+    for core in cores:
         llm = AsyncLLM(str(path), multiprocessing=core == "process", **config)
         try:
             with (
@@ -234,7 +234,8 @@ def run_serving_benchmark(
 
 
 def plot_serving(data: dict):
-    """Output tokens/s against the request rate, offline as a line; TTFT and TPOT p50 and p99 against the rate."""
+    """Output tokens/s against the request rate, offline as a line; TTFT and TPOT p50 and p99
+    against the rate."""
     import matplotlib.pyplot as plt
 
     online = [r for r in data["rows"] if r["impl"] == "minivllm-online"]
@@ -275,20 +276,25 @@ def plot_serving(data: dict):
         ax.set_xticks(x, labels)
         ax.set_xlabel("request rate (requests / s; inf: all at once)")
     fig.suptitle(
-        f"{data['preset']} on {data['device']}: {offline['num_requests']} requests, prefix caching off"
+        f"{data['preset']} on {data['device']}: {offline['num_requests']} requests, prefix "
+        f"caching off"
     )
     fig.tight_layout()
     return fig
 
 
-SERVING_HEADER = f"{'impl':>16} {'core':>7} {'rate':>5} {'done':>9} {'tok/s':>9} {'TTFT p50/p99 ms':>17} {'TPOT p50/p99 ms':>16}"
+SERVING_HEADER = (
+    f"{'impl':>16} {'core':>7} {'rate':>5} {'done':>9} {'tok/s':>9} "
+    f"{'TTFT p50/p99 ms':>17} {'TPOT p50/p99 ms':>16}"
+)
 
 
 def serving_line(r: dict) -> str:
     return (
         f"{r['impl']:>16} {r.get('engine_core', ''):>7} {float(r['request_rate']):>5g} "
         f"{r['completed']:>4}/{r['num_requests']:<4} {r['tok_per_s']:>9,.0f} "
-        f"{r['ttft_p50_ms']:>8,.1f}/{r['ttft_p99_ms']:<8,.1f} {r['tpot_p50_ms']:>7.2f}/{r['tpot_p99_ms']:<8.2f}"
+        f"{r['ttft_p50_ms']:>8,.1f}/{r['ttft_p99_ms']:<8,.1f} "
+        f"{r['tpot_p50_ms']:>7.2f}/{r['tpot_p99_ms']:<8.2f}"
     )
 
 
@@ -319,7 +325,8 @@ def main(argv: list[str] | None = None) -> None:
         nargs="+",
         choices=["thread", "process"],
         default=["thread", "process"],
-        help="where the server's engine core runs: a thread of its process (before), a process of its own (after)",
+        help="where the server's engine core runs: a thread of its process (before), a process of "
+        "its own (after)",
     )
     parser.set_defaults(**DEFAULTS["cuda" if torch.cuda.is_available() else "cpu"])
     args = parser.parse_args(argv)

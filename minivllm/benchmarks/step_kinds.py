@@ -1,14 +1,14 @@
-"""Where a workload's time goes, per kind of engine step, under each scheduling policy, with and without the CUDA
-graphs of prefill and mixed steps (notebook 04's `MixedGraphs`).
+"""Where a workload's time goes, per kind of engine step, under each scheduling policy, with and
+without the CUDA graphs of prefill and mixed steps (notebook 04's `MixedGraphs`).
 
     python -m minivllm.benchmarks.step_kinds [--workloads chat nano-vllm] [--out DIR]
 
-The workloads are the throughput benchmark's; scheduling is synchronous (`async_scheduling=False`), so that each
-engine step's wall time is that step's own: scheduling, inputs, forward, sampling, and waiting for its tokens.
-Each workload runs `--repeats` times per engine and the fastest run is kept (a synchronous step also waits for the
-host, whose jitter moves a run by a few %). Per run and kind of step (prefill, decode, mixed): steps, seconds,
-tokens computed, sequences. On a CPU there are no graphs, and the runs without them are the only ones. Writes
-step_kinds.json + .png.
+The workloads are the throughput benchmark's; scheduling is synchronous (`async_scheduling=False`),
+so that each engine step's wall time is that step's own: scheduling, inputs, forward, sampling, and
+waiting for its tokens. Each workload runs `--repeats` times per engine and the fastest run is kept
+(a synchronous step also waits for the host, whose jitter moves a run by a few %). Per run and kind
+of step (prefill, decode, mixed): steps, seconds, tokens computed, sequences. On a CPU there are no
+graphs, and the runs without them are the only ones. Writes step_kinds.json + .png.
 """
 
 import time
@@ -34,7 +34,8 @@ KINDS = ("prefill", "mixed", "decode")
 def run_kinds(llm: LLM, work: Workload) -> dict:
     """One workload, step by step: seconds, tokens and sequences per kind of step."""
     engine = llm.engine
-    engine.scheduler.block_manager.reset()  # forget cached prefixes: a repeat computes its prompts again
+    # forget cached prefixes: a repeat computes its prompts again
+    engine.scheduler.block_manager.reset()
     engine.add_requests(list[Prompt](work.prompts), list[SamplingParams | None](work.params))
     kinds: dict[str, dict] = defaultdict(lambda: dict(steps=0, seconds=0.0, tokens=0, seqs=0))
     start = time.perf_counter()
@@ -69,9 +70,8 @@ def run_step_kinds_benchmark(
             with LLM(str(path), scheduling_policy=policy, async_scheduling=False, **config) as llm:
                 if not graphs:
                     llm.engine.runner.mixed_graphs = None  # prefill and mixed steps run eagerly
-                llm.generate(
-                    ["Benchmark: "], SamplingParams(max_tokens=4), use_tqdm=False
-                )  # warm-up
+                # warm-up
+                llm.generate(["Benchmark: "], SamplingParams(max_tokens=4), use_tqdm=False)
                 for work in works:
                     fastest = min(
                         (run_kinds(llm, work) for _ in range(repeats)),
@@ -88,7 +88,10 @@ def describe_kinds(row: dict) -> str:
         for name, k in sorted(row["kinds"].items(), key=lambda item: KINDS.index(item[0]))
     )
     graphs = "graphs" if row["mixed_graphs"] else "eager"
-    return f"{row['workload']:>9} · {row['policy']}, {graphs}: {row['tok_per_s']:,.0f} output tok/s; {kinds}"
+    return (
+        f"{row['workload']:>9} · {row['policy']}, {graphs}: {row['tok_per_s']:,.0f} output "
+        f"tok/s; {kinds}"
+    )
 
 
 def plot_step_kinds(data: dict):
@@ -110,7 +113,8 @@ def plot_step_kinds(data: dict):
         ax.tick_params(axis="x", labelsize=8)
     axes[0][0].legend()
     fig.suptitle(
-        f"{data['preset']} on {data['device']}: seconds per kind of step, prefill and mixed steps eager or graphed"
+        f"{data['preset']} on {data['device']}: seconds per kind of step, prefill and mixed steps "
+        f"eager or graphed"
     )
     fig.tight_layout()
     return fig
