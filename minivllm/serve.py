@@ -456,8 +456,9 @@ class Server:
         self.app.add_middleware(Limits, max_in_flight=max_queued_requests)
         if api_key:  # added last: it runs first
             self.app.add_middleware(RequireKey, key=api_key)
-        self.app.add_exception_handler(  # type: ignore[arg-type]
-            RequestValidationError, self.invalid
+        self.app.add_exception_handler(
+            RequestValidationError,
+            self.invalid,  # type: ignore[arg-type]
         )
         self.app.add_exception_handler(BadRequest, self.bad_request)  # type: ignore[arg-type]
         self.app.add_exception_handler(HTTPException, self.http_error)  # type: ignore[arg-type]
@@ -675,7 +676,8 @@ class Server:
                     return
             self.metrics.finished(last)
             if include_usage:
-                yield f"data: {json.dumps({**head, 'object': object_name, 'choices': [], 'usage': usage(last)})}\n\n"
+                chunk = {**head, "object": object_name, "choices": [], "usage": usage(last)}
+                yield f"data: {json.dumps(chunk)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             await outputs.aclose()

@@ -1138,9 +1138,13 @@ for bad in [
 # 4.x form, then with a field left out.
 
 # %%
-probe = """import sys, time; from pathlib import Path; from minivllm.models.loader import read_config
-before, start = len(sys.modules), time.perf_counter(); config = read_config(Path(sys.argv[1]))
-print(f"{type(config).__name__}: {time.perf_counter() - start:.2f} s, {len(sys.modules) - before} modules imported")"""
+probe = """import sys, time
+from pathlib import Path
+from minivllm.models.loader import read_config
+before, start = len(sys.modules), time.perf_counter()
+config = read_config(Path(sys.argv[1]))
+seconds, imported = time.perf_counter() - start, len(sys.modules) - before
+print(f"{type(config).__name__}: {seconds:.2f} s, {imported} modules imported")"""
 # the Hub's Qwen3 form
 rope_4 = lambda c: c.update(rope_theta=c.pop("rope_parameters")["rope_theta"])
 # no_bias: Qwen3Config's default

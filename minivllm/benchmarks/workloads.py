@@ -176,8 +176,9 @@ def run_workload(llm: "LLM", work: Workload) -> dict:
         seconds=seconds,
         tok_per_s=output_tokens / seconds,
         total_tok_per_s=(prompt_tokens + output_tokens) / seconds,
-        **percentiles(  # type: ignore[misc]
-            "ttft", [out.metrics.time_to_first_token for out in outputs]
+        **percentiles(
+            "ttft",
+            [out.metrics.time_to_first_token for out in outputs],  # type: ignore[misc]
         ),
         **percentiles("tpot", [t for t in tpot if t is not None]),
         steps={kind: kinds.count(kind) for kind in ("prefill", "decode", "mixed")},

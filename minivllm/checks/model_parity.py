@@ -160,7 +160,8 @@ def greedy_agreement(
     with, over all of them and where its top-1 leads its top-2 by more than `margin` (clear-cut:
     rounding cannot flip those)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device).eval()  # type: ignore[arg-type]
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
+    hf = hf.to(device).eval()  # type: ignore[arg-type]
     same, clear = [], []
     for out in outputs:
         ours, start = out.outputs[0].token_ids, len(out.prompt_token_ids) - 1
