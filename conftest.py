@@ -60,7 +60,13 @@ def hub_cache(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def serve_config() -> dict:
     """The engine settings the server tests run the tiny checkpoint with (offline comparisons use the same)."""
-    return dict(dtype=torch.float32, device="cpu", num_kvcache_blocks=256, max_model_len=512, max_num_seqs=32)
+    return dict(
+        dtype=torch.float32,
+        device="cpu",
+        num_kvcache_blocks=256,
+        max_model_len=512,
+        max_num_seqs=32,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +106,11 @@ def hf_greedy(hf_model):
 
     def greedy(prompt: list[int], max_tokens: int) -> list[int]:
         out = hf_model.generate(
-            torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+            torch.tensor([prompt]),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
         )
         return out[0, len(prompt) :].tolist()
 

@@ -1,18 +1,21 @@
-"""`python -m minivllm`: generate with a Hub model, a checkpoint folder or a preset; print the outputs and throughput.
+"""`python -m minivllm`: generate with a Hub model, a checkpoint folder or a preset; print the
+outputs and throughput.
 
-    python -m minivllm                                  # the presets that suit this machine, a few prompts
+    python -m minivllm                          # the presets that suit this machine, a few prompts
     python -m minivllm --preset tiny-text "Many hands make" "What do bees make?"
     python -m minivllm --model Qwen/Qwen3-0.6B --temperature 0.7 --top-p 0.9 --max-tokens 64 --tp 2
-    python -m minivllm --model path/to/Qwen3-0.6B "Dear Maria,"      # a checkpoint folder
+    python -m minivllm --model path/to/Qwen3-0.6B "Dear Maria,"  # a checkpoint folder
 
---model takes a Hub id as vLLM does: its snapshot in the Hub cache (HF_HUB_CACHE, or --download-dir), downloaded the
-first time; HF_HUB_OFFLINE=1 uses the cache alone. A folder of the id's name, if there is one, wins over the Hub.
-With no --model, a preset's checkpoint is written once to ~/.cache/minivllm/checkpoints/ (or $MINIVLLM_CHECKPOINTS).
-The default is tiny-text: the tiny model trained on the text its tokenizer was made from (half a minute on a CPU,
-the first time), so that it continues a line of that text in words, where random weights write gibberish. On a
-GPU the qwen3-0.6b preset runs after it, for speed: random weights in Qwen3-0.6B's shapes, whose ids mostly have
-no text in the presets' 2,048-token tokenizer, so its token ids are printed too. Every argument of LLM(...) is a
-flag (the "engine" flags below, as `python -m minivllm.serve` has them), but seed: --seed seeds the requests.
+--model takes a Hub id as vLLM does: its snapshot in the Hub cache (HF_HUB_CACHE, or
+--download-dir), downloaded the first time; HF_HUB_OFFLINE=1 uses the cache alone. A folder of the
+id's name, if there is one, wins over the Hub. With no --model, a preset's checkpoint is written
+once to ~/.cache/minivllm/checkpoints/ (or $MINIVLLM_CHECKPOINTS). The default is tiny-text: the
+tiny model trained on the text its tokenizer was made from (half a minute on a CPU, the first time),
+so that it continues a line of that text in words, where random weights write gibberish. On a GPU
+the qwen3-0.6b preset runs after it, for speed: random weights in Qwen3-0.6B's shapes, whose ids
+mostly have no text in the presets' 2,048-token tokenizer, so its token ids are printed too. Every
+argument of LLM(...) is a flag (the "engine" flags below, as `python -m minivllm.serve` has them),
+but seed: --seed seeds the requests.
 """
 
 import time
@@ -33,8 +36,14 @@ if TYPE_CHECKING:
     from minivllm import LLM
     from minivllm.outputs import RequestOutput
 
-DEFAULT_PROMPTS = ["What is the capital of France?", "In autumn the leaves", "Dear Maria,", "def fibonacci(n"]
-PRESETS = ["tiny", "tiny-text", "qwen3-0.6b"]  # minivllm.checkpoint.maker's (not imported here: it loads transformers)
+DEFAULT_PROMPTS = [
+    "What is the capital of France?",
+    "In autumn the leaves",
+    "Dear Maria,",
+    "def fibonacci(n",
+]
+# minivllm.checkpoint.maker's (not imported here: it loads transformers)
+PRESETS = ["tiny", "tiny-text", "qwen3-0.6b"]
 
 
 def positive_int(text: str) -> int:
@@ -59,15 +68,22 @@ def finite_float(text: str) -> float:
 
 
 def make_parser() -> tuple[argparse.ArgumentParser, list[str]]:
-    """The parser, and the engine fields it has flags for (all of LLM's, as serve's; --seed is the requests')."""
+    """The parser, and the engine fields it has flags for (all of LLM's, as serve's; --seed is the
+    requests')."""
     parser = argparse.ArgumentParser(
-        prog="python -m minivllm", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m minivllm",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("prompts", nargs="*", help="prompts (default: a few examples)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", help="a Hub id (ORG/NAME) or a HuggingFace checkpoint folder")
-    source.add_argument("--preset", choices=PRESETS, help="a preset (default: tiny-text, then qwen3-0.6b on a GPU)")
-    parser.add_argument("--temperature", type=finite_float, default=0.0, help="0 is greedy (default)")
+    source.add_argument(
+        "--preset", choices=PRESETS, help="a preset (default: tiny-text, then qwen3-0.6b on a GPU)"
+    )
+    parser.add_argument(
+        "--temperature", type=finite_float, default=0.0, help="0 is greedy (default)"
+    )
     parser.add_argument("--top-p", type=finite_float, default=1.0)
     parser.add_argument("--top-k", type=int, default=-1)
     parser.add_argument("--min-p", type=finite_float, default=0.0)
@@ -84,7 +100,8 @@ def make_parser() -> tuple[argparse.ArgumentParser, list[str]]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The flags, checked: a bad value exits with a one-line usage error (exit code 2), before any work."""
+    """The flags, checked: a bad value exits with a one-line usage error (exit code 2), before any
+    work."""
     from minivllm.sampling_params import SamplingParams
 
     parser, engine_fields = make_parser()
@@ -107,38 +124,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def default_presets() -> list[str]:
-    """tiny-text, whose text reads as text; on a GPU also qwen3-0.6b, for the speed of the real shapes."""
+    """tiny-text, whose text reads as text; on a GPU also qwen3-0.6b, for the speed of the real
+    shapes."""
     return ["tiny-text", "qwen3-0.6b"] if torch.cuda.is_available() else ["tiny-text"]
 
 
 def print_outputs(outputs: "list[RequestOutput]", num_known_ids: int, seconds: float) -> None:
-    """Each completion's text (and its first token ids if some have no text), then the throughput."""
+    """Each completion's text (and its first token ids if some have no text), then the
+    throughput."""
     for out in outputs:
         completion = out.outputs[0]
         print(f"\n--- {out.prompt!r} ({len(out.prompt_token_ids)} tokens)")
         print(
-            f"{completion.text!r}  [{len(completion.token_ids)} tokens, {completion.finish_reason}, "
+            f"{completion.text!r}  [{len(completion.token_ids)} tokens, "
+            f"{completion.finish_reason}, "
             f"TTFT {(out.metrics.time_to_first_token or 0.0) * 1e3:.0f} ms]"
         )
         if num_known_ids and (no_text := sum(t >= num_known_ids for t in completion.token_ids)):
-            print(f"token ids {completion.token_ids[:12]}... ({no_text} have no text in this tokenizer)")
+            print(
+                f"token ids {completion.token_ids[:12]}... ({no_text} have no text in this "
+                f"tokenizer)"
+            )
     num_tokens = sum(len(out.outputs[0].token_ids) for out in outputs)
     print(
         f"\n{len(outputs)} requests, {num_tokens} output tokens in {seconds:.2f} s: "
-        f"{num_tokens / seconds:,.0f} tokens/s on {torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}"
+        f"{num_tokens / seconds:,.0f} tokens/s on "
+        f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}"
     )
 
 
 def startup_split(llm: "LLM", marks: list[float], first: bool) -> str:
-    """Where the time to the first outputs went: imports (or, for a later engine, what ran since the last one),
-    LLM() split into the runner's phases and the rest (tokenizer, config, scheduler), then the generate call.
-    marks: when this engine's turn began, LLM() was called, it returned, generate returned."""
+    """Where the time to the first outputs went: imports (or, for a later engine, what ran since the
+    last one), LLM() split into the runner's phases and the rest (tokenizer, config, scheduler),
+    then the generate call. marks: when this engine's turn began, LLM() was called, it returned,
+    generate returned."""
     began, called, built, done = marks
     phases = llm.engine.runner.startup_seconds
     runner = ", ".join(f"{name} {seconds:.2f}" for name, seconds in phases.items())
     return (
-        f"start-up: {'imports' if first else 'since the last engine'} {called - began:.2f} s, LLM() {built - called:.2f}"
-        f" s ({runner}, tokenizer and the rest {built - called - sum(phases.values()):.2f}), generate {done - built:.2f}"
+        f"start-up: {'imports' if first else 'since the last engine'} {called - began:.2f} s, "
+        f"LLM() {built - called:.2f}"
+        f" s ({runner}, tokenizer and the rest {built - called - sum(phases.values()):.2f}), "
+        f"generate {done - built:.2f}"
         f" s: the outputs after {done - began:.1f} s"
     )
 
@@ -148,10 +175,16 @@ def generate(args: argparse.Namespace, model: Path | str, began: float, first: b
     from minivllm.models.hub import load_error_line
 
     marks = [began, time.perf_counter()]
-    try:  # a model that cannot be had or loaded (no such id or folder, gated, offline and not cached, .bin weights,
-        # an architecture we lack) is one line naming it, exit code 2: no traceback, no usage (the flags were fine)
+    # a model that cannot be had or loaded (no such id or folder, gated, offline and not cached,
+    # .bin weights,
+    try:
+        # an architecture we lack) is one line naming it, exit code 2: no traceback, no usage (the
+        # flags were fine)
         llm = LLM(str(model), **args.engine_kwargs)
-    except (ValueError, OSError) as e:  # OSError: FileNotFoundError, PermissionError (gated), the Hub's HTTP errors
+    except (
+        ValueError,
+        OSError,
+    ) as e:  # OSError: FileNotFoundError, PermissionError (gated), the Hub's HTTP errors
         line = load_error_line(e, str(model), args.engine_kwargs.get("tokenizer"))
         args.parser.exit(2, f"{args.parser.prog}: error: {line}\n")
     with llm:

@@ -1,28 +1,33 @@
-"""Online serving's engine: requests arrive while it runs, and each one streams its outputs as it goes.
+"""Online serving's engine: requests arrive while it runs, and each one streams its outputs as it
+goes.
 
-`AsyncLLM` splits the work as vLLM v1 does. The engine core (schedule -> forward -> sample, a busy loop:
-`minivllm.engine.core`) runs in a process of its own, so the server's threads and its GIL never slow a step. This
-process tokenizes and checks each request, sends the core its token ids, and turns what comes back (each step's new
-token ids, finish reasons, log-probabilities) into text, stop strings and `RequestOutput`s. The two talk over a
-socket (`multiprocessing.connection`: pickled tuples, one message per step). `multiprocessing=False` runs the same
-core on a thread of this process instead (vLLM's `VLLM_ENABLE_V1_MULTIPROCESSING=0`).
+`AsyncLLM` splits the work as vLLM v1 does. The engine core (schedule -> forward -> sample, a busy
+loop: `minivllm.engine.core`) runs in a process of its own, so the server's threads and its GIL
+never slow a step. This process tokenizes and checks each request, sends the core its token ids, and
+turns what comes back (each step's new token ids, finish reasons, log-probabilities) into text, stop
+strings and `RequestOutput`s. The two talk over a socket (`multiprocessing.connection`: pickled
+tuples, one message per step). `multiprocessing=False` runs the same core on a thread of this
+process instead (vLLM's `VLLM_ENABLE_V1_MULTIPROCESSING=0`).
 
-`generate` (a coroutine, on the caller's asyncio loop) adds a request and yields its `RequestOutput` after every step
-that gave it a token (cumulative, as vLLM's default: `outputs[0].text` is the whole reply so far), the last one with
-`finished=True`. A caller that falls behind gets the newest output only, and none is built for it until it has taken
-the last: a slow client costs nothing and the reply is the same. A caller that stops iterating (a client that
-disconnects) aborts its request: the core frees its KV blocks at its next message.
+`generate` (a coroutine, on the caller's asyncio loop) adds a request and yields its `RequestOutput`
+after every step that gave it a token (cumulative, as vLLM's default: `outputs[0].text` is the whole
+reply so far), the last one with `finished=True`. A caller that falls behind gets the newest output
+only, and none is built for it until it has taken the last: a slow client costs nothing and the
+reply is the same. A caller that stops iterating (a client that disconnects) aborts its request: the
+core frees its KV blocks at its next message.
 
-Threads: the streams (request id -> the caller's `Stream` and the request's text state) are touched by the output
-thread, by the callers' event loops and by the executor threads that add requests: every access holds `lock`. A
-request id belongs to its caller until that caller has read its last output or left: `generate` refuses (ValueError)
-an id still in use. Messages to the core are queued and written by the input thread, in order: no caller, and no
-lock, waits on a core that has stopped reading.
+Threads: the streams (request id -> the caller's `Stream` and the request's text state) are touched
+by the output thread, by the callers' event loops and by the executor threads that add requests:
+every access holds `lock`. A request id belongs to its caller until that caller has read its last
+output or left: `generate` refuses (ValueError) an id still in use. Messages to the core are queued
+and written by the input thread, in order: no caller, and no lock, waits on a core that has stopped
+reading.
 
-Health: if the core dies (its process exits, or its thread raises) or hangs (no message for `timeout` seconds: it
-sends one after every step and every second when idle), every waiting caller gets `EngineDeadError` at once, later
-`generate` calls raise it, and `is_healthy()` turns False (a server's `/health` answers 503 then); a hung core process
-is killed. `close()` stops the core: no process outlives it, and a core whose API process dies exits by itself.
+Health: if the core dies (its process exits, or its thread raises) or hangs (no message for
+`timeout` seconds: it sends one after every step and every second when idle), every waiting caller
+gets `EngineDeadError` at once, later `generate` calls raise it, and `is_healthy()` turns False (a
+server's `/health` answers 503 then); a hung core process is killed. `close()` stops the core: no
+process outlives it, and a core whose API process dies exits by itself.
 """
 
 import asyncio
@@ -52,8 +57,10 @@ logger = logging.getLogger(__name__)
 
 
 EXITED = (
-    "the engine core's process exited while loading the model (see its output above); if it re-ran your script, "
-    'create the AsyncLLM under `if __name__ == "__main__":` (the core process is spawned: it imports your main module)'
+    "the engine core's process exited while loading the model (see its output above); if it "
+    "re-ran your script, "
+    'create the AsyncLLM under `if __name__ == "__main__":` (the core process is spawned: it '
+    "imports your main module)"
 )
 
 
@@ -63,7 +70,8 @@ class EngineDeadError(RuntimeError):
 
 @dataclass
 class Stream:
-    """One request's way back to its caller: outputs (or an exception) put from the output thread."""
+    """One request's way back to its caller: outputs (or an exception) put from the output
+    thread."""
 
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -72,12 +80,14 @@ class Stream:
     abandoned: bool = False  # its caller left while the request was being added (under lock)
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        """Queue item on the caller's loop; RuntimeError if that loop is closed (the caller is gone)."""
+        """Queue item on the caller's loop; RuntimeError if that loop is closed (the caller is
+        gone)."""
         self.unread = True
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
     async def get(self) -> RequestOutput | BaseException:
-        """The newest item queued (outputs are cumulative: an older one says nothing the newest does not)."""
+        """The newest item queued (outputs are cumulative: an older one says nothing the newest does
+        not)."""
         item = await self.queue.get()
         while not self.queue.empty() and not isinstance(item, BaseException):
             item = self.queue.get_nowait()
@@ -88,43 +98,63 @@ class Stream:
 class AsyncLLM:
     """The engine core in its own process (keyword arguments: `Config`'s fields), for many callers.
 
-    `is_healthy()` says whether the core still runs; `stats()` its queue and KV-cache use, as of its last message."""
+    `is_healthy()` says whether the core still runs; `stats()` its queue and KV-cache use, as of its
+    last message."""
 
-    def __init__(self, model: str, multiprocessing: bool = True, timeout: float = 60.0, **kwargs: Any):
+    def __init__(
+        self, model: str, multiprocessing: bool = True, timeout: float = 60.0, **kwargs: Any
+    ):
         self.timeout = timeout
         self.core: EngineCore | None = None  # the core, when it runs on a thread of this process
         self.process: Process | threading.Thread
-        if multiprocessing:  # ids resolved (downloaded) and settings checked here: errors come before any process
+        # ids resolved (downloaded) and settings checked here: errors come before any process
+        if multiprocessing:
             config = Config(model, **kwargs)
-            hub = ("revision", "tokenizer_revision", "download_dir")  # the core loads the folders found here
-            kwargs = {k: v for k, v in kwargs.items() if k not in hub} | {"tokenizer": str(config.tokenizer)}
+            # the core loads the folders found here
+            hub = ("revision", "tokenizer_revision", "download_dir")
+            kwargs = {k: v for k, v in kwargs.items() if k not in hub} | {
+                "tokenizer": str(config.tokenizer)
+            }
             self.conn, self.process = start_core_process(str(config.model), kwargs)
             _, self.config, num_blocks = self.receive_first()
         else:
             self.core = EngineCore(model, **kwargs)
             self.conn, core_end = Pipe()
-            self.process = threading.Thread(target=serve_core, args=(core_end, self.core), name="minivllm-core")
+            self.process = threading.Thread(
+                target=serve_core, args=(core_end, self.core), name="minivllm-core"
+            )
             self.process.start()
-            self.config, num_blocks = self.core.engine.config, self.core.engine.scheduler.block_manager.num_blocks
+            self.config, num_blocks = (
+                self.core.engine.config,
+                self.core.engine.scheduler.block_manager.num_blocks,
+            )
         self.tokenizer = load_tokenizer(self.config.tokenizer)
         bm = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.input_processor = InputProcessor(self.config, self.tokenizer, bm)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.streams: dict[str, Stream] = {}  # request_id -> stream, while its caller listens (hold lock)
+        # request_id -> stream, while its caller listens (hold lock)
+        self.streams: dict[str, Stream] = {}
         self.lock = threading.Lock()
         self.outbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()  # to the core, in order
         self.num_aborted = 0  # requests whose caller left before they finished
         self.error: BaseException | None = None  # what killed the core, if it died
-        self.core_stats = {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage": 0.0}
+        self.core_stats = {
+            "num_requests_running": 0,
+            "num_requests_waiting": 0,
+            "kv_cache_usage": 0.0,
+        }
         self.counter = itertools.count()  # request ids handed out when the caller gives none
         self.stopped = False
-        self.thread = threading.Thread(target=self.receive_loop, name="minivllm-output", daemon=True)
+        self.thread = threading.Thread(
+            target=self.receive_loop, name="minivllm-output", daemon=True
+        )
         self.thread.start()
         self.writer = threading.Thread(target=self.write_loop, name="minivllm-input", daemon=True)
         self.writer.start()
 
     def receive_first(self) -> tuple:
-        """The core's first message: ("ready", config, number of KV blocks), or the error that stopped it loading."""
+        """The core's first message: ("ready", config, number of KV blocks), or the error that
+        stopped it loading."""
         try:
             answer = self.conn.recv()
         except EOFError:
@@ -140,7 +170,8 @@ class AsyncLLM:
         return self.error is None and not self.stopped and self.process.is_alive()
 
     def stats(self) -> dict[str, float]:
-        """num_requests_running, num_requests_waiting, kv_cache_usage (0..1), as of the core's last message."""
+        """num_requests_running, num_requests_waiting, kv_cache_usage (0..1), as of the core's last
+        message."""
         return dict(self.core_stats)
 
     def dead_error(self) -> EngineDeadError:
@@ -149,8 +180,9 @@ class AsyncLLM:
         return error
 
     def send(self, message: tuple) -> None:
-        """Queue one message to the core (the input thread writes it): it never blocks, so no lock is held while
-        a core that stops reading fills the socket. EngineDeadError if the core has died or exited."""
+        """Queue one message to the core (the input thread writes it): it never blocks, so no lock
+        is held while a core that stops reading fills the socket. EngineDeadError if the core has
+        died or exited."""
         if self.error is not None:
             raise self.dead_error()
         if not self.process.is_alive():  # before the output thread has seen the socket close
@@ -158,9 +190,9 @@ class AsyncLLM:
         self.outbox.put(message)
 
     def write_loop(self) -> None:
-        """The input thread: the queued messages, in order, to the core. A write blocks while the core reads
-        nothing; the output thread, which holds no lock while it waits, reports a hung core and kills it, and
-        then the write fails. Ends at None or when the socket closes."""
+        """The input thread: the queued messages, in order, to the core. A write blocks while the
+        core reads nothing; the output thread, which holds no lock while it waits, reports a hung
+        core and kills it, and then the write fails. Ends at None or when the socket closes."""
         while (message := self.outbox.get()) is not None:
             try:
                 self.conn.send(message)
@@ -168,10 +200,14 @@ class AsyncLLM:
                 return
 
     async def generate(
-        self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """The request's outputs as it runs. ValueError (before anything is queued) if the request is bad or its
-        request_id is still in use by another caller; EngineDeadError if the engine core has died."""
+        """The request's outputs as it runs. ValueError (before anything is queued) if the request
+        is bad or its request_id is still in use by another caller; EngineDeadError if the engine
+        core has died."""
         stream = Stream(asyncio.get_running_loop())
 
         def add() -> str:  # tokenizing and checking hold no lock: a long prompt stalls nobody
@@ -180,7 +216,9 @@ class AsyncLLM:
                 if self.error is not None:
                     raise self.dead_error()
                 if request_id is not None and request_id in self.streams:
-                    raise ValueError(f"request_id {request_id!r} is already in use by another caller")
+                    raise ValueError(
+                        f"request_id {request_id!r} is already in use by another caller"
+                    )
                 id_ = request_id
                 while id_ is None or id_ in self.streams:
                     id_ = str(next(self.counter))
@@ -197,7 +235,8 @@ class AsyncLLM:
                         raise self.dead_error()
                     return id_
                 try:
-                    self.send(("add", id_, stream.request.prompt_token_ids, params))  # under lock: before any abort
+                    # under lock: before any abort
+                    self.send(("add", id_, stream.request.prompt_token_ids, params))
                 except EngineDeadError:
                     self.remove_locked(id_, stream, aborted=False)
                     raise
@@ -208,7 +247,10 @@ class AsyncLLM:
         except asyncio.CancelledError:  # the caller left while its request was being added
             with self.lock:
                 stream.abandoned = True
-                added = stream.request is not None and self.streams.get(stream.request.request_id) is stream
+                added = (
+                    stream.request is not None
+                    and self.streams.get(stream.request.request_id) is stream
+                )
             if added:
                 assert stream.request is not None
                 self.leave(stream.request.request_id, stream)
@@ -228,8 +270,8 @@ class AsyncLLM:
                 self.leave(request_id, stream)
 
     def remove(self, request_id: str, stream: Stream, aborted: bool = False) -> bool:
-        """Forget this caller's stream (only its own: the id may be someone else's by now), counting it in
-        num_aborted if aborted. Whether it was there."""
+        """Forget this caller's stream (only its own: the id may be someone else's by now), counting
+        it in num_aborted if aborted. Whether it was there."""
         with self.lock:
             return self.remove_locked(request_id, stream, aborted)
 
@@ -241,19 +283,24 @@ class AsyncLLM:
         return True
 
     def leave(self, request_id: str, stream: Stream) -> None:
-        """A caller left before its last output: forget its stream and abort its request in the core."""
+        """A caller left before its last output: forget its stream and abort its request in the
+        core."""
         with self.lock:
             if self.remove_locked(request_id, stream, aborted=True) and self.error is None:
                 with suppress(EngineDeadError):  # a dead core has nothing left to abort
-                    self.send(("abort", [request_id]))  # under lock: after its "add", before a reuse of the id
+                    # under lock: after its "add", before a reuse of the id
+                    self.send(("abort", [request_id]))
 
     def receive_loop(self) -> None:
-        """The output thread: each message from the core, turned into outputs for the callers. If the core dies,
-        hangs or sends what we cannot read, every caller hears of it at once (`die`)."""
+        """The output thread: each message from the core, turned into outputs for the callers. If
+        the core dies, hangs or sends what we cannot read, every caller hears of it at once
+        (`die`)."""
         try:
             while not self.stopped:
                 if not self.conn.poll(self.timeout):
-                    raise EngineDeadError(f"the engine core sent nothing for {self.timeout:g} s: hung")
+                    raise EngineDeadError(
+                        f"the engine core sent nothing for {self.timeout:g} s: hung"
+                    )
                 kind, *body = self.conn.recv()
                 if kind == "step":
                     self.apply(body[0])
@@ -265,13 +312,19 @@ class AsyncLLM:
             if not self.stopped:
                 if not isinstance(error, EOFError | OSError | EngineDeadError):
                     logger.exception("minivllm: the output thread died")
-                self.die(error if not isinstance(error, EOFError | OSError) else EngineDeadError("its process exited"))
+                self.die(
+                    error
+                    if not isinstance(error, EOFError | OSError)
+                    else EngineDeadError("its process exited")
+                )
 
     def apply(self, deltas: list[tuple]) -> None:
-        """One step's new tokens: text, stop strings, and an output for each caller that wants one."""
+        """One step's new tokens: text, stop strings, and an output for each caller that wants
+        one."""
         now = time.perf_counter()
         with self.lock:
-            streams = {d[0]: s for d in deltas if (s := self.streams.get(d[0])) and s.request}  # d[0]: its id
+            # d[0]: its id
+            streams = {d[0]: s for d in deltas if (s := self.streams.get(d[0])) and s.request}
         stopped = []
         for delta in map(Delta._make, deltas):  # plain tuples on the wire
             if (stream := streams.get(delta.request_id)) is None:
@@ -303,7 +356,8 @@ class AsyncLLM:
         self.deliver(items)
 
     def end_stopped(self, stopped: list[tuple[str, int]], streams: dict[str, Stream]) -> None:
-        """Tell the core which completions stop strings ended: a request all ended is aborted there."""
+        """Tell the core which completions stop strings ended: a request all ended is aborted
+        there."""
         for request_id, index in stopped:
             request = streams[request_id].request
             assert request is not None
@@ -313,8 +367,8 @@ class AsyncLLM:
                 self.send(("finish", request_id, index))
 
     def deliver(self, items: list[tuple[str, Stream, RequestOutput | BaseException]]) -> None:
-        """Put each item on its stream; a stream whose loop has closed (its caller is gone) is dropped and its
-        request aborted."""
+        """Put each item on its stream; a stream whose loop has closed (its caller is gone) is
+        dropped and its request aborted."""
         for request_id, stream, item in items:
             try:
                 stream.put(item)
@@ -322,13 +376,17 @@ class AsyncLLM:
                 self.leave(request_id, stream)
 
     def fail(self, request_ids: list[str], message: str) -> None:
-        """The core refused or lost these requests (a failed step aborts its batch): their callers get the error."""
+        """The core refused or lost these requests (a failed step aborts its batch): their callers
+        get the error."""
         with self.lock:
             streams = [(i, s) for i in request_ids if (s := self.streams.get(i)) is not None]
-        self.deliver([(i, s, RuntimeError(f"request {i} was aborted: {message}")) for i, s in streams])
+        self.deliver(
+            [(i, s, RuntimeError(f"request {i} was aborted: {message}")) for i, s in streams]
+        )
 
     def die(self, error: BaseException) -> None:
-        """The core is dead or hung: no new request is taken, and every waiting caller gets the error now."""
+        """The core is dead or hung: no new request is taken, and every waiting caller gets the
+        error now."""
         with self.lock:
             self.error = error
             streams = list(self.streams.values())
@@ -371,7 +429,9 @@ def finish(seq: Sequence, reason: str) -> None:
 def start_core_process(model: str, kwargs: dict[str, Any]) -> tuple[Connection, Process]:
     context = get_context("spawn")  # CUDA cannot be forked
     conn, core_end = context.Pipe()
-    process = context.Process(target=run_core, args=(core_end, model, kwargs), name="minivllm-core", daemon=True)
+    process = context.Process(
+        target=run_core, args=(core_end, model, kwargs), name="minivllm-core", daemon=True
+    )
     process.start()
     core_end.close()  # ours closed: when the core exits, recv raises EOFError
     return conn, process

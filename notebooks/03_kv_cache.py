@@ -14,17 +14,20 @@
 # %% [markdown]
 # # 03 · KV cache: paged blocks, prefix caching, and the kernels that read them
 #
-# **What this notebook builds.** PagedAttention, both halves: the bookkeeping (`Sequence`, one request, and a
-# `BlockManager` that hands out fixed-size KV blocks and shares equal prefixes between requests: prefix caching),
-# and the Triton kernels that follow a block table (a store of new keys and values, and a decode kernel).
+# **What this notebook builds.** PagedAttention, both halves: the bookkeeping (`Sequence`, one
+# request, and a `BlockManager` that hands out fixed-size KV blocks and shares equal prefixes
+# between requests: prefix caching), and the Triton kernels that follow a block table (a store of
+# new keys and values, and a decode kernel).
 #
-# **What it assumes.** Notebook 01: attention at position *t* needs the keys and values (KV) of every earlier
-# token, kept per layer in a *KV cache*; its FlashAttention kernel, which the paged kernels reuse. Notebook 02's
-# `SamplingParams`. The block manager sees token ids only: ours are random.
+# **What it assumes.** Notebook 01: attention at position *t* needs the keys and values (KV) of
+# every earlier token, kept per layer in a *KV cache*; its FlashAttention kernel, which the paged
+# kernels reuse. Notebook 02's `SamplingParams`. The block manager sees token ids only: ours are
+# random.
 #
-# **What you will see.** Prefix-cache hits block by block; "why does PagedAttention reduce fragmentation?", in
-# numbers; why decode needs its own attention kernel. Two optional deep dives follow: `deep_dives/cascade_attention`
-# (rows sharing a prefix read it once) and `deep_dives/paged_prefill` (the prefill kernel after a cache hit).
+# **What you will see.** Prefix-cache hits block by block; "why does PagedAttention reduce
+# fragmentation?", in numbers; why decode needs its own attention kernel. Two optional deep dives
+# follow: `deep_dives/cascade_attention` (rows sharing a prefix read it once) and
+# `deep_dives/paged_prefill` (the prefill kernel after a cache hit).
 
 # %%
 import json
@@ -41,36 +44,42 @@ torch.manual_seed(0)
 
 # %% [markdown]
 # ## Why the KV cache is the memory problem
-# Every token of every running request keeps a key and a value vector per layer and KV head. For Qwen3-0.6B
-# (28 layers, 8 KV heads of 128 dimensions, bfloat16) that is:
+# Every token of every running request keeps a key and a value vector per layer and KV head. For
+# Qwen3-0.6B (28 layers, 8 KV heads of 128 dimensions, bfloat16) that is:
 
 # %%
 num_layers, num_kv_heads, head_dim, dtype_bytes = 28, 8, 128, 2
 kv_bytes_per_token = 2 * num_layers * num_kv_heads * head_dim * dtype_bytes  # K and V
 max_model_len = 40_960  # Qwen3-0.6B's context length
 seq_bytes = max_model_len * kv_bytes_per_token
-print(f"KV per token: {kv_bytes_per_token / 2**10:.0f} KiB; one sequence at full context: {seq_bytes / 2**30:.1f} GiB")
+print(
+    f"KV per token: {kv_bytes_per_token / 2**10:.0f} KiB; one sequence at full context: "
+    f"{seq_bytes / 2**30:.1f} GiB"
+)
 full_context_seqs = int((141e9 - 1.2e9) // seq_bytes)
 print(f"sequences an H200 (141 GB, ~1.2 GB of weights) holds at full context: {full_context_seqs}")
 
 # %% [markdown]
-# A request does not know how long it will run. Before vLLM, engines reserved one *contiguous* KV region per
-# request, big enough for the longest possible sequence: most of it sits empty, and the worst case sets how many
-# requests fit (the batch size, hence the throughput). **Paging** is the operating-system answer: cut the cache
-# into *blocks* of `block_size` token slots, give a request a block only when it needs one, and keep a per-request
-# *block table* from its logical block *i* to a physical block anywhere. The kernels find token *t* at slot:
+# A request does not know how long it will run. Before vLLM, engines reserved one *contiguous* KV
+# region per request, big enough for the longest possible sequence: most of it sits empty, and the
+# worst case sets how many requests fit (the batch size, hence the throughput). **Paging** is the
+# operating-system answer: cut the cache into *blocks* of `block_size` token slots, give a request a
+# block only when it needs one, and keep a per-request *block table* from its logical block *i* to a
+# physical block anywhere. The kernels find token *t* at slot:
 
 # %%
-block_size, block_table, t = 16, [7, 2, 9], 37  # logical block i -> physical block; token 37: block 2, offset 5
+# logical block i -> physical block; token 37: block 2, offset 5
+block_size, block_table, t = (16, [7, 2, 9], 37)
 slot = block_table[t // block_size] * block_size + t % block_size
 print(f"token {t} -> physical block {block_table[t // block_size]}, slot {slot}")
 
 # %% [markdown]
 # ## Sequence: one request and where its KV lives
-# What the scheduler and the block manager pass around: **token ids** (prompt, then completion), a **status**
-# (*waiting*, *running* with KV blocks, *finished* with a `finish_reason`, `"stop"` or `"length"`), a **block
-# table**, and `num_cached_tokens`, the leading tokens whose KV is cached, which a step skips. Its `block_size` is a
-# copy of the block manager's, to cut tokens into blocks. The engine refuses bad requests (notebook 06).
+# What the scheduler and the block manager pass around: **token ids** (prompt, then completion), a
+# **status** (*waiting*, *running* with KV blocks, *finished* with a `finish_reason`, `"stop"` or
+# `"length"`), a **block table**, and `num_cached_tokens`, the leading tokens whose KV is cached,
+# which a step skips. Its `block_size` is a copy of the block manager's, to cut tokens into blocks.
+# The engine refuses bad requests (notebook 06).
 
 # %% tags=["export"] module="minivllm.engine.sequence"
 from enum import Enum, auto
@@ -86,20 +95,32 @@ class SequenceStatus(Enum):
 
 
 class Sequence:
-    """One request: its token ids (prompt, then completion), its KV block table and its sampling parameters."""
+    """One request: its token ids (prompt, then completion), its KV block table and its sampling
+    parameters."""
 
     counter = count()
 
-    def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None, block_size: int = 16):
-        assert len(token_ids) > 0 and block_size >= 1, "the engine refuses empty prompts; block_size >= 1"
+    def __init__(
+        self,
+        token_ids: list[int],
+        sampling_params: SamplingParams | None = None,
+        block_size: int = 16,
+    ):
+        assert len(token_ids) > 0 and block_size >= 1, (
+            "the engine refuses empty prompts; block_size >= 1"
+        )
         self.seq_id = next(Sequence.counter)
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)  # our own copy
         self.last_token = self.token_ids[-1]
         self.num_tokens = len(self.token_ids)
         self.num_prompt_tokens = self.num_tokens
-        self.num_cached_tokens = 0  # leading tokens whose KV is in the cache: prefix hits, then computed ones
-        self.num_scheduled_tokens = 0  # tokens the current step computes, after the cached ones (set by the scheduler)
+        self.num_cached_tokens = (
+            0  # leading tokens whose KV is in the cache: prefix hits, then computed ones
+        )
+        self.num_scheduled_tokens = (
+            0  # tokens the current step computes, after the cached ones (set by the scheduler)
+        )
         self.block_size = block_size  # the block manager's, to cut token_ids into blocks
         self.block_table: list[int] = []  # logical block i -> physical block id
         self.sampling_params = sampling_params or SamplingParams()
@@ -169,11 +190,12 @@ assert seq.status == SequenceStatus.WAITING and not seq.is_finished
 
 # %% [markdown]
 # ## Prefix caching: naming a block by everything before it
-# Many requests start the same way (a system prompt, earlier chat turns, a preempted request coming back), so a
-# block computed once could be shared. But a block's KV depends on *every* earlier token, so a block is named by a
-# **chained hash** of (the previous block's hash, its token ids): the same tokens after another prefix get another
-# name. xxh64 is fast but not cryptographic, so a hit is also checked against the block's stored token ids. Only
-# *full* blocks are shared: a partial one is still being written by its request.
+# Many requests start the same way (a system prompt, earlier chat turns, a preempted request coming
+# back), so a block computed once could be shared. But a block's KV depends on *every* earlier
+# token, so a block is named by a **chained hash** of (the previous block's hash, its token ids):
+# the same tokens after another prefix get another name. xxh64 is fast but not cryptographic, so a
+# hit is also checked against the block's stored token ids. Only *full* blocks are shared: a partial
+# one is still being written by its request.
 
 # %% tags=["export"] module="minivllm.engine.block_manager"
 from array import array
@@ -186,7 +208,8 @@ from minivllm.engine.sequence import Sequence
 
 
 def compute_hash(token_ids: list[int], parent_hash: int = -1) -> int:
-    """xxh64 of (the previous block's hash, this block's token ids); -1 means there is no previous block."""
+    """xxh64 of (the previous block's hash, this block's token ids); -1 means there is no previous
+    block."""
     h = xxhash.xxh64()
     if parent_hash != -1:
         h.update(parent_hash.to_bytes(8, "little"))
@@ -208,22 +231,27 @@ from minivllm.engine.block_manager import compute_hash
 a, b = [1, 2, 3, 4], [5, 6, 7, 8]
 b_after_a, b_after_b = compute_hash(b, compute_hash(a)), compute_hash(b, compute_hash(b))
 print(f"hash(b after a) = {b_after_a:#018x}, hash(b after b) = {b_after_b:#018x}")
-assert b_after_a != b_after_b and b_after_a == compute_hash(list(b), compute_hash(list(a)))  # and deterministic
+# and deterministic
+assert b_after_a != b_after_b and b_after_a == compute_hash(list(b), compute_hash(list(a)))
 
 # %% [markdown]
-# ## The BlockManager (write one first? `exercises/03_paged_allocator.ipynb`, then `03_prefix_caching`)
-# It owns `num_blocks` blocks of `block_size` slots (their tensors live in the model runner, notebook 04; here a
-# block is an id and a `ref_count`, free at 0). The scheduler (notebook 05) calls `can_allocate`/`allocate` for a
-# waiting sequence (sharing the longest run of cached leading full blocks), `cache_blocks` in the step that
-# computes a prompt's KV, `can_append`/`may_append` after each decoded token, `deallocate` when a sequence ends or
-# is preempted, and `discard` for one dropped by a failed step. Three rules shape the code:
+# ## The BlockManager (write one first? `exercises/03_paged_allocator`, then `03_prefix_caching`)
+# It owns `num_blocks` blocks of `block_size` slots (their tensors live in the model runner,
+# notebook 04; here a block is an id and a `ref_count`, free at 0). The scheduler (notebook 05)
+# calls `can_allocate`/`allocate` for a waiting sequence (sharing the longest run of cached leading
+# full blocks), `cache_blocks` in the step that computes a prompt's KV, `can_append`/`may_append`
+# after each decoded token, `deallocate` when a sequence ends or is preempted, and `discard` for one
+# dropped by a failed step. Three rules shape the code:
 #
-# * **Two free lists.** A freed full block keeps its hash and KV for a later hit: new KV goes into an empty block
-#   while one is left, only then into the least recently freed cached one (an LRU; taking it evicts its hash).
-# * **The last token is always computed**, since prefill must produce its logits: a whole cached prompt's last block
-#   is no hit (vLLM's rule), so a request never writes into a block another reads.
-# * **A block is cached in the step that computes its KV**, never at `allocate`: a long prompt prefilled over
-#   several steps (notebook 05) must not be hit before its KV is written (shown below).
+# * **Two free lists.** A freed full block keeps its hash and KV for a later hit: new KV goes into
+#   an empty block while one is left, only then into the least recently freed cached one (an LRU;
+#   taking it evicts its hash).
+# * **The last token is always computed**, since prefill must produce its logits: a whole cached
+#   prompt's last block is no hit (vLLM's rule), so a request never writes into a block another
+#   reads.
+# * **A block is cached in the step that computes its KV**, never at `allocate`: a long prompt
+#   prefilled over several steps (notebook 05) must not be hit before its KV is written (shown
+#   below).
 
 
 # %% tags=["export"]
@@ -232,18 +260,23 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
+            raise ValueError(
+                f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}"
+            )
         self.num_blocks = num_blocks
         self.block_size = block_size  # the one owner: sequences and the scheduler read it from here
         self.enable_prefix_caching = enable_prefix_caching
         self.reset()
 
     def reset(self) -> None:
-        """Every block free and empty, nothing cached: the state of a new block manager. Trusts nothing it held."""
+        """Every block free and empty, nothing cached: the state of a new block manager. Trusts
+        nothing it held."""
         self.blocks = [Block(i) for i in range(self.num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
-        self.free_block_ids: deque[int] = deque(range(self.num_blocks))  # free, nothing worth keeping
-        self.cached_block_ids: OrderedDict[int, None] = OrderedDict()  # free but cached; least recently freed first
+        # free, nothing worth keeping
+        self.free_block_ids: deque[int] = deque(range(self.num_blocks))
+        # free but cached; least recently freed first
+        self.cached_block_ids: OrderedDict[int, None] = OrderedDict()
 
     @property
     def num_slots(self) -> int:
@@ -264,12 +297,14 @@ class BlockManager:
 
     def _lookup(self, h: int, token_ids: list[int]) -> Block | None:
         block_id = self.hash_to_block_id.get(h)
-        if block_id is None or self.blocks[block_id].token_ids != token_ids:  # a 64-bit hash can collide
+        # a 64-bit hash can collide
+        if block_id is None or self.blocks[block_id].token_ids != token_ids:
             return None
         return self.blocks[block_id]
 
     def _take_free_block(self) -> Block:
-        """A block for new KV: an empty one if any is left, else evict the least recently freed cached one."""
+        """A block for new KV: an empty one if any is left, else evict the least recently freed
+        cached one."""
         if self.free_block_ids:
             block = self.blocks[self.free_block_ids.popleft()]
         else:
@@ -286,7 +321,8 @@ class BlockManager:
 
     def _cache(self, block: Block, h: int, token_ids: list[int]) -> None:
         block.hash, block.token_ids = h, token_ids
-        self.hash_to_block_id.setdefault(h, block.block_id)  # the first copy stays the one that hits
+        # the first copy stays the one that hits
+        self.hash_to_block_id.setdefault(h, block.block_id)
 
     def _release(self, block: Block) -> None:
         assert block.ref_count > 0, f"block {block.block_id} freed more often than taken"
@@ -303,12 +339,19 @@ class BlockManager:
         return self.num_free_blocks >= seq.num_blocks
 
     def allocate(self, seq: Sequence) -> None:
-        """Blocks for a waiting sequence: its longest run of leading full blocks found in the cache, then fresh ones."""
-        assert not seq.block_table and seq.num_cached_tokens == 0, f"sequence {seq.seq_id} already holds blocks"
-        assert seq.block_size == self.block_size, f"sequence block_size {seq.block_size} != {self.block_size}"
+        """Blocks for a waiting sequence: its longest run of leading full blocks found in the cache,
+        then fresh ones."""
+        assert not seq.block_table and seq.num_cached_tokens == 0, (
+            f"sequence {seq.seq_id} already holds blocks"
+        )
+        assert seq.block_size == self.block_size, (
+            f"sequence block_size {seq.block_size} != {self.block_size}"
+        )
         assert self.can_allocate(seq), "allocate() without room: ask can_allocate() first"
-        reuse = self.enable_prefix_caching and seq.sampling_params.prompt_logprobs is None  # those score every token
-        max_hits = (seq.num_tokens - 1) // self.block_size if reuse else 0  # the last token is always computed
+        # those score every token
+        reuse = self.enable_prefix_caching and seq.sampling_params.prompt_logprobs is None
+        # the last token is always computed
+        max_hits = (seq.num_tokens - 1) // self.block_size if reuse else 0
         parent_hash = -1
         for i in range(max_hits):
             token_ids = seq.block(i)
@@ -323,13 +366,17 @@ class BlockManager:
             seq.block_table.append(self._take_free_block().block_id)
 
     def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
-        """Cache the new full blocks among seq's first `num_tokens` tokens, in the step that computes their KV."""
+        """Cache the new full blocks among seq's first `num_tokens` tokens, in the step that
+        computes their KV."""
         assert seq.num_cached_tokens <= num_tokens <= seq.num_tokens
         if not self.enable_prefix_caching:
             return
-        for i in range(seq.num_cached_blocks, num_tokens // self.block_size):  # blocks before are cached already
+        # blocks before are cached already
+        for i in range(seq.num_cached_blocks, num_tokens // self.block_size):
             block = self.blocks[seq.block_table[i]]
-            assert block.hash == -1 and block.ref_count == 1, "only its own sequence writes a block being computed"
+            assert block.hash == -1 and block.ref_count == 1, (
+                "only its own sequence writes a block being computed"
+            )
             parent_hash = self.blocks[seq.block_table[i - 1]].hash if i else -1
             token_ids = seq.block(i)
             self._cache(block, compute_hash(token_ids, parent_hash), token_ids)
@@ -339,24 +386,34 @@ class BlockManager:
         return self.num_free_blocks >= (len(seq.block_table) < seq.num_blocks)
 
     def may_append(self, seq: Sequence) -> None:
-        """After append_token: a new block when the new token starts one; cache the last block once it is full."""
+        """After append_token: a new block when the new token starts one; cache the last block once
+        it is full."""
         block_table = seq.block_table
-        assert block_table and seq.num_blocks - len(block_table) in (0, 1), "call may_append after each append_token"
+        assert block_table and seq.num_blocks - len(block_table) in (0, 1), (
+            "call may_append after each append_token"
+        )
         if len(block_table) < seq.num_blocks:
             assert self.blocks[block_table[-1]].hash != -1 or not self.enable_prefix_caching
             block_table.append(self._take_free_block().block_id)
         if seq.last_block_num_tokens == self.block_size and self.enable_prefix_caching:
             last = self.blocks[block_table[-1]]
-            assert last.hash == -1 and last.ref_count == 1  # only its own sequence ever writes into it
+            # only its own sequence ever writes into it
+            assert last.hash == -1 and last.ref_count == 1
             self._cache_last_block(seq)
 
     def token_known(self, seq: Sequence) -> None:
-        """seq's newest token, a placeholder until now (06), is known: re-cache a block cached with it (no hit)."""
-        if seq.block_table and len(seq.block_table) == seq.num_blocks and self.blocks[seq.block_table[-1]].hash != -1:
+        """seq's newest token, a placeholder until now (06), is known: re-cache a block cached with
+        it (no hit)."""
+        if (
+            seq.block_table
+            and len(seq.block_table) == seq.num_blocks
+            and self.blocks[seq.block_table[-1]].hash != -1
+        ):
             self._cache_last_block(seq)
 
     def _cache_last_block(self, seq: Sequence) -> None:
-        """Cache seq's full last block under the hash of its tokens, first dropping a hash it held."""
+        """Cache seq's full last block under the hash of its tokens, first dropping a hash it
+        held."""
         last = self.blocks[seq.block_table[-1]]
         if self.hash_to_block_id.get(last.hash) == last.block_id:
             del self.hash_to_block_id[last.hash]
@@ -365,7 +422,8 @@ class BlockManager:
         self._cache(last, compute_hash(token_ids, parent_hash), token_ids)
 
     def deallocate(self, seq: Sequence) -> None:
-        """Give back a finished or preempted sequence's blocks; the ones nobody else holds become free."""
+        """Give back a finished or preempted sequence's blocks; the ones nobody else holds become
+        free."""
         assert seq.block_table, f"sequence {seq.seq_id} holds no blocks (freed twice?)"
         for block_id in reversed(seq.block_table):  # tail first: a shared head is evicted last
             self._release(self.blocks[block_id])
@@ -373,8 +431,8 @@ class BlockManager:
         seq.block_table.clear()
 
     def discard(self, seq: Sequence) -> None:
-        """Give back a sequence dropped mid-step: its blocks past `num_cached_tokens`, cached but never written, first
-        leave the cache, so no request can hit them."""
+        """Give back a sequence dropped mid-step: its blocks past `num_cached_tokens`, cached but
+        never written, first leave the cache, so no request can hit them."""
         for block_id in seq.block_table[seq.num_cached_tokens // self.block_size :]:
             block = self.blocks[block_id]
             if self.hash_to_block_id.get(block.hash) == block_id:
@@ -384,21 +442,29 @@ class BlockManager:
 
 # %% [markdown]
 # ## Watch it work
-# 8 blocks of 4 slots, printed `id:ref_count` (`.` free, `#` cached). `allocate(s1)` caches nothing; the step that
-# computes its prompt caches its two full blocks (`admit` plays that step until notebook 05). Decoding, tokens 11
-# and 12 fill block 2 (cached once full); the 13th opens block 3.
+# 8 blocks of 4 slots, printed `id:ref_count` (`.` free, `#` cached). `allocate(s1)` caches nothing;
+# the step that computes its prompt caches its two full blocks (`admit` plays that step until
+# notebook 05). Decoding, tokens 11 and 12 fill block 2 (cached once full); the 13th opens block 3.
 
 # %%
 from minivllm.engine.block_manager import BlockManager
 
 
 def show(bm: BlockManager, note: str = "") -> None:
-    cells = [f"{b.block_id}:{b.ref_count if b.ref_count else '.'}{'#' if b.hash != -1 else ' '}" for b in bm.blocks]
-    used = f"| used {bm.num_used_blocks}, free {bm.num_free_blocks} ({bm.num_cached_free_blocks} cached)"
+    cells = [
+        f"{b.block_id}:{b.ref_count if b.ref_count else '.'}{'#' if b.hash != -1 else ' '}"
+        for b in bm.blocks
+    ]
+    used = (
+        f"| used {bm.num_used_blocks}, free {bm.num_free_blocks} ({bm.num_cached_free_blocks} "
+        f"cached)"
+    )
     print(" ".join(cells), used, note)
 
 
-def admit(bm: BlockManager, seq: Sequence) -> None:  # allocate, then the step that prefills the whole prompt
+def admit(
+    bm: BlockManager, seq: Sequence
+) -> None:  # allocate, then the step that prefills the whole prompt
     bm.allocate(seq)
     bm.cache_blocks(seq, len(seq))
 
@@ -426,8 +492,8 @@ show(bm, f"s2 table {s2.block_table}, cached tokens {s2.num_cached_tokens}")
 assert s2.block_table[:2] == [0, 1] and s2.num_cached_tokens == 8 and bm.blocks[0].ref_count == 2
 
 # %% [markdown]
-# Both finish: their full blocks stay cached at the back of the free order. An unrelated `s3` takes empty blocks
-# first, so the system prompt is still cached when `s4` arrives with it.
+# Both finish: their full blocks stay cached at the back of the free order. An unrelated `s3` takes
+# empty blocks first, so the system prompt is still cached when `s4` arrives with it.
 
 # %%
 bm.deallocate(s1)
@@ -441,31 +507,40 @@ show(bm, f"s4 table {s4.block_table}, cached tokens {s4.num_cached_tokens}")
 assert s4.block_table[:2] == [0, 1] and s4.num_cached_tokens == 8
 
 # %% [markdown]
-# Why `allocate` caches nothing: `long` (17 tokens, four full blocks) is prefilled in chunks, 8 tokens first. A
-# request with the same first 16 tokens arriving then must hit the two blocks computed, not the two unwritten:
+# Why `allocate` caches nothing: `long` (17 tokens, four full blocks) is prefilled in chunks, 8
+# tokens first. A request with the same first 16 tokens arriving then must hit the two blocks
+# computed, not the two unwritten:
 
 # %%
-chunked, long = BlockManager(num_blocks=16, block_size=4), Sequence(list(range(1, 18)), block_size=4)
+chunked, long = (
+    BlockManager(num_blocks=16, block_size=4),
+    Sequence(list(range(1, 18)), block_size=4),
+)
 chunked.allocate(long)
 chunked.cache_blocks(long, 8)  # the first chunk: tokens 0..7
 long.num_cached_tokens = 8  # what the scheduler records once that step has run
 admit(chunked, same_start := Sequence(list(range(1, 17)) + [99], block_size=4))
 chunked.cache_blocks(long, 17)  # the second chunk computes the rest
 admit(chunked, later := Sequence(list(range(1, 17)) + [99], block_size=4))
-print(f"tokens hit: {same_start.num_cached_tokens} after the first chunk, {later.num_cached_tokens} after the second")
+print(
+    f"tokens hit: {same_start.num_cached_tokens} after the first chunk, {later.num_cached_tokens} "
+    f"after the second"
+)
 assert same_start.num_cached_tokens == 8 and later.num_cached_tokens == 16
 
 # %% [markdown]
 # ## Why does PagedAttention reduce fragmentation? A simulated workload
-# The question this notebook is for. 600 requests (prompts of 16 to 512 tokens, `max_tokens=1024`, each stopping
-# after ~300 tokens on average) replayed on 65,536 KV slots (about 7 GiB for Qwen3-0.6B), with a **contiguous**
-# region of `max_model_len = 2048` slots per request (engines before paging), a tighter contiguous `prompt +
-# max_tokens` placed first-fit, or **paged** blocks (our `BlockManager`) of 256, 64 and 16 slots. A miniature
-# scheduler admits requests first come, first served, decodes a token per request, preempts the newest when full.
+# The question this notebook is for. 600 requests (prompts of 16 to 512 tokens, `max_tokens=1024`,
+# each stopping after ~300 tokens on average) replayed on 65,536 KV slots (about 7 GiB for
+# Qwen3-0.6B), with a **contiguous** region of `max_model_len = 2048` slots per request (engines
+# before paging), a tighter contiguous `prompt + max_tokens` placed first-fit, or **paged** blocks
+# (our `BlockManager`) of 256, 64 and 16 slots. A miniature scheduler admits requests first come,
+# first served, decodes a token per request, preempts the newest when full.
 #
-# Each step, a reserved slot holds a **token**, is reserved **ahead** for one to come, or is **over-reserved** for
-# tokens its request will never produce; a free slot is **stranded** in a hole too small for the next request
-# (external fragmentation), or **free**. The simulator: `minivllm/benchmarks/fragmentation.py`.
+# Each step, a reserved slot holds a **token**, is reserved **ahead** for one to come, or is
+# **over-reserved** for tokens its request will never produce; a free slot is **stranded** in a hole
+# too small for the next request (external fragmentation), or **free**. The simulator:
+# `minivllm/benchmarks/fragmentation.py`.
 
 # %%
 from minivllm.benchmarks.fragmentation import plot_fragmentation, print_fragmentation, run_schemes
@@ -477,25 +552,32 @@ print_fragmentation(runs)
 plot_fragmentation(runs).savefig(FIGURES / "03_fragmentation.png", dpi=120)
 
 # %% [markdown]
-# **Reading the figure.** A max-length reservation is mostly over-reserved (red): a request uses a few hundred of
-# its 2,048 slots. `prompt + max_tokens` still over-reserves, and its regions differ in size: free memory is stranded
-# in holes too small for the next request (orange). Paged blocks come as tokens arrive, any free block serves any
-# request, and the waste is the unfilled end of each request's last block: almost nothing with 16-slot blocks. So
-# about three times as many requests run at once, finishing in a third of the steps: PagedAttention's throughput.
+# **Reading the figure.** A max-length reservation is mostly over-reserved (red): a request uses a
+# few hundred of its 2,048 slots. `prompt + max_tokens` still over-reserves, and its regions differ
+# in size: free memory is stranded in holes too small for the next request (orange). Paged blocks
+# come as tokens arrive, any free block serves any request, and the waste is the unfilled end of
+# each request's last block: almost nothing with 16-slot blocks. So about three times as many
+# requests run at once, finishing in a third of the steps: PagedAttention's throughput.
 
 # %%
-occupancy, share = {n: r["occupancy"] for n, r in runs.items()}, {n: r["share"] for n, r in runs.items()}
+occupancy, share = (
+    {n: r["occupancy"] for n, r in runs.items()},
+    {n: r["share"] for n, r in runs.items()},
+)
 assert occupancy["paged, block 16"] > 0.97 and occupancy["contiguous, max length"] < 0.35
-assert sorted(occupancy, key=occupancy.get) == list(runs)  # each scheme in the list beats the one before
+# each scheme in the list beats the one before
+assert sorted(occupancy, key=occupancy.get) == list(runs)
 assert sorted(runs, key=lambda n: -share[n]["over"]) == list(runs)  # and over-reserves less
-assert [n for n in runs if share[n]["stranded"] > 0] == ["contiguous, prompt + max_tokens"]  # sizes that differ
+# sizes that differ
+assert [n for n in runs if share[n]["stranded"] > 0] == ["contiguous, prompt + max_tokens"]
 assert runs["paged, block 16"]["batch"] > 2.5 * runs["contiguous, max length"]["batch"]
 assert len(runs["paged, block 16"]["rows"]) < len(runs["contiguous, max length"]["rows"]) / 2.5
 
 # %% [markdown]
 # ## How fast is the bookkeeping?
-# It runs on the CPU between GPU steps, so its cost adds to every step, and must not grow with the cache. A small
-# run of `python -m minivllm.benchmarks.block_manager`, with two cache sizes 64 times apart:
+# It runs on the CPU between GPU steps, so its cost adds to every step, and must not grow with the
+# cache. A small run of `python -m minivllm.benchmarks.block_manager`, with two cache sizes 64 times
+# apart:
 
 # %%
 from minivllm.benchmarks.block_manager import print_table, run_benchmark
@@ -504,10 +586,11 @@ print_table([run_benchmark(num_blocks=n, num_seqs=500, block_size=16) for n in (
 
 # %% [markdown]
 # ## The KV cache in memory
-# Per layer, `k_cache` and `v_cache` are `(num_blocks, block_size, num_kv_heads, head_dim)` (flash-attn's layout);
-# viewed as `(num_blocks * block_size, ...)`, a slot is a row. Each step the model **stores** each new token's `k`
-# and `v` in its slot (`slot_mapping`, `-1` for padding: one program per token copies a row), then each query
-# **attends** to its sequence's rows through its block table.
+# Per layer, `k_cache` and `v_cache` are `(num_blocks, block_size, num_kv_heads, head_dim)`
+# (flash-attn's layout); viewed as `(num_blocks * block_size, ...)`, a slot is a row. Each step the
+# model **stores** each new token's `k` and `v` in its slot (`slot_mapping`, `-1` for padding: one
+# program per token copies a row), then each query **attends** to its sequence's rows through its
+# block table.
 
 # %% tags=["export"] module="minivllm.kernels.paged_attn"
 import functools
@@ -523,28 +606,49 @@ from minivllm.kernels.flash_attn import attend_block, load_tile, softmax_scale_o
 
 @triton.jit
 def _store_kvcache_kernel(
-    k, v, k_cache, v_cache, slot_mapping, stride_kt, stride_vt, KV_SIZE: tl.constexpr, BLOCK: tl.constexpr
+    k,
+    v,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    stride_kt,
+    stride_vt,
+    KV_SIZE: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    """One token's k and v rows (KV_SIZE values each) into its slot; the caches are contiguous: a slot is a row."""
+    """One token's k and v rows (KV_SIZE values each) into its slot; the caches are contiguous: a
+    slot is a row."""
     token = tl.program_id(0)
     slot = tl.load(slot_mapping + token)
     if slot < 0:  # a padding token: nothing to store
         return
     offs = tl.arange(0, BLOCK)
     mask = offs < KV_SIZE
-    tl.store(k_cache + slot * KV_SIZE + offs, tl.load(k + token * stride_kt + offs, mask=mask), mask=mask)
-    tl.store(v_cache + slot * KV_SIZE + offs, tl.load(v + token * stride_vt + offs, mask=mask), mask=mask)
+    tl.store(
+        k_cache + slot * KV_SIZE + offs, tl.load(k + token * stride_kt + offs, mask=mask), mask=mask
+    )
+    tl.store(
+        v_cache + slot * KV_SIZE + offs, tl.load(v + token * stride_vt + offs, mask=mask), mask=mask
+    )
 
 
 def check_cache(name: str, cache: torch.Tensor, q: torch.Tensor) -> None:
-    if cache.dim() != 4 or cache.dtype != q.dtype or cache.device != q.device or not cache.is_contiguous():
+    if (
+        cache.dim() != 4
+        or cache.dtype != q.dtype
+        or cache.device != q.device
+        or not cache.is_contiguous()
+    ):
         raise ValueError(
-            f"{name} must be a contiguous (num_blocks, block_size, num_kv_heads, head_dim) tensor of "
+            f"{name} must be a contiguous (num_blocks, block_size, num_kv_heads, head_dim) tensor "
+            f"of "
             f"{q.dtype} on {q.device}, got {cache.dtype} {tuple(cache.shape)} on {cache.device}"
         )
 
 
-def check_index(name: str, t: torch.Tensor, dim: int, device: torch.device, dtypes=(torch.int32,)) -> None:
+def check_index(
+    name: str, t: torch.Tensor, dim: int, device: torch.device, dtypes=(torch.int32,)
+) -> None:
     if t.dim() != dim or t.dtype not in dtypes or t.device != device:
         raise ValueError(
             f"{name} must be a {dim}-D {' or '.join(map(str, dtypes))} tensor on {device}, "
@@ -553,13 +657,21 @@ def check_index(name: str, t: torch.Tensor, dim: int, device: torch.device, dtyp
 
 
 def check_out(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
-    """Where a kernel writes: a new tensor like q, or `out`, checked to fit q (shape, dtype, device, last dim)."""
+    """Where a kernel writes: a new tensor like q, or `out`, checked to fit q (shape, dtype, device,
+    last dim)."""
     if out is None:
         return torch.empty_like(q)
-    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
+    if (
+        out.shape != q.shape
+        or out.dtype != q.dtype
+        or out.device != q.device
+        or out.stride(-1) != 1
+    ):
         raise ValueError(
-            f"out must be a {q.dtype} tensor of q's shape {tuple(q.shape)} on {q.device}, contiguous in its last "
-            f"dimension; got {out.dtype} {tuple(out.shape)} on {out.device} with strides {out.stride()}"
+            f"out must be a {q.dtype} tensor of q's shape {tuple(q.shape)} on {q.device}, "
+            f"contiguous in its last "
+            f"dimension; got {out.dtype} {tuple(out.shape)} on {out.device} with strides "
+            f"{out.stride()}"
         )
     return out
 
@@ -577,14 +689,22 @@ def store_kvcache(
     check_index("slot_mapping", slot_mapping, 1, k.device, (torch.int32, torch.int64))
     if k.shape != v.shape or k.shape[1:] != k_cache.shape[2:] or slot_mapping.numel() != k.shape[0]:
         raise ValueError(
-            f"k, v {tuple(k.shape)}, {tuple(v.shape)} must match the cache's (num_kv_heads, head_dim) "
+            f"k, v {tuple(k.shape)}, {tuple(v.shape)} must match the cache's (num_kv_heads, "
+            f"head_dim) "
             f"{tuple(k_cache.shape[2:])} and slot_mapping's {slot_mapping.numel()} tokens"
         )
-    if k.stride(-1) != 1 or k.stride(-2) != k.shape[-1] or v.stride(-1) != 1 or v.stride(-2) != v.shape[-1]:
+    if (
+        k.stride(-1) != 1
+        or k.stride(-2) != k.shape[-1]
+        or v.stride(-1) != 1
+        or v.stride(-2) != v.shape[-1]
+    ):
         raise ValueError("each token's k and v must be contiguous (num_kv_heads, head_dim) rows")
     kv_size = k.shape[1] * k.shape[2]
     block = triton.next_power_of_2(kv_size)
-    _store_kvcache_kernel[(k.shape[0],)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), kv_size, block)
+    _store_kvcache_kernel[(k.shape[0],)](
+        k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), kv_size, block
+    )
 
 
 # %% [markdown]
@@ -595,7 +715,8 @@ from minivllm.kernels.paged_attn import store_kvcache
 
 k_cache, v_cache = torch.zeros(2, 4, 16, 2, 32, device=DEVICE)  # 4 blocks of 16 slots each
 k, v = torch.randn(2, 3, 2, 32, device=DEVICE)
-slot_mapping = torch.tensor([37, -1, 5], device=DEVICE)  # block 2 offset 5; padding; block 0 offset 5
+# block 2 offset 5; padding; block 0 offset 5
+slot_mapping = torch.tensor([37, -1, 5], device=DEVICE)
 store_kvcache(k, v, k_cache, v_cache, slot_mapping)
 flat_k = k_cache.view(-1, 2, 32)
 torch.testing.assert_close(flat_k[[37, 5]], k[[0, 2]])
@@ -603,62 +724,92 @@ assert flat_k.abs().sum(dim=(1, 2)).count_nonzero() == 2  # nothing else was wri
 
 # %% [markdown]
 # ## Why decode needs its own attention kernel
-# In prefill every key/value block the kernel loads serves a whole `BLOCK_M` tile of queries: many FLOPs per byte,
-# so the tensor cores set the speed (notebook 01). In decode each sequence brings **one** query per head, and its
-# whole KV cache is read for 2 FLOPs per element (a multiply-add in `q·k` or `p·v`) per query head sharing it:
+# In prefill every key/value block the kernel loads serves a whole `BLOCK_M` tile of queries: many
+# FLOPs per byte, so the tensor cores set the speed (notebook 01). In decode each sequence brings
+# **one** query per head, and its whole KV cache is read for 2 FLOPs per element (a multiply-add in
+# `q·k` or `p·v`) per query head sharing it:
 
 
 # %%
-def flops_per_byte(num_queries: int, group: int = 2, head_dim: int = 128, dtype_bytes: int = 2) -> float:
+def flops_per_byte(
+    num_queries: int, group: int = 2, head_dim: int = 128, dtype_bytes: int = 2
+) -> float:
     """Attention FLOPs (q·k and p·v, per query head) per byte of K and V read."""
     return 4 * num_queries * group * head_dim / (2 * head_dim * dtype_bytes)
 
 
-h200_ridge = 989e12 / 4.8e12  # dense bf16 FLOP/s over HBM bytes/s: below this a kernel waits on memory
+# dense bf16 FLOP/s over HBM bytes/s: below this a kernel waits on memory
+h200_ridge = 989e12 / 4.8e12
 for name, n in (("decode (1 query)", 1), ("prefill of 4,096 tokens", 4096)):
     print(f"{name:>24}: {flops_per_byte(n):7.0f} FLOP/byte (H200 ridge point ≈ {h200_ridge:.0f})")
 assert flops_per_byte(1) < 10 < h200_ridge < flops_per_byte(4096)
 
 # %% [markdown]
-# Decode is **memory-bound**: a good decode kernel streams the KV cache at full HBM bandwidth. So: **GQA packing**,
-# one program for *all* query heads of a KV head, each KV block read once; **split-K** (flash-decoding), since one
-# sequence × 8 KV heads is 8 programs for 132 multiprocessors: the context is cut into `num_splits` chunks, each
-# program writes its chunk's output and log-sum-exp `lse_s`, a tiny kernel combines them; **paging**, keys found
-# through the block table (`paged_rows`), 64 per step. A split's loop, `attend_split`, runs notebook 01's
+# Decode is **memory-bound**: a good decode kernel streams the KV cache at full HBM bandwidth. So:
+# **GQA packing**, one program for *all* query heads of a KV head, each KV block read once;
+# **split-K** (flash-decoding), since one sequence × 8 KV heads is 8 programs for 132
+# multiprocessors: the context is cut into `num_splits` chunks, each program writes its chunk's
+# output and log-sum-exp `lse_s`, a tiny kernel combines them; **paging**, keys found through the
+# block table (`paged_rows`), 64 per step. A split's loop, `attend_split`, runs notebook 01's
 # `attend_block`; `store_split` writes its results (the cascade kernel, below, reuses both).
 #
-# Split-K first in PyTorch (`exercises/01_online_softmax.ipynb`, parts b and c): 300 keys in 3 chunks. Each chunk's
-# softmax has its own sum, so weight each output by `exp(lse_s − lse)`, its share of the row's sum: exact.
+# Split-K first in PyTorch (`exercises/01_online_softmax.ipynb`, parts b and c): 300 keys in 3
+# chunks. Each chunk's softmax has its own sum, so weight each output by `exp(lse_s − lse)`, its
+# share of the row's sum: exact.
 
 # %%
 from minivllm.kernels.reference import attention_ref
 
-q1, k1, v1 = torch.randn(1, 32), torch.randn(300, 32), torch.randn(300, 32)  # one query head, 300 cached keys
-scores = [q1 @ k_s.T * 32**-0.5 for k_s in k1.split(128)]  # 3 splits of 128, 128, 44 keys: (1, chunk) each
-outs = [torch.softmax(s, dim=-1) @ v_s for s, v_s in zip(scores, v1.split(128))]  # (1, 32): over its own sum
-lses = torch.stack([torch.logsumexp(s, dim=-1) for s in scores])  # (3, 1): the log of each split's sum
-weights = torch.exp(lses - torch.logsumexp(lses, dim=0))  # (3, 1): each split's share of the whole row's sum
-combined = sum(w[:, None] * out_s for w, out_s in zip(weights, outs))  # what the combine kernel computes
-ref = attention_ref(q1[:, None], k1[:, None], v1[:, None], torch.tensor([0, 1]), torch.tensor([0, 300]))[:, 0]
+# one query head, 300 cached keys
+q1, k1, v1 = (torch.randn(1, 32), torch.randn(300, 32), torch.randn(300, 32))
+# 3 splits of 128, 128, 44 keys: (1, chunk) each
+scores = [q1 @ k_s.T * 32**-0.5 for k_s in k1.split(128)]
+# (1, 32): over its own sum
+outs = [torch.softmax(s, dim=-1) @ v_s for s, v_s in zip(scores, v1.split(128))]
+# (3, 1): the log of each split's sum
+lses = torch.stack([torch.logsumexp(s, dim=-1) for s in scores])
+# (3, 1): each split's share of the whole row's sum
+weights = torch.exp(lses - torch.logsumexp(lses, dim=0))
+# what the combine kernel computes
+combined = sum(w[:, None] * out_s for w, out_s in zip(weights, outs))
+ref = attention_ref(
+    q1[:, None], k1[:, None], v1[:, None], torch.tensor([0, 1]), torch.tensor([0, 300])
+)[:, 0]
 torch.testing.assert_close(combined, ref)
 plain, weighted = (sum(outs) / len(outs) - ref).abs().max(), (combined - ref).abs().max()
-print(f"max error: plain average of the splits {plain:.2f}, weighted by exp(lse_s - lse) {weighted:.0e}")
+print(
+    f"max error: plain average of the splits {plain:.2f}, weighted by exp(lse_s - lse) "
+    f"{weighted:.0e}"
+)
 
 
 # %% tags=["export"]
 @triton.jit
 def paged_rows(block_table_row, tok, valid, BLOCK_SIZE: tl.constexpr):
-    """Rows of tokens `tok` in the cache viewed as (num_blocks * block_size, ...): block base + offset."""
+    """Rows of tokens `tok` in the cache viewed as (num_blocks * block_size, ...): block base +
+    offset."""
     block = tl.load(block_table_row + tok // BLOCK_SIZE, mask=valid, other=0)
     return block.to(tl.int64) * BLOCK_SIZE + tok % BLOCK_SIZE
 
 
 @triton.jit
 def attend_split(
-    q, K, V, table_row, lo, hi, kv_head, qk_scale, kv_strides,
-    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
-    """Queries q (ROWS, D) of one KV head over keys lo..hi-1 of a block-table row: output, log2-sum-exp (ROWS,)."""
+    q,
+    K,
+    V,
+    table_row,
+    lo,
+    hi,
+    kv_head,
+    qk_scale,
+    kv_strides,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Queries q (ROWS, D) of one KV head over keys lo..hi-1 of a block-table row: output,
+    log2-sum-exp (ROWS,)."""
     ROWS: tl.constexpr = q.shape[0]
     HEAD_DIM: tl.constexpr = q.shape[1]
     stride_kt, stride_kh, stride_vt, stride_vh = kv_strides  # (token, head) of k, then of v
@@ -670,18 +821,34 @@ def attend_split(
         tok = start + offs_n  # (BLOCK_N,)
         valid = tok < hi
         rows = paged_rows(table_row, tok, valid, BLOCK_SIZE)
-        k = load_tile(K + rows[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None], valid[None, :], UPCAST)
-        v = load_tile(V + rows[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :], valid[:, None], UPCAST)
-        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, tok, offs_q, hi, 0, qk_scale, True, False, PRECISION)
-    empty = l_i == 0.0  # a split with no key: past the end of a short sequence (or of a shared prefix)
+        k = load_tile(
+            K + rows[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
+            valid[None, :],
+            UPCAST,
+        )
+        v = load_tile(
+            V + rows[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+            valid[:, None],
+            UPCAST,
+        )
+        acc, m_i, l_i = attend_block(
+            acc, m_i, l_i, q, k, v, tok, offs_q, hi, 0, qk_scale, True, False, PRECISION
+        )
+    # a split with no key: past the end of a short sequence (or of a shared prefix)
+    empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     return out, tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))
 
 
 @triton.jit
-def store_split(partial_out, partial_lse, seq, heads, slot, out, lse, mask, part_strides, HEAD_DIM: tl.constexpr):
-    """A split's results into slot `slot` of its rows (seq: one sequence, or one per row; heads: one per row)."""
-    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh = part_strides  # of partial_out, then partial_lse
+def store_split(
+    partial_out, partial_lse, seq, heads, slot, out, lse, mask, part_strides, HEAD_DIM: tl.constexpr
+):
+    """A split's results into slot `slot` of its rows (seq: one sequence, or one per row; heads: one
+    per row)."""
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh = (
+        part_strides  # of partial_out, then partial_lse
+    )
     row = seq * stride_pb + heads * stride_ph + slot * stride_ps  # (ROWS,)
     tl.store(partial_out + row[:, None] + tl.arange(0, HEAD_DIM)[None, :], out, mask=mask[:, None])
     tl.store(partial_lse + seq * stride_lb + heads * stride_lh + slot, lse, mask=mask)
@@ -689,45 +856,98 @@ def store_split(partial_out, partial_lse, seq, heads, slot, out, lse, mask, part
 
 @triton.jit(do_not_specialize=["num_splits", "stride_bt"])  # vary from step to step (notebook 01)
 def _decode_kernel(
-    Q, K, V, partial_out, partial_lse, cache_seqlens, block_table, prefix_lens, qk_scale, num_splits, stride_bt,
-    q_strides, kv_strides, part_strides,  # (batch, head) of q; (token, head) of k and v; see store_split
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, HAS_PREFIX: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
+    Q,
+    K,
+    V,
+    partial_out,
+    partial_lse,
+    cache_seqlens,
+    block_table,
+    prefix_lens,
+    qk_scale,
+    num_splits,
+    stride_bt,
+    # (batch, head) of q; (token, head) of k and v; see store_split
+    q_strides,
+    kv_strides,
+    part_strides,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seqlen = tl.load(cache_seqlens + seq)
-    first = tl.load(prefix_lens + seq) if HAS_PREFIX else 0  # keys before it: a shared prefix, attended apart
+    # keys before it: a shared prefix, attended apart
+    first = tl.load(prefix_lens + seq) if HAS_PREFIX else 0
     chunk = tl.cdiv(tl.cdiv(seqlen - first, num_splits), BLOCK_N) * BLOCK_N
     lo = first + split * chunk
     hi = tl.minimum(lo + chunk, seqlen)
-    offs_g = tl.arange(0, GROUP_PAD)  # the query heads of this KV head (padded: tl.dot needs 16 rows)
+    # the query heads of this KV head (padded: tl.dot needs 16 rows)
+    offs_g = tl.arange(0, GROUP_PAD)
     heads, mask = kv_head * GROUP + offs_g, offs_g < GROUP
     q_rows = Q + seq * q_strides[0] + heads * q_strides[1]  # (GROUP_PAD,)
-    q = load_tile(q_rows[:, None] + tl.arange(0, HEAD_DIM)[None, :], mask[:, None], UPCAST)  # (GROUP_PAD, D)
+    q = load_tile(
+        q_rows[:, None] + tl.arange(0, HEAD_DIM)[None, :], mask[:, None], UPCAST
+    )  # (GROUP_PAD, D)
     table_row = block_table + seq * stride_bt
     out, lse = attend_split(
-        q, K, V, table_row, lo, hi, kv_head, qk_scale, kv_strides, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION
+        q,
+        K,
+        V,
+        table_row,
+        lo,
+        hi,
+        kv_head,
+        qk_scale,
+        kv_strides,
+        BLOCK_N,
+        BLOCK_SIZE,
+        UPCAST,
+        PRECISION,
     )
     store_split(partial_out, partial_lse, seq, heads, split, out, lse, mask, part_strides, HEAD_DIM)
 
 
 @triton.jit(do_not_specialize=["num_splits", "prefix_splits"])
 def _combine_splits_kernel(
-    partial_out, partial_lse, O, cache_seqlens, prefix_lens, num_splits, prefix_splits, part_strides, o_strides,
-    HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr,
-):  # fmt: skip
+    partial_out,
+    partial_lse,
+    O,
+    cache_seqlens,
+    prefix_lens,
+    num_splits,
+    prefix_splits,
+    part_strides,
+    o_strides,
+    HEAD_DIM: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh = part_strides
     seq, head = tl.program_id(0), tl.program_id(1)
     if tl.load(cache_seqlens + seq) == 0:
-        return  # not a sequence: a CUDA graph's padding row (notebook 04), whose output row may be another's
-    if prefix_splits > 0:  # the shared prefix's splits (cascade attention) follow the row's own, if it shares it
+        # not a sequence: a CUDA graph's padding row (notebook 04), whose output row may be
+        # another's
+        return
+    # the shared prefix's splits (cascade attention) follow the row's own, if it shares it
+    if prefix_splits > 0:
         num_splits += tl.where(tl.load(prefix_lens + seq) > 0, prefix_splits, 0)
     offs_s, offs_d = tl.arange(0, SPLITS_PAD), tl.arange(0, HEAD_DIM)
     lse_ptrs = partial_lse + seq * stride_lb + head * stride_lh + offs_s
     lse = tl.load(lse_ptrs, mask=offs_s < num_splits, other=float("-inf"))  # (SPLITS_PAD,)
     m = tl.max(lse, 0)
     weights = tl.math.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
-    part_ptrs = partial_out + seq * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :]
+    part_ptrs = (
+        partial_out
+        + seq * stride_pb
+        + head * stride_ph
+        + offs_s[:, None] * stride_ps
+        + offs_d[None, :]
+    )
     parts = tl.load(part_ptrs, mask=(offs_s < num_splits)[:, None], other=0.0)  # (SPLITS_PAD, D)
     out = tl.sum(parts * weights[:, None], 0) / tl.maximum(tl.sum(weights, 0), 1e-30)
     tl.store(O + seq * o_strides[0] + head * o_strides[1] + offs_d, out.to(O.dtype.element_ty))
@@ -741,14 +961,17 @@ def num_sms(device: torch.device) -> int:
 
 
 def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
-    """Splits for one wave of ~4 programs per SM, or 2 past a wave (an H200 sweep); per batch only: graphs fix it."""
+    """Splits for one wave of ~4 programs per SM, or 2 past a wave (an H200 sweep); per batch only:
+    graphs fix it."""
     if device.type == "cpu":
         return 1
     programs, wave = batch * num_kv_heads, 4 * num_sms(device)
     return min(128, wave // programs) if programs <= wave else 2
 
 
-def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, block_table, prefix_blocks, prefix_lens) -> None:
+def check_decode_inputs(
+    q, k_cache, v_cache, cache_seqlens, block_table, prefix_blocks, prefix_lens
+) -> None:
     if q.dim() != 4 or q.shape[1] != 1:
         raise ValueError(f"q must be (batch, 1, num_heads, head_dim), got {tuple(q.shape)}")
     check_cache("k_cache", k_cache, q)
@@ -759,20 +982,29 @@ def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, block_table, prefix_
     check_index("block_table", block_table, 2, q.device)
     batch, _, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    if k_cache.shape[3] != head_dim or num_heads % num_kv_heads or head_dim not in (16, 32, 64, 128, 256):
+    if (
+        k_cache.shape[3] != head_dim
+        or num_heads % num_kv_heads
+        or head_dim not in (16, 32, 64, 128, 256)
+    ):
         raise ValueError(
-            f"head_dim {head_dim} (16..256, a power of two) must match the cache's {k_cache.shape[3]}, "
+            f"head_dim {head_dim} (16..256, a power of two) must match the cache's "
+            f"{k_cache.shape[3]}, "
             f"and num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}"
         )
     if cache_seqlens.shape[0] != batch or block_table.shape[0] != batch:
         raise ValueError(f"cache_seqlens and block_table need one row per sequence ({batch})")
     if (prefix_blocks is None) != (prefix_lens is None):
-        raise ValueError("prefix_blocks and prefix_lens go together: the shared blocks, and who shares them")
+        raise ValueError(
+            "prefix_blocks and prefix_lens go together: the shared blocks, and who shares them"
+        )
     if prefix_lens is not None and prefix_blocks is not None:
         check_index("prefix_blocks", prefix_blocks, 1, q.device)
         check_index("prefix_lens", prefix_lens, 1, q.device)
         if prefix_lens.shape[0] != batch:
-            raise ValueError(f"prefix_lens needs one row per sequence ({batch}), got {prefix_lens.shape[0]}")
+            raise ValueError(
+                f"prefix_lens needs one row per sequence ({batch}), got {prefix_lens.shape[0]}"
+            )
 
 
 def flash_attn_with_kvcache(
@@ -783,12 +1015,16 @@ def flash_attn_with_kvcache(
     block_table: torch.Tensor | None = None,  # (batch, max_blocks) int32
     softmax_scale: float | None = None,
     causal: bool = False,  # one query that sees its whole cache: causal or not is the same thing
-    out: torch.Tensor | None = None,  # (batch, 1, num_heads, head_dim) to write into; None: a new tensor
-    prefix_blocks: torch.Tensor | None = None,  # (n,) int32: blocks that begin the caches of several rows
-    prefix_lens: torch.Tensor | None = None,  # (batch,) int32: a row's tokens in those blocks, or 0 (not its own)
+    out: torch.Tensor
+    | None = None,  # (batch, 1, num_heads, head_dim) to write into; None: a new tensor
+    prefix_blocks: torch.Tensor
+    | None = None,  # (n,) int32: blocks that begin the caches of several rows
+    prefix_lens: torch.Tensor
+    | None = None,  # (batch,) int32: a row's tokens in those blocks, or 0 (not its own)
 ) -> torch.Tensor:  # (batch, 1, num_heads, head_dim)
-    """Decode attention over a paged KV cache, flash-attn's signature (GQA-packed, split-K). Rows that begin with
-    `prefix_blocks` (`prefix_lens` > 0) attend to them together, their keys read once (cascade attention)."""
+    """Decode attention over a paged KV cache, flash-attn's signature (GQA-packed, split-K). Rows
+    that begin with `prefix_blocks` (`prefix_lens` > 0) attend to them together, their keys read
+    once (cascade attention)."""
     check_decode_inputs(q, k_cache, v_cache, cache_seqlens, block_table, prefix_blocks, prefix_lens)
     assert cache_seqlens is not None and block_table is not None  # checked: for mypy
     batch, _, num_heads, head_dim = q.shape
@@ -796,13 +1032,21 @@ def flash_attn_with_kvcache(
     num_splits, group = decode_num_splits(batch, num_kv_heads, q.device), num_heads // num_kv_heads
     block_m = 16 if on_cpu else 64  # (row, query head) pairs per program of the prefix kernel
     prefix_grid = (triton.cdiv(batch * group, block_m), num_kv_heads)
-    prefix_splits = 0 if prefix_blocks is None else prefix_num_splits(prefix_grid[0] * prefix_grid[1], q.device)
+    prefix_splits = (
+        0 if prefix_blocks is None else prefix_num_splits(prefix_grid[0] * prefix_grid[1], q.device)
+    )
     k, v = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
     out = check_out(out, q)
-    slots = num_splits + prefix_splits  # partial results per row and head: the row's own splits, the prefix's
-    partial_out = torch.empty(batch, num_heads, slots, head_dim, dtype=torch.float32, device=q.device)
+    # partial results per row and head: the row's own splits, the prefix's
+    slots = num_splits + prefix_splits
+    partial_out = torch.empty(
+        batch, num_heads, slots, head_dim, dtype=torch.float32, device=q.device
+    )
     partial_lse = torch.empty(batch, num_heads, slots, dtype=torch.float32, device=q.device)
-    tensors, lens = (q, k, v, partial_out, partial_lse), cache_seqlens if prefix_lens is None else prefix_lens
+    tensors, lens = (
+        (q, k, v, partial_out, partial_lse),
+        cache_seqlens if prefix_lens is None else prefix_lens,
+    )
     qk_scale = softmax_scale_of(softmax_scale, head_dim) * math.log2(math.e)
     q_strides, kv_strides = (q.stride(0), q.stride(2)), (*k.stride()[:2], *v.stride()[:2])
     strides = (q_strides, kv_strides, (*partial_out.stride()[:3], *partial_lse.stride()[:2]))
@@ -812,66 +1056,108 @@ def flash_attn_with_kvcache(
     )
     common.update(UPCAST=on_cpu and q.dtype != torch.float32, num_stages=1 if on_cpu else 2)
     common.update(PRECISION="ieee" if q.dtype == torch.float32 else "tf32", GROUP=group)
-    decode = dict(GROUP_PAD=max(16, triton.next_power_of_2(group)), HAS_PREFIX=prefix_lens is not None)
+    decode = dict(
+        GROUP_PAD=max(16, triton.next_power_of_2(group)), HAS_PREFIX=prefix_lens is not None
+    )
     scalars = (qk_scale, num_splits, block_table.stride(0))
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         *tensors, cache_seqlens, block_table, lens, *scalars, *strides, **decode, **common
     )
     if prefix_splits:
         prefix = (prefix_blocks, prefix_lens, qk_scale, batch, num_splits)
-        _shared_prefix_kernel[(*prefix_grid, prefix_splits)](*tensors, *prefix, *strides, BLOCK_M=block_m, **common)
+        _shared_prefix_kernel[(*prefix_grid, prefix_splits)](
+            *tensors, *prefix, *strides, BLOCK_M=block_m, **common
+        )
     splits = (num_splits, prefix_splits, strides[2], (out.stride(0), out.stride(2)))
     pad = max(2, triton.next_power_of_2(slots))
     _combine_splits_kernel[(batch, num_heads)](
-        partial_out, partial_lse, out, cache_seqlens, lens, *splits, HEAD_DIM=head_dim, SPLITS_PAD=pad
+        partial_out,
+        partial_lse,
+        out,
+        cache_seqlens,
+        lens,
+        *splits,
+        HEAD_DIM=head_dim,
+        SPLITS_PAD=pad,
     )
     return out
 
 
 # %% [markdown]
 # ### Check the decode kernel against the reference
-# Sequences of 1 to 300 tokens in shuffled blocks, several block sizes, GQA ratios and forced numbers of splits (a
-# CPU would pick 1; short sequences leave some empty): the kernel must match notebook 01's reference.
+# Sequences of 1 to 300 tokens in shuffled blocks, several block sizes, GQA ratios and forced
+# numbers of splits (a CPU would pick 1; short sequences leave some empty): the kernel must match
+# notebook 01's reference.
 
 # %%
 from unittest import mock
 
 from minivllm.kernels.paged_attn import flash_attn_with_kvcache
-from minivllm.testing import scatter_into_cache  # random K/V written to shuffled blocks, and kept contiguous
 
-seq_lens, cu_q = [1, 17, 300, 64], torch.arange(5, dtype=torch.int32, device=DEVICE)  # one query per sequence
+# random K/V written to shuffled blocks, and kept contiguous
+from minivllm.testing import scatter_into_cache
+
+# one query per sequence
+seq_lens, cu_q = ([1, 17, 300, 64], torch.arange(5, dtype=torch.int32, device=DEVICE))
 cache_seqlens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-for block_size, num_heads, num_kv_heads, num_splits in ((16, 8, 2, 1), (32, 8, 8, 4), (256, 8, 1, 3)):
-    k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache(seq_lens, num_kv_heads, 32, block_size, DEVICE)
+for block_size, num_heads, num_kv_heads, num_splits in (
+    (16, 8, 2, 1),
+    (32, 8, 8, 4),
+    (256, 8, 1, 3),
+):
+    k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache(
+        seq_lens, num_kv_heads, 32, block_size, DEVICE
+    )
     q = torch.randn(len(seq_lens), 1, num_heads, 32, device=DEVICE)
     with mock.patch("minivllm.kernels.paged_attn.decode_num_splits", lambda *_, n=num_splits: n):
         out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table)
     cu_q = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)
     ref = attention_ref(q[:, 0], k, v, cu_q, cu_k)
     error = (out[:, 0] - ref).abs().max()
-    print(f"block_size {block_size:>3}, GQA {num_heads // num_kv_heads}, {num_splits} splits: max error {error:.1e}")
+    print(
+        f"block_size {block_size:>3}, GQA {num_heads // num_kv_heads}, {num_splits} splits: max "
+        f"error {error:.1e}"
+    )
     torch.testing.assert_close(out[:, 0], ref, rtol=1e-4, atol=1e-4)
 
 # %% [markdown]
 # ### A prefix many rows share: cascade attention (the deep dive `deep_dives/cascade_attention`)
-# Rows that begin with the same cached blocks (a system prompt) read them once per row; given `prefix_blocks` and
-# `prefix_lens`, the kernel below reads them once for all those rows, as more splits. The deep dive explains it.
+# Rows that begin with the same cached blocks (a system prompt) read them once per row; given
+# `prefix_blocks` and `prefix_lens`, the kernel below reads them once for all those rows, as more
+# splits. The deep dive explains it.
 
 
 # %% tags=["export"]
 @triton.jit(do_not_specialize=["batch", "first_split"])
 def _shared_prefix_kernel(
-    Q, K, V, partial_out, partial_lse, prefix_blocks, prefix_lens, qk_scale, batch, first_split,
-    q_strides, kv_strides, part_strides,  # as the decode kernel's
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-):  # fmt: skip
-    """Split `split` of the shared prefix for BLOCK_M (row, query head) pairs of one KV head, into slot
-    first_split + split."""
+    Q,
+    K,
+    V,
+    partial_out,
+    partial_lse,
+    prefix_blocks,
+    prefix_lens,
+    qk_scale,
+    batch,
+    first_split,
+    q_strides,
+    kv_strides,
+    part_strides,  # as the decode kernel's
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Split `split` of the shared prefix for BLOCK_M (row, query head) pairs of one KV head, into
+    slot first_split + split."""
     tile, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # (row, query head) pairs, GROUP heads per row
     seq, heads = offs_m // GROUP, kv_head * GROUP + offs_m % GROUP
-    lens = tl.load(prefix_lens + seq, mask=seq < batch, other=0)  # (BLOCK_M,): the prefix's length, or 0
+    # (BLOCK_M,): the prefix's length, or 0
+    lens = tl.load(prefix_lens + seq, mask=seq < batch, other=0)
     shares, prefix_len = lens > 0, tl.max(lens, 0)  # one length for all sharers
     if prefix_len == 0:
         return  # no row of this tile shares it (a CUDA graph's step may have no shared prefix)
@@ -879,17 +1165,32 @@ def _shared_prefix_kernel(
     lo = split * chunk
     hi = tl.minimum(lo + chunk, prefix_len)
     q_rows = Q + seq * q_strides[0] + heads * q_strides[1]  # (BLOCK_M,)
-    q = load_tile(q_rows[:, None] + tl.arange(0, HEAD_DIM)[None, :], shares[:, None], UPCAST)  # (BLOCK_M, D)
+    q = load_tile(
+        q_rows[:, None] + tl.arange(0, HEAD_DIM)[None, :], shares[:, None], UPCAST
+    )  # (BLOCK_M, D)
     # a non-sharer's row is computed too, and never read: the combine kernel skips its slots
     out, lse = attend_split(
-        q, K, V, prefix_blocks, lo, hi, kv_head, qk_scale, kv_strides, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION
+        q,
+        K,
+        V,
+        prefix_blocks,
+        lo,
+        hi,
+        kv_head,
+        qk_scale,
+        kv_strides,
+        BLOCK_N,
+        BLOCK_SIZE,
+        UPCAST,
+        PRECISION,
     )
     slot, mask = first_split + split, seq < batch
     store_split(partial_out, partial_lse, seq, heads, slot, out, lse, mask, part_strides, HEAD_DIM)
 
 
 def prefix_num_splits(num_programs: int, device: torch.device) -> int:
-    """Splits of the shared prefix: enough for one program per SM, given num_programs (tiles × KV heads) per split."""
+    """Splits of the shared prefix: enough for one program per SM, given num_programs (tiles × KV
+    heads) per split."""
     if device.type == "cpu":
         return 1
     return max(1, min(8, num_sms(device) // num_programs))
@@ -897,8 +1198,9 @@ def prefix_num_splits(num_programs: int, device: torch.device) -> int:
 
 # %% [markdown]
 # ## Paged attention without a GPU
-# On a CPU, Triton's interpreter is exact but thousands of times slower, so the engine uses PyTorch indexing there:
-# a store is an indexed assignment; attention gathers each sequence's rows and calls notebook 01's reference.
+# On a CPU, Triton's interpreter is exact but thousands of times slower, so the engine uses PyTorch
+# indexing there: a store is an indexed assignment; attention gathers each sequence's rows and calls
+# notebook 01's reference.
 
 
 # %% tags=["export"] module="minivllm.kernels.paged_reference"
@@ -908,7 +1210,11 @@ from minivllm.kernels.reference import attention_ref
 
 
 def store_kvcache_ref(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
 ) -> None:
     keep = slot_mapping >= 0  # (num_tokens,): -1 marks padding
     k_cache.view(-1, *k_cache.shape[2:])[slot_mapping[keep]] = k[keep]
@@ -916,7 +1222,8 @@ def store_kvcache_ref(
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """A sequence's first `num_tokens` rows of a paged cache, contiguous: (num_tokens, num_kv_heads, head_dim)."""
+    """A sequence's first `num_tokens` rows of a paged cache, contiguous: (num_tokens, num_kv_heads,
+    head_dim)."""
     num_blocks = -(-num_tokens // cache.shape[1])
     return cache[block_table[:num_blocks].long()].flatten(0, 1)[:num_tokens]
 
@@ -926,11 +1233,13 @@ def paged_attention_ref(
     k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
     v_cache: torch.Tensor,
     cu_seqlens_q: torch.Tensor,  # (batch + 1,)
-    cu_seqlens_k: torch.Tensor,  # (batch + 1,): tokens in each sequence's cache, the new ones included
+    # (batch + 1,): tokens in each sequence's cache, the new ones included
+    cu_seqlens_k: torch.Tensor,
     block_table: torch.Tensor,  # (batch, max_blocks)
     softmax_scale: float | None = None,
 ) -> torch.Tensor:  # (total_q, num_heads, head_dim)
-    """Causal attention of new tokens over their sequence's whole cache: decode is the case of one new token."""
+    """Causal attention of new tokens over their sequence's whole cache: decode is the case of one
+    new token."""
     k_lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist()
     k = torch.cat([gather_kv(k_cache, block_table[i], n) for i, n in enumerate(k_lens)])
     v = torch.cat([gather_kv(v_cache, block_table[i], n) for i, n in enumerate(k_lens)])
@@ -938,25 +1247,30 @@ def paged_attention_ref(
 
 
 # %% [markdown]
-# Check: with new tokens after cached ones, in shuffled blocks, the reference gives what notebook 01's gives on the
-# same keys laid out contiguously. (The paged prefill *kernel* after a cache hit: the deep dive `paged_prefill`.)
+# Check: with new tokens after cached ones, in shuffled blocks, the reference gives what notebook
+# 01's gives on the same keys laid out contiguously. (The paged prefill *kernel* after a cache hit:
+# the deep dive `paged_prefill`.)
 
 # %%
 from minivllm.kernels.paged_reference import paged_attention_ref
 
-seq_lens, q_lens = [1, 17, 300, 64, 40], [1, 5, 64, 17, 40]  # tokens in the cache; the new ones among them
+# tokens in the cache; the new ones among them
+seq_lens, q_lens = ([1, 17, 300, 64, 40], [1, 5, 64, 17, 40])
 cu_q = torch.tensor([0, *np.cumsum(q_lens)], dtype=torch.int32, device=DEVICE)
 for block_size in (16, 256):
-    k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache(seq_lens, 2, 32, block_size, DEVICE)
+    k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache(
+        seq_lens, 2, 32, block_size, DEVICE
+    )
     q = torch.randn(sum(q_lens), 4, 32, device=DEVICE)
     ref = paged_attention_ref(q, k_cache, v_cache, cu_q, cu_k, block_table)
     torch.testing.assert_close(ref, attention_ref(q, k, v, cu_q, cu_k, causal=True))
 
 # %% [markdown]
 # ## How fast: decode vs prefill kernels on an H200
-# `python -m minivllm.benchmarks.decode`, in bytes of K and V read per second: `minivllm-triton` (the kernel above),
-# `flashinfer` (vLLM's, the bar to reach), `minivllm-prefill-kernel` (deep dive `paged_prefill`), and
-# `naive-gather-sdpa` (blocks copied out, then PyTorch's attention). A GPU re-measures a subset; else committed data.
+# `python -m minivllm.benchmarks.decode`, in bytes of K and V read per second: `minivllm-triton`
+# (the kernel above), `flashinfer` (vLLM's, the bar to reach), `minivllm-prefill-kernel` (deep dive
+# `paged_prefill`), and `naive-gather-sdpa` (blocks copied out, then PyTorch's attention). A GPU
+# re-measures a subset; else committed data.
 
 # %%
 from minivllm.benchmarks.decode import plot_decode, run_decode_benchmark
@@ -972,16 +1286,22 @@ for r in sorted(decode_data["rows"], key=lambda r: r["tbps"]):
 for (impl, batch, context), v in sorted(tbps.items()):
     print(f"{impl:>24} batch {batch:>3} × {context:>5} tokens: {v:.2f} TB/s")
 copy_tbps = decode_data["copy_tbps"]
-print(f"copy bandwidth, for scale: {copy_tbps:.2f} TB/s (a copy reads and writes; a read alone may beat it)")
+print(
+    f"copy bandwidth, for scale: {copy_tbps:.2f} TB/s (a copy reads and writes; a read alone may "
+    f"beat it)"
+)
 
 # %% [markdown]
 # ## Check yourself
-# **1.** After `x + z` and `y + w` ran (four different full blocks), `y + z + [0]` arrives: how many of its tokens hit?
+# **1.** After `x + z` and `y + w` ran (four different full blocks), `y + z + [0]` arrives: how many
+# of its tokens hit?
 
 # %%
 from minivllm.testing import check_answer
 
-answer = None  # your answer: replace None with an expression (the check compares it with the result)
+answer = (
+    None  # your answer: replace None with an expression (the check compares it with the result)
+)
 check = BlockManager(num_blocks=16, block_size=16)
 x, y, z, w = ([i] * 16 for i in (1, 2, 3, 4))
 for prompt in (x + z + [0], y + w + [0], y + z + [0]):  # `other` is the last one
@@ -989,8 +1309,9 @@ for prompt in (x + z + [0], y + w + [0], y + z + [0]):  # `other` is the last on
 check_answer(answer, other.num_cached_tokens, "1. chained hash")
 
 # %% [markdown]
-# Worked answer: 16, `y` only. The cached `z` was computed after `x`, so its KV mixes `x` in; its hash chains `x`'s, and
-# the lookup after `y` misses. A hash of `z`'s tokens alone would hit, and hand over the wrong KV silently.
+# Worked answer: 16, `y` only. The cached `z` was computed after `x`, so its KV mixes `x` in; its
+# hash chains `x`'s, and the lookup after `y` misses. A hash of `z`'s tokens alone would hit, and
+# hand over the wrong KV silently.
 
 # %%
 check_answer(len(y), other.num_cached_tokens, "1. chained hash")

@@ -15,13 +15,15 @@
 # %% [markdown]
 # # 04 · The model runner: a step on the paged cache, and sampling
 #
-# **What this notebook builds.** What turns a batch of `Sequence`s into next tokens: a sampler, a step's inputs, the
-# attention context over notebook 03's paged kernels, and the runner (it sizes the KV cache and holds one
-# tensor-parallel rank's slice). It assumes notebook 02's Qwen3 and notebook 03's `Sequence`, `BlockManager`, kernels.
+# **What this notebook builds.** What turns a batch of `Sequence`s into next tokens: a sampler, a
+# step's inputs, the attention context over notebook 03's paged kernels, and the runner (it sizes
+# the KV cache and holds one tensor-parallel rank's slice). It assumes notebook 02's Qwen3 and
+# notebook 03's `Sequence`, `BlockManager`, kernels.
 #
-# **The one rule.** Every path (a prefix hit, a chunk, a mixed step, a long decode) gives the logits of a from-scratch
-# forward: a paged engine that gets this wrong does not crash, it writes other text. Deep dives follow: `gpu_sampler`
-# (sampling in Triton) and `cuda_graphs` (CUDA graphs for every kind of step; a shared prompt read once).
+# **The one rule.** Every path (a prefix hit, a chunk, a mixed step, a long decode) gives the logits
+# of a from-scratch forward: a paged engine that gets this wrong does not crash, it writes other
+# text. Deep dives follow: `gpu_sampler` (sampling in Triton) and `cuda_graphs` (CUDA graphs for
+# every kind of step; a shared prompt read once).
 
 # %%
 import os
@@ -40,31 +42,55 @@ random.seed(0)
 
 # %% [markdown]
 # ## Sampling: from logits to the next token
-# The sampler turns each row of logits (151,936 for Qwen3) into a token id as its `SamplingParams` say: **temperature**
-# makes the probabilities `softmax(logits / T)` (`T` < 1 sharpens, `T` > 1 flattens; `T` = 0 is **greedy**, the
-# argmax), **filters** drop the tail, **a draw** picks from the rest. Example: "The cat sat on the".
+# The sampler turns each row of logits (151,936 for Qwen3) into a token id as its `SamplingParams`
+# say: **temperature** makes the probabilities `softmax(logits / T)` (`T` < 1 sharpens, `T` > 1
+# flattens; `T` = 0 is **greedy**, the argmax), **filters** drop the tail, **a draw** picks from the
+# rest. Example: "The cat sat on the".
 
 # %%
-words = ["mat", "floor", "sofa", "bed", "chair", "roof", "table", "rug", "fence", "keyboard", "moon", "piano"]
-cat_logits = torch.tensor([4.0, 3.1, 2.6, 2.2, 1.9, 1.4, 1.2, 1.0, 0.6, 0.1, -0.5, -1.5])  # most likely first
+words = [
+    "mat",
+    "floor",
+    "sofa",
+    "bed",
+    "chair",
+    "roof",
+    "table",
+    "rug",
+    "fence",
+    "keyboard",
+    "moon",
+    "piano",
+]
+# most likely first
+cat_logits = torch.tensor([4.0, 3.1, 2.6, 2.2, 1.9, 1.4, 1.2, 1.0, 0.6, 0.1, -0.5, -1.5])
 
 
 def show_probs(probs: torch.Tensor, label: str) -> None:
-    print(f"{label:>6}: " + " ".join(f"{w} {p:.2f}" for w, p in zip(words, probs.tolist()) if p >= 0.005))
+    print(
+        f"{label:>6}: "
+        + " ".join(f"{w} {p:.2f}" for w, p in zip(words, probs.tolist()) if p >= 0.005)
+    )
 
 
 probs_at = {T: torch.softmax(cat_logits / T, dim=-1) for T in (0.01, 0.5, 2.0)}
 for T, probs in probs_at.items():
     show_probs(probs, f"T={T}")
-assert probs_at[0.01][0] > 0.999 and probs_at[0.5][0] > probs_at[2.0][0] and probs_at[2.0].argmax() == 0
+assert (
+    probs_at[0.01][0] > 0.999
+    and probs_at[0.5][0] > probs_at[2.0][0]
+    and probs_at[2.0].argmax() == 0
+)
 
 # %% [markdown]
-# ### Cutting the tail: top-k, top-p, min-p (a fourth, typical-p, to write: `exercises/04_sampler_filters.ipynb`)
-# A tail of 150,000 tokens at one in a million each holds 15% of the mass; one nonsense token derails the text. So
-# filters drop it before the draw, in vLLM's order: **top-k** keeps the `k` most likely tokens (`-1`: off); **top-p**
-# the fewest most likely whose mass reaches `p` of what top-k left (`1`: off); **min-p** those at least `min_p` times
-# as likely as the first (`0`: off). **One sort serves all three**: each filter is then one comparison with a per-row
-# threshold, scattered back to vocabulary order (if every random row has a top-k, `torch.topk` of `k` is enough).
+# ### Cutting the tail: top-k, top-p, min-p (typical-p to write: `exercises/04_sampler_filters`)
+# A tail of 150,000 tokens at one in a million each holds 15% of the mass; one nonsense token
+# derails the text. So filters drop it before the draw, in vLLM's order: **top-k** keeps the `k`
+# most likely tokens (`-1`: off); **top-p** the fewest most likely whose mass reaches `p` of what
+# top-k left (`1`: off); **min-p** those at least `min_p` times as likely as the first (`0`: off).
+# **One sort serves all three**: each filter is then one comparison with a per-row threshold,
+# scattered back to vocabulary order (if every random row has a top-k, `torch.topk` of `k` is
+# enough).
 
 # %% tags=["export"] module="minivllm.layers.sampler"
 from dataclasses import dataclass
@@ -76,60 +102,86 @@ from torch import nn
 def keep_mask(
     sorted_probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor
 ) -> torch.Tensor:
-    """Which tokens top-k, then top-p, then min-p keep; each row of sorted_probs is sorted largest first."""
+    """Which tokens top-k, then top-p, then min-p keep; each row of sorted_probs is sorted largest
+    first."""
     ranks = torch.arange(sorted_probs.shape[-1], device=sorted_probs.device)  # (vocab,)
     keep = (top_ks[:, None] < 0) | (ranks < top_ks[:, None])  # top-k  (batch, vocab)
     cum = (sorted_probs * keep).cumsum(dim=-1)  # (batch, vocab), running mass of what top-k kept
-    before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1)  # mass of the more likely tokens
-    # top-p, on top-k's renormalized distribution; p = 1 keeps all, even the tail a float32 sum no longer sees
+    before = torch.cat(
+        [torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1
+    )  # mass of the more likely tokens
+    # top-p, on top-k's renormalized distribution; p = 1 keeps all, even the tail a float32 sum no
+    # longer sees
     keep &= (before < top_ps[:, None] * cum[:, -1:]) | (top_ps[:, None] >= 1)
-    keep &= sorted_probs >= min_ps[:, None] * sorted_probs[:, :1]  # min-p, relative to the most likely token
+    # min-p, relative to the most likely token
+    keep &= sorted_probs >= min_ps[:, None] * sorted_probs[:, :1]
     return keep
 
 
 def filter_probs(
-    probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor, min_ps: torch.Tensor, k_max: int = 0
+    probs: torch.Tensor,
+    top_ks: torch.Tensor,
+    top_ps: torch.Tensor,
+    min_ps: torch.Tensor,
+    k_max: int = 0,
 ) -> torch.Tensor:
-    """probs (batch, vocab), the filters' drops set to 0; one sort, or topk if no row keeps over k_max > 0 tokens."""
+    """probs (batch, vocab), the filters' drops set to 0; one sort, or topk if no row keeps over
+    k_max > 0 tokens."""
     sort = probs.topk(min(k_max, probs.shape[-1])) if k_max else probs.sort(dim=-1, descending=True)
     keep = keep_mask(sort.values, top_ks, top_ps, min_ps)  # (batch, vocab or k_max)
-    keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, sort.indices, keep)  # in vocabulary order
+    # in vocabulary order
+    keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, sort.indices, keep)
     return probs.masked_fill(~keep, 0.0)
 
 
 # %%
 from minivllm.layers.sampler import filter_probs, keep_mask
 
-# by hand: top-p 0.8 keeps two tokens, as 0.5 + 0.3 *reaches* 0.8; after top-k 3, 0.5 + 0.3 is 0.84 of what is left
+# by hand: top-p 0.8 keeps two tokens, as 0.5 + 0.3 *reaches* 0.8; after top-k 3, 0.5 + 0.3 is 0.84
+# of what is left
 
 hand = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
 
 
 def num_kept(top_k: int = -1, top_p: float = 1.0, min_p: float = 0.0) -> int:
-    return int(keep_mask(hand, torch.tensor([top_k]), torch.tensor([top_p]), torch.tensor([min_p])).sum())
+    return int(
+        keep_mask(hand, torch.tensor([top_k]), torch.tensor([top_p]), torch.tensor([min_p])).sum()
+    )
 
 
-assert num_kept() == 4 and num_kept(top_k=3) == 3 and num_kept(top_k=1) == 1  # every filter off; top-k
+# every filter off; top-k
+assert num_kept() == 4 and num_kept(top_k=3) == 3 and num_kept(top_k=1) == 1
 assert num_kept(top_p=0.8) == 2 and num_kept(top_p=0.81) == 3 and num_kept(top_p=0.01) == 1
-assert num_kept(top_p=0.82) == 3 and num_kept(top_k=3, top_p=0.82) == 2  # top-p measures what top-k left
+# top-p measures what top-k left
+assert num_kept(top_p=0.82) == 3 and num_kept(top_k=3, top_p=0.82) == 2
 assert num_kept(min_p=0.3) == 3 and num_kept(min_p=0.31) == 2  # keep p ≥ min_p × 0.5
 cat_probs = torch.softmax(cat_logits, dim=-1)
-settings = [(3, 1.0, 0.0), (-1, 0.8, 0.0), (-1, 1.0, 0.1), (-1, 1.0, 0.0)]  # (top-k, top-p, min-p) a row
-filtered = filter_probs(cat_probs.expand(4, -1), *(torch.tensor(column) for column in zip(*settings)))
+settings = [
+    (3, 1.0, 0.0),
+    (-1, 0.8, 0.0),
+    (-1, 1.0, 0.1),
+    (-1, 1.0, 0.0),
+]  # (top-k, top-p, min-p) a row
+filtered = filter_probs(
+    cat_probs.expand(4, -1), *(torch.tensor(column) for column in zip(*settings))
+)
 for name, row in zip(["top-k", "top-p", "min-p", "none"], filtered):
     show_probs(row, name)
 assert (filtered > 0).sum(dim=-1).tolist() == [3, 4, 5, 12] and torch.equal(filtered[3], cat_probs)
 
 # %% [markdown]
 # ### Drawing a token: the exponential race, seeded per row
-# `torch.multinomial` makes a GPU's host wait and draws every row from one generator. Instead, give token `i` an
-# exponential alarm clock ringing after `q_i / p_i` seconds, `q_i ~ Exp(1)`: clock `i` rings first with probability
-# `p_i / Σ_j p_j`, so the token is `argmax(p / q)` (`p` need not sum to 1; `p = 0` never wins). A seeded request gives
-# the same tokens whatever its batch and row: each row's noise has **its own generator**, seeded `noise_seed(seed,
-# step)`, the step being the token's index (`seq.num_completion_tokens`); without a seed, a fresh draw.
+# `torch.multinomial` makes a GPU's host wait and draws every row from one generator. Instead, give
+# token `i` an exponential alarm clock ringing after `q_i / p_i` seconds, `q_i ~ Exp(1)`: clock `i`
+# rings first with probability `p_i / Σ_j p_j`, so the token is `argmax(p / q)` (`p` need not sum to
+# 1; `p = 0` never wins). A seeded request gives the same tokens whatever its batch and row: each
+# row's noise has **its own generator**, seeded `noise_seed(seed, step)`, the step being the token's
+# index (`seq.num_completion_tokens`); without a seed, a fresh draw.
 
 # %% tags=["export"]
-NOISE_SEED_MULTIPLIER = 1_000_003  # odd: distinct seeds start apart; above any step: one seed's steps never collide
+NOISE_SEED_MULTIPLIER = (
+    1_000_003  # odd: distinct seeds start apart; above any step: one seed's steps never collide
+)
 
 
 def noise_seed(seed: int, step: int) -> int:
@@ -138,7 +190,8 @@ def noise_seed(seed: int, step: int) -> int:
 
 
 def exponential_noise(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Exp(1) noise shaped like probs (batch, vocab); row r's from a generator seeded with keys[r]."""
+    """Exp(1) noise shaped like probs (batch, vocab); row r's from a generator seeded with
+    keys[r]."""
     q = torch.empty_like(probs)
     for row, key in enumerate(keys.tolist()):
         q[row].exponential_(generator=torch.Generator(probs.device).manual_seed(key))
@@ -149,31 +202,47 @@ def exponential_noise(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 from minivllm.layers.sampler import exponential_noise, noise_seed
 
 p = torch.tensor([0.1, 0.0, 0.3, 0.2])  # unnormalized, one token dropped
-q = torch.empty(200_000, 4).exponential_(generator=torch.Generator().manual_seed(0))  # 200,000 races
+# 200,000 races
+q = torch.empty(200_000, 4).exponential_(generator=torch.Generator().manual_seed(0))
 freq = torch.bincount((p / q).argmax(dim=-1), minlength=4) / len(q)
 print(f"frequencies: {freq.numpy().round(3)}, p / sum(p): {(p / p.sum()).numpy().round(3)}")
 assert freq[1] == 0
 torch.testing.assert_close(freq, p / p.sum(), atol=0.005, rtol=0)
-# seed 42 at step 7: the same noise in row 0 of one batch and row 2 of another; seed 5 at step 7, seed 42 at 8 differ
-step7, step8 = exponential_noise(torch.ones(2, 1000), torch.tensor([noise_seed(42, 7), noise_seed(42, 8)]))
-batch = exponential_noise(torch.ones(3, 1000), torch.tensor([123, noise_seed(5, 7), noise_seed(42, 7)]))
-assert torch.equal(step7, batch[2]) and not torch.equal(batch[1], batch[2]) and not torch.equal(step7, step8)
+# seed 42 at step 7: the same noise in row 0 of one batch and row 2 of another; seed 5 at step 7,
+# seed 42 at 8 differ
+step7, step8 = exponential_noise(
+    torch.ones(2, 1000), torch.tensor([noise_seed(42, 7), noise_seed(42, 8)])
+)
+batch = exponential_noise(
+    torch.ones(3, 1000), torch.tensor([123, noise_seed(5, 7), noise_seed(42, 7)])
+)
+assert (
+    torch.equal(step7, batch[2])
+    and not torch.equal(batch[1], batch[2])
+    and not torch.equal(step7, step8)
+)
 
 # %% [markdown]
 # ### The sampler
-# It gets the batch's parameters as `SamplingTensors`, a row each, with host-side flags that skip work (`filtering`,
-# `all_greedy`, `any_greedy`), built by `sampling_tensors` from pinned memory while the GPU computes. vLLM's penalties
-# edit the logits first (`repetition_penalty` divides a seen token's positive logit, multiplies a negative one;
-# `frequency_penalty` subtracts per use in the reply, `presence_penalty` once; before `min_tokens`, stop tokens get
-# `-inf`), then `draw`. Log-probabilities are of the raw logits. (GPU: `GPUSampler`, `deep_dives/gpu_sampler`.)
+# It gets the batch's parameters as `SamplingTensors`, a row each, with host-side flags that skip
+# work (`filtering`, `all_greedy`, `any_greedy`), built by `sampling_tensors` from pinned memory
+# while the GPU computes. vLLM's penalties edit the logits first (`repetition_penalty` divides a
+# seen token's positive logit, multiplies a negative one; `frequency_penalty` subtracts per use in
+# the reply, `presence_penalty` once; before `min_tokens`, stop tokens get `-inf`), then `draw`.
+# Log-probabilities are of the raw logits. (GPU: `GPUSampler`, `deep_dives/gpu_sampler`.)
 
 
 # %% tags=["export"]
-def apply_penalties(logits, presence, frequency, repetition, prompt_ids, output_ids) -> torch.Tensor:
-    """vLLM's penalties (see below) on (batch, vocab) float32 logits; token ids (batch, length), -1 padded."""
+def apply_penalties(
+    logits, presence, frequency, repetition, prompt_ids, output_ids
+) -> torch.Tensor:
+    """vLLM's penalties (see below) on (batch, vocab) float32 logits; token ids (batch, length), -1
+    padded."""
     vocab = logits.shape[-1]
 
-    def counts(ids: torch.Tensor) -> torch.Tensor:  # (batch, vocab): occurrences of each token; padding lands past it
+    def counts(
+        ids: torch.Tensor,
+    ) -> torch.Tensor:  # (batch, vocab): occurrences of each token; padding lands past it
         ids = ids.masked_fill(ids < 0, vocab)
         zeros = torch.zeros(ids.shape[0], vocab + 1, device=ids.device)
         return zeros.scatter_add_(1, ids, torch.ones_like(ids, dtype=zeros.dtype))[:, :vocab]
@@ -192,24 +261,40 @@ class SamplingTensors:
     top_ks: torch.Tensor  # (batch,) int64; -1 = off
     top_ps: torch.Tensor  # (batch,) float32; 1 = off
     min_ps: torch.Tensor  # (batch,) float32; 0 = off
-    keys: torch.Tensor  # (batch,) int64: noise_seed(seed, tokens generated so far), a fresh draw; empty if all greedy
-    filtering: bool = True  # some random row uses top-k, top-p or min-p; if none does, the sort is skipped
-    top_k_max: int = 0  # > 0: every random row has a top-k, this the largest: filter_probs sorts only that many
-    largest_top_k: int = 0  # the largest top-k of a random row, 0 if none has one (on a GPU: the candidates' slots)
+    # (batch,) int64: noise_seed(seed, tokens generated so far), a fresh draw; empty if all greedy
+    keys: torch.Tensor
+    filtering: bool = (
+        True  # some random row uses top-k, top-p or min-p; if none does, the sort is skipped
+    )
+    top_k_max: int = (
+        0  # > 0: every random row has a top-k, this the largest: filter_probs sorts only that many
+    )
+    largest_top_k: int = (
+        0  # the largest top-k of a random row, 0 if none has one (on a GPU: the candidates' slots)
+    )
     any_greedy: bool = True  # some row has temperature 0
     all_greedy: bool = False  # every row has: no random draw at all
-    penalties: tuple[torch.Tensor, ...] | None = None  # apply_penalties' arguments after the logits; None: no penalty
-    banned: torch.Tensor | None = None  # (2, n): rows and token ids not to draw yet (stop tokens before min_tokens)
+    penalties: tuple[torch.Tensor, ...] | None = (
+        None  # apply_penalties' arguments after the logits; None: no penalty
+    )
+    banned: torch.Tensor | None = (
+        None  # (2, n): rows and token ids not to draw yet (stop tokens before min_tokens)
+    )
 
 
 class Sampler(nn.Module):
-    """One token id per row of logits: the argmax where temperature is 0, else a draw from the filtered distribution."""
+    """One token id per row of logits: the argmax where temperature is 0, else a draw from the
+    filtered distribution."""
 
-    def forward(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:  # logits: (batch, vocab)
+    def forward(
+        self, logits: torch.Tensor, t: SamplingTensors
+    ) -> torch.Tensor:  # logits: (batch, vocab)
         if t.penalties is not None:
             logits = apply_penalties(logits.float(), *t.penalties)
         if t.banned is not None:  # a new tensor: the caller's logits stay as they were
-            logits = logits.index_put((t.banned[0], t.banned[1]), torch.tensor(float("-inf"), device=logits.device))
+            logits = logits.index_put(
+                (t.banned[0], t.banned[1]), torch.tensor(float("-inf"), device=logits.device)
+            )
         if t.all_greedy:
             return logits.argmax(dim=-1)
         return self.draw(logits, t)
@@ -225,18 +310,31 @@ class Sampler(nn.Module):
         return torch.where(greedy, logits.argmax(dim=-1), sampled) if t.any_greedy else sampled
 
 
-TokenLogprobs = dict[int, tuple[float, int]]  # token id -> (log-probability, rank); rank 1 is the most likely
+# token id -> (log-probability, rank); rank 1 is the most likely
+TokenLogprobs = dict[int, tuple[float, int]]
 
 
-def logprobs_of(logits: torch.Tensor, token_ids: torch.Tensor, ks: list[int]) -> list[TokenLogprobs]:
-    """Each row's chosen token, then its k most likely, under the raw logits' log-softmax (vLLM's). (rows, vocab)"""
+def logprobs_of(
+    logits: torch.Tensor, token_ids: torch.Tensor, ks: list[int]
+) -> list[TokenLogprobs]:
+    """Each row's chosen token, then its k most likely, under the raw logits' log-softmax (vLLM's).
+    (rows, vocab)"""
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # (rows, vocab)
     chosen = logprobs.gather(-1, token_ids[:, None])  # (rows, 1)
-    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()  # (rows,): how many tokens are more likely, plus one
+    # (rows,): how many tokens are more likely, plus one
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
     top = logprobs.topk(max(ks), dim=-1)  # (rows, max k)
-    rows = zip(token_ids.tolist(), chosen[:, 0].tolist(), ranks, top.indices.tolist(), top.values.tolist(), ks)
+    rows = zip(
+        token_ids.tolist(),
+        chosen[:, 0].tolist(),
+        ranks,
+        top.indices.tolist(),
+        top.values.tolist(),
+        ks,
+    )
     return [
-        {t: (lp, r)} | {i: (v, j + 1) for j, (i, v) in enumerate(zip(ids[:k], vs[:k]))} for t, lp, r, ids, vs, k in rows
+        {t: (lp, r)} | {i: (v, j + 1) for j, (i, v) in enumerate(zip(ids[:k], vs[:k]))}
+        for t, lp, r, ids, vs, k in rows
     ]
 
 
@@ -256,27 +354,41 @@ PENALTIES = ("presence", "frequency", "repetition")
 
 
 def sampling_tensors(
-    params: list[SamplingParams], steps: list[int], device: torch.device | str = "cpu", histories=None
+    params: list[SamplingParams],
+    steps: list[int],
+    device: torch.device | str = "cpu",
+    histories=None,
 ) -> SamplingTensors:
-    """A row per request: its parameters, tokens generated so far, and if a row has a penalty, `histories`."""
+    """A row per request: its parameters, tokens generated so far, and if a row has a penalty,
+    `histories`."""
     pin = torch.device(device).type == "cuda"
 
     def to_device(values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
 
-    def padded(rows: list[list[int]]) -> torch.Tensor:  # (batch, longest) int64, -1 after each row's end
+    def padded(
+        rows: list[list[int]],
+    ) -> torch.Tensor:  # (batch, longest) int64, -1 after each row's end
         width = max(1, *map(len, rows))
         return to_device([row + [-1] * (width - len(row)) for row in rows], torch.int64)
 
-    early = [(r, p.stop_token_ids or []) for r, (p, n) in enumerate(zip(params, steps)) if n < p.min_tokens]
+    early = [
+        (r, p.stop_token_ids or [])
+        for r, (p, n) in enumerate(zip(params, steps))
+        if n < p.min_tokens
+    ]
     banned = [(r, t) for r, ids in early for t in ids]
     penalties = None
     if any(p.penalized for p in params):
         assert histories is not None, "penalties need each row's prompt and output token ids"
         values = [[getattr(p, f"{name}_penalty") for p in params] for name in PENALTIES]
-        penalties = (*(to_device(v, torch.float32) for v in values), *(padded(list(h)) for h in zip(*histories)))
+        penalties = (
+            *(to_device(v, torch.float32) for v in values),
+            *(padded(list(h)) for h in zip(*histories)),
+        )
     temperatures = [p.temperature for p in params]
-    fresh = torch.randint(2**62, (len(params),)).tolist() if any(temperatures) else []  # greedy draws no noise
+    # greedy draws no noise
+    fresh = torch.randint(2**62, (len(params),)).tolist() if any(temperatures) else []
     random_top_ks = [p.top_k for p in params if p.temperature > 0]
     return SamplingTensors(
         temperatures=to_device(temperatures, torch.float32),
@@ -284,9 +396,15 @@ def sampling_tensors(
         top_ps=to_device([p.top_p for p in params], torch.float32),
         min_ps=to_device([p.min_p for p in params], torch.float32),
         keys=to_device(
-            [k if p.seed is None else noise_seed(p.seed, n) for p, n, k in zip(params, steps, fresh)], torch.int64
+            [
+                k if p.seed is None else noise_seed(p.seed, n)
+                for p, n, k in zip(params, steps, fresh)
+            ],
+            torch.int64,
         ),
-        filtering=any(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in params),
+        filtering=any(
+            p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in params
+        ),
         top_k_max=max(random_top_ks) if min(random_top_ks, default=-1) > 0 else 0,
         largest_top_k=max([0, *random_top_ks]),
         any_greedy=0 in temperatures,
@@ -305,45 +423,70 @@ from minivllm.sampling_params import SamplingParams
 
 def tensors_of(seqs: list[Sequence]) -> SamplingTensors:  # what the runner does for its batch
     params, steps = [s.sampling_params for s in seqs], [s.num_completion_tokens for s in seqs]
-    histories = [(s.prompt_token_ids, s.completion_token_ids) for s in seqs]  # the runner: only if a row has a penalty
+    # the runner: only if a row has a penalty
+    histories = [(s.prompt_token_ids, s.completion_token_ids) for s in seqs]
     return sampling_tensors(params, steps, "cpu", histories)
 
 
-seqs = [Sequence([1, 2, 3], SamplingParams(temperature=0)), Sequence([4, 5], SamplingParams(top_k=20, seed=7))]
+seqs = [
+    Sequence([1, 2, 3], SamplingParams(temperature=0)),
+    Sequence([4, 5], SamplingParams(top_k=20, seed=7)),
+]
 seqs[1].append_token(6)  # the second request has generated one token
 print(sampling := tensors_of(seqs))
-assert sampling.top_ks.dtype == torch.int64 and sampling.keys[1] == noise_seed(7, 1) and sampling.filtering
+assert (
+    sampling.top_ks.dtype == torch.int64
+    and sampling.keys[1] == noise_seed(7, 1)
+    and sampling.filtering
+)
 assert sampling.any_greedy and not sampling.all_greedy and not tensors_of(seqs[1:]).any_greedy
 assert not tensors_of(seqs[:1]).filtering and tensors_of(seqs[:1]).all_greedy
 sampler = Sampler()
-many = [Sequence([0], SamplingParams(temperature=0.5)) for _ in range(20_000)]  # each word as often as softmax says
-freq = torch.bincount(sampler(cat_logits.expand(20_000, -1), tensors_of(many)), minlength=len(words)) / 20_000
+# each word as often as softmax says
+many = [Sequence([0], SamplingParams(temperature=0.5)) for _ in range(20_000)]
+freq = (
+    torch.bincount(sampler(cat_logits.expand(20_000, -1), tensors_of(many)), minlength=len(words))
+    / 20_000
+)
 show_probs(freq, "T=0.5")
 torch.testing.assert_close(freq, torch.softmax(cat_logits / 0.5, dim=-1), atol=0.01, rtol=0)
 mixed = [Sequence([0], SamplingParams(temperature=T, top_p=0.5)) for T in (0.0, 1.5, 0.0, 3.0)]
-assert sampler(cat_logits.expand(4, -1), tensors_of(mixed))[[0, 2]].tolist() == [0, 0]  # greedy rows say "mat"
-penalized = Sequence([0], SamplingParams(temperature=0, repetition_penalty=2.0, min_tokens=2, stop_token_ids=[1]))
-penalized.append_token(0)  # "mat" said once: 4.0 / 2 is below "floor"'s 3.1, but "floor" stops it before 2 tokens
+assert sampler(cat_logits.expand(4, -1), tensors_of(mixed))[[0, 2]].tolist() == [
+    0,
+    0,
+]  # greedy rows say "mat"
+penalized = Sequence(
+    [0], SamplingParams(temperature=0, repetition_penalty=2.0, min_tokens=2, stop_token_ids=[1])
+)
+# "mat" said once: 4.0 / 2 is below "floor"'s 3.1, but "floor" stops it before 2 tokens
+penalized.append_token(0)
 assert sampler(cat_logits[None], tensors_of([penalized])).tolist() == [2]  # so: "sofa"
-print(row := logprobs_of(cat_logits[None], torch.tensor([2]), [2])[0])  # "sofa": its (log-prob, rank); the top 2
-assert list(row) == [2, *cat_logits.topk(2).indices.tolist()] and row[2][1] == 1 + (cat_logits > cat_logits[2]).sum()
+# "sofa": its (log-prob, rank); the top 2
+print(row := logprobs_of(cat_logits[None], torch.tensor([2]), [2])[0])
+assert (
+    list(row) == [2, *cat_logits.topk(2).indices.tolist()]
+    and row[2][1] == 1 + (cat_logits > cat_logits[2]).sum()
+)
 
 # %% [markdown]
-# ## A step's inputs (a speculative decoding verify step's, to write yourself: `exercises/04_prepare_decode.ipynb`)
-# The runner **prepares** a step on the host, in NumPy (a loop per token costs more than the GPU's step): for a prefill,
-# each sequence's `num_scheduled_tokens` after its `num_cached_tokens`, packed, with positions, slots, `cu_seqlens_q`
-# (new tokens), `cu_seqlens_k` (cached + new), block tables if something is cached; for a decode, each last token's.
-# A **placeholder** id `placeholder(row)` stands for a token the previous step sampled, not on the host yet (06).
+# ## A step's inputs (a speculative verify step's to write: `exercises/04_prepare_decode`)
+# The runner **prepares** a step on the host, in NumPy (a loop per token costs more than the GPU's
+# step): for a prefill, each sequence's `num_scheduled_tokens` after its `num_cached_tokens`,
+# packed, with positions, slots, `cu_seqlens_q` (new tokens), `cu_seqlens_k` (cached + new), block
+# tables if something is cached; for a decode, each last token's. A **placeholder** id
+# `placeholder(row)` stands for a token the previous step sampled, not on the host yet (06).
 
 
 # %% tags=["export"]
 def placeholder(row: int) -> int:
-    """The token id that stands for row `row` of the previous step's sampled tokens (negative: no real id)."""
+    """The token id that stands for row `row` of the previous step's sampled tokens (negative: no
+    real id)."""
     return -1 - row
 
 
 def placeholder_row(token_ids: torch.Tensor) -> torch.Tensor:
-    """The rows that placeholder ids stand for (placeholder's inverse); a real id (>= 0) gives row 0."""
+    """The rows that placeholder ids stand for (placeholder's inverse); a real id (>= 0) gives row
+    0."""
     return (-1 - token_ids).clamp_min(0)
 
 
@@ -355,17 +498,28 @@ class StepInputs:
     input_ids: np.ndarray  # (num_tokens,) int64
     positions: np.ndarray  # (num_tokens,) int64
     slot_mapping: np.ndarray  # (num_tokens,) int64
-    block_tables: np.ndarray | None  # (num_seqs, max_blocks) int32; None: a prefill with nothing cached
+    # (num_seqs, max_blocks) int32; None: a prefill with nothing cached
+    block_tables: np.ndarray | None
     cu_seqlens_q: np.ndarray | None = None  # prefill: (num_seqs + 1,) int32
     cu_seqlens_k: np.ndarray | None = None  # prefill: (num_seqs + 1,) int32
     context_lens: np.ndarray | None = None  # decode: (num_seqs,) int32; mixed: (num_decode_seqs,)
-    num_decode_seqs: int = 0  # prefill: its first rows that decode one token each (notebook 05 puts them first)
-    logits_rows: np.ndarray | None = None  # prefill: (num_rows,) int64 rows to score; None: each sequence's last
-    prefix_blocks: np.ndarray | None = None  # (n,) int32: leading blocks many decode rows share (deep dive cuda_graphs)
-    prefix_lens: np.ndarray | None = None  # (num_decode_seqs,) int32: each decode row's tokens in them, or 0
+    num_decode_seqs: int = (
+        0  # prefill: its first rows that decode one token each (notebook 05 puts them first)
+    )
+    logits_rows: np.ndarray | None = (
+        None  # prefill: (num_rows,) int64 rows to score; None: each sequence's last
+    )
+    prefix_blocks: np.ndarray | None = (
+        None  # (n,) int32: leading blocks many decode rows share (deep dive cuda_graphs)
+    )
+    prefix_lens: np.ndarray | None = (
+        None  # (num_decode_seqs,) int32: each decode row's tokens in them, or 0
+    )
 
 
-def block_tables_array(seqs: list[Sequence]) -> np.ndarray:  # (num_seqs, max_blocks) int32, zero-padded
+def block_tables_array(
+    seqs: list[Sequence],
+) -> np.ndarray:  # (num_seqs, max_blocks) int32, zero-padded
     tables = np.zeros((len(seqs), max(len(seq.block_table) for seq in seqs)), dtype=np.int32)
     for i, seq in enumerate(seqs):
         tables[i, : len(seq.block_table)] = seq.block_table
@@ -373,13 +527,21 @@ def block_tables_array(seqs: list[Sequence]) -> np.ndarray:  # (num_seqs, max_bl
 
 
 def scores_prompt(seq: Sequence) -> bool:
-    """Whether seq asks for prompt logprobs and has prompt tokens left to score (row i scores token i + 1)."""
-    return seq.sampling_params.prompt_logprobs is not None and seq.num_cached_tokens < seq.num_prompt_tokens - 1
+    """Whether seq asks for prompt logprobs and has prompt tokens left to score (row i scores token
+    i + 1)."""
+    return (
+        seq.sampling_params.prompt_logprobs is not None
+        and seq.num_cached_tokens < seq.num_prompt_tokens - 1
+    )
 
 
 def scored_rows(scoring: list[bool], cu_seqlens_q: np.ndarray) -> np.ndarray:  # (num_rows,) int64
-    """The rows of a prefill to take logits of: all of a scoring sequence's, each other sequence's last."""
-    rows = [np.arange(a, b) if score else [b - 1] for score, a, b in zip(scoring, cu_seqlens_q, cu_seqlens_q[1:])]
+    """The rows of a prefill to take logits of: all of a scoring sequence's, each other sequence's
+    last."""
+    rows = [
+        np.arange(a, b) if score else [b - 1]
+        for score, a, b in zip(scoring, cu_seqlens_q, cu_seqlens_q[1:])
+    ]
     return np.concatenate(rows).astype(np.int64)
 
 
@@ -388,16 +550,23 @@ def prepare_prefill(seqs: list[Sequence], block_size: int) -> StepInputs:
     starts = np.array([seq.num_cached_tokens for seq in seqs], dtype=np.int64)
     lens = np.array([seq.num_scheduled_tokens for seq in seqs], dtype=np.int64)
     ends = starts + lens
-    assert all(s < e <= len(seq) for seq, s, e in zip(seqs, starts, ends)), "a prefill computes 1..len - cached tokens"
+    assert all(s < e <= len(seq) for seq, s, e in zip(seqs, starts, ends)), (
+        "a prefill computes 1..len - cached tokens"
+    )
     cu_q = np.cumsum([0, *lens], dtype=np.int32)
     seq_of = np.repeat(np.arange(len(seqs)), lens)  # (num_tokens,): each new token's sequence
     positions = np.arange(cu_q[-1]) - cu_q[seq_of] + starts[seq_of]
     tables = block_tables_array(seqs)
-    slots = tables[seq_of, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    slots = (
+        tables[seq_of, positions // block_size].astype(np.int64) * block_size
+        + positions % block_size
+    )
     decodes = (starts > 0) & (lens == 1)  # one new token after cached ones
-    num_decode_seqs = len(seqs) if decodes.all() else int(decodes.argmin())  # the leading run of them
+    # the leading run of them
+    num_decode_seqs = len(seqs) if decodes.all() else int(decodes.argmin())
     token_ids = chain.from_iterable(seq.token_ids[s:e] for seq, s, e in zip(seqs, starts, ends))
-    scoring = [scores_prompt(seq) for seq in seqs]  # these score every new token, the others their last
+    # these score every new token, the others their last
+    scoring = [scores_prompt(seq) for seq in seqs]
     return StepInputs(
         is_prefill=True,
         input_ids=np.fromiter(token_ids, dtype=np.int64, count=int(cu_q[-1])),
@@ -417,32 +586,42 @@ def prepare_decode(seqs: list[Sequence], block_size: int) -> StepInputs:
     context_lens = np.array([len(seq) for seq in seqs], dtype=np.int32)
     block_tables = block_tables_array(seqs)
     last = context_lens.astype(np.int64) - 1  # the new token's position
-    slots = block_tables[np.arange(len(seqs)), last // block_size].astype(np.int64) * block_size + last % block_size
+    slots = (
+        block_tables[np.arange(len(seqs)), last // block_size].astype(np.int64) * block_size
+        + last % block_size
+    )
     input_ids = np.array([seq.last_token for seq in seqs], dtype=np.int64)
     return StepInputs(False, input_ids, last, slots, block_tables, context_lens=context_lens)
 
 
-def query_tiles(cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, first_seq: int, block_m: int) -> np.ndarray:
-    """The paged prefill kernel's work list (03) for sequences first_seq..: (sequence, query tile), costliest first."""
+def query_tiles(
+    cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, first_seq: int, block_m: int
+) -> np.ndarray:
+    """The paged prefill kernel's work list (03) for sequences first_seq..: (sequence, query tile),
+    costliest first."""
     q_lens, k_lens = np.diff(cu_seqlens_q)[first_seq:], np.diff(cu_seqlens_k)[first_seq:]
     counts = -(-q_lens // block_m)  # tiles per sequence
     seqs = np.repeat(np.arange(first_seq, first_seq + len(q_lens)), counts)
-    tiles = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)  # within its sequence
+    # within its sequence
+    tiles = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
     q_len = np.repeat(q_lens, counts)
-    keys = np.repeat(k_lens, counts) - q_len + np.minimum((tiles + 1) * block_m, q_len)  # its last row sees these
+    # its last row sees these
+    keys = np.repeat(k_lens, counts) - q_len + np.minimum((tiles + 1) * block_m, q_len)
     order = np.argsort(-keys, kind="stable")
     return np.stack([seqs[order], tiles[order]], axis=1).astype(np.int32)
 
 
 # %% [markdown]
 # ## A forward pass over the paged cache
-# Notebook 02's attention layers hand `q`, `k`, `v` to an `AttentionContext`: paging is one new context per step, and
-# each layer's cache hangs on its `Attention` module (`k_cache`, `v_cache`). A **prefill** stores the new tokens' KV
-# in their slots, then attends over the new `k`, `v` (notebook 01's kernel), or with a prefix-cache hit in the batch
-# through the block tables. A **decode** stores one token per sequence, then runs the decode kernel over each cache
-# (leading blocks many rows share, `prefix_blocks`, it reads once: 03's cascade). A **mixed** step (05's, decode rows
-# first): the decode kernel for those rows, the prefill kernel's tiles for the rest; the prefill kernel alone would
-# give each one-token query a tile of 64 rows. (Decode rows anywhere: `exercises/04_mixed_attention.ipynb`.)
+# Notebook 02's attention layers hand `q`, `k`, `v` to an `AttentionContext`: paging is one new
+# context per step, and each layer's cache hangs on its `Attention` module (`k_cache`, `v_cache`). A
+# **prefill** stores the new tokens' KV in their slots, then attends over the new `k`, `v` (notebook
+# 01's kernel), or with a prefix-cache hit in the batch through the block tables. A **decode**
+# stores one token per sequence, then runs the decode kernel over each cache (leading blocks many
+# rows share, `prefix_blocks`, it reads once: 03's cascade). A **mixed** step (05's, decode rows
+# first): the decode kernel for those rows, the prefill kernel's tiles for the rest; the prefill
+# kernel alone would give each one-token query a tile of 64 rows. (Decode rows anywhere:
+# `exercises/04_mixed_attention.ipynb`.)
 
 # %% tags=["export"] module="minivllm.attention.paged"
 from dataclasses import dataclass
@@ -459,40 +638,75 @@ from minivllm.kernels.reference import attention_ref
 
 @dataclass(slots=True)
 class PagedContext:
-    """How one step attends: which tokens are new, where their KV goes, and which cached KV they read."""
+    """How one step attends: which tokens are new, where their KV goes, and which cached KV they
+    read."""
 
     is_prefill: bool
     slot_mapping: torch.Tensor  # (num_tokens,): cache slot of each new token's KV; -1 = padding
-    block_tables: torch.Tensor | None  # (num_seqs, max_blocks) int32; None in a prefill without cached prefixes
+    # (num_seqs, max_blocks) int32; None in a prefill without cached prefixes
+    block_tables: torch.Tensor | None
     cu_seqlens_q: torch.Tensor | None = None  # prefill: (num_seqs + 1,) int32, new tokens
     cu_seqlens_k: torch.Tensor | None = None  # prefill: (num_seqs + 1,) int32, cached + new tokens
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
-    context_lens: torch.Tensor | None = None  # decode: (num_seqs,) int32, tokens in each cache (new one included)
-    num_decode_seqs: int = 0  # a mixed step: its first rows decode one token each; context_lens holds theirs
-    tiles: torch.Tensor | None = None  # prefill, paged: the (sequence, query tile) list of the other rows (03)
-    prefix_blocks: torch.Tensor | None = None  # decode rows: (n,) int32, leading blocks several of them share
-    prefix_lens: torch.Tensor | None = None  # (num decode rows,) int32: each one's tokens in them, or 0 (03)
-    use_triton: bool = True  # False: the PyTorch reference ops (a CPU without the interpreter's patience)
+    context_lens: torch.Tensor | None = (
+        None  # decode: (num_seqs,) int32, tokens in each cache (new one included)
+    )
+    num_decode_seqs: int = (
+        0  # a mixed step: its first rows decode one token each; context_lens holds theirs
+    )
+    tiles: torch.Tensor | None = (
+        None  # prefill, paged: the (sequence, query tile) list of the other rows (03)
+    )
+    prefix_blocks: torch.Tensor | None = (
+        None  # decode rows: (n,) int32, leading blocks several of them share
+    )
+    prefix_lens: torch.Tensor | None = (
+        None  # (num decode rows,) int32: each one's tokens in them, or 0 (03)
+    )
+    use_triton: bool = (
+        True  # False: the PyTorch reference ops (a CPU without the interpreter's patience)
+    )
 
-    def attend(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         # q: (num_tokens, num_heads, head_dim); k, v: (num_tokens, num_kv_heads, head_dim)
-        (store_kvcache if self.use_triton else store_kvcache_ref)(k, v, layer.k_cache, layer.v_cache, self.slot_mapping)
+        (store_kvcache if self.use_triton else store_kvcache_ref)(
+            k, v, layer.k_cache, layer.v_cache, self.slot_mapping
+        )
         if not self.is_prefill:
             return self.decode(layer, q)
         if self.num_decode_seqs and self.tiles is not None and self.use_triton:
             return self.mixed(layer, q)
         return self.prefill(layer, q, k, v)
 
-    def decode(self, layer: Attention, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def decode(
+        self, layer: Attention, q: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The first q.shape[0] sequences, one new token each, over their whole caches."""
-        assert self.context_lens is not None and self.block_tables is not None  # a decode row has both
+        # a decode row has both
+        assert self.context_lens is not None and self.block_tables is not None
         tables = self.block_tables[: q.shape[0]]
         if self.use_triton:
-            k, v, lens, out = layer.k_cache, layer.v_cache, self.context_lens, None if out is None else out[:, None]
-            prefix = self.prefix_blocks, self.prefix_lens  # leading blocks the rows share, read once (03)
+            k, v, lens, out = (
+                layer.k_cache,
+                layer.v_cache,
+                self.context_lens,
+                None if out is None else out[:, None],
+            )
+            # leading blocks the rows share, read once (03)
+            prefix = (self.prefix_blocks, self.prefix_lens)
             o = flash_attn_with_kvcache(
-                q[:, None], k, v, lens, tables, layer.scale, out=out, prefix_blocks=prefix[0], prefix_lens=prefix[1]
+                q[:, None],
+                k,
+                v,
+                lens,
+                tables,
+                layer.scale,
+                out=out,
+                prefix_blocks=prefix[0],
+                prefix_lens=prefix[1],
             )
             return o[:, 0]
         cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
@@ -500,28 +714,38 @@ class PagedContext:
         return paged_attention_ref(q, layer.k_cache, layer.v_cache, cu_q, cu_k, tables, layer.scale)
 
     def mixed(self, layer: Attention, q: torch.Tensor) -> torch.Tensor:
-        """A mixed step's decode rows (first) through the decode kernel, the tiles of its other rows through the
-        prefill kernel, into one output: the prefill kernel would give each one-token query a whole tile."""
+        """A mixed step's decode rows (first) through the decode kernel, the tiles of its other rows
+        through the prefill kernel, into one output: the prefill kernel would give each one-token
+        query a whole tile."""
         assert self.tiles is not None  # the runner lists the other rows' tiles
         out = torch.empty_like(q)
         self.decode(layer, q[: self.num_decode_seqs], out[: self.num_decode_seqs])
         self.paged_prefill(layer, q, out)  # an empty list (decode rows only) computes nothing
         return out
 
-    def prefill(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def prefill(
+        self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
         cu_q = self.cu_seqlens_q
         assert cu_q is not None  # a prefill step has it
         if self.block_tables is not None:
             return self.paged_prefill(layer, q)
-        if self.use_triton:  # nothing cached: whole prompts, their k and v all there is (01's kernel)
+        # nothing cached: whole prompts, their k and v all there is (01's kernel)
+        if self.use_triton:
             max_q = self.max_seqlen_q
-            return flash_attn_varlen_contiguous(q, k, v, cu_q, cu_q, max_q, max_q, layer.scale, True)
+            return flash_attn_varlen_contiguous(
+                q, k, v, cu_q, cu_q, max_q, max_q, layer.scale, True
+            )
         return attention_ref(q, k, v, cu_q, cu_q, layer.scale, causal=True)
 
-    def paged_prefill(self, layer: Attention, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """New tokens over their cached ones and each other, keys and values read through the block tables."""
+    def paged_prefill(
+        self, layer: Attention, q: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """New tokens over their cached ones and each other, keys and values read through the block
+        tables."""
         cu_q, cu_k, tables = self.cu_seqlens_q, self.cu_seqlens_k, self.block_tables
-        assert cu_q is not None and cu_k is not None and tables is not None  # a paged prefill has all three
+        # a paged prefill has all three
+        assert cu_q is not None and cu_k is not None and tables is not None
         if self.use_triton:
             k, v, max_q, max_k = layer.k_cache, layer.v_cache, self.max_seqlen_q, self.max_seqlen_k
             return kernels.flash_attn_varlen_func(
@@ -545,7 +769,8 @@ class PagedContext:
 def step_to_device(
     step: StepInputs, device: torch.device, use_triton: bool, block_m: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, PagedContext]:  # ids, positions, context
-    """The step's arrays on the device, in a PagedContext; given `block_m`, a paged prefill's tiles after decode rows."""
+    """The step's arrays on the device, in a PagedContext; given `block_m`, a paged prefill's tiles
+    after decode rows."""
 
     def put(a: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(a)
@@ -555,13 +780,21 @@ def step_to_device(
         return None if a is None else put(a)
 
     context = PagedContext(step.is_prefill, put(step.slot_mapping), put_optional(step.block_tables))
-    context.cu_seqlens_q, context.cu_seqlens_k = put_optional(step.cu_seqlens_q), put_optional(step.cu_seqlens_k)
-    context.context_lens, context.num_decode_seqs = put_optional(step.context_lens), step.num_decode_seqs
+    context.cu_seqlens_q, context.cu_seqlens_k = (
+        put_optional(step.cu_seqlens_q),
+        put_optional(step.cu_seqlens_k),
+    )
+    context.context_lens, context.num_decode_seqs = (
+        put_optional(step.context_lens),
+        step.num_decode_seqs,
+    )
     context.use_triton = use_triton
-    if use_triton and step.prefix_blocks is not None and step.prefix_lens is not None:  # the reference reads rows
+    # the reference reads rows
+    if use_triton and step.prefix_blocks is not None and step.prefix_lens is not None:
         context.prefix_blocks, context.prefix_lens = put(step.prefix_blocks), put(step.prefix_lens)
     if step.is_prefill:
-        assert step.cu_seqlens_q is not None and step.cu_seqlens_k is not None  # a prefill step has both
+        # a prefill step has both
+        assert step.cu_seqlens_q is not None and step.cu_seqlens_k is not None
         context.max_seqlen_q = int(np.diff(step.cu_seqlens_q).max())
         context.max_seqlen_k = int(np.diff(step.cu_seqlens_k).max())
         if block_m and use_triton and step.block_tables is not None:
@@ -574,7 +807,8 @@ def step_to_device(
 # ## The model runner
 # ### How big can the KV cache be?
 # A cached token holds a key and a value per KV head and layer (`kv_block_bytes`). On a GPU, what
-# `gpu_memory_utilization` leaves after the weights and the largest step's peak becomes KV blocks; on a CPU, ≤ 1 GiB.
+# `gpu_memory_utilization` leaves after the weights and the largest step's peak becomes KV blocks;
+# on a CPU, ≤ 1 GiB.
 
 
 # %% tags=["export"] module="minivllm.engine.kv_cache"
@@ -591,14 +825,23 @@ from minivllm.sampling_params import SamplingParams
 
 def kv_block_bytes(layers: list[Attention], block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one KV block in every layer: the unit the cache is sized in."""
-    return 2 * sum(layer.num_kv_heads * layer.head_dim for layer in layers) * block_size * dtype.itemsize
+    return (
+        2
+        * sum(layer.num_kv_heads * layer.head_dim for layer in layers)
+        * block_size
+        * dtype.itemsize
+    )
 
 
 @torch.inference_mode()
-def profile_step(model: Qwen3ForCausalLM, sampler: Sampler, config: Config, device: torch.device) -> None:
+def profile_step(
+    model: Qwen3ForCausalLM, sampler: Sampler, config: Config, device: torch.device
+) -> None:
     """The largest step the engine will run: a full prefill, then sampling for max_num_seqs rows."""
     num_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * config.max_model_len)
-    lens = [config.max_model_len] * (num_tokens // config.max_model_len) + [num_tokens % config.max_model_len]
+    lens = [config.max_model_len] * (num_tokens // config.max_model_len) + [
+        num_tokens % config.max_model_len
+    ]
     lens = [n for n in lens if n][: config.max_num_seqs]
     input_ids = torch.zeros(sum(lens), dtype=torch.int64, device=device)
     positions = torch.cat([torch.arange(n, device=device) for n in lens])
@@ -609,19 +852,26 @@ def profile_step(model: Qwen3ForCausalLM, sampler: Sampler, config: Config, devi
 
 
 def gpu_free_blocks(block_bytes: int, gpu_memory_utilization: float) -> int:
-    """KV blocks that fit in the GPU's share, after the weights and the peak of the profiling step just run."""
+    """KV blocks that fit in the GPU's share, after the weights and the peak of the profiling step
+    just run."""
     free, total = torch.cuda.mem_get_info()
     stats = torch.cuda.memory_stats()
     step_peak = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
-    cached = stats["reserved_bytes.all.current"] - stats["allocated_bytes.all.current"]  # PyTorch's, free to reuse
+    # PyTorch's, free to reuse
+    cached = stats["reserved_bytes.all.current"] - stats["allocated_bytes.all.current"]
     used = total - free - cached
     return int(total * gpu_memory_utilization - used - step_peak) // block_bytes
 
 
 def bind_kv_cache(
-    layers: list[Attention], num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    layers: list[Attention],
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> None:
-    """One tensor for the whole cache; each layer gets its K and V views, (num_blocks, block_size, kv_heads, d)."""
+    """One tensor for the whole cache; each layer gets its K and V views, (num_blocks, block_size,
+    kv_heads, d)."""
     shape = (2, len(layers), num_blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim)
     kv = torch.zeros(shape, dtype=dtype, device=device)
     for i, layer in enumerate(layers):
@@ -630,25 +880,29 @@ def bind_kv_cache(
 
 # %% [markdown]
 # ### Putting it together
-# `ModelRunner(config)` loads the model (this rank's slice), sizes the KV cache, on a GPU compiles every Triton kernel
-# variant a step can launch (a warm-up) and times each phase. `run(seqs, is_prefill)` gives the next tokens; `launch`
-# is `run` in two halves, queue then wait (06 schedules between), with log-probabilities (`step_logits`: no sampler).
+# `ModelRunner(config)` loads the model (this rank's slice), sizes the KV cache, on a GPU compiles
+# every Triton kernel variant a step can launch (a warm-up) and times each phase. `run(seqs,
+# is_prefill)` gives the next tokens; `launch` is `run` in two halves, queue then wait (06 schedules
+# between), with log-probabilities (`step_logits`: no sampler).
 #
-# This runner runs every step eagerly. The GPU fast paths live in deep dives, which nothing here imports: on a GPU the
-# runner looks each up by name (`fast_path`): the small layers' kernels, `GPUSampler`, and from `deep_dives/cuda_graphs`
-# the warm-up, the shared-prefix cascade and CUDA graphs for decode, prefill and mixed steps, which `execute` replays.
+# This runner runs every step eagerly. The GPU fast paths live in deep dives, which nothing here
+# imports: on a GPU the runner looks each up by name (`fast_path`): the small layers' kernels,
+# `GPUSampler`, and from `deep_dives/cuda_graphs` the warm-up, the shared-prefix cascade and CUDA
+# graphs for decode, prefill and mixed steps, which `execute` replays.
 
 # %% tags=["export"] module="minivllm.engine.fast_paths"
 import importlib
 from typing import Any
 
 FAST_PATHS = {  # name: "module:attribute", each exported by a deep dive
-    "small-layer kernels": "minivllm.layers.small_layer_kernels:use_small_layer_kernels",  # deep dive triton_layers
+    # deep dive triton_layers
+    "small-layer kernels": "minivllm.layers.small_layer_kernels:use_small_layer_kernels",
     "GPU sampler": "minivllm.layers.gpu_sampler:GPUSampler",  # deep dive gpu_sampler
     "warm-up": "minivllm.engine.warm_up:warm_up_runner",  # deep dive cuda_graphs
     "shared-prefix cascade": "minivllm.engine.cascade:add_shared_prefix",  # deep dive cuda_graphs
     "decode CUDA graphs": "minivllm.engine.cuda_graphs:DecodeGraphs",  # deep dive cuda_graphs
-    "mixed-step CUDA graphs": "minivllm.engine.mixed_graphs:capture_mixed_graphs",  # deep dive cuda_graphs
+    # deep dive cuda_graphs
+    "mixed-step CUDA graphs": "minivllm.engine.mixed_graphs:capture_mixed_graphs",
     "tensor parallelism": "minivllm.engine.workers:TPModelRunner",  # deep dive tensor_parallel
 }
 
@@ -694,11 +948,13 @@ from minivllm.models.qwen3 import Qwen3ForCausalLM
 
 @dataclass(slots=True)
 class StepOutput:
-    """What a step gives each sequence: its next token and, where its parameters ask, log-probabilities."""
+    """What a step gives each sequence: its next token and, where its parameters ask,
+    log-probabilities."""
 
     token_ids: list[int]  # (num_seqs,)
     logprobs: list[TokenLogprobs | None]  # of the next token (SamplingParams.logprobs)
-    prompt_logprobs: list[tuple[int, list[TokenLogprobs]] | None]  # the first position scored, and one per position
+    # the first position scored, and one per position
+    prompt_logprobs: list[tuple[int, list[TokenLogprobs]] | None]
 
 
 def rank_device(config: Config, rank: int) -> torch.device:
@@ -707,11 +963,14 @@ def rank_device(config: Config, rank: int) -> torch.device:
 
 # %% tags=["export"]
 class ModelRunner:
-    """One rank's runner: the whole model (`groups=None`), or given a tensor-parallel rank's groups, its slice."""
+    """One rank's runner: the whole model (`groups=None`), or given a tensor-parallel rank's groups,
+    its slice."""
 
     def __init__(self, config: Config, rank: int = 0, groups: tuple[TPGroup, Any] | None = None):
         if groups is None and config.tensor_parallel_size > 1:
-            raise ValueError("tensor_parallel_size > 1 needs one process per rank: use LLM, or 06's make_runner")
+            raise ValueError(
+                "tensor_parallel_size > 1 needs one process per rank: use LLM, or 06's make_runner"
+            )
         self.config, self.rank, self.world_size = config, rank, config.tensor_parallel_size
         self.block_size = config.block_size
         self.device = rank_device(config, rank)
@@ -719,12 +978,18 @@ class ModelRunner:
         self.control: Any  # the gloo group that carries rank 0's messages; None for one rank
         self.tp, self.control = groups or (TPGroup(), None)
         self.model: Qwen3ForCausalLM | None  # loaded below; None once the GPU memory is freed
-        self.graphs: Any = None  # decode steps' CUDA graphs, and prefill and mixed steps' (deep dive cuda_graphs)
+        self.graphs: Any = (
+            None  # decode steps' CUDA graphs, and prefill and mixed steps' (deep dive cuda_graphs)
+        )
         self.mixed_graphs: Any = None
-        self.add_shared_prefix: Any = None  # marks decode rows that share cached blocks (deep dive cuda_graphs)
-        self.last_token_ids = torch.zeros(0, dtype=torch.int64)  # the latest step's sampled ids (on the device)
+        self.add_shared_prefix: Any = (
+            None  # marks decode rows that share cached blocks (deep dive cuda_graphs)
+        )
+        # the latest step's sampled ids (on the device)
+        self.last_token_ids = torch.zeros(0, dtype=torch.int64)
         self.closed = False
-        marks = [time.perf_counter()]  # where each start-up phase ends: `python -m minivllm` prints the split
+        # where each start-up phase ends: `python -m minivllm` prints the split
+        marks = [time.perf_counter()]
         try:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
@@ -736,20 +1001,30 @@ class ModelRunner:
             if self.device.type == "cuda":
                 fast_path("small-layer kernels")(self.model)
             self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-            self.block_m = launch_config(self.attention_layers[0].head_dim, self.device)["BLOCK_M"]  # prefill tile
-            self.sampler: Sampler = fast_path("GPU sampler")() if self.device.type == "cuda" else Sampler()
+            # prefill tile
+            self.block_m = launch_config(self.attention_layers[0].head_dim, self.device)["BLOCK_M"]
+            self.sampler: Sampler = (
+                fast_path("GPU sampler")() if self.device.type == "cuda" else Sampler()
+            )
             self.num_kvcache_blocks = self.allocate_kv_cache()
             marks.append(time.perf_counter())
-            if self.device.type == "cuda":  # compile every Triton kernel variant now, not in a request
+            # compile every Triton kernel variant now, not in a request
+            if self.device.type == "cuda":
                 fast_path("warm-up")(self)
                 self.add_shared_prefix = fast_path("shared-prefix cascade")
             marks.append(time.perf_counter())
             if self.device.type == "cuda" and not config.enforce_eager:
-                self.graphs = fast_path("decode CUDA graphs")(self.model, config, self.dtype, self.device)
+                self.graphs = fast_path("decode CUDA graphs")(
+                    self.model, config, self.dtype, self.device
+                )
                 capture_mixed = fast_path("mixed-step CUDA graphs")  # prefill and mixed steps
-                self.mixed_graphs = capture_mixed(self.model, config, self.block_m, self.dtype, self.device)
+                self.mixed_graphs = capture_mixed(
+                    self.model, config, self.block_m, self.dtype, self.device
+                )
             marks.append(time.perf_counter())
-            self.startup_seconds = dict(zip(("load", "KV cache", "compile", "CUDA graphs"), np.diff(marks).tolist()))
+            self.startup_seconds = dict(
+                zip(("load", "KV cache", "compile", "CUDA graphs"), np.diff(marks).tolist())
+            )
         except BaseException:
             self.free_gpu_memory()
             raise
@@ -757,7 +1032,8 @@ class ModelRunner:
             atexit.register(self.close)
 
     def call(self, method: str, *args):
-        """Run a method on every rank (notebook 06's tensor-parallel runner tells the others first), rank 0's result."""
+        """Run a method on every rank (notebook 06's tensor-parallel runner tells the others first),
+        rank 0's result."""
         return getattr(self, method)(*args)
 
     def close(self) -> None:
@@ -770,7 +1046,8 @@ class ModelRunner:
             atexit.unregister(self.close)
 
     def free_gpu_memory(self) -> None:
-        """Give the weights, KV cache and graphs back to the GPU (`empty_cache`): a next engine sizes its own cache."""
+        """Give the weights, KV cache and graphs back to the GPU (`empty_cache`): a next engine
+        sizes its own cache."""
         if self.device.type != "cuda":
             return
         for layer in getattr(self, "attention_layers", []):
@@ -784,7 +1061,8 @@ class ModelRunner:
     def allocate_kv_cache(self) -> int:
         config = self.config
         block_bytes = kv_block_bytes(self.attention_layers, self.block_size, self.dtype)
-        wanted = config.max_num_seqs * -(-config.max_model_len // self.block_size)  # all sequences at their longest
+        # all sequences at their longest
+        wanted = config.max_num_seqs * -(-config.max_model_len // self.block_size)
         if config.num_kvcache_blocks:
             num_blocks = config.num_kvcache_blocks
         elif self.device.type == "cuda":
@@ -801,33 +1079,45 @@ class ModelRunner:
         if num_blocks < 1:
             raise ValueError(
                 f"no room for a KV cache: gpu_memory_utilization={config.gpu_memory_utilization} "
-                f"leaves less than one block ({block_bytes} bytes) after the weights and activations"
+                f"leaves less than one block ({block_bytes} bytes) after the weights and "
+                f"activations"
             )
         bind_kv_cache(self.attention_layers, num_blocks, self.block_size, self.dtype, self.device)
         return num_blocks
 
-    # --- a step ---------------------------------------------------------------------------------------------
+    # --- a step -----------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, step: StepInputs) -> torch.Tensor:  # (num_seqs, vocab_size) logits
         assert self.model is not None, "the runner is closed"
-        input_ids, positions, context = step_to_device(step, self.device, self.use_triton, self.block_m)
-        if step.input_ids.min() < 0:  # placeholders (06): the last step's tokens, not on the host yet
-            input_ids = torch.where(input_ids < 0, self.last_token_ids[placeholder_row(input_ids)], input_ids)
+        input_ids, positions, context = step_to_device(
+            step, self.device, self.use_triton, self.block_m
+        )
+        # placeholders (06): the last step's tokens, not on the host yet
+        if step.input_ids.min() < 0:
+            input_ids = torch.where(
+                input_ids < 0, self.last_token_ids[placeholder_row(input_ids)], input_ids
+            )
         graphs = self.mixed_graphs if step.is_prefill else self.graphs
         key = None if graphs is None else graphs.key_for(context, input_ids.shape[0])
         if graphs is not None and key is not None:
             hidden = graphs.replay(key, input_ids, positions, context)
         else:
             hidden = self.model(input_ids, positions, context)  # (num_tokens, hidden_size)
-        if step.is_prefill:  # each sequence's last token, or all of a sequence's that scores its prompt
+        # each sequence's last token, or all of a sequence's that scores its prompt
+        if step.is_prefill:
             assert context.cu_seqlens_q is not None  # a prefill step has it
-            rows = context.cu_seqlens_q[1:] - 1 if step.logits_rows is None else torch.from_numpy(step.logits_rows)
+            rows = (
+                context.cu_seqlens_q[1:] - 1
+                if step.logits_rows is None
+                else torch.from_numpy(step.logits_rows)
+            )
             hidden = hidden[rows.to(hidden.device)]  # (num_rows, hidden_size)
         return self.model.compute_logits(hidden)
 
     def step_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
         step = (prepare_prefill if is_prefill else prepare_decode)(seqs, self.block_size)
-        if self.add_shared_prefix is not None:  # decode rows that share a cached prompt read it once
+        # decode rows that share a cached prompt read it once
+        if self.add_shared_prefix is not None:
             self.add_shared_prefix(step, self.block_size)
         return self.call("execute", step)
 
@@ -836,27 +1126,42 @@ class ModelRunner:
         return self.launch(seqs, is_prefill)().token_ids
 
     def launch(self, seqs: list[Sequence], is_prefill: bool) -> Callable[[], StepOutput]:
-        """Queue a step on the GPU and return at once a function that waits for its output (tokens, logprobs)."""
+        """Queue a step on the GPU and return at once a function that waits for its output (tokens,
+        logprobs)."""
         logits = self.step_logits(seqs, is_prefill)  # queued on the GPU: the host goes on
-        scoring = [scores_prompt(seq) for seq in seqs] if is_prefill else []  # these have a row per token, not one
-        ends = np.cumsum([seq.num_scheduled_tokens if s else 1 for seq, s in zip(seqs, scoring)])  # their rows' ends
-        last = logits[torch.from_numpy(ends - 1).to(logits.device)] if any(scoring) else logits  # (num_seqs, vocab)
-        params = [seq.sampling_params for seq in seqs]  # the sampling tensors are built while the GPU computes
+        # these have a row per token, not one
+        scoring = [scores_prompt(seq) for seq in seqs] if is_prefill else []
+        # their rows' ends
+        ends = np.cumsum([seq.num_scheduled_tokens if s else 1 for seq, s in zip(seqs, scoring)])
+        # (num_seqs, vocab)
+        last = logits[torch.from_numpy(ends - 1).to(logits.device)] if any(scoring) else logits
+        # the sampling tensors are built while the GPU computes
+        params = [seq.sampling_params for seq in seqs]
         penalized = any(p.penalized for p in params)  # penalties need each row's tokens
-        histories = [(s.prompt_token_ids, s.completion_token_ids) for s in seqs] if penalized else None
-        sampling = sampling_tensors(params, [s.num_completion_tokens for s in seqs], self.device, histories)
-        self.last_token_ids = token_ids = self.sampler(last, sampling)  # (num_seqs,); the next step may read it
+        histories = (
+            [(s.prompt_token_ids, s.completion_token_ids) for s in seqs] if penalized else None
+        )
+        sampling = sampling_tensors(
+            params, [s.num_completion_tokens for s in seqs], self.device, histories
+        )
+        # (num_seqs,); the next step may read it
+        self.last_token_ids = token_ids = self.sampler(last, sampling)
         out = StepOutput([], [None] * len(seqs), [None] * len(seqs))
         if asked := [i for i, p in enumerate(params) if p.logprobs is not None]:
             ks = [params[i].logprobs or 0 for i in asked]
             for i, row in zip(asked, logprobs_of(last[asked], token_ids[asked], ks)):
                 out.logprobs[i] = row
-        for j in [j for j, s in enumerate(scoring) if s]:  # rows of prompt positions p score the tokens at p + 1
+        # rows of prompt positions p score the tokens at p + 1
+        for j in [j for j, s in enumerate(scoring) if s]:
             seq, start, k = seqs[j], seqs[j].num_cached_tokens, params[j].prompt_logprobs or 0
-            n = min(seq.num_scheduled_tokens, seq.num_prompt_tokens - 1 - start)  # rows before the prompt's end
+            # rows before the prompt's end
+            n = min(seq.num_scheduled_tokens, seq.num_prompt_tokens - 1 - start)
             targets = torch.tensor(seq.token_ids[start + 1 : start + 1 + n], device=logits.device)
             first = int(ends[j]) - seq.num_scheduled_tokens
-            out.prompt_logprobs[j] = (start + 1, logprobs_of(logits[first : first + n], targets, [k] * n))
+            out.prompt_logprobs[j] = (
+                start + 1,
+                logprobs_of(logits[first : first + n], targets, [k] * n),
+            )
         host_ids = token_ids.to("cpu", non_blocking=True)  # into pinned memory, without waiting
         ready = torch.cuda.Event() if self.device.type == "cuda" else None
         if ready is not None:
@@ -872,10 +1177,11 @@ class ModelRunner:
 
 
 # %% [markdown]
-# ## Every path gives the logits of a from-scratch forward (a bug to find: `exercises/04_find_the_bug.ipynb`)
-# On notebook 02's tiny checkpoint: prompts prefilled, then decoded through shuffled block tables; at every step the
-# logits equal `prompt_logits` of the whole sequence. Then a prefix-cache hit (new queries over a cached prefix) and a
-# chunked prefill (05), each chunk in a mixed step with a decode row.
+# ## Every path gives a from-scratch forward's logits (a bug to find: `exercises/04_find_the_bug`)
+# On notebook 02's tiny checkpoint: prompts prefilled, then decoded through shuffled block tables;
+# at every step the logits equal `prompt_logits` of the whole sequence. Then a prefix-cache hit (new
+# queries over a cached prefix) and a chunked prefill (05), each chunk in a mixed step with a decode
+# row.
 
 # %%
 from minivllm.checkpoint import write_checkpoint
@@ -897,14 +1203,18 @@ def admit(bm: BlockManager, seq: Sequence) -> None:  # notebook 05's scheduler, 
     seq.num_scheduled_tokens = len(seq) - seq.num_cached_tokens
 
 
-def error_of(logits: torch.Tensor, token_ids: list[int]) -> float:  # worst |logits - a from-scratch forward's|
+def error_of(
+    logits: torch.Tensor, token_ids: list[int]
+) -> float:  # worst |logits - a from-scratch forward's|
     return (logits - prompt_logits(reference, token_ids)[-1]).abs().max().item()
 
 
 def check_steps(runner: ModelRunner, prompts: list[list[int]], num_decode_steps: int) -> float:
-    """Prefill `prompts`, decode greedily; compare every step's logits with prompt_logits. Worst |error|."""
+    """Prefill `prompts`, decode greedily; compare every step's logits with prompt_logits. Worst
+    |error|."""
     bm = BlockManager(runner.num_kvcache_blocks, runner.block_size)
-    random.shuffle(bm.free_block_ids)  # blocks handed out in a random order: block tables far from contiguous
+    # blocks handed out in a random order: block tables far from contiguous
+    random.shuffle(bm.free_block_ids)
     seqs = [Sequence(p, block_size=runner.block_size) for p in prompts]
     for seq in seqs:
         admit(bm, seq)
@@ -922,7 +1232,9 @@ prompts = [random.choices(range(2048), k=n) for n in (1, 15, 16, 17, 100)]
 worst = check_steps(runner, prompts, num_decode_steps=40)
 print(f"5 prompts, prefill + 40 decode steps, shuffled blocks: worst logit error {worst:.1e}")
 assert worst < 1e-4
-runner.use_triton = True  # the same through the Triton kernels (on a CPU, in the interpreter, so fewer steps)
+runner.use_triton = (
+    True  # the same through the Triton kernels (on a CPU, in the interpreter, so fewer steps)
+)
 worst = check_steps(runner, prompts[:3], num_decode_steps=3)
 print(f"Triton kernels: worst logit error {worst:.1e}")
 assert worst < 1e-4
@@ -934,29 +1246,46 @@ admit(bm, first)
 runner.step_logits([first], is_prefill=True)
 admit(bm, second)
 assert second.num_cached_tokens == 48  # three blocks reused: prefill computes 4 tokens, not 52
-step = prepare_prefill([second], block_size=16)  # its 4 tokens' positions and slots; its keys: cached + new
-assert list(step.cu_seqlens_q) == [0, 4] and list(step.cu_seqlens_k) == [0, 52] and step.block_tables is not None
-assert step.positions.tolist() == [48, 49, 50, 51] and step.slot_mapping[0] == second.block_table[3] * 16
+# its 4 tokens' positions and slots; its keys: cached + new
+step = prepare_prefill([second], block_size=16)
+assert (
+    list(step.cu_seqlens_q) == [0, 4]
+    and list(step.cu_seqlens_k) == [0, 52]
+    and step.block_tables is not None
+)
+assert (
+    step.positions.tolist() == [48, 49, 50, 51]
+    and step.slot_mapping[0] == second.block_table[3] * 16
+)
 error = error_of(runner.step_logits([second], is_prefill=True)[0], second.token_ids)
-print(f"prefix-cache hit: {second.num_cached_tokens} of {len(second)} tokens reused, logit error {error:.1e}")
+print(
+    f"prefix-cache hit: {second.num_cached_tokens} of {len(second)} tokens reused, logit error "
+    f"{error:.1e}"
+)
 assert error < 1e-4
 long = Sequence(random.choices(range(2048), k=100), block_size=16)
 bm.allocate(long)
-for end in (37, 64, 100):  # three mixed steps: `first` decodes a token, `long` computes tokens 0..36, 37..63, 64..99
+# three mixed steps: `first` decodes a token, `long` computes tokens 0..36, 37..63, 64..99
+for end in (37, 64, 100):
     first.append_token(7)
     bm.may_append(first)
-    first.num_cached_tokens, first.num_scheduled_tokens = len(first) - 1, 1  # a decode row (05 puts them first)
+    # a decode row (05 puts them first)
+    first.num_cached_tokens, first.num_scheduled_tokens = (len(first) - 1, 1)
     bm.cache_blocks(long, end)
     long.num_scheduled_tokens = end - long.num_cached_tokens
     decoded, logits = runner.step_logits([first, long], is_prefill=True)
     long.num_cached_tokens = end  # the step has run: these tokens' KV is in the cache
     error = max(error_of(decoded, first.token_ids), error_of(logits, long.token_ids[:end]))
     assert error < 1e-4
-print(f"100 tokens in chunks of 37, 27, 36, each with a decode row: last step's logit error {error:.1e}")
+print(
+    f"100 tokens in chunks of 37, 27, 36, each with a decode row: last step's logit error "
+    f"{error:.1e}"
+)
 
 # %% [markdown]
 # ### How fast: a whole decode step
-# `python -m minivllm.benchmarks.decode_step` times `runner.run(seqs, is_prefill=False)`, 0.6B, eager and with graphs.
+# `python -m minivllm.benchmarks.decode_step` times `runner.run(seqs, is_prefill=False)`, 0.6B,
+# eager and with graphs.
 
 # %%
 import json
@@ -964,14 +1293,22 @@ import json
 from minivllm.benchmarks.decode_step import run_decode_step_benchmark
 
 saved = Path("figures/decode_step.json")  # an H200 run's, shown on a CPU
-step_data = run_decode_step_benchmark(batch_sizes=(1, 8, 64)) if DEVICE == "cuda" else json.loads(saved.read_text())
-print(f"KV cache on {step_data['device']}: {step_data['kv_cache_tokens'] / 1e6:.2f} M tokens; ms per step:")
+step_data = (
+    run_decode_step_benchmark(batch_sizes=(1, 8, 64))
+    if DEVICE == "cuda"
+    else json.loads(saved.read_text())
+)
+print(
+    f"KV cache on {step_data['device']}: {step_data['kv_cache_tokens'] / 1e6:.2f} M tokens; ms "
+    f"per step:"
+)
 print({f"{r['impl']}, batch {r['batch']}": round(r["ms"], 2) for r in step_data["rows"]})
 
 # %% [markdown]
 # ## Check yourself
-# 1. A sequence of 37 tokens with blocks of 16 and block table `[7, 2, 9]` decodes its 38th token. Which slot
-#    does its KV go to, and what `context_len` does the decode kernel see? Answer `(slot, context_len)`.
+# 1. A sequence of 37 tokens with blocks of 16 and block table `[7, 2, 9]` decodes its 38th token.
+#    Which slot does its KV go to, and what `context_len` does the decode kernel see? Answer `(slot,
+#    context_len)`.
 
 # %%
 from minivllm.testing import check_answer
@@ -984,7 +1321,8 @@ expected1 = (int(decode.slot_mapping[0]), int(decode.context_lens[0]))
 check_answer(answer1, expected1, "1. decode slot")
 
 # %% [markdown]
-# Worked answer. Token 37 (from 0): block 37 // 16 = 2, physical 9, offset 37 % 16 = 5; the kernel sees all 38 tokens.
+# Worked answer. Token 37 (from 0): block 37 // 16 = 2, physical 9, offset 37 % 16 = 5; the kernel
+# sees all 38 tokens.
 
 # %%
 check_answer((9 * 16 + 37 % 16, 37 + 1), expected1, "1. decode slot")

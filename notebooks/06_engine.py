@@ -14,13 +14,15 @@
 # %% [markdown]
 # # 06 · The engine: vLLM's offline API, end to end
 #
-# **What this notebook builds.** The layer a user touches: `LLM(model=...).generate(prompts, sampling_params)`, with
-# vLLM's names, arguments and outputs. Under it, `LLMEngine` loops `schedule → run → postprocess` until every request
-# is done, beside an input processor (prompt → checked request) and an output processor (tokens → text, stop strings,
-# log-probabilities). It builds on the model (02), the KV cache (03), the runner (04) and the scheduler (05).
+# **What this notebook builds.** The layer a user touches: `LLM(model=...).generate(prompts,
+# sampling_params)`, with vLLM's names, arguments and outputs. Under it, `LLMEngine` loops `schedule
+# → run → postprocess` until every request is done, beside an input processor (prompt → checked
+# request) and an output processor (tokens → text, stop strings, log-probabilities). It builds on
+# the model (02), the KV cache (03), the runner (04) and the scheduler (05).
 #
-# **What you will see.** The real Qwen3-0.6B (on a GPU), greedy output equal to transformers' `generate`, KV blocks
-# over a run, the course's final figures. Splitting the model over GPUs is the deep dive `tensor_parallel`, after it.
+# **What you will see.** The real Qwen3-0.6B (on a GPU), greedy output equal to transformers'
+# `generate`, KV blocks over a run, the course's final figures. Splitting the model over GPUs is the
+# deep dive `tensor_parallel`, after it.
 
 # %%
 import json
@@ -42,18 +44,21 @@ random.seed(0)
 
 # %% [markdown]
 # ## The engine loop: schedule → run → postprocess
-# `LLMEngine` owns a runner, a `Scheduler` and a tokenizer; as in vLLM, `add_request` queues a request's `Sequence`s,
-# `abort_request` drops requests, and `step()` does the work: it returns the requests that finished and the step's
-# `StepStats` (`"idle"` with nothing queued). A step has three phases: **schedule** (the scheduler of 05 picks the
-# batch), **run** (the runner of 04 queues the forward and sampler on the GPU, `launch`, then waits for the tokens) and
-# **postprocess** (the scheduler appends the tokens and frees what finished; the output processor makes the outputs).
+# `LLMEngine` owns a runner, a `Scheduler` and a tokenizer; as in vLLM, `add_request` queues a
+# request's `Sequence`s, `abort_request` drops requests, and `step()` does the work: it returns the
+# requests that finished and the step's `StepStats` (`"idle"` with nothing queued). A step has three
+# phases: **schedule** (the scheduler of 05 picks the batch), **run** (the runner of 04 queues the
+# forward and sampler on the GPU, `launch`, then waits for the tokens) and **postprocess** (the
+# scheduler appends the tokens and frees what finished; the output processor makes the outputs).
 #
-# With **async scheduling** (on by default with one GPU) `step()` launches step N+1 before it reads step N's tokens:
-# `advance` gives each of step N's sequences a placeholder token, `placeholder(row)` (notebook 04), which the runner
-# swaps on the device for the token sampled in that row; `resolve` writes the real ones in. A step with penalties (they
-# read every token) waits. **When the model fails** (a device error, Ctrl-C), the step's requests are aborted, their
-# blocks freed and dropped from the prefix cache (their KV may be half written); the next `step()` serves the others.
-# With `tensor_parallel_size > 1`, `make_runner` looks up the fast path "tensor parallelism" by name.
+# With **async scheduling** (on by default with one GPU) `step()` launches step N+1 before it reads
+# step N's tokens: `advance` gives each of step N's sequences a placeholder token,
+# `placeholder(row)` (notebook 04), which the runner swaps on the device for the token sampled in
+# that row; `resolve` writes the real ones in. A step with penalties (they read every token) waits.
+# **When the model fails** (a device error, Ctrl-C), the step's requests are aborted, their blocks
+# freed and dropped from the prefix cache (their KV may be half written); the next `step()` serves
+# the others. With `tensor_parallel_size > 1`, `make_runner` looks up the fast path "tensor
+# parallelism" by name.
 
 # %% tags=["export"] module="minivllm.engine.llm_engine"
 import atexit
@@ -76,7 +81,11 @@ from minivllm.sampling_params import SamplingParams
 
 
 def make_runner(config: Config) -> ModelRunner:
-    return ModelRunner(config) if config.tensor_parallel_size == 1 else fast_path("tensor parallelism")(config)
+    return (
+        ModelRunner(config)
+        if config.tensor_parallel_size == 1
+        else fast_path("tensor parallelism")(config)
+    )
 
 
 @dataclass(slots=True)
@@ -87,7 +96,8 @@ class Launched:  # a step queued on the GPU
 
 
 class LLMEngine:
-    """Requests in, steps, outputs out. Thread-safe: one lock serialises every call that changes the engine."""
+    """Requests in, steps, outputs out. Thread-safe: one lock serialises every call that changes the
+    engine."""
 
     def __init__(self, model: str | Path, **kwargs):
         self.config = Config(model, **kwargs)
@@ -95,15 +105,23 @@ class LLMEngine:
         self.runner = make_runner(self.config)
         policy = UnifiedScheduler if self.config.scheduling_policy == "unified" else Scheduler
         self.scheduler = policy(self.config, self.runner.num_kvcache_blocks)
-        self.input_processor = InputProcessor(self.config, self.tokenizer, self.scheduler.block_manager)
+        self.input_processor = InputProcessor(
+            self.config, self.tokenizer, self.scheduler.block_manager
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.requests: dict[int, Request] = {}  # seq_id -> request, until it finishes or is aborted
-        self.live: dict[str, Request] = {}  # request_id -> request: the same requests, found by id in O(1)
-        self.finished: list[RequestOutput] = []  # finished, not returned yet (kept back by a step given request_ids)
-        self.lock = threading.RLock()  # reentrant: LLM.generate holds it while it adds requests and steps
-        self.launched: Launched | None = None  # async scheduling: the step on the GPU while the host goes on
+        # request_id -> request: the same requests, found by id in O(1)
+        self.live: dict[str, Request] = {}
+        # finished, not returned yet (kept back by a step given request_ids)
+        self.finished: list[RequestOutput] = []
+        # reentrant: LLM.generate holds it while it adds requests and steps
+        self.lock = threading.RLock()
+        self.launched: Launched | None = (
+            None  # async scheduling: the step on the GPU while the host goes on
+        )
         gc.collect()
-        gc.freeze()  # start-up's objects last as long as the engine: Python's full collections now skip them
+        # start-up's objects last as long as the engine: Python's full collections now skip them
+        gc.freeze()
         atexit.register(gc.unfreeze)  # (and the interpreter's last collection frees them)
 
     def add_requests(
@@ -112,12 +130,19 @@ class LLMEngine:
         sampling_params: list[SamplingParams | None],
         request_ids: list[str | None] | None = None,
     ) -> list[str]:
-        """Check every request, then queue them all: if one is bad, ValueError and none is queued. Their ids."""
+        """Check every request, then queue them all: if one is bad, ValueError and none is queued.
+        Their ids."""
         with self.lock:
-            ids = self.input_processor.request_ids(request_ids or [None] * len(prompts), self.in_use)
-            names = ["prompt"] if len(prompts) == 1 else [f"prompts[{i}]" for i in range(len(prompts))]
+            ids = self.input_processor.request_ids(
+                request_ids or [None] * len(prompts), self.in_use
+            )
+            names = (
+                ["prompt"] if len(prompts) == 1 else [f"prompts[{i}]" for i in range(len(prompts))]
+            )
             make = self.input_processor.make_request
-            requests = [make(*args) for args in zip(prompts, sampling_params, ids, names, strict=True)]
+            requests = [
+                make(*args) for args in zip(prompts, sampling_params, ids, names, strict=True)
+            ]
             for request in requests:
                 self.requests |= {seq.seq_id: request for seq in request.seqs}
                 self.live[request.request_id] = request
@@ -125,25 +150,33 @@ class LLMEngine:
             return ids
 
     def request_ids(self) -> set[str]:
-        """The ids in use: of unfinished requests, and of finished ones whose outputs step() has kept back."""
+        """The ids in use: of unfinished requests, and of finished ones whose outputs step() has
+        kept back."""
         return set(self.live) | {out.request_id for out in self.finished}
 
-    def in_use(self, request_id: str) -> bool:  # O(1) for the live, O(kept outputs) for the finished
+    def in_use(
+        self, request_id: str
+    ) -> bool:  # O(1) for the live, O(kept outputs) for the finished
         return request_id in self.live or any(out.request_id == request_id for out in self.finished)
 
     def add_request(
-        self, prompt: Prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
     ) -> str:
         return self.add_requests([prompt], [sampling_params], [request_id])[0]
 
     def start(self, request: Request, num_seqs: int) -> None:
-        """Give the scheduler seqs[:num_seqs] (with prefix caching, the siblings of n wait for seqs[0]'s prompt)."""
+        """Give the scheduler seqs[:num_seqs] (with prefix caching, the siblings of n wait for
+        seqs[0]'s prompt)."""
         for seq in request.seqs[request.num_started : num_seqs]:
             self.scheduler.add(seq)
         request.num_started = max(request.num_started, num_seqs)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
-        """Drop these requests, unfinished or finished but not returned yet, and free their KV blocks."""
+        """Drop these requests, unfinished or finished but not returned yet, and free their KV
+        blocks."""
         ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
         with self.lock:
             for request in [self.live.pop(i) for i in ids if i in self.live]:
@@ -154,23 +187,39 @@ class LLMEngine:
             if self.launched and all(seq.is_finished for seq in self.launched.seqs):
                 self.launched = None  # a step launched ahead for these alone: nothing left to read
 
-    def step(self, request_ids: Collection[str] | None = None) -> tuple[list[RequestOutput], StepStats]:
-        """Finish one step, if any request is queued: the outputs of the requests that finished (only those in
-        request_ids when given: the others are kept for a later step) and the step's stats."""
+    def step(
+        self, request_ids: Collection[str] | None = None
+    ) -> tuple[list[RequestOutput], StepStats]:
+        """Finish one step, if any request is queued: the outputs of the requests that finished
+        (only those in request_ids when given: the others are kept for a later step) and the step's
+        stats."""
         with self.lock:
-            stats = StepStats("idle") if self.scheduler.is_finished() and not self.launched else self.run_step()
-            mine = [out for out in self.finished if request_ids is None or out.request_id in request_ids]
-            self.finished = [out for out in self.finished if not (request_ids is None or out.request_id in request_ids)]
+            stats = (
+                StepStats("idle")
+                if self.scheduler.is_finished() and not self.launched
+                else self.run_step()
+            )
+            mine = [
+                out for out in self.finished if request_ids is None or out.request_id in request_ids
+            ]
+            self.finished = [
+                out
+                for out in self.finished
+                if not (request_ids is None or out.request_id in request_ids)
+            ]
             return mine, stats
 
     def run_step(self) -> StepStats:
-        """Finish the step the last call launched (or one launched now); launch the next first if async."""
+        """Finish the step the last call launched (or one launched now); launch the next first if
+        async."""
         step, self.launched = self.launched or self.launch(), None
         try:
             start = time.perf_counter()
             rows = self.scheduler.advance(step.seqs)  # placeholders for the tokens on their way
             advanced = time.perf_counter()
-            ahead = self.config.async_scheduling and not any(seq.sampling_params.penalized for seq in step.seqs)
+            ahead = self.config.async_scheduling and not any(
+                seq.sampling_params.penalized for seq in step.seqs
+            )
             if ahead and not self.scheduler.is_finished():
                 self.launched = self.launch()
             waiting = time.perf_counter()
@@ -178,7 +227,9 @@ class LLMEngine:
             ran = time.perf_counter()
             finished = self.scheduler.resolve(step.seqs, rows, out.token_ids)
             if self.launched and all(seq.is_finished for seq in self.launched.seqs):
-                self.launched = None  # its rows all stopped at this step: nothing to read (the GPU finishes it)
+                self.launched = (
+                    None  # its rows all stopped at this step: nothing to read (the GPU finishes it)
+                )
         except BaseException as e:
             self.abort_step(e, step.seqs + (self.launched.seqs if self.launched else []))
             self.launched = None
@@ -199,24 +250,39 @@ class LLMEngine:
         except BaseException as e:
             self.abort_step(e, seqs)
             raise
-        mixed = is_prefill and any(seq.num_completion_tokens > 0 and seq.num_scheduled_tokens == 1 for seq in seqs)
-        kind = "mixed" if mixed else "prefill" if is_prefill else "decode"  # mixed: decode rows beside prompt rows
+        mixed = is_prefill and any(
+            seq.num_completion_tokens > 0 and seq.num_scheduled_tokens == 1 for seq in seqs
+        )
+        # mixed: decode rows beside prompt rows
+        kind = "mixed" if mixed else "prefill" if is_prefill else "decode"
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
-        stats = StepStats(kind, len(seqs), num_tokens, scheduled - start, time.perf_counter() - scheduled)
+        stats = StepStats(
+            kind, len(seqs), num_tokens, scheduled - start, time.perf_counter() - scheduled
+        )
         return Launched(seqs, output, stats)
 
-    def postprocess(self, seqs: list[Sequence], out: StepOutput, finished: list[Sequence], now: float) -> None:
-        """Stop strings, the siblings of n to start, and the outputs of the requests whose every completion finished."""
+    def postprocess(
+        self, seqs: list[Sequence], out: StepOutput, finished: list[Sequence], now: float
+    ) -> None:
+        """Stop strings, the siblings of n to start, and the outputs of the requests whose every
+        completion finished."""
         for seq, logprobs, prompt_logprobs in zip(seqs, out.logprobs, out.prompt_logprobs):
             if (request := self.requests.get(seq.seq_id)) is None:
                 continue  # aborted while its step ran
-            if seq.num_completion_tokens > 0 and request.num_started < len(request.seqs):  # only seqs[0] ran: its
-                self.start(request, len(request.seqs))  # prompt is cached now, and the others share its blocks
-            if self.output_processor.process(request, seq, logprobs, prompt_logprobs, now):  # a stop string
+            # only seqs[0] ran: its
+            if seq.num_completion_tokens > 0 and request.num_started < len(request.seqs):
+                # prompt is cached now, and the others share its blocks
+                self.start(request, len(request.seqs))
+            # a stop string
+            if self.output_processor.process(request, seq, logprobs, prompt_logprobs, now):
                 finished += [] if seq.is_finished else [seq]
                 self.scheduler.finish(seq, "stop")
-        for request in {self.requests[seq.seq_id].request_id: self.requests[seq.seq_id] for seq in finished}.values():
-            if request.num_started == len(request.seqs) and all(seq.is_finished for seq in request.seqs):
+        for request in {
+            self.requests[seq.seq_id].request_id: self.requests[seq.seq_id] for seq in finished
+        }.values():
+            if request.num_started == len(request.seqs) and all(
+                seq.is_finished for seq in request.seqs
+            ):
                 request.metrics.finished_time = now
                 for seq in request.seqs:
                     del self.requests[seq.seq_id]
@@ -224,17 +290,23 @@ class LLMEngine:
                 self.finished.append(self.output_processor.output(request))
 
     def abort_step(self, error: BaseException, seqs: list[Sequence] | None) -> None:
-        """Abort a failed step's requests (all, if its batch was not known yet), and name them on the error."""
+        """Abort a failed step's requests (all, if its batch was not known yet), and name them on
+        the error."""
         if seqs is None:
             ids = list(self.live)
             self.abort_all()
         else:
-            ids = [self.requests[seq.seq_id].request_id for seq in seqs if seq.seq_id in self.requests]
+            ids = [
+                self.requests[seq.seq_id].request_id for seq in seqs if seq.seq_id in self.requests
+            ]
             self.abort_request(ids)
-        error.add_note(f"minivllm: the step failed; these requests were aborted: {list(dict.fromkeys(ids))}")
+        error.add_note(
+            f"minivllm: the step failed; these requests were aborted: {list(dict.fromkeys(ids))}"
+        )
 
     def has_unfinished_requests(self) -> bool:
-        """Whether step() has more to give: requests to run, a step to finish, or outputs it kept back."""
+        """Whether step() has more to give: requests to run, a step to finish, or outputs it kept
+        back."""
         return bool(self.finished) or not self.scheduler.is_finished() or self.launched is not None
 
     def abort_all(self) -> None:
@@ -253,13 +325,15 @@ class LLMEngine:
 
 # %% [markdown]
 # ## `LLM.generate`: the loop, for a user
-# `LLM(model, ...)` takes notebook 02's `Config` fields as keyword arguments. `generate` accepts a str, token ids (a
-# list of ints, a 1-D integer array or tensor) or a list of those, with one `SamplingParams` for all or one per prompt,
-# and returns the outputs in the prompts' order; `chat` does the same for conversations, through the chat template. It
-# holds the engine's lock for its whole run and returns only its own requests: those queued with `engine.add_request`
-# share its batches, their outputs kept for `engine.step()`; interrupted (Ctrl-C, an error), it aborts every request it
-# added. A server streams instead: `AsyncLLM` runs this engine in a process of its own and makes the text in the
-# server's (deep dive `engine_core`), and `python -m minivllm.serve` puts OpenAI's HTTP API in front.
+# `LLM(model, ...)` takes notebook 02's `Config` fields as keyword arguments. `generate` accepts a
+# str, token ids (a list of ints, a 1-D integer array or tensor) or a list of those, with one
+# `SamplingParams` for all or one per prompt, and returns the outputs in the prompts' order; `chat`
+# does the same for conversations, through the chat template. It holds the engine's lock for its
+# whole run and returns only its own requests: those queued with `engine.add_request` share its
+# batches, their outputs kept for `engine.step()`; interrupted (Ctrl-C, an error), it aborts every
+# request it added. A server streams instead: `AsyncLLM` runs this engine in a process of its own
+# and makes the text in the server's (deep dive `engine_core`), and `python -m minivllm.serve` puts
+# OpenAI's HTTP API in front.
 
 # %% tags=["export"] module="minivllm.llm"
 from collections.abc import Sequence as SequenceOf
@@ -277,20 +351,34 @@ def is_one_prompt(prompts) -> TypeGuard[Prompt]:
     """A str, an array or tensor, or a list of token ids (not a list of prompts)."""
     if isinstance(prompts, str) or hasattr(prompts, "ndim"):
         return True
-    return isinstance(prompts, list | tuple) and len(prompts) > 0 and isinstance(scalar(prompts[0]), int | float)
+    return (
+        isinstance(prompts, list | tuple)
+        and len(prompts) > 0
+        and isinstance(scalar(prompts[0]), int | float)
+    )
 
 
 def chat_prompt(tokenizer, conversation, model, template_kwargs: dict | None = None) -> str:
     if tokenizer is None or tokenizer.chat_template is None:
         raise ValueError(f"{model} has no chat template: pass prompts to generate instead")
-    if bad := [i for i, m in enumerate(conversation) if not isinstance(m, dict) or not {"role", "content"} <= m.keys()]:
-        raise ValueError(f'messages[{bad[0]}] must be a dict with "role" and "content", got {conversation[bad[0]]!r}')
+    if bad := [
+        i
+        for i, m in enumerate(conversation)
+        if not isinstance(m, dict) or not {"role", "content"} <= m.keys()
+    ]:
+        raise ValueError(
+            f'messages[{bad[0]}] must be a dict with "role" and "content", got '
+            f"{conversation[bad[0]]!r}"
+        )
     kwargs = template_kwargs or {}  # the template's own switches: Qwen3's enable_thinking, say
-    return tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True, **kwargs)
+    return tokenizer.apply_chat_template(
+        conversation, tokenize=False, add_generation_prompt=True, **kwargs
+    )
 
 
 class LLM:
-    """vLLM's offline entry point. Keyword arguments are `Config`'s fields, with its defaults (notebook 02)."""
+    """vLLM's offline entry point. Keyword arguments are `Config`'s fields, with its defaults
+    (notebook 02)."""
 
     def __init__(self, model: str, **kwargs):
         self.engine = LLMEngine(model, **kwargs)
@@ -304,19 +392,34 @@ class LLM:
         sampling_params: SamplingParams | SequenceOf[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """One output per prompt, in order. Only this call's requests are returned (see the notebook's contract)."""
+        """One output per prompt, in order. Only this call's requests are returned (see the
+        notebook's contract)."""
         prompts = [prompts] if is_one_prompt(prompts) else prompts
         if not isinstance(prompts, list | tuple):
-            raise ValueError(f"prompts must be a str, token ids, or a list of them; got {type(prompts).__name__}")
-        params = sampling_params if isinstance(sampling_params, list | tuple) else [sampling_params] * len(prompts)
+            raise ValueError(
+                f"prompts must be a str, token ids, or a list of them; got {type(prompts).__name__}"
+            )
+        params = (
+            sampling_params
+            if isinstance(sampling_params, list | tuple)
+            else [sampling_params] * len(prompts)
+        )
         if len(params) != len(prompts):
-            raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+            raise ValueError(
+                f"sampling_params has {len(params)} entries for {len(prompts)} prompts"
+            )
         with self.engine.lock:
             before = self.engine.request_ids()
-            try:  # casts: a list of prompts and their SamplingParams (or None) now; add_requests checks each
-                ids = self.engine.add_requests(cast(list[Prompt], list(prompts)), cast(list, list(params)))
+            # casts: a list of prompts and their SamplingParams (or None) now; add_requests checks
+            # each
+            try:
+                ids = self.engine.add_requests(
+                    cast(list[Prompt], list(prompts)), cast(list, list(params))
+                )
                 outputs = self.run(ids, use_tqdm)
-            except BaseException:  # Ctrl-C or an error, even half-way through add_requests: abort all it added
+            except (
+                BaseException
+            ):  # Ctrl-C or an error, even half-way through add_requests: abort all it added
                 self.engine.abort_request(self.engine.request_ids() - before)
                 raise
         order = {request_id: i for i, request_id in enumerate(ids)}
@@ -326,22 +429,31 @@ class LLM:
         """Step until these requests have finished; their outputs."""
         outputs: list[RequestOutput] = []
         wanted = set(request_ids)
-        with tqdm(total=len(wanted), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True) as bar:
+        with tqdm(
+            total=len(wanted), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True
+        ) as bar:
             rates: dict[str, float] = {}  # tokens per second of the latest step of each kind
             while len(outputs) < len(wanted):
                 finished, stats = self.engine.step(wanted)
                 assert stats.kind != "idle" or finished, "requests outstanding, but no step to run"
                 if stats.kind != "idle":
                     rates[stats.kind] = stats.num_tokens / max(stats.seconds, 1e-9)
-                bar.set_postfix_str(", ".join(f"{kind} {rate:,.0f} tok/s" for kind, rate in sorted(rates.items())))
+                bar.set_postfix_str(
+                    ", ".join(f"{kind} {rate:,.0f} tok/s" for kind, rate in sorted(rates.items()))
+                )
                 outputs += finished
                 bar.update(len(finished))
         return outputs
 
     def chat(
-        self, messages: list[dict] | list[list[dict]], sampling_params=None, use_tqdm=True, chat_template_kwargs=None
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params=None,
+        use_tqdm=True,
+        chat_template_kwargs=None,
     ) -> list[RequestOutput]:
-        """`generate` for a conversation ([{"role": ..., "content": ...}, ...]) or a list of them."""
+        """`generate` for a conversation ([{"role": ..., "content": ...}, ...]) or a list of
+        them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         model, kwargs = self.engine.config.model, chat_template_kwargs
         prompts = [chat_prompt(self.get_tokenizer(), c, model, kwargs) for c in conversations]
@@ -363,10 +475,11 @@ class LLM:
 
 # %% [markdown]
 # ## vLLM's offline API: what goes in, what comes out
-# Three modules: what a request gives back (`outputs`), how a prompt gets in (`input_processor`), how tokens come out as
-# text (`output_processor`). **Outputs** are vLLM's `RequestOutput`: the prompt and, per completion, its text, token
-# ids, `finish_reason` ("stop": an EOS or stop token; "length": `max_tokens` or the context) and log-probabilities if
-# asked; and two timings a server is judged by: **time to first token** (TTFT) and **time per output token** (TPOT).
+# Three modules: what a request gives back (`outputs`), how a prompt gets in (`input_processor`),
+# how tokens come out as text (`output_processor`). **Outputs** are vLLM's `RequestOutput`: the
+# prompt and, per completion, its text, token ids, `finish_reason` ("stop": an EOS or stop token;
+# "length": `max_tokens` or the context) and log-probabilities if asked; and two timings a server is
+# judged by: **time to first token** (TTFT) and **time per output token** (TPOT).
 
 # %% tags=["export"] module="minivllm.outputs"
 from dataclasses import dataclass, field
@@ -385,8 +498,12 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length", or None while running
-    logprobs: list[dict[int, Logprob]] | None = None  # per token: its own and the most likely tokens' (if asked)
-    cumulative_logprob: float | None = None  # the sum of its tokens' log-probabilities (if logprobs were asked)
+    logprobs: list[dict[int, Logprob]] | None = (
+        None  # per token: its own and the most likely tokens' (if asked)
+    )
+    cumulative_logprob: float | None = (
+        None  # the sum of its tokens' log-probabilities (if logprobs were asked)
+    )
 
 
 @dataclass(slots=True)
@@ -409,11 +526,14 @@ class RequestMetrics:
 class StepStats:
     """What one engine step did, and its phases' wall times in seconds (time.perf_counter())."""
 
-    kind: str  # "prefill", "decode", "mixed" (prompt and decode rows in one forward), or "idle" (no step ran)
+    # "prefill", "decode", "mixed" (prompt and decode rows in one forward), or "idle" (no step ran)
+    kind: str
     num_seqs: int = 0  # sequences in the batch
     num_tokens: int = 0  # tokens computed: prompt tokens, plus one per sequence that decodes
     schedule_seconds: float = 0.0  # Scheduler.schedule
-    run_seconds: float = 0.0  # ModelRunner.launch (inputs, forward, sampler, log-probabilities), waiting for tokens
+    run_seconds: float = (
+        0.0  # ModelRunner.launch (inputs, forward, sampler, log-probabilities), waiting for tokens
+    )
     postprocess_seconds: float = 0.0  # Scheduler.advance and resolve, the engine's outputs
 
     @property
@@ -429,16 +549,20 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(repr=False)
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # per prompt token (None for the first), if asked
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+        None  # per prompt token (None for the first), if asked
+    )
 
 
 # %% [markdown]
 # ### Requests in: the input processor
-# **Bad input never gets in.** `make_request` tokenizes a prompt and checks it before it touches any state, with a
-# `ValueError` naming the field and the allowed range; each request keeps its own copy of its `SamplingParams`, and
-# `add_requests` checks a whole list before adding any. The scheduler only `assert`s. **Stop tokens**: a model's EOS
-# ids (the tokenizer's and `generation_config.json`'s) join each request's stop tokens unless it says `ignore_eos`.
-# **n completions**: `n` makes a sequence per completion (seeded `seed + i`), which share the first one's cached prompt.
+# **Bad input never gets in.** `make_request` tokenizes a prompt and checks it before it touches any
+# state, with a `ValueError` naming the field and the allowed range; each request keeps its own copy
+# of its `SamplingParams`, and `add_requests` checks a whole list before adding any. The scheduler
+# only `assert`s. **Stop tokens**: a model's EOS ids (the tokenizer's and
+# `generation_config.json`'s) join each request's stop tokens unless it says `ignore_eos`. **n
+# completions**: `n` makes a sequence per completion (seeded `seed + i`), which share the first
+# one's cached prompt.
 
 # %% tags=["export"] module="minivllm.engine.input_processor"
 import dataclasses
@@ -458,24 +582,40 @@ from minivllm.engine.sequence import Sequence
 from minivllm.outputs import Logprob, RequestMetrics
 from minivllm.sampling_params import SamplingParams, as_token_ids
 
-Prompt = str | list[int]  # text, or token ids: a list or tuple of ints, or a 1-D integer NumPy array / PyTorch tensor
+# text, or token ids: a list or tuple of ints, or a 1-D integer NumPy array / PyTorch tensor
+Prompt = str | list[int]
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase | None:
-    """The checkpoint's tokenizer, or None when the folder has none (token-id prompts still work). transformers may
-    build an empty tokenizer from a folder without tokenizer files: one that knows only special tokens is none."""
-    named = json.loads(p.read_text()) if (p := Path(path) / "tokenizer_config.json").is_file() else {}
-    name = "AutoTokenizer" if "auto_map" in named else named.get("tokenizer_class") or "AutoTokenizer"
-    try:  # the class named, imported alone: AutoTokenizer imports transformers' model registry (seconds)
-        tokenizer = (getattr(transformers, name, None) or transformers.AutoTokenizer).from_pretrained(path)
+    """The checkpoint's tokenizer, or None when the folder has none (token-id prompts still work).
+    transformers may build an empty tokenizer from a folder without tokenizer files: one that knows
+    only special tokens is none."""
+    named = (
+        json.loads(p.read_text()) if (p := Path(path) / "tokenizer_config.json").is_file() else {}
+    )
+    name = (
+        "AutoTokenizer" if "auto_map" in named else named.get("tokenizer_class") or "AutoTokenizer"
+    )
+    # the class named, imported alone: AutoTokenizer imports transformers' model registry (seconds)
+    try:
+        tokenizer = (
+            getattr(transformers, name, None) or transformers.AutoTokenizer
+        ).from_pretrained(path)
     except (OSError, ValueError):
         return None
     return tokenizer if set(tokenizer.get_vocab()) - set(tokenizer.all_special_tokens) else None
 
 
-def eos_token_ids(path: str | Path, tokenizer: PreTrainedTokenizerBase | None, hf_config) -> list[int]:
-    """Every end-of-sequence id: the tokenizer's first, then generation_config.json's, then config.json's."""
-    ids = [tokenizer.eos_token_id] if tokenizer is not None and tokenizer.eos_token_id is not None else []
+def eos_token_ids(
+    path: str | Path, tokenizer: PreTrainedTokenizerBase | None, hf_config
+) -> list[int]:
+    """Every end-of-sequence id: the tokenizer's first, then generation_config.json's, then
+    config.json's."""
+    ids = (
+        [tokenizer.eos_token_id]
+        if tokenizer is not None and tokenizer.eos_token_id is not None
+        else []
+    )
     try:
         extra = GenerationConfig.from_pretrained(path).eos_token_id
     except OSError:
@@ -485,10 +625,14 @@ def eos_token_ids(path: str | Path, tokenizer: PreTrainedTokenizerBase | None, h
 
 
 def sample_params(params: SamplingParams) -> list[SamplingParams]:
-    """One SamplingParams per completion (vLLM's rule): seed + i, prompt logprobs asked of completion 0 only."""
+    """One SamplingParams per completion (vLLM's rule): seed + i, prompt logprobs asked of
+    completion 0 only."""
     seeds = [None if params.seed is None else params.seed + i for i in range(params.n)]
     prompt_logprobs = [params.prompt_logprobs] + [None] * (params.n - 1)
-    return [dataclasses.replace(params, n=1, seed=s, prompt_logprobs=p) for s, p in zip(seeds, prompt_logprobs)]
+    return [
+        dataclasses.replace(params, n=1, seed=s, prompt_logprobs=p)
+        for s, p in zip(seeds, prompt_logprobs)
+    ]
 
 
 @dataclass(slots=True)
@@ -498,17 +642,26 @@ class Request:
     prompt_token_ids: list[int]
     seqs: list[Sequence]  # one per completion (SamplingParams.n)
     metrics: RequestMetrics
-    num_started: int = 0  # seqs given to the scheduler: with prefix caching, seqs[1:] wait for seqs[0]'s prompt
-    text_ends: dict[int, int] = field(default_factory=dict)  # completion -> where its text ends (a stop string)
-    logprobs: dict[int, list[dict[int, Logprob]]] = field(default_factory=dict)  # completion -> one per token
-    prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=lambda: [None])  # per prompt token
-    texts: dict[int, tuple[str, int, int]] = field(default_factory=dict)  # completion -> see running_text
+    num_started: int = (
+        0  # seqs given to the scheduler: with prefix caching, seqs[1:] wait for seqs[0]'s prompt
+    )
+    # completion -> where its text ends (a stop string)
+    text_ends: dict[int, int] = field(default_factory=dict)
+    # completion -> one per token
+    logprobs: dict[int, list[dict[int, Logprob]]] = field(default_factory=dict)
+    # per prompt token
+    prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=lambda: [None])
+    # completion -> see running_text
+    texts: dict[int, tuple[str, int, int]] = field(default_factory=dict)
 
 
 class InputProcessor:
-    """Prompts in, checked `Request`s out; it changes nothing (the engine queues what it returns)."""
+    """Prompts in, checked `Request`s out; it changes nothing (the engine queues what it
+    returns)."""
 
-    def __init__(self, config: Config, tokenizer: PreTrainedTokenizerBase | None, block_manager: BlockManager):
+    def __init__(
+        self, config: Config, tokenizer: PreTrainedTokenizerBase | None, block_manager: BlockManager
+    ):
         self.config, self.tokenizer, self.block_manager = config, tokenizer, block_manager
         self.eos_token_ids = eos_token_ids(config.model, tokenizer, config.hf_config)
         self.counter = count()  # request ids the engine hands out
@@ -516,7 +669,9 @@ class InputProcessor:
     def tokenize(self, prompt: Prompt, name: str = "prompt") -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError(f"{name} is text, but {self.config.model} has no tokenizer: pass token ids")
+                raise ValueError(
+                    f"{name} is text, but {self.config.model} has no tokenizer: pass token ids"
+                )
             return self.tokenizer.encode(prompt)
         return as_token_ids(prompt, name)
 
@@ -537,50 +692,71 @@ class InputProcessor:
             )
         if bad := [t for t in token_ids if not 0 <= t < vocab_size]:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-        if bad := [t for t in params.stop_token_ids if not 0 <= t < vocab_size]:  # the sampler indexes by them
-            raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        # the sampler indexes by them
+        if bad := [t for t in params.stop_token_ids if not 0 <= t < vocab_size]:
+            raise ValueError(
+                f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
+            )
         if params.stop and self.tokenizer is None:
-            raise ValueError(f"stop strings need a tokenizer, and {config.model} has none: use stop_token_ids")
+            raise ValueError(
+                f"stop strings need a tokenizer, and {config.model} has none: use stop_token_ids"
+            )
 
     def request_params(self, params: SamplingParams | None) -> SamplingParams:
-        """The request's own copy of params, with every EOS id (`replace` runs the checks again: fields may change)."""
+        """The request's own copy of params, with every EOS id (`replace` runs the checks again:
+        fields may change)."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         params = dataclasses.replace(params)
         eos = [] if params.ignore_eos else self.eos_token_ids
-        return dataclasses.replace(params, stop_token_ids=list(dict.fromkeys([*params.stop_token_ids, *eos])))
+        return dataclasses.replace(
+            params, stop_token_ids=list(dict.fromkeys([*params.stop_token_ids, *eos]))
+        )
 
-    def request_ids(self, request_ids: list[str | None], in_use: Callable[[str], bool]) -> list[str]:
-        """The given ids, checked to be strings neither in use (by live requests) nor repeated; None gets the next
-        unused number."""
+    def request_ids(
+        self, request_ids: list[str | None], in_use: Callable[[str], bool]
+    ) -> list[str]:
+        """The given ids, checked to be strings neither in use (by live requests) nor repeated; None
+        gets the next unused number."""
         ids: dict[str, None] = {}  # in order
         for request_id in request_ids:
             if request_id is None:
-                request_id = next(i for i in map(str, self.counter) if not in_use(i) and i not in ids)
+                request_id = next(
+                    i for i in map(str, self.counter) if not in_use(i) and i not in ids
+                )
             elif not isinstance(request_id, str):
-                raise ValueError(f"request_id must be a str, got {request_id!r} ({type(request_id).__name__})")
+                raise ValueError(
+                    f"request_id must be a str, got {request_id!r} ({type(request_id).__name__})"
+                )
             elif in_use(request_id) or request_id in ids:
-                raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
+                raise ValueError(
+                    f"request_id {request_id!r} is already in use by an unfinished request"
+                )
             ids[request_id] = None
         return list(ids)
 
-    def make_request(self, prompt: Prompt, params: SamplingParams | None, request_id: str, name: str) -> Request:
+    def make_request(
+        self, prompt: Prompt, params: SamplingParams | None, request_id: str, name: str
+    ) -> Request:
         """Tokenize and check one request."""
         params = self.request_params(params)
         token_ids = self.tokenize(prompt, name)
         self.check_request(token_ids, params)
-        seqs = [Sequence(token_ids, p, self.block_manager.block_size) for p in sample_params(params)]
+        seqs = [
+            Sequence(token_ids, p, self.block_manager.block_size) for p in sample_params(params)
+        ]
         text = prompt if isinstance(prompt, str) else None
         return Request(request_id, text, token_ids, seqs, RequestMetrics(time.perf_counter()))
 
 
 # %% [markdown]
 # ### Outputs out: the output processor
-# Stop *strings* are the output processor's, not the scheduler's (it sees only token ids): after each step it
-# detokenizes the replies that have one, and the engine finishes a reply holding one, with reason `"stop"`. While a
-# reply runs, `running_text` detokenizes its newest tokens only and holds back what could begin a stop string. It also
-# keeps each token's log-probabilities, and gathers a request's n completions into one `RequestOutput`.
+# Stop *strings* are the output processor's, not the scheduler's (it sees only token ids): after
+# each step it detokenizes the replies that have one, and the engine finishes a reply holding one,
+# with reason `"stop"`. While a reply runs, `running_text` detokenizes its newest tokens only and
+# holds back what could begin a stop string. It also keeps each token's log-probabilities, and
+# gathers a request's n completions into one `RequestOutput`.
 
 # %% tags=["export"] module="minivllm.engine.output_processor"
 from typing import cast
@@ -594,13 +770,18 @@ from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 class OutputProcessor:
-    """A step's tokens in, what a user reads out: text, stop strings, log-probabilities, `RequestOutput`s."""
+    """A step's tokens in, what a user reads out: text, stop strings, log-probabilities,
+    `RequestOutput`s."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None):
         self.tokenizer = tokenizer
 
     def detokenize(self, token_ids: list[int]) -> str:
-        return "" if self.tokenizer is None else cast(str, self.tokenizer.decode(token_ids, skip_special_tokens=True))
+        return (
+            ""
+            if self.tokenizer is None
+            else cast(str, self.tokenizer.decode(token_ids, skip_special_tokens=True))
+        )
 
     def process(
         self,
@@ -610,22 +791,31 @@ class OutputProcessor:
         prompt_logprobs: tuple[int, list[TokenLogprobs]] | None,
         now: float,
     ) -> bool:
-        """Record what a step gave seq (first-token time, log-probabilities); whether its text holds a stop string."""
+        """Record what a step gave seq (first-token time, log-probabilities); whether its text holds
+        a stop string."""
         i = request.seqs.index(seq)
         if request.metrics.first_token_time is None and seq.num_completion_tokens > 0:
             request.metrics.first_token_time = now
-        if logprobs is not None and len(request.logprobs.get(i, [])) < seq.num_completion_tokens:  # a new token
+        # a new token
+        if logprobs is not None and len(request.logprobs.get(i, [])) < seq.num_completion_tokens:
             request.logprobs.setdefault(i, []).append(self.logprobs(logprobs))
-        for position, row in enumerate(prompt_logprobs[1], prompt_logprobs[0]) if prompt_logprobs else ():
-            if position == len(request.prompt_logprobs):  # not scored before (a preempted prompt is redone)
+        for position, row in (
+            enumerate(prompt_logprobs[1], prompt_logprobs[0]) if prompt_logprobs else ()
+        ):
+            # not scored before (a preempted prompt is redone)
+            if position == len(request.prompt_logprobs):
                 request.prompt_logprobs.append(self.logprobs(row))
         return bool(seq.sampling_params.stop) and self.find_stop(request, i)
 
     def logprobs(self, row: TokenLogprobs) -> dict[int, Logprob]:
-        return {token: Logprob(logprob, rank, self.detokenize([token])) for token, (logprob, rank) in row.items()}
+        return {
+            token: Logprob(logprob, rank, self.detokenize([token]))
+            for token, (logprob, rank) in row.items()
+        }
 
     def find_stop(self, request: Request, i: int) -> bool:
-        """Whether completion i's text holds one of its stop strings; if so, `text_ends[i]` says where it ends."""
+        """Whether completion i's text holds one of its stop strings; if so, `text_ends[i]` says
+        where it ends."""
         params = request.seqs[i].sampling_params
         text = self.detokenize(request.seqs[i].completion_token_ids)
         hits = [(at, stop) for stop in params.stop if (at := text.find(stop)) >= 0]
@@ -636,10 +826,14 @@ class OutputProcessor:
 
     def output(self, request: Request, finished: bool = True) -> RequestOutput:
         first = request.seqs[0]
-        prompt_logprobs = None if first.sampling_params.prompt_logprobs is None else list(request.prompt_logprobs)
+        prompt_logprobs = (
+            None if first.sampling_params.prompt_logprobs is None else list(request.prompt_logprobs)
+        )
         completions = [self.completion(request, i) for i in range(len(request.seqs))]
         prompt, ids, metrics = request.prompt, request.prompt_token_ids, request.metrics
-        return RequestOutput(request.request_id, prompt, ids, completions, finished, metrics, prompt_logprobs)
+        return RequestOutput(
+            request.request_id, prompt, ids, completions, finished, metrics, prompt_logprobs
+        )
 
     def completion(self, request: Request, i: int) -> CompletionOutput:
         seq, params = request.seqs[i], request.seqs[i].sampling_params
@@ -655,11 +849,13 @@ class OutputProcessor:
         return CompletionOutput(i, text, token_ids, seq.finish_reason, logprobs, cumulative)
 
     def running_text(self, request: Request, i: int) -> str:
-        """Completion i's text so far (detokenizing the whole reply at every step would cost O(length²)). `texts[i]` =
-        (text, start, read): text ends with tokens[start:read]'s; newer tokens are read once whole (no '\ufffd')."""
+        """Completion i's text so far (detokenizing the whole reply at every step would cost
+        O(length²)). `texts[i]` = (text, start, read): text ends with tokens[start:read]'s; newer
+        tokens are read once whole (no '\ufffd')."""
         (text, start, read), seq = request.texts.get(i, ("", 0, 0)), request.seqs[i]
         if seq.num_completion_tokens > read:
-            tokens = seq.token_ids[seq.num_prompt_tokens + start :]  # from `start` on: no copy of the whole reply
+            # from `start` on: no copy of the whole reply
+            tokens = seq.token_ids[seq.num_prompt_tokens + start :]
             known, new = self.detokenize(tokens[: read - start]), self.detokenize(tokens)
             if not new.endswith("\ufffd"):  # a token with no text (a special one, say) is read too
                 text, start, read = text + new[len(known) :], read, seq.num_completion_tokens
@@ -669,9 +865,10 @@ class OutputProcessor:
 
 # %% [markdown]
 # ## Qwen3 end to end
-# On a GPU, the real Qwen3-0.6B by Hub id (notebook 02) if the Hub cache holds it or a network can fetch it (1.5 GB);
-# else `tiny-text`, notebook 02's tiny model trained on text (random weights write gibberish). Greedy text, a stop
-# string, a chat (Qwen3 thinks first unless `enable_thinking=False`), `n=3` samples (completion i seeded `seed + i`).
+# On a GPU, the real Qwen3-0.6B by Hub id (notebook 02) if the Hub cache holds it or a network can
+# fetch it (1.5 GB); else `tiny-text`, notebook 02's tiny model trained on text (random weights
+# write gibberish). Greedy text, a stop string, a chat (Qwen3 thinks first unless
+# `enable_thinking=False`), `n=3` samples (completion i seeded `seed + i`).
 
 # %%
 from minivllm import LLM, SamplingParams
@@ -680,7 +877,8 @@ from minivllm.checks.model_parity import greedy_agreement
 
 prompts = ["What is the capital of France?", "Dear Maria,", "In autumn the leaves"]
 path = CHECKPOINTS / "tiny-text"
-if not (path / "model.safetensors").is_file():  # notebook 02 wrote it; it is trained once, then kept
+# notebook 02 wrote it; it is trained once, then kept
+if not (path / "model.safetensors").is_file():
     write_checkpoint(path, "tiny-text", seed=0)
 real = None
 if DEVICE == "cuda":
@@ -692,56 +890,94 @@ llm = real or LLM(str(path), max_model_len=1024, max_num_seqs=32, num_kvcache_bl
 texts = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
 for out in texts:
     done, metrics = out.outputs[0], out.metrics
-    ttft, tpot = metrics.time_to_first_token * 1e3, metrics.time_per_output_token(len(done.token_ids)) * 1e3
-    print(f"{out.prompt!r} -> {done.text!r} ({done.finish_reason}; TTFT {ttft:.1f} ms, TPOT {tpot:.2f} ms)")
-stopped = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=24, stop="."), use_tqdm=False)[0].outputs[0]
+    ttft, tpot = (
+        metrics.time_to_first_token * 1e3,
+        metrics.time_per_output_token(len(done.token_ids)) * 1e3,
+    )
+    print(
+        f"{out.prompt!r} -> {done.text!r} ({done.finish_reason}; TTFT {ttft:.1f} ms, TPOT "
+        f"{tpot:.2f} ms)"
+    )
+stopped = llm.generate(
+    prompts[0], SamplingParams(temperature=0, max_tokens=24, stop="."), use_tqdm=False
+)[0].outputs[0]
 print(f"with stop='.': {stopped.text!r}, finish_reason={stopped.finish_reason}")
 first = texts[0].outputs[0].text  # a stop string ends the text before it, with reason "stop"
-assert (stopped.text, stopped.finish_reason) == (first.split(".")[0], "stop" if "." in first else "length")
-chat, greedy_40 = [{"role": "user", "content": prompts[0]}], SamplingParams(temperature=0, max_tokens=40)
-for thinking in (True, False):  # the chat template's switch: Qwen3 writes <think>...</think> first, or not
-    reply = llm.chat(chat, greedy_40, use_tqdm=False, chat_template_kwargs={"enable_thinking": thinking})[0]
+assert (stopped.text, stopped.finish_reason) == (
+    first.split(".")[0],
+    "stop" if "." in first else "length",
+)
+chat, greedy_40 = (
+    [{"role": "user", "content": prompts[0]}],
+    SamplingParams(temperature=0, max_tokens=40),
+)
+# the chat template's switch: Qwen3 writes <think>...</think> first, or not
+for thinking in (True, False):
+    reply = llm.chat(
+        chat, greedy_40, use_tqdm=False, chat_template_kwargs={"enable_thinking": thinking}
+    )[0]
     print(f"chat, enable_thinking={thinking}: {reply.outputs[0].text!r}")
-three = llm.generate(prompts[2], SamplingParams(n=3, seed=0, max_tokens=16, logprobs=2), use_tqdm=False)[0].outputs
-for c in three:  # each token's row: {token id: Logprob(logprob, rank, decoded_token)}, its own first
-    print(f"sample {c.index}: {c.text!r}, log-probability {c.cumulative_logprob:.1f}; first token: {c.logprobs[0]}")
-assert len({tuple(c.token_ids) for c in three}) == 3  # seeds 0, 1, 2: three draws, the same three on every run
-if real:  # bfloat16 (notebook 02): transformers' top token given our tokens before it, where rounding cannot flip it
+three = llm.generate(
+    prompts[2], SamplingParams(n=3, seed=0, max_tokens=16, logprobs=2), use_tqdm=False
+)[0].outputs
+# each token's row: {token id: Logprob(logprob, rank, decoded_token)}, its own first
+for c in three:
+    print(
+        f"sample {c.index}: {c.text!r}, log-probability {c.cumulative_logprob:.1f}; first token: "
+        f"{c.logprobs[0]}"
+    )
+# seeds 0, 1, 2: three draws, the same three on every run
+assert len({tuple(c.token_ids) for c in three}) == 3
+# bfloat16 (notebook 02): transformers' top token given our tokens before it, where rounding cannot
+# flip it
+if real:
     agreement = greedy_agreement(real.engine.config.model, texts)
     print(f"real Qwen3-0.6B against transformers, teacher forced: {agreement}")
     assert agreement["agreement_clear_cut"] == 1.0
 
 # %% [markdown]
 # ### The same tokens as transformers
-# Greedy decoding must reproduce transformers' `generate` token for token: prompts of mixed lengths, some sharing a
-# cached prefix, in float32 on a CPU (the real model, in bfloat16 on a GPU: above). Async scheduling is on: on a CPU
-# nothing runs ahead, but all its code runs.
+# Greedy decoding must reproduce transformers' `generate` token for token: prompts of mixed lengths,
+# some sharing a cached prefix, in float32 on a CPU (the real model, in bfloat16 on a GPU: above).
+# Async scheduling is on: on a CPU nothing runs ahead, but all its code runs.
 
 # %%
 from transformers import AutoModelForCausalLM
 
-tiny_path = write_checkpoint(CHECKPOINTS / "tiny", "tiny", seed=0)  # float32, on the CPU even beside a GPU
-cpu_llm = LLM(str(tiny_path), device="cpu", num_kvcache_blocks=256, max_num_seqs=32, async_scheduling=True)
+# float32, on the CPU even beside a GPU
+tiny_path = write_checkpoint(CHECKPOINTS / "tiny", "tiny", seed=0)
+cpu_llm = LLM(
+    str(tiny_path), device="cpu", num_kvcache_blocks=256, max_num_seqs=32, async_scheduling=True
+)
 hf = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
 shared = random.choices(range(2048), k=40)
-prompts = [random.choices(range(2048), k=n) for n in (1, 5, 17, 64)] + [shared + [1, 2], shared + [3]]
+prompts = [random.choices(range(2048), k=n) for n in (1, 5, 17, 64)] + [
+    shared + [1, 2],
+    shared + [3],
+]
 greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-hf_greedy = dict(max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)  # the same, for transformers
+# the same, for transformers
+hf_greedy = dict(max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
 ours = [out.outputs[0].token_ids for out in cpu_llm.generate(prompts, greedy, use_tqdm=False)]
 for prompt, tokens in zip(prompts, ours):
     expected = hf.generate(torch.tensor([prompt]), **hf_greedy)[0, len(prompt) :].tolist()
     assert tokens == expected, (prompt[:5], tokens, expected)
 print(f"{len(prompts)} prompts, greedy: identical to transformers' generate")
-scored = cpu_llm.generate(prompts[3], SamplingParams(temperature=0, prompt_logprobs=0), use_tqdm=False)[0]
+scored = cpu_llm.generate(
+    prompts[3], SamplingParams(temperature=0, prompt_logprobs=0), use_tqdm=False
+)[0]
 with torch.no_grad():  # transformers' log-probability of each prompt token after the first
-    want = torch.log_softmax(hf(torch.tensor([prompts[3]])).logits[0, :-1], -1)[range(63), prompts[3][1:]]
+    want = torch.log_softmax(hf(torch.tensor([prompts[3]])).logits[0, :-1], -1)[
+        range(63), prompts[3][1:]
+    ]
 got = torch.tensor([row[t].logprob for row, t in zip(scored.prompt_logprobs[1:], prompts[3][1:])])
 torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 # %% [markdown]
 # ### Bad input is refused, and changes nothing
-# An empty prompt, a token id outside the vocabulary, a prompt of `max_model_len` tokens, one bad prompt among good
-# ones: each raises a `ValueError` naming the field; the call adds no request, and the engine serves on.
+# An empty prompt, a token id outside the vocabulary, a prompt of `max_model_len` tokens, one bad
+# prompt among good ones: each raises a `ValueError` naming the field; the call adds no request, and
+# the engine serves on.
 
 # %%
 vocab, max_len = cpu_llm.engine.config.hf_config.vocab_size, cpu_llm.engine.config.max_model_len
@@ -751,52 +987,92 @@ for bad in ([[]], [[1, 2, vocab]], [[1] * max_len], [[1, 2, 3], [], [4, 5]]):
         raise AssertionError(f"{str(bad)[:30]} was accepted")
     except ValueError as e:
         print(f"{str(bad)[:20]:>20}: {e}")
-assert not cpu_llm.engine.has_unfinished_requests() and cpu_llm.engine.scheduler.block_manager.num_used_blocks == 0
-after = cpu_llm.generate([[1, 2, 3]], greedy, use_tqdm=False)[0].outputs[0].token_ids  # the engine still serves
+assert (
+    not cpu_llm.engine.has_unfinished_requests()
+    and cpu_llm.engine.scheduler.block_manager.num_used_blocks == 0
+)
+# the engine still serves
+after = cpu_llm.generate([[1, 2, 3]], greedy, use_tqdm=False)[0].outputs[0].token_ids
 assert after == hf.generate(torch.tensor([[1, 2, 3]]), **hf_greedy)[0, 3:].tolist()
 
 # %% [markdown]
 # ## KV blocks over a whole run
-# Notebook 03 simulated block occupancy; here is the real engine's, step by step, on 24 requests (a third behind a
-# shared system prompt) and 64 KV blocks: blocks in use, free ones holding a cached prefix, empty ones; then the steps'
-# `StepStats` added up ("mixed" steps compute waiting prompts beside decodes: notebook 05).
+# Notebook 03 simulated block occupancy; here is the real engine's, step by step, on 24 requests (a
+# third behind a shared system prompt) and 64 KV blocks: blocks in use, free ones holding a cached
+# prefix, empty ones; then the steps' `StepStats` added up ("mixed" steps compute waiting prompts
+# beside decodes: notebook 05).
 
 # %%
 engine = LLM(str(tiny_path), device="cpu", num_kvcache_blocks=64, max_num_seqs=16).engine
 bm = engine.scheduler.block_manager
 system_prompt = random.choices(range(2048), k=64)
 for i in range(24):
-    prompt = (system_prompt if i % 3 == 0 else []) + random.choices(range(2048), k=random.randint(16, 64))
-    engine.add_request(prompt, SamplingParams(temperature=0.8, max_tokens=random.randint(8, 40), ignore_eos=True))
+    prompt = (system_prompt if i % 3 == 0 else []) + random.choices(
+        range(2048), k=random.randint(16, 64)
+    )
+    engine.add_request(
+        prompt, SamplingParams(temperature=0.8, max_tokens=random.randint(8, 40), ignore_eos=True)
+    )
 occupancy, steps = [], []
 while engine.has_unfinished_requests():
     steps.append(engine.step()[1])
-    occupancy.append((bm.num_used_blocks, bm.num_cached_free_blocks, bm.num_free_blocks - bm.num_cached_free_blocks))
+    occupancy.append(
+        (
+            bm.num_used_blocks,
+            bm.num_cached_free_blocks,
+            bm.num_free_blocks - bm.num_cached_free_blocks,
+        )
+    )
 used, cached, empty = map(list, zip(*occupancy))
 fig, ax = plt.subplots(figsize=(8, 3.5), layout="tight")
 labels = ["used by running requests", "free, prefix cached", "free"]
 ax.stackplot(range(len(used)), used, cached, empty, labels=labels, colors=["C0", "C2", "0.85"])
-ax.vlines([i for i, stats in enumerate(steps) if stats.kind != "decode"], 0, bm.num_blocks, "C3", lw=0.4, alpha=0.5)
-ax.set(xlabel="engine step (red lines: steps that compute prompt tokens)", ylabel=f"KV blocks (of {bm.num_blocks})")
-ax.set_title(f"KV block occupancy over a run: 24 requests, {engine.scheduler.num_preemptions} preemptions")
+ax.vlines(
+    [i for i, stats in enumerate(steps) if stats.kind != "decode"],
+    0,
+    bm.num_blocks,
+    "C3",
+    lw=0.4,
+    alpha=0.5,
+)
+ax.set(
+    xlabel="engine step (red lines: steps that compute prompt tokens)",
+    ylabel=f"KV blocks (of {bm.num_blocks})",
+)
+ax.set_title(
+    f"KV block occupancy over a run: 24 requests, {engine.scheduler.num_preemptions} preemptions"
+)
 ax.legend(loc="upper right", fontsize=8)
 fig.savefig(FIGURES / "06_kv_occupancy.png", dpi=120)
-print(f"{len(used)} steps, peak {max(used)} blocks used, {engine.scheduler.num_preemptions} preemptions")
+print(
+    f"{len(used)} steps, peak {max(used)} blocks used, {engine.scheduler.num_preemptions} "
+    f"preemptions"
+)
 assert bm.num_used_blocks == 0 and max(used) > 0.8 * bm.num_blocks - 1
 phases = ("schedule", "run", "postprocess")
 for kind in ("prefill", "mixed", "decode"):
     of_kind = [stats for stats in steps if stats.kind == kind]
-    times = [f"{phase} {sum(getattr(s, f'{phase}_seconds') for s in of_kind):.3f} s" for phase in phases]
-    print(f"{len(of_kind):4d} {kind} steps: {sum(s.num_tokens for s in of_kind):5,} tokens; " + ", ".join(times))
-assert all(s.num_seqs > 0 and (s.num_tokens == s.num_seqs if s.kind == "decode" else s.kind != "idle") for s in steps)
+    times = [
+        f"{phase} {sum(getattr(s, f'{phase}_seconds') for s in of_kind):.3f} s" for phase in phases
+    ]
+    print(
+        f"{len(of_kind):4d} {kind} steps: {sum(s.num_tokens for s in of_kind):5,} tokens; "
+        + ", ".join(times)
+    )
+assert all(
+    s.num_seqs > 0 and (s.num_tokens == s.num_seqs if s.kind == "decode" else s.kind != "idle")
+    for s in steps
+)
 
 # %% [markdown]
 # ## The course's final figures
-# **FlashAttention (prefill) vs PagedAttention (decode)**, from `python -m minivllm.benchmarks.prefill` and `.decode`:
-# prefill is compute-bound (TFLOP/s), decode memory-bound (TB/s). **Throughput and latency** per workload and policy,
-# from `python -m minivllm.benchmarks.throughput`: nano-vllm's benchmark (256 requests of 100–1024 tokens in and out), a
-# chat burst (512 requests sharing a 1,500-token system prompt, also without prefix caching), 32 long prompts (10–12k
-# tokens) and a single stream. On a GPU the cell measures again; without one it reads the H200 runs in `figures/`.
+# **FlashAttention (prefill) vs PagedAttention (decode)**, from `python -m
+# minivllm.benchmarks.prefill` and `.decode`: prefill is compute-bound (TFLOP/s), decode
+# memory-bound (TB/s). **Throughput and latency** per workload and policy, from `python -m
+# minivllm.benchmarks.throughput`: nano-vllm's benchmark (256 requests of 100–1024 tokens in and
+# out), a chat burst (512 requests sharing a 1,500-token system prompt, also without prefix
+# caching), 32 long prompts (10–12k tokens) and a single stream. On a GPU the cell measures again;
+# without one it reads the H200 runs in `figures/`.
 
 # %%
 from minivllm.benchmarks.decode import plot_decode, run_decode_benchmark
@@ -812,19 +1088,26 @@ if DEVICE == "cuda":
     now = run_throughput_benchmark(["nano-vllm"], policies=("unified",))
     throughput["rows"].insert(0, {**now["rows"][0], "impl": f"minivllm, now ({now['device']})"})
 else:  # the committed H200 runs
-    prefill, decode = (json.loads((figures / f"{name}.json").read_text()) for name in ("prefill", "decode"))
+    prefill, decode = (
+        json.loads((figures / f"{name}.json").read_text()) for name in ("prefill", "decode")
+    )
 plot_prefill(prefill).savefig(FIGURES / "06_prefill.png", dpi=120)
 plot_decode(decode).savefig(FIGURES / "06_decode.png", dpi=120)
 plot_throughput(throughput).savefig(FIGURES / "06_throughput.png", dpi=120)
 for row in throughput["rows"]:
     print(describe(row))
-baseline = json.loads((figures / "throughput_vs_transformers.json").read_text())  # an earlier run, same workload
-print("nano-vllm's workload, earlier run:", ", ".join(f"{r['impl']} {r['tok_per_s']:,.0f}" for r in baseline["rows"]))
+# an earlier run, same workload
+baseline = json.loads((figures / "throughput_vs_transformers.json").read_text())
+print(
+    "nano-vllm's workload, earlier run:",
+    ", ".join(f"{r['impl']} {r['tok_per_s']:,.0f}" for r in baseline["rows"]),
+)
 
 # %% [markdown]
-# How far is that from the hardware's limit? Every decode step reads all the weights once, and each running request's
-# whole KV cache: add it up over the workload and divide by the copy bandwidth notebook 03 measured. The benchmark does
-# this for every workload (the % labels above; it counts FLOPs too, and a prefix all requests share once a step).
+# How far is that from the hardware's limit? Every decode step reads all the weights once, and each
+# running request's whole KV cache: add it up over the workload and divide by the copy bandwidth
+# notebook 03 measured. The benchmark does this for every workload (the % labels above; it counts
+# FLOPs too, and a prefix all requests share once a step).
 
 # %%
 from minivllm.checkpoint.maker import preset_config
@@ -833,49 +1116,67 @@ from minivllm.models.qwen3 import Qwen3ForCausalLM
 qwen = preset_config("qwen3-0.6b")
 with torch.device("meta"):  # shapes only: count the parameters without allocating them
     num_params = sum(p.numel() for p in Qwen3ForCausalLM(qwen).parameters())
-kv_bytes_per_token = 2 * qwen.num_hidden_layers * qwen.num_key_value_heads * qwen.head_dim * 2  # K and V, bf16
+# K and V, bf16
+kv_bytes_per_token = 2 * qwen.num_hidden_layers * qwen.num_key_value_heads * qwen.head_dim * 2
 prompts, output_lens = workload(256)
-kv_reads = kv_bytes_per_token * sum(len(p) + t for p, n in zip(prompts, output_lens) for t in range(1, n))
+kv_reads = kv_bytes_per_token * sum(
+    len(p) + t for p, n in zip(prompts, output_lens) for t in range(1, n)
+)
 weight_reads = num_params * 2 * (max(output_lens) - 1)  # bf16 weights, once per decode step
 roofline = sum(output_lens) / ((kv_reads + weight_reads) / (decode["copy_tbps"] * 1e12))
 key = ("nano-vllm", "unified", "minivllm")
 ours = next(r for r in throughput["rows"] if (r["workload"], r["policy"], r["impl"]) == key)
-print(f"KV reads {kv_reads / 1e12:.1f} TB + weights {weight_reads / 1e12:.1f} TB at {decode['copy_tbps']:.2f} TB/s")
+print(
+    f"KV reads {kv_reads / 1e12:.1f} TB + weights {weight_reads / 1e12:.1f} TB at "
+    f"{decode['copy_tbps']:.2f} TB/s"
+)
 print(f"at most {roofline:,.0f} tok/s; minivllm reaches {ours['tok_per_s'] / roofline:.0%} of it")
-assert kv_reads > 10 * weight_reads  # at this batch size the KV cache, not the weights, is what decode reads
-assert abs(roofline / ours["roofline_tok_per_s"] - 1) < 0.05  # the benchmark's roofline (FLOPs too) agrees
+# at this batch size the KV cache, not the weights, is what decode reads
+assert kv_reads > 10 * weight_reads
+# the benchmark's roofline (FLOPs too) agrees
+assert abs(roofline / ours["roofline_tok_per_s"] - 1) < 0.05
 
 # %% [markdown]
 # ## Check yourself
-# Replace `None` in each `answer = None` with your answer and run the cell; the worked answer follows (CPU engine).
+# Replace `None` in each `answer = None` with your answer and run the cell; the worked answer
+# follows (CPU engine).
 #
-# **1.** One request, a 10-token prompt with `max_tokens=5`, runs alone in the engine. Which kind of step ends its time
-# to first token, and over how many steps is its time per output token averaged? Answer `(kind, steps)`.
+# **1.** One request, a 10-token prompt with `max_tokens=5`, runs alone in the engine. Which kind of
+# step ends its time to first token, and over how many steps is its time per output token averaged?
+# Answer `(kind, steps)`.
 
 # %%
 from minivllm.testing import check_answer
 
 answer = None  # your answer: replace None with an expression
-engine.add_request(list(range(10, 20)), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), "timed")
+engine.add_request(
+    list(range(10, 20)), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), "timed"
+)
 kinds, done = [], []  # each step's kind, and when it ended
 while not done:
     done, stats = engine.step()
     kinds.append((stats.kind, time.perf_counter()))
 timed = done[0].metrics  # arrival, first-token and finish times
-first = next(i for i, (_, end) in enumerate(kinds) if timed.first_token_time <= end)  # the step that set it
+# the step that set it
+first = next(i for i, (_, end) in enumerate(kinds) if timed.first_token_time <= end)
 check_answer(answer, (kinds[first][0], len(kinds) - 1 - first), "1. timings")
 
 # %% [markdown]
-# Worked answer: the prefill samples the first token, so TTFT is waiting plus that prefill (the queue and the prompt's
-# length set it); each of the other 5 − 1 tokens is one decode step, whose time the batch it shares sets.
+# Worked answer: the prefill samples the first token, so TTFT is waiting plus that prefill (the
+# queue and the prompt's length set it); each of the other 5 − 1 tokens is one decode step, whose
+# time the batch it shares sets.
 
 # %%
 check_answer(("prefill", 5 - 1), (kinds[first][0], len(kinds) - 1 - first), "1. timings")
-print(f"TTFT {timed.time_to_first_token * 1e3:.1f} ms, TPOT {timed.time_per_output_token(5) * 1e3:.1f} ms")
+print(
+    f"TTFT {timed.time_to_first_token * 1e3:.1f} ms, TPOT "
+    f"{timed.time_per_output_token(5) * 1e3:.1f} ms"
+)
 
 # %% [markdown]
-# **2.** The green blocks of the occupancy figure are free but keep a cached prefix, among them the 64-token system
-# prompt's. A request arrives: the system prompt and 10 tokens. How many does its prefill find in the cache?
+# **2.** The green blocks of the occupancy figure are free but keep a cached prefix, among them the
+# 64-token system prompt's. A request arrives: the system prompt and 10 tokens. How many does its
+# prefill find in the cache?
 
 # %%
 answer = None  # your answer: replace None with an expression
@@ -886,7 +1187,8 @@ hits = len(system_prompt) + 10 - prefill.num_tokens  # the prompt less what the 
 check_answer(answer, hits, "2. green blocks")
 
 # %% [markdown]
-# Worked answer: 64, the system prompt's 4 full blocks. They turn blue (reference counts 0 → 1); 10 tokens computed.
+# Worked answer: 64, the system prompt's 4 full blocks. They turn blue (reference counts 0 → 1); 10
+# tokens computed.
 
 # %%
 check_answer(64 // 16 * 16, hits, "2. green blocks")

@@ -14,23 +14,25 @@
 # %% [markdown]
 # # Exercise 01 · Fused residual add + RMSNorm, as a Triton kernel
 #
-# Every Qwen3 block runs `residual = x + residual; x = rmsnorm(residual) * weight` twice, before attention and
-# before the MLP. Notebook 01 ("RMSNorm, with the residual add fused in") wrote it in PyTorch; vLLM ships it as a
-# hand-written kernel, `fused_add_rms_norm`, and so does our engine (the deep dive `triton_layers`, after notebook
-# 01, which sends you here first). Here you write that kernel in Triton, the language of notebook 01's
-# FlashAttention kernel, on a smaller problem: one program per row, no tiling loop, no matrix multiply.
+# Every Qwen3 block runs `residual = x + residual; x = rmsnorm(residual) * weight` twice, before
+# attention and before the MLP. Notebook 01 ("RMSNorm, with the residual add fused in") wrote it in
+# PyTorch; vLLM ships it as a hand-written kernel, `fused_add_rms_norm`, and so does our engine (the
+# deep dive `triton_layers`, after notebook 01, which sends you here first). Here you write that
+# kernel in Triton, the language of notebook 01's FlashAttention kernel, on a smaller problem: one
+# program per row, no tiling loop, no matrix multiply.
 #
 # **Your task.** Two kernels, each checked right after you write it:
 #
-# 1. a warm-up, `scale_rows_kernel`: multiply each row of a matrix by its own number. It is only there to meet
-#    program ids, masks, strides, loads and stores;
-# 2. `fused_add_rms_norm_kernel`: the residual add and the RMSNorm in one pass over each row, returning the
-#    normalised output *and* the new residual. It is checked against notebook 01's `RMSNorm` in float32 and
-#    bfloat16, on a hidden size that is not a power of two, and on a strided input.
+# 1. a warm-up, `scale_rows_kernel`: multiply each row of a matrix by its own number. It is only
+#    there to meet program ids, masks, strides, loads and stores;
+# 2. `fused_add_rms_norm_kernel`: the residual add and the RMSNorm in one pass over each row,
+#    returning the normalised output *and* the new residual. It is checked against notebook 01's
+#    `RMSNorm` in float32 and bfloat16, on a hidden size that is not a power of two, and on a
+#    strided input.
 #
-# **What it assumes.** Notebook 01's `RMSNorm` (read its `add_rms_forward`) and a first look at its Triton
-# kernel. No GPU: on a CPU the kernels run in Triton's interpreter, and the solution runs in a few seconds.
-# About 30–45 minutes.
+# **What it assumes.** Notebook 01's `RMSNorm` (read its `add_rms_forward`) and a first look at its
+# Triton kernel. No GPU: on a CPU the kernels run in Triton's interpreter, and the solution runs in
+# a few seconds. About 30–45 minutes.
 
 # %%
 import os
@@ -46,12 +48,15 @@ from minivllm.testing import exercise
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 torch.manual_seed(0)
-print(f"device: {DEVICE}, triton {triton.__version__}, interpreter: {os.environ.get('TRITON_INTERPRET') == '1'}")
+print(
+    f"device: {DEVICE}, triton {triton.__version__}, interpreter: "
+    f"{os.environ.get('TRITON_INTERPRET') == '1'}"
+)
 
 
 def launch(kernel, grid: tuple[int, ...], *args, **meta) -> None:
-    """kernel[grid](*args, **meta), except that a kernel still left as `raise NotImplementedError` says so (the
-    interpreter and the compiler each wrap the exception in one of their own)."""
+    """kernel[grid](*args, **meta), except that a kernel still left as `raise NotImplementedError`
+    says so (the interpreter and the compiler each wrap the exception in one of their own)."""
     try:
         kernel[grid](*args, **meta)
     except Exception as e:
@@ -62,33 +67,37 @@ def launch(kernel, grid: tuple[int, ...], *args, **meta) -> None:
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, **tolerance) -> None:
     """torch.testing.assert_close, with the case that failed in front of its message."""
-    torch.testing.assert_close(actual, expected, **tolerance, msg=lambda message: f"{what}: {message}")
+    torch.testing.assert_close(
+        actual, expected, **tolerance, msg=lambda message: f"{what}: {message}"
+    )
 
 
 # %% [markdown]
 # ## Triton in five points
 #
-# * **Programs.** A kernel runs as a grid of *programs*, all with the same code; `tl.program_id(0)` says which
-#   one you are. Here the grid is `(num_rows,)`: program *i* handles row *i*.
-# * **Blocks, not scalars.** A program works on whole vectors: `cols = tl.arange(0, BLOCK)` is the vector
-#   `[0, 1, …, BLOCK - 1]`, and arithmetic on it is element-wise. `BLOCK` must be a compile-time constant
-#   (`tl.constexpr`) and a power of two, so the launcher rounds the row length up
-#   (`triton.next_power_of_2(96) == 128`)...
+# * **Programs.** A kernel runs as a grid of *programs*, all with the same code; `tl.program_id(0)`
+#   says which one you are. Here the grid is `(num_rows,)`: program *i* handles row *i*.
+# * **Blocks, not scalars.** A program works on whole vectors: `cols = tl.arange(0, BLOCK)` is the
+#   vector `[0, 1, …, BLOCK - 1]`, and arithmetic on it is element-wise. `BLOCK` must be a
+#   compile-time constant (`tl.constexpr`) and a power of two, so the launcher rounds the row length
+#   up (`triton.next_power_of_2(96) == 128`)...
 # * **Masks.** ...and the lanes past the row's end must do nothing: `mask = cols < n_cols`.
-#   `tl.load(ptrs, mask=mask, other=0.0)` reads `0.0` there; `tl.store(ptrs, value, mask=mask)` writes nothing.
-# * **Pointers and strides.** A tensor arrives as a pointer to its first element. Element `(row, col)` of a
-#   matrix whose columns are contiguous is at `X + row * stride_row + col`, and `stride_row` is *not* always
-#   the row length: a slice `big[:, :96]` of a 128-wide `big` has rows 128 apart. So the launcher passes each
-#   tensor's `stride(0)`, and the kernel uses it.
-# * **The interpreter.** With `TRITON_INTERPRET=1` (set above on a CPU) each program runs as NumPy, one after
-#   the other: slow, but print-debuggable (`print` works inside the kernel). Its bfloat16 arithmetic is wrong,
-#   so load, then `.to(tl.float32)` before computing (notebook 01's `load_tile` does the same); and its casts
-#   from float32 to bfloat16 truncate where a GPU rounds, so bfloat16 results may differ by one unit in the last
-#   place.
+#   `tl.load(ptrs, mask=mask, other=0.0)` reads `0.0` there; `tl.store(ptrs, value, mask=mask)`
+#   writes nothing.
+# * **Pointers and strides.** A tensor arrives as a pointer to its first element. Element `(row,
+#   col)` of a matrix whose columns are contiguous is at `X + row * stride_row + col`, and
+#   `stride_row` is *not* always the row length: a slice `big[:, :96]` of a 128-wide `big` has rows
+#   128 apart. So the launcher passes each tensor's `stride(0)`, and the kernel uses it.
+# * **The interpreter.** With `TRITON_INTERPRET=1` (set above on a CPU) each program runs as NumPy,
+#   one after the other: slow, but print-debuggable (`print` works inside the kernel). Its bfloat16
+#   arithmetic is wrong, so load, then `.to(tl.float32)` before computing (notebook 01's `load_tile`
+#   does the same); and its casts from float32 to bfloat16 truncate where a GPU rounds, so bfloat16
+#   results may differ by one unit in the last place.
 #
 # ## Part 1 · Warm-up: scale each row
-# `y[i, :] = x[i, :] * s[i]`. One program per row: load `s[row]` (a scalar load: one pointer, no mask), load the
-# row of `x` (masked), multiply, store into `y` (masked). Write in `y`'s dtype: `Y.dtype.element_ty` is it.
+# `y[i, :] = x[i, :] * s[i]`. One program per row: load `s[row]` (a scalar load: one pointer, no
+# mask), load the row of `x` (masked), multiply, store into `y` (masked). Write in `y`'s dtype:
+# `Y.dtype.element_ty` is it.
 
 
 # %%
@@ -111,23 +120,33 @@ def scale_rows(x: torch.Tensor, s: torch.Tensor, out: torch.Tensor | None = None
     y = torch.empty(n_rows, n_cols, dtype=x.dtype, device=x.device) if out is None else out
     assert y.shape == x.shape and y.stride(1) == 1
     launch(
-        scale_rows_kernel, (n_rows,), x, s, y, x.stride(0), y.stride(0), n_cols, BLOCK=triton.next_power_of_2(n_cols)
+        scale_rows_kernel,
+        (n_rows,),
+        x,
+        s,
+        y,
+        x.stride(0),
+        y.stride(0),
+        n_cols,
+        BLOCK=triton.next_power_of_2(n_cols),
     )
     return y
 
 
 # %% [markdown]
 # ### Check 1
-# A 3 × 5 case you can follow by hand (`BLOCK` is 8: three lanes per row are masked), then a strided input, and
-# an output that is a slice of a bigger buffer filled with NaN: the columns past the slice must stay NaN, or a
-# store wrote past the end of its row.
+# A 3 × 5 case you can follow by hand (`BLOCK` is 8: three lanes per row are masked), then a strided
+# input, and an output that is a slice of a bigger buffer filled with NaN: the columns past the
+# slice must stay NaN, or a store wrote past the end of its row.
 
 # %%
 with exercise("scale_rows_kernel"):
     x = torch.arange(15, dtype=torch.float32, device=DEVICE).reshape(3, 5)
     s = torch.tensor([1.0, -2.0, 0.5], device=DEVICE)
     got = scale_rows(x, s)
-    expected = torch.tensor([[0, 1, 2, 3, 4], [-10, -12, -14, -16, -18], [5, 5.5, 6, 6.5, 7]], device=DEVICE)
+    expected = torch.tensor(
+        [[0, 1, 2, 3, 4], [-10, -12, -14, -16, -18], [5, 5.5, 6, 6.5, 7]], device=DEVICE
+    )
     assert torch.equal(got, expected), f"3 x 5 by hand: expected\n{expected}\ngot\n{got}"
 
     big = torch.randn(6, 200, device=DEVICE)
@@ -136,7 +155,9 @@ with exercise("scale_rows_kernel"):
     buffer = torch.full((6, 128), float("nan"), device=DEVICE)
     got = scale_rows(x, s, out=buffer[:, :100])
     assert_close(got, x * s[:, None], "strided input (row stride 200, 100 columns)")
-    assert buffer[:, 100:].isnan().all(), "a store wrote past the end of a row: mask the store with `cols < n_cols`"
+    assert buffer[:, 100:].isnan().all(), (
+        "a store wrote past the end of a row: mask the store with `cols < n_cols`"
+    )
 print("scale_rows_kernel: correct")
 
 # %% [markdown]
@@ -149,28 +170,34 @@ print("scale_rows_kernel: correct")
 # out          = new_residual / sqrt(mean(new_residual²) + eps) * weight
 # ```
 #
-# and it returns both: `out` goes into attention or the MLP, `new_residual` is the stream the next block adds to.
+# and it returns both: `out` goes into attention or the MLP, `new_residual` is the stream the next
+# block adds to.
 #
-# **Why fuse.** Eager PyTorch makes the add one kernel and the norm half a dozen (`float`, `pow`, `mean`,
-# `rsqrt`, `*`, `to`, `*`), each reading and writing the whole tensor. The fused kernel reads `x`, `residual` and
-# `weight` once and writes `out` and `new_residual` once. A norm does almost no arithmetic per byte, so its time
-# *is* its memory traffic: fewer passes, proportionally less time. (vLLM's kernel even writes both results in
-# place, over `x` and `residual`; here they go to new tensors, which is simpler to check.)
+# **Why fuse.** Eager PyTorch makes the add one kernel and the norm half a dozen (`float`, `pow`,
+# `mean`, `rsqrt`, `*`, `to`, `*`), each reading and writing the whole tensor. The fused kernel
+# reads `x`, `residual` and `weight` once and writes `out` and `new_residual` once. A norm does
+# almost no arithmetic per byte, so its time *is* its memory traffic: fewer passes, proportionally
+# less time. (vLLM's kernel even writes both results in place, over `x` and `residual`; here they go
+# to new tensors, which is simpler to check.)
 #
-# **Why one program per row.** The mean is over the hidden dimension, so a row is the natural unit: one program
-# loads its whole row into registers (`BLOCK ≥ hidden`; Qwen3-0.6B's 1,024 floats are nothing), reduces it with
-# `tl.sum(..., axis=0)`, and writes it back. No second pass over memory, no communication between programs.
+# **Why one program per row.** The mean is over the hidden dimension, so a row is the natural unit:
+# one program loads its whole row into registers (`BLOCK ≥ hidden`; Qwen3-0.6B's 1,024 floats are
+# nothing), reduces it with `tl.sum(..., axis=0)`, and writes it back. No second pass over memory,
+# no communication between programs.
 #
 # **Three details the checks will catch.**
 #
-# * The mean divides by `n_cols`, not by `BLOCK`: with `hidden = 96` and `BLOCK = 128` the 32 masked lanes add
-#   zeros to the sum of squares (so load them with `other=0.0`), but they are not columns.
-# * Compute in float32 (load, then `.to(tl.float32)`), and store in the output's dtype. Notebook 01's `RMSNorm`
-#   rounds the new residual to the model's dtype *before* normalising it, so the next block sees exactly the
-#   stream that was stored; doing the same (`s.to(R_OUT.dtype.element_ty).to(tl.float32)`) gets you closest.
-# * `x` and `residual` may have different row strides (the check gives you a strided `x`): use each one's own.
+# * The mean divides by `n_cols`, not by `BLOCK`: with `hidden = 96` and `BLOCK = 128` the 32 masked
+#   lanes add zeros to the sum of squares (so load them with `other=0.0`), but they are not columns.
+# * Compute in float32 (load, then `.to(tl.float32)`), and store in the output's dtype. Notebook
+#   01's `RMSNorm` rounds the new residual to the model's dtype *before* normalising it, so the next
+#   block sees exactly the stream that was stored; doing the same
+#   (`s.to(R_OUT.dtype.element_ty).to(tl.float32)`) gets you closest.
+# * `x` and `residual` may have different row strides (the check gives you a strided `x`): use each
+#   one's own.
 #
-# `tl.sqrt`, `tl.rsqrt` (1 / sqrt) and `tl.sum(v, axis=0)` are the operations you need beyond Part 1's.
+# `tl.sqrt`, `tl.rsqrt` (1 / sqrt) and `tl.sum(v, axis=0)` are the operations you need beyond Part
+# 1's.
 
 
 # %%
@@ -209,8 +236,14 @@ def fused_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(x + residual) * weight, x + residual), like RMSNorm(x, residual), in one kernel."""
     n_rows, n_cols = x.shape
-    assert residual.shape == x.shape and weight.shape == (n_cols,), (x.shape, residual.shape, weight.shape)
-    assert x.stride(1) == 1 and residual.stride(1) == 1 and weight.stride(0) == 1, "rows must be contiguous"
+    assert residual.shape == x.shape and weight.shape == (n_cols,), (
+        x.shape,
+        residual.shape,
+        weight.shape,
+    )
+    assert x.stride(1) == 1 and residual.stride(1) == 1 and weight.stride(0) == 1, (
+        "rows must be contiguous"
+    )
     out = torch.empty(n_rows, n_cols, dtype=x.dtype, device=x.device)
     new_residual = torch.empty_like(out)
     launch(
@@ -234,10 +267,11 @@ def fused_add_rms_norm(
 
 # %% [markdown]
 # ### Check 2
-# First a row you can check by hand: `x + residual = [3, 4, 0, 0]` has mean square `25 / 4`, so the row is
-# divided by 2.5 (eps is 0 here). Then notebook 01's `RMSNorm(hidden)(x, residual)` with a random weight, on
-# Qwen3-0.6B's hidden size (1,024), on 96 and 1,000 (not powers of two: `BLOCK` is 128 and 1,024), in float32
-# (equal up to float rounding) and bfloat16 (up to a unit or two in the last place), and with `x` a strided slice.
+# First a row you can check by hand: `x + residual = [3, 4, 0, 0]` has mean square `25 / 4`, so the
+# row is divided by 2.5 (eps is 0 here). Then notebook 01's `RMSNorm(hidden)(x, residual)` with a
+# random weight, on Qwen3-0.6B's hidden size (1,024), on 96 and 1,000 (not powers of two: `BLOCK` is
+# 128 and 1,024), in float32 (equal up to float rounding) and bfloat16 (up to a unit or two in the
+# last place), and with `x` a strided slice.
 
 # %%
 from minivllm.layers.layernorm import RMSNorm
@@ -254,9 +288,15 @@ with exercise("fused_add_rms_norm_kernel"):
     assert_close(out, expected, "[3, 4, 0, 0] / rms 2.5 * weight [1, 2, 3, 4]")
 
     cases = [(1, 1024), (7, 1024), (5, 96), (3, 1000), (4, 4096)]
-    tolerance = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
+    tolerance = {
+        torch.float32: dict(rtol=1e-5, atol=1e-5),
+        torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2),
+    }
     for dtype in (torch.float32, torch.bfloat16):
-        for (rows, hidden), strided in [(case, False) for case in cases] + [((6, 96), True), ((3, 1000), True)]:
+        for (rows, hidden), strided in [(case, False) for case in cases] + [
+            ((6, 96), True),
+            ((3, 1000), True),
+        ]:
             norm = RMSNorm(hidden, eps=1e-6).to(DEVICE, dtype)
             with torch.no_grad():
                 norm.weight.normal_()
@@ -268,20 +308,30 @@ with exercise("fused_add_rms_norm_kernel"):
                 expected_out, expected_residual = norm(x, residual)
             out, new_residual = fused_add_rms_norm(x, residual, norm.weight.detach(), eps=norm.eps)
             case = f"{rows} x {hidden}, {dtype}{', x strided' if strided else ''}"
-            assert out.dtype == new_residual.dtype == dtype, f"{case}: outputs are {out.dtype}, {new_residual.dtype}"
-            assert_close(new_residual, expected_residual, f"{case}, new residual", **tolerance[dtype])
+            assert out.dtype == new_residual.dtype == dtype, (
+                f"{case}: outputs are {out.dtype}, {new_residual.dtype}"
+            )
+            assert_close(
+                new_residual, expected_residual, f"{case}, new residual", **tolerance[dtype]
+            )
             assert_close(out, expected_out, f"{case}, output", **tolerance[dtype])
-print("fused_add_rms_norm_kernel matches RMSNorm(x, residual): float32 and bfloat16, 96 to 4,096 wide, strided")
+print(
+    "fused_add_rms_norm_kernel matches RMSNorm(x, residual): float32 and bfloat16, 96 to 4,096 "
+    "wide, strided"
+)
 
 # %% [markdown]
 # ## What's next
-# * **Compare with the engine's.** The deep dive `triton_layers`' `rms_norm` (`minivllm.kernels.small_layers`) is
-#   this kernel, grown for an engine: a few short rows per program, 3-D inputs (the q/k norms: a row per head, no
-#   residual), and rounding where `RMSNorm` rounds. `use_small_layer_kernels(model)` sets it as every `RMSNorm`'s
-#   `kernel`; the runner does so on a GPU.
+# * **Compare with the engine's.** The deep dive `triton_layers`' `rms_norm`
+#   (`minivllm.kernels.small_layers`) is this kernel, grown for an engine: a few short rows per
+#   program, 3-D inputs (the q/k norms: a row per head, no residual), and rounding where `RMSNorm`
+#   rounds. `use_small_layer_kernels(model)` sets it as every `RMSNorm`'s `kernel`; the runner does
+#   so on a GPU.
 # * **Measure it.** On a GPU, time it with `triton.testing.do_bench` against eager `RMSNorm` and the
-#   `torch.compile`d one (the deep dive's `bench_ms`) at 1 and 8,192 tokens of 1,024: at 8,192 tokens all three
-#   are bound by memory, and the bytes moved (4 × 8,192 × 1,024 × 2 for the fused one in bfloat16: two tensors read, two written) divided by
-#   the time should come near the GPU's bandwidth.
-# * **Bigger rows.** One program per row holds the whole row in registers; for hidden sizes of 16k and more,
-#   kernels loop over the row in chunks twice (sum of squares, then normalise), or split a row across programs.
+#   `torch.compile`d one (the deep dive's `bench_ms`) at 1 and 8,192 tokens of 1,024: at 8,192
+#   tokens all three are bound by memory, and the bytes moved (4 × 8,192 × 1,024 × 2 for the fused
+#   one in bfloat16: two tensors read, two written) divided by the time should come near the GPU's
+#   bandwidth.
+# * **Bigger rows.** One program per row holds the whole row in registers; for hidden sizes of 16k
+#   and more, kernels loop over the row in chunks twice (sum of squares, then normalise), or split a
+#   row across programs.

@@ -12,9 +12,13 @@ from minivllm.layers.linear import TPGroup, tensor_parallel
 
 
 def _worker(rank: int, world_size: int, fn: Callable, args: tuple, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=world_size)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=world_size
+    )
     try:
-        with tensor_parallel(TPGroup(rank, world_size, dist.group.WORLD)):  # layers built in fn split over it
+        with tensor_parallel(
+            TPGroup(rank, world_size, dist.group.WORLD)
+        ):  # layers built in fn split over it
             torch.save(fn(*args), Path(out) / f"rank{rank}.pt")
         dist.barrier()  # no rank tears its group down while another's last collective may still be in flight
     finally:

@@ -19,7 +19,9 @@ from minivllm.async_llm import AsyncLLM, EngineDeadError
 from minivllm.engine.core import Delta
 from minivllm.testing import WatchedDict
 
-CONFIG = dict(dtype=torch.float32, device="cpu", num_kvcache_blocks=256, max_model_len=512, max_num_seqs=32)
+CONFIG = dict(
+    dtype=torch.float32, device="cpu", num_kvcache_blocks=256, max_model_len=512, max_num_seqs=32
+)
 HANG = 120  # seconds: only a guard against a hang, never what a test decides by
 
 
@@ -47,7 +49,9 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, HANG))
 
 
-async def collect(llm: AsyncLLM, prompt: str, max_tokens: int, request_id: str | None = None) -> list:
+async def collect(
+    llm: AsyncLLM, prompt: str, max_tokens: int, request_id: str | None = None
+) -> list:
     return [out async for out in llm.generate(prompt, greedy(max_tokens), request_id)]
 
 
@@ -87,14 +91,18 @@ def test_apply_survives_callers_coming_and_going_while_it_iterates(llm):
     request = lambda i: llm.input_processor.make_request("Hi", greedy(2), i, "prompt")  # noqa: E731
     others = {f"other-{i}": Tripwire(lambda: None, request(f"other-{i}")) for i in range(3)}
 
-    def come_and_go() -> None:  # as another caller's generate adds its stream, and a third one's finally drops its
+    def come_and_go() -> (
+        None
+    ):  # as another caller's generate adds its stream, and a third one's finally drops its
         with llm.lock:
             llm.streams["newcomer"] = Tripwire(lambda: None, request("newcomer"))
             del llm.streams["other-1"]
 
     llm.streams.update({"tripwire": Tripwire(come_and_go, request("tripwire")), **others})
     try:
-        llm.apply([Delta(i, 0, [], None, None, None) for i in ["tripwire", *others]])  # what runs after each step
+        llm.apply(
+            [Delta(i, 0, [], None, None, None) for i in ["tripwire", *others]]
+        )  # what runs after each step
         assert llm.streams["tripwire"].fired
     finally:
         for request_id in ["tripwire", "newcomer", *others]:
@@ -157,7 +165,9 @@ def test_hundreds_of_callers_from_several_threads_some_leaving_early(llm):
 
     async def one_loop(t: int) -> None:
         names = [f"t{t}-{i}" for i in range(75)]
-        await asyncio.gather(*(cancelled(n) if i % 25 == 0 else caller(n, i) for i, n in enumerate(names)))
+        await asyncio.gather(
+            *(cancelled(n) if i % 25 == 0 else caller(n, i) for i, n in enumerate(names))
+        )
 
     errors: list[BaseException] = []
 
@@ -200,11 +210,15 @@ def test_a_request_id_in_use_by_an_unread_caller_is_refused(llm):
     async def scenario() -> tuple:
         first = llm.generate("Once upon a time", greedy(4), request_id="dup")
         head = await anext(first)
-        await asyncio.get_running_loop().run_in_executor(None, done.wait, HANG)  # finished, not read
+        await asyncio.get_running_loop().run_in_executor(
+            None, done.wait, HANG
+        )  # finished, not read
         with pytest.raises(ValueError, match="dup"):
             await anext(llm.generate("Hello", greedy(4), request_id="dup"))
         rest = [out async for out in first]  # the first caller still gets its reply
-        again = await collect(llm, "Hello", 4, request_id="dup")  # and once it is read, the id is free again
+        again = await collect(
+            llm, "Hello", 4, request_id="dup"
+        )  # and once it is read, the id is free again
         return head, rest, again
 
     llm.apply = apply_and_note
@@ -220,7 +234,11 @@ def test_a_request_id_in_use_by_an_unread_caller_is_refused(llm):
 def test_a_caller_cancelled_while_its_request_is_added_leaves_nothing_behind(llm):
     """A client that disconnects while `generate` tokenizes its request (on an executor thread): the request must
     not reach the core, and its stream must go, not block the id forever."""
-    make_request, entered, go = llm.input_processor.make_request, threading.Event(), threading.Event()
+    make_request, entered, go = (
+        llm.input_processor.make_request,
+        threading.Event(),
+        threading.Event(),
+    )
 
     def slow_make_request(*args):
         entered.set()
@@ -295,7 +313,11 @@ def test_a_dead_or_hung_core_fails_every_caller_at_once(tiny, how):
     llm = AsyncLLM(str(tiny), timeout=2.0, **CONFIG)
     try:
         pid = llm.process.pid
-        errors = run(five_callers(llm, lambda: os.kill(pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)))
+        errors = run(
+            five_callers(
+                llm, lambda: os.kill(pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+            )
+        )
         assert len(errors) == 5 and all(isinstance(e, EngineDeadError) for e in errors), errors
         assert all(("hung" if how == "hung" else "exited") in str(e) for e in errors), errors
         assert not llm.is_healthy()

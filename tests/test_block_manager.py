@@ -154,10 +154,15 @@ def test_eviction_takes_the_least_recently_freed_block_first():
     new_block = new.block_table[0]
     bm.deallocate(new)
     assert list(bm.cached_block_ids) == [old_block, new_block] and len(bm.free_block_ids) == 2
-    big = allocate(bm, [3, 3, 3, 3, 3])  # 3 blocks: both empty ones, then the least recently freed cached one
+    big = allocate(
+        bm, [3, 3, 3, 3, 3]
+    )  # 3 blocks: both empty ones, then the least recently freed cached one
     assert old_block in big.block_table and list(bm.cached_block_ids) == [new_block]
     bm.deallocate(big)
-    assert allocate(bm, [2, 2, 5]).num_cached_tokens == 2 and allocate(bm, [1, 1, 5]).num_cached_tokens == 0
+    assert (
+        allocate(bm, [2, 2, 5]).num_cached_tokens == 2
+        and allocate(bm, [1, 1, 5]).num_cached_tokens == 0
+    )
 
 
 def test_a_sequence_frees_its_tail_first_so_the_shared_head_is_evicted_last():
@@ -221,11 +226,19 @@ def test_reset_forgets_every_allocation_and_every_cached_prefix():
     a = allocate(bm, [1, 2, 3, 4, 5])
     bm.deallocate(allocate(bm, [7, 7, 8]))
     assert bm.num_used_blocks == 3 and bm.num_cached_free_blocks == 1
-    bm.blocks[a.block_table[0]].ref_count = 7  # half-updated bookkeeping, as a failed step may leave it
+    bm.blocks[
+        a.block_table[0]
+    ].ref_count = 7  # half-updated bookkeeping, as a failed step may leave it
     bm.free_block_ids.append(a.block_table[1])
     bm.reset()
-    assert bm.num_free_blocks == bm.num_blocks == 6 and bm.num_used_blocks == 0 and bm.num_slots == 12
-    assert not bm.hash_to_block_id and not bm.cached_block_ids and list(bm.free_block_ids) == list(range(6))
+    assert (
+        bm.num_free_blocks == bm.num_blocks == 6 and bm.num_used_blocks == 0 and bm.num_slots == 12
+    )
+    assert (
+        not bm.hash_to_block_id
+        and not bm.cached_block_ids
+        and list(bm.free_block_ids) == list(range(6))
+    )
     assert all(block.ref_count == 0 and block.hash == -1 for block in bm.blocks)
     assert allocate(bm, [1, 2, 3, 4, 5]).num_cached_tokens == 0  # the prefix is gone
 
@@ -282,11 +295,15 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
         self.waiting = [Sequence(tokens, block_size=block_size) for tokens in first]
         self.running: list[Sequence] = []
-        self.kv: dict[int, tuple[int, ...]] = {}  # block id -> the token prefix whose KV was last written there
+        self.kv: dict[
+            int, tuple[int, ...]
+        ] = {}  # block id -> the token prefix whose KV was last written there
 
     def prefix_of(self, seq: Sequence, i: int, end: int | None = None) -> tuple[int, ...]:
         """The tokens whose KV block i of seq holds once its first `end` tokens (default: all) are computed."""
-        return tuple(seq.token_ids[: min((i + 1) * self.bm.block_size, len(seq) if end is None else end)])
+        return tuple(
+            seq.token_ids[: min((i + 1) * self.bm.block_size, len(seq) if end is None else end)]
+        )
 
     @rule(tokens=prompts)
     def add_request(self, tokens):
@@ -302,9 +319,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm.allocate(seq)
         bs = self.bm.block_size
         assert seq.num_cached_tokens % bs == 0 and seq.num_cached_tokens < len(seq)
-        for i, block_id in enumerate(seq.block_table[: seq.num_cached_blocks]):  # hits: this prefix's KV, computed
+        for i, block_id in enumerate(
+            seq.block_table[: seq.num_cached_blocks]
+        ):  # hits: this prefix's KV, computed
             assert self.bm.blocks[block_id].token_ids == seq.block(i)
-            assert self.kv[block_id] == self.prefix_of(seq, i), "a hit on KV of another prefix, or not computed yet"
+            assert self.kv[block_id] == self.prefix_of(seq, i), (
+                "a hit on KV of another prefix, or not computed yet"
+            )
         self.waiting.remove(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
@@ -313,14 +334,19 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @precondition(lambda self: any(seq.num_cached_tokens < len(seq) for seq in self.running))
     @rule(data=st.data())
     def continue_prefill(self, data):
-        self.compute_chunk(data, data.draw(st.sampled_from([s for s in self.running if s.num_cached_tokens < len(s)])))
+        self.compute_chunk(
+            data,
+            data.draw(st.sampled_from([s for s in self.running if s.num_cached_tokens < len(s)])),
+        )
 
     def compute_chunk(self, data, seq: Sequence) -> None:
         """One prefill step for seq: a chunk of its uncomputed tokens (all of them, or fewer)."""
         end = data.draw(st.integers(seq.num_cached_tokens + 1, len(seq)))
         self.bm.cache_blocks(seq, end)
         for i in range(seq.num_cached_tokens // self.bm.block_size, -(-end // self.bm.block_size)):
-            self.kv[seq.block_table[i]] = self.prefix_of(seq, i, end)  # the step writes the chunk's KV
+            self.kv[seq.block_table[i]] = self.prefix_of(
+                seq, i, end
+            )  # the step writes the chunk's KV
         seq.num_cached_tokens = end
 
     @precondition(lambda self: any(seq.num_cached_tokens == len(seq) for seq in self.running))
@@ -333,7 +359,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.evict(seq, SequenceStatus.WAITING)
             return
         self.bm.may_append(seq)
-        self.kv[seq.block_table[-1]] = self.prefix_of(seq, seq.num_blocks - 1)  # decode writes the new token
+        self.kv[seq.block_table[-1]] = self.prefix_of(
+            seq, seq.num_blocks - 1
+        )  # decode writes the new token
         seq.num_cached_tokens = len(seq)
 
     @precondition(lambda self: self.running)
@@ -386,11 +414,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @invariant()
     def every_sequence_reads_its_own_kv(self):
         for seq in self.running:
-            assert len(seq.block_table) == seq.num_blocks and len(set(seq.block_table)) == seq.num_blocks
+            assert (
+                len(seq.block_table) == seq.num_blocks
+                and len(set(seq.block_table)) == seq.num_blocks
+            )
             computed = seq.num_cached_tokens
             for i, block_id in enumerate(seq.block_table[: -(-computed // self.bm.block_size)]):
-                assert self.kv[block_id] == self.prefix_of(seq, i, computed), f"seq {seq.seq_id} block {i}"
-            if seq.last_block_num_tokens < self.bm.block_size:  # a block still being written is never shared
+                assert self.kv[block_id] == self.prefix_of(seq, i, computed), (
+                    f"seq {seq.seq_id} block {i}"
+                )
+            if (
+                seq.last_block_num_tokens < self.bm.block_size
+            ):  # a block still being written is never shared
                 assert self.bm.blocks[seq.block_table[-1]].ref_count == 1
 
     def teardown(self):
@@ -400,5 +435,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert self.bm.num_free_blocks == len(self.bm.blocks), "blocks leaked"
 
 
-BlockManagerMachine.TestCase.settings = settings(max_examples=500, stateful_step_count=40, deadline=None)
+BlockManagerMachine.TestCase.settings = settings(
+    max_examples=500, stateful_step_count=40, deadline=None
+)
 TestBlockManagerMachine = BlockManagerMachine.TestCase

@@ -44,17 +44,27 @@ NOTEBOOKS = [  # the core path, then the deep dives beside it; paths under noteb
     *(p.stem for p in sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))),
     *(f"deep_dives/{p.stem}" for p in sorted((ROOT / "notebooks" / "deep_dives").glob("*.ipynb"))),
 ]
-KNOWN: dict[str, str] = {}  # notebook: what the browser shows there today (strict xfail: once fixed, delete it)
-MAX_FIGURE_PX = 1100  # wider and JupyterLab scales the figure (and its 8-pt legends) down in a 1,280-px window
+KNOWN: dict[
+    str, str
+] = {}  # notebook: what the browser shows there today (strict xfail: once fixed, delete it)
+MAX_FIGURE_PX = (
+    1100  # wider and JupyterLab scales the figure (and its 8-pt legends) down in a 1,280-px window
+)
 START_TIMEOUT_S = 300  # JupyterLab's start (seconds here; a ceiling a loaded 2-core machine keeps)
-RUN_TIMEOUT_S = 900  # one notebook, Run All to idle (they take 20-160 s here): a ceiling, never a measurement
-ACTION_TIMEOUT_MS = 120_000  # any other wait of the page or the server (a click, a request): a ceiling, not 30 s
+RUN_TIMEOUT_S = (
+    900  # one notebook, Run All to idle (they take 20-160 s here): a ceiling, never a measurement
+)
+ACTION_TIMEOUT_MS = (
+    120_000  # any other wait of the page or the server (a click, a request): a ceiling, not 30 s
+)
 SETTINGS = {  # user settings of the throw-away JupyterLab
     "@jupyterlab/notebook-extension/tracker": {
         "windowingMode": "none",  # every cell in the DOM, not only those in view
         "autoStartDefaultKernel": True,  # no "Select Kernel" dialog
     },
-    "@jupyterlab/docmanager-extension/plugin": {"autosave": False},  # never write the notebooks back
+    "@jupyterlab/docmanager-extension/plugin": {
+        "autosave": False
+    },  # never write the notebooks back
     "@jupyterlab/apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False},
 }
 SCREENSHOTS = ROOT / "build" / "browser"  # a failing notebook's page, as a PNG
@@ -69,7 +79,12 @@ def chromium_or_skip() -> str:
     except ImportError:
         missing.append("Playwright (pip install playwright)")
     path = os.environ.get("CHROMIUM") or next(
-        (p for name in ("chromium", "chromium-browser", "google-chrome") if (p := shutil.which(name))), None
+        (
+            p
+            for name in ("chromium", "chromium-browser", "google-chrome")
+            if (p := shutil.which(name))
+        ),
+        None,
     )
     if path is None:
         missing.append("Chromium (apt-get install chromium, or set CHROMIUM=/path/to/chrome)")
@@ -125,7 +140,9 @@ def lab(chromium: str) -> Iterator[Lab]:
     for name in NOTEBOOKS:
         (work / name).parent.mkdir(exist_ok=True)
         shutil.copy(ROOT / "notebooks" / f"{name}.ipynb", work / f"{name}.ipynb")
-    shutil.copytree(ROOT / "notebooks" / "figures", work / "figures")  # the committed GPU results they read
+    shutil.copytree(
+        ROOT / "notebooks" / "figures", work / "figures"
+    )  # the committed GPU results they read
     for plugin, values in SETTINGS.items():
         path = tmp / "settings" / f"{plugin}.jupyterlab-settings"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -160,7 +177,9 @@ def lab(chromium: str) -> Iterator[Lab]:
                 break
             except OSError:
                 if time.monotonic() > deadline:
-                    pytest.fail(f"JupyterLab did not answer within {START_TIMEOUT_S} s:\n{lab.log_tail()}")
+                    pytest.fail(
+                        f"JupyterLab did not answer within {START_TIMEOUT_S} s:\n{lab.log_tail()}"
+                    )
                 time.sleep(0.5)
         yield lab
     finally:
@@ -168,7 +187,9 @@ def lab(chromium: str) -> Iterator[Lab]:
         try:
             server.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)  # its own session: the server and the kernels it started
+            os.killpg(
+                server.pid, signal.SIGKILL
+            )  # its own session: the server and the kernels it started
             server.wait()
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -178,7 +199,9 @@ def browser(chromium: str):
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium)  # Playwright's default has no sandbox: root works
+        browser = p.chromium.launch(
+            executable_path=chromium
+        )  # Playwright's default has no sandbox: root works
         yield browser
         browser.close()
 
@@ -222,7 +245,9 @@ def run_all(page, lab: Lab, name: str) -> None:
     page.locator(".lm-MenuBar-item", has_text=re.compile("^Run$")).click()
     page.locator('.lm-Menu-item[data-command="runmenu:run-all"]').click()
     page.wait_for_function(FINISHED, timeout=RUN_TIMEOUT_S * 1000, polling=1000)
-    with contextlib.suppress(PlaywrightTimeoutError):  # what has not settled by then is reported cell by cell
+    with contextlib.suppress(
+        PlaywrightTimeoutError
+    ):  # what has not settled by then is reported cell by cell
         page.wait_for_function(SETTLED, timeout=60_000, polling=500)
 
 
@@ -235,7 +260,9 @@ def check_slider(page, cell) -> list[str]:
     output_width = cell.locator(".jp-OutputArea").first.bounding_box()["width"]
     track_width = slider.bounding_box()["width"]
     if track_width < 0.5 * output_width:
-        problems.append(f"the slider is {track_width:.0f} px wide in a {output_width:.0f}-px output: hard to move")
+        problems.append(
+            f"the slider is {track_width:.0f} px wide in a {output_width:.0f}-px output: hard to move"
+        )
     image = cell.locator(".jupyter-widgets img").first
     image.wait_for(timeout=60_000)
     for how in ("keyboard", "mouse"):
@@ -260,7 +287,10 @@ def check_slider(page, cell) -> list[str]:
 
 @pytest.mark.parametrize(
     "name",
-    [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN[n])) if n in KNOWN else n for n in NOTEBOOKS],
+    [
+        pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN[n])) if n in KNOWN else n
+        for n in NOTEBOOKS
+    ],
 )
 def test_notebook_in_jupyterlab(browser, lab: Lab, name: str):
     sources = ["".join(c["source"]) for c in source_cells(name)]
@@ -270,30 +300,46 @@ def test_notebook_in_jupyterlab(browser, lab: Lab, name: str):
     try:
         run_all(page, lab, name)
         dialog = page.locator(".jp-Dialog")
-        assert dialog.count() == 0, f"{name}: JupyterLab shows a dialog: {dialog.first.inner_text()}"
+        assert dialog.count() == 0, (
+            f"{name}: JupyterLab shows a dialog: {dialog.first.inner_text()}"
+        )
         cells = page.evaluate(READ_CELLS)
-        assert len(cells) == len(sources), f"JupyterLab shows {len(cells)} cells, the notebook has {len(sources)}"
+        assert len(cells) == len(sources), (
+            f"JupyterLab shows {len(cells)} cells, the notebook has {len(sources)}"
+        )
         problems = []
         for i, (cell, source) in enumerate(zip(cells, sources)):
             where = f"cell {i} ({source.strip().splitlines()[0][:60] if source.strip() else 'empty'}...)"
-            problems += [f"{where}: red box on stderr:\n    " + text.replace("\n", "\n    ") for text in cell["stderr"]]
+            problems += [
+                f"{where}: red box on stderr:\n    " + text.replace("\n", "\n    ")
+                for text in cell["stderr"]
+            ]
             for img in cell["images"]:
                 if not img["complete"] or img["width"] == 0:
                     problems.append(f"{where}: a blank figure (an image that did not load)")
                 elif img["width"] > MAX_FIGURE_PX:
-                    problems.append(f"{where}: a figure {img['width']} px wide (at most {MAX_FIGURE_PX})")
+                    problems.append(
+                        f"{where}: a figure {img['width']} px wide (at most {MAX_FIGURE_PX})"
+                    )
             if ("savefig(" in source or "plt.show(" in source) and not cell["images"]:
                 problems.append(f"{where}: no figure shown")
             if "widgets." in source and cell["widgets"] == 0:
                 problems.append(f"{where}: no widget shown")
             elif "widgets." not in source and cell["widgets"]:
                 problems.append(f"{where}: a widget the code did not ask for (a progress bar?)")
-            problems += [f"{where}: widget not rendered: {text[:200]}" for text in cell["widgetErrors"]]
+            problems += [
+                f"{where}: widget not rendered: {text[:200]}" for text in cell["widgetErrors"]
+            ]
             if "IntSlider(" in source:
-                problems += [f"{where}: {p}" for p in check_slider(page, page.locator(".jp-Notebook .jp-Cell").nth(i))]
+                problems += [
+                    f"{where}: {p}"
+                    for p in check_slider(page, page.locator(".jp-Notebook .jp-Cell").nth(i))
+                ]
         assert not problems, f"{name} in JupyterLab:\n" + "\n".join(problems)
     except BaseException:
-        SCREENSHOTS.mkdir(parents=True, exist_ok=True)  # what the page showed, for whoever reads the failure
+        SCREENSHOTS.mkdir(
+            parents=True, exist_ok=True
+        )  # what the page showed, for whoever reads the failure
         with contextlib.suppress(Exception):
             page.screenshot(path=SCREENSHOTS / f"{name.replace('/', '-')}.png", full_page=True)
         raise

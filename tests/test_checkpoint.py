@@ -37,7 +37,17 @@ def tiny_text(tmp_path_factory):
 def test_cli_runs_as_a_module(tmp_path):
     out = tmp_path / "cli"
     subprocess.run(
-        [sys.executable, "-m", "minivllm.checkpoint", "--preset", "tiny", "--out", str(out), "--seed", "3"],
+        [
+            sys.executable,
+            "-m",
+            "minivllm.checkpoint",
+            "--preset",
+            "tiny",
+            "--out",
+            str(out),
+            "--seed",
+            "3",
+        ],
         check=True,
         capture_output=True,
     )
@@ -94,7 +104,11 @@ def test_tokenizer_fits_the_model_and_speaks_chatml(tiny):
 
 def test_qwen3_0_6b_preset_has_the_real_shapes():
     config = preset_config("qwen3-0.6b")
-    assert (config.num_hidden_layers, config.hidden_size, config.intermediate_size) == (28, 1024, 3072)
+    assert (config.num_hidden_layers, config.hidden_size, config.intermediate_size) == (
+        28,
+        1024,
+        3072,
+    )
     assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (16, 8, 128)
     assert config.vocab_size == 151936 and config.tie_word_embeddings
     assert config.rope_parameters["rope_theta"] == 1e6 and config.max_position_embeddings == 40960
@@ -127,14 +141,21 @@ def test_training_is_deterministic():
     rng = torch.get_rng_state()
     first, again, other = trained(0), trained(0), trained(1)
     assert torch.equal(torch.get_rng_state(), rng)
-    assert first.keys() == again.keys() and all(torch.equal(first[name], again[name]) for name in first)
+    assert first.keys() == again.keys() and all(
+        torch.equal(first[name], again[name]) for name in first
+    )
     assert not torch.equal(first["model.norm.weight"], other["model.norm.weight"])
 
 
 @pytest.mark.slow  # the tiny_text fixture trains for half a minute
 def test_tiny_text_is_tiny_trained(tiny, tiny_text):
     """The same shapes and tokenizer as tiny, and a corpus loss far below the random model's (ln 2048 = 7.6)."""
-    same_files = {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"}
+    same_files = {
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    }
     assert {name: h for name, h in hashes(tiny_text).items() if name in same_files} == {
         name: h for name, h in hashes(tiny).items() if name in same_files
     }
@@ -153,13 +174,21 @@ def test_tiny_text_continues_the_corpus_through_the_engine(tiny_text):
     starts = range(0, len(token_ids) - 24, len(token_ids) // 10)
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     with LLM(str(tiny_text), device="cpu", num_kvcache_blocks=64) as llm:
-        outputs = llm.generate([token_ids[start : start + 8] for start in starts], greedy, use_tqdm=False)
+        outputs = llm.generate(
+            [token_ids[start : start + 8] for start in starts], greedy, use_tqdm=False
+        )
     continuations = [token_ids[start + 8 : start + 24] for start in starts]
-    same = sum(a == b for out, ref in zip(outputs, continuations) for a, b in zip(out.outputs[0].token_ids, ref))
+    same = sum(
+        a == b
+        for out, ref in zip(outputs, continuations)
+        for a, b in zip(out.outputs[0].token_ids, ref)
+    )
     assert same > 0.5 * 16 * len(starts), f"{same} of {16 * len(starts)} tokens as in the corpus"
 
 
 def test_the_demo_offers_every_preset():
-    from minivllm.__main__ import PRESETS as DEMO_PRESETS  # a literal there, so that --help stays light
+    from minivllm.__main__ import (
+        PRESETS as DEMO_PRESETS,
+    )  # a literal there, so that --help stays light
 
     assert sorted(DEMO_PRESETS) == sorted(PRESETS)

@@ -9,8 +9,13 @@ from minivllm.benchmarks.cold_start import main, make
 
 def test_the_second_run_has_other_prompts_of_the_same_shape():
     first, second = make("chat-burst", 1, None, None), make("chat-burst", 2, None, None)
-    assert len(first.prompts) == len(second.prompts) == 1024 and first.shared_prefix == second.shared_prefix == 1000
-    assert first.prompts[0][:1000] != second.prompts[0][:1000]  # another system prompt: nothing cached to find
+    assert (
+        len(first.prompts) == len(second.prompts) == 1024
+        and first.shared_prefix == second.shared_prefix == 1000
+    )
+    assert (
+        first.prompts[0][:1000] != second.prompts[0][:1000]
+    )  # another system prompt: nothing cached to find
     assert all(p.top_k == 50 and p.top_p == 0.95 for p in first.params)
 
 

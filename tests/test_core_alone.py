@@ -104,4 +104,6 @@ def test_ci_runs_the_six_core_notebooks_with_the_deep_dives_blocked():
     blocked = [line for line in ci if 'PYTHONPATH="$PWD/tools/core_only"' in line]
     assert any("notebooks/0*.ipynb" in line and "pytest" in line for line in blocked), ".ci/run"
     unblocked = [line for line in ci if "pytest" in line and line not in blocked]
-    assert not any(" notebooks " in f" {line} " for line in unblocked), "the core notebooks run twice"
+    assert not any(" notebooks " in f" {line} " for line in unblocked), (
+        "the core notebooks run twice"
+    )

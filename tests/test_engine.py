@@ -27,7 +27,14 @@ def llm(tiny):
 def test_generate_equals_transformers_greedy_for_mixed_prompts(llm, hf_greedy, tiny):
     tokenizer = AutoTokenizer.from_pretrained(tiny)
     shared = list(range(100, 150))
-    prompts = ["Once upon a time", [7], list(range(3, 40)), shared + [1], shared + [2, 3], "A paged KV cache is"]
+    prompts = [
+        "Once upon a time",
+        [7],
+        list(range(3, 40)),
+        shared + [1],
+        shared + [2, 3],
+        "A paged KV cache is",
+    ]
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.prompt for o in outputs] == [p if isinstance(p, str) else None for p in prompts]
     for prompt, out in zip(prompts, outputs):
@@ -35,7 +42,9 @@ def test_generate_equals_transformers_greedy_for_mixed_prompts(llm, hf_greedy, t
         assert out.prompt_token_ids == ids
         assert out.outputs[0].token_ids == hf_greedy(ids, 24)
         assert out.outputs[0].finish_reason == "length" and out.finished
-        assert out.outputs[0].text == tokenizer.decode(out.outputs[0].token_ids, skip_special_tokens=True)
+        assert out.outputs[0].text == tokenizer.decode(
+            out.outputs[0].token_ids, skip_special_tokens=True
+        )
         assert out.metrics.time_to_first_token > 0 and out.metrics.time_per_output_token(24) > 0
 
 
@@ -51,7 +60,9 @@ def test_stop_token_ids_and_eos(llm, tiny, tmp_path):
     stop = tokens[5]
     first = tokens.index(stop)
     out = llm.generate(
-        [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop]), use_tqdm=False
+        [[5, 6, 7]],
+        SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop]),
+        use_tqdm=False,
     )[0].outputs[0]
     assert out.token_ids == tokens[: first + 1] and out.finish_reason == "stop"
 
@@ -62,9 +73,14 @@ def test_stop_token_ids_and_eos(llm, tiny, tmp_path):
     generation_config["eos_token_id"] = [generation_config["eos_token_id"][0], stop]
     (eos_folder / "generation_config.json").write_text(json.dumps(generation_config))
     with LLM(str(eos_folder), num_kvcache_blocks=64, max_num_seqs=4, max_model_len=256) as eos_llm:
-        stopped = eos_llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+        stopped = eos_llm.generate(
+            [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False
+        )
         ignored = eos_llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
-    assert stopped[0].outputs[0].token_ids == tokens[: first + 1] and stopped[0].outputs[0].finish_reason == "stop"
+    assert (
+        stopped[0].outputs[0].token_ids == tokens[: first + 1]
+        and stopped[0].outputs[0].finish_reason == "stop"
+    )
     assert ignored[0].outputs[0].token_ids == tokens
 
 
@@ -78,7 +94,9 @@ def test_a_stop_string_ends_the_text_there_and_frees_the_blocks(llm, include):
     )
     out = llm.generate(["Once upon a time"], params, use_tqdm=False)[0].outputs[0]
     assert out.text == full.text[:end] and out.finish_reason == "stop"
-    assert out.token_ids == full.token_ids[: len(out.token_ids)] and len(out.token_ids) < 24  # it stopped early
+    assert (
+        out.token_ids == full.token_ids[: len(out.token_ids)] and len(out.token_ids) < 24
+    )  # it stopped early
     bm = llm.engine.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_blocks
 
@@ -88,13 +106,17 @@ def test_a_running_reply_never_shows_text_it_takes_back(llm):
     partial text is a prefix of the final one."""
     full = llm.generate(["Once upon a time"], GREEDY, use_tqdm=False)[0].outputs[0].text
     stop = full[len(full) // 2 :][:4]
-    request_id = llm.engine.add_request("Once upon a time", dataclasses.replace(GREEDY, stop=[stop, "zz"]))
+    request_id = llm.engine.add_request(
+        "Once upon a time", dataclasses.replace(GREEDY, stop=[stop, "zz"])
+    )
     partial, final = [], None
     while final is None:
         finished, _ = llm.engine.step()
         if (request := llm.engine.live.get(request_id)) is not None:
             partial.append(llm.engine.output_processor.output(request, False).outputs[0].text)
-        final = next((out.outputs[0].text for out in finished if out.request_id == request_id), None)
+        final = next(
+            (out.outputs[0].text for out in finished if out.request_id == request_id), None
+        )
     assert final == full[: full.find(stop)] and len(partial) >= 2
     assert all(final.startswith(text) for text in partial)
 
@@ -108,25 +130,40 @@ def test_running_text_is_decoded_incrementally_and_equals_the_whole_decode(llm):
         seq = request.seqs[0]
         for _ in range(60):
             seq.append_token(rng.randrange(2048))
-            text, whole = outputs.running_text(request, 0), outputs.detokenize(seq.completion_token_ids)
+            text, whole = (
+                outputs.running_text(request, 0),
+                outputs.detokenize(seq.completion_token_ids),
+            )
             assert whole.startswith(text)
             assert text == whole or whole.endswith("\ufffd")
 
 
 def test_min_tokens_holds_back_stop_tokens(llm):
     tokens = llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
-    stop = tokens[0]  # the first token greedy picks: with min_tokens=4 it may not be drawn before the 5th
+    stop = tokens[
+        0
+    ]  # the first token greedy picks: with min_tokens=4 it may not be drawn before the 5th
     out = llm.generate(
-        [[5, 6, 7]], SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop], min_tokens=4), use_tqdm=False
+        [[5, 6, 7]],
+        SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop], min_tokens=4),
+        use_tqdm=False,
     )[0].outputs[0]
-    assert len(out.token_ids) > 4 and stop not in out.token_ids[:4] and out.token_ids[0] != tokens[0]
+    assert (
+        len(out.token_ids) > 4 and stop not in out.token_ids[:4] and out.token_ids[0] != tokens[0]
+    )
 
 
 def test_max_tokens_and_max_model_len_finish_with_length(llm):
-    out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    out = llm.generate(
+        [[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False
+    )
     assert len(out[0].outputs[0].token_ids) == 3 and out[0].outputs[0].finish_reason == "length"
-    long = llm.generate([[1] * 500], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False)
-    assert len(long[0].outputs[0].token_ids) == 12 and long[0].outputs[0].finish_reason == "length"  # 512 in all
+    long = llm.generate(
+        [[1] * 500], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False
+    )
+    assert (
+        len(long[0].outputs[0].token_ids) == 12 and long[0].outputs[0].finish_reason == "length"
+    )  # 512 in all
 
 
 @pytest.mark.parametrize(
@@ -138,7 +175,11 @@ def test_max_tokens_and_max_model_len_finish_with_length(llm):
         ([[1, 2], [1, -3], [4]], GREEDY, "token id -3"),
         ([[1, 2]], [GREEDY, GREEDY], "sampling_params has 2 entries"),
         ([[1, 2]], "greedy", "sampling_params must be SamplingParams"),
-        ([[1, 2]], SamplingParams(min_tokens=1, stop_token_ids=[5000]), "stop_token_ids: token id 5000 is outside"),
+        (
+            [[1, 2]],
+            SamplingParams(min_tokens=1, stop_token_ids=[5000]),
+            "stop_token_ids: token id 5000 is outside",
+        ),
     ],
 )
 def test_bad_requests_raise_and_change_nothing(llm, prompts, params, field):
@@ -190,7 +231,9 @@ def test_sampling_params_name_the_field(kwargs, field):
     ],
 )
 def test_chat_names_the_message_that_is_not_a_role_and_content(llm, messages, index):
-    with pytest.raises(ValueError, match=rf'messages\[{index}\] must be a dict with "role" and "content"'):
+    with pytest.raises(
+        ValueError, match=rf'messages\[{index}\] must be a dict with "role" and "content"'
+    ):
         llm.chat(messages, GREEDY, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
 
@@ -199,7 +242,11 @@ def test_a_cache_too_small_for_the_prompt(tiny):
     with LLM(str(tiny), num_kvcache_blocks=2, max_num_seqs=4, max_model_len=256) as small:
         with pytest.raises(ValueError, match="KV cache holds 32"):
             small.generate([[1] * 40], GREEDY, use_tqdm=False)
-        assert small.generate([[1] * 20], SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].token_ids
+        assert (
+            small.generate([[1] * 20], SamplingParams(max_tokens=4), use_tqdm=False)[0]
+            .outputs[0]
+            .token_ids
+        )
 
 
 def test_missing_model_folder():
@@ -255,8 +302,12 @@ def test_each_step_returns_its_stats(llm):
         ("decode", 1, 1),
         ("decode", 1, 1),
     ]
-    assert all(s.schedule_seconds >= 0 and s.run_seconds > 0 and s.postprocess_seconds >= 0 for s in steps)
-    assert all(s.seconds == s.schedule_seconds + s.run_seconds + s.postprocess_seconds for s in steps)
+    assert all(
+        s.schedule_seconds >= 0 and s.run_seconds > 0 and s.postprocess_seconds >= 0 for s in steps
+    )
+    assert all(
+        s.seconds == s.schedule_seconds + s.run_seconds + s.postprocess_seconds for s in steps
+    )
     assert [o.request_id for o in outputs] == ["s"] and len(outputs[0].outputs[0].token_ids) == 3
     assert engine.step()[1].kind == "idle"
 
@@ -271,7 +322,9 @@ def test_abort_drops_every_request_and_the_engine_goes_on(llm, hf_greedy):
     assert not engine.has_unfinished_requests() and not engine.requests
     bm = engine.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_blocks and bm.num_cached_free_blocks == 0
-    out = llm.generate([list(range(10, 50))], GREEDY, use_tqdm=False)  # the same prompt, from scratch
+    out = llm.generate(
+        [list(range(10, 50))], GREEDY, use_tqdm=False
+    )  # the same prompt, from scratch
     assert out[0].outputs[0].token_ids == hf_greedy(list(range(10, 50)), 24)
 
 
@@ -285,10 +338,24 @@ def test_cli_runs_the_tiny_preset(tmp_path):
         env=env,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "'Hello there'" in proc.stdout and "output tokens in" in proc.stdout and "tokens/s" in proc.stdout
+    assert (
+        "'Hello there'" in proc.stdout
+        and "output tokens in" in proc.stdout
+        and "tokens/s" in proc.stdout
+    )
     split = next(line for line in proc.stdout.splitlines() if line.startswith("start-up: imports"))
-    for phase in ("LLM()", "load", "KV cache", "compile", "CUDA graphs", "tokenizer and the rest", "generate"):
-        assert f"{phase} " in split, split  # the start-up split names every phase, each with its seconds
+    for phase in (
+        "LLM()",
+        "load",
+        "KV cache",
+        "compile",
+        "CUDA graphs",
+        "tokenizer and the rest",
+        "generate",
+    ):
+        assert f"{phase} " in split, (
+            split
+        )  # the start-up split names every phase, each with its seconds
     seconds = [float(x) for x in re.findall(r"(\d+\.\d+)", split)]
     assert len(seconds) == 9 and all(x >= 0 for x in seconds), split
 
@@ -309,7 +376,10 @@ def test_adding_aborting_and_stepping_never_walk_the_other_requests(llm):
     """Each add, abort and step looks up its own requests by id: a walk over every queued request
     made each of N adds O(N) (a flood of N requests O(N²) on the host)."""
     engine, walks = llm.engine, []
-    engine.requests, engine.live = WatchedDict(engine.requests, walks), WatchedDict(engine.live, walks)
+    engine.requests, engine.live = (
+        WatchedDict(engine.requests, walks),
+        WatchedDict(engine.live, walks),
+    )
     try:
         ids = [engine.add_request(f"Request {i}", SamplingParams(max_tokens=3)) for i in range(300)]
         engine.add_request("Named", SamplingParams(max_tokens=3), request_id="named")

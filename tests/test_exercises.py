@@ -13,7 +13,9 @@ from textwrap import dedent
 
 import pytest
 
-nbformat = pytest.importorskip("nbformat")  # a GPU machine running `pytest -m gpu` may not have the notebook tools
+nbformat = pytest.importorskip(
+    "nbformat"
+)  # a GPU machine running `pytest -m gpu` may not have the notebook tools
 nbclient = pytest.importorskip("nbclient")
 jupytext = pytest.importorskip("jupytext")
 ipykernel_spec = pytest.importorskip("ipykernel.kernelspec")
@@ -53,10 +55,16 @@ def test_there_are_exercises_for_every_solution():
 def test_solution_has_checks_and_solution_blocks(path: Path):
     cells = jupytext.read(path, fmt="py:percent").cells
     checks = [i for i, c in enumerate(cells) if is_check(c)]
-    blocks = [i for i, c in enumerate(cells) if c.cell_type == "code" and "# BEGIN SOLUTION" in c.source]
+    blocks = [
+        i for i, c in enumerate(cells) if c.cell_type == "code" and "# BEGIN SOLUTION" in c.source
+    ]
     assert checks, f"{path.name}: no check cell (a code cell with `{CHECK}...)`)"
-    assert blocks, f"{path.name}: no `# BEGIN SOLUTION` ... `# END SOLUTION` block for the learner to write"
-    assert blocks[0] < checks[0], f"{path.name}: the first check (cell {checks[0]}) comes before any solution block"
+    assert blocks, (
+        f"{path.name}: no `# BEGIN SOLUTION` ... `# END SOLUTION` block for the learner to write"
+    )
+    assert blocks[0] < checks[0], (
+        f"{path.name}: the first check (cell {checks[0]}) comes before any solution block"
+    )
 
 
 @pytest.mark.parametrize("path", EXERCISES, ids=lambda p: p.stem)
@@ -71,7 +79,9 @@ def test_unsolved_exercise_stops_at_its_first_check(path: Path):
     client = nbclient.NotebookClient(
         nb, km=km, timeout=CELL_TIMEOUT_S, startup_timeout=CELL_TIMEOUT_S, resources=resources
     )
-    with client.setup_kernel(env=os.environ | {"CI": "true"}):  # cwd: the exercises folder (resources' path)
+    with client.setup_kernel(
+        env=os.environ | {"CI": "true"}
+    ):  # cwd: the exercises folder (resources' path)
         for index, cell in enumerate(nb.cells[:first_check]):
             if cell.cell_type != "code":
                 continue
@@ -90,13 +100,17 @@ def test_unsolved_exercise_stops_at_its_first_check(path: Path):
                 f"{NOT_WRITTEN} ...'), got {e.ename}: {e.evalue}"
             )
         else:
-            pytest.fail(f"{path.name}: the first check (cell {first_check}) passed: does the exercise ship solved?")
+            pytest.fail(
+                f"{path.name}: the first check (cell {first_check}) passed: does the exercise ship solved?"
+            )
 
 
 # A plausible wrong answer for each exercise, one that skips its point: the solution's cells run in this process
 # (fast: no kernel to start), `wrong` is executed just before the first check cell that contains `marker`, and that
 # check must fail with an AssertionError whose message names the case (`message`, a regular expression).
-WRONG_SOLUTIONS: dict[str, tuple[str, str, str, str]] = {}  # id -> (solution, marker, wrong code, message)
+WRONG_SOLUTIONS: dict[
+    str, tuple[str, str, str, str]
+] = {}  # id -> (solution, marker, wrong code, message)
 
 
 def wrong(id: str, solution: str, marker: str, code: str, message: str) -> None:
@@ -388,7 +402,9 @@ wrong(
 def test_every_exercise_has_a_wrong_solution():
     covered = {solution for solution, *_ in WRONG_SOLUTIONS.values()}
     missing = sorted(p.stem for p in SOLUTIONS if p.stem not in covered)
-    assert not missing, f"no wrong solution in WRONG_SOLUTIONS for {missing}: add one that skips the exercise's point"
+    assert not missing, (
+        f"no wrong solution in WRONG_SOLUTIONS for {missing}: add one that skips the exercise's point"
+    )
 
 
 @pytest.mark.parametrize("case", list(WRONG_SOLUTIONS), ids=str)
@@ -396,7 +412,9 @@ def test_wrong_solution_fails_its_check(case: str, monkeypatch: pytest.MonkeyPat
     solution, marker, code, message = WRONG_SOLUTIONS[case]
     monkeypatch.chdir(ROOT / "solutions")  # where the notebook runs
     monkeypatch.setenv("MPLBACKEND", "Agg")
-    cells = [c for c in jupytext.read(ROOT / "solutions" / f"{solution}.py", fmt="py:percent").cells]
+    cells = [
+        c for c in jupytext.read(ROOT / "solutions" / f"{solution}.py", fmt="py:percent").cells
+    ]
     namespace: dict = {"__name__": "__main__"}
     for index, cell in enumerate(cells):
         if cell.cell_type != "code":

@@ -12,9 +12,13 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BOUNDARY_LENGTHS = [1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128]
 
 
-def varlen_batch(q_lens, k_lens, num_heads, num_kv_heads, head_dim, dtype=torch.float32, device=DEVICE, seed=0):
+def varlen_batch(
+    q_lens, k_lens, num_heads, num_kv_heads, head_dim, dtype=torch.float32, device=DEVICE, seed=0
+):
     gen = torch.Generator().manual_seed(seed)
-    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    cu = lambda lens: torch.tensor(
+        [0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device
+    )
     make = lambda n, h: torch.randn(n, h, head_dim, generator=gen).to(dtype=dtype, device=device)
     return (
         make(sum(q_lens), num_heads),
@@ -25,8 +29,12 @@ def varlen_batch(q_lens, k_lens, num_heads, num_kv_heads, head_dim, dtype=torch.
     )
 
 
-def check(q_lens, k_lens, num_heads, num_kv_heads, head_dim, causal, dtype=torch.float32, tol=2e-5, seed=0):
-    q, k, v, cu_q, cu_k = varlen_batch(q_lens, k_lens, num_heads, num_kv_heads, head_dim, dtype, seed=seed)
+def check(
+    q_lens, k_lens, num_heads, num_kv_heads, head_dim, causal, dtype=torch.float32, tol=2e-5, seed=0
+):
+    q, k, v, cu_q, cu_k = varlen_batch(
+        q_lens, k_lens, num_heads, num_kv_heads, head_dim, dtype, seed=seed
+    )
     out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), causal=causal)
     ref = attention_ref(q, k, v, cu_q, cu_k, causal=causal)
     assert out.dtype == dtype and out.shape == q.shape
@@ -43,13 +51,18 @@ def test_kernel_matches_reference_on_random_varlen_batches(group, head_dim, caus
 
 
 @pytest.mark.parametrize(
-    "group, block_m, heads", [(1, 64, 1), (2, 64, 2), (8, 64, 2), (3, 64, 1), (6, 16, 2), (8, 16, 8)]
+    "group, block_m, heads",
+    [(1, 64, 1), (2, 64, 2), (8, 64, 2), (3, 64, 1), (6, 16, 2), (8, 16, 8)],
 )
-def test_a_program_serves_the_heads_of_one_kv_head_in_a_tile_of_128_rows_at_most(group, block_m, heads):
+def test_a_program_serves_the_heads_of_one_kv_head_in_a_tile_of_128_rows_at_most(
+    group, block_m, heads
+):
     assert heads_per_program(group, block_m) == heads
 
 
-@pytest.mark.parametrize("num_heads", [6, 12])  # groups of 3 (a program per head) and 6 (two heads a program)
+@pytest.mark.parametrize(
+    "num_heads", [6, 12]
+)  # groups of 3 (a program per head) and 6 (two heads a program)
 def test_groups_that_are_not_powers_of_two_match_the_reference(num_heads):
     check([40, 7], [40, 7], num_heads=num_heads, num_kv_heads=2, head_dim=32, causal=True)
 
@@ -62,7 +75,16 @@ def test_kernel_with_cached_prefix_and_fewer_keys_than_queries(causal):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_kernel_half_precision(dtype):
-    check([33, 16, 7], [33, 16, 7], num_heads=4, num_kv_heads=1, head_dim=64, causal=True, dtype=dtype, tol=2e-2)
+    check(
+        [33, 16, 7],
+        [33, 16, 7],
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=64,
+        causal=True,
+        dtype=dtype,
+        tol=2e-2,
+    )
 
 
 @pytest.mark.parametrize("block_m, block_n", [(32, 16), (16, 64)])
@@ -72,13 +94,21 @@ def test_a_tile_given_by_the_caller_is_used_and_exact(block_m, block_n):
     q, k, v, cu_q, cu_k = varlen_batch(q_lens, q_lens, 4, 2, 32)
     tile = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=1, num_stages=1)
     out = flash_attn_varlen_contiguous(q, k, v, cu_q, cu_k, 40, 40, causal=True, tile=tile)
-    torch.testing.assert_close(out, attention_ref(q, k, v, cu_q, cu_k, causal=True), rtol=2e-5, atol=2e-5)
-    with pytest.raises(KeyError):  # the tile really reaches the launch: one without BLOCK_M cannot run
-        flash_attn_varlen_contiguous(q, k, v, cu_q, cu_k, 40, 40, causal=True, tile=dict(BLOCK_N=16))
+    torch.testing.assert_close(
+        out, attention_ref(q, k, v, cu_q, cu_k, causal=True), rtol=2e-5, atol=2e-5
+    )
+    with pytest.raises(
+        KeyError
+    ):  # the tile really reaches the launch: one without BLOCK_M cannot run
+        flash_attn_varlen_contiguous(
+            q, k, v, cu_q, cu_k, 40, 40, causal=True, tile=dict(BLOCK_N=16)
+        )
 
 
 def test_kernel_softmax_scale_and_strided_inputs():
-    qkv = torch.randn(50, 4 + 2 + 2, 32, device=DEVICE)  # q, k, v packed as one projection output, as in a model
+    qkv = torch.randn(
+        50, 4 + 2 + 2, 32, device=DEVICE
+    )  # q, k, v packed as one projection output, as in a model
     q, k, v = qkv.split([4, 2, 2], dim=1)
     cu = torch.tensor([0, 20, 50], dtype=torch.int32, device=DEVICE)
     out = flash_attn_varlen_func(q, k, v, cu, cu, 30, 30, softmax_scale=0.3, causal=True)
@@ -92,7 +122,10 @@ def test_kernel_softmax_scale_and_strided_inputs():
     [
         (dict(q=torch.randn(10, 4, 32)[..., None]), "q must be"),
         (dict(k=torch.randn(10, 2, 64), v=torch.randn(10, 2, 64)), "head_dim"),
-        (dict(q=torch.randn(10, 4, 48), k=torch.randn(10, 2, 48), v=torch.randn(10, 2, 48)), "head_dim"),
+        (
+            dict(q=torch.randn(10, 4, 48), k=torch.randn(10, 2, 48), v=torch.randn(10, 2, 48)),
+            "head_dim",
+        ),
         (dict(q=torch.randn(10, 3, 32)), "num_heads"),
         (dict(v=torch.randn(10, 2, 32, dtype=torch.float64)), "v.dtype"),
         (dict(k=torch.randn(10, 2, 32, dtype=torch.float16)), "share a dtype"),
@@ -100,7 +133,10 @@ def test_kernel_softmax_scale_and_strided_inputs():
         (dict(cu_seqlens_q=torch.tensor([0, 10])), "cu_seqlens_q"),
         (dict(cu_seqlens_k=torch.tensor([0, 4, 10], dtype=torch.int32)), "same length"),
         (dict(max_seqlen_q=0), "max_seqlen_q"),
-        (dict(softmax_scale=0.0), "softmax_scale"),  # the kernels scale a row's maximum and the masked -inf
+        (
+            dict(softmax_scale=0.0),
+            "softmax_scale",
+        ),  # the kernels scale a row's maximum and the masked -inf
         (dict(softmax_scale=-0.1), "softmax_scale"),
         (dict(softmax_scale=float("nan")), "softmax_scale"),
     ],
@@ -129,7 +165,9 @@ def test_bad_input_raises_value_error_naming_the_argument(bad, argument):
 def test_kernel_bf16_on_gpu(group, head_dim, causal):
     rng = random.Random(f"gpu-{group}-{head_dim}-{causal}")
     q_lens = BOUNDARY_LENGTHS + [rng.randint(129, 3000) for _ in range(4)]
-    k_lens = [n + rng.choice([0, 0, 7, 300]) for n in q_lens]  # some sequences continue after a cached prefix
+    k_lens = [
+        n + rng.choice([0, 0, 7, 300]) for n in q_lens
+    ]  # some sequences continue after a cached prefix
     check(
         q_lens,
         k_lens,
@@ -144,4 +182,6 @@ def test_kernel_bf16_on_gpu(group, head_dim, causal):
 
 @pytest.mark.gpu
 def test_kernel_fp32_on_gpu_is_exact_not_tf32():
-    check([300, 1000], [300, 1000], num_heads=8, num_kv_heads=2, head_dim=128, causal=True, tol=1e-4)
+    check(
+        [300, 1000], [300, 1000], num_heads=8, num_kv_heads=2, head_dim=128, causal=True, tol=1e-4
+    )

@@ -53,7 +53,9 @@ def test_an_id_with_HF_HUB_CACHE_gives_its_snapshot_s_tokens(hub_cache, tiny_tok
         "print(json.dumps([o.outputs[0].token_ids for o in outs]))"
     )
     env = {**os.environ, "HF_HUB_CACHE": str(hub_cache), "HF_HUB_OFFLINE": "1"}
-    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     assert json.loads(run.stdout.strip().splitlines()[-1]) == tiny_tokens
 
@@ -88,7 +90,9 @@ def test_a_tokenizer_from_another_id(tiny, hub_cache, tmp_path):
         LLM(str(weights_only), **SMALL).generate("text", GREEDY, use_tqdm=False)
     llm = LLM(str(weights_only), tokenizer="minivllm/tiny", download_dir=str(hub_cache), **SMALL)
     text = llm.generate("Once upon a time", GREEDY, use_tqdm=False)[0]
-    assert text.prompt_token_ids == LLM(str(tiny), **SMALL).get_tokenizer().encode("Once upon a time")
+    assert text.prompt_token_ids == LLM(str(tiny), **SMALL).get_tokenizer().encode(
+        "Once upon a time"
+    )
 
 
 @pytest.mark.parametrize(
@@ -116,7 +120,9 @@ def test_a_repo_without_safetensors_says_so(tiny, tmp_path):
 
 
 def test_an_unsupported_architecture_is_named(tiny, tmp_path):
-    llama = edited_copy(tiny, tmp_path / "llama", config_edit=lambda c: c.update(architectures=["LlamaForCausalLM"]))
+    llama = edited_copy(
+        tiny, tmp_path / "llama", config_edit=lambda c: c.update(architectures=["LlamaForCausalLM"])
+    )
     lay_out_hub_cache(llama, tmp_path / "hub", "someone/llama")
     with pytest.raises(ValueError, match=r"LlamaForCausalLM.*not supported.*Qwen3ForCausalLM"):
         LLM("someone/llama", download_dir=str(tmp_path / "hub"), **SMALL)
@@ -131,7 +137,9 @@ def test_chat_template_kwargs_reach_the_template(tiny, tmp_path):
     llm = LLM(str(folder), **SMALL)
     chat = [{"role": "user", "content": "Hello"}]
     on, off = (
-        llm.chat(chat, GREEDY, use_tqdm=False, chat_template_kwargs={"enable_thinking": thinking})[0]
+        llm.chat(chat, GREEDY, use_tqdm=False, chat_template_kwargs={"enable_thinking": thinking})[
+            0
+        ]
         for thinking in (True, False)
     )
     decode = llm.get_tokenizer().decode
@@ -156,5 +164,7 @@ def test_an_id_on_a_gpu_in_bfloat16(hub_cache, tiny):
     by_id = LLM("minivllm/tiny", dtype="bfloat16", download_dir=str(hub_cache), **SMALL)
     outputs = by_id.generate(PROMPTS, GREEDY, use_tqdm=False)
     by_id.close()
-    assert [o.outputs[0].token_ids for o in outputs] == tokens(LLM(str(tiny), dtype="bfloat16", **SMALL))
+    assert [o.outputs[0].token_ids for o in outputs] == tokens(
+        LLM(str(tiny), dtype="bfloat16", **SMALL)
+    )
     assert greedy_agreement(tiny, outputs)["agreement_clear_cut"] == 1.0

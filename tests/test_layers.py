@@ -8,7 +8,11 @@ import torch.nn.functional as F
 from distributed import run_on_ranks
 from transformers import LlamaConfig, Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    apply_rotary_pos_emb,
+)
 
 from minivllm.kernels.reference import attention_ref
 from minivllm.layers.activation import SiluAndMul
@@ -167,7 +171,9 @@ def hf_rotate(config, rope_cls, q, k, positions):
 
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 def test_rope_matches_qwen3(head_dim):
-    config = Qwen3Config(head_dim=head_dim, num_attention_heads=4, max_position_embeddings=8192, rope_theta=1e6)
+    config = Qwen3Config(
+        head_dim=head_dim, num_attention_heads=4, max_position_embeddings=8192, rope_theta=1e6
+    )
     positions = torch.tensor([0, 1, 2, 511, 4096, 8191])
     q, k = torch.randn(6, 4, head_dim), torch.randn(6, 2, head_dim)
     q_ref, k_ref = hf_rotate(config, Qwen3RotaryEmbedding, q, k, positions)
@@ -185,27 +191,48 @@ def test_rope_llama3_scaling_matches_transformers():
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192,
     }
-    config = LlamaConfig(hidden_size=512, num_attention_heads=8, max_position_embeddings=16384, rope_parameters=params)
+    config = LlamaConfig(
+        hidden_size=512,
+        num_attention_heads=8,
+        max_position_embeddings=16384,
+        rope_parameters=params,
+    )
     inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
     rope = get_rope(config, 64)
     positions = torch.arange(0, 16384, 1000)
     torch.testing.assert_close(rope.cos[positions], (positions[:, None].float() * inv_freq).cos())
     default = get_rope(
-        LlamaConfig(hidden_size=512, num_attention_heads=8, max_position_embeddings=16384, rope_theta=500000.0), 64
+        LlamaConfig(
+            hidden_size=512,
+            num_attention_heads=8,
+            max_position_embeddings=16384,
+            rope_theta=500000.0,
+        ),
+        64,
     )
-    assert not torch.allclose(rope.cos[positions], default.cos[positions]), "llama3 scaling changed nothing"
+    assert not torch.allclose(rope.cos[positions], default.cos[positions]), (
+        "llama3 scaling changed nothing"
+    )
 
 
 def test_rope_reads_old_and_new_config_styles():
-    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    scaling = {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     old = SimpleNamespace(
-        rope_theta=500000.0, rope_scaling={"rope_type": "llama3", **scaling}, max_position_embeddings=128
+        rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", **scaling},
+        max_position_embeddings=128,
     )
     older = SimpleNamespace(
         rope_theta=500000.0, rope_scaling={"type": "llama3", **scaling}, max_position_embeddings=128
     )
     new = SimpleNamespace(
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, **scaling}, max_position_embeddings=128
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, **scaling},
+        max_position_embeddings=128,
     )
     bare = SimpleNamespace(max_position_embeddings=128)
     assert rope_parameters(old) == rope_parameters(new) == rope_parameters(older)
@@ -223,18 +250,27 @@ def test_rope_reads_old_and_new_config_styles():
 def test_attention_ref_matches_sdpa(causal, group):
     lens = [5, 1, 33]
     cu = torch.tensor([0, 5, 6, 39], dtype=torch.int32)
-    q, k, v = torch.randn(39, 8, 32), torch.randn(39, 8 // group, 32), torch.randn(39, 8 // group, 32)
+    q, k, v = (
+        torch.randn(39, 8, 32),
+        torch.randn(39, 8 // group, 32),
+        torch.randn(39, 8 // group, 32),
+    )
     out = attention_ref(q, k, v, cu, cu, causal=causal)
     for i, n in enumerate(lens):
         s = slice(cu[i].item(), cu[i].item() + n)
         expand = lambda t, s=s: t[s].repeat_interleave(group, 1).transpose(0, 1)
-        ref = F.scaled_dot_product_attention(q[s].transpose(0, 1), expand(k), expand(v), is_causal=causal)
+        ref = F.scaled_dot_product_attention(
+            q[s].transpose(0, 1), expand(k), expand(v), is_causal=causal
+        )
         torch.testing.assert_close(out[s], ref.transpose(0, 1), rtol=1e-5, atol=1e-5)
 
 
 def test_attention_ref_bottom_right_causal():
     """2 new queries after 3 cached keys: query 0 sees keys 0..3, query 1 sees 0..4 (flash-attn's convention)."""
-    q, k = torch.zeros(2, 1, 16), torch.zeros(5, 1, 16)  # equal scores: the output is the mean of visible values
+    q, k = (
+        torch.zeros(2, 1, 16),
+        torch.zeros(5, 1, 16),
+    )  # equal scores: the output is the mean of visible values
     v = torch.arange(5, dtype=torch.float32)[:, None, None].expand(5, 1, 16).contiguous()
     out = attention_ref(q, k, v, torch.tensor([0, 2]), torch.tensor([0, 5]), causal=True)
     torch.testing.assert_close(out[:, 0, 0], torch.tensor([1.5, 2.0]))

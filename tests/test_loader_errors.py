@@ -16,7 +16,9 @@ from minivllm.testing import edited_copy
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory):
     """The same weights as `tiny`, in several shards with a model.safetensors.index.json."""
-    return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "sharded", "tiny", seed=0, max_shard_size="1MB")
+    return write_checkpoint(
+        tmp_path_factory.mktemp("ckpt") / "sharded", "tiny", seed=0, max_shard_size="1MB"
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -53,8 +55,12 @@ def test_unreadable_config(tiny, tmp_path):
 
 @pytest.mark.parametrize("architectures", [["LlamaForCausalLM"], ["MambaForCausalLM"], None])
 def test_unknown_architecture_names_the_supported_ones(tiny, tmp_path, architectures):
-    path = edited_copy(tiny, tmp_path / "broken", config_edit=lambda c: c.update(architectures=architectures))
-    with pytest.raises(ValueError, match=r"not supported; supported architectures: \['Qwen3ForCausalLM'\]"):
+    path = edited_copy(
+        tiny, tmp_path / "broken", config_edit=lambda c: c.update(architectures=architectures)
+    )
+    with pytest.raises(
+        ValueError, match=r"not supported; supported architectures: \['Qwen3ForCausalLM'\]"
+    ):
         load_model(path)
 
 
@@ -74,7 +80,10 @@ def test_no_safetensors(tiny, tmp_path):
 
 def test_index_names_a_missing_shard(tiny, tmp_path):
     path = edited_copy(tiny, tmp_path / "broken")
-    index = {"metadata": {}, "weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}
+    index = {
+        "metadata": {},
+        "weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"},
+    }
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(FileNotFoundError, match="model-00002-of-00002.safetensors"):
         load_model(path)
@@ -118,11 +127,15 @@ def test_index_without_a_weight_map(sharded, tmp_path, index):
 def test_tensor_in_two_files_names_both(tiny, tmp_path):
     """A stray file beside the weights (an old copy, another run's shard) must not silently override them."""
     path = edited_copy(tiny, tmp_path / "broken")
-    save_file({"model.norm.weight": torch.zeros(128)}, path / "old.safetensors", metadata={"format": "pt"})
+    save_file(
+        {"model.norm.weight": torch.zeros(128)}, path / "old.safetensors", metadata={"format": "pt"}
+    )
     with pytest.raises(ValueError) as e:
         load_model(path)
     assert "model.norm.weight" in str(e.value)
-    assert "old.safetensors" in str(e.value) and "model.safetensors" in str(e.value).replace("old.safetensors", "")
+    assert "old.safetensors" in str(e.value) and "model.safetensors" in str(e.value).replace(
+        "old.safetensors", ""
+    )
 
 
 def test_shards_without_index_beside_an_old_single_file(sharded, tiny, tmp_path):
@@ -166,7 +179,9 @@ def test_index_puts_a_tensor_in_the_wrong_file(sharded, tmp_path):
 def test_index_names_a_tensor_no_file_holds(sharded, tmp_path):
     path = edited_copy(sharded, tmp_path / "broken")
     _, files = shards(path)
-    edit_index(path, lambda i: i["weight_map"].update({"model.layers.0.mlp.extra.weight": files[0]}))
+    edit_index(
+        path, lambda i: i["weight_map"].update({"model.layers.0.mlp.extra.weight": files[0]})
+    )
     with pytest.raises(ValueError, match=r"index.json.*model.layers.0.mlp.extra.weight"):
         load_model(path)
 
@@ -179,20 +194,28 @@ def test_unreadable_safetensors(tiny, tmp_path):
 
 
 def test_missing_tensor(tiny, tmp_path):
-    path = edited_copy(tiny, tmp_path / "broken", tensors_edit=lambda t: t.pop("model.layers.2.mlp.gate_proj.weight"))
+    path = edited_copy(
+        tiny,
+        tmp_path / "broken",
+        tensors_edit=lambda t: t.pop("model.layers.2.mlp.gate_proj.weight"),
+    )
     with pytest.raises(ValueError, match="missing 1 tensor.*model.layers.2.mlp.gate_proj.weight"):
         load_model(path)
 
 
 def test_untied_config_needs_lm_head(tiny, tmp_path):
-    path = edited_copy(tiny, tmp_path / "broken", config_edit=lambda c: c.update(tie_word_embeddings=False))
+    path = edited_copy(
+        tiny, tmp_path / "broken", config_edit=lambda c: c.update(tie_word_embeddings=False)
+    )
     with pytest.raises(ValueError, match="missing 1 tensor.*lm_head.weight"):
         load_model(path)
 
 
 def test_unexpected_tensor(tiny, tmp_path):
     path = edited_copy(
-        tiny, tmp_path / "broken", tensors_edit=lambda t: t.update({"model.layers.0.mlp.extra.weight": torch.zeros(3)})
+        tiny,
+        tmp_path / "broken",
+        tensors_edit=lambda t: t.update({"model.layers.0.mlp.extra.weight": torch.zeros(3)}),
     )
     with pytest.raises(ValueError, match="unexpected tensor.*model.layers.0.mlp.extra.weight"):
         load_model(path)
@@ -209,10 +232,16 @@ def test_unexpected_tensor(tiny, tmp_path):
     ],
 )
 def test_shape_mismatch_names_tensor_and_shapes(tiny, tmp_path, name, shape, expected):
-    path = edited_copy(tiny, tmp_path / "broken", tensors_edit=lambda t: t.update({name: torch.zeros(shape)}))
+    path = edited_copy(
+        tiny, tmp_path / "broken", tensors_edit=lambda t: t.update({name: torch.zeros(shape)})
+    )
     with pytest.raises(ValueError) as e:
         load_model(path)
-    assert name in str(e.value) and f"expected shape {expected}" in str(e.value) and f"got {shape}" in str(e.value)
+    assert (
+        name in str(e.value)
+        and f"expected shape {expected}" in str(e.value)
+        and f"got {shape}" in str(e.value)
+    )
 
 
 def test_bad_dtype(tiny):

@@ -45,13 +45,17 @@ def assert_idle(llm: LLM) -> None:
 
 def test_concurrent_generate_calls_are_serialised(llm):
     batches = [[[i + 1, i + 2, i + 3], list(range(10 + i, 30 + i))] for i in range(3)]
-    alone = [[o.outputs[0].token_ids for o in llm.generate(b, GREEDY, use_tqdm=False)] for b in batches]
+    alone = [
+        [o.outputs[0].token_ids for o in llm.generate(b, GREEDY, use_tqdm=False)] for b in batches
+    ]
     start, results, errors = threading.Barrier(len(batches)), [None] * len(batches), []
 
     def worker(i: int) -> None:
         start.wait()
         try:
-            results[i] = [o.outputs[0].token_ids for o in llm.generate(batches[i], GREEDY, use_tqdm=False)]
+            results[i] = [
+                o.outputs[0].token_ids for o in llm.generate(batches[i], GREEDY, use_tqdm=False)
+            ]
         except Exception as e:  # noqa: BLE001 — reported below
             errors.append(repr(e))
 
@@ -69,7 +73,9 @@ def test_concurrent_generate_calls_are_serialised(llm):
 # --- 2. a checkpoint without a tokenizer ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dropped", [("tokenizer.json", "tokenizer_config.json"), ("tokenizer.json",)])
+@pytest.mark.parametrize(
+    "dropped", [("tokenizer.json", "tokenizer_config.json"), ("tokenizer.json",)]
+)
 def test_a_checkpoint_without_tokenizer_files_refuses_text(tiny, tmp_path, llm, dropped):
     folder = tmp_path / "no_tokenizer"
     shutil.copytree(tiny, folder)
@@ -143,7 +149,14 @@ def test_sampling_params_accept_numpy_and_torch_scalars():
         stop_token_ids=(np.int64(1), torch.tensor(2)),
         ignore_eos=np.bool_(True),
     )
-    assert (p.max_tokens, p.seed, p.top_k, p.temperature, p.top_p, p.min_p) == (3, 5, 4, 0.5, 0.75, 0.125)
+    assert (p.max_tokens, p.seed, p.top_k, p.temperature, p.top_p, p.min_p) == (
+        3,
+        5,
+        4,
+        0.5,
+        0.75,
+        0.125,
+    )
     assert p.stop_token_ids == [1, 2] and p.ignore_eos is True
     assert all(type(v) is int for v in (p.max_tokens, p.seed, p.top_k, *p.stop_token_ids))
     assert all(type(v) is float for v in (p.temperature, p.top_p, p.min_p))
@@ -207,7 +220,9 @@ def test_a_bad_request_anywhere_in_a_call_queues_nothing(llm):
             llm.generate([[1, 2], [3, 4], [5, 6]], [GREEDY, GREEDY, bad], use_tqdm=False)
         assert_idle(llm)
     with pytest.raises(ValueError, match="stop_token_ids"):
-        llm.generate([[1, 2], [3, 4]], [GREEDY, SamplingParams(stop_token_ids=[[1]])], use_tqdm=False)
+        llm.generate(
+            [[1, 2], [3, 4]], [GREEDY, SamplingParams(stop_token_ids=[[1]])], use_tqdm=False
+        )
     assert_idle(llm)
     assert llm.generate([[1, 2]], GREEDY, use_tqdm=False)[0].outputs[0].finish_reason == "length"
 
@@ -261,11 +276,15 @@ def test_the_float32_floors_themselves_sample_valid_tokens(llm):
     params = [SamplingParams(seed=3, max_tokens=4, ignore_eos=True, **edge) for edge in edges]
     outputs = llm.generate([[1, 2, 3, 1, 2]] * len(params), params, use_tqdm=False)
     vocab_size = llm.engine.config.hf_config.vocab_size
-    assert all(len(o.outputs[0].token_ids) == 4 and 0 <= min(o.outputs[0].token_ids) for o in outputs)
+    assert all(
+        len(o.outputs[0].token_ids) == 4 and 0 <= min(o.outputs[0].token_ids) for o in outputs
+    )
     assert all(max(o.outputs[0].token_ids) < vocab_size for o in outputs)
 
 
-@pytest.mark.parametrize("temperature", [9.99e-6, 1e-6, 1.1754944e-38, float(np.float32(1e-45)), 5e-324, 0.0])
+@pytest.mark.parametrize(
+    "temperature", [9.99e-6, 1e-6, 1.1754944e-38, float(np.float32(1e-45)), 5e-324, 0.0]
+)
 def test_temperatures_below_1e_5_are_greedy(llm, temperature):
     params = SamplingParams(temperature=temperature, max_tokens=8, ignore_eos=True, seed=3)
     assert params.temperature == 0.0
@@ -278,7 +297,9 @@ def test_temperatures_below_1e_5_are_greedy(llm, temperature):
 
 @pytest.mark.parametrize("temperature", [1e-5, 1e-4, 1e30, float(np.finfo(np.float32).max), 1e300])
 def test_extreme_temperatures_sample_valid_tokens(llm, temperature):
-    params = SamplingParams(temperature=temperature, max_tokens=8, ignore_eos=True, seed=3, top_p=0.9, min_p=1e-30)
+    params = SamplingParams(
+        temperature=temperature, max_tokens=8, ignore_eos=True, seed=3, top_p=0.9, min_p=1e-30
+    )
     assert params.temperature == temperature
     tokens = llm.generate([[5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
     vocab = llm.engine.config.hf_config.vocab_size
@@ -312,7 +333,9 @@ def test_duplicate_request_ids_are_refused(llm):
         engine.add_request([3, 4], GREEDY, 7)
     outputs = drain(llm)
     assert [o.request_id for o in outputs] == ["a"]
-    assert engine.add_request([1, 2], GREEDY, "a") == "a"  # a finished request's id may be used again
+    assert (
+        engine.add_request([1, 2], GREEDY, "a") == "a"
+    )  # a finished request's id may be used again
     assert [o.request_id for o in drain(llm)] == ["a"]
     assert_idle(llm)
 
@@ -320,12 +343,17 @@ def test_duplicate_request_ids_are_refused(llm):
 def test_requests_added_earlier_survive_a_generate(llm):
     engine = llm.engine
     expected = {"x": greedy_tokens(llm, [5, 6, 7], 16), "y": greedy_tokens(llm, [9, 9], 2)}
-    engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), "x")
+    engine.add_request(
+        [5, 6, 7], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), "x"
+    )
     engine.add_request([9, 9], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), "y")
     engine.add_request([0], GREEDY, "0")  # an id generate's own numbering would also use
     out = llm.generate([[1, 2, 3], [4, 5]], GREEDY, use_tqdm=False)
     assert [o.prompt_token_ids for o in out] == [[1, 2, 3], [4, 5]]
-    assert [o.outputs[0].token_ids for o in out] == [greedy_tokens(llm, [1, 2, 3]), greedy_tokens(llm, [4, 5])]
+    assert [o.outputs[0].token_ids for o in out] == [
+        greedy_tokens(llm, [1, 2, 3]),
+        greedy_tokens(llm, [4, 5]),
+    ]
     rest = {o.request_id: o.outputs[0].token_ids for o in drain(llm)}
     assert rest == {**expected, "0": greedy_tokens(llm, [0])}
     assert_idle(llm)
@@ -335,10 +363,19 @@ def test_requests_added_earlier_survive_a_generate(llm):
 def test_a_failed_step_aborts_its_requests_and_the_engine_goes_on(tiny, hf_greedy, policy):
     """A step fails: exactly its requests are aborted. Prefill-first runs a and b's prefill alone, so the request
     that was decoding survives; the unified policy puts its next token in the same (failed) step."""
-    long_a, long_b = list(range(100, 140)), list(range(200, 250))  # full blocks never seen before: cacheable
+    long_a, long_b = (
+        list(range(100, 140)),
+        list(range(200, 250)),
+    )  # full blocks never seen before: cacheable
     expected = {p[0]: hf_greedy(p, 16) for p in ([1, 2, 3], long_a, long_b)}
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    with LLM(str(tiny), num_kvcache_blocks=64, max_num_seqs=8, max_model_len=256, scheduling_policy=policy) as llm:
+    with LLM(
+        str(tiny),
+        num_kvcache_blocks=64,
+        max_num_seqs=8,
+        max_model_len=256,
+        scheduling_policy=policy,
+    ) as llm:
         engine, runner = llm.engine, llm.engine.runner
         engine.add_request([1, 2, 3], params, "survivor")
         engine.step()  # its prefill
@@ -367,7 +404,9 @@ def test_a_failed_step_aborts_its_requests_and_the_engine_goes_on(tiny, hf_greed
 
 def test_a_failed_decode_step_aborts_its_requests(llm, hf_greedy):
     engine, runner = llm.engine, llm.engine.runner
-    prompt = list(range(300, 331))  # 31 tokens: the first decode fills the second block, which is then cached
+    prompt = list(
+        range(300, 331)
+    )  # 31 tokens: the first decode fills the second block, which is then cached
     expected = hf_greedy(prompt, 8)
     engine.add_request(prompt, GREEDY, "d")
     engine.step()  # prefill
@@ -430,14 +469,25 @@ def test_an_interrupt_at_any_moment_of_generate_leaves_no_request_behind(llm, hf
     """Ctrl-C anywhere in generate, even as add_requests queues or returns: every request it added is gone, with its
     KV blocks and kept outputs, and the engine serves on. One call per moment of a whole call, interrupted there; the
     model's logits are random meanwhile (the bookkeeping is under test, and a forward of the model takes long)."""
-    prompts = [list(range(10, 30)), "Hello", list(range(10, 26)) + [3]]  # the third hits the first's cached block
+    prompts = [
+        list(range(10, 30)),
+        "Hello",
+        list(range(10, 26)) + [3],
+    ]  # the third hits the first's cached block
     greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-    params = [greedy, SamplingParams(max_tokens=3, n=2, seed=0), SamplingParams(max_tokens=4, stop_token_ids=[7])]
+    params = [
+        greedy,
+        SamplingParams(max_tokens=3, n=2, seed=0),
+        SamplingParams(max_tokens=4, stop_token_ids=[7]),
+    ]
     runner, vocab_size = llm.engine.runner, llm.engine.config.hf_config.vocab_size
     runner.step_logits = lambda seqs, is_prefill: torch.randn(len(seqs), vocab_size)
     interrupter, config, counts = Interrupter(llm.engine), llm.engine.config, []
     try:
-        for config.async_scheduling in (False, True):  # with async scheduling, a step is launched ahead too
+        for config.async_scheduling in (
+            False,
+            True,
+        ):  # with async scheduling, a step is launched ahead too
             interrupter.at, interrupter.moments = 0, 0
             llm.generate(prompts, params, use_tqdm=False)
             counts.append(interrupter.moments)
@@ -451,7 +501,9 @@ def test_an_interrupt_at_any_moment_of_generate_leaves_no_request_behind(llm, hf
         del runner.step_logits
         config.async_scheduling = False
     assert min(counts) > 100, counts
-    fresh = list(range(400, 420))  # not the prompts above: random logits wrote no KV to their cached blocks
+    fresh = list(
+        range(400, 420)
+    )  # not the prompts above: random logits wrote no KV to their cached blocks
     assert greedy_tokens(llm, fresh) == hf_greedy(fresh, 8)
 
 
@@ -461,7 +513,11 @@ def test_an_interrupt_at_any_moment_of_generate_leaves_no_request_behind(llm, hf
 def run_cli(tmp_path, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, MINIVLLM_CHECKPOINTS=str(tmp_path))
     return subprocess.run(
-        [sys.executable, "-m", "minivllm", *args], capture_output=True, text=True, timeout=300, env=env
+        [sys.executable, "-m", "minivllm", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
 
 
@@ -483,7 +539,11 @@ def run_cli(tmp_path, *args: str) -> subprocess.CompletedProcess:
     ],
 )
 def test_cli_bad_values_are_usage_errors(tmp_path, args, field):
-    proc = run_cli(tmp_path, "--preset", "tiny", *args) if "--model" not in args else run_cli(tmp_path, *args)
+    proc = (
+        run_cli(tmp_path, "--preset", "tiny", *args)
+        if "--model" not in args
+        else run_cli(tmp_path, *args)
+    )
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and field in proc.stderr.splitlines()[-1]
     assert proc.stderr.splitlines()[-1].startswith("python -m minivllm: error:"), proc.stderr
@@ -491,6 +551,8 @@ def test_cli_bad_values_are_usage_errors(tmp_path, args, field):
 
 
 def test_cli_a_prompt_the_engine_refuses_is_a_usage_error(tmp_path):
-    proc = run_cli(tmp_path, "--preset", "tiny", "--max-model-len", "4", "a prompt far longer than four tokens")
+    proc = run_cli(
+        tmp_path, "--preset", "tiny", "--max-model-len", "4", "a prompt far longer than four tokens"
+    )
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and "max_model_len" in proc.stderr.splitlines()[-1]

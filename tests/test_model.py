@@ -35,7 +35,10 @@ VARIANTS = {
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("checkpoints")
-    return {name: write_checkpoint(root / name, config, seed=i) for i, (name, config) in enumerate(VARIANTS.items())}
+    return {
+        name: write_checkpoint(root / name, config, seed=i)
+        for i, (name, config) in enumerate(VARIANTS.items())
+    }
 
 
 def hf_logits(path, token_ids: list[int]) -> torch.Tensor:
@@ -75,15 +78,21 @@ def test_packed_prompts_equal_separate_prompts(checkpoints):
     input_ids = torch.tensor(sum(prompts, []))
     positions = torch.cat([torch.arange(n) for n in lens])
     with torch.inference_mode():
-        packed = model.compute_logits(model(input_ids, positions, PrefillContext.from_lens(lens, "cpu")))
+        packed = model.compute_logits(
+            model(input_ids, positions, PrefillContext.from_lens(lens, "cpu"))
+        )
     for p, logits in zip(prompts, packed.split(lens), strict=True):
         torch.testing.assert_close(logits, prompt_logits(model, p), rtol=1e-5, atol=1e-5)
 
 
 def test_sharded_checkpoint_with_index_loads(checkpoints, tmp_path):
-    sharded = write_checkpoint(tmp_path / "sharded", VARIANTS["tied-gqa"], seed=0, max_shard_size="1MB")
+    sharded = write_checkpoint(
+        tmp_path / "sharded", VARIANTS["tied-gqa"], seed=0, max_shard_size="1MB"
+    )
     index = json.loads((sharded / "model.safetensors.index.json").read_text())
-    assert len(set(index["weight_map"].values())) > 1 and "lm_head.weight" not in index["weight_map"]
+    assert (
+        len(set(index["weight_map"].values())) > 1 and "lm_head.weight" not in index["weight_map"]
+    )
     assert not (sharded / "model.safetensors").exists()
     token_ids = prompt(50)
     torch.testing.assert_close(
@@ -96,12 +105,18 @@ def test_sharded_checkpoint_with_index_loads(checkpoints, tmp_path):
 
 def test_sharded_checkpoint_follows_its_index(checkpoints, tmp_path):
     """A stray file beside indexed shards (here: other weights) is not read, by us or by transformers."""
-    sharded = write_checkpoint(tmp_path / "sharded", VARIANTS["tied-gqa"], seed=0, max_shard_size="1MB")
+    sharded = write_checkpoint(
+        tmp_path / "sharded", VARIANTS["tied-gqa"], seed=0, max_shard_size="1MB"
+    )
     other = write_checkpoint(tmp_path / "other", VARIANTS["tied-gqa"], seed=7)
-    (sharded / "model-00009-of-00009.safetensors").write_bytes((other / "model.safetensors").read_bytes())
+    (sharded / "model-00009-of-00009.safetensors").write_bytes(
+        (other / "model.safetensors").read_bytes()
+    )
     token_ids = prompt(50)
     ours = prompt_logits(load_model(sharded), token_ids)
-    torch.testing.assert_close(ours, prompt_logits(load_model(checkpoints["tied-gqa"]), token_ids), rtol=0, atol=0)
+    torch.testing.assert_close(
+        ours, prompt_logits(load_model(checkpoints["tied-gqa"]), token_ids), rtol=0, atol=0
+    )
     torch.testing.assert_close(ours, hf_logits(sharded, token_ids), rtol=1e-4, atol=1e-4)
 
 
@@ -134,14 +149,18 @@ def test_written_out_config_skips_the_architecture_class(checkpoints, name):
     assert {f: getattr(fast, f) for f in READ_FIELDS} == {f: getattr(full, f) for f in READ_FIELDS}
     assert rope_parameters(fast) == rope_parameters(full)
     for device in ("cpu", "cuda"):
-        assert resolve_dtype("auto", fast, torch.device(device)) == resolve_dtype("auto", full, torch.device(device))
+        assert resolve_dtype("auto", fast, torch.device(device)) == resolve_dtype(
+            "auto", full, torch.device(device)
+        )
 
 
 @pytest.mark.parametrize("field", CONFIG_FIELDS["Qwen3ForCausalLM"])
 def test_config_without_a_field_takes_the_class_defaults(checkpoints, tmp_path, field):
     """A field missing from config.json is Qwen3Config's default, as AutoConfig gives it (layer_types goes too:
     Qwen3Config checks it against num_hidden_layers)."""
-    path = edited_copy(checkpoints["untied-gqa"], tmp_path / "c", lambda c: [c.pop(field), c.pop("layer_types")])
+    path = edited_copy(
+        checkpoints["untied-gqa"], tmp_path / "c", lambda c: [c.pop(field), c.pop("layer_types")]
+    )
     config = read_config(path)
     assert type(config).__name__ == "Qwen3Config"
     assert getattr(config, field) == getattr(AutoConfig.from_pretrained(path), field)
@@ -150,7 +169,9 @@ def test_config_without_a_field_takes_the_class_defaults(checkpoints, tmp_path, 
 def test_untied_checkpoint_without_tie_field_stays_untied(checkpoints, tmp_path):
     """Qwen3Config's tie_word_embeddings defaults to False, the base class's to True: a config.json that leaves the
     field out must load an untied head, with transformers' logits."""
-    path = edited_copy(checkpoints["untied-gqa"], tmp_path / "c", lambda c: c.pop("tie_word_embeddings"))
+    path = edited_copy(
+        checkpoints["untied-gqa"], tmp_path / "c", lambda c: c.pop("tie_word_embeddings")
+    )
     token_ids = prompt(17)
     torch.testing.assert_close(
         prompt_logits(load_model(path), token_ids), hf_logits(path, token_ids), rtol=1e-4, atol=1e-4
@@ -180,10 +201,14 @@ def test_transformers_4_config_keys_load(checkpoints, tmp_path):
 
 
 def test_bfloat16_checkpoint_upcasts_to_float32(tmp_path):
-    path = write_checkpoint(tmp_path / "bf16", variant(tie=True, num_kv_heads=2, dtype=torch.bfloat16), seed=5)
+    path = write_checkpoint(
+        tmp_path / "bf16", variant(tie=True, num_kv_heads=2, dtype=torch.bfloat16), seed=5
+    )
     model = load_model(path, dtype=torch.float32)
     assert all(p.dtype == torch.float32 for p in model.parameters())
-    assert load_model(path, dtype="auto", device="cpu").lm_head.weight.dtype == torch.float32  # auto on CPU: fp32
+    assert (
+        load_model(path, dtype="auto", device="cpu").lm_head.weight.dtype == torch.float32
+    )  # auto on CPU: fp32
     assert load_model(path, dtype=torch.bfloat16).lm_head.weight.dtype == torch.bfloat16
     token_ids = prompt(64)
     ours, ref = prompt_logits(model, token_ids), hf_logits(path, token_ids)
@@ -226,13 +251,18 @@ def tp_run(paths: dict, token_ids: list[int]) -> dict:
     results = {}
     for name, path in paths.items():
         model = load_model(path, dtype=torch.float32)
-        results[name] = prompt_logits(model, token_ids), {n: tuple(p.shape) for n, p in model.named_parameters()}
+        results[name] = (
+            prompt_logits(model, token_ids),
+            {n: tuple(p.shape) for n, p in model.named_parameters()},
+        )
     return results
 
 
 @pytest.fixture(scope="module")
 def tp2(checkpoints):
-    return run_on_ranks(tp_run, 2, {name: checkpoints[name] for name in TP_VARIANTS}, TP_PROMPT)  # one spawn
+    return run_on_ranks(
+        tp_run, 2, {name: checkpoints[name] for name in TP_VARIANTS}, TP_PROMPT
+    )  # one spawn
 
 
 @pytest.mark.parametrize("name", TP_VARIANTS)
@@ -262,7 +292,10 @@ def test_qwen3_0_6b_bfloat16_parity_on_gpu():
 
     result = run_model_parity("qwen3-0.6b", num_tokens=1024)
     rows = {(row["impl"], row["reference"]): row for row in result["rows"]}
-    ours, theirs = rows["minivllm-bf16", "transformers-fp32"], rows["transformers-bf16", "transformers-fp32"]
+    ours, theirs = (
+        rows["minivllm-bf16", "transformers-fp32"],
+        rows["transformers-bf16", "transformers-fp32"],
+    )
     print(json.dumps(result, indent=2))
     assert result["rope_theta"] == 1e6
     # float32: the same function, up to summation order

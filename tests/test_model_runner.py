@@ -66,8 +66,12 @@ def run_steps(runner, prompts, num_decode_steps, shuffle=True, seed=0, bm=None, 
 
 def assert_matches_from_scratch(reference, seqs, history, tol=1e-4):
     for seq, logits in zip(seqs, history):
-        full = prompt_logits(reference, seq.token_ids).float().cpu()  # (len, vocab): every position at once
-        expected = full[seq.num_prompt_tokens - 1 : len(seq) - 1]  # the positions that predicted each new token
+        full = (
+            prompt_logits(reference, seq.token_ids).float().cpu()
+        )  # (len, vocab): every position at once
+        expected = full[
+            seq.num_prompt_tokens - 1 : len(seq) - 1
+        ]  # the positions that predicted each new token
         torch.testing.assert_close(logits, expected, rtol=tol, atol=tol)
 
 
@@ -102,11 +106,16 @@ def test_prefix_cache_hit_gives_the_logits_of_no_caching(runner, reference, use_
     try:
         system = random.Random(1).choices(range(2048), k=48)  # three full blocks
         bm = BlockManager(runner.num_kvcache_blocks, runner.block_size)
-        run_steps(runner, [system + [1, 2]], 0, bm=bm)  # fills the cache; its blocks stay cached when freed
+        run_steps(
+            runner, [system + [1, 2]], 0, bm=bm
+        )  # fills the cache; its blocks stay cached when freed
         seqs, hit, cached = run_steps(runner, [system + [9, 8, 7, 6, 5]], 4, bm=bm)
         assert cached == [48]
         _, plain, _ = run_steps(
-            runner, [system + [9, 8, 7, 6, 5]], 4, bm=BlockManager(128, 16, enable_prefix_caching=False)
+            runner,
+            [system + [9, 8, 7, 6, 5]],
+            4,
+            bm=BlockManager(128, 16, enable_prefix_caching=False),
         )
         torch.testing.assert_close(hit[0], plain[0], rtol=1e-4, atol=1e-4)
         assert_matches_from_scratch(reference, seqs, hit)
@@ -122,7 +131,12 @@ def test_chunked_prefill_gives_the_logits_of_one_step(runner, reference, use_tri
     try:
         prompt = random.Random(2).choices(range(2048), k=90)
         expected = prompt_logits(reference, prompt)[-1].float().cpu()
-        for hit, ends in ((False, [1, 2, 50, 90]), (False, [16, 32, 89, 90]), (True, [33, 90]), (True, [48, 89, 90])):
+        for hit, ends in (
+            (False, [1, 2, 50, 90]),
+            (False, [16, 32, 89, 90]),
+            (True, [33, 90]),
+            (True, [48, 89, 90]),
+        ):
             bm = BlockManager(runner.num_kvcache_blocks, runner.block_size)
             if hit:
                 run_steps(runner, [prompt[:40]], 0, bm=bm)  # caches the prompt's first two blocks
@@ -154,14 +168,18 @@ def test_mixed_step_gives_every_row_its_logits(runner, reference, use_triton, mo
     runner.use_triton = use_triton or DEVICE == "cuda"
     try:
         rng, bm = random.Random(3), BlockManager(runner.num_kvcache_blocks, runner.block_size)
-        decoding = [Sequence(rng.choices(range(2048), k=n), block_size=runner.block_size) for n in (20, 37)]
+        decoding = [
+            Sequence(rng.choices(range(2048), k=n), block_size=runner.block_size) for n in (20, 37)
+        ]
         chunked = Sequence(rng.choices(range(2048), k=50), block_size=runner.block_size)
         for seq in decoding:
             admit(bm, seq)
         bm.allocate(chunked)
         bm.cache_blocks(chunked, 21)
         chunked.num_scheduled_tokens = 21
-        runner.step_logits([*decoding, chunked], is_prefill=True)  # the prompts, and the chunk's first 21 tokens
+        runner.step_logits(
+            [*decoding, chunked], is_prefill=True
+        )  # the prompts, and the chunk's first 21 tokens
         for seq in decoding:
             seq.num_cached_tokens = len(seq)
             seq.append_token(rng.randrange(2048))
@@ -173,7 +191,10 @@ def test_mixed_step_gives_every_row_its_logits(runner, reference, use_triton, mo
         decode_rows.clear()
         step = [*decoding, chunked]
         assert prepare_prefill(step, runner.block_size).num_decode_seqs == 2
-        graphs, runner.mixed_graphs = runner.mixed_graphs, None  # eagerly first: the spy sees each launch
+        graphs, runner.mixed_graphs = (
+            runner.mixed_graphs,
+            None,
+        )  # eagerly first: the spy sees each launch
         try:
             logits = runner.step_logits(step, is_prefill=True).float().cpu()
         finally:
@@ -183,9 +204,13 @@ def test_mixed_step_gives_every_row_its_logits(runner, reference, use_triton, mo
             torch.testing.assert_close(row, expected, rtol=1e-4, atol=1e-4)
         layers = runner.config.hf_config.num_hidden_layers
         assert decode_rows == ([2] * layers if runner.use_triton else [])
-        if graphs is not None:  # on a GPU: the same step again (the same KV to the same slots), replayed
+        if (
+            graphs is not None
+        ):  # on a GPU: the same step again (the same KV to the same slots), replayed
             replays = graphs.num_replays
-            torch.testing.assert_close(runner.step_logits(step, is_prefill=True).float().cpu(), logits)
+            torch.testing.assert_close(
+                runner.step_logits(step, is_prefill=True).float().cpu(), logits
+            )
             assert graphs.num_replays == replays + 1
     finally:
         runner.use_triton = DEVICE == "cuda"
@@ -194,21 +219,36 @@ def test_mixed_step_gives_every_row_its_logits(runner, reference, use_triton, mo
 def test_shared_prefix_finds_the_leading_blocks_most_rows_share(monkeypatch):
     monkeypatch.setattr(cascade, "CASCADE_MIN_ROWS", 3)
     monkeypatch.setattr(cascade, "CASCADE_MIN_TOKENS", 32)
-    tables = np.array([[5, 6, 7, 8], [5, 6, 7, 9], [1, 2, 3, 4], [5, 6, 7, 3], [5, 6, 2, 0]], dtype=np.int32)
-    lens = np.array([60, 50, 64, 49, 40], dtype=np.int32)  # full blocks of 16 before the new token: 3, 3, 3, 3, 2
+    tables = np.array(
+        [[5, 6, 7, 8], [5, 6, 7, 9], [1, 2, 3, 4], [5, 6, 7, 3], [5, 6, 2, 0]], dtype=np.int32
+    )
+    lens = np.array(
+        [60, 50, 64, 49, 40], dtype=np.int32
+    )  # full blocks of 16 before the new token: 3, 3, 3, 3, 2
     blocks, prefix_lens = shared_prefix(tables, lens, 16)
     assert blocks is not None and prefix_lens is not None
-    assert blocks.tolist() == [5, 6] and prefix_lens.tolist() == [32, 32, 0, 32, 32]  # row 4 fills only 2 blocks
+    assert blocks.tolist() == [5, 6] and prefix_lens.tolist() == [
+        32,
+        32,
+        0,
+        32,
+        32,
+    ]  # row 4 fills only 2 blocks
     blocks, prefix_lens = shared_prefix(tables[:4], lens[:4], 16)
     assert blocks is not None and prefix_lens is not None
     assert blocks.tolist() == [5, 6, 7] and prefix_lens.tolist() == [48, 48, 0, 48]
     assert shared_prefix(tables[:3], lens[:3], 16) == (None, None)  # 2 rows share: fewer than 3
-    assert shared_prefix(tables, lens, 8) == (None, None)  # 6 blocks of 8 fill the rows: 2 shared, 16 tokens
+    assert shared_prefix(tables, lens, 8) == (
+        None,
+        None,
+    )  # 6 blocks of 8 fill the rows: 2 shared, 16 tokens
     tables[:, 0] = [5, 1, 1, 5, 1]  # the commonest first block starts nothing longer
     assert shared_prefix(tables, lens, 16) == (None, None)
 
 
-def test_rows_sharing_a_cached_prompt_decode_through_the_shared_prefix(runner, reference, monkeypatch):
+def test_rows_sharing_a_cached_prompt_decode_through_the_shared_prefix(
+    runner, reference, monkeypatch
+):
     """Decode steps of rows that begin with one cached system prompt: with Triton, the decode kernel gets the
     shared prefix (03's cascade), and every row's logits are still those of a from-scratch forward."""
     monkeypatch.setattr(cascade, "CASCADE_MIN_ROWS", 3)
@@ -220,17 +260,23 @@ def test_rows_sharing_a_cached_prompt_decode_through_the_shared_prefix(runner, r
         return flash_attn_with_kvcache(*args, **kwargs)
 
     monkeypatch.setattr(paged, "flash_attn_with_kvcache", spy)
-    monkeypatch.setattr(runner, "add_shared_prefix", cascade.add_shared_prefix)  # on a CPU: not composed by itself
+    monkeypatch.setattr(
+        runner, "add_shared_prefix", cascade.add_shared_prefix
+    )  # on a CPU: not composed by itself
     runner.use_triton = True
     graphs, runner.graphs = runner.graphs, None  # eagerly: the spy sees each launch
     try:
         rng = random.Random(4)
         system = rng.choices(range(2048), k=40)  # two full blocks of 16, and 8 tokens
-        prompts = [system + rng.choices(range(2048), k=n) for n in (3, 30, 9)] + [rng.choices(range(2048), k=50)]
+        prompts = [system + rng.choices(range(2048), k=n) for n in (3, 30, 9)] + [
+            rng.choices(range(2048), k=50)
+        ]
         seqs, history, cached = run_steps(runner, prompts, num_decode_steps=3)
         assert cached == [0, 32, 32, 0]
         layers = runner.config.hf_config.num_hidden_layers
-        assert prefixes == [[32, 32, 32, 0]] * (3 * layers)  # each decode step: rows 0-2 share 32 tokens
+        assert prefixes == [[32, 32, 32, 0]] * (
+            3 * layers
+        )  # each decode step: rows 0-2 share 32 tokens
     finally:
         runner.use_triton, runner.graphs = DEVICE == "cuda", graphs
     assert_matches_from_scratch(reference, seqs, history)
@@ -259,8 +305,13 @@ def test_a_step_replays_the_smallest_graph_that_fits_cascade_if_it_has_a_prefix(
     decode = StepGraphs([4, 8, 16, 32], 32, 4, 8, torch.float32, torch.device("cpu"))
     decode.graphs = {(s, c): None for s in decode.sizes for c in (False, True) if s >= 16 or not c}  # type: ignore
     plain = paged.PagedContext(False, torch.zeros(3), torch.zeros(3, 4))
-    shared = paged.PagedContext(False, torch.zeros(3), torch.zeros(3, 4), prefix_lens=torch.zeros(3))
-    assert decode.key_for(plain, 3) == (4, False) and decode.key_for(shared, 3) == (4, False)  # few rows: plain
+    shared = paged.PagedContext(
+        False, torch.zeros(3), torch.zeros(3, 4), prefix_lens=torch.zeros(3)
+    )
+    assert decode.key_for(plain, 3) == (4, False) and decode.key_for(shared, 3) == (
+        4,
+        False,
+    )  # few rows: plain
     assert decode.key_for(plain, 20) == (32, False) and decode.key_for(shared, 20) == (32, True)
     assert decode.key_for(plain, 33) is None
     mixed = MixedGraphs.__new__(MixedGraphs)  # its key_for alone, without capturing
@@ -268,9 +319,16 @@ def test_a_step_replays_the_smallest_graph_that_fits_cascade_if_it_has_a_prefix(
     mixed.block_m, mixed.graphs = 2, {(s, s >= 16): None for s in mixed.sizes}  # type: ignore[misc]
     tiles = torch.zeros(67, 2)  # one more than size 4's room (4 // 2 + 64): size 8
     prefill = paged.PagedContext(True, torch.zeros(3), torch.zeros(3, 4), tiles=tiles[:66])
-    assert mixed.key_for(prefill, 3) == (4, False) and mixed.key_for(prefill, 20) == (32, True)  # no prefix: cascade
-    assert mixed.key_for(paged.PagedContext(True, torch.zeros(3), torch.zeros(3, 4), tiles=tiles), 3) == (8, False)
-    assert mixed.key_for(paged.PagedContext(True, torch.zeros(3), None, tiles=tiles[:66]), 3) is None  # not paged
+    assert mixed.key_for(prefill, 3) == (4, False) and mixed.key_for(prefill, 20) == (
+        32,
+        True,
+    )  # no prefix: cascade
+    assert mixed.key_for(
+        paged.PagedContext(True, torch.zeros(3), torch.zeros(3, 4), tiles=tiles), 3
+    ) == (8, False)
+    assert (
+        mixed.key_for(paged.PagedContext(True, torch.zeros(3), None, tiles=tiles[:66]), 3) is None
+    )  # not paged
 
 
 def test_config_names_the_bad_field(tiny):
@@ -306,17 +364,23 @@ def test_gpu_fp32_paged_steps_equal_prompt_logits(tiny, reference):
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch", [1, 3, 16, 40])
 def test_cuda_graph_replay_equals_eager(tiny, batch):
-    runner = ModelRunner(Config(tiny, dtype=torch.bfloat16, num_kvcache_blocks=512, max_num_seqs=48))
+    runner = ModelRunner(
+        Config(tiny, dtype=torch.bfloat16, num_kvcache_blocks=512, max_num_seqs=48)
+    )
     try:
         prompts = [random.Random(i).choices(range(2048), k=5 + 7 * i) for i in range(batch)]
         seqs, graph, _ = run_steps(runner, prompts, num_decode_steps=10, seed=1)
         graphs, runner.graphs = runner.graphs, None
-        tokens = [seq.completion_token_ids for seq in seqs]  # teacher forcing: the same tokens both ways
+        tokens = [
+            seq.completion_token_ids for seq in seqs
+        ]  # teacher forcing: the same tokens both ways
         _, eager, _ = run_steps(runner, prompts, num_decode_steps=10, seed=1, force=tokens)
         runner.graphs = graphs
     finally:
         runner.close()
-    for g, e in zip(graph, eager):  # a padded batch may change the decode split count: equal up to bf16 rounding
+    for g, e in zip(
+        graph, eager
+    ):  # a padded batch may change the decode split count: equal up to bf16 rounding
         torch.testing.assert_close(g, e, rtol=2e-2, atol=2e-2)
         assert (g.argmax(-1) == e.argmax(-1)).float().mean() > 0.9
 
@@ -351,7 +415,9 @@ def test_a_runner_with_fewer_seats_than_the_cascade_needs_replays_mixed_graphs(t
     prefix hit's prefill replays one."""
     runner = ModelRunner(Config(tiny, dtype=torch.float32, num_kvcache_blocks=128, max_num_seqs=8))
     try:
-        assert runner.mixed_graphs is not None and all(not cascade for _, cascade in runner.mixed_graphs.graphs)
+        assert runner.mixed_graphs is not None and all(
+            not cascade for _, cascade in runner.mixed_graphs.graphs
+        )
         system = random.Random(6).choices(range(2048), k=48)
         bm = BlockManager(runner.num_kvcache_blocks, runner.block_size)
         run_steps(runner, [system + [1, 2]], 0, bm=bm)  # caches the system prompt's 3 blocks

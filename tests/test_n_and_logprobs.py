@@ -18,17 +18,23 @@ def llm(tiny):
 
 def test_n_completions_share_the_prompts_blocks(llm):
     engine = llm.engine
-    engine.add_request(PROMPT, SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True))
+    engine.add_request(
+        PROMPT, SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True)
+    )
     (request,) = {r.request_id: r for r in engine.requests.values()}.values()
     engine.step()  # completion 0 computes the prompt; the others start once its blocks are cached
     assert request.num_started == 4 and all(len(seq.block_table) == 0 for seq in request.seqs[1:])
-    _, stats = engine.step()  # the siblings' prompts: only the 6 tokens after the 4 cached blocks; completion 0 decodes
+    _, stats = (
+        engine.step()
+    )  # the siblings' prompts: only the 6 tokens after the 4 cached blocks; completion 0 decodes
     assert stats.num_tokens == 3 * (len(PROMPT) - 64) + 1
     full = len(PROMPT) // 16
     assert all(seq.block_table[:full] == request.seqs[0].block_table[:full] for seq in request.seqs)
     bm = engine.scheduler.block_manager
     assert all(bm.blocks[b].ref_count == 4 for b in request.seqs[0].block_table[:full])
-    assert [seq.num_cached_tokens for seq in request.seqs[1:]] == [len(PROMPT)] * 3  # 6 tokens computed, not 70
+    assert [seq.num_cached_tokens for seq in request.seqs[1:]] == [
+        len(PROMPT)
+    ] * 3  # 6 tokens computed, not 70
     while engine.has_unfinished_requests():
         (finished, _) = engine.step()
     (out,) = finished
@@ -38,12 +44,15 @@ def test_n_completions_share_the_prompts_blocks(llm):
 
 
 def test_n_with_a_seed_is_reproducible_and_sample_i_uses_seed_plus_i(llm):
-    params = SamplingParams(n=4, temperature=1.0, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True)
+    params = SamplingParams(
+        n=4, temperature=1.0, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True
+    )
     first, again = (llm.generate(["Once upon a time"], params, use_tqdm=False)[0] for _ in range(2))
     assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]
     assert len({tuple(c.token_ids) for c in first.outputs}) > 1  # four samples, not one four times
     alone = [
-        SamplingParams(temperature=1.0, top_p=0.9, seed=1234 + i, max_tokens=12, ignore_eos=True) for i in range(4)
+        SamplingParams(temperature=1.0, top_p=0.9, seed=1234 + i, max_tokens=12, ignore_eos=True)
+        for i in range(4)
     ]
     singles = llm.generate(["Once upon a time"] * 4, alone, use_tqdm=False)
     assert [c.token_ids for c in first.outputs] == [s.outputs[0].token_ids for s in singles]
@@ -61,7 +70,10 @@ def test_n_greedy_samples_all_equal_transformers(tiny, hf_greedy, enable_prefix_
 def check_logprobs(row, token, want, k):
     """row: {token id: Logprob}; want: transformers' log-probabilities of the next token, (vocab,)."""
     top = want.topk(k)
-    assert list(row)[0] == token and set(row) == {token, *top.indices.tolist()}  # the token first, then the top k
+    assert list(row)[0] == token and set(row) == {
+        token,
+        *top.indices.tolist(),
+    }  # the token first, then the top k
     assert math.isclose(row[token].logprob, want[token].item(), abs_tol=1e-4)
     assert row[token].rank == int((want > want[token]).sum()) + 1
     for rank, (t, value) in enumerate(zip(top.indices.tolist(), top.values.tolist()), 1):
@@ -70,7 +82,11 @@ def check_logprobs(row, token, want, k):
 
 @pytest.mark.parametrize(
     "config",
-    [dict(), dict(max_num_batched_tokens=32), dict(num_kvcache_blocks=14, max_num_seqs=4, max_num_batched_tokens=64)],
+    [
+        dict(),
+        dict(max_num_batched_tokens=32),
+        dict(num_kvcache_blocks=14, max_num_seqs=4, max_num_batched_tokens=64),
+    ],
     ids=["plain", "chunked", "preempted"],
 )
 def test_logprobs_and_prompt_logprobs_equal_transformers(tiny, hf_logprobs, config):
@@ -78,8 +94,12 @@ def test_logprobs_and_prompt_logprobs_equal_transformers(tiny, hf_logprobs, conf
     time its blocks are cached): every log-probability equals transformers' under teacher forcing."""
     prompts = [PROMPT, PROMPT, list(range(3, 50)), [9, 8, 7, 6]]
     params = [
-        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=5, prompt_logprobs=3),
-        SamplingParams(temperature=0.8, seed=1, max_tokens=40, ignore_eos=True, logprobs=0, prompt_logprobs=0),
+        SamplingParams(
+            temperature=0, max_tokens=40, ignore_eos=True, logprobs=5, prompt_logprobs=3
+        ),
+        SamplingParams(
+            temperature=0.8, seed=1, max_tokens=40, ignore_eos=True, logprobs=0, prompt_logprobs=0
+        ),
         SamplingParams(temperature=1.0, seed=2, max_tokens=40, ignore_eos=True, logprobs=2),
         SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, prompt_logprobs=20),
     ]
@@ -101,20 +121,32 @@ def test_logprobs_and_prompt_logprobs_equal_transformers(tiny, hf_logprobs, conf
                 sum(r[t].logprob for r, t in zip(completion.logprobs, completion.token_ids)),
             )
             if p.temperature == 0:
-                assert all(row[t].rank == 1 for row, t in zip(completion.logprobs, completion.token_ids))
+                assert all(
+                    row[t].rank == 1 for row, t in zip(completion.logprobs, completion.token_ids)
+                )
         if p.prompt_logprobs is None:
             assert out.prompt_logprobs is None
         else:
             assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
             for position in range(1, len(prompt)):
-                check_logprobs(out.prompt_logprobs[position], prompt[position], want[position - 1], p.prompt_logprobs)
+                check_logprobs(
+                    out.prompt_logprobs[position],
+                    prompt[position],
+                    want[position - 1],
+                    p.prompt_logprobs,
+                )
 
 
 def test_decoded_tokens_are_the_tokenizers(llm):
-    out = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=4, logprobs=1), use_tqdm=False)[0]
+    out = llm.generate(
+        "Once upon a time", SamplingParams(temperature=0, max_tokens=4, logprobs=1), use_tqdm=False
+    )[0]
     tokenizer = llm.get_tokenizer()
     for row in out.outputs[0].logprobs:
-        assert all(lp.decoded_token == tokenizer.decode([t], skip_special_tokens=True) for t, lp in row.items())
+        assert all(
+            lp.decoded_token == tokenizer.decode([t], skip_special_tokens=True)
+            for t, lp in row.items()
+        )
 
 
 def check_n_and_logprobs(path: str, dtype, tolerance: float, agreement: float) -> None:
@@ -124,20 +156,32 @@ def check_n_and_logprobs(path: str, dtype, tolerance: float, agreement: float) -
     from transformers import AutoModelForCausalLM
 
     prompt = list(range(1000, 1300))
-    params = SamplingParams(n=4, seed=3, temperature=0.8, max_tokens=32, ignore_eos=True, logprobs=5, prompt_logprobs=5)
-    with LLM(path, dtype=dtype, max_model_len=1024, max_num_batched_tokens=128, num_kvcache_blocks=256) as llm:
+    params = SamplingParams(
+        n=4, seed=3, temperature=0.8, max_tokens=32, ignore_eos=True, logprobs=5, prompt_logprobs=5
+    )
+    with LLM(
+        path, dtype=dtype, max_model_len=1024, max_num_batched_tokens=128, num_kvcache_blocks=256
+    ) as llm:
         out, again = (llm.generate([prompt], params, use_tqdm=False)[0] for _ in range(2))
         device = llm.engine.runner.device
     assert [c.token_ids for c in out.outputs] == [c.token_ids for c in again.outputs]
-    assert len({tuple(c.token_ids) for c in out.outputs}) == 4 and len(out.prompt_logprobs) == len(prompt)
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 4 and len(out.prompt_logprobs) == len(
+        prompt
+    )
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     with torch.no_grad():
         for c in out.outputs:
-            want = torch.log_softmax(hf(torch.tensor([prompt + c.token_ids], device=device)).logits[0].float(), -1)
+            want = torch.log_softmax(
+                hf(torch.tensor([prompt + c.token_ids], device=device)).logits[0].float(), -1
+            )
             got = torch.tensor([row[t].logprob for row, t in zip(c.logprobs, c.token_ids)])
             tokens = torch.tensor(c.token_ids, device=device)[:, None]
-            assert (got - want[len(prompt) - 1 : -1].gather(-1, tokens)[:, 0].cpu()).abs().max() <= tolerance
-        want = torch.log_softmax(hf(torch.tensor([prompt], device=device)).logits[0].float(), -1)[:-1].cpu()
+            assert (
+                got - want[len(prompt) - 1 : -1].gather(-1, tokens)[:, 0].cpu()
+            ).abs().max() <= tolerance
+        want = torch.log_softmax(hf(torch.tensor([prompt], device=device)).logits[0].float(), -1)[
+            :-1
+        ].cpu()
     got = torch.tensor([row[t].logprob for row, t in zip(out.prompt_logprobs[1:], prompt[1:])])
     assert (got - want.gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0]).abs().max() <= tolerance
     ours = torch.tensor([min(row, key=lambda t: row[t].rank) for row in out.prompt_logprobs[1:]])

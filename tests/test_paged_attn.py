@@ -6,14 +6,22 @@ import pytest
 import torch
 
 from minivllm.engine.step_inputs import query_tiles
-from minivllm.kernels import attention_ref, flash_attn_varlen_func, flash_attn_with_kvcache, paged_attn, store_kvcache
+from minivllm.kernels import (
+    attention_ref,
+    flash_attn_varlen_func,
+    flash_attn_with_kvcache,
+    paged_attn,
+    store_kvcache,
+)
 from minivllm.kernels.flash_attn import launch_config
 from minivllm.testing import scatter_into_cache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def check_decode(seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype=torch.float32, tol=1e-4):
+def check_decode(
+    seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype=torch.float32, tol=1e-4
+):
     k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache(
         seq_lens, num_kv_heads, head_dim, block_size, DEVICE, dtype
     )
@@ -53,22 +61,51 @@ def test_decode_split_k_combines_exactly(monkeypatch, num_splits):
 
 
 def test_decode_half_precision():
-    check_decode([33, 100], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.bfloat16, tol=2e-2)
+    check_decode(
+        [33, 100],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.bfloat16,
+        tol=2e-2,
+    )
 
 
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("block_size", [16, 256])
-@pytest.mark.parametrize("group", [1, 2, 3])  # a program per query head, per KV head's two, per head again (3)
+@pytest.mark.parametrize(
+    "group", [1, 2, 3]
+)  # a program per query head, per KV head's two, per head again (3)
 def test_paged_prefill_attends_to_the_cached_prefix(block_size, causal, group):
-    k_lens, q_lens = [40, 17, 300, 1], [5, 17, 64, 1]  # cached prefix + new tokens; none cached; ...
-    k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache(k_lens, 2, 32, block_size, DEVICE)
-    q = torch.randn(sum(q_lens), 2 * group, 32, device=DEVICE)
-    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
-    out = flash_attn_varlen_func(
-        q, k_cache, v_cache, cu_q, cu_k, max(q_lens), max(k_lens), causal=causal, block_table=block_table
+    k_lens, q_lens = (
+        [40, 17, 300, 1],
+        [5, 17, 64, 1],
+    )  # cached prefix + new tokens; none cached; ...
+    k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache(
+        k_lens, 2, 32, block_size, DEVICE
     )
-    torch.testing.assert_close(out, attention_ref(q, k, v, cu_q, cu_k, causal=causal), rtol=1e-4, atol=1e-4)
-    rest = torch.full_like(q, 7.0)  # out=: the last two sequences' rows only, through sliced index tensors
+    q = torch.randn(sum(q_lens), 2 * group, 32, device=DEVICE)
+    cu_q = torch.tensor(
+        [0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE
+    )
+    out = flash_attn_varlen_func(
+        q,
+        k_cache,
+        v_cache,
+        cu_q,
+        cu_k,
+        max(q_lens),
+        max(k_lens),
+        causal=causal,
+        block_table=block_table,
+    )
+    torch.testing.assert_close(
+        out, attention_ref(q, k, v, cu_q, cu_k, causal=causal), rtol=1e-4, atol=1e-4
+    )
+    rest = torch.full_like(
+        q, 7.0
+    )  # out=: the last two sequences' rows only, through sliced index tensors
     flash_attn_varlen_func(q, k_cache, v_cache, cu_q[2:], cu_k[2:], 64, 300, causal=causal, block_table=block_table[2:],
                            out=rest)  # fmt: skip
     torch.testing.assert_close(rest[22:], out[22:])
@@ -81,11 +118,15 @@ def test_paged_prefill_computes_the_listed_tiles_only():
     k_lens, q_lens = [40, 70, 33, 300], [1, 40, 33, 64]
     k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache(k_lens, 2, 32, 16, DEVICE)
     q = torch.randn(sum(q_lens), 4, 32, device=DEVICE)
-    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    cu_q = torch.tensor(
+        [0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE
+    )
     ref = attention_ref(q, k, v, cu_q, cu_k, causal=True)
     block_m = launch_config(32, q.device)["BLOCK_M"]
     tiles = query_tiles(cu_q.cpu().numpy(), cu_k.cpu().numpy(), 1, block_m)  # sequences 1, 2, 3
-    assert sorted(map(tuple, tiles.tolist())) == [(s, m) for s in (1, 2, 3) for m in range(-(-q_lens[s] // block_m))]
+    assert sorted(map(tuple, tiles.tolist())) == [
+        (s, m) for s in (1, 2, 3) for m in range(-(-q_lens[s] // block_m))
+    ]
     keys = [k_lens[s] - q_lens[s] + min((m + 1) * block_m, q_lens[s]) for s, m in tiles.tolist()]
     assert keys == sorted(keys, reverse=True)  # the tiles that see the most keys first
     padded = torch.tensor([*tiles.tolist(), [-1, -1], [-1, -1]], dtype=torch.int32, device=DEVICE)
@@ -94,12 +135,16 @@ def test_paged_prefill_computes_the_listed_tiles_only():
                            tiles=padded)  # fmt: skip
     assert (out[:1] == 7.0).all()  # sequence 0 is not in the list
     torch.testing.assert_close(out[1:], ref[1:], rtol=1e-4, atol=1e-4)
-    none = torch.zeros(0, 2, dtype=torch.int32, device=DEVICE)  # a step of decode rows only: no tiles
+    none = torch.zeros(
+        0, 2, dtype=torch.int32, device=DEVICE
+    )  # a step of decode rows only: no tiles
     kept = torch.full_like(q, 7.0)
     assert flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 64, 300, block_table=block_table, out=kept,
                                   tiles=none) is kept  # fmt: skip
     assert (kept == 7.0).all()
-    with pytest.raises(ValueError, match="need block_table"):  # the contiguous kernel would ignore them
+    with pytest.raises(
+        ValueError, match="need block_table"
+    ):  # the contiguous kernel would ignore them
         flash_attn_varlen_func(q, k, v, cu_q, cu_k, 64, 300, causal=True, out=out)
 
 
@@ -118,7 +163,9 @@ def test_decode_leaves_rows_with_an_empty_cache_alone():
     torch.testing.assert_close(out[[0, 2], 0], ref, rtol=1e-4, atol=1e-4)
 
 
-def check_shared_prefix(seq_lens, sharers, prefix_blocks, num_heads, num_kv_heads, block_size, dtype, tol):
+def check_shared_prefix(
+    seq_lens, sharers, prefix_blocks, num_heads, num_kv_heads, block_size, dtype, tol
+):
     """Rows `sharers` begin with row 0's first prefix_blocks blocks; with the prefix given, each row's output is
     what the decode kernel gives reading every key row by row (checked against the reference above)."""
     k_cache, v_cache, block_table, _, _, _ = scatter_into_cache(seq_lens, num_kv_heads, 128 if dtype != torch.float32
@@ -141,7 +188,9 @@ def test_shared_prefix_gives_the_row_by_row_output(monkeypatch, group, splits):
     share the prefix, a row whose keys are all prefix, splits with no keys, and GQA groups that are not powers of 2."""
     monkeypatch.setattr(paged_attn, "decode_num_splits", lambda *_: splits[0])
     monkeypatch.setattr(paged_attn, "prefix_num_splits", lambda *_: splits[1])
-    check_shared_prefix([70, 49, 100, 48, 33, 200], [1, 2, 3, 5], 3, 2 * group, 2, 16, torch.float32, 1e-4)
+    check_shared_prefix(
+        [70, 49, 100, 48, 33, 200], [1, 2, 3, 5], 3, 2 * group, 2, 16, torch.float32, 1e-4
+    )
 
 
 def test_bad_decode_input_raises_value_error():
@@ -153,7 +202,9 @@ def test_bad_decode_input_raises_value_error():
     )
     with pytest.raises(ValueError, match="q must be"):
         flash_attn_with_kvcache(q[0], k_cache, k_cache, seqlens, table)
-    with pytest.raises(ValueError, match="go together"):  # a shared prefix's blocks, and who shares them
+    with pytest.raises(
+        ValueError, match="go together"
+    ):  # a shared prefix's blocks, and who shares them
         flash_attn_with_kvcache(q, k_cache, k_cache, seqlens, table, prefix_blocks=table[0])
     with pytest.raises(ValueError, match="one row per sequence"):
         flash_attn_with_kvcache(q, k_cache, k_cache, seqlens, table, prefix_blocks=table[0],
@@ -173,7 +224,13 @@ def test_bad_decode_input_raises_value_error():
     with pytest.raises(ValueError, match="out must be"):
         flash_attn_with_kvcache(q, k_cache, k_cache, seqlens, table, out=torch.empty(1, 1, 4, 16))
     with pytest.raises(ValueError, match="slot_mapping"):
-        store_kvcache(torch.randn(3, 2, 32), torch.randn(3, 2, 32), k_cache, k_cache, torch.zeros(2, dtype=torch.long))
+        store_kvcache(
+            torch.randn(3, 2, 32),
+            torch.randn(3, 2, 32),
+            k_cache,
+            k_cache,
+            torch.zeros(2, dtype=torch.long),
+        )
 
 
 @pytest.mark.gpu
@@ -197,11 +254,23 @@ def test_decode_bf16_on_gpu(batch, group, block_size):
 @pytest.mark.gpu
 def test_paged_prefill_bf16_on_gpu():
     k_lens, q_lens = [3000, 700, 129], [1000, 700, 1]
-    k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache(k_lens, 8, 128, 16, DEVICE, torch.bfloat16)
+    k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache(
+        k_lens, 8, 128, 16, DEVICE, torch.bfloat16
+    )
     q = torch.randn(sum(q_lens), 16, 128, device=DEVICE, dtype=torch.bfloat16)
-    cu_q = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    cu_q = torch.tensor(
+        [0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE
+    )
     out = flash_attn_varlen_func(
-        q, k_cache, v_cache, cu_q, cu_k, max(q_lens), max(k_lens), causal=True, block_table=block_table
+        q,
+        k_cache,
+        v_cache,
+        cu_q,
+        cu_k,
+        max(q_lens),
+        max(k_lens),
+        causal=True,
+        block_table=block_table,
     )
     ref = attention_ref(q, k, v, cu_q, cu_k, causal=True)
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
@@ -214,4 +283,6 @@ def test_shared_prefix_bf16_on_gpu(block_size):
     rng = random.Random(block_size)
     seq_lens = [rng.randint(1600, 2200) for _ in range(200)]
     prefix_blocks = 1536 // block_size
-    check_shared_prefix(seq_lens, list(range(1, 190)), prefix_blocks, 16, 8, block_size, torch.bfloat16, 2e-2)
+    check_shared_prefix(
+        seq_lens, list(range(1, 190)), prefix_blocks, 16, 8, block_size, torch.bfloat16, 2e-2
+    )

@@ -23,14 +23,18 @@ def as_transformers_4(config: dict) -> None:
     config["torch_dtype"] = config.pop("dtype")
     config["rope_theta"] = config.pop("rope_parameters")["rope_theta"]
     config.pop("layer_types")
-    config.update(rope_scaling=None, max_window_layers=28, sliding_window=None, use_sliding_window=False)
+    config.update(
+        rope_scaling=None, max_window_layers=28, sliding_window=None, use_sliding_window=False
+    )
     config["transformers_version"] = "4.51.0"
 
 
 def untied(tensors: dict[str, torch.Tensor]) -> None:
     """A separate lm_head.weight, as Qwen3-8B has: not the embedding, so a tied head gives other logits."""
     embedding = tensors["model.embed_tokens.weight"]
-    tensors["lm_head.weight"] = torch.randn(embedding.shape, generator=torch.Generator().manual_seed(1)) * 0.02
+    tensors["lm_head.weight"] = (
+        torch.randn(embedding.shape, generator=torch.Generator().manual_seed(1)) * 0.02
+    )
 
 
 def with_eos(path: Path, eos_token_id: list[int]) -> Path:
@@ -73,11 +77,23 @@ def test_transformers_4_config_takes_the_fast_path(tiny, tmp_path, torch_dtype):
     path = edited_copy(tiny, tmp_path / "t4", config_edit=edit)
     fast, full = read_config(path), AutoConfig.from_pretrained(path)
     assert type(fast) is PretrainedConfig and type(full).__name__ == "Qwen3Config"
-    fields = CONFIG_FIELDS["Qwen3ForCausalLM"] + ("eos_token_id", "architectures", "use_sliding_window")
+    fields = CONFIG_FIELDS["Qwen3ForCausalLM"] + (
+        "eos_token_id",
+        "architectures",
+        "use_sliding_window",
+    )
     assert {f: getattr(fast, f) for f in fields} == {f: getattr(full, f) for f in fields}
-    assert rope_parameters(fast) == rope_parameters(full) == {"rope_type": "default", "rope_theta": 1e6}
+    assert (
+        rope_parameters(fast)
+        == rope_parameters(full)
+        == {"rope_type": "default", "rope_theta": 1e6}
+    )
     gpu = torch.device("cuda")  # resolve_dtype only reads the device's type: no GPU needed
-    assert resolve_dtype("auto", fast, gpu) == resolve_dtype("auto", full, gpu) == getattr(torch, torch_dtype)
+    assert (
+        resolve_dtype("auto", fast, gpu)
+        == resolve_dtype("auto", full, gpu)
+        == getattr(torch, torch_dtype)
+    )
 
 
 def test_llm_stops_on_either_eos_id(tiny, tmp_path, hf_greedy):
@@ -88,11 +104,15 @@ def test_llm_stops_on_either_eos_id(tiny, tmp_path, hf_greedy):
     a_run = a_run[: a_run.index(a) + 1]
     b = next(t for t in b_run[2:] if t not in a_run)
     b_run = b_run[: b_run.index(b) + 1]
-    assert a not in b_run  # each prompt's run meets only its own id (greedy on fixed weights: fixed runs)
+    assert (
+        a not in b_run
+    )  # each prompt's run meets only its own id (greedy on fixed weights: fixed runs)
     path = with_eos(edited_copy(tiny, tmp_path / "eos"), [a, b])
     with LLM(str(path), num_kvcache_blocks=64, max_num_seqs=4, max_model_len=256) as llm:
         assert {a, b} <= set(llm.engine.input_processor.eos_token_ids)
-        outputs = llm.generate([first, second], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+        outputs = llm.generate(
+            [first, second], SamplingParams(temperature=0, max_tokens=16), use_tqdm=False
+        )
     assert [o.outputs[0].token_ids for o in outputs] == [a_run, b_run]
     assert all(o.outputs[0].finish_reason == "stop" for o in outputs)
 
@@ -109,7 +129,9 @@ def test_yarn_rope_scaling_goes_to_autoconfig_and_is_refused(tiny, tmp_path):
     does not do YaRN, and says so before any weight is read."""
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
     path = edited_copy(
-        tiny, tmp_path / "yarn", config_edit=lambda c: [as_transformers_4(c), c.update(rope_scaling=yarn)]
+        tiny,
+        tmp_path / "yarn",
+        config_edit=lambda c: [as_transformers_4(c), c.update(rope_scaling=yarn)],
     )
     assert type(read_config(path)).__name__ == "Qwen3Config"
     with pytest.raises(ValueError, match="rope_type='yarn' is not supported"):
@@ -120,5 +142,7 @@ def test_pytorch_bin_weights_are_named(tiny, tmp_path):
     path = edited_copy(tiny, tmp_path / "bin")
     (path / "model.safetensors").unlink()
     torch.save({"model.norm.weight": torch.ones(4)}, path / "pytorch_model.bin")
-    with pytest.raises(FileNotFoundError, match="holds PyTorch .bin weights; minivllm reads safetensors only"):
+    with pytest.raises(
+        FileNotFoundError, match="holds PyTorch .bin weights; minivllm reads safetensors only"
+    ):
         load_model(path)

@@ -30,10 +30,15 @@ from minivllm.sampling_params import SamplingParams
 
 sampler = GPUSampler()  # on a CPU the core Sampler's draw; on a GPU, the Triton kernels
 DRAWS = 400  # rows per hypothesis example
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]  # the PyTorch sampler; on a GPU, the Triton race
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.gpu),
+]  # the PyTorch sampler; on a GPU, the Triton race
 
 
-def tensors(params: list[SamplingParams], steps: list[int] | None = None, device: str = "cpu") -> SamplingTensors:
+def tensors(
+    params: list[SamplingParams], steps: list[int] | None = None, device: str = "cpu"
+) -> SamplingTensors:
     return sampling_tensors(params, steps or [0] * len(params), device)
 
 
@@ -52,7 +57,9 @@ def draws(logits: torch.Tensor, params: SamplingParams, seed: int) -> torch.Tens
     return sample(logits.expand(DRAWS, -1), [params] * DRAWS)
 
 
-logit_rows = dict(seed=st.integers(0, 2**32 - 1), vocab=st.integers(2, 60), scale=st.floats(0.1, 4.0))
+logit_rows = dict(
+    seed=st.integers(0, 2**32 - 1), vocab=st.integers(2, 60), scale=st.floats(0.1, 4.0)
+)
 
 
 # --- SamplingTensors ---------------------------------------------------------------------------------------
@@ -73,12 +80,20 @@ def test_from_params_fields():
     assert t.top_ks.tolist() == [-1, 5, -1, -1]
     torch.testing.assert_close(t.top_ps, torch.tensor([1.0, 0.9, 1.0, 1.0]))
     torch.testing.assert_close(t.min_ps, torch.tensor([0.0, 0.1, 0.0, 0.0]))
-    assert t.keys[1:].tolist() == [noise_seed(3, 2), noise_seed(-1, 5), noise_seed(2**70 + 1, 1)]  # any int is a seed
+    assert t.keys[1:].tolist() == [
+        noise_seed(3, 2),
+        noise_seed(-1, 5),
+        noise_seed(2**70 + 1, 1),
+    ]  # any int is a seed
     assert 0 <= t.keys[0] < 2**62 and all(0 <= k < 2**63 for k in t.keys.tolist())
     torch.manual_seed(0)
-    assert torch.equal(tensors(params, steps=[0, 2, 5, 1]).keys, t.keys)  # the fresh key: the default generator's
+    assert torch.equal(
+        tensors(params, steps=[0, 2, 5, 1]).keys, t.keys
+    )  # the fresh key: the default generator's
     assert tensors(params, steps=[0, 2, 5, 1]).keys[0] != t.keys[0]
-    assert tensors([SamplingParams(temperature=0, seed=3)] * 2).keys.numel() == 0  # greedy rows draw no noise
+    assert (
+        tensors([SamplingParams(temperature=0, seed=3)] * 2).keys.numel() == 0
+    )  # greedy rows draw no noise
     assert t.filtering
 
 
@@ -104,10 +119,15 @@ def test_filtering_flag_only_for_random_rows_with_a_filter():
     top_p=st.floats(0.05, 1.0),
     temperature=st.floats(0.05, 5.0),
 )
-def test_greedy_rows_are_the_argmax_of_the_raw_logits(seed, vocab, greedy, top_k, top_p, temperature):
+def test_greedy_rows_are_the_argmax_of_the_raw_logits(
+    seed, vocab, greedy, top_k, top_p, temperature
+):
     logits = random_logits(seed, vocab, 3.0, rows=len(greedy))
     top_k = -1 if top_k < 1 else top_k
-    params = [SamplingParams(temperature=0.0 if g else temperature, top_k=top_k, top_p=top_p) for g in greedy]
+    params = [
+        SamplingParams(temperature=0.0 if g else temperature, top_k=top_k, top_p=top_p)
+        for g in greedy
+    ]
     torch.manual_seed(seed)
     tokens = sample(logits, params)
     rows = torch.tensor(greedy)
@@ -115,7 +135,9 @@ def test_greedy_rows_are_the_argmax_of_the_raw_logits(seed, vocab, greedy, top_k
 
 
 def test_greedy_rows_ignore_the_rest_of_the_batch():
-    logits = random_logits(0, 1000, 0.01, rows=6)  # nearly flat: a random draw would almost never be the argmax
+    logits = random_logits(
+        0, 1000, 0.01, rows=6
+    )  # nearly flat: a random draw would almost never be the argmax
     alone = [sample(logits[i : i + 1], [SamplingParams(temperature=0)]).item() for i in (0, 3)]
     params = [SamplingParams(temperature=0 if i in (0, 3) else 2.0, top_k=1 + i) for i in range(6)]
     mixed = sample(logits, params)
@@ -146,7 +168,9 @@ def test_top_k_never_returns_a_token_outside_the_top_k(seed, vocab, scale, k, te
 
 @settings(max_examples=200, deadline=None)
 @given(**logit_rows, top_p=st.floats(0.01, 1.0), temperature=st.floats(0.2, 3.0))
-def test_top_p_returns_a_token_of_the_smallest_set_reaching_p(seed, vocab, scale, top_p, temperature):
+def test_top_p_returns_a_token_of_the_smallest_set_reaching_p(
+    seed, vocab, scale, top_p, temperature
+):
     logits = random_logits(seed, vocab, scale)
     probs = torch.softmax(logits[0].double() / temperature, dim=-1)
     tokens = draws(logits, SamplingParams(temperature=temperature, top_p=top_p), seed)
@@ -157,7 +181,9 @@ def test_top_p_returns_a_token_of_the_smallest_set_reaching_p(seed, vocab, scale
 
 @settings(max_examples=200, deadline=None)
 @given(**logit_rows, min_p=st.floats(0.0, 1.0), temperature=st.floats(0.2, 3.0))
-def test_min_p_never_returns_a_token_below_min_p_times_the_max(seed, vocab, scale, min_p, temperature):
+def test_min_p_never_returns_a_token_below_min_p_times_the_max(
+    seed, vocab, scale, min_p, temperature
+):
     logits = random_logits(seed, vocab, scale)
     probs = torch.softmax(logits[0].double() / temperature, dim=-1)
     tokens = draws(logits, SamplingParams(temperature=temperature, min_p=min_p), seed)
@@ -199,7 +225,11 @@ def reference_kept(probs: list[float], top_k: int, top_p: float, min_p: float) -
 @settings(max_examples=200, deadline=None)
 @given(
     **logit_rows,
-    rows=st.lists(st.tuples(st.integers(-1, 8), st.floats(0.01, 1.0), st.floats(0.0, 1.0)), min_size=1, max_size=6),
+    rows=st.lists(
+        st.tuples(st.integers(-1, 8), st.floats(0.01, 1.0), st.floats(0.0, 1.0)),
+        min_size=1,
+        max_size=6,
+    ),
 )
 def test_keep_mask_matches_a_per_row_reference(seed, vocab, scale, rows):
     logits = random_logits(seed, vocab, scale, rows=len(rows))
@@ -223,28 +253,43 @@ def test_keep_mask_matches_a_per_row_reference(seed, vocab, scale, rows):
 @settings(max_examples=200, deadline=None)
 @given(
     **logit_rows,
-    rows=st.lists(st.tuples(st.integers(1, 12), st.floats(0.01, 1.0), st.floats(0.0, 1.0)), min_size=1, max_size=6),
+    rows=st.lists(
+        st.tuples(st.integers(1, 12), st.floats(0.01, 1.0), st.floats(0.0, 1.0)),
+        min_size=1,
+        max_size=6,
+    ),
 )
 def test_filtering_the_top_k_only_equals_filtering_the_sorted_vocabulary(seed, vocab, scale, rows):
     """When every row has a top-k, filter_probs sorts only the k_max most likely tokens (torch.topk): same result."""
     probs = torch.softmax(random_logits(seed, vocab, scale, rows=len(rows)), dim=-1)
     top_ks, top_ps, min_ps = (torch.tensor(column) for column in zip(*rows))
     k_max = max(k for k, _, _ in rows)
-    assert torch.equal(filter_probs(probs, top_ks, top_ps, min_ps, k_max), filter_probs(probs, top_ks, top_ps, min_ps))
+    assert torch.equal(
+        filter_probs(probs, top_ks, top_ps, min_ps, k_max),
+        filter_probs(probs, top_ks, top_ps, min_ps),
+    )
 
 
 def test_top_k_max_only_when_every_random_row_has_a_top_k():
     greedy, k5, k50, top_p = (SamplingParams(**kw) for kw in (dict(temperature=0), dict(top_k=5), dict(top_k=50),
                                                                 dict(top_p=0.9)))  # fmt: skip
-    assert tensors([k5, k50, greedy]).top_k_max == 50  # a greedy row takes the argmax of the logits: no filter
-    assert tensors([k5, top_p]).top_k_max == 0 and tensors([greedy]).top_k_max == 0  # sort the whole vocabulary
+    assert (
+        tensors([k5, k50, greedy]).top_k_max == 50
+    )  # a greedy row takes the argmax of the logits: no filter
+    assert (
+        tensors([k5, top_p]).top_k_max == 0 and tensors([greedy]).top_k_max == 0
+    )  # sort the whole vocabulary
     # on a GPU, the nucleus kernel serves a batch only if no random row has a top-k
     assert tensors([k5, top_p]).largest_top_k == 5 and tensors([top_p, greedy]).largest_top_k == 0
-    assert tensors([SamplingParams(temperature=0, top_k=5), top_p]).largest_top_k == 0  # a greedy row's: unused
+    assert (
+        tensors([SamplingParams(temperature=0, top_k=5), top_p]).largest_top_k == 0
+    )  # a greedy row's: unused
 
 
 def test_top_p_1_keeps_a_tail_too_small_for_a_float32_sum():
-    probs = torch.cat([torch.tensor([1.0]), torch.full((200_000,), 1e-9)])[None]  # 1 + 1e-9 == 1 in float32
+    probs = torch.cat([torch.tensor([1.0]), torch.full((200_000,), 1e-9)])[
+        None
+    ]  # 1 + 1e-9 == 1 in float32
     mask = keep_mask(probs, torch.tensor([-1]), torch.tensor([1.0]), torch.tensor([0.0]))
     assert mask.all()
 
@@ -258,9 +303,13 @@ def test_frequencies_match_the_softmax(temperature, device):
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
     n = 20_000
     torch.manual_seed(0)
-    tokens = sample(logits.expand(n, -1), [SamplingParams(temperature=temperature)] * n, device=device)
+    tokens = sample(
+        logits.expand(n, -1), [SamplingParams(temperature=temperature)] * n, device=device
+    )
     freq = torch.bincount(tokens, minlength=5) / n
-    torch.testing.assert_close(freq, torch.softmax(logits[0] / temperature, dim=-1), atol=0.012, rtol=0)
+    torch.testing.assert_close(
+        freq, torch.softmax(logits[0] / temperature, dim=-1), atol=0.012, rtol=0
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -274,24 +323,32 @@ def test_seeded_frequencies_match_the_softmax_too(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
-    ("filters", "kept"), [(dict(top_k=3), 3), (dict(top_k=4, top_p=0.7), 2), (dict(top_p=0.7), 2), (dict(min_p=0.2), 3)]
+    ("filters", "kept"),
+    [(dict(top_k=3), 3), (dict(top_k=4, top_p=0.7), 2), (dict(top_p=0.7), 2), (dict(min_p=0.2), 3)],
 )
 def test_filtered_frequencies_are_the_renormalized_survivors(filters, kept, device):
     """Top-k alone, top-p inside a top-k (both: no full sort), top-p alone and min-p alone (a full sort)."""
-    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])  # probabilities 0.55, 0.20, 0.12, 0.07, 0.03
+    logits = torch.tensor(
+        [[2.0, 1.0, 0.5, 0.0, -1.0]]
+    )  # probabilities 0.55, 0.20, 0.12, 0.07, 0.03
     n = 20_000
     torch.manual_seed(0)
     tokens = sample(logits.expand(n, -1), [SamplingParams(**filters)] * n, device=device)
     freq = torch.bincount(tokens, minlength=5) / n
     torch.testing.assert_close(
-        freq, torch.softmax(logits[0].masked_fill(torch.arange(5) >= kept, -torch.inf), dim=-1), atol=0.012, rtol=0
+        freq,
+        torch.softmax(logits[0].masked_fill(torch.arange(5) >= kept, -torch.inf), dim=-1),
+        atol=0.012,
+        rtol=0,
     )
 
 
 # --- penalties and min_tokens ------------------------------------------------------------------------------
 
 
-def reference_penalized(logits: list[float], params: SamplingParams, prompt: list[int], output: list[int]) -> list:
+def reference_penalized(
+    logits: list[float], params: SamplingParams, prompt: list[int], output: list[int]
+) -> list:
     """vLLM's penalties for one row, token by token in plain Python."""
     penalized = []
     for token, x in enumerate(logits):
@@ -314,12 +371,18 @@ token_lists = st.lists(st.integers(0, 59), max_size=12)
     prompt=token_lists,
     output=token_lists,
 )
-def test_penalties_match_a_per_token_reference(seed, vocab, scale, presence, frequency, repetition, prompt, output):
+def test_penalties_match_a_per_token_reference(
+    seed, vocab, scale, presence, frequency, repetition, prompt, output
+):
     prompt, output = [t % vocab for t in prompt], [t % vocab for t in output]
-    params = SamplingParams(presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition)
+    params = SamplingParams(
+        presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition
+    )
     plain = SamplingParams()  # a row without penalties, in the same batch: untouched
     logits = random_logits(seed, vocab, scale, rows=2)
-    t = sampling_tensors([params, plain], [len(output), 3], "cpu", [(prompt, output), ([1, 2], [0])])
+    t = sampling_tensors(
+        [params, plain], [len(output), 3], "cpu", [(prompt, output), ([1, 2], [0])]
+    )
     assert t.penalties is not None
     got = apply_penalties(logits, *t.penalties)
     expected = torch.tensor(reference_penalized(logits[0].tolist(), params, prompt, output))
@@ -337,9 +400,13 @@ def test_penalized_frequencies_match_the_penalized_softmax():
     prompt, output = [0], [1, 1, 3]
     n = 20_000
     torch.manual_seed(0)
-    tokens = sampler(logits.expand(n, -1), sampling_tensors([params] * n, [3] * n, "cpu", [(prompt, output)] * n))
+    tokens = sampler(
+        logits.expand(n, -1), sampling_tensors([params] * n, [3] * n, "cpu", [(prompt, output)] * n)
+    )
     freq = torch.bincount(tokens, minlength=5) / n
-    expected = torch.softmax(torch.tensor(reference_penalized(logits[0].tolist(), params, prompt, output)), dim=-1)
+    expected = torch.softmax(
+        torch.tensor(reference_penalized(logits[0].tolist(), params, prompt, output)), dim=-1
+    )
     torch.testing.assert_close(freq, expected, atol=0.012, rtol=0)
 
 
@@ -358,14 +425,23 @@ def test_min_tokens_bans_stop_tokens_until_then_for_greedy_and_random_rows():
 # --- seeds -------------------------------------------------------------------------------------------------
 
 
-def seeded_tokens(seed: int, logits_row: torch.Tensor, row: int, batch: int, steps: range) -> list[int]:
+def seeded_tokens(
+    seed: int, logits_row: torch.Tensor, row: int, batch: int, steps: range
+) -> list[int]:
     """The tokens of a request seeded with `seed` at each step, placed at `row` of a batch of random neighbours."""
     out = []
     for step in steps:
         logits = random_logits(1000 + step, logits_row.shape[-1], 1.0, rows=batch)
         logits[row] = logits_row
-        params = [SamplingParams(seed=seed if i == row else (None if i % 2 else 500 + i)) for i in range(batch)]
-        out.append(sample(logits, params, steps=[step if i == row else 3 * i for i in range(batch)])[row].item())
+        params = [
+            SamplingParams(seed=seed if i == row else (None if i % 2 else 500 + i))
+            for i in range(batch)
+        ]
+        out.append(
+            sample(logits, params, steps=[step if i == row else 3 * i for i in range(batch)])[
+                row
+            ].item()
+        )
     return out
 
 
@@ -375,10 +451,15 @@ def test_a_top_k_above_the_vocabulary_keeps_every_token(device):
     sort path took topk(k) of a row shorter than k and failed the whole step)."""
     logits = random_logits(8, 1000, 1.0, rows=4).to(device)
     for top_k in (1001, 5000):
-        with_k = [SamplingParams(seed=s, top_k=top_k, temperature=t) for s, t in ((0, 1.0), (1, 0.7), (2, 0), (3, 1.5))]
+        with_k = [
+            SamplingParams(seed=s, top_k=top_k, temperature=t)
+            for s, t in ((0, 1.0), (1, 0.7), (2, 0), (3, 1.5))
+        ]
         without = [dataclasses.replace(p, top_k=-1) for p in with_k]
         drawn = sampler(logits, tensors(with_k, device=device))
-        assert torch.equal(drawn, sampler(logits, tensors(without, device=device))), f"top_k={top_k}"
+        assert torch.equal(drawn, sampler(logits, tensors(without, device=device))), (
+            f"top_k={top_k}"
+        )
 
 
 def test_same_seed_same_tokens_whatever_the_batch():
@@ -413,7 +494,9 @@ def test_unseeded_rows_do_not_disturb_seeded_ones():
 
 def test_a_preempted_request_regenerates_its_tokens():
     """Same seed, same prompt: decoded alone, or in two different batches around a preemption."""
-    table = 2 * random_logits(11, 300, 1.0, rows=300)  # toy model: next-token logits from the last token
+    table = 2 * random_logits(
+        11, 300, 1.0, rows=300
+    )  # toy model: next-token logits from the last token
 
     def decode(batch: list[Sequence]) -> None:
         tokens = sampler(
@@ -438,9 +521,13 @@ def test_a_preempted_request_regenerates_its_tokens():
 
 def test_noise_depends_only_on_seed_and_step():
     ones = torch.ones(4, 100)
-    noise = exponential_noise(ones, torch.tensor([noise_seed(9, 0), noise_seed(9, 1), noise_seed(9, 0), 5]))
+    noise = exponential_noise(
+        ones, torch.tensor([noise_seed(9, 0), noise_seed(9, 1), noise_seed(9, 0), 5])
+    )
     assert torch.equal(noise[0], noise[2]) and not torch.equal(noise[0], noise[1])
-    expected = torch.empty(100).exponential_(generator=torch.Generator().manual_seed(noise_seed(9, 1)))
+    expected = torch.empty(100).exponential_(
+        generator=torch.Generator().manual_seed(noise_seed(9, 1))
+    )
     assert torch.equal(noise[1], expected)
     assert len({noise_seed(s, step) for s in range(50) for step in range(1000)}) == 50 * 1000
 
@@ -467,27 +554,53 @@ def test_cuda_matches_the_contract():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_race_at_temperature_0_is_the_argmax_first_on_ties(dtype):
-    logits = random_logits(0, 10_000, 1.0, rows=3).to(dtype)  # 2,500 counters of four columns, five parts a row
-    logits[1, 5000] = logits[1, 9000] = logits[1, 200] = 100.0  # a tie across parts and lanes: the first wins
-    logits[0, 2600] = logits[0, 1000] = 100.0  # lane 1 of part 0, lane 0 of part 1: still the first column
+    logits = random_logits(0, 10_000, 1.0, rows=3).to(
+        dtype
+    )  # 2,500 counters of four columns, five parts a row
+    logits[1, 5000] = logits[1, 9000] = logits[1, 200] = (
+        100.0  # a tie across parts and lanes: the first wins
+    )
+    logits[0, 2600] = logits[0, 1000] = (
+        100.0  # lane 1 of part 0, lane 0 of part 1: still the first column
+    )
     logits[2, 9999] = 100.0  # in the last, partial block
     tokens = race(logits, torch.zeros(3), torch.tensor([1, 2, 3]))
-    assert tokens.tolist() == logits.float().argmax(dim=-1).tolist() and tokens.tolist() == [1000, 200, 9999]
+    assert tokens.tolist() == logits.float().argmax(dim=-1).tolist() and tokens.tolist() == [
+        1000,
+        200,
+        9999,
+    ]
 
 
 def test_race_noise_follows_the_token_id_not_the_column():
-    logits, keys, temps = random_logits(1, 300, 1.0, rows=32), torch.arange(32) * 7919, torch.full((32,), 0.8)
-    perm = torch.stack([torch.randperm(300, generator=torch.Generator().manual_seed(r)) for r in range(32)])
-    assert torch.equal(race_ids(logits.gather(1, perm), temps, keys, perm, 300), race(logits, temps, keys))
-    assert len(set(race(logits[:1].expand(32, -1), temps, keys).tolist())) > 5  # other keys, other draws
+    logits, keys, temps = (
+        random_logits(1, 300, 1.0, rows=32),
+        torch.arange(32) * 7919,
+        torch.full((32,), 0.8),
+    )
+    perm = torch.stack(
+        [torch.randperm(300, generator=torch.Generator().manual_seed(r)) for r in range(32)]
+    )
+    assert torch.equal(
+        race_ids(logits.gather(1, perm), temps, keys, perm, 300), race(logits, temps, keys)
+    )
+    assert (
+        len(set(race(logits[:1].expand(32, -1), temps, keys).tolist())) > 5
+    )  # other keys, other draws
 
 
 def test_race_among_candidates_is_the_race_over_the_row():
     """The top-k path: race_ids over the 20 most likely tokens = race over the row with the others at -inf."""
-    logits, keys, temps = random_logits(2, 1000, 1.0, rows=32), torch.arange(32) * 13, torch.full((32,), 0.7)
+    logits, keys, temps = (
+        random_logits(2, 1000, 1.0, rows=32),
+        torch.arange(32) * 13,
+        torch.full((32,), 0.7),
+    )
     top = logits.topk(20)
     only_top = torch.full_like(logits, float("-inf")).scatter(1, top.indices, top.values)
-    assert torch.equal(race_ids(top.values, temps, keys, top.indices, 1000), race(only_top, temps, keys))
+    assert torch.equal(
+        race_ids(top.values, temps, keys, top.indices, 1000), race(only_top, temps, keys)
+    )
 
 
 def test_race_same_key_same_token_in_any_row():
@@ -501,7 +614,9 @@ def test_race_never_draws_a_masked_candidate():
     logits = random_logits(3, 40, 2.0, rows=64)
     masked = torch.rand(64, 40, generator=torch.Generator().manual_seed(3)) < 0.8
     masked[:, 0] = False  # one candidate left at least
-    tokens = race(logits.masked_fill(masked, float("-inf")), torch.full((64,), 1.5), torch.arange(64))
+    tokens = race(
+        logits.masked_fill(masked, float("-inf")), torch.full((64,), 1.5), torch.arange(64)
+    )
     assert not masked.gather(1, tokens[:, None]).any()
 
 
@@ -509,7 +624,12 @@ def test_race_frequencies_match_the_tempered_softmax():
     """512 draws of [0.6, 0.3, 0.1] at T = 0.5: each frequency within 4.5 standard deviations of softmax(x / T)."""
     x = torch.tensor([0.6, 0.3, 0.1]).log() * 0.5  # softmax(x / 0.5) = [0.6, 0.3, 0.1]
     n = 512
-    freq = torch.bincount(race(x.expand(n, -1), torch.full((n,), 0.5), torch.arange(n) * 31), minlength=3) / n
+    freq = (
+        torch.bincount(
+            race(x.expand(n, -1), torch.full((n,), 0.5), torch.arange(n) * 31), minlength=3
+        )
+        / n
+    )
     expected = torch.tensor([0.6, 0.3, 0.1])
     assert ((freq - expected).abs() <= 4.5 * (expected * (1 - expected) / n).sqrt()).all(), freq
 
@@ -519,7 +639,9 @@ def test_cuda_greedy_rows_in_a_random_batch_are_the_argmax():
     logits = random_logits(4, 151_936, 2.0, rows=8).cuda()
     logits[0, 7] = logits[0, 70_000] = 50.0  # a tie: the first index, as torch.argmax
     for filters in (dict(), dict(top_k=20), dict(top_p=0.9)):
-        params = [SamplingParams(temperature=0.0 if r % 2 == 0 else 0.8, **filters) for r in range(8)]
+        params = [
+            SamplingParams(temperature=0.0 if r % 2 == 0 else 0.8, **filters) for r in range(8)
+        ]
         tokens = sampler(logits, tensors(params, device="cuda"))
         assert torch.equal(tokens[::2], logits[::2].argmax(dim=-1)) and tokens[0] == 7
 
@@ -527,9 +649,17 @@ def test_cuda_greedy_rows_in_a_random_batch_are_the_argmax():
 @pytest.mark.gpu
 def test_cuda_race_noise_follows_the_token_id_not_the_column():
     """A row split into parts, a program each: the same draw as from the row's candidates in any order."""
-    logits, keys, temps = random_logits(1, 151_936, 1.0, rows=8).cuda(), torch.arange(8).cuda(), torch.ones(8).cuda()
-    perm = torch.stack([torch.randperm(151_936, generator=torch.Generator().manual_seed(r)) for r in range(8)]).cuda()
-    assert torch.equal(race_ids(logits.gather(1, perm), temps, keys, perm, 151_936), race(logits, temps, keys))
+    logits, keys, temps = (
+        random_logits(1, 151_936, 1.0, rows=8).cuda(),
+        torch.arange(8).cuda(),
+        torch.ones(8).cuda(),
+    )
+    perm = torch.stack(
+        [torch.randperm(151_936, generator=torch.Generator().manual_seed(r)) for r in range(8)]
+    ).cuda()
+    assert torch.equal(
+        race_ids(logits.gather(1, perm), temps, keys, perm, 151_936), race(logits, temps, keys)
+    )
 
 
 @triton.jit
@@ -544,8 +674,12 @@ def test_the_race_noise_keeps_its_relative_precision_next_to_1(device):
     it gives a random token +inf. Every float32 u in [1 - 2^-11, 1) (on a GPU: in [0.5, 1)), every one within 2^-14
     of 0.99 (where _neg_log2 switches to the series), and a sample below."""
     top = 2**23 if device == "cuda" else 2**13  # the float32 steps below 1 checked one by one
-    steps = torch.arange(top, dtype=torch.int32) + (0x3F800000 - top)  # bit patterns of the largest floats below 1
-    switch = torch.arange(-1024, 1024, dtype=torch.int32) + torch.tensor([0.99]).view(torch.int32)  # 2^-24 apart
+    steps = torch.arange(top, dtype=torch.int32) + (
+        0x3F800000 - top
+    )  # bit patterns of the largest floats below 1
+    switch = torch.arange(-1024, 1024, dtype=torch.int32) + torch.tensor([0.99]).view(
+        torch.int32
+    )  # 2^-24 apart
     sample = torch.rand(4096, generator=torch.Generator().manual_seed(0))
     u = torch.cat([steps.view(torch.float32), switch.view(torch.float32), sample]).to(device)
     q = torch.empty_like(u)
@@ -558,15 +692,21 @@ def test_the_race_noise_keeps_its_relative_precision_next_to_1(device):
 # --- nucleus: top-p (and min-p) by drawing, then checking the draw --------------------------------------------
 
 
-def nucleus_of(logits: torch.Tensor, t: float, top_p: float, min_p: float = 0.0, keys=None) -> torch.Tensor:
+def nucleus_of(
+    logits: torch.Tensor, t: float, top_p: float, min_p: float = 0.0, keys=None
+) -> torch.Tensor:
     rows = logits.shape[0]
     keys = torch.arange(rows) * 31 if keys is None else keys
-    return nucleus(logits, torch.full((rows,), t), torch.full((rows,), top_p), torch.full((rows,), min_p), keys)
+    return nucleus(
+        logits, torch.full((rows,), t), torch.full((rows,), top_p), torch.full((rows,), min_p), keys
+    )
 
 
 def test_nucleus_without_filters_is_the_race():
     logits, keys = random_logits(5, 300, 2.0, rows=48), torch.arange(48) * 7
-    assert torch.equal(nucleus_of(logits, 0.8, 1.0, keys=keys), race(logits, torch.full((48,), 0.8), keys))
+    assert torch.equal(
+        nucleus_of(logits, 0.8, 1.0, keys=keys), race(logits, torch.full((48,), 0.8), keys)
+    )
 
 
 def test_nucleus_at_temperature_0_is_the_argmax_first_on_ties():
@@ -576,11 +716,18 @@ def test_nucleus_at_temperature_0_is_the_argmax_first_on_ties():
 
 
 @pytest.mark.parametrize("vocab", [40, 3000])  # one part per row; every try in 2 parts (race_parts)
-@pytest.mark.parametrize(("top_p", "min_p", "t"), [(0.5, 0.0, 1.0), (0.9, 0.0, 0.7), (0.8, 0.3, 1.5), (1.0, 0.2, 1.0)])
+@pytest.mark.parametrize(
+    ("top_p", "min_p", "t"), [(0.5, 0.0, 1.0), (0.9, 0.0, 0.7), (0.8, 0.3, 1.5), (1.0, 0.2, 1.0)]
+)
 def test_nucleus_never_draws_what_keep_mask_drops(top_p, min_p, t, vocab):
     logits = random_logits(7, vocab, 2.0, rows=64)
     probs = torch.softmax(logits / t, dim=-1)
-    kept = filter_probs(probs, torch.full((64,), -1), torch.full((64,), top_p), torch.full((64,), min_p)) > 0
+    kept = (
+        filter_probs(
+            probs, torch.full((64,), -1), torch.full((64,), top_p), torch.full((64,), min_p)
+        )
+        > 0
+    )
     tokens = nucleus_of(logits, t, top_p, min_p)
     assert kept.gather(1, tokens[:, None]).all()
     assert len(set(tokens.tolist())) > 5  # rows draw apart: not always the argmax
@@ -626,7 +773,9 @@ def test_nucleus_sums_the_masses_of_every_part():
     """Each try's masses are summed in parts of the row (2 here): the four tokens of the test above, spread over
     both parts of a 3,000-token vocabulary, still give the renormalized survivors at top-p 0.7."""
     x = torch.full((3000,), -30.0)
-    cols = torch.tensor([2900, 2100, 10, 1000])  # the kept in the second part: the first's masses alone keep 0.15
+    cols = torch.tensor(
+        [2900, 2100, 10, 1000]
+    )  # the kept in the second part: the first's masses alone keep 0.15
     x[cols] = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
     n = 256
     drawn = nucleus_of(x.expand(n, -1), 1.0, 0.7)
@@ -646,18 +795,27 @@ def top_k_of(logits: torch.Tensor, t: float, k: int, top_p: float = 1.0, min_p: 
     return top_k_sample(logits, *settings, keys, k_max=max(k, 1), cap=cap)
 
 
-@pytest.mark.parametrize(("k", "top_p", "min_p", "t"), [(5, 1.0, 0.0, 1.0), (8, 0.6, 0.0, 0.7), (3, 1.0, 0.4, 2.0)])
+@pytest.mark.parametrize(
+    ("k", "top_p", "min_p", "t"), [(5, 1.0, 0.0, 1.0), (8, 0.6, 0.0, 0.7), (3, 1.0, 0.4, 2.0)]
+)
 def test_top_k_sample_never_draws_what_keep_mask_drops(k, top_p, min_p, t):
     """1,500 columns: two lanes' blocks, the second a partial one (column % 1024)."""
     logits = random_logits(8, 1500, 2.0, rows=48)
     probs = torch.softmax(logits / t, dim=-1)
-    kept = filter_probs(probs, torch.full((48,), k), torch.full((48,), top_p), torch.full((48,), min_p)) > 0
+    kept = (
+        filter_probs(
+            probs, torch.full((48,), k), torch.full((48,), top_p), torch.full((48,), min_p)
+        )
+        > 0
+    )
     tokens = top_k_of(logits, t, k, top_p, min_p)
     assert kept.gather(1, tokens[:, None]).all()
     assert len(set(tokens.tolist())) > 5  # rows draw apart: not always the argmax
 
 
-@pytest.mark.parametrize(("k", "top_p", "expected"), [(3, 1.0, [0.5, 0.3, 0.15]), (3, 0.7, [0.5, 0.3, 0.0])])
+@pytest.mark.parametrize(
+    ("k", "top_p", "expected"), [(3, 1.0, [0.5, 0.3, 0.15]), (3, 0.7, [0.5, 0.3, 0.0])]
+)
 def test_top_k_sample_frequencies_are_the_renormalized_survivors(k, top_p, expected):
     """256 draws of [0.5, 0.3, 0.15, 0.05]: top-k 3 keeps three; top-p 0.7 on what it left (0.95) keeps two."""
     x = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
@@ -670,11 +828,15 @@ def test_top_k_sample_frequencies_are_the_renormalized_survivors(k, top_p, expec
 def test_top_k_sample_at_temperature_0_is_the_argmax_first_on_ties():
     logits = random_logits(6, 3000, 1.0, rows=3)
     logits[1, 2500] = logits[1, 300] = 50.0
-    assert torch.equal(top_k_of(logits, 0.0, -1), logits.argmax(dim=-1))  # a greedy row without a top-k
+    assert torch.equal(
+        top_k_of(logits, 0.0, -1), logits.argmax(dim=-1)
+    )  # a greedy row without a top-k
     assert torch.equal(top_k_of(logits, 0.0, 7, top_p=0.5), logits.argmax(dim=-1))
 
 
-@pytest.mark.parametrize("cap", [128, 8])  # 128 slots hold the 82 candidates; 8 overflow: the row goes on alone
+@pytest.mark.parametrize(
+    "cap", [128, 8]
+)  # 128 slots hold the 82 candidates; 8 overflow: the row goes on alone
 def test_top_k_keeps_the_lowest_ids_of_the_ties_at_the_kth(cap):
     """Logits 5 and 4 at columns 1,990 and 1,995, 80 ties at 3 (columns 10..49 and 1,010..1,049), the rest lower:
     top-k 3 keeps 1,990, 1,995 and the tie of lowest id, 10, what a sort of the row largest first keeps (rank < k)."""
@@ -689,10 +851,17 @@ def test_a_row_whose_candidates_overflow_draws_what_enough_slots_draw():
     so its floor (the 2nd largest lane's maximum) leaves 5 or more logits above: it finds its 2nd logit alone. With
     64 slots no row does. The same token ids (the same kept set, order and noise)."""
     logits = random_logits(9, 4096, 0.5, rows=32)
-    logits[::4, 1000::1024] += torch.tensor([10.0, 11.0, 12.0, 13.0])  # the largest at the highest column
-    many, few = top_k_of(logits, 0.7, 2, min_p=0.3, cap=64), top_k_of(logits, 0.7, 2, min_p=0.3, cap=4)
+    logits[::4, 1000::1024] += torch.tensor(
+        [10.0, 11.0, 12.0, 13.0]
+    )  # the largest at the highest column
+    many, few = (
+        top_k_of(logits, 0.7, 2, min_p=0.3, cap=64),
+        top_k_of(logits, 0.7, 2, min_p=0.3, cap=4),
+    )
     assert torch.equal(few, many)
-    assert (logits.gather(1, many[:, None]) >= logits.topk(2).values[:, 1:]).all()  # in each row's top 2
+    assert (
+        logits.gather(1, many[:, None]) >= logits.topk(2).values[:, 1:]
+    ).all()  # in each row's top 2
 
 
 def test_a_row_with_fewer_finite_logits_than_k_draws_among_them():
@@ -714,15 +883,29 @@ def test_rows_of_the_other_path_are_skipped_and_change_nothing():
     greedy ones, nucleus (told which) the others, each as in a batch of those rows alone."""
     rows = 24
     logits, keys = random_logits(13, 1500, 2.0, rows=rows), torch.arange(rows) * 17
-    t, k, top_p, min_p = torch.ones(rows), torch.full((rows,), 6), torch.full((rows,), 0.8), torch.zeros(rows)
-    t[::4], k[::8], k[1::4], k[2::4] = 0.0, -1, -1, -1  # greedy rows, half without a top-k; random rows without
+    t, k, top_p, min_p = (
+        torch.ones(rows),
+        torch.full((rows,), 6),
+        torch.full((rows,), 0.8),
+        torch.zeros(rows),
+    )
+    t[::4], k[::8], k[1::4], k[2::4] = (
+        0.0,
+        -1,
+        -1,
+        -1,
+    )  # greedy rows, half without a top-k; random rows without
     others = (k <= 0) & (t > 0)
     mixed_k = top_k_sample(logits, t, k, top_p, min_p, keys, k_max=6)
     mixed_p = nucleus(logits, t, top_p, min_p, keys, others)
     ours = ~others
-    alone_k = top_k_sample(logits[ours], t[ours], k[ours], top_p[ours], min_p[ours], keys[ours], k_max=6)
+    alone_k = top_k_sample(
+        logits[ours], t[ours], k[ours], top_p[ours], min_p[ours], keys[ours], k_max=6
+    )
     assert torch.equal(mixed_k[ours], alone_k)
-    assert torch.equal(mixed_p[others], nucleus(*(v[others] for v in (logits, t, top_p, min_p, keys))))
+    assert torch.equal(
+        mixed_p[others], nucleus(*(v[others] for v in (logits, t, top_p, min_p, keys)))
+    )
     assert torch.equal(mixed_k[::4], logits[::4].argmax(dim=-1))
 
 
@@ -734,7 +917,9 @@ def test_cuda_top_k_sample_on_a_full_vocabulary_batch():
     g = torch.Generator().manual_seed(3)
     logits = 3 * torch.randn(rows, vocab, generator=g)
     k = torch.randint(1, 513, (rows,), generator=g)
-    top_p = torch.where(torch.rand(rows, generator=g) < 0.5, 1.0, 0.5 + 0.5 * torch.rand(rows, generator=g))
+    top_p = torch.where(
+        torch.rand(rows, generator=g) < 0.5, 1.0, 0.5 + 0.5 * torch.rand(rows, generator=g)
+    )
     min_p = torch.where(torch.rand(rows, generator=g) < 0.3, 0.2, 0.0)
     t = torch.where(torch.rand(rows, generator=g) < 0.1, 0.0, 0.5 + torch.rand(rows, generator=g))
     params = [SamplingParams(temperature=float(t[i]), top_k=int(k[i]), top_p=float(top_p[i]), min_p=float(min_p[i]))
@@ -759,5 +944,7 @@ def test_cuda_top_k_rows_beside_top_p_rows_draw_what_they_draw_alone():
     mixed = sample(logits, params, device="cuda")
     for r in range(3):  # each kind's rows alone
         assert torch.equal(sample(logits[r::3], params[r::3], device="cuda"), mixed[r::3])
-    tokens = sample(logits[:3], params[:2] + kinds[3:], device="cuda")  # a top-k above 512: the whole row sorted
+    tokens = sample(
+        logits[:3], params[:2] + kinds[3:], device="cuda"
+    )  # a top-k above 512: the whole row sorted
     assert logits[2, tokens[2]] >= logits[2].topk(600).values[-1]

@@ -45,7 +45,11 @@ def greedy(tiny):
         if len(memo.get(tuple(prompt), ())) < max_new_tokens:
             ids = torch.tensor([prompt])
             out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=0,
             )
             memo[tuple(prompt)] = out[0, len(prompt) :].tolist()
         return memo[tuple(prompt)][:max_new_tokens]
@@ -55,7 +59,11 @@ def greedy(tiny):
 
 
 def limits(
-    num_kvcache_blocks=256, max_num_seqs=16, max_num_batched_tokens=8192, max_model_len=4096, enable_prefix_caching=True
+    num_kvcache_blocks=256,
+    max_num_seqs=16,
+    max_num_batched_tokens=8192,
+    max_model_len=4096,
+    enable_prefix_caching=True,
 ):
     """What the scheduler reads from a Config."""
     return SimpleNamespace(
@@ -67,7 +75,10 @@ def limits(
     ), num_kvcache_blocks
 
 
-POLICIES = [Scheduler, UnifiedScheduler]  # prefill-first (nano-vllm's) and unified (vLLM v1's): the same tokens
+POLICIES = [
+    Scheduler,
+    UnifiedScheduler,
+]  # prefill-first (nano-vllm's) and unified (vLLM v1's): the same tokens
 
 
 def make_scheduler(policy: type[Scheduler] = Scheduler, **kwargs) -> Scheduler:
@@ -75,17 +86,27 @@ def make_scheduler(policy: type[Scheduler] = Scheduler, **kwargs) -> Scheduler:
     return policy(config, num_blocks)
 
 
-def request(prompt, max_tokens, ignore_eos=True, eos=None, stop_token_ids=None, **params) -> Sequence:
+def request(
+    prompt, max_tokens, ignore_eos=True, eos=None, stop_token_ids=None, **params
+) -> Sequence:
     """A greedy request. As the engine does, the end-of-sequence id `eos` joins its stop tokens unless ignore_eos."""
     stops = list(stop_token_ids or []) + ([eos] if eos is not None and not ignore_eos else [])
     return Sequence(
         prompt,
-        SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos, stop_token_ids=stops, **params),
+        SamplingParams(
+            temperature=0,
+            max_tokens=max_tokens,
+            ignore_eos=ignore_eos,
+            stop_token_ids=stops,
+            **params,
+        ),
         BLOCK,
     )
 
 
-def serve(scheduler: Scheduler, seqs: list[Sequence], model, arrivals: list[int] | None = None) -> Counter:
+def serve(
+    scheduler: Scheduler, seqs: list[Sequence], model, arrivals: list[int] | None = None
+) -> Counter:
     """The engine loop, with checks at every step; `model(seqs, is_prefill)` gives the sampled tokens. A request is
     added at step `arrivals[i]` (default 0). Returns counts: steps, preemptions, prompt chunks, prefix-hit tokens."""
     arrivals = arrivals or [0] * len(seqs)
@@ -102,12 +123,22 @@ def serve(scheduler: Scheduler, seqs: list[Sequence], model, arrivals: list[int]
         batch, is_prefill = scheduler.schedule()
         assert batch and len(scheduler.running) <= scheduler.max_num_seqs
         assert all(seq.status == SequenceStatus.RUNNING for seq in batch)
-        if is_prefill or isinstance(scheduler, UnifiedScheduler):  # prefill-first decodes every running request
-            assert sum(seq.num_scheduled_tokens for seq in batch) <= scheduler.max_num_batched_tokens
+        if is_prefill or isinstance(
+            scheduler, UnifiedScheduler
+        ):  # prefill-first decodes every running request
+            assert (
+                sum(seq.num_scheduled_tokens for seq in batch) <= scheduler.max_num_batched_tokens
+            )
         if isinstance(scheduler, UnifiedScheduler):
-            assert is_prefill == any(seq.num_cached_tokens + 1 < len(seq) for seq in batch), "decode path, wrongly"
-            chunks = [seq.seq_id in admitted or seq.num_cached_tokens + 1 < len(seq) for seq in batch]
-            assert chunks == sorted(chunks), "decode rows first: the runner's decode kernel takes the leading ones"
+            assert is_prefill == any(seq.num_cached_tokens + 1 < len(seq) for seq in batch), (
+                "decode path, wrongly"
+            )
+            chunks = [
+                seq.seq_id in admitted or seq.num_cached_tokens + 1 < len(seq) for seq in batch
+            ]
+            assert chunks == sorted(chunks), (
+                "decode rows first: the runner's decode kernel takes the leading ones"
+            )
         stats["hit_tokens"] += sum(seq.num_cached_tokens for seq in batch if seq.seq_id in admitted)
         lens = [len(seq) for seq in batch]
         finished = scheduler.postprocess(batch, model(batch, is_prefill))
@@ -117,9 +148,13 @@ def serve(scheduler: Scheduler, seqs: list[Sequence], model, arrivals: list[int]
             assert seq.status == SequenceStatus.FINISHED and seq.finish_reason in ("stop", "length")
             assert not seq.block_table and seq not in scheduler.running
         for seq in seqs:  # a reply only ever grows: a streaming client has already shown its tokens
-            assert seq.num_completion_tokens >= replies[seq.seq_id], f"sequence {seq.seq_id} lost tokens"
+            assert seq.num_completion_tokens >= replies[seq.seq_id], (
+                f"sequence {seq.seq_id} lost tokens"
+            )
             replies[seq.seq_id] = seq.num_completion_tokens
-    assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks, "KV blocks leaked"
+    assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks, (
+        "KV blocks leaked"
+    )
     assert all(seq.is_finished for seq in seqs)
     stats["preemptions"] = scheduler.num_preemptions
     return stats
@@ -159,8 +194,12 @@ def test_preemption_by_recompute(runner, greedy, policy):
     """12 blocks (192 token slots) for 16 requests that grow to 50..130 tokens: preempted over and over."""
     prompts = random_prompts(1, 16, (8, 50))
     max_tokens = [random.Random(i).randint(40, 80) for i in range(16)]
-    stats = check_parity(runner, greedy, make_scheduler(policy, num_kvcache_blocks=12), prompts, max_tokens)
-    assert stats["preemptions"] >= 20 and stats["hit_tokens"] > 0  # a victim comes back to its own cached blocks
+    stats = check_parity(
+        runner, greedy, make_scheduler(policy, num_kvcache_blocks=12), prompts, max_tokens
+    )
+    assert (
+        stats["preemptions"] >= 20 and stats["hit_tokens"] > 0
+    )  # a victim comes back to its own cached blocks
 
 
 @pytest.mark.parametrize("policy", POLICIES, ids=["prefill-first", "unified"])
@@ -169,7 +208,9 @@ def test_chunked_prefill(runner, greedy, budget, policy):
     """Prompts longer than the token budget (even one smaller than a block) are prefilled over several steps."""
     prompts = random_prompts(2, 10, (100, 300))
     max_tokens = [random.Random(i).randint(1, 20) for i in range(10)]
-    stats = check_parity(runner, greedy, make_scheduler(policy, max_num_batched_tokens=budget), prompts, max_tokens)
+    stats = check_parity(
+        runner, greedy, make_scheduler(policy, max_num_batched_tokens=budget), prompts, max_tokens
+    )
     assert stats["chunks"] >= sum(len(p) // budget for p in prompts) - len(prompts)
 
 
@@ -181,7 +222,9 @@ def test_shared_prefixes(runner, greedy, caching, policy):
     max_tokens = [random.Random(i).randint(1, 30) for i in range(16)]
     scheduler = make_scheduler(policy, enable_prefix_caching=caching)
     stats = check_parity(runner, greedy, scheduler, prompts, max_tokens)
-    assert stats["hit_tokens"] == (15 * 64 if caching else 0)  # the first request computes the system prompt
+    assert stats["hit_tokens"] == (
+        15 * 64 if caching else 0
+    )  # the first request computes the system prompt
 
 
 def test_a_chunked_prompt_is_only_hit_where_it_is_computed(runner, greedy):
@@ -202,7 +245,9 @@ def test_a_chunked_prompt_is_only_hit_where_it_is_computed(runner, greedy):
     assert batch == [b] and is_prefill and b.num_cached_tokens == 80
     scheduler.postprocess(batch, runner.run(batch, is_prefill))
     serve(scheduler, [], runner.run)
-    assert a.completion_token_ids == greedy(a_prompt, 10) and b.completion_token_ids == greedy(b_prompt, 10)
+    assert a.completion_token_ids == greedy(a_prompt, 10) and b.completion_token_ids == greedy(
+        b_prompt, 10
+    )
 
 
 @pytest.mark.parametrize("policy", POLICIES, ids=["prefill-first", "unified"])
@@ -216,13 +261,17 @@ def test_a_mixed_run_of_120_requests(runner, greedy, policy):
         if kind < 2:
             prompts.append(systems[kind] + rng.choices(range(3, 2048), k=rng.randint(1, 40)))
         elif kind == 2:
-            prompts.append(rng.choices(range(3, 2048), k=rng.randint(150, 400)))  # longer than the budget
+            prompts.append(
+                rng.choices(range(3, 2048), k=rng.randint(150, 400))
+            )  # longer than the budget
         else:
             prompts.append(rng.choices(range(3, 2048), k=rng.randint(1, 60)))
     max_tokens = [rng.randint(1, 48) for _ in prompts]
     arrivals = sorted(rng.randint(0, 300) for _ in prompts)
     seqs = [request(p, n) for p, n in zip(prompts, max_tokens)]
-    scheduler = make_scheduler(policy, num_kvcache_blocks=40, max_num_seqs=24, max_num_batched_tokens=96)
+    scheduler = make_scheduler(
+        policy, num_kvcache_blocks=40, max_num_seqs=24, max_num_batched_tokens=96
+    )
     stats = serve(scheduler, seqs, runner.run, arrivals)
     for seq, prompt, n in zip(seqs, prompts, max_tokens):
         assert seq.completion_token_ids == greedy(prompt, n)
@@ -233,7 +282,11 @@ def test_a_mixed_run_of_120_requests(runner, greedy, policy):
     # the regime really is under pressure (decode rows riding along in prefill steps finish sooner, so the unified
     # policy runs out of blocks less often: 13 preemptions against prefill-first's 20 or more)
     min_preemptions = 20 if policy is Scheduler else 10
-    assert stats["preemptions"] >= min_preemptions and stats["chunks"] >= 50 and stats["hit_tokens"] >= 1000
+    assert (
+        stats["preemptions"] >= min_preemptions
+        and stats["chunks"] >= 50
+        and stats["hit_tokens"] >= 1000
+    )
 
 
 # --- finishing, and requests that cannot run --------------------------------------------------------------------
@@ -243,9 +296,13 @@ def test_eos_and_stop_tokens_finish_with_stop(runner, greedy):
     prompts = random_prompts(7, 12, (4, 40))
     full = [greedy(p, 32) for p in prompts]
     ignore_eos = [i % 3 == 0 for i in range(12)]
-    counts = Counter(t for reply, ignore in zip(full, ignore_eos) if not ignore for t in set(reply[1:]))
+    counts = Counter(
+        t for reply, ignore in zip(full, ignore_eos) if not ignore for t in set(reply[1:])
+    )
     eos = counts.most_common(1)[0][0]  # a token that ends some replies early
-    stops = [[reply[i % 7 + 2]] if i % 2 else None for i, reply in enumerate(full)]  # each its own stop token
+    stops = [
+        [reply[i % 7 + 2]] if i % 2 else None for i, reply in enumerate(full)
+    ]  # each its own stop token
     seqs = [
         request(p, 32, ignore_eos=ignore, eos=eos, stop_token_ids=stop)
         for p, ignore, stop in zip(prompts, ignore_eos, stops)
@@ -259,7 +316,9 @@ def test_eos_and_stop_tokens_finish_with_stop(runner, greedy):
         assert seq.finish_reason == ("length" if cut is None else "stop")
         reasons["eos" if cut and reply[cut - 1] == eos and eos in ends else seq.finish_reason] += 1
     assert reasons["eos"] >= 1 and reasons["stop"] >= 5 and reasons["length"] >= 1
-    for seq in seqs[2::6]:  # EOS on, no stop tokens: transformers, told the same EOS, stops at the same token
+    for seq in seqs[
+        2::6
+    ]:  # EOS on, no stop tokens: transformers, told the same EOS, stops at the same token
         ids = torch.tensor([seq.prompt_token_ids])
         out = greedy.model.generate(
             ids,
@@ -276,14 +335,22 @@ def test_max_model_len_finishes_with_length(runner, greedy):
     prompt = random.Random(8).choices(range(3, 2048), k=40)
     seq = request(prompt, 30)
     serve(make_scheduler(max_model_len=48), [seq], runner.run)
-    assert seq.completion_token_ids == greedy(prompt, 8) and seq.finish_reason == "length" and len(seq) == 48
+    assert (
+        seq.completion_token_ids == greedy(prompt, 8)
+        and seq.finish_reason == "length"
+        and len(seq) == 48
+    )
 
 
 def test_a_request_that_outgrows_the_whole_cache_stops_there(runner, greedy):
     prompt = random.Random(9).choices(range(3, 2048), k=20)
     seq = request(prompt, 200)
     serve(make_scheduler(num_kvcache_blocks=4), [seq], runner.run)
-    assert len(seq) == 64 and seq.finish_reason == "length" and seq.completion_token_ids == greedy(prompt, 44)
+    assert (
+        len(seq) == 64
+        and seq.finish_reason == "length"
+        and seq.completion_token_ids == greedy(prompt, 44)
+    )
 
 
 def test_a_request_that_can_never_run_is_an_assertion_and_the_others_complete(runner, greedy):
@@ -294,7 +361,9 @@ def test_a_request_that_can_never_run_is_an_assertion_and_the_others_complete(ru
         scheduler.add(request(list(range(3, 131)), 4))  # 128 + 1 > 128 slots
     with pytest.raises(AssertionError, match="can never run"):
         make_scheduler(max_model_len=200).add(request(list(range(3, 203)), 4))
-    with pytest.raises(AssertionError, match="block_size"):  # the block manager's block size is the only one
+    with pytest.raises(
+        AssertionError, match="block_size"
+    ):  # the block manager's block size is the only one
         scheduler.add(Sequence([1, 2, 3], block_size=32))
         scheduler.schedule()
     scheduler = make_scheduler(num_kvcache_blocks=8, max_model_len=200)
@@ -303,7 +372,10 @@ def test_a_request_that_can_never_run_is_an_assertion_and_the_others_complete(ru
     serve(scheduler, seqs, runner.run)
     for seq, prompt in zip(seqs[:-1], prompts):
         assert seq.completion_token_ids == greedy(prompt, 10)
-    assert seqs[-1].completion_token_ids == greedy(prompts[-1], 1) and seqs[-1].finish_reason == "length"
+    assert (
+        seqs[-1].completion_token_ids == greedy(prompts[-1], 1)
+        and seqs[-1].finish_reason == "length"
+    )
 
 
 # --- the rules, with a stand-in model ---------------------------------------------------------------------------
@@ -342,7 +414,9 @@ def test_admission_limits():
     for seq in (request([1] * 30, 5), request([2] * 30, 5), request([3] * 100, 5)):
         scheduler.add(seq)
     assert step(scheduler)[2] == [30, 20]  # the budget: the second prompt gets what is left
-    assert step(scheduler)[2] == [10]  # ...and goes on first; the third needs 7 blocks, 6 are free: it waits
+    assert step(scheduler)[2] == [
+        10
+    ]  # ...and goes on first; the third needs 7 blocks, 6 are free: it waits
     assert [len(seq) for seq in scheduler.waiting] == [100]
 
 
@@ -362,25 +436,37 @@ def test_the_budget_counts_only_uncached_tokens():
 def test_abort_mid_step_frees_blocks_and_forgets_the_unwritten_cache():
     scheduler = make_scheduler(max_num_batched_tokens=40)
     bm = scheduler.block_manager
-    done, chunked, waiting = request(list(range(1, 34)), 5), request(list(range(100, 164)), 5), request([7] * 5, 5)
+    done, chunked, waiting = (
+        request(list(range(1, 34)), 5),
+        request(list(range(100, 164)), 5),
+        request([7] * 5, 5),
+    )
     scheduler.add(done)
     step(scheduler)  # 33 tokens: blocks 0 and 1 computed and cached
     scheduler.add(chunked)
     scheduler.add(waiting)
-    batch, is_prefill = scheduler.schedule()  # done's decode would come later; this prefill publishes 2 blocks of
-    assert is_prefill and batch[0] is chunked and chunked.num_scheduled_tokens == 40  # chunked's first chunk...
+    batch, is_prefill = (
+        scheduler.schedule()
+    )  # done's decode would come later; this prefill publishes 2 blocks of
+    assert (
+        is_prefill and batch[0] is chunked and chunked.num_scheduled_tokens == 40
+    )  # chunked's first chunk...
     published = [b for b in chunked.block_table[:2] if bm.blocks[b].hash in bm.hash_to_block_id]
     assert len(published) == 2
     scheduler.abort(chunked)  # ...but the step fails before the model writes their KV
     scheduler.abort(waiting)
     assert chunked.is_finished and chunked.finish_reason == "abort" and not chunked.block_table
     assert list(scheduler.waiting) == [] and list(scheduler.running) == [done]
-    assert not any(bm.blocks[b].hash in bm.hash_to_block_id for b in published)  # nothing can hit them
+    assert not any(
+        bm.blocks[b].hash in bm.hash_to_block_id for b in published
+    )  # nothing can hit them
     assert bm.num_used_blocks == len(done.block_table) and bm.num_cached_free_blocks == 0
     again = request(list(range(100, 164)), 5)
     scheduler.add(again)
     batch, _ = scheduler.schedule()
-    assert batch == [again] and again.num_cached_tokens == 0  # a fresh prefill, no hit on unwritten KV
+    assert (
+        batch == [again] and again.num_cached_tokens == 0
+    )  # a fresh prefill, no hit on unwritten KV
     scheduler.abort(done)  # an abort between steps keeps what was computed in the cache
     assert bm.num_cached_free_blocks == 2
 
@@ -390,7 +476,9 @@ def test_abort_all_after_a_failure_inside_schedule_drops_every_request():
     sequence): abort_all still finds every request, and the block manager starts afresh."""
     scheduler = make_scheduler(num_kvcache_blocks=8, max_num_batched_tokens=40)
     bm = scheduler.block_manager
-    seqs = [request([i] * 16, 8) for i in range(1, 4)] + [request(list(range(100, 160)), 8)]  # the last is chunked
+    seqs = [request([i] * 16, 8) for i in range(1, 4)] + [
+        request(list(range(100, 160)), 8)
+    ]  # the last is chunked
     for seq in seqs:
         scheduler.add(seq)
     step(scheduler)  # prefill of the first two and a chunk of the third
@@ -412,8 +500,14 @@ def test_abort_all_after_a_failure_inside_schedule_drops_every_request():
     assert len(calls) == 2 and any(seq.block_table for seq in seqs)
     scheduler.abort_all()
     assert scheduler.is_finished() and not scheduler.waiting and not scheduler.running
-    assert all(seq.finish_reason == "abort" and seq.is_finished and not seq.block_table for seq in seqs)
-    assert bm.num_free_blocks == bm.num_blocks == 8 and bm.num_cached_free_blocks == 0 and not bm.hash_to_block_id
+    assert all(
+        seq.finish_reason == "abort" and seq.is_finished and not seq.block_table for seq in seqs
+    )
+    assert (
+        bm.num_free_blocks == bm.num_blocks == 8
+        and bm.num_cached_free_blocks == 0
+        and not bm.hash_to_block_id
+    )
     again = request([1] * 16 + [5], 4)  # the same first block as before: not in the cache any more
     scheduler.add(again)
     assert scheduler.schedule()[0] == [again] and again.num_cached_tokens == 0
@@ -430,12 +524,18 @@ def test_preemption_takes_the_newest_and_keeps_its_tokens():
     assert not is_prefill and batch == seqs[:2] and scheduler.num_preemptions == 2
     assert list(scheduler.waiting) == seqs[2:] and list(scheduler.running) == seqs[:2]
     for seq in seqs[2:]:
-        assert seq.status == SequenceStatus.WAITING and seq.block_table == [] and seq.num_cached_tokens == 0
+        assert (
+            seq.status == SequenceStatus.WAITING
+            and seq.block_table == []
+            and seq.num_cached_tokens == 0
+        )
         assert seq.token_ids == tokens[seq.seq_id] and seq.num_completion_tokens == 1
     victim = seqs[2]
     while victim not in (batch := scheduler.schedule()[0]):
         scheduler.postprocess(batch, zeros(batch, False))
-    assert victim.token_ids == tokens[victim.seq_id]  # it comes back with its generated token as part of its prompt
+    assert (
+        victim.token_ids == tokens[victim.seq_id]
+    )  # it comes back with its generated token as part of its prompt
     assert victim.num_cached_tokens + victim.num_scheduled_tokens == len(victim) == 17
 
 
@@ -453,7 +553,10 @@ def test_a_prompt_with_one_token_left_joins_the_decodes():
     a, b = request([1] * 30, 5), request([2] * 20, 5)
     scheduler.add(a)
     scheduler.add(b)
-    assert step(scheduler)[1:] == (True, [30, 19])  # b gets 19 of its 20 tokens: 1 left, as after a prefill
+    assert step(scheduler)[1:] == (
+        True,
+        [30, 19],
+    )  # b gets 19 of its 20 tokens: 1 left, as after a prefill
     assert b.num_completion_tokens == 0
     batch, is_prefill, scheduled = step(scheduler)
     assert batch == [a, b] and not is_prefill and scheduled == [1, 1]
@@ -482,7 +585,9 @@ class ShadowRunner:
 
     def __init__(self):
         self.slots: dict[int, int] = {}
-        self.last: list[int] = []  # the previous call's tokens: a placeholder -1 - row stands for last[row]
+        self.last: list[
+            int
+        ] = []  # the previous call's tokens: a placeholder -1 - row stands for last[row]
 
     def __call__(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         step = (prepare_prefill if is_prefill else prepare_decode)(seqs, BLOCK)
@@ -496,7 +601,10 @@ class ShadowRunner:
             else (len(seq) - 1, len(seq))
             for seq in seqs
         ]
-        names = [prefix_hashes([t if t >= 0 else self.last[-1 - t] for t in seq.token_ids]) for seq in seqs]
+        names = [
+            prefix_hashes([t if t >= 0 else self.last[-1 - t] for t in seq.token_ids])
+            for seq in seqs
+        ]
         slots = iter(step.slot_mapping.tolist())
         for (start, end), name in zip(spans, names):
             for pos in range(start, end):
@@ -504,11 +612,15 @@ class ShadowRunner:
         for seq, (_, end), name in zip(seqs, spans, names):
             for pos in range(end):
                 slot = seq.block_table[pos // BLOCK] * BLOCK + pos % BLOCK
-                assert self.slots.get(slot) == name[pos], f"sequence {seq.seq_id} reads wrong KV at position {pos}"
+                assert self.slots.get(slot) == name[pos], (
+                    f"sequence {seq.seq_id} reads wrong KV at position {pos}"
+                )
         return [name[end - 1] % VOCAB for (_, end), name in zip(spans, names)]
 
 
-def reference_reply(prompt: list[int], params: SamplingParams, eos: int, max_len: int) -> tuple[list[int], str]:
+def reference_reply(
+    prompt: list[int], params: SamplingParams, eos: int, max_len: int
+) -> tuple[list[int], str]:
     tokens = list(prompt)
     while True:
         tokens.append(prefix_hashes(tokens)[-1] % VOCAB)
@@ -565,7 +677,9 @@ def serve_ahead(scheduler: Scheduler, seqs: list[Sequence], model, arrivals: lis
         for seq in scheduler.resolve(batch, rows, tokens):
             assert seq.status == SequenceStatus.FINISHED and not seq.block_table
         assert all(t >= 0 for seq in seqs for t in seq.token_ids)  # every placeholder resolved
-    assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks, "KV blocks leaked"
+    assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks, (
+        "KV blocks leaked"
+    )
     assert all(seq.is_finished for seq in seqs)
 
 
@@ -581,7 +695,9 @@ def test_random_workloads_against_a_shadow_kv_cache(policy, ahead, workload):
     scheduler = policy(config, num_blocks)
     seqs, arrivals = [], []
     for prefix, suffix, max_tokens, ignore_eos, arrival in requests:
-        seq = request(list(prefix) + suffix, max_tokens, ignore_eos=ignore_eos, eos=0, stop_token_ids=[6])
+        seq = request(
+            list(prefix) + suffix, max_tokens, ignore_eos=ignore_eos, eos=0, stop_token_ids=[6]
+        )
         if len(seq) + 1 > min(config.max_model_len, num_blocks * BLOCK):
             continue  # the engine refuses it
         seqs.append(seq)
@@ -590,5 +706,7 @@ def test_random_workloads_against_a_shadow_kv_cache(policy, ahead, workload):
         return
     (serve_ahead if ahead else serve)(scheduler, seqs, ShadowRunner(), arrivals)
     for seq in seqs:
-        reply, reason = reference_reply(seq.prompt_token_ids, seq.sampling_params, 0, scheduler.max_len)
+        reply, reason = reference_reply(
+            seq.prompt_token_ids, seq.sampling_params, 0, scheduler.max_len
+        )
         assert (seq.completion_token_ids, seq.finish_reason) == (reply, reason)

@@ -44,15 +44,25 @@ def test_health_and_models(server, client):
 def test_completions_equal_offline_generate(client, offline, stream):
     expected = offline.generate(PROMPTS, greedy(12), use_tqdm=False)
     for prompt, out in zip(PROMPTS, expected):
-        kw = dict(model="tiny", prompt=prompt, max_tokens=12, temperature=0, extra_body=dict(ignore_eos=True))
+        kw = dict(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=12,
+            temperature=0,
+            extra_body=dict(ignore_eos=True),
+        )
         if stream:
             chunks = list(client.completions.create(stream=True, **kw))
             text = "".join(c.choices[0].text for c in chunks)
-            assert chunks[-1].choices[0].finish_reason == "length" and len(chunks) > 2  # token by token
+            assert (
+                chunks[-1].choices[0].finish_reason == "length" and len(chunks) > 2
+            )  # token by token
         else:
             reply = client.completions.create(**kw)
             text = reply.choices[0].text
-            assert reply.usage.completion_tokens == 12 and reply.usage.prompt_tokens == len(out.prompt_token_ids)
+            assert reply.usage.completion_tokens == 12 and reply.usage.prompt_tokens == len(
+                out.prompt_token_ids
+            )
         assert text == out.outputs[0].text
 
 
@@ -60,17 +70,35 @@ def test_completions_equal_offline_generate(client, offline, stream):
 @pytest.mark.parametrize("kind", ["stop string", "penalties"])
 def test_stop_strings_and_penalties_as_offline(client, offline, stream, kind):
     plain = offline.generate(["Once upon a time"], greedy(20), use_tqdm=False)[0].outputs[0].text
-    fields = dict(stop=[plain[8:11]]) if kind == "stop string" else dict(frequency_penalty=0.5, presence_penalty=0.2)
+    fields = (
+        dict(stop=[plain[8:11]])
+        if kind == "stop string"
+        else dict(frequency_penalty=0.5, presence_penalty=0.2)
+    )
     extra = (
-        dict(ignore_eos=True) if kind == "stop string" else dict(ignore_eos=True, repetition_penalty=1.3, min_tokens=2)
+        dict(ignore_eos=True)
+        if kind == "stop string"
+        else dict(ignore_eos=True, repetition_penalty=1.3, min_tokens=2)
     )
     params = SamplingParams(temperature=0, max_tokens=20, **fields, **extra)
     expected = offline.generate(["Once upon a time"], params, use_tqdm=False)[0].outputs[0]
-    assert expected.text != plain and expected.finish_reason == ("stop" if kind == "stop string" else "length")
-    kw = dict(model="tiny", prompt="Once upon a time", max_tokens=20, temperature=0, extra_body=extra, **fields)
+    assert expected.text != plain and expected.finish_reason == (
+        "stop" if kind == "stop string" else "length"
+    )
+    kw = dict(
+        model="tiny",
+        prompt="Once upon a time",
+        max_tokens=20,
+        temperature=0,
+        extra_body=extra,
+        **fields,
+    )
     if stream:
         chunks = list(client.completions.create(stream=True, **kw))
-        text, reason = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+        text, reason = (
+            "".join(c.choices[0].text for c in chunks),
+            chunks[-1].choices[0].finish_reason,
+        )
     else:
         choice = client.completions.create(**kw).choices[0]
         text, reason = choice.text, choice.finish_reason
@@ -82,19 +110,37 @@ def test_a_prompt_of_token_ids_gives_the_same_tokens(client, offline):
     reply = client.completions.create(
         model="tiny", prompt=ids, max_tokens=8, temperature=0, extra_body=dict(ignore_eos=True)
     )
-    assert reply.choices[0].text == offline.generate([ids], greedy(8), use_tqdm=False)[0].outputs[0].text
+    assert (
+        reply.choices[0].text
+        == offline.generate([ids], greedy(8), use_tqdm=False)[0].outputs[0].text
+    )
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_chat_completions_equal_offline_chat(client, offline, stream):
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Name a colour."},
+    ]
     expected = offline.chat(messages, greedy(10), use_tqdm=False)[0].outputs[0].text
-    kw = dict(model="tiny", messages=messages, max_tokens=10, temperature=0, extra_body=dict(ignore_eos=True))
+    kw = dict(
+        model="tiny",
+        messages=messages,
+        max_tokens=10,
+        temperature=0,
+        extra_body=dict(ignore_eos=True),
+    )
     if stream:
-        text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw))
+        text = "".join(
+            c.choices[0].delta.content or ""
+            for c in client.chat.completions.create(stream=True, **kw)
+        )
     else:
         reply = client.chat.completions.create(**kw)
-        assert reply.choices[0].message.role == "assistant" and reply.choices[0].finish_reason == "length"
+        assert (
+            reply.choices[0].message.role == "assistant"
+            and reply.choices[0].finish_reason == "length"
+        )
         text = reply.choices[0].message.content
     assert text == expected
 
@@ -102,16 +148,28 @@ def test_chat_completions_equal_offline_chat(client, offline, stream):
 @pytest.mark.parametrize("stream", [False, True])
 def test_n_seeded_samples_are_reproducible_and_equal_offline(client, offline, stream):
     params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
-    expected = [c.text for c in offline.generate(["Once upon a time"], params, use_tqdm=False)[0].outputs]
+    expected = [
+        c.text for c in offline.generate(["Once upon a time"], params, use_tqdm=False)[0].outputs
+    ]
     assert len(set(expected)) > 1  # four samples, not one four times
-    kw = dict(model="tiny", prompt="Once upon a time", n=4, seed=7, max_tokens=8, extra_body=dict(ignore_eos=True))
+    kw = dict(
+        model="tiny",
+        prompt="Once upon a time",
+        n=4,
+        seed=7,
+        max_tokens=8,
+        extra_body=dict(ignore_eos=True),
+    )
     for _ in range(2):  # the same again
         texts = [""] * 4
         if stream:
             for chunk in client.completions.create(stream=True, **kw):
                 texts[chunk.choices[0].index] += chunk.choices[0].text
         else:
-            texts = [c.text for c in sorted(client.completions.create(**kw).choices, key=lambda c: c.index)]
+            texts = [
+                c.text
+                for c in sorted(client.completions.create(**kw).choices, key=lambda c: c.index)
+            ]
         assert texts == expected
 
 
@@ -120,9 +178,17 @@ def test_logprobs_equal_offline(client, offline, stream):
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
     (completion,) = offline.generate(["Once upon a time"], params, use_tqdm=False)[0].outputs
     want = [row[t].logprob for row, t in zip(completion.logprobs, completion.token_ids)]
-    kw = dict(model="tiny", prompt="Once upon a time", max_tokens=6, temperature=0, extra_body=dict(ignore_eos=True))
+    kw = dict(
+        model="tiny",
+        prompt="Once upon a time",
+        max_tokens=6,
+        temperature=0,
+        extra_body=dict(ignore_eos=True),
+    )
     if stream:
-        chunks = [c.choices[0].logprobs for c in client.completions.create(stream=True, logprobs=3, **kw)]
+        chunks = [
+            c.choices[0].logprobs for c in client.completions.create(stream=True, logprobs=3, **kw)
+        ]
         got = [lp for c in chunks if c is not None for lp in c.token_logprobs]
         tops = [top for c in chunks if c is not None for top in c.top_logprobs]
     else:
@@ -130,8 +196,18 @@ def test_logprobs_equal_offline(client, offline, stream):
         got, tops = logprobs.token_logprobs, logprobs.top_logprobs
     assert got == pytest.approx(want, abs=1e-5) and all(len(top) == 3 for top in tops)
     messages = [{"role": "user", "content": "Name a colour."}]
-    chat = dict(model="tiny", messages=messages, max_tokens=5, temperature=0, extra_body=dict(ignore_eos=True))
-    content = client.chat.completions.create(logprobs=True, top_logprobs=2, **chat).choices[0].logprobs.content
+    chat = dict(
+        model="tiny",
+        messages=messages,
+        max_tokens=5,
+        temperature=0,
+        extra_body=dict(ignore_eos=True),
+    )
+    content = (
+        client.chat.completions.create(logprobs=True, top_logprobs=2, **chat)
+        .choices[0]
+        .logprobs.content
+    )
     (expected,) = offline.chat(messages, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2),
                                use_tqdm=False)[0].outputs  # fmt: skip
     assert [c.logprob for c in content] == pytest.approx(
@@ -145,11 +221,21 @@ def test_64_concurrent_streams_all_complete_correctly(server, offline):
     expected = [out.outputs[0].text for out in offline.generate(prompts, greedy(6), use_tqdm=False)]
 
     async def one(client, prompt: str) -> str:
-        kw = dict(model="tiny", prompt=prompt, max_tokens=6, temperature=0, extra_body=dict(ignore_eos=True))
-        return "".join([c.choices[0].text async for c in await client.completions.create(stream=True, **kw)])
+        kw = dict(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=6,
+            temperature=0,
+            extra_body=dict(ignore_eos=True),
+        )
+        return "".join(
+            [c.choices[0].text async for c in await client.completions.create(stream=True, **kw)]
+        )
 
     async def all_at_once() -> list[str]:
-        async with openai.AsyncOpenAI(base_url=f"{server[0]}/v1", api_key="none", max_retries=0) as client:
+        async with openai.AsyncOpenAI(
+            base_url=f"{server[0]}/v1", api_key="none", max_retries=0
+        ) as client:
             return await asyncio.gather(*(one(client, p) for p in prompts))
 
     assert asyncio.run(all_at_once()) == expected
@@ -166,7 +252,9 @@ def test_a_caller_that_falls_behind_gets_the_newest_output_only(server, offline)
         first = await anext(outputs)
         while not last_sent.is_set():  # the engine runs the rest while this caller reads nothing
             await asyncio.sleep(0.01)
-        await asyncio.sleep(0)  # the loop queues that last output (put from the output thread) before we read
+        await asyncio.sleep(
+            0
+        )  # the loop queues that last output (put from the output thread) before we read
         return [first] + [out async for out in outputs]
 
     output, built = llm.output_processor.output, []  # which outputs are built, for whom
@@ -179,7 +267,9 @@ def test_a_caller_that_falls_behind_gets_the_newest_output_only(server, offline)
 
     def apply_and_note(deltas: list) -> None:
         apply(deltas)
-        if any(Delta._make(d).request_id == "slow" and Delta._make(d).finish_reason for d in deltas):
+        if any(
+            Delta._make(d).request_id == "slow" and Delta._make(d).finish_reason for d in deltas
+        ):
             last_sent.set()
 
     llm.output_processor.output, llm.apply = output_and_note, apply_and_note
@@ -188,15 +278,29 @@ def test_a_caller_that_falls_behind_gets_the_newest_output_only(server, offline)
     finally:
         del llm.output_processor.output, llm.apply
     assert len(rest) == 1 and rest[0].finished and not first.finished
-    assert sum(1 for i, finished in built if i == "slow" and not finished) <= 3 < len(expected.token_ids)
-    assert (rest[0].outputs[0].token_ids, rest[0].outputs[0].text) == (expected.token_ids, expected.text)
+    assert (
+        sum(1 for i, finished in built if i == "slow" and not finished)
+        <= 3
+        < len(expected.token_ids)
+    )
+    assert (rest[0].outputs[0].token_ids, rest[0].outputs[0].text) == (
+        expected.token_ids,
+        expected.text,
+    )
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_request(server):
     """The server sees the client go (the ASGI server tells it) and aborts the request. The engine core, stopped
     (SIGSTOP) from the first token until then, cannot run the request on to its end meanwhile."""
     url, llm = server
-    body = dict(model="tiny", prompt="A long story:", max_tokens=400, temperature=0, ignore_eos=True, stream=True)
+    body = dict(
+        model="tiny",
+        prompt="A long story:",
+        max_tokens=400,
+        temperature=0,
+        ignore_eos=True,
+        stream=True,
+    )
     aborted = llm.num_aborted
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
         events = response.iter_lines()
@@ -211,7 +315,9 @@ def test_a_client_that_leaves_mid_stream_frees_its_request(server):
     assert llm.num_aborted == aborted + 1  # aborted, not run to its 400th token
     idle = {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage": 0.0}
     deadline = time.monotonic() + 120
-    while llm.stats() != idle and time.monotonic() < deadline:  # the core says so after its next message
+    while (
+        llm.stats() != idle and time.monotonic() < deadline
+    ):  # the core says so after its next message
         time.sleep(0.05)
     assert llm.stats() == idle and llm.is_healthy()
 
@@ -238,4 +344,8 @@ def test_a_bad_request_gets_a_400_naming_the_field(server, change, field):
     response = httpx.post(f"{server[0]}/v1/completions", json=body, timeout=60)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert error["param"] == field and field in error["message"] and error["type"] == "invalid_request_error"
+    assert (
+        error["param"] == field
+        and field in error["message"]
+        and error["type"] == "invalid_request_error"
+    )

@@ -22,7 +22,9 @@ from minivllm.config import Config  # noqa: E402
 from minivllm.engine_args import engine_kwargs, flag_kwargs  # noqa: E402
 from minivllm.serve import serve_in_thread  # noqa: E402
 
-ENGINE_FIELDS = [field for field in dataclasses.fields(Config) if field.init and field.name != "model"]
+ENGINE_FIELDS = [
+    field for field in dataclasses.fields(Config) if field.init and field.name != "model"
+]
 KEY = "sk-minivllm-test"
 
 
@@ -33,7 +35,10 @@ def flag(name: str) -> str:
 def given(argv: list[str]) -> dict[str, Any]:
     """What serve's command line `MODEL ARGV` gives the engine, each value with its type."""
     parser, names = serve.server_parser()
-    return {name: (value, type(value)) for name, value in engine_kwargs(parser.parse_args(["m", *argv]), names).items()}
+    return {
+        name: (value, type(value))
+        for name, value in engine_kwargs(parser.parse_args(["m", *argv]), names).items()
+    }
 
 
 @pytest.mark.parametrize("field", ENGINE_FIELDS, ids=lambda field: field.name)
@@ -50,16 +55,25 @@ def test_every_config_field_is_a_flag_of_the_server(field):
     "argv, expected",
     [
         ([], {}),  # nothing given: Config's defaults hold
-        (["--max-num-seqs", "3", "--block-size", "32"], {"max_num_seqs": (3, int), "block_size": (32, int)}),
+        (
+            ["--max-num-seqs", "3", "--block-size", "32"],
+            {"max_num_seqs": (3, int), "block_size": (32, int)},
+        ),
         (["--num-kvcache-blocks", "64"], {"num_kvcache_blocks": (64, int)}),  # int | None
         (["--gpu-memory-utilization", "0.5"], {"gpu_memory_utilization": (0.5, float)}),
-        (["--dtype", "float32", "--revision", "v1"], {"dtype": ("float32", str), "revision": ("v1", str)}),
+        (
+            ["--dtype", "float32", "--revision", "v1"],
+            {"dtype": ("float32", str), "revision": ("v1", str)},
+        ),
         (
             ["--no-enable-prefix-caching", "--enforce-eager"],
             {"enable_prefix_caching": (False, bool), "enforce_eager": (True, bool)},
         ),
         (["--async-scheduling"], {"async_scheduling": (True, bool)}),  # bool = None
-        (["--tensor-parallel-size", "2", "--seed", "7"], {"tensor_parallel_size": (2, int), "seed": (7, int)}),
+        (
+            ["--tensor-parallel-size", "2", "--seed", "7"],
+            {"tensor_parallel_size": (2, int), "seed": (7, int)},
+        ),
     ],
 )
 def test_flags_parse_to_the_fields_types(argv, expected):
@@ -79,7 +93,10 @@ def test_the_help_documents_each_flag_with_its_comment_in_config():
 
 
 def test_flag_types_follow_annotations():
-    assert flag_kwargs(Literal["unified", "prefill-first"]) == {"choices": ("unified", "prefill-first"), "type": str}
+    assert flag_kwargs(Literal["unified", "prefill-first"]) == {
+        "choices": ("unified", "prefill-first"),
+        "type": str,
+    }
     assert flag_kwargs(int | None) == {"type": int} and flag_kwargs(float) == {"type": float}
     with pytest.raises(TypeError, match="no command-line type"):
         flag_kwargs(bytes | None)
@@ -87,7 +104,9 @@ def test_flag_types_follow_annotations():
 
 def test_the_cli_has_the_same_engine_flags_and_keeps_its_own():
     """python -m minivllm: --tp is --tensor-parallel-size, max_model_len defaults to 4096, --seed is the requests'."""
-    args = cli.parse_args(["--tp", "2", "--max-num-seqs", "3", "--no-enable-prefix-caching", "--seed", "5"])
+    args = cli.parse_args(
+        ["--tp", "2", "--max-num-seqs", "3", "--no-enable-prefix-caching", "--seed", "5"]
+    )
     assert args.engine_kwargs == dict(
         tensor_parallel_size=2, max_num_seqs=3, enable_prefix_caching=False, max_model_len=4096
     )
@@ -116,13 +135,34 @@ def started(monkeypatch):
 
 
 def test_the_servers_flags_reach_its_engine(started, tiny):
-    flags = ["--max-num-seqs", "3", "--block-size", "32", "--no-enable-prefix-caching", "--dtype", "float32"]
-    llm, _ = started([str(tiny), *flags, "--max-model-len", "512", "--device", "cpu", "--num-kvcache-blocks", "64"])
+    flags = [
+        "--max-num-seqs",
+        "3",
+        "--block-size",
+        "32",
+        "--no-enable-prefix-caching",
+        "--dtype",
+        "float32",
+    ]
+    llm, _ = started(
+        [
+            str(tiny),
+            *flags,
+            "--max-model-len",
+            "512",
+            "--device",
+            "cpu",
+            "--num-kvcache-blocks",
+            "64",
+        ]
+    )
     config = llm.config  # the engine core's, sent from its process once it started
     assert (config.max_num_seqs, config.block_size, config.enable_prefix_caching) == (3, 32, False)
     assert (config.max_model_len, config.num_kvcache_blocks, config.dtype) == (512, 64, "float32")
     defaults = Config.__dataclass_fields__
-    assert config.max_num_batched_tokens == defaults["max_num_batched_tokens"].default  # not given: Config's
+    assert (
+        config.max_num_batched_tokens == defaults["max_num_batched_tokens"].default
+    )  # not given: Config's
 
 
 @pytest.mark.parametrize("how", ["--api-key", "MINIVLLM_API_KEY", "neither"])
@@ -131,7 +171,18 @@ def test_the_server_takes_its_key_from_the_flag_or_the_environment(started, tiny
     if how == "MINIVLLM_API_KEY":
         monkeypatch.setenv("MINIVLLM_API_KEY", KEY)
     flags = ["--api-key", KEY] if how == "--api-key" else []
-    _, app = started([str(tiny), *flags, "--max-model-len", "512", "--device", "cpu", "--num-kvcache-blocks", "64"])
+    _, app = started(
+        [
+            str(tiny),
+            *flags,
+            "--max-model-len",
+            "512",
+            "--device",
+            "cpu",
+            "--num-kvcache-blocks",
+            "64",
+        ]
+    )
     client = TestClient(app)
     assert client.get("/v1/models").status_code == (200 if how == "neither" else 401)
     assert client.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
@@ -147,11 +198,20 @@ def locked(server):
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}])
 def test_without_the_key_every_v1_route_is_a_401_in_openais_shape(locked, headers):
-    for method, route in [("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")]:
-        reply = httpx.request(method, f"{locked}{route}", headers=headers, json={"model": "tiny"}, timeout=60)
+    for method, route in [
+        ("GET", "/v1/models"),
+        ("POST", "/v1/completions"),
+        ("POST", "/v1/chat/completions"),
+    ]:
+        reply = httpx.request(
+            method, f"{locked}{route}", headers=headers, json={"model": "tiny"}, timeout=60
+        )
         assert reply.status_code == 401, reply.text
         error = reply.json()["error"]
-        assert set(error) == {"message", "type", "param", "code"} and "Authorization: Bearer" in error["message"]
+        assert (
+            set(error) == {"message", "type", "param", "code"}
+            and "Authorization: Bearer" in error["message"]
+        )
 
 
 def test_with_the_key_the_openai_client_is_served(locked):
@@ -159,7 +219,9 @@ def test_with_the_key_the_openai_client_is_served(locked):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     reply = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=3, temperature=0)
     assert reply.usage is not None and reply.usage.completion_tokens == 3
-    stream = client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=3, temperature=0, stream=True)
+    stream = client.completions.create(
+        model="tiny", prompt=[5, 6, 7], max_tokens=3, temperature=0, stream=True
+    )
     assert "".join(chunk.choices[0].text for chunk in stream) == reply.choices[0].text
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{locked}/v1", api_key="wrong", max_retries=0).models.list()

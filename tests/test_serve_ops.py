@@ -84,7 +84,9 @@ def raw_http(url: str, message: bytes) -> bytes:
     with socket.create_connection(address(url), timeout=60) as sock:
         try:
             sock.sendall(message)
-        except OSError:  # the server answered and closed before it read all: its answer still waits for us
+        except (
+            OSError
+        ):  # the server answered and closed before it read all: its answer still waits for us
             pass
         reply = b""
         try:
@@ -99,11 +101,23 @@ def test_metrics_count_what_the_replies_report(server):
     url, _ = server
     before = scrape(url)
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-    kw = dict(model="tiny", prompt="Once upon a time", max_tokens=7, temperature=0, extra_body=dict(ignore_eos=True))
+    kw = dict(
+        model="tiny",
+        prompt="Once upon a time",
+        max_tokens=7,
+        temperature=0,
+        extra_body=dict(ignore_eos=True),
+    )
     usages = [client.completions.create(**kw).usage, client.completions.create(n=2, **kw).usage]
-    usages.append(list(client.completions.create(stream=True, stream_options=dict(include_usage=True), **kw))[-1].usage)
+    usages.append(
+        list(client.completions.create(stream=True, stream_options=dict(include_usage=True), **kw))[
+            -1
+        ].usage
+    )
     messages = [{"role": "user", "content": "Name a colour."}]
-    usages.append(client.chat.completions.create(model="tiny", messages=messages, max_tokens=5).usage)
+    usages.append(
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=5).usage
+    )
     after = scrape(url)
 
     def added(name: str) -> float:
@@ -113,9 +127,13 @@ def test_metrics_count_what_the_replies_report(server):
     assert added("vllm:generation_tokens_total") == sum(u.completion_tokens for u in usages)
     assert added("vllm:request_success_total") == len(usages) == 4
     assert added("vllm:time_to_first_token_seconds_count") == len(usages)
-    assert added("vllm:time_per_output_token_seconds_count") >= 3  # the chat reply may stop after one token
+    assert (
+        added("vllm:time_per_output_token_seconds_count") >= 3
+    )  # the chat reply may stop after one token
     assert after["vllm:num_requests_running"] == after["vllm:num_requests_waiting"] == 0
-    assert after["vllm:kv_cache_usage_perc"] == 0  # finished requests' blocks are free (cached or not)
+    assert (
+        after["vllm:kv_cache_usage_perc"] == 0
+    )  # finished requests' blocks are free (cached or not)
 
 
 def test_a_request_beyond_max_queued_requests_gets_a_503(server, gate):
@@ -130,7 +148,9 @@ def test_a_request_beyond_max_queued_requests_gets_a_503(server, gate):
         assert busy.status_code == 503 and busy.headers["Retry-After"] == "1", busy.text
         error = busy.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and "busy" in error["message"]
-        replies = [busy]  # once the stream has ended (the server sees its client gone), its slot is free
+        replies = [
+            busy
+        ]  # once the stream has ended (the server sees its client gone), its slot is free
         wait_until(lambda: replies.append(httpx.post(f"{url}/v1/completions", json=small, timeout=60))
                    or replies[-1].status_code != 503)  # fmt: skip
         assert replies[-1].status_code == 200, replies[-1].text
@@ -174,13 +194,17 @@ def test_a_body_over_the_limit_gets_a_413(server, framing):
         reply = raw_http(url, post(url, framing=f"Content-Length: {len(body)}"))
     else:
         chunks = b"".join(
-            b"%x\r\n%s\r\n" % (len(c), c) for c in (body[i : i + 2**16] for i in range(0, len(body), 2**16))
+            b"%x\r\n%s\r\n" % (len(c), c)
+            for c in (body[i : i + 2**16] for i in range(0, len(body), 2**16))
         )
         reply = raw_http(url, post(url, chunks + b"0\r\n\r\n", "Transfer-Encoding: chunked"))
     status, _, rest = reply.partition(b"\r\n")
     assert status.split()[1] == b"413", reply[:300]
     error = json.loads(rest.partition(b"\r\n\r\n")[2])["error"]
-    assert set(error) == {"message", "type", "param", "code"} and str(MAX_REQUEST_BYTES) in error["message"]
+    assert (
+        set(error) == {"message", "type", "param", "code"}
+        and str(MAX_REQUEST_BYTES) in error["message"]
+    )
     assert httpx.get(f"{url}/health", timeout=60).status_code == 200  # and it serves on
 
 
@@ -189,7 +213,9 @@ def test_a_text_prompt_reaches_the_engine_as_token_ids(server, monkeypatch):
     twice, nor under the lock."""
     url, llm = server
     prompts, generate = [], llm.generate
-    monkeypatch.setattr(llm, "generate", lambda prompt, *args: prompts.append(prompt) or generate(prompt, *args))
+    monkeypatch.setattr(
+        llm, "generate", lambda prompt, *args: prompts.append(prompt) or generate(prompt, *args)
+    )
     body = dict(model="tiny", prompt="Once upon a time", max_tokens=2)
     assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
     assert prompts == [llm.tokenizer.encode("Once upon a time")]

@@ -55,7 +55,16 @@ def serve(tiny: Path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    argv = [sys.executable, "-m", "minivllm.serve", str(tiny), "--port", str(port), "--max-model-len", "512"]
+    argv = [
+        sys.executable,
+        "-m",
+        "minivllm.serve",
+        str(tiny),
+        "--port",
+        str(port),
+        "--max-model-len",
+        "512",
+    ]
     server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + HANG
@@ -94,7 +103,9 @@ def test_a_killed_core_fails_health_and_every_request(serve):
         os.kill(core_pid(server), signal.SIGKILL)  # as the out-of-memory killer would
         rest = [line for line in lines if line.startswith("data:")]
     last = json.loads(rest[-1].removeprefix("data: "))
-    assert "died" in last["error"]["message"] and last["error"]["type"] == "server_error"  # an error, no [DONE]
+    assert (
+        "died" in last["error"]["message"] and last["error"]["type"] == "server_error"
+    )  # an error, no [DONE]
     assert httpx.get(f"{url}/health", timeout=HANG).status_code == 503
     again = httpx.post(f"{url}/v1/completions", json={**body, "stream": False}, timeout=HANG)
     assert again.status_code == 503 and "died" in again.json()["error"]["message"]

@@ -37,15 +37,26 @@ def body_for(endpoint: str, **change) -> dict:
     return {k: v for k, v in (base | change).items() if v is not ...}  # ...: leave the field out
 
 
-def post(server, endpoint: str, body: dict | None = None, content: bytes | None = None) -> httpx.Response:
-    kw = dict(json=body) if content is None else dict(content=content, headers={"Content-Type": "application/json"})
-    return httpx.post(f"{server[0]}/v1/{endpoint.replace('chat', 'chat/completions')}", timeout=120, **kw)
+def post(
+    server, endpoint: str, body: dict | None = None, content: bytes | None = None
+) -> httpx.Response:
+    kw = (
+        dict(json=body)
+        if content is None
+        else dict(content=content, headers={"Content-Type": "application/json"})
+    )
+    return httpx.post(
+        f"{server[0]}/v1/{endpoint.replace('chat', 'chat/completions')}", timeout=120, **kw
+    )
 
 
 def assert_400(response: httpx.Response, field: str | None, *words: str) -> dict:
     assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert (
+        set(error) == {"message", "type", "param", "code"}
+        and error["type"] == "invalid_request_error"
+    )
     assert error["param"] == field and (field is None or field in error["message"]), error
     assert all(w in error["message"] for w in words), error
     return error
@@ -72,8 +83,12 @@ ENDPOINTS = ["completions", "chat"]
 def test_stop_token_ids_outside_the_vocabulary_are_refused_and_the_engine_lives(server, endpoint):
     """Refused by the engine's own check as the request is added (never in a step), the 400 naming the field."""
     for ids, words in (([5000], ("5000", "vocabulary")), ([7, 2048], ())):
-        assert_400(post(server, endpoint, body_for(endpoint, stop_token_ids=ids)), "stop_token_ids", *words)
-    assert served(server, endpoint, stop_token_ids=[2047])["choices"]  # the last id is in; the engine still steps
+        assert_400(
+            post(server, endpoint, body_for(endpoint, stop_token_ids=ids)), "stop_token_ids", *words
+        )
+    assert served(server, endpoint, stop_token_ids=[2047])[
+        "choices"
+    ]  # the last id is in; the engine still steps
 
 
 @pytest.mark.parametrize(
@@ -108,11 +123,15 @@ def test_integers_that_do_not_fit_int64_are_refused(server, engine_calls, change
         (dict(frequency_penalty=-1e300), "frequency_penalty"),
     ],
 )
-def test_values_that_underflow_or_overflow_float32_are_refused(server, engine_calls, endpoint, change, field):
+def test_values_that_underflow_or_overflow_float32_are_refused(
+    server, engine_calls, endpoint, change, field
+):
     refused(server, engine_calls, endpoint, field, **change, temperature=1.0)
 
 
-@pytest.mark.parametrize("field", ["top_p", "repetition_penalty", "presence_penalty", "temperature"])
+@pytest.mark.parametrize(
+    "field", ["top_p", "repetition_penalty", "presence_penalty", "temperature"]
+)
 def test_nan_is_refused(server, engine_calls, field):
     content = json.dumps(body_for("completions")).replace("}", f', "{field}": NaN}}').encode()
     assert_400(post(server, "completions", content=content), field)
@@ -120,7 +139,11 @@ def test_nan_is_refused(server, engine_calls, field):
 
 
 def test_the_floors_themselves_are_served(server):
-    for change in (dict(top_p=1.2e-38), dict(repetition_penalty=1e-6), dict(repetition_penalty=1e6)):
+    for change in (
+        dict(top_p=1.2e-38),
+        dict(repetition_penalty=1e-6),
+        dict(repetition_penalty=1e6),
+    ):
         (choice,) = served(server, "completions", temperature=1.0, seed=3, **change)["choices"]
         assert choice["finish_reason"] in ("length", "stop")
 
@@ -140,13 +163,23 @@ def test_the_floors_themselves_are_served(server):
         ("chat", dict(max_tokens=4, max_completion_tokens=600), "max_completion_tokens"),
     ],
 )
-def test_max_tokens_below_1_or_beyond_the_context_is_refused(server, engine_calls, endpoint, change, field):
+def test_max_tokens_below_1_or_beyond_the_context_is_refused(
+    server, engine_calls, endpoint, change, field
+):
     refused(server, engine_calls, endpoint, field, **change)
 
 
 def test_max_tokens_may_fill_the_context_exactly(server, engine_calls):
     prompt = list(range(1, 501))  # 500 tokens of 512: 12 can follow
-    refused(server, engine_calls, "completions", "max_tokens", "at most 12", prompt=prompt, max_tokens=13)
+    refused(
+        server,
+        engine_calls,
+        "completions",
+        "max_tokens",
+        "at most 12",
+        prompt=prompt,
+        max_tokens=13,
+    )
     reply = served(server, "completions", prompt=prompt, max_tokens=12, ignore_eos=True)
     assert reply["usage"] == {"prompt_tokens": 500, "completion_tokens": 12, "total_tokens": 512}
 
@@ -168,7 +201,9 @@ def test_max_tokens_may_fill_the_context_exactly(server, engine_calls):
         (5, ["string or a list of token ids"]),
     ],
 )
-def test_a_prompt_that_is_not_one_string_or_token_ids_is_refused(server, engine_calls, prompt, words):
+def test_a_prompt_that_is_not_one_string_or_token_ids_is_refused(
+    server, engine_calls, prompt, words
+):
     refused(server, engine_calls, "completions", "prompt", *words, prompt=prompt)
 
 
@@ -208,9 +243,25 @@ def test_unsupported_fields_are_refused_by_name(server, engine_calls, endpoint, 
 
 
 def test_their_off_values_and_unknown_fields_are_still_served(server):
-    off = dict(logit_bias={}, echo=False, suffix=None, response_format={"type": "text"}, tools=[], tool_choice="none")
+    off = dict(
+        logit_bias={},
+        echo=False,
+        suffix=None,
+        response_format={"type": "text"},
+        tools=[],
+        tool_choice="none",
+    )
     for endpoint in ENDPOINTS:
-        served(server, endpoint, **off, best_of=2, n=2, user="someone", metadata={"a": "b"}, store=False)
+        served(
+            server,
+            endpoint,
+            **off,
+            best_of=2,
+            n=2,
+            user="someone",
+            metadata={"a": "b"},
+            store=False,
+        )
 
 
 # --- 6. stream_options.include_usage -------------------------------------------------------------------------------
@@ -221,7 +272,11 @@ def stream_events(server, endpoint: str, **change) -> list:
     with httpx.stream("POST", f"{server[0]}/v1/{endpoint.replace('chat', 'chat/completions')}", json=body,
                       timeout=120) as response:  # fmt: skip
         assert response.status_code == 200
-        lines = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+        lines = [
+            line.removeprefix("data: ")
+            for line in response.iter_lines()
+            if line.startswith("data: ")
+        ]
     assert lines[-1] == "[DONE]"
     return [json.loads(line) for line in lines[:-1]]
 
@@ -229,7 +284,9 @@ def stream_events(server, endpoint: str, **change) -> list:
 @pytest.mark.parametrize("endpoint", ENDPOINTS)
 def test_include_usage_adds_a_last_chunk_with_the_usage(server, endpoint):
     plain = served(server, endpoint, ignore_eos=True, n=2, seed=5, temperature=1.0)
-    events = stream_events(server, endpoint, n=2, seed=5, temperature=1.0, stream_options={"include_usage": True})
+    events = stream_events(
+        server, endpoint, n=2, seed=5, temperature=1.0, stream_options={"include_usage": True}
+    )
     *chunks, last = events
     assert last["choices"] == [] and last["usage"] == plain["usage"]
     assert plain["usage"]["completion_tokens"] == 8 and plain["usage"]["total_tokens"] > 8
@@ -240,7 +297,13 @@ def test_include_usage_adds_a_last_chunk_with_the_usage(server, endpoint):
 
 
 def test_stream_options_without_stream_is_refused(server, engine_calls):
-    refused(server, engine_calls, "completions", "stream_options", stream_options={"include_usage": True})
+    refused(
+        server,
+        engine_calls,
+        "completions",
+        "stream_options",
+        stream_options={"include_usage": True},
+    )
 
 
 # --- 7. bodies that are not JSON, not UTF-8, or not Unicode text ---------------------------------------------------
@@ -278,7 +341,10 @@ def test_lone_surrogates_are_refused(server, engine_calls, endpoint, raw, field)
 
 def test_the_server_still_serves_after_all_that(server):
     assert httpx.get(f"{server[0]}/health", timeout=60).status_code == 200
-    assert served(server, "completions", max_tokens=3, ignore_eos=True)["usage"]["completion_tokens"] == 3
+    assert (
+        served(server, "completions", max_tokens=3, ignore_eos=True)["usage"]["completion_tokens"]
+        == 3
+    )
 
 
 def test_a_dead_engine_makes_health_503_and_requests_fail_at_once(tiny, serve_config):

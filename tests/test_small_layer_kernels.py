@@ -24,7 +24,9 @@ FP32 = dict(rtol=1e-6, atol=1e-6)
 # The interpreter's float32 -> bfloat16 casts truncate where a GPU rounds: up to a unit in the last place (2^-7
 # relative) per rounding, and the fused add + RMSNorm rounds three times (new residual, normalised row, times weight).
 BF16_CPU = dict(rtol=3 * 2**-7, atol=1e-5)
-BF16_GPU = dict(rtol=2 * 2**-7, atol=1e-5)  # rounding alone: the kernels sum and exponentiate in another order
+BF16_GPU = dict(
+    rtol=2 * 2**-7, atol=1e-5
+)  # rounding alone: the kernels sum and exponentiate in another order
 # RoPE after the q/k norm in bfloat16: a unit in the last place of a normalised input (2^-6 at |x| in [2, 4)) moves an
 # output by as much, however small the rotation leaves it
 NORMED_ROPE_BF16 = dict(rtol=3 * 2**-7, atol=2 * 2**-6)
@@ -53,7 +55,9 @@ def bf16_tolerance(device: str = DEVICE) -> dict:
 @pytest.mark.parametrize("num_tokens, hidden", [(1, 1024), (37, 1024), (37, 96), (5, 4096)])
 def test_fused_add_rms_norm_matches_the_layer(dtype, num_tokens, hidden):
     norm = random_norm(hidden, dtype)
-    x, residual = (torch.randn(num_tokens, hidden, dtype=dtype, device=DEVICE) * 3 for _ in range(2))
+    x, residual = (
+        torch.randn(num_tokens, hidden, dtype=dtype, device=DEVICE) * 3 for _ in range(2)
+    )
     with torch.no_grad():
         expected, expected_residual = norm(x, residual)
         plain = norm(x)
@@ -81,9 +85,12 @@ def test_rms_norm_reads_strided_rows(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    "num_tokens, num_heads, num_kv_heads, head_dim", [(1, 16, 8, 128), (37, 4, 2, 96), (5, 4, 1, 32)]
+    "num_tokens, num_heads, num_kv_heads, head_dim",
+    [(1, 16, 8, 128), (37, 4, 2, 96), (5, 4, 1, 32)],
 )
-def test_qk_norm_of_a_qkv_view_matches_the_layer(dtype, num_tokens, num_heads, num_kv_heads, head_dim):
+def test_qk_norm_of_a_qkv_view_matches_the_layer(
+    dtype, num_tokens, num_heads, num_kv_heads, head_dim
+):
     """Qwen3's q_norm / k_norm: 3-D views (tokens, heads, head_dim) of the QKV projection's output, a row per head."""
     norm = random_norm(head_dim, dtype)
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
@@ -108,18 +115,26 @@ def test_silu_and_mul_matches_the_layer(num_tokens, intermediate):
     out = silu_and_mul(x16)
     assert out.dtype == torch.bfloat16 and out.shape == (num_tokens, intermediate)
     torch.testing.assert_close(out, SiluAndMul()(x16), **bf16_tolerance())
-    wide = torch.randn(num_tokens, 2 * intermediate + 40, device=DEVICE)[:, 8 : 8 + 2 * intermediate]  # strided rows
+    wide = torch.randn(num_tokens, 2 * intermediate + 40, device=DEVICE)[
+        :, 8 : 8 + 2 * intermediate
+    ]  # strided rows
     torch.testing.assert_close(silu_and_mul(wide), SiluAndMul()(wide), **FP32)
 
 
-@pytest.mark.parametrize("n, k", [(37, 96), (4100, 700), (24, 2100)])  # both BLOCK_N and BLOCK_K choices, ragged
+@pytest.mark.parametrize(
+    "n, k", [(37, 96), (4100, 700), (24, 2100)]
+)  # both BLOCK_N and BLOCK_K choices, ragged
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gemv_matches_linear(n, k, with_bias):
-    w = torch.randn(n + 3, k, device=DEVICE)[:n]  # a weight that is a view: its rows read through its stride
+    w = torch.randn(n + 3, k, device=DEVICE)[
+        :n
+    ]  # a weight that is a view: its rows read through its stride
     x, bias = torch.randn(1, k, device=DEVICE), torch.randn(n, device=DEVICE) if with_bias else None
     out = gemv(x, w, bias)
     assert out.shape == (1, n) and out.dtype == x.dtype
-    torch.testing.assert_close(out, torch.nn.functional.linear(x, w, bias), rtol=1e-5, atol=1e-4)  # sums reordered
+    torch.testing.assert_close(
+        out, torch.nn.functional.linear(x, w, bias), rtol=1e-5, atol=1e-4
+    )  # sums reordered
     x16, w16 = x.bfloat16(), w.bfloat16()
     out16 = gemv(x16, w16)
     assert out16.dtype == torch.bfloat16
@@ -148,7 +163,14 @@ def test_linear_layers_run_gemv_for_one_token_only():
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
 
 
-def qkv_views(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: str):
+def qkv_views(
+    num_tokens: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: str,
+):
     """q and k as the model makes them: strided views of one QKV projection's output."""
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     qkv = torch.randn(num_tokens, q_size + 2 * kv_size, dtype=dtype, device=device)
@@ -158,19 +180,30 @@ def qkv_views(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
 
 @pytest.mark.parametrize("params", [ROPE, LLAMA3_ROPE], ids=["qwen3", "llama3"])
 @pytest.mark.parametrize(
-    "num_tokens, num_heads, num_kv_heads, head_dim", [(1, 16, 8, 128), (37, 16, 8, 128), (37, 4, 1, 96), (6, 2, 2, 64)]
+    "num_tokens, num_heads, num_kv_heads, head_dim",
+    [(1, 16, 8, 128), (37, 16, 8, 128), (37, 4, 1, 96), (6, 2, 2, 64)],
 )
 def test_rope_matches_the_layer(params, num_tokens, num_heads, num_kv_heads, head_dim):
     rope = RotaryEmbedding(head_dim, 8192, params).to(DEVICE)
-    positions = torch.randperm(8192, generator=torch.Generator().manual_seed(num_tokens))[:num_tokens].to(DEVICE)
+    positions = torch.randperm(8192, generator=torch.Generator().manual_seed(num_tokens))[
+        :num_tokens
+    ].to(DEVICE)
     for dtype in (torch.float32, torch.bfloat16):
         q, k = qkv_views(num_tokens, num_heads, num_kv_heads, head_dim, dtype, DEVICE)
         q_before, k_before = q.clone(), k.clone()
         q_out, k_out = apply_rope(positions, q, k, rope.cos, rope.sin)
         q_ref, k_ref = rope(positions, q, k)
-        assert torch.equal(q, q_before) and torch.equal(k, k_before), "the inputs must stay as they were"
-        assert q_out.shape == q.shape and k_out.shape == k.shape and q_out.dtype == k_out.dtype == dtype
-        if dtype == torch.float32 and DEVICE == "cpu":  # the same float32 operations, one by one: bit for bit
+        assert torch.equal(q, q_before) and torch.equal(k, k_before), (
+            "the inputs must stay as they were"
+        )
+        assert (
+            q_out.shape == q.shape
+            and k_out.shape == k.shape
+            and q_out.dtype == k_out.dtype == dtype
+        )
+        if (
+            dtype == torch.float32 and DEVICE == "cpu"
+        ):  # the same float32 operations, one by one: bit for bit
             assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
         tolerance = FP32 if dtype == torch.float32 else bf16_tolerance()
         torch.testing.assert_close(q_out, q_ref, **tolerance)
@@ -180,7 +213,9 @@ def test_rope_matches_the_layer(params, num_tokens, num_heads, num_kv_heads, hea
         with torch.no_grad():
             expected = rope(positions, q, k, norms)
         tolerance = FP32 if dtype == torch.float32 else NORMED_ROPE_BF16
-        torch.testing.assert_close(apply_rope(positions, q, k, rope.cos, rope.sin, norms), expected, **tolerance)
+        torch.testing.assert_close(
+            apply_rope(positions, q, k, rope.cos, rope.sin, norms), expected, **tolerance
+        )
 
 
 def kernel_spies():
@@ -194,19 +229,31 @@ def kernel_spies():
 
 
 def test_the_layers_dispatch_on_their_switch():
-    norm, rope, act = random_norm(96, torch.float32), RotaryEmbedding(32, 512, ROPE).to(DEVICE), SiluAndMul()
+    norm, rope, act = (
+        random_norm(96, torch.float32),
+        RotaryEmbedding(32, 512, ROPE).to(DEVICE),
+        SiluAndMul(),
+    )
     x, residual = torch.randn(5, 96, device=DEVICE), torch.randn(5, 96, device=DEVICE)
     q, k = qkv_views(5, 4, 2, 32, torch.float32, DEVICE)
     positions = torch.tensor([3, 0, 511, 7, 7], device=DEVICE)
     patches = kernel_spies()
     with torch.no_grad(), patches[0] as norm_spy, patches[1] as rope_spy, patches[2] as act_spy:
         expected = norm(x, residual), norm(x), rope(positions, q, k), act(x)
-        assert (norm_spy.call_count, rope_spy.call_count, act_spy.call_count) == (0, 0, 0)  # off: PyTorch ops
+        assert (norm_spy.call_count, rope_spy.call_count, act_spy.call_count) == (
+            0,
+            0,
+            0,
+        )  # off: PyTorch ops
         for layer in (norm, rope, act):
             assert layer.kernel is None  # the default: the PyTorch layer
             use_small_layer_kernels(layer)
         got = norm(x, residual), norm(x), rope(positions, q, k), act(x)
-        assert (norm_spy.call_count, rope_spy.call_count, act_spy.call_count) == (2, 1, 1)  # on: the kernels
+        assert (norm_spy.call_count, rope_spy.call_count, act_spy.call_count) == (
+            2,
+            1,
+            1,
+        )  # on: the kernels
     torch.testing.assert_close(got, expected, **FP32)
 
 
@@ -216,7 +263,9 @@ def test_the_core_imports_no_small_layer_kernels():
         "import sys, minivllm, minivllm.kernels, minivllm.models.qwen3; from minivllm import LLM; "
         "from minivllm.engine.model_runner import ModelRunner; print([m for m in sys.modules if 'small_layers' in m])"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
     assert out.strip() == "[]"
 
 
@@ -235,14 +284,21 @@ def test_model_forward_with_the_kernels_equals_without(tiny, token_ids):
         assert gemv_spy.call_count == norm_spy.call_count == 0  # off: the PyTorch layers
         use_small_layer_kernels(model)
         got = prompt_logits(model, token_ids)
-        calls = norm_spy.call_count, rope_spy.call_count, act_spy.call_count, gemv_calls(gated=False)
+        calls = (
+            norm_spy.call_count,
+            rope_spy.call_count,
+            act_spy.call_count,
+            gemv_calls(gated=False),
+        )
         use_small_layer_kernels(model, enabled=False)
         again = prompt_logits(model, token_ids)
     layers, one = model.config.num_hidden_layers, len(token_ids) == 1
     # 2 norms (input, post-attention) a layer and the final one; q's and k's in RoPE's kernel. At one token, gemv:
     # qkv, o and down through the linear layers, [gate | up] with the activation from the MLP
     assert calls == (2 * layers + 1, layers, 0 if one else layers, 3 * layers if one else 0)
-    assert gemv_calls(gated=True) == (layers if one else 0) and norm_spy.call_count == calls[0]  # only while on
+    assert (
+        gemv_calls(gated=True) == (layers if one else 0) and norm_spy.call_count == calls[0]
+    )  # only while on
     assert torch.equal(again, expected)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
@@ -252,8 +308,13 @@ def test_model_forward_with_the_kernels_equals_without(tiny, token_ids):
 @pytest.mark.parametrize("num_tokens", [1, 256, 16384])
 def test_kernels_match_the_layers_in_bf16_on_gpu(num_tokens):
     """Qwen3-0.6B's shapes in bfloat16: hidden 1,024, 16 / 8 heads of 128, intermediate 3,072."""
-    norm, q_norm = random_norm(1024, torch.bfloat16, "cuda"), random_norm(128, torch.bfloat16, "cuda")
-    x, residual = (torch.randn(num_tokens, 1024, dtype=torch.bfloat16, device="cuda") * 3 for _ in range(2))
+    norm, q_norm = (
+        random_norm(1024, torch.bfloat16, "cuda"),
+        random_norm(128, torch.bfloat16, "cuda"),
+    )
+    x, residual = (
+        torch.randn(num_tokens, 1024, dtype=torch.bfloat16, device="cuda") * 3 for _ in range(2)
+    )
     q, k = qkv_views(num_tokens, 16, 8, 128, torch.bfloat16, "cuda")
     rope = RotaryEmbedding(128, 40960, ROPE).to("cuda")
     positions = torch.randint(0, 40960, (num_tokens,), device="cuda")
@@ -271,13 +332,20 @@ def test_kernels_match_the_layers_in_bf16_on_gpu(num_tokens):
         expected_normed_rope = rope(positions, q, k, (q_norm, q_norm))
     for got, expected in pairs:
         torch.testing.assert_close(got, expected, **BF16_GPU)
-    torch.testing.assert_close(normed_rope, expected_normed_rope, **NORMED_ROPE_BF16)  # sums of squares in two halves
+    torch.testing.assert_close(
+        normed_rope, expected_normed_rope, **NORMED_ROPE_BF16
+    )  # sums of squares in two halves
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n, k", [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)])  # qkv, o, gate_up, down
+@pytest.mark.parametrize(
+    "n, k", [(4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072)]
+)  # qkv, o, gate_up, down
 def test_gemv_matches_linear_in_bf16_on_gpu(n, k):
-    x, w = torch.randn(1, k, dtype=torch.bfloat16, device="cuda"), torch.randn(n, k, device="cuda").bfloat16() / 30
+    x, w = (
+        torch.randn(1, k, dtype=torch.bfloat16, device="cuda"),
+        torch.randn(n, k, device="cuda").bfloat16() / 30,
+    )
     torch.testing.assert_close(gemv(x, w), torch.nn.functional.linear(x, w), **BF16_GPU)
     if n == 6144:  # [gate | up]: the activation in the same pass, as gemv then silu_and_mul
         assert torch.equal(gemv(x, w, gated=True), silu_and_mul(gemv(x, w)))
@@ -286,7 +354,10 @@ def test_gemv_matches_linear_in_bf16_on_gpu(n, k):
 @pytest.mark.gpu
 def test_kernels_replay_in_a_cuda_graph():
     """Captured once, replayed on new inputs written into the same buffers: what the runner's decode graphs do."""
-    norm, rope = random_norm(1024, torch.bfloat16, "cuda"), RotaryEmbedding(128, 4096, ROPE).to("cuda")
+    norm, rope = (
+        random_norm(1024, torch.bfloat16, "cuda"),
+        RotaryEmbedding(128, 4096, ROPE).to("cuda"),
+    )
     x, residual = torch.randn(2, 8, 1024, dtype=torch.bfloat16, device="cuda")
     q, k = qkv_views(8, 16, 8, 128, torch.bfloat16, "cuda")
     positions = torch.arange(8, device="cuda")
@@ -294,7 +365,12 @@ def test_kernels_replay_in_a_cuda_graph():
 
     def step() -> tuple:
         normed = rms_norm(x, norm.weight, norm.eps, residual)
-        return normed, apply_rope(positions, q, k, rope.cos, rope.sin), silu_and_mul(gate_up), gemv(x[:1], residual)
+        return (
+            normed,
+            apply_rope(positions, q, k, rope.cos, rope.sin),
+            silu_and_mul(gate_up),
+            gemv(x[:1], residual),
+        )
 
     step()  # compile outside the capture
     torch.cuda.synchronize()

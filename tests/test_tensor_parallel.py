@@ -24,11 +24,16 @@ from minivllm.engine.workers import TPModelRunner, sigint_held
 from minivllm.models.loader import load_model
 from minivllm.testing import prompt_logits
 
-TWO_GPUS = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")]
+TWO_GPUS = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs"),
+]
 DEVICES = ["cpu", pytest.param("cuda", marks=TWO_GPUS)]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [list(range(1, 40)), [3] * 17, [5, 6, 7]]
-os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast off, in this process and those it spawns
+os.environ.setdefault(
+    "NCCL_NVLS_ENABLE", "0"
+)  # NVLink multicast off, in this process and those it spawns
 
 
 def small_llm(tiny, tp: int, device: str = "cpu") -> LLM:
@@ -93,7 +98,9 @@ def test_an_engine_made_beside_a_tensor_parallel_one_is_whole(tiny, expected):
     was built with half of each weight (and hung)."""
     with small_llm(tiny, 2) as tp2, small_llm(tiny, 1) as tp1:
         qkv = tp1.engine.runner.model.model.layers[0].self_attn.qkv_proj.weight
-        assert qkv.shape[0] == (4 + 2 * 2) * 32  # all 4 query and 2 KV heads of 32 dims: nothing split
+        assert (
+            qkv.shape[0] == (4 + 2 * 2) * 32
+        )  # all 4 query and 2 KV heads of 32 dims: nothing split
         assert greedy_tokens(tp1) == greedy_tokens(tp2) == expected
     assert no_children_left()
 
@@ -112,7 +119,15 @@ def test_a_plain_runner_refuses_tensor_parallelism_without_its_ranks(tiny):
     """ModelRunner is one rank: asked for two without the groups of a rank, it says what to use instead of
     quietly running the whole model as one rank."""
     with pytest.raises(ValueError, match="make_runner"):
-        ModelRunner(Config(tiny, dtype=torch.float32, num_kvcache_blocks=16, tensor_parallel_size=2, device="cpu"))
+        ModelRunner(
+            Config(
+                tiny,
+                dtype=torch.float32,
+                num_kvcache_blocks=16,
+                tensor_parallel_size=2,
+                device="cpu",
+            )
+        )
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -141,7 +156,11 @@ def test_a_dead_worker_fails_fast_with_its_cause(tiny, device, when):
             runner.execute = execute_after_a_kill
         start = time.monotonic()
         with pytest.raises(RuntimeError, match="worker rank 1"):
-            llm.generate([[9] * 10], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False)
+            llm.generate(
+                [[9] * 10],
+                SamplingParams(temperature=0, max_tokens=100, ignore_eos=True),
+                use_tqdm=False,
+            )
         # A hang check: rank 0 used to wait in the step's collective for STEP_TIMEOUT (600 s) or for ever; a busy
         # machine sees the dead worker in seconds, and 120 s leaves it a wide margin.
         assert time.monotonic() - start < 120
@@ -280,7 +299,9 @@ def test_ctrl_c_takes_effect_and_leaves_the_tensor_parallel_engine_usable(tiny, 
     script.write_text(CTRL_C)
     command = [sys.executable, str(script), str(tiny), moment]
     with open(tmp_path / "stderr.txt", "w+") as stderr:
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True
+        )
         lines = ScriptLines(proc)
         try:
             if reached := lines.next(timeout=300) == moment:
@@ -311,7 +332,9 @@ def test_a_script_without_main_guard_fails_fast_and_says_why(tiny, tmp_path):
     script.write_text(textwrap.dedent(NO_MAIN_GUARD))
     # a hang check: the worker dies importing the script in seconds; a busy machine may take a minute, and rank 0 used
     # to wait out START_TIMEOUT (300 s)
-    done = subprocess.run([sys.executable, str(script), str(tiny)], capture_output=True, text=True, timeout=240)
+    done = subprocess.run(
+        [sys.executable, str(script), str(tiny)], capture_output=True, text=True, timeout=240
+    )
     assert done.returncode != 0
     assert "before it started" in done.stderr and 'if __name__ == "__main__":' in done.stderr
 
@@ -319,7 +342,15 @@ def test_a_script_without_main_guard_fails_fast_and_says_why(tiny, tmp_path):
 def test_a_failing_start_leaves_no_worker(tiny):
     """tensor_parallel_size=4 cannot split the tiny model's 2 KV heads: every rank fails, none is left behind."""
     with pytest.raises(ValueError, match="tensor_parallel_size"):
-        TPModelRunner(Config(tiny, dtype=torch.float32, num_kvcache_blocks=16, tensor_parallel_size=4, device="cpu"))
+        TPModelRunner(
+            Config(
+                tiny,
+                dtype=torch.float32,
+                num_kvcache_blocks=16,
+                tensor_parallel_size=4,
+                device="cpu",
+            )
+        )
     assert no_children_left()
 
 
@@ -371,13 +402,21 @@ def test_the_engine_and_its_workers_end_in_seconds(tiny, tmp_path, ending, devic
     script = tmp_path / "engine.py"
     script.write_text(textwrap.dedent(ENGINE).format(ending=ENDINGS[ending]))
     proc = subprocess.Popen(
-        [sys.executable, str(script), str(tiny), device], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, str(script), str(tiny), device],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     worker_pid = int(proc.stdout.readline())
     start = time.monotonic()
     _, stderr = proc.communicate(timeout=240)
-    print(f"{ending} on {device}: rank 0 ended {time.monotonic() - start:.1f} s after start-up", stderr[-300:])
-    deadline = time.monotonic() + 120  # a hang check: the worker notices in a second; a busy machine may take more
+    print(
+        f"{ending} on {device}: rank 0 ended {time.monotonic() - start:.1f} s after start-up",
+        stderr[-300:],
+    )
+    deadline = (
+        time.monotonic() + 120
+    )  # a hang check: the worker notices in a second; a busy machine may take more
     while alive(worker_pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not alive(worker_pid), f"worker {worker_pid} outlived its engine ({ending})"
@@ -393,12 +432,16 @@ def qwen3_06b(tmp_path_factory):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism over NCCL needs two GPUs")
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="tensor parallelism over NCCL needs two GPUs"
+)
 def test_gpu_tensor_parallel_2_agrees_with_1_in_bf16(qwen3_06b):
     """Teacher forcing on the 0.6B preset: TP 2 (CUDA graphs, NCCL) differs from TP 1 by bf16 rounding only,
     no more than TP 1 differs from float32; and close() ends the worker."""
     prompts = [random.Random(n).choices(range(10000), k=n) for n in (7, 100, 513)]
-    config = dict(dtype=torch.bfloat16, gpu_memory_utilization=0.3, max_num_seqs=16, max_model_len=1024)
+    config = dict(
+        dtype=torch.bfloat16, gpu_memory_utilization=0.3, max_num_seqs=16, max_model_len=1024
+    )
     single_runner = ModelRunner(Config(qwen3_06b, **config))
     try:
         seqs, single, _ = run_steps(single_runner, prompts, num_decode_steps=16)
@@ -406,18 +449,25 @@ def test_gpu_tensor_parallel_2_agrees_with_1_in_bf16(qwen3_06b):
         single_runner.close()
     tokens = [seq.completion_token_ids for seq in seqs]
     tp = TPModelRunner(Config(qwen3_06b, tensor_parallel_size=2, **config))
-    graphs = tp.graphs  # still held when close() runs: it must end all the same (NCCL waits for graphs it is in)
+    graphs = (
+        tp.graphs
+    )  # still held when close() runs: it must end all the same (NCCL waits for graphs it is in)
     try:
         _, double, _ = run_steps(tp, prompts, num_decode_steps=16, force=tokens)
     finally:
         start = time.perf_counter()
         tp.close()
         print(f"TP 2 close(): {time.perf_counter() - start:.2f} s")
-    assert graphs is not None and graphs.num_replays == 16  # every decode step went through a CUDA graph
+    assert (
+        graphs is not None and graphs.num_replays == 16
+    )  # every decode step went through a CUDA graph
     assert not tp.workers.processes[0].is_alive()
     reference = load_model(qwen3_06b, dtype=torch.float32, device="cuda")
     fp32 = [
-        prompt_logits(reference, seq.token_ids).float().cpu()[seq.num_prompt_tokens - 1 : len(seq) - 1] for seq in seqs
+        prompt_logits(reference, seq.token_ids)
+        .float()
+        .cpu()[seq.num_prompt_tokens - 1 : len(seq) - 1]
+        for seq in seqs
     ]
     single, double, fp32 = torch.cat(single), torch.cat(double), torch.cat(fp32)
     tp_error, bf16_error = (double - single).abs().max().item(), (single - fp32).abs().max().item()

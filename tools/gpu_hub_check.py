@@ -20,14 +20,29 @@ snapshot = next((cache / "models--minivllm--tiny-text" / "snapshots").iterdir())
 greedy = SamplingParams(temperature=0, max_tokens=24)
 prompts = ["Once upon a time", "The Earth is about", "Dear Maria,"]
 cli = subprocess.run(
-    [sys.executable, "-m", "minivllm", "--model", "minivllm/tiny-text", "--max-tokens", "16", "Once upon a time"],
+    [
+        sys.executable,
+        "-m",
+        "minivllm",
+        "--model",
+        "minivllm/tiny-text",
+        "--max-tokens",
+        "16",
+        "Once upon a time",
+    ],
     capture_output=True,
     text=True,
     timeout=300,
 )
-result["cli"] = {"rc": cli.returncode, "stdout_tail": cli.stdout[-600:], "stderr_tail": cli.stderr[-300:]}
+result["cli"] = {
+    "rc": cli.returncode,
+    "stdout_tail": cli.stdout[-600:],
+    "stderr_tail": cli.stderr[-300:],
+}
 bad = subprocess.run(
-    [sys.executable, "-m", "minivllm", "--model", "minivllm/not-there"], capture_output=True, text=True
+    [sys.executable, "-m", "minivllm", "--model", "minivllm/not-there"],
+    capture_output=True,
+    text=True,
 )
 result["cli_unknown_id"] = {"rc": bad.returncode, "stderr": bad.stderr.strip()}
 server = subprocess.Popen(
@@ -46,7 +61,9 @@ try:
     body = json.dumps(
         {"model": "minivllm/tiny-text", "prompt": prompts[0], "max_tokens": 24, "temperature": 0}
     ).encode()
-    req = urllib.request.Request("http://127.0.0.1:8123/v1/completions", body, {"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        "http://127.0.0.1:8123/v1/completions", body, {"Content-Type": "application/json"}
+    )
     completion = json.load(urllib.request.urlopen(req, timeout=60))
     result["server"] = {"models": models, "text": completion["choices"][0]["text"]}
 except Exception as e:
@@ -56,7 +73,8 @@ finally:
     result.setdefault("server", {})["log_tail"] = server.communicate(timeout=30)[0][-1500:]
 offline = LLM("minivllm/tiny-text")  # the server's defaults: its text must be this one
 result["server"]["equals_offline"] = (
-    result["server"].get("text") == offline.generate(prompts[:1], greedy, use_tqdm=False)[0].outputs[0].text
+    result["server"].get("text")
+    == offline.generate(prompts[:1], greedy, use_tqdm=False)[0].outputs[0].text
 )
 offline.close()
 del offline
@@ -71,7 +89,8 @@ by_folder.close()
 del by_folder
 result["llm_by_id"] = {
     "model_folder": str(snapshot),
-    "same_tokens_as_folder": [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in folder_outs],
+    "same_tokens_as_folder": [o.outputs[0].token_ids for o in outs]
+    == [o.outputs[0].token_ids for o in folder_outs],
     "texts": [o.outputs[0].text for o in outs],
     "teacher_forced_bf16": greedy_agreement(snapshot, outs),
 }

@@ -1,4 +1,5 @@
-"""How a layer attends, apart from the model: the `Attention` layer and the contexts that do the attending.
+"""How a layer attends, apart from the model: the `Attention` layer and the contexts that do the
+attending.
 
 - `layer`: `Attention` and the `AttentionContext` protocol (notebook 02)
 - `prefill`: `PrefillContext`, whole prompts without a KV cache (notebook 02)

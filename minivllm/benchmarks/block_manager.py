@@ -2,12 +2,12 @@
 
     python -m minivllm.benchmarks.block_manager [--num-seqs 10000] [--block-size 16] [--out figures]
 
-Sequences of about 1k tokens go through the block manager in waves: allocate (cache misses), 64 decode
-steps, free, then allocate the same prompts again (cache hits) and free. Each call must cost time in
-proportion to the blocks it touches, not to the size of the cache, so the work is repeated with caches of
-very different sizes (the µs-per-block columns must stay flat), and with prompts of different lengths
-(µs per call must grow with the blocks, µs per block must not). Writes block_manager.json (and .png when
-matplotlib is installed) to --out: ./figures by default.
+Sequences of about 1k tokens go through the block manager in waves: allocate (cache misses), 64
+decode steps, free, then allocate the same prompts again (cache hits) and free. Each call must cost
+time in proportion to the blocks it touches, not to the size of the cache, so the work is repeated
+with caches of very different sizes (the µs-per-block columns must stay flat), and with prompts of
+different lengths (µs per call must grow with the blocks, µs per block must not). Writes
+block_manager.json (and .png when matplotlib is installed) to --out: ./figures by default.
 """
 
 import time
@@ -30,14 +30,17 @@ def run_benchmark(
     decode_steps: int = 64,
     seed: int = 0,
 ) -> dict:
-    """Time every BlockManager call over `num_seqs` sequences: µs per call and per block of each operation."""
+    """Time every BlockManager call over `num_seqs` sequences: µs per call and per block of each
+    operation."""
     rng = np.random.default_rng(seed)
     bm = BlockManager(num_blocks, block_size)
     seconds = dict(allocate=0.0, allocate_hit=0.0, append=0.0, free=0.0)
     blocks = dict(allocate=0, allocate_hit=0, free=0)
     hit_tokens = prompt_tokens = 0
     for start in range(0, num_seqs, WAVE):
-        lens = rng.integers(prompt_len * 7 // 8, prompt_len * 9 // 8 + 1, min(WAVE, num_seqs - start))
+        lens = rng.integers(
+            prompt_len * 7 // 8, prompt_len * 9 // 8 + 1, min(WAVE, num_seqs - start)
+        )
         seqs = [Sequence(rng.integers(0, VOCAB, n).tolist(), block_size=block_size) for n in lens]
         new_tokens = rng.integers(0, VOCAB, (decode_steps, len(seqs))).tolist()
 
@@ -103,23 +106,29 @@ def print_table(rows: list[dict]) -> None:
         f"{'append':>9} | {'free':>17}"
     )
     print(
-        f"{'':>10} {'tokens':>6} | {'µs/call':>8} {'µs/blk':>8} | {'µs/call':>8} {'µs/blk':>8} {'hits':>5} | "
+        f"{'':>10} {'tokens':>6} | {'µs/call':>8} {'µs/blk':>8} | {'µs/call':>8} {'µs/blk':>8} "
+        f"{'hits':>5} | "
         f"{'µs/token':>9} | {'µs/call':>8} {'µs/blk':>8}"
     )
     for r in rows:
         print(
-            f"{r['num_blocks']:>10,} {r['prompt_len']:>6} | {r['allocate_us']:8.1f} {r['allocate_us_per_block']:8.2f} | "
-            f"{r['allocate_hit_us']:8.1f} {r['allocate_hit_us_per_block']:8.2f} {r['hit_rate']:5.0%} | "
+            f"{r['num_blocks']:>10,} {r['prompt_len']:>6} | {r['allocate_us']:8.1f} "
+            f"{r['allocate_us_per_block']:8.2f} | "
+            f"{r['allocate_hit_us']:8.1f} {r['allocate_hit_us_per_block']:8.2f} "
+            f"{r['hit_rate']:5.0%} | "
             f"{r['append_us']:9.2f} | {r['free_us']:8.1f} {r['free_us_per_block']:8.2f}"
         )
 
 
 def plot_block_manager(data: dict):
-    """µs per block of each call against the cache size and the prompt length: flat lines are the claim."""
+    """µs per block of each call against the cache size and the prompt length: flat lines are the
+    claim."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.5), sharey=True)
-    for ax, experiment, x in zip(axes, ("cache size", "prompt length"), ("num_blocks", "prompt_len")):
+    for ax, experiment, x in zip(
+        axes, ("cache size", "prompt length"), ("num_blocks", "prompt_len")
+    ):
         rows = [r for r in data["rows"] if r["experiment"] == experiment]
         for key, label in (
             ("allocate_us_per_block", "allocate (miss)"),
@@ -154,16 +163,22 @@ def main() -> None:
     args = parser.parse_args()
     bs = args.block_size
     print(
-        f"BlockManager micro-benchmark: {args.num_seqs:,} sequences of ~1k tokens (U[896, 1152]), block_size {bs}, "
-        f"{WAVE} alive at once, 64 decode steps each; 'allocate (hit)' re-allocates the same prompts\n"
+        f"BlockManager micro-benchmark: {args.num_seqs:,} sequences of ~1k tokens (U[896, 1152]), "
+        f"block_size {bs}, "
+        f"{WAVE} alive at once, 64 decode steps each; 'allocate (hit)' re-allocates the same "
+        f"prompts\n"
     )
     print("Cache size grows 256x; cost per block must not:")
     by_cache = [run_benchmark(n, args.num_seqs, bs) for n in (4_096, 65_536, 1_048_576)]
     print_table(by_cache)
     print(
-        "\nPrompt length grows 16x at a fixed cache size; cost per call grows with the blocks, per block it does not:"
+        "\nPrompt length grows 16x at a fixed cache size; cost per call grows with the blocks, "
+        "per block it does not:"
     )
-    by_prompt = [run_benchmark(65_536, max(args.num_seqs // 4, WAVE), bs, prompt_len=n) for n in (256, 1024, 4096)]
+    by_prompt = [
+        run_benchmark(65_536, max(args.num_seqs // 4, WAVE), bs, prompt_len=n)
+        for n in (256, 1024, 4096)
+    ]
     print_table(by_prompt)
     print("\nHashing (xxh64 of parent hash + int64 token ids):")
     hash_ns = {size: hash_ns_per_token(size) for size in (16, 256)}

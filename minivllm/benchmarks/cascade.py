@@ -1,13 +1,15 @@
-"""Decode attention of rows that share a system prompt: each row reading every key vs the shared prefix read once
-(cascade attention: the deep dive notebooks/deep_dives/cascade_attention, after 03).
+"""Decode attention of rows that share a system prompt: each row reading every key vs the shared
+prefix read once (cascade attention: the deep dive notebooks/deep_dives/cascade_attention, after
+03).
 
     python -m minivllm.benchmarks.cascade [--out figures]
 
-Qwen3-0.6B's attention (16 query / 8 KV heads, head_dim 128, bf16, blocks of 16). Every row begins with the same
-1,488 cached tokens (the chat workload's system prompt in whole blocks), then 1 to 2 × `own` tokens of its own.
-Three ways per shape: `row by row` (no prefix given), `cascade` (the prefix given), and `cascade, no sharers` (the
-kernel told that no row shares it: what a CUDA graph captured with the prefix kernel costs in a step without one).
-Each call is timed from a CUDA graph. Writes cascade.json + cascade.png.
+Qwen3-0.6B's attention (16 query / 8 KV heads, head_dim 128, bf16, blocks of 16). Every row begins
+with the same 1,488 cached tokens (the chat workload's system prompt in whole blocks), then 1 to 2 ×
+`own` tokens of its own. Three ways per shape: `row by row` (no prefix given), `cascade` (the prefix
+given), and `cascade, no sharers` (the kernel told that no row shares it: what a CUDA graph captured
+with the prefix kernel costs in a step without one). Each call is timed from a CUDA graph. Writes
+cascade.json + cascade.png.
 """
 
 import random
@@ -19,14 +21,18 @@ from minivllm.kernels import flash_attn_with_kvcache
 from minivllm.testing import scatter_into_cache
 
 PREFIX, BLOCK_SIZE = 1488, 16
-SHAPES = [(16, 50), (64, 50), (64, 350), (256, 50), (256, 350)]  # (rows, mean tokens of each row's own)
+# (rows, mean tokens of each row's own)
+SHAPES = [(16, 50), (64, 50), (64, 350), (256, 50), (256, 350)]
 
 
 def shared_inputs(batch: int, own: int) -> dict:
     rng = random.Random(batch * own)
     seq_lens = [PREFIX + rng.randint(1, 2 * own) for _ in range(batch)]
-    k_cache, v_cache, table, *_ = scatter_into_cache(seq_lens, 8, 128, BLOCK_SIZE, "cuda", torch.bfloat16)
-    table[1:, : PREFIX // BLOCK_SIZE] = table[0, : PREFIX // BLOCK_SIZE]  # every row: the same prefix blocks
+    k_cache, v_cache, table, *_ = scatter_into_cache(
+        seq_lens, 8, 128, BLOCK_SIZE, "cuda", torch.bfloat16
+    )
+    # every row: the same prefix blocks
+    table[1:, : PREFIX // BLOCK_SIZE] = table[0, : PREFIX // BLOCK_SIZE]
     return dict(
         q=torch.randn(batch, 1, 16, 128, device="cuda", dtype=torch.bfloat16),
         k_cache=k_cache,
@@ -50,12 +56,18 @@ def run_cascade_benchmark(shapes=SHAPES) -> dict:
         }
         ref = flash_attn_with_kvcache(**plain)
         for way, kwargs in ways.items():
-            torch.testing.assert_close(flash_attn_with_kvcache(**kwargs), ref, atol=2e-2, rtol=2e-2)  # before timing
+            # before timing
+            torch.testing.assert_close(flash_attn_with_kvcache(**kwargs), ref, atol=2e-2, rtol=2e-2)
             ms = graph_ms(lambda kwargs=kwargs: flash_attn_with_kvcache(**kwargs))
             rows.append(dict(impl=way, batch=batch, own_tokens=own, prefix_tokens=PREFIX, ms=ms))
             print(f"{way:>20} rows={batch:>3} own≈{own:>3}: {ms * 1e3:7.1f} µs")
-    return result("minivllm.benchmarks.cascade", rows, dtype="bfloat16", block_size=BLOCK_SIZE,
-                  timing="CUDA graph replay (triton.testing.do_bench_cudagraph)")  # fmt: skip
+    return result(
+        "minivllm.benchmarks.cascade",
+        rows,
+        dtype="bfloat16",
+        block_size=BLOCK_SIZE,
+        timing="CUDA graph replay (triton.testing.do_bench_cudagraph)",
+    )
 
 
 def plot_cascade(data: dict):
@@ -66,8 +78,12 @@ def plot_cascade(data: dict):
     fig, ax = plt.subplots(figsize=(9, 4))
     width = 0.8 / len(ways)
     for i, way in enumerate(ways):
-        us = {(r["batch"], r["own_tokens"]): r["ms"] * 1e3 for r in data["rows"] if r["impl"] == way}
-        ax.bar([j + i * width for j in range(len(shapes))], [us[s] for s in shapes], width, label=way)
+        us = {
+            (r["batch"], r["own_tokens"]): r["ms"] * 1e3 for r in data["rows"] if r["impl"] == way
+        }
+        ax.bar(
+            [j + i * width for j in range(len(shapes))], [us[s] for s in shapes], width, label=way
+        )
     ax.set_xticks([j + width * (len(ways) - 1) / 2 for j in range(len(shapes))])
     ax.set_xticklabels([f"{b} rows\n~{o} own tokens" for b, o in shapes])
     ax.set_ylabel("µs per layer (decode attention)")

@@ -1,15 +1,18 @@
-"""A server's first users: the same workload twice in a fresh process, with fresh prompts the second time.
+"""A server's first users: the same workload twice in a fresh process, with fresh prompts the second
+time.
 
-    python -m minivllm.benchmarks.cold_start [--preset qwen3-0.6b] [--workloads chat-burst nano-vllm]
-        [--max-requests N] [--max-tokens N] [--out figures]
+    python -m minivllm.benchmarks.cold_start [--preset qwen3-0.6b]
+        [--workloads chat-burst nano-vllm] [--max-requests N] [--max-tokens N] [--out figures]
 
-Per workload, a new Python process starts an `LLM` on the preset's random-weight checkpoint (default qwen3-0.6b on
-a GPU, tiny on a CPU) and runs the workload at once, then again with prompts from another seed (nothing to find in
-the prefix cache): run 1 pays for whatever the engine compiles or captures on first use, run 2 should not. Workloads:
-`chat-burst`, 1,024 requests behind one 1,000-token system prompt (then 50-300 user tokens; outputs of 100-300,
-temperature 0.7, top-k 50, top-p 0.95), and nano-vllm's (`minivllm.benchmarks.workloads`). `--max-requests` keeps
-the first N requests of each and `--max-tokens` caps their outputs (a CPU's quick run). Rows: `workload`, `run` (1 or 2), `tok_per_s`, `ttft_p50_ms` and
-the rest of `run_workload`'s fields, and `startup_s` (the `LLM()` call). Writes cold_start.json + .png.
+Per workload, a new Python process starts an `LLM` on the preset's random-weight checkpoint (default
+qwen3-0.6b on a GPU, tiny on a CPU) and runs the workload at once, then again with prompts from
+another seed (nothing to find in the prefix cache): run 1 pays for whatever the engine compiles or
+captures on first use, run 2 should not. Workloads: `chat-burst`, 1,024 requests behind one
+1,000-token system prompt (then 50-300 user tokens; outputs of 100-300, temperature 0.7, top-k 50,
+top-p 0.95), and nano-vllm's (`minivllm.benchmarks.workloads`). `--max-requests` keeps the first N
+requests of each and `--max-tokens` caps their outputs (a CPU's quick run). Rows: `workload`, `run`
+(1 or 2), `tok_per_s`, `ttft_p50_ms` and the rest of `run_workload`'s fields, and `startup_s` (the
+`LLM()` call). Writes cold_start.json + .png.
 """
 
 import argparse
@@ -33,7 +36,9 @@ def chat_burst(seed: int) -> Workload:
     system = ids(1000)
     prompts = [system + ids(rng.randint(50, 300)) for _ in range(1024)]
     params = [
-        SamplingParams(temperature=0.7, top_k=50, top_p=0.95, ignore_eos=True, max_tokens=rng.randint(100, 300))
+        SamplingParams(
+            temperature=0.7, top_k=50, top_p=0.95, ignore_eos=True, max_tokens=rng.randint(100, 300)
+        )
         for _ in prompts
     ]
     return Workload("chat-burst", prompts, params, shared_prefix=len(system))
@@ -41,8 +46,12 @@ def chat_burst(seed: int) -> Workload:
 
 def make(name: str, seed: int, max_requests: int | None, max_tokens: int | None) -> Workload:
     work = chat_burst(seed) if name == "chat-burst" else make_workload(name, seed)
-    params = [replace(p, max_tokens=min(p.max_tokens, max_tokens or p.max_tokens)) for p in work.params]
-    return Workload(work.name, work.prompts[:max_requests], params[:max_requests], work.shared_prefix)
+    params = [
+        replace(p, max_tokens=min(p.max_tokens, max_tokens or p.max_tokens)) for p in work.params
+    ]
+    return Workload(
+        work.name, work.prompts[:max_requests], params[:max_requests], work.shared_prefix
+    )
 
 
 def child(preset: str, name: str, max_requests: int | None, max_tokens: int | None) -> list[dict]:
@@ -53,11 +62,21 @@ def child(preset: str, name: str, max_requests: int | None, max_tokens: int | No
 
     runs = [make(name, seed, max_requests, max_tokens) for seed in (1, 2)]
     start = time.perf_counter()
-    llm = LLM(str(preset_checkpoint(preset)), max_model_len=max(len(p) for w in runs for p in w.prompts) + 1024)
+    llm = LLM(
+        str(preset_checkpoint(preset)),
+        max_model_len=max(len(p) for w in runs for p in w.prompts) + 1024,
+    )
     startup = time.perf_counter() - start
-    vocab = llm.engine.config.hf_config.vocab_size  # ids < 10,000: a small preset's vocabulary may be smaller
-    runs = [Workload(w.name, [[t % vocab for t in p] for p in w.prompts], w.params, w.shared_prefix) for w in runs]
-    rows = [dict(run_workload(llm, work), run=run, startup_s=startup) for run, work in enumerate(runs, 1)]
+    # ids < 10,000: a small preset's vocabulary may be smaller
+    vocab = llm.engine.config.hf_config.vocab_size
+    runs = [
+        Workload(w.name, [[t % vocab for t in p] for p in w.prompts], w.params, w.shared_prefix)
+        for w in runs
+    ]
+    rows = [
+        dict(run_workload(llm, work), run=run, startup_s=startup)
+        for run, work in enumerate(runs, 1)
+    ]
     llm.close()
     return rows
 
@@ -88,8 +107,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = arg_parser(__doc__, "cold_start")
     parser.add_argument("--preset", default="qwen3-0.6b" if torch.cuda.is_available() else "tiny")
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
-    parser.add_argument("--max-requests", type=int, default=None, help="the first N requests of each workload")
-    parser.add_argument("--max-tokens", type=int, default=None, help="at most N output tokens a request")
+    parser.add_argument(
+        "--max-requests", type=int, default=None, help="the first N requests of each workload"
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, default=None, help="at most N output tokens a request"
+    )
     parser.add_argument("--child", choices=WORKLOADS, help=argparse.SUPPRESS)  # the fresh process
     args = parser.parse_args(argv)
     if args.child:  # the fresh process: rows as JSON on the last line of stdout
@@ -98,13 +121,18 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for name in args.workloads:
         command = [sys.executable, "-m", MODULE, "--child", name, "--preset", args.preset]
-        for flag, value in (("--max-requests", args.max_requests), ("--max-tokens", args.max_tokens)):
+        for flag, value in (
+            ("--max-requests", args.max_requests),
+            ("--max-tokens", args.max_tokens),
+        ):
             command += [] if value is None else [flag, str(value)]
-        out = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=True).stdout  # its stderr: ours
+        # its stderr: ours
+        out = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=True).stdout
         rows += json.loads(out.strip().splitlines()[-1])
         for row in rows[-2:]:
             print(
-                f"{name} run {row['run']}: {row['tok_per_s']:,.0f} output tok/s, TTFT p50 {row['ttft_p50_ms']:,.0f} ms"
+                f"{name} run {row['run']}: {row['tok_per_s']:,.0f} output tok/s, TTFT p50 "
+                f"{row['ttft_p50_ms']:,.0f} ms"
             )
     data = result(MODULE, rows, preset=args.preset)
     save("cold_start", data, plot_cold_start(data), args.out)

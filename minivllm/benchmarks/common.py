@@ -1,9 +1,10 @@
-"""What every benchmark shares: its command line (`--out`), the checkpoint of a preset, GPU timing, the machine's
-matmul rate and copy bandwidth, and the files it writes.
+"""What every benchmark shares: its command line (`--out`), the checkpoint of a preset, GPU timing,
+the machine's matmul rate and copy bandwidth, and the files it writes.
 
-Every benchmark writes NAME.json (and NAME.png when it draws a figure) with one schema: `device` (the GPU, else
-"cpu" or the CPU's name), `command` (the `python -m` line that made it), `torch` and `triton` versions, the
-benchmark's own fields, then `rows` (one dict per measurement, with an `impl` field where several are compared).
+Every benchmark writes NAME.json (and NAME.png when it draws a figure) with one schema: `device`
+(the GPU, else "cpu" or the CPU's name), `command` (the `python -m` line that made it), `torch` and
+`triton` versions, the benchmark's own fields, then `rows` (one dict per measurement, with an `impl`
+field where several are compared).
 """
 
 import argparse
@@ -18,15 +19,22 @@ import tempfile
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-OUT = Path("figures")  # every benchmark's default --out: under the current directory, never inside the package
-HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None  # an anchor row when installed; never required
+# every benchmark's default --out: under the current directory, never inside the package
+OUT = Path("figures")
+# an anchor row when installed; never required
+HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
 
 
 def arg_parser(doc: str | None, name: str, figure: bool = True) -> argparse.ArgumentParser:
-    """A benchmark's parser: its docstring as the help, and `--out`, the folder for NAME.json (and .png)."""
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    """A benchmark's parser: its docstring as the help, and `--out`, the folder for NAME.json (and
+    .png)."""
+    parser = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     files = f"{name}.json and .png" if figure else f"{name}.json"
-    parser.add_argument("--out", type=Path, default=OUT, help=f"folder for {files} (default: ./figures)")
+    parser.add_argument(
+        "--out", type=Path, default=OUT, help=f"folder for {files} (default: ./figures)"
+    )
     return parser
 
 
@@ -39,7 +47,8 @@ def require_gpu() -> None:
 
 @functools.cache
 def preset_checkpoint(preset: str, seed: int = 0) -> Path:
-    """The preset's random-weight checkpoint, written once per process to a temporary folder removed at exit."""
+    """The preset's random-weight checkpoint, written once per process to a temporary folder removed
+    at exit."""
     from minivllm.checkpoint import write_checkpoint
 
     folder = tempfile.TemporaryDirectory(prefix="minivllm-benchmark-")
@@ -55,8 +64,8 @@ def gpu_ms(fn, warmup: int = 5, rep: int = 30) -> float:
 
 
 def graph_ms(fn, rep: int = 30) -> float:
-    """Median time of fn() in ms, replayed from a CUDA graph: the kernels' time without Python's launch overhead
-    (which an engine's decode step, itself a graph, does not pay either)."""
+    """Median time of fn() in ms, replayed from a CUDA graph: the kernels' time without Python's
+    launch overhead (which an engine's decode step, itself a graph, does not pay either)."""
     import triton
 
     fn()  # compile outside the capture
@@ -79,7 +88,8 @@ def package_version(name: str) -> str | None:
 
 
 def result(module: str, rows: list[dict], device: str | None = None, **extra) -> dict:
-    """The schema above: device (default: the GPU, else "cpu"), the command that made it, versions, extra, rows."""
+    """The schema above: device (default: the GPU, else "cpu"), the command that made it, versions,
+    extra, rows."""
     import torch
 
     if device is None:

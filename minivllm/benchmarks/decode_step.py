@@ -2,11 +2,12 @@
 
     python -m minivllm.benchmarks.decode_step [--context-len 512] [--out figures]
 
-Writes the qwen3-0.6b preset (random weights, bf16) to a temporary folder, starts a ModelRunner, prefills
-`batch` sequences of `context_len` random tokens, then times `runner.run(seqs, is_prefill=False)`: host-side
-input preparation, the forward, the sampler and the copy of the tokens back, as the engine pays it. One runner
-replays its CUDA graphs; a second, made with `enforce_eager=True`, runs eagerly. Writes decode_step.json + .png,
-with the KV cache the runner sized on this GPU.
+Writes the qwen3-0.6b preset (random weights, bf16) to a temporary folder, starts a ModelRunner,
+prefills `batch` sequences of `context_len` random tokens, then times `runner.run(seqs,
+is_prefill=False)`: host-side input preparation, the forward, the sampler and the copy of the tokens
+back, as the engine pays it. One runner replays its CUDA graphs; a second, made with
+`enforce_eager=True`, runs eagerly. Writes decode_step.json + .png, with the KV cache the runner
+sized on this GPU.
 """
 
 import torch
@@ -36,13 +37,18 @@ def plot_decode_step(data: dict):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
-    for impl, label in (("minivllm", "CUDA graph"), ("minivllm-eager", "eager (enforce_eager=True)")):
+    for impl, label in (
+        ("minivllm", "CUDA graph"),
+        ("minivllm-eager", "eager (enforce_eager=True)"),
+    ):
         rows = [r for r in data["rows"] if r["impl"] == impl]
         ax.plot([r["batch"] for r in rows], [r["ms"] for r in rows], "o-", label=label)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size (sequences decoding)")
     ax.set_ylabel("ms per decode step")
-    ax.set_title(f"Qwen3-0.6B decode step on {data['device']} (context {data['rows'][0]['context_len']})")
+    ax.set_title(
+        f"Qwen3-0.6B decode step on {data['device']} (context {data['rows'][0]['context_len']})"
+    )
     ax.set_ylim(bottom=0)
     ax.legend()
     return fig

@@ -1,13 +1,16 @@
-"""How long the GPU waits for the host between steps: the host's share of the critical path, on a GPU.
+"""How long the GPU waits for the host between steps: the host's share of the critical path, on a
+GPU.
 
-    python -m minivllm.benchmarks.gpu_idle [--workloads nano-vllm single] [--preset qwen3-0.6b] [--out figures]
+    python -m minivllm.benchmarks.gpu_idle [--workloads nano-vllm single] [--preset qwen3-0.6b]
+        [--out figures]
 
-The engine as it runs by default (unified policy, asynchronous scheduling, CUDA graphs) on the throughput
-benchmark's workloads. A CUDA event is recorded before and after each step's GPU work (`ModelRunner.launch`: inputs,
-forward, sampler, the copy of the tokens); the GPU idles where one step's end comes before the next step's start.
-`idle_share` is that idle time over the span from the first step's start to the last step's end. It does not see
-the GPU waiting inside a step for its kernels' launches (eager prefill steps); a decode step replays one graph.
-Writes gpu_idle.json (no figure: a table says it).
+The engine as it runs by default (unified policy, asynchronous scheduling, CUDA graphs) on the
+throughput benchmark's workloads. A CUDA event is recorded before and after each step's GPU work
+(`ModelRunner.launch`: inputs, forward, sampler, the copy of the tokens); the GPU idles where one
+step's end comes before the next step's start. `idle_share` is that idle time over the span from the
+first step's start to the last step's end. It does not see the GPU waiting inside a step for its
+kernels' launches (eager prefill steps); a decode step replays one graph. Writes gpu_idle.json (no
+figure: a table says it).
 """
 
 from unittest import mock
@@ -23,7 +26,8 @@ Span = tuple[float, float]  # (start, end) in ms
 
 
 def idle_share(spans: list[Span]) -> dict:
-    """The GPU's busy time (the union of the steps' spans), its idle gaps, and the idle share of the whole span."""
+    """The GPU's busy time (the union of the steps' spans), its idle gaps, and the idle share of the
+    whole span."""
     busy, gaps, (start, end) = 0.0, [], spans[0]  # the busy stretch so far: start..end
     for s, e in spans[1:]:
         if s > end:  # a gap: the GPU finished every step launched so far before this one began
@@ -33,12 +37,19 @@ def idle_share(spans: list[Span]) -> dict:
     busy += end - start
     span = end - spans[0][0]
     gaps.sort()
-    return dict(steps=len(spans), gpu_span_ms=span, gpu_busy_ms=busy, idle_share=1 - busy / span,
-                gap_p50_ms=gaps[len(gaps) // 2] if gaps else 0.0, gap_max_ms=gaps[-1] if gaps else 0.0)  # fmt: skip
+    return dict(
+        steps=len(spans),
+        gpu_span_ms=span,
+        gpu_busy_ms=busy,
+        idle_share=1 - busy / span,
+        gap_p50_ms=gaps[len(gaps) // 2] if gaps else 0.0,
+        gap_max_ms=gaps[-1] if gaps else 0.0,
+    )
 
 
 def time_steps(llm: LLM, workload: str) -> dict:
-    """Run one workload with a pair of CUDA events around each step's launch; its throughput row and idle share."""
+    """Run one workload with a pair of CUDA events around each step's launch; its throughput row and
+    idle share."""
     runner, events = llm.engine.runner, []
     launch = runner.launch
 
@@ -50,7 +61,8 @@ def time_steps(llm: LLM, workload: str) -> dict:
         events.append((start, end))
         return output
 
-    with mock.patch.object(runner, "launch", timed_launch):  # this engine's runner only, for this run
+    # this engine's runner only, for this run
+    with mock.patch.object(runner, "launch", timed_launch):
         row = run_workload(llm, make_workload(workload))
     torch.cuda.synchronize()
     first = events[0][0]
@@ -66,8 +78,10 @@ def run_gpu_idle_benchmark(workloads=("nano-vllm", "single"), preset: str = "qwe
             rows.append(time_steps(llm, workload))
             r = rows[-1]
             print(
-                f"{workload}: {r['tok_per_s']:,.0f} tok/s, {r['steps']} steps, GPU idle {r['idle_share']:.2%} "
-                f"of {r['gpu_span_ms']:,.0f} ms (gap p50 {r['gap_p50_ms']:.3f} ms, max {r['gap_max_ms']:.2f})"
+                f"{workload}: {r['tok_per_s']:,.0f} tok/s, {r['steps']} steps, GPU idle "
+                f"{r['idle_share']:.2%} "
+                f"of {r['gpu_span_ms']:,.0f} ms (gap p50 {r['gap_p50_ms']:.3f} ms, max "
+                f"{r['gap_max_ms']:.2f})"
             )
     return result("minivllm.benchmarks.gpu_idle", rows, preset=preset)
 

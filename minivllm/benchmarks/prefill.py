@@ -1,13 +1,14 @@
-"""Prefill attention: our Triton FlashAttention vs PyTorch SDPA (flash, cuDNN), a naive O(N²) version, and
-FlashInfer's prefill (single_prefill_with_kv_cache) where the `flashinfer` package is installed.
+"""Prefill attention: our Triton FlashAttention vs PyTorch SDPA (flash, cuDNN), a naive O(N²)
+version, and FlashInfer's prefill (single_prefill_with_kv_cache) where the `flashinfer` package is
+installed.
 
     python -m minivllm.benchmarks.prefill [--seqlens 1024 4096 8192 16384] [--out figures] [--sweep]
 
-One causal prompt (batch 1), 16 query / 8 KV heads, head_dim 128, bf16: Qwen3-0.6B's attention.
-Each call is timed eagerly (triton.testing.do_bench), in 5 rounds that time every implementation in turn; a row's
-`ms` is the median round (`ms_rounds`: all five). Writes prefill.json + prefill.png, and prints per length how
-fast ours is against cuDNN (and FlashInfer): ratios in the JSON. --sweep also times every tile configuration of our
-kernel and prints the best.
+One causal prompt (batch 1), 16 query / 8 KV heads, head_dim 128, bf16: Qwen3-0.6B's attention. Each
+call is timed eagerly (triton.testing.do_bench), in 5 rounds that time every implementation in turn;
+a row's `ms` is the median round (`ms_rounds`: all five). Writes prefill.json + prefill.png, and
+prints per length how fast ours is against cuDNN (and FlashInfer): ratios in the JSON. --sweep also
+times every tile configuration of our kernel and prints the best.
 """
 
 import importlib
@@ -16,25 +17,40 @@ import statistics
 
 import torch
 
-from minivllm.benchmarks.common import HAS_FLASHINFER, arg_parser, gpu_ms, package_version, require_gpu, result, save
+from minivllm.benchmarks.common import (
+    HAS_FLASHINFER,
+    arg_parser,
+    gpu_ms,
+    package_version,
+    require_gpu,
+    result,
+    save,
+)
 from minivllm.kernels.flash_attn import flash_attn_varlen_contiguous, launch_config
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
 
 
 def causal_tflops(seqlen: int, ms: float, batch: int = 1) -> float:
-    flops = 4 * batch * seqlen * seqlen * NUM_HEADS * HEAD_DIM / 2  # two matmuls, half the square is masked
+    # two matmuls, half the square is masked
+    flops = 4 * batch * seqlen * seqlen * NUM_HEADS * HEAD_DIM / 2
     return flops / (ms * 1e-3) / 1e12
 
 
-def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # (1, heads, N, D)
+def naive_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> torch.Tensor:  # (1, heads, N, D)
     scores = (q @ k.transpose(-1, -2)) * HEAD_DIM**-0.5  # (1, heads, N, N): the O(N²) tensor
     n = q.shape[-2]
-    scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    scores = scores.masked_fill(
+        torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf")
+    )
     return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
 
 
-def implementations(seqlen: int, dtype: torch.dtype = torch.bfloat16, tile: dict | None = None) -> dict:
+def implementations(
+    seqlen: int, dtype: torch.dtype = torch.bfloat16, tile: dict | None = None
+) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     q = torch.randn(seqlen, NUM_HEADS, HEAD_DIM, dtype=dtype, device="cuda")
@@ -42,8 +58,12 @@ def implementations(seqlen: int, dtype: torch.dtype = torch.bfloat16, tile: dict
     v = torch.randn_like(k)
     cu = torch.tensor([0, seqlen], dtype=torch.int32, device="cuda")
     group = NUM_HEADS // NUM_KV_HEADS
-    # SDPA and the naive version get the KV heads already expanded (outside the timing): GQA costs them nothing
-    qb, kb, vb = (t.transpose(0, 1)[None] for t in (q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)))
+    # SDPA and the naive version get the KV heads already expanded (outside the timing): GQA costs
+    # them nothing
+    qb, kb, vb = (
+        t.transpose(0, 1)[None]
+        for t in (q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))
+    )
 
     def sdpa(backend):
         def run():
@@ -60,46 +80,65 @@ def implementations(seqlen: int, dtype: torch.dtype = torch.bfloat16, tile: dict
         "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
         "naive-torch": lambda: naive_attention(qb, kb, vb),
     }
-    if HAS_FLASHINFER:  # beside ours; batch 1, so its single-request prefill: (N, heads, D) as ours, GQA inside
+    # beside ours; batch 1, so its single-request prefill: (N, heads, D) as ours, GQA inside
+    if HAS_FLASHINFER:
         flashinfer = importlib.import_module("flashinfer")
         impls = {
             "minivllm-triton": impls.pop("minivllm-triton"),
-            "flashinfer": lambda: flashinfer.single_prefill_with_kv_cache(q, k, v, causal=True, kv_layout="NHD"),
+            "flashinfer": lambda: flashinfer.single_prefill_with_kv_cache(
+                q, k, v, causal=True, kv_layout="NHD"
+            ),
             **impls,
         }
     reference = impls["sdpa-flash"]()[0].transpose(0, 1)
     torch.testing.assert_close(impls["minivllm-triton"](), reference, atol=2e-2, rtol=2e-2)
-    if "flashinfer" in impls:  # checked before any timing: a wrong layout must not give a fast, bogus number
+    # checked before any timing: a wrong layout must not give a fast, bogus number
+    if "flashinfer" in impls:
         torch.testing.assert_close(impls["flashinfer"](), reference, atol=2e-2, rtol=2e-2)
     return impls
 
 
 def interleaved_ms(impls: dict, rounds: int) -> dict[str, list[float]]:
-    """Each implementation's do_bench median, in `rounds` rounds that time them one after the other: a slow spell
-    of the GPU (clocks, heat) falls on all of them alike. An implementation that rejects the shape is left out."""
+    """Each implementation's do_bench median, in `rounds` rounds that time them one after the other:
+    a slow spell of the GPU (clocks, heat) falls on all of them alike. An implementation that
+    rejects the shape is left out."""
     times: dict[str, list[float]] = {impl: [] for impl in impls}
     for _ in range(rounds):
         for impl in list(times):
             try:
                 times[impl].append(gpu_ms(impls[impl]))
-            except (RuntimeError, torch.OutOfMemoryError) as e:  # e.g. a backend that rejects the shape
+            except (
+                RuntimeError,
+                torch.OutOfMemoryError,
+            ) as e:  # e.g. a backend that rejects the shape
                 print(f"{impl}: skipped ({str(e).splitlines()[0]})")
                 del times[impl]
     return times
 
 
-def run_prefill_benchmark(seqlens=(1024, 4096, 8192, 16384), module: str = "minivllm.benchmarks.prefill",
-                          rounds: int = 5) -> dict:  # fmt: skip
+def run_prefill_benchmark(
+    seqlens=(1024, 4096, 8192, 16384), module: str = "minivllm.benchmarks.prefill", rounds: int = 5
+) -> dict:
     rows, ratios = [], []
     for seqlen in seqlens:
         ms_of = {}
         for impl, times in interleaved_ms(implementations(seqlen), rounds).items():
             ms = statistics.median(times)
-            rows.append(dict(impl=impl, seqlen=seqlen, batch=1, ms=ms, tflops=causal_tflops(seqlen, ms),
-                             ms_rounds=times))  # fmt: skip
+            rows.append(
+                dict(
+                    impl=impl,
+                    seqlen=seqlen,
+                    batch=1,
+                    ms=ms,
+                    tflops=causal_tflops(seqlen, ms),
+                    ms_rounds=times,
+                )
+            )
             ms_of[impl] = ms
-            print(f"{impl:>16} N={seqlen:>6}: {ms:8.3f} ms {rows[-1]['tflops']:7.1f} TFLOP/s  "
-                  f"(rounds {min(times):.3f}–{max(times):.3f})")  # fmt: skip
+            print(
+                f"{impl:>16} N={seqlen:>6}: {ms:8.3f} ms {rows[-1]['tflops']:7.1f} TFLOP/s  "
+                f"(rounds {min(times):.3f}–{max(times):.3f})"
+            )
         for baseline in ("sdpa-cudnn", "flashinfer"):  # speedup > 1: ours is faster
             if baseline in ms_of and "minivllm-triton" in ms_of:
                 ratio = ms_of[baseline] / ms_of["minivllm-triton"]
@@ -116,7 +155,8 @@ def run_prefill_benchmark(seqlens=(1024, 4096, 8192, 16384), module: str = "mini
         config=launch_config(HEAD_DIM, torch.device("cuda")),
         timing=f"eager (triton.testing.do_bench), the median of {rounds} interleaved rounds",
         flashinfer=package_version("flashinfer-python"),
-        ratios=ratios,  # per length, speedup: minivllm-triton's speed over the baseline's (its ms / ours)
+        # per length, speedup: minivllm-triton's speed over the baseline's (its ms / ours)
+        ratios=ratios,
     )
 
 
@@ -128,7 +168,9 @@ def sweep(seqlens) -> None:
         for block_m, block_n, warps, stages in space:
             config = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
             try:
-                timings.append((gpu_ms(implementations(seqlen, tile=config)["minivllm-triton"]), config))
+                timings.append(
+                    (gpu_ms(implementations(seqlen, tile=config)["minivllm-triton"]), config)
+                )
             except Exception as e:  # out of shared memory or registers for this tile
                 print(f"  {config}: {type(e).__name__}")
         for ms, config in sorted(timings, key=lambda t: t[0])[:5]:
@@ -144,8 +186,15 @@ def plot_prefill(data: dict):
     width = 0.8 / len(impls)
     for i, impl in enumerate(impls):
         rows = {r["seqlen"]: r["tflops"] for r in data["rows"] if r["impl"] == impl}
-        ax.bar([j + i * width for j in range(len(seqlens))], [rows.get(s, 0) for s in seqlens], width, label=impl)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(seqlens))], [f"{s // 1024}k" for s in seqlens])
+        ax.bar(
+            [j + i * width for j in range(len(seqlens))],
+            [rows.get(s, 0) for s in seqlens],
+            width,
+            label=impl,
+        )
+    ax.set_xticks(
+        [j + 0.4 - width / 2 for j in range(len(seqlens))], [f"{s // 1024}k" for s in seqlens]
+    )
     ax.set_xlabel("prompt length (causal, batch 1, 16/8 heads, d=128, bf16)")
     ax.set_ylabel("TFLOP/s")
     ax.set_title(f"Prefill attention on {data['device']}")
@@ -156,7 +205,9 @@ def plot_prefill(data: dict):
 def main() -> None:
     parser = arg_parser(__doc__, "prefill")
     parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 8192, 16384])
-    parser.add_argument("--sweep", action="store_true", help="also time every tile configuration of our kernel")
+    parser.add_argument(
+        "--sweep", action="store_true", help="also time every tile configuration of our kernel"
+    )
     args = parser.parse_args()
     require_gpu()
     if args.sweep:

@@ -1,14 +1,14 @@
-"""Where a workload's time goes, per kind of engine step, under each scheduling policy, with and without the CUDA
-graphs of prefill and mixed steps (notebook 04's `MixedGraphs`).
+"""Where a workload's time goes, per kind of engine step, under each scheduling policy, with and
+without the CUDA graphs of prefill and mixed steps (notebook 04's `MixedGraphs`).
 
     python -m minivllm.benchmarks.step_kinds [--workloads chat nano-vllm] [--out DIR]
 
-The workloads are the throughput benchmark's; scheduling is synchronous (`async_scheduling=False`), so that each
-engine step's wall time is that step's own: scheduling, inputs, forward, sampling, and waiting for its tokens.
-Each workload runs `--repeats` times per engine and the fastest run is kept (a synchronous step also waits for the
-host, whose jitter moves a run by a few %). Per run and kind of step (prefill, decode, mixed): steps, seconds,
-tokens computed, sequences. On a CPU there are no graphs, and the runs without them are the only ones. Writes
-step_kinds.json + .png.
+The workloads are the throughput benchmark's; scheduling is synchronous (`async_scheduling=False`),
+so that each engine step's wall time is that step's own: scheduling, inputs, forward, sampling, and
+waiting for its tokens. Each workload runs `--repeats` times per engine and the fastest run is kept
+(a synchronous step also waits for the host, whose jitter moves a run by a few %). Per run and kind
+of step (prefill, decode, mixed): steps, seconds, tokens computed, sequences. On a CPU there are no
+graphs, and the runs without them are the only ones. Writes step_kinds.json + .png.
 """
 
 import time
@@ -17,7 +17,13 @@ from collections import defaultdict
 import torch
 
 from minivllm.benchmarks.common import arg_parser, preset_checkpoint, result, save
-from minivllm.benchmarks.workloads import MAX_MODEL_LEN, POLICIES, WORKLOADS, Workload, make_workload
+from minivllm.benchmarks.workloads import (
+    MAX_MODEL_LEN,
+    POLICIES,
+    WORKLOADS,
+    Workload,
+    make_workload,
+)
 from minivllm.engine.input_processor import Prompt
 from minivllm.llm import LLM
 from minivllm.sampling_params import SamplingParams
@@ -28,7 +34,8 @@ KINDS = ("prefill", "mixed", "decode")
 def run_kinds(llm: LLM, work: Workload) -> dict:
     """One workload, step by step: seconds, tokens and sequences per kind of step."""
     engine = llm.engine
-    engine.scheduler.block_manager.reset()  # forget cached prefixes: a repeat computes its prompts again
+    # forget cached prefixes: a repeat computes its prompts again
+    engine.scheduler.block_manager.reset()
     engine.add_requests(list[Prompt](work.prompts), list[SamplingParams | None](work.params))
     kinds: dict[str, dict] = defaultdict(lambda: dict(steps=0, seconds=0.0, tokens=0, seqs=0))
     start = time.perf_counter()
@@ -43,7 +50,12 @@ def run_kinds(llm: LLM, work: Workload) -> dict:
         kind["tokens"] += stats.num_tokens
         kind["seqs"] += stats.num_seqs
     seconds = time.perf_counter() - start
-    return dict(workload=work.name, seconds=seconds, tok_per_s=sum(work.output_lens) / seconds, kinds=dict(kinds))
+    return dict(
+        workload=work.name,
+        seconds=seconds,
+        tok_per_s=sum(work.output_lens) / seconds,
+        kinds=dict(kinds),
+    )
 
 
 def run_step_kinds_benchmark(
@@ -58,9 +70,13 @@ def run_step_kinds_benchmark(
             with LLM(str(path), scheduling_policy=policy, async_scheduling=False, **config) as llm:
                 if not graphs:
                     llm.engine.runner.mixed_graphs = None  # prefill and mixed steps run eagerly
-                llm.generate(["Benchmark: "], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+                # warm-up
+                llm.generate(["Benchmark: "], SamplingParams(max_tokens=4), use_tqdm=False)
                 for work in works:
-                    fastest = min((run_kinds(llm, work) for _ in range(repeats)), key=lambda run: run["seconds"])
+                    fastest = min(
+                        (run_kinds(llm, work) for _ in range(repeats)),
+                        key=lambda run: run["seconds"],
+                    )
                     rows.append(dict(policy=policy, mixed_graphs=graphs, **fastest))
                     print(describe_kinds(rows[-1]))
     return result("minivllm.benchmarks.step_kinds", rows, preset=preset, repeats=repeats)
@@ -72,7 +88,10 @@ def describe_kinds(row: dict) -> str:
         for name, k in sorted(row["kinds"].items(), key=lambda item: KINDS.index(item[0]))
     )
     graphs = "graphs" if row["mixed_graphs"] else "eager"
-    return f"{row['workload']:>9} · {row['policy']}, {graphs}: {row['tok_per_s']:,.0f} output tok/s; {kinds}"
+    return (
+        f"{row['workload']:>9} · {row['policy']}, {graphs}: {row['tok_per_s']:,.0f} output "
+        f"tok/s; {kinds}"
+    )
 
 
 def plot_step_kinds(data: dict):
@@ -94,7 +113,8 @@ def plot_step_kinds(data: dict):
         ax.tick_params(axis="x", labelsize=8)
     axes[0][0].legend()
     fig.suptitle(
-        f"{data['preset']} on {data['device']}: seconds per kind of step, prefill and mixed steps eager or graphed"
+        f"{data['preset']} on {data['device']}: seconds per kind of step, prefill and mixed steps "
+        f"eager or graphed"
     )
     fig.tight_layout()
     return fig
@@ -104,7 +124,12 @@ def main() -> None:
     parser = arg_parser(__doc__, "step_kinds")
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=["chat", "nano-vllm"])
     parser.add_argument("--preset", default="qwen3-0.6b")
-    parser.add_argument("--repeats", type=int, default=2, help="runs of each workload per engine; the fastest is kept")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="runs of each workload per engine; the fastest is kept",
+    )
     args = parser.parse_args()
     data = run_step_kinds_benchmark(args.workloads, args.preset, args.repeats)
     save("step_kinds", data, plot_step_kinds(data), args.out)

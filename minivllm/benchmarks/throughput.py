@@ -1,27 +1,29 @@
 """End-to-end throughput and latency per workload and scheduling policy, in one process.
 
     python -m minivllm.benchmarks.throughput [--workloads nano-vllm chat long single]
-        [--policies unified prefill-first] [--impls minivllm minivllm-eager transformers-generate-batch]
+        [--policies unified prefill-first]
+        [--impls minivllm minivllm-eager transformers-generate-batch]
         [--preset qwen3-0.6b] [--out figures]
 
-Workloads (token ids < 10,000 drawn from `random.Random(0)`, ignore_eos so every length is the one asked for;
-every request arrives at once, when the run starts):
-- `nano-vllm`: nano-vllm's bench.py (`random.seed(0)`): 256 prompts of 100-1024 tokens, outputs of 100-1024,
-  temperature 0.6;
-- `chat`: 512 requests sharing a 1,500-token system prompt, then 50-300 user tokens; outputs of 100-300,
-  temperature 0.7, top-p 0.9; also run with prefix caching off;
+Workloads (token ids < 10,000 drawn from `random.Random(0)`, ignore_eos so every length is the one
+asked for; every request arrives at once, when the run starts):
+- `nano-vllm`: nano-vllm's bench.py (`random.seed(0)`): 256 prompts of 100-1024 tokens, outputs of
+  100-1024, temperature 0.6;
+- `chat`: 512 requests sharing a 1,500-token system prompt, then 50-300 user tokens; outputs of
+  100-300, temperature 0.7, top-p 0.9; also run with prefix caching off;
 - `long`: 32 prompts of 10k-12k tokens, outputs of 50-100, temperature 0.6;
 - `single`: one 256-token prompt, 2,048 output tokens, temperature 0.6.
-Each (policy, prefix caching) pair is one LLM that runs every workload, so engines start four times at most; each
-workload is first run with 2 output tokens per request (`warm_up`), then timed with an empty prefix cache. Rows
-carry output and total (prompt + output) tokens/s, TTFT and TPOT p50/p99 (from each RequestOutput's metrics), the
-share of the workload's roofline and where the run's time goes (`StepStats`: the scheduler on the host, and the
-model runner's step: step inputs, forward and sampler, waiting for the GPU). `minivllm-eager` and transformers'
-continuous batching (`transformers-generate-batch`) run nano-vllm's workload only, under the first policy.
-The roofline: no engine can finish a workload faster than its FLOPs at the GPU's measured bf16 matmul rate, nor
-faster than its bytes (the weights once per decode step, every request's KV cache once per output token, a prefix
-that all requests share once per decode step: its blocks are the same ones) at the measured copy bandwidth.
-Writes throughput.json + .png.
+Each (policy, prefix caching) pair is one LLM that runs every workload, so engines start four times
+at most; each workload is first run with 2 output tokens per request (`warm_up`), then timed with an
+empty prefix cache. Rows carry output and total (prompt + output) tokens/s, TTFT and TPOT p50/p99
+(from each RequestOutput's metrics), the share of the workload's roofline and where the run's time
+goes (`StepStats`: the scheduler on the host, and the model runner's step: step inputs, forward and
+sampler, waiting for the GPU). `minivllm-eager` and transformers' continuous batching
+(`transformers-generate-batch`) run nano-vllm's workload only, under the first policy. The roofline:
+no engine can finish a workload faster than its FLOPs at the GPU's measured bf16 matmul rate, nor
+faster than its bytes (the weights once per decode step, every request's KV cache once per output
+token, a prefix that all requests share once per decode step: its blocks are the same ones) at the
+measured copy bandwidth. Writes throughput.json + .png.
 """
 
 import time
@@ -45,8 +47,11 @@ from minivllm.checkpoint.maker import preset_config
 from minivllm.llm import LLM
 
 
-def roofline_tok_per_s(work: Workload, preset: str, max_num_seqs: int, tflops: float, tbps: float) -> float:
-    """Output tokens/s no engine can beat on this workload: max(FLOPs / matmul rate, bytes / copy bandwidth)."""
+def roofline_tok_per_s(
+    work: Workload, preset: str, max_num_seqs: int, tflops: float, tbps: float
+) -> float:
+    """Output tokens/s no engine can beat on this workload: max(FLOPs / matmul rate, bytes / copy
+    bandwidth)."""
     from minivllm.attention.layer import Attention
     from minivllm.engine.kv_cache import kv_block_bytes
     from minivllm.models.qwen3 import Qwen3ForCausalLM
@@ -55,15 +60,22 @@ def roofline_tok_per_s(work: Workload, preset: str, max_num_seqs: int, tflops: f
     with torch.device("meta"):  # shapes only
         model = Qwen3ForCausalLM(config)
     params = sum(p.numel() for p in model.parameters())
-    kv_per_token = kv_block_bytes([m for m in model.modules() if isinstance(m, Attention)], 1, torch.bfloat16)
+    kv_per_token = kv_block_bytes(
+        [m for m in model.modules() if isinstance(m, Attention)], 1, torch.bfloat16
+    )
     lens = [(len(p), n) for p, n in zip(work.prompts, work.output_lens)]
-    computed = sum(p + n for p, n in lens) - work.shared_prefix * (len(lens) - 1)  # a shared prefix: once
+    # a shared prefix: once
+    computed = sum(p + n for p, n in lens) - work.shared_prefix * (len(lens) - 1)
     attention_width = config.num_hidden_layers * config.num_attention_heads * config.head_dim
-    attention_flops = 2 * attention_width * sum((p + n) ** 2 for p, n in lens)  # QK^T and PV, causal: half of 4
+    # QK^T and PV, causal: half of 4
+    attention_flops = 2 * attention_width * sum((p + n) ** 2 for p, n in lens)
     flops = 2 * params * computed + attention_flops
     decode_steps = max(max(n for _, n in lens), -(-sum(n for _, n in lens) // max_num_seqs))
-    own = sum((p - work.shared_prefix) * n + n * (n - 1) // 2 for p, n in lens)  # each output token, its own context
-    kv_reads = kv_per_token * (own + work.shared_prefix * decode_steps)  # and the shared prefix once a step
+    own = sum(
+        (p - work.shared_prefix) * n + n * (n - 1) // 2 for p, n in lens
+    )  # each output token, its own context
+    # and the shared prefix once a step
+    kv_reads = kv_per_token * (own + work.shared_prefix * decode_steps)
     seconds = max(flops / (tflops * 1e12), (2 * params * decode_steps + kv_reads) / (tbps * 1e12))
     return sum(work.output_lens) / seconds
 
@@ -85,7 +97,9 @@ def run_transformers(path: Path, prompts, output_lens) -> dict:
         pad_token_id=0,
     )
     start = time.perf_counter()
-    with model.continuous_batching_context_manager(generation_config=config, block=True, timeout=5) as manager:
+    with model.continuous_batching_context_manager(
+        generation_config=config, block=True, timeout=5
+    ) as manager:
         ids = [manager.add_request(p, max_new_tokens=n) for p, n in zip(prompts, output_lens)]
         done: dict[str, int] = {}  # request id -> generated tokens
         while len(done) < len(ids):
@@ -93,7 +107,9 @@ def run_transformers(path: Path, prompts, output_lens) -> dict:
             if out is not None and out.is_finished():
                 done[out.request_id] = len(out.generated_tokens)
             elif out is None and not manager.is_running():
-                raise RuntimeError("transformers' continuous-batching manager stopped before finishing")
+                raise RuntimeError(
+                    "transformers' continuous-batching manager stopped before finishing"
+                )
     seconds = time.perf_counter() - start
     output_tokens = sum(done.values())
     return dict(output_tokens=output_tokens, seconds=seconds, tok_per_s=output_tokens / seconds)
@@ -101,18 +117,31 @@ def run_transformers(path: Path, prompts, output_lens) -> dict:
 
 def describe(row: dict) -> str:
     caching = "" if row["enable_prefix_caching"] else ", no prefix caching"
-    share = f" ({row['roofline_share']:.0%} of its roofline)" if row.get("roofline_share") is not None else ""
+    share = (
+        f" ({row['roofline_share']:.0%} of its roofline)"
+        if row.get("roofline_share") is not None
+        else ""
+    )
     return (
-        f"{row['workload']:>9} · {row['impl']} {row['policy']}{caching}: {row['tok_per_s']:,.0f} output tok/s{share}, "
-        f"{row['total_tok_per_s']:,.0f} total; TTFT p50/p99 {row['ttft_p50_ms']:,.0f}/{row['ttft_p99_ms']:,.0f} ms, "
+        f"{row['workload']:>9} · {row['impl']} {row['policy']}{caching}: {row['tok_per_s']:,.0f} "
+        f"output tok/s{share}, "
+        f"{row['total_tok_per_s']:,.0f} total; TTFT p50/p99 "
+        f"{row['ttft_p50_ms']:,.0f}/{row['ttft_p99_ms']:,.0f} ms, "
         f"TPOT p50/p99 {row['tpot_p50_ms']:.1f}/{row['tpot_p99_ms']:.1f} ms; steps {row['steps']}"
     )
 
 
 def engine_rows(
-    path: Path, preset: str, works: list[Workload], policy: str, caching: bool, rates: tuple[float, float], **config
+    path: Path,
+    preset: str,
+    works: list[Workload],
+    policy: str,
+    caching: bool,
+    rates: tuple[float, float],
+    **config,
 ) -> list[dict]:
-    """One LLM (this policy, prefix caching on or off, Config fields in `config`) running each workload in turn."""
+    """One LLM (this policy, prefix caching on or off, Config fields in `config`) running each
+    workload in turn."""
     start = time.perf_counter()
     with LLM(str(path), scheduling_policy=policy, enable_prefix_caching=caching, **config) as llm:
         startup_seconds = time.perf_counter() - start
@@ -145,8 +174,9 @@ def run_throughput_benchmark(
     module: str = "minivllm.benchmarks.throughput",
     **config,
 ) -> dict:
-    """Every workload under every policy (and `chat` without prefix caching too) on the `preset`'s random-weight
-    checkpoint; `config`: Config fields for every LLM (default max_model_len: the longest request's)."""
+    """Every workload under every policy (and `chat` without prefix caching too) on the `preset`'s
+    random-weight checkpoint; `config`: Config fields for every LLM (default max_model_len: the
+    longest request's)."""
     works = [w if isinstance(w, Workload) else make_workload(w) for w in workloads]
     config.setdefault("max_model_len", MAX_MODEL_LEN)
     rates = machine_rates()
@@ -156,13 +186,19 @@ def run_throughput_benchmark(
         for policy in policies:
             rows += engine_rows(path, preset, works, policy, True, rates, **config)
         for policy in policies:  # chat without prefix caching: what the shared system prompt saves
-            rows += engine_rows(path, preset, [w for w in works if w.name == "chat"], policy, False, rates, **config)
+            rows += engine_rows(
+                path, preset, [w for w in works if w.name == "chat"], policy, False, rates, **config
+            )
     nano = [w for w in works if w.name == "nano-vllm"]
     if "minivllm-eager" in impls and nano:
-        rows += engine_rows(path, preset, nano, policies[0], True, rates, enforce_eager=True, **config)
+        rows += engine_rows(
+            path, preset, nano, policies[0], True, rates, enforce_eager=True, **config
+        )
     if "transformers-generate-batch" in impls and nano:
         row = run_transformers(path, nano[0].prompts, nano[0].output_lens)
-        rows.append(dict(impl="transformers-generate-batch", workload="nano-vllm", num_seqs=256, **row))
+        rows.append(
+            dict(impl="transformers-generate-batch", workload="nano-vllm", num_seqs=256, **row)
+        )
         print(f"nano-vllm · transformers-generate-batch: {row['tok_per_s']:,.0f} output tok/s")
     return result(
         module,
@@ -176,12 +212,14 @@ def run_throughput_benchmark(
 
 
 def label(row: dict) -> str:
-    return f"{row['impl']}, {row.get('policy', '')}" + ("" if row.get("enable_prefix_caching", True) else ", no cache")
+    return f"{row['impl']}, {row.get('policy', '')}" + (
+        "" if row.get("enable_prefix_caching", True) else ", no cache"
+    )
 
 
 def plot_throughput(data: dict):
-    """Per workload, one bar per engine configuration: output tokens/s (with the share of the roofline), TTFT and
-    TPOT (p50 bars, p99 ticks), and the host's share of the run."""
+    """Per workload, one bar per engine configuration: output tokens/s (with the share of the
+    roofline), TTFT and TPOT (p50 bars, p99 ticks), and the host's share of the run."""
     import matplotlib.pyplot as plt
 
     rows = [r for r in data["rows"] if "ttft_p50_ms" in r]
@@ -196,7 +234,9 @@ def plot_throughput(data: dict):
     ]
     for j, config in enumerate(configs):
         mine = {r["workload"]: r for r in rows if label(r) == config}
-        x = [i + (j - (len(configs) - 1) / 2) * width for i, name in enumerate(names) if name in mine]
+        x = [
+            i + (j - (len(configs) - 1) / 2) * width for i, name in enumerate(names) if name in mine
+        ]
         runs = [mine[name] for name in names if name in mine]
         for ax, key, p99, title in panels:
             ax.bar(x, [r[key] for r in runs], width, color=f"C{j}", label=config)
@@ -205,7 +245,14 @@ def plot_throughput(data: dict):
             ax.set_title(title, fontsize=10)
         for xi, r in zip(x, runs):
             if r.get("roofline_share") is not None:
-                axes[0, 0].text(xi, r["tok_per_s"], f"{r['roofline_share']:.0%}", ha="center", va="bottom", fontsize=7)
+                axes[0, 0].text(
+                    xi,
+                    r["tok_per_s"],
+                    f"{r['roofline_share']:.0%}",
+                    ha="center",
+                    va="bottom",
+                    fontsize=7,
+                )
             host = r["step_breakdown"]["scheduler"]["seconds"] / r["seconds"]
             axes[1, 1].bar(xi, 100 * host, width, color=f"C{j}")
     axes[1, 1].set_title("% of the run in the scheduler (host; the GPU waits)", fontsize=10)
@@ -216,7 +263,9 @@ def plot_throughput(data: dict):
     handles, labels = axes[0, 0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(configs), fontsize=9)
     axes[0, 0].set_title("output tokens / s (label: share of the workload's roofline)", fontsize=10)
-    fig.suptitle(f"{data['preset']} ({data['dtype']}) on {data['device']}: every request arrives at once")
+    fig.suptitle(
+        f"{data['preset']} ({data['dtype']}) on {data['device']}: every request arrives at once"
+    )
     fig.tight_layout(rect=(0, 0.05, 1, 1))  # room for the legend below
     return fig
 

@@ -1,10 +1,12 @@
-"""HuggingFace checkpoints of named presets: `python -m minivllm.checkpoint --preset tiny --out DIR`.
+"""HuggingFace checkpoints of named presets: `python -m minivllm.checkpoint --preset tiny --out
+DIR`.
 
-Random weights, except `tiny-text`: tiny's shapes trained on the tokenizer's corpus, so that its greedy output
-reads as text. The maker is exported from notebooks/02_model.py into `minivllm.checkpoint.maker`; the training
-loop is written by hand in `minivllm.checkpoint.train`, and the cache of written presets in
-`minivllm.checkpoint.cache`. The maker's names are imported when first used: it loads transformers' models
-(seconds), which `checkpoint_for` needs only to write a checkpoint.
+Random weights, except `tiny-text`: tiny's shapes trained on the tokenizer's corpus, so that its
+greedy output reads as text. The maker is exported from notebooks/02_model.py into
+`minivllm.checkpoint.maker`; the training loop is written by hand in `minivllm.checkpoint.train`,
+and the cache of written presets in `minivllm.checkpoint.cache`. The maker's names are imported when
+first used: it loads transformers' models (seconds), which `checkpoint_for` needs only to write a
+checkpoint.
 """
 
 import importlib
@@ -13,9 +15,22 @@ from typing import TYPE_CHECKING, Any
 from minivllm.checkpoint.cache import checkpoint_for
 
 if TYPE_CHECKING:
-    from minivllm.checkpoint.maker import PRESETS, main, preset_config, train_tokenizer, write_checkpoint
+    from minivllm.checkpoint.maker import (
+        PRESETS,
+        main,
+        preset_config,
+        train_tokenizer,
+        write_checkpoint,
+    )
 
-__all__ = ["PRESETS", "checkpoint_for", "main", "preset_config", "train_tokenizer", "write_checkpoint"]
+__all__ = [
+    "PRESETS",
+    "checkpoint_for",
+    "main",
+    "preset_config",
+    "train_tokenizer",
+    "write_checkpoint",
+]
 
 
 def __getattr__(name: str) -> Any:

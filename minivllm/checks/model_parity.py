@@ -2,11 +2,11 @@
 
     python -m minivllm.checks.model_parity [--out figures] [--num-tokens 1024]
 
-Writes the preset to a temporary folder (timed), loads it with `minivllm.load_model` (timed; the folder was just
-written, so it is read from the page cache) and with transformers,
-runs one prompt of random token ids through both and compares the logits at every position. transformers in
-float32 is the reference that tells how far bfloat16 rounding alone moves the logits: the same comparison is made
-for transformers' own bfloat16 model. Writes OUT/model_parity.json.
+Writes the preset to a temporary folder (timed), loads it with `minivllm.load_model` (timed; the
+folder was just written, so it is read from the page cache) and with transformers, runs one prompt
+of random token ids through both and compares the logits at every position. transformers in float32
+is the reference that tells how far bfloat16 rounding alone moves the logits: the same comparison is
+made for transformers' own bfloat16 model. Writes OUT/model_parity.json.
 """
 
 import argparse
@@ -46,8 +46,9 @@ DECISIVE_MARGIN = 0.1  # logits; bf16 rounding moves a logit by up to ~0.06 on t
 
 
 def compare(logits: torch.Tensor, ref: torch.Tensor, decisive: torch.Tensor) -> dict:
-    """Max and mean |difference| and top-1 agreement of two (num_tokens, vocab_size) logit tensors; also the
-    agreement at the `decisive` positions, where float32's top-1 beats its top-2 by more than rounding can move."""
+    """Max and mean |difference| and top-1 agreement of two (num_tokens, vocab_size) logit tensors;
+    also the agreement at the `decisive` positions, where float32's top-1 beats its top-2 by more
+    than rounding can move."""
     logits, ref = logits.float(), ref.float()
     diff = (logits - ref).abs()
     agree = logits.argmax(-1) == ref.argmax(-1)
@@ -87,10 +88,15 @@ def run_model_parity(
             prompt_logits(model, token_ids[:16])  # warm-up: compiles the Triton kernel on a GPU
             logits["minivllm", dtype] = prompt_logits(model, token_ids).cpu()
             del model
-            hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
-            hf = hf.to(device).eval()  # type: ignore[arg-type]  # transformers' `to`: see checkpoint/maker.py
+            hf = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, attn_implementation=attn_implementation
+            )
+            # transformers' `to`: see checkpoint/maker.py
+            hf = hf.to(device).eval()  # type: ignore[arg-type]
             with torch.inference_mode():
-                logits["transformers", dtype] = hf(torch.tensor([token_ids], device=device)).logits[0].cpu()
+                logits["transformers", dtype] = (
+                    hf(torch.tensor([token_ids], device=device)).logits[0].cpu()
+                )
             del hf
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -102,7 +108,8 @@ def run_model_parity(
     ours_vs_hf = compare(logits["minivllm", bf16], logits["transformers", bf16], decisive)
     return {
         "device": device_name(device),
-        "command": f"python -m minivllm.checks.model_parity --preset {preset} --num-tokens {num_tokens} --seed {seed}",
+        "command": f"python -m minivllm.checks.model_parity --preset {preset} --num-tokens "
+        f"{num_tokens} --seed {seed}",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "preset": preset,
@@ -137,23 +144,30 @@ def run_model_parity(
     }
 
 
-CLEAR_CUT_MARGIN = 1.0  # logits: far more than bfloat16 rounding moves one (DECISIVE_MARGIN's 0.1 on random weights)
+# logits: far more than bfloat16 rounding moves one (DECISIVE_MARGIN's 0.1 on random weights)
+CLEAR_CUT_MARGIN = 1.0
 
 
 @torch.inference_mode()
 def greedy_agreement(
-    model: str | Path, outputs: list, dtype: torch.dtype = torch.bfloat16, margin: float = CLEAR_CUT_MARGIN
+    model: str | Path,
+    outputs: list,
+    dtype: torch.dtype = torch.bfloat16,
+    margin: float = CLEAR_CUT_MARGIN,
 ) -> dict:
-    """Teacher forcing: given each prompt and the greedy tokens an engine wrote (`RequestOutput`s), transformers'
-    top token at every position of the completion. The share of our tokens it agrees with, over all of them and
-    where its top-1 leads its top-2 by more than `margin` (clear-cut: rounding cannot flip those)."""
+    """Teacher forcing: given each prompt and the greedy tokens an engine wrote (`RequestOutput`s),
+    transformers' top token at every position of the completion. The share of our tokens it agrees
+    with, over all of them and where its top-1 leads its top-2 by more than `margin` (clear-cut:
+    rounding cannot flip those)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device).eval()  # type: ignore[arg-type]
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
+    hf = hf.to(device).eval()  # type: ignore[arg-type]
     same, clear = [], []
     for out in outputs:
         ours, start = out.outputs[0].token_ids, len(out.prompt_token_ids) - 1
         ids = torch.tensor([out.prompt_token_ids + ours], device=device)
-        logits = hf(ids).logits[0, start:-1].float().cpu()  # the logits that chose each of our tokens
+        # the logits that chose each of our tokens
+        logits = hf(ids).logits[0, start:-1].float().cpu()
         top2 = logits.topk(2).values
         same.append(logits.argmax(-1) == torch.tensor(ours))
         clear.append(top2[:, 0] - top2[:, 1] > margin)
@@ -163,13 +177,19 @@ def greedy_agreement(
         tokens=len(agree),
         agreement=int(agree.sum()) / len(agree),
         clear_cut=int(decisive.sum()),
-        agreement_clear_cut=int(agree[decisive].sum()) / int(decisive.sum()) if decisive.any() else 1.0,
+        agreement_clear_cut=int(agree[decisive].sum()) / int(decisive.sum())
+        if decisive.any()
+        else 1.0,
     )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=OUT, help="folder for model_parity.json (default: ./figures)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--out", type=Path, default=OUT, help="folder for model_parity.json (default: ./figures)"
+    )
     parser.add_argument("--preset", default="qwen3-0.6b")
     parser.add_argument("--num-tokens", type=int, default=1024)
     parser.add_argument("--seed", type=int, default=0)

@@ -15,15 +15,16 @@
 # %% [markdown]
 # # Deep dive · CUDA graphs, and decode rows that share a prefix
 #
-# **What it adds.** Notebook 04's runner runs every step eagerly: a few hundred kernel launches a step, which on a GPU
-# cost the host more than the kernels cost the GPU. Here steps are captured in CUDA graphs (decode steps per batch
-# size; prefill and mixed steps padded to one of a few token counts), and decode rows that begin with one cached
-# prompt read it once (notebook 03's cascade). The runner composes them by name (`fast_path("decode CUDA graphs")`,
-# `"mixed-step CUDA graphs"`, `"shared-prefix cascade"`), on a GPU only.
+# **What it adds.** Notebook 04's runner runs every step eagerly: a few hundred kernel launches a
+# step, which on a GPU cost the host more than the kernels cost the GPU. Here steps are captured in
+# CUDA graphs (decode steps per batch size; prefill and mixed steps padded to one of a few token
+# counts), and decode rows that begin with one cached prompt read it once (notebook 03's cascade).
+# The runner composes them by name (`fast_path("decode CUDA graphs")`, `"mixed-step CUDA graphs"`,
+# `"shared-prefix cascade"`), on a GPU only.
 #
-# **It follows notebook 04**; nothing later in the core path needs it: without it, every step runs eagerly, to the
-# same tokens. On a CPU there are no graphs: the host-side parts run here, and the committed H200 figures show the
-# time they save.
+# **It follows notebook 04**; nothing later in the core path needs it: without it, every step runs
+# eagerly, to the same tokens. On a CPU there are no graphs: the host-side parts run here, and the
+# committed H200 figures show the time they save.
 
 # %%
 import json
@@ -38,30 +39,35 @@ FIGURES.mkdir(parents=True, exist_ok=True)
 
 # %% [markdown]
 # ## Decode rows that share a prefix
-# A chat server puts one system prompt before every request, so the prefix cache gives many decode rows the same
-# leading blocks. Notebook 03's decode kernel can read those blocks once for all of them (`prefix_blocks`,
-# `prefix_lens`), if the host finds them: `shared_prefix` looks for the first block most rows begin with, then the
-# columns of their block tables where all of them agree. Below a few rows or a few hundred tokens, reading the prefix
-# once saves less than its extra launches cost, so it gives up.
+# A chat server puts one system prompt before every request, so the prefix cache gives many decode
+# rows the same leading blocks. Notebook 03's decode kernel can read those blocks once for all of
+# them (`prefix_blocks`, `prefix_lens`), if the host finds them: `shared_prefix` looks for the first
+# block most rows begin with, then the columns of their block tables where all of them agree. Below
+# a few rows or a few hundred tokens, reading the prefix once saves less than its extra launches
+# cost, so it gives up.
 
 # %% tags=["export"] module="minivllm.engine.cascade"
 import numpy as np
 
 from minivllm.engine.step_inputs import StepInputs
 
-CASCADE_MIN_ROWS, CASCADE_MIN_TOKENS = 16, 256  # below these, reading a prefix once saves less than a launch
+# below these, reading a prefix once saves less than a launch
+CASCADE_MIN_ROWS, CASCADE_MIN_TOKENS = (16, 256)
 
 
 def shared_prefix(
     tables: np.ndarray, context_lens: np.ndarray, block_size: int
 ) -> tuple[np.ndarray, np.ndarray] | tuple[None, None]:
-    """The leading blocks that the most decode rows share (a system prompt in the prefix cache), if at least
-    CASCADE_MIN_ROWS rows share CASCADE_MIN_TOKENS tokens: 03's `prefix_blocks` and `prefix_lens`, else Nones."""
+    """The leading blocks that the most decode rows share (a system prompt in the prefix cache), if
+    at least CASCADE_MIN_ROWS rows share CASCADE_MIN_TOKENS tokens: 03's `prefix_blocks` and
+    `prefix_lens`, else Nones."""
     if len(tables) < CASCADE_MIN_ROWS:
         return None, None
     firsts, counts = np.unique(tables[:, 0], return_counts=True)
-    full = (context_lens.astype(np.int64) - 1) // block_size  # blocks before the new token's: full, shareable
-    rows = (tables[:, 0] == firsts[counts.argmax()]) & (full > 0)  # those that begin with the commonest block
+    # blocks before the new token's: full, shareable
+    full = (context_lens.astype(np.int64) - 1) // block_size
+    # those that begin with the commonest block
+    rows = (tables[:, 0] == firsts[counts.argmax()]) & (full > 0)
     if rows.sum() < CASCADE_MIN_ROWS:
         return None, None
     shared = tables[rows, : full[rows].min()]  # (sharers, blocks all of them have filled)
@@ -69,41 +75,50 @@ def shared_prefix(
     num_blocks = int(same.argmin()) if not same.all() else len(same)
     if num_blocks * block_size < CASCADE_MIN_TOKENS:
         return None, None
-    return shared[0, :num_blocks].copy(), np.where(rows, num_blocks * block_size, 0).astype(np.int32)
+    return shared[0, :num_blocks].copy(), np.where(rows, num_blocks * block_size, 0).astype(
+        np.int32
+    )
 
 
 def add_shared_prefix(step: StepInputs, block_size: int) -> None:
-    """The runner's fast path: mark the prefix the step's decode rows (a decode step's, a mixed step's first) share."""
+    """The runner's fast path: mark the prefix the step's decode rows (a decode step's, a mixed
+    step's first) share."""
     if step.context_lens is not None and step.block_tables is not None:
         tables = step.block_tables[: step.context_lens.shape[0]]
         step.prefix_blocks, step.prefix_lens = shared_prefix(tables, step.context_lens, block_size)
 
 
 # %% [markdown]
-# Twenty rows of 300 tokens; 17 begin with the same 16 blocks (a 260-token system prompt: its last 4 tokens are in
-# a block of their own, not shared), 3 with blocks of their own.
+# Twenty rows of 300 tokens; 17 begin with the same 16 blocks (a 260-token system prompt: its last 4
+# tokens are in a block of their own, not shared), 3 with blocks of their own.
 
 # %%
 from minivllm.engine.cascade import CASCADE_MIN_ROWS, shared_prefix
 
 rng = np.random.default_rng(0)
-tables = rng.permutation(1000)[:400].reshape(20, 20).astype(np.int32)  # 20 rows of 20 distinct blocks
+# 20 rows of 20 distinct blocks
+tables = rng.permutation(1000)[:400].reshape(20, 20).astype(np.int32)
 tables[:17, :16] = tables[0, :16]  # the system prompt's blocks
 prefix_blocks, prefix_lens = shared_prefix(tables, np.full(20, 300, dtype=np.int32), block_size=16)
 assert prefix_blocks is not None and prefix_lens is not None
 print(f"{len(prefix_blocks)} shared blocks; each row's tokens in them: {prefix_lens.tolist()}")
-assert prefix_blocks.tolist() == tables[0, :16].tolist() and prefix_lens.tolist() == [256] * 17 + [0] * 3
-assert shared_prefix(tables[3:], np.full(17, 300, dtype=np.int32), 16) == (None, None)  # 14 < CASCADE_MIN_ROWS rows
+assert (
+    prefix_blocks.tolist() == tables[0, :16].tolist()
+    and prefix_lens.tolist() == [256] * 17 + [0] * 3
+)
+# 14 < CASCADE_MIN_ROWS rows
+assert shared_prefix(tables[3:], np.full(17, 300, dtype=np.int32), 16) == (None, None)
 
 # %% [markdown]
 # ## CUDA graphs for decode
-# A decode step of Qwen3-0.6B launches a few hundred small kernels, each cheaper to run than to launch from Python. A
-# CUDA graph records the launches once and replays them in one call, at the price of fixed shapes and addresses. So we
-# capture a graph per batch size (1, 2, 4, 8, then every 16 up to `max_num_seqs`; the decode kernel's splits depend on
-# it only) over shared static inputs, the smaller sharing the largest's memory; a step copies its inputs in, pads the
-# batch to the next captured size (padding rows: slot −1, an empty cache, no writes or reads), and replays. Sizes of
-# 16 rows and more are captured twice: with the cascade for a prefix the rows share, and without, for steps that have
-# none to share.
+# A decode step of Qwen3-0.6B launches a few hundred small kernels, each cheaper to run than to
+# launch from Python. A CUDA graph records the launches once and replays them in one call, at the
+# price of fixed shapes and addresses. So we capture a graph per batch size (1, 2, 4, 8, then every
+# 16 up to `max_num_seqs`; the decode kernel's splits depend on it only) over shared static inputs,
+# the smaller sharing the largest's memory; a step copies its inputs in, pads the batch to the next
+# captured size (padding rows: slot −1, an empty cache, no writes or reads), and replays. Sizes of
+# 16 rows and more are captured twice: with the cascade for a prefix the rows share, and without,
+# for steps that have none to share.
 
 # %% tags=["export"] module="minivllm.engine.cuda_graphs"
 from collections.abc import Callable
@@ -119,10 +134,17 @@ Device = torch.device | str
 
 
 class StepGraphs:
-    """Forward passes captured once per size (tokens in the step), over static inputs that each replay fills."""
+    """Forward passes captured once per size (tokens in the step), over static inputs that each
+    replay fills."""
 
     def __init__(
-        self, sizes: list[int], max_rows: int, max_blocks: int, hidden: int, dtype: torch.dtype, device: Device
+        self,
+        sizes: list[int],
+        max_rows: int,
+        max_blocks: int,
+        hidden: int,
+        dtype: torch.dtype,
+        device: Device,
     ):
         self.sizes, n = sizes, sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
@@ -130,18 +152,23 @@ class StepGraphs:
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.hidden = torch.zeros(n, hidden, dtype=dtype, device=device)
         self.block_tables = torch.zeros(max_rows, max_blocks, dtype=torch.int32, device=device)
-        self.lens = torch.zeros(2, max_rows, dtype=torch.int32, device=device)  # both zeroed by one launch a step
-        self.context_lens, self.prefix_lens = self.lens  # decode rows' (0: not one), their shared prefix's (03)
-        self.prefix_blocks = torch.zeros(max_blocks, dtype=torch.int32, device=device)  # a shared prefix (03)
+        # both zeroed by one launch a step
+        self.lens = torch.zeros(2, max_rows, dtype=torch.int32, device=device)
+        # decode rows' (0: not one), their shared prefix's (03)
+        self.context_lens, self.prefix_lens = self.lens
+        # a shared prefix (03)
+        self.prefix_blocks = torch.zeros(max_blocks, dtype=torch.int32, device=device)
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (size, cascade): the graph
         self.pool: Any = None  # the graphs' memory, one pool for all
         self.num_replays = 0
 
     def fill(self, context: PagedContext) -> None:
-        """Copy the step's attention inputs into the static ones: block tables, and the decode rows' cache lengths
-        and shared prefix (the rows past them: an empty cache, no decode output)."""
+        """Copy the step's attention inputs into the static ones: block tables, and the decode rows'
+        cache lengths and shared prefix (the rows past them: an empty cache, no decode output)."""
         assert context.block_tables is not None  # a captured step reads the paged cache
-        self.block_tables[: context.block_tables.shape[0], : context.block_tables.shape[1]] = context.block_tables
+        self.block_tables[: context.block_tables.shape[0], : context.block_tables.shape[1]] = (
+            context.block_tables
+        )
         self.lens.zero_()
         if context.context_lens is not None:
             self.context_lens[: context.context_lens.shape[0]] = context.context_lens
@@ -149,20 +176,27 @@ class StepGraphs:
             self.prefix_lens[: context.prefix_lens.shape[0]] = context.prefix_lens
             self.prefix_blocks[: context.prefix_blocks.shape[0]] = context.prefix_blocks
 
-    def capture(self, model: torch.nn.Module, context_of: Callable[[int], PagedContext], cascade: bool) -> None:
-        """A graph per size, keyed (size, cascade): with `cascade`, the sizes with room for CASCADE_MIN_ROWS decode
-        rows read a shared prefix once (03; rows that share none run it with lengths 0, at the price of its
-        launches), and the others are captured without it."""
+    def capture(
+        self, model: torch.nn.Module, context_of: Callable[[int], PagedContext], cascade: bool
+    ) -> None:
+        """A graph per size, keyed (size, cascade): with `cascade`, the sizes with room for
+        CASCADE_MIN_ROWS decode rows read a shared prefix once (03; rows that share none run it with
+        lengths 0, at the price of its launches), and the others are captured without it."""
         for size in reversed(self.sizes):  # the largest first: the others fit in its memory pool
             context = context_of(size)
-            assert context.context_lens is not None  # its decode rows (a prefill step's: empty caches)
+            # its decode rows (a prefill step's: empty caches)
+            assert context.context_lens is not None
             rows = context.context_lens.shape[0]
             key = (size, cascade and rows >= CASCADE_MIN_ROWS)
             if key in self.graphs:
                 continue  # too few rows for the cascade: captured without it already
             if key[1]:
-                context.prefix_blocks, context.prefix_lens = self.prefix_blocks, self.prefix_lens[:rows]
-            self.hidden[:size] = model(self.input_ids[:size], self.positions[:size], context)  # warm-up: compile
+                context.prefix_blocks, context.prefix_lens = (
+                    self.prefix_blocks,
+                    self.prefix_lens[:rows],
+                )
+            # warm-up: compile
+            self.hidden[:size] = model(self.input_ids[:size], self.positions[:size], context)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, self.pool):
                 self.hidden[:size] = model(self.input_ids[:size], self.positions[:size], context)
@@ -171,8 +205,9 @@ class StepGraphs:
         torch.cuda.synchronize(self.hidden.device)
 
     def reset(self) -> None:
-        """Destroy the graphs now, even if something still holds this object: their memory goes back, and an NCCL
-        group whose all-reduces they captured can shut down (it waits for them)."""
+        """Destroy the graphs now, even if something still holds this object: their memory goes
+        back, and an NCCL group whose all-reduces they captured can shut down (it waits for
+        them)."""
         for graph in self.graphs.values():
             graph.reset()
 
@@ -181,8 +216,9 @@ class StepGraphs:
         return size >= num_tokens
 
     def key_for(self, context: PagedContext, num_tokens: int) -> tuple[int, bool] | None:
-        """The graph that runs this step, (size, cascade), or None: none can. The smallest size that fits; there, the
-        cascade graph if the step has a shared prefix, else the other (a size has one of them, or both: capture)."""
+        """The graph that runs this step, (size, cascade), or None: none can. The smallest size that
+        fits; there, the cascade graph if the step has a shared prefix, else the other (a size has
+        one of them, or both: capture)."""
         size = next((s for s in self.sizes if self.fits(s, context, num_tokens)), None)
         if size is None:
             return None
@@ -190,7 +226,11 @@ class StepGraphs:
         return next(((size, cascade) for cascade in order if (size, cascade) in self.graphs), None)
 
     def replay(
-        self, key: tuple[int, bool], input_ids: torch.Tensor, positions: torch.Tensor, context: PagedContext
+        self,
+        key: tuple[int, bool],
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        context: PagedContext,
     ) -> torch.Tensor:
         """Run the step in the graph `key_for` chose."""
         n = input_ids.shape[0]
@@ -204,7 +244,9 @@ class StepGraphs:
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + [b for b in range(16, max_num_seqs + 1, 16)]
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + [
+        b for b in range(16, max_num_seqs + 1, 16)
+    ]
     return sizes or [max_num_seqs]
 
 
@@ -212,9 +254,13 @@ class DecodeGraphs(StepGraphs):
     """One captured decode step per batch size."""
 
     def __init__(self, model: torch.nn.Module, config: Config, dtype: torch.dtype, device: Device):
-        sizes, max_blocks = graph_batch_sizes(config.max_num_seqs), -(-config.max_model_len // config.block_size)
+        sizes, max_blocks = (
+            graph_batch_sizes(config.max_num_seqs),
+            -(-config.max_model_len // config.block_size),
+        )
         super().__init__(sizes, sizes[-1], max_blocks, config.hf_config.hidden_size, dtype, device)
-        for cascade in (False, True):  # a step with a shared prefix, and one without, each as fast as it can be
+        # a step with a shared prefix, and one without, each as fast as it can be
+        for cascade in (False, True):
             self.capture(model, self.context, cascade)
 
     def context(self, size: int) -> PagedContext:
@@ -225,8 +271,9 @@ class DecodeGraphs(StepGraphs):
 
 
 # %% [markdown]
-# What decode graphs save: `python -m minivllm.benchmarks.decode_step` times `runner.run(seqs, is_prefill=False)` for
-# the 0.6B preset, preparation and sampling included, with and without CUDA graphs (on a CPU, an H200 run's).
+# What decode graphs save: `python -m minivllm.benchmarks.decode_step` times `runner.run(seqs,
+# is_prefill=False)` for the 0.6B preset, preparation and sampling included, with and without CUDA
+# graphs (on a CPU, an H200 run's).
 
 # %%
 import json
@@ -234,12 +281,19 @@ import json
 from minivllm.benchmarks.decode_step import plot_decode_step, run_decode_step_benchmark
 
 saved = Path("../figures/decode_step.json")  # an H200 run's, on a CPU
-step_data = run_decode_step_benchmark(batch_sizes=(1, 8, 64)) if DEVICE == "cuda" else json.loads(saved.read_text())
+step_data = (
+    run_decode_step_benchmark(batch_sizes=(1, 8, 64))
+    if DEVICE == "cuda"
+    else json.loads(saved.read_text())
+)
 plot_decode_step(step_data).savefig(FIGURES / "cuda_graphs_decode_step.png", dpi=120)
 rows = {(r["impl"], r["batch"]): r["ms"] for r in step_data["rows"]}
 for batch in sorted({b for _, b in rows}):
     graph, eager = rows["minivllm", batch], rows["minivllm-eager", batch]
-    print(f"batch {batch:>3}: graph {graph:5.2f} ms, eager {eager:5.2f} ms: the graph {eager / graph:4.1f}× faster")
+    print(
+        f"batch {batch:>3}: graph {graph:5.2f} ms, eager {eager:5.2f} ms: the graph "
+        f"{eager / graph:4.1f}× faster"
+    )
 print(f"KV cache on {step_data['device']}: {step_data['kv_cache_tokens'] / 1e6:.2f} M tokens")
 assert rows["minivllm", 1] < rows["minivllm-eager", 1]
 
@@ -249,22 +303,27 @@ assert rows["minivllm", 1] < rows["minivllm-eager", 1]
 # %%
 from minivllm.engine.cuda_graphs import graph_batch_sizes
 
-assert graph_batch_sizes(256)[:5] == [1, 2, 4, 8, 16] and next(b for b in graph_batch_sizes(256) if b >= 5) == 8
+assert (
+    graph_batch_sizes(256)[:5] == [1, 2, 4, 8, 16]
+    and next(b for b in graph_batch_sizes(256) if b >= 5) == 8
+)
 
 # %% [markdown]
 # ### CUDA graphs for prefill and mixed steps
-# A prefill or mixed step runs eagerly unless it too is captured, and eagerly its few hundred launches cost the
-# host more than the GPU's time (an H200, a chat step of ~255 decode rows and 170 to 650 prompt tokens: 18 to 28 ms
-# of wall time for 10.4 to 11.2 ms of kernels). Capturing it needs every launch fixed: the shapes, and the grids.
-# So we capture a step of `T` tokens for a few `T` (16 to 4,096), padding each step to the next, with fixed grids
-# that read what to do:
+# A prefill or mixed step runs eagerly unless it too is captured, and eagerly its few hundred
+# launches cost the host more than the GPU's time (an H200, a chat step of ~255 decode rows and 170
+# to 650 prompt tokens: 18 to 28 ms of wall time for 10.4 to 11.2 ms of kernels). Capturing it needs
+# every launch fixed: the shapes, and the grids. So we capture a step of `T` tokens for a few `T`
+# (16 to 4,096), padding each step to the next, with fixed grids that read what to do:
 #
-# * the decode kernel runs over `min(T, max_num_seqs)` rows; a row that is not a decode row has an empty cache,
-#   and the kernel writes nothing for it (its output row may be a prompt token's);
-# * the prefill kernel runs one program per entry of a tile list long enough for `T` tokens, and the list is
-#   padded with −1 (notebook 03): the step's tiles say which sequences and query rows there are.
+# * the decode kernel runs over `min(T, max_num_seqs)` rows; a row that is not a decode row has an
+#   empty cache, and the kernel writes nothing for it (its output row may be a prompt token's);
+# * the prefill kernel runs one program per entry of a tile list long enough for `T` tokens, and the
+#   list is padded with −1 (notebook 03): the step's tiles say which sequences and query rows there
+#   are.
 #
-# A step with more tiles than the list holds (many short prompts), more tokens, or nothing cached runs eagerly.
+# A step with more tiles than the list holds (many short prompts), more tokens, or nothing cached
+# runs eagerly.
 
 
 # %% tags=["export"] module="minivllm.engine.mixed_graphs"
@@ -278,12 +337,14 @@ MIXED_GRAPH_SIZES = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072
 
 
 def tile_room(num_tokens: int, block_m: int) -> int:
-    """Entries in a graph's tile list for steps of num_tokens: every whole tile, and 64 partial ones."""
+    """Entries in a graph's tile list for steps of num_tokens: every whole tile, and 64 partial
+    ones."""
     return num_tokens // block_m + 64
 
 
 class MixedGraphs(StepGraphs):
-    """One captured prefill or mixed step per token count: its decode rows first, then prompt tokens."""
+    """One captured prefill or mixed step per token count: its decode rows first, then prompt
+    tokens."""
 
     def __init__(
         self,
@@ -304,7 +365,8 @@ class MixedGraphs(StepGraphs):
 
         self.cu_seqlens_q, self.cu_seqlens_k = int32(max_num_seqs + 1), int32(max_num_seqs + 1)
         self.tiles = int32(self.num_tiles(sizes[-1]), 2) - 1
-        self.capture(model, self.context, cascade=True)  # steps without a shared prefix too: one capture per size
+        # steps without a shared prefix too: one capture per size
+        self.capture(model, self.context, cascade=True)
 
     def num_tiles(self, size: int) -> int:
         return tile_room(size, self.block_m)
@@ -323,7 +385,8 @@ class MixedGraphs(StepGraphs):
         )
 
     def fits(self, size: int, context: PagedContext, num_tokens: int) -> bool:
-        """Room for the step's tokens and tiles; never without a paged cache (the contiguous kernel's) or tiles."""
+        """Room for the step's tokens and tiles; never without a paged cache (the contiguous
+        kernel's) or tiles."""
         if context.block_tables is None or context.tiles is None:
             return False
         return size >= num_tokens and self.num_tiles(size) >= context.tiles.shape[0]
@@ -331,7 +394,8 @@ class MixedGraphs(StepGraphs):
     def fill(self, context: PagedContext) -> None:
         super().fill(context)
         assert context.tiles is not None  # key_for has checked
-        assert context.cu_seqlens_q is not None and context.cu_seqlens_k is not None  # a prefill step has both
+        # a prefill step has both
+        assert context.cu_seqlens_q is not None and context.cu_seqlens_k is not None
         self.cu_seqlens_q[: context.cu_seqlens_q.shape[0]] = context.cu_seqlens_q
         self.cu_seqlens_k[: context.cu_seqlens_k.shape[0]] = context.cu_seqlens_k
         self.tiles.fill_(-1)
@@ -341,33 +405,39 @@ class MixedGraphs(StepGraphs):
 def capture_mixed_graphs(
     model: torch.nn.Module, config: Config, block_m: int, dtype: torch.dtype, device: torch.device
 ) -> MixedGraphs | None:
-    """The runner's fast path: the graphs of every size up to max_num_batched_tokens (None: no size fits)."""
+    """The runner's fast path: the graphs of every size up to max_num_batched_tokens (None: no size
+    fits)."""
     assert config.max_model_len is not None  # Config resolved it
     sizes = [t for t in MIXED_GRAPH_SIZES if t <= config.max_num_batched_tokens]
     if not sizes:
         return None
     max_blocks = -(-config.max_model_len // config.block_size)
     hidden = config.hf_config.hidden_size
-    return MixedGraphs(model, sizes, config.max_num_seqs, max_blocks, block_m, hidden, dtype, device)
+    return MixedGraphs(
+        model, sizes, config.max_num_seqs, max_blocks, block_m, hidden, dtype, device
+    )
 
 
 # %% [markdown]
-# The tile list of a mixed step: two decode rows, then a chunk of 128 prompt tokens after 1,000 cached ones and a
-# new prompt of 40. Tiles of 64 query rows; the decode rows have none.
+# The tile list of a mixed step: two decode rows, then a chunk of 128 prompt tokens after 1,000
+# cached ones and a new prompt of 40. Tiles of 64 query rows; the decode rows have none.
 
 # %%
 from minivllm.engine.step_inputs import query_tiles
 
-cu_q, cu_k = np.array([0, 1, 2, 130, 170]), np.array([0, 300, 341, 1469, 1509])  # new tokens; cached + new
+cu_q, cu_k = (
+    np.array([0, 1, 2, 130, 170]),
+    np.array([0, 300, 341, 1469, 1509]),
+)  # new tokens; cached + new
 mixed_tiles = query_tiles(cu_q, cu_k, first_seq=2, block_m=64)
 print("(sequence, query tile), the tiles that see the most keys first:", mixed_tiles.tolist())
 assert mixed_tiles.tolist() == [[2, 1], [2, 0], [3, 0]]  # 1,128 keys, 1,064, then 40
 
 
 # %% [markdown]
-# The runner finds each of them by name. What the mixed-step graphs save, per kind of step, on an H200
-# (`python -m minivllm.benchmarks.step_kinds`; on a CPU, the committed run): each workload with and without these
-# graphs, the seconds spent in prefill, mixed and decode steps.
+# The runner finds each of them by name. What the mixed-step graphs save, per kind of step, on an
+# H200 (`python -m minivllm.benchmarks.step_kinds`; on a CPU, the committed run): each workload with
+# and without these graphs, the seconds spent in prefill, mixed and decode steps.
 
 # %%
 from minivllm.benchmarks.step_kinds import describe_kinds, plot_step_kinds
@@ -376,7 +446,10 @@ from minivllm.engine.cuda_graphs import DecodeGraphs
 from minivllm.engine.fast_paths import fast_path
 from minivllm.engine.mixed_graphs import capture_mixed_graphs
 
-assert fast_path("mixed-step CUDA graphs") is capture_mixed_graphs and fast_path("decode CUDA graphs") is DecodeGraphs
+assert (
+    fast_path("mixed-step CUDA graphs") is capture_mixed_graphs
+    and fast_path("decode CUDA graphs") is DecodeGraphs
+)
 assert fast_path("shared-prefix cascade") is add_shared_prefix
 kinds_data = json.loads(Path("../figures/step_kinds_chat.json").read_text())  # an H200 run's
 plot_step_kinds(kinds_data).savefig(FIGURES / "cuda_graphs_step_kinds.png", dpi=120)
@@ -385,16 +458,18 @@ for row in kinds_data["rows"]:
 
 # %% [markdown]
 # ## Warm-up: nothing compiles or captures while serving
-# A server's first requests should not wait for work that start-up can do. Graphs are captured at start-up, and
-# capturing a size runs every model kernel at that size; Triton compiles a kernel for each new specialization
-# (deep dive gpu_sampler). What no graph holds is left: steps larger than the largest graph run eagerly (so do all
-# steps with `enforce_eager`), a mixed step's decode rows come in any number and the decode kernel's splits follow that
-# number (with them the combining kernel's constants), and the sampler has its variants. `warm_up_runner` runs each
-# once, before the graphs are captured: a prefix hit's step, eager decode steps of padding rows (slot −1: nothing is
-# written), the decode kernels at every batch size with and without a shared prefix, the sampler's variants on the
-# logits. `tests/test_warm_up.py` runs a varied workload after `LLM()` in a fresh process (every sampling path, prefix
-# hits, steps past the largest graph) and counts Triton's compiles and CUDA graph captures with hooks: none on an H200
-# (`../figures/warm_up_h200.txt`). What it costs is the "compile" phase of `python -m minivllm`'s start-up split.
+# A server's first requests should not wait for work that start-up can do. Graphs are captured at
+# start-up, and capturing a size runs every model kernel at that size; Triton compiles a kernel for
+# each new specialization (deep dive gpu_sampler). What no graph holds is left: steps larger than
+# the largest graph run eagerly (so do all steps with `enforce_eager`), a mixed step's decode rows
+# come in any number and the decode kernel's splits follow that number (with them the combining
+# kernel's constants), and the sampler has its variants. `warm_up_runner` runs each once, before the
+# graphs are captured: a prefix hit's step, eager decode steps of padding rows (slot −1: nothing is
+# written), the decode kernels at every batch size with and without a shared prefix, the sampler's
+# variants on the logits. `tests/test_warm_up.py` runs a varied workload after `LLM()` in a fresh
+# process (every sampling path, prefix hits, steps past the largest graph) and counts Triton's
+# compiles and CUDA graph captures with hooks: none on an H200 (`../figures/warm_up_h200.txt`). What
+# it costs is the "compile" phase of `python -m minivllm`'s start-up split.
 
 # %% tags=["export"] module="minivllm.engine.warm_up"
 import numpy as np
@@ -409,20 +484,34 @@ from minivllm.kernels.paged_attn import flash_attn_with_kvcache
 def prefix_hit_step(block_size: int) -> StepInputs:
     """2 new tokens after block_size - 2 cached ones in block 0: a prefix hit's shape."""
     positions = np.arange(block_size - 2, block_size)
-    step = StepInputs(True, np.zeros(2, np.int64), positions, positions.copy(), np.zeros((1, 1), np.int32))
-    step.cu_seqlens_q, step.cu_seqlens_k = np.array([0, 2], np.int32), np.array([0, block_size], np.int32)
+    step = StepInputs(
+        True, np.zeros(2, np.int64), positions, positions.copy(), np.zeros((1, 1), np.int32)
+    )
+    step.cu_seqlens_q, step.cu_seqlens_k = (
+        np.array([0, 2], np.int32),
+        np.array([0, block_size], np.int32),
+    )
     return step
 
 
 def padding_decode_step(rows: int) -> StepInputs:
-    """A decode step of padding rows: slot -1 (nothing written), each reading one cached token of block 0."""
+    """A decode step of padding rows: slot -1 (nothing written), each reading one cached token of
+    block 0."""
     zeros = np.zeros(rows, np.int64)
     block_tables, context_lens = np.zeros((rows, 1), np.int32), np.ones(rows, np.int32)
-    return StepInputs(False, zeros, zeros.copy(), np.full(rows, -1, np.int64), block_tables, context_lens=context_lens)
+    return StepInputs(
+        False,
+        zeros,
+        zeros.copy(),
+        np.full(rows, -1, np.int64),
+        block_tables,
+        context_lens=context_lens,
+    )
 
 
 def warm_up_decode_attention(runner: ModelRunner) -> None:
-    """The decode kernels at every batch size up to max_num_seqs, with and without a shared prefix (03)."""
+    """The decode kernels at every batch size up to max_num_seqs, with and without a shared prefix
+    (03)."""
     layer, device = runner.attention_layers[0], runner.device
     kv = layer.k_cache, layer.v_cache
     for rows in range(1, runner.config.max_num_seqs + 1):
@@ -430,22 +519,27 @@ def warm_up_decode_attention(runner: ModelRunner) -> None:
         lens = torch.ones(rows, dtype=torch.int32, device=device)
         tables = torch.zeros(rows, 1, dtype=torch.int32, device=device)
         for prefix_blocks, prefix_lens in ((None, None), (tables[0], lens)):
-            flash_attn_with_kvcache(q, *kv, lens, tables, prefix_blocks=prefix_blocks, prefix_lens=prefix_lens)
+            flash_attn_with_kvcache(
+                q, *kv, lens, tables, prefix_blocks=prefix_blocks, prefix_lens=prefix_lens
+            )
 
 
 @torch.inference_mode()
 def warm_up_runner(runner: ModelRunner) -> None:
-    """The runner's start-up on a GPU, before its graphs: every Triton kernel variant a step can launch, compiled."""
-    logits = runner.execute(prefix_hit_step(runner.block_size))  # (1, vocab): the paged prefill, the small layers
-    for rows in (1, runner.config.max_num_seqs):  # eager decode steps: one token's kernels (gemv), a batch's
+    """The runner's start-up on a GPU, before its graphs: every Triton kernel variant a step can
+    launch, compiled."""
+    # (1, vocab): the paged prefill, the small layers
+    logits = runner.execute(prefix_hit_step(runner.block_size))
+    # eager decode steps: one token's kernels (gemv), a batch's
+    for rows in (1, runner.config.max_num_seqs):
         runner.execute(padding_decode_step(rows))
     warm_up_decode_attention(runner)
     warm_up_sampler(runner.sampler, logits.expand(runner.config.max_num_seqs, -1).contiguous())
 
 
 # %% [markdown]
-# A padding decode step of three rows, as the runner receives it; on a GPU, a small runner's start-up with Triton's
-# compile hook set, and a batch after it: every compile happens in `LLM()`.
+# A padding decode step of three rows, as the runner receives it; on a GPU, a small runner's
+# start-up with Triton's compile hook set, and a batch after it: every compile happens in `LLM()`.
 
 # %%
 import triton
@@ -464,15 +558,18 @@ if DEVICE == "cuda":
     with LLM(str(checkpoint_for("tiny")), max_num_seqs=32, max_model_len=1024) as small:
         print(f"LLM(): {len(compiled)} compiles")
         compiled.clear()
-        small.generate([[7] * n for n in range(1, 30)], SamplingParams(top_k=20, max_tokens=8), use_tqdm=False)
+        small.generate(
+            [[7] * n for n in range(1, 30)], SamplingParams(top_k=20, max_tokens=8), use_tqdm=False
+        )
         print(f"29 requests after it: {len(compiled)} compiles")
     triton.knobs.runtime.jit_post_compile_hook = None
 
 # %% [markdown]
 # ## Check yourself
-# 1. A mixed step has 3 decode rows and a prompt chunk of 100 tokens (tiles of 64 query rows). Which captured
-#    `T` replays it, how many programs per group of query heads (notebook 01's `heads_per_program`) does its
-#    prefill kernel run, and how many of them have a tile to compute? Answer `(T, programs, real)`.
+# 1. A mixed step has 3 decode rows and a prompt chunk of 100 tokens (tiles of 64 query rows). Which
+#    captured `T` replays it, how many programs per group of query heads (notebook 01's
+#    `heads_per_program`) does its prefill kernel run, and how many of them have a tile to compute?
+#    Answer `(T, programs, real)`.
 
 # %%
 from minivllm.engine.mixed_graphs import MIXED_GRAPH_SIZES, tile_room
@@ -485,9 +582,9 @@ expected1 = (mixed_size, tile_room(mixed_size, 64), len(chunk_tiles))
 check_answer(answer1, expected1, "1. a mixed step's graph")
 
 # %% [markdown]
-# Worked answer. The 103 tokens pad to `T` = 128, whose tile list has room for 128 // 64 + 64 = 66 tiles; the chunk
-# has ⌈100 / 64⌉ = 2, so 64 of the 66 programs per group of heads read −1 and return: the price of a grid fixed at
-# capture.
+# Worked answer. The 103 tokens pad to `T` = 128, whose tile list has room for 128 // 64 + 64 = 66
+# tiles; the chunk has ⌈100 / 64⌉ = 2, so 64 of the 66 programs per group of heads read −1 and
+# return: the price of a grid fixed at capture.
 
 # %%
 check_answer((128, 128 // 64 + 64, -(-100 // 64)), expected1, "1. a mixed step's graph")

@@ -14,14 +14,16 @@
 # %% [markdown]
 # # Deep dive · Paged prefill: new tokens after a prefix-cache hit
 #
-# **What this adds.** Notebook 03's prefix cache lets a request skip the prompt blocks another request already
-# computed. Its prefill then computes only the **new** tokens, whose queries must still attend to the cached ones.
-# This deep dive builds that kernel, `flash_attn_varlen_func(..., block_table=...)`: notebook 01's FlashAttention
-# kernel reading keys and values through a block table, and checks it against the PyTorch reference.
+# **What this adds.** Notebook 03's prefix cache lets a request skip the prompt blocks another
+# request already computed. Its prefill then computes only the **new** tokens, whose queries must
+# still attend to the cached ones. This deep dive builds that kernel, `flash_attn_varlen_func(...,
+# block_table=...)`: notebook 01's FlashAttention kernel reading keys and values through a block
+# table, and checks it against the PyTorch reference.
 #
-# **Where it sits.** It follows notebook 03 (the paged cache, `paged_rows`, `paged_attention_ref`). Nothing later
-# in the core path needs it: on a CPU the engine runs the reference; on a GPU it finds this kernel by name
-# (`minivllm.kernels.flash_attn_varlen_func`, imported on first use), and every output is the same either way.
+# **Where it sits.** It follows notebook 03 (the paged cache, `paged_rows`, `paged_attention_ref`).
+# Nothing later in the core path needs it: on a CPU the engine runs the reference; on a GPU it finds
+# this kernel by name (`minivllm.kernels.flash_attn_varlen_func`, imported on first use), and every
+# output is the same either way.
 
 # %%
 import os
@@ -29,7 +31,8 @@ import os
 import torch
 
 if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit runs: the kernel runs interpreted
+    # before any @triton.jit runs: the kernel runs interpreted
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 import json
 from pathlib import Path
 
@@ -44,25 +47,31 @@ torch.manual_seed(0)
 
 # %% [markdown]
 # ## Why the new tokens must read the cache
-# A prompt of 40 tokens whose first 32 hit the cache: prefill computes 8 queries. Attention over the 8 new keys
-# alone runs, returns the right shape, and is wrong: each new token must also see the 32 cached ones.
+# A prompt of 40 tokens whose first 32 hit the cache: prefill computes 8 queries. Attention over the
+# 8 new keys alone runs, returns the right shape, and is wrong: each new token must also see the 32
+# cached ones.
 
 # %%
 k, v = torch.randn(2, 40, 2, 32)  # (tokens, num_kv_heads, head_dim): 32 cached, 8 new
 q = torch.randn(8, 4, 32)  # the 8 new tokens' queries, 4 query heads
 cu_q, cu_k = torch.tensor([0, 8]), torch.tensor([0, 40])
-right = attention_ref(q, k, v, cu_q, cu_k, causal=True)  # bottom-right causal: query i sees keys 0..32 + i
+# bottom-right causal: query i sees keys 0..32 + i
+right = attention_ref(q, k, v, cu_q, cu_k, causal=True)
 alone = attention_ref(q, k[32:], v[32:], cu_q, cu_q, causal=True)
-print(f"new tokens over themselves only: max error {(alone - right).abs().max():.2f}, and no exception")
+print(
+    f"new tokens over themselves only: max error {(alone - right).abs().max():.2f}, and no "
+    f"exception"
+)
 assert not torch.allclose(alone, right)
 
 # %% [markdown]
 # ## The kernel
-# The new keys and values are stored first (`store_kvcache`); then notebook 01's kernel reads *all* keys of a
-# sequence (`cu_seqlens_k`: cached + new) through its block table (`paged_rows`, notebook 03), with its
-# bottom-right causal mask. One change: its grid is a **list of work**, program `i` taking row `i` of `tiles`, a
-# (sequence, query tile) pair. By default that is every tile up to the longest sequence's (those past a sequence's
-# end return at once); the engine passes only the tiles that exist (notebook 04's `query_tiles`).
+# The new keys and values are stored first (`store_kvcache`); then notebook 01's kernel reads *all*
+# keys of a sequence (`cu_seqlens_k`: cached + new) through its block table (`paged_rows`, notebook
+# 03), with its bottom-right causal mask. One change: its grid is a **list of work**, program `i`
+# taking row `i` of `tiles`, a (sequence, query tile) pair. By default that is every tile up to the
+# longest sequence's (those past a sequence's end return at once); the engine passes only the tiles
+# that exist (notebook 04's `query_tiles`).
 
 
 # %% tags=["export"] module="minivllm.kernels.paged_prefill"
@@ -88,15 +97,40 @@ from minivllm.kernels.paged_attn import check_cache, check_index, check_out, pag
 
 @triton.jit(do_not_specialize=["stride_bt"])
 def _paged_prefill_kernel(
-    Q, K, V, O, cu_seqlens_q, cu_seqlens_k, block_table, tiles, qk_scale,  # tensors, scalar
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt,  # strides
-    GROUP: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+    Q,
+    K,
+    V,
+    O,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    block_table,
+    tiles,
+    qk_scale,  # tensors, scalar
+    # strides
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    GROUP: tl.constexpr,
+    HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
-):  # fmt: skip
-    seq = tl.load(tiles + 2 * tl.program_id(0))  # this program's (sequence, query tile), from the list
+):
+    # this program's (sequence, query tile), from the list
+    seq = tl.load(tiles + 2 * tl.program_id(0))
     start_m = tl.load(tiles + 2 * tl.program_id(0) + 1)
-    first_head = tl.program_id(1) * HEADS  # HEADS query heads of one KV head, as notebook 01's kernel
+    # HEADS query heads of one KV head, as notebook 01's kernel
+    first_head = tl.program_id(1) * HEADS
     if seq < 0:
         return  # padding: a CUDA graph's list is longer than its step's (notebook 04)
     q_start = tl.load(cu_seqlens_q + seq)
@@ -105,7 +139,8 @@ def _paged_prefill_kernel(
         return
     k_len = tl.load(cu_seqlens_k + seq + 1) - tl.load(cu_seqlens_k + seq)
     kv_head = first_head // GROUP
-    r = tl.arange(0, HEADS * BLOCK_M)  # tile row r: position r // HEADS, query head first_head + r % HEADS
+    # tile row r: position r // HEADS, query head first_head + r % HEADS
+    r = tl.arange(0, HEADS * BLOCK_M)
     offs_m, head = start_m * BLOCK_M + r // HEADS, first_head + r % HEADS
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -123,10 +158,31 @@ def _paged_prefill_kernel(
         tok = start_n + offs_n
         valid = tok < k_len
         rows = paged_rows(block_table + seq * stride_bt, tok, valid, BLOCK_SIZE)
-        k = load_tile(K + rows[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None], valid[None, :], UPCAST)
-        v = load_tile(V + rows[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :], valid[:, None], UPCAST)
+        k = load_tile(
+            K + rows[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None],
+            valid[None, :],
+            UPCAST,
+        )
+        v = load_tile(
+            V + rows[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+            valid[:, None],
+            UPCAST,
+        )
         acc, m_i, l_i = attend_block(
-            acc, m_i, l_i, q, k, v, tok, offs_m, k_len, shift, qk_scale, start_n >= unmasked, CAUSAL, PRECISION
+            acc,
+            m_i,
+            l_i,
+            q,
+            k,
+            v,
+            tok,
+            offs_m,
+            k_len,
+            shift,
+            qk_scale,
+            start_n >= unmasked,
+            CAUSAL,
+            PRECISION,
         )
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
@@ -137,9 +193,11 @@ def _paged_prefill_kernel(
 
 
 # %% tags=["export"]
-def all_tiles(batch: int, num_m_blocks: int, device: torch.device) -> torch.Tensor:  # (num_m_blocks * batch, 2)
-    """(sequence, query tile) for every sequence and tile below num_m_blocks, int32: the last tiles, which see the
-    most keys, first, so that the longest programs do not start last."""
+def all_tiles(
+    batch: int, num_m_blocks: int, device: torch.device
+) -> torch.Tensor:  # (num_m_blocks * batch, 2)
+    """(sequence, query tile) for every sequence and tile below num_m_blocks, int32: the last tiles,
+    which see the most keys, first, so that the longest programs do not start last."""
     seq = torch.arange(batch, dtype=torch.int32, device=device)
     m = torch.arange(num_m_blocks - 1, -1, -1, dtype=torch.int32, device=device)
     grid_m, grid_seq = torch.meshgrid(m, seq, indexing="ij")
@@ -151,17 +209,22 @@ def flash_attn_varlen_func(
     k: torch.Tensor,  # (total_k, num_kv_heads, head_dim), or the k_cache when block_table is given
     v: torch.Tensor,  # likewise
     cu_seqlens_q: torch.Tensor,  # (batch + 1,) int32
-    cu_seqlens_k: torch.Tensor,  # (batch + 1,) int32: with a block table, cached + new tokens per sequence
+    # (batch + 1,) int32: with a block table, cached + new tokens per sequence
+    cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int,
     max_seqlen_k: int,
     softmax_scale: float | None = None,
     causal: bool = False,
     block_table: torch.Tensor | None = None,  # (batch, max_blocks) int32
-    out: torch.Tensor | None = None,  # with block_table: (total_q, num_heads, head_dim) to write the batch's rows into
-    tiles: torch.Tensor | None = None,  # with block_table: (num_tiles, 2) int32, see query_tiles; None: every tile
+    out: torch.Tensor
+    # with block_table: (total_q, num_heads, head_dim) to write the batch's rows into
+    | None = None,
+    tiles: torch.Tensor
+    | None = None,  # with block_table: (num_tiles, 2) int32, see query_tiles; None: every tile
 ) -> torch.Tensor:  # (total_q, num_heads, head_dim)
-    """flash-attn's varlen attention; with `block_table`, keys and values are read from a paged cache, one program
-    per (sequence, query tile) of `tiles` and group of query heads (notebook 01's `heads_per_program`)."""
+    """flash-attn's varlen attention; with `block_table`, keys and values are read from a paged
+    cache, one program per (sequence, query tile) of `tiles` and group of query heads (notebook 01's
+    `heads_per_program`)."""
     if block_table is None:
         if out is not None or tiles is not None:
             raise ValueError("out= and tiles= need block_table=: they are the paged kernel's")
@@ -172,66 +235,98 @@ def flash_attn_varlen_func(
     check_cache("v_cache", v, q)
     check_index("block_table", block_table, 2, q.device)
     num_kv_heads, head_dim = k.shape[2], k.shape[3]
-    check_inputs(q, k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim), cu_seqlens_q, cu_seqlens_k)
+    check_inputs(
+        q,
+        k.view(-1, num_kv_heads, head_dim),
+        v.view(-1, num_kv_heads, head_dim),
+        cu_seqlens_q,
+        cu_seqlens_k,
+    )
     if block_table.shape[0] != cu_seqlens_q.numel() - 1:
-        raise ValueError(f"block_table has {block_table.shape[0]} rows for {cu_seqlens_q.numel() - 1} sequences")
+        raise ValueError(
+            f"block_table has {block_table.shape[0]} rows for {cu_seqlens_q.numel() - 1} sequences"
+        )
     scale = softmax_scale_of(softmax_scale, head_dim)
     config = launch_config(head_dim, q.device)
     kf, vf = k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)
     out = check_out(out, q)
-    if tiles is None:  # every sequence's first cdiv(max_seqlen_q, BLOCK_M) tiles: those past its end return at once
-        tiles = all_tiles(cu_seqlens_q.numel() - 1, triton.cdiv(max_seqlen_q, config["BLOCK_M"]), q.device)
+    if (
+        tiles is None
+        # every sequence's first cdiv(max_seqlen_q, BLOCK_M) tiles: those past its end return at
+        # once
+    ):
+        tiles = all_tiles(
+            cu_seqlens_q.numel() - 1, triton.cdiv(max_seqlen_q, config["BLOCK_M"]), q.device
+        )
     check_index("tiles", tiles, 2, q.device)
     if tiles.shape[0] == 0:
         return out  # no tiles: nothing to compute
     group = q.shape[1] // num_kv_heads
     heads = heads_per_program(group, config["BLOCK_M"])
     tensors = (q, kf, vf, out, cu_seqlens_q, cu_seqlens_k, block_table, tiles.contiguous())
-    strides = (*q.stride()[:2], *kf.stride()[:2], *vf.stride()[:2], *out.stride()[:2], block_table.stride(0))
+    strides = (
+        *q.stride()[:2],
+        *kf.stride()[:2],
+        *vf.stride()[:2],
+        *out.stride()[:2],
+        block_table.stride(0),
+    )
     meta: dict[str, Any] = dict(
         GROUP=group, HEADS=heads, HEAD_DIM=head_dim, BLOCK_SIZE=k.shape[1], CAUSAL=causal, **config
     )
     meta.update(UPCAST=q.device.type == "cpu" and q.dtype != torch.float32)
     meta.update(PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
-    _paged_prefill_kernel[(tiles.shape[0], q.shape[1] // heads)](*tensors, scale * math.log2(math.e), *strides, **meta)
+    _paged_prefill_kernel[(tiles.shape[0], q.shape[1] // heads)](
+        *tensors, scale * math.log2(math.e), *strides, **meta
+    )
     return out
 
 
 # %% [markdown]
 # ## Check against the reference
-# Random caches in shuffled blocks of 16 and 256; five sequences whose new tokens (1 to 64) follow 0 to 236 cached
-# ones. The kernel must give what `paged_attention_ref` gives, and that what notebook 01's reference gives on the
-# same keys laid out contiguously. A short list of `tiles` computes only its tiles and leaves the rest of `out`.
+# Random caches in shuffled blocks of 16 and 256; five sequences whose new tokens (1 to 64) follow 0
+# to 236 cached ones. The kernel must give what `paged_attention_ref` gives, and that what notebook
+# 01's reference gives on the same keys laid out contiguously. A short list of `tiles` computes only
+# its tiles and leaves the rest of `out`.
 
 # %%
 from minivllm.kernels import flash_attn_varlen_func
 
-seq_lens, q_lens = [1, 17, 300, 64, 40], [1, 5, 64, 17, 40]  # tokens in the cache; the new ones among them
+# tokens in the cache; the new ones among them
+seq_lens, q_lens = ([1, 17, 300, 64, 40], [1, 5, 64, 17, 40])
 cu_q = torch.tensor([0, *np.cumsum(q_lens)], dtype=torch.int32, device=DEVICE)
 for block_size in (16, 256):
-    k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache(seq_lens, 2, 32, block_size, DEVICE)
+    k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache(
+        seq_lens, 2, 32, block_size, DEVICE
+    )
     q = torch.randn(sum(q_lens), 4, 32, device=DEVICE)
     ref = paged_attention_ref(q, k_cache, v_cache, cu_q, cu_k, block_table)
     torch.testing.assert_close(ref, attention_ref(q, k, v, cu_q, cu_k, causal=True))
-    out = flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 64, 300, causal=True, block_table=block_table)
+    out = flash_attn_varlen_func(
+        q, k_cache, v_cache, cu_q, cu_k, 64, 300, causal=True, block_table=block_table
+    )
     print(f"block_size {block_size:>3}: max error {(out - ref).abs().max():.1e}")
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
-tiles = torch.tensor([[1, 0]], dtype=torch.int32, device=DEVICE)  # sequence 1's first query tile only
+# sequence 1's first query tile only
+tiles = torch.tensor([[1, 0]], dtype=torch.int32, device=DEVICE)
 part = torch.zeros_like(q)
 paged = dict(causal=True, block_table=block_table, out=part, tiles=tiles)
 flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 64, 300, **paged)
 rows = slice(int(cu_q[1]), int(cu_q[2]))  # its 5 new tokens: one tile holds them all
 torch.testing.assert_close(part[rows], ref[rows], rtol=1e-4, atol=1e-4)
-assert part[: rows.start].abs().sum() == 0 and part[rows.stop :].abs().sum() == 0  # no other tile ran
+assert (
+    part[: rows.start].abs().sum() == 0 and part[rows.stop :].abs().sum() == 0
+)  # no other tile ran
 print("the paged prefill kernel matches both references; a list of tiles computes only those")
 
 # %% [markdown]
 # ## How fast: why decode keeps its own kernel
-# `python -m minivllm.benchmarks.decode` also runs this kernel on decode's shapes: one query per sequence. Its tile
-# holds 64 positions × the query heads of a KV head, of which decode fills 2 (Qwen3-0.6B's 2 query heads per KV
-# head), and with one program per sequence and KV head it cannot fill the GPU at batch 1, where notebook 03's decode
-# kernel splits the context. The committed H200 results (a GPU re-measures them):
+# `python -m minivllm.benchmarks.decode` also runs this kernel on decode's shapes: one query per
+# sequence. Its tile holds 64 positions × the query heads of a KV head, of which decode fills 2
+# (Qwen3-0.6B's 2 query heads per KV head), and with one program per sequence and KV head it cannot
+# fill the GPU at batch 1, where notebook 03's decode kernel splits the context. The committed H200
+# results (a GPU re-measures them):
 
 # %%
 from minivllm.benchmarks.decode import run_decode_benchmark
@@ -244,12 +339,18 @@ tbps: dict[tuple, float] = {}  # (impl, batch, context) -> the best over block s
 for r in sorted(decode_data["rows"], key=lambda r: r["tbps"]):
     tbps[r["impl"], r["batch"], r["context_len"]] = r["tbps"]
 for batch, context in ((64, 4096), (1, 16384)):
-    ratio = tbps["minivllm-triton", batch, context] / tbps["minivllm-prefill-kernel", batch, context]
-    print(f"{batch} × {context}: the decode kernel reads the cache {ratio:.1f} times as fast as this kernel")
+    ratio = (
+        tbps["minivllm-triton", batch, context] / tbps["minivllm-prefill-kernel", batch, context]
+    )
+    print(
+        f"{batch} × {context}: the decode kernel reads the cache {ratio:.1f} times as fast as "
+        f"this kernel"
+    )
 
 # %% [markdown]
 # ## In the engine
-# A prefill step stores the new tokens' keys and values, then calls this kernel with every sequence's block table.
-# Notebook 04's runner calls `minivllm.kernels.flash_attn_varlen_func` on a GPU; the name is looked up lazily
-# (`minivllm/kernels/__init__.py`), so importing the core package never imports this module. The contiguous case,
-# `block_table=None`, is notebook 01's kernel unchanged: a prompt with no cache hit has all its keys at hand.
+# A prefill step stores the new tokens' keys and values, then calls this kernel with every
+# sequence's block table. Notebook 04's runner calls `minivllm.kernels.flash_attn_varlen_func` on a
+# GPU; the name is looked up lazily (`minivllm/kernels/__init__.py`), so importing the core package
+# never imports this module. The contiguous case, `block_table=None`, is notebook 01's kernel
+# unchanged: a prompt with no cache hit has all its keys at hand.

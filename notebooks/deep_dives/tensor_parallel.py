@@ -15,15 +15,17 @@
 # %% [markdown]
 # # Deep dive · Tensor parallelism: one runner per GPU
 #
-# **What this adds.** `LLM(model, tensor_parallel_size=N)`: the model split over N GPUs, one process per GPU, which
-# the engine drives as if it were one runner. It follows notebook 06 (the engine) and builds on notebook 04's
-# `ModelRunner`, which already holds one rank's slice of each weight and meets the other ranks at the all-reduces.
-# Nothing in the core path needs it: with one GPU the engine makes a plain `ModelRunner`; with more, its `make_runner`
-# looks the fast path "tensor parallelism" up by name (`minivllm.engine.fast_paths`, notebook 04) and imports this
-# deep dive's module only then.
+# **What this adds.** `LLM(model, tensor_parallel_size=N)`: the model split over N GPUs, one process
+# per GPU, which the engine drives as if it were one runner. It follows notebook 06 (the engine) and
+# builds on notebook 04's `ModelRunner`, which already holds one rank's slice of each weight and
+# meets the other ranks at the all-reduces. Nothing in the core path needs it: with one GPU the
+# engine makes a plain `ModelRunner`; with more, its `make_runner` looks the fast path "tensor
+# parallelism" up by name (`minivllm.engine.fast_paths`, notebook 04) and imports this deep dive's
+# module only then.
 #
-# **What you will see.** Worker processes, their own process groups, Ctrl-C held until a step ends, the order in which
-# to shut NCCL down; TP 2 giving TP 1's tokens on this CPU (over gloo); and, measured on two H200s, when it pays.
+# **What you will see.** Worker processes, their own process groups, Ctrl-C held until a step ends,
+# the order in which to shut NCCL down; TP 2 giving TP 1's tokens on this CPU (over gloo); and,
+# measured on two H200s, when it pays.
 
 # %%
 import json
@@ -41,25 +43,31 @@ CHECKPOINTS = Path(os.environ.get("MINIVLLM_CHECKPOINTS", "../../build/checkpoin
 
 # %% [markdown]
 # ## The rules: processes that never hang
-# Notebook 04's `ModelRunner` is one rank: it holds its slice of every weight and of the KV cache (its KV heads), and
-# meets the other ranks at the all-reduces. With `tensor_parallel_size=N` the engine makes a `TPModelRunner` (vLLM's
-# multiprocess executor): rank 0's runner, which starts N−1 workers, each a plain `ModelRunner`. Each step, rank 0
-# broadcasts the `StepInputs`, all ranks run the same forward, and rank 0 samples (so no async scheduling: the
-# workers never see the sampled tokens).
+# Notebook 04's `ModelRunner` is one rank: it holds its slice of every weight and of the KV cache
+# (its KV heads), and meets the other ranks at the all-reduces. With `tensor_parallel_size=N` the
+# engine makes a `TPModelRunner` (vLLM's multiprocess executor): rank 0's runner, which starts N−1
+# workers, each a plain `ModelRunner`. Each step, rank 0 broadcasts the `StepInputs`, all ranks run
+# the same forward, and rank 0 samples (so no async scheduling: the workers never see the sampled
+# tokens).
 #
-# Processes are where engines hang, and a hang is worse than a crash: nobody learns why. The rules we follow:
-# * **Each engine owns its groups**, over its own `TCPStore`: `control` (gloo) for rank 0's messages and `tp` for the
-#   all-reduces (NCCL on GPUs); no `torch.distributed` default group, so two engines in one process never share one.
-# * **Workers are `spawn`ed** (a forked CUDA context is unusable) from a module-level target, as daemons ignoring
-#   Ctrl-C, each exiting if its parent is gone, even after a `kill -9` of rank 0.
-# * **Rank 0 never waits blindly**: a thread watches the workers, and one that dies becomes an error naming it within
-#   seconds (one dead before it started most likely ran a script without a main guard: the error says so).
-# * **A step is never cut in half.** Ctrl-C during a step is held until the step ends (then it raises
-#   `KeyboardInterrupt` as usual), so the ranks stay in step; at an idle engine it raises at once, and where the process
-#   ignores Ctrl-C (a background job, `nohup`) it stays ignored. Any other failure makes the engine refuse further
-#   steps, with the reason, rather than hang in the next collective.
-# * **`close()` frees the CUDA graphs before the groups** (an NCCL group waits for the graphs that captured its
-#   all-reduces: the other order hangs), joins the workers and hands the KV cache back to the GPU.
+# Processes are where engines hang, and a hang is worse than a crash: nobody learns why. The rules
+# we follow:
+# * **Each engine owns its groups**, over its own `TCPStore`: `control` (gloo) for rank 0's messages
+#   and `tp` for the all-reduces (NCCL on GPUs); no `torch.distributed` default group, so two
+#   engines in one process never share one.
+# * **Workers are `spawn`ed** (a forked CUDA context is unusable) from a module-level target, as
+#   daemons ignoring Ctrl-C, each exiting if its parent is gone, even after a `kill -9` of rank 0.
+# * **Rank 0 never waits blindly**: a thread watches the workers, and one that dies becomes an error
+#   naming it within seconds (one dead before it started most likely ran a script without a main
+#   guard: the error says so).
+# * **A step is never cut in half.** Ctrl-C during a step is held until the step ends (then it
+#   raises `KeyboardInterrupt` as usual), so the ranks stay in step; at an idle engine it raises at
+#   once, and where the process ignores Ctrl-C (a background job, `nohup`) it stays ignored. Any
+#   other failure makes the engine refuse further steps, with the reason, rather than hang in the
+#   next collective.
+# * **`close()` frees the CUDA graphs before the groups** (an NCCL group waits for the graphs that
+#   captured its all-reduces: the other order hangs), joins the workers and hands the KV cache back
+#   to the GPU.
 
 # %% tags=["export"] module="minivllm.engine.workers"
 import os
@@ -81,8 +89,10 @@ from minivllm.engine.model_runner import ModelRunner, StepOutput, rank_device
 from minivllm.engine.sequence import Sequence
 from minivllm.layers.linear import TPGroup
 
-START_TIMEOUT = timedelta(seconds=300)  # a worker imports torch and loads its slice: minutes on a slow disk
-STEP_TIMEOUT = timedelta(seconds=600)  # one rank may compile kernels in a first step while the others wait
+# a worker imports torch and loads its slice: minutes on a slow disk
+START_TIMEOUT = timedelta(seconds=300)
+# one rank may compile kernels in a first step while the others wait
+STEP_TIMEOUT = timedelta(seconds=600)
 SHUTDOWN_TIMEOUT = timedelta(seconds=10)  # close() ends in seconds, whatever a group waits for
 MAIN_GUARD = (
     "Workers are spawned: each re-imports your main script, so a script that creates an LLM with "
@@ -90,21 +100,29 @@ MAIN_GUARD = (
 )
 
 
-def make_groups(store: Any, rank: int, world_size: int, device: torch.device) -> tuple[TPGroup, Any]:
-    """This rank's groups over the engine's own store: `control` (gloo) carries rank 0's messages, the TPGroup's
-    group the model's all-reduces (NCCL on GPUs; on CPUs the gloo group again)."""
-    control = dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, world_size, STEP_TIMEOUT)
+def make_groups(
+    store: Any, rank: int, world_size: int, device: torch.device
+) -> tuple[TPGroup, Any]:
+    """This rank's groups over the engine's own store: `control` (gloo) carries rank 0's messages,
+    the TPGroup's group the model's all-reduces (NCCL on GPUs; on CPUs the gloo group again)."""
+    control = dist.ProcessGroupGloo(
+        dist.PrefixStore("control", store), rank, world_size, STEP_TIMEOUT
+    )
     if device.type != "cuda":
         return TPGroup(rank, world_size, control), control
-    # torch's stub lists only the (store, rank, size, options) form; the binding also has (store, rank, size[, timeout])
-    nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, world_size)  # type: ignore[call-arg]
+    # torch's stub lists only the (store, rank, size, options) form; the binding also has (store,
+    # rank, size[, timeout])
+    nccl = dist.ProcessGroupNCCL(  # type: ignore[call-arg]
+        dist.PrefixStore("nccl", store), rank, world_size
+    )
     nccl.eager_connect_single_device(device)  # connect now, while rank 0 watches its workers
     return TPGroup(rank, world_size, nccl), control
 
 
 def close_groups(groups: list[Any], abort: bool) -> None:
-    """Shut each group down with the other ranks; abort it when one of them is gone (shutdown would wait), or when
-    its shutdown has not returned in SHUTDOWN_TIMEOUT (an NCCL group waits for any CUDA graph that captured it)."""
+    """Shut each group down with the other ranks; abort it when one of them is gone (shutdown would
+    wait), or when its shutdown has not returned in SHUTDOWN_TIMEOUT (an NCCL group waits for any
+    CUDA graph that captured it)."""
     for group in dict.fromkeys(groups):
         if not abort:
             shutdown = threading.Thread(target=group.shutdown, daemon=True)
@@ -127,8 +145,8 @@ def broadcast_object(obj: Any, group: Any, rank: int) -> Any:
 
 
 class HeldSigint:
-    """A SIGINT handler that holds the first Ctrl-C for `handler` (the one it stands in for) and passes a second
-    one on at once."""
+    """A SIGINT handler that holds the first Ctrl-C for `handler` (the one it stands in for) and
+    passes a second one on at once."""
 
     def __init__(self, handler: Callable):
         self.handler = handler
@@ -146,11 +164,15 @@ class HeldSigint:
 
 @contextmanager
 def sigint_held() -> Iterator[None]:
-    """Hold Ctrl-C until the block ends, then let the handler that was there take it (Python's raises
-    KeyboardInterrupt): rank 0 never leaves the other ranks halfway through a step. A second Ctrl-C is handled at
-    once (the engine is then out of step and refuses further steps). Where Ctrl-C is ignored (a background job,
-    `nohup`) or no Python handler takes it, it stays so."""
-    handler = signal.getsignal(signal.SIGINT) if threading.current_thread() is threading.main_thread() else None
+    """Hold Ctrl-C until the block ends, then let the handler that was there take it (Python's
+    raises KeyboardInterrupt): rank 0 never leaves the other ranks halfway through a step. A second
+    Ctrl-C is handled at once (the engine is then out of step and refuses further steps). Where
+    Ctrl-C is ignored (a background job, `nohup`) or no Python handler takes it, it stays so."""
+    handler = (
+        signal.getsignal(signal.SIGINT)
+        if threading.current_thread() is threading.main_thread()
+        else None
+    )
     if not callable(handler):
         yield
         return
@@ -164,14 +186,21 @@ def sigint_held() -> Iterator[None]:
 
 
 class Workers:
-    """Rank 0's side of the other ranks: spawns them, waits for them while watching them, says why one is gone."""
+    """Rank 0's side of the other ranks: spawns them, waits for them while watching them, says why
+    one is gone."""
 
     def __init__(self, target: Callable, args: tuple, world_size: int, device: torch.device):
         self.store = dist.TCPStore(
-            "127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=START_TIMEOUT
+            "127.0.0.1",
+            0,
+            world_size,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=START_TIMEOUT,
         )
         spawn = mp.get_context("spawn")
-        self.started = [spawn.Event() for _ in range(1, world_size)]  # set by each worker as its first act
+        # set by each worker as its first act
+        self.started = [spawn.Event() for _ in range(1, world_size)]
         self.processes = [
             spawn.Process(target=target, args=(*args, rank, self.store.port, started), daemon=True)
             for rank, started in enumerate(self.started, start=1)
@@ -181,7 +210,9 @@ class Workers:
         for process in self.processes:
             process.start()
         try:
-            self.tp, self.control = self.wait(lambda: make_groups(self.store, 0, world_size, device))
+            self.tp, self.control = self.wait(
+                lambda: make_groups(self.store, 0, world_size, device)
+            )
         except BaseException:
             self.join(timeout=0)
             raise
@@ -194,15 +225,19 @@ class Workers:
                 continue
             if not started.is_set():
                 return (
-                    f"tensor-parallel worker rank {rank} exited (code {process.exitcode}) before it started. "
-                    + MAIN_GUARD
+                    f"tensor-parallel worker rank {rank} exited (code {process.exitcode}) before "
+                    f"it started. " + MAIN_GUARD
                 )
-            return f"tensor-parallel worker rank {rank} (pid {process.pid}) died (exit code {process.exitcode})"
+            return (
+                f"tensor-parallel worker rank {rank} (pid {process.pid}) died (exit code "
+                f"{process.exitcode})"
+            )
         return None
 
     def wait(self, fn: Callable[[], Any]) -> Any:
-        """fn() (which waits for the workers) on a daemon thread; RuntimeError as soon as a worker is gone (the
-        thread, blocked for good, is left behind: a daemon does not keep the process alive)."""
+        """fn() (which waits for the workers) on a daemon thread; RuntimeError as soon as a worker
+        is gone (the thread, blocked for good, is left behind: a daemon does not keep the process
+        alive)."""
         done: list[tuple[Any, BaseException | None]] = []
 
         def target() -> None:
@@ -226,7 +261,8 @@ class Workers:
         return result
 
     def watch(self) -> None:
-        """A worker that dies mid-step would leave rank 0 in a collective for ever: abort the groups instead."""
+        """A worker that dies mid-step would leave rank 0 in a collective for ever: abort the groups
+        instead."""
         while not self.stopping:
             if reason := self.dead():
                 self.failure = self.failure or reason
@@ -235,21 +271,27 @@ class Workers:
             time.sleep(0.2)
 
     def fail(self, error: BaseException) -> bool:
-        """A step broke: the ranks are out of step for good. Whether a worker died (it may take a moment to see)."""
+        """A step broke: the ranks are out of step for good. Whether a worker died (it may take a
+        moment to see)."""
         deadline = time.monotonic() + 2
         while (reason := self.dead()) is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        self.failure = self.failure or reason or f"a step failed on rank 0 ({type(error).__name__}: {error})"
+        self.failure = (
+            self.failure or reason or f"a step failed on rank 0 ({type(error).__name__}: {error})"
+        )
         return reason is not None
 
     def check(self) -> None:
         if self.failure is None:
             self.failure = self.dead()
         if self.failure is not None:
-            raise RuntimeError(f"the tensor-parallel engine cannot run: {self.failure}. Create a new LLM.")
+            raise RuntimeError(
+                f"the tensor-parallel engine cannot run: {self.failure}. Create a new LLM."
+            )
 
     def join(self, timeout: float = 10) -> None:
-        """Wait for the workers to exit (after "exit"), killing those still there after `timeout` seconds."""
+        """Wait for the workers to exit (after "exit"), killing those still there after `timeout`
+        seconds."""
         self.stopping = True
         for process in self.processes:
             process.join(timeout=timeout)
@@ -259,8 +301,8 @@ class Workers:
 
 
 # %% [markdown]
-# `sigint_held` in action, with a stand-in handler (a real Ctrl-C would stop this notebook): the first signal waits
-# for the block's end, a second one is passed on at once.
+# `sigint_held` in action, with a stand-in handler (a real Ctrl-C would stop this notebook): the
+# first signal waits for the block's end, a second one is passed on at once.
 
 # %%
 from minivllm.engine.workers import HeldSigint
@@ -278,10 +320,11 @@ print("a held Ctrl-C reaches its handler when the step ends; a second one at onc
 
 
 # %% [markdown]
-# A worker's life: check in (so rank 0 can tell "never started" from "died"), connect to rank 0's store, build its
-# groups, load its slice into a `ModelRunner`, then run what rank 0 sends until `exit`. Rank 0's runner changes three
-# methods: `call` tells the workers each method it runs (holding Ctrl-C until every rank is through), `launch` checks
-# that no worker died in the step, and `close` sends `exit`, frees the graphs, closes the groups, joins the workers.
+# A worker's life: check in (so rank 0 can tell "never started" from "died"), connect to rank 0's
+# store, build its groups, load its slice into a `ModelRunner`, then run what rank 0 sends until
+# `exit`. Rank 0's runner changes three methods: `call` tells the workers each method it runs
+# (holding Ctrl-C until every rank is through), `launch` checks that no worker died in the step, and
+# `close` sends `exit`, frees the graphs, closes the groups, joins the workers.
 
 
 # %% tags=["export"] module="minivllm.engine.workers"
@@ -293,12 +336,15 @@ def exit_with_parent(parent_pid: int) -> None:
 
 def worker_main(config: Config, rank: int, port: int, started: Any) -> None:
     started.set()  # this module imported: rank 0 can tell "died" from "never started"
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is rank 0's to handle: it tells the workers to exit
+    # Ctrl-C is rank 0's to handle: it tells the workers to exit
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=exit_with_parent, args=(os.getppid(),), daemon=True).start()
     device = rank_device(config, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False, timeout=START_TIMEOUT)
+    store = dist.TCPStore(
+        "127.0.0.1", port, config.tensor_parallel_size, is_master=False, timeout=START_TIMEOUT
+    )
     tp, control = make_groups(store, rank, config.tensor_parallel_size, device)
     aborted = True
     try:
@@ -315,7 +361,8 @@ def worker_main(config: Config, rank: int, port: int, started: Any) -> None:
 
 
 class TPModelRunner(ModelRunner):
-    """Rank 0 of `tensor_parallel_size` ranks: starts the others, tells them every call, never hangs on them."""
+    """Rank 0 of `tensor_parallel_size` ranks: starts the others, tells them every call, never hangs
+    on them."""
 
     def __init__(self, config: Config):
         device = rank_device(config, 0)
@@ -337,13 +384,15 @@ class TPModelRunner(ModelRunner):
                 broadcast_object((method, args), self.control, 0)
                 return getattr(self, method)(*args)
             except BaseException as e:
-                if self.workers.fail(e):  # the step broke because a worker died: say that, not "connection reset"
+                # the step broke because a worker died: say that, not "connection reset"
+                if self.workers.fail(e):
                     raise RuntimeError(self.workers.failure) from e
                 raise
 
     def launch(self, seqs: list[Sequence], is_prefill: bool) -> Callable[[], StepOutput]:
         out = super().launch(seqs, is_prefill)()  # waits: under TP no step runs ahead
-        self.workers.check()  # a worker died during the step: its all-reduces were aborted, the tokens are junk
+        # a worker died during the step: its all-reduces were aborted, the tokens are junk
+        self.workers.check()
         return lambda: out
 
     def close(self, abort: bool = False) -> None:
@@ -353,16 +402,18 @@ class TPModelRunner(ModelRunner):
         abort = abort or self.workers.failure is not None or self.workers.dead() is not None
         if not abort:
             broadcast_object(("exit", ()), self.control, 0)
-        super().close()  # the CUDA graphs before the groups: an NCCL group waits for the graphs that captured it
+        # the CUDA graphs before the groups: an NCCL group waits for the graphs that captured it
+        super().close()
         close_groups([self.tp.group, self.control], abort)
         self.workers.join()
 
 
 # %% [markdown]
 # ## TP 2 gives TP 1's tokens
-# On a CPU the same code runs over gloo: the core engine, asked for `tensor_parallel_size=2`, finds `TPModelRunner`
-# by name and spawns one worker. Greedy decoding must give the tokens of one rank (float32: the all-reduces add the
-# partial sums in another order, far below what changes a greedy pick on these prompts).
+# On a CPU the same code runs over gloo: the core engine, asked for `tensor_parallel_size=2`, finds
+# `TPModelRunner` by name and spawns one worker. Greedy decoding must give the tokens of one rank
+# (float32: the all-reduces add the partial sums in another order, far below what changes a greedy
+# pick on these prompts).
 
 # %%
 import multiprocessing
@@ -375,51 +426,78 @@ from minivllm.engine.workers import TPModelRunner
 path = CHECKPOINTS / "tiny"
 if not (path / "model.safetensors").is_file():
     write_checkpoint(path, "tiny", seed=0)
-config = dict(device="cpu", dtype=torch.float32, num_kvcache_blocks=128, max_num_seqs=8, max_model_len=1024)
-prompts, greedy = [list(range(1, 40)), [3] * 17, [5, 6, 7]], SamplingParams(temperature=0, max_tokens=12)
+config = dict(
+    device="cpu", dtype=torch.float32, num_kvcache_blocks=128, max_num_seqs=8, max_model_len=1024
+)
+prompts, greedy = (
+    [list(range(1, 40)), [3] * 17, [5, 6, 7]],
+    SamplingParams(temperature=0, max_tokens=12),
+)
 with LLM(str(path), **config) as one:
     expected = [out.outputs[0].token_ids for out in one.generate(prompts, greedy, use_tqdm=False)]
 with LLM(str(path), tensor_parallel_size=2, **config) as two:
-    assert isinstance(two.engine.runner, TPModelRunner) and len(two.engine.runner.workers.processes) == 1
-    assert [out.outputs[0].token_ids for out in two.generate(prompts, greedy, use_tqdm=False)] == expected
+    assert (
+        isinstance(two.engine.runner, TPModelRunner)
+        and len(two.engine.runner.workers.processes) == 1
+    )
+    assert [
+        out.outputs[0].token_ids for out in two.generate(prompts, greedy, use_tqdm=False)
+    ] == expected
     worker = two.engine.runner.workers.processes[0]
-    print(f"TP 2 on the CPU: rank 0 here (pid {os.getpid()}), rank 1 in pid {worker.pid}; same tokens as TP 1")
+    print(
+        f"TP 2 on the CPU: rank 0 here (pid {os.getpid()}), rank 1 in pid {worker.pid}; same "
+        f"tokens as TP 1"
+    )
 assert not multiprocessing.active_children()  # close() sent "exit" and joined the worker
 assert "minivllm.engine.workers" in sys.modules  # imported by name when TP 2 asked for it
 
 
 # %% [markdown]
 # ## On two H200s: when does it pay?
-# `python -m minivllm.benchmarks.tp` runs the same decode step and throughput workload on one GPU and split over two:
-# each GPU reads half the weights and KV, but every layer adds two all-reduces. Which wins for a 0.6B model?
+# `python -m minivllm.benchmarks.tp` runs the same decode step and throughput workload on one GPU
+# and split over two: each GPU reads half the weights and KV, but every layer adds two all-reduces.
+# Which wins for a 0.6B model?
 
 # %%
 from minivllm.benchmarks.tp import plot_tp
 
-tp_data = json.loads(Path("../figures/tp.json").read_text())  # needs two GPUs to re-measure: the committed run
+# needs two GPUs to re-measure: the committed run
+tp_data = json.loads(Path("../figures/tp.json").read_text())
 plot_tp(tp_data).savefig(FIGURES / "tensor_parallel_tp.png", dpi=120)
 step = {(r["tp"], r["batch"]): r["ms"] for r in tp_data["rows"] if r["kind"] == "decode_step"}
 run = {r["tp"]: r for r in tp_data["rows"] if r["kind"] == "throughput"}
 for batch in sorted({b for _, b in step}):
-    print(f"decode step, batch {batch:>3}: TP 1 {step[1, batch]:.2f} ms, TP 2 {step[2, batch]:.2f} ms")
+    print(
+        f"decode step, batch {batch:>3}: TP 1 {step[1, batch]:.2f} ms, TP 2 {step[2, batch]:.2f} ms"
+    )
 for tp, r in run.items():
-    print(f"TP {tp}: {r['tok_per_s']:,.0f} output tok/s, KV cache {r['kv_cache_tokens'] / 1e6:.2f} M tokens")
-for r in (r for r in tp_data["rows"] if r["kind"] == "startup"):  # python -c "LLM(...)": import to ready
+    print(
+        f"TP {tp}: {r['tok_per_s']:,.0f} output tok/s, KV cache {r['kv_cache_tokens'] / 1e6:.2f} "
+        f"M tokens"
+    )
+# python -c "LLM(...)": import to ready
+for r in (r for r in tp_data["rows"] if r["kind"] == "startup"):
     print(f"TP {r['tp']}, fresh process, start {r['attempt']}: ready in {r['ready_seconds']:.0f} s")
 
 # %% [markdown]
-# Work it out: a TP-2 forward makes 2 × 28 all-reduces (plus the embedding's and LM head's gathers, and rank 0's
-# message). At batch 1, when the step is all latency, what is the most one all-reduce can cost?
+# Work it out: a TP-2 forward makes 2 × 28 all-reduces (plus the embedding's and LM head's gathers,
+# and rank 0's message). At batch 1, when the step is all latency, what is the most one all-reduce
+# can cost?
 
 # %%
 added_ms = step[2, 1] - step[1, 1]
 per_allreduce_us = added_ms / (2 * 28) * 1e3  # 2 all-reduces per layer, 28 layers
-copy_tbps = json.loads(Path("../figures/decode.json").read_text())["copy_tbps"]  # the H200's copy bandwidth
+# the H200's copy bandwidth
+copy_tbps = json.loads(Path("../figures/decode.json").read_text())["copy_tbps"]
 weight_read_ms = 596e6 * 2 / (copy_tbps * 1e12) * 1e3  # 596 M bf16 parameters, read once
 print(f"TP 2 adds {added_ms:.2f} ms at batch 1: at most {per_allreduce_us:.0f} µs per all-reduce")
-print(f"one GPU reads all the weights in {weight_read_ms:.2f} ms, {weight_read_ms / added_ms:.0%} of what TP 2 adds")
+print(
+    f"one GPU reads all the weights in {weight_read_ms:.2f} ms, {weight_read_ms / added_ms:.0%} "
+    f"of what TP 2 adds"
+)
 
 # %% [markdown]
-# For a 0.6B model TP 2 does not pay in speed: one GPU reads all 1.2 GB of weights in under 0.3 ms, a fifth of what
-# the communication adds; every step gets slower, most at small batches. What it buys is memory (each GPU holds half of
-# the KV heads: twice the tokens), at a slower start. TP pays when weights or KV cache do not fit one GPU.
+# For a 0.6B model TP 2 does not pay in speed: one GPU reads all 1.2 GB of weights in under 0.3 ms,
+# a fifth of what the communication adds; every step gets slower, most at small batches. What it
+# buys is memory (each GPU holds half of the KV heads: twice the tokens), at a slower start. TP pays
+# when weights or KV cache do not fit one GPU.

@@ -31,7 +31,9 @@ class BlockDeepDives(importlib.abc.MetaPathFinder):
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname in self.names or fullname.startswith("minivllm.serve."):
-            raise ImportError(f"{fullname} is a deep dive's module: the core path must run without it")
+            raise ImportError(
+                f"{fullname} is a deep dive's module: the core path must run without it"
+            )
         return None
 
 
