@@ -159,7 +159,7 @@ def startup_split(llm: "LLM", marks: list[float], first: bool) -> str:
     then the generate call. marks: when this engine's turn began, LLM() was called, it returned,
     generate returned."""
     began, called, built, done = marks
-    phases = llm.engine.runner.startup_seconds
+    phases = llm.engine.core.runner.startup_seconds
     runner = ", ".join(f"{name} {seconds:.2f}" for name, seconds in phases.items())
     return (
         f"start-up: {'imports' if first else 'since the last engine'} {called - began:.2f} s, "

@@ -45,11 +45,11 @@ from multiprocessing.process import BaseProcess as Process
 from typing import Any
 
 from minivllm.config import Config
-from minivllm.engine.block_manager import BlockManager
-from minivllm.engine.core import Delta, EngineCore, run_core, serve_core
-from minivllm.engine.input_processor import InputProcessor, Prompt, Request, load_tokenizer
+from minivllm.engine.core import Delta, EngineCore
+from minivllm.engine.core_process import run_core, serve_core
+from minivllm.engine.input_processor import InputProcessor, Prompt, load_tokenizer
 from minivllm.engine.output_processor import OutputProcessor
-from minivllm.engine.sequence import Sequence, SequenceStatus
+from minivllm.engine.request import Request
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -118,19 +118,16 @@ class AsyncLLM:
             self.conn, self.process = start_core_process(str(config.model), kwargs)
             _, self.config, num_blocks = self.receive_first()
         else:
-            self.core = EngineCore(model, **kwargs)
+            self.config = Config(model, **kwargs)
+            self.core = EngineCore(self.config)
             self.conn, core_end = Pipe()
             self.process = threading.Thread(
                 target=serve_core, args=(core_end, self.core), name="minivllm-core"
             )
             self.process.start()
-            self.config, num_blocks = (
-                self.core.engine.config,
-                self.core.engine.scheduler.block_manager.num_blocks,
-            )
+            num_blocks = self.core.scheduler.block_manager.num_blocks
         self.tokenizer = load_tokenizer(self.config.tokenizer)
-        bm = BlockManager(num_blocks, self.config.block_size, self.config.enable_prefix_caching)
-        self.input_processor = InputProcessor(self.config, self.tokenizer, bm)
+        self.input_processor = InputProcessor(self.config, self.tokenizer, num_blocks)
         self.output_processor = OutputProcessor(self.tokenizer)
         # request_id -> stream, while its caller listens (hold lock)
         self.streams: dict[str, Stream] = {}
@@ -224,7 +221,7 @@ class AsyncLLM:
                     id_ = str(next(self.counter))
                 self.streams[id_] = stream  # held: nobody else takes the id while we tokenize
             try:
-                stream.request = self.input_processor.make_request(prompt, params, id_, "prompt")
+                request = self.input_processor.make_request(prompt, params, id_, "prompt")
             except BaseException:
                 self.remove(id_, stream)
                 raise
@@ -234,12 +231,14 @@ class AsyncLLM:
                     if self.error is not None:
                         raise self.dead_error()
                     return id_
+                stream.request = request
                 try:
                     # under lock: before any abort
-                    self.send(("add", id_, stream.request.prompt_token_ids, params))
+                    self.send(("add", id_, request.prompt_token_ids, request.params))
                 except EngineDeadError:
                     self.remove_locked(id_, stream, aborted=False)
                     raise
+                self.output_processor.add(request)
             return id_
 
         try:
@@ -279,6 +278,9 @@ class AsyncLLM:
         if self.streams.get(request_id) is not stream:
             return False
         del self.streams[request_id]
+        kept = self.output_processor.requests.get(request_id)
+        if kept is not None and kept is stream.request:  # its caller left: no text is needed
+            self.output_processor.abort([request_id])
         self.num_aborted += aborted
         return True
 
@@ -319,52 +321,21 @@ class AsyncLLM:
                 )
 
     def apply(self, deltas: list[tuple]) -> None:
-        """One step's new tokens: text, stop strings, and an output for each caller that wants
-        one."""
+        """One step's deltas: text, stop strings, and an output for each caller that wants one."""
         now = time.perf_counter()
-        with self.lock:
-            # d[0]: its id
-            streams = {d[0]: s for d in deltas if (s := self.streams.get(d[0])) and s.request}
-        stopped = []
-        for delta in map(Delta._make, deltas):  # plain tuples on the wire
-            if (stream := streams.get(delta.request_id)) is None:
-                continue  # its caller left
-            request = stream.request
-            assert request is not None
-            seq = request.seqs[delta.completion]
-            for k, token_id in enumerate(delta.token_ids):
-                if seq.is_finished:
-                    break  # a stop string ended it here: the core's later tokens are dropped
-                seq.append_token(token_id)
-                logprobs = delta.logprobs[k] if delta.logprobs is not None else None
-                prompt = delta.prompt_logprobs if k == 0 else None
-                if self.output_processor.process(request, seq, logprobs, prompt, now):
-                    finish(seq, "stop")
-                    stopped.append((delta.request_id, delta.completion))
-            if delta.finish_reason is not None and not seq.is_finished:
-                finish(seq, delta.finish_reason)
-        items: list[tuple[str, Stream, RequestOutput | BaseException]] = []
-        for request_id, stream in streams.items():
-            request = stream.request
-            assert request is not None
-            if all(seq.is_finished for seq in request.seqs):
-                request.metrics.finished_time = now
-                items.append((request_id, stream, self.output_processor.output(request)))
-            elif not stream.unread:
-                items.append((request_id, stream, self.output_processor.output(request, False)))
-        self.end_stopped(stopped, streams)
-        self.deliver(items)
-
-    def end_stopped(self, stopped: list[tuple[str, int]], streams: dict[str, Stream]) -> None:
-        """Tell the core which completions stop strings ended: a request all ended is aborted
-        there."""
-        for request_id, index in stopped:
-            request = streams[request_id].request
-            assert request is not None
-            if all(seq.is_finished for seq in request.seqs):
-                self.send(("abort", [request_id]))
-            else:
+        requests, stopped = self.output_processor.process(map(Delta._make, deltas), now)
+        for request_id, index in stopped:  # the core ends that completion (its request, if last)
+            with suppress(EngineDeadError):
                 self.send(("finish", request_id, index))
+        with self.lock:
+            streams = [(r, s) for r in requests if (s := self.streams.get(r.request_id))]
+        items: list[tuple[str, Stream, RequestOutput | BaseException]] = []
+        for request, stream in streams:
+            if stream.request is not request:
+                continue  # its caller left, and the id is another's now
+            if request.finished or not stream.unread:
+                items.append((request.request_id, stream, self.output_processor.output(request)))
+        self.deliver(items)
 
     def deliver(self, items: list[tuple[str, Stream, RequestOutput | BaseException]]) -> None:
         """Put each item on its stream; a stream whose loop has closed (its caller is gone) is
@@ -419,11 +390,6 @@ class AsyncLLM:
         self.conn.close()
         self.thread.join(timeout=5)
         self.writer.join(timeout=5)
-
-
-def finish(seq: Sequence, reason: str) -> None:
-    """End this process's copy of a completion (the core's scheduler ends the real one)."""
-    seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
 
 
 def start_core_process(model: str, kwargs: dict[str, Any]) -> tuple[Connection, Process]:

@@ -15,10 +15,11 @@
 # # 06 · The engine: vLLM's offline API, end to end
 #
 # **What this notebook builds.** The layer a user touches: `LLM(model=...).generate(prompts,
-# sampling_params)`, with vLLM's names, arguments and outputs. Under it, `LLMEngine` loops `schedule
-# → run → postprocess` until every request is done, beside an input processor (prompt → checked
-# request) and an output processor (tokens → text, stop strings, log-probabilities). It builds on
-# the model (02), the KV cache (03), the runner (04) and the scheduler (05).
+# sampling_params)`, with vLLM's names, arguments and outputs. Under it, vLLM v1's split: an
+# `EngineCore` (the scheduler and the runner: `schedule → run → postprocess`, token ids in and out)
+# and, around it, `LLMEngine`: an input processor (prompt → checked request) and an output
+# processor (tokens → text, stop strings, log-probabilities). It builds on the model (02), the KV
+# cache (03), the runner (04) and the scheduler (05).
 #
 # **What you will see.** The real Qwen3-0.6B (on a GPU), greedy output equal to transformers'
 # `generate`, KV blocks over a run, the course's final figures. Splitting the model over GPUs is the
@@ -43,13 +44,16 @@ CHECKPOINTS = Path(os.environ.get("MINIVLLM_CHECKPOINTS", "../build/checkpoints"
 random.seed(0)
 
 # %% [markdown]
-# ## The engine loop: schedule → run → postprocess
-# `LLMEngine` owns a runner, a `Scheduler` and a tokenizer; as in vLLM, `add_request` queues a
-# request's `Sequence`s, `abort_request` drops requests, and `step()` does the work: it returns the
-# requests that finished and the step's `StepStats` (`"idle"` with nothing queued). A step has three
-# phases: **schedule** (the scheduler of 05 picks the batch), **run** (the runner of 04 queues the
-# forward and sampler on the GPU, `launch`, then waits for the tokens) and **postprocess** (the
-# scheduler appends the tokens and frees what finished; the output processor makes the outputs).
+# ## The engine core: schedule → run → postprocess
+# `EngineCore` is the scheduler of 05 and the runner of 04, and nothing else: token ids in, token
+# ids out, no tokenizer (vLLM v1 splits its engine the same way). `add_request` takes a request's
+# prompt ids and one `SamplingParams` per completion, `abort_requests` drops requests, `finish`
+# ends a completion a front end stopped (a stop string), and `step()` runs one step and says what
+# it gave each completion: a `Delta` (new token ids, a finish reason once finished, log-probability
+# rows if asked), and the step's `StepStats` (`"idle"` with nothing queued). A step has three
+# phases: **schedule** (the scheduler picks the batch), **run** (the runner queues the forward and
+# sampler on the GPU, `launch`, then waits for the tokens) and **postprocess** (the scheduler
+# appends the tokens and frees what finished; the deltas are made).
 #
 # With **async scheduling** (on by default with one GPU) `step()` launches step N+1 before it reads
 # step N's tokens: `advance` gives each of step N's sequences a placeholder token,
@@ -60,32 +64,37 @@ random.seed(0)
 # the others. With `tensor_parallel_size > 1`, `make_runner` looks up the fast path "tensor
 # parallelism" by name.
 
-# %% tags=["export"] module="minivllm.engine.llm_engine"
-import atexit
-import gc
-import threading
+# %% tags=["export"] module="minivllm.engine.core"
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
+from typing import NamedTuple
 
 from minivllm.config import Config
 from minivllm.engine.fast_paths import fast_path
-from minivllm.engine.input_processor import InputProcessor, Prompt, Request, load_tokenizer
 from minivllm.engine.model_runner import ModelRunner, StepOutput
-from minivllm.engine.output_processor import OutputProcessor
 from minivllm.engine.scheduler import Scheduler, UnifiedScheduler
 from minivllm.engine.sequence import Sequence
-from minivllm.outputs import RequestOutput, StepStats
+from minivllm.layers.sampler import TokenLogprobs
+from minivllm.outputs import StepStats
 from minivllm.sampling_params import SamplingParams
 
 
-def make_runner(config: Config) -> ModelRunner:
-    return (
-        ModelRunner(config)
-        if config.tensor_parallel_size == 1
-        else fast_path("tensor parallelism")(config)
-    )
+class Delta(NamedTuple):  # what one completion got in one step: all a front end hears of it
+    request_id: str
+    completion: int  # which of the request's n completions
+    token_ids: list[int]  # its new tokens
+    finish_reason: str | None  # set once the core finished it ("stop": an EOS or stop id)
+    logprobs: list[TokenLogprobs] | None  # one row per new token, if asked
+    # (first position, rows): the prompt positions this step scored, if asked
+    prompt_logprobs: tuple[int, list[TokenLogprobs]] | None
+
+
+@dataclass(slots=True)
+class CoreRequest:
+    request_id: str
+    seqs: list[Sequence]  # one per completion
+    num_started: int = 0  # with prefix caching, seqs[1:] wait for seqs[0]'s prompt
 
 
 @dataclass(slots=True)
@@ -95,149 +104,96 @@ class Launched:  # a step queued on the GPU
     stats: StepStats
 
 
-class LLMEngine:
-    """Requests in, steps, outputs out. Thread-safe: one lock serialises every call that changes the
-    engine."""
+def make_runner(config: Config) -> ModelRunner:
+    if config.tensor_parallel_size == 1:
+        return ModelRunner(config)
+    return fast_path("tensor parallelism")(config)
 
-    def __init__(self, model: str | Path, **kwargs):
-        self.config = Config(model, **kwargs)
-        self.tokenizer = load_tokenizer(self.config.tokenizer)
-        self.runner = make_runner(self.config)
-        policy = UnifiedScheduler if self.config.scheduling_policy == "unified" else Scheduler
-        self.scheduler = policy(self.config, self.runner.num_kvcache_blocks)
-        self.input_processor = InputProcessor(
-            self.config, self.tokenizer, self.scheduler.block_manager
-        )
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.requests: dict[int, Request] = {}  # seq_id -> request, until it finishes or is aborted
-        # request_id -> request: the same requests, found by id in O(1)
-        self.live: dict[str, Request] = {}
-        # finished, not returned yet (kept back by a step given request_ids)
-        self.finished: list[RequestOutput] = []
-        # reentrant: LLM.generate holds it while it adds requests and steps
-        self.lock = threading.RLock()
-        self.launched: Launched | None = (
-            None  # async scheduling: the step on the GPU while the host goes on
-        )
-        gc.collect()
-        # start-up's objects last as long as the engine: Python's full collections now skip them
-        gc.freeze()
-        atexit.register(gc.unfreeze)  # (and the interpreter's last collection frees them)
 
-    def add_requests(
-        self,
-        prompts: list[Prompt],
-        sampling_params: list[SamplingParams | None],
-        request_ids: list[str | None] | None = None,
-    ) -> list[str]:
-        """Check every request, then queue them all: if one is bad, ValueError and none is queued.
-        Their ids."""
-        with self.lock:
-            ids = self.input_processor.request_ids(
-                request_ids or [None] * len(prompts), self.in_use
-            )
-            names = (
-                ["prompt"] if len(prompts) == 1 else [f"prompts[{i}]" for i in range(len(prompts))]
-            )
-            make = self.input_processor.make_request
-            requests = [
-                make(*args) for args in zip(prompts, sampling_params, ids, names, strict=True)
-            ]
-            for request in requests:
-                self.requests |= {seq.seq_id: request for seq in request.seqs}
-                self.live[request.request_id] = request
-                self.start(request, 1 if self.config.enable_prefix_caching else len(request.seqs))
-            return ids
+class EngineCore:
+    """The scheduler and the model runner: token ids in, what each step gave each completion out."""
 
-    def request_ids(self) -> set[str]:
-        """The ids in use: of unfinished requests, and of finished ones whose outputs step() has
-        kept back."""
-        return set(self.live) | {out.request_id for out in self.finished}
+    def __init__(self, config: Config):
+        self.config = config
+        self.runner = make_runner(config)
+        policy = UnifiedScheduler if config.scheduling_policy == "unified" else Scheduler
+        self.scheduler = policy(config, self.runner.num_kvcache_blocks)
+        self.requests: dict[str, CoreRequest] = {}  # request_id -> request, until it ends
+        self.owners: dict[int, CoreRequest] = {}  # seq_id -> its request
+        self.launched: Launched | None = None  # async scheduling: the step on the GPU
 
-    def in_use(
-        self, request_id: str
-    ) -> bool:  # O(1) for the live, O(kept outputs) for the finished
-        return request_id in self.live or any(out.request_id == request_id for out in self.finished)
+    def add_request(self, request_id: str, token_ids: list[int], params: list[SamplingParams]):
+        """Queue a checked request (the front end checks): one completion per SamplingParams."""
+        seqs = [Sequence(token_ids, p, self.config.block_size) for p in params]
+        request = CoreRequest(request_id, seqs)
+        self.requests[request_id] = request
+        self.owners |= {seq.seq_id: request for seq in seqs}
+        self.start(request, 1 if self.config.enable_prefix_caching else len(seqs))
 
-    def add_request(
-        self,
-        prompt: Prompt,
-        sampling_params: SamplingParams | None = None,
-        request_id: str | None = None,
-    ) -> str:
-        return self.add_requests([prompt], [sampling_params], [request_id])[0]
-
-    def start(self, request: Request, num_seqs: int) -> None:
-        """Give the scheduler seqs[:num_seqs] (with prefix caching, the siblings of n wait for
-        seqs[0]'s prompt)."""
+    def start(self, request: CoreRequest, num_seqs: int) -> None:
         for seq in request.seqs[request.num_started : num_seqs]:
             self.scheduler.add(seq)
         request.num_started = max(request.num_started, num_seqs)
 
-    def abort_request(self, request_ids: str | Iterable[str]) -> None:
-        """Drop these requests, unfinished or finished but not returned yet, and free their KV
-        blocks."""
-        ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
-        with self.lock:
-            for request in [self.live.pop(i) for i in ids if i in self.live]:
-                for seq in request.seqs:
-                    self.scheduler.abort(seq)
-                    del self.requests[seq.seq_id]
-            self.finished = [out for out in self.finished if out.request_id not in ids]
-            if self.launched and all(seq.is_finished for seq in self.launched.seqs):
-                self.launched = None  # a step launched ahead for these alone: nothing left to read
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Drop these requests, wherever they are, and free their KV blocks."""
+        for request in [self.requests.pop(i) for i in request_ids if i in self.requests]:
+            for seq in request.seqs:
+                self.scheduler.abort(seq)
+                del self.owners[seq.seq_id]
+        if self.launched and all(seq.is_finished for seq in self.launched.seqs):
+            self.launched = None  # a step launched ahead for these alone: nothing left to read
 
-    def step(
-        self, request_ids: Collection[str] | None = None
-    ) -> tuple[list[RequestOutput], StepStats]:
-        """Finish one step, if any request is queued: the outputs of the requests that finished
-        (only those in request_ids when given: the others are kept for a later step) and the step's
-        stats."""
-        with self.lock:
-            stats = (
-                StepStats("idle")
-                if self.scheduler.is_finished() and not self.launched
-                else self.run_step()
-            )
-            mine = [
-                out for out in self.finished if request_ids is None or out.request_id in request_ids
-            ]
-            self.finished = [
-                out
-                for out in self.finished
-                if not (request_ids is None or out.request_id in request_ids)
-            ]
-            return mine, stats
+    def finish(self, request_id: str, index: int) -> None:
+        """A front end ended completion `index` (a stop string): free it now. Harmless if the core
+        ended it (or its request) first."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        seq = request.seqs[index]
+        self.scheduler.finish(seq, "stop")
+        self.owners.pop(seq.seq_id, None)  # its later tokens, if a step holds it, are dropped
+        self.forget_if_done(request)
 
-    def run_step(self) -> StepStats:
-        """Finish the step the last call launched (or one launched now); launch the next first if
-        async."""
+    def forget_if_done(self, request: CoreRequest) -> bool:
+        if request.num_started < len(request.seqs):
+            return False
+        if not all(seq.is_finished for seq in request.seqs):
+            return False
+        del self.requests[request.request_id]
+        for seq in request.seqs:
+            self.owners.pop(seq.seq_id, None)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return not self.scheduler.is_finished() or self.launched is not None
+
+    def step(self) -> tuple[list[Delta], StepStats]:
+        """Finish one step (launching the next first, if async): its deltas and stats."""
+        if not self.has_unfinished_requests():
+            return [], StepStats("idle")
         step, self.launched = self.launched or self.launch(), None
         try:
             start = time.perf_counter()
             rows = self.scheduler.advance(step.seqs)  # placeholders for the tokens on their way
             advanced = time.perf_counter()
-            ahead = self.config.async_scheduling and not any(
-                seq.sampling_params.penalized for seq in step.seqs
-            )
-            if ahead and not self.scheduler.is_finished():
+            penalized = any(seq.sampling_params.penalized for seq in step.seqs)
+            if self.config.async_scheduling and not penalized and not self.scheduler.is_finished():
                 self.launched = self.launch()
             waiting = time.perf_counter()
             out = step.output()
             ran = time.perf_counter()
-            finished = self.scheduler.resolve(step.seqs, rows, out.token_ids)
+            self.scheduler.resolve(step.seqs, rows, out.token_ids)
             if self.launched and all(seq.is_finished for seq in self.launched.seqs):
-                self.launched = (
-                    None  # its rows all stopped at this step: nothing to read (the GPU finishes it)
-                )
+                self.launched = None  # its rows all stopped at this step: nothing to read
         except BaseException as e:
             self.abort_step(e, step.seqs + (self.launched.seqs if self.launched else []))
             self.launched = None
             raise
-        self.postprocess(step.seqs, out, finished, time.perf_counter())
+        deltas = self.postprocess(step.seqs, set(rows), out)
         step.stats.run_seconds += ran - waiting
         step.stats.postprocess_seconds = advanced - start + time.perf_counter() - ran
-        return step.stats
+        return deltas, step.stats
 
     def launch(self) -> Launched:
         """Schedule a step and queue it on the GPU; if that fails, its requests are aborted."""
@@ -250,77 +206,192 @@ class LLMEngine:
         except BaseException as e:
             self.abort_step(e, seqs)
             raise
-        mixed = is_prefill and any(
-            seq.num_completion_tokens > 0 and seq.num_scheduled_tokens == 1 for seq in seqs
-        )
-        # mixed: decode rows beside prompt rows
-        kind = "mixed" if mixed else "prefill" if is_prefill else "decode"
+        decoding = [seq.num_completion_tokens > 0 and seq.num_scheduled_tokens == 1 for seq in seqs]
+        kind = "mixed" if is_prefill and any(decoding) else "prefill" if is_prefill else "decode"
         num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
-        stats = StepStats(
-            kind, len(seqs), num_tokens, scheduled - start, time.perf_counter() - scheduled
-        )
-        return Launched(seqs, output, stats)
+        seconds = scheduled - start, time.perf_counter() - scheduled
+        return Launched(seqs, output, StepStats(kind, len(seqs), num_tokens, *seconds))
 
-    def postprocess(
-        self, seqs: list[Sequence], out: StepOutput, finished: list[Sequence], now: float
-    ) -> None:
-        """Stop strings, the siblings of n to start, and the outputs of the requests whose every
-        completion finished."""
-        for seq, logprobs, prompt_logprobs in zip(seqs, out.logprobs, out.prompt_logprobs):
-            if (request := self.requests.get(seq.seq_id)) is None:
-                continue  # aborted while its step ran
-            # only seqs[0] ran: its
+    def postprocess(self, seqs: list[Sequence], rows: set[int], out: StepOutput) -> list[Delta]:
+        """A Delta for each completion the step gave a token, scored a prompt for, or finished."""
+        deltas, finished = [], []
+        for row, seq in enumerate(seqs):
+            if (request := self.owners.get(seq.seq_id)) is None:
+                continue  # aborted, or stopped by its front end, while its step ran
             if seq.num_completion_tokens > 0 and request.num_started < len(request.seqs):
-                # prompt is cached now, and the others share its blocks
-                self.start(request, len(request.seqs))
-            # a stop string
-            if self.output_processor.process(request, seq, logprobs, prompt_logprobs, now):
-                finished += [] if seq.is_finished else [seq]
-                self.scheduler.finish(seq, "stop")
-        for request in {
-            self.requests[seq.seq_id].request_id: self.requests[seq.seq_id] for seq in finished
-        }.values():
-            if request.num_started == len(request.seqs) and all(
-                seq.is_finished for seq in request.seqs
-            ):
-                request.metrics.finished_time = now
-                for seq in request.seqs:
-                    del self.requests[seq.seq_id]
-                del self.live[request.request_id]
-                self.finished.append(self.output_processor.output(request))
+                self.start(request, len(request.seqs))  # seqs[0]'s prompt is cached now
+            new = [out.token_ids[row]] if row in rows else []
+            token_logprobs = out.logprobs[row]
+            logprobs = None if token_logprobs is None else [token_logprobs]
+            reason = seq.finish_reason if seq.is_finished else None
+            if new or reason or out.prompt_logprobs[row]:
+                index = request.seqs.index(seq)
+                prompt = out.prompt_logprobs[row]
+                deltas.append(Delta(request.request_id, index, new, reason, logprobs, prompt))
+            if seq.is_finished:
+                finished.append(request)
+        for request in finished:  # after the loop: a request's other rows may follow this one
+            if request.request_id in self.requests:
+                self.forget_if_done(request)
+        return deltas
 
     def abort_step(self, error: BaseException, seqs: list[Sequence] | None) -> None:
-        """Abort a failed step's requests (all, if its batch was not known yet), and name them on
-        the error."""
+        """Abort a failed step's requests (all, if its batch was not known yet), named on the
+        error."""
         if seqs is None:
-            ids = list(self.live)
+            ids = list(self.requests)
             self.abort_all()
         else:
-            ids = [
-                self.requests[seq.seq_id].request_id for seq in seqs if seq.seq_id in self.requests
-            ]
-            self.abort_request(ids)
-        error.add_note(
-            f"minivllm: the step failed; these requests were aborted: {list(dict.fromkeys(ids))}"
-        )
+            ids = [self.owners[seq.seq_id].request_id for seq in seqs if seq.seq_id in self.owners]
+            self.abort_requests(ids)
+        ids = list(dict.fromkeys(ids))
+        error.add_note(f"minivllm: the step failed; these requests were aborted: {ids}")
+
+    def abort_all(self) -> None:
+        """Drop every request; the scheduler resets its block manager."""
+        self.scheduler.abort_all()
+        self.requests.clear()
+        self.owners.clear()
+        self.launched = None
+
+    def stats(self) -> dict[str, float]:
+        bm = self.scheduler.block_manager
+        return {
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage": bm.num_used_blocks / bm.num_blocks,
+        }
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+# %% [markdown]
+# ## The engine: an input processor, an output processor and the core
+# `LLMEngine` is what `LLM` (below) and a user's own loop drive, with vLLM's names: `add_request`
+# tokenizes and checks a request (the **input processor**, below) and hands the core its token ids;
+# `step()` runs a core step and turns its deltas into text, stop strings and `RequestOutput`s (the
+# **output processor**, below); it returns the requests that finished and the step's stats. A stop
+# string is found here, where the text is: the engine tells the core to `finish` that completion.
+# The server's `AsyncLLM` (deep dive `engine_core`) is the same two processors around the same core,
+# run in a process of its own.
+
+# %% tags=["export"] module="minivllm.engine.llm_engine"
+import atexit
+import gc
+import threading
+import time
+from collections.abc import Collection, Iterable
+from pathlib import Path
+
+from minivllm.config import Config
+from minivllm.engine.core import Delta, EngineCore
+from minivllm.engine.input_processor import InputProcessor, Prompt, load_tokenizer
+from minivllm.engine.output_processor import OutputProcessor
+from minivllm.outputs import RequestOutput, StepStats
+from minivllm.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    """Requests in, steps, outputs out. Thread-safe: one lock serialises every call that changes the
+    engine."""
+
+    def __init__(self, model: str | Path, **kwargs):
+        self.config = Config(model, **kwargs)
+        self.tokenizer = load_tokenizer(self.config.tokenizer)
+        self.core = EngineCore(self.config)
+        num_blocks = self.core.scheduler.block_manager.num_blocks
+        self.input_processor = InputProcessor(self.config, self.tokenizer, num_blocks)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.finished: list[RequestOutput] = []  # not returned yet (a step given request_ids)
+        self.lock = threading.RLock()  # reentrant: LLM.generate holds it while it steps
+        gc.collect()
+        gc.freeze()  # start-up's objects live as long as the engine: full collections skip them
+        atexit.register(gc.unfreeze)  # (and the interpreter's last collection frees them)
+
+    def add_requests(
+        self,
+        prompts: list[Prompt],
+        sampling_params: list[SamplingParams | None],
+        request_ids: list[str | None] | None = None,
+    ) -> list[str]:
+        """Check every request, then queue them all: if one is bad, ValueError and none is queued.
+        Their ids."""
+        with self.lock:
+            ids = self.input_processor.request_ids(request_ids or [None] * len(prompts), self.in_use)
+            names = [f"prompts[{i}]" for i in range(len(prompts))] if len(prompts) > 1 else ["prompt"]
+            make = self.input_processor.make_request
+            requests = [make(*args) for args in zip(prompts, sampling_params, ids, names, strict=True)]
+            for request in requests:
+                self.output_processor.add(request)
+                self.core.add_request(request.request_id, request.prompt_token_ids, request.params)
+            return ids
+
+    def add_request(
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        return self.add_requests([prompt], [params], [request_id])[0]
+
+    def request_ids(self) -> set[str]:
+        """The ids in use: of unfinished requests, and of finished ones step() has kept back."""
+        return set(self.output_processor.requests) | {out.request_id for out in self.finished}
+
+    def in_use(self, request_id: str) -> bool:
+        kept = any(out.request_id == request_id for out in self.finished)
+        return request_id in self.output_processor.requests or kept
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Drop these requests, unfinished or finished but not returned yet; free their blocks."""
+        ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
+        with self.lock:
+            self.core.abort_requests(ids)
+            self.output_processor.abort(ids)
+            self.finished = [out for out in self.finished if out.request_id not in ids]
+
+    def step(
+        self, request_ids: Collection[str] | None = None
+    ) -> tuple[list[RequestOutput], StepStats]:
+        """One core step: the outputs of the requests that finished (only those in request_ids when
+        given: the others are kept for a later step) and the step's stats."""
+        with self.lock:
+            try:
+                deltas, stats = self.core.step()
+            except BaseException:  # the core aborted the step's requests: forget them here too
+                lost = set(self.output_processor.requests) - set(self.core.requests)
+                self.output_processor.abort(lost)
+                raise
+            if deltas:
+                self.process(deltas, stats)
+            if request_ids is None:
+                mine, self.finished = self.finished, []
+            else:
+                mine = [out for out in self.finished if out.request_id in request_ids]
+                self.finished = [out for out in self.finished if out.request_id not in request_ids]
+            return mine, stats
+
+    def process(self, deltas: list[Delta], stats: StepStats) -> None:
+        """Text, stop strings and outputs from a step's deltas (its time counts as postprocess)."""
+        start = time.perf_counter()
+        requests, stopped = self.output_processor.process(deltas, start)
+        for request_id, index in stopped:  # a stop string: the core frees that completion
+            self.core.finish(request_id, index)
+        self.finished += [self.output_processor.output(r) for r in requests if r.finished]
+        stats.postprocess_seconds += time.perf_counter() - start
 
     def has_unfinished_requests(self) -> bool:
-        """Whether step() has more to give: requests to run, a step to finish, or outputs it kept
-        back."""
-        return bool(self.finished) or not self.scheduler.is_finished() or self.launched is not None
+        """Whether step() has more to give: requests to run, a step to finish, kept outputs."""
+        return bool(self.finished) or self.core.has_unfinished_requests()
 
     def abort_all(self) -> None:
         """Drop every request and kept output; the scheduler resets its block manager."""
         with self.lock:
-            self.scheduler.abort_all()
-            self.requests.clear()
-            self.live.clear()
+            self.core.abort_all()
+            self.output_processor.abort(set(self.output_processor.requests))
             self.finished.clear()
-            self.launched = None
 
     def close(self) -> None:
         gc.unfreeze()  # what this engine held goes back to the collector (cycles among it included)
-        self.runner.close()
+        self.core.close()
 
 
 # %% [markdown]
@@ -555,6 +626,51 @@ class RequestOutput:
 
 
 # %% [markdown]
+# A front end (the engine, or the server's `AsyncLLM`) keeps each request as a `Request`: the
+# prompt, and one `Completion` per sample with the tokens the core has reported and its text so far.
+# The core keeps its own `Sequence`s; the two share only request ids and token ids.
+
+# %% tags=["export"] module="minivllm.engine.request"
+from dataclasses import dataclass, field
+
+from minivllm.outputs import Logprob, RequestMetrics
+from minivllm.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class Completion:
+    """A front end's view of one of a request's n completions: its tokens and its text so far."""
+
+    params: SamplingParams
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" or "length" once finished
+    text_end: int | None = None  # where its text ends, if a stop string ended it
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # one per token, if asked
+    running: tuple[str, int, int] = ("", 0, 0)  # see OutputProcessor.running_text
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class Request:
+    """A request as its front end keeps it: the prompt, and each completion as the core reports it."""
+
+    request_id: str
+    prompt: str | None  # the text, when the prompt was text
+    prompt_token_ids: list[int]
+    params: list[SamplingParams]  # one per completion (SamplingParams.n): the core's too
+    completions: list[Completion]
+    metrics: RequestMetrics
+    prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=lambda: [None])
+
+    @property
+    def finished(self) -> bool:
+        return all(c.is_finished for c in self.completions)
+
+
+# %% [markdown]
 # ### Requests in: the input processor
 # **Bad input never gets in.** `make_request` tokenizes a prompt and checks it before it touches any
 # state, with a `ValueError` naming the field and the allowed range; each request keeps its own copy
@@ -569,7 +685,6 @@ import dataclasses
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
 
@@ -577,9 +692,8 @@ import transformers
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from minivllm.config import Config
-from minivllm.engine.block_manager import BlockManager
-from minivllm.engine.sequence import Sequence
-from minivllm.outputs import Logprob, RequestMetrics
+from minivllm.engine.request import Completion, Request
+from minivllm.outputs import RequestMetrics
 from minivllm.sampling_params import SamplingParams, as_token_ids
 
 # text, or token ids: a list or tuple of ints, or a 1-D integer NumPy array / PyTorch tensor
@@ -635,34 +749,12 @@ def sample_params(params: SamplingParams) -> list[SamplingParams]:
     ]
 
 
-@dataclass(slots=True)
-class Request:
-    request_id: str
-    prompt: str | None  # the text, when the prompt was text
-    prompt_token_ids: list[int]
-    seqs: list[Sequence]  # one per completion (SamplingParams.n)
-    metrics: RequestMetrics
-    num_started: int = (
-        0  # seqs given to the scheduler: with prefix caching, seqs[1:] wait for seqs[0]'s prompt
-    )
-    # completion -> where its text ends (a stop string)
-    text_ends: dict[int, int] = field(default_factory=dict)
-    # completion -> one per token
-    logprobs: dict[int, list[dict[int, Logprob]]] = field(default_factory=dict)
-    # per prompt token
-    prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=lambda: [None])
-    # completion -> see running_text
-    texts: dict[int, tuple[str, int, int]] = field(default_factory=dict)
-
-
 class InputProcessor:
     """Prompts in, checked `Request`s out; it changes nothing (the engine queues what it
     returns)."""
 
-    def __init__(
-        self, config: Config, tokenizer: PreTrainedTokenizerBase | None, block_manager: BlockManager
-    ):
-        self.config, self.tokenizer, self.block_manager = config, tokenizer, block_manager
+    def __init__(self, config: Config, tokenizer: PreTrainedTokenizerBase | None, num_blocks: int):
+        self.config, self.tokenizer, self.num_blocks = config, tokenizer, num_blocks
         self.eos_token_ids = eos_token_ids(config.model, tokenizer, config.hf_config)
         self.counter = count()  # request ids the engine hands out
 
@@ -677,7 +769,8 @@ class InputProcessor:
 
     def check_request(self, token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError if this request cannot run."""
-        config, vocab_size, bm = self.config, self.config.hf_config.vocab_size, self.block_manager
+        config, vocab_size = self.config, self.config.hf_config.vocab_size
+        num_slots = self.num_blocks * config.block_size
         if not token_ids:
             raise ValueError("prompt is empty: it must hold at least one token")
         if len(token_ids) >= config.max_model_len:
@@ -685,10 +778,10 @@ class InputProcessor:
                 f"prompt has {len(token_ids)} tokens; it must be shorter than max_model_len="
                 f"{config.max_model_len} (prompt + at least one generated token)"
             )
-        if len(token_ids) + 1 > bm.num_slots:
+        if len(token_ids) + 1 > num_slots:
             raise ValueError(
-                f"prompt has {len(token_ids)} tokens; the whole KV cache holds {bm.num_slots} "
-                f"({bm.num_blocks} blocks of {bm.block_size}): it can never run"
+                f"prompt has {len(token_ids)} tokens; the whole KV cache holds {num_slots} "
+                f"({self.num_blocks} blocks of {config.block_size}): it can never run"
             )
         if bad := [t for t in token_ids if not 0 <= t < vocab_size]:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
@@ -743,123 +836,155 @@ class InputProcessor:
         params = self.request_params(params)
         token_ids = self.tokenize(prompt, name)
         self.check_request(token_ids, params)
-        seqs = [
-            Sequence(token_ids, p, self.block_manager.block_size) for p in sample_params(params)
-        ]
+        samples = sample_params(params)
+        completions = [Completion(p) for p in samples]
         text = prompt if isinstance(prompt, str) else None
-        return Request(request_id, text, token_ids, seqs, RequestMetrics(time.perf_counter()))
+        metrics = RequestMetrics(time.perf_counter())
+        return Request(request_id, text, token_ids, samples, completions, metrics)
 
 
 # %% [markdown]
 # ### Outputs out: the output processor
-# Stop *strings* are the output processor's, not the scheduler's (it sees only token ids): after
-# each step it detokenizes the replies that have one, and the engine finishes a reply holding one,
-# with reason `"stop"`. While a reply runs, `running_text` detokenizes its newest tokens only and
-# holds back what could begin a stop string. It also keeps each token's log-probabilities, and
-# gathers a request's n completions into one `RequestOutput`.
+# It keeps each request as the front end sees it (`Request`, one `Completion` per sample) and turns
+# the core's deltas into what a user reads. Stop *strings* are found here, not in the scheduler (it
+# sees only token ids): after each step it detokenizes the replies that have one, after their first
+# `min_tokens` tokens, and a reply holding one ends with reason `"stop"` (the engine tells the core).
+# While a reply runs, `running_text` detokenizes its newest tokens only and holds back what could
+# begin a stop string. It also keeps each token's log-probabilities, and gathers a request's n
+# completions into one `RequestOutput`.
 
 # %% tags=["export"] module="minivllm.engine.output_processor"
+from collections.abc import Iterable
 from typing import cast
 
 from transformers import PreTrainedTokenizerBase
 
-from minivllm.engine.input_processor import Request
-from minivllm.engine.sequence import Sequence
+from minivllm.engine.core import Delta
+from minivllm.engine.request import Completion, Request
 from minivllm.layers.sampler import TokenLogprobs
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 class OutputProcessor:
-    """A step's tokens in, what a user reads out: text, stop strings, log-probabilities,
+    """The core's deltas in, what a user reads out: text, stop strings, log-probabilities,
     `RequestOutput`s."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None):
         self.tokenizer = tokenizer
+        self.requests: dict[str, Request] = {}  # request_id -> request, until it finishes
+
+    def add(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        for request_id in request_ids:
+            self.requests.pop(request_id, None)
 
     def detokenize(self, token_ids: list[int]) -> str:
-        return (
-            ""
-            if self.tokenizer is None
-            else cast(str, self.tokenizer.decode(token_ids, skip_special_tokens=True))
-        )
+        if self.tokenizer is None:
+            return ""
+        return cast(str, self.tokenizer.decode(token_ids, skip_special_tokens=True))
 
     def process(
-        self,
-        request: Request,
-        seq: Sequence,
-        logprobs: TokenLogprobs | None,
-        prompt_logprobs: tuple[int, list[TokenLogprobs]] | None,
-        now: float,
-    ) -> bool:
-        """Record what a step gave seq (first-token time, log-probabilities); whether its text holds
-        a stop string."""
-        i = request.seqs.index(seq)
-        if request.metrics.first_token_time is None and seq.num_completion_tokens > 0:
-            request.metrics.first_token_time = now
-        # a new token
-        if logprobs is not None and len(request.logprobs.get(i, [])) < seq.num_completion_tokens:
-            request.logprobs.setdefault(i, []).append(self.logprobs(logprobs))
-        for position, row in (
-            enumerate(prompt_logprobs[1], prompt_logprobs[0]) if prompt_logprobs else ()
-        ):
-            # not scored before (a preempted prompt is redone)
-            if position == len(request.prompt_logprobs):
+        self, deltas: Iterable[Delta], now: float
+    ) -> tuple[list[Request], list[tuple[str, int]]]:
+        """A step's deltas: the requests they touched (a finished one is forgotten here), and the
+        completions a stop string ended, (request_id, index), which the core must finish."""
+        touched: dict[str, Request] = {}
+        stopped = []
+        for delta in deltas:
+            if (request := self.requests.get(delta.request_id)) is None:
+                continue  # aborted
+            touched[request.request_id] = request
+            completion = request.completions[delta.completion]
+            self.record_prompt_logprobs(request, delta.prompt_logprobs)
+            if self.append(request, completion, delta, now):
+                stopped.append((request.request_id, delta.completion))
+            if delta.finish_reason is not None and not completion.is_finished:
+                completion.finish_reason = delta.finish_reason
+        for request in touched.values():
+            if request.finished:
+                request.metrics.finished_time = now
+                self.requests.pop(request.request_id, None)
+        return list(touched.values()), stopped
+
+    def append(self, request: Request, completion: Completion, delta: Delta, now: float) -> bool:
+        """Append a delta's tokens (those before a stop string: the core's later ones are dropped);
+        whether a stop string ended the completion."""
+        for k, token_id in enumerate(delta.token_ids):
+            if completion.is_finished:
+                return False
+            completion.token_ids.append(token_id)
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            if delta.logprobs is not None:
+                completion.logprobs.append(self.logprobs(delta.logprobs[k]))
+            if completion.params.stop and self.find_stop(completion):
+                completion.finish_reason = "stop"
+                return True
+        return False
+
+    def record_prompt_logprobs(
+        self, request: Request, rows: tuple[int, list[TokenLogprobs]] | None
+    ) -> None:
+        for position, row in enumerate(rows[1], rows[0]) if rows else ():
+            if position == len(request.prompt_logprobs):  # not scored before (a preempted prompt)
                 request.prompt_logprobs.append(self.logprobs(row))
-        return bool(seq.sampling_params.stop) and self.find_stop(request, i)
 
     def logprobs(self, row: TokenLogprobs) -> dict[int, Logprob]:
-        return {
-            token: Logprob(logprob, rank, self.detokenize([token]))
-            for token, (logprob, rank) in row.items()
-        }
+        items = row.items()
+        return {token: Logprob(lp, rank, self.detokenize([token])) for token, (lp, rank) in items}
 
-    def find_stop(self, request: Request, i: int) -> bool:
-        """Whether completion i's text holds one of its stop strings; if so, `text_ends[i]` says
-        where it ends."""
-        params = request.seqs[i].sampling_params
-        text = self.detokenize(request.seqs[i].completion_token_ids)
-        hits = [(at, stop) for stop in params.stop if (at := text.find(stop)) >= 0]
+    def find_stop(self, completion: Completion) -> bool:
+        """Whether the completion's text, after its first `min_tokens` tokens' text, holds a stop
+        string; if so, `text_end` says where its text ends."""
+        params, token_ids = completion.params, completion.token_ids
+        if len(token_ids) < params.min_tokens:
+            return False
+        text = self.detokenize(token_ids)
+        after = len(self.detokenize(token_ids[: params.min_tokens])) if params.min_tokens else 0
+        hits = [(at, stop) for stop in params.stop if (at := text.find(stop, after)) >= 0]
         if hits:
             at, stop = min(hits)  # the first stop string in the text
-            request.text_ends[i] = at + len(stop) if params.include_stop_str_in_output else at
+            completion.text_end = at + len(stop) if params.include_stop_str_in_output else at
         return bool(hits)
 
-    def output(self, request: Request, finished: bool = True) -> RequestOutput:
-        first = request.seqs[0]
-        prompt_logprobs = (
-            None if first.sampling_params.prompt_logprobs is None else list(request.prompt_logprobs)
-        )
-        completions = [self.completion(request, i) for i in range(len(request.seqs))]
+    def output(self, request: Request) -> RequestOutput:
+        """The request's output so far (finished, if every completion is)."""
+        first = request.params[0]
+        prompt_logprobs = None if first.prompt_logprobs is None else list(request.prompt_logprobs)
+        completions = [self.completion(i, c) for i, c in enumerate(request.completions)]
         prompt, ids, metrics = request.prompt, request.prompt_token_ids, request.metrics
+        finished = request.finished
         return RequestOutput(
             request.request_id, prompt, ids, completions, finished, metrics, prompt_logprobs
         )
 
-    def completion(self, request: Request, i: int) -> CompletionOutput:
-        seq, params = request.seqs[i], request.seqs[i].sampling_params
-        token_ids = seq.completion_token_ids
-        text = self.detokenize(token_ids) if seq.is_finished else self.running_text(request, i)
-        text = text[: request.text_ends.get(i)]
-        if not seq.is_finished and params.stop:  # hold back what may be the start of a stop string
+    def completion(self, index: int, completion: Completion) -> CompletionOutput:
+        params, token_ids = completion.params, list(completion.token_ids)
+        done = completion.is_finished
+        text = self.detokenize(token_ids) if done else self.running_text(completion)
+        text = text[: completion.text_end]
+        if not done and params.stop:  # hold back what may be the start of a stop string
             text = text[: len(text) + 1 - max(map(len, params.stop))]
+        reason = completion.finish_reason
         if params.logprobs is None:
-            return CompletionOutput(i, text, token_ids, seq.finish_reason)
-        logprobs = list(request.logprobs.get(i, []))
+            return CompletionOutput(index, text, token_ids, reason)
+        logprobs = list(completion.logprobs)
         cumulative = sum(row[token].logprob for row, token in zip(logprobs, token_ids))
-        return CompletionOutput(i, text, token_ids, seq.finish_reason, logprobs, cumulative)
+        return CompletionOutput(index, text, token_ids, reason, logprobs, cumulative)
 
-    def running_text(self, request: Request, i: int) -> str:
-        """Completion i's text so far (detokenizing the whole reply at every step would cost
-        O(length²)). `texts[i]` = (text, start, read): text ends with tokens[start:read]'s; newer
+    def running_text(self, completion: Completion) -> str:
+        """The completion's text so far (detokenizing the whole reply at every step would cost
+        O(length²)). `running` = (text, start, read): text ends with tokens[start:read]'s; newer
         tokens are read once whole (no '\ufffd')."""
-        (text, start, read), seq = request.texts.get(i, ("", 0, 0)), request.seqs[i]
-        if seq.num_completion_tokens > read:
-            # from `start` on: no copy of the whole reply
-            tokens = seq.token_ids[seq.num_prompt_tokens + start :]
+        text, start, read = completion.running
+        if len(completion.token_ids) > read:
+            tokens = completion.token_ids[start:]
             known, new = self.detokenize(tokens[: read - start]), self.detokenize(tokens)
             if not new.endswith("\ufffd"):  # a token with no text (a special one, say) is read too
-                text, start, read = text + new[len(known) :], read, seq.num_completion_tokens
-                request.texts[i] = (text, start, read)
+                text, start, read = text + new[len(known) :], read, len(completion.token_ids)
+                completion.running = (text, start, read)
         return text
 
 
@@ -989,7 +1114,7 @@ for bad in ([[]], [[1, 2, vocab]], [[1] * max_len], [[1, 2, 3], [], [4, 5]]):
         print(f"{str(bad)[:20]:>20}: {e}")
 assert (
     not cpu_llm.engine.has_unfinished_requests()
-    and cpu_llm.engine.scheduler.block_manager.num_used_blocks == 0
+    and cpu_llm.engine.core.scheduler.block_manager.num_used_blocks == 0
 )
 # the engine still serves
 after = cpu_llm.generate([[1, 2, 3]], greedy, use_tqdm=False)[0].outputs[0].token_ids
@@ -1004,7 +1129,7 @@ assert after == hf.generate(torch.tensor([[1, 2, 3]]), **hf_greedy)[0, 3:].tolis
 
 # %%
 engine = LLM(str(tiny_path), device="cpu", num_kvcache_blocks=64, max_num_seqs=16).engine
-bm = engine.scheduler.block_manager
+bm = engine.core.scheduler.block_manager
 system_prompt = random.choices(range(2048), k=64)
 for i in range(24):
     prompt = (system_prompt if i % 3 == 0 else []) + random.choices(
@@ -1040,12 +1165,12 @@ ax.set(
     ylabel=f"KV blocks (of {bm.num_blocks})",
 )
 ax.set_title(
-    f"KV block occupancy over a run: 24 requests, {engine.scheduler.num_preemptions} preemptions"
+    f"KV block occupancy over a run: 24 requests, {engine.core.scheduler.num_preemptions} preemptions"
 )
 ax.legend(loc="upper right", fontsize=8)
 fig.savefig(FIGURES / "06_kv_occupancy.png", dpi=120)
 print(
-    f"{len(used)} steps, peak {max(used)} blocks used, {engine.scheduler.num_preemptions} "
+    f"{len(used)} steps, peak {max(used)} blocks used, {engine.core.scheduler.num_preemptions} "
     f"preemptions"
 )
 assert bm.num_used_blocks == 0 and max(used) > 0.8 * bm.num_blocks - 1

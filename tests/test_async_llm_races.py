@@ -99,14 +99,16 @@ def test_apply_survives_callers_coming_and_going_while_it_iterates(llm):
             del llm.streams["other-1"]
 
     llm.streams.update({"tripwire": Tripwire(come_and_go, request("tripwire")), **others})
+    for stream in list(llm.streams.values()):
+        llm.output_processor.add(stream.request)
     try:
-        llm.apply(
-            [Delta(i, 0, [], None, None, None) for i in ["tripwire", *others]]
-        )  # what runs after each step
+        deltas = [Delta(i, 0, [], None, None, None) for i in ["tripwire", *others]]
+        llm.apply(deltas)  # what runs after each step
         assert llm.streams["tripwire"].fired
     finally:
         for request_id in ["tripwire", "newcomer", *others]:
             llm.streams.pop(request_id, None)
+        llm.output_processor.abort(["tripwire", "newcomer", *others])
     assert llm.is_healthy()
     assert len(run(collect(llm, "Still alive?", 3))) >= 1  # and the engine still serves
 
@@ -115,7 +117,7 @@ def test_a_step_never_walks_the_queue(local):
     """Per step, the core looks at the batch it ran, not at every queued request: with hundreds waiting, a walk
     over them each step cost O(queue) per step (O(queue²) in all)."""
     walks, stepping = [], threading.local()
-    engine, core_step = local.core.engine, local.core.step
+    core, core_step = local.core, local.core.step
 
     def watched_step():
         stepping.on = True
@@ -124,7 +126,7 @@ def test_a_step_never_walks_the_queue(local):
         finally:
             stepping.on = False
 
-    engine.requests = WatchedDict(engine.requests, walks, lambda: getattr(stepping, "on", False))
+    core.requests = WatchedDict(core.requests, walks, lambda: getattr(stepping, "on", False))
     local.core.step = watched_step
     try:
 
@@ -133,7 +135,7 @@ def test_a_step_never_walks_the_queue(local):
 
         outs = run(many())
     finally:
-        engine.requests = dict(engine.requests)
+        core.requests = dict(core.requests)
         del local.core.step
     assert all(out[-1].finished for out in outs) and not walks
 
@@ -268,22 +270,22 @@ def test_a_caller_cancelled_while_its_request_is_added_leaves_nothing_behind(llm
 
 def test_a_failed_step_fails_only_its_requests_and_the_engine_goes_on(local):
     """A step that raises aborts its requests: their callers get the error; the engine lives on."""
-    engine = local.core.engine
-    step, calls = engine.step, []
+    core = local.core
+    step, calls = core.step, []
 
-    def failing_step(request_ids=None):
+    def failing_step():
         if not calls:
             calls.append(1)
-            engine.abort_all()  # as a failed step does with the requests it ran
+            core.abort_all()  # as a failed step does with the requests it ran
             raise RuntimeError("injected step failure")
-        return step(request_ids)
+        return step()
 
-    engine.step = failing_step
+    core.step = failing_step
     try:
         with pytest.raises(RuntimeError, match="injected step failure"):
             run(collect(local, "Doomed", 4))
     finally:
-        del engine.step
+        del core.step
     assert local.is_healthy() and not local.streams
     assert run(collect(local, "Fine again", 4))[-1].finished
 

@@ -40,7 +40,7 @@ def completions(llm: LLM, prompts, params) -> tuple[list[tuple], list[float]]:
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert (
         not llm.engine.has_unfinished_requests()
-        and llm.engine.scheduler.block_manager.num_used_blocks == 0
+        and llm.engine.core.scheduler.block_manager.num_used_blocks == 0
     )
     exact, values = [], []
     for o in outs:
@@ -71,8 +71,8 @@ def test_greedy_tokens_equal_transformers(tiny, hf_greedy, policy, regime):
         assert [o.outputs[0].token_ids for o in outs] == [
             hf_greedy(p, n) for p, n in zip(PROMPTS, MAX_TOKENS)
         ]
-        assert llm.engine.scheduler.block_manager.num_used_blocks == 0
-        assert (llm.engine.scheduler.num_preemptions > 0) == (regime == "preemption")
+        assert llm.engine.core.scheduler.block_manager.num_used_blocks == 0
+        assert (llm.engine.core.scheduler.num_preemptions > 0) == (regime == "preemption")
 
 
 @pytest.mark.parametrize("policy", ["prefill-first", "unified"])
@@ -137,7 +137,7 @@ class CallLog:
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_the_next_step_is_launched_before_this_ones_output_is_read(tiny, async_scheduling):
     with make_llm(tiny, async_scheduling) as llm:
-        log = CallLog(llm.engine.runner)
+        log = CallLog(llm.engine.core.runner)
         greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
         llm.generate(PROMPTS[:3], greedy, use_tqdm=False)
         steps = sum(kind == "launch" for kind, _ in log.events)
@@ -196,10 +196,10 @@ def test_a_step_launched_for_requests_that_then_stop_is_dropped(tiny, hf_greedy)
             use_tqdm=False,
         )
         assert out[0].outputs[0].finish_reason == "stop" and out[0].outputs[0].token_ids[-1] == stop
-        assert not llm.engine.has_unfinished_requests() and llm.engine.launched is None
+        assert not llm.engine.has_unfinished_requests() and llm.engine.core.launched is None
         assert (
             llm.engine.step()[1].kind == "idle"
-            and llm.engine.scheduler.block_manager.num_used_blocks == 0
+            and llm.engine.core.scheduler.block_manager.num_used_blocks == 0
         )
 
 
@@ -211,7 +211,7 @@ def test_an_abort_between_steps_leaves_nothing_behind(tiny, hf_greedy):
         engine.add_request(PROMPTS[1], greedy, "dropped")
         for _ in range(3):
             engine.step()
-        assert engine.launched is not None  # a step is on its way with both requests
+        assert engine.core.launched is not None  # a step is on its way with both requests
         engine.abort_request("dropped")
         outputs = []
         while engine.has_unfinished_requests():
@@ -219,7 +219,7 @@ def test_an_abort_between_steps_leaves_nothing_behind(tiny, hf_greedy):
         assert [(o.request_id, o.outputs[0].token_ids) for o in outputs] == [
             ("kept", hf_greedy(PROMPTS[0], 10))
         ]
-        assert not engine.requests and engine.scheduler.block_manager.num_used_blocks == 0
+        assert not engine.core.requests and engine.core.scheduler.block_manager.num_used_blocks == 0
         assert engine.step()[1].kind == "idle"
 
 

@@ -39,7 +39,7 @@ for name, kwargs in cases.items():
     chunks.clear()
     with LLM(sys.argv[2], max_model_len=512, device="cpu", **kwargs) as llm:  # fp32 on a CPU
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        scheduler = llm.engine.scheduler
+        scheduler = llm.engine.core.scheduler
         out[name] = {
             "tokens": [o.outputs[0].token_ids for o in outputs],
             "num_preemptions": scheduler.num_preemptions,

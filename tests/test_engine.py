@@ -97,7 +97,7 @@ def test_a_stop_string_ends_the_text_there_and_frees_the_blocks(llm, include):
     assert (
         out.token_ids == full.token_ids[: len(out.token_ids)] and len(out.token_ids) < 24
     )  # it stopped early
-    bm = llm.engine.scheduler.block_manager
+    bm = llm.engine.core.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_blocks
 
 
@@ -112,8 +112,8 @@ def test_a_running_reply_never_shows_text_it_takes_back(llm):
     partial, final = [], None
     while final is None:
         finished, _ = llm.engine.step()
-        if (request := llm.engine.live.get(request_id)) is not None:
-            partial.append(llm.engine.output_processor.output(request, False).outputs[0].text)
+        if (request := llm.engine.output_processor.requests.get(request_id)) is not None:
+            partial.append(llm.engine.output_processor.output(request).outputs[0].text)
         final = next(
             (out.outputs[0].text for out in finished if out.request_id == request_id), None
         )
@@ -127,13 +127,11 @@ def test_running_text_is_decoded_incrementally_and_equals_the_whole_decode(llm):
     engine, outputs, rng = llm.engine, llm.engine.output_processor, random.Random(0)
     for trial in range(20):
         request = engine.input_processor.make_request([1, 2, 3], GREEDY, f"r{trial}", "prompt")
-        seq = request.seqs[0]
+        completion = request.completions[0]
         for _ in range(60):
-            seq.append_token(rng.randrange(2048))
-            text, whole = (
-                outputs.running_text(request, 0),
-                outputs.detokenize(seq.completion_token_ids),
-            )
+            completion.token_ids.append(rng.randrange(2048))
+            text = outputs.running_text(completion)
+            whole = outputs.detokenize(completion.token_ids)
             assert whole.startswith(text)
             assert text == whole or whole.endswith("\ufffd")
 
@@ -183,11 +181,11 @@ def test_max_tokens_and_max_model_len_finish_with_length(llm):
     ],
 )
 def test_bad_requests_raise_and_change_nothing(llm, prompts, params, field):
-    free = llm.engine.scheduler.block_manager.num_free_blocks
+    free = llm.engine.core.scheduler.block_manager.num_free_blocks
     with pytest.raises(ValueError, match=field):
         llm.generate(prompts, params, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.scheduler.block_manager.num_free_blocks == free
+    assert llm.engine.core.scheduler.block_manager.num_free_blocks == free
     assert llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0].outputs[0].finish_reason == "length"
 
 
@@ -263,11 +261,11 @@ def test_two_threads_calling_generate_take_turns(llm, hf_greedy):
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(lambda _: llm.generate(prompts, GREEDY, use_tqdm=False), range(2)))
     assert all([out.outputs[0].token_ids for out in result] == alone for result in results)
-    assert not llm.engine.has_unfinished_requests() and not llm.engine.requests
+    assert not llm.engine.has_unfinished_requests() and not llm.engine.output_processor.requests and not llm.engine.core.requests
 
 
 def test_an_interrupted_generate_leaves_the_engine_usable(llm, hf_greedy):
-    runner = llm.engine.runner
+    runner = llm.engine.core.runner
     original, calls = runner.launch, []
 
     def failing_step(seqs, is_prefill):
@@ -283,7 +281,7 @@ def test_an_interrupted_generate_leaves_the_engine_usable(llm, hf_greedy):
     finally:
         runner.launch = original
     assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.scheduler.block_manager.num_used_blocks == 0
+    assert llm.engine.core.scheduler.block_manager.num_used_blocks == 0
     out = llm.generate([[3, 4]], GREEDY, use_tqdm=False)
     assert out[0].outputs[0].token_ids == hf_greedy([3, 4], 24)
 
@@ -317,10 +315,10 @@ def test_abort_drops_every_request_and_the_engine_goes_on(llm, hf_greedy):
     for i, prompt in enumerate([list(range(10, 50)), [3, 4, 5], list(range(60, 100))]):
         engine.add_request(prompt, GREEDY, f"abort-{i}")
     engine.step()  # one prefill: all three now hold blocks
-    assert engine.scheduler.block_manager.num_used_blocks > 0
+    assert engine.core.scheduler.block_manager.num_used_blocks > 0
     llm.abort()
-    assert not engine.has_unfinished_requests() and not engine.requests
-    bm = engine.scheduler.block_manager
+    assert not engine.has_unfinished_requests() and not engine.output_processor.requests
+    bm = engine.core.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_blocks and bm.num_cached_free_blocks == 0
     out = llm.generate(
         [list(range(10, 50))], GREEDY, use_tqdm=False
@@ -375,11 +373,10 @@ def test_tokenizer_loads_the_class_its_config_names_without_auto_tokenizer(tiny)
 def test_adding_aborting_and_stepping_never_walk_the_other_requests(llm):
     """Each add, abort and step looks up its own requests by id: a walk over every queued request
     made each of N adds O(N) (a flood of N requests O(N²) on the host)."""
-    engine, walks = llm.engine, []
-    engine.requests, engine.live = (
-        WatchedDict(engine.requests, walks),
-        WatchedDict(engine.live, walks),
-    )
+    engine, core, walks = llm.engine, llm.engine.core, []
+    front = engine.output_processor
+    front.requests = WatchedDict(front.requests, walks)
+    core.requests, core.owners = WatchedDict(core.requests, walks), WatchedDict(core.owners, walks)
     try:
         ids = [engine.add_request(f"Request {i}", SamplingParams(max_tokens=3)) for i in range(300)]
         engine.add_request("Named", SamplingParams(max_tokens=3), request_id="named")
@@ -389,5 +386,6 @@ def test_adding_aborting_and_stepping_never_walk_the_other_requests(llm):
             engine.step()
         assert walks == []
     finally:
-        engine.requests, engine.live = dict(engine.requests), dict(engine.live)
-    assert not engine.requests and not engine.live
+        front.requests = dict(front.requests)
+        core.requests, core.owners = dict(core.requests), dict(core.owners)
+    assert not front.requests and not core.requests and not core.owners

@@ -246,3 +246,48 @@ def test_no_two_modules_define_the_same_public_name():
         for name in public_definitions(path):
             homes.setdefault(name, []).append(str(path.relative_to(PACKAGE)))
     assert {name: where for name, where in homes.items() if len(where) > 1} == {}
+
+
+# Inside engine/: module -> the engine modules it may import (docs/ARCHITECTURE.md). The front end
+# (request, input and output processing) never reaches the runner or the scheduler; the core never
+# reaches the front end; the deep dives' modules sit on top.
+ENGINE_ALLOWED: dict[str, set[str]] = {
+    "__init__": set(),
+    "sequence": set(),
+    "block_manager": {"sequence"},
+    "step_inputs": {"sequence"},
+    "kv_cache": {"step_inputs"},
+    "fast_paths": set(),
+    "model_runner": {"fast_paths", "kv_cache", "sequence", "step_inputs"},
+    "scheduler": {"block_manager", "sequence", "step_inputs"},
+    "core": {"fast_paths", "model_runner", "scheduler", "sequence"},
+    "request": set(),
+    "input_processor": {"request"},
+    "output_processor": {"core", "request"},  # the core's Delta, a NamedTuple
+    "llm_engine": {"core", "input_processor", "output_processor"},
+    "core_process": {"core"},
+    "cascade": {"step_inputs"},
+    "cuda_graphs": {"cascade"},
+    "mixed_graphs": {"cuda_graphs"},
+    "sampler_warm_up": {"step_inputs"},
+    "warm_up": {"model_runner", "sampler_warm_up", "step_inputs"},
+    "workers": {"model_runner", "sequence"},
+}
+
+
+def test_each_engine_module_imports_only_what_its_row_allows():
+    engine = {
+        name: path
+        for name, path in modules().items()
+        if name == "minivllm.engine" or name.startswith("minivllm.engine.")
+    }
+    rows = {name.removeprefix("minivllm.engine").lstrip(".") or "__init__" for name in engine}
+    assert rows == set(ENGINE_ALLOWED), "every engine module has a row, and every row a module"
+    found = {}
+    for name, path in engine.items():
+        row = name.removeprefix("minivllm.engine").lstrip(".") or "__init__"
+        used = {m.removeprefix("minivllm.engine.") for m in imports(path)}
+        used = {m for m in used if m in ENGINE_ALLOWED} - {row}
+        if extra := used - ENGINE_ALLOWED[row]:
+            found[row] = extra
+    assert found == {}

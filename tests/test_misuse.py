@@ -34,8 +34,8 @@ def assert_idle(llm: LLM) -> None:
     """Nothing queued, nothing leaked: no request entry, no held KV block, no output kept back."""
     engine = llm.engine
     assert not engine.has_unfinished_requests()
-    assert not engine.requests
-    assert engine.scheduler.block_manager.num_used_blocks == 0
+    assert not engine.output_processor.requests and not engine.core.requests
+    assert engine.core.scheduler.block_manager.num_used_blocks == 0
     outputs, stats = engine.step()
     assert outputs == [] and stats.kind == "idle" and stats.num_tokens == 0
 
@@ -376,7 +376,7 @@ def test_a_failed_step_aborts_its_requests_and_the_engine_goes_on(tiny, hf_greed
         max_model_len=256,
         scheduling_policy=policy,
     ) as llm:
-        engine, runner = llm.engine, llm.engine.runner
+        engine, runner = llm.engine, llm.engine.core.runner
         engine.add_request([1, 2, 3], params, "survivor")
         engine.step()  # its prefill
         engine.add_request(long_a, params, "a")
@@ -403,7 +403,7 @@ def test_a_failed_step_aborts_its_requests_and_the_engine_goes_on(tiny, hf_greed
 
 
 def test_a_failed_decode_step_aborts_its_requests(llm, hf_greedy):
-    engine, runner = llm.engine, llm.engine.runner
+    engine, runner = llm.engine, llm.engine.core.runner
     prompt = list(
         range(300, 331)
     )  # 31 tokens: the first decode fills the second block, which is then cached
@@ -435,10 +435,11 @@ class Interrupter:
         self.at = self.moments = 0
         self.patched = []
         methods = {
-            engine: ["add_requests", "start", "step", "run_step", "launch", "postprocess"],
+            engine: ["add_requests", "step"],
+            engine.core: ["add_request", "start", "step", "launch", "postprocess", "finish"],
             engine.input_processor: ["make_request", "check_request"],
-            engine.scheduler: ["add", "schedule", "advance", "resolve", "finish"],
-            engine.runner: ["launch"],
+            engine.core.scheduler: ["add", "schedule", "advance", "resolve", "finish"],
+            engine.core.runner: ["launch"],
             engine.output_processor: ["process", "output"],
         }
         for owner, names in methods.items():
@@ -480,7 +481,7 @@ def test_an_interrupt_at_any_moment_of_generate_leaves_no_request_behind(llm, hf
         SamplingParams(max_tokens=3, n=2, seed=0),
         SamplingParams(max_tokens=4, stop_token_ids=[7]),
     ]
-    runner, vocab_size = llm.engine.runner, llm.engine.config.hf_config.vocab_size
+    runner, vocab_size = llm.engine.core.runner, llm.engine.config.hf_config.vocab_size
     runner.step_logits = lambda seqs, is_prefill: torch.randn(len(seqs), vocab_size)
     interrupter, config, counts = Interrupter(llm.engine), llm.engine.config, []
     try:

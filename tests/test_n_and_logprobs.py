@@ -21,7 +21,7 @@ def test_n_completions_share_the_prompts_blocks(llm):
     engine.add_request(
         PROMPT, SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=8, ignore_eos=True)
     )
-    (request,) = {r.request_id: r for r in engine.requests.values()}.values()
+    (request,) = engine.core.requests.values()
     engine.step()  # completion 0 computes the prompt; the others start once its blocks are cached
     assert request.num_started == 4 and all(len(seq.block_table) == 0 for seq in request.seqs[1:])
     _, stats = (
@@ -30,7 +30,7 @@ def test_n_completions_share_the_prompts_blocks(llm):
     assert stats.num_tokens == 3 * (len(PROMPT) - 64) + 1
     full = len(PROMPT) // 16
     assert all(seq.block_table[:full] == request.seqs[0].block_table[:full] for seq in request.seqs)
-    bm = engine.scheduler.block_manager
+    bm = engine.core.scheduler.block_manager
     assert all(bm.blocks[b].ref_count == 4 for b in request.seqs[0].block_table[:full])
     assert [seq.num_cached_tokens for seq in request.seqs[1:]] == [
         len(PROMPT)
@@ -40,7 +40,7 @@ def test_n_completions_share_the_prompts_blocks(llm):
     (out,) = finished
     assert [c.index for c in out.outputs] == [0, 1, 2, 3] and out.finished
     assert all(len(c.token_ids) == 8 and c.finish_reason == "length" for c in out.outputs)
-    assert engine.scheduler.block_manager.num_used_blocks == 0 and not engine.requests
+    assert engine.core.scheduler.block_manager.num_used_blocks == 0 and not engine.core.requests
 
 
 def test_n_with_a_seed_is_reproducible_and_sample_i_uses_seed_plus_i(llm):
@@ -105,8 +105,8 @@ def test_logprobs_and_prompt_logprobs_equal_transformers(tiny, hf_logprobs, conf
     ]
     with LLM(str(tiny), **{"num_kvcache_blocks": 256, "max_model_len": 256} | config) as llm:
         outs = llm.generate(prompts, params, use_tqdm=False)
-        assert llm.engine.scheduler.block_manager.num_used_blocks == 0
-        assert (llm.engine.scheduler.num_preemptions > 0) == ("num_kvcache_blocks" in config)
+        assert llm.engine.core.scheduler.block_manager.num_used_blocks == 0
+        assert (llm.engine.core.scheduler.num_preemptions > 0) == ("num_kvcache_blocks" in config)
     for prompt, p, out in zip(prompts, params, outs):
         (completion,) = out.outputs
         want = hf_logprobs(prompt + completion.token_ids)  # (len, vocab)
@@ -163,7 +163,7 @@ def check_n_and_logprobs(path: str, dtype, tolerance: float, agreement: float) -
         path, dtype=dtype, max_model_len=1024, max_num_batched_tokens=128, num_kvcache_blocks=256
     ) as llm:
         out, again = (llm.generate([prompt], params, use_tqdm=False)[0] for _ in range(2))
-        device = llm.engine.runner.device
+        device = llm.engine.core.runner.device
     assert [c.token_ids for c in out.outputs] == [c.token_ids for c in again.outputs]
     assert len({tuple(c.token_ids) for c in out.outputs}) == 4 and len(out.prompt_logprobs) == len(
         prompt

@@ -259,9 +259,9 @@ def test_a_caller_that_falls_behind_gets_the_newest_output_only(server, offline)
 
     output, built = llm.output_processor.output, []  # which outputs are built, for whom
 
-    def output_and_note(request, finished: bool = True):
-        built.append((request.request_id, finished))
-        return output(request, finished)
+    def output_and_note(request):
+        built.append((request.request_id, request.finished))
+        return output(request)
 
     apply, last_sent = llm.apply, threading.Event()
 

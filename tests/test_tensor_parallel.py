@@ -97,7 +97,7 @@ def test_an_engine_made_beside_a_tensor_parallel_one_is_whole(tiny, expected):
     """Ranks used to come from torch.distributed's global group: a TP 1 engine made while a TP 2 one was alive
     was built with half of each weight (and hung)."""
     with small_llm(tiny, 2) as tp2, small_llm(tiny, 1) as tp1:
-        qkv = tp1.engine.runner.model.model.layers[0].self_attn.qkv_proj.weight
+        qkv = tp1.engine.core.runner.model.model.layers[0].self_attn.qkv_proj.weight
         assert (
             qkv.shape[0] == (4 + 2 * 2) * 32
         )  # all 4 query and 2 KV heads of 32 dims: nothing split
@@ -135,7 +135,7 @@ def test_a_plain_runner_refuses_tensor_parallelism_without_its_ranks(tiny):
 def test_a_dead_worker_fails_fast_with_its_cause(tiny, device, when):
     with small_llm(tiny, 2, device) as llm:
         greedy_tokens(llm)
-        runner = llm.engine.runner
+        runner = llm.engine.core.runner
         worker = runner.workers.processes[0]
 
         def kill_worker() -> None:
@@ -219,7 +219,7 @@ if __name__ == "__main__":
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompts = [[1, 2, 3], [4, 5, 6, 7]]
     before = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-    runner, engine = llm.engine.runner, llm.engine
+    runner, engine = llm.engine.core.runner, llm.engine
     if moment == "in a step":  # rank 0 waits inside the generate's second step (every rank has begun it)
         execute, calls = runner.execute, []
 

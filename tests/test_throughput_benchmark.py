@@ -148,7 +148,7 @@ def test_each_timed_run_follows_a_warm_up_and_finds_nothing_cached(monkeypatch):
 
         def spy(llm, work, original=original, name=name):
             events.append(
-                (name, work.name, len(llm.engine.scheduler.block_manager.hash_to_block_id))
+                (name, work.name, len(llm.engine.core.scheduler.block_manager.hash_to_block_id))
             )
             return original(llm, work)
 

@@ -50,7 +50,7 @@ def idle_share(spans: list[Span]) -> dict:
 def time_steps(llm: LLM, workload: str) -> dict:
     """Run one workload with a pair of CUDA events around each step's launch; its throughput row and
     idle share."""
-    runner, events = llm.engine.runner, []
+    runner, events = llm.engine.core.runner, []
     launch = runner.launch
 
     def timed_launch(seqs, is_prefill):

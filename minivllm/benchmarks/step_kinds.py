@@ -35,7 +35,7 @@ def run_kinds(llm: LLM, work: Workload) -> dict:
     """One workload, step by step: seconds, tokens and sequences per kind of step."""
     engine = llm.engine
     # forget cached prefixes: a repeat computes its prompts again
-    engine.scheduler.block_manager.reset()
+    engine.core.scheduler.block_manager.reset()
     engine.add_requests(list[Prompt](work.prompts), list[SamplingParams | None](work.params))
     kinds: dict[str, dict] = defaultdict(lambda: dict(steps=0, seconds=0.0, tokens=0, seqs=0))
     start = time.perf_counter()
@@ -69,7 +69,7 @@ def run_step_kinds_benchmark(
         for graphs in (True, False) if torch.cuda.is_available() else (False,):
             with LLM(str(path), scheduling_policy=policy, async_scheduling=False, **config) as llm:
                 if not graphs:
-                    llm.engine.runner.mixed_graphs = None  # prefill and mixed steps run eagerly
+                    llm.engine.core.runner.mixed_graphs = None  # prefill and mixed steps run eagerly
                 # warm-up
                 llm.generate(["Benchmark: "], SamplingParams(max_tokens=4), use_tqdm=False)
                 for work in works:

@@ -149,7 +149,7 @@ def warm_up(llm: "LLM", work: Workload) -> None:
     llm.generate(
         work.prompts, [dataclasses.replace(p, max_tokens=2) for p in work.params], use_tqdm=False
     )
-    llm.engine.scheduler.block_manager.reset()
+    llm.engine.core.scheduler.block_manager.reset()
 
 
 def run_workload(llm: "LLM", work: Workload) -> dict:
@@ -225,7 +225,7 @@ def run_minivllm(path: Path, prompts, output_lens, **config) -> tuple[dict, dict
             SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens
         ]
         row = run_workload(llm, Workload("nano-vllm", prompts, params))
-        kv_cache_tokens = llm.engine.scheduler.block_manager.num_slots
+        kv_cache_tokens = llm.engine.core.scheduler.block_manager.num_slots
     finally:
         start = time.perf_counter()
         llm.close()
@@ -263,7 +263,7 @@ def decode_step_rows(
     batch size and impl ("minivllm-eager": a runner made with enforce_eager=True), and the size of
     the (first) runner's KV cache."""
     from minivllm.config import Config
-    from minivllm.engine.llm_engine import make_runner
+    from minivllm.engine.core import make_runner
 
     rows, cache = [], None
     for impl in impls:

@@ -4,7 +4,6 @@ import dataclasses
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from itertools import count
 from pathlib import Path
 
@@ -12,9 +11,8 @@ import transformers
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from minivllm.config import Config
-from minivllm.engine.block_manager import BlockManager
-from minivllm.engine.sequence import Sequence
-from minivllm.outputs import Logprob, RequestMetrics
+from minivllm.engine.request import Completion, Request
+from minivllm.outputs import RequestMetrics
 from minivllm.sampling_params import SamplingParams, as_token_ids
 
 # text, or token ids: a list or tuple of ints, or a 1-D integer NumPy array / PyTorch tensor
@@ -70,34 +68,12 @@ def sample_params(params: SamplingParams) -> list[SamplingParams]:
     ]
 
 
-@dataclass(slots=True)
-class Request:
-    request_id: str
-    prompt: str | None  # the text, when the prompt was text
-    prompt_token_ids: list[int]
-    seqs: list[Sequence]  # one per completion (SamplingParams.n)
-    metrics: RequestMetrics
-    num_started: int = (
-        0  # seqs given to the scheduler: with prefix caching, seqs[1:] wait for seqs[0]'s prompt
-    )
-    # completion -> where its text ends (a stop string)
-    text_ends: dict[int, int] = field(default_factory=dict)
-    # completion -> one per token
-    logprobs: dict[int, list[dict[int, Logprob]]] = field(default_factory=dict)
-    # per prompt token
-    prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=lambda: [None])
-    # completion -> see running_text
-    texts: dict[int, tuple[str, int, int]] = field(default_factory=dict)
-
-
 class InputProcessor:
     """Prompts in, checked `Request`s out; it changes nothing (the engine queues what it
     returns)."""
 
-    def __init__(
-        self, config: Config, tokenizer: PreTrainedTokenizerBase | None, block_manager: BlockManager
-    ):
-        self.config, self.tokenizer, self.block_manager = config, tokenizer, block_manager
+    def __init__(self, config: Config, tokenizer: PreTrainedTokenizerBase | None, num_blocks: int):
+        self.config, self.tokenizer, self.num_blocks = config, tokenizer, num_blocks
         self.eos_token_ids = eos_token_ids(config.model, tokenizer, config.hf_config)
         self.counter = count()  # request ids the engine hands out
 
@@ -112,7 +88,8 @@ class InputProcessor:
 
     def check_request(self, token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError if this request cannot run."""
-        config, vocab_size, bm = self.config, self.config.hf_config.vocab_size, self.block_manager
+        config, vocab_size = self.config, self.config.hf_config.vocab_size
+        num_slots = self.num_blocks * config.block_size
         if not token_ids:
             raise ValueError("prompt is empty: it must hold at least one token")
         if len(token_ids) >= config.max_model_len:
@@ -120,10 +97,10 @@ class InputProcessor:
                 f"prompt has {len(token_ids)} tokens; it must be shorter than max_model_len="
                 f"{config.max_model_len} (prompt + at least one generated token)"
             )
-        if len(token_ids) + 1 > bm.num_slots:
+        if len(token_ids) + 1 > num_slots:
             raise ValueError(
-                f"prompt has {len(token_ids)} tokens; the whole KV cache holds {bm.num_slots} "
-                f"({bm.num_blocks} blocks of {bm.block_size}): it can never run"
+                f"prompt has {len(token_ids)} tokens; the whole KV cache holds {num_slots} "
+                f"({self.num_blocks} blocks of {config.block_size}): it can never run"
             )
         if bad := [t for t in token_ids if not 0 <= t < vocab_size]:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
@@ -178,8 +155,8 @@ class InputProcessor:
         params = self.request_params(params)
         token_ids = self.tokenize(prompt, name)
         self.check_request(token_ids, params)
-        seqs = [
-            Sequence(token_ids, p, self.block_manager.block_size) for p in sample_params(params)
-        ]
+        samples = sample_params(params)
+        completions = [Completion(p) for p in samples]
         text = prompt if isinstance(prompt, str) else None
-        return Request(request_id, text, token_ids, seqs, RequestMetrics(time.perf_counter()))
+        metrics = RequestMetrics(time.perf_counter())
+        return Request(request_id, text, token_ids, samples, completions, metrics)

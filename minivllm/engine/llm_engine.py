@@ -4,34 +4,15 @@ import atexit
 import gc
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass
+from collections.abc import Collection, Iterable
 from pathlib import Path
 
 from minivllm.config import Config
-from minivllm.engine.fast_paths import fast_path
-from minivllm.engine.input_processor import InputProcessor, Prompt, Request, load_tokenizer
-from minivllm.engine.model_runner import ModelRunner, StepOutput
+from minivllm.engine.core import Delta, EngineCore
+from minivllm.engine.input_processor import InputProcessor, Prompt, load_tokenizer
 from minivllm.engine.output_processor import OutputProcessor
-from minivllm.engine.scheduler import Scheduler, UnifiedScheduler
-from minivllm.engine.sequence import Sequence
 from minivllm.outputs import RequestOutput, StepStats
 from minivllm.sampling_params import SamplingParams
-
-
-def make_runner(config: Config) -> ModelRunner:
-    return (
-        ModelRunner(config)
-        if config.tensor_parallel_size == 1
-        else fast_path("tensor parallelism")(config)
-    )
-
-
-@dataclass(slots=True)
-class Launched:  # a step queued on the GPU
-    seqs: list[Sequence]
-    output: Callable[[], StepOutput]  # waits for the step's tokens
-    stats: StepStats
 
 
 class LLMEngine:
@@ -41,26 +22,14 @@ class LLMEngine:
     def __init__(self, model: str | Path, **kwargs):
         self.config = Config(model, **kwargs)
         self.tokenizer = load_tokenizer(self.config.tokenizer)
-        self.runner = make_runner(self.config)
-        policy = UnifiedScheduler if self.config.scheduling_policy == "unified" else Scheduler
-        self.scheduler = policy(self.config, self.runner.num_kvcache_blocks)
-        self.input_processor = InputProcessor(
-            self.config, self.tokenizer, self.scheduler.block_manager
-        )
+        self.core = EngineCore(self.config)
+        num_blocks = self.core.scheduler.block_manager.num_blocks
+        self.input_processor = InputProcessor(self.config, self.tokenizer, num_blocks)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.requests: dict[int, Request] = {}  # seq_id -> request, until it finishes or is aborted
-        # request_id -> request: the same requests, found by id in O(1)
-        self.live: dict[str, Request] = {}
-        # finished, not returned yet (kept back by a step given request_ids)
-        self.finished: list[RequestOutput] = []
-        # reentrant: LLM.generate holds it while it adds requests and steps
-        self.lock = threading.RLock()
-        self.launched: Launched | None = (
-            None  # async scheduling: the step on the GPU while the host goes on
-        )
+        self.finished: list[RequestOutput] = []  # not returned yet (a step given request_ids)
+        self.lock = threading.RLock()  # reentrant: LLM.generate holds it while it steps
         gc.collect()
-        # start-up's objects last as long as the engine: Python's full collections now skip them
-        gc.freeze()
+        gc.freeze()  # start-up's objects live as long as the engine: full collections skip them
         atexit.register(gc.unfreeze)  # (and the interpreter's last collection frees them)
 
     def add_requests(
@@ -72,191 +41,77 @@ class LLMEngine:
         """Check every request, then queue them all: if one is bad, ValueError and none is queued.
         Their ids."""
         with self.lock:
-            ids = self.input_processor.request_ids(
-                request_ids or [None] * len(prompts), self.in_use
-            )
-            names = (
-                ["prompt"] if len(prompts) == 1 else [f"prompts[{i}]" for i in range(len(prompts))]
-            )
+            ids = self.input_processor.request_ids(request_ids or [None] * len(prompts), self.in_use)
+            names = [f"prompts[{i}]" for i in range(len(prompts))] if len(prompts) > 1 else ["prompt"]
             make = self.input_processor.make_request
-            requests = [
-                make(*args) for args in zip(prompts, sampling_params, ids, names, strict=True)
-            ]
+            requests = [make(*args) for args in zip(prompts, sampling_params, ids, names, strict=True)]
             for request in requests:
-                self.requests |= {seq.seq_id: request for seq in request.seqs}
-                self.live[request.request_id] = request
-                self.start(request, 1 if self.config.enable_prefix_caching else len(request.seqs))
+                self.output_processor.add(request)
+                self.core.add_request(request.request_id, request.prompt_token_ids, request.params)
             return ids
 
-    def request_ids(self) -> set[str]:
-        """The ids in use: of unfinished requests, and of finished ones whose outputs step() has
-        kept back."""
-        return set(self.live) | {out.request_id for out in self.finished}
-
-    def in_use(
-        self, request_id: str
-    ) -> bool:  # O(1) for the live, O(kept outputs) for the finished
-        return request_id in self.live or any(out.request_id == request_id for out in self.finished)
-
     def add_request(
-        self,
-        prompt: Prompt,
-        sampling_params: SamplingParams | None = None,
-        request_id: str | None = None,
+        self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None
     ) -> str:
-        return self.add_requests([prompt], [sampling_params], [request_id])[0]
+        return self.add_requests([prompt], [params], [request_id])[0]
 
-    def start(self, request: Request, num_seqs: int) -> None:
-        """Give the scheduler seqs[:num_seqs] (with prefix caching, the siblings of n wait for
-        seqs[0]'s prompt)."""
-        for seq in request.seqs[request.num_started : num_seqs]:
-            self.scheduler.add(seq)
-        request.num_started = max(request.num_started, num_seqs)
+    def request_ids(self) -> set[str]:
+        """The ids in use: of unfinished requests, and of finished ones step() has kept back."""
+        return set(self.output_processor.requests) | {out.request_id for out in self.finished}
+
+    def in_use(self, request_id: str) -> bool:
+        kept = any(out.request_id == request_id for out in self.finished)
+        return request_id in self.output_processor.requests or kept
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
-        """Drop these requests, unfinished or finished but not returned yet, and free their KV
-        blocks."""
+        """Drop these requests, unfinished or finished but not returned yet; free their blocks."""
         ids = {request_ids} if isinstance(request_ids, str) else set(request_ids)
         with self.lock:
-            for request in [self.live.pop(i) for i in ids if i in self.live]:
-                for seq in request.seqs:
-                    self.scheduler.abort(seq)
-                    del self.requests[seq.seq_id]
+            self.core.abort_requests(ids)
+            self.output_processor.abort(ids)
             self.finished = [out for out in self.finished if out.request_id not in ids]
-            if self.launched and all(seq.is_finished for seq in self.launched.seqs):
-                self.launched = None  # a step launched ahead for these alone: nothing left to read
 
     def step(
         self, request_ids: Collection[str] | None = None
     ) -> tuple[list[RequestOutput], StepStats]:
-        """Finish one step, if any request is queued: the outputs of the requests that finished
-        (only those in request_ids when given: the others are kept for a later step) and the step's
-        stats."""
+        """One core step: the outputs of the requests that finished (only those in request_ids when
+        given: the others are kept for a later step) and the step's stats."""
         with self.lock:
-            stats = (
-                StepStats("idle")
-                if self.scheduler.is_finished() and not self.launched
-                else self.run_step()
-            )
-            mine = [
-                out for out in self.finished if request_ids is None or out.request_id in request_ids
-            ]
-            self.finished = [
-                out
-                for out in self.finished
-                if not (request_ids is None or out.request_id in request_ids)
-            ]
+            try:
+                deltas, stats = self.core.step()
+            except BaseException:  # the core aborted the step's requests: forget them here too
+                lost = set(self.output_processor.requests) - set(self.core.requests)
+                self.output_processor.abort(lost)
+                raise
+            if deltas:
+                self.process(deltas, stats)
+            if request_ids is None:
+                mine, self.finished = self.finished, []
+            else:
+                mine = [out for out in self.finished if out.request_id in request_ids]
+                self.finished = [out for out in self.finished if out.request_id not in request_ids]
             return mine, stats
 
-    def run_step(self) -> StepStats:
-        """Finish the step the last call launched (or one launched now); launch the next first if
-        async."""
-        step, self.launched = self.launched or self.launch(), None
-        try:
-            start = time.perf_counter()
-            rows = self.scheduler.advance(step.seqs)  # placeholders for the tokens on their way
-            advanced = time.perf_counter()
-            ahead = self.config.async_scheduling and not any(
-                seq.sampling_params.penalized for seq in step.seqs
-            )
-            if ahead and not self.scheduler.is_finished():
-                self.launched = self.launch()
-            waiting = time.perf_counter()
-            out = step.output()
-            ran = time.perf_counter()
-            finished = self.scheduler.resolve(step.seqs, rows, out.token_ids)
-            if self.launched and all(seq.is_finished for seq in self.launched.seqs):
-                self.launched = (
-                    None  # its rows all stopped at this step: nothing to read (the GPU finishes it)
-                )
-        except BaseException as e:
-            self.abort_step(e, step.seqs + (self.launched.seqs if self.launched else []))
-            self.launched = None
-            raise
-        self.postprocess(step.seqs, out, finished, time.perf_counter())
-        step.stats.run_seconds += ran - waiting
-        step.stats.postprocess_seconds = advanced - start + time.perf_counter() - ran
-        return step.stats
-
-    def launch(self) -> Launched:
-        """Schedule a step and queue it on the GPU; if that fails, its requests are aborted."""
-        seqs = None
-        try:
-            start = time.perf_counter()
-            seqs, is_prefill = self.scheduler.schedule()
-            scheduled = time.perf_counter()
-            output = self.runner.launch(seqs, is_prefill)
-        except BaseException as e:
-            self.abort_step(e, seqs)
-            raise
-        mixed = is_prefill and any(
-            seq.num_completion_tokens > 0 and seq.num_scheduled_tokens == 1 for seq in seqs
-        )
-        # mixed: decode rows beside prompt rows
-        kind = "mixed" if mixed else "prefill" if is_prefill else "decode"
-        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs)
-        stats = StepStats(
-            kind, len(seqs), num_tokens, scheduled - start, time.perf_counter() - scheduled
-        )
-        return Launched(seqs, output, stats)
-
-    def postprocess(
-        self, seqs: list[Sequence], out: StepOutput, finished: list[Sequence], now: float
-    ) -> None:
-        """Stop strings, the siblings of n to start, and the outputs of the requests whose every
-        completion finished."""
-        for seq, logprobs, prompt_logprobs in zip(seqs, out.logprobs, out.prompt_logprobs):
-            if (request := self.requests.get(seq.seq_id)) is None:
-                continue  # aborted while its step ran
-            # only seqs[0] ran: its
-            if seq.num_completion_tokens > 0 and request.num_started < len(request.seqs):
-                # prompt is cached now, and the others share its blocks
-                self.start(request, len(request.seqs))
-            # a stop string
-            if self.output_processor.process(request, seq, logprobs, prompt_logprobs, now):
-                finished += [] if seq.is_finished else [seq]
-                self.scheduler.finish(seq, "stop")
-        for request in {
-            self.requests[seq.seq_id].request_id: self.requests[seq.seq_id] for seq in finished
-        }.values():
-            if request.num_started == len(request.seqs) and all(
-                seq.is_finished for seq in request.seqs
-            ):
-                request.metrics.finished_time = now
-                for seq in request.seqs:
-                    del self.requests[seq.seq_id]
-                del self.live[request.request_id]
-                self.finished.append(self.output_processor.output(request))
-
-    def abort_step(self, error: BaseException, seqs: list[Sequence] | None) -> None:
-        """Abort a failed step's requests (all, if its batch was not known yet), and name them on
-        the error."""
-        if seqs is None:
-            ids = list(self.live)
-            self.abort_all()
-        else:
-            ids = [
-                self.requests[seq.seq_id].request_id for seq in seqs if seq.seq_id in self.requests
-            ]
-            self.abort_request(ids)
-        error.add_note(
-            f"minivllm: the step failed; these requests were aborted: {list(dict.fromkeys(ids))}"
-        )
+    def process(self, deltas: list[Delta], stats: StepStats) -> None:
+        """Text, stop strings and outputs from a step's deltas (its time counts as postprocess)."""
+        start = time.perf_counter()
+        requests, stopped = self.output_processor.process(deltas, start)
+        for request_id, index in stopped:  # a stop string: the core frees that completion
+            self.core.finish(request_id, index)
+        self.finished += [self.output_processor.output(r) for r in requests if r.finished]
+        stats.postprocess_seconds += time.perf_counter() - start
 
     def has_unfinished_requests(self) -> bool:
-        """Whether step() has more to give: requests to run, a step to finish, or outputs it kept
-        back."""
-        return bool(self.finished) or not self.scheduler.is_finished() or self.launched is not None
+        """Whether step() has more to give: requests to run, a step to finish, kept outputs."""
+        return bool(self.finished) or self.core.has_unfinished_requests()
 
     def abort_all(self) -> None:
         """Drop every request and kept output; the scheduler resets its block manager."""
         with self.lock:
-            self.scheduler.abort_all()
-            self.requests.clear()
-            self.live.clear()
+            self.core.abort_all()
+            self.output_processor.abort(set(self.output_processor.requests))
             self.finished.clear()
-            self.launched = None
 
     def close(self) -> None:
         gc.unfreeze()  # what this engine held goes back to the collector (cycles among it included)
-        self.runner.close()
+        self.core.close()

@@ -19,10 +19,10 @@
 # vLLM v1 does. The server's process keeps the text: it tokenizes prompts, detokenizes tokens, looks
 # for stop strings and builds the replies. The two talk over a socket, one small message per step.
 #
-# **Where it sits.** It follows notebook 06 (the engine loop and `LLM.generate`). Nothing in the
-# core path needs it: the offline `LLM` runs its engine in its own process, as before. This deep
-# dive exports `minivllm.engine.core`; `minivllm/async_llm.py` (hand-written, with the server) is
-# its other end.
+# **Where it sits.** It follows notebook 06 (the engine core, the engine and `LLM.generate`).
+# Nothing in the core path needs it: the offline `LLM` runs its core in its own process, as before.
+# This deep dive exports `minivllm.engine.core_process`, notebook 06's `EngineCore` served over a
+# socket; `minivllm/async_llm.py` (hand-written, with the server) is its other end.
 #
 # **What you will see.** Why one process is not enough (measured on this machine), what crosses the
 # socket, the core's loop, the same tokens as `LLM.generate` through the process, a killed core
@@ -76,8 +76,8 @@ requests = [
 start = time.perf_counter()
 for token_id in reply_ids:  # each step: one token more for every request, and its output built
     for request in requests:
-        request.seqs[0].append_token(token_id)
-        processor.output(request, False)
+        request.completions[0].token_ids.append(token_id)
+        processor.output(request)
 per_step_ms = (time.perf_counter() - start) / len(reply_ids) * 1e3
 print(f"text for 256 requests: {per_step_ms:.1f} ms of Python per step, on this machine")
 
@@ -89,206 +89,90 @@ print(f"text for 256 requests: {per_step_ms:.1f} ms of Python per step, on this 
 
 # %% [markdown]
 # ## What crosses the socket
-# The API process tokenizes a prompt once and sends the core its token ids and `SamplingParams`
-# (stop strings left out: the core knows no text). After every step the core answers with a `Delta`
-# per completion that got tokens: the new token ids, a finish reason when the core finished it (an
-# EOS or stop id, or `max_tokens`), and the log-probability rows if asked. That is all it sends.
+# The API process tokenizes a prompt once and sends the core its token ids and one
+# `SamplingParams` per completion: ("add", request id, token ids, params). After every step the core
+# answers ("step", deltas, stats): notebook 06's `Delta` per completion that got something (new
+# token ids, a finish reason when the core finished it, log-probability rows if asked) and its
+# queue's size. The API process sends ("abort", ids) for callers that left and ("finish", id,
+# index) for a completion a stop string ended. That is all.
+#
+# ## The core's loop
+# `serve_core` runs notebook 06's `EngineCore` as a busy loop: take every message waiting, step if
+# there is work, send what the step gave; idle, wait for a message, saying "alive" once a second so
+# the API process can tell a quiet core from a hung one. A step that fails aborts its requests
+# (06): the loop names them in a ("failed", ids, why) message and goes on with the others.
+
 
 # %%
-# %% tags=["export"] module="minivllm.engine.core"
-import dataclasses
+# %% tags=["export"] module="minivllm.engine.core_process"
 import signal
 import time
 from multiprocessing.connection import Connection
-from typing import Any, NamedTuple
+from typing import Any
 
-from minivllm.engine.llm_engine import LLMEngine
-from minivllm.engine.output_processor import OutputProcessor
-from minivllm.layers.sampler import TokenLogprobs
-from minivllm.outputs import Logprob, RequestOutput
+from minivllm.config import Config
+from minivllm.engine.core import EngineCore
 
 
-class Delta(NamedTuple):  # what one completion got in one step: all that crosses the socket for it
-    request_id: str
-    completion: int  # which of the request's n completions
-    token_ids: list[int]  # its new tokens
-    finish_reason: str | None  # set once the core finished it ("stop": an EOS or stop id; "length")
-    logprobs: list[TokenLogprobs] | None  # one row per new token, if asked
-    # (first position, rows), once the prompt is scored
-    prompt_logprobs: tuple[int, list[TokenLogprobs]] | None
+def handle(core: EngineCore, message: tuple) -> None:
+    """Apply one message: ("add", id, token ids, params per completion), ("abort", ids) or
+    ("finish", id, index)."""
+    kind, *args = message
+    if kind == "add":
+        core.add_request(*args)
+    elif kind == "abort":
+        core.abort_requests(args[0])
+    elif kind == "finish":
+        core.finish(*args)
 
 
-def rows(logprobs: list[dict[int, Logprob]]) -> list[TokenLogprobs]:
-    return [{token: (lp.logprob, lp.rank) for token, lp in row.items()} for row in logprobs]
-
-
-# %% [markdown]
-# ## The core: an engine that speaks token ids
-# `EngineCore` is notebook 06's `LLMEngine` with its `OutputProcessor` given no tokenizer: no text
-# is made in the core. `handle` applies one message from the API process: add a request, abort some,
-# or finish one completion that a stop string ended (the API process found it in the text). `step`
-# runs one engine step and collects the deltas from the batch that ran (`scheduler.running`), never
-# from the whole queue: with thousands of requests waiting, a walk over all of them every step would
-# cost more than the step. `run` is the busy loop: take every message waiting, step if there is
-# work, send what the step gave; idle, wait for a message, saying "alive" once a second so the API
-# process can tell a quiet core from a hung one.
-
-
-# %%
-# %% tags=["export"] module="minivllm.engine.core"
-class EngineCore:
-    """An `LLMEngine` that takes token ids and gives token ids: no tokenizer, no text, no stop
-    strings (the API process does those). `handle` takes one message from the API process; `step`
-    runs one step and says what each completion got."""
-
-    def __init__(self, model: str, **kwargs):
-        self.engine = LLMEngine(model, **kwargs)
-        self.engine.output_processor = OutputProcessor(None)  # no detokenizing here
-        # request id -> tokens sent per completion, while it runs here
-        self.sent: dict[str, list[int]] = {}
-        self.prompt_sent: dict[str, int] = {}  # request id -> prompt logprob rows sent
-
-    def handle(self, message: tuple) -> list[tuple]:
-        """Apply one message: ("add", id, token ids, params), ("abort", ids) or ("finish", id,
-        index): a stop string ended that completion. What to answer (a request the engine refused
-        fails)."""
-        kind, *args = message
-        if kind == "add":
-            request_id, token_ids, params = args
+def run_loop(core: EngineCore, conn: Connection, heartbeat: float = 1.0) -> None:
+    """The busy loop, until ("shutdown",). Idle, it says ("alive", stats) every `heartbeat` s."""
+    last = time.monotonic()
+    while True:
+        busy = core.has_unfinished_requests()
+        while conn.poll(0 if busy else heartbeat):
+            message = conn.recv()
+            if message[0] == "shutdown":
+                return
+            handle(core, message)
+            busy = core.has_unfinished_requests()
+        if busy:
+            before = set(core.requests)
             try:
-                self.engine.add_request(token_ids, dataclasses.replace(params, stop=[]), request_id)
-            except ValueError as e:
-                return [("failed", [request_id], str(e))]
-            self.sent[request_id], self.prompt_sent[request_id] = [0] * params.n, 0
-        elif kind == "abort":
-            self.engine.abort_request(args[0])
-            for request_id in args[0]:
-                self.forget(request_id)
-        elif kind == "finish":
-            self.finish(*args)
-        return []
-
-    def finish(self, request_id: str, index: int) -> None:
-        """Completion `index` hit a stop string (its request's others run on)."""
-        if (request := self.engine.live.get(request_id)) is not None:
-            self.engine.scheduler.finish(request.seqs[index], "stop")
-
-    def forget(self, request_id: str) -> None:
-        self.sent.pop(request_id, None)
-        self.prompt_sent.pop(request_id, None)
-
-    def step(self) -> list[Delta]:
-        """One step; a Delta for each completion that got tokens or finished."""
-        finished, _ = self.engine.step()
-        deltas = [d for out in finished for d in self.finished_deltas(out)]
-        # only those can have new tokens: O(batch), not O(queue)
-        for seq in self.engine.scheduler.running:
-            request = self.engine.requests[seq.seq_id]
-            i, sent = request.seqs.index(seq), self.sent[request.request_id]
-            if seq.num_completion_tokens > sent[i]:
-                logprobs = request.logprobs.get(i)
-                new = rows(logprobs[sent[i] :]) if logprobs is not None else None
-                token_ids = seq.completion_token_ids[sent[i] :]
-                deltas.append(
-                    Delta(request.request_id, i, token_ids, None, new, self.prompt(request))
-                )
-                sent[i] = seq.num_completion_tokens
-        return deltas
-
-    def finished_deltas(self, out: RequestOutput) -> list[Delta]:
-        sent, deltas = self.sent[out.request_id], []
-        for c in out.outputs:
-            logprobs = rows(c.logprobs[sent[c.index] :]) if c.logprobs is not None else None
-            prompt = None
-            if out.prompt_logprobs is not None and not self.prompt_sent[out.request_id]:
-                # row 0 is None
-                prompt = (1, rows(out.prompt_logprobs[1:]))  # type: ignore[arg-type]
-                self.prompt_sent[out.request_id] = 1
-            token_ids = c.token_ids[sent[c.index] :]
-            deltas.append(
-                Delta(out.request_id, c.index, token_ids, c.finish_reason, logprobs, prompt)
-            )
-        self.forget(out.request_id)
-        return deltas
-
-    def prompt(self, request) -> tuple[int, list[TokenLogprobs]] | None:
-        """The prompt's log-probability rows, once, when the prompt is scored."""
-        wanted = request.seqs[0].sampling_params.prompt_logprobs is not None
-        if (
-            not wanted
-            or self.prompt_sent[request.request_id]
-            or len(request.prompt_logprobs) < len(request.prompt_token_ids)
-        ):
-            return None
-        self.prompt_sent[request.request_id] = 1
-        return 1, rows(request.prompt_logprobs[1:])
-
-    def lost(self) -> list[str]:
-        """After a failed step: the requests the engine aborted."""
-        lost = [request_id for request_id in self.sent if not self.engine.in_use(request_id)]
-        for request_id in lost:
-            self.forget(request_id)
-        return lost
-
-    def stats(self) -> dict[str, float]:
-        scheduler = self.engine.scheduler
-        bm = scheduler.block_manager
-        return {
-            "num_requests_running": len(scheduler.running),
-            "num_requests_waiting": len(scheduler.waiting),
-            "kv_cache_usage": bm.num_used_blocks / bm.num_blocks,
-        }
-
-    def run(self, conn: Connection, heartbeat: float = 1.0) -> None:
-        """The busy loop: take every message waiting, step if there is work, send what the step
-        gave. Idle, wait for a message (saying "alive" every `heartbeat` seconds). Ends on
-        ("shutdown",) or when the API process is gone (its end of the socket closed)."""
-        last = time.monotonic()
-        while True:
-            busy = self.engine.has_unfinished_requests()
-            while conn.poll(0 if busy else heartbeat):
-                message = conn.recv()
-                if message[0] == "shutdown":
-                    return
-                for answer in self.handle(message):
-                    conn.send(answer)
-                busy = self.engine.has_unfinished_requests()
-            if busy:
-                try:
-                    deltas = self.step()
-                except (
-                    Exception
-                ) as e:  # the engine aborted that step's requests: their callers get the error
-                    conn.send(("failed", self.lost(), f"the step failed ({e})"))
-                    continue
-                # plain tuples pickle 5x faster
-                conn.send(("step", [tuple(d) for d in deltas], self.stats()))
-                last = time.monotonic()
-            elif time.monotonic() - last >= heartbeat:
-                conn.send(("alive", self.stats()))
-                last = time.monotonic()
+                deltas, _ = core.step()
+            except Exception as e:  # the core aborted the step's requests: their callers hear why
+                lost = sorted(before - set(core.requests))
+                conn.send(("failed", lost, f"the step failed ({e})"))
+                continue
+            conn.send(("step", [tuple(d) for d in deltas], core.stats()))  # tuples pickle 5x faster
+            last = time.monotonic()
+        elif time.monotonic() - last >= heartbeat:
+            conn.send(("alive", core.stats()))
+            last = time.monotonic()
 
 
 # %% [markdown]
-# The process's entry point loads the engine and says "ready" (or sends the exception that stopped
+# The process's entry point loads the core and says "ready" (or sends the exception that stopped
 # it, so the server prints the same one-line error as before). Ctrl-C belongs to the API process: it
 # stops the core by message; if the API process dies, the core's end of the socket closes and the
 # core exits too, so no process is left behind.
 
 
 # %%
-# %% tags=["export"] module="minivllm.engine.core"
+# %% tags=["export"] module="minivllm.engine.core_process"
 def run_core(conn: Connection, model: str, kwargs: dict[str, Any]) -> None:
-    """The engine core process: load the engine, say ("ready", config, number of KV blocks) or
+    """The engine core process: load the core, say ("ready", config, number of KV blocks) or
     ("error", exception), then serve messages until shutdown. Ctrl-C is the API process's to handle:
     it stops the core."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        core = EngineCore(model, **kwargs)
+        config = Config(model, **kwargs)
+        core = EngineCore(config)
     except BaseException as e:
         conn.send(("error", e))
         return
-    conn.send(("ready", core.engine.config, core.engine.scheduler.block_manager.num_blocks))
+    conn.send(("ready", config, core.scheduler.block_manager.num_blocks))
     serve_core(conn, core)
 
 
@@ -296,34 +180,36 @@ def serve_core(conn: Connection, core: EngineCore) -> None:
     """Run the core until shutdown or until the API process is gone (its end of the socket
     closed)."""
     try:
-        core.run(conn)
+        run_loop(core, conn)
     except (EOFError, OSError):
         pass
     finally:
-        core.engine.close()
+        core.close()
         conn.close()
 
 
 # %% [markdown]
 # ## The core alone: the same tokens as `LLM.generate`
-# Before any process: drive an `EngineCore` by hand, one message in, deltas out, and rebuild each
-# completion from its deltas.
+# Before any process: drive a core by hand, messages in, deltas out, and rebuild the completion
+# from its deltas.
 
 # %%
+from minivllm.config import Config
 from minivllm.engine.core import EngineCore
+from minivllm.engine.core_process import handle
 
-core = EngineCore(str(path), **config)
+core = EngineCore(Config(str(path), **config))
 prompt_ids = engine.tokenizer.encode("The Earth is about")
-core.handle(("add", "a", prompt_ids, SamplingParams(temperature=0, max_tokens=12)))
+greedy = SamplingParams(temperature=0, max_tokens=12)
+handle(core, ("add", "a", prompt_ids, [greedy]))
 tokens: list[int] = []
-while core.engine.has_unfinished_requests():
-    for delta in core.step():
+while core.has_unfinished_requests():
+    deltas, _ = core.step()
+    for delta in deltas:
         tokens += delta.token_ids
         if delta.finish_reason:
             print("finished:", delta.finish_reason)
-expected = llm.generate([prompt_ids], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[
-    0
-].outputs[0]
+expected = llm.generate([prompt_ids], greedy, use_tqdm=False)[0].outputs[0]
 print(engine.tokenizer.decode(tokens))
 assert tokens == expected.token_ids
 
@@ -360,11 +246,11 @@ print(
 # `NamedTuple` names its class in every row, ~5x slower.
 #
 # ## The API process: `AsyncLLM`
-# `minivllm/async_llm.py` is the other end. `generate` tokenizes and checks the request on an
+# `minivllm/async_llm.py` is the other end: notebook 06's input processor and output processor
+# around this socket instead of an `EngineCore`. `generate` tokenizes and checks the request on an
 # executor thread (no lock held: a long prompt stalls nobody), sends it, and yields `RequestOutput`s
-# as deltas arrive. Its output thread appends each delta's tokens to its own copy of the request and
-# runs notebook 06's `OutputProcessor`: text, stop strings (then it tells the core to finish that
-# completion), log-probabilities. Below: the core in its own process, and the same greedy tokens as
+# as deltas arrive. Its output thread hands each step's deltas to the `OutputProcessor`: text, stop
+# strings (then it tells the core to finish that completion), log-probabilities. Below: the core in its own process, and the same greedy tokens as
 # `LLM.generate`.
 
 # %%

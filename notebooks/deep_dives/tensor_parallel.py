@@ -437,13 +437,13 @@ with LLM(str(path), **config) as one:
     expected = [out.outputs[0].token_ids for out in one.generate(prompts, greedy, use_tqdm=False)]
 with LLM(str(path), tensor_parallel_size=2, **config) as two:
     assert (
-        isinstance(two.engine.runner, TPModelRunner)
-        and len(two.engine.runner.workers.processes) == 1
+        isinstance(two.engine.core.runner, TPModelRunner)
+        and len(two.engine.core.runner.workers.processes) == 1
     )
     assert [
         out.outputs[0].token_ids for out in two.generate(prompts, greedy, use_tqdm=False)
     ] == expected
-    worker = two.engine.runner.workers.processes[0]
+    worker = two.engine.core.runner.workers.processes[0]
     print(
         f"TP 2 on the CPU: rank 0 here (pid {os.getpid()}), rank 1 in pid {worker.pid}; same "
         f"tokens as TP 1"
