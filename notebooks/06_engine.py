@@ -318,10 +318,16 @@ class LLMEngine:
         """Check every request, then queue them all: if one is bad, ValueError and none is queued.
         Their ids."""
         with self.lock:
-            ids = self.input_processor.request_ids(request_ids or [None] * len(prompts), self.in_use)
-            names = [f"prompts[{i}]" for i in range(len(prompts))] if len(prompts) > 1 else ["prompt"]
+            ids = self.input_processor.request_ids(
+                request_ids or [None] * len(prompts), self.in_use
+            )
+            names = (
+                [f"prompts[{i}]" for i in range(len(prompts))] if len(prompts) > 1 else ["prompt"]
+            )
             make = self.input_processor.make_request
-            requests = [make(*args) for args in zip(prompts, sampling_params, ids, names, strict=True)]
+            requests = [
+                make(*args) for args in zip(prompts, sampling_params, ids, names, strict=True)
+            ]
             for request in requests:
                 self.output_processor.add(request)
                 self.core.add_request(request.request_id, request.prompt_token_ids, request.params)
@@ -655,7 +661,7 @@ class Completion:
 
 @dataclass(slots=True)
 class Request:
-    """A request as its front end keeps it: the prompt, and each completion as the core reports it."""
+    """A request as its front end keeps it: its prompt, and each completion as the core says."""
 
     request_id: str
     prompt: str | None  # the text, when the prompt was text
@@ -848,7 +854,7 @@ class InputProcessor:
 # It keeps each request as the front end sees it (`Request`, one `Completion` per sample) and turns
 # the core's deltas into what a user reads. Stop *strings* are found here, not in the scheduler (it
 # sees only token ids): after each step it detokenizes the replies that have one, after their first
-# `min_tokens` tokens, and a reply holding one ends with reason `"stop"` (the engine tells the core).
+# `min_tokens` tokens, and a reply holding one ends with reason `"stop"` (the core is told).
 # While a reply runs, `running_text` detokenizes its newest tokens only and holds back what could
 # begin a stop string. It also keeps each token's log-probabilities, and gathers a request's n
 # completions into one `RequestOutput`.
@@ -1129,7 +1135,8 @@ assert after == hf.generate(torch.tensor([[1, 2, 3]]), **hf_greedy)[0, 3:].tolis
 
 # %%
 engine = LLM(str(tiny_path), device="cpu", num_kvcache_blocks=64, max_num_seqs=16).engine
-bm = engine.core.scheduler.block_manager
+scheduler = engine.core.scheduler
+bm = scheduler.block_manager
 system_prompt = random.choices(range(2048), k=64)
 for i in range(24):
     prompt = (system_prompt if i % 3 == 0 else []) + random.choices(
@@ -1164,15 +1171,10 @@ ax.set(
     xlabel="engine step (red lines: steps that compute prompt tokens)",
     ylabel=f"KV blocks (of {bm.num_blocks})",
 )
-ax.set_title(
-    f"KV block occupancy over a run: 24 requests, {engine.core.scheduler.num_preemptions} preemptions"
-)
+ax.set_title(f"KV block occupancy over a run: 24 requests, {scheduler.num_preemptions} preemptions")
 ax.legend(loc="upper right", fontsize=8)
 fig.savefig(FIGURES / "06_kv_occupancy.png", dpi=120)
-print(
-    f"{len(used)} steps, peak {max(used)} blocks used, {engine.core.scheduler.num_preemptions} "
-    f"preemptions"
-)
+print(f"{len(used)} steps, peak {max(used)} blocks used, {scheduler.num_preemptions} preemptions")
 assert bm.num_used_blocks == 0 and max(used) > 0.8 * bm.num_blocks - 1
 phases = ("schedule", "run", "postprocess")
 for kind in ("prefill", "mixed", "decode"):

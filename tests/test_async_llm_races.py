@@ -353,7 +353,9 @@ def test_a_core_that_stops_reading_is_reported_while_writes_to_it_block(tiny):
     whose requests are being written, and every other, must still get EngineDeadError after the timeout: no write
     may block while it holds a lock the output thread needs to report the death."""
     llm = AsyncLLM(str(tiny), timeout=2.0, **CONFIG)
-    prompts = [[random.randrange(3, 2000) for _ in range(500)] for _ in range(300)]  # ~0.5 MB of token ids
+    prompts = [
+        [random.randrange(3, 2000) for _ in range(500)] for _ in range(300)
+    ]  # ~0.5 MB of token ids
 
     async def callers() -> list:
         async def one(prompt):
@@ -367,7 +369,9 @@ def test_a_core_that_stops_reading_is_reported_while_writes_to_it_block(tiny):
     try:
         os.kill(llm.process.pid, signal.SIGSTOP)
         results = run(callers())
-        assert all(isinstance(r, EngineDeadError) for r in results), [r for r in results if isinstance(r, list)]
+        assert all(isinstance(r, EngineDeadError) for r in results), [
+            r for r in results if isinstance(r, list)
+        ]
         assert not llm.is_healthy()
     finally:
         llm.close()

@@ -261,7 +261,11 @@ def test_two_threads_calling_generate_take_turns(llm, hf_greedy):
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(lambda _: llm.generate(prompts, GREEDY, use_tqdm=False), range(2)))
     assert all([out.outputs[0].token_ids for out in result] == alone for result in results)
-    assert not llm.engine.has_unfinished_requests() and not llm.engine.output_processor.requests and not llm.engine.core.requests
+    assert (
+        not llm.engine.has_unfinished_requests()
+        and not llm.engine.output_processor.requests
+        and not llm.engine.core.requests
+    )
 
 
 def test_an_interrupted_generate_leaves_the_engine_usable(llm, hf_greedy):

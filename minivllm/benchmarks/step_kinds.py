@@ -69,7 +69,8 @@ def run_step_kinds_benchmark(
         for graphs in (True, False) if torch.cuda.is_available() else (False,):
             with LLM(str(path), scheduling_policy=policy, async_scheduling=False, **config) as llm:
                 if not graphs:
-                    llm.engine.core.runner.mixed_graphs = None  # prefill and mixed steps run eagerly
+                    # prefill and mixed steps run eagerly
+                    llm.engine.core.runner.mixed_graphs = None
                 # warm-up
                 llm.generate(["Benchmark: "], SamplingParams(max_tokens=4), use_tqdm=False)
                 for work in works:

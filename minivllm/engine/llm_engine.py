@@ -41,10 +41,16 @@ class LLMEngine:
         """Check every request, then queue them all: if one is bad, ValueError and none is queued.
         Their ids."""
         with self.lock:
-            ids = self.input_processor.request_ids(request_ids or [None] * len(prompts), self.in_use)
-            names = [f"prompts[{i}]" for i in range(len(prompts))] if len(prompts) > 1 else ["prompt"]
+            ids = self.input_processor.request_ids(
+                request_ids or [None] * len(prompts), self.in_use
+            )
+            names = (
+                [f"prompts[{i}]" for i in range(len(prompts))] if len(prompts) > 1 else ["prompt"]
+            )
             make = self.input_processor.make_request
-            requests = [make(*args) for args in zip(prompts, sampling_params, ids, names, strict=True)]
+            requests = [
+                make(*args) for args in zip(prompts, sampling_params, ids, names, strict=True)
+            ]
             for request in requests:
                 self.output_processor.add(request)
                 self.core.add_request(request.request_id, request.prompt_token_ids, request.params)

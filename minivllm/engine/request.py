@@ -24,7 +24,7 @@ class Completion:
 
 @dataclass(slots=True)
 class Request:
-    """A request as its front end keeps it: the prompt, and each completion as the core reports it."""
+    """A request as its front end keeps it: its prompt, and each completion as the core says."""
 
     request_id: str
     prompt: str | None  # the text, when the prompt was text

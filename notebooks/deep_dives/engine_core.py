@@ -250,8 +250,8 @@ print(
 # around this socket instead of an `EngineCore`. `generate` tokenizes and checks the request on an
 # executor thread (no lock held: a long prompt stalls nobody), sends it, and yields `RequestOutput`s
 # as deltas arrive. Its output thread hands each step's deltas to the `OutputProcessor`: text, stop
-# strings (then it tells the core to finish that completion), log-probabilities. Below: the core in its own process, and the same greedy tokens as
-# `LLM.generate`.
+# strings (then it tells the core to finish that completion), log-probabilities. Below: the core
+# in its own process, and the same greedy tokens as `LLM.generate`.
 
 # %%
 from minivllm.async_llm import AsyncLLM, EngineDeadError
