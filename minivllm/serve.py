@@ -27,12 +27,15 @@ vllm:request_success_total). With --max-queued-requests N, a request that finds 
 `Retry-After: 1`. A client that disconnects aborts its request, streaming or not: its KV blocks are freed at once.
 At most n = 128 completions per request (400 beyond), and a body of 10 MiB (413 beyond: from its Content-Length
 before it is read, or as it is read).
+A stream ends with its last token and `data: [DONE]`, or with an event in OpenAI's error shape
+saying why it stopped (the engine core died, or the reply could not be made).
 """
 
 import argparse
 import asyncio
 import dataclasses
 import json
+import logging
 import os
 import secrets
 import signal
@@ -64,6 +67,8 @@ from minivllm.llm import chat_prompt
 from minivllm.models.hub import load_error_line
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
 from minivllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 # An integer field: a JSON integer (not true, 5.0 or "5": strict) that fits the engine's int64 tensors.
 Int64 = Annotated[StrictInt, Field(ge=-(2**63), le=2**63 - 1)]
@@ -518,8 +523,10 @@ class Server:
     ) -> AsyncIterator[str]:
         """After each output, one event per completion that changed, with what it added since its last event (text,
         and log-probabilities if asked); with include_usage (OpenAI's stream_options), one more with no choices and
-        the usage (the others then carry "usage": null); then `data: [DONE]` (or, if the request fails midway, an
-        event with OpenAI's error shape, and no [DONE]). If the client goes away, Starlette
+        the usage (the others then carry "usage": null); then `data: [DONE]`. If the request fails
+        midway (the engine core died, a failed step aborted it, or an event could not be made), an
+        event with OpenAI's error shape saying why, and no [DONE]: never a connection cut short.
+        If the client goes away, Starlette
         stops iterating: closing `outputs` aborts the request and frees its blocks."""
         object_name = "text_completion" if kind == "cmpl" else "chat.completion.chunk"
         sent: list[tuple[str, int, str | None]] = [("", 0, None)] * len(first.outputs)  # text, tokens, finish
@@ -537,17 +544,24 @@ class Server:
                     sent[c.index] = (c.text, len(c.token_ids), c.finish_reason)
                     event = {**head, "object": object_name, "choices": [choice(c, delta, num_tokens)], **extra}
                     yield f"data: {json.dumps(event)}\n\n"
-                try:
-                    out = await anext(outputs, None)
-                except RuntimeError as e:  # the engine core died, or a failed step aborted the request: say so, end
-                    yield f"data: {json.dumps({'error': error_body(str(e), None, 500)})}\n\n"
-                    return
+                out = await anext(outputs, None)
             self.metrics.finished(last)
             if include_usage:
                 yield f"data: {json.dumps({**head, 'object': object_name, 'choices': [], 'usage': usage(last)})}\n\n"
             yield "data: [DONE]\n\n"
+        except Exception as e:  # not the client leaving (CancelledError, GeneratorExit): say why
+            yield f"data: {json.dumps({'error': error_body(failure(e), None, 500)})}\n\n"
         finally:
             await outputs.aclose()
+
+
+def failure(e: Exception) -> str:
+    """Why a stream stopped, for its client: the engine's errors say it (the core died, a step
+    failed: its RuntimeErrors); anything else is a fault here, logged, and named by its type."""
+    if type(e) is RuntimeError or isinstance(e, EngineDeadError):
+        return str(e)
+    logger.error("minivllm: a stream failed", exc_info=e)
+    return f"the server failed to make the stream: {type(e).__name__}: {e}"
 
 
 def top_entries(c: CompletionOutput, start: int, top: int) -> list[tuple[Logprob, list[Logprob]]]:

@@ -3,6 +3,7 @@ same replies as offline `generate`, streamed or not, for one client or 64 at onc
 request's KV blocks; bad requests get a 400 naming the field. CPU, tiny preset, float32, greedy."""
 
 import asyncio
+import json
 import os
 import signal
 import threading
@@ -239,3 +240,28 @@ def test_a_bad_request_gets_a_400_naming_the_field(server, change, field):
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == field and field in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_a_stream_that_fails_midway_ends_with_an_error_event(server, monkeypatch):
+    """A stream ends with its last token and [DONE], or with an event saying why it stopped: an
+    exception while the events are made (here a choice that cannot be built) must not cut the
+    connection mid-stream, leaving the client with a broken read and no reason."""
+    from minivllm import serve
+
+    calls, choice = [], serve.completion_choice
+
+    def failing_choice(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the second event: the stream has begun
+            raise ValueError("injected failure")
+        return choice(*args, **kwargs)
+
+    monkeypatch.setattr(serve, "completion_choice", failing_choice)
+    body = dict(model="tiny", prompt="Once upon a time", max_tokens=12, temperature=0)
+    body |= dict(ignore_eos=True, stream=True)
+    with httpx.stream("POST", f"{server[0]}/v1/completions", json=body, timeout=60) as response:
+        events = [line.removeprefix("data: ") for line in response.iter_lines() if line]
+    first, error = json.loads(events[0]), json.loads(events[-1])["error"]
+    assert len(events) == 2 and first["choices"]  # a token, then the error
+    assert "ValueError: injected failure" in error["message"] and error["type"] == "server_error"
+
