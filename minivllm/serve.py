@@ -28,7 +28,9 @@ vllm:request_success_total). With --max-queued-requests N, a request that finds 
 At most n = 128 completions per request (400 beyond), and a body of 10 MiB (413 beyond: from its Content-Length
 before it is read, or as it is read).
 A stream ends with its last token and `data: [DONE]`, or with an event in OpenAI's error shape
-saying why it stopped (the engine core died, or the reply could not be made).
+saying why it stopped (the engine core died, or the reply could not be made). A large reply (many
+completions, log-probabilities) is encoded to JSON on a worker thread: the event loop serves the
+others meanwhile.
 """
 
 import argparse
@@ -84,6 +86,7 @@ UNSUPPORTED = {
 MAX_N = 128  # completions per request: each is a sequence in the batch, with its own KV blocks
 MAX_REQUEST_BYTES = 10 * 2**20  # a request body beyond this is refused (413) before it is read whole
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")  # the routes --max-queued-requests limits
+LARGE_REPLY = 4096  # tokens and top log-probabilities: a reply beyond is encoded off the event loop
 # vLLM's histogram buckets, in seconds.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
@@ -505,9 +508,12 @@ class Server:
         head = {"id": request_id, "created": int(time.time()), "model": self.model_name}
         if not request.stream:
             self.metrics.finished(out)
-            object_name = "text_completion" if kind == "cmpl" else "chat.completion"
-            choices = [choice(c, None, 0, params.logprobs) for c in out.outputs]
-            return {**head, "object": object_name, "choices": choices, "usage": usage(out)}
+            head["object"] = "text_completion" if kind == "cmpl" else "chat.completion"
+            encode = partial(encode_reply, head, out, partial(choice, top=params.logprobs))
+            num_tokens = sum(len(c.token_ids) for c in out.outputs)
+            if num_tokens * (1 + (params.logprobs or 0)) > LARGE_REPLY:  # megabytes, maybe
+                return json_reply(await asyncio.to_thread(encode))  # the loop serves on meanwhile
+            return json_reply(encode())
         include_usage = request.stream_options is not None and request.stream_options.include_usage
         events = self.events(head, kind, out, outputs, partial(choice, top=params.logprobs), include_usage)
         return StreamingResponse(events, media_type="text/event-stream")
@@ -562,6 +568,16 @@ def failure(e: Exception) -> str:
         return str(e)
     logger.error("minivllm: a stream failed", exc_info=e)
     return f"the server failed to make the stream: {type(e).__name__}: {e}"
+
+
+def encode_reply(head: dict, out: RequestOutput, choice) -> bytes:
+    """A whole (not streamed) reply as JSON: its choices, built here, and the usage."""
+    choices = [choice(c, None, 0) for c in out.outputs]
+    return json.dumps({**head, "choices": choices, "usage": usage(out)}).encode()
+
+
+def json_reply(body: bytes) -> Response:
+    return Response(body, media_type="application/json")
 
 
 def top_entries(c: CompletionOutput, start: int, top: int) -> list[tuple[Logprob, list[Logprob]]]:
