@@ -30,7 +30,9 @@ before it is read, or as it is read).
 A stream ends with its last token and `data: [DONE]`, or with an event in OpenAI's error shape
 saying why it stopped (the engine core died, or the reply could not be made). A large reply (many
 completions, log-probabilities) is encoded to JSON on a worker thread: the event loop serves the
-others meanwhile.
+others meanwhile. --timeout-keep-alive (default 30 s) is how long an idle connection stays open:
+well above clients' own expiry (httpx's and OpenAI's client's: 5 s), so that the client closes it,
+never the server as a request goes out on it.
 """
 
 import argparse
@@ -86,6 +88,10 @@ UNSUPPORTED = {
 MAX_N = 128  # completions per request: each is a sequence in the batch, with its own KV blocks
 MAX_REQUEST_BYTES = 10 * 2**20  # a request body beyond this is refused (413) before it is read whole
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")  # the routes --max-queued-requests limits
+# Seconds an idle kept-alive connection stays open. uvicorn's default, 5, is httpx's keep-alive
+# expiry too: a request sent on a connection as its 5 s ran out met the server closing it, and got
+# no reply. Clients must be the ones that close.
+KEEP_ALIVE_S = 30
 LARGE_REPLY = 4096  # tokens and top log-probabilities: a reply beyond is encoded off the event loop
 # vLLM's histogram buckets, in seconds.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -622,7 +628,11 @@ def usage(out: RequestOutput) -> dict:
 
 @contextmanager
 def serve_in_thread(
-    llm: AsyncLLM, model_name: str, api_key: str | None = None, max_queued_requests: int | None = None
+    llm: AsyncLLM,
+    model_name: str,
+    api_key: str | None = None,
+    max_queued_requests: int | None = None,
+    timeout_keep_alive: int = KEEP_ALIVE_S,
 ) -> Iterator[str]:
     """The server over `llm` on a free port of 127.0.0.1, in a thread of this process (tests, benchmarks, the
     notebook), until the block ends; yields its base URL."""
@@ -631,7 +641,8 @@ def serve_in_thread(
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = Server(llm, model_name, api_key, max_queued_requests)
-    http = uvicorn.Server(uvicorn.Config(server.app, log_level="warning"))
+    config = uvicorn.Config(server.app, log_level="warning", timeout_keep_alive=timeout_keep_alive)
+    http = uvicorn.Server(config)
     thread = threading.Thread(target=http.run, kwargs=dict(sockets=[sock]), daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -660,6 +671,15 @@ def server_parser() -> tuple[argparse.ArgumentParser, list[str]]:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--max-queued-requests", type=int, help="503 to a request finding this many in flight")
     parser.add_argument(
+        "--timeout-keep-alive",
+        type=int,
+        default=KEEP_ALIVE_S,
+        metavar="SECONDS",
+        help="how long an idle connection stays open (default: %(default)s; uvicorn's: 5). Keep "
+        "it well above clients' keep-alive expiry (httpx's, OpenAI's client's: 5 s): at equal "
+        "times, a request sent on a reused connection as the server closed it got no reply",
+    )
+    parser.add_argument(
         "--api-key",
         default=os.environ.get("MINIVLLM_API_KEY"),
         help="the key every request but /health and /version must send, as `Authorization: Bearer KEY` "
@@ -684,7 +704,8 @@ def main(argv: list[str] | None = None) -> None:
     server = Server(llm, name, args.api_key, args.max_queued_requests)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # uvicorn shuts down, then re-raises it: as Ctrl-C
     try:
-        uvicorn.run(server.app, host=args.host, port=args.port)
+        keep_alive = args.timeout_keep_alive
+        uvicorn.run(server.app, host=args.host, port=args.port, timeout_keep_alive=keep_alive)
     except KeyboardInterrupt:
         pass
     finally:

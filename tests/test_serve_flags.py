@@ -106,13 +106,28 @@ def started(monkeypatch):
         return llm
 
     monkeypatch.setattr(serve, "AsyncLLM", async_llm)
-    monkeypatch.setattr(uvicorn, "run", lambda app, host, port: built.update(app=app))
+    run = lambda app, **kwargs: built.update(app=app, uvicorn=kwargs)
+    monkeypatch.setattr(uvicorn, "run", run)
 
     def start(argv: list[str]) -> tuple[AsyncLLM, Any]:
-        serve.main(argv)
+        serve.main(argv)  # uvicorn.run a no-op: it returns at once (and closes its AsyncLLM)
         return built["llm"], built["app"]
 
+    start.built = built  # type: ignore[attr-defined]  # ["uvicorn"]: uvicorn.run's other arguments
     return start
+
+
+def test_the_keep_alive_outlasts_the_clients(started, tiny):
+    """uvicorn closes a connection idle for --timeout-keep-alive seconds. At its default (5 s),
+    httpx's keep-alive expiry too, a client could send a request on a connection the server was
+    closing: no reply (BrokenPipeError, ReadError). The default must be well above clients' expiry;
+    the flag sets it."""
+    flags = [str(tiny), "--max-model-len", "512", "--device", "cpu", "--num-kvcache-blocks", "64"]
+    started(flags)
+    default = started.built["uvicorn"].get("timeout_keep_alive", 5)  # not given: uvicorn's own, 5 s
+    assert default >= 4 * httpx.Limits().keepalive_expiry  # httpx's: 5 s
+    started([*flags, "--timeout-keep-alive", "12"])
+    assert started.built["uvicorn"]["timeout_keep_alive"] == 12
 
 
 def test_the_servers_flags_reach_its_engine(started, tiny):
