@@ -55,6 +55,10 @@ EXITED = (
 )
 
 
+# The stats of a core that runs nothing.
+IDLE = {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage": 0.0}
+
+
 class EngineDeadError(RuntimeError):
     """The engine core has died: no request can run on this `AsyncLLM` any more."""
 
@@ -113,7 +117,7 @@ class AsyncLLM:
         self.send_lock = threading.Lock()  # one writer at a time on the socket
         self.num_aborted = 0  # requests whose caller left before they finished
         self.error: BaseException | None = None  # what killed the core, if it died
-        self.core_stats = {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage": 0.0}
+        self.core_stats = dict(IDLE)
         self.counter = itertools.count()  # request ids handed out when the caller gives none
         self.stopped = False
         self.thread = threading.Thread(target=self.receive_loop, name="minivllm-output", daemon=True)
@@ -136,8 +140,9 @@ class AsyncLLM:
         return self.error is None and not self.stopped and self.process.is_alive()
 
     def stats(self) -> dict[str, float]:
-        """num_requests_running, num_requests_waiting, kv_cache_usage (0..1), as of the core's last message."""
-        return dict(self.core_stats)
+        """num_requests_running, num_requests_waiting, kv_cache_usage (0..1), as of the core's last
+        message; all 0 once the core has died or stopped (nothing runs on it any more)."""
+        return dict(self.core_stats) if self.is_healthy() else dict(IDLE)
 
     def dead_error(self) -> EngineDeadError:
         error = EngineDeadError(f"the engine core died: {self.error!r}")
