@@ -3,6 +3,7 @@ same replies as offline `generate`, streamed or not, for one client or 64 at onc
 request's KV blocks; bad requests get a 400 naming the field. CPU, tiny preset, float32, greedy."""
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -265,3 +266,35 @@ def test_a_stream_that_fails_midway_ends_with_an_error_event(server, monkeypatch
     assert len(events) == 2 and first["choices"]  # a token, then the error
     assert "ValueError: injected failure" in error["message"] and error["type"] == "server_error"
 
+
+def test_300_concurrent_streams_each_get_every_token_and_done(server):
+    """300 streams at once (the engine runs 32 at a time: most wait in its queue): each ends with
+    its last token, the usage chunk and [DONE], and its events carry each of its max_tokens tokens
+    (logprobs=0 names the tokens each event adds)."""
+    max_tokens = 8
+
+    async def one(client: httpx.AsyncClient, i: int) -> tuple[int, int, str]:
+        body = dict(model="tiny", prompt=f"Stream {i} says", max_tokens=max_tokens, logprobs=0)
+        body |= dict(ignore_eos=True, stream=True, stream_options=dict(include_usage=True))
+        tokens, usage, last = 0, -1, ""
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                last = line
+                if line.startswith("data: {"):
+                    event = json.loads(line.removeprefix("data: "))
+                    tokens += sum(len(c["logprobs"]["tokens"]) for c in event["choices"])
+                    usage = (event.get("usage") or {}).get("completion_tokens", usage)
+        return tokens, usage, last
+
+    async def all_at_once() -> list[tuple[int, int, str]]:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        new = lambda: httpx.AsyncClient(base_url=server[0], timeout=300, limits=limits)
+        # 30 streams a client: the work of httpx's pool grows as the square of its connections
+        async with contextlib.AsyncExitStack() as stack:
+            clients = [await stack.enter_async_context(new()) for _ in range(10)]
+            return await asyncio.gather(*(one(clients[i % 10], i) for i in range(300)))
+
+    results = asyncio.run(all_at_once())
+    assert results == [(max_tokens, max_tokens, "data: [DONE]")] * 300
