@@ -94,7 +94,7 @@ def make_parser() -> tuple[argparse.ArgumentParser, list[str]]:
         parser,
         skip={"seed"},
         tensor_parallel_size=dict(aliases=["--tp"], type=positive_int),
-        max_model_len=dict(type=positive_int, default=4096),
+        max_model_len=dict(type=positive_int),  # not given: Config's, the context length
     )
     return parser, engine_fields
 

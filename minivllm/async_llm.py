@@ -64,6 +64,10 @@ EXITED = (
 )
 
 
+# The stats of a core that runs nothing.
+IDLE = {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage": 0.0}
+
+
 class EngineDeadError(RuntimeError):
     """The engine core has died: no request can run on this `AsyncLLM` any more."""
 
@@ -135,11 +139,7 @@ class AsyncLLM:
         self.outbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()  # to the core, in order
         self.num_aborted = 0  # requests whose caller left before they finished
         self.error: BaseException | None = None  # what killed the core, if it died
-        self.core_stats = {
-            "num_requests_running": 0,
-            "num_requests_waiting": 0,
-            "kv_cache_usage": 0.0,
-        }
+        self.core_stats = dict(IDLE)
         self.counter = itertools.count()  # request ids handed out when the caller gives none
         self.stopped = False
         self.thread = threading.Thread(
@@ -168,8 +168,8 @@ class AsyncLLM:
 
     def stats(self) -> dict[str, float]:
         """num_requests_running, num_requests_waiting, kv_cache_usage (0..1), as of the core's last
-        message."""
-        return dict(self.core_stats)
+        message; all 0 once the core has died or stopped (nothing runs on it any more)."""
+        return dict(self.core_stats) if self.is_healthy() else dict(IDLE)
 
     def dead_error(self) -> EngineDeadError:
         error = EngineDeadError(f"the engine core died: {self.error!r}")

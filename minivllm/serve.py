@@ -30,13 +30,19 @@ vllm:prompt_tokens_total, vllm:generation_tokens_total and vllm:request_success_
 --max-queued-requests N, a request that finds N in flight gets 503 and `Retry-After: 1`. A client
 that disconnects aborts its request, streaming or not: its KV blocks are freed at once. At most n =
 128 completions per request (400 beyond), and a body of 10 MiB (413 beyond: from its Content-Length
-before it is read, or as it is read).
+before it is read, or as it is read). A stream ends with its last token and `data: [DONE]`, or with
+an event in OpenAI's error shape saying why it stopped (the engine core died, or the reply could not
+be made). A large reply (many completions, log-probabilities) is encoded to JSON on a worker thread:
+the event loop serves the others meanwhile. --timeout-keep-alive (default 30 s) is how long an idle
+connection stays open: well above clients' own expiry (httpx's and OpenAI's client's: 5 s), so that
+the client closes it, never the server as a request goes out on it.
 """
 
 import argparse
 import asyncio
 import dataclasses
 import json
+import logging
 import os
 import secrets
 import signal
@@ -75,6 +81,8 @@ from minivllm.models.hub import load_error_line
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
 from minivllm.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
+
 # An integer field: a JSON integer (not true, 5.0 or "5": strict) that fits the engine's int64
 # tensors.
 Int64 = Annotated[StrictInt, Field(ge=-(2**63), le=2**63 - 1)]
@@ -93,6 +101,11 @@ MAX_N = 128  # completions per request: each is a sequence in the batch, with it
 MAX_REQUEST_BYTES = 10 * 2**20
 # the routes --max-queued-requests limits
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
+# Seconds an idle kept-alive connection stays open. uvicorn's default, 5, is httpx's keep-alive
+# expiry too: a request sent on a connection as its 5 s ran out met the server closing it, and got
+# no reply. Clients must be the ones that close.
+KEEP_ALIVE_S = 30
+LARGE_REPLY = 4096  # tokens and top log-probabilities: a reply beyond is encoded off the event loop
 # vLLM's histogram buckets, in seconds.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
@@ -456,11 +469,9 @@ class Server:
         self.app.add_middleware(Limits, max_in_flight=max_queued_requests)
         if api_key:  # added last: it runs first
             self.app.add_middleware(RequireKey, key=api_key)
-        self.app.add_exception_handler(
-            RequestValidationError,
-            self.invalid,  # type: ignore[arg-type]
-        )
-        self.app.add_exception_handler(BadRequest, self.bad_request)  # type: ignore[arg-type]
+        handler = self.app.add_exception_handler
+        handler(RequestValidationError, self.invalid)  # type: ignore[arg-type]
+        handler(BadRequest, self.bad_request)  # type: ignore[arg-type]
         self.app.add_exception_handler(HTTPException, self.http_error)  # type: ignore[arg-type]
         self.app.add_exception_handler(EngineDeadError, self.engine_dead)  # type: ignore[arg-type]
         self.app.get("/health")(self.health)
@@ -480,7 +491,8 @@ class Server:
             )
         if tuple(first["loc"]) == ("body",):  # no body, or not a JSON object
             return error("the request body must be a JSON object")
-        param = str(first["loc"][1]) if len(first["loc"]) > 1 else str(first["loc"][0])
+        loc = first["loc"]
+        param = str(loc[1] if len(loc) > 1 else loc[0])
         return error(f"{param}: {first['msg']}", param)
 
     async def bad_request(self, request: Request, exc: BadRequest) -> JSONResponse:
@@ -620,9 +632,12 @@ class Server:
         head = {"id": request_id, "created": int(time.time()), "model": self.model_name}
         if not request.stream:
             self.metrics.finished(out)
-            object_name = "text_completion" if kind == "cmpl" else "chat.completion"
-            choices = [choice(c, None, 0, params.logprobs) for c in out.outputs]
-            return {**head, "object": object_name, "choices": choices, "usage": usage(out)}
+            head["object"] = "text_completion" if kind == "cmpl" else "chat.completion"
+            encode = partial(encode_reply, head, out, partial(choice, top=params.logprobs))
+            num_tokens = sum(len(c.token_ids) for c in out.outputs)
+            if num_tokens * (1 + (params.logprobs or 0)) > LARGE_REPLY:  # megabytes, maybe
+                return json_reply(await asyncio.to_thread(encode))  # the loop serves on meanwhile
+            return json_reply(encode())
         include_usage = request.stream_options is not None and request.stream_options.include_usage
         events = self.events(
             head, kind, out, outputs, partial(choice, top=params.logprobs), include_usage
@@ -641,9 +656,10 @@ class Server:
         """After each output, one event per completion that changed, with what it added since its
         last event (text, and log-probabilities if asked); with include_usage (OpenAI's
         stream_options), one more with no choices and the usage (the others then carry "usage":
-        null); then `data: [DONE]` (or, if the request fails midway, an event with OpenAI's error
-        shape, and no [DONE]). If the client goes away, Starlette stops iterating: closing `outputs`
-        aborts the request and frees its blocks."""
+        null); then `data: [DONE]`. If the request fails midway (the engine core died, a failed step
+        aborted it, or an event could not be made), an event with OpenAI's error shape saying why,
+        and no [DONE]: never a connection cut short. If the client goes away, Starlette stops
+        iterating: closing `outputs` aborts the request and frees its blocks."""
         object_name = "text_completion" if kind == "cmpl" else "chat.completion.chunk"
         sent: list[tuple[str, int, str | None]] = [("", 0, None)] * len(
             first.outputs
@@ -668,19 +684,35 @@ class Server:
                         **extra,
                     }
                     yield f"data: {json.dumps(event)}\n\n"
-                try:
-                    out = await anext(outputs, None)
-                except RuntimeError as e:
-                    # the engine core died, or a failed step aborted the request: say so, end
-                    yield f"data: {json.dumps({'error': error_body(str(e), None, 500)})}\n\n"
-                    return
+                out = await anext(outputs, None)
             self.metrics.finished(last)
             if include_usage:
-                chunk = {**head, "object": object_name, "choices": [], "usage": usage(last)}
-                yield f"data: {json.dumps(chunk)}\n\n"
+                tail = {**head, "object": object_name, "choices": [], "usage": usage(last)}
+                yield f"data: {json.dumps(tail)}\n\n"
             yield "data: [DONE]\n\n"
+        except Exception as e:  # not the client leaving (CancelledError, GeneratorExit): say why
+            yield f"data: {json.dumps({'error': error_body(failure(e), None, 500)})}\n\n"
         finally:
             await outputs.aclose()
+
+
+def failure(e: Exception) -> str:
+    """Why a stream stopped, for its client: the engine's errors say it (the core died, a step
+    failed: its RuntimeErrors); anything else is a fault here, logged, and named by its type."""
+    if type(e) is RuntimeError or isinstance(e, EngineDeadError):
+        return str(e)
+    logger.error("minivllm: a stream failed", exc_info=e)
+    return f"the server failed to make the stream: {type(e).__name__}: {e}"
+
+
+def encode_reply(head: dict, out: RequestOutput, choice) -> bytes:
+    """A whole (not streamed) reply as JSON: its choices, built here, and the usage."""
+    choices = [choice(c, None, 0) for c in out.outputs]
+    return json.dumps({**head, "choices": choices, "usage": usage(out)}).encode()
+
+
+def json_reply(body: bytes) -> Response:
+    return Response(body, media_type="application/json")
 
 
 def top_entries(c: CompletionOutput, start: int, top: int) -> list[tuple[Logprob, list[Logprob]]]:
@@ -696,10 +728,11 @@ def completion_choice(c: CompletionOutput, delta: str | None, start: int, top: i
     logprobs = None
     if top is not None:
         entries = top_entries(c, start, top)
+        tops = [{t.decoded_token: t.logprob for t in row} for _, row in entries]
         logprobs = {
             "tokens": [lp.decoded_token for lp, _ in entries],
             "token_logprobs": [lp.logprob for lp, _ in entries],
-            "top_logprobs": [{t.decoded_token: t.logprob for t in tops} for _, tops in entries],
+            "top_logprobs": tops,
         }
     text = c.text if delta is None else delta
     return {"index": c.index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason}
@@ -726,12 +759,8 @@ def chat_choice(c: CompletionOutput, delta: str | None, start: int, top: int | N
             ]
         }
     key, content = ("message", c.text) if delta is None else ("delta", delta)
-    return {
-        "index": c.index,
-        key: {"role": "assistant", "content": content},
-        "logprobs": logprobs,
-        "finish_reason": c.finish_reason,
-    }
+    message = {"role": "assistant", "content": content}
+    return {"index": c.index, key: message, "logprobs": logprobs, "finish_reason": c.finish_reason}
 
 
 def usage(out: RequestOutput) -> dict:
@@ -749,6 +778,7 @@ def serve_in_thread(
     model_name: str,
     api_key: str | None = None,
     max_queued_requests: int | None = None,
+    timeout_keep_alive: int = KEEP_ALIVE_S,
 ) -> Iterator[str]:
     """The server over `llm` on a free port of 127.0.0.1, in a thread of this process (tests,
     benchmarks, the notebook), until the block ends; yields its base URL."""
@@ -757,7 +787,8 @@ def serve_in_thread(
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = Server(llm, model_name, api_key, max_queued_requests)
-    http = uvicorn.Server(uvicorn.Config(server.app, log_level="warning"))
+    config = uvicorn.Config(server.app, log_level="warning", timeout_keep_alive=timeout_keep_alive)
+    http = uvicorn.Server(config)
     thread = threading.Thread(target=http.run, kwargs=dict(sockets=[sock]), daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -794,6 +825,15 @@ def server_parser() -> tuple[argparse.ArgumentParser, list[str]]:
         "--max-queued-requests", type=int, help="503 to a request finding this many in flight"
     )
     parser.add_argument(
+        "--timeout-keep-alive",
+        type=int,
+        default=KEEP_ALIVE_S,
+        metavar="SECONDS",
+        help="how long an idle connection stays open (default: %(default)s; uvicorn's: 5). Keep "
+        "it well above clients' keep-alive expiry (httpx's, OpenAI's client's: 5 s): at equal "
+        "times, a request sent on a reused connection as the server closed it got no reply",
+    )
+    parser.add_argument(
         "--api-key",
         default=os.environ.get("MINIVLLM_API_KEY"),
         help="the key every request but /health and /version must send, as `Authorization: Bearer "
@@ -825,7 +865,8 @@ def main(argv: list[str] | None = None) -> None:
     # uvicorn shuts down, then re-raises it: as Ctrl-C
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        uvicorn.run(server.app, host=args.host, port=args.port)
+        keep_alive = args.timeout_keep_alive
+        uvicorn.run(server.app, host=args.host, port=args.port, timeout_keep_alive=keep_alive)
     except KeyboardInterrupt:
         pass
     finally:

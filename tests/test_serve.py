@@ -3,6 +3,8 @@ same replies as offline `generate`, streamed or not, for one client or 64 at onc
 request's KV blocks; bad requests get a 400 naming the field. CPU, tiny preset, float32, greedy."""
 
 import asyncio
+import contextlib
+import json
 import os
 import signal
 import threading
@@ -349,3 +351,60 @@ def test_a_bad_request_gets_a_400_naming_the_field(server, change, field):
         and field in error["message"]
         and error["type"] == "invalid_request_error"
     )
+
+
+def test_a_stream_that_fails_midway_ends_with_an_error_event(server, monkeypatch):
+    """A stream ends with its last token and [DONE], or with an event saying why it stopped: an
+    exception while the events are made (here a choice that cannot be built) must not cut the
+    connection mid-stream, leaving the client with a broken read and no reason."""
+    from minivllm import serve
+
+    calls, choice = [], serve.completion_choice
+
+    def failing_choice(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # the second event: the stream has begun
+            raise ValueError("injected failure")
+        return choice(*args, **kwargs)
+
+    monkeypatch.setattr(serve, "completion_choice", failing_choice)
+    body = dict(model="tiny", prompt="Once upon a time", max_tokens=12, temperature=0)
+    body |= dict(ignore_eos=True, stream=True)
+    with httpx.stream("POST", f"{server[0]}/v1/completions", json=body, timeout=60) as response:
+        events = [line.removeprefix("data: ") for line in response.iter_lines() if line]
+    first, error = json.loads(events[0]), json.loads(events[-1])["error"]
+    assert len(events) == 2 and first["choices"]  # a token, then the error
+    assert "ValueError: injected failure" in error["message"] and error["type"] == "server_error"
+
+
+def test_300_concurrent_streams_each_get_every_token_and_done(server):
+    """300 streams at once (the engine runs 32 at a time: most wait in its queue): each ends with
+    its last token, the usage chunk and [DONE], and its events carry each of its max_tokens tokens
+    (logprobs=0 names the tokens each event adds)."""
+    max_tokens = 8
+
+    async def one(client: httpx.AsyncClient, i: int) -> tuple[int, int, str]:
+        body = dict(model="tiny", prompt=f"Stream {i} says", max_tokens=max_tokens, logprobs=0)
+        body |= dict(ignore_eos=True, stream=True, stream_options=dict(include_usage=True))
+        tokens, usage, last = 0, -1, ""
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                last = line
+                if line.startswith("data: {"):
+                    event = json.loads(line.removeprefix("data: "))
+                    tokens += sum(len(c["logprobs"]["tokens"]) for c in event["choices"])
+                    usage = (event.get("usage") or {}).get("completion_tokens", usage)
+        return tokens, usage, last
+
+    async def all_at_once() -> list[tuple[int, int, str]]:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        new = lambda: httpx.AsyncClient(base_url=server[0], timeout=300, limits=limits)
+        # 30 streams a client: the work of httpx's pool grows as the square of its connections
+        async with contextlib.AsyncExitStack() as stack:
+            clients = [await stack.enter_async_context(new()) for _ in range(10)]
+            return await asyncio.gather(*(one(clients[i % 10], i) for i in range(300)))
+
+    results = asyncio.run(all_at_once())
+    assert results == [(max_tokens, max_tokens, "data: [DONE]")] * 300

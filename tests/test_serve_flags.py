@@ -4,6 +4,8 @@ closes every route but /health and /version to who does not send `Authorization:
 package's version. In this process, on the tiny checkpoint on a CPU."""
 
 import dataclasses
+import json
+import shutil
 from typing import Any, Literal, get_args
 
 import pytest
@@ -103,13 +105,13 @@ def test_flag_types_follow_annotations():
 
 
 def test_the_cli_has_the_same_engine_flags_and_keeps_its_own():
-    """python -m minivllm: --tp is --tensor-parallel-size, max_model_len defaults to 4096, --seed is the requests'."""
+    """python -m minivllm: --tp is --tensor-parallel-size, --seed is the requests';
+    max_model_len, not given, is left to Config (the model's context length), as LLM(...) is."""
     args = cli.parse_args(
         ["--tp", "2", "--max-num-seqs", "3", "--no-enable-prefix-caching", "--seed", "5"]
     )
-    assert args.engine_kwargs == dict(
-        tensor_parallel_size=2, max_num_seqs=3, enable_prefix_caching=False, max_model_len=4096
-    )
+    expected = dict(tensor_parallel_size=2, max_num_seqs=3, enable_prefix_caching=False)
+    assert args.engine_kwargs == expected
     assert args.sampling_params.seed == 5
     parser, names = cli.make_parser()
     assert names == [field.name for field in ENGINE_FIELDS if field.name != "seed"]
@@ -125,13 +127,52 @@ def started(monkeypatch):
         return llm
 
     monkeypatch.setattr(serve, "AsyncLLM", async_llm)
-    monkeypatch.setattr(uvicorn, "run", lambda app, host, port: built.update(app=app))
+    run = lambda app, **kwargs: built.update(app=app, uvicorn=kwargs)
+    monkeypatch.setattr(uvicorn, "run", run)
 
     def start(argv: list[str]) -> tuple[AsyncLLM, Any]:
-        serve.main(argv)
+        serve.main(argv)  # uvicorn.run a no-op: it returns at once (and closes its AsyncLLM)
         return built["llm"], built["app"]
 
+    start.built = built  # type: ignore[attr-defined]  # ["uvicorn"]: uvicorn.run's other arguments
     return start
+
+
+@pytest.fixture(scope="module")
+def context_2048(tiny, tmp_path_factory):
+    """The tiny checkpoint with a context of 2,048 tokens (max_position_embeddings), less than the
+    CLI's old default max_model_len of 4,096."""
+    folder = tmp_path_factory.mktemp("ckpt") / "tiny-2048"
+    shutil.copytree(tiny, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
+    return folder
+
+
+def test_the_cli_takes_the_models_context_length(context_2048, capsys):
+    """No --max-model-len: the model's context length, as LLM(...) takes it (the CLI's own
+    default, 4096, refused a model whose context is 2,048)."""
+    flags = ["--device", "cpu", "--num-kvcache-blocks", "64", "--max-tokens", "2"]
+    cli.main(["--model", str(context_2048), *flags, "Hello"])
+    assert "1 requests, 2 output tokens" in capsys.readouterr().out
+
+
+def test_the_server_takes_the_models_context_length(started, context_2048):
+    llm, _ = started([str(context_2048), "--device", "cpu", "--num-kvcache-blocks", "64"])
+    assert llm.config.max_model_len == 2048
+
+
+def test_the_keep_alive_outlasts_the_clients(started, tiny):
+    """uvicorn closes a connection idle for --timeout-keep-alive seconds. At its default (5 s),
+    httpx's keep-alive expiry too, a client could send a request on a connection the server was
+    closing: no reply (BrokenPipeError, ReadError). The default must be well above clients' expiry;
+    the flag sets it."""
+    flags = [str(tiny), "--max-model-len", "512", "--device", "cpu", "--num-kvcache-blocks", "64"]
+    started(flags)
+    default = started.built["uvicorn"].get("timeout_keep_alive", 5)  # not given: uvicorn's own, 5 s
+    assert default >= 4 * httpx.Limits().keepalive_expiry  # httpx's: 5 s
+    started([*flags, "--timeout-keep-alive", "12"])
+    assert started.built["uvicorn"]["timeout_keep_alive"] == 12
 
 
 def test_the_servers_flags_reach_its_engine(started, tiny):

@@ -2,6 +2,7 @@
 Retry-After beyond --max-queued-requests, a request aborted when its client leaves before its reply, caps on n and on
 the body's size, and prompts tokenized once, off the engine's lock. CPU, tiny preset, float32, greedy."""
 
+import asyncio
 import json
 import os
 import signal
@@ -219,3 +220,27 @@ def test_a_text_prompt_reaches_the_engine_as_token_ids(server, monkeypatch):
     body = dict(model="tiny", prompt="Once upon a time", max_tokens=2)
     assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
     assert prompts == [llm.tokenizer.encode("Once upon a time")]
+
+
+def test_a_large_reply_is_encoded_off_the_event_loop(server, monkeypatch):
+    """A reply of n=128 with logprobs=20 can be megabytes of JSON: encoded on the event loop, it
+    stalled every other request (/health, other streams) meanwhile. Its encoding must run on a
+    worker thread, where no event loop runs. Seen by wrapping json.dumps (which the server and
+    Starlette both call) to note where each large text is made."""
+    dumps, large = json.dumps, []
+
+    def noting_dumps(*args, **kwargs) -> str:
+        text = dumps(*args, **kwargs)
+        if len(text) > 100_000:
+            try:
+                asyncio.get_running_loop()
+                large.append("on the event loop")
+            except RuntimeError:  # no loop runs on this thread
+                large.append("off the event loop")
+        return text
+
+    monkeypatch.setattr(json, "dumps", noting_dumps)
+    body = dict(model="tiny", prompt="Once upon a time", n=MAX_N, logprobs=20, max_tokens=4)
+    reply = httpx.post(f"{server[0]}/v1/completions", json=body, timeout=120)
+    assert reply.status_code == 200 and len(reply.json()["choices"]) == MAX_N
+    assert large == ["off the event loop"]

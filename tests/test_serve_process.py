@@ -109,3 +109,32 @@ def test_a_killed_core_fails_health_and_every_request(serve):
     assert httpx.get(f"{url}/health", timeout=HANG).status_code == 503
     again = httpx.post(f"{url}/v1/completions", json={**body, "stream": False}, timeout=HANG)
     assert again.status_code == 503 and "died" in again.json()["error"]["message"]
+
+
+def gauges(url: str) -> dict[str, float]:
+    """/metrics' gauges of the engine's load, by name."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=HANG).text
+    families = text_string_to_metric_families(text)
+    return {f.name: f.samples[0].value for f in families if f.type == "gauge"}
+
+
+def test_metrics_of_a_dead_core_say_nothing_runs(serve):
+    """The gauges came from the core's last message: once it had died, they said forever that its
+    last requests ran."""
+    server, url, model = serve
+    body = dict(model=model, prompt="A long story:", max_tokens=400, ignore_eos=True, stream=True)
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=HANG) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))  # it runs
+        deadline = time.monotonic() + HANG
+        while gauges(url)["vllm:num_requests_running"] != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the core's next message says so
+        assert gauges(url)["vllm:num_requests_running"] == 1
+        os.kill(core_pid(server), signal.SIGKILL)
+        rest = [line for line in lines if line.startswith("data:")]
+        assert "died" in rest[-1]  # the server knows
+    load = gauges(url)
+    assert load["vllm:num_requests_running"] == load["vllm:num_requests_waiting"] == 0, load
+    assert load["vllm:kv_cache_usage_perc"] == 0
