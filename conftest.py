@@ -47,6 +47,15 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_text(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny-text preset: tiny's shapes, trained on the corpus, so that its text reads as text
+    (the tests' one full training: half a minute, once per session)."""
+    from minivllm.checkpoint import write_checkpoint
+
+    return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-text", "tiny-text", seed=0)
+
+
+@pytest.fixture(scope="session")
 def hub_cache(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Hub cache laid out on disk, as a download leaves it, holding the tiny checkpoint as the id `minivllm/tiny`:
     point HF_HUB_CACHE (or download_dir) at it, with HF_HUB_OFFLINE=1. No network is needed or used."""

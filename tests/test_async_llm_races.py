@@ -5,6 +5,7 @@ it), and the timeouts only guard against a hang. CPU, tiny preset, float32, gree
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import random
 import signal
@@ -16,7 +17,10 @@ import torch
 
 from minivllm import SamplingParams
 from minivllm.async_llm import AsyncLLM, EngineDeadError
-from minivllm.engine.core import Delta
+from minivllm.config import Config
+from minivllm.engine.core import Delta, EngineCore
+from minivllm.engine.core_process import handle
+from minivllm.engine.input_processor import sample_params
 from minivllm.testing import WatchedDict
 
 CONFIG = dict(
@@ -376,3 +380,157 @@ def test_a_core_that_stops_reading_is_reported_while_writes_to_it_block(tiny):
     finally:
         llm.close()
     assert not llm.process.is_alive()
+
+
+# --- n > 1: one completion ended in the core, another by a stop string ---
+# tiny-text, whose text holds the stop strings; seeded samples
+
+ABOVE = [" above"]
+STOP_ID_THEN_STRING = SamplingParams(n=2, seed=0, max_tokens=16, stop_token_ids=[998], stop=ABOVE)
+STOP_STRINGS = [SamplingParams(n=2, seed=seed, max_tokens=16, stop=ABOVE) for seed in range(4)]
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def text_offline(tiny_text):
+    """The oracle: offline `LLM.generate` on tiny-text, the same settings."""
+    from minivllm import LLM
+
+    with LLM(str(tiny_text), **CONFIG) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module", params=["thread", "process"])
+def text_llm(tiny_text, request):
+    """`AsyncLLM` on tiny-text: its core on a thread of this process, then in a process."""
+    llm = AsyncLLM(str(tiny_text), multiprocessing=request.param == "process", **CONFIG)
+    yield llm
+    llm.close()
+
+
+def completions(out) -> list[tuple]:
+    return [(c.text, c.token_ids, c.finish_reason) for c in out.outputs]
+
+
+def ends(out) -> list[tuple[int, str | None]]:
+    return [(len(c.token_ids), c.finish_reason) for c in out.outputs]
+
+
+async def last_output(llm: AsyncLLM, params: SamplingParams, request_id: str | None = None):
+    return [out async for out in llm.generate(PROMPT, params, request_id)][-1]
+
+
+@pytest.mark.slow  # the tiny_text fixture trains for half a minute
+def test_a_completion_ended_in_the_core_sends_its_last_delta_at_that_step(tiny_text, text_offline):
+    """Completion 0 ends on the stop id at its 3rd token, completion 1 runs on to its 16th: the
+    core sends completion 0's last delta, finish reason and all, at the step that ends it. It
+    used to keep it until the whole request ended, so the API process thought it still ran."""
+    params = dataclasses.replace(STOP_ID_THEN_STRING, stop=[])
+    core = EngineCore(Config(str(tiny_text), **CONFIG))
+    try:
+        prompt_ids = text_offline.get_tokenizer().encode(PROMPT)
+        handle(core, ("add", "r", prompt_ids, sample_params(params)))
+        steps = []
+        while core.has_unfinished_requests():
+            steps.append(core.step()[0])
+    finally:
+        core.close()
+    want = text_offline.generate([prompt_ids], params, use_tqdm=False)[0]
+    assert ends(want) == [(3, "stop"), (16, "length")]
+    last_step = {}  # completion -> the step of its last delta
+    for c in want.outputs:
+        mine = [(k, d) for k, step in enumerate(steps) for d in step if d.completion == c.index]
+        assert [t for _, d in mine for t in d.token_ids] == c.token_ids
+        reasons = [d.finish_reason for _, d in mine]
+        assert reasons == [None] * (len(mine) - 1) + [c.finish_reason]  # the last delta ends it
+        last_step[c.index] = mine[-1][0]
+    assert last_step[0] < last_step[1] == len(steps) - 1, last_step
+
+
+@pytest.mark.slow  # the tiny_text fixture trains for half a minute
+def test_n_with_a_stop_id_and_a_stop_string_ends_as_offline(text_llm, text_offline):
+    """n=2: completion 0 ends in the core (stop id 998, 3rd token), completion 1 later on a stop
+    string (9th). The API process used to tell the core to finish completion 1 when the core had
+    finished completion 0 already: the request stayed live in the core, its caller waited
+    forever. Then seeds with a stop string alone: every reply equals offline `generate`'s, and
+    the core holds nothing afterwards."""
+    want = text_offline.generate(PROMPT, STOP_ID_THEN_STRING, use_tqdm=False)[0]
+    assert ends(want) == [(3, "stop"), (9, "stop")]
+    first, second = want.outputs
+    assert first.token_ids[-1] == 998 and 998 not in second.token_ids  # the id, then the string
+    for params in [STOP_ID_THEN_STRING, *STOP_STRINGS]:
+        want = text_offline.generate(PROMPT, params, use_tqdm=False)[0]
+        got = run(last_output(text_llm, params))
+        assert got.finished and completions(got) == completions(want), params
+    assert wait_until_idle(text_llm)["kv_cache_usage"] == 0 and not text_llm.streams
+
+
+@pytest.mark.slow  # the tiny_text fixture trains for half a minute
+def test_a_finish_for_a_completion_the_core_ended_first_ends_the_request(tiny_text, text_offline):
+    """The race itself, forced: completion 1 hits its stop string (9th token), and the API
+    process's ("finish", id, 1) reaches the core only once the core has ended completion 0 by
+    length (16th token). The core must end completion 1 through the engine's own path: the
+    request ends there, its caller gets the whole reply, and the core keeps nothing. (It used to
+    end the sequence behind the engine's back: the request stayed live.)"""
+    params = STOP_STRINGS[0]
+    want = text_offline.generate(PROMPT, params, use_tqdm=False)[0]
+    assert ends(want) == [(16, "length"), (9, "stop")]
+    llm = AsyncLLM(str(tiny_text), multiprocessing=False, **CONFIG)
+    core, send = llm.core, llm.send
+    core_step, ahead, sent = core.step, threading.Event(), threading.Event()
+
+    def step_then_wait():  # after the step that ends completion 0, wait for the "finish"
+        deltas = core_step()
+        request = core.requests.get("race")
+        if request is not None and request.seqs[0].is_finished and not ahead.is_set():
+            ahead.set()
+            sent.wait(HANG)
+        return deltas
+
+    def send_late(message: tuple) -> None:  # the "finish" waits until the core is ahead
+        if message[0] == "finish":
+            ahead.wait(HANG)
+        send(message)
+        if message[0] == "finish":
+            sent.set()
+
+    core.step, llm.send = step_then_wait, send_late
+    try:
+        got = run(last_output(llm, params, "race"))
+        assert ahead.is_set() and sent.is_set()
+        assert completions(got) == completions(want)
+        assert wait_until_idle(llm)["kv_cache_usage"] == 0
+        assert not core.requests and not core.owners
+    finally:
+        llm.close()
+
+
+@pytest.mark.slow  # the tiny_text fixture trains for half a minute
+def test_a_finish_for_what_the_core_ended_or_dropped_changes_nothing(tiny_text, text_offline):
+    """A "finish" may cross a delta on its way: for a completion the core has ended (here by its
+    stop id), or a request it has finished or aborted, it is harmless; the request runs on to the
+    same reply as offline."""
+    params = dataclasses.replace(STOP_ID_THEN_STRING, stop=[])
+    core = EngineCore(Config(str(tiny_text), **CONFIG))
+    try:
+        prompt_ids = text_offline.get_tokenizer().encode(PROMPT)
+        handle(core, ("finish", "nobody", 0))  # never seen, or forgotten
+        handle(core, ("add", "r", prompt_ids, sample_params(params)))
+        request, deltas = core.requests["r"], []
+        while not request.seqs[0].is_finished:
+            deltas += core.step()[0]
+        handle(core, ("finish", "r", 0))
+        assert request.seqs[0].finish_reason == "stop"
+        while core.has_unfinished_requests():
+            deltas += core.step()[0]
+        handle(core, ("finish", "r", 1))
+        assert not core.requests
+        handle(core, ("add", "gone", prompt_ids, sample_params(params)))
+        handle(core, ("abort", ["gone"]))
+        handle(core, ("finish", "gone", 0))
+        assert not core.has_unfinished_requests() and not core.requests
+    finally:
+        core.close()
+    want = text_offline.generate([prompt_ids], params, use_tqdm=False)[0].outputs
+    for c in want:
+        assert [t for d in deltas if d.completion == c.index for t in d.token_ids] == c.token_ids

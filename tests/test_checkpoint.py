@@ -28,12 +28,6 @@ def cli_tiny(tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module")
-def tiny_text(tmp_path_factory):
-    """The tiny-text preset: tiny's shapes, trained on the corpus (the tests' one full training: half a minute)."""
-    return write_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-text", "tiny-text", seed=0)
-
-
 def test_cli_runs_as_a_module(tmp_path):
     out = tmp_path / "cli"
     subprocess.run(

@@ -151,6 +151,23 @@ def test_min_tokens_holds_back_stop_tokens(llm):
     )
 
 
+@pytest.mark.slow  # the tiny_text fixture trains for half a minute
+def test_min_tokens_holds_back_stop_strings(tiny_text, serve_config):
+    """Greedy tiny-text holds " the" at its 2nd token. With min_tokens=25, as in vLLM, a stop
+    string counts only once 25 tokens are out, and only in the text after theirs: one inside the
+    first 25 tokens' text does not stop the reply (it used to: 2 tokens, finish "stop")."""
+    params = SamplingParams(temperature=0, max_tokens=60, min_tokens=25, stop=[" the"])
+    with LLM(str(tiny_text), **serve_config) as text_llm:
+        (out,) = text_llm.generate("Once upon a time", params, use_tqdm=False)[0].outputs
+        tokenizer = text_llm.get_tokenizer()
+    head, full = tokenizer.decode(out.token_ids[:25]), tokenizer.decode(out.token_ids)
+    assert len(out.token_ids) >= 25 and " the" in head and full.startswith(head)
+    end = full.find(" the", len(head))
+    assert end >= 0 and out.finish_reason == "stop" and out.text == full[:end]
+    before_last = tokenizer.decode(out.token_ids[:-1])
+    assert before_last.find(" the", len(head)) < 0  # it stopped at the first one after the head
+
+
 def test_max_tokens_and_max_model_len_finish_with_length(llm):
     out = llm.generate(
         [[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False

@@ -17,7 +17,9 @@ httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 
 from minivllm import LLM, SamplingParams  # noqa: E402
+from minivllm.async_llm import AsyncLLM  # noqa: E402
 from minivllm.engine.core import Delta  # noqa: E402
+from minivllm.serve import serve_in_thread  # noqa: E402
 
 PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
 
@@ -408,3 +410,58 @@ def test_300_concurrent_streams_each_get_every_token_and_done(server):
 
     results = asyncio.run(all_at_once())
     assert results == [(max_tokens, max_tokens, "data: [DONE]")] * 300
+
+
+# tiny-text, whose text holds the stop strings below
+STOP_ID_THEN_STRING = dict(n=2, seed=0, max_tokens=16, stop_token_ids=[998], stop=[" above"])
+MIN_TOKENS_THEN_STRING = dict(temperature=0, max_tokens=60, min_tokens=25, stop=[" the"])
+TEXT_CASES = {
+    "n=2, a stop id then a stop string": STOP_ID_THEN_STRING,
+    "min_tokens, then a stop string": MIN_TOKENS_THEN_STRING,
+}
+
+
+@pytest.fixture(scope="module")
+def text_server(tiny_text, serve_config):
+    """The server over tiny-text, and offline `LLM` on it; yields (base_url, the offline LLM)."""
+    llm = AsyncLLM(str(tiny_text), **serve_config)
+    with LLM(str(tiny_text), **serve_config) as offline, serve_in_thread(llm, "tiny-text") as url:
+        yield url, offline
+    llm.close()
+
+
+def reply(url: str, body: dict) -> tuple[list[str], list[str | None]]:
+    """A /v1/completions reply's texts and finish reasons, by index; a stream must end with
+    `data: [DONE]`."""
+    if not body["stream"]:
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        choices = sorted(response.json()["choices"], key=lambda c: c["index"])
+        return [c["text"] for c in choices], [c["finish_reason"] for c in choices]
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    events = [line.removeprefix("data: ") for line in lines]
+    assert events[-1] == "[DONE]", events[-1]
+    chunks = [json.loads(event)["choices"][0] for event in events[:-1]]
+    texts, reasons = [""] * body.get("n", 1), [None] * body.get("n", 1)
+    for c in chunks:
+        texts[c["index"]] += c["text"]
+        reasons[c["index"]] = c["finish_reason"] or reasons[c["index"]]
+    return texts, reasons
+
+
+@pytest.mark.slow  # the tiny_text fixture trains for half a minute
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("case", list(TEXT_CASES))
+def test_stop_strings_with_n_and_min_tokens_reply_as_offline(text_server, case, stream):
+    """n=2 where completion 0 ends on a stop id (3rd token) before completion 1's stop string
+    (9th): the request used to stay live in the engine core, and the client waited forever.
+    min_tokens=25 with stop=" the": greedy text holds " the" at its 2nd token, which used to stop
+    it; a stop string counts only after min_tokens tokens, in the text after theirs. Both reply
+    (a stream ends with [DONE]) as offline `generate` does."""
+    url, offline = text_server
+    fields = TEXT_CASES[case]
+    want = offline.generate("Once upon a time", SamplingParams(**fields), use_tqdm=False)[0].outputs
+    assert all(c.finish_reason == "stop" for c in want)
+    assert len(want[-1].token_ids) >= fields.get("min_tokens", 0)
+    got = reply(url, dict(model="tiny-text", prompt="Once upon a time", stream=stream, **fields))
+    assert got == ([c.text for c in want], [c.finish_reason for c in want])
