@@ -336,8 +336,8 @@ def logprobs_of(
     )
     result = []
     for token, logprob, rank, ids, values, k in rows:
-        top = enumerate(zip(ids[:k], values[:k]), start=1)  # (rank, (token id, log-probability))
-        top_k = {i: (v, j) for j, (i, v) in top}
+        ranked = enumerate(zip(ids[:k], values[:k]), start=1)  # (rank, (token id, log-probability))
+        top_k = {i: (v, j) for j, (i, v) in ranked}
         result.append({token: (logprob, rank)} | top_k)
     return result
 

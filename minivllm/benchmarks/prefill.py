@@ -135,10 +135,10 @@ def run_prefill_benchmark(
                 )
             )
             ms_of[impl] = ms
-            rounds = f"(rounds {min(times):.3f}–{max(times):.3f})"
+            spread = f"(rounds {min(times):.3f}–{max(times):.3f})"
             tflops = rows[-1]["tflops"]
             speed = f"{ms:8.3f} ms {tflops:7.1f} TFLOP/s"
-            print(f"{impl:>16} N={seqlen:>6}: {speed}  {rounds}")
+            print(f"{impl:>16} N={seqlen:>6}: {speed}  {spread}")
         for baseline in ("sdpa-cudnn", "flashinfer"):  # speedup > 1: ours is faster
             if baseline in ms_of and "minivllm-triton" in ms_of:
                 ratio = ms_of[baseline] / ms_of["minivllm-triton"]
