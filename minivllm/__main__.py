@@ -161,13 +161,11 @@ def startup_split(llm: "LLM", marks: list[float], first: bool) -> str:
     began, called, built, done = marks
     phases = llm.engine.core.runner.startup_seconds
     runner = ", ".join(f"{name} {seconds:.2f}" for name, seconds in phases.items())
-    return (
-        f"start-up: {'imports' if first else 'since the last engine'} {called - began:.2f} s, "
-        f"LLM() {built - called:.2f}"
-        f" s ({runner}, tokenizer and the rest {built - called - sum(phases.values()):.2f}), "
-        f"generate {done - built:.2f}"
-        f" s: the outputs after {done - began:.1f} s"
-    )
+    since = "imports" if first else "since the last engine"
+    rest = built - called - sum(phases.values())
+    head = f"start-up: {since} {called - began:.2f} s, LLM() {built - called:.2f} s"
+    tail = f"generate {done - built:.2f} s: the outputs after {done - began:.1f} s"
+    return f"{head} ({runner}, tokenizer and the rest {rest:.2f}), {tail}"
 
 
 def generate(args: argparse.Namespace, model: Path | str, began: float, first: bool) -> None:

@@ -79,7 +79,8 @@ from minivllm.layers.activation import SiluAndMul
 
 gate, up = torch.randn(7, 32), torch.randn(7, 32)
 torch.testing.assert_close(torch.nn.functional.silu(gate), gate * torch.sigmoid(gate))
-torch.testing.assert_close(SiluAndMul()(torch.cat([gate, up], -1)), gate * torch.sigmoid(gate) * up)
+silu_gate = gate * torch.sigmoid(gate)
+torch.testing.assert_close(SiluAndMul()(torch.cat([gate, up], -1)), silu_gate * up)
 
 # %% [markdown]
 # ## RMSNorm, with the residual add fused in (a Triton kernel: `exercises/01_triton_rmsnorm`)
@@ -110,9 +111,8 @@ class RMSNorm(nn.Module):
 
     def rms_forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (num_tokens, hidden_size)
         x32 = x.float()
-        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(
-            x.dtype
-        )
+        mean_square = x32.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x32 * torch.rsqrt(mean_square + self.eps)).to(x.dtype)
 
     def add_rms_forward(self, x: torch.Tensor, residual: torch.Tensor) -> Pair:
         residual = (x.float() + residual.float()).to(x.dtype)  # the new residual stream
@@ -138,9 +138,8 @@ ref.weight.data = ours.weight.data = torch.randn(64)  # one random weight for bo
 for dtype in (torch.float32, torch.bfloat16):
     x, res = torch.randn(5, 64, dtype=dtype), torch.randn(5, 64, dtype=dtype)
     torch.testing.assert_close(ours.to(dtype)(x), ref.to(dtype)(x), rtol=0, atol=0)
-    torch.testing.assert_close(
-        ours.to(dtype)(x, res), (ref.to(dtype)(x + res), x + res), rtol=0, atol=0
-    )  # fused
+    fused = (ref.to(dtype)(x + res), x + res)  # the norm of the sum, and the sum
+    torch.testing.assert_close(ours.to(dtype)(x, res), fused, rtol=0, atol=0)
 print("RMSNorm matches Qwen3RMSNorm bit for bit")
 
 # %% [markdown]
@@ -257,9 +256,8 @@ class ColumnParallelLinear(LinearBase):
     ) -> None:
         """Copy this rank's `size` rows of one packed matrix (e.g. k_proj) into ours at row
         `offset`."""
-        check_shape(
-            f"{type(self).__name__}[{shard}]", loaded, (size * self.tp_size, *param.shape[1:])
-        )
+        full_shape = (size * self.tp_size, *param.shape[1:])
+        check_shape(f"{type(self).__name__}[{shard}]", loaded, full_shape)
         param.data.narrow(0, offset, size).copy_(loaded.chunk(self.tp_size, 0)[self.tp_rank])
 
 
@@ -336,8 +334,10 @@ gate_up = MergedColumnParallelLinear(hidden, [96, 96])
 for layer, shards in ((qkv, zip("qkv", (wq, wk, wv))), (gate_up, enumerate((wg, wu)))):
     for shard_id, w in shards:
         layer.weight.weight_loader(layer.weight, w, shard_id)
-torch.testing.assert_close(qkv(x), torch.cat([x @ wq.T, x @ wk.T, x @ wv.T], -1))
-torch.testing.assert_close(gate_up(x), torch.cat([x @ wg.T, x @ wu.T], -1))
+q_k_v = [x @ w.T for w in (wq, wk, wv)]
+torch.testing.assert_close(qkv(x), torch.cat(q_k_v, -1))
+gate_and_up = [x @ w.T for w in (wg, wu)]
+torch.testing.assert_close(gate_up(x), torch.cat(gate_and_up, -1))
 
 wd, b, x2 = torch.randn(hidden, 96), torch.randn(hidden), torch.randn(3, 96)
 # row parallel over 2 ranks in this process: each keeps 48 input columns and adds a partial sum
@@ -496,7 +496,8 @@ class RotaryEmbedding(nn.Module):
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # the two halves of each head: (num_tokens, num_heads, head_dim / 2)
         x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+        return torch.cat([y1, y2], dim=-1).to(x.dtype)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, norms: Norms | None = None
@@ -545,7 +546,8 @@ positions = torch.tensor([0, 1, 7, 100, 4095])
 for name, (config, hf_rope) in configs.items():
     q, k = torch.randn(5, 4, 64), torch.randn(5, 4, 64)
     cos, sin = hf_rope(config)(q, positions[None])
-    q_ref, k_ref = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    q_hf, k_hf = q.transpose(0, 1)[None], k.transpose(0, 1)[None]  # (1, heads, tokens, dim)
+    q_ref, k_ref = apply_rotary_pos_emb(q_hf, k_hf, cos, sin)
     q_ours, k_ours = get_rope(config, 64)(positions, q, k)
     torch.testing.assert_close(
         (q_ours, k_ours), (q_ref[0].transpose(0, 1), k_ref[0].transpose(0, 1))
@@ -582,7 +584,8 @@ def attention_ref(
     group = q.shape[1] // k.shape[1]
     out = torch.zeros_like(q)
     for i in range(len(cu_seqlens_q) - 1):
-        qs, qe, ks, ke = *cu_seqlens_q[i : i + 2].tolist(), *cu_seqlens_k[i : i + 2].tolist()
+        qs, qe = cu_seqlens_q[i : i + 2].tolist()
+        ks, ke = cu_seqlens_k[i : i + 2].tolist()
         qi = q[qs:qe].transpose(0, 1).float()  # (num_heads, len_q, head_dim)
         # (num_heads, len_k, head_dim)
         ki = k[ks:ke].transpose(0, 1).float().repeat_interleave(group, dim=0)
@@ -640,7 +643,8 @@ with mock.patch.object(
     # 16 q, 8 kv heads
     attention_ref(*(torch.randn(n, heads, 128) for heads in (16, 8, 8)), cu_n, cu_n, causal=True)
 assert seen == [(16, n, n)], seen
-print(f"scores tensor for N={n}: {seen[0]} = {16 * n * n * 4 / 2**20:.0f} MiB in fp32")
+mib = 16 * n * n * 4 / 2**20  # 16 heads of N × N scores, 4 bytes each
+print(f"scores tensor for N={n}: {seen[0]} = {mib:.0f} MiB in fp32")
 
 # Qwen3-0.6B's heads; N = 512 ... 32,768
 num_heads, head_dim, lengths = (16, 128, 2 ** np.arange(9, 16))
@@ -658,10 +662,9 @@ ax.set(
 )
 ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(0, 0.93))  # under the H200 line
 fig.savefig(FIGURES / "01_attention_memory.png", dpi=120)
-print(
-    f"at N=32k: naive {naive_bytes[-1] / 2**30:.0f} GiB vs flash {flash_bytes[-1] / 2**30:.2f} "
-    f"GiB per layer"
-)
+naive_gib = naive_bytes[-1] / 2**30
+flash_gib = flash_bytes[-1] / 2**30
+print(f"at N=32k: naive {naive_gib:.0f} GiB vs flash {flash_gib:.2f} GiB per layer")
 print(f"naive, all 28 layers of Qwen3-0.6B: {28 * naive_bytes[-1] / 141e9:.0f} H200s' memory")
 
 # %% [markdown]
@@ -699,7 +702,9 @@ def online_softmax_attention(
         # (num_q,): 0 on the first block
         alpha = torch.exp(m - m_new) if rescale else torch.ones_like(m)
         p = torch.exp(s - m_new[:, None])  # (num_q, block_n)
-        l, acc, m = l * alpha + p.sum(dim=1), acc * alpha[:, None] + p @ v_blk, m_new
+        l = l * alpha + p.sum(dim=1)
+        acc = acc * alpha[:, None] + p @ v_blk
+        m = m_new
     return acc / l[:, None]
 
 
@@ -743,8 +748,9 @@ def tiny_attention_kernel(  # Q, O: (num_q, D), K, V: (N, D), contiguous; qk_sca
     l = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     for start in range(0, N, BLOCK_N):
-        k_t = tl.load(K + (start + offs_n)[None, :] * D + offs_d[:, None])  # (D, BLOCK_N): kᵀ
-        v = tl.load(V + (start + offs_n)[:, None] * D + offs_d[None, :])  # (BLOCK_N, D)
+        keys = start + offs_n  # this block's key rows
+        k_t = tl.load(K + keys[None, :] * D + offs_d[:, None])  # (D, BLOCK_N): kᵀ
+        v = tl.load(V + keys[:, None] * D + offs_d[None, :])  # (BLOCK_N, D)
         s = tl.dot(q, k_t, input_precision="ieee") * qk_scale  # (BLOCK_M, BLOCK_N), in log2 units
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.math.exp2(m - m_new)
@@ -754,7 +760,8 @@ def tiny_attention_kernel(  # Q, O: (num_q, D), K, V: (N, D), contiguous; qk_sca
             acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee"),
             m_new,
         )
-    tl.store(O + offs_m[:, None] * D + offs_d[None, :], acc / l[:, None])
+    o_ptrs = O + offs_m[:, None] * D + offs_d[None, :]
+    tl.store(o_ptrs, acc / l[:, None])
 
 
 out_h = torch.empty_like(qh)  # contiguous (64, 32) tensors: a row's stride is D
@@ -898,16 +905,13 @@ def _prefill_kernel(
     r = tl.arange(0, HEADS * BLOCK_M)
     offs_m, head = start_m * BLOCK_M + r // HEADS, first_head + r % HEADS
     offs_n, offs_d = tl.arange(0, BLOCK_N), tl.arange(0, HEAD_DIM)
-    q_ptrs = (
-        Q + (q_start + offs_m)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
-    )  # (ROWS, D)
+    q_row_ptrs = Q + (q_start + offs_m)[:, None] * stride_qt + head[:, None] * stride_qh
+    q_ptrs = q_row_ptrs + offs_d[None, :]  # (ROWS, D)
     q = load_tile(q_ptrs, (offs_m < q_len)[:, None], UPCAST)
-    k_ptrs = (
-        K + (k_start + offs_n)[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None]
-    )  # (D, BLOCK_N)
-    v_ptrs = (
-        V + (k_start + offs_n)[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :]
-    )  # (BLOCK_N, D)
+    k_col_ptrs = K + (k_start + offs_n)[None, :] * stride_kt + kv_head * stride_kh
+    k_ptrs = k_col_ptrs + offs_d[:, None]  # (D, BLOCK_N)
+    v_row_ptrs = V + (k_start + offs_n)[:, None] * stride_vt + kv_head * stride_vh
+    v_ptrs = v_row_ptrs + offs_d[None, :]  # (BLOCK_N, D)
 
     m_i = tl.full([HEADS * BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([HEADS * BLOCK_M], dtype=tl.float32)
@@ -955,9 +959,8 @@ def _prefill_kernel(
         )
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # a query that sees no key outputs zeros
-    o_ptrs = (
-        O + (q_start + offs_m)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-    )  # (ROWS, D)
+    o_row_ptrs = O + (q_start + offs_m)[:, None] * stride_ot + head[:, None] * stride_oh
+    o_ptrs = o_row_ptrs + offs_d[None, :]  # (ROWS, D)
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m < q_len)[:, None])
 
 
@@ -1136,9 +1139,8 @@ else:
 plot_prefill(prefill).savefig(FIGURES / "01_prefill.png", dpi=120)
 print(prefill["device"])
 for row in prefill["rows"]:
-    print(
-        f"{row['impl']:>16} N={row['seqlen']:>6}: {row['tflops']:7.1f} TFLOP/s ({row['ms']:.3f} ms)"
-    )
+    speed = f"{row['tflops']:7.1f} TFLOP/s ({row['ms']:.3f} ms)"
+    print(f"{row['impl']:>16} N={row['seqlen']:>6}: {speed}")
 
 # %% [markdown]
 # ## Check yourself

@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     start = time.perf_counter()
     out = write_checkpoint(args.out, args.preset, args.seed)
-    print(f"wrote {args.preset} (seed {args.seed}) to {out} in {time.perf_counter() - start:.1f} s")
+    seconds = time.perf_counter() - start
+    print(f"wrote {args.preset} (seed {args.seed}) to {out} in {seconds:.1f} s")
 
 
 # %% [markdown]
@@ -199,7 +200,9 @@ from transformers import AutoTokenizer
 from minivllm.checkpoint import preset_config, write_checkpoint
 
 tiny_path = write_checkpoint(CHECKPOINTS / "tiny", "tiny", seed=0)
-print(", ".join(f"{f.name} ({f.stat().st_size:,} B)" for f in sorted(tiny_path.iterdir())))
+files = sorted(tiny_path.iterdir())
+listing = [f"{f.name} ({f.stat().st_size:,} B)" for f in files]
+print(", ".join(listing))
 with safe_open(tiny_path / "model.safetensors", "pt") as f:
     shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
 for name in [
@@ -459,10 +462,9 @@ with torch.device("meta"):  # a model with shapes but no memory: building the 0.
 # the tied head is the embedding, listed once
 sizes = {name: p.numel() for name, p in qwen06.named_parameters()}
 total, embedding = sum(sizes.values()), sizes["model.embed_tokens.weight"]
-print(
-    f"{total:,} parameters ({2 * total / 1e9:.2f} GB in bf16), {embedding / total:.0%} of them in "
-    f"the embedding"
-)
+gb = 2 * total / 1e9  # bf16: 2 bytes a parameter
+share = embedding / total
+print(f"{total:,} parameters ({gb:.2f} GB in bf16), {share:.0%} of them in the embedding")
 
 # %% [markdown]
 # ## Loading a checkpoint
@@ -600,9 +602,9 @@ def tensor_shapes(
         except SafetensorError as e:
             raise ValueError(f"{file} is not a readable safetensors file: {e}") from None
         if twice := sorted(header.keys() & owner.keys()):
+            first, count = twice[0], len(twice)
             raise ValueError(
-                f"tensor {twice[0]} is in both {owner[twice[0]]} and {file} ({len(twice)} "
-                f"tensor(s) "
+                f"tensor {first} is in both {owner[first]} and {file} ({count} tensor(s) "
                 "in two files): a stray old shard? Keep one copy"
             )
         shapes |= header
@@ -629,7 +631,8 @@ def checkpoint_names(model: Qwen3ForCausalLM) -> dict[str, tuple[str, ShardId]]:
             names[name] = (name, None)
             continue
         for hf_module, shard_id in sources[parts[i]]:
-            names[".".join([*parts[:i], hf_module, *parts[i + 1 :]])] = (name, shard_id)
+            hf_name = ".".join([*parts[:i], hf_module, *parts[i + 1 :]])
+            names[hf_name] = (name, shard_id)
     return names
 
 
@@ -782,11 +785,9 @@ for n in (1, 15, 16, 17, 255, 256, 257, 700):
     ours = prompt_logits(model, text_ids[:n])  # (n, vocab_size)
     with torch.no_grad():
         ref = hf_model(torch.tensor([text_ids[:n]], device=DEVICE)).logits[0]
-    assert torch.equal(ours.argmax(-1), ref.argmax(-1)) and (ours - ref).abs().max() < 1e-4, n
-    print(
-        f"{n:4} tokens: max |logit difference| {(ours - ref).abs().max():.1e}, the same argmax "
-        f"everywhere"
-    )
+    max_diff = (ours - ref).abs().max()
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1)) and max_diff < 1e-4, n
+    print(f"{n:4} tokens: max |logit difference| {max_diff:.1e}, the same argmax everywhere")
 a, b = text_ids[:40], text_ids[100:163]
 input_ids, positions = (
     torch.tensor(a + b, device=DEVICE),

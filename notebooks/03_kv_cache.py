@@ -451,10 +451,11 @@ from minivllm.engine.block_manager import BlockManager
 
 
 def show(bm: BlockManager, note: str = "") -> None:
-    cells = [
-        f"{b.block_id}:{b.ref_count if b.ref_count else '.'}{'#' if b.hash != -1 else ' '}"
-        for b in bm.blocks
-    ]
+    cells = []
+    for b in bm.blocks:
+        refs = b.ref_count if b.ref_count else "."
+        cached = "#" if b.hash != -1 else " "
+        cells.append(f"{b.block_id}:{refs}{cached}")
     used = (
         f"| used {bm.num_used_blocks}, free {bm.num_free_blocks} ({bm.num_cached_free_blocks} "
         f"cached)"
@@ -481,7 +482,8 @@ for token in (32, 33, 34):
     s1.append_token(token)
     bm.may_append(s1)
     show(bm, f"s1 has {len(s1)} tokens, table {s1.block_table}")
-assert s1.block_table == [0, 1, 2, 3] and bm.blocks[2].hash != -1 and bm.blocks[3].hash == -1
+assert s1.block_table == [0, 1, 2, 3]
+assert bm.blocks[2].hash != -1 and bm.blocks[3].hash == -1  # a full block is cached, not a partial
 
 # %% [markdown]
 # `s2`, with the same system prompt, shares its two blocks (ref count 2) and skips 8 tokens.
@@ -489,7 +491,8 @@ assert s1.block_table == [0, 1, 2, 3] and bm.blocks[2].hash != -1 and bm.blocks[
 # %%
 admit(bm, s2 := Sequence(system + [40, 41, 42], block_size=4))
 show(bm, f"s2 table {s2.block_table}, cached tokens {s2.num_cached_tokens}")
-assert s2.block_table[:2] == [0, 1] and s2.num_cached_tokens == 8 and bm.blocks[0].ref_count == 2
+assert s2.block_table[:2] == [0, 1] and s2.num_cached_tokens == 8
+assert bm.blocks[0].ref_count == 2
 
 # %% [markdown]
 # Both finish: their full blocks stay cached at the back of the free order. An unrelated `s3` takes
@@ -650,10 +653,9 @@ def check_index(
     name: str, t: torch.Tensor, dim: int, device: torch.device, dtypes=(torch.int32,)
 ) -> None:
     if t.dim() != dim or t.dtype not in dtypes or t.device != device:
-        raise ValueError(
-            f"{name} must be a {dim}-D {' or '.join(map(str, dtypes))} tensor on {device}, "
-            f"got {t.dtype} {tuple(t.shape)} on {t.device}"
-        )
+        want = f"{dim}-D {' or '.join(map(str, dtypes))} tensor on {device}"
+        got = f"{t.dtype} {tuple(t.shape)} on {t.device}"
+        raise ValueError(f"{name} must be a {want}, got {got}")
 
 
 def check_out(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
@@ -667,12 +669,9 @@ def check_out(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
         or out.device != q.device
         or out.stride(-1) != 1
     ):
-        raise ValueError(
-            f"out must be a {q.dtype} tensor of q's shape {tuple(q.shape)} on {q.device}, "
-            f"contiguous in its last "
-            f"dimension; got {out.dtype} {tuple(out.shape)} on {out.device} with strides "
-            f"{out.stride()}"
-        )
+        want = f"a {q.dtype} tensor of q's shape {tuple(q.shape)} on {q.device}"
+        got = f"{out.dtype} {tuple(out.shape)} on {out.device} with strides {out.stride()}"
+        raise ValueError(f"out must be {want}, contiguous in its last dimension; got {got}")
     return out
 
 
@@ -687,7 +686,8 @@ def store_kvcache(
     check_cache("k_cache", k_cache, k)
     check_cache("v_cache", v_cache, v)
     check_index("slot_mapping", slot_mapping, 1, k.device, (torch.int32, torch.int64))
-    if k.shape != v.shape or k.shape[1:] != k_cache.shape[2:] or slot_mapping.numel() != k.shape[0]:
+    fits_cache = k.shape == v.shape and k.shape[1:] == k_cache.shape[2:]
+    if not fits_cache or slot_mapping.numel() != k.shape[0]:
         raise ValueError(
             f"k, v {tuple(k.shape)}, {tuple(v.shape)} must match the cache's (num_kv_heads, "
             f"head_dim) "
@@ -772,11 +772,12 @@ lses = torch.stack([torch.logsumexp(s, dim=-1) for s in scores])
 weights = torch.exp(lses - torch.logsumexp(lses, dim=0))
 # what the combine kernel computes
 combined = sum(w[:, None] * out_s for w, out_s in zip(weights, outs))
-ref = attention_ref(
-    q1[:, None], k1[:, None], v1[:, None], torch.tensor([0, 1]), torch.tensor([0, 300])
-)[:, 0]
+one_query, all_keys = torch.tensor([0, 1]), torch.tensor([0, 300])  # cu_seqlens of q and k
+one_head = [t[:, None] for t in (q1, k1, v1)]  # (tokens, 1 head, dim)
+ref = attention_ref(*one_head, one_query, all_keys)[:, 0]
 torch.testing.assert_close(combined, ref)
-plain, weighted = (sum(outs) / len(outs) - ref).abs().max(), (combined - ref).abs().max()
+plain = (sum(outs) / len(outs) - ref).abs().max()
+weighted = (combined - ref).abs().max()
 print(
     f"max error: plain average of the splits {plain:.2f}, weighted by exp(lse_s - lse) "
     f"{weighted:.0e}"
@@ -837,7 +838,8 @@ def attend_split(
     # a split with no key: past the end of a short sequence (or of a shared prefix)
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    return out, tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))
+    lse = m_i + tl.math.log2(tl.where(empty, 1.0, l_i))
+    return out, tl.where(empty, float("-inf"), lse)
 
 
 @triton.jit
@@ -850,7 +852,8 @@ def store_split(
         part_strides  # of partial_out, then partial_lse
     )
     row = seq * stride_pb + heads * stride_ph + slot * stride_ps  # (ROWS,)
-    tl.store(partial_out + row[:, None] + tl.arange(0, HEAD_DIM)[None, :], out, mask=mask[:, None])
+    out_ptrs = partial_out + row[:, None] + tl.arange(0, HEAD_DIM)[None, :]
+    tl.store(out_ptrs, out, mask=mask[:, None])
     tl.store(partial_lse + seq * stride_lb + heads * stride_lh + slot, lse, mask=mask)
 
 
@@ -891,9 +894,8 @@ def _decode_kernel(
     offs_g = tl.arange(0, GROUP_PAD)
     heads, mask = kv_head * GROUP + offs_g, offs_g < GROUP
     q_rows = Q + seq * q_strides[0] + heads * q_strides[1]  # (GROUP_PAD,)
-    q = load_tile(
-        q_rows[:, None] + tl.arange(0, HEAD_DIM)[None, :], mask[:, None], UPCAST
-    )  # (GROUP_PAD, D)
+    q_ptrs = q_rows[:, None] + tl.arange(0, HEAD_DIM)[None, :]
+    q = load_tile(q_ptrs, mask[:, None], UPCAST)  # (GROUP_PAD, D)
     table_row = block_table + seq * stride_bt
     out, lse = attend_split(
         q,
@@ -949,8 +951,10 @@ def _combine_splits_kernel(
         + offs_d[None, :]
     )
     parts = tl.load(part_ptrs, mask=(offs_s < num_splits)[:, None], other=0.0)  # (SPLITS_PAD, D)
-    out = tl.sum(parts * weights[:, None], 0) / tl.maximum(tl.sum(weights, 0), 1e-30)
-    tl.store(O + seq * o_strides[0] + head * o_strides[1] + offs_d, out.to(O.dtype.element_ty))
+    total = tl.maximum(tl.sum(weights, 0), 1e-30)
+    out = tl.sum(parts * weights[:, None], 0) / total
+    o_ptrs = O + seq * o_strides[0] + head * o_strides[1] + offs_d
+    tl.store(o_ptrs, out.to(O.dtype.element_ty))
 
 
 # %% tags=["export"]
@@ -1048,7 +1052,8 @@ def flash_attn_with_kvcache(
         cache_seqlens if prefix_lens is None else prefix_lens,
     )
     qk_scale = softmax_scale_of(softmax_scale, head_dim) * math.log2(math.e)
-    q_strides, kv_strides = (q.stride(0), q.stride(2)), (*k.stride()[:2], *v.stride()[:2])
+    q_strides = (q.stride(0), q.stride(2))
+    kv_strides = (*k.stride()[:2], *v.stride()[:2])
     strides = (q_strides, kv_strides, (*partial_out.stride()[:3], *partial_lse.stride()[:2]))
     # tile sizes: the fastest of a sweep on an H200 (bf16, head_dim 128, block sizes 16 and 256)
     common: dict[str, Any] = dict(
@@ -1165,9 +1170,8 @@ def _shared_prefix_kernel(
     lo = split * chunk
     hi = tl.minimum(lo + chunk, prefix_len)
     q_rows = Q + seq * q_strides[0] + heads * q_strides[1]  # (BLOCK_M,)
-    q = load_tile(
-        q_rows[:, None] + tl.arange(0, HEAD_DIM)[None, :], shares[:, None], UPCAST
-    )  # (BLOCK_M, D)
+    q_ptrs = q_rows[:, None] + tl.arange(0, HEAD_DIM)[None, :]
+    q = load_tile(q_ptrs, shares[:, None], UPCAST)  # (BLOCK_M, D)
     # a non-sharer's row is computed too, and never read: the combine kernel skips its slots
     out, lse = attend_split(
         q,
@@ -1284,7 +1288,8 @@ tbps: dict[tuple, float] = {}  # (impl, batch, context) -> the best over block s
 for r in sorted(decode_data["rows"], key=lambda r: r["tbps"]):
     tbps[r["impl"], r["batch"], r["context_len"]] = r["tbps"]
 for (impl, batch, context), v in sorted(tbps.items()):
-    print(f"{impl:>24} batch {batch:>3} × {context:>5} tokens: {v:.2f} TB/s")
+    shape = f"batch {batch:>3} × {context:>5} tokens"
+    print(f"{impl:>24} {shape}: {v:.2f} TB/s")
 copy_tbps = decode_data["copy_tbps"]
 print(
     f"copy bandwidth, for scale: {copy_tbps:.2f} TB/s (a copy reads and writes; a read alone may "

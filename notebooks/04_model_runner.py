@@ -67,10 +67,9 @@ cat_logits = torch.tensor([4.0, 3.1, 2.6, 2.2, 1.9, 1.4, 1.2, 1.0, 0.6, 0.1, -0.
 
 
 def show_probs(probs: torch.Tensor, label: str) -> None:
-    print(
-        f"{label:>6}: "
-        + " ".join(f"{w} {p:.2f}" for w, p in zip(words, probs.tolist()) if p >= 0.005)
-    )
+    pairs = zip(words, probs.tolist())
+    shown = [f"{w} {p:.2f}" for w, p in pairs if p >= 0.005]
+    print(f"{label:>6}: " + " ".join(shown))
 
 
 probs_at = {T: torch.softmax(cat_logits / T, dim=-1) for T in (0.01, 0.5, 2.0)}
@@ -112,7 +111,8 @@ def keep_mask(
     )  # mass of the more likely tokens
     # top-p, on top-k's renormalized distribution; p = 1 keeps all, even the tail a float32 sum no
     # longer sees
-    keep &= (before < top_ps[:, None] * cum[:, -1:]) | (top_ps[:, None] >= 1)
+    p_mass = top_ps[:, None] * cum[:, -1:]  # (batch, 1): top-p of what top-k kept
+    keep &= (before < p_mass) | (top_ps[:, None] >= 1)
     # min-p, relative to the most likely token
     keep &= sorted_probs >= min_ps[:, None] * sorted_probs[:, :1]
     return keep
@@ -167,7 +167,8 @@ filtered = filter_probs(
 )
 for name, row in zip(["top-k", "top-p", "min-p", "none"], filtered):
     show_probs(row, name)
-assert (filtered > 0).sum(dim=-1).tolist() == [3, 4, 5, 12] and torch.equal(filtered[3], cat_probs)
+assert (filtered > 0).sum(dim=-1).tolist() == [3, 4, 5, 12]
+assert torch.equal(filtered[3], cat_probs)
 
 # %% [markdown]
 # ### Drawing a token: the exponential race, seeded per row
@@ -205,7 +206,8 @@ p = torch.tensor([0.1, 0.0, 0.3, 0.2])  # unnormalized, one token dropped
 # 200,000 races
 q = torch.empty(200_000, 4).exponential_(generator=torch.Generator().manual_seed(0))
 freq = torch.bincount((p / q).argmax(dim=-1), minlength=4) / len(q)
-print(f"frequencies: {freq.numpy().round(3)}, p / sum(p): {(p / p.sum()).numpy().round(3)}")
+expected = (p / p.sum()).numpy().round(3)
+print(f"frequencies: {freq.numpy().round(3)}, p / sum(p): {expected}")
 assert freq[1] == 0
 torch.testing.assert_close(freq, p / p.sum(), atol=0.005, rtol=0)
 # seed 42 at step 7: the same noise in row 0 of one batch and row 2 of another; seed 5 at step 7,
@@ -332,10 +334,12 @@ def logprobs_of(
         top.values.tolist(),
         ks,
     )
-    return [
-        {t: (lp, r)} | {i: (v, j + 1) for j, (i, v) in enumerate(zip(ids[:k], vs[:k]))}
-        for t, lp, r, ids, vs, k in rows
-    ]
+    result = []
+    for token, logprob, rank, ids, values, k in rows:
+        ranked = enumerate(zip(ids[:k], values[:k]), start=1)  # (rank, (token id, log-probability))
+        top_k = {i: (v, j) for j, (i, v) in ranked}
+        result.append({token: (logprob, rank)} | top_k)
+    return result
 
 
 # %% tags=["export"] module="minivllm.engine.step_inputs"
@@ -1241,7 +1245,8 @@ assert worst < 1e-4
 runner.use_triton = DEVICE == "cuda"
 system_prompt = random.choices(range(2048), k=48)  # three full blocks of 16
 bm = BlockManager(runner.num_kvcache_blocks, runner.block_size)
-first, second = (Sequence(system_prompt + new, block_size=16) for new in ([1, 2, 3], [4, 5, 6, 7]))
+first = Sequence(system_prompt + [1, 2, 3], block_size=16)
+second = Sequence(system_prompt + [4, 5, 6, 7], block_size=16)
 admit(bm, first)
 runner.step_logits([first], is_prefill=True)
 admit(bm, second)
@@ -1302,7 +1307,8 @@ print(
     f"KV cache on {step_data['device']}: {step_data['kv_cache_tokens'] / 1e6:.2f} M tokens; ms "
     f"per step:"
 )
-print({f"{r['impl']}, batch {r['batch']}": round(r["ms"], 2) for r in step_data["rows"]})
+ms_per_step = {f"{r['impl']}, batch {r['batch']}": r["ms"] for r in step_data["rows"]}
+print({name: round(ms, 2) for name, ms in ms_per_step.items()})
 
 # %% [markdown]
 # ## Check yourself

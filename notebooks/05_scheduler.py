@@ -410,12 +410,10 @@ def serve(
                 f"{index[s.seq_id]}:{s.num_scheduled_tokens}{'+' * u}"
                 for s, u in zip(batch, unfinished)
             )
-            print(
-                f"step {len(rows):2d} {'prefill' if is_prefill else 'decode '} {done:<20} running "
-                f"{state[0]}, "
-                f"waiting {state[1]}, free blocks {state[2]}, preemptions "
-                f"{scheduler.num_preemptions}"
-            )
+            kind = "prefill" if is_prefill else "decode "
+            head = f"step {len(rows):2d} {kind}"
+            queues = f"running {state[0]}, waiting {state[1]}, free blocks {state[2]}"
+            print(f"{head} {done:<20} {queues}, preemptions {scheduler.num_preemptions}")
         last = state
     assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_blocks, (
         "KV blocks leaked"
@@ -458,7 +456,8 @@ small = serve(make_scheduler(10, max_num_batched_tokens=48), small_seqs, log=Tru
 # below.
 
 # %%
-assert [r["num_tokens"] for r in small["rows"][:3]] == [48, 48, 24] and small["preemptions"] == 1
+assert [r["num_tokens"] for r in small["rows"][:3]] == [48, 48, 24]
+assert small["preemptions"] == 1
 # requests 3 and 4 on request 2's blocks, then 4 on its own
 assert small["hit_tokens"] == 2 * 32 + 48
 assert all(
@@ -535,10 +534,10 @@ def hf_generate(prompt: list[int], max_new_tokens: int) -> list[int]:
 
 
 system_prompt = random.choices(range(3, 2048), k=32)
-prompts = [
-    (system_prompt if i % 3 == 0 else []) + random.choices(range(3, 2048), k=random.randint(4, 64))
-    for i in range(16)
-]
+prompts = []
+for i in range(16):
+    prefix = system_prompt if i % 3 == 0 else []
+    prompts.append(prefix + random.choices(range(3, 2048), k=random.randint(4, 64)))
 max_tokens = [random.randint(4, 16) for _ in prompts]
 expected = [hf_generate(p, n) for p, n in zip(prompts, max_tokens)]
 policies = {"prefill first": Scheduler, "unified": UnifiedScheduler}
@@ -549,13 +548,11 @@ for name, cls in policies.items():
         make_scheduler(12, cls=cls, max_num_seqs=8, max_num_batched_tokens=32), seqs
     )
     run["matches"] = sum(seq.completion_token_ids == e for seq, e in zip(seqs, expected))
-    print(
-        f"{name:>13}: {len(run['rows'])} steps, {run['preemptions']} preemptions, {run['chunks']} "
-        f"prompt chunks "
-        f"short of the end, {run['hit_tokens']} prompt tokens from the prefix cache; "
-        f"{run['matches']} of "
-        f"{len(prompts)} requests give exactly transformers' tokens"
-    )
+    counts = f"{len(run['rows'])} steps, {run['preemptions']} preemptions"
+    chunks = f"{run['chunks']} prompt chunks short of the end"
+    hits = f"{run['hit_tokens']} prompt tokens from the prefix cache"
+    same = f"{run['matches']} of {len(prompts)} requests give exactly transformers' tokens"
+    print(f"{name:>13}: {counts}, {chunks}, {hits}; {same}")
 
 # %%
 for run in parity.values():
@@ -690,7 +687,8 @@ def time_step(
 
 
 decode_grid = [(b, n) for b in (1, 4, 16) for n in (32, 256)]
-prefill_grid = [(1, 16), (1, 64), (1, 256), (1, 1024), (4, 16), (4, 64), (16, 16)]
+prefill_grid = [(1, 16), (1, 64), (1, 256), (1, 1024)]  # one prompt of each length
+prefill_grid += [(4, 16), (4, 64), (16, 16)]  # and batches of them
 measured = {(False, b, n): time_step(b, n, False) for b, n in decode_grid}
 measured |= {(True, b, n): time_step(b, n, True) for b, n in prefill_grid}
 for (is_prefill, b, n), (_, seconds) in measured.items():
@@ -711,11 +709,9 @@ for where, alone, batch, size in (
     ("H200", h200[1], h200[64], 64),
     ("this CPU", cpu[1], cpu[16], 16),
 ):
-    print(
-        f"{where:>8}: a decode token costs {alone * 1e3:.2f} ms alone, {batch / size * 1e3:.3f} "
-        f"ms in a batch of "
-        f"{size}: {size * alone / batch:.1f}x cheaper"
-    )
+    alone_ms, batched_ms, speedup = alone * 1e3, batch / size * 1e3, size * alone / batch
+    costs = f"{alone_ms:.2f} ms alone, {batched_ms:.3f} ms in a batch of {size}"
+    print(f"{where:>8}: a decode token costs {costs}: {speedup:.1f}x cheaper")
 # 64 tokens in one step cost less than three steps of one (committed H200 timings)
 assert h200[64] < 3 * h200[1]
 
@@ -762,7 +758,8 @@ def terms(coef: np.ndarray, is_prefill: bool) -> str:
         if is_prefill
         else ["ms", "ms/sequence", "ms/pair"]
     )
-    return " + ".join(f"{c:.2g} {unit}" for c, unit in zip(coef * 1e3, units))
+    coef_ms = coef * 1e3
+    return " + ".join(f"{c:.2g} {unit}" for c, unit in zip(coef_ms, units))
 
 
 # seconds: prefill (True) = fixed + per sequence + per token + per pair; decode = fixed + per
@@ -826,12 +823,10 @@ steps = burst["rows"]
 t, is_prefill, duration, num_tokens = (
     np.array([r[k] for r in steps]) for k in ("time", "is_prefill", "duration", "num_tokens")
 )
-print(
-    f"{len(steps)} steps ({is_prefill.sum()} prefill) in {burst['seconds']:.2f} s; "
-    f"{burst['preemptions']} "
-    f"preemptions; {burst['chunks']} prompt chunks short of the end; "
-    f"median time to first token {np.median(burst['ttft']) * 1e3:.0f} ms"
-)
+timing = f"{len(steps)} steps ({is_prefill.sum()} prefill) in {burst['seconds']:.2f} s"
+counts = f"{burst['preemptions']} preemptions; {burst['chunks']} prompt chunks short of the end"
+median_ttft_ms = np.median(burst["ttft"]) * 1e3
+print(f"{timing}; {counts}; median time to first token {median_ttft_ms:.0f} ms")
 
 fig, axes = plt.subplots(3, 1, figsize=(10.8, 7.8), sharex=True)
 for kind, color, label in (
@@ -890,10 +885,10 @@ assert (
 # output token** (TPOT).
 
 # %%
-online_requests = [
-    (rng.integers(3, 2048, int(rng.integers(16, 129))).tolist(), int(rng.integers(16, 129)))
-    for _ in range(120)
-]
+online_requests = []
+for _ in range(120):
+    prompt = rng.integers(3, 2048, int(rng.integers(16, 129))).tolist()
+    online_requests.append((prompt, int(rng.integers(16, 129))))  # and its output length
 limits = dict(max_num_seqs=16, max_num_batched_tokens=512)
 
 
@@ -917,7 +912,8 @@ def serve_online(requests: list, cls: type, arrivals: np.ndarray, cost: StepCost
         cost,
         False,
     )
-    run["tpot"] = (run["latency"] - run["ttft"]) / np.array([n - 1 for _, n in requests])
+    decode_tokens = np.array([n - 1 for _, n in requests])  # the tokens after the first
+    run["tpot"] = (run["latency"] - run["ttft"]) / decode_tokens
     run["tpot_p99"], run["max_step"] = (
         np.percentile(run["tpot"], 99),
         max(r["duration"] for r in run["rows"]),
@@ -939,7 +935,8 @@ orders = compare_orders(step_cost)
 fig, axes = plt.subplots(1, 2, figsize=(10.8, 3.8))
 for (name, run), color in zip(orders.items(), ("tab:blue", "tab:red")):
     ttft_ms = np.sort(run["ttft"] * 1e3)
-    axes[0].plot(ttft_ms, np.arange(1, len(ttft_ms) + 1) / len(ttft_ms), color=color, label=name)
+    cdf = np.arange(1, len(ttft_ms) + 1) / len(ttft_ms)
+    axes[0].plot(ttft_ms, cdf, color=color, label=name)
     decode_rows = [(r["time"], r["num_seqs"]) for r in run["rows"] if not r["is_prefill"]]
     axes[1].step(*zip(*decode_rows), where="pre", color=color, lw=0.8, label=name)
 axes[0].set(
@@ -1023,13 +1020,14 @@ def budget_grid(cost: StepCost) -> dict[tuple[str, int], dict]:
 grid_runs = budget_grid(step_cost)
 fig, axes = plt.subplots(1, 2, figsize=(10.8, 3.8))
 for (name, budget), run in grid_runs.items():
-    (t50, t99), (p50, p99) = (np.percentile(run[key], [50, 99]) * 1e3 for key in ("ttft", "tpot"))
-    print(
-        f"{name:>13}, budget {budget:4d}: TTFT p50 {t50:3.0f} ms, p99 {t99:3.0f} ms; TPOT p50 "
-        f"{p50:3.1f} ms, p99 "
-        f"{p99:4.1f} ms; longest step {run['max_step'] * 1e3:3.0f} ms, longest wait "
-        f"{run['max_wait'] * 1e3:3.0f} ms"
-    )
+    t50, t99 = np.percentile(run["ttft"], [50, 99]) * 1e3
+    p50, p99 = np.percentile(run["tpot"], [50, 99]) * 1e3
+    step_ms, wait_ms = run["max_step"] * 1e3, run["max_wait"] * 1e3
+    config = f"{name:>13}, budget {budget:4d}"
+    ttft = f"TTFT p50 {t50:3.0f} ms, p99 {t99:3.0f} ms"
+    tpot = f"TPOT p50 {p50:3.1f} ms, p99 {p99:4.1f} ms"
+    longest = f"longest step {step_ms:3.0f} ms, longest wait {wait_ms:3.0f} ms"
+    print(f"{config}: {ttft}; {tpot}; {longest}")
     style = dict(
         color="tab:blue" if name == "unified" else "tab:red", ls="-" if budget == 256 else "--"
     )

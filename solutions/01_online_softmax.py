@@ -209,14 +209,16 @@ def reference(q, k, v, causal=False, window=0):
     (M, D), N = q.shape, k.shape[0]
     scores = (q @ k.T) * D**-0.5  # (M, N)
     if causal:
-        query_pos, key_pos = torch.arange(M)[:, None] + (N - M), torch.arange(N)[None, :]
+        query_pos = torch.arange(M)[:, None] + (N - M)  # the queries are the last M positions
+        key_pos = torch.arange(N)[None, :]
         visible = (key_pos <= query_pos) & ((key_pos > query_pos - window) if window else True)
         scores = scores.masked_fill(~visible, NEG_INF)
     lse = torch.logsumexp(scores, dim=1)  # -inf for a row that sees nothing
     out = torch.exp(scores - lse.masked_fill(lse == NEG_INF, 0.0)[:, None]) @ v
     if not window:  # the same as notebook 01's attention_ref
         cu_q, cu_k = torch.tensor([0, M]), torch.tensor([0, N])
-        out_ref = attention_ref(q[:, None], k[:, None], v[:, None], cu_q, cu_k, causal=causal)[:, 0]
+        one_head = [t[:, None] for t in (q, k, v)]  # (tokens, 1 head, D)
+        out_ref = attention_ref(*one_head, cu_q, cu_k, causal=causal)[:, 0]
         check_close(
             out, out_ref, f"the reference's mask (M={M}, N={N}, causal={causal}) vs attention_ref"
         )
@@ -225,7 +227,8 @@ def reference(q, k, v, causal=False, window=0):
 
 def random_qkv(M: int, N: int, D: int = 32, seed: int = 0, scale: float = 1.0):
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(n, D, generator=gen) * s for n, s in [(M, scale), (N, 1.0), (N, 1.0)]]
+    rows_and_scales = [(M, scale), (N, 1.0), (N, 1.0)]  # q, k, v
+    return [torch.randn(n, D, generator=gen) * s for n, s in rows_and_scales]
 
 
 def hide_unseen_blocks(k: torch.Tensor, v: torch.Tensor, M: int, block_n: int, window: int):
@@ -373,9 +376,8 @@ def combine_splits(
     m_safe = m.masked_fill(m == NEG_INF, 0.0)  # every split empty
     weights = torch.exp(partial_lse - m_safe)  # (num_splits, M): 0 for an empty split
     total = weights.sum(dim=0)  # (M,)
-    out = (weights[:, :, None] * partial_out).sum(dim=0) / torch.where(total > 0, total, 1.0)[
-        :, None
-    ]
+    total_safe = torch.where(total > 0, total, 1.0)  # every split empty: out stays 0
+    out = (weights[:, :, None] * partial_out).sum(dim=0) / total_safe[:, None]
     return out, m_safe + torch.log(total)
     # END SOLUTION
 

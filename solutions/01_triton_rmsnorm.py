@@ -144,9 +144,9 @@ with exercise("scale_rows_kernel"):
     x = torch.arange(15, dtype=torch.float32, device=DEVICE).reshape(3, 5)
     s = torch.tensor([1.0, -2.0, 0.5], device=DEVICE)
     got = scale_rows(x, s)
-    expected = torch.tensor(
-        [[0, 1, 2, 3, 4], [-10, -12, -14, -16, -18], [5, 5.5, 6, 6.5, 7]], device=DEVICE
-    )
+    rows = [[0, 1, 2, 3, 4], [-10, -12, -14, -16, -18]]  # x's rows 0 and 1 times 1 and -2
+    rows.append([5, 5.5, 6, 6.5, 7])  # row 2 times 0.5
+    expected = torch.tensor(rows, device=DEVICE)
     assert torch.equal(got, expected), f"3 x 5 by hand: expected\n{expected}\ngot\n{got}"
 
     big = torch.randn(6, 200, device=DEVICE)
@@ -227,7 +227,8 @@ def fused_add_rms_norm_kernel(
     s = s.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(s * s, axis=0) / n_cols + eps)  # masked lanes are 0: they add nothing
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(OUT + row * stride_out + cols, (s * inv_rms * w).to(OUT.dtype.element_ty), mask=mask)
+    y = (s * inv_rms * w).to(OUT.dtype.element_ty)
+    tl.store(OUT + row * stride_out + cols, y, mask=mask)
     # END SOLUTION
 
 

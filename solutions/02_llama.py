@@ -198,7 +198,8 @@ print("llama3 RoPE: our cos/sin tables equal transformers'")
 
 # %%
 params = rope_parameters(config)
-inv_freq = 1.0 / params["rope_theta"] ** (torch.arange(0, 2 * half, 2).float() / (2 * half))
+exponents = torch.arange(0, 2 * half, 2).float() / (2 * half)  # 0, 2/d, 4/d, ...
+inv_freq = 1.0 / params["rope_theta"] ** exponents
 wavelength = 2 * torch.pi / inv_freq
 wavelength_llama3 = 2 * torch.pi / llama3_inv_freq(inv_freq, params)
 

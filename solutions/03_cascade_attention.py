@@ -111,7 +111,8 @@ def prefix_attention(
 
 # %%
 with exercise("prefix_attention"):
-    q, k, v = torch.randn(5, 8, 32), torch.randn(40, 2, 32), torch.randn(40, 2, 32)
+    q = torch.randn(5, 8, 32)
+    k, v = torch.randn(40, 2, 32), torch.randn(40, 2, 32)
     out, lse = prefix_attention(q, k, v, 32**-0.5)
     assert out.shape == (5, 8, 32) and lse.shape == (5, 8), (
         f"shapes {tuple(out.shape)}, {tuple(lse.shape)}"
@@ -125,7 +126,8 @@ with exercise("prefix_attention"):
         )
         check_close(out[:, head], expected[:, head], case)
     heads = torch.arange(8) // 4  # each query head's KV head
-    expected = torch.logsumexp(torch.einsum("rhd,nhd->rhn", q, k[:, heads]) * 32**-0.5, dim=-1)
+    scores = torch.einsum("rhd,nhd->rhn", q, k[:, heads]) * 32**-0.5
+    expected = torch.logsumexp(scores, dim=-1)
     check_close(lse, expected, "lse (rows, heads) vs torch.logsumexp of the scaled scores")
 print("prefix_attention: correct")
 
@@ -145,7 +147,8 @@ def merge(
     # BEGIN SOLUTION
     lse = torch.logaddexp(lse_a, lse_b)
     safe = torch.where(lse == float("-inf"), 0.0, lse)  # both parts empty: weights 0, not NaN
-    out = torch.exp(lse_a - safe)[..., None] * out_a + torch.exp(lse_b - safe)[..., None] * out_b
+    weight_a, weight_b = torch.exp(lse_a - safe), torch.exp(lse_b - safe)
+    out = weight_a[..., None] * out_a + weight_b[..., None] * out_b
     return out, lse
     # END SOLUTION
 
@@ -158,7 +161,8 @@ def merge(
 
 # %%
 with exercise("merge"):
-    q, k, v = torch.randn(3, 4, 16), torch.randn(20, 2, 16), torch.randn(20, 2, 16)
+    q = torch.randn(3, 4, 16)
+    k, v = torch.randn(20, 2, 16), torch.randn(20, 2, 16)
     whole, whole_lse = prefix_attention(q, k, v, 0.25)
     for cut in range(1, 20):
         out, lse = merge(
@@ -198,10 +202,12 @@ def cascade_decode(
     """(rows, num_heads, head_dim): each row's query over the shared prefix, then its own keys."""
     # BEGIN SOLUTION
     shared, shared_lse = prefix_attention(q, prefix_k, prefix_v, scale)
-    own = [
-        prefix_attention(q[i : i + 1], k, v, scale) for i, (k, v) in enumerate(zip(own_k, own_v))
-    ]
-    own_out, own_lse = torch.cat([o for o, _ in own]), torch.cat([lse for _, lse in own])
+    outs, lses = [], []  # each row over its own keys
+    for i, (k, v) in enumerate(zip(own_k, own_v)):
+        out, lse = prefix_attention(q[i : i + 1], k, v, scale)
+        outs.append(out)
+        lses.append(lse)
+    own_out, own_lse = torch.cat(outs), torch.cat(lses)
     return merge(shared, shared_lse, own_out, own_lse)[0]
     # END SOLUTION
 

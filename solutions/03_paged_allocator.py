@@ -342,7 +342,8 @@ with exercise("can_append / may_append"):
         "a fork needs a table of its own"
     )
     assert bm.num_free_blocks == 3, f"forks take no block: {bm.num_free_blocks} free, expected 3"
-    for seq, token, holders in ((parent, 6, 3), (forks[0], 7, 2), (forks[1], 8, 1)):
+    appends = [(parent, 6, 3), (forks[0], 7, 2), (forks[1], 8, 1)]  # (sequence, token, holders)
+    for seq, token, holders in appends:
         seq.append_token(token)
         assert bm.can_append(seq), f"token {token}: a block is free, can_append said no"
         free, copies = bm.num_free_blocks, bm.may_append(seq)
@@ -457,7 +458,8 @@ def check_invariants(
             f"{seq.num_tokens} tokens in {len(seq.block_table)} blocks"
         )
         size = seq.block_size
-        read = [cache.get(seq.block_table[t // size] * size + t % size) for t in range(len(seq))]
+        slots = [seq.block_table[t // size] * size + t % size for t in range(len(seq))]
+        read = [cache.get(slot) for slot in slots]
         assert read == seq.token_ids, (
             f"sequence {seq.seq_id} reads {read} through its table {seq.block_table}, but its "
             f"tokens are "

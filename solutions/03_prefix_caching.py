@@ -342,7 +342,8 @@ def workload(seed: int, num_blocks: int, block_size: int, steps: int) -> int:
 
 
 with exercise("LFUBlockManager"):
-    for seed, (num_blocks, block_size) in enumerate([(6, 1), (10, 2), (16, 2), (24, 4), (12, 3)]):
+    caches = [(6, 1), (10, 2), (16, 2), (24, 4), (12, 3)]  # (num_blocks, block_size)
+    for seed, (num_blocks, block_size) in enumerate(caches):
         hits = workload(seed, num_blocks, block_size, steps=2000)
         print(
             f"{num_blocks:3d} blocks of {block_size}: 2,000 steps, {hits} tokens hit, the same as "

@@ -100,13 +100,16 @@ def my_query_tiles(
 # %%
 def keys_of(tiles: np.ndarray, cu_q: np.ndarray, cu_k: np.ndarray, block_m: int) -> list[int]:
     q_lens, k_lens = np.diff(cu_q), np.diff(cu_k)
-    return [
-        int(k_lens[s] - q_lens[s] + min((m + 1) * block_m, q_lens[s])) for s, m in tiles.tolist()
-    ]
+    keys = []
+    for s, m in tiles.tolist():
+        rows_end = min((m + 1) * block_m, q_lens[s])  # past the tile's last query row
+        keys.append(int(k_lens[s] - q_lens[s] + rows_end))
+    return keys
 
 
 with exercise("my_query_tiles"):
-    cu_q, cu_k = np.array([0, 1, 2, 130, 170]), np.array([0, 300, 341, 1469, 1509])
+    cu_q = np.array([0, 1, 2, 130, 170])
+    cu_k = np.array([0, 300, 341, 1469, 1509])
     got = my_query_tiles(cu_q, cu_k, np.array([2, 3]), block_m=64)
     assert isinstance(got, np.ndarray) and got.dtype == np.int32, (
         f"expected an int32 array, got {type(got)} {got!r}"
@@ -193,7 +196,8 @@ def mixed_attention(
     kernel, the others through the paged prefill kernel over their tiles."""
     # BEGIN SOLUTION
     out = torch.empty_like(q)
-    q_lens, k_lens = (cu_q[1:] - cu_q[:-1]).cpu().numpy(), (cu_k[1:] - cu_k[:-1]).cpu().numpy()
+    q_lens = (cu_q[1:] - cu_q[:-1]).cpu().numpy()
+    k_lens = (cu_k[1:] - cu_k[:-1]).cpu().numpy()
     decode, others = np.flatnonzero(q_lens == 1), np.flatnonzero(q_lens > 1)
     if len(decode):
         seqs = torch.from_numpy(decode).to(q.device)

@@ -179,7 +179,8 @@ with exercise("token_slots"):
     assert list(got) == [9 * 16 + 5, 4 * 16 + 3], (
         f"positions 37 and 3 of tables {tables.tolist()}: got {list(got)}"
     )
-    got = token_slots(tables, np.array([0, 0, 0, 1]), np.array([30, 31, 32, 3]), block_size=16)
+    rows, positions = np.array([0, 0, 0, 1]), np.array([30, 31, 32, 3])
+    got = token_slots(tables, rows, positions, block_size=16)
     expected = [2 * 16 + 14, 2 * 16 + 15, 9 * 16, 4 * 16 + 3]
     assert list(got) == expected, (
         f"positions 30, 31, 32 of [7, 2, 9], then 3 of [4]: expected {expected}, got {list(got)}"
@@ -195,9 +196,8 @@ with exercise("token_slots"):
         assert list(got) == [slot], (
             f"position {position} of table [7, 2, 9], blocks of 16: expected {slot}, got {got}"
         )
-    got = token_slots(
-        np.array([[3, 1], [2, 0]], dtype=np.int32), np.array([0, 1]), np.array([5, 2]), block_size=4
-    )
+    small_tables = np.array([[3, 1], [2, 0]], dtype=np.int32)
+    got = token_slots(small_tables, np.array([0, 1]), np.array([5, 2]), block_size=4)
     assert list(got) == [1 * 4 + 1, 2 * 4 + 2], (
         f"blocks of 4, positions [5, 2] of [[3, 1], [2, 0]]: got {list(got)}"
     )
@@ -287,11 +287,12 @@ with exercise("my_prepare_verify"):
         seq.append_token(token)
     short.append_token(8)
     step = my_prepare_verify([seq, short], [3, 1], block_size=16)
+    seq_slots = [9 * 16 + 5, 9 * 16 + 6, 9 * 16 + 7]  # positions 37-39: block 9, offsets 5-7
     hand = StepInputs(
         True,
         input_ids=np.array([0, 5, 6, 8]),
         positions=np.array([37, 38, 39, 4]),
-        slot_mapping=np.array([9 * 16 + 5, 9 * 16 + 6, 9 * 16 + 7, 4 * 16 + 4]),
+        slot_mapping=np.array([*seq_slots, 4 * 16 + 4]),
         block_tables=np.array([[7, 2, 9], [4, 0, 0]], dtype=np.int32),
         cu_seqlens_q=np.array([0, 3, 4], dtype=np.int32),
         cu_seqlens_k=np.array([0, 40, 45], dtype=np.int32),

@@ -111,9 +111,9 @@ with exercise("typical_mask"):
             f"p = [0.4, 0.3, 0.2, 0.1], {why}: expected tokens {expected}, got {kept}"
         )
 
-    batch = torch.stack(
-        [hand, hand, torch.tensor([0.7, 0.1, 0.1, 0.1]).log(), torch.tensor([0.5, 0.5, 0, 0]).log()]
-    )
+    peaked = torch.tensor([0.7, 0.1, 0.1, 0.1]).log()
+    two_way = torch.tensor([0.5, 0.5, 0, 0]).log()
+    batch = torch.stack([hand, hand, peaked, two_way])
     mask = typical_mask(batch, torch.tensor([0.25, 0.55, 0.5, 0.9]))
     for row, expected in enumerate([[1], [0, 1, 2], [0], [0, 1]]):
         kept = sorted(mask[row].nonzero().flatten().tolist())
@@ -137,13 +137,12 @@ with exercise("typical_mask"):
     taus = torch.rand(rows, generator=gen) * 0.98 + 0.01
     mask = typical_mask(torch.log_softmax(logits, dim=-1), taus)
     for row in range(rows):
-        theirs = TypicalLogitsWarper(mass=float(taus[row]))(None, logits[row : row + 1].clone())[
-            0
-        ] > float("-inf")
+        warper = TypicalLogitsWarper(mass=float(taus[row]))
+        theirs = warper(None, logits[row : row + 1].clone())[0] > float("-inf")
         differ = (mask[row] != theirs).nonzero().flatten().tolist()
+        tau, yours = float(taus[row]), int(mask[row].sum())
         assert not differ, (
-            f"row {row} (tau {float(taus[row]):.3f}): you keep {int(mask[row].sum())} tokens, "
-            f"transformers "
+            f"row {row} (tau {tau:.3f}): you keep {yours} tokens, transformers "
             f"{int(theirs.sum())}; they differ at tokens {differ[:8]}"
         )
 print(

@@ -101,23 +101,19 @@ def hash_ns_per_token(block_size: int, num_blocks: int = 20_000) -> float:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(
-        f"{'num_blocks':>10} {'prompt':>6} | {'allocate (miss)':>17} | {'allocate (hit)':>23} | "
-        f"{'append':>9} | {'free':>17}"
-    )
-    print(
-        f"{'':>10} {'tokens':>6} | {'µs/call':>8} {'µs/blk':>8} | {'µs/call':>8} {'µs/blk':>8} "
-        f"{'hits':>5} | "
-        f"{'µs/token':>9} | {'µs/call':>8} {'µs/blk':>8}"
-    )
+    header = "{:>10} {:>6} | {:>17} | {:>23} | {:>9} | {:>17}".format
+    print(header("num_blocks", "prompt", "allocate (miss)", "allocate (hit)", "append", "free"))
+    units = "{:>10} {:>6} | {:>8} {:>8} | {:>8} {:>8} {:>5} | {:>9} | {:>8} {:>8}".format
+    per_call = ("µs/call", "µs/blk")
+    print(units("", "tokens", *per_call, *per_call, "hits", "µs/token", *per_call))
     for r in rows:
-        print(
-            f"{r['num_blocks']:>10,} {r['prompt_len']:>6} | {r['allocate_us']:8.1f} "
-            f"{r['allocate_us_per_block']:8.2f} | "
-            f"{r['allocate_hit_us']:8.1f} {r['allocate_hit_us_per_block']:8.2f} "
-            f"{r['hit_rate']:5.0%} | "
-            f"{r['append_us']:9.2f} | {r['free_us']:8.1f} {r['free_us_per_block']:8.2f}"
-        )
+        size = f"{r['num_blocks']:>10,} {r['prompt_len']:>6}"
+        miss = f"{r['allocate_us']:8.1f} {r['allocate_us_per_block']:8.2f}"
+        hit = f"{r['allocate_hit_us']:8.1f} {r['allocate_hit_us_per_block']:8.2f}"
+        hit += f" {r['hit_rate']:5.0%}"
+        append = f"{r['append_us']:9.2f}"
+        free = f"{r['free_us']:8.1f} {r['free_us_per_block']:8.2f}"
+        print(" | ".join([size, miss, hit, append, free]))
 
 
 def plot_block_manager(data: dict):

@@ -60,7 +60,9 @@ def run_cascade_benchmark(shapes=SHAPES) -> dict:
             torch.testing.assert_close(flash_attn_with_kvcache(**kwargs), ref, atol=2e-2, rtol=2e-2)
             ms = graph_ms(lambda kwargs=kwargs: flash_attn_with_kvcache(**kwargs))
             rows.append(dict(impl=way, batch=batch, own_tokens=own, prefix_tokens=PREFIX, ms=ms))
-            print(f"{way:>20} rows={batch:>3} own≈{own:>3}: {ms * 1e3:7.1f} µs")
+            us = ms * 1e3
+            shape = f"rows={batch:>3} own≈{own:>3}"
+            print(f"{way:>20} {shape}: {us:7.1f} µs")
     return result(
         "minivllm.benchmarks.cascade",
         rows,
@@ -78,13 +80,13 @@ def plot_cascade(data: dict):
     fig, ax = plt.subplots(figsize=(9, 4))
     width = 0.8 / len(ways)
     for i, way in enumerate(ways):
-        us = {
-            (r["batch"], r["own_tokens"]): r["ms"] * 1e3 for r in data["rows"] if r["impl"] == way
-        }
+        mine = [r for r in data["rows"] if r["impl"] == way]
+        us = {(r["batch"], r["own_tokens"]): r["ms"] * 1e3 for r in mine}
         ax.bar(
             [j + i * width for j in range(len(shapes))], [us[s] for s in shapes], width, label=way
         )
-    ax.set_xticks([j + width * (len(ways) - 1) / 2 for j in range(len(shapes))])
+    middle = width * (len(ways) - 1) / 2
+    ax.set_xticks([j + middle for j in range(len(shapes))])
     ax.set_xticklabels([f"{b} rows\n~{o} own tokens" for b, o in shapes])
     ax.set_ylabel("µs per layer (decode attention)")
     ax.set_title(f"Rows sharing a {PREFIX:,}-token prefix, {data['device']}", fontsize=10)

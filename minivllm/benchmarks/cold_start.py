@@ -88,7 +88,8 @@ def plot_cold_start(data: dict):
     names = list(dict.fromkeys(r["workload"] for r in rows))
     fig, (left, right) = plt.subplots(1, 2, figsize=(9.6, 3.8))
     for run, offset in ((1, -0.2), (2, 0.2)):
-        mine = [next(r for r in rows if r["workload"] == n and r["run"] == run) for n in names]
+        of_run = {r["workload"]: r for r in reversed(rows) if r["run"] == run}  # the first
+        mine = [of_run[n] for n in names]
         x = [i + offset for i in range(len(names))]
         left.bar(x, [r["tok_per_s"] for r in mine], 0.4, label=f"run {run}")
         right.bar(x, [r["ttft_p50_ms"] for r in mine], 0.4, label=f"run {run}")

@@ -76,7 +76,8 @@ def percentiles(name: str, values: list[float]) -> dict:
     """p50 and p99 in milliseconds, e.g. {"ttft_p50_ms": ..., "ttft_p99_ms": ...}."""
     import numpy as np
 
-    p50, p99 = np.percentile(np.array(values) * 1e3, [50, 99]) if values else (float("nan"),) * 2
+    ms = np.array(values) * 1e3
+    p50, p99 = np.percentile(ms, [50, 99]) if values else (float("nan"),) * 2
     return {f"{name}_p50_ms": float(p50), f"{name}_p99_ms": float(p99)}
 
 

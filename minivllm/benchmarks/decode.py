@@ -166,10 +166,10 @@ def run_decode_benchmark(
                     )
                 )
                 ms_of[impl] = ms
-                print(
-                    f"{impl:>24} bs={block_size:>3} batch={batch:>3} ctx={context_len:>5}: "
-                    f"{ms * 1e3:8.1f} µs {rows[-1]['tbps']:5.2f} TB/s"
-                )
+                shape = f"bs={block_size:>3} batch={batch:>3} ctx={context_len:>5}"
+                us, tbps = ms * 1e3, rows[-1]["tbps"]
+                speed = f"{us:8.1f} µs {tbps:5.2f} TB/s"
+                print(f"{impl:>24} {shape}: {speed}")
             if "flashinfer" in ms_of:  # > 1: ours is faster
                 ratio = ms_of["flashinfer"] / ms_of["minivllm-triton"]
                 ratios.append(
@@ -202,6 +202,12 @@ def run_decode_benchmark(
     )
 
 
+def shape_label(batch: int, context_len: int) -> str:
+    """'4×2k' for 4 sequences of 2048 tokens each."""
+    context = f"{context_len // 1024}k" if context_len % 1024 == 0 else f"{context_len}"
+    return f"{batch}×{context}"
+
+
 def plot_decode(data: dict):
     import matplotlib.pyplot as plt
 
@@ -229,7 +235,7 @@ def plot_decode(data: dict):
             ls=":",
             label=f"copy bandwidth {data['copy_tbps']:.2f} TB/s",
         )
-        ticks = [f"{b}×{c // 1024}k" if c % 1024 == 0 else f"{b}×{c}" for b, c in shapes]
+        ticks = [shape_label(batch, context_len) for batch, context_len in shapes]
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], ticks)
         ax.set_xlabel("batch × context")
         ax.set_title(f"block size {block_size}")

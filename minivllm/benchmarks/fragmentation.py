@@ -58,7 +58,11 @@ class ContiguousAllocator:
     def holes(self) -> list[tuple[int, int]]:
         """(start, size) of each run of free slots, in address order."""
         ends = [(0, 0), *sorted(self.ranges.values()), (self.num_slots, 0)]
-        return [(s + n, s2 - s - n) for (s, n), (s2, _) in zip(ends, ends[1:]) if s2 > s + n]
+        holes = []
+        for (start, size), (next_start, _) in zip(ends, ends[1:]):
+            if next_start > start + size:
+                holes.append((start + size, next_start - start - size))
+        return holes
 
     def can_allocate(self, seq) -> bool:
         return any(size >= self.reserve(seq) for _, size in self.holes())
@@ -88,7 +92,8 @@ def kv_breakdown(allocator, running: list[Sequence], waiting: deque, stop: dict[
         )
         # every used block is someone's
         assert sum(held) == allocator.num_used_blocks * allocator.block_size
-    tokens, stranded = sum(len(s) for s in running), sum(n for n in holes if n < piece)
+    tokens = sum(len(s) for s in running)
+    stranded = sum(n for n in holes if n < piece)
     over = sum(
         max(h - s.num_prompt_tokens - stop[s.seq_id], 0) for h, s in zip(held, running)
     )  # past the end
@@ -171,7 +176,8 @@ def print_fragmentation(runs: dict[str, dict]) -> None:
     print(head("share of KV memory while one waits", *KINDS, "occupancy", "batch", "steps"))
     for name, r in runs.items():
         shares = (f"{s:.1%}" for s in r["share"].values())
-        print(head(name, *shares, f"{r['occupancy']:.1%}", round(r["batch"]), len(r["rows"])))
+        occupancy = f"{r['occupancy']:.1%}"
+        print(head(name, *shares, occupancy, round(r["batch"]), len(r["rows"])))
 
 
 def plot_fragmentation(runs: dict[str, dict]):

@@ -77,12 +77,9 @@ def run_gpu_idle_benchmark(workloads=("nano-vllm", "single"), preset: str = "qwe
         for workload in workloads:
             rows.append(time_steps(llm, workload))
             r = rows[-1]
-            print(
-                f"{workload}: {r['tok_per_s']:,.0f} tok/s, {r['steps']} steps, GPU idle "
-                f"{r['idle_share']:.2%} "
-                f"of {r['gpu_span_ms']:,.0f} ms (gap p50 {r['gap_p50_ms']:.3f} ms, max "
-                f"{r['gap_max_ms']:.2f})"
-            )
+            gaps = f"gap p50 {r['gap_p50_ms']:.3f} ms, max {r['gap_max_ms']:.2f}"
+            idle = f"GPU idle {r['idle_share']:.2%} of {r['gpu_span_ms']:,.0f} ms ({gaps})"
+            print(f"{workload}: {r['tok_per_s']:,.0f} tok/s, {r['steps']} steps, {idle}")
     return result("minivllm.benchmarks.gpu_idle", rows, preset=preset)
 
 

@@ -135,10 +135,10 @@ def run_prefill_benchmark(
                 )
             )
             ms_of[impl] = ms
-            print(
-                f"{impl:>16} N={seqlen:>6}: {ms:8.3f} ms {rows[-1]['tflops']:7.1f} TFLOP/s  "
-                f"(rounds {min(times):.3f}–{max(times):.3f})"
-            )
+            spread = f"(rounds {min(times):.3f}–{max(times):.3f})"
+            tflops = rows[-1]["tflops"]
+            speed = f"{ms:8.3f} ms {tflops:7.1f} TFLOP/s"
+            print(f"{impl:>16} N={seqlen:>6}: {speed}  {spread}")
         for baseline in ("sdpa-cudnn", "flashinfer"):  # speedup > 1: ours is faster
             if baseline in ms_of and "minivllm-triton" in ms_of:
                 ratio = ms_of[baseline] / ms_of["minivllm-triton"]
@@ -174,7 +174,8 @@ def sweep(seqlens) -> None:
             except Exception as e:  # out of shared memory or registers for this tile
                 print(f"  {config}: {type(e).__name__}")
         for ms, config in sorted(timings, key=lambda t: t[0])[:5]:
-            print(f"sweep N={seqlen}: {config} {ms:.3f} ms {causal_tflops(seqlen, ms):.1f} TFLOP/s")
+            tflops = causal_tflops(seqlen, ms)
+            print(f"sweep N={seqlen}: {config} {ms:.3f} ms {tflops:.1f} TFLOP/s")
 
 
 def plot_prefill(data: dict):
@@ -192,9 +193,8 @@ def plot_prefill(data: dict):
             width,
             label=impl,
         )
-    ax.set_xticks(
-        [j + 0.4 - width / 2 for j in range(len(seqlens))], [f"{s // 1024}k" for s in seqlens]
-    )
+    ticks = [j + 0.4 - width / 2 for j in range(len(seqlens))]
+    ax.set_xticks(ticks, [f"{s // 1024}k" for s in seqlens])
     ax.set_xlabel("prompt length (causal, batch 1, 16/8 heads, d=128, bf16)")
     ax.set_ylabel("TFLOP/s")
     ax.set_title(f"Prefill attention on {data['device']}")

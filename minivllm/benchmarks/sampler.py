@@ -55,10 +55,8 @@ def run_sampler_benchmark(batch_sizes=(1, 64, 256), vocab: int = 151_936) -> dic
         for kind in KINDS:
             rows.append(time_kind(sampler, logits, kind))
             r = rows[-1]
-            print(
-                f"{kind:>18} batch {batch:>3}: {r['ms']:.3f} ms ({r['kernel_ms']:.3f} ms of "
-                f"kernels)"
-            )
+            times = f"{r['ms']:.3f} ms ({r['kernel_ms']:.3f} ms of kernels)"
+            print(f"{kind:>18} batch {batch:>3}: {times}")
     return result("minivllm.benchmarks.sampler", rows)
 
 

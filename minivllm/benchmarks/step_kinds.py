@@ -84,15 +84,16 @@ def run_step_kinds_benchmark(
 
 
 def describe_kinds(row: dict) -> str:
-    kinds = ", ".join(
-        f"{k['steps']} {name} {k['seconds']:.2f} s ({k['seconds'] / k['steps'] * 1e3:.1f} ms)"
-        for name, k in sorted(row["kinds"].items(), key=lambda item: KINDS.index(item[0]))
-    )
+    parts = []
+    for name, k in sorted(row["kinds"].items(), key=lambda item: KINDS.index(item[0])):
+        steps, seconds = k["steps"], k["seconds"]
+        ms_per_step = seconds / steps * 1e3
+        parts.append(f"{steps} {name} {seconds:.2f} s ({ms_per_step:.1f} ms)")
+    kinds = ", ".join(parts)
     graphs = "graphs" if row["mixed_graphs"] else "eager"
-    return (
-        f"{row['workload']:>9} · {row['policy']}, {graphs}: {row['tok_per_s']:,.0f} output "
-        f"tok/s; {kinds}"
-    )
+    rate = f"{row['tok_per_s']:,.0f} output tok/s"
+    config = f"{row['workload']:>9} · {row['policy']}, {graphs}"
+    return f"{config}: {rate}; {kinds}"
 
 
 def plot_step_kinds(data: dict):

@@ -70,7 +70,8 @@ def roofline_tok_per_s(
     # QK^T and PV, causal: half of 4
     attention_flops = 2 * attention_width * sum((p + n) ** 2 for p, n in lens)
     flops = 2 * params * computed + attention_flops
-    decode_steps = max(max(n for _, n in lens), -(-sum(n for _, n in lens) // max_num_seqs))
+    output_lens = [n for _, n in lens]
+    decode_steps = max(max(output_lens), -(-sum(output_lens) // max_num_seqs))
     own = sum(
         (p - work.shared_prefix) * n + n * (n - 1) // 2 for p, n in lens
     )  # each output token, its own context
@@ -122,13 +123,11 @@ def describe(row: dict) -> str:
         if row.get("roofline_share") is not None
         else ""
     )
-    return (
-        f"{row['workload']:>9} · {row['impl']} {row['policy']}{caching}: {row['tok_per_s']:,.0f} "
-        f"output tok/s{share}, "
-        f"{row['total_tok_per_s']:,.0f} total; TTFT p50/p99 "
-        f"{row['ttft_p50_ms']:,.0f}/{row['ttft_p99_ms']:,.0f} ms, "
-        f"TPOT p50/p99 {row['tpot_p50_ms']:.1f}/{row['tpot_p99_ms']:.1f} ms; steps {row['steps']}"
-    )
+    config = f"{row['workload']:>9} · {row['impl']} {row['policy']}{caching}"
+    rates = f"{row['tok_per_s']:,.0f} output tok/s{share}, {row['total_tok_per_s']:,.0f} total"
+    ttft = f"TTFT p50/p99 {row['ttft_p50_ms']:,.0f}/{row['ttft_p99_ms']:,.0f} ms"
+    tpot = f"TPOT p50/p99 {row['tpot_p50_ms']:.1f}/{row['tpot_p99_ms']:.1f} ms"
+    return f"{config}: {rates}; {ttft}, {tpot}; steps {row['steps']}"
 
 
 def engine_rows(
@@ -234,9 +233,8 @@ def plot_throughput(data: dict):
     ]
     for j, config in enumerate(configs):
         mine = {r["workload"]: r for r in rows if label(r) == config}
-        x = [
-            i + (j - (len(configs) - 1) / 2) * width for i, name in enumerate(names) if name in mine
-        ]
+        offset = (j - (len(configs) - 1) / 2) * width
+        x = [i + offset for i, name in enumerate(names) if name in mine]
         runs = [mine[name] for name in names if name in mine]
         for ax, key, p99, title in panels:
             ax.bar(x, [r[key] for r in runs], width, color=f"C{j}", label=config)

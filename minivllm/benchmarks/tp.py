@@ -76,12 +76,10 @@ def run_tp_benchmark(
         ]
         row, breakdown = run_minivllm(path, prompts, output_lens, tensor_parallel_size=tp)
         rows.append(dict(kind="throughput", tp=tp, **row, step_breakdown=breakdown))
-        print(
-            f"tp={tp}: {row['output_tokens']} tokens in {row['seconds']:.1f} s = "
-            f"{row['tok_per_s']:,.0f} tok/s; "
-            f"start-up {row['startup_seconds']:.1f} s, close {row['close_seconds']:.2f} s, "
-            f"KV cache {row['kv_cache_tokens']:,} tokens"
-        )
+        rate = f"{row['output_tokens']} tokens in {row['seconds']:.1f} s = "
+        rate += f"{row['tok_per_s']:,.0f} tok/s"
+        lifetime = f"start-up {row['startup_seconds']:.1f} s, close {row['close_seconds']:.2f} s"
+        print(f"tp={tp}: {rate}; {lifetime}, KV cache {row['kv_cache_tokens']:,} tokens")
     for attempt in (1, 2):
         for tp in tp_sizes:
             times = fresh_startup(path, tp)

@@ -313,11 +313,13 @@ def runner_rows(
             bm.allocate(seq)
             seq.num_scheduled_tokens = len(seq)  # the whole prompt in one prefill step
         for i in range(0, batch, 16):  # prefill, 16 sequences a step
-            for seq, token in zip(seqs[i : i + 16], runner.run(seqs[i : i + 16], is_prefill=True)):
+            chunk = seqs[i : i + 16]
+            for seq, token in zip(chunk, runner.run(chunk, is_prefill=True)):
                 seq.append_token(token)
                 bm.may_append(seq)
         rows.append((batch, step_ms(runner, seqs)))
-        print(f"{impl:>15} batch {batch:>3}: {rows[-1][1]:7.2f} ms per decode step")
+        ms = rows[-1][1]
+        print(f"{impl:>15} batch {batch:>3}: {ms:7.2f} ms per decode step")
         for seq in seqs:
             bm.deallocate(seq)
     return rows

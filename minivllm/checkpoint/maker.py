@@ -143,4 +143,5 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     start = time.perf_counter()
     out = write_checkpoint(args.out, args.preset, args.seed)
-    print(f"wrote {args.preset} (seed {args.seed}) to {out} in {time.perf_counter() - start:.1f} s")
+    seconds = time.perf_counter() - start
+    print(f"wrote {args.preset} (seed {args.seed}) to {out} in {seconds:.1f} s")

@@ -115,16 +115,13 @@ def _prefill_kernel(
     r = tl.arange(0, HEADS * BLOCK_M)
     offs_m, head = start_m * BLOCK_M + r // HEADS, first_head + r % HEADS
     offs_n, offs_d = tl.arange(0, BLOCK_N), tl.arange(0, HEAD_DIM)
-    q_ptrs = (
-        Q + (q_start + offs_m)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :]
-    )  # (ROWS, D)
+    q_row_ptrs = Q + (q_start + offs_m)[:, None] * stride_qt + head[:, None] * stride_qh
+    q_ptrs = q_row_ptrs + offs_d[None, :]  # (ROWS, D)
     q = load_tile(q_ptrs, (offs_m < q_len)[:, None], UPCAST)
-    k_ptrs = (
-        K + (k_start + offs_n)[None, :] * stride_kt + kv_head * stride_kh + offs_d[:, None]
-    )  # (D, BLOCK_N)
-    v_ptrs = (
-        V + (k_start + offs_n)[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :]
-    )  # (BLOCK_N, D)
+    k_col_ptrs = K + (k_start + offs_n)[None, :] * stride_kt + kv_head * stride_kh
+    k_ptrs = k_col_ptrs + offs_d[:, None]  # (D, BLOCK_N)
+    v_row_ptrs = V + (k_start + offs_n)[:, None] * stride_vt + kv_head * stride_vh
+    v_ptrs = v_row_ptrs + offs_d[None, :]  # (BLOCK_N, D)
 
     m_i = tl.full([HEADS * BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([HEADS * BLOCK_M], dtype=tl.float32)
@@ -172,9 +169,8 @@ def _prefill_kernel(
         )
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # a query that sees no key outputs zeros
-    o_ptrs = (
-        O + (q_start + offs_m)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-    )  # (ROWS, D)
+    o_row_ptrs = O + (q_start + offs_m)[:, None] * stride_ot + head[:, None] * stride_oh
+    o_ptrs = o_row_ptrs + offs_d[None, :]  # (ROWS, D)
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m < q_len)[:, None])
 
 

@@ -57,10 +57,9 @@ def check_index(
     name: str, t: torch.Tensor, dim: int, device: torch.device, dtypes=(torch.int32,)
 ) -> None:
     if t.dim() != dim or t.dtype not in dtypes or t.device != device:
-        raise ValueError(
-            f"{name} must be a {dim}-D {' or '.join(map(str, dtypes))} tensor on {device}, "
-            f"got {t.dtype} {tuple(t.shape)} on {t.device}"
-        )
+        want = f"{dim}-D {' or '.join(map(str, dtypes))} tensor on {device}"
+        got = f"{t.dtype} {tuple(t.shape)} on {t.device}"
+        raise ValueError(f"{name} must be a {want}, got {got}")
 
 
 def check_out(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
@@ -74,12 +73,9 @@ def check_out(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
         or out.device != q.device
         or out.stride(-1) != 1
     ):
-        raise ValueError(
-            f"out must be a {q.dtype} tensor of q's shape {tuple(q.shape)} on {q.device}, "
-            f"contiguous in its last "
-            f"dimension; got {out.dtype} {tuple(out.shape)} on {out.device} with strides "
-            f"{out.stride()}"
-        )
+        want = f"a {q.dtype} tensor of q's shape {tuple(q.shape)} on {q.device}"
+        got = f"{out.dtype} {tuple(out.shape)} on {out.device} with strides {out.stride()}"
+        raise ValueError(f"out must be {want}, contiguous in its last dimension; got {got}")
     return out
 
 
@@ -94,7 +90,8 @@ def store_kvcache(
     check_cache("k_cache", k_cache, k)
     check_cache("v_cache", v_cache, v)
     check_index("slot_mapping", slot_mapping, 1, k.device, (torch.int32, torch.int64))
-    if k.shape != v.shape or k.shape[1:] != k_cache.shape[2:] or slot_mapping.numel() != k.shape[0]:
+    fits_cache = k.shape == v.shape and k.shape[1:] == k_cache.shape[2:]
+    if not fits_cache or slot_mapping.numel() != k.shape[0]:
         raise ValueError(
             f"k, v {tuple(k.shape)}, {tuple(v.shape)} must match the cache's (num_kv_heads, "
             f"head_dim) "
@@ -167,7 +164,8 @@ def attend_split(
     # a split with no key: past the end of a short sequence (or of a shared prefix)
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    return out, tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))
+    lse = m_i + tl.math.log2(tl.where(empty, 1.0, l_i))
+    return out, tl.where(empty, float("-inf"), lse)
 
 
 @triton.jit
@@ -180,7 +178,8 @@ def store_split(
         part_strides  # of partial_out, then partial_lse
     )
     row = seq * stride_pb + heads * stride_ph + slot * stride_ps  # (ROWS,)
-    tl.store(partial_out + row[:, None] + tl.arange(0, HEAD_DIM)[None, :], out, mask=mask[:, None])
+    out_ptrs = partial_out + row[:, None] + tl.arange(0, HEAD_DIM)[None, :]
+    tl.store(out_ptrs, out, mask=mask[:, None])
     tl.store(partial_lse + seq * stride_lb + heads * stride_lh + slot, lse, mask=mask)
 
 
@@ -221,9 +220,8 @@ def _decode_kernel(
     offs_g = tl.arange(0, GROUP_PAD)
     heads, mask = kv_head * GROUP + offs_g, offs_g < GROUP
     q_rows = Q + seq * q_strides[0] + heads * q_strides[1]  # (GROUP_PAD,)
-    q = load_tile(
-        q_rows[:, None] + tl.arange(0, HEAD_DIM)[None, :], mask[:, None], UPCAST
-    )  # (GROUP_PAD, D)
+    q_ptrs = q_rows[:, None] + tl.arange(0, HEAD_DIM)[None, :]
+    q = load_tile(q_ptrs, mask[:, None], UPCAST)  # (GROUP_PAD, D)
     table_row = block_table + seq * stride_bt
     out, lse = attend_split(
         q,
@@ -279,8 +277,10 @@ def _combine_splits_kernel(
         + offs_d[None, :]
     )
     parts = tl.load(part_ptrs, mask=(offs_s < num_splits)[:, None], other=0.0)  # (SPLITS_PAD, D)
-    out = tl.sum(parts * weights[:, None], 0) / tl.maximum(tl.sum(weights, 0), 1e-30)
-    tl.store(O + seq * o_strides[0] + head * o_strides[1] + offs_d, out.to(O.dtype.element_ty))
+    total = tl.maximum(tl.sum(weights, 0), 1e-30)
+    out = tl.sum(parts * weights[:, None], 0) / total
+    o_ptrs = O + seq * o_strides[0] + head * o_strides[1] + offs_d
+    tl.store(o_ptrs, out.to(O.dtype.element_ty))
 
 
 # The host side: check the inputs, pick num_splits, launch both kernels.
@@ -377,7 +377,8 @@ def flash_attn_with_kvcache(
         cache_seqlens if prefix_lens is None else prefix_lens,
     )
     qk_scale = softmax_scale_of(softmax_scale, head_dim) * math.log2(math.e)
-    q_strides, kv_strides = (q.stride(0), q.stride(2)), (*k.stride()[:2], *v.stride()[:2])
+    q_strides = (q.stride(0), q.stride(2))
+    kv_strides = (*k.stride()[:2], *v.stride()[:2])
     strides = (q_strides, kv_strides, (*partial_out.stride()[:3], *partial_lse.stride()[:2]))
     # tile sizes: the fastest of a sweep on an H200 (bf16, head_dim 128, block sizes 16 and 256)
     common: dict[str, Any] = dict(
@@ -449,9 +450,8 @@ def _shared_prefix_kernel(
     lo = split * chunk
     hi = tl.minimum(lo + chunk, prefix_len)
     q_rows = Q + seq * q_strides[0] + heads * q_strides[1]  # (BLOCK_M,)
-    q = load_tile(
-        q_rows[:, None] + tl.arange(0, HEAD_DIM)[None, :], shares[:, None], UPCAST
-    )  # (BLOCK_M, D)
+    q_ptrs = q_rows[:, None] + tl.arange(0, HEAD_DIM)[None, :]
+    q = load_tile(q_ptrs, shares[:, None], UPCAST)  # (BLOCK_M, D)
     # a non-sharer's row is computed too, and never read: the combine kernel skips its slots
     out, lse = attend_split(
         q,

@@ -69,11 +69,9 @@ def _paged_prefill_kernel(
     offs_m, head = start_m * BLOCK_M + r // HEADS, first_head + r % HEADS
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    q = load_tile(
-        Q + (q_start + offs_m)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-        (offs_m < q_len)[:, None],
-        UPCAST,
-    )  # (HEADS * BLOCK_M, D)
+    q_row_ptrs = Q + (q_start + offs_m)[:, None] * stride_qt + head[:, None] * stride_qh
+    # (HEADS * BLOCK_M, D)
+    q = load_tile(q_row_ptrs + offs_d[None, :], (offs_m < q_len)[:, None], UPCAST)
     m_i = tl.full([HEADS * BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([HEADS * BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([HEADS * BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -110,11 +108,9 @@ def _paged_prefill_kernel(
             PRECISION,
         )
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(
-        O + (q_start + offs_m)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-        out.to(O.dtype.element_ty),
-        mask=(offs_m < q_len)[:, None],
-    )
+    o_row_ptrs = O + (q_start + offs_m)[:, None] * stride_ot + head[:, None] * stride_oh
+    o_ptrs = o_row_ptrs + offs_d[None, :]
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m < q_len)[:, None])
 
 
 def all_tiles(

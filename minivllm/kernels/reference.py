@@ -18,7 +18,8 @@ def attention_ref(
     group = q.shape[1] // k.shape[1]
     out = torch.zeros_like(q)
     for i in range(len(cu_seqlens_q) - 1):
-        qs, qe, ks, ke = *cu_seqlens_q[i : i + 2].tolist(), *cu_seqlens_k[i : i + 2].tolist()
+        qs, qe = cu_seqlens_q[i : i + 2].tolist()
+        ks, ke = cu_seqlens_k[i : i + 2].tolist()
         qi = q[qs:qe].transpose(0, 1).float()  # (num_heads, len_q, head_dim)
         # (num_heads, len_k, head_dim)
         ki = k[ks:ke].transpose(0, 1).float().repeat_interleave(group, dim=0)

@@ -14,7 +14,8 @@ def _noise(key, ids, s):
     counter)."""
     r0, r1, r2, r3 = tl.rand4x(key, ids % s)
     lane = ids // s
-    return tl.where(lane == 0, r0, tl.where(lane == 1, r1, tl.where(lane == 2, r2, r3)))
+    r23 = tl.where(lane == 2, r2, r3)
+    return tl.where(lane == 0, r0, tl.where(lane == 1, r1, r23))
 
 
 @triton.jit
@@ -34,7 +35,8 @@ def _neg_log2(u, FAST: tl.constexpr):
     would exceed the result, from the series -ln(1 - w) = w + w^2/2 + w^3/3 + ..., w = 1 - u
     (exact)."""
     w = 1.0 - u
-    return tl.where(w < 0.01, w * LOG2E * (1.0 + w * (0.5 + w * 0.33333334)), -_fast_log2(u, FAST))
+    series = w * LOG2E * (1.0 + w * (0.5 + w * 0.33333334))
+    return tl.where(w < 0.01, series, -_fast_log2(u, FAST))
 
 
 @triton.jit
@@ -56,7 +58,8 @@ def _lane(X, n, s, c, lane, u, t, lo, incl, best, best_col, top, FAST: tl.conste
     """Counters c's columns in lane `lane` (c + lane * s), where > lo (or equal, if incl), into the
     race."""
     cols = c + lane * s
-    x = tl.load(X + cols, mask=(cols < n) & (c < s), other=float("-inf")).to(tl.float32)
+    in_row = (cols < n) & (c < s)
+    x = tl.load(X + cols, mask=in_row, other=float("-inf")).to(tl.float32)
     kept = tl.where((x > lo) | ((x == lo) & (incl != 0)), x, float("-inf"))
     best, best_col = _better(kept, u, t, cols, best, best_col, FAST)
     return best, best_col, tl.maximum(top, x)
@@ -66,7 +69,8 @@ def _lane(X, n, s, c, lane, u, t, lo, incl, best, best_col, top, FAST: tl.conste
 def _draw(X, n, s, t, key, lo, incl, start, end, offset, BLOCK: tl.constexpr, FAST: tl.constexpr):
     """The race among the logits > lo (>= lo if incl) of counters start..end, each counter's four
     columns, the noise at counter + offset: (the best score, its column, the largest logit)."""
-    best, best_col = tl.full([BLOCK], float("-inf"), tl.float32), tl.zeros([BLOCK], tl.int32)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_col = tl.zeros([BLOCK], tl.int32)
     top = tl.full([BLOCK], float("-inf"), tl.float32)
     for first in range(start, end, BLOCK):
         c = first + tl.arange(0, BLOCK)
@@ -125,17 +129,17 @@ def _race_ids_kernel(
 ):
     row = tl.program_id(0)
     t, key = tl.load(TEMPS + row), tl.load(KEYS + row)
-    X, IDS = X + row.to(tl.int64) * stride, IDS + row.to(tl.int64) * stride
-    best, best_col = tl.full([BLOCK], float("-inf"), tl.float32), tl.zeros([BLOCK], tl.int32)
+    row_start = row.to(tl.int64) * stride
+    X, IDS = X + row_start, IDS + row_start
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_col = tl.zeros([BLOCK], tl.int32)
     for start in range(0, n, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         x = tl.load(X + cols, mask=cols < n, other=float("-inf")).to(tl.float32)
         ids = tl.load(IDS + cols, mask=cols < n, other=0).to(tl.int32)
         best, best_col = _better(x, _noise(key, ids, s), t, cols, best, best_col, FAST)
-    tl.store(
-        WON + row,
-        tl.load(IDS + tl.min(tl.where(best == tl.max(best, axis=0), best_col, n), axis=0)),
-    )
+    won = tl.min(tl.where(best == tl.max(best, axis=0), best_col, n), axis=0)
+    tl.store(WON + row, tl.load(IDS + won))
 
 
 def block_of(n: int) -> int:
@@ -275,9 +279,8 @@ def _masses_kernel(
     col, m = _parts_draw(BEST, WON, TOP, row, parts, n, PARTS)
     drawn = tl.load(X + col).to(tl.float32)
     lo = part * span
-    above, total = _masses(
-        X, lo, tl.minimum(lo + span, n), n, tl.where(t > 0, t, 1.0), m, drawn, BLOCK
-    )
+    hi = tl.minimum(lo + span, n)
+    above, total = _masses(X, lo, hi, n, tl.where(t > 0, t, 1.0), m, drawn, BLOCK)
     tl.store(ABOVE + row * parts + part, above)
     tl.store(TOTAL + row * parts + part, total)
 
@@ -286,9 +289,8 @@ def _masses_kernel(
 def _verdict(x, m, t, p, min_p, above, total):
     """Whether to draw again after drawing logit x (above, total: _masses'), and above what: (again,
     lo, incl)."""
-    floor = tl.where(
-        min_p > 0, m + t * tl.log(tl.where(min_p > 0, min_p, 1.0)), float("-inf")
-    )  # min-p: x >= it
+    log_min_p = tl.log(tl.where(min_p > 0, min_p, 1.0))
+    floor = tl.where(min_p > 0, m + t * log_min_p, float("-inf"))  # min-p: x >= it
     in_nucleus = (p >= 1) | (above < p * total) | (above == 0)
     again = (t > 0) & ((x < floor) | (in_nucleus == 0))
     return again, tl.where(x < floor, floor, x), (x < floor).to(tl.int32)
@@ -328,7 +330,8 @@ def _verdict_kernel(
     col, m = _parts_draw(BEST, WON, TOP, row, parts, n, PARTS)
     above = tl.sum(_row_parts(ABOVE, row, parts, 0.0, PARTS), axis=0)
     total = tl.sum(_row_parts(TOTAL, row, parts, 0.0, PARTS), axis=0)
-    again, lo, incl = _verdict(tl.load(X + col).to(tl.float32), m, t, p, min_p, above, total)
+    x = tl.load(X + col).to(tl.float32)
+    again, lo, incl = _verdict(x, m, t, p, min_p, above, total)
     tl.store(OUT + row, col)
     tl.store(SEARCHING + row, again.to(tl.int32))
     tl.store(LO + row, lo)
@@ -372,7 +375,8 @@ def _nucleus_kernel(
     while searching:
         _, col, m = _draw(X, n, s, t, key, lo, incl, 0, s, offset, BLOCK, FAST)
         x = tl.load(X + col).to(tl.float32)
-        above, total = _masses(X, 0, n, n, tl.where(t > 0, t, 1.0), m, x, 4 * BLOCK)
+        t_or_1 = tl.where(t > 0, t, 1.0)
+        above, total = _masses(X, 0, n, n, t_or_1, m, x, 4 * BLOCK)
         searching, lo, incl = _verdict(x, m, t, p, min_p, above, total)
         offset += s
     tl.store(OUT + row, col)
@@ -522,7 +526,8 @@ def _floor_kernel(MAXIMA, TEMPS, TOP_KS, FLOOR, parts, LANES: tl.constexpr):
     for part in range(parts):
         best = tl.maximum(best, tl.load(MAXIMA + (row * parts + part) * LANES + lanes))
     k = tl.load(TOP_KS + row)
-    tl.store(FLOOR + row, _kth_order(_ordered(best), tl.where(k > 0, k, 1)).to(tl.int32))
+    kth = _kth_order(_ordered(best), tl.where(k > 0, k, 1))
+    tl.store(FLOOR + row, kth.to(tl.int32))
 
 
 @triton.jit(do_not_specialize=["span"])
@@ -534,10 +539,12 @@ def _gather_kernel(
     row, part = tl.program_id(0), tl.program_id(1)
     if _no_top_k(TEMPS, TOP_KS, row):
         return
-    X, floor, cols = X + row.to(tl.int64) * stride, tl.load(FLOOR + row), tl.arange(0, BLOCK)
+    X = X + row.to(tl.int64) * stride
+    floor, cols = tl.load(FLOOR + row), tl.arange(0, BLOCK)
     for start in range(part * span, tl.minimum(part * span + span, n), BLOCK):
-        x = tl.load(X + start + cols, mask=start + cols < n, other=float("-inf")).to(tl.float32)
-        take = ((_ordered(x) >= floor) & (start + cols < n)).to(tl.int32)
+        in_row = start + cols < n
+        x = tl.load(X + start + cols, mask=in_row, other=float("-inf")).to(tl.float32)
+        take = ((_ordered(x) >= floor) & in_row).to(tl.int32)
         if tl.sum(take, axis=0) > 0:
             slots = tl.atomic_add(COUNT + row, tl.sum(take, axis=0)) + tl.cumsum(take, axis=0) - 1
             tl.store(
@@ -566,14 +573,16 @@ def _exact_candidates(X, n, k, CAND, CAP: tl.constexpr, BLOCK: tl.constexpr):
     """A row's k-th largest logit by _kth_order's bisection over the whole row (32 passes), then the
     logits above it and its ties, lowest column first, into CAND: how many (<= CAP; CAP >= 2k: the k
     kept are in)."""
-    lo, hi = tl.full((), -(2**31), tl.int64), tl.full((), 2**31 - 1, tl.int64)
+    lo = tl.full((), -(2**31), tl.int64)
+    hi = tl.full((), 2**31 - 1, tl.int64)
     while lo < hi:
         mid, count = (lo + hi + 1) >> 1, tl.full((), 0, tl.int32)
         for start in range(0, n, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             x = tl.load(X + cols, mask=cols < n, other=float("-inf")).to(tl.float32)
             count += tl.sum(((_ordered(x) >= mid) & (cols < n)).to(tl.int32), axis=0)
-        lo, hi = tl.where(count >= k, mid, lo), tl.where(count >= k, hi, mid - 1)
+        enough = count >= k  # k or more at or above mid: the k-th is there
+        lo, hi = tl.where(enough, mid, lo), tl.where(enough, hi, mid - 1)
     count = _append(
         X, n, CAND, tl.full((), 0, tl.int32), lo + 1, 2**31 - 1, CAP, BLOCK
     )  # above the k-th: < k
@@ -615,7 +624,8 @@ def _top_k_kernel(
     valid = slots < count
     # the keys' low halves
     ids = tl.where(valid, 0x7FFFFFFF - (keys - ((keys >> 32) << 32)).to(tl.int32), 0)
-    t, p, min_p = tl.load(TEMPS + row), tl.load(TOP_PS + row), tl.load(MIN_PS + row)
+    t = tl.load(TEMPS + row)
+    p, min_p = tl.load(TOP_PS + row), tl.load(MIN_PS + row)
     z = tl.load(X + ids, mask=valid, other=float("-inf")).to(tl.float32) * (
         LOG2E / tl.where(t > 0, t, 1.0)
     )
@@ -629,9 +639,9 @@ def _top_k_kernel(
     u = _noise(tl.load(KEYS + row), ids, tl.cdiv(n, 4))
     score = tl.where(kept, z - _fast_log2(_neg_log2(u, FAST), FAST), float("-inf"))
     won = tl.min(tl.where(score == tl.max(score, axis=0), slots, CAP), axis=0)
-    tl.store(
-        OUT + row, tl.sum(tl.where(slots == tl.where(t > 0, won, 0), ids, 0), axis=0).to(tl.int64)
-    )
+    chosen = tl.where(t > 0, won, 0)  # temperature 0: slot 0, the largest
+    token = tl.sum(tl.where(slots == chosen, ids, 0), axis=0)
+    tl.store(OUT + row, token.to(tl.int64))
 
 
 TOP_K_GATHERED_MAX = (

@@ -32,9 +32,8 @@ def _rms_norm_kernel(
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (ROWS,): row = token * heads + head
     token, head, cols = rows // heads, rows % heads, tl.arange(0, BLOCK)
     mask = (rows < num_rows)[:, None] & (cols < n_cols)[None, :]  # (ROWS, BLOCK)
-    x = tl.load(
-        X + (token * stride_xt + head * stride_xh)[:, None] + cols[None, :], mask=mask, other=0.0
-    )
+    row_starts = token * stride_xt + head * stride_xh
+    x = tl.load(X + row_starts[:, None] + cols[None, :], mask=mask, other=0.0)
     x = x.to(tl.float32)
     offs = rows[:, None] * n_cols + cols[None, :]  # into the contiguous outputs
     # the new residual stream, rounded to the model's dtype before it is normalised
@@ -62,10 +61,8 @@ def rms_norm(
     # (num_tokens, heads, n_cols): a 2-D input has one "head"
     x3 = x if x.dim() == 3 else x[:, None]
     r3 = x3 if residual is None else (residual if residual.dim() == 3 else residual[:, None])
-    assert x3.dim() == 3 and x3.stride(2) == r3.stride(2) == 1 and weight.shape == x3.shape[2:], (
-        x.shape,
-        weight.shape,
-    )
+    rows_of_contiguous_heads = x3.dim() == 3 and x3.stride(2) == r3.stride(2) == 1
+    assert rows_of_contiguous_heads and weight.shape == x3.shape[2:], (x.shape, weight.shape)
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     new_residual = out if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
     num_rows, n_cols, block = (
@@ -135,9 +132,8 @@ def _rotate_heads(
     # second halves
     x2 = tl.load(X + heads * stride_h + HALF + d, mask=mask, other=0.0).to(tl.float32)
     if NORM:  # each head's RMSNorm first, rounded where RMSNorm rounds (its output is RoPE's input)
-        inv_rms = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[
-            :, None
-        ]
+        sum_sq = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+        inv_rms = tl.rsqrt(sum_sq / (2 * HALF) + eps)[:, None]
         w1 = tl.load(W + d, mask=d < HALF, other=0.0).to(tl.float32)
         w2 = tl.load(W + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
         x1 = (
@@ -150,10 +146,9 @@ def _rotate_heads(
             .to(OUT.dtype.element_ty)
             .to(tl.float32)
         )
-    tl.store(OUT + heads * 2 * HALF + d, (x1 * cos - x2 * sin).to(OUT.dtype.element_ty), mask=mask)
-    tl.store(
-        OUT + heads * 2 * HALF + HALF + d, (x2 * cos + x1 * sin).to(OUT.dtype.element_ty), mask=mask
-    )
+    out_ptrs = OUT + heads * 2 * HALF + d  # first halves; the second HALF further
+    tl.store(out_ptrs, (x1 * cos - x2 * sin).to(OUT.dtype.element_ty), mask=mask)
+    tl.store(out_ptrs + HALF, (x2 * cos + x1 * sin).to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -186,7 +181,8 @@ def _rope_kernel(
     # (1, BLOCK_D)
     cos = tl.load(COS + pos * stride_cos + d, mask=d < HALF, other=0.0).to(tl.float32)
     sin = tl.load(SIN + pos * stride_cos + d, mask=d < HALF, other=0.0).to(tl.float32)
-    q_out, k_out = Q_OUT + token * num_q_heads * 2 * HALF, K_OUT + token * num_k_heads * 2 * HALF
+    q_out = Q_OUT + token * num_q_heads * 2 * HALF
+    k_out = K_OUT + token * num_k_heads * 2 * HALF
     _rotate_heads(
         Q + token * stride_qt,
         QW,
@@ -235,7 +231,8 @@ def apply_rope(
         and cos.stride() == sin.stride()
     )
     q_out, k_out = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k))
-    (q_w, q_eps), (k_w, k_eps) = [(n.weight, n.eps) for n in norms] if norms else [(None, 0.0)] * 2
+    weights_and_eps = [(n.weight, n.eps) for n in norms] if norms else [(None, 0.0)] * 2
+    (q_w, q_eps), (k_w, k_eps) = weights_and_eps
     tensors = (positions, q, k, cos, sin, q_w, k_w, q_out, k_out)
     # (token, head) of q and of k; a position of cos
     strides = (*q.stride()[:2], *k.stride()[:2], cos.stride(0))
@@ -258,7 +255,8 @@ def _row_sums(X, W, rows, n, k, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.con
     for start in range(0, k, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
         mask = (rows < n)[:, None] & (cols < k)[None, :]
-        w = tl.load(W + rows.to(tl.int64)[:, None] * stride_w + cols[None, :], mask=mask, other=0.0)
+        w_rows = W + rows.to(tl.int64)[:, None] * stride_w
+        w = tl.load(w_rows + cols[None, :], mask=mask, other=0.0)
         x = tl.load(X + cols, mask=cols < k, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]  # (BLOCK_N, BLOCK_K)
     return tl.sum(acc, axis=1)
@@ -289,7 +287,8 @@ def _gemv_kernel(
             Y.dtype.element_ty
         )
         gate = y.to(Y.dtype.element_ty).to(tl.float32)
-        y = (gate / (1.0 + tl.exp(-gate))).to(Y.dtype.element_ty).to(tl.float32) * up.to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(Y.dtype.element_ty).to(tl.float32)
+        y = silu * up.to(tl.float32)
     tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=rows < n)
 
 

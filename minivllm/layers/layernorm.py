@@ -21,9 +21,8 @@ class RMSNorm(nn.Module):
 
     def rms_forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (num_tokens, hidden_size)
         x32 = x.float()
-        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(
-            x.dtype
-        )
+        mean_square = x32.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x32 * torch.rsqrt(mean_square + self.eps)).to(x.dtype)
 
     def add_rms_forward(self, x: torch.Tensor, residual: torch.Tensor) -> Pair:
         residual = (x.float() + residual.float()).to(x.dtype)  # the new residual stream

@@ -98,9 +98,8 @@ class ColumnParallelLinear(LinearBase):
     ) -> None:
         """Copy this rank's `size` rows of one packed matrix (e.g. k_proj) into ours at row
         `offset`."""
-        check_shape(
-            f"{type(self).__name__}[{shard}]", loaded, (size * self.tp_size, *param.shape[1:])
-        )
+        full_shape = (size * self.tp_size, *param.shape[1:])
+        check_shape(f"{type(self).__name__}[{shard}]", loaded, full_shape)
         param.data.narrow(0, offset, size).copy_(loaded.chunk(self.tp_size, 0)[self.tp_rank])
 
 

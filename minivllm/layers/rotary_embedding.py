@@ -68,7 +68,8 @@ class RotaryEmbedding(nn.Module):
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # the two halves of each head: (num_tokens, num_heads, head_dim / 2)
         x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        y1, y2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+        return torch.cat([y1, y2], dim=-1).to(x.dtype)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, norms: Norms | None = None

@@ -19,7 +19,8 @@ def keep_mask(
     )  # mass of the more likely tokens
     # top-p, on top-k's renormalized distribution; p = 1 keeps all, even the tail a float32 sum no
     # longer sees
-    keep &= (before < top_ps[:, None] * cum[:, -1:]) | (top_ps[:, None] >= 1)
+    p_mass = top_ps[:, None] * cum[:, -1:]  # (batch, 1): top-p of what top-k kept
+    keep &= (before < p_mass) | (top_ps[:, None] >= 1)
     # min-p, relative to the most likely token
     keep &= sorted_probs >= min_ps[:, None] * sorted_probs[:, :1]
     return keep
@@ -159,7 +160,9 @@ def logprobs_of(
         top.values.tolist(),
         ks,
     )
-    return [
-        {t: (lp, r)} | {i: (v, j + 1) for j, (i, v) in enumerate(zip(ids[:k], vs[:k]))}
-        for t, lp, r, ids, vs, k in rows
-    ]
+    result = []
+    for token, logprob, rank, ids, values, k in rows:
+        ranked = enumerate(zip(ids[:k], values[:k]), start=1)  # (rank, (token id, log-probability))
+        top_k = {i: (v, j) for j, (i, v) in ranked}
+        result.append({token: (logprob, rank)} | top_k)
+    return result

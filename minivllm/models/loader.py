@@ -123,9 +123,9 @@ def tensor_shapes(
         except SafetensorError as e:
             raise ValueError(f"{file} is not a readable safetensors file: {e}") from None
         if twice := sorted(header.keys() & owner.keys()):
+            first, count = twice[0], len(twice)
             raise ValueError(
-                f"tensor {twice[0]} is in both {owner[twice[0]]} and {file} ({len(twice)} "
-                f"tensor(s) "
+                f"tensor {first} is in both {owner[first]} and {file} ({count} tensor(s) "
                 "in two files): a stray old shard? Keep one copy"
             )
         shapes |= header
@@ -152,7 +152,8 @@ def checkpoint_names(model: Qwen3ForCausalLM) -> dict[str, tuple[str, ShardId]]:
             names[name] = (name, None)
             continue
         for hf_module, shard_id in sources[parts[i]]:
-            names[".".join([*parts[:i], hf_module, *parts[i + 1 :]])] = (name, shard_id)
+            hf_name = ".".join([*parts[:i], hf_module, *parts[i + 1 :]])
+            names[hf_name] = (name, shard_id)
     return names
 
 

@@ -192,7 +192,8 @@ if DEVICE == "cuda":
 else:
     cascade_data = json.loads(Path("../figures/cascade.json").read_text())
 plot_cascade(cascade_data).savefig(FIGURES / "cascade.png", dpi=120)
-us = {(r["impl"], r["batch"], r["own_tokens"]): r["ms"] * 1e3 for r in cascade_data["rows"]}
+cascade_rows = cascade_data["rows"]
+us = {(r["impl"], r["batch"], r["own_tokens"]): r["ms"] * 1e3 for r in cascade_rows}
 for rows, own in sorted({(b, o) for _, b, o in us}):
     ways = ("row by row", "cascade", "cascade, no sharers")
     print(

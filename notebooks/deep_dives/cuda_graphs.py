@@ -577,7 +577,9 @@ from minivllm.testing import check_answer
 
 answer1 = None  # your answer: replace None with an expression
 mixed_size = next(t for t in MIXED_GRAPH_SIZES if t >= 3 + 100)
-chunk_tiles = query_tiles(np.array([0, 1, 2, 3, 103]), np.array([0, 9, 18, 27, 147]), 3, block_m=64)
+chunk_cu_q = np.array([0, 1, 2, 3, 103])  # three decodes, then a 100-token chunk
+chunk_cu_k = np.array([0, 9, 18, 27, 147])
+chunk_tiles = query_tiles(chunk_cu_q, chunk_cu_k, 3, block_m=64)
 expected1 = (mixed_size, tile_room(mixed_size, 64), len(chunk_tiles))
 check_answer(answer1, expected1, "1. a mixed step's graph")
 

@@ -53,10 +53,9 @@ cat_logits = torch.tensor([4.0, 3.1, 2.6, 2.2, 1.9, 1.4, 1.2, 1.0, 0.6, 0.1, -0.
 
 
 def show_probs(probs: torch.Tensor, label: str) -> None:
-    print(
-        f"{label:>6}: "
-        + " ".join(f"{w} {p:.2f}" for w, p in zip(words, probs.tolist()) if p >= 0.005)
-    )
+    pairs = zip(words, probs.tolist())
+    shown = [f"{w} {p:.2f}" for w, p in pairs if p >= 0.005]
+    print(f"{label:>6}: " + " ".join(shown))
 
 
 # %% [markdown]
@@ -93,7 +92,8 @@ def _noise(key, ids, s):
     counter)."""
     r0, r1, r2, r3 = tl.rand4x(key, ids % s)
     lane = ids // s
-    return tl.where(lane == 0, r0, tl.where(lane == 1, r1, tl.where(lane == 2, r2, r3)))
+    r23 = tl.where(lane == 2, r2, r3)
+    return tl.where(lane == 0, r0, tl.where(lane == 1, r1, r23))
 
 
 @triton.jit
@@ -113,7 +113,8 @@ def _neg_log2(u, FAST: tl.constexpr):
     would exceed the result, from the series -ln(1 - w) = w + w^2/2 + w^3/3 + ..., w = 1 - u
     (exact)."""
     w = 1.0 - u
-    return tl.where(w < 0.01, w * LOG2E * (1.0 + w * (0.5 + w * 0.33333334)), -_fast_log2(u, FAST))
+    series = w * LOG2E * (1.0 + w * (0.5 + w * 0.33333334))
+    return tl.where(w < 0.01, series, -_fast_log2(u, FAST))
 
 
 @triton.jit
@@ -135,7 +136,8 @@ def _lane(X, n, s, c, lane, u, t, lo, incl, best, best_col, top, FAST: tl.conste
     """Counters c's columns in lane `lane` (c + lane * s), where > lo (or equal, if incl), into the
     race."""
     cols = c + lane * s
-    x = tl.load(X + cols, mask=(cols < n) & (c < s), other=float("-inf")).to(tl.float32)
+    in_row = (cols < n) & (c < s)
+    x = tl.load(X + cols, mask=in_row, other=float("-inf")).to(tl.float32)
     kept = tl.where((x > lo) | ((x == lo) & (incl != 0)), x, float("-inf"))
     best, best_col = _better(kept, u, t, cols, best, best_col, FAST)
     return best, best_col, tl.maximum(top, x)
@@ -145,7 +147,8 @@ def _lane(X, n, s, c, lane, u, t, lo, incl, best, best_col, top, FAST: tl.conste
 def _draw(X, n, s, t, key, lo, incl, start, end, offset, BLOCK: tl.constexpr, FAST: tl.constexpr):
     """The race among the logits > lo (>= lo if incl) of counters start..end, each counter's four
     columns, the noise at counter + offset: (the best score, its column, the largest logit)."""
-    best, best_col = tl.full([BLOCK], float("-inf"), tl.float32), tl.zeros([BLOCK], tl.int32)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_col = tl.zeros([BLOCK], tl.int32)
     top = tl.full([BLOCK], float("-inf"), tl.float32)
     for first in range(start, end, BLOCK):
         c = first + tl.arange(0, BLOCK)
@@ -204,17 +207,17 @@ def _race_ids_kernel(
 ):
     row = tl.program_id(0)
     t, key = tl.load(TEMPS + row), tl.load(KEYS + row)
-    X, IDS = X + row.to(tl.int64) * stride, IDS + row.to(tl.int64) * stride
-    best, best_col = tl.full([BLOCK], float("-inf"), tl.float32), tl.zeros([BLOCK], tl.int32)
+    row_start = row.to(tl.int64) * stride
+    X, IDS = X + row_start, IDS + row_start
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_col = tl.zeros([BLOCK], tl.int32)
     for start in range(0, n, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         x = tl.load(X + cols, mask=cols < n, other=float("-inf")).to(tl.float32)
         ids = tl.load(IDS + cols, mask=cols < n, other=0).to(tl.int32)
         best, best_col = _better(x, _noise(key, ids, s), t, cols, best, best_col, FAST)
-    tl.store(
-        WON + row,
-        tl.load(IDS + tl.min(tl.where(best == tl.max(best, axis=0), best_col, n), axis=0)),
-    )
+    won = tl.min(tl.where(best == tl.max(best, axis=0), best_col, n), axis=0)
+    tl.store(WON + row, tl.load(IDS + won))
 
 
 def block_of(n: int) -> int:
@@ -373,9 +376,8 @@ def _masses_kernel(
     col, m = _parts_draw(BEST, WON, TOP, row, parts, n, PARTS)
     drawn = tl.load(X + col).to(tl.float32)
     lo = part * span
-    above, total = _masses(
-        X, lo, tl.minimum(lo + span, n), n, tl.where(t > 0, t, 1.0), m, drawn, BLOCK
-    )
+    hi = tl.minimum(lo + span, n)
+    above, total = _masses(X, lo, hi, n, tl.where(t > 0, t, 1.0), m, drawn, BLOCK)
     tl.store(ABOVE + row * parts + part, above)
     tl.store(TOTAL + row * parts + part, total)
 
@@ -384,9 +386,8 @@ def _masses_kernel(
 def _verdict(x, m, t, p, min_p, above, total):
     """Whether to draw again after drawing logit x (above, total: _masses'), and above what: (again,
     lo, incl)."""
-    floor = tl.where(
-        min_p > 0, m + t * tl.log(tl.where(min_p > 0, min_p, 1.0)), float("-inf")
-    )  # min-p: x >= it
+    log_min_p = tl.log(tl.where(min_p > 0, min_p, 1.0))
+    floor = tl.where(min_p > 0, m + t * log_min_p, float("-inf"))  # min-p: x >= it
     in_nucleus = (p >= 1) | (above < p * total) | (above == 0)
     again = (t > 0) & ((x < floor) | (in_nucleus == 0))
     return again, tl.where(x < floor, floor, x), (x < floor).to(tl.int32)
@@ -426,7 +427,8 @@ def _verdict_kernel(
     col, m = _parts_draw(BEST, WON, TOP, row, parts, n, PARTS)
     above = tl.sum(_row_parts(ABOVE, row, parts, 0.0, PARTS), axis=0)
     total = tl.sum(_row_parts(TOTAL, row, parts, 0.0, PARTS), axis=0)
-    again, lo, incl = _verdict(tl.load(X + col).to(tl.float32), m, t, p, min_p, above, total)
+    x = tl.load(X + col).to(tl.float32)
+    again, lo, incl = _verdict(x, m, t, p, min_p, above, total)
     tl.store(OUT + row, col)
     tl.store(SEARCHING + row, again.to(tl.int32))
     tl.store(LO + row, lo)
@@ -470,7 +472,8 @@ def _nucleus_kernel(
     while searching:
         _, col, m = _draw(X, n, s, t, key, lo, incl, 0, s, offset, BLOCK, FAST)
         x = tl.load(X + col).to(tl.float32)
-        above, total = _masses(X, 0, n, n, tl.where(t > 0, t, 1.0), m, x, 4 * BLOCK)
+        t_or_1 = tl.where(t > 0, t, 1.0)
+        above, total = _masses(X, 0, n, n, t_or_1, m, x, 4 * BLOCK)
         searching, lo, incl = _verdict(x, m, t, p, min_p, above, total)
         offset += s
     tl.store(OUT + row, col)
@@ -567,18 +570,15 @@ def rows_of(value: float, n: int) -> torch.Tensor:  # a (n,) setting on the kern
 
 # 256 rows with their own keys; CPU: interpreted
 keys, cat = (torch.arange(256, device=DEVICE), cat_logits.to(DEVICE))
-freq = (
-    torch.bincount(race(cat.expand(256, -1), rows_of(0.5, 256), keys).cpu(), minlength=len(words))
-    / 256
-)
+won = race(cat.expand(256, -1), rows_of(0.5, 256), keys).cpu()
+freq = torch.bincount(won, minlength=len(words)) / 256
 show_probs(freq, "race")
 torch.testing.assert_close(freq, torch.softmax(cat_logits / 0.5, dim=-1), atol=0.1, rtol=0)
 assert race(cat[None], rows_of(0, 1), keys[:1]).item() == 0  # temperature 0: the argmax, "mat"
 # T = 1, top-p 0.7: "mat" 0.46 + "floor" 0.19 < 0.7, so "sofa" (0.11) is in the nucleus, "bed" is
 # not
-drawn = nucleus(
-    cat.expand(128, -1), rows_of(1, 128), rows_of(0.7, 128), rows_of(0, 128), keys[:128]
-).cpu()
+temperature, top_p, min_p = rows_of(1, 128), rows_of(0.7, 128), rows_of(0, 128)
+drawn = nucleus(cat.expand(128, -1), temperature, top_p, min_p, keys[:128]).cpu()
 show_probs(freq := torch.bincount(drawn, minlength=len(words)) / 128, "top-p")
 assert set(drawn.tolist()) == {0, 1, 2}
 # renormalized
@@ -664,7 +664,8 @@ def _floor_kernel(MAXIMA, TEMPS, TOP_KS, FLOOR, parts, LANES: tl.constexpr):
     for part in range(parts):
         best = tl.maximum(best, tl.load(MAXIMA + (row * parts + part) * LANES + lanes))
     k = tl.load(TOP_KS + row)
-    tl.store(FLOOR + row, _kth_order(_ordered(best), tl.where(k > 0, k, 1)).to(tl.int32))
+    kth = _kth_order(_ordered(best), tl.where(k > 0, k, 1))
+    tl.store(FLOOR + row, kth.to(tl.int32))
 
 
 @triton.jit(do_not_specialize=["span"])
@@ -676,10 +677,12 @@ def _gather_kernel(
     row, part = tl.program_id(0), tl.program_id(1)
     if _no_top_k(TEMPS, TOP_KS, row):
         return
-    X, floor, cols = X + row.to(tl.int64) * stride, tl.load(FLOOR + row), tl.arange(0, BLOCK)
+    X = X + row.to(tl.int64) * stride
+    floor, cols = tl.load(FLOOR + row), tl.arange(0, BLOCK)
     for start in range(part * span, tl.minimum(part * span + span, n), BLOCK):
-        x = tl.load(X + start + cols, mask=start + cols < n, other=float("-inf")).to(tl.float32)
-        take = ((_ordered(x) >= floor) & (start + cols < n)).to(tl.int32)
+        in_row = start + cols < n
+        x = tl.load(X + start + cols, mask=in_row, other=float("-inf")).to(tl.float32)
+        take = ((_ordered(x) >= floor) & in_row).to(tl.int32)
         if tl.sum(take, axis=0) > 0:
             slots = tl.atomic_add(COUNT + row, tl.sum(take, axis=0)) + tl.cumsum(take, axis=0) - 1
             tl.store(
@@ -708,14 +711,16 @@ def _exact_candidates(X, n, k, CAND, CAP: tl.constexpr, BLOCK: tl.constexpr):
     """A row's k-th largest logit by _kth_order's bisection over the whole row (32 passes), then the
     logits above it and its ties, lowest column first, into CAND: how many (<= CAP; CAP >= 2k: the k
     kept are in)."""
-    lo, hi = tl.full((), -(2**31), tl.int64), tl.full((), 2**31 - 1, tl.int64)
+    lo = tl.full((), -(2**31), tl.int64)
+    hi = tl.full((), 2**31 - 1, tl.int64)
     while lo < hi:
         mid, count = (lo + hi + 1) >> 1, tl.full((), 0, tl.int32)
         for start in range(0, n, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             x = tl.load(X + cols, mask=cols < n, other=float("-inf")).to(tl.float32)
             count += tl.sum(((_ordered(x) >= mid) & (cols < n)).to(tl.int32), axis=0)
-        lo, hi = tl.where(count >= k, mid, lo), tl.where(count >= k, hi, mid - 1)
+        enough = count >= k  # k or more at or above mid: the k-th is there
+        lo, hi = tl.where(enough, mid, lo), tl.where(enough, hi, mid - 1)
     count = _append(
         X, n, CAND, tl.full((), 0, tl.int32), lo + 1, 2**31 - 1, CAP, BLOCK
     )  # above the k-th: < k
@@ -757,7 +762,8 @@ def _top_k_kernel(
     valid = slots < count
     # the keys' low halves
     ids = tl.where(valid, 0x7FFFFFFF - (keys - ((keys >> 32) << 32)).to(tl.int32), 0)
-    t, p, min_p = tl.load(TEMPS + row), tl.load(TOP_PS + row), tl.load(MIN_PS + row)
+    t = tl.load(TEMPS + row)
+    p, min_p = tl.load(TOP_PS + row), tl.load(MIN_PS + row)
     z = tl.load(X + ids, mask=valid, other=float("-inf")).to(tl.float32) * (
         LOG2E / tl.where(t > 0, t, 1.0)
     )
@@ -771,9 +777,9 @@ def _top_k_kernel(
     u = _noise(tl.load(KEYS + row), ids, tl.cdiv(n, 4))
     score = tl.where(kept, z - _fast_log2(_neg_log2(u, FAST), FAST), float("-inf"))
     won = tl.min(tl.where(score == tl.max(score, axis=0), slots, CAP), axis=0)
-    tl.store(
-        OUT + row, tl.sum(tl.where(slots == tl.where(t > 0, won, 0), ids, 0), axis=0).to(tl.int64)
-    )
+    chosen = tl.where(t > 0, won, 0)  # temperature 0: slot 0, the largest
+    token = tl.sum(tl.where(slots == chosen, ids, 0), axis=0)
+    tl.store(OUT + row, token.to(tl.int64))
 
 
 TOP_K_GATHERED_MAX = (
@@ -953,10 +959,8 @@ if DEVICE == "cuda":
 else:
     sampler_data = json.loads(open("../figures/sampler.json").read())
 for r in sampler_data["rows"]:
-    print(
-        f"{r['kind']:>18} batch {r['batch']:>3}: {r['ms']:.3f} ms, {r['kernel_ms']:.3f} ms of "
-        f"kernels"
-    )
+    times = f"{r['ms']:.3f} ms, {r['kernel_ms']:.3f} ms of kernels"
+    print(f"{r['kind']:>18} batch {r['batch']:>3}: {times}")
 
 # %% [markdown]
 # ## Warm-up: every variant compiled at start-up
@@ -1075,7 +1079,8 @@ check_answer(answer2, expected2, "2. top-k's floor and candidates")
 # because the three largest share lane 0 (1,024 lanes make that rare).
 
 # %%
-steps_below = [j for j in (1, 2, 3) if j * 2**-24 < 2**-22 * np.log(2)]  # 1 - u in steps of 2^-24
+threshold = 2**-22 * np.log(2)  # the 1 - u whose q = -log2(u) is log2's absolute error
+steps_below = [j for j in (1, 2, 3) if j * 2**-24 < threshold]  # 1 - u in steps of 2^-24
 check_answer(len(steps_below), expected1, "1. floats whose q is below log2's error")
 lane_maxima = [max(row[0, lane::4].tolist()) for lane in range(4)]  # [11, 4, 7, 8]
 floor = sorted(lane_maxima)[-3]

@@ -144,11 +144,9 @@ def _paged_prefill_kernel(
     offs_m, head = start_m * BLOCK_M + r // HEADS, first_head + r % HEADS
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    q = load_tile(
-        Q + (q_start + offs_m)[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-        (offs_m < q_len)[:, None],
-        UPCAST,
-    )  # (HEADS * BLOCK_M, D)
+    q_row_ptrs = Q + (q_start + offs_m)[:, None] * stride_qt + head[:, None] * stride_qh
+    # (HEADS * BLOCK_M, D)
+    q = load_tile(q_row_ptrs + offs_d[None, :], (offs_m < q_len)[:, None], UPCAST)
     m_i = tl.full([HEADS * BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([HEADS * BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([HEADS * BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -185,11 +183,9 @@ def _paged_prefill_kernel(
             PRECISION,
         )
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(
-        O + (q_start + offs_m)[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-        out.to(O.dtype.element_ty),
-        mask=(offs_m < q_len)[:, None],
-    )
+    o_row_ptrs = O + (q_start + offs_m)[:, None] * stride_ot + head[:, None] * stride_oh
+    o_ptrs = o_row_ptrs + offs_d[None, :]
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m < q_len)[:, None])
 
 
 # %% tags=["export"]
@@ -315,9 +311,8 @@ paged = dict(causal=True, block_table=block_table, out=part, tiles=tiles)
 flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, 64, 300, **paged)
 rows = slice(int(cu_q[1]), int(cu_q[2]))  # its 5 new tokens: one tile holds them all
 torch.testing.assert_close(part[rows], ref[rows], rtol=1e-4, atol=1e-4)
-assert (
-    part[: rows.start].abs().sum() == 0 and part[rows.stop :].abs().sum() == 0
-)  # no other tile ran
+outside = torch.cat([part[: rows.start], part[rows.stop :]])
+assert outside.abs().sum() == 0  # no other tile ran
 print("the paged prefill kernel matches both references; a list of tiles computes only those")
 
 # %% [markdown]

@@ -148,7 +148,8 @@ labels, colours = ["used", "free, cached", "free, empty"], ["tab:blue", "0.75", 
 ax_use.stackplot(range(len(usage)), usage.T, labels=labels, colors=colours, edgecolor="0.5", lw=0.3)
 ax_use.set(xlabel="step", ylabel="blocks", ylim=(0, 125), title="Blocks in use vs free")
 ax_use.legend(loc="upper center", ncols=2, fontsize=8)  # above the 96 blocks
-for k, snapshot in enumerate(np.linspace(0, len(frames) - 1, 5)[1:4].astype(int)):
+snapshots = np.linspace(0, len(frames) - 1, 5)[1:4].astype(int)
+for k, snapshot in enumerate(snapshots):
     draw_blocks(fig.add_subplot(grid[1, k]), snapshot)
 fig.tight_layout()
 fig.savefig(FIGURES / "scheduler_memory_block_map.png", dpi=120)
@@ -214,11 +215,10 @@ for caching in (True, False):
     )
     run["prefill_steps"], run["prefilled"] = np.array(prefilled).T
     run["prefilled"] = np.cumsum(run["prefilled"])
-    print(
-        f"prefix caching {'on ' if caching else 'off'}: prefill computed {run['prefilled'][-1]:,} "
-        f"tokens, up to "
-        f"{batch} requests at once, {run['preemptions']} preemptions, all done in {steps} steps"
-    )
+    prefill_total = run["prefilled"][-1]
+    work = f"prefill computed {prefill_total:,} tokens, up to {batch} requests at once"
+    ends = f"{run['preemptions']} preemptions, all done in {steps} steps"
+    print(f"prefix caching {'on ' if caching else 'off'}: {work}, {ends}")
 computed_on, computed_off = prefix_runs[True]["prefilled"][-1], prefix_runs[False]["prefilled"][-1]
 print(
     f"prompt tokens: {sum(len(p) for p, _ in chat_requests):,}; prefill saved: "
@@ -288,7 +288,8 @@ assert computed_on < 0.4 * computed_off and prefix_runs[True]["steps"] < prefix_
 assert prefix_runs[True]["batch"] > 1.5 * prefix_runs[False]["batch"]
 firsts = {int(np.argmax(which == w)) for w in range(4)}
 assert all(hit_rates[i] == 0 for i in firsts)
-assert all(hit_rates[i] == 512 / len(chat_requests[i][0]) for i in range(200) if i not in firsts)
+later = [i for i in range(200) if i not in firsts]
+assert all(hit_rates[i] == 512 / len(chat_requests[i][0]) for i in later)
 assert mean_hit[48] < mean_hit[128] < mean_hit[1024]
 
 # %% [markdown]
@@ -303,7 +304,8 @@ from minivllm.testing import check_answer
 
 answer = None  # your answer: replace None with an expression
 check = make_scheduler(64, max_num_batched_tokens=64)
-first, second = request(list(range(1, 41)), 4), request(list(range(1, 33)) + [9] * 8, 4)
+first = request(list(range(1, 41)), 4)
+second = request(list(range(1, 33)) + [9] * 8, 4)
 check.add(first)
 step(check)
 check.add(second)

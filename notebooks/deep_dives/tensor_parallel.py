@@ -464,20 +464,19 @@ from minivllm.benchmarks.tp import plot_tp
 # needs two GPUs to re-measure: the committed run
 tp_data = json.loads(Path("../figures/tp.json").read_text())
 plot_tp(tp_data).savefig(FIGURES / "tensor_parallel_tp.png", dpi=120)
-step = {(r["tp"], r["batch"]): r["ms"] for r in tp_data["rows"] if r["kind"] == "decode_step"}
+decode_rows = [r for r in tp_data["rows"] if r["kind"] == "decode_step"]
+step = {(r["tp"], r["batch"]): r["ms"] for r in decode_rows}
 run = {r["tp"]: r for r in tp_data["rows"] if r["kind"] == "throughput"}
 for batch in sorted({b for _, b in step}):
-    print(
-        f"decode step, batch {batch:>3}: TP 1 {step[1, batch]:.2f} ms, TP 2 {step[2, batch]:.2f} ms"
-    )
+    tp1_ms, tp2_ms = step[1, batch], step[2, batch]
+    print(f"decode step, batch {batch:>3}: TP 1 {tp1_ms:.2f} ms, TP 2 {tp2_ms:.2f} ms")
 for tp, r in run.items():
-    print(
-        f"TP {tp}: {r['tok_per_s']:,.0f} output tok/s, KV cache {r['kv_cache_tokens'] / 1e6:.2f} "
-        f"M tokens"
-    )
+    kv_mtokens = r["kv_cache_tokens"] / 1e6
+    print(f"TP {tp}: {r['tok_per_s']:,.0f} output tok/s, KV cache {kv_mtokens:.2f} M tokens")
 # python -c "LLM(...)": import to ready
 for r in (r for r in tp_data["rows"] if r["kind"] == "startup"):
-    print(f"TP {r['tp']}, fresh process, start {r['attempt']}: ready in {r['ready_seconds']:.0f} s")
+    ready = f"ready in {r['ready_seconds']:.0f} s"
+    print(f"TP {r['tp']}, fresh process, start {r['attempt']}: {ready}")
 
 # %% [markdown]
 # Work it out: a TP-2 forward makes 2 × 28 all-reduces (plus the embedding's and LM head's gathers,

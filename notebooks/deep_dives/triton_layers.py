@@ -96,10 +96,8 @@ with torch.no_grad():
                 )
             )
 for r in compile_rows:
-    print(
-        f"{r['op']:>20} {r['num_tokens']:>5} tokens: eager {r['eager']:.3f} ms, compiled "
-        f"{r['compiled']:.3f} ms"
-    )
+    times = f"eager {r['eager']:.3f} ms, compiled {r['compiled']:.3f} ms"
+    print(f"{r['op']:>20} {r['num_tokens']:>5} tokens: {times}")
 
 # %%
 from pathlib import Path
@@ -189,9 +187,8 @@ def _rms_norm_kernel(
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (ROWS,): row = token * heads + head
     token, head, cols = rows // heads, rows % heads, tl.arange(0, BLOCK)
     mask = (rows < num_rows)[:, None] & (cols < n_cols)[None, :]  # (ROWS, BLOCK)
-    x = tl.load(
-        X + (token * stride_xt + head * stride_xh)[:, None] + cols[None, :], mask=mask, other=0.0
-    )
+    row_starts = token * stride_xt + head * stride_xh
+    x = tl.load(X + row_starts[:, None] + cols[None, :], mask=mask, other=0.0)
     x = x.to(tl.float32)
     offs = rows[:, None] * n_cols + cols[None, :]  # into the contiguous outputs
     # the new residual stream, rounded to the model's dtype before it is normalised
@@ -219,10 +216,8 @@ def rms_norm(
     # (num_tokens, heads, n_cols): a 2-D input has one "head"
     x3 = x if x.dim() == 3 else x[:, None]
     r3 = x3 if residual is None else (residual if residual.dim() == 3 else residual[:, None])
-    assert x3.dim() == 3 and x3.stride(2) == r3.stride(2) == 1 and weight.shape == x3.shape[2:], (
-        x.shape,
-        weight.shape,
-    )
+    rows_of_contiguous_heads = x3.dim() == 3 and x3.stride(2) == r3.stride(2) == 1
+    assert rows_of_contiguous_heads and weight.shape == x3.shape[2:], (x.shape, weight.shape)
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     new_residual = out if residual is None else torch.empty(x.shape, dtype=x.dtype, device=x.device)
     num_rows, n_cols, block = (
@@ -292,9 +287,8 @@ def _rotate_heads(
     # second halves
     x2 = tl.load(X + heads * stride_h + HALF + d, mask=mask, other=0.0).to(tl.float32)
     if NORM:  # each head's RMSNorm first, rounded where RMSNorm rounds (its output is RoPE's input)
-        inv_rms = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)[
-            :, None
-        ]
+        sum_sq = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+        inv_rms = tl.rsqrt(sum_sq / (2 * HALF) + eps)[:, None]
         w1 = tl.load(W + d, mask=d < HALF, other=0.0).to(tl.float32)
         w2 = tl.load(W + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
         x1 = (
@@ -307,10 +301,9 @@ def _rotate_heads(
             .to(OUT.dtype.element_ty)
             .to(tl.float32)
         )
-    tl.store(OUT + heads * 2 * HALF + d, (x1 * cos - x2 * sin).to(OUT.dtype.element_ty), mask=mask)
-    tl.store(
-        OUT + heads * 2 * HALF + HALF + d, (x2 * cos + x1 * sin).to(OUT.dtype.element_ty), mask=mask
-    )
+    out_ptrs = OUT + heads * 2 * HALF + d  # first halves; the second HALF further
+    tl.store(out_ptrs, (x1 * cos - x2 * sin).to(OUT.dtype.element_ty), mask=mask)
+    tl.store(out_ptrs + HALF, (x2 * cos + x1 * sin).to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -343,7 +336,8 @@ def _rope_kernel(
     # (1, BLOCK_D)
     cos = tl.load(COS + pos * stride_cos + d, mask=d < HALF, other=0.0).to(tl.float32)
     sin = tl.load(SIN + pos * stride_cos + d, mask=d < HALF, other=0.0).to(tl.float32)
-    q_out, k_out = Q_OUT + token * num_q_heads * 2 * HALF, K_OUT + token * num_k_heads * 2 * HALF
+    q_out = Q_OUT + token * num_q_heads * 2 * HALF
+    k_out = K_OUT + token * num_k_heads * 2 * HALF
     _rotate_heads(
         Q + token * stride_qt,
         QW,
@@ -392,7 +386,8 @@ def apply_rope(
         and cos.stride() == sin.stride()
     )
     q_out, k_out = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k))
-    (q_w, q_eps), (k_w, k_eps) = [(n.weight, n.eps) for n in norms] if norms else [(None, 0.0)] * 2
+    weights_and_eps = [(n.weight, n.eps) for n in norms] if norms else [(None, 0.0)] * 2
+    (q_w, q_eps), (k_w, k_eps) = weights_and_eps
     tensors = (positions, q, k, cos, sin, q_w, k_w, q_out, k_out)
     # (token, head) of q and of k; a position of cos
     strides = (*q.stride()[:2], *k.stride()[:2], cos.stride(0))
@@ -415,7 +410,8 @@ def _row_sums(X, W, rows, n, k, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.con
     for start in range(0, k, BLOCK_K):
         cols = start + tl.arange(0, BLOCK_K)
         mask = (rows < n)[:, None] & (cols < k)[None, :]
-        w = tl.load(W + rows.to(tl.int64)[:, None] * stride_w + cols[None, :], mask=mask, other=0.0)
+        w_rows = W + rows.to(tl.int64)[:, None] * stride_w
+        w = tl.load(w_rows + cols[None, :], mask=mask, other=0.0)
         x = tl.load(X + cols, mask=cols < k, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]  # (BLOCK_N, BLOCK_K)
     return tl.sum(acc, axis=1)
@@ -446,7 +442,8 @@ def _gemv_kernel(
             Y.dtype.element_ty
         )
         gate = y.to(Y.dtype.element_ty).to(tl.float32)
-        y = (gate / (1.0 + tl.exp(-gate))).to(Y.dtype.element_ty).to(tl.float32) * up.to(tl.float32)
+        silu = (gate / (1.0 + tl.exp(-gate))).to(Y.dtype.element_ty).to(tl.float32)
+        y = silu * up.to(tl.float32)
     tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=rows < n)
 
 
@@ -624,15 +621,14 @@ if DEVICE == "cuda":
     # each call's GPU time, launches hidden by a CUDA graph
     for name, fn in (("cuBLAS", F.linear), ("gemv", gemv)):
         ms = triton.testing.do_bench_cudagraph(functools.partial(fn, x, w))
-        print(
-            f"1 token × (2048 → 1024), {name}: {ms * 1e3:.1f} µs, {w.nbytes / ms / 1e9:.2f} TB/s "
-            f"of weights"
-        )
+        us, tbps = ms * 1e3, w.nbytes / ms / 1e9
+        print(f"1 token × (2048 → 1024), {name}: {us:.1f} µs, {tbps:.2f} TB/s of weights")
 else:
     committed = json.loads(Path("../figures/throughput_small_layers.json").read_text())
     print(committed["device"], committed["workloads"]["nano-vllm"])
     for row in committed["rows"]:
-        print(f"{row['impl']:>15} {row['policy']:>13}: {row['tok_per_s']:,.0f} output tokens/s")
+        config = f"{row['impl']:>15} {row['policy']:>13}"
+        print(f"{config}: {row['tok_per_s']:,.0f} output tokens/s")
     plot_throughput(committed).savefig(FIGURES / "triton_layers_throughput.png", dpi=120)
 
 # %% [markdown]
