@@ -102,9 +102,8 @@ class LLM:
                 assert stats.kind != "idle" or finished, "requests outstanding, but no step to run"
                 if stats.kind != "idle":
                     rates[stats.kind] = stats.num_tokens / max(stats.seconds, 1e-9)
-                bar.set_postfix_str(
-                    ", ".join(f"{kind} {rate:,.0f} tok/s" for kind, rate in sorted(rates.items()))
-                )
+                speeds = [f"{kind} {rate:,.0f} tok/s" for kind, rate in sorted(rates.items())]
+                bar.set_postfix_str(", ".join(speeds))
                 outputs += finished
                 bar.update(len(finished))
         return outputs

@@ -515,9 +515,8 @@ class LLM:
                 assert stats.kind != "idle" or finished, "requests outstanding, but no step to run"
                 if stats.kind != "idle":
                     rates[stats.kind] = stats.num_tokens / max(stats.seconds, 1e-9)
-                bar.set_postfix_str(
-                    ", ".join(f"{kind} {rate:,.0f} tok/s" for kind, rate in sorted(rates.items()))
-                )
+                speeds = [f"{kind} {rate:,.0f} tok/s" for kind, rate in sorted(rates.items())]
+                bar.set_postfix_str(", ".join(speeds))
                 outputs += finished
                 bar.update(len(finished))
         return outputs
@@ -1098,10 +1097,10 @@ scored = cpu_llm.generate(
     prompts[3], SamplingParams(temperature=0, prompt_logprobs=0), use_tqdm=False
 )[0]
 with torch.no_grad():  # transformers' log-probability of each prompt token after the first
-    want = torch.log_softmax(hf(torch.tensor([prompts[3]])).logits[0, :-1], -1)[
-        range(63), prompts[3][1:]
-    ]
-got = torch.tensor([row[t].logprob for row, t in zip(scored.prompt_logprobs[1:], prompts[3][1:])])
+    logits = hf(torch.tensor([prompts[3]])).logits[0, :-1]
+    want = torch.log_softmax(logits, -1)[range(63), prompts[3][1:]]
+rows = zip(scored.prompt_logprobs[1:], prompts[3][1:])
+got = torch.tensor([row[t].logprob for row, t in rows])
 torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 # %% [markdown]
@@ -1112,7 +1111,9 @@ torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 # %%
 vocab, max_len = cpu_llm.engine.config.hf_config.vocab_size, cpu_llm.engine.config.max_model_len
-for bad in ([[]], [[1, 2, vocab]], [[1] * max_len], [[1, 2, 3], [], [4, 5]]):
+bad_prompts = [[[]], [[1, 2, vocab]], [[1] * max_len]]
+bad_prompts.append([[1, 2, 3], [], [4, 5]])  # one bad prompt among good ones
+for bad in bad_prompts:
     try:
         cpu_llm.generate(bad, greedy, use_tqdm=False)
         raise AssertionError(f"{str(bad)[:30]} was accepted")
@@ -1124,7 +1125,8 @@ assert (
 )
 # the engine still serves
 after = cpu_llm.generate([[1, 2, 3]], greedy, use_tqdm=False)[0].outputs[0].token_ids
-assert after == hf.generate(torch.tensor([[1, 2, 3]]), **hf_greedy)[0, 3:].tolist()
+theirs = hf.generate(torch.tensor([[1, 2, 3]]), **hf_greedy)[0, 3:]
+assert after == theirs.tolist()
 
 # %% [markdown]
 # ## KV blocks over a whole run
@@ -1179,13 +1181,10 @@ assert bm.num_used_blocks == 0 and max(used) > 0.8 * bm.num_blocks - 1
 phases = ("schedule", "run", "postprocess")
 for kind in ("prefill", "mixed", "decode"):
     of_kind = [stats for stats in steps if stats.kind == kind]
-    times = [
-        f"{phase} {sum(getattr(s, f'{phase}_seconds') for s in of_kind):.3f} s" for phase in phases
-    ]
-    print(
-        f"{len(of_kind):4d} {kind} steps: {sum(s.num_tokens for s in of_kind):5,} tokens; "
-        + ", ".join(times)
-    )
+    seconds = {phase: sum(getattr(s, f"{phase}_seconds") for s in of_kind) for phase in phases}
+    times = ", ".join(f"{phase} {t:.3f} s" for phase, t in seconds.items())
+    num_tokens = sum(s.num_tokens for s in of_kind)
+    print(f"{len(of_kind):4d} {kind} steps: {num_tokens:5,} tokens; {times}")
 assert all(
     s.num_seqs > 0 and (s.num_tokens == s.num_seqs if s.kind == "decode" else s.kind != "idle")
     for s in steps
@@ -1252,7 +1251,8 @@ kv_reads = kv_bytes_per_token * sum(
 weight_reads = num_params * 2 * (max(output_lens) - 1)  # bf16 weights, once per decode step
 roofline = sum(output_lens) / ((kv_reads + weight_reads) / (decode["copy_tbps"] * 1e12))
 key = ("nano-vllm", "unified", "minivllm")
-ours = next(r for r in throughput["rows"] if (r["workload"], r["policy"], r["impl"]) == key)
+rows = {(r["workload"], r["policy"], r["impl"]): r for r in throughput["rows"]}
+ours = rows[key]
 print(
     f"KV reads {kv_reads / 1e12:.1f} TB + weights {weight_reads / 1e12:.1f} TB at "
     f"{decode['copy_tbps']:.2f} TB/s"
@@ -1294,7 +1294,8 @@ check_answer(answer, (kinds[first][0], len(kinds) - 1 - first), "1. timings")
 # time the batch it shares sets.
 
 # %%
-check_answer(("prefill", 5 - 1), (kinds[first][0], len(kinds) - 1 - first), "1. timings")
+expected = (kinds[first][0], len(kinds) - 1 - first)
+check_answer(("prefill", 5 - 1), expected, "1. timings")
 print(
     f"TTFT {timed.time_to_first_token * 1e3:.1f} ms, TPOT "
     f"{timed.time_per_output_token(5) * 1e3:.1f} ms"

@@ -107,39 +107,9 @@ def density_offences(path: Path) -> list[str]:
     return [f"{name}:{n}: {why}" for n, why in sorted(found)]
 
 
-# The only files with lines over 20 expressions left: they are being rewritten, and split then.
-DENSE_FILES_LEFT = (
-    "minivllm/benchmarks/serving.py",
-    "minivllm/llm.py",
-    "minivllm/serve.py",
-    "notebooks/06_engine.py",
-    "notebooks/deep_dives/engine_core.py",
-)
-
-
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,  # only the limit: an error in the check fails
-    reason=f"lines over 20 expressions remain in {', '.join(DENSE_FILES_LEFT)}",
-)
 def test_density_limits_for_the_package_and_every_notebook():
     """Lines of at most 100 characters and 20 expressions; no formatter skip in the core."""
     offences = [o for path in density_sources() for o in density_offences(path)]
-    assert not offences, f"{len(offences)} lines over the limits, the first {offences[0]}"
-
-
-def test_density_limits_for_every_file_but_the_dense_files_left():
-    """The test above, but for DENSE_FILES_LEFT: no other file gains a dense line meanwhile."""
-    assert all((ROOT / name).is_file() for name in DENSE_FILES_LEFT), "a listed file is gone"
-    paths = [p for p in density_sources() if str(p.relative_to(ROOT)) not in DENSE_FILES_LEFT]
-    offences = [o for path in paths for o in density_offences(path)]
-    assert not offences, f"{len(offences)} lines over the limits, the first {offences[0]}"
-
-
-def test_line_length_and_no_formatter_skip_for_the_package_and_every_notebook():
-    """The density limits but the expression count, which holds once the xfail above passes."""
-    offences = [o for path in density_sources() for o in density_offences(path)]
-    offences = [o for o in offences if not o.endswith(" expressions")]
     assert not offences, f"{len(offences)} lines over the limits, the first {offences[0]}"
 
 

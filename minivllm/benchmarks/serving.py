@@ -417,8 +417,8 @@ def serving_line(r: dict) -> str:
     done = f"{r['completed']:>4}/{r['num_requests']:<4}"
     ttft = f"{r['ttft_p50_ms']:>8,.1f}/{r['ttft_p99_ms']:<8,.1f}"
     tpot = f"{r['tpot_p50_ms']:>7.2f}/{r['tpot_p99_ms']:<8.2f}"
-    tok_per_s = r["tok_per_s"]
-    line = f"{impl:>16} {core:>7} {rate:>5g} {done} {tok_per_s:>9,.0f} {ttft} {tpot}"
+    head = f"{impl:>16} {core:>7} {rate:>5g} {done}"
+    line = f"{head} {r['tok_per_s']:>9,.0f} {ttft} {tpot}"
     if "client_cpu_share" in r:  # the busiest client process's
         line += f" client CPU {r['client_cpu_share']:.0%} ({r['client_processes']} processes)"
     failed = [f"{count} failed: {cause}" for cause, count in r.get("errors", {}).items()]

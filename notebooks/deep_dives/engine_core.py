@@ -316,8 +316,7 @@ serving = FIGURES_IN_REPO / "serving.json"
 rows = json.loads(serving.read_text())["rows"] if serving.is_file() else []
 for row in rows:
     where = row.get("engine_core", "offline" if row["impl"].endswith("offline") else "thread")
-    print(
-        f"{where:>8} {float(row['request_rate']):>5g} req/s: {row['tok_per_s']:>8,.0f} output "
-        f"tok/s, "
-        f"TPOT p50 {row['tpot_p50_ms']:.1f} ms"
-    )
+    rate, tpot = float(row["request_rate"]), row["tpot_p50_ms"]
+    speed = f"{row['tok_per_s']:>8,.0f} output tok/s"
+    timing = f"TPOT p50 {tpot:.1f} ms"
+    print(f"{where:>8} {rate:>5g} req/s: {speed}, {timing}")
