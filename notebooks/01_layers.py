@@ -1144,15 +1144,18 @@ for row in prefill["rows"]:
 
 # %% [markdown]
 # ## Check yourself
-# A prompt of 100 tokens continues after 60 cached tokens: its sequence has 160 keys. Which keys
-# does its first query see? Replace `None` with the list of their indices; the cell compares it with
-# what the kernel says (zero queries weigh every visible key equally, and key `j`'s value is 1 in
-# feature `j` only: nonzero output = key seen).
+# Set each `answerN` and run its cell: it compares your answer with what the kernel does. The worked
+# answer follows.
+#
+# **1.** A prompt of 100 tokens continues after 60 cached tokens: its sequence has 160 keys. Which
+# keys does its first query see? Answer the list of their indices. (Zero queries weigh every visible
+# key equally, and key `j`'s value is 1 in feature `j` only: a nonzero output feature is a key
+# seen.)
 
 # %%
 from minivllm.testing import check_answer
 
-answer = None  # your answer: replace None with an expression
+answer1 = None  # your answer: replace None with an expression
 cu_q2, cu_k2 = (torch.tensor([0, n], dtype=torch.int32, device=DEVICE) for n in (100, 160))
 # zero queries and keys: equal scores
 zeros = torch.zeros(160, 2, 128, dtype=torch.bfloat16, device=DEVICE)
@@ -1161,14 +1164,52 @@ v2 = torch.eye(160, 256, dtype=torch.bfloat16, device=DEVICE).view(160, 2, 128)
 out2 = flash_attn_varlen_contiguous(zeros[:100], zeros, v2, cu_q2, cu_k2, 100, 160, causal=True)
 # query 0: its heads' features side by side
 seen_keys = out2[0].flatten().nonzero().flatten().tolist()
-check_answer(answer, seen_keys, "keys seen")
+check_answer(answer1, seen_keys, "1. keys seen")
 
 # %% [markdown]
 # Worked answer: causal attention aligned bottom-right lets query `i` see keys `j ≤ i + (len_k −
 # len_q)`; for `i = 0` that is `j ≤ 160 − 100 = 60`: the 60 cached tokens and its own, 61 keys.
 
 # %%
-check_answer(list(range(0 + (160 - 100) + 1)), seen_keys, "keys seen")
+check_answer(list(range(0 + (160 - 100) + 1)), seen_keys, "1. keys seen")
+
+# %% [markdown]
+# **2.** Causal attention never loads the key tiles right of the diagonal: half the work of a square
+# prompt. A prompt of 40 tokens after 60 cached ones (100 keys), in tiles of 16 queries and 16 keys,
+# has 3 query tiles and 7 key tiles (the last one ragged). How many key tiles does each query tile's
+# program load? Answer a list, one count per query tile.
+#
+# The cell finds out by poisoning: copy `j` of the sequence has NaN values in key tile `j`. A
+# program that loads that tile outputs NaN even where the mask hides its keys (weight 0, and 0 × NaN
+# is NaN).
+
+# %%
+answer2 = None  # your answer: replace None with an expression
+tile = dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)  # the CPU's tiles, on any device
+n_q, n_k, d = 40, 100, 16  # 40 new queries after 60 cached tokens; one head of 16 features
+n_tiles = triton.cdiv(n_k, tile["BLOCK_N"])  # key tiles
+tile_of_key = torch.arange(n_k, device=DEVICE) // tile["BLOCK_N"]
+poison = tile_of_key == torch.arange(n_tiles, device=DEVICE)[:, None]  # (copy j, key)
+v3 = torch.zeros(n_tiles * n_k, 1, d, device=DEVICE)
+v3[poison.flatten()] = torch.nan  # copy j: NaN values in key tile j
+q3, k3 = torch.zeros(n_tiles * n_q, 1, d, device=DEVICE), torch.zeros_like(v3)  # copies end to end
+cu_q3 = torch.arange(0, n_tiles * n_q + 1, n_q, dtype=torch.int32, device=DEVICE)
+cu_k3 = torch.arange(0, n_tiles * n_k + 1, n_k, dtype=torch.int32, device=DEVICE)
+out3 = flash_attn_varlen_contiguous(q3, k3, v3, cu_q3, cu_k3, n_q, n_k, causal=True, tile=tile)
+loaded = out3.view(n_tiles, n_q, d).isnan().any(-1)  # (copy j, query): loaded key tile j
+tiles_read = loaded[:, :: tile["BLOCK_M"]].sum(0).tolist()  # a query tile's first row speaks for it
+check_answer(answer2, tiles_read, "2. key tiles read")
+
+# %% [markdown]
+# Worked answer: query `i` sees keys `j ≤ i + 60`, so query tile `t` (queries `16t` to `16t + 15`)
+# needs keys up to `16t + 75`, in key tile `(16t + 75) // 16 = t + 4`: tiles 0 to `t + 4`, at most
+# all 7. That is 5, 6 and 7: 18 tiles loaded, where non-causal attention loads 21. Query tile 0
+# loads key tile 4 (keys 64 to 79) for its last query, which sees key 75; its first query, which
+# sees keys up to 60, gets NaN from it too: the mask hides keys, but a program loads whole tiles.
+
+# %%
+last_key = [min(16 * t + 75, 100 - 1) for t in range(3)]  # seen by each query tile's last query
+check_answer([j // 16 + 1 for j in last_key], tiles_read, "2. key tiles read")
 
 # %% [markdown]
 # **Exercises** (solutions in `solutions/`): `exercises/01_online_softmax.ipynb` (the online softmax

@@ -1162,14 +1162,17 @@ with tempfile.TemporaryDirectory() as tmp:
 
 # %% [markdown]
 # ## Check yourself
+# Set each `answerN` (by hand, or computed) and run its cell: it compares your answer with the
+# model's shapes. The worked answer follows.
+#
 # **1.** Split Qwen3-0.6B over 2 ranks: how many rows does `qkv_proj.weight` have on each? Answer a
-# list, one per rank (by hand, or computed), run the cell; the worked answer follows.
+# list, one per rank.
 
 # %%
 from minivllm.layers.linear import TPGroup, tensor_parallel
 from minivllm.testing import check_answer
 
-answer = None  # your answer: replace None with an expression
+answer1 = None  # your answer: replace None with an expression
 qkv_rows = []
 for rank in range(2):
     # rank's model: shapes, no memory
@@ -1177,7 +1180,7 @@ for rank in range(2):
         qkv_rows.append(
             Qwen3ForCausalLM(config_06).model.layers[0].self_attn.qkv_proj.weight.shape[0]
         )
-check_answer(answer, qkv_rows, "1. qkv rows")
+check_answer(answer1, qkv_rows, "1. qkv rows")
 
 # %% [markdown]
 # Worked answer: each rank keeps half the 16 query heads and half the 8 KV heads, the latter once
@@ -1185,6 +1188,25 @@ check_answer(answer, qkv_rows, "1. qkv rows")
 
 # %%
 check_answer([(16 + 2 * 8) * 128 // 2] * 2, qkv_rows, "1. qkv rows")
+
+# %% [markdown]
+# **2.** How many parameters does one decoder layer of Qwen3-0.6B hold? Its sizes: hidden 1,024, 16
+# query heads and 8 KV heads of 128, MLP 3,072, no biases. Count every matrix and every norm.
+
+# %%
+answer2 = None  # your answer: replace None with an expression
+layer_params = sum(p.numel() for p in qwen06.model.layers[0].parameters())  # the meta model above
+check_answer(answer2, layer_params, "2. layer parameters")
+
+# %% [markdown]
+# Worked answer: attention is `qkv_proj` (16 + 2 × 8) × 128 rows of 1,024 and `o_proj` 1,024 rows of
+# 16 × 128; the MLP is three matrices of 3,072 × 1,024 (gate, up, down); the norms are `q_norm` and
+# `k_norm` (128 each) and the two layer norms (1,024 each). 15.7 M parameters: 28 layers make 440 M,
+# and the embedding most of the rest.
+
+# %%
+attention = (16 + 2 * 8) * 128 * 1024 + 1024 * 16 * 128
+check_answer(attention + 3 * 3072 * 1024 + 2 * 128 + 2 * 1024, layer_params, "2. layer parameters")
 
 # %% [markdown]
 # **Exercise.** `exercises/02_llama.ipynb`: write `LlamaForCausalLM` from the same layers (no q/k

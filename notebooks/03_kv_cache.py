@@ -745,6 +745,67 @@ for name, n in (("decode (1 query)", 1), ("prefill of 4,096 tokens", 4096)):
 assert flops_per_byte(1) < 10 < h200_ridge < flops_per_byte(4096)
 
 # %% [markdown]
+# Measured on this machine's CPU, with PyTorch's attention (SDPA, float32). First the CPU's two
+# limits: a big matmul's FLOP/s and a big copy's bytes/s. Then attention shaped as decode (8
+# sequences, one query each over a 2,048-token cache) and as prefill (512 queries over one
+# sequence's 2,048 keys). Other work on the machine moves the timings: read the ratios.
+
+# %%
+import functools
+import time
+
+import matplotlib.pyplot as plt
+import torch.nn.functional as F
+
+
+def best_seconds(fn, repeats: int = 3) -> float:
+    """The fastest of `repeats` runs after a warm-up one: the run other work disturbed least."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+big = torch.ones(2048, 2048)
+peak = 2 * 2048**3 / best_seconds(functools.partial(torch.mm, big, big))  # a multiply-add: 2 FLOPs
+src = torch.ones(2**25)  # 128 MiB, more than the caches hold; a copy reads it and writes as much
+dst = torch.empty_like(src)
+bandwidth = 2 * src.nbytes / best_seconds(functools.partial(dst.copy_, src))
+del big, src, dst
+print(f"this CPU: {peak / 1e9:.0f} GFLOP/s (matmul), {bandwidth / 1e9:.0f} GB/s (copy)")
+k, v = torch.ones(2, 8, 8, 2048, 128)  # (batch, heads, keys, head_dim): 128 MiB of K and V
+shapes = {"decode": torch.ones(8, 8, 1, 128), "prefill": torch.ones(1, 8, 512, 128)}
+measured = {}  # name: (FLOP per byte, FLOP/s)
+for name, q in shapes.items():
+    k_seq, v_seq = k[: len(q)], v[: len(q)]  # prefill: one sequence's keys
+    seconds = best_seconds(functools.partial(F.scaled_dot_product_attention, q, k_seq, v_seq))
+    flops = 4 * q.numel() * k.shape[2]  # q·k and p·v: a multiply-add per key per query feature
+    moved = k_seq.nbytes + v_seq.nbytes + 2 * q.nbytes  # K, V and q read, the output written
+    measured[name] = (flops / moved, flops / seconds)
+    compute = f"{flops / seconds / 1e9:5.1f} GFLOP/s ({flops / seconds / peak:4.0%} of peak)"
+    memory = f"{moved / seconds / 1e9:4.1f} GB/s ({moved / seconds / bandwidth:4.0%} of the copy's)"
+    print(f"{name:>8}: {flops / moved:5.1f} FLOP/byte, {compute}, {memory}")
+
+intensity = np.array([0.1, peak / bandwidth, 1000])  # FLOP per byte: the roof bends at the ridge
+roof = np.minimum(peak, bandwidth * intensity) / 1e9
+fig, ax = plt.subplots(figsize=(6, 3.8), layout="tight")
+ax.loglog(intensity, roof, "k-", label="roof: min(matmul FLOP/s, copy bytes/s × FLOP/byte)")
+for name, (flop_per_byte, flop_s) in measured.items():
+    ax.loglog(flop_per_byte, flop_s / 1e9, "o", label=f"{name} attention (SDPA)")
+ax.set(xlabel="FLOP per byte moved", ylabel="GFLOP/s", title="Attention on this CPU, float32")
+ax.legend(fontsize=8)
+fig.savefig(FIGURES / "03_cpu_roofline.png", dpi=120)
+
+# %% [markdown]
+# Decode reaches a few percent of the matmul's FLOP/s but moves bytes at a good share of the copy's
+# rate: its point is under the sloped part of the roof, where bytes set the speed. Prefill is near
+# the flat part, where FLOPs do. An H200's ridge is near 200 FLOP/byte, further still from decode's:
+# "How fast" below has the GPU half (the decode kernels' TB/s against the copy's; notebook 01 has
+# the prefill kernel's TFLOP/s).
+#
 # Decode is **memory-bound**: a good decode kernel streams the KV cache at full HBM bandwidth. So:
 # **GQA packing**, one program for *all* query heads of a KV head, each KV block read once;
 # **split-K** (flash-decoding), since one sequence × 8 KV heads is 8 programs for 132
@@ -1298,20 +1359,21 @@ print(
 
 # %% [markdown]
 # ## Check yourself
+# Set each `answerN` and run its cell: it compares your answer with what the block manager did. The
+# worked answer follows.
+#
 # **1.** After `x + z` and `y + w` ran (four different full blocks), `y + z + [0]` arrives: how many
 # of its tokens hit?
 
 # %%
 from minivllm.testing import check_answer
 
-answer = (
-    None  # your answer: replace None with an expression (the check compares it with the result)
-)
+answer1 = None  # your answer: replace None with an expression
 check = BlockManager(num_blocks=16, block_size=16)
 x, y, z, w = ([i] * 16 for i in (1, 2, 3, 4))
 for prompt in (x + z + [0], y + w + [0], y + z + [0]):  # `other` is the last one
     admit(check, other := Sequence(prompt, block_size=16))
-check_answer(answer, other.num_cached_tokens, "1. chained hash")
+check_answer(answer1, other.num_cached_tokens, "1. chained hash")
 
 # %% [markdown]
 # Worked answer: 16, `y` only. The cached `z` was computed after `x`, so its KV mixes `x` in; its
@@ -1321,3 +1383,25 @@ check_answer(answer, other.num_cached_tokens, "1. chained hash")
 # %%
 check_answer(len(y), other.num_cached_tokens, "1. chained hash")
 assert compute_hash(z, compute_hash(x)) in check.hash_to_block_id  # z is cached, but under x's name
+
+# %% [markdown]
+# **2.** Two requests bring the same 64-token prompt, blocks of 16: the first is prefilled, then the
+# second arrives. How many of the second's tokens hit, and how many blocks do the two hold in all?
+# Answer `(hits, blocks)`.
+
+# %%
+answer2 = None  # your answer: replace None with an expression
+twice = BlockManager(num_blocks=16, block_size=16)
+prompt64 = list(range(100, 164))  # 4 full blocks
+for _ in range(2):
+    admit(twice, second := Sequence(prompt64, block_size=16))
+held = (second.num_cached_tokens, twice.num_used_blocks)  # the second's hits, the blocks in use
+check_answer(answer2, held, "2. the same prompt")
+
+# %% [markdown]
+# Worked answer: 48 and 5. The last token is always computed (its logits give the first new token),
+# so the last block is no hit: 3 blocks are shared, 48 tokens, and the second computes its 4th block
+# into a block of its own. The first's 4 blocks and that one: 5.
+
+# %%
+check_answer(((64 - 1) // 16 * 16, 4 + 1), held, "2. the same prompt")

@@ -1312,23 +1312,72 @@ print({name: round(ms, 2) for name, ms in ms_per_step.items()})
 
 # %% [markdown]
 # ## Check yourself
-# 1. A sequence of 37 tokens with blocks of 16 and block table `[7, 2, 9]` decodes its 38th token.
-#    Which slot does its KV go to, and what `context_len` does the decode kernel see? Answer `(slot,
-#    context_len)`.
+# Set each `answerN` and run its cell: it compares your answer with what the runner's functions
+# compute. The worked answer follows.
+#
+# **1.** A mixed step of three rows: `a` decodes its 41st token (40 in its cache); `b`, a 70-token
+# prompt, found its first 48 tokens in the prefix cache; `c`, a 30-token prompt, computes a first
+# chunk of 20. What are the step's `cu_seqlens_q` and `cu_seqlens_k`? Answer two lists,
+# `(cu_q, cu_k)`.
 
 # %%
 from minivllm.testing import check_answer
 
 answer1 = None  # your answer: replace None with an expression
-seq = Sequence(list(range(38)), block_size=16)  # the 37 tokens and the 38th, just sampled
-seq.block_table = [7, 2, 9]
-decode = prepare_decode([seq], block_size=16)
-expected1 = (int(decode.slot_mapping[0]), int(decode.context_lens[0]))
-check_answer(answer1, expected1, "1. decode slot")
+bm = BlockManager(num_blocks=16, block_size=16)
+rows = [Sequence(random.choices(range(2048), k=n), block_size=16) for n in (41, 70, 30)]  # a, b, c
+for seq, cached, new in zip(rows, (40, 48, 0), (1, 22, 20)):  # as notebook 05's scheduler sets them
+    bm.allocate(seq)
+    seq.num_cached_tokens, seq.num_scheduled_tokens = cached, new
+mixed_step = prepare_prefill(rows, block_size=16)
+expected1 = (mixed_step.cu_seqlens_q.tolist(), mixed_step.cu_seqlens_k.tolist())
+check_answer(answer1, expected1, "1. a mixed step's cu_seqlens")
 
 # %% [markdown]
-# Worked answer. Token 37 (from 0): block 37 // 16 = 2, physical 9, offset 37 % 16 = 5; the kernel
-# sees all 38 tokens.
+# Worked answer: the new tokens are 1, 70 − 48 = 22 and 20: `cu_seqlens_q` is `[0, 1, 23, 43]`. The
+# keys are the cached and the new ones: 41, 70 and 20 (the chunk sees only itself), so
+# `cu_seqlens_k` is `[0, 41, 111, 131]`.
 
 # %%
-check_answer((9 * 16 + 37 % 16, 37 + 1), expected1, "1. decode slot")
+cu_q = [0, 1, 1 + 22, 23 + 20]  # running sums of the new tokens
+cu_k = [0, 41, 41 + 70, 111 + 20]  # and of the keys, cached and new
+check_answer((cu_q, cu_k), expected1, "1. a mixed step's cu_seqlens")
+
+# %% [markdown]
+# **2.** The runner sizes the KV cache of Qwen3-0.6B (bfloat16, blocks of 16) on a GPU of 80 GiB
+# with `gpu_memory_utilization=0.9`. After loading, 2 GiB are in use (weights, CUDA context); the
+# profiling step peaked 3 GiB above that. How many KV blocks does it get? (The cell stands in for
+# `torch.cuda`'s memory queries, so it runs on any machine.)
+
+# %%
+from unittest import mock
+
+from minivllm.attention.layer import Attention
+from minivllm.checkpoint import preset_config
+from minivllm.engine.kv_cache import gpu_free_blocks, kv_block_bytes
+from minivllm.models.qwen3 import Qwen3ForCausalLM
+
+answer2 = None  # your answer: replace None with an expression
+with torch.device("meta"):  # shapes only
+    qwen06 = Qwen3ForCausalLM(preset_config("qwen3-0.6b"))
+layers = [m for m in qwen06.modules() if isinstance(m, Attention)]
+GiB = 2**30
+memory = (78 * GiB, 80 * GiB)  # free, total: 2 GiB in use
+stats = {"allocated_bytes.all.current": 2 * GiB, "reserved_bytes.all.current": 2 * GiB}
+stats["allocated_bytes.all.peak"] = 5 * GiB  # the profiling step's peak, 3 GiB above
+with (
+    mock.patch.object(torch.cuda, "mem_get_info", lambda: memory),
+    mock.patch.object(torch.cuda, "memory_stats", lambda: stats),
+):
+    kv_blocks = gpu_free_blocks(kv_block_bytes(layers, 16, torch.bfloat16), 0.9)
+check_answer(answer2, kv_blocks, "2. KV blocks")
+
+# %% [markdown]
+# Worked answer: a block is 16 tokens × 2 (K and V) × 28 layers × 8 KV heads × 128 × 2 bytes
+# = 1.75 MiB (notebook 03's 112 KiB a token, 16 times). The cache gets 0.9 × 80 GiB less the 2 GiB
+# in use and the step's 3 GiB: 67 GiB, or 67 × 1,024 / 1.75 = 39,204 blocks, 627,264 tokens.
+
+# %%
+block_bytes = 16 * 2 * 28 * 8 * 128 * 2
+cache_bytes = 0.9 * 80 * GiB - 2 * GiB - 3 * GiB  # the share, less what is in use, less the peak
+check_answer(int(cache_bytes) // block_bytes, kv_blocks, "2. KV blocks")
