@@ -155,15 +155,13 @@ class EngineCore:
         self.owners.pop(seq.seq_id, None)  # its later tokens, if a step holds it, are dropped
         self.forget_if_done(request)
 
-    def forget_if_done(self, request: CoreRequest) -> bool:
-        if request.num_started < len(request.seqs):
-            return False
-        if not all(seq.is_finished for seq in request.seqs):
-            return False
-        del self.requests[request.request_id]
-        for seq in request.seqs:
-            self.owners.pop(seq.seq_id, None)
-        return True
+    def forget_if_done(self, request: CoreRequest) -> None:
+        """Forget a request once every completion has started and finished."""
+        started = request.num_started == len(request.seqs)
+        if started and all(seq.is_finished for seq in request.seqs):
+            del self.requests[request.request_id]
+            for seq in request.seqs:
+                self.owners.pop(seq.seq_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return not self.scheduler.is_finished() or self.launched is not None
@@ -214,7 +212,7 @@ class EngineCore:
 
     def postprocess(self, seqs: list[Sequence], rows: set[int], out: StepOutput) -> list[Delta]:
         """A Delta for each completion the step gave a token, scored a prompt for, or finished."""
-        deltas, finished = [], []
+        deltas, finished = [], {}
         for row, seq in enumerate(seqs):
             if (request := self.owners.get(seq.seq_id)) is None:
                 continue  # aborted, or stopped by its front end, while its step ran
@@ -229,10 +227,9 @@ class EngineCore:
                 prompt = out.prompt_logprobs[row]
                 deltas.append(Delta(request.request_id, index, new, reason, logprobs, prompt))
             if seq.is_finished:
-                finished.append(request)
-        for request in finished:  # after the loop: a request's other rows may follow this one
-            if request.request_id in self.requests:
-                self.forget_if_done(request)
+                finished[request.request_id] = request
+        for request in finished.values():  # after the loop: its other rows may follow this one
+            self.forget_if_done(request)
         return deltas
 
     def abort_step(self, error: BaseException, seqs: list[Sequence] | None) -> None:
@@ -682,8 +679,8 @@ class Request:
 # of its `SamplingParams`, and `add_requests` checks a whole list before adding any. The scheduler
 # only `assert`s. **Stop tokens**: a model's EOS ids (the tokenizer's and
 # `generation_config.json`'s) join each request's stop tokens unless it says `ignore_eos`. **n
-# completions**: `n` makes a sequence per completion (seeded `seed + i`), which share the first
-# one's cached prompt.
+# completions**: `n` makes a `SamplingParams` per completion (seeded `seed + i`); the core runs a
+# sequence for each, and they share the first one's cached prompt.
 
 # %% tags=["export"] module="minivllm.engine.input_processor"
 import dataclasses

@@ -90,15 +90,13 @@ class EngineCore:
         self.owners.pop(seq.seq_id, None)  # its later tokens, if a step holds it, are dropped
         self.forget_if_done(request)
 
-    def forget_if_done(self, request: CoreRequest) -> bool:
-        if request.num_started < len(request.seqs):
-            return False
-        if not all(seq.is_finished for seq in request.seqs):
-            return False
-        del self.requests[request.request_id]
-        for seq in request.seqs:
-            self.owners.pop(seq.seq_id, None)
-        return True
+    def forget_if_done(self, request: CoreRequest) -> None:
+        """Forget a request once every completion has started and finished."""
+        started = request.num_started == len(request.seqs)
+        if started and all(seq.is_finished for seq in request.seqs):
+            del self.requests[request.request_id]
+            for seq in request.seqs:
+                self.owners.pop(seq.seq_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return not self.scheduler.is_finished() or self.launched is not None
@@ -149,7 +147,7 @@ class EngineCore:
 
     def postprocess(self, seqs: list[Sequence], rows: set[int], out: StepOutput) -> list[Delta]:
         """A Delta for each completion the step gave a token, scored a prompt for, or finished."""
-        deltas, finished = [], []
+        deltas, finished = [], {}
         for row, seq in enumerate(seqs):
             if (request := self.owners.get(seq.seq_id)) is None:
                 continue  # aborted, or stopped by its front end, while its step ran
@@ -164,10 +162,9 @@ class EngineCore:
                 prompt = out.prompt_logprobs[row]
                 deltas.append(Delta(request.request_id, index, new, reason, logprobs, prompt))
             if seq.is_finished:
-                finished.append(request)
-        for request in finished:  # after the loop: a request's other rows may follow this one
-            if request.request_id in self.requests:
-                self.forget_if_done(request)
+                finished[request.request_id] = request
+        for request in finished.values():  # after the loop: its other rows may follow this one
+            self.forget_if_done(request)
         return deltas
 
     def abort_step(self, error: BaseException, seqs: list[Sequence] | None) -> None:

@@ -19,7 +19,7 @@
 # per GPU, which the engine drives as if it were one runner. It follows notebook 06 (the engine) and
 # builds on notebook 04's `ModelRunner`, which already holds one rank's slice of each weight and
 # meets the other ranks at the all-reduces. Nothing in the core path needs it: with one GPU the
-# engine makes a plain `ModelRunner`; with more, its `make_runner` looks the fast path "tensor
+# engine core makes a plain `ModelRunner`; with more, its `make_runner` looks the fast path "tensor
 # parallelism" up by name (`minivllm.engine.fast_paths`, notebook 04) and imports this deep dive's
 # module only then.
 #
