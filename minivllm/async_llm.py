@@ -232,13 +232,13 @@ class AsyncLLM:
                         raise self.dead_error()
                     return id_
                 stream.request = request
+                self.output_processor.add(request)  # before the core can answer for it
                 try:
                     # under lock: before any abort
                     self.send(("add", id_, request.prompt_token_ids, request.params))
                 except EngineDeadError:
-                    self.remove_locked(id_, stream, aborted=False)
+                    self.remove_locked(id_, stream, aborted=False)  # forgets the request too
                     raise
-                self.output_processor.add(request)
             return id_
 
         try:
