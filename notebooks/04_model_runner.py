@@ -48,20 +48,7 @@ random.seed(0)
 # rest. Example: "The cat sat on the".
 
 # %%
-words = [
-    "mat",
-    "floor",
-    "sofa",
-    "bed",
-    "chair",
-    "roof",
-    "table",
-    "rug",
-    "fence",
-    "keyboard",
-    "moon",
-    "piano",
-]
+words = "mat floor sofa bed chair roof table rug fence keyboard moon piano".split()
 # most likely first
 cat_logits = torch.tensor([4.0, 3.1, 2.6, 2.2, 1.9, 1.4, 1.2, 1.0, 0.6, 0.1, -0.5, -1.5])
 

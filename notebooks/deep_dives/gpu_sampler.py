@@ -34,20 +34,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit runs
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 torch.manual_seed(0)
-words = [
-    "mat",
-    "floor",
-    "sofa",
-    "bed",
-    "chair",
-    "roof",
-    "table",
-    "rug",
-    "fence",
-    "keyboard",
-    "moon",
-    "piano",
-]
+words = "mat floor sofa bed chair roof table rug fence keyboard moon piano".split()
 # 04's "The cat sat on the"
 cat_logits = torch.tensor([4.0, 3.1, 2.6, 2.2, 1.9, 1.4, 1.2, 1.0, 0.6, 0.1, -0.5, -1.5])
 
