@@ -49,6 +49,7 @@ from minivllm.engine.core import Delta, EngineCore
 from minivllm.engine.core_process import run_core, serve_core
 from minivllm.engine.input_processor import InputProcessor, Prompt, load_tokenizer
 from minivllm.engine.output_processor import OutputProcessor
+from minivllm.engine.production import make_core
 from minivllm.engine.request import Request
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -123,7 +124,7 @@ class AsyncLLM:
             _, self.config, num_blocks = self.receive_first()
         else:
             self.config = Config(model, **kwargs)
-            self.core = EngineCore(self.config)
+            self.core = make_core(self.config)
             self.conn, core_end = Pipe()
             self.process = threading.Thread(
                 target=serve_core, args=(core_end, self.core), name="minivllm-core"

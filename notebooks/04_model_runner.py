@@ -22,8 +22,8 @@
 #
 # **The one rule.** Every path (a prefix hit, a chunk, a mixed step, a long decode) gives the logits
 # of a from-scratch forward: a paged engine that gets this wrong does not crash, it writes other
-# text. Deep dives follow: `gpu_sampler` (sampling in Triton) and `cuda_graphs` (CUDA graphs for
-# every kind of step; a shared prompt read once).
+# text. Deep dives follow: `gpu_sampler` (sampling in Triton) and `cuda_graphs` (the runner on a
+# GPU: CUDA graphs for every kind of step, paged prefill, a shared prompt read once).
 
 # %%
 import os
@@ -493,24 +493,12 @@ class StepInputs:
     block_tables: np.ndarray | None
     cu_seqlens_q: np.ndarray | None = None  # prefill: (num_seqs + 1,) int32
     cu_seqlens_k: np.ndarray | None = None  # prefill: (num_seqs + 1,) int32
-    context_lens: np.ndarray | None = None  # decode: (num_seqs,) int32; mixed: (num_decode_seqs,)
-    num_decode_seqs: int = (
-        0  # prefill: its first rows that decode one token each (notebook 05 puts them first)
-    )
-    logits_rows: np.ndarray | None = (
-        None  # prefill: (num_rows,) int64 rows to score; None: each sequence's last
-    )
-    prefix_blocks: np.ndarray | None = (
-        None  # (n,) int32: leading blocks many decode rows share (deep dive cuda_graphs)
-    )
-    prefix_lens: np.ndarray | None = (
-        None  # (num_decode_seqs,) int32: each decode row's tokens in them, or 0
-    )
+    context_lens: np.ndarray | None = None  # decode: (num_seqs,) int32
+    # prefill: (num_rows,) int64 rows to score; None: each sequence's last
+    logits_rows: np.ndarray | None = None
 
 
-def block_tables_array(
-    seqs: list[Sequence],
-) -> np.ndarray:  # (num_seqs, max_blocks) int32, zero-padded
+def block_tables_array(seqs: list[Sequence]) -> np.ndarray:  # (num_seqs, max_blocks) int32
     tables = np.zeros((len(seqs), max(len(seq.block_table) for seq in seqs)), dtype=np.int32)
     for i, seq in enumerate(seqs):
         tables[i, : len(seq.block_table)] = seq.block_table
@@ -520,20 +508,22 @@ def block_tables_array(
 def scores_prompt(seq: Sequence) -> bool:
     """Whether seq asks for prompt logprobs and has prompt tokens left to score (row i scores token
     i + 1)."""
-    return (
-        seq.sampling_params.prompt_logprobs is not None
-        and seq.num_cached_tokens < seq.num_prompt_tokens - 1
-    )
+    asked = seq.sampling_params.prompt_logprobs is not None
+    return asked and seq.num_cached_tokens < seq.num_prompt_tokens - 1
 
 
 def scored_rows(scoring: list[bool], cu_seqlens_q: np.ndarray) -> np.ndarray:  # (num_rows,) int64
     """The rows of a prefill to take logits of: all of a scoring sequence's, each other sequence's
     last."""
-    rows = [
-        np.arange(a, b) if score else [b - 1]
-        for score, a, b in zip(scoring, cu_seqlens_q, cu_seqlens_q[1:])
-    ]
+    bounds = zip(scoring, cu_seqlens_q, cu_seqlens_q[1:])
+    rows = [np.arange(a, b) if score else [b - 1] for score, a, b in bounds]
     return np.concatenate(rows).astype(np.int64)
+
+
+def slots_of(tables: np.ndarray, rows: np.ndarray, positions: np.ndarray, block_size: int):
+    """The cache slot of each token: its sequence's block at that position, and the offset."""
+    blocks = tables[rows, positions // block_size].astype(np.int64)
+    return blocks * block_size + positions % block_size
 
 
 def prepare_prefill(seqs: list[Sequence], block_size: int) -> StepInputs:
@@ -548,26 +538,16 @@ def prepare_prefill(seqs: list[Sequence], block_size: int) -> StepInputs:
     seq_of = np.repeat(np.arange(len(seqs)), lens)  # (num_tokens,): each new token's sequence
     positions = np.arange(cu_q[-1]) - cu_q[seq_of] + starts[seq_of]
     tables = block_tables_array(seqs)
-    slots = (
-        tables[seq_of, positions // block_size].astype(np.int64) * block_size
-        + positions % block_size
-    )
-    decodes = (starts > 0) & (lens == 1)  # one new token after cached ones
-    # the leading run of them
-    num_decode_seqs = len(seqs) if decodes.all() else int(decodes.argmin())
     token_ids = chain.from_iterable(seq.token_ids[s:e] for seq, s, e in zip(seqs, starts, ends))
-    # these score every new token, the others their last
-    scoring = [scores_prompt(seq) for seq in seqs]
+    scoring = [scores_prompt(seq) for seq in seqs]  # these score every new token
     return StepInputs(
         is_prefill=True,
         input_ids=np.fromiter(token_ids, dtype=np.int64, count=int(cu_q[-1])),
         positions=positions,
-        slot_mapping=slots,
+        slot_mapping=slots_of(tables, seq_of, positions, block_size),
         block_tables=tables if starts.any() else None,
         cu_seqlens_q=cu_q,
         cu_seqlens_k=np.cumsum([0, *ends], dtype=np.int32),
-        context_lens=ends[:num_decode_seqs].astype(np.int32) if num_decode_seqs else None,
-        num_decode_seqs=num_decode_seqs,
         logits_rows=scored_rows(scoring, cu_q) if any(scoring) else None,
     )
 
@@ -575,222 +555,107 @@ def prepare_prefill(seqs: list[Sequence], block_size: int) -> StepInputs:
 def prepare_decode(seqs: list[Sequence], block_size: int) -> StepInputs:
     """Each sequence's newest token, which attends to its whole cache (itself included)."""
     context_lens = np.array([len(seq) for seq in seqs], dtype=np.int32)
-    block_tables = block_tables_array(seqs)
+    tables = block_tables_array(seqs)
     last = context_lens.astype(np.int64) - 1  # the new token's position
-    slots = (
-        block_tables[np.arange(len(seqs)), last // block_size].astype(np.int64) * block_size
-        + last % block_size
-    )
+    slots = slots_of(tables, np.arange(len(seqs)), last, block_size)
     input_ids = np.array([seq.last_token for seq in seqs], dtype=np.int64)
-    return StepInputs(False, input_ids, last, slots, block_tables, context_lens=context_lens)
-
-
-def query_tiles(
-    cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, first_seq: int, block_m: int
-) -> np.ndarray:
-    """The paged prefill kernel's work list (03) for sequences first_seq..: (sequence, query tile),
-    costliest first."""
-    q_lens, k_lens = np.diff(cu_seqlens_q)[first_seq:], np.diff(cu_seqlens_k)[first_seq:]
-    counts = -(-q_lens // block_m)  # tiles per sequence
-    seqs = np.repeat(np.arange(first_seq, first_seq + len(q_lens)), counts)
-    # within its sequence
-    tiles = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-    q_len = np.repeat(q_lens, counts)
-    # its last row sees these
-    keys = np.repeat(k_lens, counts) - q_len + np.minimum((tiles + 1) * block_m, q_len)
-    order = np.argsort(-keys, kind="stable")
-    return np.stack([seqs[order], tiles[order]], axis=1).astype(np.int32)
+    return StepInputs(False, input_ids, last, slots, tables, context_lens=context_lens)
 
 
 # %% [markdown]
 # ## A forward pass over the paged cache
 # Notebook 02's attention layers hand `q`, `k`, `v` to an `AttentionContext`: paging is one new
-# context per step, and each layer's cache hangs on its `Attention` module (`k_cache`, `v_cache`). A
-# **prefill** stores the new tokens' KV in their slots, then attends over the new `k`, `v` (notebook
-# 01's kernel), or with a prefix-cache hit in the batch through the block tables. A **decode**
-# stores one token per sequence, then runs the decode kernel over each cache (leading blocks many
-# rows share, `prefix_blocks`, it reads once: 03's cascade). A **mixed** step (05's, decode rows
-# first): the decode kernel for those rows, the prefill kernel's tiles for the rest; the prefill
-# kernel alone would give each one-token query a tile of 64 rows. (Decode rows anywhere:
-# `exercises/04_mixed_attention.ipynb`.)
+# context per step, and each layer's cache hangs on its `Attention` module (`k_cache`, `v_cache`).
+# Every step first stores its new tokens' KV in their slots. Then a **decode** runs 03's kernel over
+# each sequence's cache; a **prefill** runs 01's kernel, over the new `k`, `v` alone when nothing is
+# cached, else over each sequence's keys and values read back from its blocks (cached and new). A
+# **mixed** step (05's decode rows beside prompt chunks) is a prefill whose decode rows have one new
+# token each. Reading the cache back costs a copy; the deep dive `paged_prefill` reads the blocks
+# inside the kernel, and `cuda_graphs` sends a mixed step's decode rows to the decode kernel.
+# (Decode rows anywhere: `exercises/04_mixed_attention.ipynb`.)
 
 # %% tags=["export"] module="minivllm.attention.paged"
 from dataclasses import dataclass
 
 import torch
 
-from minivllm import kernels  # kernels.flash_attn_varlen_func: imported on first use, on a GPU
 from minivllm.attention.layer import Attention
 from minivllm.kernels.flash_attn import flash_attn_varlen_contiguous
 from minivllm.kernels.paged_attn import flash_attn_with_kvcache, store_kvcache
-from minivllm.kernels.paged_reference import paged_attention_ref, store_kvcache_ref
+from minivllm.kernels.paged_reference import gather_kv, paged_attention_ref, store_kvcache_ref
 from minivllm.kernels.reference import attention_ref
 
 
 @dataclass(slots=True)
 class PagedContext:
-    """How one step attends: which tokens are new, where their KV goes, and which cached KV they
-    read."""
+    """How one step attends: where its new tokens' KV goes, and which cached KV they read."""
 
     is_prefill: bool
     slot_mapping: torch.Tensor  # (num_tokens,): cache slot of each new token's KV; -1 = padding
-    # (num_seqs, max_blocks) int32; None in a prefill without cached prefixes
-    block_tables: torch.Tensor | None
+    block_tables: torch.Tensor | None  # (num_seqs, max_blocks) int32; None: nothing cached yet
     cu_seqlens_q: torch.Tensor | None = None  # prefill: (num_seqs + 1,) int32, new tokens
-    cu_seqlens_k: torch.Tensor | None = None  # prefill: (num_seqs + 1,) int32, cached + new tokens
+    cu_seqlens_k: torch.Tensor | None = None  # prefill: (num_seqs + 1,) int32, cached + new
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
-    context_lens: torch.Tensor | None = (
-        None  # decode: (num_seqs,) int32, tokens in each cache (new one included)
-    )
-    num_decode_seqs: int = (
-        0  # a mixed step: its first rows decode one token each; context_lens holds theirs
-    )
-    tiles: torch.Tensor | None = (
-        None  # prefill, paged: the (sequence, query tile) list of the other rows (03)
-    )
-    prefix_blocks: torch.Tensor | None = (
-        None  # decode rows: (n,) int32, leading blocks several of them share
-    )
-    prefix_lens: torch.Tensor | None = (
-        None  # (num decode rows,) int32: each one's tokens in them, or 0 (03)
-    )
-    use_triton: bool = (
-        True  # False: the PyTorch reference ops (a CPU without the interpreter's patience)
-    )
+    context_lens: torch.Tensor | None = None  # decode: (num_seqs,) int32, the new token included
+    use_triton: bool = True  # False: the PyTorch reference ops (quicker on a CPU)
 
-    def attend(
-        self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
+    def attend(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         # q: (num_tokens, num_heads, head_dim); k, v: (num_tokens, num_kv_heads, head_dim)
-        (store_kvcache if self.use_triton else store_kvcache_ref)(
-            k, v, layer.k_cache, layer.v_cache, self.slot_mapping
-        )
-        if not self.is_prefill:
-            return self.decode(layer, q)
-        if self.num_decode_seqs and self.tiles is not None and self.use_triton:
-            return self.mixed(layer, q)
-        return self.prefill(layer, q, k, v)
+        store = store_kvcache if self.use_triton else store_kvcache_ref
+        store(k, v, layer.k_cache, layer.v_cache, self.slot_mapping)
+        if self.is_prefill:
+            return self.prefill(layer, q, k, v)
+        return self.decode(layer, q)
 
-    def decode(
-        self, layer: Attention, q: torch.Tensor, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """The first q.shape[0] sequences, one new token each, over their whole caches."""
-        # a decode row has both
-        assert self.context_lens is not None and self.block_tables is not None
-        tables = self.block_tables[: q.shape[0]]
+    def decode(self, layer: Attention, q: torch.Tensor) -> torch.Tensor:
+        """One new token per sequence, over its whole cache."""
+        lens, tables = self.context_lens, self.block_tables
+        assert lens is not None and tables is not None  # a decode step has both
         if self.use_triton:
-            k, v, lens, out = (
-                layer.k_cache,
-                layer.v_cache,
-                self.context_lens,
-                None if out is None else out[:, None],
-            )
-            # leading blocks the rows share, read once (03)
-            prefix = (self.prefix_blocks, self.prefix_lens)
-            o = flash_attn_with_kvcache(
-                q[:, None],
-                k,
-                v,
-                lens,
-                tables,
-                layer.scale,
-                out=out,
-                prefix_blocks=prefix[0],
-                prefix_lens=prefix[1],
-            )
-            return o[:, 0]
+            kv = (layer.k_cache, layer.v_cache)
+            return flash_attn_with_kvcache(q[:, None], *kv, lens, tables, layer.scale)[:, 0]
         cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-        cu_k = torch.nn.functional.pad(self.context_lens.cumsum(0, dtype=torch.int32), (1, 0))
+        cu_k = torch.nn.functional.pad(lens.cumsum(0, dtype=torch.int32), (1, 0))
         return paged_attention_ref(q, layer.k_cache, layer.v_cache, cu_q, cu_k, tables, layer.scale)
 
-    def mixed(self, layer: Attention, q: torch.Tensor) -> torch.Tensor:
-        """A mixed step's decode rows (first) through the decode kernel, the tiles of its other rows
-        through the prefill kernel, into one output: the prefill kernel would give each one-token
-        query a whole tile."""
-        assert self.tiles is not None  # the runner lists the other rows' tiles
-        out = torch.empty_like(q)
-        self.decode(layer, q[: self.num_decode_seqs], out[: self.num_decode_seqs])
-        self.paged_prefill(layer, q, out)  # an empty list (decode rows only) computes nothing
-        return out
-
-    def prefill(
-        self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
-        cu_q = self.cu_seqlens_q
-        assert cu_q is not None  # a prefill step has it
-        if self.block_tables is not None:
-            return self.paged_prefill(layer, q)
-        # nothing cached: whole prompts, their k and v all there is (01's kernel)
+    def prefill(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """New tokens over the keys before them: their own, and those of any cached prefix."""
+        cu_q, cu_k = self.cu_seqlens_q, self.cu_seqlens_k
+        assert cu_q is not None and cu_k is not None  # a prefill step has both
+        if self.block_tables is not None:  # a prefix is cached: read every key back, in order
+            lens = (cu_k[1:] - cu_k[:-1]).tolist()
+            rows = list(zip(self.block_tables, lens))
+            k = torch.cat([gather_kv(layer.k_cache, table, n) for table, n in rows])
+            v = torch.cat([gather_kv(layer.v_cache, table, n) for table, n in rows])
+        max_q, max_k = self.max_seqlen_q, self.max_seqlen_k
         if self.use_triton:
-            max_q = self.max_seqlen_q
             return flash_attn_varlen_contiguous(
-                q, k, v, cu_q, cu_q, max_q, max_q, layer.scale, True
+                q, k, v, cu_q, cu_k, max_q, max_k, layer.scale, True
             )
-        return attention_ref(q, k, v, cu_q, cu_q, layer.scale, causal=True)
-
-    def paged_prefill(
-        self, layer: Attention, q: torch.Tensor, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """New tokens over their cached ones and each other, keys and values read through the block
-        tables."""
-        cu_q, cu_k, tables = self.cu_seqlens_q, self.cu_seqlens_k, self.block_tables
-        # a paged prefill has all three
-        assert cu_q is not None and cu_k is not None and tables is not None
-        if self.use_triton:
-            k, v, max_q, max_k = layer.k_cache, layer.v_cache, self.max_seqlen_q, self.max_seqlen_k
-            return kernels.flash_attn_varlen_func(
-                q,
-                k,
-                v,
-                cu_q,
-                cu_k,
-                max_q,
-                max_k,
-                layer.scale,
-                causal=True,
-                block_table=tables,
-                out=out,
-                tiles=self.tiles,
-            )
-        return paged_attention_ref(q, layer.k_cache, layer.v_cache, cu_q, cu_k, tables, layer.scale)
+        return attention_ref(q, k, v, cu_q, cu_k, layer.scale, causal=True)
 
 
 # %% tags=["export"] module="minivllm.engine.step_inputs"
 def step_to_device(
-    step: StepInputs, device: torch.device, use_triton: bool, block_m: int | None = None
+    step: StepInputs, device: torch.device, use_triton: bool
 ) -> tuple[torch.Tensor, torch.Tensor, PagedContext]:  # ids, positions, context
-    """The step's arrays on the device, in a PagedContext; given `block_m`, a paged prefill's tiles
-    after decode rows."""
+    """The step's arrays on the device, in a PagedContext."""
 
     def put(a: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(a)
         return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
-    def put_optional(a: np.ndarray | None) -> torch.Tensor | None:
+    def maybe(a: np.ndarray | None) -> torch.Tensor | None:
         return None if a is None else put(a)
 
-    context = PagedContext(step.is_prefill, put(step.slot_mapping), put_optional(step.block_tables))
-    context.cu_seqlens_q, context.cu_seqlens_k = (
-        put_optional(step.cu_seqlens_q),
-        put_optional(step.cu_seqlens_k),
-    )
-    context.context_lens, context.num_decode_seqs = (
-        put_optional(step.context_lens),
-        step.num_decode_seqs,
-    )
-    context.use_triton = use_triton
-    # the reference reads rows
-    if use_triton and step.prefix_blocks is not None and step.prefix_lens is not None:
-        context.prefix_blocks, context.prefix_lens = put(step.prefix_blocks), put(step.prefix_lens)
+    context = PagedContext(step.is_prefill, put(step.slot_mapping), maybe(step.block_tables))
+    context.context_lens, context.use_triton = maybe(step.context_lens), use_triton
     if step.is_prefill:
-        # a prefill step has both
         assert step.cu_seqlens_q is not None and step.cu_seqlens_k is not None
+        context.cu_seqlens_q, context.cu_seqlens_k = put(step.cu_seqlens_q), put(step.cu_seqlens_k)
         context.max_seqlen_q = int(np.diff(step.cu_seqlens_q).max())
         context.max_seqlen_k = int(np.diff(step.cu_seqlens_k).max())
-        if block_m and use_triton and step.block_tables is not None:
-            tiles = query_tiles(step.cu_seqlens_q, step.cu_seqlens_k, step.num_decode_seqs, block_m)
-            context.tiles = put(tiles)
     return put(step.input_ids), put(step.positions), context
 
 
@@ -871,41 +736,15 @@ def bind_kv_cache(
 
 # %% [markdown]
 # ### Putting it together
-# `ModelRunner(config)` loads the model (this rank's slice), sizes the KV cache, on a GPU compiles
-# every Triton kernel variant a step can launch (a warm-up) and times each phase. `run(seqs,
-# is_prefill)` gives the next tokens; `launch` is `run` in two halves, queue then wait (06 schedules
-# between), with log-probabilities (`step_logits`: no sampler).
-#
-# This runner runs every step eagerly. The GPU fast paths live in deep dives, which nothing here
-# imports: on a GPU the runner looks each up by name (`fast_path`): the small layers' kernels,
-# `GPUSampler`, and from `deep_dives/cuda_graphs` the warm-up, the shared-prefix cascade and CUDA
-# graphs for decode, prefill and mixed steps, which `execute` replays.
-
-# %% tags=["export"] module="minivllm.engine.fast_paths"
-import importlib
-from typing import Any
-
-FAST_PATHS = {  # name: "module:attribute", each exported by a deep dive
-    # deep dive triton_layers
-    "small-layer kernels": "minivllm.layers.small_layer_kernels:use_small_layer_kernels",
-    "GPU sampler": "minivllm.layers.gpu_sampler:GPUSampler",  # deep dive gpu_sampler
-    "warm-up": "minivllm.engine.warm_up:warm_up_runner",  # deep dive cuda_graphs
-    "shared-prefix cascade": "minivllm.engine.cascade:add_shared_prefix",  # deep dive cuda_graphs
-    "decode CUDA graphs": "minivllm.engine.cuda_graphs:DecodeGraphs",  # deep dive cuda_graphs
-    # deep dive cuda_graphs
-    "mixed-step CUDA graphs": "minivllm.engine.mixed_graphs:capture_mixed_graphs",
-    "tensor parallelism": "minivllm.engine.workers:TPModelRunner",  # deep dive tensor_parallel
-}
-
-
-def fast_path(name: str) -> Any:
-    """The function or class FAST_PATHS names, its module imported now (and only now)."""
-    module, _, attribute = FAST_PATHS[name].partition(":")
-    return getattr(importlib.import_module(module), attribute)
-
+# `ModelRunner(config)` loads the model (one tensor-parallel rank's slice, given its groups) and
+# sizes the KV cache, timing each phase. `launch(seqs, is_prefill)` prepares the step, runs the
+# model, samples, and returns a function that gives the step's output (tokens, log-probabilities);
+# `run` calls it at once. Each part is a method of its own (`load`, `make_sampler`, `prepare`,
+# `forward`, `sample`, `to_host`), so a deep dive can change one part in a subclass: the fast
+# paths on a GPU (small-layer kernels, the GPU sampler, warm-up, CUDA graphs, the cascade) and the
+# tensor-parallel processes are such subclasses, and nothing here imports them.
 
 # %% tags=["export"] module="minivllm.engine.model_runner"
-import atexit
 import gc
 import time
 from collections.abc import Callable
@@ -914,27 +753,25 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from minivllm.attention.layer import Attention
 from minivllm.config import Config
-from minivllm.engine.fast_paths import fast_path
 from minivllm.engine.kv_cache import bind_kv_cache, gpu_free_blocks, kv_block_bytes, profile_step
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.step_inputs import (
     StepInputs,
-    placeholder_row,
     prepare_decode,
     prepare_prefill,
     sampling_tensors,
     scores_prompt,
     step_to_device,
 )
-from minivllm.kernels.flash_attn import launch_config
 from minivllm.layers.linear import TPGroup, tensor_parallel
 from minivllm.layers.sampler import Sampler, TokenLogprobs, logprobs_of
 from minivllm.models.loader import load_model
 from minivllm.models.qwen3 import Qwen3ForCausalLM
+
+PromptLogprobs = tuple[int, list[TokenLogprobs]]  # the first prompt position scored, a row each
 
 
 @dataclass(slots=True)
@@ -944,8 +781,7 @@ class StepOutput:
 
     token_ids: list[int]  # (num_seqs,)
     logprobs: list[TokenLogprobs | None]  # of the next token (SamplingParams.logprobs)
-    # the first position scored, and one per position
-    prompt_logprobs: list[tuple[int, list[TokenLogprobs]] | None]
+    prompt_logprobs: list[PromptLogprobs | None]  # (SamplingParams.prompt_logprobs)
 
 
 def rank_device(config: Config, rank: int) -> torch.device:
@@ -955,216 +791,169 @@ def rank_device(config: Config, rank: int) -> torch.device:
 # %% tags=["export"]
 class ModelRunner:
     """One rank's runner: the whole model (`groups=None`), or given a tensor-parallel rank's groups,
-    its slice."""
+    its slice. Every step runs eagerly."""
 
     def __init__(self, config: Config, rank: int = 0, groups: tuple[TPGroup, Any] | None = None):
         if groups is None and config.tensor_parallel_size > 1:
             raise ValueError(
-                "tensor_parallel_size > 1 needs one process per rank: use LLM, or 06's make_runner"
+                "tensor_parallel_size > 1 needs one process per rank: use minivllm.LLM (the deep "
+                "dive tensor_parallel's runner)"
             )
-        self.config, self.rank, self.world_size = config, rank, config.tensor_parallel_size
-        self.block_size = config.block_size
+        self.config, self.rank, self.block_size = config, rank, config.block_size
+        self.world_size = config.tensor_parallel_size
         self.device = rank_device(config, rank)
-        self.use_triton = self.device.type == "cuda"
-        self.control: Any  # the gloo group that carries rank 0's messages; None for one rank
+        self.use_triton = self.device.type == "cuda"  # on a CPU, PyTorch's reference ops
+        self.control: Any  # the gloo group that carries rank 0's messages (TP); None for one rank
         self.tp, self.control = groups or (TPGroup(), None)
-        self.model: Qwen3ForCausalLM | None  # loaded below; None once the GPU memory is freed
-        self.graphs: Any = (
-            None  # decode steps' CUDA graphs, and prefill and mixed steps' (deep dive cuda_graphs)
-        )
-        self.mixed_graphs: Any = None
-        self.add_shared_prefix: Any = (
-            None  # marks decode rows that share cached blocks (deep dive cuda_graphs)
-        )
-        # the latest step's sampled ids (on the device)
-        self.last_token_ids = torch.zeros(0, dtype=torch.int64)
+        self.model: Qwen3ForCausalLM | None = None  # None once the GPU memory is freed
         self.closed = False
-        # where each start-up phase ends: `python -m minivllm` prints the split
-        marks = [time.perf_counter()]
+        self.startup_seconds: dict[str, float] = {}  # `python -m minivllm` prints the phases
         try:
-            if self.device.type == "cuda":
-                torch.cuda.set_device(self.device)
-            torch.manual_seed(config.seed)
-            with tensor_parallel(self.tp):  # the layers keep this engine's group
-                self.model = load_model(config.model, config.dtype, self.device, config.hf_config)
-            marks.append(time.perf_counter())
-            self.dtype = self.model.lm_head.weight.dtype
-            if self.device.type == "cuda":
-                fast_path("small-layer kernels")(self.model)
-            self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-            # prefill tile
-            self.block_m = launch_config(self.attention_layers[0].head_dim, self.device)["BLOCK_M"]
-            self.sampler: Sampler = (
-                fast_path("GPU sampler")() if self.device.type == "cuda" else Sampler()
-            )
-            self.num_kvcache_blocks = self.allocate_kv_cache()
-            marks.append(time.perf_counter())
-            # compile every Triton kernel variant now, not in a request
-            if self.device.type == "cuda":
-                fast_path("warm-up")(self)
-                self.add_shared_prefix = fast_path("shared-prefix cascade")
-            marks.append(time.perf_counter())
-            if self.device.type == "cuda" and not config.enforce_eager:
-                self.graphs = fast_path("decode CUDA graphs")(
-                    self.model, config, self.dtype, self.device
-                )
-                capture_mixed = fast_path("mixed-step CUDA graphs")  # prefill and mixed steps
-                self.mixed_graphs = capture_mixed(
-                    self.model, config, self.block_m, self.dtype, self.device
-                )
-            marks.append(time.perf_counter())
-            self.startup_seconds = dict(
-                zip(("load", "KV cache", "compile", "CUDA graphs"), np.diff(marks).tolist())
-            )
+            self.start()
         except BaseException:
             self.free_gpu_memory()
             raise
-        if rank == 0:
-            atexit.register(self.close)
 
-    def call(self, method: str, *args):
-        """Run a method on every rank (notebook 06's tensor-parallel runner tells the others first),
-        rank 0's result."""
-        return getattr(self, method)(*args)
+    def start(self) -> None:
+        """Load the model, then size and allocate the KV cache."""
+        start = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        torch.manual_seed(self.config.seed)
+        self.model = self.load()
+        self.dtype = self.model.lm_head.weight.dtype
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.sampler = self.make_sampler()
+        loaded = time.perf_counter()
+        self.num_kvcache_blocks = self.allocate_kv_cache()
+        self.startup_seconds = {"load": loaded - start, "KV cache": time.perf_counter() - loaded}
+
+    def load(self) -> Qwen3ForCausalLM:
+        config = self.config
+        with tensor_parallel(self.tp):  # the layers keep this engine's group
+            return load_model(config.model, config.dtype, self.device, config.hf_config)
+
+    def make_sampler(self) -> Sampler:
+        return Sampler()
 
     def close(self) -> None:
-        """Free the GPU memory: the weights, the KV cache, the CUDA graphs."""
-        if self.closed:
-            return
-        self.closed = True
-        self.free_gpu_memory()
-        if self.rank == 0:
-            atexit.unregister(self.close)
+        """Free the GPU memory: the weights and the KV cache."""
+        if not self.closed:
+            self.closed = True
+            self.free_gpu_memory()
 
     def free_gpu_memory(self) -> None:
-        """Give the weights, KV cache and graphs back to the GPU (`empty_cache`): a next engine
-        sizes its own cache."""
+        """Give the weights and the KV cache back to the GPU: a next engine sizes its own cache."""
         if self.device.type != "cuda":
             return
         for layer in getattr(self, "attention_layers", []):
             layer.k_cache = layer.v_cache = None
-        for graphs in filter(None, (self.graphs, self.mixed_graphs)):
-            graphs.reset()
-        self.graphs = self.mixed_graphs = self.model = None
+        self.model = None
         gc.collect()
         torch.cuda.empty_cache()
 
-    def allocate_kv_cache(self) -> int:
+    def num_kv_blocks(self, block_bytes: int) -> int:
+        """As many blocks as every sequence at its longest needs, if the memory allows."""
         config = self.config
-        block_bytes = kv_block_bytes(self.attention_layers, self.block_size, self.dtype)
-        # all sequences at their longest
         wanted = config.max_num_seqs * -(-config.max_model_len // self.block_size)
         if config.num_kvcache_blocks:
-            num_blocks = config.num_kvcache_blocks
-        elif self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            assert self.model is not None  # loaded before the cache is sized
-            profile_step(self.model, self.sampler, config, self.device)
-            num_blocks = min(gpu_free_blocks(block_bytes, config.gpu_memory_utilization), wanted)
-        else:
-            num_blocks = min(wanted, 2**30 // block_bytes)
-        if self.world_size > 1:  # every rank must agree: the block manager is one for all
-            agreed = torch.tensor([num_blocks])
-            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.control)
-            num_blocks = int(agreed.item())
+            return config.num_kvcache_blocks
+        if self.device.type != "cuda":
+            return min(wanted, 2**30 // block_bytes)  # a CPU: at most 1 GiB
+        torch.cuda.reset_peak_memory_stats(self.device)
+        assert self.model is not None  # loaded before the cache is sized
+        profile_step(self.model, self.sampler, config, self.device)
+        return min(gpu_free_blocks(block_bytes, config.gpu_memory_utilization), wanted)
+
+    def allocate_kv_cache(self) -> int:
+        block_bytes = kv_block_bytes(self.attention_layers, self.block_size, self.dtype)
+        num_blocks = self.num_kv_blocks(block_bytes)
         if num_blocks < 1:
             raise ValueError(
-                f"no room for a KV cache: gpu_memory_utilization={config.gpu_memory_utilization} "
-                f"leaves less than one block ({block_bytes} bytes) after the weights and "
-                f"activations"
+                f"no room for a KV cache: gpu_memory_utilization="
+                f"{self.config.gpu_memory_utilization} leaves less than one block ({block_bytes} "
+                f"bytes) after the weights and activations"
             )
-        bind_kv_cache(self.attention_layers, num_blocks, self.block_size, self.dtype, self.device)
+        layers, dtype = self.attention_layers, self.dtype
+        bind_kv_cache(layers, num_blocks, self.block_size, dtype, self.device)
         return num_blocks
 
     # --- a step -----------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def execute(self, step: StepInputs) -> torch.Tensor:  # (num_seqs, vocab_size) logits
+    def prepare(self, seqs: list[Sequence], is_prefill: bool) -> StepInputs:
+        return (prepare_prefill if is_prefill else prepare_decode)(seqs, self.block_size)
+
+    def device_inputs(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        return step_to_device(step, self.device, self.use_triton)  # ids, positions, context
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Any):
         assert self.model is not None, "the runner is closed"
-        input_ids, positions, context = step_to_device(
-            step, self.device, self.use_triton, self.block_m
-        )
-        # placeholders (06): the last step's tokens, not on the host yet
-        if step.input_ids.min() < 0:
-            input_ids = torch.where(
-                input_ids < 0, self.last_token_ids[placeholder_row(input_ids)], input_ids
-            )
-        graphs = self.mixed_graphs if step.is_prefill else self.graphs
-        key = None if graphs is None else graphs.key_for(context, input_ids.shape[0])
-        if graphs is not None and key is not None:
-            hidden = graphs.replay(key, input_ids, positions, context)
-        else:
-            hidden = self.model(input_ids, positions, context)  # (num_tokens, hidden_size)
-        # each sequence's last token, or all of a sequence's that scores its prompt
-        if step.is_prefill:
-            assert context.cu_seqlens_q is not None  # a prefill step has it
-            rows = (
-                context.cu_seqlens_q[1:] - 1
-                if step.logits_rows is None
-                else torch.from_numpy(step.logits_rows)
-            )
+        return self.model(input_ids, positions, context)  # (num_tokens, hidden_size)
+
+    @torch.inference_mode()
+    def execute(self, step: StepInputs) -> torch.Tensor:  # (num_rows, vocab_size) logits
+        input_ids, positions, context = self.device_inputs(step)
+        hidden = self.forward(input_ids, positions, context)  # (num_tokens, hidden_size)
+        if step.is_prefill:  # each sequence's last token, or every token of one scoring its prompt
+            assert step.cu_seqlens_q is not None  # a prefill step has it
+            last = step.cu_seqlens_q[1:] - 1
+            rows = torch.from_numpy(last if step.logits_rows is None else step.logits_rows)
             hidden = hidden[rows.to(hidden.device)]  # (num_rows, hidden_size)
+        assert self.model is not None
         return self.model.compute_logits(hidden)
 
     def step_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
-        step = (prepare_prefill if is_prefill else prepare_decode)(seqs, self.block_size)
-        # decode rows that share a cached prompt read it once
-        if self.add_shared_prefix is not None:
-            self.add_shared_prefix(step, self.block_size)
-        return self.call("execute", step)
+        return self.execute(self.prepare(seqs, is_prefill))
+
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:  # (num_seqs,)
+        params = [seq.sampling_params for seq in seqs]
+        # penalties need each row's tokens
+        penalized = any(p.penalized for p in params)
+        histories = (
+            [(s.prompt_token_ids, s.completion_token_ids) for s in seqs] if penalized else None
+        )
+        steps = [s.num_completion_tokens for s in seqs]
+        return self.sampler(logits, sampling_tensors(params, steps, self.device, histories))
+
+    def to_host(self, token_ids: torch.Tensor) -> Callable[[], list[int]]:
+        """A function that gives the sampled ids as a list (here: they are copied at once)."""
+        ids = token_ids.tolist()
+        return lambda: ids
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         """One step for these sequences: the next token of each."""
         return self.launch(seqs, is_prefill)().token_ids
 
     def launch(self, seqs: list[Sequence], is_prefill: bool) -> Callable[[], StepOutput]:
-        """Queue a step on the GPU and return at once a function that waits for its output (tokens,
-        logprobs)."""
-        logits = self.step_logits(seqs, is_prefill)  # queued on the GPU: the host goes on
-        # these have a row per token, not one
+        """Run a step; a function that gives its output (tokens, log-probabilities)."""
+        logits = self.step_logits(seqs, is_prefill)  # (num_rows, vocab)
         scoring = [scores_prompt(seq) for seq in seqs] if is_prefill else []
-        # their rows' ends
+        # each sequence's rows end here: one row, or one per scheduled token if it scores its prompt
         ends = np.cumsum([seq.num_scheduled_tokens if s else 1 for seq, s in zip(seqs, scoring)])
-        # (num_seqs, vocab)
         last = logits[torch.from_numpy(ends - 1).to(logits.device)] if any(scoring) else logits
-        # the sampling tensors are built while the GPU computes
-        params = [seq.sampling_params for seq in seqs]
-        penalized = any(p.penalized for p in params)  # penalties need each row's tokens
-        histories = (
-            [(s.prompt_token_ids, s.completion_token_ids) for s in seqs] if penalized else None
-        )
-        sampling = sampling_tensors(
-            params, [s.num_completion_tokens for s in seqs], self.device, histories
-        )
-        # (num_seqs,); the next step may read it
-        self.last_token_ids = token_ids = self.sampler(last, sampling)
+        token_ids = self.sample(seqs, last)  # (num_seqs,)
         out = StepOutput([], [None] * len(seqs), [None] * len(seqs))
+        params = [seq.sampling_params for seq in seqs]
         if asked := [i for i, p in enumerate(params) if p.logprobs is not None]:
             ks = [params[i].logprobs or 0 for i in asked]
             for i, row in zip(asked, logprobs_of(last[asked], token_ids[asked], ks)):
                 out.logprobs[i] = row
-        # rows of prompt positions p score the tokens at p + 1
         for j in [j for j, s in enumerate(scoring) if s]:
-            seq, start, k = seqs[j], seqs[j].num_cached_tokens, params[j].prompt_logprobs or 0
-            # rows before the prompt's end
-            n = min(seq.num_scheduled_tokens, seq.num_prompt_tokens - 1 - start)
-            targets = torch.tensor(seq.token_ids[start + 1 : start + 1 + n], device=logits.device)
-            first = int(ends[j]) - seq.num_scheduled_tokens
-            out.prompt_logprobs[j] = (
-                start + 1,
-                logprobs_of(logits[first : first + n], targets, [k] * n),
-            )
-        host_ids = token_ids.to("cpu", non_blocking=True)  # into pinned memory, without waiting
-        ready = torch.cuda.Event() if self.device.type == "cuda" else None
-        if ready is not None:
-            ready.record()
+            out.prompt_logprobs[j] = self.prompt_logprobs(seqs[j], logits, int(ends[j]))
+        host_ids = self.to_host(token_ids)
 
         def output() -> StepOutput:
-            if ready is not None:
-                ready.synchronize()
-            out.token_ids = host_ids.tolist()
+            out.token_ids = host_ids()
             return out
 
         return output
+
+    def prompt_logprobs(self, seq: Sequence, logits: torch.Tensor, end: int) -> PromptLogprobs:
+        """Log-probabilities of the prompt tokens this step scored: row p scores token p + 1."""
+        start, k = seq.num_cached_tokens, seq.sampling_params.prompt_logprobs or 0
+        n = min(seq.num_scheduled_tokens, seq.num_prompt_tokens - 1 - start)  # rows in the prompt
+        targets = torch.tensor(seq.token_ids[start + 1 : start + 1 + n], device=logits.device)
+        first = end - seq.num_scheduled_tokens
+        return start + 1, logprobs_of(logits[first : first + n], targets, [k] * n)
 
 
 # %% [markdown]

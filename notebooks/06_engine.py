@@ -55,14 +55,12 @@ random.seed(0)
 # sampler on the GPU, `launch`, then waits for the tokens) and **postprocess** (the scheduler
 # appends the tokens and frees what finished; the deltas are made).
 #
-# With **async scheduling** (on by default with one GPU) `step()` launches step N+1 before it reads
-# step N's tokens: `advance` gives each of step N's sequences a placeholder token,
-# `placeholder(row)` (notebook 04), which the runner swaps on the device for the token sampled in
-# that row; `resolve` writes the real ones in. A step with penalties (they read every token) waits.
 # **When the model fails** (a device error, Ctrl-C), the step's requests are aborted, their blocks
 # freed and dropped from the prefix cache (their KV may be half written); the next `step()` serves
-# the others. With `tensor_parallel_size > 1`, `make_runner` looks up the fast path "tensor
-# parallelism" by name.
+# the others. This core runs one step at a time on notebook 04's eager runner; the deep dives make
+# it fast from outside: `async_scheduling` launches step N+1 before it reads step N's tokens (a
+# subclass), `tensor_parallel` and `cuda_graphs` bring their runners (`make_runner`), and
+# `engine_core` runs the core in a process of its own.
 
 # %% tags=["export"] module="minivllm.engine.core"
 import time
@@ -71,7 +69,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from minivllm.config import Config
-from minivllm.engine.fast_paths import fast_path
 from minivllm.engine.model_runner import ModelRunner, StepOutput
 from minivllm.engine.scheduler import Scheduler, UnifiedScheduler
 from minivllm.engine.sequence import Sequence
@@ -104,23 +101,19 @@ class Launched:  # a step queued on the GPU
     stats: StepStats
 
 
-def make_runner(config: Config) -> ModelRunner:
-    if config.tensor_parallel_size == 1:
-        return ModelRunner(config)
-    return fast_path("tensor parallelism")(config)
-
-
 class EngineCore:
     """The scheduler and the model runner: token ids in, what each step gave each completion out."""
 
     def __init__(self, config: Config):
         self.config = config
-        self.runner = make_runner(config)
+        self.runner = self.make_runner()
         policy = UnifiedScheduler if config.scheduling_policy == "unified" else Scheduler
         self.scheduler = policy(config, self.runner.num_kvcache_blocks)
         self.requests: dict[str, CoreRequest] = {}  # request_id -> request, until it ends
         self.owners: dict[int, CoreRequest] = {}  # seq_id -> its request
-        self.launched: Launched | None = None  # async scheduling: the step on the GPU
+
+    def make_runner(self) -> ModelRunner:
+        return ModelRunner(self.config)
 
     def add_request(self, request_id: str, token_ids: list[int], params: list[SamplingParams]):
         """Queue a checked request (the front end checks): one completion per SamplingParams."""
@@ -141,8 +134,6 @@ class EngineCore:
             for seq in request.seqs:
                 self.scheduler.abort(seq)
                 del self.owners[seq.seq_id]
-        if self.launched and all(seq.is_finished for seq in self.launched.seqs):
-            self.launched = None  # a step launched ahead for these alone: nothing left to read
 
     def finish(self, request_id: str, index: int) -> None:
         """A front end ended completion `index` (a stop string): free it now. Harmless if the core
@@ -164,33 +155,25 @@ class EngineCore:
                 self.owners.pop(seq.seq_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return not self.scheduler.is_finished() or self.launched is not None
+        return not self.scheduler.is_finished()
 
     def step(self) -> tuple[list[Delta], StepStats]:
-        """Finish one step (launching the next first, if async): its deltas and stats."""
+        """Schedule a step, run it, postprocess it: what it gave each completion, and its stats."""
         if not self.has_unfinished_requests():
             return [], StepStats("idle")
-        step, self.launched = self.launched or self.launch(), None
+        step = self.launch()
         try:
             start = time.perf_counter()
-            rows = self.scheduler.advance(step.seqs)  # placeholders for the tokens on their way
-            advanced = time.perf_counter()
-            penalized = any(seq.sampling_params.penalized for seq in step.seqs)
-            if self.config.async_scheduling and not penalized and not self.scheduler.is_finished():
-                self.launched = self.launch()
-            waiting = time.perf_counter()
-            out = step.output()
+            out = step.output()  # the step's tokens
             ran = time.perf_counter()
+            rows = self.scheduler.advance(step.seqs)  # the rows that sampled a token
             self.scheduler.resolve(step.seqs, rows, out.token_ids)
-            if self.launched and all(seq.is_finished for seq in self.launched.seqs):
-                self.launched = None  # its rows all stopped at this step: nothing to read
         except BaseException as e:
-            self.abort_step(e, step.seqs + (self.launched.seqs if self.launched else []))
-            self.launched = None
+            self.abort_step(e, step.seqs)
             raise
         deltas = self.postprocess(step.seqs, set(rows), out)
-        step.stats.run_seconds += ran - waiting
-        step.stats.postprocess_seconds = advanced - start + time.perf_counter() - ran
+        step.stats.run_seconds += ran - start
+        step.stats.postprocess_seconds = time.perf_counter() - ran
         return deltas, step.stats
 
     def launch(self) -> Launched:
@@ -249,7 +232,6 @@ class EngineCore:
         self.scheduler.abort_all()
         self.requests.clear()
         self.owners.clear()
-        self.launched = None
 
     def stats(self) -> dict[str, float]:
         bm = self.scheduler.block_manager
@@ -274,8 +256,6 @@ class EngineCore:
 # run in a process of its own.
 
 # %% tags=["export"] module="minivllm.engine.llm_engine"
-import atexit
-import gc
 import threading
 import time
 from collections.abc import Collection, Iterable
@@ -296,15 +276,15 @@ class LLMEngine:
     def __init__(self, model: str | Path, **kwargs):
         self.config = Config(model, **kwargs)
         self.tokenizer = load_tokenizer(self.config.tokenizer)
-        self.core = EngineCore(self.config)
+        self.core = self.make_core()
         num_blocks = self.core.scheduler.block_manager.num_blocks
         self.input_processor = InputProcessor(self.config, self.tokenizer, num_blocks)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.finished: list[RequestOutput] = []  # not returned yet (a step given request_ids)
         self.lock = threading.RLock()  # reentrant: LLM.generate holds it while it steps
-        gc.collect()
-        gc.freeze()  # start-up's objects live as long as the engine: full collections skip them
-        atexit.register(gc.unfreeze)  # (and the interpreter's last collection frees them)
+
+    def make_core(self) -> EngineCore:
+        return EngineCore(self.config)
 
     def add_requests(
         self,
@@ -393,7 +373,6 @@ class LLMEngine:
             self.finished.clear()
 
     def close(self) -> None:
-        gc.unfreeze()  # what this engine held goes back to the collector (cycles among it included)
         self.core.close()
 
 
@@ -411,7 +390,7 @@ class LLMEngine:
 
 # %% tags=["export"] module="minivllm.llm"
 from collections.abc import Sequence as SequenceOf
-from typing import TypeGuard, cast
+from typing import Self, TypeGuard, cast
 
 from tqdm.auto import tqdm
 
@@ -455,7 +434,10 @@ class LLM:
     (notebook 02)."""
 
     def __init__(self, model: str, **kwargs):
-        self.engine = LLMEngine(model, **kwargs)
+        self.engine = self.make_engine(model, **kwargs)
+
+    def make_engine(self, model: str, **kwargs) -> LLMEngine:
+        return LLMEngine(model, **kwargs)
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -539,7 +521,7 @@ class LLM:
     def close(self) -> None:
         self.engine.close()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -998,9 +980,10 @@ class OutputProcessor:
 # `enable_thinking=False`), `n=3` samples (completion i seeded `seed + i`).
 
 # %%
-from minivllm import LLM, SamplingParams
 from minivllm.checkpoint import write_checkpoint
 from minivllm.checks.model_parity import greedy_agreement
+from minivllm.llm import LLM
+from minivllm.sampling_params import SamplingParams
 
 prompts = ["What is the capital of France?", "Dear Maria,", "In autumn the leaves"]
 path = CHECKPOINTS / "tiny-text"

@@ -15,10 +15,10 @@
 # # Exercise 04 · The attention of a mixed step, decode rows anywhere
 #
 # Under the unified policy (notebook 05) one step holds decode rows (one new token each, after its
-# cache) and prompt chunks. Notebook 04's `PagedContext.mixed` attends them with two kernels into
-# one output: the decode kernel for the decode rows and the paged prefill kernel, driven by a list
-# of (sequence, query tile) pairs, for the rest. It relies on the scheduler putting every decode row
-# **first**, so that "the decode rows" is `q[:n]`.
+# cache) and prompt chunks. On a GPU, `FastPagedContext` (deep dive cuda_graphs) attends them with
+# two kernels into one output: the decode kernel for the decode rows and the paged prefill kernel,
+# driven by a list of (sequence, query tile) pairs, for the rest. It relies on the scheduler putting
+# every decode row **first**, so that "the decode rows" is `q[:n]`.
 #
 # Here the step comes in any order: a scheduler that keeps requests in arrival order, a speculative
 # decoding step whose sequences have one or several new tokens, a step rebuilt after a preemption.
@@ -313,9 +313,9 @@ print("mixed_attention: correct")
 
 # %% [markdown]
 # ## What you built
-# The engine's mixed step does the same with the decode rows first: `prepare_prefill` counts them
-# (`num_decode_seqs`), `step_to_device` builds the tile list with `query_tiles`, and
-# `PagedContext.mixed` runs the two kernels on `q[:n]` and the rest, with no gather and no scatter.
+# The GPU runner's mixed step does the same with the decode rows first (deep dive cuda_graphs):
+# `num_decode_rows` counts them, `query_tiles` lists the others' tiles, and `FastPagedContext`
+# runs the two kernels on `q[:n]` and the rest, with no gather and no scatter.
 # Your version costs a gather and a scatter of the decode rows' queries and outputs (a few KB each);
 # what does it let the scheduler do that it cannot now? The list is also what lets a CUDA graph
 # capture the step (notebook 04): a graph fixes the grid, so its list is padded with `-1` pairs,

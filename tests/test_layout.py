@@ -1,6 +1,6 @@
 """The package's rooms (docs/ARCHITECTURE.md): which room may import which, read from every module's imports with ast
-(module-level and inside functions); no core module imports a deep dive's module (the engine reaches those through
-minivllm/engine/fast_paths.py only); and each public name has one home. ALLOWED below is the table of
+(module-level and inside functions); no core module imports a deep dive's module (the deep dives extend the core
+from outside, by subclasses that minivllm/production.py composes); and each public name has one home. ALLOWED below is the table of
 docs/ARCHITECTURE.md."""
 
 import ast
@@ -34,6 +34,7 @@ ROOMS = (
     "benchmarks/",
     "checks/",
     "__init__.py",
+    "production.py",
 )
 # what both command lines read: models/hub.py too, as a model that cannot be loaded is one line naming it
 COMMAND_LINE = {
@@ -70,6 +71,7 @@ ALLOWED: dict[str, set[str]] = {
     "benchmarks/": set(ROOMS) - {"checks/", "__main__.py"},
     "checks/": set(ROOMS) - {"benchmarks/", "__main__.py", "serve.py"},
     "__init__.py": set(),
+    "production.py": {"llm.py", "engine/"},  # the public LLM: the core's, every layer composed
 }
 
 
@@ -196,17 +198,6 @@ def test_the_lower_rooms_never_import_the_engine():
     assert out.strip() == "[]"
 
 
-def fast_paths() -> dict[str, str]:
-    """FAST_PATHS of minivllm/engine/fast_paths.py, read with ast (importing it is what the table avoids)."""
-    tree = ast.parse((PACKAGE / "engine" / "fast_paths.py").read_text())
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(
-            getattr(t, "id", None) == "FAST_PATHS" for t in node.targets
-        ):
-            return ast.literal_eval(node.value)
-    raise AssertionError("minivllm/engine/fast_paths.py defines no FAST_PATHS")
-
-
 def top_level_names(path: Path) -> set[str]:
     names = set()
     for node in ast.parse(path.read_text()).body:
@@ -219,14 +210,37 @@ def top_level_names(path: Path) -> set[str]:
     return names
 
 
-def test_each_fast_path_names_an_attribute_of_a_deep_dive_module():
-    known, deep = modules(), deep_dive_modules()
-    for name, target in fast_paths().items():
-        module, _, attribute = target.partition(":")
-        assert module in deep and module in known, f"{name}: {module} is no deep dive's module"
-        assert attribute in top_level_names(known[module]), (
-            f"{name}: {module} defines no {attribute}"
-        )
+def test_each_production_layer_extends_a_core_class_from_outside():
+    """Production layers are subclasses in deep dives' modules; the core classes hold no table, hook
+    or lookup by name for them."""
+    from minivllm.attention.fast_paged import FastPagedContext
+    from minivllm.attention.paged import PagedContext
+    from minivllm.engine.async_core import AsyncEngineCore, AsyncRunner
+    from minivllm.engine.core import EngineCore
+    from minivllm.engine.gpu_runner import GPUModelRunner
+    from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.engine.model_runner import ModelRunner
+    from minivllm.engine.production import ProductionEngine
+    from minivllm.engine.workers import TPModelRunner
+    from minivllm.layers.gpu_sampler import GPUSampler
+    from minivllm.layers.sampler import Sampler
+
+    pairs = [
+        (FastPagedContext, PagedContext),
+        (GPUModelRunner, ModelRunner),
+        (AsyncRunner, ModelRunner),
+        (TPModelRunner, ModelRunner),
+        (GPUSampler, Sampler),
+        (AsyncEngineCore, EngineCore),
+        (ProductionEngine, LLMEngine),
+    ]
+    deep = deep_dive_modules()
+    for layer, core in pairs:
+        assert issubclass(layer, core) and layer.__module__ in deep, layer
+        assert core.__module__ not in deep, core
+    for name, path in modules().items():  # no lookup by name in the engine's core rooms
+        if name not in deep and room_of(name) in ("engine/", "attention/", "layers/", "models/"):
+            assert "importlib" not in path.read_text(), name
 
 
 def public_definitions(path: Path) -> set[str]:
@@ -257,21 +271,30 @@ ENGINE_ALLOWED: dict[str, set[str]] = {
     "block_manager": {"sequence"},
     "step_inputs": {"sequence"},
     "kv_cache": {"step_inputs"},
-    "fast_paths": set(),
-    "model_runner": {"fast_paths", "kv_cache", "sequence", "step_inputs"},
+    "model_runner": {"kv_cache", "sequence", "step_inputs"},
     "scheduler": {"block_manager", "sequence", "step_inputs"},
-    "core": {"fast_paths", "model_runner", "scheduler", "sequence"},
+    "core": {"model_runner", "scheduler", "sequence"},
     "request": set(),
     "input_processor": {"request"},
     "output_processor": {"core", "request"},  # the core's Delta, a NamedTuple
     "llm_engine": {"core", "input_processor", "output_processor"},
-    "core_process": {"core"},
-    "cascade": {"step_inputs"},
+    "core_process": {"core", "production"},
+    "cascade": set(),
     "cuda_graphs": {"cascade"},
     "mixed_graphs": {"cuda_graphs"},
     "sampler_warm_up": {"step_inputs"},
     "warm_up": {"model_runner", "sampler_warm_up", "step_inputs"},
     "workers": {"model_runner", "sequence"},
+    "gpu_runner": {
+        "cascade",
+        "cuda_graphs",
+        "mixed_graphs",
+        "model_runner",
+        "step_inputs",
+        "warm_up",
+    },
+    "async_core": {"core", "model_runner", "sequence", "step_inputs"},
+    "production": {"async_core", "core", "gpu_runner", "llm_engine", "model_runner", "workers"},
 }
 
 

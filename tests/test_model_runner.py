@@ -6,16 +6,18 @@ import numpy as np
 import pytest
 import torch
 
-from minivllm.attention import paged
+from minivllm.attention import fast_paged
+from minivllm.attention.fast_paged import FastPagedContext
 from minivllm.config import Config
 from minivllm.engine import cascade
 from minivllm.engine.block_manager import BlockManager
 from minivllm.engine.cascade import shared_prefix
 from minivllm.engine.cuda_graphs import StepGraphs, graph_batch_sizes
+from minivllm.engine.gpu_runner import FastAttentionRunner, GPUModelRunner
 from minivllm.engine.mixed_graphs import MixedGraphs
 from minivllm.engine.model_runner import ModelRunner
+from minivllm.engine.production import make_runner
 from minivllm.engine.sequence import Sequence
-from minivllm.engine.step_inputs import prepare_prefill
 from minivllm.kernels import flash_attn_with_kvcache
 from minivllm.models.loader import load_model
 from minivllm.testing import prompt_logits
@@ -33,6 +35,29 @@ def runner(tiny):
     runner = ModelRunner(Config(tiny, dtype=torch.float32, num_kvcache_blocks=128, max_num_seqs=16))
     yield runner
     runner.close()
+
+
+@pytest.fixture(scope="module")
+def fast_runner(tiny):
+    """The GPU's attention context (deep dive cuda_graphs): on a CPU, its kernels in Triton's
+    interpreter; on a GPU, the GPU runner itself, graphs included."""
+    config = Config(tiny, dtype=torch.float32, num_kvcache_blocks=128, max_num_seqs=16)
+    runner = make_runner(config) if DEVICE == "cuda" else FastAttentionRunner(config)
+    runner.use_triton = True
+    yield runner
+    runner.close()
+
+
+@pytest.fixture(params=["reference", "triton", "fast"])
+def any_runner(request, runner, fast_runner):
+    """Notebook 04's runner with PyTorch's reference ops, with its Triton kernels, and the GPU's
+    attention context (deep dive cuda_graphs)."""
+    if request.param == "fast":
+        yield fast_runner
+        return
+    runner.use_triton = request.param == "triton" or DEVICE == "cuda"
+    yield runner
+    runner.use_triton = DEVICE == "cuda"
 
 
 def admit(bm: BlockManager, seq: Sequence) -> None:
@@ -100,120 +125,102 @@ def test_triton_kernels_in_the_runner(runner, reference):
     assert_matches_from_scratch(reference, seqs, history)
 
 
-@pytest.mark.parametrize("use_triton", [False, True])
-def test_prefix_cache_hit_gives_the_logits_of_no_caching(runner, reference, use_triton):
-    runner.use_triton = use_triton or DEVICE == "cuda"
-    try:
-        system = random.Random(1).choices(range(2048), k=48)  # three full blocks
-        bm = BlockManager(runner.num_kvcache_blocks, runner.block_size)
-        run_steps(
-            runner, [system + [1, 2]], 0, bm=bm
-        )  # fills the cache; its blocks stay cached when freed
-        seqs, hit, cached = run_steps(runner, [system + [9, 8, 7, 6, 5]], 4, bm=bm)
-        assert cached == [48]
-        _, plain, _ = run_steps(
-            runner,
-            [system + [9, 8, 7, 6, 5]],
-            4,
-            bm=BlockManager(128, 16, enable_prefix_caching=False),
-        )
-        torch.testing.assert_close(hit[0], plain[0], rtol=1e-4, atol=1e-4)
-        assert_matches_from_scratch(reference, seqs, hit)
-    finally:
-        runner.use_triton = DEVICE == "cuda"
+def test_prefix_cache_hit_gives_the_logits_of_no_caching(any_runner, reference):
+    runner = any_runner
+    system = random.Random(1).choices(range(2048), k=48)  # three full blocks
+    bm = BlockManager(runner.num_kvcache_blocks, runner.block_size)
+    run_steps(
+        runner, [system + [1, 2]], 0, bm=bm
+    )  # fills the cache; its blocks stay cached when freed
+    seqs, hit, cached = run_steps(runner, [system + [9, 8, 7, 6, 5]], 4, bm=bm)
+    assert cached == [48]
+    _, plain, _ = run_steps(
+        runner,
+        [system + [9, 8, 7, 6, 5]],
+        4,
+        bm=BlockManager(128, 16, enable_prefix_caching=False),
+    )
+    torch.testing.assert_close(hit[0], plain[0], rtol=1e-4, atol=1e-4)
+    assert_matches_from_scratch(reference, seqs, hit)
 
 
-@pytest.mark.parametrize("use_triton", [False, True])
-def test_chunked_prefill_gives_the_logits_of_one_step(runner, reference, use_triton):
+def test_chunked_prefill_gives_the_logits_of_one_step(any_runner, reference):
     """A prompt prefilled over several steps, chunks ending inside and on block boundaries, with and without a
     prefix hit: each chunk reads the ones before through the block table; the last one's logits are exact."""
-    runner.use_triton = use_triton or DEVICE == "cuda"
-    try:
-        prompt = random.Random(2).choices(range(2048), k=90)
-        expected = prompt_logits(reference, prompt)[-1].float().cpu()
-        for hit, ends in (
-            (False, [1, 2, 50, 90]),
-            (False, [16, 32, 89, 90]),
-            (True, [33, 90]),
-            (True, [48, 89, 90]),
-        ):
-            bm = BlockManager(runner.num_kvcache_blocks, runner.block_size)
-            if hit:
-                run_steps(runner, [prompt[:40]], 0, bm=bm)  # caches the prompt's first two blocks
-            seq = Sequence(prompt, block_size=runner.block_size)
-            bm.allocate(seq)
-            assert seq.num_cached_tokens == (32 if hit else 0)
-            for end in ends:
-                bm.cache_blocks(seq, end)
-                seq.num_scheduled_tokens = end - seq.num_cached_tokens
-                logits = runner.step_logits([seq], is_prefill=True)[0].float().cpu()
-                seq.num_cached_tokens = end  # the step has run
-            torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
-            bm.deallocate(seq)
-    finally:
-        runner.use_triton = DEVICE == "cuda"
+    runner = any_runner
+    prompt = random.Random(2).choices(range(2048), k=90)
+    expected = prompt_logits(reference, prompt)[-1].float().cpu()
+    for hit, ends in (
+        (False, [1, 2, 50, 90]),
+        (False, [16, 32, 89, 90]),
+        (True, [33, 90]),
+        (True, [48, 89, 90]),
+    ):
+        bm = BlockManager(runner.num_kvcache_blocks, runner.block_size)
+        if hit:
+            run_steps(runner, [prompt[:40]], 0, bm=bm)  # caches the prompt's first two blocks
+        seq = Sequence(prompt, block_size=runner.block_size)
+        bm.allocate(seq)
+        assert seq.num_cached_tokens == (32 if hit else 0)
+        for end in ends:
+            bm.cache_blocks(seq, end)
+            seq.num_scheduled_tokens = end - seq.num_cached_tokens
+            logits = runner.step_logits([seq], is_prefill=True)[0].float().cpu()
+            seq.num_cached_tokens = end  # the step has run
+        torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+        bm.deallocate(seq)
 
 
-@pytest.mark.parametrize("use_triton", [False, True])
-def test_mixed_step_gives_every_row_its_logits(runner, reference, use_triton, monkeypatch):
+def test_mixed_step_gives_every_row_its_logits(any_runner, reference, monkeypatch):
     """One step of two decode rows (first, as the unified scheduler orders them) and a prompt's chunk after its
-    cached part. With Triton, the decode rows go through the decode kernel, the chunk through the prefill kernel."""
-    decode_rows = []  # rows of each decode-kernel call
+    cached part. Notebook 04's context runs it as one prefill; the GPU's sends the decode rows through the decode
+    kernel and the chunk through the prefill kernel."""
+    runner, decode_rows = any_runner, []  # rows of each decode-kernel call
 
     def spy(q, *args, **kwargs):
         decode_rows.append(q.shape[0])
         return flash_attn_with_kvcache(q, *args, **kwargs)
 
-    monkeypatch.setattr(paged, "flash_attn_with_kvcache", spy)
-    runner.use_triton = use_triton or DEVICE == "cuda"
-    try:
-        rng, bm = random.Random(3), BlockManager(runner.num_kvcache_blocks, runner.block_size)
-        decoding = [
-            Sequence(rng.choices(range(2048), k=n), block_size=runner.block_size) for n in (20, 37)
-        ]
-        chunked = Sequence(rng.choices(range(2048), k=50), block_size=runner.block_size)
-        for seq in decoding:
-            admit(bm, seq)
-        bm.allocate(chunked)
-        bm.cache_blocks(chunked, 21)
-        chunked.num_scheduled_tokens = 21
-        runner.step_logits(
-            [*decoding, chunked], is_prefill=True
-        )  # the prompts, and the chunk's first 21 tokens
-        for seq in decoding:
-            seq.num_cached_tokens = len(seq)
-            seq.append_token(rng.randrange(2048))
-            bm.may_append(seq)
-            seq.num_scheduled_tokens = 1
-        chunked.num_cached_tokens = 21
-        bm.cache_blocks(chunked, 50)
-        chunked.num_scheduled_tokens = 29
-        decode_rows.clear()
-        step = [*decoding, chunked]
-        assert prepare_prefill(step, runner.block_size).num_decode_seqs == 2
-        graphs, runner.mixed_graphs = (
-            runner.mixed_graphs,
-            None,
-        )  # eagerly first: the spy sees each launch
-        try:
-            logits = runner.step_logits(step, is_prefill=True).float().cpu()
-        finally:
-            runner.mixed_graphs = graphs
-        for seq, row in zip(step, logits):
-            expected = prompt_logits(reference, seq.token_ids)[-1].float().cpu()
-            torch.testing.assert_close(row, expected, rtol=1e-4, atol=1e-4)
-        layers = runner.config.hf_config.num_hidden_layers
-        assert decode_rows == ([2] * layers if runner.use_triton else [])
-        if (
-            graphs is not None
-        ):  # on a GPU: the same step again (the same KV to the same slots), replayed
-            replays = graphs.num_replays
-            torch.testing.assert_close(
-                runner.step_logits(step, is_prefill=True).float().cpu(), logits
-            )
-            assert graphs.num_replays == replays + 1
-    finally:
-        runner.use_triton = DEVICE == "cuda"
+    monkeypatch.setattr(fast_paged, "flash_attn_with_kvcache", spy)
+    rng, bm = random.Random(3), BlockManager(runner.num_kvcache_blocks, runner.block_size)
+    decoding = [
+        Sequence(rng.choices(range(2048), k=n), block_size=runner.block_size) for n in (20, 37)
+    ]
+    chunked = Sequence(rng.choices(range(2048), k=50), block_size=runner.block_size)
+    for seq in decoding:
+        admit(bm, seq)
+    bm.allocate(chunked)
+    bm.cache_blocks(chunked, 21)
+    chunked.num_scheduled_tokens = 21
+    runner.step_logits(
+        [*decoding, chunked], is_prefill=True
+    )  # the prompts, the chunk's first 21 tokens
+    for seq in decoding:
+        seq.num_cached_tokens = len(seq)
+        seq.append_token(rng.randrange(2048))
+        bm.may_append(seq)
+        seq.num_scheduled_tokens = 1
+    chunked.num_cached_tokens = 21
+    bm.cache_blocks(chunked, 50)
+    chunked.num_scheduled_tokens = 29
+    decode_rows.clear()
+    step = [*decoding, chunked]
+    graphs = runner.mixed_graphs if isinstance(runner, GPUModelRunner) else None
+    if isinstance(runner, GPUModelRunner):
+        monkeypatch.setattr(runner, "mixed_graphs", None)  # eagerly first: the spy sees each launch
+    logits = runner.step_logits(step, is_prefill=True).float().cpu()
+    for seq, row in zip(step, logits):
+        expected = prompt_logits(reference, seq.token_ids)[-1].float().cpu()
+        torch.testing.assert_close(row, expected, rtol=1e-4, atol=1e-4)
+    layers = runner.config.hf_config.num_hidden_layers
+    assert decode_rows == ([2] * layers if isinstance(runner, FastAttentionRunner) else [])
+    if (
+        graphs is not None
+    ):  # on a GPU: the same step again (the same KV to the same slots), replayed
+        monkeypatch.setattr(runner, "mixed_graphs", graphs)
+        replays = graphs.num_replays
+        torch.testing.assert_close(runner.step_logits(step, is_prefill=True).float().cpu(), logits)
+        assert graphs.num_replays == replays + 1
 
 
 def test_shared_prefix_finds_the_leading_blocks_most_rows_share(monkeypatch):
@@ -247,10 +254,10 @@ def test_shared_prefix_finds_the_leading_blocks_most_rows_share(monkeypatch):
 
 
 def test_rows_sharing_a_cached_prompt_decode_through_the_shared_prefix(
-    runner, reference, monkeypatch
+    fast_runner, reference, monkeypatch
 ):
-    """Decode steps of rows that begin with one cached system prompt: with Triton, the decode kernel gets the
-    shared prefix (03's cascade), and every row's logits are still those of a from-scratch forward."""
+    """Decode steps of rows that begin with one cached system prompt: the GPU's context gives the decode kernel
+    the shared prefix (03's cascade), and every row's logits are still those of a from-scratch forward."""
     monkeypatch.setattr(cascade, "CASCADE_MIN_ROWS", 3)
     monkeypatch.setattr(cascade, "CASCADE_MIN_TOKENS", 32)
     prefixes = []  # prefix_lens of each decode-kernel call
@@ -259,26 +266,19 @@ def test_rows_sharing_a_cached_prompt_decode_through_the_shared_prefix(
         prefixes.append(None if kwargs["prefix_lens"] is None else kwargs["prefix_lens"].tolist())
         return flash_attn_with_kvcache(*args, **kwargs)
 
-    monkeypatch.setattr(paged, "flash_attn_with_kvcache", spy)
-    monkeypatch.setattr(
-        runner, "add_shared_prefix", cascade.add_shared_prefix
-    )  # on a CPU: not composed by itself
-    runner.use_triton = True
-    graphs, runner.graphs = runner.graphs, None  # eagerly: the spy sees each launch
-    try:
-        rng = random.Random(4)
-        system = rng.choices(range(2048), k=40)  # two full blocks of 16, and 8 tokens
-        prompts = [system + rng.choices(range(2048), k=n) for n in (3, 30, 9)] + [
-            rng.choices(range(2048), k=50)
-        ]
-        seqs, history, cached = run_steps(runner, prompts, num_decode_steps=3)
-        assert cached == [0, 32, 32, 0]
-        layers = runner.config.hf_config.num_hidden_layers
-        assert prefixes == [[32, 32, 32, 0]] * (
-            3 * layers
-        )  # each decode step: rows 0-2 share 32 tokens
-    finally:
-        runner.use_triton, runner.graphs = DEVICE == "cuda", graphs
+    monkeypatch.setattr(fast_paged, "flash_attn_with_kvcache", spy)
+    if isinstance(fast_runner, GPUModelRunner):
+        monkeypatch.setattr(fast_runner, "graphs", None)  # eagerly: the spy sees each launch
+    rng = random.Random(4)
+    system = rng.choices(range(2048), k=40)  # two full blocks of 16, and 8 tokens
+    prompts = [system + rng.choices(range(2048), k=n) for n in (3, 30, 9)]
+    prompts.append(rng.choices(range(2048), k=50))
+    seqs, history, cached = run_steps(fast_runner, prompts, num_decode_steps=3)
+    assert cached == [0, 32, 32, 0]
+    layers = fast_runner.config.hf_config.num_hidden_layers
+    assert prefixes == [[32, 32, 32, 0]] * (
+        3 * layers
+    )  # each decode step: rows 0-2 share 32 tokens
     assert_matches_from_scratch(reference, seqs, history)
 
 
@@ -304,10 +304,8 @@ def test_a_step_replays_the_smallest_graph_that_fits_cascade_if_it_has_a_prefix(
     (one per size: plain below 16, cascade from 16). No graph is run: key_for only picks."""
     decode = StepGraphs([4, 8, 16, 32], 32, 4, 8, torch.float32, torch.device("cpu"))
     decode.graphs = {(s, c): None for s in decode.sizes for c in (False, True) if s >= 16 or not c}  # type: ignore
-    plain = paged.PagedContext(False, torch.zeros(3), torch.zeros(3, 4))
-    shared = paged.PagedContext(
-        False, torch.zeros(3), torch.zeros(3, 4), prefix_lens=torch.zeros(3)
-    )
+    plain = FastPagedContext(False, torch.zeros(3), torch.zeros(3, 4))
+    shared = FastPagedContext(False, torch.zeros(3), torch.zeros(3, 4), prefix_lens=torch.zeros(3))
     assert decode.key_for(plain, 3) == (4, False) and decode.key_for(shared, 3) == (
         4,
         False,
@@ -318,16 +316,16 @@ def test_a_step_replays_the_smallest_graph_that_fits_cascade_if_it_has_a_prefix(
     StepGraphs.__init__(mixed, [4, 8, 16, 32], 32, 4, 8, torch.float32, torch.device("cpu"))
     mixed.block_m, mixed.graphs = 2, {(s, s >= 16): None for s in mixed.sizes}  # type: ignore[misc]
     tiles = torch.zeros(67, 2)  # one more than size 4's room (4 // 2 + 64): size 8
-    prefill = paged.PagedContext(True, torch.zeros(3), torch.zeros(3, 4), tiles=tiles[:66])
+    prefill = FastPagedContext(True, torch.zeros(3), torch.zeros(3, 4), tiles=tiles[:66])
     assert mixed.key_for(prefill, 3) == (4, False) and mixed.key_for(prefill, 20) == (
         32,
         True,
     )  # no prefix: cascade
     assert mixed.key_for(
-        paged.PagedContext(True, torch.zeros(3), torch.zeros(3, 4), tiles=tiles), 3
+        FastPagedContext(True, torch.zeros(3), torch.zeros(3, 4), tiles=tiles), 3
     ) == (8, False)
     assert (
-        mixed.key_for(paged.PagedContext(True, torch.zeros(3), None, tiles=tiles[:66]), 3) is None
+        mixed.key_for(FastPagedContext(True, torch.zeros(3), None, tiles=tiles[:66]), 3) is None
     )  # not paged
 
 
@@ -349,9 +347,15 @@ def test_config_names_the_bad_field(tiny):
 # --- on a GPU: the Triton paths and CUDA graphs ----------------------------------------------------------------
 
 
+def gpu_runner(config: Config) -> GPUModelRunner:
+    runner = make_runner(config)
+    assert isinstance(runner, GPUModelRunner)
+    return runner
+
+
 @pytest.mark.gpu
 def test_gpu_fp32_paged_steps_equal_prompt_logits(tiny, reference):
-    runner = ModelRunner(Config(tiny, dtype=torch.float32, num_kvcache_blocks=256, max_num_seqs=16))
+    runner = gpu_runner(Config(tiny, dtype=torch.float32, num_kvcache_blocks=256, max_num_seqs=16))
     try:
         assert runner.graphs is not None
         prompts = [random.Random(n).choices(range(2048), k=n) for n in (1, 16, 17, 100, 300)]
@@ -364,9 +368,7 @@ def test_gpu_fp32_paged_steps_equal_prompt_logits(tiny, reference):
 @pytest.mark.gpu
 @pytest.mark.parametrize("batch", [1, 3, 16, 40])
 def test_cuda_graph_replay_equals_eager(tiny, batch):
-    runner = ModelRunner(
-        Config(tiny, dtype=torch.bfloat16, num_kvcache_blocks=512, max_num_seqs=48)
-    )
+    runner = gpu_runner(Config(tiny, dtype=torch.bfloat16, num_kvcache_blocks=512, max_num_seqs=48))
     try:
         prompts = [random.Random(i).choices(range(2048), k=5 + 7 * i) for i in range(batch)]
         seqs, graph, _ = run_steps(runner, prompts, num_decode_steps=10, seed=1)
@@ -389,7 +391,7 @@ def test_cuda_graph_replay_equals_eager(tiny, batch):
 def test_rows_sharing_a_prompt_replay_the_cascade_graph(tiny, reference):
     """20 rows, 17 of which begin with one cached 260-token prompt: each decode step replays the graph of 32 rows
     captured with the shared-prefix kernel; 3 rows alone replay the plain graph of 4; logits stay exact (fp32)."""
-    runner = ModelRunner(Config(tiny, dtype=torch.float32, num_kvcache_blocks=512, max_num_seqs=32))
+    runner = gpu_runner(Config(tiny, dtype=torch.float32, num_kvcache_blocks=512, max_num_seqs=32))
     try:
         assert runner.graphs is not None
         keys = []
@@ -413,7 +415,7 @@ def test_rows_sharing_a_prompt_replay_the_cascade_graph(tiny, reference):
 def test_a_runner_with_fewer_seats_than_the_cascade_needs_replays_mixed_graphs(tiny, reference):
     """max_num_seqs 8 < CASCADE_MIN_ROWS: the mixed graphs are captured without the shared-prefix kernel, and a
     prefix hit's prefill replays one."""
-    runner = ModelRunner(Config(tiny, dtype=torch.float32, num_kvcache_blocks=128, max_num_seqs=8))
+    runner = gpu_runner(Config(tiny, dtype=torch.float32, num_kvcache_blocks=128, max_num_seqs=8))
     try:
         assert runner.mixed_graphs is not None and all(
             not cascade for _, cascade in runner.mixed_graphs.graphs
@@ -434,11 +436,11 @@ def test_close_gives_the_kv_cache_back_to_the_gpu(tiny):
     """A second engine in the same process gets the cache the first one had, even when memory the first one freed
     is still reserved by PyTorch's allocator (here: its graph pool, released only after it was measured)."""
     config = Config(tiny, dtype=torch.bfloat16, gpu_memory_utilization=0.5, max_num_seqs=16)
-    first = ModelRunner(config)
+    first = gpu_runner(config)
     blocks, graphs = first.num_kvcache_blocks, first.graphs
     first.close()
     del graphs  # freed after close's empty_cache(): the allocator keeps it reserved
-    second = ModelRunner(config)
+    second = gpu_runner(config)
     try:
         print(f"KV blocks: first engine {blocks}, second {second.num_kvcache_blocks}")
         assert abs(second.num_kvcache_blocks - blocks) <= 0.01 * blocks

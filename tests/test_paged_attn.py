@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from minivllm.engine.step_inputs import query_tiles
+from minivllm.attention.fast_paged import query_tiles
 from minivllm.kernels import (
     attention_ref,
     flash_attn_varlen_func,

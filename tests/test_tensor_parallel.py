@@ -20,6 +20,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.checkpoint import write_checkpoint
 from minivllm.config import Config
 from minivllm.engine.model_runner import ModelRunner
+from minivllm.engine.production import GPUTPRunner, make_runner
 from minivllm.engine.workers import TPModelRunner, sigint_held
 from minivllm.models.loader import load_model
 from minivllm.testing import prompt_logits
@@ -118,7 +119,7 @@ def test_two_tensor_parallel_engines_at_once(tiny, expected):
 def test_a_plain_runner_refuses_tensor_parallelism_without_its_ranks(tiny):
     """ModelRunner is one rank: asked for two without the groups of a rank, it says what to use instead of
     quietly running the whole model as one rank."""
-    with pytest.raises(ValueError, match="make_runner"):
+    with pytest.raises(ValueError, match="minivllm.LLM"):
         ModelRunner(
             Config(
                 tiny,
@@ -359,11 +360,11 @@ ENGINE = (
     + """
 import os, sys, time, torch
 from minivllm.config import Config
-from minivllm.engine.workers import TPModelRunner
+from minivllm.engine.production import make_runner
 
 if __name__ == "__main__":
     device = sys.argv[2]
-    runner = TPModelRunner(Config(sys.argv[1], dtype=torch.float32 if device == "cpu" else torch.bfloat16,
+    runner = make_runner(Config(sys.argv[1], dtype=torch.float32 if device == "cpu" else torch.bfloat16,
                                 num_kvcache_blocks=64, max_num_seqs=16, tensor_parallel_size=2, device=device))
     print(runner.workers.processes[0].pid, flush=True)
     {ending}
@@ -442,13 +443,14 @@ def test_gpu_tensor_parallel_2_agrees_with_1_in_bf16(qwen3_06b):
     config = dict(
         dtype=torch.bfloat16, gpu_memory_utilization=0.3, max_num_seqs=16, max_model_len=1024
     )
-    single_runner = ModelRunner(Config(qwen3_06b, **config))
+    single_runner = make_runner(Config(qwen3_06b, **config))  # the GPU runner
     try:
         seqs, single, _ = run_steps(single_runner, prompts, num_decode_steps=16)
     finally:
         single_runner.close()
     tokens = [seq.completion_token_ids for seq in seqs]
-    tp = TPModelRunner(Config(qwen3_06b, tensor_parallel_size=2, **config))
+    tp = make_runner(Config(qwen3_06b, tensor_parallel_size=2, **config))
+    assert isinstance(tp, GPUTPRunner)
     graphs = (
         tp.graphs
     )  # still held when close() runs: it must end all the same (NCCL waits for graphs it is in)

@@ -44,6 +44,8 @@ DEEP_DIVES = {
     "cuda_graphs": "04_model_runner",
     "scheduler_memory": "05_scheduler",
     "tensor_parallel": "06_engine",
+    "async_scheduling": "06_engine",
+    "fast_engine": "06_engine",
     "engine_core": "06_engine",
 }
 Rank = tuple[

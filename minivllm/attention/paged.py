@@ -4,138 +4,58 @@ from dataclasses import dataclass
 
 import torch
 
-from minivllm import kernels  # kernels.flash_attn_varlen_func: imported on first use, on a GPU
 from minivllm.attention.layer import Attention
 from minivllm.kernels.flash_attn import flash_attn_varlen_contiguous
 from minivllm.kernels.paged_attn import flash_attn_with_kvcache, store_kvcache
-from minivllm.kernels.paged_reference import paged_attention_ref, store_kvcache_ref
+from minivllm.kernels.paged_reference import gather_kv, paged_attention_ref, store_kvcache_ref
 from minivllm.kernels.reference import attention_ref
 
 
 @dataclass(slots=True)
 class PagedContext:
-    """How one step attends: which tokens are new, where their KV goes, and which cached KV they
-    read."""
+    """How one step attends: where its new tokens' KV goes, and which cached KV they read."""
 
     is_prefill: bool
     slot_mapping: torch.Tensor  # (num_tokens,): cache slot of each new token's KV; -1 = padding
-    # (num_seqs, max_blocks) int32; None in a prefill without cached prefixes
-    block_tables: torch.Tensor | None
+    block_tables: torch.Tensor | None  # (num_seqs, max_blocks) int32; None: nothing cached yet
     cu_seqlens_q: torch.Tensor | None = None  # prefill: (num_seqs + 1,) int32, new tokens
-    cu_seqlens_k: torch.Tensor | None = None  # prefill: (num_seqs + 1,) int32, cached + new tokens
+    cu_seqlens_k: torch.Tensor | None = None  # prefill: (num_seqs + 1,) int32, cached + new
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
-    context_lens: torch.Tensor | None = (
-        None  # decode: (num_seqs,) int32, tokens in each cache (new one included)
-    )
-    num_decode_seqs: int = (
-        0  # a mixed step: its first rows decode one token each; context_lens holds theirs
-    )
-    tiles: torch.Tensor | None = (
-        None  # prefill, paged: the (sequence, query tile) list of the other rows (03)
-    )
-    prefix_blocks: torch.Tensor | None = (
-        None  # decode rows: (n,) int32, leading blocks several of them share
-    )
-    prefix_lens: torch.Tensor | None = (
-        None  # (num decode rows,) int32: each one's tokens in them, or 0 (03)
-    )
-    use_triton: bool = (
-        True  # False: the PyTorch reference ops (a CPU without the interpreter's patience)
-    )
+    context_lens: torch.Tensor | None = None  # decode: (num_seqs,) int32, the new token included
+    use_triton: bool = True  # False: the PyTorch reference ops (quicker on a CPU)
 
-    def attend(
-        self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
+    def attend(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         # q: (num_tokens, num_heads, head_dim); k, v: (num_tokens, num_kv_heads, head_dim)
-        (store_kvcache if self.use_triton else store_kvcache_ref)(
-            k, v, layer.k_cache, layer.v_cache, self.slot_mapping
-        )
-        if not self.is_prefill:
-            return self.decode(layer, q)
-        if self.num_decode_seqs and self.tiles is not None and self.use_triton:
-            return self.mixed(layer, q)
-        return self.prefill(layer, q, k, v)
+        store = store_kvcache if self.use_triton else store_kvcache_ref
+        store(k, v, layer.k_cache, layer.v_cache, self.slot_mapping)
+        if self.is_prefill:
+            return self.prefill(layer, q, k, v)
+        return self.decode(layer, q)
 
-    def decode(
-        self, layer: Attention, q: torch.Tensor, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """The first q.shape[0] sequences, one new token each, over their whole caches."""
-        # a decode row has both
-        assert self.context_lens is not None and self.block_tables is not None
-        tables = self.block_tables[: q.shape[0]]
+    def decode(self, layer: Attention, q: torch.Tensor) -> torch.Tensor:
+        """One new token per sequence, over its whole cache."""
+        lens, tables = self.context_lens, self.block_tables
+        assert lens is not None and tables is not None  # a decode step has both
         if self.use_triton:
-            k, v, lens, out = (
-                layer.k_cache,
-                layer.v_cache,
-                self.context_lens,
-                None if out is None else out[:, None],
-            )
-            # leading blocks the rows share, read once (03)
-            prefix = (self.prefix_blocks, self.prefix_lens)
-            o = flash_attn_with_kvcache(
-                q[:, None],
-                k,
-                v,
-                lens,
-                tables,
-                layer.scale,
-                out=out,
-                prefix_blocks=prefix[0],
-                prefix_lens=prefix[1],
-            )
-            return o[:, 0]
+            kv = (layer.k_cache, layer.v_cache)
+            return flash_attn_with_kvcache(q[:, None], *kv, lens, tables, layer.scale)[:, 0]
         cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-        cu_k = torch.nn.functional.pad(self.context_lens.cumsum(0, dtype=torch.int32), (1, 0))
+        cu_k = torch.nn.functional.pad(lens.cumsum(0, dtype=torch.int32), (1, 0))
         return paged_attention_ref(q, layer.k_cache, layer.v_cache, cu_q, cu_k, tables, layer.scale)
 
-    def mixed(self, layer: Attention, q: torch.Tensor) -> torch.Tensor:
-        """A mixed step's decode rows (first) through the decode kernel, the tiles of its other rows
-        through the prefill kernel, into one output: the prefill kernel would give each one-token
-        query a whole tile."""
-        assert self.tiles is not None  # the runner lists the other rows' tiles
-        out = torch.empty_like(q)
-        self.decode(layer, q[: self.num_decode_seqs], out[: self.num_decode_seqs])
-        self.paged_prefill(layer, q, out)  # an empty list (decode rows only) computes nothing
-        return out
-
-    def prefill(
-        self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
-        cu_q = self.cu_seqlens_q
-        assert cu_q is not None  # a prefill step has it
-        if self.block_tables is not None:
-            return self.paged_prefill(layer, q)
-        # nothing cached: whole prompts, their k and v all there is (01's kernel)
+    def prefill(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """New tokens over the keys before them: their own, and those of any cached prefix."""
+        cu_q, cu_k = self.cu_seqlens_q, self.cu_seqlens_k
+        assert cu_q is not None and cu_k is not None  # a prefill step has both
+        if self.block_tables is not None:  # a prefix is cached: read every key back, in order
+            lens = (cu_k[1:] - cu_k[:-1]).tolist()
+            rows = list(zip(self.block_tables, lens))
+            k = torch.cat([gather_kv(layer.k_cache, table, n) for table, n in rows])
+            v = torch.cat([gather_kv(layer.v_cache, table, n) for table, n in rows])
+        max_q, max_k = self.max_seqlen_q, self.max_seqlen_k
         if self.use_triton:
-            max_q = self.max_seqlen_q
             return flash_attn_varlen_contiguous(
-                q, k, v, cu_q, cu_q, max_q, max_q, layer.scale, True
+                q, k, v, cu_q, cu_k, max_q, max_k, layer.scale, True
             )
-        return attention_ref(q, k, v, cu_q, cu_q, layer.scale, causal=True)
-
-    def paged_prefill(
-        self, layer: Attention, q: torch.Tensor, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """New tokens over their cached ones and each other, keys and values read through the block
-        tables."""
-        cu_q, cu_k, tables = self.cu_seqlens_q, self.cu_seqlens_k, self.block_tables
-        # a paged prefill has all three
-        assert cu_q is not None and cu_k is not None and tables is not None
-        if self.use_triton:
-            k, v, max_q, max_k = layer.k_cache, layer.v_cache, self.max_seqlen_q, self.max_seqlen_k
-            return kernels.flash_attn_varlen_func(
-                q,
-                k,
-                v,
-                cu_q,
-                cu_k,
-                max_q,
-                max_k,
-                layer.scale,
-                causal=True,
-                block_table=tables,
-                out=out,
-                tiles=self.tiles,
-            )
-        return paged_attention_ref(q, layer.k_cache, layer.v_cache, cu_q, cu_k, tables, layer.scale)
+        return attention_ref(q, k, v, cu_q, cu_k, layer.scale, causal=True)

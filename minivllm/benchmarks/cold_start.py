@@ -58,7 +58,7 @@ def child(preset: str, name: str, max_requests: int | None, max_tokens: int | No
     """In the fresh process: start the engine, run the workload with seed 1, then with seed 2."""
     import time
 
-    from minivllm.llm import LLM
+    from minivllm.production import ProductionLLM as LLM
 
     runs = [make(name, seed, max_requests, max_tokens) for seed in (1, 2)]
     start = time.perf_counter()

@@ -19,7 +19,7 @@ import torch
 
 from minivllm.benchmarks.common import arg_parser, preset_checkpoint, require_gpu, result, save
 from minivllm.benchmarks.workloads import MAX_MODEL_LEN, make_workload, run_workload
-from minivllm.llm import LLM
+from minivllm.production import ProductionLLM as LLM
 from minivllm.sampling_params import SamplingParams
 
 Span = tuple[float, float]  # (start, end) in ms

@@ -17,8 +17,8 @@ draw). Writes sampler.json (no figure: a table says it).
 import torch
 
 from minivllm.benchmarks.common import arg_parser, gpu_ms, graph_ms, require_gpu, result, save
-from minivllm.engine.fast_paths import fast_path
 from minivllm.engine.step_inputs import sampling_tensors
+from minivllm.layers.gpu_sampler import GPUSampler
 from minivllm.layers.sampler import Sampler
 from minivllm.sampling_params import SamplingParams
 
@@ -49,7 +49,7 @@ def time_kind(sampler: Sampler, logits: torch.Tensor, kind: str, draws: int = 8)
 
 
 def run_sampler_benchmark(batch_sizes=(1, 64, 256), vocab: int = 151_936) -> dict:
-    sampler, rows = fast_path("GPU sampler")(), []  # the runner's on a GPU
+    sampler, rows = GPUSampler(), []  # the runner's on a GPU
     for batch in batch_sizes:
         logits = torch.randn(batch, vocab, device="cuda") * 3  # a spread like a real model's logits
         for kind in KINDS:

@@ -311,7 +311,7 @@ def run_serving_benchmark(
     client_processes: int | None = None,
 ) -> dict:
     from minivllm.async_llm import AsyncLLM
-    from minivllm.llm import LLM
+    from minivllm.production import ProductionLLM as LLM
     from minivllm.serve import serve_in_thread
 
     path = preset_checkpoint(preset)

@@ -24,8 +24,9 @@ from minivllm.benchmarks.workloads import (
     Workload,
     make_workload,
 )
+from minivllm.engine.gpu_runner import GPUModelRunner
 from minivllm.engine.input_processor import Prompt
-from minivllm.llm import LLM
+from minivllm.production import ProductionLLM as LLM
 from minivllm.sampling_params import SamplingParams
 
 KINDS = ("prefill", "mixed", "decode")
@@ -69,8 +70,9 @@ def run_step_kinds_benchmark(
         for graphs in (True, False) if torch.cuda.is_available() else (False,):
             with LLM(str(path), scheduling_policy=policy, async_scheduling=False, **config) as llm:
                 if not graphs:
-                    # prefill and mixed steps run eagerly
-                    llm.engine.core.runner.mixed_graphs = None
+                    runner = llm.engine.core.runner
+                    assert isinstance(runner, GPUModelRunner)  # a GPU's
+                    runner.mixed_graphs = None  # prefill and mixed steps run eagerly
                 # warm-up
                 llm.generate(["Benchmark: "], SamplingParams(max_tokens=4), use_tqdm=False)
                 for work in works:

@@ -44,7 +44,7 @@ from minivllm.benchmarks.workloads import (
     warm_up,
 )
 from minivllm.checkpoint.maker import preset_config
-from minivllm.llm import LLM
+from minivllm.production import ProductionLLM as LLM
 
 
 def roofline_tok_per_s(

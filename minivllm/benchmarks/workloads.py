@@ -33,7 +33,7 @@ from minivllm.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from minivllm.engine.model_runner import ModelRunner
     from minivllm.engine.sequence import Sequence
-    from minivllm.llm import LLM
+    from minivllm.production import ProductionLLM as LLM
 
 WORKLOADS = ("nano-vllm", "chat", "long", "single")
 POLICIES = ("unified", "prefill-first")
@@ -214,7 +214,7 @@ def run_minivllm(path: Path, prompts, output_lens, **config) -> tuple[dict, dict
     """nano-vllm's workload on a fresh LLM (Config fields in `config`): output tokens/s and its step
     breakdown; also how long the LLM took to start and to close, and the tokens its KV cache
     holds."""
-    from minivllm.llm import LLM
+    from minivllm.production import ProductionLLM as LLM
 
     start = time.perf_counter()
     llm = LLM(str(path), max_model_len=4096, **config)
@@ -263,7 +263,7 @@ def decode_step_rows(
     batch size and impl ("minivllm-eager": a runner made with enforce_eager=True), and the size of
     the (first) runner's KV cache."""
     from minivllm.config import Config
-    from minivllm.engine.core import make_runner
+    from minivllm.engine.production import make_runner
 
     rows, cache = [], None
     for impl in impls:

@@ -2,8 +2,6 @@
 
 import numpy as np
 
-from minivllm.engine.step_inputs import StepInputs
-
 # below these, reading a prefix once saves less than a launch
 CASCADE_MIN_ROWS, CASCADE_MIN_TOKENS = (16, 256)
 
@@ -31,11 +29,3 @@ def shared_prefix(
     return shared[0, :num_blocks].copy(), np.where(rows, num_blocks * block_size, 0).astype(
         np.int32
     )
-
-
-def add_shared_prefix(step: StepInputs, block_size: int) -> None:
-    """The runner's fast path: mark the prefix the step's decode rows (a decode step's, a mixed
-    step's first) share."""
-    if step.context_lens is not None and step.block_tables is not None:
-        tables = step.block_tables[: step.context_lens.shape[0]]
-        step.prefix_blocks, step.prefix_lens = shared_prefix(tables, step.context_lens, block_size)

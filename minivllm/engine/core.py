@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from minivllm.config import Config
-from minivllm.engine.fast_paths import fast_path
 from minivllm.engine.model_runner import ModelRunner, StepOutput
 from minivllm.engine.scheduler import Scheduler, UnifiedScheduler
 from minivllm.engine.sequence import Sequence
@@ -39,23 +38,19 @@ class Launched:  # a step queued on the GPU
     stats: StepStats
 
 
-def make_runner(config: Config) -> ModelRunner:
-    if config.tensor_parallel_size == 1:
-        return ModelRunner(config)
-    return fast_path("tensor parallelism")(config)
-
-
 class EngineCore:
     """The scheduler and the model runner: token ids in, what each step gave each completion out."""
 
     def __init__(self, config: Config):
         self.config = config
-        self.runner = make_runner(config)
+        self.runner = self.make_runner()
         policy = UnifiedScheduler if config.scheduling_policy == "unified" else Scheduler
         self.scheduler = policy(config, self.runner.num_kvcache_blocks)
         self.requests: dict[str, CoreRequest] = {}  # request_id -> request, until it ends
         self.owners: dict[int, CoreRequest] = {}  # seq_id -> its request
-        self.launched: Launched | None = None  # async scheduling: the step on the GPU
+
+    def make_runner(self) -> ModelRunner:
+        return ModelRunner(self.config)
 
     def add_request(self, request_id: str, token_ids: list[int], params: list[SamplingParams]):
         """Queue a checked request (the front end checks): one completion per SamplingParams."""
@@ -76,8 +71,6 @@ class EngineCore:
             for seq in request.seqs:
                 self.scheduler.abort(seq)
                 del self.owners[seq.seq_id]
-        if self.launched and all(seq.is_finished for seq in self.launched.seqs):
-            self.launched = None  # a step launched ahead for these alone: nothing left to read
 
     def finish(self, request_id: str, index: int) -> None:
         """A front end ended completion `index` (a stop string): free it now. Harmless if the core
@@ -99,33 +92,25 @@ class EngineCore:
                 self.owners.pop(seq.seq_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return not self.scheduler.is_finished() or self.launched is not None
+        return not self.scheduler.is_finished()
 
     def step(self) -> tuple[list[Delta], StepStats]:
-        """Finish one step (launching the next first, if async): its deltas and stats."""
+        """Schedule a step, run it, postprocess it: what it gave each completion, and its stats."""
         if not self.has_unfinished_requests():
             return [], StepStats("idle")
-        step, self.launched = self.launched or self.launch(), None
+        step = self.launch()
         try:
             start = time.perf_counter()
-            rows = self.scheduler.advance(step.seqs)  # placeholders for the tokens on their way
-            advanced = time.perf_counter()
-            penalized = any(seq.sampling_params.penalized for seq in step.seqs)
-            if self.config.async_scheduling and not penalized and not self.scheduler.is_finished():
-                self.launched = self.launch()
-            waiting = time.perf_counter()
-            out = step.output()
+            out = step.output()  # the step's tokens
             ran = time.perf_counter()
+            rows = self.scheduler.advance(step.seqs)  # the rows that sampled a token
             self.scheduler.resolve(step.seqs, rows, out.token_ids)
-            if self.launched and all(seq.is_finished for seq in self.launched.seqs):
-                self.launched = None  # its rows all stopped at this step: nothing to read
         except BaseException as e:
-            self.abort_step(e, step.seqs + (self.launched.seqs if self.launched else []))
-            self.launched = None
+            self.abort_step(e, step.seqs)
             raise
         deltas = self.postprocess(step.seqs, set(rows), out)
-        step.stats.run_seconds += ran - waiting
-        step.stats.postprocess_seconds = advanced - start + time.perf_counter() - ran
+        step.stats.run_seconds += ran - start
+        step.stats.postprocess_seconds = time.perf_counter() - ran
         return deltas, step.stats
 
     def launch(self) -> Launched:
@@ -184,7 +169,6 @@ class EngineCore:
         self.scheduler.abort_all()
         self.requests.clear()
         self.owners.clear()
-        self.launched = None
 
     def stats(self) -> dict[str, float]:
         bm = self.scheduler.block_manager

@@ -5,7 +5,7 @@ from typing import Any
 
 import torch
 
-from minivllm.attention.paged import PagedContext
+from minivllm.attention.fast_paged import FastPagedContext
 from minivllm.config import Config
 from minivllm.engine.cascade import CASCADE_MIN_ROWS
 
@@ -41,7 +41,7 @@ class StepGraphs:
         self.pool: Any = None  # the graphs' memory, one pool for all
         self.num_replays = 0
 
-    def fill(self, context: PagedContext) -> None:
+    def fill(self, context: FastPagedContext) -> None:
         """Copy the step's attention inputs into the static ones: block tables, and the decode rows'
         cache lengths and shared prefix (the rows past them: an empty cache, no decode output)."""
         assert context.block_tables is not None  # a captured step reads the paged cache
@@ -56,7 +56,7 @@ class StepGraphs:
             self.prefix_blocks[: context.prefix_blocks.shape[0]] = context.prefix_blocks
 
     def capture(
-        self, model: torch.nn.Module, context_of: Callable[[int], PagedContext], cascade: bool
+        self, model: torch.nn.Module, context_of: Callable[[int], FastPagedContext], cascade: bool
     ) -> None:
         """A graph per size, keyed (size, cascade): with `cascade`, the sizes with room for
         CASCADE_MIN_ROWS decode rows read a shared prefix once (03; rows that share none run it with
@@ -90,11 +90,11 @@ class StepGraphs:
         for graph in self.graphs.values():
             graph.reset()
 
-    def fits(self, size: int, context: PagedContext, num_tokens: int) -> bool:
+    def fits(self, size: int, context: FastPagedContext, num_tokens: int) -> bool:
         """Whether the graph of `size` tokens can run this step."""
         return size >= num_tokens
 
-    def key_for(self, context: PagedContext, num_tokens: int) -> tuple[int, bool] | None:
+    def key_for(self, context: FastPagedContext, num_tokens: int) -> tuple[int, bool] | None:
         """The graph that runs this step, (size, cascade), or None: none can. The smallest size that
         fits; there, the cascade graph if the step has a shared prefix, else the other (a size has
         one of them, or both: capture)."""
@@ -109,7 +109,7 @@ class StepGraphs:
         key: tuple[int, bool],
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        context: PagedContext,
+        context: FastPagedContext,
     ) -> torch.Tensor:
         """Run the step in the graph `key_for` chose."""
         n = input_ids.shape[0]
@@ -142,8 +142,8 @@ class DecodeGraphs(StepGraphs):
         for cascade in (False, True):
             self.capture(model, self.context, cascade)
 
-    def context(self, size: int) -> PagedContext:
+    def context(self, size: int) -> FastPagedContext:
         """The captured decode step of `size` rows: one token each, over the static inputs."""
-        context = PagedContext(False, self.slot_mapping[:size], self.block_tables[:size])
+        context = FastPagedContext(False, self.slot_mapping[:size], self.block_tables[:size])
         context.context_lens = self.context_lens[:size]
         return context

@@ -2,7 +2,7 @@
 
 import torch
 
-from minivllm.attention.paged import PagedContext
+from minivllm.attention.fast_paged import FastPagedContext
 from minivllm.config import Config
 from minivllm.engine.cuda_graphs import StepGraphs
 
@@ -44,9 +44,9 @@ class MixedGraphs(StepGraphs):
     def num_tiles(self, size: int) -> int:
         return tile_room(size, self.block_m)
 
-    def context(self, size: int) -> PagedContext:
+    def context(self, size: int) -> FastPagedContext:
         rows = min(size, self.max_num_seqs)
-        return PagedContext(
+        return FastPagedContext(
             True,
             self.slot_mapping[:size],
             self.block_tables,
@@ -57,14 +57,14 @@ class MixedGraphs(StepGraphs):
             tiles=self.tiles[: self.num_tiles(size)],
         )
 
-    def fits(self, size: int, context: PagedContext, num_tokens: int) -> bool:
+    def fits(self, size: int, context: FastPagedContext, num_tokens: int) -> bool:
         """Room for the step's tokens and tiles; never without a paged cache (the contiguous
         kernel's) or tiles."""
         if context.block_tables is None or context.tiles is None:
             return False
         return size >= num_tokens and self.num_tiles(size) >= context.tiles.shape[0]
 
-    def fill(self, context: PagedContext) -> None:
+    def fill(self, context: FastPagedContext) -> None:
         super().fill(context)
         assert context.tiles is not None  # key_for has checked
         # a prefill step has both

@@ -99,24 +99,12 @@ class StepInputs:
     block_tables: np.ndarray | None
     cu_seqlens_q: np.ndarray | None = None  # prefill: (num_seqs + 1,) int32
     cu_seqlens_k: np.ndarray | None = None  # prefill: (num_seqs + 1,) int32
-    context_lens: np.ndarray | None = None  # decode: (num_seqs,) int32; mixed: (num_decode_seqs,)
-    num_decode_seqs: int = (
-        0  # prefill: its first rows that decode one token each (notebook 05 puts them first)
-    )
-    logits_rows: np.ndarray | None = (
-        None  # prefill: (num_rows,) int64 rows to score; None: each sequence's last
-    )
-    prefix_blocks: np.ndarray | None = (
-        None  # (n,) int32: leading blocks many decode rows share (deep dive cuda_graphs)
-    )
-    prefix_lens: np.ndarray | None = (
-        None  # (num_decode_seqs,) int32: each decode row's tokens in them, or 0
-    )
+    context_lens: np.ndarray | None = None  # decode: (num_seqs,) int32
+    # prefill: (num_rows,) int64 rows to score; None: each sequence's last
+    logits_rows: np.ndarray | None = None
 
 
-def block_tables_array(
-    seqs: list[Sequence],
-) -> np.ndarray:  # (num_seqs, max_blocks) int32, zero-padded
+def block_tables_array(seqs: list[Sequence]) -> np.ndarray:  # (num_seqs, max_blocks) int32
     tables = np.zeros((len(seqs), max(len(seq.block_table) for seq in seqs)), dtype=np.int32)
     for i, seq in enumerate(seqs):
         tables[i, : len(seq.block_table)] = seq.block_table
@@ -126,20 +114,22 @@ def block_tables_array(
 def scores_prompt(seq: Sequence) -> bool:
     """Whether seq asks for prompt logprobs and has prompt tokens left to score (row i scores token
     i + 1)."""
-    return (
-        seq.sampling_params.prompt_logprobs is not None
-        and seq.num_cached_tokens < seq.num_prompt_tokens - 1
-    )
+    asked = seq.sampling_params.prompt_logprobs is not None
+    return asked and seq.num_cached_tokens < seq.num_prompt_tokens - 1
 
 
 def scored_rows(scoring: list[bool], cu_seqlens_q: np.ndarray) -> np.ndarray:  # (num_rows,) int64
     """The rows of a prefill to take logits of: all of a scoring sequence's, each other sequence's
     last."""
-    rows = [
-        np.arange(a, b) if score else [b - 1]
-        for score, a, b in zip(scoring, cu_seqlens_q, cu_seqlens_q[1:])
-    ]
+    bounds = zip(scoring, cu_seqlens_q, cu_seqlens_q[1:])
+    rows = [np.arange(a, b) if score else [b - 1] for score, a, b in bounds]
     return np.concatenate(rows).astype(np.int64)
+
+
+def slots_of(tables: np.ndarray, rows: np.ndarray, positions: np.ndarray, block_size: int):
+    """The cache slot of each token: its sequence's block at that position, and the offset."""
+    blocks = tables[rows, positions // block_size].astype(np.int64)
+    return blocks * block_size + positions % block_size
 
 
 def prepare_prefill(seqs: list[Sequence], block_size: int) -> StepInputs:
@@ -154,26 +144,16 @@ def prepare_prefill(seqs: list[Sequence], block_size: int) -> StepInputs:
     seq_of = np.repeat(np.arange(len(seqs)), lens)  # (num_tokens,): each new token's sequence
     positions = np.arange(cu_q[-1]) - cu_q[seq_of] + starts[seq_of]
     tables = block_tables_array(seqs)
-    slots = (
-        tables[seq_of, positions // block_size].astype(np.int64) * block_size
-        + positions % block_size
-    )
-    decodes = (starts > 0) & (lens == 1)  # one new token after cached ones
-    # the leading run of them
-    num_decode_seqs = len(seqs) if decodes.all() else int(decodes.argmin())
     token_ids = chain.from_iterable(seq.token_ids[s:e] for seq, s, e in zip(seqs, starts, ends))
-    # these score every new token, the others their last
-    scoring = [scores_prompt(seq) for seq in seqs]
+    scoring = [scores_prompt(seq) for seq in seqs]  # these score every new token
     return StepInputs(
         is_prefill=True,
         input_ids=np.fromiter(token_ids, dtype=np.int64, count=int(cu_q[-1])),
         positions=positions,
-        slot_mapping=slots,
+        slot_mapping=slots_of(tables, seq_of, positions, block_size),
         block_tables=tables if starts.any() else None,
         cu_seqlens_q=cu_q,
         cu_seqlens_k=np.cumsum([0, *ends], dtype=np.int32),
-        context_lens=ends[:num_decode_seqs].astype(np.int32) if num_decode_seqs else None,
-        num_decode_seqs=num_decode_seqs,
         logits_rows=scored_rows(scoring, cu_q) if any(scoring) else None,
     )
 
@@ -181,65 +161,30 @@ def prepare_prefill(seqs: list[Sequence], block_size: int) -> StepInputs:
 def prepare_decode(seqs: list[Sequence], block_size: int) -> StepInputs:
     """Each sequence's newest token, which attends to its whole cache (itself included)."""
     context_lens = np.array([len(seq) for seq in seqs], dtype=np.int32)
-    block_tables = block_tables_array(seqs)
+    tables = block_tables_array(seqs)
     last = context_lens.astype(np.int64) - 1  # the new token's position
-    slots = (
-        block_tables[np.arange(len(seqs)), last // block_size].astype(np.int64) * block_size
-        + last % block_size
-    )
+    slots = slots_of(tables, np.arange(len(seqs)), last, block_size)
     input_ids = np.array([seq.last_token for seq in seqs], dtype=np.int64)
-    return StepInputs(False, input_ids, last, slots, block_tables, context_lens=context_lens)
-
-
-def query_tiles(
-    cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, first_seq: int, block_m: int
-) -> np.ndarray:
-    """The paged prefill kernel's work list (03) for sequences first_seq..: (sequence, query tile),
-    costliest first."""
-    q_lens, k_lens = np.diff(cu_seqlens_q)[first_seq:], np.diff(cu_seqlens_k)[first_seq:]
-    counts = -(-q_lens // block_m)  # tiles per sequence
-    seqs = np.repeat(np.arange(first_seq, first_seq + len(q_lens)), counts)
-    # within its sequence
-    tiles = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-    q_len = np.repeat(q_lens, counts)
-    # its last row sees these
-    keys = np.repeat(k_lens, counts) - q_len + np.minimum((tiles + 1) * block_m, q_len)
-    order = np.argsort(-keys, kind="stable")
-    return np.stack([seqs[order], tiles[order]], axis=1).astype(np.int32)
+    return StepInputs(False, input_ids, last, slots, tables, context_lens=context_lens)
 
 
 def step_to_device(
-    step: StepInputs, device: torch.device, use_triton: bool, block_m: int | None = None
+    step: StepInputs, device: torch.device, use_triton: bool
 ) -> tuple[torch.Tensor, torch.Tensor, PagedContext]:  # ids, positions, context
-    """The step's arrays on the device, in a PagedContext; given `block_m`, a paged prefill's tiles
-    after decode rows."""
+    """The step's arrays on the device, in a PagedContext."""
 
     def put(a: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(a)
         return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
-    def put_optional(a: np.ndarray | None) -> torch.Tensor | None:
+    def maybe(a: np.ndarray | None) -> torch.Tensor | None:
         return None if a is None else put(a)
 
-    context = PagedContext(step.is_prefill, put(step.slot_mapping), put_optional(step.block_tables))
-    context.cu_seqlens_q, context.cu_seqlens_k = (
-        put_optional(step.cu_seqlens_q),
-        put_optional(step.cu_seqlens_k),
-    )
-    context.context_lens, context.num_decode_seqs = (
-        put_optional(step.context_lens),
-        step.num_decode_seqs,
-    )
-    context.use_triton = use_triton
-    # the reference reads rows
-    if use_triton and step.prefix_blocks is not None and step.prefix_lens is not None:
-        context.prefix_blocks, context.prefix_lens = put(step.prefix_blocks), put(step.prefix_lens)
+    context = PagedContext(step.is_prefill, put(step.slot_mapping), maybe(step.block_tables))
+    context.context_lens, context.use_triton = maybe(step.context_lens), use_triton
     if step.is_prefill:
-        # a prefill step has both
         assert step.cu_seqlens_q is not None and step.cu_seqlens_k is not None
+        context.cu_seqlens_q, context.cu_seqlens_k = put(step.cu_seqlens_q), put(step.cu_seqlens_k)
         context.max_seqlen_q = int(np.diff(step.cu_seqlens_q).max())
         context.max_seqlen_k = int(np.diff(step.cu_seqlens_k).max())
-        if block_m and use_triton and step.block_tables is not None:
-            tiles = query_tiles(step.cu_seqlens_q, step.cu_seqlens_k, step.num_decode_seqs, block_m)
-            context.tiles = put(tiles)
     return put(step.input_ids), put(step.positions), context

@@ -15,7 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from minivllm.config import Config
-from minivllm.engine.model_runner import ModelRunner, StepOutput, rank_device
+from minivllm.engine.model_runner import ModelRunner, rank_device
 from minivllm.engine.sequence import Sequence
 from minivllm.layers.linear import TPGroup
 
@@ -236,7 +236,19 @@ def exit_with_parent(parent_pid: int) -> None:
     os._exit(1)  # rank 0 is gone: nobody will send "exit"
 
 
-def worker_main(config: Config, rank: int, port: int, started: Any) -> None:
+class RankRunner(ModelRunner):
+    """One rank's runner: every rank sizes its KV cache, and all take the smallest (one block
+    manager serves them all)."""
+
+    def num_kv_blocks(self, block_bytes: int) -> int:
+        agreed = torch.tensor([super().num_kv_blocks(block_bytes)])
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.control)
+        return int(agreed.item())
+
+
+def worker_main(
+    config: Config, runner_class: type[ModelRunner], rank: int, port: int, started: Any
+) -> None:
     started.set()  # this module imported: rank 0 can tell "died" from "never started"
     # Ctrl-C is rank 0's to handle: it tells the workers to exit
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -250,7 +262,7 @@ def worker_main(config: Config, rank: int, port: int, started: Any) -> None:
     tp, control = make_groups(store, rank, config.tensor_parallel_size, device)
     aborted = True
     try:
-        runner = ModelRunner(config, rank, (tp, control))
+        runner = runner_class(config, rank, (tp, control))
         try:
             while (message := broadcast_object(None, control, rank))[0] != "exit":
                 method, args = message
@@ -262,15 +274,18 @@ def worker_main(config: Config, rank: int, port: int, started: Any) -> None:
         close_groups([tp.group, control], aborted)
 
 
-class TPModelRunner(ModelRunner):
-    """Rank 0 of `tensor_parallel_size` ranks: starts the others, tells them every call, never hangs
-    on them."""
+class TPModelRunner(RankRunner):
+    """Rank 0 of `tensor_parallel_size` ranks: starts the others, tells them every step, never
+    hangs on them."""
+
+    worker_class: type[ModelRunner] = RankRunner  # what the other ranks run
 
     def __init__(self, config: Config):
         device = rank_device(config, 0)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        self.workers = Workers(worker_main, (config,), config.tensor_parallel_size, device)
+        args = (config, self.worker_class)
+        self.workers = Workers(worker_main, args, config.tensor_parallel_size, device)
         try:
             super().__init__(config, 0, (self.workers.tp, self.workers.control))
         except BaseException as e:
@@ -291,11 +306,12 @@ class TPModelRunner(ModelRunner):
                     raise RuntimeError(self.workers.failure) from e
                 raise
 
-    def launch(self, seqs: list[Sequence], is_prefill: bool) -> Callable[[], StepOutput]:
-        out = super().launch(seqs, is_prefill)()  # waits: under TP no step runs ahead
-        # a worker died during the step: its all-reduces were aborted, the tokens are junk
+    def step_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
+        logits = self.call("execute", self.prepare(seqs, is_prefill))
+        if logits.is_cuda:  # wait for the step: a worker that died in it leaves junk logits
+            torch.cuda.synchronize(logits.device)
         self.workers.check()
-        return lambda: out
+        return logits
 
     def close(self, abort: bool = False) -> None:
         if self.closed:

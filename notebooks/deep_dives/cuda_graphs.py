@@ -19,8 +19,8 @@
 # step, which on a GPU cost the host more than the kernels cost the GPU. Here steps are captured in
 # CUDA graphs (decode steps per batch size; prefill and mixed steps padded to one of a few token
 # counts), and decode rows that begin with one cached prompt read it once (notebook 03's cascade).
-# The runner composes them by name (`fast_path("decode CUDA graphs")`, `"mixed-step CUDA graphs"`,
-# `"shared-prefix cascade"`), on a GPU only.
+# At the end, `GPUModelRunner` (a subclass of notebook 04's runner) puts them together with the
+# other GPU fast paths: the small-layer kernels, the GPU sampler, the paged prefill kernel.
 #
 # **It follows notebook 04**; nothing later in the core path needs it: without it, every step runs
 # eagerly, to the same tokens. On a CPU there are no graphs: the host-side parts run here, and the
@@ -48,8 +48,6 @@ FIGURES.mkdir(parents=True, exist_ok=True)
 
 # %% tags=["export"] module="minivllm.engine.cascade"
 import numpy as np
-
-from minivllm.engine.step_inputs import StepInputs
 
 # below these, reading a prefix once saves less than a launch
 CASCADE_MIN_ROWS, CASCADE_MIN_TOKENS = (16, 256)
@@ -80,14 +78,6 @@ def shared_prefix(
     )
 
 
-def add_shared_prefix(step: StepInputs, block_size: int) -> None:
-    """The runner's fast path: mark the prefix the step's decode rows (a decode step's, a mixed
-    step's first) share."""
-    if step.context_lens is not None and step.block_tables is not None:
-        tables = step.block_tables[: step.context_lens.shape[0]]
-        step.prefix_blocks, step.prefix_lens = shared_prefix(tables, step.context_lens, block_size)
-
-
 # %% [markdown]
 # Twenty rows of 300 tokens; 17 begin with the same 16 blocks (a 260-token system prompt: its last 4
 # tokens are in a block of their own, not shared), 3 with blocks of their own.
@@ -110,6 +100,112 @@ assert (
 assert shared_prefix(tables[3:], np.full(17, 300, dtype=np.int32), 16) == (None, None)
 
 # %% [markdown]
+# ## The attention context on a GPU
+# Notebook 04's `PagedContext` is simple: a prefill over a cached prefix reads every key back out
+# of the cache into one tensor, and a mixed step is a prefill whose decode rows have one new token
+# each.
+# `FastPagedContext` extends it. A prefill over a cached prefix reads the blocks inside the kernel
+# (deep dive paged_prefill), over a list of (sequence, query tile) pairs, costliest first
+# (`query_tiles`); a mixed step sends its decode rows (05 puts them first) to the decode kernel and
+# only the others' tiles to the prefill kernel, which would give each one-token query a tile of 64
+# rows; and decode rows that share a prefix read it once (`prefix_blocks`, `prefix_lens`).
+
+# %% tags=["export"] module="minivllm.attention.fast_paged"
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from minivllm import kernels  # kernels.flash_attn_varlen_func: the deep dive paged_prefill's
+from minivllm.attention.layer import Attention
+from minivllm.attention.paged import PagedContext
+from minivllm.kernels.paged_attn import flash_attn_with_kvcache, store_kvcache
+
+
+def query_tiles(
+    cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray, first_seq: int, block_m: int
+) -> np.ndarray:  # (num_tiles, 2) int32
+    """The paged prefill kernel's work list for sequences first_seq..: (sequence, query tile),
+    costliest first."""
+    q_lens, k_lens = np.diff(cu_seqlens_q)[first_seq:], np.diff(cu_seqlens_k)[first_seq:]
+    counts = -(-q_lens // block_m)  # tiles per sequence
+    seqs = np.repeat(np.arange(first_seq, first_seq + len(q_lens)), counts)
+    tiles = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)  # in its seq
+    q_len = np.repeat(q_lens, counts)
+    keys = np.repeat(k_lens, counts) - q_len + np.minimum((tiles + 1) * block_m, q_len)
+    order = np.argsort(-keys, kind="stable")  # the tiles whose last row sees the most keys first
+    return np.stack([seqs[order], tiles[order]], axis=1).astype(np.int32)
+
+
+def num_decode_rows(cu_seqlens_q: np.ndarray, cu_seqlens_k: np.ndarray) -> int:
+    """A prefill step's leading rows that decode: one new token after cached ones."""
+    q_lens, k_lens = np.diff(cu_seqlens_q), np.diff(cu_seqlens_k)
+    decodes = (q_lens == 1) & (k_lens > 1)
+    return len(decodes) if decodes.all() else int(decodes.argmin())
+
+
+@dataclass(slots=True)
+class FastPagedContext(PagedContext):
+    """Notebook 04's context with the GPU's kernels: paged prefill, decode rows of a mixed step
+    apart, and a shared prefix read once."""
+
+    num_decode_seqs: int = 0  # a mixed step: its first rows decode one token each
+    tiles: torch.Tensor | None = None  # a paged prefill's (sequence, query tile) list
+    prefix_blocks: torch.Tensor | None = None  # (n,) int32: leading blocks decode rows share
+    prefix_lens: torch.Tensor | None = None  # (num decode rows,) int32: a row's tokens in them
+
+    def attend(self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        if not self.use_triton:  # PyTorch's reference ops: notebook 04's way
+            return PagedContext.attend(self, layer, q, k, v)
+        store_kvcache(k, v, layer.k_cache, layer.v_cache, self.slot_mapping)
+        if not self.is_prefill:
+            return self.cascade_decode(layer, q)
+        if self.block_tables is None:  # nothing cached: notebook 04's prefill
+            return PagedContext.prefill(self, layer, q, k, v)
+        out = torch.empty_like(q)
+        if self.num_decode_seqs:  # a mixed step's decode rows through the decode kernel
+            self.cascade_decode(layer, q[: self.num_decode_seqs], out[: self.num_decode_seqs])
+        return self.paged_prefill(layer, q, out)  # the other rows' tiles (none: nothing to do)
+
+    def cascade_decode(self, layer: Attention, q: torch.Tensor, out: torch.Tensor | None = None):
+        """The first q.shape[0] rows, one new token each, over their whole caches (a shared
+        prefix read once)."""
+        lens, tables = self.context_lens, self.block_tables
+        assert lens is not None and tables is not None  # a decode row has both
+        o = flash_attn_with_kvcache(
+            q[:, None],
+            layer.k_cache,
+            layer.v_cache,
+            lens,
+            tables[: q.shape[0]],
+            layer.scale,
+            out=None if out is None else out[:, None],
+            prefix_blocks=self.prefix_blocks,
+            prefix_lens=self.prefix_lens,
+        )
+        return o[:, 0]
+
+    def paged_prefill(self, layer: Attention, q: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """New tokens over their cached ones and each other, read through the block tables."""
+        cu_q, cu_k, tables = self.cu_seqlens_q, self.cu_seqlens_k, self.block_tables
+        assert cu_q is not None and cu_k is not None and tables is not None
+        return kernels.flash_attn_varlen_func(
+            q,
+            layer.k_cache,
+            layer.v_cache,
+            cu_q,
+            cu_k,
+            self.max_seqlen_q,
+            self.max_seqlen_k,
+            layer.scale,
+            causal=True,
+            block_table=tables,
+            out=out,
+            tiles=self.tiles,
+        )
+
+
+# %% [markdown]
 # ## CUDA graphs for decode
 # A decode step of Qwen3-0.6B launches a few hundred small kernels, each cheaper to run than to
 # launch from Python. A CUDA graph records the launches once and replays them in one call, at the
@@ -126,7 +222,7 @@ from typing import Any
 
 import torch
 
-from minivllm.attention.paged import PagedContext
+from minivllm.attention.fast_paged import FastPagedContext
 from minivllm.config import Config
 from minivllm.engine.cascade import CASCADE_MIN_ROWS
 
@@ -162,7 +258,7 @@ class StepGraphs:
         self.pool: Any = None  # the graphs' memory, one pool for all
         self.num_replays = 0
 
-    def fill(self, context: PagedContext) -> None:
+    def fill(self, context: FastPagedContext) -> None:
         """Copy the step's attention inputs into the static ones: block tables, and the decode rows'
         cache lengths and shared prefix (the rows past them: an empty cache, no decode output)."""
         assert context.block_tables is not None  # a captured step reads the paged cache
@@ -177,7 +273,7 @@ class StepGraphs:
             self.prefix_blocks[: context.prefix_blocks.shape[0]] = context.prefix_blocks
 
     def capture(
-        self, model: torch.nn.Module, context_of: Callable[[int], PagedContext], cascade: bool
+        self, model: torch.nn.Module, context_of: Callable[[int], FastPagedContext], cascade: bool
     ) -> None:
         """A graph per size, keyed (size, cascade): with `cascade`, the sizes with room for
         CASCADE_MIN_ROWS decode rows read a shared prefix once (03; rows that share none run it with
@@ -211,11 +307,11 @@ class StepGraphs:
         for graph in self.graphs.values():
             graph.reset()
 
-    def fits(self, size: int, context: PagedContext, num_tokens: int) -> bool:
+    def fits(self, size: int, context: FastPagedContext, num_tokens: int) -> bool:
         """Whether the graph of `size` tokens can run this step."""
         return size >= num_tokens
 
-    def key_for(self, context: PagedContext, num_tokens: int) -> tuple[int, bool] | None:
+    def key_for(self, context: FastPagedContext, num_tokens: int) -> tuple[int, bool] | None:
         """The graph that runs this step, (size, cascade), or None: none can. The smallest size that
         fits; there, the cascade graph if the step has a shared prefix, else the other (a size has
         one of them, or both: capture)."""
@@ -230,7 +326,7 @@ class StepGraphs:
         key: tuple[int, bool],
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        context: PagedContext,
+        context: FastPagedContext,
     ) -> torch.Tensor:
         """Run the step in the graph `key_for` chose."""
         n = input_ids.shape[0]
@@ -263,9 +359,9 @@ class DecodeGraphs(StepGraphs):
         for cascade in (False, True):
             self.capture(model, self.context, cascade)
 
-    def context(self, size: int) -> PagedContext:
+    def context(self, size: int) -> FastPagedContext:
         """The captured decode step of `size` rows: one token each, over the static inputs."""
-        context = PagedContext(False, self.slot_mapping[:size], self.block_tables[:size])
+        context = FastPagedContext(False, self.slot_mapping[:size], self.block_tables[:size])
         context.context_lens = self.context_lens[:size]
         return context
 
@@ -329,7 +425,7 @@ assert (
 # %% tags=["export"] module="minivllm.engine.mixed_graphs"
 import torch
 
-from minivllm.attention.paged import PagedContext
+from minivllm.attention.fast_paged import FastPagedContext
 from minivllm.config import Config
 from minivllm.engine.cuda_graphs import StepGraphs
 
@@ -371,9 +467,9 @@ class MixedGraphs(StepGraphs):
     def num_tiles(self, size: int) -> int:
         return tile_room(size, self.block_m)
 
-    def context(self, size: int) -> PagedContext:
+    def context(self, size: int) -> FastPagedContext:
         rows = min(size, self.max_num_seqs)
-        return PagedContext(
+        return FastPagedContext(
             True,
             self.slot_mapping[:size],
             self.block_tables,
@@ -384,14 +480,14 @@ class MixedGraphs(StepGraphs):
             tiles=self.tiles[: self.num_tiles(size)],
         )
 
-    def fits(self, size: int, context: PagedContext, num_tokens: int) -> bool:
+    def fits(self, size: int, context: FastPagedContext, num_tokens: int) -> bool:
         """Room for the step's tokens and tiles; never without a paged cache (the contiguous
         kernel's) or tiles."""
         if context.block_tables is None or context.tiles is None:
             return False
         return size >= num_tokens and self.num_tiles(size) >= context.tiles.shape[0]
 
-    def fill(self, context: PagedContext) -> None:
+    def fill(self, context: FastPagedContext) -> None:
         super().fill(context)
         assert context.tiles is not None  # key_for has checked
         # a prefill step has both
@@ -423,7 +519,7 @@ def capture_mixed_graphs(
 # cached ones and a new prompt of 40. Tiles of 64 query rows; the decode rows have none.
 
 # %%
-from minivllm.engine.step_inputs import query_tiles
+from minivllm.attention.fast_paged import query_tiles
 
 cu_q, cu_k = (
     np.array([0, 1, 2, 130, 170]),
@@ -435,22 +531,13 @@ assert mixed_tiles.tolist() == [[2, 1], [2, 0], [3, 0]]  # 1,128 keys, 1,064, th
 
 
 # %% [markdown]
-# The runner finds each of them by name. What the mixed-step graphs save, per kind of step, on an
+# What the mixed-step graphs save, per kind of step, on an
 # H200 (`python -m minivllm.benchmarks.step_kinds`; on a CPU, the committed run): each workload with
 # and without these graphs, the seconds spent in prefill, mixed and decode steps.
 
 # %%
 from minivllm.benchmarks.step_kinds import describe_kinds, plot_step_kinds
-from minivllm.engine.cascade import add_shared_prefix
-from minivllm.engine.cuda_graphs import DecodeGraphs
-from minivllm.engine.fast_paths import fast_path
-from minivllm.engine.mixed_graphs import capture_mixed_graphs
 
-assert (
-    fast_path("mixed-step CUDA graphs") is capture_mixed_graphs
-    and fast_path("decode CUDA graphs") is DecodeGraphs
-)
-assert fast_path("shared-prefix cascade") is add_shared_prefix
 kinds_data = json.loads(Path("../figures/step_kinds_chat.json").read_text())  # an H200 run's
 plot_step_kinds(kinds_data).savefig(FIGURES / "cuda_graphs_step_kinds.png", dpi=120)
 for row in kinds_data["rows"]:
@@ -538,31 +625,141 @@ def warm_up_runner(runner: ModelRunner) -> None:
 
 
 # %% [markdown]
-# A padding decode step of three rows, as the runner receives it; on a GPU, a small runner's
-# start-up with Triton's compile hook set, and a batch after it: every compile happens in `LLM()`.
+# A padding decode step of three rows, as the runner receives it (the GPU runner below warms up
+# with such steps).
 
 # %%
-import triton
+from minivllm.engine.warm_up import padding_decode_step
 
-from minivllm.engine.warm_up import padding_decode_step, warm_up_runner
-
-assert fast_path("warm-up") is warm_up_runner
 padding = padding_decode_step(3)
 print("slots", padding.slot_mapping.tolist(), "context lengths", padding.context_lens.tolist())
-if DEVICE == "cuda":
-    from minivllm import LLM, SamplingParams
-    from minivllm.checkpoint import checkpoint_for
 
-    compiled: list[str] = []
-    triton.knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(kw["fn"].name)
-    with LLM(str(checkpoint_for("tiny")), max_num_seqs=32, max_model_len=1024) as small:
-        print(f"LLM(): {len(compiled)} compiles")
-        compiled.clear()
-        small.generate(
-            [[7] * n for n in range(1, 30)], SamplingParams(top_k=20, max_tokens=8), use_tqdm=False
-        )
-        print(f"29 requests after it: {len(compiled)} compiles")
-    triton.knobs.runtime.jit_post_compile_hook = None
+# %% [markdown]
+# ## The GPU runner: every fast path, from outside
+# Two subclasses of notebook 04's runner, one method changed per fast path. `FastAttentionRunner`:
+# `device_inputs` builds a `FastPagedContext` (a paged step's tiles, its decode rows, the prefix
+# they share). `GPUModelRunner`, on top: `load` swaps the small layers' Triton kernels into the
+# model (deep dive triton_layers), `make_sampler` gives the GPU sampler (deep dive gpu_sampler),
+# `start` warms up and captures the graphs after the cache is sized, and `forward` replays a graph
+# when one fits the step. Nothing in notebook 04 names any of them;
+# `minivllm.LLM` (deep dive fast_engine) picks `GPUModelRunner` on a GPU.
+
+# %% tags=["export"] module="minivllm.engine.gpu_runner"
+import atexit
+import time
+from dataclasses import fields
+from typing import Any
+
+import numpy as np
+import torch
+
+from minivllm.attention.fast_paged import FastPagedContext, num_decode_rows, query_tiles
+from minivllm.attention.paged import PagedContext
+from minivllm.engine.cascade import shared_prefix
+from minivllm.engine.cuda_graphs import DecodeGraphs
+from minivllm.engine.mixed_graphs import MixedGraphs, capture_mixed_graphs
+from minivllm.engine.model_runner import ModelRunner
+from minivllm.engine.step_inputs import StepInputs
+from minivllm.engine.warm_up import warm_up_runner
+from minivllm.kernels.flash_attn import launch_config
+from minivllm.layers.gpu_sampler import GPUSampler
+from minivllm.layers.sampler import Sampler
+from minivllm.layers.small_layer_kernels import use_small_layer_kernels
+from minivllm.models.qwen3 import Qwen3ForCausalLM
+
+
+class FastAttentionRunner(ModelRunner):
+    """Notebook 04's runner with `FastPagedContext`: paged prefill, a mixed step's decode rows
+    apart, a shared prefix read once (on a CPU too, in Triton's interpreter, as tests run it)."""
+
+    block_m = 64  # the prefill kernel's query tile, launch_config's
+
+    def start(self) -> None:
+        super().start()
+        self.block_m = launch_config(self.attention_layers[0].head_dim, self.device)["BLOCK_M"]
+
+    def put(self, a: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(a)
+        return t.pin_memory().to(self.device, non_blocking=True) if t.device != self.device else t
+
+    def device_inputs(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        input_ids, positions, plain = super().device_inputs(step)
+        context = FastPagedContext(*(getattr(plain, f.name) for f in fields(PagedContext)))
+        if step.block_tables is not None and self.use_triton:
+            self.add_paged_inputs(step, context)
+        return input_ids, positions, context
+
+    def add_paged_inputs(self, step: StepInputs, context: FastPagedContext) -> None:
+        """A paged step's decode rows, the other rows' tiles, and the prefix the decode rows
+        share."""
+        assert step.block_tables is not None
+        lens = step.context_lens
+        if step.is_prefill:
+            cu_q, cu_k = step.cu_seqlens_q, step.cu_seqlens_k
+            assert cu_q is not None and cu_k is not None  # a prefill step has both
+            n = context.num_decode_seqs = num_decode_rows(cu_q, cu_k)
+            context.tiles = self.put(query_tiles(cu_q, cu_k, n, self.block_m))
+            lens = np.diff(cu_k)[:n].astype(np.int32)
+            context.context_lens = self.put(lens) if n else None
+        assert lens is not None
+        tables = step.block_tables[: len(lens)]
+        prefix_blocks, prefix_lens = shared_prefix(tables, lens, self.block_size)
+        if prefix_blocks is not None and prefix_lens is not None:
+            context.prefix_blocks, context.prefix_lens = (
+                self.put(prefix_blocks),
+                self.put(prefix_lens),
+            )
+
+
+class GPUModelRunner(FastAttentionRunner):
+    """The runner on a GPU: Triton small layers, the GPU sampler, warm-up and CUDA graphs, over the
+    fast attention context."""
+
+    graphs: DecodeGraphs | None = None  # decode steps' graphs
+    mixed_graphs: MixedGraphs | None = None  # prefill and mixed steps' graphs
+
+    def load(self) -> Qwen3ForCausalLM:
+        model = super().load()
+        use_small_layer_kernels(model)
+        return model
+
+    def make_sampler(self) -> Sampler:
+        return GPUSampler()
+
+    def start(self) -> None:
+        super().start()  # the model, the sampler, the KV cache
+        start = time.perf_counter()
+        warm_up_runner(self)  # every Triton kernel variant a step can launch, compiled now
+        compiled = time.perf_counter()
+        config, model = self.config, self.model
+        assert model is not None  # loaded by start()
+        if not config.enforce_eager:
+            self.graphs = DecodeGraphs(model, config, self.dtype, self.device)
+            self.mixed_graphs = capture_mixed_graphs(
+                model, config, self.block_m, self.dtype, self.device
+            )
+        captured = time.perf_counter()
+        self.startup_seconds |= {"compile": compiled - start, "CUDA graphs": captured - compiled}
+        if self.rank == 0:
+            atexit.register(self.close)
+
+    def close(self) -> None:
+        super().close()
+        atexit.unregister(self.close)
+
+    def free_gpu_memory(self) -> None:
+        for graphs in filter(None, (self.graphs, self.mixed_graphs)):
+            graphs.reset()
+        self.graphs = self.mixed_graphs = None
+        super().free_gpu_memory()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, context: Any):
+        graphs = self.mixed_graphs if context.is_prefill else self.graphs
+        key = None if graphs is None else graphs.key_for(context, input_ids.shape[0])
+        if graphs is not None and key is not None:
+            return graphs.replay(key, input_ids, positions, context)
+        return super().forward(input_ids, positions, context)
+
 
 # %% [markdown]
 # ## Check yourself

@@ -19,7 +19,7 @@
 # exponential race, several passes over each `(batch, 151,936)` row of logits. Here the same draws
 # run in one or two passes of Triton kernels, with no sort: the race as a Gumbel-max (one pass),
 # top-p by drawing then checking, top-k from a floor. `GPUSampler` subclasses the core `Sampler`
-# with them, and the runner uses it on a GPU, looked up by name (`fast_path("GPU sampler")`).
+# with them, and the GPU runner (deep dive cuda_graphs) makes it its sampler.
 #
 # **It follows notebook 04**; nothing later in the core path needs it: without it, the core sampler
 # gives the same tokens (on a CPU the kernels run in Triton's interpreter, on small sizes).
@@ -924,18 +924,16 @@ class GPUSampler(Sampler):
 
 
 # %% [markdown]
-# The runner finds it by name, and on a GPU the two samplers draw the same distributions; the
+# On a GPU the two samplers draw the same distributions; the
 # kernels draw with Philox's numbers, not PyTorch's generator, so the tokens of one seed differ
 # between them. Time per call on an H200 (`python -m minivllm.benchmarks.sampler`; on a CPU, the
 # committed run): `ms` is one eager call with its host work, `kernel_ms` the GPU's time alone.
 
 # %%
-from minivllm.engine.fast_paths import fast_path
 from minivllm.engine.step_inputs import sampling_tensors
 from minivllm.layers.gpu_sampler import GPUSampler
 from minivllm.sampling_params import SamplingParams
 
-assert fast_path("GPU sampler") is GPUSampler
 params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_p=0.9)]
 # greedy: "mat"
 assert GPUSampler()(cat_logits.expand(2, -1), sampling_tensors(params, [0, 0]))[0] == 0

@@ -18,10 +18,9 @@
 # **What this adds.** `LLM(model, tensor_parallel_size=N)`: the model split over N GPUs, one process
 # per GPU, which the engine drives as if it were one runner. It follows notebook 06 (the engine) and
 # builds on notebook 04's `ModelRunner`, which already holds one rank's slice of each weight and
-# meets the other ranks at the all-reduces. Nothing in the core path needs it: with one GPU the
-# engine core makes a plain `ModelRunner`; with more, its `make_runner` looks the fast path "tensor
-# parallelism" up by name (`minivllm.engine.fast_paths`, notebook 04) and imports this deep dive's
-# module only then.
+# meets the other ranks at the all-reduces. Nothing in the core path needs it: notebook 06's core
+# refuses `tensor_parallel_size > 1`; a core whose `make_runner` returns this deep dive's
+# `TPModelRunner` runs it (`minivllm.LLM` does, deep dive fast_engine).
 #
 # **What you will see.** Worker processes, their own process groups, Ctrl-C held until a step ends,
 # the order in which to shut NCCL down; TP 2 giving TP 1's tokens on this CPU (over gloo); and,
@@ -85,7 +84,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from minivllm.config import Config
-from minivllm.engine.model_runner import ModelRunner, StepOutput, rank_device
+from minivllm.engine.model_runner import ModelRunner, rank_device
 from minivllm.engine.sequence import Sequence
 from minivllm.layers.linear import TPGroup
 
@@ -321,10 +320,12 @@ print("a held Ctrl-C reaches its handler when the step ends; a second one at onc
 
 # %% [markdown]
 # A worker's life: check in (so rank 0 can tell "never started" from "died"), connect to rank 0's
-# store, build its groups, load its slice into a `ModelRunner`, then run what rank 0 sends until
-# `exit`. Rank 0's runner changes three methods: `call` tells the workers each method it runs
-# (holding Ctrl-C until every rank is through), `launch` checks that no worker died in the step, and
-# `close` sends `exit`, frees the graphs, closes the groups, joins the workers.
+# store, build its groups, load its slice into a runner (`RankRunner`: notebook 04's, whose KV cache
+# is the size every rank can hold, the MIN over ranks), then run what rank 0 sends until `exit`.
+# Rank 0's runner changes three more methods: `step_logits` tells the workers each step it runs
+# (`call`, holding Ctrl-C until every rank is through) and checks that no worker died in it, and
+# `close` sends `exit`, frees the graphs, closes the groups, joins the workers. The runner class the
+# workers build is `worker_class`: a GPU runner's subclass names its own (deep dive fast_engine).
 
 
 # %% tags=["export"] module="minivllm.engine.workers"
@@ -334,7 +335,19 @@ def exit_with_parent(parent_pid: int) -> None:
     os._exit(1)  # rank 0 is gone: nobody will send "exit"
 
 
-def worker_main(config: Config, rank: int, port: int, started: Any) -> None:
+class RankRunner(ModelRunner):
+    """One rank's runner: every rank sizes its KV cache, and all take the smallest (one block
+    manager serves them all)."""
+
+    def num_kv_blocks(self, block_bytes: int) -> int:
+        agreed = torch.tensor([super().num_kv_blocks(block_bytes)])
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.control)
+        return int(agreed.item())
+
+
+def worker_main(
+    config: Config, runner_class: type[ModelRunner], rank: int, port: int, started: Any
+) -> None:
     started.set()  # this module imported: rank 0 can tell "died" from "never started"
     # Ctrl-C is rank 0's to handle: it tells the workers to exit
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -348,7 +361,7 @@ def worker_main(config: Config, rank: int, port: int, started: Any) -> None:
     tp, control = make_groups(store, rank, config.tensor_parallel_size, device)
     aborted = True
     try:
-        runner = ModelRunner(config, rank, (tp, control))
+        runner = runner_class(config, rank, (tp, control))
         try:
             while (message := broadcast_object(None, control, rank))[0] != "exit":
                 method, args = message
@@ -360,15 +373,18 @@ def worker_main(config: Config, rank: int, port: int, started: Any) -> None:
         close_groups([tp.group, control], aborted)
 
 
-class TPModelRunner(ModelRunner):
-    """Rank 0 of `tensor_parallel_size` ranks: starts the others, tells them every call, never hangs
-    on them."""
+class TPModelRunner(RankRunner):
+    """Rank 0 of `tensor_parallel_size` ranks: starts the others, tells them every step, never
+    hangs on them."""
+
+    worker_class: type[ModelRunner] = RankRunner  # what the other ranks run
 
     def __init__(self, config: Config):
         device = rank_device(config, 0)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        self.workers = Workers(worker_main, (config,), config.tensor_parallel_size, device)
+        args = (config, self.worker_class)
+        self.workers = Workers(worker_main, args, config.tensor_parallel_size, device)
         try:
             super().__init__(config, 0, (self.workers.tp, self.workers.control))
         except BaseException as e:
@@ -389,11 +405,12 @@ class TPModelRunner(ModelRunner):
                     raise RuntimeError(self.workers.failure) from e
                 raise
 
-    def launch(self, seqs: list[Sequence], is_prefill: bool) -> Callable[[], StepOutput]:
-        out = super().launch(seqs, is_prefill)()  # waits: under TP no step runs ahead
-        # a worker died during the step: its all-reduces were aborted, the tokens are junk
+    def step_logits(self, seqs: list[Sequence], is_prefill: bool) -> torch.Tensor:
+        logits = self.call("execute", self.prepare(seqs, is_prefill))
+        if logits.is_cuda:  # wait for the step: a worker that died in it leaves junk logits
+            torch.cuda.synchronize(logits.device)
         self.workers.check()
-        return lambda: out
+        return logits
 
     def close(self, abort: bool = False) -> None:
         if self.closed:
@@ -410,18 +427,40 @@ class TPModelRunner(ModelRunner):
 
 # %% [markdown]
 # ## TP 2 gives TP 1's tokens
-# On a CPU the same code runs over gloo: the core engine, asked for `tensor_parallel_size=2`, finds
-# `TPModelRunner` by name and spawns one worker. Greedy decoding must give the tokens of one rank
-# (float32: the all-reduces add the partial sums in another order, far below what changes a greedy
-# pick on these prompts).
+# On a CPU the same code runs over gloo. Notebook 06's classes take the runner from outside: a core
+# whose `make_runner` returns a `TPModelRunner`, an engine whose `make_core` makes that core, an
+# `LLM` whose `make_engine` makes that engine (`minivllm.LLM` is built the same way, with every
+# production layer). Greedy decoding must give the tokens of one rank (float32: the all-reduces add
+# the partial sums in another order, far below what changes a greedy pick on these prompts).
 
 # %%
 import multiprocessing
-import sys
 
-from minivllm import LLM, SamplingParams
 from minivllm.checkpoint import write_checkpoint
+from minivllm.engine.core import EngineCore
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.workers import TPModelRunner
+from minivllm.llm import LLM
+from minivllm.sampling_params import SamplingParams
+
+
+class TPCore(EngineCore):  # notebook 06's core, this deep dive's runner
+    def make_runner(self) -> ModelRunner:
+        if self.config.tensor_parallel_size > 1:
+            return TPModelRunner(self.config)
+        return super().make_runner()
+
+
+class TPEngine(LLMEngine):
+    def make_core(self) -> EngineCore:
+        return TPCore(self.config)
+
+
+class TPLLM(LLM):
+    def make_engine(self, model: str, **kwargs) -> LLMEngine:
+        return TPEngine(model, **kwargs)
+
 
 path = CHECKPOINTS / "tiny"
 if not (path / "model.safetensors").is_file():
@@ -433,9 +472,9 @@ prompts, greedy = (
     [list(range(1, 40)), [3] * 17, [5, 6, 7]],
     SamplingParams(temperature=0, max_tokens=12),
 )
-with LLM(str(path), **config) as one:
+with TPLLM(str(path), **config) as one:
     expected = [out.outputs[0].token_ids for out in one.generate(prompts, greedy, use_tqdm=False)]
-with LLM(str(path), tensor_parallel_size=2, **config) as two:
+with TPLLM(str(path), tensor_parallel_size=2, **config) as two:
     assert (
         isinstance(two.engine.core.runner, TPModelRunner)
         and len(two.engine.core.runner.workers.processes) == 1
@@ -449,7 +488,6 @@ with LLM(str(path), tensor_parallel_size=2, **config) as two:
         f"tokens as TP 1"
     )
 assert not multiprocessing.active_children()  # close() sent "exit" and joined the worker
-assert "minivllm.engine.workers" in sys.modules  # imported by name when TP 2 asked for it
 
 
 # %% [markdown]

@@ -1,0 +1,188 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Deep dive · The production engine: the core plus every layer, composed
+#
+# **What this adds.** The core path built a simple engine; the deep dives each built one production
+# layer as a subclass or a part: the small layers' Triton kernels, the GPU sampler, paged prefill,
+# the cascade, CUDA graphs and warm-up (`GPUModelRunner`), tensor parallelism (`TPModelRunner`),
+# async scheduling (`AsyncEngineCore`). Here they are put together, once, into what
+# `from minivllm import LLM` gives: the same `LLM` API, the right runner for the machine.
+#
+# **It follows notebook 06** and the deep dives before it; nothing in the core path needs it. It
+# exports `minivllm.engine.production` (the runner and core classes, `make_core`) and
+# `minivllm.production` (`ProductionLLM`, which `from minivllm import LLM` gives).
+#
+# **What you will see.** Which runner each machine gets, and the production engine giving the core
+# engine's tokens on this CPU.
+
+# %%
+import gc
+import os
+from pathlib import Path
+
+import torch
+
+from minivllm.checkpoint import write_checkpoint
+
+CHECKPOINTS = Path(os.environ.get("MINIVLLM_CHECKPOINTS", "../../build/checkpoints")).resolve()
+path = CHECKPOINTS / "tiny"
+if not (path / "model.safetensors").is_file():
+    write_checkpoint(path, "tiny", seed=0)
+
+# %% [markdown]
+# ## Runners by multiple inheritance
+# Each layer changes a few methods and calls `super()` for the rest, so layers stack: a class that
+# lists two of them runs both, in the order its bases are listed (Python's method resolution
+# order). On one GPU: async scheduling's placeholders and host copies over the GPU fast paths; on
+# several, rank 0's `TPModelRunner` over the GPU fast paths, its workers `RankRunner`s over them
+# too; on a CPU, the plain runner with async scheduling's placeholders (tensor parallelism over
+# gloo when asked).
+
+# %% tags=["export"] module="minivllm.engine.production"
+import atexit
+import gc
+
+from minivllm.config import Config
+from minivllm.engine.async_core import AsyncEngineCore, AsyncRunner
+from minivllm.engine.core import EngineCore
+from minivllm.engine.gpu_runner import GPUModelRunner
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.model_runner import ModelRunner
+from minivllm.engine.workers import RankRunner, TPModelRunner
+
+
+class GPURunner(AsyncRunner, GPUModelRunner):
+    """One GPU: async scheduling's inputs and host copies over every GPU fast path."""
+
+
+class GPURankRunner(RankRunner, GPUModelRunner):
+    """A tensor-parallel worker on a GPU."""
+
+
+class GPUTPRunner(TPModelRunner, GPUModelRunner):
+    """Rank 0 of a tensor-parallel engine on GPUs; its workers run GPURankRunner."""
+
+    worker_class = GPURankRunner
+
+
+def make_runner(config: Config) -> ModelRunner:
+    """The runner for this machine and config."""
+    gpu = config.device == "cuda"
+    if config.tensor_parallel_size > 1:
+        return GPUTPRunner(config) if gpu else TPModelRunner(config)
+    return GPURunner(config) if gpu else AsyncRunner(config)
+
+
+class ProductionCore(AsyncEngineCore):
+    """Notebook 06's core with async scheduling and this machine's runner."""
+
+    def make_runner(self) -> ModelRunner:
+        return make_runner(self.config)
+
+
+def make_core(config: Config) -> EngineCore:
+    return ProductionCore(config)
+
+
+# %% [markdown]
+# ## The engine: its objects frozen for the collector
+# One more layer, the engine's. Python's cyclic garbage collector walks every tracked object in a
+# full collection: after start-up that is the model's modules, the tokenizer, the KV cache's
+# bookkeeping, hundreds of thousands of objects that live as long as the engine. A full collection
+# mid-run then stalls a step for tens of milliseconds. `gc.freeze()` after start-up moves them out
+# of the collector's sight; `close()` gives them back.
+
+
+# %% tags=["export"] module="minivllm.engine.production"
+class ProductionEngine(LLMEngine):
+    """Notebook 06's engine over the production core, its start-up objects frozen for the GC."""
+
+    def __init__(self, model: str, **kwargs):
+        super().__init__(model, **kwargs)
+        gc.collect()
+        gc.freeze()  # start-up's objects live as long as the engine: full collections skip them
+        atexit.register(gc.unfreeze)  # (and the interpreter's last collection frees them)
+
+    def make_core(self) -> EngineCore:
+        return make_core(self.config)
+
+    def close(self) -> None:
+        gc.unfreeze()  # what this engine held goes back to the collector
+        super().close()
+
+
+# %% tags=["export"] module="minivllm.production"
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.production import ProductionEngine
+from minivllm.llm import LLM as CoreLLM
+
+
+class ProductionLLM(CoreLLM):
+    """vLLM's offline entry point with every production layer: `from minivllm import LLM`."""
+
+    def make_engine(self, model: str, **kwargs) -> LLMEngine:
+        return ProductionEngine(model, **kwargs)
+
+
+# %% [markdown]
+# ## On this CPU: the runner it picks, the core's tokens
+# The production `LLM` on a CPU runs `AsyncRunner` under `ProductionCore`; asked for async
+# scheduling (on by default only on one GPU), it launches ahead. Greedy and seeded outputs must
+# equal notebook 06's engine's.
+
+# %%
+import minivllm
+from minivllm.engine.async_core import AsyncRunner
+from minivllm.engine.production import ProductionCore
+from minivllm.llm import LLM as CoreLLM
+from minivllm.production import ProductionLLM
+from minivllm.sampling_params import SamplingParams
+
+assert minivllm.LLM is ProductionLLM
+config = dict(device="cpu", dtype=torch.float32, num_kvcache_blocks=64, max_num_seqs=8)
+prompts = [list(range(1, n)) for n in (7, 40, 90)]
+params = [SamplingParams(temperature=0, max_tokens=16), SamplingParams(seed=1, max_tokens=16)]
+with CoreLLM(str(path), **config) as core_llm:
+    expected = [[o.outputs[0].token_ids for o in core_llm.generate(prompts, p)] for p in params]
+with ProductionLLM(str(path), async_scheduling=True, **config) as llm:
+    core = llm.engine.core
+    assert isinstance(core, ProductionCore) and type(core.runner) is AsyncRunner
+    got = [[o.outputs[0].token_ids for o in llm.generate(prompts, p)] for p in params]
+    print(
+        f"{type(core).__name__} over {type(core.runner).__name__}; frozen: {gc.get_freeze_count()}"
+    )
+assert got == expected
+
+# %% [markdown]
+# ## On a GPU: every compile in start-up
+# The GPU runner warms up before it captures its graphs (deep dive cuda_graphs). With Triton's
+# compile hook set: the compiles of a small engine's start-up, then of a varied batch after it
+# (none).
+
+# %%
+import triton
+
+from minivllm.checkpoint import checkpoint_for
+
+if torch.cuda.is_available():
+    compiled: list[str] = []
+    triton.knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(kw["fn"].name)
+    with ProductionLLM(str(checkpoint_for("tiny")), max_num_seqs=32, max_model_len=1024) as small:
+        print(f"start-up: {len(compiled)} compiles")
+        compiled.clear()
+        batch, params = [[7] * n for n in range(1, 30)], SamplingParams(top_k=20, max_tokens=8)
+        small.generate(batch, params, use_tqdm=False)
+        print(f"29 requests after it: {len(compiled)} compiles")
+    triton.knobs.runtime.jit_post_compile_hook = None
