@@ -82,7 +82,7 @@ def serve_config() -> dict:
 def server(tiny: Path, serve_config: dict):
     """The OpenAI server over the tiny checkpoint on a free port of 127.0.0.1; yields (base_url, its AsyncLLM)."""
     from minivllm.async_llm import AsyncLLM
-    from minivllm.serve import serve_in_thread
+    from minivllm.serve.testing import serve_in_thread
 
     llm = AsyncLLM(str(tiny), **serve_config)
     with serve_in_thread(llm, "tiny") as url:

@@ -117,31 +117,24 @@ def test_apply_survives_callers_coming_and_going_while_it_iterates(llm):
     assert len(run(collect(llm, "Still alive?", 3))) >= 1  # and the engine still serves
 
 
-def test_a_step_never_walks_the_queue(local):
+def test_a_step_never_walks_the_queue(tiny):
     """Per step, the core looks at the batch it ran, not at every queued request: with hundreds waiting, a walk
-    over them each step cost O(queue) per step (O(queue²) in all)."""
-    walks, stepping = [], threading.local()
-    core, core_step = local.core, local.core.step
-
-    def watched_step():
-        stepping.on = True
-        try:
-            return core_step()
-        finally:
-            stepping.on = False
-
-    core.requests = WatchedDict(core.requests, walks, lambda: getattr(stepping, "on", False))
-    local.core.step = watched_step
+    over them each step cost O(queue) per step (O(queue²) in all). The core's table of requests is watched while
+    it steps, and only then (adding a request may look at it)."""
+    core, walks, stepping = EngineCore(Config(str(tiny), **CONFIG)), [], False
+    core.requests = WatchedDict(core.requests, walks, lambda: stepping)
+    finished = set()
     try:
-
-        async def many() -> list:
-            return await asyncio.gather(*(collect(local, f"Request {i}", 2) for i in range(200)))
-
-        outs = run(many())
+        for i in range(200):
+            core.add_request(f"r{i}", [5 + i % 7, 11, 13 + i], sample_params(greedy(2)))
+        while core.has_unfinished_requests():
+            stepping = True
+            deltas, _ = core.step()
+            stepping = False
+            finished |= {d.request_id for d in deltas if d.finish_reason is not None}
     finally:
-        core.requests = dict(core.requests)
-        del local.core.step
-    assert all(out[-1].finished for out in outs) and not walks
+        core.close()
+    assert len(finished) == 200 and not walks
 
 
 def test_hundreds_of_callers_from_several_threads_some_leaving_early(llm):
@@ -205,20 +198,14 @@ def test_hundreds_of_callers_from_several_threads_some_leaving_early(llm):
 
 def test_a_request_id_in_use_by_an_unread_caller_is_refused(llm):
     """The first caller's request has finished in the engine, but its caller has not read the last output: the
-    id is still its own. Reusing it used to let that caller's cleanup delete the newcomer's stream."""
-    apply, done = llm.apply, threading.Event()
-
-    def apply_and_note(deltas: list) -> None:
-        apply(deltas)
-        if any(Delta._make(d).request_id == "dup" and Delta._make(d).finish_reason for d in deltas):
-            done.set()
+    id is still its own. Reusing it used to let that caller's cleanup delete the newcomer's stream. (Finished: a
+    request added after its first output and as long as all of it has run to its end meanwhile, and the engine's
+    outputs reach this event loop in the order it made them.)"""
 
     async def scenario() -> tuple:
         first = llm.generate("Once upon a time", greedy(4), request_id="dup")
         head = await anext(first)
-        await asyncio.get_running_loop().run_in_executor(
-            None, done.wait, HANG
-        )  # finished, not read
+        assert (await collect(llm, "Meanwhile", 4))[-1].finished  # "dup" finished, not read
         with pytest.raises(ValueError, match="dup"):
             await anext(llm.generate("Hello", greedy(4), request_id="dup"))
         rest = [out async for out in first]  # the first caller still gets its reply
@@ -227,11 +214,7 @@ def test_a_request_id_in_use_by_an_unread_caller_is_refused(llm):
         )  # and once it is read, the id is free again
         return head, rest, again
 
-    llm.apply = apply_and_note
-    try:
-        head, rest, again = run(scenario())
-    finally:
-        del llm.apply
+    head, rest, again = run(scenario())
     assert not head.finished and rest[-1].finished and len(rest[-1].outputs[0].token_ids) == 4
     assert again[-1].finished and again[-1].request_id == "dup"
     assert not llm.streams

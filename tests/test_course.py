@@ -19,6 +19,7 @@ DEEP_DIVES = sorted((ROOT / "notebooks" / "deep_dives").glob("*.py"))
 MAX_ENGINE_MODULE_LINES = 350
 MAX_RUNNER_LINES = 300
 MAX_ENGINE_CLASS_LINES = 200  # LLMEngine: the step loop only
+MAX_SERVE_MODULE_LINES = 400  # the OpenAI server's rooms (minivllm/serve/)
 MAX_FMT_SKIPS = 0  # in all notebook sources: the formatter's output should read well
 MAX_LINE = 100  # characters: ruff's line length
 MAX_LINE_NODES = 20  # expressions (ast.expr) on one line: a denser line is split into steps
@@ -85,6 +86,12 @@ def test_the_engine_rooms_stay_small():
     assert size <= MAX_ENGINE_CLASS_LINES, (
         f"LLMEngine is {size} lines, over {MAX_ENGINE_CLASS_LINES}"
     )
+
+
+def test_the_server_rooms_stay_small():
+    serve = ROOT / "minivllm" / "serve"
+    too_long = {p.name: lines(p) for p in serve.glob("*.py") if lines(p) > MAX_SERVE_MODULE_LINES}
+    assert too_long == {}, f"serve modules over {MAX_SERVE_MODULE_LINES} lines: split them by job"
 
 
 def density_sources() -> list[Path]:

@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import signal
-import threading
 import time
 
 import pytest
@@ -18,8 +17,7 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from minivllm import LLM, SamplingParams  # noqa: E402
 from minivllm.async_llm import AsyncLLM  # noqa: E402
-from minivllm.engine.core import Delta  # noqa: E402
-from minivllm.serve import serve_in_thread  # noqa: E402
+from minivllm.serve.testing import WatchedLLM, serve_in_thread  # noqa: E402
 
 PROMPTS = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
 
@@ -247,40 +245,31 @@ def test_64_concurrent_streams_all_complete_correctly(server, offline):
 
 def test_a_caller_that_falls_behind_gets_the_newest_output_only(server, offline):
     """AsyncLLM builds no output for a caller that has not taken the last one, and hands it the newest: a slow
-    client gets one output for many steps, and the same reply."""
+    client gets one output for many steps, and the same reply. The caller reads nothing while a second request,
+    added after its first output and as long as all of it, runs to its end: the engine has finished the first by
+    then, and the outputs of both reach this event loop in the order the engine made them."""
     llm = server[1]
     expected = offline.generate(["Once upon a time"], greedy(40), use_tqdm=False)[0].outputs[0]
 
     async def slow() -> list:
         outputs = llm.generate("Once upon a time", greedy(40), request_id="slow")
         first = await anext(outputs)
-        while not last_sent.is_set():  # the engine runs the rest while this caller reads nothing
-            await asyncio.sleep(0.01)
-        await asyncio.sleep(
-            0
-        )  # the loop queues that last output (put from the output thread) before we read
+        meanwhile = [out async for out in llm.generate("Meanwhile", greedy(40))]
+        assert meanwhile[-1].finished
         return [first] + [out async for out in outputs]
 
-    output, built = llm.output_processor.output, []  # which outputs are built, for whom
+    # Which outputs are built, for whom: work that no reply shows (the one seam left here).
+    output, built = llm.output_processor.output, []
 
     def output_and_note(request):
         built.append((request.request_id, request.finished))
         return output(request)
 
-    apply, last_sent = llm.apply, threading.Event()
-
-    def apply_and_note(deltas: list) -> None:
-        apply(deltas)
-        if any(
-            Delta._make(d).request_id == "slow" and Delta._make(d).finish_reason for d in deltas
-        ):
-            last_sent.set()
-
-    llm.output_processor.output, llm.apply = output_and_note, apply_and_note
+    llm.output_processor.output = output_and_note
     try:
         first, *rest = asyncio.run(slow())
     finally:
-        del llm.output_processor.output, llm.apply
+        del llm.output_processor.output
     assert len(rest) == 1 and rest[0].finished and not first.finished
     assert (
         sum(1 for i, finished in built if i == "slow" and not finished)
@@ -355,25 +344,16 @@ def test_a_bad_request_gets_a_400_naming_the_field(server, change, field):
     )
 
 
-def test_a_stream_that_fails_midway_ends_with_an_error_event(server, monkeypatch):
+def test_a_stream_that_fails_midway_ends_with_an_error_event(server):
     """A stream ends with its last token and [DONE], or with an event saying why it stopped: an
-    exception while the events are made (here a choice that cannot be built) must not cut the
-    connection mid-stream, leaving the client with a broken read and no reason."""
-    from minivllm import serve
-
-    calls, choice = [], serve.completion_choice
-
-    def failing_choice(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:  # the second event: the stream has begun
-            raise ValueError("injected failure")
-        return choice(*args, **kwargs)
-
-    monkeypatch.setattr(serve, "completion_choice", failing_choice)
+    exception midway (here the engine's stream raising after its first output, an engine handed to
+    the server that fails so) must not cut the connection mid-stream, leaving the client with a
+    broken read and no reason."""
     body = dict(model="tiny", prompt="Once upon a time", max_tokens=12, temperature=0)
     body |= dict(ignore_eos=True, stream=True)
-    with httpx.stream("POST", f"{server[0]}/v1/completions", json=body, timeout=60) as response:
-        events = [line.removeprefix("data: ") for line in response.iter_lines() if line]
+    with serve_in_thread(WatchedLLM(server[1], fail_after=1), "tiny") as url:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            events = [line.removeprefix("data: ") for line in response.iter_lines() if line]
     first, error = json.loads(events[0]), json.loads(events[-1])["error"]
     assert len(events) == 2 and first["choices"]  # a token, then the error
     assert "ValueError: injected failure" in error["message"] and error["type"] == "server_error"

@@ -22,7 +22,7 @@ from minivllm import serve  # noqa: E402
 from minivllm.async_llm import AsyncLLM  # noqa: E402
 from minivllm.config import Config  # noqa: E402
 from minivllm.engine_args import engine_kwargs, flag_kwargs  # noqa: E402
-from minivllm.serve import serve_in_thread  # noqa: E402
+from minivllm.serve.testing import serve_in_thread  # noqa: E402
 
 ENGINE_FIELDS = [
     field for field in dataclasses.fields(Config) if field.init and field.name != "model"
@@ -118,24 +118,20 @@ def test_the_cli_has_the_same_engine_flags_and_keeps_its_own():
 
 
 @pytest.fixture
-def started(monkeypatch):
-    """serve.main(argv) in this process, up to the point where uvicorn would run: returns its AsyncLLM and app."""
-    built: dict[str, Any] = {}
+def started():
+    """serve's command line ARGV started as `python -m minivllm.serve ARGV` starts it, up to uvicorn
+    (`serve.make_server`, what `serve.main` runs): its AsyncLLM, its app, uvicorn's arguments. The
+    engines started are closed after the test."""
+    engines: list[AsyncLLM] = []
 
-    def async_llm(model: str, **kwargs) -> AsyncLLM:
-        built["llm"] = llm = AsyncLLM(model, **kwargs)
-        return llm
+    def start(argv: list[str]) -> tuple[AsyncLLM, Any, dict[str, Any]]:
+        llm, server, options = serve.make_server(argv)
+        engines.append(llm)
+        return llm, server.app, options
 
-    monkeypatch.setattr(serve, "AsyncLLM", async_llm)
-    run = lambda app, **kwargs: built.update(app=app, uvicorn=kwargs)
-    monkeypatch.setattr(uvicorn, "run", run)
-
-    def start(argv: list[str]) -> tuple[AsyncLLM, Any]:
-        serve.main(argv)  # uvicorn.run a no-op: it returns at once (and closes its AsyncLLM)
-        return built["llm"], built["app"]
-
-    start.built = built  # type: ignore[attr-defined]  # ["uvicorn"]: uvicorn.run's other arguments
-    return start
+    yield start
+    for llm in engines:
+        llm.close()
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +154,7 @@ def test_the_cli_takes_the_models_context_length(context_2048, capsys):
 
 
 def test_the_server_takes_the_models_context_length(started, context_2048):
-    llm, _ = started([str(context_2048), "--device", "cpu", "--num-kvcache-blocks", "64"])
+    llm, _, _ = started([str(context_2048), "--device", "cpu", "--num-kvcache-blocks", "64"])
     assert llm.config.max_model_len == 2048
 
 
@@ -168,11 +164,9 @@ def test_the_keep_alive_outlasts_the_clients(started, tiny):
     closing: no reply (BrokenPipeError, ReadError). The default must be well above clients' expiry;
     the flag sets it."""
     flags = [str(tiny), "--max-model-len", "512", "--device", "cpu", "--num-kvcache-blocks", "64"]
-    started(flags)
-    default = started.built["uvicorn"].get("timeout_keep_alive", 5)  # not given: uvicorn's own, 5 s
+    default = started(flags)[2]["timeout_keep_alive"]
     assert default >= 4 * httpx.Limits().keepalive_expiry  # httpx's: 5 s
-    started([*flags, "--timeout-keep-alive", "12"])
-    assert started.built["uvicorn"]["timeout_keep_alive"] == 12
+    assert started([*flags, "--timeout-keep-alive", "12"])[2]["timeout_keep_alive"] == 12
 
 
 def test_the_servers_flags_reach_its_engine(started, tiny):
@@ -185,7 +179,7 @@ def test_the_servers_flags_reach_its_engine(started, tiny):
         "--dtype",
         "float32",
     ]
-    llm, _ = started(
+    llm, _, _ = started(
         [
             str(tiny),
             *flags,
@@ -212,7 +206,7 @@ def test_the_server_takes_its_key_from_the_flag_or_the_environment(started, tiny
     if how == "MINIVLLM_API_KEY":
         monkeypatch.setenv("MINIVLLM_API_KEY", KEY)
     flags = ["--api-key", KEY] if how == "--api-key" else []
-    _, app = started(
+    _, app, _ = started(
         [
             str(tiny),
             *flags,

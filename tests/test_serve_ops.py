@@ -18,7 +18,8 @@ httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 parser = pytest.importorskip("prometheus_client.parser")
 
-from minivllm.serve import MAX_N, MAX_REQUEST_BYTES, serve_in_thread  # noqa: E402
+from minivllm.serve import MAX_N, MAX_REQUEST_BYTES  # noqa: E402
+from minivllm.serve.testing import WatchedLLM, serve_in_thread  # noqa: E402
 
 LONG = dict(model="tiny", prompt="A long story:", max_tokens=400, temperature=0, ignore_eos=True)
 
@@ -209,17 +210,14 @@ def test_a_body_over_the_limit_gets_a_413(server, framing):
     assert httpx.get(f"{url}/health", timeout=60).status_code == 200  # and it serves on
 
 
-def test_a_text_prompt_reaches_the_engine_as_token_ids(server, monkeypatch):
+def test_a_text_prompt_reaches_the_engine_as_token_ids(server):
     """The server tokenizes in a thread, off the engine's lock, and hands the engine the ids: nothing is tokenized
-    twice, nor under the lock."""
-    url, llm = server
-    prompts, generate = [], llm.generate
-    monkeypatch.setattr(
-        llm, "generate", lambda prompt, *args: prompts.append(prompt) or generate(prompt, *args)
-    )
+    twice, nor under the lock. Seen by serving the engine watched (the prompts it is handed)."""
+    engine = WatchedLLM(server[1])
     body = dict(model="tiny", prompt="Once upon a time", max_tokens=2)
-    assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
-    assert prompts == [llm.tokenizer.encode("Once upon a time")]
+    with serve_in_thread(engine, "tiny") as url:
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+    assert engine.prompts == [engine.tokenizer.encode("Once upon a time")]
 
 
 def test_a_large_reply_is_encoded_off_the_event_loop(server, monkeypatch):

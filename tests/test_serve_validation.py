@@ -12,23 +12,25 @@ httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 
 from minivllm.async_llm import AsyncLLM  # noqa: E402
-from minivllm.serve import serve_in_thread  # noqa: E402
+from minivllm.serve.testing import WatchedLLM, serve_in_thread  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
 
 
+@pytest.fixture(scope="module")
+def server(server):
+    """conftest's server, served again over its engine watched (`WatchedLLM`: the prompts the
+    server hands it are noted); yields (base_url, the watched engine)."""
+    engine = WatchedLLM(server[1])
+    with serve_in_thread(engine, "tiny") as url:
+        yield url, engine
+
+
 @pytest.fixture
-def engine_calls(server, monkeypatch):
-    """The prompts the server handed to the engine during the test (its AsyncLLM's `generate`, counted)."""
-    llm, calls = server[1], []
-    generate = llm.generate
-
-    def counted(prompt, *args, **kwargs):
-        calls.append(prompt)
-        return generate(prompt, *args, **kwargs)
-
-    monkeypatch.setattr(llm, "generate", counted)
-    return calls
+def engine_calls(server):
+    """The prompts the server handed to the engine during the test."""
+    server[1].prompts.clear()
+    return server[1].prompts
 
 
 def body_for(endpoint: str, **change) -> dict:

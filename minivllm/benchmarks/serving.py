@@ -312,7 +312,7 @@ def run_serving_benchmark(
 ) -> dict:
     from minivllm.async_llm import AsyncLLM
     from minivllm.production import ProductionLLM as LLM
-    from minivllm.serve import serve_in_thread
+    from minivllm.serve.testing import serve_in_thread
 
     path = preset_checkpoint(preset)
     config = dict(enable_prefix_caching=False, max_model_len=prompt_lens[1] + output_lens[1])

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "minivllm"
-SERVING = {"minivllm.async_llm", "minivllm.serve"}
+SERVING = {"minivllm.async_llm", "minivllm.serve"}  # and every module in the serve package
 
 
 def deep_dive_modules() -> set[str]:

@@ -1,0 +1,3 @@
+from minivllm.serve.cli import main
+
+main()
