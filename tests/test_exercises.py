@@ -210,19 +210,74 @@ wrong(
     """,
     r"5 x 96, torch.float32, output",
 )
+LLAMA3_INV_FREQ = """
+def llama3_inv_freq(inv_freq, params):
+    factor, original = params["factor"], params["original_max_position_embeddings"]
+    low, high = params["low_freq_factor"], params["high_freq_factor"]
+    wavelength = 2 * torch.pi / inv_freq
+    smooth = (original / wavelength - low) / (high - low)
+    blended = BLEND
+    scaled = torch.where(wavelength > LONG, inv_freq / factor, blended)
+    return torch.where(wavelength < SHORT, inv_freq, scaled)
+"""
 wrong(
-    "llama: each layer's norm ignores the residual it is given",
+    "llama: llama3 RoPE's blend weighted the wrong way round",
     "02_llama",
-    'exercise("LlamaDecoderLayer")',
+    'exercise("llama3_inv_freq")',
+    LLAMA3_INV_FREQ.replace("BLEND", "smooth * inv_freq / factor + (1 - smooth) * inv_freq")
+    .replace("LONG", "original / low")
+    .replace("SHORT", "original / high"),
+    r"the tiny Llama .*: frequency pair 8 \(wavelength [\d,]+ positions, between 2,048 and 8,192: "
+    r"blended\): yours .*, transformers'",
+)
+wrong(
+    "llama: llama3 RoPE's bands fixed at Llama-3's 2,048 and 8,192",
+    "02_llama",
+    'exercise("llama3_inv_freq")',
+    LLAMA3_INV_FREQ.replace("BLEND", "(1 - smooth) * inv_freq / factor + smooth * inv_freq")
+    .replace("LONG", "8192")
+    .replace("SHORT", "2048"),
+    r"made up .*: frequency pair \d+ \(wavelength [\d,]+ positions, (longer than 512|between 128)",
+)
+wrong(
+    "llama: gate_proj and up_proj swapped in the checkpoint mapping",
+    "02_llama",
+    'exercise("checkpoint_packing")',
     """
-    def _forward(self, positions, x, residual, context):
-        x, residual = self.input_layernorm(x), x
-        x = self.self_attn(positions, x, context)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
-    LlamaDecoderLayer.forward = _forward
+    def checkpoint_packing():
+        return {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+                "gate_proj": ("gate_up_proj", 1), "up_proj": ("gate_up_proj", 0)}
     """,
-    r"layer 1 \(residual from layer 0\): residual, h = x \+ attn",
+    r"gate_proj maps to shard 1, expected 0: as shard 1, transformers' gate_proj does not compute "
+    r"columns 0:384 of gate_up_proj's output, where our forward reads it",
+)
+LLAMA_ATTENTION = """
+_LlamaAttention = LlamaAttention
+class LlamaAttention(_LlamaAttention):  # the solution's forward
+    def __init__(self, config, rotary_emb, layer_idx):
+        nn.Module.__init__(self)
+        head_dim, heads, kv_heads = config.head_dim, config.num_attention_heads, config.num_key_value_heads
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, heads, kv_heads, bias=config.attention_bias)
+        self.num_heads, self.num_kv_heads, self.head_dim = HEADS, head_dim
+        self.o_proj = RowParallelLinear(O_PROJ_IN, config.hidden_size, bias=config.attention_bias)
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, layer_idx)
+"""
+wrong(
+    "llama: the attention's heads read from the config, not divided over the ranks",
+    "02_llama",
+    'exercise("LlamaAttention at TP=2")',
+    LLAMA_ATTENTION.replace("HEADS", "heads, kv_heads").replace("O_PROJ_IN", "heads * head_dim"),
+    r"TP=2, rank 0: \(num_heads, num_kv_heads\) = \(4, 2\), expected \(2, 1\)",
+)
+wrong(
+    "llama: o_proj sized for this rank's heads, then divided again by RowParallelLinear",
+    "02_llama",
+    'exercise("LlamaAttention at TP=2")',
+    LLAMA_ATTENTION.replace("HEADS", "self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads").replace(
+        "O_PROJ_IN", "self.num_heads * head_dim"
+    ),
+    r"TP=2, rank 0: loading transformers' o_proj.weight into your o_proj.weight",
 )
 
 ONLINE_SOFTMAX_LOOP = """
