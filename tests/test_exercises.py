@@ -403,21 +403,66 @@ wrong(
 )
 
 wrong(
-    "verify step: the new tokens laid out as a fresh prompt, positions from 0",
-    "04_prepare_decode",
-    'exercise("my_prepare_verify")',
+    "verify step: a prefill's rows scored, each sequence's last only",
+    "04_verify_step",
+    'exercise("verify_inputs")',
     """
-    def my_prepare_verify(seqs, num_new, block_size):
-        news = np.array(num_new)
-        cu_q = np.cumsum([0, *news], dtype=np.int32)
-        seq_of = np.repeat(np.arange(len(seqs)), news)
-        positions = np.arange(cu_q[-1]) - cu_q[seq_of]  # as if nothing were cached
-        tables = padded_block_tables(seqs)
-        tokens = [t for seq, n in zip(seqs, num_new) for t in seq.token_ids[len(seq) - n :]]
-        return StepInputs(True, np.array(tokens), positions, token_slots(tables, seq_of, positions, block_size),
-                          tables, cu_seqlens_q=cu_q, cu_seqlens_k=cu_q, logits_rows=np.arange(cu_q[-1]))
+    def verify_inputs(seqs, drafts, block_size):
+        for seq, tokens in zip(seqs, drafts):
+            for token in tokens:
+                seq.append_token(token)
+            seq.num_scheduled_tokens = len(seq) - seq.num_cached_tokens
+        return prepare_prefill(seqs, block_size)
     """,
-    r"37 tokens \+ 3 new, table \[7, 2, 9\]; 4 tokens \+ 1 new, table \[4\], positions:",
+    r"38 tokens \+ 2 drafts, .*, logits_rows: expected an array, got None",
+)
+wrong(
+    "verify step: the newest token taken for cached, only the drafts computed",
+    "04_verify_step",
+    'exercise("verify_inputs")',
+    """
+    def verify_inputs(seqs, drafts, block_size):
+        for seq, tokens in zip(seqs, drafts):
+            seq.num_cached_tokens = len(seq)
+            for token in tokens:
+                seq.append_token(token)
+            seq.num_scheduled_tokens = max(1, len(tokens))
+            seq.num_cached_tokens = len(seq) - seq.num_scheduled_tokens
+        step = prepare_prefill(seqs, block_size)
+        step.logits_rows = np.arange(len(step.input_ids))
+        return step
+    """,
+    r"38 tokens \+ 2 drafts, .*, input_ids:\nexpected \[\d+, 5, 6, \d+\]\ngot      \[5, 6, \d+\]",
+)
+ACCEPT = """
+def accept(logits, drafts):
+    choices = logits.argmax(dim=-1).tolist()
+    accepted, bonus, row = [], [], 0
+    for tokens in drafts:
+        KEEP
+        accepted.append(keep)
+        bonus.append(choices[row + keep])
+        row += 1 + len(tokens)
+    return accepted, bonus
+"""
+wrong(
+    "verify step: draft j judged by row j + 1, off by one",
+    "04_verify_step",
+    'exercise("accept")',
+    ACCEPT.replace(
+        "KEEP",
+        "keep = 0\n        while keep < len(tokens) and tokens[keep] == choices[row + keep + 1]:\n"
+        "            keep += 1",
+    ),
+    r"sequence 0: drafts \[5, 7, 9\], the argmax of its 4 rows \[5, 7, 2, 4\]: expected 2 accepted "
+    r"and bonus 2, got 0 and 5",
+)
+wrong(
+    "verify step: every draft that matches accepted, not only the leading ones",
+    "04_verify_step",
+    'exercise("accept")',
+    ACCEPT.replace("KEEP", "keep = sum(t == choices[row + j] for j, t in enumerate(tokens))"),
+    r"sequence 3: drafts \[5, 8, 9\], .*: expected 1 accepted and bonus 7, got 2 and 9",
 )
 
 wrong(
