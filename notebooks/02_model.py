@@ -1209,5 +1209,6 @@ attention = (16 + 2 * 8) * 128 * 1024 + 1024 * 16 * 128
 check_answer(attention + 3 * 3072 * 1024 + 2 * 128 + 2 * 1024, layer_params, "2. layer parameters")
 
 # %% [markdown]
-# **Exercise.** `exercises/02_llama.ipynb`: write `LlamaForCausalLM` from the same layers (no q/k
-# norms), register it in `MODELS`, and check it against transformers' Llama on a random checkpoint.
+# **Exercise.** `exercises/02_llama.ipynb`: add Llama-3.2 from the same layers. You write its
+# llama3 RoPE scaling, its checkpoint mapping and an attention that runs on one tensor-parallel
+# rank's heads; its logits are checked against transformers' Llama on a random checkpoint.

@@ -460,7 +460,7 @@ assert (
 )
 
 # %% [markdown]
-# ## A step's inputs (a speculative verify step's to write: `exercises/04_prepare_decode`)
+# ## A step's inputs (a speculative verify step to write: `exercises/04_verify_step`)
 # The runner **prepares** a step on the host, in NumPy (a loop per token costs more than the GPU's
 # step): for a prefill, each sequence's `num_scheduled_tokens` after its `num_cached_tokens`,
 # packed, with positions, slots, `cu_seqlens_q` (new tokens), `cu_seqlens_k` (cached + new), block

@@ -210,19 +210,74 @@ wrong(
     """,
     r"5 x 96, torch.float32, output",
 )
+LLAMA3_INV_FREQ = """
+def llama3_inv_freq(inv_freq, params):
+    factor, original = params["factor"], params["original_max_position_embeddings"]
+    low, high = params["low_freq_factor"], params["high_freq_factor"]
+    wavelength = 2 * torch.pi / inv_freq
+    smooth = (original / wavelength - low) / (high - low)
+    blended = BLEND
+    scaled = torch.where(wavelength > LONG, inv_freq / factor, blended)
+    return torch.where(wavelength < SHORT, inv_freq, scaled)
+"""
 wrong(
-    "llama: each layer's norm ignores the residual it is given",
+    "llama: llama3 RoPE's blend weighted the wrong way round",
     "02_llama",
-    'exercise("LlamaDecoderLayer")',
+    'exercise("llama3_inv_freq")',
+    LLAMA3_INV_FREQ.replace("BLEND", "smooth * inv_freq / factor + (1 - smooth) * inv_freq")
+    .replace("LONG", "original / low")
+    .replace("SHORT", "original / high"),
+    r"the tiny Llama .*: frequency pair 8 \(wavelength [\d,]+ positions, between 2,048 and 8,192: "
+    r"blended\): yours .*, transformers'",
+)
+wrong(
+    "llama: llama3 RoPE's bands fixed at Llama-3's 2,048 and 8,192",
+    "02_llama",
+    'exercise("llama3_inv_freq")',
+    LLAMA3_INV_FREQ.replace("BLEND", "(1 - smooth) * inv_freq / factor + smooth * inv_freq")
+    .replace("LONG", "8192")
+    .replace("SHORT", "2048"),
+    r"made up .*: frequency pair \d+ \(wavelength [\d,]+ positions, (longer than 512|between 128)",
+)
+wrong(
+    "llama: gate_proj and up_proj swapped in the checkpoint mapping",
+    "02_llama",
+    'exercise("checkpoint_packing")',
     """
-    def _forward(self, positions, x, residual, context):
-        x, residual = self.input_layernorm(x), x
-        x = self.self_attn(positions, x, context)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
-    LlamaDecoderLayer.forward = _forward
+    def checkpoint_packing():
+        return {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+                "gate_proj": ("gate_up_proj", 1), "up_proj": ("gate_up_proj", 0)}
     """,
-    r"layer 1 \(residual from layer 0\): residual, h = x \+ attn",
+    r"gate_proj maps to shard 1, expected 0: as shard 1, transformers' gate_proj does not compute "
+    r"columns 0:384 of gate_up_proj's output, where our forward reads it",
+)
+LLAMA_ATTENTION = """
+_LlamaAttention = LlamaAttention
+class LlamaAttention(_LlamaAttention):  # the solution's forward
+    def __init__(self, config, rotary_emb, layer_idx):
+        nn.Module.__init__(self)
+        head_dim, heads, kv_heads = config.head_dim, config.num_attention_heads, config.num_key_value_heads
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, heads, kv_heads, bias=config.attention_bias)
+        self.num_heads, self.num_kv_heads, self.head_dim = HEADS, head_dim
+        self.o_proj = RowParallelLinear(O_PROJ_IN, config.hidden_size, bias=config.attention_bias)
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, layer_idx)
+"""
+wrong(
+    "llama: the attention's heads read from the config, not divided over the ranks",
+    "02_llama",
+    'exercise("LlamaAttention at TP=2")',
+    LLAMA_ATTENTION.replace("HEADS", "heads, kv_heads").replace("O_PROJ_IN", "heads * head_dim"),
+    r"TP=2, rank 0: \(num_heads, num_kv_heads\) = \(4, 2\), expected \(2, 1\)",
+)
+wrong(
+    "llama: o_proj sized for this rank's heads, then divided again by RowParallelLinear",
+    "02_llama",
+    'exercise("LlamaAttention at TP=2")',
+    LLAMA_ATTENTION.replace("HEADS", "self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads").replace(
+        "O_PROJ_IN", "self.num_heads * head_dim"
+    ),
+    r"TP=2, rank 0: loading transformers' o_proj.weight into your o_proj.weight",
 )
 
 ONLINE_SOFTMAX_LOOP = """
@@ -348,21 +403,66 @@ wrong(
 )
 
 wrong(
-    "verify step: the new tokens laid out as a fresh prompt, positions from 0",
-    "04_prepare_decode",
-    'exercise("my_prepare_verify")',
+    "verify step: a prefill's rows scored, each sequence's last only",
+    "04_verify_step",
+    'exercise("verify_inputs")',
     """
-    def my_prepare_verify(seqs, num_new, block_size):
-        news = np.array(num_new)
-        cu_q = np.cumsum([0, *news], dtype=np.int32)
-        seq_of = np.repeat(np.arange(len(seqs)), news)
-        positions = np.arange(cu_q[-1]) - cu_q[seq_of]  # as if nothing were cached
-        tables = padded_block_tables(seqs)
-        tokens = [t for seq, n in zip(seqs, num_new) for t in seq.token_ids[len(seq) - n :]]
-        return StepInputs(True, np.array(tokens), positions, token_slots(tables, seq_of, positions, block_size),
-                          tables, cu_seqlens_q=cu_q, cu_seqlens_k=cu_q, logits_rows=np.arange(cu_q[-1]))
+    def verify_inputs(seqs, drafts, block_size):
+        for seq, tokens in zip(seqs, drafts):
+            for token in tokens:
+                seq.append_token(token)
+            seq.num_scheduled_tokens = len(seq) - seq.num_cached_tokens
+        return prepare_prefill(seqs, block_size)
     """,
-    r"37 tokens \+ 3 new, table \[7, 2, 9\]; 4 tokens \+ 1 new, table \[4\], positions:",
+    r"38 tokens \+ 2 drafts, .*, logits_rows: expected an array, got None",
+)
+wrong(
+    "verify step: the newest token taken for cached, only the drafts computed",
+    "04_verify_step",
+    'exercise("verify_inputs")',
+    """
+    def verify_inputs(seqs, drafts, block_size):
+        for seq, tokens in zip(seqs, drafts):
+            seq.num_cached_tokens = len(seq)
+            for token in tokens:
+                seq.append_token(token)
+            seq.num_scheduled_tokens = max(1, len(tokens))
+            seq.num_cached_tokens = len(seq) - seq.num_scheduled_tokens
+        step = prepare_prefill(seqs, block_size)
+        step.logits_rows = np.arange(len(step.input_ids))
+        return step
+    """,
+    r"38 tokens \+ 2 drafts, .*, input_ids:\nexpected \[\d+, 5, 6, \d+\]\ngot      \[5, 6, \d+\]",
+)
+ACCEPT = """
+def accept(logits, drafts):
+    choices = logits.argmax(dim=-1).tolist()
+    accepted, bonus, row = [], [], 0
+    for tokens in drafts:
+        KEEP
+        accepted.append(keep)
+        bonus.append(choices[row + keep])
+        row += 1 + len(tokens)
+    return accepted, bonus
+"""
+wrong(
+    "verify step: draft j judged by row j + 1, off by one",
+    "04_verify_step",
+    'exercise("accept")',
+    ACCEPT.replace(
+        "KEEP",
+        "keep = 0\n        while keep < len(tokens) and tokens[keep] == choices[row + keep + 1]:\n"
+        "            keep += 1",
+    ),
+    r"sequence 0: drafts \[5, 7, 9\], the argmax of its 4 rows \[5, 7, 2, 4\]: expected 2 accepted "
+    r"and bonus 2, got 0 and 5",
+)
+wrong(
+    "verify step: every draft that matches accepted, not only the leading ones",
+    "04_verify_step",
+    'exercise("accept")',
+    ACCEPT.replace("KEEP", "keep = sum(t == choices[row + j] for j, t in enumerate(tokens))"),
+    r"sequence 3: drafts \[5, 8, 9\], .*: expected 1 accepted and bonus 7, got 2 and 9",
 )
 
 wrong(
