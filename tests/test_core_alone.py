@@ -22,7 +22,8 @@ CASES = {  # name: the engine's settings, and what must have happened in the run
 }
 RUN = """
 import json, sys
-from minivllm import LLM, SamplingParams
+from minivllm.llm import LLM
+from minivllm.sampling_params import SamplingParams
 from minivllm.engine.scheduler import Scheduler
 
 prompts, max_tokens, cases = json.loads(sys.argv[1])
