@@ -246,6 +246,13 @@ def test_shared_prefix_finds_the_leading_blocks_most_rows_share(monkeypatch):
     assert shared_prefix(tables, lens, 16) == (None, None)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    raises=KeyError,
+    reason="the cascade kernel left notebook 03 for the deep dive cascade_attention "
+    "(minivllm.kernels.cascade); attention/paged.py calls 03's kernel, without a prefix, until "
+    "the GPU path composes the deep dive's",
+)
 def test_rows_sharing_a_cached_prompt_decode_through_the_shared_prefix(
     runner, reference, monkeypatch
 ):

@@ -71,19 +71,7 @@ class PagedContext:
                 self.context_lens,
                 None if out is None else out[:, None],
             )
-            # leading blocks the rows share, read once (03)
-            prefix = (self.prefix_blocks, self.prefix_lens)
-            o = flash_attn_with_kvcache(
-                q[:, None],
-                k,
-                v,
-                lens,
-                tables,
-                layer.scale,
-                out=out,
-                prefix_blocks=prefix[0],
-                prefix_lens=prefix[1],
-            )
+            o = flash_attn_with_kvcache(q[:, None], k, v, lens, tables, layer.scale, out=out)
             return o[:, 0]
         cu_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
         cu_k = torch.nn.functional.pad(self.context_lens.cumsum(0, dtype=torch.int32), (1, 0))
