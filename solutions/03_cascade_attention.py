@@ -15,10 +15,11 @@
 # # Exercise 03 · Cascade attention: a shared prefix read once
 #
 # A decode step of a chat service: 256 rows, one new query each, every row's cache beginning with
-# the same system prompt (with prefix caching, the same blocks). Notebook 03's decode kernel, given
-# `prefix_blocks` and `prefix_lens`, attends all rows' queries to that prefix together and each row
-# to its own keys alone, then merges the two by their log-sum-exps. Here you write the same thing in
-# PyTorch, and check it against the reference attention and against the kernel.
+# the same system prompt (with prefix caching, the same blocks). The deep dive cascade_attention's
+# decode kernel, given `prefix_blocks` and `prefix_lens`, attends all rows' queries to that prefix
+# together and each row to its own keys alone, then merges the two by their log-sum-exps. Here you
+# write the same thing in PyTorch, and check it against the reference attention and against notebook
+# 03's decode kernel.
 #
 # **Your task.** Three functions, each checked right after you write it:
 #
@@ -29,7 +30,7 @@
 # 3. `cascade_decode`: a decode step: the shared prefix with (1), each row's own keys, then (2).
 #
 # **What it assumes.** Notebook 01's online softmax and split-K (a split's output and its
-# log-sum-exp), notebook 03's cascade section. No GPU: about 10 seconds on a CPU. About 25 minutes.
+# log-sum-exp), notebook 03's decode kernel. No GPU: about 10 seconds on a CPU. About 25 minutes.
 
 # %%
 import os
@@ -235,12 +236,13 @@ with exercise("cascade_decode"):
 print("cascade_decode: correct")
 
 # %% [markdown]
-# ## What you built, and the kernel that runs it
-# Notebook 03's decode kernel does the same in paged memory: `_shared_prefix_kernel` is your Part 1
-# (tiles of 64 (row, query head) pairs of a KV head, each key tile read once per tile of rows), the
-# decode kernel from `prefix_lens[row]` on is Part 3's own keys, and the combine kernel is your
-# `merge`, over every split at once. The same step through it: the 48 prefix tokens in 3 blocks that
-# every row's table begins with.
+# ## What you built, and the kernels that run it
+# The deep dive cascade_attention does the same in paged memory: `_shared_prefix_kernel` is your
+# Part 1 (tiles of 64 (row, query head) pairs of a KV head, each key tile read once per tile of
+# rows), its decode kernel from `prefix_lens[row]` on is Part 3's own keys, and its combine kernel
+# is your `merge`, over every split at once. Here the same step goes through notebook 03's decode
+# kernel, which reads every row's keys, the 48 prefix tokens in 3 blocks that every row's table
+# begins with included, row by row: your cascade must give what it gives.
 
 # %%
 lens = [48 + len(k) for k in own_k]
@@ -263,8 +265,6 @@ kernel = flash_attn_with_kvcache(
     torch.tensor(lens, dtype=torch.int32, device=DEVICE),
     block_table,
     32**-0.5,
-    prefix_blocks=block_table[0, :3],
-    prefix_lens=torch.full((6,), 48, dtype=torch.int32, device=DEVICE),
 )
 print(
     f"the kernel vs your cascade_decode: max difference "

@@ -256,12 +256,18 @@ def public_definitions(path: Path) -> set[str]:
     }  # main: each `python -m` module's entry
 
 
+# flash-attn's calling convention, defined on purpose twice: notebook 03's decode kernel, and the deep dive
+# cascade_attention's drop-in for it (the same arguments, plus a shared prefix), which the GPU runner imports
+DROP_INS = {"flash_attn_with_kvcache": ["kernels/cascade.py", "kernels/paged_attn.py"]}
+
+
 def test_no_two_modules_define_the_same_public_name():
     homes: dict[str, list[str]] = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         for name in public_definitions(path):
             homes.setdefault(name, []).append(str(path.relative_to(PACKAGE)))
-    assert {name: where for name, where in homes.items() if len(where) > 1} == {}
+    shared = {name: where for name, where in homes.items() if len(where) > 1}
+    assert shared == DROP_INS
 
 
 # Inside engine/: module -> the engine modules it may import (docs/ARCHITECTURE.md). The front end

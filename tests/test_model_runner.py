@@ -18,7 +18,7 @@ from minivllm.engine.mixed_graphs import MixedGraphs
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.production import make_runner
 from minivllm.engine.sequence import Sequence
-from minivllm.kernels import flash_attn_with_kvcache
+from minivllm.kernels.cascade import flash_attn_with_kvcache  # the GPU context's decode kernel
 from minivllm.models.loader import load_model
 from minivllm.testing import prompt_logits
 

@@ -1,4 +1,5 @@
-"""Paged KV-cache kernels (notebook 04) against the reference attention, under the interpreter and on a GPU."""
+"""Paged KV-cache kernels (notebook 03, its deep dives cascade_attention and paged_prefill) against the reference
+attention, under the interpreter and on a GPU."""
 
 import random
 
@@ -8,6 +9,7 @@ import torch
 from minivllm.attention.fast_paged import query_tiles
 from minivllm.kernels import (
     attention_ref,
+    cascade,
     flash_attn_varlen_func,
     flash_attn_with_kvcache,
     paged_attn,
@@ -20,14 +22,22 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def check_decode(
-    seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype=torch.float32, tol=1e-4
+    seq_lens,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    block_size,
+    dtype=torch.float32,
+    tol=1e-4,
+    decode=flash_attn_with_kvcache,
+    **kwargs,
 ):
     k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache(
         seq_lens, num_kv_heads, head_dim, block_size, DEVICE, dtype
     )
     q = torch.randn(len(seq_lens), 1, num_heads, head_dim, device=DEVICE).to(dtype)
     seqlens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    out = flash_attn_with_kvcache(q, k_cache, v_cache, seqlens, block_table)
+    out = decode(q, k_cache, v_cache, seqlens, block_table, **kwargs)
     cu_q = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)
     ref = attention_ref(q[:, 0], k, v, cu_q, cu_k)
     torch.testing.assert_close(out[:, 0].float(), ref.float(), rtol=tol, atol=tol)
@@ -54,10 +64,48 @@ def test_decode_matches_reference(block_size, group):
 
 
 @pytest.mark.parametrize("num_splits", [2, 3, 7])
-def test_decode_split_k_combines_exactly(monkeypatch, num_splits):
-    """Split-K runs on a GPU at small batch; force it here too, including splits that get no tokens."""
-    monkeypatch.setattr(paged_attn, "decode_num_splits", lambda *_: num_splits)
-    check_decode([1, 5, 100, 257], num_heads=4, num_kv_heads=2, head_dim=32, block_size=16)
+def test_decode_split_k_combines_exactly(num_splits):
+    """Split-K at any number of splits, including splits that get no tokens."""
+    check_decode([1, 5, 100, 257], 4, 2, 32, 16, num_splits=num_splits)
+
+
+def test_decode_splits_by_context_length_unless_told(monkeypatch):
+    """Without num_splits: one split per 1,024 tokens a block table row holds, at most 16."""
+    launched = []
+    real = paged_attn._decode_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launched.append(grid[2])
+            return real[grid]
+
+    monkeypatch.setattr(paged_attn, "_decode_kernel", Spy())
+    for blocks in (1, 64, 65, 2000):  # blocks of 16 per table row: 16 to 32,000 tokens
+        k_cache = torch.zeros(blocks, 16, 1, 16, device=DEVICE)
+        table = torch.arange(blocks, dtype=torch.int32, device=DEVICE)[None]
+        lens = torch.tensor([1], dtype=torch.int32, device=DEVICE)
+        flash_attn_with_kvcache(
+            torch.ones(1, 1, 1, 16, device=DEVICE), k_cache, k_cache, lens, table
+        )
+    assert launched == [1, 1, 2, 16]
+
+
+def test_cascade_without_a_prefix_is_the_core_kernel_with_its_split_count(monkeypatch):
+    """The deep dive's kernel, no prefix given, at the split counts decode_num_splits picks."""
+    for splits in (1, 5):
+        monkeypatch.setattr(cascade, "decode_num_splits", lambda *_, n=splits: n)
+        check_decode([1, 5, 100, 257], 4, 2, 32, 16, decode=cascade.flash_attn_with_kvcache)
+
+
+def test_decode_num_splits_fills_one_wave_of_the_sms(monkeypatch):
+    monkeypatch.setattr(cascade, "num_sms", lambda device: 132)
+    gpu = torch.device("cuda")
+    splits = [cascade.decode_num_splits(batch, 8, gpu) for batch in (1, 8, 64, 66, 67, 256)]
+    assert splits == [66, 8, 1, 1, 2, 2]  # a wave: 4 programs per SM; 2 past it
+    assert (
+        cascade.decode_num_splits(1, 1, gpu) == 128
+        and cascade.decode_num_splits(1, 8, torch.device("cpu")) == 1
+    )
 
 
 def test_decode_half_precision():
@@ -148,7 +196,8 @@ def test_paged_prefill_computes_the_listed_tiles_only():
         flash_attn_varlen_func(q, k, v, cu_q, cu_k, 64, 300, causal=True, out=out)
 
 
-def test_decode_leaves_rows_with_an_empty_cache_alone():
+@pytest.mark.parametrize("decode", [flash_attn_with_kvcache, cascade.flash_attn_with_kvcache])
+def test_decode_leaves_rows_with_an_empty_cache_alone(decode):
     """A CUDA graph's decode rows past the step's decode rows have an empty cache: their output rows are not
     written (in a mixed step they are prompt tokens' rows)."""
     k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache([30, 5], 2, 32, 16, DEVICE)
@@ -156,7 +205,7 @@ def test_decode_leaves_rows_with_an_empty_cache_alone():
     lens = torch.tensor([30, 0, 5], dtype=torch.int32, device=DEVICE)
     tables = torch.stack([block_table[0], block_table[0], block_table[1]])
     out = torch.full_like(q, 7.0)
-    flash_attn_with_kvcache(q, k_cache, v_cache, lens, tables, out=out)
+    decode(q, k_cache, v_cache, lens, tables, out=out)
     assert (out[1] == 7.0).all()
     cu_q = torch.arange(3, dtype=torch.int32, device=DEVICE)
     ref = attention_ref(q[[0, 2], 0], k, v, cu_q, cu_k)
@@ -175,19 +224,20 @@ def check_shared_prefix(
     prefix_lens[[0, *sharers]] = prefix_blocks * block_size
     q = torch.randn(len(seq_lens), 1, num_heads, k_cache.shape[-1], device=DEVICE).to(dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    row_by_row = flash_attn_with_kvcache(q, k_cache, v_cache, lens, block_table)
-    out = flash_attn_with_kvcache(q, k_cache, v_cache, lens, block_table, prefix_blocks=block_table[0, :prefix_blocks],
-                                  prefix_lens=prefix_lens)  # fmt: skip
+    row_by_row = cascade.flash_attn_with_kvcache(q, k_cache, v_cache, lens, block_table)
+    out = cascade.flash_attn_with_kvcache(q, k_cache, v_cache, lens, block_table,
+                                          prefix_blocks=block_table[0, :prefix_blocks], prefix_lens=prefix_lens)  # fmt: skip
     torch.testing.assert_close(out.float(), row_by_row.float(), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("group", [1, 2, 3])
 @pytest.mark.parametrize("splits", [(1, 1), (2, 3), (5, 2)])
 def test_shared_prefix_gives_the_row_by_row_output(monkeypatch, group, splits):
-    """Cascade attention (03): the prefix kernel's partial results are more splits of each row. Rows that do not
-    share the prefix, a row whose keys are all prefix, splits with no keys, and GQA groups that are not powers of 2."""
-    monkeypatch.setattr(paged_attn, "decode_num_splits", lambda *_: splits[0])
-    monkeypatch.setattr(paged_attn, "prefix_num_splits", lambda *_: splits[1])
+    """Cascade attention (deep dive cascade_attention): the prefix kernel's partial results are more splits of each
+    row. Rows that do not share the prefix, a row whose keys are all prefix, splits with no keys, and GQA groups that
+    are not powers of 2."""
+    monkeypatch.setattr(cascade, "decode_num_splits", lambda *_: splits[0])
+    monkeypatch.setattr(cascade, "prefix_num_splits", lambda *_: splits[1])
     check_shared_prefix(
         [70, 49, 100, 48, 33, 200], [1, 2, 3, 5], 3, 2 * group, 2, 16, torch.float32, 1e-4
     )
@@ -205,10 +255,14 @@ def test_bad_decode_input_raises_value_error():
     with pytest.raises(
         ValueError, match="go together"
     ):  # a shared prefix's blocks, and who shares them
-        flash_attn_with_kvcache(q, k_cache, k_cache, seqlens, table, prefix_blocks=table[0])
+        cascade.flash_attn_with_kvcache(q, k_cache, k_cache, seqlens, table, prefix_blocks=table[0])
     with pytest.raises(ValueError, match="one row per sequence"):
-        flash_attn_with_kvcache(q, k_cache, k_cache, seqlens, table, prefix_blocks=table[0],
-                                prefix_lens=torch.zeros(2, dtype=torch.int32))  # fmt: skip
+        cascade.flash_attn_with_kvcache(q, k_cache, k_cache, seqlens, table, prefix_blocks=table[0],
+                                        prefix_lens=torch.zeros(2, dtype=torch.int32))  # fmt: skip
+    with pytest.raises(ValueError, match="q must be"):  # the core's checks come first
+        cascade.flash_attn_with_kvcache(q[0], k_cache, k_cache, seqlens, table)
+    with pytest.raises(ValueError, match="num_splits"):
+        flash_attn_with_kvcache(q, k_cache, k_cache, seqlens, table, num_splits=0)
     with pytest.raises(ValueError, match="k_cache"):
         flash_attn_with_kvcache(q, k_cache.half(), k_cache, seqlens, table)
     with pytest.raises(ValueError, match="cache_seqlens"):

@@ -8,7 +8,8 @@ import torch
 from minivllm import kernels  # kernels.flash_attn_varlen_func: the deep dive paged_prefill's
 from minivllm.attention.layer import Attention
 from minivllm.attention.paged import PagedContext
-from minivllm.kernels.paged_attn import flash_attn_with_kvcache, store_kvcache
+from minivllm.kernels.cascade import flash_attn_with_kvcache
+from minivllm.kernels.paged_attn import store_kvcache
 
 
 def query_tiles(

@@ -17,7 +17,7 @@ import random
 import torch
 
 from minivllm.benchmarks.common import arg_parser, graph_ms, result, save
-from minivllm.kernels import flash_attn_with_kvcache
+from minivllm.kernels.cascade import flash_attn_with_kvcache
 from minivllm.testing import scatter_into_cache
 
 PREFIX, BLOCK_SIZE = 1488, 16

@@ -25,7 +25,6 @@ from minivllm.benchmarks.common import (
     result,
     save,
 )
-from minivllm.kernels import flash_attn_with_kvcache
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
 # (batch, context_len)
@@ -82,10 +81,18 @@ def prefill_kernel_as_decode(x: dict) -> torch.Tensor:
     )
 
 
-IMPLS = {
-    "minivllm-triton": lambda x: flash_attn_with_kvcache(
+def minivllm_decode(x: dict) -> torch.Tensor:
+    """Notebook 03's decode kernel as the engine runs it on a GPU: its split count in SM waves."""
+    # the deep dive cascade_attention's: on a GPU only
+    from minivllm.kernels.cascade import flash_attn_with_kvcache
+
+    return flash_attn_with_kvcache(
         x["q"], x["k_cache"], x["v_cache"], x["cache_seqlens"], x["block_table"]
-    ),
+    )
+
+
+IMPLS = {
+    "minivllm-triton": minivllm_decode,
     "minivllm-prefill-kernel": prefill_kernel_as_decode,
     "naive-gather-sdpa": naive_gather_sdpa,
 }

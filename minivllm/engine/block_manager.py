@@ -10,8 +10,7 @@ from minivllm.engine.sequence import Sequence
 
 
 def compute_hash(token_ids: list[int], parent_hash: int = -1) -> int:
-    """xxh64 of (the previous block's hash, this block's token ids); -1 means there is no previous
-    block."""
+    """xxh64 of (the previous block's hash, this block's token ids); -1: no previous block."""
     h = xxhash.xxh64()
     if parent_hash != -1:
         h.update(parent_hash.to_bytes(8, "little"))
@@ -22,8 +21,8 @@ def compute_hash(token_ids: list[int], parent_hash: int = -1) -> int:
 @dataclass(slots=True)
 class Block:
     block_id: int
-    ref_count: int = 0  # live sequences whose block table holds this block
-    hash: int = -1  # chained hash once full and cached; -1 otherwise
+    ref_count: int = 0  # sequences whose block table holds it; free at 0
+    hash: int = -1  # its chained hash once full and cached, else -1
     token_ids: list[int] = field(default_factory=list)  # the tokens behind `hash`, to verify a hit
 
 
@@ -32,27 +31,22 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         if num_blocks < 1 or block_size < 1:
-            raise ValueError(
-                f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}"
-            )
+            sizes = f"got {num_blocks} and {block_size}"
+            raise ValueError(f"num_blocks and block_size must be >= 1, {sizes}")
         self.num_blocks = num_blocks
-        self.block_size = block_size  # the one owner: sequences and the scheduler read it from here
+        self.block_size = block_size  # the one owner: sequences and the scheduler read it here
         self.enable_prefix_caching = enable_prefix_caching
         self.reset()
 
     def reset(self) -> None:
-        """Every block free and empty, nothing cached: the state of a new block manager. Trusts
-        nothing it held."""
+        """Every block free and empty, nothing cached, whatever was held before."""
         self.blocks = [Block(i) for i in range(self.num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
-        # free, nothing worth keeping
-        self.free_block_ids: deque[int] = deque(range(self.num_blocks))
-        # free but cached; least recently freed first
-        self.cached_block_ids: OrderedDict[int, None] = OrderedDict()
+        self.free_block_ids: deque[int] = deque(range(self.num_blocks))  # free and empty
+        self.cached_block_ids: OrderedDict[int, None] = OrderedDict()  # free, cached; LRU first
 
     @property
     def num_slots(self) -> int:
-        """Tokens the whole cache holds."""
         return self.num_blocks * self.block_size
 
     @property
@@ -67,22 +61,13 @@ class BlockManager:
     def num_cached_free_blocks(self) -> int:
         return len(self.cached_block_ids)
 
-    def _lookup(self, h: int, token_ids: list[int]) -> Block | None:
-        block_id = self.hash_to_block_id.get(h)
-        # a 64-bit hash can collide
-        if block_id is None or self.blocks[block_id].token_ids != token_ids:
-            return None
-        return self.blocks[block_id]
-
     def _take_free_block(self) -> Block:
-        """A block for new KV: an empty one if any is left, else evict the least recently freed
-        cached one."""
+        """An empty block if any is left, else evict the least recently freed cached one."""
         if self.free_block_ids:
             block = self.blocks[self.free_block_ids.popleft()]
         else:
             block = self.blocks[self.cached_block_ids.popitem(last=False)[0]]
             del self.hash_to_block_id[block.hash]
-        assert block.ref_count == 0
         block.ref_count, block.hash, block.token_ids = 1, -1, []
         return block
 
@@ -102,7 +87,7 @@ class BlockManager:
         if block.ref_count > 0:
             return
         if self.hash_to_block_id.get(block.hash) == block.block_id:
-            self.cached_block_ids[block.block_id] = None  # keep its KV for a later hit; reused last
+            self.cached_block_ids[block.block_id] = None  # keep its KV for a later hit
         else:
             block.hash, block.token_ids = -1, []
             self.free_block_ids.append(block.block_id)
@@ -111,44 +96,33 @@ class BlockManager:
         return self.num_free_blocks >= seq.num_blocks
 
     def allocate(self, seq: Sequence) -> None:
-        """Blocks for a waiting sequence: its longest run of leading full blocks found in the cache,
-        then fresh ones."""
-        assert not seq.block_table and seq.num_cached_tokens == 0, (
-            f"sequence {seq.seq_id} already holds blocks"
-        )
-        assert seq.block_size == self.block_size, (
-            f"sequence block_size {seq.block_size} != {self.block_size}"
-        )
+        """Blocks for a waiting sequence: its leading full blocks found cached, then new ones."""
+        assert not seq.block_table, f"sequence {seq.seq_id} already holds blocks"
+        assert seq.block_size == self.block_size, f"the sequence's block_size is {seq.block_size}"
         assert self.can_allocate(seq), "allocate() without room: ask can_allocate() first"
-        # those score every token
+        # no hits for prompt logprobs, which score every token; the last token is always computed
         reuse = self.enable_prefix_caching and seq.sampling_params.prompt_logprobs is None
-        # the last token is always computed
-        max_hits = (seq.num_tokens - 1) // self.block_size if reuse else 0
         parent_hash = -1
-        for i in range(max_hits):
+        for i in range((seq.num_tokens - 1) // self.block_size if reuse else 0):
             token_ids = seq.block(i)
             parent_hash = compute_hash(token_ids, parent_hash)
-            hit = self._lookup(parent_hash, token_ids)
-            if hit is None:
+            hit = self.hash_to_block_id.get(parent_hash)
+            if hit is None or self.blocks[hit].token_ids != token_ids:  # a miss, or a collision
                 break
-            self._share(hit)
-            seq.block_table.append(hit.block_id)
+            self._share(self.blocks[hit])
+            seq.block_table.append(hit)
         seq.num_cached_tokens = len(seq.block_table) * self.block_size
         while len(seq.block_table) < seq.num_blocks:
             seq.block_table.append(self._take_free_block().block_id)
 
     def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
-        """Cache the new full blocks among seq's first `num_tokens` tokens, in the step that
-        computes their KV."""
+        """Cache the new full blocks of seq's first `num_tokens`, in the step computing their KV."""
         assert seq.num_cached_tokens <= num_tokens <= seq.num_tokens
         if not self.enable_prefix_caching:
             return
-        # blocks before are cached already
         for i in range(seq.num_cached_blocks, num_tokens // self.block_size):
             block = self.blocks[seq.block_table[i]]
-            assert block.hash == -1 and block.ref_count == 1, (
-                "only its own sequence writes a block being computed"
-            )
+            assert block.hash == -1, "only its own sequence writes a block being computed"
             parent_hash = self.blocks[seq.block_table[i - 1]].hash if i else -1
             token_ids = seq.block(i)
             self._cache(block, compute_hash(token_ids, parent_hash), token_ids)
@@ -158,34 +132,22 @@ class BlockManager:
         return self.num_free_blocks >= (len(seq.block_table) < seq.num_blocks)
 
     def may_append(self, seq: Sequence) -> None:
-        """After append_token: a new block when the new token starts one; cache the last block once
-        it is full."""
-        block_table = seq.block_table
-        assert block_table and seq.num_blocks - len(block_table) in (0, 1), (
-            "call may_append after each append_token"
-        )
-        if len(block_table) < seq.num_blocks:
-            assert self.blocks[block_table[-1]].hash != -1 or not self.enable_prefix_caching
-            block_table.append(self._take_free_block().block_id)
+        """After append_token: a new block if the new token starts one; cache the last once full."""
+        assert seq.num_blocks - len(seq.block_table) in (0, 1), "call it after each append_token"
+        if len(seq.block_table) < seq.num_blocks:
+            seq.block_table.append(self._take_free_block().block_id)
         if seq.last_block_num_tokens == self.block_size and self.enable_prefix_caching:
-            last = self.blocks[block_table[-1]]
-            # only its own sequence ever writes into it
-            assert last.hash == -1 and last.ref_count == 1
             self._cache_last_block(seq)
 
     def token_known(self, seq: Sequence) -> None:
-        """seq's newest token, a placeholder until now (06), is known: re-cache a block cached with
-        it (no hit)."""
-        if (
-            seq.block_table
-            and len(seq.block_table) == seq.num_blocks
-            and self.blocks[seq.block_table[-1]].hash != -1
-        ):
+        """seq's newest token, a placeholder until now (05), is known: re-cache a block cached with
+        it."""
+        table = seq.block_table
+        if table and len(table) == seq.num_blocks and self.blocks[table[-1]].hash != -1:
             self._cache_last_block(seq)
 
     def _cache_last_block(self, seq: Sequence) -> None:
-        """Cache seq's full last block under the hash of its tokens, first dropping a hash it
-        held."""
+        """Cache seq's full last block under the hash of its tokens, dropping a hash it held."""
         last = self.blocks[seq.block_table[-1]]
         if self.hash_to_block_id.get(last.hash) == last.block_id:
             del self.hash_to_block_id[last.hash]
@@ -194,19 +156,18 @@ class BlockManager:
         self._cache(last, compute_hash(token_ids, parent_hash), token_ids)
 
     def deallocate(self, seq: Sequence) -> None:
-        """Give back a finished or preempted sequence's blocks; the ones nobody else holds become
-        free."""
+        """Give back a finished or preempted sequence's blocks, tail first: a shared head is evicted
+        last."""
         assert seq.block_table, f"sequence {seq.seq_id} holds no blocks (freed twice?)"
-        for block_id in reversed(seq.block_table):  # tail first: a shared head is evicted last
+        for block_id in reversed(seq.block_table):
             self._release(self.blocks[block_id])
         seq.num_cached_tokens = 0
         seq.block_table.clear()
 
     def discard(self, seq: Sequence) -> None:
-        """Give back a sequence dropped mid-step: its blocks past `num_cached_tokens`, cached but
-        never written, first leave the cache, so no request can hit them."""
-        for block_id in seq.block_table[seq.num_cached_tokens // self.block_size :]:
-            block = self.blocks[block_id]
-            if self.hash_to_block_id.get(block.hash) == block_id:
-                del self.hash_to_block_id[block.hash]
+        """Give back a sequence dropped mid-step: first uncache its blocks past `num_cached_tokens`,
+        whose KV that step may not have written."""
+        for block_id in seq.block_table[seq.num_cached_blocks :]:
+            if self.hash_to_block_id.get(self.blocks[block_id].hash) == block_id:
+                del self.hash_to_block_id[self.blocks[block_id].hash]
         self.deallocate(seq)

@@ -8,13 +8,12 @@ from minivllm.sampling_params import SamplingParams
 
 class SequenceStatus(Enum):
     WAITING = auto()  # queued for prefill: new, or preempted (its KV was dropped)
-    RUNNING = auto()  # holds KV blocks and decodes
+    RUNNING = auto()  # holds KV blocks
     FINISHED = auto()
 
 
 class Sequence:
-    """One request: its token ids (prompt, then completion), its KV block table and its sampling
-    parameters."""
+    """One request: its token ids (prompt, then completion), KV block table and sampling params."""
 
     counter = count()
 
@@ -24,22 +23,16 @@ class Sequence:
         sampling_params: SamplingParams | None = None,
         block_size: int = 16,
     ):
-        assert len(token_ids) > 0 and block_size >= 1, (
-            "the engine refuses empty prompts; block_size >= 1"
-        )
+        assert token_ids and block_size >= 1, "the engine refuses empty prompts; block_size >= 1"
         self.seq_id = next(Sequence.counter)
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)  # our own copy
         self.last_token = self.token_ids[-1]
         self.num_tokens = len(self.token_ids)
         self.num_prompt_tokens = self.num_tokens
-        self.num_cached_tokens = (
-            0  # leading tokens whose KV is in the cache: prefix hits, then computed ones
-        )
-        self.num_scheduled_tokens = (
-            0  # tokens the current step computes, after the cached ones (set by the scheduler)
-        )
-        self.block_size = block_size  # the block manager's, to cut token_ids into blocks
+        self.num_cached_tokens = 0  # leading tokens whose KV is in the cache
+        self.num_scheduled_tokens = 0  # tokens this step computes after them (the scheduler's)
+        self.block_size = block_size  # the block manager's
         self.block_table: list[int] = []  # logical block i -> physical block id
         self.sampling_params = sampling_params or SamplingParams()
         self.finish_reason: str | None = None  # "stop" or "length" once finished
@@ -48,10 +41,8 @@ class Sequence:
         return self.num_tokens
 
     def __repr__(self) -> str:
-        return (
-            f"Sequence(seq_id={self.seq_id}, {self.status.name}, num_tokens={self.num_tokens}, "
-            f"num_cached_tokens={self.num_cached_tokens}, block_table={self.block_table})"
-        )
+        cached = f"num_cached_tokens={self.num_cached_tokens}"
+        return f"Sequence({self.seq_id}, {self.status.name}, {self.token_ids}, {cached})"
 
     @property
     def is_finished(self) -> bool:

@@ -6,7 +6,7 @@ import torch
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.sampler_warm_up import warm_up_sampler
 from minivllm.engine.step_inputs import StepInputs
-from minivllm.kernels.paged_attn import flash_attn_with_kvcache
+from minivllm.kernels.cascade import flash_attn_with_kvcache
 
 
 def prefix_hit_step(block_size: int) -> StepInputs:

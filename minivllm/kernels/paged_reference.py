@@ -18,8 +18,7 @@ def store_kvcache_ref(
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """A sequence's first `num_tokens` rows of a paged cache, contiguous: (num_tokens, num_kv_heads,
-    head_dim)."""
+    """A sequence's first `num_tokens` rows: (num_tokens, num_kv_heads, head_dim)."""
     num_blocks = -(-num_tokens // cache.shape[1])
     return cache[block_table[:num_blocks].long()].flatten(0, 1)[:num_tokens]
 
@@ -29,13 +28,11 @@ def paged_attention_ref(
     k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
     v_cache: torch.Tensor,
     cu_seqlens_q: torch.Tensor,  # (batch + 1,)
-    # (batch + 1,): tokens in each sequence's cache, the new ones included
-    cu_seqlens_k: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,  # (batch + 1,): tokens in each sequence's cache, new ones included
     block_table: torch.Tensor,  # (batch, max_blocks)
     softmax_scale: float | None = None,
 ) -> torch.Tensor:  # (total_q, num_heads, head_dim)
-    """Causal attention of new tokens over their sequence's whole cache: decode is the case of one
-    new token."""
+    """Causal attention of new tokens over their sequence's whole cache (decode: one new token)."""
     k_lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist()
     k = torch.cat([gather_kv(k_cache, block_table[i], n) for i, n in enumerate(k_lens)])
     v = torch.cat([gather_kv(v_cache, block_table[i], n) for i, n in enumerate(k_lens)])

@@ -12,24 +12,22 @@
 # ---
 
 # %% [markdown]
-# # Deep dive · Cascade attention: a prefix every row shares, read once
+# # Deep dive · Decode on a GPU: split counts in SM waves, and a shared prefix read once
 #
-# **What this adds.** Notebook 03's decode kernel reads each row's keys and values by itself. When
-# many rows begin with the same cached blocks (a system prompt, thanks to prefix caching), it reads
-# those blocks once *per row*. Cascade attention reads them once for all the rows. This deep dive
-# explains the idea, checks the kernel against reading row by row, and shows what it saves on an
-# H200.
+# **What this adds.** Two things notebook 03's decode kernel leaves out, both for speed on a GPU.
+# First, its number of splits depends on the context length alone; on a GPU the right number
+# depends on how many programs the batch already gives the multiprocessors (SMs). Second, when many
+# rows begin with the same cached blocks (a system prompt, thanks to prefix caching), it reads those
+# blocks once *per row*; **cascade attention** reads them once for all the rows.
 #
 # **Where it sits.** It follows notebook 03 (`Sequence`, `BlockManager`, the split-K decode kernel
-# and its combine step). Nothing later in the core path needs it: the engine uses it on a GPU by
-# itself (notebook 04's runner finds the shared prefix), and every output is the same with or
-# without it (up to rounding). Its kernel, `_shared_prefix_kernel`, lives in
-# `minivllm/kernels/paged_attn.py` beside the decode kernel it extends, since
-# `flash_attn_with_kvcache` launches both; its arguments `prefix_blocks` and `prefix_lens` are
-# explained here.
+# and its pieces: `paged_rows`, `attend_split`, `store_split`). It exports
+# `minivllm/kernels/cascade.py`: `decode_num_splits`, and a `flash_attn_with_kvcache` with notebook
+# 03's arguments plus `prefix_blocks` and `prefix_lens`, built from 03's pieces. Nothing in the core
+# path needs it: the GPU runner uses it (the deep dive `cuda_graphs` finds the shared prefix), and
+# every output is the same with or without it (up to rounding).
 #
-# **Write it yourself first?** `exercises/03_cascade_attention.ipynb` builds the same computation in
-# PyTorch.
+# **Write it yourself first?** `exercises/03_cascade_attention.ipynb` builds the cascade in PyTorch.
 
 # %%
 import os
@@ -39,13 +37,11 @@ import torch
 if not torch.cuda.is_available():
     # before any @triton.jit runs: the kernels run interpreted
     os.environ.setdefault("TRITON_INTERPRET", "1")
-import inspect
 import json
 from pathlib import Path
 from unittest import mock
 
 from minivllm.kernels import paged_attn
-from minivllm.kernels.paged_attn import flash_attn_with_kvcache
 from minivllm.kernels.paged_reference import paged_attention_ref
 from minivllm.testing import check_answer, scatter_into_cache
 
@@ -53,6 +49,64 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FIGURES = Path(os.environ.get("MINIVLLM_FIGURES", "../../build/figures")).resolve()
 FIGURES.mkdir(parents=True, exist_ok=True)
 torch.manual_seed(0)
+
+# %% [markdown]
+# ## How many splits: one wave of programs
+# A decode step launches `batch × num_kv_heads × num_splits` programs. A program of the decode
+# kernel is small (4 warps), so an SM runs about 4 at once, and an H200's 132 SMs run a **wave** of
+# about 528. Fewer programs than a wave leave SMs idle; many more only add partial results to
+# combine. So: when `batch × num_kv_heads` programs fill less than a wave, split each sequence
+# enough to fill one (up to 128 splits); past a wave, 2 splits, the best of a sweep on an H200.
+# The count depends on the batch size alone, not
+# on the lengths, so a CUDA graph captured for a batch size keeps it. On a CPU: 1.
+
+
+# %% tags=["export"] module="minivllm.kernels.cascade"
+import functools
+import math
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from minivllm.kernels.flash_attn import load_tile, softmax_scale_of
+from minivllm.kernels.paged_attn import (
+    attend_split,
+    check_decode_inputs,
+    check_index,
+    check_out,
+    store_split,
+)
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> int:
+    """Splits for one wave of ~4 programs per SM, or 2 past a wave (an H200 sweep); per batch
+    size only: CUDA graphs fix it."""
+    if device.type == "cpu":
+        return 1
+    programs, wave = batch * num_kv_heads, 4 * num_sms(device)
+    return min(128, wave // programs) if programs <= wave else 2
+
+
+# %% [markdown]
+# For Qwen3-0.6B's 8 KV heads on an H200 (notebook 03's rule gives a 16,384-token context 16 splits
+# at every batch size: 32,768 programs at batch 256):
+
+# %%
+from minivllm.kernels import cascade
+
+with mock.patch.object(cascade, "num_sms", lambda device: 132):  # an H200's
+    for batch in (1, 8, 64, 256):
+        splits = cascade.decode_num_splits(batch, 8, torch.device("cuda"))
+        programs = batch * 8 * splits
+        print(f"batch {batch:>3}: {splits:>2} splits, {programs:>4} programs")
+        assert programs <= 4 * 132 or splits == 2
 
 # %% [markdown]
 # ## Why a shared prefix wastes decode's reads
@@ -64,54 +118,282 @@ torch.manual_seed(0)
 # prefix) cuts each row's keys in two:
 #
 # * the **shared prefix**, attended by all the rows' queries together: one program per tile of
-#   `BLOCK_M` (row, query head) pairs of a KV head runs the decode kernel's `attend_split` over the
-#   prefix's blocks (no causal mask: every row sees the whole prefix), each key tile read once per
-#   tile of rows, not once per row;
-# * each row's **own keys** (its prompt after the prefix, its output so far): the decode kernel,
+#   `BLOCK_M` (row, query head) pairs of a KV head runs 03's `attend_split` over the prefix's blocks
+#   (no causal mask: every row sees the whole prefix), each key tile read once per tile of rows,
+#   not once per row;
+# * each row's **own keys** (its prompt after the prefix, its output so far): 03's decode kernel,
 #   from `prefix_lens[row]` on.
 #
 # Each half is a split in notebook 03's sense: an output normalised by its own sum, and its
-# log-sum-exp. The prefix's results go into more split slots of each row, and the combine kernel,
-# which already merges splits exactly, merges them too. Per layer of Qwen3-0.6B, 256 rows that share
-# a 1,488-token prompt and hold ~350 tokens each of their own (notebook 06's chat workload):
+# log-sum-exp. The prefix's results go into more split slots of each row, and the combine merges
+# them exactly, as it merges splits. Per layer of Qwen3-0.6B, 256 rows that share a 1,488-token
+# prompt and hold ~350 tokens each of their own (notebook 06's chat workload):
 
 # %%
 rows, shared, own = 256, 1488, 350
 kv_bytes_per_token = 2 * 8 * 128 * 2  # K and V, 8 KV heads of 128, bf16
 per_row = rows * (shared + own) * kv_bytes_per_token / 1e6
-cascade = (shared + rows * own) * kv_bytes_per_token / 1e6
-print(
-    f"keys and values read per layer: {per_row:.0f} MB row by row, {cascade:.0f} MB with the "
-    f"prefix read once"
-)
+cascade_mb = (shared + rows * own) * kv_bytes_per_token / 1e6
+print(f"K and V read per layer: {per_row:.0f} MB row by row, {cascade_mb:.0f} MB, prefix once")
 # 2 query heads per KV head, bf16
 flops_per_byte = lambda queries: 4 * queries * 2 * 128 / (2 * 128 * 2)
 print(
     f"the prefix's FLOP/byte with all rows' queries: {flops_per_byte(rows):.0f} (one row's: "
     f"{flops_per_byte(1):.0f})"
 )
-assert cascade < per_row / 4
+assert cascade_mb < per_row / 4
 
 # %% [markdown]
-# ## The kernel
-# One program per (tile of rows, KV head, split of the prefix). Rows that do not share the prefix
-# (`prefix_lens[row] == 0`) are computed as padding and never read: the combine kernel counts the
-# prefix's slots only for the rows that share it. The prefix gets one length for all its rows, the
-# largest of `prefix_lens`.
+# ## The kernels
+# Three kernels, each built on notebook 03's `attend_split` and `store_split`:
+#
+# * `_own_keys_kernel`: 03's decode kernel, its keys starting at `prefix_lens[row]` (0 for a row
+#   that does not share the prefix), its splits in the first of each row's `num_slots` scratch rows;
+# * `_shared_prefix_kernel`: one program per (tile of rows, KV head, split of the prefix), into the
+#   scratch rows after them. The prefix gets one length for all its rows, the largest of
+#   `prefix_lens`; a row that does not share it is computed as padding and never read;
+# * `_combine_splits_kernel`: 03's combine (there in PyTorch) as one kernel, counting the prefix's
+#   slots only for the rows that share it, and leaving a row with an empty cache (a CUDA graph's
+#   padding row) alone.
 
-# %%
-print(inspect.getsource(paged_attn._shared_prefix_kernel.fn))
-print(inspect.getsource(paged_attn.prefix_num_splits))
+
+# %% tags=["export"]
+@triton.jit(do_not_specialize=["num_slots", "stride_bt"])
+def _own_keys_kernel(
+    Q,
+    K,
+    V,
+    partial_out,
+    partial_lse,
+    cache_seqlens,
+    block_table,
+    prefix_lens,
+    qk_scale,
+    num_slots,
+    stride_bt,
+    q_strides,
+    kv_strides,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Notebook 03's decode kernel over a row's keys from prefix_lens[seq] on."""
+    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seqlen = tl.load(cache_seqlens + seq)
+    first = tl.load(prefix_lens + seq) if HAS_PREFIX else 0  # the keys before: the shared prefix
+    chunk = tl.cdiv(tl.cdiv(seqlen - first, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+    lo = first + split * chunk
+    hi = tl.minimum(lo + chunk, seqlen)
+    offs_g = tl.arange(0, GROUP_PAD)
+    heads, mask = kv_head * GROUP + offs_g, offs_g < GROUP
+    q_rows = Q + seq * q_strides[0] + heads * q_strides[1]  # (GROUP_PAD,)
+    q_ptrs = q_rows[:, None] + tl.arange(0, HEAD_DIM)[None, :]
+    q = load_tile(q_ptrs, mask[:, None], UPCAST)  # (GROUP_PAD, HEAD_DIM)
+    table = block_table + seq * stride_bt
+    K, V = K + kv_head * kv_strides[1], V + kv_head * kv_strides[3]
+    out, lse = attend_split(
+        q, K, V, table, lo, hi, qk_scale, kv_strides, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION
+    )
+    rows = (seq * tl.num_programs(1) * GROUP + heads) * num_slots + split  # (GROUP_PAD,)
+    store_split(partial_out, partial_lse, rows, out, lse, mask)
+
+
+@triton.jit(do_not_specialize=["batch", "num_slots", "first_slot"])
+def _shared_prefix_kernel(
+    Q,
+    K,
+    V,
+    partial_out,
+    partial_lse,
+    prefix_blocks,
+    prefix_lens,
+    qk_scale,
+    batch,
+    num_slots,
+    first_slot,
+    q_strides,
+    kv_strides,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Split `split` of the shared prefix for BLOCK_M (row, query head) pairs of one KV head, into
+    scratch slot first_slot + split."""
+    tile, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # (row, query head) pairs, GROUP heads per row
+    seq, heads = offs_m // GROUP, kv_head * GROUP + offs_m % GROUP
+    # (BLOCK_M,): the prefix's length, or 0
+    lens = tl.load(prefix_lens + seq, mask=seq < batch, other=0)
+    shares, prefix_len = lens > 0, tl.max(lens, 0)  # one length for all sharers
+    if prefix_len == 0:
+        return  # no row of this tile shares it (a CUDA graph's step may have no shared prefix)
+    chunk = tl.cdiv(tl.cdiv(prefix_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, prefix_len)
+    q_rows = Q + seq * q_strides[0] + heads * q_strides[1]  # (BLOCK_M,)
+    q_ptrs = q_rows[:, None] + tl.arange(0, HEAD_DIM)[None, :]
+    q = load_tile(q_ptrs, shares[:, None], UPCAST)  # (BLOCK_M, HEAD_DIM)
+    K, V = K + kv_head * kv_strides[1], V + kv_head * kv_strides[3]
+    # a non-sharer's row is computed too, and never read: the combine kernel skips its slots
+    out, lse = attend_split(
+        q, K, V, prefix_blocks, lo, hi, qk_scale, kv_strides, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION
+    )
+    rows = (seq * tl.num_programs(1) * GROUP + heads) * num_slots + first_slot + split
+    store_split(partial_out, partial_lse, rows, out, lse, seq < batch)
+
+
+@triton.jit(do_not_specialize=["num_splits", "prefix_splits"])
+def _combine_splits_kernel(
+    partial_out,
+    partial_lse,
+    O,
+    cache_seqlens,
+    prefix_lens,
+    num_splits,
+    prefix_splits,
+    o_strides,
+    HEAD_DIM: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    seq, head = tl.program_id(0), tl.program_id(1)
+    if tl.load(cache_seqlens + seq) == 0:
+        # not a sequence: a CUDA graph's padding row, whose output row may be another's
+        return
+    num_slots = num_splits + prefix_splits
+    # the shared prefix's splits follow the row's own, if it shares it
+    if prefix_splits > 0:
+        num_splits += tl.where(tl.load(prefix_lens + seq) > 0, prefix_splits, 0)
+    offs_s, offs_d = tl.arange(0, SPLITS_PAD), tl.arange(0, HEAD_DIM)
+    rows = (seq * tl.num_programs(1) + head) * num_slots + offs_s  # (SPLITS_PAD,)
+    lse = tl.load(partial_lse + rows, mask=offs_s < num_splits, other=float("-inf"))
+    m = tl.max(lse, 0)
+    weights = tl.math.exp2(lse - tl.where(m == float("-inf"), 0.0, m))
+    part_ptrs = partial_out + rows[:, None] * HEAD_DIM + offs_d[None, :]
+    parts = tl.load(part_ptrs, mask=(offs_s < num_splits)[:, None], other=0.0)  # (SPLITS_PAD, D)
+    total = tl.maximum(tl.sum(weights, 0), 1e-30)
+    out = tl.sum(parts * weights[:, None], 0) / total
+    o_ptrs = O + seq * o_strides[0] + head * o_strides[1] + offs_d
+    tl.store(o_ptrs, out.to(O.dtype.element_ty))
+
+
+def prefix_num_splits(num_programs: int, device: torch.device) -> int:
+    """Splits of the shared prefix: enough for one program per SM, given num_programs (tiles × KV
+    heads) per split."""
+    if device.type == "cpu":
+        return 1
+    return max(1, min(8, num_sms(device) // num_programs))
+
+
+# %% [markdown]
+# ## The host side
+# Notebook 03's checks, then the prefix's: `prefix_blocks` and `prefix_lens` go together, one
+# length per row. The split counts come from the batch size (`decode_num_splits`) and, for the
+# prefix, from how many tiles of rows there are (`prefix_num_splits`). Tile sizes and pipelining
+# stages: the fastest of a sweep on an H200 (bf16, head_dim 128, block sizes 16 and 256).
+
+
+# %% tags=["export"]
+def check_prefix(q: torch.Tensor, prefix_blocks, prefix_lens) -> None:
+    if (prefix_blocks is None) != (prefix_lens is None):
+        raise ValueError(
+            "prefix_blocks and prefix_lens go together: the shared blocks, and who shares them"
+        )
+    if prefix_lens is not None and prefix_blocks is not None:
+        check_index("prefix_blocks", prefix_blocks, 1, q.device)
+        check_index("prefix_lens", prefix_lens, 1, q.device)
+        if prefix_lens.shape[0] != q.shape[0]:
+            raise ValueError(
+                f"prefix_lens needs one row per sequence ({q.shape[0]}), got {prefix_lens.shape[0]}"
+            )
+
+
+def flash_attn_with_kvcache(
+    q: torch.Tensor,  # (batch, 1, num_heads, head_dim): one new query per sequence
+    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor | None = None,  # (batch,) int32: tokens in each sequence's cache
+    block_table: torch.Tensor | None = None,  # (batch, max_blocks) int32
+    softmax_scale: float | None = None,
+    causal: bool = False,  # one query that sees its whole cache: causal or not is the same thing
+    out: torch.Tensor | None = None,  # (batch, 1, num_heads, head_dim) to write into; None: new
+    prefix_blocks: torch.Tensor | None = None,  # (n,) int32: blocks beginning several rows' caches
+    prefix_lens: torch.Tensor | None = None,  # (batch,) int32: a row's tokens in them, or 0
+) -> torch.Tensor:  # (batch, 1, num_heads, head_dim)
+    """Notebook 03's decode attention with a split count in SM waves. Rows that begin with
+    `prefix_blocks` (`prefix_lens` > 0) attend to them together, their keys read once."""
+    check_decode_inputs(q, k_cache, v_cache, cache_seqlens, block_table)
+    check_prefix(q, prefix_blocks, prefix_lens)
+    assert cache_seqlens is not None and block_table is not None  # checked: for mypy
+    batch, _, num_heads, head_dim = q.shape
+    num_kv_heads, on_cpu = k_cache.shape[2], q.device.type == "cpu"
+    num_splits, group = decode_num_splits(batch, num_kv_heads, q.device), num_heads // num_kv_heads
+    block_m = 16 if on_cpu else 64  # (row, query head) pairs per program of the prefix kernel
+    prefix_grid = (triton.cdiv(batch * group, block_m), num_kv_heads)
+    prefix_splits = 0
+    if prefix_blocks is not None:
+        prefix_splits = prefix_num_splits(prefix_grid[0] * prefix_grid[1], q.device)
+    k, v = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
+    out = check_out(out, q)
+    # partial results per row and head: the row's own splits, then the prefix's
+    slots = num_splits + prefix_splits
+    partial_out = q.new_empty(batch, num_heads, slots, head_dim, dtype=torch.float32)
+    partial_lse = q.new_empty(batch, num_heads, slots, dtype=torch.float32)
+    tensors = (q, k, v, partial_out, partial_lse)
+    lens = cache_seqlens if prefix_lens is None else prefix_lens
+    qk_scale = softmax_scale_of(softmax_scale, head_dim) * math.log2(math.e)
+    q_strides = (q.stride(0), q.stride(2))  # (batch, head)
+    kv_strides = (*k.stride()[:2], *v.stride()[:2])  # (token, head) of k, then of v
+    strides = (q_strides, kv_strides)
+    common: dict[str, Any] = dict(HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], GROUP=group)
+    common.update(BLOCK_N=16 if on_cpu else 64, num_warps=4, num_stages=1 if on_cpu else 2)
+    common.update(UPCAST=on_cpu and q.dtype != torch.float32)
+    common.update(PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    own = dict(GROUP_PAD=max(16, triton.next_power_of_2(group)), HAS_PREFIX=prefix_lens is not None)
+    scalars = (qk_scale, slots, block_table.stride(0))
+    _own_keys_kernel[(batch, num_kv_heads, num_splits)](
+        *tensors, cache_seqlens, block_table, lens, *scalars, *strides, **own, **common
+    )
+    if prefix_splits:
+        prefix = (prefix_blocks, prefix_lens, qk_scale, batch, slots, num_splits)
+        _shared_prefix_kernel[(*prefix_grid, prefix_splits)](
+            *tensors, *prefix, *strides, BLOCK_M=block_m, **common
+        )
+    splits = (num_splits, prefix_splits, (out.stride(0), out.stride(2)))
+    pad = max(2, triton.next_power_of_2(slots))
+    _combine_splits_kernel[(batch, num_heads)](
+        partial_out,
+        partial_lse,
+        out,
+        cache_seqlens,
+        lens,
+        *splits,
+        HEAD_DIM=head_dim,
+        SPLITS_PAD=pad,
+    )
+    return out
+
 
 # %% [markdown]
 # ## Check it against the reference
 # Rows 0–3 below begin with the same 3 blocks (48 tokens), row 4 does not. With the prefix given,
 # each row's output must be what notebook 03's PyTorch reference gives (each row's keys gathered
-# through its block table), and what the decode kernel gives reading every key row by row, whatever
-# the number of splits of the prefix (on a CPU, with no multiprocessors to fill, `prefix_num_splits`
-# picks 1; here it is forced).
+# through its block table), and what notebook 03's decode kernel gives reading every key row by
+# row, whatever the number of splits of the prefix (on a CPU, with no multiprocessors to fill,
+# `prefix_num_splits` picks 1; here it is forced). Without a prefix, the function is notebook 03's
+# kernel with `decode_num_splits`'s count.
 
 # %%
+from minivllm.kernels.cascade import flash_attn_with_kvcache
+
 seq_lens = [60, 49, 100, 48, 70]
 k_cache, v_cache, block_table, _, _, _ = scatter_into_cache(seq_lens, 2, 32, 16, DEVICE)
 # rows 1-3 now read row 0's first 48 keys: a cached system prompt
@@ -126,10 +408,12 @@ cu_q = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)  # one 
 cu_k = torch.tensor([0, *seq_lens], device=DEVICE).cumsum(0).int()
 # (rows, heads, head_dim)
 ref = paged_attention_ref(q[:, 0], k_cache, v_cache, cu_q, cu_k, block_table)
+core = paged_attn.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table)
 row_by_row = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table)
+torch.testing.assert_close(row_by_row, core, rtol=1e-5, atol=1e-5)
 torch.testing.assert_close(row_by_row[:, 0], ref, rtol=1e-4, atol=1e-4)
 for num_splits in (1, 3):
-    with mock.patch.object(paged_attn, "prefix_num_splits", lambda *_, n=num_splits: n):
+    with mock.patch.object(cascade, "prefix_num_splits", lambda *_, n=num_splits: n):
         out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table, **prefix)
     print(
         f"prefix in {num_splits} split(s): max difference from the reference "
@@ -181,8 +465,8 @@ check_answer([32, 32, 0], [32 * s for s in shares], "who shares the prefix")
 # `python -m minivllm.benchmarks.cascade` times decode attention per layer for rows that share a
 # 1,488-token prefix: each row reading every key (`row by row`), the prefix read once (`cascade`),
 # and the prefix kernel launched in a step where no row shares it (`cascade, no sharers`: what a
-# CUDA graph captured with it costs; notebook 04 captures decode graphs both ways). On a GPU this
-# cell re-measures two shapes; without one it shows the committed H200 results.
+# CUDA graph captured with it costs; the deep dive `cuda_graphs` captures decode graphs both ways).
+# On a GPU this cell re-measures two shapes; without one it shows the committed H200 results.
 
 # %%
 from minivllm.benchmarks.cascade import plot_cascade, run_cascade_benchmark
@@ -205,9 +489,9 @@ for rows, own in sorted({(b, o) for _, b, o in us}):
 # **Reading it** (computed below from the rows shown). The more rows share the prefix, the more
 # reads cascade saves: 256 rows read the prefix once instead of 256 times. Launching the prefix
 # kernel in a step where no row shares it costs a few percent: a CUDA graph captured with it must
-# not run such steps, which is why notebook 04 captures decode graphs both ways, and why its runner
-# asks for the cascade only when at least `CASCADE_MIN_ROWS` rows share `CASCADE_MIN_TOKENS` tokens.
-# These are one machine's measurements: printed, not asserted.
+# not run such steps, which is why the deep dive `cuda_graphs` captures decode graphs both ways,
+# and asks for the cascade only when at least `CASCADE_MIN_ROWS` rows share `CASCADE_MIN_TOKENS`
+# tokens. These are one machine's measurements: printed, not asserted.
 
 # %%
 for rows, own in sorted({(b, o) for _, b, o in us}):

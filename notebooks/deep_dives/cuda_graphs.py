@@ -119,7 +119,8 @@ import torch
 from minivllm import kernels  # kernels.flash_attn_varlen_func: the deep dive paged_prefill's
 from minivllm.attention.layer import Attention
 from minivllm.attention.paged import PagedContext
-from minivllm.kernels.paged_attn import flash_attn_with_kvcache, store_kvcache
+from minivllm.kernels.cascade import flash_attn_with_kvcache
+from minivllm.kernels.paged_attn import store_kvcache
 
 
 def query_tiles(
@@ -565,7 +566,7 @@ import torch
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.sampler_warm_up import warm_up_sampler
 from minivllm.engine.step_inputs import StepInputs
-from minivllm.kernels.paged_attn import flash_attn_with_kvcache
+from minivllm.kernels.cascade import flash_attn_with_kvcache
 
 
 def prefix_hit_step(block_size: int) -> StepInputs:
