@@ -44,7 +44,6 @@ from minivllm.benchmarks.workloads import (
     warm_up,
 )
 from minivllm.checkpoint.maker import preset_config
-from minivllm.production import ProductionLLM as LLM
 
 
 def roofline_tok_per_s(
@@ -141,6 +140,8 @@ def engine_rows(
 ) -> list[dict]:
     """One LLM (this policy, prefix caching on or off, Config fields in `config`) running each
     workload in turn."""
+    from minivllm.production import ProductionLLM as LLM  # here: notebook 06 reads the rest alone
+
     start = time.perf_counter()
     with LLM(str(path), scheduling_policy=policy, enable_prefix_caching=caching, **config) as llm:
         startup_seconds = time.perf_counter() - start
