@@ -87,8 +87,8 @@ from minivllm.layers.rotary_embedding import (
     llama3_inv_freq,
     rope_parameters,
 )
-from minivllm.models.loader import MODELS, check_checkpoint, load_tensor, tensor_shapes
-from minivllm.models.qwen3 import Qwen3ForCausalLM, head_dim_of
+from minivllm.models.loader import MODELS, load_tensor, load_weights
+from minivllm.models.qwen3 import Qwen3ForCausalLM
 from minivllm.testing import exercise, prompt_logits
 
 tmp_dir = tempfile.TemporaryDirectory(prefix="minivllm-llama-")  # deleted when the kernel exits
@@ -181,11 +181,11 @@ except ValueError as e:
 # %%
 config = LlamaConfig(**TINY_LLAMA)
 print(rope_parameters(config))
-ours_rope = get_rope(config, head_dim_of(config))
+ours_rope = get_rope(config, config.head_dim)
 positions = torch.arange(config.max_position_embeddings)
 # (1, positions, head_dim), halves repeated
 cos, sin = LlamaRotaryEmbedding(config)(torch.zeros(1), positions[None])
-half = head_dim_of(config) // 2
+half = config.head_dim // 2
 assert torch.equal(ours_rope.cos, cos[0, :, :half]), "llama3 RoPE: cos differs from transformers'"
 assert torch.equal(ours_rope.sin, sin[0, :, :half]), "llama3 RoPE: sin differs from transformers'"
 print("llama3 RoPE: our cos/sin tables equal transformers'")
@@ -340,7 +340,7 @@ class LlamaMLP(nn.Module):
 class LlamaAttention(nn.Module):
     def __init__(self, config: LlamaConfig, rotary_emb: RotaryEmbedding, layer_idx: int):
         super().__init__()
-        head_dim = head_dim_of(config)
+        head_dim = config.head_dim
         # BEGIN SOLUTION
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
@@ -381,7 +381,7 @@ class LlamaAttention(nn.Module):
 
 # %%
 with exercise("LlamaAttention"):
-    rotary_emb = get_rope(config, head_dim_of(config))
+    rotary_emb = get_rope(config, config.head_dim)
     attn = LlamaAttention(config, rotary_emb, layer_idx=0)
     heads = (attn.num_heads, attn.num_kv_heads, attn.head_dim)
     assert heads == (4, 2, 32), (
@@ -481,7 +481,7 @@ class LlamaModel(nn.Module):
         # BEGIN SOLUTION
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # one cos/sin table, shared by every layer
-        rotary_emb = get_rope(config, head_dim_of(config))
+        rotary_emb = get_rope(config, config.head_dim)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, rotary_emb, i) for i in range(config.num_hidden_layers)
         )
@@ -571,15 +571,16 @@ print(sorted(MODELS))
 
 # %% [markdown]
 # ## Check
-# First the names and shapes, without any weights: build the model on the `meta` device and run the
-# loader's own check against the checkpoint's safetensors header. A misnamed attribute or a wrong
-# mapping shows up here as a missing or unexpected tensor, a wrong size as a shape mismatch.
+# First the names and shapes, without memory: build the model on the `meta` device and let the
+# loader copy the checkpoint into it (`load_weights`; a copy into `meta` stores nothing). A misnamed
+# attribute or a wrong mapping shows up here as a missing or unexpected tensor, a wrong size as a
+# shape mismatch.
 
 # %%
 with exercise("LlamaForCausalLM"):
     with torch.device("meta"):
         meta_llama = LlamaForCausalLM(config)
-    check_checkpoint(meta_llama, tensor_shapes([llama_path / "model.safetensors"]), config)
+    load_weights(meta_llama, [llama_path / "model.safetensors"])
     n_ours = sum(p.numel() for p in meta_llama.parameters())
     n_theirs = sum(p.numel() for p in hf_llama.parameters())
     assert n_ours == n_theirs, f"{n_ours:,} parameters, transformers' model has {n_theirs:,}"
@@ -660,7 +661,7 @@ print(f"all match transformers' Llama; worst |logit difference| {max(worst.value
 with torch.device("meta"):
     meta_qwen3 = Qwen3ForCausalLM(config)  # Qwen3's classes, Llama's sizes
 try:
-    check_checkpoint(meta_qwen3, tensor_shapes([llama_path / "model.safetensors"]), config)
+    load_weights(meta_qwen3, [llama_path / "model.safetensors"])
 except ValueError as e:
     assert "missing" in str(e) and "_norm.weight" in str(e), f"expected missing q/k norms, got: {e}"
     print(f"Qwen3ForCausalLM: {e}")
