@@ -35,8 +35,7 @@ class Config:
 
     def __post_init__(self):
         self.model = resolve_model(self.model, self.revision, self.download_dir)  # a folder
-        tokenizer = self.model if self.tokenizer is None else self.tokenizer
-        revision = self.tokenizer_revision
+        tokenizer, revision = self.tokenizer or self.model, self.tokenizer_revision
         self.tokenizer = resolve_model(tokenizer, revision, self.download_dir, TOKENIZER_FILES)
         self.hf_config = read_config(self.model)
         self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")

@@ -4,7 +4,6 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-GREEDY_BELOW = 1e-5  # a temperature below this is greedy (vLLM's _SAMPLING_EPS)
 MAX_LOGPROBS = 20  # the most log-probabilities a token may ask for (vLLM's default max_logprobs)
 FLOATS = "temperature top_p min_p presence_penalty frequency_penalty repetition_penalty".split()
 INTS = ["top_k", "max_tokens", "min_tokens", "n"]
@@ -91,7 +90,7 @@ class SamplingParams:
         for name, (ok, allowed) in checks.items():
             if not ok:
                 raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
-        if self.temperature < GREEDY_BELOW:  # logits / temperature would overflow float32
+        if self.temperature < 1e-5:  # vLLM's _SAMPLING_EPS: logits / temperature overflows
             self.temperature = 0.0
 
     @property

@@ -34,10 +34,9 @@ CHECKPOINTS = Path(os.environ.get("MINIVLLM_CHECKPOINTS", "../build/checkpoints"
 # %% [markdown]
 # ## A checkpoint
 # A HuggingFace checkpoint is a folder: `config.json` (architecture, sizes), `model.safetensors`
-# (a header of names and shapes, then the tensors; or shards that `model.safetensors.index.json`
-# lists) and the tokenizer. With no network, transformers writes ours (`python -m
-# minivllm.checkpoint`, a tool we use but do not build): `tiny` is Qwen3 at laptop size, random
-# weights. The header gives every name and shape:
+# (a header of names and shapes, then the tensors; or shards listed in
+# `model.safetensors.index.json`) and the tokenizer. With no network, transformers writes ours
+# (`python -m minivllm.checkpoint`, a tool): `tiny` is Qwen3 at laptop size, random weights.
 
 # %%
 from safetensors import safe_open
@@ -62,11 +61,10 @@ tokenizer = AutoTokenizer.from_pretrained(tiny_path)
 # gate, up = gate_up_proj(post_attention_layernorm(h))
 # y        = h + down_proj(silu(gate) * up)
 # ```
-# Its **q/k norms** (an RMSNorm over each head's query and key) keep attention scores from blowing
-# up; **GQA** lets query heads share a key/value head; small models **tie** the LM head to the
-# embedding. A batch is one flat run of tokens, prompts end to end; attention takes a *context*
-# saying where each ends. Notebook 04 adds a paged KV cache by passing another context. Names are
-# transformers', but `qkv_proj` and `gate_up_proj` are packed.
+# Its **q/k norms** (RMSNorm per head) keep attention scores from blowing up; **GQA** lets query
+# heads share a key/value head; small models **tie** the LM head to the embedding. A batch is one
+# flat run of tokens, prompts end to end; attention takes a *context* saying where each ends
+# (notebook 04 passes one with a paged KV cache). `qkv_proj` and `gate_up_proj` are packed.
 
 # %% tags=["export"] module="minivllm.attention.layer"
 from typing import Protocol
@@ -267,8 +265,8 @@ print(f"{total:,} parameters, {gb:.2f} GB in bf16, {share:.0%} of them in the em
 # 1. **Read the config** (transformers' `AutoConfig`): `architectures` picks our class in `MODELS`.
 # 2. **Map names**: ours are the checkpoint's, but for the packed modules (`…q_proj` is
 #    `…qkv_proj`'s shard `"q"`).
-# 3. **Copy** each tensor through its parameter's `weight_loader`, which keeps this rank's slice and
-#    checks the shape; a tensor unexpected, mis-shaped or missing is named.
+# 3. **Copy** each tensor through its parameter's `weight_loader` (it checks the shape); a tensor
+#    unexpected, misshapen or missing is named.
 
 # %% tags=["export"] module="minivllm.models.loader"
 import json
@@ -361,13 +359,9 @@ def resolve_dtype(dtype: torch.dtype | str, config: Any, device: torch.device) -
 
 
 def load_model(
-    path: str | Path,
-    dtype: torch.dtype | str = "auto",
-    device: str | torch.device = "cpu",
-    config=None,
+    path: str | Path, dtype: torch.dtype | str = "auto", device: Any = "cpu", config: Any = None
 ) -> Qwen3ForCausalLM:
-    """The model a checkpoint folder describes, with its weights (this rank's slice); `config` if
-    read already."""
+    """The model a checkpoint folder describes, with its weights; `config` if read already."""
     path, device = Path(path), torch.device(device)
     config = config or read_config(path)
     files, dtype = checkpoint_files(path), resolve_dtype(dtype, config, device)
@@ -450,9 +444,8 @@ print(repr(tokenizer.decode(token_ids)))
 
 # %% [markdown]
 # ## The engine's settings
-# The settings of the runner (04), the scheduler (05) and the engine (06): vLLM's names and
-# defaults, checked before anything is built. A `None` is resolved here, so each field holds its
-# type. `model` may be a Hub id (`minivllm/models/hub.py` finds its folder).
+# For the runner (04), the scheduler (05) and the engine (06): vLLM's names and defaults, checked
+# before anything is built; a `None` is resolved here. `model` may be a Hub id (`models/hub.py`).
 
 # %% tags=["export"] module="minivllm.config"
 from dataclasses import dataclass, field
@@ -490,8 +483,7 @@ class Config:
 
     def __post_init__(self):
         self.model = resolve_model(self.model, self.revision, self.download_dir)  # a folder
-        tokenizer = self.model if self.tokenizer is None else self.tokenizer
-        revision = self.tokenizer_revision
+        tokenizer, revision = self.tokenizer or self.model, self.tokenizer_revision
         self.tokenizer = resolve_model(tokenizer, revision, self.download_dir, TOKENIZER_FILES)
         self.hf_config = read_config(self.model)
         self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -531,15 +523,13 @@ except ValueError as e:
 # %% [markdown]
 # ## Sampling parameters
 # How a request picks each next token (notebook 04), and when it stops. A bad value is refused
-# here, naming the field: in the sampler, a NaN makes garbage tokens and no error. As in vLLM, a
-# temperature below `1e-5` is greedy: dividing by it would overflow float32.
+# here, by name: in the sampler, a NaN would make garbage tokens and no error.
 
 # %% tags=["export"] module="minivllm.sampling_params"
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
-GREEDY_BELOW = 1e-5  # a temperature below this is greedy (vLLM's _SAMPLING_EPS)
 MAX_LOGPROBS = 20  # the most log-probabilities a token may ask for (vLLM's default max_logprobs)
 FLOATS = "temperature top_p min_p presence_penalty frequency_penalty repetition_penalty".split()
 INTS = ["top_k", "max_tokens", "min_tokens", "n"]
@@ -626,7 +616,7 @@ class SamplingParams:
         for name, (ok, allowed) in checks.items():
             if not ok:
                 raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
-        if self.temperature < GREEDY_BELOW:  # logits / temperature would overflow float32
+        if self.temperature < 1e-5:  # vLLM's _SAMPLING_EPS: logits / temperature overflows
             self.temperature = 0.0
 
     @property

@@ -90,13 +90,9 @@ def resolve_dtype(dtype: torch.dtype | str, config: Any, device: torch.device) -
 
 
 def load_model(
-    path: str | Path,
-    dtype: torch.dtype | str = "auto",
-    device: str | torch.device = "cpu",
-    config=None,
+    path: str | Path, dtype: torch.dtype | str = "auto", device: Any = "cpu", config: Any = None
 ) -> Qwen3ForCausalLM:
-    """The model a checkpoint folder describes, with its weights (this rank's slice); `config` if
-    read already."""
+    """The model a checkpoint folder describes, with its weights; `config` if read already."""
     path, device = Path(path), torch.device(device)
     config = config or read_config(path)
     files, dtype = checkpoint_files(path), resolve_dtype(dtype, config, device)

@@ -278,9 +278,10 @@ print(load_model(TMP / "tensor-in-two-files").model.norm.weight.abs().max())
 # `load_checked` refuses both before any weight is read.
 #
 # ## config.json without the architecture's class
-# Notebook 02 reads `config.json` with `AutoConfig`, which imports the architecture's config class;
-# with some transformers versions that import pulls in the generation stack (1,701 modules, 8.4 s of
-# the first `LLM()` on the H200 machine, transformers 5.17). When `config.json` gives every field
+# Notebook 02 reads `config.json` with `AutoConfig`, which imports the architecture's config class.
+# With some transformers versions that import pulls in the generation stack: with transformers 5.17
+# on the H200 machine, about 1,700 modules and seconds of the first `LLM()` (measured when this
+# reader was written; the cell below counts them on yours). When `config.json` gives every field
 # the model reads a value, and RoPE's in transformers 5's form (`rope_parameters`; transformers 4's
 # top-level `rope_theta` is moved there), transformers' base `PretrainedConfig` can hold them as
 # written. Any other file (a field missing or null, RoPE scaling, an architecture without a field
