@@ -48,7 +48,7 @@ tiny_path = write_checkpoint(CHECKPOINTS / "tiny", "tiny", seed=0)
 print(", ".join(f.name for f in sorted(tiny_path.iterdir())))
 with safe_open(tiny_path / "model.safetensors", "pt") as f:
     shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
-for name in [n for n in shapes if not n.startswith("model.layers.") or ".0." in n]:
+for name in [n for n in shapes if n.startswith("model.layers.0.") or "layers" not in n]:
     print(f"{name:45} {shapes[name]}")
 tokenizer = AutoTokenizer.from_pretrained(tiny_path)
 
