@@ -17,77 +17,47 @@ class Config:
     dtype: str | torch.dtype = "auto"  # the checkpoint's dtype on a GPU, float32 on a CPU
     block_size: int = 16  # tokens per KV block
     max_num_seqs: int = 256  # sequences in one batch at most
-    max_num_batched_tokens: int = 16384  # new tokens in one prefill step at most
-    # prompt + completion tokens; None: the context length
-    max_model_len: int = None  # type: ignore[assignment]
-    num_kvcache_blocks: int | None = (
-        None  # None: as many as gpu_memory_utilization allows (on a CPU: see below)
-    )
+    max_num_batched_tokens: int = 16384  # new tokens in one step at most
+    max_model_len: int = None  # type: ignore[assignment]  # prompt + completion; None: the model's
+    num_kvcache_blocks: int | None = None  # None: as many as gpu_memory_utilization allows
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False  # True: no CUDA graphs
     enable_prefix_caching: bool = True
-    scheduling_policy: str = (
-        "unified"  # "unified": mixed prefill + decode steps (vLLM v1); or "prefill-first"
-    )
-    # schedule while a step runs (06); None: on 1 GPU
-    async_scheduling: bool = None  # type: ignore[assignment]
+    scheduling_policy: str = "unified"  # mixed prefill + decode steps (vLLM v1); or prefill-first
+    async_scheduling: bool = None  # type: ignore[assignment]  # schedule while a step runs
     seed: int = 0
     device: str = None  # type: ignore[assignment]  # None: cuda if available, else cpu
-    # a folder or a Hub id; None: the model's
-    tokenizer: str | Path = None  # type: ignore[assignment]
+    tokenizer: str | Path = None  # type: ignore[assignment]  # a folder or a Hub id; None: model's
     revision: str | None = None  # the model's Hub branch, tag or commit; None: main
     tokenizer_revision: str | None = None
     download_dir: str | None = None  # the Hub cache to use; None: HF_HUB_CACHE
     hf_config: Any = field(init=False, repr=False)
 
     def __post_init__(self):
-        # a folder, or a Hub id's snapshot
-        self.model = resolve_model(self.model, self.revision, self.download_dir)
-        self.tokenizer = self.model if self.tokenizer is None else self.tokenizer
-        self.tokenizer = resolve_model(
-            self.tokenizer, self.tokenizer_revision, self.download_dir, TOKENIZER_FILES
-        )
-        self.hf_config = read_config(self.model)  # FileNotFoundError / ValueError for a bad folder
+        self.model = resolve_model(self.model, self.revision, self.download_dir)  # a folder
+        tokenizer, revision = self.tokenizer or self.model, self.tokenizer_revision
+        self.tokenizer = resolve_model(tokenizer, revision, self.download_dir, TOKENIZER_FILES)
+        self.hf_config = read_config(self.model)
         self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         context_len = self.hf_config.max_position_embeddings
         self.max_model_len = context_len if self.max_model_len is None else self.max_model_len
-        if self.async_scheduling is None:
+        if self.async_scheduling is None:  # on by default on one GPU (notebook 06)
             self.async_scheduling = self.device == "cuda" and self.tensor_parallel_size == 1
-        # the GPUs tensor parallelism uses
         gpus = torch.cuda.device_count() if self.device == "cuda" else float("inf")
-        checks = [
-            ("tensor_parallel_size", self.tensor_parallel_size >= 1, ">= 1"),
-            ("block_size", self.block_size in (16, 32, 64, 128, 256), "16, 32, 64, 128 or 256"),
-            ("max_num_seqs", self.max_num_seqs >= 1, ">= 1"),
-            ("max_num_batched_tokens", self.max_num_batched_tokens >= 1, ">= 1"),
-            (
-                "max_model_len",
-                1 <= self.max_model_len <= context_len,
-                f"in [1, {context_len}], the context length",
-            ),
-            (
-                "num_kvcache_blocks",
-                self.num_kvcache_blocks is None or self.num_kvcache_blocks >= 1,
-                "None or >= 1",
-            ),
-            ("gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "in (0, 1]"),
-            ("device", self.device in ("cpu", "cuda"), "'cpu' or 'cuda'"),
-            (
-                "scheduling_policy",
-                self.scheduling_policy in ("unified", "prefill-first"),
-                "unified or prefill-first",
-            ),
-            (
-                "async_scheduling",
-                not (self.async_scheduling and self.tensor_parallel_size > 1),
-                "off under TP",
-            ),
-            (
-                "tensor_parallel_size",
-                self.tensor_parallel_size <= gpus,
-                f"<= {gpus} (the GPUs present)",
-            ),
-        ]
-        for name, ok, allowed in checks:
+        tp, blocks = self.tensor_parallel_size, self.num_kvcache_blocks
+        policies = ("unified", "prefill-first")
+        checks = {  # field: (its value is allowed, what is)
+            "tensor_parallel_size": (1 <= tp <= gpus, f"in [1, {gpus}], the GPUs present"),
+            "block_size": (self.block_size in (16, 32, 64, 128, 256), "16, 32, 64, 128 or 256"),
+            "max_num_seqs": (self.max_num_seqs >= 1, ">= 1"),
+            "max_num_batched_tokens": (self.max_num_batched_tokens >= 1, ">= 1"),
+            "max_model_len": (1 <= self.max_model_len <= context_len, f"in [1, {context_len}]"),
+            "num_kvcache_blocks": (blocks is None or blocks >= 1, "None or >= 1"),
+            "gpu_memory_utilization": (0 < self.gpu_memory_utilization <= 1, "in (0, 1]"),
+            "device": (self.device in ("cpu", "cuda"), "'cpu' or 'cuda'"),
+            "scheduling_policy": (self.scheduling_policy in policies, " or ".join(policies)),
+            "async_scheduling": (not self.async_scheduling or tp == 1, "off under TP"),
+        }
+        for name, (ok, allowed) in checks.items():
             if not ok:
                 raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")

@@ -4,13 +4,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-GREEDY_BELOW = 1e-5  # a temperature below this is greedy (vLLM's _SAMPLING_EPS)
 MAX_LOGPROBS = 20  # the most log-probabilities a token may ask for (vLLM's default max_logprobs)
-PLAIN = {
-    int: ((int,), "an int"),
-    float: ((int, float), "a real number"),
-    bool: ((bool,), "True or False"),
-}
+FLOATS = "temperature top_p min_p presence_penalty frequency_penalty repetition_penalty".split()
+INTS = ["top_k", "max_tokens", "min_tokens", "n"]
+OPTIONAL_INTS = ["seed", "logprobs", "prompt_logprobs"]  # None, or an int
+BOOLS = ["ignore_eos", "include_stop_str_in_output"]
 
 
 def scalar(value):
@@ -18,24 +16,20 @@ def scalar(value):
     return value.item() if getattr(value, "ndim", None) == 0 and hasattr(value, "item") else value
 
 
-def as_plain(value, name: str, kind: type[int] | type[float] | type[bool]) -> Any:
-    """value as a Python int, a finite float or a bool (Python, NumPy or PyTorch scalars);
-    ValueError if not."""
-    number, (allowed, what) = scalar(value), PLAIN[kind]
-    # True is an int too
-    if not isinstance(number, allowed) or (isinstance(number, bool) and kind is not bool):
-        raise ValueError(f"{name} must be {what}, got {value!r} ({type(value).__name__})")
-    if kind is float and not math.isfinite(number):  # ints too: float(10**400) would overflow
+def as_plain(value, name: str, kind: type) -> Any:
+    """value (NumPy's or PyTorch's too) as a Python int, bool or finite float, else ValueError."""
+    number = scalar(value)
+    is_kind = isinstance(number, (int, float) if kind is float else kind)
+    if not is_kind or (isinstance(number, bool) and kind is not bool):  # True is an int to Python
+        raise ValueError(f"{name} must be {kind.__name__}, got {value!r} ({type(value).__name__})")
+    if kind is float and not math.isfinite(number):
         raise ValueError(f"{name} must be finite, got {number}")
     return kind(number)
 
 
 def as_token_ids(value, name: str) -> list[int]:
-    """A list or tuple of ints, or a 1-D integer NumPy array or PyTorch tensor, as a new list of
-    Python ints."""
-    if getattr(value, "ndim", 1) != 1:
-        raise ValueError(f"{name} must be 1-D token ids, got shape {tuple(value.shape)}")
-    if hasattr(value, "tolist") and hasattr(value, "dtype"):
+    """A list or tuple of ints, or a 1-D NumPy array or PyTorch tensor of them, as a new list."""
+    if hasattr(value, "tolist") and getattr(value, "ndim", None) == 1:
         value = value.tolist()  # a float or bool array gives floats or bools, refused below
     if not isinstance(value, list | tuple):
         raise ValueError(f"{name} must be a list of int token ids, got {type(value).__name__}")
@@ -46,114 +40,59 @@ def as_token_ids(value, name: str) -> list[int]:
 
 @dataclass(slots=True)
 class SamplingParams:
-    """How to pick each next token of a request, and when to stop: vLLM's names and defaults,
-    checked."""
+    """How to pick each next token of a request, and when to stop: vLLM's names and defaults."""
 
     temperature: float = 1.0  # 0 is greedy; below 1e-5 is stored as 0
     top_p: float = 1.0  # keep the most likely tokens whose probabilities add up to top_p
     top_k: int = -1  # keep the k most likely tokens; -1 keeps all
     min_p: float = 0.0  # drop tokens less likely than min_p × the most likely one
-    presence_penalty: float = 0.0  # subtracted from the logit of every token already in the output
-    frequency_penalty: float = 0.0  # subtracted once per time a token is already in the output
-    repetition_penalty: float = (
-        1.0  # divides positive logits (multiplies negative ones) of prompt and output tokens
-    )
+    presence_penalty: float = 0.0  # subtracted from the logit of each token in the output
+    frequency_penalty: float = 0.0  # subtracted once per time a token is in the output
+    repetition_penalty: float = 1.0  # divides positive logits of prompt and output tokens
     max_tokens: int = 16  # completion tokens at most
-    min_tokens: int = 0  # completion tokens before an end-of-sequence or stop token may be drawn
+    min_tokens: int = 0  # completion tokens before an end-of-sequence or stop token may come
     ignore_eos: bool = False  # keep going after the end-of-sequence token
-    seed: int | None = None  # per-request random seed; None draws from the engine's generator
-    # extra tokens that finish the request (None: none)
-    stop_token_ids: list[int] = field(default_factory=list)
-    # strings that finish the request when in the text (None: none)
-    stop: list[str] = field(default_factory=list)
+    seed: int | None = None  # the request's own random seed; None: the engine's generator
+    stop_token_ids: list[int] = field(default_factory=list)  # more tokens that finish it
+    stop: list[str] = field(default_factory=list)  # strings that finish it, in the text
     include_stop_str_in_output: bool = False  # keep the stop string at the end of the text
-    # completions of the prompt (they share its KV blocks); with a seed, completion i uses seed + i
-    n: int = 1
-    logprobs: int | None = (
-        None  # per completion token: its log-probability, and this many most likely tokens'
-    )
+    n: int = 1  # completions of the prompt, sharing its KV blocks; completion i seeds seed + i
+    logprobs: int | None = None  # per completion token: its log-probability, and this many more
     prompt_logprobs: int | None = None  # the same for each prompt token after the first
 
     def __post_init__(self):
-        self.convert()
+        for kind, names in ((float, FLOATS), (int, INTS + OPTIONAL_INTS), (bool, BOOLS)):
+            for name in names:  # our own plain copy of each value
+                if (value := getattr(self, name)) is not None or name not in OPTIONAL_INTS:
+                    setattr(self, name, as_plain(value, name, kind))
+        stop_ids = [] if self.stop_token_ids is None else self.stop_token_ids
+        self.stop_token_ids = as_token_ids(stop_ids, "stop_token_ids")
+        if not isinstance(self.stop, str | list | tuple | None):
+            raise ValueError(f"stop must be a str or a list of str, got {self.stop!r}")
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        logprobs = f"None or in [0, {MAX_LOGPROBS}]"
         checks = {  # field: (its value is allowed, what is)
             "max_tokens": (self.max_tokens >= 1, ">= 1"),
-            "min_tokens": (
-                0 <= self.min_tokens <= self.max_tokens,
-                f"in [0, max_tokens={self.max_tokens}]",
-            ),
+            "min_tokens": (0 <= self.min_tokens <= self.max_tokens, "in [0, max_tokens]"),
             "temperature": (self.temperature >= 0, ">= 0 (0 is greedy)"),
-            "top_p": (
-                2.0**-126 <= self.top_p <= 1,
-                "in (0, 1] and >= 2**-126 (float32's smallest normal number)",
-            ),
-            "top_k": (self.top_k == -1 or 1 <= self.top_k < 2**63, "-1 (off) or in [1, 2**63)"),
+            "top_p": (2.0**-126 <= self.top_p <= 1, "in [2**-126, 1], float32's normal numbers"),
+            "top_k": (self.top_k == -1 or 1 <= self.top_k < 2**63, "-1 (all) or in [1, 2**63)"),
             "min_p": (0 <= self.min_p <= 1, "in [0, 1]"),
             "presence_penalty": (-2 <= self.presence_penalty <= 2, "in [-2, 2]"),
             "frequency_penalty": (-2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
-            "repetition_penalty": (
-                1e-6 <= self.repetition_penalty <= 1e6,
-                "in [1e-6, 1e6] (1 is off)",
-            ),
+            "repetition_penalty": (1e-6 <= self.repetition_penalty <= 1e6, "in [1e-6, 1e6]"),
             "stop_token_ids": (all(t >= 0 for t in self.stop_token_ids), "token ids >= 0"),
-            "stop": (all(isinstance(x, str) and x for x in self.stop), "non-empty strings"),
+            "stop": (all(isinstance(s, str) and s for s in self.stop), "non-empty strings"),
             "n": (self.n >= 1, ">= 1"),
-            "logprobs": (
-                0 <= (self.logprobs or 0) <= MAX_LOGPROBS,
-                f"None or in [0, {MAX_LOGPROBS}]",
-            ),
-            "prompt_logprobs": (
-                0 <= (self.prompt_logprobs or 0) <= MAX_LOGPROBS,
-                f"None or in [0, {MAX_LOGPROBS}]",
-            ),
+            "logprobs": (0 <= (self.logprobs or 0) <= MAX_LOGPROBS, logprobs),
+            "prompt_logprobs": (0 <= (self.prompt_logprobs or 0) <= MAX_LOGPROBS, logprobs),
         }
         for name, (ok, allowed) in checks.items():
             if not ok:
                 raise ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
-        if self.temperature < GREEDY_BELOW:
-            self.temperature = (
-                0.0  # greedy: dividing logits by it in float32 would overflow to inf, then NaN
-            )
-
-    def convert(self) -> None:
-        """Every field as a plain Python value of its type (our own copies); ValueError naming a
-        field that is not."""
-        for name in (
-            "temperature",
-            "top_p",
-            "min_p",
-            "presence_penalty",
-            "frequency_penalty",
-            "repetition_penalty",
-        ):
-            setattr(self, name, as_plain(getattr(self, name), name, float))
-        for name in ("top_k", "max_tokens", "min_tokens", "n"):
-            setattr(self, name, as_plain(getattr(self, name), name, int))
-        for name in ("seed", "logprobs", "prompt_logprobs"):  # None, or an int
-            setattr(
-                self,
-                name,
-                None if getattr(self, name) is None else as_plain(getattr(self, name), name, int),
-            )
-        for name in ("ignore_eos", "include_stop_str_in_output"):
-            setattr(self, name, as_plain(getattr(self, name), name, bool))
-        self.stop_token_ids = (
-            []
-            if self.stop_token_ids is None
-            else as_token_ids(self.stop_token_ids, "stop_token_ids")
-        )
-        if not isinstance(self.stop, str | list | tuple | None):
-            raise ValueError(
-                f"stop must be a str or a list of str, got {self.stop!r} "
-                f"({type(self.stop).__name__})"
-            )
-        # a str: one string
-        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if self.temperature < 1e-5:  # vLLM's _SAMPLING_EPS: logits / temperature overflows
+            self.temperature = 0.0
 
     @property
     def penalized(self) -> bool:
-        return (
-            self.presence_penalty != 0
-            or self.frequency_penalty != 0
-            or self.repetition_penalty != 1
-        )
+        return (self.presence_penalty, self.frequency_penalty, self.repetition_penalty) != (0, 0, 1)

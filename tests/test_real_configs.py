@@ -1,6 +1,6 @@
 """Checkpoint folders as the Hub's Qwen3 repositories hold them (config.json written by transformers 4.51, untied
-heads as in Qwen3-8B, two EOS ids in generation_config.json): they load, with transformers' logits, and the common
-config form keeps read_config's fast path."""
+heads as in Qwen3-8B, two EOS ids in generation_config.json): they load, with transformers' logits. (The fast
+config.json reader of the deep dive `checkpoints`: tests/test_checked_loader.py.)"""
 
 import json
 from collections.abc import Callable
@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoModelForCausalLM
 
 from minivllm import LLM, SamplingParams, load_model
-from minivllm.layers.rotary_embedding import rope_parameters
-from minivllm.models.loader import CONFIG_FIELDS, read_config, resolve_dtype
+from minivllm.models.loader import read_config
 from minivllm.testing import edited_copy, prompt_logits
 
 PROMPT = list(range(3, 40))
@@ -69,33 +68,6 @@ def test_untied_head_is_its_own_matrix(tiny, tmp_path):
     assert model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr()
 
 
-@pytest.mark.parametrize("torch_dtype", ["float32", "bfloat16"])
-def test_transformers_4_config_takes_the_fast_path(tiny, tmp_path, torch_dtype):
-    """No architecture class imported (a plain PretrainedConfig), yet every field the model reads is AutoConfig's:
-    RoPE from the top-level rope_theta, the dtype from torch_dtype."""
-    edit = lambda c: [as_transformers_4(c), c.update(torch_dtype=torch_dtype)]  # noqa: E731
-    path = edited_copy(tiny, tmp_path / "t4", config_edit=edit)
-    fast, full = read_config(path), AutoConfig.from_pretrained(path)
-    assert type(fast) is PretrainedConfig and type(full).__name__ == "Qwen3Config"
-    fields = CONFIG_FIELDS["Qwen3ForCausalLM"] + (
-        "eos_token_id",
-        "architectures",
-        "use_sliding_window",
-    )
-    assert {f: getattr(fast, f) for f in fields} == {f: getattr(full, f) for f in fields}
-    assert (
-        rope_parameters(fast)
-        == rope_parameters(full)
-        == {"rope_type": "default", "rope_theta": 1e6}
-    )
-    gpu = torch.device("cuda")  # resolve_dtype only reads the device's type: no GPU needed
-    assert (
-        resolve_dtype("auto", fast, gpu)
-        == resolve_dtype("auto", full, gpu)
-        == getattr(torch, torch_dtype)
-    )
-
-
 def test_llm_stops_on_either_eos_id(tiny, tmp_path, hf_greedy):
     """Both ids of generation_config.json's eos_token_id end a request: each prompt stops on a different one."""
     first, second = [5, 6, 7], [100, 101]
@@ -138,11 +110,10 @@ def test_yarn_rope_scaling_goes_to_autoconfig_and_is_refused(tiny, tmp_path):
         load_model(path)
 
 
-def test_pytorch_bin_weights_are_named(tiny, tmp_path):
+def test_pytorch_bin_weights_alone_are_no_checkpoint(tiny, tmp_path):
+    """(`load_checked` of the deep dive `checkpoints` also names the .bin files.)"""
     path = edited_copy(tiny, tmp_path / "bin")
     (path / "model.safetensors").unlink()
     torch.save({"model.norm.weight": torch.ones(4)}, path / "pytorch_model.bin")
-    with pytest.raises(
-        FileNotFoundError, match="holds PyTorch .bin weights; minivllm reads safetensors only"
-    ):
+    with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors file in"):
         load_model(path)

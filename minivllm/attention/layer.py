@@ -2,33 +2,26 @@
 
 from typing import Protocol
 
-import torch
-from torch import nn
+from torch import Tensor, nn
 
 
 class AttentionContext(Protocol):
-    """How the layers of one forward pass attend: which tokens see which, which kernel, which KV
-    cache."""
+    """How one forward pass attends: which tokens see which, with which kernel and KV cache."""
 
-    def attend(
-        self, layer: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor: ...
+    def attend(self, layer: "Attention", q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
 
 
 class Attention(nn.Module):
-    """Causal self-attention of one layer, over this rank's heads; the context does the
-    attending."""
+    """Causal self-attention of one layer, over this rank's heads; the context attends."""
 
-    k_cache: torch.Tensor  # this layer's paged KV cache, bound by the model runner (notebook 04):
-    v_cache: torch.Tensor  # (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache: Tensor  # this layer's paged KV cache, bound by the model runner (notebook 04):
+    v_cache: Tensor  # (num_blocks, block_size, num_kv_heads, head_dim)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale, self.layer_idx = head_dim**-0.5, layer_idx
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context: AttentionContext
-    ) -> torch.Tensor:
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, context: AttentionContext) -> Tensor:
         # q: (num_tokens, num_heads, head_dim); k, v: (num_tokens, num_kv_heads, head_dim)
         return context.attend(self, q, k, v)  # (num_tokens, num_heads, head_dim)

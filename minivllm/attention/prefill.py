@@ -4,33 +4,26 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
+from torch import Tensor
 
 from minivllm.attention.layer import Attention
-
-# the package sets up Triton's CPU interpreter
 from minivllm.kernels.flash_attn import flash_attn_varlen_contiguous
 from minivllm.kernels.reference import attention_ref
 
 
 @dataclass(slots=True)
 class PrefillContext:
-    """Whole prompts packed end to end, no KV cache: each token attends to its own prompt's tokens
-    up to itself."""
+    """Whole prompts packed end to end, no KV cache: a token sees its prompt up to itself."""
 
-    # (num_seqs + 1,) int32: prompt i is tokens cu_seqlens[i]:cu_seqlens[i + 1]
-    cu_seqlens: torch.Tensor
+    cu_seqlens: Tensor  # (num_seqs + 1,) int32: prompt i is tokens cu_seqlens[i]:[i + 1]
     max_seqlen: int
 
     @classmethod
     def from_lens(cls, seq_lens: list[int], device: torch.device | str) -> "PrefillContext":
-        return cls(
-            torch.tensor([0, *accumulate(seq_lens)], dtype=torch.int32, device=device),
-            max(seq_lens),
-        )
+        cu_seqlens = torch.tensor([0, *accumulate(seq_lens)], dtype=torch.int32, device=device)
+        return cls(cu_seqlens, max(seq_lens))
 
-    def attend(
-        self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
+    def attend(self, layer: Attention, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         cu, max_len, scale = self.cu_seqlens, self.max_seqlen, layer.scale
         if q.is_cuda:
             return flash_attn_varlen_contiguous(

@@ -2,11 +2,10 @@
 DIR`.
 
 Random weights, except `tiny-text`: tiny's shapes trained on the tokenizer's corpus, so that its
-greedy output reads as text. The maker is exported from notebooks/02_model.py into
-`minivllm.checkpoint.maker`; the training loop is written by hand in `minivllm.checkpoint.train`,
-and the cache of written presets in `minivllm.checkpoint.cache`. The maker's names are imported when
-first used: it loads transformers' models (seconds), which `checkpoint_for` needs only to write a
-checkpoint.
+greedy output reads as text. Tooling the course uses but does not build, all written by hand: the
+maker in `minivllm.checkpoint.maker`, the training loop in `minivllm.checkpoint.train`, the cache of
+written presets in `minivllm.checkpoint.cache`. The maker's names are imported when first used: it
+loads transformers' models (seconds), which `checkpoint_for` needs only to write a checkpoint.
 """
 
 import importlib

@@ -2,8 +2,7 @@
 
 from typing import Any
 
-import torch
-from torch import nn
+from torch import Tensor, nn
 
 from minivllm.attention.layer import Attention, AttentionContext
 from minivllm.layers.activation import SiluAndMul
@@ -13,44 +12,30 @@ from minivllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from minivllm.layers.rotary_embedding import RotaryEmbedding, get_rope
 
 
-def head_dim_of(config: Any) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
 class Qwen3Attention(nn.Module):
     def __init__(self, config: Any, rotary_emb: RotaryEmbedding, layer_idx: int):
         super().__init__()
-        head_dim, heads, bias = (
-            head_dim_of(config),
-            config.num_attention_heads,
-            config.attention_bias,
-        )
-        self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, head_dim, heads, config.num_key_value_heads, bias=bias
-        )
-        # this rank's
-        self.num_heads, self.num_kv_heads = (self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads)
+        hidden, head_dim, bias = config.hidden_size, config.head_dim, config.attention_bias
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.qkv_proj = QKVParallelLinear(hidden, head_dim, heads, kv_heads, bias=bias)
+        self.o_proj = RowParallelLinear(heads * head_dim, hidden, bias=bias)
+        # this rank's heads: all of them, but under tensor parallelism
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
-        self.o_proj = RowParallelLinear(heads * head_dim, config.hidden_size, bias=bias)
-        self.q_norm, self.k_norm = (
-            RMSNorm(head_dim, config.rms_norm_eps),
-            RMSNorm(head_dim, config.rms_norm_eps),
-        )
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps)
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps)
         self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.num_kv_heads, head_dim, layer_idx)
 
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, context: AttentionContext
-    ) -> torch.Tensor:
+    def forward(self, positions: Tensor, x: Tensor, context: AttentionContext) -> Tensor:
         # positions: (num_tokens,); x: (num_tokens, hidden_size)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # (num_tokens, num_heads, head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # (num_tokens, num_kv_heads, head_dim)
-        # each head normalised, rotated
-        q, k = self.rotary_emb(positions, q, k, norms=(self.q_norm, self.k_norm))
-        # (num_tokens, num_heads, head_dim)
-        o = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), context)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k, norms=(self.q_norm, self.k_norm))  # normed, rotated
+        o = self.attn(q, k, v, context)  # (num_tokens, num_heads, head_dim)
         return self.o_proj(o.flatten(1))  # (num_tokens, hidden_size)
 
 
@@ -58,18 +43,14 @@ class Qwen3MLP(nn.Module):
     def __init__(self, config: Any):
         super().__init__()
         if config.hidden_act != "silu":
-            raise ValueError(
-                f"hidden_act={config.hidden_act!r} is not supported (supported: 'silu')"
-            )
-        self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [config.intermediate_size] * 2
-        )
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
+            raise ValueError(f"hidden_act={config.hidden_act!r} is not supported (only 'silu')")
+        hidden, intermediate = config.hidden_size, config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate] * 2)
+        self.down_proj = RowParallelLinear(intermediate, hidden)
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (num_tokens, hidden_size)
-        # one token: activation in the GEMV
-        if (gemv := self.gate_up_proj.kernel) is not None and x.shape[0] == 1:
+    def forward(self, x: Tensor) -> Tensor:  # x: (num_tokens, hidden_size)
+        if (gemv := self.gate_up_proj.kernel) is not None and x.shape[0] == 1:  # fused, one token
             return self.down_proj(gemv(x, self.gate_up_proj.weight, gated=True))
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
@@ -83,16 +64,12 @@ class Qwen3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        residual: torch.Tensor | None,
-        context: AttentionContext,
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # x, residual: (num_tokens, hidden_size)
-        # the first layer (residual None): the residual stream is the embedding
-        x, residual = (
-            (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
-        )
+        self, positions: Tensor, x: Tensor, residual: Tensor | None, context: AttentionContext
+    ) -> tuple[Tensor, Tensor]:  # x, residual: (num_tokens, hidden_size)
+        if residual is None:  # the first layer: the residual stream is the embedding
+            x, residual = self.input_layernorm(x), x
+        else:  # adds x to the residual stream, then normalises it
+            x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(positions, x, context)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
@@ -101,20 +78,16 @@ class Qwen3DecoderLayer(nn.Module):
 class Qwen3Model(nn.Module):
     def __init__(self, config: Any):
         super().__init__()
-        # transformers' layers >= max_window_layers would use it
         if getattr(config, "use_sliding_window", False):
             raise ValueError("use_sliding_window=True: sliding-window attention is not supported")
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        # one cos/sin table, shared by every layer
-        rotary_emb = get_rope(config, head_dim_of(config))
+        rotary_emb = get_rope(config, config.head_dim)  # one cos/sin table for every layer
         self.layers = nn.ModuleList(
             Qwen3DecoderLayer(config, rotary_emb, i) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, context: AttentionContext
-    ) -> torch.Tensor:
+    def forward(self, input_ids: Tensor, positions: Tensor, context: AttentionContext) -> Tensor:
         x, residual = self.embed_tokens(input_ids), None  # (num_tokens, hidden_size)
         for layer in self.layers:
             x, residual = layer(positions, x, residual, context)
@@ -139,12 +112,8 @@ class Qwen3ForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight  # one matrix, used both ways
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, context: AttentionContext
-    ) -> torch.Tensor:
+    def forward(self, input_ids: Tensor, positions: Tensor, context: AttentionContext) -> Tensor:
         return self.model(input_ids, positions, context)  # (num_tokens, hidden_size)
 
-    def compute_logits(
-        self, hidden_states: torch.Tensor
-    ) -> torch.Tensor:  # (num_tokens, hidden_size)
+    def compute_logits(self, hidden_states: Tensor) -> Tensor:  # (num_tokens, hidden_size)
         return self.lm_head(hidden_states)  # (num_tokens, vocab_size)
