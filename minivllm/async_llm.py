@@ -44,12 +44,11 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess as Process
 from typing import Any
 
-from minivllm.config import Config
 from minivllm.engine.core import Delta, EngineCore
 from minivllm.engine.core_process import run_core, serve_core
 from minivllm.engine.input_processor import InputProcessor, Prompt, load_tokenizer
 from minivllm.engine.output_processor import OutputProcessor
-from minivllm.engine.production import make_core
+from minivllm.engine.production import ProductionConfig, make_core
 from minivllm.engine.request import Request
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -114,7 +113,7 @@ class AsyncLLM:
         self.process: Process | threading.Thread
         # ids resolved (downloaded) and settings checked here: errors come before any process
         if multiprocessing:
-            config = Config(model, **kwargs)
+            config = ProductionConfig(model, **kwargs)
             # the core loads the folders found here
             hub = ("revision", "tokenizer_revision", "download_dir")
             kwargs = {k: v for k, v in kwargs.items() if k not in hub} | {
@@ -123,7 +122,7 @@ class AsyncLLM:
             self.conn, self.process = start_core_process(str(config.model), kwargs)
             _, self.config, num_blocks = self.receive_first()
         else:
-            self.config = Config(model, **kwargs)
+            self.config = ProductionConfig(model, **kwargs)
             self.core = make_core(self.config)
             self.conn, core_end = Pipe()
             self.process = threading.Thread(

@@ -33,11 +33,14 @@ class Config:
     download_dir: str | None = None  # the Hub cache to use; None: HF_HUB_CACHE
     hf_config: Any = field(init=False, repr=False)
 
+    def read_hf_config(self) -> Any:
+        return read_config(Path(self.model))  # transformers' AutoConfig, checked
+
     def __post_init__(self):
         self.model = resolve_model(self.model, self.revision, self.download_dir)  # a folder
         tokenizer, revision = self.tokenizer or self.model, self.tokenizer_revision
         self.tokenizer = resolve_model(tokenizer, revision, self.download_dir, TOKENIZER_FILES)
-        self.hf_config = read_config(self.model)
+        self.hf_config = self.read_hf_config()
         self.device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         context_len = self.hf_config.max_position_embeddings
         self.max_model_len = context_len if self.max_model_len is None else self.max_model_len

@@ -274,7 +274,7 @@ class LLMEngine:
     engine."""
 
     def __init__(self, model: str | Path, **kwargs):
-        self.config = Config(model, **kwargs)
+        self.config = self.make_config(model, **kwargs)
         self.tokenizer = load_tokenizer(self.config.tokenizer)
         self.core = self.make_core()
         num_blocks = self.core.scheduler.block_manager.num_blocks
@@ -282,6 +282,9 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.finished: list[RequestOutput] = []  # not returned yet (a step given request_ids)
         self.lock = threading.RLock()  # reentrant: LLM.generate holds it while it steps
+
+    def make_config(self, model: str | Path, **kwargs) -> Config:
+        return Config(model, **kwargs)
 
     def make_core(self) -> EngineCore:
         return EngineCore(self.config)

@@ -7,7 +7,7 @@ from typing import Any
 
 from minivllm.config import Config
 from minivllm.engine.core import EngineCore
-from minivllm.engine.production import make_core
+from minivllm.engine.production import ProductionConfig, make_core
 
 
 def handle(core: EngineCore, message: tuple) -> None:
@@ -54,7 +54,7 @@ def run_core(conn: Connection, model: str, kwargs: dict[str, Any]) -> None:
     it stops the core."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        config = Config(model, **kwargs)
+        config = ProductionConfig(model, **kwargs)
         core = make_core(config)  # the production core (deep dive fast_engine)
     except BaseException as e:
         conn.send(("error", e))

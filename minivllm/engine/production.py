@@ -2,6 +2,8 @@
 
 import atexit
 import gc
+from pathlib import Path
+from typing import Any
 
 from minivllm.config import Config
 from minivllm.engine.async_core import AsyncEngineCore, AsyncRunner
@@ -10,6 +12,7 @@ from minivllm.engine.gpu_runner import GPUModelRunner
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.workers import RankRunner, TPModelRunner
+from minivllm.models.checked_loader import read_config_fast
 
 
 class GPURunner(AsyncRunner, GPUModelRunner):
@@ -45,6 +48,16 @@ def make_core(config: Config) -> EngineCore:
     return ProductionCore(config)
 
 
+class ProductionConfig(Config):
+    """Notebook 02's Config, config.json read without importing the architecture's class (deep dive
+    checkpoints: seconds at start-up)."""
+
+    __slots__ = ()
+
+    def read_hf_config(self) -> Any:
+        return read_config_fast(Path(self.model))
+
+
 class ProductionEngine(LLMEngine):
     """Notebook 06's engine over the production core, its start-up objects frozen for the GC."""
 
@@ -53,6 +66,9 @@ class ProductionEngine(LLMEngine):
         gc.collect()
         gc.freeze()  # start-up's objects live as long as the engine: full collections skip them
         atexit.register(gc.unfreeze)  # (and the interpreter's last collection frees them)
+
+    def make_config(self, model: str | Path, **kwargs) -> Config:
+        return ProductionConfig(model, **kwargs)
 
     def make_core(self) -> EngineCore:
         return make_core(self.config)

@@ -53,6 +53,8 @@ if not (path / "model.safetensors").is_file():
 # %% tags=["export"] module="minivllm.engine.production"
 import atexit
 import gc
+from pathlib import Path
+from typing import Any
 
 from minivllm.config import Config
 from minivllm.engine.async_core import AsyncEngineCore, AsyncRunner
@@ -61,6 +63,7 @@ from minivllm.engine.gpu_runner import GPUModelRunner
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.workers import RankRunner, TPModelRunner
+from minivllm.models.checked_loader import read_config_fast
 
 
 class GPURunner(AsyncRunner, GPUModelRunner):
@@ -96,9 +99,21 @@ def make_core(config: Config) -> EngineCore:
     return ProductionCore(config)
 
 
+class ProductionConfig(Config):
+    """Notebook 02's Config, config.json read without importing the architecture's class (deep dive
+    checkpoints: seconds at start-up)."""
+
+    __slots__ = ()
+
+    def read_hf_config(self) -> Any:
+        return read_config_fast(Path(self.model))
+
+
 # %% [markdown]
-# ## The engine: its objects frozen for the collector
-# One more layer, the engine's. Python's cyclic garbage collector walks every tracked object in a
+# ## The engine: its config read fast, its objects frozen for the collector
+# The engine's layers. Its `Config` reads config.json without transformers' architecture classes
+# (`read_config_fast`, deep dive checkpoints), whose import costs seconds of a first start-up.
+# Python's cyclic garbage collector walks every tracked object in a
 # full collection: after start-up that is the model's modules, the tokenizer, the KV cache's
 # bookkeeping, hundreds of thousands of objects that live as long as the engine. A full collection
 # mid-run then stalls a step for tens of milliseconds. `gc.freeze()` after start-up moves them out
@@ -114,6 +129,9 @@ class ProductionEngine(LLMEngine):
         gc.collect()
         gc.freeze()  # start-up's objects live as long as the engine: full collections skip them
         atexit.register(gc.unfreeze)  # (and the interpreter's last collection frees them)
+
+    def make_config(self, model: str | Path, **kwargs) -> Config:
+        return ProductionConfig(model, **kwargs)
 
     def make_core(self) -> EngineCore:
         return make_core(self.config)
