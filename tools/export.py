@@ -43,6 +43,7 @@ DEEP_DIVES = {
     "paged_prefill": "03_kv_cache",
     "gpu_sampler": "04_model_runner",
     "cuda_graphs": "04_model_runner",
+    "scheduler_policies": "05_scheduler",
     "scheduler_memory": "05_scheduler",
     "tensor_parallel": "06_engine",
     "async_scheduling": "06_engine",

@@ -9,9 +9,7 @@ from minivllm.engine.step_inputs import placeholder
 
 
 class Scheduler:
-    """Continuous batching: every step is a prefill (first, if any request can join) or a decode of
-    all running requests; chunked prefill for prompts beyond the token budget; preemption by
-    recompute when blocks run out."""
+    """Continuous batching, prefill first; chunked prefill; preemption by recompute."""
 
     def __init__(self, config: Config, num_kvcache_blocks: int):
         self.max_num_seqs = config.max_num_seqs
@@ -28,12 +26,8 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         """Queue a new request. The engine has checked that it can run (notebook 06)."""
-        assert seq.status == SequenceStatus.WAITING and not seq.block_table, (
-            f"sequence {seq.seq_id} was added before"
-        )
-        assert len(seq) + 1 <= self.max_len, (
-            f"a prompt of {len(seq)} tokens can never run (max_len {self.max_len})"
-        )
+        assert seq.status == SequenceStatus.WAITING and not seq.block_table, f"{seq} added twice"
+        assert len(seq) < self.max_len, f"{len(seq)} tokens can never run (max_len {self.max_len})"
         self.waiting.append(seq)
 
     def is_finished(self) -> bool:
@@ -54,8 +48,7 @@ class Scheduler:
         return seqs + self.admit(budget)
 
     def admit(self, budget: int) -> list[Sequence]:
-        """Waiting requests, in order, while a seat, the token budget and the KV blocks of the
-        prompt allow."""
+        """Waiting requests, in order, while a seat, the budget and the prompt's blocks allow."""
         seqs: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -71,8 +64,7 @@ class Scheduler:
         return seqs
 
     def schedule_chunk(self, seq: Sequence, budget: int) -> int:
-        """Schedule as many of seq's uncomputed tokens as the budget allows; publish the blocks they
-        complete."""
+        """Schedule what the budget allows of seq's tokens; publish the blocks they complete."""
         seq.num_scheduled_tokens = min(len(seq) - seq.num_cached_tokens, budget)
         self.block_manager.cache_blocks(seq, seq.num_cached_tokens + seq.num_scheduled_tokens)
         return seq.num_scheduled_tokens
@@ -82,9 +74,7 @@ class Scheduler:
         for seq in list(self.running):  # oldest first
             if seq.status == SequenceStatus.WAITING:
                 continue  # preempted below, to make room for an older one
-            assert len(seq) - seq.num_cached_tokens == 1, (
-                "a decode computes exactly the newest token"
-            )
+            assert len(seq) - seq.num_cached_tokens == 1, "a decode computes the newest token"
             if self.reserve(seq):
                 seqs.append(seq)
         assert seqs, "the oldest request always fits once the others are preempted"
@@ -104,16 +94,14 @@ class Scheduler:
         return True
 
     def preempt(self, seq: Sequence) -> None:
-        """Recompute later: free its blocks, queue it first, keep its tokens. The caller took it out
-        of `running`."""
+        """Recompute later: free its blocks, queue it first, keep its tokens (out of `running`)."""
         self.block_manager.deallocate(seq)  # also resets num_cached_tokens
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
     def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
-        """Record a step that ran: computed tokens, sampled ones; free and return the sequences that
-        finished."""
+        """Record a step that ran; free and return the sequences that finished."""
         assert len(token_ids) == len(seqs), "one sampled token per sequence"
         return self.resolve(seqs, self.advance(seqs), token_ids)
 
@@ -137,8 +125,7 @@ class Scheduler:
     def resolve(
         self, seqs: list[Sequence], rows: list[int], token_ids: list[int]
     ) -> list[Sequence]:
-        """A step's tokens are known: they replace its placeholders. Free and return the sequences
-        that finished."""
+        """The step's tokens replace its placeholders; free and return the finished sequences."""
         finished = []
         for seq, token_id in ((seqs[row], token_ids[row]) for row in rows):
             if seq.finish_reason == "abort":
@@ -150,9 +137,8 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
-    def finish(
-        self, seq: Sequence, reason: str
-    ) -> None:  # seq may be waiting: preempted while its step ran (06)
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End seq, running or waiting (preempted while its step ran, notebook 06)."""
         if not seq.is_finished:
             (self.running if seq.status == SequenceStatus.RUNNING else self.waiting).remove(seq)
             if seq.block_table:
@@ -182,8 +168,7 @@ class Scheduler:
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
 
     def abort_all(self) -> None:
-        """Drop every request and reset the block manager: safe after a failure anywhere, as nothing
-        is kept."""
+        """Drop every request and reset the block manager: safe after any failure."""
         for seq in (*self.waiting, *self.running):
             seq.block_table.clear()
             seq.num_cached_tokens = 0
@@ -194,8 +179,7 @@ class Scheduler:
 
 
 class UnifiedScheduler(Scheduler):
-    """vLLM v1's policy: one token budget per step, for the running requests first, then waiting
-    prompts."""
+    """vLLM v1's policy: one token budget per step, running requests first, then waiting ones."""
 
     def schedule(self) -> tuple[list[Sequence], bool]:
         """This step's sequences, decode rows first, and whether it needs the prefill path."""
@@ -213,8 +197,5 @@ class UnifiedScheduler(Scheduler):
                 decodes.append(seq)
         chunks += self.admit(budget)
         assert decodes or chunks, "the oldest request always fits once the others are preempted"
-        decode_only = all(
-            seq.num_scheduled_tokens == 1 and seq.num_cached_tokens + 1 == len(seq)
-            for seq in chunks
-        )
-        return decodes + chunks, not decode_only
+        # a prompt with one token left is a decode row too: a step of those takes the decode path
+        return decodes + chunks, any(len(seq) - seq.num_cached_tokens > 1 for seq in chunks)
