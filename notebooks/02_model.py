@@ -699,5 +699,5 @@ check_answer(attention + 3 * 3072 * 1024 + 2 * 128 + 2 * 1024, layer_params, "2.
 # **Exercise.** `exercises/02_llama.ipynb`: add Llama-3.2 from the same layers. You write its
 # llama3 RoPE scaling, its checkpoint mapping and an attention that runs on one tensor-parallel
 # rank's heads; its logits are checked against transformers' Llama on a random checkpoint.
-# **Deep dive.** `deep_dives/checkpoints.ipynb`: how our checkpoints are made, folders broken as real
-# ones are, a fast `config.json`, bfloat16's rounding.
+# **Deep dive.** `deep_dives/checkpoints.ipynb`: how our checkpoints are made, folders broken as
+# real ones are, a fast `config.json`, bfloat16's rounding.

@@ -345,22 +345,21 @@ class FixedContext(SuspectContext):
 # %% [markdown]
 # ### Check 2
 # Your own check first, then the four paths above, then the colleague's test: all must now equal
-# `prompt_logits`. (`PagedContext`'s own `prefill` and `paged_prefill` are notebook 04's answer:
-# during this check they refuse to run, so the fix must be yours.)
+# `prompt_logits`. (`PagedContext`'s own `prefill` is notebook 04's answer: during this check it
+# refuses to run, so the fix must be yours.)
 
 
 # %%
 def handed_over(self: PagedContext, *args, **kwargs):
     raise AssertionError(
-        "FixedContext.prefill called PagedContext's prefill or paged_prefill, notebook 04's "
-        "answer: write the fix "
+        "FixedContext.prefill called PagedContext's prefill, notebook 04's answer: write the fix "
         "with the reference ops (attention_ref, paged_attention_ref) and the context's fields"
     )
 
 
 with exercise("FixedContext.prefill"):
-    answers = PagedContext.prefill, PagedContext.paged_prefill
-    PagedContext.prefill = PagedContext.paged_prefill = handed_over  # during this check only
+    answer = PagedContext.prefill
+    PagedContext.prefill = handed_over  # during this check only
     try:
         runner.context_cls = FixedContext
         cached, error = prefix_hit_check(runner)
@@ -375,7 +374,7 @@ with exercise("FixedContext.prefill"):
         worst = decode_errors(FixedContext, prompts, num_decode_steps=10)
         assert worst < 1e-4, f"FixedContext, the colleague's test: worst logit error {worst:.1e}"
     finally:
-        PagedContext.prefill, PagedContext.paged_prefill = answers
+        PagedContext.prefill = answer
 print("FixedContext: every path equals prompt_logits")
 
 # %% [markdown]

@@ -495,7 +495,7 @@ wrong(
         def prefill(self, layer, q, k, v):
             return PagedContext.prefill(self, layer, q, k, v)
     """,
-    r"FixedContext.prefill called PagedContext's prefill or paged_prefill",
+    r"FixedContext.prefill called PagedContext's prefill",
 )
 
 
