@@ -5,7 +5,6 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from minivllm.config import Config
 from minivllm.engine.core import EngineCore
 from minivllm.engine.production import ProductionConfig, make_core
 
