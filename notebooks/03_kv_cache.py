@@ -875,7 +875,7 @@ def attend_split(
     ROWS: tl.constexpr = q.shape[0]
     HEAD_DIM: tl.constexpr = q.shape[1]
     stride_kt, stride_kh, stride_vt, stride_vh = kv_strides  # (token, head) of k, then of v
-    offs_q, offs_d, offs_n = tl.arange(0, ROWS), tl.arange(0, HEAD_DIM), tl.arange(0, BLOCK_N)
+    offs_d, offs_n = tl.arange(0, HEAD_DIM), tl.arange(0, BLOCK_N)
     m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
@@ -893,9 +893,7 @@ def attend_split(
             valid[:, None],
             UPCAST,
         )
-        acc, m_i, l_i = attend_block(
-            acc, m_i, l_i, q, k, v, tok, offs_q, hi, 0, qk_scale, True, False, PRECISION
-        )
+        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, valid[None, :], qk_scale, PRECISION)
     # a split with no key: past the end of a short sequence (or of a shared prefix)
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]

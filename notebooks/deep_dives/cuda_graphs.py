@@ -567,7 +567,7 @@ if DEVICE == "cuda":
 # %% [markdown]
 # ## Check yourself
 # 1. A mixed step has 3 decode rows and a prompt chunk of 100 tokens (tiles of 64 query rows). Which
-#    captured `T` replays it, how many programs per group of query heads (notebook 01's
+#    captured `T` replays it, how many programs per group of query heads (deep dive prefill_tuning's
 #    `heads_per_program`) does its prefill kernel run, and how many of them have a tile to compute?
 #    Answer `(T, programs, real)`.
 
