@@ -568,21 +568,14 @@ assert wrong > 0.01  # rounding alone would give ~1e-7
 # step 1's loop over `(BLOCK_N, D)` tiles of keys and values, `tl.dot` for both products; the grid
 # launches one program per query tile. A tile's addresses are `base + row · row_stride + column`,
 # built from `tl.arange` (for `kᵀ`, swap the two). It computes `exp2`, which the hardware has, with
-# `log2(e)` in the scale. One head, no mask, lengths that are multiples of the tiles.
+# `log2(e)` in the scale. Tile shapes are compile-time constants (`tl.constexpr`), lengths need not
+# be. One head, no mask, lengths that are multiples of the tiles.
 
 
 # %%
 @triton.jit
 def tiny_attention_kernel(  # Q, O: (num_q, D), K, V: (N, D), contiguous; qk_scale in log2 units
-    Q,
-    K,
-    V,
-    O,
-    qk_scale,
-    N: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    Q, K, V, O, qk_scale, N, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
 ):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # this program's query rows
     offs_n, offs_d = tl.arange(0, BLOCK_N), tl.arange(0, D)
