@@ -667,7 +667,7 @@ def attend_split(
     ROWS: tl.constexpr = q.shape[0]
     HEAD_DIM: tl.constexpr = q.shape[1]
     stride_k, stride_v = kv_strides[0], kv_strides[2]  # from one token to the next
-    offs_q, offs_d, offs_n = tl.arange(0, ROWS), tl.arange(0, HEAD_DIM), tl.arange(0, BLOCK_N)
+    offs_d, offs_n = tl.arange(0, HEAD_DIM), tl.arange(0, BLOCK_N)
     m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([ROWS], dtype=tl.float32)
     acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
@@ -679,9 +679,7 @@ def attend_split(
         v_ptrs = V + rows[:, None] * stride_v + offs_d[None, :]  # (BLOCK_N, HEAD_DIM)
         k = load_tile(k_ptrs, valid[None, :], UPCAST)
         v = load_tile(v_ptrs, valid[:, None], UPCAST)
-        acc, m_i, l_i = attend_block(
-            acc, m_i, l_i, q, k, v, tok, offs_q, hi, 0, qk_scale, True, False, PRECISION
-        )
+        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, valid[None, :], qk_scale, PRECISION)
     empty = l_i == 0.0  # a split with no key: past the end of a short sequence
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = m_i + tl.math.log2(tl.where(empty, 1.0, l_i))

@@ -326,8 +326,8 @@ print(
 # * **Compare with the engine's.** The deep dive `triton_layers`' `rms_norm`
 #   (`minivllm.kernels.small_layers`) is this kernel, grown for an engine: a few short rows per
 #   program, 3-D inputs (the q/k norms: a row per head, no residual), and rounding where `RMSNorm`
-#   rounds. `use_small_layer_kernels(model)` sets it as every `RMSNorm`'s `kernel`; the runner does
-#   so on a GPU.
+#   rounds. `TritonRMSNorm`, a subclass of `RMSNorm`, runs it; `use_small_layer_kernels(model)`
+#   switches a loaded model's norms to that subclass, and the runner does so on a GPU.
 # * **Measure it.** On a GPU, time it with `triton.testing.do_bench` against eager `RMSNorm` and the
 #   `torch.compile`d one (the deep dive's `bench_ms`) at 1 and 8,192 tokens of 1,024: at 8,192
 #   tokens all three are bound by memory, and the bytes moved (4 × 8,192 × 1,024 × 2 for the fused

@@ -1,4 +1,6 @@
-"""The Triton prefill kernel against the reference attention: under the interpreter on CPU, in bf16 on a GPU."""
+"""The Triton prefill kernels against the reference attention, under the interpreter on CPU, in bf16 on a GPU:
+notebook 01's (`flash_attn_varlen_contiguous`), the deep dive prefill_tuning's (`flash_attn_varlen_tuned`, with the
+same signature) and the flash-attn entry point `flash_attn_varlen_func` (the tuned kernel, its inputs checked)."""
 
 import random
 
@@ -6,9 +8,15 @@ import pytest
 import torch
 
 from minivllm.kernels import attention_ref, flash_attn_varlen_func
-from minivllm.kernels.flash_attn import flash_attn_varlen_contiguous, heads_per_program
+from minivllm.kernels.flash_attn import flash_attn_varlen_contiguous, launch_config
+from minivllm.kernels.prefill_tuned import flash_attn_varlen_tuned, heads_per_program, tuned_config
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+KERNELS = {
+    "core": flash_attn_varlen_contiguous,
+    "tuned": flash_attn_varlen_tuned,
+    "func": flash_attn_varlen_func,
+}
 BOUNDARY_LENGTHS = [1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128]
 
 
@@ -30,24 +38,50 @@ def varlen_batch(
 
 
 def check(
-    q_lens, k_lens, num_heads, num_kv_heads, head_dim, causal, dtype=torch.float32, tol=2e-5, seed=0
+    q_lens,
+    k_lens,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    causal,
+    dtype=torch.float32,
+    tol=2e-5,
+    seed=0,
+    kernel="func",
 ):
     q, k, v, cu_q, cu_k = varlen_batch(
         q_lens, k_lens, num_heads, num_kv_heads, head_dim, dtype, seed=seed
     )
-    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), causal=causal)
+    attention = KERNELS[kernel]
+    out = attention(q, k, v, cu_q, cu_k, max(q_lens), max(k_lens), causal=causal)
     ref = attention_ref(q, k, v, cu_q, cu_k, causal=causal)
     assert out.dtype == dtype and out.shape == q.shape
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("kernel", ["core", "func"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
-def test_kernel_matches_reference_on_random_varlen_batches(group, head_dim, causal):
+def test_kernel_matches_reference_on_random_varlen_batches(group, head_dim, causal, kernel):
     rng = random.Random(f"{group}-{head_dim}-{causal}")
     q_lens = rng.sample(BOUNDARY_LENGTHS, 3) + [rng.randint(1, 128)]
-    check(q_lens, q_lens, num_heads=8, num_kv_heads=8 // group, head_dim=head_dim, causal=causal)
+    check(
+        q_lens,
+        q_lens,
+        num_heads=8,
+        num_kv_heads=8 // group,
+        head_dim=head_dim,
+        causal=causal,
+        kernel=kernel,
+    )
+
+
+def test_the_tuned_kernel_keeps_the_cores_query_tiles():
+    """The runner sizes the paged prefill kernel's query tiles by launch_config: the tuned launch must not move
+    them."""
+    for device in (torch.device("cpu"), torch.device("cuda")):
+        assert tuned_config(128, device)["BLOCK_M"] == launch_config(128, device)["BLOCK_M"]
 
 
 @pytest.mark.parametrize(
@@ -67,14 +101,24 @@ def test_groups_that_are_not_powers_of_two_match_the_reference(num_heads):
     check([40, 7], [40, 7], num_heads=num_heads, num_kv_heads=2, head_dim=32, causal=True)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("causal", [True, False])
-def test_kernel_with_cached_prefix_and_fewer_keys_than_queries(causal):
+def test_kernel_with_cached_prefix_and_fewer_keys_than_queries(causal, kernel):
     """len_k > len_q: a prompt continuing after cached tokens; len_k < len_q: early queries see no key (zeros)."""
-    check([5, 17, 1, 40], [40, 17, 100, 3], num_heads=4, num_kv_heads=2, head_dim=32, causal=causal)
+    check(
+        [5, 17, 1, 40],
+        [40, 17, 100, 3],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        causal=causal,
+        kernel=kernel,
+    )
 
 
+@pytest.mark.parametrize("kernel", ["core", "tuned"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_kernel_half_precision(dtype):
+def test_kernel_half_precision(dtype, kernel):
     check(
         [33, 16, 7],
         [33, 16, 7],
@@ -84,34 +128,35 @@ def test_kernel_half_precision(dtype):
         causal=True,
         dtype=dtype,
         tol=2e-2,
+        kernel=kernel,
     )
 
 
+@pytest.mark.parametrize("kernel", ["core", "tuned"])
 @pytest.mark.parametrize("block_m, block_n", [(32, 16), (16, 64)])
-def test_a_tile_given_by_the_caller_is_used_and_exact(block_m, block_n):
-    """The benchmark's sweep passes tiles instead of patching the module: each must give the same attention."""
+def test_a_tile_given_by_the_caller_is_used_and_exact(block_m, block_n, kernel):
+    """The benchmark's sweep and notebook 01's question pass tiles: each must give the same attention."""
     q_lens = [1, 40, 17]
     q, k, v, cu_q, cu_k = varlen_batch(q_lens, q_lens, 4, 2, 32)
     tile = dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=1, num_stages=1)
-    out = flash_attn_varlen_contiguous(q, k, v, cu_q, cu_k, 40, 40, causal=True, tile=tile)
+    out = KERNELS[kernel](q, k, v, cu_q, cu_k, 40, 40, causal=True, tile=tile)
     torch.testing.assert_close(
         out, attention_ref(q, k, v, cu_q, cu_k, causal=True), rtol=2e-5, atol=2e-5
     )
     with pytest.raises(
         KeyError
     ):  # the tile really reaches the launch: one without BLOCK_M cannot run
-        flash_attn_varlen_contiguous(
-            q, k, v, cu_q, cu_k, 40, 40, causal=True, tile=dict(BLOCK_N=16)
-        )
+        KERNELS[kernel](q, k, v, cu_q, cu_k, 40, 40, causal=True, tile=dict(BLOCK_N=16))
 
 
-def test_kernel_softmax_scale_and_strided_inputs():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_kernel_softmax_scale_and_strided_inputs(kernel):
     qkv = torch.randn(
         50, 4 + 2 + 2, 32, device=DEVICE
     )  # q, k, v packed as one projection output, as in a model
     q, k, v = qkv.split([4, 2, 2], dim=1)
     cu = torch.tensor([0, 20, 50], dtype=torch.int32, device=DEVICE)
-    out = flash_attn_varlen_func(q, k, v, cu, cu, 30, 30, softmax_scale=0.3, causal=True)
+    out = KERNELS[kernel](q, k, v, cu, cu, 30, 30, softmax_scale=0.3, causal=True)
     torch.testing.assert_close(
         out, attention_ref(q, k, v, cu, cu, softmax_scale=0.3, causal=True), rtol=2e-5, atol=2e-5
     )
@@ -159,10 +204,11 @@ def test_bad_input_raises_value_error_naming_the_argument(bad, argument):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["core", "tuned"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("group", [1, 2, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_kernel_bf16_on_gpu(group, head_dim, causal):
+def test_kernel_bf16_on_gpu(group, head_dim, causal, kernel):
     rng = random.Random(f"gpu-{group}-{head_dim}-{causal}")
     q_lens = BOUNDARY_LENGTHS + [rng.randint(129, 3000) for _ in range(4)]
     k_lens = [
@@ -177,11 +223,20 @@ def test_kernel_bf16_on_gpu(group, head_dim, causal):
         causal=causal,
         dtype=torch.bfloat16,
         tol=2e-2,
+        kernel=kernel,
     )
 
 
 @pytest.mark.gpu
-def test_kernel_fp32_on_gpu_is_exact_not_tf32():
+@pytest.mark.parametrize("kernel", ["core", "tuned"])
+def test_kernel_fp32_on_gpu_is_exact_not_tf32(kernel):
     check(
-        [300, 1000], [300, 1000], num_heads=8, num_kv_heads=2, head_dim=128, causal=True, tol=1e-4
+        [300, 1000],
+        [300, 1000],
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=128,
+        causal=True,
+        tol=1e-4,
+        kernel=kernel,
     )

@@ -149,6 +149,7 @@ def test_a_deep_dive_exports_the_fast_paths():
     assert deep_dive_modules() >= {
         "minivllm.kernels.small_layers",
         "minivllm.layers.small_layer_kernels",
+        "minivllm.kernels.prefill_tuned",
         "minivllm.kernels.paged_prefill",
         "minivllm.kernels.sampling",
         "minivllm.layers.gpu_sampler",

@@ -10,16 +10,37 @@ from unittest import mock
 import pytest
 import torch
 
-from minivllm import load_model
+from minivllm import LLM, SamplingParams, load_model
 from minivllm.kernels.small_layers import apply_rope, gemv, rms_norm, silu_and_mul
 from minivllm.layers.activation import SiluAndMul
 from minivllm.layers.layernorm import RMSNorm
-from minivllm.layers.linear import RowParallelLinear
+from minivllm.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from minivllm.layers.rotary_embedding import RotaryEmbedding
 from minivllm.layers.small_layer_kernels import use_small_layer_kernels
 from minivllm.testing import prompt_logits
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+KERNELS = "minivllm.layers.small_layer_kernels"  # where the layers' subclasses find their kernels
+# the modules use_small_layer_kernels switches in Qwen3 (the MLP: [gate | up] and the activation, one gemv)
+SWITCHED = {
+    "norm",
+    "input_layernorm",
+    "post_attention_layernorm",
+    "q_norm",
+    "k_norm",
+    "rotary_emb",
+    "qkv_proj",
+    "o_proj",
+    "gate_up_proj",
+    "down_proj",
+    "act_fn",
+    "mlp",
+}
 FP32 = dict(rtol=1e-6, atol=1e-6)
 # The interpreter's float32 -> bfloat16 casts truncate where a GPU rounds: up to a unit in the last place (2^-7
 # relative) per rounding, and the fused add + RMSNorm rounds three times (new residual, normalised row, times weight).
@@ -150,14 +171,25 @@ def test_gated_gemv_is_gemv_then_silu_and_mul(dtype):
     assert torch.equal(out, silu_and_mul(gemv(x, w)))  # the same sums, the same roundings
 
 
-def test_linear_layers_run_gemv_for_one_token_only():
-    layer = RowParallelLinear(96, 40).to(DEVICE)
-    layer.weight.data.normal_()
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: RowParallelLinear(96, 40, bias=True),
+        lambda: ColumnParallelLinear(96, 40),
+        lambda: MergedColumnParallelLinear(96, [20, 20]),
+        lambda: QKVParallelLinear(96, 8, 3, 1),
+    ],
+    ids=["row", "column", "merged", "qkv"],
+)
+def test_linear_layers_run_gemv_for_one_token_only(make):
+    layer = make().to(DEVICE)
+    for param in layer.parameters():
+        param.data.normal_()
     one, five = torch.randn(1, 96, device=DEVICE), torch.randn(5, 96, device=DEVICE)
-    spy = mock.Mock(wraps=gemv)
-    with torch.no_grad():
+    with torch.no_grad(), mock.patch(f"{KERNELS}.gemv", wraps=gemv) as spy:
         expected = layer(one), layer(five)
-        layer.kernel = spy
+        assert spy.call_count == 0  # the PyTorch layer
+        use_small_layer_kernels(layer)
         got = layer(one), layer(five)
     assert spy.call_count == 1  # switched on, at one token
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
@@ -219,16 +251,16 @@ def test_rope_matches_the_layer(params, num_tokens, num_heads, num_kv_heads, hea
 
 
 def kernel_spies():
-    """The three kernels, wrapped where use_small_layer_kernels finds them: each spy counts the calls of the layers
-    it is installed in."""
+    """The three kernels, wrapped where the layers' subclasses call them: each spy counts the calls of the layers
+    switched onto them."""
     return (
-        mock.patch("minivllm.layers.small_layer_kernels.rms_norm", wraps=rms_norm),
-        mock.patch("minivllm.layers.small_layer_kernels.apply_rope", wraps=apply_rope),
-        mock.patch("minivllm.layers.small_layer_kernels.silu_and_mul", wraps=silu_and_mul),
+        mock.patch(f"{KERNELS}.rms_norm", wraps=rms_norm),
+        mock.patch(f"{KERNELS}.apply_rope", wraps=apply_rope),
+        mock.patch(f"{KERNELS}.silu_and_mul", wraps=silu_and_mul),
     )
 
 
-def test_the_layers_dispatch_on_their_switch():
+def test_the_layers_switch_to_their_kernel_subclasses_and_back():
     norm, rope, act = (
         random_norm(96, torch.float32),
         RotaryEmbedding(32, 512, ROPE).to(DEVICE),
@@ -245,16 +277,25 @@ def test_the_layers_dispatch_on_their_switch():
             0,
             0,
         )  # off: PyTorch ops
-        for layer in (norm, rope, act):
-            assert layer.kernel is None  # the default: the PyTorch layer
+        params = [list(layer.parameters()) for layer in (norm, rope, act)]
+        for layer, plain in ((norm, RMSNorm), (rope, RotaryEmbedding), (act, SiluAndMul)):
+            assert type(layer) is plain  # the PyTorch layer, as notebook 01 builds it
             use_small_layer_kernels(layer)
+            assert type(layer) is not plain and isinstance(layer, plain)  # its kernel subclass
         got = norm(x, residual), norm(x), rope(positions, q, k), act(x)
         assert (norm_spy.call_count, rope_spy.call_count, act_spy.call_count) == (
             2,
             1,
             1,
         )  # on: the kernels
+        for layer in (norm, rope, act):
+            use_small_layer_kernels(layer, enabled=False)
+        again = norm(x, residual), norm(x), rope(positions, q, k), act(x)
+        assert (norm_spy.call_count, rope_spy.call_count, act_spy.call_count) == (2, 1, 1)  # off
+    assert [type(layer) for layer in (norm, rope, act)] == [RMSNorm, RotaryEmbedding, SiluAndMul]
+    assert [list(layer.parameters()) for layer in (norm, rope, act)] == params  # the same objects
     torch.testing.assert_close(got, expected, **FP32)
+    torch.testing.assert_close(again, expected, rtol=0, atol=0)
 
 
 def test_the_core_imports_no_small_layer_kernels():
@@ -273,7 +314,9 @@ def test_the_core_imports_no_small_layer_kernels():
 def test_model_forward_with_the_kernels_equals_without(tiny, token_ids):
     """The tiny model through prompt_logits: the switch the runner turns on a GPU, here in the interpreter."""
     model = load_model(tiny, dtype=torch.float32, device=DEVICE)
-    patches = (*kernel_spies(), mock.patch("minivllm.layers.small_layer_kernels.gemv", wraps=gemv))
+    patches = (*kernel_spies(), mock.patch(f"{KERNELS}.gemv", wraps=gemv))
+    classes = {name: type(m) for name, m in model.named_modules()}
+    params = dict(model.named_parameters())
 
     def gemv_calls(gated: bool) -> int:
         return sum(call.kwargs.get("gated", False) == gated for call in gemv_spy.call_args_list)
@@ -290,8 +333,14 @@ def test_model_forward_with_the_kernels_equals_without(tiny, token_ids):
             act_spy.call_count,
             gemv_calls(gated=False),
         )
+        switched = {name for name, m in model.named_modules() if type(m) is not classes[name]}
         use_small_layer_kernels(model, enabled=False)
         again = prompt_logits(model, token_ids)
+    assert {
+        name: type(m) for name, m in model.named_modules()
+    } == classes  # the PyTorch layers again
+    assert all(p is params[name] for name, p in model.named_parameters())  # never copied
+    assert {name.rsplit(".", 1)[-1] for name in switched} == SWITCHED  # the Qwen3 MLP's too
     layers, one = model.config.num_hidden_layers, len(token_ids) == 1
     # 2 norms (input, post-attention) a layer and the final one; q's and k's in RoPE's kernel. At one token, gemv:
     # qkv, o and down through the linear layers, [gate | up] with the activation from the MLP
@@ -302,6 +351,29 @@ def test_model_forward_with_the_kernels_equals_without(tiny, token_ids):
     assert torch.equal(again, expected)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
+def test_greedy_tokens_with_the_kernels_equal_those_without(tiny):
+    """The engine's steps (a prefill, then one-token decodes: gemv, the MLP's gated gemv), with the kernels switched
+    into the runner's loaded model as the GPU runner switches them: the same greedy tokens, and back again."""
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    prompt = [[5, 99, 1023, 7, 42]]  # one sequence: its decode steps are one token
+    with LLM(str(tiny), device="cpu", max_model_len=64, enable_prefix_caching=False) as llm:
+        model = llm.engine.core.runner.model
+
+        def tokens() -> list[int]:
+            return llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+
+        plain = tokens()
+        with mock.patch(f"{KERNELS}.gemv", wraps=gemv) as gemv_spy:
+            use_small_layer_kernels(model)
+            fast = tokens()
+            use_small_layer_kernels(model, enabled=False)
+            again = tokens()
+    assert fast == plain == again
+    layers = model.config.num_hidden_layers
+    # 2 decode steps of one token, each: qkv, o, down through the linear layers, [gate | up] with the activation
+    assert gemv_spy.call_count == 2 * 4 * layers
 
 
 @pytest.mark.gpu

@@ -38,6 +38,7 @@ STUB = 'raise NotImplementedError("your code here")'
 # to the one it follows and the deep dives listed before it.
 DEEP_DIVES = {
     "triton_layers": "01_layers",
+    "prefill_tuning": "01_layers",
     "checkpoints": "02_model",
     "cascade_attention": "03_kv_cache",
     "paged_prefill": "03_kv_cache",

@@ -10,6 +10,7 @@ from minivllm.attention.layer import Attention
 from minivllm.attention.paged import PagedContext
 from minivllm.kernels.cascade import flash_attn_with_kvcache
 from minivllm.kernels.paged_attn import store_kvcache
+from minivllm.kernels.prefill_tuned import flash_attn_varlen_tuned
 
 
 def query_tiles(
@@ -50,8 +51,10 @@ class FastPagedContext(PagedContext):
         store_kvcache(k, v, layer.k_cache, layer.v_cache, self.slot_mapping)
         if not self.is_prefill:
             return self.cascade_decode(layer, q)
-        if self.block_tables is None:  # nothing cached: notebook 04's prefill
-            return PagedContext.prefill(self, layer, q, k, v)
+        if self.block_tables is None:  # nothing cached: the new k, v (deep dive prefill_tuning)
+            cu_q, max_q = self.cu_seqlens_q, self.max_seqlen_q
+            assert cu_q is not None  # a prefill step has it
+            return flash_attn_varlen_tuned(q, k, v, cu_q, cu_q, max_q, max_q, layer.scale, True)
         out = torch.empty_like(q)
         if self.num_decode_seqs:  # a mixed step's decode rows through the decode kernel
             self.cascade_decode(layer, q[: self.num_decode_seqs], out[: self.num_decode_seqs])

@@ -1,6 +1,7 @@
 """Prefill attention: our Triton FlashAttention vs PyTorch SDPA (flash, cuDNN), a naive O(N²)
 version, and FlashInfer's prefill (single_prefill_with_kv_cache) where the `flashinfer` package is
-installed.
+installed. Ours twice: `minivllm-triton`, the deep dive prefill_tuning's kernel, which the engine
+runs on a GPU, and `minivllm-triton-core`, notebook 01's (the core path's) kernel.
 
     python -m minivllm.benchmarks.prefill [--seqlens 1024 4096 8192 16384] [--out figures] [--sweep]
 
@@ -8,12 +9,13 @@ One causal prompt (batch 1), 16 query / 8 KV heads, head_dim 128, bf16: Qwen3-0.
 call is timed eagerly (triton.testing.do_bench), in 5 rounds that time every implementation in turn;
 a row's `ms` is the median round (`ms_rounds`: all five). Writes prefill.json + prefill.png, and
 prints per length how fast ours is against cuDNN (and FlashInfer): ratios in the JSON. --sweep also
-times every tile configuration of our kernel and prints the best.
+times every tile configuration of the tuned kernel and prints the best.
 """
 
 import importlib
 import itertools
 import statistics
+from typing import Any
 
 import torch
 
@@ -26,7 +28,7 @@ from minivllm.benchmarks.common import (
     result,
     save,
 )
-from minivllm.kernels.flash_attn import flash_attn_varlen_contiguous, launch_config
+from minivllm.kernels.flash_attn import flash_attn_varlen_contiguous
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
 
@@ -46,6 +48,23 @@ def naive_attention(
         torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf")
     )
     return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+
+
+def tuned_module() -> Any:
+    """The deep dive prefill_tuning's kernel module; None on the core path alone (tools/core_only
+    blocks it), where notebook 01 runs this benchmark too."""
+    try:
+        return importlib.import_module("minivllm.kernels.prefill_tuned")
+    except ImportError:
+        return None
+
+
+def tuned_impl(q, k, v, cu, seqlen: int, tile: dict | None) -> dict:
+    """{"minivllm-triton": the tuned kernel on this prompt}, or {} without its module."""
+    if (tuned := tuned_module()) is None:
+        return {}
+    run = tuned.flash_attn_varlen_tuned
+    return {"minivllm-triton": lambda: run(q, k, v, cu, cu, seqlen, seqlen, causal=True, tile=tile)}
 
 
 def implementations(
@@ -73,25 +92,24 @@ def implementations(
         return run
 
     impls = {
-        "minivllm-triton": lambda: flash_attn_varlen_contiguous(
-            q, k, v, cu, cu, seqlen, seqlen, causal=True, tile=tile
+        **tuned_impl(q, k, v, cu, seqlen, tile),
+        "minivllm-triton-core": lambda: flash_attn_varlen_contiguous(
+            q, k, v, cu, cu, seqlen, seqlen, causal=True
         ),
-        "sdpa-flash": sdpa(SDPBackend.FLASH_ATTENTION),
-        "sdpa-cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
-        "naive-torch": lambda: naive_attention(qb, kb, vb),
     }
     # beside ours; batch 1, so its single-request prefill: (N, heads, D) as ours, GQA inside
     if HAS_FLASHINFER:
         flashinfer = importlib.import_module("flashinfer")
-        impls = {
-            "minivllm-triton": impls.pop("minivllm-triton"),
-            "flashinfer": lambda: flashinfer.single_prefill_with_kv_cache(
-                q, k, v, causal=True, kv_layout="NHD"
-            ),
-            **impls,
-        }
+        impls["flashinfer"] = lambda: flashinfer.single_prefill_with_kv_cache(
+            q, k, v, causal=True, kv_layout="NHD"
+        )
+    impls["sdpa-flash"] = sdpa(SDPBackend.FLASH_ATTENTION)
+    impls["sdpa-cudnn"] = sdpa(SDPBackend.CUDNN_ATTENTION)
+    impls["naive-torch"] = lambda: naive_attention(qb, kb, vb)
     reference = impls["sdpa-flash"]()[0].transpose(0, 1)
-    torch.testing.assert_close(impls["minivllm-triton"](), reference, atol=2e-2, rtol=2e-2)
+    for ours in ("minivllm-triton", "minivllm-triton-core"):
+        if ours in impls:
+            torch.testing.assert_close(impls[ours](), reference, atol=2e-2, rtol=2e-2)
     # checked before any timing: a wrong layout must not give a fast, bogus number
     if "flashinfer" in impls:
         torch.testing.assert_close(impls["flashinfer"](), reference, atol=2e-2, rtol=2e-2)
@@ -152,7 +170,7 @@ def run_prefill_benchmark(
         head_dim=HEAD_DIM,
         dtype="bfloat16",
         causal=True,
-        config=launch_config(HEAD_DIM, torch.device("cuda")),
+        config=tuned_launch(),
         timing=f"eager (triton.testing.do_bench), the median of {rounds} interleaved rounds",
         flashinfer=package_version("flashinfer-python"),
         # per length, speedup: minivllm-triton's speed over the baseline's (its ms / ours)
@@ -160,8 +178,14 @@ def run_prefill_benchmark(
     )
 
 
+def tuned_launch() -> dict | None:
+    """The tuned kernel's launch on a GPU (tile, warps, stages): the JSON's `config`."""
+    tuned = tuned_module()
+    return None if tuned is None else tuned.tuned_config(HEAD_DIM, torch.device("cuda"))
+
+
 def sweep(seqlens) -> None:
-    """Time our kernel under every tile configuration; print the five best per length."""
+    """Time the tuned kernel under every tile configuration; print the five best per length."""
     space = list(itertools.product((64, 128), (64, 128), (4, 8), (2, 3)))
     for seqlen in seqlens:
         timings = []

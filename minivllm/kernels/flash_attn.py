@@ -6,51 +6,25 @@ import torch
 import triton
 import triton.language as tl
 
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
 
 @triton.jit
 def load_tile(ptrs, mask, UPCAST: tl.constexpr):
-    """Load a K or V tile; zeros where masked. The CPU interpreter computes bf16 wrongly, so it
-    upcasts."""
-    if mask is None:
-        x = tl.load(ptrs)
-    else:
-        x = tl.load(ptrs, mask=mask, other=0.0)
+    """Load a tile, zeros where masked; UPCAST: in float32 (the CPU interpreter's bf16 is wrong)."""
+    x = tl.load(ptrs, mask=mask, other=0.0)
     if UPCAST:
         x = x.to(tl.float32)
     return x
 
 
 @triton.jit
-def attend_block(
-    acc,
-    m_i,
-    l_i,
-    q,
-    k,
-    v,
-    offs_key,
-    offs_m,
-    k_len,
-    shift,
-    qk_scale,
-    MASKED: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """One step of online softmax: fold keys `offs_key` (k: (D, BLOCK_N), v: (BLOCK_N, D)) into a
-    query tile."""
-    # (BLOCK_M, BLOCK_N), scaled below: s * qk_scale in log2 units
-    s = tl.dot(q, k, input_precision=PRECISION)
-    if MASKED:
-        visible = (offs_key < k_len)[None, :]
-        if CAUSAL:
-            visible = visible & (offs_key[None, :] <= offs_m[:, None] + shift)
+def attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, PRECISION: tl.constexpr):
+    """Step 1's loop body: fold K (D, BLOCK_N) and V (BLOCK_N, D) into a query tile's running max
+    m_i, sum l_i and output acc. Scores where `visible` (a mask, or None: all) is False are -inf."""
+    s = tl.dot(q, k, input_precision=PRECISION)  # (BLOCK_M, BLOCK_N), times qk_scale below
+    if visible is not None:
         s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that have seen no key yet
-    # the scale and the max in one fused multiply-add
     p = tl.math.exp2(s * qk_scale - m_safe[:, None])
     alpha = tl.math.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, 1)
@@ -59,21 +33,6 @@ def attend_block(
 
 
 @triton.jit
-def causal_bounds(
-    start_m, k_len, shift, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr
-):
-    """Keys [0, unmasked) are seen by every query of the tile (whole blocks); keys >= hi by none."""
-    if CAUSAL:
-        hi = tl.minimum(k_len, (start_m + 1) * BLOCK_M + shift)
-        unmasked = tl.maximum(tl.minimum(hi, start_m * BLOCK_M + shift + 1), 0)
-    else:
-        hi, unmasked = k_len, k_len
-    return (unmasked // BLOCK_N) * BLOCK_N, hi
-
-
-@triton.jit(
-    do_not_specialize=["num_m_blocks"]
-)  # changes every step: one compiled kernel for all values
 def _prefill_kernel(
     Q,
     K,
@@ -82,159 +41,64 @@ def _prefill_kernel(
     cu_seqlens_q,
     cu_seqlens_k,
     qk_scale,
-    num_m_blocks,  # tensors, scalars
-    # strides
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_ot,
-    stride_oh,
+    q_strides,  # (token, head) strides of q, then of k, v and o
+    k_strides,
+    v_strides,
+    o_strides,
     GROUP: tl.constexpr,
-    HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
     UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
 ):
-    start_m = num_m_blocks - 1 - tl.program_id(0)  # longest causal tiles first
-    first_head, seq = tl.program_id(1) * HEADS, tl.program_id(2)  # HEADS query heads of one KV head
+    start_m, head, seq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(cu_seqlens_q + seq)
     q_len = tl.load(cu_seqlens_q + seq + 1) - q_start
-    if start_m * BLOCK_M >= q_len:
+    if start_m * BLOCK_M >= q_len:  # past this sequence's last query
         return
     k_start = tl.load(cu_seqlens_k + seq)
     k_len = tl.load(cu_seqlens_k + seq + 1) - k_start
-    kv_head = first_head // GROUP
-
-    # tile row r: position r // HEADS, query head first_head + r % HEADS
-    r = tl.arange(0, HEADS * BLOCK_M)
-    offs_m, head = start_m * BLOCK_M + r // HEADS, first_head + r % HEADS
+    kv_head = head // GROUP
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)  # this tile's queries
     offs_n, offs_d = tl.arange(0, BLOCK_N), tl.arange(0, HEAD_DIM)
-    q_row_ptrs = Q + (q_start + offs_m)[:, None] * stride_qt + head[:, None] * stride_qh
-    q_ptrs = q_row_ptrs + offs_d[None, :]  # (ROWS, D)
-    q = load_tile(q_ptrs, (offs_m < q_len)[:, None], UPCAST)
-    k_col_ptrs = K + (k_start + offs_n)[None, :] * stride_kt + kv_head * stride_kh
-    k_ptrs = k_col_ptrs + offs_d[:, None]  # (D, BLOCK_N)
-    v_row_ptrs = V + (k_start + offs_n)[:, None] * stride_vt + kv_head * stride_vh
-    v_ptrs = v_row_ptrs + offs_d[None, :]  # (BLOCK_N, D)
+    q_rows = Q + (q_start + offs_m) * q_strides[0] + head * q_strides[1]  # (BLOCK_M,)
+    q_mask = (offs_m < q_len)[:, None]  # rows of this sequence; also where o is stored
+    q = load_tile(q_rows[:, None] + offs_d[None, :], q_mask, UPCAST)
+    k_cols = K + (k_start + offs_n) * k_strides[0] + kv_head * k_strides[1]  # (BLOCK_N,)
+    v_rows = V + (k_start + offs_n) * v_strides[0] + kv_head * v_strides[1]  # (BLOCK_N,)
 
-    m_i = tl.full([HEADS * BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([HEADS * BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([HEADS * BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     shift = k_len - q_len  # bottom-right causal: query i sees keys j <= i + shift
-    unmasked, hi = causal_bounds(start_m, k_len, shift, BLOCK_M, BLOCK_N, CAUSAL)
-    for start_n in range(0, unmasked, BLOCK_N):  # phase 1: whole blocks every query sees, no masks
-        k = load_tile(k_ptrs + start_n * stride_kt, None, UPCAST)
-        v = load_tile(v_ptrs + start_n * stride_vt, None, UPCAST)
-        acc, m_i, l_i = attend_block(
-            acc,
-            m_i,
-            l_i,
-            q,
-            k,
-            v,
-            start_n + offs_n,
-            offs_m,
-            k_len,
-            shift,
-            qk_scale,
-            False,
-            CAUSAL,
-            PRECISION,
-        )
-    for start_n in range(unmasked, hi, BLOCK_N):  # phase 2: the diagonal and the ragged end, masked
-        in_range = start_n + offs_n < k_len
-        k = load_tile(k_ptrs + start_n * stride_kt, in_range[None, :], UPCAST)
-        v = load_tile(v_ptrs + start_n * stride_vt, in_range[:, None], UPCAST)
-        acc, m_i, l_i = attend_block(
-            acc,
-            m_i,
-            l_i,
-            q,
-            k,
-            v,
-            start_n + offs_n,
-            offs_m,
-            k_len,
-            shift,
-            qk_scale,
-            True,
-            CAUSAL,
-            PRECISION,
-        )
-
+    hi = k_len
+    if CAUSAL:  # the tile's last query sees no key past this
+        hi = tl.minimum(k_len, (start_m + 1) * BLOCK_M + shift)
+    for start_n in range(0, hi, BLOCK_N):
+        keys = start_n + offs_n
+        k_ptrs = k_cols[None, :] + start_n * k_strides[0] + offs_d[:, None]  # (D, BLOCK_N): kᵀ
+        v_ptrs = v_rows[:, None] + start_n * v_strides[0] + offs_d[None, :]  # (BLOCK_N, D)
+        k = load_tile(k_ptrs, (keys < k_len)[None, :], UPCAST)
+        v = load_tile(v_ptrs, (keys < k_len)[:, None], UPCAST)
+        visible = (keys < k_len)[None, :]
+        if CAUSAL:
+            visible = visible & (keys[None, :] <= offs_m[:, None] + shift)
+        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, "ieee")
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # a query that sees no key outputs zeros
-    o_row_ptrs = O + (q_start + offs_m)[:, None] * stride_ot + head[:, None] * stride_oh
-    o_ptrs = o_row_ptrs + offs_d[None, :]  # (ROWS, D)
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m < q_len)[:, None])
-
-
-def check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 3:
-            raise ValueError(
-                f"{name} must be (total_tokens, num_heads, head_dim), got shape {tuple(t.shape)}"
-            )
-        if t.dtype not in SUPPORTED_DTYPES or t.dtype != q.dtype:
-            raise ValueError(
-                f"{name}.dtype {t.dtype}: q, k, v must share a dtype of {SUPPORTED_DTYPES} (q: "
-                f"{q.dtype})"
-            )
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dimension")
-    if k.shape != v.shape:
-        raise ValueError(
-            f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}"
-        )
-    head_dim = q.shape[2]
-    if k.shape[2] != head_dim or head_dim not in (16, 32, 64, 128, 256):
-        raise ValueError(
-            f"head_dim must be 16, 32, 64, 128 or 256 and equal for q and k, got {head_dim}, "
-            f"{k.shape[2]}"
-        )
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(
-            f"num_heads ({q.shape[1]}) must be a multiple of num_kv_heads ({k.shape[1]})"
-        )
-    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if cu.dim() != 1 or cu.dtype != torch.int32 or cu.device != q.device:
-            raise ValueError(
-                f"{name} must be 1-D int32 on {q.device}, got {cu.dtype} {tuple(cu.shape)} on "
-                f"{cu.device}"
-            )
-    if cu_seqlens_q.shape != cu_seqlens_k.shape:
-        n_q, n_k = cu_seqlens_q.numel(), cu_seqlens_k.numel()
-        raise ValueError(
-            f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got {n_q} and "
-            f"{n_k}"
-        )
+    o_rows = O + (q_start + offs_m) * o_strides[0] + head * o_strides[1]  # (BLOCK_M,)
+    o_ptrs = o_rows[:, None] + offs_d[None, :]
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=q_mask)
 
 
 def launch_config(head_dim: int, device: torch.device) -> dict:
-    if device.type == "cpu":  # the interpreter: small tiles keep it quick
-        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
-    # The fastest tile of a sweep on an H200 (python -m minivllm.benchmarks.prefill --sweep),
-    # head_dim 128, bf16
-    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=3)
-
-
-def heads_per_program(group: int, block_m: int) -> int:
-    """How many query heads of one KV head a program serves: the largest power of two that divides
-    the group and keeps a tile of block_m <= 128 positions at 128 rows at most (a KV tile loaded
-    once serves them all)."""
-    return math.gcd(group, max(1, 128 // block_m))
+    """Tiles of 64 queries × 64 keys on a GPU; of 16 × 16 in the CPU interpreter, quick there."""
+    block = 16 if device.type == "cpu" else 64
+    return dict(BLOCK_M=block, BLOCK_N=block)
 
 
 def softmax_scale_of(softmax_scale: float | None, head_dim: int) -> float:
-    """1 / sqrt(head_dim) unless given; > 0, as `attend_block` scales a row's maximum and the masked
-    scores' -inf."""
+    """1 / sqrt(head_dim) unless given; > 0, as `attend_block` scales a row's max and the -inf."""
     if softmax_scale is None:
         return head_dim**-0.5
     if not softmax_scale > 0:  # NaN too
@@ -243,63 +107,26 @@ def softmax_scale_of(softmax_scale: float | None, head_dim: int) -> float:
 
 
 def flash_attn_varlen_contiguous(
-    # (total_q, num_heads, head_dim), k, v: (total_k, kv_heads, ...)
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
+    q: torch.Tensor,  # (total_q, num_heads, head_dim)
+    k: torch.Tensor,  # (total_k, num_kv_heads, head_dim)
+    v: torch.Tensor,  # (total_k, num_kv_heads, head_dim)
+    cu_seqlens_q: torch.Tensor,  # (batch + 1,) int32
     cu_seqlens_k: torch.Tensor,  # (batch + 1,) int32
     max_seqlen_q: int,
     max_seqlen_k: int,
     softmax_scale: float | None = None,
     causal: bool = False,
-    # BLOCK_M, BLOCK_N, num_warps, num_stages; None: launch_config's (a sweep's own)
     *,
-    tile: dict | None = None,
+    tile: dict | None = None,  # BLOCK_M, BLOCK_N (num_warps, ...); None: launch_config's
 ) -> torch.Tensor:  # (total_q, num_heads, head_dim)
-    """FlashAttention over packed variable-length sequences, with the signature of flash-attn's
-    `flash_attn_varlen_func`, for keys and values stored contiguously. Notebook 03's
-    `flash_attn_varlen_func` adds `block_table=`, for keys and values that live in a paged KV cache,
-    and calls this one without it."""
-    check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    if max_seqlen_q < 1 or max_seqlen_k < 0:
-        raise ValueError(
-            f"max_seqlen_q must be >= 1 and max_seqlen_k >= 0, got {max_seqlen_q}, {max_seqlen_k}"
-        )
-    head_dim, out = q.shape[2], torch.empty_like(q)
+    """flash-attn's `flash_attn_varlen_func` for keys and values stored contiguously."""
+    head_dim, out = q.shape[2], torch.empty(q.shape, dtype=q.dtype, device=q.device)
     qk_scale = softmax_scale_of(softmax_scale, head_dim) * math.log2(math.e)  # exp2 units
     config = tile or launch_config(head_dim, q.device)
-    num_m_blocks, group = triton.cdiv(max_seqlen_q, config["BLOCK_M"]), q.shape[1] // k.shape[1]
-    heads = heads_per_program(group, config["BLOCK_M"])
-    grid = (num_m_blocks, q.shape[1] // heads, cu_seqlens_q.numel() - 1)
-    strides = (
-        *q.stride()[:2],
-        *k.stride()[:2],
-        *v.stride()[:2],
-        *out.stride()[:2],
-    )  # (token, head) of each
-    fp32 = q.dtype == torch.float32
-    # see load_tile
-    upcast, precision = (q.device.type == "cpu" and not fp32, "ieee" if fp32 else "tf32")
-    flags = dict(
-        GROUP=group,
-        HEADS=heads,
-        HEAD_DIM=head_dim,
-        CAUSAL=causal,
-        UPCAST=upcast,
-        PRECISION=precision,
-    )
-    _prefill_kernel[grid](
-        q,
-        k,
-        v,
-        out,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        qk_scale,
-        num_m_blocks,
-        *strides,
-        **flags,
-        **config,
-    )
+    grid = (triton.cdiv(max_seqlen_q, config["BLOCK_M"]), q.shape[1], cu_seqlens_q.numel() - 1)
+    strides = [t.stride()[:2] for t in (q, k, v, out)]
+    upcast = q.device.type == "cpu" and q.dtype != torch.float32  # see load_tile
+    flags = dict(GROUP=q.shape[1] // k.shape[1], HEAD_DIM=head_dim, CAUSAL=causal, UPCAST=upcast)
+    tensors = (q, k, v, out, cu_seqlens_q, cu_seqlens_k)
+    _prefill_kernel[grid](*tensors, qk_scale, *strides, **flags, **config)
     return out

@@ -7,17 +7,16 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels.flash_attn import (
-    attend_block,
+from minivllm.kernels.flash_attn import attend_block, load_tile, softmax_scale_of
+from minivllm.kernels.paged_attn import check_cache, check_index, check_out, paged_rows
+from minivllm.kernels.prefill_tuned import (
     causal_bounds,
     check_inputs,
-    flash_attn_varlen_contiguous,
+    flash_attn_varlen_tuned,
     heads_per_program,
-    launch_config,
-    load_tile,
-    softmax_scale_of,
+    tuned_config,
+    visible_keys,
 )
-from minivllm.kernels.paged_attn import check_cache, check_index, check_out, paged_rows
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -54,7 +53,7 @@ def _paged_prefill_kernel(
     # this program's (sequence, query tile), from the list
     seq = tl.load(tiles + 2 * tl.program_id(0))
     start_m = tl.load(tiles + 2 * tl.program_id(0) + 1)
-    # HEADS query heads of one KV head, as notebook 01's kernel
+    # HEADS query heads of one KV head, as prefill_tuning's kernel
     first_head = tl.program_id(1) * HEADS
     if seq < 0:
         return  # padding: a CUDA graph's list is longer than its step's (notebook 04)
@@ -91,22 +90,11 @@ def _paged_prefill_kernel(
             valid[:, None],
             UPCAST,
         )
-        acc, m_i, l_i = attend_block(
-            acc,
-            m_i,
-            l_i,
-            q,
-            k,
-            v,
-            tok,
-            offs_m,
-            k_len,
-            shift,
-            qk_scale,
-            start_n >= unmasked,
-            CAUSAL,
-            PRECISION,
-        )
+        if start_n >= unmasked:  # the diagonal and the ragged end: masked
+            visible = visible_keys(tok, offs_m, k_len, shift, CAUSAL)
+            acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, PRECISION)
+        else:  # keys every query of the tile sees
+            acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, None, qk_scale, PRECISION)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_row_ptrs = O + (q_start + offs_m)[:, None] * stride_ot + head[:, None] * stride_oh
     o_ptrs = o_row_ptrs + offs_d[None, :]
@@ -143,12 +131,12 @@ def flash_attn_varlen_func(
     | None = None,  # with block_table: (num_tiles, 2) int32, see query_tiles; None: every tile
 ) -> torch.Tensor:  # (total_q, num_heads, head_dim)
     """flash-attn's varlen attention; with `block_table`, keys and values are read from a paged
-    cache, one program per (sequence, query tile) of `tiles` and group of query heads (notebook 01's
-    `heads_per_program`)."""
+    cache, one program per (sequence, query tile) of `tiles` and group of query heads
+    (`heads_per_program`); without, `flash_attn_varlen_tuned`."""
     if block_table is None:
         if out is not None or tiles is not None:
             raise ValueError("out= and tiles= need block_table=: they are the paged kernel's")
-        return flash_attn_varlen_contiguous(
+        return flash_attn_varlen_tuned(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal
         )
     check_cache("k_cache", k, q)
@@ -167,7 +155,7 @@ def flash_attn_varlen_func(
             f"block_table has {block_table.shape[0]} rows for {cu_seqlens_q.numel() - 1} sequences"
         )
     scale = softmax_scale_of(softmax_scale, head_dim)
-    config = launch_config(head_dim, q.device)
+    config = tuned_config(head_dim, q.device)
     kf, vf = k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)
     out = check_out(out, q)
     if (

@@ -12,8 +12,7 @@ def attention_ref(
     softmax_scale: float | None = None,
     causal: bool = False,
 ) -> torch.Tensor:  # (total_q, num_heads, head_dim)
-    """Varlen attention in plain PyTorch, one sequence at a time: the reference every kernel is
-    checked against."""
+    """Varlen attention in plain PyTorch, one sequence at a time: every kernel's reference."""
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
     group = q.shape[1] // k.shape[1]
     out = torch.zeros_like(q)
@@ -21,17 +20,12 @@ def attention_ref(
         qs, qe = cu_seqlens_q[i : i + 2].tolist()
         ks, ke = cu_seqlens_k[i : i + 2].tolist()
         qi = q[qs:qe].transpose(0, 1).float()  # (num_heads, len_q, head_dim)
-        # (num_heads, len_k, head_dim)
-        ki = k[ks:ke].transpose(0, 1).float().repeat_interleave(group, dim=0)
+        ki = k[ks:ke].transpose(0, 1).float().repeat_interleave(group, dim=0)  # (num_heads, ...)
         vi = v[ks:ke].transpose(0, 1).float().repeat_interleave(group, dim=0)
         scores = (qi @ ki.transpose(1, 2)) * scale  # (num_heads, len_q, len_k): the O(N²) tensor
-        if causal:
-            len_q, len_k = qe - qs, ke - ks
-            visible = torch.ones(len_q, len_k, dtype=torch.bool, device=q.device).tril(
-                diagonal=len_k - len_q
-            )
+        if causal:  # query i sees keys j <= i + len_k - len_q
+            visible = torch.ones_like(scores[0], dtype=torch.bool).tril(diagonal=ke - ks - qe + qs)
             scores = scores.masked_fill(~visible, float("-inf"))
-        # a row that sees no key outputs zeros
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row that sees no key: zeros
         out[qs:qe] = (probs @ vi).transpose(0, 1).to(q.dtype)
     return out

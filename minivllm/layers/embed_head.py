@@ -11,36 +11,35 @@ from minivllm.layers.linear import check_shape, divide, tp_group
 class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
-        self.tp = tp_group()
-        self.tp_rank, self.tp_size = self.tp.rank, self.tp.size
-        self.num_embeddings = num_embeddings
-        per_rank = divide(num_embeddings, self.tp_size)
-        self.vocab_start, self.vocab_end = self.tp_rank * per_rank, (self.tp_rank + 1) * per_rank
+        self.tp, self.num_embeddings = tp_group(), num_embeddings
+        per_rank = divide(num_embeddings, self.tp.size)
+        self.vocab_start = (
+            self.tp.rank * per_rank
+        )  # this rank's rows: ids vocab_start + [0, per_rank)
         self.weight = nn.Parameter(torch.empty(per_rank, embedding_dim))
-        # the loader's hook, as above
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         check_shape(type(self).__name__, loaded, (self.num_embeddings, param.shape[1]))
-        param.data.copy_(loaded[self.vocab_start : self.vocab_end])
+        param.data.copy_(loaded.narrow(0, self.vocab_start, param.shape[0]))
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:  # token_ids: (num_tokens,)
-        if self.tp_size == 1:
+        if self.tp.size == 1:
             return F.embedding(token_ids, self.weight)
-        mine = (token_ids >= self.vocab_start) & (token_ids < self.vocab_end)
-        y = F.embedding((token_ids - self.vocab_start) * mine, self.weight) * mine.unsqueeze(-1)
+        ids = token_ids - self.vocab_start
+        mine = (ids >= 0) & (ids < self.weight.shape[0])  # the ids this rank owns
+        y = F.embedding(ids * mine, self.weight) * mine.unsqueeze(-1)
         dist.all_reduce(y, group=self.tp.group)
         return y  # (num_tokens, embedding_dim)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits = hidden @ Wᵀ; each rank computes its vocabulary slice and all ranks gather the full
-    row."""
+    """Logits = x Wᵀ: each rank computes its slice of the vocabulary; a gather joins them."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (num_tokens, hidden_size)
-        logits = F.linear(x, self.weight)  # (num_tokens, vocab_size / tp)
-        if self.tp_size == 1:
+        logits = F.linear(x, self.weight)  # (num_tokens, vocab_size / tp_size)
+        if self.tp.size == 1:
             return logits
-        parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
+        parts = [torch.empty_like(logits) for _ in range(self.tp.size)]
         dist.all_gather(parts, logits, group=self.tp.group)
         return torch.cat(parts, dim=-1)  # (num_tokens, vocab_size)

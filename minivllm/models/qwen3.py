@@ -50,8 +50,6 @@ class Qwen3MLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: Tensor) -> Tensor:  # x: (num_tokens, hidden_size)
-        if (gemv := self.gate_up_proj.kernel) is not None and x.shape[0] == 1:  # fused, one token
-            return self.down_proj(gemv(x, self.gate_up_proj.weight, gated=True))
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 

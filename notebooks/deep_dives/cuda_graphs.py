@@ -103,11 +103,11 @@ assert shared_prefix(tables[3:], np.full(17, 300, dtype=np.int32), 16) == (None,
 # ## The attention context on a GPU
 # Notebook 04's `PagedContext` is simple: a prefill over a cached prefix reads every key back out
 # of the cache into one tensor, and a mixed step is a prefill whose decode rows have one new token
-# each.
-# `FastPagedContext` extends it. A prefill over a cached prefix reads the blocks inside the kernel
-# (deep dive paged_prefill), over a list of (sequence, query tile) pairs, costliest first
-# (`query_tiles`); a mixed step sends its decode rows (05 puts them first) to the decode kernel and
-# only the others' tiles to the prefill kernel, which would give each one-token query a tile of 64
+# each. `FastPagedContext` extends it. A prefill runs the tuned kernel (deep dive prefill_tuning);
+# over a cached prefix it reads the blocks inside the kernel (deep dive paged_prefill), over a list
+# of (sequence, query tile) pairs, costliest first (`query_tiles`); a mixed step sends its decode
+# rows (05 puts them first) to the decode kernel and only the others' tiles to the prefill kernel,
+# which would give each one-token query a tile of 64
 # rows; and decode rows that share a prefix read it once (`prefix_blocks`, `prefix_lens`).
 
 # %% tags=["export"] module="minivllm.attention.fast_paged"
@@ -121,6 +121,7 @@ from minivllm.attention.layer import Attention
 from minivllm.attention.paged import PagedContext
 from minivllm.kernels.cascade import flash_attn_with_kvcache
 from minivllm.kernels.paged_attn import store_kvcache
+from minivllm.kernels.prefill_tuned import flash_attn_varlen_tuned
 
 
 def query_tiles(
@@ -161,8 +162,10 @@ class FastPagedContext(PagedContext):
         store_kvcache(k, v, layer.k_cache, layer.v_cache, self.slot_mapping)
         if not self.is_prefill:
             return self.cascade_decode(layer, q)
-        if self.block_tables is None:  # nothing cached: notebook 04's prefill
-            return PagedContext.prefill(self, layer, q, k, v)
+        if self.block_tables is None:  # nothing cached: the new k, v (deep dive prefill_tuning)
+            cu_q, max_q = self.cu_seqlens_q, self.max_seqlen_q
+            assert cu_q is not None  # a prefill step has it
+            return flash_attn_varlen_tuned(q, k, v, cu_q, cu_q, max_q, max_q, layer.scale, True)
         out = torch.empty_like(q)
         if self.num_decode_seqs:  # a mixed step's decode rows through the decode kernel
             self.cascade_decode(layer, q[: self.num_decode_seqs], out[: self.num_decode_seqs])
@@ -765,7 +768,7 @@ class GPUModelRunner(FastAttentionRunner):
 # %% [markdown]
 # ## Check yourself
 # 1. A mixed step has 3 decode rows and a prompt chunk of 100 tokens (tiles of 64 query rows). Which
-#    captured `T` replays it, how many programs per group of query heads (notebook 01's
+#    captured `T` replays it, how many programs per group of query heads (deep dive prefill_tuning's
 #    `heads_per_program`) does its prefill kernel run, and how many of them have a tile to compute?
 #    Answer `(T, programs, real)`.
 

@@ -17,13 +17,15 @@
 # **What this adds.** Notebook 03's prefix cache lets a request skip the prompt blocks another
 # request already computed. Its prefill then computes only the **new** tokens, whose queries must
 # still attend to the cached ones. This deep dive builds that kernel, `flash_attn_varlen_func(...,
-# block_table=...)`: notebook 01's FlashAttention kernel reading keys and values through a block
-# table, and checks it against the PyTorch reference.
+# block_table=...)`: the FlashAttention kernel of notebook 01, as the deep dive `prefill_tuning`
+# lays it out, reading keys and values through a block table, and checks it against the PyTorch
+# reference.
 #
-# **Where it sits.** It follows notebook 03 (the paged cache, `paged_rows`, `paged_attention_ref`).
-# Nothing later in the core path needs it: on a CPU the engine runs the reference; on a GPU it finds
-# this kernel by name (`minivllm.kernels.flash_attn_varlen_func`, imported on first use), and every
-# output is the same either way.
+# **Where it sits.** It follows notebook 03 (the paged cache, `paged_rows`, `paged_attention_ref`)
+# and builds on the deep dive `prefill_tuning`. Nothing later in the core path needs it: on a CPU
+# the engine runs the reference; on a GPU it finds this kernel by name
+# (`minivllm.kernels.flash_attn_varlen_func`, imported on first use), and every output is the same
+# either way.
 
 # %%
 import os
@@ -66,7 +68,7 @@ assert not torch.allclose(alone, right)
 
 # %% [markdown]
 # ## The kernel
-# The new keys and values are stored first (`store_kvcache`); then notebook 01's kernel reads *all*
+# The new keys and values are stored first (`store_kvcache`); then the tuned kernel reads *all*
 # keys of a sequence (`cu_seqlens_k`: cached + new) through its block table (`paged_rows`, notebook
 # 03), with its bottom-right causal mask. One change: its grid is a **list of work**, program `i`
 # taking row `i` of `tiles`, a (sequence, query tile) pair. By default that is every tile up to the
@@ -82,17 +84,16 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels.flash_attn import (
-    attend_block,
+from minivllm.kernels.flash_attn import attend_block, load_tile, softmax_scale_of
+from minivllm.kernels.paged_attn import check_cache, check_index, check_out, paged_rows
+from minivllm.kernels.prefill_tuned import (
     causal_bounds,
     check_inputs,
-    flash_attn_varlen_contiguous,
+    flash_attn_varlen_tuned,
     heads_per_program,
-    launch_config,
-    load_tile,
-    softmax_scale_of,
+    tuned_config,
+    visible_keys,
 )
-from minivllm.kernels.paged_attn import check_cache, check_index, check_out, paged_rows
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -129,7 +130,7 @@ def _paged_prefill_kernel(
     # this program's (sequence, query tile), from the list
     seq = tl.load(tiles + 2 * tl.program_id(0))
     start_m = tl.load(tiles + 2 * tl.program_id(0) + 1)
-    # HEADS query heads of one KV head, as notebook 01's kernel
+    # HEADS query heads of one KV head, as prefill_tuning's kernel
     first_head = tl.program_id(1) * HEADS
     if seq < 0:
         return  # padding: a CUDA graph's list is longer than its step's (notebook 04)
@@ -166,22 +167,11 @@ def _paged_prefill_kernel(
             valid[:, None],
             UPCAST,
         )
-        acc, m_i, l_i = attend_block(
-            acc,
-            m_i,
-            l_i,
-            q,
-            k,
-            v,
-            tok,
-            offs_m,
-            k_len,
-            shift,
-            qk_scale,
-            start_n >= unmasked,
-            CAUSAL,
-            PRECISION,
-        )
+        if start_n >= unmasked:  # the diagonal and the ragged end: masked
+            visible = visible_keys(tok, offs_m, k_len, shift, CAUSAL)
+            acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, PRECISION)
+        else:  # keys every query of the tile sees
+            acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, None, qk_scale, PRECISION)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_row_ptrs = O + (q_start + offs_m)[:, None] * stride_ot + head[:, None] * stride_oh
     o_ptrs = o_row_ptrs + offs_d[None, :]
@@ -219,12 +209,12 @@ def flash_attn_varlen_func(
     | None = None,  # with block_table: (num_tiles, 2) int32, see query_tiles; None: every tile
 ) -> torch.Tensor:  # (total_q, num_heads, head_dim)
     """flash-attn's varlen attention; with `block_table`, keys and values are read from a paged
-    cache, one program per (sequence, query tile) of `tiles` and group of query heads (notebook 01's
-    `heads_per_program`)."""
+    cache, one program per (sequence, query tile) of `tiles` and group of query heads
+    (`heads_per_program`); without, `flash_attn_varlen_tuned`."""
     if block_table is None:
         if out is not None or tiles is not None:
             raise ValueError("out= and tiles= need block_table=: they are the paged kernel's")
-        return flash_attn_varlen_contiguous(
+        return flash_attn_varlen_tuned(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal
         )
     check_cache("k_cache", k, q)
@@ -243,7 +233,7 @@ def flash_attn_varlen_func(
             f"block_table has {block_table.shape[0]} rows for {cu_seqlens_q.numel() - 1} sequences"
         )
     scale = softmax_scale_of(softmax_scale, head_dim)
-    config = launch_config(head_dim, q.device)
+    config = tuned_config(head_dim, q.device)
     kf, vf = k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)
     out = check_out(out, q)
     if (
@@ -347,5 +337,5 @@ for batch, context in ((64, 4096), (1, 16384)):
 # A prefill step stores the new tokens' keys and values, then calls this kernel with every
 # sequence's block table. Notebook 04's runner calls `minivllm.kernels.flash_attn_varlen_func` on a
 # GPU; the name is looked up lazily (`minivllm/kernels/__init__.py`), so importing the core package
-# never imports this module. The contiguous case, `block_table=None`, is notebook 01's kernel
-# unchanged: a prompt with no cache hit has all its keys at hand.
+# never imports this module. The contiguous case, `block_table=None`, is `prefill_tuning`'s
+# kernel unchanged: a prompt with no cache hit has all its keys at hand.

@@ -19,14 +19,14 @@
 # RoPE, SiLU-and-mul) run as several tiny kernels each, and a linear layer at one token leaves most
 # of the memory bandwidth idle. Here we measure why `torch.compile` does not fix the small batches,
 # write each small layer as one Triton kernel and one token's linear layer as a GEMV, check each
-# against the PyTorch layer, and write `use_small_layer_kernels(model)`, which switches a model's
-# layers onto the kernels through the `kernel` hook every one of them has.
+# against the PyTorch layer, subclass each layer to run its kernel, and write
+# `use_small_layer_kernels(model)`, which switches the layers of a loaded model to those subclasses.
 #
 # **Where it sits.** It follows notebook 01 and uses nothing later. Nothing later in the core path
-# needs it: a layer runs its PyTorch code while its `kernel` is `None`, and the runner (notebook 04)
-# installs these kernels by name, `fast_path("small-layer kernels")`, on a GPU only. Without a GPU
-# the kernels run in Triton's interpreter on small sizes, and the GPU measurements are the committed
-# figures.
+# needs it: notebook 01's layers know nothing of these kernels, and the runner switches a loaded
+# model onto them by name (`minivllm.layers.small_layer_kernels:use_small_layer_kernels`), on a GPU
+# only. Without a GPU the kernels run in Triton's interpreter on small sizes, and the GPU
+# measurements are the committed figures.
 
 # %%
 import os
@@ -473,36 +473,133 @@ def gemv(
 
 # %% [markdown]
 # ### Switching a model onto the kernels
-# Every layer of notebook 01 has a `kernel` attribute, `None` by default: its PyTorch code runs. The
-# function below walks a model and sets each layer's `kernel` to its Triton kernel (or back to
-# `None`). The runner calls it by name on a GPU, `fast_path("small-layer kernels")(model)` (notebook
-# 04), so no core module imports this one. CUDA graphs capture the kernels' launches like any other
-# kernel's.
+# Each kernel gets a subclass of the layer it stands in for, which overrides `forward` (a linear
+# layer: `matmul`, its product on this rank, at one token only) and keeps everything else: the
+# parameters, the weight loaders, the tensor-parallel slices. Qwen3's MLP (notebook 02, which this
+# deep dive may not import) is found by vLLM's names: a `gate_up_proj` of `[gate | up]`, an `act_fn`
+# and a `down_proj`; its subclass sends one token through `gemv(..., gated=True)`.
+#
+# The runner loads a model first, then calls `use_small_layer_kernels(model)`. Rather than build new
+# modules and copy weights into them, it switches each module's class (`module.__class__`): the
+# object stays, with its loaded parameters and every reference to it (one RoPE table is shared by
+# all layers, and the attention passes its q/k norms to RoPE). `enabled=False` switches back. The
+# runner calls it by name on a GPU, so no core module imports this one. CUDA graphs capture the
+# kernels' launches like any other kernel's.
 
 
 # %% tags=["export"] module="minivllm.layers.small_layer_kernels"
-from torch import nn
+from torch import Tensor, nn
 
 from minivllm.kernels.small_layers import apply_rope, gemv, rms_norm, silu_and_mul
 from minivllm.layers.activation import SiluAndMul
-from minivllm.layers.layernorm import RMSNorm
-from minivllm.layers.linear import LinearBase
+from minivllm.layers.layernorm import Pair, RMSNorm
+from minivllm.layers.linear import (
+    ColumnParallelLinear,
+    LinearBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from minivllm.layers.rotary_embedding import RotaryEmbedding
 
 
+class TritonRMSNorm(RMSNorm):
+    """RMSNorm, the residual add included, in one `rms_norm` launch."""
+
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | Pair:
+        return rms_norm(x, self.weight, self.eps, residual)
+
+
+class TritonRotaryEmbedding(RotaryEmbedding):
+    """RoPE of q and k (after the norms of their heads, if given) in one `apply_rope` launch."""
+
+    def forward(
+        self, positions: Tensor, q: Tensor, k: Tensor, norms: tuple[RMSNorm, RMSNorm] | None = None
+    ) -> Pair:
+        return apply_rope(positions, q, k, self.cos, self.sin, norms)
+
+
+class TritonSiluAndMul(SiluAndMul):
+    """SiluAndMul in one `silu_and_mul` launch."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return silu_and_mul(x)
+
+
+class GemvLinear(LinearBase):
+    """Mixed in before a linear layer's class: its product at one token is a `gemv`."""
+
+    def matmul(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        return gemv(x, self.weight, bias) if x.shape[0] == 1 else super().matmul(x, bias)
+
+
+class GemvColumnParallelLinear(GemvLinear, ColumnParallelLinear):
+    """ColumnParallelLinear, one token through `gemv`."""
+
+
+class GemvMergedColumnParallelLinear(GemvLinear, MergedColumnParallelLinear):
+    """MergedColumnParallelLinear, one token through `gemv`."""
+
+
+class GemvQKVParallelLinear(GemvLinear, QKVParallelLinear):
+    """QKVParallelLinear, one token through `gemv`."""
+
+
+class GemvRowParallelLinear(GemvLinear, RowParallelLinear):
+    """RowParallelLinear, one token through `gemv` (then the all-reduce, as before)."""
+
+
+class FusedGatedMLP(nn.Module):
+    """Mixed in before a gated MLP's class (down_proj(act_fn(gate_up_proj(x)))): at one token,
+    [gate | up] and the activation in one `gemv` pass."""
+
+    gate_up_proj: LinearBase
+    down_proj: nn.Module
+
+    def forward(self, x: Tensor) -> Tensor:  # x: (num_tokens, hidden_size)
+        if x.shape[0] != 1:
+            return super().forward(x)
+        return self.down_proj(gemv(x, self.gate_up_proj.weight, gated=True))
+
+
+KERNEL_CLASSES: dict[type[nn.Module], type[nn.Module]] = {
+    RMSNorm: TritonRMSNorm,
+    RotaryEmbedding: TritonRotaryEmbedding,
+    SiluAndMul: TritonSiluAndMul,
+    ColumnParallelLinear: GemvColumnParallelLinear,
+    MergedColumnParallelLinear: GemvMergedColumnParallelLinear,
+    QKVParallelLinear: GemvQKVParallelLinear,
+    RowParallelLinear: GemvRowParallelLinear,
+}
+PLAIN_CLASSES = {fast: plain for plain, fast in KERNEL_CLASSES.items()}
+
+
+def is_gated_mlp(module: nn.Module) -> bool:
+    """vLLM's gated MLP: [gate | up] in one weight, SiluAndMul, then a down projection."""
+    gate_up, act = getattr(module, "gate_up_proj", None), getattr(module, "act_fn", None)
+    gated = isinstance(gate_up, MergedColumnParallelLinear) and isinstance(act, SiluAndMul)
+    return gated and hasattr(module, "down_proj")
+
+
+def fused_mlp_class(mlp_class: type[nn.Module]) -> type[nn.Module]:
+    """`mlp_class` with FusedGatedMLP's forward (e.g. FusedQwen3MLP), made once for the tables."""
+    if mlp_class not in KERNEL_CLASSES:
+        fused = type(f"Fused{mlp_class.__name__}", (FusedGatedMLP, mlp_class), {})
+        KERNEL_CLASSES[mlp_class], PLAIN_CLASSES[fused] = fused, mlp_class
+    return KERNEL_CLASSES[mlp_class]
+
+
 def use_small_layer_kernels(model: nn.Module, enabled: bool = True) -> None:
-    """Run each RMSNorm, RoPE and SiluAndMul of this model as one Triton kernel, and each linear
-    layer at one token as `gemv` (Qwen3's MLP: its [gate | up] with the activation); enabled=False:
-    the PyTorch layers again."""
+    """Run each RMSNorm, RoPE and SiluAndMul of a loaded model as one Triton kernel, each linear
+    layer at one token as `gemv` (a gated MLP's [gate | up] with its activation): each module's
+    class becomes its subclass above, its parameters stay. enabled=False: the PyTorch layers."""
     for module in model.modules():
-        if isinstance(module, RMSNorm):
-            module.kernel = rms_norm if enabled else None
-        elif isinstance(module, RotaryEmbedding):
-            module.kernel = apply_rope if enabled else None
-        elif isinstance(module, SiluAndMul):
-            module.kernel = silu_and_mul if enabled else None
-        elif isinstance(module, LinearBase):
-            module.kernel = gemv if enabled else None
+        plain = PLAIN_CLASSES.get(type(module), type(module))
+        fast = KERNEL_CLASSES.get(plain)
+        if fast is None and is_gated_mlp(module):
+            fast = fused_mlp_class(plain)
+        if fast is not None:
+            module.__class__ = fast if enabled else plain
 
 
 # %% [markdown]
@@ -552,9 +649,9 @@ for ours, theirs in [  # gemv: the same sums in another order
 print("rms_norm, silu_and_mul, apply_rope and gemv give the layers' results")
 
 # %% [markdown]
-# And through the hook: the same layers, switched onto the kernels by `use_small_layer_kernels` and
-# back, give the same outputs. The linear layer takes `gemv` at one token only; at five it stays on
-# `F.linear`.
+# And switched: the same layers, switched onto the kernels by `use_small_layer_kernels` and back,
+# give the same outputs with the same parameter objects. The linear layer takes `gemv` at one token
+# only; at five it stays on `F.linear`.
 
 # %%
 from torch import nn
@@ -564,6 +661,7 @@ from minivllm.layers.small_layer_kernels import use_small_layer_kernels
 
 layers = nn.ModuleList([norm96, rope96, SiluAndMul(), RowParallelLinear(96, 40)]).to(DEVICE)
 layers[3].weight.data.normal_()
+params = list(layers.parameters())
 
 
 def run_layers() -> list:
@@ -580,11 +678,12 @@ def run_layers() -> list:
 with torch.no_grad():
     expected = run_layers()
     use_small_layer_kernels(layers)
-    print({type(layer).__name__: layer.kernel.__name__ for layer in layers})
+    print([type(layer).__name__ for layer in layers])
     got = run_layers()
     use_small_layer_kernels(layers, enabled=False)
-    assert all(layer.kernel is None for layer in layers)
+    print([type(layer).__name__ for layer in layers])
 torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+assert all(a is b for a, b in zip(layers.parameters(), params, strict=True))
 
 # %% [markdown]
 # ## How fast?
@@ -630,47 +729,6 @@ else:
         config = f"{row['impl']:>15} {row['policy']:>13}"
         print(f"{config}: {row['tok_per_s']:,.0f} output tokens/s")
     plot_throughput(committed).savefig(FIGURES / "triton_layers_throughput.png", dpi=120)
-
-# %% [markdown]
-# ## Check yourself: the prefill kernel's tiles
-# Notebook 01's FlashAttention kernel is a GPU fast path too: one program serves the query heads
-# that share a KV head. Replace `None` with your answer and run the cell; the check compares it with
-# what the objects say.
-#
-# Every program of the prefill kernel loads the K and V tiles its queries see. For one causal prompt
-# of 4,096 tokens, Qwen3-0.6B's 16 query and 8 KV heads, and the H200's tiles (`launch_config`: 64
-# queries × 64 keys), how many K tiles do all the programs load together, with one query head per
-# program, and with the kernel's `heads_per_program` query heads of a KV head per program? Answer
-# `(one_head, packed)`.
-
-# %%
-import triton
-
-from minivllm.kernels.flash_attn import heads_per_program, launch_config
-from minivllm.testing import check_answer
-
-answer = None  # your answer: replace None with an expression
-tile = launch_config(128, torch.device("cuda"))  # the H200's tile (a dict: no GPU needed)
-n4 = 4096
-k_tiles = [
-    triton.cdiv(min(n4, (m + 1) * tile["BLOCK_M"]), tile["BLOCK_N"])
-    for m in range(n4 // tile["BLOCK_M"])
-]
-# per query tile
-programs = [16 // heads for heads in (1, heads_per_program(16 // 8, tile["BLOCK_M"]))]
-check_answer(answer, tuple(sum(k_tiles) * p for p in programs), "K tiles loaded")
-
-# %% [markdown]
-# Worked answer: query tile `m` (queries `64m … 64m + 63`) sees keys up to its last query: `m + 1`
-# tiles of 64, so the 64 query tiles load `1 + 2 + … + 64 = 2,080` K tiles for each group of heads a
-# program serves. One head per program: 16 programs per query tile, 33,280 loads; two query heads of
-# a KV head per program: 8, 16,640. The FLOPs stay; the K/V traffic through shared memory halves. On
-# the H200 at 16k tokens: 2.13 ms packed (8 warps; notebook 01's figure, `../figures/prefill.json`),
-# 2.34 ms with one head per program (4 warps, its best tile then; an earlier run of `python -m
-# minivllm.benchmarks.prefill`).
-
-# %%
-check_answer((2080 * 16, 2080 * 8), tuple(sum(k_tiles) * p for p in programs), "K tiles loaded")
 
 # %% [markdown]
 # **Exercise** (solution in `solutions/`): `exercises/01_triton_rmsnorm.ipynb`, vLLM's fused add +
