@@ -23,9 +23,9 @@
 #
 # **Where it sits.** It follows notebook 03 (the paged cache, `paged_rows`, `paged_attention_ref`)
 # and builds on the deep dive `prefill_tuning`. Nothing later in the core path needs it: on a CPU
-# the engine runs the reference; on a GPU it finds this kernel by name
-# (`minivllm.kernels.flash_attn_varlen_func`, imported on first use), and every output is the same
-# either way.
+# the engine runs the reference; on a GPU the attention context of the deep dive cuda_graphs calls
+# this kernel (`minivllm.kernels.flash_attn_varlen_func`, imported on first use), and every output
+# is the same either way.
 
 # %%
 import os

@@ -23,10 +23,10 @@
 # `use_small_layer_kernels(model)`, which switches the layers of a loaded model to those subclasses.
 #
 # **Where it sits.** It follows notebook 01 and uses nothing later. Nothing later in the core path
-# needs it: notebook 01's layers know nothing of these kernels, and the runner switches a loaded
-# model onto them by name (`minivllm.layers.small_layer_kernels:use_small_layer_kernels`), on a GPU
-# only. Without a GPU the kernels run in Triton's interpreter on small sizes, and the GPU
-# measurements are the committed figures.
+# needs it: notebook 01's layers know nothing of these kernels, and the GPU runner (deep dive
+# cuda_graphs, `GPUModelRunner.load`) switches a loaded model onto them, on a GPU only. Without a
+# GPU the kernels run in Triton's interpreter on small sizes, and the GPU measurements are the
+# committed figures.
 
 # %%
 import os
@@ -483,8 +483,8 @@ def gemv(
 # modules and copy weights into them, it switches each module's class (`module.__class__`): the
 # object stays, with its loaded parameters and every reference to it (one RoPE table is shared by
 # all layers, and the attention passes its q/k norms to RoPE). `enabled=False` switches back. The
-# runner calls it by name on a GPU, so no core module imports this one. CUDA graphs capture the
-# kernels' launches like any other kernel's.
+# GPU runner calls it (deep dive cuda_graphs), so no core module imports this one. CUDA graphs
+# capture the kernels' launches like any other kernel's.
 
 
 # %% tags=["export"] module="minivllm.layers.small_layer_kernels"
