@@ -7,6 +7,7 @@ from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.sampler_warm_up import warm_up_sampler
 from minivllm.engine.step_inputs import StepInputs
 from minivllm.kernels.cascade import flash_attn_with_kvcache
+from minivllm.kernels.prefill_tuned import flash_attn_varlen_tuned
 
 
 def prefix_hit_step(block_size: int) -> StepInputs:
@@ -52,6 +53,17 @@ def warm_up_decode_attention(runner: ModelRunner) -> None:
             )
 
 
+def warm_up_prefill_attention(runner: ModelRunner) -> None:
+    """The tuned prefill kernel (deep dive prefill_tuning) over a whole prompt of one query tile,
+    and of several."""
+    layer, device, dtype = runner.attention_layers[0], runner.device, runner.dtype
+    for n in (2, 200):
+        q = torch.zeros(n, layer.num_heads, layer.head_dim, dtype=dtype, device=device)
+        kv = torch.zeros(n, layer.num_kv_heads, layer.head_dim, dtype=dtype, device=device)
+        cu = torch.tensor([0, n], dtype=torch.int32, device=device)
+        flash_attn_varlen_tuned(q, kv, kv, cu, cu, n, n, layer.scale, True)
+
+
 @torch.inference_mode()
 def warm_up_runner(runner: ModelRunner) -> None:
     """The runner's start-up on a GPU, before its graphs: every Triton kernel variant a step can
@@ -62,4 +74,5 @@ def warm_up_runner(runner: ModelRunner) -> None:
     for rows in (1, runner.config.max_num_seqs):
         runner.execute(padding_decode_step(rows))
     warm_up_decode_attention(runner)
+    warm_up_prefill_attention(runner)
     warm_up_sampler(runner.sampler, logits.expand(runner.config.max_num_seqs, -1).contiguous())
