@@ -299,9 +299,10 @@ def test_the_layers_switch_to_their_kernel_subclasses_and_back():
 
 
 def test_the_core_imports_no_small_layer_kernels():
-    """The kernels belong to a deep dive: the package, the model and the engine import them only on demand."""
+    """The kernels belong to a deep dive: the package, the model and the core engine (notebook 06's `LLM`) import
+    none of them; `minivllm.LLM` composes them (deep dive fast_engine)."""
     code = (
-        "import sys, minivllm, minivllm.kernels, minivllm.models.qwen3; from minivllm import LLM; "
+        "import sys, minivllm, minivllm.kernels, minivllm.models.qwen3; from minivllm.llm import LLM; "
         "from minivllm.engine.model_runner import ModelRunner; print([m for m in sys.modules if 'small_layers' in m])"
     )
     out = subprocess.run(

@@ -69,9 +69,8 @@ def run_step_kinds_benchmark(
     for policy in POLICIES:
         for graphs in (True, False) if torch.cuda.is_available() else (False,):
             with LLM(str(path), scheduling_policy=policy, async_scheduling=False, **config) as llm:
-                if not graphs:
-                    runner = llm.engine.core.runner
-                    assert isinstance(runner, GPUModelRunner)  # a GPU's
+                runner = llm.engine.core.runner
+                if not graphs and isinstance(runner, GPUModelRunner):  # a GPU's
                     runner.mixed_graphs = None  # prefill and mixed steps run eagerly
                 # warm-up
                 llm.generate(["Benchmark: "], SamplingParams(max_tokens=4), use_tqdm=False)

@@ -558,10 +558,11 @@ for row in kinds_data["rows"]:
 # graphs are captured: a prefix hit's step, eager decode steps of padding rows (slot −1: nothing is
 # written), the decode kernels at every batch size with and without a shared prefix, the tuned
 # prefill kernel over whole prompts (no step compiles it: notebook 02's context profiles the
-# memory with 01's kernel), the sampler's variants on the logits. `tests/test_warm_up.py` runs a varied workload after `LLM()` in a fresh
-# process (every sampling path, prefix hits, steps past the largest graph) and counts Triton's
-# compiles and CUDA graph captures with hooks: none on an H200 (`../figures/warm_up_h200.txt`). What
-# it costs is the "compile" phase of `python -m minivllm`'s start-up split.
+# memory with 01's kernel), the sampler's variants on the logits. `tests/test_warm_up.py` runs a
+# varied workload after `LLM()` in a fresh process (every sampling path, prefix hits, steps past
+# the largest graph) and counts Triton's compiles and CUDA graph captures with hooks: none on an
+# H200 (`../figures/warm_up_h200.txt`). What it costs is the "compile" phase of `python -m
+# minivllm`'s start-up split.
 
 # %% tags=["export"] module="minivllm.engine.warm_up"
 import numpy as np
