@@ -31,8 +31,11 @@ import os
 from pathlib import Path
 
 import torch
+from transformers.utils.logging import disable_progress_bar
 
 from minivllm.checkpoint import write_checkpoint
+
+disable_progress_bar()  # transformers' saving draws no progress bars in the outputs
 
 CHECKPOINTS = Path(os.environ.get("MINIVLLM_CHECKPOINTS", "../../build/checkpoints")).resolve()
 path = CHECKPOINTS / "tiny"

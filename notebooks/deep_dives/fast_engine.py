@@ -33,8 +33,11 @@ import os
 from pathlib import Path
 
 import torch
+from transformers.utils.logging import disable_progress_bar
 
 from minivllm.checkpoint import write_checkpoint
+
+disable_progress_bar()  # transformers' saving draws no progress bars in the outputs
 
 CHECKPOINTS = Path(os.environ.get("MINIVLLM_CHECKPOINTS", "../../build/checkpoints")).resolve()
 path = CHECKPOINTS / "tiny"
@@ -172,12 +175,18 @@ assert minivllm.LLM is ProductionLLM
 config = dict(device="cpu", dtype=torch.float32, num_kvcache_blocks=64, max_num_seqs=8)
 prompts = [list(range(1, n)) for n in (7, 40, 90)]
 params = [SamplingParams(temperature=0, max_tokens=16), SamplingParams(seed=1, max_tokens=16)]
+
+
+def tokens(llm: CoreLLM, sampling: SamplingParams) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, sampling, use_tqdm=False)]
+
+
 with CoreLLM(str(path), **config) as core_llm:
-    expected = [[o.outputs[0].token_ids for o in core_llm.generate(prompts, p)] for p in params]
+    expected = [tokens(core_llm, p) for p in params]
 with ProductionLLM(str(path), async_scheduling=True, **config) as llm:
     core = llm.engine.core
     assert isinstance(core, ProductionCore) and type(core.runner) is AsyncRunner
-    got = [[o.outputs[0].token_ids for o in llm.generate(prompts, p)] for p in params]
+    got = [tokens(llm, p) for p in params]
     print(
         f"{type(core).__name__} over {type(core.runner).__name__}; frozen: {gc.get_freeze_count()}"
     )
