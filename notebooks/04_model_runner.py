@@ -637,14 +637,19 @@ class PagedContext:
 
 
 # %% tags=["export"] module="minivllm.engine.step_inputs"
+def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on the device: through pinned memory, without waiting, on a GPU."""
+    t = torch.from_numpy(a)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+
+
 def step_to_device(
     step: StepInputs, device: torch.device, use_triton: bool
 ) -> tuple[torch.Tensor, torch.Tensor, PagedContext]:  # ids, positions, context
     """The step's arrays on the device, in a PagedContext."""
 
     def put(a: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(a)
-        return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
+        return to_device(a, device)
 
     def maybe(a: np.ndarray | None) -> torch.Tensor | None:
         return None if a is None else put(a)

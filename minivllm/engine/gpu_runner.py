@@ -14,7 +14,7 @@ from minivllm.engine.cascade import shared_prefix
 from minivllm.engine.cuda_graphs import DecodeGraphs
 from minivllm.engine.mixed_graphs import MixedGraphs, capture_mixed_graphs
 from minivllm.engine.model_runner import ModelRunner
-from minivllm.engine.step_inputs import StepInputs
+from minivllm.engine.step_inputs import StepInputs, to_device
 from minivllm.engine.warm_up import warm_up_runner
 from minivllm.kernels.flash_attn import launch_config
 from minivllm.layers.gpu_sampler import GPUSampler
@@ -34,8 +34,7 @@ class FastAttentionRunner(ModelRunner):
         self.block_m = launch_config(self.attention_layers[0].head_dim, self.device)["BLOCK_M"]
 
     def put(self, a: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(a)
-        return t.pin_memory().to(self.device, non_blocking=True) if t.device != self.device else t
+        return to_device(a, self.device)  # notebook 04's
 
     def device_inputs(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, Any]:
         input_ids, positions, plain = super().device_inputs(step)
