@@ -22,7 +22,7 @@
 # per layer: the *KV cache*); notebook 02's `SamplingParams`.
 #
 # **What you will see.** Why PagedAttention reduces fragmentation, in numbers; why decode needs its
-# own kernel, measured on your CPU. Deep dives follow: `cascade_attention` (decode tuned to a GPU, a
+# own kernel. Deep dives follow: `cascade_attention` (decode on a GPU: its roofline, split-K, a
 # shared prefix read once) and `paged_prefill` (prefill after a cache hit).
 
 # %%
@@ -494,18 +494,6 @@ def check_index(
         raise ValueError(f"{name} must be a {want}, got {got}")
 
 
-def check_out(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
-    """Where a kernel writes: a new tensor like q, or `out`, checked to fit q."""
-    if out is None:
-        return torch.empty_like(q)
-    like_q = out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
-    if not like_q or out.stride(-1) != 1:
-        want = f"a {q.dtype} tensor of q's shape {tuple(q.shape)} on {q.device}"
-        got = f"{out.dtype} {tuple(out.shape)} on {out.device} with strides {out.stride()}"
-        raise ValueError(f"out must be {want}, contiguous in its last dimension; got {got}")
-    return out
-
-
 def store_kvcache(
     k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
     v: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
@@ -549,94 +537,28 @@ assert flat_k.abs().sum(dim=(1, 2)).count_nonzero() == 2  # nothing else was wri
 # ## Why decode needs its own attention kernel
 # In prefill each key the kernel loads serves a whole tile of queries: many FLOPs per byte, so
 # compute sets the speed (notebook 01). In decode each sequence brings **one** query per head, and
-# its whole KV cache is read for a multiply-add per element per query head. Measured with PyTorch's
-# attention (float32) on this CPU: first its limits, a big matmul's FLOP/s and a big copy's bytes/s;
-# then attention shaped as decode (8 sequences, one query each over 2,048 cached tokens) and as
-# prefill (512 queries over 2,048 keys). Other work on the machine moves the timings: read ratios.
+# its whole KV cache is read for a multiply-add per element per query head. In FLOPs per byte of K
+# and V, against an H200's ridge (989 TFLOP/s of bf16 over 4.8 TB/s of memory bandwidth):
+
 
 # %%
-import functools
-import time
-
-import matplotlib.pyplot as plt
-import torch.nn.functional as F
-
-
-def best_seconds(fn, repeats: int = 3) -> float:
-    """The fastest of `repeats` runs after a warm-up one: the run other work disturbed least."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+def flop_per_byte(num_queries: int, num_keys: int) -> float:
+    """Qwen3-0.6B's 16 query heads over 8 KV heads of 128, bf16: FLOPs per byte of K and V."""
+    flops = 4 * num_queries * 16 * num_keys * 128  # q·k and p·v: a multiply-add per key, feature
+    return flops / (2 * num_keys * 8 * 128 * 2)  # K and V, 2 bytes each
 
 
-big = torch.ones(2048, 2048)
-peak = 2 * 2048**3 / best_seconds(functools.partial(torch.mm, big, big))  # a multiply-add: 2 FLOPs
-src = torch.ones(2**25)  # 128 MiB, more than the caches hold; a copy reads it and writes as much
-dst = torch.empty_like(src)
-bandwidth = 2 * src.nbytes / best_seconds(functools.partial(dst.copy_, src))
-del big, src, dst
-print(f"this CPU: {peak / 1e9:.0f} GFLOP/s (matmul), {bandwidth / 1e9:.0f} GB/s (copy)")
-k, v = torch.ones(2, 8, 8, 2048, 128)  # (batch, heads, keys, head_dim): 128 MiB of K and V
-shapes = {"decode": torch.ones(8, 8, 1, 128), "prefill": torch.ones(1, 8, 512, 128)}
-measured = {}  # name: (FLOP per byte, FLOP/s)
-for name, q in shapes.items():
-    k_seq, v_seq = k[: len(q)], v[: len(q)]  # prefill: one sequence's keys
-    seconds = best_seconds(functools.partial(F.scaled_dot_product_attention, q, k_seq, v_seq))
-    flops = 4 * q.numel() * k.shape[2]  # q·k and p·v: a multiply-add per key per query feature
-    moved = k_seq.nbytes + v_seq.nbytes + 2 * q.nbytes  # K, V and q read, the output written
-    measured[name] = (flops / moved, flops / seconds)
-    compute = f"{flops / seconds / 1e9:5.1f} GFLOP/s ({flops / seconds / peak:4.0%} of peak)"
-    memory = f"{moved / seconds / 1e9:4.1f} GB/s ({moved / seconds / bandwidth:4.0%} of the copy's)"
-    print(f"{name:>8}: {flops / moved:5.1f} FLOP/byte, {compute}, {memory}")
-
-intensity = np.array([0.1, peak / bandwidth, 1000])  # FLOP per byte: the roof bends at the ridge
-roof = np.minimum(peak, bandwidth * intensity) / 1e9
-fig, ax = plt.subplots(figsize=(6, 3.8), layout="tight")
-ax.loglog(intensity, roof, "k-", label="roof: min(matmul FLOP/s, copy bytes/s × FLOP/byte)")
-for name, (flop_per_byte, flop_s) in measured.items():
-    ax.loglog(flop_per_byte, flop_s / 1e9, "o", label=f"{name} attention (SDPA)")
-ax.set(xlabel="FLOP per byte moved", ylabel="GFLOP/s", title="Attention on this CPU, float32")
-ax.legend(fontsize=8)
-fig.savefig(FIGURES / "03_cpu_roofline.png", dpi=120)
+decode, prefill, ridge = flop_per_byte(1, 2048), flop_per_byte(512, 2048), 989 / 4.8
+print(f"decode: {decode:.0f} FLOP/byte; prefill: {prefill:.0f}; the H200's ridge: {ridge:.0f}")
+assert decode < ridge / 50 and prefill > ridge
 
 # %% [markdown]
-# Decode reaches a few percent of the matmul's FLOP/s but moves bytes at a good share of the copy's
-# rate: its point is under the sloped part of the roof, where bytes set the speed. Prefill sits near
-# the flat part, where FLOPs do. An H200's ridge (989 TFLOP/s of bf16 over 4.8 TB/s) is near 200
-# FLOP/byte, further still from decode's.
-#
-# So a decode kernel must stream the KV cache at full bandwidth: **GQA packing** (one program for
-# all query heads of a KV head, each key read once), **paging** (keys found through the block
-# table), and **split-K**: one sequence × 8 KV heads is only 8 programs for a GPU's 132
-# multiprocessors, so its keys are cut into `num_splits` chunks, a program each. Each chunk's
-# softmax has its own sum; weighting each chunk's output by `exp(lse_s − lse)`, its share of the
-# whole sum (`lse`: log-sum-exp), combines them exactly. In PyTorch, 300 keys in 3 chunks
-# (`exercises/01_online_softmax` builds it):
-
-# %%
-from minivllm.kernels.reference import attention_ref
-
-q1, k1, v1 = torch.randn(1, 32), torch.randn(300, 32), torch.randn(300, 32)  # one query head
-scores = [q1 @ k_s.T * 32**-0.5 for k_s in k1.split(128)]  # 3 splits: 128, 128 and 44 keys
-outs = [torch.softmax(s, dim=-1) @ v_s for s, v_s in zip(scores, v1.split(128))]  # own sums
-lses = torch.stack([torch.logsumexp(s, dim=-1) for s in scores])  # (3, 1): each split's lse_s
-combined = sum(w * out_s for w, out_s in zip(torch.softmax(lses, dim=0), outs))  # exp(lse_s - lse)
-one_head = [t[:, None] for t in (q1, k1, v1)]  # (tokens, 1 head, dim)
-cu_seqlens = torch.tensor([0, 1]), torch.tensor([0, 300])  # one query, 300 keys
-ref = attention_ref(*one_head, *cu_seqlens)[:, 0]
-torch.testing.assert_close(combined, ref)
-print(f"max error of a plain average of the splits: {(sum(outs) / 3 - ref).abs().max():.2f}")
-
-# %% [markdown]
-# The kernel: one program per (sequence, KV head, split). `paged_rows` finds tokens' rows through
-# the block table; `attend_split` runs notebook 01's `attend_block` over one split's keys;
-# `store_split` writes its output and log-sum-exp (log2 units, as `attend_block` keeps them) to
-# scratch rows, which PyTorch combines as above. Unless told, one split per 1,024 tokens a block
-# table row holds, at most 16.
+# Decode sits a hundred times below the ridge: the bytes read set its speed (the deep dive
+# `cascade_attention` measures this on your CPU). So the kernel reads each byte once: one program
+# per (sequence, KV head) serves all the query heads of that KV head (**GQA packing**) and walks
+# the sequence's keys a tile at a time through the block table (**paging**, `paged_rows`), with
+# notebook 01's `attend_block`. (On a GPU, one sequence is only 8 programs for 132
+# multiprocessors: the deep dive splits its keys over more, split-K; the GPU runner runs that.)
 
 
 # %% tags=["export"]
@@ -647,66 +569,18 @@ def paged_rows(table_row, tok, valid, BLOCK_SIZE: tl.constexpr):
     return block.to(tl.int64) * BLOCK_SIZE + tok % BLOCK_SIZE
 
 
-@triton.jit
-def attend_split(
-    q,
-    K,
-    V,
-    table_row,
-    lo,
-    hi,
-    qk_scale,
-    kv_strides,
-    BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """Queries q (ROWS, D) over keys lo..hi-1 of a block table row, K and V pointing at one KV
-    head: the output, and the log2-sum-exp (ROWS,)."""
-    ROWS: tl.constexpr = q.shape[0]
-    HEAD_DIM: tl.constexpr = q.shape[1]
-    stride_k, stride_v = kv_strides[0], kv_strides[2]  # from one token to the next
-    offs_d, offs_n = tl.arange(0, HEAD_DIM), tl.arange(0, BLOCK_N)
-    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([ROWS], dtype=tl.float32)
-    acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        tok = start + offs_n  # (BLOCK_N,)
-        valid = tok < hi
-        rows = paged_rows(table_row, tok, valid, BLOCK_SIZE)
-        k_ptrs = K + rows[None, :] * stride_k + offs_d[:, None]  # (HEAD_DIM, BLOCK_N)
-        v_ptrs = V + rows[:, None] * stride_v + offs_d[None, :]  # (BLOCK_N, HEAD_DIM)
-        k = load_tile(k_ptrs, valid[None, :], UPCAST)
-        v = load_tile(v_ptrs, valid[:, None], UPCAST)
-        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, valid[None, :], qk_scale, PRECISION)
-    empty = l_i == 0.0  # a split with no key: past the end of a short sequence
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = m_i + tl.math.log2(tl.where(empty, 1.0, l_i))
-    return out, tl.where(empty, float("-inf"), lse)
-
-
-@triton.jit
-def store_split(partial_out, partial_lse, rows, out, lse, mask):
-    """A split's out (ROWS, D) and lse (ROWS,) into `rows` of the scratch tensors."""
-    HEAD_DIM: tl.constexpr = out.shape[1]
-    out_ptrs = partial_out + rows[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
-    tl.store(out_ptrs, out, mask=mask[:, None])
-    tl.store(partial_lse + rows, lse, mask=mask)
-
-
 @triton.jit(do_not_specialize=["stride_bt"])  # varies from step to step (notebook 01)
 def _decode_kernel(
     Q,
     K,
     V,
-    partial_out,
-    partial_lse,
+    O,
     cache_seqlens,
     block_table,
     stride_bt,
     qk_scale,
     q_strides,
+    o_strides,
     kv_strides,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -716,114 +590,88 @@ def _decode_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """One program per (sequence, KV head): its query heads over all the sequence's keys."""
+    seq, kv_head = tl.program_id(0), tl.program_id(1)
     seqlen = tl.load(cache_seqlens + seq)
-    chunk = tl.cdiv(tl.cdiv(seqlen, tl.num_programs(2)), BLOCK_N) * BLOCK_N  # whole key tiles
-    lo = split * chunk
-    hi = tl.minimum(lo + chunk, seqlen)
-    offs_g = tl.arange(0, GROUP_PAD)  # this KV head's query heads, padded: tl.dot needs 16 rows
-    heads, mask = kv_head * GROUP + offs_g, offs_g < GROUP
+    offs_g, offs_d, offs_n = tl.arange(0, GROUP_PAD), tl.arange(0, HEAD_DIM), tl.arange(0, BLOCK_N)
+    heads, mask = kv_head * GROUP + offs_g, offs_g < GROUP  # padded: tl.dot needs 16 rows
     q_rows = Q + seq * q_strides[0] + heads * q_strides[1]  # (GROUP_PAD,)
-    q_ptrs = q_rows[:, None] + tl.arange(0, HEAD_DIM)[None, :]
-    q = load_tile(q_ptrs, mask[:, None], UPCAST)  # (GROUP_PAD, HEAD_DIM)
+    q = load_tile(q_rows[:, None] + offs_d[None, :], mask[:, None], UPCAST)  # (GROUP_PAD, HEAD_DIM)
     table = block_table + seq * stride_bt  # this sequence's row
     K, V = K + kv_head * kv_strides[1], V + kv_head * kv_strides[3]  # this KV head's columns
-    out, lse = attend_split(
-        q, K, V, table, lo, hi, qk_scale, kv_strides, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION
-    )
-    rows = (seq * tl.num_programs(1) * GROUP + heads) * tl.num_programs(2) + split  # (GROUP_PAD,)
-    store_split(partial_out, partial_lse, rows, out, lse, mask)
-
-
-# %% tags=["export"]
-def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, block_table) -> None:
-    if q.dim() != 4 or q.shape[1] != 1:
-        raise ValueError(f"q must be (batch, 1, num_heads, head_dim), got {tuple(q.shape)}")
-    check_cache("k_cache", k_cache, q)
-    check_cache("v_cache", v_cache, q)
-    if cache_seqlens is None or block_table is None:
-        raise ValueError("cache_seqlens and block_table are required: the cache is paged")
-    check_index("cache_seqlens", cache_seqlens, 1, q.device)
-    check_index("block_table", block_table, 2, q.device)
-    batch, _, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    if k_cache.shape[3] != head_dim or head_dim not in (16, 32, 64, 128, 256):
-        raise ValueError(f"head_dim {head_dim} must be a power of two in 16..256, as the cache's")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
-    if cache_seqlens.shape[0] != batch or block_table.shape[0] != batch:
-        raise ValueError(f"cache_seqlens and block_table need one row per sequence ({batch})")
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    for start in range(0, seqlen, BLOCK_N):
+        tok = start + offs_n  # (BLOCK_N,)
+        valid = tok < seqlen
+        rows = paged_rows(table, tok, valid, BLOCK_SIZE)
+        k_ptrs = K + rows[None, :] * kv_strides[0] + offs_d[:, None]  # (HEAD_DIM, BLOCK_N)
+        v_ptrs = V + rows[:, None] * kv_strides[2] + offs_d[None, :]  # (BLOCK_N, HEAD_DIM)
+        k = load_tile(k_ptrs, valid[None, :], UPCAST)
+        v = load_tile(v_ptrs, valid[:, None], UPCAST)
+        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, valid[None, :], qk_scale, PRECISION)
+    out = (acc / l_i[:, None]).to(O.dtype.element_ty)
+    o_rows = O + seq * o_strides[0] + heads * o_strides[1]  # (GROUP_PAD,)
+    tl.store(o_rows[:, None] + offs_d[None, :], out, mask=mask[:, None])
 
 
 def flash_attn_with_kvcache(
     q: torch.Tensor,  # (batch, 1, num_heads, head_dim): one new query per sequence
     k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
     v_cache: torch.Tensor,
-    cache_seqlens: torch.Tensor | None = None,  # (batch,) int32: tokens in each cache
+    cache_seqlens: torch.Tensor | None = None,  # (batch,) int32: tokens in each cache, >= 1
     block_table: torch.Tensor | None = None,  # (batch, max_blocks) int32
     softmax_scale: float | None = None,
     causal: bool = False,  # one query that sees its whole cache: causal or not is the same
-    out: torch.Tensor | None = None,  # like q, to write into; None: a new tensor
-    num_splits: int | None = None,  # chunks of each sequence's keys; None: by context length
 ) -> torch.Tensor:  # (batch, 1, num_heads, head_dim)
-    """Decode attention over a paged KV cache, flash-attn's signature: GQA-packed, split-K."""
-    check_decode_inputs(q, k_cache, v_cache, cache_seqlens, block_table)
-    assert cache_seqlens is not None and block_table is not None  # checked: for mypy
-    out = check_out(out, q)
-    if num_splits is None:  # one split per 1,024 tokens a row of the table holds, at most 16
-        num_splits = min(16, triton.cdiv(block_table.shape[1] * k_cache.shape[1], 1024))
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    """Decode attention over a paged KV cache, flash-attn's signature, GQA-packed."""
+    assert cache_seqlens is not None and block_table is not None, "the cache is paged"
     batch, _, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
+    num_kv_heads, on_cpu = k_cache.shape[2], q.device.type == "cpu"
     k, v = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
-    q_strides = (q.stride(0), q.stride(2))  # (batch, head)
+    out = torch.empty_like(q)
+    strides = [(t.stride(0), t.stride(2)) for t in (q, out)]  # (sequence, head) of q, of out
     kv_strides = (*k.stride()[:2], *v.stride()[:2])  # (token, head) of k, then of v
-    partial_out = q.new_empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32)
-    partial_lse = q.new_empty(batch, num_heads, num_splits, dtype=torch.float32)
     qk_scale = softmax_scale_of(softmax_scale, head_dim) * math.log2(math.e)  # exp2's units
-    args = (q, k, v, partial_out, partial_lse, cache_seqlens, block_table, block_table.stride(0))
-    _decode_kernel[(batch, num_kv_heads, num_splits)](
+    group = num_heads // num_kv_heads
+    args = (q, k, v, out, cache_seqlens, block_table, block_table.stride(0), qk_scale)
+    _decode_kernel[(batch, num_kv_heads)](
         *args,
-        qk_scale,
-        q_strides,
+        *strides,
         kv_strides,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_N=16 if q.device.type == "cpu" else 64,  # small tiles keep the interpreter quick
-        UPCAST=q.device.type == "cpu" and q.dtype != torch.float32,  # the interpreter's bf16
+        BLOCK_N=16 if on_cpu else 64,  # small tiles keep the interpreter quick
+        UPCAST=on_cpu and q.dtype != torch.float32,  # the interpreter's bf16
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
-    weights = torch.softmax(partial_lse * math.log(2), dim=2)  # exp(lse_s - lse); lse in log2
-    combined = (weights[..., None] * partial_out).sum(dim=2)  # (batch, num_heads, head_dim)
-    has_keys = (cache_seqlens > 0)[:, None, None]  # an empty cache: a CUDA graph's padding row
-    out[:, 0] = torch.where(has_keys, combined, out[:, 0])  # left as it was
     return out
 
 
 # %% [markdown]
-# Check: sequences of 1 to 300 tokens in shuffled blocks, several block sizes, GQA ratios and
-# numbers of splits (short sequences leave some empty), against notebook 01's reference.
+# Check: sequences of 1 to 300 tokens in shuffled blocks, several block sizes and GQA ratios,
+# against notebook 01's reference.
 
 # %%
 from minivllm.kernels.paged_attn import flash_attn_with_kvcache
+from minivllm.kernels.reference import attention_ref
 from minivllm.testing import scatter_into_cache  # random K/V in shuffled blocks, and contiguous
 
 seq_lens = [1, 17, 300, 64]
 lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
 cu_q = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)  # one query each
-for block_size, group, splits in ((16, 4, 1), (32, 1, 4), (256, 8, 3)):
+for block_size, group in ((16, 4), (32, 1), (256, 8)):
     k_cache, v_cache, table, k, v, cu_k = scatter_into_cache(
         seq_lens, 8 // group, 32, block_size, DEVICE
     )
     q = torch.randn(len(seq_lens), 1, 8, 32, device=DEVICE)
-    out = flash_attn_with_kvcache(q, k_cache, v_cache, lens, table, num_splits=splits)
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, lens, table)
     ref = attention_ref(q[:, 0], k, v, cu_q, cu_k)
     error = (out[:, 0] - ref).abs().max()
-    print(f"block_size {block_size:>3}, GQA {group}, {splits} splits: max error {error:.1e}")
+    print(f"block_size {block_size:>3}, GQA {group}: max error {error:.1e}")
     assert error < 1e-4
 
 
@@ -886,9 +734,9 @@ torch.testing.assert_close(paged_attention_ref(q, k_cache, v_cache, cu_q, cu_k, 
 # %% [markdown]
 # ## How fast: decode kernels on an H200
 # `python -m minivllm.benchmarks.decode`, in bytes of K and V read per second: `minivllm-triton`
-# (the kernel above, with the deep dive `cascade_attention`'s split count), `flashinfer` (vLLM's),
-# and `naive-gather-sdpa` (blocks copied out, then PyTorch's attention), among others. A GPU
-# re-measures a subset; else the committed H200 data.
+# (this kernel split-K, as the GPU runner runs it: deep dive `cascade_attention`), `flashinfer`
+# (vLLM's) and `naive-gather-sdpa` (blocks copied out, then PyTorch's attention), among others,
+# against the GPU's copy bandwidth. A GPU re-measures a subset; else the committed H200 data.
 
 # %%
 import json

@@ -12,7 +12,6 @@ from minivllm.kernels import (
     cascade,
     flash_attn_varlen_func,
     flash_attn_with_kvcache,
-    paged_attn,
     store_kvcache,
 )
 from minivllm.kernels.flash_attn import launch_config
@@ -64,30 +63,11 @@ def test_decode_matches_reference(block_size, group):
 
 
 @pytest.mark.parametrize("num_splits", [2, 3, 7])
-def test_decode_split_k_combines_exactly(num_splits):
-    """Split-K at any number of splits, including splits that get no tokens."""
-    check_decode([1, 5, 100, 257], 4, 2, 32, 16, num_splits=num_splits)
-
-
-def test_decode_splits_by_context_length_unless_told(monkeypatch):
-    """Without num_splits: one split per 1,024 tokens a block table row holds, at most 16."""
-    launched = []
-    real = paged_attn._decode_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            launched.append(grid[2])
-            return real[grid]
-
-    monkeypatch.setattr(paged_attn, "_decode_kernel", Spy())
-    for blocks in (1, 64, 65, 2000):  # blocks of 16 per table row: 16 to 32,000 tokens
-        k_cache = torch.zeros(blocks, 16, 1, 16, device=DEVICE)
-        table = torch.arange(blocks, dtype=torch.int32, device=DEVICE)[None]
-        lens = torch.tensor([1], dtype=torch.int32, device=DEVICE)
-        flash_attn_with_kvcache(
-            torch.ones(1, 1, 1, 16, device=DEVICE), k_cache, k_cache, lens, table
-        )
-    assert launched == [1, 1, 2, 16]
+def test_decode_split_k_combines_exactly(monkeypatch, num_splits):
+    """Split-K (the deep dive cascade_attention's) at any number of splits, including splits that
+    get no tokens."""
+    monkeypatch.setattr(cascade, "decode_num_splits", lambda *_: num_splits)
+    check_decode([1, 5, 100, 257], 4, 2, 32, 16, decode=cascade.flash_attn_with_kvcache)
 
 
 def test_cascade_without_a_prefix_is_the_core_kernel_with_its_split_count(monkeypatch):
@@ -196,10 +176,10 @@ def test_paged_prefill_computes_the_listed_tiles_only():
         flash_attn_varlen_func(q, k, v, cu_q, cu_k, 64, 300, causal=True, out=out)
 
 
-@pytest.mark.parametrize("decode", [flash_attn_with_kvcache, cascade.flash_attn_with_kvcache])
-def test_decode_leaves_rows_with_an_empty_cache_alone(decode):
+def test_decode_leaves_rows_with_an_empty_cache_alone():
     """A CUDA graph's decode rows past the step's decode rows have an empty cache: their output rows are not
-    written (in a mixed step they are prompt tokens' rows)."""
+    written (in a mixed step they are prompt tokens' rows): the GPU runner's kernel, deep dive cascade_attention."""
+    decode = cascade.flash_attn_with_kvcache
     k_cache, v_cache, block_table, k, v, cu_k = scatter_into_cache([30, 5], 2, 32, 16, DEVICE)
     q = torch.randn(3, 1, 4, 32, device=DEVICE)
     lens = torch.tensor([30, 0, 5], dtype=torch.int32, device=DEVICE)
@@ -250,8 +230,10 @@ def test_bad_decode_input_raises_value_error():
         torch.tensor([5], dtype=torch.int32),
         torch.zeros(1, 2, dtype=torch.int32),
     )
+    # the public drop-in checks its inputs; notebook 03's kernel trusts the engine's
+    checked = cascade.flash_attn_with_kvcache
     with pytest.raises(ValueError, match="q must be"):
-        flash_attn_with_kvcache(q[0], k_cache, k_cache, seqlens, table)
+        checked(q[0], k_cache, k_cache, seqlens, table)
     with pytest.raises(
         ValueError, match="go together"
     ):  # a shared prefix's blocks, and who shares them
@@ -259,24 +241,22 @@ def test_bad_decode_input_raises_value_error():
     with pytest.raises(ValueError, match="one row per sequence"):
         cascade.flash_attn_with_kvcache(q, k_cache, k_cache, seqlens, table, prefix_blocks=table[0],
                                         prefix_lens=torch.zeros(2, dtype=torch.int32))  # fmt: skip
-    with pytest.raises(ValueError, match="q must be"):  # the core's checks come first
-        cascade.flash_attn_with_kvcache(q[0], k_cache, k_cache, seqlens, table)
-    with pytest.raises(ValueError, match="num_splits"):
-        flash_attn_with_kvcache(q, k_cache, k_cache, seqlens, table, num_splits=0)
     with pytest.raises(ValueError, match="k_cache"):
-        flash_attn_with_kvcache(q, k_cache.half(), k_cache, seqlens, table)
+        checked(q, k_cache.half(), k_cache, seqlens, table)
     with pytest.raises(ValueError, match="cache_seqlens"):
-        flash_attn_with_kvcache(q, k_cache, k_cache, seqlens.long(), table)
+        checked(q, k_cache, k_cache, seqlens.long(), table)
     with pytest.raises(ValueError, match="block_table"):
-        flash_attn_with_kvcache(q, k_cache, k_cache, seqlens, None)
+        checked(q, k_cache, k_cache, seqlens, None)
     with pytest.raises(ValueError, match="softmax_scale"):
+        checked(q, k_cache, k_cache, seqlens, table, softmax_scale=0.0)
+    with pytest.raises(ValueError, match="softmax_scale"):  # notebook 03's kernel too
         flash_attn_with_kvcache(q, k_cache, k_cache, seqlens, table, softmax_scale=0.0)
     cu = torch.tensor([0, 5], dtype=torch.int32)
     with pytest.raises(ValueError, match="softmax_scale"):  # the paged prefill kernel too
         flash_attn_varlen_func(q[0, :1].expand(5, -1, -1), k_cache, k_cache, cu, cu, 5, 5, softmax_scale=-1.0,
                                block_table=table)  # fmt: skip
     with pytest.raises(ValueError, match="out must be"):
-        flash_attn_with_kvcache(q, k_cache, k_cache, seqlens, table, out=torch.empty(1, 1, 4, 16))
+        checked(q, k_cache, k_cache, seqlens, table, out=torch.empty(1, 1, 4, 16))
     with pytest.raises(ValueError, match="slot_mapping"):
         store_kvcache(
             torch.randn(3, 2, 32),

@@ -8,14 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels.flash_attn import load_tile, softmax_scale_of
-from minivllm.kernels.paged_attn import (
-    attend_split,
-    check_decode_inputs,
-    check_index,
-    check_out,
-    store_split,
-)
+from minivllm.kernels.flash_attn import attend_block, load_tile, softmax_scale_of
+from minivllm.kernels.paged_attn import check_cache, check_index, paged_rows
 
 
 @functools.cache
@@ -30,6 +24,54 @@ def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> in
         return 1
     programs, wave = batch * num_kv_heads, 4 * num_sms(device)
     return min(128, wave // programs) if programs <= wave else 2
+
+
+@triton.jit
+def attend_split(
+    q,
+    K,
+    V,
+    table_row,
+    lo,
+    hi,
+    qk_scale,
+    kv_strides,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Queries q (ROWS, D) over keys lo..hi-1 of a block table row, K and V pointing at one KV
+    head: the output, and the log2-sum-exp (ROWS,)."""
+    ROWS: tl.constexpr = q.shape[0]
+    HEAD_DIM: tl.constexpr = q.shape[1]
+    stride_k, stride_v = kv_strides[0], kv_strides[2]  # from one token to the next
+    offs_d, offs_n = tl.arange(0, HEAD_DIM), tl.arange(0, BLOCK_N)
+    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        tok = start + offs_n  # (BLOCK_N,)
+        valid = tok < hi
+        rows = paged_rows(table_row, tok, valid, BLOCK_SIZE)
+        k_ptrs = K + rows[None, :] * stride_k + offs_d[:, None]  # (HEAD_DIM, BLOCK_N)
+        v_ptrs = V + rows[:, None] * stride_v + offs_d[None, :]  # (BLOCK_N, HEAD_DIM)
+        k = load_tile(k_ptrs, valid[None, :], UPCAST)
+        v = load_tile(v_ptrs, valid[:, None], UPCAST)
+        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, valid[None, :], qk_scale, PRECISION)
+    empty = l_i == 0.0  # a split with no key: past the end of a short sequence
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = m_i + tl.math.log2(tl.where(empty, 1.0, l_i))
+    return out, tl.where(empty, float("-inf"), lse)
+
+
+@triton.jit
+def store_split(partial_out, partial_lse, rows, out, lse, mask):
+    """A split's out (ROWS, D) and lse (ROWS,) into `rows` of the scratch tensors."""
+    HEAD_DIM: tl.constexpr = out.shape[1]
+    out_ptrs = partial_out + rows[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    tl.store(out_ptrs, out, mask=mask[:, None])
+    tl.store(partial_lse + rows, lse, mask=mask)
 
 
 @triton.jit(do_not_specialize=["num_slots", "stride_bt"])
@@ -56,7 +98,7 @@ def _own_keys_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """Notebook 03's decode kernel over a row's keys from prefix_lens[seq] on."""
+    """Split `split` of a row's keys from prefix_lens[seq] on (notebook 03's kernel, split-K)."""
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seqlen = tl.load(cache_seqlens + seq)
     first = tl.load(prefix_lens + seq) if HAS_PREFIX else 0  # the keys before: the shared prefix
@@ -167,6 +209,37 @@ def prefix_num_splits(num_programs: int, device: torch.device) -> int:
     return max(1, min(8, num_sms(device) // num_programs))
 
 
+def check_out(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    """Where a kernel writes: a new tensor like q, or `out`, checked to fit q."""
+    if out is None:
+        return torch.empty_like(q)
+    like_q = out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
+    if not like_q or out.stride(-1) != 1:
+        want = f"a {q.dtype} tensor of q's shape {tuple(q.shape)} on {q.device}"
+        got = f"{out.dtype} {tuple(out.shape)} on {out.device} with strides {out.stride()}"
+        raise ValueError(f"out must be {want}, contiguous in its last dimension; got {got}")
+    return out
+
+
+def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, block_table) -> None:
+    if q.dim() != 4 or q.shape[1] != 1:
+        raise ValueError(f"q must be (batch, 1, num_heads, head_dim), got {tuple(q.shape)}")
+    check_cache("k_cache", k_cache, q)
+    check_cache("v_cache", v_cache, q)
+    if cache_seqlens is None or block_table is None:
+        raise ValueError("cache_seqlens and block_table are required: the cache is paged")
+    check_index("cache_seqlens", cache_seqlens, 1, q.device)
+    check_index("block_table", block_table, 2, q.device)
+    batch, _, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim or head_dim not in (16, 32, 64, 128, 256):
+        raise ValueError(f"head_dim {head_dim} must be a power of two in 16..256, as the cache's")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+    if cache_seqlens.shape[0] != batch or block_table.shape[0] != batch:
+        raise ValueError(f"cache_seqlens and block_table need one row per sequence ({batch})")
+
+
 def check_prefix(q: torch.Tensor, prefix_blocks, prefix_lens) -> None:
     if (prefix_blocks is None) != (prefix_lens is None):
         raise ValueError(
@@ -193,8 +266,9 @@ def flash_attn_with_kvcache(
     prefix_blocks: torch.Tensor | None = None,  # (n,) int32: blocks beginning several rows' caches
     prefix_lens: torch.Tensor | None = None,  # (batch,) int32: a row's tokens in them, or 0
 ) -> torch.Tensor:  # (batch, 1, num_heads, head_dim)
-    """Notebook 03's decode attention with a split count in SM waves. Rows that begin with
-    `prefix_blocks` (`prefix_lens` > 0) attend to them together, their keys read once."""
+    """Notebook 03's decode attention, split-K with a split count in SM waves, its inputs checked.
+    Rows that begin with `prefix_blocks` (`prefix_lens` > 0) attend to them together, their keys
+    read once."""
     check_decode_inputs(q, k_cache, v_cache, cache_seqlens, block_table)
     check_prefix(q, prefix_blocks, prefix_lens)
     assert cache_seqlens is not None and block_table is not None  # checked: for mypy

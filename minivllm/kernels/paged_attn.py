@@ -43,18 +43,6 @@ def check_index(
         raise ValueError(f"{name} must be a {want}, got {got}")
 
 
-def check_out(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
-    """Where a kernel writes: a new tensor like q, or `out`, checked to fit q."""
-    if out is None:
-        return torch.empty_like(q)
-    like_q = out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
-    if not like_q or out.stride(-1) != 1:
-        want = f"a {q.dtype} tensor of q's shape {tuple(q.shape)} on {q.device}"
-        got = f"{out.dtype} {tuple(out.shape)} on {out.device} with strides {out.stride()}"
-        raise ValueError(f"out must be {want}, contiguous in its last dimension; got {got}")
-    return out
-
-
 def store_kvcache(
     k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
     v: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
@@ -91,66 +79,18 @@ def paged_rows(table_row, tok, valid, BLOCK_SIZE: tl.constexpr):
     return block.to(tl.int64) * BLOCK_SIZE + tok % BLOCK_SIZE
 
 
-@triton.jit
-def attend_split(
-    q,
-    K,
-    V,
-    table_row,
-    lo,
-    hi,
-    qk_scale,
-    kv_strides,
-    BLOCK_N: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    """Queries q (ROWS, D) over keys lo..hi-1 of a block table row, K and V pointing at one KV
-    head: the output, and the log2-sum-exp (ROWS,)."""
-    ROWS: tl.constexpr = q.shape[0]
-    HEAD_DIM: tl.constexpr = q.shape[1]
-    stride_k, stride_v = kv_strides[0], kv_strides[2]  # from one token to the next
-    offs_d, offs_n = tl.arange(0, HEAD_DIM), tl.arange(0, BLOCK_N)
-    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([ROWS], dtype=tl.float32)
-    acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        tok = start + offs_n  # (BLOCK_N,)
-        valid = tok < hi
-        rows = paged_rows(table_row, tok, valid, BLOCK_SIZE)
-        k_ptrs = K + rows[None, :] * stride_k + offs_d[:, None]  # (HEAD_DIM, BLOCK_N)
-        v_ptrs = V + rows[:, None] * stride_v + offs_d[None, :]  # (BLOCK_N, HEAD_DIM)
-        k = load_tile(k_ptrs, valid[None, :], UPCAST)
-        v = load_tile(v_ptrs, valid[:, None], UPCAST)
-        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, valid[None, :], qk_scale, PRECISION)
-    empty = l_i == 0.0  # a split with no key: past the end of a short sequence
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = m_i + tl.math.log2(tl.where(empty, 1.0, l_i))
-    return out, tl.where(empty, float("-inf"), lse)
-
-
-@triton.jit
-def store_split(partial_out, partial_lse, rows, out, lse, mask):
-    """A split's out (ROWS, D) and lse (ROWS,) into `rows` of the scratch tensors."""
-    HEAD_DIM: tl.constexpr = out.shape[1]
-    out_ptrs = partial_out + rows[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
-    tl.store(out_ptrs, out, mask=mask[:, None])
-    tl.store(partial_lse + rows, lse, mask=mask)
-
-
 @triton.jit(do_not_specialize=["stride_bt"])  # varies from step to step (notebook 01)
 def _decode_kernel(
     Q,
     K,
     V,
-    partial_out,
-    partial_lse,
+    O,
     cache_seqlens,
     block_table,
     stride_bt,
     qk_scale,
     q_strides,
+    o_strides,
     kv_strides,
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
@@ -160,88 +100,62 @@ def _decode_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """One program per (sequence, KV head): its query heads over all the sequence's keys."""
+    seq, kv_head = tl.program_id(0), tl.program_id(1)
     seqlen = tl.load(cache_seqlens + seq)
-    chunk = tl.cdiv(tl.cdiv(seqlen, tl.num_programs(2)), BLOCK_N) * BLOCK_N  # whole key tiles
-    lo = split * chunk
-    hi = tl.minimum(lo + chunk, seqlen)
-    offs_g = tl.arange(0, GROUP_PAD)  # this KV head's query heads, padded: tl.dot needs 16 rows
-    heads, mask = kv_head * GROUP + offs_g, offs_g < GROUP
+    offs_g, offs_d, offs_n = tl.arange(0, GROUP_PAD), tl.arange(0, HEAD_DIM), tl.arange(0, BLOCK_N)
+    heads, mask = kv_head * GROUP + offs_g, offs_g < GROUP  # padded: tl.dot needs 16 rows
     q_rows = Q + seq * q_strides[0] + heads * q_strides[1]  # (GROUP_PAD,)
-    q_ptrs = q_rows[:, None] + tl.arange(0, HEAD_DIM)[None, :]
-    q = load_tile(q_ptrs, mask[:, None], UPCAST)  # (GROUP_PAD, HEAD_DIM)
+    q = load_tile(q_rows[:, None] + offs_d[None, :], mask[:, None], UPCAST)  # (GROUP_PAD, HEAD_DIM)
     table = block_table + seq * stride_bt  # this sequence's row
     K, V = K + kv_head * kv_strides[1], V + kv_head * kv_strides[3]  # this KV head's columns
-    out, lse = attend_split(
-        q, K, V, table, lo, hi, qk_scale, kv_strides, BLOCK_N, BLOCK_SIZE, UPCAST, PRECISION
-    )
-    rows = (seq * tl.num_programs(1) * GROUP + heads) * tl.num_programs(2) + split  # (GROUP_PAD,)
-    store_split(partial_out, partial_lse, rows, out, lse, mask)
-
-
-def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, block_table) -> None:
-    if q.dim() != 4 or q.shape[1] != 1:
-        raise ValueError(f"q must be (batch, 1, num_heads, head_dim), got {tuple(q.shape)}")
-    check_cache("k_cache", k_cache, q)
-    check_cache("v_cache", v_cache, q)
-    if cache_seqlens is None or block_table is None:
-        raise ValueError("cache_seqlens and block_table are required: the cache is paged")
-    check_index("cache_seqlens", cache_seqlens, 1, q.device)
-    check_index("block_table", block_table, 2, q.device)
-    batch, _, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    if k_cache.shape[3] != head_dim or head_dim not in (16, 32, 64, 128, 256):
-        raise ValueError(f"head_dim {head_dim} must be a power of two in 16..256, as the cache's")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
-    if cache_seqlens.shape[0] != batch or block_table.shape[0] != batch:
-        raise ValueError(f"cache_seqlens and block_table need one row per sequence ({batch})")
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    for start in range(0, seqlen, BLOCK_N):
+        tok = start + offs_n  # (BLOCK_N,)
+        valid = tok < seqlen
+        rows = paged_rows(table, tok, valid, BLOCK_SIZE)
+        k_ptrs = K + rows[None, :] * kv_strides[0] + offs_d[:, None]  # (HEAD_DIM, BLOCK_N)
+        v_ptrs = V + rows[:, None] * kv_strides[2] + offs_d[None, :]  # (BLOCK_N, HEAD_DIM)
+        k = load_tile(k_ptrs, valid[None, :], UPCAST)
+        v = load_tile(v_ptrs, valid[:, None], UPCAST)
+        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, valid[None, :], qk_scale, PRECISION)
+    out = (acc / l_i[:, None]).to(O.dtype.element_ty)
+    o_rows = O + seq * o_strides[0] + heads * o_strides[1]  # (GROUP_PAD,)
+    tl.store(o_rows[:, None] + offs_d[None, :], out, mask=mask[:, None])
 
 
 def flash_attn_with_kvcache(
     q: torch.Tensor,  # (batch, 1, num_heads, head_dim): one new query per sequence
     k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
     v_cache: torch.Tensor,
-    cache_seqlens: torch.Tensor | None = None,  # (batch,) int32: tokens in each cache
+    cache_seqlens: torch.Tensor | None = None,  # (batch,) int32: tokens in each cache, >= 1
     block_table: torch.Tensor | None = None,  # (batch, max_blocks) int32
     softmax_scale: float | None = None,
     causal: bool = False,  # one query that sees its whole cache: causal or not is the same
-    out: torch.Tensor | None = None,  # like q, to write into; None: a new tensor
-    num_splits: int | None = None,  # chunks of each sequence's keys; None: by context length
 ) -> torch.Tensor:  # (batch, 1, num_heads, head_dim)
-    """Decode attention over a paged KV cache, flash-attn's signature: GQA-packed, split-K."""
-    check_decode_inputs(q, k_cache, v_cache, cache_seqlens, block_table)
-    assert cache_seqlens is not None and block_table is not None  # checked: for mypy
-    out = check_out(out, q)
-    if num_splits is None:  # one split per 1,024 tokens a row of the table holds, at most 16
-        num_splits = min(16, triton.cdiv(block_table.shape[1] * k_cache.shape[1], 1024))
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    """Decode attention over a paged KV cache, flash-attn's signature, GQA-packed."""
+    assert cache_seqlens is not None and block_table is not None, "the cache is paged"
     batch, _, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
+    num_kv_heads, on_cpu = k_cache.shape[2], q.device.type == "cpu"
     k, v = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
-    q_strides = (q.stride(0), q.stride(2))  # (batch, head)
+    out = torch.empty_like(q)
+    strides = [(t.stride(0), t.stride(2)) for t in (q, out)]  # (sequence, head) of q, of out
     kv_strides = (*k.stride()[:2], *v.stride()[:2])  # (token, head) of k, then of v
-    partial_out = q.new_empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32)
-    partial_lse = q.new_empty(batch, num_heads, num_splits, dtype=torch.float32)
     qk_scale = softmax_scale_of(softmax_scale, head_dim) * math.log2(math.e)  # exp2's units
-    args = (q, k, v, partial_out, partial_lse, cache_seqlens, block_table, block_table.stride(0))
-    _decode_kernel[(batch, num_kv_heads, num_splits)](
+    group = num_heads // num_kv_heads
+    args = (q, k, v, out, cache_seqlens, block_table, block_table.stride(0), qk_scale)
+    _decode_kernel[(batch, num_kv_heads)](
         *args,
-        qk_scale,
-        q_strides,
+        *strides,
         kv_strides,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_N=16 if q.device.type == "cpu" else 64,  # small tiles keep the interpreter quick
-        UPCAST=q.device.type == "cpu" and q.dtype != torch.float32,  # the interpreter's bf16
+        BLOCK_N=16 if on_cpu else 64,  # small tiles keep the interpreter quick
+        UPCAST=on_cpu and q.dtype != torch.float32,  # the interpreter's bf16
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
-    weights = torch.softmax(partial_lse * math.log(2), dim=2)  # exp(lse_s - lse); lse in log2
-    combined = (weights[..., None] * partial_out).sum(dim=2)  # (batch, num_heads, head_dim)
-    has_keys = (cache_seqlens > 0)[:, None, None]  # an empty cache: a CUDA graph's padding row
-    out[:, 0] = torch.where(has_keys, combined, out[:, 0])  # left as it was
     return out

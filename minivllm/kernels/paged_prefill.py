@@ -7,8 +7,9 @@ import torch
 import triton
 import triton.language as tl
 
+from minivllm.kernels.cascade import check_out
 from minivllm.kernels.flash_attn import attend_block, load_tile, softmax_scale_of
-from minivllm.kernels.paged_attn import check_cache, check_index, check_out, paged_rows
+from minivllm.kernels.paged_attn import check_cache, check_index, paged_rows
 from minivllm.kernels.prefill_tuned import (
     causal_bounds,
     check_inputs,

@@ -12,20 +12,23 @@
 # ---
 
 # %% [markdown]
-# # Deep dive · Decode on a GPU: split counts in SM waves, and a shared prefix read once
+# # Deep dive · Decode on a GPU: split-K, split counts in SM waves, and a shared prefix read once
 #
-# **What this adds.** Two things notebook 03's decode kernel leaves out, both for speed on a GPU.
-# First, its number of splits depends on the context length alone; on a GPU the right number
-# depends on how many programs the batch already gives the multiprocessors (SMs). Second, when many
-# rows begin with the same cached blocks (a system prompt, thanks to prefix caching), it reads those
-# blocks once *per row*; **cascade attention** reads them once for all the rows.
+# **What this adds.** First, the roofline of decode measured on your CPU: why its speed is the
+# bytes it reads. Then three things notebook 03's decode kernel leaves out, all for speed on a GPU.
+# **Split-K**: 03 runs one program per (sequence, KV head), too few to keep a GPU's
+# multiprocessors (SMs) busy when the batch is small, so each sequence's keys are split over
+# several programs and their results combined exactly. **How many splits**: as many as the batch
+# leaves room for in one wave of programs. **Cascade attention**: when many rows begin with the
+# same cached blocks (a system prompt, thanks to prefix caching), 03 reads those blocks once *per
+# row*; cascade reads them once for all the rows.
 #
-# **Where it sits.** It follows notebook 03 (`Sequence`, `BlockManager`, the split-K decode kernel
-# and its pieces: `paged_rows`, `attend_split`, `store_split`). It exports
-# `minivllm/kernels/cascade.py`: `decode_num_splits`, and a `flash_attn_with_kvcache` with notebook
-# 03's arguments plus `prefix_blocks` and `prefix_lens`, built from 03's pieces. Nothing in the core
-# path needs it: the GPU runner uses it (the deep dive `cuda_graphs` finds the shared prefix), and
-# every output is the same with or without it (up to rounding).
+# **Where it sits.** It follows notebook 03 (`Sequence`, `BlockManager`, the decode kernel and
+# `paged_rows`). It exports `minivllm/kernels/cascade.py`: `decode_num_splits`, and a
+# `flash_attn_with_kvcache` with notebook 03's arguments plus `out`, `prefix_blocks` and
+# `prefix_lens`, its inputs checked. Nothing in the core path needs it: the GPU runner uses it (the
+# deep dive `cuda_graphs` finds the shared prefix), and every output is the same with or without it
+# (up to rounding).
 #
 # **Write it yourself first?** `exercises/03_cascade_attention.ipynb` builds the cascade in PyTorch.
 
@@ -37,18 +40,101 @@ import torch
 if not torch.cuda.is_available():
     # before any @triton.jit runs: the kernels run interpreted
     os.environ.setdefault("TRITON_INTERPRET", "1")
+import functools
 import json
+import time
 from pathlib import Path
 from unittest import mock
 
+import matplotlib.pyplot as plt
+import numpy as np
+import torch.nn.functional as F
+
 from minivllm.kernels import paged_attn
 from minivllm.kernels.paged_reference import paged_attention_ref
+from minivllm.kernels.reference import attention_ref
 from minivllm.testing import check_answer, scatter_into_cache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FIGURES = Path(os.environ.get("MINIVLLM_FIGURES", "../../build/figures")).resolve()
 FIGURES.mkdir(parents=True, exist_ok=True)
 torch.manual_seed(0)
+
+# %% [markdown]
+# ## Decode on a roofline, measured on your CPU
+# Notebook 03 computed decode's FLOPs per byte: a hundred times below an H200's ridge. Here it is
+# measured, with PyTorch's attention (float32) on this CPU: first its limits, a big matmul's FLOP/s
+# and a big copy's bytes/s; then attention shaped as decode (8 sequences, one query each over 2,048
+# cached tokens) and as prefill (512 queries over 2,048 keys). Other work on the machine moves the
+# timings: read ratios.
+
+
+# %%
+def best_seconds(fn, repeats: int = 3) -> float:
+    """The fastest of `repeats` runs after a warm-up one: the run other work disturbed least."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+big = torch.ones(2048, 2048)
+peak = 2 * 2048**3 / best_seconds(functools.partial(torch.mm, big, big))  # a multiply-add: 2 FLOPs
+src = torch.ones(2**25)  # 128 MiB, more than the caches hold; a copy reads it and writes as much
+dst = torch.empty_like(src)
+bandwidth = 2 * src.nbytes / best_seconds(functools.partial(dst.copy_, src))
+del big, src, dst
+print(f"this CPU: {peak / 1e9:.0f} GFLOP/s (matmul), {bandwidth / 1e9:.0f} GB/s (copy)")
+k, v = torch.ones(2, 8, 8, 2048, 128)  # (batch, heads, keys, head_dim): 128 MiB of K and V
+shapes = {"decode": torch.ones(8, 8, 1, 128), "prefill": torch.ones(1, 8, 512, 128)}
+measured = {}  # name: (FLOP per byte, FLOP/s)
+for name, q in shapes.items():
+    k_seq, v_seq = k[: len(q)], v[: len(q)]  # prefill: one sequence's keys
+    seconds = best_seconds(functools.partial(F.scaled_dot_product_attention, q, k_seq, v_seq))
+    flops = 4 * q.numel() * k.shape[2]  # q·k and p·v: a multiply-add per key per query feature
+    moved = k_seq.nbytes + v_seq.nbytes + 2 * q.nbytes  # K, V and q read, the output written
+    measured[name] = (flops / moved, flops / seconds)
+    compute = f"{flops / seconds / 1e9:5.1f} GFLOP/s ({flops / seconds / peak:4.0%} of peak)"
+    memory = f"{moved / seconds / 1e9:4.1f} GB/s ({moved / seconds / bandwidth:4.0%} of the copy's)"
+    print(f"{name:>8}: {flops / moved:5.1f} FLOP/byte, {compute}, {memory}")
+
+intensity = np.array([0.1, peak / bandwidth, 1000])  # FLOP per byte: the roof bends at the ridge
+roof = np.minimum(peak, bandwidth * intensity) / 1e9
+fig, ax = plt.subplots(figsize=(6, 3.8), layout="tight")
+ax.loglog(intensity, roof, "k-", label="roof: min(matmul FLOP/s, copy bytes/s × FLOP/byte)")
+for name, (flop_per_byte, flop_s) in measured.items():
+    ax.loglog(flop_per_byte, flop_s / 1e9, "o", label=f"{name} attention (SDPA)")
+ax.set(xlabel="FLOP per byte moved", ylabel="GFLOP/s", title="Attention on this CPU, float32")
+ax.legend(fontsize=8)
+fig.savefig(FIGURES / "cascade_cpu_roofline.png", dpi=120)
+
+# %% [markdown]
+# Decode reaches a few percent of the matmul's FLOP/s but moves bytes at a good share of the copy's
+# rate: its point is under the sloped part of the roof, where bytes set the speed. Prefill sits near
+# the flat part, where FLOPs do. So a decode kernel is as fast as it keeps the memory busy: on a
+# GPU, that takes enough programs in flight on every SM.
+#
+# ## Split-K: more programs than sequences × KV heads
+# Notebook 03's kernel runs one program per (sequence, KV head): one sequence × 8 KV heads is only 8
+# programs for an H200's 132 multiprocessors. **Split-K** cuts each sequence's keys into
+# `num_splits` chunks, a program each. Each chunk's softmax has its own sum; weighting each chunk's
+# output by `exp(lse_s − lse)`, its share of the whole sum (`lse`: log-sum-exp), combines them
+# exactly. In PyTorch, 300 keys in 3 chunks (`exercises/01_online_softmax` builds it):
+
+# %%
+q1, k1, v1 = torch.randn(1, 32), torch.randn(300, 32), torch.randn(300, 32)  # one query head
+scores = [q1 @ k_s.T * 32**-0.5 for k_s in k1.split(128)]  # 3 splits: 128, 128 and 44 keys
+outs = [torch.softmax(s, dim=-1) @ v_s for s, v_s in zip(scores, v1.split(128))]  # own sums
+lses = torch.stack([torch.logsumexp(s, dim=-1) for s in scores])  # (3, 1): each split's lse_s
+combined = sum(w * out_s for w, out_s in zip(torch.softmax(lses, dim=0), outs))  # exp(lse_s - lse)
+one_head = [t[:, None] for t in (q1, k1, v1)]  # (tokens, 1 head, dim)
+cu_seqlens = torch.tensor([0, 1]), torch.tensor([0, 300])  # one query, 300 keys
+ref = attention_ref(*one_head, *cu_seqlens)[:, 0]
+torch.testing.assert_close(combined, ref)
+print(f"max error of a plain average of the splits: {(sum(outs) / 3 - ref).abs().max():.2f}")
 
 # %% [markdown]
 # ## How many splits: one wave of programs
@@ -58,7 +144,8 @@ torch.manual_seed(0)
 # combine. So: when `batch × num_kv_heads` programs fill less than a wave, split each sequence
 # enough to fill one (up to 128 splits); past a wave, 2 splits, the best of a sweep on an H200.
 # The count depends on the batch size alone, not
-# on the lengths, so a CUDA graph captured for a batch size keeps it. On a CPU: 1.
+# on the lengths, so a CUDA graph captured for a batch size keeps it. On a CPU: 1. The kernels come
+# below, after the shared prefix: the split-K decode kernel is one of them.
 
 
 # %% tags=["export"] module="minivllm.kernels.cascade"
@@ -70,14 +157,8 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels.flash_attn import load_tile, softmax_scale_of
-from minivllm.kernels.paged_attn import (
-    attend_split,
-    check_decode_inputs,
-    check_index,
-    check_out,
-    store_split,
-)
+from minivllm.kernels.flash_attn import attend_block, load_tile, softmax_scale_of
+from minivllm.kernels.paged_attn import check_cache, check_index, paged_rows
 
 
 @functools.cache
@@ -95,8 +176,9 @@ def decode_num_splits(batch: int, num_kv_heads: int, device: torch.device) -> in
 
 
 # %% [markdown]
-# For Qwen3-0.6B's 8 KV heads on an H200 (notebook 03's rule gives a 16,384-token context 16 splits
-# at every batch size: 32,768 programs at batch 256):
+# For Qwen3-0.6B's 8 KV heads on an H200 (a rule by context length alone, one split per 1,024
+# tokens, would give a 16,384-token context 16 splits at every batch size: 32,768 programs at
+# batch 256):
 
 # %%
 from minivllm.kernels import cascade
@@ -111,20 +193,20 @@ with mock.patch.object(cascade, "num_sms", lambda device: 132):  # an H200's
 # %% [markdown]
 # ## Why a shared prefix wastes decode's reads
 # In a chat service every request begins with the same system prompt, and prefix caching makes its
-# blocks the *same* blocks in every row's block table. Notebook 03's decode kernel still reads them
+# blocks the *same* blocks in every row's block table. The decode kernel still reads them
 # once per row, for one query per query head: a few FLOPs per byte, far below the GPU's ridge point.
 # Yet the rows' queries over those shared keys form a matrix product: all the rows' queries times
 # the same keys. **Cascade attention** (FlashInfer's name; vLLM runs it when every request shares a
 # prefix) cuts each row's keys in two:
 #
 # * the **shared prefix**, attended by all the rows' queries together: one program per tile of
-#   `BLOCK_M` (row, query head) pairs of a KV head runs 03's `attend_split` over the prefix's blocks
+#   `BLOCK_M` (row, query head) pairs of a KV head runs `attend_split` over the prefix's blocks
 #   (no causal mask: every row sees the whole prefix), each key tile read once per tile of rows,
 #   not once per row;
-# * each row's **own keys** (its prompt after the prefix, its output so far): 03's decode kernel,
-#   from `prefix_lens[row]` on.
+# * each row's **own keys** (its prompt after the prefix, its output so far): the split-K decode
+#   kernel, from `prefix_lens[row]` on.
 #
-# Each half is a split in notebook 03's sense: an output normalised by its own sum, and its
+# Each half is a split in the split-K sense: an output normalised by its own sum, and its
 # log-sum-exp. The prefix's results go into more split slots of each row, and the combine merges
 # them exactly, as it merges splits. Per layer of Qwen3-0.6B, 256 rows that share a 1,488-token
 # prompt and hold ~350 tokens each of their own (notebook 06's chat workload):
@@ -145,19 +227,71 @@ assert cascade_mb < per_row / 4
 
 # %% [markdown]
 # ## The kernels
-# Three kernels, each built on notebook 03's `attend_split` and `store_split`:
+# Two pieces first. `attend_split` is notebook 03's loop over a sequence's keys, for keys `lo` to
+# `hi - 1` only, ending with the split's output and its log-sum-exp (log2 units, as `attend_block`
+# keeps them); a split with no key gets `-inf`, a weight of 0. `store_split` writes both to scratch
+# rows. Then three kernels:
 #
-# * `_own_keys_kernel`: 03's decode kernel, its keys starting at `prefix_lens[row]` (0 for a row
-#   that does not share the prefix), its splits in the first of each row's `num_slots` scratch rows;
+# * `_own_keys_kernel`: the split-K decode kernel: 03's, with a third program index, the split,
+#   and its keys starting at `prefix_lens[row]` (0 for a row that does not share the prefix), its
+#   splits in the first of each row's `num_slots` scratch rows;
 # * `_shared_prefix_kernel`: one program per (tile of rows, KV head, split of the prefix), into the
 #   scratch rows after them. The prefix gets one length for all its rows, the largest of
 #   `prefix_lens`; a row that does not share it is computed as padding and never read;
-# * `_combine_splits_kernel`: 03's combine (there in PyTorch) as one kernel, counting the prefix's
+# * `_combine_splits_kernel`: the combine above (there in PyTorch) as one kernel, counting the prefix's
 #   slots only for the rows that share it, and leaving a row with an empty cache (a CUDA graph's
 #   padding row) alone.
 
 
 # %% tags=["export"]
+@triton.jit
+def attend_split(
+    q,
+    K,
+    V,
+    table_row,
+    lo,
+    hi,
+    qk_scale,
+    kv_strides,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Queries q (ROWS, D) over keys lo..hi-1 of a block table row, K and V pointing at one KV
+    head: the output, and the log2-sum-exp (ROWS,)."""
+    ROWS: tl.constexpr = q.shape[0]
+    HEAD_DIM: tl.constexpr = q.shape[1]
+    stride_k, stride_v = kv_strides[0], kv_strides[2]  # from one token to the next
+    offs_d, offs_n = tl.arange(0, HEAD_DIM), tl.arange(0, BLOCK_N)
+    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([ROWS], dtype=tl.float32)
+    acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        tok = start + offs_n  # (BLOCK_N,)
+        valid = tok < hi
+        rows = paged_rows(table_row, tok, valid, BLOCK_SIZE)
+        k_ptrs = K + rows[None, :] * stride_k + offs_d[:, None]  # (HEAD_DIM, BLOCK_N)
+        v_ptrs = V + rows[:, None] * stride_v + offs_d[None, :]  # (BLOCK_N, HEAD_DIM)
+        k = load_tile(k_ptrs, valid[None, :], UPCAST)
+        v = load_tile(v_ptrs, valid[:, None], UPCAST)
+        acc, m_i, l_i = attend_block(acc, m_i, l_i, q, k, v, valid[None, :], qk_scale, PRECISION)
+    empty = l_i == 0.0  # a split with no key: past the end of a short sequence
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    lse = m_i + tl.math.log2(tl.where(empty, 1.0, l_i))
+    return out, tl.where(empty, float("-inf"), lse)
+
+
+@triton.jit
+def store_split(partial_out, partial_lse, rows, out, lse, mask):
+    """A split's out (ROWS, D) and lse (ROWS,) into `rows` of the scratch tensors."""
+    HEAD_DIM: tl.constexpr = out.shape[1]
+    out_ptrs = partial_out + rows[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    tl.store(out_ptrs, out, mask=mask[:, None])
+    tl.store(partial_lse + rows, lse, mask=mask)
+
+
 @triton.jit(do_not_specialize=["num_slots", "stride_bt"])
 def _own_keys_kernel(
     Q,
@@ -182,7 +316,7 @@ def _own_keys_kernel(
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """Notebook 03's decode kernel over a row's keys from prefix_lens[seq] on."""
+    """Split `split` of a row's keys from prefix_lens[seq] on (notebook 03's kernel, split-K)."""
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seqlen = tl.load(cache_seqlens + seq)
     first = tl.load(prefix_lens + seq) if HAS_PREFIX else 0  # the keys before: the shared prefix
@@ -295,13 +429,45 @@ def prefix_num_splits(num_programs: int, device: torch.device) -> int:
 
 # %% [markdown]
 # ## The host side
-# Notebook 03's checks, then the prefix's: `prefix_blocks` and `prefix_lens` go together, one
-# length per row. The split counts come from the batch size (`decode_num_splits`) and, for the
-# prefix, from how many tiles of rows there are (`prefix_num_splits`). Tile sizes and pipelining
+# The inputs' checks (notebook 03's kernel trusts the engine's; this one is public API), then the
+# prefix's: `prefix_blocks` and `prefix_lens` go together, one length per row. The split counts
+# come from the batch size (`decode_num_splits`) and, for the prefix, from how many tiles of rows
+# there are (`prefix_num_splits`). Tile sizes and pipelining
 # stages: the fastest of a sweep on an H200 (bf16, head_dim 128, block sizes 16 and 256).
 
 
 # %% tags=["export"]
+def check_out(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    """Where a kernel writes: a new tensor like q, or `out`, checked to fit q."""
+    if out is None:
+        return torch.empty_like(q)
+    like_q = out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
+    if not like_q or out.stride(-1) != 1:
+        want = f"a {q.dtype} tensor of q's shape {tuple(q.shape)} on {q.device}"
+        got = f"{out.dtype} {tuple(out.shape)} on {out.device} with strides {out.stride()}"
+        raise ValueError(f"out must be {want}, contiguous in its last dimension; got {got}")
+    return out
+
+
+def check_decode_inputs(q, k_cache, v_cache, cache_seqlens, block_table) -> None:
+    if q.dim() != 4 or q.shape[1] != 1:
+        raise ValueError(f"q must be (batch, 1, num_heads, head_dim), got {tuple(q.shape)}")
+    check_cache("k_cache", k_cache, q)
+    check_cache("v_cache", v_cache, q)
+    if cache_seqlens is None or block_table is None:
+        raise ValueError("cache_seqlens and block_table are required: the cache is paged")
+    check_index("cache_seqlens", cache_seqlens, 1, q.device)
+    check_index("block_table", block_table, 2, q.device)
+    batch, _, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim or head_dim not in (16, 32, 64, 128, 256):
+        raise ValueError(f"head_dim {head_dim} must be a power of two in 16..256, as the cache's")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+    if cache_seqlens.shape[0] != batch or block_table.shape[0] != batch:
+        raise ValueError(f"cache_seqlens and block_table need one row per sequence ({batch})")
+
+
 def check_prefix(q: torch.Tensor, prefix_blocks, prefix_lens) -> None:
     if (prefix_blocks is None) != (prefix_lens is None):
         raise ValueError(
@@ -328,8 +494,9 @@ def flash_attn_with_kvcache(
     prefix_blocks: torch.Tensor | None = None,  # (n,) int32: blocks beginning several rows' caches
     prefix_lens: torch.Tensor | None = None,  # (batch,) int32: a row's tokens in them, or 0
 ) -> torch.Tensor:  # (batch, 1, num_heads, head_dim)
-    """Notebook 03's decode attention with a split count in SM waves. Rows that begin with
-    `prefix_blocks` (`prefix_lens` > 0) attend to them together, their keys read once."""
+    """Notebook 03's decode attention, split-K with a split count in SM waves, its inputs checked.
+    Rows that begin with `prefix_blocks` (`prefix_lens` > 0) attend to them together, their keys
+    read once."""
     check_decode_inputs(q, k_cache, v_cache, cache_seqlens, block_table)
     check_prefix(q, prefix_blocks, prefix_lens)
     assert cache_seqlens is not None and block_table is not None  # checked: for mypy
@@ -384,16 +551,37 @@ def flash_attn_with_kvcache(
 
 # %% [markdown]
 # ## Check it against the reference
-# Rows 0–3 below begin with the same 3 blocks (48 tokens), row 4 does not. With the prefix given,
-# each row's output must be what notebook 03's PyTorch reference gives (each row's keys gathered
-# through its block table), and what notebook 03's decode kernel gives reading every key row by
-# row, whatever the number of splits of the prefix (on a CPU, with no multiprocessors to fill,
-# `prefix_num_splits` picks 1; here it is forced). Without a prefix, the function is notebook 03's
-# kernel with `decode_num_splits`'s count.
+# First split-K alone (notebook 03's check, now at several split counts): sequences of 1 to 300
+# tokens in shuffled blocks, several block sizes, GQA ratios and numbers of splits (short
+# sequences leave some empty), against notebook 01's reference.
 
 # %%
 from minivllm.kernels.cascade import flash_attn_with_kvcache
 
+seq_lens = [1, 17, 300, 64]
+lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+cu_q = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)  # one query each
+for block_size, group, splits in ((16, 4, 1), (32, 1, 4), (256, 8, 3)):
+    k_cache, v_cache, table, k, v, cu_k = scatter_into_cache(
+        seq_lens, 8 // group, 32, block_size, DEVICE
+    )
+    q = torch.randn(len(seq_lens), 1, 8, 32, device=DEVICE)
+    with mock.patch.object(cascade, "decode_num_splits", lambda *_, n=splits: n):
+        out = flash_attn_with_kvcache(q, k_cache, v_cache, lens, table)
+    ref = attention_ref(q[:, 0], k, v, cu_q, cu_k)
+    error = (out[:, 0] - ref).abs().max()
+    print(f"block_size {block_size:>3}, GQA {group}, {splits} splits: max error {error:.1e}")
+    assert error < 1e-4
+
+# %% [markdown]
+# Then the shared prefix. Rows 0–3 below begin with the same 3 blocks (48 tokens), row 4 does not. With the prefix given,
+# each row's output must be what notebook 03's PyTorch reference gives (each row's keys gathered
+# through its block table), and what notebook 03's decode kernel gives reading every key row by
+# row, whatever the number of splits of the prefix (on a CPU, with no multiprocessors to fill,
+# `prefix_num_splits` picks 1; here it is forced). Without a prefix, the function is notebook 03's
+# kernel split `decode_num_splits` ways.
+
+# %%
 seq_lens = [60, 49, 100, 48, 70]
 k_cache, v_cache, block_table, _, _, _ = scatter_into_cache(seq_lens, 2, 32, 16, DEVICE)
 # rows 1-3 now read row 0's first 48 keys: a cached system prompt

@@ -84,8 +84,9 @@ import torch
 import triton
 import triton.language as tl
 
+from minivllm.kernels.cascade import check_out
 from minivllm.kernels.flash_attn import attend_block, load_tile, softmax_scale_of
-from minivllm.kernels.paged_attn import check_cache, check_index, check_out, paged_rows
+from minivllm.kernels.paged_attn import check_cache, check_index, paged_rows
 from minivllm.kernels.prefill_tuned import (
     causal_bounds,
     check_inputs,
@@ -310,8 +311,8 @@ print("the paged prefill kernel matches both references; a list of tiles compute
 # `python -m minivllm.benchmarks.decode` also runs this kernel on decode's shapes: one query per
 # sequence. Its tile holds 64 positions × the query heads of a KV head, of which decode fills 2
 # (Qwen3-0.6B's 2 query heads per KV head), and with one program per sequence and KV head it cannot
-# fill the GPU at batch 1, where notebook 03's decode kernel splits the context. The committed H200
-# results (a GPU re-measures them):
+# fill the GPU at batch 1, where the decode kernel splits the context (split-K, deep dive
+# `cascade_attention`). The committed H200 results (a GPU re-measures them):
 
 # %%
 from minivllm.benchmarks.decode import run_decode_benchmark
