@@ -624,13 +624,14 @@ def flash_attn_with_kvcache(
     block_table: torch.Tensor | None = None,  # (batch, max_blocks) int32
     softmax_scale: float | None = None,
     causal: bool = False,  # one query that sees its whole cache: causal or not is the same
+    out: torch.Tensor | None = None,  # like q, to write into; None: a new tensor
 ) -> torch.Tensor:  # (batch, 1, num_heads, head_dim)
     """Decode attention over a paged KV cache, flash-attn's signature, GQA-packed."""
     assert cache_seqlens is not None and block_table is not None, "the cache is paged"
     batch, _, num_heads, head_dim = q.shape
     num_kv_heads, on_cpu = k_cache.shape[2], q.device.type == "cpu"
     k, v = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     strides = [(t.stride(0), t.stride(2)) for t in (q, out)]  # (sequence, head) of q, of out
     kv_strides = (*k.stride()[:2], *v.stride()[:2])  # (token, head) of k, then of v
     qk_scale = softmax_scale_of(softmax_scale, head_dim) * math.log2(math.e)  # exp2's units

@@ -238,9 +238,9 @@ assert cascade_mb < per_row / 4
 # * `_shared_prefix_kernel`: one program per (tile of rows, KV head, split of the prefix), into the
 #   scratch rows after them. The prefix gets one length for all its rows, the largest of
 #   `prefix_lens`; a row that does not share it is computed as padding and never read;
-# * `_combine_splits_kernel`: the combine above (there in PyTorch) as one kernel, counting the prefix's
-#   slots only for the rows that share it, and leaving a row with an empty cache (a CUDA graph's
-#   padding row) alone.
+# * `_combine_splits_kernel`: the combine above (there in PyTorch) as one kernel, counting the
+#   prefix's slots only for the rows that share it, and leaving a row with an empty cache (a CUDA
+#   graph's padding row) alone.
 
 
 # %% tags=["export"]
@@ -574,12 +574,12 @@ for block_size, group, splits in ((16, 4, 1), (32, 1, 4), (256, 8, 3)):
     assert error < 1e-4
 
 # %% [markdown]
-# Then the shared prefix. Rows 0–3 below begin with the same 3 blocks (48 tokens), row 4 does not. With the prefix given,
-# each row's output must be what notebook 03's PyTorch reference gives (each row's keys gathered
-# through its block table), and what notebook 03's decode kernel gives reading every key row by
-# row, whatever the number of splits of the prefix (on a CPU, with no multiprocessors to fill,
-# `prefix_num_splits` picks 1; here it is forced). Without a prefix, the function is notebook 03's
-# kernel split `decode_num_splits` ways.
+# Then the shared prefix. Rows 0–3 below begin with the same 3 blocks (48 tokens), row 4 does
+# not. With the prefix given, each row's output must be what notebook 03's PyTorch reference gives
+# (each row's keys gathered through its block table), and what notebook 03's decode kernel gives
+# reading every key row by row, whatever the number of splits of the prefix (on a CPU, with no
+# multiprocessors to fill, `prefix_num_splits` picks 1; here it is forced). Without a prefix, the
+# function is notebook 03's kernel split `decode_num_splits` ways.
 
 # %%
 seq_lens = [60, 49, 100, 48, 70]
