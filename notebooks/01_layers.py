@@ -290,50 +290,36 @@ torch.testing.assert_close(sum(partial), x2 @ wd.T + b)
 
 # %% [markdown]
 # ## Vocabulary-parallel embedding and LM head
-# The embedding table (151,936 × 1,024 in Qwen3-0.6B) is split by rows: each rank looks up the ids
-# it owns, zeros for the others, and an all-reduce sums them. The LM head is the same matrix used
-# the other way round (Qwen3-0.6B *ties* them): each rank computes its slice of the logits; a gather
-# joins them.
+# The embedding table (151,936 × 1,024 in Qwen3-0.6B) is a column-parallel weight: each rank holds
+# some of its rows. A lookup finds the ids this rank owns, zeros for the others, and an all-reduce
+# sums them. The LM head is the same matrix used the other way round (Qwen3-0.6B *ties* them): each
+# rank computes its slice of the logits; a gather joins them.
 
 # %% tags=["export"] module="minivllm.layers.embed_head"
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
-from minivllm.layers.linear import check_shape, divide, tp_group
+from minivllm.layers.linear import ColumnParallelLinear
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(ColumnParallelLinear):
     def __init__(self, num_embeddings: int, embedding_dim: int):
-        super().__init__()
-        self.tp, self.num_embeddings = tp_group(), num_embeddings
-        per_rank = divide(num_embeddings, self.tp.size)
-        self.vocab_start = (
-            self.tp.rank * per_rank
-        )  # this rank's rows: ids vocab_start + [0, per_rank)
-        self.weight = nn.Parameter(torch.empty(per_rank, embedding_dim))
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        check_shape(type(self).__name__, loaded, (self.num_embeddings, param.shape[1]))
-        param.data.copy_(loaded.narrow(0, self.vocab_start, param.shape[0]))
+        super().__init__(embedding_dim, num_embeddings)  # weight: this rank's rows of the table
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:  # token_ids: (num_tokens,)
         if self.tp.size == 1:
             return F.embedding(token_ids, self.weight)
-        ids = token_ids - self.vocab_start
-        mine = (ids >= 0) & (ids < self.weight.shape[0])  # the ids this rank owns
+        ids = token_ids - self.tp.rank * self.weight.shape[0]  # ids in this rank's rows
+        mine = (ids >= 0) & (ids < self.weight.shape[0])
         y = F.embedding(ids * mine, self.weight) * mine.unsqueeze(-1)
         dist.all_reduce(y, group=self.tp.group)
         return y  # (num_tokens, embedding_dim)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits = x Wᵀ: each rank computes its slice of the vocabulary; a gather joins them."""
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (num_tokens, hidden_size)
-        logits = F.linear(x, self.weight)  # (num_tokens, vocab_size / tp_size)
+        logits = self.matmul(x, None)  # (num_tokens, vocab_size / tp_size)
         if self.tp.size == 1:
             return logits
         parts = [torch.empty_like(logits) for _ in range(self.tp.size)]
@@ -355,12 +341,11 @@ torch.testing.assert_close(head(emb(ids)), table[ids] @ table.T)
 # ## Rotary position embeddings (RoPE)
 # Attention alone cannot tell positions apart. RoPE rotates each pair of query/key features by an
 # angle proportional to the position, `θ_i = position · base^(-2i/d)`, so the dot product of a query
-# at position m and a key at n depends only on `m − n`. Qwen3's base is 1,000,000; Llama-3 also
-# stretches low frequencies ("llama3" scaling). Qwen3 normalises each head of q and k just before,
-# so `forward` takes those norms.
+# at position m and a key at n depends only on `m − n`. Qwen3's base is 1,000,000, and it normalises
+# each head of q and k just before, so `forward` takes those norms. (Llama-3 also stretches low
+# frequencies: you write that scaling in `exercises/02_llama.ipynb`.)
 
 # %% tags=["export"] module="minivllm.layers.rotary_embedding"
-import math
 from typing import Any
 
 import torch
@@ -377,22 +362,9 @@ def rope_parameters(config: Any) -> dict:
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     # "type": configs before transformers 4.45
     params["rope_type"] = params.pop("type", None) or params.get("rope_type", "default")
-    if params["rope_type"] not in ("default", "llama3"):
-        supported = "(supported: 'default', 'llama3')"
-        raise ValueError(f"rope_type={params['rope_type']!r} is not supported {supported}")
+    if params["rope_type"] != "default":
+        raise ValueError(f"rope_type={params['rope_type']!r} is not supported (only 'default')")
     return params
-
-
-def llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
-    """Llama-3 scaling: keep high frequencies, divide low ones by `factor`, blend in between."""
-    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
-    old_len = params["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
-    return torch.where(is_medium, smoothed, scaled)
 
 
 class RotaryEmbedding(nn.Module):
@@ -404,8 +376,6 @@ class RotaryEmbedding(nn.Module):
         # built on the CPU (on the meta device, `arange` would import torch._dynamo), then moved
         exponents = torch.arange(0, head_dim, 2, device="cpu").float() / head_dim
         inv_freq = 1.0 / params["rope_theta"] ** exponents
-        if params["rope_type"] == "llama3":
-            inv_freq = llama3_inv_freq(inv_freq, params)
         freqs = torch.arange(max_position, device="cpu").float()[:, None] * inv_freq
         self.register_buffer("cos", freqs.cos().to(torch.get_default_device()), persistent=False)
         self.register_buffer("sin", freqs.sin().to(torch.get_default_device()), persistent=False)
@@ -434,7 +404,7 @@ def get_rope(config: Any, head_dim: int) -> RotaryEmbedding:
 
 
 # %%
-# q and k rotated as transformers' Qwen3 rotates them (tests/test_layers.py: llama3 scaling too)
+# q and k rotated as transformers' Qwen3 rotates them
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply_rotary_pos_emb
 
