@@ -20,16 +20,13 @@
 
 # %%
 import json
-import math
 import os
 from pathlib import Path
 from unittest import mock
 
-import matplotlib.pyplot as plt
 import numpy as np
 import torch
 import triton
-import triton.language as tl
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before any @triton.jit runs
@@ -473,29 +470,12 @@ for causal in (False, True):
     torch.testing.assert_close(ours, sdpa.transpose(0, 1), rtol=1e-5, atol=1e-5)
 
 # %% [markdown]
-# ### Why the plain way does not scale: O(N²) memory
-# The reference holds `scores`, a float per (head, query, key): for a 16k-token prompt and 16 heads,
-# 16 × 16,384² × 4 bytes = 16 GiB *per layer*. FlashAttention never builds it: walking over the keys
-# in blocks, it keeps per query row a running max `m`, a running sum `l` and the output, O(N).
-
-# %%
-lengths = 2 ** np.arange(9, 16)  # N = 512 ... 32,768; Qwen3-0.6B's 16 heads of 128
-naive_gib = 16 * lengths.astype(float) ** 2 * 4 / 2**30  # fp32 scores
-flash_gib = 16 * lengths * (128 + 2) * 4 / 2**30  # fp32 accumulator, m and l per query row
-fig, ax = plt.subplots(figsize=(6, 3.8), layout="tight")
-ax.loglog(lengths, naive_gib, "o-", label="naive: scores (heads × N × N)")
-ax.loglog(lengths, flash_gib, "s-", label="FlashAttention: acc, m, l (heads × N × (d + 2))")
-ax.axhline(141e9 / 2**30, color="grey", ls=":", label="H200 memory (141 GB)")
-ax.set(xlabel="sequence length N", ylabel="GiB per layer", title="Attention working memory")
-ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(0, 0.93))  # under the H200 line
-fig.savefig(FIGURES / "01_attention_memory.png", dpi=120)
-print(f"N = 32k: naive {naive_gib[-1]:.0f} GiB, flash {flash_gib[-1]:.2f} GiB per layer")
-
-# %% [markdown]
 # ## A FlashAttention prefill kernel in Triton (try `exercises/01_online_softmax.ipynb` first)
-# Prefill processes whole prompts, thousands of queries a sequence: attention is two large matrix
-# multiplies, *compute-bound*. The kernel must keep the tensor cores busy and never write `scores`
-# to memory. Three steps, each checked against the one before.
+# `attention_ref` holds `scores`, a float per (head, query, key): for a 16k-token prompt and 16
+# heads, 16 × 16,384² × 4 bytes = 16 GiB *per layer*. FlashAttention never builds it; it keeps per
+# query row a running max, a running sum and the output, O(N) (deep dive `flash_attention_basics`
+# plots both). Prefill attention is two large matrix multiplies, *compute-bound*: the kernel must
+# keep the tensor cores busy. Three steps.
 #
 # ### Step 1: the online softmax, in PyTorch
 # Softmax divides by a sum over *all* of a row's keys. The online softmax walks over the keys in
@@ -533,59 +513,13 @@ print(f"without rescaling by α, blocks of 16: max error {wrong:.2f}")
 assert wrong > 0.01  # rounding alone would give ~1e-7
 
 # %% [markdown]
-# ### Step 2: the same loop as a Triton kernel
-# A Triton *program* computes on whole tiles. Ours loads a `(BLOCK_M, D)` tile of queries, then runs
-# step 1's loop over `(BLOCK_N, D)` tiles of keys and values, `tl.dot` for both products; the grid
-# launches one program per query tile. A tile's addresses are `base + row · row_stride + column`,
-# built from `tl.arange` (for `kᵀ`, swap the two). It computes `exp2`, which the hardware has, with
-# `log2(e)` in the scale. Tile shapes are compile-time constants (`tl.constexpr`), lengths need not
-# be. One head, no mask, lengths that are multiples of the tiles.
-
-
-# %%
-@triton.jit
-def tiny_attention_kernel(  # Q, O: (num_q, D), K, V: (N, D), contiguous; qk_scale in log2 units
-    Q, K, V, O, qk_scale, N, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
-):
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # this program's query rows
-    offs_n, offs_d = tl.arange(0, BLOCK_N), tl.arange(0, D)
-    q = tl.load(Q + offs_m[:, None] * D + offs_d[None, :])  # (BLOCK_M, D), loaded once
-    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-    for start in range(0, N, BLOCK_N):
-        keys = start + offs_n  # this block's key rows
-        k_t = tl.load(K + keys[None, :] * D + offs_d[:, None])  # (D, BLOCK_N): kᵀ
-        v = tl.load(V + keys[:, None] * D + offs_d[None, :])  # (BLOCK_N, D)
-        s = tl.dot(q, k_t, input_precision="ieee") * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.math.exp2(m - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        m = m_new
-    o_ptrs = O + offs_m[:, None] * D + offs_d[None, :]
-    tl.store(o_ptrs, acc / l[:, None])
-
-
-out_h = torch.empty_like(qh)  # contiguous (64, 32) tensors: a row's stride is D
-log2_scale = 32**-0.5 * math.log2(math.e)
-tiles = dict(BLOCK_M=16, BLOCK_N=16)
-tiny_attention_kernel[(64 // 16,)](qh, kh, vh, out_h, log2_scale, N=128, D=32, **tiles)
-torch.testing.assert_close(out_h, online_softmax_attention(qh, kh, vh, block_n=16))
-
-# %% [markdown]
-# ### Step 3: the kernel an engine calls
-# Step 2's loop body becomes `attend_block`, plus a mask and a guard for rows that have seen no
-# visible key yet (`exp(-inf − (-inf))` is NaN). Around it, what real prompts need:
-# * **Varlen**: the grid is (query tiles, query heads, sequences); a program finds its rows through
-#   `cu_seqlens`, reads through strides, and masks the ends that do not fill a tile.
-# * **Causal**: a query tile's loop stops at its last query's last visible key; key tiles right of
-#   the diagonal are never loaded, half the work of a square prompt.
-# * **GQA**: query head `h` reads KV head `h // (num_heads // num_kv_heads)`.
-#
-# On a CPU `load_tile` loads in float32: the interpreter computes bfloat16 wrongly. The deep dive
-# `prefill_tuning` lays this kernel out for an H200's speed.
+# ### Step 2: the loop body on tiles, in Triton
+# A Triton *program* computes on whole tiles: ours will hold a `(BLOCK_M, D)` tile of queries and
+# walk over `(BLOCK_N, D)` tiles of keys and values. `attend_block` is step 1's loop body on those
+# tiles: `tl.dot` for both products, `exp2` (which the hardware has, `log2(e)` folded into
+# `qk_scale`), scores outside the `visible` mask set to -inf, and a guard for rows that have seen
+# no visible key yet (`exp(-inf − (-inf))` is NaN). Tile shapes are compile-time constants
+# (`tl.constexpr`). The deep dive `flash_attention_basics` runs this loop in the smallest kernel.
 
 # %% tags=["export"] module="minivllm.kernels.flash_attn"
 import math
@@ -593,15 +527,6 @@ import math
 import torch
 import triton
 import triton.language as tl
-
-
-@triton.jit
-def load_tile(ptrs, mask, UPCAST: tl.constexpr):
-    """Load a tile, zeros where masked; UPCAST: in float32 (the CPU interpreter's bf16 is wrong)."""
-    x = tl.load(ptrs, mask=mask, other=0.0)
-    if UPCAST:
-        x = x.to(tl.float32)
-    return x
 
 
 @triton.jit
@@ -618,6 +543,29 @@ def attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, PRECISION: tl.conste
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
     return acc, m_new, l_i
+
+
+# %% [markdown]
+# ### Step 3: the kernel an engine calls
+# Around `attend_block`, what real prompts need, as `attention_ref` does it:
+# * **Varlen**: the grid is (query tiles, query heads, sequences); a program finds its rows through
+#   `cu_seqlens`, reads through strides, and masks the ends that do not fill a tile (`load_tile`
+#   loads zeros there; on a CPU in float32, as the interpreter computes bfloat16 wrongly).
+# * **Causal**: a query tile's loop stops at its last query's last visible key; key tiles right of
+#   the diagonal are never loaded, half the work of a square prompt.
+# * **GQA**: query head `h` reads KV head `h // GROUP`.
+#
+# The deep dive `prefill_tuning` lays this kernel out for an H200's speed.
+
+
+# %% tags=["export"]
+@triton.jit
+def load_tile(ptrs, mask, UPCAST: tl.constexpr):
+    """Load a tile, zeros where masked; UPCAST: in float32 (the CPU interpreter's bf16 is wrong)."""
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
 
 
 @triton.jit
