@@ -14,15 +14,14 @@
 # %% [markdown]
 # # 01 · Layers: the pieces of a transformer, and a FlashAttention kernel
 #
-# The layers Qwen3 is made of, as an inference engine needs them, and a FlashAttention prefill
-# kernel in Triton, built in three steps. You need PyTorch and a transformer block, no GPU (on a
-# CPU, Triton runs in its interpreter). `export` cells go into the `minivllm` package.
+# The layers Qwen3 is made of, and a FlashAttention prefill kernel in Triton built in three steps.
+# You need PyTorch and a transformer block, no GPU (on a CPU, Triton runs in its interpreter).
+# `export` cells go into the `minivllm` package.
 
 # %%
 import json
 import os
 from pathlib import Path
-from unittest import mock
 
 import numpy as np
 import torch
@@ -61,9 +60,9 @@ torch.testing.assert_close(SiluAndMul()(torch.cat([gate, up], -1)), silu_gate * 
 
 # %% [markdown]
 # ## RMSNorm, with the residual add fused in
-# RMSNorm divides each row by its root mean square, summed in float32 even in a bfloat16 model, as
-# Qwen3 was trained. Every block does `residual = x + residual; x = norm(residual)`: given the
-# residual, one call does both (on a GPU, one pass over memory).
+# RMSNorm divides each row by its root mean square, in float32 even in a bfloat16 model, as Qwen3
+# was trained. Every block does `residual = x + residual; x = norm(residual)`: given the residual,
+# one call does both.
 
 # %% tags=["export"] module="minivllm.layers.layernorm"
 import torch
@@ -108,14 +107,13 @@ for dtype in (torch.float32, torch.bfloat16):
 # ## Tensor-parallel linear layers
 # With tensor parallelism (TP) each of N GPUs holds a slice of every weight matrix:
 # * **Column parallel** (QKV, gate/up): split the *output* features; each rank computes its slice of
-#   `y = x Wᵀ`, with no communication.
-# * **Row parallel** (attention output, down): split the *input* features; each rank computes a
-#   partial sum, and an all-reduce adds them. Its input slice is the column-parallel output.
+#   `y = x Wᵀ`.
+# * **Row parallel** (attention output, down): split the *input* features, the slice a
+#   column-parallel layer computed; each rank computes a partial sum, an all-reduce adds them.
 #
-# Checkpoints store whole, separate matrices (`q_proj`, `k_proj`, ...): each parameter's
-# `weight_loader` copies in this rank's slice, at its offset when several share one of ours. A layer
-# takes its rank from the `with tensor_parallel(TPGroup(...))` block it is built in; outside one, it
-# is rank 0 of 1.
+# Each parameter's `weight_loader` copies in this rank's slice of a checkpoint's whole matrix
+# (`q_proj`, ...), at its offset when several share one of ours. A layer built in a `with
+# tensor_parallel(TPGroup(...))` block takes that rank; outside one, it is rank 0 of 1.
 
 # %% tags=["export"] module="minivllm.layers.linear"
 from collections.abc import Iterator
@@ -256,9 +254,8 @@ class RowParallelLinear(LinearBase):
 
 
 # %% [markdown]
-# Check: loaded from HF-shaped matrices, the layers compute `x Wᵀ` with them; a row-parallel layer
-# over two ranks, both in this process, gives two partial sums that add up to the whole layer (the
-# all-reduce stubbed out: we add them).
+# Check: loaded from HF-shaped matrices, the packed layers compute `x Wᵀ` with them. (The deep dive
+# `tensor_parallel` checks two ranks' slices against the whole layers.)
 
 # %%
 from minivllm.layers import linear
@@ -273,17 +270,6 @@ for layer, shards in ((qkv, zip("qkv", (wq, wk, wv))), (gate_up, enumerate((wg, 
         layer.weight.weight_loader(layer.weight, w, shard_id)
 for layer, ws in ((qkv, (wq, wk, wv)), (gate_up, (wg, wu))):
     torch.testing.assert_close(layer(x), torch.cat([x @ w.T for w in ws], -1))
-
-wd, b, x2 = torch.randn(hidden, 96), torch.randn(hidden), torch.randn(3, 96)
-halves = []
-for rank in range(2):  # the layer each of two processes would build
-    with linear.tensor_parallel(linear.TPGroup(rank=rank, size=2)):
-        halves.append(row := linear.RowParallelLinear(96, hidden, bias=True))
-    row.weight.weight_loader(row.weight, wd)  # this rank's 48 input columns
-    row.bias.weight_loader(row.bias, b)  # the whole bias
-with mock.patch.object(torch.distributed, "all_reduce", lambda y, group=None: None):
-    partial = [layer(x_half) for layer, x_half in zip(halves, x2.chunk(2, dim=-1))]
-torch.testing.assert_close(sum(partial), x2 @ wd.T + b)
 
 # %% [markdown]
 # ## Vocabulary-parallel embedding and LM head
@@ -339,8 +325,7 @@ torch.testing.assert_close(head(emb(ids)), table[ids] @ table.T)
 # Attention alone cannot tell positions apart. RoPE rotates each pair of query/key features by an
 # angle proportional to the position, `θ_i = position · base^(-2i/d)`, so the dot product of a query
 # at position m and a key at n depends only on `m − n`. Qwen3's base is 1,000,000, and it normalises
-# each head of q and k just before, so `forward` takes those norms. (Llama-3 also stretches low
-# frequencies: you write that scaling in `exercises/02_llama.ipynb`.)
+# each head of q and k just before, so `forward` takes those norms.
 
 # %% tags=["export"] module="minivllm.layers.rotary_embedding"
 from typing import Any
@@ -519,7 +504,8 @@ assert wrong > 0.01  # rounding alone would give ~1e-7
 # tiles: `tl.dot` for both products, `exp2` (which the hardware has, `log2(e)` folded into
 # `qk_scale`), scores outside the `visible` mask set to -inf, and a guard for rows that have seen
 # no visible key yet (`exp(-inf − (-inf))` is NaN). Tile shapes are compile-time constants
-# (`tl.constexpr`). The deep dive `flash_attention_basics` runs this loop in the smallest kernel.
+# (`tl.constexpr`). Step 3's kernel runs it, and its check covers both (the deep dive
+# `flash_attention_basics` puts the smallest kernel around it).
 
 # %% tags=["export"] module="minivllm.kernels.flash_attn"
 import math
@@ -702,7 +688,7 @@ for row in prefill["rows"]:
 
 # %% [markdown]
 # ## Check yourself
-# Set each `answerN` and run its cell: it checks your answer against the kernel. The worked answer
+# Set each `answerN` and run its cell: it checks your answer against the kernel; the worked answer
 # follows.
 #
 # **1.** A prompt of 100 tokens continues after 60 cached tokens: its sequence has 160 keys. Which
@@ -762,4 +748,5 @@ check_answer([j // 16 + 1 for j in last_key], tiles_read, "2. key tiles read")
 # %% [markdown]
 # **Exercises**: `exercises/01_online_softmax.ipynb` (a sliding window, split-K) and
 # `exercises/01_triton_rmsnorm.ipynb` (fused add + RMSNorm in Triton). **Next:** notebook 02 builds
-# Qwen3 from these layers. Optional: the deep dives `triton_layers` and `prefill_tuning`.
+# Qwen3 from these layers. Optional: the deep dives `flash_attention_basics`, `triton_layers` and
+# `prefill_tuning`.
