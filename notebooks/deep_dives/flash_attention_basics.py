@@ -114,7 +114,8 @@ tiles = dict(BLOCK_M=16, BLOCK_N=16)
 tiny_attention_kernel[(triton.cdiv(64, 16),)](qh, kh, vh, out_h, log2_scale, N=128, D=32, **tiles)
 torch.testing.assert_close(out_h, ref_h)
 cu_q, cu_k = (torch.tensor([0, n], dtype=torch.int32, device=DEVICE) for n in (64, 128))
-core = flash_attn_varlen_contiguous(qh[:, None], kh[:, None], vh[:, None], cu_q, cu_k, 64, 128)
+one_head = (t[:, None] for t in (qh, kh, vh))  # (tokens, 1 head, D)
+core = flash_attn_varlen_contiguous(*one_head, cu_q, cu_k, 64, 128)
 torch.testing.assert_close(out_h, core[:, 0])
 
 # %% [markdown]
