@@ -14,22 +14,18 @@
 # %% [markdown]
 # # 01 · Layers: the pieces of a transformer, and a FlashAttention kernel
 #
-# The layers Qwen3 is made of, as an inference engine needs them, and a FlashAttention prefill
-# kernel in Triton, built in three steps. You need PyTorch and a transformer block, no GPU (on a
-# CPU, Triton runs in its interpreter). `export` cells go into the `minivllm` package.
+# The layers Qwen3 is made of, and a FlashAttention prefill kernel in Triton built in three steps.
+# You need PyTorch and a transformer block, no GPU (on a CPU, Triton runs in its interpreter).
+# `export` cells go into the `minivllm` package.
 
 # %%
 import json
-import math
 import os
 from pathlib import Path
-from unittest import mock
 
-import matplotlib.pyplot as plt
 import numpy as np
 import torch
 import triton
-import triton.language as tl
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before any @triton.jit runs
@@ -64,9 +60,9 @@ torch.testing.assert_close(SiluAndMul()(torch.cat([gate, up], -1)), silu_gate * 
 
 # %% [markdown]
 # ## RMSNorm, with the residual add fused in
-# RMSNorm divides each row by its root mean square, summed in float32 even in a bfloat16 model, as
-# Qwen3 was trained. Every block does `residual = x + residual; x = norm(residual)`: given the
-# residual, one call does both (on a GPU, one pass over memory).
+# RMSNorm divides each row by its root mean square, in float32 even in a bfloat16 model, as Qwen3
+# was trained. Every block does `residual = x + residual; x = norm(residual)`: given the residual,
+# one call does both.
 
 # %% tags=["export"] module="minivllm.layers.layernorm"
 import torch
@@ -111,14 +107,13 @@ for dtype in (torch.float32, torch.bfloat16):
 # ## Tensor-parallel linear layers
 # With tensor parallelism (TP) each of N GPUs holds a slice of every weight matrix:
 # * **Column parallel** (QKV, gate/up): split the *output* features; each rank computes its slice of
-#   `y = x Wᵀ`, with no communication.
-# * **Row parallel** (attention output, down): split the *input* features; each rank computes a
-#   partial sum, and an all-reduce adds them. Its input slice is the column-parallel output.
+#   `y = x Wᵀ`.
+# * **Row parallel** (attention output, down): split the *input* features, the slice a
+#   column-parallel layer computed; each rank computes a partial sum, an all-reduce adds them.
 #
-# Checkpoints store whole, separate matrices (`q_proj`, `k_proj`, ...): each parameter's
-# `weight_loader` copies in this rank's slice, at its offset when several share one of ours. A layer
-# takes its rank from the `with tensor_parallel(TPGroup(...))` block it is built in; outside one, it
-# is rank 0 of 1.
+# Each parameter's `weight_loader` copies in this rank's slice of a checkpoint's whole matrix
+# (`q_proj`, ...), at its offset when several share one of ours. A layer built in a `with
+# tensor_parallel(TPGroup(...))` block takes that rank; outside one, it is rank 0 of 1.
 
 # %% tags=["export"] module="minivllm.layers.linear"
 from collections.abc import Iterator
@@ -259,9 +254,8 @@ class RowParallelLinear(LinearBase):
 
 
 # %% [markdown]
-# Check: loaded from HF-shaped matrices, the layers compute `x Wᵀ` with them; a row-parallel layer
-# over two ranks, both in this process, gives two partial sums that add up to the whole layer (the
-# all-reduce stubbed out: we add them).
+# Check: loaded from HF-shaped matrices, the packed layers compute `x Wᵀ` with them. (The deep dive
+# `tensor_parallel` checks two ranks' slices against the whole layers.)
 
 # %%
 from minivllm.layers import linear
@@ -277,63 +271,38 @@ for layer, shards in ((qkv, zip("qkv", (wq, wk, wv))), (gate_up, enumerate((wg, 
 for layer, ws in ((qkv, (wq, wk, wv)), (gate_up, (wg, wu))):
     torch.testing.assert_close(layer(x), torch.cat([x @ w.T for w in ws], -1))
 
-wd, b, x2 = torch.randn(hidden, 96), torch.randn(hidden), torch.randn(3, 96)
-halves = []
-for rank in range(2):  # the layer each of two processes would build
-    with linear.tensor_parallel(linear.TPGroup(rank=rank, size=2)):
-        halves.append(row := linear.RowParallelLinear(96, hidden, bias=True))
-    row.weight.weight_loader(row.weight, wd)  # this rank's 48 input columns
-    row.bias.weight_loader(row.bias, b)  # the whole bias
-with mock.patch.object(torch.distributed, "all_reduce", lambda y, group=None: None):
-    partial = [layer(x_half) for layer, x_half in zip(halves, x2.chunk(2, dim=-1))]
-torch.testing.assert_close(sum(partial), x2 @ wd.T + b)
-
 # %% [markdown]
 # ## Vocabulary-parallel embedding and LM head
-# The embedding table (151,936 × 1,024 in Qwen3-0.6B) is split by rows: each rank looks up the ids
-# it owns, zeros for the others, and an all-reduce sums them. The LM head is the same matrix used
-# the other way round (Qwen3-0.6B *ties* them): each rank computes its slice of the logits; a gather
-# joins them.
+# The embedding table (151,936 × 1,024 in Qwen3-0.6B) is a column-parallel weight: each rank holds
+# some of its rows. A lookup finds the ids this rank owns, zeros for the others, and an all-reduce
+# sums them. The LM head is the same matrix used the other way round (Qwen3-0.6B *ties* them): each
+# rank computes its slice of the logits; a gather joins them.
 
 # %% tags=["export"] module="minivllm.layers.embed_head"
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
-from minivllm.layers.linear import check_shape, divide, tp_group
+from minivllm.layers.linear import ColumnParallelLinear
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(ColumnParallelLinear):
     def __init__(self, num_embeddings: int, embedding_dim: int):
-        super().__init__()
-        self.tp, self.num_embeddings = tp_group(), num_embeddings
-        per_rank = divide(num_embeddings, self.tp.size)
-        self.vocab_start = (
-            self.tp.rank * per_rank
-        )  # this rank's rows: ids vocab_start + [0, per_rank)
-        self.weight = nn.Parameter(torch.empty(per_rank, embedding_dim))
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        check_shape(type(self).__name__, loaded, (self.num_embeddings, param.shape[1]))
-        param.data.copy_(loaded.narrow(0, self.vocab_start, param.shape[0]))
+        super().__init__(embedding_dim, num_embeddings)  # weight: this rank's rows of the table
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:  # token_ids: (num_tokens,)
         if self.tp.size == 1:
             return F.embedding(token_ids, self.weight)
-        ids = token_ids - self.vocab_start
-        mine = (ids >= 0) & (ids < self.weight.shape[0])  # the ids this rank owns
+        ids = token_ids - self.tp.rank * self.weight.shape[0]  # ids in this rank's rows
+        mine = (ids >= 0) & (ids < self.weight.shape[0])
         y = F.embedding(ids * mine, self.weight) * mine.unsqueeze(-1)
         dist.all_reduce(y, group=self.tp.group)
         return y  # (num_tokens, embedding_dim)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits = x Wᵀ: each rank computes its slice of the vocabulary; a gather joins them."""
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (num_tokens, hidden_size)
-        logits = F.linear(x, self.weight)  # (num_tokens, vocab_size / tp_size)
+        logits = self.matmul(x, None)  # (num_tokens, vocab_size / tp_size)
         if self.tp.size == 1:
             return logits
         parts = [torch.empty_like(logits) for _ in range(self.tp.size)]
@@ -355,12 +324,10 @@ torch.testing.assert_close(head(emb(ids)), table[ids] @ table.T)
 # ## Rotary position embeddings (RoPE)
 # Attention alone cannot tell positions apart. RoPE rotates each pair of query/key features by an
 # angle proportional to the position, `θ_i = position · base^(-2i/d)`, so the dot product of a query
-# at position m and a key at n depends only on `m − n`. Qwen3's base is 1,000,000; Llama-3 also
-# stretches low frequencies ("llama3" scaling). Qwen3 normalises each head of q and k just before,
-# so `forward` takes those norms.
+# at position m and a key at n depends only on `m − n`. Qwen3's base is 1,000,000, and it normalises
+# each head of q and k just before, so `forward` takes those norms.
 
 # %% tags=["export"] module="minivllm.layers.rotary_embedding"
-import math
 from typing import Any
 
 import torch
@@ -377,22 +344,9 @@ def rope_parameters(config: Any) -> dict:
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     # "type": configs before transformers 4.45
     params["rope_type"] = params.pop("type", None) or params.get("rope_type", "default")
-    if params["rope_type"] not in ("default", "llama3"):
-        supported = "(supported: 'default', 'llama3')"
-        raise ValueError(f"rope_type={params['rope_type']!r} is not supported {supported}")
+    if params["rope_type"] != "default":
+        raise ValueError(f"rope_type={params['rope_type']!r} is not supported (only 'default')")
     return params
-
-
-def llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
-    """Llama-3 scaling: keep high frequencies, divide low ones by `factor`, blend in between."""
-    factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
-    old_len = params["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
-    return torch.where(is_medium, smoothed, scaled)
 
 
 class RotaryEmbedding(nn.Module):
@@ -404,8 +358,6 @@ class RotaryEmbedding(nn.Module):
         # built on the CPU (on the meta device, `arange` would import torch._dynamo), then moved
         exponents = torch.arange(0, head_dim, 2, device="cpu").float() / head_dim
         inv_freq = 1.0 / params["rope_theta"] ** exponents
-        if params["rope_type"] == "llama3":
-            inv_freq = llama3_inv_freq(inv_freq, params)
         freqs = torch.arange(max_position, device="cpu").float()[:, None] * inv_freq
         self.register_buffer("cos", freqs.cos().to(torch.get_default_device()), persistent=False)
         self.register_buffer("sin", freqs.sin().to(torch.get_default_device()), persistent=False)
@@ -434,7 +386,7 @@ def get_rope(config: Any, head_dim: int) -> RotaryEmbedding:
 
 
 # %%
-# q and k rotated as transformers' Qwen3 rotates them (tests/test_layers.py: llama3 scaling too)
+# q and k rotated as transformers' Qwen3 rotates them
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply_rotary_pos_emb
 
@@ -503,29 +455,12 @@ for causal in (False, True):
     torch.testing.assert_close(ours, sdpa.transpose(0, 1), rtol=1e-5, atol=1e-5)
 
 # %% [markdown]
-# ### Why the plain way does not scale: O(N²) memory
-# The reference holds `scores`, a float per (head, query, key): for a 16k-token prompt and 16 heads,
-# 16 × 16,384² × 4 bytes = 16 GiB *per layer*. FlashAttention never builds it: walking over the keys
-# in blocks, it keeps per query row a running max `m`, a running sum `l` and the output, O(N).
-
-# %%
-lengths = 2 ** np.arange(9, 16)  # N = 512 ... 32,768; Qwen3-0.6B's 16 heads of 128
-naive_gib = 16 * lengths.astype(float) ** 2 * 4 / 2**30  # fp32 scores
-flash_gib = 16 * lengths * (128 + 2) * 4 / 2**30  # fp32 accumulator, m and l per query row
-fig, ax = plt.subplots(figsize=(6, 3.8), layout="tight")
-ax.loglog(lengths, naive_gib, "o-", label="naive: scores (heads × N × N)")
-ax.loglog(lengths, flash_gib, "s-", label="FlashAttention: acc, m, l (heads × N × (d + 2))")
-ax.axhline(141e9 / 2**30, color="grey", ls=":", label="H200 memory (141 GB)")
-ax.set(xlabel="sequence length N", ylabel="GiB per layer", title="Attention working memory")
-ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(0, 0.93))  # under the H200 line
-fig.savefig(FIGURES / "01_attention_memory.png", dpi=120)
-print(f"N = 32k: naive {naive_gib[-1]:.0f} GiB, flash {flash_gib[-1]:.2f} GiB per layer")
-
-# %% [markdown]
 # ## A FlashAttention prefill kernel in Triton (try `exercises/01_online_softmax.ipynb` first)
-# Prefill processes whole prompts, thousands of queries a sequence: attention is two large matrix
-# multiplies, *compute-bound*. The kernel must keep the tensor cores busy and never write `scores`
-# to memory. Three steps, each checked against the one before.
+# `attention_ref` holds `scores`, a float per (head, query, key): for a 16k-token prompt and 16
+# heads, 16 × 16,384² × 4 bytes = 16 GiB *per layer*. FlashAttention never builds it; it keeps per
+# query row a running max, a running sum and the output, O(N) (deep dive `flash_attention_basics`
+# plots both). Prefill attention is two large matrix multiplies, *compute-bound*: the kernel must
+# keep the tensor cores busy. Three steps.
 #
 # ### Step 1: the online softmax, in PyTorch
 # Softmax divides by a sum over *all* of a row's keys. The online softmax walks over the keys in
@@ -563,59 +498,14 @@ print(f"without rescaling by α, blocks of 16: max error {wrong:.2f}")
 assert wrong > 0.01  # rounding alone would give ~1e-7
 
 # %% [markdown]
-# ### Step 2: the same loop as a Triton kernel
-# A Triton *program* computes on whole tiles. Ours loads a `(BLOCK_M, D)` tile of queries, then runs
-# step 1's loop over `(BLOCK_N, D)` tiles of keys and values, `tl.dot` for both products; the grid
-# launches one program per query tile. A tile's addresses are `base + row · row_stride + column`,
-# built from `tl.arange` (for `kᵀ`, swap the two). It computes `exp2`, which the hardware has, with
-# `log2(e)` in the scale. Tile shapes are compile-time constants (`tl.constexpr`), lengths need not
-# be. One head, no mask, lengths that are multiples of the tiles.
-
-
-# %%
-@triton.jit
-def tiny_attention_kernel(  # Q, O: (num_q, D), K, V: (N, D), contiguous; qk_scale in log2 units
-    Q, K, V, O, qk_scale, N, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
-):
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # this program's query rows
-    offs_n, offs_d = tl.arange(0, BLOCK_N), tl.arange(0, D)
-    q = tl.load(Q + offs_m[:, None] * D + offs_d[None, :])  # (BLOCK_M, D), loaded once
-    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-    for start in range(0, N, BLOCK_N):
-        keys = start + offs_n  # this block's key rows
-        k_t = tl.load(K + keys[None, :] * D + offs_d[:, None])  # (D, BLOCK_N): kᵀ
-        v = tl.load(V + keys[:, None] * D + offs_d[None, :])  # (BLOCK_N, D)
-        s = tl.dot(q, k_t, input_precision="ieee") * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.math.exp2(m - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        m = m_new
-    o_ptrs = O + offs_m[:, None] * D + offs_d[None, :]
-    tl.store(o_ptrs, acc / l[:, None])
-
-
-out_h = torch.empty_like(qh)  # contiguous (64, 32) tensors: a row's stride is D
-log2_scale = 32**-0.5 * math.log2(math.e)
-tiles = dict(BLOCK_M=16, BLOCK_N=16)
-tiny_attention_kernel[(64 // 16,)](qh, kh, vh, out_h, log2_scale, N=128, D=32, **tiles)
-torch.testing.assert_close(out_h, online_softmax_attention(qh, kh, vh, block_n=16))
-
-# %% [markdown]
-# ### Step 3: the kernel an engine calls
-# Step 2's loop body becomes `attend_block`, plus a mask and a guard for rows that have seen no
-# visible key yet (`exp(-inf − (-inf))` is NaN). Around it, what real prompts need:
-# * **Varlen**: the grid is (query tiles, query heads, sequences); a program finds its rows through
-#   `cu_seqlens`, reads through strides, and masks the ends that do not fill a tile.
-# * **Causal**: a query tile's loop stops at its last query's last visible key; key tiles right of
-#   the diagonal are never loaded, half the work of a square prompt.
-# * **GQA**: query head `h` reads KV head `h // (num_heads // num_kv_heads)`.
-#
-# On a CPU `load_tile` loads in float32: the interpreter computes bfloat16 wrongly. The deep dive
-# `prefill_tuning` lays this kernel out for an H200's speed.
+# ### Step 2: the loop body on tiles, in Triton
+# A Triton *program* computes on whole tiles: ours will hold a `(BLOCK_M, D)` tile of queries and
+# walk over `(BLOCK_N, D)` tiles of keys and values. `attend_block` is step 1's loop body on those
+# tiles: `tl.dot` for both products, `exp2` (which the hardware has, `log2(e)` folded into
+# `qk_scale`), scores outside the `visible` mask set to -inf, and a guard for rows that have seen
+# no visible key yet (`exp(-inf − (-inf))` is NaN). Tile shapes are compile-time constants
+# (`tl.constexpr`). Step 3's kernel runs it, and its check covers both (the deep dive
+# `flash_attention_basics` puts the smallest kernel around it).
 
 # %% tags=["export"] module="minivllm.kernels.flash_attn"
 import math
@@ -623,15 +513,6 @@ import math
 import torch
 import triton
 import triton.language as tl
-
-
-@triton.jit
-def load_tile(ptrs, mask, UPCAST: tl.constexpr):
-    """Load a tile, zeros where masked; UPCAST: in float32 (the CPU interpreter's bf16 is wrong)."""
-    x = tl.load(ptrs, mask=mask, other=0.0)
-    if UPCAST:
-        x = x.to(tl.float32)
-    return x
 
 
 @triton.jit
@@ -648,6 +529,29 @@ def attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, PRECISION: tl.conste
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
     return acc, m_new, l_i
+
+
+# %% [markdown]
+# ### Step 3: the kernel an engine calls
+# Around `attend_block`, what real prompts need, as `attention_ref` does it:
+# * **Varlen**: the grid is (query tiles, query heads, sequences); a program finds its rows through
+#   `cu_seqlens`, reads through strides, and masks the ends that do not fill a tile (`load_tile`
+#   loads zeros there; on a CPU in float32, as the interpreter computes bfloat16 wrongly).
+# * **Causal**: a query tile's loop stops at its last query's last visible key; key tiles right of
+#   the diagonal are never loaded, half the work of a square prompt.
+# * **GQA**: query head `h` reads KV head `h // GROUP`.
+#
+# The deep dive `prefill_tuning` lays this kernel out for an H200's speed.
+
+
+# %% tags=["export"]
+@triton.jit
+def load_tile(ptrs, mask, UPCAST: tl.constexpr):
+    """Load a tile, zeros where masked; UPCAST: in float32 (the CPU interpreter's bf16 is wrong)."""
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
 
 
 @triton.jit
@@ -784,7 +688,7 @@ for row in prefill["rows"]:
 
 # %% [markdown]
 # ## Check yourself
-# Set each `answerN` and run its cell: it checks your answer against the kernel. The worked answer
+# Set each `answerN` and run its cell: it checks your answer against the kernel; the worked answer
 # follows.
 #
 # **1.** A prompt of 100 tokens continues after 60 cached tokens: its sequence has 160 keys. Which
@@ -844,4 +748,5 @@ check_answer([j // 16 + 1 for j in last_key], tiles_read, "2. key tiles read")
 # %% [markdown]
 # **Exercises**: `exercises/01_online_softmax.ipynb` (a sliding window, split-K) and
 # `exercises/01_triton_rmsnorm.ipynb` (fused add + RMSNorm in Triton). **Next:** notebook 02 builds
-# Qwen3 from these layers. Optional: the deep dives `triton_layers` and `prefill_tuning`.
+# Qwen3 from these layers. Optional: the deep dives `flash_attention_basics`, `triton_layers` and
+# `prefill_tuning`.

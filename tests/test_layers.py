@@ -6,8 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from distributed import run_on_ranks
-from transformers import LlamaConfig, Qwen3Config
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3RMSNorm,
     Qwen3RotaryEmbedding,
@@ -182,64 +181,27 @@ def test_rope_matches_qwen3(head_dim):
     torch.testing.assert_close(k_ours, k_ref, rtol=0, atol=1e-6)
 
 
-def test_rope_llama3_scaling_matches_transformers():
-    params = {
-        "rope_type": "llama3",
-        "rope_theta": 500000.0,
-        "factor": 32.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    }
-    config = LlamaConfig(
-        hidden_size=512,
-        num_attention_heads=8,
-        max_position_embeddings=16384,
-        rope_parameters=params,
-    )
-    inv_freq, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
-    rope = get_rope(config, 64)
-    positions = torch.arange(0, 16384, 1000)
-    torch.testing.assert_close(rope.cos[positions], (positions[:, None].float() * inv_freq).cos())
-    default = get_rope(
-        LlamaConfig(
-            hidden_size=512,
-            num_attention_heads=8,
-            max_position_embeddings=16384,
-            rope_theta=500000.0,
-        ),
-        64,
-    )
-    assert not torch.allclose(rope.cos[positions], default.cos[positions]), (
-        "llama3 scaling changed nothing"
-    )
-
-
 def test_rope_reads_old_and_new_config_styles():
-    scaling = {
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    }
-    old = SimpleNamespace(
-        rope_theta=500000.0,
-        rope_scaling={"rope_type": "llama3", **scaling},
-        max_position_embeddings=128,
-    )
+    old = SimpleNamespace(rope_theta=500000.0, rope_scaling=None, max_position_embeddings=128)
     older = SimpleNamespace(
-        rope_theta=500000.0, rope_scaling={"type": "llama3", **scaling}, max_position_embeddings=128
+        rope_theta=500000.0, rope_scaling={"type": "default"}, max_position_embeddings=128
     )
     new = SimpleNamespace(
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, **scaling},
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
         max_position_embeddings=128,
     )
     bare = SimpleNamespace(max_position_embeddings=128)
-    assert rope_parameters(old) == rope_parameters(new) == rope_parameters(older)
+    expected = {"rope_theta": 500000.0, "rope_type": "default"}
+    assert rope_parameters(old) == rope_parameters(new) == rope_parameters(older) == expected
     assert rope_parameters(bare) == {"rope_theta": 10000.0, "rope_type": "default"}
     torch.testing.assert_close(get_rope(old, 64).cos, get_rope(new, 64).cos)
-    with pytest.raises(ValueError, match="rope_type='yarn'"):
-        rope_parameters(SimpleNamespace(rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+
+
+@pytest.mark.parametrize("rope_type", ["yarn", "llama3"])
+def test_rope_refuses_scaled_ropes(rope_type):
+    """Plain RoPE only: Llama-3's scaling is exercise 02_llama's (tests/test_exercises.py)."""
+    with pytest.raises(ValueError, match=f"rope_type='{rope_type}' is not supported"):
+        rope_parameters(SimpleNamespace(rope_scaling={"rope_type": rope_type, "factor": 4.0}))
 
 
 # --- reference attention ----------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ STUB = 'raise NotImplementedError("your code here")'
 # one: a core notebook (or a solution) never imports a deep dive's module; a deep dive imports the core notebooks up
 # to the one it follows and the deep dives listed before it.
 DEEP_DIVES = {
+    "flash_attention_basics": "01_layers",
     "triton_layers": "01_layers",
     "prefill_tuning": "01_layers",
     "checkpoints": "02_model",

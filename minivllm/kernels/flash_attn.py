@@ -8,15 +8,6 @@ import triton.language as tl
 
 
 @triton.jit
-def load_tile(ptrs, mask, UPCAST: tl.constexpr):
-    """Load a tile, zeros where masked; UPCAST: in float32 (the CPU interpreter's bf16 is wrong)."""
-    x = tl.load(ptrs, mask=mask, other=0.0)
-    if UPCAST:
-        x = x.to(tl.float32)
-    return x
-
-
-@triton.jit
 def attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, PRECISION: tl.constexpr):
     """Step 1's loop body: fold K (D, BLOCK_N) and V (BLOCK_N, D) into a query tile's running max
     m_i, sum l_i and output acc. Scores where `visible` (a mask, or None: all) is False are -inf."""
@@ -30,6 +21,15 @@ def attend_block(acc, m_i, l_i, q, k, v, visible, qk_scale, PRECISION: tl.conste
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
     return acc, m_new, l_i
+
+
+@triton.jit
+def load_tile(ptrs, mask, UPCAST: tl.constexpr):
+    """Load a tile, zeros where masked; UPCAST: in float32 (the CPU interpreter's bf16 is wrong)."""
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
 
 
 @triton.jit

@@ -3,41 +3,27 @@
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
-from minivllm.layers.linear import check_shape, divide, tp_group
+from minivllm.layers.linear import ColumnParallelLinear
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(ColumnParallelLinear):
     def __init__(self, num_embeddings: int, embedding_dim: int):
-        super().__init__()
-        self.tp, self.num_embeddings = tp_group(), num_embeddings
-        per_rank = divide(num_embeddings, self.tp.size)
-        self.vocab_start = (
-            self.tp.rank * per_rank
-        )  # this rank's rows: ids vocab_start + [0, per_rank)
-        self.weight = nn.Parameter(torch.empty(per_rank, embedding_dim))
-        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        check_shape(type(self).__name__, loaded, (self.num_embeddings, param.shape[1]))
-        param.data.copy_(loaded.narrow(0, self.vocab_start, param.shape[0]))
+        super().__init__(embedding_dim, num_embeddings)  # weight: this rank's rows of the table
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:  # token_ids: (num_tokens,)
         if self.tp.size == 1:
             return F.embedding(token_ids, self.weight)
-        ids = token_ids - self.vocab_start
-        mine = (ids >= 0) & (ids < self.weight.shape[0])  # the ids this rank owns
+        ids = token_ids - self.tp.rank * self.weight.shape[0]  # ids in this rank's rows
+        mine = (ids >= 0) & (ids < self.weight.shape[0])
         y = F.embedding(ids * mine, self.weight) * mine.unsqueeze(-1)
         dist.all_reduce(y, group=self.tp.group)
         return y  # (num_tokens, embedding_dim)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits = x Wᵀ: each rank computes its slice of the vocabulary; a gather joins them."""
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (num_tokens, hidden_size)
-        logits = F.linear(x, self.weight)  # (num_tokens, vocab_size / tp_size)
+        logits = self.matmul(x, None)  # (num_tokens, vocab_size / tp_size)
         if self.tp.size == 1:
             return logits
         parts = [torch.empty_like(logits) for _ in range(self.tp.size)]

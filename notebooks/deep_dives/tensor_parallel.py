@@ -41,6 +41,35 @@ FIGURES.mkdir(parents=True, exist_ok=True)
 CHECKPOINTS = Path(os.environ.get("MINIVLLM_CHECKPOINTS", "../../build/checkpoints")).resolve()
 
 # %% [markdown]
+# ## One rank's slice of each layer
+# Notebook 01's layers split themselves over the `TPGroup` they are built in. Two ranks' layers,
+# both built in this process with the collectives stubbed out, show what each rank holds: a
+# row-parallel layer's two partial sums add up to the whole layer, and the vocabulary-parallel
+# embedding's two lookups (its rows, zeros for the ids it does not own) add up to the table's.
+
+# %%
+from unittest import mock
+
+from minivllm.layers.embed_head import VocabParallelEmbedding
+from minivllm.layers.linear import RowParallelLinear, TPGroup, tensor_parallel
+
+wd, b, x = torch.randn(64, 96), torch.randn(64), torch.randn(3, 96)
+table, ids = torch.randn(100, 32), torch.tensor([0, 49, 50, 99])
+ranks = []
+for rank in range(2):  # the layers each of two processes would build
+    with tensor_parallel(TPGroup(rank=rank, size=2)):
+        ranks.append((RowParallelLinear(96, 64, bias=True), VocabParallelEmbedding(100, 32)))
+    row, emb = ranks[-1]
+    row.weight.weight_loader(row.weight, wd)  # this rank's 48 input columns
+    row.bias.weight_loader(row.bias, b)  # the whole bias
+    emb.weight.weight_loader(emb.weight, table)  # this rank's 50 rows
+with mock.patch.object(torch.distributed, "all_reduce", lambda y, group=None: None):
+    partial = [row(x_half) for (row, _), x_half in zip(ranks, x.chunk(2, dim=-1))]
+    lookups = [emb(ids) for _, emb in ranks]
+torch.testing.assert_close(sum(partial), x @ wd.T + b)
+torch.testing.assert_close(sum(lookups), table[ids])
+
+# %% [markdown]
 # ## The rules: processes that never hang
 # Notebook 04's `ModelRunner` is one rank: it holds its slice of every weight and of the KV cache
 # (its KV heads), and meets the other ranks at the all-reduces. With `tensor_parallel_size=N` the
