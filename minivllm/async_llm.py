@@ -44,10 +44,10 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess as Process
 from typing import Any
 
+from minivllm.engine.api_processors import ApiInputProcessor, ApiOutputProcessor
 from minivllm.engine.core import Delta, EngineCore
 from minivllm.engine.core_process import run_core, serve_core
-from minivllm.engine.input_processor import InputProcessor, Prompt, load_tokenizer
-from minivllm.engine.output_processor import OutputProcessor
+from minivllm.engine.input_processor import Prompt, load_tokenizer
 from minivllm.engine.production import ProductionConfig, make_core
 from minivllm.engine.request import Request
 from minivllm.outputs import RequestOutput
@@ -131,8 +131,8 @@ class AsyncLLM:
             self.process.start()
             num_blocks = self.core.scheduler.block_manager.num_blocks
         self.tokenizer = load_tokenizer(self.config.tokenizer)
-        self.input_processor = InputProcessor(self.config, self.tokenizer, num_blocks)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.input_processor = ApiInputProcessor(self.config, self.tokenizer, num_blocks)
+        self.output_processor = ApiOutputProcessor(self.tokenizer)
         # request_id -> stream, while its caller listens (hold lock)
         self.streams: dict[str, Stream] = {}
         self.lock = threading.Lock()
@@ -323,8 +323,13 @@ class AsyncLLM:
     def apply(self, deltas: list[tuple]) -> None:
         """One step's deltas: text, stop strings, and an output for each caller that wants one."""
         now = time.perf_counter()
-        requests, stopped = self.output_processor.process(map(Delta._make, deltas), now)
-        for request_id, index in stopped:  # the core ends that completion (its request, if last)
+        requests = self.output_processor.process(map(Delta._make, deltas), now)
+        for (
+            request_id,
+            index,
+        ) in (
+            self.output_processor.pop_stopped()
+        ):  # the core ends that completion (its request, if last)
             with suppress(EngineDeadError):
                 self.send(("finish", request_id, index))
         with self.lock:

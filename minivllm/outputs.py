@@ -16,12 +16,9 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length", or None while running
-    logprobs: list[dict[int, Logprob]] | None = (
-        None  # per token: its own and the most likely tokens' (if asked)
-    )
-    cumulative_logprob: float | None = (
-        None  # the sum of its tokens' log-probabilities (if logprobs were asked)
-    )
+    # per token: its own and the most likely tokens' (if asked), and their sum
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass(slots=True)
@@ -49,9 +46,7 @@ class StepStats:
     num_seqs: int = 0  # sequences in the batch
     num_tokens: int = 0  # tokens computed: prompt tokens, plus one per sequence that decodes
     schedule_seconds: float = 0.0  # Scheduler.schedule
-    run_seconds: float = (
-        0.0  # ModelRunner.launch (inputs, forward, sampler, log-probabilities), waiting for tokens
-    )
+    run_seconds: float = 0.0  # the runner's launch, and waiting for its tokens
     postprocess_seconds: float = 0.0  # Scheduler.advance and resolve, the engine's outputs
 
     @property
@@ -67,6 +62,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(repr=False)
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = (
-        None  # per prompt token (None for the first), if asked
-    )
+    # per prompt token (None for the first), if asked
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -18,15 +18,22 @@ import torch
 from minivllm import SamplingParams
 from minivllm.async_llm import AsyncLLM, EngineDeadError
 from minivllm.config import Config
-from minivllm.engine.core import Delta, EngineCore
+from minivllm.engine.api_core import ApiCore
+from minivllm.engine.core import Delta
 from minivllm.engine.core_process import handle
-from minivllm.engine.input_processor import sample_params
 from minivllm.testing import WatchedDict
 
 CONFIG = dict(
     dtype=torch.float32, device="cpu", num_kvcache_blocks=256, max_model_len=512, max_num_seqs=32
 )
 HANG = 120  # seconds: only a guard against a hang, never what a test decides by
+
+
+def sample_params(params: SamplingParams) -> list[SamplingParams]:
+    """What the input processor gives the core: one SamplingParams per completion, seeded seed + i
+    (the rule `tests/test_n_and_logprobs.py` checks through the engine)."""
+    seeds = [None if params.seed is None else params.seed + i for i in range(params.n)]
+    return [dataclasses.replace(params, n=1, seed=seed) for seed in seeds]
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -121,7 +128,7 @@ def test_a_step_never_walks_the_queue(tiny):
     """Per step, the core looks at the batch it ran, not at every queued request: with hundreds waiting, a walk
     over them each step cost O(queue) per step (O(queue²) in all). The core's table of requests is watched while
     it steps, and only then (adding a request may look at it)."""
-    core, walks, stepping = EngineCore(Config(str(tiny), **CONFIG)), [], False
+    core, walks, stepping = ApiCore(Config(str(tiny), **CONFIG)), [], False
     core.requests = WatchedDict(core.requests, walks, lambda: stepping)
     finished = set()
     try:
@@ -409,7 +416,7 @@ def test_a_completion_ended_in_the_core_sends_its_last_delta_at_that_step(tiny_t
     core sends completion 0's last delta, finish reason and all, at the step that ends it. It
     used to keep it until the whole request ended, so the API process thought it still ran."""
     params = dataclasses.replace(STOP_ID_THEN_STRING, stop=[])
-    core = EngineCore(Config(str(tiny_text), **CONFIG))
+    core = ApiCore(Config(str(tiny_text), **CONFIG))
     try:
         prompt_ids = text_offline.get_tokenizer().encode(PROMPT)
         handle(core, ("add", "r", prompt_ids, sample_params(params)))
@@ -494,7 +501,7 @@ def test_a_finish_for_what_the_core_ended_or_dropped_changes_nothing(tiny_text, 
     stop id), or a request it has finished or aborted, it is harmless; the request runs on to the
     same reply as offline."""
     params = dataclasses.replace(STOP_ID_THEN_STRING, stop=[])
-    core = EngineCore(Config(str(tiny_text), **CONFIG))
+    core = ApiCore(Config(str(tiny_text), **CONFIG))
     try:
         prompt_ids = text_offline.get_tokenizer().encode(PROMPT)
         handle(core, ("finish", "nobody", 0))  # never seen, or forgotten

@@ -12,7 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "minivllm"
 
-ENTRY_POINTS = ("llm.py", "async_llm.py", "serve/", "__main__.py")
+ENTRY_POINTS = ("llm.py", "api_llm.py", "async_llm.py", "serve/", "__main__.py")
 SPINE = (
     "engine/",
     "models/",
@@ -54,10 +54,11 @@ def below(room: str) -> set[str]:
 # room -> the rooms it may import (a room may always import itself; "__init__.py" is the package's lazy root)
 ALLOWED: dict[str, set[str]] = {
     "__main__.py": {"__init__.py", *COMMAND_LINE},
-    "serve/": {"__init__.py", "async_llm.py", *COMMAND_LINE},
+    "serve/": {"__init__.py", "api_llm.py", "async_llm.py", *COMMAND_LINE},
     "engine_args.py": {"config.py"},
     "async_llm.py": {"llm.py", "engine/", *LEAVES},
     "llm.py": {"engine/", *LEAVES},
+    "api_llm.py": {"llm.py", "engine/", *LEAVES},  # deep dive vllm_api
     "engine/": {*below("engine/"), *LEAVES},
     "models/": below("models/"),
     "attention/": below("attention/"),
@@ -71,7 +72,7 @@ ALLOWED: dict[str, set[str]] = {
     "benchmarks/": set(ROOMS) - {"checks/", "__main__.py"},
     "checks/": set(ROOMS) - {"benchmarks/", "__main__.py", "serve/"},
     "__init__.py": set(),
-    "production.py": {"llm.py", "engine/"},  # the public LLM: the core's, every layer composed
+    "production.py": {"api_llm.py", "llm.py", "engine/"},  # the public LLM: the core's, every layer composed
 }
 
 
@@ -216,17 +217,25 @@ def top_level_names(path: Path) -> set[str]:
 def test_each_production_layer_extends_a_core_class_from_outside():
     """Production layers are subclasses in deep dives' modules; the core classes hold no table, hook
     or lookup by name for them."""
+    from minivllm.api_llm import ApiLLM
     from minivllm.attention.fast_paged import FastPagedContext
     from minivllm.attention.paged import PagedContext
+    from minivllm.engine.api_core import ApiCore
+    from minivllm.engine.api_engine import ApiEngine
+    from minivllm.engine.api_processors import ApiInputProcessor, ApiOutputProcessor
     from minivllm.engine.async_core import AsyncEngineCore, AsyncRunner
     from minivllm.engine.core import EngineCore
     from minivllm.engine.gpu_runner import GPUModelRunner
+    from minivllm.engine.input_processor import InputProcessor
     from minivllm.engine.llm_engine import LLMEngine
     from minivllm.engine.model_runner import ModelRunner
+    from minivllm.engine.output_processor import OutputProcessor
     from minivllm.engine.production import ProductionEngine
     from minivllm.engine.workers import TPModelRunner
     from minivllm.layers.gpu_sampler import GPUSampler
     from minivllm.layers.sampler import Sampler
+    from minivllm.llm import LLM
+    from minivllm.production import ProductionLLM
 
     pairs = [
         (FastPagedContext, PagedContext),
@@ -234,8 +243,14 @@ def test_each_production_layer_extends_a_core_class_from_outside():
         (AsyncRunner, ModelRunner),
         (TPModelRunner, ModelRunner),
         (GPUSampler, Sampler),
+        (ApiCore, EngineCore),
         (AsyncEngineCore, EngineCore),
+        (ApiInputProcessor, InputProcessor),
+        (ApiOutputProcessor, OutputProcessor),
+        (ApiEngine, LLMEngine),
         (ProductionEngine, LLMEngine),
+        (ApiLLM, LLM),
+        (ProductionLLM, LLM),
     ]
     deep = deep_dive_modules()
     for layer, core in pairs:
@@ -287,7 +302,17 @@ ENGINE_ALLOWED: dict[str, set[str]] = {
     "input_processor": {"request"},
     "output_processor": {"core", "request"},  # the core's Delta, a NamedTuple
     "llm_engine": {"core", "input_processor", "output_processor"},
-    "core_process": {"core", "production"},
+    "api_core": {"core"},
+    "api_processors": {"core", "input_processor", "output_processor", "request"},
+    "api_engine": {
+        "api_core",
+        "api_processors",
+        "core",
+        "input_processor",
+        "llm_engine",
+        "output_processor",
+    },
+    "core_process": {"api_core", "production"},
     "cascade": set(),
     "cuda_graphs": {"cascade"},
     "mixed_graphs": {"cuda_graphs"},
@@ -302,8 +327,16 @@ ENGINE_ALLOWED: dict[str, set[str]] = {
         "step_inputs",
         "warm_up",
     },
-    "async_core": {"core", "model_runner", "sequence", "step_inputs"},
-    "production": {"async_core", "core", "gpu_runner", "llm_engine", "model_runner", "workers"},
+    "async_core": {"api_core", "core", "model_runner", "sequence", "step_inputs"},
+    "production": {
+        "api_core",
+        "api_engine",
+        "async_core",
+        "core",
+        "gpu_runner",
+        "model_runner",
+        "workers",
+    },
 }
 
 
@@ -341,7 +374,7 @@ SERVE_ALLOWED: dict[str, set[str]] = {
         "replies",
         "minivllm",  # its version
         "minivllm.async_llm",
-        "minivllm.llm",  # chat_prompt, as LLM.chat makes a chat's prompt
+        "minivllm.api_llm",  # chat_prompt, as LLM.chat makes a chat's prompt
         "minivllm.sampling_params",
     },
     "cli": {

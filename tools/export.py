@@ -47,6 +47,7 @@ DEEP_DIVES = {
     "cuda_graphs": "04_model_runner",
     "scheduler_policies": "05_scheduler",
     "scheduler_memory": "05_scheduler",
+    "vllm_api": "06_engine",
     "tensor_parallel": "06_engine",
     "async_scheduling": "06_engine",
     "fast_engine": "06_engine",

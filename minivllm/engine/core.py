@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from minivllm.config import Config
-from minivllm.engine.model_runner import ModelRunner, StepOutput
+from minivllm.engine.model_runner import ModelRunner, PromptLogprobs, StepOutput
 from minivllm.engine.scheduler import Scheduler, UnifiedScheduler
 from minivllm.engine.sequence import Sequence
 from minivllm.layers.sampler import TokenLogprobs
@@ -14,14 +14,16 @@ from minivllm.outputs import StepStats
 from minivllm.sampling_params import SamplingParams
 
 
-class Delta(NamedTuple):  # what one completion got in one step: all a front end hears of it
+class Delta(NamedTuple):
+    """What one completion got in one step: all a front end hears of it."""
+
     request_id: str
     completion: int  # which of the request's n completions
     token_ids: list[int]  # its new tokens
-    finish_reason: str | None  # set once the core finished it ("stop": an EOS or stop id)
-    logprobs: list[TokenLogprobs] | None  # one row per new token, if asked
-    # (first position, rows): the prompt positions this step scored, if asked
-    prompt_logprobs: tuple[int, list[TokenLogprobs]] | None
+    finish_reason: str | None  # once the core finished it: "stop" (an EOS or stop id), "length"
+    # if the runner computed them (deep dive sampling_options): a row per new token; the prompt's
+    logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(slots=True)
@@ -71,17 +73,6 @@ class EngineCore:
             for seq in request.seqs:
                 self.scheduler.abort(seq)
                 del self.owners[seq.seq_id]
-
-    def finish(self, request_id: str, index: int) -> None:
-        """A front end ended completion `index` (a stop string): free it now. Harmless if the core
-        ended it (or its request) first."""
-        request = self.requests.get(request_id)
-        if request is None:
-            return
-        seq = request.seqs[index]
-        self.scheduler.finish(seq, "stop")
-        self.owners.pop(seq.seq_id, None)  # its later tokens, if a step holds it, are dropped
-        self.forget_if_done(request)
 
     def forget_if_done(self, request: CoreRequest) -> None:
         """Forget a request once every completion has started and finished."""
@@ -135,7 +126,7 @@ class EngineCore:
         deltas, finished = [], {}
         for row, seq in enumerate(seqs):
             if (request := self.owners.get(seq.seq_id)) is None:
-                continue  # aborted, or stopped by its front end, while its step ran
+                continue  # aborted while its step ran
             if seq.num_completion_tokens > 0 and request.num_started < len(request.seqs):
                 self.start(request, len(request.seqs))  # seqs[0]'s prompt is cached now
             new = [out.token_ids[row]] if row in rows else []
@@ -169,14 +160,6 @@ class EngineCore:
         self.scheduler.abort_all()
         self.requests.clear()
         self.owners.clear()
-
-    def stats(self) -> dict[str, float]:
-        bm = self.scheduler.block_manager
-        return {
-            "num_requests_running": len(self.scheduler.running),
-            "num_requests_waiting": len(self.scheduler.waiting),
-            "kv_cache_usage": bm.num_used_blocks / bm.num_blocks,
-        }
 
     def close(self) -> None:
         self.runner.close()

@@ -5,11 +5,11 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from minivllm.engine.core import EngineCore
+from minivllm.engine.api_core import ApiCore
 from minivllm.engine.production import ProductionConfig, make_core
 
 
-def handle(core: EngineCore, message: tuple) -> None:
+def handle(core: ApiCore, message: tuple) -> None:
     """Apply one message: ("add", id, token ids, params per completion), ("abort", ids) or
     ("finish", id, index)."""
     kind, *args = message
@@ -21,7 +21,7 @@ def handle(core: EngineCore, message: tuple) -> None:
         core.finish(*args)
 
 
-def run_loop(core: EngineCore, conn: Connection, heartbeat: float = 1.0) -> None:
+def run_loop(core: ApiCore, conn: Connection, heartbeat: float = 1.0) -> None:
     """The busy loop, until ("shutdown",). Idle, it says ("alive", stats) every `heartbeat` s."""
     last = time.monotonic()
     while True:
@@ -62,7 +62,7 @@ def run_core(conn: Connection, model: str, kwargs: dict[str, Any]) -> None:
     serve_core(conn, core)
 
 
-def serve_core(conn: Connection, core: EngineCore) -> None:
+def serve_core(conn: Connection, core: ApiCore) -> None:
     """Run the core until shutdown or until the API process is gone (its end of the socket
     closed)."""
     try:

@@ -3,8 +3,6 @@
 import dataclasses
 import json
 import time
-from collections.abc import Callable
-from itertools import count
 from pathlib import Path
 
 import transformers
@@ -17,55 +15,38 @@ from minivllm.sampling_params import SamplingParams, as_token_ids
 
 # text, or token ids: a list or tuple of ints, or a 1-D integer NumPy array / PyTorch tensor
 Prompt = str | list[int]
+# SamplingParams fields left to the deep dives sampling_options (the runner) and vllm_api (text)
+OPTIONS = "presence_penalty frequency_penalty repetition_penalty min_tokens logprobs".split()
+OPTIONS += ["prompt_logprobs", "stop", "include_stop_str_in_output"]
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase | None:
     """The checkpoint's tokenizer, or None when the folder has none (token-id prompts still work).
     transformers may build an empty tokenizer from a folder without tokenizer files: one that knows
     only special tokens is none."""
-    named = (
-        json.loads(p.read_text()) if (p := Path(path) / "tokenizer_config.json").is_file() else {}
-    )
-    name = (
-        "AutoTokenizer" if "auto_map" in named else named.get("tokenizer_class") or "AutoTokenizer"
-    )
+    config = Path(path) / "tokenizer_config.json"
+    named = json.loads(config.read_text()) if config.is_file() else {}
+    auto = "auto_map" in named  # a tokenizer of the checkpoint's own code
+    name = "AutoTokenizer" if auto else named.get("tokenizer_class") or "AutoTokenizer"
     # the class named, imported alone: AutoTokenizer imports transformers' model registry (seconds)
+    tokenizer_class = getattr(transformers, name, None) or transformers.AutoTokenizer
     try:
-        tokenizer = (
-            getattr(transformers, name, None) or transformers.AutoTokenizer
-        ).from_pretrained(path)
+        tokenizer = tokenizer_class.from_pretrained(path)
     except (OSError, ValueError):
         return None
     return tokenizer if set(tokenizer.get_vocab()) - set(tokenizer.all_special_tokens) else None
 
 
-def eos_token_ids(
-    path: str | Path, tokenizer: PreTrainedTokenizerBase | None, hf_config
-) -> list[int]:
+def eos_token_ids(path: str | Path, tokenizer: PreTrainedTokenizerBase | None, hf_config):
     """Every end-of-sequence id: the tokenizer's first, then generation_config.json's, then
     config.json's."""
-    ids = (
-        [tokenizer.eos_token_id]
-        if tokenizer is not None and tokenizer.eos_token_id is not None
-        else []
-    )
+    ids = [tokenizer.eos_token_id] if tokenizer and tokenizer.eos_token_id is not None else []
     try:
         extra = GenerationConfig.from_pretrained(path).eos_token_id
     except OSError:
         extra = getattr(hf_config, "eos_token_id", None)
     ids += extra if isinstance(extra, list) else [extra] if extra is not None else []
     return list(dict.fromkeys(ids))
-
-
-def sample_params(params: SamplingParams) -> list[SamplingParams]:
-    """One SamplingParams per completion (vLLM's rule): seed + i, prompt logprobs asked of
-    completion 0 only."""
-    seeds = [None if params.seed is None else params.seed + i for i in range(params.n)]
-    prompt_logprobs = [params.prompt_logprobs] + [None] * (params.n - 1)
-    return [
-        dataclasses.replace(params, n=1, seed=s, prompt_logprobs=p)
-        for s, p in zip(seeds, prompt_logprobs)
-    ]
 
 
 class InputProcessor:
@@ -75,16 +56,14 @@ class InputProcessor:
     def __init__(self, config: Config, tokenizer: PreTrainedTokenizerBase | None, num_blocks: int):
         self.config, self.tokenizer, self.num_blocks = config, tokenizer, num_blocks
         self.eos_token_ids = eos_token_ids(config.model, tokenizer, config.hf_config)
-        self.counter = count()  # request ids the engine hands out
 
     def tokenize(self, prompt: Prompt, name: str = "prompt") -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(
-                    f"{name} is text, but {self.config.model} has no tokenizer: pass token ids"
-                )
-            return self.tokenizer.encode(prompt)
-        return as_token_ids(prompt, name)
+        if not isinstance(prompt, str):
+            return as_token_ids(prompt, name)
+        if self.tokenizer is None:
+            model = self.config.model
+            raise ValueError(f"{name} is text, but {model} has no tokenizer: pass token ids")
+        return self.tokenizer.encode(prompt)
 
     def check_request(self, token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError if this request cannot run."""
@@ -104,14 +83,18 @@ class InputProcessor:
             )
         if bad := [t for t in token_ids if not 0 <= t < vocab_size]:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
-        # the sampler indexes by them
-        if bad := [t for t in params.stop_token_ids if not 0 <= t < vocab_size]:
-            raise ValueError(
+        if bad := [t for t in params.stop_token_ids if not 0 <= t < vocab_size]:  # the sampler
+            raise ValueError(  # indexes by them
                 f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
             )
-        if params.stop and self.tokenizer is None:
+
+    def check_options(self, params: SamplingParams) -> None:
+        """Refuse what this engine leaves to the deep dives (`minivllm.LLM` does it all)."""
+        default = SamplingParams()
+        if asked := [name for name in OPTIONS if getattr(params, name) != getattr(default, name)]:
             raise ValueError(
-                f"stop strings need a tokenizer, and {config.model} has none: use stop_token_ids"
+                f"{asked[0]} is not in notebook 06's engine: minivllm.LLM has it (deep dive "
+                f"vllm_api)"
             )
 
     def request_params(self, params: SamplingParams | None) -> SamplingParams:
@@ -120,33 +103,16 @@ class InputProcessor:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        params = dataclasses.replace(params)
+        params = dataclasses.replace(params)  # a copy, checked again: its fields may have changed
+        self.check_options(params)
         eos = [] if params.ignore_eos else self.eos_token_ids
-        return dataclasses.replace(
-            params, stop_token_ids=list(dict.fromkeys([*params.stop_token_ids, *eos]))
-        )
+        stop_token_ids = list(dict.fromkeys([*params.stop_token_ids, *eos]))
+        return dataclasses.replace(params, stop_token_ids=stop_token_ids)
 
-    def request_ids(
-        self, request_ids: list[str | None], in_use: Callable[[str], bool]
-    ) -> list[str]:
-        """The given ids, checked to be strings neither in use (by live requests) nor repeated; None
-        gets the next unused number."""
-        ids: dict[str, None] = {}  # in order
-        for request_id in request_ids:
-            if request_id is None:
-                request_id = next(
-                    i for i in map(str, self.counter) if not in_use(i) and i not in ids
-                )
-            elif not isinstance(request_id, str):
-                raise ValueError(
-                    f"request_id must be a str, got {request_id!r} ({type(request_id).__name__})"
-                )
-            elif in_use(request_id) or request_id in ids:
-                raise ValueError(
-                    f"request_id {request_id!r} is already in use by an unfinished request"
-                )
-            ids[request_id] = None
-        return list(ids)
+    def completion_params(self, params: SamplingParams) -> list[SamplingParams]:
+        """One SamplingParams per completion (vLLM's rule): completion i seeded seed + i."""
+        seeds = [None if params.seed is None else params.seed + i for i in range(params.n)]
+        return [dataclasses.replace(params, n=1, seed=seed) for seed in seeds]
 
     def make_request(
         self, prompt: Prompt, params: SamplingParams | None, request_id: str, name: str
@@ -155,7 +121,7 @@ class InputProcessor:
         params = self.request_params(params)
         token_ids = self.tokenize(prompt, name)
         self.check_request(token_ids, params)
-        samples = sample_params(params)
+        samples = self.completion_params(params)
         completions = [Completion(p) for p in samples]
         text = prompt if isinstance(prompt, str) else None
         metrics = RequestMetrics(time.perf_counter())

@@ -7,13 +7,11 @@ from transformers import PreTrainedTokenizerBase
 
 from minivllm.engine.core import Delta
 from minivllm.engine.request import Completion, Request
-from minivllm.layers.sampler import TokenLogprobs
-from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
+from minivllm.outputs import CompletionOutput, RequestOutput
 
 
 class OutputProcessor:
-    """The core's deltas in, what a user reads out: text, stop strings, log-probabilities,
-    `RequestOutput`s."""
+    """The core's deltas in, what a user reads out: text, finish reasons, `RequestOutput`s."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None):
         self.tokenizer = tokenizer
@@ -31,104 +29,36 @@ class OutputProcessor:
             return ""
         return cast(str, self.tokenizer.decode(token_ids, skip_special_tokens=True))
 
-    def process(
-        self, deltas: Iterable[Delta], now: float
-    ) -> tuple[list[Request], list[tuple[str, int]]]:
-        """A step's deltas: the requests they touched (a finished one is forgotten here), and the
-        completions a stop string ended, (request_id, index), which the core must finish."""
+    def process(self, deltas: Iterable[Delta], now: float) -> list[Request]:
+        """A step's deltas: the requests they touched (a finished one is forgotten here)."""
         touched: dict[str, Request] = {}
-        stopped = []
         for delta in deltas:
             if (request := self.requests.get(delta.request_id)) is None:
                 continue  # aborted
             touched[request.request_id] = request
-            completion = request.completions[delta.completion]
-            self.record_prompt_logprobs(request, delta.prompt_logprobs)
-            if self.append(request, completion, delta, now):
-                stopped.append((request.request_id, delta.completion))
-            if delta.finish_reason is not None and not completion.is_finished:
-                completion.finish_reason = delta.finish_reason
+            self.update(request, request.completions[delta.completion], delta, now)
         for request in touched.values():
             if request.finished:
                 request.metrics.finished_time = now
                 self.requests.pop(request.request_id, None)
-        return list(touched.values()), stopped
+        return list(touched.values())
 
-    def append(self, request: Request, completion: Completion, delta: Delta, now: float) -> bool:
-        """Append a delta's tokens (those before a stop string: the core's later ones are dropped);
-        whether a stop string ended the completion."""
-        for k, token_id in enumerate(delta.token_ids):
-            if completion.is_finished:
-                return False
-            completion.token_ids.append(token_id)
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            if delta.logprobs is not None:
-                completion.logprobs.append(self.logprobs(delta.logprobs[k]))
-            if completion.params.stop and self.find_stop(completion):
-                completion.finish_reason = "stop"
-                return True
-        return False
-
-    def record_prompt_logprobs(
-        self, request: Request, rows: tuple[int, list[TokenLogprobs]] | None
-    ) -> None:
-        for position, row in enumerate(rows[1], rows[0]) if rows else ():
-            if position == len(request.prompt_logprobs):  # not scored before (a preempted prompt)
-                request.prompt_logprobs.append(self.logprobs(row))
-
-    def logprobs(self, row: TokenLogprobs) -> dict[int, Logprob]:
-        items = row.items()
-        return {token: Logprob(lp, rank, self.detokenize([token])) for token, (lp, rank) in items}
-
-    def find_stop(self, completion: Completion) -> bool:
-        """Whether the completion's text, after its first `min_tokens` tokens' text, holds a stop
-        string; if so, `text_end` says where its text ends."""
-        params, token_ids = completion.params, completion.token_ids
-        if len(token_ids) < params.min_tokens:
-            return False
-        text = self.detokenize(token_ids)
-        after = len(self.detokenize(token_ids[: params.min_tokens])) if params.min_tokens else 0
-        hits = [(at, stop) for stop in params.stop if (at := text.find(stop, after)) >= 0]
-        if hits:
-            at, stop = min(hits)  # the first stop string in the text
-            completion.text_end = at + len(stop) if params.include_stop_str_in_output else at
-        return bool(hits)
+    def update(self, request: Request, completion: Completion, delta: Delta, now: float) -> None:
+        """One delta: the completion's new tokens, and its finish reason once it has one."""
+        if delta.token_ids and request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+        completion.token_ids += delta.token_ids
+        completion.finish_reason = delta.finish_reason
 
     def output(self, request: Request) -> RequestOutput:
         """The request's output so far (finished, if every completion is)."""
-        first = request.params[0]
-        prompt_logprobs = None if first.prompt_logprobs is None else list(request.prompt_logprobs)
         completions = [self.completion(i, c) for i, c in enumerate(request.completions)]
         prompt, ids, metrics = request.prompt, request.prompt_token_ids, request.metrics
-        finished = request.finished
         return RequestOutput(
-            request.request_id, prompt, ids, completions, finished, metrics, prompt_logprobs
+            request.request_id, prompt, ids, completions, request.finished, metrics
         )
 
     def completion(self, index: int, completion: Completion) -> CompletionOutput:
-        params, token_ids = completion.params, list(completion.token_ids)
-        done = completion.is_finished
-        text = self.detokenize(token_ids) if done else self.running_text(completion)
-        text = text[: completion.text_end]
-        if not done and params.stop:  # hold back what may be the start of a stop string
-            text = text[: len(text) + 1 - max(map(len, params.stop))]
-        reason = completion.finish_reason
-        if params.logprobs is None:
-            return CompletionOutput(index, text, token_ids, reason)
-        logprobs = list(completion.logprobs)
-        cumulative = sum(row[token].logprob for row, token in zip(logprobs, token_ids))
-        return CompletionOutput(index, text, token_ids, reason, logprobs, cumulative)
-
-    def running_text(self, completion: Completion) -> str:
-        """The completion's text so far (detokenizing the whole reply at every step would cost
-        O(length²)). `running` = (text, start, read): text ends with tokens[start:read]'s; newer
-        tokens are read once whole (no '\ufffd')."""
-        text, start, read = completion.running
-        if len(completion.token_ids) > read:
-            tokens = completion.token_ids[start:]
-            known, new = self.detokenize(tokens[: read - start]), self.detokenize(tokens)
-            if not new.endswith("\ufffd"):  # a token with no text (a special one, say) is read too
-                text, start, read = text + new[len(known) :], read, len(completion.token_ids)
-                completion.running = (text, start, read)
-        return text
+        token_ids = list(completion.token_ids)
+        text = self.detokenize(token_ids)
+        return CompletionOutput(index, text, token_ids, completion.finish_reason)

@@ -6,10 +6,11 @@ from pathlib import Path
 from typing import Any
 
 from minivllm.config import Config
+from minivllm.engine.api_core import ApiCore
+from minivllm.engine.api_engine import ApiEngine
 from minivllm.engine.async_core import AsyncEngineCore, AsyncRunner
 from minivllm.engine.core import EngineCore
 from minivllm.engine.gpu_runner import GPUModelRunner
-from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.workers import RankRunner, TPModelRunner
 from minivllm.models.checked_loader import read_config_fast
@@ -44,7 +45,7 @@ class ProductionCore(AsyncEngineCore):
         return make_runner(self.config)
 
 
-def make_core(config: Config) -> EngineCore:
+def make_core(config: Config) -> ApiCore:
     return ProductionCore(config)
 
 
@@ -58,7 +59,7 @@ class ProductionConfig(Config):
         return read_config_fast(Path(self.model))
 
 
-class ProductionEngine(LLMEngine):
+class ProductionEngine(ApiEngine):
     """Notebook 06's engine over the production core, its start-up objects frozen for the GC."""
 
     def __init__(self, model: str, **kwargs):

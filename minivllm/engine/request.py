@@ -8,14 +8,16 @@ from minivllm.sampling_params import SamplingParams
 
 @dataclass(slots=True)
 class Completion:
-    """A front end's view of one of a request's n completions: its tokens and its text so far."""
+    """A front end's view of one of a request's n completions: its tokens so far."""
 
     params: SamplingParams
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" or "length" once finished
-    text_end: int | None = None  # where its text ends, if a stop string ended it
-    logprobs: list[dict[int, Logprob]] = field(default_factory=list)  # one per token, if asked
-    running: tuple[str, int, int] = ("", 0, 0)  # see OutputProcessor.running_text
+    # what the deep dive vllm_api keeps: where a stop string ended the text, a row of
+    # log-probabilities per token, the text read so far
+    text_end: int | None = None
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    running: tuple[str, int, int] = ("", 0, 0)
 
     @property
     def is_finished(self) -> bool:

@@ -16,8 +16,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 import minivllm
+from minivllm.api_llm import chat_prompt
 from minivllm.async_llm import AsyncLLM, EngineDeadError
-from minivllm.llm import chat_prompt
 from minivllm.sampling_params import SamplingParams
 from minivllm.serve.middleware import Limits, Metrics, RequireKey
 from minivllm.serve.protocol import (

@@ -59,7 +59,8 @@ from typing import Any
 
 import torch
 
-from minivllm.engine.core import Delta, EngineCore
+from minivllm.engine.api_core import ApiCore
+from minivllm.engine.core import Delta
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.step_inputs import StepInputs, placeholder_row
@@ -106,7 +107,7 @@ class AsyncRunner(ModelRunner):
 
 
 # %% tags=["export"] module="minivllm.engine.async_core"
-class AsyncEngineCore(EngineCore):
+class AsyncEngineCore(ApiCore):
     """Notebook 06's core with async scheduling (`config.async_scheduling`): step N+1 is launched
     before step N's tokens are read."""
 

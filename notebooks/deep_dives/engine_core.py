@@ -97,7 +97,8 @@ print(f"text for 256 requests: {per_step_ms:.1f} ms of Python per step, on this 
 # index) for a completion a stop string ended. That is all.
 #
 # ## The core's loop
-# `serve_core` runs notebook 06's `EngineCore` as a busy loop: take every message waiting, step if
+# `serve_core` runs the engine core (deep dive `vllm_api`'s `ApiCore`, notebook 06's with stop
+# strings and stats) as a busy loop: take every message waiting, step if
 # there is work, send what the step gave; idle, wait for a message, saying "alive" once a second so
 # the API process can tell a quiet core from a hung one. A step that fails aborts its requests
 # (06): the loop names them in a ("failed", ids, why) message and goes on with the others.
@@ -110,11 +111,11 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from minivllm.engine.core import EngineCore
+from minivllm.engine.api_core import ApiCore
 from minivllm.engine.production import ProductionConfig, make_core
 
 
-def handle(core: EngineCore, message: tuple) -> None:
+def handle(core: ApiCore, message: tuple) -> None:
     """Apply one message: ("add", id, token ids, params per completion), ("abort", ids) or
     ("finish", id, index)."""
     kind, *args = message
@@ -126,7 +127,7 @@ def handle(core: EngineCore, message: tuple) -> None:
         core.finish(*args)
 
 
-def run_loop(core: EngineCore, conn: Connection, heartbeat: float = 1.0) -> None:
+def run_loop(core: ApiCore, conn: Connection, heartbeat: float = 1.0) -> None:
     """The busy loop, until ("shutdown",). Idle, it says ("alive", stats) every `heartbeat` s."""
     last = time.monotonic()
     while True:
@@ -176,7 +177,7 @@ def run_core(conn: Connection, model: str, kwargs: dict[str, Any]) -> None:
     serve_core(conn, core)
 
 
-def serve_core(conn: Connection, core: EngineCore) -> None:
+def serve_core(conn: Connection, core: ApiCore) -> None:
     """Run the core until shutdown or until the API process is gone (its end of the socket
     closed)."""
     try:
@@ -195,10 +196,10 @@ def serve_core(conn: Connection, core: EngineCore) -> None:
 
 # %%
 from minivllm.config import Config
-from minivllm.engine.core import EngineCore
+from minivllm.engine.api_core import ApiCore
 from minivllm.engine.core_process import handle
 
-core = EngineCore(Config(str(path), **config))
+core = ApiCore(Config(str(path), **config))
 prompt_ids = engine.tokenizer.encode("The Earth is about")
 greedy = SamplingParams(temperature=0, max_tokens=12)
 handle(core, ("add", "a", prompt_ids, [greedy]))
