@@ -284,7 +284,7 @@ print("attend_blocks: the reference, causal or not, windowed or not, one block o
 # ## b · Split-K: partial outputs and their log-sum-exps
 # In decode, `M` is 1 (one new token per sequence, GQA packs a few heads) and `N` is the whole
 # cache. One program per (sequence, head) is then a few dozen programs on a GPU with 132
-# multiprocessors. Notebook 03's decode kernel therefore splits the keys into `num_splits`
+# multiprocessors. The deep dive `cascade_attention`'s decode kernel therefore splits the keys into `num_splits`
 # contiguous chunks and gives each to its own program.
 #
 # Each chunk is `chunk = cdiv(cdiv(N, num_splits), block_n) · block_n` keys (a whole number of

@@ -26,7 +26,7 @@
 # 2. `checkpoint_packing`: which of the checkpoint's projections goes into which shard of our packed
 #    `qkv_proj` and `gate_up_proj`, checked by where each projection's output lands;
 # 3. `LlamaAttention`, checked against transformers' attention on one rank and split over two
-#    (notebook 01's tensor parallelism, the all-reduce stubbed out as there).
+#    (notebook 01's parallel layers, the all-reduce stubbed out).
 #
 # Then `minivllm.load_model` loads three random Llama checkpoints with your classes, and the logits
 # must equal transformers' Llama. Three questions at the end ask you to compute with what you built.
