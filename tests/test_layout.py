@@ -153,6 +153,8 @@ def test_a_deep_dive_exports_the_fast_paths():
         "minivllm.kernels.paged_prefill",
         "minivllm.kernels.sampling",
         "minivllm.layers.gpu_sampler",
+        "minivllm.layers.sampling_options",
+        "minivllm.engine.sampling_options",
         "minivllm.engine.cascade",
         "minivllm.engine.cuda_graphs",
         "minivllm.engine.mixed_graphs",
@@ -224,12 +226,14 @@ def test_each_production_layer_extends_a_core_class_from_outside():
     from minivllm.engine.llm_engine import LLMEngine
     from minivllm.engine.model_runner import ModelRunner
     from minivllm.engine.production import ProductionEngine
+    from minivllm.engine.sampling_options import OptionsRunner
     from minivllm.engine.workers import TPModelRunner
     from minivllm.layers.gpu_sampler import GPUSampler
     from minivllm.layers.sampler import Sampler
 
     pairs = [
         (FastPagedContext, PagedContext),
+        (OptionsRunner, ModelRunner),
         (GPUModelRunner, ModelRunner),
         (AsyncRunner, ModelRunner),
         (TPModelRunner, ModelRunner),
@@ -237,6 +241,8 @@ def test_each_production_layer_extends_a_core_class_from_outside():
         (AsyncEngineCore, EngineCore),
         (ProductionEngine, LLMEngine),
     ]
+    # the production runners keep every sampling option: penalties, min_tokens, log-probabilities
+    assert all(issubclass(r, OptionsRunner) for r in (GPUModelRunner, AsyncRunner, TPModelRunner))
     deep = deep_dive_modules()
     for layer, core in pairs:
         assert issubclass(layer, core) and layer.__module__ in deep, layer
@@ -292,17 +298,19 @@ ENGINE_ALLOWED: dict[str, set[str]] = {
     "cuda_graphs": {"cascade"},
     "mixed_graphs": {"cuda_graphs"},
     "sampler_warm_up": {"step_inputs"},
+    "sampling_options": {"model_runner", "sequence", "step_inputs"},
     "warm_up": {"model_runner", "sampler_warm_up", "step_inputs"},
-    "workers": {"model_runner", "sequence"},
+    "workers": {"model_runner", "sampling_options", "sequence"},
     "gpu_runner": {
         "cascade",
         "cuda_graphs",
         "mixed_graphs",
         "model_runner",
+        "sampling_options",
         "step_inputs",
         "warm_up",
     },
-    "async_core": {"core", "model_runner", "sequence", "step_inputs"},
+    "async_core": {"core", "model_runner", "sampling_options", "sequence", "step_inputs"},
     "production": {"async_core", "core", "gpu_runner", "llm_engine", "model_runner", "workers"},
 }
 
