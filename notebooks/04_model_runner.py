@@ -16,14 +16,14 @@
 # # 04 · The model runner: a step on the paged cache, and sampling
 #
 # **What this notebook builds.** What turns a batch of `Sequence`s into next tokens: a sampler, a
-# step's inputs, the attention context over notebook 03's paged kernels, and the runner (it sizes
-# the KV cache and holds one tensor-parallel rank's slice). It assumes notebook 02's Qwen3 and
-# notebook 03's `Sequence`, `BlockManager`, kernels.
+# step's inputs, the attention context over notebook 03's paged kernels, and the runner, which
+# sizes the KV cache. It assumes notebook 02's Qwen3 and notebook 03's `Sequence`, `BlockManager`
+# and kernels.
 #
 # **The one rule.** Every path (a prefix hit, a chunk, a mixed step, a long decode) gives the logits
 # of a from-scratch forward: a paged engine that gets this wrong does not crash, it writes other
-# text. Deep dives follow: `gpu_sampler` (sampling in Triton) and `cuda_graphs` (the runner on a
-# GPU: CUDA graphs for every kind of step, paged prefill, a shared prompt read once).
+# text. Deep dives follow: `gpu_sampler` (sampling in Triton), `sampling_options` (penalties,
+# log-probabilities) and `cuda_graphs` (the runner on a GPU).
 
 # %%
 import os
@@ -62,11 +62,8 @@ def show_probs(probs: torch.Tensor, label: str) -> None:
 probs_at = {T: torch.softmax(cat_logits / T, dim=-1) for T in (0.01, 0.5, 2.0)}
 for T, probs in probs_at.items():
     show_probs(probs, f"T={T}")
-assert (
-    probs_at[0.01][0] > 0.999
-    and probs_at[0.5][0] > probs_at[2.0][0]
-    and probs_at[2.0].argmax() == 0
-)
+assert probs_at[0.01][0] > 0.999  # nearly greedy
+assert probs_at[0.5][0] > probs_at[2.0][0] > probs_at[2.0][1]  # flatter, the same order
 
 # %% [markdown]
 # ### Cutting the tail: top-k, top-p, min-p (typical-p to write: `exercises/04_sampler_filters`)
@@ -74,9 +71,7 @@ assert (
 # derails the text. So filters drop it before the draw, in vLLM's order: **top-k** keeps the `k`
 # most likely tokens (`-1`: off); **top-p** the fewest most likely whose mass reaches `p` of what
 # top-k left (`1`: off); **min-p** those at least `min_p` times as likely as the first (`0`: off).
-# **One sort serves all three**: each filter is then one comparison with a per-row threshold,
-# scattered back to vocabulary order (if every random row has a top-k, `torch.topk` of `k` is
-# enough).
+# **One sort serves all three**: each filter is then one comparison with a per-row threshold.
 
 # %% tags=["export"] module="minivllm.layers.sampler"
 from dataclasses import dataclass
@@ -93,12 +88,10 @@ def keep_mask(
     ranks = torch.arange(sorted_probs.shape[-1], device=sorted_probs.device)  # (vocab,)
     keep = (top_ks[:, None] < 0) | (ranks < top_ks[:, None])  # top-k  (batch, vocab)
     cum = (sorted_probs * keep).cumsum(dim=-1)  # (batch, vocab), running mass of what top-k kept
-    before = torch.cat(
-        [torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1
-    )  # mass of the more likely tokens
-    # top-p, on top-k's renormalized distribution; p = 1 keeps all, even the tail a float32 sum no
-    # longer sees
-    p_mass = top_ps[:, None] * cum[:, -1:]  # (batch, 1): top-p of what top-k kept
+    # mass of the more likely tokens
+    before = torch.nn.functional.pad(cum[:, :-1], (1, 0))
+    # top-p of what top-k kept; p = 1 keeps all, even the tail a float32 sum no longer sees
+    p_mass = top_ps[:, None] * cum[:, -1:]  # (batch, 1)
     keep &= (before < p_mass) | (top_ps[:, None] >= 1)
     # min-p, relative to the most likely token
     keep &= sorted_probs >= min_ps[:, None] * sorted_probs[:, :1]
@@ -116,8 +109,7 @@ def filter_probs(
     k_max > 0 tokens."""
     sort = probs.topk(min(k_max, probs.shape[-1])) if k_max else probs.sort(dim=-1, descending=True)
     keep = keep_mask(sort.values, top_ks, top_ps, min_ps)  # (batch, vocab or k_max)
-    # in vocabulary order
-    keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, sort.indices, keep)
+    keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, sort.indices, keep)  # vocab order
     return probs.masked_fill(~keep, 0.0)
 
 
@@ -126,32 +118,23 @@ from minivllm.layers.sampler import filter_probs, keep_mask
 
 # by hand: top-p 0.8 keeps two tokens, as 0.5 + 0.3 *reaches* 0.8; after top-k 3, 0.5 + 0.3 is 0.84
 # of what is left
-
 hand = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
 
 
 def num_kept(top_k: int = -1, top_p: float = 1.0, min_p: float = 0.0) -> int:
-    return int(
-        keep_mask(hand, torch.tensor([top_k]), torch.tensor([top_p]), torch.tensor([min_p])).sum()
-    )
+    settings = (torch.tensor([top_k]), torch.tensor([top_p]), torch.tensor([min_p]))
+    return int(keep_mask(hand, *settings).sum())
 
 
-# every filter off; top-k
 assert num_kept() == 4 and num_kept(top_k=3) == 3 and num_kept(top_k=1) == 1
 assert num_kept(top_p=0.8) == 2 and num_kept(top_p=0.81) == 3 and num_kept(top_p=0.01) == 1
-# top-p measures what top-k left
-assert num_kept(top_p=0.82) == 3 and num_kept(top_k=3, top_p=0.82) == 2
+assert num_kept(top_p=0.82) == 3 and num_kept(top_k=3, top_p=0.82) == 2  # of what top-k left
 assert num_kept(min_p=0.3) == 3 and num_kept(min_p=0.31) == 2  # keep p ≥ min_p × 0.5
 cat_probs = torch.softmax(cat_logits, dim=-1)
-settings = [
-    (3, 1.0, 0.0),
-    (-1, 0.8, 0.0),
-    (-1, 1.0, 0.1),
-    (-1, 1.0, 0.0),
-]  # (top-k, top-p, min-p) a row
-filtered = filter_probs(
-    cat_probs.expand(4, -1), *(torch.tensor(column) for column in zip(*settings))
-)
+# (top-k, top-p, min-p) a row
+settings = [(3, 1.0, 0.0), (-1, 0.8, 0.0), (-1, 1.0, 0.1)]
+settings.append((-1, 1.0, 0.0))  # none
+filtered = filter_probs(cat_probs.expand(4, -1), *map(torch.tensor, zip(*settings)))
 for name, row in zip(["top-k", "top-p", "min-p", "none"], filtered):
     show_probs(row, name)
 assert (filtered > 0).sum(dim=-1).tolist() == [3, 4, 5, 12]
@@ -167,9 +150,8 @@ assert torch.equal(filtered[3], cat_probs)
 # index (`seq.num_completion_tokens`); without a seed, a fresh draw.
 
 # %% tags=["export"]
-NOISE_SEED_MULTIPLIER = (
-    1_000_003  # odd: distinct seeds start apart; above any step: one seed's steps never collide
-)
+# odd: distinct seeds start apart; above any step: one seed's steps never collide
+NOISE_SEED_MULTIPLIER = 1_000_003
 
 
 def noise_seed(seed: int, step: int) -> int:
@@ -199,49 +181,21 @@ assert freq[1] == 0
 torch.testing.assert_close(freq, p / p.sum(), atol=0.005, rtol=0)
 # seed 42 at step 7: the same noise in row 0 of one batch and row 2 of another; seed 5 at step 7,
 # seed 42 at 8 differ
-step7, step8 = exponential_noise(
-    torch.ones(2, 1000), torch.tensor([noise_seed(42, 7), noise_seed(42, 8)])
-)
-batch = exponential_noise(
-    torch.ones(3, 1000), torch.tensor([123, noise_seed(5, 7), noise_seed(42, 7)])
-)
-assert (
-    torch.equal(step7, batch[2])
-    and not torch.equal(batch[1], batch[2])
-    and not torch.equal(step7, step8)
-)
+keys = torch.tensor([noise_seed(42, 7), noise_seed(42, 8)])
+step7, step8 = exponential_noise(torch.ones(2, 1000), keys)
+batch = exponential_noise(torch.ones(3, 1000), torch.tensor([123, noise_seed(5, 7), keys[0]]))
+assert torch.equal(step7, batch[2]) and not torch.equal(batch[1], batch[2])
+assert not torch.equal(step7, step8)
 
 # %% [markdown]
 # ### The sampler
 # It gets the batch's parameters as `SamplingTensors`, a row each, with host-side flags that skip
 # work (`filtering`, `all_greedy`, `any_greedy`), built by `sampling_tensors` from pinned memory
-# while the GPU computes. vLLM's penalties edit the logits first (`repetition_penalty` divides a
-# seen token's positive logit, multiplies a negative one; `frequency_penalty` subtracts per use in
-# the reply, `presence_penalty` once; before `min_tokens`, stop tokens get `-inf`), then `draw`.
-# Log-probabilities are of the raw logits. (GPU: `GPUSampler`, `deep_dives/gpu_sampler`.)
+# while the GPU computes. (On a GPU: `GPUSampler`, deep dive `gpu_sampler`; vLLM's penalties,
+# `min_tokens` and log-probabilities: deep dive `sampling_options`.)
 
 
 # %% tags=["export"]
-def apply_penalties(
-    logits, presence, frequency, repetition, prompt_ids, output_ids
-) -> torch.Tensor:
-    """vLLM's penalties (see below) on (batch, vocab) float32 logits; token ids (batch, length), -1
-    padded."""
-    vocab = logits.shape[-1]
-
-    def counts(
-        ids: torch.Tensor,
-    ) -> torch.Tensor:  # (batch, vocab): occurrences of each token; padding lands past it
-        ids = ids.masked_fill(ids < 0, vocab)
-        zeros = torch.zeros(ids.shape[0], vocab + 1, device=ids.device)
-        return zeros.scatter_add_(1, ids, torch.ones_like(ids, dtype=zeros.dtype))[:, :vocab]
-
-    in_output, r = counts(output_ids), repetition[:, None]
-    seen = (in_output + counts(prompt_ids)) > 0
-    logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
-    return logits - frequency[:, None] * in_output - presence[:, None] * (in_output > 0)
-
-
 @dataclass(slots=True)
 class SamplingTensors:
     """The batch's sampling parameters, one entry per row."""
@@ -252,41 +206,22 @@ class SamplingTensors:
     min_ps: torch.Tensor  # (batch,) float32; 0 = off
     # (batch,) int64: noise_seed(seed, tokens generated so far), a fresh draw; empty if all greedy
     keys: torch.Tensor
-    filtering: bool = (
-        True  # some random row uses top-k, top-p or min-p; if none does, the sort is skipped
-    )
-    top_k_max: int = (
-        0  # > 0: every random row has a top-k, this the largest: filter_probs sorts only that many
-    )
-    largest_top_k: int = (
-        0  # the largest top-k of a random row, 0 if none has one (on a GPU: the candidates' slots)
-    )
+    # some random row uses top-k, top-p or min-p; if none does, the sort is skipped
+    filtering: bool = True
+    # > 0: every random row has a top-k, this the largest: filter_probs sorts only that many
+    top_k_max: int = 0
+    # the largest top-k of a random row, 0 if none has one (on a GPU: the candidates' slots)
+    largest_top_k: int = 0
     any_greedy: bool = True  # some row has temperature 0
     all_greedy: bool = False  # every row has: no random draw at all
-    penalties: tuple[torch.Tensor, ...] | None = (
-        None  # apply_penalties' arguments after the logits; None: no penalty
-    )
-    banned: torch.Tensor | None = (
-        None  # (2, n): rows and token ids not to draw yet (stop tokens before min_tokens)
-    )
 
 
 class Sampler(nn.Module):
     """One token id per row of logits: the argmax where temperature is 0, else a draw from the
     filtered distribution."""
 
-    def forward(
-        self, logits: torch.Tensor, t: SamplingTensors
-    ) -> torch.Tensor:  # logits: (batch, vocab)
-        if t.penalties is not None:
-            logits = apply_penalties(logits.float(), *t.penalties)
-        if t.banned is not None:  # a new tensor: the caller's logits stay as they were
-            logits = logits.index_put(
-                (t.banned[0], t.banned[1]), torch.tensor(float("-inf"), device=logits.device)
-            )
-        if t.all_greedy:
-            return logits.argmax(dim=-1)
-        return self.draw(logits, t)
+    def forward(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:  # (batch, vocab)
+        return logits.argmax(dim=-1) if t.all_greedy else self.draw(logits, t)
 
     def draw(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         """Temperature, the filters, the exponential race; greedy rows: the argmax."""
@@ -299,34 +234,8 @@ class Sampler(nn.Module):
         return torch.where(greedy, logits.argmax(dim=-1), sampled) if t.any_greedy else sampled
 
 
-# token id -> (log-probability, rank); rank 1 is the most likely
+# a token's log-probabilities, as vLLM returns them: token id -> (log-probability, rank from 1)
 TokenLogprobs = dict[int, tuple[float, int]]
-
-
-def logprobs_of(
-    logits: torch.Tensor, token_ids: torch.Tensor, ks: list[int]
-) -> list[TokenLogprobs]:
-    """Each row's chosen token, then its k most likely, under the raw logits' log-softmax (vLLM's).
-    (rows, vocab)"""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)  # (rows, vocab)
-    chosen = logprobs.gather(-1, token_ids[:, None])  # (rows, 1)
-    # (rows,): how many tokens are more likely, plus one
-    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
-    top = logprobs.topk(max(ks), dim=-1)  # (rows, max k)
-    rows = zip(
-        token_ids.tolist(),
-        chosen[:, 0].tolist(),
-        ranks,
-        top.indices.tolist(),
-        top.values.tolist(),
-        ks,
-    )
-    result = []
-    for token, logprob, rank, ids, values, k in rows:
-        ranked = enumerate(zip(ids[:k], values[:k]), start=1)  # (rank, (token id, log-probability))
-        top_k = {i: (v, j) for j, (i, v) in ranked}
-        result.append({token: (logprob, rank)} | top_k)
-    return result
 
 
 # %% tags=["export"] module="minivllm.engine.step_inputs"
@@ -341,82 +250,47 @@ from minivllm.engine.sequence import Sequence
 from minivllm.layers.sampler import SamplingTensors, noise_seed
 from minivllm.sampling_params import SamplingParams
 
-PENALTIES = ("presence", "frequency", "repetition")
-
 
 def sampling_tensors(
-    params: list[SamplingParams],
-    steps: list[int],
-    device: torch.device | str = "cpu",
-    histories=None,
+    params: list[SamplingParams], steps: list[int], device: torch.device | str = "cpu"
 ) -> SamplingTensors:
-    """A row per request: its parameters, tokens generated so far, and if a row has a penalty,
-    `histories`."""
+    """A row per request: its parameters, and its noise's key from the tokens generated so far."""
     pin = torch.device(device).type == "cuda"
 
     def to_device(values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
 
-    def padded(
-        rows: list[list[int]],
-    ) -> torch.Tensor:  # (batch, longest) int64, -1 after each row's end
-        width = max(1, *map(len, rows))
-        return to_device([row + [-1] * (width - len(row)) for row in rows], torch.int64)
-
-    early = [
-        (r, p.stop_token_ids or [])
-        for r, (p, n) in enumerate(zip(params, steps))
-        if n < p.min_tokens
-    ]
-    banned = [(r, t) for r, ids in early for t in ids]
-    penalties = None
-    if any(p.penalized for p in params):
-        assert histories is not None, "penalties need each row's prompt and output token ids"
-        values = [[getattr(p, f"{name}_penalty") for p in params] for name in PENALTIES]
-        penalties = (
-            *(to_device(v, torch.float32) for v in values),
-            *(padded(list(h)) for h in zip(*histories)),
-        )
     temperatures = [p.temperature for p in params]
-    # greedy draws no noise
     fresh = torch.randint(2**62, (len(params),)).tolist() if any(temperatures) else []
+    seeds = [p.seed for p in params]
+    keys = [k if s is None else noise_seed(s, n) for s, n, k in zip(seeds, steps, fresh)]
     random_top_ks = [p.top_k for p in params if p.temperature > 0]
+    filters = [(p.top_k > 0) | (p.top_p < 1) | (p.min_p > 0) for p in params]
+    filtering = any(f for f, t in zip(filters, temperatures) if t > 0)
     return SamplingTensors(
         temperatures=to_device(temperatures, torch.float32),
         top_ks=to_device([p.top_k for p in params], torch.int64),
         top_ps=to_device([p.top_p for p in params], torch.float32),
         min_ps=to_device([p.min_p for p in params], torch.float32),
-        keys=to_device(
-            [
-                k if p.seed is None else noise_seed(p.seed, n)
-                for p, n, k in zip(params, steps, fresh)
-            ],
-            torch.int64,
-        ),
-        filtering=any(
-            p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in params
-        ),
+        keys=to_device(keys, torch.int64),  # greedy draws no noise: empty
+        filtering=filtering,
         top_k_max=max(random_top_ks) if min(random_top_ks, default=-1) > 0 else 0,
         largest_top_k=max([0, *random_top_ks]),
         any_greedy=0 in temperatures,
         all_greedy=not any(temperatures),
-        penalties=penalties,
-        banned=to_device(list(zip(*banned)), torch.int64) if banned else None,
     )
 
 
 # %%
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.step_inputs import sampling_tensors
-from minivllm.layers.sampler import Sampler, SamplingTensors, logprobs_of
+from minivllm.layers.sampler import Sampler, SamplingTensors
 from minivllm.sampling_params import SamplingParams
 
 
 def tensors_of(seqs: list[Sequence]) -> SamplingTensors:  # what the runner does for its batch
     params, steps = [s.sampling_params for s in seqs], [s.num_completion_tokens for s in seqs]
-    # the runner: only if a row has a penalty
-    histories = [(s.prompt_token_ids, s.completion_token_ids) for s in seqs]
-    return sampling_tensors(params, steps, "cpu", histories)
+    return sampling_tensors(params, steps, "cpu")
 
 
 seqs = [
@@ -425,39 +299,19 @@ seqs = [
 ]
 seqs[1].append_token(6)  # the second request has generated one token
 print(sampling := tensors_of(seqs))
-assert (
-    sampling.top_ks.dtype == torch.int64
-    and sampling.keys[1] == noise_seed(7, 1)
-    and sampling.filtering
-)
-assert sampling.any_greedy and not sampling.all_greedy and not tensors_of(seqs[1:]).any_greedy
+assert sampling.top_ks.dtype == torch.int64 and sampling.keys[1] == noise_seed(7, 1)
+assert sampling.filtering and sampling.any_greedy and not sampling.all_greedy
+assert not tensors_of(seqs[1:]).any_greedy
 assert not tensors_of(seqs[:1]).filtering and tensors_of(seqs[:1]).all_greedy
 sampler = Sampler()
 # each word as often as softmax says
 many = [Sequence([0], SamplingParams(temperature=0.5)) for _ in range(20_000)]
-freq = (
-    torch.bincount(sampler(cat_logits.expand(20_000, -1), tensors_of(many)), minlength=len(words))
-    / 20_000
-)
-show_probs(freq, "T=0.5")
+freq = torch.bincount(sampler(cat_logits.expand(20_000, -1), tensors_of(many)), minlength=12)
+show_probs(freq := freq / 20_000, "T=0.5")
 torch.testing.assert_close(freq, torch.softmax(cat_logits / 0.5, dim=-1), atol=0.01, rtol=0)
 mixed = [Sequence([0], SamplingParams(temperature=T, top_p=0.5)) for T in (0.0, 1.5, 0.0, 3.0)]
-assert sampler(cat_logits.expand(4, -1), tensors_of(mixed))[[0, 2]].tolist() == [
-    0,
-    0,
-]  # greedy rows say "mat"
-penalized = Sequence(
-    [0], SamplingParams(temperature=0, repetition_penalty=2.0, min_tokens=2, stop_token_ids=[1])
-)
-# "mat" said once: 4.0 / 2 is below "floor"'s 3.1, but "floor" stops it before 2 tokens
-penalized.append_token(0)
-assert sampler(cat_logits[None], tensors_of([penalized])).tolist() == [2]  # so: "sofa"
-# "sofa": its (log-prob, rank); the top 2
-print(row := logprobs_of(cat_logits[None], torch.tensor([2]), [2])[0])
-assert (
-    list(row) == [2, *cat_logits.topk(2).indices.tolist()]
-    and row[2][1] == 1 + (cat_logits > cat_logits[2]).sum()
-)
+drawn = sampler(cat_logits.expand(4, -1), tensors_of(mixed))
+assert drawn[[0, 2]].tolist() == [0, 0]  # greedy rows say "mat"
 
 # %% [markdown]
 # ## A step's inputs (a speculative verify step to write: `exercises/04_verify_step`)
@@ -494,7 +348,7 @@ class StepInputs:
     cu_seqlens_q: np.ndarray | None = None  # prefill: (num_seqs + 1,) int32
     cu_seqlens_k: np.ndarray | None = None  # prefill: (num_seqs + 1,) int32
     context_lens: np.ndarray | None = None  # decode: (num_seqs,) int32
-    # prefill: (num_rows,) int64 rows to score; None: each sequence's last
+    # prefill: (num_rows,) int64, the rows whose logits the step returns; None: each sequence's last
     logits_rows: np.ndarray | None = None
 
 
@@ -503,21 +357,6 @@ def block_tables_array(seqs: list[Sequence]) -> np.ndarray:  # (num_seqs, max_bl
     for i, seq in enumerate(seqs):
         tables[i, : len(seq.block_table)] = seq.block_table
     return tables
-
-
-def scores_prompt(seq: Sequence) -> bool:
-    """Whether seq asks for prompt logprobs and has prompt tokens left to score (row i scores token
-    i + 1)."""
-    asked = seq.sampling_params.prompt_logprobs is not None
-    return asked and seq.num_cached_tokens < seq.num_prompt_tokens - 1
-
-
-def scored_rows(scoring: list[bool], cu_seqlens_q: np.ndarray) -> np.ndarray:  # (num_rows,) int64
-    """The rows of a prefill to take logits of: all of a scoring sequence's, each other sequence's
-    last."""
-    bounds = zip(scoring, cu_seqlens_q, cu_seqlens_q[1:])
-    rows = [np.arange(a, b) if score else [b - 1] for score, a, b in bounds]
-    return np.concatenate(rows).astype(np.int64)
 
 
 def slots_of(tables: np.ndarray, rows: np.ndarray, positions: np.ndarray, block_size: int):
@@ -539,7 +378,6 @@ def prepare_prefill(seqs: list[Sequence], block_size: int) -> StepInputs:
     positions = np.arange(cu_q[-1]) - cu_q[seq_of] + starts[seq_of]
     tables = block_tables_array(seqs)
     token_ids = chain.from_iterable(seq.token_ids[s:e] for seq, s, e in zip(seqs, starts, ends))
-    scoring = [scores_prompt(seq) for seq in seqs]  # these score every new token
     return StepInputs(
         is_prefill=True,
         input_ids=np.fromiter(token_ids, dtype=np.int64, count=int(cu_q[-1])),
@@ -548,7 +386,6 @@ def prepare_prefill(seqs: list[Sequence], block_size: int) -> StepInputs:
         block_tables=tables if starts.any() else None,
         cu_seqlens_q=cu_q,
         cu_seqlens_k=np.cumsum([0, *ends], dtype=np.int32),
-        logits_rows=scored_rows(scoring, cu_q) if any(scoring) else None,
     )
 
 
@@ -568,11 +405,10 @@ def prepare_decode(seqs: list[Sequence], block_size: int) -> StepInputs:
 # context per step, and each layer's cache hangs on its `Attention` module (`k_cache`, `v_cache`).
 # Every step first stores its new tokens' KV in their slots. Then a **decode** runs 03's kernel over
 # each sequence's cache; a **prefill** runs 01's kernel, over the new `k`, `v` alone when nothing is
-# cached, else over each sequence's keys and values read back from its blocks (cached and new). A
-# **mixed** step (05's decode rows beside prompt chunks) is a prefill whose decode rows have one new
-# token each. Reading the cache back costs a copy; the deep dive `paged_prefill` reads the blocks
-# inside the kernel, and `cuda_graphs` sends a mixed step's decode rows to the decode kernel.
-# (Decode rows anywhere: `exercises/04_mixed_attention.ipynb`.)
+# cached, else over each sequence's keys and values read back from its blocks. A **mixed** step
+# (05's decode rows beside prompt chunks) is a prefill whose decode rows have one new token each.
+# (Deep dives `paged_prefill` and `cuda_graphs` read the blocks inside the kernels; decode rows
+# anywhere: `exercises/04_mixed_attention.ipynb`.)
 
 # %% tags=["export"] module="minivllm.attention.paged"
 from dataclasses import dataclass
@@ -686,12 +522,8 @@ from minivllm.sampling_params import SamplingParams
 
 def kv_block_bytes(layers: list[Attention], block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one KV block in every layer: the unit the cache is sized in."""
-    return (
-        2
-        * sum(layer.num_kv_heads * layer.head_dim for layer in layers)
-        * block_size
-        * dtype.itemsize
-    )
+    token_bytes = 2 * sum(layer.num_kv_heads * layer.head_dim for layer in layers) * dtype.itemsize
+    return block_size * token_bytes  # each token: a key and a value per KV head and layer
 
 
 @torch.inference_mode()
@@ -700,10 +532,8 @@ def profile_step(
 ) -> None:
     """The largest step the engine will run: a full prefill, then sampling for max_num_seqs rows."""
     num_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * config.max_model_len)
-    lens = [config.max_model_len] * (num_tokens // config.max_model_len) + [
-        num_tokens % config.max_model_len
-    ]
-    lens = [n for n in lens if n][: config.max_num_seqs]
+    full, rest = divmod(num_tokens, config.max_model_len)  # prompts at max_model_len, one shorter
+    lens = [config.max_model_len] * full + [rest] * (rest > 0)
     input_ids = torch.zeros(sum(lens), dtype=torch.int64, device=device)
     positions = torch.cat([torch.arange(n, device=device) for n in lens])
     hidden = model(input_ids, positions, PrefillContext.from_lens(lens, device))
@@ -724,13 +554,7 @@ def gpu_free_blocks(block_bytes: int, gpu_memory_utilization: float) -> int:
     return int(total * gpu_memory_utilization - used - step_peak) // block_bytes
 
 
-def bind_kv_cache(
-    layers: list[Attention],
-    num_blocks: int,
-    block_size: int,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> None:
+def bind_kv_cache(layers: list[Attention], num_blocks: int, block_size: int, dtype, device) -> None:
     """One tensor for the whole cache; each layer gets its K and V views, (num_blocks, block_size,
     kv_heads, d)."""
     shape = (2, len(layers), num_blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim)
@@ -742,12 +566,10 @@ def bind_kv_cache(
 # %% [markdown]
 # ### Putting it together
 # `ModelRunner(config)` loads the model (one tensor-parallel rank's slice, given its groups) and
-# sizes the KV cache, timing each phase. `launch(seqs, is_prefill)` prepares the step, runs the
-# model, samples, and returns a function that gives the step's output (tokens, log-probabilities);
-# `run` calls it at once. Each part is a method of its own (`load`, `make_sampler`, `prepare`,
-# `forward`, `sample`, `to_host`), so a deep dive can change one part in a subclass: the fast
-# paths on a GPU (small-layer kernels, the GPU sampler, warm-up, CUDA graphs, the cascade) and the
-# tensor-parallel processes are such subclasses, and nothing here imports them.
+# sizes the KV cache. `launch(seqs, is_prefill)` prepares the step, runs the model, samples, and
+# returns a function that gives the step's output; `run` calls it at once. Each part is a method of
+# its own, so a deep dive changes one part in a subclass (the GPU fast paths, sampling options,
+# tensor parallelism, async scheduling); nothing here imports them.
 
 # %% tags=["export"] module="minivllm.engine.model_runner"
 import gc
@@ -756,7 +578,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from minivllm.attention.layer import Attention
@@ -768,11 +589,10 @@ from minivllm.engine.step_inputs import (
     prepare_decode,
     prepare_prefill,
     sampling_tensors,
-    scores_prompt,
     step_to_device,
 )
 from minivllm.layers.linear import TPGroup, tensor_parallel
-from minivllm.layers.sampler import Sampler, TokenLogprobs, logprobs_of
+from minivllm.layers.sampler import Sampler, TokenLogprobs
 from minivllm.models.loader import load_model
 from minivllm.models.qwen3 import Qwen3ForCausalLM
 
@@ -898,7 +718,7 @@ class ModelRunner:
     def execute(self, step: StepInputs) -> torch.Tensor:  # (num_rows, vocab_size) logits
         input_ids, positions, context = self.device_inputs(step)
         hidden = self.forward(input_ids, positions, context)  # (num_tokens, hidden_size)
-        if step.is_prefill:  # each sequence's last token, or every token of one scoring its prompt
+        if step.is_prefill:  # each sequence's last token, or the rows logits_rows names
             assert step.cu_seqlens_q is not None  # a prefill step has it
             last = step.cu_seqlens_q[1:] - 1
             rows = torch.from_numpy(last if step.logits_rows is None else step.logits_rows)
@@ -910,14 +730,8 @@ class ModelRunner:
         return self.execute(self.prepare(seqs, is_prefill))
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:  # (num_seqs,)
-        params = [seq.sampling_params for seq in seqs]
-        # penalties need each row's tokens
-        penalized = any(p.penalized for p in params)
-        histories = (
-            [(s.prompt_token_ids, s.completion_token_ids) for s in seqs] if penalized else None
-        )
-        steps = [s.num_completion_tokens for s in seqs]
-        return self.sampler(logits, sampling_tensors(params, steps, self.device, histories))
+        params, steps = [s.sampling_params for s in seqs], [s.num_completion_tokens for s in seqs]
+        return self.sampler(logits, sampling_tensors(params, steps, self.device))
 
     def to_host(self, token_ids: torch.Tensor) -> Callable[[], list[int]]:
         """A function that gives the sampled ids as a list (here: they are copied at once)."""
@@ -929,21 +743,12 @@ class ModelRunner:
         return self.launch(seqs, is_prefill)().token_ids
 
     def launch(self, seqs: list[Sequence], is_prefill: bool) -> Callable[[], StepOutput]:
-        """Run a step; a function that gives its output (tokens, log-probabilities)."""
-        logits = self.step_logits(seqs, is_prefill)  # (num_rows, vocab)
-        scoring = [scores_prompt(seq) for seq in seqs] if is_prefill else []
-        # each sequence's rows end here: one row, or one per scheduled token if it scores its prompt
-        ends = np.cumsum([seq.num_scheduled_tokens if s else 1 for seq, s in zip(seqs, scoring)])
-        last = logits[torch.from_numpy(ends - 1).to(logits.device)] if any(scoring) else logits
-        token_ids = self.sample(seqs, last)  # (num_seqs,)
-        out = StepOutput([], [None] * len(seqs), [None] * len(seqs))
-        params = [seq.sampling_params for seq in seqs]
-        if asked := [i for i, p in enumerate(params) if p.logprobs is not None]:
-            ks = [params[i].logprobs or 0 for i in asked]
-            for i, row in zip(asked, logprobs_of(last[asked], token_ids[asked], ks)):
-                out.logprobs[i] = row
-        for j in [j for j, s in enumerate(scoring) if s]:
-            out.prompt_logprobs[j] = self.prompt_logprobs(seqs[j], logits, int(ends[j]))
+        """Run a step; a function that gives its output (here no log-probabilities)."""
+        token_ids = self.sample(seqs, self.step_logits(seqs, is_prefill))  # (num_seqs,)
+        return self.deliver(token_ids, StepOutput([], [None] * len(seqs), [None] * len(seqs)))
+
+    def deliver(self, token_ids: torch.Tensor, out: StepOutput) -> Callable[[], StepOutput]:
+        """A function that gives `out` with the sampled ids, once they are on the host."""
         host_ids = self.to_host(token_ids)
 
         def output() -> StepOutput:
@@ -952,21 +757,12 @@ class ModelRunner:
 
         return output
 
-    def prompt_logprobs(self, seq: Sequence, logits: torch.Tensor, end: int) -> PromptLogprobs:
-        """Log-probabilities of the prompt tokens this step scored: row p scores token p + 1."""
-        start, k = seq.num_cached_tokens, seq.sampling_params.prompt_logprobs or 0
-        n = min(seq.num_scheduled_tokens, seq.num_prompt_tokens - 1 - start)  # rows in the prompt
-        targets = torch.tensor(seq.token_ids[start + 1 : start + 1 + n], device=logits.device)
-        first = end - seq.num_scheduled_tokens
-        return start + 1, logprobs_of(logits[first : first + n], targets, [k] * n)
-
 
 # %% [markdown]
 # ## Every path gives a from-scratch forward's logits (a bug to find: `exercises/04_find_the_bug`)
 # On notebook 02's tiny checkpoint: prompts prefilled, then decoded through shuffled block tables;
-# at every step the logits equal `prompt_logits` of the whole sequence. Then a prefix-cache hit (new
-# queries over a cached prefix) and a chunked prefill (05), each chunk in a mixed step with a decode
-# row.
+# at every step the logits equal `prompt_logits` of the whole sequence. Then a prefix-cache hit and
+# a chunked prefill (05), each chunk in a mixed step with a decode row.
 
 # %%
 from minivllm.checkpoint import write_checkpoint
@@ -988,18 +784,14 @@ def admit(bm: BlockManager, seq: Sequence) -> None:  # notebook 05's scheduler, 
     seq.num_scheduled_tokens = len(seq) - seq.num_cached_tokens
 
 
-def error_of(
-    logits: torch.Tensor, token_ids: list[int]
-) -> float:  # worst |logits - a from-scratch forward's|
+def error_of(logits: torch.Tensor, token_ids: list[int]) -> float:  # vs a from-scratch forward
     return (logits - prompt_logits(reference, token_ids)[-1]).abs().max().item()
 
 
 def check_steps(runner: ModelRunner, prompts: list[list[int]], num_decode_steps: int) -> float:
-    """Prefill `prompts`, decode greedily; compare every step's logits with prompt_logits. Worst
-    |error|."""
+    """Prefill `prompts`, decode greedily; the worst error of every step's logits."""
     bm = BlockManager(runner.num_kvcache_blocks, runner.block_size)
-    # blocks handed out in a random order: block tables far from contiguous
-    random.shuffle(bm.free_block_ids)
+    random.shuffle(bm.free_block_ids)  # block tables far from contiguous
     seqs = [Sequence(p, block_size=runner.block_size) for p in prompts]
     for seq in seqs:
         admit(bm, seq)
@@ -1017,9 +809,8 @@ prompts = [random.choices(range(2048), k=n) for n in (1, 15, 16, 17, 100)]
 worst = check_steps(runner, prompts, num_decode_steps=40)
 print(f"5 prompts, prefill + 40 decode steps, shuffled blocks: worst logit error {worst:.1e}")
 assert worst < 1e-4
-runner.use_triton = (
-    True  # the same through the Triton kernels (on a CPU, in the interpreter, so fewer steps)
-)
+# the same through the Triton kernels (on a CPU, in the interpreter, so fewer steps)
+runner.use_triton = True
 worst = check_steps(runner, prompts[:3], num_decode_steps=3)
 print(f"Triton kernels: worst logit error {worst:.1e}")
 assert worst < 1e-4
@@ -1034,20 +825,11 @@ admit(bm, second)
 assert second.num_cached_tokens == 48  # three blocks reused: prefill computes 4 tokens, not 52
 # its 4 tokens' positions and slots; its keys: cached + new
 step = prepare_prefill([second], block_size=16)
-assert (
-    list(step.cu_seqlens_q) == [0, 4]
-    and list(step.cu_seqlens_k) == [0, 52]
-    and step.block_tables is not None
-)
-assert (
-    step.positions.tolist() == [48, 49, 50, 51]
-    and step.slot_mapping[0] == second.block_table[3] * 16
-)
+assert list(step.cu_seqlens_q) == [0, 4] and list(step.cu_seqlens_k) == [0, 52]
+assert step.positions.tolist() == [48, 49, 50, 51]
+assert step.block_tables is not None and step.slot_mapping[0] == second.block_table[3] * 16
 error = error_of(runner.step_logits([second], is_prefill=True)[0], second.token_ids)
-print(
-    f"prefix-cache hit: {second.num_cached_tokens} of {len(second)} tokens reused, logit error "
-    f"{error:.1e}"
-)
+print(f"prefix-cache hit: 48 of {len(second)} tokens reused, logit error {error:.1e}")
 assert error < 1e-4
 long = Sequence(random.choices(range(2048), k=100), block_size=16)
 bm.allocate(long)
@@ -1056,17 +838,14 @@ for end in (37, 64, 100):
     first.append_token(7)
     bm.may_append(first)
     # a decode row (05 puts them first)
-    first.num_cached_tokens, first.num_scheduled_tokens = (len(first) - 1, 1)
+    first.num_cached_tokens, first.num_scheduled_tokens = len(first) - 1, 1
     bm.cache_blocks(long, end)
     long.num_scheduled_tokens = end - long.num_cached_tokens
     decoded, logits = runner.step_logits([first, long], is_prefill=True)
     long.num_cached_tokens = end  # the step has run: these tokens' KV is in the cache
     error = max(error_of(decoded, first.token_ids), error_of(logits, long.token_ids[:end]))
     assert error < 1e-4
-print(
-    f"100 tokens in chunks of 37, 27, 36, each with a decode row: last step's logit error "
-    f"{error:.1e}"
-)
+print(f"100 tokens in chunks of 37, 27, 36, each beside a decode row: logit error {error:.1e}")
 
 # %% [markdown]
 # ### How fast: a whole decode step
@@ -1079,22 +858,18 @@ import json
 from minivllm.benchmarks.decode_step import run_decode_step_benchmark
 
 saved = Path("figures/decode_step.json")  # an H200 run's, shown on a CPU
-step_data = (
-    run_decode_step_benchmark(batch_sizes=(1, 8, 64))
-    if DEVICE == "cuda"
-    else json.loads(saved.read_text())
-)
-print(
-    f"KV cache on {step_data['device']}: {step_data['kv_cache_tokens'] / 1e6:.2f} M tokens; ms "
-    f"per step:"
-)
+if DEVICE == "cuda":
+    step_data = run_decode_step_benchmark(batch_sizes=(1, 8, 64))
+else:
+    step_data = json.loads(saved.read_text())
+cache = f"{step_data['kv_cache_tokens'] / 1e6:.2f} M tokens"
+print(f"KV cache on {step_data['device']}: {cache}; ms per step:")
 ms_per_step = {f"{r['impl']}, batch {r['batch']}": r["ms"] for r in step_data["rows"]}
 print({name: round(ms, 2) for name, ms in ms_per_step.items()})
 
 # %% [markdown]
 # ## Check yourself
-# Set each `answerN` and run its cell: it compares your answer with what the runner's functions
-# compute. The worked answer follows.
+# Set each `answerN` and run its cell; the worked answer follows.
 #
 # **1.** A mixed step of three rows: `a` decodes its 41st token (40 in its cache); `b`, a 70-token
 # prompt, found its first 48 tokens in the prefix cache; `c`, a 30-token prompt, computes a first

@@ -72,7 +72,11 @@ ALLOWED: dict[str, set[str]] = {
     "benchmarks/": set(ROOMS) - {"checks/", "__main__.py"},
     "checks/": set(ROOMS) - {"benchmarks/", "__main__.py", "serve/"},
     "__init__.py": set(),
-    "production.py": {"api_llm.py", "llm.py", "engine/"},  # the public LLM: the core's, every layer composed
+    "production.py": {
+        "api_llm.py",
+        "llm.py",
+        "engine/",
+    },  # the public LLM: the core's, every layer composed
 }
 
 
@@ -154,6 +158,8 @@ def test_a_deep_dive_exports_the_fast_paths():
         "minivllm.kernels.paged_prefill",
         "minivllm.kernels.sampling",
         "minivllm.layers.gpu_sampler",
+        "minivllm.layers.sampling_options",
+        "minivllm.engine.sampling_options",
         "minivllm.engine.cascade",
         "minivllm.engine.cuda_graphs",
         "minivllm.engine.mixed_graphs",
@@ -231,6 +237,7 @@ def test_each_production_layer_extends_a_core_class_from_outside():
     from minivllm.engine.model_runner import ModelRunner
     from minivllm.engine.output_processor import OutputProcessor
     from minivllm.engine.production import ProductionEngine
+    from minivllm.engine.sampling_options import OptionsRunner
     from minivllm.engine.workers import TPModelRunner
     from minivllm.layers.gpu_sampler import GPUSampler
     from minivllm.layers.sampler import Sampler
@@ -239,6 +246,7 @@ def test_each_production_layer_extends_a_core_class_from_outside():
 
     pairs = [
         (FastPagedContext, PagedContext),
+        (OptionsRunner, ModelRunner),
         (GPUModelRunner, ModelRunner),
         (AsyncRunner, ModelRunner),
         (TPModelRunner, ModelRunner),
@@ -252,6 +260,8 @@ def test_each_production_layer_extends_a_core_class_from_outside():
         (ApiLLM, LLM),
         (ProductionLLM, LLM),
     ]
+    # the production runners keep every sampling option: penalties, min_tokens, log-probabilities
+    assert all(issubclass(r, OptionsRunner) for r in (GPUModelRunner, AsyncRunner, TPModelRunner))
     deep = deep_dive_modules()
     for layer, core in pairs:
         assert issubclass(layer, core) and layer.__module__ in deep, layer
@@ -302,7 +312,7 @@ ENGINE_ALLOWED: dict[str, set[str]] = {
     "input_processor": {"request"},
     "output_processor": {"core", "request"},  # the core's Delta, a NamedTuple
     "llm_engine": {"core", "input_processor", "output_processor"},
-    "api_core": {"core"},
+    "api_core": {"core", "model_runner", "sampling_options"},
     "api_processors": {"core", "input_processor", "output_processor", "request"},
     "api_engine": {
         "api_core",
@@ -317,17 +327,26 @@ ENGINE_ALLOWED: dict[str, set[str]] = {
     "cuda_graphs": {"cascade"},
     "mixed_graphs": {"cuda_graphs"},
     "sampler_warm_up": {"step_inputs"},
+    "sampling_options": {"model_runner", "sequence", "step_inputs"},
     "warm_up": {"model_runner", "sampler_warm_up", "step_inputs"},
-    "workers": {"model_runner", "sequence"},
+    "workers": {"model_runner", "sampling_options", "sequence"},
     "gpu_runner": {
         "cascade",
         "cuda_graphs",
         "mixed_graphs",
         "model_runner",
+        "sampling_options",
         "step_inputs",
         "warm_up",
     },
-    "async_core": {"api_core", "core", "model_runner", "sequence", "step_inputs"},
+    "async_core": {
+        "api_core",
+        "core",
+        "model_runner",
+        "sampling_options",
+        "sequence",
+        "step_inputs",
+    },
     "production": {
         "api_core",
         "api_engine",

@@ -20,7 +20,6 @@ from minivllm.kernels.sampling import _neg_log2, nucleus, race, race_ids, top_k_
 from minivllm.layers.gpu_sampler import GPUSampler
 from minivllm.layers.sampler import (
     SamplingTensors,
-    apply_penalties,
     exponential_noise,
     filter_probs,
     keep_mask,
@@ -341,85 +340,6 @@ def test_filtered_frequencies_are_the_renormalized_survivors(filters, kept, devi
         atol=0.012,
         rtol=0,
     )
-
-
-# --- penalties and min_tokens ------------------------------------------------------------------------------
-
-
-def reference_penalized(
-    logits: list[float], params: SamplingParams, prompt: list[int], output: list[int]
-) -> list:
-    """vLLM's penalties for one row, token by token in plain Python."""
-    penalized = []
-    for token, x in enumerate(logits):
-        if token in prompt or token in output:
-            x = x / params.repetition_penalty if x > 0 else x * params.repetition_penalty
-        n = output.count(token)
-        penalized.append(x - params.frequency_penalty * n - params.presence_penalty * (n > 0))
-    return penalized
-
-
-token_lists = st.lists(st.integers(0, 59), max_size=12)
-
-
-@settings(max_examples=200, deadline=None)
-@given(
-    **logit_rows,
-    presence=st.floats(-2, 2),
-    frequency=st.floats(-2, 2),
-    repetition=st.floats(0.1, 3),
-    prompt=token_lists,
-    output=token_lists,
-)
-def test_penalties_match_a_per_token_reference(
-    seed, vocab, scale, presence, frequency, repetition, prompt, output
-):
-    prompt, output = [t % vocab for t in prompt], [t % vocab for t in output]
-    params = SamplingParams(
-        presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition
-    )
-    plain = SamplingParams()  # a row without penalties, in the same batch: untouched
-    logits = random_logits(seed, vocab, scale, rows=2)
-    t = sampling_tensors(
-        [params, plain], [len(output), 3], "cpu", [(prompt, output), ([1, 2], [0])]
-    )
-    assert t.penalties is not None
-    got = apply_penalties(logits, *t.penalties)
-    expected = torch.tensor(reference_penalized(logits[0].tolist(), params, prompt, output))
-    torch.testing.assert_close(got[0], expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got[1], logits[1])
-
-
-def test_no_penalty_no_history_needed():
-    assert tensors([SamplingParams(), SamplingParams(temperature=0)]).penalties is None
-
-
-def test_penalized_frequencies_match_the_penalized_softmax():
-    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
-    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.3)
-    prompt, output = [0], [1, 1, 3]
-    n = 20_000
-    torch.manual_seed(0)
-    tokens = sampler(
-        logits.expand(n, -1), sampling_tensors([params] * n, [3] * n, "cpu", [(prompt, output)] * n)
-    )
-    freq = torch.bincount(tokens, minlength=5) / n
-    expected = torch.softmax(
-        torch.tensor(reference_penalized(logits[0].tolist(), params, prompt, output)), dim=-1
-    )
-    torch.testing.assert_close(freq, expected, atol=0.012, rtol=0)
-
-
-def test_min_tokens_bans_stop_tokens_until_then_for_greedy_and_random_rows():
-    logits = torch.tensor([[0.0, 5.0, 1.0, 4.0]])  # token 1 is the likeliest
-    greedy = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[1])
-    assert [sample(logits, [greedy], [step]).item() for step in range(4)] == [3, 3, 1, 1]
-    random_rows = [SamplingParams(min_tokens=2, stop_token_ids=[1, 3])] * 2000
-    torch.manual_seed(0)
-    assert set(sample(logits.expand(2000, -1), random_rows, [1] * 2000).tolist()) == {0, 2}
-    before = logits.clone()
-    sample(logits, [greedy], [0])
-    assert torch.equal(logits, before)  # the caller's logits are untouched
 
 
 # --- seeds -------------------------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ DEEP_DIVES = {
     "cascade_attention": "03_kv_cache",
     "paged_prefill": "03_kv_cache",
     "gpu_sampler": "04_model_runner",
+    "sampling_options": "04_model_runner",
     "cuda_graphs": "04_model_runner",
     "scheduler_policies": "05_scheduler",
     "scheduler_memory": "05_scheduler",

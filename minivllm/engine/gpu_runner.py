@@ -13,7 +13,7 @@ from minivllm.attention.paged import PagedContext
 from minivllm.engine.cascade import shared_prefix
 from minivllm.engine.cuda_graphs import DecodeGraphs
 from minivllm.engine.mixed_graphs import MixedGraphs, capture_mixed_graphs
-from minivllm.engine.model_runner import ModelRunner
+from minivllm.engine.sampling_options import OptionsRunner
 from minivllm.engine.step_inputs import StepInputs, to_device
 from minivllm.engine.warm_up import warm_up_runner
 from minivllm.kernels.flash_attn import launch_config
@@ -23,9 +23,10 @@ from minivllm.layers.small_layer_kernels import use_small_layer_kernels
 from minivllm.models.qwen3 import Qwen3ForCausalLM
 
 
-class FastAttentionRunner(ModelRunner):
-    """Notebook 04's runner with `FastPagedContext`: paged prefill, a mixed step's decode rows
-    apart, a shared prefix read once (on a CPU too, in Triton's interpreter, as tests run it)."""
+class FastAttentionRunner(OptionsRunner):
+    """Notebook 04's runner (sampling options included) with `FastPagedContext`: paged prefill, a
+    mixed step's decode rows apart, a shared prefix read once (on a CPU too, in Triton's
+    interpreter, as tests run it)."""
 
     block_m = 64  # the prefill kernel's query tile, launch_config's
 

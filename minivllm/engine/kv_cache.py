@@ -13,12 +13,8 @@ from minivllm.sampling_params import SamplingParams
 
 def kv_block_bytes(layers: list[Attention], block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one KV block in every layer: the unit the cache is sized in."""
-    return (
-        2
-        * sum(layer.num_kv_heads * layer.head_dim for layer in layers)
-        * block_size
-        * dtype.itemsize
-    )
+    token_bytes = 2 * sum(layer.num_kv_heads * layer.head_dim for layer in layers) * dtype.itemsize
+    return block_size * token_bytes  # each token: a key and a value per KV head and layer
 
 
 @torch.inference_mode()
@@ -27,10 +23,8 @@ def profile_step(
 ) -> None:
     """The largest step the engine will run: a full prefill, then sampling for max_num_seqs rows."""
     num_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * config.max_model_len)
-    lens = [config.max_model_len] * (num_tokens // config.max_model_len) + [
-        num_tokens % config.max_model_len
-    ]
-    lens = [n for n in lens if n][: config.max_num_seqs]
+    full, rest = divmod(num_tokens, config.max_model_len)  # prompts at max_model_len, one shorter
+    lens = [config.max_model_len] * full + [rest] * (rest > 0)
     input_ids = torch.zeros(sum(lens), dtype=torch.int64, device=device)
     positions = torch.cat([torch.arange(n, device=device) for n in lens])
     hidden = model(input_ids, positions, PrefillContext.from_lens(lens, device))
@@ -51,13 +45,7 @@ def gpu_free_blocks(block_bytes: int, gpu_memory_utilization: float) -> int:
     return int(total * gpu_memory_utilization - used - step_peak) // block_bytes
 
 
-def bind_kv_cache(
-    layers: list[Attention],
-    num_blocks: int,
-    block_size: int,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> None:
+def bind_kv_cache(layers: list[Attention], num_blocks: int, block_size: int, dtype, device) -> None:
     """One tensor for the whole cache; each layer gets its K and V views, (num_blocks, block_size,
     kv_heads, d)."""
     shape = (2, len(layers), num_blocks, block_size, layers[0].num_kv_heads, layers[0].head_dim)

@@ -6,7 +6,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from minivllm.attention.layer import Attention
@@ -18,11 +17,10 @@ from minivllm.engine.step_inputs import (
     prepare_decode,
     prepare_prefill,
     sampling_tensors,
-    scores_prompt,
     step_to_device,
 )
 from minivllm.layers.linear import TPGroup, tensor_parallel
-from minivllm.layers.sampler import Sampler, TokenLogprobs, logprobs_of
+from minivllm.layers.sampler import Sampler, TokenLogprobs
 from minivllm.models.loader import load_model
 from minivllm.models.qwen3 import Qwen3ForCausalLM
 
@@ -147,7 +145,7 @@ class ModelRunner:
     def execute(self, step: StepInputs) -> torch.Tensor:  # (num_rows, vocab_size) logits
         input_ids, positions, context = self.device_inputs(step)
         hidden = self.forward(input_ids, positions, context)  # (num_tokens, hidden_size)
-        if step.is_prefill:  # each sequence's last token, or every token of one scoring its prompt
+        if step.is_prefill:  # each sequence's last token, or the rows logits_rows names
             assert step.cu_seqlens_q is not None  # a prefill step has it
             last = step.cu_seqlens_q[1:] - 1
             rows = torch.from_numpy(last if step.logits_rows is None else step.logits_rows)
@@ -159,14 +157,8 @@ class ModelRunner:
         return self.execute(self.prepare(seqs, is_prefill))
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:  # (num_seqs,)
-        params = [seq.sampling_params for seq in seqs]
-        # penalties need each row's tokens
-        penalized = any(p.penalized for p in params)
-        histories = (
-            [(s.prompt_token_ids, s.completion_token_ids) for s in seqs] if penalized else None
-        )
-        steps = [s.num_completion_tokens for s in seqs]
-        return self.sampler(logits, sampling_tensors(params, steps, self.device, histories))
+        params, steps = [s.sampling_params for s in seqs], [s.num_completion_tokens for s in seqs]
+        return self.sampler(logits, sampling_tensors(params, steps, self.device))
 
     def to_host(self, token_ids: torch.Tensor) -> Callable[[], list[int]]:
         """A function that gives the sampled ids as a list (here: they are copied at once)."""
@@ -178,21 +170,12 @@ class ModelRunner:
         return self.launch(seqs, is_prefill)().token_ids
 
     def launch(self, seqs: list[Sequence], is_prefill: bool) -> Callable[[], StepOutput]:
-        """Run a step; a function that gives its output (tokens, log-probabilities)."""
-        logits = self.step_logits(seqs, is_prefill)  # (num_rows, vocab)
-        scoring = [scores_prompt(seq) for seq in seqs] if is_prefill else []
-        # each sequence's rows end here: one row, or one per scheduled token if it scores its prompt
-        ends = np.cumsum([seq.num_scheduled_tokens if s else 1 for seq, s in zip(seqs, scoring)])
-        last = logits[torch.from_numpy(ends - 1).to(logits.device)] if any(scoring) else logits
-        token_ids = self.sample(seqs, last)  # (num_seqs,)
-        out = StepOutput([], [None] * len(seqs), [None] * len(seqs))
-        params = [seq.sampling_params for seq in seqs]
-        if asked := [i for i, p in enumerate(params) if p.logprobs is not None]:
-            ks = [params[i].logprobs or 0 for i in asked]
-            for i, row in zip(asked, logprobs_of(last[asked], token_ids[asked], ks)):
-                out.logprobs[i] = row
-        for j in [j for j, s in enumerate(scoring) if s]:
-            out.prompt_logprobs[j] = self.prompt_logprobs(seqs[j], logits, int(ends[j]))
+        """Run a step; a function that gives its output (here no log-probabilities)."""
+        token_ids = self.sample(seqs, self.step_logits(seqs, is_prefill))  # (num_seqs,)
+        return self.deliver(token_ids, StepOutput([], [None] * len(seqs), [None] * len(seqs)))
+
+    def deliver(self, token_ids: torch.Tensor, out: StepOutput) -> Callable[[], StepOutput]:
+        """A function that gives `out` with the sampled ids, once they are on the host."""
         host_ids = self.to_host(token_ids)
 
         def output() -> StepOutput:
@@ -200,11 +183,3 @@ class ModelRunner:
             return out
 
         return output
-
-    def prompt_logprobs(self, seq: Sequence, logits: torch.Tensor, end: int) -> PromptLogprobs:
-        """Log-probabilities of the prompt tokens this step scored: row p scores token p + 1."""
-        start, k = seq.num_cached_tokens, seq.sampling_params.prompt_logprobs or 0
-        n = min(seq.num_scheduled_tokens, seq.num_prompt_tokens - 1 - start)  # rows in the prompt
-        targets = torch.tensor(seq.token_ids[start + 1 : start + 1 + n], device=logits.device)
-        first = end - seq.num_scheduled_tokens
-        return start + 1, logprobs_of(logits[first : first + n], targets, [k] * n)

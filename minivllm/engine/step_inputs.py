@@ -11,67 +11,34 @@ from minivllm.engine.sequence import Sequence
 from minivllm.layers.sampler import SamplingTensors, noise_seed
 from minivllm.sampling_params import SamplingParams
 
-PENALTIES = ("presence", "frequency", "repetition")
-
 
 def sampling_tensors(
-    params: list[SamplingParams],
-    steps: list[int],
-    device: torch.device | str = "cpu",
-    histories=None,
+    params: list[SamplingParams], steps: list[int], device: torch.device | str = "cpu"
 ) -> SamplingTensors:
-    """A row per request: its parameters, tokens generated so far, and if a row has a penalty,
-    `histories`."""
+    """A row per request: its parameters, and its noise's key from the tokens generated so far."""
     pin = torch.device(device).type == "cuda"
 
     def to_device(values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, pin_memory=pin).to(device, non_blocking=True)
 
-    def padded(
-        rows: list[list[int]],
-    ) -> torch.Tensor:  # (batch, longest) int64, -1 after each row's end
-        width = max(1, *map(len, rows))
-        return to_device([row + [-1] * (width - len(row)) for row in rows], torch.int64)
-
-    early = [
-        (r, p.stop_token_ids or [])
-        for r, (p, n) in enumerate(zip(params, steps))
-        if n < p.min_tokens
-    ]
-    banned = [(r, t) for r, ids in early for t in ids]
-    penalties = None
-    if any(p.penalized for p in params):
-        assert histories is not None, "penalties need each row's prompt and output token ids"
-        values = [[getattr(p, f"{name}_penalty") for p in params] for name in PENALTIES]
-        penalties = (
-            *(to_device(v, torch.float32) for v in values),
-            *(padded(list(h)) for h in zip(*histories)),
-        )
     temperatures = [p.temperature for p in params]
-    # greedy draws no noise
     fresh = torch.randint(2**62, (len(params),)).tolist() if any(temperatures) else []
+    seeds = [p.seed for p in params]
+    keys = [k if s is None else noise_seed(s, n) for s, n, k in zip(seeds, steps, fresh)]
     random_top_ks = [p.top_k for p in params if p.temperature > 0]
+    filters = [(p.top_k > 0) | (p.top_p < 1) | (p.min_p > 0) for p in params]
+    filtering = any(f for f, t in zip(filters, temperatures) if t > 0)
     return SamplingTensors(
         temperatures=to_device(temperatures, torch.float32),
         top_ks=to_device([p.top_k for p in params], torch.int64),
         top_ps=to_device([p.top_p for p in params], torch.float32),
         min_ps=to_device([p.min_p for p in params], torch.float32),
-        keys=to_device(
-            [
-                k if p.seed is None else noise_seed(p.seed, n)
-                for p, n, k in zip(params, steps, fresh)
-            ],
-            torch.int64,
-        ),
-        filtering=any(
-            p.temperature > 0 and (p.top_k > 0 or p.top_p < 1 or p.min_p > 0) for p in params
-        ),
+        keys=to_device(keys, torch.int64),  # greedy draws no noise: empty
+        filtering=filtering,
         top_k_max=max(random_top_ks) if min(random_top_ks, default=-1) > 0 else 0,
         largest_top_k=max([0, *random_top_ks]),
         any_greedy=0 in temperatures,
         all_greedy=not any(temperatures),
-        penalties=penalties,
-        banned=to_device(list(zip(*banned)), torch.int64) if banned else None,
     )
 
 
@@ -100,7 +67,7 @@ class StepInputs:
     cu_seqlens_q: np.ndarray | None = None  # prefill: (num_seqs + 1,) int32
     cu_seqlens_k: np.ndarray | None = None  # prefill: (num_seqs + 1,) int32
     context_lens: np.ndarray | None = None  # decode: (num_seqs,) int32
-    # prefill: (num_rows,) int64 rows to score; None: each sequence's last
+    # prefill: (num_rows,) int64, the rows whose logits the step returns; None: each sequence's last
     logits_rows: np.ndarray | None = None
 
 
@@ -109,21 +76,6 @@ def block_tables_array(seqs: list[Sequence]) -> np.ndarray:  # (num_seqs, max_bl
     for i, seq in enumerate(seqs):
         tables[i, : len(seq.block_table)] = seq.block_table
     return tables
-
-
-def scores_prompt(seq: Sequence) -> bool:
-    """Whether seq asks for prompt logprobs and has prompt tokens left to score (row i scores token
-    i + 1)."""
-    asked = seq.sampling_params.prompt_logprobs is not None
-    return asked and seq.num_cached_tokens < seq.num_prompt_tokens - 1
-
-
-def scored_rows(scoring: list[bool], cu_seqlens_q: np.ndarray) -> np.ndarray:  # (num_rows,) int64
-    """The rows of a prefill to take logits of: all of a scoring sequence's, each other sequence's
-    last."""
-    bounds = zip(scoring, cu_seqlens_q, cu_seqlens_q[1:])
-    rows = [np.arange(a, b) if score else [b - 1] for score, a, b in bounds]
-    return np.concatenate(rows).astype(np.int64)
 
 
 def slots_of(tables: np.ndarray, rows: np.ndarray, positions: np.ndarray, block_size: int):
@@ -145,7 +97,6 @@ def prepare_prefill(seqs: list[Sequence], block_size: int) -> StepInputs:
     positions = np.arange(cu_q[-1]) - cu_q[seq_of] + starts[seq_of]
     tables = block_tables_array(seqs)
     token_ids = chain.from_iterable(seq.token_ids[s:e] for seq, s, e in zip(seqs, starts, ends))
-    scoring = [scores_prompt(seq) for seq in seqs]  # these score every new token
     return StepInputs(
         is_prefill=True,
         input_ids=np.fromiter(token_ids, dtype=np.int64, count=int(cu_q[-1])),
@@ -154,7 +105,6 @@ def prepare_prefill(seqs: list[Sequence], block_size: int) -> StepInputs:
         block_tables=tables if starts.any() else None,
         cu_seqlens_q=cu_q,
         cu_seqlens_k=np.cumsum([0, *ends], dtype=np.int32),
-        logits_rows=scored_rows(scoring, cu_q) if any(scoring) else None,
     )
 
 

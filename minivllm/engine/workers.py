@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 
 from minivllm.config import Config
 from minivllm.engine.model_runner import ModelRunner, rank_device
+from minivllm.engine.sampling_options import OptionsRunner
 from minivllm.engine.sequence import Sequence
 from minivllm.layers.linear import TPGroup
 
@@ -236,9 +237,9 @@ def exit_with_parent(parent_pid: int) -> None:
     os._exit(1)  # rank 0 is gone: nobody will send "exit"
 
 
-class RankRunner(ModelRunner):
-    """One rank's runner: every rank sizes its KV cache, and all take the smallest (one block
-    manager serves them all)."""
+class RankRunner(OptionsRunner):
+    """One rank's runner (sampling options included): every rank sizes its KV cache, and all take
+    the smallest (one block manager serves them all)."""
 
     def num_kv_blocks(self, block_bytes: int) -> int:
         agreed = torch.tensor([super().num_kv_blocks(block_bytes)])

@@ -14,12 +14,10 @@ def keep_mask(
     ranks = torch.arange(sorted_probs.shape[-1], device=sorted_probs.device)  # (vocab,)
     keep = (top_ks[:, None] < 0) | (ranks < top_ks[:, None])  # top-k  (batch, vocab)
     cum = (sorted_probs * keep).cumsum(dim=-1)  # (batch, vocab), running mass of what top-k kept
-    before = torch.cat(
-        [torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1
-    )  # mass of the more likely tokens
-    # top-p, on top-k's renormalized distribution; p = 1 keeps all, even the tail a float32 sum no
-    # longer sees
-    p_mass = top_ps[:, None] * cum[:, -1:]  # (batch, 1): top-p of what top-k kept
+    # mass of the more likely tokens
+    before = torch.nn.functional.pad(cum[:, :-1], (1, 0))
+    # top-p of what top-k kept; p = 1 keeps all, even the tail a float32 sum no longer sees
+    p_mass = top_ps[:, None] * cum[:, -1:]  # (batch, 1)
     keep &= (before < p_mass) | (top_ps[:, None] >= 1)
     # min-p, relative to the most likely token
     keep &= sorted_probs >= min_ps[:, None] * sorted_probs[:, :1]
@@ -37,14 +35,12 @@ def filter_probs(
     k_max > 0 tokens."""
     sort = probs.topk(min(k_max, probs.shape[-1])) if k_max else probs.sort(dim=-1, descending=True)
     keep = keep_mask(sort.values, top_ks, top_ps, min_ps)  # (batch, vocab or k_max)
-    # in vocabulary order
-    keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, sort.indices, keep)
+    keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, sort.indices, keep)  # vocab order
     return probs.masked_fill(~keep, 0.0)
 
 
-NOISE_SEED_MULTIPLIER = (
-    1_000_003  # odd: distinct seeds start apart; above any step: one seed's steps never collide
-)
+# odd: distinct seeds start apart; above any step: one seed's steps never collide
+NOISE_SEED_MULTIPLIER = 1_000_003
 
 
 def noise_seed(seed: int, step: int) -> int:
@@ -61,26 +57,6 @@ def exponential_noise(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return q.clamp_min_(1e-10)  # a 0 would make p / q infinite, or NaN for a dropped token
 
 
-def apply_penalties(
-    logits, presence, frequency, repetition, prompt_ids, output_ids
-) -> torch.Tensor:
-    """vLLM's penalties (see below) on (batch, vocab) float32 logits; token ids (batch, length), -1
-    padded."""
-    vocab = logits.shape[-1]
-
-    def counts(
-        ids: torch.Tensor,
-    ) -> torch.Tensor:  # (batch, vocab): occurrences of each token; padding lands past it
-        ids = ids.masked_fill(ids < 0, vocab)
-        zeros = torch.zeros(ids.shape[0], vocab + 1, device=ids.device)
-        return zeros.scatter_add_(1, ids, torch.ones_like(ids, dtype=zeros.dtype))[:, :vocab]
-
-    in_output, r = counts(output_ids), repetition[:, None]
-    seen = (in_output + counts(prompt_ids)) > 0
-    logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
-    return logits - frequency[:, None] * in_output - presence[:, None] * (in_output > 0)
-
-
 @dataclass(slots=True)
 class SamplingTensors:
     """The batch's sampling parameters, one entry per row."""
@@ -91,41 +67,22 @@ class SamplingTensors:
     min_ps: torch.Tensor  # (batch,) float32; 0 = off
     # (batch,) int64: noise_seed(seed, tokens generated so far), a fresh draw; empty if all greedy
     keys: torch.Tensor
-    filtering: bool = (
-        True  # some random row uses top-k, top-p or min-p; if none does, the sort is skipped
-    )
-    top_k_max: int = (
-        0  # > 0: every random row has a top-k, this the largest: filter_probs sorts only that many
-    )
-    largest_top_k: int = (
-        0  # the largest top-k of a random row, 0 if none has one (on a GPU: the candidates' slots)
-    )
+    # some random row uses top-k, top-p or min-p; if none does, the sort is skipped
+    filtering: bool = True
+    # > 0: every random row has a top-k, this the largest: filter_probs sorts only that many
+    top_k_max: int = 0
+    # the largest top-k of a random row, 0 if none has one (on a GPU: the candidates' slots)
+    largest_top_k: int = 0
     any_greedy: bool = True  # some row has temperature 0
     all_greedy: bool = False  # every row has: no random draw at all
-    penalties: tuple[torch.Tensor, ...] | None = (
-        None  # apply_penalties' arguments after the logits; None: no penalty
-    )
-    banned: torch.Tensor | None = (
-        None  # (2, n): rows and token ids not to draw yet (stop tokens before min_tokens)
-    )
 
 
 class Sampler(nn.Module):
     """One token id per row of logits: the argmax where temperature is 0, else a draw from the
     filtered distribution."""
 
-    def forward(
-        self, logits: torch.Tensor, t: SamplingTensors
-    ) -> torch.Tensor:  # logits: (batch, vocab)
-        if t.penalties is not None:
-            logits = apply_penalties(logits.float(), *t.penalties)
-        if t.banned is not None:  # a new tensor: the caller's logits stay as they were
-            logits = logits.index_put(
-                (t.banned[0], t.banned[1]), torch.tensor(float("-inf"), device=logits.device)
-            )
-        if t.all_greedy:
-            return logits.argmax(dim=-1)
-        return self.draw(logits, t)
+    def forward(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:  # (batch, vocab)
+        return logits.argmax(dim=-1) if t.all_greedy else self.draw(logits, t)
 
     def draw(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         """Temperature, the filters, the exponential race; greedy rows: the argmax."""
@@ -138,31 +95,5 @@ class Sampler(nn.Module):
         return torch.where(greedy, logits.argmax(dim=-1), sampled) if t.any_greedy else sampled
 
 
-# token id -> (log-probability, rank); rank 1 is the most likely
+# a token's log-probabilities, as vLLM returns them: token id -> (log-probability, rank from 1)
 TokenLogprobs = dict[int, tuple[float, int]]
-
-
-def logprobs_of(
-    logits: torch.Tensor, token_ids: torch.Tensor, ks: list[int]
-) -> list[TokenLogprobs]:
-    """Each row's chosen token, then its k most likely, under the raw logits' log-softmax (vLLM's).
-    (rows, vocab)"""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)  # (rows, vocab)
-    chosen = logprobs.gather(-1, token_ids[:, None])  # (rows, 1)
-    # (rows,): how many tokens are more likely, plus one
-    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
-    top = logprobs.topk(max(ks), dim=-1)  # (rows, max k)
-    rows = zip(
-        token_ids.tolist(),
-        chosen[:, 0].tolist(),
-        ranks,
-        top.indices.tolist(),
-        top.values.tolist(),
-        ks,
-    )
-    result = []
-    for token, logprob, rank, ids, values, k in rows:
-        ranked = enumerate(zip(ids[:k], values[:k]), start=1)  # (rank, (token id, log-probability))
-        top_k = {i: (v, j) for j, (i, v) in ranked}
-        result.append({token: (logprob, rank)} | top_k)
-    return result

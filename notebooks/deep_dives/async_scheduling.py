@@ -62,14 +62,16 @@ import torch
 from minivllm.engine.api_core import ApiCore
 from minivllm.engine.core import Delta
 from minivllm.engine.model_runner import ModelRunner
+from minivllm.engine.sampling_options import OptionsRunner
 from minivllm.engine.sequence import Sequence
 from minivllm.engine.step_inputs import StepInputs, placeholder_row
 from minivllm.outputs import StepStats
 
 
-class AsyncRunner(ModelRunner):
-    """Notebook 04's runner for async scheduling: placeholder ids stand for the last step's sampled
-    tokens, and a step's tokens come to the host without the host waiting."""
+class AsyncRunner(OptionsRunner):
+    """Notebook 04's runner (sampling options included) for async scheduling: placeholder ids
+    stand for the last step's sampled tokens, and a step's tokens come to the host without the
+    host waiting."""
 
     last_token_ids: torch.Tensor | None = None  # (num_seqs,): the latest step's, on the device
 

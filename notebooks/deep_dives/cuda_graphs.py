@@ -655,7 +655,8 @@ print("slots", padding.slot_mapping.tolist(), "context lengths", padding.context
 
 # %% [markdown]
 # ## The GPU runner: every fast path, from outside
-# Two subclasses of notebook 04's runner, one method changed per fast path. `FastAttentionRunner`:
+# Two subclasses of notebook 04's runner (through deep dive sampling_options' `OptionsRunner`, so
+# every sampling option stays), one method changed per fast path. `FastAttentionRunner`:
 # `device_inputs` builds a `FastPagedContext` (a paged step's tiles, its decode rows, the prefix
 # they share). `GPUModelRunner`, on top: `load` swaps the small layers' Triton kernels into the
 # model (deep dive triton_layers), `make_sampler` gives the GPU sampler (deep dive gpu_sampler),
@@ -677,7 +678,7 @@ from minivllm.attention.paged import PagedContext
 from minivllm.engine.cascade import shared_prefix
 from minivllm.engine.cuda_graphs import DecodeGraphs
 from minivllm.engine.mixed_graphs import MixedGraphs, capture_mixed_graphs
-from minivllm.engine.model_runner import ModelRunner
+from minivllm.engine.sampling_options import OptionsRunner
 from minivllm.engine.step_inputs import StepInputs, to_device
 from minivllm.engine.warm_up import warm_up_runner
 from minivllm.kernels.flash_attn import launch_config
@@ -687,9 +688,10 @@ from minivllm.layers.small_layer_kernels import use_small_layer_kernels
 from minivllm.models.qwen3 import Qwen3ForCausalLM
 
 
-class FastAttentionRunner(ModelRunner):
-    """Notebook 04's runner with `FastPagedContext`: paged prefill, a mixed step's decode rows
-    apart, a shared prefix read once (on a CPU too, in Triton's interpreter, as tests run it)."""
+class FastAttentionRunner(OptionsRunner):
+    """Notebook 04's runner (sampling options included) with `FastPagedContext`: paged prefill, a
+    mixed step's decode rows apart, a shared prefix read once (on a CPU too, in Triton's
+    interpreter, as tests run it)."""
 
     block_m = 64  # the prefill kernel's query tile, launch_config's
 

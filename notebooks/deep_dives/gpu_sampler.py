@@ -873,8 +873,9 @@ torch.testing.assert_close(freq[:2], torch.softmax(cat_logits[:2], dim=-1), atol
 # Each row takes the cheapest exact path for its filters: none, the race; top-p or min-p, the
 # nucleus; a top-k up to 512, its candidates (random rows without a top-k beside them take the
 # nucleus: one `torch.where`); a larger top-k, `topk` or, beside rows without one, a sort of the
-# whole row, then `race_ids`. Penalties, banned tokens and all-greedy batches are the core
-# `Sampler`'s; on a CPU the draw is too.
+# whole row, then `race_ids`. All-greedy batches are the core `Sampler`'s; on a CPU the draw is
+# too. Penalties and banned tokens edit the logits before any sampler (deep dive sampling_options),
+# in float32.
 
 
 # %% tags=["export"] module="minivllm.layers.gpu_sampler"

@@ -45,17 +45,24 @@ if not (tiny_text / "model.safetensors").is_file():
 random.seed(0)
 
 # %% [markdown]
-# ## The core: a completion a front end ends
-# A stop string ends a completion in the front end (the core never sees text), so the core needs a
-# way to be told: `finish(request_id, index)` frees that completion now, and drops any token a step
+# ## The core: the runner's options, and a completion a front end ends
+# The core runs the deep dive `sampling_options`' runner, which computes penalties, `min_tokens`
+# and log-probabilities. A stop string ends a completion in the front end (the core never sees
+# text), so the core needs a way to be told: `finish(request_id, index)` frees that completion now, and drops any token a step
 # still in flight gives it. `stats()` is what a server's `/metrics` reports.
 
 # %% tags=["export"] module="minivllm.engine.api_core"
 from minivllm.engine.core import EngineCore
+from minivllm.engine.model_runner import ModelRunner
+from minivllm.engine.sampling_options import OptionsRunner
 
 
 class ApiCore(EngineCore):
-    """Notebook 06's core, with completions a front end ends (stop strings) and its stats."""
+    """Notebook 06's core with the deep dive sampling_options' runner, completions a front end ends
+    (stop strings), and its stats."""
+
+    def make_runner(self) -> ModelRunner:
+        return OptionsRunner(self.config)
 
     def finish(self, request_id: str, index: int) -> None:
         """A front end ended completion `index` (a stop string): free it now. Harmless if the core
