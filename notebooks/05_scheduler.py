@@ -16,9 +16,7 @@
 #
 # The `Scheduler` decides, at every step, which waiting requests join the batch, which request
 # gives its KV blocks back when the cache is full, how a long prompt is cut into chunks, and when a
-# request is done: under prefill first (nano-vllm's policy) and unified (vLLM v1's). Notebook 04's
-# `ModelRunner.run(seqs, is_prefill)` computes each sequence's `num_scheduled_tokens` tokens after
-# its `num_cached_tokens` cached ones and samples one token each.
+# request is done: under prefill first (nano-vllm's policy) and unified (vLLM v1's).
 
 # %%
 import dataclasses
@@ -50,7 +48,8 @@ rng = np.random.default_rng(0)
 # finished = scheduler.postprocess(seqs, token_ids)
 # ```
 #
-# A **prefill** computes new prompts' KV and gives each its first token; a **decode** computes one
+# The runner (notebook 04) computes each sequence's `num_scheduled_tokens` tokens after its
+# `num_cached_tokens` cached ones. A **prefill** computes new prompts' KV and gives each its first token; a **decode** computes one
 # token for each running request. Static batching runs a batch until its longest request ends;
 # **continuous batching** (Orca, 2022) forms it anew at every step: a finished request leaves at
 # once and a waiting one takes its seat. Two queues, `waiting` (first come, first served) and
