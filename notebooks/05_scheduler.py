@@ -49,11 +49,11 @@ rng = np.random.default_rng(0)
 # ```
 #
 # The runner (notebook 04) computes each sequence's `num_scheduled_tokens` tokens after its
-# `num_cached_tokens` cached ones. A **prefill** computes new prompts' KV and gives each its first token; a **decode** computes one
-# token for each running request. Static batching runs a batch until its longest request ends;
-# **continuous batching** (Orca, 2022) forms it anew at every step: a finished request leaves at
-# once and a waiting one takes its seat. Two queues, `waiting` (first come, first served) and
-# `running` (admission order), and four rules:
+# `num_cached_tokens` cached ones. A **prefill** computes new prompts' KV and gives each its first
+# token; a **decode** computes one token for each running request. Static batching runs a batch
+# until its longest request ends; **continuous batching** (Orca, 2022) forms it anew at every step:
+# a finished request leaves at once and a waiting one takes its seat. Two queues, `waiting` (first
+# come, first served) and `running` (admission order), and four rules:
 #
 # 1. **Prefill first.** If a waiting request can join, the step is a prefill; else it decodes every
 #    running request. Requests join in order while `max_num_seqs`, the token budget
