@@ -41,6 +41,7 @@ DEEP_DIVES = {
     "triton_layers": "01_layers",
     "prefill_tuning": "01_layers",
     "checkpoints": "02_model",
+    "settings": "02_model",
     "cascade_attention": "03_kv_cache",
     "paged_prefill": "03_kv_cache",
     "gpu_sampler": "04_model_runner",

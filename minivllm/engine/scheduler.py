@@ -17,9 +17,7 @@ class Scheduler:
         self.block_manager = BlockManager(
             num_kvcache_blocks, config.block_size, config.enable_prefix_caching
         )
-        # tokens a sequence may hold
         self.max_len = min(config.max_model_len, self.block_manager.num_slots)
-        # first come, first served; the preempted go back in front
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()  # admission order: the newest is preempted first
         self.num_preemptions = 0
@@ -53,8 +51,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not self.block_manager.can_allocate(seq) or seq.last_token < 0:
-                # no overtaking: the head of the queue waits for blocks (or its placeholder token,
-                # notebook 06)
+                # no overtaking: the head waits for blocks (or its placeholder token, notebook 06)
                 break
             self.block_manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
@@ -83,9 +80,7 @@ class Scheduler:
     def reserve(self, seq: Sequence) -> bool:
         """Room for seq's newest token, preempting the newest requests (seq itself last) until there
         is: whether seq is still running (then it is scheduled for that one token)."""
-        # its newest token needs a block and none is free
         while not self.block_manager.can_append(seq):
-            # the most recently admitted one; seq itself once it is the newest
             self.preempt(self.running.pop())
             if seq.status == SequenceStatus.WAITING:
                 return False

@@ -59,7 +59,6 @@ def load_tensor(param: nn.Parameter, loaded: Tensor, shard_id: ShardId) -> None:
 
 
 def load_weights(model: Qwen3ForCausalLM, files: list[Path]) -> None:
-    """Copy each tensor to its parameter; ValueError naming one unexpected, misshapen or missing."""
     needed, params, loaded = checkpoint_names(model), dict(model.named_parameters()), set()
     tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()  # the embedding's copy
     for file in files:

@@ -223,10 +223,17 @@ def load_checked(
 
 # %% [markdown]
 # (`read_config_fast` is the last section's.) Each broken copy, through both loaders: the core's
-# error, or `loaded` where it loads without one; then `load_checked`'s.
+# error, or `loaded` where it loads without one; then `load_checked`'s. The first is one the core
+# names too, once it has copied the tensors before it.
 
 # %%
 from minivllm.models.checked_loader import load_checked
+
+
+def wrong_shape(path: Path) -> None:  # a tensor of another shape than config.json gives
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.layers.0.mlp.up_proj.weight"] = torch.ones(9)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
 
 
 def another_file(path: Path) -> None:  # a tensor again, in a file of its own
@@ -250,25 +257,31 @@ def lost_shard(path: Path) -> None:
 
 
 breaks = {  # case: (the folder it breaks, how)
+    "a tensor misshapen": (tiny_path, wrong_shape),
     "tensor in two files": (tiny_path, another_file),
     "single file beside an index": (sharded, single_beside_index),
     "a shard gone": (sharded, lost_shard),
     "only .bin weights": (tiny_path, bin_only),
     "config.json not JSON": (tiny_path, broken_json),
 }
+refused = {}  # (case, loader): the error's type, or None where it loaded
 for case, (source, edit) in breaks.items():
     edit(path := edited_copy(source, TMP / case.replace(" ", "-")))
     print(f"{case}:")
     for loader in (load_model, load_checked):
         try:
             loader(path)
+            refused[case, loader.__name__] = None
             print(f"  {loader.__name__:12} loaded")
         except (ValueError, OSError) as e:
+            refused[case, loader.__name__] = type(e)
             first_line = str(e).splitlines()[0].replace(f"{TMP}/", "")[:150]
             print(f"  {loader.__name__:12} {type(e).__name__}: {first_line}")
+assert refused["a tensor misshapen", "load_model"] is ValueError
+assert all(refused[case, "load_checked"] for case in breaks)
 
 # %% [markdown]
-# Two of the five load without an error in the core: one with the shards where transformers would
+# Two of the six load without an error in the core: one with the shards where transformers would
 # load the single file, one with a wrong weight, the zeros of `old.safetensors`:
 
 # %%
