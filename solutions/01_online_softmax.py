@@ -284,8 +284,8 @@ print("attend_blocks: the reference, causal or not, windowed or not, one block o
 # ## b · Split-K: partial outputs and their log-sum-exps
 # In decode, `M` is 1 (one new token per sequence, GQA packs a few heads) and `N` is the whole
 # cache. One program per (sequence, head) is then a few dozen programs on a GPU with 132
-# multiprocessors. The deep dive `cascade_attention`'s decode kernel therefore splits the keys into `num_splits`
-# contiguous chunks and gives each to its own program.
+# multiprocessors. The deep dive `cascade_attention`'s decode kernel therefore splits the keys
+# into `num_splits` contiguous chunks and gives each to its own program.
 #
 # Each chunk is `chunk = cdiv(cdiv(N, num_splits), block_n) · block_n` keys (a whole number of
 # blocks), so split `s` covers keys `[s · chunk, min((s + 1) · chunk, N))`. For short sequences the

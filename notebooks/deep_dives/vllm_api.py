@@ -48,8 +48,9 @@ random.seed(0)
 # ## The core: the runner's options, and a completion a front end ends
 # The core runs the deep dive `sampling_options`' runner, which computes penalties, `min_tokens`
 # and log-probabilities. A stop string ends a completion in the front end (the core never sees
-# text), so the core needs a way to be told: `finish(request_id, index)` frees that completion now, and drops any token a step
-# still in flight gives it. `stats()` is what a server's `/metrics` reports.
+# text), so the core needs a way to be told: `finish(request_id, index)` frees that completion
+# now, and drops any token a step still in flight gives it. `stats()` is what a server's
+# `/metrics` reports.
 
 # %% tags=["export"] module="minivllm.engine.api_core"
 from minivllm.engine.core import EngineCore
