@@ -43,7 +43,15 @@ DEFAULT_PROMPTS = [
     "def fibonacci(n",
 ]
 # minivllm.checkpoint.maker's (not imported here: it loads transformers)
-PRESETS = ["tiny", "tiny-text", "qwen3-0.6b"]
+PRESETS = [
+    "tiny",
+    "tiny-text",
+    "qwen3-0.6b",
+    "tiny-llama",
+    "llama-3.2-1b",
+    "tiny-qwen2",
+    "qwen2.5-0.5b",
+]
 
 
 def positive_int(text: str) -> int:

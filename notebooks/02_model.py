@@ -278,17 +278,25 @@ from transformers import AutoConfig, PretrainedConfig
 from minivllm.layers.linear import check_shape
 from minivllm.models.qwen3 import Qwen3ForCausalLM
 
-MODELS: dict[str, type[Qwen3ForCausalLM]] = {"Qwen3ForCausalLM": Qwen3ForCausalLM}
+Models = dict[str, type[Qwen3ForCausalLM]]  # config.json's architecture -> our class
+MODELS: Models = {"Qwen3ForCausalLM": Qwen3ForCausalLM}
 ShardId = str | int | None  # which part of a packed parameter: "q", "k", "v", 0, 1; None: whole
 
 
-def read_config(path: Path) -> PretrainedConfig:
+def model_class(architectures: list[str] | None, models: Models = MODELS) -> type[Qwen3ForCausalLM]:
+    """Our class for the first of `architectures` in `models`; else a ValueError naming both."""
+    for name in architectures or []:
+        if name in models:
+            return models[name]
+    supported = f"supported architectures: {sorted(models)}"
+    raise ValueError(f"architectures={architectures} is not supported; {supported}")
+
+
+def read_config(path: Path, models: Models = MODELS) -> PretrainedConfig:
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path / 'config.json'} not found: a checkpoint folder has one")
     config = AutoConfig.from_pretrained(path)
-    if not any(a in MODELS for a in config.architectures or []):
-        supported = f"supported architectures: {sorted(MODELS)}"
-        raise ValueError(f"architectures={config.architectures} is not supported; {supported}")
+    model_class(config.architectures, models)  # refused here, before any weight is read
     return config
 
 
@@ -355,17 +363,22 @@ def resolve_dtype(dtype: torch.dtype | str, config: Any, device: torch.device) -
 
 
 def load_model(
-    path: str | Path, dtype: torch.dtype | str = "auto", device: Any = "cpu", config: Any = None
+    path: str | Path,
+    dtype: torch.dtype | str = "auto",
+    device: Any = "cpu",
+    config: Any = None,
+    models: Models = MODELS,
 ) -> Qwen3ForCausalLM:
-    """The model a checkpoint folder describes, with its weights; `config` if read already."""
+    """The model a checkpoint folder describes, with its weights; `config` if read already;
+    `models`: the architectures to choose from (a deep dive passes more)."""
     path, device = Path(path), torch.device(device)
-    config = config or read_config(path)
+    config = config or read_config(path, models)
     files, dtype = checkpoint_files(path), resolve_dtype(dtype, config, device)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # the model is made in dtype, on the device
     try:
         with device:
-            model = MODELS[next(a for a in config.architectures if a in MODELS)](config)
+            model = model_class(config.architectures, models)(config)
     finally:
         torch.set_default_dtype(previous)
     load_weights(model, files)

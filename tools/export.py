@@ -42,6 +42,7 @@ DEEP_DIVES = {
     "prefill_tuning": "01_layers",
     "checkpoints": "02_model",
     "settings": "02_model",
+    "model_zoo": "02_model",
     "cascade_attention": "03_kv_cache",
     "paged_prefill": "03_kv_cache",
     "gpu_sampler": "04_model_runner",

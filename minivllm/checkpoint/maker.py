@@ -5,18 +5,32 @@ does not build the maker; the deep dive `checkpoints` reads how it works.
 
 Presets: `tiny` (Qwen3 at laptop size), `tiny-text` (tiny's shapes trained on text by
 `minivllm.checkpoint.train`, so that greedy output reads as text) and `qwen3-0.6b` (Qwen3-0.6B's
-shapes, random weights). Norms are drawn around 1, so a loader that skipped them shows."""
+shapes, random weights); the other families of the deep dive `model_zoo`: `tiny-llama` (Llama 3
+with llama3 RoPE scaling, and biases on so that a loader that drops them shows), `tiny-qwen2`,
+`llama-3.2-1b` and `qwen2.5-0.5b` (their real shapes, random weights). Norms are drawn around 1, so
+a loader that skipped them shows."""
 
 import argparse
 import time
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm.auto import tqdm
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from minivllm.checkpoint.train import corpus_ids, train
 
@@ -32,7 +46,29 @@ PRESETS: dict[
     for name, values in {
         "tiny": (2048, 128, 384, 4, 4, 2, 32, 4096, "float32"),
         "qwen3-0.6b": (151936, 1024, 3072, 28, 16, 8, 128, 40960, "bfloat16"),
+        "tiny-llama": (2048, 128, 384, 2, 4, 2, 32, 4096, "float32"),
+        "llama-3.2-1b": (128256, 2048, 8192, 16, 32, 8, 64, 131072, "bfloat16"),
+        "tiny-qwen2": (2048, 128, 384, 2, 4, 2, 32, 4096, "float32"),
+        "qwen2.5-0.5b": (151936, 896, 4864, 24, 14, 2, 64, 32768, "bfloat16"),
     }.items()
+}
+# Llama 3.2's RoPE: theta 500,000, frequencies scaled as Llama 3.1 trained them (rope_type llama3)
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0)
+LLAMA3_ROPE |= dict(high_freq_factor=4.0, original_max_position_embeddings=8192)
+# the tiny one scales from 512 positions, so that all three bands of its frequencies occur
+TINY_LLAMA_ROPE = LLAMA3_ROPE | dict(original_max_position_embeddings=512)
+LLAMA = dict(architectures=["LlamaForCausalLM"], rms_norm_eps=1e-5)
+PRESETS["tiny-llama"] |= LLAMA | dict(
+    rope_parameters=TINY_LLAMA_ROPE, attention_bias=True, mlp_bias=True
+)
+PRESETS["llama-3.2-1b"] |= LLAMA | dict(rope_parameters=LLAMA3_ROPE)
+for name in ("tiny-qwen2", "qwen2.5-0.5b"):  # q, k, v biases always; theta 1e6 as Qwen2.5's
+    PRESETS[name] |= dict(architectures=["Qwen2ForCausalLM"], rope_theta=1e6, rms_norm_eps=1e-6)
+# architecture -> transformers' config class and model class
+FAMILIES: dict[str, tuple[type[PretrainedConfig], type[PreTrainedModel]]] = {
+    "Qwen3ForCausalLM": (Qwen3Config, Qwen3ForCausalLM),
+    "LlamaForCausalLM": (LlamaConfig, LlamaForCausalLM),
+    "Qwen2ForCausalLM": (Qwen2Config, Qwen2ForCausalLM),
 }
 # tiny's shapes; write_checkpoint trains it on the corpus
 PRESETS["tiny-text"] = dict(PRESETS["tiny"])
@@ -44,14 +80,15 @@ CHAT_TEMPLATE = (
 )
 
 
-def preset_config(name: str) -> Qwen3Config:
+def preset_config(name: str) -> PretrainedConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    fields = {"rope_theta": 1e6, "rms_norm_eps": 1e-6} | PRESETS[name]
+    fields |= dict(bos_token_id=0, eos_token_id=2)
+    config_class = FAMILIES[fields.get("architectures", ["Qwen3ForCausalLM"])[0]][0]
     # rope_theta: transformers 4's keyword, which 5 still takes (into rope_parameters) but no longer
     # declares
-    return Qwen3Config(
-        **PRESETS[name], rope_theta=1e6, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=2
-    )  # type: ignore[call-arg]
+    return config_class(**fields)
 
 
 def train_tokenizer(vocab_size: int = 2048) -> PreTrainedTokenizerFast:
@@ -81,13 +118,20 @@ def train_tokenizer(vocab_size: int = 2048) -> PreTrainedTokenizerFast:
     )
 
 
-def random_model(config: Qwen3Config, seed: int) -> Qwen3ForCausalLM:
-    """transformers' Qwen3 with seeded random weights, ready to save or to train."""
+def family_class(config: PretrainedConfig) -> type[PreTrainedModel]:
+    """transformers' model class of config's architecture (Qwen3 when it names none)."""
+    architecture = (getattr(config, "architectures", None) or ["Qwen3ForCausalLM"])[0]
+    return FAMILIES[architecture][1]
+
+
+def random_model(config: PretrainedConfig, seed: int) -> PreTrainedModel:
+    """transformers' model of config's family with seeded random weights, ready to save or to
+    train."""
     dtype = getattr(torch, config.dtype) if isinstance(config.dtype, str) else config.dtype
     with torch.device("meta"):  # a real checkpoint's names and shapes, no memory yet
         # mypy: transformers' `to` is a functools.wraps wrapper, which mypy does not bind as a
         # method
-        model = Qwen3ForCausalLM(config).to(dtype)  # type: ignore[arg-type]
+        model = family_class(config)(config).to(dtype)  # type: ignore[arg-type]
     # allocate, uninitialised; this gives a tied head its own storage, so:
     model.to_empty(device="cpu")
     model.tie_weights()
@@ -111,7 +155,7 @@ def random_model(config: Qwen3Config, seed: int) -> Qwen3ForCausalLM:
 
 def write_checkpoint(
     out: str | Path,
-    preset: str | Qwen3Config = "tiny",
+    preset: str | PretrainedConfig = "tiny",
     seed: int = 0,
     max_shard_size: str | int | None = None,
 ) -> Path:
@@ -129,7 +173,7 @@ def write_checkpoint(
     model = random_model(config, seed)
     # a few hundred steps on the corpus, so that greedy output reads as text
     if preset == "tiny-text":
-        train(model, corpus_ids(tokenizer), seed)
+        train(cast(Qwen3ForCausalLM, model), corpus_ids(tokenizer), seed)  # tiny's: a Qwen3
     model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=[2, 0], pad_token_id=0)
     # {}: transformers' default
     options: dict[str, Any] = {"max_shard_size": max_shard_size} if max_shard_size else {}

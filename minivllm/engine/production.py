@@ -13,29 +13,57 @@ from minivllm.engine.core import EngineCore
 from minivllm.engine.gpu_runner import GPUModelRunner
 from minivllm.engine.model_runner import ModelRunner
 from minivllm.engine.workers import RankRunner, TPModelRunner
+from minivllm.layers.linear import tensor_parallel
 from minivllm.models.checked_loader import read_config_fast
+from minivllm.models.loader import load_model
+from minivllm.models.qwen3 import Qwen3ForCausalLM
+from minivllm.models.zoo import ZOO
 
 
-class GPURunner(AsyncRunner, GPUModelRunner):
+class ZooRunner(ModelRunner):
+    """Listed last among a runner's bases: notebook 02's loader given the deep dive model_zoo's
+    table (Llama, Qwen2 beside Qwen3); the layers above it wrap what it loads."""
+
+    def load(self) -> Qwen3ForCausalLM:
+        config = self.config
+        with tensor_parallel(self.tp):  # the layers keep this engine's group
+            return load_model(config.model, config.dtype, self.device, config.hf_config, ZOO)
+
+
+class GPURunner(AsyncRunner, GPUModelRunner, ZooRunner):
     """One GPU: async scheduling's inputs and host copies over every GPU fast path."""
 
 
-class GPURankRunner(RankRunner, GPUModelRunner):
+class GPURankRunner(RankRunner, GPUModelRunner, ZooRunner):
     """A tensor-parallel worker on a GPU."""
 
 
-class GPUTPRunner(TPModelRunner, GPUModelRunner):
+class GPUTPRunner(TPModelRunner, GPUModelRunner, ZooRunner):
     """Rank 0 of a tensor-parallel engine on GPUs; its workers run GPURankRunner."""
 
     worker_class = GPURankRunner
+
+
+class CPURunner(AsyncRunner, ZooRunner):
+    """A CPU: async scheduling's placeholders over the plain runner."""
+
+
+class CPURankRunner(RankRunner, ZooRunner):
+    """A tensor-parallel worker on a CPU (gloo)."""
+
+
+class CPUTPRunner(TPModelRunner, ZooRunner):
+    """Rank 0 of a tensor-parallel engine on CPUs; its workers run CPURankRunner."""
+
+    worker_class = CPURankRunner
 
 
 def make_runner(config: Config) -> ModelRunner:
     """The runner for this machine and config."""
     gpu = config.device == "cuda"
     if config.tensor_parallel_size > 1:
-        return GPUTPRunner(config) if gpu else TPModelRunner(config)
-    return GPURunner(config) if gpu else AsyncRunner(config)
+        return GPUTPRunner(config) if gpu else CPUTPRunner(config)
+    return GPURunner(config) if gpu else CPURunner(config)
 
 
 class ProductionCore(AsyncEngineCore):
@@ -56,7 +84,7 @@ class ProductionConfig(Config):
     __slots__ = ()
 
     def read_hf_config(self) -> Any:
-        return read_config_fast(Path(self.model))
+        return read_config_fast(Path(self.model), ZOO)  # Llama and Qwen2 too (deep dive model_zoo)
 
 
 class ProductionEngine(ApiEngine):

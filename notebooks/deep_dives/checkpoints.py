@@ -110,7 +110,15 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers import PretrainedConfig
 
-from minivllm.models.loader import MODELS, checkpoint_names, load_model, load_tensor, read_config
+from minivllm.models.loader import (
+    MODELS,
+    Models,
+    checkpoint_names,
+    load_model,
+    load_tensor,
+    model_class,
+    read_config,
+)
 from minivllm.models.qwen3 import Qwen3ForCausalLM
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -205,20 +213,22 @@ def check_checkpoint(model: Qwen3ForCausalLM, shapes: dict[str, tuple]) -> None:
 
 
 def load_checked(
-    path: str | Path, dtype: torch.dtype | str = "auto", device: Any = "cpu", config: Any = None
+    path: str | Path,
+    dtype: torch.dtype | str = "auto",
+    device: Any = "cpu",
+    config: Any = None,
+    models: Models = MODELS,
 ) -> Qwen3ForCausalLM:
     """load_model's model, after the folder is checked whole from its headers: every error before
-    any weight is read."""
+    any weight is read; `models` as load_model's."""
     if not (path := Path(path)).is_dir():
         raise FileNotFoundError(f"checkpoint folder {path} does not exist or is not a folder")
-    config = config or read_config_fast(path)
+    config = config or read_config_fast(path, models)
     files, weight_map = checked_files(path)
     shapes = tensor_shapes(files, weight_map)
     with torch.device("meta"):  # a model that holds no memory
-        check_checkpoint(
-            MODELS[next(a for a in config.architectures if a in MODELS)](config), shapes
-        )
-    return load_model(path, dtype, device, config)
+        check_checkpoint(model_class(config.architectures, models)(config), shapes)
+    return load_model(path, dtype, device, config, models)
 
 
 # %% [markdown]
@@ -312,27 +322,28 @@ CONFIG_FIELDS = {
 }
 
 
-def read_config_fast(path: Path) -> PretrainedConfig:
+def read_config_fast(path: Path, models: Models = MODELS) -> PretrainedConfig:
     """read_config's fields, from a plain PretrainedConfig when config.json writes them all out;
     ValueError for a config.json that is not JSON or names no supported architecture."""
     if not (config_file := path / "config.json").is_file():
         raise FileNotFoundError(f"{config_file} not found: a checkpoint folder needs a config.json")
     raw = read_json(config_file)
     architectures = raw.get("architectures") or []
-    if not any(a in MODELS for a in architectures):
-        supported = f"supported architectures: {sorted(MODELS)}"
-        raise ValueError(
-            f"{config_file}: architectures={architectures} is not supported; {supported}"
-        )
+    try:
+        model_class(architectures, models)
+    except ValueError as e:
+        raise ValueError(f"{config_file}: {e}") from None
     no_scaling = raw.pop("rope_scaling", None) is None
     if "rope_parameters" not in raw and "rope_theta" in raw and no_scaling:  # transformers 4's form
         raw["rope_parameters"] = {"rope_type": "default", "rope_theta": raw.pop("rope_theta")}
-    fields = CONFIG_FIELDS.get(next(a for a in architectures if a in MODELS), ())
+    fields = CONFIG_FIELDS.get(next(a for a in architectures if a in models), ())
     rope = raw.get("rope_parameters")
     written = fields and all(raw.get(f) is not None for f in fields)
     if written and isinstance(rope, dict) and "rope_theta" in rope:
         return PretrainedConfig.from_dict(raw)
-    return read_config(path)  # the architecture's class: its defaults and older keys understood
+    return read_config(
+        path, models
+    )  # the architecture's class: its defaults and older keys understood
 
 
 # %% [markdown]

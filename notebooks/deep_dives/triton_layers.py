@@ -577,8 +577,9 @@ PLAIN_CLASSES = {fast: plain for plain, fast in KERNEL_CLASSES.items()}
 def is_gated_mlp(module: nn.Module) -> bool:
     """vLLM's gated MLP: [gate | up] in one weight, SiluAndMul, then a down projection."""
     gate_up, act = getattr(module, "gate_up_proj", None), getattr(module, "act_fn", None)
-    gated = isinstance(gate_up, MergedColumnParallelLinear) and isinstance(act, SiluAndMul)
-    return gated and hasattr(module, "down_proj")
+    if not (isinstance(gate_up, MergedColumnParallelLinear) and isinstance(act, SiluAndMul)):
+        return False
+    return gate_up.bias is None and hasattr(module, "down_proj")  # the fused pass adds no bias
 
 
 def fused_mlp_class(mlp_class: type[nn.Module]) -> type[nn.Module]:

@@ -1,0 +1,150 @@
+"""Llama 3.x and Qwen2/2.5 (the deep dive model_zoo) through `from minivllm import LLM`, token for
+token against transformers' generate on random tiny checkpoints of each family, fp32 on a CPU: plain,
+preemption, chunked prefill, prefix caching, n > 1 with a seed, tensor parallelism over gloo, a Hub id
+from a laid-out cache, the chat template; bf16 on a GPU under teacher forcing."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from minivllm import LLM, SamplingParams
+from minivllm.checkpoint import write_checkpoint
+from minivllm.testing import lay_out_hub_cache, prompt_logits
+
+FAMILIES = ["tiny-llama", "tiny-qwen2"]
+PROMPTS = [list(range(1, 9)), list(range(40, 90)), [7, 3, 500, 20, 9, 1000, 77, 5, 8, 6] * 3]
+MAX_TOKENS = 8
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+CASES = {  # name: the engine's settings, the scheduler's counter that shows the path was taken
+    "plain": ({}, None),
+    "preemption": ({"num_kvcache_blocks": 7, "max_num_seqs": 4}, "num_preemptions"),
+    "chunked prefill": ({"max_num_batched_tokens": 16, "max_num_seqs": 4}, None),
+    "no prefix cache": ({"enable_prefix_caching": False}, None),
+}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory) -> Path:
+    return write_checkpoint(tmp_path_factory.mktemp("zoo") / request.param, request.param, seed=0)
+
+
+@pytest.fixture(scope="module")
+def expected(family) -> list[list[int]]:
+    """transformers' greedy continuations of PROMPTS."""
+    hf = AutoModelForCausalLM.from_pretrained(family, dtype=torch.float32).eval()
+    kwargs = dict(max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return [hf.generate(torch.tensor([p]), **kwargs)[0, len(p) :].tolist() for p in PROMPTS]
+
+
+def small_llm(path: Path | str, **kwargs) -> LLM:
+    settings = dict(device="cpu", max_model_len=128, num_kvcache_blocks=64, max_num_seqs=8)
+    return LLM(str(path), **(settings | kwargs))
+
+
+def greedy(llm: LLM, prompts=PROMPTS) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_engine_path_equals_transformers(family, expected, case):
+    kwargs, counter = CASES[case]
+    with small_llm(family, **kwargs) as llm:
+        assert greedy(llm) == expected, case
+        if counter:
+            assert getattr(llm.engine.core.scheduler, counter) > 0, f"{case}: path not taken"
+
+
+def test_a_prefix_cache_hit_equals_transformers(family, expected):
+    with small_llm(family) as llm:
+        greedy(llm)
+        assert llm.engine.core.scheduler.block_manager.num_cached_free_blocks > 0
+        assert greedy(llm) == expected  # the prompts' full blocks come from the cache
+
+
+def test_n_samples_with_a_seed_repeat_and_greedy_n_equals_transformers(family, expected):
+    seeded = SamplingParams(n=3, temperature=1.0, top_p=0.9, seed=7, max_tokens=6, ignore_eos=True)
+    greedy_n = SamplingParams(n=2, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    runs = []
+    for caching in (True, False):
+        with small_llm(family, enable_prefix_caching=caching) as llm:
+            out = llm.generate(PROMPTS[:2], [seeded, greedy_n], use_tqdm=False)
+            runs.append([list(c.token_ids) for c in out[0].outputs])
+            assert [list(c.token_ids) for c in out[1].outputs] == [expected[1]] * 2
+    assert runs[0] == runs[1] and len(runs[0]) == 3
+
+
+def test_tensor_parallel_2_equals_transformers(family, expected):
+    with small_llm(family, tensor_parallel_size=2) as llm:
+        assert greedy(llm) == expected
+
+
+def test_a_hub_id_from_a_laid_out_cache(family, expected, tmp_path):
+    lay_out_hub_cache(family, tmp_path, f"minivllm/{family.name}")
+    code = (
+        "import json, sys; from minivllm import LLM, SamplingParams\n"
+        "llm = LLM(sys.argv[1], device='cpu', max_model_len=128, num_kvcache_blocks=64)\n"
+        "p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)\n"
+        f"print(json.dumps([list(o.outputs[0].token_ids) for o in llm.generate({PROMPTS!r}, p)]))\n"
+    )
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", code, f"minivllm/{family.name}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,  # a hang check, not a timing
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == str(expected).replace("'", '"')
+
+
+def test_chat_uses_the_tokenizer_s_template(family):
+    messages = [{"role": "user", "content": "Hello"}]
+    with small_llm(family) as llm:
+        tokenizer = llm.get_tokenizer()
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert text.startswith("<|im_start|>user\nHello")  # the template the checkpoint carries
+        ids = tokenizer.encode(text)
+        chat = llm.chat(messages, GREEDY, use_tqdm=False)[0]
+        assert list(chat.prompt_token_ids) == ids
+        assert list(chat.outputs[0].token_ids) == greedy(llm, [ids])[0]
+
+
+def test_notebook_06_s_llm_stays_qwen3_and_names_what_it_supports(family):
+    from minivllm.llm import LLM as CoreLLM
+
+    with pytest.raises(ValueError, match="Qwen3ForCausalLM") as refused:
+        CoreLLM(str(family), device="cpu", max_model_len=64)
+    assert "not supported" in str(refused.value)
+
+
+def test_an_unsupported_architecture_names_itself_and_the_zoo(family, tmp_path):
+    from minivllm.testing import edited_copy
+
+    other = edited_copy(family, tmp_path / "other", lambda c: c.update(architectures=["GPT2"]))
+    with pytest.raises(ValueError) as refused:
+        small_llm(other)
+    words = ["GPT2", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"]
+    assert all(w in str(refused.value) for w in words)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["llama-3.2-1b", "qwen2.5-0.5b"])
+def test_bf16_on_a_gpu_agrees_with_transformers_under_teacher_forcing(preset, tmp_path):
+    from minivllm import load_model
+    from minivllm.models.zoo import ZOO
+
+    path = write_checkpoint(tmp_path / preset, preset, seed=0)
+    ours = load_model(path, torch.bfloat16, "cuda", models=ZOO)
+    theirs = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    prompt = list(range(3, 200))
+    with torch.no_grad():
+        mine = prompt_logits(ours, prompt).float()
+        ref = theirs(torch.tensor([prompt], device="cuda")).logits[0].float()
+    agree = (mine.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    assert agree > 0.95, f"{preset}: top-1 agreement {agree:.3f}"
