@@ -53,11 +53,12 @@ def roofline_tok_per_s(
     bandwidth)."""
     from minivllm.attention.layer import Attention
     from minivllm.engine.kv_cache import kv_block_bytes
-    from minivllm.models.qwen3 import Qwen3ForCausalLM
+    from minivllm.models.loader import model_class
+    from minivllm.models.zoo import ZOO, head_size
 
     config = preset_config(preset)
-    with torch.device("meta"):  # shapes only
-        model = Qwen3ForCausalLM(config)
+    with torch.device("meta"):  # shapes only; Llama and Qwen2 presets too
+        model = model_class(config.architectures, ZOO)(config)
     params = sum(p.numel() for p in model.parameters())
     kv_per_token = kv_block_bytes(
         [m for m in model.modules() if isinstance(m, Attention)], 1, torch.bfloat16
@@ -65,7 +66,7 @@ def roofline_tok_per_s(
     lens = [(len(p), n) for p, n in zip(work.prompts, work.output_lens)]
     # a shared prefix: once
     computed = sum(p + n for p, n in lens) - work.shared_prefix * (len(lens) - 1)
-    attention_width = config.num_hidden_layers * config.num_attention_heads * config.head_dim
+    attention_width = config.num_hidden_layers * config.num_attention_heads * head_size(config)
     # QK^T and PV, causal: half of 4
     attention_flops = 2 * attention_width * sum((p + n) ** 2 for p, n in lens)
     flops = 2 * params * computed + attention_flops

@@ -84,8 +84,11 @@ def preset_config(name: str) -> PretrainedConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     fields = {"rope_theta": 1e6, "rms_norm_eps": 1e-6} | PRESETS[name]
-    fields |= dict(bos_token_id=0, eos_token_id=2)
-    config_class = FAMILIES[fields.get("architectures", ["Qwen3ForCausalLM"])[0]][0]
+    defaults: dict[str, Any] = dict(
+        architectures=["Qwen3ForCausalLM"], bos_token_id=0, eos_token_id=2
+    )
+    fields = defaults | fields
+    config_class = FAMILIES[fields["architectures"][0]][0]
     # rope_theta: transformers 4's keyword, which 5 still takes (into rope_parameters) but no longer
     # declares
     return config_class(**fields)
