@@ -1,4 +1,5 @@
-"""Our Qwen3 against transformers' in bfloat16, under teacher forcing, on the `qwen3-0.6b` preset.
+"""Our model against transformers' in bfloat16, under teacher forcing, on the `qwen3-0.6b` preset
+(or any preset: `llama-3.2-1b` and `qwen2.5-0.5b` load through the deep dive model_zoo's table).
 
     python -m minivllm.checks.model_parity [--out figures] [--num-tokens 1024]
 
@@ -15,15 +16,23 @@ import platform
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from minivllm.checkpoint import write_checkpoint
-from minivllm.layers.rotary_embedding import rope_parameters
 from minivllm.models.loader import load_model
+from minivllm.models.zoo import ZOO
 from minivllm.testing import prompt_logits
+
+
+def rope_theta_of(config: Any) -> float:
+    """config's RoPE base, whichever transformers wrote it (scaled RoPE too: Llama 3's)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    return params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+
 
 OUT = Path("figures")  # the default --out: under the current directory
 
@@ -80,11 +89,13 @@ def run_model_parity(
     with tempfile.TemporaryDirectory() as tmp:
         path, write_s = _timed(device, write_checkpoint, Path(tmp) / preset, preset, seed)
         tokenizer = AutoTokenizer.from_pretrained(path)
-        rope_theta = rope_parameters(AutoConfig.from_pretrained(path))["rope_theta"]
+        rope_theta = rope_theta_of(AutoConfig.from_pretrained(path))
         generator = torch.Generator().manual_seed(seed)
         token_ids = torch.randint(0, len(tokenizer), (num_tokens,), generator=generator).tolist()
         for dtype in (torch.bfloat16, torch.float32):
-            model, load_s[dtype] = _timed(device, load_model, path, dtype=dtype, device=device)
+            model, load_s[dtype] = _timed(
+                device, load_model, path, dtype=dtype, device=device, models=ZOO
+            )
             prompt_logits(model, token_ids[:16])  # warm-up: compiles the Triton kernel on a GPU
             logits["minivllm", dtype] = prompt_logits(model, token_ids).cpu()
             del model
