@@ -120,12 +120,14 @@ def test_a_repo_without_safetensors_says_so(tiny, tmp_path):
 
 
 def test_an_unsupported_architecture_is_named(tiny, tmp_path):
-    llama = edited_copy(
-        tiny, tmp_path / "llama", config_edit=lambda c: c.update(architectures=["LlamaForCausalLM"])
+    mixtral = edited_copy(
+        tiny,
+        tmp_path / "mixtral",
+        config_edit=lambda c: c.update(architectures=["MixtralForCausalLM"]),
     )
-    lay_out_hub_cache(llama, tmp_path / "hub", "someone/llama")
-    with pytest.raises(ValueError, match=r"LlamaForCausalLM.*not supported.*Qwen3ForCausalLM"):
-        LLM("someone/llama", download_dir=str(tmp_path / "hub"), **SMALL)
+    lay_out_hub_cache(mixtral, tmp_path / "hub", "someone/mixtral")
+    with pytest.raises(ValueError, match=r"MixtralForCausalLM.*not supported.*Qwen3ForCausalLM"):
+        LLM("someone/mixtral", download_dir=str(tmp_path / "hub"), **SMALL)
 
 
 def test_chat_template_kwargs_reach_the_template(tiny, tmp_path):

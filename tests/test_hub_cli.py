@@ -131,13 +131,13 @@ def test_a_folder_named_like_the_id_wins_over_the_hub_cache(hub_cache, tiny, tmp
 
 @pytest.fixture(scope="module")
 def bad_cache(tiny, tmp_path_factory) -> Path:
-    """A Hub cache holding the tiny checkpoint twice, spoilt: as `minivllm/llama`, its config.json naming an
+    """A Hub cache holding the tiny checkpoint twice, spoilt: as `minivllm/mixtral`, its config.json naming an
     architecture we lack; as `minivllm/bin-only`, its weights in a PyTorch .bin file, not safetensors."""
     cache, work = tmp_path_factory.mktemp("hub-bad"), tmp_path_factory.mktemp("bad")
-    llama = edited_copy(
-        tiny, work / "llama", lambda c: c.update(architectures=["LlamaForCausalLM"])
+    mixtral = edited_copy(
+        tiny, work / "mixtral", lambda c: c.update(architectures=["MixtralForCausalLM"])
     )
-    lay_out_hub_cache(llama, cache, "minivllm/llama")
+    lay_out_hub_cache(mixtral, cache, "minivllm/mixtral")
     bin_only = edited_copy(tiny, work / "bin-only")
     (bin_only / "model.safetensors").rename(
         bin_only / "pytorch_model.bin"
@@ -168,9 +168,14 @@ PROGRAMS = {
             ["--tokenizer minivllm/no-tokenizer:", "not in the Hub cache"],
         ),
         (
-            "minivllm/llama",
+            "minivllm/mixtral",
             [],
-            ["--model minivllm/llama:", "LlamaForCausalLM", "not supported", "Qwen3ForCausalLM"],
+            [
+                "--model minivllm/mixtral:",
+                "MixtralForCausalLM",
+                "not supported",
+                "Qwen3ForCausalLM",
+            ],
         ),
         ("minivllm/bin-only", [], ["--model minivllm/bin-only has no *.safetensors", ".bin"]),
     ],
