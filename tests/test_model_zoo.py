@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from minivllm import LLM, SamplingParams
 from minivllm.checkpoint import write_checkpoint
-from minivllm.testing import lay_out_hub_cache
+from minivllm.testing import edited_copy, lay_out_hub_cache
 
 FAMILIES = ["tiny-llama", "tiny-qwen2"]
 PROMPTS = [list(range(1, 9)), list(range(40, 90)), [7, 3, 500, 20, 9, 1000, 77, 5, 8, 6] * 3]
@@ -103,16 +103,46 @@ def test_a_hub_id_from_a_laid_out_cache(family, expected, tmp_path):
     assert done.stdout.strip().splitlines()[-1] == str(expected).replace("'", '"')
 
 
-def test_chat_uses_the_tokenizer_s_template(family):
+# Llama 3's chat format (the tiny tokenizer spells its header tokens as plain text)
+LLAMA3_TEMPLATE = (
+    "{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+
+def test_chat_and_the_server_format_with_the_checkpoint_s_template(family, tmp_path):
+    """LLM.chat and the server's chat route both format messages with the template the checkpoint
+    carries (Llama 3's here), and reply with the same greedy tokens."""
+    import httpx
+
+    from minivllm.async_llm import AsyncLLM
+    from minivllm.serve.testing import serve_in_thread
+
+    folder = edited_copy(family, tmp_path / family.name)
+    (folder / "chat_template.jinja").write_text(LLAMA3_TEMPLATE)
     messages = [{"role": "user", "content": "Hello"}]
-    with small_llm(family) as llm:
+    with small_llm(folder) as llm:
         tokenizer = llm.get_tokenizer()
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        assert text.startswith("<|im_start|>user\nHello")  # the template the checkpoint carries
+        assert text.startswith("<|start_header_id|>user<|end_header_id|>\n\nHello<|eot_id|>")
         ids = tokenizer.encode(text)
         chat = llm.chat(messages, GREEDY, use_tqdm=False)[0]
         assert list(chat.prompt_token_ids) == ids
         assert list(chat.outputs[0].token_ids) == greedy(llm, [ids])[0]
+    settings = dict(device="cpu", max_model_len=128, num_kvcache_blocks=64, max_num_seqs=8)
+    engine = AsyncLLM(str(folder), multiprocessing=False, **settings)
+    body = dict(model="zoo", messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+    try:
+        with serve_in_thread(engine, "zoo") as url:
+            url += "/v1/chat/completions"
+            reply = httpx.post(url, json=body | dict(ignore_eos=True), timeout=120).json()
+    finally:
+        engine.close()
+    assert reply["usage"] == dict(
+        prompt_tokens=len(ids), completion_tokens=MAX_TOKENS, total_tokens=len(ids) + MAX_TOKENS
+    ), reply
+    assert reply["choices"][0]["message"]["content"] == chat.outputs[0].text
 
 
 def test_notebook_06_s_llm_stays_qwen3_and_names_what_it_supports(family):
@@ -124,7 +154,6 @@ def test_notebook_06_s_llm_stays_qwen3_and_names_what_it_supports(family):
 
 
 def test_an_unsupported_architecture_names_itself_and_the_zoo(family, tmp_path):
-    from minivllm.testing import edited_copy
 
     other = edited_copy(family, tmp_path / "other", lambda c: c.update(architectures=["GPT2"]))
     with pytest.raises(ValueError) as refused:
