@@ -154,7 +154,6 @@ def test_notebook_06_s_llm_stays_qwen3_and_names_what_it_supports(family):
 
 
 def test_an_unsupported_architecture_names_itself_and_the_zoo(family, tmp_path):
-
     other = edited_copy(family, tmp_path / "other", lambda c: c.update(architectures=["GPT2"]))
     with pytest.raises(ValueError) as refused:
         small_llm(other)
