@@ -24,7 +24,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from minivllm.checkpoint import write_checkpoint
 from minivllm.models.loader import load_model
-from minivllm.models.zoo import ZOO
 from minivllm.testing import prompt_logits
 
 
@@ -82,6 +81,9 @@ def run_model_parity(
     device: str | torch.device | None = None,
     attn_implementation: str = "sdpa",
 ) -> dict:
+    # imported here: notebook 06 imports greedy_agreement, and the core runs without deep dives
+    from minivllm.models.zoo import ZOO  # every family (deep dive model_zoo)
+
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
         torch.zeros(1, device=device)  # create the CUDA context outside the timings
