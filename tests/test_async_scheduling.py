@@ -11,6 +11,7 @@ cached under their true hash; an abort between two calls leaves nothing behind.
 import random
 
 import pytest
+import torch
 
 from minivllm import LLM, SamplingParams
 
@@ -229,3 +230,26 @@ def test_async_scheduling_is_off_on_a_cpu_and_refused_with_tensor_parallelism(ti
     assert Config(tiny).async_scheduling is False
     with pytest.raises(ValueError, match="async_scheduling"):
         Config(tiny, async_scheduling=True, tensor_parallel_size=2, device="cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_launching_a_step_never_waits_for_the_gpu(tiny):
+    """Launching a step (prefill, mixed or decode) only queues work: a host-device copy or read that
+    waits for the GPU there would leave it idle while the host prepares the next step (a blocking
+    `.to("cuda")` of an index array did, every step)."""
+    with make_llm(tiny, True, device="cuda") as llm:
+        runner = llm.engine.core.runner
+        launch = runner.launch
+
+        def strict_launch(seqs, is_prefill):
+            torch.cuda.set_sync_debug_mode("error")  # a synchronising call raises
+            try:
+                return launch(seqs, is_prefill)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+        runner.launch = strict_launch
+        params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=12, ignore_eos=True)
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 12 for o in outs)

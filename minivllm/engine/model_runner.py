@@ -18,6 +18,7 @@ from minivllm.engine.step_inputs import (
     prepare_prefill,
     sampling_tensors,
     step_to_device,
+    to_device,
 )
 from minivllm.layers.linear import TPGroup, tensor_parallel
 from minivllm.layers.sampler import Sampler, TokenLogprobs
@@ -148,8 +149,9 @@ class ModelRunner:
         if step.is_prefill:  # each sequence's last token, or the rows logits_rows names
             assert step.cu_seqlens_q is not None  # a prefill step has it
             last = step.cu_seqlens_q[1:] - 1
-            rows = torch.from_numpy(last if step.logits_rows is None else step.logits_rows)
-            hidden = hidden[rows.to(hidden.device)]  # (num_rows, hidden_size)
+            rows = last if step.logits_rows is None else step.logits_rows
+            # to_device: a plain .to() would wait for the GPU to finish the step
+            hidden = hidden[to_device(rows, hidden.device)]  # (num_rows, hidden_size)
         assert self.model is not None
         return self.model.compute_logits(hidden)
 

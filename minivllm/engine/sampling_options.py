@@ -75,8 +75,8 @@ class OptionsRunner(ModelRunner):
         logits = self.step_logits(seqs, is_prefill)  # (num_rows, vocab): more if prompts score
         # each sequence's rows end here: one row, or one per scheduled token if it scores its prompt
         ends = np.cumsum([seq.num_scheduled_tokens if scores_prompt(seq) else 1 for seq in seqs])
-        rows = torch.from_numpy(ends - 1).to(logits.device)
-        last = logits if len(logits) == len(seqs) else logits[rows]  # (num_seqs, vocab)
+        scored = len(logits) > len(seqs)  # (to_device: without waiting for the GPU)
+        last = logits[to_device(ends - 1, logits.device)] if scored else logits  # (num_seqs, vocab)
         token_ids = self.sample(seqs, last)  # (num_seqs,)
         out = StepOutput([], self.sampled_logprobs(seqs, last, token_ids), [None] * len(seqs))
         for i in [i for i, seq in enumerate(seqs) if scores_prompt(seq)]:
