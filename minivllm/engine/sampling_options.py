@@ -58,8 +58,9 @@ class OptionsRunner(ModelRunner):
 
     def prepare(self, seqs: list[Sequence], is_prefill: bool) -> StepInputs:
         step = super().prepare(seqs, is_prefill)
-        scoring = [scores_prompt(seq) for seq in seqs]
-        if step.cu_seqlens_q is not None and any(scoring):  # a prefill that scores a prompt
+        scoring = [scores_prompt(seq) for seq in seqs] if is_prefill else []  # a decode step: none
+        if any(scoring):  # a prefill that scores a prompt: a logits row per token it scores
+            assert step.cu_seqlens_q is not None  # a prefill step has it
             step.logits_rows = scored_rows(scoring, step.cu_seqlens_q)
         return step
 
@@ -73,13 +74,14 @@ class OptionsRunner(ModelRunner):
 
     def launch(self, seqs: list[Sequence], is_prefill: bool) -> Callable[[], StepOutput]:
         logits = self.step_logits(seqs, is_prefill)  # (num_rows, vocab): more if prompts score
-        # each sequence's rows end here: one row, or one per scheduled token if it scores its prompt
-        ends = np.cumsum([seq.num_scheduled_tokens if scores_prompt(seq) else 1 for seq in seqs])
-        scored = len(logits) > len(seqs)  # (to_device: without waiting for the GPU)
-        last = logits[to_device(ends - 1, logits.device)] if scored else logits  # (num_seqs, vocab)
+        scoring = [scores_prompt(seq) for seq in seqs] if is_prefill else []  # as prepare's
+        last = logits  # (num_seqs, vocab)
+        if any(scoring):  # each sequence's rows end here: one, or one per token it scores
+            ends = np.cumsum([s.num_scheduled_tokens if on else 1 for s, on in zip(seqs, scoring)])
+            last = logits[to_device(ends - 1, logits.device)]  # to_device: the GPU goes on
         token_ids = self.sample(seqs, last)  # (num_seqs,)
         out = StepOutput([], self.sampled_logprobs(seqs, last, token_ids), [None] * len(seqs))
-        for i in [i for i, seq in enumerate(seqs) if scores_prompt(seq)]:
+        for i in [i for i, on in enumerate(scoring) if on]:
             out.prompt_logprobs[i] = self.prompt_logprobs(seqs[i], logits, int(ends[i]))
         return self.deliver(token_ids, out)
 
